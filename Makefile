@@ -1,0 +1,46 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (every test).
+# Both provision what they need: the torpor binary and CRIU >= 4.1.
+
+CARGO ?= cargo
+PYTHON ?= python3
+# Debug build for tests (faster to compile on 2 cores); release build for the demo and the GPU machine.
+TEST_BIN := target/debug/torpor
+RELEASE_BIN := target/release/torpor
+
+.PHONY: all build release criu test lint unit pytest demo gpu-carry clean
+
+all: release
+
+build:
+	$(CARGO) build --workspace --bins
+
+release:
+	$(CARGO) build --release --bin torpor
+
+criu:
+	bash scripts/provision-criu.sh
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+unit:
+	$(CARGO) test --workspace
+
+pytest: build criu
+	@$(PYTHON) -m pytest --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q pytest
+	TORPOR_BIN=$(CURDIR)/$(TEST_BIN) $(PYTHON) -m pytest -q -ra tests
+
+test: lint unit pytest
+
+demo: release criu
+	TORPOR_BIN=$(CURDIR)/$(RELEASE_BIN) $(PYTHON) scripts/demo.py
+
+# What the GPU machine needs (it has no Rust and no network): the release binary and CRIU's .debs.
+gpu-carry: release
+	mkdir -p .gpu
+	cp $(RELEASE_BIN) .gpu/torpor
+	bash scripts/provision-criu.sh --download-only .criu-debs
+
+clean:
+	$(CARGO) clean
