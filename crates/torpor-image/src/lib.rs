@@ -1,1 +1,31 @@
-//! torpor-image
+//! Snapshot manifest and integrity.
+//!
+//! A snapshot is a directory holding CRIU's image files and `manifest.json`, which describes the
+//! snapshot and lists every other file with its size and BLAKE3 hash.
+//!
+//! - [`SnapshotWriter`] writes one atomically: dump into a hidden directory, hash, write the
+//!   manifest last, rename into place. The output never exists without its manifest.
+//! - [`Snapshot::open`] reads and validates a manifest (format version rule, safe paths), and
+//!   [`Snapshot::verify`] checks every file against it before a restore.
+//! - [`render_summary`] is what `torpor inspect` prints.
+
+mod error;
+mod hash;
+mod manifest;
+mod snapshot;
+mod summary;
+mod time;
+mod version;
+mod walk;
+mod writer;
+
+pub use error::{ImageError, Result};
+pub use manifest::{
+    check_relative_path, ExternalMount, FileEntry, GpuEntry, GpuSection, Host, Manifest,
+    ProcessEntry, SnapshotKind, Source, MANIFEST_FILE, MAX_MANIFEST_BYTES,
+};
+pub use snapshot::{is_restore_artifact, Snapshot, VerifyReport};
+pub use summary::{human_seconds, human_size, render_summary};
+pub use time::{format_rfc3339_utc, now_rfc3339_utc};
+pub use version::FormatVersion;
+pub use writer::{remove_stale_partials, SnapshotWriter, HASH_TIMING};
