@@ -1,1 +1,18 @@
-//! torpor-snapshot
+//! Transparent snapshot and restore of process trees (the CRIUgpu design): start a command in
+//! namespaces that allow many restores side by side, snapshot it with the CUDA driver's
+//! checkpoint API and CRIU, restore it, and roll back every failure so the source keeps running.
+
+pub mod gpu_map;
+pub mod gpu_tasks;
+pub mod interrupt;
+pub mod launch;
+pub mod mounts;
+pub mod phases;
+pub mod preflight;
+pub mod proctree;
+pub mod restore;
+pub mod snapshot;
+pub mod supervise;
+mod sys;
+
+pub use sys::is_root;

@@ -1,1 +1,126 @@
-fn main() {}
+//! `torpor`: snapshot an initialised process once, restore it in milliseconds many times.
+
+mod cmd;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "torpor",
+    version,
+    about = "Snapshot and restore processes, GPU or CPU"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start CMD in new PID, mount and network namespaces so it can be snapshotted; prints its PID.
+    Run {
+        /// File for the command's stdout and stderr (appended) [default: /var/log/torpor/run-<time>.log]
+        #[arg(long)]
+        log: Option<PathBuf>,
+        /// The command and its arguments.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<OsString>,
+    },
+    /// Snapshot the process tree rooted at PID (started by `torpor run`) into DIR.
+    Snapshot {
+        /// The pid `torpor run` printed.
+        #[arg(long)]
+        pid: i32,
+        /// Snapshot directory to create (must not exist).
+        #[arg(long)]
+        out: PathBuf,
+        /// Keep the source running after the snapshot (default: it is killed).
+        #[arg(long)]
+        leave_running: bool,
+        /// Seconds to wait for in-flight CUDA work when locking.
+        #[arg(long, default_value_t = 10.0)]
+        timeout: f64,
+        /// Print phase timings.
+        #[arg(short, long)]
+        verbose: bool,
+    },
+    /// Restore a snapshot into new namespaces (several restores may run side by side).
+    Restore {
+        /// Snapshot directory.
+        dir: PathBuf,
+        /// Print the restored PID and return, instead of waiting for it to exit.
+        #[arg(long)]
+        detach: bool,
+        /// Put GPU state on other GPUs: OLD=NEW[,OLD=NEW] (ordinals or UUIDs).
+        #[arg(long)]
+        gpu: Option<String>,
+        /// Print phase timings.
+        #[arg(short, long)]
+        verbose: bool,
+    },
+    /// Show what a snapshot holds.
+    Inspect {
+        dir: PathBuf,
+        /// Print the manifest as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every file of a snapshot against its size and BLAKE3 hash.
+    Verify { dir: PathBuf },
+    /// The init that `torpor run` execs inside the new namespaces (internal).
+    #[command(name = "__init", hide = true)]
+    Init {
+        report_fd: i32,
+        log: PathBuf,
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<OsString>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run { log, command } => cmd::run::run(log, &command),
+        Command::Snapshot {
+            pid,
+            out,
+            leave_running,
+            timeout,
+            verbose,
+        } => cmd::snapshot::run(pid, &out, leave_running, timeout, verbose),
+        Command::Restore {
+            dir,
+            detach,
+            gpu,
+            verbose,
+        } => cmd::restore::run(&dir, detach, gpu.as_deref(), verbose),
+        Command::Inspect { dir, json } => cmd::inspect::run(&dir, json),
+        Command::Verify { dir } => cmd::verify::run(&dir),
+        Command::Init {
+            report_fd,
+            log,
+            command,
+        } => {
+            let code = torpor_snapshot::launch::init_main(report_fd, &log, &command);
+            return ExitCode::from(code.clamp(0, 255) as u8);
+        }
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            // One line naming the cause and the fix: torpor's errors already carry their causes,
+            // so the chain is not printed again.
+            let msg = err.to_string().replace('\n', " ");
+            eprintln!("torpor: error: {msg}");
+            if cmd::is_interrupted(&err) {
+                ExitCode::from(130)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}

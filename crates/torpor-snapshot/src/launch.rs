@@ -1,0 +1,308 @@
+//! `torpor run`: start a command so that it can be snapshotted and restored many times side by
+//! side. The command runs under a small init at PID 1 of new PID, mount and network namespaces:
+//!
+//! - PID namespace: restored copies keep their pids without clashing with each other;
+//! - mount namespace: /proc is remounted for the new PID namespace (CUDA's `cuInit` fails with
+//!   error 304 without it), privately, so nothing leaks to the host;
+//! - network namespace: each restored copy re-binds its sockets (abstract Unix sockets, TCP
+//!   ports) in a namespace of its own; `lo` is brought up so 127.0.0.1 works.
+//!
+//! The init starts a new session (CRIU refuses a tree whose session leader is outside it),
+//! closes every inherited fd (CRIU cannot dump an fd that points into another namespace) and
+//! opens stdio inside. It forwards signals to the command, reaps orphans, and exits with the
+//! command's status.
+
+use std::ffi::{CString, OsString};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use crate::supervise;
+use crate::sys;
+
+/// Errors of `torpor run`; each message names the cause and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// Not root.
+    #[error("torpor run needs root (it creates PID, mount and network namespaces): run it as root or with sudo")]
+    NotRoot,
+    /// Empty command.
+    #[error("no command given: use `torpor run -- CMD [ARGS...]`")]
+    NoCommand,
+    /// An argument or path contained a NUL byte.
+    #[error("argument {0:?} contains a NUL byte: remove it")]
+    Nul(String),
+    /// The log file's directory could not be created.
+    #[error("cannot create the log directory {path}: {source}; pass --log with a writable path")]
+    LogDir { path: PathBuf, source: io::Error },
+    /// A system call in the setup failed.
+    #[error(
+        "{step} failed: {source}; the kernel must allow PID/mount/network namespaces for root"
+    )]
+    Setup {
+        step: &'static str,
+        source: io::Error,
+    },
+    /// The child reported a failure before exec.
+    #[error("{0}")]
+    Child(String),
+    /// The init binary could not be prepared.
+    #[error("cannot prepare the init binary in {dir}: {source}; set TORPOR_STATE_DIR to a writable directory")]
+    InitBinary { dir: PathBuf, source: io::Error },
+}
+
+/// What `launch` needs.
+pub struct LaunchOptions<'a> {
+    /// The command and its arguments (the program is looked up in PATH).
+    pub command: &'a [OsString],
+    /// File that receives the command's stdout and stderr (appended).
+    pub log: &'a Path,
+    /// Where the init binary is kept (a content-addressed copy of the running torpor).
+    pub state_dir: &'a Path,
+}
+
+/// The argument that makes `torpor` run as the init (a hidden subcommand of the CLI).
+pub const INIT_SUBCOMMAND: &str = "__init";
+
+fn cstring(bytes: &[u8]) -> Result<CString, LaunchError> {
+    CString::new(bytes).map_err(|_| LaunchError::Nul(String::from_utf8_lossy(bytes).into_owned()))
+}
+
+/// Starts the command; returns the host pid of its init (the pid to snapshot).
+pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
+    if !sys::is_root() {
+        return Err(LaunchError::NotRoot);
+    }
+    if opts.command.is_empty() {
+        return Err(LaunchError::NoCommand);
+    }
+    if let Some(dir) = opts.log.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| LaunchError::LogDir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    let init = init_binary(opts.state_dir)?;
+    let setup = |step, source| LaunchError::Setup { step, source };
+    let (report_rd, report_wr) = sys::pipe_cloexec().map_err(|e| setup("pipe", e))?;
+
+    // Everything the child needs is allocated before fork.
+    let mut argv: Vec<CString> = vec![
+        cstring(init.as_os_str().as_bytes())?,
+        cstring(INIT_SUBCOMMAND.as_bytes())?,
+        cstring(report_wr.as_raw_fd().to_string().as_bytes())?,
+        cstring(opts.log.as_os_str().as_bytes())?,
+    ];
+    for a in opts.command {
+        argv.push(cstring(a.as_bytes())?);
+    }
+    let mut ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    ptrs.push(std::ptr::null());
+
+    // SAFETY: unshare changes only this (single-threaded) process's namespaces; the CLI exits
+    // right after the launch, so nothing else observes the change.
+    sys::check(unsafe {
+        libc::unshare(libc::CLONE_NEWPID | libc::CLONE_NEWNS | libc::CLONE_NEWNET)
+    })
+    .map_err(|e| setup("unshare(PID, mount, network namespaces)", e))?;
+    // SAFETY: the process is single-threaded here (the CLI starts no threads before run); the
+    // child only clears a flag and execs.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(setup("fork", io::Error::last_os_error()));
+    }
+    if pid == 0 {
+        // Exec now, inside the new mount namespace: a binary mapped before the unshare would
+        // refer to a mount of the host's namespace, which CRIU cannot dump.
+        // SAFETY: clearing FD_CLOEXEC on our own descriptor so it survives the exec.
+        unsafe { libc::fcntl(report_wr.as_raw_fd(), libc::F_SETFD, 0) };
+        // SAFETY: ptrs is a NUL-terminated array of valid C strings.
+        unsafe { libc::execv(ptrs[0], ptrs.as_ptr()) };
+        let msg = format!(
+            "cannot execute the init {}: {}",
+            init.display(),
+            io::Error::last_os_error()
+        );
+        let _ = sys::write_all(&report_wr, msg.as_bytes());
+        // SAFETY: leave the failed child at once.
+        unsafe { libc::_exit(127) };
+    }
+    drop(report_wr);
+    let report =
+        sys::read_to_end(&report_rd).map_err(|e| setup("reading the child's report", e))?;
+    let report = String::from_utf8_lossy(&report);
+    if report != "ok" {
+        // SAFETY: reap the failed child so no zombie is left behind.
+        unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+        return Err(LaunchError::Child(report.into_owned()));
+    }
+    Ok(pid)
+}
+
+/// A copy of the running torpor binary named by its hash. Snapshots map the init's binary, and
+/// CRIU refuses to restore a mapping whose file changed; a content-addressed copy keeps every
+/// snapshot restorable when torpor itself is rebuilt or upgraded.
+fn init_binary(state_dir: &Path) -> Result<PathBuf, LaunchError> {
+    let fail = |source| LaunchError::InitBinary {
+        dir: state_dir.to_path_buf(),
+        source,
+    };
+    let exe = std::env::current_exe().map_err(fail)?;
+    let bytes = std::fs::read(&exe).map_err(fail)?;
+    let hash = blake3::hash(&bytes).to_hex();
+    let dir = state_dir.join("init");
+    let path = dir.join(format!("torpor-init-{}", &hash[..16]));
+    if !path.exists() {
+        std::fs::create_dir_all(&dir).map_err(fail)?;
+        let tmp = dir.join(format!(
+            ".torpor-init-{}.{}",
+            &hash[..16],
+            std::process::id()
+        ));
+        std::fs::write(&tmp, &bytes).map_err(fail)?;
+        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .map_err(fail)?;
+        std::fs::rename(&tmp, &path).map_err(fail)?;
+    }
+    Ok(path)
+}
+
+/// The init: runs as PID 1 of the new namespaces, exec'd by [`launch`]. Sets up the namespaces'
+/// inside, starts the command, reports "ok" or an error line on `report_fd`, then supervises the
+/// command and returns its exit code.
+pub fn init_main(report_fd: i32, log: &Path, command: &[OsString]) -> i32 {
+    // SAFETY: the launcher passed this descriptor to us and nothing else owns it.
+    let report = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(report_fd) };
+    // It was made inheritable only to cross the exec; the command must not inherit it, or the
+    // launcher would never see the pipe close.
+    // SAFETY: setting a flag on our own descriptor.
+    unsafe { libc::fcntl(report.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+    let prepared = command
+        .iter()
+        .map(|a| cstring(a.as_bytes()))
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(|argv| Ok((argv, cstring(log.as_os_str().as_bytes())?)));
+    let (argv, log) = match prepared {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = sys::write_all(&report, e.to_string().as_bytes());
+            return 127;
+        }
+    };
+    match init(&argv, &log, report) {
+        Ok(code) => code,
+        Err((msg, report)) => {
+            if let Some(r) = report {
+                let _ = sys::write_all(&r, msg.as_bytes());
+            }
+            127
+        }
+    }
+}
+
+type InitError = (String, Option<OwnedFd>);
+
+/// Everything the init does; an error before the command started comes back with the report
+/// fd, so the launcher hears about it.
+fn init(argv: &[CString], log: &CString, report: OwnedFd) -> Result<i32, InitError> {
+    let report = Some(report);
+    let fail = |what: &str, e: io::Error| format!("{what} failed in the new namespaces: {e}");
+    macro_rules! try_init {
+        ($e:expr) => {
+            match $e {
+                Ok(v) => v,
+                Err(msg) => return Err((msg, report)),
+            }
+        };
+    }
+    if argv.is_empty() {
+        return Err((LaunchError::NoCommand.to_string(), report));
+    }
+    // SAFETY: mount with null source/fstype/data and MS_REC|MS_PRIVATE only changes
+    // propagation of this (new) mount namespace.
+    try_init!(sys::check(unsafe {
+        libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
+    })
+    .map_err(|e| fail("making mounts private", e)));
+    // SAFETY: mounts a fresh procfs of the new PID namespace over /proc, in this namespace only.
+    try_init!(sys::check(unsafe {
+        libc::mount(
+            c"proc".as_ptr(),
+            c"/proc".as_ptr(),
+            c"proc".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            std::ptr::null(),
+        )
+    })
+    .map_err(|e| fail("mounting /proc", e)));
+    try_init!(sys::loopback_up().map_err(|e| fail("bringing up lo", e)));
+    // SAFETY: setsid has no preconditions; PID 1 of a new namespace is never a group leader.
+    try_init!(sys::check(unsafe { libc::setsid() }).map_err(|e| fail("setsid", e)));
+
+    // Stdio is opened inside the new mount namespace; every other inherited fd is closed.
+    let null = try_init!(
+        sys::open(c"/dev/null", libc::O_RDONLY, 0).map_err(|e| fail("opening /dev/null", e))
+    );
+    let out = try_init!(
+        sys::open(log, libc::O_WRONLY | libc::O_CREAT | libc::O_APPEND, 0o644).map_err(
+            |e| format!(
+                "cannot open the log file {}: {e}; pass --log with a writable path",
+                log.to_string_lossy()
+            )
+        )
+    );
+    // SAFETY: dup2 onto the standard descriptors; the originals stay owned by `null`/`out`.
+    unsafe {
+        libc::dup2(null.as_raw_fd(), 0);
+        libc::dup2(out.as_raw_fd(), 1);
+        libc::dup2(out.as_raw_fd(), 2);
+    }
+    drop(null);
+    drop(out);
+    let keep = report.as_ref().map_or(-1, |r| r.as_raw_fd());
+    sys::close_fds_from(3, keep);
+
+    let old_mask = supervise::block_all_signals();
+    let (exec_rd, exec_wr) = try_init!(sys::pipe_cloexec().map_err(|e| fail("pipe", e)));
+    let mut ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    ptrs.push(std::ptr::null());
+    // SAFETY: the init is single-threaded; the child only resets its mask and execs.
+    let child = unsafe { libc::fork() };
+    if child < 0 {
+        return Err((fail("fork", io::Error::last_os_error()), report));
+    }
+    if child == 0 {
+        supervise::restore_signal_mask(&old_mask);
+        // SAFETY: ptrs is a NUL-terminated array of valid C strings that outlive the call.
+        unsafe { libc::execvp(ptrs[0], ptrs.as_ptr()) };
+        let errno = io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        let _ = sys::write_all(&exec_wr, &errno.to_ne_bytes());
+        // SAFETY: leave the failed child at once.
+        unsafe { libc::_exit(127) };
+    }
+    drop(exec_wr);
+    let exec_result =
+        try_init!(sys::read_to_end(&exec_rd).map_err(|e| fail("reading the exec status", e)));
+    if let Ok(bytes) = <[u8; 4]>::try_from(exec_result.as_slice()) {
+        let e = io::Error::from_raw_os_error(i32::from_ne_bytes(bytes));
+        let msg = format!(
+            "cannot execute {:?}: {e}; check the command name and PATH",
+            argv[0].to_string_lossy()
+        );
+        return Err((msg, report));
+    }
+    if let Some(r) = &report {
+        try_init!(sys::write_all(r, b"ok").map_err(|e| fail("reporting", e)));
+    }
+    // The report pipe was the last fd inherited from the launcher: closing it leaves the tree
+    // holding nothing that points outside its namespaces.
+    drop(report);
+    Ok(supervise::supervise(child).unwrap_or(1))
+}

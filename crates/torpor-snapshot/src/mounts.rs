@@ -1,0 +1,143 @@
+//! Which mounts of a worker's mount namespace CRIU must treat as external.
+//!
+//! `torpor run` gives the worker a private copy of the host's mount table. CRIU can re-create
+//! virtual filesystems (proc, sysfs, tmpfs, devpts, cgroup…) by itself, but not a mount of a block
+//! device or a network or FUSE filesystem other than the root (the GPU machine has the driver's
+//! libraries on a read-only squashfs at /usr/local/nvidia). Those are dumped as external and
+//! bind-mounted from the same host path at restore, which is what the worker saw anyway.
+
+use std::fs;
+use std::io;
+
+/// Filesystems CRIU re-creates itself.
+const VIRTUAL_FS: &[&str] = &[
+    "proc",
+    "sysfs",
+    "devtmpfs",
+    "tmpfs",
+    "devpts",
+    "cgroup",
+    "cgroup2",
+    "mqueue",
+    "securityfs",
+    "debugfs",
+    "tracefs",
+    "pstore",
+    "bpf",
+    "configfs",
+    "fusectl",
+    "hugetlbfs",
+    "binfmt_misc",
+    "autofs",
+    "efivarfs",
+    "nsfs",
+    "ramfs",
+];
+
+/// An external mount: CRIU's key and the mount point it stands for.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ExternalMount {
+    pub key: String,
+    pub path: String,
+}
+
+impl ExternalMount {
+    /// The `external` entry for `criu dump`.
+    pub fn dump_spec(&self) -> String {
+        format!("mnt[{}]:{}", self.path, self.key)
+    }
+    /// The `external` entry for `criu restore`.
+    pub fn restore_spec(&self) -> String {
+        format!("mnt[{}]:{}", self.key, self.path)
+    }
+}
+
+/// Reads the mount table of `pid` and picks the external mounts.
+pub fn external_mounts(pid: i32) -> io::Result<Vec<ExternalMount>> {
+    Ok(pick_external(&fs::read_to_string(format!(
+        "/proc/{pid}/mountinfo"
+    ))?))
+}
+
+fn pick_external(mountinfo: &str) -> Vec<ExternalMount> {
+    let mut paths: Vec<String> = Vec::new();
+    for line in mountinfo.lines() {
+        // Fields: id parent major:minor root mountpoint options [optional...] - fstype source opts
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let Some(sep) = fields.iter().position(|f| *f == "-") else {
+            continue;
+        };
+        let (Some(mountpoint), Some(fstype)) = (fields.get(4), fields.get(sep + 1)) else {
+            continue;
+        };
+        let mountpoint = unescape(mountpoint);
+        if mountpoint == "/" || VIRTUAL_FS.contains(fstype) || paths.contains(&mountpoint) {
+            continue;
+        }
+        paths.push(mountpoint);
+    }
+    paths
+        .into_iter()
+        .enumerate()
+        .map(|(i, path)| ExternalMount {
+            key: format!("torpor-ext{i}"),
+            path,
+        })
+        .collect()
+}
+
+/// mountinfo escapes space, tab, newline and backslash as octal.
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The mount table a worker saw on the GPU machine (H100, Ubuntu 24.04), trimmed.
+    const GPU_MACHINE: &str = "\
+87 86 254:0 / / rw,relatime - ext4 /dev/vda rw
+89 87 0:21 / /proc rw,relatime - proc proc rw
+90 87 0:22 / /sys rw,relatime - sysfs sysfs rw
+102 87 0:6 / /dev rw,relatime - devtmpfs devtmpfs rw
+103 102 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw
+105 102 0:24 / /dev/pts rw,relatime - devpts devpts rw
+106 87 254:16 / /usr/local/nvidia ro,nosuid,nodev,relatime - squashfs /dev/vdb ro
+108 87 0:50 / /data\\040dir rw shared:5 - virtiofs data rw
+107 89 0:41 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw
+";
+
+    #[test]
+    fn picks_block_and_network_mounts_but_not_root_or_virtual() {
+        let ext = pick_external(GPU_MACHINE);
+        let paths: Vec<&str> = ext.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, vec!["/usr/local/nvidia", "/data dir"]);
+        assert_eq!(ext[0].dump_spec(), "mnt[/usr/local/nvidia]:torpor-ext0");
+        assert_eq!(ext[0].restore_spec(), "mnt[torpor-ext0]:/usr/local/nvidia");
+    }
+
+    #[test]
+    fn own_mount_table_parses() {
+        // Whatever this machine has, parsing must not fail and keys must be unique.
+        let ext = external_mounts(std::process::id() as i32).unwrap();
+        let mut keys: Vec<_> = ext.iter().map(|e| e.key.clone()).collect();
+        keys.dedup();
+        assert_eq!(keys.len(), ext.len());
+    }
+}

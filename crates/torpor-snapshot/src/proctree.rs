@@ -1,0 +1,176 @@
+//! Reading process trees from /proc: who is in the tree, how each pid looks from inside its
+//! namespaces, and which processes have the CUDA driver mapped.
+
+use std::fs;
+use std::io;
+use std::path::Path;
+
+/// One process as /proc describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessInfo {
+    pub pid: i32,
+    pub ppid: i32,
+    /// The pid in each nested PID namespace, outermost first (the `NSpid:` line).
+    pub ns_pid: Vec<i32>,
+    pub comm: String,
+    pub cmdline: Vec<String>,
+}
+
+impl ProcessInfo {
+    /// Whether this process is PID 1 of a PID namespace below the caller's: the root that
+    /// `torpor run` creates and that CRIU can restore many times side by side.
+    pub fn is_pidns_init(&self) -> bool {
+        self.ns_pid.len() >= 2 && self.ns_pid.last() == Some(&1)
+    }
+
+    /// The pid as seen inside the innermost namespace; stable across restores.
+    pub fn inner_pid(&self) -> i32 {
+        self.ns_pid.last().copied().unwrap_or(self.pid)
+    }
+}
+
+/// Reads one process; `NotFound` when it does not exist.
+pub fn read_process(pid: i32) -> io::Result<ProcessInfo> {
+    read_process_at(Path::new("/proc"), pid)
+}
+
+fn read_process_at(proc_root: &Path, pid: i32) -> io::Result<ProcessInfo> {
+    let dir = proc_root.join(pid.to_string());
+    let status = fs::read_to_string(dir.join("status"))?;
+    let mut info = ProcessInfo {
+        pid,
+        ppid: 0,
+        ns_pid: Vec::new(),
+        comm: String::new(),
+        cmdline: Vec::new(),
+    };
+    for line in status.lines() {
+        if let Some(v) = line.strip_prefix("Name:") {
+            info.comm = v.trim().to_string();
+        } else if let Some(v) = line.strip_prefix("PPid:") {
+            info.ppid = v.trim().parse().unwrap_or(0);
+        } else if let Some(v) = line.strip_prefix("NSpid:") {
+            info.ns_pid = v
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect();
+        }
+    }
+    // A zombie or kernel thread has an empty cmdline; that is not an error.
+    let raw = fs::read(dir.join("cmdline")).unwrap_or_default();
+    info.cmdline = raw
+        .split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect();
+    Ok(info)
+}
+
+/// Direct children of `pid`, from every thread's `children` file.
+pub fn children(pid: i32) -> Vec<i32> {
+    let mut out = Vec::new();
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for task in tasks.flatten() {
+        if let Ok(text) = fs::read_to_string(task.path().join("children")) {
+            out.extend(
+                text.split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok()),
+            );
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// `root` and all its descendants, parents before children.
+pub fn tree(root: i32) -> Vec<i32> {
+    let mut out = vec![root];
+    let mut i = 0;
+    while i < out.len() {
+        let kids = children(out[i]);
+        out.extend(kids);
+        i += 1;
+    }
+    out
+}
+
+/// Whether the process has the CUDA driver library mapped. A process that has libcuda mapped may
+/// hold GPU state; one that has not cannot, so CPU-only trees never touch the driver.
+pub fn maps_libcuda(pid: i32) -> io::Result<bool> {
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    Ok(maps.lines().any(|l| {
+        l.rsplit('/')
+            .next()
+            .is_some_and(|name| name.starts_with("libcuda.so"))
+    }))
+}
+
+/// Whether a process exists (and is not a zombie).
+pub fn is_alive(pid: i32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state letter follows the last ')' of the comm field.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_self() {
+        let me = read_process(std::process::id() as i32).unwrap();
+        assert_eq!(me.pid, std::process::id() as i32);
+        assert!(!me.ns_pid.is_empty());
+        assert!(!me.cmdline.is_empty());
+        assert!(is_alive(me.pid));
+    }
+
+    #[test]
+    fn parses_nested_nspid() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("42");
+        fs::create_dir(&p).unwrap();
+        fs::write(
+            p.join("status"),
+            "Name:\tpython3\nPPid:\t7\nNSpid:\t42\t1\n",
+        )
+        .unwrap();
+        fs::write(p.join("cmdline"), b"python3\0-c\0pass\0").unwrap();
+        let info = read_process_at(dir.path(), 42).unwrap();
+        assert_eq!(info.ppid, 7);
+        assert_eq!(info.ns_pid, vec![42, 1]);
+        assert!(info.is_pidns_init());
+        assert_eq!(info.inner_pid(), 1);
+        assert_eq!(info.cmdline, vec!["python3", "-c", "pass"]);
+    }
+
+    #[test]
+    fn host_process_is_not_a_pidns_init() {
+        let me = read_process(std::process::id() as i32).unwrap();
+        // The test runner lives in the host PID namespace (or at least is not its init).
+        assert!(!me.is_pidns_init() || me.ns_pid.len() < 2);
+    }
+
+    #[test]
+    fn tree_contains_a_child() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let me = std::process::id() as i32;
+        let t = tree(me);
+        let found = t.contains(&(child.id() as i32));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(found, "child not in tree {t:?}");
+        assert!(!maps_libcuda(me).unwrap());
+    }
+}

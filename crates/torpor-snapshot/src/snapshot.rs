@@ -1,0 +1,426 @@
+//! `torpor snapshot`: CUDA lock → driver checkpoint → CRIU dump → (leave running) driver restore
+//! and unlock, with every failure rolled back so the source keeps running.
+//!
+//! CRIU always dumps with leave-running: torpor itself decides the source's fate only after the
+//! snapshot is complete on disk. Without `--leave-running` the source is frozen (SIGSTOP) from
+//! the dump until the snapshot is committed, then killed; any failure before that thaws it.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use torpor_criu::{Criu, CriuError, DumpRequest};
+use torpor_cuda::{CudaDriver, CudaError, Nvml, ProcessState};
+use torpor_image::{
+    GpuEntry, GpuSection, Host, ImageError, Manifest, ProcessEntry, SnapshotWriter, Source,
+};
+
+use crate::gpu_tasks::{GpuTasks, StepError};
+use crate::interrupt;
+use crate::mounts;
+use crate::phases::Phases;
+use crate::preflight::{self, PreflightError};
+use crate::proctree::{self, ProcessInfo};
+
+/// What to snapshot and how.
+pub struct SnapshotOptions<'a> {
+    /// Root of the tree: the pid `torpor run` printed.
+    pub pid: i32,
+    /// Snapshot directory to create; must not exist.
+    pub out: &'a Path,
+    /// Keep the source running afterwards.
+    pub leave_running: bool,
+    /// How long to wait for in-flight CUDA work when locking.
+    pub lock_timeout: Duration,
+    /// Where CRIU's log of a failed dump is kept.
+    pub log_dir: &'a Path,
+}
+
+/// Why a snapshot failed. In every case the source process keeps running and `--out` does not
+/// exist, except [`SnapshotError::RollbackFailed`], which says what is stuck.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error(transparent)]
+    Preflight(#[from] PreflightError),
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// The tree could not be read from /proc.
+    #[error("cannot read the process tree of pid {pid}: {source}; did the process exit?")]
+    Proc { pid: i32, source: std::io::Error },
+    /// A process maps libcuda but the driver cannot be used from torpor.
+    #[error("process {pid} uses CUDA, but {source}")]
+    Driver { pid: i32, source: CudaError },
+    /// A CUDA process is not in the running state (another checkpoint in progress?).
+    #[error("CUDA process {pid} is {state:?}, not running: another snapshot may be in progress; wait for it, or restart the process")]
+    NotRunning { pid: i32, state: ProcessState },
+    /// A CUDA step failed; rolled back.
+    #[error("{source}; pid {root} keeps running, nothing was written")]
+    Gpu { root: i32, source: StepError },
+    /// CRIU failed; rolled back.
+    #[error("{source}; pid {root} keeps running, nothing was written")]
+    Dump { root: i32, source: CriuError },
+    /// SIGINT/SIGTERM arrived; rolled back.
+    #[error("interrupted: pid {root} keeps running and no snapshot was written")]
+    Interrupted { root: i32 },
+    /// Writing the snapshot failed after the dump; rolled back.
+    #[error("{source}; pid {root} keeps running")]
+    Write { root: i32, source: ImageError },
+    /// The rollback itself failed: the message keeps both errors.
+    #[error("{original}; rolling back failed as well ({rollback}): pid {root} may be stuck in a CUDA lock — check it, or kill it")]
+    RollbackFailed {
+        root: i32,
+        original: Box<SnapshotError>,
+        rollback: StepError,
+    },
+}
+
+/// A snapshot that was taken.
+pub struct SnapshotReport {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+}
+
+/// Takes a snapshot; see the module doc for the protocol.
+pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError> {
+    preflight::require_root("torpor snapshot")?;
+    preflight::require_checkpoint_restore_kernel(Path::new("/proc"))?;
+    let criu = preflight::require_criu()?;
+    let root = preflight::require_torpor_root(opts.pid)?;
+    let writer = SnapshotWriter::create(opts.out)?;
+
+    let pids = proctree::tree(root.pid);
+    let tree: Vec<ProcessInfo> = pids
+        .iter()
+        .map(|&p| {
+            proctree::read_process(p).map_err(|source| SnapshotError::Proc { pid: p, source })
+        })
+        .collect::<Result<_, _>>()?;
+    let external = mounts::external_mounts(root.pid).map_err(|source| SnapshotError::Proc {
+        pid: root.pid,
+        source,
+    })?;
+
+    let mut phases = Phases::default();
+    let cuda = find_cuda(&tree)?;
+    let (cuda_pids, gpu_section) = match &cuda {
+        Some((driver, nvml, pids)) => (
+            pids.clone(),
+            Some(gpu_section(driver, nvml.as_ref(), pids)?),
+        ),
+        None => (Vec::new(), None),
+    };
+    let mut tasks = cuda.as_ref().map(|(d, _, p)| GpuTasks::new(d, p.clone()));
+
+    let stop_start = Instant::now();
+    let result = stop_and_dump(
+        &criu,
+        opts,
+        &root,
+        &external,
+        tasks.as_mut(),
+        &mut phases,
+        &writer,
+    );
+    if let Err(original) = result {
+        return Err(roll_back(
+            root.pid,
+            tasks.as_mut(),
+            original,
+            &writer,
+            opts.log_dir,
+            false,
+        ));
+    }
+    let mut stop_time = stop_start.elapsed().as_secs_f64();
+
+    if opts.leave_running {
+        if let Some(t) = tasks.as_mut() {
+            let resumed = phases
+                .time("cuda_restore", || t.restore_all(&[]))
+                .and_then(|_| phases.time("cuda_unlock", || t.unlock_all()));
+            if let Err(source) = resumed {
+                let original = SnapshotError::Gpu {
+                    root: root.pid,
+                    source,
+                };
+                return Err(roll_back(
+                    root.pid,
+                    Some(t),
+                    original,
+                    &writer,
+                    opts.log_dir,
+                    false,
+                ));
+            }
+        }
+        stop_time = stop_start.elapsed().as_secs_f64();
+    } else {
+        // Freeze the source exactly as dumped until the snapshot is committed.
+        signal_tree(&pids, libc::SIGSTOP);
+    }
+
+    let mut manifest = Manifest::new(
+        env!("CARGO_PKG_VERSION"),
+        Source {
+            command: root_command(&tree),
+            root_pid: root.pid,
+            tree: tree
+                .iter()
+                .map(|p| ProcessEntry {
+                    pid: p.pid,
+                    ppid: p.ppid,
+                    ns_pid: p.ns_pid.clone(),
+                    comm: p.comm.clone(),
+                    cmdline: p.cmdline.clone(),
+                    cuda: cuda_pids.contains(&p.pid),
+                })
+                .collect(),
+            leave_running: opts.leave_running,
+        },
+        Host::current(criu.version_string())?,
+    );
+    manifest.gpu = gpu_section;
+    manifest.external_mounts = external
+        .iter()
+        .map(|m| torpor_image::ExternalMount {
+            key: m.key.clone(),
+            path: m.path.clone(),
+        })
+        .collect();
+    manifest.stop_time_s = stop_time;
+
+    if interrupt::interrupted() {
+        let original = SnapshotError::Interrupted { root: root.pid };
+        return Err(roll_back(
+            root.pid,
+            tasks.as_mut(),
+            original,
+            &writer,
+            opts.log_dir,
+            !opts.leave_running,
+        ));
+    }
+    manifest.timings = phases.0.iter().cloned().collect();
+    // The writer hashes every file, adds its own "hash_and_write" timing, writes the manifest
+    // last and renames the directory into place.
+    let finished = writer.finish(manifest);
+    let manifest = match finished {
+        Ok(m) => m,
+        Err(source) => {
+            if !opts.leave_running {
+                signal_tree(&pids, libc::SIGCONT);
+            }
+            if let Some(t) = tasks.as_mut() {
+                let _ = t.rollback();
+            }
+            return Err(SnapshotError::Write {
+                root: root.pid,
+                source,
+            });
+        }
+    };
+    if interrupt::interrupted() {
+        // Too late to avoid writing, not too late to honour the request.
+        let _ = std::fs::remove_dir_all(opts.out);
+        if !opts.leave_running {
+            signal_tree(&pids, libc::SIGCONT);
+        }
+        if let Some(t) = tasks.as_mut() {
+            let _ = t.rollback();
+        }
+        return Err(SnapshotError::Interrupted { root: root.pid });
+    }
+    if !opts.leave_running {
+        // SIGKILL to PID 1 of the namespace ends every process in it.
+        crate::sys::kill(root.pid, libc::SIGKILL);
+        signal_tree(&pids, libc::SIGCONT);
+    }
+    Ok(SnapshotReport {
+        dir: opts.out.to_path_buf(),
+        manifest,
+    })
+}
+
+/// Lock, checkpoint and dump. Leaves CUDA processes checkpointed (GPU memory released).
+fn stop_and_dump(
+    criu: &Criu,
+    opts: &SnapshotOptions,
+    root: &ProcessInfo,
+    external: &[mounts::ExternalMount],
+    tasks: Option<&mut GpuTasks>,
+    phases: &mut Phases,
+    writer: &SnapshotWriter,
+) -> Result<(), SnapshotError> {
+    let check_interrupt = || {
+        if interrupt::interrupted() {
+            Err(SnapshotError::Interrupted { root: root.pid })
+        } else {
+            Ok(())
+        }
+    };
+    check_interrupt()?;
+    if let Some(t) = tasks {
+        phases
+            .time("cuda_lock", || t.lock_all(opts.lock_timeout))
+            .map_err(|source| SnapshotError::Gpu {
+                root: root.pid,
+                source,
+            })?;
+        check_interrupt()?;
+        phases
+            .time("cuda_checkpoint", || t.checkpoint_all())
+            .map_err(|source| SnapshotError::Gpu {
+                root: root.pid,
+                source,
+            })?;
+        check_interrupt()?;
+    }
+    let request = DumpRequest {
+        pid: root.pid,
+        images_dir: writer.dir(),
+        log_file: "dump.log",
+        leave_running: true,
+        external: external.iter().map(|m| m.dump_spec()).collect(),
+        empty_ns_net: true,
+        network_lock_skip: true,
+        tcp_established: false,
+        ext_unix_sk: false,
+        file_locks: true,
+        log_level: 4,
+    };
+    phases
+        .time("criu_dump", || criu.dump(&request))
+        .map_err(|source| SnapshotError::Dump {
+            root: root.pid,
+            source,
+        })?;
+    check_interrupt()
+}
+
+/// Undoes whatever was done: thaws a frozen tree, returns CUDA processes to running, keeps
+/// CRIU's log of a failed dump in `log_dir`, and removes the partial snapshot.
+fn roll_back(
+    root: i32,
+    tasks: Option<&mut GpuTasks>,
+    original: SnapshotError,
+    writer: &SnapshotWriter,
+    log_dir: &Path,
+    frozen: bool,
+) -> SnapshotError {
+    if frozen {
+        signal_tree(&proctree::tree(root), libc::SIGCONT);
+    }
+    let original = keep_dump_log(original, writer, log_dir);
+    // The writer's Drop removes the partial directory.
+    match tasks.map(|t| t.rollback()) {
+        Some(Err(rollback)) => SnapshotError::RollbackFailed {
+            root,
+            original: Box::new(original),
+            rollback,
+        },
+        _ => original,
+    }
+}
+
+/// Moves CRIU's dump log out of the partial snapshot (which is about to be removed) so the error
+/// can name it.
+fn keep_dump_log(err: SnapshotError, writer: &SnapshotWriter, log_dir: &Path) -> SnapshotError {
+    let SnapshotError::Dump { root, source } = err else {
+        return err;
+    };
+    let from = writer.dir().join("dump.log");
+    let to = log_dir.join(format!("dump-{root}-{}.log", crate::sys::unix_millis()));
+    let kept = std::fs::create_dir_all(log_dir)
+        .and_then(|_| std::fs::copy(&from, &to))
+        .is_ok();
+    let source = if kept { source.with_log(to) } else { source };
+    SnapshotError::Dump { root, source }
+}
+
+fn signal_tree(pids: &[i32], sig: libc::c_int) {
+    for &p in pids {
+        crate::sys::kill(p, sig);
+    }
+}
+
+/// The user's command: the init's only child's command line, else the init's own.
+fn root_command(tree: &[ProcessInfo]) -> Vec<String> {
+    let root = &tree[0];
+    tree.iter()
+        .find(|p| p.ppid == root.pid)
+        .map(|p| p.cmdline.clone())
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| root.cmdline.clone())
+}
+
+type CudaContext = (CudaDriver, Option<Nvml>, Vec<i32>);
+
+/// Finds the CUDA processes of the tree. The driver is loaded only if some process maps
+/// libcuda, so CPU-only trees never need (or touch) it.
+fn find_cuda(tree: &[ProcessInfo]) -> Result<Option<CudaContext>, SnapshotError> {
+    let mapped: Vec<i32> = tree
+        .iter()
+        .filter(|p| proctree::maps_libcuda(p.pid).unwrap_or(false))
+        .map(|p| p.pid)
+        .collect();
+    let Some(&first) = mapped.first() else {
+        return Ok(None);
+    };
+    let driver =
+        CudaDriver::load().map_err(|source| SnapshotError::Driver { pid: first, source })?;
+    let mut pids = Vec::new();
+    for pid in mapped {
+        match driver.process_state(pid) {
+            Ok(None) => {} // libcuda loaded but never initialised: no GPU state
+            Ok(Some(ProcessState::Running)) => pids.push(pid),
+            Ok(Some(state)) => return Err(SnapshotError::NotRunning { pid, state }),
+            Err(source) => return Err(SnapshotError::Driver { pid, source }),
+        }
+    }
+    if pids.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some((driver, Nvml::load().ok(), pids)))
+}
+
+/// What the manifest records about the GPUs: the ones the tree uses (per NVML), or every device
+/// when NVML is unavailable.
+fn gpu_section(
+    driver: &CudaDriver,
+    nvml: Option<&Nvml>,
+    pids: &[i32],
+) -> Result<GpuSection, SnapshotError> {
+    let driver_err = |source| SnapshotError::Driver {
+        pid: pids[0],
+        source,
+    };
+    let devices = driver.devices().map_err(driver_err)?;
+    let cuda_driver_version = driver.driver_version().map_err(driver_err)?;
+    let usage = nvml.and_then(|n| n.process_memory().ok());
+    let mut gpus = Vec::new();
+    for dev in devices {
+        let used = usage.as_ref().map(|u| {
+            u.iter()
+                .filter(|p| p.gpu == dev.uuid && pids.contains(&(p.pid as i32)))
+                .map(|p| p.used_memory.unwrap_or(0))
+                .sum::<u64>()
+        });
+        if used == Some(0) {
+            continue; // this GPU is not used by the tree
+        }
+        gpus.push(GpuEntry {
+            ordinal: dev.ordinal as u32,
+            name: dev.name,
+            uuid: dev.uuid.to_string(),
+            total_memory: dev.total_memory,
+            used_by_snapshot: used,
+        });
+    }
+    let driver_version = nvml
+        .and_then(|n| n.driver_version().ok())
+        .unwrap_or_else(|| format!("cuda-{cuda_driver_version}"));
+    Ok(GpuSection {
+        driver_version,
+        cuda_driver_version,
+        gpus,
+    })
+}

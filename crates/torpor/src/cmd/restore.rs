@@ -1,0 +1,36 @@
+use std::path::Path;
+use std::process::ExitCode;
+
+use torpor_snapshot::gpu_map::parse_gpu_map;
+use torpor_snapshot::restore::{restore, RestoreOptions};
+use torpor_snapshot::{interrupt, supervise};
+
+pub fn run(dir: &Path, detach: bool, gpu: Option<&str>, verbose: bool) -> anyhow::Result<ExitCode> {
+    let gpu_map = match gpu {
+        Some(spec) => parse_gpu_map(spec).map_err(anyhow::Error::msg)?,
+        None => Vec::new(),
+    };
+    interrupt::install();
+    let log_dir = super::log_dir();
+    let restored = restore(&RestoreOptions {
+        dir,
+        detach,
+        gpu_map: &gpu_map,
+        log_dir: &log_dir,
+    })?;
+    if verbose {
+        super::print_phases(restored.phases.0.iter().map(|(n, s)| (n, s)));
+        eprintln!("phase total {:.6}", restored.phases.total());
+    }
+    if detach {
+        println!("{}", restored.pid);
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!(
+        "torpor: restored pid {}; waiting for it to exit",
+        restored.pid
+    );
+    supervise::block_all_signals();
+    let code = supervise::supervise(restored.pid)?;
+    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}

@@ -1,0 +1,50 @@
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::bail;
+use torpor_snapshot::interrupt;
+use torpor_snapshot::snapshot::{snapshot, SnapshotOptions};
+
+pub fn run(
+    pid: i32,
+    out: &Path,
+    leave_running: bool,
+    timeout: f64,
+    verbose: bool,
+) -> anyhow::Result<ExitCode> {
+    if !(timeout.is_finite() && timeout > 0.0) {
+        bail!("--timeout must be a positive number of seconds, got {timeout}");
+    }
+    interrupt::install();
+    let start = std::time::Instant::now();
+    let log_dir = super::log_dir();
+    let report = snapshot(&SnapshotOptions {
+        pid,
+        out,
+        leave_running,
+        lock_timeout: Duration::from_secs_f64(timeout),
+        log_dir: &log_dir,
+    })?;
+    let m = &report.manifest;
+    if verbose {
+        super::print_phases(m.timings.iter());
+        eprintln!("phase stop_time {:.6}", m.stop_time_s);
+    }
+    let gpus = m.gpu.as_ref().map_or(0, |g| g.gpus.len());
+    println!(
+        "snapshot {}: {} files, {}, {} GPU(s); source stopped {:.3} s, {}; took {:.3} s",
+        report.dir.display(),
+        m.files.len(),
+        super::human(m.total_size()),
+        gpus,
+        m.stop_time_s,
+        if leave_running {
+            "still running"
+        } else {
+            "now killed"
+        },
+        start.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The one script for the GPU machine (no Rust, no network there): provisions CRIU from carried
+# .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
+# carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
+#
+#   scripts/gpu-run.sh [tests|bench|all] [extra pytest args...]
+# Results go under $OUT (the device tool's output folder) or /tmp/torpor-out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:-all}
+shift || true
+OUT=${OUT:-/tmp/torpor-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export TORPOR_BIN=$PWD/.gpu/torpor
+export TORPOR_CRIU_DEBS=$PWD/.criu-debs
+[ -x "$TORPOR_BIN" ] || { echo "gpu-run: $TORPOR_BIN missing: run 'make gpu-carry' and carry .gpu and .criu-debs" >&2; exit 2; }
+
+{
+  echo "== machine"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+  uname -r; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+} 2>&1 | tee "$OUT/machine.txt"
+
+bash scripts/provision-criu.sh || { echo "gpu-run: CRIU provisioning failed" >&2; exit 1; }
+
+rc=0
+if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
+  echo "== tests"
+  python3 -m pytest -q -ra tests "$@" 2>&1 | tee "$OUT/pytest.log"
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
+  echo "== bench/coldstart"
+  python3 bench/coldstart/run.py --runs "${RUNS:-5}" --out "$OUT/coldstart.json" 2>&1 | tee "$OUT/bench.log"
+  brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
+fi
+# CRIU's logs of anything that failed, for the post-mortem.
+ls /var/log/torpor/*.log >/dev/null 2>&1 && tail -n 40 /var/log/torpor/dump-*.log /var/log/torpor/restore-*.log > "$OUT/criu-failures.txt" 2>/dev/null
+exit "$rc"
