@@ -132,6 +132,30 @@ pub enum CriuError {
     },
 }
 
+/// Errors CRIU logs that never explain a failure: without CAP_SYS_RESOURCE (containers, VMs)
+/// raising RLIMIT_NOFILE fails and CRIU carries on.
+const HARMLESS_ERRORS: &[&str] = &["Can't setup RLIMIT_NOFILE"];
+
+/// The first error in CRIU's log that explains a failure, without its timestamp and source
+/// location: "Can't lookup mount=27 for fd=8 path=/tmp/x". CRIU's `cr_errmsg` is only the first
+/// error it logged, which is often a harmless one.
+pub(crate) fn cause_from_log(log: &std::path::Path) -> Option<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(log)
+        .ok()?
+        .take(64 << 20)
+        .read_to_string(&mut text)
+        .ok()?;
+    text.lines()
+        .filter(|l| l.contains("Error (") && !HARMLESS_ERRORS.iter().any(|h| l.contains(h)))
+        .map(|l| match l.split_once("): ") {
+            Some((_, msg)) => msg.trim().to_string(),
+            None => l.trim().to_string(),
+        })
+        .next()
+}
+
 fn errno_and_message(errno: &Option<i32>, message: &Option<String>) -> String {
     let errno = errno.filter(|e| *e != 0).map(|e| {
         format!(
@@ -252,5 +276,24 @@ mod tests {
             bare.to_string(),
             "CRIU restore failed; see /img/r.log for the cause"
         );
+    }
+
+    #[test]
+    fn cause_skips_harmless_errors_and_location() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("dump.log");
+        std::fs::write(
+            &log,
+            "(00.029145) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n\
+             (00.030000) Warn  (criu/x.c:1): noise\n\
+             (00.034690) Error (criu/files-reg.c:1790): Can't lookup mount=27 for fd=8 path=/tmp/host-file\n\
+             (00.034871) Error (criu/cr-dump.c:1975): Dumping FAILED.\n",
+        )
+        .unwrap();
+        assert_eq!(
+            cause_from_log(&log).as_deref(),
+            Some("Can't lookup mount=27 for fd=8 path=/tmp/host-file")
+        );
+        assert_eq!(cause_from_log(&dir.path().join("missing.log")), None);
     }
 }

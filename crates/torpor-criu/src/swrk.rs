@@ -102,6 +102,9 @@ impl Session {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(child_stderr));
+        // Its own process group: a terminal's Ctrl-C goes to torpor, which finishes or rolls
+        // back cleanly, never to CRIU halfway through a dump (its parasite inside the target).
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         // SAFETY: the closure runs in the forked child before exec and only makes raw
         // fcntl/close_range system calls, which are async-signal-safe; it allocates nothing and
         // touches no locks. `fd` is a plain integer copied into the closure.
@@ -187,8 +190,10 @@ impl Session {
                 return Err(CriuError::Failed {
                     action: self.action,
                     errno: resp.cr_errno,
-                    // CRIU's first logged error, with its trailing newline.
-                    message: resp.cr_errmsg.map(|m| m.trim().to_string()),
+                    // The first error in the log that explains the failure; else CRIU's own
+                    // message, which is just the first error it logged.
+                    message: crate::error::cause_from_log(&self.log)
+                        .or_else(|| resp.cr_errmsg.map(|m| m.trim().to_string())),
                     log: self.log.clone(),
                 });
             }

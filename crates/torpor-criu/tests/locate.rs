@@ -6,7 +6,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use torpor_criu::{locate, CriuError, Version, ENV_CRIU, ENV_PREFIX, MIN_VERSION};
+use torpor_criu::{locate, CriuError, Version, ENV_CRIU, ENV_PREFIX};
 
 fn fake_criu(dir: &Path, version: &str) -> PathBuf {
     std::fs::create_dir_all(dir).expect("dir");
@@ -57,21 +57,21 @@ fn locate_order_and_errors() {
     match locate() {
         Err(CriuError::TooOld { found, need, .. }) => {
             assert_eq!(found, Version::new(3, 17, 1));
-            assert_eq!(need, MIN_VERSION);
+            assert_eq!(need, torpor_criu::min_version());
         }
         other => panic!("expected TooOld, got {other:?}"),
     }
 
     // 4. The prefix's ready marker pointing at a system criu wins over PATH.
-    let marked = fake_criu(&t.join("system"), "4.1.1");
+    let marked = fake_criu(&t.join("system"), "4.2.1");
     std::fs::write(
         prefix.join("ready"),
-        format!("version=4.1.1\nmode=system\nprogram={}\n", marked.display()),
+        format!("version=4.2.1\nmode=system\nprogram={}\n", marked.display()),
     )
     .expect("marker");
     let criu = locate().expect("found through the marker");
     assert_eq!(criu.program(), marked);
-    assert_eq!(criu.version(), Version::new(4, 1, 1));
+    assert_eq!(criu.version(), Version::new(4, 2, 1));
 
     // 5. A new enough criu on PATH is used when the prefix is not ready.
     std::fs::remove_file(prefix.join("ready")).expect("rm marker");

@@ -3,12 +3,13 @@
 //! is left behind. CRIU runs in its own process group, so the terminal's SIGINT never reaches it
 //! in the middle of a dump (which could leave its parasite code inside the target).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// The last SIGINT/SIGTERM received, 0 for none.
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
 
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNAL.store(sig, Ordering::SeqCst);
 }
 
 /// Routes SIGINT and SIGTERM to the flag (with SA_RESTART, so blocking calls carry on).
@@ -28,5 +29,13 @@ pub fn install() {
 
 /// Whether SIGINT or SIGTERM arrived since [`install`].
 pub fn interrupted() -> bool {
-    INTERRUPTED.load(Ordering::SeqCst)
+    signal().is_some()
+}
+
+/// The last SIGINT/SIGTERM received since [`install`], if any.
+pub fn signal() -> Option<libc::c_int> {
+    match SIGNAL.load(Ordering::SeqCst) {
+        0 => None,
+        sig => Some(sig),
+    }
 }

@@ -77,6 +77,8 @@ pub enum SnapshotError {
 pub struct SnapshotReport {
     pub dir: PathBuf,
     pub manifest: Manifest,
+    /// The phases in the order they ran (the manifest keeps them by name).
+    pub phases: Phases,
 }
 
 /// Takes a snapshot; see the module doc for the protocol.
@@ -234,9 +236,15 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         crate::sys::kill(root.pid, libc::SIGKILL);
         signal_tree(&pids, libc::SIGCONT);
     }
+    if let Some(secs) = manifest.timings.get(torpor_image::HASH_TIMING) {
+        phases
+            .0
+            .push((torpor_image::HASH_TIMING.to_string(), *secs));
+    }
     Ok(SnapshotReport {
         dir: opts.out.to_path_buf(),
         manifest,
+        phases,
     })
 }
 

@@ -28,7 +28,7 @@ pub fn run(
     })?;
     let m = &report.manifest;
     if verbose {
-        super::print_phases(m.timings.iter());
+        super::print_phases(report.phases.0.iter().map(|(n, s)| (n, s)));
         eprintln!("phase stop_time {:.6}", m.stop_time_s);
     }
     let gpus = m.gpu.as_ref().map_or(0, |g| g.gpus.len());
