@@ -1,0 +1,228 @@
+"""A snapshot that fails says why in one line and leaves the source process exactly as it was.
+
+Every test checks the three promises: one 'torpor: error:' line (exit 1, or 130 for Ctrl-C), the
+source still answers with its state, and no snapshot directory (nor a half-written one) is left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import (
+    FakeCuda,
+    Torpor,
+    Worker,
+    Workers,
+    alive,
+    error_line,
+    fake_calls,
+    fake_log,
+    fake_state,
+)
+
+NOBODY = 65534
+
+
+@dataclass
+class Source:
+    worker: Worker
+    counter: int
+    digest: str
+
+    def assert_intact(self, timeout: float = 10.0) -> None:
+        assert self.worker.alive(), f"{self.worker} died"
+        assert self.worker.ask("get", timeout=timeout) == str(self.counter), "source lost its state"
+        assert self.worker.ask("digest") == self.digest, "source memory changed"
+        # Still fully working, not just answering.
+        assert self.worker.ask("incr") == str(self.counter + 1)
+        self.counter += 1
+        self.digest = self.worker.ask("digest")
+
+
+def make_source(w: Worker) -> Source:
+    assert w.ask("incr") == "1"
+    return Source(w, 1, w.ask("digest"))
+
+
+@pytest.fixture
+def source(workers: Workers) -> Source:
+    return make_source(workers.server())
+
+
+def assert_no_snapshot(out: Path) -> None:
+    assert not out.exists(), f"{out} exists after a failed snapshot"
+    leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(".") and "partial" in p.name]
+    assert leftovers == [], f"half-written snapshot left behind: {leftovers}"
+
+
+def snapshot_fails(
+    torpor: Torpor, source: Source, out: Path, env: dict[str, str] | None = None, user: int | None = None
+) -> str:
+    line = torpor.fails("snapshot", "--pid", source.worker.init_pid, "--out", out, env=env, user=user)
+    source.assert_intact()
+    assert_no_snapshot(out)
+    return line
+
+
+def test_not_root(torpor: Torpor, source: Source, tmp_path: Path) -> None:
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) not installed")
+    line = snapshot_fails(torpor, source, tmp_path / "out", user=NOBODY)
+    assert "root" in line.lower(), line
+
+
+def test_criu_missing(torpor: Torpor, source: Source, tmp_path: Path) -> None:
+    line = snapshot_fails(torpor, source, tmp_path / "out", env={"TORPOR_CRIU": "/nonexistent"})
+    assert "criu" in line.lower(), line
+
+
+def test_criu_too_old(torpor: Torpor, source: Source, tmp_path: Path) -> None:
+    fake = tmp_path / "old-criu"
+    fake.write_text('#!/bin/sh\necho "Version: 3.17"\nexit 0\n')
+    fake.chmod(0o755)
+    line = snapshot_fails(torpor, source, tmp_path / "out", env={"TORPOR_CRIU": str(fake)})
+    assert "3.17" in line, line
+
+
+def test_no_such_pid(torpor: Torpor, source: Source, tmp_path: Path) -> None:
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid = int(f.read()) - 1
+    while os.path.exists(f"/proc/{pid}"):
+        pid -= 1
+    line = torpor.fails("snapshot", "--pid", pid, "--out", tmp_path / "out")
+    assert str(pid) in line, line
+    source.assert_intact()
+    assert_no_snapshot(tmp_path / "out")
+
+
+def test_pid_not_started_by_torpor_run(
+    torpor: Torpor, source: Source, workers: Workers, tmp_path: Path
+) -> None:
+    sleeper = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
+    workers.track_popen(sleeper)
+    line = torpor.fails("snapshot", "--pid", sleeper.pid, "--out", tmp_path / "out")
+    assert str(sleeper.pid) in line, line
+    assert sleeper.poll() is None and alive(sleeper.pid), "the foreign process was harmed"
+    source.assert_intact()
+    assert_no_snapshot(tmp_path / "out")
+
+
+def test_out_already_exists(torpor: Torpor, source: Source, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("mine")
+    line = torpor.fails("snapshot", "--pid", source.worker.init_pid, "--out", out)
+    assert "exist" in line.lower(), line
+    assert [p.name for p in out.iterdir()] == ["keep"] and (out / "keep").read_text() == "mine"
+    source.assert_intact()
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and "partial" in p.name]
+    assert leftovers == []
+
+
+def give_host_fd(source: Source, tmp_path: Path) -> None:
+    """Hand the worker a descriptor opened in the host's mount namespace, which CRIU cannot dump."""
+    host_file = tmp_path / "host-file"
+    host_file.write_text("opened outside the worker's mount namespace\n")
+    fd = os.open(host_file, os.O_RDONLY)
+    try:
+        assert source.worker.ask("takefd", fds=[fd]) == "took 1"
+    finally:
+        os.close(fd)
+    assert source.worker.ask("held") == "1"
+
+
+def test_criu_dump_failure(torpor: Torpor, source: Source, tmp_path: Path) -> None:
+    give_host_fd(source, tmp_path)
+    line = snapshot_fails(torpor, source, tmp_path / "out")
+    assert "criu" in line.lower(), line
+    # The cause, not CRIU's first (benign) error line: the file whose fd cannot be dumped.
+    assert "host-file" in line, line
+    assert source.worker.ask("held") == "1"
+
+
+@pytest.mark.parametrize("code", ["600", "909"])  # driver 580 answers a timed-out lock with 600
+def test_cuda_lock_timeout(
+    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path, code: str
+) -> None:
+    w = workers.server(load_lib=fake_cuda.lib)
+    source = make_source(w)
+    log, state = tmp_path / "fake-cuda.log", tmp_path / "state"
+    env = fake_cuda.env(fake_cuda.lib, [w.child_pid], log, state, FAKE_CUDA_LOCK_RESULT=code)
+    line = snapshot_fails(torpor, source, tmp_path / "out", env=env)
+    assert "lock" in line.lower(), line
+    calls = fake_calls(log, w.child_pid)
+    assert calls[:1] == [f"lock={code}"], fake_log(log)
+    assert not any(c.startswith("checkpoint") for c in calls), fake_log(log)
+    assert fake_state(state, w.child_pid) == "running"
+
+
+def test_driver_without_checkpoint_api(
+    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    w = workers.server(load_lib=fake_cuda.lib_no_ckpt)
+    source = make_source(w)
+    env = fake_cuda.env(fake_cuda.lib_no_ckpt, [w.child_pid], tmp_path / "fake-cuda.log", tmp_path / "state")
+    line = snapshot_fails(torpor, source, tmp_path / "out", env=env)
+    assert "checkpoint" in line.lower(), line
+
+
+def test_cuda_checkpoint_failure_unlocks(
+    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    w = workers.server(load_lib=fake_cuda.lib)
+    source = make_source(w)
+    log, state = tmp_path / "fake-cuda.log", tmp_path / "state"
+    # CUDA_ERROR_OUT_OF_MEMORY: the driver could not copy the GPU state to host memory.
+    env = fake_cuda.env(fake_cuda.lib, [w.child_pid], log, state, FAKE_CUDA_CKPT_RESULT="2")
+    line = snapshot_fails(torpor, source, tmp_path / "out", env=env)
+    assert "checkpoint" in line.lower(), line
+    calls = fake_calls(log, w.child_pid)
+    assert calls[:2] == ["lock", "checkpoint=2"] and calls[-1] == "unlock", fake_log(log)
+    assert fake_state(state, w.child_pid) == "running"
+
+
+def test_criu_failure_after_gpu_checkpoint_rolls_back(
+    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    w = workers.server(load_lib=fake_cuda.lib)
+    source = make_source(w)
+    give_host_fd(source, tmp_path)
+    log, state = tmp_path / "fake-cuda.log", tmp_path / "state"
+    env = fake_cuda.env(fake_cuda.lib, [w.child_pid], log, state)
+    snapshot_fails(torpor, source, tmp_path / "out", env=env)
+    assert fake_calls(log, w.child_pid) == ["lock", "checkpoint", "restore", "unlock"], fake_log(log)
+    assert fake_state(state, w.child_pid) == "running"
+
+
+@pytest.mark.parametrize("target", ["torpor", "process-group"])
+def test_ctrl_c_during_snapshot(torpor: Torpor, workers: Workers, tmp_path: Path, target: str) -> None:
+    """SIGINT while CRIU writes ~1.5 GB: exit 130, the source runs on, nothing is left.
+
+    'torpor' signals the torpor process only; 'process-group' signals its whole process group,
+    as a terminal's Ctrl-C does (CRIU included, unless torpor shields it).
+    """
+    w = workers.server(hold_mb=1536, timeout=60)
+    source = make_source(w)
+    out = tmp_path / "out"
+    p, _stdout, stderr = workers.popen_torpor("snapshot", "--pid", w.init_pid, "--out", out, new_session=True)
+    time.sleep(0.3)  # let the dump get going; this is the point of the test, not synchronisation
+    assert p.poll() is None, (
+        f"snapshot finished within 0.3 s, nothing left to interrupt\n{stderr.read_text()}"
+    )
+    if target == "torpor":
+        os.kill(p.pid, signal.SIGINT)
+    else:
+        os.killpg(p.pid, signal.SIGINT)
+    code = p.wait(timeout=60)
+    r = subprocess.CompletedProcess(p.args, code, "", stderr.read_text())
+    error_line(r, code=130)
+    source.assert_intact(timeout=20)
+    assert_no_snapshot(out)

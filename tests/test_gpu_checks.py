@@ -1,0 +1,97 @@
+"""Restore's GPU checks, with the fake driver (tests/fakes): a snapshot holding GPU state is
+refused on another driver version, another GPU model, a missing GPU or too little free memory, in
+one line and before any process is restored; a driver restore that fails kills what was restored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import FakeCuda, Torpor, Workers, fake_calls, fake_log, pids_with, wait_until
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    snap: Path
+    token: str  # in the command line of anything restored from it
+    fake: FakeCuda
+    base: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """Fake driver environment for a restore (every pid counts as a CUDA process)."""
+        env = self.fake.env(self.fake.lib, [], self.base / "restore-fake.log", self.base / "restore-state")
+        return {**env, "FAKE_CUDA_PIDS": "*", "FAKE_NVML_PROCS": "", **extra}
+
+
+@pytest.fixture(scope="module")
+def gpu_snapshot(
+    torpor: Torpor, criu_ready: None, fake_cuda: FakeCuda, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GpuSnapshot]:
+    base = tmp_path_factory.mktemp("gpu-checks")
+    ws = Workers(torpor, base)
+    try:
+        w = ws.server(load_lib=fake_cuda.lib)
+        assert w.ask("incr") == "1"
+        child = w.child_pid
+        log = base / "fake.log"
+        env = fake_cuda.env(fake_cuda.lib, [child], log, base / "state", gpu_bytes=GIB)
+        snap = base / "snap"
+        torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap, env=env)
+        w.wait_gone()
+        assert fake_calls(log, child) == ["lock", "checkpoint"], fake_log(log)
+        gpu = torpor.inspect_json(snap).get("gpu")
+        assert isinstance(gpu, dict) and gpu.get("gpus"), gpu
+        yield GpuSnapshot(snap, ws.token, fake_cuda, base)
+    finally:
+        ws.cleanup()
+
+
+def refused(torpor: Torpor, s: GpuSnapshot, *args: str, **env: str) -> str:
+    line = torpor.fails("restore", s.snap, "--detach", *args, env=s.env(**env))
+    assert pids_with(s.token) == [], "a refused restore left a process"
+    return line
+
+
+def test_other_driver_version_is_refused(torpor: Torpor, gpu_snapshot: GpuSnapshot) -> None:
+    line = refused(torpor, gpu_snapshot, FAKE_NVML_DRIVER_VERSION="999.1.1")
+    assert "999.1.1" in line and "580.159.04" in line, line
+
+
+def test_other_gpu_model_is_refused(torpor: Torpor, gpu_snapshot: GpuSnapshot) -> None:
+    # The fake's GPU 1 is "Fake NVIDIA GPU 1": another model than the snapshot's GPU 0.
+    line = refused(torpor, gpu_snapshot, "--gpu", "0=1", FAKE_CUDA_DEVICES="2")
+    assert "Fake NVIDIA GPU 1" in line, line
+
+
+def test_gpu_missing_here_is_refused(torpor: Torpor, gpu_snapshot: GpuSnapshot) -> None:
+    line = refused(torpor, gpu_snapshot, FAKE_CUDA_DEVICES="0")
+    assert "--gpu" in line, line
+
+
+def test_unknown_target_gpu_is_refused(torpor: Torpor, gpu_snapshot: GpuSnapshot) -> None:
+    line = refused(torpor, gpu_snapshot, "--gpu", "0=7")
+    assert "7" in line, line
+
+
+def test_too_little_free_gpu_memory_is_refused(torpor: Torpor, gpu_snapshot: GpuSnapshot) -> None:
+    line = refused(torpor, gpu_snapshot, FAKE_CUDA_TOTAL_MEM=str(GIB // 2))
+    assert "MiB" in line and "free" in line, line
+
+
+def test_failed_driver_restore_kills_the_restored_tree(torpor: Torpor, gpu_snapshot: GpuSnapshot) -> None:
+    """CRIU restores the processes, then the driver restore fails: nothing is left running."""
+    line = torpor.fails(
+        "restore", gpu_snapshot.snap, "--detach", env=gpu_snapshot.env(FAKE_CUDA_RESTORE_RESULT="999")
+    )
+    assert "restore" in line.lower(), line
+    log = gpu_snapshot.base / "restore-fake.log"
+    assert any(x.startswith("restore ") and x.endswith("result=999") for x in log.read_text().splitlines()), (
+        fake_log(log)
+    )
+    wait_until(lambda: pids_with(gpu_snapshot.token) == [], 10, "the restored tree to be killed")

@@ -1,0 +1,96 @@
+"""A damaged or forged snapshot is refused before anything is restored."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import Torpor, Workers, pids_with
+
+
+@dataclass(frozen=True)
+class Pristine:
+    snap: Path
+    token: str  # appears in the command line of anything restored from this snapshot
+
+
+@pytest.fixture(scope="module")
+def pristine(
+    torpor: Torpor, criu_ready: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pristine]:
+    base = tmp_path_factory.mktemp("integrity")
+    ws = Workers(torpor, base)
+    try:
+        w = ws.server()
+        assert w.ask("incr") == "1"
+        snap = base / "snap"
+        torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap)
+        w.wait_gone()
+        yield Pristine(snap, ws.token)
+    finally:
+        ws.cleanup()
+
+
+@pytest.fixture
+def snap(pristine: Pristine, tmp_path: Path) -> Path:
+    """A private copy of the snapshot, free to damage."""
+    copy = tmp_path / "snap"
+    shutil.copytree(pristine.snap, copy)
+    return copy
+
+
+def biggest_file(snap: Path) -> Path:
+    files = [p for p in snap.rglob("*") if p.is_file() and p.name != "manifest.json"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def assert_refused(torpor: Torpor, snap: Path, pristine: Pristine, *must_name: str) -> None:
+    """verify fails and restore refuses, each with one error line naming `must_name`, and no
+    process was started."""
+    for args in (("verify", snap), ("restore", snap, "--detach")):
+        line = torpor.fails(*args)
+        for word in must_name:
+            assert word in line, f"`torpor {args[0]}` error does not name {word!r}: {line}"
+    assert pids_with(pristine.token) == [], "a refused restore started a process"
+
+
+def test_untouched_copy_verifies(torpor: Torpor, snap: Path) -> None:
+    assert "ok" in torpor.ok("verify", snap).stdout.lower()
+
+
+def test_flipped_byte_is_refused(torpor: Torpor, snap: Path, pristine: Pristine) -> None:
+    victim = biggest_file(snap)
+    assert victim.name.startswith("pages-"), f"expected CRIU pages to be the biggest file, got {victim}"
+    with open(victim, "r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert_refused(torpor, snap, pristine, victim.name)
+
+
+def test_truncated_file_is_refused(torpor: Torpor, snap: Path, pristine: Pristine) -> None:
+    victim = biggest_file(snap)
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    assert_refused(torpor, snap, pristine, victim.name, "size")
+
+
+def test_missing_manifest_is_not_a_snapshot(torpor: Torpor, snap: Path, pristine: Pristine) -> None:
+    (snap / "manifest.json").unlink()
+    assert_refused(torpor, snap, pristine, "not a torpor snapshot")
+    assert "not a torpor snapshot" in torpor.fails("inspect", snap)
+
+
+def test_path_outside_the_snapshot_is_refused(torpor: Torpor, snap: Path, pristine: Pristine) -> None:
+    manifest = snap / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    files = doc["files"]
+    files[0]["path"] = "../etc/passwd"
+    manifest.write_text(json.dumps(doc, indent=2))
+    assert_refused(torpor, snap, pristine)
