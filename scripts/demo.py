@@ -108,7 +108,10 @@ def main() -> None:
         for p in pids:
             print(f"    pid {p}: {ask(p)}")
         print(torpor("verify", str(snap)).stdout.strip())
-        print(f"boot {boot:.2f} s vs restore: see above. Inspect it: {TORPOR} inspect {snap}")
+        print("what the snapshot holds (torpor inspect):")
+        for line in torpor("inspect", str(snap)).stdout.splitlines():
+            if not line.startswith(" " * 4) or "img" in line:
+                print(f"    {line}")
     finally:
         for p in pids:
             try:

@@ -14,6 +14,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export TORPOR_BIN=$PWD/.gpu/torpor
 export TORPOR_CRIU_DEBS=$PWD/.criu-debs
+# No .git travels: the commit the binary was built from, recorded by `make gpu-carry`.
+[ -f .gpu/commit ] && TORPOR_COMMIT=$(cat .gpu/commit) && export TORPOR_COMMIT
+[ -f .gpu/dirty ] && TORPOR_DIRTY=$(cat .gpu/dirty) && export TORPOR_DIRTY
 [ -x "$TORPOR_BIN" ] || { echo "gpu-run: $TORPOR_BIN missing: run 'make gpu-carry' and carry .gpu and .criu-debs" >&2; exit 2; }
 
 {

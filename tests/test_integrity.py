@@ -94,3 +94,12 @@ def test_path_outside_the_snapshot_is_refused(torpor: Torpor, snap: Path, pristi
     files[0]["path"] = "../etc/passwd"
     manifest.write_text(json.dumps(doc, indent=2))
     assert_refused(torpor, snap, pristine)
+
+
+def test_gpu_map_for_a_cpu_snapshot_is_refused(torpor: Torpor, snap: Path, pristine: Pristine) -> None:
+    """An option that cannot apply is rejected, never silently ignored."""
+    line = torpor.fails("restore", snap, "--detach", "--gpu", "0=0")
+    assert "--gpu" in line and "no GPU state" in line, line
+    line = torpor.fails("restore", snap, "--detach", "--gpu", "zero")
+    assert "OLD=NEW" in line, line
+    assert pids_with(pristine.token) == [], "a refused restore started a process"

@@ -429,6 +429,47 @@ class Bench:
             self.say(f"{model}: restore #{i}: first response {runs[-1]['first_response_s']:.3f} s")
         return runs
 
+    def by_hand_restores(self, model: str, snap: Path, sock: Path, reference: str | None, manifest: Json) -> list[Json]:
+        """The same snapshot restored the way it is done by hand: `criu restore` (the CLI, same
+        options as torpor) then the driver's restore + unlock from a separate ctypes process.
+        No verification, no GPU checks: the floor torpor's own restore is compared with."""
+        criu = os.environ.get("TORPOR_CRIU") or str(Path.home() / ".local/share/torpor/criu/bin/criu")
+        ext: list[str] = []
+        for m in manifest.get("external_mounts") or []:
+            ext += ["--external", f"mnt[{m['key']}]:{m['path']}"]
+        runs: list[Json] = []
+        for i in range(self.a.runs):
+            work = Path(tempfile.mkdtemp(prefix="byhand-", dir=self.work))
+            pidfile = work / "pid"
+            t0 = time.time()
+            subprocess.run(
+                [criu, "restore", "-D", str(snap), "-W", str(work), "-o", "restore.log", "-d",
+                 "--root", "/", *ext, "--empty-ns", "net", "--network-lock", "skip", "--file-locks",
+                 "--pidfile", str(pidfile)],
+                check=True, capture_output=True,
+            )
+            t_criu = time.time()
+            pid = int(pidfile.read_text())
+            try:
+                kids = children(pid)
+                gpu = subprocess.run([PYTHON, str(HERE / "by_hand.py"), str(kids[0]), "restore", "unlock"],
+                                     check=True, capture_output=True, text=True)
+                t_gpu = time.time()
+                answer, t_answer = wait_answer(sock, ["infer"], self.a.boot_timeout, pid, None)
+            finally:
+                kill_and_wait(pid)
+                shutil.rmtree(work, ignore_errors=True)
+            infer = json.loads(answer)
+            runs.append({
+                "run": i,
+                "first_response_s": round(t_answer - t0, 4),
+                "phases": {"criu_restore": round(t_criu - t0, 4), "cuda_restore_and_unlock_process": round(t_gpu - t_criu, 4),
+                           **{f"driver_{k}": round(v, 4) for k, v in json.loads(gpu.stdout).items()}},
+                "digest_match": infer.get("digest") == reference if reference else None,
+            })
+            self.say(f"{model}: by hand #{i}: first response {runs[-1]['first_response_s']:.3f} s")
+        return runs
+
     def model(self, model: str) -> Json:
         out: Json = {"model": model}
         weights, out["weights"] = self.weights(model)
@@ -498,6 +539,20 @@ class Bench:
         out["page_cache_warm_s"] = warm_page_cache(snap)
         try:
             restores = self.restores(model, snap, sock, reference)
+            if out.get("manifest") and out["manifest"].get("gpu"):
+                try:
+                    by_hand = self.by_hand_restores(model, snap, sock, reference, out["manifest"])
+                    out["by_hand_restore"] = {
+                        "how": "criu restore CLI (same options) + cuCheckpointProcessRestore/Unlock "
+                        "via ctypes in a new process",
+                        "runs": by_hand,
+                        "first_response_s": summary([r["first_response_s"] for r in by_hand]),
+                        "phases": phase_summary(by_hand, "phases"),
+                    }
+                except (subprocess.CalledProcessError, OSError, ValueError, IndexError) as e:
+                    detail = getattr(e, "stderr", "") or ""
+                    out["by_hand_restore"] = {"error": f"{e!r} {str(detail)[-2000:]}"}
+                    self.say(f"{model}: by-hand baseline failed: {e!r}")
         finally:
             if not self.a.keep:
                 shutil.rmtree(snap, ignore_errors=True)
@@ -530,8 +585,11 @@ def machine() -> Json:
         parts = [x.strip() for x in line.split(",")]
         if len(parts) == 3:
             gpus.append({"name": parts[0], "driver": parts[1], "memory": parts[2]})
-    commit = run_text(["git", "-C", str(ROOT), "rev-parse", "HEAD"])
+    # The GPU machine gets a copy of the tree without .git: `make gpu-carry` records the commit.
+    commit = run_text(["git", "-C", str(ROOT), "rev-parse", "HEAD"]) or os.environ.get("TORPOR_COMMIT")
     dirty = run_text(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
+    if dirty is None and os.environ.get("TORPOR_DIRTY") is not None:
+        dirty = os.environ["TORPOR_DIRTY"]
     return {
         "gpus": gpus,
         "device": gpus[0]["name"] if gpus else None,

@@ -15,9 +15,4 @@ impl Phases {
             .push((name.to_string(), start.elapsed().as_secs_f64()));
         out
     }
-
-    /// Total of all phases.
-    pub fn total(&self) -> f64 {
-        self.0.iter().map(|p| p.1).sum()
-    }
 }

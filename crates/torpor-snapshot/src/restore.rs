@@ -49,6 +49,11 @@ pub enum RestoreError {
     /// `--gpu` names a GPU that does not exist.
     #[error("--gpu names {which} GPU {gpu}, which does not exist: see `torpor inspect` for the snapshot's GPUs and nvidia-smi -L for this node's")]
     NoSuchGpu { which: &'static str, gpu: String },
+    /// `--gpu` given for a snapshot without GPU state.
+    #[error(
+        "--gpu was given, but the snapshot holds no GPU state (a CPU-only process): drop --gpu"
+    )]
+    GpuMapWithoutGpu,
     /// Another GPU model.
     #[error("the snapshot was taken on a {snapshot}, but GPU {ordinal} here is a {here}: restore onto the same GPU model")]
     GpuModel {
@@ -83,7 +88,10 @@ pub enum RestoreError {
 pub struct Restored {
     /// Host pid of the restored root (the init `torpor run` made).
     pub pid: i32,
+    /// Each phase's own duration; verify and gpu_checks overlap.
     pub phases: Phases,
+    /// Wall time of the whole restore.
+    pub total_s: f64,
     pub manifest: Manifest,
 }
 
@@ -100,16 +108,42 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
     let criu = preflight::require_criu()?;
     let mut phases = Phases::default();
 
-    let snapshot = phases.time("verify", || -> Result<Snapshot, ImageError> {
-        let s = Snapshot::open(opts.dir)?;
-        s.verify()?;
-        Ok(s)
-    })?;
+    let start = std::time::Instant::now();
+    let snapshot = phases.time("open", || Snapshot::open(opts.dir))?;
     let manifest = snapshot.manifest().clone();
-    let plan = match &manifest.gpu {
-        Some(gpu) => Some(phases.time("gpu_checks", || plan_gpus(gpu, opts.gpu_map))?),
-        None => None,
-    };
+    if manifest.gpu.is_none() && !opts.gpu_map.is_empty() {
+        return Err(RestoreError::GpuMapWithoutGpu);
+    }
+    // Hashing the image and initialising the driver (cuInit, NVML) are independent: run them
+    // side by side. A corrupt snapshot is reported before any GPU complaint.
+    let (verified, plan) = std::thread::scope(|scope| {
+        let verify = scope.spawn(|| {
+            let t = std::time::Instant::now();
+            (snapshot.verify(), t.elapsed().as_secs_f64())
+        });
+        let t = std::time::Instant::now();
+        let plan = manifest
+            .gpu
+            .as_ref()
+            .map(|gpu| plan_gpus(gpu, opts.gpu_map));
+        let plan_s = t.elapsed().as_secs_f64();
+        let (verified, verify_s) = verify.join().unwrap_or_else(|_| {
+            (
+                Err(ImageError::Invalid {
+                    reason: "verification thread panicked".into(),
+                }),
+                0.0,
+            )
+        });
+        phases.0.push(("verify".into(), verify_s));
+        if plan.is_some() {
+            phases.0.push(("gpu_checks".into(), plan_s));
+        }
+        (verified, plan)
+    });
+    verified?;
+    let plan = plan.transpose()?;
+
     if interrupt::interrupted() {
         return Err(RestoreError::Interrupted);
     }
@@ -177,7 +211,9 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
         kill_restored();
         return Err(RestoreError::Interrupted);
     }
+    let total_s = start.elapsed().as_secs_f64();
     Ok(Restored {
+        total_s,
         pid,
         phases,
         manifest,

@@ -20,7 +20,7 @@ pub fn run(dir: &Path, detach: bool, gpu: Option<&str>, verbose: bool) -> anyhow
     })?;
     if verbose {
         super::print_phases(restored.phases.0.iter().map(|(n, s)| (n, s)));
-        eprintln!("phase total {:.6}", restored.phases.total());
+        eprintln!("phase total {:.6}", restored.total_s);
     }
     if detach {
         println!("{}", restored.pid);
