@@ -24,7 +24,7 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-unit:
+unit: criu
 	$(CARGO) test --workspace
 
 pytest: build criu

@@ -34,22 +34,16 @@ const VIRTUAL_FS: &[&str] = &[
     "ramfs",
 ];
 
-/// An external mount: CRIU's key and the mount point it stands for.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ExternalMount {
-    pub key: String,
-    pub path: String,
+pub use torpor_image::ExternalMount;
+
+/// The `external` entry for `criu dump`: the mount point and the key it is saved under.
+pub fn dump_spec(m: &ExternalMount) -> String {
+    format!("mnt[{}]:{}", m.path, m.key)
 }
 
-impl ExternalMount {
-    /// The `external` entry for `criu dump`.
-    pub fn dump_spec(&self) -> String {
-        format!("mnt[{}]:{}", self.path, self.key)
-    }
-    /// The `external` entry for `criu restore`.
-    pub fn restore_spec(&self) -> String {
-        format!("mnt[{}]:{}", self.key, self.path)
-    }
+/// The `external` entry for `criu restore`: the key and the host path bound in its place.
+pub fn restore_spec(m: &ExternalMount) -> String {
+    format!("mnt[{}]:{}", m.key, m.path)
 }
 
 /// Reads the mount table of `pid` and picks the external mounts.
@@ -128,8 +122,8 @@ mod tests {
         let ext = pick_external(GPU_MACHINE);
         let paths: Vec<&str> = ext.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(paths, vec!["/usr/local/nvidia", "/data dir"]);
-        assert_eq!(ext[0].dump_spec(), "mnt[/usr/local/nvidia]:torpor-ext0");
-        assert_eq!(ext[0].restore_spec(), "mnt[torpor-ext0]:/usr/local/nvidia");
+        assert_eq!(dump_spec(&ext[0]), "mnt[/usr/local/nvidia]:torpor-ext0");
+        assert_eq!(restore_spec(&ext[0]), "mnt[torpor-ext0]:/usr/local/nvidia");
     }
 
     #[test]

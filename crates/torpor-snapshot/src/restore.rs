@@ -160,7 +160,7 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
     let external: Vec<String> = manifest
         .external_mounts
         .iter()
-        .map(|m| format!("mnt[{}]:{}", m.key, m.path))
+        .map(crate::mounts::restore_spec)
         .collect();
     let request = RestoreRequest {
         images_dir: opts.dir,

@@ -101,6 +101,8 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         source,
     })?;
 
+    // Everything that can fail without touching the source happens before it is stopped.
+    let host = Host::current(criu.version_string())?;
     let mut phases = Phases::default();
     let cuda = find_cuda(&tree)?;
     let (cuda_pids, gpu_section) = match &cuda {
@@ -127,7 +129,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
             root.pid,
             tasks.as_mut(),
             original,
-            &writer,
+            Some(&writer),
             opts.log_dir,
             false,
         ));
@@ -148,7 +150,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
                     root.pid,
                     Some(t),
                     original,
-                    &writer,
+                    Some(&writer),
                     opts.log_dir,
                     false,
                 ));
@@ -178,16 +180,10 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
                 .collect(),
             leave_running: opts.leave_running,
         },
-        Host::current(criu.version_string())?,
+        host,
     );
     manifest.gpu = gpu_section;
-    manifest.external_mounts = external
-        .iter()
-        .map(|m| torpor_image::ExternalMount {
-            key: m.key.clone(),
-            path: m.path.clone(),
-        })
-        .collect();
+    manifest.external_mounts = external;
     manifest.stop_time_s = stop_time;
 
     if interrupt::interrupted() {
@@ -196,7 +192,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
             root.pid,
             tasks.as_mut(),
             original,
-            &writer,
+            Some(&writer),
             opts.log_dir,
             !opts.leave_running,
         ));
@@ -208,28 +204,32 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     let manifest = match finished {
         Ok(m) => m,
         Err(source) => {
-            if !opts.leave_running {
-                signal_tree(&pids, libc::SIGCONT);
-            }
-            if let Some(t) = tasks.as_mut() {
-                let _ = t.rollback();
-            }
-            return Err(SnapshotError::Write {
+            let original = SnapshotError::Write {
                 root: root.pid,
                 source,
-            });
+            };
+            return Err(roll_back(
+                root.pid,
+                tasks.as_mut(),
+                original,
+                None,
+                opts.log_dir,
+                !opts.leave_running,
+            ));
         }
     };
     if interrupt::interrupted() {
         // Too late to avoid writing, not too late to honour the request.
         let _ = std::fs::remove_dir_all(opts.out);
-        if !opts.leave_running {
-            signal_tree(&pids, libc::SIGCONT);
-        }
-        if let Some(t) = tasks.as_mut() {
-            let _ = t.rollback();
-        }
-        return Err(SnapshotError::Interrupted { root: root.pid });
+        let original = SnapshotError::Interrupted { root: root.pid };
+        return Err(roll_back(
+            root.pid,
+            tasks.as_mut(),
+            original,
+            None,
+            opts.log_dir,
+            !opts.leave_running,
+        ));
     }
     if !opts.leave_running {
         // SIGKILL to PID 1 of the namespace ends every process in it.
@@ -253,7 +253,7 @@ fn stop_and_dump(
     criu: &Criu,
     opts: &SnapshotOptions,
     root: &ProcessInfo,
-    external: &[mounts::ExternalMount],
+    external: &[torpor_image::ExternalMount],
     tasks: Option<&mut GpuTasks>,
     phases: &mut Phases,
     writer: &SnapshotWriter,
@@ -287,7 +287,7 @@ fn stop_and_dump(
         images_dir: writer.dir(),
         log_file: "dump.log",
         leave_running: true,
-        external: external.iter().map(|m| m.dump_spec()).collect(),
+        external: external.iter().map(mounts::dump_spec).collect(),
         empty_ns_net: true,
         network_lock_skip: true,
         tcp_established: false,
@@ -310,14 +310,17 @@ fn roll_back(
     root: i32,
     tasks: Option<&mut GpuTasks>,
     original: SnapshotError,
-    writer: &SnapshotWriter,
+    writer: Option<&SnapshotWriter>,
     log_dir: &Path,
     frozen: bool,
 ) -> SnapshotError {
     if frozen {
         signal_tree(&proctree::tree(root), libc::SIGCONT);
     }
-    let original = keep_dump_log(original, writer, log_dir);
+    let original = match writer {
+        Some(w) => keep_dump_log(original, w, log_dir),
+        None => original,
+    };
     // The writer's Drop removes the partial directory.
     match tasks.map(|t| t.rollback()) {
         Some(Err(rollback)) => SnapshotError::RollbackFailed {
