@@ -14,5 +14,6 @@ pub mod restore;
 pub mod snapshot;
 pub mod supervise;
 mod sys;
+pub mod visible_gpus;
 
 pub use sys::is_root;

@@ -40,7 +40,7 @@ pub enum RestoreError {
     #[error("the snapshot was taken with NVIDIA driver {snapshot}, this node has {here}: restore on a node with driver {snapshot} (the driver's checkpoint format is tied to its version)")]
     DriverVersion { snapshot: String, here: String },
     /// A GPU of the snapshot is not on this node and no mapping names it.
-    #[error("the snapshot's GPU {ordinal} ({name}, {uuid}) is not on this node: map it onto one of this node's GPUs with --gpu {ordinal}=NEW")]
+    #[error("the snapshot's GPU {ordinal} ({name}, {uuid}) has no free counterpart on this node: map it onto one of this node's GPUs with --gpu {ordinal}=NEW")]
     GpuMissing {
         ordinal: u32,
         name: String,
@@ -54,6 +54,9 @@ pub enum RestoreError {
         "--gpu was given, but the snapshot holds no GPU state (a CPU-only process): drop --gpu"
     )]
     GpuMapWithoutGpu,
+    /// Two snapshot GPUs would go onto one GPU.
+    #[error("the snapshot's GPU {ordinal} would go onto GPU {target}, which another snapshot GPU already takes: give each snapshot GPU its own target with --gpu (e.g. --gpu 0=1,1=0)")]
+    GpuTaken { ordinal: u32, target: u32 },
     /// Another GPU model.
     #[error("the snapshot was taken on a {snapshot}, but GPU {ordinal} here is a {here}: restore onto the same GPU model")]
     GpuModel {
@@ -237,6 +240,83 @@ fn restored_pids(root: i32, inner: &[i32]) -> Result<Vec<i32>, RestoreError> {
         .collect()
 }
 
+fn parse_uuid(uuid: &str) -> Result<GpuUuid, RestoreError> {
+    uuid.parse().map_err(|_| {
+        ImageError::Invalid {
+            reason: format!("GPU uuid {uuid:?} in the manifest is malformed"),
+        }
+        .into()
+    })
+}
+
+/// The GPU of this node that takes over each GPU of the snapshot (in the manifest's order). The
+/// driver needs a one-to-one pairing of *every* GPU the process could see: `--gpu` pairs first,
+/// then each GPU onto itself where it is present and free, then GPUs the snapshot did not use
+/// onto whatever is left (so `--gpu 0=1` on two GPUs swaps them). A used GPU is never moved
+/// without being named.
+fn assign_targets<'d>(
+    gpu: &GpuSection,
+    map: &[GpuMapping],
+    devices: &'d [torpor_cuda::GpuDevice],
+) -> Result<Vec<&'d torpor_cuda::GpuDevice>, RestoreError> {
+    let mut targets: Vec<Option<&torpor_cuda::GpuDevice>> = vec![None; gpu.gpus.len()];
+    let taken = |t: &[Option<&torpor_cuda::GpuDevice>], d: &torpor_cuda::GpuDevice| {
+        t.iter().flatten().any(|x| x.uuid == d.uuid)
+    };
+    for (i, g) in gpu.gpus.iter().enumerate() {
+        let old = parse_uuid(&g.uuid)?;
+        if let Some(m) = map.iter().find(|m| m.old.matches(g.ordinal, &old)) {
+            let dev = devices
+                .iter()
+                .find(|d| m.new.matches(d.ordinal as u32, &d.uuid))
+                .ok_or_else(|| RestoreError::NoSuchGpu {
+                    which: "target",
+                    gpu: m.new.to_string(),
+                })?;
+            if taken(&targets, dev) {
+                return Err(RestoreError::GpuTaken {
+                    ordinal: g.ordinal,
+                    target: dev.ordinal as u32,
+                });
+            }
+            targets[i] = Some(dev);
+        }
+    }
+    for (i, g) in gpu.gpus.iter().enumerate() {
+        if targets[i].is_none() {
+            let old = parse_uuid(&g.uuid)?;
+            if let Some(dev) = devices.iter().find(|d| d.uuid == old) {
+                if !taken(&targets, dev) {
+                    targets[i] = Some(dev);
+                }
+            }
+        }
+    }
+    for (i, g) in gpu.gpus.iter().enumerate() {
+        if targets[i].is_some() {
+            continue;
+        }
+        if g.used_by_snapshot != Some(0) {
+            return Err(RestoreError::GpuMissing {
+                ordinal: g.ordinal,
+                name: g.name.clone(),
+                uuid: g.uuid.clone(),
+            });
+        }
+        let free = devices
+            .iter()
+            .filter(|d| !taken(&targets, d))
+            .min_by_key(|d| (d.name != g.name, d.ordinal))
+            .ok_or_else(|| RestoreError::GpuMissing {
+                ordinal: g.ordinal,
+                name: g.name.clone(),
+                uuid: g.uuid.clone(),
+            })?;
+        targets[i] = Some(free);
+    }
+    Ok(targets.into_iter().flatten().collect())
+}
+
 /// Checks that the snapshot's GPU state can go onto this node's GPUs and works out the pairs
 /// for the driver.
 fn plan_gpus(gpu: &GpuSection, map: &[GpuMapping]) -> Result<GpuPlan, RestoreError> {
@@ -282,24 +362,11 @@ fn plan_gpus(gpu: &GpuSection, map: &[GpuMapping]) -> Result<GpuPlan, RestoreErr
         }
     }
     let free = nvml.as_ref().and_then(|n| n.gpus().ok());
+    let targets = assign_targets(gpu, map, &devices)?;
     let mut pairs = Vec::new();
     let mut need_per_target: Vec<(GpuUuid, u64)> = Vec::new();
-    for g in &gpu.gpus {
-        let old: GpuUuid = g.uuid.parse().map_err(|_| ImageError::Invalid {
-            reason: format!("GPU uuid {:?} in the manifest is malformed", g.uuid),
-        })?;
-        let mapped = map.iter().find(|m| m.old.matches(g.ordinal, &old));
-        let target = match mapped {
-            Some(m) => devices
-                .iter()
-                .find(|d| m.new.matches(d.ordinal as u32, &d.uuid)),
-            None => devices.iter().find(|d| d.uuid == old),
-        }
-        .ok_or_else(|| RestoreError::GpuMissing {
-            ordinal: g.ordinal,
-            name: g.name.clone(),
-            uuid: g.uuid.clone(),
-        })?;
+    for (g, target) in gpu.gpus.iter().zip(targets) {
+        let old: GpuUuid = parse_uuid(&g.uuid)?;
         if target.name != g.name {
             return Err(RestoreError::GpuModel {
                 snapshot: g.name.clone(),
@@ -332,4 +399,90 @@ fn plan_gpus(gpu: &GpuSection, map: &[GpuMapping]) -> Result<GpuPlan, RestoreErr
         pairs.clear();
     }
     Ok(GpuPlan { driver, pairs })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu_map::parse_gpu_map;
+    use torpor_cuda::GpuDevice;
+    use torpor_image::GpuEntry;
+
+    fn dev(ordinal: i32, byte: u8) -> GpuDevice {
+        GpuDevice {
+            ordinal,
+            name: "NVIDIA H200".into(),
+            uuid: GpuUuid([byte; 16]),
+            total_memory: 1 << 30,
+        }
+    }
+
+    fn section(used: &[Option<u64>]) -> GpuSection {
+        GpuSection {
+            driver_version: "580.159.04".into(),
+            cuda_driver_version: 13000,
+            gpus: used
+                .iter()
+                .enumerate()
+                .map(|(i, u)| GpuEntry {
+                    ordinal: i as u32,
+                    name: "NVIDIA H200".into(),
+                    uuid: GpuUuid([i as u8 + 1; 16]).to_string(),
+                    total_memory: 1 << 30,
+                    used_by_snapshot: *u,
+                })
+                .collect(),
+        }
+    }
+
+    fn ordinals(v: Vec<&GpuDevice>) -> Vec<i32> {
+        v.iter().map(|d| d.ordinal).collect()
+    }
+
+    #[test]
+    fn identity_without_a_map() {
+        let devices = [dev(0, 1), dev(1, 2)];
+        let t = assign_targets(&section(&[Some(5), Some(0)]), &[], &devices).unwrap();
+        assert_eq!(ordinals(t), vec![0, 1]);
+    }
+
+    #[test]
+    fn mapping_one_gpu_moves_the_unused_one_out_of_the_way() {
+        // The driver refuses a pair list that does not cover every GPU the process saw.
+        let devices = [dev(0, 1), dev(1, 2)];
+        let map = parse_gpu_map("0=1").unwrap();
+        let t = assign_targets(&section(&[Some(5), Some(0)]), &map, &devices).unwrap();
+        assert_eq!(ordinals(t), vec![1, 0]);
+    }
+
+    #[test]
+    fn a_used_gpu_is_never_moved_silently() {
+        let devices = [dev(0, 1), dev(1, 2)];
+        let map = parse_gpu_map("0=1").unwrap();
+        let err = assign_targets(&section(&[Some(5), Some(7)]), &map, &devices).unwrap_err();
+        assert!(
+            matches!(err, RestoreError::GpuMissing { ordinal: 1, .. }),
+            "{err}"
+        );
+        let map = parse_gpu_map("0=1,1=1").unwrap();
+        let err = assign_targets(&section(&[Some(5), Some(7)]), &map, &devices).unwrap_err();
+        assert!(matches!(err, RestoreError::GpuTaken { .. }), "{err}");
+        let map = parse_gpu_map("0=1,1=0").unwrap();
+        assert_eq!(
+            ordinals(assign_targets(&section(&[Some(5), Some(7)]), &map, &devices).unwrap()),
+            vec![1, 0]
+        );
+    }
+
+    #[test]
+    fn a_snapshot_gpu_missing_here_needs_a_mapping() {
+        let devices = [dev(0, 9)];
+        let err = assign_targets(&section(&[Some(5)]), &[], &devices).unwrap_err();
+        assert!(err.to_string().contains("--gpu 0=NEW"), "{err}");
+        let map = parse_gpu_map("0=0").unwrap();
+        assert_eq!(
+            ordinals(assign_targets(&section(&[Some(5)]), &map, &devices).unwrap()),
+            vec![0]
+        );
+    }
 }

@@ -407,25 +407,32 @@ fn gpu_section(
     let devices = driver.devices().map_err(driver_err)?;
     let cuda_driver_version = driver.driver_version().map_err(driver_err)?;
     let usage = nvml.and_then(|n| n.process_memory().ok());
-    let mut gpus = Vec::new();
-    for dev in devices {
-        let used = usage.as_ref().map(|u| {
-            u.iter()
-                .filter(|p| p.gpu == dev.uuid && pids.contains(&(p.pid as i32)))
-                .map(|p| p.used_memory.unwrap_or(0))
-                .sum::<u64>()
-        });
-        if used == Some(0) {
-            continue; // this GPU is not used by the tree
+    // Every GPU some CUDA process of the tree can see, in the order torpor enumerates them:
+    // restoring onto other GPUs needs a pair for each of them, used or not.
+    let mut visible: Vec<torpor_cuda::GpuDevice> = Vec::new();
+    for &pid in pids {
+        for dev in crate::visible_gpus::visible_to(pid, &devices) {
+            if !visible.iter().any(|d| d.uuid == dev.uuid) {
+                visible.push(dev);
+            }
         }
-        gpus.push(GpuEntry {
+    }
+    visible.sort_by_key(|d| d.ordinal);
+    let gpus = visible
+        .into_iter()
+        .map(|dev| GpuEntry {
             ordinal: dev.ordinal as u32,
+            used_by_snapshot: usage.as_ref().map(|u| {
+                u.iter()
+                    .filter(|p| p.gpu == dev.uuid && pids.contains(&(p.pid as i32)))
+                    .map(|p| p.used_memory.unwrap_or(0))
+                    .sum::<u64>()
+            }),
             name: dev.name,
             uuid: dev.uuid.to_string(),
             total_memory: dev.total_memory,
-            used_by_snapshot: used,
-        });
-    }
+        })
+        .collect();
     let driver_version = nvml
         .and_then(|n| n.driver_version().ok())
         .unwrap_or_else(|| format!("cuda-{cuda_driver_version}"));

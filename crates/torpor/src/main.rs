@@ -82,6 +82,9 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // torpor enumerates every GPU of the node; the processes it snapshots keep their own
+    // CUDA_VISIBLE_DEVICES, read from /proc. Removed while the process is single-threaded.
+    std::env::remove_var("CUDA_VISIBLE_DEVICES");
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run { log, command } => cmd::run::run(log, &command),
