@@ -1,0 +1,36 @@
+"""Torpor's Python SDK: write a serverless function, declare its data, and let torpord run it.
+
+    import torpor
+
+    @torpor.function
+    class MLP:
+        def setup(self) -> None:            # once per instance, before the function snapshot
+            self.weights = torpor.load_bytes("weights")
+
+        def __call__(self, request):        # once per request; JSON in, JSON out
+            return {"y": ...}
+
+The function's directory holds torpor.toml (see torpor.spec) and its code. The worker harness
+that runs it is torpor.worker; the frame codec it speaks is torpor.frames.
+
+torpor.dump (saving an object as declared data) is not part of this release.
+"""
+
+from __future__ import annotations
+
+from torpor.data import declared, load, load_bytes, use_dir
+from torpor.errors import DataError, DefinitionError, FrameError, SpecError, TorporError
+from torpor.functions import function
+
+__all__ = [
+    "DataError",
+    "DefinitionError",
+    "FrameError",
+    "SpecError",
+    "TorporError",
+    "declared",
+    "function",
+    "load",
+    "load_bytes",
+    "use_dir",
+]

@@ -1,0 +1,667 @@
+"""torpor.toml, the function spec: parsing, validation and its JSON form.
+
+The file format is the one docs/torpord.md fixes; every key but `name` and `entry` has a default:
+
+    name = "cpu-mlp"              # required; [a-z0-9][a-z0-9_.-]*, at most 63 characters
+    entry = "model:MLP"           # required; module:Class, the module found in the function dir
+    python = "python3"            # interpreter, a command on PATH or an absolute path
+    preload = []                  # modules imported by the base worker, in this order, no repeats
+    gpus = 0                      # 0 or 1
+    gpu_memory = "0"              # a size; must be "0" when gpus = 0
+    timeout_s = 30                # per request, > 0
+    [[data]]                      # zero or more
+    name = "weights"              # required; [A-Za-z_][A-Za-z0-9_.-]*, unique
+    path = "weights.npy"          # required; relative, must stay inside the function dir
+    size = "auto"                 # default "auto"; else a size that must equal the file's size
+    access = "read-only"          # or "writable"
+    [warmup]                      # optional
+    request = { x = [0.0, 1.0] }  # required in [warmup]; any TOML value but dates and times
+    [scaling]
+    max_instances = 4             # integer >= 1
+    requests_per_instance = 1     # integer >= 1
+    [keepalive]                   # seconds, each >= 0
+    gpu_release_s = 30
+    hibernate_s = 120
+    evict_s = 600
+
+Sizes are a TOML integer (bytes) or a string: a number and an optional unit, binary (KiB, MiB,
+GiB, TiB) or decimal (B, kB, MB, GB, TB), e.g. "0", "512", "16MiB", "1.5 GiB". The result must be
+a whole number of bytes.
+
+Declared data must exist when the spec is validated, as a regular file (symlinks are followed and
+must stay inside the function dir). A declared size is checked exactly against the file, so a
+stale weights file is caught at deploy rather than in setup(); `size = "auto"` (the default)
+takes the file's size as it is.
+
+Every problem is a SpecError whose message is one line: the key path, what is wrong, and the fix,
+e.g. `torpor.toml: scaling.max_instances must be an integer >= 1, got "four"; write e.g.
+max_instances = 4`. Unknown keys are errors too.
+
+Command line (an interface: torpord runs it to validate a spec before it deploys it):
+
+    python3 -m torpor.spec DIR
+
+- exit 0: stdout is one line, the JSON form of the spec (below), then a newline.
+- exit 1: stderr is one line, the SpecError's message; stdout is empty.
+- exit 2: wrong usage (argparse's message on stderr).
+
+The JSON form is also the `spec` field of the `load` frame the daemon sends to a worker. Keys, in
+this order (sizes in bytes, durations in seconds as JSON numbers):
+
+    {"dir": "/abs/path/of/DIR",            # resolved, absolute
+     "name": str, "entry": "module:Class", "module": str, "class": str,
+     "python": str, "preload": [str, ...], "gpus": 0|1, "gpu_memory": int, "timeout_s": number,
+     "data": [{"name": str, "path": str (relative, normalised), "abs_path": str, "size": int,
+               "access": "read-only"|"writable"}, ...],
+     "warmup": {"request": JSON} | null,
+     "scaling": {"max_instances": int, "requests_per_instance": int},
+     "keepalive": {"gpu_release_s": number, "hibernate_s": number, "evict_s": number}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import difflib
+import json
+import math
+import os
+import re
+import stat
+import sys
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from torpor.errors import SpecError
+
+SPEC_FILE = "torpor.toml"
+ACCESS_MODES = ("read-only", "writable")
+Access = Literal["read-only", "writable"]
+
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+DATA_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
+IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+ENTRY_RE = re.compile(rf"({IDENT}(?:\.{IDENT})*):({IDENT})")
+MODULE_RE = re.compile(rf"{IDENT}(?:\.{IDENT})*")
+SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
+SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KiB": 1 << 10,
+    "MiB": 1 << 20,
+    "GiB": 1 << 30,
+    "TiB": 1 << 40,
+    "kB": 10**3,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+}
+
+TOP_KEYS = (
+    "name",
+    "entry",
+    "python",
+    "preload",
+    "gpus",
+    "gpu_memory",
+    "timeout_s",
+    "data",
+    "warmup",
+    "scaling",
+    "keepalive",
+)
+DATA_KEYS = ("name", "path", "size", "access")
+WARMUP_KEYS = ("request",)
+SCALING_KEYS = ("max_instances", "requests_per_instance")
+KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s")
+
+
+@dataclass(frozen=True)
+class DataDecl:
+    """One declared data file (EDAS): readable in setup() through torpor.load(name)."""
+
+    name: str
+    path: str  # relative to the function dir, normalised
+    abs_path: Path
+    size: int  # bytes
+    access: Access
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "path": self.path,
+            "abs_path": str(self.abs_path),
+            "size": self.size,
+            "access": self.access,
+        }
+
+
+@dataclass(frozen=True)
+class Warmup:
+    request: Any  # a JSON value
+
+
+@dataclass(frozen=True)
+class Scaling:
+    max_instances: int = 4
+    requests_per_instance: int = 1
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    gpu_release_s: float = 30
+    hibernate_s: float = 120
+    evict_s: float = 600
+
+
+@dataclass(frozen=True)
+class Spec:
+    dir: Path
+    name: str
+    entry: str
+    python: str = "python3"
+    preload: tuple[str, ...] = ()
+    gpus: int = 0
+    gpu_memory: int = 0
+    timeout_s: float = 30
+    data: tuple[DataDecl, ...] = ()
+    warmup: Warmup | None = None
+    scaling: Scaling = field(default_factory=Scaling)
+    keepalive: Keepalive = field(default_factory=Keepalive)
+
+    @property
+    def module(self) -> str:
+        return self.entry.split(":", 1)[0]
+
+    @property
+    def class_name(self) -> str:
+        return self.entry.split(":", 1)[1]
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form described in the module doc (the `spec` field of the `load` frame)."""
+        return {
+            "dir": str(self.dir),
+            "name": self.name,
+            "entry": self.entry,
+            "module": self.module,
+            "class": self.class_name,
+            "python": self.python,
+            "preload": list(self.preload),
+            "gpus": self.gpus,
+            "gpu_memory": self.gpu_memory,
+            "timeout_s": self.timeout_s,
+            "data": [d.to_json() for d in self.data],
+            "warmup": None if self.warmup is None else {"request": self.warmup.request},
+            "scaling": {
+                "max_instances": self.scaling.max_instances,
+                "requests_per_instance": self.scaling.requests_per_instance,
+            },
+            "keepalive": {
+                "gpu_release_s": self.keepalive.gpu_release_s,
+                "hibernate_s": self.keepalive.hibernate_s,
+                "evict_s": self.keepalive.evict_s,
+            },
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: each raises a SpecError naming the key path, the problem and the fix.
+
+
+def _fail(key: str | None, problem: str, fix: str) -> SpecError:
+    where = f"{key} " if key else ""
+    return SpecError(f"{SPEC_FILE}: {where}{problem}; {fix}", key)
+
+
+def _path(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _show(value: object) -> str:
+    """A TOML value as it would be written, for 'got ...' in messages (shortened)."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, dict):
+        text = "a table"
+    elif isinstance(value, list):
+        text = f"an array of {len(value)}"
+    else:
+        text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_keys(table: Mapping[str, Any], prefix: str, known: tuple[str, ...]) -> None:
+    for key in table:
+        if key in known:
+            continue
+        close = [k for k in known if k.startswith(key)] or difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else "remove it"
+        where = "the top level" if not prefix else "[[data]]" if prefix.startswith("data[") else f"[{prefix}]"
+        raise _fail(
+            _path(prefix, key),
+            "is not a known key",
+            f"{hint} (keys of {where}: {', '.join(known)})",
+        )
+
+
+def _table(parent: Mapping[str, Any], prefix: str, key: str) -> dict[str, Any] | None:
+    value = parent.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _fail(
+            _path(prefix, key),
+            f"must be a table, got {_show(value)}",
+            f"write it as [{key}] with its keys below",
+        )
+    return value
+
+
+def _int(
+    table: Mapping[str, Any], prefix: str, key: str, default: int, minimum: int, maximum: int | None = None
+) -> int:
+    if key not in table:
+        return default
+    value = table[key]
+    bounds = f"≥ {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        raise _fail(
+            _path(prefix, key),
+            f"must be an integer {bounds}, got {_show(value)}",
+            f"write e.g. {key} = {default if default >= minimum else minimum}",
+        )
+    return value
+
+
+def _seconds(table: Mapping[str, Any], prefix: str, key: str, default: float, positive: bool) -> float:
+    if key not in table:
+        return default
+    value = table[key]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if value > 0 if positive else value >= 0:
+            return value
+    rule = "> 0" if positive else "≥ 0"
+    raise _fail(
+        _path(prefix, key),
+        f"must be a number of seconds {rule}, got {_show(value)}",
+        f"write e.g. {key} = {default:g}",
+    )
+
+
+def _str(table: Mapping[str, Any], prefix: str, key: str, default: str | None) -> str:
+    full = _path(prefix, key)
+    hint = _HINTS.get("data." + key if prefix.startswith("data[") else full, "a string")
+    if key not in table:
+        if default is None:
+            raise _fail(full, "is missing", f'add {key} = "..." ({hint})')
+        return default
+    value = table[key]
+    if not isinstance(value, str):
+        raise _fail(
+            full, f"must be a string, got {_show(value)}", f'write it in quotes: {key} = "..." ({hint})'
+        )
+    return value
+
+
+_HINTS = {
+    "name": "e.g. name = \"cpu-mlp\": lower-case letters, digits, '_', '.', '-'",
+    "entry": 'module:Class, e.g. entry = "model:MLP"',
+    "python": 'e.g. python = "python3"',
+    "data.name": 'e.g. name = "weights"',
+    "data.path": 'relative to the function dir, e.g. path = "weights.npy"',
+    "data.access": '"read-only" or "writable"',
+}
+
+
+def parse_size(text: str | int) -> int:
+    """A size ("16MiB", "4GiB", "0", 512) in bytes. Raises ValueError with the reason."""
+    if isinstance(text, bool):
+        raise ValueError("a boolean is not a size")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError("a size cannot be negative")
+        return text
+    m = SIZE_RE.fullmatch(text)
+    if m is None:
+        raise ValueError("not a number with an optional unit")
+    number, unit = m.groups()
+    if unit not in SIZE_UNITS:
+        raise ValueError(f"unknown unit {unit!r} (units: {', '.join(u for u in SIZE_UNITS if u)})")
+    scale = SIZE_UNITS[unit]
+    if "." in number:
+        whole, frac = number.split(".")
+        numerator = int(whole + frac) * scale
+        denominator: int = 10 ** len(frac)
+        if numerator % denominator:
+            raise ValueError("not a whole number of bytes")
+        return numerator // denominator
+    return int(number) * scale
+
+
+def _size(
+    table: Mapping[str, Any], prefix: str, key: str, default: int | None, allow_auto: bool
+) -> int | None:
+    """A size in bytes; None for "auto" (when allowed)."""
+    if key not in table:
+        return default
+    value = table[key]
+    if allow_auto and value == "auto":
+        return None
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            reason = str(e)
+    else:
+        reason = "not a string or integer"
+    auto = ' or "auto"' if allow_auto else ""
+    raise _fail(
+        _path(prefix, key),
+        f'must be a size like "16MiB", "4GiB" or "0"{auto}, got {_show(value)} ({reason})',
+        f'write e.g. {key} = "16MiB"',
+    )
+
+
+def _json_value(value: Any, key: str) -> Any:
+    """A TOML value as JSON; dates and times have no JSON form."""
+    if isinstance(value, dict):
+        return {k: _json_value(v, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_value(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _fail(key, f"is {value}, which JSON cannot carry", "use a finite number")
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        raise _fail(
+            key, f"is a TOML date/time ({value}), which JSON cannot carry", "write it as a string in quotes"
+        )
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# The parser
+
+
+def parse_text(text: str, fdir: str | os.PathLike[str], check_files: bool = True) -> Spec:
+    """Parse the text of a torpor.toml that belongs to the function dir `fdir`.
+
+    With check_files (the default) the entry module and every declared data file must exist in
+    `fdir`; without it, data sizes of "auto" resolve to 0 and nothing is looked up."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise _fail(None, f"is not valid TOML: {e}", "fix the syntax at that line") from None
+    return parse_doc(doc, Path(fdir), check_files)
+
+
+def parse_dir(fdir: str | os.PathLike[str], check_files: bool = True) -> Spec:
+    """Read and parse DIR/torpor.toml."""
+    root = Path(fdir)
+    if not root.is_dir():
+        raise _fail(
+            None,
+            f"cannot be read: {root} is not a directory",
+            "pass the function directory that holds torpor.toml",
+        )
+    path = root / SPEC_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise _fail(
+            None, f"not found in {root}", f"create {path} (see docs/torpord.md for its keys)"
+        ) from None
+    except OSError as e:
+        raise _fail(None, f"cannot be read: {e.strerror} ({path})", "check the file's permissions") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _fail(None, f"is not valid UTF-8 (byte {e.start})", "save the file as UTF-8") from None
+    return parse_text(text, root, check_files)
+
+
+def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> Spec:
+    """Validate an already-decoded TOML document."""
+    root = fdir.resolve()
+    _check_keys(doc, "", TOP_KEYS)
+
+    name = _str(doc, "", "name", None)
+    if not NAME_RE.fullmatch(name):
+        raise _fail(
+            "name",
+            "must be 1-63 lower-case letters, digits, '_', '.' or '-', starting with a letter or digit, "
+            f"got {_show(name)}",
+            'write e.g. name = "cpu-mlp"',
+        )
+
+    entry = _str(doc, "", "entry", None)
+    m = ENTRY_RE.fullmatch(entry)
+    if m is None:
+        raise _fail(
+            "entry",
+            f"must be module:Class (a Python module path, a colon, a class name), got {_show(entry)}",
+            'write e.g. entry = "model:MLP" for class MLP in model.py',
+        )
+    if check_files:
+        top = m.group(1).split(".")[0]
+        if not (
+            (root / f"{top}.py").is_file() or (root / top / "__init__.py").is_file() or (root / top).is_dir()
+        ):
+            raise _fail(
+                "entry",
+                f"names module {m.group(1)}, but neither {top}.py nor the package {top}/ is in {root}",
+                "put the module in the function dir or fix entry",
+            )
+
+    python = _str(doc, "", "python", "python3")
+    if not python.strip() or any(c.isspace() for c in python):
+        raise _fail(
+            "python",
+            f"must be one interpreter command without spaces, got {_show(python)}",
+            'write e.g. python = "python3"',
+        )
+
+    preload = _preload(doc)
+
+    gpus = _int(doc, "", "gpus", 0, 0, 1)
+    gpu_memory = _size(doc, "", "gpu_memory", 0, allow_auto=False)
+    assert gpu_memory is not None
+    if gpus == 0 and gpu_memory != 0:
+        raise _fail("gpu_memory", f"is {gpu_memory} bytes but gpus = 0", 'set gpus = 1 or gpu_memory = "0"')
+
+    timeout_s = _seconds(doc, "", "timeout_s", 30, positive=True)
+    data = _data(doc, root, check_files)
+
+    warmup = None
+    wt = _table(doc, "", "warmup")
+    if wt is not None:
+        _check_keys(wt, "warmup", WARMUP_KEYS)
+        if "request" not in wt:
+            raise _fail(
+                "warmup.request", "is missing", "add request = { ... } under [warmup], or remove [warmup]"
+            )
+        warmup = Warmup(_json_value(wt["request"], "warmup.request"))
+
+    st = _table(doc, "", "scaling") or {}
+    _check_keys(st, "scaling", SCALING_KEYS)
+    scaling = Scaling(
+        max_instances=_int(st, "scaling", "max_instances", Scaling.max_instances, 1),
+        requests_per_instance=_int(st, "scaling", "requests_per_instance", Scaling.requests_per_instance, 1),
+    )
+
+    kt = _table(doc, "", "keepalive") or {}
+    _check_keys(kt, "keepalive", KEEPALIVE_KEYS)
+    keepalive = Keepalive(
+        **{k: _seconds(kt, "keepalive", k, getattr(Keepalive, k), positive=False) for k in KEEPALIVE_KEYS}
+    )
+
+    return Spec(
+        dir=root,
+        name=name,
+        entry=entry,
+        python=python,
+        preload=preload,
+        gpus=gpus,
+        gpu_memory=gpu_memory,
+        timeout_s=timeout_s,
+        data=data,
+        warmup=warmup,
+        scaling=scaling,
+        keepalive=keepalive,
+    )
+
+
+def _preload(doc: Mapping[str, Any]) -> tuple[str, ...]:
+    value = doc.get("preload", [])
+    if not isinstance(value, list):
+        raise _fail(
+            "preload",
+            f"must be an array of module names, got {_show(value)}",
+            'write e.g. preload = ["numpy"]',
+        )
+    seen: list[str] = []
+    for i, mod in enumerate(value):
+        key = f"preload[{i}]"
+        if not isinstance(mod, str) or not MODULE_RE.fullmatch(mod):
+            raise _fail(
+                key,
+                f'must be a module name like "torch" or "torchvision.models", got {_show(mod)}',
+                "fix or remove it",
+            )
+        if mod in seen:
+            raise _fail(key, f"repeats {_show(mod)}", "list each module once")
+        seen.append(mod)
+    return tuple(seen)
+
+
+def _data(doc: Mapping[str, Any], root: Path, check_files: bool) -> tuple[DataDecl, ...]:
+    value = doc.get("data", [])
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise _fail(
+            "data",
+            f"must be an array of tables, got {_show(value)}",
+            "declare each file under its own [[data]] header",
+        )
+    out: list[DataDecl] = []
+    for i, table in enumerate(value):
+        prefix = f"data[{i}]"
+        _check_keys(table, prefix, DATA_KEYS)
+        name = _str(table, prefix, "name", None)
+        if not DATA_NAME_RE.fullmatch(name):
+            raise _fail(
+                f"{prefix}.name",
+                f"must be a letter or '_' followed by letters, digits, '_', '.' or '-', got {_show(name)}",
+                'write e.g. name = "weights"',
+            )
+        if any(d.name == name for d in out):
+            raise _fail(f"{prefix}.name", f"repeats {_show(name)}", "give each [[data]] entry its own name")
+        raw_path = _str(table, prefix, "path", None)
+        rel = _data_path(raw_path, f"{prefix}.path")
+        declared = _size(table, prefix, "size", None, allow_auto=True)
+        access = _str(table, prefix, "access", "read-only")
+        if access not in ACCESS_MODES:
+            raise _fail(
+                f"{prefix}.access",
+                f'must be "read-only" or "writable", got {_show(access)}',
+                'write access = "read-only"',
+            )
+        abs_path = root / rel
+        size = declared if declared is not None else 0
+        if check_files:
+            abs_path, actual = _data_file(root, rel, f"{prefix}.path")
+            if declared is not None and declared != actual:
+                raise _fail(
+                    f"{prefix}.size",
+                    f"is {declared} bytes but {rel} has {actual} bytes",
+                    f'set size = "auto" or size = {actual}, or replace the file',
+                )
+            size = actual
+        out.append(DataDecl(name=name, path=rel, abs_path=abs_path, size=size, access=access))  # type: ignore[arg-type]
+    return tuple(out)
+
+
+def _data_path(raw: str, key: str) -> str:
+    if not raw or "\0" in raw:
+        raise _fail(key, f"must be a file path, got {_show(raw)}", 'write e.g. path = "weights.npy"')
+    if os.path.isabs(raw):
+        raise _fail(
+            key,
+            f"must be relative to the function dir, got the absolute path {_show(raw)}",
+            "copy the file into the function dir and name it relatively",
+        )
+    norm = os.path.normpath(raw)
+    if norm == ".":
+        raise _fail(key, f"names the function dir itself: {_show(raw)}", "name a file inside it")
+    if norm == ".." or norm.startswith("../"):
+        raise _fail(
+            key,
+            f"leaves the function dir: {_show(raw)}",
+            "copy the file into the function dir and name it relatively",
+        )
+    return norm
+
+
+def _data_file(root: Path, rel: str, key: str) -> tuple[Path, int]:
+    path = root / rel
+    try:
+        real = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise _fail(
+            key, f"names {rel}, which does not exist in {root}", "create the file or fix the path"
+        ) from None
+    except (OSError, RuntimeError) as e:
+        raise _fail(
+            key, f"names {rel}, which cannot be resolved ({e})", "fix the path or the symlink"
+        ) from None
+    if not real.is_relative_to(root):
+        raise _fail(
+            key,
+            f"names {rel}, a symlink that leads out of the function dir to {real}",
+            "copy the file into the function dir",
+        )
+    try:
+        st = real.stat()
+    except OSError as e:
+        raise _fail(
+            key, f"names {rel}, which cannot be read ({e.strerror})", "check its permissions"
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _fail(
+            key, f"names {rel}, which is not a regular file", "declare a file, not a directory or device"
+        )
+    if not os.access(real, os.R_OK):
+        raise _fail(key, f"names {rel}, which is not readable", "make it readable (chmod a+r)")
+    return path, st.st_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python3 -m torpor.spec",
+        description="Validate DIR/torpor.toml; print its JSON form (exit 0) or one error line (exit 1).",
+    )
+    ap.add_argument("dir", help="the function directory that holds torpor.toml")
+    args = ap.parse_args(argv)
+    try:
+        spec = parse_dir(args.dir)
+    except SpecError as e:
+        print(e, file=sys.stderr)
+        return 1
+    sys.stdout.write(json.dumps(spec.to_json(), ensure_ascii=False, allow_nan=False) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

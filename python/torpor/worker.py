@@ -1,0 +1,472 @@
+"""The worker harness: one function per process, driven by torpord over a Unix socket.
+
+    python3 -m torpor.worker --role base|function [--preload m1,m2] [--gpu]
+
+torpord starts it under `torpor run` with $TORPOR_WORKER_SOCKET set to its workers.sock. The
+protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does:
+
+1. Blocks SIGUSR2 (so the wake-up after a snapshot is never lost and never kills it), connects,
+   and sends `hello` {pid, role, function: null, resumed: false}. `pid` is the worker's PID in its
+   own namespace; torpord identifies connections by SO_PEERCRED.
+2. Imports the --preload modules in order and, with --gpu, warms CUDA through torch (which must
+   be among them): matmul, linear, softmax and conv in fp32 and fp16, so cuBLAS, cuBLASLt and
+   cuDNN are initialised; then frees torch's cached blocks. Role `base` then sends
+   `ready` {ok: true, setup_s: import time, warmup_s: GPU warm-up time}; role `function` sends
+   nothing yet and waits for `load`.
+3. Serves frames until the connection ends:
+   - `load` {spec, dir, data}: checks every declared data file the `data` map names (it must
+     exist, and read-only data must have the declared size), binds them for torpor.load, imports
+     `entry` with `dir` first on sys.path, instantiates the decorated class, runs setup(), then
+     the spec's warm-up request, and sends `ready` {ok: true, setup_s, warmup_s} (role function
+     adds `preload_s`). From then on hello says role "function" and the spec's name.
+   - `invoke` {id, request, timeout_s}: calls the function and sends `result` {id, ok, value,
+     handler_s}. An exception from the function, or a value that cannot be sent (not JSON, NaN,
+     over 64 MiB), is `ok: false` with `error` {type, message, traceback} (texts capped at 64 KiB),
+     and the worker serves on. `timeout_s` is enforced by torpord, which kills a hung worker.
+   - `quiesce`: synchronises CUDA if torch initialised it, flushes stdout and stderr (so buffered
+     output is not copied into every restored instance), runs the garbage collector, sends
+     `quiet` {cuda_synced: whether a synchronize ran}, closes the connection and blocks in
+     sigwait(SIGUSR2). torpord should snapshot once it has read EOF after `quiet`. On SIGUSR2 it
+     reconnects and sends `hello` with resumed: true (the original and every restored copy alike).
+   - `shutdown`: closes the connection and exits 0.
+   A failure while loading (or preloading) is reported as `ready` {ok: false, phase, error
+   {type, message, traceback}} with phase one of "preload", "gpu_warmup", "data", "import",
+   "setup", "warmup"; the worker then exits 4.
+
+Exit status: 0 after `shutdown` or when torpord closes or drops the connection; 1 on a crash of
+the harness itself (traceback on stderr); 2 for wrong usage or a missing $TORPOR_WORKER_SOCKET;
+3 on a protocol error (a frame too long, truncated, not a JSON object, an unknown type, missing
+fields, or a frame out of order), with the reason on stderr; 4 after a failed load; 5 when
+torpord's socket cannot be connected to within 10 s.
+
+Limitation: SIGUSR2 stays blocked in processes the function starts (the mask is inherited).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import gc
+import importlib
+import os
+import re
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from torpor import data as torpor_data
+from torpor.errors import DataError, FrameError
+from torpor.frames import FrameReader, encode
+from torpor.functions import resolve
+
+ENV_SOCKET = "TORPOR_WORKER_SOCKET"
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_PROTOCOL = 3
+EXIT_LOAD = 4
+EXIT_CONNECT = 5
+CONNECT_TIMEOUT_S = 10.0
+MAX_TEXT = 64 << 10
+ROLES = ("base", "function")
+_PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+class ProtocolError(Exception):
+    """torpord sent a frame that is valid JSON but not a valid message here."""
+
+
+class ConnectError(Exception):
+    pass
+
+
+def _text(s: str) -> str:
+    """A string that encodes as UTF-8 (lone surrogates escaped), at most MAX_TEXT characters."""
+    s = s.encode("utf-8", "backslashreplace").decode("utf-8")
+    return s if len(s) <= MAX_TEXT else s[: MAX_TEXT - 20] + "\n... (truncated)"
+
+
+def _str(e: BaseException) -> str:
+    """str(e), even when the exception's __str__ itself fails."""
+    try:
+        return str(e)
+    except Exception as inner:
+        return f"<str() of the exception failed: {_type_name(inner)}>"
+
+
+def _type_name(e: BaseException) -> str:
+    t = type(e)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _user_tb(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback without the harness's and importlib's leading frames (unless that is all)."""
+    t = tb
+    while t is not None:
+        name = t.tb_frame.f_code.co_filename
+        if not (name.startswith(_PACKAGE_DIR) or name.startswith("<frozen importlib")):
+            return t
+        t = t.tb_next
+    return tb
+
+
+def error_doc(e: BaseException) -> dict[str, str]:
+    try:
+        tb = "".join(traceback.format_exception(type(e), e, _user_tb(e.__traceback__)))
+    except Exception as inner:
+        tb = f"<formatting the traceback failed: {_type_name(inner)}>"
+    return {"type": _type_name(e), "message": _text(_str(e)), "traceback": _text(tb)}
+
+
+def cuda_sync() -> bool:
+    """torch.cuda.synchronize() if torch is imported and has initialised CUDA; whether it ran."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None) if torch is not None else None
+    if cuda is None or not cuda.is_initialized():
+        return False
+    cuda.synchronize()
+    return True
+
+
+def warm_gpu() -> None:
+    """Run matmul, linear, softmax and conv in fp32 and fp16 so cuBLAS(Lt) and cuDNN initialise."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        raise RuntimeError(
+            "--gpu warms CUDA through torch, but torch is not preloaded; add torch to --preload or drop --gpu"
+        )
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "--gpu, but torch sees no CUDA device (torch.cuda.is_available() is False); "
+            "run on a GPU node or drop --gpu"
+        )
+    functional: Any = importlib.import_module("torch.nn.functional")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float16):
+            a = torch.randn(256, 256, device=dev, dtype=dtype)
+            bias = torch.randn(256, device=dev, dtype=dtype)
+            b = torch.softmax(a @ a, dim=-1)
+            c = functional.linear(b, a, bias)
+            x = torch.randn(2, 3, 32, 32, device=dev, dtype=dtype)
+            w = torch.randn(8, 3, 3, 3, device=dev, dtype=dtype)
+            y = functional.conv2d(x, w, padding=1)
+            del a, bias, b, c, x, w, y
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _drain_sigusr2() -> None:
+    """Consume a SIGUSR2 left pending from before, so the next sigwait waits for a fresh one."""
+    while signal.SIGUSR2 in signal.sigpending():
+        signal.sigtimedwait({signal.SIGUSR2}, 0)
+
+
+def _wait_sigusr2() -> None:
+    while True:
+        try:
+            if signal.sigwait({signal.SIGUSR2}) == signal.SIGUSR2:
+                return
+        except InterruptedError:
+            continue
+
+
+class Worker:
+    def __init__(self, role: str, preload: list[str], gpu: bool, socket_path: str) -> None:
+        self.role = role
+        self.started_as = role
+        self.preload = preload
+        self.gpu = gpu
+        self.socket_path = socket_path
+        self.function: str | None = None
+        self.entry = ""
+        self.call: Callable[[Any], Any] | None = None
+        self.preload_s = 0.0
+        self.sock: socket.socket | None = None
+        self.reader: FrameReader | None = None
+
+    # -- connection ---------------------------------------------------------------------------
+
+    def connect(self, resumed: bool) -> None:
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        delay = 0.01
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(self.socket_path)
+                break
+            except OSError as e:
+                s.close()
+                retry = e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN)
+                if not retry or time.monotonic() > deadline:
+                    raise ConnectError(
+                        f"cannot connect to ${ENV_SOCKET}={self.socket_path}: {e.strerror}; "
+                        "start torpord (or point the variable at its workers.sock)"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+        self.sock = s
+        if self.reader is None:
+            self.reader = FrameReader(s)
+        else:
+            self.reader.sock = s
+        self.send(
+            {
+                "type": "hello",
+                "pid": os.getpid(),
+                "role": self.role,
+                "function": self.function,
+                "resumed": resumed,
+            }
+        )
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.sock is not None
+        self.sock.sendall(encode(obj))
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def fail(self, phase: str, e: BaseException) -> int:
+        """Report a failed preload/load as ready {ok: false} and return the exit status."""
+        what = self.function or self.role
+        print(f"torpor worker: {what}: {phase} failed: {_type_name(e)}: {_str(e)}", file=sys.stderr)
+        self.send({"type": "ready", "ok": False, "phase": phase, "error": error_doc(e)})
+        self.close()
+        return EXIT_LOAD
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.connect(resumed=False)
+        t0 = time.perf_counter()
+        try:
+            for name in self.preload:
+                importlib.import_module(name)
+        except Exception as e:
+            return self.fail("preload", e)
+        t1 = time.perf_counter()
+        if self.gpu:
+            try:
+                warm_gpu()
+            except Exception as e:
+                return self.fail("gpu_warmup", e)
+        t2 = time.perf_counter()
+        self.preload_s = t1 - t0
+        if self.role == "base":
+            self.send({"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t1})
+        return self.serve()
+
+    def serve(self) -> int:
+        assert self.reader is not None
+        read = self.reader.read
+        while True:
+            msg = read()
+            if msg is None:
+                print("torpor worker: torpord closed the connection; exiting", file=sys.stderr)
+                self.close()
+                return EXIT_OK
+            kind = msg.get("type")
+            if kind == "invoke":
+                self.invoke(msg)
+            elif kind == "load":
+                if not self.load(msg):
+                    return EXIT_LOAD
+            elif kind == "quiesce":
+                self.quiesce()
+            elif kind == "shutdown":
+                self.close()
+                return EXIT_OK
+            else:
+                raise ProtocolError(f"unknown frame type {kind!r} (known: load, invoke, quiesce, shutdown)")
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def invoke(self, msg: dict[str, Any]) -> None:
+        call = self.call
+        if call is None:
+            raise ProtocolError("invoke before load; send load and wait for ready first")
+        if "id" not in msg or "request" not in msg:
+            raise ProtocolError(f"invoke frame lacks {'id' if 'id' not in msg else 'request'}")
+        rid = msg["id"]
+        t0 = time.perf_counter()
+        try:
+            value = call(msg["request"])
+        except Exception as e:
+            out = {
+                "type": "result",
+                "id": rid,
+                "ok": False,
+                "error": error_doc(e),
+                "handler_s": time.perf_counter() - t0,
+            }
+        else:
+            out = {
+                "type": "result",
+                "id": rid,
+                "ok": True,
+                "value": value,
+                "handler_s": time.perf_counter() - t0,
+            }
+        try:
+            frame = encode(out)
+        except FrameError as e:
+            out = {
+                "type": "result",
+                "id": rid,
+                "ok": False,
+                "error": {
+                    "type": "ResultError",
+                    "message": _text(f"the value {self.entry} returned cannot be sent: {e}"),
+                    "traceback": "",
+                },
+                "handler_s": out["handler_s"],
+            }
+            frame = encode(out)
+        assert self.sock is not None
+        self.sock.sendall(frame)
+
+    def load(self, msg: dict[str, Any]) -> bool:
+        if self.call is not None:
+            raise ProtocolError(
+                f"a second load, but this worker already serves {self.function}; start another worker"
+            )
+        spec, fdir, data_map = msg.get("spec"), msg.get("dir"), msg.get("data")
+        if not isinstance(spec, dict) or not isinstance(fdir, str) or not isinstance(data_map, dict):
+            raise ProtocolError("load needs spec (object), dir (string) and data (object)")
+        name, entry = spec.get("name"), spec.get("entry")
+        decls, warmup = spec.get("data", []), spec.get("warmup")
+        if not isinstance(name, str) or not isinstance(entry, str):
+            raise ProtocolError(
+                "load's spec lacks name or entry; send the JSON of `python3 -m torpor.spec DIR`"
+            )
+        if not isinstance(decls, list) or not all(
+            isinstance(d, dict)
+            and isinstance(d.get("name"), str)
+            and isinstance(d.get("size"), int)
+            and d.get("access", "read-only") in ("read-only", "writable")
+            for d in decls
+        ):
+            raise ProtocolError("load's spec.data must be a list of {name, size, access}")
+        if warmup is not None and (not isinstance(warmup, dict) or "request" not in warmup):
+            raise ProtocolError("load's spec.warmup must be null or {request}")
+        declared = {d["name"] for d in decls}
+        if set(data_map) != declared or not all(isinstance(p, str) for p in data_map.values()):
+            raise ProtocolError(
+                f"load's data map names {sorted(data_map)} but the spec declares {sorted(declared)}; "
+                "send one path per declared name"
+            )
+        self.function, self.entry, self.role = name, entry, "function"
+        phase = "data"
+        try:
+            bound = []
+            for d in decls:
+                path = Path(data_map[d["name"]])
+                access = str(d.get("access", "read-only"))
+                try:
+                    size = path.stat().st_size
+                except OSError as e:
+                    raise DataError(
+                        f"declared data {d['name']!r}: {path}: {e.strerror}; restore the file or redeploy"
+                    ) from None
+                if access == "read-only" and size != d["size"]:
+                    raise DataError(
+                        f"declared data {d['name']!r}: {path} has {size} bytes, "
+                        f"the spec says {d['size']}; redeploy the function"
+                    )
+                bound.append(torpor_data.Bound(d["name"], path, d["size"], access))
+            torpor_data.bind(bound, f"the torpor.toml of {name}")
+            phase = "import"
+            cls = resolve(fdir, entry)
+            phase = "setup"
+            t0 = time.perf_counter()
+            instance = cls()
+            instance.setup()
+            t1 = time.perf_counter()
+            phase = "warmup"
+            if warmup is not None:
+                value = instance(warmup["request"])
+                try:
+                    encode({"value": value})
+                except FrameError as e:
+                    raise TypeError(f"the warm-up request's value cannot be sent: {e}") from None
+            t2 = time.perf_counter()
+        except Exception as e:
+            self.fail(phase, e)
+            return False
+        self.call = instance.__call__
+        ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t1}
+        if self.started_as == "function":
+            ready["preload_s"] = self.preload_s
+        self.send(ready)
+        return True
+
+    def quiesce(self) -> None:
+        synced = cuda_sync()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        assert self.reader is not None
+        self.reader.shrink()
+        gc.collect()
+        _drain_sigusr2()
+        self.send({"type": "quiet", "cuda_synced": synced})
+        self.close()
+        _wait_sigusr2()
+        self.connect(resumed=True)
+
+
+def _modules(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if not _MODULE_RE.fullmatch(n):
+            raise argparse.ArgumentTypeError(
+                f"{n!r} is not a module name (write e.g. --preload torch,torchvision)"
+            )
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    ap = argparse.ArgumentParser(
+        prog="python3 -m torpor.worker", description="Torpor's worker harness (started by torpord)."
+    )
+    ap.add_argument(
+        "--role", choices=ROLES, required=True, help="base: preload and report ready; function: wait for load"
+    )
+    ap.add_argument("--preload", type=_modules, default=[], help="modules to import first, comma-separated")
+    ap.add_argument("--gpu", action="store_true", help="warm CUDA through torch (needs torch in --preload)")
+    args = ap.parse_args(argv)
+    path = os.environ.get(ENV_SOCKET)
+    if not path:
+        print(
+            f"torpor worker: ${ENV_SOCKET} is not set; torpord sets it "
+            "(to run a worker by hand, set it to a listening socket's path)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    worker = Worker(args.role, args.preload, args.gpu, path)
+    try:
+        return worker.run()
+    except (FrameError, ProtocolError) as e:
+        print(f"torpor worker: protocol error from torpord: {e}", file=sys.stderr)
+        return EXIT_PROTOCOL
+    except ConnectError as e:
+        print(f"torpor worker: {e}", file=sys.stderr)
+        return EXIT_CONNECT
+    except ConnectionError as e:
+        print(f"torpor worker: lost the connection to torpord ({e.strerror}); exiting", file=sys.stderr)
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

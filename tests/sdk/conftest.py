@@ -1,0 +1,31 @@
+"""Fixtures for the SDK tests (helpers in sdkd.py): a listening daemon socket and worker spawner."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sdkd import Daemon, Spawner  # noqa: E402
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = Daemon(tmp_path / "workers.sock")
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path, daemon: Daemon) -> Iterator[Spawner]:
+    s = Spawner(tmp_path, daemon)
+    try:
+        yield s
+    finally:
+        s.cleanup()

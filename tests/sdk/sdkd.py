@@ -1,0 +1,204 @@
+"""Helpers for the SDK tests: the test plays torpord.
+
+`Daemon` listens on a real Unix socket; workers are real `python3 -m torpor.worker` processes
+that connect to it. The frames the test sends and reads go through a codec written here, not
+torpor.frames, so a bug in the codec under test cannot cancel itself out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON_DIR = ROOT / "python"
+FUNCTIONS = Path(__file__).resolve().parent / "functions"
+TINYMLP = FUNCTIONS / "tinymlp"
+if str(PYTHON_DIR) not in sys.path:
+    sys.path.insert(0, str(PYTHON_DIR))
+
+from torpor.spec import parse_dir  # noqa: E402
+
+_LEN = struct.Struct(">I")
+_PEERCRED = struct.Struct("3i")
+
+
+def worker_env(sock_path: Path | str, **extra: str) -> dict[str, str]:
+    """The environment torpord gives a worker (plus PYTHONPATH so the package is importable)."""
+    old = os.environ.get("PYTHONPATH")
+    pythonpath = f"{PYTHON_DIR}{os.pathsep}{old}" if old else str(PYTHON_DIR)
+    return {**os.environ, "PYTHONPATH": pythonpath, "TORPOR_WORKER_SOCKET": str(sock_path), **extra}
+
+
+class Conn:
+    """One accepted worker connection, seen from the daemon's side."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        pid, uid, gid = _PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+        self.peer_pid = pid
+
+    def send(self, obj: dict[str, Any]) -> None:
+        payload = json.dumps(obj).encode()
+        self.sock.sendall(_LEN.pack(len(payload)) + payload)
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _exact(self, n: int, timeout: float) -> bytes:
+        self.sock.settimeout(timeout)
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError(f"worker {self.peer_pid} closed the connection after {len(buf)} of {n} bytes")
+            buf += chunk
+        return buf
+
+    def recv(self, timeout: float = 10.0) -> dict[str, Any]:
+        (n,) = _LEN.unpack(self._exact(4, timeout))
+        doc = json.loads(self._exact(n, timeout).decode("utf-8"))
+        assert isinstance(doc, dict), doc
+        return doc
+
+    def expect(self, kind: str, timeout: float = 10.0) -> dict[str, Any]:
+        doc = self.recv(timeout)
+        assert doc.get("type") == kind, f"expected a {kind} frame, got {doc}"
+        return doc
+
+    def at_eof(self, timeout: float = 10.0) -> bool:
+        """Whether the worker closed its end (waits up to timeout for EOF)."""
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1) == b""
+        except TimeoutError:
+            return False
+
+    def invoke(self, rid: object, request: object, timeout: float = 10.0) -> dict[str, Any]:
+        self.send({"type": "invoke", "id": rid, "request": request, "timeout_s": 5})
+        doc = self.expect("result", timeout)
+        assert doc["id"] == rid, doc
+        return doc
+
+    def load(self, fdir: Path = TINYMLP) -> dict[str, Any]:
+        spec = parse_dir(fdir)
+        self.send(
+            {
+                "type": "load",
+                "spec": spec.to_json(),
+                "dir": str(spec.dir),
+                "data": {d.name: str(d.abs_path) for d in spec.data},
+            }
+        )
+        return self.expect("ready", timeout=30)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Daemon:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(16)
+        self.conns: list[Conn] = []
+
+    def accept(self, timeout: float = 15.0) -> Conn:
+        self.sock.settimeout(timeout)
+        s, _ = self.sock.accept()
+        c = Conn(s)
+        self.conns.append(c)
+        return c
+
+    def no_connection(self, within: float) -> bool:
+        self.sock.settimeout(within)
+        try:
+            s, _ = self.sock.accept()
+        except TimeoutError:
+            return True
+        s.close()
+        return False
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+class Spawned:
+    """A worker started directly as a child of the test (no namespaces)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], stderr: Path) -> None:
+        self.proc = proc
+        self.stderr_path = stderr
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait(self, timeout: float = 15.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"worker {self.pid} did not exit within {timeout} s\n{self.stderr()}"
+            ) from None
+
+
+class Spawner:
+    def __init__(self, tmp: Path, daemon: Daemon) -> None:
+        self.tmp = tmp
+        self.daemon = daemon
+        self.procs: list[Spawned] = []
+
+    def __call__(self, *args: str, env: dict[str, str] | None = None) -> Spawned:
+        n = len(self.procs)
+        err = self.tmp / f"worker-{n}.err"
+        with open(err, "wb") as e:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "torpor.worker", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=e,
+                stderr=e,
+                env=env if env is not None else worker_env(self.daemon.path),
+            )
+        w = Spawned(proc, err)
+        self.procs.append(w)
+        return w
+
+    def cleanup(self) -> None:
+        for w in self.procs:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGKILL)
+            w.proc.wait()
+
+
+def proc_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    return data[data.rindex(")") + 2 :].split()[0]
+
+
+def wait_for(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)

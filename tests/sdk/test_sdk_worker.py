@@ -1,0 +1,361 @@
+"""The worker harness end to end: a real `python3 -m torpor.worker` process, the test as torpord."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torpor
+from sdkd import ROOT, TINYMLP, Conn, Daemon, Spawned, Spawner, proc_state, wait_for, worker_env
+from torpor.functions import resolve
+
+EXIT_PROTOCOL = 3
+EXIT_LOAD = 4
+EXIT_CONNECT = 5
+X = [0.5, -1.0, 2.0, 0.25]
+
+
+def frame(payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + payload
+
+
+def expected_y(x: list[float]) -> list[float]:
+    """The model's answer computed in this process through torpor.use_dir (same weights file)."""
+    cls = resolve(str(TINYMLP), "model:TinyMLP")
+    torpor.use_dir(TINYMLP)
+    m = cls()
+    m.setup()
+    y = m({"x": x})["y"]
+    assert isinstance(y, list)
+    return y
+
+
+def start_loaded(spawn: Spawner, daemon: Daemon, *args: str) -> tuple[Spawned, Conn]:
+    """A base worker that has said hello and ready, then loaded tinymlp."""
+    w = spawn("--role", "base", *args)
+    c = daemon.accept()
+    hello = c.expect("hello")
+    assert hello == {"type": "hello", "pid": w.pid, "role": "base", "function": None, "resumed": False}
+    assert c.peer_pid == w.pid
+    ready = c.expect("ready")
+    assert ready["ok"] is True and ready["setup_s"] >= 0 and ready["warmup_s"] >= 0, ready
+    ready = c.load()
+    assert ready["ok"] is True, f"{ready}\n{w.stderr()}"
+    assert ready["setup_s"] > 0 and ready["warmup_s"] > 0 and "preload_s" not in ready, ready
+    return w, c
+
+
+def test_base_load_invoke(spawn: Spawner, daemon: Daemon) -> None:
+    w, c = start_loaded(spawn, daemon, "--preload", "json,fractions")
+    r = c.invoke(1, {"x": X})
+    assert r["ok"] is True, r
+    # calls == 2: the warm-up request from the spec ran once before.
+    assert r["value"] == {"y": expected_y(X), "calls": 2}
+    assert 0 < r["handler_s"] < 1
+    r = c.invoke("req-b", {"echo": {"nested": ["ü", 1, None]}})
+    assert r["value"] == {"echo": {"nested": ["ü", 1, None]}, "calls": 3}
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
+    assert c.at_eof()
+
+
+def test_user_exception_is_a_result_and_the_worker_lives(spawn: Spawner, daemon: Daemon) -> None:
+    w, c = start_loaded(spawn, daemon)
+    r = c.invoke(7, {"fail": "boom"})
+    assert r["ok"] is False and "value" not in r, r
+    err = r["error"]
+    assert err["type"] == "ValueError" and err["message"] == "boom", err
+    assert 'model.py", line' in err["traceback"] and "raise ValueError" in err["traceback"], err["traceback"]
+    assert "torpor/worker.py" not in err["traceback"], "the harness's own frames leak into the traceback"
+    r = c.invoke(8, {"bad_value": True})
+    assert r["ok"] is False and r["error"]["type"] == "ResultError", r
+    assert "model:TinyMLP" in r["error"]["message"] and "set" in r["error"]["message"], r
+    r = c.invoke(9, {"weird": True})
+    assert r["ok"] is False and r["error"]["type"] == "model.WeirdError", r
+    assert r["error"]["message"] == "<str() of the exception failed: RuntimeError>", r
+    r = c.invoke(10, {"x": X})
+    assert r["ok"] is True and r["value"]["calls"] == 5, r
+    assert w.proc.poll() is None
+
+
+def test_quiesce_close_sigusr2_resume(spawn: Spawner, daemon: Daemon) -> None:
+    w, c = start_loaded(spawn, daemon)
+    assert c.invoke(1, {"x": X})["value"]["calls"] == 2
+    c.send({"type": "quiesce"})
+    assert c.expect("quiet") == {"type": "quiet", "cuda_synced": False}
+    assert c.at_eof(), "the worker must close its connection after quiet"
+    # It now sleeps in sigwait and does not come back on its own.
+    wait_for(lambda: proc_state(w.pid) == "S", 5, "the worker to block in sigwait")
+    assert daemon.no_connection(within=0.3), "the worker reconnected before SIGUSR2"
+    os.kill(w.pid, signal.SIGUSR2)
+    c2 = daemon.accept()
+    assert c2.peer_pid == w.pid
+    hello = c2.expect("hello")
+    assert hello == {
+        "type": "hello",
+        "pid": w.pid,
+        "role": "function",
+        "function": "tinymlp",
+        "resumed": True,
+    }
+    r = c2.invoke(2, {"x": X})
+    assert r["ok"] is True and r["value"] == {"y": expected_y(X), "calls": 3}, r
+    # A second quiet point works the same way.
+    c2.send({"type": "quiesce"})
+    c2.expect("quiet")
+    assert c2.at_eof()
+    os.kill(w.pid, signal.SIGUSR2)
+    c3 = daemon.accept()
+    assert c3.expect("hello")["resumed"] is True
+    assert c3.invoke(3, {"echo": 1})["value"] == {"echo": 1, "calls": 4}
+
+
+def test_sigusr2_before_quiesce_is_not_lost_or_fatal(spawn: Spawner, daemon: Daemon) -> None:
+    """A stray SIGUSR2 while serving neither kills the worker nor skips the next quiet point."""
+    w, c = start_loaded(spawn, daemon)
+    os.kill(w.pid, signal.SIGUSR2)
+    assert c.invoke(1, {"echo": 0})["ok"] is True
+    c.send({"type": "quiesce"})
+    c.expect("quiet")
+    assert c.at_eof()
+    assert daemon.no_connection(within=0.3), "a stale SIGUSR2 woke the worker at once"
+    os.kill(w.pid, signal.SIGUSR2)
+    assert daemon.accept().expect("hello")["resumed"] is True
+
+
+def test_role_function_waits_for_load(spawn: Spawner, daemon: Daemon) -> None:
+    w = spawn("--role", "function", "--preload", "json")
+    c = daemon.accept()
+    assert c.expect("hello") == {
+        "type": "hello",
+        "pid": w.pid,
+        "role": "function",
+        "function": None,
+        "resumed": False,
+    }
+    ready = c.load()
+    assert ready["ok"] is True and ready["preload_s"] >= 0, ready
+    assert c.invoke(1, {"x": X})["value"]["y"] == expected_y(X)
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (frame(b"not json!"), "not valid JSON"),
+        (frame(b"[1]"), "not an object"),
+        (frame(b'"\xff"'), "not valid UTF-8"),
+        (frame(b"NaN"), "not valid JSON"),
+        (struct.pack(">I", (64 << 20) + 1), "over the"),
+        (frame(b'{"type":"dance"}'), "unknown frame type 'dance'"),
+        (frame(b'{"type":"invoke"}'), "lacks id"),
+        (struct.pack(">I", 30) + b'{"type":"load"}', "inside a frame"),  # then EOF
+        (b"\x00\x00", "inside a frame header"),  # then EOF
+    ],
+    ids=[
+        "not-json",
+        "array",
+        "bad-utf8",
+        "nan",
+        "oversize",
+        "unknown-type",
+        "missing-field",
+        "truncated",
+        "short-header",
+    ],
+)
+def test_garbage_from_daemon_exits_3(spawn: Spawner, daemon: Daemon, raw: bytes, reason: str) -> None:
+    w, c = start_loaded(spawn, daemon)
+    c.send_raw(raw)
+    if "inside a frame" in reason:
+        c.sock.shutdown(2)
+    assert w.wait() == EXIT_PROTOCOL, w.stderr()
+    assert "protocol error" in w.stderr() and reason in w.stderr(), w.stderr()
+
+
+def test_invoke_before_load_exits_3(spawn: Spawner, daemon: Daemon) -> None:
+    w = spawn("--role", "base")
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "invoke", "id": 1, "request": {}, "timeout_s": 1})
+    assert w.wait() == EXIT_PROTOCOL
+    assert "invoke before load" in w.stderr()
+
+
+def test_second_load_exits_3(spawn: Spawner, daemon: Daemon) -> None:
+    w, c = start_loaded(spawn, daemon)
+    c.send({"type": "load", "spec": {}, "dir": "/", "data": {}})
+    assert w.wait() == EXIT_PROTOCOL
+    assert "second load" in w.stderr()
+
+
+IDENTITY = (
+    "@torpor.function\nclass F:\n    def setup(self):\n        pass\n"
+    "    def __call__(self, r):\n        return r\n"
+)
+
+
+def write_function(d: Path, model: str, toml_extra: str = "") -> Path:
+    d.mkdir()
+    (d / "torpor.toml").write_text(f'name = "broken"\nentry = "m:F"\n{toml_extra}')
+    (d / "m.py").write_text("import torpor\n" + model)
+    return d
+
+
+@pytest.mark.parametrize(
+    ("model", "toml", "phase", "etype", "words"),
+    [
+        (
+            "@torpor.function\nclass F:\n    def setup(self):\n        raise OSError('no weights here')\n"
+            "    def __call__(self, r):\n        return r\n",
+            "",
+            "setup",
+            "OSError",
+            "no weights here",
+        ),
+        (
+            "class F:\n    def setup(self):\n        pass\n    def __call__(self, r):\n        return r\n",
+            "",
+            "import",
+            "torpor.errors.DefinitionError",
+            "add @torpor.function above class F",
+        ),
+        ("import not_a_module_anywhere\n", "", "import", "ModuleNotFoundError", "not_a_module_anywhere"),
+        (
+            "@torpor.function\nclass F:\n    def setup(self):\n        pass\n"
+            "    def __call__(self, r):\n        return r['missing']\n",
+            "[warmup]\nrequest = {}\n",
+            "warmup",
+            "KeyError",
+            "missing",
+        ),
+    ],
+    ids=["setup-raises", "not-decorated", "import-error", "warmup-raises"],
+)
+def test_load_failure_is_reported_then_exit_4(
+    spawn: Spawner, daemon: Daemon, tmp_path: Path, model: str, toml: str, phase: str, etype: str, words: str
+) -> None:
+    fdir = write_function(tmp_path / "fn", model, toml)
+    w = spawn("--role", "base")
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    ready = c.load(fdir)
+    assert ready["ok"] is False and ready["phase"] == phase, ready
+    assert ready["error"]["type"] == etype and words in ready["error"]["message"], ready
+    assert ready["error"]["traceback"], ready
+    assert w.wait() == EXIT_LOAD
+    assert f"{phase} failed" in w.stderr()
+
+
+def test_data_changed_after_validation_fails_load(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
+    fdir = write_function(
+        tmp_path / "fn",
+        IDENTITY,
+        '[[data]]\nname = "w"\npath = "w.bin"\n',
+    )
+    (fdir / "w.bin").write_bytes(b"1234")
+    from torpor.spec import parse_dir
+
+    spec = parse_dir(fdir)
+    (fdir / "w.bin").write_bytes(b"12345")  # changed after the daemon validated the spec
+    w = spawn("--role", "base")
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "load", "spec": spec.to_json(), "dir": str(fdir), "data": {"w": str(fdir / "w.bin")}})
+    ready = c.expect("ready")
+    assert ready["ok"] is False and ready["phase"] == "data", ready
+    assert "has 5 bytes, the spec says 4" in ready["error"]["message"], ready
+    assert w.wait() == EXIT_LOAD
+
+
+def test_preload_failure_and_gpu_without_torch(spawn: Spawner, daemon: Daemon) -> None:
+    w = spawn("--role", "base", "--preload", "json,no_such_module_xyz")
+    c = daemon.accept()
+    c.expect("hello")
+    ready = c.expect("ready")
+    assert (
+        ready["ok"] is False
+        and ready["phase"] == "preload"
+        and "no_such_module_xyz" in ready["error"]["message"]
+    )
+    assert w.wait() == EXIT_LOAD
+    w = spawn("--role", "base", "--gpu")
+    c = daemon.accept()
+    c.expect("hello")
+    ready = c.expect("ready")
+    assert ready["ok"] is False and ready["phase"] == "gpu_warmup", ready
+    assert "torch is not preloaded" in ready["error"]["message"], ready
+    assert w.wait() == EXIT_LOAD
+
+
+def test_daemon_closing_the_connection_ends_the_worker(spawn: Spawner, daemon: Daemon) -> None:
+    w, c = start_loaded(spawn, daemon)
+    c.close()
+    assert w.wait() == 0
+    assert "closed the connection" in w.stderr()
+
+
+def test_no_socket_env_and_unreachable_socket(spawn: Spawner, tmp_path: Path) -> None:
+    env = worker_env("x")
+    del env["TORPOR_WORKER_SOCKET"]
+    w = spawn("--role", "base", env=env)
+    assert w.wait() == 2 and "TORPOR_WORKER_SOCKET is not set" in w.stderr()
+    w = spawn("--role", "base", env=worker_env("/etc/hostname/not-a-dir.sock"))
+    assert w.wait() == EXIT_CONNECT and "cannot connect" in w.stderr(), w.stderr()
+    w = spawn("--role", "sideways")
+    assert w.wait() == 2 and "invalid choice" in w.stderr()
+
+
+def test_warm_invoke_round_trip_is_well_under_a_millisecond(spawn: Spawner, daemon: Daemon) -> None:
+    """The harness's in-process cost per invoke: round trips of a trivial request over the socket."""
+    _, c = start_loaded(spawn, daemon)
+    for i in range(200):  # warm up caches and the allocator
+        c.invoke(i, {"echo": i})
+    rtts = []
+    overheads = []
+    for i in range(2000):
+        t0 = time.perf_counter()
+        r = c.invoke(i, {"echo": i})
+        rtt = time.perf_counter() - t0
+        rtts.append(rtt)
+        overheads.append(rtt - r["handler_s"])
+    med = statistics.median(rtts)
+    over = statistics.median(overheads)
+    print(f"warm invoke round trip: median {med * 1e6:.0f} us, harness+socket overhead {over * 1e6:.0f} us")
+    assert med < 1e-3, f"median round trip {med * 1e6:.0f} us"
+
+
+def test_example_cpu_mlp_through_the_harness(spawn: Spawner, daemon: Daemon) -> None:
+    """examples/cpu-mlp answers through the harness exactly as it does run locally (model.py's main)."""
+    import json
+    import subprocess
+    import sys
+
+    example = ROOT / "examples" / "cpu-mlp"
+    x = [float(i % 5) - 2.0 for i in range(16)]
+    local = subprocess.run(
+        [sys.executable, str(example / "model.py"), json.dumps({"x": x})],
+        capture_output=True, text=True, env=worker_env("unused"), timeout=30,
+    )  # fmt: skip
+    assert local.returncode == 0, local.stderr
+    w = spawn("--role", "base")
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    assert c.load(example)["ok"] is True, w.stderr()
+    r = c.invoke(1, {"x": x})
+    assert r["ok"] is True and r["value"] == json.loads(local.stdout), r
+    assert abs(sum(r["value"]["probs"]) - 1) < 1e-9
+    bad = c.invoke(2, {"x": [1, 2]})
+    assert (
+        bad["ok"] is False
+        and bad["error"]["type"] == "ValueError"
+        and "16 numbers" in bad["error"]["message"]
+    )
