@@ -71,6 +71,24 @@ enum Command {
     },
     /// Check every file of a snapshot against its size and BLAKE3 hash.
     Verify { dir: PathBuf },
+    /// Run the node daemon torpord in the foreground (stop it with SIGTERM or Ctrl-C).
+    Serve(torpord::ServeArgs),
+    /// List the functions torpord knows.
+    Ls {
+        /// Print the daemon's JSON answer.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        daemon: cmd::DaemonArgs,
+    },
+    /// Show torpord's state: version, uptime, listeners, functions, snapshots, instances.
+    Status {
+        /// Print the daemon's JSON answer.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        daemon: cmd::DaemonArgs,
+    },
     /// The init that `torpor run` execs inside the new namespaces (internal).
     #[command(name = "__init", hide = true)]
     Init {
@@ -103,6 +121,9 @@ fn main() -> ExitCode {
         } => cmd::restore::run(&dir, detach, gpu.as_deref(), verbose),
         Command::Inspect { dir, json } => cmd::inspect::run(&dir, json),
         Command::Verify { dir } => cmd::verify::run(&dir),
+        Command::Serve(args) => cmd::serve::run(&args),
+        Command::Ls { json, daemon } => cmd::ls::run(&daemon, json),
+        Command::Status { json, daemon } => cmd::status::run(&daemon, json),
         Command::Init {
             report_fd,
             log,

@@ -1,12 +1,16 @@
 //! One module per subcommand; each parses nothing and prints little, the work is in the crates.
 
 pub mod inspect;
+pub mod ls;
 pub mod restore;
 pub mod run;
+pub mod serve;
 pub mod snapshot;
+pub mod status;
 pub mod verify;
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use torpor_snapshot::restore::RestoreError;
 use torpor_snapshot::snapshot::SnapshotError;
@@ -56,5 +60,55 @@ pub fn human(bytes: u64) -> String {
         format!("{bytes} B")
     } else {
         format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// How to reach torpord, for the commands that talk to it.
+#[derive(clap::Args)]
+pub struct DaemonArgs {
+    /// torpord's API socket [default: /run/torpor/torpord.sock]
+    #[arg(long, value_name = "PATH", env = torpord::config::SOCKET_ENV)]
+    socket: Option<PathBuf>,
+}
+
+impl DaemonArgs {
+    /// A client for the daemon's socket; a request that hangs fails after 30 s.
+    pub fn client(&self) -> torpord::client::Client {
+        let socket = self
+            .socket
+            .clone()
+            .unwrap_or_else(torpord::client::default_socket);
+        torpord::client::Client::unix(socket).with_timeout(Duration::from_secs(30))
+    }
+}
+
+/// How long ago a Unix-ms time was, shortly: `42s`, `5m`, `3h`, `2d`.
+pub fn ago(unix_ms: i64) -> String {
+    let secs = (torpord::registry::now_ms() - unix_ms).max(0) / 1000;
+    short_duration(secs as f64)
+}
+
+/// Seconds as a short duration: `42s`, `5m 3s`, `3h 2m`, `2d 4h`.
+pub fn short_duration(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m {}s", s / 60, s % 60),
+        3600..=86399 => format!("{}h {}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d {}h", s / 86400, s % 86400 / 3600),
+    }
+}
+
+/// The non-zero stages of a count, e.g. `1 warm, 2 hibernated`, or `none`.
+pub fn stages(counts: &torpord::registry::StageCounts) -> String {
+    let parts: Vec<String> = torpord::registry::Stage::ALL
+        .iter()
+        .filter(|s| counts.get(**s) > 0)
+        .map(|s| format!("{} {}", counts.get(*s), s))
+        .collect();
+    if parts.is_empty() {
+        "none".to_string()
+    } else {
+        parts.join(", ")
     }
 }

@@ -1,0 +1,180 @@
+//! `GET /v1/functions`, `GET /v1/functions/{name}`, `DELETE /v1/functions/{name}`.
+
+use std::collections::BTreeMap;
+use std::path::{Component, Path as FsPath, PathBuf};
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+
+use super::types::{Deleted, FunctionDetail, FunctionList, FunctionSummary};
+use super::{with_registry, ApiError, AppState};
+use crate::registry::FunctionState;
+
+fn unknown(name: &str) -> ApiError {
+    ApiError::not_found(format!("no function named {name:?} (see `torpor ls`)"))
+}
+
+pub async fn list(State(state): State<Arc<AppState>>) -> Result<Json<FunctionList>, ApiError> {
+    let (functions, stages) = with_registry(&state, |r| {
+        r.with(|s| Ok::<_, ApiError>((s.functions()?, s.stage_counts_by_function()?)))
+    })
+    .await?;
+    let functions = functions
+        .into_iter()
+        .map(|f| FunctionSummary {
+            instances: stages.get(&f.name).copied().unwrap_or_default(),
+            name: f.name,
+            state: f.state,
+            dir: f.dir,
+            base_key: f.base_key,
+            snapshot: f.snapshot,
+            created: f.created,
+            updated: f.updated,
+        })
+        .collect();
+    Ok(Json(FunctionList { functions }))
+}
+
+pub async fn get(
+    State(state): State<Arc<AppState>>,
+    Path(name): Path<String>,
+) -> Result<Json<FunctionDetail>, ApiError> {
+    let detail = with_registry(&state, move |r| {
+        r.with(|s| {
+            let Some(function) = s.function(&name)? else {
+                return Err(unknown(&name));
+            };
+            Ok(FunctionDetail {
+                snapshots: s.snapshots_of(&name)?,
+                instances: s.instances_of(&name)?,
+                function,
+            })
+        })
+    })
+    .await?;
+    Ok(Json(detail))
+}
+
+/// Removes the function, its snapshots (rows and directories) and its hibernated instances.
+/// Refused while it deploys or has running instances. Base snapshots are shared and stay.
+pub async fn delete(
+    State(state): State<Arc<AppState>>,
+    Path(name): Path<String>,
+) -> Result<Json<Deleted>, ApiError> {
+    let n = name.clone();
+    let (function, snapshots) = with_registry(&state, move |r| {
+        r.transaction(|s| {
+            let Some(f) = s.function(&n)? else {
+                return Err(unknown(&n));
+            };
+            if f.state == FunctionState::Deploying {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    format!("function {n:?} is being deployed: delete it once the deploy ends"),
+                ));
+            }
+            let pids: Vec<String> = s
+                .instances_of(&n)?
+                .iter()
+                .filter(|i| i.stage.has_process())
+                .filter_map(|i| i.pid.map(|p| p.to_string()))
+                .collect();
+            if !pids.is_empty() {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    format!(
+                        "function {n:?} has {} running instance(s) (pid {}): stopping instances \
+                         is not implemented yet (issue 3 in progress)",
+                        pids.len(),
+                        pids.join(", ")
+                    ),
+                ));
+            }
+            let snapshots = s.delete_function(&n)?.unwrap_or_default();
+            Ok((f, snapshots))
+        })
+    })
+    .await?;
+    tracing::info!(function = %name, snapshots = snapshots.len(), "function deleted");
+
+    let snapshots_root = state.state_dir.join("snapshots");
+    let functions_root = state.state_dir.join("functions");
+    let mut dirs: Vec<(PathBuf, bool)> = snapshots
+        .iter()
+        .map(|s| {
+            let inside = is_inside(&s.path, &snapshots_root);
+            (s.path.clone(), inside)
+        })
+        .collect();
+    // The function's directory is removed only if it is the daemon's copy; a directory
+    // elsewhere is the user's source and is none of the registry's business.
+    if is_inside(&function.dir, &functions_root) {
+        dirs.push((function.dir.clone(), true));
+    }
+    let (removed, left_behind) = tokio::task::spawn_blocking(move || remove_dirs(dirs))
+        .await
+        .map_err(|e| ApiError::internal(format!("removing directories failed: {e}")))?;
+    Ok(Json(Deleted {
+        deleted: name,
+        snapshots: snapshots.into_iter().map(|s| s.id).collect(),
+        removed,
+        left_behind,
+    }))
+}
+
+/// Whether `path` lies strictly below `root`, judged on the text (no `..`, absolute).
+fn is_inside(path: &FsPath, root: &FsPath) -> bool {
+    path.is_absolute()
+        && path != root
+        && path.starts_with(root)
+        && path
+            .components()
+            .all(|c| !matches!(c, Component::ParentDir | Component::CurDir))
+}
+
+fn remove_dirs(dirs: Vec<(PathBuf, bool)>) -> (Vec<PathBuf>, BTreeMap<PathBuf, String>) {
+    let mut removed = Vec::new();
+    let mut left = BTreeMap::new();
+    for (dir, allowed) in dirs {
+        if !allowed {
+            tracing::warn!(path = %dir.display(), "snapshot outside the state directory; not removed");
+            left.insert(dir, "outside the state directory; not removed".to_string());
+            continue;
+        }
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => removed.push(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(path = %dir.display(), error = %e, "cannot remove directory");
+                left.insert(dir, e.to_string());
+            }
+        }
+    }
+    (removed, left)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_paths_below_the_root_are_inside() {
+        let root = FsPath::new("/var/lib/torpor/snapshots");
+        assert!(is_inside(
+            FsPath::new("/var/lib/torpor/snapshots/fn-1"),
+            root
+        ));
+        assert!(!is_inside(root, root));
+        assert!(!is_inside(
+            FsPath::new("/var/lib/torpor/snapshots/../x"),
+            root
+        ));
+        assert!(!is_inside(FsPath::new("/home/u/fn"), root));
+        assert!(!is_inside(
+            FsPath::new("snapshots/fn-1"),
+            FsPath::new("snapshots")
+        ));
+    }
+}

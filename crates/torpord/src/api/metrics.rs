@@ -1,0 +1,30 @@
+//! `GET /metrics`: Prometheus text, with the registry-derived gauges refreshed first.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+
+use super::{with_registry, ApiError, AppState};
+use crate::metrics::CONTENT_TYPE;
+
+pub async fn get(State(state): State<Arc<AppState>>) -> Result<impl IntoResponse, ApiError> {
+    let (stages, names) = with_registry(&state, |r| {
+        r.with(|s| {
+            let names = s
+                .functions()?
+                .into_iter()
+                .map(|f| f.name)
+                .collect::<Vec<_>>();
+            Ok::<_, ApiError>((s.counts()?.instances, names))
+        })
+    })
+    .await?;
+    state.metrics.refresh(&stages, &names);
+    let text = state
+        .metrics
+        .render()
+        .map_err(|e| ApiError::internal(format!("cannot encode metrics: {e}")))?;
+    Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], text))
+}

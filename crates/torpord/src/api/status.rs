@@ -1,0 +1,33 @@
+//! `GET /v1/status`: what the daemon is and what its registry holds.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::Json;
+
+use super::types::Status;
+use super::{with_registry, ApiError, AppState};
+
+pub async fn get(State(state): State<Arc<AppState>>) -> Result<Json<Status>, ApiError> {
+    let (counts, schema) = with_registry(&state, |r| {
+        Ok((r.with(|s| s.counts())?, r.schema_version()?))
+    })
+    .await?;
+    let c = &state.config;
+    Ok(Json(Status {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        pid: std::process::id(),
+        started: state.started_ms,
+        uptime_s: state.started.elapsed().as_secs_f64(),
+        state_dir: c.state_dir.clone(),
+        socket: c.socket.clone(),
+        tcp: state.tcp,
+        config_file: c.file.clone(),
+        registry_schema: schema,
+        functions: counts.functions,
+        snapshots: counts.snapshots,
+        instances: counts.instances,
+        keepalive: c.keepalive.into(),
+        queue: c.queue.into(),
+    }))
+}

@@ -1,0 +1,116 @@
+//! The JSON bodies of the HTTP API, shared by the server and its clients (the `torpor` CLI).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Keepalive, QueueLimits};
+use crate::registry::{Function, FunctionState, Instance, Snapshot, SnapshotCounts, StageCounts};
+
+/// Every error response: `{"error": "…"}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+/// `GET /v1/status`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Status {
+    /// torpord's version.
+    pub version: String,
+    pub pid: u32,
+    /// When it started, Unix ms.
+    pub started: i64,
+    pub uptime_s: f64,
+    pub state_dir: PathBuf,
+    pub socket: PathBuf,
+    /// The TCP address actually bound, if TCP is on.
+    pub tcp: Option<SocketAddr>,
+    /// The config file read, if any.
+    pub config_file: Option<PathBuf>,
+    pub registry_schema: u32,
+    pub functions: u64,
+    pub snapshots: SnapshotCounts,
+    pub instances: StageCounts,
+    /// Default keep-alive delays.
+    pub keepalive: KeepaliveSecs,
+    /// Per-function queue limits.
+    pub queue: QueueSecs,
+}
+
+/// [`Keepalive`] in seconds.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct KeepaliveSecs {
+    pub gpu_release_s: f64,
+    pub hibernate_s: f64,
+    pub evict_s: f64,
+}
+
+impl From<Keepalive> for KeepaliveSecs {
+    fn from(k: Keepalive) -> Self {
+        Self {
+            gpu_release_s: k.gpu_release.as_secs_f64(),
+            hibernate_s: k.hibernate.as_secs_f64(),
+            evict_s: k.evict.as_secs_f64(),
+        }
+    }
+}
+
+/// [`QueueLimits`] in seconds.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct QueueSecs {
+    pub length: usize,
+    pub timeout_s: f64,
+}
+
+impl From<QueueLimits> for QueueSecs {
+    fn from(q: QueueLimits) -> Self {
+        Self {
+            length: q.length,
+            timeout_s: q.timeout.as_secs_f64(),
+        }
+    }
+}
+
+/// One row of `GET /v1/functions`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FunctionSummary {
+    pub name: String,
+    pub state: FunctionState,
+    pub dir: PathBuf,
+    pub base_key: String,
+    pub snapshot: Option<String>,
+    pub created: i64,
+    pub updated: i64,
+    /// Its instances, per stage.
+    pub instances: StageCounts,
+}
+
+/// `GET /v1/functions`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FunctionList {
+    pub functions: Vec<FunctionSummary>,
+}
+
+/// `GET /v1/functions/{name}`: the function with its snapshots and instances.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FunctionDetail {
+    #[serde(flatten)]
+    pub function: Function,
+    pub snapshots: Vec<Snapshot>,
+    pub instances: Vec<Instance>,
+}
+
+/// `DELETE /v1/functions/{name}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Deleted {
+    pub deleted: String,
+    /// Ids of the snapshots removed with it.
+    pub snapshots: Vec<String>,
+    /// Directories removed from disk.
+    pub removed: Vec<PathBuf>,
+    /// Directories that could not be removed (path → reason); the registry no longer knows them.
+    pub left_behind: BTreeMap<PathBuf, String>,
+}

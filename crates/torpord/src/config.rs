@@ -1,0 +1,506 @@
+//! The daemon's configuration: a TOML file and flags; a flag overrides the file's key.
+//!
+//! ```toml
+//! state_dir = "/var/lib/torpor"
+//! socket = "/run/torpor/torpord.sock"
+//! tcp = "127.0.0.1:7070"          # off unless set; needs token_file
+//! token_file = "/etc/torpor/token"
+//! log_format = "human"            # or "json"
+//! log_level = "info"              # error, warn, info, debug, trace
+//!
+//! [keepalive]                     # default idle seconds before each stage (a function's spec
+//! gpu_release_s = 30              # may set its own); cumulative, so each is ≥ the one before
+//! hibernate_s = 120
+//! evict_s = 600
+//!
+//! [queue]                         # per function
+//! length = 64                     # requests that may wait for an instance
+//! timeout_s = 30                  # how long one may wait before 503
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::toml_table::{KeyError, Table};
+
+/// The config file read when `--config` is not given, if it exists.
+pub const DEFAULT_CONFIG: &str = "/etc/torpor/torpord.toml";
+/// Default state directory.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/torpor";
+/// Default API socket; also where `torpor ls`/`status` look.
+pub const DEFAULT_SOCKET: &str = "/run/torpor/torpord.sock";
+/// Environment variable naming the API socket, for the daemon and its clients alike.
+pub const SOCKET_ENV: &str = "TORPOR_SOCKET";
+
+/// Flags of `torpor serve` (and of the `torpord` binary). Each overrides the config file.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeArgs {
+    /// Config file (TOML) [default: /etc/torpor/torpord.toml if it exists]
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// State directory: registry, snapshots, functions, logs [default: /var/lib/torpor]
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// API socket, mode 0600 [default: /run/torpor/torpord.sock]
+    #[arg(long, value_name = "PATH", env = SOCKET_ENV)]
+    pub socket: Option<PathBuf>,
+    /// Also serve the API on TCP at IP:PORT (requires --token-file)
+    #[arg(long, value_name = "ADDR")]
+    pub tcp: Option<SocketAddr>,
+    /// File holding the bearer token that TCP clients must send (mode 0600)
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Log format on stderr [default: human]
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub log_format: Option<LogFormat>,
+    /// Least severe log level shown [default: info]
+    #[arg(long, value_enum, value_name = "LEVEL")]
+    pub log_level: Option<LogLevel>,
+}
+
+/// How log lines are written to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One readable line per event.
+    #[default]
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The least severe level logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Error,
+    Warn,
+    #[default]
+    Info,
+    Debug,
+    Trace,
+}
+
+impl LogLevel {
+    fn parse(s: &str) -> Option<Self> {
+        <Self as clap::ValueEnum>::from_str(s, false).ok()
+    }
+}
+
+impl LogFormat {
+    fn parse(s: &str) -> Option<Self> {
+        <Self as clap::ValueEnum>::from_str(s, false).ok()
+    }
+}
+
+/// Default keep-alive delays: idle time after which an instance enters each stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Keepalive {
+    /// warm → gpu_released.
+    #[serde(rename = "gpu_release_s", serialize_with = "secs")]
+    pub gpu_release: Duration,
+    /// → hibernated.
+    #[serde(rename = "hibernate_s", serialize_with = "secs")]
+    pub hibernate: Duration,
+    /// → evicted.
+    #[serde(rename = "evict_s", serialize_with = "secs")]
+    pub evict: Duration,
+}
+
+impl Default for Keepalive {
+    fn default() -> Self {
+        Self {
+            gpu_release: Duration::from_secs(30),
+            hibernate: Duration::from_secs(120),
+            evict: Duration::from_secs(600),
+        }
+    }
+}
+
+/// The bounded queue of requests waiting for an instance, per function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct QueueLimits {
+    /// Requests that may wait; one more is answered 429.
+    pub length: usize,
+    /// How long a request may wait before it is answered 503.
+    #[serde(rename = "timeout_s", serialize_with = "secs")]
+    pub timeout: Duration,
+}
+
+impl Default for QueueLimits {
+    fn default() -> Self {
+        Self {
+            length: 64,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+/// The resolved configuration.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Config {
+    /// The config file that was read, if any.
+    pub file: Option<PathBuf>,
+    pub state_dir: PathBuf,
+    pub socket: PathBuf,
+    pub tcp: Option<SocketAddr>,
+    pub token_file: Option<PathBuf>,
+    pub log_format: LogFormat,
+    pub log_level: LogLevel,
+    pub keepalive: Keepalive,
+    pub queue: QueueLimits,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            file: None,
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
+            socket: PathBuf::from(DEFAULT_SOCKET),
+            tcp: None,
+            token_file: None,
+            log_format: LogFormat::default(),
+            log_level: LogLevel::default(),
+            keepalive: Keepalive::default(),
+            queue: QueueLimits::default(),
+        }
+    }
+}
+
+/// Why the configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file cannot be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The config file is not valid TOML.
+    #[error("{path}: not valid TOML: {message}")]
+    Syntax { path: PathBuf, message: String },
+    /// A key has the wrong type or value, or is unknown.
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    /// The keep-alive delays are not in stage order.
+    #[error(
+        "keepalive delays must not decrease (gpu_release_s ≤ hibernate_s ≤ evict_s), \
+         got {gpu_release}, {hibernate}, {evict}"
+    )]
+    KeepaliveOrder {
+        gpu_release: f64,
+        hibernate: f64,
+        evict: f64,
+    },
+    /// A relative path cannot be made absolute (no working directory).
+    #[error("cannot make {path} absolute: {source}")]
+    Path {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// TCP was asked for without a token.
+    #[error("--tcp needs a token: pass --token-file")]
+    TcpWithoutToken,
+    /// A token file was given, but there is no TCP listener for it to guard.
+    #[error(
+        "--token-file is only used with --tcp (the Unix socket is guarded by its file mode): \
+         pass --tcp ADDR or drop the token file"
+    )]
+    TokenWithoutTcp,
+}
+
+impl Config {
+    /// Reads the config file (`--config`, else [`DEFAULT_CONFIG`] if it exists) and applies the flags.
+    pub fn load(args: &ServeArgs) -> Result<Self, ConfigError> {
+        let file = match &args.config {
+            Some(path) => Some(path.clone()),
+            None => Some(PathBuf::from(DEFAULT_CONFIG)).filter(|p| p.exists()),
+        };
+        let mut config = match &file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                Self::from_toml(path, &text)?
+            }
+            None => Self::default(),
+        };
+        config.file = file;
+        config.apply(args);
+        config.make_absolute()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Makes every path absolute (relative ones are taken from the working directory), so the
+    /// registry and the status report never hold paths that depend on where torpord started.
+    fn make_absolute(&mut self) -> Result<(), ConfigError> {
+        let abs = |p: &mut PathBuf| -> Result<(), ConfigError> {
+            if p.is_relative() {
+                *p = std::path::absolute(&*p).map_err(|source| ConfigError::Path {
+                    path: p.clone(),
+                    source,
+                })?;
+            }
+            Ok(())
+        };
+        abs(&mut self.state_dir)?;
+        abs(&mut self.socket)?;
+        if let Some(p) = &mut self.token_file {
+            abs(p)?;
+        }
+        if let Some(p) = &mut self.file {
+            abs(p)?;
+        }
+        Ok(())
+    }
+
+    /// Parses a config file's text (`path` only names it in errors). Flags are not applied.
+    pub fn from_toml(path: &Path, text: &str) -> Result<Self, ConfigError> {
+        let entries: toml::Table =
+            text.parse()
+                .map_err(|e: toml::de::Error| ConfigError::Syntax {
+                    path: path.to_path_buf(),
+                    message: e.message().to_string(),
+                })?;
+        let mut root = Table::root(path.display().to_string(), entries);
+        let mut config = Self::default();
+        // Relative paths in the file are relative to the file's directory.
+        let base = path.parent().unwrap_or(Path::new(""));
+        if let Some(s) = root.nonempty_string("state_dir")? {
+            config.state_dir = base.join(s);
+        }
+        if let Some(s) = root.nonempty_string("socket")? {
+            config.socket = base.join(s);
+        }
+        config.tcp = root.parsed("tcp", "an address IP:PORT", |s| s.parse().ok())?;
+        config.token_file = root.nonempty_string("token_file")?.map(|s| base.join(s));
+        if let Some(f) = root.parsed("log_format", "\"human\" or \"json\"", LogFormat::parse)? {
+            config.log_format = f;
+        }
+        let levels = "one of \"error\", \"warn\", \"info\", \"debug\", \"trace\"";
+        if let Some(l) = root.parsed("log_level", levels, LogLevel::parse)? {
+            config.log_level = l;
+        }
+        if let Some(mut t) = root.table("keepalive")? {
+            let k = &mut config.keepalive;
+            k.gpu_release = t.seconds("gpu_release_s", false)?.unwrap_or(k.gpu_release);
+            k.hibernate = t.seconds("hibernate_s", false)?.unwrap_or(k.hibernate);
+            k.evict = t.seconds("evict_s", false)?.unwrap_or(k.evict);
+            t.finish()?;
+        }
+        if let Some(mut t) = root.table("queue")? {
+            let q = &mut config.queue;
+            if let Some(n) = t.integer("length", 0)? {
+                q.length = usize::try_from(n).unwrap_or(usize::MAX);
+            }
+            q.timeout = t.seconds("timeout_s", true)?.unwrap_or(q.timeout);
+            t.finish()?;
+        }
+        root.finish()?;
+        Ok(config)
+    }
+
+    fn apply(&mut self, args: &ServeArgs) {
+        if let Some(p) = &args.state_dir {
+            self.state_dir.clone_from(p);
+        }
+        if let Some(p) = &args.socket {
+            self.socket.clone_from(p);
+        }
+        if let Some(a) = args.tcp {
+            self.tcp = Some(a);
+        }
+        if let Some(p) = &args.token_file {
+            self.token_file = Some(p.clone());
+        }
+        if let Some(f) = args.log_format {
+            self.log_format = f;
+        }
+        if let Some(l) = args.log_level {
+            self.log_level = l;
+        }
+    }
+
+    /// Checks what no single key can: the keep-alive order and the TCP/token pairing.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let k = &self.keepalive;
+        if !(k.gpu_release <= k.hibernate && k.hibernate <= k.evict) {
+            return Err(ConfigError::KeepaliveOrder {
+                gpu_release: k.gpu_release.as_secs_f64(),
+                hibernate: k.hibernate.as_secs_f64(),
+                evict: k.evict.as_secs_f64(),
+            });
+        }
+        match (self.tcp.is_some(), self.token_file.is_some()) {
+            (true, false) => Err(ConfigError::TcpWithoutToken),
+            (false, true) => Err(ConfigError::TokenWithoutTcp),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::from_toml(Path::new("torpord.toml"), text)
+    }
+
+    #[test]
+    fn empty_file_gives_the_defaults() {
+        let c = parse("").unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.keepalive.gpu_release, Duration::from_secs(30));
+        assert_eq!(c.keepalive.hibernate, Duration::from_secs(120));
+        assert_eq!(c.keepalive.evict, Duration::from_secs(600));
+        assert_eq!(c.queue.length, 64);
+        assert_eq!(c.queue.timeout, Duration::from_secs(30));
+        assert_eq!(c.socket, Path::new(DEFAULT_SOCKET));
+        assert_eq!(c.state_dir, Path::new(DEFAULT_STATE_DIR));
+    }
+
+    #[test]
+    fn every_key_is_read() {
+        let c = parse(
+            r#"
+            state_dir = "/s"
+            socket = "/s.sock"
+            tcp = "127.0.0.1:7070"
+            token_file = "/t"
+            log_format = "json"
+            log_level = "debug"
+            [keepalive]
+            gpu_release_s = 0.5
+            hibernate_s = 1
+            evict_s = 2
+            [queue]
+            length = 0
+            timeout_s = 0.1
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.state_dir, Path::new("/s"));
+        assert_eq!(c.socket, Path::new("/s.sock"));
+        assert_eq!(c.tcp, Some("127.0.0.1:7070".parse().unwrap()));
+        assert_eq!(c.token_file.as_deref(), Some(Path::new("/t")));
+        assert_eq!(c.log_format, LogFormat::Json);
+        assert_eq!(c.log_level, LogLevel::Debug);
+        assert_eq!(c.keepalive.gpu_release, Duration::from_millis(500));
+        assert_eq!(c.keepalive.evict, Duration::from_secs(2));
+        assert_eq!(c.queue.length, 0);
+        assert_eq!(c.queue.timeout, Duration::from_millis(100));
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn unknown_and_mistyped_keys_are_named() {
+        let e = parse("[queue]\nlenght = 3\n").unwrap_err().to_string();
+        assert_eq!(e, "torpord.toml: queue.lenght is not a known key");
+        let e = parse("socket = 3\n").unwrap_err().to_string();
+        assert_eq!(e, "torpord.toml: socket must be a string, got 3");
+        let e = parse("tcp = \"localhost\"\n").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "torpord.toml: tcp must be an address IP:PORT, got \"localhost\""
+        );
+        let e = parse("[keepalive]\nevict_s = \"10m\"\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "torpord.toml: keepalive.evict_s must be a number of seconds ≥ 0, got \"10m\""
+        );
+        let e = parse("keepalive = 3\n").unwrap_err().to_string();
+        assert_eq!(e, "torpord.toml: keepalive must be a table, got 3");
+        let e = parse("log_level = \"loud\"\n").unwrap_err().to_string();
+        assert!(
+            e.starts_with("torpord.toml: log_level must be one of"),
+            "{e}"
+        );
+        let e = parse("x = [").unwrap_err().to_string();
+        assert!(e.starts_with("torpord.toml: not valid TOML"), "{e}");
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("torpord.toml");
+        std::fs::write(&file, "socket = \"/from-file.sock\"\nstate_dir = \"/f\"\n").unwrap();
+        let args = ServeArgs {
+            config: Some(file.clone()),
+            socket: Some(PathBuf::from("/from-flag.sock")),
+            ..ServeArgs::default()
+        };
+        let c = Config::load(&args).unwrap();
+        assert_eq!(c.file.as_deref(), Some(file.as_path()));
+        assert_eq!(c.socket, Path::new("/from-flag.sock"));
+        assert_eq!(c.state_dir, Path::new("/f"));
+    }
+
+    #[test]
+    fn relative_paths_are_made_absolute() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("torpord.toml");
+        std::fs::write(&file, "state_dir = \"state\"\n").unwrap();
+        let args = ServeArgs {
+            config: Some(file),
+            socket: Some(PathBuf::from("rel.sock")),
+            ..ServeArgs::default()
+        };
+        let c = Config::load(&args).unwrap();
+        assert_eq!(
+            c.state_dir,
+            dir.path().join("state"),
+            "relative to the file"
+        );
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(
+            c.socket,
+            cwd.join("rel.sock"),
+            "relative to the working directory"
+        );
+    }
+
+    #[test]
+    fn a_missing_explicit_config_file_is_an_error() {
+        let args = ServeArgs {
+            config: Some(PathBuf::from("/nonexistent/torpord.toml")),
+            ..ServeArgs::default()
+        };
+        let e = Config::load(&args).unwrap_err().to_string();
+        assert!(e.starts_with("cannot read config file /nonexistent/torpord.toml"));
+    }
+
+    #[test]
+    fn tcp_and_token_go_together() {
+        let mut c = Config {
+            tcp: Some("127.0.0.1:0".parse().unwrap()),
+            ..Config::default()
+        };
+        assert_eq!(
+            c.validate().unwrap_err().to_string(),
+            "--tcp needs a token: pass --token-file"
+        );
+        c.token_file = Some(PathBuf::from("/t"));
+        c.validate().unwrap();
+        c.tcp = None;
+        assert!(matches!(c.validate(), Err(ConfigError::TokenWithoutTcp)));
+    }
+
+    #[test]
+    fn keepalive_delays_must_not_decrease() {
+        let e = parse("[keepalive]\ngpu_release_s = 200\n").unwrap();
+        assert!(matches!(
+            e.validate(),
+            Err(ConfigError::KeepaliveOrder { .. })
+        ));
+    }
+}

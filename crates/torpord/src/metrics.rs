@@ -1,0 +1,286 @@
+//! Prometheus metrics of the daemon, served as text at `GET /metrics`.
+//!
+//! Everything is registered at startup so the names are stable; the invoke, deploy and
+//! keep-alive code feeds the counters and histograms through the public fields. Gauges that
+//! mirror the registry (instances per stage) are refreshed from it at each scrape, and every
+//! registered function gets its per-function series at zero, so a function that has not been
+//! invoked yet shows `0` rather than nothing.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+use prometheus::{
+    CounterVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+};
+
+use crate::registry::{Stage, StageCounts};
+
+/// Values of the `outcome` label of [`Metrics::invocations`].
+pub mod outcome {
+    /// The handler returned a value.
+    pub const OK: &str = "ok";
+    /// The handler raised; the instance lives on.
+    pub const ERROR: &str = "error";
+    /// The worker crashed, timed out or misbehaved.
+    pub const FAILED: &str = "failed";
+    /// Over capacity: 429, or 503 after waiting in the queue.
+    pub const REJECTED: &str = "rejected";
+    /// Every value.
+    pub const ALL: &[&str] = &[OK, ERROR, FAILED, REJECTED];
+}
+
+/// Values of the `kind` label of [`Metrics::starts`] (the `X-Torpor-Start` header).
+pub mod start {
+    /// Routed to an idle warm instance.
+    pub const WARM: &str = "warm";
+    /// An instance restored from a snapshot.
+    pub const RESTORED: &str = "restored";
+    /// An instance booted from scratch.
+    pub const BOOTED: &str = "booted";
+    /// Every value.
+    pub const ALL: &[&str] = &[WARM, RESTORED, BOOTED];
+}
+
+/// The invoke phases whose series exist from the start for every function; other phases
+/// (deploy's, for instance) appear when first observed.
+pub const INVOKE_PHASES: &[&str] = &["queue", "start", "handler", "total"];
+
+/// Bucket bounds of the latency histograms, in seconds: 100 µs to 2 min.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// Every metric of the daemon.
+pub struct Metrics {
+    registry: prometheus::Registry,
+    /// `torpor_invocations_total{function, outcome}`.
+    pub invocations: IntCounterVec,
+    /// `torpor_starts_total{function, kind}`: how each invoke got its instance.
+    pub starts: IntCounterVec,
+    /// `torpor_phase_duration_seconds{function, phase}`; fed by [`Metrics::observe_phase`].
+    phase_seconds: HistogramVec,
+    /// `torpor_instances{stage}`, from the registry.
+    pub instances: IntGaugeVec,
+    /// `torpor_gpu_memory_bytes`: GPU memory held by instances on this node.
+    pub gpu_memory_bytes: IntGauge,
+    /// `torpor_queue_length{function}`: requests waiting for an instance.
+    pub queue_length: IntGaugeVec,
+    /// `torpor_instance_stage_seconds_total{function, stage}`: time instances spent per stage.
+    pub stage_seconds: CounterVec,
+    /// `torpor_gpu_memory_byte_seconds_total{function}`: GPU memory held over time.
+    pub gpu_memory_byte_seconds: CounterVec,
+    /// Functions whose series exist, to drop them when the function goes.
+    functions: Mutex<BTreeSet<String>>,
+    /// Every phase name seen, to drop a function's phase series.
+    phases: Mutex<BTreeSet<String>>,
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = prometheus::Registry::new();
+        let invocations = IntCounterVec::new(
+            Opts::new(
+                "torpor_invocations_total",
+                "Invocations, by function and outcome.",
+            ),
+            &["function", "outcome"],
+        )?;
+        let starts = IntCounterVec::new(
+            Opts::new(
+                "torpor_starts_total",
+                "How invocations got their instance: warm, restored or booted.",
+            ),
+            &["function", "kind"],
+        )?;
+        let phase_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "torpor_phase_duration_seconds",
+                "Latency of each phase of invocations and deploys.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["function", "phase"],
+        )?;
+        let instances = IntGaugeVec::new(
+            Opts::new("torpor_instances", "Instances in each keep-alive stage."),
+            &["stage"],
+        )?;
+        let gpu_memory_bytes = IntGauge::new(
+            "torpor_gpu_memory_bytes",
+            "GPU memory held by instances on this node.",
+        )?;
+        let queue_length = IntGaugeVec::new(
+            Opts::new(
+                "torpor_queue_length",
+                "Requests waiting for an instance, by function.",
+            ),
+            &["function"],
+        )?;
+        let stage_seconds = CounterVec::new(
+            Opts::new(
+                "torpor_instance_stage_seconds_total",
+                "Time instances spent in each keep-alive stage.",
+            ),
+            &["function", "stage"],
+        )?;
+        let gpu_memory_byte_seconds = CounterVec::new(
+            Opts::new(
+                "torpor_gpu_memory_byte_seconds_total",
+                "GPU memory held by instances, integrated over time.",
+            ),
+            &["function"],
+        )?;
+        registry.register(Box::new(invocations.clone()))?;
+        registry.register(Box::new(starts.clone()))?;
+        registry.register(Box::new(phase_seconds.clone()))?;
+        registry.register(Box::new(instances.clone()))?;
+        registry.register(Box::new(gpu_memory_bytes.clone()))?;
+        registry.register(Box::new(queue_length.clone()))?;
+        registry.register(Box::new(stage_seconds.clone()))?;
+        registry.register(Box::new(gpu_memory_byte_seconds.clone()))?;
+        for stage in Stage::ALL {
+            instances.with_label_values(&[stage.as_str()]).set(0);
+        }
+        Ok(Self {
+            registry,
+            invocations,
+            starts,
+            phase_seconds,
+            instances,
+            gpu_memory_bytes,
+            queue_length,
+            stage_seconds,
+            gpu_memory_byte_seconds,
+            functions: Mutex::new(BTreeSet::new()),
+            phases: Mutex::new(INVOKE_PHASES.iter().map(|p| p.to_string()).collect()),
+        })
+    }
+
+    /// Records that `phase` of an invoke or deploy of `function` took `seconds`.
+    pub fn observe_phase(&self, function: &str, phase: &str, seconds: f64) {
+        let mut phases = self.phases.lock().unwrap_or_else(|p| p.into_inner());
+        if !phases.contains(phase) {
+            phases.insert(phase.to_string());
+        }
+        drop(phases);
+        self.phase_seconds
+            .with_label_values(&[function, phase])
+            .observe(seconds);
+    }
+
+    /// Creates the per-function series of `function` (at zero, where new).
+    fn add_function(&self, function: &str) {
+        for o in outcome::ALL {
+            self.invocations.with_label_values(&[function, o]);
+        }
+        for k in start::ALL {
+            self.starts.with_label_values(&[function, k]);
+        }
+        for p in INVOKE_PHASES {
+            self.phase_seconds.with_label_values(&[function, p]);
+        }
+        self.queue_length.with_label_values(&[function]);
+        for s in Stage::ALL {
+            self.stage_seconds
+                .with_label_values(&[function, s.as_str()]);
+        }
+        self.gpu_memory_byte_seconds.with_label_values(&[function]);
+    }
+
+    /// Drops every series of `function`.
+    fn remove_function(&self, function: &str) {
+        // Removal fails only for a series that does not exist, which is the goal anyway.
+        for o in outcome::ALL {
+            let _ = self.invocations.remove_label_values(&[function, o]);
+        }
+        for k in start::ALL {
+            let _ = self.starts.remove_label_values(&[function, k]);
+        }
+        let _ = self.queue_length.remove_label_values(&[function]);
+        for s in Stage::ALL {
+            let _ = self
+                .stage_seconds
+                .remove_label_values(&[function, s.as_str()]);
+        }
+        let _ = self
+            .gpu_memory_byte_seconds
+            .remove_label_values(&[function]);
+        let phases = self.phases.lock().unwrap_or_else(|p| p.into_inner());
+        for p in phases.iter() {
+            let _ = self
+                .phase_seconds
+                .remove_label_values(&[function, p.as_str()]);
+        }
+    }
+
+    /// Brings the registry-derived series up to date: instances per stage, and the set of
+    /// functions that have series.
+    pub fn refresh(&self, stages: &StageCounts, functions: &[String]) {
+        for stage in Stage::ALL {
+            let n = i64::try_from(stages.get(*stage)).unwrap_or(i64::MAX);
+            self.instances.with_label_values(&[stage.as_str()]).set(n);
+        }
+        let mut known = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        let now: BTreeSet<String> = functions.iter().cloned().collect();
+        for gone in known.difference(&now) {
+            self.remove_function(gone);
+        }
+        for name in &now {
+            self.add_function(name);
+        }
+        *known = now;
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> Result<String, prometheus::Error> {
+        prometheus::TextEncoder::new().encode_to_string(&self.registry.gather())
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics { .. }")
+    }
+}
+
+/// The `Content-Type` of [`Metrics::render`]'s output.
+pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn functions_get_and_lose_their_series() {
+        let m = Metrics::new().unwrap();
+        let text = m.render().unwrap();
+        assert!(
+            text.contains("torpor_instances{stage=\"warm\"} 0"),
+            "{text}"
+        );
+        assert!(text.contains("torpor_gpu_memory_bytes 0"), "{text}");
+        assert!(!text.contains("torpor_invocations_total"), "{text}");
+
+        let stages = StageCounts {
+            hibernated: 2,
+            ..StageCounts::default()
+        };
+        m.refresh(&stages, &["f".to_string()]);
+        m.observe_phase("f", "restore", 0.01);
+        let text = m.render().unwrap();
+        assert!(
+            text.contains("torpor_instances{stage=\"hibernated\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("torpor_invocations_total{function=\"f\",outcome=\"ok\"} 0"),
+            "{text}"
+        );
+        assert!(text.contains("phase=\"restore\""), "{text}");
+
+        m.refresh(&StageCounts::default(), &[]);
+        let text = m.render().unwrap();
+        assert!(!text.contains("function=\"f\""), "{text}");
+    }
+}

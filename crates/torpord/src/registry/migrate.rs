@@ -1,0 +1,125 @@
+//! The registry's schema and its migrations.
+//!
+//! `MIGRATIONS[i]` takes the schema from version `i` to `i + 1`; version 0 is an empty
+//! database. Each runs in its own transaction together with the version bump, so a crash
+//! leaves the database at one version or the next, never in between. A migration, once
+//! released, is never edited: changes are new entries.
+
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
+
+use super::model::now_ms;
+use super::RegistryError;
+
+/// The schema version this build writes.
+pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
+
+const MIGRATIONS: &[&str] = &[
+    // 0 → 1: functions, snapshots, instances.
+    r#"
+    CREATE TABLE functions (
+        name      TEXT PRIMARY KEY,
+        dir       TEXT NOT NULL,
+        spec_json TEXT NOT NULL CHECK (json_valid(spec_json)),
+        base_key  TEXT NOT NULL,
+        snapshot  TEXT REFERENCES snapshots(id) ON DELETE SET NULL,
+        state     TEXT NOT NULL CHECK (state IN ('deploying', 'ready', 'failed')),
+        created   INTEGER NOT NULL,
+        updated   INTEGER NOT NULL
+    ) STRICT;
+
+    CREATE TABLE snapshots (
+        id       TEXT PRIMARY KEY,
+        kind     TEXT NOT NULL CHECK (kind IN ('base', 'function', 'hibernation')),
+        path     TEXT NOT NULL UNIQUE,
+        function TEXT REFERENCES functions(name) ON DELETE CASCADE,
+        base_key TEXT,
+        bytes    INTEGER NOT NULL CHECK (bytes >= 0),
+        created  INTEGER NOT NULL,
+        CHECK ((kind = 'base') = (function IS NULL)),
+        CHECK (kind != 'base' OR base_key IS NOT NULL)
+    ) STRICT;
+    CREATE INDEX snapshots_by_function ON snapshots(function);
+    CREATE UNIQUE INDEX one_base_per_key ON snapshots(base_key) WHERE kind = 'base';
+
+    CREATE TABLE instances (
+        id        TEXT PRIMARY KEY,
+        function  TEXT NOT NULL REFERENCES functions(name) ON DELETE CASCADE,
+        pid       INTEGER,
+        stage     TEXT NOT NULL
+                  CHECK (stage IN ('warm', 'gpu_released', 'hibernated', 'evicted')),
+        snapshot  TEXT REFERENCES snapshots(id) ON DELETE SET NULL,
+        started   INTEGER NOT NULL,
+        last_used INTEGER NOT NULL,
+        CHECK ((stage IN ('warm', 'gpu_released')) = (pid IS NOT NULL))
+    ) STRICT;
+    CREATE INDEX instances_by_function ON instances(function);
+    "#,
+];
+
+/// The schema version of `conn`'s database (0 when empty).
+pub fn current_version(conn: &Connection) -> Result<u32, rusqlite::Error> {
+    let has_table: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_schema \
+         WHERE type = 'table' AND name = 'schema_version')",
+        [],
+        |row| row.get(0),
+    )?;
+    if !has_table {
+        return Ok(0);
+    }
+    let version: Option<u32> = conn
+        .query_row(
+            "SELECT version FROM schema_version WHERE id = 1",
+            [],
+            |row| row.get(0),
+        )
+        .optional()?;
+    Ok(version.unwrap_or(0))
+}
+
+/// Brings the database to [`SCHEMA_VERSION`]; refuses one written by a newer torpord.
+/// Returns the version it started from.
+pub fn migrate(conn: &mut Connection, path: &std::path::Path) -> Result<u32, RegistryError> {
+    let found = current_version(conn)?;
+    if found > SCHEMA_VERSION {
+        return Err(RegistryError::TooNew {
+            path: path.to_path_buf(),
+            found,
+            known: SCHEMA_VERSION,
+        });
+    }
+    for version in found..SCHEMA_VERSION {
+        let fail = |source| RegistryError::Migrate {
+            path: path.to_path_buf(),
+            to: version + 1,
+            source,
+        };
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Exclusive)
+            .map_err(fail)?;
+        // Another daemon may have migrated between the check and the lock.
+        if current_version(&tx).map_err(fail)? != version {
+            return Err(RegistryError::Concurrent {
+                path: path.to_path_buf(),
+            });
+        }
+        tx.execute_batch(
+            "CREATE TABLE IF NOT EXISTS schema_version (\
+                 id INTEGER PRIMARY KEY CHECK (id = 1), \
+                 version INTEGER NOT NULL, \
+                 migrated INTEGER NOT NULL) STRICT;",
+        )
+        .map_err(fail)?;
+        tx.execute_batch(MIGRATIONS[version as usize])
+            .map_err(fail)?;
+        tx.execute(
+            "INSERT INTO schema_version (id, version, migrated) VALUES (1, ?1, ?2) \
+             ON CONFLICT (id) DO UPDATE SET version = excluded.version, \
+             migrated = excluded.migrated",
+            (version + 1, now_ms()),
+        )
+        .map_err(fail)?;
+        tx.commit().map_err(fail)?;
+    }
+    Ok(found)
+}

@@ -1,0 +1,389 @@
+//! The daemon's registry: functions, snapshots and instances in SQLite (`registry.db` in the
+//! state directory), in WAL mode with foreign keys on and a versioned, migrated schema.
+//!
+//! One connection, behind a mutex: every operation is short, and callers on the async side run
+//! them on the blocking pool. Queries are typed methods of [`Store`]; [`Registry::with`] runs
+//! some without a transaction, [`Registry::transaction`] runs some atomically.
+
+mod migrate;
+mod model;
+mod store;
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rusqlite::{Connection, TransactionBehavior};
+
+pub use migrate::SCHEMA_VERSION;
+pub use model::*;
+pub use store::Store;
+
+/// A registry operation that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// The database file cannot be opened or set up.
+    #[error("cannot open registry {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: rusqlite::Error,
+    },
+    /// The database was written by a newer torpord.
+    #[error(
+        "registry {path} has schema version {found}, newer than this torpord knows ({known}): \
+         run the torpord that wrote it, or a newer one"
+    )]
+    TooNew {
+        path: PathBuf,
+        found: u32,
+        known: u32,
+    },
+    /// A migration failed; the database stays at the version before it.
+    #[error("registry {path}: migration to schema version {to} failed: {source}")]
+    Migrate {
+        path: PathBuf,
+        to: u32,
+        source: rusqlite::Error,
+    },
+    /// Another process migrated the database while this one did.
+    #[error("registry {path} was migrated by another process at the same time: start again")]
+    Concurrent { path: PathBuf },
+    /// A row with this key exists already.
+    #[error("{what} {key:?} already exists")]
+    Exists { what: &'static str, key: String },
+    /// No row with this key.
+    #[error("{what} {key:?} not found")]
+    NotFound { what: &'static str, key: String },
+    /// A unique column other than the key is taken (a snapshot path, a base key).
+    #[error("{what} {key:?} conflicts with an existing row: {message}")]
+    Conflict {
+        what: &'static str,
+        key: String,
+        message: String,
+    },
+    /// The row refers to a function or snapshot that does not exist.
+    #[error("{what} {key:?} refers to a function or snapshot that does not exist")]
+    MissingReference { what: &'static str, key: String },
+    /// The row breaks a rule of the schema (e.g. a base snapshot with a function).
+    #[error("{what} {key:?} is not valid: {message}")]
+    Invalid {
+        what: &'static str,
+        key: String,
+        message: String,
+    },
+    /// Paths are stored as UTF-8 text.
+    #[error("path {0:?} is not UTF-8; the registry stores UTF-8 paths only")]
+    NonUtf8Path(PathBuf),
+    /// Any other SQLite failure.
+    #[error("registry query failed: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+}
+
+/// How long a writer waits for another connection's lock (e.g. a tool reading the registry).
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// An open registry.
+#[derive(Debug)]
+pub struct Registry {
+    path: PathBuf,
+    conn: Mutex<Connection>,
+}
+
+impl Registry {
+    /// Opens (creating if needed) the registry at `path` and migrates it to [`SCHEMA_VERSION`].
+    pub fn open(path: &Path) -> Result<Self, RegistryError> {
+        let open_err = |source| RegistryError::Open {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut conn = Connection::open(path).map_err(open_err)?;
+        conn.busy_timeout(BUSY_TIMEOUT).map_err(open_err)?;
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
+            .map_err(open_err)?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(open_err(rusqlite::Error::InvalidParameterName(format!(
+                "journal_mode stayed {mode:?}, WAL is required"
+            ))));
+        }
+        conn.pragma_update(None, "synchronous", "FULL")
+            .map_err(open_err)?;
+        conn.pragma_update(None, "foreign_keys", true)
+            .map_err(open_err)?;
+        migrate::migrate(&mut conn, path)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            conn: Mutex::new(conn),
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
+        // A panic while holding the lock leaves the connection usable: an open transaction
+        // was rolled back when its guard dropped.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the connection outside any explicit transaction: each statement commits
+    /// on its own. For reads, and for single writes.
+    pub fn with<T, E: From<RegistryError>>(
+        &self,
+        f: impl FnOnce(&Store<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let conn = self.lock();
+        f(&Store { conn: &conn })
+    }
+
+    /// Runs `f` in one transaction: committed if it returns `Ok`, rolled back otherwise.
+    pub fn transaction<T, E: From<RegistryError>>(
+        &self,
+        f: impl FnOnce(&Store<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let mut conn = self.lock();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(RegistryError::from)?;
+        let value = f(&Store { conn: &tx })?;
+        tx.commit().map_err(RegistryError::from)?;
+        Ok(value)
+    }
+
+    /// The schema version of the open database.
+    pub fn schema_version(&self) -> Result<u32, RegistryError> {
+        Ok(migrate::current_version(&self.lock())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn function(name: &str) -> Function {
+        Function {
+            name: name.to_string(),
+            dir: PathBuf::from(format!("/state/functions/{name}")),
+            spec: serde_json::json!({"name": name, "entry": "model:MLP", "gpus": 0}),
+            base_key: "python3|numpy|cpu".to_string(),
+            snapshot: None,
+            state: FunctionState::Deploying,
+            created: 1_000,
+            updated: 1_000,
+        }
+    }
+
+    fn snapshot(id: &str, kind: SnapshotKind, function: Option<&str>) -> Snapshot {
+        Snapshot {
+            id: id.to_string(),
+            kind,
+            path: PathBuf::from(format!("/state/snapshots/{id}")),
+            function: function.map(str::to_string),
+            base_key: Some("python3|numpy|cpu".to_string()),
+            bytes: 123_456_789,
+            created: 2_000,
+        }
+    }
+
+    fn instance(id: &str, function: &str, stage: Stage) -> Instance {
+        Instance {
+            id: id.to_string(),
+            function: function.to_string(),
+            pid: stage.has_process().then_some(4242),
+            stage,
+            snapshot: None,
+            started: 3_000,
+            last_used: 3_500,
+        }
+    }
+
+    fn open() -> (tempfile::TempDir, Registry) {
+        let dir = tempfile::tempdir().unwrap();
+        let reg = Registry::open(&dir.path().join("registry.db")).unwrap();
+        (dir, reg)
+    }
+
+    #[test]
+    fn new_database_is_at_the_current_version_in_wal_mode() {
+        let (dir, reg) = open();
+        assert_eq!(reg.schema_version().unwrap(), SCHEMA_VERSION);
+        drop(reg);
+        let conn = Connection::open(dir.path().join("registry.db")).unwrap();
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(mode, "wal");
+        // Reopening does not migrate again.
+        let reg = Registry::open(&dir.path().join("registry.db")).unwrap();
+        assert_eq!(reg.schema_version().unwrap(), SCHEMA_VERSION);
+    }
+
+    #[test]
+    fn a_newer_schema_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("registry.db");
+        drop(Registry::open(&path).unwrap());
+        let conn = Connection::open(&path).unwrap();
+        conn.execute("UPDATE schema_version SET version = 99", [])
+            .unwrap();
+        drop(conn);
+        let err = Registry::open(&path).unwrap_err();
+        assert!(
+            matches!(err, RegistryError::TooNew { found: 99, .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn rows_round_trip() {
+        let (_dir, reg) = open();
+        let mut f = function("cpu-mlp");
+        let base = snapshot("base-1", SnapshotKind::Base, None);
+        let fsnap = snapshot("fn-1", SnapshotKind::Function, Some("cpu-mlp"));
+        reg.transaction(|s| {
+            s.insert_function(&f)?;
+            s.insert_snapshot(&base)?;
+            s.insert_snapshot(&fsnap)?;
+            Ok::<_, RegistryError>(())
+        })
+        .unwrap();
+        f.snapshot = Some("fn-1".to_string());
+        f.state = FunctionState::Ready;
+        f.updated = 5_000;
+        reg.with(|s| s.update_function(&f)).unwrap();
+        let mut i = instance("cpu-mlp-1", "cpu-mlp", Stage::Warm);
+        i.snapshot = Some("fn-1".to_string());
+        reg.with(|s| s.insert_instance(&i)).unwrap();
+
+        reg.with(|s| {
+            assert_eq!(s.function("cpu-mlp")?.as_ref(), Some(&f));
+            assert_eq!(s.functions()?, vec![f.clone()]);
+            assert_eq!(s.snapshot("base-1")?.as_ref(), Some(&base));
+            assert_eq!(s.base_snapshot("python3|numpy|cpu")?.as_ref(), Some(&base));
+            assert_eq!(s.snapshots_of("cpu-mlp")?, vec![fsnap.clone()]);
+            assert_eq!(s.snapshots()?.len(), 2);
+            assert_eq!(s.instance("cpu-mlp-1")?.as_ref(), Some(&i));
+            assert_eq!(s.instances_of("cpu-mlp")?, vec![i.clone()]);
+            Ok::<_, RegistryError>(())
+        })
+        .unwrap();
+
+        reg.with(|s| {
+            s.touch_instance("cpu-mlp-1", 9_000)?;
+            s.set_instance_stage("cpu-mlp-1", Stage::Hibernated, None, Some("fn-1"))
+        })
+        .unwrap();
+        let got = reg.with(|s| s.instance("cpu-mlp-1")).unwrap().unwrap();
+        assert_eq!(
+            (got.stage, got.pid, got.last_used),
+            (Stage::Hibernated, None, 9_000)
+        );
+
+        let counts = reg.with(|s| s.counts()).unwrap();
+        assert_eq!(counts.functions, 1);
+        assert_eq!(counts.snapshots.base, 1);
+        assert_eq!(counts.snapshots.function, 1);
+        assert_eq!(counts.instances.hibernated, 1);
+        assert_eq!(counts.instances.total(), 1);
+        let by_fn = reg.with(|s| s.stage_counts_by_function()).unwrap();
+        assert_eq!(by_fn["cpu-mlp"].hibernated, 1);
+    }
+
+    #[test]
+    fn delete_function_cascades_to_its_rows_only() {
+        let (_dir, reg) = open();
+        reg.transaction(|s| {
+            s.insert_function(&function("a"))?;
+            s.insert_function(&function("b"))?;
+            s.insert_snapshot(&snapshot("base", SnapshotKind::Base, None))?;
+            s.insert_snapshot(&snapshot("a-fn", SnapshotKind::Function, Some("a")))?;
+            s.insert_snapshot(&snapshot("a-hib", SnapshotKind::Hibernation, Some("a")))?;
+            s.insert_snapshot(&snapshot("b-fn", SnapshotKind::Function, Some("b")))?;
+            s.insert_instance(&instance("a-1", "a", Stage::Evicted))?;
+            s.insert_instance(&instance("b-1", "b", Stage::Warm))?;
+            Ok::<_, RegistryError>(())
+        })
+        .unwrap();
+        let removed = reg.with(|s| s.delete_function("a")).unwrap().unwrap();
+        let ids: Vec<_> = removed.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!(ids, ["a-fn", "a-hib"]);
+        let counts = reg.with(|s| s.counts()).unwrap();
+        assert_eq!(counts.functions, 1);
+        assert_eq!(counts.snapshots.base, 1);
+        assert_eq!(counts.snapshots.function, 1);
+        assert_eq!(counts.snapshots.hibernation, 0);
+        assert_eq!(counts.instances.total(), 1);
+        assert_eq!(reg.with(|s| s.delete_function("a")).unwrap(), None);
+    }
+
+    #[test]
+    fn schema_rules_are_typed_errors() {
+        let (_dir, reg) = open();
+        reg.with(|s| s.insert_function(&function("a"))).unwrap();
+        let e = reg.with(|s| s.insert_function(&function("a"))).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                RegistryError::Exists {
+                    what: "function",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = reg
+            .with(|s| s.insert_snapshot(&snapshot("x", SnapshotKind::Function, Some("nope"))))
+            .unwrap_err();
+        assert!(matches!(e, RegistryError::MissingReference { .. }), "{e}");
+        let e = reg
+            .with(|s| s.insert_snapshot(&snapshot("x", SnapshotKind::Base, Some("a"))))
+            .unwrap_err();
+        assert!(matches!(e, RegistryError::Invalid { .. }), "{e}");
+        let mut warm_without_pid = instance("i", "a", Stage::Warm);
+        warm_without_pid.pid = None;
+        let e = reg
+            .with(|s| s.insert_instance(&warm_without_pid))
+            .unwrap_err();
+        assert!(matches!(e, RegistryError::Invalid { .. }), "{e}");
+        reg.with(|s| s.insert_snapshot(&snapshot("b1", SnapshotKind::Base, None)))
+            .unwrap();
+        let mut second_base = snapshot("b2", SnapshotKind::Base, None);
+        second_base.path = PathBuf::from("/elsewhere");
+        let e = reg.with(|s| s.insert_snapshot(&second_base)).unwrap_err();
+        assert!(matches!(e, RegistryError::Conflict { .. }), "{e}");
+        let e = reg
+            .with(|s| s.set_instance_stage("ghost", Stage::Warm, Some(1), None))
+            .unwrap_err();
+        assert!(matches!(e, RegistryError::NotFound { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_failed_transaction_leaves_nothing() {
+        let (_dir, reg) = open();
+        let result = reg.transaction(|s| {
+            s.insert_function(&function("a"))?;
+            s.insert_function(&function("a"))
+        });
+        assert!(result.is_err());
+        assert_eq!(reg.with(|s| s.counts()).unwrap().functions, 0);
+    }
+
+    #[test]
+    fn enum_texts_round_trip() {
+        for s in Stage::ALL {
+            assert_eq!(Stage::parse(s.as_str()), Some(*s));
+        }
+        for k in SnapshotKind::ALL {
+            assert_eq!(SnapshotKind::parse(k.as_str()), Some(*k));
+        }
+        for f in FunctionState::ALL {
+            assert_eq!(FunctionState::parse(f.as_str()), Some(*f));
+        }
+        assert_eq!(
+            serde_json::to_string(&Stage::GpuReleased).unwrap(),
+            "\"gpu_released\""
+        );
+    }
+}

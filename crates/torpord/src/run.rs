@@ -1,0 +1,58 @@
+//! The whole daemon as a foreground program: what `torpor serve` and `torpord` run.
+
+use std::future::Future;
+
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::config::{Config, ConfigError, ServeArgs};
+use crate::logging;
+use crate::server::{Daemon, ServeError, StartError};
+
+/// Why the daemon stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Start(#[from] StartError),
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+    /// The async runtime cannot be built.
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(std::io::Error),
+    /// SIGTERM/SIGINT cannot be caught.
+    #[error("cannot install signal handlers: {0}")]
+    Signals(std::io::Error),
+}
+
+/// Loads the config (file + flags), sets up logging, starts the daemon and serves until
+/// SIGTERM or SIGINT.
+pub fn run(args: &ServeArgs) -> Result<(), RunError> {
+    let config = Config::load(args)?;
+    logging::init(config.log_format, config.log_level);
+    if let Some(file) = &config.file {
+        tracing::info!(config = %file.display(), "config file read");
+    }
+    let daemon = Daemon::start(config)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("torpord")
+        .build()
+        .map_err(RunError::Runtime)?;
+    runtime.block_on(async move {
+        let stop = shutdown_signal().map_err(RunError::Signals)?;
+        Ok(daemon.serve(stop).await?)
+    })
+}
+
+/// Completes at the first SIGTERM or SIGINT. The handlers are installed before it returns.
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = int.recv() => tracing::info!("SIGINT received"),
+        }
+    })
+}

@@ -1,0 +1,242 @@
+//! The daemon: takes the state directory, opens the registry, binds the listeners, then
+//! serves the API until told to stop.
+
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::api::{self, AppState};
+use crate::auth::{Token, TokenError};
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::registry::{now_ms, Registry, RegistryError};
+use crate::socket::{self, BoundSocket, SocketError};
+use crate::state_dir::{StateDir, StateDirError};
+
+/// How long in-flight requests may run on after the shutdown signal.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Why the daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    StateDir(#[from] StateDirError),
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(transparent)]
+    Socket(#[from] SocketError),
+    #[error(transparent)]
+    Token(#[from] TokenError),
+    /// The TCP address cannot be bound.
+    #[error("cannot listen on TCP {addr}: {source}")]
+    Tcp {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    /// The metrics cannot be registered (a bug: names are fixed).
+    #[error("cannot register metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// Why serving stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A listener cannot be handed to the async runtime.
+    #[error("cannot set up listener {what}: {source}")]
+    Listener {
+        what: String,
+        source: std::io::Error,
+    },
+    /// A listener failed while serving.
+    #[error("serving on {what} failed: {source}")]
+    Serve {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+/// A daemon that has its state directory, registry and listeners, ready to serve.
+#[derive(Debug)]
+pub struct Daemon {
+    config: Config,
+    state_dir: StateDir,
+    registry: Arc<Registry>,
+    metrics: Arc<Metrics>,
+    unix: BoundSocket,
+    tcp: Option<(TcpListener, SocketAddr, Token)>,
+}
+
+impl Daemon {
+    /// Takes the state directory, opens (and migrates) the registry and binds the listeners.
+    /// The config must have passed [`Config::validate`]. Nothing is served until [`Daemon::serve`].
+    pub fn start(config: Config) -> Result<Self, StartError> {
+        // The token first: a bad token file must not leave a bound socket behind.
+        let token = match (&config.tcp, &config.token_file) {
+            (Some(_), Some(path)) => Some(Token::load(path)?),
+            _ => None,
+        };
+        let state_dir = StateDir::open(&config.state_dir)?;
+        let registry = Registry::open(&state_dir.registry())?;
+        for name in registry.with(|s| s.fail_interrupted_deploys(now_ms()))? {
+            tracing::warn!(function = %name, "deploy was interrupted by a daemon stop; marked failed");
+        }
+        let metrics = Arc::new(Metrics::new()?);
+        let unix = socket::bind(&config.socket)?;
+        let tcp = match (config.tcp, token) {
+            (Some(addr), Some(token)) => {
+                let tcp_err = |source| StartError::Tcp { addr, source };
+                let listener = TcpListener::bind(addr).map_err(tcp_err)?;
+                let bound = listener.local_addr().map_err(tcp_err)?;
+                Some((listener, bound, token))
+            }
+            _ => None,
+        };
+        Ok(Self {
+            config,
+            state_dir,
+            registry: Arc::new(registry),
+            metrics,
+            unix,
+            tcp,
+        })
+    }
+
+    /// The registry (for code that runs beside the API: deploy, invoke, keep-alive).
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    /// The metrics, to feed.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The state directory.
+    pub fn state_dir(&self) -> &StateDir {
+        &self.state_dir
+    }
+
+    /// The TCP address bound, if TCP is on (the real port when the config asked for port 0).
+    pub fn tcp_addr(&self) -> Option<SocketAddr> {
+        self.tcp.as_ref().map(|(_, addr, _)| *addr)
+    }
+
+    /// Serves the API until `shutdown` completes, then lets in-flight requests finish (for at
+    /// most [`SHUTDOWN_GRACE`]) and removes the socket. Must run inside a Tokio runtime.
+    pub async fn serve(
+        mut self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        let state = Arc::new(AppState {
+            config: self.config.clone(),
+            registry: Arc::clone(&self.registry),
+            metrics: Arc::clone(&self.metrics),
+            state_dir: self.state_dir.root().to_path_buf(),
+            tcp: self.tcp_addr(),
+            started: Instant::now(),
+            started_ms: now_ms(),
+        });
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = move |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            // An error means the sender is gone, which also means stop.
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+
+        let unix_what = format!("unix socket {}", self.unix.path().display());
+        let std_unix = self
+            .unix
+            .take_listener()
+            .ok_or_else(|| ServeError::Listener {
+                what: unix_what.clone(),
+                source: std::io::Error::other("listener already taken"),
+            })?;
+        let unix_listener = std_unix
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::UnixListener::from_std(std_unix))
+            .map_err(|source| ServeError::Listener {
+                what: unix_what.clone(),
+                source,
+            })?;
+        let mut servers = tokio::task::JoinSet::new();
+        {
+            let app = api::router(Arc::clone(&state));
+            let rx = stop_rx.clone();
+            let what = unix_what.clone();
+            servers.spawn(async move {
+                axum::serve(unix_listener, app)
+                    .with_graceful_shutdown(stopped(rx))
+                    .await
+                    .map_err(|source| ServeError::Serve { what, source })
+            });
+        }
+        if let Some((std_tcp, addr, token)) = self.tcp.take() {
+            let what = format!("TCP {addr}");
+            let tcp_listener = std_tcp
+                .set_nonblocking(true)
+                .and_then(|()| tokio::net::TcpListener::from_std(std_tcp))
+                .map_err(|source| ServeError::Listener {
+                    what: what.clone(),
+                    source,
+                })?;
+            if !addr.ip().is_loopback() {
+                tracing::warn!(%addr, "the API is on a non-loopback TCP address without TLS: the bearer token crosses the network in clear text");
+            }
+            let app = api::router_with_token(Arc::clone(&state), Arc::new(token));
+            let rx = stop_rx.clone();
+            servers.spawn(async move {
+                axum::serve(tcp_listener, app)
+                    .with_graceful_shutdown(stopped(rx))
+                    .await
+                    .map_err(|source| ServeError::Serve { what, source })
+            });
+        }
+        tracing::info!(
+            version = env!("CARGO_PKG_VERSION"),
+            socket = %self.unix.path().display(),
+            tcp = %state.tcp.map_or_else(|| "off".to_string(), |a| a.to_string()),
+            state_dir = %self.state_dir.root().display(),
+            "torpord ready"
+        );
+
+        let mut result = Ok(());
+        tokio::select! {
+            () = shutdown => tracing::info!("shutting down: finishing in-flight requests"),
+            Some(joined) = servers.join_next() => {
+                // A listener stopped on its own: an error. Stop the others too.
+                result = flatten(joined);
+            }
+        }
+        let _ = stop_tx.send(true);
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            while let Some(joined) = servers.join_next().await {
+                if let Err(e) = flatten(joined) {
+                    tracing::error!(error = %e, "listener failed during shutdown");
+                }
+            }
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!(
+                grace_s = SHUTDOWN_GRACE.as_secs(),
+                "requests still running after the grace period; stopping anyway"
+            );
+            servers.abort_all();
+        }
+        // The socket file goes with `self.unix`, the state directory lock with `self.state_dir`.
+        drop(self);
+        tracing::info!("torpord stopped");
+        result
+    }
+}
+
+fn flatten(
+    joined: Result<Result<(), ServeError>, tokio::task::JoinError>,
+) -> Result<(), ServeError> {
+    joined.unwrap_or_else(|e| {
+        Err(ServeError::Serve {
+            what: "listener task".to_string(),
+            source: std::io::Error::other(e.to_string()),
+        })
+    })
+}

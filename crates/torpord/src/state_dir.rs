@@ -1,0 +1,164 @@
+//! The state directory: its layout, created on first start, and the lock that keeps a second
+//! daemon off it.
+//!
+//! ```text
+//! <state>/torpord.lock   flock held while the daemon runs; holds its pid
+//! <state>/registry.db    SQLite registry (+ -wal, -shm)
+//! <state>/snapshots/     base, function and hibernation snapshots
+//! <state>/functions/     the deployed functions' directories
+//! <state>/logs/          deploy and worker logs
+//! ```
+//! Everything is created mode 0700: snapshots hold process memory.
+
+use std::fs::{DirBuilder, File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+/// Why the state directory cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum StateDirError {
+    /// A directory of the layout cannot be created.
+    #[error("cannot create state directory {path}: {source}")]
+    Create {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The lock file cannot be opened or locked.
+    #[error("cannot lock state directory {path}: {source}")]
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// Another daemon holds the lock.
+    #[error(
+        "state directory {path} is in use by another torpord{}: stop it, or pass --state-dir",
+        pid.map(|p| format!(" (pid {p})")).unwrap_or_default()
+    )]
+    InUse { path: PathBuf, pid: Option<i32> },
+}
+
+/// The locked state directory; the lock is released when this is dropped.
+#[derive(Debug)]
+pub struct StateDir {
+    root: PathBuf,
+    _lock: File,
+}
+
+impl StateDir {
+    /// Creates the layout under `root` where missing and takes the lock.
+    pub fn open(root: &Path) -> Result<Self, StateDirError> {
+        let create = |path: &Path| {
+            DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(path)
+                .map_err(|source| StateDirError::Create {
+                    path: path.to_path_buf(),
+                    source,
+                })
+        };
+        create(root)?;
+        let lock_path = root.join("torpord.lock");
+        let lock_err = |source| StateDirError::Lock {
+            path: root.to_path_buf(),
+            source,
+        };
+        let mut lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(lock_err)?;
+        // SAFETY: flock on a file descriptor we own; it touches no memory.
+        let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::WouldBlock {
+                let mut text = String::new();
+                let pid = lock
+                    .read_to_string(&mut text)
+                    .ok()
+                    .and_then(|_| text.trim().parse().ok());
+                return Err(StateDirError::InUse {
+                    path: root.to_path_buf(),
+                    pid,
+                });
+            }
+            return Err(lock_err(err));
+        }
+        lock.set_len(0).map_err(lock_err)?;
+        lock.rewind().map_err(lock_err)?;
+        writeln!(lock, "{}", std::process::id()).map_err(lock_err)?;
+        let dir = Self {
+            root: root.to_path_buf(),
+            _lock: lock,
+        };
+        for sub in [dir.snapshots(), dir.functions(), dir.logs()] {
+            create(&sub)?;
+        }
+        Ok(dir)
+    }
+
+    /// The state directory itself.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The SQLite registry.
+    pub fn registry(&self) -> PathBuf {
+        self.root.join("registry.db")
+    }
+
+    /// Where snapshots live.
+    pub fn snapshots(&self) -> PathBuf {
+        self.root.join("snapshots")
+    }
+
+    /// Where deployed functions' directories live.
+    pub fn functions(&self) -> PathBuf {
+        self.root.join("functions")
+    }
+
+    /// Deploy and worker logs.
+    pub fn logs(&self) -> PathBuf {
+        self.root.join("logs")
+    }
+
+    /// The socket workers connect to (docs/torpord.md, "Worker ⇄ daemon protocol").
+    pub fn workers_socket(&self) -> PathBuf {
+        self.root.join("workers.sock")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn layout_is_created_private_and_locked() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("state");
+        let dir = StateDir::open(&root).unwrap();
+        for p in [
+            dir.root().to_path_buf(),
+            dir.snapshots(),
+            dir.functions(),
+            dir.logs(),
+        ] {
+            let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o700, "{}", p.display());
+        }
+        let err = StateDir::open(&root).unwrap_err();
+        let pid = std::process::id() as i32;
+        assert!(
+            matches!(err, StateDirError::InUse { pid: Some(p), .. } if p == pid),
+            "{err}"
+        );
+        drop(dir);
+        StateDir::open(&root).unwrap();
+    }
+}
