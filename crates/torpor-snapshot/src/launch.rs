@@ -144,6 +144,22 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
 /// CRIU refuses to restore a mapping whose file changed; a content-addressed copy keeps every
 /// snapshot restorable when torpor itself is rebuilt or upgraded.
 fn init_binary(state_dir: &Path) -> Result<PathBuf, LaunchError> {
+    // A daemon launches many workers: hash the running binary once per process and state dir.
+    static CACHE: std::sync::Mutex<Option<(PathBuf, PathBuf)>> = std::sync::Mutex::new(None);
+    let mut cache = CACHE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((dir, path)) = cache.as_ref() {
+        if dir == state_dir && path.exists() {
+            return Ok(path.clone());
+        }
+    }
+    let path = copy_init_binary(state_dir)?;
+    *cache = Some((state_dir.to_path_buf(), path.clone()));
+    Ok(path)
+}
+
+fn copy_init_binary(state_dir: &Path) -> Result<PathBuf, LaunchError> {
     let fail = |source| LaunchError::InitBinary {
         dir: state_dir.to_path_buf(),
         source,
