@@ -89,6 +89,33 @@ enum Command {
         #[command(flatten)]
         daemon: cmd::DaemonArgs,
     },
+    /// Deploy the function in DIR (its torpor.toml): base snapshot, function snapshot; prints the phases.
+    Deploy {
+        dir: PathBuf,
+        /// Print the daemon's NDJSON lines as they arrive.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        daemon: cmd::DaemonArgs,
+    },
+    /// Invoke a deployed function; prints its value (JSON).
+    Invoke {
+        name: String,
+        /// The request, as JSON.
+        #[arg(long, default_value = "null")]
+        data: String,
+        /// Print how the instance was obtained and the phase timings on stderr.
+        #[arg(short, long)]
+        verbose: bool,
+        #[command(flatten)]
+        daemon: cmd::DaemonArgs,
+    },
+    /// Launches one worker for torpord (internal).
+    #[command(name = "__launch", hide = true)]
+    Launch {
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
     /// The init that `torpor run` execs inside the new namespaces (internal).
     #[command(name = "__init", hide = true)]
     Init {
@@ -124,6 +151,14 @@ fn main() -> ExitCode {
         Command::Serve(args) => cmd::serve::run(&args),
         Command::Ls { json, daemon } => cmd::ls::run(&daemon, json),
         Command::Status { json, daemon } => cmd::status::run(&daemon, json),
+        Command::Deploy { dir, json, daemon } => cmd::deploy::run(&daemon, &dir, json),
+        Command::Invoke {
+            name,
+            data,
+            verbose,
+            daemon,
+        } => cmd::invoke::run(&daemon, &name, &data, verbose),
+        Command::Launch { args } => return torpord::launcher::launch_main(&args),
         Command::Init {
             report_fd,
             log,

@@ -3,21 +3,28 @@
 //! on TCP behind a bearer token. `torpor serve` and the `torpord` binary both run [`run`].
 //!
 //! Layers: [`config`] (file + flags) → [`server::Daemon`] (state directory, [`registry`],
-//! listeners) → [`api`] (routes) with [`metrics`]. [`client`] is the blocking client the CLI
-//! uses.
+//! listeners) → [`api`] (routes) with [`metrics`]. Functions run as workers: [`workers`] (their
+//! socket and [`frames`]), [`launcher`] (starting them), [`deploy`] (base and function
+//! snapshots) and [`runtime`] (instances, routing, the queue). [`client`] is the blocking client
+//! the CLI uses.
 
 pub mod api;
 pub mod auth;
 pub mod client;
 pub mod config;
+pub mod deploy;
+pub mod frames;
+pub mod launcher;
 pub mod logging;
 pub mod metrics;
 pub mod registry;
 mod run;
+pub mod runtime;
 pub mod server;
 pub mod socket;
 pub mod state_dir;
 pub mod toml_table;
+pub mod workers;
 
 pub use config::{Config, ServeArgs};
 pub use run::{run, RunError};

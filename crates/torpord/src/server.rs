@@ -11,6 +11,7 @@ use crate::auth::{Token, TokenError};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::registry::{now_ms, Registry, RegistryError};
+use crate::runtime::Runtime;
 use crate::socket::{self, BoundSocket, SocketError};
 use crate::state_dir::{StateDir, StateDirError};
 
@@ -64,6 +65,8 @@ pub struct Daemon {
     registry: Arc<Registry>,
     metrics: Arc<Metrics>,
     unix: BoundSocket,
+    /// The socket workers connect to.
+    workers: BoundSocket,
     tcp: Option<(TcpListener, SocketAddr, Token)>,
 }
 
@@ -83,6 +86,7 @@ impl Daemon {
         }
         let metrics = Arc::new(Metrics::new()?);
         let unix = socket::bind(&config.socket)?;
+        let workers = socket::bind(&state_dir.workers_socket())?;
         let tcp = match (config.tcp, token) {
             (Some(addr), Some(token)) => {
                 let tcp_err = |source| StartError::Tcp { addr, source };
@@ -98,6 +102,7 @@ impl Daemon {
             registry: Arc::new(registry),
             metrics,
             unix,
+            workers,
             tcp,
         })
     }
@@ -128,7 +133,34 @@ impl Daemon {
         mut self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServeError> {
+        let runtime = Arc::new(Runtime::new(
+            self.config.clone(),
+            Arc::clone(&self.registry),
+            Arc::clone(&self.metrics),
+            self.state_dir.root().to_path_buf(),
+            self.state_dir.workers_socket(),
+        ));
+        if let Err(e) = &runtime.python_dir {
+            tracing::warn!(error = %e, "deploys will fail until this is fixed");
+        }
+        let workers_what = format!("workers socket {}", self.workers.path().display());
+        let std_workers = self
+            .workers
+            .take_listener()
+            .ok_or_else(|| ServeError::Listener {
+                what: workers_what.clone(),
+                source: std::io::Error::other("listener already taken"),
+            })?;
+        let workers_listener = std_workers
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::UnixListener::from_std(std_workers))
+            .map_err(|source| ServeError::Listener {
+                what: workers_what,
+                source,
+            })?;
+        let hub_task = tokio::spawn(Arc::clone(&runtime.hub).serve(workers_listener));
         let state = Arc::new(AppState {
+            runtime,
             config: self.config.clone(),
             registry: Arc::clone(&self.registry),
             metrics: Arc::clone(&self.metrics),
@@ -223,6 +255,9 @@ impl Daemon {
             );
             servers.abort_all();
         }
+        hub_task.abort();
+        let runtime = Arc::clone(&state.runtime);
+        let _ = tokio::task::spawn_blocking(move || runtime.shutdown()).await;
         // The socket file goes with `self.unix`, the state directory lock with `self.state_dir`.
         drop(self);
         tracing::info!("torpord stopped");

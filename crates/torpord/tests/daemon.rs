@@ -330,20 +330,49 @@ fn unimplemented_and_unknown_routes_answer_json_errors() {
     let env = Env::new();
     let d = env.start(&[]);
     let c = d.client();
-    for (method, path, body) in [
-        ("POST", "/v1/functions", Some(&br#"{"dir": "/x"}"#[..])),
-        ("POST", "/v1/functions/f/invoke", Some(&b"{}"[..])),
-        ("GET", "/v1/functions/f/logs", None),
-    ] {
-        let r = c.request(method, path, body).unwrap();
-        assert_eq!(r.status, 501, "{method} {path}");
-        assert!(
-            r.error_message()
-                .ends_with("not implemented yet (issue 3 in progress)"),
-            "{}",
-            r.error_message()
-        );
-    }
+    let r = c.request("GET", "/v1/functions/f/logs", None).unwrap();
+    assert_eq!(r.status, 501);
+    assert!(
+        r.error_message()
+            .ends_with("not implemented yet (issue 3 in progress)"),
+        "{}",
+        r.error_message()
+    );
+    // Deploy and invoke answer JSON errors for a bad directory and an unknown function.
+    let r = c
+        .request(
+            "POST",
+            "/v1/functions",
+            Some(&br#"{"dir": "/nonexistent/fn"}"#[..]),
+        )
+        .unwrap();
+    assert_eq!(r.status, 400, "{}", r.error_message());
+    assert!(
+        r.error_message().contains("/nonexistent/fn"),
+        "{}",
+        r.error_message()
+    );
+    let r = c
+        .request("POST", "/v1/functions", Some(&br#"{"dir": "rel"}"#[..]))
+        .unwrap();
+    assert_eq!(r.status, 400, "{}", r.error_message());
+    let r = c
+        .request("POST", "/v1/functions", Some(&br#"{"path": "/x"}"#[..]))
+        .unwrap();
+    assert_eq!(r.status, 400, "{}", r.error_message());
+    let r = c
+        .request("POST", "/v1/functions/f/invoke", Some(&b"{}"[..]))
+        .unwrap();
+    assert_eq!(r.status, 404, "{}", r.error_message());
+    assert!(
+        r.error_message().contains("no function named \"f\""),
+        "{}",
+        r.error_message()
+    );
+    let r = c
+        .request("POST", "/v1/functions/f/invoke", Some(&b"{not json"[..]))
+        .unwrap();
+    assert_eq!(r.status, 400, "{}", r.error_message());
     let r = c.request("GET", "/v2/nothing", None).unwrap();
     assert_eq!(r.status, 404);
     assert_eq!(r.error_message(), "no route for GET /v2/nothing");

@@ -1,6 +1,8 @@
 //! One module per subcommand; each parses nothing and prints little, the work is in the crates.
 
+pub mod deploy;
 pub mod inspect;
+pub mod invoke;
 pub mod ls;
 pub mod restore;
 pub mod run;
@@ -79,6 +81,15 @@ impl DaemonArgs {
             .clone()
             .unwrap_or_else(torpord::client::default_socket);
         torpord::client::Client::unix(socket).with_timeout(Duration::from_secs(30))
+    }
+
+    /// A client that waits as long as the daemon takes (deploys, invocations).
+    pub fn client_without_timeout(&self) -> torpord::client::Client {
+        let socket = self
+            .socket
+            .clone()
+            .unwrap_or_else(torpord::client::default_socket);
+        torpord::client::Client::unix(socket)
     }
 }
 

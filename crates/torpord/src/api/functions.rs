@@ -57,12 +57,17 @@ pub async fn get(
     Ok(Json(detail))
 }
 
-/// Removes the function, its snapshots (rows and directories) and its hibernated instances.
-/// Refused while it deploys or has running instances. Base snapshots are shared and stay.
+/// Stops the function's live instances (their in-flight requests fail), then removes the
+/// function, its snapshots (rows and directories) and its hibernated instances. Refused while
+/// it deploys, or while it has running instances this daemon did not start (e.g. left by an
+/// earlier daemon). Base snapshots are shared and stay.
 pub async fn delete(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
 ) -> Result<Json<Deleted>, ApiError> {
+    // No deploy runs meanwhile.
+    let _deploys = state.runtime.deploy_lock.lock().await;
+    let stopped = state.runtime.stop_function(&name);
     let n = name.clone();
     let (function, snapshots) = with_registry(&state, move |r| {
         r.transaction(|s| {
@@ -78,15 +83,15 @@ pub async fn delete(
             let pids: Vec<String> = s
                 .instances_of(&n)?
                 .iter()
-                .filter(|i| i.stage.has_process())
+                .filter(|i| i.stage.has_process() && !stopped.contains(&i.id))
                 .filter_map(|i| i.pid.map(|p| p.to_string()))
                 .collect();
             if !pids.is_empty() {
                 return Err(ApiError::new(
                     StatusCode::CONFLICT,
                     format!(
-                        "function {n:?} has {} running instance(s) (pid {}): stopping instances \
-                         is not implemented yet (issue 3 in progress)",
+                        "function {n:?} has {} running instance(s) that this torpord did not \
+                         start (pid {}): stop them (kill the pids) and delete again",
                         pids.len(),
                         pids.join(", ")
                     ),

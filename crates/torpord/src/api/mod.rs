@@ -1,6 +1,8 @@
 //! The HTTP/JSON API (docs/torpord.md, "HTTP API"): one module per resource.
 
+mod deploy;
 mod functions;
+mod invoke;
 mod metrics;
 mod pending;
 mod status;
@@ -36,6 +38,8 @@ pub struct AppState {
     pub started: Instant,
     /// `started` as Unix ms.
     pub started_ms: i64,
+    /// Deploy and invoke: instances, pools, the workers' socket.
+    pub runtime: Arc<crate::runtime::Runtime>,
 }
 
 /// An error answer: a status and `{"error": message}`.
@@ -104,14 +108,14 @@ pub(crate) async fn with_registry<T: Send + 'static>(
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/status", get(status::get))
-        .route("/v1/functions", get(functions::list).post(pending::deploy))
+        .route("/v1/functions", get(functions::list).post(deploy::deploy))
         .route(
             "/v1/functions/{name}",
             get(functions::get).delete(functions::delete),
         )
         .route(
             "/v1/functions/{name}/invoke",
-            axum::routing::post(pending::invoke),
+            axum::routing::post(invoke::invoke),
         )
         .route("/v1/functions/{name}/logs", get(pending::logs))
         .route("/metrics", get(metrics::get))

@@ -13,16 +13,6 @@ fn not_implemented(what: &str) -> ApiError {
     )
 }
 
-/// `POST /v1/functions`.
-pub async fn deploy() -> ApiError {
-    not_implemented("deploy (POST /v1/functions)")
-}
-
-/// `POST /v1/functions/{name}/invoke`.
-pub async fn invoke(Path(name): Path<String>) -> ApiError {
-    not_implemented(&format!("invoke (POST /v1/functions/{name}/invoke)"))
-}
-
 /// `GET /v1/functions/{name}/logs`.
 pub async fn logs(Path(name): Path<String>) -> ApiError {
     not_implemented(&format!("logs (GET /v1/functions/{name}/logs)"))

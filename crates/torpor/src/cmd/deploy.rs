@@ -1,0 +1,84 @@
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::ExitCode;
+
+use serde_json::Value;
+
+use super::DaemonArgs;
+
+/// `torpor deploy DIR`: prints each phase as the daemon reports it, then the result.
+pub fn run(daemon: &DaemonArgs, dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let dir = std::path::absolute(dir)
+        .map_err(|e| anyhow::anyhow!("cannot make {} absolute: {e}", dir.display()))?;
+    let body = serde_json::to_vec(&serde_json::json!({ "dir": dir }))?;
+    // A deploy that boots a framework may be silent for minutes between phases: no timeout.
+    let response = daemon
+        .client_without_timeout()
+        .send("POST", "/v1/functions", Some(&body))?;
+    if response.status != 200 {
+        response.read_all()?.ok()?;
+        anyhow::bail!("torpord answered an unexpected status");
+    }
+    let mut ok = false;
+    let mut seen_end = false;
+    for line in BufReader::new(response.body).lines() {
+        let line = line.map_err(|e| anyhow::anyhow!("reading the deploy's progress: {e}"))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        if json {
+            println!("{line}");
+        }
+        let v: Value = serde_json::from_str(&line)?;
+        if let Some(phase) = v.get("phase").and_then(Value::as_str) {
+            if v.get("error").is_none() {
+                if !json {
+                    let s = v.get("s").and_then(Value::as_f64).unwrap_or(0.0);
+                    println!("{phase:<18} {:>9.3} s", s);
+                }
+                continue;
+            }
+        }
+        seen_end = true;
+        if let Some(r) = v.get("result") {
+            ok = true;
+            if !json {
+                println!(
+                    "deployed {} in {:.3} s (snapshot {}, base {}{})",
+                    r["function"].as_str().unwrap_or("?"),
+                    r["total_s"].as_f64().unwrap_or(0.0),
+                    r["snapshot"].as_str().unwrap_or("?"),
+                    r["base"].as_str().unwrap_or("?"),
+                    if r["base_reused"].as_bool() == Some(true) {
+                        ", reused"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        } else if let Some(e) = v.get("error").and_then(Value::as_str) {
+            let phase = v.get("phase").and_then(Value::as_str).unwrap_or("?");
+            let mut msg = format!("deploy failed in {phase}: {e}");
+            if let Some(tb) = v
+                .pointer("/worker_error/error/traceback")
+                .and_then(Value::as_str)
+            {
+                if !json && !tb.is_empty() {
+                    eprintln!("{}", tb.trim_end());
+                }
+            }
+            if v.get("previous_kept").and_then(Value::as_bool) == Some(true) {
+                msg.push_str(" (the previously deployed version stays in service)");
+            }
+            anyhow::bail!(msg);
+        }
+    }
+    if !seen_end {
+        anyhow::bail!("torpord ended the deploy's answer without a result: see its log");
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

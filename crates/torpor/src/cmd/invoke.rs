@@ -1,0 +1,53 @@
+use std::process::ExitCode;
+
+use serde_json::Value;
+
+use super::DaemonArgs;
+
+/// `torpor invoke NAME --data JSON`: prints the function's value (JSON) on stdout.
+pub fn run(daemon: &DaemonArgs, name: &str, data: &str, verbose: bool) -> anyhow::Result<ExitCode> {
+    let request: Value = serde_json::from_str(data).map_err(|e| {
+        anyhow::anyhow!(
+            "--data is not JSON ({e}): pass the request as JSON, e.g. --data '{{\"x\": [1, 2]}}'"
+        )
+    })?;
+    let body = serde_json::to_vec(&request)?;
+    // The daemon enforces the function's timeout_s; the client waits for its answer.
+    let r = daemon.client_without_timeout().request(
+        "POST",
+        &format!("/v1/functions/{name}/invoke"),
+        Some(&body),
+    )?;
+    if verbose {
+        eprintln!(
+            "start: {}  timings: {}",
+            r.header("x-torpor-start").unwrap_or("-"),
+            r.header("x-torpor-timings").unwrap_or("-")
+        );
+    }
+    if r.status == 200 {
+        println!("{}", String::from_utf8_lossy(&r.body).trim_end());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+    if let Some(e) = v.get("error").filter(|e| e.is_object()) {
+        // The function raised: its traceback, then one line.
+        if let Some(tb) = e
+            .get("traceback")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty())
+        {
+            eprintln!("{}", tb.trim_end());
+        }
+        anyhow::bail!(
+            "{name} raised {}: {}",
+            e["type"].as_str().unwrap_or("an exception"),
+            e["message"].as_str().unwrap_or("")
+        );
+    }
+    let mut msg = format!("torpord answered {}: {}", r.status, r.error_message());
+    if let Some(after) = r.header("retry-after") {
+        msg.push_str(&format!(" (Retry-After: {after} s)"));
+    }
+    anyhow::bail!(msg)
+}

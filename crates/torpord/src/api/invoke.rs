@@ -1,0 +1,79 @@
+//! `POST /v1/functions/{name}/invoke`: the body is the request JSON, the answer's body the
+//! function's value, with `X-Torpor-Start` (warm, restored, booted) and `X-Torpor-Timings` (the
+//! phases in seconds, as a JSON object).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Map, Value};
+
+use super::{ApiError, AppState};
+use crate::runtime::{InvokeError, Timings};
+
+fn timings_header(t: &Timings) -> HeaderValue {
+    let m: Map<String, Value> = t.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+    HeaderValue::from_str(&Value::Object(m).to_string())
+        .unwrap_or_else(|_| HeaderValue::from_static("{}"))
+}
+
+pub async fn invoke(
+    State(state): State<Arc<AppState>>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let request: Value = if body.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&body).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!("the request body is not JSON ({e}): send the function's request as JSON"),
+            )
+        })?
+    };
+    match state.runtime.invoke(&name, request).await {
+        Ok(done) => {
+            let mut headers = HeaderMap::new();
+            headers.insert("x-torpor-start", HeaderValue::from_static(done.start));
+            headers.insert("x-torpor-timings", timings_header(&done.timings));
+            Ok((headers, Json(done.value)).into_response())
+        }
+        Err(e) => Ok(error_response(e)),
+    }
+}
+
+fn error_response(e: InvokeError) -> Response {
+    let plain = |status: StatusCode, msg: String| ApiError::new(status, msg).into_response();
+    match e {
+        InvokeError::BadRequest(m) => plain(StatusCode::BAD_REQUEST, m),
+        InvokeError::NotFound(m) => plain(StatusCode::NOT_FOUND, m),
+        InvokeError::NotReady(m) => plain(StatusCode::CONFLICT, m),
+        InvokeError::QueueFull(m) => plain(StatusCode::TOO_MANY_REQUESTS, m),
+        InvokeError::QueueTimeout {
+            message,
+            retry_after_s,
+        } => {
+            let mut r = plain(StatusCode::SERVICE_UNAVAILABLE, message);
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+            r
+        }
+        InvokeError::User(err, timings) => {
+            let mut r = (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Json(json!({ "error": err })),
+            )
+                .into_response();
+            r.headers_mut()
+                .insert("x-torpor-timings", timings_header(&timings));
+            r
+        }
+        InvokeError::Crashed(m) => plain(StatusCode::BAD_GATEWAY, m),
+        InvokeError::Timeout(m) => plain(StatusCode::GATEWAY_TIMEOUT, m),
+        InvokeError::Internal(m) => ApiError::internal(m).into_response(),
+    }
+}

@@ -1,0 +1,569 @@
+//! Deploy (docs/torpord.md, "Snapshots"): validate the spec, make the base snapshot for its key
+//! if there is none (boot a `--role base` worker, quiesce, snapshot), restore the base, `load`
+//! the function, quiesce, and snapshot the function. Each phase is reported as it ends.
+//!
+//! The base key is (interpreter's absolute path, sorted preload list, GPU or not). Deploying a
+//! second function on an existing base boots no Python: its first phase is `restore_base`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::launcher::{self, WorkerCommand};
+use crate::registry::{now_ms, Function, FunctionState, Snapshot, SnapshotKind};
+use crate::runtime::{kill_tree, restore, wake, Runtime, RECONNECT_TIMEOUT};
+use crate::workers::{ConnError, WorkerConn};
+
+/// How long a booted worker has to connect.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long preloading (base) or loading (function: import, setup, warm-up) may take.
+const LOAD_TIMEOUT: Duration = Duration::from_secs(900);
+/// How long a worker has to answer `quiesce` and close its connection.
+const QUIET_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the snapshot waits for in-flight CUDA work when locking.
+const CUDA_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A spec that `python3 -m torpor.spec` accepted.
+#[derive(Debug, Clone)]
+pub struct ValidSpec {
+    pub json: Value,
+    pub name: String,
+    pub dir: PathBuf,
+}
+
+/// Validates `dir`'s torpor.toml with `python3 -m torpor.spec`. `Err((true, msg))` is the
+/// user's mistake (400), `Err((false, msg))` the daemon's (500).
+pub async fn validate(rt: &Runtime, dir: &str) -> Result<ValidSpec, (bool, String)> {
+    let python_dir = rt.python_dir.clone().map_err(|e| (false, e))?;
+    if dir.is_empty() {
+        return Err((
+            true,
+            "the body's \"dir\" is empty: name the function's directory".into(),
+        ));
+    }
+    let dir = PathBuf::from(dir);
+    if !dir.is_absolute() {
+        return Err((
+            true,
+            format!(
+                "the function directory {} is relative: send an absolute path (`torpor deploy` does)",
+                dir.display()
+            ),
+        ));
+    }
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .args(["-m", "torpor.spec"])
+            .arg(&dir)
+            .env("PYTHONPATH", launcher::pythonpath(&python_dir))
+            .stdin(std::process::Stdio::null())
+            .output()
+    })
+    .await
+    .map_err(|e| (false, format!("spec task failed: {e}")))?
+    .map_err(|e| {
+        (
+            false,
+            format!("cannot run python3 -m torpor.spec: {e}; install python3"),
+        )
+    })?;
+    if !out.status.success() {
+        let msg = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        let user = out.status.code() == Some(1);
+        return Err((
+            user,
+            msg.lines()
+                .last()
+                .unwrap_or("spec check failed")
+                .to_string(),
+        ));
+    }
+    let json: Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+        (
+            false,
+            format!("python3 -m torpor.spec printed no JSON: {e}"),
+        )
+    })?;
+    let name = json["name"].as_str().unwrap_or_default().to_string();
+    let dir = PathBuf::from(json["dir"].as_str().unwrap_or_default());
+    Ok(ValidSpec { json, name, dir })
+}
+
+/// One NDJSON line of a deploy's answer.
+fn phase(name: &str, s: f64, extra: Value) -> Value {
+    let mut v = json!({"phase": name, "s": s});
+    if let (Some(m), Value::Object(e)) = (v.as_object_mut(), extra) {
+        m.extend(e);
+    }
+    v
+}
+
+/// A deploy that failed in `phase`.
+struct Failure {
+    phase: &'static str,
+    message: String,
+    error: Option<Value>,
+}
+
+fn fail(phase: &'static str, message: impl Into<String>) -> Failure {
+    Failure {
+        phase,
+        message: message.into(),
+        error: None,
+    }
+}
+
+/// Kills a worker tree unless defused.
+struct TreeGuard(Option<i32>);
+
+impl Drop for TreeGuard {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.take() {
+            kill_tree(pid);
+        }
+    }
+}
+
+fn fnv(text: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+/// Runs the deploy of an accepted spec, sending phase lines and then the result on `tx`.
+pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Value>) {
+    let t0 = Instant::now();
+    let _one_at_a_time = rt.deploy_lock.lock().await;
+    let name = spec.name.clone();
+    let previous = match deploying(&rt, &spec).await {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = tx.send(json!({"error": e, "phase": "register"}));
+            return;
+        }
+    };
+    match steps(&rt, &spec, &tx).await {
+        Ok((snapshot, base, base_reused)) => {
+            let total = t0.elapsed().as_secs_f64();
+            rt.metrics.observe_phase(&name, "deploy", total);
+            tracing::info!(function = %name, snapshot = %snapshot, base = %base, total_s = total, "deployed");
+            let _ = tx.send(json!({"result": {
+                "function": name, "snapshot": snapshot, "base": base,
+                "base_reused": base_reused, "total_s": total,
+            }}));
+        }
+        Err(f) => {
+            tracing::warn!(function = %name, phase = f.phase, error = %f.message, "deploy failed");
+            let restored = previous.is_some();
+            let registry = Arc::clone(&rt.registry);
+            let n = name.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                registry.with(|s| {
+                    if let Some(mut f) = s.function(&n)? {
+                        f.state = if restored {
+                            FunctionState::Ready
+                        } else {
+                            FunctionState::Failed
+                        };
+                        f.updated = now_ms();
+                        s.update_function(&f)?;
+                    }
+                    Ok::<_, crate::registry::RegistryError>(())
+                })
+            })
+            .await;
+            let mut line = json!({"error": f.message, "phase": f.phase});
+            if let Some(e) = f.error {
+                line["worker_error"] = e;
+            }
+            if restored {
+                line["previous_kept"] = json!(true);
+            }
+            let _ = tx.send(line);
+        }
+    }
+}
+
+/// Records the function as deploying; returns the previous snapshot id, if it was deployed.
+async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, String> {
+    let registry = Arc::clone(&rt.registry);
+    let spec = spec.clone();
+    let key = base_key(&spec.json).map_err(|e| e.message)?;
+    tokio::task::spawn_blocking(move || {
+        registry.transaction(|s| {
+            let now = now_ms();
+            match s.function(&spec.name)? {
+                Some(mut f) => {
+                    let prev = (f.state == FunctionState::Ready && f.snapshot.is_some())
+                        .then(|| f.clone());
+                    f.state = FunctionState::Deploying;
+                    f.updated = now;
+                    s.update_function(&f)?;
+                    Ok(prev)
+                }
+                None => {
+                    s.insert_function(&Function {
+                        name: spec.name.clone(),
+                        dir: spec.dir.clone(),
+                        spec: spec.json.clone(),
+                        base_key: key.0,
+                        snapshot: None,
+                        state: FunctionState::Deploying,
+                        created: now,
+                        updated: now,
+                    })?;
+                    Ok(None)
+                }
+            }
+        })
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e: crate::registry::RegistryError| e.to_string())
+}
+
+/// (key, interpreter, preload in spec order, gpu).
+fn base_key(spec: &Value) -> Result<(String, PathBuf, Vec<String>, bool), Failure> {
+    let python = launcher::resolve_python(spec["python"].as_str().unwrap_or("python3"))
+        .map_err(|e| fail("validate", e))?;
+    let preload: Vec<String> = spec["preload"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut sorted = preload.clone();
+    sorted.sort();
+    sorted.dedup();
+    let gpu = spec["gpus"].as_u64().unwrap_or(0) > 0;
+    let key = format!(
+        "{}|{}|{}",
+        python.display(),
+        sorted.join(","),
+        if gpu { "gpu" } else { "cpu" }
+    );
+    Ok((key, python, preload, gpu))
+}
+
+fn conn_fail(phase: &'static str, what: &str, e: ConnError) -> Failure {
+    fail(phase, format!("{what}: {e}"))
+}
+
+/// Reads `ready`; `ok: false` fails the deploy with the worker's phase and error.
+async fn ready(conn: &mut WorkerConn, phase: &'static str) -> Result<Value, Failure> {
+    let msg = conn
+        .expect("ready", LOAD_TIMEOUT)
+        .await
+        .map_err(|e| conn_fail(phase, "waiting for the worker's ready", e))?;
+    if msg.get("ok").and_then(Value::as_bool) == Some(true) {
+        return Ok(Value::Object(msg));
+    }
+    let wphase = msg.get("phase").and_then(Value::as_str).unwrap_or("?");
+    let err = msg.get("error").cloned().unwrap_or(Value::Null);
+    Err(Failure {
+        phase,
+        message: format!(
+            "the worker failed in its {wphase} step: {}: {}",
+            err["type"].as_str().unwrap_or("Error"),
+            err["message"].as_str().unwrap_or("")
+        ),
+        error: Some(json!({"phase": wphase, "error": err})),
+    })
+}
+
+/// quiesce → quiet → EOF → snapshot (the source is killed).
+async fn quiesce_and_snapshot(
+    rt: &Runtime,
+    mut conn: WorkerConn,
+    init: &mut TreeGuard,
+    out: &Path,
+    phase: &'static str,
+) -> Result<(), Failure> {
+    conn.send(&json!({"type": "quiesce"}))
+        .await
+        .map_err(|e| conn_fail(phase, "sending quiesce", e))?;
+    conn.expect("quiet", QUIET_TIMEOUT)
+        .await
+        .map_err(|e| conn_fail(phase, "waiting for quiet", e))?;
+    conn.expect_eof(QUIET_TIMEOUT)
+        .await
+        .map_err(|e| conn_fail(phase, "waiting for the worker to close after quiet", e))?;
+    let pid = init.0.unwrap_or_default();
+    let out = out.to_path_buf();
+    let log_dir = rt.logs_dir();
+    tokio::task::spawn_blocking(move || {
+        torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
+            pid,
+            out: &out,
+            leave_running: false,
+            lock_timeout: CUDA_LOCK_TIMEOUT,
+            log_dir: &log_dir,
+        })
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| fail(phase, format!("snapshot task failed: {e}")))?
+    .map_err(|e| fail(phase, e))?;
+    // Kill mode: the source is gone.
+    init.0 = None;
+    Ok(())
+}
+
+async fn blocking<T: Send + 'static>(
+    phase: &'static str,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, Failure> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| fail(phase, format!("task failed: {e}")))?
+        .map_err(|e| fail(phase, e))
+}
+
+/// The phases; returns (function snapshot id, base snapshot id, base reused).
+async fn steps(
+    rt: &Arc<Runtime>,
+    spec: &ValidSpec,
+    tx: &mpsc::UnboundedSender<Value>,
+) -> Result<(String, String, bool), Failure> {
+    let name = spec.name.as_str();
+    let send = |line: Value| {
+        let _ = tx.send(line);
+    };
+    let python_dir = rt.python_dir.clone().map_err(|e| fail("validate", e))?;
+    let (key, python, preload, gpu) = base_key(&spec.json)?;
+    let state_root = rt.state_root.clone();
+    let snapshots = rt.snapshots_dir();
+
+    // The base snapshot: reuse, or boot and snapshot.
+    let registry = Arc::clone(&rt.registry);
+    let k = key.clone();
+    let existing = blocking("boot_base", move || {
+        registry
+            .with(|s| {
+                let Some(b) = s.base_snapshot(&k)? else {
+                    return Ok(None);
+                };
+                if b.path.is_dir() {
+                    return Ok(Some(b));
+                }
+                // Its directory is gone: forget it and make a new one.
+                s.delete_snapshot(&b.id)?;
+                Ok::<_, crate::registry::RegistryError>(None)
+            })
+            .map_err(|e| e.to_string())
+    })
+    .await?;
+    let (base, reused) = match existing {
+        Some(b) => (b, true),
+        None => {
+            let t = Instant::now();
+            let log = rt.logs_dir().join(format!("base-{}.log", fnv(&key)));
+            let (ws, sd, lg, py, pl, pd) = (
+                rt.workers_socket.clone(),
+                state_root.clone(),
+                log.clone(),
+                python.clone(),
+                preload.clone(),
+                python_dir.clone(),
+            );
+            let init = blocking("boot_base", move || {
+                launcher::launch_worker(&WorkerCommand {
+                    python: &py,
+                    role: "base",
+                    preload: &pl,
+                    gpu,
+                    log: &lg,
+                    state_dir: &sd,
+                    workers_socket: &ws,
+                    python_dir: &pd,
+                })
+            })
+            .await?;
+            let mut guard = TreeGuard(Some(init));
+            let worker = launcher::worker_pid(init).map_err(|e| fail("boot_base", e))?;
+            let mut conn = rt
+                .hub
+                .claim(worker)
+                .wait(CONNECT_TIMEOUT)
+                .await
+                .map_err(|e| {
+                    fail(
+                        "boot_base",
+                        format!(
+                            "the base worker did not connect: {e}; see {}",
+                            log.display()
+                        ),
+                    )
+                })?;
+            let r = ready(&mut conn, "boot_base").await?;
+            send(phase(
+                "boot_base",
+                t.elapsed().as_secs_f64(),
+                json!({"import_s": r["setup_s"], "gpu_warmup_s": r["warmup_s"], "key": key}),
+            ));
+            let t = Instant::now();
+            let id = format!("base-{}", fnv(&key));
+            let out = snapshots.join(&id);
+            if out.exists() {
+                // Left by an interrupted deploy; the registry does not know it.
+                let o = out.clone();
+                blocking("snapshot_base", move || {
+                    std::fs::remove_dir_all(&o)
+                        .map_err(|e| format!("cannot remove stale {}: {e}", o.display()))
+                })
+                .await?;
+            }
+            quiesce_and_snapshot(rt, conn, &mut guard, &out, "snapshot_base").await?;
+            let registry = Arc::clone(&rt.registry);
+            let row = Snapshot {
+                id,
+                kind: SnapshotKind::Base,
+                bytes: dir_bytes(&out),
+                path: out,
+                function: None,
+                base_key: Some(key.clone()),
+                created: now_ms(),
+            };
+            let r2 = row.clone();
+            blocking("snapshot_base", move || {
+                registry
+                    .with(|s| s.insert_snapshot(&r2))
+                    .map_err(|e| e.to_string())
+            })
+            .await?;
+            send(phase(
+                "snapshot_base",
+                t.elapsed().as_secs_f64(),
+                json!({"snapshot": row.id, "bytes": row.bytes}),
+            ));
+            (row, false)
+        }
+    };
+
+    // Restore the base and load the function into it.
+    let t = Instant::now();
+    let (init, worker) = restore(&base.path, &rt.logs_dir())
+        .await
+        .map_err(|e| fail("restore_base", e))?;
+    let mut guard = TreeGuard(Some(init));
+    let mut conn = wake(&rt.hub, worker, RECONNECT_TIMEOUT)
+        .await
+        .map_err(|e| {
+            fail(
+                "restore_base",
+                format!("the restored base did not reconnect: {e}"),
+            )
+        })?;
+    send(phase(
+        "restore_base",
+        t.elapsed().as_secs_f64(),
+        json!({"snapshot": base.id, "reused": reused}),
+    ));
+
+    let t = Instant::now();
+    let data: serde_json::Map<String, Value> = spec.json["data"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|d| Some((d["name"].as_str()?.to_string(), d["abs_path"].clone())))
+                .collect()
+        })
+        .unwrap_or_default();
+    conn.send(&json!({
+        "type": "load",
+        "spec": spec.json,
+        "dir": spec.dir,
+        "data": data,
+    }))
+    .await
+    .map_err(|e| conn_fail("load", "sending load", e))?;
+    let r = ready(&mut conn, "load").await?;
+    send(phase(
+        "load",
+        t.elapsed().as_secs_f64(),
+        json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]}),
+    ));
+
+    let t = Instant::now();
+    let id = format!("fn-{name}-{}", now_ms());
+    let out = snapshots.join(&id);
+    quiesce_and_snapshot(rt, conn, &mut guard, &out, "snapshot_function").await?;
+    let row = Snapshot {
+        id: id.clone(),
+        kind: SnapshotKind::Function,
+        bytes: dir_bytes(&out),
+        path: out.clone(),
+        function: Some(name.to_string()),
+        base_key: Some(key.clone()),
+        created: now_ms(),
+    };
+    let registry = Arc::clone(&rt.registry);
+    let (n, sp, dir, r2) = (
+        name.to_string(),
+        spec.json.clone(),
+        spec.dir.clone(),
+        row.clone(),
+    );
+    let old = blocking("snapshot_function", move || {
+        registry
+            .transaction(|s| {
+                s.insert_snapshot(&r2)?;
+                let mut f = s
+                    .function(&n)?
+                    .ok_or(crate::registry::RegistryError::NotFound {
+                        what: "function",
+                        key: n.clone(),
+                    })?;
+                let old = f.snapshot.replace(r2.id.clone());
+                f.state = FunctionState::Ready;
+                f.spec = sp;
+                f.dir = dir;
+                f.base_key = key;
+                f.updated = now_ms();
+                s.update_function(&f)?;
+                let old = match old {
+                    Some(o) => s.snapshot(&o)?.inspect(|_| {
+                        let _ = s.delete_snapshot(&o);
+                    }),
+                    None => None,
+                };
+                Ok::<_, crate::registry::RegistryError>(old)
+            })
+            .map_err(|e| e.to_string())
+    })
+    .await?;
+    send(phase(
+        "snapshot_function",
+        t.elapsed().as_secs_f64(),
+        json!({"snapshot": id, "bytes": row.bytes}),
+    ));
+    rt.deployed(name, &spec.json, &id, &out);
+    if let Some(old) = old {
+        // Live instances were restored from it and no longer need it.
+        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&old.path)).await;
+    }
+    Ok((id, base.id, reused))
+}

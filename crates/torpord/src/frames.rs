@@ -1,0 +1,121 @@
+//! The frame codec of the worker protocol (docs/torpord.md), the Rust side of
+//! python/torpor/frames.py: a 4-byte big-endian length, then that many bytes of UTF-8 JSON
+//! holding one object, at most [`MAX_FRAME`] bytes.
+
+use serde_json::{Map, Value};
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+/// The longest payload accepted or sent.
+pub const MAX_FRAME: usize = 64 << 20;
+
+/// A frame that breaks the codec's rules; the connection it came on is dropped.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("frame of {0} bytes is over the {MAX_FRAME}-byte maximum")]
+    TooLong(usize),
+    #[error("connection closed inside a frame")]
+    Truncated,
+    #[error("frame is not a JSON object: {0}")]
+    NotJson(String),
+    #[error("reading from the worker failed: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// One frame (header and payload) holding `obj`. Fails only for a payload over [`MAX_FRAME`].
+pub fn encode(obj: &Value) -> Result<Vec<u8>, FrameError> {
+    let payload = serde_json::to_vec(obj).map_err(|e| FrameError::NotJson(e.to_string()))?;
+    if payload.len() > MAX_FRAME {
+        return Err(FrameError::TooLong(payload.len()));
+    }
+    let len = u32::try_from(payload.len()).map_err(|_| FrameError::TooLong(payload.len()))?;
+    let mut out = Vec::with_capacity(4 + payload.len());
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(&payload);
+    Ok(out)
+}
+
+/// The next frame's object, or `None` when the peer closed the connection between frames.
+pub async fn read<R: AsyncRead + Unpin>(
+    r: &mut R,
+) -> Result<Option<Map<String, Value>>, FrameError> {
+    let mut header = [0u8; 4];
+    let mut got = 0;
+    while got < header.len() {
+        let n = r.read(&mut header[got..]).await?;
+        if n == 0 {
+            return if got == 0 {
+                Ok(None)
+            } else {
+                Err(FrameError::Truncated)
+            };
+        }
+        got += n;
+    }
+    let len = u32::from_be_bytes(header) as usize;
+    if len > MAX_FRAME {
+        return Err(FrameError::TooLong(len));
+    }
+    let mut payload = vec![0u8; len];
+    r.read_exact(&mut payload).await.map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            FrameError::Truncated
+        } else {
+            FrameError::Io(e)
+        }
+    })?;
+    match serde_json::from_slice::<Value>(&payload) {
+        Ok(Value::Object(map)) => Ok(Some(map)),
+        Ok(other) => Err(FrameError::NotJson(format!(
+            "a JSON {} instead of an object",
+            match other {
+                Value::Array(_) => "array",
+                Value::String(_) => "string",
+                Value::Number(_) => "number",
+                Value::Bool(_) => "boolean",
+                _ => "null",
+            }
+        ))),
+        Err(e) => Err(FrameError::NotJson(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    #[test]
+    fn round_trip_and_errors() {
+        let frame = encode(&serde_json::json!({"type": "hello", "pid": 1})).unwrap();
+        assert_eq!(&frame[..4], &((frame.len() - 4) as u32).to_be_bytes());
+        let mut two = frame.clone();
+        two.extend_from_slice(&frame);
+        let mut r = &two[..];
+        block_on(async {
+            assert_eq!(read(&mut r).await.unwrap().unwrap()["type"], "hello");
+            assert!(read(&mut r).await.unwrap().is_some());
+            assert!(read(&mut r).await.unwrap().is_none());
+            let mut r = &frame[..frame.len() - 1];
+            assert!(matches!(read(&mut r).await, Err(FrameError::Truncated)));
+            let mut r = &[0u8, 0][..];
+            assert!(matches!(read(&mut r).await, Err(FrameError::Truncated)));
+            let long = ((MAX_FRAME + 1) as u32).to_be_bytes();
+            let mut r = &long[..];
+            assert!(matches!(read(&mut r).await, Err(FrameError::TooLong(_))));
+            let mut bad = 3u32.to_be_bytes().to_vec();
+            bad.extend_from_slice(b"[1]");
+            let mut r = &bad[..];
+            assert!(matches!(read(&mut r).await, Err(FrameError::NotJson(_))));
+            let mut bad = 3u32.to_be_bytes().to_vec();
+            bad.extend_from_slice(b"NaN");
+            let mut r = &bad[..];
+            assert!(matches!(read(&mut r).await, Err(FrameError::NotJson(_))));
+        });
+    }
+}

@@ -1,0 +1,166 @@
+//! Starting workers. `torpor_snapshot::launch` unshares namespaces in the calling process, which
+//! a multi-threaded daemon must not do, so the daemon runs its own binary with the hidden
+//! subcommand [`LAUNCH_SUBCOMMAND`] (`torpor __launch LOG STATE_DIR -- CMD…`), which launches CMD
+//! exactly as `torpor run` does and prints the init's pid.
+//!
+//! Workers import the `torpor` Python package from `$TORPOR_PYTHONPATH` if set, else from the
+//! `python/` directory of the source tree the running binary was built in (found by walking up
+//! from the executable, e.g. `<repo>/target/release/torpor` → `<repo>/python`).
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+
+/// The hidden subcommand of `torpor` and `torpord` that launches one worker.
+pub const LAUNCH_SUBCOMMAND: &str = "__launch";
+/// Names the directory holding the `torpor` Python package.
+pub const PYTHONPATH_ENV: &str = "TORPOR_PYTHONPATH";
+/// The socket the worker connects to.
+pub const WORKER_SOCKET_ENV: &str = "TORPOR_WORKER_SOCKET";
+
+/// `__launch LOG STATE_DIR CMD…`: launches CMD under a new init, prints its pid.
+pub fn launch_main(args: &[OsString]) -> ExitCode {
+    let [log, state_dir, command @ ..] = args else {
+        eprintln!("usage: {LAUNCH_SUBCOMMAND} LOG STATE_DIR CMD... (internal to torpord)");
+        return ExitCode::from(2);
+    };
+    match torpor_snapshot::launch::launch(&torpor_snapshot::launch::LaunchOptions {
+        command,
+        log: Path::new(log),
+        state_dir: Path::new(state_dir),
+    }) {
+        Ok(pid) => {
+            println!("{pid}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{}", e.to_string().replace('\n', " "));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The directory holding the `torpor` Python package, or why there is none.
+pub fn python_dir() -> Result<PathBuf, String> {
+    if let Some(dir) = std::env::var_os(PYTHONPATH_ENV).filter(|d| !d.is_empty()) {
+        let dir = PathBuf::from(dir);
+        if dir.join("torpor/worker.py").is_file() {
+            return Ok(dir);
+        }
+        return Err(format!(
+            "${PYTHONPATH_ENV}={} holds no torpor/worker.py: point it at the directory that \
+             contains the torpor Python package (the repository's python/)",
+            dir.display()
+        ));
+    }
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("cannot find the running executable ({e}): set ${PYTHONPATH_ENV}"))?;
+    let exe = exe.canonicalize().unwrap_or(exe);
+    for dir in exe.ancestors().skip(1) {
+        let candidate = dir.join("python");
+        if candidate.join("torpor/worker.py").is_file() {
+            return Ok(candidate);
+        }
+    }
+    Err(format!(
+        "cannot find the torpor Python package near {}: set ${PYTHONPATH_ENV} to the \
+         directory that contains torpor/worker.py (the repository's python/)",
+        exe.display()
+    ))
+}
+
+/// `PYTHONPATH` for workers: the package's directory, then whatever was set before.
+pub fn pythonpath(python_dir: &Path) -> OsString {
+    let mut out = python_dir.as_os_str().to_os_string();
+    if let Some(old) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
+        out.push(":");
+        out.push(old);
+    }
+    out
+}
+
+/// What a worker is started with.
+pub struct WorkerCommand<'a> {
+    pub python: &'a Path,
+    pub role: &'a str,
+    pub preload: &'a [String],
+    pub gpu: bool,
+    pub log: &'a Path,
+    pub state_dir: &'a Path,
+    pub workers_socket: &'a Path,
+    pub python_dir: &'a Path,
+}
+
+/// Launches a worker (blocking); returns the host pid of its init.
+pub fn launch_worker(w: &WorkerCommand) -> Result<i32, String> {
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("cannot find torpord's own executable to launch a worker: {e}"))?;
+    let mut cmd = Command::new(&exe);
+    cmd.arg(LAUNCH_SUBCOMMAND)
+        .arg(w.log)
+        .arg(w.state_dir)
+        .arg(w.python)
+        .args(["-m", "torpor.worker", "--role", w.role]);
+    if !w.preload.is_empty() {
+        cmd.arg("--preload").arg(w.preload.join(","));
+    }
+    if w.gpu {
+        cmd.arg("--gpu");
+    }
+    let out = cmd
+        .env(WORKER_SOCKET_ENV, w.workers_socket)
+        .env("PYTHONPATH", pythonpath(w.python_dir))
+        .env("PYTHONUNBUFFERED", "1")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {} {LAUNCH_SUBCOMMAND}: {e}", exe.display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match stdout.trim().parse::<i32>() {
+        Ok(pid) if out.status.success() => Ok(pid),
+        _ => Err(format!(
+            "launching the worker failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+    }
+}
+
+/// The host pid of the worker under init `init` (its only child).
+pub fn worker_pid(init: i32) -> Result<i32, String> {
+    let path = format!("/proc/{init}/task/{init}/children");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("cannot read {path} to find the worker under init {init}: {e}"))?;
+    text.split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .ok_or_else(|| format!("init {init} has no worker process (it exited)"))
+}
+
+/// Resolves the interpreter named in a spec (`python3`, or a path) to an absolute path, so the
+/// base key does not depend on `PATH` lookups at boot time. Symlinks are kept: a virtual
+/// environment's `bin/python3` is a symlink to the base interpreter, and only the link's own
+/// path makes Python pick up the environment's packages.
+pub fn resolve_python(name: &str) -> Result<PathBuf, String> {
+    let found = if name.contains('/') {
+        Some(PathBuf::from(name))
+    } else {
+        std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|d| d.join(name))
+                .find(|p| is_executable(p))
+        })
+    };
+    let path = found.filter(|p| is_executable(p)).ok_or_else(|| {
+        format!("interpreter {name:?} (the spec's python) is not an executable on PATH: install it or name a full path")
+    })?;
+    std::path::absolute(&path).map_err(|e| {
+        format!(
+            "cannot make the interpreter path {} absolute: {e}",
+            path.display()
+        )
+    })
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}

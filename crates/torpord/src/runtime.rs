@@ -1,0 +1,881 @@
+//! Instances and invocations: per function, a pool of live workers restored from the function
+//! snapshot, a bounded queue of requests waiting for one, and the routing of each request to an
+//! idle instance (`warm`), else to a newly restored one (`restored`) while below
+//! `scaling.max_instances`, else to the queue (429 when full, 503 after `queue.timeout_s`).
+//!
+//! Each live instance has one connection to the daemon and a reader task that hands every
+//! `result` to the request waiting for its id. The connection ending, a malformed frame or a frame
+//! out of place removes that instance only: its in-flight requests fail, its process tree is
+//! killed, its registry row goes. The warm path touches no database.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Map, Value};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{oneshot, Notify};
+
+use crate::config::Config;
+use crate::frames;
+use crate::metrics::{outcome, start, Metrics};
+use crate::registry::{now_ms, FunctionState, Instance as InstanceRow, Registry, Stage};
+use crate::workers::{self, ConnError, Hub, WorkerConn};
+
+/// How long a restored worker has to reconnect after SIGUSR2.
+pub const RECONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Everything the deploy and invoke paths share.
+pub struct Runtime {
+    pub config: Config,
+    pub registry: Arc<Registry>,
+    pub metrics: Arc<Metrics>,
+    pub hub: Arc<Hub>,
+    pub state_root: PathBuf,
+    pub workers_socket: PathBuf,
+    /// Where the `torpor` Python package lives, or why it was not found (reported at deploy).
+    pub python_dir: Result<PathBuf, String>,
+    /// Deploys run one at a time (two deploys of one base must not both boot it).
+    pub deploy_lock: tokio::sync::Mutex<()>,
+    pools: Mutex<HashMap<String, Arc<Pool>>>,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Runtime { .. }")
+    }
+}
+
+/// A live worker of a function.
+pub struct Instance {
+    pub id: String,
+    pub function: String,
+    /// Host pid of its init (the root of its process tree).
+    pub init_pid: i32,
+    /// Host pid of the worker (the Python process).
+    pub worker_pid: i32,
+    /// The deploy it belongs to; an older one is retired once idle.
+    generation: u64,
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    pending: Mutex<HashMap<u64, oneshot::Sender<Map<String, Value>>>>,
+    dead: AtomicBool,
+    why_dead: Mutex<Option<String>>,
+}
+
+impl Instance {
+    fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::SeqCst)
+    }
+
+    fn reason(&self) -> String {
+        lock(&self.why_dead)
+            .clone()
+            .unwrap_or_else(|| "the worker closed its connection".to_string())
+    }
+}
+
+/// What a pool needs from the function's registry row.
+#[derive(Debug, Clone)]
+struct FnInfo {
+    snapshot_dir: PathBuf,
+    snapshot_id: String,
+    timeout: Duration,
+    max_instances: usize,
+    per_instance: usize,
+}
+
+struct PoolState {
+    info: FnInfo,
+    generation: u64,
+    /// Live instances with their requests in flight.
+    instances: Vec<(Arc<Instance>, usize)>,
+    /// Instances being restored.
+    starting: usize,
+    queued: usize,
+    /// The function was deleted: no new requests, no new instances.
+    closed: bool,
+}
+
+/// The instances and queue of one function.
+pub struct Pool {
+    name: String,
+    state: Mutex<PoolState>,
+    changed: Notify,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How an invocation went wrong; the API maps each to a status.
+#[derive(Debug)]
+pub enum InvokeError {
+    /// 400: the request is not usable.
+    BadRequest(String),
+    /// 404.
+    NotFound(String),
+    /// 409: deploying or failed.
+    NotReady(String),
+    /// 429: the queue is full.
+    QueueFull(String),
+    /// 503 with Retry-After: waited in the queue too long.
+    QueueTimeout { message: String, retry_after_s: u64 },
+    /// 500: the function raised; the error document of the worker.
+    User(Value, Timings),
+    /// 502: the worker died or broke the protocol while holding the request.
+    Crashed(String),
+    /// 504: the request ran past the function's timeout_s; the worker was killed.
+    Timeout(String),
+    /// 500: the daemon could not start an instance, or another failure of its own.
+    Internal(String),
+}
+
+/// Phase timings of one invocation, in seconds, in order.
+pub type Timings = Vec<(String, f64)>;
+
+/// A successful invocation.
+#[derive(Debug)]
+pub struct Invoked {
+    pub value: Value,
+    pub start: &'static str,
+    pub timings: Timings,
+}
+
+/// The pool slot of an acquired instance; released (and the queue woken) on drop.
+struct Lease {
+    pool: Arc<Pool>,
+    instance: Arc<Instance>,
+    runtime: Arc<Runtime>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let retire = {
+            let mut st = lock(&self.pool.state);
+            let generation = st.generation;
+            if let Some(slot) = st
+                .instances
+                .iter_mut()
+                .find(|(i, _)| Arc::ptr_eq(i, &self.instance))
+            {
+                slot.1 = slot.1.saturating_sub(1);
+                slot.1 == 0 && self.instance.generation != generation
+            } else {
+                false
+            }
+        };
+        if retire {
+            self.runtime.remove_instance(
+                &self.instance,
+                "retired: a newer deploy replaced it",
+                true,
+            );
+        }
+        self.pool.changed.notify_waiters();
+    }
+}
+
+/// A place in a function's queue; given back on drop.
+struct QueueSlot<'a> {
+    pool: &'a Pool,
+    metrics: &'a Metrics,
+}
+
+impl Drop for QueueSlot<'_> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.pool.state);
+        st.queued = st.queued.saturating_sub(1);
+        self.metrics
+            .queue_length
+            .with_label_values(&[&self.pool.name])
+            .set(st.queued as i64);
+    }
+}
+
+/// Decrements `starting` unless defused (the restore task was dropped mid-way).
+struct Starting {
+    pool: Arc<Pool>,
+    armed: bool,
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if self.armed {
+            lock(&self.pool.state).starting -= 1;
+            self.pool.changed.notify_waiters();
+        }
+    }
+}
+
+impl Runtime {
+    pub fn new(
+        config: Config,
+        registry: Arc<Registry>,
+        metrics: Arc<Metrics>,
+        state_root: PathBuf,
+        workers_socket: PathBuf,
+    ) -> Self {
+        Self {
+            config,
+            registry,
+            metrics,
+            hub: Arc::new(Hub::default()),
+            state_root,
+            workers_socket,
+            python_dir: crate::launcher::python_dir(),
+            deploy_lock: tokio::sync::Mutex::new(()),
+            pools: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    pub fn snapshots_dir(&self) -> PathBuf {
+        self.state_root.join("snapshots")
+    }
+
+    pub fn logs_dir(&self) -> PathBuf {
+        self.state_root.join("logs")
+    }
+
+    fn next(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Live instances of `name` (in memory).
+    pub fn live_instances(&self, name: &str) -> usize {
+        let pool = lock(&self.pools).get(name).cloned();
+        pool.map_or(0, |p| lock(&p.state).instances.len())
+    }
+
+    /// At daemon stop: every live instance is stopped (its worker would exit anyway once the
+    /// daemon's end of its connection closes) and its registry row removed, synchronously.
+    pub fn shutdown(&self) {
+        let pools: Vec<Arc<Pool>> = lock(&self.pools).drain().map(|(_, p)| p).collect();
+        let mut ids = Vec::new();
+        for pool in pools {
+            for (inst, _) in lock(&pool.state).instances.drain(..) {
+                inst.dead.store(true, Ordering::SeqCst);
+                lock(&inst.pending).clear();
+                kill_tree(inst.init_pid);
+                ids.push(inst.id.clone());
+            }
+        }
+        if ids.is_empty() {
+            return;
+        }
+        let removed = self.registry.transaction(|s| {
+            for id in &ids {
+                s.delete_instance(id)?;
+            }
+            Ok::<_, crate::registry::RegistryError>(())
+        });
+        match removed {
+            Ok(()) => tracing::info!(instances = ids.len(), "stopped the live instances"),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot remove the stopped instances' registry rows")
+            }
+        }
+    }
+
+    /// Stops every live instance of `name` (for a delete): requests in flight fail, requests
+    /// waiting in the queue or starting an instance get 404. Returns the stopped instances' ids.
+    pub fn stop_function(self: &Arc<Self>, name: &str) -> Vec<String> {
+        let Some(pool) = lock(&self.pools).remove(name) else {
+            return Vec::new();
+        };
+        let live: Vec<Arc<Instance>> = {
+            let mut st = lock(&pool.state);
+            st.closed = true;
+            st.instances.iter().map(|(i, _)| Arc::clone(i)).collect()
+        };
+        for inst in &live {
+            self.remove_instance_of(&pool, inst, "stopped: its function was deleted", true);
+        }
+        pool.changed.notify_waiters();
+        live.iter().map(|i| i.id.clone()).collect()
+    }
+
+    /// After a (re)deploy: new instances come from `snapshot`; idle older ones are retired now,
+    /// busy ones when their request ends.
+    pub fn deployed(self: &Arc<Self>, name: &str, spec: &Value, snapshot_id: &str, dir: &Path) {
+        let Some(pool) = lock(&self.pools).get(name).cloned() else {
+            return;
+        };
+        let idle: Vec<Arc<Instance>> = {
+            let mut st = lock(&pool.state);
+            st.info = fn_info(spec, snapshot_id, dir);
+            st.generation += 1;
+            st.instances
+                .iter()
+                .filter(|(_, n)| *n == 0)
+                .map(|(i, _)| Arc::clone(i))
+                .collect()
+        };
+        for inst in idle {
+            self.remove_instance(&inst, "retired: a newer deploy replaced it", true);
+        }
+        pool.changed.notify_waiters();
+    }
+
+    async fn pool(self: &Arc<Self>, name: &str) -> Result<Arc<Pool>, InvokeError> {
+        if let Some(p) = lock(&self.pools).get(name) {
+            return Ok(Arc::clone(p));
+        }
+        let registry = Arc::clone(&self.registry);
+        let n = name.to_string();
+        let info = tokio::task::spawn_blocking(move || {
+            registry.with(|s| {
+                let Some(f) = s.function(&n)? else {
+                    return Ok(Err(InvokeError::NotFound(format!(
+                        "no function named {n:?} (see `torpor ls`)"
+                    ))));
+                };
+                if f.state != FunctionState::Ready {
+                    return Ok(Err(InvokeError::NotReady(format!(
+                        "function {n:?} is {}, not ready: {}",
+                        f.state,
+                        if f.state == FunctionState::Deploying {
+                            "wait for its deploy to finish"
+                        } else {
+                            "deploy it again (`torpor deploy DIR`)"
+                        }
+                    ))));
+                }
+                let snap = match &f.snapshot {
+                    Some(id) => s.snapshot(id)?,
+                    None => None,
+                };
+                let Some(snap) = snap else {
+                    return Ok(Err(InvokeError::NotReady(format!(
+                        "function {n:?} has no function snapshot: deploy it again"
+                    ))));
+                };
+                Ok::<_, crate::registry::RegistryError>(Ok(fn_info(&f.spec, &snap.id, &snap.path)))
+            })
+        })
+        .await
+        .map_err(|e| InvokeError::Internal(format!("registry task failed: {e}")))?
+        .map_err(|e| InvokeError::Internal(e.to_string()))??;
+        let mut pools = lock(&self.pools);
+        let pool = pools.entry(name.to_string()).or_insert_with(|| {
+            Arc::new(Pool {
+                name: name.to_string(),
+                state: Mutex::new(PoolState {
+                    info,
+                    generation: 0,
+                    instances: Vec::new(),
+                    starting: 0,
+                    queued: 0,
+                    closed: false,
+                }),
+                changed: Notify::new(),
+            })
+        });
+        Ok(Arc::clone(pool))
+    }
+
+    /// Runs one request of function `name`.
+    pub async fn invoke(
+        self: &Arc<Self>,
+        name: &str,
+        request: Value,
+    ) -> Result<Invoked, InvokeError> {
+        let t0 = Instant::now();
+        let result = self.invoke_inner(name, request, t0).await;
+        let o = match &result {
+            Ok(_) => outcome::OK,
+            Err(InvokeError::User(..)) => outcome::ERROR,
+            Err(InvokeError::QueueFull(_) | InvokeError::QueueTimeout { .. }) => outcome::REJECTED,
+            Err(
+                InvokeError::NotFound(_) | InvokeError::BadRequest(_) | InvokeError::NotReady(_),
+            ) => return result,
+            Err(_) => outcome::FAILED,
+        };
+        self.metrics.invocations.with_label_values(&[name, o]).inc();
+        result
+    }
+
+    async fn invoke_inner(
+        self: &Arc<Self>,
+        name: &str,
+        request: Value,
+        t0: Instant,
+    ) -> Result<Invoked, InvokeError> {
+        let pool = self.pool(name).await?;
+        let (lease, kind, mut timings) = self.acquire(&pool).await?;
+        let timeout = lock(&pool.state).info.timeout;
+        let inst = Arc::clone(&lease.instance);
+        let t_call = Instant::now();
+        let res = self.call(&inst, request, timeout).await;
+        drop(lease);
+        let call_s = t_call.elapsed().as_secs_f64();
+        let total = t0.elapsed().as_secs_f64();
+        self.metrics.starts.with_label_values(&[name, kind]).inc();
+        let finish = |timings: &mut Timings, handler: Option<f64>| {
+            if let Some(h) = handler {
+                timings.push(("handler".into(), h));
+                timings.push(("overhead".into(), (call_s - h).max(0.0)));
+            }
+            timings.push(("total".into(), total));
+            for (phase, s) in timings.iter() {
+                self.metrics.observe_phase(name, phase, *s);
+            }
+        };
+        match res {
+            Ok(msg) => {
+                let handler = msg.get("handler_s").and_then(Value::as_f64);
+                finish(&mut timings, handler);
+                if msg.get("ok").and_then(Value::as_bool) == Some(true) {
+                    Ok(Invoked {
+                        value: msg.get("value").cloned().unwrap_or(Value::Null),
+                        start: kind,
+                        timings,
+                    })
+                } else {
+                    let err = msg.get("error").cloned().unwrap_or_else(
+                        || json!({"type": "Error", "message": "the worker sent ok: false without an error", "traceback": ""}),
+                    );
+                    Err(InvokeError::User(err, timings))
+                }
+            }
+            Err(e) => {
+                finish(&mut timings, None);
+                Err(e)
+            }
+        }
+    }
+
+    /// Sends the request to `inst` and waits for its result, killing the worker at `timeout`.
+    async fn call(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+        request: Value,
+        timeout: Duration,
+    ) -> Result<Map<String, Value>, InvokeError> {
+        let id = self.next();
+        let (tx, rx) = oneshot::channel();
+        lock(&inst.pending).insert(id, tx);
+        let frame = json!({"type": "invoke", "id": id, "request": request, "timeout_s": timeout.as_secs_f64()});
+        let crashed = |inst: &Instance| {
+            InvokeError::Crashed(format!(
+                "the worker of function {:?} (instance {}, pid {}) failed while handling the \
+                 request: {}; the instance was removed and the next request starts a new one",
+                inst.function,
+                inst.id,
+                inst.worker_pid,
+                inst.reason()
+            ))
+        };
+        let sent = {
+            let mut wr = inst.writer.lock().await;
+            workers::send(&mut wr, &frame).await
+        };
+        if let Err(e) = sent {
+            lock(&inst.pending).remove(&id);
+            return match e {
+                ConnError::Frame(frames::FrameError::TooLong(n)) => Err(InvokeError::BadRequest(
+                    format!("the request is {n} bytes, over the 64 MiB frame limit: send less data (e.g. a path)"),
+                )),
+                e => {
+                    self.remove_instance(inst, &e.to_string(), true);
+                    Err(crashed(inst))
+                }
+            };
+        }
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(msg)) => Ok(msg),
+            Ok(Err(_)) => Err(crashed(inst)),
+            Err(_) => {
+                lock(&inst.pending).remove(&id);
+                let why = format!("the request ran past timeout_s = {}", timeout.as_secs_f64());
+                self.remove_instance(inst, &why, true);
+                Err(InvokeError::Timeout(format!(
+                    "function {:?} did not answer within its timeout_s of {} s: its worker (pid {}) \
+                     was killed and will be replaced; raise timeout_s in torpor.toml if the \
+                     handler needs longer",
+                    inst.function,
+                    timeout.as_secs_f64(),
+                    inst.worker_pid
+                )))
+            }
+        }
+    }
+
+    /// An instance for one request: idle warm, else restored, else after a wait in the queue.
+    async fn acquire(
+        self: &Arc<Self>,
+        pool: &Arc<Pool>,
+    ) -> Result<(Lease, &'static str, Timings), InvokeError> {
+        let t0 = Instant::now();
+        let limits = self.config.queue;
+        let deadline = tokio::time::Instant::now() + limits.timeout;
+        let mut slot: Option<QueueSlot<'_>> = None;
+        loop {
+            let notified = pool.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let start_from = {
+                let mut st = lock(&pool.state);
+                if st.closed {
+                    return Err(InvokeError::NotFound(format!(
+                        "function {:?} was deleted",
+                        pool.name
+                    )));
+                }
+                let generation = st.generation;
+                let per = st.info.per_instance;
+                let idle = st
+                    .instances
+                    .iter_mut()
+                    .filter(|(i, _)| !i.is_dead() && i.generation == generation)
+                    .filter(|(_, n)| *n < per)
+                    .min_by_key(|(_, n)| *n);
+                if let Some((inst, n)) = idle {
+                    *n += 1;
+                    let lease = Lease {
+                        pool: Arc::clone(pool),
+                        instance: Arc::clone(inst),
+                        runtime: Arc::clone(self),
+                    };
+                    drop(st);
+                    drop(slot);
+                    let timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
+                    return Ok((lease, start::WARM, timings));
+                }
+                if st.instances.len() + st.starting < st.info.max_instances {
+                    st.starting += 1;
+                    Some((st.info.clone(), st.generation))
+                } else {
+                    if slot.is_none() {
+                        if st.queued >= limits.length {
+                            return Err(InvokeError::QueueFull(format!(
+                                "function {:?} is at max_instances = {} and its queue is full \
+                                 ({} waiting): retry later, or raise scaling.max_instances or \
+                                 the daemon's queue.length",
+                                pool.name, st.info.max_instances, st.queued
+                            )));
+                        }
+                        st.queued += 1;
+                        self.metrics
+                            .queue_length
+                            .with_label_values(&[&pool.name])
+                            .set(st.queued as i64);
+                        slot = Some(QueueSlot {
+                            pool,
+                            metrics: &self.metrics,
+                        });
+                    }
+                    None
+                }
+            };
+            if let Some((info, generation)) = start_from {
+                drop(slot);
+                let queue_s = t0.elapsed().as_secs_f64();
+                let (inst, mut timings) = self.start_in_task(pool, info, generation).await?;
+                timings.insert(0, ("queue".to_string(), queue_s));
+                let lease = Lease {
+                    pool: Arc::clone(pool),
+                    instance: inst,
+                    runtime: Arc::clone(self),
+                };
+                return Ok((lease, start::RESTORED, timings));
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                let retry = limits.timeout.as_secs().clamp(1, 60);
+                return Err(InvokeError::QueueTimeout {
+                    message: format!(
+                        "function {:?} had no free instance within the queue timeout of {} s \
+                         (max_instances = {}): retry after {retry} s",
+                        pool.name,
+                        limits.timeout.as_secs_f64(),
+                        lock(&pool.state).info.max_instances
+                    ),
+                    retry_after_s: retry,
+                });
+            }
+        }
+    }
+
+    /// Restores an instance in a task of its own, so that a request given up mid-way leaves no
+    /// half-counted instance: the instance then joins the pool idle.
+    async fn start_in_task(
+        self: &Arc<Self>,
+        pool: &Arc<Pool>,
+        info: FnInfo,
+        generation: u64,
+    ) -> Result<(Arc<Instance>, Timings), InvokeError> {
+        let (tx, rx) = oneshot::channel();
+        let rt = Arc::clone(self);
+        let pool2 = Arc::clone(pool);
+        tokio::spawn(async move {
+            let mut guard = Starting {
+                pool: Arc::clone(&pool2),
+                armed: true,
+            };
+            let started = rt.start_instance(&pool2.name, &info, generation).await;
+            guard.armed = false;
+            let mut st = lock(&pool2.state);
+            st.starting -= 1;
+            let out = match started {
+                Ok((inst, _)) if st.closed => {
+                    drop(st);
+                    rt.remove_instance_of(&pool2, &inst, "stopped: its function was deleted", true);
+                    st = lock(&pool2.state);
+                    Err(format!("function {:?} was deleted", pool2.name))
+                }
+                Ok((inst, timings)) => {
+                    st.instances.push((Arc::clone(&inst), 1));
+                    Ok((inst, timings))
+                }
+                Err(e) => Err(e),
+            };
+            drop(st);
+            if let Err(Ok((inst, _))) = tx.send(out) {
+                // The request went away: the instance is idle.
+                if let Some(slot) = lock(&pool2.state)
+                    .instances
+                    .iter_mut()
+                    .find(|(i, _)| Arc::ptr_eq(i, &inst))
+                {
+                    slot.1 = 0;
+                }
+            }
+            pool2.changed.notify_waiters();
+        });
+        rx.await
+            .map_err(|_| InvokeError::Internal("the instance start task failed".to_string()))?
+            .map_err(InvokeError::Internal)
+    }
+
+    /// Restores the function snapshot, wakes the worker and waits for its `hello`.
+    async fn start_instance(
+        self: &Arc<Self>,
+        name: &str,
+        info: &FnInfo,
+        generation: u64,
+    ) -> Result<(Arc<Instance>, Timings), String> {
+        let t = Instant::now();
+        let (init, worker) = restore(&info.snapshot_dir, &self.logs_dir())
+            .await
+            .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
+        let restore_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let conn = match wake(&self.hub, worker, RECONNECT_TIMEOUT).await {
+            Ok(c) => c,
+            Err(e) => {
+                kill_tree(init);
+                return Err(format!(
+                    "an instance of {name:?} restored from {} did not reconnect: {e}",
+                    info.snapshot_dir.display()
+                ));
+            }
+        };
+        if conn.hello.role != "function" || conn.hello.function.as_deref() != Some(name) {
+            kill_tree(init);
+            return Err(format!(
+                "an instance restored from {} says it serves {:?} (role {}), not {name:?}: the \
+                 snapshot is not this function's; deploy it again",
+                info.snapshot_dir.display(),
+                conn.hello.function,
+                conn.hello.role
+            ));
+        }
+        let reconnect_s = t.elapsed().as_secs_f64();
+        let now = now_ms();
+        let inst = Arc::new(Instance {
+            id: format!("{name}-{now}-{}", self.next()),
+            function: name.to_string(),
+            init_pid: init,
+            worker_pid: worker,
+            generation,
+            writer: tokio::sync::Mutex::new(conn.wr),
+            pending: Mutex::new(HashMap::new()),
+            dead: AtomicBool::new(false),
+            why_dead: Mutex::new(None),
+        });
+        let row = InstanceRow {
+            id: inst.id.clone(),
+            function: name.to_string(),
+            pid: Some(init),
+            stage: Stage::Warm,
+            snapshot: Some(info.snapshot_id.clone()),
+            started: now,
+            last_used: now,
+        };
+        let registry = Arc::clone(&self.registry);
+        let inserted =
+            tokio::task::spawn_blocking(move || registry.with(|s| s.insert_instance(&row)))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string()));
+        if let Err(e) = inserted {
+            kill_tree(init);
+            return Err(format!("cannot record the new instance of {name:?}: {e}"));
+        }
+        tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
+        let rt = Arc::clone(self);
+        let reader_inst = Arc::clone(&inst);
+        tokio::spawn(async move { rt.read_results(reader_inst, conn.rd).await });
+        Ok((
+            inst,
+            vec![
+                ("restore".to_string(), restore_s),
+                ("reconnect".to_string(), reconnect_s),
+                ("start".to_string(), restore_s + reconnect_s),
+            ],
+        ))
+    }
+
+    /// Hands each `result` to its request; anything else, or the end, removes the instance.
+    async fn read_results(self: Arc<Self>, inst: Arc<Instance>, mut rd: OwnedReadHalf) {
+        let why = loop {
+            match frames::read(&mut rd).await {
+                Ok(Some(msg)) => {
+                    if msg.get("type").and_then(Value::as_str) != Some("result") {
+                        break format!(
+                            "it broke the protocol (sent a {} frame while serving requests)",
+                            msg.get("type").unwrap_or(&Value::Null)
+                        );
+                    }
+                    let Some(id) = msg.get("id").and_then(Value::as_u64) else {
+                        break "it broke the protocol (a result without a numeric id)".to_string();
+                    };
+                    let waiter = lock(&inst.pending).remove(&id);
+                    match waiter {
+                        Some(tx) => {
+                            let _ = tx.send(msg);
+                        }
+                        None => {
+                            tracing::debug!(instance = %inst.id, id, "result for a request that was given up")
+                        }
+                    }
+                }
+                Ok(None) => {
+                    break "its connection closed (the worker exited or crashed)".to_string()
+                }
+                Err(e) => break format!("it sent a malformed frame ({e})"),
+            }
+        };
+        self.remove_instance(&inst, &why, true);
+    }
+
+    /// Takes an instance out of service for good: fails its requests, kills its tree, drops
+    /// its registry row. Idempotent.
+    pub fn remove_instance(self: &Arc<Self>, inst: &Arc<Instance>, why: &str, kill: bool) {
+        match lock(&self.pools).get(&inst.function).cloned() {
+            Some(pool) => self.remove_instance_of(&pool, inst, why, kill),
+            None => self.remove_instance_from(None, inst, why, kill),
+        }
+    }
+
+    fn remove_instance_of(
+        self: &Arc<Self>,
+        pool: &Arc<Pool>,
+        inst: &Arc<Instance>,
+        why: &str,
+        kill: bool,
+    ) {
+        self.remove_instance_from(Some(pool), inst, why, kill);
+    }
+
+    fn remove_instance_from(
+        self: &Arc<Self>,
+        pool: Option<&Arc<Pool>>,
+        inst: &Arc<Instance>,
+        why: &str,
+        kill: bool,
+    ) {
+        if inst.dead.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        *lock(&inst.why_dead) = Some(why.to_string());
+        // Dropping the senders fails every request still waiting on this instance.
+        lock(&inst.pending).clear();
+        if kill {
+            kill_tree(inst.init_pid);
+        }
+        if let Some(pool) = pool {
+            lock(&pool.state)
+                .instances
+                .retain(|(i, _)| !Arc::ptr_eq(i, inst));
+            pool.changed.notify_waiters();
+        }
+        if why.starts_with("retired") {
+            tracing::info!(instance = %inst.id, function = %inst.function, "instance removed: {why}");
+        } else {
+            tracing::warn!(instance = %inst.id, function = %inst.function, pid = inst.worker_pid, "instance removed: {why}");
+        }
+        let registry = Arc::clone(&self.registry);
+        let id = inst.id.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = registry.with(|s| s.delete_instance(&id)) {
+                tracing::error!(instance = %id, error = %e, "cannot remove the instance's registry row");
+            }
+        });
+    }
+}
+
+fn fn_info(spec: &Value, snapshot_id: &str, dir: &Path) -> FnInfo {
+    let num = |v: Option<&Value>, default: f64| v.and_then(Value::as_f64).unwrap_or(default);
+    FnInfo {
+        snapshot_dir: dir.to_path_buf(),
+        snapshot_id: snapshot_id.to_string(),
+        timeout: Duration::from_secs_f64(num(spec.get("timeout_s"), 30.0).max(0.001)),
+        max_instances: num(spec.pointer("/scaling/max_instances"), 1.0).max(1.0) as usize,
+        per_instance: num(spec.pointer("/scaling/requests_per_instance"), 1.0).max(1.0) as usize,
+    }
+}
+
+/// SIGKILL to the init of an instance: its whole PID namespace goes.
+pub fn kill_tree(init: i32) {
+    if init > 1 {
+        // SAFETY: kill(2) only sends a signal; the pid is one this daemon started or restored.
+        unsafe { libc::kill(init, libc::SIGKILL) };
+    }
+}
+
+/// Restores a snapshot detached (blocking work on the blocking pool); returns (init, worker).
+pub async fn restore(dir: &Path, log_dir: &Path) -> Result<(i32, i32), String> {
+    let dir = dir.to_path_buf();
+    let log_dir = log_dir.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        let restored =
+            torpor_snapshot::restore::restore(&torpor_snapshot::restore::RestoreOptions {
+                dir: &dir,
+                detach: true,
+                gpu_map: &[],
+                log_dir: &log_dir,
+            })
+            .map_err(|e| e.to_string())?;
+        match crate::launcher::worker_pid(restored.pid) {
+            Ok(w) => Ok((restored.pid, w)),
+            Err(e) => {
+                kill_tree(restored.pid);
+                Err(e)
+            }
+        }
+    })
+    .await
+    .map_err(|e| format!("restore task failed: {e}"))?
+}
+
+/// SIGUSR2 to a restored (or just snapshotted) worker, and its connection once it says hello
+/// with `resumed: true`.
+pub async fn wake(hub: &Arc<Hub>, worker: i32, timeout: Duration) -> Result<WorkerConn, String> {
+    let claim = hub.claim(worker);
+    // SAFETY: kill(2) only sends a signal to the worker this daemon restored.
+    if unsafe { libc::kill(worker, libc::SIGUSR2) } != 0 {
+        return Err(format!(
+            "cannot signal worker {worker}: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    let conn = claim.wait(timeout).await.map_err(|e| e.to_string())?;
+    if !conn.hello.resumed {
+        return Err("its hello says resumed: false".to_string());
+    }
+    Ok(conn)
+}

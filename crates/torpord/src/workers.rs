@@ -1,0 +1,316 @@
+//! The workers' socket (`<state>/workers.sock`): workers connect, the daemon identifies each
+//! connection by the peer's host pid (`SO_PEERCRED`), reads its `hello` and hands it to whoever
+//! waits for that pid (a deploy step, or an instance being started).
+//!
+//! A connection nobody claims within [`UNCLAIMED_TTL`] is closed (the worker then exits 0). A
+//! connection whose first frame is not a valid `hello` is dropped; so is any worker that breaks
+//! the protocol later. Nothing a worker sends can stop the daemon.
+
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+use tokio::io::AsyncWriteExt;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::oneshot;
+
+use crate::frames::{self, FrameError};
+
+/// How long a connection may wait to be claimed.
+pub const UNCLAIMED_TTL: Duration = Duration::from_secs(30);
+/// How long a new connection has to send its `hello`.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The `hello` frame every connection starts with.
+#[derive(Debug, Clone)]
+pub struct Hello {
+    /// The worker's pid in its own namespace (informational; never used to identify it).
+    pub pid: i64,
+    pub role: String,
+    pub function: Option<String>,
+    pub resumed: bool,
+}
+
+impl Hello {
+    fn parse(m: &Map<String, Value>) -> Result<Self, String> {
+        if m.get("type").and_then(Value::as_str) != Some("hello") {
+            return Err(format!(
+                "first frame must be hello, got type {}",
+                m.get("type").unwrap_or(&Value::Null)
+            ));
+        }
+        let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
+        if role != "base" && role != "function" {
+            return Err(format!("hello.role must be base or function, got {role:?}"));
+        }
+        Ok(Self {
+            pid: m.get("pid").and_then(Value::as_i64).unwrap_or(-1),
+            role: role.to_string(),
+            function: m
+                .get("function")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            resumed: m.get("resumed").and_then(Value::as_bool).unwrap_or(false),
+        })
+    }
+}
+
+/// An identified worker connection.
+#[derive(Debug)]
+pub struct WorkerConn {
+    /// The worker's host pid (`SO_PEERCRED`).
+    pub pid: i32,
+    pub hello: Hello,
+    pub rd: OwnedReadHalf,
+    pub wr: OwnedWriteHalf,
+}
+
+/// A failure talking to one worker.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    #[error("the worker closed its connection (it exited or crashed)")]
+    Closed,
+    #[error("the worker broke the protocol: {0}")]
+    Protocol(String),
+    #[error("the worker's frame is malformed: {0}")]
+    Frame(#[from] FrameError),
+    #[error("writing to the worker failed: {0}")]
+    Write(std::io::Error),
+    #[error("the worker did not answer within {0:.0} s")]
+    Timeout(f64),
+}
+
+impl WorkerConn {
+    /// Sends one frame.
+    pub async fn send(&mut self, obj: &Value) -> Result<(), ConnError> {
+        send(&mut self.wr, obj).await
+    }
+
+    /// The next frame; a closed connection is [`ConnError::Closed`].
+    pub async fn recv(&mut self) -> Result<Map<String, Value>, ConnError> {
+        frames::read(&mut self.rd).await?.ok_or(ConnError::Closed)
+    }
+
+    /// The next frame within `timeout`, which must be of type `kind`.
+    pub async fn expect(
+        &mut self,
+        kind: &str,
+        timeout: Duration,
+    ) -> Result<Map<String, Value>, ConnError> {
+        let msg = tokio::time::timeout(timeout, self.recv())
+            .await
+            .map_err(|_| ConnError::Timeout(timeout.as_secs_f64()))??;
+        match msg.get("type").and_then(Value::as_str) {
+            Some(t) if t == kind => Ok(msg),
+            other => Err(ConnError::Protocol(format!(
+                "expected a {kind} frame, got {}",
+                other.unwrap_or("a frame without a type")
+            ))),
+        }
+    }
+
+    /// Waits for the connection to end (after `quiet`); any frame instead is a protocol error.
+    pub async fn expect_eof(mut self, timeout: Duration) -> Result<(), ConnError> {
+        match tokio::time::timeout(timeout, frames::read(&mut self.rd)).await {
+            Err(_) => Err(ConnError::Timeout(timeout.as_secs_f64())),
+            Ok(Ok(None)) => Ok(()),
+            Ok(Ok(Some(m))) => Err(ConnError::Protocol(format!(
+                "sent {} after quiet instead of closing its connection",
+                m.get("type").unwrap_or(&Value::Null)
+            ))),
+            Ok(Err(e)) => Err(e.into()),
+        }
+    }
+}
+
+/// Writes one frame to a worker.
+pub async fn send(wr: &mut OwnedWriteHalf, obj: &Value) -> Result<(), ConnError> {
+    let frame = frames::encode(obj)?;
+    wr.write_all(&frame).await.map_err(ConnError::Write)
+}
+
+#[derive(Default)]
+struct Slots {
+    waiting: HashMap<i32, oneshot::Sender<WorkerConn>>,
+    unclaimed: HashMap<i32, WorkerConn>,
+}
+
+/// Hands identified connections to whoever waits for their pid.
+#[derive(Default)]
+pub struct Hub {
+    slots: Mutex<Slots>,
+}
+
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hub { .. }")
+    }
+}
+
+/// A claim on the next connection from one pid; dropping it gives the claim up.
+pub struct Claim {
+    hub: Arc<Hub>,
+    pid: i32,
+    rx: oneshot::Receiver<WorkerConn>,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        // A connection arriving from now on is not for this claim.
+        self.rx.close();
+        let mut slots = self.hub.lock();
+        if slots
+            .waiting
+            .get(&self.pid)
+            .is_some_and(|tx| tx.is_closed())
+        {
+            slots.waiting.remove(&self.pid);
+        }
+    }
+}
+
+impl Claim {
+    /// The connection, once it said hello; fails if `pid` dies first or `timeout` passes.
+    pub async fn wait(mut self, timeout: Duration) -> Result<WorkerConn, ConnError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                conn = &mut self.rx => {
+                    return conn.map_err(|_| ConnError::Closed);
+                }
+                _ = tick.tick() => {
+                    if !alive(self.pid) {
+                        // A connection may have arrived just before the exit.
+                        if let Ok(conn) = self.rx.try_recv() {
+                            return Ok(conn);
+                        }
+                        return Err(ConnError::Closed);
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(ConnError::Timeout(timeout.as_secs_f64()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether `pid` exists and has not exited.
+pub fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+impl Hub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Claims the next connection from host pid `pid` (one that already arrived, if any).
+    pub fn claim(self: &Arc<Self>, pid: i32) -> Claim {
+        let (tx, rx) = oneshot::channel();
+        let mut slots = self.lock();
+        match slots.unclaimed.remove(&pid) {
+            Some(conn) => {
+                let _ = tx.send(conn);
+            }
+            None => {
+                slots.waiting.insert(pid, tx);
+            }
+        }
+        Claim {
+            hub: Arc::clone(self),
+            pid,
+            rx,
+        }
+    }
+
+    fn deliver(self: &Arc<Self>, conn: WorkerConn) {
+        let pid = conn.pid;
+        let mut slots = self.lock();
+        let conn = match slots.waiting.remove(&pid) {
+            Some(tx) => match tx.send(conn) {
+                Ok(()) => return,
+                Err(conn) => conn,
+            },
+            None => conn,
+        };
+        slots.unclaimed.insert(pid, conn);
+        drop(slots);
+        let hub = Arc::clone(self);
+        tokio::spawn(async move {
+            tokio::time::sleep(UNCLAIMED_TTL).await;
+            if hub.lock().unclaimed.remove(&pid).is_some() {
+                tracing::warn!(pid, "closed a worker connection nobody claimed");
+            }
+        });
+    }
+
+    /// Accepts workers until the listener fails.
+    pub async fn serve(self: Arc<Self>, listener: UnixListener) {
+        loop {
+            let stream = match listener.accept().await {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "accepting a worker connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let hub = Arc::clone(&self);
+            tokio::spawn(async move {
+                match handshake(stream).await {
+                    Ok(conn) => {
+                        tracing::debug!(pid = conn.pid, role = %conn.hello.role, resumed = conn.hello.resumed, "worker connected");
+                        hub.deliver(conn);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "dropped a worker connection"),
+                }
+            });
+        }
+    }
+}
+
+fn peer_pid(stream: &UnixStream) -> std::io::Result<i32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which is a live ucred.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            std::ptr::addr_of_mut!(cred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.pid)
+}
+
+async fn handshake(stream: UnixStream) -> Result<WorkerConn, String> {
+    let pid = peer_pid(&stream).map_err(|e| format!("SO_PEERCRED failed: {e}"))?;
+    let (mut rd, wr) = stream.into_split();
+    let first = tokio::time::timeout(HELLO_TIMEOUT, frames::read(&mut rd))
+        .await
+        .map_err(|_| format!("worker pid {pid} sent no hello within {HELLO_TIMEOUT:?}"))?
+        .map_err(|e| format!("worker pid {pid}: {e}"))?
+        .ok_or_else(|| format!("worker pid {pid} closed before its hello"))?;
+    let hello = Hello::parse(&first).map_err(|e| format!("worker pid {pid}: {e}"))?;
+    Ok(WorkerConn { pid, hello, rd, wr })
+}

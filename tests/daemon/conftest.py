@@ -1,0 +1,134 @@
+"""A real `torpor serve` for the daemon tests: its own state directory, API socket and config,
+and an HTTP client over the socket. Every worker it started is killed at teardown."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import kill_tree, pids_with
+
+HERE = Path(__file__).resolve().parent
+FUNCTIONS = HERE / "functions"
+
+# Small so the over-capacity paths are quick to reach: 3 waiting requests, 1.5 s in the queue.
+QUEUE_LENGTH = 3
+QUEUE_TIMEOUT_S = 1.5
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("torpord", timeout=timeout)
+        self.path = str(path)
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self.path)
+        self.sock = s
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def start(self) -> str | None:
+        return self.headers.get("x-torpor-start")
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return dict(json.loads(self.headers.get("x-torpor-timings", "{}")))
+
+
+class Torpord:
+    def __init__(self, binary: Path, root: Path) -> None:
+        self.binary = binary
+        self.root = root
+        self.state = root / "state"
+        self.socket = root / "torpord.sock"
+        self.log = root / "torpord.log"
+        config = root / "torpord.toml"
+        config.write_text(f"[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {QUEUE_TIMEOUT_S}\n")
+        self.proc = subprocess.Popen(
+            [binary, "serve", "--config", config, "--state-dir", self.state, "--socket", self.socket],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log, "wb"),  # noqa: SIM115 (closed with the process)
+            env={k: v for k, v in os.environ.items() if k != "TORPOR_SOCKET"},
+        )
+        deadline = time.monotonic() + 20
+        while not self.socket.exists():
+            assert self.proc.poll() is None, f"torpor serve exited\n{self.log_text()}"
+            assert time.monotonic() < deadline, "torpor serve did not listen"
+            time.sleep(0.02)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 60.0) -> Answer:
+        conn = UnixHTTPConnection(self.socket, timeout)
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers=headers)
+        r = conn.getresponse()
+        out = Answer(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+        conn.close()
+        return out
+
+    def invoke(self, name: str, request: Any, timeout: float = 60.0) -> Answer:
+        return self.request("POST", f"/v1/functions/{name}/invoke", request, timeout)
+
+    def cli(self, *args: str | Path, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, TORPOR_SOCKET=str(self.socket))
+        return subprocess.run(
+            [str(self.binary), *map(str, args)], check=False, capture_output=True, text=True, timeout=timeout, env=env
+        )
+
+    def deploy(self, fdir: Path) -> list[dict[str, Any]]:
+        """`torpor deploy --json DIR`: the NDJSON lines; asserts it succeeded."""
+        r = self.cli("deploy", "--json", fdir)
+        assert r.returncode == 0, f"deploy {fdir} failed\n{r.stdout}\n{r.stderr}\n{self.log_text()}"
+        return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+
+    def instances(self, name: str) -> list[dict[str, Any]]:
+        r = self.request("GET", f"/v1/functions/{name}")
+        assert r.status == 200, r.body
+        return list(r.json()["instances"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # Workers exit when the daemon's connection goes; anything left is killed.
+        for pid in pids_with(f"{self.state}/"):
+            kill_tree(pid)
+
+
+@pytest.fixture(scope="module")
+def torpord(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    d = Torpord(torpor_bin, tmp_path_factory.mktemp("torpord"))
+    try:
+        yield d
+    finally:
+        d.stop()

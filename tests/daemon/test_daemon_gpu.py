@@ -1,0 +1,69 @@
+"""Deploy and invoke a GPU function through the real daemon: the base boots with torch and warms
+CUDA, the function snapshot holds CUDA state, and instances restore onto the GPU. Skipped where
+torch or a CUDA device is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from conftest import ROOT
+
+from .conftest import Torpord
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
+
+TORCHMM = ROOT / "tests" / "sdk" / "functions" / "torchmm"
+X = [0.5, -1.0, 2.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def cuda() -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if r.stdout.strip() != "True":
+        pytest.skip(f"needs a CUDA device visible to torch ({r.stdout.strip() or r.stderr.strip()[-200:]})")
+
+
+def expected_y() -> list[float]:
+    code = (
+        "import json, torch; g = torch.Generator().manual_seed(0); w = torch.randn(4, 4, generator=g); "
+        f"print(json.dumps(torch.softmax(torch.tensor([{X}]) @ w, dim=-1)[0].tolist()))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return list(json.loads(r.stdout))
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-6) for x, y in zip(a, b))
+
+
+def test_gpu_function_deploys_restores_and_answers(cuda: None, torpord: Torpord) -> None:
+    lines = torpord.deploy(TORCHMM)
+    by_phase: dict[str, Any] = {line["phase"]: line for line in lines if "phase" in line}
+    assert list(by_phase) == ["validate", "boot_base", "snapshot_base", "restore_base", "load", "snapshot_function"]
+    assert by_phase["boot_base"]["gpu_warmup_s"] > 0, by_phase["boot_base"]
+    assert by_phase["boot_base"]["key"].endswith("|torch|gpu"), by_phase["boot_base"]
+    for p, line in by_phase.items():
+        print(f"{p:<18} {line['s']:.3f} s")
+
+    want = expected_y()
+    first = torpord.invoke("torchmm", {"x": X}, timeout=180)
+    assert first.status == 200 and first.start == "restored", (first.status, first.body, torpord.log_text())
+    print("restored:", first.timings)
+    # The warm-up request ran before the snapshot.
+    assert first.json()["calls"] == 2 and close(first.json()["y"], want), (first.json(), want)
+    second = torpord.invoke("torchmm", {"x": X})
+    assert second.status == 200 and second.start == "warm", second.body
+    print("warm:", second.timings)
+    assert close(second.json()["y"], want)
