@@ -3,8 +3,11 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|all] [extra pytest args...]
 # Results go under $OUT (the device tool's output folder) or /tmp/torpor-out.
+# serverless: writes the examples' weights if absent, then bench/serverless/run.py --compare for each
+# of $SERVERLESS_MODELS (default "resnet152"; "resnet152 gpt2-large" for both, about twice as long),
+# $SERVERLESS_DURATION seconds per trace (default 30), into $OUT/serverless.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
@@ -37,6 +40,17 @@ if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
   echo "== bench/coldstart"
   python3 bench/coldstart/run.py --runs "${RUNS:-5}" --out "$OUT/coldstart.json" 2>&1 | tee "$OUT/bench.log"
   brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
+fi
+if [ "$MODE" = serverless ] || [ "$MODE" = all ]; then
+  echo "== bench/serverless"
+  merge=()
+  for model in ${SERVERLESS_MODELS:-resnet152}; do
+    [ -f "examples/$model/weights.safetensors" ] || python3 "examples/$model/make_weights.py" 2>&1 | tee -a "$OUT/serverless.log"
+    python3 bench/serverless/run.py --compare --function-dir "examples/$model" \
+      --duration "${SERVERLESS_DURATION:-30}" --out "$OUT/serverless.json" "${merge[@]}" 2>&1 | tee -a "$OUT/serverless.log"
+    src=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$src
+    merge=(--merge)
+  done
 fi
 # CRIU's logs of anything that failed, for the post-mortem.
 ls /var/log/torpor/*.log >/dev/null 2>&1 && tail -n 40 /var/log/torpor/dump-*.log /var/log/torpor/restore-*.log > "$OUT/criu-failures.txt" 2>/dev/null

@@ -1,0 +1,81 @@
+"""Renders a serverless result JSON (run.py --compare) as the Markdown table the README quotes.
+
+python3 bench/serverless/table.py bench/results/serverless-h100.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+Json = dict[str, Any]
+
+
+def ms(x: float | None) -> str:
+    if x is None:
+        return "–"
+    if x < 0.1:
+        return f"{x * 1000:.1f} ms"
+    return f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
+
+
+def starts(s: Json) -> str:
+    kinds = s["starts"]
+    order = ["warm", "restored", "booted"]
+    parts = [f"{kinds[k]} {k}" for k in order if k in kinds]
+    parts += [f"{v} {k}" for k, v in kinds.items() if k not in order]
+    return ", ".join(parts)
+
+
+def gib_s(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def render(d: Json) -> str:
+    m = d["machine"]
+    v = m["versions"]
+    st = d["settings"]
+    ka = st.get("keepalive")
+    keep = (
+        f"keep-alive {ka['gpu_release_s']:g}/{ka['hibernate_s']:g}/{ka['evict_s']:g} s "
+        "(GPU release/hibernate/evict)"
+        if ka
+        else "keep-alive as in each torpor.toml"
+    )
+    lib = ", ".join(
+        f"{k} {v[k]}" for k in ("torch", "torchvision", "transformers") if v.get(k)
+    )
+    out = [
+        f"{m['device']}"
+        + (f", driver {m['driver']}" if m.get("driver") else "")
+        + f", kernel {m['kernel']}"
+        + (f", {lib}" if lib else "")
+        + f"; {st['duration_s']:g} s per trace (seed {st['seed']}), {keep}; "
+        f"commit {(m.get('torpor_commit') or 'unknown')[:12]}{' (dirty)' if m.get('torpor_dirty') else ''}, {m['date']}.",
+    ]
+    if st.get("note"):
+        out.append(f"Note: {st['note']}.")
+    out += [
+        "",
+        (
+            "| function | pattern | cold start by | requests | p50 | p99 | cold starts | starts | "
+            "cold p50 | GPU memory·s (GiB·s) | errors |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["results"]:
+        s = r["summary"]
+        errors = s["requests"] - s["ok"]
+        bad = ", ".join(f"{n}× {k}" for k, n in s["statuses"].items() if k != "200")
+        out.append(
+            f"| {r['function']} | {r['pattern']} | {r['mode']} | {s['requests']} | {ms(s['p50_s'])} "
+            f"| {ms(s['p99_s'])} | {s['cold_starts']} | {starts(s)} | {ms(s['cold_p50_s'])} "
+            f"| {gib_s(r['gpu_memory_gib_s'])} | {errors}{f' ({bad})' if bad else ''} |"
+        )
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(render(json.load(f)))
