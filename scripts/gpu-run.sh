@@ -3,7 +3,9 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|all] [extra pytest args...]
+# examples: deploys examples/resnet152 and examples/gpt2-large on a fresh daemon and invokes each
+# (first invoke restored, second warm), into $OUT/examples.log.
 # Results go under $OUT (the device tool's output folder) or /tmp/torpor-out.
 # serverless: writes the examples' weights if absent, then bench/serverless/run.py --compare for each
 # of $SERVERLESS_MODELS (default "resnet152"; "resnet152 gpt2-large" for both, about twice as long),
@@ -40,6 +42,26 @@ if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
   echo "== bench/coldstart"
   python3 bench/coldstart/run.py --runs "${RUNS:-5}" --out "$OUT/coldstart.json" 2>&1 | tee "$OUT/bench.log"
   brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
+fi
+if [ "$MODE" = examples ] || [ "$MODE" = all ]; then
+  echo "== examples (deploy + invoke through torpord)"
+  (
+    state=$(mktemp -d) sock=$state/torpord.sock
+    "$TORPOR_BIN" serve --state-dir "$state" --socket "$sock" >"$OUT/examples-daemon.log" 2>&1 &
+    daemon=$!
+    for i in $(seq 50); do [ -S "$sock" ] && break; sleep 0.1; done
+    export TORPOR_SOCKET=$sock
+    erc=0
+    for ex in resnet152 gpt2-large; do
+      [ -f "examples/$ex/weights.safetensors" ] || (cd "examples/$ex" && python3 make_weights.py) || erc=1
+      "$TORPOR_BIN" deploy "examples/$ex" || erc=1
+      for i in 1 2; do "$TORPOR_BIN" invoke "$ex" -v --data '{"seed": 1}' || erc=1; done
+    done
+    "$TORPOR_BIN" ls
+    kill -TERM "$daemon"; wait "$daemon"
+    exit $erc
+  ) 2>&1 | tee "$OUT/examples.log"
+  erc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$erc
 fi
 if [ "$MODE" = serverless ] || [ "$MODE" = all ]; then
   echo "== bench/serverless"
