@@ -57,18 +57,22 @@ class Answer:
 
 
 class Torpord:
-    def __init__(self, binary: Path, root: Path) -> None:
+    def __init__(self, binary: Path, root: Path, *extra: str) -> None:
         self.binary = binary
+        self.extra = list(extra)
         self.root = root
         self.state = root / "state"
         self.socket = root / "torpord.sock"
         self.log = root / "torpord.log"
-        config = root / "torpord.toml"
-        config.write_text(f"[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {QUEUE_TIMEOUT_S}\n")
+        self.config = root / "torpord.toml"
+        self.config.write_text(f"[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {QUEUE_TIMEOUT_S}\n")
+        self._spawn()
+
+    def _spawn(self) -> None:
         self.proc = subprocess.Popen(
-            [binary, "serve", "--config", config, "--state-dir", self.state, "--socket", self.socket],
+            [self.binary, "serve", "--config", self.config, "--state-dir", self.state, "--socket", self.socket, *self.extra],
             stdout=subprocess.DEVNULL,
-            stderr=open(self.log, "wb"),  # noqa: SIM115 (closed with the process)
+            stderr=open(self.log, "ab"),  # noqa: SIM115 (closed with the process)
             env={k: v for k, v in os.environ.items() if k != "TORPOR_SOCKET"},
         )
         deadline = time.monotonic() + 20
@@ -76,6 +80,14 @@ class Torpord:
             assert self.proc.poll() is None, f"torpor serve exited\n{self.log_text()}"
             assert time.monotonic() < deadline, "torpor serve did not listen"
             time.sleep(0.02)
+
+    def restart(self) -> Torpord:
+        """Starts the daemon again on the same state directory, after its process ended
+        (however it ended); the fixture's teardown stops the new one."""
+        assert self.proc.poll() is not None, "stop or kill the daemon first"
+        self.socket.unlink(missing_ok=True)
+        self._spawn()
+        return self
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]

@@ -67,3 +67,50 @@ def test_gpu_function_deploys_restores_and_answers(cuda: None, torpord: Torpord)
     assert second.status == 200 and second.start == "warm", second.body
     print("warm:", second.timings)
     assert close(second.json()["y"], want)
+
+
+GPUSLEEPY = ROOT / "tests" / "daemon" / "functions" / "gpusleepy"
+
+
+def _wait_stage(torpord: Torpord, stage: str, timeout: float = 60.0) -> dict[str, Any]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        instances = torpord.instances("gpusleepy")
+        if instances and instances[0]["stage"] == stage:
+            return instances[0]
+        assert time.monotonic() < deadline, f"no {stage} instance: {instances}\n{torpord.log_text()}"
+        time.sleep(0.05)
+
+
+def test_gpu_instance_releases_its_gpu_in_place_then_hibernates(cuda: None, torpord: Torpord) -> None:
+    torpord.deploy(GPUSLEEPY)
+    want = expected_y()
+    first = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
+    assert first.status == 200 and first.start == "restored", (first.status, first.body, torpord.log_text())
+    assert first.json()["calls"] == 1 and close(first.json()["y"], want)
+
+    inst = _wait_stage(torpord, "gpu_released")
+    assert inst["pid"] is not None, inst  # the process stays
+    metrics = torpord.request("GET", "/metrics").body.decode()
+    assert 'torpor_instances{stage="gpu_released"} 1' in metrics
+    resumed = torpord.invoke("gpusleepy", {"x": X})
+    assert resumed.status == 200 and resumed.start == "warm", (resumed.status, resumed.body, torpord.log_text())
+    assert "gpu_resume" in resumed.timings, resumed.timings
+    print("gpu_resume:", resumed.timings)
+    assert resumed.json()["calls"] == 2 and close(resumed.json()["y"], want)
+
+    _wait_stage(torpord, "hibernated")
+    woken = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
+    assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body, torpord.log_text())
+    print("woken from hibernation:", woken.timings)
+    assert woken.json()["calls"] == 3 and close(woken.json()["y"], want)
+
+    _wait_stage(torpord, "evicted")
+    cold = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
+    assert cold.status == 200 and cold.start == "restored", (cold.status, cold.body)
+    print("woken from eviction:", cold.timings)
+    assert cold.json()["calls"] == 4 and close(cold.json()["y"], want)
+    metrics = torpord.request("GET", "/metrics").body.decode()
+    assert 'torpor_gpu_memory_byte_seconds_total{function="gpusleepy"} 0\n' not in metrics

@@ -81,6 +81,27 @@ enum Command {
         #[command(flatten)]
         daemon: cmd::DaemonArgs,
     },
+    /// Show the tail of the log files a function's workers write.
+    Logs {
+        name: String,
+        /// Lines per file.
+        #[arg(long, default_value_t = 200)]
+        lines: usize,
+        /// Print the daemon's JSON answer.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        daemon: cmd::DaemonArgs,
+    },
+    /// Delete a function: stop its instances, remove its snapshots (the shared base stays).
+    Rm {
+        name: String,
+        /// Print the daemon's JSON answer.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        daemon: cmd::DaemonArgs,
+    },
     /// Show torpord's state: version, uptime, listeners, functions, snapshots, instances.
     Status {
         /// Print the daemon's JSON answer.
@@ -151,6 +172,13 @@ fn main() -> ExitCode {
         Command::Serve(args) => cmd::serve::run(&args),
         Command::Ls { json, daemon } => cmd::ls::run(&daemon, json),
         Command::Status { json, daemon } => cmd::status::run(&daemon, json),
+        Command::Rm { name, json, daemon } => cmd::rm::run(&daemon, &name, json),
+        Command::Logs {
+            name,
+            lines,
+            json,
+            daemon,
+        } => cmd::logs::run(&daemon, &name, lines, json),
         Command::Deploy { dir, json, daemon } => cmd::deploy::run(&daemon, &dir, json),
         Command::Invoke {
             name,

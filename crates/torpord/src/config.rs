@@ -7,6 +7,7 @@
 //! token_file = "/etc/torpor/token"
 //! log_format = "human"            # or "json"
 //! log_level = "info"              # error, warn, info, debug, trace
+//! cold_start = "restore"          # or "boot": no snapshots at invoke (the benchmark's baseline)
 //!
 //! [keepalive]                     # default idle seconds before each stage (a function's spec
 //! gpu_release_s = 30              # may set its own); cumulative, so each is ≥ the one before
@@ -57,6 +58,28 @@ pub struct ServeArgs {
     /// Least severe log level shown [default: info]
     #[arg(long, value_enum, value_name = "LEVEL")]
     pub log_level: Option<LogLevel>,
+    /// How a cold start gets an instance: restore the function snapshot, or boot a fresh
+    /// worker (snapshots off at invoke, for comparison) [default: restore]
+    #[arg(long, value_enum, value_name = "HOW")]
+    pub cold_start: Option<ColdStart>,
+}
+
+/// How a cold start gets an instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ColdStart {
+    /// Restore the function snapshot (`X-Torpor-Start: restored`).
+    #[default]
+    Restore,
+    /// Launch a worker, import, set up and warm up the function (`booted`); an instance idle
+    /// past hibernate_s is stopped instead of hibernated.
+    Boot,
+}
+
+impl ColdStart {
+    fn parse(s: &str) -> Option<Self> {
+        <Self as clap::ValueEnum>::from_str(s, false).ok()
+    }
 }
 
 /// How log lines are written to stderr.
@@ -154,6 +177,7 @@ pub struct Config {
     pub log_level: LogLevel,
     pub keepalive: Keepalive,
     pub queue: QueueLimits,
+    pub cold_start: ColdStart,
 }
 
 impl Default for Config {
@@ -168,6 +192,7 @@ impl Default for Config {
             log_level: LogLevel::default(),
             keepalive: Keepalive::default(),
             queue: QueueLimits::default(),
+            cold_start: ColdStart::default(),
         }
     }
 }
@@ -288,6 +313,9 @@ impl Config {
         if let Some(l) = root.parsed("log_level", levels, LogLevel::parse)? {
             config.log_level = l;
         }
+        if let Some(c) = root.parsed("cold_start", "\"restore\" or \"boot\"", ColdStart::parse)? {
+            config.cold_start = c;
+        }
         if let Some(mut t) = root.table("keepalive")? {
             let k = &mut config.keepalive;
             k.gpu_release = t.seconds("gpu_release_s", false)?.unwrap_or(k.gpu_release);
@@ -325,6 +353,9 @@ impl Config {
         }
         if let Some(l) = args.log_level {
             self.log_level = l;
+        }
+        if let Some(c) = args.cold_start {
+            self.cold_start = c;
         }
     }
 

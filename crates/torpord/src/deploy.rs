@@ -22,9 +22,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long preloading (base) or loading (function: import, setup, warm-up) may take.
 const LOAD_TIMEOUT: Duration = Duration::from_secs(900);
 /// How long a worker has to answer `quiesce` and close its connection.
-const QUIET_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const QUIET_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the snapshot waits for in-flight CUDA work when locking.
-const CUDA_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CUDA_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A spec that `python3 -m torpor.spec` accepted.
 #[derive(Debug, Clone)]
@@ -87,6 +87,19 @@ pub async fn validate(rt: &Runtime, dir: &str) -> Result<ValidSpec, (bool, Strin
             format!("python3 -m torpor.spec printed no JSON: {e}"),
         )
     })?;
+    let k = crate::runtime::keepalive_of(&json, &rt.config.keepalive);
+    if !(k.gpu_release <= k.hibernate && k.hibernate <= k.evict) {
+        return Err((
+            true,
+            format!(
+                "torpor.toml: keepalive delays count from the moment the instance went idle, so \
+                 they must not decrease (gpu_release_s ≤ hibernate_s ≤ evict_s), got {}, {}, {}",
+                k.gpu_release.as_secs_f64(),
+                k.hibernate.as_secs_f64(),
+                k.evict.as_secs_f64()
+            ),
+        ));
+    }
     let name = json["name"].as_str().unwrap_or_default().to_string();
     let dir = PathBuf::from(json["dir"].as_str().unwrap_or_default());
     Ok(ValidSpec { json, name, dir })
@@ -127,7 +140,7 @@ impl Drop for TreeGuard {
     }
 }
 
-fn fnv(text: &str) -> String {
+pub(crate) fn fnv(text: &str) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in text.bytes() {
         h ^= u64::from(b);
@@ -136,7 +149,7 @@ fn fnv(text: &str) -> String {
     format!("{h:016x}")
 }
 
-fn dir_bytes(dir: &Path) -> u64 {
+pub(crate) fn dir_bytes(dir: &Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
@@ -240,6 +253,88 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, S
     .await
     .map_err(|e| e.to_string())?
     .map_err(|e: crate::registry::RegistryError| e.to_string())
+}
+
+/// The `load` frame for a function: its spec, directory and declared data.
+fn load_frame(spec: &Value, dir: &Path) -> Value {
+    let data: serde_json::Map<String, Value> = spec["data"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|d| Some((d["name"].as_str()?.to_string(), d["abs_path"].clone())))
+                .collect()
+        })
+        .unwrap_or_default();
+    json!({"type": "load", "spec": spec, "dir": dir, "data": data})
+}
+
+/// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker,
+/// sends it `load` and waits for `ready`. Returns (init, worker, connection, timings: `boot`
+/// (launch and connect), `load` (import, setup, warm-up)).
+pub(crate) async fn boot_function(
+    rt: &Runtime,
+    name: &str,
+    spec: &Value,
+    dir: &Path,
+) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), String> {
+    let t = Instant::now();
+    let python_dir = rt.python_dir.clone()?;
+    let (_, python, preload, gpu) = base_key(spec).map_err(|f| f.message)?;
+    let log = rt.logs_dir().join(format!("boot-{name}.log"));
+    let (ws, sd, lg) = (
+        rt.workers_socket.clone(),
+        rt.state_root.clone(),
+        log.clone(),
+    );
+    let init = tokio::task::spawn_blocking(move || {
+        launcher::launch_worker(&WorkerCommand {
+            python: &python,
+            role: "function",
+            preload: &preload,
+            gpu,
+            log: &lg,
+            state_dir: &sd,
+            workers_socket: &ws,
+            python_dir: &python_dir,
+        })
+    })
+    .await
+    .map_err(|e| format!("launch task failed: {e}"))??;
+    let mut guard = TreeGuard(Some(init));
+    let worker = launcher::worker_pid(init)?;
+    let mut conn = rt
+        .hub
+        .claim(worker)
+        .wait(CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| {
+            format!(
+                "the booted worker did not connect: {e}; see {}",
+                log.display()
+            )
+        })?;
+    if conn.hello.role != "function" || conn.hello.resumed {
+        return Err(format!(
+            "the booted worker said hello as role {} (resumed: {}), not a fresh function worker",
+            conn.hello.role, conn.hello.resumed
+        ));
+    }
+    let boot_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    conn.send(&load_frame(spec, dir))
+        .await
+        .map_err(|e| format!("sending load: {e}"))?;
+    ready(&mut conn, "load")
+        .await
+        .map_err(|f| format!("{}; see {}", f.message, log.display()))?;
+    let load_s = t.elapsed().as_secs_f64();
+    guard.0 = None;
+    Ok((
+        init,
+        worker,
+        conn,
+        vec![("boot".to_string(), boot_s), ("load".to_string(), load_s)],
+    ))
 }
 
 /// (key, interpreter, preload in spec order, gpu).
@@ -484,22 +579,9 @@ async fn steps(
     ));
 
     let t = Instant::now();
-    let data: serde_json::Map<String, Value> = spec.json["data"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|d| Some((d["name"].as_str()?.to_string(), d["abs_path"].clone())))
-                .collect()
-        })
-        .unwrap_or_default();
-    conn.send(&json!({
-        "type": "load",
-        "spec": spec.json,
-        "dir": spec.dir,
-        "data": data,
-    }))
-    .await
-    .map_err(|e| conn_fail("load", "sending load", e))?;
+    conn.send(&load_frame(&spec.json, &spec.dir))
+        .await
+        .map_err(|e| conn_fail("load", "sending load", e))?;
     let r = ready(&mut conn, "load").await?;
     send(phase(
         "load",
@@ -560,6 +642,12 @@ async fn steps(
         t.elapsed().as_secs_f64(),
         json!({"snapshot": id, "bytes": row.bytes}),
     ));
+    // Hibernated instances of the older deploy go before the new one takes requests, so that
+    // none of them is woken to serve the old code.
+    let (rt2, n) = (Arc::clone(rt), name.to_string());
+    if let Err(e) = tokio::task::spawn_blocking(move || rt2.discard_sleepers_of(&n)).await {
+        tracing::error!(function = %name, error = %e, "discarding the older deploy's hibernated instances failed");
+    }
     rt.deployed(name, &spec.json, &id, &out);
     if let Some(old) = old {
         // Live instances were restored from it and no longer need it.

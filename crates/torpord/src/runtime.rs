@@ -18,7 +18,7 @@ use serde_json::{json, Map, Value};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{oneshot, Notify};
 
-use crate::config::Config;
+use crate::config::{ColdStart, Config, Keepalive};
 use crate::frames;
 use crate::metrics::{outcome, start, Metrics};
 use crate::registry::{now_ms, FunctionState, Instance as InstanceRow, Registry, Stage};
@@ -39,8 +39,12 @@ pub struct Runtime {
     pub python_dir: Result<PathBuf, String>,
     /// Deploys run one at a time (two deploys of one base must not both boot it).
     pub deploy_lock: tokio::sync::Mutex<()>,
-    pools: Mutex<HashMap<String, Arc<Pool>>>,
+    pub(crate) pools: Mutex<HashMap<String, Arc<Pool>>>,
     next_id: AtomicU64,
+    /// The CUDA driver, loaded on first use (GPU release and resume).
+    pub(crate) cuda: std::sync::OnceLock<Result<Arc<torpor_cuda::CudaDriver>, String>>,
+    /// NVML, if it loads, for per-worker GPU memory.
+    pub(crate) nvml: std::sync::OnceLock<Option<torpor_cuda::Nvml>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -58,19 +62,59 @@ pub struct Instance {
     /// Host pid of the worker (the Python process).
     pub worker_pid: i32,
     /// The deploy it belongs to; an older one is retired once idle.
-    generation: u64,
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    pub(crate) generation: u64,
+    pub(crate) writer: tokio::sync::Mutex<OwnedWriteHalf>,
     pending: Mutex<HashMap<u64, oneshot::Sender<Map<String, Value>>>>,
-    dead: AtomicBool,
-    why_dead: Mutex<Option<String>>,
+    pub(crate) dead: AtomicBool,
+    pub(crate) why_dead: Mutex<Option<String>>,
+    /// Keep-alive state.
+    pub(crate) keep: Mutex<Keep>,
+    /// Set while it is being hibernated: its reader then takes `quiet` and the EOF after it.
+    pub(crate) hibernating: AtomicBool,
+    /// Told once `quiet` and the EOF after it have arrived.
+    pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<()>>>,
+    /// A GPU release failed: it stays warm until it hibernates.
+    pub(crate) gpu_release_failed: AtomicBool,
+}
+
+/// Keep-alive state of an instance (live or hibernated).
+#[derive(Debug)]
+pub struct Keep {
+    pub stage: Stage,
+    /// When it last became idle (no request in flight).
+    pub idle_since: Instant,
+    /// Up to when its stage time was added to the metrics.
+    pub accounted: Instant,
+    /// A stage change (or a resume) is in progress: not routable, not to be stepped down.
+    pub busy: bool,
+}
+
+impl Keep {
+    pub(crate) fn new(stage: Stage, idle_since: Instant) -> Self {
+        Self {
+            stage,
+            idle_since,
+            accounted: Instant::now(),
+            busy: false,
+        }
+    }
+}
+
+/// A hibernated (or evicted) instance: no process, a snapshot on disk.
+#[derive(Debug)]
+pub struct Sleeper {
+    pub id: String,
+    pub snapshot_id: String,
+    pub snapshot_dir: PathBuf,
+    pub keep: Keep,
 }
 
 impl Instance {
-    fn is_dead(&self) -> bool {
+    pub(crate) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::SeqCst)
     }
 
-    fn reason(&self) -> String {
+    pub(crate) fn reason(&self) -> String {
         lock(&self.why_dead)
             .clone()
             .unwrap_or_else(|| "the worker closed its connection".to_string())
@@ -79,34 +123,44 @@ impl Instance {
 
 /// What a pool needs from the function's registry row.
 #[derive(Debug, Clone)]
-struct FnInfo {
+pub(crate) struct FnInfo {
     snapshot_dir: PathBuf,
     snapshot_id: String,
     timeout: Duration,
     max_instances: usize,
     per_instance: usize,
+    /// Idle delays of the stages (cumulative).
+    pub(crate) keepalive: Keepalive,
+    /// `gpus = 1`: the instances hold GPU memory, and gpu_released applies.
+    pub(crate) gpu: bool,
+    /// The spec's `gpu_memory` estimate, in bytes.
+    pub(crate) gpu_bytes: u64,
+    /// The spec (for `load` when booting instead of restoring).
+    spec: Arc<Value>,
 }
 
-struct PoolState {
-    info: FnInfo,
-    generation: u64,
+pub(crate) struct PoolState {
+    pub(crate) info: FnInfo,
+    pub(crate) generation: u64,
     /// Live instances with their requests in flight.
-    instances: Vec<(Arc<Instance>, usize)>,
+    pub(crate) instances: Vec<(Arc<Instance>, usize)>,
+    /// Hibernated and evicted instances, most recently idle last.
+    pub(crate) sleepers: Vec<Sleeper>,
     /// Instances being restored.
     starting: usize,
     queued: usize,
     /// The function was deleted: no new requests, no new instances.
-    closed: bool,
+    pub(crate) closed: bool,
 }
 
 /// The instances and queue of one function.
 pub struct Pool {
-    name: String,
-    state: Mutex<PoolState>,
-    changed: Notify,
+    pub(crate) name: String,
+    pub(crate) state: Mutex<PoolState>,
+    pub(crate) changed: Notify,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -144,6 +198,16 @@ pub struct Invoked {
     pub timings: Timings,
 }
 
+/// What `acquire` does next, decided under the pool's lock.
+enum Next {
+    /// An idle instance; `true` when its GPU must be resumed first.
+    Warm(Lease, bool),
+    /// Start one: from the function snapshot, or by waking a hibernated instance.
+    Start(Box<(FnInfo, u64, Option<Sleeper>)>),
+    /// Wait in the queue.
+    Wait,
+}
+
 /// The pool slot of an acquired instance; released (and the queue woken) on drop.
 struct Lease {
     pool: Arc<Pool>,
@@ -162,6 +226,9 @@ impl Drop for Lease {
                 .find(|(i, _)| Arc::ptr_eq(i, &self.instance))
             {
                 slot.1 = slot.1.saturating_sub(1);
+                if slot.1 == 0 {
+                    lock(&self.instance.keep).idle_since = Instant::now();
+                }
                 slot.1 == 0 && self.instance.generation != generation
             } else {
                 false
@@ -229,6 +296,8 @@ impl Runtime {
             deploy_lock: tokio::sync::Mutex::new(()),
             pools: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
+            cuda: std::sync::OnceLock::new(),
+            nvml: std::sync::OnceLock::new(),
         }
     }
 
@@ -301,13 +370,16 @@ impl Runtime {
     /// After a (re)deploy: new instances come from `snapshot`; idle older ones are retired now,
     /// busy ones when their request ends.
     pub fn deployed(self: &Arc<Self>, name: &str, spec: &Value, snapshot_id: &str, dir: &Path) {
+        // The older deploy's hibernated instances were discarded from the registry already
+        // (`discard_sleepers_of`, before this call); the pool forgets them below.
         let Some(pool) = lock(&self.pools).get(name).cloned() else {
             return;
         };
         let idle: Vec<Arc<Instance>> = {
             let mut st = lock(&pool.state);
-            st.info = fn_info(spec, snapshot_id, dir);
+            st.info = fn_info(spec, snapshot_id, dir, &self.config.keepalive);
             st.generation += 1;
+            st.sleepers.clear();
             st.instances
                 .iter()
                 .filter(|(_, n)| *n == 0)
@@ -320,13 +392,56 @@ impl Runtime {
         pool.changed.notify_waiters();
     }
 
+    /// At startup: the pools of functions with hibernated instances left by an earlier daemon,
+    /// so that their keep-alive (eviction) goes on before any request comes.
+    pub async fn take_up_hibernated(self: &Arc<Self>) {
+        let registry = Arc::clone(&self.registry);
+        let names = tokio::task::spawn_blocking(move || {
+            registry.with(|s| {
+                let mut names: Vec<String> = s
+                    .instances()?
+                    .into_iter()
+                    .filter(|i| !i.stage.has_process())
+                    .map(|i| i.function)
+                    .collect();
+                names.sort();
+                names.dedup();
+                Ok::<_, crate::registry::RegistryError>(names)
+            })
+        })
+        .await;
+        let names = match names {
+            Ok(Ok(n)) => n,
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "cannot list the hibernated instances");
+                return;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "registry task failed");
+                return;
+            }
+        };
+        for name in names {
+            match self.pool(&name).await {
+                Ok(pool) => {
+                    let n = lock(&pool.state).sleepers.len();
+                    tracing::info!(function = %name, hibernated = n, "took up the hibernated instances of an earlier torpord");
+                }
+                Err(e) => {
+                    tracing::warn!(function = %name, error = ?e, "cannot take up the hibernated instances")
+                }
+            }
+        }
+    }
+
     async fn pool(self: &Arc<Self>, name: &str) -> Result<Arc<Pool>, InvokeError> {
         if let Some(p) = lock(&self.pools).get(name) {
             return Ok(Arc::clone(p));
         }
         let registry = Arc::clone(&self.registry);
         let n = name.to_string();
-        let info = tokio::task::spawn_blocking(move || {
+        let keepalive = self.config.keepalive;
+        let (info, sleepers) = tokio::task::spawn_blocking(move || {
             registry.with(|s| {
                 let Some(f) = s.function(&n)? else {
                     return Ok(Err(InvokeError::NotFound(format!(
@@ -353,7 +468,37 @@ impl Runtime {
                         "function {n:?} has no function snapshot: deploy it again"
                     ))));
                 };
-                Ok::<_, crate::registry::RegistryError>(Ok(fn_info(&f.spec, &snap.id, &snap.path)))
+                // Hibernated instances, from this daemon or an earlier one.
+                let mut sleepers = Vec::new();
+                for i in s.instances_of(&n)? {
+                    if i.stage.has_process() {
+                        continue;
+                    }
+                    let Some(hib) = i
+                        .snapshot
+                        .as_deref()
+                        .map(|id| s.snapshot(id))
+                        .transpose()?
+                        .flatten()
+                    else {
+                        continue;
+                    };
+                    let idle_ms = u64::try_from(now_ms().saturating_sub(i.last_used)).unwrap_or(0);
+                    let idle_since = Instant::now()
+                        .checked_sub(Duration::from_millis(idle_ms))
+                        .unwrap_or_else(Instant::now);
+                    sleepers.push(Sleeper {
+                        id: i.id,
+                        snapshot_id: hib.id,
+                        snapshot_dir: hib.path,
+                        keep: Keep::new(i.stage, idle_since),
+                    });
+                }
+                sleepers.sort_by_key(|s| s.keep.idle_since);
+                Ok::<_, crate::registry::RegistryError>(Ok((
+                    fn_info(&f.spec, &snap.id, &snap.path, &keepalive),
+                    sleepers,
+                )))
             })
         })
         .await
@@ -367,6 +512,7 @@ impl Runtime {
                     info,
                     generation: 0,
                     instances: Vec::new(),
+                    sleepers,
                     starting: 0,
                     queued: 0,
                     closed: false,
@@ -517,7 +663,7 @@ impl Runtime {
             let notified = pool.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let start_from = {
+            let next = {
                 let mut st = lock(&pool.state);
                 if st.closed {
                     return Err(InvokeError::NotFound(format!(
@@ -527,27 +673,38 @@ impl Runtime {
                 }
                 let generation = st.generation;
                 let per = st.info.per_instance;
+                // Warm before gpu_released; among equals, the least loaded.
                 let idle = st
                     .instances
                     .iter_mut()
                     .filter(|(i, _)| !i.is_dead() && i.generation == generation)
-                    .filter(|(_, n)| *n < per)
-                    .min_by_key(|(_, n)| *n);
+                    .filter(|(i, n)| *n < per && !lock(&i.keep).busy)
+                    .min_by_key(|(i, n)| (lock(&i.keep).stage != Stage::Warm, *n));
                 if let Some((inst, n)) = idle {
                     *n += 1;
+                    let released = {
+                        let mut k = lock(&inst.keep);
+                        let released = k.stage == Stage::GpuReleased;
+                        k.busy |= released;
+                        released
+                    };
                     let lease = Lease {
                         pool: Arc::clone(pool),
                         instance: Arc::clone(inst),
                         runtime: Arc::clone(self),
                     };
-                    drop(st);
-                    drop(slot);
-                    let timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
-                    return Ok((lease, start::WARM, timings));
-                }
-                if st.instances.len() + st.starting < st.info.max_instances {
+                    Next::Warm(lease, released)
+                } else if let Some(ix) = st.sleepers.iter().rposition(|s| !s.keep.busy) {
+                    // Every instance counts towards max_instances, in every stage: waking a
+                    // hibernated one comes before restoring a new one.
+                    let sleeper = st.sleepers.remove(ix);
                     st.starting += 1;
-                    Some((st.info.clone(), st.generation))
+                    Next::Start(Box::new((st.info.clone(), st.generation, Some(sleeper))))
+                } else if st.instances.len() + st.starting + st.sleepers.len()
+                    < st.info.max_instances
+                {
+                    st.starting += 1;
+                    Next::Start(Box::new((st.info.clone(), st.generation, None)))
                 } else {
                     if slot.is_none() {
                         if st.queued >= limits.length {
@@ -568,20 +725,42 @@ impl Runtime {
                             metrics: &self.metrics,
                         });
                     }
-                    None
+                    Next::Wait
                 }
             };
-            if let Some((info, generation)) = start_from {
+            if let Next::Warm(lease, released) = next {
+                drop(slot);
+                let mut timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
+                if released {
+                    let inst = Arc::clone(&lease.instance);
+                    match self.gpu_resume(&inst, false).await {
+                        Ok(s) => timings.push(("gpu_resume".to_string(), s)),
+                        Err(e) => {
+                            let why = format!("resuming its GPU failed: {e}");
+                            self.remove_instance(&inst, &why, true);
+                            return Err(InvokeError::Internal(format!(
+                                "cannot resume the GPU of instance {} of {:?}: {e}; the \
+                                 instance was removed and the next request starts a new one",
+                                inst.id, pool.name
+                            )));
+                        }
+                    }
+                }
+                return Ok((lease, start::WARM, timings));
+            }
+            if let Next::Start(start) = next {
+                let (info, generation, sleeper) = *start;
                 drop(slot);
                 let queue_s = t0.elapsed().as_secs_f64();
-                let (inst, mut timings) = self.start_in_task(pool, info, generation).await?;
+                let (inst, mut timings, kind) =
+                    self.start_in_task(pool, info, generation, sleeper).await?;
                 timings.insert(0, ("queue".to_string(), queue_s));
                 let lease = Lease {
                     pool: Arc::clone(pool),
                     instance: inst,
                     runtime: Arc::clone(self),
                 };
-                return Ok((lease, start::RESTORED, timings));
+                return Ok((lease, kind, timings));
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 let retry = limits.timeout.as_secs().clamp(1, 60);
@@ -606,7 +785,8 @@ impl Runtime {
         pool: &Arc<Pool>,
         info: FnInfo,
         generation: u64,
-    ) -> Result<(Arc<Instance>, Timings), InvokeError> {
+        sleeper: Option<Sleeper>,
+    ) -> Result<(Arc<Instance>, Timings, &'static str), InvokeError> {
         let (tx, rx) = oneshot::channel();
         let rt = Arc::clone(self);
         let pool2 = Arc::clone(pool);
@@ -615,25 +795,39 @@ impl Runtime {
                 pool: Arc::clone(&pool2),
                 armed: true,
             };
-            let started = rt.start_instance(&pool2.name, &info, generation).await;
+            let mut sleeper = sleeper;
+            if let Some(s) = sleeper.as_mut() {
+                rt.account(&pool2.name, &mut s.keep, 0);
+            }
+            let mut started = rt
+                .start_instance(&pool2.name, &info, generation, sleeper.as_ref())
+                .await;
+            if let (Err(e), Some(s)) = (&started, &sleeper) {
+                tracing::warn!(function = %pool2.name, instance = %s.id, error = %e, "cannot wake the hibernated instance; discarding it and restoring the function snapshot");
+                rt.discard_sleeper(s.id.clone(), s.snapshot_id.clone(), s.snapshot_dir.clone())
+                    .await;
+                started = rt
+                    .start_instance(&pool2.name, &info, generation, None)
+                    .await;
+            }
             guard.armed = false;
             let mut st = lock(&pool2.state);
             st.starting -= 1;
             let out = match started {
-                Ok((inst, _)) if st.closed => {
+                Ok((inst, _, _)) if st.closed => {
                     drop(st);
                     rt.remove_instance_of(&pool2, &inst, "stopped: its function was deleted", true);
                     st = lock(&pool2.state);
                     Err(format!("function {:?} was deleted", pool2.name))
                 }
-                Ok((inst, timings)) => {
+                Ok((inst, timings, kind)) => {
                     st.instances.push((Arc::clone(&inst), 1));
-                    Ok((inst, timings))
+                    Ok((inst, timings, kind))
                 }
                 Err(e) => Err(e),
             };
             drop(st);
-            if let Err(Ok((inst, _))) = tx.send(out) {
+            if let Err(Ok((inst, _, _))) = tx.send(out) {
                 // The request went away: the instance is idle.
                 if let Some(slot) = lock(&pool2.state)
                     .instances
@@ -641,6 +835,7 @@ impl Runtime {
                     .find(|(i, _)| Arc::ptr_eq(i, &inst))
                 {
                     slot.1 = 0;
+                    lock(&inst.keep).idle_since = Instant::now();
                 }
             }
             pool2.changed.notify_waiters();
@@ -656,9 +851,25 @@ impl Runtime {
         name: &str,
         info: &FnInfo,
         generation: u64,
-    ) -> Result<(Arc<Instance>, Timings), String> {
+        sleeper: Option<&Sleeper>,
+    ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
+        if sleeper.is_none() && self.config.cold_start == ColdStart::Boot {
+            let t = Instant::now();
+            let fdir = PathBuf::from(info.spec["dir"].as_str().unwrap_or_default());
+            let (init, worker, conn, mut timings) =
+                crate::deploy::boot_function(self, name, &info.spec, &fdir)
+                    .await
+                    .map_err(|e| format!("cannot boot an instance of {name:?}: {e}"))?;
+            timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
+            let inst = self
+                .adopt(name, info, generation, None, init, worker, conn)
+                .await?;
+            tracing::info!(function = name, instance = %inst.id, pid = init, boot_ms = t.elapsed().as_secs_f64() * 1e3, "instance booted");
+            return Ok((inst, timings, start::BOOTED));
+        }
         let t = Instant::now();
-        let (init, worker) = restore(&info.snapshot_dir, &self.logs_dir())
+        let from = sleeper.map_or(&info.snapshot_dir, |s| &s.snapshot_dir);
+        let (init, worker) = restore(from, &self.logs_dir())
             .await
             .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
         let restore_s = t.elapsed().as_secs_f64();
@@ -669,7 +880,7 @@ impl Runtime {
                 kill_tree(init);
                 return Err(format!(
                     "an instance of {name:?} restored from {} did not reconnect: {e}",
-                    info.snapshot_dir.display()
+                    from.display()
                 ));
             }
         };
@@ -678,15 +889,42 @@ impl Runtime {
             return Err(format!(
                 "an instance restored from {} says it serves {:?} (role {}), not {name:?}: the \
                  snapshot is not this function's; deploy it again",
-                info.snapshot_dir.display(),
+                from.display(),
                 conn.hello.function,
                 conn.hello.role
             ));
         }
         let reconnect_s = t.elapsed().as_secs_f64();
+        let inst = self
+            .adopt(name, info, generation, sleeper, init, worker, conn)
+            .await?;
+        tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
+        Ok((
+            inst,
+            vec![
+                ("restore".to_string(), restore_s),
+                ("reconnect".to_string(), reconnect_s),
+                ("start".to_string(), restore_s + reconnect_s),
+            ],
+            start::RESTORED,
+        ))
+    }
+
+    /// Makes a connected worker an instance of the pool: records it, starts its reader.
+    #[allow(clippy::too_many_arguments)]
+    async fn adopt(
+        self: &Arc<Self>,
+        name: &str,
+        info: &FnInfo,
+        generation: u64,
+        sleeper: Option<&Sleeper>,
+        init: i32,
+        worker: i32,
+        conn: WorkerConn,
+    ) -> Result<Arc<Instance>, String> {
         let now = now_ms();
         let inst = Arc::new(Instance {
-            id: format!("{name}-{now}-{}", self.next()),
+            id: sleeper.map_or_else(|| format!("{name}-{now}-{}", self.next()), |s| s.id.clone()),
             function: name.to_string(),
             init_pid: init,
             worker_pid: worker,
@@ -695,6 +933,10 @@ impl Runtime {
             pending: Mutex::new(HashMap::new()),
             dead: AtomicBool::new(false),
             why_dead: Mutex::new(None),
+            keep: Mutex::new(Keep::new(Stage::Warm, Instant::now())),
+            hibernating: AtomicBool::new(false),
+            quiet_tx: Mutex::new(None),
+            gpu_release_failed: AtomicBool::new(false),
         });
         let row = InstanceRow {
             id: inst.id.clone(),
@@ -706,35 +948,49 @@ impl Runtime {
             last_used: now,
         };
         let registry = Arc::clone(&self.registry);
-        let inserted =
-            tokio::task::spawn_blocking(move || registry.with(|s| s.insert_instance(&row)))
-                .await
-                .map_err(|e| e.to_string())
-                .and_then(|r| r.map_err(|e| e.to_string()));
-        if let Err(e) = inserted {
+        let woken = sleeper.map(|s| s.snapshot_id.clone());
+        let recorded = tokio::task::spawn_blocking(move || match woken {
+            // A woken instance keeps its row; its hibernation snapshot has served.
+            Some(hib) => registry.transaction(|s| {
+                s.set_instance_stage(&row.id, Stage::Warm, Some(init), row.snapshot.as_deref())?;
+                s.touch_instance(&row.id, now)?;
+                s.delete_snapshot(&hib)?;
+                Ok::<_, crate::registry::RegistryError>(())
+            }),
+            None => registry.with(|s| s.insert_instance(&row)),
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r.map_err(|e| e.to_string()));
+        if let Err(e) = recorded {
             kill_tree(init);
             return Err(format!("cannot record the new instance of {name:?}: {e}"));
         }
-        tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
+        if let Some(s) = sleeper {
+            let dir = s.snapshot_dir.clone();
+            tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
+        }
         let rt = Arc::clone(self);
         let reader_inst = Arc::clone(&inst);
         tokio::spawn(async move { rt.read_results(reader_inst, conn.rd).await });
-        Ok((
-            inst,
-            vec![
-                ("restore".to_string(), restore_s),
-                ("reconnect".to_string(), reconnect_s),
-                ("start".to_string(), restore_s + reconnect_s),
-            ],
-        ))
+        Ok(inst)
     }
 
     /// Hands each `result` to its request; anything else, or the end, removes the instance.
     async fn read_results(self: Arc<Self>, inst: Arc<Instance>, mut rd: OwnedReadHalf) {
+        let mut quiet = false;
         let why = loop {
             match frames::read(&mut rd).await {
                 Ok(Some(msg)) => {
-                    if msg.get("type").and_then(Value::as_str) != Some("result") {
+                    let kind = msg.get("type").and_then(Value::as_str);
+                    if kind == Some("quiet") && inst.hibernating.load(Ordering::SeqCst) && !quiet {
+                        quiet = true;
+                        continue;
+                    }
+                    if quiet {
+                        break "it broke the protocol (sent a frame after quiet)".to_string();
+                    }
+                    if kind != Some("result") {
                         break format!(
                             "it broke the protocol (sent a {} frame while serving requests)",
                             msg.get("type").unwrap_or(&Value::Null)
@@ -752,6 +1008,14 @@ impl Runtime {
                             tracing::debug!(instance = %inst.id, id, "result for a request that was given up")
                         }
                     }
+                }
+                Ok(None) if quiet => {
+                    let tx = lock(&inst.quiet_tx).take();
+                    // Quiet and closed: the hibernation goes on with the snapshot.
+                    if tx.is_some_and(|tx| tx.send(()).is_ok()) {
+                        return;
+                    }
+                    break "it closed its connection after quiet".to_string();
                 }
                 Ok(None) => {
                     break "its connection closed (the worker exited or crashed)".to_string()
@@ -794,6 +1058,7 @@ impl Runtime {
         *lock(&inst.why_dead) = Some(why.to_string());
         // Dropping the senders fails every request still waiting on this instance.
         lock(&inst.pending).clear();
+        lock(&inst.quiet_tx).take();
         if kill {
             kill_tree(inst.init_pid);
         }
@@ -803,7 +1068,7 @@ impl Runtime {
                 .retain(|(i, _)| !Arc::ptr_eq(i, inst));
             pool.changed.notify_waiters();
         }
-        if why.starts_with("retired") {
+        if why.starts_with("retired") || why.starts_with("stopped: idle") {
             tracing::info!(instance = %inst.id, function = %inst.function, "instance removed: {why}");
         } else {
             tracing::warn!(instance = %inst.id, function = %inst.function, pid = inst.worker_pid, "instance removed: {why}");
@@ -818,9 +1083,37 @@ impl Runtime {
     }
 }
 
-fn fn_info(spec: &Value, snapshot_id: &str, dir: &Path) -> FnInfo {
+/// The keep-alive delays of a spec: its `[keepalive]`, each key defaulting to the daemon's.
+pub fn keepalive_of(spec: &Value, default: &Keepalive) -> Keepalive {
+    let secs = |key: &str, d: Duration| {
+        spec.pointer(&format!("/keepalive/{key}"))
+            .and_then(Value::as_f64)
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .map_or(d, Duration::from_secs_f64)
+    };
+    Keepalive {
+        gpu_release: secs("gpu_release_s", default.gpu_release),
+        hibernate: secs("hibernate_s", default.hibernate),
+        evict: secs("evict_s", default.evict),
+    }
+}
+
+/// Removes a snapshot directory the daemon wrote (a hibernation), logging a failure.
+pub(crate) fn remove_snapshot_dir(dir: &Path) {
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(path = %dir.display(), error = %e, "cannot remove a hibernation snapshot");
+        }
+    }
+}
+
+fn fn_info(spec: &Value, snapshot_id: &str, dir: &Path, keepalive: &Keepalive) -> FnInfo {
     let num = |v: Option<&Value>, default: f64| v.and_then(Value::as_f64).unwrap_or(default);
     FnInfo {
+        keepalive: keepalive_of(spec, keepalive),
+        gpu: num(spec.get("gpus"), 0.0) >= 1.0,
+        gpu_bytes: num(spec.get("gpu_memory"), 0.0).max(0.0) as u64,
+        spec: Arc::new(spec.clone()),
         snapshot_dir: dir.to_path_buf(),
         snapshot_id: snapshot_id.to_string(),
         timeout: Duration::from_secs_f64(num(spec.get("timeout_s"), 30.0).max(0.001)),

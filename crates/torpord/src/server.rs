@@ -84,6 +84,7 @@ impl Daemon {
         for name in registry.with(|s| s.fail_interrupted_deploys(now_ms()))? {
             tracing::warn!(function = %name, "deploy was interrupted by a daemon stop; marked failed");
         }
+        clean_up_instances(&registry, state_dir.root())?;
         let metrics = Arc::new(Metrics::new()?);
         let unix = socket::bind(&config.socket)?;
         let workers = socket::bind(&state_dir.workers_socket())?;
@@ -159,6 +160,11 @@ impl Daemon {
                 source,
             })?;
         let hub_task = tokio::spawn(Arc::clone(&runtime.hub).serve(workers_listener));
+        let keepalive_task = runtime.spawn_keepalive();
+        {
+            let rt = Arc::clone(&runtime);
+            tokio::spawn(async move { rt.take_up_hibernated().await });
+        }
         let state = Arc::new(AppState {
             runtime,
             config: self.config.clone(),
@@ -256,6 +262,7 @@ impl Daemon {
             servers.abort_all();
         }
         hub_task.abort();
+        keepalive_task.abort();
         let runtime = Arc::clone(&state.runtime);
         let _ = tokio::task::spawn_blocking(move || runtime.shutdown()).await;
         // The socket file goes with `self.unix`, the state directory lock with `self.state_dir`.
@@ -263,6 +270,58 @@ impl Daemon {
         tracing::info!("torpord stopped");
         result
     }
+}
+
+/// At startup: instances a previous daemon left. A worker exits once its daemon's connection
+/// closes, so no process survives to be re-adopted; a leftover one (still alive, its command
+/// line naming this state directory, so it is ours and not a reused pid) is killed, and the rows
+/// of live stages are removed. Hibernated and evicted instances need no process: their rows and
+/// snapshots stay, and their function's pool takes them up again.
+fn clean_up_instances(
+    registry: &Registry,
+    state_root: &std::path::Path,
+) -> Result<(), RegistryError> {
+    let stale: Vec<_> = registry
+        .with(|s| s.instances())?
+        .into_iter()
+        .filter(|i| i.stage.has_process())
+        .collect();
+    let root = state_root.as_os_str().as_encoded_bytes();
+    for i in &stale {
+        if let Some(pid) = i.pid.filter(|p| *p > 1) {
+            let ours = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(root.len().max(1)).any(|w| w == root));
+            if ours && crate::workers::alive(pid) {
+                crate::runtime::kill_tree(pid);
+                tracing::warn!(instance = %i.id, pid, "killed an instance left by an earlier torpord");
+            }
+        }
+        registry.with(|s| s.delete_instance(&i.id))?;
+    }
+    if !stale.is_empty() {
+        tracing::info!(
+            instances = stale.len(),
+            "removed the live instances of an earlier torpord"
+        );
+    }
+    // Hibernation snapshots no row refers to: a daemon killed between waking an instance (its
+    // row no longer names the snapshot) and removing the directory.
+    let known: std::collections::HashSet<std::path::PathBuf> = registry
+        .with(|s| s.snapshots())?
+        .into_iter()
+        .map(|s| s.path)
+        .collect();
+    if let Ok(entries) = std::fs::read_dir(state_root.join("snapshots")) {
+        for e in entries.flatten() {
+            let path = e.path();
+            let hib = e.file_name().to_string_lossy().starts_with("hib-");
+            if hib && e.file_type().is_ok_and(|t| t.is_dir()) && !known.contains(&path) {
+                crate::runtime::remove_snapshot_dir(&path);
+                tracing::info!(path = %path.display(), "removed a hibernation snapshot no instance refers to");
+            }
+        }
+    }
+    Ok(())
 }
 
 fn flatten(

@@ -326,15 +326,14 @@ fn status_functions_and_delete() {
 }
 
 #[test]
-fn unimplemented_and_unknown_routes_answer_json_errors() {
+fn unknown_functions_and_routes_answer_json_errors() {
     let env = Env::new();
     let d = env.start(&[]);
     let c = d.client();
     let r = c.request("GET", "/v1/functions/f/logs", None).unwrap();
-    assert_eq!(r.status, 501);
+    assert_eq!(r.status, 404);
     assert!(
-        r.error_message()
-            .ends_with("not implemented yet (issue 3 in progress)"),
+        r.error_message().contains("no function named \"f\""),
         "{}",
         r.error_message()
     );

@@ -3,8 +3,10 @@
 pub mod deploy;
 pub mod inspect;
 pub mod invoke;
+pub mod logs;
 pub mod ls;
 pub mod restore;
+pub mod rm;
 pub mod run;
 pub mod serve;
 pub mod snapshot;

@@ -3,8 +3,8 @@
 mod deploy;
 mod functions;
 mod invoke;
+pub mod logs;
 mod metrics;
-mod pending;
 mod status;
 pub mod types;
 
@@ -117,7 +117,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/functions/{name}/invoke",
             axum::routing::post(invoke::invoke),
         )
-        .route("/v1/functions/{name}/logs", get(pending::logs))
+        .route("/v1/functions/{name}/logs", get(logs::get))
         .route("/metrics", get(metrics::get))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)

@@ -1,0 +1,569 @@
+//! Keep-alive in stages (docs/torpord.md, "Keep-alive stages"). An idle instance steps down
+//! warm → gpu_released (only `gpus = 1`: CUDA driver lock + checkpoint in place, the process
+//! kept) → hibernated (quiesced and snapshotted in kill mode to `snapshots/hib-<fn>-<id>-<unix ms>`, the
+//! process gone) → evicted (the hibernation snapshot's pages dropped from the page cache). The
+//! delays are idle times, counted from the end of the instance's last request.
+//!
+//! A ticker checks every [`TICK`]: it starts the due stage changes (each in a task of its own,
+//! with the instance marked busy so that nothing routes to it meanwhile) and adds the time spent
+//! in each stage, and GPU memory·seconds, to the metrics.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::config::ColdStart;
+use crate::deploy::{dir_bytes, CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
+use crate::registry::{now_ms, RegistryError, Snapshot, SnapshotKind, Stage};
+use crate::runtime::{lock, remove_snapshot_dir, FnInfo, Instance, Keep, Pool, Runtime, Sleeper};
+use crate::workers;
+
+/// How often the keep-alive ticker runs.
+pub const TICK: Duration = Duration::from_millis(200);
+
+/// A stage change the ticker decided on.
+enum Step {
+    ReleaseGpu(Arc<Instance>),
+    Hibernate(Arc<Instance>),
+    /// `cold_start = "boot"`: no snapshot to hibernate to; the process is stopped.
+    Stop(Arc<Instance>),
+    Evict(String),
+}
+
+impl Runtime {
+    /// Starts the keep-alive ticker; it runs as long as the runtime.
+    pub fn spawn_keepalive(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let rt = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(TICK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                rt.tick();
+            }
+        })
+    }
+
+    /// The CUDA driver (loaded once).
+    fn cuda(&self) -> Result<Arc<torpor_cuda::CudaDriver>, String> {
+        self.cuda
+            .get_or_init(|| {
+                torpor_cuda::CudaDriver::load().map(Arc::new).map_err(|e| {
+                    format!("cannot load the CUDA driver for GPU release ({e}): install the NVIDIA driver, or set gpus = 0")
+                })
+            })
+            .clone()
+    }
+
+    /// GPU memory per host pid, from NVML, if NVML loads.
+    fn gpu_memory_by_pid(&self) -> Option<std::collections::HashMap<i32, u64>> {
+        let nvml = self
+            .nvml
+            .get_or_init(|| torpor_cuda::Nvml::load().ok())
+            .as_ref()?;
+        let procs = nvml.process_memory().ok()?;
+        let mut out = std::collections::HashMap::new();
+        for p in procs {
+            if let (Ok(pid), Some(bytes)) = (i32::try_from(p.pid), p.used_memory) {
+                *out.entry(pid).or_insert(0) += bytes;
+            }
+        }
+        Some(out)
+    }
+
+    /// Adds the time since the last account to `keep`'s stage, and `gpu_bytes` held over it.
+    pub(crate) fn account(&self, function: &str, keep: &mut Keep, gpu_bytes: u64) {
+        let now = Instant::now();
+        let dt = now.saturating_duration_since(keep.accounted).as_secs_f64();
+        keep.accounted = now;
+        self.metrics
+            .stage_seconds
+            .with_label_values(&[function, keep.stage.as_str()])
+            .inc_by(dt);
+        if gpu_bytes > 0 {
+            self.metrics
+                .gpu_memory_byte_seconds
+                .with_label_values(&[function])
+                .inc_by(gpu_bytes as f64 * dt);
+        }
+    }
+
+    /// Accounts, then moves `keep` to `stage`.
+    fn set_stage(&self, function: &str, info: &FnInfo, keep: &mut Keep, stage: Stage) {
+        let bytes = if info.gpu && keep.stage == Stage::Warm {
+            info.gpu_bytes
+        } else {
+            0
+        };
+        self.account(function, keep, bytes);
+        keep.stage = stage;
+    }
+
+    fn tick(self: &Arc<Self>) {
+        let pools: Vec<Arc<Pool>> = lock(&self.pools).values().cloned().collect();
+        let any_gpu = pools.iter().any(|p| lock(&p.state).info.gpu);
+        let by_pid = if any_gpu {
+            self.gpu_memory_by_pid()
+        } else {
+            None
+        };
+        let mut gpu_total: u64 = 0;
+        let mut steps = Vec::new();
+        for pool in pools {
+            let mut st = lock(&pool.state);
+            if st.closed {
+                continue;
+            }
+            let info = st.info.clone();
+            let generation = st.generation;
+            let k = info.keepalive;
+            for (inst, n) in &st.instances {
+                let mut keep = lock(&inst.keep);
+                let bytes = if info.gpu && keep.stage == Stage::Warm {
+                    by_pid
+                        .as_ref()
+                        .and_then(|m| m.get(&inst.worker_pid).copied())
+                        .unwrap_or(info.gpu_bytes)
+                } else {
+                    0
+                };
+                gpu_total += bytes;
+                self.account(&pool.name, &mut keep, bytes);
+                if *n > 0 || keep.busy || inst.is_dead() || inst.generation != generation {
+                    continue;
+                }
+                let idle = keep.idle_since.elapsed();
+                if idle >= k.hibernate {
+                    keep.busy = true;
+                    let step = if self.config.cold_start == ColdStart::Boot {
+                        Step::Stop(Arc::clone(inst))
+                    } else {
+                        Step::Hibernate(Arc::clone(inst))
+                    };
+                    steps.push((Arc::clone(&pool), step));
+                } else if info.gpu
+                    && keep.stage == Stage::Warm
+                    && idle >= k.gpu_release
+                    && !inst.gpu_release_failed.load(Ordering::SeqCst)
+                {
+                    keep.busy = true;
+                    steps.push((Arc::clone(&pool), Step::ReleaseGpu(Arc::clone(inst))));
+                }
+            }
+            for s in &mut st.sleepers {
+                self.account(&pool.name, &mut s.keep, 0);
+                if !s.keep.busy
+                    && s.keep.stage == Stage::Hibernated
+                    && s.keep.idle_since.elapsed() >= k.evict
+                {
+                    s.keep.busy = true;
+                    steps.push((Arc::clone(&pool), Step::Evict(s.id.clone())));
+                }
+            }
+        }
+        self.metrics
+            .gpu_memory_bytes
+            .set(i64::try_from(gpu_total).unwrap_or(i64::MAX));
+        for (pool, step) in steps {
+            let rt = Arc::clone(self);
+            match step {
+                Step::ReleaseGpu(inst) => {
+                    tokio::spawn(async move { rt.release_gpu(pool, inst).await });
+                }
+                Step::Hibernate(inst) => {
+                    tokio::spawn(async move { rt.hibernate(pool, inst).await });
+                }
+                Step::Stop(inst) => {
+                    // Its stage time was accounted up to now just above.
+                    rt.remove_instance(
+                        &inst,
+                        "stopped: idle past hibernate_s, and cold_start = boot keeps no snapshot",
+                        true,
+                    );
+                }
+                Step::Evict(id) => {
+                    tokio::spawn(async move { rt.evict(pool, id).await });
+                }
+            }
+        }
+    }
+
+    /// Records a stage in the registry (blocking pool).
+    async fn record_stage(
+        &self,
+        id: &str,
+        stage: Stage,
+        pid: Option<i32>,
+        snapshot: Option<String>,
+    ) -> Result<(), String> {
+        let registry = Arc::clone(&self.registry);
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || {
+            registry.with(|s| s.set_instance_stage(&id, stage, pid, snapshot.as_deref()))
+        })
+        .await
+        .map_err(|e| format!("registry task failed: {e}"))?
+        .map_err(|e| e.to_string())
+    }
+
+    /// warm → gpu_released: CUDA driver lock + checkpoint of the worker, in place.
+    async fn release_gpu(self: Arc<Self>, pool: Arc<Pool>, inst: Arc<Instance>) {
+        let pid = inst.worker_pid;
+        let released = match self.cuda() {
+            Ok(cuda) => tokio::task::spawn_blocking(move || {
+                cuda.lock(pid, CUDA_LOCK_TIMEOUT)
+                    .map_err(|e| e.to_string())?;
+                if let Err(e) = cuda.checkpoint(pid) {
+                    let _ = cuda.unlock(pid);
+                    return Err(e.to_string());
+                }
+                Ok(())
+            })
+            .await
+            .map_err(|e| format!("GPU release task failed: {e}"))
+            .and_then(|r| r),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = released {
+            // The instance stays warm; it will hibernate at its time.
+            tracing::warn!(instance = %inst.id, function = %inst.function, error = %e, "cannot release the GPU; the instance stays warm");
+            inst.gpu_release_failed.store(true, Ordering::SeqCst);
+            lock(&inst.keep).busy = false;
+            pool.changed.notify_waiters();
+            return;
+        }
+        let info = lock(&pool.state).info.clone();
+        {
+            let mut k = lock(&inst.keep);
+            self.set_stage(&inst.function, &info, &mut k, Stage::GpuReleased);
+            k.busy = false;
+        }
+        if let Err(e) = self
+            .record_stage(&inst.id, Stage::GpuReleased, Some(inst.init_pid), None)
+            .await
+        {
+            tracing::warn!(instance = %inst.id, error = %e, "cannot record the gpu_released stage");
+        }
+        tracing::info!(instance = %inst.id, function = %inst.function, "GPU released in place");
+        pool.changed.notify_waiters();
+    }
+
+    /// gpu_released → warm: driver restore + unlock. Returns the seconds it took. The instance
+    /// stays busy (not routable) when `stay_busy`, as for a hibernation that goes on.
+    pub(crate) async fn gpu_resume(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+        stay_busy: bool,
+    ) -> Result<f64, String> {
+        let t = Instant::now();
+        let cuda = self.cuda()?;
+        let pid = inst.worker_pid;
+        tokio::task::spawn_blocking(move || {
+            cuda.restore(pid, &[]).map_err(|e| e.to_string())?;
+            cuda.unlock(pid).map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| format!("GPU resume task failed: {e}"))??;
+        let s = t.elapsed().as_secs_f64();
+        let info = lock(&self.pools)
+            .get(&inst.function)
+            .map(|p| lock(&p.state).info.clone());
+        {
+            let mut k = lock(&inst.keep);
+            match &info {
+                Some(info) => self.set_stage(&inst.function, info, &mut k, Stage::Warm),
+                None => k.stage = Stage::Warm,
+            }
+            k.busy = stay_busy;
+        }
+        if let Err(e) = self
+            .record_stage(&inst.id, Stage::Warm, Some(inst.init_pid), None)
+            .await
+        {
+            tracing::warn!(instance = %inst.id, error = %e, "cannot record the warm stage");
+        }
+        Ok(s)
+    }
+
+    /// → hibernated: quiesce, snapshot in kill mode, keep the snapshot as a sleeper.
+    async fn hibernate(self: Arc<Self>, pool: Arc<Pool>, inst: Arc<Instance>) {
+        let out =
+            self.snapshots_dir()
+                .join(format!("hib-{}-{}-{}", inst.function, inst.id, now_ms()));
+        match self.hibernate_inner(&pool, &inst, &out).await {
+            Ok(mut sleeper) => {
+                inst.dead.store(true, Ordering::SeqCst);
+                *lock(&inst.why_dead) = Some("hibernated".to_string());
+                let stale = {
+                    let mut st = lock(&pool.state);
+                    st.instances.retain(|(i, _)| !Arc::ptr_eq(i, &inst));
+                    let stale = st.closed || st.generation != inst.generation;
+                    if !stale {
+                        // Accounted up to where the instance's state was (under the pool lock, as
+                        // the ticker's accounting is).
+                        sleeper.keep.accounted = lock(&inst.keep).accounted;
+                        st.sleepers.push(sleeper);
+                    }
+                    stale
+                };
+                tracing::info!(instance = %inst.id, function = %inst.function, snapshot = %out.display(), "instance hibernated");
+                if stale {
+                    let s = sleeper_of(&inst, &out);
+                    self.discard_sleeper(s.0, s.1, s.2).await;
+                }
+            }
+            Err(e) => {
+                self.remove_instance(&inst, &format!("hibernation failed: {e}"), true);
+                let out2 = out.clone();
+                let _ = tokio::task::spawn_blocking(move || remove_snapshot_dir(&out2)).await;
+            }
+        }
+        pool.changed.notify_waiters();
+    }
+
+    async fn hibernate_inner(
+        self: &Arc<Self>,
+        pool: &Arc<Pool>,
+        inst: &Arc<Instance>,
+        out: &Path,
+    ) -> Result<Sleeper, String> {
+        let info = lock(&pool.state).info.clone();
+        if lock(&inst.keep).stage == Stage::GpuReleased {
+            // The worker must run CUDA to synchronise before quiet.
+            self.gpu_resume(inst, true).await?;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        *lock(&inst.quiet_tx) = Some(tx);
+        inst.hibernating.store(true, Ordering::SeqCst);
+        {
+            let mut wr = inst.writer.lock().await;
+            workers::send(&mut wr, &json!({"type": "quiesce"}))
+                .await
+                .map_err(|e| format!("sending quiesce: {e}"))?;
+        }
+        match tokio::time::timeout(QUIET_TIMEOUT, rx).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(inst.reason()),
+            Err(_) => {
+                return Err(format!(
+                    "no quiet and close within {} s of quiesce",
+                    QUIET_TIMEOUT.as_secs()
+                ))
+            }
+        }
+        let pid = inst.init_pid;
+        let out2 = out.to_path_buf();
+        let log_dir = self.logs_dir();
+        tokio::task::spawn_blocking(move || {
+            torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
+                pid,
+                out: &out2,
+                leave_running: false,
+                lock_timeout: CUDA_LOCK_TIMEOUT,
+                log_dir: &log_dir,
+            })
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| format!("snapshot task failed: {e}"))??;
+        // The instance's own keep-alive state moves on (the ticker goes on accounting it until
+        // the sleeper takes its place, which copies it then).
+        let (idle_since, keep) = {
+            let mut k = lock(&inst.keep);
+            self.set_stage(&inst.function, &info, &mut k, Stage::Hibernated);
+            (k.idle_since, Keep::new(k.stage, k.idle_since))
+        };
+        let idle_ms = now_ms() - i64::try_from(idle_since.elapsed().as_millis()).unwrap_or(0);
+        let hib_id = out
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let row = Snapshot {
+            id: hib_id.clone(),
+            kind: SnapshotKind::Hibernation,
+            path: out.to_path_buf(),
+            function: Some(inst.function.clone()),
+            base_key: None,
+            bytes: dir_bytes(out),
+            created: now_ms(),
+        };
+        let registry = Arc::clone(&self.registry);
+        let id = inst.id.clone();
+        let function = inst.function.clone();
+        let h = hib_id.clone();
+        tokio::task::spawn_blocking(move || {
+            registry.transaction(|s| {
+                let mut row = row;
+                row.base_key = s.function(&function)?.map(|f| f.base_key);
+                s.insert_snapshot(&row)?;
+                s.set_instance_stage(&id, Stage::Hibernated, None, Some(&h))?;
+                s.touch_instance(&id, idle_ms)?;
+                Ok::<_, RegistryError>(())
+            })
+        })
+        .await
+        .map_err(|e| format!("registry task failed: {e}"))?
+        .map_err(|e| format!("cannot record the hibernation: {e}"))?;
+        Ok(Sleeper {
+            id: inst.id.clone(),
+            snapshot_id: hib_id,
+            snapshot_dir: out.to_path_buf(),
+            keep,
+        })
+    }
+
+    /// hibernated → evicted: the snapshot's files leave the page cache.
+    async fn evict(self: Arc<Self>, pool: Arc<Pool>, id: String) {
+        let found = lock(&pool.state)
+            .sleepers
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| (s.snapshot_dir.clone(), s.snapshot_id.clone()));
+        let Some((dir, hib)) = found else {
+            return;
+        };
+        let d = dir.clone();
+        let dropped = tokio::task::spawn_blocking(move || drop_from_page_cache(&d))
+            .await
+            .map_err(|e| format!("eviction task failed: {e}"))
+            .and_then(|r| r);
+        let recorded = match &dropped {
+            Ok(_) => {
+                self.record_stage(&id, Stage::Evicted, None, Some(hib))
+                    .await
+            }
+            Err(e) => Err(e.clone()),
+        };
+        let info = lock(&pool.state).info.clone();
+        let mut st = lock(&pool.state);
+        if let Some(s) = st.sleepers.iter_mut().find(|s| s.id == id) {
+            s.keep.busy = false;
+            match (&dropped, &recorded) {
+                (Ok(files), Ok(())) => {
+                    self.set_stage(&pool.name, &info, &mut s.keep, Stage::Evicted);
+                    tracing::info!(instance = %id, files, snapshot = %dir.display(), "hibernated instance evicted from the page cache");
+                }
+                (_, Err(e)) | (Err(e), _) => {
+                    // Stays hibernated; tried again at the next tick would loop, so count it
+                    // as evicted only once it works: push its idle time back one delay.
+                    s.keep.idle_since = Instant::now();
+                    tracing::warn!(instance = %id, error = %e, "cannot evict the hibernation snapshot");
+                }
+            }
+        }
+        drop(st);
+        pool.changed.notify_waiters();
+    }
+
+    /// Deletes a hibernated instance for good: its row, its snapshot row and directory.
+    pub(crate) async fn discard_sleeper(&self, id: String, snapshot_id: String, dir: PathBuf) {
+        let registry = Arc::clone(&self.registry);
+        let done = tokio::task::spawn_blocking(move || {
+            let r = registry.transaction(|s| {
+                s.delete_instance(&id)?;
+                s.delete_snapshot(&snapshot_id)?;
+                Ok::<_, RegistryError>(())
+            });
+            remove_snapshot_dir(&dir);
+            r
+        })
+        .await;
+        if let Ok(Err(e)) = done {
+            tracing::error!(error = %e, "cannot remove a discarded hibernated instance's rows");
+        }
+    }
+
+    /// After a redeploy: every hibernated instance of `name` (rows, snapshots) goes.
+    pub(crate) fn discard_sleepers_of(self: &Arc<Self>, name: &str) {
+        let registry = Arc::clone(&self.registry);
+        let name = name.to_string();
+        let found = registry.with(|s| {
+            let mut out = Vec::new();
+            for i in s.instances_of(&name)? {
+                if i.stage.has_process() {
+                    continue;
+                }
+                let snap = match &i.snapshot {
+                    Some(id) => s.snapshot(id)?,
+                    None => None,
+                };
+                out.push((i.id, snap));
+            }
+            Ok::<_, RegistryError>(out)
+        });
+        let found = match found {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(function = %name, error = %e, "cannot list the hibernated instances to discard");
+                return;
+            }
+        };
+        for (id, snap) in found {
+            let r = registry.transaction(|s| {
+                s.delete_instance(&id)?;
+                if let Some(snap) = &snap {
+                    s.delete_snapshot(&snap.id)?;
+                }
+                Ok::<_, RegistryError>(())
+            });
+            if let Err(e) = r {
+                tracing::error!(instance = %id, error = %e, "cannot discard a hibernated instance");
+                continue;
+            }
+            if let Some(snap) = snap {
+                remove_snapshot_dir(&snap.path);
+            }
+            tracing::info!(instance = %id, function = %name, "hibernated instance of an older deploy discarded");
+        }
+    }
+}
+
+fn sleeper_of(inst: &Instance, out: &Path) -> (String, String, PathBuf) {
+    let hib = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    (inst.id.clone(), hib, out.to_path_buf())
+}
+
+/// `posix_fadvise(POSIX_FADV_DONTNEED)` on every file under `dir` (after writing back any dirty
+/// pages, which DONTNEED would skip). Returns how many files.
+pub fn drop_from_page_cache(dir: &Path) -> Result<usize, String> {
+    use std::os::fd::AsRawFd;
+    let mut n = 0;
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+    for e in entries {
+        let e = e.map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+        let path = e.path();
+        let meta = e
+            .metadata()
+            .map_err(|err| format!("cannot stat {}: {err}", path.display()))?;
+        if meta.is_dir() {
+            n += drop_from_page_cache(&path)?;
+            continue;
+        }
+        if !meta.is_file() {
+            continue;
+        }
+        let f = std::fs::File::open(&path)
+            .map_err(|err| format!("cannot open {}: {err}", path.display()))?;
+        f.sync_all()
+            .map_err(|err| format!("cannot write back {}: {err}", path.display()))?;
+        // SAFETY: posix_fadvise only advises the kernel about the open descriptor `f`.
+        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if rc != 0 {
+            return Err(format!(
+                "posix_fadvise on {}: {}",
+                path.display(),
+                std::io::Error::from_raw_os_error(rc)
+            ));
+        }
+        n += 1;
+    }
+    Ok(n)
+}
