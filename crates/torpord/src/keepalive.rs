@@ -123,10 +123,14 @@ impl Runtime {
             for (inst, n) in &st.instances {
                 let mut keep = lock(&inst.keep);
                 let bytes = if info.gpu && keep.stage == Stage::Warm {
-                    by_pid
-                        .as_ref()
-                        .and_then(|m| m.get(&inst.worker_pid).copied())
-                        .unwrap_or(info.gpu_bytes)
+                    match by_pid.as_ref() {
+                        // NVML reads what the worker really holds. A pid it does not list holds
+                        // nothing: e.g. a hibernation in progress, past its CUDA checkpoint.
+                        Some(m) => m.get(&inst.worker_pid).copied().unwrap_or(0),
+                        // Without NVML, the spec's estimate, until a hibernation begins.
+                        None if inst.hibernating.load(Ordering::SeqCst) => 0,
+                        None => info.gpu_bytes,
+                    }
                 } else {
                     0
                 };
