@@ -26,6 +26,25 @@ pub(crate) const QUIET_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the snapshot waits for in-flight CUDA work when locking.
 pub(crate) const CUDA_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Snapshots the quiet worker tree rooted at `pid` into `out` in kill mode (the source is gone
+/// afterwards), off the async runtime: `torpor_snapshot::snapshot` blocks for seconds.
+pub(crate) async fn snapshot_and_kill(pid: i32, out: &Path, log_dir: &Path) -> Result<(), String> {
+    let (out, log_dir) = (out.to_path_buf(), log_dir.to_path_buf());
+    tokio::task::spawn_blocking(move || {
+        torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
+            pid,
+            out: &out,
+            leave_running: false,
+            lock_timeout: CUDA_LOCK_TIMEOUT,
+            log_dir: &log_dir,
+        })
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| format!("snapshot task failed: {e}"))?
+}
+
 /// A spec that `python3 -m torpor.spec` accepted.
 #[derive(Debug, Clone)]
 pub struct ValidSpec {
@@ -405,23 +424,9 @@ async fn quiesce_and_snapshot(
     conn.expect_eof(QUIET_TIMEOUT)
         .await
         .map_err(|e| conn_fail(phase, "waiting for the worker to close after quiet", e))?;
-    let pid = init.0.unwrap_or_default();
-    let out = out.to_path_buf();
-    let log_dir = rt.logs_dir();
-    tokio::task::spawn_blocking(move || {
-        torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
-            pid,
-            out: &out,
-            leave_running: false,
-            lock_timeout: CUDA_LOCK_TIMEOUT,
-            log_dir: &log_dir,
-        })
-        .map(|_| ())
-        .map_err(|e| e.to_string())
-    })
-    .await
-    .map_err(|e| fail(phase, format!("snapshot task failed: {e}")))?
-    .map_err(|e| fail(phase, e))?;
+    snapshot_and_kill(init.0.unwrap_or_default(), out, &rt.logs_dir())
+        .await
+        .map_err(|e| fail(phase, e))?;
     // Kill mode: the source is gone.
     init.0 = None;
     Ok(())

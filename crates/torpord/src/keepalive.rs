@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::config::ColdStart;
-use crate::deploy::{dir_bytes, CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
+use crate::deploy::{dir_bytes, snapshot_and_kill, CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
 use crate::registry::{now_ms, RegistryError, Snapshot, SnapshotKind, Stage};
 use crate::runtime::{lock, remove_snapshot_dir, FnInfo, Instance, Keep, Pool, Runtime, Sleeper};
 use crate::workers;
@@ -358,22 +358,7 @@ impl Runtime {
                 ))
             }
         }
-        let pid = inst.init_pid;
-        let out2 = out.to_path_buf();
-        let log_dir = self.logs_dir();
-        tokio::task::spawn_blocking(move || {
-            torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
-                pid,
-                out: &out2,
-                leave_running: false,
-                lock_timeout: CUDA_LOCK_TIMEOUT,
-                log_dir: &log_dir,
-            })
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-        })
-        .await
-        .map_err(|e| format!("snapshot task failed: {e}"))??;
+        snapshot_and_kill(inst.init_pid, out, &self.logs_dir()).await?;
         // The instance's own keep-alive state moves on (the ticker goes on accounting it until
         // the sleeper takes its place, which copies it then).
         let (idle_since, keep) = {
