@@ -3,6 +3,7 @@
 use std::ffi::{c_char, c_int, CStr};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -11,6 +12,7 @@ use crate::error::CudaError;
 use crate::ffi::{self, CuResult};
 use crate::library::{path_from_env, Loaded};
 use crate::uuid::GpuUuid;
+use crate::vmm::{Vmm, VmmApi};
 use crate::{DEFAULT_LIBCUDA, LIBCUDA_ENV};
 
 /// The checkpoint state of a CUDA process (`CUprocessState`).
@@ -87,6 +89,9 @@ struct Api {
 pub struct CudaDriver {
     library: Loaded,
     api: Api,
+    /// The VMM, copy and stream calls, resolved on first use ([`CudaDriver::vmm`]); the error
+    /// is the first missing symbol.
+    vmm: OnceLock<Result<VmmApi, &'static str>>,
 }
 
 const _: () = {
@@ -165,7 +170,11 @@ impl CudaDriver {
                     .ok_or_else(|| checkpoint_fn(GET_RESTORE_THREAD_ID))?,
             }
         };
-        let driver = CudaDriver { library, api };
+        let driver = CudaDriver {
+            library,
+            api,
+            vmm: OnceLock::new(),
+        };
         // SAFETY: cuInit takes flags by value; 0 is the only valid value.
         let code = unsafe { (driver.api.init)(0) };
         if code != ffi::CUDA_SUCCESS {
@@ -192,6 +201,19 @@ impl CudaDriver {
         Ok(version)
     }
 
+    /// The virtual memory management, copy and stream calls. They are looked up on the first call
+    /// (so a driver without them still serves the checkpoint API); a driver that lacks one is
+    /// [`CudaError::VmmApiMissing`].
+    pub fn vmm(&self) -> Result<Vmm<'_>, CudaError> {
+        match self.vmm.get_or_init(|| VmmApi::resolve(&self.library)) {
+            Ok(api) => Ok(Vmm::new(self, api)),
+            Err(symbol) => Err(CudaError::VmmApiMissing {
+                path: self.library.path().clone(),
+                symbol,
+            }),
+        }
+    }
+
     /// The GPUs visible to this process, in ordinal order.
     pub fn devices(&self) -> Result<Vec<GpuDevice>, CudaError> {
         let mut count: c_int = 0;
@@ -201,11 +223,17 @@ impl CudaDriver {
         (0..count).map(|ordinal| self.device(ordinal)).collect()
     }
 
-    fn device(&self, ordinal: c_int) -> Result<GpuDevice, CudaError> {
+    /// The driver's handle of GPU `ordinal`.
+    pub(crate) fn device_handle(&self, ordinal: c_int) -> Result<ffi::CuDevice, CudaError> {
         let mut device: ffi::CuDevice = 0;
         // SAFETY: the out pointer is a valid, writable CUdevice.
         let code = unsafe { (self.api.device_get)(&mut device, ordinal) };
         self.check_call("cuDeviceGet", None, code)?;
+        Ok(device)
+    }
+
+    fn device(&self, ordinal: c_int) -> Result<GpuDevice, CudaError> {
+        let device = self.device_handle(ordinal)?;
 
         let mut name = [0 as c_char; 256];
         // SAFETY: the buffer holds `name.len()` bytes, the length passed.
@@ -337,7 +365,7 @@ impl CudaDriver {
             .into_owned()
     }
 
-    fn check_call(
+    pub(crate) fn check_call(
         &self,
         function: &'static str,
         pid: Option<i32>,

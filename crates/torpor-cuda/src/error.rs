@@ -43,6 +43,14 @@ pub enum CudaError {
     )]
     CheckpointApiMissing { path: PathBuf, symbol: &'static str },
 
+    /// The driver lacks the virtual memory management calls the split path needs.
+    #[error(
+        "the CUDA driver at {} has no {symbol}: it is too old for exportable device memory; \
+         install driver >= 570, or set TORPOR_LIBCUDA to the NVIDIA driver's own library",
+        path.display()
+    )]
+    VmmApiMissing { path: PathBuf, symbol: &'static str },
+
     /// `cuInit(0)` failed.
     #[error("cuInit failed with {name} ({code}) using {}: {}", path.display(), init_hint(*.code))]
     InitFailed {

@@ -123,6 +123,168 @@ pub(crate) type CuCheckpointProcessGetState =
 pub(crate) type CuCheckpointProcessGetRestoreThreadId =
     unsafe extern "C" fn(pid: c_int, tid: *mut c_int) -> CuResult;
 
+// ---- CUDA driver API: virtual memory management, copies, streams ----------------------------
+
+/// `CUdeviceptr` (64-bit platforms).
+pub(crate) type CuDevicePtr = c_ulonglong;
+/// `CUmemGenericAllocationHandle`.
+pub(crate) type CuMemHandle = c_ulonglong;
+/// `CUcontext`.
+pub(crate) type CuContext = *mut c_void;
+/// `CUstream`.
+pub(crate) type CuStream = *mut c_void;
+
+/// `CUmemAllocationType`: `CU_MEM_ALLOCATION_TYPE_PINNED`.
+pub(crate) const CU_MEM_ALLOCATION_TYPE_PINNED: c_int = 0x1;
+/// `CUmemAllocationHandleType`: `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+pub(crate) const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_int = 0x1;
+/// `CUmemLocationType`: `CU_MEM_LOCATION_TYPE_DEVICE`.
+pub(crate) const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 0x1;
+/// `CUmemAccess_flags`.
+pub(crate) const CU_MEM_ACCESS_FLAGS_PROT_READ: c_int = 0x1;
+pub(crate) const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 0x3;
+/// `CUmemAllocationGranularity_flags`.
+pub(crate) const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int = 0x0;
+/// `CU_MEMHOSTALLOC_PORTABLE`: pinned for every context, not only the current one.
+pub(crate) const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x1;
+/// `CU_MEMHOSTREGISTER_PORTABLE`.
+pub(crate) const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 0x1;
+/// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
+pub(crate) const CU_STREAM_NON_BLOCKING: c_uint = 0x1;
+
+/// `CUmemLocation`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct MemLocation {
+    /// `CUmemLocationType`.
+    pub kind: c_int,
+    pub id: c_int,
+}
+
+/// The `allocFlags` member of `CUmemAllocationProp`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct MemAllocFlags {
+    pub compression_type: u8,
+    pub gpu_direct_rdma_capable: u8,
+    pub usage: u16,
+    pub reserved: [u8; 4],
+}
+
+/// `CUmemAllocationProp` (`CUmemAllocationProp_v1`, unchanged through CUDA 13).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct MemAllocationProp {
+    /// `CUmemAllocationType`.
+    pub kind: c_int,
+    /// `CUmemAllocationHandleType`.
+    pub requested_handle_types: c_int,
+    pub location: MemLocation,
+    /// Windows only; must be null elsewhere.
+    pub win32_handle_meta_data: *mut c_void,
+    pub alloc_flags: MemAllocFlags,
+}
+
+/// `CUmemAccessDesc`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct MemAccessDesc {
+    pub location: MemLocation,
+    /// `CUmemAccess_flags`.
+    pub flags: c_int,
+}
+
+const _: () = assert!(size_of::<MemLocation>() == 8);
+const _: () = assert!(size_of::<MemAllocFlags>() == 8);
+const _: () = assert!(size_of::<MemAllocationProp>() == 32);
+const _: () = assert!(offset_of!(MemAllocationProp, requested_handle_types) == 4);
+const _: () = assert!(offset_of!(MemAllocationProp, location) == 8);
+const _: () = assert!(offset_of!(MemAllocationProp, win32_handle_meta_data) == 16);
+const _: () = assert!(offset_of!(MemAllocationProp, alloc_flags) == 24);
+const _: () = assert!(size_of::<MemAccessDesc>() == 12);
+const _: () = assert!(offset_of!(MemAccessDesc, flags) == 8);
+
+pub(crate) type CuDevicePrimaryCtxRetain =
+    unsafe extern "C" fn(ctx: *mut CuContext, device: CuDevice) -> CuResult;
+pub(crate) type CuDevicePrimaryCtxRelease = unsafe extern "C" fn(device: CuDevice) -> CuResult;
+pub(crate) type CuCtxSetCurrent = unsafe extern "C" fn(ctx: CuContext) -> CuResult;
+pub(crate) type CuMemGetAllocationGranularity = unsafe extern "C" fn(
+    granularity: *mut usize,
+    prop: *const MemAllocationProp,
+    option: c_int,
+) -> CuResult;
+pub(crate) type CuMemAddressReserve = unsafe extern "C" fn(
+    ptr: *mut CuDevicePtr,
+    size: usize,
+    alignment: usize,
+    addr: CuDevicePtr,
+    flags: c_ulonglong,
+) -> CuResult;
+pub(crate) type CuMemAddressFree = unsafe extern "C" fn(ptr: CuDevicePtr, size: usize) -> CuResult;
+pub(crate) type CuMemCreate = unsafe extern "C" fn(
+    handle: *mut CuMemHandle,
+    size: usize,
+    prop: *const MemAllocationProp,
+    flags: c_ulonglong,
+) -> CuResult;
+pub(crate) type CuMemRelease = unsafe extern "C" fn(handle: CuMemHandle) -> CuResult;
+pub(crate) type CuMemMap = unsafe extern "C" fn(
+    ptr: CuDevicePtr,
+    size: usize,
+    offset: usize,
+    handle: CuMemHandle,
+    flags: c_ulonglong,
+) -> CuResult;
+pub(crate) type CuMemUnmap = unsafe extern "C" fn(ptr: CuDevicePtr, size: usize) -> CuResult;
+pub(crate) type CuMemSetAccess = unsafe extern "C" fn(
+    ptr: CuDevicePtr,
+    size: usize,
+    desc: *const MemAccessDesc,
+    count: usize,
+) -> CuResult;
+pub(crate) type CuMemExportToShareableHandle = unsafe extern "C" fn(
+    shareable_handle: *mut c_void,
+    handle: CuMemHandle,
+    handle_type: c_int,
+    flags: c_ulonglong,
+) -> CuResult;
+pub(crate) type CuMemImportFromShareableHandle = unsafe extern "C" fn(
+    handle: *mut CuMemHandle,
+    os_handle: *mut c_void,
+    handle_type: c_int,
+) -> CuResult;
+pub(crate) type CuStreamCreate =
+    unsafe extern "C" fn(stream: *mut CuStream, flags: c_uint) -> CuResult;
+pub(crate) type CuStreamSynchronize = unsafe extern "C" fn(stream: CuStream) -> CuResult;
+pub(crate) type CuStreamDestroy = unsafe extern "C" fn(stream: CuStream) -> CuResult;
+pub(crate) type CuMemcpyHtoDAsync = unsafe extern "C" fn(
+    dst: CuDevicePtr,
+    src: *const c_void,
+    bytes: usize,
+    stream: CuStream,
+) -> CuResult;
+pub(crate) type CuMemcpyDtoHAsync = unsafe extern "C" fn(
+    dst: *mut c_void,
+    src: CuDevicePtr,
+    bytes: usize,
+    stream: CuStream,
+) -> CuResult;
+pub(crate) type CuMemcpyDtoDAsync = unsafe extern "C" fn(
+    dst: CuDevicePtr,
+    src: CuDevicePtr,
+    bytes: usize,
+    stream: CuStream,
+) -> CuResult;
+pub(crate) type CuMemsetD8 =
+    unsafe extern "C" fn(dst: CuDevicePtr, value: u8, count: usize) -> CuResult;
+pub(crate) type CuCtxSynchronize = unsafe extern "C" fn() -> CuResult;
+pub(crate) type CuMemHostAlloc =
+    unsafe extern "C" fn(ptr: *mut *mut c_void, bytes: usize, flags: c_uint) -> CuResult;
+pub(crate) type CuMemFreeHost = unsafe extern "C" fn(ptr: *mut c_void) -> CuResult;
+pub(crate) type CuMemHostRegister =
+    unsafe extern "C" fn(ptr: *mut c_void, bytes: usize, flags: c_uint) -> CuResult;
+pub(crate) type CuMemHostUnregister = unsafe extern "C" fn(ptr: *mut c_void) -> CuResult;
+
 // ---- NVML -----------------------------------------------------------------------------------
 
 /// `nvmlReturn_t`.

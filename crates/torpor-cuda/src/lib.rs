@@ -1,4 +1,5 @@
-//! The CUDA driver's process checkpoint API and NVML, loaded at run time.
+//! The CUDA driver's process checkpoint API, its virtual memory management calls ([`Vmm`]) and
+//! NVML, loaded at run time.
 //!
 //! Torpor must build, test and run on machines without a GPU, so nothing here links against the
 //! NVIDIA libraries: [`CudaDriver`] opens `libcuda.so.1` and [`Nvml`] opens `libnvidia-ml.so.1`
@@ -46,6 +47,7 @@ mod ffi;
 mod library;
 mod nvml;
 mod uuid;
+mod vmm;
 
 pub mod fakes;
 
@@ -53,6 +55,7 @@ pub use driver::{CudaDriver, GpuDevice, ProcessState};
 pub use error::CudaError;
 pub use nvml::{GpuProcess, Nvml, NvmlGpu};
 pub use uuid::{GpuUuid, ParseGpuUuidError};
+pub use vmm::{AllocationHandle, MemAccess, PrimaryContext, Stream, Vmm};
 
 /// Environment variable that overrides the path of the CUDA driver library.
 pub const LIBCUDA_ENV: &str = "TORPOR_LIBCUDA";

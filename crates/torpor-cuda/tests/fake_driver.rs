@@ -496,3 +496,37 @@ fn nvml_init_failure_keeps_its_code() {
     }
     assert!(err.to_string().contains("modprobe nvidia"), "{err}");
 }
+
+#[test]
+fn a_driver_without_vmm_still_checkpoints_and_says_what_is_missing() {
+    let _env = Env::new(&[("FAKE_CUDA_PIDS", &PID.to_string())]);
+    let path = fake(Fake::Cuda);
+    let driver = CudaDriver::load_from(&path).unwrap();
+    // The VMM calls are looked up on first use: their absence breaks nothing that loaded.
+    let err = driver
+        .vmm()
+        .err()
+        .expect("the fake driver has no VMM calls");
+    match &err {
+        CudaError::VmmApiMissing { path: p, symbol } => {
+            assert_eq!(p, &path);
+            assert_eq!(*symbol, "cuDevicePrimaryCtxRetain");
+        }
+        other => panic!("expected VmmApiMissing, got {other:?}"),
+    }
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the CUDA driver at {} has no cuDevicePrimaryCtxRetain: it is too old for exportable \
+             device memory; install driver >= 570, or set TORPOR_LIBCUDA to the NVIDIA driver's \
+             own library",
+            path.display()
+        )
+    );
+    // Asking again gives the same answer, and the checkpoint API still works.
+    assert!(matches!(driver.vmm(), Err(CudaError::VmmApiMissing { .. })));
+    assert_eq!(
+        driver.process_state(PID).unwrap(),
+        Some(ProcessState::Running)
+    );
+}
