@@ -9,7 +9,10 @@
  * that does not exist.
  *
  * Built with `cc -shared -fPIC -o libfakecuda.so fake_libcuda.c`; with -DFAKE_CUDA_NO_CHECKPOINT
- * it lacks the cuCheckpoint* functions, like a driver older than 570.
+ * it lacks the cuCheckpoint* functions, like a driver older than 570. With -DFAKE_CUDA_VMM it
+ * also has the virtual memory management, copy and stream calls (see the end of the file), with
+ * "device" memory that is memfd-backed host memory, so torpor-device's cuda backend runs without
+ * a GPU; without it those symbols are absent, as torpor-cuda's loading tests need.
  *
  * Behaviour is read from the environment at each call, so every process that loads it (a CLI run
  * by a test, say) can be steered:
@@ -58,6 +61,7 @@ typedef struct {
 enum {
     CUDA_SUCCESS = 0,
     CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_OPERATING_SYSTEM = 304,
@@ -447,3 +451,340 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
 }
 
 #endif /* FAKE_CUDA_NO_CHECKPOINT */
+
+#ifdef FAKE_CUDA_VMM
+/*
+ * Virtual memory management on host memory. Device addresses are host addresses (as with unified
+ * addressing); physical memory is a memfd; a handle is a pointer to its record. Like the real
+ * driver: a new mapping has no access until cuMemSetAccess; cuMemUnmap keeps the reservation;
+ * copies and memsets to a range that is not mapped with the access they need return
+ * CUDA_ERROR_INVALID_VALUE (the real driver refuses a memset through a read-only mapping so);
+ * structs must carry the documented values and zero reserved fields.
+ *
+ *   FAKE_CUDA_GRANULARITY     allocation granularity in bytes (default 2 MiB, as on an H100).
+ *   FAKE_CUDA_LOG             also gets one line per copy: "<htod|dtoh|dtod> stream=<id> bytes=<n>".
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct {
+    int type;
+    int id;
+} CUmemLocation;
+typedef struct {
+    int type;
+    int requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+typedef struct {
+    CUmemLocation location;
+    int flags;
+} CUmemAccessDesc;
+typedef struct fake_stream {
+    int id;
+} *CUstream;
+typedef void *CUcontext;
+
+struct allocation {
+    int fd;
+    size_t size;
+};
+
+#define MAX_MAPPINGS 1024
+static struct {
+    uintptr_t start;
+    size_t size;
+    int prot; /* PROT_NONE until cuMemSetAccess */
+} mappings[MAX_MAPPINGS];
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int context_token, next_stream_id;
+
+static void vmm_log(const char *op, CUstream stream, size_t bytes) {
+    const char *path = env("FAKE_CUDA_LOG");
+    if (!path)
+        return;
+    char buf[128];
+    int n = snprintf(buf, sizeof buf, "%s stream=%d bytes=%zu\n", op, stream ? stream->id : -1, bytes);
+    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0 || n < 0)
+        return;
+    ssize_t written = write(fd, buf, (size_t)n);
+    (void)written;
+    close(fd);
+}
+
+static size_t granularity(void) { return (size_t)env_long("FAKE_CUDA_GRANULARITY", 2 << 20); }
+
+static int prop_ok(const CUmemAllocationProp *prop) {
+    static const unsigned char zero[8];
+    return prop && prop->type == 1 && prop->requestedHandleTypes == 1 && prop->location.type == 1 &&
+           prop->location.id >= 0 && prop->location.id < device_count() &&
+           !prop->win32HandleMetaData && memcmp(&prop->allocFlags, zero, sizeof zero) == 0;
+}
+
+/* Whether [ptr, ptr+size) lies in one mapping whose protection includes `prot`. */
+static int accessible(CUdeviceptr ptr, size_t size, int prot) {
+    int ok = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_MAPPINGS && !ok; i++)
+        ok = mappings[i].size && ptr >= mappings[i].start &&
+             ptr + size <= mappings[i].start + mappings[i].size && (mappings[i].prot & prot) == prot;
+    pthread_mutex_unlock(&lock);
+    return ok;
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (device < 0 || device >= device_count())
+        return CUDA_ERROR_INVALID_DEVICE;
+    *ctx = &context_token;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
+    return device < 0 || device >= device_count() ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+    return ctx == NULL || ctx == &context_token ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuCtxSynchronize(void) { return CUDA_SUCCESS; }
+
+CUresult cuMemGetAllocationGranularity(size_t *out, const CUmemAllocationProp *prop, int option) {
+    if (!out || !prop_ok(prop) || (option != 0 && option != 1))
+        return CUDA_ERROR_INVALID_VALUE;
+    *out = granularity();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags) {
+    size_t g = granularity();
+    if (!ptr || flags || size == 0 || size % g || (alignment && alignment % g) || addr % g)
+        return CUDA_ERROR_INVALID_VALUE;
+    int common = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    if (addr) {
+        void *p = mmap((void *)(uintptr_t)addr, size, PROT_NONE, common | MAP_FIXED_NOREPLACE, -1, 0);
+        if (p != MAP_FAILED) {
+            *ptr = (uintptr_t)p;
+            return CUDA_SUCCESS;
+        }
+    }
+    /* Anywhere, aligned to the granularity: over-reserve, then trim. */
+    char *p = mmap(NULL, size + g, PROT_NONE, common, -1, 0);
+    if (p == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    uintptr_t start = ((uintptr_t)p + g - 1) / g * g;
+    if (start > (uintptr_t)p)
+        munmap(p, start - (uintptr_t)p);
+    if ((uintptr_t)p + size + g > start + size)
+        munmap((void *)(start + size), (uintptr_t)p + size + g - (start + size));
+    *ptr = start;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    if (!ptr || size % granularity())
+        return CUDA_ERROR_INVALID_VALUE;
+    return munmap((void *)(uintptr_t)ptr, size) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                     const CUmemAllocationProp *prop, unsigned long long flags) {
+    if (!handle || flags || !prop_ok(prop) || size == 0 || size % granularity())
+        return CUDA_ERROR_INVALID_VALUE;
+    int fd = memfd_create("fake-cuda-memory", MFD_CLOEXEC);
+    if (fd < 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)size) != 0) {
+        close(fd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    struct allocation *a = malloc(sizeof *a);
+    a->fd = fd;
+    a->size = size;
+    *handle = (uintptr_t)a;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    struct allocation *a = (struct allocation *)(uintptr_t)handle;
+    if (!a)
+        return CUDA_ERROR_INVALID_VALUE;
+    close(a->fd);
+    free(a);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags) {
+    struct allocation *a = (struct allocation *)(uintptr_t)handle;
+    if (!a || !ptr || offset || flags || size == 0 || size > a->size || size % granularity())
+        return CUDA_ERROR_INVALID_VALUE;
+    if (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, a->fd, 0) == MAP_FAILED)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult result = CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_MAPPINGS; i++) {
+        if (!mappings[i].size) {
+            mappings[i].start = ptr;
+            mappings[i].size = size;
+            mappings[i].prot = PROT_NONE;
+            result = CUDA_SUCCESS;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    CUresult result = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_MAPPINGS; i++) {
+        if (mappings[i].size && mappings[i].start == ptr && mappings[i].size == size) {
+            mappings[i].size = 0;
+            result = CUDA_SUCCESS;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    if (result == CUDA_SUCCESS &&
+        mmap((void *)(uintptr_t)ptr, size, PROT_NONE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED)
+        result = CUDA_ERROR_INVALID_VALUE;
+    return result;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    if (!desc || count != 1 || desc->location.type != 1 || desc->location.id < 0 ||
+        desc->location.id >= device_count())
+        return CUDA_ERROR_INVALID_VALUE;
+    int prot = desc->flags == 3 ? PROT_READ | PROT_WRITE : desc->flags == 1 ? PROT_READ : -1;
+    if (prot < 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult result = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_MAPPINGS; i++) {
+        if (mappings[i].size && mappings[i].start == ptr && mappings[i].size == size &&
+            mprotect((void *)(uintptr_t)ptr, size, prot) == 0) {
+            mappings[i].prot = prot;
+            result = CUDA_SUCCESS;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+
+CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle handle, int type,
+                                      unsigned long long flags) {
+    struct allocation *a = (struct allocation *)(uintptr_t)handle;
+    if (!out || !a || type != 1 || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    int fd = fcntl(a->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    *(int *)out = fd;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *os_handle,
+                                        int type) {
+    int fd = (int)(uintptr_t)os_handle;
+    struct stat st;
+    if (!handle || type != 1 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    struct allocation *a = malloc(sizeof *a);
+    a->fd = own;
+    a->size = (size_t)st.st_size;
+    *handle = (uintptr_t)a;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamCreate(CUstream *stream, unsigned int flags) {
+    if (!stream || flags > 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    *stream = malloc(sizeof **stream);
+    pthread_mutex_lock(&lock);
+    (*stream)->id = next_stream_id++;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(CUstream stream) { return stream ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE; }
+
+CUresult cuStreamDestroy_v2(CUstream stream) {
+    if (!stream)
+        return CUDA_ERROR_INVALID_VALUE;
+    free(stream);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream stream) {
+    if (!src || !accessible(dst, n, PROT_READ | PROT_WRITE))
+        return CUDA_ERROR_INVALID_VALUE;
+    memcpy((void *)(uintptr_t)dst, src, n);
+    vmm_log("htod", stream, n);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream stream) {
+    if (!dst || !accessible(src, n, PROT_READ))
+        return CUDA_ERROR_INVALID_VALUE;
+    memcpy(dst, (const void *)(uintptr_t)src, n);
+    vmm_log("dtoh", stream, n);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
+    if (!accessible(src, n, PROT_READ) || !accessible(dst, n, PROT_READ | PROT_WRITE))
+        return CUDA_ERROR_INVALID_VALUE;
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    vmm_log("dtod", stream, n);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
+    if (!accessible(dst, n, PROT_READ | PROT_WRITE))
+        return CUDA_ERROR_INVALID_VALUE;
+    memset((void *)(uintptr_t)dst, value, n);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemHostAlloc(void **ptr, size_t bytes, unsigned int flags) {
+    if (!ptr || bytes == 0 || flags > 7)
+        return CUDA_ERROR_INVALID_VALUE;
+    *ptr = malloc(bytes);
+    return *ptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult cuMemFreeHost(void *ptr) {
+    free(ptr);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemHostRegister_v2(void *ptr, size_t bytes, unsigned int flags) {
+    return ptr && bytes && flags <= 15 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemHostUnregister(void *ptr) { return ptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE; }
+#endif /* FAKE_CUDA_VMM */

@@ -18,6 +18,9 @@ pub enum Fake {
     Cuda,
     /// `libcuda` of a driver older than 570: no `cuCheckpoint*` functions.
     CudaWithoutCheckpoint,
+    /// `libcuda` with the checkpoint API and the virtual memory management, copy and stream
+    /// calls, on memfd-backed host memory (for `torpor-device`'s cuda backend without a GPU).
+    CudaWithVmm,
     /// `libnvidia-ml` (`fake_nvml.c`).
     Nvml,
 }
@@ -30,13 +33,14 @@ impl Fake {
         match self {
             Fake::Cuda => "libfakecuda.so",
             Fake::CudaWithoutCheckpoint => "libfakecuda-nockpt.so",
+            Fake::CudaWithVmm => "libfakecuda-vmm.so",
             Fake::Nvml => "libfakenvml.so",
         }
     }
 
     fn source(self) -> &'static str {
         match self {
-            Fake::Cuda | Fake::CudaWithoutCheckpoint => FAKE_LIBCUDA_C,
+            Fake::Cuda | Fake::CudaWithoutCheckpoint | Fake::CudaWithVmm => FAKE_LIBCUDA_C,
             Fake::Nvml => FAKE_NVML_C,
         }
     }
@@ -44,6 +48,7 @@ impl Fake {
     fn defines(self) -> &'static [&'static str] {
         match self {
             Fake::CudaWithoutCheckpoint => &["-DFAKE_CUDA_NO_CHECKPOINT"],
+            Fake::CudaWithVmm => &["-DFAKE_CUDA_VMM"],
             Fake::Cuda | Fake::Nvml => &[],
         }
     }

@@ -6,13 +6,11 @@
 
 mod common;
 
-use std::os::fd::OwnedFd;
 use std::process::Command;
 
-use common::{owned_segment, pattern};
+use common::cuda_cases::{self, SMALL_CHUNKS};
 use torpor_cuda::CudaDriver;
 use torpor_device::cuda::{CopyConfig, CudaDevice};
-use torpor_device::{Access, Device, DeviceError};
 
 /// Whether this machine has an NVIDIA GPU, as the repository's GPU tests decide it.
 fn gpu_present() -> bool {
@@ -42,176 +40,45 @@ fn device_or_skip(test: &str, config: CopyConfig) -> Option<CudaDevice> {
 /// (`common::Child`). Run without the child's socket it does nothing.
 #[test]
 fn child_process_entry() {
-    if let Some(conn) = common::child_connection() {
-        let device = CudaDevice::open(0).unwrap_or_else(|e| {
-            eprintln!("child: cannot open GPU 0: {e}");
-            std::process::exit(5)
-        });
-        common::serve_as_child(&device, conn, |at| {
-            let vmm = device.vmm().map_err(|e| e.to_string())?;
-            // SAFETY: `at` is the child's mapping of imported device memory, not host memory.
-            unsafe { vmm.fill(at, 0xee, 1) }.map_err(|e| e.to_string())?;
-            vmm.synchronize().map_err(|e| e.to_string())
-        });
-    }
+    cuda_cases::child_process_entry();
 }
 
 #[test]
 fn a_segment_exported_to_a_child_is_seen_there_with_the_same_bytes() {
-    let Some(device) = device_or_skip(
-        "a_segment_exported_to_a_child_is_seen_there_with_the_same_bytes",
-        CopyConfig::default(),
-    ) else {
-        return;
-    };
-    let len = 2 * device.granularity();
-    common::scenario_export_import_release(&device, None, len);
+    let test = "a_segment_exported_to_a_child_is_seen_there_with_the_same_bytes";
+    if let Some(device) = device_or_skip(test, CopyConfig::default()) {
+        cuda_cases::export_import_release(device);
+    }
 }
 
 #[test]
 fn two_importers_share_one_physical_copy() {
-    let Some(device) = device_or_skip(
-        "two_importers_share_one_physical_copy",
-        CopyConfig::default(),
-    ) else {
-        return;
-    };
-    let len = 2 * device.granularity();
-    common::scenario_two_importers_share_one_copy(&device, None, len);
+    let test = "two_importers_share_one_physical_copy";
+    if let Some(device) = device_or_skip(test, CopyConfig::default()) {
+        cuda_cases::two_importers_share_one_physical_copy(device);
+    }
 }
 
 #[test]
 fn a_write_through_a_read_only_mapping_is_refused_and_changes_nothing() {
-    let Some(device) = device_or_skip(
-        "a_write_through_a_read_only_mapping_is_refused_and_changes_nothing",
-        CopyConfig::default(),
-    ) else {
-        return;
-    };
-    let len = 2 * device.granularity();
-    let (child, at, memory) = common::scenario_sealed_segment(&device, None, len);
-    match child.write_behind_the_device() {
-        Ok(Err(message)) => assert!(
-            message.contains("cuMemsetD8_v2 failed"),
-            "the write was refused, but not by the driver's memset: {message}"
-        ),
-        Ok(Ok(())) => panic!(
-            "the driver let the child write through a mapping set to CU_MEM_ACCESS_FLAGS_PROT_READ"
-        ),
-        Err(status) => panic!("the child died ({status}) writing through its read-only mapping"),
+    let test = "a_write_through_a_read_only_mapping_is_refused_and_changes_nothing";
+    if let Some(device) = device_or_skip(test, CopyConfig::default()) {
+        cuda_cases::a_write_through_a_read_only_mapping_is_refused(device);
     }
-    let mut back = vec![0; len];
-    device.copy_to_host(at, &mut back).unwrap();
-    assert!(
-        back == pattern(len, 20),
-        "the owner's data changed after the refused write"
-    );
-    device.release(at, memory).unwrap();
-    device.free_reservation(at, len).unwrap();
 }
 
 #[test]
 fn copies_are_exact_staged_or_pinned_and_of_any_length() {
-    // Small chunks and three streams, so that a 64 MiB copy goes round the streams many times.
-    let config = CopyConfig {
-        streams: 3,
-        chunk: 1 << 20,
-    };
-    let Some(device) = device_or_skip(
-        "copies_are_exact_staged_or_pinned_and_of_any_length",
-        config,
-    ) else {
-        return;
-    };
-    let len = (64_usize << 20).next_multiple_of(device.granularity());
-    let (at, memory) = owned_segment(&device, None, len, 60);
-
-    // Pageable → device was done by owned_segment; read back staged (pageable) and straight
-    // (pinned).
-    let mut staged = vec![0; len];
-    device.copy_to_host(at, &mut staged).unwrap();
-    assert!(
-        staged == pattern(len, 60),
-        "a staged device→host copy is wrong"
-    );
-    let mut pinned = device.host_buffer(len).unwrap();
-    device.copy_to_host(at, &mut pinned).unwrap();
-    assert!(
-        *pinned == pattern(len, 60)[..],
-        "a pinned device→host copy is wrong"
-    );
-
-    // Pinned → device, at an odd offset and length (not a whole number of chunks).
-    let odd = 5 * (1 << 20) + 12345;
-    pinned[..odd].copy_from_slice(&pattern(odd, 61));
-    device.copy_to_device(at + 4099, &pinned[..odd]).unwrap();
-    let mut expected = pattern(len, 60);
-    expected[4099..4099 + odd].copy_from_slice(&pattern(odd, 61));
-    let mut back = vec![0; len];
-    device.copy_to_host(at, &mut back).unwrap();
-    assert!(
-        back == expected,
-        "a pinned host→device copy at an odd offset is wrong"
-    );
-
-    // Device → device into a second segment.
-    let (second, second_memory) = owned_segment(&device, None, len, 62);
-    device.copy_within_device(at, second, len).unwrap();
-    let mut copied = vec![0; 7777];
-    device
-        .copy_to_host(second + len as u64 - 7777, &mut copied)
-        .unwrap();
-    assert!(
-        copied == expected[len - 7777..],
-        "a device→device copy is wrong"
-    );
-
-    for (at, memory) in [(at, memory), (second, second_memory)] {
-        device.release(at, memory).unwrap();
-        device.free_reservation(at, len).unwrap();
+    let test = "copies_are_exact_staged_or_pinned_and_of_any_length";
+    if let Some(device) = device_or_skip(test, SMALL_CHUNKS) {
+        cuda_cases::copies_are_exact(device);
     }
 }
 
 #[test]
 fn bad_addresses_sizes_and_fds_are_clear_errors() {
-    let Some(device) = device_or_skip(
-        "bad_addresses_sizes_and_fds_are_clear_errors",
-        CopyConfig::default(),
-    ) else {
-        return;
-    };
-    let g = device.granularity();
-    let err = device.create(g + 4096).unwrap_err();
-    assert!(matches!(err, DeviceError::Misaligned { .. }), "{err:?}");
-    let memory = device.create(g).unwrap();
-    let err = device
-        .map(&memory, 0x7000_0000_0000, Access::ReadWrite)
-        .unwrap_err();
-    assert!(matches!(err, DeviceError::NotReserved { .. }), "{err:?}");
-    let err = device
-        .copy_to_host(0x7000_0000_0000, &mut [0; 8])
-        .unwrap_err();
-    assert!(matches!(err, DeviceError::NotMapped { .. }), "{err:?}");
-
-    let (read, _write) = std::io::pipe().unwrap();
-    let err = device.import(OwnedFd::from(read), g).unwrap_err();
-    assert!(
-        matches!(err, DeviceError::NotDeviceMemory { .. }),
-        "{err:?}"
-    );
-    let text = err.to_string();
-    assert!(
-        !text.contains('\n') && text.contains("pass an fd made by Device::export"),
-        "{text}"
-    );
-
-    // A size larger than the exported memory is refused by the driver at map time.
-    let at = device.reserve(2 * g, None).unwrap();
-    let imported = device
-        .import(device.export(&memory).unwrap(), 2 * g)
-        .unwrap();
-    let err = device.map(&imported, at, Access::ReadWrite).unwrap_err();
-    assert!(matches!(err, DeviceError::Cuda(_)), "{err:?}");
-    assert!(err.to_string().contains("cuMemMap failed"), "{err}");
-    device.free_reservation(at, 2 * g).unwrap();
+    let test = "bad_addresses_sizes_and_fds_are_clear_errors";
+    if let Some(device) = device_or_skip(test, CopyConfig::default()) {
+        cuda_cases::bad_addresses_sizes_and_fds(device);
+    }
 }

@@ -9,17 +9,23 @@
 
 #![allow(dead_code)]
 
+pub mod cuda_cases;
+
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use torpor_device::fd_passing::{recv_fd, send_fd};
 use torpor_device::{Access, Device, DeviceError, PhysicalMemory};
 
 pub const CHILD_SOCKET_ENV: &str = "TORPOR_DEVICE_TEST_CHILD_SOCKET";
+
+/// The CUDA driver library the children load (`TORPOR_LIBCUDA`), when the tests chose one.
+pub static CHILD_LIBCUDA: OnceLock<PathBuf> = OnceLock::new();
 
 /// A test pattern: `len` bytes that differ for each `seed` and do not repeat within a page.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -214,7 +220,11 @@ impl Child {
 }
 
 fn spawn_child(socket: &Path) -> std::process::Child {
-    Command::new(std::env::current_exe().unwrap())
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    if let Some(libcuda) = CHILD_LIBCUDA.get() {
+        command.env("TORPOR_LIBCUDA", libcuda);
+    }
+    command
         .args([
             "child_process_entry",
             "--exact",
