@@ -5,8 +5,9 @@
 //! cargo run --release -p torpor-device --example fill_bw -- [cuda|host] [SIZE_MIB] [STREAMS,...] [CHUNK_MIB] [REPEATS]
 //! ```
 //! Defaults: `cuda 1024 1,2,4,8 8 5`. On cuda each stream count is measured from pinned host
-//! memory (`host_buffer`, copied straight) and from pageable memory (staged through pinned
-//! buffers); on host (memfd) the stream count does not apply and one `memcpy` fill is measured.
+//! memory (`host_buffer`, copied straight), from pageable memory (staged through pinned
+//! buffers), and from the pageable memory once pinned in place (`CudaDevice::pin`, whose cost is
+//! reported too); on host (memfd) the stream count does not apply and one `memcpy` fill is measured.
 //! Each figure is the median and the best of REPEATS copies, in GB/s (10^9 bytes per second).
 
 use std::time::Instant;
@@ -108,12 +109,19 @@ fn cuda(args: &Args) -> Result<Value, DeviceError> {
         let d2h_pinned = measure(len, args.repeats, || device.copy_to_host(at, &mut pinned))?;
         let h2d_staged = measure(len, args.repeats, || device.copy_to_device(at, &pageable))?;
         let d2h_staged = measure(len, args.repeats, || device.copy_to_host(at, &mut pageable))?;
+        let start = Instant::now();
+        let region = device.pin(&mut pageable)?;
+        let pin_seconds = start.elapsed().as_secs_f64();
+        let h2d_registered = measure(len, args.repeats, || device.copy_to_device(at, &region))?;
+        drop(region);
         results.push(json!({
             "streams": streams,
             "h2d_pinned": h2d_pinned,
             "d2h_pinned": d2h_pinned,
             "h2d_staged_from_pageable": h2d_staged,
             "d2h_staged_to_pageable": d2h_staged,
+            "pin_in_place_seconds": pin_seconds,
+            "h2d_pinned_in_place": h2d_registered,
         }));
         device.release(at, memory)?;
         device.free_reservation(at, len)?;

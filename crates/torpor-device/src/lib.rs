@@ -27,6 +27,25 @@
 //! the receiver [`import`](Device::import)s it and maps it at addresses it reserved. To release
 //! the memory but keep the addresses, [`release`](Device::release) it (unmap, then drop the
 //! memory handle): the memory is freed once no process maps it or holds a handle or fd to it.
+//!
+//! # Testing
+//!
+//! `tests/host.rs` runs the split-path mechanics on memfd memory with real child processes
+//! (the test binary re-run as a child that imports the segment over a Unix socket).
+//! `tests/cuda.rs` runs the same scenario on GPU 0 wherever `nvidia-smi -L` lists a GPU, and
+//! prints `SKIP` elsewhere; `tests/cuda_fake_driver.rs` runs it on the fake driver of
+//! `tests/fakes/` built with its VMM calls, so the cuda backend's own logic is tested everywhere.
+//! `examples/fill_bw.rs` measures fill bandwidth.
+//!
+//! # Limitations
+//!
+//! - The driver has no seals: on the cuda backend [`Device::seal_read_only`] only stops this
+//!   process mapping the memory writable; importers elsewhere must be told to map it read-only.
+//! - The driver cannot tell an imported allocation's size, so the cuda backend checks it only when
+//!   mapping (a size larger than the memory is refused by `cuMemMap`).
+//! - Copies on one device share one set of streams and staging buffers: concurrent copies run
+//!   one after another.
+//! - Copies stay inside one mapping; a range spanning two adjacent mappings is refused.
 
 pub mod cuda;
 pub mod fd_passing;

@@ -98,6 +98,20 @@ pub fn copies_are_exact(device: CudaDevice) {
         "a pinned host→device copy at an odd offset is wrong"
     );
 
+    // Host memory pinned in place: both directions, straight from and into it.
+    let mut cache = pattern(len, 63);
+    {
+        let mut region = device.pin(&mut cache).unwrap();
+        device.copy_to_device(at, &region).unwrap();
+        region.fill(0);
+        device.copy_to_host(at, &mut region).unwrap();
+    }
+    assert!(
+        cache == pattern(len, 63),
+        "a copy through host memory pinned in place is wrong"
+    );
+    device.copy_to_device(at, &expected).unwrap();
+
     // Device → device into a second segment.
     let (second, second_memory) = owned_segment(&device, None, len, 62);
     device.copy_within_device(at, second, len).unwrap();
