@@ -381,6 +381,22 @@ mod tests {
     }
 
     #[test]
+    fn without_nvml_a_start_is_charged_its_fallback_once_its_process_exists() {
+        let metrics = Arc::new(Metrics::new().unwrap());
+        let starts = Starts::default();
+        let guard = starts.begin("f", 2 * GIB, Arc::clone(&metrics));
+        let t0 = lock(&starts.0)[0].state.lock().unwrap().meter.accounted;
+        assert_eq!(starts.tick(at(t0, 200), None, &metrics), 0);
+        guard.process_started(9);
+        assert_eq!(starts.tick(at(t0, 400), None, &metrics), 2 * GIB);
+        starts.tick(at(t0, 900), None, &metrics);
+        let mut instance = Meter::new(at(t0, 900));
+        guard.finish_into(&mut instance);
+        let charged = sample(&metrics.render().unwrap(), "f", STARTING) / GIB as f64;
+        assert!((charged - 1.0).abs() < 1e-6, "{charged}");
+    }
+
+    #[test]
     fn a_failed_start_is_charged_up_to_its_end_and_leaves_the_list() {
         let metrics = Arc::new(Metrics::new().unwrap());
         let starts = Starts::default();
