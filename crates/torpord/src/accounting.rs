@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, STARTING};
 
 /// The accounting state of one metered instance.
 #[derive(Debug, Clone, Copy)]
@@ -195,9 +195,6 @@ impl Starts {
         held
     }
 }
-
-/// The `stage` label of an instance being started.
-pub const STARTING: &str = crate::metrics::STARTING;
 
 /// A start being metered; see [`Starts::begin`].
 pub struct StartGuard<'a> {
