@@ -30,7 +30,8 @@ says so.
 It writes bench/results/serverless-<device>.json: machine (GPU, driver, kernel, versions, commit),
 settings, and per mode and pattern the trace, p50/p99 latency, counts of starts by kind and of
 statuses, GPU memory·seconds (torpor_gpu_memory_byte_seconds_total for the function over the
-replay, in GiB·s; null when the daemon has no such series) and every request. It prints the table of
+replay, in GiB·s, summed over every stage label, `starting` included; null when the daemon has no
+such series), the same per stage and the instance-seconds per stage, and every request. It prints the table of
 table.py at the end.
 """
 
@@ -497,15 +498,38 @@ def pids_with(text: str) -> list[int]:
     return out
 
 
-def gib_seconds(delta: dict[str, float] | None, function: str) -> float | None:
+STAGE_LABEL = re.compile(r'stage="([^"]*)"')
+
+
+def by_stage(delta: dict[str, float] | None, name: str, scale: float) -> dict[str, float] | None:
+    """The function's `name` series over the replay, per `stage` label (a daemon from before the
+    label existed gives one "all" entry), divided by `scale`; None when it has no such series."""
     if delta is None:
         return None
-    hits = [
-        v
-        for k, v in delta.items()
-        if k.startswith("torpor_gpu_memory_byte_seconds_total{")
-    ]
-    return round(sum(hits) / GIB, 6) if hits else None
+    out: dict[str, float] = {}
+    for k, v in delta.items():
+        if not k.startswith(name + "{"):
+            continue
+        m = STAGE_LABEL.search(k)
+        stage = m.group(1) if m else "all"
+        out[stage] = out.get(stage, 0.0) + v / scale
+    return {k: round(v, 6) for k, v in sorted(out.items())} if out else None
+
+
+def gib_seconds_by_stage(delta: dict[str, float] | None) -> dict[str, float] | None:
+    """GPU memory·seconds per stage (starting, warm, gpu_released, hibernating, ...), in GiB·s."""
+    return by_stage(delta, "torpor_gpu_memory_byte_seconds_total", GIB)
+
+
+def stage_seconds(delta: dict[str, float] | None) -> dict[str, float] | None:
+    """Instance-seconds per stage over the replay."""
+    return by_stage(delta, "torpor_instance_stage_seconds_total", 1.0)
+
+
+def gib_seconds(delta: dict[str, float] | None) -> float | None:
+    """GPU memory·seconds over the replay, all stages (starting included), in GiB·s."""
+    stages = gib_seconds_by_stage(delta)
+    return None if stages is None else round(sum(stages.values()), 6)
 
 
 def compare(a: argparse.Namespace) -> int:
@@ -591,7 +615,9 @@ def compare(a: argparse.Namespace) -> int:
                             "deploy": dep,
                             "replay_wall_s": round(wall, 3),
                             "summary": s,
-                            "gpu_memory_gib_s": gib_seconds(delta, name),
+                            "gpu_memory_gib_s": gib_seconds(delta),
+                            "gpu_memory_gib_s_by_stage": gib_seconds_by_stage(delta),
+                            "stage_seconds": stage_seconds(delta),
                             "metrics_delta": delta,
                             "requests": records,
                         }
@@ -671,7 +697,9 @@ def single(a: argparse.Namespace) -> int:
         "pattern": a.pattern,
         "trace": trace.to_json(),
         "summary": summarise(records),
-        "gpu_memory_gib_s": gib_seconds(delta, a.function),
+        "gpu_memory_gib_s": gib_seconds(delta),
+        "gpu_memory_gib_s_by_stage": gib_seconds_by_stage(delta),
+        "stage_seconds": stage_seconds(delta),
         "metrics_delta": delta,
         "requests": records,
     }

@@ -28,8 +28,14 @@ def starts(s: Json) -> str:
     return ", ".join(parts)
 
 
-def gib_s(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.1f}"
+def gib_s(r: Json) -> str:
+    """The total over every stage, with the part charged while instances were starting (booting
+    or restoring) where the JSON has the per-stage breakdown."""
+    total = r.get("gpu_memory_gib_s")
+    if total is None:
+        return "n/a"
+    starting = (r.get("gpu_memory_gib_s_by_stage") or {}).get("starting")
+    return f"{total:.1f}" + ("" if starting is None else f" ({starting:.1f} starting)")
 
 
 def render(d: Json) -> str:
@@ -71,7 +77,7 @@ def render(d: Json) -> str:
         out.append(
             f"| {r['function']} | {r['pattern']} | {r['mode']} | {s['requests']} | {ms(s['p50_s'])} "
             f"| {ms(s['p99_s'])} | {s['cold_starts']} | {starts(s)} | {ms(s['cold_p50_s'])} "
-            f"| {gib_s(r['gpu_memory_gib_s'])} | {errors}{f' ({bad})' if bad else ''} |"
+            f"| {gib_s(r)} | {errors}{f' ({bad})' if bad else ''} |"
         )
     return "\n".join(out)
 

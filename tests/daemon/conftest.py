@@ -57,9 +57,11 @@ class Answer:
 
 
 class Torpord:
-    def __init__(self, binary: Path, root: Path, *extra: str) -> None:
+    def __init__(self, binary: Path, root: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        """`extra`: more `torpor serve` flags; `env`: more environment for the daemon."""
         self.binary = binary
         self.extra = list(extra)
+        self.env = dict(env or {})
         self.root = root
         self.state = root / "state"
         self.socket = root / "torpord.sock"
@@ -73,7 +75,7 @@ class Torpord:
             [self.binary, "serve", "--config", self.config, "--state-dir", self.state, "--socket", self.socket, *self.extra],
             stdout=subprocess.DEVNULL,
             stderr=open(self.log, "ab"),  # noqa: SIM115 (closed with the process)
-            env={k: v for k, v in os.environ.items() if k != "TORPOR_SOCKET"},
+            env={**{k: v for k, v in os.environ.items() if k != "TORPOR_SOCKET"}, **self.env},
         )
         deadline = time.monotonic() + 20
         while not self.socket.exists():

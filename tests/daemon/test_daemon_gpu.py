@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from typing import Any
@@ -113,4 +114,10 @@ def test_gpu_instance_releases_its_gpu_in_place_then_hibernates(cuda: None, torp
     print("woken from eviction:", cold.timings)
     assert cold.json()["calls"] == 4 and close(cold.json()["y"], want)
     metrics = torpord.request("GET", "/metrics").body.decode()
-    assert 'torpor_gpu_memory_byte_seconds_total{function="gpusleepy"} 0\n' not in metrics
+    charged = {
+        stage: float(v)
+        for stage, v in re.findall(
+            r'^torpor_gpu_memory_byte_seconds_total\{function="gpusleepy",stage="([a-z_]+)"\} (\S+)$', metrics, re.M
+        )
+    }
+    assert charged.get("warm", 0) > 0 and "starting" in charged, charged

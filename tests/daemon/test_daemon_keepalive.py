@@ -64,7 +64,12 @@ def test_an_idle_cpu_instance_hibernates_then_is_evicted_and_wakes_with_its_memo
     assert metric(torpord, "torpor_instances", stage="hibernated") == 1
     assert metric(torpord, "torpor_instance_stage_seconds_total", function="sleepy", stage="warm") >= 1.5
     assert metric(torpord, "torpor_instance_stage_seconds_total", function="sleepy", stage="gpu_released") == 0
-    assert metric(torpord, "torpor_gpu_memory_byte_seconds_total", function="sleepy") == 0
+    for stage in ("starting", "warm", "hibernating", "hibernated"):
+        # No NVML on this machine and a CPU function: nothing to charge in any stage.
+        assert metric(torpord, "torpor_gpu_memory_byte_seconds_total", function="sleepy", stage=stage) == 0
+    # Its restore was metered as starting; its snapshot as hibernating.
+    assert metric(torpord, "torpor_instance_stage_seconds_total", function="sleepy", stage="starting") > 0
+    assert metric(torpord, "torpor_instance_stage_seconds_total", function="sleepy", stage="hibernating") > 0
 
     # Woken from its hibernation snapshot: "restored", and its memory came back with it.
     woken = torpord.invoke("sleepy", {"add": 3})

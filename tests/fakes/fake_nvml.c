@@ -12,6 +12,9 @@
  *   FAKE_NVML_PROCS           comma list of "PID:BYTES" or "PID:BYTES@GPU" (GPU index, default 0):
  *                             the compute processes and their memory; BYTES "-" is "not
  *                             available". Free memory is the total less what they use.
+ *   FAKE_NVML_PROCS_FILE      a file holding such a list, read again at every call (so a test can
+ *                             name processes that start after the caller loaded NVML); it takes
+ *                             the place of FAKE_NVML_PROCS. A missing file lists nothing.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -64,9 +67,25 @@ static int index_of(nvmlDevice_t device) {
     return raw >= 1 && raw <= device_count() ? (int)(raw - 1) : -1;
 }
 
-/* Copies up to `room` processes of FAKE_NVML_PROCS on GPU `gpu` to `out`; returns how many there are. */
+/* The process list: FAKE_NVML_PROCS_FILE's contents (at most 4095 bytes), else FAKE_NVML_PROCS. */
+static const char *process_list(char *buf, size_t size) {
+    const char *path = env("FAKE_NVML_PROCS_FILE");
+    if (!path)
+        return env("FAKE_NVML_PROCS");
+    buf[0] = '\0';
+    FILE *f = fopen(path, "r");
+    if (f) {
+        size_t n = fread(buf, 1, size - 1, f);
+        buf[n] = '\0';
+        fclose(f);
+    }
+    return buf;
+}
+
+/* Copies up to `room` processes of the list on GPU `gpu` to `out`; returns how many there are. */
 static unsigned int for_each_process(int gpu, nvmlProcessInfo_t *out, unsigned int room) {
-    const char *p = env("FAKE_NVML_PROCS");
+    char buf[4096];
+    const char *p = process_list(buf, sizeof buf);
     unsigned int n = 0;
     while (p && *p) {
         char *end;

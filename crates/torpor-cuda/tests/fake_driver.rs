@@ -29,6 +29,7 @@ const VARS: &[&str] = &[
     "FAKE_NVML_DRIVER_VERSION",
     "FAKE_NVML_INIT_RESULT",
     "FAKE_NVML_PROCS",
+    "FAKE_NVML_PROCS_FILE",
     "TORPOR_LIBCUDA",
     "TORPOR_LIBNVML",
 ];
@@ -481,6 +482,27 @@ fn nvml_lists_more_processes_than_its_first_guess() {
     assert_eq!(found.len(), 40);
     assert_eq!(found[39].pid, 40);
     assert_eq!(found[39].used_memory, Some(400));
+}
+
+#[test]
+fn nvml_rereads_its_process_file_at_every_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("procs");
+    let path = file.to_str().unwrap();
+    // The file takes the place of the variable, and a missing file lists nothing.
+    let _env = Env::new(&[("FAKE_NVML_PROCS", "9:9"), ("FAKE_NVML_PROCS_FILE", path)]);
+    let nvml = Nvml::load_from(fake(Fake::Nvml)).unwrap();
+    assert!(nvml.process_memory().unwrap().is_empty());
+    std::fs::write(&file, "100:1000").unwrap();
+    let found: Vec<(u32, Option<u64>)> = nvml
+        .process_memory()
+        .unwrap()
+        .iter()
+        .map(|p| (p.pid, p.used_memory))
+        .collect();
+    assert_eq!(found, [(100, Some(1000))]);
+    std::fs::write(&file, "").unwrap();
+    assert!(nvml.process_memory().unwrap().is_empty());
 }
 
 #[test]

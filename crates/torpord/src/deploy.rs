@@ -289,12 +289,14 @@ fn load_frame(spec: &Value, dir: &Path) -> Value {
 
 /// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker,
 /// sends it `load` and waits for `ready`. Returns (init, worker, connection, timings: `boot`
-/// (launch and connect), `load` (import, setup, warm-up)).
+/// (launch and connect), `load` (import, setup, warm-up)). `charge`, for an instance's start,
+/// learns the worker's tree as soon as it is launched.
 pub(crate) async fn boot_function(
     rt: &Runtime,
     name: &str,
     spec: &Value,
     dir: &Path,
+    charge: Option<&crate::accounting::StartGuard<'_>>,
 ) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), String> {
     let t = Instant::now();
     let python_dir = rt.python_dir.clone()?;
@@ -320,6 +322,9 @@ pub(crate) async fn boot_function(
     .await
     .map_err(|e| format!("launch task failed: {e}"))??;
     let mut guard = TreeGuard(Some(init));
+    if let Some(c) = charge {
+        c.process_started(init);
+    }
     let worker = launcher::worker_pid(init)?;
     let mut conn = rt
         .hub

@@ -6,7 +6,8 @@
 //!
 //! A ticker checks every [`TICK`]: it starts the due stage changes (each in a task of its own,
 //! with the instance marked busy so that nothing routes to it meanwhile) and adds the time spent
-//! in each stage, and GPU memory·seconds, to the metrics.
+//! in each stage, and GPU memory·seconds, to the metrics: for live instances, for instances being
+//! started and for hibernated ones ([`crate::accounting`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -15,10 +16,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use crate::accounting::{self, Meter};
 use crate::config::ColdStart;
 use crate::deploy::{dir_bytes, snapshot_and_kill, CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
+use crate::metrics::HIBERNATING;
 use crate::registry::{now_ms, RegistryError, Snapshot, SnapshotKind, Stage};
-use crate::runtime::{lock, remove_snapshot_dir, FnInfo, Instance, Keep, Pool, Runtime, Sleeper};
+use crate::runtime::{lock, remove_snapshot_dir, Instance, Keep, Pool, Runtime, Sleeper};
 use crate::workers;
 
 /// How often the keep-alive ticker runs.
@@ -74,43 +77,44 @@ impl Runtime {
         Some(out)
     }
 
-    /// Adds the time since the last account to `keep`'s stage, and `gpu_bytes` held over it.
-    pub(crate) fn account(&self, function: &str, keep: &mut Keep, gpu_bytes: u64) {
-        let now = Instant::now();
-        let dt = now.saturating_duration_since(keep.accounted).as_secs_f64();
-        keep.accounted = now;
-        self.metrics
-            .stage_seconds
-            .with_label_values(&[function, keep.stage.as_str()])
-            .inc_by(dt);
-        if gpu_bytes > 0 {
-            self.metrics
-                .gpu_memory_byte_seconds
-                .with_label_values(&[function])
-                .inc_by(gpu_bytes as f64 * dt);
-        }
+    /// Adds the time since the last account to `label` (`keep`'s stage, or hibernating), with
+    /// the GPU memory last read for it; `reading`, where one was taken now, stands from now on.
+    pub(crate) fn account(
+        &self,
+        function: &str,
+        label: &str,
+        keep: &mut Keep,
+        reading: Option<u64>,
+    ) {
+        let charge = keep.meter.close(Instant::now(), reading);
+        self.metrics.add_charge(function, label, charge);
     }
 
-    /// Accounts, then moves `keep` to `stage`.
-    fn set_stage(&self, function: &str, info: &FnInfo, keep: &mut Keep, stage: Stage) {
-        let bytes = if info.gpu && keep.stage == Stage::Warm {
-            info.gpu_bytes
-        } else {
-            0
-        };
-        self.account(function, keep, bytes);
+    /// Accounts `keep`'s stage up to now, then moves it to `stage`. Between ticks nothing is read:
+    /// the interval is charged at the last reading, as the next tick would have charged it.
+    fn set_stage(&self, function: &str, keep: &mut Keep, stage: Stage) {
+        self.account(function, keep.stage.as_str(), keep, None);
         keep.stage = stage;
     }
 
     fn tick(self: &Arc<Self>) {
         let pools: Vec<Arc<Pool>> = lock(&self.pools).values().cloned().collect();
-        let any_gpu = pools.iter().any(|p| lock(&p.state).info.gpu);
-        let by_pid = if any_gpu {
-            self.gpu_memory_by_pid()
-        } else {
+        // NVML's figures, per instance root (live and starting). Every function's processes are
+        // measured, not only `gpus = 1` ones': memory NVML sees is held, whatever the spec says.
+        let by_root = if pools.is_empty() && !self.starts.any() {
             None
+        } else {
+            self.gpu_memory_by_pid().map(|by_pid| {
+                let mut roots: std::collections::HashSet<i32> =
+                    self.starts.roots().into_iter().collect();
+                for p in &pools {
+                    roots.extend(lock(&p.state).instances.iter().map(|(i, _)| i.init_pid));
+                }
+                accounting::memory_by_root(&by_pid, &roots, accounting::parent_pid)
+            })
         };
-        let mut gpu_total: u64 = 0;
+        let now = Instant::now();
+        let mut gpu_total = self.starts.tick(now, by_root.as_ref(), &self.metrics);
         let mut steps = Vec::new();
         for pool in pools {
             let mut st = lock(&pool.state);
@@ -122,20 +126,25 @@ impl Runtime {
             let k = info.keepalive;
             for (inst, n) in &st.instances {
                 let mut keep = lock(&inst.keep);
-                let bytes = if info.gpu && keep.stage == Stage::Warm {
-                    match by_pid.as_ref() {
-                        // NVML reads what the worker really holds. A pid it does not list holds
-                        // nothing: e.g. a hibernation in progress, past its CUDA checkpoint.
-                        Some(m) => m.get(&inst.worker_pid).copied().unwrap_or(0),
-                        // Without NVML, the spec's estimate, until a hibernation begins.
-                        None if inst.hibernating.load(Ordering::SeqCst) => 0,
-                        None => info.gpu_bytes,
-                    }
-                } else {
-                    0
+                let bytes = match by_root.as_ref() {
+                    // NVML reads what the instance's processes really hold. A tree it does not
+                    // list holds nothing: e.g. gpu_released, or a hibernation past its CUDA
+                    // checkpoint.
+                    Some(m) => m.get(&inst.init_pid).copied().unwrap_or(0),
+                    // Without NVML, the spec's estimate while warm, through a hibernation's
+                    // quiesce and snapshot too: when the driver checkpoint frees the memory
+                    // inside the snapshot cannot be seen, so the figure errs high, not low.
+                    None if info.gpu && keep.stage == Stage::Warm => info.gpu_bytes,
+                    None => 0,
                 };
                 gpu_total += bytes;
-                self.account(&pool.name, &mut keep, bytes);
+                let label = if inst.hibernating.load(Ordering::SeqCst) {
+                    HIBERNATING
+                } else {
+                    keep.stage.as_str()
+                };
+                let charge = keep.meter.close(now, Some(bytes));
+                self.metrics.add_charge(&pool.name, label, charge);
                 if *n > 0 || keep.busy || inst.is_dead() || inst.generation != generation {
                     continue;
                 }
@@ -158,7 +167,9 @@ impl Runtime {
                 }
             }
             for s in &mut st.sleepers {
-                self.account(&pool.name, &mut s.keep, 0);
+                let charge = s.keep.meter.close(now, Some(0));
+                self.metrics
+                    .add_charge(&pool.name, s.keep.stage.as_str(), charge);
                 if !s.keep.busy
                     && s.keep.stage == Stage::Hibernated
                     && s.keep.idle_since.elapsed() >= k.evict
@@ -239,10 +250,9 @@ impl Runtime {
             pool.changed.notify_waiters();
             return;
         }
-        let info = lock(&pool.state).info.clone();
         {
             let mut k = lock(&inst.keep);
-            self.set_stage(&inst.function, &info, &mut k, Stage::GpuReleased);
+            self.set_stage(&inst.function, &mut k, Stage::GpuReleased);
             k.busy = false;
         }
         if let Err(e) = self
@@ -272,15 +282,9 @@ impl Runtime {
         .await
         .map_err(|e| format!("GPU resume task failed: {e}"))??;
         let s = t.elapsed().as_secs_f64();
-        let info = lock(&self.pools)
-            .get(&inst.function)
-            .map(|p| lock(&p.state).info.clone());
         {
             let mut k = lock(&inst.keep);
-            match &info {
-                Some(info) => self.set_stage(&inst.function, info, &mut k, Stage::Warm),
-                None => k.stage = Stage::Warm,
-            }
+            self.set_stage(&inst.function, &mut k, Stage::Warm);
             k.busy = stay_busy;
         }
         if let Err(e) = self
@@ -297,7 +301,7 @@ impl Runtime {
         let out =
             self.snapshots_dir()
                 .join(format!("hib-{}-{}-{}", inst.function, inst.id, now_ms()));
-        match self.hibernate_inner(&pool, &inst, &out).await {
+        match self.hibernate_inner(&inst, &out).await {
             Ok(mut sleeper) => {
                 inst.dead.store(true, Ordering::SeqCst);
                 *lock(&inst.why_dead) = Some("hibernated".to_string());
@@ -308,7 +312,10 @@ impl Runtime {
                     if !stale {
                         // Accounted up to where the instance's state was (under the pool lock, as
                         // the ticker's accounting is).
-                        sleeper.keep.accounted = lock(&inst.keep).accounted;
+                        sleeper.keep.meter = Meter {
+                            accounted: lock(&inst.keep).meter.accounted,
+                            gpu_bytes: 0,
+                        };
                         st.sleepers.push(sleeper);
                     }
                     stale
@@ -330,11 +337,9 @@ impl Runtime {
 
     async fn hibernate_inner(
         self: &Arc<Self>,
-        pool: &Arc<Pool>,
         inst: &Arc<Instance>,
         out: &Path,
     ) -> Result<Sleeper, String> {
-        let info = lock(&pool.state).info.clone();
         if lock(&inst.keep).stage == Stage::GpuReleased {
             // The worker must run CUDA to synchronise before quiet.
             self.gpu_resume(inst, true).await?;
@@ -363,7 +368,8 @@ impl Runtime {
         // the sleeper takes its place, which copies it then).
         let (idle_since, keep) = {
             let mut k = lock(&inst.keep);
-            self.set_stage(&inst.function, &info, &mut k, Stage::Hibernated);
+            self.account(&inst.function, HIBERNATING, &mut k, None);
+            k.stage = Stage::Hibernated;
             (k.idle_since, Keep::new(k.stage, k.idle_since))
         };
         let idle_ms = now_ms() - i64::try_from(idle_since.elapsed().as_millis()).unwrap_or(0);
@@ -427,13 +433,12 @@ impl Runtime {
             }
             Err(e) => Err(e.clone()),
         };
-        let info = lock(&pool.state).info.clone();
         let mut st = lock(&pool.state);
         if let Some(s) = st.sleepers.iter_mut().find(|s| s.id == id) {
             s.keep.busy = false;
             match (&dropped, &recorded) {
                 (Ok(files), Ok(())) => {
-                    self.set_stage(&pool.name, &info, &mut s.keep, Stage::Evicted);
+                    self.set_stage(&pool.name, &mut s.keep, Stage::Evicted);
                     tracing::info!(instance = %id, files, snapshot = %dir.display(), "hibernated instance evicted from the page cache");
                 }
                 (_, Err(e)) | (Err(e), _) => {

@@ -8,6 +8,7 @@
 //! snapshots) and [`runtime`] (instances, routing, the queue). [`client`] is the blocking client
 //! the CLI uses.
 
+pub mod accounting;
 pub mod api;
 pub mod auth;
 pub mod client;

@@ -41,6 +41,20 @@ pub mod start {
     pub const ALL: &[&str] = &[WARM, RESTORED, BOOTED];
 }
 
+/// The `stage` label of an instance from the moment its boot or restore begins until it is live
+/// (or its start failed), in the accounting series.
+pub const STARTING: &str = "starting";
+/// The `stage` label of an instance while it is quiesced and snapshotted for hibernation.
+pub const HIBERNATING: &str = "hibernating";
+
+/// Every value of the `stage` label of [`Metrics::stage_seconds`] and
+/// [`Metrics::gpu_memory_byte_seconds`]: starting, each keep-alive stage, hibernating.
+pub fn accounted_stages() -> impl Iterator<Item = &'static str> {
+    std::iter::once(STARTING)
+        .chain(Stage::ALL.iter().map(|s| s.as_str()))
+        .chain(std::iter::once(HIBERNATING))
+}
+
 /// The invoke phases whose series exist from the start for every function; other phases
 /// (deploy's, for instance) appear when first observed.
 pub const INVOKE_PHASES: &[&str] = &["queue", "start", "handler", "total"];
@@ -66,9 +80,11 @@ pub struct Metrics {
     pub gpu_memory_bytes: IntGauge,
     /// `torpor_queue_length{function}`: requests waiting for an instance.
     pub queue_length: IntGaugeVec,
-    /// `torpor_instance_stage_seconds_total{function, stage}`: time instances spent per stage.
+    /// `torpor_instance_stage_seconds_total{function, stage}`: time instances spent per stage
+    /// ([`accounted_stages`]).
     pub stage_seconds: CounterVec,
-    /// `torpor_gpu_memory_byte_seconds_total{function}`: GPU memory held over time.
+    /// `torpor_gpu_memory_byte_seconds_total{function, stage}`: GPU memory held over time, per
+    /// stage ([`accounted_stages`]); the sum over stages is the function's total.
     pub gpu_memory_byte_seconds: CounterVec,
     /// Functions whose series exist, to drop them when the function goes.
     functions: Mutex<BTreeSet<String>>,
@@ -120,16 +136,16 @@ impl Metrics {
         let stage_seconds = CounterVec::new(
             Opts::new(
                 "torpor_instance_stage_seconds_total",
-                "Time instances spent in each keep-alive stage.",
+                "Time instances spent starting, in each keep-alive stage, and hibernating.",
             ),
             &["function", "stage"],
         )?;
         let gpu_memory_byte_seconds = CounterVec::new(
             Opts::new(
                 "torpor_gpu_memory_byte_seconds_total",
-                "GPU memory held by instances, integrated over time.",
+                "GPU memory held by instances, integrated over time, by stage (sum them for the total).",
             ),
-            &["function"],
+            &["function", "stage"],
         )?;
         registry.register(Box::new(invocations.clone()))?;
         registry.register(Box::new(starts.clone()))?;
@@ -181,11 +197,11 @@ impl Metrics {
             self.phase_seconds.with_label_values(&[function, p]);
         }
         self.queue_length.with_label_values(&[function]);
-        for s in Stage::ALL {
-            self.stage_seconds
-                .with_label_values(&[function, s.as_str()]);
+        for s in accounted_stages() {
+            self.stage_seconds.with_label_values(&[function, s]);
+            self.gpu_memory_byte_seconds
+                .with_label_values(&[function, s]);
         }
-        self.gpu_memory_byte_seconds.with_label_values(&[function]);
     }
 
     /// Drops every series of `function`.
@@ -198,14 +214,12 @@ impl Metrics {
             let _ = self.starts.remove_label_values(&[function, k]);
         }
         let _ = self.queue_length.remove_label_values(&[function]);
-        for s in Stage::ALL {
+        for s in accounted_stages() {
+            let _ = self.stage_seconds.remove_label_values(&[function, s]);
             let _ = self
-                .stage_seconds
-                .remove_label_values(&[function, s.as_str()]);
+                .gpu_memory_byte_seconds
+                .remove_label_values(&[function, s]);
         }
-        let _ = self
-            .gpu_memory_byte_seconds
-            .remove_label_values(&[function]);
         let phases = self.phases.lock().unwrap_or_else(|p| p.into_inner());
         for p in phases.iter() {
             let _ = self
@@ -278,6 +292,25 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("phase=\"restore\""), "{text}");
+        for stage in [
+            "starting",
+            "warm",
+            "gpu_released",
+            "hibernating",
+            "hibernated",
+            "evicted",
+        ] {
+            let labels = format!("{{function=\"f\",stage=\"{stage}\"}} 0");
+            for name in [
+                "torpor_instance_stage_seconds_total",
+                "torpor_gpu_memory_byte_seconds_total",
+            ] {
+                assert!(
+                    text.contains(&format!("{name}{labels}")),
+                    "{name}{labels}\n{text}"
+                );
+            }
+        }
 
         m.refresh(&StageCounts::default(), &[]);
         let text = m.render().unwrap();

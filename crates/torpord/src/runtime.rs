@@ -45,6 +45,8 @@ pub struct Runtime {
     pub(crate) cuda: std::sync::OnceLock<Result<Arc<torpor_cuda::CudaDriver>, String>>,
     /// NVML, if it loads, for per-worker GPU memory.
     pub(crate) nvml: std::sync::OnceLock<Option<torpor_cuda::Nvml>>,
+    /// Instances being booted or restored, metered as `starting` (crate::accounting).
+    pub(crate) starts: crate::accounting::Starts,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -83,8 +85,8 @@ pub struct Keep {
     pub stage: Stage,
     /// When it last became idle (no request in flight).
     pub idle_since: Instant,
-    /// Up to when its stage time was added to the metrics.
-    pub accounted: Instant,
+    /// Its stage time and GPU memory, up to when they were added to the metrics.
+    pub meter: crate::accounting::Meter,
     /// A stage change (or a resume) is in progress: not routable, not to be stepped down.
     pub busy: bool,
 }
@@ -94,7 +96,7 @@ impl Keep {
         Self {
             stage,
             idle_since,
-            accounted: Instant::now(),
+            meter: crate::accounting::Meter::new(Instant::now()),
             busy: false,
         }
     }
@@ -298,6 +300,7 @@ impl Runtime {
             next_id: AtomicU64::new(1),
             cuda: std::sync::OnceLock::new(),
             nvml: std::sync::OnceLock::new(),
+            starts: crate::accounting::Starts::default(),
         }
     }
 
@@ -797,18 +800,27 @@ impl Runtime {
             };
             let mut sleeper = sleeper;
             if let Some(s) = sleeper.as_mut() {
-                rt.account(&pool2.name, &mut s.keep, 0);
+                let stage = s.keep.stage.as_str();
+                rt.account(&pool2.name, stage, &mut s.keep, Some(0));
             }
+            let gpu_fallback = if info.gpu { info.gpu_bytes } else { 0 };
+            let charge = rt
+                .starts
+                .begin(&pool2.name, gpu_fallback, Arc::clone(&rt.metrics));
             let mut started = rt
-                .start_instance(&pool2.name, &info, generation, sleeper.as_ref())
+                .start_instance(&pool2.name, &info, generation, sleeper.as_ref(), &charge)
                 .await;
             if let (Err(e), Some(s)) = (&started, &sleeper) {
                 tracing::warn!(function = %pool2.name, instance = %s.id, error = %e, "cannot wake the hibernated instance; discarding it and restoring the function snapshot");
                 rt.discard_sleeper(s.id.clone(), s.snapshot_id.clone(), s.snapshot_dir.clone())
                     .await;
                 started = rt
-                    .start_instance(&pool2.name, &info, generation, None)
+                    .start_instance(&pool2.name, &info, generation, None, &charge)
                     .await;
+            }
+            match &started {
+                Ok((inst, _, _)) => charge.finish_into(&mut lock(&inst.keep).meter),
+                Err(_) => drop(charge),
             }
             guard.armed = false;
             let mut st = lock(&pool2.state);
@@ -852,12 +864,13 @@ impl Runtime {
         info: &FnInfo,
         generation: u64,
         sleeper: Option<&Sleeper>,
+        charge: &crate::accounting::StartGuard<'_>,
     ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
         if sleeper.is_none() && self.config.cold_start == ColdStart::Boot {
             let t = Instant::now();
             let fdir = PathBuf::from(info.spec["dir"].as_str().unwrap_or_default());
             let (init, worker, conn, mut timings) =
-                crate::deploy::boot_function(self, name, &info.spec, &fdir)
+                crate::deploy::boot_function(self, name, &info.spec, &fdir, Some(charge))
                     .await
                     .map_err(|e| format!("cannot boot an instance of {name:?}: {e}"))?;
             timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
@@ -872,6 +885,7 @@ impl Runtime {
         let (init, worker) = restore(from, &self.logs_dir())
             .await
             .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
+        charge.process_started(init);
         let restore_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let conn = match wake(&self.hub, worker, RECONNECT_TIMEOUT).await {

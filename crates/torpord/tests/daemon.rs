@@ -702,6 +702,12 @@ fn metrics_are_prometheus_text_with_every_name() {
         0.0
     );
     assert_eq!(value("torpor_queue_length", "function=\"mlp\""), 0.0);
+    // Per stage, starting and hibernating included; the function's total is their sum.
+    for stage in ["starting", "warm", "hibernating", "evicted"] {
+        let labels = format!("function=\"mlp\",stage=\"{stage}\"");
+        assert_eq!(value("torpor_gpu_memory_byte_seconds_total", &labels), 0.0);
+        assert_eq!(value("torpor_instance_stage_seconds_total", &labels), 0.0);
+    }
 }
 
 #[test]
