@@ -40,6 +40,7 @@ demo: release criu
 gpu-carry: release
 	mkdir -p .gpu
 	cp $(RELEASE_BIN) .gpu/torpor
+	bash scripts/gpu-carry-native.sh
 	git rev-parse HEAD > .gpu/commit
 	git status --porcelain --untracked-files=no > .gpu/dirty
 	bash scripts/provision-criu.sh --download-only .criu-debs

@@ -3,7 +3,10 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|all] [extra pytest args...]
+# native: the Rust tests that need a real GPU and the fill bandwidth example, built here by
+# `make gpu-carry` into .gpu/native/ (the device's cuda backend; the hook), into $OUT/native.log
+# and $OUT/fill_bw.json.
 # examples: deploys examples/resnet152 and examples/gpt2-large on a fresh daemon and invokes each
 # (first invoke restored, second warm), into $OUT/examples.log.
 # Results go under $OUT (the device tool's output folder) or /tmp/torpor-out.
@@ -73,6 +76,20 @@ if [ "$MODE" = serverless ] || [ "$MODE" = all ]; then
     src=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$src
     merge=(--merge)
   done
+fi
+if [ "$MODE" = native ] || [ "$MODE" = all ]; then
+  echo "== native (Rust tests on the real driver, fill bandwidth)"
+  (
+    nrc=0
+    for t in .gpu/native/*-cuda .gpu/native/torpor-hook-*; do
+      [ -x "$t" ] || continue
+      echo "-- $t"; "$t" --test-threads=1 --nocapture || nrc=1
+    done
+    .gpu/native/fill_bw cuda 1024 1,2,4,8 8 5 > "$OUT/fill_bw.json" || nrc=1
+    cat "$OUT/fill_bw.json"
+    exit $nrc
+  ) 2>&1 | tee "$OUT/native.log"
+  nrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$nrc
 fi
 # CRIU's logs of anything that failed, for the post-mortem.
 ls /var/log/torpor/*.log >/dev/null 2>&1 && tail -n 40 /var/log/torpor/dump-*.log /var/log/torpor/restore-*.log > "$OUT/criu-failures.txt" 2>/dev/null
