@@ -8,11 +8,14 @@
 //! - [`Snapshot::open`] reads and validates a manifest (format version rule, safe paths), and
 //!   [`Snapshot::verify`] checks every file against it before a restore.
 //! - [`render_summary`] is what `torpor inspect` prints.
+//! - [`store::ChunkStore`] keeps the contents of snapshots as content-addressed, deduplicated
+//!   chunks shared by all of them.
 
 mod error;
 mod hash;
 mod manifest;
 mod snapshot;
+pub mod store;
 mod summary;
 mod time;
 mod version;
