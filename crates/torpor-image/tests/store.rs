@@ -469,3 +469,35 @@ fn a_full_disk_says_so() {
     assert!(matches!(err, StoreError::NoSpace { .. }), "{err}");
     assert!(err.to_string().contains("no space left"), "{err}");
 }
+
+#[test]
+fn a_chunk_truncated_by_a_crash_is_written_again_and_chunks_are_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let (_dir, store) = store();
+    let data = random(100_000, "crash");
+    let mut writer = store.writer().expect("writer");
+    let first = writer.put_bytes("seg", &data).expect("put");
+    drop(writer); // died before commit
+    let path = store.chunk_path(&first.chunks[0].id);
+    assert_eq!(
+        fs::metadata(&path).expect("chunk").permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(
+        fs::metadata(store.root().join("chunks"))
+            .expect("dir")
+            .permissions()
+            .mode()
+            & 0o777,
+        0o700
+    );
+    // What a power loss before the data reached the disk leaves: the name, no contents.
+    fs::write(&path, b"").expect("truncate");
+    let mut writer = store.writer().expect("writer");
+    let again = writer.put_bytes("seg", &data).expect("put");
+    assert_eq!(writer.stats().new_chunks, 1, "rewritten, not trusted");
+    writer
+        .commit("s", std::slice::from_ref(&again))
+        .expect("commit");
+    assert_eq!(read_back(&store, &again), data);
+}

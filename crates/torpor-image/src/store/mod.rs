@@ -62,6 +62,7 @@ mod usage;
 mod write;
 
 use std::fs;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 pub use chunk::ChunkId;
@@ -98,8 +99,14 @@ impl ChunkStore {
             source,
         };
         let root = std::path::absolute(root).map_err(unusable)?;
+        // 0700: chunks hold process memory (keys, tokens), as readable as the snapshots are.
+        let private = || {
+            let mut builder = fs::DirBuilder::new();
+            builder.recursive(true).mode(0o700);
+            builder
+        };
         for dir in [CHUNKS_DIR, REFS_DIR, TMP_DIR, CORRUPT_DIR] {
-            fs::create_dir_all(root.join(dir)).map_err(unusable)?;
+            private().create(root.join(dir)).map_err(unusable)?;
         }
         // A store we cannot write to fails here, not halfway through a snapshot.
         let probe = root

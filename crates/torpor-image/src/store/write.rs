@@ -2,6 +2,7 @@
 
 use std::collections::HashSet;
 use std::fs::{self, File};
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
@@ -190,13 +191,11 @@ impl StoreWriter<'_> {
             len: data.len() as u64,
         };
         let path = self.store.chunk_path(&id);
-        if let Ok(meta) = fs::symlink_metadata(&path) {
-            if meta.is_file() && meta.len() >= HEADER_LEN as u64 {
-                return Ok(Stored {
-                    chunk,
-                    written: None,
-                });
-            }
+        if already_stored(&path, chunk.len) {
+            return Ok(Stored {
+                chunk,
+                written: None,
+            });
         }
         let bytes = chunk::encode(data, self.store.compression);
         let tmp = self.store.tmp_dir().join(format!(
@@ -205,7 +204,7 @@ impl StoreWriter<'_> {
             std::process::id(),
             TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
         ));
-        fs::write(&tmp, &bytes).map_err(|e| {
+        write_private(&tmp, &bytes).map_err(|e| {
             let _ = fs::remove_file(&tmp);
             io_error("write", &tmp, e)
         })?;
@@ -222,6 +221,29 @@ impl StoreWriter<'_> {
             written: Some(bytes.len() as u64),
         })
     }
+}
+
+/// Whether a chunk file for `raw_len` bytes is at `path` already. Its header is read, not just
+/// its name trusted: a crash before the writer's commit (before syncfs) can leave an empty or
+/// truncated file under the final name, which must be written again rather than referenced.
+fn already_stored(path: &Path, raw_len: u64) -> bool {
+    let mut header = [0u8; HEADER_LEN];
+    File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .and_then(|mut f| f.read_exact(&mut header))
+        .is_ok_and(|()| chunk::raw_len(&header) == Some(raw_len))
+}
+
+/// Writes a new file readable by its owner only (chunks hold process memory).
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut file = File::options()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(bytes)
 }
 
 /// Flushes the filesystem holding `dir` (syncfs(2)).
