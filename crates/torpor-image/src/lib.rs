@@ -28,7 +28,7 @@ pub use manifest::{
     ProcessEntry, SnapshotKind, Source, MANIFEST_FILE, MAX_MANIFEST_BYTES,
 };
 pub use snapshot::{is_restore_artifact, Snapshot, VerifyReport};
-pub use summary::{human_seconds, human_size, render_summary};
+pub use summary::{human_seconds, human_size, render_store_usage, render_summary};
 pub use time::{format_rfc3339_utc, now_rfc3339_utc};
 pub use version::FormatVersion;
 pub use writer::{remove_stale_partials, SnapshotWriter, HASH_TIMING};

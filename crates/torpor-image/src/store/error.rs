@@ -15,6 +15,10 @@ pub enum StoreError {
     #[error("chunk store {root} is unusable ({source}): create that directory on a local filesystem, make it writable by this user, or use another store")]
     Unusable { root: PathBuf, source: io::Error },
 
+    /// `open_existing` of a directory that is not a chunk store.
+    #[error("{root} is not a chunk store (it has no chunks/ and refs/ directories): check the store path")]
+    NotAStore { root: PathBuf },
+
     /// The filesystem is full.
     #[error("no space left to write {path}: free disk space, or release unused snapshots and run the store's gc")]
     NoSpace { path: PathBuf },

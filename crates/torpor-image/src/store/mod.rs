@@ -120,6 +120,26 @@ impl ChunkStore {
         })
     }
 
+    /// Opens an existing store without creating anything: for readers such as `torpor inspect`.
+    pub fn open_existing(root: &Path) -> Result<ChunkStore, StoreError> {
+        let is_store = [CHUNKS_DIR, REFS_DIR]
+            .iter()
+            .all(|d| fs::metadata(root.join(d)).is_ok_and(|m| m.is_dir()));
+        if !is_store {
+            return Err(StoreError::NotAStore {
+                root: root.to_path_buf(),
+            });
+        }
+        let root = std::path::absolute(root).map_err(|source| StoreError::Unusable {
+            root: root.to_path_buf(),
+            source,
+        })?;
+        Ok(ChunkStore {
+            root,
+            compression: Compression::default(),
+        })
+    }
+
     /// The same store, compressing new chunks as `compression` says.
     pub fn with_compression(mut self, compression: Compression) -> ChunkStore {
         self.compression = compression;
@@ -208,6 +228,10 @@ mod tests {
         for sub in [CHUNKS_DIR, REFS_DIR, TMP_DIR, CORRUPT_DIR] {
             assert!(store.root().join(sub).is_dir(), "{sub}");
         }
+        let reopened = ChunkStore::open_existing(store.root()).expect("existing");
+        assert_eq!(reopened.root(), store.root());
+        let err = ChunkStore::open_existing(dir.path()).expect_err("not a store");
+        assert!(matches!(err, StoreError::NotAStore { .. }), "{err}");
         fs::write(dir.path().join("file"), b"").expect("write");
         let err = ChunkStore::open(&dir.path().join("file")).expect_err("file");
         assert!(matches!(err, StoreError::Unusable { .. }), "{err}");

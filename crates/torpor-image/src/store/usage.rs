@@ -8,7 +8,7 @@ use crate::store::records::read_all;
 use crate::store::{check_snapshot_id, ChunkId, ChunkStore};
 
 /// The space one snapshot takes in the store.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Usage {
     pub snapshot: String,
     /// Files and segments.
