@@ -42,6 +42,14 @@
 //! Readers take no lock: the chunks of a committed snapshot stay until it is released, so a
 //! caller must not release a snapshot that is being restored.
 //!
+//! # Durability and permissions
+//!
+//! Chunks are written to `tmp/` and renamed into place; `commit` flushes the filesystem once
+//! (syncfs(2)) before it writes the record, so a committed record never references data that a
+//! power loss can take back. A chunk file that a crash left empty or truncated under its final
+//! name is detected by its header and written again rather than referenced. The store is 0700
+//! and chunks are 0600: they hold process memory.
+//!
 //! # Integrity
 //!
 //! Every chunk read is checked against its id; a corrupt chunk is moved to `corrupt/` and refused
