@@ -99,8 +99,9 @@ impl ChunkStore {
         // through this map, which lives until the end of this block.
         let mut map =
             unsafe { memmap2::MmapMut::map_mut(file) }.map_err(|e| io_error("map", dest, e))?;
-        self.read_into(recipe, &mut map)?;
-        map.flush().map_err(|e| io_error("write", dest, e))
+        // No msync: a materialised file is a working copy (typically in tmpfs for CRIU); the
+        // store holds the durable data, and readers see the pages through the page cache.
+        self.read_into(recipe, &mut map)
     }
 
     /// Reads one chunk into `out`, checking it; a damaged chunk is moved aside.
