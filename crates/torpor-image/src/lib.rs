@@ -8,11 +8,14 @@
 //! - [`Snapshot::open`] reads and validates a manifest (format version rule, safe paths), and
 //!   [`Snapshot::verify`] checks every file against it before a restore.
 //! - [`render_summary`] is what `torpor inspect` prints.
+//! - [`store::ChunkStore`] keeps the contents of snapshots as content-addressed, deduplicated
+//!   chunks shared by all of them.
 
 mod error;
 mod hash;
 mod manifest;
 mod snapshot;
+pub mod store;
 mod summary;
 mod time;
 mod version;
@@ -25,7 +28,7 @@ pub use manifest::{
     ProcessEntry, SnapshotKind, Source, MANIFEST_FILE, MAX_MANIFEST_BYTES,
 };
 pub use snapshot::{is_restore_artifact, Snapshot, VerifyReport};
-pub use summary::{human_seconds, human_size, render_summary};
+pub use summary::{human_seconds, human_size, render_store_usage, render_summary};
 pub use time::{format_rfc3339_utc, now_rfc3339_utc};
 pub use version::FormatVersion;
 pub use writer::{remove_stale_partials, SnapshotWriter, HASH_TIMING};

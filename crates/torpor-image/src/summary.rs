@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use crate::manifest::{Manifest, ProcessEntry};
+use crate::store::Usage;
 
 /// How many of the largest files the summary names.
 const LARGEST_SHOWN: usize = 3;
@@ -127,6 +128,47 @@ fn write_summary(out: &mut String, m: &Manifest, dir: &Path) -> std::fmt::Result
         }
     }
     writeln!(out, "stopped   {}", human_seconds(m.stop_time_s))?;
+    Ok(())
+}
+
+/// The store section of `torpor inspect --store`: what the snapshot takes in the chunk store at
+/// `root` and what it shares with which other snapshot.
+pub fn render_store_usage(usage: &Usage, root: &Path) -> String {
+    let mut out = String::new();
+    let _ = write_store_usage(&mut out, usage, root);
+    out
+}
+
+fn write_store_usage(out: &mut String, u: &Usage, root: &Path) -> std::fmt::Result {
+    writeln!(out, "store     {} (as {})", root.display(), u.snapshot)?;
+    writeln!(
+        out,
+        "  logical {} in {} files and segments, {} after dedup",
+        human_size(u.logical),
+        u.recipes,
+        human_size(u.unique)
+    )?;
+    writeln!(
+        out,
+        "  stored  {}, of which {} held by no other snapshot",
+        human_size(u.stored),
+        human_size(u.exclusive)
+    )?;
+    if u.shared_with.is_empty() {
+        writeln!(out, "  shared  with no other snapshot")?;
+    }
+    let mut shared: Vec<(&String, &u64)> = u.shared_with.iter().collect();
+    shared.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
+    for (other, bytes) in shared {
+        writeln!(out, "  shared  {} with {other}", human_size(*bytes))?;
+    }
+    if u.missing_chunks > 0 {
+        writeln!(
+            out,
+            "  MISSING {} chunks: the store is damaged; re-take this snapshot",
+            u.missing_chunks
+        )?;
+    }
     Ok(())
 }
 
@@ -292,6 +334,39 @@ mod tests {
         for (seconds, expected) in table {
             assert_eq!(human_seconds(seconds), expected, "{seconds}");
         }
+    }
+
+    #[test]
+    fn store_usage_lists_the_largest_sharing_first() {
+        let usage = Usage {
+            snapshot: "fn-resnet".into(),
+            recipes: 21,
+            logical: 40_568_461,
+            unique: 40_000_000,
+            stored: 23_897_855,
+            exclusive: 7_608_032,
+            shared_with: [("base".to_owned(), 29_489_720), ("fn-b".to_owned(), 1_000)]
+                .into_iter()
+                .collect(),
+            missing_chunks: 0,
+        };
+        let text = render_store_usage(&usage, Path::new("/var/lib/torpor/store"));
+        let expected = "\
+store     /var/lib/torpor/store (as fn-resnet)
+  logical 40.6 MB in 21 files and segments, 40.0 MB after dedup
+  stored  23.9 MB, of which 7.61 MB held by no other snapshot
+  shared  29.5 MB with base
+  shared  1.00 kB with fn-b
+";
+        assert_eq!(text, expected);
+        let alone = Usage {
+            shared_with: Default::default(),
+            missing_chunks: 3,
+            ..usage
+        };
+        let text = render_store_usage(&alone, Path::new("s"));
+        assert!(text.contains("shared  with no other snapshot"), "{text}");
+        assert!(text.contains("MISSING 3 chunks"), "{text}");
     }
 
     #[test]

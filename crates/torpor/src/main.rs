@@ -65,9 +65,15 @@ enum Command {
     /// Show what a snapshot holds.
     Inspect {
         dir: PathBuf,
-        /// Print the manifest as JSON.
+        /// Print the manifest as JSON (with --store: {"manifest": ..., "store": ...}).
         #[arg(long)]
         json: bool,
+        /// Also show the snapshot's logical, stored and shared sizes in this chunk store.
+        #[arg(long, value_name = "STORE")]
+        store: Option<PathBuf>,
+        /// The snapshot's id in the store (default: the snapshot directory's name).
+        #[arg(long, value_name = "ID", requires = "store")]
+        store_id: Option<String>,
     },
     /// Check every file of a snapshot against its size and BLAKE3 hash.
     Verify { dir: PathBuf },
@@ -167,7 +173,12 @@ fn main() -> ExitCode {
             gpu,
             verbose,
         } => cmd::restore::run(&dir, detach, gpu.as_deref(), verbose),
-        Command::Inspect { dir, json } => cmd::inspect::run(&dir, json),
+        Command::Inspect {
+            dir,
+            json,
+            store,
+            store_id,
+        } => cmd::inspect::run(&dir, json, store.as_deref(), store_id.as_deref()),
         Command::Verify { dir } => cmd::verify::run(&dir),
         Command::Serve(args) => cmd::serve::run(&args),
         Command::Ls { json, daemon } => cmd::ls::run(&daemon, json),

@@ -1,0 +1,142 @@
+//! Optional zstd compression of chunks.
+//!
+//! Why zstd at level 1: restore speed is what Torpor is for, and zstd decompresses at the same
+//! 1–2 GB/s per core whatever the level, while level 1 is its fastest regular level to compress
+//! (hundreds of MB/s per core, on the snapshot path, chunks in parallel). Higher levels buy a few
+//! percent of space for several times the snapshot time. What compresses here is CRIU's pages
+//! (zero-filled and sparsely used pages, code, Python heaps); device buffers of weights are
+//! mostly incompressible and stay raw.
+//!
+//! The compressed form is kept only when it saves at least 1/[`MIN_SAVING_DIVISOR`] of the raw
+//! size: below that, decompressing on every restore costs more than the few bytes saved.
+
+/// Compressed chunks must be at least `raw / MIN_SAVING_DIVISOR` bytes smaller than raw.
+pub const MIN_SAVING_DIVISOR: usize = 16;
+
+/// Chunks larger than this are compressed only if their first [`SAMPLE_BYTES`] compress.
+const SAMPLE_FROM_BYTES: usize = 1 << 20;
+const SAMPLE_BYTES: usize = 64 << 10;
+
+/// The zstd level used by [`Compression::default`].
+pub const DEFAULT_ZSTD_LEVEL: i32 = 1;
+
+/// Whether chunks are compressed when they are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// Store every chunk raw.
+    None,
+    /// Try zstd at this level; keep it only when it pays (see the module documentation).
+    Zstd { level: i32 },
+}
+
+impl Default for Compression {
+    fn default() -> Self {
+        Compression::Zstd {
+            level: DEFAULT_ZSTD_LEVEL,
+        }
+    }
+}
+
+/// Whether `compressed` bytes are worth storing instead of `raw` bytes.
+pub fn worth_it(raw: usize, compressed: usize) -> bool {
+    compressed < raw - raw / MIN_SAVING_DIVISOR
+}
+
+/// The compressed form of `raw`, when `compression` asks for it and it pays.
+pub(crate) fn compress(raw: &[u8], compression: Compression) -> Option<Vec<u8>> {
+    let Compression::Zstd { level } = compression else {
+        return None;
+    };
+    if raw.is_empty() {
+        return None;
+    }
+    // Large chunks (device segments, mostly weights) are sampled first: compressing a whole
+    // 4 MiB chunk of incompressible data only to throw the result away cost a third of the time
+    // of storing a segment. A chunk whose head does not compress is stored raw.
+    if raw.len() > SAMPLE_FROM_BYTES {
+        let sample = &raw[..SAMPLE_BYTES];
+        let pays =
+            zstd::bulk::compress(sample, level).is_ok_and(|c| worth_it(sample.len(), c.len()));
+        if !pays {
+            return None;
+        }
+    }
+    // An error here means zstd could not allocate its context: storing raw is always correct.
+    let compressed = zstd::bulk::compress(raw, level).ok()?;
+    worth_it(raw.len(), compressed.len()).then_some(compressed)
+}
+
+/// Inflates `body` into `out`, which must end up exactly full.
+pub(crate) fn decompress_into(body: &[u8], out: &mut [u8]) -> Result<(), String> {
+    let mut decompressor = zstd::bulk::Decompressor::new().map_err(|e| e.to_string())?;
+    let written = decompressor
+        .decompress_to_buffer(body, out)
+        .map_err(|e| e.to_string())?;
+    if written != out.len() {
+        return Err(format!(
+            "inflates to {written} bytes, {} expected",
+            out.len()
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compressible_data_is_compressed_and_comes_back() {
+        let raw: Vec<u8> = (0..1 << 20).map(|i| (i / 4096) as u8).collect();
+        let compressed = compress(&raw, Compression::default()).expect("pays");
+        assert!(compressed.len() < raw.len() / 10, "{}", compressed.len());
+        let mut out = vec![0; raw.len()];
+        decompress_into(&compressed, &mut out).expect("inflate");
+        assert_eq!(out, raw);
+        assert_eq!(compress(&raw, Compression::None), None);
+        assert_eq!(compress(&[], Compression::default()), None);
+    }
+
+    #[test]
+    fn incompressible_data_stays_raw() {
+        // BLAKE3's extendable output: as good as random for a compressor, and reproducible.
+        let mut raw = vec![0u8; 1 << 20];
+        blake3::Hasher::new()
+            .update(b"seed")
+            .finalize_xof()
+            .fill(&mut raw);
+        assert_eq!(compress(&raw, Compression::default()), None);
+    }
+
+    #[test]
+    fn a_large_chunk_with_an_incompressible_head_is_not_tried() {
+        let mut raw = vec![0u8; 2 << 20];
+        blake3::Hasher::new()
+            .update(b"head")
+            .finalize_xof()
+            .fill(&mut raw[..SAMPLE_BYTES]);
+        assert_eq!(compress(&raw, Compression::default()), None);
+        // The same chunk with a compressible head is compressed whole.
+        raw.rotate_left(SAMPLE_BYTES);
+        assert!(compress(&raw, Compression::default()).is_some());
+    }
+
+    #[test]
+    fn the_saving_must_be_worth_it() {
+        assert!(worth_it(1600, 1499));
+        assert!(!worth_it(1600, 1500));
+        assert!(!worth_it(1600, 1600));
+        assert!(!worth_it(10, 10));
+    }
+
+    #[test]
+    fn a_wrong_length_is_refused() {
+        let raw = vec![7u8; 10_000];
+        let compressed = compress(&raw, Compression::default()).expect("pays");
+        let mut short = vec![0; 9_999];
+        assert!(decompress_into(&compressed, &mut short).is_err());
+        let mut long = vec![0; 10_001];
+        let err = decompress_into(&compressed, &mut long).expect_err("long");
+        assert!(err.contains("10000 bytes"), "{err}");
+    }
+}

@@ -1,0 +1,258 @@
+//! Storing files and segments as chunks, and committing a snapshot's references.
+
+use std::collections::HashSet;
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rayon::prelude::*;
+
+use crate::store::chunk::{self, HEADER_LEN};
+use crate::store::error::{io_error, StoreError};
+use crate::store::lock::{self, Mode, StoreLock};
+use crate::store::records;
+use crate::store::{check_snapshot_id, ChunkId, ChunkRef, ChunkStore, Chunking, Recipe};
+
+/// Makes the names of temporary chunk files unique within this process.
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// What a writer stored so far.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PutStats {
+    /// Chunks in the recipes made.
+    pub chunks: u64,
+    /// Bytes in the recipes made.
+    pub logical_bytes: u64,
+    /// Chunks that were not in the store yet and were written.
+    pub new_chunks: u64,
+    /// Raw bytes of those chunks.
+    pub new_raw_bytes: u64,
+    /// Bytes they take on disk (headers included, after compression).
+    pub new_stored_bytes: u64,
+}
+
+/// Stores chunks for one snapshot, then commits its references. Holds the store's lock shared
+/// from creation to commit or drop, so GC cannot delete its not-yet-referenced chunks (see the
+/// module documentation).
+#[derive(Debug)]
+pub struct StoreWriter<'a> {
+    store: &'a ChunkStore,
+    _lock: StoreLock,
+    stats: PutStats,
+}
+
+/// The outcome of storing one chunk.
+struct Stored {
+    chunk: ChunkRef,
+    /// Bytes written to disk, when the chunk was new.
+    written: Option<u64>,
+}
+
+impl ChunkStore {
+    /// Starts writing a snapshot; waits while a GC runs.
+    pub fn writer(&self) -> Result<StoreWriter<'_>, StoreError> {
+        let lock = lock::lock(&self.lock_path(), Mode::Shared, true)?
+            .expect("a waiting lock is always taken");
+        Ok(StoreWriter {
+            store: self,
+            _lock: lock,
+            stats: PutStats::default(),
+        })
+    }
+}
+
+impl StoreWriter<'_> {
+    /// Stores a device segment, cut into [`Chunking::SEGMENT`] chunks.
+    pub fn put_bytes(&mut self, name: &str, data: &[u8]) -> Result<Recipe, StoreError> {
+        self.put_bytes_with(name, data, Chunking::SEGMENT)
+    }
+
+    /// Stores `data` cut as `chunking` says; `name` is what the recipe (and errors) call it.
+    pub fn put_bytes_with(
+        &mut self,
+        name: &str,
+        data: &[u8],
+        chunking: Chunking,
+    ) -> Result<Recipe, StoreError> {
+        let ranges = chunking.cut(data);
+        let stored: Vec<Stored> = ranges
+            .into_par_iter()
+            .map(|range| self.store_chunk(&data[range]))
+            .collect::<Result<_, _>>()?;
+        let mut whole = blake3::Hasher::new();
+        whole.update_rayon(data);
+        let mut chunks = Vec::with_capacity(stored.len());
+        for s in stored {
+            self.stats.chunks += 1;
+            if let Some(bytes) = s.written {
+                self.stats.new_chunks += 1;
+                self.stats.new_raw_bytes += s.chunk.len;
+                self.stats.new_stored_bytes += bytes;
+            }
+            chunks.push(s.chunk);
+        }
+        self.stats.logical_bytes += data.len() as u64;
+        Ok(Recipe {
+            name: name.to_owned(),
+            size: data.len() as u64,
+            blake3: whole.finalize().to_hex().to_string(),
+            chunks,
+        })
+    }
+
+    /// Stores the file at `path` as `name` (its path inside the snapshot), cut as
+    /// [`Chunking::for_image_file`] says for that name.
+    pub fn put_file(&mut self, path: &Path, name: &str) -> Result<Recipe, StoreError> {
+        self.put_file_with(path, name, Chunking::for_image_file(name))
+    }
+
+    /// Stores the file at `path` as `name`, cut as `chunking` says.
+    pub fn put_file_with(
+        &mut self,
+        path: &Path,
+        name: &str,
+        chunking: Chunking,
+    ) -> Result<Recipe, StoreError> {
+        // O_NOFOLLOW: a symlink swapped into a dump directory is never followed.
+        let file = File::options()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path)
+            .map_err(|e| io_error("read", path, e))?;
+        let meta = file.metadata().map_err(|e| io_error("read", path, e))?;
+        if !meta.is_file() {
+            return Err(io_error(
+                "read",
+                path,
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"),
+            ));
+        }
+        if meta.len() == 0 {
+            return self.put_bytes_with(name, &[], chunking);
+        }
+        // SAFETY: the map is read-only and private to this call. The file is a finished image or
+        // segment that nothing writes any more; were it changed anyway, the chunk ids and the
+        // whole hash would describe what was read, and materialising would verify against them.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_error("map", path, e))?;
+        self.put_bytes_with(name, &map, chunking)
+    }
+
+    /// What this writer stored so far.
+    pub fn stats(&self) -> PutStats {
+        self.stats
+    }
+
+    /// Records `recipes` as the contents of snapshot `snapshot_id`, atomically: afterwards every
+    /// chunk they list has one more reference, or, on error, none. Ends the writer.
+    pub fn commit(self, snapshot_id: &str, recipes: &[Recipe]) -> Result<(), StoreError> {
+        check_snapshot_id(snapshot_id)?;
+        let mut names = HashSet::new();
+        for recipe in recipes {
+            recipe.validate()?;
+            if !names.insert(recipe.name.as_str()) {
+                return Err(StoreError::InvalidRecipe {
+                    file: recipe.name.clone(),
+                    reason: format!("listed twice in snapshot {snapshot_id}"),
+                });
+            }
+        }
+        let store = self.store;
+        if records::record_path(store, snapshot_id).exists() {
+            return Err(StoreError::SnapshotExists {
+                id: snapshot_id.to_owned(),
+            });
+        }
+        // A recipe made before a GC may name chunks that GC since deleted: never commit those.
+        let mut seen = HashSet::new();
+        for recipe in recipes {
+            for c in &recipe.chunks {
+                if seen.insert(c.id) && !store.contains(&c.id) {
+                    return Err(StoreError::MissingChunk {
+                        chunk: c.id,
+                        file: recipe.name.clone(),
+                        snapshots: format!("none yet ({snapshot_id} is being committed)"),
+                    });
+                }
+            }
+        }
+        // Every chunk written since the last sync reaches the disk before the record that
+        // references them: one syncfs instead of an fsync per chunk.
+        syncfs(store.root())?;
+        records::write_record(store, snapshot_id, recipes)
+    }
+
+    fn store_chunk(&self, data: &[u8]) -> Result<Stored, StoreError> {
+        let id = ChunkId::of(data);
+        let chunk = ChunkRef {
+            id,
+            len: data.len() as u64,
+        };
+        let path = self.store.chunk_path(&id);
+        if already_stored(&path, chunk.len) {
+            return Ok(Stored {
+                chunk,
+                written: None,
+            });
+        }
+        let bytes = chunk::encode(data, self.store.compression);
+        let tmp = self.store.tmp_dir().join(format!(
+            "{}.{}.{}",
+            id.to_hex(),
+            std::process::id(),
+            TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        write_private(&tmp, &bytes).map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            io_error("write", &tmp, e)
+        })?;
+        let dir = path.parent().expect("chunk paths have a fan-out directory");
+        let placed = fs::create_dir_all(dir)
+            .map_err(|e| io_error("create", dir, e))
+            .and_then(|()| fs::rename(&tmp, &path).map_err(|e| io_error("write", &path, e)));
+        if placed.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        placed?;
+        Ok(Stored {
+            chunk,
+            written: Some(bytes.len() as u64),
+        })
+    }
+}
+
+/// Whether a chunk file for `raw_len` bytes is at `path` already. Its header is read, not just
+/// its name trusted: a crash before the writer's commit (before syncfs) can leave an empty or
+/// truncated file under the final name, which must be written again rather than referenced.
+fn already_stored(path: &Path, raw_len: u64) -> bool {
+    let mut header = [0u8; HEADER_LEN];
+    File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .and_then(|mut f| f.read_exact(&mut header))
+        .is_ok_and(|()| chunk::raw_len(&header) == Some(raw_len))
+}
+
+/// Writes a new file readable by its owner only (chunks hold process memory).
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut file = File::options()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(bytes)
+}
+
+/// Flushes the filesystem holding `dir` (syncfs(2)).
+fn syncfs(dir: &Path) -> Result<(), StoreError> {
+    let handle = File::open(dir).map_err(|e| io_error("open", dir, e))?;
+    // SAFETY: syncfs only reads the descriptor, which `handle` keeps open for the call.
+    let rc = unsafe { libc::syncfs(handle.as_raw_fd()) };
+    if rc != 0 {
+        return Err(io_error("flush", dir, std::io::Error::last_os_error()));
+    }
+    Ok(())
+}

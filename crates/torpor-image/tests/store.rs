@@ -1,0 +1,503 @@
+//! The chunk store on real files: dedup, reference counts, GC (also racing writers),
+//! corruption, compression, and the error paths.
+
+use std::collections::HashSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use torpor_image::store::{
+    ChunkId, ChunkStore, Chunking, Compression, Recipe, StoreError, SEGMENT_CHUNK_BYTES,
+};
+
+/// Reproducible bytes that no compressor can shrink (BLAKE3's extendable output).
+fn random(len: usize, seed: &str) -> Vec<u8> {
+    let mut data = vec![0u8; len];
+    blake3::Hasher::new()
+        .update(seed.as_bytes())
+        .finalize_xof()
+        .fill(&mut data);
+    data
+}
+
+fn store() -> (tempfile::TempDir, ChunkStore) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = ChunkStore::open(&dir.path().join("store")).expect("open");
+    (dir, store)
+}
+
+/// Every chunk file in the store, with its size.
+fn chunk_files(store: &ChunkStore) -> Vec<(PathBuf, u64)> {
+    let mut files = Vec::new();
+    for fan in fs::read_dir(store.root().join("chunks")).expect("chunks") {
+        for entry in fs::read_dir(fan.expect("fan").path()).expect("fan dir") {
+            let entry = entry.expect("entry");
+            files.push((entry.path(), entry.metadata().expect("meta").len()));
+        }
+    }
+    files.sort();
+    files
+}
+
+fn ids(recipe: &Recipe) -> HashSet<ChunkId> {
+    recipe.chunks.iter().map(|c| c.id).collect()
+}
+
+fn read_back(store: &ChunkStore, recipe: &Recipe) -> Vec<u8> {
+    let mut buf = vec![0u8; recipe.size as usize];
+    store.read_into(recipe, &mut buf).expect("read_into");
+    buf
+}
+
+#[test]
+fn identical_data_under_two_snapshots_is_stored_once() {
+    let (_dir, store) = store();
+    // Two and a half segment chunks: the last one short.
+    let segment = random(2 * SEGMENT_CHUNK_BYTES + 12_345, "weights");
+
+    let mut writer = store.writer().expect("writer");
+    let a = writer.put_bytes("seg-0", &segment).expect("put");
+    assert_eq!(a.chunks.len(), 3);
+    assert_eq!(a.chunks[2].len, 12_345);
+    assert_eq!(writer.stats().new_chunks, 3);
+    writer
+        .commit("base", std::slice::from_ref(&a))
+        .expect("commit");
+    let after_first = chunk_files(&store);
+
+    let mut writer = store.writer().expect("writer");
+    let b = writer.put_bytes("seg-0", &segment).expect("put");
+    assert_eq!(writer.stats().new_chunks, 0, "nothing new to write");
+    assert_eq!(writer.stats().logical_bytes, segment.len() as u64);
+    writer
+        .commit("fn-a", std::slice::from_ref(&b))
+        .expect("commit");
+    assert_eq!(a, b);
+    assert_eq!(chunk_files(&store), after_first, "stored once");
+
+    for c in &a.chunks {
+        assert_eq!(store.refcount(&c.id).expect("refcount"), 2);
+    }
+    let usage = store.usage("base").expect("usage");
+    let on_disk: u64 = after_first.iter().map(|(_, size)| size).sum();
+    assert_eq!(usage.logical, segment.len() as u64);
+    assert_eq!(usage.unique, segment.len() as u64);
+    assert_eq!(usage.stored, on_disk);
+    assert_eq!(usage.exclusive, 0);
+    assert_eq!(
+        usage.shared_with.into_iter().collect::<Vec<_>>(),
+        [("fn-a".to_owned(), segment.len() as u64)]
+    );
+    assert_eq!(read_back(&store, &b), segment);
+    assert_eq!(store.snapshots().expect("list"), ["base", "fn-a"]);
+    assert_eq!(store.recipes("fn-a").expect("recipes"), [b]);
+}
+
+#[test]
+fn gc_after_release_keeps_the_other_snapshot_and_deletes_only_the_unreferenced() {
+    let (_dir, store) = store();
+    let common = random(SEGMENT_CHUNK_BYTES, "framework");
+    let only_a = random(SEGMENT_CHUNK_BYTES + 1, "a");
+    let only_b = random(3 * SEGMENT_CHUNK_BYTES / 2, "b");
+
+    let mut writer = store.writer().expect("writer");
+    let a = [
+        writer.put_bytes("common", &common).expect("put"),
+        writer.put_bytes("mine", &only_a).expect("put"),
+    ];
+    writer.commit("a", &a).expect("commit");
+    let mut writer = store.writer().expect("writer");
+    let b = [
+        writer.put_bytes("common", &common).expect("put"),
+        writer.put_bytes("mine", &only_b).expect("put"),
+    ];
+    writer.commit("b", &b).expect("commit");
+    let usage_a = store.usage("a").expect("usage");
+    assert!(usage_a.exclusive > only_a.len() as u64, "{usage_a:?}");
+
+    // Releasing alone deletes nothing.
+    store.release("a").expect("release");
+    assert_eq!(chunk_files(&store).len(), 1 + 2 + 2);
+    let report = store.gc().expect("gc");
+    assert_eq!(report.snapshots, 1);
+    assert_eq!(report.deleted_chunks, 2, "{report:?}");
+    assert_eq!(report.freed_bytes, usage_a.exclusive);
+    assert_eq!(report.kept_chunks, 3);
+    for id in ids(&a[1]) {
+        assert!(
+            !store.contains(&id),
+            "{id} of the released snapshot survived"
+        );
+    }
+    for recipe in &b {
+        for id in ids(recipe) {
+            assert!(store.contains(&id));
+            assert_eq!(store.refcount(&id).expect("refcount"), 1);
+        }
+    }
+    assert_eq!(read_back(&store, &b[0]), common);
+    assert_eq!(read_back(&store, &b[1]), only_b);
+
+    // A second GC finds nothing; after the last release, nothing is left.
+    assert_eq!(store.gc().expect("gc").deleted_chunks, 0);
+    store.release("b").expect("release");
+    store.gc().expect("gc");
+    assert!(chunk_files(&store).is_empty());
+    let err = store.release("b").expect_err("gone");
+    assert!(matches!(err, StoreError::UnknownSnapshot { .. }), "{err}");
+}
+
+#[test]
+fn gc_never_deletes_what_a_writer_is_about_to_commit() {
+    let (_dir, store) = store();
+    let data = random(2 * SEGMENT_CHUNK_BYTES, "in flight");
+    let mut writer = store.writer().expect("writer");
+    let recipe = writer.put_bytes("seg", &data).expect("put");
+
+    // Unreferenced but in flight: a GC that does not wait is refused, one that waits blocks.
+    assert_eq!(store.try_gc().expect("try_gc"), None);
+    let gc_store = store.clone();
+    let gc = std::thread::spawn(move || gc_store.gc().expect("gc"));
+    for id in ids(&recipe) {
+        assert!(store.contains(&id));
+    }
+    writer
+        .commit("s", std::slice::from_ref(&recipe))
+        .expect("commit");
+    let report = gc.join().expect("gc thread");
+    assert_eq!(report.deleted_chunks, 0, "{report:?}");
+    assert_eq!(read_back(&store, &recipe), data);
+
+    // An abandoned writer's chunks are garbage once it is gone.
+    let mut writer = store.writer().expect("writer");
+    let abandoned = writer
+        .put_bytes("seg", &random(1000, "abandoned"))
+        .expect("put");
+    drop(writer);
+    let report = store.try_gc().expect("try_gc").expect("no writer left");
+    assert_eq!(report.deleted_chunks, 1);
+    assert!(!store.contains(&abandoned.chunks[0].id));
+    // And committing a recipe whose chunks GC took is refused rather than left dangling.
+    let err = store
+        .writer()
+        .expect("writer")
+        .commit("late", &[abandoned])
+        .expect_err("dangling");
+    assert!(matches!(err, StoreError::MissingChunk { .. }), "{err}");
+    assert_eq!(store.snapshots().expect("list"), ["s"]);
+}
+
+#[test]
+fn writers_and_gc_racing_lose_nothing_committed() {
+    let (_dir, store) = store();
+    let shared = random(300_000, "shared");
+    let small = Chunking::Fixed { bytes: 16 * 1024 };
+    let done = Arc::new(AtomicBool::new(false));
+    let collector = {
+        let (store, done) = (store.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut runs = 0u32;
+            while !done.load(Ordering::Acquire) {
+                store.gc().expect("gc");
+                runs += 1;
+            }
+            runs
+        })
+    };
+    let writers: Vec<_> = (0..3)
+        .map(|w| {
+            let (store, shared) = (store.clone(), shared.clone());
+            std::thread::spawn(move || {
+                let mut kept = Vec::new();
+                for n in 0..6 {
+                    let id = format!("w{w}-{n}");
+                    let own = random(100_000 + n * 4097, &id);
+                    let mut writer = store.writer().expect("writer");
+                    let recipes = [
+                        writer
+                            .put_bytes_with("shared", &shared, small)
+                            .expect("put"),
+                        writer.put_bytes_with("own", &own, small).expect("put"),
+                    ];
+                    writer.commit(&id, &recipes).expect("commit");
+                    // Release every other one so that GC has real garbage to take.
+                    if n % 2 == 1 {
+                        store.release(&id).expect("release");
+                    } else {
+                        kept.push((id, own, recipes));
+                    }
+                }
+                kept
+            })
+        })
+        .collect();
+    let kept: Vec<_> = writers
+        .into_iter()
+        .flat_map(|w| w.join().expect("writer thread"))
+        .collect();
+    done.store(true, Ordering::Release);
+    let runs = collector.join().expect("gc thread");
+    assert!(runs > 0);
+    store.gc().expect("final gc");
+    assert_eq!(kept.len(), 9);
+    for (id, own, recipes) in &kept {
+        assert_eq!(read_back(&store, &recipes[0]), shared, "{id}");
+        assert_eq!(&read_back(&store, &recipes[1]), own, "{id}");
+        assert_eq!(store.recipes(id).expect("recipes"), recipes.to_vec());
+    }
+    // Exactly the kept snapshots' chunks remain.
+    let live: HashSet<ChunkId> = kept
+        .iter()
+        .flat_map(|(_, _, r)| r.iter().flat_map(ids))
+        .collect();
+    assert_eq!(chunk_files(&store).len(), live.len());
+}
+
+#[test]
+fn a_flipped_byte_is_refused_naming_chunk_file_and_snapshot() {
+    let (dir, store) = store();
+    let store = store.with_compression(Compression::None);
+    let image = dir.path().join("pages-1.img");
+    let pages = random(200 * 4096, "pages");
+    fs::write(&image, &pages).expect("write");
+    let mut writer = store.writer().expect("writer");
+    let recipe = writer.put_file(&image, "pages-1.img").expect("put");
+    assert!(recipe.chunks.len() > 3, "page CDC cuts it");
+    writer
+        .commit("fn-resnet", std::slice::from_ref(&recipe))
+        .expect("commit");
+
+    let victim = recipe.chunks[1].id;
+    let path = store.chunk_path(&victim);
+    let mut bytes = fs::read(&path).expect("chunk");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    fs::write(&path, &bytes).expect("corrupt it");
+
+    let out = dir.path().join("out");
+    fs::create_dir(&out).expect("mkdir");
+    let err = store
+        .materialise(&recipe, &out.join("pages-1.img"))
+        .expect_err("corrupt");
+    let text = err.to_string();
+    assert!(matches!(err, StoreError::CorruptChunk { .. }), "{text}");
+    for needle in [
+        victim.to_hex().as_str(),
+        "pages-1.img",
+        "fn-resnet",
+        "re-take",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing from: {text}");
+    }
+    assert!(!text.contains('\n'), "one line: {text}");
+    assert!(!out.join("pages-1.img").exists(), "no partial output left");
+    // Moved aside: the next read says missing, and storing the data again heals the store.
+    assert!(store.root().join("corrupt").join(victim.to_hex()).exists());
+    let mut buf = vec![0; pages.len()];
+    let err = store.read_into(&recipe, &mut buf).expect_err("missing");
+    assert!(matches!(err, StoreError::MissingChunk { .. }), "{err}");
+    let mut writer = store.writer().expect("writer");
+    let again = writer.put_file(&image, "pages-1.img").expect("put");
+    assert_eq!(writer.stats().new_chunks, 1);
+    writer.commit("fn-resnet-2", &[again]).expect("commit");
+    store
+        .materialise(&recipe, &out.join("pages-1.img"))
+        .expect("healed");
+    assert_eq!(fs::read(out.join("pages-1.img")).expect("read"), pages);
+}
+
+#[test]
+fn zstd_roundtrip_and_incompressible_chunks_stay_raw() {
+    let (_dir, store) = store();
+    let mut compressible = vec![0u8; 3 * 1024 * 1024];
+    compressible[..4096].copy_from_slice(&random(4096, "a page of code"));
+    let noise = random(1024 * 1024, "weights");
+
+    let mut writer = store.writer().expect("writer");
+    let zipped = writer.put_bytes("zeros", &compressible).expect("put");
+    let raw = writer.put_bytes("noise", &noise).expect("put");
+    writer
+        .commit("z", &[zipped.clone(), raw.clone()])
+        .expect("commit");
+    let size = |r: &Recipe| {
+        fs::metadata(store.chunk_path(&r.chunks[0].id))
+            .expect("chunk")
+            .len()
+    };
+    assert!(size(&zipped) < 64 * 1024, "compressed: {}", size(&zipped));
+    assert_eq!(size(&raw), noise.len() as u64 + 16, "raw body plus header");
+    assert_eq!(read_back(&store, &zipped), compressible);
+    assert_eq!(read_back(&store, &raw), noise);
+
+    // Compression off: the same data is stored raw.
+    let (_dir2, plain) = self::store();
+    let plain = plain.with_compression(Compression::None);
+    let mut writer = plain.writer().expect("writer");
+    let r = writer.put_bytes("zeros", &compressible).expect("put");
+    assert_eq!(
+        writer.stats().new_stored_bytes,
+        compressible.len() as u64 + 16
+    );
+    writer
+        .commit("p", std::slice::from_ref(&r))
+        .expect("commit");
+    assert_eq!(read_back(&plain, &r), compressible);
+}
+
+#[test]
+fn files_materialise_bit_identical_into_a_directory() {
+    let (dir, store) = store();
+    let src = dir.path().join("dump");
+    fs::create_dir_all(src.join("sub")).expect("mkdir");
+    let files: Vec<(&str, Vec<u8>)> = vec![
+        ("pages-1.img", random(300 * 4096, "p")),
+        ("core-1.img", b"core".repeat(1000)),
+        ("empty.img", Vec::new()),
+        ("sub/nested.img", random(777, "n")),
+    ];
+    let mut writer = store.writer().expect("writer");
+    let mut recipes = Vec::new();
+    for (name, data) in &files {
+        fs::write(src.join(name), data).expect("write");
+        recipes.push(writer.put_file(&src.join(name), name).expect("put"));
+    }
+    assert_eq!(recipes[1].chunks.len(), 1, "small files are one chunk");
+    assert!(recipes[2].chunks.is_empty());
+    writer.commit("s", &recipes).expect("commit");
+
+    let out = dir.path().join("tmpfs-like");
+    fs::create_dir(&out).expect("mkdir");
+    store.materialise_all(&recipes, &out).expect("materialise");
+    for (name, data) in &files {
+        assert_eq!(&fs::read(out.join(name)).expect("read"), data, "{name}");
+    }
+    let err = store
+        .materialise(&recipes[0], &out.join("pages-1.img"))
+        .expect_err("exists");
+    assert!(matches!(err, StoreError::DestExists { .. }), "{err}");
+
+    // A recipe whose whole hash lies is refused even though every chunk is fine.
+    let mut lying = recipes[1].clone();
+    lying.blake3 = blake3::hash(b"other").to_hex().to_string();
+    let err = store
+        .materialise(&lying, &out.join("lying.img"))
+        .expect_err("hash");
+    assert!(matches!(err, StoreError::WholeHashMismatch { .. }), "{err}");
+    assert!(!out.join("lying.img").exists());
+    let mut escaping = recipes[1].clone();
+    escaping.name = "../escape.img".into();
+    assert!(store.materialise_all(&[escaping], &out).is_err());
+    let err = store
+        .read_into(&recipes[0], &mut [0u8; 10])
+        .expect_err("size");
+    assert!(matches!(err, StoreError::BufferSize { .. }), "{err}");
+}
+
+#[test]
+fn bad_ids_duplicates_and_corrupt_records_are_refused() {
+    let (_dir, store) = store();
+    let mut writer = store.writer().expect("writer");
+    let r = writer.put_bytes("a", b"some bytes").expect("put");
+    let err = writer
+        .commit("../x", std::slice::from_ref(&r))
+        .expect_err("id");
+    assert!(matches!(err, StoreError::InvalidSnapshotId { .. }), "{err}");
+
+    let writer = store.writer().expect("writer");
+    writer
+        .commit("one", std::slice::from_ref(&r))
+        .expect("commit");
+    let writer = store.writer().expect("writer");
+    let err = writer
+        .commit("one", std::slice::from_ref(&r))
+        .expect_err("twice");
+    assert!(matches!(err, StoreError::SnapshotExists { .. }), "{err}");
+    let writer = store.writer().expect("writer");
+    let err = writer
+        .commit("two", &[r.clone(), r.clone()])
+        .expect_err("dup");
+    assert!(matches!(err, StoreError::InvalidRecipe { .. }), "{err}");
+
+    let err = store.usage("x").expect_err("unknown");
+    assert!(matches!(err, StoreError::UnknownSnapshot { .. }), "{err}");
+    // GC refuses to guess when a record is unreadable, and deletes nothing.
+    fs::write(store.root().join("refs/broken.json"), b"{not json").expect("write");
+    let err = store.gc().expect_err("corrupt record");
+    assert!(matches!(err, StoreError::RecordCorrupt { .. }), "{err}");
+    assert!(err.to_string().contains("broken.json"), "{err}");
+    assert!(store.contains(&r.chunks[0].id));
+}
+
+#[test]
+fn an_unusable_store_directory_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("file");
+    fs::write(&file, b"").expect("write");
+    let err = ChunkStore::open(&file.join("store")).expect_err("under a file");
+    assert!(matches!(err, StoreError::Unusable { .. }), "{err}");
+    assert!(err.to_string().contains("create that directory"), "{err}");
+}
+
+/// A full disk, for real: a 1 MiB tmpfs (needs root and mount(2); skipped otherwise).
+#[test]
+fn a_full_disk_says_so() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mnt = dir.path().join("small");
+    fs::create_dir(&mnt).expect("mkdir");
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("SKIP a_full_disk_says_so: cannot mount a tmpfs (needs root)");
+        return;
+    }
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&mnt);
+    let store = ChunkStore::open(&mnt.join("store")).expect("open");
+    let mut writer = store.writer().expect("writer");
+    let err = writer
+        .put_bytes("seg", &random(4 * 1024 * 1024, "too big"))
+        .expect_err("full");
+    assert!(matches!(err, StoreError::NoSpace { .. }), "{err}");
+    assert!(err.to_string().contains("no space left"), "{err}");
+}
+
+#[test]
+fn a_chunk_truncated_by_a_crash_is_written_again_and_chunks_are_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let (_dir, store) = store();
+    let data = random(100_000, "crash");
+    let mut writer = store.writer().expect("writer");
+    let first = writer.put_bytes("seg", &data).expect("put");
+    drop(writer); // died before commit
+    let path = store.chunk_path(&first.chunks[0].id);
+    assert_eq!(
+        fs::metadata(&path).expect("chunk").permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(
+        fs::metadata(store.root().join("chunks"))
+            .expect("dir")
+            .permissions()
+            .mode()
+            & 0o777,
+        0o700
+    );
+    // What a power loss before the data reached the disk leaves: the name, no contents.
+    fs::write(&path, b"").expect("truncate");
+    let mut writer = store.writer().expect("writer");
+    let again = writer.put_bytes("seg", &data).expect("put");
+    assert_eq!(writer.stats().new_chunks, 1, "rewritten, not trusted");
+    writer
+        .commit("s", std::slice::from_ref(&again))
+        .expect("commit");
+    assert_eq!(read_back(&store, &again), data);
+}
