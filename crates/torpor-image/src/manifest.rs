@@ -45,6 +45,11 @@ pub struct Manifest {
     /// Mounts CRIU dumped as external (`--external mnt[PATH]:KEY`); restore must bind them again.
     #[serde(default)]
     pub external_mounts: Vec<ExternalMount>,
+    /// The regular files the tree's stdout and stderr (descriptors 1 and 2 of each process) were
+    /// open on, absolute paths as the tree saw them: what a restore can point at a new file.
+    /// Empty for snapshots taken before it was recorded, and when stdio was no regular file.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stdio_files: Vec<String>,
     /// Every file of the snapshot except `manifest.json`, sorted by path.
     #[serde(default)]
     pub files: Vec<FileEntry>,
@@ -197,6 +202,7 @@ impl Manifest {
             host,
             gpu: None,
             external_mounts: Vec::new(),
+            stdio_files: Vec::new(),
             files: Vec::new(),
             timings: BTreeMap::new(),
             stop_time_s: 0.0,

@@ -29,6 +29,30 @@ impl ProcessInfo {
     }
 }
 
+/// The regular files descriptors 1 and 2 of `pid` are open on, as absolute paths seen from
+/// the process's root; a pipe, terminal, socket or deleted file is left out.
+pub fn stdio_files(pid: i32) -> Vec<String> {
+    let mut files = Vec::new();
+    for fd in [1, 2] {
+        let link = Path::new("/proc")
+            .join(pid.to_string())
+            .join("fd")
+            .join(fd.to_string());
+        let Ok(target) = fs::read_link(&link) else {
+            continue;
+        };
+        // Following the /proc link reaches the open file itself, even across namespaces.
+        let regular = fs::metadata(&link).is_ok_and(|m| m.is_file());
+        let Some(path) = target.to_str() else {
+            continue;
+        };
+        if regular && path.starts_with('/') && !path.ends_with(" (deleted)") {
+            files.push(path.to_string());
+        }
+    }
+    files
+}
+
 /// Reads one process; `NotFound` when it does not exist.
 pub fn read_process(pid: i32) -> io::Result<ProcessInfo> {
     read_process_at(Path::new("/proc"), pid)

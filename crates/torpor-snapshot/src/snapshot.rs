@@ -101,6 +101,13 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         source,
     })?;
 
+    let mut stdio: Vec<String> = Vec::new();
+    for f in pids.iter().flat_map(|&p| proctree::stdio_files(p)) {
+        if !stdio.contains(&f) {
+            stdio.push(f);
+        }
+    }
+
     // Everything that can fail without touching the source happens before it is stopped.
     let host = Host::current(criu.version_string())?;
     let mut phases = Phases::default();
@@ -184,6 +191,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     );
     manifest.gpu = gpu_section;
     manifest.external_mounts = external;
+    manifest.stdio_files = stdio;
     manifest.stop_time_s = stop_time;
 
     if interrupt::interrupted() {

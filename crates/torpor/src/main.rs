@@ -58,6 +58,9 @@ enum Command {
         /// Put GPU state on other GPUs: OLD=NEW[,OLD=NEW] (ordinals or UUIDs).
         #[arg(long)]
         gpu: Option<String>,
+        /// File for the restored tree's stdout and stderr (appended) [default: the files they had when snapshotted]
+        #[arg(long)]
+        log: Option<PathBuf>,
         /// Print phase timings.
         #[arg(short, long)]
         verbose: bool,
@@ -165,8 +168,9 @@ fn main() -> ExitCode {
             dir,
             detach,
             gpu,
+            log,
             verbose,
-        } => cmd::restore::run(&dir, detach, gpu.as_deref(), verbose),
+        } => cmd::restore::run(&dir, detach, gpu.as_deref(), log.as_deref(), verbose),
         Command::Inspect { dir, json } => cmd::inspect::run(&dir, json),
         Command::Verify { dir } => cmd::verify::run(&dir),
         Command::Serve(args) => cmd::serve::run(&args),

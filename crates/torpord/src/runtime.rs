@@ -1141,6 +1141,7 @@ pub async fn restore(dir: &Path, log_dir: &Path) -> Result<(i32, i32), String> {
                 detach: true,
                 gpu_map: &[],
                 log_dir: &log_dir,
+                stdio: None,
             })
             .map_err(|e| e.to_string())?;
         match crate::launcher::worker_pid(restored.pid) {

@@ -5,7 +5,13 @@ use torpor_snapshot::gpu_map::parse_gpu_map;
 use torpor_snapshot::restore::{restore, RestoreOptions};
 use torpor_snapshot::{interrupt, supervise};
 
-pub fn run(dir: &Path, detach: bool, gpu: Option<&str>, verbose: bool) -> anyhow::Result<ExitCode> {
+pub fn run(
+    dir: &Path,
+    detach: bool,
+    gpu: Option<&str>,
+    log: Option<&Path>,
+    verbose: bool,
+) -> anyhow::Result<ExitCode> {
     let gpu_map = match gpu {
         Some(spec) => parse_gpu_map(spec).map_err(anyhow::Error::msg)?,
         None => Vec::new(),
@@ -17,6 +23,7 @@ pub fn run(dir: &Path, detach: bool, gpu: Option<&str>, verbose: bool) -> anyhow
         detach,
         gpu_map: &gpu_map,
         log_dir: &log_dir,
+        stdio: log,
     })?;
     if verbose {
         super::print_phases(restored.phases.0.iter().map(|(n, s)| (n, s)));
