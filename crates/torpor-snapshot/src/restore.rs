@@ -4,7 +4,12 @@
 //! A restored process keeps writing to the files it had open when it was snapshotted, its stdout
 //! and stderr included. With [`RestoreOptions::stdio`], every descriptor of the tree open on one
 //! of the files the manifest records as stdio (`stdio_files`) is instead restored as a descriptor
-//! of the new file (CRIU's `--inherit-fd`, keyed by the file's path without the leading `/`).
+//! of the new file (CRIU's `--inherit-fd`, keyed as the image names the file).
+//!
+//! A file handed in that way is opened here, on a mount of the host's mount namespace, not the
+//! tree's; a later snapshot of the restored tree dumps it as an external file (`file[MNT:INODE]`)
+//! that CRIU cannot reopen by itself. Restoring such a snapshot without `stdio` therefore opens
+//! the recorded path here and hands it in too.
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -136,10 +141,7 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
     if manifest.gpu.is_none() && !opts.gpu_map.is_empty() {
         return Err(RestoreError::GpuMapWithoutGpu);
     }
-    let stdio = opts
-        .stdio
-        .map(|path| open_stdio(path, &manifest))
-        .transpose()?;
+    let stdio = stdio_handles(opts.stdio, &manifest)?;
     // Hashing the image and initialising the driver (cuInit, NVML) are independent: run them
     // side by side. A corrupt snapshot is reported before any GPU complaint.
     let (verified, plan) = std::thread::scope(|scope| {
@@ -204,18 +206,12 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
         orphan_pts_master: false,
         loopback_up: true,
         inherit_fds: stdio
-            .as_ref()
-            .map(|file| {
-                manifest
-                    .stdio_files
-                    .iter()
-                    .map(|path| InheritedFd {
-                        key: path.trim_start_matches('/').to_string(),
-                        fd: file.as_fd(),
-                    })
-                    .collect()
+            .iter()
+            .map(|(key, file)| InheritedFd {
+                key: key.clone(),
+                fd: file.as_fd(),
             })
-            .unwrap_or_default(),
+            .collect(),
     };
     let pid = phases.time("criu_restore", || criu.restore(&request))?;
     // The log of a successful restore is noise; a failed one is kept and named in the error.
@@ -259,24 +255,52 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
     })
 }
 
-/// Opens (creating it and its directory) the file the restored tree's stdio goes to.
-fn open_stdio(path: &Path, manifest: &Manifest) -> Result<std::fs::File, RestoreError> {
-    if manifest.stdio_files.is_empty() {
-        return Err(RestoreError::StdioUnknown);
-    }
-    let fail = |source| RestoreError::StdioOpen {
-        path: path.to_path_buf(),
-        source,
+/// The files to hand to CRIU, by image key: with `new`, that file (created, appended) for every
+/// stdio file of the manifest; without, the recorded path of each external one.
+fn stdio_handles(
+    new: Option<&Path>,
+    manifest: &Manifest,
+) -> Result<Vec<(String, std::fs::File)>, RestoreError> {
+    let open = |path: &Path| {
+        let fail = |source| RestoreError::StdioOpen {
+            path: path.to_path_buf(),
+            source,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(fail)?;
+        }
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .mode(0o644)
+            .open(path)
+            .map_err(fail)
     };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(fail)?;
+    match new {
+        Some(path) => {
+            if manifest.stdio_files.is_empty() {
+                return Err(RestoreError::StdioUnknown);
+            }
+            let file = open(path)?;
+            manifest
+                .stdio_files
+                .iter()
+                .map(|f| {
+                    let copy = file.try_clone().map_err(|source| RestoreError::StdioOpen {
+                        path: path.to_path_buf(),
+                        source,
+                    })?;
+                    Ok((f.key.clone(), copy))
+                })
+                .collect()
+        }
+        None => manifest
+            .stdio_files
+            .iter()
+            .filter(|f| f.is_external())
+            .map(|f| Ok((f.key.clone(), open(Path::new(&f.path))?)))
+            .collect(),
     }
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .mode(0o644)
-        .open(path)
-        .map_err(fail)
 }
 
 /// Host pids of the restored processes whose innermost pid is in `inner`, in that order.

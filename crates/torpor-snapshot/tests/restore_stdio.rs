@@ -137,9 +137,13 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
     let manifest = torpor_image::Snapshot::open(&snap)
         .expect("open")
         .into_manifest();
+    let old_path = old.to_str().expect("utf-8");
     assert_eq!(
         manifest.stdio_files,
-        vec![old.to_str().expect("utf-8").to_string()]
+        vec![torpor_image::StdioFile {
+            path: old_path.to_string(),
+            key: old_path.trim_start_matches('/').to_string(),
+        }]
     );
 
     // A path below a regular file cannot be created: one line naming it, nothing restored.
@@ -186,8 +190,54 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
             && t.contains(&format!("child {}\n", last_child + 2))
     });
     let fd1 = std::fs::read_link(format!("/proc/{}/fd/1", restored.pid)).expect("fd 1");
-    kill(restored.pid);
     assert_eq!(fd1, new);
+
+    // The new file was opened outside the tree's mount namespace: a snapshot of the restored
+    // tree records it as an external file, and its restores hand a file in again.
+    let snap2 = dir.path().join("snap2");
+    snapshot(&SnapshotOptions {
+        pid: restored.pid,
+        out: &snap2,
+        leave_running: false,
+        lock_timeout: Duration::from_secs(10),
+        log_dir: dir.path(),
+    })
+    .expect("snapshot of the restored tree");
+    let stdio2 = torpor_image::Snapshot::open(&snap2)
+        .expect("open")
+        .into_manifest()
+        .stdio_files;
+    assert_eq!(stdio2.len(), 1, "{stdio2:?}");
+    assert!(stdio2[0].is_external(), "{stdio2:?}");
+    assert_eq!(Path::new(&stdio2[0].path), new);
+    let newer = dir.path().join("newer.log");
+    let again = restore(&RestoreOptions {
+        dir: &snap2,
+        detach: true,
+        gpu_map: &[],
+        log_dir: dir.path(),
+        stdio: Some(&newer),
+    })
+    .expect("restore of the second snapshot");
+    wait_for("the twice-restored tree to write the newer log", || {
+        let t = read(&newer);
+        t.contains("parent") && t.contains("child")
+    });
+    kill(again.pid);
+    // Without a new file, the recorded one is handed in: the copy appends where it wrote.
+    let size = std::fs::metadata(&new).expect("new log").len();
+    let same = restore(&RestoreOptions {
+        dir: &snap2,
+        detach: true,
+        gpu_map: &[],
+        log_dir: dir.path(),
+        stdio: None,
+    })
+    .expect("restore onto the recorded file");
+    wait_for("the copy to append to the recorded log", || {
+        std::fs::metadata(&new).is_ok_and(|m| m.len() > size)
+    });
+    kill(same.pid);
     assert!(!old.exists(), "the restored tree recreated the old log");
     // The new file holds only what was written after the snapshot (a line being written as the
     // tree was frozen may appear in both files).
