@@ -33,11 +33,18 @@ pub fn run(
         println!("{}", restored.pid);
         return Ok(ExitCode::SUCCESS);
     }
+    // Block before announcing the wait: a SIGTERM sent once "waiting" is printed then stays
+    // pending until `supervise` forwards it. One that arrived after the restore's last check
+    // only raised the interrupt flag, and is forwarded here instead of being lost.
+    supervise::block_all_signals();
+    if let Some(sig) = interrupt::signal() {
+        // SAFETY: kill(2) only sends a signal, to the tree this command just restored.
+        unsafe { libc::kill(restored.pid, sig) };
+    }
     eprintln!(
         "torpor: restored pid {}; waiting for it to exit",
         restored.pid
     );
-    supervise::block_all_signals();
     let code = supervise::supervise(restored.pid)?;
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
 }
