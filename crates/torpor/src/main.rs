@@ -84,12 +84,15 @@ enum Command {
         #[command(flatten)]
         daemon: cmd::DaemonArgs,
     },
-    /// Show the tail of the log files a function's workers write.
+    /// Show the tail of each instance's log file, most recently written first.
     Logs {
         name: String,
         /// Lines per file.
         #[arg(long, default_value_t = 200)]
         lines: usize,
+        /// Only this instance's log.
+        #[arg(long)]
+        instance: Option<String>,
         /// Print the daemon's JSON answer.
         #[arg(long)]
         json: bool,
@@ -180,9 +183,10 @@ fn main() -> ExitCode {
         Command::Logs {
             name,
             lines,
+            instance,
             json,
             daemon,
-        } => cmd::logs::run(&daemon, &name, lines, json),
+        } => cmd::logs::run(&daemon, &name, lines, instance.as_deref(), json),
         Command::Deploy { dir, json, daemon } => cmd::deploy::run(&daemon, &dir, json),
         Command::Invoke {
             name,
