@@ -101,3 +101,28 @@ def test_restore_without_detach_forwards_sigterm(torpor: Torpor, workers: Worker
 def test_run_of_missing_program_fails_cleanly(torpor: Torpor, tmp_path: Path) -> None:
     line = torpor.fails("run", "--log", tmp_path / "log", "--", "/nonexistent/program")
     assert "/nonexistent/program" in line, line
+
+
+def test_restore_log_gives_each_copy_its_own_stdout_and_a_bad_path_one_error(
+    torpor: Torpor, workers: Workers, tmp_path: Path
+) -> None:
+    w = workers.server(data_file=False)
+    old = Path(fd_targets(w.child_pid)[1])
+    snap = tmp_path / "snap"
+    torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap)
+    w.wait_gone()
+    assert torpor.inspect_json(snap)["stdio_files"] == [{"path": str(old), "key": str(old).lstrip("/")}]
+
+    bad = tmp_path / "file"
+    bad.write_text("")
+    line = torpor.fails("restore", snap, "--detach", "--log", bad / "x.log")
+    assert str(bad / "x.log") in line and "--log" in line, line
+
+    size = old.stat().st_size
+    copy = tmp_path / "copy" / "out.log"
+    restored = workers.restore(snap, "--log", copy, endpoint=w.endpoint, name="copy", wait=30)
+    # The init and the command both hold stdout and stderr: every descriptor moved.
+    for pid in (restored.init_pid, restored.child_pid):
+        targets = fd_targets(pid)
+        assert targets.get(1) == str(copy) and targets.get(2) == str(copy), (pid, targets)
+    assert old.stat().st_size == size, "the restored copy wrote to the snapshot's log"

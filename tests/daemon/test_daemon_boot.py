@@ -69,6 +69,8 @@ def test_an_idle_instance_is_stopped_at_hibernate_s_and_the_next_request_boots(b
     assert again.json() == {"calls": 1, "total": 2}  # a fresh process: nothing carried over
 
     logs = booting.request("GET", "/v1/functions/sleepy/logs").json()["files"]
-    boot_log = [f for f in logs if f["path"].endswith("boot-sleepy.log")]
-    assert boot_log and not boot_log[0]["shared"], logs
-    assert "sleepy call 1" in boot_log[0]["tail"], boot_log
+    # Each booted instance has its own log, the newest first.
+    booted = [f for f in logs if f["instance"] is not None]
+    assert len(booted) == 2, logs
+    assert "sleepy call 1" in booted[0]["tail"] and "sleepy call 2" not in booted[0]["tail"], booted
+    assert "sleepy call 2" in booted[1]["tail"], booted

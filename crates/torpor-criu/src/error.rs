@@ -74,6 +74,10 @@ pub enum CriuError {
     )]
     WorkDir { path: PathBuf, source: io::Error },
 
+    /// A restore was asked to hand more descriptors to the restored tree than it can pass.
+    #[error("a restore can hand at most {max} descriptors to the restored tree, {count} were given: pass fewer inherit_fds")]
+    TooManyInheritedFds { count: usize, max: usize },
+
     /// The socket pair or the stderr capture for `criu swrk` could not be created.
     #[error("cannot set up the channel to CRIU: {source}; check the open-file limit (ulimit -n)")]
     Channel { source: io::Error },

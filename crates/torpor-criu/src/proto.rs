@@ -60,6 +60,8 @@ pub struct CriuOpts {
     pub work_dir_fd: Option<i32>,
     #[prost(bool, optional, tag = "26")]
     pub rst_sibling: Option<bool>,
+    #[prost(message, repeated, tag = "27")]
+    pub inherit_fd: Vec<InheritFd>,
     #[prost(string, repeated, tag = "37")]
     pub external: Vec<String>,
     #[prost(uint32, optional, tag = "38")]
@@ -68,6 +70,16 @@ pub struct CriuOpts {
     pub orphan_pts_master: Option<bool>,
     #[prost(enumeration = "NetworkLockMethod", optional, tag = "64")]
     pub network_lock: Option<i32>,
+}
+
+/// `inherit_fd`: restore the file the image knows as `key` from descriptor `fd` of the `criu
+/// swrk` process instead of reopening it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct InheritFd {
+    #[prost(string, required, tag = "1")]
+    pub key: String,
+    #[prost(int32, required, tag = "2")]
+    pub fd: i32,
 }
 
 /// `criu_req`.
@@ -145,6 +157,10 @@ mod tests {
             opts: Some(CriuOpts {
                 images_dir_fd: 5,
                 rst_sibling: Some(true),
+                inherit_fd: vec![InheritFd {
+                    key: "a".into(),
+                    fd: 7,
+                }],
                 empty_ns: Some(EMPTY_NS_NET),
                 network_lock: Some(NetworkLockMethod::Skip as i32),
                 ..Default::default()
@@ -154,6 +170,7 @@ mod tests {
         let opts = [
             0x08, 5, // 1: images_dir_fd
             0xd0, 0x01, 1, // 26: rst_sibling
+            0xda, 0x01, 5, 0x0a, 1, b'a', 0x10, 7, // 27: inherit_fd {key: "a", fd: 7}
             0xb0, 0x02, 0x80, 0x80, 0x80, 0x80, 0x04, // 38: empty_ns = 0x40000000
             0x80, 0x04, 3, // 64: network_lock = SKIP
         ];

@@ -1,14 +1,14 @@
 //! Dump and restore requests, and [`Criu::dump`] / [`Criu::restore`].
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use crate::error::{Action, CriuError};
 use crate::locate::Criu;
 use crate::netns::set_loopback_up;
-use crate::proto::{CriuOpts, CriuReq, NetworkLockMethod, ReqType, EMPTY_NS_NET};
+use crate::proto::{CriuOpts, CriuReq, InheritFd, NetworkLockMethod, ReqType, EMPTY_NS_NET};
 use crate::swrk::{self, Notification, NotifyHandler};
 
 /// The notification CRIU sends once the restored tree's namespaces exist, before any of its
@@ -99,6 +99,19 @@ pub struct RestoreRequest<'a> {
     /// restores sockets. With `empty_ns_net` the new namespace's `lo` is otherwise down, and
     /// anything the process listens on at 127.0.0.1 is unreachable (connect: ENETUNREACH).
     pub loopback_up: bool,
+    /// Files the restored tree gets from the caller instead of reopening them (`--inherit-fd`):
+    /// every descriptor of the tree that the image knows by the key is restored as a copy of
+    /// the given one. CRIU gets them at the same numbers, whatever their close-on-exec flag.
+    pub inherit_fds: Vec<InheritedFd<'a>>,
+}
+
+/// One `--inherit-fd` entry of a restore.
+#[derive(Clone, Debug)]
+pub struct InheritedFd<'a> {
+    /// How the image names the file: for a regular file its path without the leading `/`
+    /// (`var/log/app.log`), for a pipe `pipe:[INODE]`.
+    pub key: String,
+    pub fd: BorrowedFd<'a>,
 }
 
 impl<'a> RestoreRequest<'a> {
@@ -119,6 +132,7 @@ impl<'a> RestoreRequest<'a> {
             rst_sibling: false,
             orphan_pts_master: false,
             loopback_up: false,
+            inherit_fds: Vec::new(),
         }
     }
 }
@@ -160,6 +174,7 @@ impl Criu {
             Action::Dump,
             request(ReqType::Dump, opts),
             log,
+            &[],
             on_notify,
         )?;
         Ok(())
@@ -208,6 +223,14 @@ impl Criu {
             notify_scripts: Some(true),
             root,
             rst_sibling: Some(r.rst_sibling),
+            inherit_fd: r
+                .inherit_fds
+                .iter()
+                .map(|i| InheritFd {
+                    key: i.key.clone(),
+                    fd: i.fd.as_raw_fd(),
+                })
+                .collect(),
             external: r.external.clone(),
             empty_ns: r.empty_ns_net.then_some(EMPTY_NS_NET),
             orphan_pts_master: Some(r.orphan_pts_master),
@@ -217,6 +240,7 @@ impl Criu {
             ..Default::default()
         };
         let log = r.work_dir.unwrap_or(r.images_dir).join(r.log_file);
+        let pass: Vec<BorrowedFd<'_>> = r.inherit_fds.iter().map(|i| i.fd).collect();
         let loopback_up = r.loopback_up;
         let mut root_pid = None;
         let mut handler = |n: &mut Notification| {
@@ -236,6 +260,7 @@ impl Criu {
             Action::Restore,
             request(ReqType::Restore, opts),
             log.clone(),
+            &pass,
             &mut handler,
         );
         let resp = match result {

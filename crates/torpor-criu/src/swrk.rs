@@ -1,14 +1,15 @@
 //! One `criu swrk <fd>` conversation over a `SOCK_SEQPACKET` socket pair.
 //!
 //! The child inherits exactly one descriptor besides stdio: its end of the pair (stdin and stdout
-//! are /dev/null, stderr an anonymous temporary file read back when CRIU dies). Everything this
-//! crate opens is close-on-exec, and the child additionally marks every other descriptor
-//! close-on-exec before `exec`, so descriptors a careless library left inheritable do not leak
-//! into CRIU either.
+//! are /dev/null, stderr an anonymous temporary file read back when CRIU dies), plus the
+//! descriptors a restore hands to the restored tree (`inherit_fd`), which CRIU finds by number.
+//! Everything this crate opens is close-on-exec, and the child additionally marks every other
+//! descriptor close-on-exec before `exec`, so descriptors a careless library left inheritable do
+//! not leak into CRIU either.
 
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
@@ -37,6 +38,9 @@ pub type NotifyHandler<'h> = dyn FnMut(&mut Notification) -> Result<(), String> 
 /// Largest number of descriptors accepted with one message (CRIU sends at most one).
 const MAX_FDS: usize = 4;
 
+/// Most descriptors one request may pass to CRIU (the pre-exec hook cannot allocate).
+pub(crate) const MAX_PASSED: usize = 8;
+
 /// One message from CRIU and the descriptors that came with it.
 struct Packet {
     bytes: Vec<u8>,
@@ -52,15 +56,17 @@ struct Session {
 }
 
 /// Runs one request to completion: sends it, answers notifications through `handler`, and
-/// returns CRIU's final reply, which is successful and of the request's type.
+/// returns CRIU's final reply, which is successful and of the request's type. CRIU inherits
+/// `pass` (at the same numbers) besides its socket.
 pub(crate) fn call(
     criu: &Criu,
     action: Action,
     req: CriuReq,
     log: PathBuf,
+    pass: &[BorrowedFd<'_>],
     handler: &mut NotifyHandler<'_>,
 ) -> Result<CriuResp, CriuError> {
-    let mut session = Session::spawn(criu, action, log)?;
+    let mut session = Session::spawn(criu, action, log, pass)?;
     let result = session.converse(req, handler);
     // Closing our end lets a CRIU that is still waiting for us exit; then reap it.
     let Session {
@@ -89,13 +95,29 @@ pub(crate) fn call(
 }
 
 impl Session {
-    fn spawn(criu: &Criu, action: Action, log: PathBuf) -> Result<Session, CriuError> {
+    fn spawn(
+        criu: &Criu,
+        action: Action,
+        log: PathBuf,
+        pass: &[BorrowedFd<'_>],
+    ) -> Result<Session, CriuError> {
         let (ours, theirs) = seqpacket_pair().map_err(|source| CriuError::Channel { source })?;
         let stderr = tempfile::tempfile().map_err(|source| CriuError::Channel { source })?;
         let child_stderr = stderr
             .try_clone()
             .map_err(|source| CriuError::Channel { source })?;
         let fd = theirs.as_raw_fd();
+        let mut keep = [-1 as RawFd; MAX_PASSED + 1];
+        if pass.len() > MAX_PASSED {
+            return Err(CriuError::TooManyInheritedFds {
+                count: pass.len(),
+                max: MAX_PASSED,
+            });
+        }
+        keep[0] = fd;
+        for (slot, p) in keep[1..].iter_mut().zip(pass) {
+            *slot = p.as_raw_fd();
+        }
         let mut cmd = criu.command();
         cmd.arg("swrk")
             .arg(fd.to_string())
@@ -107,9 +129,9 @@ impl Session {
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         // SAFETY: the closure runs in the forked child before exec and only makes raw
         // fcntl/close_range system calls, which are async-signal-safe; it allocates nothing and
-        // touches no locks. `fd` is a plain integer copied into the closure.
+        // touches no locks. `keep` is an array of plain integers copied into the closure.
         unsafe {
-            cmd.pre_exec(move || keep_only_fd(fd));
+            cmd.pre_exec(move || keep_only_fds(&keep));
         }
         let child = cmd.spawn().map_err(|source| CriuError::Spawn {
             program: criu.program().to_path_buf(),
@@ -346,23 +368,26 @@ fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// In the forked child: let `fd` survive exec and mark every other descriptor above stderr
-/// close-on-exec. Only async-signal-safe system calls.
-fn keep_only_fd(fd: RawFd) -> io::Result<()> {
-    // SAFETY: fcntl on a descriptor number has no memory effects.
-    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let fd = fd as libc::c_uint;
-    let cloexec = libc::CLOSE_RANGE_CLOEXEC as libc::c_uint;
+/// In the forked child: mark every descriptor above stderr close-on-exec, then let those in
+/// `keep` (negative entries are unused slots) survive exec. Only async-signal-safe system calls.
+fn keep_only_fds(keep: &[RawFd]) -> io::Result<()> {
     // Best effort (close_range with CLOEXEC needs Linux 5.11): everything this crate opens is
     // close-on-exec already, this only guards against other code's inheritable descriptors.
-    if fd > 3 {
-        // SAFETY: close_range only changes descriptor flags.
-        unsafe { libc::syscall(libc::SYS_close_range, 3 as libc::c_uint, fd - 1, cloexec) };
+    // SAFETY: close_range only changes descriptor flags.
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC as libc::c_uint,
+        )
+    };
+    for &fd in keep.iter().filter(|&&fd| fd >= 0) {
+        // SAFETY: fcntl on a descriptor number has no memory effects.
+        if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
     }
-    // SAFETY: as above.
-    unsafe { libc::syscall(libc::SYS_close_range, fd + 1, libc::c_uint::MAX, cloexec) };
     Ok(())
 }
 
@@ -379,6 +404,7 @@ fn read_tail(file: &mut File) -> String {
 mod tests {
     use super::*;
     use crate::proto::CriuOpts;
+    use std::os::fd::AsFd;
 
     /// A stand-in for `criu swrk` that records which descriptors it inherited, then exits
     /// without answering.
@@ -418,7 +444,7 @@ open(out, "w").write(" ".join(map(str, sorted(fds))) + " socket=" + fd)
             notify_success: None,
         };
         let log = dir.path().join("dump.log");
-        let err = call(&criu, Action::Dump, req, log.clone(), &mut |_| Ok(()))
+        let err = call(&criu, Action::Dump, req, log.clone(), &[], &mut |_| Ok(()))
             .expect_err("the stand-in never answers");
         match &err {
             CriuError::Exited { stderr, log: l, .. } => {
@@ -438,5 +464,39 @@ open(out, "w").write(" ".join(map(str, sorted(fds))) + " socket=" + fd)
             leaked.as_raw_fd()
         );
         assert!(err.to_string().contains("without answering"), "{err}");
+    }
+
+    #[test]
+    fn passed_descriptors_are_inherited_at_their_numbers() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("fds");
+        let criu = Criu::unchecked(
+            "/usr/bin/python3",
+            vec!["-c".into(), RECORD_FDS.into(), out.clone().into()],
+        );
+        // Close-on-exec, as every File std opens: passing it must clear that in the child.
+        let file = File::open("/dev/null").expect("open");
+        let req = CriuReq {
+            r#type: ReqType::Restore as i32,
+            opts: Some(CriuOpts::default()),
+            notify_success: None,
+        };
+        let log = dir.path().join("restore.log");
+        call(
+            &criu,
+            Action::Restore,
+            req,
+            log,
+            &[file.as_fd()],
+            &mut |_| Ok(()),
+        )
+        .expect_err("the stand-in never answers");
+        let text = std::fs::read_to_string(&out).expect("the stand-in ran");
+        let (fds, socket) = text.split_once(" socket=").expect("format");
+        let socket: i32 = socket.parse().expect("fd number");
+        let fds: Vec<i32> = fds.split(' ').map(|f| f.parse().expect("fd")).collect();
+        let mut want = vec![0, 1, 2, socket, file.as_raw_fd()];
+        want.sort();
+        assert_eq!(fds, want);
     }
 }

@@ -25,7 +25,7 @@ mod writer;
 pub use error::{ImageError, Result};
 pub use manifest::{
     check_relative_path, ExternalMount, FileEntry, GpuEntry, GpuSection, Host, Manifest,
-    ProcessEntry, SnapshotKind, Source, MANIFEST_FILE, MAX_MANIFEST_BYTES,
+    ProcessEntry, SnapshotKind, Source, StdioFile, MANIFEST_FILE, MAX_MANIFEST_BYTES,
 };
 pub use snapshot::{is_restore_artifact, Snapshot, VerifyReport};
 pub use summary::{human_seconds, human_size, render_store_usage, render_summary};

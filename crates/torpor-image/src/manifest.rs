@@ -45,6 +45,11 @@ pub struct Manifest {
     /// Mounts CRIU dumped as external (`--external mnt[PATH]:KEY`); restore must bind them again.
     #[serde(default)]
     pub external_mounts: Vec<ExternalMount>,
+    /// The regular files the tree's stdout and stderr (descriptors 1 and 2 of each process) were
+    /// open on: what a restore can point at a new file. Empty for snapshots taken before it was
+    /// recorded, and when stdio was no regular file.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stdio_files: Vec<StdioFile>,
     /// Every file of the snapshot except `manifest.json`, sorted by path.
     #[serde(default)]
     pub files: Vec<FileEntry>,
@@ -159,6 +164,25 @@ pub struct GpuEntry {
     pub used_by_snapshot: Option<u64>,
 }
 
+/// A file the tree's stdout or stderr was open on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StdioFile {
+    /// Absolute path, as the tree saw it.
+    pub path: String,
+    /// How CRIU's image names it, the key of `--inherit-fd`: the path without its leading `/`
+    /// for a file on a mount of the tree's own mount namespace; `file[MNT_ID:INODE]` (hex) for
+    /// one on a mount outside it (the tree was itself restored with new stdio), which was dumped
+    /// as external and must be handed to every restore.
+    pub key: String,
+}
+
+impl StdioFile {
+    /// Whether the file was dumped as external (CRIU cannot reopen it by itself).
+    pub fn is_external(&self) -> bool {
+        self.key.starts_with("file[")
+    }
+}
+
 /// A mount left out of the image: CRIU recorded only `key`, restore maps `key` back to `path`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExternalMount {
@@ -197,6 +221,7 @@ impl Manifest {
             host,
             gpu: None,
             external_mounts: Vec::new(),
+            stdio_files: Vec::new(),
             files: Vec::new(),
             timings: BTreeMap::new(),
             stop_time_s: 0.0,

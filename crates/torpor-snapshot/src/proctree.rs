@@ -3,7 +3,10 @@
 
 use std::fs;
 use std::io;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+
+use torpor_image::StdioFile;
 
 /// One process as /proc describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +30,59 @@ impl ProcessInfo {
     pub fn inner_pid(&self) -> i32 {
         self.ns_pid.last().copied().unwrap_or(self.pid)
     }
+}
+
+/// The regular files descriptors 1 and 2 of `pid` are open on, with the key CRIU's image will
+/// name each by (see [`StdioFile`]); a pipe, terminal, socket or deleted file is left out.
+pub fn stdio_files(pid: i32) -> Vec<StdioFile> {
+    let dir = Path::new("/proc").join(pid.to_string());
+    let mounts = mount_ids(&dir.join("mountinfo")).unwrap_or_default();
+    let mut files = Vec::new();
+    for fd in [1, 2] {
+        let link = dir.join("fd").join(fd.to_string());
+        let Ok(target) = fs::read_link(&link) else {
+            continue;
+        };
+        // Following the /proc link reaches the open file itself, even across namespaces.
+        let Ok(meta) = fs::metadata(&link) else {
+            continue;
+        };
+        let Some(path) = target.to_str() else {
+            continue;
+        };
+        if !meta.is_file() || !path.starts_with('/') || path.ends_with(" (deleted)") {
+            continue;
+        }
+        let Some(mnt_id) = fd_mount_id(&dir.join("fdinfo").join(fd.to_string())) else {
+            continue;
+        };
+        let key = if mounts.contains(&mnt_id) {
+            path.trim_start_matches('/').to_string()
+        } else {
+            format!("file[{mnt_id:x}:{:x}]", meta.ino())
+        };
+        files.push(StdioFile {
+            path: path.to_string(),
+            key,
+        });
+    }
+    files
+}
+
+/// The mount ids of a `mountinfo` file (its first column).
+fn mount_ids(mountinfo: &Path) -> io::Result<Vec<u64>> {
+    Ok(fs::read_to_string(mountinfo)?
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect())
+}
+
+/// The `mnt_id:` of an fdinfo file.
+fn fd_mount_id(fdinfo: &Path) -> Option<u64> {
+    fs::read_to_string(fdinfo)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("mnt_id:")?.trim().parse().ok())
 }
 
 /// Reads one process; `NotFound` when it does not exist.

@@ -1,9 +1,21 @@
 //! `torpor restore`: verify → compatibility checks → CRIU restore into new PID, mount and network
 //! namespaces → driver restore (onto the original GPUs or the mapped ones) → unlock.
+//!
+//! A restored process keeps writing to the files it had open when it was snapshotted, its stdout
+//! and stderr included. With [`RestoreOptions::stdio`], every descriptor of the tree open on one
+//! of the files the manifest records as stdio (`stdio_files`) is instead restored as a descriptor
+//! of the new file (CRIU's `--inherit-fd`, keyed as the image names the file).
+//!
+//! A file handed in that way is opened here, on a mount of the host's mount namespace, not the
+//! tree's; a later snapshot of the restored tree dumps it as an external file (`file[MNT:INODE]`)
+//! that CRIU cannot reopen by itself. Restoring such a snapshot without `stdio` therefore opens
+//! the recorded path here and hands it in too.
 
+use std::os::fd::AsFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-use torpor_criu::{CriuError, RestoreRequest};
+use torpor_criu::{CriuError, InheritedFd, RestoreRequest};
 use torpor_cuda::{CudaDriver, CudaError, GpuUuid, Nvml};
 use torpor_image::{GpuSection, ImageError, Manifest, Snapshot};
 
@@ -23,6 +35,9 @@ pub struct RestoreOptions<'a> {
     pub gpu_map: &'a [GpuMapping],
     /// Where CRIU writes its restore log.
     pub log_dir: &'a Path,
+    /// File that receives the restored tree's stdout and stderr (created, appended), instead of
+    /// the files they were open on when the snapshot was taken.
+    pub stdio: Option<&'a Path>,
 }
 
 /// Why a restore was refused or failed. Nothing restored is left running.
@@ -76,6 +91,15 @@ pub enum RestoreError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    /// `--log` for a snapshot that does not say which files its stdout and stderr were.
+    #[error("--log was given, but the snapshot records no file its stdout and stderr were open on (it was taken by an older torpor, or they were a terminal or pipe): take the snapshot again with this torpor from a process started with `torpor run --log`, or restore without --log")]
+    StdioUnknown,
+    /// The new stdout/stderr file cannot be opened.
+    #[error("cannot open the log file {path} for the restored processes' stdout and stderr: {source}; pass --log with a writable file path")]
+    StdioOpen {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
     /// A CUDA process of the snapshot is missing from the restored tree.
     #[error("restored tree has no process with pid {inner} (a CUDA process of the snapshot): the snapshot is inconsistent; re-take it")]
     MissingCudaProcess { inner: i32 },
@@ -117,6 +141,7 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
     if manifest.gpu.is_none() && !opts.gpu_map.is_empty() {
         return Err(RestoreError::GpuMapWithoutGpu);
     }
+    let stdio = stdio_handles(opts.stdio, &manifest)?;
     // Hashing the image and initialising the driver (cuInit, NVML) are independent: run them
     // side by side. A corrupt snapshot is reported before any GPU complaint.
     let (verified, plan) = std::thread::scope(|scope| {
@@ -180,6 +205,13 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
         log_level: 4,
         orphan_pts_master: false,
         loopback_up: true,
+        inherit_fds: stdio
+            .iter()
+            .map(|(key, file)| InheritedFd {
+                key: key.clone(),
+                fd: file.as_fd(),
+            })
+            .collect(),
     };
     let pid = phases.time("criu_restore", || criu.restore(&request))?;
     // The log of a successful restore is noise; a failed one is kept and named in the error.
@@ -221,6 +253,54 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
         phases,
         manifest,
     })
+}
+
+/// The files to hand to CRIU, by image key: with `new`, that file (created, appended) for every
+/// stdio file of the manifest; without, the recorded path of each external one.
+fn stdio_handles(
+    new: Option<&Path>,
+    manifest: &Manifest,
+) -> Result<Vec<(String, std::fs::File)>, RestoreError> {
+    let open = |path: &Path| {
+        let fail = |source| RestoreError::StdioOpen {
+            path: path.to_path_buf(),
+            source,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(fail)?;
+        }
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .mode(0o644)
+            .open(path)
+            .map_err(fail)
+    };
+    match new {
+        Some(path) => {
+            if manifest.stdio_files.is_empty() {
+                return Err(RestoreError::StdioUnknown);
+            }
+            let file = open(path)?;
+            manifest
+                .stdio_files
+                .iter()
+                .map(|f| {
+                    let copy = file.try_clone().map_err(|source| RestoreError::StdioOpen {
+                        path: path.to_path_buf(),
+                        source,
+                    })?;
+                    Ok((f.key.clone(), copy))
+                })
+                .collect()
+        }
+        None => manifest
+            .stdio_files
+            .iter()
+            .filter(|f| f.is_external())
+            .map(|f| Ok((f.key.clone(), open(Path::new(&f.path))?)))
+            .collect(),
+    }
 }
 
 /// Host pids of the restored processes whose innermost pid is in `inner`, in that order.

@@ -101,6 +101,26 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         source,
     })?;
 
+    let mut stdio: Vec<torpor_image::StdioFile> = Vec::new();
+    for f in pids.iter().flat_map(|&p| proctree::stdio_files(p)) {
+        if !stdio.iter().any(|s| s.key == f.key) {
+            stdio.push(f);
+        }
+    }
+
+    // Stdio a restore handed in from outside the tree's mount namespace is dumped as an external
+    // file, which every restore must hand in again (see `restore`).
+    let dump_external: Vec<String> = external
+        .iter()
+        .map(mounts::dump_spec)
+        .chain(
+            stdio
+                .iter()
+                .filter(|f| f.is_external())
+                .map(|f| f.key.clone()),
+        )
+        .collect();
+
     // Everything that can fail without touching the source happens before it is stopped.
     let host = Host::current(criu.version_string())?;
     let mut phases = Phases::default();
@@ -119,7 +139,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         &criu,
         opts,
         &root,
-        &external,
+        &dump_external,
         tasks.as_mut(),
         &mut phases,
         &writer,
@@ -184,6 +204,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     );
     manifest.gpu = gpu_section;
     manifest.external_mounts = external;
+    manifest.stdio_files = stdio;
     manifest.stop_time_s = stop_time;
 
     if interrupt::interrupted() {
@@ -253,7 +274,7 @@ fn stop_and_dump(
     criu: &Criu,
     opts: &SnapshotOptions,
     root: &ProcessInfo,
-    external: &[torpor_image::ExternalMount],
+    external: &[String],
     tasks: Option<&mut GpuTasks>,
     phases: &mut Phases,
     writer: &SnapshotWriter,
@@ -287,7 +308,7 @@ fn stop_and_dump(
         images_dir: writer.dir(),
         log_file: "dump.log",
         leave_running: true,
-        external: external.iter().map(mounts::dump_spec).collect(),
+        external: external.to_vec(),
         empty_ns_net: true,
         network_lock_skip: true,
         tcp_established: false,

@@ -58,6 +58,9 @@ enum Command {
         /// Put GPU state on other GPUs: OLD=NEW[,OLD=NEW] (ordinals or UUIDs).
         #[arg(long)]
         gpu: Option<String>,
+        /// File for the restored tree's stdout and stderr (appended) [default: the files they had when snapshotted]
+        #[arg(long)]
+        log: Option<PathBuf>,
         /// Print phase timings.
         #[arg(short, long)]
         verbose: bool,
@@ -87,12 +90,15 @@ enum Command {
         #[command(flatten)]
         daemon: cmd::DaemonArgs,
     },
-    /// Show the tail of the log files a function's workers write.
+    /// Show the tail of each instance's log file, most recently written first.
     Logs {
         name: String,
         /// Lines per file.
         #[arg(long, default_value_t = 200)]
         lines: usize,
+        /// Only this instance's log.
+        #[arg(long)]
+        instance: Option<String>,
         /// Print the daemon's JSON answer.
         #[arg(long)]
         json: bool,
@@ -171,8 +177,9 @@ fn main() -> ExitCode {
             dir,
             detach,
             gpu,
+            log,
             verbose,
-        } => cmd::restore::run(&dir, detach, gpu.as_deref(), verbose),
+        } => cmd::restore::run(&dir, detach, gpu.as_deref(), log.as_deref(), verbose),
         Command::Inspect {
             dir,
             json,
@@ -187,9 +194,10 @@ fn main() -> ExitCode {
         Command::Logs {
             name,
             lines,
+            instance,
             json,
             daemon,
-        } => cmd::logs::run(&daemon, &name, lines, json),
+        } => cmd::logs::run(&daemon, &name, lines, instance.as_deref(), json),
         Command::Deploy { dir, json, daemon } => cmd::deploy::run(&daemon, &dir, json),
         Command::Invoke {
             name,

@@ -287,21 +287,21 @@ fn load_frame(spec: &Value, dir: &Path) -> Value {
     json!({"type": "load", "spec": spec, "dir": dir, "data": data})
 }
 
-/// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker,
-/// sends it `load` and waits for `ready`. Returns (init, worker, connection, timings: `boot`
-/// (launch and connect), `load` (import, setup, warm-up)). `charge`, for an instance's start,
-/// learns the worker's tree as soon as it is launched.
+/// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker
+/// writing to `log`, sends it `load` and waits for `ready`. Returns (init, worker, connection,
+/// timings: `boot` (launch and connect), `load` (import, setup, warm-up)). `charge`, for an
+/// instance's start, learns the worker's tree as soon as it is launched.
 pub(crate) async fn boot_function(
     rt: &Runtime,
-    name: &str,
     spec: &Value,
     dir: &Path,
+    log: &Path,
     charge: Option<&crate::accounting::StartGuard<'_>>,
 ) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), String> {
     let t = Instant::now();
     let python_dir = rt.python_dir.clone()?;
     let (_, python, preload, gpu) = base_key(spec).map_err(|f| f.message)?;
-    let log = rt.logs_dir().join(format!("boot-{name}.log"));
+    let log = log.to_path_buf();
     let (ws, sd, lg) = (
         rt.workers_socket.clone(),
         rt.state_root.clone(),
@@ -570,7 +570,8 @@ async fn steps(
 
     // Restore the base and load the function into it.
     let t = Instant::now();
-    let (init, worker) = restore(&base.path, &rt.logs_dir())
+    let log = crate::instance_logs::deploy_log(&rt.logs_dir(), name, now_ms());
+    let (init, worker) = restore(&base.path, &rt.logs_dir(), &log)
         .await
         .map_err(|e| fail("restore_base", e))?;
     let mut guard = TreeGuard(Some(init));

@@ -866,23 +866,34 @@ impl Runtime {
         sleeper: Option<&Sleeper>,
         charge: &crate::accounting::StartGuard<'_>,
     ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
+        // A woken instance keeps its id and appends to its log.
+        let id = sleeper.map_or_else(
+            || format!("{name}-{}-{}", now_ms(), self.next()),
+            |s| s.id.clone(),
+        );
+        let log = crate::instance_logs::instance_log(&self.logs_dir(), name, &id);
+        crate::instance_logs::prune_in_background(
+            Arc::clone(&self.registry),
+            self.logs_dir(),
+            name.to_string(),
+        );
         if sleeper.is_none() && self.config.cold_start == ColdStart::Boot {
             let t = Instant::now();
             let fdir = PathBuf::from(info.spec["dir"].as_str().unwrap_or_default());
             let (init, worker, conn, mut timings) =
-                crate::deploy::boot_function(self, name, &info.spec, &fdir, Some(charge))
+                crate::deploy::boot_function(self, &info.spec, &fdir, &log, Some(charge))
                     .await
                     .map_err(|e| format!("cannot boot an instance of {name:?}: {e}"))?;
             timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
             let inst = self
-                .adopt(name, info, generation, None, init, worker, conn)
+                .adopt(id, name, info, generation, None, init, worker, conn)
                 .await?;
             tracing::info!(function = name, instance = %inst.id, pid = init, boot_ms = t.elapsed().as_secs_f64() * 1e3, "instance booted");
             return Ok((inst, timings, start::BOOTED));
         }
         let t = Instant::now();
         let from = sleeper.map_or(&info.snapshot_dir, |s| &s.snapshot_dir);
-        let (init, worker) = restore(from, &self.logs_dir())
+        let (init, worker) = restore(from, &self.logs_dir(), &log)
             .await
             .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
         charge.process_started(init);
@@ -910,7 +921,7 @@ impl Runtime {
         }
         let reconnect_s = t.elapsed().as_secs_f64();
         let inst = self
-            .adopt(name, info, generation, sleeper, init, worker, conn)
+            .adopt(id, name, info, generation, sleeper, init, worker, conn)
             .await?;
         tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
         Ok((
@@ -928,6 +939,7 @@ impl Runtime {
     #[allow(clippy::too_many_arguments)]
     async fn adopt(
         self: &Arc<Self>,
+        id: String,
         name: &str,
         info: &FnInfo,
         generation: u64,
@@ -938,7 +950,7 @@ impl Runtime {
     ) -> Result<Arc<Instance>, String> {
         let now = now_ms();
         let inst = Arc::new(Instance {
-            id: sleeper.map_or_else(|| format!("{name}-{now}-{}", self.next()), |s| s.id.clone()),
+            id,
             function: name.to_string(),
             init_pid: init,
             worker_pid: worker,
@@ -1144,19 +1156,31 @@ pub fn kill_tree(init: i32) {
     }
 }
 
-/// Restores a snapshot detached (blocking work on the blocking pool); returns (init, worker).
-pub async fn restore(dir: &Path, log_dir: &Path) -> Result<(i32, i32), String> {
+/// Restores a snapshot detached (blocking work on the blocking pool), its stdout and stderr
+/// going to `stdio`; returns (init, worker). A snapshot that does not record its stdio files
+/// (taken by an older torpord) is restored onto the files it had, with a warning.
+pub async fn restore(dir: &Path, log_dir: &Path, stdio: &Path) -> Result<(i32, i32), String> {
     let dir = dir.to_path_buf();
     let log_dir = log_dir.to_path_buf();
+    let stdio = stdio.to_path_buf();
     tokio::task::spawn_blocking(move || {
-        let restored =
+        let restore_with = |stdio: Option<&Path>| {
             torpor_snapshot::restore::restore(&torpor_snapshot::restore::RestoreOptions {
                 dir: &dir,
                 detach: true,
                 gpu_map: &[],
                 log_dir: &log_dir,
+                stdio,
             })
-            .map_err(|e| e.to_string())?;
+        };
+        let restored = match restore_with(Some(&stdio)) {
+            Err(torpor_snapshot::restore::RestoreError::StdioUnknown) => {
+                tracing::warn!(snapshot = %dir.display(), "the snapshot records no stdout/stderr file: its instance keeps writing to the old log");
+                restore_with(None)
+            }
+            other => other,
+        }
+        .map_err(|e| e.to_string())?;
         match crate::launcher::worker_pid(restored.pid) {
             Ok(w) => Ok((restored.pid, w)),
             Err(e) => {

@@ -118,6 +118,11 @@ pub async fn delete(
     if is_inside(&function.dir, &functions_root) {
         dirs.push((function.dir.clone(), true));
     }
+    // Its instances' and deploys' logs (the base's log stays with the base).
+    dirs.push((
+        crate::instance_logs::function_dir(&state.runtime.logs_dir(), &name),
+        true,
+    ));
     let (removed, left_behind) = tokio::task::spawn_blocking(move || remove_dirs(dirs))
         .await
         .map_err(|e| ApiError::internal(format!("removing directories failed: {e}")))?;

@@ -1,14 +1,15 @@
-//! `GET /v1/functions/{name}/logs[?lines=N]`: the tail of the log files its workers write.
+//! `GET /v1/functions/{name}/logs[?lines=N][&instance=ID]`: the tail of each instance's log.
 //!
-//! A worker's stdout and stderr go to the file it was launched with, and a restored copy keeps
-//! writing to the file of the process it was snapshotted from. So every instance restored from
-//! a function snapshot, or woken from hibernation, writes to its base's log
-//! (`logs/base-<hash>.log`, shared with the other functions on that base, marked `shared`);
-//! instances booted with `cold_start = "boot"` write to `logs/boot-<name>.log`.
+//! Every instance writes its own file, `logs/<function>/<instance id>.log`: a restore hands the
+//! restored tree a new stdout and stderr (`torpor restore --log`), a woken instance appends to
+//! the file it had, a booted one (`cold_start = "boot"`) is launched with it. A deploy's load
+//! phase writes `logs/<function>/_deploy-<unix ms>.log`. See [`crate::instance_logs`] for the
+//! layout and the bound on old files. The answer lists the files most recently written first.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
+use std::time::UNIX_EPOCH;
 
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
@@ -16,6 +17,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 
 use super::{with_registry, ApiError, AppState};
+use crate::instance_logs;
 
 /// Lines per file when the query does not say.
 pub const DEFAULT_LINES: usize = 200;
@@ -28,10 +30,12 @@ const MAX_TAIL_BYTES: u64 = 4 << 20;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogFile {
     pub path: PathBuf,
-    /// Other functions' workers write to it too (the base's log).
-    pub shared: bool,
+    /// The instance that writes it; `None` for the log of a deploy's load phase.
+    pub instance: Option<String>,
     /// Its size.
     pub bytes: u64,
+    /// When it was last written, Unix milliseconds.
+    pub modified_ms: i64,
     /// Its last lines.
     pub tail: String,
 }
@@ -40,6 +44,7 @@ pub struct LogFile {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FunctionLogs {
     pub function: String,
+    /// Most recently written first.
     pub files: Vec<LogFile>,
 }
 
@@ -49,6 +54,7 @@ pub async fn get(
     RawQuery(query): RawQuery,
 ) -> Result<Json<FunctionLogs>, ApiError> {
     let mut lines = DEFAULT_LINES;
+    let mut instance: Option<String> = None;
     for pair in query
         .as_deref()
         .unwrap_or("")
@@ -64,10 +70,13 @@ pub async fn get(
                     )
                 })?;
             }
+            Some(("instance", v)) => instance = Some(v.to_string()),
             _ => {
                 return Err(ApiError::new(
                     StatusCode::BAD_REQUEST,
-                    format!("unknown query parameter {pair:?}: the only one is lines=N"),
+                    format!(
+                    "unknown query parameter {pair:?}: the only ones are lines=N and instance=ID"
+                ),
                 ))
             }
         }
@@ -80,7 +89,7 @@ pub async fn get(
     }
     let logs = state.runtime.logs_dir();
     let n = name.clone();
-    let function = with_registry(&state, move |r| {
+    with_registry(&state, move |r| {
         r.with(|s| {
             s.function(&n)?.ok_or_else(|| {
                 ApiError::not_found(format!("no function named {n:?} (see `torpor ls`)"))
@@ -88,35 +97,47 @@ pub async fn get(
         })
     })
     .await?;
-    let candidates = vec![
-        (
-            logs.join(format!(
-                "base-{}.log",
-                crate::deploy::fnv(&function.base_key)
-            )),
-            true,
-        ),
-        (logs.join(format!("boot-{name}.log")), false),
-    ];
+    let function = name.clone();
     let files = tokio::task::spawn_blocking(move || {
+        let entries = instance_logs::list(&logs, &function).map_err(|e| {
+            ApiError::internal(format!(
+                "cannot list {}: {e}",
+                instance_logs::function_dir(&logs, &function).display()
+            ))
+        })?;
+        let entries: Vec<_> = match &instance {
+            Some(id) => entries
+                .into_iter()
+                .filter(|e| e.instance.as_deref() == Some(id.as_str()))
+                .collect(),
+            None => entries,
+        };
+        if let (Some(id), true) = (&instance, entries.is_empty()) {
+            return Err(ApiError::not_found(format!(
+                "function {function:?} has no log of an instance {id:?}: see `torpor logs {function}` for its instances"
+            )));
+        }
         let mut out = Vec::new();
-        for (path, shared) in candidates {
-            match tail(&path, lines) {
-                Ok(Some((bytes, tail))) => out.push(LogFile {
-                    path,
-                    shared,
+        for e in entries {
+            // A file pruned between the listing and the read is skipped.
+            if let Some((bytes, tail)) = tail(&e.path, lines).map_err(ApiError::internal)? {
+                let modified_ms = e
+                    .modified
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as i64);
+                out.push(LogFile {
+                    path: e.path,
+                    instance: e.instance,
                     bytes,
+                    modified_ms,
                     tail,
-                }),
-                Ok(None) => {}
-                Err(e) => return Err(e),
+                });
             }
         }
         Ok(out)
     })
     .await
-    .map_err(|e| ApiError::internal(format!("log task failed: {e}")))?
-    .map_err(ApiError::internal)?;
+    .map_err(|e| ApiError::internal(format!("log task failed: {e}")))??;
     Ok(Json(FunctionLogs {
         function: name,
         files,
