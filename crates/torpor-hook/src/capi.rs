@@ -145,7 +145,9 @@ pub unsafe extern "C" fn torpor_hook_list(out: *mut TorporHookSegment, capacity:
 /// A new fd for the memory of the segment at `va` (the caller owns it), or -1.
 #[no_mangle]
 pub extern "C" fn torpor_hook_export(va: u64) -> c_int {
-    call("torpor_hook_export", || hook().export(va))
+    call("torpor_hook_export", || {
+        hook().keeping_context(|| hook().export(va))
+    })
 }
 
 /// Releases every segment's memory and keeps its addresses (GPUs synchronised first); the
