@@ -466,6 +466,7 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
  * cuMemAlloc_v2/cuMemFree_v2 need one, as on the real driver, and return host memory.
  *
  *   FAKE_CUDA_GRANULARITY     allocation granularity in bytes (default 2 MiB, as on an H100).
+ *   FAKE_CUDA_MEM_CREATE_RESULT  code cuMemCreate returns instead of creating (2: out of memory).
  *   FAKE_CUDA_LOG             also gets one line per copy: "<htod|dtoh|dtod> stream=<id> bytes=<n>".
  */
 #include <pthread.h>
@@ -654,6 +655,9 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                      const CUmemAllocationProp *prop, unsigned long long flags) {
     if (!handle || flags || !prop_ok(prop) || size == 0 || size % granularity())
         return CUDA_ERROR_INVALID_VALUE;
+    long forced = env_long("FAKE_CUDA_MEM_CREATE_RESULT", 0);
+    if (forced)
+        return (CUresult)forced;
     int fd = memfd_create("fake-cuda-memory", MFD_CLOEXEC);
     if (fd < 0)
         return CUDA_ERROR_OUT_OF_MEMORY;

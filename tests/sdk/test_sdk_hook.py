@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torpor
 from sdkd import FUNCTIONS, Conn, Daemon, Spawned, Spawner, hook_lib, proc_state, wait_for, worker_env
-from torpor import hook
+from torpor import data, hook
 
 SEGBUF = FUNCTIONS / "segbuf"
 TABLE = (SEGBUF / "table.bin").read_bytes()
@@ -78,7 +78,11 @@ def test_buffer_and_buffered_data_live_in_segments(spawn: Spawner, daemon: Daemo
     assert i["buf_len"] == BUFFER_SIZE and i["buf_sha"] == sha(pattern(BUFFER_SIZE))
     assert i["table_len"] == len(TABLE) and i["table_sha"] == sha(TABLE)
     assert i["table_readonly"] is True
-    buf, table = i["segments"]
+    # Writable data is a private, writable copy: the file stays as it was.
+    assert i["notes"] == "WRITABLE notes\n" and i["notes_readonly"] is False
+    assert (SEGBUF / "notes.txt").read_text() == "writable notes\n"
+    buf, table, notes = i["segments"]
+    assert (notes["size"], notes["readonly"]) == (PAGE, False)
     assert buf == {
         "va": i["buf_addr"],
         "size": pages(BUFFER_SIZE),
@@ -107,7 +111,7 @@ def test_split_quiesce_hands_over_releases_and_maps_back(spawn: Spawner, daemon:
     assert fd is None and quiet["type"] == "quiet", quiet
     segments = quiet["segments"]
     assert [s["va"] for s in segments] == [s["va"] for s in before["segments"]]
-    assert [(s["backend"], s["readonly"]) for s in segments] == [("host", False), ("host", True)]
+    assert [(s["backend"], s["readonly"]) for s in segments] == [("host", False), ("host", True), ("host", False)]
 
     # One segment_fd frame per segment, each with the segment's memory: the capture step.
     exported = {}
@@ -116,7 +120,7 @@ def test_split_quiesce_hands_over_releases_and_maps_back(spawn: Spawner, daemon:
         assert frame == {"type": "segment_fd", "va": s["va"], "fd": True}
         assert fd is not None, "segment_fd came without an fd"
         exported[s["va"]] = fd
-    buf, table = segments
+    buf, table, notes = segments
     with mmap.mmap(exported[buf["va"]], buf["size"], prot=mmap.PROT_READ) as m:
         assert m[:BUFFER_SIZE] == pattern(BUFFER_SIZE)
     with mmap.mmap(exported[table["va"]], table["size"], prot=mmap.PROT_READ) as m:
@@ -127,7 +131,7 @@ def test_split_quiesce_hands_over_releases_and_maps_back(spawn: Spawner, daemon:
 
     c.send({"type": "release"})
     released = c.expect("released")
-    assert released == {"type": "released", "bytes": buf["size"] + table["size"]}
+    assert released == {"type": "released", "bytes": buf["size"] + table["size"] + notes["size"]}
     assert c.at_eof(), "the worker must close its connection after released"
     wait_for(lambda: proc_state(w.pid) == "S", 5, "the worker to block in sigwait")
     # The memory is gone from the worker, the addresses are still reserved.
@@ -144,6 +148,7 @@ def test_split_quiesce_hands_over_releases_and_maps_back(spawn: Spawner, daemon:
     assert c2.expect("hello")["resumed"] is True
     new_buf = segment_memfd(pattern(BUFFER_SIZE, seed=7), buf["size"], sealed=False)
     new_table = segment_memfd(TABLE[::-1], table["size"], sealed=True)
+    new_notes = segment_memfd(b"restored notes\n", notes["size"], sealed=False)
     try:
         # A map the hook refuses is an answer, not the end of the worker.
         c2.send_with_fd({"type": "map", "va": buf["va"], "size": PAGE, "readonly": False, "fd": True}, new_buf)
@@ -157,7 +162,7 @@ def test_split_quiesce_hands_over_releases_and_maps_back(spawn: Spawner, daemon:
         bad = c2.expect("mapped")
         assert bad["ok"] is False and "sealed read-only" in bad["error"]["message"], bad
         # First-use order: the table first.
-        for s, fd in ((table, new_table), (buf, new_buf)):
+        for s, fd in ((table, new_table), (buf, new_buf), (notes, new_notes)):
             c2.send_with_fd(
                 {"type": "map", "va": s["va"], "size": s["size"], "readonly": s["readonly"], "fd": True}, fd
             )
@@ -167,6 +172,7 @@ def test_split_quiesce_hands_over_releases_and_maps_back(spawn: Spawner, daemon:
         assert after["buf_addr"] == before["buf_addr"]
         assert after["buf_sha"] == sha(pattern(BUFFER_SIZE, seed=7))
         assert after["table_sha"] == sha(TABLE[::-1])
+        assert after["notes"] == "restored notes\n"
         assert all(s["mapped"] for s in after["segments"])
         assert maps_of(w.pid, table["va"]) == "r--s"
         # The worker writes into the daemon's memory: one physical copy.
@@ -175,10 +181,11 @@ def test_split_quiesce_hands_over_releases_and_maps_back(spawn: Spawner, daemon:
     finally:
         os.close(new_buf)
         os.close(new_table)
+        os.close(new_notes)
     # The next snapshot works the same way.
     c2.send({"type": "quiesce", "split": True})
     quiet, _ = c2.recv_with_fd()
-    assert len(quiet["segments"]) == 2
+    assert len(quiet["segments"]) == 3
     for _ in quiet["segments"]:
         _, fd = c2.recv_with_fd()
         assert fd is not None
@@ -233,3 +240,25 @@ def test_buffer_in_this_process_is_zeroed_writable_memory(monkeypatch: pytest.Mo
     b[4990:] = b"0123456789"
     segment = next(s for s in hook.get().segments() if s.size == pages(5000) and s.backend == "host")
     assert segment.mapped and not segment.read_only
+
+
+def test_load_into_a_segment_checks_the_declared_size(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(hook, "_hook", None)
+    monkeypatch.setenv("TORPOR_HOOK_LIB", str(hook_lib()))
+    fdir = tmp_path / "segbuf"
+    fdir.mkdir()
+    for name in ("torpor.toml", "model.py", "table.bin", "notes.txt"):
+        (fdir / name).write_bytes((SEGBUF / name).read_bytes())
+    torpor.use_dir(fdir)
+    try:
+        table = torpor.load("table", buffer=True)
+        assert table.readonly and table.tobytes() == TABLE
+        assert torpor.load("table") == fdir / "table.bin"
+        # The file changes after the spec was validated (binding again forgets the buffers):
+        # a clear error, not wrong data.
+        torpor.use_dir(fdir)
+        (fdir / "table.bin").write_bytes(TABLE[:-1])
+        with pytest.raises(torpor.DataError, match="has 9999 bytes but 10000 were declared"):
+            torpor.load("table", buffer=True)
+    finally:
+        data.unbind()

@@ -6,6 +6,7 @@
 //! (`tests/test_hook_gpu.py`).
 
 use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -60,18 +61,18 @@ fn built() -> &'static (PathBuf, PathBuf) {
     })
 }
 
-/// Runs the program (preloading the hook when `preload`), returning its key=value lines.
-fn run(preload: bool, hook_cuda: Option<&str>) -> BTreeMap<String, Vec<String>> {
+/// Runs the program with the hook preloaded and `env`, returning its key=value lines and its
+/// stderr.
+fn run(env: &[(&str, &OsStr)]) -> (BTreeMap<String, Vec<String>>, String) {
     let (driver, program) = built();
     let mut command = Command::new(program);
     command
         .env("TORPOR_LIBCUDA", driver)
-        .env_remove("TORPOR_HOOK_CUDA");
-    if preload {
-        command.env("LD_PRELOAD", hook_library());
-    }
-    if let Some(value) = hook_cuda {
-        command.env("TORPOR_HOOK_CUDA", value);
+        .env("LD_PRELOAD", hook_library())
+        .env_remove("TORPOR_HOOK_CUDA")
+        .env_remove("FAKE_CUDA_MEM_CREATE_RESULT");
+    for (key, value) in env {
+        command.env(key, value);
     }
     let output = command.output().unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
@@ -86,7 +87,13 @@ fn run(preload: bool, hook_cuda: Option<&str>) -> BTreeMap<String, Vec<String>> 
         let (key, value) = line.split_once('=').unwrap();
         facts.entry(key.into()).or_default().push(value.into());
     }
-    facts
+    (facts, String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+const ON: (&str, &str) = ("TORPOR_HOOK_CUDA", "1");
+
+fn os(pairs: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static OsStr)> {
+    pairs.iter().map(|&(k, v)| (k, OsStr::new(v))).collect()
 }
 
 fn one<'a>(facts: &'a BTreeMap<String, Vec<String>>, key: &str) -> &'a str {
@@ -98,7 +105,8 @@ fn one<'a>(facts: &'a BTreeMap<String, Vec<String>>, key: &str) -> &'a str {
 
 #[test]
 fn big_driver_allocations_become_segments_that_release_and_map_back() {
-    let facts = run(true, Some("1"));
+    let (facts, stderr) = run(&os(&[ON]));
+    assert_eq!(stderr, "", "the hook complained");
     assert_eq!(one(&facts, "hook"), "loaded");
     // Without a current context the call goes to the driver, which refuses it as usual.
     assert_eq!(one(&facts, "no_context.result"), "201");
@@ -134,10 +142,58 @@ fn big_driver_allocations_become_segments_that_release_and_map_back() {
 
 #[test]
 fn without_torpor_hook_cuda_every_allocation_goes_to_the_driver() {
-    for setting in [None, Some("0")] {
-        let facts = run(true, setting);
+    for env in [vec![], os(&[("TORPOR_HOOK_CUDA", "0")])] {
+        let (facts, _) = run(&env);
         assert_eq!(one(&facts, "big.result"), "0");
-        assert_eq!(one(&facts, "allocated.segments"), "0", "{setting:?}");
+        assert_eq!(one(&facts, "allocated.segments"), "0", "{env:?}");
         assert_eq!(one(&facts, "free_big.result"), "0");
     }
+}
+
+#[test]
+fn lack_of_device_memory_is_the_callers_out_of_memory_error() {
+    let (facts, stderr) = run(&os(&[ON, ("FAKE_CUDA_MEM_CREATE_RESULT", "2")]));
+    assert_eq!(one(&facts, "big.result"), "2", "CUDA_ERROR_OUT_OF_MEMORY");
+    assert_eq!(one(&facts, "small.result"), "0");
+    assert_eq!(
+        one(&facts, "allocated.segments"),
+        "0",
+        "a failed segment was kept"
+    );
+    assert_eq!(
+        stderr, "",
+        "lack of memory is the caller's to handle, not a warning"
+    );
+}
+
+#[test]
+fn a_segment_the_driver_cannot_make_falls_back_to_the_driver_with_one_warning() {
+    // CUDA_ERROR_INVALID_VALUE from cuMemCreate: the allocation is made the ordinary way.
+    let (facts, stderr) = run(&os(&[ON, ("FAKE_CUDA_MEM_CREATE_RESULT", "1")]));
+    assert_eq!(one(&facts, "big.result"), "0");
+    assert_eq!(one(&facts, "allocated.segments"), "0");
+    assert_eq!(one(&facts, "free_big.result"), "0");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("torpor-hook: cannot make a segment: cuMemCreate failed"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("stay in the driver's checkpoint"),
+        "{stderr}"
+    );
+
+    // A driver without the VMM calls: the same, with the reason named.
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("torpor-hook-fakes");
+    let old = fakes::build(Fake::Cuda, &dir).unwrap_or_else(|e| panic!("{e}"));
+    let (facts, stderr) = run(&[ON.0, "TORPOR_LIBCUDA"]
+        .into_iter()
+        .zip([OsStr::new("1"), old.as_os_str()])
+        .collect::<Vec<_>>());
+    assert_eq!(one(&facts, "big.result"), "0");
+    assert_eq!(one(&facts, "allocated.segments"), "0");
+    assert!(
+        stderr.starts_with("torpor-hook: cannot use the CUDA driver:") && stderr.contains("has no"),
+        "{stderr}"
+    );
 }

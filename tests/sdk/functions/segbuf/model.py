@@ -1,7 +1,8 @@
 """SegBuf: keeps a writable torpor.buffer() and read-only declared data in hook segments.
 
 Requests:
-    {"op": "info"}                        -> addresses, SHA-256 of both, the hook's segments
+    {"op": "info"}                        -> addresses, SHA-256 of both, the writable notes, the
+                                             hook's segments
     {"op": "write", "at": n, "hex": s}    -> writes bytes.fromhex(s) into the buffer at n
     {"op": "write_table"}                 -> tries to write the read-only data ("refused")
 """
@@ -29,6 +30,8 @@ class SegBuf:
         assert self.buf.tobytes() == bytes(BUFFER_SIZE), "torpor.buffer() is not zeroed"
         self.buf[:] = pattern(BUFFER_SIZE)
         self.table = torpor.load("table", buffer=True)
+        self.notes = torpor.load("notes", buffer=True)
+        self.notes[:8] = b"WRITABLE"
         assert torpor.load("table", buffer=True) is self.table, "a second load made a second copy"
 
     def __call__(self, request: dict[str, Any]) -> Any:
@@ -41,6 +44,8 @@ class SegBuf:
                 "table_len": len(self.table),
                 "table_sha": hashlib.sha256(self.table).hexdigest(),
                 "table_readonly": self.table.readonly,
+                "notes": self.notes.tobytes().decode(),
+                "notes_readonly": self.notes.readonly,
                 "segments": [
                     {**s.frame(), "mapped": s.mapped} for s in hook.get().segments()
                 ],
