@@ -44,7 +44,7 @@ fn built() -> &'static (PathBuf, PathBuf) {
         let aside = dir.join(format!(".driver_alloc.{}", std::process::id()));
         let compiler = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
         let output = Command::new(&compiler)
-            .args(["-O1", "-Wall", "-std=c11", "-o"])
+            .args(["-O1", "-Wall", "-std=c11", "-pthread", "-o"])
             .arg(&aside)
             .arg(&source)
             .arg(&driver)
@@ -138,6 +138,10 @@ fn big_driver_allocations_become_segments_that_release_and_map_back() {
     assert_eq!(one(&facts, "free_big.result"), "0");
     assert_eq!(one(&facts, "free_small.result"), "0");
     assert_eq!(one(&facts, "freed.segments"), "0");
+
+    // Six threads allocating, writing and freeing segments at once.
+    assert_eq!(one(&facts, "threads.failures"), "0");
+    assert_eq!(one(&facts, "threads.segments"), "0");
 }
 
 #[test]

@@ -6,7 +6,9 @@
  * prints one "key=value" line per fact for the test to check.
  */
 #define _GNU_SOURCE
+#include <sched.h>
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -47,6 +49,42 @@ static void print_segments(const char *when) {
     for (size_t i = 0; i < n && i < 8; i++)
         printf("%s.segment=%llx,%llu,%u,%d,%u\n", when, (unsigned long long)s[i].va,
                (unsigned long long)s[i].size, s[i].backend, s[i].ordinal, s[i].mapped);
+}
+
+/* Threads allocating, writing and freeing segments at once; the failures they saw. */
+static CUcontext shared_ctx;
+static void *churn(void *arg) {
+    long failures = 0;
+    unsigned char tag = (unsigned char)(uintptr_t)arg;
+    cuCtxSetCurrent(shared_ctx);
+    for (int i = 0; i < 25; i++) {
+        CUdeviceptr p = 0;
+        if (cuMemAlloc_v2(&p, 2 << 20) != 0) {
+            failures++;
+            continue;
+        }
+        memset((void *)(uintptr_t)p, tag, 2 << 20);
+        sched_yield();
+        unsigned char *bytes = (unsigned char *)(uintptr_t)p;
+        if (bytes[0] != tag || bytes[(2 << 20) - 1] != tag)
+            failures++;
+        if (cuMemFree_v2(p) != 0)
+            failures++;
+    }
+    return (void *)failures;
+}
+
+static long run_threads(void) {
+    pthread_t threads[6];
+    long failures = 0;
+    for (uintptr_t t = 0; t < 6; t++)
+        pthread_create(&threads[t], NULL, churn, (void *)(t + 1));
+    for (int t = 0; t < 6; t++) {
+        void *result;
+        pthread_join(threads[t], &result);
+        failures += (long)result;
+    }
+    return failures;
 }
 
 int main(void) {
@@ -99,6 +137,10 @@ int main(void) {
     printf("free_big.result=%d\n", cuMemFree_v2(big));
     printf("free_small.result=%d\n", cuMemFree_v2(small));
     print_segments("freed");
+
+    shared_ctx = ctx;
+    printf("threads.failures=%ld\n", run_threads());
+    print_segments("threads");
     printf("last_error=%s\n", last_error());
     return 0;
 }
