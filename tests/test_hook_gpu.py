@@ -68,6 +68,9 @@ def test_cuda_malloc_interposition_gives_identical_outputs_and_segments_that_rem
     assert isinstance(hooked["cuda_segments"], int) and hooked["cuda_segments"] > 0, hooked
     assert hooked["out"] == plain["out"], "the output differs with VMM-backed allocations"
     assert hooked["after_remap"] == plain["out"], "the output differs after release and map back"
+    # The forward pass recorded first-use order: the stem convolution's segment is first.
+    assert isinstance(hooked["marked"], int) and hooked["marked"] > 0, hooked
+    assert hooked["first_use_ok"] is True, hooked
     # The hook without TORPOR_HOOK_CUDA=1 leaves allocations alone.
     passive = run({"LD_PRELOAD": lib, "TORPOR_HOOK_LIB": lib})
     assert passive["cuda_segments"] == 0 and passive["out"] == plain["out"], passive

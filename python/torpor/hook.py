@@ -11,12 +11,20 @@ workers, so that both share one segment table). Without it, torpor.buffer() rais
 
 A segment lives as long as the process: torpor.buffer() memory is never given back, since a
 snapshot of the worker refers to its address.
+
+recording_first_use() gives segments their first-use order (what the restore server fills
+first): while it is active, each PyTorch module that runs marks the segments holding its
+parameters and buffers. The harness records so during the function's warm-up request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import itertools
 import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,3 +218,31 @@ def buffer(size: int) -> memoryview:
     worker stores them outside the CRIU image and a restore maps them back at the same address.
     The memory lives as long as the process."""
     return host_segment(size)[1]
+
+
+@contextlib.contextmanager
+def recording_first_use() -> Iterator[None]:
+    """While active, every PyTorch module that runs forward marks the segments holding its CUDA
+    parameters and buffers as used, in the order the modules run. Nothing happens without torch
+    imported or without the hook."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not available():
+        yield
+        return
+    mark = get()._lib.torpor_hook_mark_first_use
+    seen: set[int] = set()
+
+    def pre_hook(module: Any, _args: Any) -> None:
+        for t in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
+            if t.is_cuda:
+                ptr = t.data_ptr()
+                if ptr not in seen:
+                    seen.add(ptr)
+                    # -1 for memory outside every segment (a small allocation): nothing to mark.
+                    mark(ptr)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -412,7 +412,9 @@ class Worker:
             t1 = time.perf_counter()
             phase = "warmup"
             if warmup is not None:
-                value = instance(warmup["request"])
+                # The warm-up request sets the segments' first-use order (docs/split.md).
+                with torpor_hook.recording_first_use():
+                    value = instance(warmup["request"])
                 try:
                     encode({"value": value})
                 except FrameError as e:

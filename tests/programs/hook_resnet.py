@@ -1,10 +1,12 @@
 """A ResNet-style forward pass on the GPU, for the hook's GPU test: prints one JSON line.
 
     {"out": sha256 of the output's bytes, "cuda_segments": n, "segment_bytes": b,
+     "marked": segments given a first-use place, "first_use_ok": the stem's weights come first,
      "after_remap": sha256 of the output after the segments were released and mapped back}
 
 Run plainly, and with LD_PRELOAD=libtorpor_hook.so TORPOR_HOOK_CUDA=1 TORPOR_HOOK_LIB=<same>:
-the outputs must be bit-identical. With the hook it also exports every cuda segment's memory,
+the outputs must be bit-identical. With the hook the first pass records first-use order
+(torpor.hook.recording_first_use), and it also exports every cuda segment's memory,
 releases all segments (the snapshot step), maps the exported memory back at the same addresses
 (the restore step) and runs the forward pass again. Deterministic: seeded, cuDNN deterministic.
 """
@@ -44,7 +46,7 @@ class Block(nn.Module):
         return torch.relu(self.bn2(self.conv2(y)) + self.skip(x))
 
 
-def model() -> nn.Module:
+def model() -> nn.Sequential:
     widths = [64, 128, 256, 512]
     layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
     cin = 64
@@ -55,7 +57,7 @@ def model() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def forward(net: nn.Module, x: torch.Tensor) -> str:
+def forward(net: nn.Sequential, x: torch.Tensor) -> str:
     with torch.no_grad():
         out = net(x)
     torch.cuda.synchronize()
@@ -68,13 +70,22 @@ def main() -> None:
     torch.backends.cudnn.deterministic = True
     net = model().cuda().eval()
     x = torch.randn(8, 3, 224, 224, generator=torch.Generator().manual_seed(1)).cuda()
-    result: dict[str, object] = {"out": forward(net, x), "cuda_segments": 0}
-    if os.environ.get("TORPOR_HOOK_LIB"):
+    result: dict[str, object] = {"cuda_segments": 0}
+    if not os.environ.get("TORPOR_HOOK_LIB"):
+        result["out"] = forward(net, x)
+    else:
         from torpor import hook
 
+        with hook.recording_first_use():
+            result["out"] = forward(net, x)
         h = hook.get()
         segments = [s for s in h.segments() if s.backend == "cuda"]
         result["cuda_segments"] = len(segments)
+        # The first module to run is the stem convolution: its weight's segment comes first.
+        marked = sorted((s for s in segments if s.first_use is not None), key=lambda s: s.first_use or 0)
+        result["marked"] = len(marked)
+        stem = net[0].weight.data_ptr()
+        result["first_use_ok"] = bool(marked) and marked[0].va <= stem < marked[0].va + marked[0].size
         result["segment_bytes"] = sum(s.size for s in segments)
         fds = {s.va: h.export(s.va) for s in segments}
         h.release_all()
