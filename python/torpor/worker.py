@@ -17,7 +17,7 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
    - `load` {spec, dir, data}: checks every declared data file the `data` map names (it must
      exist, and read-only data must have the declared size), binds them for torpor.load, imports
      `entry` with `dir` first on sys.path, instantiates the decorated class, runs setup(), then
-     the spec's warm-up request, and sends `ready` {ok: true, setup_s, warmup_s} (role function
+     the spec's warm-up request (recording the segments' first-use order: torpor.hook), and sends `ready` {ok: true, setup_s, warmup_s} (role function
      adds `preload_s`). From then on hello says role "function" and the spec's name.
    - `invoke` {id, request, timeout_s}: calls the function and sends `result` {id, ok, value,
      handler_s}. An exception from the function, or a value that cannot be sent (not JSON, NaN,
