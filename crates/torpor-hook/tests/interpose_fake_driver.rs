@@ -15,17 +15,14 @@ use torpor_cuda::fakes::{self, Fake};
 
 const PROGRAM_C: &str = include_str!("programs/driver_alloc.c");
 
-/// The hook cdylib cargo built beside this test binary (target/<profile>/).
+/// The hook cdylib cargo built for this test run: beside the test binary in target/<profile>/deps
+/// (`cargo build` also copies it to target/<profile>/, but `cargo test` does not update that copy).
 fn hook_library() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    let library = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("libtorpor_hook.so");
+    let library = exe.with_file_name("libtorpor_hook.so");
     assert!(
         library.exists(),
-        "{} is missing: build it with `cargo build -p torpor-hook`",
+        "{} is missing: cargo builds it with the crate's tests (crate-type cdylib)",
         library.display()
     );
     library
