@@ -189,7 +189,7 @@ impl SegmentTable {
         all
     }
 
-    /// The start addresses of the segments that hold memory, in creation order.
+    /// The segments that hold memory, in creation order.
     pub fn mapped(&self) -> Vec<SegmentInfo> {
         self.list().into_iter().filter(|s| s.mapped).collect()
     }
