@@ -6,6 +6,9 @@ PYTHON ?= python3
 # Debug build for tests (faster to compile on 2 cores); release build for the demo and the GPU machine.
 TEST_BIN := target/debug/torpor
 RELEASE_BIN := target/release/torpor
+# The device-memory hook (cdylib) that GPU workers preload; the harness finds it via TORPOR_HOOK_LIB.
+TEST_HOOK := target/debug/libtorpor_hook.so
+RELEASE_HOOK := target/release/libtorpor_hook.so
 
 .PHONY: all build release criu test lint unit pytest demo gpu-carry clean
 
@@ -13,9 +16,11 @@ all: release
 
 build:
 	$(CARGO) build --workspace --bins
+	$(CARGO) build -p torpor-hook --lib
 
 release:
 	$(CARGO) build --release --bin torpor
+	$(CARGO) build --release -p torpor-hook --lib
 
 criu:
 	bash scripts/provision-criu.sh
@@ -29,7 +34,7 @@ unit: criu
 
 pytest: build criu
 	@$(PYTHON) -m pytest --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q pytest
-	TORPOR_BIN=$(CURDIR)/$(TEST_BIN) $(PYTHON) -m pytest -q -ra tests
+	TORPOR_BIN=$(CURDIR)/$(TEST_BIN) TORPOR_HOOK_LIB=$(CURDIR)/$(TEST_HOOK) $(PYTHON) -m pytest -q -ra tests
 
 test: lint unit pytest
 
@@ -40,6 +45,7 @@ demo: release criu
 gpu-carry: release
 	mkdir -p .gpu
 	cp $(RELEASE_BIN) .gpu/torpor
+	cp $(RELEASE_HOOK) .gpu/libtorpor_hook.so
 	bash scripts/gpu-carry-native.sh
 	git rev-parse HEAD > .gpu/commit
 	git status --porcelain --untracked-files=no > .gpu/dirty

@@ -21,6 +21,8 @@ OUT=${OUT:-/tmp/torpor-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export TORPOR_BIN=$PWD/.gpu/torpor
+# The device-memory hook (tests/test_hook_gpu.py, the SDK's hook tests); copied by `make gpu-carry`.
+[ -f .gpu/libtorpor_hook.so ] && export TORPOR_HOOK_LIB=$PWD/.gpu/libtorpor_hook.so
 export TORPOR_CRIU_DEBS=$PWD/.criu-debs
 # No .git travels: the commit the binary was built from, recorded by `make gpu-carry`.
 [ -f .gpu/commit ] && TORPOR_COMMIT=$(cat .gpu/commit) && export TORPOR_COMMIT

@@ -10,6 +10,9 @@
         def __call__(self, request):        # once per request; JSON in, JSON out
             return {"y": ...}
 
+torpor.buffer(size) gives writable memory that a split snapshot stores outside the CRIU image
+(torpor.hook); torpor.load(name, buffer=True) puts declared data there.
+
 The function's directory holds torpor.toml (see torpor.spec) and its code. The worker harness
 that runs it is torpor.worker; the frame codec it speaks is torpor.frames.
 
@@ -19,15 +22,18 @@ torpor.dump (saving an object as declared data) is not part of this release.
 from __future__ import annotations
 
 from torpor.data import declared, load, load_bytes, use_dir
-from torpor.errors import DataError, DefinitionError, FrameError, SpecError, TorporError
+from torpor.errors import DataError, DefinitionError, FrameError, HookError, SpecError, TorporError
 from torpor.functions import function
+from torpor.hook import buffer
 
 __all__ = [
     "DataError",
     "DefinitionError",
     "FrameError",
+    "HookError",
     "SpecError",
     "TorporError",
+    "buffer",
     "declared",
     "function",
     "load",

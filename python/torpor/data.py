@@ -4,8 +4,15 @@ In a worker, the harness binds the files the daemon names in the `load` frame be
 runs; torpor.load(name) then returns the path of one of them and torpor.load_bytes(name) its
 contents. Only declared names are served. Read-only data is opened read-only; its declared size
 is checked on every load_bytes, so a file changed behind the function's back is an error rather
-than wrong weights. (A memory-mapped view is deliberately not offered: a mapping of a file
-would tie every snapshot of the worker to that file staying in place and unchanged.)
+than wrong weights. (A memory-mapped view of the file is deliberately not offered: a mapping of
+a file would tie every snapshot of the worker to that file staying in place and unchanged.)
+
+torpor.load(name, buffer=True) returns the data as a memoryview of memory in a segment of the
+device-memory hook (torpor.hook): read once into memfd-backed memory that a split snapshot
+stores outside the CRIU image. Read-only data is then sealed: the view is read-only, a write
+through any pointer to it faults, and the daemon may map one copy into every instance. Writable
+data gets a writable view of a private copy (the file is not written back). The view is made
+once per name and process; later calls return the same one.
 
 Outside a worker, torpor.use_dir(DIR) binds DIR/torpor.toml's data, for trying a function in a
 plain Python session or a test.
@@ -17,7 +24,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 from torpor.errors import DataError
 
@@ -37,6 +44,7 @@ class Bound:
 
 _bound: dict[str, Bound] | None = None
 _source = ""
+_buffers: dict[str, memoryview] = {}
 
 
 def bind(entries: Iterable[Bound], source: str) -> None:
@@ -45,6 +53,7 @@ def bind(entries: Iterable[Bound], source: str) -> None:
     global _bound, _source
     _bound = {e.name: e for e in entries}
     _source = source
+    _buffers.clear()
 
 
 def unbind() -> None:
@@ -85,9 +94,61 @@ def _lookup(name: str, caller: str) -> Bound:
     return entry
 
 
-def load(name: str) -> Path:
-    """The path of the declared data file `name`."""
-    return _lookup(name, "load").path
+@overload
+def load(name: str, *, buffer: Literal[False] = False) -> Path: ...
+
+
+@overload
+def load(name: str, *, buffer: Literal[True]) -> memoryview: ...
+
+
+def load(name: str, *, buffer: bool = False) -> Path | memoryview:
+    """The path of the declared data file `name`; with buffer=True, its contents in a segment
+    (a memoryview, read-only for read-only data; see the module's doc)."""
+    entry = _lookup(name, "load")
+    if not buffer:
+        return entry.path
+    cached = _buffers.get(name)
+    if cached is not None:
+        return cached
+    view = _load_segment(entry)
+    _buffers[name] = view
+    return view
+
+
+def _load_segment(entry: Bound) -> memoryview:
+    from torpor import hook
+
+    what = f"torpor.load({entry.name!r}, buffer=True)"
+    try:
+        fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise DataError(
+            f"{what}: cannot open {entry.path}: {e.strerror}; restore the file or redeploy the function"
+        ) from None
+    with open(fd, "rb", buffering=0, closefd=True) as f:
+        size = os.fstat(f.fileno()).st_size
+        if entry.access == "read-only" and size != entry.size:
+            raise DataError(
+                f"{what}: {entry.path} has {size} bytes but {entry.size} were declared; "
+                "the file changed after the spec was validated: redeploy the function"
+            )
+        if size == 0:
+            return memoryview(b"")
+        va, view = hook.host_segment(size)
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise DataError(
+                    f"{what}: {entry.path} ended after {got} of {size} bytes while being read; "
+                    "it changed under the function: redeploy the function"
+                )
+            got += n
+    if entry.access == "read-only":
+        hook.get().seal(va)
+        return view.toreadonly()
+    return view
 
 
 def load_bytes(name: str) -> bytes:

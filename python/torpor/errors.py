@@ -28,3 +28,7 @@ class DefinitionError(TorporError, TypeError):
 
 class DataError(TorporError, LookupError):
     """torpor.load was asked for a name the spec does not declare, or the data is unavailable."""
+
+
+class HookError(TorporError, RuntimeError):
+    """The device-memory hook (libtorpor_hook.so) is absent, or one of its operations failed."""

@@ -8,11 +8,19 @@ reject.
 
 FrameReader keeps one receive buffer per connection and reads each frame with two recv_into
 calls, so a small frame costs no allocation besides the decoded object.
+
+A frame may carry one file descriptor (SCM_RIGHTS), sent with its first byte
+(write_frame_with_fd). A reader takes it only while its `fds` attribute is set: the header is
+then read with recvmsg_into, which costs about 2 us more per frame than recv_into, so the
+worker sets it only while it waits for fds (docs/split.md). Without it the kernel closes any
+fd that comes, and the frame arrives without it.
 """
 
 from __future__ import annotations
 
+import array
 import json
+import os
 import socket
 import struct
 from typing import Any
@@ -22,6 +30,9 @@ from torpor.errors import FrameError
 MAX_FRAME = 64 << 20
 HEADER = struct.Struct(">I")
 _INITIAL_BUFFER = 64 << 10
+# Room for two fds, so a second one is received (and closed) rather than silently truncated.
+_FD_SPACE = socket.CMSG_SPACE(2 * array.array("i").itemsize)
+_CMSG_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 
 _encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
@@ -80,12 +91,30 @@ def write_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     sock.sendall(encode(obj))
 
 
+def write_frame_with_fd(sock: socket.socket, obj: dict[str, Any], fd: int) -> None:
+    """One frame with `fd` (which stays open here) attached to its first byte."""
+    data = encode(obj)
+    sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    if sent < len(data):
+        sock.sendall(memoryview(data)[sent:])
+
+
+def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
+
+
 class FrameReader:
     """Reads frames from a stream socket, reusing one buffer."""
 
-    def __init__(self, sock: socket.socket, max_frame: int = MAX_FRAME) -> None:
+    def __init__(self, sock: socket.socket, max_frame: int = MAX_FRAME, fds: bool = False) -> None:
         self.sock = sock
         self.max_frame = max_frame
+        self.fds = fds
+        self._fd: int | None = None
         self._header = bytearray(HEADER.size)
         self._header_view = memoryview(self._header)
         self._buf = bytearray(_INITIAL_BUFFER)
@@ -103,9 +132,35 @@ class FrameReader:
             got += k
         return got
 
+    def _fill_header_with_fd(self) -> int:
+        """Like _fill for the header, taking the fd that came with its first byte (if any)."""
+        view = self._header_view
+        got, ancdata, flags, _ = self.sock.recvmsg_into([view], _FD_SPACE, _CMSG_CLOEXEC)
+        fds = _fds_of(ancdata)
+        if len(fds) > 1 or flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise FrameError("a frame came with more than one fd; the peer must send at most one fd per frame")
+        if fds:
+            if not _CMSG_CLOEXEC:
+                os.set_inheritable(fds[0], False)
+            self._fd = fds[0]
+        if got == 0:
+            return 0
+        return got + self._fill(view[got:])
+
+    def take_fd(self) -> int | None:
+        """The fd that came with the last frame read, now the caller's to close (None if none).
+        An fd not taken before the next read is closed then."""
+        fd, self._fd = self._fd, None
+        return fd
+
     def read(self) -> dict[str, Any] | None:
         """The next frame's object, or None when the peer closed the connection between frames."""
-        got = self._fill(self._header_view)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        got = self._fill_header_with_fd() if self.fds else self._fill(self._header_view)
         if got == 0:
             return None
         if got < HEADER.size:

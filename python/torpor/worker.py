@@ -17,17 +17,27 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
    - `load` {spec, dir, data}: checks every declared data file the `data` map names (it must
      exist, and read-only data must have the declared size), binds them for torpor.load, imports
      `entry` with `dir` first on sys.path, instantiates the decorated class, runs setup(), then
-     the spec's warm-up request, and sends `ready` {ok: true, setup_s, warmup_s} (role function
+     the spec's warm-up request (recording the segments' first-use order: torpor.hook), and sends `ready` {ok: true, setup_s, warmup_s} (role function
      adds `preload_s`). From then on hello says role "function" and the spec's name.
    - `invoke` {id, request, timeout_s}: calls the function and sends `result` {id, ok, value,
      handler_s}. An exception from the function, or a value that cannot be sent (not JSON, NaN,
      over 64 MiB), is `ok: false` with `error` {type, message, traceback} (texts capped at 64 KiB),
      and the worker serves on. `timeout_s` is enforced by torpord, which kills a hung worker.
-   - `quiesce`: synchronises CUDA if torch initialised it, flushes stdout and stderr (so buffered
-     output is not copied into every restored instance), runs the garbage collector, sends
+   - `quiesce` {split?}: synchronises CUDA if torch initialised it, flushes stdout and stderr (so
+     buffered output is not copied into every restored instance), runs the garbage collector, sends
      `quiet` {cuda_synced: whether a synchronize ran}, closes the connection and blocks in
      sigwait(SIGUSR2). torpord should snapshot once it has read EOF after `quiet`. On SIGUSR2 it
      reconnects and sends `hello` with resumed: true (the original and every restored copy alike).
+     With split: true (docs/split.md; needs the device-memory hook, $TORPOR_HOOK_LIB), `quiet`
+     also lists the segments {va, size, backend, order, first_use, readonly}, one `segment_fd`
+     {va, fd: true} frame per segment follows with the segment's fd attached, and the worker
+     waits for `release`: it then releases every segment's memory (keeping the addresses),
+     answers `released` {bytes}, and closes and waits for SIGUSR2 as above (`shutdown` instead
+     of `release` ends the worker, exit 0).
+   - `map` {va, size, readonly, fd: true} with an fd attached (after a split snapshot): maps
+     that memory into the released segment at va and answers `mapped` {va, ok: true}; a map
+     the hook refuses is `mapped` {va, ok: false, error {type, message}} and the worker serves
+     on (the segment stays released; torpord should retire the instance).
    - `shutdown`: closes the connection and exits 0.
    A failure while loading (or preloading) is reported as `ready` {ok: false, phase, error
    {type, message, traceback}} with phase one of "preload", "gpu_warmup", "data", "import",
@@ -61,8 +71,9 @@ from types import TracebackType
 from typing import Any
 
 from torpor import data as torpor_data
-from torpor.errors import DataError, FrameError
-from torpor.frames import FrameReader, encode
+from torpor import hook as torpor_hook
+from torpor.errors import DataError, FrameError, HookError
+from torpor.frames import FrameReader, encode, write_frame_with_fd
 from torpor.functions import resolve
 
 ENV_SOCKET = "TORPOR_WORKER_SOCKET"
@@ -281,12 +292,20 @@ class Worker:
                 if not self.load(msg):
                     return EXIT_LOAD
             elif kind == "quiesce":
-                self.quiesce()
+                if not self.quiesce(msg):
+                    self.close()
+                    return EXIT_OK
+            elif kind == "map":
+                self.map_segment(msg)
             elif kind == "shutdown":
                 self.close()
                 return EXIT_OK
+            elif kind == "release":
+                raise ProtocolError("release outside a split quiesce; send quiesce {split: true} first")
             else:
-                raise ProtocolError(f"unknown frame type {kind!r} (known: load, invoke, quiesce, shutdown)")
+                raise ProtocolError(
+                    f"unknown frame type {kind!r} (known: load, invoke, quiesce, map, shutdown)"
+                )
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -393,7 +412,9 @@ class Worker:
             t1 = time.perf_counter()
             phase = "warmup"
             if warmup is not None:
-                value = instance(warmup["request"])
+                # The warm-up request sets the segments' first-use order (docs/split.md).
+                with torpor_hook.recording_first_use():
+                    value = instance(warmup["request"])
                 try:
                     encode({"value": value})
                 except FrameError as e:
@@ -409,7 +430,12 @@ class Worker:
         self.send(ready)
         return True
 
-    def quiesce(self) -> None:
+    def quiesce(self, msg: dict[str, Any]) -> bool:
+        """The quiet point; False when torpord sent shutdown instead of release."""
+        split = msg.get("split", False)
+        if not isinstance(split, bool):
+            raise ProtocolError(f"quiesce's split must be true or false, got {split!r}")
+        hook = self._split_hook() if split else None
         synced = cuda_sync()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -417,10 +443,92 @@ class Worker:
         self.reader.shrink()
         gc.collect()
         _drain_sigusr2()
-        self.send({"type": "quiet", "cuda_synced": synced})
+        if hook is None:
+            self.send({"type": "quiet", "cuda_synced": synced})
+        elif not self.hand_over_segments(hook, synced):
+            return False
         self.close()
         _wait_sigusr2()
         self.connect(resumed=True)
+        return True
+
+    def _split_hook(self) -> torpor_hook.Hook:
+        if not torpor_hook.available():
+            raise ProtocolError(
+                f"quiesce {{split: true}}, but this worker has no device-memory hook "
+                f"(${torpor_hook.ENV_LIB} is not set); torpord must start split workers with the hook"
+            )
+        try:
+            hook = torpor_hook.get()
+        except HookError as e:
+            raise ProtocolError(f"quiesce {{split: true}}: {e}") from None
+        unmapped = [s for s in hook.segments() if not s.mapped]
+        if unmapped:
+            raise ProtocolError(
+                f"quiesce {{split: true}} while {len(unmapped)} segment(s) are still released "
+                f"(first at {unmapped[0].va:#x}); map every segment before the next snapshot"
+            )
+        return hook
+
+    def hand_over_segments(self, hook: torpor_hook.Hook, synced: bool) -> bool:
+        """The split part of quiesce: list and send the segments, then release them on request.
+        False when torpord sent shutdown instead (it gave up the snapshot)."""
+        assert self.sock is not None and self.reader is not None
+        segments = hook.segments()
+        self.send({"type": "quiet", "cuda_synced": synced, "segments": [s.frame() for s in segments]})
+        for segment in segments:
+            fd = hook.export(segment.va)
+            try:
+                write_frame_with_fd(self.sock, {"type": "segment_fd", "va": segment.va, "fd": True}, fd)
+            finally:
+                os.close(fd)
+        msg = self.reader.read()
+        if msg is None:
+            raise ConnectionResetError(errno.ECONNRESET, "closed by torpord before release")
+        if msg.get("type") == "shutdown":
+            return False
+        if msg.get("type") != "release":
+            raise ProtocolError(
+                f"after a split quiet torpord must send release or shutdown, got {msg.get('type')!r}"
+            )
+        released = hook.release_all()
+        # From now on map frames carry fds, until every segment is mapped again.
+        self.reader.fds = bool(segments)
+        self.send({"type": "released", "bytes": released})
+        return True
+
+    def map_segment(self, msg: dict[str, Any]) -> None:
+        assert self.reader is not None
+        fd = self.reader.take_fd()
+        try:
+            va, size, readonly = msg.get("va"), msg.get("size"), msg.get("readonly", False)
+            if not isinstance(va, int) or not isinstance(size, int) or not isinstance(readonly, bool):
+                raise ProtocolError("map needs va (integer), size (integer) and readonly (boolean)")
+            if fd is None:
+                raise ProtocolError(
+                    f"map of {va:#x} came without an fd; torpord must attach the segment's fd to the "
+                    "frame (SCM_RIGHTS), and only after a split snapshot"
+                )
+            try:
+                hook = torpor_hook.get()
+                known = {s.va: s for s in hook.segments()}
+                segment = known.get(va)
+                if segment is not None and segment.size != size:
+                    raise HookError(
+                        f"map of {va:#x} says {size} bytes but the segment has {segment.size}; "
+                        "torpord must send the size the quiet frame listed"
+                    )
+                hook.map(va, fd, readonly)
+            except HookError as e:
+                print(f"torpor worker: {e}", file=sys.stderr)
+                self.send({"type": "mapped", "va": va, "ok": False, "error": error_doc(e)})
+                return
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if all(s.mapped for s in hook.segments()):
+            self.reader.fds = False
+        self.send({"type": "mapped", "va": va, "ok": True})
 
 
 def _modules(text: str) -> list[str]:

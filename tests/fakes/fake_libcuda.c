@@ -64,6 +64,7 @@ enum {
     CUDA_ERROR_OUT_OF_MEMORY = 2,
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_OPERATING_SYSTEM = 304,
     CUDA_ERROR_ILLEGAL_STATE = 401,
 };
@@ -461,7 +462,11 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
  * CUDA_ERROR_INVALID_VALUE (the real driver refuses a memset through a read-only mapping so);
  * structs must carry the documented values and zero reserved fields.
  *
+ * The current context is per thread (cuCtxSetCurrent, cuCtxGetCurrent, cuCtxGetDevice); plain
+ * cuMemAlloc_v2/cuMemFree_v2 need one, as on the real driver, and return host memory.
+ *
  *   FAKE_CUDA_GRANULARITY     allocation granularity in bytes (default 2 MiB, as on an H100).
+ *   FAKE_CUDA_MEM_CREATE_RESULT  code cuMemCreate returns instead of creating (2: out of memory).
  *   FAKE_CUDA_LOG             also gets one line per copy: "<htod|dtoh|dtod> stream=<id> bytes=<n>".
  */
 #include <pthread.h>
@@ -559,8 +564,50 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     return device < 0 || device >= device_count() ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
 }
 
+/* One context per process (every GPU's primary context is the same token); current per thread. */
+static __thread CUcontext current_context;
+
 CUresult cuCtxSetCurrent(CUcontext ctx) {
-    return ctx == NULL || ctx == &context_token ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (ctx != NULL && ctx != &context_token)
+        return CUDA_ERROR_INVALID_VALUE;
+    current_context = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(CUcontext *ctx) {
+    if (!ctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *ctx = current_context;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetDevice(CUdevice *device) {
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!current_context)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *device = 0;
+    return CUDA_SUCCESS;
+}
+
+/* Plain allocations (not VMM): host memory, so a program's writes through the pointer work. */
+CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
+    if (!ptr || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!current_context)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    void *p = aligned_alloc(256, (size + 255) / 256 * 256);
+    if (!p)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *ptr = (uintptr_t)p;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr ptr) {
+    if (!current_context)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    free((void *)(uintptr_t)ptr);
+    return CUDA_SUCCESS;
 }
 
 CUresult cuCtxSynchronize(void) { return CUDA_SUCCESS; }
@@ -608,6 +655,9 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                      const CUmemAllocationProp *prop, unsigned long long flags) {
     if (!handle || flags || !prop_ok(prop) || size == 0 || size % granularity())
         return CUDA_ERROR_INVALID_VALUE;
+    long forced = env_long("FAKE_CUDA_MEM_CREATE_RESULT", 0);
+    if (forced)
+        return (CUresult)forced;
     int fd = memfd_create("fake-cuda-memory", MFD_CLOEXEC);
     if (fd < 0)
         return CUDA_ERROR_OUT_OF_MEMORY;

@@ -31,6 +31,17 @@ _LEN = struct.Struct(">I")
 _PEERCRED = struct.Struct("3i")
 
 
+def hook_lib() -> Path:
+    """The device-memory hook library: $TORPOR_HOOK_LIB, else the debug build's."""
+    path = Path(os.environ.get("TORPOR_HOOK_LIB") or ROOT / "target/debug/libtorpor_hook.so")
+    if not path.is_file():
+        raise AssertionError(
+            f"{path} not found: build it (make build, or cargo build -p torpor-hook) "
+            "or set TORPOR_HOOK_LIB to it"
+        )
+    return path
+
+
 def worker_env(sock_path: Path | str, **extra: str) -> dict[str, str]:
     """The environment torpord gives a worker (plus PYTHONPATH so the package is importable)."""
     old = os.environ.get("PYTHONPATH")
@@ -70,6 +81,26 @@ class Conn:
         doc = json.loads(self._exact(n, timeout).decode("utf-8"))
         assert isinstance(doc, dict), doc
         return doc
+
+    def send_with_fd(self, obj: dict[str, Any], fd: int) -> None:
+        """A frame with `fd` attached to its first byte (socket.send_fds)."""
+        payload = json.dumps(obj).encode()
+        data = _LEN.pack(len(payload)) + payload
+        sent = socket.send_fds(self.sock, [data], [fd])
+        self.sock.sendall(data[sent:])
+
+    def recv_with_fd(self, timeout: float = 10.0) -> tuple[dict[str, Any], int | None]:
+        """A frame and the fd that came with its first byte (None if none)."""
+        self.sock.settimeout(timeout)
+        head, fds, _flags, _addr = socket.recv_fds(self.sock, 4, 2)
+        assert len(fds) <= 1, f"a frame came with {len(fds)} fds"
+        if not head:
+            raise EOFError(f"worker {self.peer_pid} closed the connection")
+        head += self._exact(4 - len(head), timeout)
+        (n,) = _LEN.unpack(head)
+        doc = json.loads(self._exact(n, timeout).decode("utf-8"))
+        assert isinstance(doc, dict), doc
+        return doc, (fds[0] if fds else None)
 
     def expect(self, kind: str, timeout: float = 10.0) -> dict[str, Any]:
         doc = self.recv(timeout)

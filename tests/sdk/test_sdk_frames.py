@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 from torpor.errors import FrameError
-from torpor.frames import HEADER, MAX_FRAME, FrameReader, decode, encode, write_frame
+from torpor.frames import HEADER, MAX_FRAME, FrameReader, decode, encode, write_frame, write_frame_with_fd
 
 
 @pytest.fixture
@@ -148,3 +149,74 @@ def test_encode_refuses_what_a_peer_would_reject(obj: object, words: str) -> Non
     with pytest.raises(FrameError) as info:
         encode(obj)  # type: ignore[arg-type]
     assert words in str(info.value)
+
+
+def _open_fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+def _pipe_with(data: bytes) -> tuple[int, int]:
+    r, w = os.pipe()
+    os.write(w, data)
+    return r, w
+
+
+def test_a_frame_carries_one_fd_when_the_reader_takes_fds(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    reader = FrameReader(b, fds=True)
+    r, w = _pipe_with(b"through the fd")
+    try:
+        write_frame_with_fd(a, {"type": "map", "fd": True}, r)
+        write_frame(a, {"type": "plain"})
+        assert reader.read() == {"type": "map", "fd": True}
+        fd = reader.take_fd()
+        assert fd is not None and fd not in (r, w)
+        assert os.read(fd, 100) == b"through the fd"
+        assert not os.get_inheritable(fd)
+        os.close(fd)
+        assert reader.take_fd() is None
+        assert reader.read() == {"type": "plain"}
+        assert reader.take_fd() is None
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_an_fd_not_taken_is_closed_and_a_reader_without_fds_drops_them(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    r, w = _pipe_with(b"x")
+    try:
+        before = _open_fds()
+        reader = FrameReader(b, fds=True)
+        write_frame_with_fd(a, {"n": 1}, r)
+        write_frame(a, {"n": 2})
+        assert reader.read() == {"n": 1}
+        assert len(_open_fds() - before) == 1, "the fd did not arrive"
+        assert reader.read() == {"n": 2}
+        assert _open_fds() == before, "an fd nobody took stayed open"
+
+        reader.fds = False
+        write_frame_with_fd(a, {"n": 3}, r)
+        assert reader.read() == {"n": 3}
+        assert reader.take_fd() is None
+        assert _open_fds() == before
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_two_fds_on_one_frame_are_refused(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    r, w = os.pipe()
+    try:
+        before = _open_fds()
+        data = encode({"n": 1})
+        socket.send_fds(a, [data], [r, w])
+        with pytest.raises(FrameError, match="more than one fd"):
+            FrameReader(b, fds=True).read()
+        assert _open_fds() == before, "the refused fds stayed open"
+    finally:
+        os.close(r)
+        os.close(w)

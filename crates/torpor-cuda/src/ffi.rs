@@ -208,6 +208,8 @@ pub(crate) type CuDevicePrimaryCtxRetain =
     unsafe extern "C" fn(ctx: *mut CuContext, device: CuDevice) -> CuResult;
 pub(crate) type CuDevicePrimaryCtxRelease = unsafe extern "C" fn(device: CuDevice) -> CuResult;
 pub(crate) type CuCtxSetCurrent = unsafe extern "C" fn(ctx: CuContext) -> CuResult;
+pub(crate) type CuCtxGetCurrent = unsafe extern "C" fn(ctx: *mut CuContext) -> CuResult;
+pub(crate) type CuCtxGetDevice = unsafe extern "C" fn(device: *mut CuDevice) -> CuResult;
 pub(crate) type CuMemGetAllocationGranularity = unsafe extern "C" fn(
     granularity: *mut usize,
     prop: *const MemAllocationProp,

@@ -55,7 +55,7 @@ pub use driver::{CudaDriver, GpuDevice, ProcessState};
 pub use error::CudaError;
 pub use nvml::{GpuProcess, Nvml, NvmlGpu};
 pub use uuid::{GpuUuid, ParseGpuUuidError};
-pub use vmm::{AllocationHandle, MemAccess, PrimaryContext, Stream, Vmm};
+pub use vmm::{AllocationHandle, MemAccess, PrimaryContext, SavedContext, Stream, Vmm};
 
 /// Environment variable that overrides the path of the CUDA driver library.
 pub const LIBCUDA_ENV: &str = "TORPOR_LIBCUDA";

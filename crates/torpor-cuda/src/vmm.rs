@@ -23,6 +23,8 @@ pub(crate) struct VmmApi {
     primary_ctx_release: ffi::CuDevicePrimaryCtxRelease,
     ctx_set_current: ffi::CuCtxSetCurrent,
     ctx_synchronize: ffi::CuCtxSynchronize,
+    ctx_get_current: ffi::CuCtxGetCurrent,
+    ctx_get_device: ffi::CuCtxGetDevice,
     get_granularity: ffi::CuMemGetAllocationGranularity,
     address_reserve: ffi::CuMemAddressReserve,
     address_free: ffi::CuMemAddressFree,
@@ -65,6 +67,8 @@ impl VmmApi {
                 primary_ctx_release: sym(library, "cuDevicePrimaryCtxRelease_v2")?,
                 ctx_set_current: sym(library, "cuCtxSetCurrent")?,
                 ctx_synchronize: sym(library, "cuCtxSynchronize")?,
+                ctx_get_current: sym(library, "cuCtxGetCurrent")?,
+                ctx_get_device: sym(library, "cuCtxGetDevice")?,
                 get_granularity: sym(library, "cuMemGetAllocationGranularity")?,
                 address_reserve: sym(library, "cuMemAddressReserve")?,
                 address_free: sym(library, "cuMemAddressFree")?,
@@ -103,6 +107,12 @@ pub struct PrimaryContext {
 unsafe impl Send for PrimaryContext {}
 // SAFETY: as for Send; shared references only read the handle's value.
 unsafe impl Sync for PrimaryContext {}
+
+/// The context that was current in a thread ([`Vmm::current_context`]), possibly none, to be
+/// made current again with [`Vmm::restore_context`]: code running inside another program (the
+/// device-memory hook) must leave the program's current context as it found it.
+#[derive(Debug)]
+pub struct SavedContext(ffi::CuContext);
 
 /// A CUDA stream created by [`Vmm::create_stream`]; destroy it with [`Vmm::destroy_stream`].
 #[derive(Debug)]
@@ -178,6 +188,33 @@ impl<'a> Vmm<'a> {
         // SAFETY: the handle is a retained, live context.
         let code = unsafe { (self.api.ctx_set_current)(context.raw) };
         self.check("cuCtxSetCurrent", code)
+    }
+
+    /// The calling thread's current context (none is a valid answer), to put back later.
+    pub fn current_context(&self) -> Result<SavedContext, CudaError> {
+        let mut raw: ffi::CuContext = std::ptr::null_mut();
+        // SAFETY: the out pointer is a valid, writable CUcontext.
+        let code = unsafe { (self.api.ctx_get_current)(&mut raw) };
+        self.check("cuCtxGetCurrent", code)?;
+        Ok(SavedContext(raw))
+    }
+
+    /// Makes the context saved by [`Vmm::current_context`] current again (none: no context).
+    pub fn restore_context(&self, saved: SavedContext) -> Result<(), CudaError> {
+        // SAFETY: the handle was current in this process a moment ago (or is null, which
+        // unbinds the thread's context).
+        let code = unsafe { (self.api.ctx_set_current)(saved.0) };
+        self.check("cuCtxSetCurrent", code)
+    }
+
+    /// The ordinal of the GPU of the calling thread's current context; an error
+    /// (`CUDA_ERROR_INVALID_CONTEXT`, 201) when no context is current.
+    pub fn current_device(&self) -> Result<i32, CudaError> {
+        let mut device: ffi::CuDevice = -1;
+        // SAFETY: the out pointer is a valid, writable CUdevice.
+        let code = unsafe { (self.api.ctx_get_device)(&mut device) };
+        self.check("cuCtxGetDevice", code)?;
+        Ok(device)
     }
 
     /// Waits for all work of the current context.
