@@ -83,12 +83,16 @@ if [ "$MODE" = native ] || [ "$MODE" = all ]; then
   echo "== native (Rust tests on the real driver, fill bandwidth)"
   (
     nrc=0
-    for t in .gpu/native/*-cuda .gpu/native/torpor-hook-*; do
+    for t in .gpu/native/*-cuda .gpu/native/torpor-hook-host_segments .gpu/native/torpor-hook-torpor_hook; do
       [ -x "$t" ] || continue
       echo "-- $t"; "$t" --test-threads=1 --nocapture || nrc=1
     done
     .gpu/native/fill_bw cuda 1024 1,2,4,8 8 5 > "$OUT/fill_bw.json" || nrc=1
     cat "$OUT/fill_bw.json"
+    echo "-- the hook under PyTorch"
+    python3 -m pytest -q -ra tests/test_hook_gpu.py || nrc=1
+    python3 bench/hook/alloc.py --lib .gpu/libtorpor_hook.so > "$OUT/hook-alloc.json" || nrc=1
+    cat "$OUT/hook-alloc.json"
     exit $nrc
   ) 2>&1 | tee "$OUT/native.log"
   nrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$nrc
