@@ -57,7 +57,7 @@ class Answer:
 
 
 class Torpord:
-    def __init__(self, binary: Path, root: Path, *extra: str) -> None:
+    def __init__(self, binary: Path, root: Path, *extra: str, config: str = "") -> None:
         self.binary = binary
         self.extra = list(extra)
         self.root = root
@@ -65,7 +65,7 @@ class Torpord:
         self.socket = root / "torpord.sock"
         self.log = root / "torpord.log"
         self.config = root / "torpord.toml"
-        self.config.write_text(f"[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {QUEUE_TIMEOUT_S}\n")
+        self.config.write_text(f"[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {QUEUE_TIMEOUT_S}\n{config}")
         self._spawn()
 
     def _spawn(self) -> None:
