@@ -257,4 +257,26 @@ def test_a_corrupt_function_snapshot_falls_back_to_booting_an_instance(torpord: 
     # The booted instance serves on, warm.
     warm = torpord.invoke("steady", {"add": 1})
     assert warm.status == 200 and warm.start == "warm" and warm.json() == {"calls": 2, "total": 8}
+
+    # Each cold start tries the restore again until 3 in a row failed; then it boots at once.
+    def cold_start() -> Answer:
+        init = the_instance(torpord)["pid"]
+        kill_tree(init)
+        deadline = time.monotonic() + 10
+        while torpord.instances("steady"):
+            assert time.monotonic() < deadline, "the killed instance was not removed"
+            time.sleep(0.05)
+        r = torpord.invoke("steady", {})
+        assert r.status == 200 and r.start == "booted", (r.status, r.body)
+        return r
+
+    failed = "restoring the function snapshot failed"
+    cold_start()
+    cold_start()
+    log = torpord.log.read_text(errors="replace")
+    assert log.count(failed) == 3, log.count(failed)
+    assert "3 restores in a row failed" in log
+    cold_start()
+    assert torpord.log.read_text(errors="replace").count(failed) == 3, "a restore was tried during the pause"
+    assert metric(torpord, "torpor_restore_fallbacks_total", function="steady") == before + 4
     kill_tree(the_instance(torpord)["pid"])
