@@ -584,10 +584,13 @@ impl Runtime {
     ) -> Result<Invoked, InvokeError> {
         let pool = self.pool(name).await?;
         let (lease, kind, mut timings) = self.acquire(&pool).await?;
-        let timeout = lock(&pool.state).info.timeout;
+        let (timeout, per_instance) = {
+            let st = lock(&pool.state);
+            (st.info.timeout, st.info.per_instance)
+        };
         let inst = Arc::clone(&lease.instance);
         let t_call = Instant::now();
-        let res = self.call(&inst, request, timeout).await;
+        let res = self.call(&inst, request, timeout, per_instance).await;
         drop(lease);
         let call_s = t_call.elapsed().as_secs_f64();
         let total = t0.elapsed().as_secs_f64();
@@ -626,12 +629,14 @@ impl Runtime {
         }
     }
 
-    /// Sends the request to `inst` and waits for its result, killing the worker at `timeout`.
+    /// Sends the request to `inst` and waits for its result, killing the worker at `timeout`
+    /// after the handler started (`per_instance` requests may share the worker).
     async fn call(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
         request: Value,
         timeout: Duration,
+        per_instance: usize,
     ) -> Result<Map<String, Value>, InvokeError> {
         let id = self.next();
         let (tx, rx) = oneshot::channel();
@@ -675,10 +680,10 @@ impl Runtime {
             // others, each of which ends or is killed within its own timeout_s: the timeout
             // counts from the start of the handler, and this bound only catches a worker that
             // never starts it. Passing it fails this request alone (503); the worker lives.
-            let per = lock(&self.pools)
-                .get(&inst.function)
-                .map_or(1, |p| lock(&p.state).info.per_instance);
-            let bound = timeout * (per.saturating_sub(1) as u32) + self.config.queue.timeout;
+            let ahead = u32::try_from(per_instance.saturating_sub(1)).unwrap_or(u32::MAX);
+            let bound = timeout
+                .saturating_mul(ahead)
+                .saturating_add(self.config.queue.timeout);
             match tokio::time::timeout(bound, started_rx).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => {
