@@ -6,8 +6,9 @@ torpord starts it under `torpor run` with $TORPOR_WORKER_SOCKET set to its worke
 protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does:
 
 1. Blocks SIGUSR2 (so the wake-up after a snapshot is never lost and never kills it), connects,
-   and sends `hello` {pid, role, function: null, resumed: false}. `pid` is the worker's PID in its
-   own namespace; torpord identifies connections by SO_PEERCRED.
+   and sends `hello` {pid, role, function: null, resumed: false, protocol: 2, reattach: false}.
+   `pid` is the worker's PID in its own namespace; torpord identifies connections by SO_PEERCRED.
+   `protocol: 2` says this harness sends `started` and reattaches after losing torpord (below).
 2. Imports the --preload modules in order and, with --gpu, warms CUDA through torch (which must
    be among them): matmul, linear, softmax and conv in fp32 and fp16, so cuBLAS, cuBLASLt and
    cuDNN are initialised; then frees torch's cached blocks. Role `base` then sends
@@ -19,8 +20,10 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      `entry` with `dir` first on sys.path, instantiates the decorated class, runs setup(), then
      the spec's warm-up request (recording the segments' first-use order: torpor.hook), and sends `ready` {ok: true, setup_s, warmup_s} (role function
      adds `preload_s`). From then on hello says role "function" and the spec's name.
-   - `invoke` {id, request, timeout_s}: calls the function and sends `result` {id, ok, value,
-     handler_s}. An exception from the function, or a value that cannot be sent (not JSON, NaN,
+   - `invoke` {id, request, timeout_s}: sends `started` {id}, calls the function and sends
+     `result` {id, ok, value, handler_s}. Invokes run one after another, so with
+     requests_per_instance > 1 a request waits here until the ones before it end; torpord counts
+     its timeout from `started`. An exception from the function, or a value that cannot be sent (not JSON, NaN,
      over 64 MiB), is `ok: false` with `error` {type, message, traceback} (texts capped at 64 KiB),
      and the worker serves on. `timeout_s` is enforced by torpord, which kills a hung worker.
    - `quiesce` {split?}: synchronises CUDA if torch initialised it, flushes stdout and stderr (so
@@ -38,12 +41,20 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      that memory into the released segment at va and answers `mapped` {va, ok: true}; a map
      the hook refuses is `mapped` {va, ok: false, error {type, message}} and the worker serves
      on (the segment stays released; torpord should retire the instance).
+   - `attached` {reattach_s}: torpord took this worker into service as an instance; how long to
+     wait for a daemon after losing this one.
    - `shutdown`: closes the connection and exits 0.
+   Losing torpord (EOF or a broken connection outside a quiet point) after `load`: the worker
+   keeps its state, drops the frames of the lost connection (their requests died with it) and
+   reconnects with backoff, saying `hello` with resumed: true and reattach: true, until a daemon
+   answers `attached`. After `reattach_s` (default 60 s) without one, it exits 0. A base worker,
+   or one still loading, exits 0 at once (its deploy died with the daemon).
    A failure while loading (or preloading) is reported as `ready` {ok: false, phase, error
    {type, message, traceback}} with phase one of "preload", "gpu_warmup", "data", "import",
    "setup", "warmup"; the worker then exits 4.
 
-Exit status: 0 after `shutdown` or when torpord closes or drops the connection; 1 on a crash of
+Exit status: 0 after `shutdown`, when torpord closes or drops the connection of a worker that
+serves no function yet, or when no torpord took the instance back within `reattach_s`; 1 on a crash of
 the harness itself (traceback on stderr); 2 for wrong usage or a missing $TORPOR_WORKER_SOCKET;
 3 on a protocol error (a frame too long, truncated, not a JSON object, an unknown type, missing
 fields, or a frame out of order), with the reason on stderr; 4 after a failed load; 5 when
@@ -83,6 +94,9 @@ EXIT_PROTOCOL = 3
 EXIT_LOAD = 4
 EXIT_CONNECT = 5
 CONNECT_TIMEOUT_S = 10.0
+PROTOCOL = 2
+DEFAULT_REATTACH_S = 60.0
+REATTACH_MAX_DELAY_S = 0.5
 MAX_TEXT = 64 << 10
 ROLES = ("base", "function")
 _PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
@@ -201,6 +215,9 @@ class Worker:
         self.preload_s = 0.0
         self.sock: socket.socket | None = None
         self.reader: FrameReader | None = None
+        self.reattach_s = DEFAULT_REATTACH_S
+        # When the daemon was lost; None while a daemon holds this worker.
+        self.lost_at: float | None = None
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -208,12 +225,10 @@ class Worker:
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         delay = 0.01
         while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                s.connect(self.socket_path)
-                break
+                self.dial(resumed, reattach=False)
+                return
             except OSError as e:
-                s.close()
                 retry = e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN)
                 if not retry or time.monotonic() > deadline:
                     raise ConnectError(
@@ -222,6 +237,15 @@ class Worker:
                     ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.2)
+
+    def dial(self, resumed: bool, reattach: bool) -> None:
+        """One connection attempt and its hello; OSError when the daemon is not there."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(self.socket_path)
+        except OSError:
+            s.close()
+            raise
         self.sock = s
         if self.reader is None:
             self.reader = FrameReader(s)
@@ -234,6 +258,8 @@ class Worker:
                 "role": self.role,
                 "function": self.function,
                 "resumed": resumed,
+                "protocol": PROTOCOL,
+                "reattach": reattach,
             }
         )
 
@@ -277,17 +303,26 @@ class Worker:
         return self.serve()
 
     def serve(self) -> int:
-        assert self.reader is not None
-        read = self.reader.read
         while True:
-            msg = read()
+            assert self.reader is not None
+            try:
+                msg = self.reader.read()
+            except ConnectionError:
+                msg = None
             if msg is None:
-                print("torpor worker: torpord closed the connection; exiting", file=sys.stderr)
-                self.close()
-                return EXIT_OK
+                if not self.reattach():
+                    return EXIT_OK
+                continue
             kind = msg.get("type")
             if kind == "invoke":
-                self.invoke(msg)
+                try:
+                    self.invoke(msg)
+                except ConnectionError:
+                    # The daemon went while the handler ran: its client went with it.
+                    if not self.reattach():
+                        return EXIT_OK
+            elif kind == "attached":
+                self.attached(msg)
             elif kind == "load":
                 if not self.load(msg):
                     return EXIT_LOAD
@@ -304,7 +339,7 @@ class Worker:
                 raise ProtocolError("release outside a split quiesce; send quiesce {split: true} first")
             else:
                 raise ProtocolError(
-                    f"unknown frame type {kind!r} (known: load, invoke, quiesce, map, shutdown)"
+                    f"unknown frame type {kind!r} (known: load, invoke, attached, quiesce, map, shutdown)"
                 )
 
     # -- messages -----------------------------------------------------------------------------
@@ -316,6 +351,9 @@ class Worker:
         if "id" not in msg or "request" not in msg:
             raise ProtocolError(f"invoke frame lacks {'id' if 'id' not in msg else 'request'}")
         rid = msg["id"]
+        # The daemon's timeout counts from here, not from the time this request waited behind
+        # the ones before it.
+        self.send({"type": "started", "id": rid})
         t0 = time.perf_counter()
         try:
             value = call(msg["request"])
@@ -352,6 +390,59 @@ class Worker:
             frame = encode(out)
         assert self.sock is not None
         self.sock.sendall(frame)
+
+    def attached(self, msg: dict[str, Any]) -> None:
+        grace = msg.get("reattach_s")
+        if not isinstance(grace, (int, float)) or isinstance(grace, bool) or grace < 0:
+            raise ProtocolError(f"attached needs reattach_s (seconds >= 0), got {grace!r}")
+        self.reattach_s = float(grace)
+        self.lost_at = None
+
+    def reattach(self) -> bool:
+        """After losing torpord outside a quiet point: keep this instance (its memory is what a
+        new daemon re-adopts) and reconnect until a daemon answers `attached`, for at most
+        reattach_s. False when the worker should exit instead."""
+        self.close()
+        if self.call is None:
+            print("torpor worker: torpord closed the connection; exiting", file=sys.stderr)
+            return False
+        if self.lost_at is None:
+            self.lost_at = time.monotonic()
+            print(
+                f"torpor worker: lost torpord; waiting up to {self.reattach_s:g} s for one to take this instance back",
+                file=sys.stderr,
+            )
+        deadline = self.lost_at + self.reattach_s
+        delay = 0.02
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                print(
+                    f"torpor worker: no torpord took this instance back within {self.reattach_s:g} s; exiting",
+                    file=sys.stderr,
+                )
+                return False
+            msg: dict[str, Any] | None = None
+            try:
+                self.dial(resumed=True, reattach=True)
+                assert self.sock is not None
+                self.sock.settimeout(left)
+                # A fresh reader: frames buffered from the lost connection are for a dead daemon.
+                self.reader = FrameReader(self.sock)
+                msg = self.reader.read()
+            except OSError:
+                msg = None
+            if msg is not None:
+                if msg.get("type") != "attached":
+                    raise ProtocolError(f"expected attached after reattaching, got {msg.get('type')!r}")
+                assert self.sock is not None
+                self.sock.settimeout(None)
+                self.attached(msg)
+                print("torpor worker: a torpord took this instance back", file=sys.stderr)
+                return True
+            self.close()
+            time.sleep(min(delay, max(left, 0.0)))
+            delay = min(delay * 2, REATTACH_MAX_DELAY_S)
 
     def load(self, msg: dict[str, Any]) -> bool:
         if self.call is not None:

@@ -57,8 +57,11 @@ class Answer:
 
 
 class Torpord:
-    def __init__(self, binary: Path, root: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        """`extra`: more `torpor serve` flags; `env`: more environment for the daemon."""
+    def __init__(
+        self, binary: Path, root: Path, *extra: str, config: str = "", env: dict[str, str] | None = None
+    ) -> None:
+        """`extra`: more `torpor serve` flags; `config`: more TOML for its config file; `env`: more
+        environment for the daemon."""
         self.binary = binary
         self.extra = list(extra)
         self.env = dict(env or {})
@@ -67,7 +70,7 @@ class Torpord:
         self.socket = root / "torpord.sock"
         self.log = root / "torpord.log"
         self.config = root / "torpord.toml"
-        self.config.write_text(f"[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {QUEUE_TIMEOUT_S}\n")
+        self.config.write_text(f"[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {QUEUE_TIMEOUT_S}\n{config}")
         self._spawn()
 
     def _spawn(self) -> None:

@@ -107,23 +107,32 @@ def test_a_daemon_killed_and_started_again_keeps_functions_and_hibernated_instan
     assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body)
     assert woken.json() == {"calls": 5, "total": 15}
 
-    # A warm instance does not outlive its daemon: its worker exits when the connection goes,
-    # the new daemon drops its row, and the next request restores the function snapshot.
-    pids = pids_with(f"{again.state}/")
-    assert pids, "no worker process for the warm instance"
+    # A warm instance outlives its daemon: its worker reconnects, the new daemon re-adopts it
+    # (same process, same memory), and a graceful stop then stops it.
+    init = again.instances("sleepy")[0]["pid"]
     again.proc.send_signal(signal.SIGKILL)
     again.proc.wait()
-    deadline = time.monotonic() + 20
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"workers {pids} outlived their daemon"
-        time.sleep(0.05)
     third = Torpord.restart(again)
-    assert third.instances("sleepy") == []
-    fresh = third.invoke("sleepy", {"add": 1})
+    deadline = time.monotonic() + 15
+    while "re-adopted an instance" not in third.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"the warm instance was not re-adopted\n{third.log_text()}"
+        time.sleep(0.05)
+    kept = third.invoke("sleepy", {"add": 1})
+    assert kept.status == 200 and kept.start == "warm", (kept.status, kept.body)
+    assert kept.json() == {"calls": 6, "total": 16}
+    assert [i["pid"] for i in third.instances("sleepy")] == [init]
+    assert os.path.isdir(third.state / "snapshots")
+    third.proc.send_signal(signal.SIGTERM)
+    third.proc.wait(timeout=20)
+    deadline = time.monotonic() + 5
+    while alive(init):
+        assert time.monotonic() < deadline, f"instance {init} outlived a graceful stop"
+        time.sleep(0.05)
+    fourth = Torpord.restart(third)
+    assert fourth.instances("sleepy") == []
+    fresh = fourth.invoke("sleepy", {"add": 1})
     assert fresh.status == 200 and fresh.start == "restored", fresh.body
     assert fresh.json() == {"calls": 1, "total": 1}
-    assert len(pids_with(f"{third.state}/")) >= 1
-    assert os.path.isdir(third.state / "snapshots")
 
 
 def test_a_redeploy_discards_the_hibernated_instances_of_the_old_one(torpord: Torpord) -> None:

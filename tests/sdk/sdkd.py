@@ -117,6 +117,8 @@ class Conn:
 
     def invoke(self, rid: object, request: object, timeout: float = 10.0) -> dict[str, Any]:
         self.send({"type": "invoke", "id": rid, "request": request, "timeout_s": 5})
+        started = self.expect("started", timeout)
+        assert started["id"] == rid, started
         doc = self.expect("result", timeout)
         assert doc["id"] == rid, doc
         return doc

@@ -43,7 +43,15 @@ def test_snapshot_then_two_restores_all_reconnect_and_agree(
     assert c.peer_pid == source, f"SO_PEERCRED says {c.peer_pid}, the worker is {source}\n{log()}"
     hello = c.expect("hello")
     inner_pid = status_nspid(source)[-1]
-    assert hello == {"type": "hello", "pid": inner_pid, "role": "base", "function": None, "resumed": False}
+    assert hello == {
+        "type": "hello",
+        "pid": inner_pid,
+        "role": "base",
+        "function": None,
+        "resumed": False,
+        "protocol": 2,
+        "reattach": False,
+    }
     assert c.expect("ready")["ok"] is True
     assert c.load()["ok"] is True, log()
     before = c.invoke("before", {"x": X})
@@ -80,6 +88,8 @@ def test_snapshot_then_two_restores_all_reconnect_and_agree(
             "role": "function",
             "function": "tinymlp",
             "resumed": True,
+            "protocol": 2,
+            "reattach": False,
         }
         conns[conn.peer_pid] = conn
     assert sorted(conns) == sorted(pids), f"SO_PEERCRED pids {sorted(conns)}, workers {sorted(pids)}"

@@ -40,7 +40,15 @@ def start_loaded(spawn: Spawner, daemon: Daemon, *args: str) -> tuple[Spawned, C
     w = spawn("--role", "base", *args)
     c = daemon.accept()
     hello = c.expect("hello")
-    assert hello == {"type": "hello", "pid": w.pid, "role": "base", "function": None, "resumed": False}
+    assert hello == {
+        "type": "hello",
+        "pid": w.pid,
+        "role": "base",
+        "function": None,
+        "resumed": False,
+        "protocol": 2,
+        "reattach": False,
+    }
     assert c.peer_pid == w.pid
     ready = c.expect("ready")
     assert ready["ok"] is True and ready["setup_s"] >= 0 and ready["warmup_s"] >= 0, ready
@@ -102,6 +110,8 @@ def test_quiesce_close_sigusr2_resume(spawn: Spawner, daemon: Daemon) -> None:
         "role": "function",
         "function": "tinymlp",
         "resumed": True,
+        "protocol": 2,
+        "reattach": False,
     }
     r = c2.invoke(2, {"x": X})
     assert r["ok"] is True and r["value"] == {"y": expected_y(X), "calls": 3}, r
@@ -137,6 +147,8 @@ def test_role_function_waits_for_load(spawn: Spawner, daemon: Daemon) -> None:
         "role": "function",
         "function": None,
         "resumed": False,
+        "protocol": 2,
+        "reattach": False,
     }
     ready = c.load()
     assert ready["ok"] is True and ready["preload_s"] >= 0, ready
@@ -295,8 +307,36 @@ def test_preload_failure_and_gpu_without_torch(spawn: Spawner, daemon: Daemon) -
     assert w.wait() == EXIT_LOAD
 
 
-def test_daemon_closing_the_connection_ends_the_worker(spawn: Spawner, daemon: Daemon) -> None:
+def test_a_loaded_worker_that_loses_its_daemon_exits_after_reattach_s(spawn: Spawner, daemon: Daemon) -> None:
     w, c = start_loaded(spawn, daemon)
+    c.send({"type": "attached", "reattach_s": 1})
+    c.close()
+    assert w.wait() == 0
+    assert "no torpord took this instance back within 1 s" in w.stderr()
+
+
+def test_a_loaded_worker_that_loses_its_daemon_reattaches_with_its_state(spawn: Spawner, daemon: Daemon) -> None:
+    w, c = start_loaded(spawn, daemon)
+    first = c.invoke(1, {"x": [1.0, 2.0, 3.0, 4.0]})
+    c.close()
+    again = daemon.accept()
+    hello = again.expect("hello")
+    assert hello["resumed"] is True and hello["reattach"] is True and hello["protocol"] == 2, hello
+    assert hello["role"] == "function", hello
+    again.send({"type": "attached", "reattach_s": 5})
+    # The same process, its memory kept: the call counter goes on.
+    second = again.invoke(1, {"x": [1.0, 2.0, 3.0, 4.0]})
+    assert second["value"]["y"] == first["value"]["y"], (first, second)
+    assert second["value"]["calls"] == first["value"]["calls"] + 1, (first, second)
+    again.send({"type": "shutdown"})
+    assert w.wait() == 0
+    assert "took this instance back" in w.stderr()
+
+
+def test_a_worker_that_loses_its_daemon_before_load_exits(spawn: Spawner, daemon: Daemon) -> None:
+    w = spawn("--role", "function")
+    c = daemon.accept()
+    c.expect("hello")
     c.close()
     assert w.wait() == 0
     assert "closed the connection" in w.stderr()

@@ -17,6 +17,9 @@
 //! [queue]                         # per function
 //! length = 64                     # requests that may wait for an instance
 //! timeout_s = 30                  # how long one may wait before 503
+//!
+//! [workers]
+//! reattach_s = 60                 # how long a worker outlives a lost daemon, to be re-adopted
 //! ```
 
 use std::net::SocketAddr;
@@ -178,7 +181,12 @@ pub struct Config {
     pub keepalive: Keepalive,
     pub queue: QueueLimits,
     pub cold_start: ColdStart,
+    /// How long a worker that lost its daemon waits for the next one to re-adopt it.
+    pub reattach: Duration,
 }
+
+/// Default of `workers.reattach_s`.
+pub const DEFAULT_REATTACH: Duration = Duration::from_secs(60);
 
 impl Default for Config {
     fn default() -> Self {
@@ -193,6 +201,7 @@ impl Default for Config {
             keepalive: Keepalive::default(),
             queue: QueueLimits::default(),
             cold_start: ColdStart::default(),
+            reattach: DEFAULT_REATTACH,
         }
     }
 }
@@ -331,6 +340,10 @@ impl Config {
             q.timeout = t.seconds("timeout_s", true)?.unwrap_or(q.timeout);
             t.finish()?;
         }
+        if let Some(mut t) = root.table("workers")? {
+            config.reattach = t.seconds("reattach_s", false)?.unwrap_or(config.reattach);
+            t.finish()?;
+        }
         root.finish()?;
         Ok(config)
     }
@@ -394,6 +407,7 @@ mod tests {
         assert_eq!(c.keepalive.evict, Duration::from_secs(600));
         assert_eq!(c.queue.length, 64);
         assert_eq!(c.queue.timeout, Duration::from_secs(30));
+        assert_eq!(c.reattach, Duration::from_secs(60));
         assert_eq!(c.socket, Path::new(DEFAULT_SOCKET));
         assert_eq!(c.state_dir, Path::new(DEFAULT_STATE_DIR));
     }
@@ -415,6 +429,8 @@ mod tests {
             [queue]
             length = 0
             timeout_s = 0.1
+            [workers]
+            reattach_s = 0
             "#,
         )
         .unwrap();
@@ -428,6 +444,7 @@ mod tests {
         assert_eq!(c.keepalive.evict, Duration::from_secs(2));
         assert_eq!(c.queue.length, 0);
         assert_eq!(c.queue.timeout, Duration::from_millis(100));
+        assert_eq!(c.reattach, Duration::ZERO);
         c.validate().unwrap();
     }
 
@@ -448,6 +465,13 @@ mod tests {
         assert_eq!(
             e,
             "torpord.toml: keepalive.evict_s must be a number of seconds ≥ 0, got \"10m\""
+        );
+        let e = parse("[workers]\nreattach_s = -1\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "torpord.toml: workers.reattach_s must be a number of seconds ≥ 0, got -1"
         );
         let e = parse("keepalive = 3\n").unwrap_err().to_string();
         assert_eq!(e, "torpord.toml: keepalive must be a table, got 3");

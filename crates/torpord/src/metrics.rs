@@ -72,6 +72,9 @@ pub struct Metrics {
     pub invocations: IntCounterVec,
     /// `torpor_starts_total{function, kind}`: how each invoke got its instance.
     pub starts: IntCounterVec,
+    /// `torpor_restore_fallbacks_total{function}`: instances booted because restoring the
+    /// function snapshot failed (or restores were paused after failing).
+    pub restore_fallbacks: IntCounterVec,
     /// `torpor_phase_duration_seconds{function, phase}`; fed by [`Metrics::observe_phase`].
     phase_seconds: HistogramVec,
     /// `torpor_instances{stage}`, from the registry.
@@ -109,6 +112,13 @@ impl Metrics {
                 "How invocations got their instance: warm, restored or booted.",
             ),
             &["function", "kind"],
+        )?;
+        let restore_fallbacks = IntCounterVec::new(
+            Opts::new(
+                "torpor_restore_fallbacks_total",
+                "Instances booted because restoring the function snapshot failed.",
+            ),
+            &["function"],
         )?;
         let phase_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -149,6 +159,7 @@ impl Metrics {
         )?;
         registry.register(Box::new(invocations.clone()))?;
         registry.register(Box::new(starts.clone()))?;
+        registry.register(Box::new(restore_fallbacks.clone()))?;
         registry.register(Box::new(phase_seconds.clone()))?;
         registry.register(Box::new(instances.clone()))?;
         registry.register(Box::new(gpu_memory_bytes.clone()))?;
@@ -162,6 +173,7 @@ impl Metrics {
             registry,
             invocations,
             starts,
+            restore_fallbacks,
             phase_seconds,
             instances,
             gpu_memory_bytes,
@@ -193,6 +205,7 @@ impl Metrics {
         for k in start::ALL {
             self.starts.with_label_values(&[function, k]);
         }
+        self.restore_fallbacks.with_label_values(&[function]);
         for p in INVOKE_PHASES {
             self.phase_seconds.with_label_values(&[function, p]);
         }
@@ -213,6 +226,7 @@ impl Metrics {
         for k in start::ALL {
             let _ = self.starts.remove_label_values(&[function, k]);
         }
+        let _ = self.restore_fallbacks.remove_label_values(&[function]);
         let _ = self.queue_length.remove_label_values(&[function]);
         for s in accounted_stages() {
             let _ = self.stage_seconds.remove_label_values(&[function, s]);

@@ -1,7 +1,11 @@
 //! Instances and invocations: per function, a pool of live workers restored from the function
 //! snapshot, a bounded queue of requests waiting for one, and the routing of each request to an
-//! idle instance (`warm`), else to a newly restored one (`restored`) while below
-//! `scaling.max_instances`, else to the queue (429 when full, 503 after `queue.timeout_s`).
+//! idle instance (`warm`), else to a newly restored one (`restored`; `booted` when the restore
+//! fails) while below `scaling.max_instances`, else to the queue (429 when full, 503 after
+//! `queue.timeout_s`). A request's timeout counts from its handler's start (`started`).
+//!
+//! At startup, the live instances an earlier daemon left are re-adopted once their workers
+//! reconnect ([`Runtime::readopt`]).
 //!
 //! Each live instance has one connection to the daemon and a reader task that hands every
 //! `result` to the request waiting for its id. The connection ending, a malformed frame or a frame
@@ -26,6 +30,14 @@ use crate::workers::{self, ConnError, Hub, WorkerConn};
 
 /// How long a restored worker has to reconnect after SIGUSR2.
 pub const RECONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a restarted daemon waits for the workers of an earlier one to reconnect (they retry
+/// at least twice a second).
+pub const READOPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Consecutive failed restores of a function snapshot after which its cold starts boot
+/// without trying to restore, for [`RESTORE_PAUSE`].
+pub const RESTORE_FAILURES_TO_PAUSE: u32 = 3;
+/// How long restores of a failing function snapshot are skipped; a redeploy ends it at once.
+pub const RESTORE_PAUSE: Duration = Duration::from_secs(300);
 
 /// Everything the deploy and invoke paths share.
 pub struct Runtime {
@@ -47,6 +59,28 @@ pub struct Runtime {
     pub(crate) nvml: std::sync::OnceLock<Option<torpor_cuda::Nvml>>,
     /// Instances being booted or restored, metered as `starting` (crate::accounting).
     pub(crate) starts: crate::accounting::Starts,
+    /// Per function: how restores of its function snapshot have been failing.
+    restore_health: Mutex<HashMap<String, RestoreHealth>>,
+}
+
+/// Failed restores of one function's snapshot in a row, and until when restores are skipped.
+#[derive(Debug, Default)]
+struct RestoreHealth {
+    failures: u32,
+    paused_until: Option<Instant>,
+}
+
+/// What every way of starting one instance shares: its id, its log file, its GPU meter.
+struct NewInstance<'a, 'g> {
+    id: &'a str,
+    log: &'a Path,
+    charge: &'a crate::accounting::StartGuard<'g>,
+}
+
+/// A request sent to a worker: told when its handler starts, then given its result.
+struct Pending {
+    started: Option<oneshot::Sender<()>>,
+    result: oneshot::Sender<Map<String, Value>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -66,7 +100,9 @@ pub struct Instance {
     /// The deploy it belongs to; an older one is retired once idle.
     pub(crate) generation: u64,
     pub(crate) writer: tokio::sync::Mutex<OwnedWriteHalf>,
-    pending: Mutex<HashMap<u64, oneshot::Sender<Map<String, Value>>>>,
+    /// Its harness sends `started` when a handler starts (protocol 2).
+    announces_start: bool,
+    pending: Mutex<HashMap<u64, Pending>>,
     pub(crate) dead: AtomicBool,
     pub(crate) why_dead: Mutex<Option<String>>,
     /// Keep-alive state.
@@ -301,6 +337,7 @@ impl Runtime {
             cuda: std::sync::OnceLock::new(),
             nvml: std::sync::OnceLock::new(),
             starts: crate::accounting::Starts::default(),
+            restore_health: Mutex::new(HashMap::new()),
         }
     }
 
@@ -375,6 +412,8 @@ impl Runtime {
     pub fn deployed(self: &Arc<Self>, name: &str, spec: &Value, snapshot_id: &str, dir: &Path) {
         // The older deploy's hibernated instances were discarded from the registry already
         // (`discard_sleepers_of`, before this call); the pool forgets them below.
+        // A new snapshot: its restores get a fresh start.
+        lock(&self.restore_health).remove(name);
         let Some(pool) = lock(&self.pools).get(name).cloned() else {
             return;
         };
@@ -555,10 +594,13 @@ impl Runtime {
     ) -> Result<Invoked, InvokeError> {
         let pool = self.pool(name).await?;
         let (lease, kind, mut timings) = self.acquire(&pool).await?;
-        let timeout = lock(&pool.state).info.timeout;
+        let (timeout, per_instance) = {
+            let st = lock(&pool.state);
+            (st.info.timeout, st.info.per_instance)
+        };
         let inst = Arc::clone(&lease.instance);
         let t_call = Instant::now();
-        let res = self.call(&inst, request, timeout).await;
+        let res = self.call(&inst, request, timeout, per_instance).await;
         drop(lease);
         let call_s = t_call.elapsed().as_secs_f64();
         let total = t0.elapsed().as_secs_f64();
@@ -597,16 +639,25 @@ impl Runtime {
         }
     }
 
-    /// Sends the request to `inst` and waits for its result, killing the worker at `timeout`.
+    /// Sends the request to `inst` and waits for its result, killing the worker at `timeout`
+    /// after the handler started (`per_instance` requests may share the worker).
     async fn call(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
         request: Value,
         timeout: Duration,
+        per_instance: usize,
     ) -> Result<Map<String, Value>, InvokeError> {
         let id = self.next();
         let (tx, rx) = oneshot::channel();
-        lock(&inst.pending).insert(id, tx);
+        let (started_tx, started_rx) = oneshot::channel();
+        lock(&inst.pending).insert(
+            id,
+            Pending {
+                started: Some(started_tx),
+                result: tx,
+            },
+        );
         let frame = json!({"type": "invoke", "id": id, "request": request, "timeout_s": timeout.as_secs_f64()});
         let crashed = |inst: &Instance| {
             InvokeError::Crashed(format!(
@@ -633,6 +684,39 @@ impl Runtime {
                     Err(crashed(inst))
                 }
             };
+        }
+        if inst.announces_start {
+            // With requests_per_instance > 1 the request may wait inside the worker behind
+            // others, each of which ends or is killed within its own timeout_s: the timeout
+            // counts from the start of the handler, and this bound only catches a worker that
+            // never starts it. Passing it fails this request alone (503); the worker lives.
+            let ahead = u32::try_from(per_instance.saturating_sub(1)).unwrap_or(u32::MAX);
+            let bound = timeout
+                .saturating_mul(ahead)
+                .saturating_add(self.config.queue.timeout);
+            match tokio::time::timeout(bound, started_rx).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => {
+                    // A result without `started` can only mean the instance is gone.
+                    if inst.is_dead() {
+                        return Err(crashed(inst));
+                    }
+                }
+                Err(_) => {
+                    lock(&inst.pending).remove(&id);
+                    let retry = bound.as_secs().clamp(1, 60);
+                    return Err(InvokeError::QueueTimeout {
+                        message: format!(
+                            "the request waited {:.1} s inside instance {} of {:?} without its \
+                             handler starting: retry after {retry} s",
+                            bound.as_secs_f64(),
+                            inst.id,
+                            inst.function
+                        ),
+                        retry_after_s: retry,
+                    });
+                }
+            }
         }
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(msg)) => Ok(msg),
@@ -857,7 +941,8 @@ impl Runtime {
             .map_err(InvokeError::Internal)
     }
 
-    /// Restores the function snapshot, wakes the worker and waits for its `hello`.
+    /// Starts an instance: wakes `sleeper`, else restores the function snapshot, else (with
+    /// `cold_start = "boot"`, or when the restore fails) boots one.
     async fn start_instance(
         self: &Arc<Self>,
         name: &str,
@@ -877,26 +962,110 @@ impl Runtime {
             self.logs_dir(),
             name.to_string(),
         );
-        if sleeper.is_none() && self.config.cold_start == ColdStart::Boot {
-            let t = Instant::now();
-            let fdir = PathBuf::from(info.spec["dir"].as_str().unwrap_or_default());
-            let (init, worker, conn, mut timings) =
-                crate::deploy::boot_function(self, &info.spec, &fdir, &log, Some(charge))
-                    .await
-                    .map_err(|e| format!("cannot boot an instance of {name:?}: {e}"))?;
-            timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
-            let inst = self
-                .adopt(id, name, info, generation, None, init, worker, conn)
-                .await?;
-            tracing::info!(function = name, instance = %inst.id, pid = init, boot_ms = t.elapsed().as_secs_f64() * 1e3, "instance booted");
-            return Ok((inst, timings, start::BOOTED));
+        let new = NewInstance {
+            id: &id,
+            log: &log,
+            charge,
+        };
+        if sleeper.is_some() {
+            return self
+                .restore_instance(name, info, generation, sleeper, &new)
+                .await;
         }
+        if self.config.cold_start == ColdStart::Boot {
+            return self.boot_instance(name, info, generation, &new).await;
+        }
+        let paused = lock(&self.restore_health)
+            .get(name)
+            .and_then(|h| h.paused_until)
+            .is_some_and(|until| Instant::now() < until);
+        let mut restore_error = None;
+        if !paused {
+            match self
+                .restore_instance(name, info, generation, None, &new)
+                .await
+            {
+                Ok(started) => {
+                    lock(&self.restore_health).remove(name);
+                    return Ok(started);
+                }
+                Err(e) => {
+                    let failures = {
+                        let mut health = lock(&self.restore_health);
+                        let h = health.entry(name.to_string()).or_default();
+                        h.failures += 1;
+                        if h.failures >= RESTORE_FAILURES_TO_PAUSE {
+                            h.paused_until = Some(Instant::now() + RESTORE_PAUSE);
+                        }
+                        h.failures
+                    };
+                    tracing::warn!(function = name, error = %e, failures, "restoring the function snapshot failed; booting an instance instead");
+                    if failures >= RESTORE_FAILURES_TO_PAUSE {
+                        tracing::warn!(function = name, pause_s = RESTORE_PAUSE.as_secs(), "{failures} restores in a row failed: booting instances without trying to restore until the pause ends or the function is deployed again");
+                    }
+                    restore_error = Some(e);
+                }
+            }
+        }
+        self.metrics
+            .restore_fallbacks
+            .with_label_values(&[name])
+            .inc();
+        self.boot_instance(name, info, generation, &new)
+            .await
+            .map_err(|e| match restore_error {
+                Some(r) => format!("{r}; booting one instead failed too: {e}"),
+                None => format!("{e} (restores are paused after failing)"),
+            })
+    }
+
+    /// Boots an instance: launches a `--role function` worker, loads the function.
+    async fn boot_instance(
+        self: &Arc<Self>,
+        name: &str,
+        info: &FnInfo,
+        generation: u64,
+        new: &NewInstance<'_, '_>,
+    ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
+        let t = Instant::now();
+        let fdir = PathBuf::from(info.spec["dir"].as_str().unwrap_or_default());
+        let (init, worker, conn, mut timings) =
+            crate::deploy::boot_function(self, &info.spec, &fdir, new.log, Some(new.charge))
+                .await
+                .map_err(|e| format!("cannot boot an instance of {name:?}: {e}"))?;
+        timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
+        let inst = self
+            .adopt(
+                new.id.to_string(),
+                name,
+                info,
+                generation,
+                None,
+                init,
+                worker,
+                conn,
+            )
+            .await?;
+        tracing::info!(function = name, instance = %inst.id, pid = init, boot_ms = t.elapsed().as_secs_f64() * 1e3, "instance booted");
+        Ok((inst, timings, start::BOOTED))
+    }
+
+    /// Restores the function snapshot (or `sleeper`'s), wakes the worker and waits for its
+    /// `hello`.
+    async fn restore_instance(
+        self: &Arc<Self>,
+        name: &str,
+        info: &FnInfo,
+        generation: u64,
+        sleeper: Option<&Sleeper>,
+        new: &NewInstance<'_, '_>,
+    ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
         let t = Instant::now();
         let from = sleeper.map_or(&info.snapshot_dir, |s| &s.snapshot_dir);
-        let (init, worker) = restore(from, &self.logs_dir(), &log)
+        let (init, worker) = restore(from, &self.logs_dir(), new.log)
             .await
             .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
-        charge.process_started(init);
+        new.charge.process_started(init);
         let restore_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let conn = match wake(&self.hub, worker, RECONNECT_TIMEOUT).await {
@@ -921,7 +1090,16 @@ impl Runtime {
         }
         let reconnect_s = t.elapsed().as_secs_f64();
         let inst = self
-            .adopt(id, name, info, generation, sleeper, init, worker, conn)
+            .adopt(
+                new.id.to_string(),
+                name,
+                info,
+                generation,
+                sleeper,
+                init,
+                worker,
+                conn,
+            )
             .await?;
         tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
         Ok((
@@ -949,21 +1127,22 @@ impl Runtime {
         conn: WorkerConn,
     ) -> Result<Arc<Instance>, String> {
         let now = now_ms();
-        let inst = Arc::new(Instance {
+        let (inst, rd) = new_instance(
             id,
-            function: name.to_string(),
-            init_pid: init,
-            worker_pid: worker,
+            name,
             generation,
-            writer: tokio::sync::Mutex::new(conn.wr),
-            pending: Mutex::new(HashMap::new()),
-            dead: AtomicBool::new(false),
-            why_dead: Mutex::new(None),
-            keep: Mutex::new(Keep::new(Stage::Warm, Instant::now())),
-            hibernating: AtomicBool::new(false),
-            quiet_tx: Mutex::new(None),
-            gpu_release_failed: AtomicBool::new(false),
-        });
+            init,
+            worker,
+            conn,
+            Keep::new(Stage::Warm, Instant::now()),
+        );
+        // Which process it is, so that a restarted daemon re-adopts this one only.
+        let Some(process_start) = workers::process_start(init) else {
+            kill_tree(init);
+            return Err(format!(
+                "the new instance of {name:?} (init pid {init}) exited before it was recorded"
+            ));
+        };
         let row = InstanceRow {
             id: inst.id.clone(),
             function: name.to_string(),
@@ -981,9 +1160,13 @@ impl Runtime {
                 s.set_instance_stage(&row.id, Stage::Warm, Some(init), row.snapshot.as_deref())?;
                 s.touch_instance(&row.id, now)?;
                 s.delete_snapshot(&hib)?;
+                s.set_instance_process(&row.id, init, process_start)?;
                 Ok::<_, crate::registry::RegistryError>(())
             }),
-            None => registry.with(|s| s.insert_instance(&row)),
+            None => registry.transaction(|s| {
+                s.insert_instance(&row)?;
+                s.set_instance_process(&row.id, init, process_start)
+            }),
         })
         .await
         .map_err(|e| e.to_string())
@@ -996,10 +1179,119 @@ impl Runtime {
             let dir = s.snapshot_dir.clone();
             tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
         }
-        let rt = Arc::clone(self);
-        let reader_inst = Arc::clone(&inst);
-        tokio::spawn(async move { rt.read_results(reader_inst, conn.rd).await });
+        self.attach(&inst, rd).await;
         Ok(inst)
+    }
+
+    /// Tells the worker it is in service (and how long to outlive a lost daemon), then starts
+    /// its reader.
+    async fn attach(self: &Arc<Self>, inst: &Arc<Instance>, rd: OwnedReadHalf) {
+        if inst.announces_start {
+            let frame =
+                json!({"type": "attached", "reattach_s": self.config.reattach.as_secs_f64()});
+            let sent = workers::send(&mut *inst.writer.lock().await, &frame).await;
+            if let Err(e) = sent {
+                // Its reader sees the end of the connection and removes it.
+                tracing::debug!(instance = %inst.id, error = %e, "cannot send attached");
+            }
+        }
+        let rt = Arc::clone(self);
+        let reader_inst = Arc::clone(inst);
+        tokio::spawn(async move { rt.read_results(reader_inst, rd).await });
+    }
+
+    /// At startup: takes back the live instances an earlier daemon left, whose workers
+    /// reconnect on their own. Each counts as starting in its function's pool (so requests wait
+    /// for it rather than start another past max_instances) until it reconnects, within
+    /// [`READOPT_TIMEOUT`], or is killed and its row removed.
+    pub async fn readopt(self: &Arc<Self>, orphans: Vec<InstanceRow>) {
+        for row in orphans {
+            let pool = match self.pool(&row.function).await {
+                Ok(p) => p,
+                Err(e) => {
+                    self.drop_orphan(&row, &format!("its function cannot serve: {e:?}"))
+                        .await;
+                    continue;
+                }
+            };
+            let generation = {
+                let mut st = lock(&pool.state);
+                st.starting += 1;
+                st.generation
+            };
+            let guard = Starting {
+                pool: Arc::clone(&pool),
+                armed: true,
+            };
+            let rt = Arc::clone(self);
+            tokio::spawn(async move { rt.readopt_one(pool, guard, generation, row).await });
+        }
+    }
+
+    async fn readopt_one(
+        self: Arc<Self>,
+        pool: Arc<Pool>,
+        mut guard: Starting,
+        generation: u64,
+        row: InstanceRow,
+    ) {
+        let Some(init) = row.pid else {
+            return self.drop_orphan(&row, "its row has no pid").await;
+        };
+        let worker = match crate::launcher::worker_pid(init) {
+            Ok(w) => w,
+            Err(e) => return self.drop_orphan(&row, &e).await,
+        };
+        let conn = match self.hub.claim(worker).wait(READOPT_TIMEOUT).await {
+            Ok(c) => c,
+            Err(e) => {
+                let why = format!("its worker did not reconnect: {e}");
+                return self.drop_orphan(&row, &why).await;
+            }
+        };
+        let hello = &conn.hello;
+        if !hello.reattach || hello.function.as_deref() != Some(row.function.as_str()) {
+            let why = format!(
+                "its worker reconnected as {:?} (reattach: {}), not as a lost instance of {:?}",
+                hello.function, hello.reattach, row.function
+            );
+            return self.drop_orphan(&row, &why).await;
+        }
+        // Its idle time counts from now: the warm path does not write last_used, so the row
+        // cannot say when it was last busy.
+        let (inst, rd) = new_instance(
+            row.id.clone(),
+            &row.function,
+            generation,
+            init,
+            worker,
+            conn,
+            Keep::new(row.stage, Instant::now()),
+        );
+        guard.armed = false;
+        {
+            let mut st = lock(&pool.state);
+            st.starting -= 1;
+            st.instances.push((Arc::clone(&inst), 0));
+        }
+        self.attach(&inst, rd).await;
+        pool.changed.notify_waiters();
+        tracing::info!(function = %row.function, instance = %row.id, pid = init, stage = %row.stage, "re-adopted an instance of an earlier torpord");
+    }
+
+    /// An instance of an earlier daemon that cannot be taken back: killed, its row removed.
+    async fn drop_orphan(&self, row: &InstanceRow, why: &str) {
+        if let Some(pid) = row.pid {
+            kill_tree(pid);
+        }
+        tracing::warn!(function = %row.function, instance = %row.id, pid = row.pid, "killed an instance of an earlier torpord: {why}");
+        let registry = Arc::clone(&self.registry);
+        let id = row.id.clone();
+        let deleted =
+            tokio::task::spawn_blocking(move || registry.with(|s| s.delete_instance(&id))).await;
+        if !matches!(deleted, Ok(Ok(_))) {
+            tracing::error!(instance = %row.id, "cannot remove the registry row of an instance that was not re-adopted");
+        }
     }
 
     /// Hands each `result` to its request; anything else, or the end, removes the instance.
@@ -1016,6 +1308,19 @@ impl Runtime {
                     if quiet {
                         break "it broke the protocol (sent a frame after quiet)".to_string();
                     }
+                    if kind == Some("started") {
+                        let Some(id) = msg.get("id").and_then(Value::as_u64) else {
+                            break "it broke the protocol (started without a numeric id)"
+                                .to_string();
+                        };
+                        // Unknown: a request the daemon gave up on.
+                        if let Some(p) = lock(&inst.pending).get_mut(&id) {
+                            if let Some(tx) = p.started.take() {
+                                let _ = tx.send(());
+                            }
+                        }
+                        continue;
+                    }
                     if kind != Some("result") {
                         break format!(
                             "it broke the protocol (sent a {} frame while serving requests)",
@@ -1027,8 +1332,8 @@ impl Runtime {
                     };
                     let waiter = lock(&inst.pending).remove(&id);
                     match waiter {
-                        Some(tx) => {
-                            let _ = tx.send(msg);
+                        Some(p) => {
+                            let _ = p.result.send(msg);
                         }
                         None => {
                             tracing::debug!(instance = %inst.id, id, "result for a request that was given up")
@@ -1107,6 +1412,35 @@ impl Runtime {
             }
         });
     }
+}
+
+/// An instance around a connected worker; its reader half is for [`Runtime::attach`].
+fn new_instance(
+    id: String,
+    function: &str,
+    generation: u64,
+    init: i32,
+    worker: i32,
+    conn: WorkerConn,
+    keep: Keep,
+) -> (Arc<Instance>, OwnedReadHalf) {
+    let inst = Arc::new(Instance {
+        id,
+        function: function.to_string(),
+        init_pid: init,
+        worker_pid: worker,
+        generation,
+        writer: tokio::sync::Mutex::new(conn.wr),
+        announces_start: conn.hello.protocol >= 2,
+        pending: Mutex::new(HashMap::new()),
+        dead: AtomicBool::new(false),
+        why_dead: Mutex::new(None),
+        keep: Mutex::new(keep),
+        hibernating: AtomicBool::new(false),
+        quiet_tx: Mutex::new(None),
+        gpu_release_failed: AtomicBool::new(false),
+    });
+    (inst, conn.rd)
 }
 
 /// The keep-alive delays of a spec: its `[keepalive]`, each key defaulting to the daemon's.

@@ -68,6 +68,8 @@ pub struct Daemon {
     /// The socket workers connect to.
     workers: BoundSocket,
     tcp: Option<(TcpListener, SocketAddr, Token)>,
+    /// Live instances of an earlier daemon whose processes are still there, to re-adopt.
+    orphans: Vec<crate::registry::Instance>,
 }
 
 impl Daemon {
@@ -84,7 +86,7 @@ impl Daemon {
         for name in registry.with(|s| s.fail_interrupted_deploys(now_ms()))? {
             tracing::warn!(function = %name, "deploy was interrupted by a daemon stop; marked failed");
         }
-        clean_up_instances(&registry, state_dir.root())?;
+        let orphans = clean_up_instances(&registry, state_dir.root())?;
         let metrics = Arc::new(Metrics::new()?);
         let unix = socket::bind(&config.socket)?;
         let workers = socket::bind(&state_dir.workers_socket())?;
@@ -105,6 +107,7 @@ impl Daemon {
             unix,
             workers,
             tcp,
+            orphans,
         })
     }
 
@@ -160,6 +163,9 @@ impl Daemon {
                 source,
             })?;
         let hub_task = tokio::spawn(Arc::clone(&runtime.hub).serve(workers_listener));
+        // Before the API serves, so that a request waits for a re-adopted instance instead of
+        // starting another one.
+        runtime.readopt(std::mem::take(&mut self.orphans)).await;
         let keepalive_task = runtime.spawn_keepalive();
         {
             let rt = Arc::clone(&runtime);
@@ -272,36 +278,57 @@ impl Daemon {
     }
 }
 
-/// At startup: instances a previous daemon left. A worker exits once its daemon's connection
-/// closes, so no process survives to be re-adopted; a leftover one (still alive, its command
-/// line naming this state directory, so it is ours and not a reused pid) is killed, and the rows
-/// of live stages are removed. Hibernated and evicted instances need no process: their rows and
-/// snapshots stay, and their function's pool takes them up again.
+/// At startup: instances a previous daemon left. A live instance (warm, gpu_released) whose
+/// init is still the very process recorded (same pid, same start time) is returned, to be
+/// re-adopted once its worker reconnects. Any other live row is removed; its pid is killed only
+/// if it still is the recorded process or, for rows written before start times were recorded,
+/// its command line names this state directory. Hibernated and evicted instances need no
+/// process: their rows and snapshots stay, and their function's pool takes them up again.
 fn clean_up_instances(
     registry: &Registry,
     state_root: &std::path::Path,
-) -> Result<(), RegistryError> {
-    let stale: Vec<_> = registry
+) -> Result<Vec<crate::registry::Instance>, RegistryError> {
+    let live: Vec<_> = registry
         .with(|s| s.instances())?
         .into_iter()
         .filter(|i| i.stage.has_process())
         .collect();
     let root = state_root.as_os_str().as_encoded_bytes();
-    for i in &stale {
-        if let Some(pid) = i.pid.filter(|p| *p > 1) {
-            let ours = std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| c.windows(root.len().max(1)).any(|w| w == root));
-            if ours && crate::workers::alive(pid) {
+    let mut orphans = Vec::new();
+    let mut removed = 0;
+    for i in live {
+        let recorded = registry.with(|s| s.instance_process(&i.id))?;
+        if let Some(pid) = i.pid.filter(|p| *p > 1 && crate::workers::alive(*p)) {
+            let same = recorded.is_some_and(|(rpid, start)| {
+                rpid == pid && crate::workers::process_start(pid) == Some(start)
+            });
+            if same {
+                orphans.push(i);
+                continue;
+            }
+            let ours = recorded.is_none()
+                && std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| c.windows(root.len().max(1)).any(|w| w == root));
+            if ours {
                 crate::runtime::kill_tree(pid);
                 tracing::warn!(instance = %i.id, pid, "killed an instance left by an earlier torpord");
+            } else {
+                tracing::info!(instance = %i.id, pid, "the pid of an instance left by an earlier torpord is another process now; left alone");
             }
         }
         registry.with(|s| s.delete_instance(&i.id))?;
+        removed += 1;
     }
-    if !stale.is_empty() {
+    if removed > 0 {
         tracing::info!(
-            instances = stale.len(),
-            "removed the live instances of an earlier torpord"
+            instances = removed,
+            "removed the live instances of an earlier torpord that are gone"
+        );
+    }
+    if !orphans.is_empty() {
+        tracing::info!(
+            instances = orphans.len(),
+            "waiting for the live instances of an earlier torpord to reconnect"
         );
     }
     // Hibernation snapshots no row refers to: a daemon killed between waking an instance (its
@@ -321,7 +348,7 @@ fn clean_up_instances(
             }
         }
     }
-    Ok(())
+    Ok(orphans)
 }
 
 fn flatten(

@@ -32,6 +32,10 @@ pub struct Hello {
     pub role: String,
     pub function: Option<String>,
     pub resumed: bool,
+    /// 2 for a harness that sends `started` and takes `attached` (1 before).
+    pub protocol: u64,
+    /// It lost its daemon and asks to be re-adopted.
+    pub reattach: bool,
 }
 
 impl Hello {
@@ -54,6 +58,8 @@ impl Hello {
                 .and_then(Value::as_str)
                 .map(str::to_string),
             resumed: m.get("resumed").and_then(Value::as_bool).unwrap_or(false),
+            protocol: m.get("protocol").and_then(Value::as_u64).unwrap_or(1),
+            reattach: m.get("reattach").and_then(Value::as_bool).unwrap_or(false),
         })
     }
 }
@@ -210,6 +216,15 @@ pub fn alive(pid: i32) -> bool {
     }
 }
 
+/// When `pid` started, in clock ticks after boot (`/proc/PID/stat` field 22): with the pid, it
+/// names one process, never a later one that reused the pid.
+pub fn process_start(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command (which may hold spaces) start at field 3, the state.
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(22 - 3)?.parse().ok()
+}
+
 impl Hub {
     fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
@@ -313,4 +328,29 @@ async fn handshake(stream: UnixStream) -> Result<WorkerConn, String> {
         .ok_or_else(|| format!("worker pid {pid} closed before its hello"))?;
     let hello = Hello::parse(&first).map_err(|e| format!("worker pid {pid}: {e}"))?;
     Ok(WorkerConn { pid, hello, rd, wr })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn process_start_names_one_process() {
+        let me = std::process::id() as i32;
+        let start = process_start(me).expect("our own start time");
+        assert_eq!(process_start(me), Some(start));
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let other = process_start(child.id() as i32).expect("the child's start time");
+        assert!(other >= start, "a child starts after its parent");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(
+            process_start(child.id() as i32),
+            None,
+            "a reaped process has none"
+        );
+    }
 }

@@ -54,6 +54,16 @@ const MIGRATIONS: &[&str] = &[
     ) STRICT;
     CREATE INDEX instances_by_function ON instances(function);
     "#,
+    // 1 → 2: which process a live instance is, so that a restarted daemon re-adopts only that
+    // process and never one that reused its pid (start time in clock ticks after boot, from
+    // /proc/PID/stat).
+    r#"
+    CREATE TABLE instance_processes (
+        instance TEXT PRIMARY KEY REFERENCES instances(id) ON DELETE CASCADE,
+        pid      INTEGER NOT NULL,
+        start    INTEGER NOT NULL CHECK (start >= 0)
+    ) STRICT;
+    "#,
 ];
 
 /// The schema version of `conn`'s database (0 when empty).

@@ -292,6 +292,32 @@ mod tests {
     }
 
     #[test]
+    fn an_instance_process_is_recorded_replaced_and_goes_with_its_instance() {
+        let (_dir, reg) = open();
+        reg.transaction(|s| {
+            s.insert_function(&function("a"))?;
+            s.insert_instance(&instance("a-1", "a", Stage::Warm))
+        })
+        .unwrap();
+        assert_eq!(reg.with(|s| s.instance_process("a-1")).unwrap(), None);
+        reg.with(|s| s.set_instance_process("a-1", 4242, 77))
+            .unwrap();
+        assert_eq!(
+            reg.with(|s| s.instance_process("a-1")).unwrap(),
+            Some((4242, 77))
+        );
+        reg.with(|s| s.set_instance_process("a-1", 5151, 88))
+            .unwrap();
+        assert_eq!(
+            reg.with(|s| s.instance_process("a-1")).unwrap(),
+            Some((5151, 88))
+        );
+        assert!(reg.with(|s| s.set_instance_process("ghost", 1, 1)).is_err());
+        reg.with(|s| s.delete_instance("a-1")).unwrap();
+        assert_eq!(reg.with(|s| s.instance_process("a-1")).unwrap(), None);
+    }
+
+    #[test]
     fn delete_function_cascades_to_its_rows_only() {
         let (_dir, reg) = open();
         reg.transaction(|s| {

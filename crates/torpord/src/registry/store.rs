@@ -380,6 +380,36 @@ impl Store<'_> {
         Ok(n > 0)
     }
 
+    /// Records which process a live instance is: its init's pid and that process's start time
+    /// (clock ticks after boot), replacing an earlier record.
+    pub fn set_instance_process(
+        &self,
+        id: &str,
+        pid: i32,
+        start: u64,
+    ) -> Result<(), RegistryError> {
+        let start = i64::try_from(start).unwrap_or(i64::MAX);
+        self.conn
+            .prepare_cached(
+                "INSERT INTO instance_processes (instance, pid, start) VALUES (?1, ?2, ?3) \
+                 ON CONFLICT (instance) DO UPDATE SET pid = excluded.pid, start = excluded.start",
+            )?
+            .execute((id, pid, start))
+            .map_err(|e| write_error(e, "instance", id))?;
+        Ok(())
+    }
+
+    /// The process recorded for an instance: (pid, start time in clock ticks after boot).
+    pub fn instance_process(&self, id: &str) -> Result<Option<(i32, u64)>, RegistryError> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT pid, start FROM instance_processes WHERE instance = ?1")?
+            .query_row([id], |row| {
+                Ok((row.get::<_, i32>(0)?, row.get::<_, i64>(1)?.max(0) as u64))
+            })
+            .optional()?)
+    }
+
     // ---- aggregates ----
 
     /// Instances per stage, per function (functions without instances are absent).
