@@ -99,6 +99,11 @@ pub struct RestoreRequest<'a> {
     /// restores sockets. With `empty_ns_net` the new namespace's `lo` is otherwise down, and
     /// anything the process listens on at 127.0.0.1 is unreachable (connect: ENETUNREACH).
     pub loopback_up: bool,
+    /// Restore memory lazily (`--lazy-pages`): CRIU maps the tree's private anonymous memory
+    /// empty and hands each process's userfaultfd to a `criu lazy-pages` daemon, which must
+    /// already listen in `work_dir` (see [`Criu::start_lazy_pages`]); the daemon fills pages as
+    /// they are touched, then the rest in the background.
+    pub lazy_pages: bool,
 }
 
 impl<'a> RestoreRequest<'a> {
@@ -119,6 +124,7 @@ impl<'a> RestoreRequest<'a> {
             rst_sibling: false,
             orphan_pts_master: false,
             loopback_up: false,
+            lazy_pages: false,
         }
     }
 }
@@ -211,6 +217,7 @@ impl Criu {
             external: r.external.clone(),
             empty_ns: r.empty_ns_net.then_some(EMPTY_NS_NET),
             orphan_pts_master: Some(r.orphan_pts_master),
+            lazy_pages: r.lazy_pages.then_some(true),
             network_lock: r
                 .network_lock_skip
                 .then_some(NetworkLockMethod::Skip as i32),

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use torpor_criu::{CriuError, RestoreRequest};
+use torpor_criu::{CriuError, LazyPages, LazyPagesError, RestoreRequest};
 use torpor_cuda::{CudaDriver, CudaError, GpuUuid, Nvml};
 use torpor_image::{GpuSection, ImageError, Manifest, Snapshot};
 
@@ -23,6 +23,90 @@ pub struct RestoreOptions<'a> {
     pub gpu_map: &'a [GpuMapping],
     /// Where CRIU writes its restore log.
     pub log_dir: &'a Path,
+}
+
+/// Where a restored process's memory comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PageSource {
+    /// CRIU copies every page from the images before the process runs (the default).
+    #[default]
+    Copy,
+    /// CRIU restores the memory layout only; a `criu lazy-pages` daemon fills each page over
+    /// userfaultfd when it is first touched, then the rest in the background. The restore's
+    /// [`Restored::lazy_pages`] must be finished ([`LazyRestore::finish`]).
+    Lazy,
+}
+
+impl std::str::FromStr for PageSource {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "copy" => Ok(PageSource::Copy),
+            "lazy" => Ok(PageSource::Lazy),
+            other => Err(format!(
+                "unknown page source {other:?}: use `copy` (every page before the process runs) or `lazy` (on first touch, over userfaultfd)"
+            )),
+        }
+    }
+}
+
+/// How a restore brings back the process's memory; `Default` is what [`restore`] does.
+/// (A snapshot staged in memory with [`crate::stage::stage`] is restored by passing the staged
+/// directory as [`RestoreOptions::dir`].)
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PageOptions {
+    pub source: PageSource,
+}
+
+/// The `criu lazy-pages` daemon still serving a lazily restored tree.
+#[must_use = "finish() reports whether every page arrived; dropping it waits for the daemon"]
+pub struct LazyRestore {
+    daemon: Option<LazyPages>,
+    work_dir: std::path::PathBuf,
+    root: i32,
+    /// The tree was killed after the restore: nobody waits for pages, stop the daemon.
+    killed: std::cell::Cell<bool>,
+}
+
+impl LazyRestore {
+    /// The daemon's pid.
+    pub fn daemon_pid(&self) -> Option<u32> {
+        self.daemon.as_ref().and_then(|d| d.pid())
+    }
+
+    /// Waits until the daemon has served every page and exited, and reaps it. When it failed,
+    /// the restored tree (which may miss memory) is killed and its logs are kept.
+    pub fn finish(mut self) -> Result<(), RestoreError> {
+        let Some(daemon) = self.daemon.take() else {
+            return Ok(());
+        };
+        match daemon.wait() {
+            Ok(()) => {
+                let _ = std::fs::remove_dir_all(&self.work_dir);
+                Ok(())
+            }
+            Err(source) => {
+                crate::sys::kill(self.root, libc::SIGKILL);
+                Err(RestoreError::LazyPages { source })
+            }
+        }
+    }
+}
+
+impl Drop for LazyRestore {
+    fn drop(&mut self) {
+        let Some(daemon) = self.daemon.take() else {
+            return;
+        };
+        if self.killed.get() {
+            daemon.kill();
+        } else {
+            // Killing the daemon would leave the tree hanging on its next fault: wait instead.
+            if daemon.wait().is_ok() {
+                let _ = std::fs::remove_dir_all(&self.work_dir);
+            }
+        }
+    }
 }
 
 /// Why a restore was refused or failed. Nothing restored is left running.
@@ -85,6 +169,9 @@ pub enum RestoreError {
     /// SIGINT/SIGTERM arrived; the restored tree was killed.
     #[error("interrupted: the restored processes were killed")]
     Interrupted,
+    /// The lazy-pages daemon failed to start or to serve every page.
+    #[error(transparent)]
+    LazyPages { source: LazyPagesError },
 }
 
 /// A restored tree.
@@ -96,6 +183,8 @@ pub struct Restored {
     /// Wall time of the whole restore.
     pub total_s: f64,
     pub manifest: Manifest,
+    /// With [`PageSource::Lazy`]: the daemon still serving the tree's memory.
+    pub lazy_pages: Option<LazyRestore>,
 }
 
 /// The GPUs a restore puts the snapshot's state on.
@@ -106,6 +195,11 @@ struct GpuPlan {
 
 /// Restores a snapshot; see the module doc.
 pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
+    restore_with(opts, &PageOptions::default())
+}
+
+/// [`restore`], bringing the memory back as `pages` says.
+pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, RestoreError> {
     preflight::require_root("torpor restore")?;
     preflight::require_checkpoint_restore_kernel(Path::new("/proc"))?;
     let criu = preflight::require_criu()?;
@@ -180,12 +274,59 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
         log_level: 4,
         orphan_pts_master: false,
         loopback_up: true,
+        lazy_pages: false,
     };
-    let pid = phases.time("criu_restore", || criu.restore(&request))?;
+    // Lazy pages: the daemon and the restore meet at a socket in a work directory of their own,
+    // so that restores side by side never share one.
+    let lazy_dir = opts.log_dir.join(format!(
+        "lazy-{}-{}",
+        std::process::id(),
+        crate::sys::unix_millis()
+    ));
+    let mut request = request;
+    let daemon = match pages.source {
+        PageSource::Copy => None,
+        PageSource::Lazy => {
+            std::fs::create_dir(&lazy_dir).map_err(|source| RestoreError::LogDir {
+                path: lazy_dir.clone(),
+                source,
+            })?;
+            let daemon = phases
+                .time("lazy_pages_start", || {
+                    criu.start_lazy_pages(opts.dir, &lazy_dir, "lazy-pages.log", 4)
+                })
+                .map_err(|source| RestoreError::LazyPages { source })?;
+            request.work_dir = Some(&lazy_dir);
+            request.lazy_pages = true;
+            Some(daemon)
+        }
+    };
+    let pid = match phases.time("criu_restore", || criu.restore(&request)) {
+        Ok(pid) => pid,
+        Err(e) => {
+            // Nothing to serve: stop the daemon (kill and reap); its log stays next to CRIU's.
+            if let Some(daemon) = daemon {
+                daemon.kill();
+            }
+            return Err(e.into());
+        }
+    };
     // The log of a successful restore is noise; a failed one is kept and named in the error.
-    let _ = std::fs::remove_file(opts.log_dir.join(&log_name));
+    let log_in = request.work_dir.unwrap_or(opts.dir);
+    let _ = std::fs::remove_file(log_in.join(&log_name));
+    let lazy_pages = daemon.map(|daemon| LazyRestore {
+        daemon: Some(daemon),
+        work_dir: lazy_dir.clone(),
+        root: pid,
+        killed: std::cell::Cell::new(false),
+    });
 
-    let kill_restored = || crate::sys::kill(pid, libc::SIGKILL);
+    let kill_restored = || {
+        crate::sys::kill(pid, libc::SIGKILL);
+        if let Some(lazy) = &lazy_pages {
+            lazy.killed.set(true);
+        }
+    };
     if let Some(plan) = &plan {
         let inner: Vec<i32> = manifest
             .source
@@ -220,6 +361,7 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
         pid,
         phases,
         manifest,
+        lazy_pages,
     })
 }
 

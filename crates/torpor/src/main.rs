@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use torpor_snapshot::restore::PageSource;
 
 #[derive(Parser)]
 #[command(
@@ -58,9 +59,23 @@ enum Command {
         /// Put GPU state on other GPUs: OLD=NEW[,OLD=NEW] (ordinals or UUIDs).
         #[arg(long)]
         gpu: Option<String>,
+        /// How memory comes back: `copy` (every page before the process runs) or `lazy` (each
+        /// page on first touch over userfaultfd, the rest in the background; torpor then waits
+        /// for the lazy-pages daemon to finish before it returns).
+        #[arg(long, default_value = "copy")]
+        pages: PageSource,
         /// Print phase timings.
         #[arg(short, long)]
         verbose: bool,
+    },
+    /// Copy a snapshot into memory (a tmpfs such as /dev/shm), checking every file's hash on
+    /// the way; restore from the copy to read the images from RAM.
+    Stage {
+        /// Snapshot directory.
+        dir: PathBuf,
+        /// Where the copy goes (must not exist; on a tmpfs).
+        #[arg(long)]
+        to: PathBuf,
     },
     /// Show what a snapshot holds.
     Inspect {
@@ -165,8 +180,10 @@ fn main() -> ExitCode {
             dir,
             detach,
             gpu,
+            pages,
             verbose,
-        } => cmd::restore::run(&dir, detach, gpu.as_deref(), verbose),
+        } => cmd::restore::run(&dir, detach, gpu.as_deref(), pages, verbose),
+        Command::Stage { dir, to } => cmd::stage::run(&dir, &to),
         Command::Inspect { dir, json } => cmd::inspect::run(&dir, json),
         Command::Verify { dir } => cmd::verify::run(&dir),
         Command::Serve(args) => cmd::serve::run(&args),
