@@ -11,9 +11,12 @@ Then for each page source and each touch pattern, RUNS times:
   restored PID a request `touch P` (read one byte of every page of the first P % of the data) is
   sent; the time from starting `torpor restore` to the answer is "restore → first answer".
 Page sources: disk-cold (page cache dropped before each run), disk-warm (the images read once
-first), tmpfs (the staged copy), lazy-tmpfs (the staged copy with --pages lazy). Touch patterns:
-10 % and 100 %. Every answer is checked against the worker's own answer before the snapshot.
-Every run is recorded with torpor's phases; medians, min and max per cell.
+first), tmpfs (the staged copy in --stage-base, /dev/shm: 4 KiB pages), lazy-tmpfs (the same with
+--pages lazy); with --huge-stage-base (a tmpfs mounted huge=always) also tmpfs-huge and
+lazy-tmpfs-huge. Touch patterns: 10 % and 100 %. Rounds are interleaved (run i of every cell,
+then run i+1), so background load on a shared machine spreads over all cells alike. Every answer
+is checked against the worker's own answer before the snapshot. Every run is recorded with
+torpor's phases; medians, min and max per cell.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PYTHON = shutil.which("python3") or sys.executable
 PHASE_RE = re.compile(r"^phase\s+(\S+)\s+([-+0-9.eE]+)\s*$")
-SOURCES = ("disk-cold", "disk-warm", "tmpfs", "lazy-tmpfs")
+SOURCES = ("disk-cold", "disk-warm", "tmpfs", "lazy-tmpfs", "tmpfs-huge", "lazy-tmpfs-huge")
+DEFAULT_SOURCES = SOURCES[:4]
 TOUCH = (10, 100)
 
 Json = dict[str, Any]
@@ -52,10 +56,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--worker", type=Path, default=HERE / "worker.py", help="worker program (SOCKET MIB)")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp/torpor-criu-restore"))
     p.add_argument("--stage-base", type=Path, default=Path("/dev/shm/torpor"), help="tmpfs for the staged copy")
-    p.add_argument("--sources", default=",".join(SOURCES), help=f"comma list of {', '.join(SOURCES)}")
+    p.add_argument(
+        "--huge-stage-base",
+        type=Path,
+        help="a tmpfs mounted with huge=always (or within_size) for the *-huge sources",
+    )
+    p.add_argument("--sources", help=f"comma list of {', '.join(SOURCES)} (default: the first four, "
+                   "plus the -huge ones with --huge-stage-base)")
     p.add_argument("--answer-timeout", type=float, default=120.0)
     a = p.parse_args(argv)
+    if a.sources is None:
+        a.sources = ",".join(SOURCES if a.huge_stage_base else DEFAULT_SOURCES)
     a.sources = [s.strip() for s in a.sources.split(",") if s.strip()]
+    if any(s.endswith("-huge") for s in a.sources) and a.huge_stage_base is None:
+        p.error("the -huge sources need --huge-stage-base (mount -t tmpfs -o huge=always tmpfs DIR)")
     for s in a.sources:
         if s not in SOURCES:
             p.error(f"unknown source {s!r}; one of {', '.join(SOURCES)}")
@@ -312,36 +326,45 @@ def main(argv: list[str]) -> int:
     bench.say(f"torpor {torpor}; {a.mib} MiB; runs {a.runs}; sources {', '.join(a.sources)}")
     snap, expected, snap_info = bench.snapshot()
     bench.say(f"snapshot {snap_info}")
-    staged = a.stage_base / f"bench-{os.getpid()}"
+    staged = {
+        "": a.stage_base / f"bench-{os.getpid()}",
+        "-huge": (a.huge_stage_base or a.stage_base) / f"bench-huge-{os.getpid()}",
+    }
     results: Json = {}
+    runs: dict[tuple[str, int], list[Json]] = {(s, t): [] for s in a.sources for t in TOUCH}
     try:
-        if any(s in ("tmpfs", "lazy-tmpfs") for s in a.sources):
-            t = time.monotonic()
-            bench.tp("stage", snap, "--to", staged)
-            snap_info["stage_s"] = round(time.monotonic() - t, 3)
-        for source in a.sources:
-            d = snap if source.startswith("disk") else staged
-            results[source] = {}
-            for touch in TOUCH:
-                runs = []
-                for i in range(a.runs):
+        for suffix, target in staged.items():
+            if any(s.startswith(("tmpfs", "lazy-tmpfs")) and s.endswith(suffix) and
+                   (suffix or not s.endswith("-huge")) for s in a.sources):
+                t = time.monotonic()
+                bench.tp("stage", snap, "--to", target)
+                snap_info[f"stage{suffix}_s"] = round(time.monotonic() - t, 3)
+        for i in range(a.runs):
+            for source in a.sources:
+                d = snap if source.startswith("disk") else staged["-huge" if source.endswith("-huge") else ""]
+                for touch in TOUCH:
                     if source == "disk-cold":
                         drop_caches()
                     elif source == "disk-warm":
                         read_all(d)
                     r = bench.restore_once(d, source.startswith("lazy"), touch, expected[touch])
                     bench.say(f"{source} touch {touch}% run {i + 1}: first answer {r['first_answer_s']:.3f} s")
-                    runs.append(r)
-                phase_names = sorted({k for r in runs for k in r["phases"]})
+                    runs[(source, touch)].append(r)
+        for source in a.sources:
+            results[source] = {}
+            for touch in TOUCH:
+                cell = runs[(source, touch)]
+                phase_names = sorted({k for r in cell for k in r["phases"]})
                 results[source][f"{touch}"] = {
-                    "first_answer_s": stats([r["first_answer_s"] for r in runs]),
-                    "pid_printed_s": stats([r["pid_printed_s"] for r in runs]),
-                    "torpor_exit_s": stats([r["torpor_exit_s"] for r in runs]),
-                    "phases": {k: stats([r["phases"][k] for r in runs if k in r["phases"]]) for k in phase_names},
-                    "runs": runs,
+                    "first_answer_s": stats([r["first_answer_s"] for r in cell]),
+                    "pid_printed_s": stats([r["pid_printed_s"] for r in cell]),
+                    "torpor_exit_s": stats([r["torpor_exit_s"] for r in cell]),
+                    "phases": {k: stats([r["phases"][k] for r in cell if k in r["phases"]]) for k in phase_names},
+                    "runs": cell,
                 }
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        for target in staged.values():
+            shutil.rmtree(target, ignore_errors=True)
     doc = {
         "benchmark": "criu_restore",
         "machine": info,
@@ -349,6 +372,9 @@ def main(argv: list[str]) -> int:
             "mib": a.mib,
             "runs": a.runs,
             "worker": str(a.worker),
+            "stage_base": str(a.stage_base),
+            "huge_stage_base": str(a.huge_stage_base) if a.huge_stage_base else None,
+            "order": "interleaved rounds: run i of every source and touch pattern, then run i+1",
             "touch_percent": list(TOUCH),
             "measure": "start of `torpor restore --detach` to the restored worker's answer to `touch P`",
             "snapshot": snap_info,
