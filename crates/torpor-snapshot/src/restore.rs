@@ -293,7 +293,8 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
             })?;
             let daemon = phases
                 .time("lazy_pages_start", || {
-                    criu.start_lazy_pages(opts.dir, &lazy_dir, "lazy-pages.log", 4)
+                    // Errors and warnings only: at debug level the daemon logs every fault.
+                    criu.start_lazy_pages(opts.dir, &lazy_dir, "lazy-pages.log", 2)
                 })
                 .map_err(|source| RestoreError::LazyPages { source })?;
             request.work_dir = Some(&lazy_dir);
