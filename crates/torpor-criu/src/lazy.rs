@@ -205,12 +205,18 @@ impl LazyPages {
         }
     }
 
+    /// The daemon's last words on stderr, else the first error in its log.
     fn stderr_tail(&mut self) -> String {
         let mut text = String::new();
         if self.stderr.seek(SeekFrom::Start(0)).is_ok() {
             let _ = (&mut self.stderr).take(64 * 1024).read_to_string(&mut text);
         }
-        tail(&text, 2)
+        let words = tail(&text, 2);
+        if words.trim().is_empty() {
+            crate::error::cause_from_log(&self.log).unwrap_or_default()
+        } else {
+            words
+        }
     }
 }
 
