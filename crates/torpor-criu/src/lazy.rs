@@ -67,6 +67,8 @@ fn last_words(stderr: &str) -> String {
 /// process whose pages are not all served hangs on its next fault).
 pub struct LazyPages {
     child: Option<Child>,
+    /// How the daemon exited, once reaped.
+    exited: Option<ExitStatus>,
     stderr: File,
     log: PathBuf,
 }
@@ -116,6 +118,7 @@ impl Criu {
         })?;
         let mut daemon = LazyPages {
             child: Some(child),
+            exited: None,
             stderr,
             log,
         };
@@ -175,21 +178,46 @@ impl LazyPages {
     /// Waits until the daemon has served every page and exited, and reaps it. A non-zero exit
     /// means some page may not have arrived.
     pub fn wait(mut self) -> Result<(), LazyPagesError> {
-        let Some(mut child) = self.child.take() else {
-            return Ok(());
-        };
-        let status = child.wait().map_err(|source| LazyPagesError::Wait {
-            source,
-            log: self.log.clone(),
-        })?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(LazyPagesError::Failed {
+        if let Some(mut child) = self.child.take() {
+            let status = child.wait().map_err(|source| LazyPagesError::Wait {
+                source,
+                log: self.log.clone(),
+            })?;
+            self.exited = Some(status);
+        }
+        self.outcome()
+    }
+
+    /// Without blocking: `Ok(true)` once the daemon has exited successfully, `Ok(false)` while
+    /// it runs, the error once it has failed (watch it while the restore runs: a restored task
+    /// whose fault nobody serves blocks CRIU's restore for ever).
+    pub fn try_wait(&mut self) -> Result<bool, LazyPagesError> {
+        if let Some(child) = self.child.as_mut() {
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    self.child = None;
+                    self.exited = Some(status);
+                }
+                Ok(None) => return Ok(false),
+                Err(source) => {
+                    return Err(LazyPagesError::Wait {
+                        source,
+                        log: self.log.clone(),
+                    })
+                }
+            }
+        }
+        self.outcome().map(|()| true)
+    }
+
+    fn outcome(&mut self) -> Result<(), LazyPagesError> {
+        match self.exited {
+            Some(status) if !status.success() => Err(LazyPagesError::Failed {
                 status,
                 stderr: self.stderr_tail(),
                 log: self.log.clone(),
-            })
+            }),
+            _ => Ok(()),
         }
     }
 

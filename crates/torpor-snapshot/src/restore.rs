@@ -302,11 +302,18 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
             Some(daemon)
         }
     };
-    let pid = match phases.time("criu_restore", || criu.restore(&request)) {
+    let daemon = daemon.map(std::sync::Mutex::new);
+    let restored = restore_watching(&criu, &request, daemon.as_ref(), &mut phases);
+    let daemon = daemon.map(|d| d.into_inner().unwrap_or_else(|e| e.into_inner()));
+    let pid = match restored {
         Ok(pid) => pid,
         Err(e) => {
             // Nothing to serve: stop the daemon (kill and reap); its log stays next to CRIU's.
-            if let Some(daemon) = daemon {
+            // When the daemon failed first, its failure is the cause.
+            if let Some(mut daemon) = daemon {
+                if let Err(source) = daemon.try_wait() {
+                    return Err(RestoreError::LazyPages { source });
+                }
                 daemon.kill();
             }
             return Err(e.into());
@@ -363,6 +370,57 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
         phases,
         manifest,
         lazy_pages,
+    })
+}
+
+/// The CRIU restore; with a lazy-pages daemon, watched: should the daemon fail while CRIU
+/// restores, the restored tasks would wait for their pages (and CRIU for them) for ever, so CRIU
+/// and the restored tree are killed, which ends the request with an error.
+fn restore_watching(
+    criu: &torpor_criu::Criu,
+    request: &RestoreRequest,
+    daemon: Option<&std::sync::Mutex<LazyPages>>,
+    phases: &mut Phases,
+) -> Result<i32, CriuError> {
+    use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+    let root = AtomicI32::new(0);
+    let criu_pid = AtomicI32::new(0);
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        if let Some(daemon) = daemon {
+            scope.spawn(|| {
+                while !done.load(Ordering::Acquire) {
+                    let failed = daemon
+                        .lock()
+                        .map(|mut d| d.try_wait().is_err())
+                        .unwrap_or(false);
+                    if failed {
+                        // CRIU traces the restored tasks: they can only die once CRIU is gone.
+                        for pid in [
+                            criu_pid.load(Ordering::Acquire),
+                            root.load(Ordering::Acquire),
+                        ] {
+                            if pid > 0 {
+                                crate::sys::kill(pid, libc::SIGKILL);
+                            }
+                        }
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            });
+        }
+        let result = phases.time("criu_restore", || {
+            criu.restore_with(request, &mut |n| {
+                criu_pid.store(n.criu_pid as i32, Ordering::Release);
+                if n.script == torpor_criu::SETUP_NAMESPACES {
+                    root.store(n.pid.unwrap_or(0), Ordering::Release);
+                }
+                Ok(())
+            })
+        });
+        done.store(true, Ordering::Release);
+        result
     })
 }
 
