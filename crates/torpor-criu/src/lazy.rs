@@ -253,3 +253,44 @@ impl Drop for LazyPages {
         self.stop();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in for `criu` whose `lazy-pages` runs `script` (in `sh`).
+    fn fake(script: &str) -> Criu {
+        Criu::unchecked("/bin/sh", vec!["-c".into(), script.into(), "criu".into()])
+    }
+
+    #[test]
+    fn a_daemon_that_exits_before_listening_is_named_with_its_last_words() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = fake("echo 'uffd: permission denied' >&2; exit 3")
+            .start_lazy_pages(dir.path(), dir.path(), "lazy.log", 2)
+            .err()
+            .expect("must fail");
+        let text = err.to_string();
+        assert!(matches!(err, LazyPagesError::NotListening { .. }), "{text}");
+        assert!(text.contains("uffd: permission denied"), "{text}");
+        assert!(text.contains("exit status: 3"), "{text}");
+    }
+
+    #[test]
+    fn a_daemon_that_fails_after_listening_is_one_error_and_reaped() {
+        let dir = tempfile::tempdir().unwrap();
+        // Arguments: lazy-pages -D IMAGES -W WORK ...; listen, then fail.
+        let daemon = fake(
+            ": > \"$5/lazy-pages.socket\"; sleep 0.2; echo 'failed reading pages' >&2; exit 1",
+        )
+        .start_lazy_pages(dir.path(), dir.path(), "lazy.log", 2)
+        .expect("listens");
+        let pid = daemon.pid().expect("running") as i32;
+        let err = daemon.wait().expect_err("must fail");
+        let text = err.to_string();
+        assert!(text.contains("failed reading pages"), "{text}");
+        // SAFETY: kill with signal 0 only checks whether the pid exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0;
+        assert!(gone, "the daemon was not reaped");
+    }
+}
