@@ -7,6 +7,8 @@
 //!   `SOCK_SEQPACKET` socket pair: one child process per request, which inherits nothing but its
 //!   end of the pair. CRIU's notifications (its action-script points) reach a caller's handler
 //!   through [`Criu::dump_with`] and [`Criu::restore_with`].
+//! * [`Criu::start_lazy_pages`] runs the `criu lazy-pages` daemon that serves a restore made
+//!   with [`RestoreRequest::lazy_pages`] its memory on demand over userfaultfd.
 //! * [`set_loopback_up`] brings `lo` up in a restored process's network namespace.
 //!
 //! # Why not the `rust-criu` crate
@@ -40,6 +42,7 @@
 //! with the reason and pass. `TORPOR_CRIU=/path/to/criu` picks another CRIU.
 
 mod error;
+mod lazy;
 mod locate;
 mod netns;
 mod proto;
@@ -47,6 +50,7 @@ mod request;
 mod swrk;
 
 pub use error::{Action, CriuError};
+pub use lazy::{LazyPages, LazyPagesError, LAZY_PAGES_SOCKET};
 pub use locate::{
     locate, min_version, private_prefix, Criu, Version, ENV_CRIU, ENV_PREFIX, MIN_VERSION,
 };

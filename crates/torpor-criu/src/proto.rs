@@ -66,6 +66,8 @@ pub struct CriuOpts {
     pub external: Vec<String>,
     #[prost(uint32, optional, tag = "38")]
     pub empty_ns: Option<u32>,
+    #[prost(bool, optional, tag = "48")]
+    pub lazy_pages: Option<bool>,
     #[prost(bool, optional, tag = "50")]
     pub orphan_pts_master: Option<bool>,
     #[prost(enumeration = "NetworkLockMethod", optional, tag = "64")]
@@ -163,6 +165,7 @@ mod tests {
                 }],
                 empty_ns: Some(EMPTY_NS_NET),
                 network_lock: Some(NetworkLockMethod::Skip as i32),
+                lazy_pages: Some(true),
                 ..Default::default()
             }),
             notify_success: None,
@@ -172,6 +175,7 @@ mod tests {
             0xd0, 0x01, 1, // 26: rst_sibling
             0xda, 0x01, 5, 0x0a, 1, b'a', 0x10, 7, // 27: inherit_fd {key: "a", fd: 7}
             0xb0, 0x02, 0x80, 0x80, 0x80, 0x80, 0x04, // 38: empty_ns = 0x40000000
+            0x80, 0x03, 1, // 48: lazy_pages
             0x80, 0x04, 3, // 64: network_lock = SKIP
         ];
         let mut want = vec![0x08, 2, 0x12, opts.len() as u8];

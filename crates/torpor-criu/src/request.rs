@@ -103,6 +103,11 @@ pub struct RestoreRequest<'a> {
     /// every descriptor of the tree that the image knows by the key is restored as a copy of
     /// the given one. CRIU gets them at the same numbers, whatever their close-on-exec flag.
     pub inherit_fds: Vec<InheritedFd<'a>>,
+    /// Restore memory lazily (`--lazy-pages`): CRIU maps the tree's private anonymous memory
+    /// empty and hands each process's userfaultfd to a `criu lazy-pages` daemon, which must
+    /// already listen in `work_dir` (see [`Criu::start_lazy_pages`]); the daemon fills pages as
+    /// they are touched, then the rest in the background.
+    pub lazy_pages: bool,
 }
 
 /// One `--inherit-fd` entry of a restore.
@@ -133,6 +138,7 @@ impl<'a> RestoreRequest<'a> {
             orphan_pts_master: false,
             loopback_up: false,
             inherit_fds: Vec::new(),
+            lazy_pages: false,
         }
     }
 }
@@ -234,6 +240,7 @@ impl Criu {
             external: r.external.clone(),
             empty_ns: r.empty_ns_net.then_some(EMPTY_NS_NET),
             orphan_pts_master: Some(r.orphan_pts_master),
+            lazy_pages: r.lazy_pages.then_some(true),
             network_lock: r
                 .network_lock_skip
                 .then_some(NetworkLockMethod::Skip as i32),

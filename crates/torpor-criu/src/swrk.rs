@@ -30,6 +30,10 @@ pub struct Notification {
     pub pid: Option<i32>,
     /// A descriptor CRIU passed along (the pty master for "orphan-pts-master"); take it to keep it.
     pub fd: Option<OwnedFd>,
+    /// The pid of the `criu swrk` process serving the request: killing it is the only way to
+    /// stop a restore whose tasks wait for something that will never come (CRIU traces them,
+    /// so even SIGKILL to them cannot finish until CRIU is gone).
+    pub criu_pid: u32,
 }
 
 /// Handler for notifications; an `Err` makes CRIU abort and roll back the operation.
@@ -168,7 +172,9 @@ impl Session {
             })?;
             if resp.r#type == ReqType::Notify as i32 {
                 let notify = resp.notify.unwrap_or_default();
+                let criu_pid = self.child.id();
                 let mut n = Notification {
+                    criu_pid,
                     script: notify.script.unwrap_or_default(),
                     pid: notify.pid,
                     fd: if fds.is_empty() {

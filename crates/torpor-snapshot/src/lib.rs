@@ -12,6 +12,7 @@ pub mod preflight;
 pub mod proctree;
 pub mod restore;
 pub mod snapshot;
+pub mod stage;
 pub mod supervise;
 mod sys;
 pub mod visible_gpus;

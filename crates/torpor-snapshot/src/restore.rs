@@ -15,7 +15,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-use torpor_criu::{CriuError, InheritedFd, RestoreRequest};
+use torpor_criu::{CriuError, InheritedFd, LazyPages, LazyPagesError, RestoreRequest};
 use torpor_cuda::{CudaDriver, CudaError, GpuUuid, Nvml};
 use torpor_image::{GpuSection, ImageError, Manifest, Snapshot};
 
@@ -38,6 +38,90 @@ pub struct RestoreOptions<'a> {
     /// File that receives the restored tree's stdout and stderr (created, appended), instead of
     /// the files they were open on when the snapshot was taken.
     pub stdio: Option<&'a Path>,
+}
+
+/// Where a restored process's memory comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PageSource {
+    /// CRIU copies every page from the images before the process runs (the default).
+    #[default]
+    Copy,
+    /// CRIU restores the memory layout only; a `criu lazy-pages` daemon fills each page over
+    /// userfaultfd when it is first touched, then the rest in the background. The restore's
+    /// [`Restored::lazy_pages`] must be finished ([`LazyRestore::finish`]).
+    Lazy,
+}
+
+impl std::str::FromStr for PageSource {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "copy" => Ok(PageSource::Copy),
+            "lazy" => Ok(PageSource::Lazy),
+            other => Err(format!(
+                "unknown page source {other:?}: use `copy` (every page before the process runs) or `lazy` (on first touch, over userfaultfd)"
+            )),
+        }
+    }
+}
+
+/// How a restore brings back the process's memory; `Default` is what [`restore`] does.
+/// (A snapshot staged in memory with [`crate::stage::stage`] is restored by passing the staged
+/// directory as [`RestoreOptions::dir`].)
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PageOptions {
+    pub source: PageSource,
+}
+
+/// The `criu lazy-pages` daemon still serving a lazily restored tree.
+#[must_use = "finish() reports whether every page arrived; dropping it waits for the daemon"]
+pub struct LazyRestore {
+    daemon: Option<LazyPages>,
+    work_dir: std::path::PathBuf,
+    root: i32,
+    /// The tree was killed after the restore: nobody waits for pages, stop the daemon.
+    killed: std::cell::Cell<bool>,
+}
+
+impl LazyRestore {
+    /// The daemon's pid.
+    pub fn daemon_pid(&self) -> Option<u32> {
+        self.daemon.as_ref().and_then(|d| d.pid())
+    }
+
+    /// Waits until the daemon has served every page and exited, and reaps it. When it failed,
+    /// the restored tree (which may miss memory) is killed and its logs are kept.
+    pub fn finish(mut self) -> Result<(), RestoreError> {
+        let Some(daemon) = self.daemon.take() else {
+            return Ok(());
+        };
+        match daemon.wait() {
+            Ok(()) => {
+                let _ = std::fs::remove_dir_all(&self.work_dir);
+                Ok(())
+            }
+            Err(source) => {
+                crate::sys::kill(self.root, libc::SIGKILL);
+                Err(RestoreError::LazyPages { source })
+            }
+        }
+    }
+}
+
+impl Drop for LazyRestore {
+    fn drop(&mut self) {
+        let Some(daemon) = self.daemon.take() else {
+            return;
+        };
+        if self.killed.get() {
+            daemon.kill();
+        } else {
+            // Killing the daemon would leave the tree hanging on its next fault: wait instead.
+            if daemon.wait().is_ok() {
+                let _ = std::fs::remove_dir_all(&self.work_dir);
+            }
+        }
+    }
 }
 
 /// Why a restore was refused or failed. Nothing restored is left running.
@@ -109,6 +193,9 @@ pub enum RestoreError {
     /// SIGINT/SIGTERM arrived; the restored tree was killed.
     #[error("interrupted: the restored processes were killed")]
     Interrupted,
+    /// The lazy-pages daemon failed to start or to serve every page.
+    #[error(transparent)]
+    LazyPages { source: LazyPagesError },
 }
 
 /// A restored tree.
@@ -120,6 +207,8 @@ pub struct Restored {
     /// Wall time of the whole restore.
     pub total_s: f64,
     pub manifest: Manifest,
+    /// With [`PageSource::Lazy`]: the daemon still serving the tree's memory.
+    pub lazy_pages: Option<LazyRestore>,
 }
 
 /// The GPUs a restore puts the snapshot's state on.
@@ -130,6 +219,11 @@ struct GpuPlan {
 
 /// Restores a snapshot; see the module doc.
 pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
+    restore_with(opts, &PageOptions::default())
+}
+
+/// [`restore`], bringing the memory back as `pages` says.
+pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, RestoreError> {
     preflight::require_root("torpor restore")?;
     preflight::require_checkpoint_restore_kernel(Path::new("/proc"))?;
     let criu = preflight::require_criu()?;
@@ -212,12 +306,67 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
                 fd: file.as_fd(),
             })
             .collect(),
+        lazy_pages: false,
     };
-    let pid = phases.time("criu_restore", || criu.restore(&request))?;
+    // Lazy pages: the daemon and the restore meet at a socket in a work directory of their own,
+    // so that restores side by side never share one.
+    let lazy_dir = opts.log_dir.join(format!(
+        "lazy-{}-{}",
+        std::process::id(),
+        crate::sys::unix_millis()
+    ));
+    let mut request = request;
+    let daemon = match pages.source {
+        PageSource::Copy => None,
+        PageSource::Lazy => {
+            std::fs::create_dir(&lazy_dir).map_err(|source| RestoreError::LogDir {
+                path: lazy_dir.clone(),
+                source,
+            })?;
+            let daemon = phases
+                .time("lazy_pages_start", || {
+                    // Errors and warnings only: at debug level the daemon logs every fault.
+                    criu.start_lazy_pages(opts.dir, &lazy_dir, "lazy-pages.log", 2)
+                })
+                .map_err(|source| RestoreError::LazyPages { source })?;
+            request.work_dir = Some(&lazy_dir);
+            request.lazy_pages = true;
+            Some(daemon)
+        }
+    };
+    let daemon = daemon.map(std::sync::Mutex::new);
+    let restored = restore_watching(&criu, &request, daemon.as_ref(), &mut phases);
+    let daemon = daemon.map(|d| d.into_inner().unwrap_or_else(|e| e.into_inner()));
+    let pid = match restored {
+        Ok(pid) => pid,
+        Err(e) => {
+            // Nothing to serve: stop the daemon (kill and reap); its log stays next to CRIU's.
+            // When the daemon failed first, its failure is the cause.
+            if let Some(mut daemon) = daemon {
+                if let Err(source) = daemon.try_wait() {
+                    return Err(RestoreError::LazyPages { source });
+                }
+                daemon.kill();
+            }
+            return Err(e.into());
+        }
+    };
     // The log of a successful restore is noise; a failed one is kept and named in the error.
-    let _ = std::fs::remove_file(opts.log_dir.join(&log_name));
+    let log_in = request.work_dir.unwrap_or(opts.dir);
+    let _ = std::fs::remove_file(log_in.join(&log_name));
+    let lazy_pages = daemon.map(|daemon| LazyRestore {
+        daemon: Some(daemon),
+        work_dir: lazy_dir.clone(),
+        root: pid,
+        killed: std::cell::Cell::new(false),
+    });
 
-    let kill_restored = || crate::sys::kill(pid, libc::SIGKILL);
+    let kill_restored = || {
+        crate::sys::kill(pid, libc::SIGKILL);
+        if let Some(lazy) = &lazy_pages {
+            lazy.killed.set(true);
+        }
+    };
     if let Some(plan) = &plan {
         let inner: Vec<i32> = manifest
             .source
@@ -252,6 +401,58 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
         pid,
         phases,
         manifest,
+        lazy_pages,
+    })
+}
+
+/// The CRIU restore; with a lazy-pages daemon, watched: should the daemon fail while CRIU
+/// restores, the restored tasks would wait for their pages (and CRIU for them) for ever, so CRIU
+/// and the restored tree are killed, which ends the request with an error.
+fn restore_watching(
+    criu: &torpor_criu::Criu,
+    request: &RestoreRequest,
+    daemon: Option<&std::sync::Mutex<LazyPages>>,
+    phases: &mut Phases,
+) -> Result<i32, CriuError> {
+    use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+    let root = AtomicI32::new(0);
+    let criu_pid = AtomicI32::new(0);
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        if let Some(daemon) = daemon {
+            scope.spawn(|| {
+                while !done.load(Ordering::Acquire) {
+                    let failed = daemon
+                        .lock()
+                        .map(|mut d| d.try_wait().is_err())
+                        .unwrap_or(false);
+                    if failed {
+                        // CRIU traces the restored tasks: they can only die once CRIU is gone.
+                        for pid in [
+                            criu_pid.load(Ordering::Acquire),
+                            root.load(Ordering::Acquire),
+                        ] {
+                            if pid > 0 {
+                                crate::sys::kill(pid, libc::SIGKILL);
+                            }
+                        }
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            });
+        }
+        let result = phases.time("criu_restore", || {
+            criu.restore_with(request, &mut |n| {
+                criu_pid.store(n.criu_pid as i32, Ordering::Release);
+                if n.script == torpor_criu::SETUP_NAMESPACES {
+                    root.store(n.pid.unwrap_or(0), Ordering::Release);
+                }
+                Ok(())
+            })
+        });
+        done.store(true, Ordering::Release);
+        result
     })
 }
 

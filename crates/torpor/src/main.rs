@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use torpor_snapshot::restore::PageSource;
 
 #[derive(Parser)]
 #[command(
@@ -61,9 +62,23 @@ enum Command {
         /// File for the restored tree's stdout and stderr (appended) [default: the files they had when snapshotted]
         #[arg(long)]
         log: Option<PathBuf>,
+        /// How memory comes back: `copy` (every page before the process runs) or `lazy` (each
+        /// page on first touch over userfaultfd, the rest in the background; torpor then waits
+        /// for the lazy-pages daemon to finish before it returns).
+        #[arg(long, default_value = "copy")]
+        pages: PageSource,
         /// Print phase timings.
         #[arg(short, long)]
         verbose: bool,
+    },
+    /// Copy a snapshot into memory (a tmpfs such as /dev/shm), checking every file's hash on
+    /// the way; restore from the copy to read the images from RAM.
+    Stage {
+        /// Snapshot directory.
+        dir: PathBuf,
+        /// Where the copy goes (must not exist; on a tmpfs).
+        #[arg(long)]
+        to: PathBuf,
     },
     /// Show what a snapshot holds.
     Inspect {
@@ -178,8 +193,10 @@ fn main() -> ExitCode {
             detach,
             gpu,
             log,
+            pages,
             verbose,
-        } => cmd::restore::run(&dir, detach, gpu.as_deref(), log.as_deref(), verbose),
+        } => cmd::restore::run(&dir, detach, gpu.as_deref(), log.as_deref(), pages, verbose),
+        Command::Stage { dir, to } => cmd::stage::run(&dir, &to),
         Command::Inspect {
             dir,
             json,

@@ -10,6 +10,7 @@ pub mod rm;
 pub mod run;
 pub mod serve;
 pub mod snapshot;
+pub mod stage;
 pub mod status;
 pub mod verify;
 

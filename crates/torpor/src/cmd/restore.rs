@@ -1,8 +1,9 @@
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::ExitCode;
 
 use torpor_snapshot::gpu_map::parse_gpu_map;
-use torpor_snapshot::restore::{restore, RestoreOptions};
+use torpor_snapshot::restore::{restore_with, PageOptions, PageSource, RestoreOptions};
 use torpor_snapshot::{interrupt, supervise};
 
 pub fn run(
@@ -10,6 +11,7 @@ pub fn run(
     detach: bool,
     gpu: Option<&str>,
     log: Option<&Path>,
+    pages: PageSource,
     verbose: bool,
 ) -> anyhow::Result<ExitCode> {
     let gpu_map = match gpu {
@@ -18,19 +20,28 @@ pub fn run(
     };
     interrupt::install();
     let log_dir = super::log_dir();
-    let restored = restore(&RestoreOptions {
-        dir,
-        detach,
-        gpu_map: &gpu_map,
-        log_dir: &log_dir,
-        stdio: log,
-    })?;
+    let restored = restore_with(
+        &RestoreOptions {
+            dir,
+            detach,
+            gpu_map: &gpu_map,
+            log_dir: &log_dir,
+            stdio: log,
+        },
+        &PageOptions { source: pages },
+    )?;
     if verbose {
         super::print_phases(restored.phases.0.iter().map(|(n, s)| (n, s)));
         eprintln!("phase total {:.6}", restored.total_s);
     }
     if detach {
         println!("{}", restored.pid);
+        if let Some(lazy) = restored.lazy_pages {
+            // The pid is out; stdout closes so a reader piping it goes on at once. The
+            // lazy-pages daemon is our child: wait until it has served every page, and reap it.
+            close_stdout();
+            lazy.finish()?;
+        }
         return Ok(ExitCode::SUCCESS);
     }
     // Block before announcing the wait: a SIGTERM sent once "waiting" is printed then stays
@@ -45,6 +56,23 @@ pub fn run(
         "torpor: restored pid {}; waiting for it to exit",
         restored.pid
     );
+    // The supervisor reaps every child: let the lazy-pages daemon finish (all pages served)
+    // first, so that its own exit status is the one checked.
+    if let Some(lazy) = restored.lazy_pages {
+        lazy.finish()?;
+    }
+    supervise::block_all_signals();
     let code = supervise::supervise(restored.pid)?;
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}
+
+/// Flushes stdout and points descriptor 1 at /dev/null.
+fn close_stdout() {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        // SAFETY: dup2 onto descriptor 1 only replaces what stdout refers to; Rust's stdout
+        // handle was flushed above and keeps using descriptor 1.
+        unsafe { libc::dup2(null.as_raw_fd(), 1) };
+    }
 }

@@ -1,0 +1,296 @@
+//! The `criu lazy-pages` daemon that serves a lazy restore's page faults from the images.
+//!
+//! Handshake (CRIU's `criu/uffd.c`): the daemon binds `lazy-pages.socket` in its work directory
+//! and waits; `criu restore --lazy-pages` run with the same work directory connects to it and
+//! sends each restored process's pid and userfaultfd. The daemon then answers faults with pages
+//! from the images, and once no fault has come for a while it pushes the remaining pages itself;
+//! when every page of every process has been filled (or the processes are gone) it exits.
+//!
+//! So the daemon must outlive the restore request, and its exit status is the only sign that
+//! every page arrived: [`LazyPages::wait`] reaps it and turns a failure into one error.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::locate::{tail, Criu};
+
+/// The socket the daemon listens on, relative to its work directory (CRIU's own name).
+pub const LAZY_PAGES_SOCKET: &str = "lazy-pages.socket";
+
+/// How long the daemon may take to start listening before it is given up on.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A failure of the lazy-pages daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum LazyPagesError {
+    /// The daemon could not be started.
+    #[error("cannot start `criu lazy-pages` ({program}): {source}; check the CRIU install (scripts/provision-criu.sh)")]
+    Spawn {
+        program: PathBuf,
+        source: std::io::Error,
+    },
+    /// The daemon exited or hung before it listened for the restore.
+    #[error("`criu lazy-pages` did not start listening ({why}){}; see {log} (check `criu check --feature uffd-noncoop`)", last_words(.stderr))]
+    NotListening {
+        why: String,
+        stderr: String,
+        log: PathBuf,
+    },
+    /// The daemon failed while serving pages: the restored processes may miss memory.
+    #[error("`criu lazy-pages` failed ({status}) before every page was served{}; the restored processes were killed, see {log}", last_words(.stderr))]
+    Failed {
+        status: ExitStatus,
+        stderr: String,
+        log: PathBuf,
+    },
+    /// Waiting for the daemon failed.
+    #[error("cannot wait for `criu lazy-pages`: {source}; see {log}")]
+    Wait {
+        source: std::io::Error,
+        log: PathBuf,
+    },
+}
+
+fn last_words(stderr: &str) -> String {
+    if stderr.trim().is_empty() {
+        String::new()
+    } else {
+        format!(", its last words: {:?}", stderr.trim())
+    }
+}
+
+/// A running `criu lazy-pages` daemon, a child of this process. [`LazyPages::wait`] reaps it;
+/// dropping it unwaited kills and reaps it (only right for a restore that failed: a restored
+/// process whose pages are not all served hangs on its next fault).
+pub struct LazyPages {
+    child: Option<Child>,
+    /// How the daemon exited, once reaped.
+    exited: Option<ExitStatus>,
+    stderr: File,
+    log: PathBuf,
+}
+
+impl Criu {
+    /// Starts `criu lazy-pages` on `images_dir` with `work_dir` as its work directory (where its
+    /// socket and `log_file` go) and returns once it listens. A restore with
+    /// [`RestoreRequest::lazy_pages`](crate::RestoreRequest::lazy_pages) and the same `work_dir`
+    /// then connects to it. Use one work directory per restore.
+    pub fn start_lazy_pages(
+        &self,
+        images_dir: &Path,
+        work_dir: &Path,
+        log_file: &str,
+        log_level: i32,
+    ) -> Result<LazyPages, LazyPagesError> {
+        let log = work_dir.join(log_file);
+        let stderr = tempfile::tempfile().map_err(|source| LazyPagesError::Spawn {
+            program: self.program().to_path_buf(),
+            source,
+        })?;
+        let child_stderr = stderr.try_clone().map_err(|source| LazyPagesError::Spawn {
+            program: self.program().to_path_buf(),
+            source,
+        })?;
+        let socket = work_dir.join(LAZY_PAGES_SOCKET);
+        // A socket left by an earlier daemon would make the wait below return at once.
+        let _ = std::fs::remove_file(&socket);
+        let mut cmd = self.command();
+        cmd.arg("lazy-pages")
+            .arg("-D")
+            .arg(images_dir)
+            .arg("-W")
+            .arg(work_dir)
+            .arg("-o")
+            .arg(log_file)
+            .arg(format!("-v{log_level}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(child_stderr));
+        // Its own process group, like `criu swrk`: a terminal's Ctrl-C must not cut off the
+        // pages of a restored process; torpor decides what to do.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let child = cmd.spawn().map_err(|source| LazyPagesError::Spawn {
+            program: self.program().to_path_buf(),
+            source,
+        })?;
+        let mut daemon = LazyPages {
+            child: Some(child),
+            exited: None,
+            stderr,
+            log,
+        };
+        daemon.wait_listening(&socket)?;
+        Ok(daemon)
+    }
+}
+
+impl LazyPages {
+    /// The daemon's pid.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// CRIU's log of the daemon.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    fn wait_listening(&mut self, socket: &Path) -> Result<(), LazyPagesError> {
+        let start = Instant::now();
+        let mut delay = Duration::from_micros(200);
+        loop {
+            if socket.exists() {
+                return Ok(());
+            }
+            let child = self.child.as_mut().expect("running until waited");
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    self.child = None;
+                    return Err(LazyPagesError::NotListening {
+                        why: format!("it exited, {status}"),
+                        stderr: self.stderr_tail(),
+                        log: self.log.clone(),
+                    });
+                }
+                Ok(None) => {}
+                Err(source) => {
+                    return Err(LazyPagesError::Wait {
+                        source,
+                        log: self.log.clone(),
+                    })
+                }
+            }
+            if start.elapsed() > LISTEN_TIMEOUT {
+                return Err(LazyPagesError::NotListening {
+                    why: format!("no socket after {} s", LISTEN_TIMEOUT.as_secs()),
+                    stderr: self.stderr_tail(),
+                    log: self.log.clone(),
+                });
+            }
+            std::thread::sleep(delay);
+            delay = (delay * 2).min(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits until the daemon has served every page and exited, and reaps it. A non-zero exit
+    /// means some page may not have arrived.
+    pub fn wait(mut self) -> Result<(), LazyPagesError> {
+        if let Some(mut child) = self.child.take() {
+            let status = child.wait().map_err(|source| LazyPagesError::Wait {
+                source,
+                log: self.log.clone(),
+            })?;
+            self.exited = Some(status);
+        }
+        self.outcome()
+    }
+
+    /// Without blocking: `Ok(true)` once the daemon has exited successfully, `Ok(false)` while
+    /// it runs, the error once it has failed (watch it while the restore runs: a restored task
+    /// whose fault nobody serves blocks CRIU's restore for ever).
+    pub fn try_wait(&mut self) -> Result<bool, LazyPagesError> {
+        if let Some(child) = self.child.as_mut() {
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    self.child = None;
+                    self.exited = Some(status);
+                }
+                Ok(None) => return Ok(false),
+                Err(source) => {
+                    return Err(LazyPagesError::Wait {
+                        source,
+                        log: self.log.clone(),
+                    })
+                }
+            }
+        }
+        self.outcome().map(|()| true)
+    }
+
+    fn outcome(&mut self) -> Result<(), LazyPagesError> {
+        match self.exited {
+            Some(status) if !status.success() => Err(LazyPagesError::Failed {
+                status,
+                stderr: self.stderr_tail(),
+                log: self.log.clone(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Kills and reaps the daemon (after a failed restore, when nothing waits for pages).
+    pub fn kill(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The daemon's last words on stderr, else the first error in its log.
+    fn stderr_tail(&mut self) -> String {
+        let mut text = String::new();
+        if self.stderr.seek(SeekFrom::Start(0)).is_ok() {
+            let _ = (&mut self.stderr).take(64 * 1024).read_to_string(&mut text);
+        }
+        let words = tail(&text, 2);
+        if words.trim().is_empty() {
+            crate::error::cause_from_log(&self.log).unwrap_or_default()
+        } else {
+            words
+        }
+    }
+}
+
+impl Drop for LazyPages {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in for `criu` whose `lazy-pages` runs `script` (in `sh`).
+    fn fake(script: &str) -> Criu {
+        Criu::unchecked("/bin/sh", vec!["-c".into(), script.into(), "criu".into()])
+    }
+
+    #[test]
+    fn a_daemon_that_exits_before_listening_is_named_with_its_last_words() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = fake("echo 'uffd: permission denied' >&2; exit 3")
+            .start_lazy_pages(dir.path(), dir.path(), "lazy.log", 2)
+            .err()
+            .expect("must fail");
+        let text = err.to_string();
+        assert!(matches!(err, LazyPagesError::NotListening { .. }), "{text}");
+        assert!(text.contains("uffd: permission denied"), "{text}");
+        assert!(text.contains("exit status: 3"), "{text}");
+    }
+
+    #[test]
+    fn a_daemon_that_fails_after_listening_is_one_error_and_reaped() {
+        let dir = tempfile::tempdir().unwrap();
+        // Arguments: lazy-pages -D IMAGES -W WORK ...; listen, then fail.
+        let daemon = fake(
+            ": > \"$5/lazy-pages.socket\"; sleep 0.2; echo 'failed reading pages' >&2; exit 1",
+        )
+        .start_lazy_pages(dir.path(), dir.path(), "lazy.log", 2)
+        .expect("listens");
+        let pid = daemon.pid().expect("running") as i32;
+        let err = daemon.wait().expect_err("must fail");
+        let text = err.to_string();
+        assert!(text.contains("failed reading pages"), "{text}");
+        // SAFETY: kill with signal 0 only checks whether the pid exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0;
+        assert!(gone, "the daemon was not reaped");
+    }
+}

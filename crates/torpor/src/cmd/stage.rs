@@ -1,0 +1,17 @@
+use std::path::Path;
+use std::process::ExitCode;
+
+use torpor_snapshot::stage::stage;
+
+pub fn run(dir: &Path, to: &Path) -> anyhow::Result<ExitCode> {
+    let staged = stage(dir, to)?;
+    println!(
+        "staged {} files, {} in {:.3} s ({} hard-linked) at {}",
+        staged.files,
+        torpor_image::human_size(staged.bytes),
+        staged.elapsed_s,
+        staged.linked,
+        staged.dir.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}

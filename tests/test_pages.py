@@ -1,0 +1,178 @@
+"""Where a restore's memory comes from: copied by CRIU (default), from a snapshot staged in tmpfs
+(`torpor stage`), or lazily over userfaultfd (`--pages lazy`). All three give the same process;
+a lazy-pages daemon that fails gives one error line and leaves nothing running."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, ROOT, Torpor, Workers, cmdline, parse_pid, pids_with, wait_until
+from linesrv import Endpoint
+
+WORKER = ROOT / "bench" / "criu_restore" / "worker.py"
+MIB = 48
+SHM = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class Source:
+    snap: Path
+    sock: Path
+    token: str
+    checksum: str  # SHA-256 of the worker's data before the snapshot
+
+
+def ask(sock: Path, words: str, timeout: float = 30.0) -> str:
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(timeout)
+            s.connect(str(sock))
+            s.sendall(words.encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            return data.decode().strip()
+        except (ConnectionRefusedError, FileNotFoundError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+        finally:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def source(torpor: Torpor, criu_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Source]:
+    base = tmp_path_factory.mktemp("pages")
+    ws = Workers(torpor, base)
+    sock = base / "worker.sock"
+    try:
+        w = ws.start(
+            [PYTHON, WORKER, sock, MIB],
+            endpoint=Endpoint(unix=str(sock)),
+            ready=Path(f"{sock}.ready"),
+            name="worker",
+        )
+        checksum = ask(sock, "sum")
+        assert len(checksum) == 64, checksum
+        snap = base / "snap"
+        torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap)
+        w.wait_gone()
+        yield Source(snap, sock, ws.token, checksum)
+    finally:
+        ws.cleanup()
+
+
+@pytest.fixture
+def staged_dir() -> Iterator[Path]:
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm tmpfs on this machine")
+    d = SHM / f"torpor-test-{os.getpid()}"
+    shutil.rmtree(d, ignore_errors=True)
+    try:
+        yield d / "snap"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def lazy_daemons(snap: Path) -> list[int]:
+    return [p for p in pids_with("lazy-pages") if str(snap) in cmdline(p)]
+
+
+def restored_checksum(torpor: Torpor, workers: Workers, src: Source, snap: Path, *extra: str) -> str:
+    r = torpor("restore", snap, "--detach", *extra)
+    w = workers.adopt(parse_pid(r), Endpoint(unix=str(src.sock)), "restored")
+    try:
+        return ask(src.sock, "sum")
+    finally:
+        workers.cleanup()
+        w.wait_gone()
+
+
+def test_copy_staged_and_lazy_restores_give_the_same_memory(
+    torpor: Torpor, workers: Workers, source: Source, staged_dir: Path
+) -> None:
+    assert restored_checksum(torpor, workers, source, source.snap) == source.checksum
+
+    out = torpor.ok("stage", source.snap, "--to", staged_dir).stdout
+    assert "staged" in out and str(staged_dir) in out, out
+    torpor.ok("verify", staged_dir)
+    assert restored_checksum(torpor, workers, source, staged_dir) == source.checksum
+
+    # Lazy: `restore --detach` returns only once the daemon served every page and was reaped.
+    for snap in (staged_dir, source.snap):
+        assert restored_checksum(torpor, workers, source, snap, "--pages", "lazy") == source.checksum
+        assert lazy_daemons(snap) == [], "a lazy-pages daemon outlived its restore"
+    # Restoring left the snapshot as it was.
+    torpor.ok("verify", source.snap)
+
+
+def test_staging_a_corrupt_snapshot_is_refused(torpor: Torpor, source: Source, tmp_path: Path, staged_dir: Path) -> None:
+    copy = tmp_path / "snap"
+    shutil.copytree(source.snap, copy)
+    pages = max((p for p in copy.iterdir() if p.name.startswith("pages-")), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    line = torpor.fails("stage", copy, "--to", staged_dir)
+    assert "hash mismatch" in line and pages.name in line, line
+    assert not staged_dir.exists(), "a half-staged copy was left behind"
+
+
+def criu_wrapper(tmp_path: Path, lazy_part: str) -> dict[str, str]:
+    """TORPOR_CRIU pointing at a wrapper that runs the real CRIU, except for `lazy-pages`,
+    which runs `lazy_part` (shell) instead."""
+    real = os.environ.get("TORPOR_CRIU") or str(
+        Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local/share") / "torpor/criu/bin/criu"
+    )
+    if not os.access(real, os.X_OK):
+        pytest.skip(f"no provisioned CRIU at {real}")
+    wrapper = tmp_path / "criu"
+    wrapper.write_text(
+        f'#!/bin/sh\nREAL="{real}"\nif [ "$1" = lazy-pages ]; then\n{lazy_part}\nfi\nexec "$REAL" "$@"\n'
+    )
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    return {"TORPOR_CRIU": str(wrapper), "TORPOR_LOG_DIR": str(tmp_path / "logs")}
+
+
+def test_a_lazy_pages_daemon_that_cannot_start_is_one_error(
+    torpor: Torpor, workers: Workers, source: Source, tmp_path: Path
+) -> None:
+    env = criu_wrapper(tmp_path, '  echo "lazy-pages: userfaultfd is not allowed here" >&2; exit 1')
+    line = torpor.fails("restore", source.snap, "--detach", "--pages", "lazy", env=env)
+    assert "criu lazy-pages" in line and "userfaultfd is not allowed here" in line, line
+    assert pids_with(source.token) == [], "a failed lazy restore left a process"
+
+
+def test_a_lazy_pages_daemon_missing_pages_is_one_error_and_kills_the_restore(
+    torpor: Torpor, workers: Workers, source: Source, tmp_path: Path
+) -> None:
+    # The daemon is given a copy of the images without the pages: it cannot serve any fault.
+    broken = tmp_path / "no-pages"
+    env = criu_wrapper(
+        tmp_path,
+        f'  rm -rf "{broken}"; mkdir -p "{broken}"\n'
+        f'  for f in "$3"/*; do case "$(basename "$f")" in pages-*) ;; *) cp "$f" "{broken}/";; esac; done\n'
+        '  shift 3\n'
+        f'  exec "$REAL" lazy-pages -D "{broken}" "$@"',
+    )
+    line = torpor.fails("restore", source.snap, "--detach", "--pages", "lazy", env=env, timeout=120)
+    assert "lazy-pages" in line or "CRIU restore failed" in line, line
+    wait_until(lambda: pids_with(source.token) == [], 15, "the restored tree to be killed")
+    assert lazy_daemons(broken) == [], "the lazy-pages daemon was left running"
