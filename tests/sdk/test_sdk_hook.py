@@ -65,9 +65,12 @@ def segment_memfd(data: bytes, size: int, sealed: bool) -> int:
 
 
 def maps_of(pid: int, va: int) -> str:
-    """The permissions /proc/PID/maps shows for the mapping starting at va ("" if none)."""
+    """The permissions /proc/PID/maps shows for the mapping that holds va ("" if none). Not the
+    one starting at va: a released segment's PROT_NONE range merges with an adjacent one (another
+    released segment, a guard page) into one line that starts lower."""
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        if line.startswith(f"{va:x}-"):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= va < end:
             return line.split()[1]
     return ""
 
