@@ -17,6 +17,11 @@
 //! [queue]                         # per function
 //! length = 64                     # requests that may wait for an instance
 //! timeout_s = 30                  # how long one may wait before 503
+//!
+//! split = true                    # split snapshots (docs/split.md) where the worker has the hook
+//! [restore_server]                # caches of segments for restores (LRU), in bytes
+//! host_cache_bytes = 4294967296   # host memory (pinned on cuda): 4 GiB
+//! gpu_cache_bytes = 2147483648    # device memory: 2 GiB (memfd memory on the host backend)
 //! ```
 
 use std::net::SocketAddr;
@@ -160,6 +165,24 @@ impl Default for QueueLimits {
     }
 }
 
+/// The restore server's caches (docs/split.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct RestoreServer {
+    /// Bytes of segments kept in host memory.
+    pub host_cache_bytes: u64,
+    /// Bytes of segments kept in device memory.
+    pub gpu_cache_bytes: u64,
+}
+
+impl Default for RestoreServer {
+    fn default() -> Self {
+        Self {
+            host_cache_bytes: 4 << 30,
+            gpu_cache_bytes: 2 << 30,
+        }
+    }
+}
+
 fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(d.as_secs_f64())
 }
@@ -178,6 +201,9 @@ pub struct Config {
     pub keepalive: Keepalive,
     pub queue: QueueLimits,
     pub cold_start: ColdStart,
+    /// Split snapshots for functions whose workers have the hook; `false`: transparent only.
+    pub split: bool,
+    pub restore_server: RestoreServer,
 }
 
 impl Default for Config {
@@ -193,6 +219,8 @@ impl Default for Config {
             keepalive: Keepalive::default(),
             queue: QueueLimits::default(),
             cold_start: ColdStart::default(),
+            split: true,
+            restore_server: RestoreServer::default(),
         }
     }
 }
@@ -329,6 +357,19 @@ impl Config {
                 q.length = usize::try_from(n).unwrap_or(usize::MAX);
             }
             q.timeout = t.seconds("timeout_s", true)?.unwrap_or(q.timeout);
+            t.finish()?;
+        }
+        if let Some(b) = root.boolean("split")? {
+            config.split = b;
+        }
+        if let Some(mut t) = root.table("restore_server")? {
+            let r = &mut config.restore_server;
+            if let Some(n) = t.integer("host_cache_bytes", 0)? {
+                r.host_cache_bytes = u64::try_from(n).unwrap_or(0);
+            }
+            if let Some(n) = t.integer("gpu_cache_bytes", 0)? {
+                r.gpu_cache_bytes = u64::try_from(n).unwrap_or(0);
+            }
             t.finish()?;
         }
         root.finish()?;

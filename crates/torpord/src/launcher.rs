@@ -89,6 +89,10 @@ pub struct WorkerCommand<'a> {
     pub state_dir: &'a Path,
     pub workers_socket: &'a Path,
     pub python_dir: &'a Path,
+    /// The device-memory hook (split snapshots): every worker gets `TORPOR_HOOK_LIB`, so that
+    /// `torpor.buffer()` works; a GPU worker also has it preloaded with `TORPOR_HOOK_CUDA=1`,
+    /// so that its big `cudaMalloc`s become segments.
+    pub hook: Option<&'a Path>,
 }
 
 /// Launches a worker (blocking); returns the host pid of its init.
@@ -106,6 +110,12 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, String> {
     }
     if w.gpu {
         cmd.arg("--gpu");
+    }
+    if let Some(hook) = w.hook {
+        cmd.env(crate::split::HOOK_LIB_ENV, hook);
+        if w.gpu {
+            cmd.env("LD_PRELOAD", hook).env("TORPOR_HOOK_CUDA", "1");
+        }
     }
     let out = cmd
         .env(WORKER_SOCKET_ENV, w.workers_socket)
