@@ -240,7 +240,7 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
 async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, String> {
     let registry = Arc::clone(&rt.registry);
     let spec = spec.clone();
-    let key = base_key(&spec.json, rt.split.enabled).map_err(|e| e.message)?;
+    let key = base_key(&spec.json, &rt.split).map_err(|e| e.message)?;
     tokio::task::spawn_blocking(move || {
         registry.transaction(|s| {
             let now = now_ms();
@@ -300,12 +300,8 @@ pub(crate) async fn boot_function(
 ) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), String> {
     let t = Instant::now();
     let python_dir = rt.python_dir.clone()?;
-    let (_, python, preload, gpu) = base_key(spec, rt.split.enabled).map_err(|f| f.message)?;
-    let hook = rt
-        .split
-        .enabled
-        .then(|| rt.split.hook_lib.clone())
-        .flatten();
+    let (_, python, preload, gpu) = base_key(spec, &rt.split).map_err(|f| f.message)?;
+    let (hook, preload_hook) = rt.split.worker_hook(gpu);
     let log = log.to_path_buf();
     let (ws, sd, lg) = (
         rt.workers_socket.clone(),
@@ -323,6 +319,7 @@ pub(crate) async fn boot_function(
             workers_socket: &ws,
             python_dir: &python_dir,
             hook: hook.as_deref(),
+            preload_hook,
         })
     })
     .await
@@ -367,10 +364,13 @@ pub(crate) async fn boot_function(
     ))
 }
 
-/// (key, interpreter, preload in spec order, gpu). With `split`, the base's workers run with
-/// the device-memory hook, and the key says so (`|split`), so a base booted without the hook is
-/// never restored for a split deploy, nor the other way round.
-fn base_key(spec: &Value, split: bool) -> Result<(String, PathBuf, Vec<String>, bool), Failure> {
+/// (key, interpreter, preload in spec order, gpu). The key ends with how the base's workers got
+/// the device-memory hook ([`crate::split::Split::base_key_suffix`]), so a base booted
+/// otherwise is never restored for this deploy.
+fn base_key(
+    spec: &Value,
+    split: &crate::split::Split,
+) -> Result<(String, PathBuf, Vec<String>, bool), Failure> {
     let python = launcher::resolve_python(spec["python"].as_str().unwrap_or("python3"))
         .map_err(|e| fail("validate", e))?;
     let preload: Vec<String> = spec["preload"]
@@ -390,7 +390,7 @@ fn base_key(spec: &Value, split: bool) -> Result<(String, PathBuf, Vec<String>, 
         python.display(),
         sorted.join(","),
         if gpu { "gpu" } else { "cpu" },
-        if split { "|split" } else { "" }
+        split.base_key_suffix(gpu)
     );
     Ok((key, python, preload, gpu))
 }
@@ -591,12 +591,8 @@ async fn steps(
         let _ = tx.send(line);
     };
     let python_dir = rt.python_dir.clone().map_err(|e| fail("validate", e))?;
-    let (key, python, preload, gpu) = base_key(&spec.json, rt.split.enabled)?;
-    let hook = rt
-        .split
-        .enabled
-        .then(|| rt.split.hook_lib.clone())
-        .flatten();
+    let (key, python, preload, gpu) = base_key(&spec.json, &rt.split)?;
+    let (hook, preload_hook) = rt.split.worker_hook(gpu);
     let state_root = rt.state_root.clone();
     let snapshots = rt.snapshots_dir();
 
@@ -644,6 +640,7 @@ async fn steps(
                     workers_socket: &ws,
                     python_dir: &pd,
                     hook: hk.as_deref(),
+                    preload_hook,
                 })
             })
             .await?;

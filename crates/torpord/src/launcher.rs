@@ -89,10 +89,12 @@ pub struct WorkerCommand<'a> {
     pub state_dir: &'a Path,
     pub workers_socket: &'a Path,
     pub python_dir: &'a Path,
-    /// The device-memory hook (split snapshots): every worker gets `TORPOR_HOOK_LIB`, so that
-    /// `torpor.buffer()` works; a GPU worker also has it preloaded with `TORPOR_HOOK_CUDA=1`,
-    /// so that its big `cudaMalloc`s become segments.
+    /// The device-memory hook: the worker gets `TORPOR_HOOK_LIB`, so that `torpor.buffer()`
+    /// works.
     pub hook: Option<&'a Path>,
+    /// Also preload the hook with `TORPOR_HOOK_CUDA=1` (a GPU worker on the split path), so
+    /// that its big `cudaMalloc`s become segments.
+    pub preload_hook: bool,
 }
 
 /// Launches a worker (blocking); returns the host pid of its init.
@@ -113,7 +115,7 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, String> {
     }
     if let Some(hook) = w.hook {
         cmd.env(crate::split::HOOK_LIB_ENV, hook);
-        if w.gpu {
+        if w.preload_hook {
             cmd.env("LD_PRELOAD", hook).env("TORPOR_HOOK_CUDA", "1");
         }
     }

@@ -200,6 +200,28 @@ impl Split {
         }
     }
 
+    /// How workers get the hook: (the library, preloaded). With split on, every worker gets the
+    /// library (`torpor.buffer()`), and a GPU worker has it preloaded with `TORPOR_HOOK_CUDA=1`.
+    /// With `split = false` no worker gets it: the transparent path as before, where
+    /// `torpor.buffer()` raises an error naming `TORPOR_HOOK_LIB` (CRIU cannot restore the sealed
+    /// memfds of read-only buffers).
+    pub fn worker_hook(&self, gpu: bool) -> (Option<PathBuf>, bool) {
+        if !self.enabled {
+            return (None, false);
+        }
+        (self.hook_lib.clone(), gpu)
+    }
+
+    /// The part of a base key that says how the base's workers got the hook: a base booted
+    /// otherwise is never restored for this daemon's deploys.
+    pub fn base_key_suffix(&self, gpu: bool) -> &'static str {
+        match self.worker_hook(gpu) {
+            (None, _) => "",
+            (Some(_), false) => "|hook",
+            (Some(_), true) => "|hook+cuda",
+        }
+    }
+
     /// The chunk store (opened, and created, on first use).
     pub fn store(&self) -> Result<ChunkStore, String> {
         self.store
