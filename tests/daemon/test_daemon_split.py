@@ -14,6 +14,7 @@ import hashlib
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,31 @@ def test_gc_after_rm_keeps_the_chunks_another_function_holds(fresh: Torpord, tmp
     r = fresh.cli("rm", "splitbuf-twin")
     assert r.returncode == 0, r.stderr
     assert list((store / "chunks").glob("*/*")) == [], "chunks left after every split snapshot went"
+
+
+def test_a_hibernated_split_instance_wakes_with_its_memory(torpord: Torpord, tmp_path: Path) -> None:
+    fdir = twin(tmp_path, "splitbuf-sleepy")
+    toml = fdir / "torpor.toml"
+    toml.write_text(toml.read_text() + "\n[keepalive]\ngpu_release_s = 1\nhibernate_s = 1\nevict_s = 600\n")
+    torpord.deploy(fdir)
+    first = torpord.invoke("splitbuf-sleepy", {"op": "compute", "x": 7}).json()
+    deadline = time.monotonic() + 30
+    while [i["stage"] for i in torpord.instances("splitbuf-sleepy")] != ["hibernated"]:
+        assert time.monotonic() < deadline, torpord.log_text()
+        time.sleep(0.1)
+    (hib,) = [p.name for p in (torpord.state / "snapshots").glob("hib-splitbuf-sleepy-*")]
+    # Its segments went to the chunk store under the hibernation snapshot's id.
+    names = {r["name"] for r in record(torpord, hib)["recipes"]}
+    assert len(names) == 4 and "segments.json" in names, names
+    woken = torpord.invoke("splitbuf-sleepy", {"op": "compute", "x": 7})
+    assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body)
+    # The same process state (its call count goes on) and the same bytes.
+    assert woken.json() == {"sha": expected_sha(7), "calls": first["calls"] + 1}
+    # The hibernation snapshot served: directory and chunk-store record are gone.
+    deadline = time.monotonic() + 10
+    while (torpord.state / "chunks" / "refs" / f"{hib}.json").exists():
+        assert time.monotonic() < deadline, "the hibernation's record was not released"
+        time.sleep(0.1)
 
 
 def test_a_function_without_segments_takes_the_transparent_path(torpord: Torpord) -> None:

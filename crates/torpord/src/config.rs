@@ -440,6 +440,34 @@ mod tests {
     }
 
     #[test]
+    fn split_and_the_restore_server_caches_are_read() {
+        let c = parse("").unwrap();
+        assert!(c.split);
+        assert_eq!(c.restore_server.host_cache_bytes, 4 << 30);
+        assert_eq!(c.restore_server.gpu_cache_bytes, 2 << 30);
+        let c = parse(
+            "split = false\n[restore_server]\nhost_cache_bytes = 1048576\ngpu_cache_bytes = 0\n",
+        )
+        .unwrap();
+        assert!(!c.split);
+        assert_eq!(c.restore_server.host_cache_bytes, 1 << 20);
+        assert_eq!(c.restore_server.gpu_cache_bytes, 0);
+        let err = parse("split = \"no\"").unwrap_err().to_string();
+        assert!(
+            err.contains("split") && err.contains("true or false"),
+            "{err}"
+        );
+        let err = parse("[restore_server]\nhost_cache_bytes = -1")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("host_cache_bytes"), "{err}");
+        let err = parse("[restore_server]\nhost_cache = 1")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("host_cache"), "{err}");
+    }
+
+    #[test]
     fn every_key_is_read() {
         let c = parse(
             r#"

@@ -77,12 +77,16 @@ pub struct Instance {
     pub(crate) hibernating: AtomicBool,
     /// Told when `quiet` arrives while hibernating: the reader hands over the frame and the
     /// connection's read half, and the hibernation reads the rest (segment fds, EOF).
-    pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<(Map<String, Value>, OwnedReadHalf)>>>,
+    pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<QuietHandOver>>>,
     /// A GPU release failed: it stays warm until it hibernates.
     pub(crate) gpu_release_failed: AtomicBool,
     /// The shared read-only segment copies it maps (crate::split::server).
     pub(crate) segments: Mutex<crate::split::server::Leases>,
 }
+
+/// The `quiet` frame of a hibernating instance and its connection's read half, handed from the
+/// instance's reader to the hibernation.
+pub(crate) type QuietHandOver = (Map<String, Value>, OwnedReadHalf);
 
 /// Keep-alive state of an instance (live or hibernated).
 #[derive(Debug)]

@@ -30,10 +30,15 @@ pub trait SegmentDevice: Send + Sync {
     fn read_fd(&self, fd: OwnedFd, out: &mut [u8]) -> Result<(), DeviceError>;
 
     /// New exportable memory holding `src`; sealed read-only for sharing when `seal`.
-    fn from_bytes(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError>;
+    fn fill_from_bytes(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError>;
 
     /// New exportable memory holding a copy of `src` (device to device); sealed when `seal`.
-    fn from_memory(&self, src: &Memory, size: usize, seal: bool) -> Result<Memory, DeviceError>;
+    fn fill_from_memory(
+        &self,
+        src: &Memory,
+        size: usize,
+        seal: bool,
+    ) -> Result<Memory, DeviceError>;
 
     /// A new fd for `memory`, for a `map` frame.
     fn export(&self, memory: &Memory) -> Result<OwnedFd, DeviceError>;
@@ -108,7 +113,7 @@ where
         self.0.copy_to_host(w.at, out)
     }
 
-    fn from_bytes(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError> {
+    fn fill_from_bytes(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError> {
         let memory = self.0.create(src.len())?;
         {
             let w = Window::map(&self.0, &memory, src.len(), Access::ReadWrite)?;
@@ -120,7 +125,12 @@ where
         Ok(Box::new(memory))
     }
 
-    fn from_memory(&self, src: &Memory, size: usize, seal: bool) -> Result<Memory, DeviceError> {
+    fn fill_from_memory(
+        &self,
+        src: &Memory,
+        size: usize,
+        seal: bool,
+    ) -> Result<Memory, DeviceError> {
         let src = self.memory(src);
         let memory = self.0.create(size)?;
         {
@@ -149,8 +159,8 @@ mod tests {
         let dev = Backend(HostDevice::new());
         let page = 4096;
         let data: Vec<u8> = (0..3 * page).map(|i| (i % 251) as u8).collect();
-        let m = dev.from_bytes(&data, false).unwrap();
-        let copy = dev.from_memory(&m, data.len(), true).unwrap();
+        let m = dev.fill_from_bytes(&data, false).unwrap();
+        let copy = dev.fill_from_memory(&m, data.len(), true).unwrap();
         let mut out = vec![0u8; data.len()];
         dev.read_fd(dev.export(&copy).unwrap(), &mut out).unwrap();
         assert_eq!(out, data);

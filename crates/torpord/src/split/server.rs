@@ -209,7 +209,7 @@ impl Split {
         count("gpu", cached.is_some());
         if let Some(src) = cached {
             let m = dev
-                .from_memory(&src, size, seal)
+                .fill_from_memory(&src, size, seal)
                 .map_err(|x| format!("copying from the GPU cache: {x}"))?;
             return Ok((m, "gpu"));
         }
@@ -218,11 +218,11 @@ impl Split {
         if let Some(src) = cached {
             let buf = lock(&src);
             let m = dev
-                .from_bytes(&buf, seal)
+                .fill_from_bytes(&buf, seal)
                 .map_err(|x| format!("copying from the host cache: {x}"))?;
             // A second use: hot, so it also goes to the GPU cache (when it has room for it).
             if lock(&self.gpu_cache).capacity() >= e.size {
-                match dev.from_bytes(&buf, false) {
+                match dev.fill_from_bytes(&buf, false) {
                     Ok(copy) => {
                         lock(&self.gpu_cache).insert(&gkey, Arc::new(copy), e.size);
                     }
@@ -241,7 +241,7 @@ impl Split {
             .read_into(recipe, &mut buf)
             .map_err(|x| x.to_string())?;
         let m = dev
-            .from_bytes(&buf, seal)
+            .fill_from_bytes(&buf, seal)
             .map_err(|x| format!("copying from the store: {x}"))?;
         lock(&self.host_cache).insert(&e.blake3, Arc::new(Mutex::new(buf)), e.size);
         self.update_cache_gauges();
