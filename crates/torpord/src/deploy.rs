@@ -749,8 +749,7 @@ async fn steps(
     let mut details = json!({});
     match &split {
         Some(c) => {
-            let stopped = finish_split(rt, conn, &mut guard, &out, &id).await;
-            stopped?;
+            finish_split(rt, conn, &mut guard, &out, &id).await?;
             details = json!({
                 "segments": c.segments.len(),
                 "segment_bytes": c.bytes,

@@ -304,6 +304,8 @@ impl Runtime {
         match self.hibernate_inner(&pool, &inst, &out).await {
             Ok(mut sleeper) => {
                 inst.dead.store(true, Ordering::SeqCst);
+                // Its process is gone: the shared segment copies it mapped may go too.
+                lock(&inst.segments).clear();
                 *lock(&inst.why_dead) = Some("hibernated".to_string());
                 let stale = {
                     let mut st = lock(&pool.state);
