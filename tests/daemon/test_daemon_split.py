@@ -144,9 +144,13 @@ def test_a_corrupted_chunk_is_refused_with_a_clear_error(fresh: Torpord) -> None
 
 
 def test_gc_after_rm_keeps_the_chunks_another_function_holds(fresh: Torpord, tmp_path: Path) -> None:
-    a = snapshot_line(fresh.deploy(SPLITBUF))["snapshot"]
-    b = snapshot_line(fresh.deploy(twin(tmp_path, "splitbuf-twin")))["snapshot"]
+    replaced = snapshot_line(fresh.deploy(SPLITBUF))["snapshot"]
     store = fresh.state / "chunks"
+    assert (store / "refs" / f"{replaced}.json").exists()
+    # A redeploy replaces the function snapshot and releases the old one's record.
+    a = snapshot_line(fresh.deploy(SPLITBUF))["snapshot"]
+    assert not (store / "refs" / f"{replaced}.json").exists()
+    b = snapshot_line(fresh.deploy(twin(tmp_path, "splitbuf-twin")))["snapshot"]
     # Dedup between two functions on one base: the twin shares its segments with splitbuf.
     r = fresh.cli("inspect", "--json", fresh.state / "snapshots" / b, "--store", store)
     assert r.returncode == 0, r.stderr

@@ -170,4 +170,33 @@ mod tests {
             .unwrap();
         assert!(torpor_device::PhysicalMemory::is_sealed(sealed));
     }
+
+    /// The cuda backend's path (import, map read-only, device→host through pinned staging on
+    /// several streams; create, host→device; device→device) on the fake driver built with its
+    /// VMM calls, whose device memory is memfd memory: the same code the GPU machine runs.
+    #[test]
+    fn the_cuda_backend_copies_through_the_fake_driver() {
+        use torpor_cuda::fakes::{self, Fake};
+        use torpor_device::cuda::{CopyConfig, CudaDevice};
+        let dir = tempfile::tempdir().unwrap();
+        let lib = fakes::build(Fake::CudaWithVmm, dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        let driver = torpor_cuda::CudaDriver::load_from(lib).unwrap();
+        let config = CopyConfig {
+            chunk: 64 << 10,
+            ..CopyConfig::default()
+        };
+        let cuda = CudaDevice::open_with(driver, 0, config).unwrap();
+        let granule = torpor_device::Device::granularity(&cuda);
+        let dev = Backend(cuda);
+        assert_eq!(dev.backend(), "cuda");
+        let data: Vec<u8> = (0..2 * granule).map(|i| (i % 253) as u8).collect();
+        let m = dev.fill_from_bytes(&data, false).unwrap();
+        let copy = dev.fill_from_memory(&m, data.len(), true).unwrap();
+        let mut out = dev.host_buffer(data.len()).unwrap();
+        dev.read_fd(dev.export(&copy).unwrap(), &mut out).unwrap();
+        assert!(
+            out[..] == data[..],
+            "the bytes changed on their way through device memory"
+        );
+    }
 }

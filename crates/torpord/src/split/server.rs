@@ -52,8 +52,31 @@ impl Drop for SharedCopy {
     }
 }
 
-/// What an instance holds from the restore server: the shared copies it maps.
-pub type Leases = Vec<Arc<SharedCopy>>;
+/// A handle the daemon keeps on memory it handed to an instance, for the instance's life: the
+/// driver does not promise that exported device memory outlives every handle in the exporting
+/// process until the importer has mapped it, so the daemon never drops its handle first.
+#[derive(Debug)]
+pub enum Lease {
+    /// A shared read-only copy; it goes when the last instance holding it goes.
+    Shared(Arc<SharedCopy>),
+    /// The instance's own writable memory.
+    Own(OwnMemory),
+}
+
+/// Writable memory filled for one instance.
+pub struct OwnMemory {
+    /// Held, never read: dropping it releases the daemon's handle.
+    _memory: Memory,
+}
+
+impl std::fmt::Debug for OwnMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OwnMemory")
+    }
+}
+
+/// What an instance holds from the restore server.
+pub type Leases = Vec<Lease>;
 
 /// A filled segment, ready for its `map` frame.
 pub struct Filled {
@@ -61,7 +84,7 @@ pub struct Filled {
     pub size: u64,
     pub readonly: bool,
     pub fd: OwnedFd,
-    pub lease: Option<Arc<SharedCopy>>,
+    pub lease: Lease,
 }
 
 /// The GPU cache's key of a segment: its device and its contents.
@@ -169,10 +192,14 @@ impl Split {
             let (m, source) = self.fresh(&*dev, e, recipe, false)?;
             (Some(m), None, source)
         };
-        let fd = match (&memory, &lease) {
-            (Some(m), _) => dev.export(m),
-            (None, Some(s)) => dev.export(&s.memory),
+        let lease = match (memory, lease) {
+            (Some(m), _) => Lease::Own(OwnMemory { _memory: m }),
+            (None, Some(s)) => Lease::Shared(s),
             (None, None) => unreachable!("a segment has memory or a shared copy"),
+        };
+        let fd = match &lease {
+            Lease::Own(OwnMemory { _memory: m }) => dev.export(m),
+            Lease::Shared(s) => dev.export(&s.memory),
         }
         .map_err(|x| err("exporting its memory", x))?;
         let secs = t.elapsed().as_secs_f64().max(1e-9);
@@ -285,7 +312,7 @@ impl Restoring {
                 .map_err(|e| format!("sending map for {:#x}: {e}", f.va))?;
             vas.push(f.va);
             out.bytes += f.size;
-            out.leases.extend(f.lease);
+            out.leases.push(f.lease);
         }
         // The worker serves frames in order: one `mapped` per `map`, in the same order.
         for va in vas {
