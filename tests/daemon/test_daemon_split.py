@@ -170,6 +170,11 @@ def test_gc_after_rm_keeps_the_chunks_another_function_holds(fresh: Torpord, tmp
     r = fresh.cli("rm", "splitbuf-twin")
     assert r.returncode == 0, r.stderr
     assert list((store / "chunks").glob("*/*")) == [], "chunks left after every split snapshot went"
+    # No instance maps a shared read-only copy any more: the daemon let them go.
+    deadline = time.monotonic() + 10
+    while "torpor_restore_shared_bytes 0\n" not in fresh.request("GET", "/metrics").body.decode():
+        assert time.monotonic() < deadline, "shared copies outlived every instance mapping them"
+        time.sleep(0.1)
 
 
 def test_a_hibernated_split_instance_wakes_with_its_memory(torpord: Torpord, tmp_path: Path) -> None:
