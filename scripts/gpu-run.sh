@@ -8,7 +8,8 @@
 # `make gpu-carry` into .gpu/native/ (the device's cuda backend; the hook), into $OUT/native.log
 # and $OUT/fill_bw.json.
 # examples: deploys examples/resnet152 and examples/gpt2-large on a fresh daemon and invokes each
-# (first invoke restored, second warm), into $OUT/examples.log.
+# (first invoke restored, second warm), once with `split = false` (transparent path) and once with
+# the split path, into $OUT/examples.log.
 # Results go under $OUT (the device tool's output folder) or /tmp/torpor-out.
 # serverless: writes the examples' weights if absent, then bench/serverless/run.py --compare for each
 # of $SERVERLESS_MODELS (default "resnet152"; "resnet152 gpt2-large" for both, about twice as long),
@@ -49,21 +50,27 @@ if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
   brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
 fi
 if [ "$MODE" = examples ] || [ "$MODE" = all ]; then
-  echo "== examples (deploy + invoke through torpord)"
+  echo "== examples (deploy + invoke through torpord), transparent path then split path"
   (
-    state=$(mktemp -d) sock=$state/torpord.sock
-    "$TORPOR_BIN" serve --state-dir "$state" --socket "$sock" >"$OUT/examples-daemon.log" 2>&1 &
-    daemon=$!
-    for i in $(seq 50); do [ -S "$sock" ] && break; sleep 0.1; done
-    export TORPOR_SOCKET=$sock
     erc=0
-    for ex in resnet152 gpt2-large; do
-      [ -f "examples/$ex/weights.safetensors" ] || (cd "examples/$ex" && python3 make_weights.py) || erc=1
-      "$TORPOR_BIN" deploy "examples/$ex" || erc=1
-      for i in 1 2; do "$TORPOR_BIN" invoke "$ex" -v --data '{"seed": 1}' || erc=1; done
+    for path in transparent split; do
+      echo "-- $path"
+      state=$(mktemp -d) sock=$state/torpord.sock
+      [ "$path" = split ] && echo "split = true" > "$state/torpord.toml" || echo "split = false" > "$state/torpord.toml"
+      "$TORPOR_BIN" serve --config "$state/torpord.toml" --state-dir "$state" --socket "$sock" >"$OUT/examples-daemon-$path.log" 2>&1 &
+      daemon=$!
+      for i in $(seq 50); do [ -S "$sock" ] && break; sleep 0.1; done
+      export TORPOR_SOCKET=$sock
+      for ex in resnet152 gpt2-large; do
+        [ -f "examples/$ex/weights.safetensors" ] || (cd "examples/$ex" && python3 make_weights.py) || erc=1
+        "$TORPOR_BIN" deploy "examples/$ex" || erc=1
+        for i in 1 2; do "$TORPOR_BIN" invoke "$ex" -v --data '{"seed": 1}' || erc=1; done
+      done
+      "$TORPOR_BIN" ls
+      [ "$path" = split ] && "$TORPOR_BIN" inspect "$(ls -d "$state"/snapshots/fn-gpt2-large-* | head -1)" --store "$state/chunks" || true
+      kill -TERM "$daemon"; wait "$daemon"
+      rm -rf "$state"
     done
-    "$TORPOR_BIN" ls
-    kill -TERM "$daemon"; wait "$daemon"
     exit $erc
   ) 2>&1 | tee "$OUT/examples.log"
   erc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$erc

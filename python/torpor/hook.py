@@ -69,6 +69,7 @@ class Segment:
             "va": self.va,
             "size": self.size,
             "backend": self.backend,
+            "ordinal": self.ordinal,
             "order": self.order,
             "first_use": self.first_use,
             "readonly": self.read_only,

@@ -36,7 +36,8 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      {va, fd: true} frame per segment follows with the segment's fd attached, and the worker
      waits for `release`: it then releases every segment's memory (keeping the addresses),
      answers `released` {bytes}, and closes and waits for SIGUSR2 as above (`shutdown` instead
-     of `release` ends the worker, exit 0).
+     of `release` ends the worker, exit 0; `resume` releases nothing and the worker serves on,
+     still connected).
    - `map` {va, size, readonly, fd: true} with an fd attached (after a split snapshot): maps
      that memory into the released segment at va and answers `mapped` {va, ok: true}; a map
      the hook refuses is `mapped` {va, ok: false, error {type, message}} and the worker serves
@@ -536,8 +537,13 @@ class Worker:
         _drain_sigusr2()
         if hook is None:
             self.send({"type": "quiet", "cuda_synced": synced})
-        elif not self.hand_over_segments(hook, synced):
-            return False
+        else:
+            outcome = self.hand_over_segments(hook, synced)
+            if outcome == "shutdown":
+                return False
+            if outcome == "resume":
+                # torpord only read the segments (their hashes): serve on, connected.
+                return True
         self.close()
         _wait_sigusr2()
         self.connect(resumed=True)
@@ -561,9 +567,10 @@ class Worker:
             )
         return hook
 
-    def hand_over_segments(self, hook: torpor_hook.Hook, synced: bool) -> bool:
+    def hand_over_segments(self, hook: torpor_hook.Hook, synced: bool) -> str:
         """The split part of quiesce: list and send the segments, then release them on request.
-        False when torpord sent shutdown instead (it gave up the snapshot)."""
+        Returns "released", "shutdown" (torpord gave up the snapshot) or "resume" (torpord only
+        read the segments, e.g. to hash them before a warm-up request; nothing is released)."""
         assert self.sock is not None and self.reader is not None
         segments = hook.segments()
         self.send({"type": "quiet", "cuda_synced": synced, "segments": [s.frame() for s in segments]})
@@ -576,17 +583,17 @@ class Worker:
         msg = self.reader.read()
         if msg is None:
             raise ConnectionResetError(errno.ECONNRESET, "closed by torpord before release")
-        if msg.get("type") == "shutdown":
-            return False
+        if msg.get("type") in ("shutdown", "resume"):
+            return str(msg["type"])
         if msg.get("type") != "release":
             raise ProtocolError(
-                f"after a split quiet torpord must send release or shutdown, got {msg.get('type')!r}"
+                f"after a split quiet torpord must send release, resume or shutdown, got {msg.get('type')!r}"
             )
         released = hook.release_all()
         # From now on map frames carry fds, until every segment is mapped again.
         self.reader.fds = bool(segments)
         self.send({"type": "released", "bytes": released})
-        return True
+        return "released"
 
     def map_segment(self, msg: dict[str, Any]) -> None:
         assert self.reader is not None

@@ -90,6 +90,7 @@ def test_buffer_and_buffered_data_live_in_segments(spawn: Spawner, daemon: Daemo
         "va": i["buf_addr"],
         "size": pages(BUFFER_SIZE),
         "backend": "host",
+        "ordinal": -1,
         "order": 0,
         "first_use": None,
         "readonly": False,

@@ -20,6 +20,10 @@
 //!
 //! [workers]
 //! reattach_s = 60                 # how long a worker outlives a lost daemon, to be re-adopted
+//! split = true                    # split snapshots (docs/split.md) where the worker has the hook
+//! [restore_server]                # caches of segments for restores (LRU), in bytes
+//! host_cache_bytes = 4294967296   # host memory (pinned on cuda): 4 GiB
+//! gpu_cache_bytes = 2147483648    # device memory: 2 GiB (memfd memory on the host backend)
 //! ```
 
 use std::net::SocketAddr;
@@ -163,6 +167,24 @@ impl Default for QueueLimits {
     }
 }
 
+/// The restore server's caches (docs/split.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct RestoreServer {
+    /// Bytes of segments kept in host memory.
+    pub host_cache_bytes: u64,
+    /// Bytes of segments kept in device memory.
+    pub gpu_cache_bytes: u64,
+}
+
+impl Default for RestoreServer {
+    fn default() -> Self {
+        Self {
+            host_cache_bytes: 4 << 30,
+            gpu_cache_bytes: 2 << 30,
+        }
+    }
+}
+
 fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(d.as_secs_f64())
 }
@@ -183,6 +205,9 @@ pub struct Config {
     pub cold_start: ColdStart,
     /// How long a worker that lost its daemon waits for the next one to re-adopt it.
     pub reattach: Duration,
+    /// Split snapshots for functions whose workers have the hook; `false`: transparent only.
+    pub split: bool,
+    pub restore_server: RestoreServer,
 }
 
 /// Default of `workers.reattach_s`.
@@ -202,6 +227,8 @@ impl Default for Config {
             queue: QueueLimits::default(),
             cold_start: ColdStart::default(),
             reattach: DEFAULT_REATTACH,
+            split: true,
+            restore_server: RestoreServer::default(),
         }
     }
 }
@@ -340,6 +367,19 @@ impl Config {
             q.timeout = t.seconds("timeout_s", true)?.unwrap_or(q.timeout);
             t.finish()?;
         }
+        if let Some(b) = root.boolean("split")? {
+            config.split = b;
+        }
+        if let Some(mut t) = root.table("restore_server")? {
+            let r = &mut config.restore_server;
+            if let Some(n) = t.integer("host_cache_bytes", 0)? {
+                r.host_cache_bytes = u64::try_from(n).unwrap_or(0);
+            }
+            if let Some(n) = t.integer("gpu_cache_bytes", 0)? {
+                r.gpu_cache_bytes = u64::try_from(n).unwrap_or(0);
+            }
+            t.finish()?;
+        }
         if let Some(mut t) = root.table("workers")? {
             config.reattach = t.seconds("reattach_s", false)?.unwrap_or(config.reattach);
             t.finish()?;
@@ -410,6 +450,34 @@ mod tests {
         assert_eq!(c.reattach, Duration::from_secs(60));
         assert_eq!(c.socket, Path::new(DEFAULT_SOCKET));
         assert_eq!(c.state_dir, Path::new(DEFAULT_STATE_DIR));
+    }
+
+    #[test]
+    fn split_and_the_restore_server_caches_are_read() {
+        let c = parse("").unwrap();
+        assert!(c.split);
+        assert_eq!(c.restore_server.host_cache_bytes, 4 << 30);
+        assert_eq!(c.restore_server.gpu_cache_bytes, 2 << 30);
+        let c = parse(
+            "split = false\n[restore_server]\nhost_cache_bytes = 1048576\ngpu_cache_bytes = 0\n",
+        )
+        .unwrap();
+        assert!(!c.split);
+        assert_eq!(c.restore_server.host_cache_bytes, 1 << 20);
+        assert_eq!(c.restore_server.gpu_cache_bytes, 0);
+        let err = parse("split = \"no\"").unwrap_err().to_string();
+        assert!(
+            err.contains("split") && err.contains("true or false"),
+            "{err}"
+        );
+        let err = parse("[restore_server]\nhost_cache_bytes = -1")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("host_cache_bytes"), "{err}");
+        let err = parse("[restore_server]\nhost_cache = 1")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("host_cache"), "{err}");
     }
 
     #[test]

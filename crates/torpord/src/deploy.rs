@@ -240,7 +240,7 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
 async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, String> {
     let registry = Arc::clone(&rt.registry);
     let spec = spec.clone();
-    let key = base_key(&spec.json).map_err(|e| e.message)?;
+    let key = base_key(&spec.json, &rt.split).map_err(|e| e.message)?;
     tokio::task::spawn_blocking(move || {
         registry.transaction(|s| {
             let now = now_ms();
@@ -300,7 +300,8 @@ pub(crate) async fn boot_function(
 ) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), String> {
     let t = Instant::now();
     let python_dir = rt.python_dir.clone()?;
-    let (_, python, preload, gpu) = base_key(spec).map_err(|f| f.message)?;
+    let (_, python, preload, gpu) = base_key(spec, &rt.split).map_err(|f| f.message)?;
+    let (hook, preload_hook) = rt.split.worker_hook(gpu);
     let log = log.to_path_buf();
     let (ws, sd, lg) = (
         rt.workers_socket.clone(),
@@ -317,6 +318,8 @@ pub(crate) async fn boot_function(
             state_dir: &sd,
             workers_socket: &ws,
             python_dir: &python_dir,
+            hook: hook.as_deref(),
+            preload_hook,
         })
     })
     .await
@@ -361,8 +364,13 @@ pub(crate) async fn boot_function(
     ))
 }
 
-/// (key, interpreter, preload in spec order, gpu).
-fn base_key(spec: &Value) -> Result<(String, PathBuf, Vec<String>, bool), Failure> {
+/// (key, interpreter, preload in spec order, gpu). The key ends with how the base's workers got
+/// the device-memory hook ([`crate::split::Split::base_key_suffix`]), so a base booted
+/// otherwise is never restored for this deploy.
+fn base_key(
+    spec: &Value,
+    split: &crate::split::Split,
+) -> Result<(String, PathBuf, Vec<String>, bool), Failure> {
     let python = launcher::resolve_python(spec["python"].as_str().unwrap_or("python3"))
         .map_err(|e| fail("validate", e))?;
     let preload: Vec<String> = spec["preload"]
@@ -378,10 +386,11 @@ fn base_key(spec: &Value) -> Result<(String, PathBuf, Vec<String>, bool), Failur
     sorted.dedup();
     let gpu = spec["gpus"].as_u64().unwrap_or(0) > 0;
     let key = format!(
-        "{}|{}|{}",
+        "{}|{}|{}{}",
         python.display(),
         sorted.join(","),
-        if gpu { "gpu" } else { "cpu" }
+        if gpu { "gpu" } else { "cpu" },
+        split.base_key_suffix(gpu)
     );
     Ok((key, python, preload, gpu))
 }
@@ -437,6 +446,130 @@ async fn quiesce_and_snapshot(
     Ok(())
 }
 
+/// A split capture at deploy, before the function snapshot.
+struct SplitCapture {
+    segments: Vec<crate::split::index::SegmentEntry>,
+    bytes: u64,
+    new_bytes: u64,
+    /// From the capturing `quiesce` until the record was committed.
+    stop_s: f64,
+}
+
+/// The deploy's split capture (crate::split::capture): a probe quiesce for the segments'
+/// hashes, the spec's warm-up request once more, then the capture into the chunk store under
+/// snapshot id `id`. `None` when the worker has no segments (the transparent path follows); the
+/// worker then serves on, as after `resume`.
+async fn split_snapshot(
+    rt: &Arc<Runtime>,
+    conn: &mut WorkerConn,
+    spec: &Value,
+    id: &str,
+) -> Result<Option<SplitCapture>, Failure> {
+    use crate::split::capture;
+    const PHASE: &str = "snapshot_function";
+    let (_, probe) = capture::quiesce(conn)
+        .await
+        .map_err(|e| conn_fail(PHASE, "split quiesce", e))?;
+    if probe.is_empty() {
+        conn.send(&json!({"type": "resume"}))
+            .await
+            .map_err(|e| conn_fail(PHASE, "sending resume", e))?;
+        return Ok(None);
+    }
+    let warmup = spec.pointer("/warmup/request").cloned();
+    let before = match &warmup {
+        Some(_) => {
+            let split = Arc::clone(&rt.split);
+            Some(blocking(PHASE, move || capture::hash_all(&split, &probe)).await?)
+        }
+        None => {
+            drop(probe);
+            None
+        }
+    };
+    conn.send(&json!({"type": "resume"}))
+        .await
+        .map_err(|e| conn_fail(PHASE, "sending resume", e))?;
+    if let Some(request) = warmup {
+        conn.send(&json!({"type": "invoke", "id": 0, "request": request, "timeout_s": LOAD_TIMEOUT.as_secs_f64()}))
+            .await
+            .map_err(|e| conn_fail(PHASE, "sending the read-only probe's warm-up request", e))?;
+        let r = conn
+            .expect("result", LOAD_TIMEOUT)
+            .await
+            .map_err(|e| conn_fail(PHASE, "waiting for the probe's warm-up result", e))?;
+        if r.get("ok").and_then(Value::as_bool) != Some(true) {
+            return Err(fail(
+                PHASE,
+                format!(
+                    "the warm-up request failed when sent again to find the read-only segments: {}",
+                    r.get("error").unwrap_or(&Value::Null)
+                ),
+            ));
+        }
+    }
+    let t = Instant::now();
+    let (_, listed) = capture::quiesce(conn)
+        .await
+        .map_err(|e| conn_fail(PHASE, "split quiesce", e))?;
+    let (split, sid) = (Arc::clone(&rt.split), id.to_string());
+    let captured = blocking(PHASE, move || {
+        capture::store_all(&split, &sid, listed, |l, hash| {
+            if l.sealed {
+                Some("declared")
+            } else if before
+                .as_ref()
+                .and_then(|b| b.get(&l.va))
+                .is_some_and(|h| h == hash)
+            {
+                Some("unchanged")
+            } else {
+                None
+            }
+        })
+    })
+    .await?;
+    Ok(Some(SplitCapture {
+        segments: captured.segments,
+        bytes: captured.bytes,
+        new_bytes: captured.new_bytes,
+        stop_s: t.elapsed().as_secs_f64(),
+    }))
+}
+
+/// After a split capture: `release` → `released` → EOF → the transparent snapshot of what
+/// remains. On failure the capture's record is released.
+async fn finish_split(
+    rt: &Runtime,
+    mut conn: WorkerConn,
+    init: &mut TreeGuard,
+    out: &Path,
+    id: &str,
+) -> Result<(), Failure> {
+    const PHASE: &str = "snapshot_function";
+    let done = async {
+        crate::split::capture::release(&mut conn, QUIET_TIMEOUT)
+            .await
+            .map_err(|e| conn_fail(PHASE, "releasing the segments", e))?;
+        conn.expect_eof(QUIET_TIMEOUT)
+            .await
+            .map_err(|e| conn_fail(PHASE, "waiting for the worker to close after released", e))?;
+        snapshot_and_kill(init.0.unwrap_or_default(), out, &rt.logs_dir())
+            .await
+            .map_err(|e| fail(PHASE, e))?;
+        init.0 = None;
+        Ok(())
+    }
+    .await;
+    if done.is_err() {
+        if let Ok(store) = rt.split.store() {
+            let id = id.to_string();
+            let _ = tokio::task::spawn_blocking(move || store.release(&id)).await;
+        }
+    }
+    done
+}
+
 async fn blocking<T: Send + 'static>(
     phase: &'static str,
     f: impl FnOnce() -> Result<T, String> + Send + 'static,
@@ -458,7 +591,8 @@ async fn steps(
         let _ = tx.send(line);
     };
     let python_dir = rt.python_dir.clone().map_err(|e| fail("validate", e))?;
-    let (key, python, preload, gpu) = base_key(&spec.json)?;
+    let (key, python, preload, gpu) = base_key(&spec.json, &rt.split)?;
+    let (hook, preload_hook) = rt.split.worker_hook(gpu);
     let state_root = rt.state_root.clone();
     let snapshots = rt.snapshots_dir();
 
@@ -486,13 +620,14 @@ async fn steps(
         None => {
             let t = Instant::now();
             let log = rt.logs_dir().join(format!("base-{}.log", fnv(&key)));
-            let (ws, sd, lg, py, pl, pd) = (
+            let (ws, sd, lg, py, pl, pd, hk) = (
                 rt.workers_socket.clone(),
                 state_root.clone(),
                 log.clone(),
                 python.clone(),
                 preload.clone(),
                 python_dir.clone(),
+                hook.clone(),
             );
             let init = blocking("boot_base", move || {
                 launcher::launch_worker(&WorkerCommand {
@@ -504,6 +639,8 @@ async fn steps(
                     state_dir: &sd,
                     workers_socket: &ws,
                     python_dir: &pd,
+                    hook: hk.as_deref(),
+                    preload_hook,
                 })
             })
             .await?;
@@ -603,7 +740,28 @@ async fn steps(
     let t = Instant::now();
     let id = format!("fn-{name}-{}", now_ms());
     let out = snapshots.join(&id);
-    quiesce_and_snapshot(rt, conn, &mut guard, &out, "snapshot_function").await?;
+    let split = if rt.split.enabled {
+        split_snapshot(rt, &mut conn, &spec.json, &id).await?
+    } else {
+        None
+    };
+    let stop = Instant::now();
+    let mut details = json!({});
+    match &split {
+        Some(c) => {
+            finish_split(rt, conn, &mut guard, &out, &id).await?;
+            details = json!({
+                "segments": c.segments.len(),
+                "segment_bytes": c.bytes,
+                "stored_bytes": c.new_bytes,
+                "readonly_segments": c.segments.iter().filter(|s| s.readonly).count(),
+            });
+        }
+        None => quiesce_and_snapshot(rt, conn, &mut guard, &out, "snapshot_function").await?,
+    }
+    let stop_s = split.as_ref().map_or(stop.elapsed().as_secs_f64(), |c| {
+        c.stop_s + stop.elapsed().as_secs_f64()
+    });
     let row = Snapshot {
         id: id.clone(),
         kind: SnapshotKind::Function,
@@ -648,11 +806,12 @@ async fn steps(
             .map_err(|e| e.to_string())
     })
     .await?;
-    send(phase(
-        "snapshot_function",
-        t.elapsed().as_secs_f64(),
-        json!({"snapshot": id, "bytes": row.bytes}),
-    ));
+    let mut line =
+        json!({"snapshot": id, "bytes": row.bytes, "stop_s": stop_s, "split": split.is_some()});
+    if let (Some(m), Value::Object(d)) = (line.as_object_mut(), details) {
+        m.extend(d);
+    }
+    send(phase("snapshot_function", t.elapsed().as_secs_f64(), line));
     // Hibernated instances of the older deploy go before the new one takes requests, so that
     // none of them is woken to serve the old code.
     let (rt2, n) = (Arc::clone(rt), name.to_string());
@@ -662,7 +821,10 @@ async fn steps(
     rt.deployed(name, &spec.json, &id, &out);
     if let Some(old) = old {
         // Live instances were restored from it and no longer need it.
-        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&old.path)).await;
+        let _ = tokio::task::spawn_blocking(move || {
+            crate::runtime::remove_snapshot_dir(&old.path);
+        })
+        .await;
     }
     Ok((id, base.id, reused))
 }

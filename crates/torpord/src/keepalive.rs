@@ -301,9 +301,11 @@ impl Runtime {
         let out =
             self.snapshots_dir()
                 .join(format!("hib-{}-{}-{}", inst.function, inst.id, now_ms()));
-        match self.hibernate_inner(&inst, &out).await {
+        match self.hibernate_inner(&pool, &inst, &out).await {
             Ok(mut sleeper) => {
                 inst.dead.store(true, Ordering::SeqCst);
+                // Its process is gone: the shared segment copies it mapped may go too.
+                lock(&inst.segments).clear();
                 *lock(&inst.why_dead) = Some("hibernated".to_string());
                 let stale = {
                     let mut st = lock(&pool.state);
@@ -335,8 +337,55 @@ impl Runtime {
         pool.changed.notify_waiters();
     }
 
+    /// The split part of a hibernation: the segments go to the chunk store as the record of
+    /// `hib_id`, then the worker releases them. A segment read-only in the function snapshot
+    /// stays read-only while its contents are the same.
+    async fn hibernate_segments(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+        quiet: &serde_json::Map<String, serde_json::Value>,
+        rd: &mut tokio::net::unix::OwnedReadHalf,
+        hib_id: &str,
+        plan: &[crate::split::index::Planned],
+    ) -> Result<crate::split::capture::Captured, String> {
+        let listed = crate::split::capture::segment_fds(rd, quiet)
+            .await
+            .map_err(|e| format!("receiving the segments: {e}"))?;
+        let readonly: std::collections::HashMap<u64, String> = plan
+            .iter()
+            .filter(|(e, _)| e.readonly)
+            .map(|(e, _)| (e.va, e.blake3.clone()))
+            .collect();
+        let (split, id) = (Arc::clone(&self.split), hib_id.to_string());
+        let captured = tokio::task::spawn_blocking(move || {
+            crate::split::capture::store_all(&split, &id, listed, |l, hash| {
+                if l.sealed {
+                    Some("declared")
+                } else if readonly.get(&l.va).is_some_and(|h| h == hash) {
+                    Some("unchanged")
+                } else {
+                    None
+                }
+            })
+        })
+        .await
+        .map_err(|e| format!("segment capture task failed: {e}"))??;
+        let released = {
+            let mut wr = inst.writer.lock().await;
+            crate::split::capture::release_halves(&mut wr, rd, QUIET_TIMEOUT).await
+        };
+        if let Err(e) = released {
+            let (store, id) = (self.split.store(), hib_id.to_string());
+            let _ = tokio::task::spawn_blocking(move || store.map(|s| s.release(&id))).await;
+            return Err(format!("releasing the segments: {e}"));
+        }
+        tracing::info!(instance = %inst.id, segments = captured.segments.len(), bytes = captured.bytes, new_bytes = captured.new_bytes, "hibernation: segments stored");
+        Ok(captured)
+    }
+
     async fn hibernate_inner(
         self: &Arc<Self>,
+        pool: &Arc<Pool>,
         inst: &Arc<Instance>,
         out: &Path,
     ) -> Result<Sleeper, String> {
@@ -344,26 +393,70 @@ impl Runtime {
             // The worker must run CUDA to synchronise before quiet.
             self.gpu_resume(inst, true).await?;
         }
+        // A split function snapshot: its instances hibernate split too.
+        let function_snapshot = lock(&pool.state).info.snapshot_id.clone();
+        let split = {
+            let (s, id) = (Arc::clone(&self.split), function_snapshot.clone());
+            tokio::task::spawn_blocking(move || s.plan(&id))
+                .await
+                .map_err(|e| format!("split plan task failed: {e}"))??
+        };
         let (tx, rx) = tokio::sync::oneshot::channel();
         *lock(&inst.quiet_tx) = Some(tx);
         inst.hibernating.store(true, Ordering::SeqCst);
         {
             let mut wr = inst.writer.lock().await;
-            workers::send(&mut wr, &json!({"type": "quiesce"}))
-                .await
-                .map_err(|e| format!("sending quiesce: {e}"))?;
+            workers::send(
+                &mut wr,
+                &json!({"type": "quiesce", "split": split.is_some()}),
+            )
+            .await
+            .map_err(|e| format!("sending quiesce: {e}"))?;
         }
-        match tokio::time::timeout(QUIET_TIMEOUT, rx).await {
-            Ok(Ok(())) => {}
+        let (quiet, mut rd) = match tokio::time::timeout(QUIET_TIMEOUT, rx).await {
+            Ok(Ok(q)) => q,
             Ok(Err(_)) => return Err(inst.reason()),
             Err(_) => {
                 return Err(format!(
-                    "no quiet and close within {} s of quiesce",
+                    "no quiet within {} s of quiesce",
                     QUIET_TIMEOUT.as_secs()
                 ))
             }
+        };
+        let hib_id = out
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let stored = match split {
+            Some(plan) => Some(
+                self.hibernate_segments(inst, &quiet, &mut rd, &hib_id, plan.as_slice())
+                    .await?,
+            ),
+            None => None,
+        };
+        let closed = match tokio::time::timeout(QUIET_TIMEOUT, crate::frames::read(&mut rd)).await {
+            Ok(Ok(None)) => Ok(()),
+            Ok(Ok(Some(m))) => Err(format!(
+                "it sent {} after quiet instead of closing its connection",
+                m.get("type").unwrap_or(&serde_json::Value::Null)
+            )),
+            Ok(Err(e)) => Err(format!("it sent a malformed frame ({e})")),
+            Err(_) => Err(format!(
+                "it did not close its connection within {} s of quiet",
+                QUIET_TIMEOUT.as_secs()
+            )),
+        };
+        let snapshotted = match closed {
+            Ok(()) => snapshot_and_kill(inst.init_pid, out, &self.logs_dir()).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = snapshotted {
+            if stored.is_some() {
+                let o = out.to_path_buf();
+                let _ = tokio::task::spawn_blocking(move || remove_snapshot_dir(&o)).await;
+            }
+            return Err(e);
         }
-        snapshot_and_kill(inst.init_pid, out, &self.logs_dir()).await?;
         // The instance's own keep-alive state moves on (the ticker goes on accounting it until
         // the sleeper takes its place, which copies it then).
         let (idle_since, keep) = {
@@ -373,10 +466,6 @@ impl Runtime {
             (k.idle_since, Keep::new(k.stage, k.idle_since))
         };
         let idle_ms = now_ms() - i64::try_from(idle_since.elapsed().as_millis()).unwrap_or(0);
-        let hib_id = out
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
         let row = Snapshot {
             id: hib_id.clone(),
             kind: SnapshotKind::Hibernation,
@@ -439,6 +528,12 @@ impl Runtime {
             match (&dropped, &recorded) {
                 (Ok(files), Ok(())) => {
                     self.set_stage(&pool.name, &mut s.keep, Stage::Evicted);
+                    let (split, hib, keep) = (
+                        Arc::clone(&self.split),
+                        s.snapshot_id.clone(),
+                        st.info.snapshot_id.clone(),
+                    );
+                    tokio::task::spawn_blocking(move || split.drop_cached(&hib, Some(&keep)));
                     tracing::info!(instance = %id, files, snapshot = %dir.display(), "hibernated instance evicted from the page cache");
                 }
                 (_, Err(e)) | (Err(e), _) => {

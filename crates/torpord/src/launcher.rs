@@ -89,6 +89,12 @@ pub struct WorkerCommand<'a> {
     pub state_dir: &'a Path,
     pub workers_socket: &'a Path,
     pub python_dir: &'a Path,
+    /// The device-memory hook: the worker gets `TORPOR_HOOK_LIB`, so that `torpor.buffer()`
+    /// works.
+    pub hook: Option<&'a Path>,
+    /// Also preload the hook with `TORPOR_HOOK_CUDA=1` (a GPU worker on the split path), so
+    /// that its big `cudaMalloc`s become segments.
+    pub preload_hook: bool,
 }
 
 /// Launches a worker (blocking); returns the host pid of its init.
@@ -106,6 +112,16 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, String> {
     }
     if w.gpu {
         cmd.arg("--gpu");
+    }
+    // What the daemon's own environment says about the hook is not the worker's: without a
+    // hook here (`split = false`), the worker must not find one through inherited variables.
+    cmd.env_remove(crate::split::HOOK_LIB_ENV)
+        .env_remove("TORPOR_HOOK_CUDA");
+    if let Some(hook) = w.hook {
+        cmd.env(crate::split::HOOK_LIB_ENV, hook);
+        if w.preload_hook {
+            cmd.env("LD_PRELOAD", hook).env("TORPOR_HOOK_CUDA", "1");
+        }
     }
     let out = cmd
         .env(WORKER_SOCKET_ENV, w.workers_socket)

@@ -25,6 +25,7 @@ mod run;
 pub mod runtime;
 pub mod server;
 pub mod socket;
+pub mod split;
 pub mod state_dir;
 pub mod toml_table;
 pub mod workers;

@@ -96,6 +96,14 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Registers a collector of another module (the restore server's).
+    pub fn register(
+        &self,
+        c: Box<dyn prometheus::core::Collector>,
+    ) -> Result<(), prometheus::Error> {
+        self.registry.register(c)
+    }
+
     /// Creates and registers every metric.
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = prometheus::Registry::new();

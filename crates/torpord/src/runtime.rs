@@ -61,6 +61,8 @@ pub struct Runtime {
     pub(crate) starts: crate::accounting::Starts,
     /// Per function: how restores of its function snapshot have been failing.
     restore_health: Mutex<HashMap<String, RestoreHealth>>,
+    /// The split path: chunk store, restore server, caches (crate::split).
+    pub split: Arc<crate::split::Split>,
 }
 
 /// Failed restores of one function's snapshot in a row, and until when restores are skipped.
@@ -109,11 +111,18 @@ pub struct Instance {
     pub(crate) keep: Mutex<Keep>,
     /// Set while it is being hibernated: its reader then takes `quiet` and the EOF after it.
     pub(crate) hibernating: AtomicBool,
-    /// Told once `quiet` and the EOF after it have arrived.
-    pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<()>>>,
+    /// Told when `quiet` arrives while hibernating: the reader hands over the frame and the
+    /// connection's read half, and the hibernation reads the rest (segment fds, EOF).
+    pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<QuietHandOver>>>,
     /// A GPU release failed: it stays warm until it hibernates.
     pub(crate) gpu_release_failed: AtomicBool,
+    /// The shared read-only segment copies it maps (crate::split::server).
+    pub(crate) segments: Mutex<crate::split::server::Leases>,
 }
+
+/// The `quiet` frame of a hibernating instance and its connection's read half, handed from the
+/// instance's reader to the hibernation.
+pub(crate) type QuietHandOver = (Map<String, Value>, OwnedReadHalf);
 
 /// Keep-alive state of an instance (live or hibernated).
 #[derive(Debug)]
@@ -163,7 +172,7 @@ impl Instance {
 #[derive(Debug, Clone)]
 pub(crate) struct FnInfo {
     snapshot_dir: PathBuf,
-    snapshot_id: String,
+    pub(crate) snapshot_id: String,
     timeout: Duration,
     max_instances: usize,
     per_instance: usize,
@@ -324,12 +333,6 @@ impl Runtime {
         workers_socket: PathBuf,
     ) -> Self {
         Self {
-            config,
-            registry,
-            metrics,
-            hub: Arc::new(Hub::default()),
-            state_root,
-            workers_socket,
             python_dir: crate::launcher::python_dir(),
             deploy_lock: tokio::sync::Mutex::new(()),
             pools: Mutex::new(HashMap::new()),
@@ -338,6 +341,18 @@ impl Runtime {
             nvml: std::sync::OnceLock::new(),
             starts: crate::accounting::Starts::default(),
             restore_health: Mutex::new(HashMap::new()),
+            split: Arc::new(crate::split::Split::new(
+                &state_root,
+                config.split,
+                &config.restore_server,
+                &metrics,
+            )),
+            config,
+            registry,
+            metrics,
+            hub: Arc::new(Hub::default()),
+            state_root,
+            workers_socket,
         }
     }
 
@@ -1062,6 +1077,10 @@ impl Runtime {
     ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
         let t = Instant::now();
         let from = sleeper.map_or(&info.snapshot_dir, |s| &s.snapshot_dir);
+        // The restore server fills the segments of a split snapshot meanwhile.
+        let restoring = self
+            .split
+            .begin_restore(sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id));
         let (init, worker) = restore(from, &self.logs_dir(), new.log)
             .await
             .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
@@ -1089,6 +1108,19 @@ impl Runtime {
             ));
         }
         let reconnect_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let mut conn = conn;
+        let segments = match restoring.hand_over(&mut conn).await {
+            Ok(h) => h,
+            Err(e) => {
+                kill_tree(init);
+                return Err(format!(
+                    "an instance of {name:?} restored from {} did not get its segments: {e}",
+                    from.display()
+                ));
+            }
+        };
+        let segments_s = t.elapsed().as_secs_f64();
         let inst = self
             .adopt(
                 new.id.to_string(),
@@ -1101,16 +1133,17 @@ impl Runtime {
                 conn,
             )
             .await?;
+        *lock(&inst.segments) = segments.leases;
         tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
-        Ok((
-            inst,
-            vec![
-                ("restore".to_string(), restore_s),
-                ("reconnect".to_string(), reconnect_s),
-                ("start".to_string(), restore_s + reconnect_s),
-            ],
-            start::RESTORED,
-        ))
+        let mut timings = vec![
+            ("restore".to_string(), restore_s),
+            ("reconnect".to_string(), reconnect_s),
+        ];
+        if segments.segments > 0 {
+            timings.push(("segments".to_string(), segments_s));
+        }
+        timings.push(("start".to_string(), restore_s + reconnect_s + segments_s));
+        Ok((inst, timings, start::RESTORED))
     }
 
     /// Makes a connected worker an instance of the pool: records it, starts its reader.
@@ -1296,17 +1329,20 @@ impl Runtime {
 
     /// Hands each `result` to its request; anything else, or the end, removes the instance.
     async fn read_results(self: Arc<Self>, inst: Arc<Instance>, mut rd: OwnedReadHalf) {
-        let mut quiet = false;
         let why = loop {
             match frames::read(&mut rd).await {
                 Ok(Some(msg)) => {
                     let kind = msg.get("type").and_then(Value::as_str);
-                    if kind == Some("quiet") && inst.hibernating.load(Ordering::SeqCst) && !quiet {
-                        quiet = true;
-                        continue;
-                    }
-                    if quiet {
-                        break "it broke the protocol (sent a frame after quiet)".to_string();
+                    if kind == Some("quiet") && inst.hibernating.load(Ordering::SeqCst) {
+                        // The hibernation reads the rest: segment fds (split), then the EOF.
+                        let tx = lock(&inst.quiet_tx).take();
+                        match tx {
+                            Some(tx) => match tx.send((msg, rd)) {
+                                Ok(()) => return,
+                                Err(_) => break "its hibernation was given up".to_string(),
+                            },
+                            None => break "it sent quiet twice".to_string(),
+                        }
                     }
                     if kind == Some("started") {
                         let Some(id) = msg.get("id").and_then(Value::as_u64) else {
@@ -1339,14 +1375,6 @@ impl Runtime {
                             tracing::debug!(instance = %inst.id, id, "result for a request that was given up")
                         }
                     }
-                }
-                Ok(None) if quiet => {
-                    let tx = lock(&inst.quiet_tx).take();
-                    // Quiet and closed: the hibernation goes on with the snapshot.
-                    if tx.is_some_and(|tx| tx.send(()).is_ok()) {
-                        return;
-                    }
-                    break "it closed its connection after quiet".to_string();
                 }
                 Ok(None) => {
                     break "its connection closed (the worker exited or crashed)".to_string()
@@ -1390,6 +1418,7 @@ impl Runtime {
         // Dropping the senders fails every request still waiting on this instance.
         lock(&inst.pending).clear();
         lock(&inst.quiet_tx).take();
+        lock(&inst.segments).clear();
         if kill {
             kill_tree(inst.init_pid);
         }
@@ -1439,6 +1468,7 @@ fn new_instance(
         hibernating: AtomicBool::new(false),
         quiet_tx: Mutex::new(None),
         gpu_release_failed: AtomicBool::new(false),
+        segments: Mutex::new(Vec::new()),
     });
     (inst, conn.rd)
 }
@@ -1465,6 +1495,8 @@ pub(crate) fn remove_snapshot_dir(dir: &Path) {
             tracing::warn!(path = %dir.display(), error = %e, "cannot remove a hibernation snapshot");
         }
     }
+    // Its segments in the chunk store, if it is a split snapshot.
+    crate::split::release_snapshot_of_dir(dir);
 }
 
 fn fn_info(spec: &Value, snapshot_id: &str, dir: &Path, keepalive: &Keepalive) -> FnInfo {

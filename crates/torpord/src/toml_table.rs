@@ -91,6 +91,15 @@ impl Table {
         }
     }
 
+    /// A boolean.
+    pub fn boolean(&mut self, key: &str) -> Result<Option<bool>, KeyError> {
+        match self.entries.remove(key) {
+            None => Ok(None),
+            Some(toml::Value::Boolean(b)) => Ok(Some(b)),
+            Some(other) => Err(self.wrong(key, "true or false", &other)),
+        }
+    }
+
     /// An integer ≥ `min`.
     pub fn integer(&mut self, key: &str, min: i64) -> Result<Option<i64>, KeyError> {
         let expected = format!("an integer ≥ {min}");

@@ -106,9 +106,18 @@ impl WorkerConn {
         kind: &str,
         timeout: Duration,
     ) -> Result<Map<String, Value>, ConnError> {
-        let msg = tokio::time::timeout(timeout, self.recv())
-            .await
-            .map_err(|_| ConnError::Timeout(timeout.as_secs_f64()))??;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let msg = loop {
+            let msg = tokio::time::timeout_at(deadline, self.recv())
+                .await
+                .map_err(|_| ConnError::Timeout(timeout.as_secs_f64()))??;
+            // A worker announces each handler's start before its result (protocol 2); whoever
+            // waits here for the result has no use for it.
+            if kind == "result" && msg.get("type").and_then(Value::as_str) == Some("started") {
+                continue;
+            }
+            break msg;
+        };
         match msg.get("type").and_then(Value::as_str) {
             Some(t) if t == kind => Ok(msg),
             other => Err(ConnError::Protocol(format!(

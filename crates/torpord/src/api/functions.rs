@@ -153,7 +153,10 @@ fn remove_dirs(dirs: Vec<(PathBuf, bool)>) -> (Vec<PathBuf>, BTreeMap<PathBuf, S
             left.insert(dir, "outside the state directory; not removed".to_string());
             continue;
         }
-        match std::fs::remove_dir_all(&dir) {
+        let removed_now = std::fs::remove_dir_all(&dir);
+        // A split snapshot's segments: released in the chunk store, then GC.
+        crate::split::release_snapshot_of_dir(&dir);
+        match removed_now {
             Ok(()) => removed.push(dir),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => {

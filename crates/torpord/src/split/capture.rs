@@ -1,0 +1,258 @@
+//! Capture at a quiet point (docs/split.md): `quiesce {split: true}` → `quiet` listing the
+//! segments → one `segment_fd` frame per segment → the daemon imports each fd, copies the memory
+//! to the host and stores it in the chunk store (fixed 4 MiB chunks, BLAKE3) → the record
+//! (segments + their index) is committed under the snapshot id → `release` → `released` → the
+//! worker closes and the transparent snapshot of the now-small process follows.
+//!
+//! **Read-only segments.** A segment is read-only when
+//! - the worker says so (`readonly` in `quiet`): declared read-only data the worker sealed
+//!   (`torpor.load(name, buffer=True)`), read-only by declaration; or
+//! - at deploy, its hash is the same before and after a warm-up request: the daemon takes the
+//!   segments' hashes at a first split quiet right after `ready` (setup and the harness's own
+//!   warm-up done), lets the worker `resume`, sends the spec's warm-up request once more, and
+//!   captures; a segment the request did not change is taken as read-only. A spec without a
+//!   warm-up request gets no such probe: only declared data is read-only;
+//! - at hibernation, it was read-only in the function snapshot and its hash is unchanged.
+//!
+//! A segment taken as read-only is mapped read-only into every instance, so a function that
+//! writes to it after all faults (host) or gets a CUDA error (GPU): the warm-up request must
+//! exercise the function's writes.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+
+use serde_json::{json, Map, Value};
+use torpor_image::store::Recipe;
+
+use crate::split::index::{self, SegmentEntry, SegmentIndex, INDEX_FORMAT, INDEX_RECIPE};
+use crate::split::{fds, lock, Split};
+use crate::workers::{ConnError, WorkerConn};
+use tokio::net::unix::OwnedReadHalf;
+
+/// A segment as `quiet` lists it, with the fd that came for it.
+#[derive(Debug)]
+pub struct Listed {
+    pub va: u64,
+    pub size: u64,
+    pub backend: String,
+    pub ordinal: i32,
+    pub order: u64,
+    pub first_use: Option<u64>,
+    /// The worker sealed it (declared read-only data).
+    pub sealed: bool,
+    pub fd: OwnedFd,
+}
+
+/// What a capture stored.
+#[derive(Debug, Clone)]
+pub struct Captured {
+    pub segments: Vec<SegmentEntry>,
+    /// Bytes of all segments.
+    pub bytes: u64,
+    /// Bytes written to the store (not there already).
+    pub new_bytes: u64,
+}
+
+fn protocol(what: impl Into<String>) -> ConnError {
+    ConnError::Protocol(what.into())
+}
+
+/// Sends `quiesce {split: true}` and reads `quiet` and the segments' fds.
+pub async fn quiesce(
+    conn: &mut WorkerConn,
+) -> Result<(Map<String, Value>, Vec<Listed>), ConnError> {
+    conn.send(&json!({"type": "quiesce", "split": true}))
+        .await?;
+    let quiet = match fds::read_with_fd(&mut conn.rd).await? {
+        None => return Err(ConnError::Closed),
+        Some((m, None)) if m.get("type").and_then(Value::as_str) == Some("quiet") => m,
+        Some((m, _)) => {
+            return Err(protocol(format!(
+                "expected quiet after quiesce, got {}",
+                m.get("type").unwrap_or(&Value::Null)
+            )))
+        }
+    };
+    let listed = segment_fds(&mut conn.rd, &quiet).await?;
+    Ok((quiet, listed))
+}
+
+/// Reads the `segment_fd` frames that follow a split `quiet`.
+pub async fn segment_fds(
+    rd: &mut OwnedReadHalf,
+    quiet: &Map<String, Value>,
+) -> Result<Vec<Listed>, ConnError> {
+    let Some(segments) = quiet.get("segments").and_then(Value::as_array) else {
+        return Err(protocol(
+            "a split quiet without a segments list; the worker's harness is older than this torpord",
+        ));
+    };
+    let mut out = Vec::with_capacity(segments.len());
+    for s in segments {
+        let int = |k: &str| s.get(k).and_then(Value::as_u64);
+        let (Some(va), Some(size), Some(order)) = (int("va"), int("size"), int("order")) else {
+            return Err(protocol(format!(
+                "a segment in quiet lacks va, size or order: {s}"
+            )));
+        };
+        let backend = s
+            .get("backend")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        let frame = fds::read_with_fd(rd).await?.ok_or(ConnError::Closed)?;
+        let (m, fd) = frame;
+        if m.get("type").and_then(Value::as_str) != Some("segment_fd")
+            || m.get("va").and_then(Value::as_u64) != Some(va)
+        {
+            return Err(protocol(format!(
+                "expected segment_fd for {va:#x}, got {}",
+                Value::Object(m)
+            )));
+        }
+        let Some(fd) = fd else {
+            return Err(protocol(format!(
+                "segment_fd for {va:#x} came without an fd (SCM_RIGHTS on its first byte)"
+            )));
+        };
+        out.push(Listed {
+            va,
+            size,
+            backend,
+            ordinal: s
+                .get("ordinal")
+                .and_then(Value::as_i64)
+                .and_then(|o| i32::try_from(o).ok())
+                .unwrap_or(0),
+            order,
+            first_use: int("first_use"),
+            sealed: s.get("readonly").and_then(Value::as_bool).unwrap_or(false),
+            fd,
+        });
+    }
+    Ok(out)
+}
+
+/// The BLAKE3 hash of every listed segment's contents, by VA (blocking: copies every segment).
+pub fn hash_all(split: &Split, listed: &[Listed]) -> Result<HashMap<u64, String>, String> {
+    let mut out = HashMap::new();
+    for l in listed {
+        let dev = split.device(&l.backend, l.ordinal)?;
+        // Pageable memory: this copy is thrown away, and pinning costs more than staging.
+        let mut buf = vec![0u8; l.size as usize];
+        let fd =
+            l.fd.try_clone()
+                .map_err(|e| format!("dup of a segment fd: {e}"))?;
+        dev.read_fd(fd, &mut buf)
+            .map_err(|e| format!("reading the segment at {:#x}: {e}", l.va))?;
+        let hash = blake3::Hasher::new().update_rayon(&buf).finalize();
+        out.insert(l.va, hash.to_hex().to_string());
+    }
+    Ok(out)
+}
+
+/// Copies every listed segment into the chunk store and commits them, with their index, as the
+/// record of `snapshot_id` (blocking). `readonly` decides, from a segment and its hash, whether
+/// (and why) it is read-only. Each segment's bytes also go into the host cache, so the first
+/// restore after a deploy does not read the store.
+pub fn store_all(
+    split: &Split,
+    snapshot_id: &str,
+    listed: Vec<Listed>,
+    readonly: impl Fn(&Listed, &str) -> Option<&'static str>,
+) -> Result<Captured, String> {
+    let store = split.store()?;
+    let mut writer = store.writer().map_err(|e| e.to_string())?;
+    let mut recipes: Vec<Recipe> = Vec::with_capacity(listed.len() + 1);
+    let mut entries = Vec::with_capacity(listed.len());
+    let mut bytes = 0;
+    for l in listed {
+        let dev = split.device(&l.backend, l.ordinal)?;
+        let mut buf = dev
+            .host_buffer(l.size as usize)
+            .map_err(|e| e.to_string())?;
+        dev.read_fd(l.fd.try_clone().map_err(|e| e.to_string())?, &mut buf)
+            .map_err(|e| format!("reading the segment at {:#x}: {e}", l.va))?;
+        let name = index::recipe_name(l.va);
+        let recipe = writer
+            .put_bytes(&name, &buf)
+            .map_err(|e| format!("storing the segment at {:#x}: {e}", l.va))?;
+        let why = readonly(&l, &recipe.blake3);
+        let entry = SegmentEntry {
+            va: l.va,
+            size: l.size,
+            backend: l.backend.clone(),
+            ordinal: if l.backend == "host" { -1 } else { l.ordinal },
+            order: l.order,
+            first_use: l.first_use,
+            readonly: why.is_some(),
+            readonly_why: why.unwrap_or("").to_string(),
+            recipe: name,
+            blake3: recipe.blake3.clone(),
+        };
+        bytes += l.size;
+        let inserted = lock(&split.host_cache).insert(
+            &entry.blake3,
+            std::sync::Arc::new(std::sync::Mutex::new(buf)),
+            l.size,
+        );
+        if inserted.is_none() {
+            tracing::debug!(
+                va = l.va,
+                size = l.size,
+                "segment larger than the host cache"
+            );
+        }
+        entries.push(entry);
+        recipes.push(recipe);
+    }
+    split.update_cache_gauges();
+    let idx = SegmentIndex {
+        format: INDEX_FORMAT,
+        segments: entries.clone(),
+    };
+    let json = serde_json::to_vec(&idx).map_err(|e| e.to_string())?;
+    let idx_recipe = writer
+        .put_bytes(INDEX_RECIPE, &json)
+        .map_err(|e| format!("storing the segments index: {e}"))?;
+    recipes.insert(0, idx_recipe);
+    let new_bytes = writer.stats().new_raw_bytes;
+    writer
+        .commit(snapshot_id, &recipes)
+        .map_err(|e| format!("committing the segments of {snapshot_id}: {e}"))?;
+    Ok(Captured {
+        segments: entries,
+        bytes,
+        new_bytes,
+    })
+}
+
+/// Sends `release` and reads `released`; returns the bytes the worker released.
+pub async fn release(
+    conn: &mut WorkerConn,
+    timeout: std::time::Duration,
+) -> Result<u64, ConnError> {
+    conn.send(&json!({"type": "release"})).await?;
+    let msg = conn.expect("released", timeout).await?;
+    Ok(msg.get("bytes").and_then(Value::as_u64).unwrap_or(0))
+}
+
+/// As [`release`], on the halves of an instance's connection (hibernation).
+pub async fn release_halves(
+    wr: &mut tokio::net::unix::OwnedWriteHalf,
+    rd: &mut OwnedReadHalf,
+    timeout: std::time::Duration,
+) -> Result<u64, ConnError> {
+    crate::workers::send(wr, &json!({"type": "release"})).await?;
+    let msg = tokio::time::timeout(timeout, crate::frames::read(rd))
+        .await
+        .map_err(|_| ConnError::Timeout(timeout.as_secs_f64()))??
+        .ok_or(ConnError::Closed)?;
+    if msg.get("type").and_then(Value::as_str) != Some("released") {
+        return Err(protocol(format!(
+            "expected released, got {}",
+            msg.get("type").unwrap_or(&Value::Null)
+        )));
+    }
+    Ok(msg.get("bytes").and_then(Value::as_u64).unwrap_or(0))
+}

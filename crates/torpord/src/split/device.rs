@@ -1,0 +1,202 @@
+//! The daemon's side of a segment's memory, over either backend of `torpor-device`: read the
+//! memory behind a worker's fd (capture), make new exportable memory filled from host bytes or
+//! from other device memory (restore), and export it for a `map` frame.
+//!
+//! The daemon maps each piece of memory only for the length of one copy, into addresses it
+//! reserves and frees around it, so it never holds a segment's addresses longer than needed.
+
+use std::any::Any;
+use std::ops::DerefMut;
+use std::os::fd::OwnedFd;
+
+use torpor_device::{Access, Device, DeviceError};
+
+/// Memory of one backend, type-erased so that caches and shared copies can hold either.
+pub type Memory = Box<dyn Any + Send + Sync>;
+
+/// Host memory the device copies from and to fastest (pinned on cuda).
+pub type HostBuffer = Box<dyn DerefMut<Target = [u8]> + Send>;
+
+/// One device as the restore server and the capture use it.
+pub trait SegmentDevice: Send + Sync {
+    /// `"host"` or `"cuda"`.
+    fn backend(&self) -> &'static str;
+
+    /// `len` bytes of host memory for copies.
+    fn host_buffer(&self, len: usize) -> Result<HostBuffer, DeviceError>;
+
+    /// Copies the memory behind `fd` (a worker's exported segment of `out.len()` bytes) into
+    /// `out`.
+    fn read_fd(&self, fd: OwnedFd, out: &mut [u8]) -> Result<(), DeviceError>;
+
+    /// New exportable memory holding `src`; sealed read-only for sharing when `seal`.
+    fn fill_from_bytes(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError>;
+
+    /// New exportable memory holding a copy of `src` (device to device); sealed when `seal`.
+    fn fill_from_memory(
+        &self,
+        src: &Memory,
+        size: usize,
+        seal: bool,
+    ) -> Result<Memory, DeviceError>;
+
+    /// A new fd for `memory`, for a `map` frame.
+    fn export(&self, memory: &Memory) -> Result<OwnedFd, DeviceError>;
+}
+
+/// [`SegmentDevice`] over a `torpor-device` backend.
+pub struct Backend<D>(pub D);
+
+/// Addresses reserved for one copy; given back on drop (after the mapping is gone).
+struct Window<'a, D: Device> {
+    device: &'a D,
+    at: u64,
+    len: usize,
+    mapped: bool,
+}
+
+impl<'a, D: Device> Window<'a, D> {
+    fn map(
+        device: &'a D,
+        memory: &D::Memory,
+        len: usize,
+        access: Access,
+    ) -> Result<Self, DeviceError> {
+        let at = device.reserve(len, None)?;
+        let mut w = Window {
+            device,
+            at,
+            len,
+            mapped: false,
+        };
+        device.map(memory, at, access)?;
+        w.mapped = true;
+        Ok(w)
+    }
+}
+
+impl<D: Device> Drop for Window<'_, D> {
+    fn drop(&mut self) {
+        if self.mapped {
+            let _ = self.device.unmap(self.at, self.len);
+        }
+        let _ = self.device.free_reservation(self.at, self.len);
+    }
+}
+
+impl<D: Device> Backend<D>
+where
+    D::Memory: 'static,
+{
+    fn memory<'m>(&self, m: &'m Memory) -> &'m D::Memory {
+        m.downcast_ref::<D::Memory>()
+            .expect("memory of one backend is only handed to that backend")
+    }
+}
+
+impl<D: Device> SegmentDevice for Backend<D>
+where
+    D::Memory: 'static,
+    D::HostBuffer: 'static,
+{
+    fn backend(&self) -> &'static str {
+        self.0.backend()
+    }
+
+    fn host_buffer(&self, len: usize) -> Result<HostBuffer, DeviceError> {
+        Ok(Box::new(self.0.host_buffer(len)?))
+    }
+
+    fn read_fd(&self, fd: OwnedFd, out: &mut [u8]) -> Result<(), DeviceError> {
+        let memory = self.0.import(fd, out.len())?;
+        let w = Window::map(&self.0, &memory, out.len(), Access::ReadOnly)?;
+        self.0.copy_to_host(w.at, out)
+    }
+
+    fn fill_from_bytes(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError> {
+        let memory = self.0.create(src.len())?;
+        {
+            let w = Window::map(&self.0, &memory, src.len(), Access::ReadWrite)?;
+            self.0.copy_to_device(w.at, src)?;
+        }
+        if seal {
+            self.0.seal_read_only(&memory)?;
+        }
+        Ok(Box::new(memory))
+    }
+
+    fn fill_from_memory(
+        &self,
+        src: &Memory,
+        size: usize,
+        seal: bool,
+    ) -> Result<Memory, DeviceError> {
+        let src = self.memory(src);
+        let memory = self.0.create(size)?;
+        {
+            let from = Window::map(&self.0, src, size, Access::ReadOnly)?;
+            let to = Window::map(&self.0, &memory, size, Access::ReadWrite)?;
+            self.0.copy_within_device(from.at, to.at, size)?;
+        }
+        if seal {
+            self.0.seal_read_only(&memory)?;
+        }
+        Ok(Box::new(memory))
+    }
+
+    fn export(&self, memory: &Memory) -> Result<OwnedFd, DeviceError> {
+        self.0.export(self.memory(memory))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use torpor_device::host::HostDevice;
+
+    #[test]
+    fn bytes_go_through_memory_and_back() {
+        let dev = Backend(HostDevice::new());
+        let page = 4096;
+        let data: Vec<u8> = (0..3 * page).map(|i| (i % 251) as u8).collect();
+        let m = dev.fill_from_bytes(&data, false).unwrap();
+        let copy = dev.fill_from_memory(&m, data.len(), true).unwrap();
+        let mut out = vec![0u8; data.len()];
+        dev.read_fd(dev.export(&copy).unwrap(), &mut out).unwrap();
+        assert_eq!(out, data);
+        // A sealed copy cannot be the source of a writable mapping anywhere.
+        let sealed = copy
+            .downcast_ref::<torpor_device::host::HostMemory>()
+            .unwrap();
+        assert!(torpor_device::PhysicalMemory::is_sealed(sealed));
+    }
+
+    /// The cuda backend's path (import, map read-only, device→host through pinned staging on
+    /// several streams; create, host→device; device→device) on the fake driver built with its
+    /// VMM calls, whose device memory is memfd memory: the same code the GPU machine runs.
+    #[test]
+    fn the_cuda_backend_copies_through_the_fake_driver() {
+        use torpor_cuda::fakes::{self, Fake};
+        use torpor_device::cuda::{CopyConfig, CudaDevice};
+        let dir = tempfile::tempdir().unwrap();
+        let lib = fakes::build(Fake::CudaWithVmm, dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        let driver = torpor_cuda::CudaDriver::load_from(lib).unwrap();
+        let config = CopyConfig {
+            chunk: 64 << 10,
+            ..CopyConfig::default()
+        };
+        let cuda = CudaDevice::open_with(driver, 0, config).unwrap();
+        let granule = torpor_device::Device::granularity(&cuda);
+        let dev = Backend(cuda);
+        assert_eq!(dev.backend(), "cuda");
+        let data: Vec<u8> = (0..2 * granule).map(|i| (i % 253) as u8).collect();
+        let m = dev.fill_from_bytes(&data, false).unwrap();
+        let copy = dev.fill_from_memory(&m, data.len(), true).unwrap();
+        let mut out = dev.host_buffer(data.len()).unwrap();
+        dev.read_fd(dev.export(&copy).unwrap(), &mut out).unwrap();
+        assert!(
+            out[..] == data[..],
+            "the bytes changed on their way through device memory"
+        );
+    }
+}

@@ -1,0 +1,173 @@
+//! The segments index of a split snapshot: where each segment lives in the worker (VA, size,
+//! backend, GPU), in which order to fill it, whether it is read-only (and why), and which
+//! recipe of the chunk store holds its bytes.
+//!
+//! **Where it lives, and why there.** The index is stored in the chunk store itself, as the
+//! recipe `segments.json` of the snapshot's record (`<state>/chunks/refs/<snapshot id>.json`),
+//! beside one recipe per segment (`segment-<va in hex>`). So it is covered by the same integrity
+//! as the segments: every chunk is checked against its BLAKE3 id when read, the whole index
+//! against its recipe's hash, and each segment entry names its recipe's hash, which must match
+//! the record's (a mismatch is refused). Putting it in the snapshot directory instead would have
+//! needed a change to the snapshot writer (the manifest refuses unlisted files); the record is
+//! written in one rename, so the index and the references it describes appear together.
+
+use serde::{Deserialize, Serialize};
+use torpor_image::store::{ChunkStore, Recipe, StoreError};
+
+/// The recipe name of the index in a snapshot's record.
+pub const INDEX_RECIPE: &str = "segments.json";
+/// Layout version of the index.
+pub const INDEX_FORMAT: u32 = 1;
+
+/// One segment of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentEntry {
+    pub va: u64,
+    pub size: u64,
+    /// `host` or `cuda`.
+    pub backend: String,
+    /// The GPU's CUDA ordinal (-1 for host).
+    pub ordinal: i32,
+    /// Creation order in the worker.
+    pub order: u64,
+    /// Place in first-use order (recorded during the warm-up); `None`: not marked.
+    pub first_use: Option<u64>,
+    /// Mapped read-only, one physical copy shared by every instance.
+    pub readonly: bool,
+    /// Why it is read-only: `declared` (sealed by the worker: read-only declared data) or
+    /// `unchanged` (same hash before and after the warm-up); empty when writable.
+    pub readonly_why: String,
+    /// Its recipe in the snapshot's record, and that recipe's BLAKE3 hash.
+    pub recipe: String,
+    pub blake3: String,
+}
+
+/// The index as stored.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SegmentIndex {
+    pub format: u32,
+    pub segments: Vec<SegmentEntry>,
+}
+
+/// A segment with its recipe, ready to fill.
+pub type Planned = (SegmentEntry, Recipe);
+
+/// The recipe name of the segment at `va`.
+pub fn recipe_name(va: u64) -> String {
+    format!("segment-{va:x}")
+}
+
+/// The order the restore server fills segments in: those the warm-up marked, in first-use
+/// order, then the rest in creation order.
+pub fn fill_order(planned: &mut [Planned]) {
+    planned.sort_by_key(|(e, _)| (e.first_use.is_none(), e.first_use.unwrap_or(0), e.order));
+}
+
+/// The segments of snapshot `id`, in fill order, or `None` when it is not a split snapshot (the
+/// store has no record of it, or the record has no index).
+pub fn load(store: &ChunkStore, id: &str) -> Result<Option<Vec<Planned>>, String> {
+    let recipes = match store.recipes(id) {
+        Ok(r) => r,
+        Err(StoreError::UnknownSnapshot { .. }) => return Ok(None),
+        Err(e) => return Err(format!("cannot read the segments of snapshot {id}: {e}")),
+    };
+    let Some(index_recipe) = recipes.iter().find(|r| r.name == INDEX_RECIPE) else {
+        return Ok(None);
+    };
+    let mut bytes = vec![0u8; index_recipe.size as usize];
+    store.read_into(index_recipe, &mut bytes).map_err(|e| {
+        format!("the segments index of snapshot {id} is damaged: {e}; deploy the function again")
+    })?;
+    let index: SegmentIndex = serde_json::from_slice(&bytes).map_err(|e| {
+        format!("the segments index of snapshot {id} is not valid: {e}; deploy the function again")
+    })?;
+    if index.format != INDEX_FORMAT {
+        return Err(format!(
+            "the segments index of snapshot {id} has format {}, this torpord reads {INDEX_FORMAT}: deploy the function again",
+            index.format
+        ));
+    }
+    let mut planned = Vec::with_capacity(index.segments.len());
+    for entry in index.segments {
+        let Some(recipe) = recipes.iter().find(|r| r.name == entry.recipe) else {
+            return Err(format!(
+                "snapshot {id}'s segments index names {} but its record holds no such recipe: deploy the function again",
+                entry.recipe
+            ));
+        };
+        if recipe.blake3 != entry.blake3 || recipe.size != entry.size {
+            return Err(format!(
+                "snapshot {id}'s segment at {:#x} does not match its record (hash or size): the \
+                 store was altered; deploy the function again",
+                entry.va
+            ));
+        }
+        planned.push((entry, recipe.clone()));
+    }
+    fill_order(&mut planned);
+    Ok(Some(planned))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(va: u64, order: u64, first_use: Option<u64>) -> Planned {
+        (
+            SegmentEntry {
+                va,
+                size: 4096,
+                backend: "host".into(),
+                ordinal: -1,
+                order,
+                first_use,
+                readonly: false,
+                readonly_why: String::new(),
+                recipe: recipe_name(va),
+                blake3: String::new(),
+            },
+            Recipe {
+                name: recipe_name(va),
+                size: 0,
+                blake3: String::new(),
+                chunks: vec![],
+            },
+        )
+    }
+
+    #[test]
+    fn marked_segments_fill_first_in_first_use_order_then_creation_order() {
+        let mut p = vec![
+            entry(1, 0, None),
+            entry(2, 1, Some(1)),
+            entry(3, 2, Some(0)),
+            entry(4, 3, None),
+        ];
+        fill_order(&mut p);
+        let vas: Vec<u64> = p.iter().map(|(e, _)| e.va).collect();
+        assert_eq!(vas, vec![3, 2, 1, 4]);
+    }
+
+    #[test]
+    fn a_tampered_index_is_refused_and_a_plain_snapshot_has_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(&dir.path().join("chunks")).unwrap();
+        assert_eq!(load(&store, "fn-x-1").unwrap(), None);
+        let data = vec![7u8; 8192];
+        let mut w = store.writer().unwrap();
+        let seg = w.put_bytes(&recipe_name(0x1000), &data).unwrap();
+        let mut e = entry(0x1000, 0, Some(0)).0;
+        e.size = 8192;
+        e.blake3 = "0".repeat(64);
+        let index = SegmentIndex {
+            format: INDEX_FORMAT,
+            segments: vec![e],
+        };
+        let idx = w
+            .put_bytes(INDEX_RECIPE, &serde_json::to_vec(&index).unwrap())
+            .unwrap();
+        w.commit("fn-x-2", &[idx, seg]).unwrap();
+        let err = load(&store, "fn-x-2").unwrap_err();
+        assert!(err.contains("does not match its record"), "{err}");
+    }
+}

@@ -1,0 +1,351 @@
+//! The split snapshot path on the daemon's side (docs/split.md): **capture** takes a quiet
+//! worker's segments into the chunk store before the transparent snapshot of what remains, and
+//! the **restore server** gives each restored instance its segments back, in first-use order,
+//! while CRIU restores the rest.
+//!
+//! | module | idea |
+//! |---|---|
+//! | [`fds`] | frames carrying an fd (`SCM_RIGHTS`) on a worker connection |
+//! | [`device`] | a segment's memory on either backend, as the daemon copies it |
+//! | [`index`] | the segments index of a snapshot, kept in the chunk store |
+//! | [`capture`] | quiesce with `split`, hash, store, release |
+//! | [`cache`] | the byte-bounded LRU of the host and GPU caches |
+//! | [`server`] | filling segments for a restore; shared read-only copies |
+//!
+//! The chunk store is `<state>/chunks`; a snapshot's record there is named by the snapshot id,
+//! and is released (then GC runs) whenever the daemon removes the snapshot's directory
+//! ([`release_snapshot_of_dir`]).
+
+pub mod cache;
+pub mod capture;
+pub mod device;
+pub mod fds;
+pub mod index;
+pub mod server;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts};
+use torpor_image::store::{ChunkStore, StoreError};
+
+use crate::config::RestoreServer;
+use cache::Lru;
+use device::{Backend, HostBuffer, Memory, SegmentDevice};
+use index::Planned;
+use server::SharedCopy;
+
+/// The chunk store's directory under the state directory.
+pub const STORE_DIR: &str = "chunks";
+/// The environment variable naming the hook library (for the daemon and its workers alike).
+pub const HOOK_LIB_ENV: &str = "TORPOR_HOOK_LIB";
+/// The hook library's file name, looked for beside the daemon's executable.
+pub const HOOK_LIB_FILE: &str = "libtorpor_hook.so";
+
+/// The restore server's metrics.
+#[derive(Clone)]
+pub struct SplitMetrics {
+    /// `torpor_restore_cache_bytes{cache}`: bytes held by the host and the GPU cache.
+    pub cache_bytes: IntGaugeVec,
+    /// `torpor_restore_cache_requests_total{cache, result}`: hits and misses.
+    pub cache_requests: IntCounterVec,
+    /// `torpor_restore_fill_gbps{source}`: fill bandwidth of each segment, GB/s.
+    pub fill_gbps: HistogramVec,
+    /// `torpor_restore_shared_bytes`: bytes of resident shared read-only copies.
+    pub shared_bytes: IntGauge,
+}
+
+impl SplitMetrics {
+    /// Creates the metrics and registers them with `metrics` (a failure to register is logged:
+    /// the restore server works without its metrics).
+    pub fn new(metrics: &crate::metrics::Metrics) -> Self {
+        let m = Self::create().expect("the restore server's metric names and labels are valid");
+        for c in [
+            Box::new(m.cache_bytes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.cache_requests.clone()),
+            Box::new(m.fill_gbps.clone()),
+            Box::new(m.shared_bytes.clone()),
+        ] {
+            if let Err(e) = metrics.register(c) {
+                tracing::warn!(error = %e, "cannot register a restore server metric");
+            }
+        }
+        for cache in ["host", "gpu"] {
+            m.cache_bytes.with_label_values(&[cache]).set(0);
+            for result in ["hit", "miss"] {
+                m.cache_requests.with_label_values(&[cache, result]);
+            }
+        }
+        m
+    }
+
+    fn create() -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            cache_bytes: IntGaugeVec::new(
+                Opts::new(
+                    "torpor_restore_cache_bytes",
+                    "Bytes held by the restore server's caches (host, gpu).",
+                ),
+                &["cache"],
+            )?,
+            cache_requests: IntCounterVec::new(
+                Opts::new(
+                    "torpor_restore_cache_requests_total",
+                    "Restore server cache look-ups, by cache and result (hit, miss).",
+                ),
+                &["cache", "result"],
+            )?,
+            fill_gbps: HistogramVec::new(
+                HistogramOpts::new(
+                    "torpor_restore_fill_gbps",
+                    "Fill bandwidth of each restored segment in GB/s, by source (shared, gpu, host, store).",
+                )
+                .buckets(vec![0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 200.0]),
+                &["source"],
+            )?,
+            shared_bytes: IntGauge::new(
+                "torpor_restore_shared_bytes",
+                "Bytes of shared read-only segment copies resident for live instances.",
+            )?,
+        })
+    }
+}
+
+/// The daemon's split-path state: the store, the devices, the caches and the shared copies.
+pub struct Split {
+    /// Split snapshots for functions deployed from now on (config `split`, and the hook found).
+    pub enabled: bool,
+    /// The hook library workers are started with, if found.
+    pub hook_lib: Option<PathBuf>,
+    store_root: PathBuf,
+    store: OnceLock<Result<ChunkStore, String>>,
+    host: OnceLock<Arc<dyn SegmentDevice>>,
+    cuda: Mutex<HashMap<i32, Arc<dyn SegmentDevice>>>,
+    pub(crate) host_cache: Mutex<Lru<Mutex<HostBuffer>>>,
+    pub(crate) gpu_cache: Mutex<Lru<Memory>>,
+    pub(crate) shared: Mutex<HashMap<String, Weak<SharedCopy>>>,
+    /// Segment plans of snapshots, loaded once (snapshot ids are never reused).
+    plans: Mutex<HashMap<String, Option<Arc<Vec<Planned>>>>>,
+    pub metrics: SplitMetrics,
+}
+
+impl std::fmt::Debug for Split {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Split")
+            .field("enabled", &self.enabled)
+            .field("hook_lib", &self.hook_lib)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The hook library: `$TORPOR_HOOK_LIB`, else `libtorpor_hook.so` beside the executable.
+pub fn find_hook_lib() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os(HOOK_LIB_ENV).filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(std::path::absolute(&p).unwrap_or(p))
+        } else {
+            Err(format!(
+                "${HOOK_LIB_ENV}={} is not a file: point it at libtorpor_hook.so",
+                p.display()
+            ))
+        };
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let exe = exe.canonicalize().unwrap_or(exe);
+    let beside = exe.with_file_name(HOOK_LIB_FILE);
+    if beside.is_file() {
+        return Ok(beside);
+    }
+    Err(format!(
+        "no {HOOK_LIB_FILE} beside {} and ${HOOK_LIB_ENV} is not set: build it (cargo build \
+         --workspace) or set ${HOOK_LIB_ENV}",
+        exe.display()
+    ))
+}
+
+impl Split {
+    pub fn new(
+        state_root: &Path,
+        wanted: bool,
+        limits: &RestoreServer,
+        metrics: &crate::metrics::Metrics,
+    ) -> Self {
+        let hook_lib = match find_hook_lib() {
+            Ok(p) => Some(p),
+            Err(e) => {
+                if wanted {
+                    tracing::warn!("split snapshots are off: {e}");
+                }
+                None
+            }
+        };
+        Self {
+            enabled: wanted && hook_lib.is_some(),
+            hook_lib,
+            store_root: state_root.join(STORE_DIR),
+            store: OnceLock::new(),
+            host: OnceLock::new(),
+            cuda: Mutex::new(HashMap::new()),
+            host_cache: Mutex::new(Lru::new(limits.host_cache_bytes)),
+            gpu_cache: Mutex::new(Lru::new(limits.gpu_cache_bytes)),
+            shared: Mutex::new(HashMap::new()),
+            plans: Mutex::new(HashMap::new()),
+            metrics: SplitMetrics::new(metrics),
+        }
+    }
+
+    /// How workers get the hook: (the library, preloaded). With split on, every worker gets the
+    /// library (`torpor.buffer()`), and a GPU worker has it preloaded with `TORPOR_HOOK_CUDA=1`.
+    /// With `split = false` no worker gets it: the transparent path as before, where
+    /// `torpor.buffer()` raises an error naming `TORPOR_HOOK_LIB` (CRIU cannot restore the sealed
+    /// memfds of read-only buffers).
+    pub fn worker_hook(&self, gpu: bool) -> (Option<PathBuf>, bool) {
+        if !self.enabled {
+            return (None, false);
+        }
+        (self.hook_lib.clone(), gpu)
+    }
+
+    /// The part of a base key that says how the base's workers got the hook: a base booted
+    /// otherwise is never restored for this daemon's deploys.
+    pub fn base_key_suffix(&self, gpu: bool) -> &'static str {
+        match self.worker_hook(gpu) {
+            (None, _) => "",
+            (Some(_), false) => "|hook",
+            (Some(_), true) => "|hook+cuda",
+        }
+    }
+
+    /// The chunk store (opened, and created, on first use).
+    pub fn store(&self) -> Result<ChunkStore, String> {
+        self.store
+            .get_or_init(|| ChunkStore::open(&self.store_root).map_err(|e| e.to_string()))
+            .clone()
+    }
+
+    /// The device of `backend` (and GPU `ordinal` for cuda), opened on first use.
+    pub fn device(&self, backend: &str, ordinal: i32) -> Result<Arc<dyn SegmentDevice>, String> {
+        match backend {
+            "host" => Ok(Arc::clone(self.host.get_or_init(|| {
+                Arc::new(Backend(torpor_device::host::HostDevice::new()))
+            }))),
+            "cuda" => {
+                let mut cuda = lock(&self.cuda);
+                if let Some(d) = cuda.get(&ordinal) {
+                    return Ok(Arc::clone(d));
+                }
+                let d: Arc<dyn SegmentDevice> = Arc::new(Backend(
+                    torpor_device::cuda::CudaDevice::open(ordinal).map_err(|e| {
+                        format!("cannot open GPU {ordinal} for the split path: {e}")
+                    })?,
+                ));
+                cuda.insert(ordinal, Arc::clone(&d));
+                Ok(d)
+            }
+            other => Err(format!(
+                "the worker reported a segment of backend {other:?}; this torpord knows host and cuda"
+            )),
+        }
+    }
+
+    /// The segments of snapshot `id` in fill order; `None` for a transparent snapshot.
+    pub fn plan(&self, id: &str) -> Result<Option<Arc<Vec<Planned>>>, String> {
+        if let Some(p) = lock(&self.plans).get(id) {
+            return Ok(p.clone());
+        }
+        if !self.store_root.is_dir() {
+            return Ok(None);
+        }
+        let plan = index::load(&self.store()?, id)?.map(Arc::new);
+        lock(&self.plans).insert(id.to_string(), plan.clone());
+        Ok(plan)
+    }
+
+    /// The evicted stage: drops the cached segments of snapshot `id` that snapshot `keep` (the
+    /// function snapshot, whose restores go on) does not also hold.
+    pub fn drop_cached(&self, id: &str, keep: Option<&str>) {
+        let Ok(Some(plan)) = self.plan(id) else {
+            return;
+        };
+        let kept: std::collections::HashSet<String> = keep
+            .and_then(|k| self.plan(k).ok().flatten())
+            .map(|p| p.iter().map(|(e, _)| e.blake3.clone()).collect())
+            .unwrap_or_default();
+        let mut dropped = 0u64;
+        for (e, _) in plan.iter().filter(|(e, _)| !kept.contains(&e.blake3)) {
+            if lock(&self.host_cache).remove(&e.blake3) {
+                dropped += e.size;
+            }
+            if lock(&self.gpu_cache).remove(&server::gpu_key(e)) {
+                dropped += e.size;
+            }
+        }
+        self.update_cache_gauges();
+        if dropped > 0 {
+            tracing::info!(
+                snapshot = id,
+                bytes = dropped,
+                "dropped an evicted snapshot's cached segments"
+            );
+        }
+    }
+
+    pub(crate) fn update_cache_gauges(&self) {
+        let host = lock(&self.host_cache).used();
+        let gpu = lock(&self.gpu_cache).used();
+        let set = |cache: &str, v: u64| {
+            self.metrics
+                .cache_bytes
+                .with_label_values(&[cache])
+                .set(i64::try_from(v).unwrap_or(i64::MAX));
+        };
+        set("host", host);
+        set("gpu", gpu);
+    }
+}
+
+/// Releases the chunk-store record of the snapshot in `dir` (`<state>/snapshots/<id>`), if it
+/// has one, and collects the chunks nothing references any more. Chunks other snapshots hold
+/// stay. Best effort: logged, never fails the removal of the snapshot.
+pub fn release_snapshot_of_dir(dir: &Path) {
+    let (Some(id), Some(parent)) = (dir.file_name().and_then(|n| n.to_str()), dir.parent()) else {
+        return;
+    };
+    if parent.file_name().and_then(|n| n.to_str()) != Some("snapshots") {
+        return;
+    }
+    let Some(state) = parent.parent() else {
+        return;
+    };
+    let root = state.join(STORE_DIR);
+    let Ok(store) = ChunkStore::open_existing(&root) else {
+        return;
+    };
+    match store.release(id) {
+        Ok(()) => {}
+        Err(StoreError::UnknownSnapshot { .. } | StoreError::InvalidSnapshotId { .. }) => return,
+        Err(e) => {
+            tracing::warn!(snapshot = id, error = %e, "cannot release the snapshot's segments in the chunk store");
+            return;
+        }
+    }
+    match store.try_gc() {
+        Ok(Some(r)) => {
+            tracing::info!(
+                snapshot = id,
+                deleted_chunks = r.deleted_chunks,
+                freed_bytes = r.freed_bytes,
+                "released a split snapshot's chunks"
+            );
+        }
+        // A writer is between its chunks and its commit: the next release collects.
+        Ok(None) => {}
+        Err(e) => tracing::warn!(error = %e, "chunk store GC failed"),
+    }
+}

@@ -1,0 +1,349 @@
+//! The restore server: while CRIU restores an instance of a split snapshot (on the blocking
+//! pool), it produces each segment's memory in fill order ([`super::index::fill_order`]), and
+//! once the worker said `hello {resumed}` hands each to it with a `map` frame carrying the fd,
+//! as soon as it is filled.
+//!
+//! Where a segment's memory comes from, first that applies:
+//! 1. **read-only**: the shared copy of its contents if one is resident (one physical copy
+//!    mapped read-only into every instance; a sealed memfd on the host), else a new shared copy
+//!    filled as below, then sealed and kept while an instance maps it;
+//! 2. the **GPU cache** (device memory; a device-to-device copy);
+//! 3. the **host cache** (host memory; on a hit the segment is hot and is also put in the GPU
+//!    cache);
+//! 4. the **chunk store** (every chunk verified), and the bytes then go into the host cache.
+//!
+//! Both caches are LRU and bounded by `[restore_server] host_cache_bytes` and
+//! `gpu_cache_bytes`. On the host backend the "GPU" cache holds memfd memory, so every path runs
+//! without a GPU.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::split::device::{Memory, SegmentDevice};
+use crate::split::index::{Planned, SegmentEntry};
+use crate::split::{fds, lock, Split};
+use crate::workers::WorkerConn;
+
+/// How long a restored worker has to map all its segments.
+pub const MAP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One physical copy of a read-only segment, mapped by every instance holding an `Arc` of it.
+pub struct SharedCopy {
+    memory: Memory,
+    bytes: u64,
+    gauge: prometheus::IntGauge,
+}
+
+impl std::fmt::Debug for SharedCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedCopy")
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Drop for SharedCopy {
+    fn drop(&mut self) {
+        self.gauge.sub(i64::try_from(self.bytes).unwrap_or(0));
+    }
+}
+
+/// A handle the daemon keeps on memory it handed to an instance, for the instance's life: the
+/// driver does not promise that exported device memory outlives every handle in the exporting
+/// process until the importer has mapped it, so the daemon never drops its handle first.
+#[derive(Debug)]
+pub enum Lease {
+    /// A shared read-only copy; it goes when the last instance holding it goes.
+    Shared(Arc<SharedCopy>),
+    /// The instance's own writable memory.
+    Own(OwnMemory),
+}
+
+/// Writable memory filled for one instance.
+pub struct OwnMemory {
+    /// Held, never read: dropping it releases the daemon's handle.
+    _memory: Memory,
+}
+
+impl std::fmt::Debug for OwnMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OwnMemory")
+    }
+}
+
+/// What an instance holds from the restore server.
+pub type Leases = Vec<Lease>;
+
+/// A filled segment, ready for its `map` frame.
+pub struct Filled {
+    pub va: u64,
+    pub size: u64,
+    pub readonly: bool,
+    pub fd: OwnedFd,
+    pub lease: Lease,
+}
+
+/// The GPU cache's key of a segment: its device and its contents.
+pub fn gpu_key(e: &SegmentEntry) -> String {
+    format!("{}{}:{}", e.backend, e.ordinal, e.blake3)
+}
+
+enum Event {
+    /// How many segments will come (0: a transparent snapshot).
+    Plan(usize),
+    Filled(Filled),
+    Failed(String),
+}
+
+/// A restore's segments being filled.
+pub struct Restoring {
+    rx: mpsc::UnboundedReceiver<Event>,
+}
+
+/// How a restore's segments went: for the invoke's timings.
+#[derive(Debug, Default)]
+pub struct HandOver {
+    pub segments: usize,
+    pub bytes: u64,
+    pub leases: Leases,
+}
+
+impl Split {
+    /// Starts filling the segments of snapshot `id` on the blocking pool, in parallel with the
+    /// caller's CRIU restore.
+    pub fn begin_restore(self: &Arc<Self>, id: &str) -> Restoring {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let split = Arc::clone(self);
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || {
+            let plan = match split.plan(&id) {
+                Ok(Some(p)) => p,
+                Ok(None) => {
+                    let _ = tx.send(Event::Plan(0));
+                    return;
+                }
+                Err(e) => {
+                    let _ = tx.send(Event::Failed(e));
+                    return;
+                }
+            };
+            let _ = tx.send(Event::Plan(plan.len()));
+            for planned in plan.iter() {
+                if tx.is_closed() {
+                    return;
+                }
+                match split.fill(planned) {
+                    Ok(f) => {
+                        let _ = tx.send(Event::Filled(f));
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Event::Failed(format!(
+                            "cannot restore the segment at {:#x} of snapshot {id}: {e}",
+                            planned.0.va
+                        )));
+                        return;
+                    }
+                }
+            }
+        });
+        Restoring { rx }
+    }
+
+    /// The memory of one segment, from the first source that has it.
+    fn fill(&self, (e, recipe): &Planned) -> Result<Filled, String> {
+        let dev = self.device(&e.backend, e.ordinal)?;
+        let t = Instant::now();
+        let err = |what: &str, e: torpor_device::DeviceError| format!("{what}: {e}");
+        let (memory, lease, source) = if e.readonly {
+            let key = gpu_key(e);
+            let resident = lock(&self.shared)
+                .get(&key)
+                .and_then(std::sync::Weak::upgrade);
+            match resident {
+                Some(s) => (None, Some(s), "shared"),
+                None => {
+                    let (m, source) = self.fresh(&*dev, e, recipe, true)?;
+                    let copy = Arc::new(SharedCopy {
+                        memory: m,
+                        bytes: e.size,
+                        gauge: self.metrics.shared_bytes.clone(),
+                    });
+                    self.metrics
+                        .shared_bytes
+                        .add(i64::try_from(e.size).unwrap_or(0));
+                    let mut shared = lock(&self.shared);
+                    // Another restore may have made one meanwhile: use the first.
+                    let winner = match shared.get(&key).and_then(std::sync::Weak::upgrade) {
+                        Some(s) => s,
+                        None => {
+                            shared.insert(key, Arc::downgrade(&copy));
+                            copy
+                        }
+                    };
+                    shared.retain(|_, w| w.strong_count() > 0);
+                    (None, Some(winner), source)
+                }
+            }
+        } else {
+            let (m, source) = self.fresh(&*dev, e, recipe, false)?;
+            (Some(m), None, source)
+        };
+        let lease = match (memory, lease) {
+            (Some(m), _) => Lease::Own(OwnMemory { _memory: m }),
+            (None, Some(s)) => Lease::Shared(s),
+            (None, None) => unreachable!("a segment has memory or a shared copy"),
+        };
+        let fd = match &lease {
+            Lease::Own(OwnMemory { _memory: m }) => dev.export(m),
+            Lease::Shared(s) => dev.export(&s.memory),
+        }
+        .map_err(|x| err("exporting its memory", x))?;
+        let secs = t.elapsed().as_secs_f64().max(1e-9);
+        self.metrics
+            .fill_gbps
+            .with_label_values(&[source])
+            .observe(e.size as f64 / secs / 1e9);
+        Ok(Filled {
+            va: e.va,
+            size: e.size,
+            readonly: e.readonly,
+            fd,
+            lease,
+        })
+    }
+
+    /// New memory holding the segment: from the GPU cache, the host cache or the store.
+    fn fresh(
+        &self,
+        dev: &dyn SegmentDevice,
+        e: &SegmentEntry,
+        recipe: &torpor_image::store::Recipe,
+        seal: bool,
+    ) -> Result<(Memory, &'static str), String> {
+        let count = |cache: &str, hit: bool| {
+            self.metrics
+                .cache_requests
+                .with_label_values(&[cache, if hit { "hit" } else { "miss" }])
+                .inc();
+        };
+        let gkey = gpu_key(e);
+        let size = e.size as usize;
+        let cached = lock(&self.gpu_cache).get(&gkey);
+        count("gpu", cached.is_some());
+        if let Some(src) = cached {
+            let m = dev
+                .fill_from_memory(&src, size, seal)
+                .map_err(|x| format!("copying from the GPU cache: {x}"))?;
+            return Ok((m, "gpu"));
+        }
+        let cached = lock(&self.host_cache).get(&e.blake3);
+        count("host", cached.is_some());
+        if let Some(src) = cached {
+            let buf = lock(&src);
+            let m = dev
+                .fill_from_bytes(&buf, seal)
+                .map_err(|x| format!("copying from the host cache: {x}"))?;
+            // A second use: hot, so it also goes to the GPU cache (when it has room for it).
+            if lock(&self.gpu_cache).capacity() >= e.size {
+                match dev.fill_from_bytes(&buf, false) {
+                    Ok(copy) => {
+                        lock(&self.gpu_cache).insert(&gkey, Arc::new(copy), e.size);
+                    }
+                    Err(x) => tracing::debug!(error = %x, "cannot fill the GPU cache"),
+                }
+            }
+            drop(buf);
+            self.update_cache_gauges();
+            return Ok((m, "host"));
+        }
+        let store = self.store()?;
+        let mut buf = dev
+            .host_buffer(size)
+            .map_err(|x| format!("host memory for the copy: {x}"))?;
+        store
+            .read_into(recipe, &mut buf)
+            .map_err(|x| x.to_string())?;
+        let m = dev
+            .fill_from_bytes(&buf, seal)
+            .map_err(|x| format!("copying from the store: {x}"))?;
+        lock(&self.host_cache).insert(&e.blake3, Arc::new(Mutex::new(buf)), e.size);
+        self.update_cache_gauges();
+        Ok((m, "store"))
+    }
+}
+
+impl Restoring {
+    /// After the worker's `hello {resumed}`: sends a `map` frame for each segment as it is
+    /// filled, then waits until the worker has mapped them all. An error names the segment; the
+    /// caller then kills the instance.
+    pub async fn hand_over(mut self, conn: &mut WorkerConn) -> Result<HandOver, String> {
+        let deadline = tokio::time::Instant::now() + MAP_TIMEOUT;
+        async fn next(
+            rx: &mut mpsc::UnboundedReceiver<Event>,
+            deadline: tokio::time::Instant,
+        ) -> Result<Event, String> {
+            tokio::time::timeout_at(deadline, rx.recv())
+                .await
+                .map_err(|_| format!("segments not filled within {} s", MAP_TIMEOUT.as_secs()))?
+                .ok_or_else(|| "the restore server's fill task ended early".to_string())
+        }
+        let count = match next(&mut self.rx, deadline).await? {
+            Event::Plan(n) => n,
+            Event::Failed(e) => return Err(e),
+            Event::Filled(_) => {
+                return Err("the restore server sent a segment before its plan".into())
+            }
+        };
+        let mut out = HandOver::default();
+        let mut vas = Vec::with_capacity(count);
+        for _ in 0..count {
+            let f = match next(&mut self.rx, deadline).await? {
+                Event::Filled(f) => f,
+                Event::Failed(e) => return Err(e),
+                Event::Plan(_) => return Err("the restore server sent two plans".into()),
+            };
+            let frame = json!({"type": "map", "va": f.va, "size": f.size, "readonly": f.readonly, "fd": true});
+            fds::send_with_fd(&mut conn.wr, &frame, f.fd.as_fd())
+                .await
+                .map_err(|e| format!("sending map for {:#x}: {e}", f.va))?;
+            vas.push(f.va);
+            out.bytes += f.size;
+            out.leases.push(f.lease);
+        }
+        // The worker serves frames in order: one `mapped` per `map`, in the same order.
+        for va in vas {
+            let msg = tokio::time::timeout_at(deadline, conn.recv())
+                .await
+                .map_err(|_| {
+                    format!(
+                        "the worker did not map {va:#x} within {} s",
+                        MAP_TIMEOUT.as_secs()
+                    )
+                })?
+                .map_err(|e| format!("waiting for mapped {va:#x}: {e}"))?;
+            if msg.get("type").and_then(Value::as_str) != Some("mapped")
+                || msg.get("va").and_then(Value::as_u64) != Some(va)
+            {
+                return Err(format!(
+                    "expected mapped for {va:#x}, got {}",
+                    Value::Object(msg)
+                ));
+            }
+            if msg.get("ok").and_then(Value::as_bool) != Some(true) {
+                return Err(format!(
+                    "the worker could not map the segment at {va:#x}: {}",
+                    msg.get("error")
+                        .and_then(|e| e.get("message"))
+                        .and_then(Value::as_str)
+                        .unwrap_or("no reason given")
+                ));
+            }
+        }
+        out.segments = count;
+        Ok(out)
+    }
+}

@@ -1,0 +1,229 @@
+"""Split snapshots through the real daemon, real workers (with the device-memory hook) and real
+CRIU, on the host backend (docs/split.md).
+
+tests/daemon/functions/splitbuf keeps its weights in a torpor.buffer() segment, read-only data
+in a sealed segment and a scratch buffer it writes on every request. The daemon captures the
+three segments into the chunk store at deploy (the weights found read-only by the warm-up
+probe, the data read-only by declaration) and its restore server maps them back at the same
+addresses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import FUNCTIONS, Torpord
+
+SPLITBUF = FUNCTIONS / "splitbuf"
+WEIGHTS_SIZE = 16 * 4096
+
+
+def expected_sha(x: int) -> str:
+    weights = bytes((i * 31 + 7) % 251 for i in range(WEIGHTS_SIZE))
+    h = hashlib.sha256(weights)
+    h.update((SPLITBUF / "table.bin").read_bytes())
+    h.update(str(x).encode())
+    return h.hexdigest()
+
+
+def snapshot_line(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    (line,) = [x for x in lines if x.get("phase") == "snapshot_function"]
+    return line
+
+
+def record(torpord: Torpord, snapshot: str) -> dict[str, Any]:
+    path = torpord.state / "chunks" / "refs" / f"{snapshot}.json"
+    return dict(json.loads(path.read_text()))
+
+
+def twin(tmp_path: Path, name: str) -> Path:
+    """A copy of splitbuf deployed under another name: the same segments' contents."""
+    d = tmp_path / name
+    shutil.copytree(SPLITBUF, d)
+    toml = d / "torpor.toml"
+    toml.write_text(toml.read_text().replace('name = "splitbuf"', f'name = "{name}"'))
+    return d
+
+
+@pytest.fixture
+def fresh(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> Any:
+    """A daemon of its own (its caches and store start empty)."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    (tmp_path / "daemon").mkdir()
+    d = Torpord(torpor_bin, tmp_path / "daemon")
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def restart(torpord: Torpord) -> None:
+    """Stops the daemon (its instances go, and with them the caches and shared copies) and
+    starts it again on the same state."""
+    torpord.stop()
+    torpord.restart()
+
+
+def test_a_split_deploy_restores_bit_identical_at_the_same_addresses(torpord: Torpord) -> None:
+    lines = torpord.deploy(SPLITBUF)
+    snap = snapshot_line(lines)
+    assert snap["split"] is True, snap
+    assert (snap["segments"], snap["readonly_segments"]) == (3, 2), snap
+    assert 0 < snap["stop_s"] <= snap["s"] + 1, snap
+
+    first = torpord.invoke("splitbuf", {"op": "compute", "x": 5})
+    assert first.status == 200 and first.start == "restored", (first.status, first.body, torpord.log_text())
+    assert first.json()["sha"] == expected_sha(5)
+    assert "segments" in first.timings, first.timings
+
+    info = torpord.invoke("splitbuf", {"op": "info"}).json()
+    addrs, maps = info["addrs"], info["maps"]
+    # Each segment is a memfd the restore server filled, mapped where it was at the snapshot.
+    for name, perms in [("weights", "r--s"), ("table", "r--s"), ("scratch", "rw-s")]:
+        m = maps[name]
+        assert m["start"] == addrs[name] and "memfd:torpor-segment" in m["path"], (name, m)
+        assert m["perms"] == perms, (name, m)
+    # The addresses are those the snapshot's record in the chunk store names.
+    names = {r["name"] for r in record(torpord, snap["snapshot"])["recipes"]}
+    assert names == {"segments.json"} | {f"segment-{a:x}" for a in addrs.values()}, names
+
+
+def test_two_instances_map_one_read_only_copy(torpord: Torpord) -> None:
+    if not torpord.instances("splitbuf"):
+        torpord.deploy(SPLITBUF)
+    answers: list[Any] = [None, None]
+
+    def call(i: int) -> None:
+        answers[i] = torpord.invoke("splitbuf", {"op": "info", "sleep": 1.5})
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = (x.json()["maps"] for x in answers)
+    assert all(x.status == 200 for x in answers), [x.body for x in answers]
+    # Two instances: their writable scratch memory is their own ...
+    assert a["scratch"]["inode"] != b["scratch"]["inode"], (a, b)
+    # ... and both map one physical copy of each read-only segment.
+    assert a["weights"]["inode"] == b["weights"]["inode"], (a, b)
+    assert a["table"]["inode"] == b["table"]["inode"], (a, b)
+    metrics = torpord.request("GET", "/metrics").body.decode()
+    assert "torpor_restore_shared_bytes " in metrics and "torpor_restore_shared_bytes 0\n" not in metrics
+
+
+def test_a_corrupted_chunk_is_refused_with_a_clear_error_and_an_instance_booted_instead(fresh: Torpord) -> None:
+    snap = snapshot_line(fresh.deploy(SPLITBUF))["snapshot"]
+    addrs = fresh.invoke("splitbuf", {"op": "info"}).json()["addrs"]
+    want = fresh.invoke("splitbuf", {"op": "compute", "x": 1}).json()["sha"]
+    # The store is read only when the caches miss: start again with empty caches.
+    restart(fresh)
+    (weights,) = [r for r in record(fresh, snap)["recipes"] if r["name"] == f"segment-{addrs['weights']:x}"]
+    chunk_id = weights["chunks"][0]["id"]
+    chunk = fresh.state / "chunks" / "chunks" / chunk_id[:2] / chunk_id
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+
+    # The restore is refused; the daemon says why (the segment and the chunk) and boots an
+    # instance instead, which answers correctly.
+    r = fresh.invoke("splitbuf", {"op": "compute", "x": 1})
+    assert r.status == 200 and r.start == "booted", (r.status, r.body, fresh.log_text())
+    assert r.json()["sha"] == want, (r.json(), want)
+    warning = [line for line in fresh.log_text().splitlines() if "booting an instance instead" in line]
+    assert warning, fresh.log_text()
+    assert f"segment at {addrs['weights']:#x}" in warning[-1] and chunk_id[:16] in warning[-1], warning
+    metrics = fresh.request("GET", "/metrics").body.decode()
+    assert 'torpor_restore_fallbacks_total{function="splitbuf"} 1' in metrics
+
+
+def test_gc_after_rm_keeps_the_chunks_another_function_holds(fresh: Torpord, tmp_path: Path) -> None:
+    replaced = snapshot_line(fresh.deploy(SPLITBUF))["snapshot"]
+    store = fresh.state / "chunks"
+    assert (store / "refs" / f"{replaced}.json").exists()
+    # A redeploy replaces the function snapshot and releases the old one's record.
+    a = snapshot_line(fresh.deploy(SPLITBUF))["snapshot"]
+    assert not (store / "refs" / f"{replaced}.json").exists()
+    b = snapshot_line(fresh.deploy(twin(tmp_path, "splitbuf-twin")))["snapshot"]
+    # Dedup between two functions on one base: the twin shares its segments with splitbuf.
+    r = fresh.cli("inspect", "--json", fresh.state / "snapshots" / b, "--store", store)
+    assert r.returncode == 0, r.stderr
+    usage = json.loads(r.stdout)["store"]
+    assert usage["shared_with"].get(a, 0) >= WEIGHTS_SIZE + 3 * 4096, usage
+
+    r = fresh.cli("rm", "splitbuf")
+    assert r.returncode == 0, r.stderr
+    assert not (store / "refs" / f"{a}.json").exists()
+    r = fresh.cli("inspect", "--json", fresh.state / "snapshots" / b, "--store", store)
+    assert json.loads(r.stdout)["store"]["missing_chunks"] == 0, r.stdout
+    # With empty caches, the twin's segments come from the store, whole.
+    restart(fresh)
+    got = fresh.invoke("splitbuf-twin", {"op": "compute", "x": 2})
+    assert got.status == 200 and got.json()["sha"] == expected_sha(2), (got.status, got.body)
+
+    r = fresh.cli("rm", "splitbuf-twin")
+    assert r.returncode == 0, r.stderr
+    assert list((store / "chunks").glob("*/*")) == [], "chunks left after every split snapshot went"
+    # No instance maps a shared read-only copy any more: the daemon let them go.
+    deadline = time.monotonic() + 10
+    while "torpor_restore_shared_bytes 0\n" not in fresh.request("GET", "/metrics").body.decode():
+        assert time.monotonic() < deadline, "shared copies outlived every instance mapping them"
+        time.sleep(0.1)
+
+
+def test_a_hibernated_split_instance_wakes_with_its_memory(torpord: Torpord, tmp_path: Path) -> None:
+    fdir = twin(tmp_path, "splitbuf-sleepy")
+    toml = fdir / "torpor.toml"
+    toml.write_text(toml.read_text() + "\n[keepalive]\ngpu_release_s = 1\nhibernate_s = 1\nevict_s = 600\n")
+    torpord.deploy(fdir)
+    first = torpord.invoke("splitbuf-sleepy", {"op": "compute", "x": 7}).json()
+    deadline = time.monotonic() + 30
+    while [i["stage"] for i in torpord.instances("splitbuf-sleepy")] != ["hibernated"]:
+        assert time.monotonic() < deadline, torpord.log_text()
+        time.sleep(0.1)
+    (hib,) = [p.name for p in (torpord.state / "snapshots").glob("hib-splitbuf-sleepy-*")]
+    # Its segments went to the chunk store under the hibernation snapshot's id.
+    names = {r["name"] for r in record(torpord, hib)["recipes"]}
+    assert len(names) == 4 and "segments.json" in names, names
+    woken = torpord.invoke("splitbuf-sleepy", {"op": "compute", "x": 7})
+    assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body)
+    # The same process state (its call count goes on) and the same bytes.
+    assert woken.json() == {"sha": expected_sha(7), "calls": first["calls"] + 1}
+    # The hibernation snapshot served: directory and chunk-store record are gone.
+    deadline = time.monotonic() + 10
+    while (torpord.state / "chunks" / "refs" / f"{hib}.json").exists():
+        assert time.monotonic() < deadline, "the hibernation's record was not released"
+        time.sleep(0.1)
+
+
+def test_a_function_without_segments_takes_the_transparent_path(torpord: Torpord) -> None:
+    snap = snapshot_line(torpord.deploy(FUNCTIONS / "echoer"))
+    assert snap["split"] is False, snap
+    assert not (torpord.state / "chunks" / "refs" / f"{snap['snapshot']}.json").exists()
+    r = torpord.invoke("echoer", {"say": "hi"})
+    assert r.status == 200 and r.start == "restored", (r.status, r.body)
+    assert "segments" not in r.timings
+
+
+def test_split_false_turns_the_split_path_off(fresh: Torpord) -> None:
+    fresh.stop()
+    fresh.config.write_text("split = false\n" + fresh.config.read_text())
+    fresh.restart()
+    snap = snapshot_line(fresh.deploy(FUNCTIONS / "echoer"))
+    assert snap["split"] is False, snap
+    # Workers get no hook: torpor.buffer() is refused at setup, with the reason.
+    r = fresh.cli("deploy", "--json", SPLITBUF)
+    assert r.returncode != 0
+    last = json.loads(r.stdout.splitlines()[-1])
+    assert last["phase"] == "load" and "TORPOR_HOOK_LIB" in last["error"], last
