@@ -98,6 +98,51 @@ def test_restore_without_detach_forwards_sigterm(torpor: Torpor, workers: Worker
     assert code == 128 + signal.SIGTERM, f"restore exited {code}\n{err.read_text()}"
 
 
+# rt_sigtimedwait, the system call `supervise` waits in, by machine.
+SIGTIMEDWAIT = {"x86_64": 128, "aarch64": 137}
+
+
+def waiting_in_sigtimedwait(tid_dir: Path) -> bool:
+    fields = (tid_dir / "syscall").read_text().split()
+    return bool(fields) and fields[0] == str(SIGTIMEDWAIT[os.uname().machine])
+
+
+def blocked_signals(tid_dir: Path) -> int:
+    for line in (tid_dir / "status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no SigBlk in {tid_dir}/status")
+
+
+def test_restore_without_detach_leaves_no_thread_that_could_take_its_signals(
+    torpor: Torpor, workers: Workers, tmp_path: Path
+) -> None:
+    """The kernel gives a process's signal to any of its threads that does not block it. While
+    restore waits for the tree, every thread but the one in sigwaitinfo must block the signals it
+    forwards and SIGCHLD: a pool thread that did not would take the SIGTERM (or the SIGCHLD of
+    the tree's exit), and restore would wait for ever. This checks the masks, which is
+    deterministic; the hang itself only shows under load."""
+    w = workers.server(data_file=False)
+    snap = tmp_path / "snap"
+    torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap)
+    w.wait_gone()
+    p, _out, err = workers.popen_torpor("restore", snap)
+    assert w.ask("get", wait=30) == "0"
+    wait_until(lambda: "waiting" in err.read_text(), 30, "restore to say it waits for the restored tree")
+    tasks = sorted(Path(f"/proc/{p.pid}/task").iterdir())
+    wait_until(lambda: any(waiting_in_sigtimedwait(t) for t in tasks), 30, "restore to wait in sigwaitinfo")
+    others = [t for t in tasks if not waiting_in_sigtimedwait(t)]
+    # Restore hashes the snapshot on a thread pool, whose threads outlive the hashing.
+    assert others, "restore runs no other thread, so this test checks nothing: start one another way"
+    must_block = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD]
+    for t in others:
+        blocked = blocked_signals(t)
+        free = [s.name for s in must_block if not blocked & (1 << (s - 1))]
+        assert not free, f"thread {t.name} of restore does not block {free} (SigBlk {blocked:016x})"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM, err.read_text()
+
+
 def test_run_of_missing_program_fails_cleanly(torpor: Torpor, tmp_path: Path) -> None:
     line = torpor.fails("run", "--log", tmp_path / "log", "--", "/nonexistent/program")
     assert "/nonexistent/program" in line, line

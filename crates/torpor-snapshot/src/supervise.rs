@@ -20,7 +20,8 @@ const FORWARDED: [libc::c_int; 8] = [
 ];
 
 /// Blocks every signal in the calling thread and returns the previous mask, so a forked child
-/// can restore it before exec.
+/// can restore it before exec. Threads started afterwards inherit the mask; call it before the
+/// process starts any, or one of them could take (and lose) a signal meant for [`supervise`].
 pub fn block_all_signals() -> libc::sigset_t {
     // SAFETY: sigset_t is plain data; sigfillset/sigprocmask only write the given sets.
     unsafe {
@@ -51,7 +52,8 @@ pub fn exit_code(status: libc::c_int) -> i32 {
 
 /// Waits until `child` exits, forwarding the usual termination and job-control signals to it and
 /// reaping every other child that exits meanwhile (orphans re-parented to PID 1). Signals must
-/// already be blocked (see [`block_all_signals`]). Returns the child's exit code.
+/// already be blocked in every thread of the process (see [`block_all_signals`]): the kernel
+/// gives a process's signal to any thread that does not block it. Returns the child's exit code.
 pub fn supervise(child: i32) -> io::Result<i32> {
     // SAFETY: sigset_t is plain data, filled by sigfillset.
     let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };

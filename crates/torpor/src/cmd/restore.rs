@@ -18,6 +18,13 @@ pub fn run(
         Some(spec) => parse_gpu_map(spec).map_err(anyhow::Error::msg)?,
         None => Vec::new(),
     };
+    if !detach {
+        // Before the restore starts any thread (the hashing pool, the CUDA driver's): every
+        // thread inherits the mask, so a signal meant for the restored tree, or the SIGCHLD
+        // of its exit, stays pending until `supervise` takes it. A thread that did not block
+        // it would take it instead, and lose it.
+        supervise::block_all_signals();
+    }
     interrupt::install();
     let log_dir = super::log_dir();
     let restored = restore_with(
@@ -44,14 +51,8 @@ pub fn run(
         }
         return Ok(ExitCode::SUCCESS);
     }
-    // Block before announcing the wait: a SIGTERM sent once "waiting" is printed then stays
-    // pending until `supervise` forwards it. One that arrived after the restore's last check
-    // only raised the interrupt flag, and is forwarded here instead of being lost.
-    supervise::block_all_signals();
-    if let Some(sig) = interrupt::signal() {
-        // SAFETY: kill(2) only sends a signal, to the tree this command just restored.
-        unsafe { libc::kill(restored.pid, sig) };
-    }
+    // A SIGINT/SIGTERM that came after the restore's last interrupt check is still pending
+    // (blocked since the start), and `supervise` forwards it with any later one.
     eprintln!(
         "torpor: restored pid {}; waiting for it to exit",
         restored.pid
@@ -61,7 +62,6 @@ pub fn run(
     if let Some(lazy) = restored.lazy_pages {
         lazy.finish()?;
     }
-    supervise::block_all_signals();
     let code = supervise::supervise(restored.pid)?;
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
 }
