@@ -8,8 +8,8 @@
 # `make gpu-carry` into .gpu/native/ (the device's cuda backend; the hook), into $OUT/native.log
 # and $OUT/fill_bw.json.
 # examples: deploys examples/resnet152 and examples/gpt2-large on a fresh daemon and invokes each
-# (first invoke restored, second warm), once with `split = false` (transparent path) and once with
-# the split path, into $OUT/examples.log.
+# (first invoke restored, second warm), for each of $EXAMPLES_PATHS ("transparent": split = false;
+# "split": split and split_gpu on; default "transparent"), into $OUT/examples.log.
 # Results go under $OUT (the device tool's output folder) or /tmp/torpor-out.
 # serverless: writes the examples' weights if absent, then bench/serverless/run.py --compare for each
 # of $SERVERLESS_MODELS (default "resnet152"; "resnet152 gpt2-large" for both, about twice as long),
@@ -50,13 +50,13 @@ if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
   brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
 fi
 if [ "$MODE" = examples ] || [ "$MODE" = all ]; then
-  echo "== examples (deploy + invoke through torpord), transparent path then split path"
+  echo "== examples (deploy + invoke through torpord): ${EXAMPLES_PATHS:-transparent}"
   (
     erc=0
-    for path in transparent split; do
+    for path in ${EXAMPLES_PATHS:-transparent}; do
       echo "-- $path"
       state=$(mktemp -d) sock=$state/torpord.sock
-      [ "$path" = split ] && echo "split = true" > "$state/torpord.toml" || echo "split = false" > "$state/torpord.toml"
+      [ "$path" = split ] && printf 'split = true\nsplit_gpu = true\n' > "$state/torpord.toml" || echo "split = false" > "$state/torpord.toml"
       "$TORPOR_BIN" serve --config "$state/torpord.toml" --state-dir "$state" --socket "$sock" >"$OUT/examples-daemon-$path.log" 2>&1 &
       daemon=$!
       for i in $(seq 50); do [ -S "$sock" ] && break; sleep 0.1; done

@@ -11,6 +11,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,7 +57,6 @@ def test_gpu_function_deploys_restores_and_answers(cuda: None, torpord: Torpord)
     by_phase: dict[str, Any] = {line["phase"]: line for line in lines if "phase" in line}
     assert list(by_phase) == ["validate", "boot_base", "snapshot_base", "restore_base", "load", "snapshot_function"]
     assert by_phase["boot_base"]["gpu_warmup_s"] > 0, by_phase["boot_base"]
-    # With the device-memory hook, the key also says the base's workers have it preloaded.
     assert "|torch|gpu" in by_phase["boot_base"]["key"], by_phase["boot_base"]
     snap = by_phase["snapshot_function"]
     print("snapshot_function:", snap)
@@ -76,9 +77,27 @@ def test_gpu_function_deploys_restores_and_answers(cuda: None, torpord: Torpord)
     assert close(second.json()["y"], want)
 
 
-def test_gpu_function_takes_the_split_path_with_the_hook(cuda: None, torpord: Torpord) -> None:
-    """With the hook preloaded, PyTorch's cudaMalloc blocks are cuda segments: captured at the
-    deploy, filled by the restore server into the restored instance at their addresses."""
+@pytest.fixture()
+def split_gpu_daemon(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> Iterator[Torpord]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    d = Torpord(torpor_bin, tmp_path, config="split_gpu = true\n")
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+# Known defect, measured on the H100 (docs/split.md, Status): the probe marks PyTorch's
+# caching-allocator blocks read-only when the warm-up rewrote them with identical values, and a
+# kernel writing into a block mapped read-only fails (CUDA "invalid argument"). strict: this test
+# reports as soon as the cuda split path works, so that split_gpu can become the default.
+@pytest.mark.xfail(strict=True, reason="cuda split path: activation blocks shared read-only (docs/split.md Status)")
+def test_gpu_function_takes_the_split_path_with_the_hook(cuda: None, split_gpu_daemon: Torpord) -> None:
+    """With split_gpu and the hook preloaded, PyTorch's cudaMalloc blocks are cuda segments:
+    captured at the deploy, filled by the restore server into the restored instance at their
+    addresses."""
+    torpord = split_gpu_daemon
     lines = torpord.deploy(TORCHMM)
     (snap,) = [line for line in lines if line.get("phase") == "snapshot_function"]
     hook = os.environ.get("TORPOR_HOOK_LIB") or str(torpord.binary.resolve().parent / "libtorpor_hook.so")

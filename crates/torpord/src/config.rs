@@ -21,6 +21,7 @@
 //! [workers]
 //! reattach_s = 60                 # how long a worker outlives a lost daemon, to be re-adopted
 //! split = true                    # split snapshots (docs/split.md) where the worker has the hook
+//! split_gpu = false               # also for GPU memory (the cuda backend; see docs/split.md Status)
 //! [restore_server]                # caches of segments for restores (LRU), in bytes
 //! host_cache_bytes = 4294967296   # host memory (pinned on cuda): 4 GiB
 //! gpu_cache_bytes = 2147483648    # device memory: 2 GiB (memfd memory on the host backend)
@@ -207,6 +208,10 @@ pub struct Config {
     pub reattach: Duration,
     /// Split snapshots for functions whose workers have the hook; `false`: transparent only.
     pub split: bool,
+    /// The split path for GPU memory too (the hook preloaded into GPU workers). Off by default:
+    /// on the H100 a restored instance's first kernel failed on its shared read-only segments,
+    /// and the driver would not resume an instance holding imported segments from gpu_released.
+    pub split_gpu: bool,
     pub restore_server: RestoreServer,
 }
 
@@ -228,6 +233,7 @@ impl Default for Config {
             cold_start: ColdStart::default(),
             reattach: DEFAULT_REATTACH,
             split: true,
+            split_gpu: false,
             restore_server: RestoreServer::default(),
         }
     }
@@ -370,6 +376,9 @@ impl Config {
         if let Some(b) = root.boolean("split")? {
             config.split = b;
         }
+        if let Some(b) = root.boolean("split_gpu")? {
+            config.split_gpu = b;
+        }
         if let Some(mut t) = root.table("restore_server")? {
             let r = &mut config.restore_server;
             if let Some(n) = t.integer("host_cache_bytes", 0)? {
@@ -456,6 +465,8 @@ mod tests {
     fn split_and_the_restore_server_caches_are_read() {
         let c = parse("").unwrap();
         assert!(c.split);
+        assert!(!c.split_gpu);
+        assert!(parse("split_gpu = true").unwrap().split_gpu);
         assert_eq!(c.restore_server.host_cache_bytes, 4 << 30);
         assert_eq!(c.restore_server.gpu_cache_bytes, 2 << 30);
         let c = parse(

@@ -344,6 +344,7 @@ impl Runtime {
             split: Arc::new(crate::split::Split::new(
                 &state_root,
                 config.split,
+                config.split_gpu,
                 &config.restore_server,
                 &metrics,
             )),

@@ -116,6 +116,8 @@ impl SplitMetrics {
 pub struct Split {
     /// Split snapshots for functions deployed from now on (config `split`, and the hook found).
     pub enabled: bool,
+    /// GPU memory too (config `split_gpu`): GPU workers get the hook preloaded.
+    pub gpu_enabled: bool,
     /// The hook library workers are started with, if found.
     pub hook_lib: Option<PathBuf>,
     store_root: PathBuf,
@@ -173,6 +175,7 @@ impl Split {
     pub fn new(
         state_root: &Path,
         wanted: bool,
+        wanted_gpu: bool,
         limits: &RestoreServer,
         metrics: &crate::metrics::Metrics,
     ) -> Self {
@@ -187,6 +190,7 @@ impl Split {
         };
         Self {
             enabled: wanted && hook_lib.is_some(),
+            gpu_enabled: wanted && wanted_gpu && hook_lib.is_some(),
             hook_lib,
             store_root: state_root.join(STORE_DIR),
             store: OnceLock::new(),
@@ -201,7 +205,8 @@ impl Split {
     }
 
     /// How workers get the hook: (the library, preloaded). With split on, every worker gets the
-    /// library (`torpor.buffer()`), and a GPU worker has it preloaded with `TORPOR_HOOK_CUDA=1`.
+    /// library (`torpor.buffer()`), and with `split_gpu` a GPU worker has it preloaded with
+    /// `TORPOR_HOOK_CUDA=1`, so that its big CUDA allocations become segments.
     /// With `split = false` no worker gets it: the transparent path as before, where
     /// `torpor.buffer()` raises an error naming `TORPOR_HOOK_LIB` (CRIU cannot restore the sealed
     /// memfds of read-only buffers).
@@ -209,7 +214,7 @@ impl Split {
         if !self.enabled {
             return (None, false);
         }
-        (self.hook_lib.clone(), gpu)
+        (self.hook_lib.clone(), gpu && self.gpu_enabled)
     }
 
     /// The part of a base key that says how the base's workers got the hook: a base booted
