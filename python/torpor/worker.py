@@ -87,6 +87,7 @@ from torpor import hook as torpor_hook
 from torpor.errors import DataError, FrameError, HookError
 from torpor.frames import FrameReader, encode, write_frame_with_fd
 from torpor.functions import resolve
+from torpor.shareable import shareable_vas
 
 ENV_SOCKET = "TORPOR_WORKER_SOCKET"
 EXIT_OK = 0
@@ -573,7 +574,10 @@ class Worker:
         read the segments, e.g. to hash them before a warm-up request; nothing is released)."""
         assert self.sock is not None and self.reader is not None
         segments = hook.segments()
-        self.send({"type": "quiet", "cuda_synced": synced, "segments": [s.frame() for s in segments]})
+        function = getattr(self.call, "__self__", None)
+        shareable = shareable_vas(function) if any(s.backend == "cuda" for s in segments) else set()
+        frames = [s.frame() | ({"shareable": True} if s.va in shareable else {}) for s in segments]
+        self.send({"type": "quiet", "cuda_synced": synced, "segments": frames})
         for segment in segments:
             fd = hook.export(segment.va)
             try:

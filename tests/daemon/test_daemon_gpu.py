@@ -88,11 +88,6 @@ def split_gpu_daemon(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> Iter
         d.stop()
 
 
-# Known defect, measured on the H100 (docs/split.md, Status): the probe marks PyTorch's
-# caching-allocator blocks read-only when the warm-up rewrote them with identical values, and a
-# kernel writing into a block mapped read-only fails (CUDA "invalid argument"). strict: this test
-# reports as soon as the cuda split path works, so that split_gpu can become the default.
-@pytest.mark.xfail(strict=True, reason="cuda split path: activation blocks shared read-only (docs/split.md Status)")
 def test_gpu_function_takes_the_split_path_with_the_hook(cuda: None, split_gpu_daemon: Torpord) -> None:
     """With split_gpu and the hook preloaded, PyTorch's cudaMalloc blocks are cuda segments:
     captured at the deploy, filled by the restore server into the restored instance at their

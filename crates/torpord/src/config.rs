@@ -21,7 +21,7 @@
 //! [workers]
 //! reattach_s = 60                 # how long a worker outlives a lost daemon, to be re-adopted
 //! split = true                    # split snapshots (docs/split.md) where the worker has the hook
-//! split_gpu = false               # also for GPU memory (the cuda backend; see docs/split.md Status)
+//! split_gpu = false               # also for GPU memory (GPU workers preload the hook); see docs/split.md
 //! [restore_server]                # caches of segments for restores (LRU), in bytes
 //! host_cache_bytes = 4294967296   # host memory (pinned on cuda): 4 GiB
 //! gpu_cache_bytes = 2147483648    # device memory: 2 GiB (memfd memory on the host backend)
@@ -208,9 +208,10 @@ pub struct Config {
     pub reattach: Duration,
     /// Split snapshots for functions whose workers have the hook; `false`: transparent only.
     pub split: bool,
-    /// The split path for GPU memory too (the hook preloaded into GPU workers). Off by default:
-    /// on the H100 a restored instance's first kernel failed on its shared read-only segments,
-    /// and the driver would not resume an instance holding imported segments from gpu_released.
+    /// The split path for GPU memory too (the hook preloaded into GPU workers). Off by default
+    /// until an instance on it can step down to gpu_released: the driver would not resume a
+    /// process mapping imported GPU memory from an in-place checkpoint (measured on the H100), so
+    /// such an instance skips that stage.
     pub split_gpu: bool,
     pub restore_server: RestoreServer,
 }

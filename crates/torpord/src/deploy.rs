@@ -517,6 +517,8 @@ async fn split_snapshot(
         capture::store_all(&split, &sid, listed, |l, hash| {
             if l.sealed {
                 Some("declared")
+            } else if !l.shareable {
+                None
             } else if before
                 .as_ref()
                 .and_then(|b| b.get(&l.va))

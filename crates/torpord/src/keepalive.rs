@@ -161,6 +161,7 @@ impl Runtime {
                     && keep.stage == Stage::Warm
                     && idle >= k.gpu_release
                     && !inst.gpu_release_failed.load(Ordering::SeqCst)
+                    && !inst.imports_gpu_memory.load(Ordering::SeqCst)
                 {
                     keep.busy = true;
                     steps.push((Arc::clone(&pool), Step::ReleaseGpu(Arc::clone(inst))));
@@ -361,6 +362,8 @@ impl Runtime {
             crate::split::capture::store_all(&split, &id, listed, |l, hash| {
                 if l.sealed {
                     Some("declared")
+                } else if !l.shareable {
+                    None
                 } else if readonly.get(&l.va).is_some_and(|h| h == hash) {
                     Some("unchanged")
                 } else {

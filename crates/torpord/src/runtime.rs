@@ -116,6 +116,10 @@ pub struct Instance {
     pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<QuietHandOver>>>,
     /// A GPU release failed: it stays warm until it hibernates.
     pub(crate) gpu_release_failed: AtomicBool,
+    /// It maps GPU memory the restore server created (split path). The driver would not resume
+    /// such a process from an in-place checkpoint (measured on the H100), so it skips
+    /// gpu_released and steps down to hibernated.
+    pub(crate) imports_gpu_memory: AtomicBool,
     /// The shared read-only segment copies it maps (crate::split::server).
     pub(crate) segments: Mutex<crate::split::server::Leases>,
 }
@@ -1135,6 +1139,8 @@ impl Runtime {
             )
             .await?;
         *lock(&inst.segments) = segments.leases;
+        inst.imports_gpu_memory
+            .store(segments.cuda_segments > 0, Ordering::SeqCst);
         tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
         let mut timings = vec![
             ("restore".to_string(), restore_s),
@@ -1469,6 +1475,7 @@ fn new_instance(
         hibernating: AtomicBool::new(false),
         quiet_tx: Mutex::new(None),
         gpu_release_failed: AtomicBool::new(false),
+        imports_gpu_memory: AtomicBool::new(false),
         segments: Mutex::new(Vec::new()),
     });
     (inst, conn.rd)

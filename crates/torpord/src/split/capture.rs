@@ -40,6 +40,12 @@ pub struct Listed {
     pub first_use: Option<u64>,
     /// The worker sealed it (declared read-only data).
     pub sealed: bool,
+    /// It may be taken as read-only when unchanged across the warm-up: every host segment, and
+    /// a cuda segment the worker vouches for (`shareable`: PyTorch's allocator has nothing in
+    /// it but parameters and buffers, no free block). A cuda segment can hold activations that
+    /// a deterministic warm-up rewrites with the same bytes, and its next write would then be
+    /// refused (measured on the H100).
+    pub shareable: bool,
     pub fd: OwnedFd,
 }
 
@@ -127,6 +133,8 @@ pub async fn segment_fds(
             order,
             first_use: int("first_use"),
             sealed: s.get("readonly").and_then(Value::as_bool).unwrap_or(false),
+            shareable: s.get("backend").and_then(Value::as_str) == Some("host")
+                || s.get("shareable").and_then(Value::as_bool) == Some(true),
             fd,
         });
     }

@@ -83,6 +83,8 @@ pub struct Filled {
     pub va: u64,
     pub size: u64,
     pub readonly: bool,
+    /// Device memory (the cuda backend), which the worker imports.
+    pub cuda: bool,
     pub fd: OwnedFd,
     pub lease: Lease,
 }
@@ -109,6 +111,8 @@ pub struct Restoring {
 pub struct HandOver {
     pub segments: usize,
     pub bytes: u64,
+    /// Segments of device memory among them: the worker then maps GPU memory it did not create.
+    pub cuda_segments: usize,
     pub leases: Leases,
 }
 
@@ -211,6 +215,7 @@ impl Split {
             va: e.va,
             size: e.size,
             readonly: e.readonly,
+            cuda: e.backend == "cuda",
             fd,
             lease,
         })
@@ -312,6 +317,7 @@ impl Restoring {
                 .map_err(|e| format!("sending map for {:#x}: {e}", f.va))?;
             vas.push(f.va);
             out.bytes += f.size;
+            out.cuda_segments += usize::from(f.cuda);
             out.leases.push(f.lease);
         }
         // The worker serves frames in order: one `mapped` per `map`, in the same order.

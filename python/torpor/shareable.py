@@ -1,0 +1,58 @@
+"""Which cuda segments may be shared read-only between instances (docs/split.md).
+
+The daemon shares a segment that a warm-up request left unchanged, mapped read-only into every
+instance. For a cuda segment that is not enough: PyTorch's caching allocator puts activations in
+the same kind of blocks as weights, and a deterministic warm-up rewrites them with identical
+bytes, so they look unchanged, and the next write into them is refused. A cuda segment is
+offered for sharing only when the allocator's own view shows nothing in it but the function's
+parameters and buffers, and no free block it could hand out later.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+
+def _tensors_of(obj: Any) -> Iterable[Any]:
+    """The parameters and buffers of every torch.nn.Module held by the function object, and the
+    tensors it holds directly."""
+    torch = sys.modules["torch"]
+    seen: set[int] = set()
+    for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
+        if isinstance(value, torch.nn.Module) and id(value) not in seen:
+            seen.add(id(value))
+            yield from value.parameters()
+            yield from value.buffers()
+        elif isinstance(value, torch.Tensor):
+            yield value
+
+
+def shareable_vas(function: Any) -> set[int]:
+    """Start addresses of the CUDA allocator segments holding only `function`'s weights."""
+    torch = sys.modules.get("torch")
+    if torch is None or function is None or not torch.cuda.is_initialized():
+        return set()
+    try:
+        weights = {
+            t.untyped_storage().data_ptr()
+            for t in _tensors_of(function)
+            if t.is_cuda and t.untyped_storage().nbytes() > 0
+        }
+        snapshot = torch.cuda.memory_snapshot()
+    except Exception:  # a torch without these APIs: share nothing, which is always safe
+        return set()
+    out: set[int] = set()
+    for segment in snapshot:
+        address = int(segment["address"])
+        ok = True
+        for block in segment.get("blocks", []):
+            start = int(block.get("address", address))
+            if block.get("state") != "active_allocated" or start not in weights:
+                ok = False
+                break
+            address = start + int(block["size"])
+        if ok and segment.get("blocks"):
+            out.add(int(segment["address"]))
+    return out
