@@ -70,7 +70,8 @@ class Torpord:
         self.socket = root / "torpord.sock"
         self.log = root / "torpord.log"
         self.config = root / "torpord.toml"
-        self.config.write_text(f"[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {QUEUE_TIMEOUT_S}\n{config}")
+        # `config` first: its top-level keys must not land in the [queue] table.
+        self.config.write_text(f"{config}\n[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {QUEUE_TIMEOUT_S}\n")
         self._spawn()
 
     def _spawn(self) -> None:
