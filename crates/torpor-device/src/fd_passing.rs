@@ -59,39 +59,16 @@ pub fn send_fd(
     if message.is_empty() {
         return Err(FdPassingError::EmptyMessage);
     }
-    let mut control = ControlBuffer { bytes: [0; 32] };
-    let mut iov = libc::iovec {
-        iov_base: message.as_ptr() as *mut libc::c_void,
-        iov_len: message.len(),
-    };
-    // SAFETY: an all-zero msghdr is a valid empty header; the fields are set below.
-    let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
-    header.msg_iov = &mut iov;
-    header.msg_iovlen = 1;
-    header.msg_control = (&mut control as *mut ControlBuffer).cast();
-    // SAFETY: CMSG_SPACE only computes a size.
-    header.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<libc::c_int>() as u32) } as _;
-    // SAFETY: the header points to a control buffer of at least msg_controllen bytes, so
-    // CMSG_FIRSTHDR returns a pointer inside it, aligned for cmsghdr (the union's alignment).
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&header);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<libc::c_int>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd.as_raw_fd());
-    }
     let mut sent = loop {
-        // SAFETY: every pointer in the header refers to live buffers of the lengths given.
-        let n = unsafe { libc::sendmsg(socket.as_fd().as_raw_fd(), &header, libc::MSG_NOSIGNAL) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let source = io::Error::last_os_error();
-        if source.kind() != io::ErrorKind::Interrupted {
-            return Err(FdPassingError::Io {
-                call: "sendmsg",
-                source,
-            });
+        match sendmsg_with_fd(socket.as_fd(), message, fd, 0) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(source) => {
+                return Err(FdPassingError::Io {
+                    call: "sendmsg",
+                    source,
+                })
+            }
         }
     };
     // The descriptor went with the first bytes; the rest of the message follows plainly.
@@ -128,64 +105,29 @@ pub fn recv_fd(socket: impl AsFd, message: &mut [u8]) -> Result<OwnedFd, FdPassi
         return Err(FdPassingError::EmptyMessage);
     }
     let expected = message.len();
-    let mut control = ControlBuffer { bytes: [0; 32] };
-    let mut iov = libc::iovec {
-        iov_base: message.as_mut_ptr().cast(),
-        iov_len: message.len(),
-    };
-    // SAFETY: an all-zero msghdr is a valid empty header; the fields are set below.
-    let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
-    header.msg_iov = &mut iov;
-    header.msg_iovlen = 1;
-    header.msg_control = (&mut control as *mut ControlBuffer).cast();
-    header.msg_controllen = size_of::<ControlBuffer>() as _;
-    let received = loop {
-        // SAFETY: every pointer in the header refers to live, writable buffers of the lengths
-        // given.
-        let n = unsafe {
-            libc::recvmsg(
-                socket.as_fd().as_raw_fd(),
-                &mut header,
-                libc::MSG_CMSG_CLOEXEC,
-            )
-        };
-        if n >= 0 {
-            break n as usize;
-        }
-        let source = io::Error::last_os_error();
-        if source.kind() != io::ErrorKind::Interrupted {
-            return Err(FdPassingError::Io {
-                call: "recvmsg",
-                source,
-            });
-        }
-    };
-
-    let mut fds = Vec::new();
-    // SAFETY: the kernel filled the control buffer and set msg_controllen; CMSG_FIRSTHDR and
-    // CMSG_NXTHDR stay within it, and each SCM_RIGHTS payload holds whole ints, each a new
-    // descriptor this process now owns.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&header);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(cmsg);
-                let payload = (*cmsg).cmsg_len as usize - (data as usize - cmsg as usize);
-                for i in 0..payload / size_of::<libc::c_int>() {
-                    let raw = std::ptr::read_unaligned(data.cast::<libc::c_int>().add(i));
-                    fds.push(OwnedFd::from_raw_fd(raw));
-                }
+    let Received {
+        bytes: received,
+        mut fds,
+        truncated,
+    } = loop {
+        match recvmsg_with_fds(socket.as_fd(), message) {
+            Ok(r) => break r,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(source) => {
+                return Err(FdPassingError::Io {
+                    call: "recvmsg",
+                    source,
+                })
             }
-            cmsg = libc::CMSG_NXTHDR(&header, cmsg);
         }
-    }
+    };
     if received == 0 {
         return Err(FdPassingError::Closed {
             received: 0,
             expected,
         });
     }
-    if header.msg_flags & libc::MSG_CTRUNC != 0 || fds.len() > 1 {
+    if truncated || fds.len() > 1 {
         return Err(FdPassingError::TooManyFds);
     }
     let Some(fd) = fds.pop() else {
@@ -224,6 +166,99 @@ pub fn recv_fd(socket: impl AsFd, message: &mut [u8]) -> Result<OwnedFd, FdPassi
         }
     }
     Ok(fd)
+}
+
+/// What one [`recvmsg_with_fds`] read.
+#[derive(Debug)]
+pub struct Received {
+    /// Message bytes read (0: the peer closed the connection).
+    pub bytes: usize,
+    /// The descriptors that came with them, close-on-exec, now owned here.
+    pub fds: Vec<OwnedFd>,
+    /// The kernel had more control data than fits (more descriptors, which it closed).
+    pub truncated: bool,
+}
+
+/// One `sendmsg` of `message` with `fd` attached to its first byte, `MSG_NOSIGNAL` plus `flags`
+/// (e.g. `MSG_DONTWAIT` on a socket an event loop polls). Returns the bytes sent; the caller
+/// sends the rest plainly. [`send_fd`] is this with the rest and the retries done.
+pub fn sendmsg_with_fd(
+    socket: BorrowedFd<'_>,
+    message: &[u8],
+    fd: BorrowedFd<'_>,
+    flags: libc::c_int,
+) -> io::Result<usize> {
+    let mut control = ControlBuffer { bytes: [0; 32] };
+    let mut iov = libc::iovec {
+        iov_base: message.as_ptr() as *mut libc::c_void,
+        iov_len: message.len(),
+    };
+    // SAFETY: an all-zero msghdr is a valid empty header; the fields are set below.
+    let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
+    header.msg_iov = &mut iov;
+    header.msg_iovlen = 1;
+    header.msg_control = (&mut control as *mut ControlBuffer).cast();
+    // SAFETY: CMSG_SPACE only computes a size.
+    header.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<libc::c_int>() as u32) } as _;
+    // SAFETY: the header points to a control buffer of at least msg_controllen bytes, so
+    // CMSG_FIRSTHDR returns a pointer inside it, aligned for cmsghdr (the union's alignment).
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&header);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<libc::c_int>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd.as_raw_fd());
+    }
+    // SAFETY: every pointer in the header refers to live buffers of the lengths given.
+    let n = unsafe { libc::sendmsg(socket.as_raw_fd(), &header, libc::MSG_NOSIGNAL | flags) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// One `recvmsg` of at most `buf.len()` bytes, with every descriptor that came with them
+/// (close-on-exec). [`recv_fd`] is this with the checks and the rest of the message done.
+pub fn recvmsg_with_fds(socket: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Received> {
+    let mut control = ControlBuffer { bytes: [0; 32] };
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: an all-zero msghdr is a valid empty header; the fields are set below.
+    let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
+    header.msg_iov = &mut iov;
+    header.msg_iovlen = 1;
+    header.msg_control = (&mut control as *mut ControlBuffer).cast();
+    header.msg_controllen = size_of::<ControlBuffer>() as _;
+    // SAFETY: every pointer in the header refers to live, writable buffers of the lengths given.
+    let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut header, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: the kernel filled the control buffer and set msg_controllen; CMSG_FIRSTHDR and
+    // CMSG_NXTHDR stay within it, and each SCM_RIGHTS payload holds whole ints, each a new
+    // descriptor this process now owns.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&header);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg);
+                let payload = (*cmsg).cmsg_len as usize - (data as usize - cmsg as usize);
+                for i in 0..payload / size_of::<libc::c_int>() {
+                    let raw = std::ptr::read_unaligned(data.cast::<libc::c_int>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(raw));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&header, cmsg);
+        }
+    }
+    Ok(Received {
+        bytes: n as usize,
+        fds,
+        truncated: header.msg_flags & libc::MSG_CTRUNC != 0,
+    })
 }
 
 #[cfg(test)]

@@ -5,61 +5,19 @@
 //! reads and writes, so the warm path pays nothing for fd passing.
 
 use std::io;
-use std::mem::size_of;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use serde_json::{Map, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use torpor_device::fd_passing;
 
 use crate::frames::{self, FrameError, MAX_FRAME};
 use crate::workers::ConnError;
 
-/// Room for the control message of two fds: a second one is received (and closed) rather than
-/// silently dropped by the kernel.
-#[repr(C)]
-union Control {
-    _header: libc::cmsghdr,
-    bytes: [u8; 32],
-}
-
 /// One `recvmsg` of at most `buf.len()` bytes, with the fds that came with them.
-fn recvmsg_once(fd: i32, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
-    let mut control = Control { bytes: [0; 32] };
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    // SAFETY: an all-zero msghdr is a valid empty header; the fields are set below.
-    let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
-    header.msg_iov = &mut iov;
-    header.msg_iovlen = 1;
-    header.msg_control = (&mut control as *mut Control).cast();
-    header.msg_controllen = size_of::<Control>() as _;
-    // SAFETY: every pointer in the header refers to live, writable buffers of the lengths given.
-    let n = unsafe { libc::recvmsg(fd, &mut header, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut fds = Vec::new();
-    // SAFETY: the kernel filled the control buffer and set msg_controllen; CMSG_FIRSTHDR and
-    // CMSG_NXTHDR stay inside it, and each SCM_RIGHTS payload holds whole ints, each a new
-    // descriptor this process now owns.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&header);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(cmsg);
-                let payload = (*cmsg).cmsg_len as usize - (data as usize - cmsg as usize);
-                for i in 0..payload / size_of::<libc::c_int>() {
-                    let raw = std::ptr::read_unaligned(data.cast::<libc::c_int>().add(i));
-                    fds.push(OwnedFd::from_raw_fd(raw));
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&header, cmsg);
-        }
-    }
-    Ok((n as usize, fds))
+fn recvmsg_once(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    fd_passing::recvmsg_with_fds(sock, buf).map(|r| (r.bytes, r.fds))
 }
 
 /// Reads the next frame and the fd that came with its header, if any; `None` at a clean EOF.
@@ -72,8 +30,9 @@ pub async fn read_with_fd(
     while got < header.len() {
         let stream = rd.as_ref();
         stream.readable().await.map_err(FrameError::Io)?;
-        let raw = stream.as_raw_fd();
-        let r = stream.try_io(Interest::READABLE, || recvmsg_once(raw, &mut header[got..]));
+        let r = stream.try_io(Interest::READABLE, || {
+            recvmsg_once(stream.as_fd(), &mut header[got..])
+        });
         match r {
             Ok((0, _)) if got == 0 => return Ok(None),
             Ok((0, _)) => return Err(FrameError::Truncated.into()),
@@ -119,12 +78,13 @@ pub async fn send_with_fd(
     fd: BorrowedFd<'_>,
 ) -> Result<(), ConnError> {
     let frame = frames::encode(obj)?;
-    let raw_fd = fd.as_raw_fd();
     let sent = loop {
         let stream = wr.as_ref();
         stream.writable().await.map_err(ConnError::Write)?;
-        let sock = stream.as_raw_fd();
-        match stream.try_io(Interest::WRITABLE, || sendmsg_with_fd(sock, &frame, raw_fd)) {
+        let sent = stream.try_io(Interest::WRITABLE, || {
+            fd_passing::sendmsg_with_fd(stream.as_fd(), &frame, fd, libc::MSG_DONTWAIT)
+        });
+        match sent {
             Ok(n) => break n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(ConnError::Write(e)),
@@ -132,36 +92,6 @@ pub async fn send_with_fd(
     };
     // The fd went with the first bytes; the rest follows plainly.
     wr.write_all(&frame[sent..]).await.map_err(ConnError::Write)
-}
-
-fn sendmsg_with_fd(sock: i32, message: &[u8], fd: i32) -> io::Result<usize> {
-    let mut control = Control { bytes: [0; 32] };
-    let mut iov = libc::iovec {
-        iov_base: message.as_ptr() as *mut libc::c_void,
-        iov_len: message.len(),
-    };
-    // SAFETY: an all-zero msghdr is a valid empty header; the fields are set below.
-    let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
-    header.msg_iov = &mut iov;
-    header.msg_iovlen = 1;
-    header.msg_control = (&mut control as *mut Control).cast();
-    // SAFETY: CMSG_SPACE only computes a size.
-    header.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<libc::c_int>() as u32) } as _;
-    // SAFETY: the control buffer holds at least msg_controllen bytes, so CMSG_FIRSTHDR points
-    // inside it, aligned for cmsghdr (the union's alignment).
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&header);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<libc::c_int>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd);
-    }
-    // SAFETY: every pointer in the header refers to live buffers of the lengths given.
-    let n = unsafe { libc::sendmsg(sock, &header, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(n as usize)
 }
 
 #[cfg(test)]
