@@ -514,21 +514,7 @@ async fn split_snapshot(
         .map_err(|e| conn_fail(PHASE, "split quiesce", e))?;
     let (split, sid) = (Arc::clone(&rt.split), id.to_string());
     let captured = blocking(PHASE, move || {
-        capture::store_all(&split, &sid, listed, |l, hash| {
-            if l.sealed {
-                Some("declared")
-            } else if !l.shareable {
-                None
-            } else if before
-                .as_ref()
-                .and_then(|b| b.get(&l.va))
-                .is_some_and(|h| h == hash)
-            {
-                Some("unchanged")
-            } else {
-                None
-            }
-        })
+        capture::store_all(&split, &sid, listed, &before.unwrap_or_default())
     })
     .await?;
     Ok(Some(SplitCapture {

@@ -359,17 +359,7 @@ impl Runtime {
             .collect();
         let (split, id) = (Arc::clone(&self.split), hib_id.to_string());
         let captured = tokio::task::spawn_blocking(move || {
-            crate::split::capture::store_all(&split, &id, listed, |l, hash| {
-                if l.sealed {
-                    Some("declared")
-                } else if !l.shareable {
-                    None
-                } else if readonly.get(&l.va).is_some_and(|h| h == hash) {
-                    Some("unchanged")
-                } else {
-                    None
-                }
-            })
+            crate::split::capture::store_all(&split, &id, listed, &readonly)
         })
         .await
         .map_err(|e| format!("segment capture task failed: {e}"))??;

@@ -159,15 +159,32 @@ pub fn hash_all(split: &Split, listed: &[Listed]) -> Result<HashMap<u64, String>
     Ok(out)
 }
 
+/// Whether (and why) a segment is read-only (the rule in the module doc): declared by the
+/// worker, or shareable and with the same hash as in `earlier` (the probe's hashes before the
+/// warm-up at a deploy; the function snapshot's read-only segments at a hibernation).
+pub fn read_only_reason(
+    l: &Listed,
+    hash: &str,
+    earlier: &HashMap<u64, String>,
+) -> Option<&'static str> {
+    if l.sealed {
+        Some("declared")
+    } else if l.shareable && earlier.get(&l.va).is_some_and(|h| h == hash) {
+        Some("unchanged")
+    } else {
+        None
+    }
+}
+
 /// Copies every listed segment into the chunk store and commits them, with their index, as the
-/// record of `snapshot_id` (blocking). `readonly` decides, from a segment and its hash, whether
-/// (and why) it is read-only. Each segment's bytes also go into the host cache, so the first
-/// restore after a deploy does not read the store.
+/// record of `snapshot_id` (blocking); see [`read_only_reason`] for `earlier`. Each segment's
+/// bytes also go into the host cache, so the first restore after a deploy does not read the
+/// store.
 pub fn store_all(
     split: &Split,
     snapshot_id: &str,
     listed: Vec<Listed>,
-    readonly: impl Fn(&Listed, &str) -> Option<&'static str>,
+    earlier: &HashMap<u64, String>,
 ) -> Result<Captured, String> {
     let store = split.store()?;
     let mut writer = store.writer().map_err(|e| e.to_string())?;
@@ -185,7 +202,7 @@ pub fn store_all(
         let recipe = writer
             .put_bytes(&name, &buf)
             .map_err(|e| format!("storing the segment at {:#x}: {e}", l.va))?;
-        let why = readonly(&l, &recipe.blake3);
+        let why = read_only_reason(&l, &recipe.blake3, earlier);
         let entry = SegmentEntry {
             va: l.va,
             size: l.size,
@@ -263,4 +280,45 @@ pub async fn release_halves(
         )));
     }
     Ok(msg.get("bytes").and_then(Value::as_u64).unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listed(sealed: bool, shareable: bool) -> Listed {
+        Listed {
+            va: 0x7000_0000,
+            size: 4096,
+            backend: if shareable { "host" } else { "cuda" }.to_string(),
+            ordinal: 0,
+            order: 0,
+            first_use: None,
+            sealed,
+            shareable,
+            fd: std::fs::File::open("/dev/null").expect("/dev/null").into(),
+        }
+    }
+
+    #[test]
+    fn only_declared_or_shareable_and_unchanged_segments_are_read_only() {
+        let earlier = HashMap::from([(0x7000_0000, "h1".to_string())]);
+        let none = HashMap::new();
+        assert_eq!(
+            read_only_reason(&listed(true, false), "h2", &none),
+            Some("declared")
+        );
+        assert_eq!(
+            read_only_reason(&listed(false, true), "h1", &earlier),
+            Some("unchanged")
+        );
+        assert_eq!(read_only_reason(&listed(false, true), "h2", &earlier), None);
+        assert_eq!(read_only_reason(&listed(false, true), "h1", &none), None);
+        // Unchanged, but the worker did not vouch for it (a cuda segment that may hold
+        // activations a deterministic warm-up rewrote with the same bytes).
+        assert_eq!(
+            read_only_reason(&listed(false, false), "h1", &earlier),
+            None
+        );
+    }
 }
