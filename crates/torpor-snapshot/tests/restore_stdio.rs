@@ -239,17 +239,24 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
     });
     kill(same.pid);
     assert!(!old.exists(), "the restored tree recreated the old log");
-    // The new file holds only what was written after the snapshot (a line being written as the
-    // tree was frozen may appear in both files).
+    // The new file holds nothing of what was surely written before the snapshot: lines 1 and 2
+    // of each process, which the snapshot waited for. (Not "nothing before the old file's last
+    // line": a snapshot dumps with the tree left running and kills it only once the image is
+    // written and verified, so the source goes on writing lines the restored copy writes again;
+    // seen in CI under load.)
     let text = read(&new);
     let numbers = |who: &str| -> Vec<usize> {
         text.lines()
             .filter_map(|l| l.strip_prefix(who)?.trim().parse().ok())
             .collect()
     };
+    let (parents, children) = (numbers("parent"), numbers("child"));
     assert!(
-        numbers("parent").iter().all(|&n| n >= last_parent)
-            && numbers("child").iter().all(|&n| n >= last_child),
+        !parents.is_empty() && !children.is_empty(),
+        "new log {text:?}"
+    );
+    assert!(
+        parents.iter().chain(&children).all(|&n| n > 2),
         "new log {text:?} after {before:?}"
     );
 }
