@@ -11,6 +11,9 @@
 # (first invoke restored, second warm), for each of $EXAMPLES_PATHS ("transparent": split = false;
 # "split": split and split_gpu on; default "transparent"), into $OUT/examples.log.
 # Results go under $OUT (the device tool's output folder) or /tmp/torpor-out.
+# criu-gpu: bench/criu_restore/run.py with the GPU worker (torch, CUDA state, GPU weights): CRIU
+# restore -> first answer from disk, a huge-page tmpfs, and lazy pages from it, into
+# $OUT/criu-restore-gpu.json.
 # serverless: writes the examples' weights if absent, then bench/serverless/run.py --compare for each
 # of $SERVERLESS_MODELS (default "resnet152"; "resnet152 gpt2-large" for both, about twice as long),
 # $SERVERLESS_DURATION seconds per trace (default 30), into $OUT/serverless.json.
@@ -85,6 +88,16 @@ if [ "$MODE" = serverless ] || [ "$MODE" = all ]; then
     src=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$src
     merge=(--merge)
   done
+fi
+if [ "$MODE" = criu-gpu ]; then
+  echo "== bench/criu_restore with a GPU worker"
+  huge=/mnt/torpor-huge
+  mkdir -p "$huge" && { mountpoint -q "$huge" || mount -t tmpfs -o huge=always,size=16G,mode=0700 tmpfs "$huge"; }
+  python3 bench/criu_restore/run.py --worker bench/criu_restore/gpu_worker.py --mib "${CRIU_GPU_MIB:-256}" \
+    --runs "${RUNS:-3}" --huge-stage-base "$huge" --sources disk-warm,tmpfs-huge,lazy-tmpfs-huge \
+    --out "$OUT/criu-restore-gpu.json" 2>&1 | tee "$OUT/criu-gpu.log"
+  crc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$crc
+  umount "$huge" 2>/dev/null
 fi
 if [ "$MODE" = native ] || [ "$MODE" = all ]; then
   echo "== native (Rust tests on the real driver, fill bandwidth)"
