@@ -15,17 +15,26 @@ from collections.abc import Iterable
 from typing import Any
 
 
+def modules_of(obj: Any) -> list[Any]:
+    """The torch.nn.Modules the function object holds as attributes, each once, in attribute
+    order (the harness packs their weights, torpor.pack, and vouches for them here)."""
+    torch = sys.modules["torch"]
+    out: list[Any] = []
+    for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
+        if isinstance(value, torch.nn.Module) and all(value is not m for m in out):
+            out.append(value)
+    return out
+
+
 def _tensors_of(obj: Any) -> Iterable[Any]:
     """The parameters and buffers of every torch.nn.Module held by the function object, and the
     tensors it holds directly."""
     torch = sys.modules["torch"]
-    seen: set[int] = set()
+    for module in modules_of(obj):
+        yield from module.parameters()
+        yield from module.buffers()
     for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
-        if isinstance(value, torch.nn.Module) and id(value) not in seen:
-            seen.add(id(value))
-            yield from value.parameters()
-            yield from value.buffers()
-        elif isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor):
             yield value
 
 

@@ -84,6 +84,7 @@ from typing import Any
 
 from torpor import data as torpor_data
 from torpor import hook as torpor_hook
+from torpor import pack as torpor_pack
 from torpor.errors import DataError, FrameError, HookError
 from torpor.frames import FrameReader, encode, write_frame_with_fd
 from torpor.functions import resolve
@@ -470,6 +471,10 @@ class Worker:
             raise ProtocolError("load's spec.data must be a list of {name, size, access}")
         if warmup is not None and (not isinstance(warmup, dict) or "request" not in warmup):
             raise ProtocolError("load's spec.warmup must be null or {request}")
+        gpu = spec.get("gpu", {})
+        pack_weights = gpu.get("pack_weights", True) if isinstance(gpu, dict) else None
+        if not isinstance(pack_weights, bool):
+            raise ProtocolError("load's spec.gpu must be absent or {pack_weights: true|false}")
         declared = {d["name"] for d in decls}
         if set(data_map) != declared or not all(isinstance(p, str) for p in data_map.values()):
             raise ProtocolError(
@@ -503,6 +508,7 @@ class Worker:
             instance = cls()
             instance.setup()
             t1 = time.perf_counter()
+            packed = self.pack(instance) if pack_weights else None
             phase = "warmup"
             if warmup is not None:
                 # The warm-up request sets the segments' first-use order (docs/split.md).
@@ -520,8 +526,38 @@ class Worker:
         ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t1}
         if self.started_as == "function":
             ready["preload_s"] = self.preload_s
+        if packed is not None:
+            ready["packed"] = packed
         self.send(ready)
         return True
+
+    def pack(self, instance: Any) -> dict[str, Any] | None:
+        """Move the function's CUDA weights into segments of their own (torpor.pack), when its
+        CUDA allocations are segments of the hook; what was packed, for the ready frame. Packing
+        is an optimisation: when it fails the weights stay correct where they are, and the
+        function runs unpacked (a line on stderr says why)."""
+        if os.environ.get(torpor_pack.ENV_HOOK_CUDA) != "1":
+            return None
+        try:
+            packed = torpor_pack.pack_function(instance)
+        except Exception as e:
+            print(
+                f"torpor worker: {self.function}: weights not packed, so instances will not share them: "
+                f"{_type_name(e)}: {_str(e)}",
+                file=sys.stderr,
+            )
+            return None
+        if packed is None:
+            return None
+        doc = packed.frame()
+        print(
+            f"torpor worker: {self.function}: packed {doc['bytes']} bytes of weights ({doc['tensors']} tensors) "
+            f"into {doc['segments']} segments of {doc['segment_bytes']} bytes in {doc['s']:.3f} s"
+            + ("" if packed.whole else "; some pack is not a whole segment, so it will not be shared")
+            + (f"; {doc['left_bytes']} bytes of old weights are still held outside the modules" if packed.left_bytes else ""),
+            file=sys.stderr,
+        )
+        return doc
 
     def quiesce(self, msg: dict[str, Any]) -> bool:
         """The quiet point; False when torpord sent shutdown instead of release."""
