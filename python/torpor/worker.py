@@ -17,9 +17,13 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
 3. Serves frames until the connection ends:
    - `load` {spec, dir, data}: checks every declared data file the `data` map names (it must
      exist, and read-only data must have the declared size), binds them for torpor.load, imports
-     `entry` with `dir` first on sys.path, instantiates the decorated class, runs setup(), then
-     the spec's warm-up request (recording the segments' first-use order: torpor.hook), and sends `ready` {ok: true, setup_s, warmup_s} (role function
-     adds `preload_s`). From then on hello says role "function" and the spec's name.
+     `entry` with `dir` first on sys.path, instantiates the decorated class, runs setup(), packs
+     the function's CUDA weights into segments of their own when the hook backs CUDA memory
+     ($TORPOR_HOOK_CUDA=1, unless spec.gpu.pack_weights is false: torpor.pack), then runs the
+     spec's warm-up request (recording the segments' first-use order: torpor.hook), and sends
+     `ready` {ok: true, setup_s, warmup_s, packed?} (role function adds `preload_s`; `packed`:
+     what packing did, torpor.pack.Packed.frame). From then on hello says role "function" and
+     the spec's name.
    - `invoke` {id, request, timeout_s}: sends `started` {id}, calls the function and sends
      `result` {id, ok, value, handler_s}. Invokes run one after another, so with
      requests_per_instance > 1 a request waits here until the ones before it end; torpord counts

@@ -1,0 +1,79 @@
+"""Packed: a ~100 MB model (a tied embedding and head, 16 linear layers) on the GPU, loaded the
+way a checkpoint reader that stages each tensor leaves it (weights beside freed staging blocks,
+so without packing no segment holds weights only).
+
+Requests:
+    {"op": "forward", "sleep": s}  -> sleeps s seconds, then {"sha": sha256 of the output's bytes,
+                                      "calls": n}
+    {"op": "write"}                -> adds 1 to the first layer's weights in place and waits for
+                                      the GPU: with the weights mapped read-only this fails
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import torch
+import torpor
+from torch import nn
+
+HIDDEN, VOCAB, LAYERS = 1000, 8000, 16
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(self.norm(h))
+
+
+def build() -> Net:
+    """The model on the GPU, its weights beside freed staging blocks. Seeded on the CPU, so any
+    process builds the same weights."""
+    torch.manual_seed(0)
+    net = Net().eval()
+    staging = []
+    for t in (*net.parameters(), *net.buffers()):
+        staging.append(torch.empty((1 << 20) + 4096, dtype=torch.uint8, device="cuda"))
+        t.data = t.data.to("cuda")
+    del staging
+    return net
+
+
+def digest(net: Net) -> str:
+    ids = torch.arange(64, device="cuda").remainder(VOCAB)
+    with torch.no_grad():
+        out = net(ids)
+    torch.cuda.synchronize()
+    return hashlib.sha256(out.cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+@torpor.function
+class Packed:
+    def setup(self) -> None:
+        self.net = build()
+        self.calls = 0
+
+    def __call__(self, request: dict[str, Any]) -> Any:
+        self.calls += 1
+        op = request.get("op")
+        if op == "forward":
+            time.sleep(float(request.get("sleep", 0)))
+            return {"sha": digest(self.net), "calls": self.calls}
+        if op == "write":
+            with torch.no_grad():
+                self.net.layers[0].weight.add_(1)
+            torch.cuda.synchronize()
+            return {"wrote": True}
+        raise ValueError(f"unknown op {op!r}")
