@@ -25,9 +25,7 @@ pytestmark = [
 
 def run(extra_env: dict[str, str]) -> dict[str, object]:
     env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("LD_PRELOAD", "TORPOR_HOOK_LIB", "TORPOR_HOOK_CUDA")
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TORPOR_HOOK_LIB", "TORPOR_HOOK_CUDA")
     }
     r = subprocess.run(
         [PYTHON, str(PACK_MODEL)],

@@ -32,8 +32,9 @@ copied once and every tensor viewing the storage is re-pointed with its own offs
 stride (`tensor.data = view`, as Module.to() does), so non-contiguous views stay views. Each
 storage starts 512-byte aligned (the allocator's own block alignment), so kernels see the same
 alignment and compute bit-identical results. A tensor that is not a dense CUDA tensor (CPU,
-sparse, quantized, a subclass) is left where it is; so is a tensor the function holds directly,
-outside its modules.
+sparse, quantized, a subclass, an inference tensor) is left where it is; so is a tensor the
+function holds directly, outside its modules. A setup() that captured CUDA graphs is not packed
+(the graphs would read the old addresses).
 
 The planner (`plan`) is pure Python; the rest needs torch, imported by the function.
 """
@@ -50,9 +51,7 @@ from torpor.shareable import modules_of
 
 ENV_HOOK_CUDA = "TORPOR_HOOK_CUDA"  # "1": the hook backs CUDA allocations with segments
 GRANULE = 2 << 20  # kRoundLarge: cudaMalloc sizes of large blocks are multiples of it
-MIN_PACK_BYTES = (
-    20 << 20
-)  # kLargeBuffer; anything >= kMinLargeAlloc (10 MiB) gets its own segment
+MIN_PACK_BYTES = 20 << 20  # kLargeBuffer; anything >= kMinLargeAlloc (10 MiB) gets its own segment
 ALIGN = 512  # kMinBlockSize: the alignment the allocator gives every block
 DEFAULT_MAX_PACK_BYTES = 256 << 20
 # How many allocations that landed in an existing segment's free block are held before giving up.
@@ -87,9 +86,7 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def plan(
-    items: Iterable[Item], max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES
-) -> list[PackPlan]:
+def plan(items: Iterable[Item], max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -> list[PackPlan]:
     """Place each storage (in order, each key once, empty ones skipped) into pack buffers per
     device, filling one until the next storage would take it past `max_pack_bytes`. A storage
     larger than that gets a pack of its own. Packs come in the order they were opened."""
@@ -108,9 +105,7 @@ def plan(
     seen: set[Hashable] = set()
     for item in items:
         if item.nbytes < 0:
-            raise ValueError(
-                f"storage {item.key!r} has a negative size ({item.nbytes})"
-            )
+            raise ValueError(f"storage {item.key!r} has a negative size ({item.nbytes})")
         if item.key in seen or item.nbytes == 0:
             continue
         seen.add(item.key)
@@ -181,6 +176,8 @@ def _weights(torch: Any, modules: list[Any]) -> Iterator[Any]:
                     and t.device.type == "cuda"
                     and t.layout == torch.strided
                     and not t.is_quantized
+                    # Made under torch.inference_mode(): .data cannot be set outside it.
+                    and not t.is_inference()
                 ):
                     yield t
 
@@ -207,33 +204,38 @@ def _group(torch: Any, modules: list[Any]) -> dict[tuple[int, int], _Storage]:
     return groups
 
 
-def _segment_state(torch: Any, ptr: int, size: int) -> str:
-    """'whole' when the allocator segment starting at `ptr` is exactly `size` bytes in one block,
-    'expandable' when `ptr` lies in an expandable segment, else 'shared'."""
-    for segment in torch.cuda.memory_snapshot():
+def _segment_of(snapshot: list[dict[str, Any]], ptr: int) -> dict[str, Any] | None:
+    """The segment of `torch.cuda.memory_snapshot()` holding address `ptr`."""
+    for segment in snapshot:
         start = int(segment["address"])
         if start <= ptr < start + int(segment["total_size"]):
-            if segment.get("is_expandable"):
-                return "expandable"
-            whole = (
-                start == ptr
-                and int(segment["total_size"]) == size
-                and len(segment.get("blocks", [])) == 1
-            )
-            return "whole" if whole else "shared"
-    return "shared"
+            return segment
+    return None
 
 
-def _whole_segment(torch: Any, size: int, device: int) -> Any:
-    """A uint8 CUDA tensor of `size` bytes that is a whole allocator segment of its own."""
+def _own_segment(snapshot: list[dict[str, Any]], ptr: int) -> int | None:
+    """The size of the allocator segment that starts at `ptr` and is one block (the allocation
+    at `ptr`), else None. (The size can exceed the request where the allocator's config rounds
+    block sizes up, e.g. roundup_power2_divisions; the segment is still the pack's alone.)"""
+    segment = _segment_of(snapshot, ptr)
+    if segment is None or int(segment["address"]) != ptr or len(segment.get("blocks", [])) != 1:
+        return None
+    return int(segment["total_size"])
+
+
+def _whole_segment(torch: Any, size: int, device: int) -> tuple[Any, int]:
+    """A uint8 CUDA tensor of `size` bytes that is a whole allocator segment of its own, and the
+    segment's size."""
     torch.cuda.empty_cache()  # no wholly free cached segment left for the request to split
     held: list[Any] = []  # allocations that landed in a free block of a segment in use
     for _ in range(_MAX_PLACEHOLDERS):
         buf = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
-        state = _segment_state(torch, buf.data_ptr(), size)
-        if state == "whole":
-            return buf
-        if state == "expandable":
+        snapshot = torch.cuda.memory_snapshot()
+        segment_size = _own_segment(snapshot, buf.data_ptr())
+        if segment_size is not None:
+            return buf, segment_size
+        segment = _segment_of(snapshot, buf.data_ptr())
+        if segment is not None and segment.get("is_expandable"):
             raise PackError(
                 "PyTorch's expandable_segments is on, so no allocation is a segment of its own; "
                 "leave PYTORCH_CUDA_ALLOC_CONF's expandable_segments off (the hook needs it off too)"
@@ -254,9 +256,7 @@ def _move(torch: Any, group: _Storage, dest: Any, storage: Any, offset: int) -> 
     for t in group.tensors:
         # ALIGN is a multiple of every element size, so the offset is whole elements.
         elements = offset // t.element_size() + t.storage_offset()
-        view = torch.empty(0, dtype=t.dtype, device=dest.device).set_(
-            storage, elements, t.size(), t.stride()
-        )
+        view = torch.empty(0, dtype=t.dtype, device=dest.device).set_(storage, elements, t.size(), t.stride())
         t.data = view
 
 
@@ -271,9 +271,7 @@ def _weak_ref(storage: Any) -> Any:
         return None
 
 
-def pack_function(
-    function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES
-) -> Packed | None:
+def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -> Packed | None:
     """Pack the CUDA parameters and buffers of the modules `function` holds (torpor.shareable's
     modules_of). None when there is nothing to pack: torch not imported, CUDA not initialised,
     no module, or no weight on CUDA. Raises PackError (the weights stay correct where each one is)
@@ -290,38 +288,37 @@ def pack_function(
     groups = _group(torch, modules_of(function))
     if not groups:
         return None
+    graphs = {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory_snapshot()} - {(0, 0)}
+    if graphs:
+        # A CUDA graph captured in setup() replays with the addresses the weights had then.
+        raise PackError(
+            f"setup() allocated from {len(graphs)} private memory pool(s) (CUDA graphs or torch.cuda.MemPool), "
+            "and a captured graph would go on reading the weights' old addresses; capture graphs in the "
+            "warm-up request instead, or set [gpu] pack_weights = false"
+        )
     tensors = sum(len(g.tensors) for g in groups.values())
-    packs = plan(
-        (Item(k, k[0], g.storage.nbytes()) for k, g in groups.items()), max_pack_bytes
-    )
+    packs = plan((Item(k, k[0], g.storage.nbytes()) for k, g in groups.items()), max_pack_bytes)
     old = [(_weak_ref(g.storage), g.storage.nbytes()) for g in groups.values()]
     storages = len(groups)
     segments: list[PackSegment] = []
     with torch.no_grad():
         for p in packs:
             with torch.cuda.device(p.device):
-                dest = _whole_segment(torch, p.size, p.device)
+                dest, segment_size = _whole_segment(torch, p.size, p.device)
                 storage = dest.untyped_storage()
                 for key, offset in p.offsets.items():
-                    _move(
-                        torch,
-                        groups.pop(cast(tuple[int, int], key)),
-                        dest,
-                        storage,
-                        offset,
-                    )
-                segments.append(PackSegment(p.device, dest.data_ptr(), p.size, p.used))
+                    _move(torch, groups.pop(cast(tuple[int, int], key)), dest, storage, offset)
+                segments.append(PackSegment(p.device, dest.data_ptr(), segment_size, p.used))
                 del dest, storage
     for device in sorted({s.device for s in segments}):
         with torch.cuda.device(device):
             torch.cuda.synchronize()
-    # The old blocks are free now: give their segments back, so the hook releases them.
-    torch.cuda.empty_cache()
-    whole = all(_segment_state(torch, s.va, s.size) == "whole" for s in segments)
+            # The old blocks are free now: give their segments back, so the hook releases them.
+            torch.cuda.empty_cache()
+    snapshot = torch.cuda.memory_snapshot()
+    whole = all(_own_segment(snapshot, s.va) == s.size for s in segments)
     # An old storage still alive is held by something outside the modules (a tensor the
     # function keeps elsewhere): that tensor still reads the old copy, and the weights use twice
     # the memory.
     left = sum(n for ref, n in old if ref is not None and not ref.expired())
-    return Packed(
-        tensors, storages, tuple(segments), whole, left, time.perf_counter() - t0
-    )
+    return Packed(tensors, storages, tuple(segments), whole, left, time.perf_counter() - t0)

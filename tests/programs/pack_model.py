@@ -48,9 +48,7 @@ class Net(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS))
         self.norm = nn.LayerNorm(HIDDEN)
         self.bn = nn.BatchNorm1d(HIDDEN)
-        self.mix = nn.Parameter(
-            torch.randn(HIDDEN, 64).t()
-        )  # (64, HIDDEN), strides (1, 64)
+        self.mix = nn.Parameter(torch.randn(HIDDEN, 64).t())  # (64, HIDDEN), strides (1, 64)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.head.weight = self.emb.weight
 
@@ -134,11 +132,9 @@ def main() -> None:
         "all_in_packs": all(t.untyped_storage().data_ptr() in vas for t in weights),
         "own_segments": all(own_segment(va, size) for va, size in vas.items()),
         "shareable": set(vas) <= shareable_vas(fn),
-        "tied": net.head.weight is net.emb.weight
-        and net.head.weight.untyped_storage().data_ptr() in vas,
+        "tied": net.head.weight is net.emb.weight and net.head.weight.untyped_storage().data_ptr() in vas,
         "alias": net.alias.data_ptr() == net.layers[0].weight.data_ptr()
-        and net.alias.untyped_storage().data_ptr()
-        == net.layers[0].weight.untyped_storage().data_ptr(),
+        and net.alias.untyped_storage().data_ptr() == net.layers[0].weight.untyped_storage().data_ptr(),
         "strides": net.mix.stride() == (1, 64) and not net.mix.is_contiguous(),
         "untouched": fn.cpu.weight.device.type == "cpu"
         and fn.extra.untyped_storage().data_ptr() not in vas

@@ -68,10 +68,7 @@ def test_each_device_has_its_own_packs() -> None:
 
 def test_every_plan_fits_whole_granules_without_overlap() -> None:
     rng = random.Random(7)
-    sizes = [
-        rng.choice([2, 6, 512, 4096, 3 * MiB + 5, 40 * MiB, 150 * MiB, 600 * MiB])
-        for _ in range(200)
-    ]
+    sizes = [rng.choice([2, 6, 512, 4096, 3 * MiB + 5, 40 * MiB, 150 * MiB, 600 * MiB]) for _ in range(200)]
     items = [Item(i, i % 3, n) for i, n in enumerate(sizes)]
     packs = plan(items, max_pack_bytes=256 * MiB)
     placed = [k for p in packs for k in p.offsets]
@@ -80,9 +77,7 @@ def test_every_plan_fits_whole_granules_without_overlap() -> None:
         assert p.size % GRANULE == 0 and p.size >= max(MIN_PACK_BYTES, p.used), p
         spans = sorted((off, off + sizes[k]) for k, off in p.offsets.items())
         assert all(off % ALIGN == 0 for off, _ in spans), p
-        assert all(
-            a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans)
-        ), p
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans)), p
         assert spans[-1][1] == p.used
         # Over the bound only as a storage alone in its pack.
         assert p.used <= 256 * MiB or len(spans) == 1, p
@@ -93,9 +88,7 @@ def test_every_plan_fits_whole_granules_without_overlap() -> None:
 def test_a_bound_that_is_not_whole_granules_of_at_least_20_mib_is_refused(
     bad: object,
 ) -> None:
-    with pytest.raises(
-        ValueError, match="max_pack_bytes must be a multiple of 2097152 bytes"
-    ):
+    with pytest.raises(ValueError, match="max_pack_bytes must be a multiple of 2097152 bytes"):
         plan([Item("a", 0, 1)], max_pack_bytes=bad)  # type: ignore[arg-type]
 
 
