@@ -513,6 +513,7 @@ class Worker:
             instance.setup()
             t1 = time.perf_counter()
             packed = self.pack(instance) if pack_weights else None
+            t_packed = time.perf_counter()
             phase = "warmup"
             if warmup is not None:
                 # The warm-up request sets the segments' first-use order (docs/split.md).
@@ -527,7 +528,7 @@ class Worker:
             self.fail(phase, e)
             return False
         self.call = instance.__call__
-        ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t1}
+        ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t_packed}
         if self.started_as == "function":
             ready["preload_s"] = self.preload_s
         if packed is not None:

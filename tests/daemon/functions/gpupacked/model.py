@@ -5,8 +5,9 @@ so without packing no segment holds weights only).
 Requests:
     {"op": "forward", "sleep": s}  -> sleeps s seconds, then {"sha": sha256 of the output's bytes,
                                       "calls": n}
-    {"op": "write"}                -> adds 1 to the first layer's weights in place and waits for
-                                      the GPU: with the weights mapped read-only this fails
+    {"op": "write", "sleep": s}    -> adds 1 to the first layer's weights in place, sleeps s
+                                      seconds (busy), then waits for the GPU: with the weights
+                                      mapped read-only this fails
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Packed:
         if op == "write":
             with torch.no_grad():
                 self.net.layers[0].weight.add_(1)
+            time.sleep(float(request.get("sleep", 0)))
             torch.cuda.synchronize()
             return {"wrote": True}
         raise ValueError(f"unknown op {op!r}")
