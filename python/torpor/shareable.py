@@ -5,7 +5,9 @@ instance. For a cuda segment that is not enough: PyTorch's caching allocator put
 the same kind of blocks as weights, and a deterministic warm-up rewrites them with identical
 bytes, so they look unchanged, and the next write into them is refused. A cuda segment is
 offered for sharing only when the allocator's own view shows nothing in it but the function's
-parameters and buffers, and no free block it could hand out later.
+parameters and buffers, and no free block it could hand out later. Weights as models load them
+rarely fill segments like that; the harness packs them first (torpor.pack), so that each pack
+buffer is one segment holding one block, the start of the weights' storage, which passes here.
 """
 
 from __future__ import annotations
