@@ -41,6 +41,7 @@ The planner (`plan`) is pure Python; the rest needs torch, imported by the funct
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from collections.abc import Hashable, Iterable, Iterator
@@ -310,6 +311,9 @@ def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -
                     _move(torch, groups.pop(cast(tuple[int, int], key)), dest, storage, offset)
                 segments.append(PackSegment(p.device, dest.data_ptr(), segment_size, p.used))
                 del dest, storage
+    # Old storages that only a reference cycle still holds (model loaders leave some) go now,
+    # before the cache is emptied and before left_bytes is counted.
+    gc.collect()
     for device in sorted({s.device for s in segments}):
         with torch.cuda.device(device):
             torch.cuda.synchronize()
