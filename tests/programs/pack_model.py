@@ -14,7 +14,7 @@ where they are.
      "shareable": torpor.shareable vouches for every pack segment,
      "shareable_before": how many segments it vouched for before packing,
      "tied", "alias", "strides", "untouched": the checks named above,
-     "released": the old segments were given back (little reserved memory is left unused),
+     "released": the old segments were given back (the reservation did not grow by the weights),
      "hook_segments": with the hook, every pack is a cuda segment of its exact size (null without)}
 
 Run plainly and with LD_PRELOAD=libtorpor_hook.so TORPOR_HOOK_CUDA=1 TORPOR_HOOK_LIB=<same>.
@@ -117,9 +117,10 @@ def main() -> None:
         "shareable_before": len(shareable_vas(fn)),
     }
     extra_before = fn.extra.cpu().tolist()
+    reserved = torch.cuda.memory_reserved()
     packed = pack_function(fn, max_pack_bytes=20 * MiB)
     assert packed is not None, "nothing was packed"
-    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    grown = torch.cuda.memory_reserved() - reserved
     net = fn.net
     vas = {s.va: s.size for s in packed.segments}
     weights = [*net.parameters(), *net.buffers()]
@@ -142,9 +143,10 @@ def main() -> None:
         "untouched": fn.cpu.weight.device.type == "cpu"
         and fn.extra.untyped_storage().data_ptr() not in vas
         and fn.extra.cpu().tolist() == extra_before,
-        # The old segments went back to the driver: what the allocator still holds unused is
-        # the rest of fn.extra's small segment and little else.
-        "released": cached <= 4 * MiB,
+        # The old segments went back to the driver: the packs (~102 MiB) replace segments of
+        # weights, staging holes and tails of about as much. Keeping the old ones as well would
+        # grow the reservation by the packs' size.
+        "released": grown <= 20 * MiB,
         "hook_segments": None,
     }
     if os.environ.get("TORPOR_HOOK_CUDA") == "1":
