@@ -5,7 +5,9 @@ instance. For a cuda segment that is not enough: PyTorch's caching allocator put
 the same kind of blocks as weights, and a deterministic warm-up rewrites them with identical
 bytes, so they look unchanged, and the next write into them is refused. A cuda segment is
 offered for sharing only when the allocator's own view shows nothing in it but the function's
-parameters and buffers, and no free block it could hand out later.
+parameters and buffers, and no free block it could hand out later. Weights as models load them
+rarely fill segments like that; the harness packs them first (torpor.pack), so that each pack
+buffer is one segment holding one block, the start of the weights' storage, which passes here.
 """
 
 from __future__ import annotations
@@ -15,17 +17,26 @@ from collections.abc import Iterable
 from typing import Any
 
 
+def modules_of(obj: Any) -> list[Any]:
+    """The torch.nn.Modules the function object holds as attributes, each once, in attribute
+    order (the harness packs their weights, torpor.pack, and vouches for them here)."""
+    torch = sys.modules["torch"]
+    out: list[Any] = []
+    for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
+        if isinstance(value, torch.nn.Module) and all(value is not m for m in out):
+            out.append(value)
+    return out
+
+
 def _tensors_of(obj: Any) -> Iterable[Any]:
     """The parameters and buffers of every torch.nn.Module held by the function object, and the
     tensors it holds directly."""
     torch = sys.modules["torch"]
-    seen: set[int] = set()
+    for module in modules_of(obj):
+        yield from module.parameters()
+        yield from module.buffers()
     for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
-        if isinstance(value, torch.nn.Module) and id(value) not in seen:
-            seen.add(id(value))
-            yield from value.parameters()
-            yield from value.buffers()
-        elif isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor):
             yield value
 
 

@@ -23,6 +23,8 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     gpu_release_s = 30
     hibernate_s = 120
     evict_s = 600
+    [gpu]
+    pack_weights = true           # move the weights into segments of their own (torpor.pack)
 
 Sizes are a TOML integer (bytes) or a string: a number and an optional unit, binary (KiB, MiB,
 GiB, TiB) or decimal (B, kB, MB, GB, TB), e.g. "0", "512", "16MiB", "1.5 GiB". The result must be
@@ -55,7 +57,8 @@ this order (sizes in bytes, durations in seconds as JSON numbers):
                "access": "read-only"|"writable"}, ...],
      "warmup": {"request": JSON} | null,
      "scaling": {"max_instances": int, "requests_per_instance": int},
-     "keepalive": {"gpu_release_s": number, "hibernate_s": number, "evict_s": number}}
+     "keepalive": {"gpu_release_s": number, "hibernate_s": number, "evict_s": number},
+     "gpu": {"pack_weights": bool}}
 """
 
 from __future__ import annotations
@@ -113,11 +116,13 @@ TOP_KEYS = (
     "warmup",
     "scaling",
     "keepalive",
+    "gpu",
 )
 DATA_KEYS = ("name", "path", "size", "access")
 WARMUP_KEYS = ("request",)
 SCALING_KEYS = ("max_instances", "requests_per_instance")
 KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s")
+GPU_KEYS = ("pack_weights",)
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,14 @@ class Keepalive:
 
 
 @dataclass(frozen=True)
+class Gpu:
+    # With the device-memory hook on CUDA (split path), the harness moves the function's CUDA
+    # weights into segments of their own after setup(), so instances can share them read-only
+    # (torpor.pack, docs/split.md). false: leave them where setup() put them.
+    pack_weights: bool = True
+
+
+@dataclass(frozen=True)
 class Spec:
     dir: Path
     name: str
@@ -172,6 +185,7 @@ class Spec:
     warmup: Warmup | None = None
     scaling: Scaling = field(default_factory=Scaling)
     keepalive: Keepalive = field(default_factory=Keepalive)
+    gpu: Gpu = field(default_factory=Gpu)
 
     @property
     def module(self) -> str:
@@ -205,6 +219,7 @@ class Spec:
                 "hibernate_s": self.keepalive.hibernate_s,
                 "evict_s": self.keepalive.evict_s,
             },
+            "gpu": {"pack_weights": self.gpu.pack_weights},
         }
 
 
@@ -297,6 +312,19 @@ def _seconds(table: Mapping[str, Any], prefix: str, key: str, default: float, po
         f"must be a number of seconds {rule}, got {_show(value)}",
         f"write e.g. {key} = {default:g}",
     )
+
+
+def _bool(table: Mapping[str, Any], prefix: str, key: str, default: bool) -> bool:
+    if key not in table:
+        return default
+    value = table[key]
+    if not isinstance(value, bool):
+        raise _fail(
+            _path(prefix, key),
+            f"must be true or false, got {_show(value)}",
+            f"write {key} = {'true' if default else 'false'} (without quotes)",
+        )
+    return value
 
 
 def _str(table: Mapping[str, Any], prefix: str, key: str, default: str | None) -> str:
@@ -504,6 +532,10 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         **{k: _seconds(kt, "keepalive", k, getattr(Keepalive, k), positive=False) for k in KEEPALIVE_KEYS}
     )
 
+    gt = _table(doc, "", "gpu") or {}
+    _check_keys(gt, "gpu", GPU_KEYS)
+    gpu = Gpu(pack_weights=_bool(gt, "gpu", "pack_weights", Gpu.pack_weights))
+
     return Spec(
         dir=root,
         name=name,
@@ -517,6 +549,7 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         warmup=warmup,
         scaling=scaling,
         keepalive=keepalive,
+        gpu=gpu,
     )
 
 

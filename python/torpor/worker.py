@@ -17,9 +17,13 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
 3. Serves frames until the connection ends:
    - `load` {spec, dir, data}: checks every declared data file the `data` map names (it must
      exist, and read-only data must have the declared size), binds them for torpor.load, imports
-     `entry` with `dir` first on sys.path, instantiates the decorated class, runs setup(), then
-     the spec's warm-up request (recording the segments' first-use order: torpor.hook), and sends `ready` {ok: true, setup_s, warmup_s} (role function
-     adds `preload_s`). From then on hello says role "function" and the spec's name.
+     `entry` with `dir` first on sys.path, instantiates the decorated class, runs setup(), packs
+     the function's CUDA weights into segments of their own when the hook backs CUDA memory
+     ($TORPOR_HOOK_CUDA=1, unless spec.gpu.pack_weights is false: torpor.pack), then runs the
+     spec's warm-up request (recording the segments' first-use order: torpor.hook), and sends
+     `ready` {ok: true, setup_s, warmup_s, packed?} (role function adds `preload_s`; `packed`:
+     what packing did, torpor.pack.Packed.frame). From then on hello says role "function" and
+     the spec's name.
    - `invoke` {id, request, timeout_s}: sends `started` {id}, calls the function and sends
      `result` {id, ok, value, handler_s}. Invokes run one after another, so with
      requests_per_instance > 1 a request waits here until the ones before it end; torpord counts
@@ -84,6 +88,7 @@ from typing import Any
 
 from torpor import data as torpor_data
 from torpor import hook as torpor_hook
+from torpor import pack as torpor_pack
 from torpor.errors import DataError, FrameError, HookError
 from torpor.frames import FrameReader, encode, write_frame_with_fd
 from torpor.functions import resolve
@@ -470,6 +475,10 @@ class Worker:
             raise ProtocolError("load's spec.data must be a list of {name, size, access}")
         if warmup is not None and (not isinstance(warmup, dict) or "request" not in warmup):
             raise ProtocolError("load's spec.warmup must be null or {request}")
+        gpu = spec.get("gpu", {})
+        pack_weights = gpu.get("pack_weights", True) if isinstance(gpu, dict) else None
+        if not isinstance(pack_weights, bool):
+            raise ProtocolError("load's spec.gpu must be absent or {pack_weights: true|false}")
         declared = {d["name"] for d in decls}
         if set(data_map) != declared or not all(isinstance(p, str) for p in data_map.values()):
             raise ProtocolError(
@@ -503,6 +512,8 @@ class Worker:
             instance = cls()
             instance.setup()
             t1 = time.perf_counter()
+            packed = self.pack(instance) if pack_weights else None
+            t_packed = time.perf_counter()
             phase = "warmup"
             if warmup is not None:
                 # The warm-up request sets the segments' first-use order (docs/split.md).
@@ -517,11 +528,41 @@ class Worker:
             self.fail(phase, e)
             return False
         self.call = instance.__call__
-        ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t1}
+        ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t_packed}
         if self.started_as == "function":
             ready["preload_s"] = self.preload_s
+        if packed is not None:
+            ready["packed"] = packed
         self.send(ready)
         return True
+
+    def pack(self, instance: Any) -> dict[str, Any] | None:
+        """Move the function's CUDA weights into segments of their own (torpor.pack), when its
+        CUDA allocations are segments of the hook; what was packed, for the ready frame. Packing
+        is an optimisation: when it fails the weights stay correct where they are, and the
+        function runs unpacked (a line on stderr says why)."""
+        if os.environ.get(torpor_pack.ENV_HOOK_CUDA) != "1":
+            return None
+        try:
+            packed = torpor_pack.pack_function(instance)
+        except Exception as e:
+            print(
+                f"torpor worker: {self.function}: weights not packed, so instances will not share them: "
+                f"{_type_name(e)}: {_str(e)}",
+                file=sys.stderr,
+            )
+            return None
+        if packed is None:
+            return None
+        doc = packed.frame()
+        print(
+            f"torpor worker: {self.function}: packed {doc['bytes']} bytes of weights ({doc['tensors']} tensors) "
+            f"into {doc['segments']} segments of {doc['segment_bytes']} bytes in {doc['s']:.3f} s"
+            + ("" if packed.whole else "; some pack is not a whole segment, so it will not be shared")
+            + (f"; {doc['left_bytes']} bytes of old weights are still held outside the modules" if packed.left_bytes else ""),
+            file=sys.stderr,
+        )
+        return doc
 
     def quiesce(self, msg: dict[str, Any]) -> bool:
         """The quiet point; False when torpord sent shutdown instead of release."""

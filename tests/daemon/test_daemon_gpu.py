@@ -4,13 +4,17 @@ torch or a CUDA device is missing."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -160,3 +164,133 @@ def test_gpu_instance_releases_its_gpu_in_place_then_hibernates(cuda: None, torp
         )
     }
     assert charged.get("warm", 0) > 0 and "starting" in charged, charged
+
+
+GPUPACKED = ROOT / "tests" / "daemon" / "functions" / "gpupacked"
+SHARED_FILLS = re.compile(r'^torpor_restore_fill_gbps_count\{source="shared"\} (\S+)$', re.M)
+SHARED_BYTES = re.compile(r"^torpor_restore_shared_bytes (\S+)$", re.M)
+
+
+@functools.cache
+def packed_reference() -> str:
+    """gpupacked's output in a plain process (no hook, no packing, no snapshot)."""
+    code = f"import sys; sys.path.insert(0, {str(GPUPACKED)!r}); import model; print(model.digest(model.build()))"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TORPOR_HOOK_LIB", "TORPOR_HOOK_CUDA")}
+    env["PYTHONPATH"] = str(ROOT / "python")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
+def at_once(torpord: Torpord, name: str, requests: list[Any], stagger_s: float = 1.0) -> list[Any]:
+    """Invokes each request from its own thread, `stagger_s` apart, so that each finds the
+    instances before it busy; the answers in request order."""
+    answers: list[Any] = [None] * len(requests)
+
+    def call(i: int) -> None:
+        answers[i] = torpord.invoke(name, requests[i], timeout=240)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+        time.sleep(stagger_s)
+    for t in threads:
+        t.join()
+    return answers
+
+
+def metric(pattern: re.Pattern[str], text: str) -> float:
+    m = pattern.search(text)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def packed(
+    cuda: None, torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Torpord, dict[str, Any]]]:
+    """A split_gpu daemon with gpupacked deployed once; the deploy's lines by phase."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    d = Torpord(torpor_bin, tmp_path_factory.mktemp("packed"), config="split_gpu = true\n")
+    try:
+        hook = os.environ.get("TORPOR_HOOK_LIB") or str(torpor_bin.resolve().parent / "libtorpor_hook.so")
+        if not os.path.isfile(hook):
+            pytest.skip(f"torpord runs without the hook ({hook} does not exist; cargo build --workspace)")
+        lines = d.deploy(GPUPACKED)
+        yield d, {line["phase"]: line for line in lines if "phase" in line}
+    finally:
+        d.stop()
+
+
+def test_packed_weights_are_mapped_read_only_once_for_two_instances(packed: tuple[Torpord, dict[str, Any]]) -> None:
+    torpord, phases = packed
+    info = phases["load"].get("packed")
+    print("load:", phases["load"], "\nsnapshot_function:", phases["snapshot_function"])
+    # ~97 MB of weights (the tied head adds a tensor, not bytes) in one whole segment, nothing left behind.
+    assert info is not None and info["segments"] == 1 and info["whole"] is True, phases["load"]
+    assert info["bytes"] >= 90_000_000 and info["left_bytes"] == 0, info
+    snap = phases["snapshot_function"]
+    assert snap["split"] is True and snap["readonly_segments"] >= info["segments"], snap
+
+    want = packed_reference()
+    # The first request restores an instance and keeps it busy; the second needs another.
+    answers = at_once(torpord, "gpupacked", [{"op": "forward", "sleep": 3}] * 2)
+    assert all(a.status == 200 for a in answers), ([a.body for a in answers], torpord.log_text())
+    assert [a.start for a in answers] == ["restored", "restored"], [a.headers for a in answers]
+    for a in answers:
+        print("restore:", a.timings)
+    # Bit-identical to the unpacked model in a plain process; one request each (the warm-up ran
+    # twice before the snapshot on the split path).
+    assert [a.json() for a in answers] == [{"sha": want, "calls": 3}] * 2, [a.json() for a in answers]
+    assert len(torpord.instances("gpupacked")) == 2
+
+    metrics = torpord.request("GET", "/metrics").body.decode()
+    # The second instance mapped the copy the first one made: fills from source "shared", and
+    # the resident shared copies hold at least the packs.
+    assert metric(SHARED_FILLS, metrics) >= info["segments"], metrics
+    assert metric(SHARED_BYTES, metrics) >= info["segment_bytes"], metrics
+
+
+def test_a_write_to_shared_weights_fails_and_corrupts_no_other_instance(
+    packed: tuple[Torpord, dict[str, Any]],
+) -> None:
+    torpord, _ = packed
+    want = packed_reference()
+    if len(torpord.instances("gpupacked")) < 2:
+        at_once(torpord, "gpupacked", [{"op": "forward", "sleep": 3}] * 2)
+    # One instance reads its weights after a pause; meanwhile the other writes into them (the
+    # shared read-only copy) and stays busy a while, so that a third request gets a new instance,
+    # restored while the writer's fault has already happened.
+    reader, writer, fresh = at_once(
+        torpord,
+        "gpupacked",
+        [{"op": "forward", "sleep": 6}, {"op": "write", "sleep": 4}, {"op": "forward"}],
+        stagger_s=1.0,
+    )
+    print("write:", writer.status, writer.body[:2000])
+    print("fresh:", fresh.status, fresh.start, fresh.timings)
+    assert writer.status != 200, ("the write into shared read-only weights succeeded", writer.body)
+    assert reader.status == 200 and reader.json()["sha"] == want, (reader.status, reader.body, torpord.log_text())
+    assert fresh.status == 200 and fresh.start == "restored", (fresh.status, fresh.headers, torpord.log_text())
+    assert fresh.json()["sha"] == want, fresh.body
+
+
+def test_pack_weights_false_leaves_the_weights_where_setup_put_them(
+    packed: tuple[Torpord, dict[str, Any]], tmp_path: Path
+) -> None:
+    torpord, phases = packed
+    fdir = tmp_path / "gpupacked-off"
+    shutil.copytree(GPUPACKED, fdir)
+    toml = fdir / "torpor.toml"
+    text = toml.read_text().replace('name = "gpupacked"', 'name = "gpupacked-off"')
+    toml.write_text(text + "\n[gpu]\npack_weights = false\n")
+    lines = torpord.deploy(fdir)
+    off = {line["phase"]: line for line in lines if "phase" in line}
+    print("unpacked:", off["load"], off["snapshot_function"])
+    assert "packed" not in off["load"], off["load"]
+    # Unpacked, every segment of weights has a free block (a freed staging block, a free tail):
+    # none can be shared (gpupacked/model.py picks its sizes so).
+    on_ro, off_ro = phases["snapshot_function"]["readonly_segments"], off["snapshot_function"].get("readonly_segments", 0)
+    assert off_ro == 0 < on_ro, (off["snapshot_function"], phases["snapshot_function"])
+    r = torpord.invoke("gpupacked-off", {"op": "forward"}, timeout=240)
+    assert r.status == 200 and r.json()["sha"] == packed_reference(), (r.status, r.body)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sdkd import TINYMLP, worker_env
 from torpor.errors import SpecError
-from torpor.spec import Keepalive, Scaling, parse_dir, parse_size
+from torpor.spec import Gpu, Keepalive, Scaling, parse_dir, parse_size
 
 DOC_EXAMPLE = """
 name = "cpu-mlp"
@@ -84,7 +84,14 @@ def test_defaults(tmp_path: Path) -> None:
         "warmup": None,
         "scaling": {"max_instances": 4, "requests_per_instance": 1},
         "keepalive": {"gpu_release_s": 30, "hibernate_s": 120, "evict_s": 600},
+        "gpu": {"pack_weights": True},
     }
+
+
+def test_gpu_pack_weights_can_be_turned_off(tmp_path: Path) -> None:
+    toml = 'name = "g"\nentry = "model:G"\ngpus = 1\n[gpu]\npack_weights = false\n'
+    spec = parse_dir(make_dir(tmp_path, toml, {}))
+    assert spec.gpu == Gpu(pack_weights=False) and spec.to_json()["gpu"] == {"pack_weights": False}
 
 
 def test_size_auto_takes_the_file_size_and_gpu_memory(tmp_path: Path) -> None:
@@ -163,6 +170,9 @@ W = '[[data]]\nname = "weights"\npath = "weights.npy"\n'
         (BASE + "scaling = 3\n", "scaling", "must be a table"),
         (BASE + "[keepalive]\nhibernate_s = -1\n", "keepalive.hibernate_s", "≥ 0, got -1"),
         (BASE + "[keepalive]\nevict = 1\n", "keepalive.evict", "did you mean evict_s?"),
+        (BASE + '[gpu]\npack_weights = "no"\n', "gpu.pack_weights", 'must be true or false, got "no"'),
+        (BASE + "[gpu]\npack = false\n", "gpu.pack", "did you mean pack_weights?"),
+        (BASE + "gpu = 1\n", "gpu", "must be a table"),
         (BASE + "[warmup]\n", "warmup.request", "is missing"),
         (BASE + "[warmup]\nrequest = { at = 1979-05-27T07:32:00Z }\n", "warmup.request.at", "date/time"),
         (BASE + "[warmup]\nrequest = [nan]\n", "warmup.request[0]", "JSON cannot carry"),
@@ -240,7 +250,7 @@ def test_cli_prints_one_json_line_or_one_error_line(tmp_path: Path) -> None:
     doc = json.loads(r.stdout)
     assert doc == parse_dir(TINYMLP).to_json()
     assert list(doc) == ["dir", "name", "entry", "module", "class", "python", "preload", "gpus", "gpu_memory",
-                         "timeout_s", "data", "warmup", "scaling", "keepalive"]  # fmt: skip
+                         "timeout_s", "data", "warmup", "scaling", "keepalive", "gpu"]  # fmt: skip
     assert doc["data"] == [
         {
             "name": "weights",

@@ -13,6 +13,7 @@ import pytest
 import torpor
 from sdkd import ROOT, TINYMLP, Conn, Daemon, Spawned, Spawner, proc_state, wait_for, worker_env
 from torpor.functions import resolve
+from torpor.spec import parse_dir
 
 EXIT_PROTOCOL = 3
 EXIT_LOAD = 4
@@ -204,6 +205,28 @@ def test_second_load_exits_3(spawn: Spawner, daemon: Daemon) -> None:
     c.send({"type": "load", "spec": {}, "dir": "/", "data": {}})
     assert w.wait() == EXIT_PROTOCOL
     assert "second load" in w.stderr()
+
+
+def test_a_malformed_gpu_table_in_load_exits_3(spawn: Spawner, daemon: Daemon) -> None:
+    w = spawn("--role", "function")
+    c = daemon.accept()
+    c.expect("hello")
+    spec = parse_dir(TINYMLP).to_json() | {"gpu": {"pack_weights": "yes"}}
+    c.send({"type": "load", "spec": spec, "dir": str(TINYMLP), "data": {"weights": str(TINYMLP / "weights.f32")}})
+    assert w.wait() == EXIT_PROTOCOL
+    assert "spec.gpu must be absent or {pack_weights: true|false}" in w.stderr()
+
+
+def test_weight_packing_without_torch_packs_nothing(spawn: Spawner, daemon: Daemon) -> None:
+    # TORPOR_HOOK_CUDA=1 asks for packing, but a function that never imported torch has no
+    # CUDA weights: ready carries no `packed`, and the function runs as always.
+    w = spawn("--role", "function", env=worker_env(daemon.path, TORPOR_HOOK_CUDA="1"))
+    c = daemon.accept()
+    c.expect("hello")
+    ready = c.load()
+    assert ready["ok"] is True and "packed" not in ready, f"{ready}\n{w.stderr()}"
+    assert c.invoke(1, {"x": X})["value"]["y"] == expected_y(X)
+    assert "packed" not in w.stderr() and "not packed" not in w.stderr()
 
 
 IDENTITY = (

@@ -719,11 +719,12 @@ async fn steps(
         .await
         .map_err(|e| conn_fail("load", "sending load", e))?;
     let r = ready(&mut conn, "load").await?;
-    send(phase(
-        "load",
-        t.elapsed().as_secs_f64(),
-        json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]}),
-    ));
+    let mut loaded = json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]});
+    // What the harness packed into segments of their own (docs/split.md, "Weight packing").
+    if let Some(packed) = r.get("packed") {
+        loaded["packed"] = packed.clone();
+    }
+    send(phase("load", t.elapsed().as_secs_f64(), loaded));
 
     let t = Instant::now();
     let id = format!("fn-{name}-{}", now_ms());
