@@ -471,6 +471,7 @@ class Bench:
         self.gpu = any(MODELS[m].gpu for m in a.models)
         self.daemon: Daemon | None = None
         self.deployed: dict[str, dict[str, Json]] = {}  # state -> function -> deploy record
+        self.failed_deploys: set[tuple[str, str]] = set()
         self.references: dict[str, Any] = {}
         self.results: list[Json] = []
         self.errors: list[str] = []
@@ -502,9 +503,22 @@ class Bench:
         for name in names:
             if name in self.deployed.setdefault(state, {}):
                 continue
+            if (state, name) in self.failed_deploys:
+                if name == model.name:
+                    raise RuntimeError(f"the deploy of {name} on {state}/ failed earlier (see errors)")
+                continue
             fdir = assemble(name, model, self.work / "functions", self.say)
             self.say(f"{name}: deploy ({state})")
-            dep = d.deploy(fdir)
+            try:
+                dep = d.deploy(fdir)
+            except RuntimeError as e:
+                self.failed_deploys.add((state, name))
+                if name == model.name:
+                    raise
+                # Only the dedup measurement needs it: the model's modes go on.
+                self.errors.append(f"{name} ({state}): {e}")
+                self.say(f"{name}: deploy FAILED: {str(e).splitlines()[0]}")
+                continue
             dep["sizes"] = self.sizes(d, dep)
             self.deployed[state][name] = dep
             snap = dep["snapshot_function"] or {}
@@ -617,13 +631,21 @@ class Bench:
                 self.say(f"{model.name}/{mode}: time budget spent after {i} runs")
                 out["skipped_runs"] = self.a.runs - i
                 break
-            r = self.second_run(d, model, i) if mode == "second" else self.restore_run(d, model, i)
+            try:
+                r = self.second_run(d, model, i) if mode == "second" else self.restore_run(d, model, i)
+            except (RuntimeError, OSError, http.client.HTTPException) as e:
+                # The runs so far stand; the error says why the rest are missing.
+                out["error"] = f"run {i}: {type(e).__name__}: {e}"
+                self.errors.append(f"{model.name}/{mode}: {out['error']}")
+                self.say(f"{model.name}/{mode}: FAILED: {out['error']}")
+                break
             runs.append(r)
             self.say(
                 f"{model.name}/{mode} #{i}: {r['wall_s']:.3f} s, timings {r['timings']}, fills "
                 f"{ {k: v['segments'] for k, v in r['fills'].items()} }, same {r['same']}"
             )
-        d.stop_function(model.name)
+        if "error" not in out:
+            d.stop_function(model.name)
         phases: list[str] = []
         for r in runs:
             phases += [p for p in r["timings"] if p not in phases]
@@ -637,7 +659,7 @@ class Bench:
             # Segment bytes over the `segments` phase (hello → all mapped): a floor on the fill
             # rate, since fills start with CRIU and may be done before hello.
             segments_phase_gbps=summary([segment_bytes / s / 1e9 for s in seg_times]) if segment_bytes else None,
-            all_same=all(r["same"] for r in runs),
+            all_same=bool(runs) and all(r["same"] for r in runs),
         )
         return out
 
@@ -724,7 +746,7 @@ def main(argv: list[str]) -> int:
             m: {
                 "reference": bench.references.get(m),
                 "identical_across_modes": all(
-                    r.get("all_same", False) for r in bench.results if r["model"] == m and "error" not in r
+                    r.get("all_same", False) for r in bench.results if r["model"] == m and r.get("runs")
                 ),
             }
             for m in a.models

@@ -66,11 +66,13 @@ def results_table(d: Json) -> list[str]:
     ]
     for r in d["results"]:
         mode = MODE_NAMES.get(r["mode"], r["mode"])
-        if "error" in r:
+        if "error" in r and not r.get("runs"):
             out.append(f"| {r['model']} | {mode} | error: {r['error'].splitlines()[0][:120]} |" + " |" * (len(PHASES) + 2))
             continue
         t = r.get("timings") or {}
         same = "bit-identical" if r.get("all_same") else "DIFFER"
+        if "error" in r:
+            same += f" ({len(r['runs'])} runs, then: {r['error'].splitlines()[0][:80]})"
         out.append(
             f"| {r['model']} | {mode} | {span(r.get('wall_s'))} | "
             + " | ".join(median(t.get(p)) for p in PHASES)
