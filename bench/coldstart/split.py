@@ -695,6 +695,12 @@ class Bench:
         return out
 
 
+def identical(results: list[Json], model: str) -> bool | None:
+    """Whether every run of `model` in every mode gave the reference value; None without runs."""
+    rows = [r for r in results if r["model"] == model and r.get("runs")]
+    return all(r["all_same"] for r in rows) if rows else None
+
+
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
     if os.geteuid() != 0:
@@ -745,9 +751,7 @@ def main(argv: list[str]) -> int:
         "outputs": {
             m: {
                 "reference": bench.references.get(m),
-                "identical_across_modes": all(
-                    r.get("all_same", False) for r in bench.results if r["model"] == m and r.get("runs")
-                ),
+                "identical_across_modes": identical(bench.results, m),
             }
             for m in a.models
         },

@@ -34,10 +34,17 @@ def gb(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 1e9:.2f} GB"
 
 
-def fills(f: Json | None) -> str:
+def fills(f: Json | None, link_gbps: float | None = None) -> str:
+    """Per source: mean GB/s (segments); for copies over the link, its share of the link."""
     if not f:
         return "–"
-    return ", ".join(f"{src} {v['mean_gbps']:.1f} ({v['segments']})" for src, v in sorted(f.items()))
+    parts = []
+    for src, v in sorted(f.items()):
+        part = f"{src} {v['mean_gbps']:.1f} ({v['segments']})"
+        if link_gbps and src in ("host", "store"):
+            part += f" = {100 * v['mean_gbps'] / link_gbps:.0f} % of link"
+        parts.append(part)
+    return ", ".join(parts)
 
 
 def header(d: Json) -> str:
@@ -61,13 +68,14 @@ def results_table(d: Json) -> list[str]:
     out = [
         "| model | path | restore → first inference (client) | "
         + " | ".join(PHASES)
-        + " | fills: source mean GB/s (segments) | outputs |",
-        "|---|---|---|" + "---|" * len(PHASES) + "---|---|",
+        + " | fills: source mean GB/s (segments) | segment bytes ÷ segments phase, GB/s | outputs |",
+        "|---|---|---|" + "---|" * len(PHASES) + "---|---|---|",
     ]
+    link = (d.get("link") or {}).get("h2d_pinned_gbps")
     for r in d["results"]:
         mode = MODE_NAMES.get(r["mode"], r["mode"])
         if "error" in r and not r.get("runs"):
-            out.append(f"| {r['model']} | {mode} | error: {r['error'].splitlines()[0][:120]} |" + " |" * (len(PHASES) + 2))
+            out.append(f"| {r['model']} | {mode} | error: {r['error'].splitlines()[0][:120]} |" + " |" * (len(PHASES) + 3))
             continue
         t = r.get("timings") or {}
         same = "bit-identical" if r.get("all_same") else "DIFFER"
@@ -76,7 +84,7 @@ def results_table(d: Json) -> list[str]:
         out.append(
             f"| {r['model']} | {mode} | {span(r.get('wall_s'))} | "
             + " | ".join(median(t.get(p)) for p in PHASES)
-            + f" | {fills(r.get('fills'))} | {same} |"
+            + f" | {fills(r.get('fills'), link)} | {median(r.get('segments_phase_gbps'), 1)} | {same} |"
         )
     return out
 
@@ -113,7 +121,8 @@ def render(d: Json) -> str:
         ]
     outputs = d.get("outputs") or {}
     if outputs:
-        same = ", ".join(f"{m}: {'identical' if o['identical_across_modes'] else 'DIFFER'}" for m, o in outputs.items())
+        verdict = {True: "identical", False: "DIFFER", None: "no run"}
+        same = ", ".join(f"{m}: {verdict[o['identical_across_modes']]}" for m, o in outputs.items())
         out += ["", f"Outputs across every run and path: {same}."]
     if d.get("errors"):
         out += ["", "Errors: " + "; ".join(e.splitlines()[0][:200] for e in d["errors"])]
