@@ -16,7 +16,8 @@
 # $SERVERLESS_DURATION seconds per trace (default 30), into $OUT/serverless.json.
 # split-bench: bench/coldstart/split.py: restore → first inference of ResNet-152 and GPT-2-Large
 # through torpord, transparent path vs split (host cache, GPU cache, a second instance sharing the
-# read-only weights), $SPLIT_RUNS fresh restores each (default 5), into $OUT/split-bench.json and
+# read-only weights), $SPLIT_RUNS fresh restores each (default 5; repeats stop after
+# $SPLIT_BUDGET_MIN minutes, default 6), into $OUT/split-bench.json and
 # $OUT/split-bench.log (also the Markdown table); $SPLIT_ARGS adds flags (e.g.
 # "--daemon-config restore_server.pages=lazy"). The link's bandwidth: $OUT/fill_bw.json if the
 # carried .gpu/native/fill_bw runs, else bench/results/fill-bw-h100.json. Not part of `all`.
@@ -120,9 +121,10 @@ if [ "$MODE" = split-bench ]; then
     if [ -x .gpu/native/fill_bw ] && .gpu/native/fill_bw cuda 1024 1,2,4,8 8 5 > "$OUT/fill_bw.json"; then
       fill=$OUT/fill_bw.json
     fi
+    # Past $SPLIT_BUDGET_MIN minutes the remaining repeats are skipped (the deploys always run).
     # shellcheck disable=SC2086 # SPLIT_ARGS is a list of flags
-    python3 bench/coldstart/split.py --runs "${SPLIT_RUNS:-5}" --fill-bw "$fill" \
-      --out "$OUT/split-bench.json" ${SPLIT_ARGS:-}
+    python3 bench/coldstart/split.py --runs "${SPLIT_RUNS:-5}" --budget-min "${SPLIT_BUDGET_MIN:-6}" \
+      --fill-bw "$fill" --out "$OUT/split-bench.json" ${SPLIT_ARGS:-}
   ) 2>&1 | tee "$OUT/split-bench.log"
   sbrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$sbrc
 fi
