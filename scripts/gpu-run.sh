@@ -3,7 +3,7 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|all] [extra pytest args...]
 # native: the Rust tests that need a real GPU and the fill bandwidth example, built here by
 # `make gpu-carry` into .gpu/native/ (the device's cuda backend; the hook), into $OUT/native.log
 # and $OUT/fill_bw.json.
@@ -17,6 +17,13 @@
 # serverless: writes the examples' weights if absent, then bench/serverless/run.py --compare for each
 # of $SERVERLESS_MODELS (default "resnet152"; "resnet152 gpt2-large" for both, about twice as long),
 # $SERVERLESS_DURATION seconds per trace (default 30), into $OUT/serverless.json.
+# split-bench: bench/coldstart/split.py: restore → first inference of ResNet-152 and GPT-2-Large
+# through torpord, transparent path vs split (host cache, GPU cache, a second instance sharing the
+# read-only weights), $SPLIT_RUNS fresh restores each (default 5; repeats stop after
+# $SPLIT_BUDGET_MIN minutes, default 6), into $OUT/split-bench.json and
+# $OUT/split-bench.log (also the Markdown table); $SPLIT_ARGS adds flags (e.g.
+# "--daemon-config restore_server.pages=lazy"). The link's bandwidth: $OUT/fill_bw.json if the
+# carried .gpu/native/fill_bw runs, else bench/results/fill-bw-h100.json. Not part of `all`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
@@ -116,6 +123,23 @@ if [ "$MODE" = native ] || [ "$MODE" = all ]; then
     exit $nrc
   ) 2>&1 | tee "$OUT/native.log"
   nrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$nrc
+fi
+if [ "$MODE" = split-bench ]; then
+  echo "== bench/coldstart/split.py (transparent vs split, through torpord)"
+  (
+    for ex in resnet152 gpt2-large; do
+      [ -f "examples/$ex/weights.safetensors" ] || python3 "examples/$ex/make_weights.py" || exit 1
+    done
+    fill=bench/results/fill-bw-h100.json
+    if [ -x .gpu/native/fill_bw ] && .gpu/native/fill_bw cuda 1024 1,2,4,8 8 5 > "$OUT/fill_bw.json"; then
+      fill=$OUT/fill_bw.json
+    fi
+    # Past $SPLIT_BUDGET_MIN minutes the remaining repeats are skipped (the deploys always run).
+    # shellcheck disable=SC2086 # SPLIT_ARGS is a list of flags
+    python3 bench/coldstart/split.py --runs "${SPLIT_RUNS:-5}" --budget-min "${SPLIT_BUDGET_MIN:-6}" \
+      --fill-bw "$fill" --out "$OUT/split-bench.json" ${SPLIT_ARGS:-}
+  ) 2>&1 | tee "$OUT/split-bench.log"
+  sbrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$sbrc
 fi
 # CRIU's logs of anything that failed, for the post-mortem.
 ls /var/log/torpor/*.log >/dev/null 2>&1 && tail -n 40 /var/log/torpor/dump-*.log /var/log/torpor/restore-*.log > "$OUT/criu-failures.txt" 2>/dev/null

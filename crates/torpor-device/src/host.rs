@@ -60,6 +60,9 @@ impl PhysicalMemory for HostMemory {
 
 /// Seals that every memfd of this backend carries from its creation: its size never changes.
 const SIZE_SEALS: i32 = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+/// How long sealing waits out a writable mapping that a forked child still holds (it goes when
+/// the child execs); a mapping that outlasts this is a real one, and the seal is refused.
+const SEAL_BUSY_RETRY: std::time::Duration = std::time::Duration::from_millis(500);
 
 impl Default for HostDevice {
     fn default() -> Self {
@@ -268,9 +271,16 @@ impl Device for HostDevice {
     fn seal_read_only(&self, memory: &HostMemory) -> Result<(), DeviceError> {
         // F_SEAL_SEAL too: nobody can change the seals after this.
         let add = libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
+        // A child this process forked meanwhile (torpord runs CRIU while it fills segments)
+        // holds a copy of every writable mapping until it execs: EBUSY then passes in moments.
+        let deadline = std::time::Instant::now() + SEAL_BUSY_RETRY;
         // SAFETY: F_ADD_SEALS takes an int of seal flags.
-        if unsafe { libc::fcntl(memory.fd.as_raw_fd(), libc::F_ADD_SEALS, add) } != 0 {
+        while unsafe { libc::fcntl(memory.fd.as_raw_fd(), libc::F_ADD_SEALS, add) } != 0 {
             let source = std::io::Error::last_os_error();
+            if source.raw_os_error() == Some(libc::EBUSY) && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                continue;
+            }
             return match source.raw_os_error() {
                 Some(libc::EBUSY) => Err(DeviceError::WritableMappingExists),
                 // Already sealed (F_SEAL_SEAL is set): fine when the write seal is there.

@@ -129,6 +129,19 @@ enum Command {
         #[command(flatten)]
         daemon: cmd::DaemonArgs,
     },
+    /// Stop every live instance of a function, the deploy kept (idle ones now, busy ones when
+    /// their request ends) and discard its hibernated ones: the next request restores afresh.
+    Stop {
+        name: String,
+        /// Leave the hibernated instances on disk (later requests wake them).
+        #[arg(long)]
+        keep_hibernated: bool,
+        /// Print the daemon's JSON answer.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        daemon: cmd::DaemonArgs,
+    },
     /// Show torpord's state: version, uptime, listeners, functions, snapshots, instances.
     Status {
         /// Print the daemon's JSON answer.
@@ -208,6 +221,12 @@ fn main() -> ExitCode {
         Command::Ls { json, daemon } => cmd::ls::run(&daemon, json),
         Command::Status { json, daemon } => cmd::status::run(&daemon, json),
         Command::Rm { name, json, daemon } => cmd::rm::run(&daemon, &name, json),
+        Command::Stop {
+            name,
+            keep_hibernated,
+            json,
+            daemon,
+        } => cmd::stop::run(&daemon, &name, keep_hibernated, json),
         Command::Logs {
             name,
             lines,

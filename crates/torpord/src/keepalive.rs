@@ -559,8 +559,9 @@ impl Runtime {
         }
     }
 
-    /// After a redeploy: every hibernated instance of `name` (rows, snapshots) goes.
-    pub(crate) fn discard_sleepers_of(self: &Arc<Self>, name: &str) {
+    /// After a redeploy (or a `torpor stop` of a function without a pool): every hibernated
+    /// instance of `name` (rows, snapshots) goes. Returns the ids discarded.
+    pub(crate) fn discard_sleepers_of(self: &Arc<Self>, name: &str) -> Vec<String> {
         let registry = Arc::clone(&self.registry);
         let name = name.to_string();
         let found = registry.with(|s| {
@@ -581,9 +582,10 @@ impl Runtime {
             Ok(f) => f,
             Err(e) => {
                 tracing::error!(function = %name, error = %e, "cannot list the hibernated instances to discard");
-                return;
+                return Vec::new();
             }
         };
+        let mut discarded = Vec::new();
         for (id, snap) in found {
             let r = registry.transaction(|s| {
                 s.delete_instance(&id)?;
@@ -599,8 +601,10 @@ impl Runtime {
             if let Some(snap) = snap {
                 remove_snapshot_dir(&snap.path);
             }
-            tracing::info!(instance = %id, function = %name, "hibernated instance of an older deploy discarded");
+            tracing::info!(instance = %id, function = %name, "hibernated instance discarded");
+            discarded.push(id);
         }
+        discarded
     }
 }
 

@@ -124,6 +124,17 @@ pub struct Instance {
     pub(crate) segments: Mutex<crate::split::server::Leases>,
 }
 
+/// What [`Runtime::stop_instances`] took out of service.
+#[derive(Debug)]
+pub struct StoppedInstances {
+    /// Idle instances, stopped now.
+    pub stopped: Vec<String>,
+    /// Busy instances, stopped when their requests end.
+    pub retiring: Vec<String>,
+    /// Hibernated instances taken from the pool, to discard.
+    pub sleepers: Vec<Sleeper>,
+}
+
 /// The `quiet` frame of a hibernating instance and its connection's read half, handed from the
 /// instance's reader to the hibernation.
 pub(crate) type QuietHandOver = (Map<String, Value>, OwnedReadHalf);
@@ -288,7 +299,7 @@ impl Drop for Lease {
         if retire {
             self.runtime.remove_instance(
                 &self.instance,
-                "retired: a newer deploy replaced it",
+                "retired: a newer deploy or `torpor stop` replaced it",
                 true,
             );
         }
@@ -425,6 +436,50 @@ impl Runtime {
         }
         pool.changed.notify_waiters();
         live.iter().map(|i| i.id.clone()).collect()
+    }
+
+    /// `torpor stop`: takes every live instance of `name` out of service without touching the
+    /// deploy, as a redeploy does (the generation moves on): idle ones are stopped now, busy
+    /// ones when their last request ends, and instances starting meanwhile after their first.
+    /// Hibernated instances are taken too unless `keep_hibernated`; they are returned, for the
+    /// caller to discard ([`Runtime::discard_sleeper`]). `None` when the function has no pool
+    /// (no request since this daemon started): nothing of it is live.
+    pub fn stop_instances(
+        self: &Arc<Self>,
+        name: &str,
+        keep_hibernated: bool,
+    ) -> Option<StoppedInstances> {
+        let pool = lock(&self.pools).get(name).cloned()?;
+        let (idle, busy, sleepers) = {
+            let mut st = lock(&pool.state);
+            st.generation += 1;
+            let (idle, busy): (Vec<_>, Vec<_>) = st
+                .instances
+                .iter()
+                .filter(|(i, _)| !i.is_dead())
+                .map(|(i, n)| (Arc::clone(i), *n))
+                .partition(|(_, n)| *n == 0);
+            let sleepers = if keep_hibernated {
+                Vec::new()
+            } else {
+                // A sleeper being woken is no longer listed: it joins with the older
+                // generation and is retired after its request, like any starting instance.
+                std::mem::take(&mut st.sleepers)
+            };
+            let only = |v: Vec<(Arc<Instance>, usize)>| -> Vec<Arc<Instance>> {
+                v.into_iter().map(|(i, _)| i).collect()
+            };
+            (only(idle), only(busy), sleepers)
+        };
+        for inst in &idle {
+            self.remove_instance_of(&pool, inst, "retired: stopped by `torpor stop`", true);
+        }
+        pool.changed.notify_waiters();
+        Some(StoppedInstances {
+            stopped: idle.iter().map(|i| i.id.clone()).collect(),
+            retiring: busy.iter().map(|i| i.id.clone()).collect(),
+            sleepers,
+        })
     }
 
     /// After a (re)deploy: new instances come from `snapshot`; idle older ones are retired now,

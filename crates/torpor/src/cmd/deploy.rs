@@ -34,7 +34,7 @@ pub fn run(daemon: &DaemonArgs, dir: &Path, json: bool) -> anyhow::Result<ExitCo
             if v.get("error").is_none() {
                 if !json {
                     let s = v.get("s").and_then(Value::as_f64).unwrap_or(0.0);
-                    println!("{phase:<18} {:>9.3} s", s);
+                    println!("{phase:<18} {:>9.3} s{}", s, snapshot_details(&v));
                 }
                 continue;
             }
@@ -81,4 +81,25 @@ pub fn run(daemon: &DaemonArgs, dir: &Path, json: bool) -> anyhow::Result<ExitCo
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// What the `snapshot_function` line adds (docs/split.md, "Capture"): how long the instance
+/// was stopped and, for a split snapshot, its segments; empty for other phases.
+fn snapshot_details(v: &Value) -> String {
+    let Some(stop) = v.get("stop_s").and_then(Value::as_f64) else {
+        return String::new();
+    };
+    let mut out = format!("  (instance stopped {stop:.3} s");
+    if v.get("split").and_then(Value::as_bool) == Some(true) {
+        let n = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+        out.push_str(&format!(
+            "; split: {} segments ({} read-only), {}, {} new in the chunk store",
+            n("segments"),
+            n("readonly_segments"),
+            super::human(n("segment_bytes")),
+            super::human(n("stored_bytes"))
+        ));
+    }
+    out.push(')');
+    out
 }

@@ -12,6 +12,7 @@ pub mod serve;
 pub mod snapshot;
 pub mod stage;
 pub mod status;
+pub mod stop;
 pub mod verify;
 
 use std::path::PathBuf;

@@ -1,14 +1,16 @@
-//! `GET /v1/functions`, `GET /v1/functions/{name}`, `DELETE /v1/functions/{name}`.
+//! `GET /v1/functions`, `GET /v1/functions/{name}`, `DELETE /v1/functions/{name}`,
+//! `POST /v1/functions/{name}/stop`.
 
 use std::collections::BTreeMap;
 use std::path::{Component, Path as FsPath, PathBuf};
 use std::sync::Arc;
 
+use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
 
-use super::types::{Deleted, FunctionDetail, FunctionList, FunctionSummary};
+use super::types::{Deleted, FunctionDetail, FunctionList, FunctionSummary, StopRequest, Stopped};
 use super::{with_registry, ApiError, AppState};
 use crate::registry::FunctionState;
 
@@ -131,6 +133,65 @@ pub async fn delete(
         snapshots: snapshots.into_iter().map(|s| s.id).collect(),
         removed,
         left_behind,
+    }))
+}
+
+/// Takes every live instance of the function out of service, the deploy untouched: idle ones
+/// are stopped now, busy ones when their requests end (as a redeploy retires them), and its
+/// hibernated instances are discarded unless the body says `{"keep_hibernated": true}`. The
+/// next request restores a fresh instance from the function snapshot.
+pub async fn stop(
+    State(state): State<Arc<AppState>>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Result<Json<Stopped>, ApiError> {
+    let req: StopRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        StopRequest::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!("the stop body is not {{\"keep_hibernated\": bool}} ({e}): send that, or nothing"),
+            )
+        })?
+    };
+    let n = name.clone();
+    with_registry(&state, move |r| match r.with(|s| s.function(&n))? {
+        Some(_) => Ok(()),
+        None => Err(unknown(&n)),
+    })
+    .await?;
+    let rt = Arc::clone(&state.runtime);
+    let (stopped, retiring, discarded) = match rt.stop_instances(&name, req.keep_hibernated) {
+        Some(s) => {
+            let mut discarded = Vec::new();
+            for sleeper in s.sleepers {
+                rt.discard_sleeper(
+                    sleeper.id.clone(),
+                    sleeper.snapshot_id,
+                    sleeper.snapshot_dir,
+                )
+                .await;
+                discarded.push(sleeper.id);
+            }
+            (s.stopped, s.retiring, discarded)
+        }
+        // No pool: nothing of it is live in this daemon; only hibernated rows may exist.
+        None if req.keep_hibernated => (Vec::new(), Vec::new(), Vec::new()),
+        None => {
+            let n = name.clone();
+            let discarded = tokio::task::spawn_blocking(move || rt.discard_sleepers_of(&n))
+                .await
+                .map_err(|e| ApiError::internal(format!("discarding task failed: {e}")))?;
+            (Vec::new(), Vec::new(), discarded)
+        }
+    };
+    tracing::info!(function = %name, stopped = stopped.len(), retiring = retiring.len(), discarded = discarded.len(), "function stopped");
+    Ok(Json(Stopped {
+        function: name,
+        stopped,
+        retiring,
+        discarded,
     }))
 }
 

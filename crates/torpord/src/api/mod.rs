@@ -117,6 +117,10 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/functions/{name}/invoke",
             axum::routing::post(invoke::invoke),
         )
+        .route(
+            "/v1/functions/{name}/stop",
+            axum::routing::post(functions::stop),
+        )
         .route("/v1/functions/{name}/logs", get(logs::get))
         .route("/metrics", get(metrics::get))
         .fallback(no_route)

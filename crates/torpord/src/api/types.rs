@@ -114,3 +114,24 @@ pub struct Deleted {
     /// Directories that could not be removed (path → reason); the registry no longer knows them.
     pub left_behind: BTreeMap<PathBuf, String>,
 }
+
+/// The body of `POST /v1/functions/{name}/stop` (optional: an empty body is the default).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StopRequest {
+    /// Leave the hibernated (and evicted) instances on disk, to be woken by later requests.
+    #[serde(default)]
+    pub keep_hibernated: bool,
+}
+
+/// `POST /v1/functions/{name}/stop`: the instances taken out of service.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Stopped {
+    pub function: String,
+    /// Idle instances, stopped now.
+    pub stopped: Vec<String>,
+    /// Busy instances, stopped as soon as their requests end.
+    pub retiring: Vec<String>,
+    /// Hibernated and evicted instances discarded (rows and snapshots).
+    pub discarded: Vec<String>,
+}

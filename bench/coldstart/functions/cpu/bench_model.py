@@ -1,0 +1,75 @@
+"""The split benchmark's CPU function: state in device-memory hook segments on the host backend.
+
+- `weights`: read-only declared data, torpor.load(name, buffer=True) (a sealed segment);
+- `table`: a torpor.buffer() derived from the weights in setup(), only read afterwards (the
+  daemon's warm-up probe finds it unchanged: read-only);
+- `scratch`: a torpor.buffer() every request writes (writable).
+Without the hook (a daemon with `split = false`) the same bytes live in ordinary memory.
+
+Request:  {"seed": n, "hold_s": s?}   hold_s: sleep after computing, to keep the instance busy
+Response: {"digest": sha256 of weights + table + seed, "seed": n}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import torpor
+
+TABLE_SIZE = 4 << 20
+SCRATCH_SIZE = 1 << 20
+
+
+def seed_of(request: Any) -> tuple[int, float]:
+    if not isinstance(request, dict):
+        raise TypeError(f'the request must be {{"seed": int, "hold_s": number?}}, got {str(request)[:100]}')
+    seed, hold = request.get("seed", 0), request.get("hold_s", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= 600:
+        raise ValueError(f"hold_s must be a number of seconds from 0 to 600, got {hold!r}")
+    return seed, float(hold)
+
+
+@torpor.function
+class BenchCpu:
+    def setup(self) -> None:
+        try:
+            self.weights = torpor.load("weights", buffer=True)
+            self.table = torpor.buffer(TABLE_SIZE)
+            self.scratch = torpor.buffer(SCRATCH_SIZE)
+        except torpor.HookError:
+            # The transparent path: no hook, the same bytes in ordinary memory.
+            self.weights = memoryview(torpor.load_bytes("weights"))
+            self.table = memoryview(bytearray(TABLE_SIZE))
+            self.scratch = memoryview(bytearray(SCRATCH_SIZE))
+        block = hashlib.sha256(self.weights).digest()
+        self.table[:] = block * (TABLE_SIZE // len(block))
+        self.calls = 0
+
+    def answer(self, seed: int) -> dict[str, Any]:
+        h = hashlib.sha256(self.weights)
+        h.update(self.table)
+        h.update(str(seed).encode())
+        return {"digest": h.hexdigest(), "seed": seed}
+
+    def __call__(self, request: Any) -> dict[str, Any]:
+        seed, hold = seed_of(request)
+        self.calls += 1
+        self.scratch[:8] = self.calls.to_bytes(8, "little")
+        out = self.answer(seed)
+        time.sleep(hold)
+        return out
+
+
+@torpor.function
+class BenchCpuEmbed(BenchCpu):
+    """Same weights and table, another answer (the dedup measurement's second function)."""
+
+    def answer(self, seed: int) -> dict[str, Any]:
+        h = hashlib.blake2b(self.table, digest_size=32)
+        h.update(self.weights)
+        h.update(str(seed).encode())
+        return {"embedding": h.hexdigest(), "seed": seed}

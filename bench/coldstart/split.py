@@ -1,0 +1,776 @@
+"""Restore → first inference through torpord, transparent path against the split path, side by
+side in one run. Run on the GPU machine as root (scripts/gpu-run.sh split-bench):
+
+    python3 bench/coldstart/split.py [--models resnet152,gpt2-large] [--runs 5] --out FILE
+
+For each model (the functions of bench/coldstart/functions/, which run the examples' handlers on
+the examples' weights) and each mode, RUNS times, each a fresh restore (`torpor stop NAME` first,
+so no instance and no hibernated one is left):
+  transparent  a daemon with `split = false`: CRIU and the driver restore everything;
+  host-cache   split (`split = true`, `split_gpu = true`), `[restore_server] gpu_cache_bytes = 0`:
+               segments filled from the restore server's host cache (pinned on cuda);
+  gpu-cache    split, a GPU cache large enough: segments copied device to device (warmed first:
+               a store read puts a segment in the host cache, a host-cache hit puts it in the GPU
+               cache; warm-up restores run until every fill comes from the GPU cache);
+  second       split with the GPU cache: instance 1 restored, kept busy by a request holding
+               `hold_s`, then a second request, which the daemon serves by restoring a second
+               instance that maps the shared read-only segments of the first.
+Per run: the client's wall time of the invoke that restores (send to last byte), the daemon's
+phases (X-Torpor-Timings: restore = CRIU + driver, reconnect, segments, handler, ...), the fills
+of that restore from /metrics (torpor_restore_fill_gbps count and sum per source) and the value,
+compared with the first value of the model (bit-identical outputs across modes). Also per model:
+deploy phases and the instance's stop time (`stop_s`), snapshot sizes (snapshot directory, segment
+bytes, bytes stored in the chunk store from `torpor inspect --store`), and for models with an
+`-embed` variant (same base, same weights) the deduplication in the chunk store. The link's
+host→device bandwidth comes from a fill_bw JSON (--fill-bw).
+
+The split modes share one state directory: the host-cache daemon deploys, later daemons
+(restarted with their config) restore the same snapshots. Extra daemon config per mode:
+`--daemon-config [MODE:]KEY=VALUE` (KEY dotted for a table, e.g. restore_server.pages=lazy; VALUE
+in TOML, a bare word is a string), repeatable.
+
+On a machine without a GPU: `--models cpu` runs a CPU function with host-backend segments (the
+"GPU cache" is then memfd memory), as a smoke test of the whole procedure.
+Render the JSON as Markdown: python3 bench/coldstart/split_table.py FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+FUNCTIONS = HERE / "functions"
+sys.path.insert(0, str(HERE))
+
+from run import disk_usage, find_torpor, machine, summary  # noqa: E402
+
+Json = dict[str, Any]
+GIB = 1 << 30
+MODES = ("transparent", "host-cache", "gpu-cache", "second")
+# Host cache for every split mode: every model's segments fit (GPT-2-Large holds ~3.3 GB).
+HOST_CACHE_BYTES = 8 * GIB
+GPU_CACHE_BYTES = 8 * GIB
+CPU_WEIGHTS_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Model:
+    """A function of bench/coldstart/functions/ and what it needs."""
+
+    name: str
+    # examples/<example>: its model.py (subclassed by bench_model.py) and weights.safetensors.
+    example: str | None
+    request: Json
+    gpu: bool
+    # An `<name>-embed` function on the same base and weights, for the dedup measurement.
+    embed: bool
+
+
+MODELS = {
+    "resnet152": Model("resnet152", "resnet152", {"seed": 1}, True, True),
+    "gpt2-large": Model("gpt2-large", "gpt2-large", {"seed": 1}, True, False),
+    "cpu": Model("cpu", None, {"seed": 1}, False, True),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments and daemon configs
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="resnet152,gpt2-large", help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--runs", type=int, default=5, help="fresh restores per model and mode")
+    p.add_argument("--out", type=Path, required=True, help="result JSON")
+    p.add_argument("--work-dir", type=Path, default=Path("/var/tmp/torpor-split"), help="state dirs, function copies")
+    p.add_argument("--hold-s", type=float, default=4.0, help="second mode: how long instance 1 stays busy")
+    p.add_argument("--settle-s", type=float, default=0.5, help="second mode: wait after the holding request is sent")
+    p.add_argument("--warm-max", type=int, default=3, help="gpu-cache mode: most warm-up restores per model")
+    p.add_argument("--no-dedup", action="store_true", help="skip the -embed deploys (dedup measurement)")
+    p.add_argument("--fill-bw", type=Path, help="fill_bw JSON of this machine (the link's host→device GB/s)")
+    p.add_argument(
+        "--daemon-config",
+        action="append",
+        default=[],
+        metavar="[MODE:]KEY=VALUE",
+        help="extra daemon config, for every mode or one; KEY dotted for a table (restore_server.pages)",
+    )
+    p.add_argument("--budget-min", type=float, default=8.0, help="skip the remaining runs past this")
+    p.add_argument("--torpor", type=Path, help="torpor binary (default $TORPOR_BIN, target/{release,debug})")
+    p.add_argument("--keep", action="store_true", help="keep the work dir (state dirs, daemon logs)")
+    a = p.parse_args(argv)
+    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for m in a.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}: one of {', '.join(MODELS)}")
+    for m in a.modes:
+        if m not in MODES:
+            p.error(f"unknown mode {m!r}: one of {', '.join(MODES)}")
+    # Modes run in the documented order, whatever order they were given in.
+    a.modes = [m for m in MODES if m in a.modes]
+    if a.runs < 1 or a.warm_max < 0 or a.hold_s <= 0:
+        p.error("--runs must be at least 1, --warm-max at least 0 and --hold-s positive")
+    try:
+        a.extra = parse_daemon_config(a.daemon_config)
+    except ValueError as e:
+        p.error(str(e))
+    return a
+
+
+def toml_value(text: str) -> Any:
+    """VALUE of --daemon-config as TOML; a bare word (lazy) is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_daemon_config(items: list[str]) -> dict[str | None, Json]:
+    """`[MODE:]KEY=VALUE` items → {mode or None (every mode): nested {key: value}}."""
+    out: dict[str | None, Json] = {}
+    for item in items:
+        scope, key, value = None, *item.partition("=")[::2]
+        if "=" not in item or not key.strip():
+            raise ValueError(f"--daemon-config {item!r} is not [MODE:]KEY=VALUE, e.g. restore_server.pages=lazy")
+        if ":" in key:
+            scope, key = key.split(":", 1)
+            if scope not in MODES:
+                raise ValueError(f"--daemon-config {item!r}: {scope!r} is not a mode ({', '.join(MODES)})")
+        parts = [k.strip() for k in key.strip().split(".")]
+        if len(parts) > 2 or not all(parts):
+            raise ValueError(f"--daemon-config {item!r}: KEY is a top-level key or TABLE.KEY")
+        table = out.setdefault(scope, {})
+        if len(parts) == 2:
+            table = table.setdefault(parts[0], {})
+        table[parts[-1]] = toml_value(value.strip())
+    return out
+
+
+def mode_config(mode: str, gpu: bool, extra: dict[str | None, Json]) -> Json:
+    """The daemon config of a mode: its own keys, then --daemon-config for every mode, then for it."""
+    if mode == "transparent":
+        config: Json = {"split": False}
+    else:
+        config = {
+            "split": True,
+            "split_gpu": gpu,
+            "restore_server": {
+                "host_cache_bytes": HOST_CACHE_BYTES,
+                "gpu_cache_bytes": 0 if mode == "host-cache" else GPU_CACHE_BYTES,
+            },
+        }
+    for scope in (None, mode):
+        for k, v in extra.get(scope, {}).items():
+            if isinstance(v, dict):
+                config.setdefault(k, {}).update(v)
+            else:
+                config[k] = v
+    return config
+
+
+def toml_scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a TOML basic string
+
+
+def render_toml(config: Json) -> str:
+    """Top-level keys first (after a table header they would land in the table), then tables."""
+    lines = [f"{k} = {toml_scalar(v)}" for k, v in config.items() if not isinstance(v, dict)]
+    for k, v in config.items():
+        if isinstance(v, dict):
+            lines.append(f"[{k}]")
+            lines += [f"{kk} = {toml_scalar(vv)}" for kk, vv in v.items()]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The daemon, over its Unix socket
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("torpord", timeout=timeout)
+        self.unix_path = str(path)
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self.unix_path)
+        self.sock = s
+
+
+def pids_with(text: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+class Daemon:
+    """`torpor serve` on a state directory with one mode's config."""
+
+    def __init__(self, torpor: Path, state: Path, mode: str, config: Json, logs: Path) -> None:
+        self.torpor = torpor
+        self.state = state
+        self.mode = mode
+        self.config = config
+        self.socket = state.parent / f"{state.name}.sock"
+        self.log = logs / f"torpord-{mode}.log"
+        config_file = logs / f"torpord-{mode}.toml"
+        config_file.write_text(render_toml(config))
+        self.socket.unlink(missing_ok=True)
+        env = {k: v for k, v in os.environ.items() if k != "TORPOR_SOCKET"}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(torpor), "serve", "--config", str(config_file), "--state-dir", str(state), "--socket", str(self.socket)],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=env,
+            )
+        deadline = time.monotonic() + 30
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"torpor serve ({mode}) did not start:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 600) -> tuple[int, dict[str, str], bytes]:
+        conn = UnixHTTPConnection(self.socket, timeout)
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            conn.close()
+
+    def invoke(self, name: str, request: Any) -> Json:
+        """One invoke, timed from the send to the last byte of the answer."""
+        t0 = time.perf_counter()
+        status, headers, body = self.request("POST", f"/v1/functions/{name}/invoke", request)
+        wall = time.perf_counter() - t0
+        if status != 200:
+            raise RuntimeError(f"invoke {name} ({self.mode}) answered {status}: {body[:500]!r}\n{self.log_tail()}")
+        return {
+            "wall_s": round(wall, 6),
+            "start": headers.get("x-torpor-start"),
+            "timings": json.loads(headers.get("x-torpor-timings", "{}")),
+            "value": json.loads(body),
+            "t_done": time.perf_counter(),
+        }
+
+    def cli(self, *args: str | Path, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, TORPOR_SOCKET=str(self.socket))
+        return subprocess.run(
+            [str(self.torpor), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
+
+    def stop_function(self, name: str) -> Json:
+        """`torpor stop NAME --json`: no live or hibernated instance is left, so the next invoke restores."""
+        t0 = time.perf_counter()
+        r = self.cli("stop", name, "--json", timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"torpor stop {name} failed: {r.stderr.strip()}")
+        out: Json = json.loads(r.stdout)
+        # Busy ones stop when their request ends; wait until the daemon lists none live.
+        deadline = time.monotonic() + 30
+        while self.live(name):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"instances of {name} still live 30 s after torpor stop")
+            time.sleep(0.02)
+        out["wall_s"] = round(time.perf_counter() - t0, 4)
+        return out
+
+    def live(self, name: str) -> int:
+        status, _, body = self.request("GET", f"/v1/functions/{name}", timeout=30)
+        if status != 200:
+            raise RuntimeError(f"GET /v1/functions/{name} answered {status}: {body[:300]!r}")
+        return sum(1 for i in json.loads(body)["instances"] if i.get("pid"))
+
+    def deploy(self, fdir: Path) -> Json:
+        t0 = time.perf_counter()
+        r = self.cli("deploy", "--json", fdir)
+        lines = [json.loads(x) for x in r.stdout.splitlines() if x.strip().startswith("{")]
+        result = next((x["result"] for x in lines if "result" in x), None)
+        if r.returncode != 0 or result is None:
+            raise RuntimeError(f"deploy of {fdir} ({self.mode}) failed\n{r.stdout}\n{r.stderr}\n{self.log_tail()}")
+        return {
+            "wall_s": round(time.perf_counter() - t0, 3),
+            "phases": {x["phase"]: x.get("s") for x in lines if "phase" in x},
+            "snapshot_function": next((x for x in lines if x.get("phase") == "snapshot_function"), None),
+            "result": result,
+        }
+
+    def restore_metrics(self) -> dict[str, float]:
+        """The restore server's series in /metrics (histogram buckets left out)."""
+        status, _, body = self.request("GET", "/metrics", timeout=30)
+        out: dict[str, float] = {}
+        if status != 200:
+            return out
+        for line in body.decode(errors="replace").splitlines():
+            if line.startswith("torpor_restore_") and "_bucket{" not in line:
+                key, _, value = line.rpartition(" ")
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    pass
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in pids_with(f"{self.state}/"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def fills(before: dict[str, float], after: dict[str, float]) -> Json:
+    """Per source, the segments filled between two /metrics reads and their mean GB/s (the mean
+    over segments of each segment's size / fill time)."""
+    out: Json = {}
+    for key, v in after.items():
+        if key.startswith("torpor_restore_fill_gbps_count{"):
+            source = key[key.index('source="') + 8 :].split('"', 1)[0]
+            n = v - before.get(key, 0.0)
+            if n <= 0:
+                continue
+            sum_key = key.replace("_count{", "_sum{")
+            total = after.get(sum_key, 0.0) - before.get(sum_key, 0.0)
+            out[source] = {"segments": int(n), "gbps_sum": round(total, 6), "mean_gbps": round(total / n, 3)}
+    return out
+
+
+def merge_fills(runs: list[Json]) -> Json:
+    out: Json = {}
+    for r in runs:
+        for source, f in (r.get("fills") or {}).items():
+            o = out.setdefault(source, {"segments": 0, "gbps_sum": 0.0})
+            o["segments"] += f["segments"]
+            o["gbps_sum"] += f["gbps_sum"]
+    for o in out.values():
+        o["mean_gbps"] = round(o["gbps_sum"] / o["segments"], 3)
+        o["gbps_sum"] = round(o["gbps_sum"], 6)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Functions: assembled from bench/coldstart/functions/, the examples and their weights
+
+
+def link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
+
+
+def cpu_weights(path: Path) -> Path:
+    if not path.is_file() or path.stat().st_size != CPU_WEIGHTS_BYTES:
+        path.write_bytes(random.Random(0).randbytes(CPU_WEIGHTS_BYTES))
+    return path
+
+
+def example_weights(example: str, say: Any) -> Path:
+    path = ROOT / "examples" / example / "weights.safetensors"
+    if not path.is_file():
+        say(f"{example}: writing {path}")
+        subprocess.run([sys.executable, str(path.parent / "make_weights.py")], check=True)
+    return path
+
+
+def assemble(name: str, model: Model, dest_root: Path, say: Any) -> Path:
+    """A deployable copy of function `name` (`model.name` or its -embed variant) in dest_root."""
+    dest = dest_root / name
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for f in (FUNCTIONS / model.name).iterdir():
+        if f.is_file() and f.suffix == ".py":
+            shutil.copy2(f, dest / f.name)
+    shutil.copy2(FUNCTIONS / name / "torpor.toml", dest / "torpor.toml")
+    if model.example:
+        shutil.copy2(ROOT / "examples" / model.example / "model.py", dest / "model.py")
+        link_or_copy(example_weights(model.example, say), dest / "weights.safetensors")
+    else:
+        link_or_copy(cpu_weights(dest_root / "cpu-weights.bin"), dest / "weights.bin")
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def versions() -> Json:
+    out: Json = {"python": sys.version.split()[0]}
+    for dist in ("torch", "torchvision", "transformers", "safetensors"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def link_bandwidth(path: Path | None) -> Json | None:
+    """The best median host→device GB/s of a fill_bw JSON (pinned, any stream count)."""
+    if path is None or not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    h2d = [r["h2d_pinned"]["gb_per_s_median"] for r in d.get("results", []) if "h2d_pinned" in r]
+    return {
+        "file": str(path),
+        "gpu": d.get("gpu"),
+        "h2d_pinned_gbps": round(max(h2d), 2) if h2d else None,
+        "chunk_bytes": d.get("chunk_bytes"),
+    }
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace, torpor: Path) -> None:
+        self.a = a
+        self.torpor = torpor
+        self.t0 = time.monotonic()
+        self.work: Path = a.work_dir
+        self.logs = self.work / "logs"
+        self.gpu = any(MODELS[m].gpu for m in a.models)
+        self.daemon: Daemon | None = None
+        self.deployed: dict[str, dict[str, Json]] = {}  # state -> function -> deploy record
+        self.failed_deploys: set[tuple[str, str]] = set()
+        self.references: dict[str, Any] = {}
+        self.results: list[Json] = []
+        self.errors: list[str] = []
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def over_budget(self) -> bool:
+        return (time.monotonic() - self.t0) / 60 > self.a.budget_min
+
+    def use_daemon(self, mode: str) -> Daemon:
+        state = "transparent" if mode == "transparent" else "split"
+        config = mode_config(mode, self.gpu, self.a.extra)
+        d = self.daemon
+        if d is not None and d.state.name == state and d.config == config:
+            d.mode = mode
+            return d
+        if d is not None:
+            d.stop()
+        self.say(f"{mode}: torpor serve on {state}/ with {json.dumps(config)}")
+        self.daemon = Daemon(self.torpor, self.work / state, mode, config, self.logs)
+        return self.daemon
+
+    def ensure_deployed(self, d: Daemon, model: Model) -> None:
+        state = d.state.name
+        names = [model.name]
+        if model.embed and state == "split" and not self.a.no_dedup:
+            names.append(f"{model.name}-embed")
+        for name in names:
+            if name in self.deployed.setdefault(state, {}):
+                continue
+            if (state, name) in self.failed_deploys:
+                if name == model.name:
+                    raise RuntimeError(f"the deploy of {name} on {state}/ failed earlier (see errors)")
+                continue
+            fdir = assemble(name, model, self.work / "functions", self.say)
+            self.say(f"{name}: deploy ({state})")
+            try:
+                dep = d.deploy(fdir)
+            except RuntimeError as e:
+                self.failed_deploys.add((state, name))
+                if name == model.name:
+                    raise
+                # Only the dedup measurement needs it: the model's modes go on.
+                self.errors.append(f"{name} ({state}): {e}")
+                self.say(f"{name}: deploy FAILED: {str(e).splitlines()[0]}")
+                continue
+            dep["sizes"] = self.sizes(d, dep)
+            self.deployed[state][name] = dep
+            snap = dep["snapshot_function"] or {}
+            self.say(
+                f"{name}: deployed in {dep['wall_s']:.1f} s; stop_s {snap.get('stop_s')}, "
+                f"split {snap.get('split')}, segments {snap.get('segments')}"
+            )
+
+    def sizes(self, d: Daemon, dep: Json) -> Json:
+        snap_id, base_id = dep["result"]["snapshot"], dep["result"]["base"]
+        snap_dir = d.state / "snapshots" / snap_id
+        out: Json = {
+            "snapshot_dir": disk_usage(snap_dir),
+            "base_dir": disk_usage(d.state / "snapshots" / base_id) if base_id else None,
+        }
+        args: list[str | Path] = ["inspect", snap_dir, "--json"]
+        chunks = d.state / "chunks"
+        split = bool((dep["snapshot_function"] or {}).get("split"))
+        if split and chunks.is_dir():
+            args += ["--store", chunks]
+        r = d.cli(*args, timeout=600)
+        if r.returncode == 0:
+            doc = json.loads(r.stdout)
+            manifest = doc.get("manifest", doc) if split else doc
+            out["store"] = doc.get("store") if split else None
+            out["criu_version"] = ((manifest or {}).get("host") or {}).get("criu_version")
+        else:
+            out["inspect_error"] = r.stderr.strip()[-500:]
+        return out
+
+    def same(self, model: str, value: Any) -> bool:
+        ref = self.references.setdefault(model, value)
+        return bool(value == ref)
+
+    def restore_run(self, d: Daemon, model: Model, i: int) -> Json:
+        stopped = d.stop_function(model.name)
+        before = d.restore_metrics()
+        r = d.invoke(model.name, model.request)
+        after = d.restore_metrics()
+        r.pop("t_done")
+        r.update(run=i, stop=stopped, fills=fills(before, after), same=self.same(model.name, r["value"]))
+        if r["start"] != "restored":
+            raise RuntimeError(f"{model.name} run {i}: the invoke was {r['start']}, not restored")
+        return r
+
+    def warm_gpu_cache(self, d: Daemon, model: Model) -> list[Json]:
+        """Restores until every fill of one came from the GPU cache (or a shared copy)."""
+        warmups: list[Json] = []
+        for i in range(self.a.warm_max):
+            r = self.restore_run(d, model, -1 - i)
+            warmups.append(r)
+            self.say(f"{model.name}/gpu-cache warm-up #{i}: fills {r['fills']}")
+            if r["fills"] and set(r["fills"]) <= {"gpu", "shared"}:
+                break
+        return warmups
+
+    def second_run(self, d: Daemon, model: Model, i: int) -> Json:
+        stopped = d.stop_function(model.name)
+        first = d.invoke(model.name, model.request)
+        if first["start"] != "restored":
+            raise RuntimeError(f"{model.name}: instance 1 was {first['start']}, not restored")
+        held: list[Json] = []
+        failed: list[BaseException] = []
+
+        def hold() -> None:
+            try:
+                held.append(d.invoke(model.name, {**model.request, "hold_s": self.a.hold_s}))
+            except BaseException as e:  # reported after the join
+                failed.append(e)
+
+        th = threading.Thread(target=hold, daemon=True)
+        th.start()
+        time.sleep(self.a.settle_s)
+        before = d.restore_metrics()
+        second = d.invoke(model.name, model.request)
+        after = d.restore_metrics()
+        live = d.live(model.name)
+        th.join(timeout=self.a.hold_s + 600)
+        if failed or not held:
+            raise RuntimeError(f"{model.name}: the holding request failed: {failed[:1]}")
+        h = held[0]
+        second.update(
+            run=i,
+            stop=stopped,
+            fills=fills(before, after),
+            live_instances=live,
+            # Instance 1 was still holding its request when instance 2 answered.
+            overlapped=second["t_done"] < h["t_done"],
+            first={"wall_s": first["wall_s"], "start": first["start"], "timings": first["timings"]},
+            held={"wall_s": h["wall_s"], "start": h["start"], "same": self.same(model.name, h["value"])},
+            same=self.same(model.name, second["value"]) and self.same(model.name, first["value"]),
+        )
+        second.pop("t_done")
+        if second["start"] != "restored" or h["start"] != "warm":
+            raise RuntimeError(
+                f"{model.name} run {i}: the second request was {second['start']} and the held one "
+                f"{h['start']}; expected restored and warm (raise --hold-s?)"
+            )
+        return second
+
+    def mode(self, mode: str, model: Model) -> Json:
+        d = self.use_daemon(mode)
+        self.ensure_deployed(d, model)
+        out: Json = {"model": model.name, "mode": mode, "config": d.config}
+        if mode == "gpu-cache":
+            out["warmups"] = self.warm_gpu_cache(d, model)
+        runs: list[Json] = []
+        for i in range(self.a.runs):
+            if i > 0 and self.over_budget():
+                self.say(f"{model.name}/{mode}: time budget spent after {i} runs")
+                out["skipped_runs"] = self.a.runs - i
+                break
+            try:
+                r = self.second_run(d, model, i) if mode == "second" else self.restore_run(d, model, i)
+            except (RuntimeError, OSError, http.client.HTTPException) as e:
+                # The runs so far stand; the error says why the rest are missing.
+                out["error"] = f"run {i}: {type(e).__name__}: {e}"
+                self.errors.append(f"{model.name}/{mode}: {out['error']}")
+                self.say(f"{model.name}/{mode}: FAILED: {out['error']}")
+                break
+            runs.append(r)
+            self.say(
+                f"{model.name}/{mode} #{i}: {r['wall_s']:.3f} s, timings {r['timings']}, fills "
+                f"{ {k: v['segments'] for k, v in r['fills'].items()} }, same {r['same']}"
+            )
+        if "error" not in out:
+            d.stop_function(model.name)
+        phases: list[str] = []
+        for r in runs:
+            phases += [p for p in r["timings"] if p not in phases]
+        segment_bytes = ((self.deployed[d.state.name][model.name]["snapshot_function"] or {}).get("segment_bytes")) or 0
+        seg_times = [r["timings"].get("segments") for r in runs if r["timings"].get("segments")]
+        out.update(
+            runs=runs,
+            wall_s=summary([r["wall_s"] for r in runs]),
+            timings={p: summary([r["timings"].get(p) for r in runs]) for p in phases},
+            fills=merge_fills(runs),
+            # Segment bytes over the `segments` phase (hello → all mapped): a floor on the fill
+            # rate, since fills start with CRIU and may be done before hello.
+            segments_phase_gbps=summary([segment_bytes / s / 1e9 for s in seg_times]) if segment_bytes else None,
+            all_same=bool(runs) and all(r["same"] for r in runs),
+        )
+        return out
+
+    def dedup(self) -> list[Json]:
+        out = []
+        split = self.deployed.get("split", {})
+        for name, dep in split.items():
+            if not name.endswith("-embed") or name[: -len("-embed")] not in split:
+                continue
+            a = split[name[: -len("-embed")]]["sizes"].get("store") or {}
+            b = dep["sizes"].get("store") or {}
+            if not a or not b:
+                continue
+            logical = a["logical"] + b["logical"]
+            shared = b["shared_with"].get(a["snapshot"], 0)
+            # The union of their distinct chunks: raw, and on disk (zstd).
+            raw = a["unique"] + b["unique"] - shared
+            together = a["stored"] + b["exclusive"]
+            out.append(
+                {
+                    "functions": [name[: -len("-embed")], name],
+                    "logical_bytes": logical,
+                    "unique_bytes_together": raw,
+                    "shared_bytes": shared,
+                    "stored_bytes_apart": a["stored"] + b["stored"],
+                    "stored_bytes_together": together,
+                    # logical / distinct raw bytes: deduplication alone.
+                    "dedup_ratio": round(logical / raw, 3) if raw else None,
+                    # logical / bytes on disk: deduplication and compression.
+                    "ratio": round(logical / together, 3) if together else None,
+                }
+            )
+        return out
+
+
+def identical(results: list[Json], model: str) -> bool | None:
+    """Whether every run of `model` in every mode gave the reference value; None without runs."""
+    rows = [r for r in results if r["model"] == model and r.get("runs")]
+    return all(r["all_same"] for r in rows) if rows else None
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("split.py: run as root: torpord starts workers in namespaces and runs CRIU")
+    torpor = find_torpor(a.torpor)
+    # A fresh directory per run: nothing of an earlier run (state, caches) is reused.
+    a.work_dir = a.work_dir.resolve() / f"run-{int(time.time() * 1000)}"
+    longest = a.work_dir / "transparent" / "workers.sock"
+    if len(str(longest).encode()) >= 108:
+        raise SystemExit(f"split.py: --work-dir is too long for the daemons' sockets ({longest}): use a shorter one")
+    (a.work_dir / "logs").mkdir(parents=True)
+    bench = Bench(a, torpor)
+    info = machine()
+    bench.say(f"torpor {torpor}; device {info['device']}; models {a.models}; modes {a.modes}; runs {a.runs}")
+    try:
+        for mode in a.modes:
+            for name in a.models:
+                try:
+                    bench.results.append(bench.mode(mode, MODELS[name]))
+                except Exception as e:  # record and go on: one GPU batch should say all it can
+                    bench.say(f"{name}/{mode}: FAILED: {e}")
+                    bench.errors.append(f"{name}/{mode}: {type(e).__name__}: {e}")
+                    bench.results.append({"model": name, "mode": mode, "error": f"{type(e).__name__}: {e}"})
+    finally:
+        if bench.daemon is not None:
+            bench.daemon.stop()
+    criu = next(
+        (dep["sizes"].get("criu_version") for deps in bench.deployed.values() for dep in deps.values() if dep["sizes"].get("criu_version")),
+        None,
+    )
+    doc: Json = {
+        "benchmark": "coldstart-split",
+        "machine": {**info, "criu_version": criu, "versions": versions(), "torpor_binary": str(torpor)},
+        "settings": {
+            "models": a.models,
+            "modes": a.modes,
+            "runs": a.runs,
+            "hold_s": a.hold_s,
+            "warm_max": a.warm_max,
+            "requests": {m: MODELS[m].request for m in a.models},
+            "daemon_config": {m: render_toml(mode_config(m, bench.gpu, a.extra)) for m in a.modes},
+            "each run": "torpor stop NAME, then one invoke (a fresh restore) timed by the client",
+        },
+        "link": link_bandwidth(a.fill_bw),
+        "deploys": bench.deployed,
+        "dedup": bench.dedup(),
+        "results": bench.results,
+        "outputs": {
+            m: {
+                "reference": bench.references.get(m),
+                "identical_across_modes": identical(bench.results, m),
+            }
+            for m in a.models
+        },
+        "errors": bench.errors,
+        "elapsed_s": round(time.monotonic() - bench.t0, 1),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    if a.keep or bench.errors:
+        # After an error, the daemons' logs and CRIU's are the post-mortem.
+        print(f"work dir kept: {a.work_dir}", file=sys.stderr)
+    else:
+        shutil.rmtree(a.work_dir, ignore_errors=True)
+    import split_table
+
+    print(split_table.render(doc))
+    print(f"\n{a.out} ({doc['elapsed_s']:.0f} s)")
+    return 1 if bench.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,132 @@
+"""bench/coldstart/split.py: its daemon configs (pure functions), and the whole procedure on the
+CPU (`--models cpu`: host-backend segments; the "GPU cache" is memfd memory) with the real daemon,
+workers and CRIU, checking the result JSON's structure, that every restore was fresh and that the
+outputs of every run and path are identical."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from conftest import ROOT
+
+COLDSTART = ROOT / "bench" / "coldstart"
+
+
+def load(name: str) -> ModuleType:
+    sys.path.insert(0, str(COLDSTART))
+    spec = importlib.util.spec_from_file_location(f"coldstart_{name}", COLDSTART / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+split = load("split")
+split_table = load("split_table")
+
+
+def test_daemon_config_items_land_in_their_mode_and_table() -> None:
+    extra = split.parse_daemon_config(
+        ["restore_server.pages=lazy", "gpu-cache:restore_server.gpu_cache_bytes=1024", "log_level=debug"]
+    )
+    assert extra == {
+        None: {"restore_server": {"pages": "lazy"}, "log_level": "debug"},
+        "gpu-cache": {"restore_server": {"gpu_cache_bytes": 1024}},
+    }
+    gpu = split.mode_config("gpu-cache", True, extra)
+    assert gpu["restore_server"] == {"host_cache_bytes": 8 << 30, "gpu_cache_bytes": 1024, "pages": "lazy"}
+    assert split.mode_config("host-cache", False, extra)["restore_server"]["gpu_cache_bytes"] == 0
+    assert split.mode_config("transparent", True, {})["split"] is False
+    text = split.render_toml(gpu)
+    # Top-level keys before any table, or they would land in it.
+    assert text.index("log_level") < text.index("[restore_server]"), text
+    import tomllib
+
+    assert tomllib.loads(text) == gpu
+
+
+@pytest.mark.parametrize(
+    "item", ["nokey", "=1", "nosuchmode:split=true", "a.b.c=1", "restore_server.=1"]
+)
+def test_a_bad_daemon_config_item_is_refused(item: str) -> None:
+    with pytest.raises(ValueError, match="--daemon-config"):
+        split.parse_daemon_config([item])
+
+
+def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
+    torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    out = tmp_path / "split.json"
+    # The daemons' sockets live in the work dir: pytest's tmp_path may be too long for them.
+    work = Path(tempfile.mkdtemp(prefix="split-", dir="/tmp"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(COLDSTART / "split.py"),
+            "--models", "cpu",
+            "--runs", "2",
+            "--hold-s", "2",
+            "--torpor", str(torpor_bin),
+            "--work-dir", str(work),
+            "--daemon-config", "queue.timeout_s=120",
+            "--daemon-config", "second:log_level=debug",
+            "--out", str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr[-4000:]}\n(work dir kept: {work})"
+    d = json.loads(out.read_text())
+    assert d["benchmark"] == "coldstart-split" and d["errors"] == []
+    assert {"device", "kernel", "torpor_commit", "criu_version", "versions"} <= set(d["machine"])
+    assert d["machine"]["criu_version"], d["machine"]
+    assert 'log_level = "debug"' in d["settings"]["daemon_config"]["second"]
+    assert "timeout_s = 120" in d["settings"]["daemon_config"]["transparent"]
+
+    rows = {r["mode"]: r for r in d["results"]}
+    assert list(rows) == ["transparent", "host-cache", "gpu-cache", "second"]
+    for mode, row in rows.items():
+        assert len(row["runs"]) == 2 and row["all_same"], (mode, row)
+        assert row["wall_s"]["n"] == 2 and row["timings"]["restore"]["median"] > 0
+        for run in row["runs"]:
+            assert run["start"] == "restored" and run["same"], run
+            assert run["stop"]["function"] == "cpu", run["stop"]
+    # Where each path's segments came from, restore by restore.
+    assert all(not run["fills"] for run in rows["transparent"]["runs"])
+    assert "segments" not in rows["transparent"]["timings"]
+    assert all(set(run["fills"]) == {"host"} for run in rows["host-cache"]["runs"])
+    assert rows["gpu-cache"]["warmups"], "the GPU cache is warmed first"
+    assert all(set(run["fills"]) == {"gpu"} for run in rows["gpu-cache"]["runs"])
+    for run in rows["second"]["runs"]:
+        # The read-only weights and table are the first instance's shared copies.
+        assert run["fills"]["shared"]["segments"] == 2, run["fills"]
+        assert run["live_instances"] == 2 and run["overlapped"], run
+        assert run["held"]["start"] == "warm" and run["held"]["same"], run["held"]
+
+    split_deploy = d["deploys"]["split"]["cpu"]["snapshot_function"]
+    assert split_deploy["split"] and split_deploy["segments"] == 3 and split_deploy["stop_s"] > 0
+    assert d["deploys"]["transparent"]["cpu"]["snapshot_function"]["split"] is False
+    assert d["deploys"]["split"]["cpu"]["sizes"]["store"]["logical"] >= split_deploy["segment_bytes"]
+    [dedup] = d["dedup"]
+    assert dedup["functions"] == ["cpu", "cpu-embed"]
+    assert dedup["shared_bytes"] > 0 and dedup["dedup_ratio"] > 1.5, dedup
+    assert d["outputs"]["cpu"]["identical_across_modes"] is True
+    assert d["outputs"]["cpu"]["reference"]["seed"] == 1
+
+    table = split_table.render(d)
+    assert "| cpu | split, GPU cache |" in table and "bit-identical" in table and "DIFFER" not in table
+    assert not any(work.iterdir()), "the work dir is removed without --keep"
+    work.rmdir()
