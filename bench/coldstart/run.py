@@ -586,10 +586,11 @@ def machine() -> Json:
         if len(parts) == 3:
             gpus.append({"name": parts[0], "driver": parts[1], "memory": parts[2]})
     # The GPU machine gets a copy of the tree without .git: `make gpu-carry` records the commit.
-    commit = run_text(["git", "-C", str(ROOT), "rev-parse", "HEAD"]) or os.environ.get("TORPOR_COMMIT")
-    dirty = run_text(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
-    if dirty is None and os.environ.get("TORPOR_DIRTY") is not None:
-        dirty = os.environ["TORPOR_DIRTY"]
+    # The binary's commit first: the GPU machine's copy of the tree may carry a stale .git.
+    commit = os.environ.get("TORPOR_COMMIT") or run_text(["git", "-C", str(ROOT), "rev-parse", "HEAD"])
+    dirty = os.environ.get("TORPOR_DIRTY")
+    if dirty is None:
+        dirty = run_text(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
     return {
         "gpus": gpus,
         "device": gpus[0]["name"] if gpus else None,

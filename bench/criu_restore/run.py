@@ -279,8 +279,11 @@ def machine(torpor: Path) -> Json:
             gpus.append({"name": parts[0], "driver": parts[1]})
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
     mem = next((ln.split()[1] for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), "0")
-    commit = run_text(["git", "-C", str(ROOT), "rev-parse", "HEAD"]) or os.environ.get("TORPOR_COMMIT")
-    dirty = run_text(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
+    # The binary's commit first: the GPU machine's copy of the tree may carry a stale .git.
+    commit = os.environ.get("TORPOR_COMMIT") or run_text(["git", "-C", str(ROOT), "rev-parse", "HEAD"])
+    dirty = os.environ.get("TORPOR_DIRTY")
+    if dirty is None:
+        dirty = run_text(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
     return {
         "host": os.uname().nodename,
         "device": gpus[0]["name"] if gpus else f"cpu: {cpu}",
