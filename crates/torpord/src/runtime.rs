@@ -116,13 +116,16 @@ pub struct Instance {
     pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<QuietHandOver>>>,
     /// A GPU release failed: it stays warm until it hibernates.
     pub(crate) gpu_release_failed: AtomicBool,
-    /// It maps GPU memory the restore server created (split path). The driver would not resume
-    /// such a process from an in-place checkpoint (measured on the H100), so it skips
-    /// gpu_released and steps down to hibernated.
-    pub(crate) imports_gpu_memory: AtomicBool,
-    /// The shared read-only segment copies it maps (crate::split::server).
-    pub(crate) segments: Mutex<crate::split::server::Leases>,
+    /// The segments it has from the restore server (split path), mapped or, while its GPU is
+    /// released, saved (crate::split::release).
+    pub(crate) segments: Mutex<crate::split::release::InstanceSegments>,
+    /// Set while the daemon unmaps or maps its segments (GPU release and resume): its reader
+    /// forwards `unmapped` and `mapped` frames here.
+    pub(crate) segment_replies: Mutex<Option<SegmentReplies>>,
 }
+
+/// Where an instance's reader forwards the worker's replies to `unmap` and `map`.
+pub(crate) type SegmentReplies = tokio::sync::mpsc::UnboundedSender<Map<String, Value>>;
 
 /// The `quiet` frame of a hibernating instance and its connection's read half, handed from the
 /// instance's reader to the hibernation.
@@ -841,7 +844,12 @@ impl Runtime {
                 if released {
                     let inst = Arc::clone(&lease.instance);
                     match self.gpu_resume(&inst, false).await {
-                        Ok(s) => timings.push(("gpu_resume".to_string(), s)),
+                        Ok((s, segments)) => {
+                            timings.push(("gpu_resume".to_string(), s));
+                            if let Some(s) = segments {
+                                timings.push(("segments".to_string(), s));
+                            }
+                        }
                         Err(e) => {
                             let why = format!("resuming its GPU failed: {e}");
                             self.remove_instance(&inst, &why, true);
@@ -1115,7 +1123,13 @@ impl Runtime {
         let reconnect_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut conn = conn;
-        let segments = match restoring.hand_over(&mut conn).await {
+        let handed = restoring
+            .hand_over(
+                &mut conn.wr,
+                crate::split::server::Replies::Conn(&mut conn.rd),
+            )
+            .await;
+        let segments = match handed {
             Ok(h) => h,
             Err(e) => {
                 kill_tree(init);
@@ -1138,15 +1152,14 @@ impl Runtime {
                 conn,
             )
             .await?;
-        *lock(&inst.segments) = segments.leases;
-        inst.imports_gpu_memory
-            .store(segments.cuda_segments > 0, Ordering::SeqCst);
+        let count = segments.segments;
+        *lock(&inst.segments) = crate::split::release::InstanceSegments::mapped(segments);
         tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
         let mut timings = vec![
             ("restore".to_string(), restore_s),
             ("reconnect".to_string(), reconnect_s),
         ];
-        if segments.segments > 0 {
+        if count > 0 {
             timings.push(("segments".to_string(), segments_s));
         }
         timings.push(("start".to_string(), restore_s + reconnect_s + segments_s));
@@ -1351,6 +1364,19 @@ impl Runtime {
                             None => break "it sent quiet twice".to_string(),
                         }
                     }
+                    if let Some(k @ ("unmapped" | "mapped")) = kind {
+                        // Replies to the daemon's segment frames (GPU release and resume).
+                        let k = k.to_string();
+                        let forward = lock(&inst.segment_replies).clone();
+                        match forward {
+                            Some(tx) if tx.send(msg).is_ok() => continue,
+                            _ => {
+                                break format!(
+                                    "it broke the protocol (sent {k} while no segment was being unmapped or mapped)"
+                                )
+                            }
+                        }
+                    }
                     if kind == Some("started") {
                         let Some(id) = msg.get("id").and_then(Value::as_u64) else {
                             break "it broke the protocol (started without a numeric id)"
@@ -1425,6 +1451,8 @@ impl Runtime {
         // Dropping the senders fails every request still waiting on this instance.
         lock(&inst.pending).clear();
         lock(&inst.quiet_tx).take();
+        // A step waiting for its segment replies sees the end.
+        lock(&inst.segment_replies).take();
         lock(&inst.segments).clear();
         if kill {
             kill_tree(inst.init_pid);
@@ -1475,8 +1503,8 @@ fn new_instance(
         hibernating: AtomicBool::new(false),
         quiet_tx: Mutex::new(None),
         gpu_release_failed: AtomicBool::new(false),
-        imports_gpu_memory: AtomicBool::new(false),
-        segments: Mutex::new(Vec::new()),
+        segments: Mutex::new(Default::default()),
+        segment_replies: Mutex::new(None),
     });
     (inst, conn.rd)
 }
