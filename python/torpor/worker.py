@@ -38,10 +38,15 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      answers `released` {bytes}, and closes and waits for SIGUSR2 as above (`shutdown` instead
      of `release` ends the worker, exit 0; `resume` releases nothing and the worker serves on,
      still connected).
-   - `map` {va, size, readonly, fd: true} with an fd attached (after a split snapshot): maps
-     that memory into the released segment at va and answers `mapped` {va, ok: true}; a map
-     the hook refuses is `mapped` {va, ok: false, error {type, message}} and the worker serves
-     on (the segment stays released; torpord should retire the instance).
+   - `map` {va, size, readonly, fd: true} with an fd attached (after a split snapshot or an
+     `unmap`): maps that memory into the released segment at va and answers `mapped` {va, ok:
+     true}; a map the hook refuses is `mapped` {va, ok: false, error {type, message}} and the
+     worker serves on (the segment stays released; torpord should retire the instance).
+   - `unmap` (before torpord releases the GPU of an instance on the split path): synchronises
+     CUDA, releases every segment's memory (keeping the addresses), answers `unmapped` {ok:
+     true, bytes} and serves on, connected; `map` frames bring the memory back. A release the
+     hook refuses is `unmapped` {ok: false, released: [va of each segment now without memory],
+     error {type, message, traceback}}.
    - `attached` {reattach_s}: torpord took this worker into service as an instance; how long to
      wait for a daemon after losing this one.
    - `shutdown`: closes the connection and exits 0.
@@ -334,6 +339,8 @@ class Worker:
                     return EXIT_OK
             elif kind == "map":
                 self.map_segment(msg)
+            elif kind == "unmap":
+                self.unmap_segments()
             elif kind == "shutdown":
                 self.close()
                 return EXIT_OK
@@ -341,7 +348,7 @@ class Worker:
                 raise ProtocolError("release outside a split quiesce; send quiesce {split: true} first")
             else:
                 raise ProtocolError(
-                    f"unknown frame type {kind!r} (known: load, invoke, attached, quiesce, map, shutdown)"
+                    f"unknown frame type {kind!r} (known: load, invoke, attached, quiesce, map, unmap, shutdown)"
                 )
 
     # -- messages -----------------------------------------------------------------------------
@@ -528,7 +535,7 @@ class Worker:
         split = msg.get("split", False)
         if not isinstance(split, bool):
             raise ProtocolError(f"quiesce's split must be true or false, got {split!r}")
-        hook = self._split_hook() if split else None
+        hook = self._split_hook("quiesce {split: true}") if split else None
         synced = cuda_sync()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -550,23 +557,42 @@ class Worker:
         self.connect(resumed=True)
         return True
 
-    def _split_hook(self) -> torpor_hook.Hook:
+    def _split_hook(self, frame: str) -> torpor_hook.Hook:
+        """The hook, for a frame that needs every segment mapped (`frame` names it in errors)."""
         if not torpor_hook.available():
             raise ProtocolError(
-                f"quiesce {{split: true}}, but this worker has no device-memory hook "
+                f"{frame}, but this worker has no device-memory hook "
                 f"(${torpor_hook.ENV_LIB} is not set); torpord must start split workers with the hook"
             )
         try:
             hook = torpor_hook.get()
         except HookError as e:
-            raise ProtocolError(f"quiesce {{split: true}}: {e}") from None
+            raise ProtocolError(f"{frame}: {e}") from None
         unmapped = [s for s in hook.segments() if not s.mapped]
         if unmapped:
             raise ProtocolError(
-                f"quiesce {{split: true}} while {len(unmapped)} segment(s) are still released "
-                f"(first at {unmapped[0].va:#x}); map every segment before the next snapshot"
+                f"{frame} while {len(unmapped)} segment(s) are still released "
+                f"(first at {unmapped[0].va:#x}); map every segment first"
             )
         return hook
+
+    def unmap_segments(self) -> None:
+        """Give back every segment's memory and serve on (the daemon then checkpoints the GPU in
+        place, and maps the segments back with `map` frames before the next request)."""
+        assert self.reader is not None
+        hook = self._split_hook("unmap")
+        cuda_sync()
+        try:
+            released = hook.release_all()
+        except HookError as e:
+            left = [s.va for s in hook.segments() if not s.mapped]
+            print(f"torpor worker: unmap: {e}", file=sys.stderr)
+            self.reader.fds = bool(left)
+            self.send({"type": "unmapped", "ok": False, "released": left, "error": error_doc(e)})
+            return
+        # From now on map frames carry fds, until every segment is mapped again.
+        self.reader.fds = bool(hook.segments())
+        self.send({"type": "unmapped", "ok": True, "bytes": released})
 
     def hand_over_segments(self, hook: torpor_hook.Hook, synced: bool) -> str:
         """The split part of quiesce: list and send the segments, then release them on request.

@@ -198,6 +198,77 @@ def test_split_quiesce_hands_over_releases_and_maps_back(spawn: Spawner, daemon:
     assert w.wait() == 0
 
 
+def test_unmap_releases_the_segments_on_a_live_connection_and_maps_bring_them_back(
+    spawn: Spawner, daemon: Daemon
+) -> None:
+    """gpu_released on the split path: the worker gives back its segments' memory and serves on,
+    connected; the daemon's map frames (memory it saved) bring them back at the same addresses."""
+    w, c = start_segbuf(spawn, daemon)
+    before = info(c, 1)
+    buf, table, notes = before["segments"]
+    c.send({"type": "unmap"})
+    unmapped = c.expect("unmapped")
+    assert unmapped == {"type": "unmapped", "ok": True, "bytes": buf["size"] + table["size"] + notes["size"]}
+    # Released, addresses kept; the worker still holds the connection.
+    assert maps_of(w.pid, buf["va"]) == "---p" and maps_of(w.pid, table["va"]) == "---p"
+    assert not c.at_eof(timeout=0.3), "the worker must stay connected after unmapped"
+    saved_buf = bytearray(pattern(BUFFER_SIZE))
+    saved_buf[:4] = b"SAVE"
+    new_buf = segment_memfd(bytes(saved_buf), buf["size"], sealed=False)
+    new_table = segment_memfd(TABLE, table["size"], sealed=True)
+    new_notes = segment_memfd(b"WRITABLE notes\n", notes["size"], sealed=False)
+    try:
+        for s, fd in ((table, new_table), (buf, new_buf), (notes, new_notes)):
+            c.send_with_fd({"type": "map", "va": s["va"], "size": s["size"], "readonly": s["readonly"], "fd": True}, fd)
+            assert c.expect("mapped") == {"type": "mapped", "va": s["va"], "ok": True}
+        after = info(c, 2)
+        assert after["buf_addr"] == before["buf_addr"]
+        assert after["buf_sha"] == sha(bytes(saved_buf)) and after["table_sha"] == before["table_sha"]
+        assert after["notes"] == "WRITABLE notes\n"
+        assert all(s["mapped"] for s in after["segments"])
+        assert maps_of(w.pid, table["va"]) == "r--s" and maps_of(w.pid, buf["va"]) == "rw-s"
+        # The worker now writes into the daemon's memory.
+        assert c.invoke(3, {"op": "write", "at": 0, "hex": "c0ffee"})["value"] == "written"
+        assert os.pread(new_buf, 3, 0) == bytes.fromhex("c0ffee")
+    finally:
+        for fd in (new_buf, new_table, new_notes):
+            os.close(fd)
+    # And it can release them again (the next gpu_released).
+    c.send({"type": "unmap"})
+    assert c.expect("unmapped")["ok"] is True
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
+
+
+def test_unmap_needs_the_hook_and_every_segment_mapped(spawn: Spawner, daemon: Daemon) -> None:
+    env = worker_env(daemon.path)
+    env.pop("TORPOR_HOOK_LIB", None)
+    w = spawn("--role", "base", env=env)
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "unmap"})
+    assert w.wait() == EXIT_PROTOCOL
+    assert "unmap, but this worker has no device-memory hook" in w.stderr(), w.stderr()
+
+    # A worker without segments has nothing to give back.
+    w = spawn("--role", "base", env=worker_env(daemon.path, TORPOR_HOOK_LIB=str(hook_lib())))
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "unmap"})
+    assert c.expect("unmapped") == {"type": "unmapped", "ok": True, "bytes": 0}
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
+
+    w, c = start_segbuf(spawn, daemon)
+    c.send({"type": "unmap"})
+    assert c.expect("unmapped")["ok"] is True
+    c.send({"type": "unmap"})
+    assert w.wait() == EXIT_PROTOCOL
+    assert "unmap while 3 segment(s) are still released" in w.stderr(), w.stderr()
+
+
 def test_split_without_the_hook_and_maps_without_fds_are_protocol_errors(
     spawn: Spawner, daemon: Daemon
 ) -> None:

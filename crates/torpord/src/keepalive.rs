@@ -310,11 +310,17 @@ impl Runtime {
             }
         }
         let answer = match tokio::time::timeout(QUIET_TIMEOUT, replies.rx.recv()).await {
-            Ok(Some(m)) if m.get("type").and_then(serde_json::Value::as_str) == Some("unmapped") => m,
+            Ok(Some(m))
+                if m.get("type").and_then(serde_json::Value::as_str) == Some("unmapped") =>
+            {
+                m
+            }
             other => {
                 // What the worker holds is unknown: it cannot serve on.
                 let why = match other {
-                    Ok(Some(m)) => format!("it answered unmap with {}", serde_json::Value::Object(m)),
+                    Ok(Some(m)) => {
+                        format!("it answered unmap with {}", serde_json::Value::Object(m))
+                    }
                     Ok(None) => inst.reason(),
                     Err(_) => format!("no unmapped within {} s of unmap", QUIET_TIMEOUT.as_secs()),
                 };
@@ -338,7 +344,9 @@ impl Runtime {
                 .unwrap_or_default();
             drop(leases);
             self.map_segments_back(inst, Some(&released)).await?;
-            return Err(format!("the worker could not unmap its segments: {message}"));
+            return Err(format!(
+                "the worker could not unmap its segments: {message}"
+            ));
         }
         let split = Arc::clone(&self.split);
         let plan2 = Arc::clone(&plan);
@@ -393,9 +401,9 @@ impl Runtime {
         if plan.is_empty() {
             return Ok(0.0);
         }
-        let restoring =
-            self.split
-                .begin_refill(plan, sources, format!("instance {}", inst.id));
+        let restoring = self
+            .split
+            .begin_refill(plan, sources, format!("instance {}", inst.id));
         let handed = match ForwardedReplies::new(inst) {
             Ok(mut replies) => {
                 let mut wr = inst.writer.lock().await;

@@ -128,9 +128,9 @@ impl Split {
                 };
                 let dev = self.device(&e.backend, e.ordinal)?;
                 let size = usize::try_from(e.size).map_err(|x| x.to_string())?;
-                let mut buf = dev.host_buffer(size).map_err(|x| {
-                    format!("host memory to save the segment at {:#x}: {x}", e.va)
-                })?;
+                let mut buf = dev
+                    .host_buffer(size)
+                    .map_err(|x| format!("host memory to save the segment at {:#x}: {x}", e.va))?;
                 dev.read_memory(&own.memory, &mut buf)
                     .map_err(|x| format!("saving the segment at {:#x}: {x}", e.va))?;
                 Ok(Some(buf))
@@ -149,7 +149,9 @@ mod tests {
 
     use super::*;
     use crate::split::fds;
-    use crate::split::index::{recipe_name, SegmentEntry, SegmentIndex, INDEX_FORMAT, INDEX_RECIPE};
+    use crate::split::index::{
+        recipe_name, SegmentEntry, SegmentIndex, INDEX_FORMAT, INDEX_RECIPE,
+    };
     use crate::split::server::Replies;
 
     const PAGE: usize = 4096;
@@ -165,7 +167,11 @@ mod tests {
             order,
             first_use: None,
             readonly,
-            readonly_why: if readonly { "declared".into() } else { String::new() },
+            readonly_why: if readonly {
+                "declared".into()
+            } else {
+                String::new()
+            },
             recipe: recipe_name(va),
             blake3,
         }
@@ -321,11 +327,8 @@ mod tests {
         store.release("fn-t-2").unwrap();
         store.try_gc().unwrap();
         let (plan, sources) = segments.sources();
-        let (handed, maps) = hand_over(
-            split.begin_refill(plan, sources, "instance i-1".into()),
-            1,
-        )
-        .await;
+        let (handed, maps) =
+            hand_over(split.begin_refill(plan, sources, "instance i-1".into()), 1).await;
         let err = handed.unwrap_err();
         assert!(
             err.contains(&format!("segment at {READ_ONLY:#x} of instance i-1")),
@@ -351,6 +354,9 @@ mod tests {
         let Err(err) = split.save_writable(&plan, &[]) else {
             panic!("saved without a lease");
         };
-        assert!(err.contains("holds 0 segments but its plan lists 1"), "{err}");
+        assert!(
+            err.contains("holds 0 segments but its plan lists 1"),
+            "{err}"
+        );
     }
 }
