@@ -1291,6 +1291,13 @@ impl Runtime {
         let Some(init) = row.pid else {
             return self.drop_orphan(&row, "its row has no pid").await;
         };
+        if row.stage == Stage::GpuReleased && self.split_function(&pool).await {
+            // Its segments' contents were saved in the earlier daemon's memory (crate::split::
+            // release): nothing can map them back.
+            let why = "it released its GPU on the split path, and its segments' saved contents \
+                       went with the earlier torpord";
+            return self.drop_orphan(&row, why).await;
+        }
         let worker = match crate::launcher::worker_pid(init) {
             Ok(w) => w,
             Err(e) => return self.drop_orphan(&row, &e).await,
@@ -1330,6 +1337,18 @@ impl Runtime {
         self.attach(&inst, rd).await;
         pool.changed.notify_waiters();
         tracing::info!(function = %row.function, instance = %row.id, pid = init, stage = %row.stage, "re-adopted an instance of an earlier torpord");
+    }
+
+    /// Whether the function snapshot of `pool` is a split snapshot (unknown counts as split).
+    async fn split_function(&self, pool: &Pool) -> bool {
+        let (split, id) = (
+            Arc::clone(&self.split),
+            lock(&pool.state).info.snapshot_id.clone(),
+        );
+        !matches!(
+            tokio::task::spawn_blocking(move || split.plan(&id)).await,
+            Ok(Ok(None))
+        )
     }
 
     /// An instance of an earlier daemon that cannot be taken back: killed, its row removed.
