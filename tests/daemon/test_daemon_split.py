@@ -13,12 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
+import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import alive
 
 from .conftest import FUNCTIONS, Torpord
 
@@ -234,12 +237,6 @@ def test_a_split_instance_left_in_gpu_released_by_a_lost_daemon_is_not_readopted
     lived in the daemon: a daemon started after a crash cannot map them back, so it kills the
     instance instead of re-adopting it. (No GPU here: the stage is set in the registry while the
     daemon is down, as a crash in gpu_released would leave it.)"""
-    import os
-    import signal
-    import sqlite3
-
-    from conftest import alive
-
     fresh.deploy(SPLITBUF)
     r = fresh.invoke("splitbuf", {"op": "compute", "x": 1})
     assert r.status == 200 and r.start == "restored", (r.status, r.body, fresh.log_text())
@@ -260,4 +257,3 @@ def test_a_split_instance_left_in_gpu_released_by_a_lost_daemon_is_not_readopted
     again = fresh.invoke("splitbuf", {"op": "compute", "x": 2})
     assert again.status == 200 and again.start == "restored", (again.status, again.body)
     assert again.json()["sha"] == expected_sha(2)
-    assert os.path.exists(fresh.state / "registry.db")
