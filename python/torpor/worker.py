@@ -42,11 +42,12 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      `unmap`): maps that memory into the released segment at va and answers `mapped` {va, ok:
      true}; a map the hook refuses is `mapped` {va, ok: false, error {type, message}} and the
      worker serves on (the segment stays released; torpord should retire the instance).
-   - `unmap` (before torpord releases the GPU of an instance on the split path): synchronises
-     CUDA, releases every segment's memory (keeping the addresses), answers `unmapped` {ok:
-     true, bytes} and serves on, connected; `map` frames bring the memory back. A release the
-     hook refuses is `unmapped` {ok: false, released: [va of each segment now without memory],
-     error {type, message, traceback}}.
+   - `unmap` {vas} (before torpord releases the GPU of an instance on the split path):
+     synchronises CUDA, releases the memory of the segments at `vas` (those torpord handed over;
+     segments the worker made since keep their memory), keeping the addresses, answers
+     `unmapped` {ok: true, bytes} and serves on, connected; `map` frames bring the memory back.
+     A release the hook refuses is `unmapped` {ok: false, released: [va of each of them now
+     without memory], error {type, message, traceback}}.
    - `attached` {reattach_s}: torpord took this worker into service as an instance; how long to
      wait for a daemon after losing this one.
    - `shutdown`: closes the connection and exits 0.
@@ -340,7 +341,7 @@ class Worker:
             elif kind == "map":
                 self.map_segment(msg)
             elif kind == "unmap":
-                self.unmap_segments()
+                self.unmap_segments(msg)
             elif kind == "shutdown":
                 self.close()
                 return EXIT_OK
@@ -576,14 +577,30 @@ class Worker:
             )
         return hook
 
-    def unmap_segments(self) -> None:
-        """Give back every segment's memory and serve on (the daemon then checkpoints the GPU in
-        place, and maps the segments back with `map` frames before the next request)."""
+    def unmap_segments(self, msg: dict[str, Any]) -> None:
+        """Give back the memory of the segments torpord names and serve on (torpord then
+        checkpoints the GPU in place, and maps them back with `map` frames before the next
+        request). Only torpord's memory goes: the driver will not resume a process mapping memory
+        it imported, while segments this worker made since (PyTorch's allocator may grow) are its
+        own and stay in the driver's checkpoint."""
         assert self.reader is not None
+        vas = msg.get("vas")
+        if not isinstance(vas, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in vas):
+            raise ProtocolError("unmap needs vas, the list of segment addresses to release")
         hook = self._split_hook("unmap")
+        sizes = {s.va: s.size for s in hook.segments()}
+        unknown = [v for v in vas if v not in sizes]
+        if unknown:
+            raise ProtocolError(
+                f"unmap names {unknown[0]:#x}, which is not the start of a segment of this worker; "
+                "torpord must name the segments it handed over"
+            )
         cuda_sync()
+        released = 0
         try:
-            released = hook.release_all()
+            for va in vas:
+                hook.release(va)
+                released += sizes[va]
         except HookError as e:
             left = [s.va for s in hook.segments() if not s.mapped]
             print(f"torpor worker: unmap: {e}", file=sys.stderr)
@@ -591,7 +608,7 @@ class Worker:
             self.send({"type": "unmapped", "ok": False, "released": left, "error": error_doc(e)})
             return
         # From now on map frames carry fds, until every segment is mapped again.
-        self.reader.fds = bool(hook.segments())
+        self.reader.fds = bool(vas)
         self.send({"type": "unmapped", "ok": True, "bytes": released})
 
     def hand_over_segments(self, hook: torpor_hook.Hook, synced: bool) -> str:

@@ -291,9 +291,10 @@ impl Runtime {
         Ok(())
     }
 
-    /// Split path: the worker unmaps every segment (`unmap` → `unmapped`), the daemon saves the
-    /// writable ones' contents to host memory and drops its handles on all of them. On failure
-    /// the segments the worker released are mapped back (the instance stays warm), or the
+    /// Split path: the worker unmaps the segments the daemon handed over (`unmap` →
+    /// `unmapped`), the daemon saves the writable ones' contents to host memory and drops its
+    /// handles on all of them. On failure the segments the worker released are mapped back (the
+    /// instance stays warm), or the
     /// instance is removed when that fails too.
     async fn unmap_segments(self: &Arc<Self>, inst: &Arc<Instance>) -> Result<(), String> {
         let Some((plan, leases)) = lock(&inst.segments).leases() else {
@@ -301,8 +302,11 @@ impl Runtime {
         };
         let mut replies = ForwardedReplies::new(inst)?;
         {
+            // Only the daemon's memory: segments the worker made since are its own and stay in
+            // the driver's checkpoint.
+            let vas: Vec<u64> = plan.iter().map(|(e, _)| e.va).collect();
             let mut wr = inst.writer.lock().await;
-            if let Err(e) = workers::send(&mut wr, &json!({"type": "unmap"})).await {
+            if let Err(e) = workers::send(&mut wr, &json!({"type": "unmap", "vas": vas})).await {
                 drop(wr);
                 let why = format!("cannot send unmap: {e}");
                 self.remove_instance(inst, &why, true);
