@@ -261,27 +261,24 @@ impl Runtime {
     async fn release_gpu_inner(self: &Arc<Self>, inst: &Arc<Instance>) -> Result<(), String> {
         // The driver will not resume a process that maps memory it imported from the daemon
         // (crate::split::release): such an instance gives its segments back first.
+        let cuda = self.cuda()?;
         let split = !lock(&inst.segments).is_empty();
         if split {
             self.unmap_segments(inst).await?;
         }
         let pid = inst.worker_pid;
-        let cuda = self.cuda();
-        let checkpointed = match cuda {
-            Ok(cuda) => tokio::task::spawn_blocking(move || {
-                cuda.lock(pid, CUDA_LOCK_TIMEOUT)
-                    .map_err(|e| e.to_string())?;
-                if let Err(e) = cuda.checkpoint(pid) {
-                    let _ = cuda.unlock(pid);
-                    return Err(e.to_string());
-                }
-                Ok(())
-            })
-            .await
-            .map_err(|e| format!("GPU release task failed: {e}"))
-            .and_then(|r| r),
-            Err(e) => Err(e),
-        };
+        let checkpointed = tokio::task::spawn_blocking(move || {
+            cuda.lock(pid, CUDA_LOCK_TIMEOUT)
+                .map_err(|e| e.to_string())?;
+            if let Err(e) = cuda.checkpoint(pid) {
+                let _ = cuda.unlock(pid);
+                return Err(e.to_string());
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| format!("GPU release task failed: {e}"))
+        .and_then(|r| r);
         if let Err(e) = checkpointed {
             if split {
                 self.map_segments_back(inst, None).await?;
