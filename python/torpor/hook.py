@@ -109,6 +109,7 @@ class Hook:
             "torpor_hook_list": (ctypes.c_size_t, [ctypes.POINTER(_Segment), ctypes.c_size_t]),
             "torpor_hook_export": (c_int, [u64]),
             "torpor_hook_release_all": (c_int, [ctypes.POINTER(u64)]),
+            "torpor_hook_release": (c_int, [u64]),
             "torpor_hook_map": (c_int, [u64, c_int, c_int]),
             "torpor_hook_last_error": (ctypes.c_char_p, []),
         }
@@ -172,6 +173,10 @@ class Hook:
         released = ctypes.c_uint64()
         self._check(self._lib.torpor_hook_release_all(ctypes.byref(released)), "releasing the segments")
         return released.value
+
+    def release(self, va: int) -> None:
+        """Release the memory of the segment at `va`, keeping its address (its GPU synchronised)."""
+        self._check(self._lib.torpor_hook_release(va), f"releasing the segment at {va:#x}")
 
     def map(self, va: int, fd: int, read_only: bool) -> None:
         """Map the memory behind `fd` (still the caller's) into the released segment at `va`."""

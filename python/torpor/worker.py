@@ -42,10 +42,16 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      answers `released` {bytes}, and closes and waits for SIGUSR2 as above (`shutdown` instead
      of `release` ends the worker, exit 0; `resume` releases nothing and the worker serves on,
      still connected).
-   - `map` {va, size, readonly, fd: true} with an fd attached (after a split snapshot): maps
-     that memory into the released segment at va and answers `mapped` {va, ok: true}; a map
-     the hook refuses is `mapped` {va, ok: false, error {type, message}} and the worker serves
-     on (the segment stays released; torpord should retire the instance).
+   - `map` {va, size, readonly, fd: true} with an fd attached (after a split snapshot or an
+     `unmap`): maps that memory into the released segment at va and answers `mapped` {va, ok:
+     true}; a map the hook refuses is `mapped` {va, ok: false, error {type, message}} and the
+     worker serves on (the segment stays released; torpord should retire the instance).
+   - `unmap` {vas} (before torpord releases the GPU of an instance on the split path):
+     synchronises CUDA, releases the memory of the segments at `vas` (those torpord handed over;
+     segments the worker made since keep their memory), keeping the addresses, answers
+     `unmapped` {ok: true, bytes} and serves on, connected; `map` frames bring the memory back.
+     A release the hook refuses is `unmapped` {ok: false, released: [va of each of them now
+     without memory], error {type, message, traceback}}.
    - `attached` {reattach_s}: torpord took this worker into service as an instance; how long to
      wait for a daemon after losing this one.
    - `shutdown`: closes the connection and exits 0.
@@ -339,6 +345,8 @@ class Worker:
                     return EXIT_OK
             elif kind == "map":
                 self.map_segment(msg)
+            elif kind == "unmap":
+                self.unmap_segments(msg)
             elif kind == "shutdown":
                 self.close()
                 return EXIT_OK
@@ -346,7 +354,7 @@ class Worker:
                 raise ProtocolError("release outside a split quiesce; send quiesce {split: true} first")
             else:
                 raise ProtocolError(
-                    f"unknown frame type {kind!r} (known: load, invoke, attached, quiesce, map, shutdown)"
+                    f"unknown frame type {kind!r} (known: load, invoke, attached, quiesce, map, unmap, shutdown)"
                 )
 
     # -- messages -----------------------------------------------------------------------------
@@ -569,7 +577,7 @@ class Worker:
         split = msg.get("split", False)
         if not isinstance(split, bool):
             raise ProtocolError(f"quiesce's split must be true or false, got {split!r}")
-        hook = self._split_hook() if split else None
+        hook = self._split_hook("quiesce {split: true}") if split else None
         synced = cuda_sync()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -591,23 +599,58 @@ class Worker:
         self.connect(resumed=True)
         return True
 
-    def _split_hook(self) -> torpor_hook.Hook:
+    def _split_hook(self, frame: str) -> torpor_hook.Hook:
+        """The hook, for a frame that needs every segment mapped (`frame` names it in errors)."""
         if not torpor_hook.available():
             raise ProtocolError(
-                f"quiesce {{split: true}}, but this worker has no device-memory hook "
+                f"{frame}, but this worker has no device-memory hook "
                 f"(${torpor_hook.ENV_LIB} is not set); torpord must start split workers with the hook"
             )
         try:
             hook = torpor_hook.get()
         except HookError as e:
-            raise ProtocolError(f"quiesce {{split: true}}: {e}") from None
+            raise ProtocolError(f"{frame}: {e}") from None
         unmapped = [s for s in hook.segments() if not s.mapped]
         if unmapped:
             raise ProtocolError(
-                f"quiesce {{split: true}} while {len(unmapped)} segment(s) are still released "
-                f"(first at {unmapped[0].va:#x}); map every segment before the next snapshot"
+                f"{frame} while {len(unmapped)} segment(s) are still released "
+                f"(first at {unmapped[0].va:#x}); map every segment first"
             )
         return hook
+
+    def unmap_segments(self, msg: dict[str, Any]) -> None:
+        """Give back the memory of the segments torpord names and serve on (torpord then
+        checkpoints the GPU in place, and maps them back with `map` frames before the next
+        request). Only torpord's memory goes: the driver will not resume a process mapping memory
+        it imported, while segments this worker made since (PyTorch's allocator may grow) are its
+        own and stay in the driver's checkpoint."""
+        assert self.reader is not None
+        vas = msg.get("vas")
+        if not isinstance(vas, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in vas):
+            raise ProtocolError("unmap needs vas, the list of segment addresses to release")
+        hook = self._split_hook("unmap")
+        sizes = {s.va: s.size for s in hook.segments()}
+        unknown = [v for v in vas if v not in sizes]
+        if unknown:
+            raise ProtocolError(
+                f"unmap names {unknown[0]:#x}, which is not the start of a segment of this worker; "
+                "torpord must name the segments it handed over"
+            )
+        cuda_sync()
+        released = 0
+        try:
+            for va in vas:
+                hook.release(va)
+                released += sizes[va]
+        except HookError as e:
+            left = [s.va for s in hook.segments() if not s.mapped]
+            print(f"torpor worker: unmap: {e}", file=sys.stderr)
+            self.reader.fds = bool(left)
+            self.send({"type": "unmapped", "ok": False, "released": left, "error": error_doc(e)})
+            return
+        # From now on map frames carry fds, until every segment is mapped again.
+        self.reader.fds = bool(vas)
+        self.send({"type": "unmapped", "ok": True, "bytes": released})
 
     def hand_over_segments(self, hook: torpor_hook.Hook, synced: bool) -> str:
         """The split part of quiesce: list and send the segments, then release them on request.

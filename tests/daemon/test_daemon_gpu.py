@@ -1,6 +1,10 @@
 """Deploy and invoke a GPU function through the real daemon: the base boots with torch and warms
 CUDA, the function snapshot holds CUDA state, and instances restore onto the GPU. Skipped where
-torch or a CUDA device is missing."""
+torch or a CUDA device is missing.
+
+The module's `torpord` runs with the defaults, so GPU functions take the split path (the hook
+preloaded, big CUDA allocations as segments, docs/split.md); `transparent_gpu_daemon` runs with
+`split_gpu = false`."""
 
 from __future__ import annotations
 
@@ -81,15 +85,31 @@ def test_gpu_function_deploys_restores_and_answers(cuda: None, torpord: Torpord)
     assert close(second.json()["y"], want)
 
 
-@pytest.fixture()
-def split_gpu_daemon(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> Iterator[Torpord]:
+def daemon_with(torpor_bin: Path, tmp_path: Path, config: str) -> Iterator[Torpord]:
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    d = Torpord(torpor_bin, tmp_path, config="split_gpu = true\n")
+    d = Torpord(torpor_bin, tmp_path, config=config)
     try:
         yield d
     finally:
         d.stop()
+
+
+@pytest.fixture()
+def split_gpu_daemon(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> Iterator[Torpord]:
+    """A fresh daemon with the defaults (split_gpu = true)."""
+    yield from daemon_with(torpor_bin, tmp_path, "")
+
+
+@pytest.fixture()
+def transparent_gpu_daemon(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> Iterator[Torpord]:
+    yield from daemon_with(torpor_bin, tmp_path, "split_gpu = false\n")
+
+
+def hook_or_skip(torpord: Torpord) -> None:
+    hook = os.environ.get("TORPOR_HOOK_LIB") or str(torpord.binary.resolve().parent / "libtorpor_hook.so")
+    if not os.path.isfile(hook):
+        pytest.skip(f"torpord runs without the hook ({hook} does not exist; cargo build --workspace)")
 
 
 def test_gpu_function_takes_the_split_path_with_the_hook(cuda: None, split_gpu_daemon: Torpord) -> None:
@@ -99,9 +119,7 @@ def test_gpu_function_takes_the_split_path_with_the_hook(cuda: None, split_gpu_d
     torpord = split_gpu_daemon
     lines = torpord.deploy(TORCHMM)
     (snap,) = [line for line in lines if line.get("phase") == "snapshot_function"]
-    hook = os.environ.get("TORPOR_HOOK_LIB") or str(torpord.binary.resolve().parent / "libtorpor_hook.so")
-    if not os.path.isfile(hook):
-        pytest.skip(f"torpord runs without the hook ({hook} does not exist; cargo build --workspace)")
+    hook_or_skip(torpord)
     assert snap["split"] is True and snap["segments"] >= 1, snap
     want = expected_y()
     r = torpord.invoke("torchmm", {"x": X}, timeout=180)
@@ -128,8 +146,12 @@ def _wait_stage(torpord: Torpord, stage: str, timeout: float = 60.0) -> dict[str
         time.sleep(0.05)
 
 
-def test_gpu_instance_releases_its_gpu_in_place_then_hibernates(cuda: None, torpord: Torpord) -> None:
-    torpord.deploy(GPUSLEEPY)
+def test_gpu_instance_releases_its_gpu_in_place_then_hibernates(cuda: None, transparent_gpu_daemon: Torpord) -> None:
+    """The transparent path: the driver's in-place checkpoint holds all the GPU memory."""
+    torpord = transparent_gpu_daemon
+    lines = torpord.deploy(GPUSLEEPY)
+    (snap,) = [line for line in lines if line.get("phase") == "snapshot_function"]
+    assert snap["split"] is False, snap
     want = expected_y()
     first = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
     assert first.status == 200 and first.start == "restored", (first.status, first.body, torpord.log_text())
@@ -294,3 +316,35 @@ def test_pack_weights_false_leaves_the_weights_where_setup_put_them(
     assert off_ro == 0 < on_ro, (off["snapshot_function"], phases["snapshot_function"])
     r = torpord.invoke("gpupacked-off", {"op": "forward"}, timeout=240)
     assert r.status == 200 and r.json()["sha"] == packed_reference(), (r.status, r.body)
+
+
+def test_split_gpu_instance_releases_its_gpu_and_maps_its_segments_back(cuda: None, torpord: Torpord) -> None:
+    """The split path (the default): before the in-place checkpoint the worker unmaps its
+    segments and the daemon saves the writable ones; the resume maps them back (timing
+    `segments`) and the answers are bit-identical. A gpu_released instance then hibernates (resumed
+    first) and wakes with its state."""
+    lines = torpord.deploy(GPUSLEEPY)
+    (snap,) = [line for line in lines if line.get("phase") == "snapshot_function"]
+    hook_or_skip(torpord)
+    assert snap["split"] is True and snap["segments"] >= 1, snap
+    first = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
+    assert first.status == 200 and first.start == "restored", (first.status, first.body, torpord.log_text())
+    assert "segments" in first.timings, first.timings
+    y = first.json()["y"]
+    assert close(y, expected_y()), y
+
+    inst = _wait_stage(torpord, "gpu_released")
+    assert inst["pid"] is not None, inst
+    resumed = torpord.invoke("gpusleepy", {"x": X})
+    assert resumed.status == 200 and resumed.start == "warm", (resumed.status, resumed.body, torpord.log_text())
+    assert "gpu_resume" in resumed.timings and "segments" in resumed.timings, resumed.timings
+    print("split gpu_resume:", resumed.timings)
+    assert resumed.json() == {"y": y, "calls": first.json()["calls"] + 1}, (resumed.json(), y)
+    assert "cannot release the GPU" not in torpord.log_text()
+
+    # Released again, then hibernated from gpu_released: resumed first, then the split capture.
+    _wait_stage(torpord, "gpu_released")
+    _wait_stage(torpord, "hibernated")
+    woken = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
+    assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body, torpord.log_text())
+    assert woken.json() == {"y": y, "calls": first.json()["calls"] + 2}, woken.json()

@@ -13,12 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
+import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import alive
 
 from .conftest import FUNCTIONS, Torpord
 
@@ -227,3 +230,30 @@ def test_split_false_turns_the_split_path_off(fresh: Torpord) -> None:
     assert r.returncode != 0
     last = json.loads(r.stdout.splitlines()[-1])
     assert last["phase"] == "load" and "TORPOR_HOOK_LIB" in last["error"], last
+
+
+def test_a_split_instance_left_in_gpu_released_by_a_lost_daemon_is_not_readopted(fresh: Torpord) -> None:
+    """A split instance in gpu_released has given its segments back, and their saved contents
+    lived in the daemon: a daemon started after a crash cannot map them back, so it kills the
+    instance instead of re-adopting it. (No GPU here: the stage is set in the registry while the
+    daemon is down, as a crash in gpu_released would leave it.)"""
+    fresh.deploy(SPLITBUF)
+    r = fresh.invoke("splitbuf", {"op": "compute", "x": 1})
+    assert r.status == 200 and r.start == "restored", (r.status, r.body, fresh.log_text())
+    (inst,) = fresh.instances("splitbuf")
+    fresh.proc.send_signal(signal.SIGKILL)
+    fresh.proc.wait()
+    assert alive(inst["pid"]), "the worker must outlive its lost daemon"
+    db = sqlite3.connect(fresh.state / "registry.db")
+    with db:
+        db.execute("UPDATE instances SET stage = 'gpu_released' WHERE id = ?", (inst["id"],))
+    db.close()
+    fresh.restart()
+    deadline = time.monotonic() + 15
+    while alive(inst["pid"]) or "went with the earlier torpord" not in fresh.log_text():
+        assert time.monotonic() < deadline, f"the instance was not dropped\n{fresh.log_text()}"
+        time.sleep(0.05)
+    assert fresh.instances("splitbuf") == []
+    again = fresh.invoke("splitbuf", {"op": "compute", "x": 2})
+    assert again.status == 200 and again.start == "restored", (again.status, again.body)
+    assert again.json()["sha"] == expected_sha(2)

@@ -198,6 +198,103 @@ def test_split_quiesce_hands_over_releases_and_maps_back(spawn: Spawner, daemon:
     assert w.wait() == 0
 
 
+def test_unmap_releases_the_named_segments_on_a_live_connection_and_maps_bring_them_back(
+    spawn: Spawner, daemon: Daemon
+) -> None:
+    """gpu_released on the split path: the worker gives back the memory of the segments the
+    daemon names and serves on, connected; the daemon's map frames (memory it saved) bring them
+    back at the same addresses. A segment it does not name keeps its memory."""
+    w, c = start_segbuf(spawn, daemon)
+    before = info(c, 1)
+    buf, table, notes = before["segments"]
+    c.send({"type": "unmap", "vas": [buf["va"], table["va"]]})
+    unmapped = c.expect("unmapped")
+    assert unmapped == {"type": "unmapped", "ok": True, "bytes": buf["size"] + table["size"]}
+    # Released, addresses kept; the worker still holds the connection.
+    assert maps_of(w.pid, buf["va"]) == "---p" and maps_of(w.pid, table["va"]) == "---p"
+    assert maps_of(w.pid, notes["va"]) == "rw-s", "a segment the daemon did not name was released"
+    assert not c.at_eof(timeout=0.3), "the worker must stay connected after unmapped"
+    saved_buf = bytearray(pattern(BUFFER_SIZE))
+    saved_buf[:4] = b"SAVE"
+    new_buf = segment_memfd(bytes(saved_buf), buf["size"], sealed=False)
+    new_table = segment_memfd(TABLE, table["size"], sealed=True)
+    try:
+        for s, fd in ((table, new_table), (buf, new_buf)):
+            c.send_with_fd({"type": "map", "va": s["va"], "size": s["size"], "readonly": s["readonly"], "fd": True}, fd)
+            assert c.expect("mapped") == {"type": "mapped", "va": s["va"], "ok": True}
+        after = info(c, 2)
+        assert after["buf_addr"] == before["buf_addr"]
+        assert after["buf_sha"] == sha(bytes(saved_buf)) and after["table_sha"] == before["table_sha"]
+        assert after["notes"] == "WRITABLE notes\n"
+        assert all(s["mapped"] for s in after["segments"])
+        assert maps_of(w.pid, table["va"]) == "r--s" and maps_of(w.pid, buf["va"]) == "rw-s"
+        # The worker now writes into the daemon's memory.
+        assert c.invoke(3, {"op": "write", "at": 0, "hex": "c0ffee"})["value"] == "written"
+        assert os.pread(new_buf, 3, 0) == bytes.fromhex("c0ffee")
+    finally:
+        for fd in (new_buf, new_table):
+            os.close(fd)
+    # And it can release them again (the next gpu_released).
+    c.send({"type": "unmap", "vas": [notes["va"]]})
+    assert c.expect("unmapped") == {"type": "unmapped", "ok": True, "bytes": notes["size"]}
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
+
+
+def test_unmap_needs_the_hook_its_segments_and_every_segment_mapped(spawn: Spawner, daemon: Daemon) -> None:
+    env = worker_env(daemon.path)
+    env.pop("TORPOR_HOOK_LIB", None)
+    w = spawn("--role", "base", env=env)
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "unmap", "vas": []})
+    assert w.wait() == EXIT_PROTOCOL
+    assert "unmap, but this worker has no device-memory hook" in w.stderr(), w.stderr()
+
+    # Nothing named, nothing given back.
+    w = spawn("--role", "base", env=worker_env(daemon.path, TORPOR_HOOK_LIB=str(hook_lib())))
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "unmap", "vas": []})
+    assert c.expect("unmapped") == {"type": "unmapped", "ok": True, "bytes": 0}
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
+
+    for frame, why in [
+        ({"type": "unmap"}, "unmap needs vas"),
+        ({"type": "unmap", "vas": [4096]}, "unmap names 0x1000, which is not the start of a segment"),
+    ]:
+        w, c = start_segbuf(spawn, daemon)
+        c.send(frame)
+        assert w.wait() == EXIT_PROTOCOL
+        assert why in w.stderr(), w.stderr()
+
+    w, c = start_segbuf(spawn, daemon)
+    vas = [s["va"] for s in info(c, 1)["segments"]]
+    c.send({"type": "unmap", "vas": vas})
+    assert c.expect("unmapped")["ok"] is True
+    c.send({"type": "unmap", "vas": vas})
+    assert w.wait() == EXIT_PROTOCOL
+    assert "unmap while 3 segment(s) are still released" in w.stderr(), w.stderr()
+
+
+def test_release_of_one_segment_keeps_its_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hook, "_hook", None)
+    monkeypatch.setenv("TORPOR_HOOK_LIB", str(hook_lib()))
+    h = hook.get()
+    kept, gone = h.host_alloc(PAGE), h.host_alloc(PAGE)
+    h.release(gone)
+    state = {s.va: s.mapped for s in h.segments()}
+    assert state[gone] is False and state[kept] is True
+    assert maps_of(os.getpid(), gone) == "---p"
+    with pytest.raises(torpor.HookError, match="has been released"):
+        h.release(gone)
+    with pytest.raises(torpor.HookError, match="is not the start of a segment"):
+        h.release(kept + 1)
+
+
 def test_split_without_the_hook_and_maps_without_fds_are_protocol_errors(
     spawn: Spawner, daemon: Daemon
 ) -> None:

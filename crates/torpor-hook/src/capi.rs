@@ -21,6 +21,7 @@
 //! size_t      torpor_hook_list(struct torpor_hook_segment *out, size_t capacity);
 //! int         torpor_hook_export(uint64_t va);          /* a new fd (the caller closes it) */
 //! int         torpor_hook_release_all(uint64_t *bytes); /* synchronise, unmap, keep the VAs */
+//! int         torpor_hook_release(uint64_t va);          /* one segment, as release_all */
 //! int         torpor_hook_map(uint64_t va, int fd, int read_only);   /* fd stays the caller's */
 //! const char *torpor_hook_last_error(void);
 //! ```
@@ -164,6 +165,15 @@ pub unsafe extern "C" fn torpor_hook_release_all(bytes: *mut u64) -> c_int {
             unsafe { *bytes = released };
         }
         Ok(0)
+    })
+}
+
+/// Releases the memory of the segment starting at `va` and keeps its addresses (its GPU
+/// synchronised first), as `torpor_hook_release_all` does for every segment.
+#[no_mangle]
+pub extern "C" fn torpor_hook_release(va: u64) -> c_int {
+    call("torpor_hook_release", || {
+        hook().keeping_context(|| hook().release(va)).map(|_| 0)
     })
 }
 

@@ -277,19 +277,37 @@ impl Hook {
         }
         let mut bytes = 0u64;
         for segment in mapped {
-            let memory = self.table().take_memory(segment.va)?;
-            match memory {
-                Memory::Host(memory) => self.host.release(segment.va, memory)?,
-                Memory::Cuda(memory) => {
-                    let Backend::Cuda { ordinal } = segment.backend else {
-                        unreachable!("cuda memory belongs to cuda segments")
-                    };
-                    self.cuda_device(ordinal)?.release(segment.va, memory)?
-                }
-            }
-            bytes += segment.size as u64;
+            bytes += self.release_mapped(&segment)?;
         }
         Ok(bytes)
+    }
+
+    /// Releases the memory of the segment at `va`, keeping its addresses (its GPU synchronised
+    /// first): the daemon's memory a restored worker maps goes before an in-place GPU checkpoint,
+    /// the worker's own segments stay. Returns the bytes released.
+    pub fn release(&self, va: u64) -> Result<u64, HookError> {
+        let segment = self.table().get(va)?;
+        if !segment.mapped {
+            return Err(HookError::Released { va });
+        }
+        if let Backend::Cuda { ordinal } = segment.backend {
+            self.cuda_device(ordinal)?.vmm()?.synchronize()?;
+        }
+        self.release_mapped(&segment)
+    }
+
+    fn release_mapped(&self, segment: &SegmentInfo) -> Result<u64, HookError> {
+        let memory = self.table().take_memory(segment.va)?;
+        match memory {
+            Memory::Host(memory) => self.host.release(segment.va, memory)?,
+            Memory::Cuda(memory) => {
+                let Backend::Cuda { ordinal } = segment.backend else {
+                    unreachable!("cuda memory belongs to cuda segments")
+                };
+                self.cuda_device(ordinal)?.release(segment.va, memory)?
+            }
+        }
+        Ok(segment.size as u64)
     }
 
     /// Maps the memory behind `fd` (which stays the caller's) into the released segment at

@@ -8,6 +8,8 @@
 //! log_format = "human"            # or "json"
 //! log_level = "info"              # error, warn, info, debug, trace
 //! cold_start = "restore"          # or "boot": no snapshots at invoke (the benchmark's baseline)
+//! split = true                    # split snapshots (docs/split.md) where the worker has the hook
+//! split_gpu = true                # also for GPU memory (GPU workers preload the hook); see docs/split.md
 //!
 //! [keepalive]                     # default idle seconds before each stage (a function's spec
 //! gpu_release_s = 30              # may set its own); cumulative, so each is ≥ the one before
@@ -20,8 +22,7 @@
 //!
 //! [workers]
 //! reattach_s = 60                 # how long a worker outlives a lost daemon, to be re-adopted
-//! split = true                    # split snapshots (docs/split.md) where the worker has the hook
-//! split_gpu = false               # also for GPU memory (GPU workers preload the hook); see docs/split.md
+//!
 //! [restore_server]                # caches of segments for restores (LRU), in bytes
 //! host_cache_bytes = 4294967296   # host memory (pinned on cuda): 4 GiB
 //! gpu_cache_bytes = 2147483648    # device memory: 2 GiB (memfd memory on the host backend)
@@ -208,10 +209,9 @@ pub struct Config {
     pub reattach: Duration,
     /// Split snapshots for functions whose workers have the hook; `false`: transparent only.
     pub split: bool,
-    /// The split path for GPU memory too (the hook preloaded into GPU workers). Off by default
-    /// until an instance on it can step down to gpu_released: the driver would not resume a
-    /// process mapping imported GPU memory from an in-place checkpoint (measured on the H100), so
-    /// such an instance skips that stage.
+    /// The split path for GPU memory too (the hook preloaded into GPU workers); with `split`.
+    /// `false`: GPU functions take the transparent path (their GPU memory goes through the
+    /// driver's checkpoint).
     pub split_gpu: bool,
     pub restore_server: RestoreServer,
 }
@@ -234,7 +234,7 @@ impl Default for Config {
             cold_start: ColdStart::default(),
             reattach: DEFAULT_REATTACH,
             split: true,
-            split_gpu: false,
+            split_gpu: true,
             restore_server: RestoreServer::default(),
         }
     }
@@ -466,8 +466,8 @@ mod tests {
     fn split_and_the_restore_server_caches_are_read() {
         let c = parse("").unwrap();
         assert!(c.split);
-        assert!(!c.split_gpu);
-        assert!(parse("split_gpu = true").unwrap().split_gpu);
+        assert!(c.split_gpu);
+        assert!(!parse("split_gpu = false").unwrap().split_gpu);
         assert_eq!(c.restore_server.host_cache_bytes, 4 << 30);
         assert_eq!(c.restore_server.gpu_cache_bytes, 2 << 30);
         let c = parse(

@@ -1,6 +1,7 @@
 //! Keep-alive in stages (docs/torpord.md, "Keep-alive stages"). An idle instance steps down
 //! warm → gpu_released (only `gpus = 1`: CUDA driver lock + checkpoint in place, the process
-//! kept) → hibernated (quiesced and snapshotted in kill mode to `snapshots/hib-<fn>-<id>-<unix ms>`, the
+//! kept; on the split path its segments are unmapped first and mapped back on resume,
+//! crate::split::release) → hibernated (quiesced and snapshotted in kill mode to `snapshots/hib-<fn>-<id>-<unix ms>`, the
 //! process gone) → evicted (the hibernation snapshot's pages dropped from the page cache). The
 //! delays are idle times, counted from the end of the instance's last request.
 //!
@@ -161,7 +162,6 @@ impl Runtime {
                     && keep.stage == Stage::Warm
                     && idle >= k.gpu_release
                     && !inst.gpu_release_failed.load(Ordering::SeqCst)
-                    && !inst.imports_gpu_memory.load(Ordering::SeqCst)
                 {
                     keep.busy = true;
                     steps.push((Arc::clone(&pool), Step::ReleaseGpu(Arc::clone(inst))));
@@ -225,25 +225,15 @@ impl Runtime {
         .map_err(|e| e.to_string())
     }
 
-    /// warm → gpu_released: CUDA driver lock + checkpoint of the worker, in place.
+    /// warm → gpu_released: CUDA driver lock + checkpoint of the worker, in place; on the split
+    /// path its segments are unmapped and given back first.
     async fn release_gpu(self: Arc<Self>, pool: Arc<Pool>, inst: Arc<Instance>) {
-        let pid = inst.worker_pid;
-        let released = match self.cuda() {
-            Ok(cuda) => tokio::task::spawn_blocking(move || {
-                cuda.lock(pid, CUDA_LOCK_TIMEOUT)
-                    .map_err(|e| e.to_string())?;
-                if let Err(e) = cuda.checkpoint(pid) {
-                    let _ = cuda.unlock(pid);
-                    return Err(e.to_string());
-                }
-                Ok(())
-            })
-            .await
-            .map_err(|e| format!("GPU release task failed: {e}"))
-            .and_then(|r| r),
-            Err(e) => Err(e),
-        };
-        if let Err(e) = released {
+        if let Err(e) = self.release_gpu_inner(&inst).await {
+            if inst.is_dead() {
+                // Its segments could not be mapped back: removed already, with the reason.
+                pool.changed.notify_waiters();
+                return;
+            }
             // The instance stays warm; it will hibernate at its time.
             tracing::warn!(instance = %inst.id, function = %inst.function, error = %e, "cannot release the GPU; the instance stays warm");
             inst.gpu_release_failed.store(true, Ordering::SeqCst);
@@ -266,13 +256,191 @@ impl Runtime {
         pool.changed.notify_waiters();
     }
 
-    /// gpu_released → warm: driver restore + unlock. Returns the seconds it took. The instance
-    /// stays busy (not routable) when `stay_busy`, as for a hibernation that goes on.
+    /// The steps of a GPU release. A failure leaves the instance warm with its segments mapped,
+    /// or removes it when they cannot be mapped back.
+    async fn release_gpu_inner(self: &Arc<Self>, inst: &Arc<Instance>) -> Result<(), String> {
+        // The driver will not resume a process that maps memory it imported from the daemon
+        // (crate::split::release): such an instance gives its segments back first.
+        let cuda = self.cuda()?;
+        let split = !lock(&inst.segments).is_empty();
+        if split {
+            self.unmap_segments(inst).await?;
+        }
+        let pid = inst.worker_pid;
+        let checkpointed = tokio::task::spawn_blocking(move || {
+            cuda.lock(pid, CUDA_LOCK_TIMEOUT)
+                .map_err(|e| e.to_string())?;
+            if let Err(e) = cuda.checkpoint(pid) {
+                let _ = cuda.unlock(pid);
+                return Err(e.to_string());
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| format!("GPU release task failed: {e}"))
+        .and_then(|r| r);
+        if let Err(e) = checkpointed {
+            if split {
+                self.map_segments_back(inst, None).await?;
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Split path: the worker unmaps the segments the daemon handed over (`unmap` →
+    /// `unmapped`), the daemon saves the writable ones' contents to host memory and drops its
+    /// handles on all of them. On failure the segments the worker released are mapped back (the
+    /// instance stays warm), or the
+    /// instance is removed when that fails too.
+    async fn unmap_segments(self: &Arc<Self>, inst: &Arc<Instance>) -> Result<(), String> {
+        let Some((plan, leases)) = lock(&inst.segments).leases() else {
+            return Err("its segments are released already".to_string());
+        };
+        let mut replies = ForwardedReplies::new(inst)?;
+        {
+            // Only the daemon's memory: segments the worker made since are its own and stay in
+            // the driver's checkpoint.
+            let vas: Vec<u64> = plan.iter().map(|(e, _)| e.va).collect();
+            let mut wr = inst.writer.lock().await;
+            if let Err(e) = workers::send(&mut wr, &json!({"type": "unmap", "vas": vas})).await {
+                drop(wr);
+                let why = format!("cannot send unmap: {e}");
+                self.remove_instance(inst, &why, true);
+                return Err(why);
+            }
+        }
+        let answer = match tokio::time::timeout(QUIET_TIMEOUT, replies.rx.recv()).await {
+            Ok(Some(m))
+                if m.get("type").and_then(serde_json::Value::as_str) == Some("unmapped") =>
+            {
+                m
+            }
+            other => {
+                // What the worker holds is unknown: it cannot serve on.
+                let why = match other {
+                    Ok(Some(m)) => {
+                        format!("it answered unmap with {}", serde_json::Value::Object(m))
+                    }
+                    Ok(None) => inst.reason(),
+                    Err(_) => format!("no unmapped within {} s of unmap", QUIET_TIMEOUT.as_secs()),
+                };
+                drop(replies);
+                self.remove_instance(inst, &why, true);
+                return Err(why);
+            }
+        };
+        drop(replies);
+        if answer.get("ok").and_then(serde_json::Value::as_bool) != Some(true) {
+            let message = answer
+                .get("error")
+                .and_then(|e| e.get("message"))
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("no reason given")
+                .to_string();
+            let released: std::collections::HashSet<u64> = answer
+                .get("released")
+                .and_then(serde_json::Value::as_array)
+                .map(|v| v.iter().filter_map(serde_json::Value::as_u64).collect())
+                .unwrap_or_default();
+            drop(leases);
+            self.map_segments_back(inst, Some(&released)).await?;
+            return Err(format!(
+                "the worker could not unmap its segments: {message}"
+            ));
+        }
+        let split = Arc::clone(&self.split);
+        let plan2 = Arc::clone(&plan);
+        let saved = tokio::task::spawn_blocking(move || {
+            let saved = split.save_writable(&plan2, &leases);
+            drop(leases);
+            saved
+        })
+        .await
+        .map_err(|e| format!("segment save task failed: {e}"))
+        .and_then(|r| r);
+        match saved {
+            Ok(saved) => {
+                // Every handle on the memory goes: the instance holds no device memory now.
+                lock(&inst.segments).release(saved);
+                Ok(())
+            }
+            Err(e) => {
+                self.map_segments_back(inst, None).await?;
+                Err(format!("cannot save its segments: {e}"))
+            }
+        }
+    }
+
+    /// Hands the instance's segments to its worker again with `map` frames (all of them, or
+    /// those at `only`): from the memory still held, or, once released, from the saved contents
+    /// and the restore server. Returns the seconds it took. A failure removes the instance.
+    async fn map_segments_back(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+        only: Option<&std::collections::HashSet<u64>>,
+    ) -> Result<f64, String> {
+        let t = Instant::now();
+        let (released, plan, sources) = {
+            let mut s = lock(&inst.segments);
+            let released = s.is_released();
+            let (plan, sources) = s.sources();
+            (released, plan, sources)
+        };
+        let (plan, sources) = match only {
+            None => (plan, sources),
+            Some(only) => {
+                let (p, s): (Vec<_>, Vec<_>) = plan
+                    .iter()
+                    .cloned()
+                    .zip(sources)
+                    .filter(|((e, _), _)| only.contains(&e.va))
+                    .unzip();
+                (Arc::new(p), s)
+            }
+        };
+        if plan.is_empty() {
+            return Ok(0.0);
+        }
+        let restoring = self
+            .split
+            .begin_refill(plan, sources, format!("instance {}", inst.id));
+        let handed = match ForwardedReplies::new(inst) {
+            Ok(mut replies) => {
+                let mut wr = inst.writer.lock().await;
+                restoring
+                    .hand_over(
+                        &mut wr,
+                        crate::split::server::Replies::Forwarded(&mut replies.rx),
+                    )
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        match handed {
+            Ok(h) => {
+                if released {
+                    *lock(&inst.segments) = crate::split::release::InstanceSegments::mapped(h);
+                }
+                Ok(t.elapsed().as_secs_f64())
+            }
+            Err(e) => {
+                let why = format!("mapping its segments back failed: {e}");
+                self.remove_instance(inst, &why, true);
+                Err(why)
+            }
+        }
+    }
+
+    /// gpu_released → warm: driver restore + unlock, then (split path) the segments are mapped
+    /// back. Returns the seconds of each: (driver, segments if any). The instance stays busy (not
+    /// routable) when `stay_busy`, as for a hibernation that goes on. A failure to map the
+    /// segments back removes the instance.
     pub(crate) async fn gpu_resume(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
         stay_busy: bool,
-    ) -> Result<f64, String> {
+    ) -> Result<(f64, Option<f64>), String> {
         let t = Instant::now();
         let cuda = self.cuda()?;
         let pid = inst.worker_pid;
@@ -283,6 +451,12 @@ impl Runtime {
         .await
         .map_err(|e| format!("GPU resume task failed: {e}"))??;
         let s = t.elapsed().as_secs_f64();
+        let released = lock(&inst.segments).is_released();
+        let segments_s = if released {
+            Some(self.map_segments_back(inst, None).await?)
+        } else {
+            None
+        };
         {
             let mut k = lock(&inst.keep);
             self.set_stage(&inst.function, &mut k, Stage::Warm);
@@ -294,7 +468,7 @@ impl Runtime {
         {
             tracing::warn!(instance = %inst.id, error = %e, "cannot record the warm stage");
         }
-        Ok(s)
+        Ok((s, segments_s))
     }
 
     /// → hibernated: quiesce, snapshot in kill mode, keep the snapshot as a sleeper.
@@ -383,7 +557,8 @@ impl Runtime {
         out: &Path,
     ) -> Result<Sleeper, String> {
         if lock(&inst.keep).stage == Stage::GpuReleased {
-            // The worker must run CUDA to synchronise before quiet.
+            // The worker must run CUDA to synchronise before quiet, and the split capture reads
+            // every segment: resume first (segments mapped back), then hibernate as a warm one.
             self.gpu_resume(inst, true).await?;
         }
         // A split function snapshot: its instances hibernate split too.
@@ -605,6 +780,32 @@ impl Runtime {
             discarded.push(id);
         }
         discarded
+    }
+}
+
+/// The worker's `unmapped` and `mapped` frames, forwarded by the instance's reader while this
+/// lives.
+struct ForwardedReplies<'a> {
+    inst: &'a Instance,
+    rx: tokio::sync::mpsc::UnboundedReceiver<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl<'a> ForwardedReplies<'a> {
+    fn new(inst: &'a Instance) -> Result<Self, String> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        *lock(&inst.segment_replies) = Some(tx);
+        // Removed meanwhile: its reader is gone and would never forward anything.
+        if inst.is_dead() {
+            lock(&inst.segment_replies).take();
+            return Err(inst.reason());
+        }
+        Ok(Self { inst, rx })
+    }
+}
+
+impl Drop for ForwardedReplies<'_> {
+    fn drop(&mut self) {
+        lock(&self.inst.segment_replies).take();
     }
 }
 

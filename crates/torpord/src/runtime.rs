@@ -116,12 +116,12 @@ pub struct Instance {
     pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<QuietHandOver>>>,
     /// A GPU release failed: it stays warm until it hibernates.
     pub(crate) gpu_release_failed: AtomicBool,
-    /// It maps GPU memory the restore server created (split path). The driver would not resume
-    /// such a process from an in-place checkpoint (measured on the H100), so it skips
-    /// gpu_released and steps down to hibernated.
-    pub(crate) imports_gpu_memory: AtomicBool,
-    /// The shared read-only segment copies it maps (crate::split::server).
-    pub(crate) segments: Mutex<crate::split::server::Leases>,
+    /// The segments it has from the restore server (split path), mapped or, while its GPU is
+    /// released, saved (crate::split::release).
+    pub(crate) segments: Mutex<crate::split::release::InstanceSegments>,
+    /// Set while the daemon unmaps or maps its segments (GPU release and resume): its reader
+    /// forwards `unmapped` and `mapped` frames here.
+    pub(crate) segment_replies: Mutex<Option<SegmentReplies>>,
 }
 
 /// What [`Runtime::stop_instances`] took out of service.
@@ -134,6 +134,9 @@ pub struct StoppedInstances {
     /// Hibernated instances taken from the pool, to discard.
     pub sleepers: Vec<Sleeper>,
 }
+
+/// Where an instance's reader forwards the worker's replies to `unmap` and `map`.
+pub(crate) type SegmentReplies = tokio::sync::mpsc::UnboundedSender<Map<String, Value>>;
 
 /// The `quiet` frame of a hibernating instance and its connection's read half, handed from the
 /// instance's reader to the hibernation.
@@ -896,7 +899,12 @@ impl Runtime {
                 if released {
                     let inst = Arc::clone(&lease.instance);
                     match self.gpu_resume(&inst, false).await {
-                        Ok(s) => timings.push(("gpu_resume".to_string(), s)),
+                        Ok((s, segments)) => {
+                            timings.push(("gpu_resume".to_string(), s));
+                            if let Some(s) = segments {
+                                timings.push(("segments".to_string(), s));
+                            }
+                        }
                         Err(e) => {
                             let why = format!("resuming its GPU failed: {e}");
                             self.remove_instance(&inst, &why, true);
@@ -1170,7 +1178,13 @@ impl Runtime {
         let reconnect_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut conn = conn;
-        let segments = match restoring.hand_over(&mut conn).await {
+        let handed = restoring
+            .hand_over(
+                &mut conn.wr,
+                crate::split::server::Replies::Conn(&mut conn.rd),
+            )
+            .await;
+        let segments = match handed {
             Ok(h) => h,
             Err(e) => {
                 kill_tree(init);
@@ -1193,15 +1207,14 @@ impl Runtime {
                 conn,
             )
             .await?;
-        *lock(&inst.segments) = segments.leases;
-        inst.imports_gpu_memory
-            .store(segments.cuda_segments > 0, Ordering::SeqCst);
+        let count = segments.segments;
+        *lock(&inst.segments) = crate::split::release::InstanceSegments::mapped(segments);
         tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
         let mut timings = vec![
             ("restore".to_string(), restore_s),
             ("reconnect".to_string(), reconnect_s),
         ];
-        if segments.segments > 0 {
+        if count > 0 {
             timings.push(("segments".to_string(), segments_s));
         }
         timings.push(("start".to_string(), restore_s + reconnect_s + segments_s));
@@ -1333,6 +1346,13 @@ impl Runtime {
         let Some(init) = row.pid else {
             return self.drop_orphan(&row, "its row has no pid").await;
         };
+        if row.stage == Stage::GpuReleased && self.split_function(&pool).await {
+            // Its segments' contents were saved in the earlier daemon's memory (crate::split::
+            // release): nothing can map them back.
+            let why = "it released its GPU on the split path, and its segments' saved contents \
+                       went with the earlier torpord";
+            return self.drop_orphan(&row, why).await;
+        }
         let worker = match crate::launcher::worker_pid(init) {
             Ok(w) => w,
             Err(e) => return self.drop_orphan(&row, &e).await,
@@ -1374,6 +1394,18 @@ impl Runtime {
         tracing::info!(function = %row.function, instance = %row.id, pid = init, stage = %row.stage, "re-adopted an instance of an earlier torpord");
     }
 
+    /// Whether the function snapshot of `pool` is a split snapshot (unknown counts as split).
+    async fn split_function(&self, pool: &Pool) -> bool {
+        let (split, id) = (
+            Arc::clone(&self.split),
+            lock(&pool.state).info.snapshot_id.clone(),
+        );
+        !matches!(
+            tokio::task::spawn_blocking(move || split.plan(&id)).await,
+            Ok(Ok(None))
+        )
+    }
+
     /// An instance of an earlier daemon that cannot be taken back: killed, its row removed.
     async fn drop_orphan(&self, row: &InstanceRow, why: &str) {
         if let Some(pid) = row.pid {
@@ -1404,6 +1436,19 @@ impl Runtime {
                                 Err(_) => break "its hibernation was given up".to_string(),
                             },
                             None => break "it sent quiet twice".to_string(),
+                        }
+                    }
+                    if let Some(k @ ("unmapped" | "mapped")) = kind {
+                        // Replies to the daemon's segment frames (GPU release and resume).
+                        let k = k.to_string();
+                        let forward = lock(&inst.segment_replies).clone();
+                        match forward {
+                            Some(tx) if tx.send(msg).is_ok() => continue,
+                            _ => {
+                                break format!(
+                                    "it broke the protocol (sent {k} while no segment was being unmapped or mapped)"
+                                )
+                            }
                         }
                     }
                     if kind == Some("started") {
@@ -1480,6 +1525,8 @@ impl Runtime {
         // Dropping the senders fails every request still waiting on this instance.
         lock(&inst.pending).clear();
         lock(&inst.quiet_tx).take();
+        // A step waiting for its segment replies sees the end.
+        lock(&inst.segment_replies).take();
         lock(&inst.segments).clear();
         if kill {
             kill_tree(inst.init_pid);
@@ -1530,8 +1577,8 @@ fn new_instance(
         hibernating: AtomicBool::new(false),
         quiet_tx: Mutex::new(None),
         gpu_release_failed: AtomicBool::new(false),
-        imports_gpu_memory: AtomicBool::new(false),
-        segments: Mutex::new(Vec::new()),
+        segments: Mutex::new(Default::default()),
+        segment_replies: Mutex::new(None),
     });
     (inst, conn.rd)
 }

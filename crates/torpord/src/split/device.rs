@@ -42,6 +42,10 @@ pub trait SegmentDevice: Send + Sync {
 
     /// A new fd for `memory`, for a `map` frame.
     fn export(&self, memory: &Memory) -> Result<OwnedFd, DeviceError>;
+
+    /// Copies the first `out.len()` bytes of `memory` (made by this device) into `out`: the
+    /// contents of an instance's writable segment, saved while its GPU is released.
+    fn read_memory(&self, memory: &Memory, out: &mut [u8]) -> Result<(), DeviceError>;
 }
 
 /// [`SegmentDevice`] over a `torpor-device` backend.
@@ -147,6 +151,11 @@ where
     fn export(&self, memory: &Memory) -> Result<OwnedFd, DeviceError> {
         self.0.export(self.memory(memory))
     }
+
+    fn read_memory(&self, memory: &Memory, out: &mut [u8]) -> Result<(), DeviceError> {
+        let w = Window::map(&self.0, self.memory(memory), out.len(), Access::ReadOnly)?;
+        self.0.copy_to_host(w.at, out)
+    }
 }
 
 #[cfg(test)]
@@ -164,6 +173,9 @@ mod tests {
         let mut out = vec![0u8; data.len()];
         dev.read_fd(dev.export(&copy).unwrap(), &mut out).unwrap();
         assert_eq!(out, data);
+        let mut saved = dev.host_buffer(data.len()).unwrap();
+        dev.read_memory(&m, &mut saved).unwrap();
+        assert!(saved[..] == data[..]);
         // A sealed copy cannot be the source of a writable mapping anywhere.
         let sealed = copy
             .downcast_ref::<torpor_device::host::HostMemory>()
@@ -198,5 +210,8 @@ mod tests {
             out[..] == data[..],
             "the bytes changed on their way through device memory"
         );
+        let mut saved = dev.host_buffer(data.len()).unwrap();
+        dev.read_memory(&m, &mut saved).unwrap();
+        assert!(saved[..] == data[..], "the saved contents differ");
     }
 }

@@ -11,6 +11,7 @@
 //! | [`capture`] | quiesce with `split`, hash, store, release |
 //! | [`cache`] | the byte-bounded LRU of the host and GPU caches |
 //! | [`server`] | filling segments for a restore; shared read-only copies |
+//! | [`release`] | an instance's segments across gpu_released: saved, given back, filled again |
 //!
 //! The chunk store is `<state>/chunks`; a snapshot's record there is named by the snapshot id,
 //! and is released (then GC runs) whenever the daemon removes the snapshot's directory
@@ -21,6 +22,7 @@ pub mod capture;
 pub mod device;
 pub mod fds;
 pub mod index;
+pub mod release;
 pub mod server;
 
 use std::collections::HashMap;
@@ -99,7 +101,7 @@ impl SplitMetrics {
             fill_gbps: HistogramVec::new(
                 HistogramOpts::new(
                     "torpor_restore_fill_gbps",
-                    "Fill bandwidth of each restored segment in GB/s, by source (shared, gpu, host, store).",
+                    "Fill bandwidth of each restored segment in GB/s, by source (shared, gpu, host, store, saved).",
                 )
                 .buckets(vec![0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 200.0]),
                 &["source"],

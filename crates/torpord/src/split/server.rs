@@ -15,18 +15,22 @@
 //! Both caches are LRU and bounded by `[restore_server] host_cache_bytes` and
 //! `gpu_cache_bytes`. On the host backend the "GPU" cache holds memfd memory, so every path runs
 //! without a GPU.
+//!
+//! A live instance whose GPU was released gets its segments back the same way
+//! ([`Split::begin_refill`], crate::split::release): writable ones from the contents the daemon
+//! saved, read-only ones from the sources above.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
 
-use crate::split::device::{Memory, SegmentDevice};
+use crate::split::device::{HostBuffer, Memory, SegmentDevice};
 use crate::split::index::{Planned, SegmentEntry};
 use crate::split::{fds, lock, Split};
-use crate::workers::WorkerConn;
 
 /// How long a restored worker has to map all its segments.
 pub const MAP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -52,10 +56,11 @@ impl Drop for SharedCopy {
     }
 }
 
-/// A handle the daemon keeps on memory it handed to an instance, for the instance's life: the
-/// driver does not promise that exported device memory outlives every handle in the exporting
-/// process until the importer has mapped it, so the daemon never drops its handle first.
-#[derive(Debug)]
+/// A handle the daemon keeps on memory it handed to an instance, while the instance maps it:
+/// the driver does not promise that exported device memory outlives every handle in the
+/// exporting process until the importer has mapped it, so the daemon never drops its handle
+/// first. A clone is another handle on the same memory.
+#[derive(Debug, Clone)]
 pub enum Lease {
     /// A shared read-only copy; it goes when the last instance holding it goes.
     Shared(Arc<SharedCopy>),
@@ -64,9 +69,11 @@ pub enum Lease {
 }
 
 /// Writable memory filled for one instance.
+#[derive(Clone)]
 pub struct OwnMemory {
-    /// Held, never read: dropping it releases the daemon's handle.
-    _memory: Memory,
+    /// Read only to save its contents when the instance's GPU is released; dropping the last
+    /// handle releases the daemon's memory.
+    pub(crate) memory: Arc<Memory>,
 }
 
 impl std::fmt::Debug for OwnMemory {
@@ -83,8 +90,6 @@ pub struct Filled {
     pub va: u64,
     pub size: u64,
     pub readonly: bool,
-    /// Device memory (the cuda backend), which the worker imports.
-    pub cuda: bool,
     pub fd: OwnedFd,
     pub lease: Lease,
 }
@@ -95,10 +100,43 @@ pub fn gpu_key(e: &SegmentEntry) -> String {
 }
 
 enum Event {
-    /// How many segments will come (0: a transparent snapshot).
-    Plan(usize),
+    /// The segments that will come, in this order (none: a transparent snapshot).
+    Plan(Arc<Vec<Planned>>),
     Filled(Filled),
     Failed(String),
+}
+
+/// Where the memory of one segment of a plan comes from.
+pub enum Source {
+    /// The restore server's sources, first that applies: shared copy, GPU cache, host cache,
+    /// chunk store.
+    Fill,
+    /// Contents the daemon saved when the instance released its GPU (a writable segment).
+    Saved(HostBuffer),
+    /// Memory the daemon still holds for the instance: exported again, nothing copied.
+    Held(Lease),
+}
+
+/// The worker's replies to `map` frames: read from its connection (a restore, before the
+/// instance's reader runs), or forwarded by the live instance's reader.
+pub enum Replies<'a> {
+    Conn(&'a mut OwnedReadHalf),
+    Forwarded(&'a mut mpsc::UnboundedReceiver<Map<String, Value>>),
+}
+
+impl Replies<'_> {
+    async fn next(&mut self) -> Result<Map<String, Value>, String> {
+        match self {
+            Replies::Conn(rd) => crate::frames::read(rd)
+                .await
+                .map_err(|e| format!("it sent a malformed frame ({e})"))?
+                .ok_or_else(|| crate::workers::ConnError::Closed.to_string()),
+            Replies::Forwarded(rx) => rx
+                .recv()
+                .await
+                .ok_or_else(|| "the instance's connection ended".to_string()),
+        }
+    }
 }
 
 /// A restore's segments being filled.
@@ -111,8 +149,8 @@ pub struct Restoring {
 pub struct HandOver {
     pub segments: usize,
     pub bytes: u64,
-    /// Segments of device memory among them: the worker then maps GPU memory it did not create.
-    pub cuda_segments: usize,
+    /// The segments handed over, in the order of `leases`.
+    pub plan: Arc<Vec<Planned>>,
     pub leases: Leases,
 }
 
@@ -126,42 +164,107 @@ impl Split {
         tokio::task::spawn_blocking(move || {
             let plan = match split.plan(&id) {
                 Ok(Some(p)) => p,
-                Ok(None) => {
-                    let _ = tx.send(Event::Plan(0));
-                    return;
-                }
+                Ok(None) => Arc::new(Vec::new()),
                 Err(e) => {
                     let _ = tx.send(Event::Failed(e));
                     return;
                 }
             };
-            let _ = tx.send(Event::Plan(plan.len()));
-            for planned in plan.iter() {
-                if tx.is_closed() {
-                    return;
-                }
-                match split.fill(planned) {
-                    Ok(f) => {
-                        let _ = tx.send(Event::Filled(f));
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Event::Failed(format!(
-                            "cannot restore the segment at {:#x} of snapshot {id}: {e}",
-                            planned.0.va
-                        )));
-                        return;
-                    }
-                }
-            }
+            let sources = plan.iter().map(|_| Source::Fill).collect();
+            split.fill_all(&tx, &format!("snapshot {id}"), plan, sources);
         });
         Restoring { rx }
+    }
+
+    /// Starts filling `plan` (one source per entry, same order) on the blocking pool: the
+    /// segments of a live instance whose GPU comes back. `of` names them in errors.
+    pub fn begin_refill(
+        self: &Arc<Self>,
+        plan: Arc<Vec<Planned>>,
+        sources: Vec<Source>,
+        of: String,
+    ) -> Restoring {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let split = Arc::clone(self);
+        tokio::task::spawn_blocking(move || split.fill_all(&tx, &of, plan, sources));
+        Restoring { rx }
+    }
+
+    /// Sends the plan, then each segment as it is filled, until one fails or the receiver goes.
+    fn fill_all(
+        &self,
+        tx: &mpsc::UnboundedSender<Event>,
+        of: &str,
+        plan: Arc<Vec<Planned>>,
+        sources: Vec<Source>,
+    ) {
+        debug_assert_eq!(plan.len(), sources.len());
+        let _ = tx.send(Event::Plan(Arc::clone(&plan)));
+        for (planned, source) in plan.iter().zip(sources) {
+            if tx.is_closed() {
+                return;
+            }
+            let filled = match source {
+                Source::Fill => self.fill(planned),
+                Source::Saved(buf) => self.fill_saved(&planned.0, &buf),
+                Source::Held(lease) => self.export_held(&planned.0, lease),
+            };
+            match filled {
+                Ok(f) => {
+                    let _ = tx.send(Event::Filled(f));
+                }
+                Err(e) => {
+                    let _ = tx.send(Event::Failed(format!(
+                        "cannot restore the segment at {:#x} of {of}: {e}",
+                        planned.0.va
+                    )));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// New memory holding a writable segment's saved contents.
+    fn fill_saved(&self, e: &SegmentEntry, saved: &[u8]) -> Result<Filled, String> {
+        let dev = self.device(&e.backend, e.ordinal)?;
+        let t = Instant::now();
+        let m = dev
+            .fill_from_bytes(saved, false)
+            .map_err(|x| format!("copying its saved contents: {x}"))?;
+        let secs = t.elapsed().as_secs_f64().max(1e-9);
+        self.metrics
+            .fill_gbps
+            .with_label_values(&["saved"])
+            .observe(e.size as f64 / secs / 1e9);
+        self.export_held(
+            e,
+            Lease::Own(OwnMemory {
+                memory: Arc::new(m),
+            }),
+        )
+    }
+
+    /// A `map` frame's worth of memory the daemon holds: a new fd for it.
+    fn export_held(&self, e: &SegmentEntry, lease: Lease) -> Result<Filled, String> {
+        let dev = self.device(&e.backend, e.ordinal)?;
+        let fd = match &lease {
+            Lease::Own(o) => dev.export(&o.memory),
+            Lease::Shared(s) => dev.export(&s.memory),
+        }
+        .map_err(|x| format!("exporting its memory: {x}"))?;
+        Ok(Filled {
+            va: e.va,
+            size: e.size,
+            readonly: e.readonly,
+            fd,
+            lease,
+        })
     }
 
     /// The memory of one segment, from the first source that has it.
     fn fill(&self, (e, recipe): &Planned) -> Result<Filled, String> {
         let dev = self.device(&e.backend, e.ordinal)?;
         let t = Instant::now();
-        let err = |what: &str, e: torpor_device::DeviceError| format!("{what}: {e}");
         let (memory, lease, source) = if e.readonly {
             let key = gpu_key(e);
             let resident = lock(&self.shared)
@@ -197,28 +300,18 @@ impl Split {
             (Some(m), None, source)
         };
         let lease = match (memory, lease) {
-            (Some(m), _) => Lease::Own(OwnMemory { _memory: m }),
+            (Some(m), _) => Lease::Own(OwnMemory {
+                memory: Arc::new(m),
+            }),
             (None, Some(s)) => Lease::Shared(s),
             (None, None) => unreachable!("a segment has memory or a shared copy"),
         };
-        let fd = match &lease {
-            Lease::Own(OwnMemory { _memory: m }) => dev.export(m),
-            Lease::Shared(s) => dev.export(&s.memory),
-        }
-        .map_err(|x| err("exporting its memory", x))?;
         let secs = t.elapsed().as_secs_f64().max(1e-9);
         self.metrics
             .fill_gbps
             .with_label_values(&[source])
             .observe(e.size as f64 / secs / 1e9);
-        Ok(Filled {
-            va: e.va,
-            size: e.size,
-            readonly: e.readonly,
-            cuda: e.backend == "cuda",
-            fd,
-            lease,
-        })
+        self.export_held(e, lease)
     }
 
     /// New memory holding the segment: from the GPU cache, the host cache or the store.
@@ -282,10 +375,14 @@ impl Split {
 }
 
 impl Restoring {
-    /// After the worker's `hello {resumed}`: sends a `map` frame for each segment as it is
-    /// filled, then waits until the worker has mapped them all. An error names the segment; the
-    /// caller then kills the instance.
-    pub async fn hand_over(mut self, conn: &mut WorkerConn) -> Result<HandOver, String> {
+    /// After the worker's `hello {resumed}` (or its `unmapped`, for a refill): sends a `map`
+    /// frame for each segment as it is filled, then waits until the worker has mapped them all.
+    /// An error names the segment; the caller then kills the instance.
+    pub async fn hand_over(
+        mut self,
+        wr: &mut OwnedWriteHalf,
+        mut replies: Replies<'_>,
+    ) -> Result<HandOver, String> {
         let deadline = tokio::time::Instant::now() + MAP_TIMEOUT;
         async fn next(
             rx: &mut mpsc::UnboundedReceiver<Event>,
@@ -296,14 +393,18 @@ impl Restoring {
                 .map_err(|_| format!("segments not filled within {} s", MAP_TIMEOUT.as_secs()))?
                 .ok_or_else(|| "the restore server's fill task ended early".to_string())
         }
-        let count = match next(&mut self.rx, deadline).await? {
-            Event::Plan(n) => n,
+        let plan = match next(&mut self.rx, deadline).await? {
+            Event::Plan(p) => p,
             Event::Failed(e) => return Err(e),
             Event::Filled(_) => {
                 return Err("the restore server sent a segment before its plan".into())
             }
         };
-        let mut out = HandOver::default();
+        let count = plan.len();
+        let mut out = HandOver {
+            plan,
+            ..HandOver::default()
+        };
         let mut vas = Vec::with_capacity(count);
         for _ in 0..count {
             let f = match next(&mut self.rx, deadline).await? {
@@ -312,17 +413,16 @@ impl Restoring {
                 Event::Plan(_) => return Err("the restore server sent two plans".into()),
             };
             let frame = json!({"type": "map", "va": f.va, "size": f.size, "readonly": f.readonly, "fd": true});
-            fds::send_with_fd(&mut conn.wr, &frame, f.fd.as_fd())
+            fds::send_with_fd(wr, &frame, f.fd.as_fd())
                 .await
                 .map_err(|e| format!("sending map for {:#x}: {e}", f.va))?;
             vas.push(f.va);
             out.bytes += f.size;
-            out.cuda_segments += usize::from(f.cuda);
             out.leases.push(f.lease);
         }
         // The worker serves frames in order: one `mapped` per `map`, in the same order.
         for va in vas {
-            let msg = tokio::time::timeout_at(deadline, conn.recv())
+            let msg = tokio::time::timeout_at(deadline, replies.next())
                 .await
                 .map_err(|_| {
                     format!(

@@ -1,0 +1,362 @@
+//! An instance's segments across gpu_released (docs/split.md, "GPU release on the split path").
+//!
+//! The driver will not resume, from an in-place checkpoint, a process that maps device memory it
+//! imported from the daemon (measured on the H100). So before the lock + checkpoint the worker
+//! unmaps every segment (`unmap` → `unmapped`), the daemon copies each writable segment's memory
+//! into host memory kept with the instance ([`Split::save_writable`]) and drops its handles on
+//! all of them: the instance holds no device memory while released. After the driver's restore
+//! the segments are filled again ([`InstanceSegments::sources`]: writable ones from the saved
+//! contents, read-only ones from the restore server's usual sources) and handed over with `map`
+//! frames, as after a restore ([`super::server::Restoring::hand_over`]).
+
+use std::sync::Arc;
+
+use super::device::HostBuffer;
+use super::index::Planned;
+use super::server::{HandOver, Lease, Leases, Source};
+use super::Split;
+
+/// What an instance holds from the restore server.
+#[derive(Debug, Default)]
+pub struct InstanceSegments {
+    /// Its segments in the order they were handed over (empty: it has none from the restore
+    /// server, e.g. a booted instance or one of a transparent snapshot).
+    plan: Arc<Vec<Planned>>,
+    held: Held,
+}
+
+enum Held {
+    /// The worker maps them: the daemon's handle on each, one per plan entry.
+    Mapped(Leases),
+    /// Given back (gpu_released): each writable segment's contents, `None` for read-only ones.
+    Saved(Vec<Option<HostBuffer>>),
+}
+
+impl Default for Held {
+    fn default() -> Self {
+        Held::Mapped(Vec::new())
+    }
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Held::Mapped(l) => write!(f, "Mapped({} leases)", l.len()),
+            Held::Saved(s) => write!(f, "Saved({} buffers)", s.iter().flatten().count()),
+        }
+    }
+}
+
+impl InstanceSegments {
+    /// The segments a hand-over gave the instance.
+    pub fn mapped(handed: HandOver) -> Self {
+        Self {
+            plan: handed.plan,
+            held: Held::Mapped(handed.leases),
+        }
+    }
+
+    /// No segments from the restore server.
+    pub fn is_empty(&self) -> bool {
+        self.plan.is_empty()
+    }
+
+    /// Given back: the worker has no memory behind its segments until they are handed over.
+    pub fn is_released(&self) -> bool {
+        matches!(self.held, Held::Saved(_))
+    }
+
+    /// Forgets everything (the process is gone): shared copies it held may go.
+    pub fn clear(&mut self) {
+        *self = Self::default();
+    }
+
+    /// The plan and another handle on each segment's memory, for saving while mapped.
+    pub fn leases(&self) -> Option<(Arc<Vec<Planned>>, Leases)> {
+        match &self.held {
+            Held::Mapped(l) => Some((Arc::clone(&self.plan), l.clone())),
+            Held::Saved(_) => None,
+        }
+    }
+
+    /// Drops the daemon's handles on the memory, keeping `saved` (from
+    /// [`Split::save_writable`]) until the segments are handed over again.
+    pub fn release(&mut self, saved: Vec<Option<HostBuffer>>) {
+        self.held = Held::Saved(saved);
+    }
+
+    /// Where each segment's memory comes from to hand it over again: the saved contents (they
+    /// are taken) or the restore server's sources once released, the memory still held
+    /// otherwise (a release that failed before the memory was dropped).
+    pub fn sources(&mut self) -> (Arc<Vec<Planned>>, Vec<Source>) {
+        let sources = match std::mem::take(&mut self.held) {
+            Held::Mapped(leases) => {
+                let sources = leases.iter().cloned().map(Source::Held).collect();
+                self.held = Held::Mapped(leases);
+                sources
+            }
+            Held::Saved(saved) => saved
+                .into_iter()
+                .map(|s| s.map_or(Source::Fill, Source::Saved))
+                .collect(),
+        };
+        (Arc::clone(&self.plan), sources)
+    }
+}
+
+impl Split {
+    /// Copies the memory of each writable segment (`leases[i]` holds `plan[i]`) into host memory
+    /// of its device (pinned on cuda); read-only ones are `None`: their contents are in the shared
+    /// copy, the caches or the chunk store. Blocking.
+    pub fn save_writable(
+        &self,
+        plan: &[Planned],
+        leases: &[Lease],
+    ) -> Result<Vec<Option<HostBuffer>>, String> {
+        if plan.len() != leases.len() {
+            return Err(format!(
+                "the instance holds {} segments but its plan lists {}",
+                leases.len(),
+                plan.len()
+            ));
+        }
+        plan.iter()
+            .zip(leases)
+            .map(|((e, _), lease)| {
+                let Lease::Own(own) = lease else {
+                    return Ok(None);
+                };
+                let dev = self.device(&e.backend, e.ordinal)?;
+                let size = usize::try_from(e.size).map_err(|x| x.to_string())?;
+                let mut buf = dev
+                    .host_buffer(size)
+                    .map_err(|x| format!("host memory to save the segment at {:#x}: {x}", e.va))?;
+                dev.read_memory(&own.memory, &mut buf)
+                    .map_err(|x| format!("saving the segment at {:#x}: {x}", e.va))?;
+                Ok(Some(buf))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsRawFd, OwnedFd};
+
+    use serde_json::{json, Value};
+    use tokio::net::UnixStream;
+    use torpor_image::store::ChunkStore;
+
+    use super::*;
+    use crate::split::fds;
+    use crate::split::index::{
+        recipe_name, SegmentEntry, SegmentIndex, INDEX_FORMAT, INDEX_RECIPE,
+    };
+    use crate::split::server::Replies;
+
+    const PAGE: usize = 4096;
+    const WRITABLE: u64 = 0x7f00_0000_0000;
+    const READ_ONLY: u64 = 0x7f00_1000_0000;
+
+    fn entry(va: u64, size: usize, order: u64, readonly: bool, blake3: String) -> SegmentEntry {
+        SegmentEntry {
+            va,
+            size: size as u64,
+            backend: "host".into(),
+            ordinal: -1,
+            order,
+            first_use: None,
+            readonly,
+            readonly_why: if readonly {
+                "declared".into()
+            } else {
+                String::new()
+            },
+            recipe: recipe_name(va),
+            blake3,
+        }
+    }
+
+    /// A split snapshot `id` in the store at `state/chunks` with one writable and one read-only
+    /// host segment.
+    fn snapshot(state: &std::path::Path, id: &str, writable: &[u8], read_only: &[u8]) {
+        let store = ChunkStore::open(&state.join(crate::split::STORE_DIR)).unwrap();
+        let mut w = store.writer().unwrap();
+        let a = w.put_bytes(&recipe_name(WRITABLE), writable).unwrap();
+        let b = w.put_bytes(&recipe_name(READ_ONLY), read_only).unwrap();
+        let index = SegmentIndex {
+            format: INDEX_FORMAT,
+            segments: vec![
+                entry(WRITABLE, writable.len(), 0, false, a.blake3.clone()),
+                entry(READ_ONLY, read_only.len(), 1, true, b.blake3.clone()),
+            ],
+        };
+        let idx = w
+            .put_bytes(INDEX_RECIPE, &serde_json::to_vec(&index).unwrap())
+            .unwrap();
+        w.commit(id, &[idx, a, b]).unwrap();
+    }
+
+    /// A split daemon state without caches, so read-only segments come from the shared copy or
+    /// the store.
+    fn split(state: &std::path::Path) -> Arc<Split> {
+        let limits = crate::config::RestoreServer {
+            host_cache_bytes: 0,
+            gpu_cache_bytes: 0,
+        };
+        let metrics = crate::metrics::Metrics::new().unwrap();
+        Arc::new(Split::new(state, true, true, &limits, &metrics))
+    }
+
+    fn contents(fd: &OwnedFd, len: usize) -> Vec<u8> {
+        let mut out = vec![0u8; len];
+        // SAFETY: pread into a buffer of `len` bytes from an open fd.
+        let n = unsafe { libc::pread(fd.as_raw_fd(), out.as_mut_ptr().cast(), len, 0) };
+        assert_eq!(n, len as isize);
+        out
+    }
+
+    /// Plays the worker: answers each `map` with `mapped`, keeping the fds by VA.
+    async fn worker(
+        rd: &mut tokio::net::unix::OwnedReadHalf,
+        wr: &mut tokio::net::unix::OwnedWriteHalf,
+        n: usize,
+    ) -> Vec<(Value, OwnedFd)> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let (frame, fd) = fds::read_with_fd(rd).await.unwrap().unwrap();
+            assert_eq!(frame["type"], "map");
+            let va = frame["va"].as_u64().unwrap();
+            crate::workers::send(wr, &json!({"type": "mapped", "va": va, "ok": true}))
+                .await
+                .unwrap();
+            out.push((Value::Object(frame), fd.expect("a map frame carries an fd")));
+        }
+        out
+    }
+
+    async fn hand_over(
+        restoring: crate::split::server::Restoring,
+        n: usize,
+    ) -> (Result<HandOver, String>, Vec<(Value, OwnedFd)>) {
+        let (daemon, worker_end) = UnixStream::pair().unwrap();
+        let (mut drd, mut dwr) = daemon.into_split();
+        let (mut wrd, mut wwr) = worker_end.into_split();
+        let (handed, maps) = tokio::join!(
+            restoring.hand_over(&mut dwr, Replies::Conn(&mut drd)),
+            worker(&mut wrd, &mut wwr, n)
+        );
+        (handed, maps)
+    }
+
+    fn write_at(fd: &OwnedFd, data: &[u8]) {
+        // SAFETY: pwrite of `data` to an open memfd.
+        let n = unsafe { libc::pwrite(fd.as_raw_fd(), data.as_ptr().cast(), data.len(), 0) };
+        assert_eq!(n, data.len() as isize);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writable_contents_are_saved_and_every_segment_comes_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let writable: Vec<u8> = (0..2 * PAGE).map(|i| (i % 241) as u8).collect();
+        let read_only: Vec<u8> = (0..3 * PAGE).map(|i| (i % 239) as u8).collect();
+        snapshot(dir.path(), "fn-t-1", &writable, &read_only);
+        let split = split(dir.path());
+
+        let (handed, maps) = hand_over(split.begin_restore("fn-t-1"), 2).await;
+        let mut segments = InstanceSegments::mapped(handed.unwrap());
+        assert!(!segments.is_empty() && !segments.is_released());
+        // The worker wrote into its writable segment after the restore.
+        let (w_frame, w_fd) = &maps[0];
+        assert_eq!(w_frame["va"], WRITABLE);
+        let changed: Vec<u8> = writable.iter().map(|b| b ^ 0x5a).collect();
+        write_at(w_fd, &changed);
+        drop(maps);
+
+        // A release that fails before the memory is dropped hands the same memory back.
+        let (plan, sources) = segments.sources();
+        assert!(sources.iter().all(|s| matches!(s, Source::Held(_))));
+        let (handed, again) = hand_over(split.begin_refill(plan, sources, "t".into()), 2).await;
+        assert_eq!(handed.unwrap().segments, 2);
+        assert_eq!(contents(&again[0].1, writable.len()), changed);
+        drop(again);
+
+        // Saved, then every handle dropped: the shared copy goes with its only holder.
+        let (plan, leases) = segments.leases().unwrap();
+        let saved = split.save_writable(&plan, &leases).unwrap();
+        drop(leases);
+        assert!(saved[0].as_ref().is_some_and(|b| b[..] == changed[..]) && saved[1].is_none());
+        segments.release(saved);
+        assert!(segments.is_released() && segments.leases().is_none());
+        assert_eq!(split.metrics.shared_bytes.get(), 0);
+
+        let (plan, sources) = segments.sources();
+        assert!(matches!(sources[0], Source::Saved(_)) && matches!(sources[1], Source::Fill));
+        let (handed, back) = hand_over(split.begin_refill(plan, sources, "t".into()), 2).await;
+        let handed = handed.unwrap();
+        assert_eq!((handed.segments, handed.bytes), (2, (5 * PAGE) as u64));
+        assert_eq!(back[0].0["readonly"], false);
+        assert_eq!(contents(&back[0].1, writable.len()), changed);
+        // The read-only one came from the store into a new shared copy, sealed.
+        assert_eq!(back[1].0["readonly"], true);
+        assert_eq!(contents(&back[1].1, read_only.len()), read_only);
+        assert_eq!(split.metrics.shared_bytes.get(), (3 * PAGE) as i64);
+        // SAFETY: F_GET_SEALS only reads the memfd's seals.
+        let seals = unsafe { libc::fcntl(back[1].1.as_raw_fd(), libc::F_GET_SEALS) };
+        assert!(seals & libc::F_SEAL_WRITE != 0, "seals {seals:#x}");
+        let segments = InstanceSegments::mapped(handed);
+        assert!(!segments.is_released());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refill_whose_source_is_gone_names_the_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        let writable = vec![1u8; PAGE];
+        let read_only = vec![2u8; PAGE];
+        snapshot(dir.path(), "fn-t-2", &writable, &read_only);
+        let split = split(dir.path());
+        let (handed, maps) = hand_over(split.begin_restore("fn-t-2"), 2).await;
+        drop(maps);
+        let mut segments = InstanceSegments::mapped(handed.unwrap());
+        let (plan, leases) = segments.leases().unwrap();
+        segments.release(split.save_writable(&plan, &leases).unwrap());
+        drop(leases);
+        // The snapshot goes meanwhile (e.g. removed by hand) and no cache holds the read-only
+        // segment: the store's chunks are gone.
+        let store = split.store().unwrap();
+        store.release("fn-t-2").unwrap();
+        store.try_gc().unwrap();
+        let (plan, sources) = segments.sources();
+        let (handed, maps) =
+            hand_over(split.begin_refill(plan, sources, "instance i-1".into()), 1).await;
+        let err = handed.unwrap_err();
+        assert!(
+            err.contains(&format!("segment at {READ_ONLY:#x} of instance i-1")),
+            "{err}"
+        );
+        // The writable one was handed over before.
+        assert_eq!(contents(&maps[0].1, PAGE), writable);
+    }
+
+    #[test]
+    fn saving_needs_one_lease_per_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        let split = split(dir.path());
+        let plan = vec![(
+            entry(WRITABLE, PAGE, 0, false, String::new()),
+            torpor_image::store::Recipe {
+                name: recipe_name(WRITABLE),
+                size: PAGE as u64,
+                blake3: String::new(),
+                chunks: Vec::new(),
+            },
+        )];
+        let Err(err) = split.save_writable(&plan, &[]) else {
+            panic!("saved without a lease");
+        };
+        assert!(
+            err.contains("holds 0 segments but its plan lists 1"),
+            "{err}"
+        );
+    }
+}
