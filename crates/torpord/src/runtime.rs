@@ -122,6 +122,9 @@ pub struct Instance {
     pub(crate) imports_gpu_memory: AtomicBool,
     /// The shared read-only segment copies it maps (crate::split::server).
     pub(crate) segments: Mutex<crate::split::server::Leases>,
+    /// Restored from a split snapshot: its `map` frames and the worker's `mapped` answers,
+    /// which come in among its results (it takes requests before every segment is mapped).
+    pub(crate) mapping: Mutex<Option<crate::split::server::Mapping>>,
 }
 
 /// The `quiet` frame of a hibernating instance and its connection's read half, handed from the
@@ -169,6 +172,14 @@ impl Instance {
         lock(&self.why_dead)
             .clone()
             .unwrap_or_else(|| "the worker closed its connection".to_string())
+    }
+
+    /// Some of its segments are not mapped yet: it serves, but must not be stepped down (the
+    /// worker refuses a quiesce meanwhile).
+    pub(crate) fn still_mapping(&self) -> bool {
+        lock(&self.mapping)
+            .as_ref()
+            .is_some_and(|m| m.unmapped() > 0)
     }
 }
 
@@ -622,6 +633,16 @@ impl Runtime {
         let t_call = Instant::now();
         let res = self.call(&inst, request, timeout, per_instance).await;
         drop(lease);
+        if kind == start::RESTORED {
+            // hello → every segment mapped, when that happened before the answer (a request
+            // that needs only some segments may finish first).
+            let mapped_s = lock(&inst.mapping)
+                .as_ref()
+                .and_then(crate::split::server::Mapping::segments_s);
+            if let Some(s) = mapped_s {
+                timings.push(("segments".to_string(), s));
+            }
+        }
         let call_s = t_call.elapsed().as_secs_f64();
         let total = t0.elapsed().as_secs_f64();
         self.metrics.starts.with_label_values(&[name, kind]).inc();
@@ -1010,15 +1031,7 @@ impl Runtime {
                     return Ok(started);
                 }
                 Err(e) => {
-                    let failures = {
-                        let mut health = lock(&self.restore_health);
-                        let h = health.entry(name.to_string()).or_default();
-                        h.failures += 1;
-                        if h.failures >= RESTORE_FAILURES_TO_PAUSE {
-                            h.paused_until = Some(Instant::now() + RESTORE_PAUSE);
-                        }
-                        h.failures
-                    };
+                    let failures = self.restore_failed(name, false);
                     tracing::warn!(function = name, error = %e, failures, "restoring the function snapshot failed; booting an instance instead");
                     if failures >= RESTORE_FAILURES_TO_PAUSE {
                         tracing::warn!(function = name, pause_s = RESTORE_PAUSE.as_secs(), "{failures} restores in a row failed: booting instances without trying to restore until the pause ends or the function is deployed again");
@@ -1037,6 +1050,18 @@ impl Runtime {
                 Some(r) => format!("{r}; booting one instead failed too: {e}"),
                 None => format!("{e} (restores are paused after failing)"),
             })
+    }
+
+    /// Counts a failed restore of `name`'s function snapshot (pausing restores after
+    /// [`RESTORE_FAILURES_TO_PAUSE`] in a row, or at once with `pause_now`); the count.
+    fn restore_failed(&self, name: &str, pause_now: bool) -> u32 {
+        let mut health = lock(&self.restore_health);
+        let h = health.entry(name.to_string()).or_default();
+        h.failures += 1;
+        if pause_now || h.failures >= RESTORE_FAILURES_TO_PAUSE {
+            h.paused_until = Some(Instant::now() + RESTORE_PAUSE);
+        }
+        h.failures
     }
 
     /// Boots an instance: launches a `--role function` worker, loads the function.
@@ -1113,9 +1138,9 @@ impl Runtime {
             ));
         }
         let reconnect_s = t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        let mut conn = conn;
-        let segments = match restoring.hand_over(&mut conn).await {
+        let hello = Instant::now();
+        // The instance takes requests once the plan is known; its segments follow.
+        let handing = match restoring.planned().await {
             Ok(h) => h,
             Err(e) => {
                 kill_tree(init);
@@ -1125,7 +1150,7 @@ impl Runtime {
                 ));
             }
         };
-        let segments_s = t.elapsed().as_secs_f64();
+        let plan_s = hello.elapsed().as_secs_f64();
         let inst = self
             .adopt(
                 new.id.to_string(),
@@ -1138,19 +1163,88 @@ impl Runtime {
                 conn,
             )
             .await?;
-        *lock(&inst.segments) = segments.leases;
-        inst.imports_gpu_memory
-            .store(segments.cuda_segments > 0, Ordering::SeqCst);
+        // A woken instance's hibernation snapshot goes once its segments are mapped: they are
+        // read from its record meanwhile.
+        let sleeper_dir = sleeper.map(|s| s.snapshot_dir.clone());
+        if handing.count() == 0 {
+            if let Some(dir) = sleeper_dir {
+                tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
+            }
+        } else {
+            let (mapping, done) = crate::split::server::Mapping::new(hello, handing.count());
+            *lock(&inst.mapping) = Some(mapping);
+            let rt = Arc::clone(self);
+            let what = format!("an instance restored from {}", from.display());
+            let function_snapshot = sleeper.is_none();
+            let inst = Arc::clone(&inst);
+            tokio::spawn(async move {
+                rt.hand_over(inst, handing, done, &what, function_snapshot)
+                    .await;
+                if let Some(dir) = sleeper_dir {
+                    tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
+                }
+            });
+        }
         tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
-        let mut timings = vec![
+        let timings = vec![
             ("restore".to_string(), restore_s),
             ("reconnect".to_string(), reconnect_s),
+            ("start".to_string(), restore_s + reconnect_s + plan_s),
         ];
-        if segments.segments > 0 {
-            timings.push(("segments".to_string(), segments_s));
-        }
-        timings.push(("start".to_string(), restore_s + reconnect_s + segments_s));
         Ok((inst, timings, start::RESTORED))
+    }
+
+    /// Sends a restored instance its `map` frames as the fills complete, while it already takes
+    /// requests, and waits for the last `mapped` (its reader counts them). A failed fill, a
+    /// refused map or a timeout removes the instance (its requests are answered with the cause)
+    /// and, for the function snapshot, pauses its restores: a retry would read the same store.
+    async fn hand_over(
+        self: Arc<Self>,
+        inst: Arc<Instance>,
+        handing: crate::split::server::HandingOver,
+        done: oneshot::Receiver<()>,
+        what: &str,
+        function_snapshot: bool,
+    ) {
+        let deadline = tokio::time::Instant::now() + crate::split::server::MAP_TIMEOUT;
+        let sent = handing
+            .send_maps(&inst.writer, |va, cuda, lease| {
+                if inst.is_dead() {
+                    return;
+                }
+                if let Some(m) = lock(&inst.mapping).as_mut() {
+                    m.sent(va);
+                }
+                if cuda {
+                    inst.imports_gpu_memory.store(true, Ordering::SeqCst);
+                }
+                lock(&inst.segments).push(lease);
+            })
+            .await;
+        let failed = match sent {
+            Err(e) => e,
+            Ok(()) => match tokio::time::timeout_at(deadline, done).await {
+                Ok(Ok(())) => return,
+                // The mapping was dropped: the instance is gone already, for its own reason.
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    let left = lock(&inst.mapping).as_ref().map_or(0, |m| m.unmapped());
+                    format!(
+                        "the worker did not map {left} segment(s) within {} s",
+                        crate::split::server::MAP_TIMEOUT.as_secs()
+                    )
+                }
+            },
+        };
+        if inst.is_dead() {
+            return;
+        }
+        let why = format!("{what} did not get its segments: {failed}");
+        if function_snapshot {
+            self.restore_failed(&inst.function, true);
+            tracing::warn!(function = %inst.function, instance = %inst.id, error = %why, pause_s = RESTORE_PAUSE.as_secs(), "restoring the function snapshot failed after the instance took requests; booting an instance instead of restoring until the pause ends or the function is deployed again");
+        }
+        self.remove_instance(&inst, &why, true);
     }
 
     /// Makes a connected worker an instance of the pool: records it, starts its reader.
@@ -1214,10 +1308,6 @@ impl Runtime {
         if let Err(e) = recorded {
             kill_tree(init);
             return Err(format!("cannot record the new instance of {name:?}: {e}"));
-        }
-        if let Some(s) = sleeper {
-            let dir = s.snapshot_dir.clone();
-            tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
         }
         self.attach(&inst, rd).await;
         Ok(inst)
@@ -1351,6 +1441,16 @@ impl Runtime {
                             None => break "it sent quiet twice".to_string(),
                         }
                     }
+                    if kind == Some("mapped") {
+                        let answered = match lock(&inst.mapping).as_mut() {
+                            Some(m) => m.answer(&msg),
+                            None => Err("it broke the protocol (mapped, but it was not restored from a split snapshot)".to_string()),
+                        };
+                        match answered {
+                            Ok(()) => continue,
+                            Err(why) => break why,
+                        }
+                    }
                     if kind == Some("started") {
                         let Some(id) = msg.get("id").and_then(Value::as_u64) else {
                             break "it broke the protocol (started without a numeric id)"
@@ -1426,6 +1526,8 @@ impl Runtime {
         lock(&inst.pending).clear();
         lock(&inst.quiet_tx).take();
         lock(&inst.segments).clear();
+        // Its hand-over, if one is still going, learns it from the dropped mapping.
+        lock(&inst.mapping).take();
         if kill {
             kill_tree(inst.init_pid);
         }
@@ -1477,6 +1579,7 @@ fn new_instance(
         gpu_release_failed: AtomicBool::new(false),
         imports_gpu_memory: AtomicBool::new(false),
         segments: Mutex::new(Vec::new()),
+        mapping: Mutex::new(None),
     });
     (inst, conn.rd)
 }

@@ -1,7 +1,8 @@
 //! The restore server: while CRIU restores an instance of a split snapshot (on the blocking
 //! pool), it produces each segment's memory in fill order ([`super::index::fill_order`]), and
 //! once the worker said `hello {resumed}` hands each to it with a `map` frame carrying the fd,
-//! as soon as it is filled.
+//! as soon as it is filled, while the instance already takes requests ([`Mapping`] follows
+//! the worker's `mapped` answers).
 //!
 //! Where a segment's memory comes from, first that applies:
 //! 1. **read-only**: the shared copy of its contents if one is resident (one physical copy
@@ -16,19 +17,20 @@
 //! `gpu_cache_bytes`. On the host backend the "GPU" cache holds memfd memory, so every path runs
 //! without a GPU.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use serde_json::{json, Map, Value};
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::split::device::{Memory, SegmentDevice};
 use crate::split::index::{Planned, SegmentEntry};
 use crate::split::{fds, lock, Split};
-use crate::workers::WorkerConn;
 
-/// How long a restored worker has to map all its segments.
+/// How long a restore has to fill, and its worker to map, all its segments.
 pub const MAP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One physical copy of a read-only segment, mapped by every instance holding an `Arc` of it.
@@ -104,16 +106,6 @@ enum Event {
 /// A restore's segments being filled.
 pub struct Restoring {
     rx: mpsc::UnboundedReceiver<Event>,
-}
-
-/// How a restore's segments went: for the invoke's timings.
-#[derive(Debug, Default)]
-pub struct HandOver {
-    pub segments: usize,
-    pub bytes: u64,
-    /// Segments of device memory among them: the worker then maps GPU memory it did not create.
-    pub cuda_segments: usize,
-    pub leases: Leases,
 }
 
 impl Split {
@@ -282,20 +274,11 @@ impl Split {
 }
 
 impl Restoring {
-    /// After the worker's `hello {resumed}`: sends a `map` frame for each segment as it is
-    /// filled, then waits until the worker has mapped them all. An error names the segment; the
+    /// After the worker's `hello {resumed}`: waits for the restore server's plan, which says how
+    /// many segments will come (0 for a transparent snapshot). An error names the cause; the
     /// caller then kills the instance.
-    pub async fn hand_over(mut self, conn: &mut WorkerConn) -> Result<HandOver, String> {
+    pub async fn planned(mut self) -> Result<HandingOver, String> {
         let deadline = tokio::time::Instant::now() + MAP_TIMEOUT;
-        async fn next(
-            rx: &mut mpsc::UnboundedReceiver<Event>,
-            deadline: tokio::time::Instant,
-        ) -> Result<Event, String> {
-            tokio::time::timeout_at(deadline, rx.recv())
-                .await
-                .map_err(|_| format!("segments not filled within {} s", MAP_TIMEOUT.as_secs()))?
-                .ok_or_else(|| "the restore server's fill task ended early".to_string())
-        }
         let count = match next(&mut self.rx, deadline).await? {
             Event::Plan(n) => n,
             Event::Failed(e) => return Err(e),
@@ -303,53 +286,192 @@ impl Restoring {
                 return Err("the restore server sent a segment before its plan".into())
             }
         };
-        let mut out = HandOver::default();
-        let mut vas = Vec::with_capacity(count);
-        for _ in 0..count {
-            let f = match next(&mut self.rx, deadline).await? {
+        Ok(HandingOver {
+            rx: self.rx,
+            count,
+            deadline,
+        })
+    }
+}
+
+async fn next(
+    rx: &mut mpsc::UnboundedReceiver<Event>,
+    deadline: tokio::time::Instant,
+) -> Result<Event, String> {
+    tokio::time::timeout_at(deadline, rx.recv())
+        .await
+        .map_err(|_| format!("segments not filled within {} s", MAP_TIMEOUT.as_secs()))?
+        .ok_or_else(|| "the restore server's fill task ended early".to_string())
+}
+
+/// A restore's segments, planned, to be handed to the worker as they are filled.
+pub struct HandingOver {
+    rx: mpsc::UnboundedReceiver<Event>,
+    count: usize,
+    deadline: tokio::time::Instant,
+}
+
+impl HandingOver {
+    /// How many segments will be handed over.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Sends one `map` frame per segment as each fill completes, in fill (first-use) order,
+    /// while the instance already takes requests. Each frame goes out with `writer` locked for
+    /// the whole frame, so it never interleaves with an `invoke`. `sent` is told of each segment
+    /// (its VA, whether it is device memory, and the daemon's lease on it) before its frame goes
+    /// out, so that the `mapped` answer always finds it. An error names the segment and cause.
+    pub async fn send_maps(
+        mut self,
+        writer: &tokio::sync::Mutex<OwnedWriteHalf>,
+        mut sent: impl FnMut(u64, bool, Lease),
+    ) -> Result<(), String> {
+        for _ in 0..self.count {
+            let f = match next(&mut self.rx, self.deadline).await? {
                 Event::Filled(f) => f,
                 Event::Failed(e) => return Err(e),
                 Event::Plan(_) => return Err("the restore server sent two plans".into()),
             };
             let frame = json!({"type": "map", "va": f.va, "size": f.size, "readonly": f.readonly, "fd": true});
-            fds::send_with_fd(&mut conn.wr, &frame, f.fd.as_fd())
+            let fd = f.fd;
+            sent(f.va, f.cuda, f.lease);
+            let mut wr = writer.lock().await;
+            fds::send_with_fd(&mut wr, &frame, fd.as_fd())
                 .await
                 .map_err(|e| format!("sending map for {:#x}: {e}", f.va))?;
-            vas.push(f.va);
-            out.bytes += f.size;
-            out.cuda_segments += usize::from(f.cuda);
-            out.leases.push(f.lease);
         }
-        // The worker serves frames in order: one `mapped` per `map`, in the same order.
-        for va in vas {
-            let msg = tokio::time::timeout_at(deadline, conn.recv())
-                .await
-                .map_err(|_| {
-                    format!(
-                        "the worker did not map {va:#x} within {} s",
-                        MAP_TIMEOUT.as_secs()
-                    )
-                })?
-                .map_err(|e| format!("waiting for mapped {va:#x}: {e}"))?;
-            if msg.get("type").and_then(Value::as_str) != Some("mapped")
-                || msg.get("va").and_then(Value::as_u64) != Some(va)
-            {
-                return Err(format!(
-                    "expected mapped for {va:#x}, got {}",
-                    Value::Object(msg)
-                ));
-            }
-            if msg.get("ok").and_then(Value::as_bool) != Some(true) {
-                return Err(format!(
-                    "the worker could not map the segment at {va:#x}: {}",
-                    msg.get("error")
-                        .and_then(|e| e.get("message"))
-                        .and_then(Value::as_str)
-                        .unwrap_or("no reason given")
-                ));
+        Ok(())
+    }
+}
+
+/// The `map` frames sent to a restored instance and the worker's `mapped` answers. The
+/// instance takes requests meanwhile; its reader hands each `mapped` here.
+#[derive(Debug)]
+pub struct Mapping {
+    hello: Instant,
+    total: usize,
+    /// Sent and not answered yet, in order (the worker maps them in the order they come).
+    sent: VecDeque<u64>,
+    mapped: usize,
+    done_at: Option<Instant>,
+    done: Option<oneshot::Sender<()>>,
+}
+
+impl Mapping {
+    /// `total` segments to map, counted from the worker's `hello` at `hello`; the receiver is
+    /// told once every one is mapped.
+    pub fn new(hello: Instant, total: usize) -> (Self, oneshot::Receiver<()>) {
+        let (tx, rx) = oneshot::channel();
+        let mapping = Self {
+            hello,
+            total,
+            sent: VecDeque::with_capacity(total),
+            mapped: 0,
+            done_at: None,
+            done: Some(tx),
+        };
+        (mapping, rx)
+    }
+
+    pub fn sent(&mut self, va: u64) {
+        self.sent.push_back(va);
+    }
+
+    /// A `mapped` frame from the worker; the error (a refused map, or an answer to no `map`)
+    /// names the segment and the cause, and the instance must go.
+    pub fn answer(&mut self, msg: &Map<String, Value>) -> Result<(), String> {
+        let va = msg.get("va").and_then(Value::as_u64);
+        let Some(expected) = self.sent.front().copied() else {
+            return Err(format!(
+                "it broke the protocol (mapped {} with no map frame outstanding)",
+                msg.get("va").unwrap_or(&Value::Null)
+            ));
+        };
+        if va != Some(expected) {
+            return Err(format!(
+                "it broke the protocol (mapped {} while the segment at {expected:#x} was next)",
+                msg.get("va").unwrap_or(&Value::Null)
+            ));
+        }
+        if msg.get("ok").and_then(Value::as_bool) != Some(true) {
+            return Err(format!(
+                "the worker could not map the segment at {expected:#x}: {}",
+                msg.get("error")
+                    .and_then(|e| e.get("message"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("no reason given")
+            ));
+        }
+        self.sent.pop_front();
+        self.mapped += 1;
+        if self.mapped == self.total {
+            self.done_at = Some(Instant::now());
+            if let Some(tx) = self.done.take() {
+                let _ = tx.send(());
             }
         }
-        out.segments = count;
-        Ok(out)
+        Ok(())
+    }
+
+    /// Seconds from the worker's `hello` until every segment was mapped; None until then.
+    pub fn segments_s(&self) -> Option<f64> {
+        self.done_at
+            .map(|t| t.duration_since(self.hello).as_secs_f64())
+    }
+
+    /// Segments not mapped yet.
+    pub fn unmapped(&self) -> usize {
+        self.total - self.mapped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(v: Value) -> Map<String, Value> {
+        match v {
+            Value::Object(m) => m,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn mapping_counts_answers_in_order_and_tells_when_done() {
+        let (mut m, mut done) = Mapping::new(Instant::now(), 2);
+        m.sent(0x1000);
+        m.sent(0x3000);
+        m.answer(&frame(json!({"type": "mapped", "va": 0x1000, "ok": true})))
+            .unwrap();
+        assert_eq!((m.unmapped(), m.segments_s()), (1, None));
+        assert!(done.try_recv().is_err());
+        m.answer(&frame(json!({"type": "mapped", "va": 0x3000, "ok": true})))
+            .unwrap();
+        assert_eq!(m.unmapped(), 0);
+        assert!(m.segments_s().is_some());
+        assert!(done.try_recv().is_ok());
+    }
+
+    #[test]
+    fn mapping_refuses_a_failed_map_and_answers_out_of_order() {
+        let (mut m, _done) = Mapping::new(Instant::now(), 2);
+        let e = m
+            .answer(&frame(json!({"type": "mapped", "va": 0x1000, "ok": true})))
+            .unwrap_err();
+        assert!(e.contains("no map frame outstanding"), "{e}");
+        m.sent(0x1000);
+        let e = m
+            .answer(&frame(json!({"type": "mapped", "va": 0x2000, "ok": true})))
+            .unwrap_err();
+        assert!(e.contains("while the segment at 0x1000 was next"), "{e}");
+        let refused = json!({"type": "mapped", "va": 0x1000, "ok": false,
+            "error": {"type": "HookError", "message": "not a memfd"}});
+        let e = m.answer(&frame(refused)).unwrap_err();
+        assert_eq!(
+            e,
+            "the worker could not map the segment at 0x1000: not a memfd"
+        );
+        assert_eq!(m.unmapped(), 2);
     }
 }
