@@ -151,7 +151,9 @@ def deferrable_vas(function: Any) -> set[int]:
     out: set[int] = set()
     for segment in snapshot:
         blocks = segment.get("blocks", [])
-        if blocks and all(b.get("state") == "active_allocated" and int(b["address"]) in weights for b in blocks):
+        if blocks and all(
+            b.get("state") == "active_allocated" and int(b["address"]) in weights for b in blocks
+        ):
             out.add(int(segment["address"]))
     return out
 

@@ -41,7 +41,10 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
    - `map` {va, size, readonly, fd: true} with an fd attached (after a split snapshot): maps
      that memory into the released segment at va and answers `mapped` {va, ok: true}; a map
      the hook refuses is `mapped` {va, ok: false, error {type, message}} and the worker serves
-     on (the segment stays released; torpord should retire the instance).
+     on (the segment stays released; torpord should retire the instance). Until every segment
+     is mapped, a thread (MapReader) reads the connection and applies `map` frames even while
+     a request runs; the request first waits for the segments it may touch (torpor.readiness;
+     for PyTorch modules, each module waits for its own weights' segments as it runs).
    - `attached` {reattach_s}: torpord took this worker into service as an instance; how long to
      wait for a daemon after losing this one.
    - `shutdown`: closes the connection and exits 0.
@@ -436,7 +439,9 @@ class Worker:
                 readiness.wait_segments(readiness.pending() - self.deferrable)
             except Exception as e:
                 self.send({"type": "started", "id": rid})
-                self.send_result({"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0})
+                self.send_result(
+                    {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0}
+                )
                 return
         # The daemon's timeout counts from here, not from the time this request waited behind
         # the ones before it.
