@@ -710,6 +710,12 @@ impl Runtime {
                 inst.reason()
             ))
         };
+        if inst.is_dead() {
+            // Removed before its request was recorded (e.g. a split restore whose segments
+            // failed in the background): the removal did not see this request to fail it.
+            lock(&inst.pending).remove(&id);
+            return Err(crashed(inst));
+        }
         let sent = {
             let mut wr = inst.writer.lock().await;
             workers::send(&mut wr, &frame).await
@@ -735,7 +741,18 @@ impl Runtime {
             let bound = timeout
                 .saturating_mul(ahead)
                 .saturating_add(self.config.queue.timeout);
-            match tokio::time::timeout(bound, started_rx).await {
+            // A restored instance's worker also waits here for the segments the request may
+            // touch: that wait is bounded by the hand-over (MAP_TIMEOUT, then the instance
+            // goes), so the bound counts only once every segment is mapped.
+            let mut started_rx = started_rx;
+            let mut waited = Duration::ZERO;
+            let started = loop {
+                match tokio::time::timeout(bound, &mut started_rx).await {
+                    Err(_) if inst.still_mapping() => waited += bound,
+                    r => break r,
+                }
+            };
+            match started {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => {
                     // A result without `started` can only mean the instance is gone.
@@ -750,7 +767,7 @@ impl Runtime {
                         message: format!(
                             "the request waited {:.1} s inside instance {} of {:?} without its \
                              handler starting: retry after {retry} s",
-                            bound.as_secs_f64(),
+                            (waited + bound).as_secs_f64(),
                             inst.id,
                             inst.function
                         ),
@@ -957,6 +974,13 @@ impl Runtime {
                     st = lock(&pool2.state);
                     Err(format!("function {:?} was deleted", pool2.name))
                 }
+                // Removed already (a split restore's segments failed in the background): its
+                // removal found it in no pool, so it must not join one now.
+                Ok((inst, _, _)) if inst.is_dead() => Err(format!(
+                    "the new instance of {:?} was removed: {}",
+                    pool2.name,
+                    inst.reason()
+                )),
                 Ok((inst, timings, kind)) => {
                     st.instances.push((Arc::clone(&inst), 1));
                     Ok((inst, timings, kind))
