@@ -151,9 +151,15 @@ def deferrable_vas(function: Any) -> set[int]:
     out: set[int] = set()
     for segment in snapshot:
         blocks = segment.get("blocks", [])
-        if blocks and all(
-            b.get("state") == "active_allocated" and int(b["address"]) in weights for b in blocks
-        ):
+        address = int(segment["address"])  # blocks follow one another from the segment's start
+        only_weights = bool(blocks)
+        for block in blocks:
+            start = int(block.get("address", address))
+            if block.get("state") != "active_allocated" or start not in weights:
+                only_weights = False
+                break
+            address = start + int(block["size"])
+        if only_weights:
             out.add(int(segment["address"]))
     return out
 

@@ -739,7 +739,10 @@ class Worker:
         return "released"
 
     def map_segment(self, msg: dict[str, Any]) -> None:
+        """Applies one `map` frame and answers `mapped` (on the map reader's thread while
+        segments are pending after a restore)."""
         assert self.reader is not None
+        readiness = self.readiness
         fd = self.reader.take_fd()
         try:
             va, size, readonly = msg.get("va"), msg.get("size"), msg.get("readonly", False)
@@ -765,8 +768,8 @@ class Worker:
                 try:
                     self.send({"type": "mapped", "va": va, "ok": False, "error": error_doc(e)})
                 finally:
-                    if self.readiness is not None:
-                        self.readiness.refused(va, _str(e))
+                    if readiness is not None:
+                        readiness.refused(va, _str(e))
                 return
         finally:
             if fd is not None:
@@ -778,8 +781,8 @@ class Worker:
         try:
             self.send({"type": "mapped", "va": va, "ok": True})
         finally:
-            if self.readiness is not None:
-                self.readiness.mapped(va)
+            if readiness is not None:
+                readiness.mapped(va)
 
 
 def _modules(text: str) -> list[str]:

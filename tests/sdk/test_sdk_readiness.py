@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from test_sdk_hook import (
     sha,
     start_segbuf,
 )
-from torpor.readiness import ModuleWaits, Readiness, SegmentWaitError
+from torpor.readiness import ModuleWaits, Readiness, SegmentWaitError, deferrable_vas
 
 HOST = (0x10000, 0x1000, "host")
 CUDA = (0x20000, 0x2000, "cuda")
@@ -86,6 +87,98 @@ def test_module_waits_install_nothing_without_torch() -> None:
     if "torch" in sys.modules:
         pytest.skip("torch is imported in this process")
     assert not ModuleWaits(Readiness([CUDA])).installed()
+
+
+# -- the PyTorch side, against a stand-in for torch (the real one runs in test_sdk_gpu.py) -----
+
+
+class FakeTensor:
+    def __init__(self, ptr: int, cuda: bool = True) -> None:
+        self.ptr, self.is_cuda = ptr, cuda
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def untyped_storage(self) -> FakeTensor:
+        return self
+
+    def nbytes(self) -> int:
+        return 1
+
+
+class FakeModule:
+    def __init__(self, *params: FakeTensor) -> None:
+        self.params = list(params)
+
+    def parameters(self, recurse: bool = True) -> list[FakeTensor]:
+        return self.params
+
+    def buffers(self, recurse: bool = True) -> list[FakeTensor]:
+        return []
+
+
+def fake_torch(snapshot: list[dict[str, Any]]) -> tuple[types.SimpleNamespace, list[Any]]:
+    """What deferrable_vas and ModuleWaits use of torch; the second value lists the global
+    forward pre-hooks registered."""
+    hooks: list[Any] = []
+
+    def register(hook: Any) -> Any:
+        hooks.append(hook)
+        return types.SimpleNamespace(remove=lambda: hooks.remove(hook))
+
+    cuda = types.SimpleNamespace(is_initialized=lambda: True, memory_snapshot=lambda: snapshot)
+    nn = types.SimpleNamespace(
+        Module=FakeModule,
+        modules=types.SimpleNamespace(
+            module=types.SimpleNamespace(register_module_forward_pre_hook=register)
+        ),
+    )
+    return types.SimpleNamespace(cuda=cuda, nn=nn, Tensor=FakeTensor), hooks
+
+
+def test_deferrable_segments_hold_only_module_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    w1, w2, held = FakeTensor(0x100000), FakeTensor(0x300000), FakeTensor(0x500000)
+    snapshot = [
+        # Only a module's weight: deferrable.
+        {
+            "address": 0x100000,
+            "blocks": [{"address": 0x100000, "size": 0x200000, "state": "active_allocated"}],
+        },
+        # A weight and a free block an activation could get: not deferrable.
+        {
+            "address": 0x300000,
+            "blocks": [
+                {"address": 0x300000, "size": 0x100000, "state": "active_allocated"},
+                {"address": 0x400000, "size": 0x100000, "state": "inactive"},
+            ],
+        },
+        # A tensor the function holds outside any module: not deferrable.
+        {"address": 0x500000, "blocks": [{"size": 0x200000, "state": "active_allocated"}]},
+    ]
+    torch, _ = fake_torch(snapshot)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    function = types.SimpleNamespace(net=FakeModule(w1, w2), tensor=held)
+    assert deferrable_vas(function) == {0x100000}
+    assert deferrable_vas(types.SimpleNamespace(tensor=held)) == set()
+
+
+def test_module_waits_wait_for_the_modules_own_segments_and_then_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch, hooks = fake_torch([])
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    r = Readiness([(0x100000, 0x200000, "cuda"), (0x300000, 0x200000, "cuda")])
+    waits = ModuleWaits(r, timeout=0.05)
+    assert waits.installed() and len(hooks) == 1
+    (pre_hook,) = hooks
+    # A module without CUDA weights, or with weights outside every pending segment, runs.
+    pre_hook(FakeModule(FakeTensor(0x100000, cuda=False), FakeTensor(0x900000)), ())
+    r.mapped(0x100000)
+    pre_hook(FakeModule(FakeTensor(0x100010)), ())
+    with pytest.raises(SegmentWaitError, match=r"segment at 0x300000 \(2097152 bytes, cuda\) was not mapped"):
+        pre_hook(FakeModule(FakeTensor(0x100010), FakeTensor(0x3FFFFF)), ())
+    r.mapped(0x300000)
+    # Every segment mapped: the next module's call removes the hook.
+    pre_hook(FakeModule(FakeTensor(0x300000)), ())
+    assert hooks == [] and not waits.installed()
 
 
 # -- a real worker ------------------------------------------------------------------------------
