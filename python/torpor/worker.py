@@ -712,10 +712,16 @@ class Worker:
         assert self.sock is not None and self.reader is not None
         segments = hook.segments()
         function = getattr(self.call, "__self__", None)
-        shareable = shareable_vas(function) if any(s.backend == "cuda" for s in segments) else set()
-        frames = [s.frame() | ({"shareable": True} if s.va in shareable else {}) for s in segments]
+        cuda = any(s.backend == "cuda" for s in segments)
+        shareable = shareable_vas(function) if cuda else set()
         # Allocator state is part of the snapshot: what is deferrable now is so after a restore.
-        self.deferrable = deferrable_vas(function) if any(s.backend == "cuda" for s in segments) else set()
+        self.deferrable = deferrable_vas(function) if cuda else set()
+        frames = [
+            s.frame()
+            | ({"shareable": True} if s.va in shareable else {})
+            | ({"deferrable": True} if s.va in self.deferrable else {})
+            for s in segments
+        ]
         self.send({"type": "quiet", "cuda_synced": synced, "segments": frames})
         for segment in segments:
             fd = hook.export(segment.va)
