@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
+use tokio::io::AsyncWriteExt;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{oneshot, Notify};
 
@@ -716,9 +717,19 @@ impl Runtime {
             lock(&inst.pending).remove(&id);
             return Err(crashed(inst));
         }
-        let sent = {
-            let mut wr = inst.writer.lock().await;
-            workers::send(&mut wr, &frame).await
+        let sent = match frames::encode(&frame) {
+            Err(e) => Err(ConnError::from(e)),
+            Ok(bytes) => {
+                // In a task of its own: a caller given up mid-write (its client went away) must
+                // not leave half a frame on the connection, which a restore's map frames share.
+                let to = Arc::clone(inst);
+                tokio::spawn(async move {
+                    let mut wr = to.writer.lock().await;
+                    wr.write_all(&bytes).await.map_err(ConnError::Write)
+                })
+                .await
+                .unwrap_or_else(|e| Err(ConnError::Write(std::io::Error::other(e))))
+            }
         };
         if let Err(e) = sent {
             lock(&inst.pending).remove(&id);
