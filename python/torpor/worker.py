@@ -45,7 +45,11 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
    - `map` {va, size, readonly, fd: true} with an fd attached (after a split snapshot or an
      `unmap`): maps that memory into the released segment at va and answers `mapped` {va, ok:
      true}; a map the hook refuses is `mapped` {va, ok: false, error {type, message}} and the
-     worker serves on (the segment stays released; torpord should retire the instance).
+     worker serves on (the segment stays released; torpord should retire the instance). After a
+     restore, until every segment is mapped, a thread (MapReader) reads the connection and
+     applies `map` frames even while a request runs; the request first waits for the segments
+     it may touch (torpor.readiness; for PyTorch modules, each module waits for its own
+     weights' segments as it runs).
    - `unmap` {vas} (before torpord releases the GPU of an instance on the split path):
      synchronises CUDA, releases the memory of the segments at `vas` (those torpord handed over;
      segments the worker made since keep their memory), keeping the addresses, answers
@@ -81,10 +85,12 @@ import errno
 import gc
 import importlib
 import os
+import queue
 import re
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -98,6 +104,7 @@ from torpor import pack as torpor_pack
 from torpor.errors import DataError, FrameError, HookError
 from torpor.frames import FrameReader, encode, write_frame_with_fd
 from torpor.functions import resolve
+from torpor.readiness import ModuleWaits, Readiness, deferrable_vas
 from torpor.shareable import shareable_vas
 
 ENV_SOCKET = "TORPOR_WORKER_SOCKET"
@@ -122,6 +129,49 @@ class ProtocolError(Exception):
 
 class ConnectError(Exception):
     pass
+
+
+# What the map reader queues when every segment is mapped: the main loop reads on from here.
+_HAND_BACK = object()
+
+
+class MapReader:
+    """While segments are unmapped after a restore: a thread that reads every frame, applies
+    `map` frames itself (so a request waiting for a segment cannot hold up its map) and queues
+    every other frame, in order, for the main loop. It stops reading right after the frame that
+    mapped the last segment and queues _HAND_BACK; the main loop then reads the socket itself
+    again. The end of the connection is queued as None, a bad frame as its exception."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="torpor-map-reader", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        worker = self.worker
+        reader = worker.reader
+        assert reader is not None
+        try:
+            while True:
+                msg = reader.read()
+                if msg is None:
+                    self.frames.put(None)
+                    return
+                if msg.get("type") != "map":
+                    self.frames.put(msg)
+                    continue
+                worker.map_segment(msg)
+                if not reader.fds:
+                    self.frames.put(_HAND_BACK)
+                    return
+        except ConnectionError:
+            self.frames.put(None)
+        except Exception as e:  # FrameError, ProtocolError, a failing send: the main loop's
+            self.frames.put(e)
+
+    def next(self) -> Any:
+        return self.frames.get()
 
 
 def _text(s: str) -> str:
@@ -231,6 +281,14 @@ class Worker:
         self.reattach_s = DEFAULT_REATTACH_S
         # When the daemon was lost; None while a daemon holds this worker.
         self.lost_at: float | None = None
+        # The main loop and the map reader both send: one whole frame at a time.
+        self.send_lock = threading.Lock()
+        # Set at each split quiesce: the segments a request may run without (torpor.readiness).
+        self.deferrable: set[int] = set()
+        # While segments are being mapped after a restore (None otherwise).
+        self.readiness: Readiness | None = None
+        self.module_waits: ModuleWaits | None = None
+        self.map_reader: MapReader | None = None
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -277,8 +335,12 @@ class Worker:
         )
 
     def send(self, obj: dict[str, Any]) -> None:
+        self.send_frame(encode(obj))
+
+    def send_frame(self, frame: bytes) -> None:
         assert self.sock is not None
-        self.sock.sendall(encode(obj))
+        with self.send_lock:
+            self.sock.sendall(frame)
 
     def close(self) -> None:
         if self.sock is not None:
@@ -315,13 +377,29 @@ class Worker:
             self.send({"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t1})
         return self.serve()
 
+    def next_frame(self) -> dict[str, Any] | None:
+        """The next frame to serve; None when the connection ended. While segments are being
+        mapped it comes from the map reader, else straight from the socket."""
+        assert self.reader is not None
+        if self.map_reader is not None:
+            item = self.map_reader.next()
+            if item is not _HAND_BACK and isinstance(item, dict):
+                return item
+            self.map_reader.thread.join()
+            self.map_reader = None
+            self.settle_readiness()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                return None
+        try:
+            return self.reader.read()
+        except ConnectionError:
+            return None
+
     def serve(self) -> int:
         while True:
-            assert self.reader is not None
-            try:
-                msg = self.reader.read()
-            except ConnectionError:
-                msg = None
+            msg = self.next_frame()
             if msg is None:
                 if not self.reattach():
                     return EXIT_OK
@@ -345,6 +423,7 @@ class Worker:
                     return EXIT_OK
             elif kind == "map":
                 self.map_segment(msg)
+                self.settle_readiness()
             elif kind == "unmap":
                 self.unmap_segments(msg)
             elif kind == "shutdown":
@@ -366,6 +445,18 @@ class Worker:
         if "id" not in msg or "request" not in msg:
             raise ProtocolError(f"invoke frame lacks {'id' if 'id' not in msg else 'request'}")
         rid = msg["id"]
+        readiness = self.readiness
+        if readiness is not None:
+            # Right after a restore: wait for every segment the request could touch outside
+            # the modules' forwards (the module pre-hooks wait for the rest).
+            try:
+                readiness.wait_segments(readiness.pending() - self.deferrable)
+            except Exception as e:
+                self.send({"type": "started", "id": rid})
+                self.send_result(
+                    {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0}
+                )
+                return
         # The daemon's timeout counts from here, not from the time this request waited behind
         # the ones before it.
         self.send({"type": "started", "id": rid})
@@ -388,6 +479,12 @@ class Worker:
                 "value": value,
                 "handler_s": time.perf_counter() - t0,
             }
+        self.settle_readiness()
+        self.send_result(out)
+
+    def send_result(self, out: dict[str, Any]) -> None:
+        """Sends a result frame; a value that cannot be sent becomes a ResultError."""
+        rid = out["id"]
         try:
             frame = encode(out)
         except FrameError as e:
@@ -403,8 +500,7 @@ class Worker:
                 "handler_s": out["handler_s"],
             }
             frame = encode(out)
-        assert self.sock is not None
-        self.sock.sendall(frame)
+        self.send_frame(frame)
 
     def attached(self, msg: dict[str, Any]) -> None:
         grace = msg.get("reattach_s")
@@ -417,6 +513,7 @@ class Worker:
         """After losing torpord outside a quiet point: keep this instance (its memory is what a
         new daemon re-adopts) and reconnect until a daemon answers `attached`, for at most
         reattach_s. False when the worker should exit instead."""
+        self.stop_map_reader()
         self.close()
         if self.call is None:
             print("torpor worker: torpord closed the connection; exiting", file=sys.stderr)
@@ -577,6 +674,11 @@ class Worker:
         split = msg.get("split", False)
         if not isinstance(split, bool):
             raise ProtocolError(f"quiesce's split must be true or false, got {split!r}")
+        if self.readiness is not None:
+            raise ProtocolError(
+                f"quiesce while {len(self.readiness.pending())} segment(s) are still being mapped "
+                "after a restore; wait for every mapped frame before the next snapshot"
+            )
         hook = self._split_hook("quiesce {split: true}") if split else None
         synced = cuda_sync()
         sys.stdout.flush()
@@ -597,7 +699,43 @@ class Worker:
         self.close()
         _wait_sigusr2()
         self.connect(resumed=True)
+        if self.reader.fds:
+            self.start_mapping()
         return True
+
+    # -- segments mapped after a restore ------------------------------------------------------
+
+    def start_mapping(self) -> None:
+        """After a restore (or anything else that left segments released): from now until every
+        segment is mapped, `map` frames are applied by the map reader, even while a request
+        runs, and requests wait for the segments they need (torpor.readiness)."""
+        assert self.map_reader is None and self.reader is not None
+        hook = torpor_hook.get()
+        self.readiness = Readiness((s.va, s.size, s.backend) for s in hook.segments() if not s.mapped)
+        self.module_waits = ModuleWaits(self.readiness) if self.deferrable else None
+        self.reader.fds = True
+        self.map_reader = MapReader(self)
+
+    def settle_readiness(self) -> None:
+        """On the main thread: once every segment is mapped, drops the waits."""
+        if self.readiness is not None and self.readiness.done():
+            if self.module_waits is not None:
+                self.module_waits.remove()
+            self.readiness = None
+            self.module_waits = None
+
+    def stop_map_reader(self) -> None:
+        """Ends the map reader of a connection being given up (its frames die with it)."""
+        if self.map_reader is None:
+            return
+        if self.sock is not None:
+            try:
+                # Wakes the thread's blocked recvmsg; close() alone would not.
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.map_reader.thread.join()
+        self.map_reader = None
 
     def _split_hook(self, frame: str) -> torpor_hook.Hook:
         """The hook, for a frame that needs every segment mapped (`frame` names it in errors)."""
@@ -659,8 +797,16 @@ class Worker:
         assert self.sock is not None and self.reader is not None
         segments = hook.segments()
         function = getattr(self.call, "__self__", None)
-        shareable = shareable_vas(function) if any(s.backend == "cuda" for s in segments) else set()
-        frames = [s.frame() | ({"shareable": True} if s.va in shareable else {}) for s in segments]
+        cuda = any(s.backend == "cuda" for s in segments)
+        shareable = shareable_vas(function) if cuda else set()
+        # Allocator state is part of the snapshot: what is deferrable now is so after a restore.
+        self.deferrable = deferrable_vas(function) if cuda else set()
+        frames = [
+            s.frame()
+            | ({"shareable": True} if s.va in shareable else {})
+            | ({"deferrable": True} if s.va in self.deferrable else {})
+            for s in segments
+        ]
         self.send({"type": "quiet", "cuda_synced": synced, "segments": frames})
         for segment in segments:
             fd = hook.export(segment.va)
@@ -684,7 +830,10 @@ class Worker:
         return "released"
 
     def map_segment(self, msg: dict[str, Any]) -> None:
+        """Applies one `map` frame and answers `mapped` (on the map reader's thread while
+        segments are pending after a restore)."""
         assert self.reader is not None
+        readiness = self.readiness
         fd = self.reader.take_fd()
         try:
             va, size, readonly = msg.get("va"), msg.get("size"), msg.get("readonly", False)
@@ -707,14 +856,24 @@ class Worker:
                 hook.map(va, fd, readonly)
             except HookError as e:
                 print(f"torpor worker: {e}", file=sys.stderr)
-                self.send({"type": "mapped", "va": va, "ok": False, "error": error_doc(e)})
+                try:
+                    self.send({"type": "mapped", "va": va, "ok": False, "error": error_doc(e)})
+                finally:
+                    if readiness is not None:
+                        readiness.refused(va, _str(e))
                 return
         finally:
             if fd is not None:
                 os.close(fd)
         if all(s.mapped for s in hook.segments()):
             self.reader.fds = False
-        self.send({"type": "mapped", "va": va, "ok": True})
+        # `mapped` goes out before a request waiting for this segment is let go, so torpord
+        # reads it before that request's result.
+        try:
+            self.send({"type": "mapped", "va": va, "ok": True})
+        finally:
+            if readiness is not None:
+                readiness.mapped(va)
 
 
 def _modules(text: str) -> list[str]:

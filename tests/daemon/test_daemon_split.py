@@ -126,7 +126,7 @@ def test_two_instances_map_one_read_only_copy(torpord: Torpord) -> None:
     assert "torpor_restore_shared_bytes " in metrics and "torpor_restore_shared_bytes 0\n" not in metrics
 
 
-def test_a_corrupted_chunk_is_refused_with_a_clear_error_and_an_instance_booted_instead(fresh: Torpord) -> None:
+def test_a_corrupted_chunk_fails_the_restored_instance_with_a_clear_error_and_the_next_is_booted(fresh: Torpord) -> None:
     snap = snapshot_line(fresh.deploy(SPLITBUF))["snapshot"]
     addrs = fresh.invoke("splitbuf", {"op": "info"}).json()["addrs"]
     want = fresh.invoke("splitbuf", {"op": "compute", "x": 1}).json()["sha"]
@@ -139,14 +139,20 @@ def test_a_corrupted_chunk_is_refused_with_a_clear_error_and_an_instance_booted_
     data[-1] ^= 0xFF
     chunk.write_bytes(bytes(data))
 
-    # The restore is refused; the daemon says why (the segment and the chunk) and boots an
-    # instance instead, which answers correctly.
+    # The instance may take the request before its segments are filled: the fill fails, the
+    # instance is removed, and the request is answered with the segment and the chunk (or, when
+    # the fill failed before the instance joined its pool, served by the instance booted next);
+    # restores of the snapshot pause (a retry would read the same store), so instances are booted.
     r = fresh.invoke("splitbuf", {"op": "compute", "x": 1})
+    if r.status == 502:
+        message = r.json()["error"]
+        assert f"segment at {addrs['weights']:#x}" in message and chunk_id[:16] in message, message
+        r = fresh.invoke("splitbuf", {"op": "compute", "x": 1})
     assert r.status == 200 and r.start == "booted", (r.status, r.body, fresh.log_text())
     assert r.json()["sha"] == want, (r.json(), want)
     warning = [line for line in fresh.log_text().splitlines() if "booting an instance instead" in line]
     assert warning, fresh.log_text()
-    assert f"segment at {addrs['weights']:#x}" in warning[-1] and chunk_id[:16] in warning[-1], warning
+    assert f"segment at {addrs['weights']:#x}" in warning[0] and chunk_id[:16] in warning[0], warning
     metrics = fresh.request("GET", "/metrics").body.decode()
     assert 'torpor_restore_fallbacks_total{function="splitbuf"} 1' in metrics
 

@@ -1,5 +1,6 @@
 """The harness on a GPU: a base worker warms CUDA through torch, loads a torch function, and
-quiesce synchronises CUDA. Skipped where torch or a CUDA device is missing."""
+quiesce synchronises CUDA; a restored worker computes its first layers before the last ones'
+segments are mapped. Skipped where torch or a CUDA device is missing."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
-from sdkd import FUNCTIONS, Daemon, Spawner
+from sdkd import FUNCTIONS, Daemon, Spawner, hook_lib, wait_for, worker_env
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
 
@@ -46,5 +48,78 @@ def test_gpu_base_warm_load_quiesce(cuda: None, spawn: Spawner, daemon: Daemon) 
     assert c2.expect("hello")["resumed"] is True
     again = c2.invoke(2, {"x": [0.5, -1.0, 2.0, 0.0]})
     assert again["value"] == {"y": first["value"]["y"], "calls": 3}, again
+    c2.send({"type": "shutdown"})
+    assert w.wait(60) == 0
+
+
+def test_first_layers_compute_while_later_segments_are_withheld(
+    cuda: None, spawn: Spawner, daemon: Daemon
+) -> None:
+    """Per-module readiness (docs/split.md): after a split restore, a request runs its first
+    layers while the segments holding the later layers' weights are not mapped yet; each later
+    layer waits for its own segment and computes once it comes. The test is the daemon: it hands
+    back the segments' own exported memory, withholding the last layers' weights."""
+    lib = str(hook_lib())
+    env = worker_env(daemon.path, LD_PRELOAD=lib, TORPOR_HOOK_LIB=lib, TORPOR_HOOK_CUDA="1")
+    w = spawn("--role", "function", "--preload", "torch", env=env)
+    c = daemon.accept(timeout=120)
+    c.expect("hello")
+    ready = c.load(FUNCTIONS / "torchlayers")
+    assert ready["ok"] is True, f"{ready}\n{w.stderr()}"
+    weights = c.invoke(1, {"op": "weights"})["value"]["weights"]
+    want = c.invoke(2, {"x": 7, "rid": 2}, timeout=60)["value"]["sha"]
+
+    c.send({"type": "quiesce", "split": True})
+    quiet, _ = c.recv_with_fd(timeout=60)
+    segments: list[dict[str, Any]] = quiet["segments"]
+    fds: dict[int, int] = {}
+    for s in segments:
+        frame, fd = c.recv_with_fd(timeout=60)
+        assert frame["va"] == s["va"] and fd is not None
+        fds[s["va"]] = fd
+
+    def holding(addr: int) -> dict[str, Any]:
+        (s,) = [s for s in segments if s["va"] <= addr < s["va"] + s["size"]]
+        return s
+
+    late = {holding(a)["va"] for a in weights[4:]}
+    assert len(late) == 4, f"the last four weights should fill four segments of their own: {segments}"
+    # Nothing but module weights in them: the worker lets a request start without them.
+    assert all(holding(a).get("deferrable") for a in weights), segments
+    try:
+        c.send({"type": "release"})
+        c.expect("released", timeout=60)
+        assert c.at_eof(timeout=60)
+        os.kill(w.pid, signal.SIGUSR2)
+        c2 = daemon.accept(timeout=60)
+        assert c2.expect("hello")["resumed"] is True
+
+        def send_map(s: dict[str, Any]) -> None:
+            frame = {"type": "map", "va": s["va"], "size": s["size"], "readonly": False, "fd": True}
+            c2.send_with_fd(frame, fds[s["va"]])
+
+        for s in segments:
+            if s["va"] not in late:
+                send_map(s)
+        c2.send({"type": "invoke", "id": 3, "request": {"x": 7, "rid": 3}, "timeout_s": 60})
+        wait_for(lambda: "layer 3 ran (request 3)" in w.stderr(), 60, "the first four layers to run")
+        # Layer 4's weights are not mapped: it waits (it would fail its kernel otherwise).
+        assert "layer 4 ran (request 3)" not in w.stderr(), w.stderr()
+        for s in segments:
+            if s["va"] in late:
+                send_map(s)
+        seen: list[dict[str, Any]] = []
+        while True:
+            doc = c2.recv(timeout=60)
+            if doc["type"] == "result":
+                break
+            seen.append(doc)
+        assert doc["ok"] is True, doc
+        assert doc["value"]["sha"] == want, "the output differs after the segments came back"
+        assert [d["ok"] for d in seen if d["type"] == "mapped"] == [True] * len(segments), seen
+        assert "layer 7 ran (request 3)" in w.stderr()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     c2.send({"type": "shutdown"})
     assert w.wait(60) == 0

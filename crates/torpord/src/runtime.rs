@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
+use tokio::io::AsyncWriteExt;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{oneshot, Notify};
 
@@ -119,9 +120,12 @@ pub struct Instance {
     /// The segments it has from the restore server (split path), mapped or, while its GPU is
     /// released, saved (crate::split::release).
     pub(crate) segments: Mutex<crate::split::release::InstanceSegments>,
-    /// Set while the daemon unmaps or maps its segments (GPU release and resume): its reader
-    /// forwards `unmapped` and `mapped` frames here.
+    /// Set while the daemon unmaps or maps back its segments (GPU release and resume): its
+    /// reader forwards `unmapped` and `mapped` frames here.
     pub(crate) segment_replies: Mutex<Option<SegmentReplies>>,
+    /// Restored from a split snapshot: its `map` frames and the worker's `mapped` answers,
+    /// which come in among its results (it takes requests before every segment is mapped).
+    pub(crate) mapping: Mutex<Option<crate::split::server::Mapping>>,
 }
 
 /// What [`Runtime::stop_instances`] took out of service.
@@ -183,6 +187,14 @@ impl Instance {
         lock(&self.why_dead)
             .clone()
             .unwrap_or_else(|| "the worker closed its connection".to_string())
+    }
+
+    /// Some of its segments are not mapped yet: it serves, but must not be stepped down (the
+    /// worker refuses a quiesce meanwhile).
+    pub(crate) fn still_mapping(&self) -> bool {
+        lock(&self.mapping)
+            .as_ref()
+            .is_some_and(|m| m.unmapped() > 0)
     }
 }
 
@@ -680,6 +692,16 @@ impl Runtime {
         let t_call = Instant::now();
         let res = self.call(&inst, request, timeout, per_instance).await;
         drop(lease);
+        if kind == start::RESTORED {
+            // hello → every segment mapped, when that happened before the answer (a request
+            // that needs only some segments may finish first).
+            let mapped_s = lock(&inst.mapping)
+                .as_ref()
+                .and_then(crate::split::server::Mapping::segments_s);
+            if let Some(s) = mapped_s {
+                timings.push(("segments".to_string(), s));
+            }
+        }
         let call_s = t_call.elapsed().as_secs_f64();
         let total = t0.elapsed().as_secs_f64();
         self.metrics.starts.with_label_values(&[name, kind]).inc();
@@ -747,9 +769,25 @@ impl Runtime {
                 inst.reason()
             ))
         };
-        let sent = {
-            let mut wr = inst.writer.lock().await;
-            workers::send(&mut wr, &frame).await
+        if inst.is_dead() {
+            // Removed before its request was recorded (e.g. a split restore whose segments
+            // failed in the background): the removal did not see this request to fail it.
+            lock(&inst.pending).remove(&id);
+            return Err(crashed(inst));
+        }
+        let sent = match frames::encode(&frame) {
+            Err(e) => Err(ConnError::from(e)),
+            Ok(bytes) => {
+                // In a task of its own: a caller given up mid-write (its client went away) must
+                // not leave half a frame on the connection, which a restore's map frames share.
+                let to = Arc::clone(inst);
+                tokio::spawn(async move {
+                    let mut wr = to.writer.lock().await;
+                    wr.write_all(&bytes).await.map_err(ConnError::Write)
+                })
+                .await
+                .unwrap_or_else(|e| Err(ConnError::Write(std::io::Error::other(e))))
+            }
         };
         if let Err(e) = sent {
             lock(&inst.pending).remove(&id);
@@ -772,7 +810,18 @@ impl Runtime {
             let bound = timeout
                 .saturating_mul(ahead)
                 .saturating_add(self.config.queue.timeout);
-            match tokio::time::timeout(bound, started_rx).await {
+            // A restored instance's worker also waits here for the segments the request may
+            // touch: that wait is bounded by the hand-over (MAP_TIMEOUT, then the instance
+            // goes), so the bound counts only once every segment is mapped.
+            let mut started_rx = started_rx;
+            let mut waited = Duration::ZERO;
+            let started = loop {
+                match tokio::time::timeout(bound, &mut started_rx).await {
+                    Err(_) if inst.still_mapping() => waited += bound,
+                    r => break r,
+                }
+            };
+            match started {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => {
                     // A result without `started` can only mean the instance is gone.
@@ -787,7 +836,7 @@ impl Runtime {
                         message: format!(
                             "the request waited {:.1} s inside instance {} of {:?} without its \
                              handler starting: retry after {retry} s",
-                            bound.as_secs_f64(),
+                            (waited + bound).as_secs_f64(),
                             inst.id,
                             inst.function
                         ),
@@ -999,6 +1048,13 @@ impl Runtime {
                     st = lock(&pool2.state);
                     Err(format!("function {:?} was deleted", pool2.name))
                 }
+                // Removed already (a split restore's segments failed in the background): its
+                // removal found it in no pool, so it must not join one now.
+                Ok((inst, _, _)) if inst.is_dead() => Err(format!(
+                    "the new instance of {:?} was removed: {}",
+                    pool2.name,
+                    inst.reason()
+                )),
                 Ok((inst, timings, kind)) => {
                     st.instances.push((Arc::clone(&inst), 1));
                     Ok((inst, timings, kind))
@@ -1073,15 +1129,7 @@ impl Runtime {
                     return Ok(started);
                 }
                 Err(e) => {
-                    let failures = {
-                        let mut health = lock(&self.restore_health);
-                        let h = health.entry(name.to_string()).or_default();
-                        h.failures += 1;
-                        if h.failures >= RESTORE_FAILURES_TO_PAUSE {
-                            h.paused_until = Some(Instant::now() + RESTORE_PAUSE);
-                        }
-                        h.failures
-                    };
+                    let failures = self.restore_failed(name, false);
                     tracing::warn!(function = name, error = %e, failures, "restoring the function snapshot failed; booting an instance instead");
                     if failures >= RESTORE_FAILURES_TO_PAUSE {
                         tracing::warn!(function = name, pause_s = RESTORE_PAUSE.as_secs(), "{failures} restores in a row failed: booting instances without trying to restore until the pause ends or the function is deployed again");
@@ -1100,6 +1148,18 @@ impl Runtime {
                 Some(r) => format!("{r}; booting one instead failed too: {e}"),
                 None => format!("{e} (restores are paused after failing)"),
             })
+    }
+
+    /// Counts a failed restore of `name`'s function snapshot (pausing restores after
+    /// [`RESTORE_FAILURES_TO_PAUSE`] in a row, or at once with `pause_now`); the count.
+    fn restore_failed(&self, name: &str, pause_now: bool) -> u32 {
+        let mut health = lock(&self.restore_health);
+        let h = health.entry(name.to_string()).or_default();
+        h.failures += 1;
+        if pause_now || h.failures >= RESTORE_FAILURES_TO_PAUSE {
+            h.paused_until = Some(Instant::now() + RESTORE_PAUSE);
+        }
+        h.failures
     }
 
     /// Boots an instance: launches a `--role function` worker, loads the function.
@@ -1176,15 +1236,9 @@ impl Runtime {
             ));
         }
         let reconnect_s = t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        let mut conn = conn;
-        let handed = restoring
-            .hand_over(
-                &mut conn.wr,
-                crate::split::server::Replies::Conn(&mut conn.rd),
-            )
-            .await;
-        let segments = match handed {
+        let hello = Instant::now();
+        // The instance takes requests once the plan is known; its segments follow.
+        let handing = match restoring.planned().await {
             Ok(h) => h,
             Err(e) => {
                 kill_tree(init);
@@ -1194,7 +1248,7 @@ impl Runtime {
                 ));
             }
         };
-        let segments_s = t.elapsed().as_secs_f64();
+        let plan_s = hello.elapsed().as_secs_f64();
         let inst = self
             .adopt(
                 new.id.to_string(),
@@ -1207,18 +1261,87 @@ impl Runtime {
                 conn,
             )
             .await?;
-        let count = segments.segments;
-        *lock(&inst.segments) = crate::split::release::InstanceSegments::mapped(segments);
+        // A woken instance's hibernation snapshot goes once its segments are mapped: they are
+        // read from its record meanwhile.
+        let sleeper_dir = sleeper.map(|s| s.snapshot_dir.clone());
+        if handing.count() == 0 {
+            if let Some(dir) = sleeper_dir {
+                tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
+            }
+        } else {
+            let (mapping, done) = crate::split::server::Mapping::new(hello, handing.count());
+            *lock(&inst.mapping) = Some(mapping);
+            *lock(&inst.segments) =
+                crate::split::release::InstanceSegments::handing(handing.plan());
+            let rt = Arc::clone(self);
+            let what = format!("an instance restored from {}", from.display());
+            let function_snapshot = sleeper.is_none();
+            let inst = Arc::clone(&inst);
+            tokio::spawn(async move {
+                rt.hand_over(inst, handing, done, &what, function_snapshot)
+                    .await;
+                if let Some(dir) = sleeper_dir {
+                    tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
+                }
+            });
+        }
         tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
-        let mut timings = vec![
+        let timings = vec![
             ("restore".to_string(), restore_s),
             ("reconnect".to_string(), reconnect_s),
+            ("start".to_string(), restore_s + reconnect_s + plan_s),
         ];
-        if count > 0 {
-            timings.push(("segments".to_string(), segments_s));
-        }
-        timings.push(("start".to_string(), restore_s + reconnect_s + segments_s));
         Ok((inst, timings, start::RESTORED))
+    }
+
+    /// Sends a restored instance its `map` frames as the fills complete, while it already takes
+    /// requests, and waits for the last `mapped` (its reader counts them). A failed fill, a
+    /// refused map or a timeout removes the instance (its requests are answered with the cause)
+    /// and, for the function snapshot, pauses its restores: a retry would read the same store.
+    async fn hand_over(
+        self: Arc<Self>,
+        inst: Arc<Instance>,
+        handing: crate::split::server::HandingOver,
+        done: oneshot::Receiver<()>,
+        what: &str,
+        function_snapshot: bool,
+    ) {
+        let deadline = tokio::time::Instant::now() + crate::split::server::MAP_TIMEOUT;
+        let sent = handing
+            .send_maps(&inst.writer, |va, lease| {
+                if inst.is_dead() {
+                    return;
+                }
+                if let Some(m) = lock(&inst.mapping).as_mut() {
+                    m.sent(va);
+                }
+                lock(&inst.segments).push(lease);
+            })
+            .await;
+        let failed = match sent {
+            Err(e) => e,
+            Ok(()) => match tokio::time::timeout_at(deadline, done).await {
+                Ok(Ok(())) => return,
+                // The mapping was dropped: the instance is gone already, for its own reason.
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    let left = lock(&inst.mapping).as_ref().map_or(0, |m| m.unmapped());
+                    format!(
+                        "the worker did not map {left} segment(s) within {} s",
+                        crate::split::server::MAP_TIMEOUT.as_secs()
+                    )
+                }
+            },
+        };
+        if inst.is_dead() {
+            return;
+        }
+        let why = format!("{what} did not get its segments: {failed}");
+        if function_snapshot {
+            self.restore_failed(&inst.function, true);
+            tracing::warn!(function = %inst.function, instance = %inst.id, error = %why, pause_s = RESTORE_PAUSE.as_secs(), "restoring the function snapshot failed after the instance took requests; booting an instance instead of restoring until the pause ends or the function is deployed again");
+        }
+        self.remove_instance(&inst, &why, true);
     }
 
     /// Makes a connected worker an instance of the pool: records it, starts its reader.
@@ -1282,10 +1405,6 @@ impl Runtime {
         if let Err(e) = recorded {
             kill_tree(init);
             return Err(format!("cannot record the new instance of {name:?}: {e}"));
-        }
-        if let Some(s) = sleeper {
-            let dir = s.snapshot_dir.clone();
-            tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
         }
         self.attach(&inst, rd).await;
         Ok(inst)
@@ -1438,6 +1557,21 @@ impl Runtime {
                             None => break "it sent quiet twice".to_string(),
                         }
                     }
+                    if kind == Some("mapped")
+                        && lock(&inst.mapping)
+                            .as_ref()
+                            .is_some_and(|m| m.unmapped() > 0)
+                    {
+                        // A restore's segments, mapped while the instance takes requests.
+                        let answered = match lock(&inst.mapping).as_mut() {
+                            Some(m) => m.answer(&msg),
+                            None => Ok(()),
+                        };
+                        match answered {
+                            Ok(()) => continue,
+                            Err(why) => break why,
+                        }
+                    }
                     if let Some(k @ ("unmapped" | "mapped")) = kind {
                         // Replies to the daemon's segment frames (GPU release and resume).
                         let k = k.to_string();
@@ -1528,6 +1662,8 @@ impl Runtime {
         // A step waiting for its segment replies sees the end.
         lock(&inst.segment_replies).take();
         lock(&inst.segments).clear();
+        // Its hand-over, if one is still going, learns it from the dropped mapping.
+        lock(&inst.mapping).take();
         if kill {
             kill_tree(inst.init_pid);
         }
@@ -1579,6 +1715,7 @@ fn new_instance(
         gpu_release_failed: AtomicBool::new(false),
         segments: Mutex::new(Default::default()),
         segment_replies: Mutex::new(None),
+        mapping: Mutex::new(None),
     });
     (inst, conn.rd)
 }

@@ -46,6 +46,8 @@ pub struct Listed {
     /// a deterministic warm-up rewrites with the same bytes, and its next write would then be
     /// refused (measured on the H100).
     pub shareable: bool,
+    /// A request may run before it is mapped (`deferrable` in `quiet`; docs/split.md).
+    pub deferrable: bool,
     pub fd: OwnedFd,
 }
 
@@ -135,6 +137,7 @@ pub async fn segment_fds(
             sealed: s.get("readonly").and_then(Value::as_bool).unwrap_or(false),
             shareable: s.get("backend").and_then(Value::as_str) == Some("host")
                 || s.get("shareable").and_then(Value::as_bool) == Some(true),
+            deferrable: s.get("deferrable").and_then(Value::as_bool) == Some(true),
             fd,
         });
     }
@@ -210,6 +213,7 @@ pub fn store_all(
             ordinal: if l.backend == "host" { -1 } else { l.ordinal },
             order: l.order,
             first_use: l.first_use,
+            deferrable: l.deferrable,
             readonly: why.is_some(),
             readonly_why: why.unwrap_or("").to_string(),
             recipe: name,
@@ -296,6 +300,7 @@ mod tests {
             first_use: None,
             sealed,
             shareable,
+            deferrable: false,
             fd: std::fs::File::open("/dev/null").expect("/dev/null").into(),
         }
     }

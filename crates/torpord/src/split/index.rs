@@ -32,6 +32,10 @@ pub struct SegmentEntry {
     pub order: u64,
     /// Place in first-use order (recorded during the warm-up); `None`: not marked.
     pub first_use: Option<u64>,
+    /// The worker can run a request before it is mapped (it holds nothing but the weights of
+    /// torch modules, which wait for it as they run: python/torpor/readiness.py).
+    #[serde(default)]
+    pub deferrable: bool,
     /// Mapped read-only, one physical copy shared by every instance.
     pub readonly: bool,
     /// Why it is read-only: `declared` (sealed by the worker: read-only declared data) or
@@ -57,10 +61,19 @@ pub fn recipe_name(va: u64) -> String {
     format!("segment-{va:x}")
 }
 
-/// The order the restore server fills segments in: those the warm-up marked, in first-use
-/// order, then the rest in creation order.
+/// The order the restore server fills segments in: first those a request waits for before it
+/// runs (every segment but the deferrable ones), then the deferrable ones, which modules wait for
+/// as they run; within each, those the warm-up marked in first-use order, then the rest in
+/// creation order.
 pub fn fill_order(planned: &mut [Planned]) {
-    planned.sort_by_key(|(e, _)| (e.first_use.is_none(), e.first_use.unwrap_or(0), e.order));
+    planned.sort_by_key(|(e, _)| {
+        (
+            e.deferrable,
+            e.first_use.is_none(),
+            e.first_use.unwrap_or(0),
+            e.order,
+        )
+    });
 }
 
 /// The segments of snapshot `id`, in fill order, or `None` when it is not a split snapshot (the
@@ -121,6 +134,7 @@ mod tests {
                 ordinal: -1,
                 order,
                 first_use,
+                deferrable: false,
                 readonly: false,
                 readonly_why: String::new(),
                 recipe: recipe_name(va),
@@ -146,6 +160,31 @@ mod tests {
         fill_order(&mut p);
         let vas: Vec<u64> = p.iter().map(|(e, _)| e.va).collect();
         assert_eq!(vas, vec![3, 2, 1, 4]);
+    }
+
+    #[test]
+    fn segments_a_request_waits_for_fill_before_the_deferrable_ones() {
+        let deferrable = |va, order, first_use| {
+            let mut p = entry(va, order, first_use);
+            p.0.deferrable = true;
+            p
+        };
+        let mut p = vec![
+            deferrable(1, 0, Some(1)),
+            deferrable(2, 1, Some(0)),
+            entry(3, 2, None),
+            entry(4, 3, Some(2)),
+        ];
+        fill_order(&mut p);
+        let vas: Vec<u64> = p.iter().map(|(e, _)| e.va).collect();
+        assert_eq!(vas, vec![4, 3, 2, 1]);
+    }
+
+    #[test]
+    fn an_index_without_deferrable_flags_reads_as_none_deferrable() {
+        let old = r#"{"va":4096,"size":4096,"backend":"host","ordinal":-1,"order":0,"first_use":null,"readonly":false,"readonly_why":"","recipe":"segment-1000","blake3":""}"#;
+        let e: SegmentEntry = serde_json::from_str(old).unwrap();
+        assert!(!e.deferrable);
     }
 
     #[test]

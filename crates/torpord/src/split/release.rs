@@ -56,6 +56,22 @@ impl InstanceSegments {
         }
     }
 
+    /// A restore's segments, about to be handed over: each lease joins as its `map` frame goes
+    /// out ([`InstanceSegments::push`]).
+    pub fn handing(plan: Arc<Vec<Planned>>) -> Self {
+        Self {
+            plan,
+            held: Held::Mapped(Vec::with_capacity(0)),
+        }
+    }
+
+    /// The daemon's handle on the next segment handed over (in plan order).
+    pub fn push(&mut self, lease: Lease) {
+        if let Held::Mapped(leases) = &mut self.held {
+            leases.push(lease);
+        }
+    }
+
     /// No segments from the restore server.
     pub fn is_empty(&self) -> bool {
         self.plan.is_empty()
@@ -172,6 +188,7 @@ mod tests {
             } else {
                 String::new()
             },
+            deferrable: false,
             recipe: recipe_name(va),
             blake3,
         }

@@ -20,13 +20,14 @@
 //! ([`Split::begin_refill`], crate::split::release): writable ones from the contents the daemon
 //! saved, read-only ones from the sources above.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::split::device::{HostBuffer, Memory, SegmentDevice};
 use crate::split::index::{Planned, SegmentEntry};
@@ -375,6 +376,26 @@ impl Split {
 }
 
 impl Restoring {
+    /// After the worker's `hello {resumed}`: waits for the restore server's plan (empty for a
+    /// transparent snapshot); the segments are then handed over while the instance already takes
+    /// requests ([`HandingOver::send_maps`]). An error names the cause; the caller then kills
+    /// the instance.
+    pub async fn planned(mut self) -> Result<HandingOver, String> {
+        let deadline = tokio::time::Instant::now() + MAP_TIMEOUT;
+        let plan = match next(&mut self.rx, deadline).await? {
+            Event::Plan(p) => p,
+            Event::Failed(e) => return Err(e),
+            Event::Filled(_) => {
+                return Err("the restore server sent a segment before its plan".into())
+            }
+        };
+        Ok(HandingOver {
+            rx: self.rx,
+            plan,
+            deadline,
+        })
+    }
+
     /// After the worker's `hello {resumed}` (or its `unmapped`, for a refill): sends a `map`
     /// frame for each segment as it is filled, then waits until the worker has mapped them all.
     /// An error names the segment; the caller then kills the instance.
@@ -451,5 +472,192 @@ impl Restoring {
         }
         out.segments = count;
         Ok(out)
+    }
+}
+
+async fn next(
+    rx: &mut mpsc::UnboundedReceiver<Event>,
+    deadline: tokio::time::Instant,
+) -> Result<Event, String> {
+    tokio::time::timeout_at(deadline, rx.recv())
+        .await
+        .map_err(|_| format!("segments not filled within {} s", MAP_TIMEOUT.as_secs()))?
+        .ok_or_else(|| "the restore server's fill task ended early".to_string())
+}
+
+/// A restore's segments, planned, to be handed to the worker as they are filled.
+pub struct HandingOver {
+    rx: mpsc::UnboundedReceiver<Event>,
+    plan: Arc<Vec<Planned>>,
+    deadline: tokio::time::Instant,
+}
+
+impl HandingOver {
+    /// How many segments will be handed over.
+    pub fn count(&self) -> usize {
+        self.plan.len()
+    }
+
+    /// The segments, in the order their `map` frames go out.
+    pub fn plan(&self) -> Arc<Vec<Planned>> {
+        Arc::clone(&self.plan)
+    }
+
+    /// Sends one `map` frame per segment as each fill completes, in fill (first-use) order,
+    /// while the instance already takes requests. Each frame goes out with `writer` locked for
+    /// the whole frame, so it never interleaves with an `invoke`. `sent` is told of each segment
+    /// (its VA and the daemon's lease on it) before its frame goes
+    /// out, so that the `mapped` answer always finds it. An error names the segment and cause.
+    pub async fn send_maps(
+        mut self,
+        writer: &tokio::sync::Mutex<OwnedWriteHalf>,
+        mut sent: impl FnMut(u64, Lease),
+    ) -> Result<(), String> {
+        for _ in 0..self.plan.len() {
+            let f = match next(&mut self.rx, self.deadline).await? {
+                Event::Filled(f) => f,
+                Event::Failed(e) => return Err(e),
+                Event::Plan(_) => return Err("the restore server sent two plans".into()),
+            };
+            let frame = json!({"type": "map", "va": f.va, "size": f.size, "readonly": f.readonly, "fd": true});
+            let fd = f.fd;
+            sent(f.va, f.lease);
+            let mut wr = writer.lock().await;
+            fds::send_with_fd(&mut wr, &frame, fd.as_fd())
+                .await
+                .map_err(|e| format!("sending map for {:#x}: {e}", f.va))?;
+        }
+        Ok(())
+    }
+}
+
+/// The `map` frames sent to a restored instance and the worker's `mapped` answers. The
+/// instance takes requests meanwhile; its reader hands each `mapped` here.
+#[derive(Debug)]
+pub struct Mapping {
+    hello: Instant,
+    total: usize,
+    /// Sent and not answered yet, in order (the worker maps them in the order they come).
+    sent: VecDeque<u64>,
+    mapped: usize,
+    done_at: Option<Instant>,
+    done: Option<oneshot::Sender<()>>,
+}
+
+impl Mapping {
+    /// `total` segments to map, counted from the worker's `hello` at `hello`; the receiver is
+    /// told once every one is mapped.
+    pub fn new(hello: Instant, total: usize) -> (Self, oneshot::Receiver<()>) {
+        let (tx, rx) = oneshot::channel();
+        let mapping = Self {
+            hello,
+            total,
+            sent: VecDeque::with_capacity(total),
+            mapped: 0,
+            done_at: None,
+            done: Some(tx),
+        };
+        (mapping, rx)
+    }
+
+    pub fn sent(&mut self, va: u64) {
+        self.sent.push_back(va);
+    }
+
+    /// A `mapped` frame from the worker; the error (a refused map, or an answer to no `map`)
+    /// names the segment and the cause, and the instance must go.
+    pub fn answer(&mut self, msg: &Map<String, Value>) -> Result<(), String> {
+        let va = msg.get("va").and_then(Value::as_u64);
+        let Some(expected) = self.sent.front().copied() else {
+            return Err(format!(
+                "it broke the protocol (mapped {} with no map frame outstanding)",
+                msg.get("va").unwrap_or(&Value::Null)
+            ));
+        };
+        if va != Some(expected) {
+            return Err(format!(
+                "it broke the protocol (mapped {} while the segment at {expected:#x} was next)",
+                msg.get("va").unwrap_or(&Value::Null)
+            ));
+        }
+        if msg.get("ok").and_then(Value::as_bool) != Some(true) {
+            return Err(format!(
+                "the worker could not map the segment at {expected:#x}: {}",
+                msg.get("error")
+                    .and_then(|e| e.get("message"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("no reason given")
+            ));
+        }
+        self.sent.pop_front();
+        self.mapped += 1;
+        if self.mapped == self.total {
+            self.done_at = Some(Instant::now());
+            if let Some(tx) = self.done.take() {
+                let _ = tx.send(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Seconds from the worker's `hello` until every segment was mapped; None until then.
+    pub fn segments_s(&self) -> Option<f64> {
+        self.done_at
+            .map(|t| t.duration_since(self.hello).as_secs_f64())
+    }
+
+    /// Segments not mapped yet.
+    pub fn unmapped(&self) -> usize {
+        self.total - self.mapped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(v: Value) -> Map<String, Value> {
+        match v {
+            Value::Object(m) => m,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn mapping_counts_answers_in_order_and_tells_when_done() {
+        let (mut m, mut done) = Mapping::new(Instant::now(), 2);
+        m.sent(0x1000);
+        m.sent(0x3000);
+        m.answer(&frame(json!({"type": "mapped", "va": 0x1000, "ok": true})))
+            .unwrap();
+        assert_eq!((m.unmapped(), m.segments_s()), (1, None));
+        assert!(done.try_recv().is_err());
+        m.answer(&frame(json!({"type": "mapped", "va": 0x3000, "ok": true})))
+            .unwrap();
+        assert_eq!(m.unmapped(), 0);
+        assert!(m.segments_s().is_some());
+        assert!(done.try_recv().is_ok());
+    }
+
+    #[test]
+    fn mapping_refuses_a_failed_map_and_answers_out_of_order() {
+        let (mut m, _done) = Mapping::new(Instant::now(), 2);
+        let e = m
+            .answer(&frame(json!({"type": "mapped", "va": 0x1000, "ok": true})))
+            .unwrap_err();
+        assert!(e.contains("no map frame outstanding"), "{e}");
+        m.sent(0x1000);
+        let e = m
+            .answer(&frame(json!({"type": "mapped", "va": 0x2000, "ok": true})))
+            .unwrap_err();
+        assert!(e.contains("while the segment at 0x1000 was next"), "{e}");
+        let refused = json!({"type": "mapped", "va": 0x1000, "ok": false,
+            "error": {"type": "HookError", "message": "not a memfd"}});
+        let e = m.answer(&frame(refused)).unwrap_err();
+        assert_eq!(
+            e,
+            "the worker could not map the segment at 0x1000: not a memfd"
+        );
+        assert_eq!(m.unmapped(), 2);
     }
 }
