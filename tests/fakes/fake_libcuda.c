@@ -504,6 +504,9 @@ typedef void *CUcontext;
 struct allocation {
     int fd;
     size_t size;
+    /* Made by cuMemImportFromShareableHandle: the real driver refuses to export it again
+       (CUDA_ERROR_INVALID_VALUE, measured on the H100 with driver 580). */
+    int imported;
 };
 
 #define MAX_MAPPINGS 1024
@@ -668,6 +671,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     struct allocation *a = malloc(sizeof *a);
     a->fd = fd;
     a->size = size;
+    a->imported = 0;
     *handle = (uintptr_t)a;
     return CUDA_SUCCESS;
 }
@@ -745,7 +749,7 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *des
 CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle handle, int type,
                                       unsigned long long flags) {
     struct allocation *a = (struct allocation *)(uintptr_t)handle;
-    if (!out || !a || type != 1 || flags)
+    if (!out || !a || type != 1 || flags || a->imported)
         return CUDA_ERROR_INVALID_VALUE;
     int fd = fcntl(a->fd, F_DUPFD_CLOEXEC, 0);
     if (fd < 0)
@@ -766,6 +770,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, vo
     struct allocation *a = malloc(sizeof *a);
     a->fd = own;
     a->size = (size_t)st.st_size;
+    a->imported = 1;
     *handle = (uintptr_t)a;
     return CUDA_SUCCESS;
 }

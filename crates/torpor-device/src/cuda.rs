@@ -132,6 +132,12 @@ pub struct CudaMemory {
     handle: AllocationHandle,
     size: usize,
     sealed: AtomicBool,
+    /// The fd an imported allocation came from, kept to export it again: the driver refuses to
+    /// export an imported handle (`CUDA_ERROR_INVALID_VALUE`, measured on the H100 with driver
+    /// 580), which a restored worker does when it hibernates with the daemon's memory. It is
+    /// closed with the memory, so a worker that released its segments holds no such fd when
+    /// CRIU dumps it.
+    imported_from: Option<OwnedFd>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -530,10 +536,18 @@ impl Device for CudaDevice {
             handle,
             size: len,
             sealed: AtomicBool::new(false),
+            imported_from: None,
         })
     }
 
     fn export(&self, memory: &CudaMemory) -> Result<OwnedFd, DeviceError> {
+        if let Some(fd) = &memory.imported_from {
+            return fd.try_clone().map_err(|source| DeviceError::Os {
+                call: "dup",
+                hint: "the process may be out of file descriptors (raise RLIMIT_NOFILE)",
+                source,
+            });
+        }
         Ok(self.shared.vmm()?.export_fd(memory.handle)?)
     }
 
@@ -551,12 +565,14 @@ impl Device for CudaDevice {
             },
             other => other.into(),
         })?;
-        // The driver holds its own reference to the memory; the fd is closed on return.
+        // The driver holds its own reference to the memory; the fd is kept only to export the
+        // memory again (see `imported_from`).
         Ok(CudaMemory {
             shared: Arc::clone(&self.shared),
             handle,
             size: len,
             sealed: AtomicBool::new(false),
+            imported_from: Some(fd),
         })
     }
 

@@ -82,3 +82,11 @@ fn bad_addresses_sizes_and_fds_are_clear_errors() {
         cuda_cases::bad_addresses_sizes_and_fds(device);
     }
 }
+
+#[test]
+fn an_imported_allocation_exports_again() {
+    let test = "an_imported_allocation_exports_again";
+    if let Some(device) = device_or_skip(test, CopyConfig::default()) {
+        cuda_cases::an_imported_allocation_exports_again(device);
+    }
+}

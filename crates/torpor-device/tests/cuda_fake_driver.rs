@@ -71,3 +71,8 @@ fn the_device_knows_its_driver_and_gpu() {
         "the fake's granularity is an H100's"
     );
 }
+
+#[test]
+fn an_imported_allocation_exports_again() {
+    cuda_cases::an_imported_allocation_exports_again(device(CopyConfig::default()));
+}

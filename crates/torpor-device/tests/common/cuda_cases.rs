@@ -166,3 +166,33 @@ pub fn bad_addresses_sizes_and_fds(device: CudaDevice) {
     assert!(err.to_string().contains("cuMemMap failed"), "{err}");
     device.free_reservation(at, 2 * g).unwrap();
 }
+
+/// The driver refuses to export an imported handle (`CUDA_ERROR_INVALID_VALUE` on the H100): a
+/// restored worker that hibernates re-exports the daemon's memory it imported, so the device
+/// hands out the fd the memory came from. The re-exported fd reaches the same bytes.
+pub fn an_imported_allocation_exports_again(device: CudaDevice) {
+    let len = 2 * device.granularity();
+    let (at, memory) = owned_segment(&device, None, len, 3);
+    let imported = device.import(device.export(&memory).unwrap(), len).unwrap();
+    let again = device
+        .import(
+            device
+                .export(&imported)
+                .unwrap_or_else(|e| panic!("exporting imported memory: {e}")),
+            len,
+        )
+        .unwrap();
+    let at2 = device.reserve(len, None).unwrap();
+    device.map(&again, at2, Access::ReadOnly).unwrap();
+    let mut back = vec![0; len];
+    device.copy_to_host(at2, &mut back).unwrap();
+    assert!(
+        back == pattern(len, 3),
+        "the re-exported fd reaches other bytes"
+    );
+    device.release(at2, again).unwrap();
+    device.free_reservation(at2, len).unwrap();
+    drop(imported);
+    device.release(at, memory).unwrap();
+    device.free_reservation(at, len).unwrap();
+}
