@@ -38,6 +38,20 @@ pub struct RestoreOptions<'a> {
     /// File that receives the restored tree's stdout and stderr (created, appended), instead of
     /// the files they were open on when the snapshot was taken.
     pub stdio: Option<&'a Path>,
+    /// How the image files are checked before CRIU reads them.
+    pub verify: Verify,
+}
+
+/// How a restore checks the snapshot's files against its manifest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Verify {
+    /// Hash every file (the default, and what `torpor restore` does).
+    #[default]
+    Hashes,
+    /// Compare the listing and sizes only. For a copy whose every file was hashed when it was
+    /// made and that nobody else can write since: a staged copy ([`crate::stage::stage`]) on a
+    /// tmpfs only its owner (root) can write. Saves re-reading the images at every restore.
+    SizesOnly,
 }
 
 /// Where a restored process's memory comes from.
@@ -241,7 +255,11 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
     let (verified, plan) = std::thread::scope(|scope| {
         let verify = scope.spawn(|| {
             let t = std::time::Instant::now();
-            (snapshot.verify(), t.elapsed().as_secs_f64())
+            let checked = match opts.verify {
+                Verify::Hashes => snapshot.verify(),
+                Verify::SizesOnly => snapshot.size_check_only(),
+            };
+            (checked, t.elapsed().as_secs_f64())
         });
         let t = std::time::Instant::now();
         let plan = manifest
