@@ -145,7 +145,12 @@ impl Runtime {
                 };
                 let charge = keep.meter.close(now, Some(bytes));
                 self.metrics.add_charge(&pool.name, label, charge);
-                if *n > 0 || keep.busy || inst.is_dead() || inst.generation != generation {
+                if *n > 0
+                    || keep.busy
+                    || inst.is_dead()
+                    || inst.generation != generation
+                    || inst.pages_pending.load(Ordering::SeqCst)
+                {
                     continue;
                 }
                 let idle = keep.idle_since.elapsed();

@@ -63,6 +63,8 @@ pub struct Runtime {
     restore_health: Mutex<HashMap<String, RestoreHealth>>,
     /// The split path: chunk store, restore server, caches (crate::split).
     pub split: Arc<crate::split::Split>,
+    /// Function snapshots staged in memory (crate::staging).
+    pub staging: Arc<crate::staging::StageArea>,
 }
 
 /// Failed restores of one function's snapshot in a row, and until when restores are skipped.
@@ -122,6 +124,9 @@ pub struct Instance {
     pub(crate) imports_gpu_memory: AtomicBool,
     /// The shared read-only segment copies it maps (crate::split::server).
     pub(crate) segments: Mutex<crate::split::server::Leases>,
+    /// Restored with lazy pages that CRIU's lazy-pages daemon is still serving: no keep-alive
+    /// step (a snapshot or GPU checkpoint) until every page is in.
+    pub(crate) pages_pending: AtomicBool,
 }
 
 /// The `quiet` frame of a hibernating instance and its connection's read half, handed from the
@@ -352,6 +357,11 @@ impl Runtime {
                 &config.restore_server,
                 &metrics,
             )),
+            staging: Arc::new(crate::staging::StageArea::open(
+                &state_root,
+                config.restore_server.stage_bytes,
+                &metrics,
+            )),
             config,
             registry,
             metrics,
@@ -382,6 +392,11 @@ impl Runtime {
     /// At daemon stop: every live instance is stopped (its worker would exit anyway once the
     /// daemon's end of its connection closes) and its registry row removed, synchronously.
     pub fn shutdown(&self) {
+        self.stop_instances();
+        self.staging.shut_down();
+    }
+
+    fn stop_instances(&self) {
         let pools: Vec<Arc<Pool>> = lock(&self.pools).drain().map(|(_, p)| p).collect();
         let mut ids = Vec::new();
         for pool in pools {
@@ -452,6 +467,54 @@ impl Runtime {
             self.remove_instance(&inst, "retired: a newer deploy replaced it", true);
         }
         pool.changed.notify_waiters();
+    }
+
+    /// At startup: stages every deployed function's snapshot again (the stage area was mounted
+    /// empty; crate::staging), most recently deployed first, so that the area keeps the newest
+    /// when it cannot hold them all. Until a function's copy is staged, its restores read the
+    /// disk copy. Deploys and deletes wait meanwhile (they stage and drop copies themselves).
+    pub async fn restage(self: &Arc<Self>) {
+        if self.staging.dir().is_none() {
+            return;
+        }
+        let _deploys = self.deploy_lock.lock().await;
+        let (registry, staging) = (Arc::clone(&self.registry), Arc::clone(&self.staging));
+        let done = tokio::task::spawn_blocking(move || {
+            let mut snapshots = registry.with(|s| {
+                let mut found = Vec::new();
+                for f in s.functions()? {
+                    if f.state != FunctionState::Ready {
+                        continue;
+                    }
+                    if let Some(snap) = f.snapshot.as_deref().map(|id| s.snapshot(id)).transpose()?.flatten() {
+                        found.push((f.updated, f.name, snap.path));
+                    }
+                }
+                Ok::<_, crate::registry::RegistryError>(found)
+            })?;
+            snapshots.sort_by_key(|(updated, _, _)| std::cmp::Reverse(*updated));
+            let mut staged = 0;
+            // Oldest last: staging it must not push out a newer one.
+            for (_, name, path) in snapshots {
+                match staging.stage_if_room(&path) {
+                    Ok(true) => staged += 1,
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(function = %name, error = %e, "cannot stage the function snapshot again: its restores read the disk copy"),
+                }
+            }
+            Ok::<_, crate::registry::RegistryError>(staged)
+        })
+        .await;
+        match done {
+            Ok(Ok(n)) if n > 0 => {
+                tracing::info!(functions = n, "staged the function snapshots again")
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "cannot list the function snapshots to stage")
+            }
+            Err(e) => tracing::error!(error = %e, "staging task failed"),
+        }
     }
 
     /// At startup: the pools of functions with hibernated instances left by an earlier daemon,
@@ -1082,11 +1145,27 @@ impl Runtime {
     ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
         let t = Instant::now();
         let from = sleeper.map_or(&info.snapshot_dir, |s| &s.snapshot_dir);
+        // A function snapshot staged in memory is restored from there; a hibernation is never
+        // staged (restored once, copying it first would only add a read).
+        let staged = match sleeper {
+            None => self.staging.get(from),
+            Some(_) => None,
+        };
         // The restore server fills the segments of a split snapshot meanwhile.
         let restoring = self
             .split
             .begin_restore(sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id));
-        let (init, worker) = restore(from, &self.logs_dir(), new.log)
+        let how_pages = self.config.restore_server.pages;
+        let how = HowToRestore {
+            pages: how_pages.source(),
+            staged,
+        };
+        let staged = how.staged.is_some();
+        let RestoredTree {
+            init,
+            worker,
+            pages_served,
+        } = restore_with(from, &self.logs_dir(), new.log, how)
             .await
             .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
         new.charge.process_started(init);
@@ -1141,7 +1220,25 @@ impl Runtime {
         *lock(&inst.segments) = segments.leases;
         inst.imports_gpu_memory
             .store(segments.cuda_segments > 0, Ordering::SeqCst);
-        tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
+        if let Some(served) = pages_served {
+            // A page the lazy-pages daemon failed to serve may be missing: the tree was killed.
+            inst.pages_pending.store(true, Ordering::SeqCst);
+            let (rt, inst) = (Arc::clone(self), Arc::clone(&inst));
+            tokio::spawn(async move {
+                match served.await {
+                    Ok(Ok(())) => inst.pages_pending.store(false, Ordering::SeqCst),
+                    Ok(Err(e)) => {
+                        rt.remove_instance(&inst, &format!("its lazy pages failed: {e}"), true)
+                    }
+                    Err(_) => rt.remove_instance(
+                        &inst,
+                        "its lazy pages daemon was lost (the task reaping it ended)",
+                        true,
+                    ),
+                }
+            });
+        }
+        tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, pages = ?how_pages, staged, "instance restored");
         let mut timings = vec![
             ("restore".to_string(), restore_s),
             ("reconnect".to_string(), reconnect_s),
@@ -1477,6 +1574,7 @@ fn new_instance(
         gpu_release_failed: AtomicBool::new(false),
         imports_gpu_memory: AtomicBool::new(false),
         segments: Mutex::new(Vec::new()),
+        pages_pending: AtomicBool::new(false),
     });
     (inst, conn.rd)
 }
@@ -1530,35 +1628,90 @@ pub fn kill_tree(init: i32) {
     }
 }
 
-/// Restores a snapshot detached (blocking work on the blocking pool), its stdout and stderr
-/// going to `stdio`; returns (init, worker). A snapshot that does not record its stdio files
-/// (taken by an older torpord) is restored onto the files it had, with a warning.
+/// How [`restore_with`] restores: where the pages come from, and the staged copy of the
+/// snapshot to read instead of its disk copy.
+#[derive(Default)]
+pub struct HowToRestore {
+    pub pages: torpor_snapshot::restore::PageSource,
+    /// Restored from with sizes checked only (hashed when staged, on the daemon's root-only
+    /// tmpfs since); held until CRIU's lazy-pages daemon has read every page.
+    pub staged: Option<Arc<crate::staging::StagedCopy>>,
+}
+
+/// A restored tree.
+pub struct RestoredTree {
+    pub init: i32,
+    pub worker: i32,
+    /// With lazy pages: told once every page was served, or why not (the tree was killed).
+    pub pages_served: Option<oneshot::Receiver<Result<(), String>>>,
+}
+
+/// Restores a snapshot detached, every page copied and every file hashed first; returns
+/// (init, worker). See [`restore_with`].
 pub async fn restore(dir: &Path, log_dir: &Path, stdio: &Path) -> Result<(i32, i32), String> {
-    let dir = dir.to_path_buf();
+    let tree = restore_with(dir, log_dir, stdio, HowToRestore::default()).await?;
+    Ok((tree.init, tree.worker))
+}
+
+/// Restores a snapshot (or its staged copy) detached (blocking work on the blocking pool), its
+/// stdout and stderr going to `stdio`. A snapshot that does not record its stdio files (taken
+/// by an older torpord) is restored onto the files it had, with a warning. With lazy pages, a
+/// blocking thread reaps CRIU's lazy-pages daemon once it has served every page.
+pub async fn restore_with(
+    dir: &Path,
+    log_dir: &Path,
+    stdio: &Path,
+    how: HowToRestore,
+) -> Result<RestoredTree, String> {
+    use torpor_snapshot::restore::{PageOptions, RestoreError, RestoreOptions, Verify};
+    let (dir, verify) = match &how.staged {
+        Some(copy) => (copy.dir().to_path_buf(), Verify::SizesOnly),
+        None => (dir.to_path_buf(), Verify::Hashes),
+    };
     let log_dir = log_dir.to_path_buf();
     let stdio = stdio.to_path_buf();
     tokio::task::spawn_blocking(move || {
-        let restore_with = |stdio: Option<&Path>| {
-            torpor_snapshot::restore::restore(&torpor_snapshot::restore::RestoreOptions {
-                dir: &dir,
-                detach: true,
-                gpu_map: &[],
-                log_dir: &log_dir,
-                stdio,
-            })
+        let pages = PageOptions { source: how.pages };
+        let restore_onto = |stdio: Option<&Path>| {
+            torpor_snapshot::restore::restore_with(
+                &RestoreOptions {
+                    dir: &dir,
+                    detach: true,
+                    gpu_map: &[],
+                    log_dir: &log_dir,
+                    stdio,
+                    verify,
+                },
+                &pages,
+            )
         };
-        let restored = match restore_with(Some(&stdio)) {
-            Err(torpor_snapshot::restore::RestoreError::StdioUnknown) => {
+        let restored = match restore_onto(Some(&stdio)) {
+            Err(RestoreError::StdioUnknown) => {
                 tracing::warn!(snapshot = %dir.display(), "the snapshot records no stdout/stderr file: its instance keeps writing to the old log");
-                restore_with(None)
+                restore_onto(None)
             }
             other => other,
         }
         .map_err(|e| e.to_string())?;
-        match crate::launcher::worker_pid(restored.pid) {
-            Ok(w) => Ok((restored.pid, w)),
+        let init = restored.pid;
+        let pages_served = restored.lazy_pages.map(|lazy| {
+            let (tx, rx) = oneshot::channel();
+            let staged = how.staged;
+            tokio::task::spawn_blocking(move || {
+                let _ = tx.send(lazy.finish().map_err(|e| e.to_string()));
+                // The staged copy may go now: every page was read.
+                drop(staged);
+            });
+            rx
+        });
+        match crate::launcher::worker_pid(init) {
+            Ok(worker) => Ok(RestoredTree {
+                init,
+                worker,
+                pages_served,
+            }),
             Err(e) => {
-                kill_tree(restored.pid);
+                kill_tree(init);
                 Err(e)
             }
         }
