@@ -1,6 +1,6 @@
 //! Hot snapshots in memory (docs/torpord.md, "Staged snapshots"; the measurements behind it are
 //! in docs/split.md, "CPU side"). The daemon mounts a tmpfs of its own at `<state>/stage`
-//! (mode 0700, huge pages for every full 2 MiB of a file, at most `restore_server.stage_bytes`)
+//! (mode 0700, huge pages for every full 2 MiB of a file, holding `restore_server.stage_bytes`)
 //! and copies each function snapshot into it at deploy, hashing every file on the way
 //! (`torpor_snapshot::stage`). Restores of the function read the staged copy and check only its
 //! listing and sizes: it was hashed as it was copied and nobody but root can write there since.
@@ -332,13 +332,16 @@ fn mount(dir: &Path, capacity: u64) -> std::io::Result<bool> {
         detach_all(dir);
         return Err(e);
     }
+    // The LRU keeps the copies within `capacity`; the tmpfs has room beyond it for copies
+    // dropped while a restore still reads them (they go when it ends).
+    let size = capacity.saturating_add((capacity / 8).max(64 << 20));
     let source = CString::new(STAGE_MOUNT_SOURCE).expect("no NUL");
     let tmpfs = c"tmpfs";
     let mut huge = true;
     let mut result = Err(std::io::Error::other("not tried"));
     for options in [
-        format!("mode=0700,size={capacity},huge=within_size"),
-        format!("mode=0700,size={capacity}"),
+        format!("mode=0700,size={size},huge=within_size"),
+        format!("mode=0700,size={size}"),
     ] {
         let data = CString::new(options).expect("no NUL");
         // SAFETY: mounts a new tmpfs at `dir`; every string outlives the call.
