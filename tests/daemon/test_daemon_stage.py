@@ -16,13 +16,14 @@ import random
 import re
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import kill_tree, wait_until
+from conftest import cmdline, kill_tree, pids_with, wait_until
 
 from .conftest import FUNCTIONS, Torpord
 
@@ -202,6 +203,83 @@ def test_a_restarted_daemon_stages_again_and_never_reads_a_copy_it_did_not_stage
     same_files(stage_dir(again) / fresh, snap)
     assert fresh_restore(again, "ballast") == EXPECTED
     assert restores(again)[-1] == ("ballast", "Lazy", True)
+
+
+def lazy_pages_daemons(d: Torpord) -> list[int]:
+    token = f"{d.state}/logs/lazy-"
+    return [pid for pid in pids_with(token) if "lazy-pages" in cmdline(pid)]
+
+
+def restored_and_untraced(d: Torpord, before: set[int]) -> bool:
+    """Whether a new instance init under `d`'s state directory exists that CRIU no longer traces
+    (CRIU's restore of it has ended)."""
+    for pid in set(pids_with(f"{d.state}/init/")) - before:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if re.search(r"^TracerPid:\s+0$", status, re.MULTILINE):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("when", ["while-it-starts", "once-it-listens"])
+def test_a_failing_lazy_pages_daemon_leaves_no_instance_serving(staged: Torpord, when: str) -> None:
+    """SIGKILL to CRIU's lazy-pages daemon. As it starts: the restore fails and an instance is
+    booted instead. Once it listens (stopped first, so that it serves nothing more, and killed
+    once CRIU no longer traces the restored init, or after 3 s): the restored tree is killed.
+    Where that happens before the worker reconnected (as on the CPU VM: CRIU waits for the
+    daemon), the restore fails and an instance is booted; after, the instance is removed with
+    one log line. Nothing restored serves without every page."""
+    for inst in staged.instances("ballast"):
+        kill_tree(inst["pid"])
+    wait_until(lambda: staged.instances("ballast") == [], 15, "ballast's instances to go")
+    before = set(pids_with(f"{staged.state}/init/"))
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_lazy_pages() -> None:
+        while not stop.is_set() and not killed:
+            daemons = lazy_pages_daemons(staged)
+            if daemons and when == "while-it-starts":
+                os.kill(daemons[0], signal.SIGKILL)
+                killed.append(daemons[0])
+            elif daemons and list((staged.state / "logs").glob("lazy-*/lazy-pages.socket")):
+                # Listening: stopped, it can serve no more pages; killed once CRIU is done.
+                os.kill(daemons[0], signal.SIGSTOP)
+                deadline = time.monotonic() + 3
+                while not restored_and_untraced(staged, before) and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                os.kill(daemons[0], signal.SIGKILL)
+                killed.append(daemons[0])
+            time.sleep(0.002)
+
+    killer = threading.Thread(target=kill_lazy_pages)
+    killer.start()
+    try:
+        answer = staged.invoke("ballast", {})
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, f"the lazy-pages daemon was not seen at the right time\n{staged.log_text()}"
+    if when == "while-it-starts":
+        assert answer.start == "booted", (answer.status, answer.start, answer.body)
+        assert answer.json() == EXPECTED
+        assert "restoring the function snapshot failed; booting an instance instead" in staged.log_text()
+    elif answer.start == "booted":
+        # The daemon failed before the worker reconnected: the restore failed as a whole.
+        assert answer.json() == EXPECTED
+        assert "restoring the function snapshot failed; booting an instance instead" in staged.log_text()
+        assert "its lazy pages failed" not in staged.log_text()
+    else:
+        wait_until(
+            lambda: staged.log.read_text(errors="replace").count("instance removed: its lazy pages failed") == 1,
+            15,
+            "the instance's removal",
+        )
+        wait_until(lambda: staged.instances("ballast") == [], 15, "the instance to go")
+    again = staged.invoke("ballast", {})
+    assert again.status == 200 and again.json() == EXPECTED, (again.status, again.body)
 
 
 def test_rm_removes_the_staged_copy(staged: Torpord) -> None:
