@@ -292,11 +292,16 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
         path: opts.log_dir.to_path_buf(),
         source,
     })?;
-    let log_name = format!(
-        "restore-{}-{}.log",
+    // Restores side by side in one process (torpord) within one millisecond must not share a
+    // log or a lazy-pages work directory: the sequence number keeps the names apart.
+    static SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let unique = format!(
+        "{}-{}-{}",
         std::process::id(),
-        crate::sys::unix_millis()
+        crate::sys::unix_millis(),
+        SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     );
+    let log_name = format!("restore-{unique}.log");
     let external: Vec<String> = manifest
         .external_mounts
         .iter()
@@ -328,11 +333,7 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
     };
     // Lazy pages: the daemon and the restore meet at a socket in a work directory of their own,
     // so that restores side by side never share one.
-    let lazy_dir = opts.log_dir.join(format!(
-        "lazy-{}-{}",
-        std::process::id(),
-        crate::sys::unix_millis()
-    ));
+    let lazy_dir = opts.log_dir.join(format!("lazy-{unique}"));
     let mut request = request;
     let daemon = match pages.source {
         PageSource::Copy => None,

@@ -495,12 +495,16 @@ impl Runtime {
             snapshots.sort_by_key(|(updated, _, _)| std::cmp::Reverse(*updated));
             let mut staged = 0;
             // Oldest last: staging it must not push out a newer one.
-            for (_, name, path) in snapshots {
-                match staging.stage_if_room(&path) {
+            for (_, name, path) in &snapshots {
+                match staging.stage_if_room(path) {
                     Ok(true) => staged += 1,
                     Ok(false) => {}
                     Err(e) => tracing::warn!(function = %name, error = %e, "cannot stage the function snapshot again: its restores read the disk copy"),
                 }
+            }
+            // Then the newest is the most recently used: a later deploy drops the oldest first.
+            for (_, _, path) in snapshots.iter().rev() {
+                let _ = staging.get(path);
             }
             Ok::<_, crate::registry::RegistryError>(staged)
         })
