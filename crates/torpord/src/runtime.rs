@@ -1224,12 +1224,18 @@ impl Runtime {
         *lock(&inst.segments) = segments.leases;
         inst.imports_gpu_memory
             .store(segments.cuda_segments > 0, Ordering::SeqCst);
+        // A woken instance's hibernation snapshot has served once every page is in.
+        let hibernation = sleeper.map(|s| s.snapshot_dir.clone());
         if let Some(served) = pages_served {
             // A page the lazy-pages daemon failed to serve may be missing: the tree was killed.
             inst.pages_pending.store(true, Ordering::SeqCst);
             let (rt, inst) = (Arc::clone(self), Arc::clone(&inst));
             tokio::spawn(async move {
-                match served.await {
+                let served = served.await;
+                if let Some(dir) = hibernation {
+                    tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
+                }
+                match served {
                     Ok(Ok(())) => inst.pages_pending.store(false, Ordering::SeqCst),
                     Ok(Err(e)) => {
                         rt.remove_instance(&inst, &format!("its lazy pages failed: {e}"), true)
@@ -1241,6 +1247,8 @@ impl Runtime {
                     ),
                 }
             });
+        } else if let Some(dir) = hibernation {
+            tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
         }
         tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, pages = ?how_pages, staged, "instance restored");
         let mut timings = vec![
@@ -1315,10 +1323,6 @@ impl Runtime {
         if let Err(e) = recorded {
             kill_tree(init);
             return Err(format!("cannot record the new instance of {name:?}: {e}"));
-        }
-        if let Some(s) = sleeper {
-            let dir = s.snapshot_dir.clone();
-            tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
         }
         self.attach(&inst, rd).await;
         Ok(inst)
