@@ -111,7 +111,7 @@ def same_files(a: Path, b: Path) -> None:
     # CRIU writes stats-restore into the images directory at every restore.
     names = sorted(p.name for p in a.iterdir() if p.name != "stats-restore")
     assert names == sorted(p.name for p in b.iterdir() if p.name != "stats-restore")
-    match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
     assert (mismatch, errors) == ([], []), (mismatch, errors)
 
 
@@ -244,7 +244,7 @@ def test_a_failing_lazy_pages_daemon_leaves_no_instance_serving(staged: Torpord,
             if daemons and when == "while-it-starts":
                 os.kill(daemons[0], signal.SIGKILL)
                 killed.append(daemons[0])
-            elif daemons and list((staged.state / "logs").glob("lazy-*/lazy-pages.socket")):
+            elif daemons and any((staged.state / "logs").glob("lazy-*/lazy-pages.socket")):
                 # Listening: stopped, it can serve no more pages; killed once CRIU is done.
                 os.kill(daemons[0], signal.SIGSTOP)
                 deadline = time.monotonic() + 3
