@@ -280,6 +280,8 @@ def test_a_failing_lazy_pages_daemon_leaves_no_instance_serving(staged: Torpord,
         wait_until(lambda: staged.instances("ballast") == [], 15, "the instance to go")
     again = staged.invoke("ballast", {})
     assert again.status == 200 and again.json() == EXPECTED, (again.status, again.body)
+    # No lazy-pages daemon is left behind, whichever way its restore ended.
+    wait_until(lambda: lazy_pages_daemons(staged) == [], 10, "the lazy-pages daemons to be reaped")
 
 
 def test_rm_removes_the_staged_copy(staged: Torpord) -> None:

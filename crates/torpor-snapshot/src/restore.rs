@@ -122,6 +122,15 @@ impl LazyRestore {
     }
 }
 
+impl LazyRestore {
+    /// For a tree the caller has killed (e.g. it failed to start): stops the daemon, which has
+    /// nobody left to serve, and reaps it; its logs are kept. Never touches the tree's pid,
+    /// which may belong to another process by now.
+    pub fn abandon(self) {
+        self.killed.set(true);
+    }
+}
+
 impl Drop for LazyRestore {
     fn drop(&mut self) {
         let Some(daemon) = self.daemon.take() else {

@@ -483,10 +483,13 @@ impl Runtime {
             let mut snapshots = registry.with(|s| {
                 let mut found = Vec::new();
                 for f in s.functions()? {
+                    let Some(id) = f.snapshot.as_deref() else {
+                        continue;
+                    };
                     if f.state != FunctionState::Ready {
                         continue;
                     }
-                    if let Some(snap) = f.snapshot.as_deref().map(|id| s.snapshot(id)).transpose()?.flatten() {
+                    if let Some(snap) = s.snapshot(id)? {
                         found.push((f.updated, f.name, snap.path));
                     }
                 }
@@ -1165,10 +1168,12 @@ impl Runtime {
             staged,
         };
         let staged = how.staged.is_some();
+        // Until the instance is adopted, `pages` stops the lazy-pages daemon if dropped (each
+        // failure below kills the tree first).
         let RestoredTree {
             init,
             worker,
-            pages_served,
+            pages,
         } = restore_with(from, &self.logs_dir(), new.log, how)
             .await
             .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
@@ -1226,7 +1231,7 @@ impl Runtime {
             .store(segments.cuda_segments > 0, Ordering::SeqCst);
         // A woken instance's hibernation snapshot has served once every page is in.
         let hibernation = sleeper.map(|s| s.snapshot_dir.clone());
-        if let Some(served) = pages_served {
+        if let Some(served) = pages.map(PendingPages::finish_in_background) {
             // A page the lazy-pages daemon failed to serve may be missing: the tree was killed.
             inst.pages_pending.store(true, Ordering::SeqCst);
             let (rt, inst) = (Arc::clone(self), Arc::clone(&inst));
@@ -1650,8 +1655,44 @@ pub struct HowToRestore {
 pub struct RestoredTree {
     pub init: i32,
     pub worker: i32,
-    /// With lazy pages: told once every page was served, or why not (the tree was killed).
-    pub pages_served: Option<oneshot::Receiver<Result<(), String>>>,
+    /// With lazy pages: the daemon still serving them.
+    pub pages: Option<PendingPages>,
+}
+
+/// CRIU's lazy-pages daemon serving a restored tree, and the staged copy it reads from. Dropped
+/// unfinished (the start of the instance failed and its tree was killed), the daemon is stopped
+/// and reaped on a blocking thread.
+pub struct PendingPages {
+    lazy: Option<torpor_snapshot::restore::LazyRestore>,
+    staged: Option<Arc<crate::staging::StagedCopy>>,
+}
+
+impl PendingPages {
+    /// Reaps the daemon on a blocking thread once it has served every page; the answer says
+    /// whether it did (if not, the tree was killed).
+    pub fn finish_in_background(mut self) -> oneshot::Receiver<Result<(), String>> {
+        let (tx, rx) = oneshot::channel();
+        let (lazy, staged) = (self.lazy.take(), self.staged.take());
+        tokio::task::spawn_blocking(move || {
+            let served = lazy.map_or(Ok(()), |l| l.finish().map_err(|e| e.to_string()));
+            let _ = tx.send(served);
+            // The staged copy may go now: every page was read.
+            drop(staged);
+        });
+        rx
+    }
+}
+
+impl Drop for PendingPages {
+    fn drop(&mut self) {
+        if let Some(lazy) = self.lazy.take() {
+            let staged = self.staged.take();
+            tokio::task::spawn_blocking(move || {
+                lazy.abandon();
+                drop(staged);
+            });
+        }
+    }
 }
 
 /// Restores a snapshot detached, every page copied and every file hashed first; returns
@@ -1702,21 +1743,15 @@ pub async fn restore_with(
         }
         .map_err(|e| e.to_string())?;
         let init = restored.pid;
-        let pages_served = restored.lazy_pages.map(|lazy| {
-            let (tx, rx) = oneshot::channel();
-            let staged = how.staged;
-            tokio::task::spawn_blocking(move || {
-                let _ = tx.send(lazy.finish().map_err(|e| e.to_string()));
-                // The staged copy may go now: every page was read.
-                drop(staged);
-            });
-            rx
+        let pages = restored.lazy_pages.map(|lazy| PendingPages {
+            lazy: Some(lazy),
+            staged: how.staged,
         });
         match crate::launcher::worker_pid(init) {
             Ok(worker) => Ok(RestoredTree {
                 init,
                 worker,
-                pages_served,
+                pages,
             }),
             Err(e) => {
                 kill_tree(init);
