@@ -139,6 +139,12 @@ class Torpord:
         # Workers exit when the daemon's connection goes; anything left is killed.
         for pid in pids_with(f"{self.state}/"):
             kill_tree(pid)
+        # A daemon killed (not stopped) leaves its stage area mounted: detach it.
+        stage = str(self.state / "stage")
+        for _ in range(16):
+            mounted = any(line.split()[4] == stage for line in Path("/proc/self/mountinfo").read_text().splitlines())
+            if not mounted or subprocess.run(["umount", "--lazy", stage], check=False).returncode != 0:
+                break
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ def test_deploy_reports_phases_and_a_second_function_reuses_the_base(torpord: To
         "restore_base",
         "load",
         "snapshot_function",
+        "stage",
     ], lines
     result = lines[-1]["result"]
     assert result["function"] == "cpu-mlp" and result["base_reused"] is False, lines

@@ -106,6 +106,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
         libc::unshare(libc::CLONE_NEWPID | libc::CLONE_NEWNS | libc::CLONE_NEWNET)
     })
     .map_err(|e| setup("unshare(PID, mount, network namespaces)", e))?;
+    hide_stage_mounts().map_err(|e| setup("hiding torpord's staging tmpfs", e))?;
     // SAFETY: the process is single-threaded here (the CLI starts no threads before run); the
     // child only clears a flag and execs.
     let pid = unsafe { libc::fork() };
@@ -138,6 +139,47 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
         return Err(LaunchError::Child(report.into_owned()));
     }
     Ok(pid)
+}
+
+/// Takes torpord's staging tmpfs ([`crate::mounts::STAGE_MOUNT_SOURCE`]) out of the new mount
+/// namespace, which started as a copy of the caller's: CRIU would otherwise dump it, staged
+/// snapshots and all, into every snapshot of the command. Mounts are made private first, so the
+/// unmount stays in this namespace.
+fn hide_stage_mounts() -> io::Result<()> {
+    let table = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let points = crate::mounts::stage_mount_points(&table);
+    if points.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: changes only the propagation of this process's new mount namespace.
+    sys::check(unsafe {
+        libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
+    })?;
+    for point in points {
+        let path = cstring(point.as_bytes()).map_err(|e| io::Error::other(e.to_string()))?;
+        // Everything stacked there goes, the bind mount torpord puts under its tmpfs too: kept,
+        // CRIU would record it as an external mount and bind the host's path, which is the
+        // tmpfs, into every restored copy. A bounded number of layers.
+        for _ in 0..16 {
+            // SAFETY: detaches a mount of this process's own (private) mount namespace.
+            if unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) } != 0 {
+                let e = io::Error::last_os_error();
+                // Not a mount point (any more): done with this one.
+                if e.raw_os_error() == Some(libc::EINVAL) || e.raw_os_error() == Some(libc::ENOENT)
+                {
+                    break;
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A copy of the running torpor binary named by its hash. Snapshots map the init's binary, and

@@ -80,6 +80,27 @@ fn pick_external(mountinfo: &str) -> Vec<ExternalMount> {
         .collect()
 }
 
+/// The source name of torpord's staging tmpfs (`crate::stage`): mounts with it are taken out of
+/// every mount namespace [`crate::launch`] creates, since CRIU would dump a tmpfs it finds there
+/// (contents included) into the worker's snapshot.
+pub const STAGE_MOUNT_SOURCE: &str = "torpor-stage";
+
+/// The mount points of staging tmpfs mounts in a mount table, deepest (latest) first.
+pub fn stage_mount_points(mountinfo: &str) -> Vec<String> {
+    let mut points: Vec<String> = mountinfo
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let sep = fields.iter().position(|f| *f == "-")?;
+            let (mountpoint, fstype, source) =
+                (fields.get(4)?, fields.get(sep + 1)?, fields.get(sep + 2)?);
+            (*fstype == "tmpfs" && *source == STAGE_MOUNT_SOURCE).then(|| unescape(mountpoint))
+        })
+        .collect();
+    points.reverse();
+    points
+}
+
 /// mountinfo escapes space, tab, newline and backslash as octal.
 fn unescape(s: &str) -> String {
     let b = s.as_bytes();
@@ -124,6 +145,22 @@ mod tests {
         assert_eq!(paths, vec!["/usr/local/nvidia", "/data dir"]);
         assert_eq!(dump_spec(&ext[0]), "mnt[/usr/local/nvidia]:torpor-ext0");
         assert_eq!(restore_spec(&ext[0]), "mnt[torpor-ext0]:/usr/local/nvidia");
+    }
+
+    #[test]
+    fn stage_mounts_are_found_by_their_source() {
+        let table = format!(
+            "{GPU_MACHINE}\
+120 87 0:60 / /var/lib/torpor/stage rw - tmpfs {STAGE_MOUNT_SOURCE} rw,mode=700,huge=within_size
+121 87 0:61 / /st\\040x rw - tmpfs {STAGE_MOUNT_SOURCE} rw
+122 87 0:62 / /other rw - ext4 {STAGE_MOUNT_SOURCE} rw
+"
+        );
+        assert_eq!(
+            stage_mount_points(&table),
+            vec!["/st x", "/var/lib/torpor/stage"]
+        );
+        assert!(stage_mount_points(GPU_MACHINE).is_empty());
     }
 
     #[test]

@@ -39,6 +39,20 @@ pub struct RestoreOptions<'a> {
     /// File that receives the restored tree's stdout and stderr (created, appended), instead of
     /// the files they were open on when the snapshot was taken.
     pub stdio: Option<&'a Path>,
+    /// How the image files are checked before CRIU reads them.
+    pub verify: Verify,
+}
+
+/// How a restore checks the snapshot's files against its manifest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Verify {
+    /// Hash every file (the default, and what `torpor restore` does).
+    #[default]
+    Hashes,
+    /// Compare the listing and sizes only. For a copy whose every file was hashed when it was
+    /// made and that nobody else can write since: a staged copy ([`crate::stage::stage`]) on a
+    /// tmpfs only its owner (root) can write. Saves re-reading the images at every restore.
+    SizesOnly,
 }
 
 /// Where a restored process's memory comes from.
@@ -106,6 +120,15 @@ impl LazyRestore {
                 Err(RestoreError::LazyPages { source })
             }
         }
+    }
+}
+
+impl LazyRestore {
+    /// For a tree the caller has killed (e.g. it failed to start): stops the daemon, which has
+    /// nobody left to serve, and reaps it; its logs are kept. Never touches the tree's pid,
+    /// which may belong to another process by now.
+    pub fn abandon(self) {
+        self.killed.set(true);
     }
 }
 
@@ -242,7 +265,11 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
     let (verified, plan) = std::thread::scope(|scope| {
         let verify = scope.spawn(|| {
             let t = std::time::Instant::now();
-            (snapshot.verify(), t.elapsed().as_secs_f64())
+            let checked = match opts.verify {
+                Verify::Hashes => snapshot.verify(),
+                Verify::SizesOnly => snapshot.size_check_only(),
+            };
+            (checked, t.elapsed().as_secs_f64())
         });
         let t = std::time::Instant::now();
         let plan = manifest
@@ -275,11 +302,16 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
         path: opts.log_dir.to_path_buf(),
         source,
     })?;
-    let log_name = format!(
-        "restore-{}-{}.log",
+    // Restores side by side in one process (torpord) within one millisecond must not share a
+    // log or a lazy-pages work directory: the sequence number keeps the names apart.
+    static SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let unique = format!(
+        "{}-{}-{}",
         std::process::id(),
-        crate::sys::unix_millis()
+        crate::sys::unix_millis(),
+        SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     );
+    let log_name = format!("restore-{unique}.log");
     let external: Vec<String> = manifest
         .external_mounts
         .iter()
@@ -311,11 +343,7 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
     };
     // Lazy pages: the daemon and the restore meet at a socket in a work directory of their own,
     // so that restores side by side never share one.
-    let lazy_dir = opts.log_dir.join(format!(
-        "lazy-{}-{}",
-        std::process::id(),
-        crate::sys::unix_millis()
-    ));
+    let lazy_dir = opts.log_dir.join(format!("lazy-{unique}"));
     let mut request = request;
     let daemon = match pages.source {
         PageSource::Copy => None,

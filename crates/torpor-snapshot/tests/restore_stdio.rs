@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use torpor_snapshot::restore::{restore, RestoreError, RestoreOptions};
+use torpor_snapshot::restore::{restore, RestoreError, RestoreOptions, Verify};
 use torpor_snapshot::snapshot::{snapshot, SnapshotOptions};
 
 const PYTHON: &str = "/usr/bin/python3";
@@ -156,6 +156,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         gpu_map: &[],
         log_dir: dir.path(),
         stdio: Some(&bad),
+        verify: Verify::default(),
     })
     .err()
     .expect("refused");
@@ -177,6 +178,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         gpu_map: &[],
         log_dir: dir.path(),
         stdio: Some(&new),
+        verify: Verify::default(),
     })
     .expect("restore");
     // Both processes write on, each through its own descriptor, to the new file only.
@@ -217,6 +219,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         gpu_map: &[],
         log_dir: dir.path(),
         stdio: Some(&newer),
+        verify: Verify::default(),
     })
     .expect("restore of the second snapshot");
     wait_for("the twice-restored tree to write the newer log", || {
@@ -232,6 +235,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         gpu_map: &[],
         log_dir: dir.path(),
         stdio: None,
+        verify: Verify::default(),
     })
     .expect("restore onto the recorded file");
     wait_for("the copy to append to the recorded log", || {
@@ -287,6 +291,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         gpu_map: &[],
         log_dir: dir.path(),
         stdio,
+        verify: Verify::default(),
     };
     let err = restore(&opts(Some(&new))).err().expect("refused");
     assert!(matches!(err, RestoreError::StdioUnknown), "{err}");

@@ -26,6 +26,9 @@
 //! [restore_server]                # caches of segments for restores (LRU), in bytes
 //! host_cache_bytes = 4294967296   # host memory (pinned on cuda): 4 GiB
 //! gpu_cache_bytes = 2147483648    # device memory: 2 GiB (memfd memory on the host backend)
+//! pages = "auto"                  # "lazy": instances' memory on first touch; "copy": all before they
+//!                                 # run; "auto": lazy for CPU functions, copy for GPU ones
+//! stage_bytes = 8589934592        # function snapshots staged in a huge-page tmpfs: 8 GiB; 0: off
 //! ```
 
 use std::net::SocketAddr;
@@ -169,20 +172,69 @@ impl Default for QueueLimits {
     }
 }
 
-/// The restore server's caches (docs/split.md).
+/// The restore server's caches (docs/split.md) and where restores' CPU pages come from
+/// (docs/split.md, "CPU side").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct RestoreServer {
     /// Bytes of segments kept in host memory.
     pub host_cache_bytes: u64,
     /// Bytes of segments kept in device memory.
     pub gpu_cache_bytes: u64,
+    /// How an instance's memory comes back when it is restored.
+    pub pages: Pages,
+    /// Bytes of function snapshots staged in the daemon's tmpfs (`crate::staging`); 0: none.
+    pub stage_bytes: u64,
 }
+
+/// Default of `restore_server.stage_bytes`: 8 GiB (tmpfs memory is used only as snapshots are
+/// staged).
+pub const DEFAULT_STAGE_BYTES: u64 = 8 << 30;
 
 impl Default for RestoreServer {
     fn default() -> Self {
         Self {
             host_cache_bytes: 4 << 30,
             gpu_cache_bytes: 2 << 30,
+            pages: Pages::default(),
+            stage_bytes: DEFAULT_STAGE_BYTES,
+        }
+    }
+}
+
+/// How a restored instance gets its memory (`torpor_snapshot::restore::PageSource`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pages {
+    /// Lazy for CPU functions, copy for GPU ones. Measured on the H100 (docs/split.md, "CPU
+    /// side"): the driver's restore reads the ~0.7 GB of context it saved into the process
+    /// through userfaultfd faults one page at a time, and took 8.5 s instead of 0.25–0.38 s for
+    /// GPT-2-Large, far more than the 0.8 s lazy pages save CRIU.
+    #[default]
+    Auto,
+    /// Each page on first touch, the rest in the background (CRIU lazy pages): the instance runs
+    /// after CRIU restored its layout only.
+    Lazy,
+    /// Every page before the instance runs.
+    Copy,
+}
+
+impl Pages {
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "auto" => Some(Pages::Auto),
+            "lazy" => Some(Pages::Lazy),
+            "copy" => Some(Pages::Copy),
+            _ => None,
+        }
+    }
+
+    /// The page source of a restore of a function that uses a GPU (`gpu`) or not.
+    pub fn source(self, gpu: bool) -> torpor_snapshot::restore::PageSource {
+        use torpor_snapshot::restore::PageSource;
+        match self {
+            Pages::Auto if gpu => PageSource::Copy,
+            Pages::Auto | Pages::Lazy => PageSource::Lazy,
+            Pages::Copy => PageSource::Copy,
         }
     }
 }
@@ -388,6 +440,12 @@ impl Config {
             if let Some(n) = t.integer("gpu_cache_bytes", 0)? {
                 r.gpu_cache_bytes = u64::try_from(n).unwrap_or(0);
             }
+            if let Some(p) = t.parsed("pages", "\"auto\", \"lazy\" or \"copy\"", Pages::parse)? {
+                r.pages = p;
+            }
+            if let Some(n) = t.integer("stage_bytes", 0)? {
+                r.stage_bytes = u64::try_from(n).unwrap_or(0);
+            }
             t.finish()?;
         }
         if let Some(mut t) = root.table("workers")? {
@@ -490,6 +548,34 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("host_cache"), "{err}");
+    }
+
+    #[test]
+    fn pages_and_the_stage_area_are_read() {
+        let c = parse("").unwrap();
+        assert_eq!(c.restore_server.pages, Pages::Lazy);
+        assert_eq!(c.restore_server.stage_bytes, 8 << 30);
+        let c = parse("[restore_server]\npages = \"copy\"\nstage_bytes = 0\n").unwrap();
+        assert_eq!(c.restore_server.pages, Pages::Copy);
+        assert_eq!(c.restore_server.stage_bytes, 0);
+        let c = parse("[restore_server]\npages = \"lazy\"\nstage_bytes = 1048576\n").unwrap();
+        assert_eq!(c.restore_server.pages, Pages::Lazy);
+        assert_eq!(c.restore_server.stage_bytes, 1 << 20);
+        let e = parse("[restore_server]\npages = \"eager\"\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "torpord.toml: restore_server.pages must be \"auto\", \"lazy\" or \"copy\", got \"eager\""
+        );
+        let e = parse("[restore_server]\nstage_bytes = -1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("restore_server.stage_bytes"), "{e}");
+        let e = parse("[restore_server]\nstage_bytes = \"8G\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("restore_server.stage_bytes"), "{e}");
     }
 
     #[test]

@@ -801,6 +801,24 @@ async fn steps(
         m.extend(d);
     }
     send(phase("snapshot_function", t.elapsed().as_secs_f64(), line));
+    // Into memory, so that restores read it from there (crate::staging); a failure only costs
+    // speed: restores read the disk copy.
+    if rt.staging.dir().is_some() {
+        let t = Instant::now();
+        let (staging, o) = (Arc::clone(&rt.staging), out.clone());
+        match tokio::task::spawn_blocking(move || staging.stage(&o)).await {
+            Ok(Ok(Some(copy))) => send(phase(
+                "stage",
+                t.elapsed().as_secs_f64(),
+                json!({"path": copy.dir()}),
+            )),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(function = %name, error = %e, "staging the function snapshot failed: its restores read the disk copy")
+            }
+            Err(e) => tracing::error!(function = %name, error = %e, "staging task failed"),
+        }
+    }
     // Hibernated instances of the older deploy go before the new one takes requests, so that
     // none of them is woken to serve the old code.
     let (rt2, n) = (Arc::clone(rt), name.to_string());
@@ -810,6 +828,7 @@ async fn steps(
     rt.deployed(name, &spec.json, &id, &out);
     if let Some(old) = old {
         // Live instances were restored from it and no longer need it.
+        rt.staging.remove(&old.path);
         let _ = tokio::task::spawn_blocking(move || {
             crate::runtime::remove_snapshot_dir(&old.path);
         })

@@ -151,6 +151,7 @@ impl Runtime {
                     || inst.is_dead()
                     || inst.generation != generation
                     || inst.still_mapping()
+                    || inst.pages_pending.load(Ordering::SeqCst)
                 {
                     continue;
                 }

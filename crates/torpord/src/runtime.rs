@@ -64,6 +64,8 @@ pub struct Runtime {
     restore_health: Mutex<HashMap<String, RestoreHealth>>,
     /// The split path: chunk store, restore server, caches (crate::split).
     pub split: Arc<crate::split::Split>,
+    /// Function snapshots staged in memory (crate::staging).
+    pub staging: Arc<crate::staging::StageArea>,
 }
 
 /// Failed restores of one function's snapshot in a row, and until when restores are skipped.
@@ -126,6 +128,9 @@ pub struct Instance {
     /// Restored from a split snapshot: its `map` frames and the worker's `mapped` answers,
     /// which come in among its results (it takes requests before every segment is mapped).
     pub(crate) mapping: Mutex<Option<crate::split::server::Mapping>>,
+    /// Restored with lazy pages that CRIU's lazy-pages daemon is still serving: no keep-alive
+    /// step (a snapshot or GPU checkpoint) until every page is in.
+    pub(crate) pages_pending: AtomicBool,
 }
 
 /// What [`Runtime::stop_instances`] took out of service.
@@ -378,6 +383,11 @@ impl Runtime {
                 &config.restore_server,
                 &metrics,
             )),
+            staging: Arc::new(crate::staging::StageArea::open(
+                &state_root,
+                config.restore_server.stage_bytes,
+                &metrics,
+            )),
             config,
             registry,
             metrics,
@@ -408,6 +418,11 @@ impl Runtime {
     /// At daemon stop: every live instance is stopped (its worker would exit anyway once the
     /// daemon's end of its connection closes) and its registry row removed, synchronously.
     pub fn shutdown(&self) {
+        self.stop_every_instance();
+        self.staging.shut_down();
+    }
+
+    fn stop_every_instance(&self) {
         let pools: Vec<Arc<Pool>> = lock(&self.pools).drain().map(|(_, p)| p).collect();
         let mut ids = Vec::new();
         for pool in pools {
@@ -522,6 +537,61 @@ impl Runtime {
             self.remove_instance(&inst, "retired: a newer deploy replaced it", true);
         }
         pool.changed.notify_waiters();
+    }
+
+    /// At startup: stages every deployed function's snapshot again (the stage area was mounted
+    /// empty; crate::staging), most recently deployed first, so that the area keeps the newest
+    /// when it cannot hold them all. Until a function's copy is staged, its restores read the
+    /// disk copy. Deploys and deletes wait meanwhile (they stage and drop copies themselves).
+    pub async fn restage(self: &Arc<Self>) {
+        if self.staging.dir().is_none() {
+            return;
+        }
+        let _deploys = self.deploy_lock.lock().await;
+        let (registry, staging) = (Arc::clone(&self.registry), Arc::clone(&self.staging));
+        let done = tokio::task::spawn_blocking(move || {
+            let mut snapshots = registry.with(|s| {
+                let mut found = Vec::new();
+                for f in s.functions()? {
+                    let Some(id) = f.snapshot.as_deref() else {
+                        continue;
+                    };
+                    if f.state != FunctionState::Ready {
+                        continue;
+                    }
+                    if let Some(snap) = s.snapshot(id)? {
+                        found.push((f.updated, f.name, snap.path));
+                    }
+                }
+                Ok::<_, crate::registry::RegistryError>(found)
+            })?;
+            snapshots.sort_by_key(|(updated, _, _)| std::cmp::Reverse(*updated));
+            let mut staged = 0;
+            // Oldest last: staging it must not push out a newer one.
+            for (_, name, path) in &snapshots {
+                match staging.stage_if_room(path) {
+                    Ok(true) => staged += 1,
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(function = %name, error = %e, "cannot stage the function snapshot again: its restores read the disk copy"),
+                }
+            }
+            // Then the newest is the most recently used: a later deploy drops the oldest first.
+            for (_, _, path) in snapshots.iter().rev() {
+                let _ = staging.get(path);
+            }
+            Ok::<_, crate::registry::RegistryError>(staged)
+        })
+        .await;
+        match done {
+            Ok(Ok(n)) if n > 0 => {
+                tracing::info!(functions = n, "staged the function snapshots again")
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "cannot list the function snapshots to stage")
+            }
+            Err(e) => tracing::error!(error = %e, "staging task failed"),
+        }
     }
 
     /// At startup: the pools of functions with hibernated instances left by an earlier daemon,
@@ -1205,11 +1275,29 @@ impl Runtime {
     ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
         let t = Instant::now();
         let from = sleeper.map_or(&info.snapshot_dir, |s| &s.snapshot_dir);
+        // A function snapshot staged in memory is restored from there; a hibernation is never
+        // staged (restored once, copying it first would only add a read).
+        let staged = match sleeper {
+            None => self.staging.get(from),
+            Some(_) => None,
+        };
         // The restore server fills the segments of a split snapshot meanwhile.
         let restoring = self
             .split
             .begin_restore(sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id));
-        let (init, worker) = restore(from, &self.logs_dir(), new.log)
+        let how_pages = self.config.restore_server.pages;
+        let how = HowToRestore {
+            pages: how_pages.source(info.gpu),
+            staged,
+        };
+        let staged = how.staged.is_some();
+        // Until the instance is adopted, `pages` stops the lazy-pages daemon if dropped (each
+        // failure below kills the tree first).
+        let RestoredTree {
+            init,
+            worker,
+            pages,
+        } = restore_with(from, &self.logs_dir(), new.log, how)
             .await
             .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
         new.charge.process_started(init);
@@ -1261,14 +1349,10 @@ impl Runtime {
                 conn,
             )
             .await?;
-        // A woken instance's hibernation snapshot goes once its segments are mapped: they are
-        // read from its record meanwhile.
-        let sleeper_dir = sleeper.map(|s| s.snapshot_dir.clone());
-        if handing.count() == 0 {
-            if let Some(dir) = sleeper_dir {
-                tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
-            }
-        } else {
+        // A woken instance's hibernation snapshot goes once nothing reads it any more: its
+        // segments are mapped (they are read from its record meanwhile) and every lazy page is in.
+        let hibernation = sleeper.map(|s| Arc::new(RemoveWhenDone(s.snapshot_dir.clone())));
+        if handing.count() > 0 {
             let (mapping, done) = crate::split::server::Mapping::new(hello, handing.count());
             *lock(&inst.mapping) = Some(mapping);
             *lock(&inst.segments) =
@@ -1277,15 +1361,36 @@ impl Runtime {
             let what = format!("an instance restored from {}", from.display());
             let function_snapshot = sleeper.is_none();
             let inst = Arc::clone(&inst);
+            let reading = hibernation.clone();
             tokio::spawn(async move {
                 rt.hand_over(inst, handing, done, &what, function_snapshot)
                     .await;
-                if let Some(dir) = sleeper_dir {
-                    tokio::task::spawn_blocking(move || remove_snapshot_dir(&dir));
+                drop(reading);
+            });
+        }
+        if let Some(served) = pages.map(PendingPages::finish_in_background) {
+            // A page the lazy-pages daemon failed to serve may be missing: the tree was killed.
+            inst.pages_pending.store(true, Ordering::SeqCst);
+            let (rt, inst) = (Arc::clone(self), Arc::clone(&inst));
+            let reading = hibernation.clone();
+            tokio::spawn(async move {
+                let served = served.await;
+                drop(reading);
+                match served {
+                    Ok(Ok(())) => inst.pages_pending.store(false, Ordering::SeqCst),
+                    Ok(Err(e)) => {
+                        rt.remove_instance(&inst, &format!("its lazy pages failed: {e}"), true)
+                    }
+                    Err(_) => rt.remove_instance(
+                        &inst,
+                        "its lazy pages daemon was lost (the task reaping it ended)",
+                        true,
+                    ),
                 }
             });
         }
-        tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, "instance restored");
+        drop(hibernation);
+        tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, pages = ?how_pages, staged, "instance restored");
         let timings = vec![
             ("restore".to_string(), restore_s),
             ("reconnect".to_string(), reconnect_s),
@@ -1716,6 +1821,7 @@ fn new_instance(
         segments: Mutex::new(Default::default()),
         segment_replies: Mutex::new(None),
         mapping: Mutex::new(None),
+        pages_pending: AtomicBool::new(false),
     });
     (inst, conn.rd)
 }
@@ -1761,6 +1867,22 @@ fn fn_info(spec: &Value, snapshot_id: &str, dir: &Path, keepalive: &Keepalive) -
     }
 }
 
+/// A snapshot directory removed once the last holder drops it (e.g. a woken hibernation, read
+/// by its segment fills and its lazy pages).
+struct RemoveWhenDone(PathBuf);
+
+impl Drop for RemoveWhenDone {
+    fn drop(&mut self) {
+        let dir = std::mem::take(&mut self.0);
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn_blocking(move || remove_snapshot_dir(&dir));
+            }
+            Err(_) => remove_snapshot_dir(&dir),
+        }
+    }
+}
+
 /// SIGKILL to the init of an instance: its whole PID namespace goes.
 pub fn kill_tree(init: i32) {
     if init > 1 {
@@ -1769,35 +1891,120 @@ pub fn kill_tree(init: i32) {
     }
 }
 
-/// Restores a snapshot detached (blocking work on the blocking pool), its stdout and stderr
-/// going to `stdio`; returns (init, worker). A snapshot that does not record its stdio files
-/// (taken by an older torpord) is restored onto the files it had, with a warning.
+/// How [`restore_with`] restores: where the pages come from, and the staged copy of the
+/// snapshot to read instead of its disk copy.
+#[derive(Default)]
+pub struct HowToRestore {
+    pub pages: torpor_snapshot::restore::PageSource,
+    /// Restored from with sizes checked only (hashed when staged, on the daemon's root-only
+    /// tmpfs since); held until CRIU's lazy-pages daemon has read every page.
+    pub staged: Option<Arc<crate::staging::StagedCopy>>,
+}
+
+/// A restored tree.
+pub struct RestoredTree {
+    pub init: i32,
+    pub worker: i32,
+    /// With lazy pages: the daemon still serving them.
+    pub pages: Option<PendingPages>,
+}
+
+/// CRIU's lazy-pages daemon serving a restored tree, and the staged copy it reads from. Dropped
+/// unfinished (the start of the instance failed and its tree was killed), the daemon is stopped
+/// and reaped on a blocking thread.
+pub struct PendingPages {
+    lazy: Option<torpor_snapshot::restore::LazyRestore>,
+    staged: Option<Arc<crate::staging::StagedCopy>>,
+}
+
+impl PendingPages {
+    /// Reaps the daemon on a blocking thread once it has served every page; the answer says
+    /// whether it did (if not, the tree was killed).
+    pub fn finish_in_background(mut self) -> oneshot::Receiver<Result<(), String>> {
+        let (tx, rx) = oneshot::channel();
+        let (lazy, staged) = (self.lazy.take(), self.staged.take());
+        tokio::task::spawn_blocking(move || {
+            let served = lazy.map_or(Ok(()), |l| l.finish().map_err(|e| e.to_string()));
+            let _ = tx.send(served);
+            // The staged copy may go now: every page was read.
+            drop(staged);
+        });
+        rx
+    }
+}
+
+impl Drop for PendingPages {
+    fn drop(&mut self) {
+        if let Some(lazy) = self.lazy.take() {
+            let staged = self.staged.take();
+            tokio::task::spawn_blocking(move || {
+                lazy.abandon();
+                drop(staged);
+            });
+        }
+    }
+}
+
+/// Restores a snapshot detached, every page copied and every file hashed first; returns
+/// (init, worker). See [`restore_with`].
 pub async fn restore(dir: &Path, log_dir: &Path, stdio: &Path) -> Result<(i32, i32), String> {
-    let dir = dir.to_path_buf();
+    let tree = restore_with(dir, log_dir, stdio, HowToRestore::default()).await?;
+    Ok((tree.init, tree.worker))
+}
+
+/// Restores a snapshot (or its staged copy) detached (blocking work on the blocking pool), its
+/// stdout and stderr going to `stdio`. A snapshot that does not record its stdio files (taken
+/// by an older torpord) is restored onto the files it had, with a warning. With lazy pages, a
+/// blocking thread reaps CRIU's lazy-pages daemon once it has served every page.
+pub async fn restore_with(
+    dir: &Path,
+    log_dir: &Path,
+    stdio: &Path,
+    how: HowToRestore,
+) -> Result<RestoredTree, String> {
+    use torpor_snapshot::restore::{PageOptions, RestoreError, RestoreOptions, Verify};
+    let (dir, verify) = match &how.staged {
+        Some(copy) => (copy.dir().to_path_buf(), Verify::SizesOnly),
+        None => (dir.to_path_buf(), Verify::Hashes),
+    };
     let log_dir = log_dir.to_path_buf();
     let stdio = stdio.to_path_buf();
     tokio::task::spawn_blocking(move || {
-        let restore_with = |stdio: Option<&Path>| {
-            torpor_snapshot::restore::restore(&torpor_snapshot::restore::RestoreOptions {
-                dir: &dir,
-                detach: true,
-                gpu_map: &[],
-                log_dir: &log_dir,
-                stdio,
-            })
+        let pages = PageOptions { source: how.pages };
+        let restore_onto = |stdio: Option<&Path>| {
+            torpor_snapshot::restore::restore_with(
+                &RestoreOptions {
+                    dir: &dir,
+                    detach: true,
+                    gpu_map: &[],
+                    log_dir: &log_dir,
+                    stdio,
+                    verify,
+                },
+                &pages,
+            )
         };
-        let restored = match restore_with(Some(&stdio)) {
-            Err(torpor_snapshot::restore::RestoreError::StdioUnknown) => {
+        let restored = match restore_onto(Some(&stdio)) {
+            Err(RestoreError::StdioUnknown) => {
                 tracing::warn!(snapshot = %dir.display(), "the snapshot records no stdout/stderr file: its instance keeps writing to the old log");
-                restore_with(None)
+                restore_onto(None)
             }
             other => other,
         }
         .map_err(|e| e.to_string())?;
-        match crate::launcher::worker_pid(restored.pid) {
-            Ok(w) => Ok((restored.pid, w)),
+        let init = restored.pid;
+        let pages = restored.lazy_pages.map(|lazy| PendingPages {
+            lazy: Some(lazy),
+            staged: how.staged,
+        });
+        match crate::launcher::worker_pid(init) {
+            Ok(worker) => Ok(RestoredTree {
+                init,
+                worker,
+                pages,
+            }),
             Err(e) => {
-                kill_tree(restored.pid);
+                kill_tree(init);
                 Err(e)
             }
         }

@@ -171,6 +171,10 @@ impl Daemon {
             let rt = Arc::clone(&runtime);
             tokio::spawn(async move { rt.take_up_hibernated().await });
         }
+        {
+            let rt = Arc::clone(&runtime);
+            tokio::spawn(async move { rt.restage().await });
+        }
         let state = Arc::new(AppState {
             runtime,
             config: self.config.clone(),

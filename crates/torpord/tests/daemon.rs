@@ -25,7 +25,9 @@ struct Daemon {
     stderr: PathBuf,
 }
 
-/// Paths of one test: a temp dir with a state dir, a socket and an empty config file.
+/// Paths of one test: a temp dir with a state dir, a socket and a config file that turns the
+/// stage area off (these tests deploy nothing, and the tmpfs of a daemon killed at the end of a
+/// test would stay mounted in the temp dir).
 struct Env {
     tmp: tempfile::TempDir,
 }
@@ -33,7 +35,11 @@ struct Env {
 impl Env {
     fn new() -> Self {
         let tmp = tempfile::tempdir().unwrap();
-        std::fs::write(tmp.path().join("torpord.toml"), "").unwrap();
+        std::fs::write(
+            tmp.path().join("torpord.toml"),
+            "[restore_server]\nstage_bytes = 0\n",
+        )
+        .unwrap();
         Self { tmp }
     }
 
@@ -529,7 +535,7 @@ fn config_file_settings_apply_and_flags_override_them() {
         env.path("torpord.toml"),
         format!(
             "socket = \"{}\"\n[keepalive]\ngpu_release_s = 0.5\nhibernate_s = 1\nevict_s = 2\n\
-             [queue]\nlength = 3\ntimeout_s = 0.25\n",
+             [queue]\nlength = 3\ntimeout_s = 0.25\n[restore_server]\nstage_bytes = 0\n",
             env.path("from-file.sock").display()
         ),
     )

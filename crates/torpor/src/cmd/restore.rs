@@ -3,7 +3,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use torpor_snapshot::gpu_map::parse_gpu_map;
-use torpor_snapshot::restore::{restore_with, PageOptions, PageSource, RestoreOptions};
+use torpor_snapshot::restore::{restore_with, PageOptions, PageSource, RestoreOptions, Verify};
 use torpor_snapshot::{interrupt, supervise};
 
 pub fn run(
@@ -34,6 +34,7 @@ pub fn run(
             gpu_map: &gpu_map,
             log_dir: &log_dir,
             stdio: log,
+            verify: Verify::default(),
         },
         &PageOptions { source: pages },
     )?;

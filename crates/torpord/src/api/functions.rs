@@ -105,6 +105,9 @@ pub async fn delete(
     })
     .await?;
     tracing::info!(function = %name, snapshots = snapshots.len(), "function deleted");
+    for s in &snapshots {
+        state.runtime.staging.remove(&s.path);
+    }
 
     let snapshots_root = state.state_dir.join("snapshots");
     let functions_root = state.state_dir.join("functions");

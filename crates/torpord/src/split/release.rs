@@ -220,6 +220,7 @@ mod tests {
         let limits = crate::config::RestoreServer {
             host_cache_bytes: 0,
             gpu_cache_bytes: 0,
+            ..Default::default()
         };
         let metrics = crate::metrics::Metrics::new().unwrap();
         Arc::new(Split::new(state, true, true, &limits, &metrics))
