@@ -553,8 +553,12 @@ mod tests {
     #[test]
     fn pages_and_the_stage_area_are_read() {
         let c = parse("").unwrap();
-        assert_eq!(c.restore_server.pages, Pages::Lazy);
+        assert_eq!(c.restore_server.pages, Pages::Auto);
         assert_eq!(c.restore_server.stage_bytes, 8 << 30);
+        use torpor_snapshot::restore::PageSource;
+        assert_eq!(Pages::Auto.source(true), PageSource::Copy);
+        assert_eq!(Pages::Auto.source(false), PageSource::Lazy);
+        assert_eq!(Pages::Lazy.source(true), PageSource::Lazy);
         let c = parse("[restore_server]\npages = \"copy\"\nstage_bytes = 0\n").unwrap();
         assert_eq!(c.restore_server.pages, Pages::Copy);
         assert_eq!(c.restore_server.stage_bytes, 0);
