@@ -156,6 +156,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         gpu_map: &[],
         log_dir: dir.path(),
         stdio: Some(&bad),
+        resume_gpu: true,
     })
     .err()
     .expect("refused");
@@ -177,6 +178,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         gpu_map: &[],
         log_dir: dir.path(),
         stdio: Some(&new),
+        resume_gpu: true,
     })
     .expect("restore");
     // Both processes write on, each through its own descriptor, to the new file only.
@@ -217,6 +219,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         gpu_map: &[],
         log_dir: dir.path(),
         stdio: Some(&newer),
+        resume_gpu: true,
     })
     .expect("restore of the second snapshot");
     wait_for("the twice-restored tree to write the newer log", || {
@@ -232,6 +235,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         gpu_map: &[],
         log_dir: dir.path(),
         stdio: None,
+        resume_gpu: true,
     })
     .expect("restore onto the recorded file");
     wait_for("the copy to append to the recorded log", || {
@@ -287,6 +291,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         gpu_map: &[],
         log_dir: dir.path(),
         stdio,
+        resume_gpu: true,
     };
     let err = restore(&opts(Some(&new))).err().expect("refused");
     assert!(matches!(err, RestoreError::StdioUnknown), "{err}");

@@ -1647,6 +1647,7 @@ pub async fn restore(dir: &Path, log_dir: &Path, stdio: &Path) -> Result<(i32, i
                 gpu_map: &[],
                 log_dir: &log_dir,
                 stdio,
+                resume_gpu: true,
             })
         };
         let restored = match restore_with(Some(&stdio)) {

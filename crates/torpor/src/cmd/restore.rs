@@ -34,6 +34,7 @@ pub fn run(
             gpu_map: &gpu_map,
             log_dir: &log_dir,
             stdio: log,
+            resume_gpu: true,
         },
         &PageOptions { source: pages },
     )?;
