@@ -26,6 +26,7 @@ pub mod runtime;
 pub mod server;
 pub mod socket;
 pub mod split;
+pub mod standby;
 pub mod state_dir;
 pub mod toml_table;
 pub mod workers;
