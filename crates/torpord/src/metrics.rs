@@ -121,7 +121,7 @@ impl Metrics {
         let starts = IntCounterVec::new(
             Opts::new(
                 "torpor_starts_total",
-                "How invocations got their instance: warm, restored or booted.",
+                "How invocations got their instance: warm, restored, booted or standby.",
             ),
             &["function", "kind"],
         )?;
