@@ -36,12 +36,14 @@ def standby_copy(tmp: Path, extra: str = "") -> Path:
     return d
 
 
-def wait_instances(torpord: Torpord, want: int, not_ids: set[str] = frozenset(), timeout: float = 30.0) -> list[dict[str, Any]]:  # type: ignore[assignment]
+def wait_instances(
+    torpord: Torpord, want: int, not_ids: frozenset[str] = frozenset(), timeout: float = 30.0
+) -> list[dict[str, Any]]:
     """Polls until the function has `want` live instances, none of them in `not_ids`."""
     deadline = time.monotonic() + timeout
     while True:
         live = [i for i in torpord.instances(NAME) if i["stage"] in ("warm", "gpu_released")]
-        if len(live) == want and not {i["id"] for i in live} & set(not_ids):
+        if len(live) == want and not {i["id"] for i in live} & not_ids:
             return live
         assert time.monotonic() < deadline, f"not {want} new live instances within {timeout} s: {live}\n{torpord.log_text()}"
         time.sleep(0.1)
@@ -102,21 +104,21 @@ def test_stop_redeploy_and_rm_replace_or_end_the_standbys(torpord: Torpord, tmp_
     r = torpord.cli("stop", NAME)
     assert r.returncode == 0 and before["id"] in r.stdout, (r.stdout, r.stderr)
     # The stopped standby goes; the deploy still wants one: a new one comes.
-    [after_stop] = wait_instances(torpord, 1, {before["id"]})
+    [after_stop] = wait_instances(torpord, 1, frozenset({before["id"]}))
     assert not alive(before["pid"])
 
     # A redeploy replaces it from the new snapshot.
     torpord.deploy(standby_copy(tmp_path, extra="# redeployed\n"))
-    [after_deploy] = wait_instances(torpord, 1, {after_stop["id"]})
+    [after_deploy] = wait_instances(torpord, 1, frozenset({after_stop["id"]}))
     deadline = time.monotonic() + 5
     while alive(after_stop["pid"]):
         assert time.monotonic() < deadline, "the older deploy's standby lives on"
         time.sleep(0.05)
-    r = torpord.invoke(NAME, {"add": 5})
-    assert r.start == "standby" and r.json() == {"calls": 1, "total": 5}, (r.start, r.body)
+    served = torpord.invoke(NAME, {"add": 5})
+    assert served.start == "standby" and served.json() == {"calls": 1, "total": 5}, (served.start, served.body)
 
-    r = torpord.cli("rm", NAME)
-    assert r.returncode == 0, r.stderr
+    gone = torpord.cli("rm", NAME)
+    assert gone.returncode == 0, gone.stderr
     deadline = time.monotonic() + 5
     while alive(after_deploy["pid"]):
         assert time.monotonic() < deadline, "a standby outlived its function"
