@@ -97,7 +97,8 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
     assert "timeout_s = 120" in d["settings"]["daemon_config"]["transparent"]
 
     rows = {r["mode"]: r for r in d["results"]}
-    assert list(rows) == ["transparent", "host-cache", "gpu-cache", "second"]
+    assert list(rows) == ["transparent", "host-cache", "gpu-cache", "second", "standby"]
+    standby = rows.pop("standby")
     for mode, row in rows.items():
         assert len(row["runs"]) == 2 and row["all_same"], (mode, row)
         assert row["wall_s"]["n"] == 2 and row["timings"]["restore"]["median"] > 0
@@ -116,6 +117,15 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
         assert run["live_instances"] == 2 and run["overlapped"], run
         assert run["held"]["start"] == "warm" and run["held"]["same"], run["held"]
 
+    # A CPU function's standby is a fully restored idle instance: the request finds it ready
+    # (no restore on its path), answers what a restore answers, and a new one replaces it.
+    assert len(standby["runs"]) == 2 and standby["all_same"], standby
+    for run in standby["runs"] + standby["warmups"]:
+        assert run["start"] == "standby" and run["same"], run
+        assert "restore" not in run["timings"] and run["standby_wait_s"] > 0, run
+        assert run["stop"]["function"] == "cpu-standby" and run["stop"]["stopped"], run["stop"]
+    assert d["deploys"]["split"]["cpu-standby"]["snapshot_function"]["split"] is True
+
     split_deploy = d["deploys"]["split"]["cpu"]["snapshot_function"]
     assert split_deploy["split"] and split_deploy["segments"] == 3 and split_deploy["stop_s"] > 0
     assert d["deploys"]["transparent"]["cpu"]["snapshot_function"]["split"] is False
@@ -127,6 +137,7 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
     assert d["outputs"]["cpu"]["reference"]["seed"] == 1
 
     table = split_table.render(d)
+    assert "| cpu | split, GPU cache |" in table and "| cpu | split, standby instance (GPU cache) |" in table
     assert "| cpu | split, GPU cache |" in table and "bit-identical" in table and "DIFFER" not in table
     assert not any(work.iterdir()), "the work dir is removed without --keep"
     work.rmdir()

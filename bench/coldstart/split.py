@@ -14,7 +14,13 @@ so no instance and no hibernated one is left):
                cache; warm-up restores run until every fill comes from the GPU cache);
   second       split with the GPU cache: instance 1 restored, kept busy by a request holding
                `hold_s`, then a second request, which the daemon serves by restoring a second
-               instance that maps the shared read-only segments of the first.
+               instance that maps the shared read-only segments of the first;
+  standby      split with the GPU cache, a copy of the function (`NAME-standby`) with
+               `[scaling] standby = 1`: the daemon keeps one instance restored by CRIU without the
+               driver restore (gpu_released; a CPU function's is fully restored, warm). Per run:
+               wait until the standby is ready (`standby_wait_s`), invoke it (`X-Torpor-Start:
+               standby`, timings gpu_resume + segments), then `torpor stop` (the next run waits
+               for the next standby). Warm-up runs first, as for gpu-cache.
 Per run: the client's wall time of the invoke that restores (send to last byte), the daemon's
 phases (X-Torpor-Timings: restore = CRIU + driver, reconnect, segments, handler, ...), the fills
 of that restore from /metrics (torpor_restore_fill_gbps count and sum per source) and the value,
@@ -63,7 +69,7 @@ from run import disk_usage, find_torpor, machine, summary  # noqa: E402
 
 Json = dict[str, Any]
 GIB = 1 << 30
-MODES = ("transparent", "host-cache", "gpu-cache", "second")
+MODES = ("transparent", "host-cache", "gpu-cache", "second", "standby")
 # Host cache for every split mode: every model's segments fit (GPT-2-Large holds ~3.3 GB).
 HOST_CACHE_BYTES = 8 * GIB
 GPU_CACHE_BYTES = 8 * GIB
@@ -473,6 +479,8 @@ class Bench:
         self.deployed: dict[str, dict[str, Json]] = {}  # state -> function -> deploy record
         self.failed_deploys: set[tuple[str, str]] = set()
         self.references: dict[str, Any] = {}
+        # Standby mode: instances already used or stopped, which a run must not take for a standby.
+        self.used_standbys: set[str] = set()
         self.results: list[Json] = []
         self.errors: list[str] = []
 
@@ -619,12 +627,88 @@ class Bench:
             )
         return second
 
+    def ensure_standby_deployed(self, d: Daemon, model: Model) -> str:
+        """`NAME-standby`: the model's function with `standby = 1`, deployed on `d`'s state."""
+        name = f"{model.name}-standby"
+        state = d.state.name
+        if name in self.deployed.setdefault(state, {}):
+            return name
+        fdir = assemble(model.name, model, self.work / "functions-standby", self.say)
+        toml = fdir / "torpor.toml"
+        text = toml.read_text().replace(f'name = "{model.name}"', f'name = "{name}"', 1)
+        if "[scaling]\n" not in text:
+            raise RuntimeError(f"{toml} has no [scaling] table to add standby = 1 to")
+        toml.write_text(text.replace("[scaling]\n", "[scaling]\nstandby = 1\n", 1))
+        self.say(f"{name}: deploy ({state})")
+        dep = d.deploy(fdir)
+        dep["sizes"] = self.sizes(d, dep)
+        self.deployed[state][name] = dep
+        return name
+
+    def wait_standby(self, d: Daemon, name: str, gpu: bool, not_ids: set[str]) -> tuple[str, float]:
+        """Waits until `name` has an unused standby that is none of `not_ids`: a live instance in
+        its stage (gpu_released, or warm on the CPU) while the daemon's
+        torpor_standby_instances says 1, twice, a tick apart (the gauge is set at each 200 ms
+        keep-alive tick). Returns its id and the seconds waited."""
+        stage = "gpu_released" if gpu else "warm"
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + 600
+        gauge = f'torpor_standby_instances{{function="{name}"}}'
+        seen = 0
+        while True:
+            status, _, body = d.request("GET", f"/v1/functions/{name}", timeout=30)
+            if status != 200:
+                raise RuntimeError(f"GET /v1/functions/{name} answered {status}: {body[:300]!r}")
+            fresh = [i["id"] for i in json.loads(body)["instances"] if i.get("pid") and i["stage"] == stage and i["id"] not in not_ids]
+            metrics = d.request("GET", "/metrics", timeout=30)[2].decode(errors="replace")
+            ready = any(line == f"{gauge} 1" for line in metrics.splitlines())
+            seen = seen + 1 if fresh and ready else 0
+            if seen >= 2:
+                return fresh[0], round(time.perf_counter() - t0, 3)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no standby of {name} within 600 s\n{d.log_tail()}")
+            time.sleep(0.25)
+
+    def standby_run(self, d: Daemon, model: Model, name: str, i: int) -> Json:
+        """Waits for the standby, invokes it, then stops every instance (the next standby
+        comes from the function snapshot again)."""
+        standby, waited = self.wait_standby(d, name, model.gpu, self.used_standbys)
+        before = d.restore_metrics()
+        r = d.invoke(name, model.request)
+        after = d.restore_metrics()
+        r.pop("t_done")
+        if r["start"] != "standby":
+            raise RuntimeError(f"{name} run {i}: the invoke was {r['start']}, not standby")
+        stopped = d.cli("stop", name, "--json", timeout=120)
+        if stopped.returncode != 0:
+            raise RuntimeError(f"torpor stop {name} failed: {stopped.stderr.strip()}")
+        stop: Json = json.loads(stopped.stdout)
+        self.used_standbys.update([standby, *stop["stopped"], *stop["retiring"]])
+        r.update(
+            run=i,
+            standby_wait_s=waited,
+            stop=stop,
+            fills=fills(before, after),
+            same=self.same(model.name, r["value"]),
+        )
+        return r
+
     def mode(self, mode: str, model: Model) -> Json:
         d = self.use_daemon(mode)
         self.ensure_deployed(d, model)
         out: Json = {"model": model.name, "mode": mode, "config": d.config}
+        standby = self.ensure_standby_deployed(d, model) if mode == "standby" else None
         if mode == "gpu-cache":
             out["warmups"] = self.warm_gpu_cache(d, model)
+        if standby is not None:
+            warmups: list[Json] = []
+            for i in range(self.a.warm_max):
+                r = self.standby_run(d, model, standby, -1 - i)
+                warmups.append(r)
+                self.say(f"{standby} warm-up #{i}: fills {r['fills']}")
+                if not r["fills"] or set(r["fills"]) <= {"gpu", "shared"}:
+                    break
+            out["warmups"] = warmups
         runs: list[Json] = []
         for i in range(self.a.runs):
             if i > 0 and self.over_budget():
@@ -632,7 +716,12 @@ class Bench:
                 out["skipped_runs"] = self.a.runs - i
                 break
             try:
-                r = self.second_run(d, model, i) if mode == "second" else self.restore_run(d, model, i)
+                if standby is not None:
+                    r = self.standby_run(d, model, standby, i)
+                elif mode == "second":
+                    r = self.second_run(d, model, i)
+                else:
+                    r = self.restore_run(d, model, i)
             except (RuntimeError, OSError, http.client.HTTPException) as e:
                 # The runs so far stand; the error says why the rest are missing.
                 out["error"] = f"run {i}: {type(e).__name__}: {e}"
@@ -644,7 +733,12 @@ class Bench:
                 f"{model.name}/{mode} #{i}: {r['wall_s']:.3f} s, timings {r['timings']}, fills "
                 f"{ {k: v['segments'] for k, v in r['fills'].items()} }, same {r['same']}"
             )
-        if "error" not in out:
+        if standby is not None:
+            # Its standbys would come back after a stop and hold memory through later modes.
+            gone = d.cli("rm", standby, timeout=300)
+            if gone.returncode != 0:
+                self.errors.append(f"torpor rm {standby}: {gone.stderr.strip()}")
+        elif "error" not in out:
             d.stop_function(model.name)
         phases: list[str] = []
         for r in runs:

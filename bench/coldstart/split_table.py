@@ -16,8 +16,9 @@ MODE_NAMES = {
     "host-cache": "split, host cache",
     "gpu-cache": "split, GPU cache",
     "second": "split, 2nd instance (shared read-only)",
+    "standby": "split, standby instance (GPU cache)",
 }
-PHASES = ("restore", "reconnect", "segments", "handler", "overhead")
+PHASES = ("restore", "reconnect", "gpu_resume", "segments", "handler", "overhead")
 
 
 def span(s: Json | None, digits: int = 3) -> str:

@@ -19,6 +19,8 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     [scaling]
     max_instances = 4             # integer >= 1
     requests_per_instance = 1     # integer >= 1
+    standby = 0                   # integer from 0 to max_instances: instances kept restored
+                                  # ahead of requests (torpord, cold_start = "restore")
     [keepalive]                   # seconds, each >= 0
     gpu_release_s = 30
     hibernate_s = 120
@@ -56,7 +58,7 @@ this order (sizes in bytes, durations in seconds as JSON numbers):
      "data": [{"name": str, "path": str (relative, normalised), "abs_path": str, "size": int,
                "access": "read-only"|"writable"}, ...],
      "warmup": {"request": JSON} | null,
-     "scaling": {"max_instances": int, "requests_per_instance": int},
+     "scaling": {"max_instances": int, "requests_per_instance": int, "standby": int},
      "keepalive": {"gpu_release_s": number, "hibernate_s": number, "evict_s": number},
      "gpu": {"pack_weights": bool}}
 """
@@ -120,7 +122,7 @@ TOP_KEYS = (
 )
 DATA_KEYS = ("name", "path", "size", "access")
 WARMUP_KEYS = ("request",)
-SCALING_KEYS = ("max_instances", "requests_per_instance")
+SCALING_KEYS = ("max_instances", "requests_per_instance", "standby")
 KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s")
 GPU_KEYS = ("pack_weights",)
 
@@ -154,6 +156,8 @@ class Warmup:
 class Scaling:
     max_instances: int = 4
     requests_per_instance: int = 1
+    # Instances torpord keeps restored ahead of requests (docs/split.md, "Standby instances").
+    standby: int = 0
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,7 @@ class Spec:
             "scaling": {
                 "max_instances": self.scaling.max_instances,
                 "requests_per_instance": self.scaling.requests_per_instance,
+                "standby": self.scaling.standby,
             },
             "keepalive": {
                 "gpu_release_s": self.keepalive.gpu_release_s,
@@ -521,9 +526,18 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
 
     st = _table(doc, "", "scaling") or {}
     _check_keys(st, "scaling", SCALING_KEYS)
+    max_instances = _int(st, "scaling", "max_instances", Scaling.max_instances, 1)
+    standby = _int(st, "scaling", "standby", Scaling.standby, 0)
+    if standby > max_instances:
+        raise _fail(
+            "scaling.standby",
+            f"is {standby}, more than max_instances = {max_instances} (standby instances count towards it)",
+            f"lower standby to at most {max_instances} or raise max_instances",
+        )
     scaling = Scaling(
-        max_instances=_int(st, "scaling", "max_instances", Scaling.max_instances, 1),
+        max_instances=max_instances,
         requests_per_instance=_int(st, "scaling", "requests_per_instance", Scaling.requests_per_instance, 1),
+        standby=standby,
     )
 
     kt = _table(doc, "", "keepalive") or {}

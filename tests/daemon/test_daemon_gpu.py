@@ -348,3 +348,71 @@ def test_split_gpu_instance_releases_its_gpu_and_maps_its_segments_back(cuda: No
     woken = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
     assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body, torpord.log_text())
     assert woken.json() == {"y": y, "calls": first.json()["calls"] + 2}, woken.json()
+
+
+def _standby_copy(tmp_path: Path, name: str, standby: int) -> Path:
+    """gpusleepy as `name`, two instances, `standby` of them standing by."""
+    fdir = tmp_path / name
+    shutil.copytree(GPUSLEEPY, fdir)
+    toml = fdir / "torpor.toml"
+    text = toml.read_text().replace('name = "gpusleepy"', f'name = "{name}"')
+    text = text.replace("max_instances = 1", f"max_instances = 2\nstandby = {standby}")
+    toml.write_text(text)
+    return fdir
+
+
+def _wait_standby(torpord: Torpord, name: str, not_ids: set[str], timeout: float = 120.0) -> dict[str, Any]:
+    """An instance of `name` in gpu_released that is none of `not_ids` (a standby)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [i for i in torpord.instances(name) if i["stage"] == "gpu_released" and i["id"] not in not_ids]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no standby of {name}: {torpord.instances(name)}\n{torpord.log_text()}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("daemon", ["split_gpu_daemon", "transparent_gpu_daemon"])
+def test_a_standby_gpu_instance_serves_like_a_restored_one(
+    cuda: None, daemon: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """`standby = 1`: an instance restored by CRIU without the driver restore waits in
+    gpu_released (no GPU memory); a request takes it through the GPU resume (timings gpu_resume,
+    and segments on the split path) with `X-Torpor-Start: standby`, answers bit-identically to an
+    instance restored on demand, and another standby takes its place."""
+    torpord: Torpord = request.getfixturevalue(daemon)
+    split = daemon == "split_gpu_daemon"
+    # The reference: the same function without standbys, restored for its first request.
+    torpord.deploy(_standby_copy(tmp_path, "gpusleepy-ref", 0))
+    ref = torpord.invoke("gpusleepy-ref", {"x": X}, timeout=180)
+    assert ref.status == 200 and ref.start == "restored", (ref.status, ref.body, torpord.log_text())
+    lines = torpord.deploy(_standby_copy(tmp_path, "gpusleepy-standby", 1))
+    (snap,) = [line for line in lines if line.get("phase") == "snapshot_function"]
+    if split:
+        hook_or_skip(torpord)
+    assert snap["split"] is split, snap
+
+    standby = _wait_standby(torpord, "gpusleepy-standby", set())
+    assert standby["pid"] is not None, standby
+    # Past hibernate_s (4 s) unused: still standing by, same process.
+    time.sleep(5)
+    now = [(i["id"], i["stage"]) for i in torpord.instances("gpusleepy-standby")]
+    assert now == [(standby["id"], "gpu_released")], now
+    metrics = torpord.request("GET", "/metrics").body.decode()
+    assert 'torpor_standby_instances{function="gpusleepy-standby"} 1' in metrics, metrics
+
+    r = torpord.invoke("gpusleepy-standby", {"x": X}, timeout=180)
+    assert r.status == 200 and r.start == "standby", (r.status, r.headers, r.body, torpord.log_text())
+    print("standby:", r.timings, "restored:", ref.timings)
+    assert "gpu_resume" in r.timings and "restore" not in r.timings, r.timings
+    assert ("segments" in r.timings) is split, r.timings
+    assert r.json() == ref.json(), (r.json(), ref.json())
+    assert close(r.json()["y"], expected_y())
+
+    # Another standby comes; the used instance is an ordinary one: it steps down to hibernated.
+    again = _wait_standby(torpord, "gpusleepy-standby", {standby["id"]})
+    assert again["pid"] not in (None, standby["pid"]), again
+    deadline = time.monotonic() + 60
+    while {i["id"]: i["stage"] for i in torpord.instances("gpusleepy-standby")}.get(standby["id"]) != "hibernated":
+        assert time.monotonic() < deadline, (torpord.instances("gpusleepy-standby"), torpord.log_text())
+        time.sleep(0.1)

@@ -82,10 +82,17 @@ def test_defaults(tmp_path: Path) -> None:
         "timeout_s": 30,
         "data": [],
         "warmup": None,
-        "scaling": {"max_instances": 4, "requests_per_instance": 1},
+        "scaling": {"max_instances": 4, "requests_per_instance": 1, "standby": 0},
         "keepalive": {"gpu_release_s": 30, "hibernate_s": 120, "evict_s": 600},
         "gpu": {"pack_weights": True},
     }
+
+
+def test_standby_up_to_max_instances(tmp_path: Path) -> None:
+    toml = 'name = "g"\nentry = "model:G"\ngpus = 1\n[scaling]\nmax_instances = 2\nstandby = 2\n'
+    spec = parse_dir(make_dir(tmp_path, toml, {}))
+    assert spec.scaling == Scaling(2, 1, 2)
+    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2}
 
 
 def test_gpu_pack_weights_can_be_turned_off(tmp_path: Path) -> None:
@@ -167,6 +174,10 @@ W = '[[data]]\nname = "weights"\npath = "weights.npy"\n'
         (BASE + "[scaling]\nmax_instances = 0\n", "scaling.max_instances", "≥ 1, got 0"),
         (BASE + "[scaling]\nrequests_per_instance = 1.5\n", "scaling.requests_per_instance", "got 1.5"),
         (BASE + "[scaling]\nmax = 1\n", "scaling.max", "did you mean max_instances?"),
+        (BASE + "[scaling]\nstandby = -1\n", "scaling.standby", "integer ≥ 0, got -1"),
+        (BASE + '[scaling]\nstandby = "1"\n', "scaling.standby", 'got "1"'),
+        (BASE + "[scaling]\nstandby = 5\n", "scaling.standby", "is 5, more than max_instances = 4"),
+        (BASE + "[scaling]\nmax_instances = 1\nstandby = 2\n", "scaling.standby", "at most 1"),
         (BASE + "scaling = 3\n", "scaling", "must be a table"),
         (BASE + "[keepalive]\nhibernate_s = -1\n", "keepalive.hibernate_s", "≥ 0, got -1"),
         (BASE + "[keepalive]\nevict = 1\n", "keepalive.evict", "did you mean evict_s?"),

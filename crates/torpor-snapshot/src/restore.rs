@@ -1,5 +1,6 @@
 //! `torpor restore`: verify → compatibility checks → CRIU restore into new PID, mount and network
-//! namespaces → driver restore (onto the original GPUs or the mapped ones) → unlock.
+//! namespaces → driver restore (onto the original GPUs or the mapped ones) → unlock. With
+//! [`RestoreOptions::resume_gpu`] false the last two are left to the caller.
 //!
 //! A restored process keeps writing to the files it had open when it was snapshotted, its stdout
 //! and stderr included. With [`RestoreOptions::stdio`], every descriptor of the tree open on one
@@ -41,6 +42,12 @@ pub struct RestoreOptions<'a> {
     pub stdio: Option<&'a Path>,
     /// How the image files are checked before CRIU reads them.
     pub verify: Verify,
+    /// Run the driver's restore and unlock on the CUDA processes (the default everywhere).
+    /// `false` leaves the restored tree's CUDA state locked and checkpointed, holding no GPU
+    /// memory, exactly as an in-place lock + checkpoint leaves a live process: the caller must
+    /// later call cuCheckpointProcessRestore then cuCheckpointProcessUnlock on each CUDA process
+    /// before it runs CUDA work (torpord's standby instances, resumed as gpu_released ones are).
+    pub resume_gpu: bool,
 }
 
 /// How a restore checks the snapshot's files against its manifest.
@@ -412,9 +419,14 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
             }
         };
         let mut tasks = GpuTasks::restored(plan.driver, pids);
-        let resumed = phases
-            .time("cuda_restore", || tasks.restore_all(&plan.pairs))
-            .and_then(|_| phases.time("cuda_unlock", || tasks.unlock_all()));
+        let resumed = if !opts.resume_gpu {
+            // Left locked + checkpointed for the caller (see RestoreOptions::resume_gpu).
+            Ok(())
+        } else {
+            phases
+                .time("cuda_restore", || tasks.restore_all(&plan.pairs))
+                .and_then(|_| phases.time("cuda_unlock", || tasks.unlock_all()))
+        };
         if let Err(source) = resumed {
             kill_restored();
             return Err(RestoreError::Gpu { source });

@@ -157,6 +157,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         log_dir: dir.path(),
         stdio: Some(&bad),
         verify: Verify::default(),
+        resume_gpu: true,
     })
     .err()
     .expect("refused");
@@ -179,6 +180,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         log_dir: dir.path(),
         stdio: Some(&new),
         verify: Verify::default(),
+        resume_gpu: true,
     })
     .expect("restore");
     // Both processes write on, each through its own descriptor, to the new file only.
@@ -220,6 +222,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         log_dir: dir.path(),
         stdio: Some(&newer),
         verify: Verify::default(),
+        resume_gpu: true,
     })
     .expect("restore of the second snapshot");
     wait_for("the twice-restored tree to write the newer log", || {
@@ -236,6 +239,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         log_dir: dir.path(),
         stdio: None,
         verify: Verify::default(),
+        resume_gpu: true,
     })
     .expect("restore onto the recorded file");
     wait_for("the copy to append to the recorded log", || {
@@ -292,6 +296,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         log_dir: dir.path(),
         stdio,
         verify: Verify::default(),
+        resume_gpu: true,
     };
     let err = restore(&opts(Some(&new))).err().expect("refused");
     assert!(matches!(err, RestoreError::StdioUnknown), "{err}");

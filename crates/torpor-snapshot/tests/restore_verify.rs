@@ -111,6 +111,7 @@ fn hashes_refuse_a_changed_byte_and_sizes_only_restores_it() {
         log_dir: dir.path(),
         stdio: None,
         verify,
+        resume_gpu: true,
     };
     let err = restore(&opts(Verify::Hashes)).err().expect("refused");
     assert!(matches!(err, RestoreError::Image(_)), "{err}");

@@ -826,6 +826,7 @@ async fn steps(
         tracing::error!(function = %name, error = %e, "discarding the older deploy's hibernated instances failed");
     }
     rt.deployed(name, &spec.json, &id, &out);
+    rt.keep_standbys(name, &spec.json).await;
     if let Some(old) = old {
         // Live instances were restored from it and no longer need it.
         rt.staging.remove(&old.path);

@@ -35,6 +35,8 @@ enum Step {
     /// `cold_start = "boot"`: no snapshot to hibernate to; the process is stopped.
     Stop(Arc<Instance>),
     Evict(String),
+    /// Start a standby instance (counted in `starting` already: crate::standby::plan).
+    StartStandby(Box<crate::runtime::FnInfo>, u64),
 }
 
 impl Runtime {
@@ -152,6 +154,7 @@ impl Runtime {
                     || inst.generation != generation
                     || inst.still_mapping()
                     || inst.pages_pending.load(Ordering::SeqCst)
+                    || crate::standby::is_standby(inst)
                 {
                     continue;
                 }
@@ -185,6 +188,15 @@ impl Runtime {
                     steps.push((Arc::clone(&pool), Step::Evict(s.id.clone())));
                 }
             }
+            let (ready, start) = crate::standby::plan(&mut st, self.config.cold_start, now);
+            self.metrics
+                .standby_instances
+                .with_label_values(&[&pool.name])
+                .set(i64::try_from(ready).unwrap_or(i64::MAX));
+            for _ in 0..start {
+                let step = Step::StartStandby(Box::new(st.info.clone()), st.generation);
+                steps.push((Arc::clone(&pool), step));
+            }
         }
         self.metrics
             .gpu_memory_bytes
@@ -209,12 +221,15 @@ impl Runtime {
                 Step::Evict(id) => {
                     tokio::spawn(async move { rt.evict(pool, id).await });
                 }
+                Step::StartStandby(info, generation) => {
+                    tokio::spawn(async move { rt.start_standby(pool, *info, generation).await });
+                }
             }
         }
     }
 
     /// Records a stage in the registry (blocking pool).
-    async fn record_stage(
+    pub(crate) async fn record_stage(
         &self,
         id: &str,
         stage: Stage,

@@ -27,6 +27,7 @@ pub mod server;
 pub mod socket;
 pub mod split;
 pub mod staging;
+pub mod standby;
 pub mod state_dir;
 pub mod toml_table;
 pub mod workers;

@@ -37,8 +37,10 @@ pub mod start {
     pub const RESTORED: &str = "restored";
     /// An instance booted from scratch.
     pub const BOOTED: &str = "booted";
+    /// A standby instance, restored ahead of time (crate::standby), resumed for the request.
+    pub const STANDBY: &str = "standby";
     /// Every value.
-    pub const ALL: &[&str] = &[WARM, RESTORED, BOOTED];
+    pub const ALL: &[&str] = &[WARM, RESTORED, BOOTED, STANDBY];
 }
 
 /// The `stage` label of an instance from the moment its boot or restore begins until it is live
@@ -83,6 +85,8 @@ pub struct Metrics {
     pub gpu_memory_bytes: IntGauge,
     /// `torpor_queue_length{function}`: requests waiting for an instance.
     pub queue_length: IntGaugeVec,
+    /// `torpor_standby_instances{function}`: unused standby instances (crate::standby).
+    pub standby_instances: IntGaugeVec,
     /// `torpor_instance_stage_seconds_total{function, stage}`: time instances spent per stage
     /// ([`accounted_stages`]).
     pub stage_seconds: CounterVec,
@@ -117,7 +121,7 @@ impl Metrics {
         let starts = IntCounterVec::new(
             Opts::new(
                 "torpor_starts_total",
-                "How invocations got their instance: warm, restored or booted.",
+                "How invocations got their instance: warm, restored, booted or standby.",
             ),
             &["function", "kind"],
         )?;
@@ -151,6 +155,13 @@ impl Metrics {
             ),
             &["function"],
         )?;
+        let standby_instances = IntGaugeVec::new(
+            Opts::new(
+                "torpor_standby_instances",
+                "Standby instances restored ahead of requests and not used yet, by function.",
+            ),
+            &["function"],
+        )?;
         let stage_seconds = CounterVec::new(
             Opts::new(
                 "torpor_instance_stage_seconds_total",
@@ -172,6 +183,7 @@ impl Metrics {
         registry.register(Box::new(instances.clone()))?;
         registry.register(Box::new(gpu_memory_bytes.clone()))?;
         registry.register(Box::new(queue_length.clone()))?;
+        registry.register(Box::new(standby_instances.clone()))?;
         registry.register(Box::new(stage_seconds.clone()))?;
         registry.register(Box::new(gpu_memory_byte_seconds.clone()))?;
         for stage in Stage::ALL {
@@ -186,6 +198,7 @@ impl Metrics {
             instances,
             gpu_memory_bytes,
             queue_length,
+            standby_instances,
             stage_seconds,
             gpu_memory_byte_seconds,
             functions: Mutex::new(BTreeSet::new()),
@@ -218,6 +231,7 @@ impl Metrics {
             self.phase_seconds.with_label_values(&[function, p]);
         }
         self.queue_length.with_label_values(&[function]);
+        self.standby_instances.with_label_values(&[function]);
         for s in accounted_stages() {
             self.stage_seconds.with_label_values(&[function, s]);
             self.gpu_memory_byte_seconds
@@ -236,6 +250,7 @@ impl Metrics {
         }
         let _ = self.restore_fallbacks.remove_label_values(&[function]);
         let _ = self.queue_length.remove_label_values(&[function]);
+        let _ = self.standby_instances.remove_label_values(&[function]);
         for s in accounted_stages() {
             let _ = self.stage_seconds.remove_label_values(&[function, s]);
             let _ = self
@@ -314,6 +329,14 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("phase=\"restore\""), "{text}");
+        assert!(
+            text.contains("torpor_standby_instances{function=\"f\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("torpor_starts_total{function=\"f\",kind=\"standby\"} 0"),
+            "{text}"
+        );
         for stage in [
             "starting",
             "warm",

@@ -131,6 +131,9 @@ pub struct Instance {
     /// Restored with lazy pages that CRIU's lazy-pages daemon is still serving: no keep-alive
     /// step (a snapshot or GPU checkpoint) until every page is in.
     pub(crate) pages_pending: AtomicBool,
+    /// An unused standby instance (crate::standby): no keep-alive step, `standby` to its first
+    /// request.
+    pub(crate) standby: AtomicBool,
 }
 
 /// What [`Runtime::stop_instances`] took out of service.
@@ -206,11 +209,13 @@ impl Instance {
 /// What a pool needs from the function's registry row.
 #[derive(Debug, Clone)]
 pub(crate) struct FnInfo {
-    snapshot_dir: PathBuf,
+    pub(crate) snapshot_dir: PathBuf,
     pub(crate) snapshot_id: String,
     timeout: Duration,
-    max_instances: usize,
+    pub(crate) max_instances: usize,
     per_instance: usize,
+    /// `scaling.standby`: idle standby instances to keep (crate::standby).
+    pub(crate) standby: usize,
     /// Idle delays of the stages (cumulative).
     pub(crate) keepalive: Keepalive,
     /// `gpus = 1`: the instances hold GPU memory, and gpu_released applies.
@@ -229,7 +234,9 @@ pub(crate) struct PoolState {
     /// Hibernated and evicted instances, most recently idle last.
     pub(crate) sleepers: Vec<Sleeper>,
     /// Instances being restored.
-    starting: usize,
+    pub(crate) starting: usize,
+    /// Standby instances being started (counted in `starting` too), and their failures.
+    pub(crate) standby: crate::standby::PoolStandby,
     queued: usize,
     /// The function was deleted: no new requests, no new instances.
     pub(crate) closed: bool,
@@ -282,8 +289,8 @@ pub struct Invoked {
 
 /// What `acquire` does next, decided under the pool's lock.
 enum Next {
-    /// An idle instance; `true` when its GPU must be resumed first.
-    Warm(Lease, bool),
+    /// An idle instance; `true` when its GPU must be resumed first; its start label.
+    Warm(Lease, bool, &'static str),
     /// Start one: from the function snapshot, or by waking a hibernated instance.
     Start(Box<(FnInfo, u64, Option<Sleeper>)>),
     /// Wait in the queue.
@@ -405,7 +412,7 @@ impl Runtime {
         self.state_root.join("logs")
     }
 
-    fn next(&self) -> u64 {
+    pub(crate) fn next(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
@@ -526,6 +533,7 @@ impl Runtime {
             let mut st = lock(&pool.state);
             st.info = fn_info(spec, snapshot_id, dir, &self.config.keepalive);
             st.generation += 1;
+            st.standby.clear_failures();
             st.sleepers.clear();
             st.instances
                 .iter()
@@ -636,7 +644,7 @@ impl Runtime {
         }
     }
 
-    async fn pool(self: &Arc<Self>, name: &str) -> Result<Arc<Pool>, InvokeError> {
+    pub(crate) async fn pool(self: &Arc<Self>, name: &str) -> Result<Arc<Pool>, InvokeError> {
         if let Some(p) = lock(&self.pools).get(name) {
             return Ok(Arc::clone(p));
         }
@@ -716,6 +724,7 @@ impl Runtime {
                     instances: Vec::new(),
                     sleepers,
                     starting: 0,
+                    standby: Default::default(),
                     queued: 0,
                     closed: false,
                 }),
@@ -957,15 +966,24 @@ impl Runtime {
                 }
                 let generation = st.generation;
                 let per = st.info.per_instance;
-                // Warm before gpu_released; among equals, the least loaded.
+                // Warm before gpu_released, standbys last (using another leaves them standing);
+                // among equals, the least loaded.
                 let idle = st
                     .instances
                     .iter_mut()
                     .filter(|(i, _)| !i.is_dead() && i.generation == generation)
                     .filter(|(i, n)| *n < per && !lock(&i.keep).busy)
-                    .min_by_key(|(i, n)| (lock(&i.keep).stage != Stage::Warm, *n));
+                    .min_by_key(|(i, n)| {
+                        let warm = lock(&i.keep).stage == Stage::Warm;
+                        (!warm, crate::standby::is_standby(i), *n)
+                    });
                 if let Some((inst, n)) = idle {
                     *n += 1;
+                    let kind = if crate::standby::take(inst) {
+                        start::STANDBY
+                    } else {
+                        start::WARM
+                    };
                     let released = {
                         let mut k = lock(&inst.keep);
                         let released = k.stage == Stage::GpuReleased;
@@ -977,7 +995,7 @@ impl Runtime {
                         instance: Arc::clone(inst),
                         runtime: Arc::clone(self),
                     };
-                    Next::Warm(lease, released)
+                    Next::Warm(lease, released, kind)
                 } else if let Some(ix) = st.sleepers.iter().rposition(|s| !s.keep.busy) {
                     // Every instance counts towards max_instances, in every stage: waking a
                     // hibernated one comes before restoring a new one.
@@ -1012,7 +1030,7 @@ impl Runtime {
                     Next::Wait
                 }
             };
-            if let Next::Warm(lease, released) = next {
+            if let Next::Warm(lease, released, kind) = next {
                 drop(slot);
                 let mut timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
                 if released {
@@ -1035,7 +1053,7 @@ impl Runtime {
                         }
                     }
                 }
-                return Ok((lease, start::WARM, timings));
+                return Ok((lease, kind, timings));
             }
             if let Next::Start(start) = next {
                 let (info, generation, sleeper) = *start;
@@ -1152,7 +1170,7 @@ impl Runtime {
 
     /// Starts an instance: wakes `sleeper`, else restores the function snapshot, else (with
     /// `cold_start = "boot"`, or when the restore fails) boots one.
-    async fn start_instance(
+    pub(crate) async fn start_instance(
         self: &Arc<Self>,
         name: &str,
         info: &FnInfo,
@@ -1451,7 +1469,7 @@ impl Runtime {
 
     /// Makes a connected worker an instance of the pool: records it, starts its reader.
     #[allow(clippy::too_many_arguments)]
-    async fn adopt(
+    pub(crate) async fn adopt(
         self: &Arc<Self>,
         id: String,
         name: &str,
@@ -1822,6 +1840,7 @@ fn new_instance(
         segment_replies: Mutex::new(None),
         mapping: Mutex::new(None),
         pages_pending: AtomicBool::new(false),
+        standby: AtomicBool::new(false),
     });
     (inst, conn.rd)
 }
@@ -1864,6 +1883,7 @@ fn fn_info(spec: &Value, snapshot_id: &str, dir: &Path, keepalive: &Keepalive) -
         timeout: Duration::from_secs_f64(num(spec.get("timeout_s"), 30.0).max(0.001)),
         max_instances: num(spec.pointer("/scaling/max_instances"), 1.0).max(1.0) as usize,
         per_instance: num(spec.pointer("/scaling/requests_per_instance"), 1.0).max(1.0) as usize,
+        standby: num(spec.pointer("/scaling/standby"), 0.0).max(0.0) as usize,
     }
 }
 
@@ -1980,6 +2000,7 @@ pub async fn restore_with(
                     log_dir: &log_dir,
                     stdio,
                     verify,
+                    resume_gpu: true,
                 },
                 &pages,
             )

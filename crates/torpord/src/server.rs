@@ -169,7 +169,10 @@ impl Daemon {
         let keepalive_task = runtime.spawn_keepalive();
         {
             let rt = Arc::clone(&runtime);
-            tokio::spawn(async move { rt.take_up_hibernated().await });
+            tokio::spawn(async move {
+                rt.take_up_hibernated().await;
+                rt.take_up_standbys().await;
+            });
         }
         {
             let rt = Arc::clone(&runtime);

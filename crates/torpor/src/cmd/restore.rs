@@ -35,6 +35,7 @@ pub fn run(
             log_dir: &log_dir,
             stdio: log,
             verify: Verify::default(),
+            resume_gpu: true,
         },
         &PageOptions { source: pages },
     )?;

@@ -1,5 +1,5 @@
 //! `POST /v1/functions/{name}/invoke`: the body is the request JSON, the answer's body the
-//! function's value, with `X-Torpor-Start` (warm, restored, booted) and `X-Torpor-Timings` (the
+//! function's value, with `X-Torpor-Start` (warm, restored, booted, standby) and `X-Torpor-Timings` (the
 //! phases in seconds, as a JSON object).
 
 use std::sync::Arc;

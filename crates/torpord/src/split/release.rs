@@ -72,6 +72,16 @@ impl InstanceSegments {
         }
     }
 
+    /// The segments of `plan`, none handed over yet: released, each to be filled from the
+    /// restore server's sources (a standby instance, crate::standby).
+    pub fn unfilled(plan: Arc<Vec<Planned>>) -> Self {
+        let saved = plan.iter().map(|_| None).collect();
+        Self {
+            plan,
+            held: Held::Saved(saved),
+        }
+    }
+
     /// No segments from the restore server.
     pub fn is_empty(&self) -> bool {
         self.plan.is_empty()

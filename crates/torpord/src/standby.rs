@@ -1,0 +1,385 @@
+//! Standby instances (`[scaling] standby = N`; docs/split.md, "Standby instances"): the CRIU part
+//! of a cold start done ahead of time. On the H100 a split restore of GPT-2-Large spends almost
+//! all of its ~1.3 s in CRIU copying host pages; the driver restore and the segments take the
+//! rest. So the daemon keeps N instances per function restored by CRIU *without* the driver
+//! restore (`RestoreOptions::resume_gpu = false`): their CUDA state stays locked + checkpointed,
+//! which is exactly an instance in keep-alive stage gpu_released, and their segments are not
+//! handed over (released since the capture). A request takes one through the gpu_released resume
+//! (driver restore + unlock, then the segments filled and mapped), `X-Torpor-Start: standby`.
+//!
+//! A standby holds no GPU memory, only the host memory of its process. It counts towards
+//! `max_instances` in every state (a start in progress in `starting`), is exempt from the
+//! keep-alive stages while unused (stepping it down would only churn), and becomes an ordinary
+//! instance once it serves a request; the ticker then starts another.
+//!
+//! A CPU function (`gpus = 0`) has no driver restore to put off: its standbys are fully restored
+//! idle instances (segments mapped), which saves the whole restore.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::ColdStart;
+use crate::registry::{now_ms, Stage};
+use crate::runtime::RECONNECT_TIMEOUT;
+use crate::runtime::{kill_tree, lock, wake, FnInfo, Instance, Pool, PoolState, Runtime};
+
+/// The longest wait between failed standby starts of one function.
+pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(60);
+
+/// A pool's standby bookkeeping.
+#[derive(Debug, Default)]
+pub struct PoolStandby {
+    /// Standby starts under way (each also counted in the pool's `starting`).
+    pub starting: usize,
+    /// Failed standby starts in a row.
+    failures: u32,
+    /// No standby start before this (after a failure).
+    retry_at: Option<Instant>,
+}
+
+impl PoolStandby {
+    /// A start worked, or a new deploy gives its snapshot a fresh start.
+    pub fn clear_failures(&mut self) {
+        self.failures = 0;
+        self.retry_at = None;
+    }
+
+    fn failed(&mut self, now: Instant) -> Duration {
+        self.failures = self.failures.saturating_add(1);
+        let delay = retry_delay(self.failures);
+        self.retry_at = Some(now + delay);
+        delay
+    }
+}
+
+/// How long to wait after `failures` failed standby starts in a row: 1 s, doubling, at most
+/// [`MAX_RETRY_DELAY`] (a snapshot that cannot be restored must not be retried every tick).
+pub fn retry_delay(failures: u32) -> Duration {
+    let secs = 1u64 << failures.saturating_sub(1).min(6);
+    Duration::from_secs(secs).min(MAX_RETRY_DELAY)
+}
+
+/// How many standbys to start now: enough for `want` idle ones counting those `ready` and those
+/// `starting`, as far as `max_instances` allows with `occupied` (every instance of the pool in any
+/// state, starts included).
+pub fn to_start(
+    want: usize,
+    ready: usize,
+    starting: usize,
+    occupied: usize,
+    max_instances: usize,
+) -> usize {
+    let missing = want.saturating_sub(ready + starting);
+    missing.min(max_instances.saturating_sub(occupied))
+}
+
+/// Whether `inst` is an unused standby.
+pub fn is_standby(inst: &Instance) -> bool {
+    inst.standby.load(Ordering::SeqCst)
+}
+
+/// A request takes `inst`: from now on it is an ordinary instance. Whether it was a standby.
+pub fn take(inst: &Instance) -> bool {
+    inst.standby.swap(false, Ordering::SeqCst)
+}
+
+/// The unused standbys of the pool's current deploy.
+pub(crate) fn ready(st: &PoolState) -> usize {
+    st.instances
+        .iter()
+        .filter(|(i, n)| *n == 0 && is_standby(i) && !i.is_dead() && i.generation == st.generation)
+        .count()
+}
+
+/// The ticker's decision for one pool, under its lock: how many standbys are ready, and the
+/// starts to spawn (already counted in `starting`).
+pub(crate) fn plan(st: &mut PoolState, cold_start: ColdStart, now: Instant) -> (usize, usize) {
+    let ready = ready(st);
+    let want = st.info.standby;
+    if st.closed || want == 0 || cold_start != ColdStart::Restore {
+        return (ready, 0);
+    }
+    if st.standby.retry_at.is_some_and(|t| now < t) {
+        return (ready, 0);
+    }
+    let occupied = st.instances.len() + st.starting + st.sleepers.len();
+    let n = to_start(
+        want,
+        ready,
+        st.standby.starting,
+        occupied,
+        st.info.max_instances,
+    );
+    st.starting += n;
+    st.standby.starting += n;
+    (ready, n)
+}
+
+/// Undoes a standby start's count in `starting` unless defused (its task went away mid-way).
+struct Counted {
+    pool: Arc<Pool>,
+    armed: bool,
+}
+
+impl Counted {
+    fn done(&mut self, st: &mut PoolState) {
+        if std::mem::take(&mut self.armed) {
+            st.starting -= 1;
+            st.standby.starting -= 1;
+        }
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if self.armed {
+            let pool = Arc::clone(&self.pool);
+            self.done(&mut lock(&pool.state));
+            pool.changed.notify_waiters();
+        }
+    }
+}
+
+impl Runtime {
+    /// After a deploy, and at startup: a function that wants standbys gets its pool now, so that
+    /// the keep-alive ticker starts them before the first request.
+    pub async fn keep_standbys(self: &Arc<Self>, name: &str, spec: &serde_json::Value) {
+        let want = spec
+            .pointer("/scaling/standby")
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(0);
+        if want == 0 {
+            return;
+        }
+        if self.config.cold_start != ColdStart::Restore {
+            tracing::warn!(function = name, standby = want, "scaling.standby is ignored: standby instances are restored, and this torpord runs with cold_start = \"boot\"; set cold_start = \"restore\" to keep them");
+            return;
+        }
+        if let Err(e) = self.pool(name).await {
+            tracing::warn!(function = name, error = ?e, "cannot keep standby instances");
+        }
+    }
+
+    /// At startup: [`Runtime::keep_standbys`] for every ready function.
+    pub async fn take_up_standbys(self: &Arc<Self>) {
+        let registry = Arc::clone(&self.registry);
+        let functions = tokio::task::spawn_blocking(move || registry.with(|s| s.functions())).await;
+        let functions = match functions {
+            Ok(Ok(f)) => f,
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "cannot list the functions to keep standby instances of");
+                return;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "registry task failed");
+                return;
+            }
+        };
+        for f in functions {
+            if f.state == crate::registry::FunctionState::Ready {
+                self.keep_standbys(&f.name, &f.spec).await;
+            }
+        }
+    }
+
+    /// Starts one standby of `pool` (counted in `starting` by [`plan`]), and adds it to the pool
+    /// idle; an instance of an older deploy, or of a deleted function, is removed instead.
+    pub(crate) async fn start_standby(
+        self: Arc<Self>,
+        pool: Arc<Pool>,
+        info: FnInfo,
+        generation: u64,
+    ) {
+        let mut counted = Counted {
+            pool: Arc::clone(&pool),
+            armed: true,
+        };
+        // A GPU standby holds no GPU memory: nothing to charge without NVML.
+        let charge = self.starts.begin(&pool.name, 0, Arc::clone(&self.metrics));
+        let t = Instant::now();
+        let started = if info.gpu {
+            self.restore_standby(&pool.name, &info, generation, &charge)
+                .await
+        } else {
+            // Nothing to put off on a CPU function: a fully restored idle instance.
+            self.start_instance(&pool.name, &info, generation, None, &charge)
+                .await
+                .map(|(inst, _, _)| inst)
+        };
+        match &started {
+            Ok(inst) => charge.finish_into(&mut lock(&inst.keep).meter),
+            Err(_) => drop(charge),
+        }
+        let mut st = lock(&pool.state);
+        counted.done(&mut st);
+        match started {
+            Ok(inst) if st.closed || st.generation != generation => {
+                drop(st);
+                self.remove_instance(
+                    &inst,
+                    "retired: a newer deploy or `torpor stop` replaced it before it served",
+                    true,
+                );
+            }
+            Ok(inst) => {
+                inst.standby.store(true, Ordering::SeqCst);
+                st.instances.push((Arc::clone(&inst), 0));
+                st.standby.clear_failures();
+                drop(st);
+                tracing::info!(function = %pool.name, instance = %inst.id, pid = inst.init_pid, start_ms = t.elapsed().as_secs_f64() * 1e3, "standby instance ready");
+            }
+            Err(e) => {
+                let delay = st.standby.failed(Instant::now());
+                drop(st);
+                tracing::warn!(function = %pool.name, error = %e, retry_s = delay.as_secs(), "cannot start a standby instance");
+            }
+        }
+        pool.changed.notify_waiters();
+    }
+
+    /// The CRIU part of a restore of the function snapshot, without the driver restore, then the
+    /// worker's wake-up: an instance in gpu_released whose segments (split path) are all still
+    /// to be filled.
+    async fn restore_standby(
+        self: &Arc<Self>,
+        name: &str,
+        info: &FnInfo,
+        generation: u64,
+        charge: &crate::accounting::StartGuard<'_>,
+    ) -> Result<Arc<Instance>, String> {
+        let id = format!("{name}-{}-{}", now_ms(), self.next());
+        let log = crate::instance_logs::instance_log(&self.logs_dir(), name, &id);
+        let (split, snapshot) = (Arc::clone(&self.split), info.snapshot_id.clone());
+        let plan = tokio::task::spawn_blocking(move || split.plan(&snapshot))
+            .await
+            .map_err(|e| format!("split plan task failed: {e}"))??;
+        let (init, worker) = restore_locked(&info.snapshot_dir, &self.logs_dir(), &log)
+            .await
+            .map_err(|e| format!("cannot restore a standby instance of {name:?}: {e}"))?;
+        charge.process_started(init);
+        let conn = match wake(&self.hub, worker, RECONNECT_TIMEOUT).await {
+            Ok(c) => c,
+            Err(e) => {
+                kill_tree(init);
+                return Err(format!(
+                    "a standby instance of {name:?} did not reconnect: {e}"
+                ));
+            }
+        };
+        if conn.hello.role != "function" || conn.hello.function.as_deref() != Some(name) {
+            kill_tree(init);
+            return Err(format!(
+                "a standby instance says it serves {:?} (role {}), not {name:?}: the snapshot is \
+                 not this function's; deploy it again",
+                conn.hello.function, conn.hello.role
+            ));
+        }
+        let inst = self
+            .adopt(id, name, info, generation, None, init, worker, conn)
+            .await?;
+        if let Some(plan) = plan {
+            *lock(&inst.segments) = crate::split::release::InstanceSegments::unfilled(plan);
+        }
+        // Not in the pool yet: nothing routes to it before its stage says gpu_released.
+        lock(&inst.keep).stage = Stage::GpuReleased;
+        if let Err(e) = self
+            .record_stage(&inst.id, Stage::GpuReleased, Some(init), None)
+            .await
+        {
+            tracing::warn!(instance = %inst.id, error = %e, "cannot record the standby's gpu_released stage");
+        }
+        Ok(inst)
+    }
+}
+
+/// [`crate::runtime::restore`] with `resume_gpu = false`: returns (init, worker) of a tree whose
+/// CUDA state is locked + checkpointed. Only the worker may use CUDA: the daemon's GPU resume
+/// restores and unlocks that one process.
+async fn restore_locked(
+    dir: &std::path::Path,
+    log_dir: &std::path::Path,
+    stdio: &std::path::Path,
+) -> Result<(i32, i32), String> {
+    let (dir, log_dir, stdio) = (
+        dir.to_path_buf(),
+        log_dir.to_path_buf(),
+        stdio.to_path_buf(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let restored = torpor_snapshot::restore::restore(&torpor_snapshot::restore::RestoreOptions {
+            dir: &dir,
+            detach: true,
+            gpu_map: &[],
+            log_dir: &log_dir,
+            stdio: Some(&stdio),
+            // Off the request path: the disk copy, every file hashed.
+            verify: torpor_snapshot::restore::Verify::Hashes,
+            resume_gpu: false,
+        })
+        .map_err(|e| e.to_string())?;
+        let cuda = restored.manifest.source.tree.iter().filter(|p| p.cuda).count();
+        if cuda > 1 {
+            kill_tree(restored.pid);
+            return Err(format!(
+                "the snapshot has {cuda} CUDA processes; a standby instance resumes only the worker's: set scaling.standby = 0"
+            ));
+        }
+        match crate::launcher::worker_pid(restored.pid) {
+            Ok(w) => Ok((restored.pid, w)),
+            Err(e) => {
+                kill_tree(restored.pid);
+                Err(e)
+            }
+        }
+    })
+    .await
+    .map_err(|e| format!("restore task failed: {e}"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_the_missing_standbys() {
+        assert_eq!(to_start(2, 0, 0, 0, 4), 2);
+        assert_eq!(to_start(2, 1, 0, 1, 4), 1);
+        // One being started counts.
+        assert_eq!(to_start(2, 1, 1, 2, 4), 0);
+        assert_eq!(to_start(1, 1, 0, 1, 4), 0);
+        assert_eq!(to_start(0, 0, 0, 0, 4), 0);
+    }
+
+    #[test]
+    fn max_instances_holds_whatever_else_runs() {
+        // Busy instances, sleepers and other starts fill the pool: no room for a standby.
+        assert_eq!(to_start(1, 0, 0, 4, 4), 0);
+        assert_eq!(to_start(3, 0, 0, 2, 4), 2);
+        // More occupied than allowed (a redeploy lowered max_instances): none, no underflow.
+        assert_eq!(to_start(2, 0, 0, 6, 4), 0);
+        // More ready than wanted (standby lowered): none.
+        assert_eq!(to_start(1, 3, 0, 3, 4), 0);
+    }
+
+    #[test]
+    fn retries_back_off_to_a_minute() {
+        assert_eq!(retry_delay(0), Duration::from_secs(1));
+        assert_eq!(retry_delay(1), Duration::from_secs(1));
+        assert_eq!(retry_delay(2), Duration::from_secs(2));
+        assert_eq!(retry_delay(4), Duration::from_secs(8));
+        assert_eq!(retry_delay(7), MAX_RETRY_DELAY);
+        assert_eq!(retry_delay(u32::MAX), MAX_RETRY_DELAY);
+    }
+
+    #[test]
+    fn a_failure_holds_back_the_next_start_and_a_success_clears_it() {
+        let now = Instant::now();
+        let mut s = PoolStandby::default();
+        assert_eq!(s.failed(now), Duration::from_secs(1));
+        assert_eq!(s.failed(now), Duration::from_secs(2));
+        assert_eq!(s.retry_at, Some(now + Duration::from_secs(2)));
+        s.clear_failures();
+        assert_eq!((s.failures, s.retry_at), (0, None));
+    }
+}
