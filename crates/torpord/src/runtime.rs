@@ -1303,9 +1303,10 @@ impl Runtime {
         let restoring = self
             .split
             .begin_restore(sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id));
-        let how_pages = self.config.restore_server.pages;
+        // The page source itself (lazy or copy), as `auto` chose it for this function.
+        let how_pages = self.config.restore_server.pages.source(info.gpu);
         let how = HowToRestore {
-            pages: how_pages.source(info.gpu),
+            pages: how_pages,
             staged,
         };
         let staged = how.staged.is_some();
