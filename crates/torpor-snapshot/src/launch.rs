@@ -141,6 +141,23 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
     Ok(pid)
 }
 
+/// Makes every mount of this process's (new) mount namespace private, so that what it mounts or
+/// unmounts from now on propagates nowhere.
+fn make_mounts_private() -> io::Result<()> {
+    // SAFETY: mount with null source/fstype/data and MS_REC|MS_PRIVATE only changes the
+    // propagation of this process's mount namespace.
+    sys::check(unsafe {
+        libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
+    })?;
+    Ok(())
+}
+
 /// Takes torpord's staging tmpfs ([`crate::mounts::STAGE_MOUNT_SOURCE`]) out of the new mount
 /// namespace, which started as a copy of the caller's: CRIU would otherwise dump it, staged
 /// snapshots and all, into every snapshot of the command. Mounts are made private first, so the
@@ -151,16 +168,7 @@ fn hide_stage_mounts() -> io::Result<()> {
     if points.is_empty() {
         return Ok(());
     }
-    // SAFETY: changes only the propagation of this process's new mount namespace.
-    sys::check(unsafe {
-        libc::mount(
-            std::ptr::null(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
-            std::ptr::null(),
-        )
-    })?;
+    make_mounts_private()?;
     for point in points {
         let path = cstring(point.as_bytes()).map_err(|e| io::Error::other(e.to_string()))?;
         // Everything stacked there goes, the bind mount torpord puts under its tmpfs too: kept,
@@ -277,18 +285,7 @@ fn init(argv: &[CString], log: &CString, report: OwnedFd) -> Result<i32, InitErr
     if argv.is_empty() {
         return Err((LaunchError::NoCommand.to_string(), report));
     }
-    // SAFETY: mount with null source/fstype/data and MS_REC|MS_PRIVATE only changes
-    // propagation of this (new) mount namespace.
-    try_init!(sys::check(unsafe {
-        libc::mount(
-            std::ptr::null(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
-            std::ptr::null(),
-        )
-    })
-    .map_err(|e| fail("making mounts private", e)));
+    try_init!(make_mounts_private().map_err(|e| fail("making mounts private", e)));
     // SAFETY: mounts a fresh procfs of the new PID namespace over /proc, in this namespace only.
     try_init!(sys::check(unsafe {
         libc::mount(

@@ -405,15 +405,6 @@ impl Restoring {
         mut replies: Replies<'_>,
     ) -> Result<HandOver, String> {
         let deadline = tokio::time::Instant::now() + MAP_TIMEOUT;
-        async fn next(
-            rx: &mut mpsc::UnboundedReceiver<Event>,
-            deadline: tokio::time::Instant,
-        ) -> Result<Event, String> {
-            tokio::time::timeout_at(deadline, rx.recv())
-                .await
-                .map_err(|_| format!("segments not filled within {} s", MAP_TIMEOUT.as_secs()))?
-                .ok_or_else(|| "the restore server's fill task ended early".to_string())
-        }
         let plan = match next(&mut self.rx, deadline).await? {
             Event::Plan(p) => p,
             Event::Failed(e) => return Err(e),
