@@ -3,7 +3,7 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|all] [extra pytest args...]
 # native: the Rust tests that need a real GPU and the fill bandwidth example, built here by
 # `make gpu-carry` into .gpu/native/ (the device's cuda backend; the hook), into $OUT/native.log
 # and $OUT/fill_bw.json.
