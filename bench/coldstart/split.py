@@ -743,16 +743,11 @@ class Bench:
         phases: list[str] = []
         for r in runs:
             phases += [p for p in r["timings"] if p not in phases]
-        segment_bytes = ((self.deployed[d.state.name][model.name]["snapshot_function"] or {}).get("segment_bytes")) or 0
-        seg_times = [r["timings"].get("segments") for r in runs if r["timings"].get("segments")]
         out.update(
             runs=runs,
             wall_s=summary([r["wall_s"] for r in runs]),
             timings={p: summary([r["timings"].get(p) for r in runs]) for p in phases},
             fills=merge_fills(runs),
-            # Segment bytes over the `segments` phase (hello → all mapped): a floor on the fill
-            # rate, since fills start with CRIU and may be done before hello.
-            segments_phase_gbps=summary([segment_bytes / s / 1e9 for s in seg_times]) if segment_bytes else None,
             all_same=bool(runs) and all(r["same"] for r in runs),
         )
         return out

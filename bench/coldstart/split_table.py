@@ -69,14 +69,14 @@ def results_table(d: Json) -> list[str]:
     out = [
         "| model | path | restore → first inference (client) | "
         + " | ".join(PHASES)
-        + " | fills: source mean GB/s (segments) | segment bytes ÷ segments phase, GB/s | outputs |",
-        "|---|---|---|" + "---|" * len(PHASES) + "---|---|---|",
+        + " | fills: source mean GB/s (segments) | outputs |",
+        "|---|---|---|" + "---|" * len(PHASES) + "---|---|",
     ]
     link = (d.get("link") or {}).get("h2d_pinned_gbps")
     for r in d["results"]:
         mode = MODE_NAMES.get(r["mode"], r["mode"])
         if "error" in r and not r.get("runs"):
-            out.append(f"| {r['model']} | {mode} | error: {r['error'].splitlines()[0][:120]} |" + " |" * (len(PHASES) + 3))
+            out.append(f"| {r['model']} | {mode} | error: {r['error'].splitlines()[0][:120]} |" + " |" * (len(PHASES) + 2))
             continue
         t = r.get("timings") or {}
         same = "bit-identical" if r.get("all_same") else "DIFFER"
@@ -85,7 +85,7 @@ def results_table(d: Json) -> list[str]:
         out.append(
             f"| {r['model']} | {mode} | {span(r.get('wall_s'))} | "
             + " | ".join(median(t.get(p)) for p in PHASES)
-            + f" | {fills(r.get('fills'), link)} | {median(r.get('segments_phase_gbps'), 1)} | {same} |"
+            + f" | {fills(r.get('fills'), link)} | {same} |"
         )
     return out
 

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torpor.errors import TorporError
+from torpor.shareable import modules_of, segments_holding_only
 
 # As long as torpord gives a restore to map every segment (split/server.rs MAP_TIMEOUT).
 WAIT_TIMEOUT_S = 60.0
@@ -138,30 +139,15 @@ def deferrable_vas(function: Any) -> set[int]:
     if torch is None or function is None or not torch.cuda.is_initialized():
         return set()
     try:
-        modules = [v for v in vars(function).values() if isinstance(v, torch.nn.Module)]
         weights = {
             t.untyped_storage().data_ptr()
-            for m in modules
+            for m in modules_of(function)
             for t in itertools.chain(m.parameters(), m.buffers())
             if t.is_cuda and t.untyped_storage().nbytes() > 0
         }
-        snapshot = torch.cuda.memory_snapshot() if weights else []
     except Exception:  # a torch without these APIs: defer nothing, which is always safe
         return set()
-    out: set[int] = set()
-    for segment in snapshot:
-        blocks = segment.get("blocks", [])
-        address = int(segment["address"])  # blocks follow one another from the segment's start
-        only_weights = bool(blocks)
-        for block in blocks:
-            start = int(block.get("address", address))
-            if block.get("state") != "active_allocated" or start not in weights:
-                only_weights = False
-                break
-            address = start + int(block["size"])
-        if only_weights:
-            out.add(int(segment["address"]))
-    return out
+    return segments_holding_only(weights)
 
 
 class ModuleWaits:

@@ -51,19 +51,33 @@ def shareable_vas(function: Any) -> set[int]:
             for t in _tensors_of(function)
             if t.is_cuda and t.untyped_storage().nbytes() > 0
         }
-        snapshot = torch.cuda.memory_snapshot()
     except Exception:  # a torch without these APIs: share nothing, which is always safe
+        return set()
+    return segments_holding_only(weights)
+
+
+def segments_holding_only(storages: set[int]) -> set[int]:
+    """Start addresses of the CUDA allocator segments whose every block is allocated and starts
+    at one of `storages` (storage data pointers): no free block the allocator could hand out, and
+    nothing else. Empty when torch cannot tell (no memory_snapshot)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not storages:
+        return set()
+    try:
+        snapshot = torch.cuda.memory_snapshot()
+    except Exception:  # a torch without this API: nothing qualifies, which is always safe
         return set()
     out: set[int] = set()
     for segment in snapshot:
-        address = int(segment["address"])
-        ok = True
-        for block in segment.get("blocks", []):
+        blocks = segment.get("blocks", [])
+        address = int(segment["address"])  # blocks follow one another from the segment's start
+        ok = bool(blocks)
+        for block in blocks:
             start = int(block.get("address", address))
-            if block.get("state") != "active_allocated" or start not in weights:
+            if block.get("state") != "active_allocated" or start not in storages:
                 ok = False
                 break
             address = start + int(block["size"])
-        if ok and segment.get("blocks"):
+        if ok:
             out.add(int(segment["address"]))
     return out

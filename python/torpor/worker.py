@@ -167,7 +167,7 @@ class MapReader:
                     return
         except ConnectionError:
             self.frames.put(None)
-        except Exception as e:  # FrameError, ProtocolError, a failing send: the main loop's
+        except Exception as e:  # FrameError, ProtocolError, a failing send: the main loop raises it
             self.frames.put(e)
 
     def next(self) -> Any:
@@ -383,7 +383,7 @@ class Worker:
         assert self.reader is not None
         if self.map_reader is not None:
             item = self.map_reader.next()
-            if item is not _HAND_BACK and isinstance(item, dict):
+            if isinstance(item, dict):
                 return item
             self.map_reader.thread.join()
             self.map_reader = None
@@ -422,8 +422,8 @@ class Worker:
                     self.close()
                     return EXIT_OK
             elif kind == "map":
+                # After `unmap`: torpord maps the segments back before the next request.
                 self.map_segment(msg)
-                self.settle_readiness()
             elif kind == "unmap":
                 self.unmap_segments(msg)
             elif kind == "shutdown":
@@ -445,6 +445,12 @@ class Worker:
         if "id" not in msg or "request" not in msg:
             raise ProtocolError(f"invoke frame lacks {'id' if 'id' not in msg else 'request'}")
         rid = msg["id"]
+        if self.map_reader is None and self.reader is not None and self.reader.fds:
+            # After `unmap`, until the map frames bring every segment back: the request would
+            # touch memory that is not there (SIGSEGV, or a broken CUDA context).
+            raise ProtocolError(
+                "invoke while segments are released after unmap; torpord must map them back first"
+            )
         readiness = self.readiness
         if readiness is not None:
             # Right after a restore: wait for every segment the request could touch outside
@@ -674,10 +680,17 @@ class Worker:
         split = msg.get("split", False)
         if not isinstance(split, bool):
             raise ProtocolError(f"quiesce's split must be true or false, got {split!r}")
-        if self.readiness is not None:
+        if self.map_reader is not None or self.readiness is not None:
+            # The map reader too: a request may have settled the waits before the reader handed
+            # the connection back, and its queue still holds frames.
+            what = (
+                f"{len(self.readiness.pending())} segment(s) are"
+                if self.readiness is not None
+                else "the last segment is"
+            )
             raise ProtocolError(
-                f"quiesce while {len(self.readiness.pending())} segment(s) are still being mapped "
-                "after a restore; wait for every mapped frame before the next snapshot"
+                f"quiesce while {what} still being mapped after a restore; wait for every "
+                "mapped frame before the next snapshot"
             )
         hook = self._split_hook("quiesce {split: true}") if split else None
         synced = cuda_sync()
@@ -706,9 +719,9 @@ class Worker:
     # -- segments mapped after a restore ------------------------------------------------------
 
     def start_mapping(self) -> None:
-        """After a restore (or anything else that left segments released): from now until every
-        segment is mapped, `map` frames are applied by the map reader, even while a request
-        runs, and requests wait for the segments they need (torpor.readiness)."""
+        """After a restore: from now until every segment is mapped, `map` frames are applied by
+        the map reader, even while a request runs, and requests wait for the segments they need
+        (torpor.readiness). (After `unmap` the main loop maps them, before any request.)"""
         assert self.map_reader is None and self.reader is not None
         hook = torpor_hook.get()
         self.readiness = Readiness((s.va, s.size, s.backend) for s in hook.segments() if not s.mapped)
@@ -811,7 +824,8 @@ class Worker:
         for segment in segments:
             fd = hook.export(segment.va)
             try:
-                write_frame_with_fd(self.sock, {"type": "segment_fd", "va": segment.va, "fd": True}, fd)
+                with self.send_lock:
+                    write_frame_with_fd(self.sock, {"type": "segment_fd", "va": segment.va, "fd": True}, fd)
             finally:
                 os.close(fd)
         msg = self.reader.read()

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -103,7 +104,9 @@ def test_first_layers_compute_while_later_segments_are_withheld(
                 send_map(s)
         c2.send({"type": "invoke", "id": 3, "request": {"x": 7, "rid": 3}, "timeout_s": 60})
         wait_for(lambda: "layer 3 ran (request 3)" in w.stderr(), 60, "the first four layers to run")
-        # Layer 4's weights are not mapped: it waits (it would fail its kernel otherwise).
+        # Layer 4's weights are not mapped: it waits (it would fail its kernel otherwise). A
+        # moment for it to run if nothing held it.
+        time.sleep(1.0)
         assert "layer 4 ran (request 3)" not in w.stderr(), w.stderr()
         for s in segments:
             if s["va"] in late:

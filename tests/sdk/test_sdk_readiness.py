@@ -44,17 +44,18 @@ def test_a_wait_returns_when_another_thread_maps_the_segment() -> None:
     r = Readiness([HOST, CUDA])
     # Addresses outside every pending segment need nothing.
     r.wait_for([0x30000], timeout=0)
-    waiting = threading.Event()
+    returned = threading.Event()
 
-    def mapper() -> None:
-        waiting.wait()
-        r.mapped(0x20000)
+    def waiter() -> None:
+        r.wait_for([0x20010], timeout=30)
+        returned.set()
 
-    t = threading.Thread(target=mapper)
+    t = threading.Thread(target=waiter)
     t.start()
-    waiting.set()
-    r.wait_for([0x20010], timeout=30)
-    t.join()
+    assert not returned.wait(0.2), "wait_for returned before its segment was mapped"
+    r.mapped(0x20000)
+    t.join(30)
+    assert returned.is_set(), "wait_for did not return once its segment was mapped"
     # The host segment is still pending.
     assert r.pending() == {0x10000}
 
@@ -298,7 +299,8 @@ def test_a_refused_map_fails_the_waiting_request_naming_the_segment(spawn: Spawn
 
 
 def test_a_quiesce_while_segments_are_mapped_is_a_protocol_error(spawn: Spawner, daemon: Daemon) -> None:
-    w, c, (_, table, _), _ = restored_segbuf(spawn, daemon)
+    w, c, segments, _ = restored_segbuf(spawn, daemon)
+    table = segments[1]
     fd = segment_memfd(TABLE, table["size"], sealed=True)
     try:
         send_map(c, table, fd)
@@ -307,7 +309,8 @@ def test_a_quiesce_while_segments_are_mapped_is_a_protocol_error(spawn: Spawner,
         assert w.wait() == 3
     finally:
         os.close(fd)
-    assert "quiesce while 2 segment(s) are still being mapped" in w.stderr(), w.stderr()
+    left = len(segments) - 1
+    assert f"quiesce while {left} segment(s) are still being mapped" in w.stderr(), w.stderr()
 
 
 def test_the_ordinary_path_has_no_map_reader(spawn: Spawner, daemon: Daemon) -> None:

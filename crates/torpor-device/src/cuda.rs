@@ -275,8 +275,9 @@ impl Drop for PinnedRegion<'_> {
 
 impl CudaDevice {
     /// Pins `memory` in place (`cuMemHostRegister`) for as long as the returned region lives,
-    /// so copies from and to it run at full speed without staging. Pinning is slow (measured:
-    /// 2.6 s for 4 GiB): pin long-lived buffers such as a host cache, once.
+    /// so copies from and to it run at full speed without staging. Pinning costs time (DESIGN
+    /// §1: 2.6 s for 4 GiB; `fill_bw` on the H100: 0.04–0.06 s for 1 GiB already in memory,
+    /// bench/results/fill-bw-h100.json): pin long-lived buffers such as a host cache, once.
     pub fn pin<'a>(&self, memory: &'a mut [u8]) -> Result<PinnedRegion<'a>, DeviceError> {
         if memory.is_empty() {
             return Err(DeviceError::ZeroSize {

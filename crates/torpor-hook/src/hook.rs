@@ -271,6 +271,7 @@ impl Hook {
                 Backend::Host => None,
             })
             .collect();
+        ordinals.sort_unstable();
         ordinals.dedup();
         for ordinal in ordinals {
             self.cuda_device(ordinal)?.vmm()?.synchronize()?;

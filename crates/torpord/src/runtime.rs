@@ -19,7 +19,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
-use tokio::io::AsyncWriteExt;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{oneshot, Notify};
 
@@ -854,20 +853,15 @@ impl Runtime {
             lock(&inst.pending).remove(&id);
             return Err(crashed(inst));
         }
-        let sent = match frames::encode(&frame) {
-            Err(e) => Err(ConnError::from(e)),
-            Ok(bytes) => {
-                // In a task of its own: a caller given up mid-write (its client went away) must
-                // not leave half a frame on the connection, which a restore's map frames share.
-                let to = Arc::clone(inst);
-                tokio::spawn(async move {
-                    let mut wr = to.writer.lock().await;
-                    wr.write_all(&bytes).await.map_err(ConnError::Write)
-                })
-                .await
-                .unwrap_or_else(|e| Err(ConnError::Write(std::io::Error::other(e))))
-            }
-        };
+        // In a task of its own: a caller given up mid-write (its client went away) must not
+        // leave half a frame on the connection, which a restore's map frames share.
+        let to = Arc::clone(inst);
+        let sent = tokio::spawn(async move {
+            let mut wr = to.writer.lock().await;
+            workers::send(&mut wr, &frame).await
+        })
+        .await
+        .unwrap_or_else(|e| Err(ConnError::Write(std::io::Error::other(e))));
         if let Err(e) = sent {
             lock(&inst.pending).remove(&id);
             return match e {
@@ -1589,7 +1583,8 @@ impl Runtime {
         let Some(init) = row.pid else {
             return self.drop_orphan(&row, "its row has no pid").await;
         };
-        if row.stage == Stage::GpuReleased && self.split_function(&pool).await {
+        let split = self.split_function(&pool).await;
+        if row.stage == Stage::GpuReleased && split {
             // Its segments' contents were saved in the earlier daemon's memory (crate::split::
             // release): nothing can map them back.
             let why = "it released its GPU on the split path, and its segments' saved contents \
@@ -1626,6 +1621,13 @@ impl Runtime {
             conn,
             Keep::new(row.stage, Instant::now()),
         );
+        if split {
+            // Its worker maps segments the earlier daemon handed it, and this daemon holds no
+            // record of them to unmap and save: an in-place checkpoint would leave a process the
+            // driver refuses to resume. It stays warm until it hibernates (the capture reads its
+            // segments through the worker).
+            inst.gpu_release_failed.store(true, Ordering::SeqCst);
+        }
         guard.armed = false;
         {
             let mut st = lock(&pool.state);
@@ -1681,19 +1683,17 @@ impl Runtime {
                             None => break "it sent quiet twice".to_string(),
                         }
                     }
-                    if kind == Some("mapped")
-                        && lock(&inst.mapping)
-                            .as_ref()
-                            .is_some_and(|m| m.unmapped() > 0)
-                    {
-                        // A restore's segments, mapped while the instance takes requests.
-                        let answered = match lock(&inst.mapping).as_mut() {
-                            Some(m) => m.answer(&msg),
-                            None => Ok(()),
-                        };
+                    if kind == Some("mapped") {
+                        // A restore's segments, mapped while the instance takes requests; else
+                        // (a GPU resume's refill) forwarded below.
+                        let answered = lock(&inst.mapping)
+                            .as_mut()
+                            .filter(|m| m.unmapped() > 0)
+                            .map(|m| m.answer(&msg));
                         match answered {
-                            Ok(()) => continue,
-                            Err(why) => break why,
+                            Some(Ok(())) => continue,
+                            Some(Err(why)) => break why,
+                            None => {}
                         }
                     }
                     if let Some(k @ ("unmapped" | "mapped")) = kind {

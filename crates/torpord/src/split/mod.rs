@@ -129,7 +129,7 @@ pub struct Split {
     pub(crate) host_cache: Mutex<Lru<Mutex<HostBuffer>>>,
     pub(crate) gpu_cache: Mutex<Lru<Memory>>,
     pub(crate) shared: Mutex<HashMap<String, Weak<SharedCopy>>>,
-    /// Segment plans of snapshots, loaded once (snapshot ids are never reused).
+    /// Segment plans of function snapshots, loaded once (snapshot ids are never reused).
     plans: Mutex<HashMap<String, Option<Arc<Vec<Planned>>>>>,
     pub metrics: SplitMetrics,
 }
@@ -270,7 +270,11 @@ impl Split {
             return Ok(None);
         }
         let plan = index::load(&self.store()?, id)?.map(Arc::new);
-        lock(&self.plans).insert(id.to_string(), plan.clone());
+        // Function snapshots are restored again and again; a hibernation once, so caching its
+        // plan would only grow the map with every hibernation the daemon ever took.
+        if !id.starts_with("hib-") {
+            lock(&self.plans).insert(id.to_string(), plan.clone());
+        }
         Ok(plan)
     }
 
