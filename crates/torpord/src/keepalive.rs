@@ -423,25 +423,40 @@ impl Runtime {
         if plan.is_empty() {
             return Ok(0.0);
         }
-        let restoring = self
+        let refill = self
             .split
             .begin_refill(plan, sources, format!("instance {}", inst.id));
-        let handed = match ForwardedReplies::new(inst) {
-            Ok(mut replies) => {
-                let mut wr = inst.writer.lock().await;
-                restoring
-                    .hand_over(
-                        &mut wr,
-                        crate::split::server::Replies::Forwarded(&mut replies.rx),
-                    )
-                    .await
+        // As after a restore (crate::split::server::Mapping): the instance's reader counts the
+        // `mapped` answers; the request waits for all of them (the worker's main loop maps them).
+        let handed = async {
+            let handing = refill.planned().await?;
+            let (mapping, done) =
+                crate::split::server::Mapping::new(Instant::now(), handing.count());
+            *lock(&inst.mapping) = Some(mapping);
+            let mut back = crate::split::release::InstanceSegments::handing(handing.plan());
+            handing
+                .send_maps(&inst.writer, |va, lease| {
+                    if let Some(m) = lock(&inst.mapping).as_mut() {
+                        m.sent(va);
+                    }
+                    back.push(lease);
+                })
+                .await?;
+            match tokio::time::timeout(crate::split::server::MAP_TIMEOUT, done).await {
+                Ok(Ok(())) => Ok(back),
+                Ok(Err(_)) => Err(inst.reason()),
+                Err(_) => Err(format!(
+                    "the worker did not map its segments within {} s",
+                    crate::split::server::MAP_TIMEOUT.as_secs()
+                )),
             }
-            Err(e) => Err(e),
-        };
+        }
+        .await;
+        lock(&inst.mapping).take();
         match handed {
-            Ok(h) => {
+            Ok(back) => {
                 if released {
-                    *lock(&inst.segments) = crate::split::release::InstanceSegments::mapped(h);
+                    *lock(&inst.segments) = back;
                 }
                 Ok(t.elapsed().as_secs_f64())
             }
@@ -804,8 +819,7 @@ impl Runtime {
     }
 }
 
-/// The worker's `unmapped` and `mapped` frames, forwarded by the instance's reader while this
-/// lives.
+/// The worker's `unmapped` frame, forwarded by the instance's reader while this lives.
 struct ForwardedReplies<'a> {
     inst: &'a Instance,
     rx: tokio::sync::mpsc::UnboundedReceiver<serde_json::Map<String, serde_json::Value>>,

@@ -121,11 +121,11 @@ pub struct Instance {
     /// The segments it has from the restore server (split path), mapped or, while its GPU is
     /// released, saved (crate::split::release).
     pub(crate) segments: Mutex<crate::split::release::InstanceSegments>,
-    /// Set while the daemon unmaps or maps back its segments (GPU release and resume): its
-    /// reader forwards `unmapped` and `mapped` frames here.
+    /// Set while the daemon unmaps its segments (GPU release): its reader forwards the
+    /// `unmapped` answer here.
     pub(crate) segment_replies: Mutex<Option<SegmentReplies>>,
-    /// Restored from a split snapshot: its `map` frames and the worker's `mapped` answers,
-    /// which come in among its results (it takes requests before every segment is mapped).
+    /// Its `map` frames and the worker's `mapped` answers, counted by its reader: after a split
+    /// restore (it takes requests before every segment is mapped) and during a GPU resume.
     pub(crate) mapping: Mutex<Option<crate::split::server::Mapping>>,
     /// Restored with lazy pages that CRIU's lazy-pages daemon is still serving: no keep-alive
     /// step (a snapshot or GPU checkpoint) until every page is in.
@@ -146,7 +146,7 @@ pub struct StoppedInstances {
     pub sleepers: Vec<Sleeper>,
 }
 
-/// Where an instance's reader forwards the worker's replies to `unmap` and `map`.
+/// Where an instance's reader forwards the worker's answer to `unmap`.
 pub(crate) type SegmentReplies = tokio::sync::mpsc::UnboundedSender<Map<String, Value>>;
 
 /// The `quiet` frame of a hibernating instance and its connection's read half, handed from the
@@ -1684,8 +1684,8 @@ impl Runtime {
                         }
                     }
                     if kind == Some("mapped") {
-                        // A restore's segments, mapped while the instance takes requests; else
-                        // (a GPU resume's refill) forwarded below.
+                        // The segments of a restore (mapped while the instance takes requests)
+                        // or of a GPU resume.
                         let answered = lock(&inst.mapping)
                             .as_mut()
                             .filter(|m| m.unmapped() > 0)
@@ -1696,16 +1696,13 @@ impl Runtime {
                             None => {}
                         }
                     }
-                    if let Some(k @ ("unmapped" | "mapped")) = kind {
-                        // Replies to the daemon's segment frames (GPU release and resume).
-                        let k = k.to_string();
+                    if kind == Some("unmapped") {
+                        // The answer to the daemon's `unmap` (a GPU release).
                         let forward = lock(&inst.segment_replies).clone();
                         match forward {
                             Some(tx) if tx.send(msg).is_ok() => continue,
                             _ => {
-                                break format!(
-                                    "it broke the protocol (sent {k} while no segment was being unmapped or mapped)"
-                                )
+                                break "it broke the protocol (sent unmapped while no segment was being unmapped)".to_string()
                             }
                         }
                     }

@@ -7,13 +7,13 @@
 //! all of them: the instance holds no device memory while released. After the driver's restore
 //! the segments are filled again ([`InstanceSegments::sources`]: writable ones from the saved
 //! contents, read-only ones from the restore server's usual sources) and handed over with `map`
-//! frames, as after a restore ([`super::server::Restoring::hand_over`]).
+//! frames, as after a restore ([`super::server::HandingOver::send_maps`]).
 
 use std::sync::Arc;
 
 use super::device::HostBuffer;
 use super::index::Planned;
-use super::server::{HandOver, Lease, Leases, Source};
+use super::server::{Lease, Leases, Source};
 use super::Split;
 
 /// What an instance holds from the restore server.
@@ -48,14 +48,6 @@ impl std::fmt::Debug for Held {
 }
 
 impl InstanceSegments {
-    /// The segments a hand-over gave the instance.
-    pub fn mapped(handed: HandOver) -> Self {
-        Self {
-            plan: handed.plan,
-            held: Held::Mapped(handed.leases),
-        }
-    }
-
     /// A restore's segments, about to be handed over: each lease joins as its `map` frame goes
     /// out ([`InstanceSegments::push`]).
     pub fn handing(plan: Arc<Vec<Planned>>) -> Self {
@@ -178,7 +170,6 @@ mod tests {
     use crate::split::index::{
         recipe_name, SegmentEntry, SegmentIndex, INDEX_FORMAT, INDEX_RECIPE,
     };
-    use crate::split::server::Replies;
 
     const PAGE: usize = 4096;
     const WRITABLE: u64 = 0x7f00_0000_0000;
@@ -263,18 +254,28 @@ mod tests {
         out
     }
 
+    /// Hands the segments over as torpord does (`planned`, then `send_maps`) to [`worker`].
     async fn hand_over(
         restoring: crate::split::server::Restoring,
         n: usize,
-    ) -> (Result<HandOver, String>, Vec<(Value, OwnedFd)>) {
+    ) -> (Result<InstanceSegments, String>, Vec<(Value, OwnedFd)>) {
         let (daemon, worker_end) = UnixStream::pair().unwrap();
-        let (mut drd, mut dwr) = daemon.into_split();
+        let (_drd, dwr) = daemon.into_split();
+        let writer = tokio::sync::Mutex::new(dwr);
         let (mut wrd, mut wwr) = worker_end.into_split();
-        let (handed, maps) = tokio::join!(
-            restoring.hand_over(&mut dwr, Replies::Conn(&mut drd)),
-            worker(&mut wrd, &mut wwr, n)
-        );
-        (handed, maps)
+        let send = async {
+            let handing = restoring.planned().await?;
+            let mut segments = InstanceSegments::handing(handing.plan());
+            handing
+                .send_maps(&writer, |_, lease| segments.push(lease))
+                .await?;
+            Ok(segments)
+        };
+        tokio::join!(send, worker(&mut wrd, &mut wwr, n))
+    }
+
+    fn bytes(maps: &[(Value, OwnedFd)]) -> u64 {
+        maps.iter().map(|(f, _)| f["size"].as_u64().unwrap()).sum()
     }
 
     fn write_at(fd: &OwnedFd, data: &[u8]) {
@@ -292,7 +293,7 @@ mod tests {
         let split = split(dir.path());
 
         let (handed, maps) = hand_over(split.begin_restore("fn-t-1"), 2).await;
-        let mut segments = InstanceSegments::mapped(handed.unwrap());
+        let mut segments = handed.unwrap();
         assert!(!segments.is_empty() && !segments.is_released());
         // The worker wrote into its writable segment after the restore.
         let (w_frame, w_fd) = &maps[0];
@@ -305,9 +306,10 @@ mod tests {
         let (plan, sources) = segments.sources();
         assert!(sources.iter().all(|s| matches!(s, Source::Held(_))));
         let (handed, again) = hand_over(split.begin_refill(plan, sources, "t".into()), 2).await;
-        assert_eq!(handed.unwrap().segments, 2);
+        assert!(handed.is_ok() && again.len() == 2);
         assert_eq!(contents(&again[0].1, writable.len()), changed);
-        drop(again);
+        // The same memory: dropping this second set of handles leaves it held.
+        drop((handed, again));
 
         // Saved, then every handle dropped: the shared copy goes with its only holder.
         let (plan, leases) = segments.leases().unwrap();
@@ -321,8 +323,8 @@ mod tests {
         let (plan, sources) = segments.sources();
         assert!(matches!(sources[0], Source::Saved(_)) && matches!(sources[1], Source::Fill));
         let (handed, back) = hand_over(split.begin_refill(plan, sources, "t".into()), 2).await;
-        let handed = handed.unwrap();
-        assert_eq!((handed.segments, handed.bytes), (2, (5 * PAGE) as u64));
+        let segments = handed.unwrap();
+        assert_eq!((back.len(), bytes(&back)), (2, (5 * PAGE) as u64));
         assert_eq!(back[0].0["readonly"], false);
         assert_eq!(contents(&back[0].1, writable.len()), changed);
         // The read-only one came from the store into a new shared copy, sealed.
@@ -332,8 +334,7 @@ mod tests {
         // SAFETY: F_GET_SEALS only reads the memfd's seals.
         let seals = unsafe { libc::fcntl(back[1].1.as_raw_fd(), libc::F_GET_SEALS) };
         assert!(seals & libc::F_SEAL_WRITE != 0, "seals {seals:#x}");
-        let segments = InstanceSegments::mapped(handed);
-        assert!(!segments.is_released());
+        assert!(!segments.is_released() && segments.leases().is_some());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -345,7 +346,7 @@ mod tests {
         let split = split(dir.path());
         let (handed, maps) = hand_over(split.begin_restore("fn-t-2"), 2).await;
         drop(maps);
-        let mut segments = InstanceSegments::mapped(handed.unwrap());
+        let mut segments = handed.unwrap();
         let (plan, leases) = segments.leases().unwrap();
         segments.release(split.save_writable(&plan, &leases).unwrap());
         drop(leases);

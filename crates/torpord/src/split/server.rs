@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::split::device::{HostBuffer, Memory, SegmentDevice};
@@ -118,41 +118,9 @@ pub enum Source {
     Held(Lease),
 }
 
-/// The worker's replies to `map` frames: read from its connection (a restore, before the
-/// instance's reader runs), or forwarded by the live instance's reader.
-pub enum Replies<'a> {
-    Conn(&'a mut OwnedReadHalf),
-    Forwarded(&'a mut mpsc::UnboundedReceiver<Map<String, Value>>),
-}
-
-impl Replies<'_> {
-    async fn next(&mut self) -> Result<Map<String, Value>, String> {
-        match self {
-            Replies::Conn(rd) => crate::frames::read(rd)
-                .await
-                .map_err(|e| format!("it sent a malformed frame ({e})"))?
-                .ok_or_else(|| crate::workers::ConnError::Closed.to_string()),
-            Replies::Forwarded(rx) => rx
-                .recv()
-                .await
-                .ok_or_else(|| "the instance's connection ended".to_string()),
-        }
-    }
-}
-
 /// A restore's segments being filled.
 pub struct Restoring {
     rx: mpsc::UnboundedReceiver<Event>,
-}
-
-/// How a restore's segments went: for the invoke's timings.
-#[derive(Debug, Default)]
-pub struct HandOver {
-    pub segments: usize,
-    pub bytes: u64,
-    /// The segments handed over, in the order of `leases`.
-    pub plan: Arc<Vec<Planned>>,
-    pub leases: Leases,
 }
 
 impl Split {
@@ -394,75 +362,6 @@ impl Restoring {
             plan,
             deadline,
         })
-    }
-
-    /// After the worker's `hello {resumed}` (or its `unmapped`, for a refill): sends a `map`
-    /// frame for each segment as it is filled, then waits until the worker has mapped them all.
-    /// An error names the segment; the caller then kills the instance.
-    pub async fn hand_over(
-        mut self,
-        wr: &mut OwnedWriteHalf,
-        mut replies: Replies<'_>,
-    ) -> Result<HandOver, String> {
-        let deadline = tokio::time::Instant::now() + MAP_TIMEOUT;
-        let plan = match next(&mut self.rx, deadline).await? {
-            Event::Plan(p) => p,
-            Event::Failed(e) => return Err(e),
-            Event::Filled(_) => {
-                return Err("the restore server sent a segment before its plan".into())
-            }
-        };
-        let count = plan.len();
-        let mut out = HandOver {
-            plan,
-            ..HandOver::default()
-        };
-        let mut vas = Vec::with_capacity(count);
-        for _ in 0..count {
-            let f = match next(&mut self.rx, deadline).await? {
-                Event::Filled(f) => f,
-                Event::Failed(e) => return Err(e),
-                Event::Plan(_) => return Err("the restore server sent two plans".into()),
-            };
-            let frame = json!({"type": "map", "va": f.va, "size": f.size, "readonly": f.readonly, "fd": true});
-            fds::send_with_fd(wr, &frame, f.fd.as_fd())
-                .await
-                .map_err(|e| format!("sending map for {:#x}: {e}", f.va))?;
-            vas.push(f.va);
-            out.bytes += f.size;
-            out.leases.push(f.lease);
-        }
-        // The worker serves frames in order: one `mapped` per `map`, in the same order.
-        for va in vas {
-            let msg = tokio::time::timeout_at(deadline, replies.next())
-                .await
-                .map_err(|_| {
-                    format!(
-                        "the worker did not map {va:#x} within {} s",
-                        MAP_TIMEOUT.as_secs()
-                    )
-                })?
-                .map_err(|e| format!("waiting for mapped {va:#x}: {e}"))?;
-            if msg.get("type").and_then(Value::as_str) != Some("mapped")
-                || msg.get("va").and_then(Value::as_u64) != Some(va)
-            {
-                return Err(format!(
-                    "expected mapped for {va:#x}, got {}",
-                    Value::Object(msg)
-                ));
-            }
-            if msg.get("ok").and_then(Value::as_bool) != Some(true) {
-                return Err(format!(
-                    "the worker could not map the segment at {va:#x}: {}",
-                    msg.get("error")
-                        .and_then(|e| e.get("message"))
-                        .and_then(Value::as_str)
-                        .unwrap_or("no reason given")
-                ));
-            }
-        }
-        out.segments = count;
-        Ok(out)
     }
 }
 
