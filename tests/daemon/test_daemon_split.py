@@ -139,15 +139,15 @@ def test_a_corrupted_chunk_fails_the_restored_instance_with_a_clear_error_and_th
     data[-1] ^= 0xFF
     chunk.write_bytes(bytes(data))
 
-    # The instance may take the request before its segments are filled: the fill fails, the
-    # instance is removed, and the request is answered with the segment and the chunk (or, when
-    # the fill failed before the instance joined its pool, served by the instance booted next);
-    # restores of the snapshot pause (a retry would read the same store), so instances are booted.
+    # The instance takes the request before its segments are filled: the fill fails, the
+    # instance is removed (always from its pool: the hand-over waits until it joined), and the
+    # request is answered with the segment and the chunk; restores of the snapshot pause (a retry
+    # would read the same store), so the next instance is booted.
     r = fresh.invoke("splitbuf", {"op": "compute", "x": 1})
-    if r.status == 502:
-        message = r.json()["error"]
-        assert f"segment at {addrs['weights']:#x}" in message and chunk_id[:16] in message, message
-        r = fresh.invoke("splitbuf", {"op": "compute", "x": 1})
+    assert r.status == 502, (r.status, r.body, fresh.log_text())
+    message = r.json()["error"]
+    assert f"segment at {addrs['weights']:#x}" in message and chunk_id[:16] in message, message
+    r = fresh.invoke("splitbuf", {"op": "compute", "x": 1})
     assert r.status == 200 and r.start == "booted", (r.status, r.body, fresh.log_text())
     assert r.json()["sha"] == want, (r.json(), want)
     warning = [line for line in fresh.log_text().splitlines() if "booting an instance instead" in line]

@@ -133,6 +133,10 @@ pub struct Instance {
     /// An unused standby instance (crate::standby): no keep-alive step, `standby` to its first
     /// request.
     pub(crate) standby: AtomicBool,
+    /// Told once it joined its pool, or was removed: a restore's background segment hand-over
+    /// waits for it, so that a failed fill always finds the instance in its pool (and fails its
+    /// request there) instead of racing the start that is adding it.
+    pub(crate) joined: tokio::sync::Notify,
 }
 
 /// What [`Runtime::stop_instances`] took out of service.
@@ -1130,8 +1134,8 @@ impl Runtime {
                     st = lock(&pool2.state);
                     Err(format!("function {:?} was deleted", pool2.name))
                 }
-                // Removed already (a split restore's segments failed in the background): its
-                // removal found it in no pool, so it must not join one now.
+                // Removed already (its worker died): its removal found it in no pool, so it must
+                // not join one now.
                 Ok((inst, _, _)) if inst.is_dead() => Err(format!(
                     "the new instance of {:?} was removed: {}",
                     pool2.name,
@@ -1144,6 +1148,9 @@ impl Runtime {
                 Err(e) => Err(e),
             };
             drop(st);
+            if let Ok((inst, _, _)) = &out {
+                inst.joined.notify_one();
+            }
             if let Err(Ok((inst, _, _))) = tx.send(out) {
                 // The request went away: the instance is idle.
                 if let Some(slot) = lock(&pool2.state)
@@ -1207,7 +1214,11 @@ impl Runtime {
                 .await
             {
                 Ok(started) => {
-                    lock(&self.restore_health).remove(name);
+                    // The failure count only: a pause the instance's background segment
+                    // hand-over set meanwhile (a corrupt chunk) must stand.
+                    if let Some(h) = lock(&self.restore_health).get_mut(name) {
+                        h.failures = 0;
+                    }
                     return Ok(started);
                 }
                 Err(e) => {
@@ -1302,6 +1313,7 @@ impl Runtime {
         let how = HowToRestore {
             pages: how_pages,
             staged,
+            ..HowToRestore::default()
         };
         let staged = how.staged.is_some();
         // Until the instance is adopted, `pages` stops the lazy-pages daemon if dropped (each
@@ -1316,26 +1328,8 @@ impl Runtime {
         new.charge.process_started(init);
         let restore_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let conn = match wake(&self.hub, worker, RECONNECT_TIMEOUT).await {
-            Ok(c) => c,
-            Err(e) => {
-                kill_tree(init);
-                return Err(format!(
-                    "an instance of {name:?} restored from {} did not reconnect: {e}",
-                    from.display()
-                ));
-            }
-        };
-        if conn.hello.role != "function" || conn.hello.function.as_deref() != Some(name) {
-            kill_tree(init);
-            return Err(format!(
-                "an instance restored from {} says it serves {:?} (role {}), not {name:?}: the \
-                 snapshot is not this function's; deploy it again",
-                from.display(),
-                conn.hello.function,
-                conn.hello.role
-            ));
-        }
+        let what = format!("an instance of {name:?} restored from {}", from.display());
+        let conn = self.wake_function(name, init, worker, &what).await?;
         let reconnect_s = t.elapsed().as_secs_f64();
         let hello = Instant::now();
         // The instance takes requests once the plan is known; its segments follow.
@@ -1424,6 +1418,7 @@ impl Runtime {
         what: &str,
         function_snapshot: bool,
     ) {
+        inst.joined.notified().await;
         let deadline = tokio::time::Instant::now() + crate::split::server::MAP_TIMEOUT;
         let sent = handing
             .send_maps(&inst.writer, |va, lease| {
@@ -1785,6 +1780,7 @@ impl Runtime {
         lock(&inst.segments).clear();
         // Its hand-over, if one is still going, learns it from the dropped mapping.
         lock(&inst.mapping).take();
+        inst.joined.notify_one();
         if kill {
             kill_tree(inst.init_pid);
         }
@@ -1838,6 +1834,7 @@ fn new_instance(
         segment_replies: Mutex::new(None),
         mapping: Mutex::new(None),
         pages_pending: AtomicBool::new(false),
+        joined: tokio::sync::Notify::new(),
         standby: AtomicBool::new(false),
     });
     (inst, conn.rd)
@@ -1917,6 +1914,10 @@ pub struct HowToRestore {
     /// Restored from with sizes checked only (hashed when staged, on the daemon's root-only
     /// tmpfs since); held until CRIU's lazy-pages daemon has read every page.
     pub staged: Option<Arc<crate::staging::StagedCopy>>,
+    /// Skip the driver's restore and unlock: the tree's CUDA state stays locked and
+    /// checkpointed, as an in-place GPU release leaves it (a standby instance, crate::standby).
+    /// Only the worker may use CUDA then: the GPU resume restores that one process.
+    pub leave_gpu_checkpointed: bool,
 }
 
 /// A restored tree.
@@ -1998,7 +1999,7 @@ pub async fn restore_with(
                     log_dir: &log_dir,
                     stdio,
                     verify,
-                    resume_gpu: true,
+                    resume_gpu: !how.leave_gpu_checkpointed,
                 },
                 &pages,
             )
@@ -2012,6 +2013,14 @@ pub async fn restore_with(
         }
         .map_err(|e| e.to_string())?;
         let init = restored.pid;
+        let cuda = restored.manifest.source.tree.iter().filter(|p| p.cuda).count();
+        if how.leave_gpu_checkpointed && cuda > 1 {
+            kill_tree(init);
+            return Err(format!(
+                "the snapshot has {cuda} CUDA processes; a standby instance resumes only the \
+                 worker's: set scaling.standby = 0"
+            ));
+        }
         let pages = restored.lazy_pages.map(|lazy| PendingPages {
             lazy: Some(lazy),
             staged: how.staged,
@@ -2030,6 +2039,35 @@ pub async fn restore_with(
     })
     .await
     .map_err(|e| format!("restore task failed: {e}"))?
+}
+
+impl Runtime {
+    /// Wakes a restored worker (`what` names it in errors) and checks that it is an instance of
+    /// `name`; its tree is killed otherwise.
+    pub(crate) async fn wake_function(
+        &self,
+        name: &str,
+        init: i32,
+        worker: i32,
+        what: &str,
+    ) -> Result<WorkerConn, String> {
+        let conn = match wake(&self.hub, worker, RECONNECT_TIMEOUT).await {
+            Ok(c) => c,
+            Err(e) => {
+                kill_tree(init);
+                return Err(format!("{what} did not reconnect: {e}"));
+            }
+        };
+        if conn.hello.role != "function" || conn.hello.function.as_deref() != Some(name) {
+            kill_tree(init);
+            return Err(format!(
+                "{what} says it serves {:?} (role {}), not {name:?}: the snapshot is not this \
+                 function's; deploy it again",
+                conn.hello.function, conn.hello.role
+            ));
+        }
+        Ok(conn)
+    }
 }
 
 /// SIGUSR2 to a restored (or just snapshotted) worker, and its connection once it says hello

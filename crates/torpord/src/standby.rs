@@ -21,8 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::ColdStart;
 use crate::registry::{now_ms, Stage};
-use crate::runtime::RECONNECT_TIMEOUT;
-use crate::runtime::{kill_tree, lock, wake, FnInfo, Instance, Pool, PoolState, Runtime};
+use crate::runtime::{lock, restore_with, FnInfo, Instance, Pool, PoolState, Runtime};
 
 /// The longest wait between failed standby starts of one function.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(60);
@@ -227,6 +226,7 @@ impl Runtime {
                 st.instances.push((Arc::clone(&inst), 0));
                 st.standby.clear_failures();
                 drop(st);
+                inst.joined.notify_one();
                 tracing::info!(function = %pool.name, instance = %inst.id, pid = inst.init_pid, start_ms = t.elapsed().as_secs_f64() * 1e3, "standby instance ready");
             }
             Err(e) => {
@@ -254,27 +254,20 @@ impl Runtime {
         let plan = tokio::task::spawn_blocking(move || split.plan(&snapshot))
             .await
             .map_err(|e| format!("split plan task failed: {e}"))??;
-        let (init, worker) = restore_locked(&info.snapshot_dir, &self.logs_dir(), &log)
+        // Copy pages, from the staged copy when there is one: off the request's path, and a
+        // GPU worker's driver restore would fault in lazy pages one by one later.
+        let how = crate::runtime::HowToRestore {
+            pages: torpor_snapshot::restore::PageSource::Copy,
+            staged: self.staging.get(&info.snapshot_dir),
+            leave_gpu_checkpointed: true,
+        };
+        let tree = restore_with(&info.snapshot_dir, &self.logs_dir(), &log, how)
             .await
             .map_err(|e| format!("cannot restore a standby instance of {name:?}: {e}"))?;
+        let (init, worker) = (tree.init, tree.worker);
         charge.process_started(init);
-        let conn = match wake(&self.hub, worker, RECONNECT_TIMEOUT).await {
-            Ok(c) => c,
-            Err(e) => {
-                kill_tree(init);
-                return Err(format!(
-                    "a standby instance of {name:?} did not reconnect: {e}"
-                ));
-            }
-        };
-        if conn.hello.role != "function" || conn.hello.function.as_deref() != Some(name) {
-            kill_tree(init);
-            return Err(format!(
-                "a standby instance says it serves {:?} (role {}), not {name:?}: the snapshot is \
-                 not this function's; deploy it again",
-                conn.hello.function, conn.hello.role
-            ));
-        }
+        let what = format!("a standby instance of {name:?}");
+        let conn = self.wake_function(name, init, worker, &what).await?;
         let inst = self
             .adopt(id, name, info, generation, None, init, worker, conn)
             .await?;
@@ -291,50 +284,6 @@ impl Runtime {
         }
         Ok(inst)
     }
-}
-
-/// [`crate::runtime::restore`] with `resume_gpu = false`: returns (init, worker) of a tree whose
-/// CUDA state is locked + checkpointed. Only the worker may use CUDA: the daemon's GPU resume
-/// restores and unlocks that one process.
-async fn restore_locked(
-    dir: &std::path::Path,
-    log_dir: &std::path::Path,
-    stdio: &std::path::Path,
-) -> Result<(i32, i32), String> {
-    let (dir, log_dir, stdio) = (
-        dir.to_path_buf(),
-        log_dir.to_path_buf(),
-        stdio.to_path_buf(),
-    );
-    tokio::task::spawn_blocking(move || {
-        let restored = torpor_snapshot::restore::restore(&torpor_snapshot::restore::RestoreOptions {
-            dir: &dir,
-            detach: true,
-            gpu_map: &[],
-            log_dir: &log_dir,
-            stdio: Some(&stdio),
-            // Off the request path: the disk copy, every file hashed.
-            verify: torpor_snapshot::restore::Verify::Hashes,
-            resume_gpu: false,
-        })
-        .map_err(|e| e.to_string())?;
-        let cuda = restored.manifest.source.tree.iter().filter(|p| p.cuda).count();
-        if cuda > 1 {
-            kill_tree(restored.pid);
-            return Err(format!(
-                "the snapshot has {cuda} CUDA processes; a standby instance resumes only the worker's: set scaling.standby = 0"
-            ));
-        }
-        match crate::launcher::worker_pid(restored.pid) {
-            Ok(w) => Ok((restored.pid, w)),
-            Err(e) => {
-                kill_tree(restored.pid);
-                Err(e)
-            }
-        }
-    })
-    .await
-    .map_err(|e| format!("restore task failed: {e}"))?
 }
 
 #[cfg(test)]
