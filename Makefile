@@ -33,7 +33,7 @@ unit: criu
 	$(CARGO) test --workspace
 
 pytest: build criu
-	@$(PYTHON) -m pytest --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q pytest
+	@$(PYTHON) -c 'import pytest, hypothesis' >/dev/null 2>&1 || $(PYTHON) -m pip install -q -r tests/requirements.txt
 	TORPOR_BIN=$(CURDIR)/$(TEST_BIN) TORPOR_HOOK_LIB=$(CURDIR)/$(TEST_HOOK) $(PYTHON) -m pytest -q -ra tests
 
 test: lint unit pytest

@@ -22,7 +22,7 @@ pub enum FrameError {
 }
 
 /// One frame (header and payload) holding `obj`. Fails only for a payload over [`MAX_FRAME`].
-pub fn encode(obj: &Value) -> Result<Vec<u8>, FrameError> {
+pub fn encode<T: serde::Serialize + ?Sized>(obj: &T) -> Result<Vec<u8>, FrameError> {
     let payload = serde_json::to_vec(obj).map_err(|e| FrameError::NotJson(e.to_string()))?;
     if payload.len() > MAX_FRAME {
         return Err(FrameError::TooLong(payload.len()));
@@ -38,6 +38,15 @@ pub fn encode(obj: &Value) -> Result<Vec<u8>, FrameError> {
 pub async fn read<R: AsyncRead + Unpin>(
     r: &mut R,
 ) -> Result<Option<Map<String, Value>>, FrameError> {
+    match read_payload(r).await? {
+        Some(payload) => parse(&payload).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// The next frame's payload, unparsed (for frames whose values must pass through as sent), or
+/// `None` when the peer closed the connection between frames.
+pub async fn read_payload<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Vec<u8>>, FrameError> {
     let mut header = [0u8; 4];
     let mut got = 0;
     while got < header.len() {
@@ -63,8 +72,13 @@ pub async fn read<R: AsyncRead + Unpin>(
             FrameError::Io(e)
         }
     })?;
-    match serde_json::from_slice::<Value>(&payload) {
-        Ok(Value::Object(map)) => Ok(Some(map)),
+    Ok(Some(payload))
+}
+
+/// The object in one frame's payload.
+pub fn parse(payload: &[u8]) -> Result<Map<String, Value>, FrameError> {
+    match serde_json::from_slice::<Value>(payload) {
+        Ok(Value::Object(map)) => Ok(map),
         Ok(other) => Err(FrameError::NotJson(format!(
             "a JSON {} instead of an object",
             match other {

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{oneshot, Notify};
@@ -84,7 +85,37 @@ struct NewInstance<'a, 'g> {
 /// A request sent to a worker: told when its handler starts, then given its result.
 struct Pending {
     started: Option<oneshot::Sender<()>>,
-    result: oneshot::Sender<Map<String, Value>>,
+    result: oneshot::Sender<Answer>,
+}
+
+/// A worker's `result` frame: its fields, and its `value` as the bytes the worker sent (so the
+/// daemon never re-encodes a function's result: no float or big integer changes on the way).
+#[derive(Debug)]
+struct Answer {
+    msg: Map<String, Value>,
+    value: Option<Box<RawValue>>,
+}
+
+impl Answer {
+    /// The `value` of a result frame's payload, as sent.
+    fn value_of(payload: &[u8]) -> Result<Option<Box<RawValue>>, frames::FrameError> {
+        #[derive(serde::Deserialize)]
+        struct RawResult {
+            value: Option<Box<RawValue>>,
+        }
+        serde_json::from_slice::<RawResult>(payload)
+            .map(|r| r.value)
+            .map_err(|e| frames::FrameError::NotJson(e.to_string()))
+    }
+}
+
+/// The invoke frame; `request` is sent as the bytes the client sent.
+#[derive(serde::Serialize)]
+struct InvokeFrame<'a> {
+    r#type: &'static str,
+    id: u64,
+    request: &'a RawValue,
+    timeout_s: f64,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -285,7 +316,8 @@ pub type Timings = Vec<(String, f64)>;
 /// A successful invocation.
 #[derive(Debug)]
 pub struct Invoked {
-    pub value: Value,
+    /// The function's value as the worker encoded it.
+    pub value: Box<RawValue>,
     pub start: &'static str,
     pub timings: Timings,
 }
@@ -741,7 +773,7 @@ impl Runtime {
     pub async fn invoke(
         self: &Arc<Self>,
         name: &str,
-        request: Value,
+        request: Box<RawValue>,
     ) -> Result<Invoked, InvokeError> {
         let t0 = Instant::now();
         let result = self.invoke_inner(name, request, t0).await;
@@ -761,7 +793,7 @@ impl Runtime {
     async fn invoke_inner(
         self: &Arc<Self>,
         name: &str,
-        request: Value,
+        request: Box<RawValue>,
         t0: Instant,
     ) -> Result<Invoked, InvokeError> {
         let pool = self.pool(name).await?;
@@ -798,12 +830,14 @@ impl Runtime {
             }
         };
         match res {
-            Ok(msg) => {
+            Ok(Answer { msg, value }) => {
                 let handler = msg.get("handler_s").and_then(Value::as_f64);
                 finish(&mut timings, handler);
                 if msg.get("ok").and_then(Value::as_bool) == Some(true) {
                     Ok(Invoked {
-                        value: msg.get("value").cloned().unwrap_or(Value::Null),
+                        value: value.unwrap_or_else(|| {
+                            RawValue::from_string("null".into()).expect("null is JSON")
+                        }),
                         start: kind,
                         timings,
                     })
@@ -826,10 +860,10 @@ impl Runtime {
     async fn call(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
-        request: Value,
+        request: Box<RawValue>,
         timeout: Duration,
         per_instance: usize,
-    ) -> Result<Map<String, Value>, InvokeError> {
+    ) -> Result<Answer, InvokeError> {
         let id = self.next();
         let (tx, rx) = oneshot::channel();
         let (started_tx, started_rx) = oneshot::channel();
@@ -840,7 +874,21 @@ impl Runtime {
                 result: tx,
             },
         );
-        let frame = json!({"type": "invoke", "id": id, "request": request, "timeout_s": timeout.as_secs_f64()});
+        let frame = InvokeFrame {
+            r#type: "invoke",
+            id,
+            request: &request,
+            timeout_s: timeout.as_secs_f64(),
+        };
+        let frame = match frames::encode(&frame) {
+            Ok(frame) => frame,
+            Err(e) => {
+                lock(&inst.pending).remove(&id);
+                return Err(InvokeError::BadRequest(format!(
+                    "the request cannot be sent ({e}): send less data (e.g. a path)"
+                )));
+            }
+        };
         let crashed = |inst: &Instance| {
             InvokeError::Crashed(format!(
                 "the worker of function {:?} (instance {}, pid {}) failed while handling the \
@@ -862,7 +910,7 @@ impl Runtime {
         let to = Arc::clone(inst);
         let sent = tokio::spawn(async move {
             let mut wr = to.writer.lock().await;
-            workers::send(&mut wr, &frame).await
+            workers::send_frame(&mut wr, &frame).await
         })
         .await
         .unwrap_or_else(|e| Err(ConnError::Write(std::io::Error::other(e))));
@@ -1664,8 +1712,12 @@ impl Runtime {
     /// Hands each `result` to its request; anything else, or the end, removes the instance.
     async fn read_results(self: Arc<Self>, inst: Arc<Instance>, mut rd: OwnedReadHalf) {
         let why = loop {
-            match frames::read(&mut rd).await {
-                Ok(Some(msg)) => {
+            match frames::read_payload(&mut rd).await {
+                Ok(Some(payload)) => {
+                    let msg = match frames::parse(&payload) {
+                        Ok(msg) => msg,
+                        Err(e) => break format!("it sent a malformed frame ({e})"),
+                    };
                     let kind = msg.get("type").and_then(Value::as_str);
                     if kind == Some("quiet") && inst.hibernating.load(Ordering::SeqCst) {
                         // The hibernation reads the rest: segment fds (split), then the EOF.
@@ -1723,10 +1775,14 @@ impl Runtime {
                     let Some(id) = msg.get("id").and_then(Value::as_u64) else {
                         break "it broke the protocol (a result without a numeric id)".to_string();
                     };
+                    let value = match Answer::value_of(&payload) {
+                        Ok(value) => value,
+                        Err(e) => break format!("it sent a malformed result ({e})"),
+                    };
                     let waiter = lock(&inst.pending).remove(&id);
                     match waiter {
                         Some(p) => {
-                            let _ = p.result.send(msg);
+                            let _ = p.result.send(Answer { msg, value });
                         }
                         None => {
                             tracing::debug!(instance = %inst.id, id, "result for a request that was given up")

@@ -143,8 +143,12 @@ impl WorkerConn {
 
 /// Writes one frame to a worker.
 pub async fn send(wr: &mut OwnedWriteHalf, obj: &Value) -> Result<(), ConnError> {
-    let frame = frames::encode(obj)?;
-    wr.write_all(&frame).await.map_err(ConnError::Write)
+    send_frame(wr, &frames::encode(obj)?).await
+}
+
+/// Writes one encoded frame ([`frames::encode`]) to a worker.
+pub async fn send_frame(wr: &mut OwnedWriteHalf, frame: &[u8]) -> Result<(), ConnError> {
+    wr.write_all(frame).await.map_err(ConnError::Write)
 }
 
 #[derive(Default)]
