@@ -6,6 +6,7 @@ pub mod gpu_map;
 pub mod gpu_tasks;
 pub mod interrupt;
 pub mod launch;
+pub mod mount_ns;
 pub mod mounts;
 pub mod phases;
 pub mod preflight;

@@ -96,10 +96,11 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
             proctree::read_process(p).map_err(|source| SnapshotError::Proc { pid: p, source })
         })
         .collect::<Result<_, _>>()?;
-    let external = mounts::external_mounts(root.pid).map_err(|source| SnapshotError::Proc {
+    let mount_plan = mounts::plan(root.pid).map_err(|source| SnapshotError::Proc {
         pid: root.pid,
         source,
     })?;
+    let external = mount_plan.external;
 
     let mut stdio: Vec<torpor_image::StdioFile> = Vec::new();
     for f in pids.iter().flat_map(|&p| proctree::stdio_files(p)) {
@@ -204,6 +205,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     );
     manifest.gpu = gpu_section;
     manifest.external_mounts = external;
+    manifest.archived_mounts = mount_plan.archived;
     manifest.stdio_files = stdio;
     manifest.stop_time_s = stop_time;
 
