@@ -13,6 +13,7 @@ pub mod preflight;
 pub mod proctree;
 pub mod restore;
 pub mod snapshot;
+pub mod space;
 pub mod stage;
 pub mod supervise;
 mod sys;

@@ -20,6 +20,7 @@ use crate::mounts;
 use crate::phases::Phases;
 use crate::preflight::{self, PreflightError};
 use crate::proctree::{self, ProcessInfo};
+use crate::space;
 
 /// What to snapshot and how.
 pub struct SnapshotOptions<'a> {
@@ -58,6 +59,15 @@ pub enum SnapshotError {
     /// CRIU failed; rolled back.
     #[error("{source}; pid {root} keeps running, nothing was written")]
     Dump { root: i32, source: CriuError },
+    /// The snapshot's filesystem is (or ran) full; rolled back.
+    #[error("no space for the snapshot in {}: it needs at least {}, the filesystem has {} free; free space there or put the snapshots (the state dir) on a larger filesystem; pid {root} keeps running, nothing was written{}", dir.display(), torpor_image::human_size(*needed), torpor_image::human_size(*free), log.as_ref().map(|l| format!(" (CRIU's log: {})", l.display())).unwrap_or_default())]
+    DiskFull {
+        root: i32,
+        dir: PathBuf,
+        needed: u64,
+        free: u64,
+        log: Option<PathBuf>,
+    },
     /// SIGINT/SIGTERM arrived; rolled back.
     #[error("interrupted: pid {root} keeps running and no snapshot was written")]
     Interrupted { root: i32 },
@@ -135,6 +145,23 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     };
     let mut tasks = cuda.as_ref().map(|(d, _, p)| GpuTasks::new(d, p.clone()));
 
+    // A dump into a filesystem that cannot hold it fails half-way: say so before the source
+    // is stopped, and name a full disk as such should it fill up during the dump.
+    let archived: Vec<String> = mount_plan.archived.iter().map(|a| a.path.clone()).collect();
+    let gpu_bytes: u64 = gpu_section
+        .iter()
+        .flat_map(|g| &g.gpus)
+        .filter_map(|g| g.used_by_snapshot)
+        .sum();
+    let space = Space {
+        dir: opts.out.parent().unwrap_or(Path::new(".")).to_path_buf(),
+        needed: space::least_needed(&pids, &archived, gpu_bytes),
+        free: space::free_bytes(writer.dir()).unwrap_or(u64::MAX),
+    };
+    if space.free < space.needed {
+        return Err(space.full(root.pid, None));
+    }
+
     let stop_start = Instant::now();
     let result = stop_and_dump(
         &criu,
@@ -150,7 +177,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
             root.pid,
             tasks.as_mut(),
             original,
-            Some(&writer),
+            Some((&writer, &space)),
             opts.log_dir,
             false,
         ));
@@ -171,7 +198,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
                     root.pid,
                     Some(t),
                     original,
-                    Some(&writer),
+                    Some((&writer, &space)),
                     opts.log_dir,
                     false,
                 ));
@@ -215,7 +242,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
             root.pid,
             tasks.as_mut(),
             original,
-            Some(&writer),
+            Some((&writer, &space)),
             opts.log_dir,
             !opts.leave_running,
         ));
@@ -333,7 +360,7 @@ fn roll_back(
     root: i32,
     tasks: Option<&mut GpuTasks>,
     original: SnapshotError,
-    writer: Option<&SnapshotWriter>,
+    writer: Option<(&SnapshotWriter, &Space)>,
     log_dir: &Path,
     frozen: bool,
 ) -> SnapshotError {
@@ -341,7 +368,7 @@ fn roll_back(
         signal_tree(&proctree::tree(root), libc::SIGCONT);
     }
     let original = match writer {
-        Some(w) => keep_dump_log(original, w, log_dir),
+        Some((w, space)) => keep_dump_log(original, w, log_dir, space),
         None => original,
     };
     // The writer's Drop removes the partial directory.
@@ -355,18 +382,54 @@ fn roll_back(
     }
 }
 
+/// What a snapshot needs on its filesystem and what it had when the snapshot began.
+struct Space {
+    dir: PathBuf,
+    needed: u64,
+    free: u64,
+}
+
+impl Space {
+    fn full(&self, root: i32, log: Option<PathBuf>) -> SnapshotError {
+        SnapshotError::DiskFull {
+            root,
+            dir: self.dir.clone(),
+            needed: self.needed,
+            free: self.free,
+            log,
+        }
+    }
+}
+
 /// Moves CRIU's dump log out of the partial snapshot (which is about to be removed) so the error
-/// can name it.
-fn keep_dump_log(err: SnapshotError, writer: &SnapshotWriter, log_dir: &Path) -> SnapshotError {
+/// can name it, and names a full filesystem as such. The log is renamed when it can be (no
+/// space needed: the partial snapshot and `log_dir` are usually on one filesystem), else
+/// copied; an error never names a log that is gone.
+fn keep_dump_log(
+    err: SnapshotError,
+    writer: &SnapshotWriter,
+    log_dir: &Path,
+    space: &Space,
+) -> SnapshotError {
     let SnapshotError::Dump { root, source } = err else {
         return err;
     };
     let from = writer.dir().join("dump.log");
     let to = log_dir.join(format!("dump-{root}-{}.log", crate::sys::unix_millis()));
     let kept = std::fs::create_dir_all(log_dir)
-        .and_then(|_| std::fs::copy(&from, &to))
+        .and_then(|_| std::fs::rename(&from, &to).or_else(|_| std::fs::copy(&from, &to).map(|_| ())))
         .is_ok();
-    let source = if kept { source.with_log(to) } else { source };
+    let log = kept.then_some(to);
+    if log.as_deref().is_some_and(space::log_says_full) || (!kept && space::log_says_full(&from)) {
+        return space.full(root, log);
+    }
+    let source = match log {
+        Some(to) => source.with_log(to),
+        None => source.with_log(PathBuf::from(format!(
+            "(CRIU's log could not be kept in {})",
+            log_dir.display()
+        ))),
+    };
     SnapshotError::Dump { root, source }
 }
 
