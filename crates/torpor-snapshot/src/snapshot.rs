@@ -417,7 +417,9 @@ fn keep_dump_log(
     let from = writer.dir().join("dump.log");
     let to = log_dir.join(format!("dump-{root}-{}.log", crate::sys::unix_millis()));
     let kept = std::fs::create_dir_all(log_dir)
-        .and_then(|_| std::fs::rename(&from, &to).or_else(|_| std::fs::copy(&from, &to).map(|_| ())))
+        .and_then(|_| {
+            std::fs::rename(&from, &to).or_else(|_| std::fs::copy(&from, &to).map(|_| ()))
+        })
         .is_ok();
     let log = kept.then_some(to);
     if log.as_deref().is_some_and(space::log_says_full) || (!kept && space::log_says_full(&from)) {

@@ -16,7 +16,12 @@ pub fn least_needed(pids: &[i32], own_tmpfs: &[String], extra: u64) -> u64 {
         .map(|root| {
             own_tmpfs
                 .iter()
-                .filter_map(|m| used_bytes(&Path::new(&format!("/proc/{root}/root")).join(m.trim_start_matches('/'))).ok())
+                .filter_map(|m| {
+                    used_bytes(
+                        &Path::new(&format!("/proc/{root}/root")).join(m.trim_start_matches('/')),
+                    )
+                    .ok()
+                })
                 .sum()
         })
         .unwrap_or(0);
@@ -79,7 +84,11 @@ mod tests {
     fn enospc_in_the_log_is_recognised() {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("dump.log");
-        std::fs::write(&log, "(00.1) Error (criu/image.c:1): Can't write: No space left on device\n").unwrap();
+        std::fs::write(
+            &log,
+            "(00.1) Error (criu/image.c:1): Can't write: No space left on device\n",
+        )
+        .unwrap();
         assert!(log_says_full(&log));
         std::fs::write(&log, "(00.1) Error (criu/cr-dump.c:1): Dumping FAILED.\n").unwrap();
         assert!(!log_says_full(&log));

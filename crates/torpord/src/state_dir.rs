@@ -149,9 +149,9 @@ impl StateDir {
 fn check_filesystem(root: &Path) -> Result<(), StateDirError> {
     let c_path = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(root.as_os_str()))
         .map_err(|e| StateDirError::Create {
-            path: root.to_path_buf(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
+        path: root.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
     // SAFETY: zeroed is a valid statvfs (plain integers), filled in by the call below.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c_path` is a valid C string and `st` a valid, writable statvfs.
