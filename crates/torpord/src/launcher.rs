@@ -50,7 +50,7 @@ pub fn launch_main(args: &[OsString]) -> ExitCode {
     }
 }
 
-/// A worker's mount namespace (docs/torpord.md, "What a worker sees"): its own /dev/shm and
+/// A worker's mount namespace (docs/mounts.md): its own /dev/shm and
 /// /tmp, none of the host's memory filesystems, the state directory bound in, and the Python
 /// harness bound in where the worker could not reach it otherwise. The function's directory
 /// is bound in when the function is loaded ([`crate::function_mounts`]).

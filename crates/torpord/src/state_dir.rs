@@ -145,7 +145,7 @@ impl StateDir {
 
 /// Refuses a filesystem a worker cannot be run from (read-only, noexec). Any other works:
 /// ext4, xfs, tmpfs, a bind mount — workers reach the state directory through a bind mount
-/// CRIU leaves out of every snapshot (docs/torpord.md, "What a worker sees").
+/// CRIU leaves out of every snapshot (docs/mounts.md).
 fn check_filesystem(root: &Path) -> Result<(), StateDirError> {
     let c_path = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(root.as_os_str()))
         .map_err(|e| StateDirError::Create {
