@@ -81,3 +81,11 @@ def test_a_full_filesystem_is_named_with_the_bytes_needed_and_free(
     assert "needs at least" in line and "MB free" in line, line
     assert f"pid {w.init_pid} keeps running" in line, line
     assert w.ask("ping") == "pong"
+
+
+def test_a_log_in_the_commands_own_shm_is_refused(torpor: Torpor, tmp_path: Path) -> None:
+    log = Path(f"/dev/shm/torpor-test-{tmp_path.name}.log")
+    line = torpor.fails("run", "--log", log, "--", "true")
+    assert f"the log file {log} would be out of the command's reach" in line, line
+    assert "pass --log with a path elsewhere" in line, line
+    assert not log.exists()

@@ -42,6 +42,14 @@ pub enum LaunchError {
     /// The mount namespace could not be built.
     #[error(transparent)]
     Mounts(#[from] crate::mount_ns::MountNsError),
+    /// A path the launch needs lies where the new mount namespace has a tmpfs of its own (or
+    /// none of the host's).
+    #[error("the {what} {path} would be out of the command's reach: it gets a /dev/shm of its own and none of the host's memory filesystems (docs/mounts.md); {fix}")]
+    Unreachable {
+        what: &'static str,
+        path: PathBuf,
+        fix: &'static str,
+    },
     /// A system call in the setup failed.
     #[error(
         "{step} failed: {source}; the kernel must allow PID/mount/network namespaces for root"
@@ -91,6 +99,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
             source,
         })?;
     }
+    check_reachable(opts)?;
     let init = init_binary(opts.state_dir)?;
     let setup = |step, source| LaunchError::Setup { step, source };
     let (report_rd, report_wr) = sys::pipe_cloexec().map_err(|e| setup("pipe", e))?;
@@ -147,6 +156,32 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
         return Err(LaunchError::Child(report.into_owned()));
     }
     Ok(pid)
+}
+
+/// Refuses a log or state directory the command could not reach once its mount namespace is
+/// built: the log would be written where nobody outside sees it, the init could not be run.
+fn check_reachable(opts: &LaunchOptions) -> Result<(), LaunchError> {
+    let table =
+        std::fs::read_to_string("/proc/self/mountinfo").map_err(|source| LaunchError::Setup {
+            step: "reading the mount table",
+            source,
+        })?;
+    let table = crate::mounts::parse(&table);
+    let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    for (what, path, fix) in [
+        ("log file", opts.log, "pass --log with a path elsewhere"),
+        (
+            "state directory",
+            opts.state_dir,
+            "set TORPOR_STATE_DIR to a directory elsewhere",
+        ),
+    ] {
+        let path = absolute(path);
+        if !opts.mounts.reaches(&path, &table) {
+            return Err(LaunchError::Unreachable { what, path, fix });
+        }
+    }
+    Ok(())
 }
 
 /// A copy of the running torpor binary named by its hash. Snapshots map the init's binary, and

@@ -107,6 +107,14 @@ pub fn parse(mountinfo: &str) -> Vec<MountInfo> {
         .collect()
 }
 
+/// The mount holding `path` (absolute, symlinks resolved): the deepest mount point above it.
+pub fn containing<'t>(path: &Path, table: &'t [MountInfo]) -> Option<&'t MountInfo> {
+    table
+        .iter()
+        .filter(|m| path.starts_with(&m.point))
+        .max_by_key(|m| m.point.len())
+}
+
 /// How [`crate::launch`] builds the mount namespace of what it starts. It starts as a private
 /// copy of the caller's; then
 /// 1. the mounts [`MountPolicy::to_detach`] names are detached (with everything below them);
@@ -182,6 +190,12 @@ impl MountPolicy {
                 .to_detach(table)
                 .iter()
                 .any(|p| path.starts_with(Path::new(p)))
+    }
+
+    /// Whether the launched process reaches the host's `path` at the same path: it is not
+    /// hidden, or lies in one of the binds.
+    pub fn reaches(&self, path: &Path, table: &[MountInfo]) -> bool {
+        self.binds.iter().any(|b| path.starts_with(b)) || !self.hides(path, table)
     }
 }
 
@@ -341,6 +355,14 @@ mod tests {
             assert_eq!(worker.hides(Path::new(path), &table), hidden, "{path}");
         }
         assert!(!MountPolicy::command().hides(Path::new("/tmp/x"), &table));
+        let holder = |p: &str| containing(Path::new(p), &table).map(|m| m.point.as_str());
+        assert_eq!(holder("/tmp/tm/a"), Some("/tmp/tm"));
+        assert_eq!(holder("/tmp/tmx"), Some("/"));
+        assert_eq!(holder("/run/netns/a"), Some("/run/netns/a"));
+        let bound = MountPolicy::worker(vec!["/tmp/state".into()]);
+        assert!(bound.reaches(Path::new("/tmp/state/logs/w.log"), &table));
+        assert!(!bound.reaches(Path::new("/tmp/other.log"), &table));
+        assert!(bound.reaches(Path::new("/home/u/w.log"), &table));
     }
 
     #[test]

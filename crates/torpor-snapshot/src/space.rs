@@ -37,7 +37,8 @@ fn anonymous_bytes(pid: i32) -> Option<u64> {
         .map(|kb| kb * 1024)
 }
 
-fn statvfs(dir: &Path) -> io::Result<libc::statvfs> {
+/// `statvfs(2)` of the filesystem holding `dir`.
+pub fn statvfs(dir: &Path) -> io::Result<libc::statvfs> {
     let path = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(dir.as_os_str()))
         .map_err(|e| io::Error::other(e.to_string()))?;
     // SAFETY: zeroed is a valid statvfs (plain integers), filled in by the call below.

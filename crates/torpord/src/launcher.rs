@@ -65,7 +65,7 @@ fn worker_mounts(state_dir: &Path) -> Result<MountPolicy, String> {
     if let Ok(python) = python_dir() {
         let table = std::fs::read_to_string("/proc/self/mountinfo")
             .map_err(|e| format!("cannot read this process's mount table: {e}"))?;
-        if policy.hides(&python, &torpor_snapshot::mounts::parse(&table)) {
+        if !policy.reaches(&python, &torpor_snapshot::mounts::parse(&table)) {
             policy.binds.push(python);
         }
     }

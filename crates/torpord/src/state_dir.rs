@@ -147,20 +147,10 @@ impl StateDir {
 /// ext4, xfs, tmpfs, a bind mount — workers reach the state directory through a bind mount
 /// CRIU leaves out of every snapshot (docs/mounts.md).
 fn check_filesystem(root: &Path) -> Result<(), StateDirError> {
-    let c_path = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(root.as_os_str()))
-        .map_err(|e| StateDirError::Create {
+    let st = torpor_snapshot::space::statvfs(root).map_err(|source| StateDirError::Create {
         path: root.to_path_buf(),
-        source: std::io::Error::other(e.to_string()),
+        source,
     })?;
-    // SAFETY: zeroed is a valid statvfs (plain integers), filled in by the call below.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c_path` is a valid C string and `st` a valid, writable statvfs.
-    if unsafe { libc::statvfs(c_path.as_ptr(), &mut st) } != 0 {
-        return Err(StateDirError::Create {
-            path: root.to_path_buf(),
-            source: std::io::Error::last_os_error(),
-        });
-    }
     let (what, fix) = if st.f_flag & libc::ST_RDONLY != 0 {
         ("read-only", "rw")
     } else if st.f_flag & libc::ST_NOEXEC != 0 {
@@ -168,7 +158,13 @@ fn check_filesystem(root: &Path) -> Result<(), StateDirError> {
     } else {
         return Ok(());
     };
-    let (fstype, mount) = containing_mount(root);
+    let path = root.canonicalize().unwrap_or_else(|_| root.to_path_buf());
+    let table = torpor_snapshot::mounts::parse(
+        &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
+    );
+    let (fstype, mount) = torpor_snapshot::mounts::containing(&path, &table)
+        .map(|m| (m.fstype.clone(), m.point.clone()))
+        .unwrap_or_else(|| ("unknown".into(), "/".into()));
     Err(StateDirError::Filesystem {
         path: root.to_path_buf(),
         fstype,
@@ -176,18 +172,6 @@ fn check_filesystem(root: &Path) -> Result<(), StateDirError> {
         what,
         fix,
     })
-}
-
-/// The type and mount point of the mount holding `path` (the deepest mount point above it).
-fn containing_mount(path: &Path) -> (String, String) {
-    let path = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-    let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    torpor_snapshot::mounts::parse(&table)
-        .into_iter()
-        .filter(|m| path.starts_with(&m.point))
-        .max_by_key(|m| m.point.len())
-        .map(|m| (m.fstype, m.point))
-        .unwrap_or_else(|| ("unknown".into(), "/".into()))
 }
 
 #[cfg(test)]
