@@ -82,3 +82,22 @@ def test_on_a_tmpfs_state_dir_a_worker_deploys_restores_and_hibernates_seeing_no
     start, woken = peek(torpord, host_files)
     assert woken["calls"] == 2, (start, woken)  # its memory came back from the hibernation
     assert_sees_only_its_own(woken, host_files)
+
+
+def test_serve_refuses_a_noexec_state_dir_in_one_line_with_the_fix(torpor_bin: Path, tmp_path: Path) -> None:
+    point = tmp_path / "noexec"
+    point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "noexec,size=1m", "torpor-test-noexec", str(point)], check=True)
+    try:
+        r = subprocess.run(
+            [torpor_bin, "serve", "--state-dir", point / "state", "--socket", tmp_path / "s.sock"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        subprocess.run(["umount", "--lazy", str(point)], check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert "is mounted noexec" in lines[0] and f"mount -o remount,exec {point}" in lines[0], lines
