@@ -89,3 +89,37 @@ def test_a_log_in_the_commands_own_shm_is_refused(torpor: Torpor, tmp_path: Path
     assert f"the log file {log} would be out of the command's reach" in line, line
     assert "pass --log with a path elsewhere" in line, line
     assert not log.exists()
+
+
+SHARED = """
+import mmap, os, sys, time
+m = mmap.mmap(-1, 32 << 20)  # shared anonymous memory: dumped by CRIU, not "Anonymous" in smaps
+for i in range(32):
+    m[i << 20 : (i + 1) << 20] = os.urandom(1 << 20)
+open(sys.argv[1], "w").write("ready")
+time.sleep(600)
+"""
+
+
+def test_a_filesystem_filled_during_the_dump_is_named_with_a_log_that_exists(
+    torpor: Torpor, workers: Workers, tmp_path: Path
+) -> None:
+    script, ready = tmp_path / "shared.py", tmp_path / "shared.ready"
+    script.write_text(SHARED)
+    w = workers.start([PYTHON, script, ready], endpoint=Endpoint(), ready=ready, name="shared")
+    small = tmp_path / "small"
+    small.mkdir()
+    # Room for the least the check before the dump asks (the process's own anonymous memory),
+    # not for the 32 MB of shared memory CRIU writes as well.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "torpor-test-small", str(small)], check=True)
+    try:
+        env = {"TORPOR_LOG_DIR": str(tmp_path / "logs")}
+        line = torpor.fails("snapshot", "--pid", w.init_pid, "--out", small / "snap", env=env)
+        left = list(small.iterdir())
+    finally:
+        subprocess.run(["umount", "--lazy", str(small)], check=False)
+    assert f"no space for the snapshot in {small}: CRIU filled the filesystem during the dump" in line, line
+    log = line.split("CRIU's log: ")[1].split(")")[0]
+    assert Path(log).is_file() and Path(log).parent == tmp_path / "logs", line
+    assert left == [], left
+    assert f"pid {w.init_pid} keeps running" in line

@@ -59,12 +59,15 @@ pub enum SnapshotError {
     /// CRIU failed; rolled back.
     #[error("{source}; pid {root} keeps running, nothing was written")]
     Dump { root: i32, source: CriuError },
-    /// The snapshot's filesystem is (or ran) full; rolled back.
-    #[error("no space for the snapshot in {}: it needs at least {}, the filesystem has {} free; free space there or put the snapshots (the state dir) on a larger filesystem; pid {root} keeps running, nothing was written{}", dir.display(), torpor_image::human_size(*needed), torpor_image::human_size(*free), log.as_ref().map(|l| format!(" (CRIU's log: {})", l.display())).unwrap_or_default())]
+    /// The snapshot's filesystem cannot hold it (found before the dump), or CRIU filled it
+    /// (`log` is CRIU's log then); rolled back.
+    #[error("no space for the snapshot in {}: {}; free space there or put the snapshots (the state dir) on a larger filesystem; pid {root} keeps running, nothing was written", dir.display(), disk_full_detail(*needed, *free, log.as_deref()))]
     DiskFull {
         root: i32,
         dir: PathBuf,
+        /// The least the dump writes ([`crate::space::least_needed`]).
         needed: u64,
+        /// Free when the snapshot began.
         free: u64,
         log: Option<PathBuf>,
     },
@@ -387,6 +390,23 @@ struct Space {
     dir: PathBuf,
     needed: u64,
     free: u64,
+}
+
+fn disk_full_detail(needed: u64, free: u64, log: Option<&Path>) -> String {
+    use torpor_image::human_size;
+    match log {
+        None => format!(
+            "it needs at least {}, the filesystem has {} free",
+            human_size(needed),
+            human_size(free)
+        ),
+        Some(log) => format!(
+            "CRIU filled the filesystem during the dump: it needs more than the {} that were free (at least {} for the process's memory alone; CRIU's log: {})",
+            human_size(free),
+            human_size(needed),
+            log.display()
+        ),
+    }
 }
 
 impl Space {
