@@ -44,7 +44,7 @@ pub enum LaunchError {
     Mounts(#[from] crate::mount_ns::MountNsError),
     /// A path the launch needs lies where the new mount namespace has a tmpfs of its own (or
     /// none of the host's).
-    #[error("the {what} {path} would be out of the command's reach: it gets a /dev/shm of its own and none of the host's memory filesystems (docs/mounts.md); {fix}")]
+    #[error("the {what} {path} would be out of the command's reach in its mount namespace (a tmpfs of its own at /dev/shm, and for torpord's workers at /tmp, none of the host's tmpfs: docs/mounts.md); {fix}")]
     Unreachable {
         what: &'static str,
         path: PathBuf,

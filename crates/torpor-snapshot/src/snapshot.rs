@@ -157,7 +157,10 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         .filter_map(|g| g.used_by_snapshot)
         .sum();
     let space = Space {
-        dir: opts.out.parent().unwrap_or(Path::new(".")).to_path_buf(),
+        dir: std::path::absolute(opts.out)
+            .ok()
+            .and_then(|out| out.parent().map(Path::to_path_buf))
+            .unwrap_or_else(|| PathBuf::from(".")),
         needed: space::least_needed(&pids, &archived, gpu_bytes),
         free: space::free_bytes(writer.dir()).unwrap_or(u64::MAX),
     };

@@ -48,10 +48,11 @@ pub fn statvfs(dir: &Path) -> io::Result<libc::statvfs> {
     Ok(st)
 }
 
-/// Bytes an unprivileged writer may still use on the filesystem holding `dir`.
+/// Free bytes on the filesystem holding `dir`, the blocks reserved for root included: CRIU runs
+/// as root, and a check that refuses a snapshot must not refuse one that fits.
 pub fn free_bytes(dir: &Path) -> io::Result<u64> {
     let st = statvfs(dir)?;
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+    Ok(st.f_bfree as u64 * st.f_frsize as u64)
 }
 
 /// Bytes in use on the filesystem holding `dir`.
