@@ -637,3 +637,60 @@ def fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> FakeCuda:
         ),
         nvml=build(sources["nvml"], base / "nvml" / "libnvidia-ml.so.1"),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The host's memory filesystems (issue 19: a snapshot holds the process and nothing of the node)
+
+
+@dataclass(frozen=True)
+class HostFiles:
+    """Marker files the host keeps in memory filesystems: in /dev/shm (with a big file beside
+    it), in a tmpfs under /tmp and in a tmpfs elsewhere (/var/tmp). Each marker's contents hold
+    `secret` (which no path holds), so a snapshot file that carried one is found by its bytes."""
+
+    secret: str
+    shm_marker: Path
+    shm_big: Path
+    tmp_tmpfs: Path
+    other_tmpfs: Path
+
+    @property
+    def markers(self) -> list[Path]:
+        return [self.shm_marker, self.tmp_tmpfs / "marker", self.other_tmpfs / "marker"]
+
+    def files_holding_secret(self, root: Path) -> list[Path]:
+        needle = self.secret.encode()
+        return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+def _mount_tmpfs(parent: str, prefix: str) -> Path:
+    point = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "torpor-test-host", str(point)], check=True)
+    return point
+
+
+@pytest.fixture(scope="session")
+def host_files() -> Iterator[HostFiles]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mounts tmpfs filesystems")
+    name = f"torpor-host-{os.getpid()}"
+    files = HostFiles(
+        secret=os.urandom(16).hex(),
+        shm_marker=Path(f"/dev/shm/{name}.txt"),
+        shm_big=Path(f"/dev/shm/{name}.big"),
+        tmp_tmpfs=_mount_tmpfs("/tmp", "torpor-host-tmpfs-"),
+        other_tmpfs=_mount_tmpfs("/var/tmp", "torpor-host-tmpfs-"),
+    )
+    try:
+        for marker in files.markers:
+            marker.write_text(f"{files.secret}\n")
+        # Incompressible, so that a snapshot carrying it could not hide it by compression.
+        files.shm_big.write_bytes(os.urandom(24 << 20))
+        yield files
+    finally:
+        for p in (files.shm_marker, files.shm_big):
+            p.unlink(missing_ok=True)
+        for point in (files.tmp_tmpfs, files.other_tmpfs):
+            subprocess.run(["umount", "--lazy", str(point)], check=False)
+            point.rmdir()

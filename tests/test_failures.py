@@ -7,6 +7,7 @@ source still answers with its state, and no snapshot directory (nor a half-writt
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -145,6 +146,9 @@ def test_criu_dump_failure(torpor: Torpor, source: Source, tmp_path: Path) -> No
     assert "criu" in line.lower(), line
     # The cause, not CRIU's first (benign) error line: the file whose fd cannot be dumped.
     assert "host-file" in line, line
+    # The log the error names outlives the partial snapshot it was written in.
+    logs = re.findall(r"see (/\S+\.log)", line)
+    assert logs and all(Path(log).is_file() for log in logs), line
     assert source.worker.ask("held") == "1"
 
 

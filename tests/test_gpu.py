@@ -120,6 +120,9 @@ def test_gpu_snapshot_kill_restore_identical(torpor: Torpor, workers: Workers, t
     ref = outputs(infer(w))
     snap = tmp_path / "snap"
     torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap, timeout=600)
+    # Only the process's own /dev/shm is archived; the driver's mounts stay external (issue 19).
+    lines = torpor.ok("inspect", snap).stdout.splitlines()
+    assert [line for line in lines if line.startswith("archived")] == ["archived  /dev/shm (tmpfs)"], lines
     w.wait_gone(60)
     r = workers.restore(snap, endpoint=w.endpoint, wait=60)
     assert outputs(infer(r)) == ref

@@ -68,6 +68,12 @@ def test_gpu_function_deploys_restores_and_answers(cuda: None, torpord: Torpord)
     assert "|torch|gpu" in by_phase["boot_base"]["key"], by_phase["boot_base"]
     snap = by_phase["snapshot_function"]
     print("snapshot_function:", snap)
+    # A GPU worker's snapshots archive its own /dev/shm and /tmp, nothing of the host's (issue 19).
+    manifests = list((torpord.state / "snapshots").glob("*/manifest.json"))
+    assert len(manifests) >= 2, manifests
+    for manifest in manifests:
+        archived = [m["path"] for m in json.loads(manifest.read_text())["archived_mounts"]]
+        assert archived == ["/dev/shm", "/tmp"], (manifest, archived)
     for p, line in by_phase.items():
         print(f"{p:<18} {line['s']:.3f} s")
 

@@ -45,6 +45,11 @@ pub struct Manifest {
     /// Mounts CRIU dumped as external (`--external mnt[PATH]:KEY`); restore must bind them again.
     #[serde(default)]
     pub external_mounts: Vec<ExternalMount>,
+    /// The filesystems whose files CRIU archived into the image: the process's own tmpfs
+    /// mounts (`/dev/shm`, a worker's `/tmp`), never the host's. Empty for snapshots taken
+    /// before it was recorded.
+    #[serde(default)]
+    pub archived_mounts: Vec<ArchivedMount>,
     /// The regular files the tree's stdout and stderr (descriptors 1 and 2 of each process) were
     /// open on: what a restore can point at a new file. Empty for snapshots taken before it was
     /// recorded, and when stdio was no regular file.
@@ -192,6 +197,14 @@ pub struct ExternalMount {
     pub path: String,
 }
 
+/// A filesystem whose files are inside the image: restore re-creates it with them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArchivedMount {
+    /// Mount point inside the snapshotted mount namespace.
+    pub path: String,
+    pub fstype: String,
+}
+
 /// One file of the snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
@@ -221,6 +234,7 @@ impl Manifest {
             host,
             gpu: None,
             external_mounts: Vec::new(),
+            archived_mounts: Vec::new(),
             stdio_files: Vec::new(),
             files: Vec::new(),
             timings: BTreeMap::new(),

@@ -107,6 +107,21 @@ fn write_summary(out: &mut String, m: &Manifest, dir: &Path) -> std::fmt::Result
             .collect();
         writeln!(out, "external  {}", mounts.join(", "))?;
     }
+    // What the image itself holds of the filesystems: the process's own tmpfs mounts only.
+    let archived: Vec<String> = m
+        .archived_mounts
+        .iter()
+        .map(|a| format!("{} ({})", a.path, a.fstype))
+        .collect();
+    writeln!(
+        out,
+        "archived  {}",
+        if archived.is_empty() {
+            "no filesystem".to_string()
+        } else {
+            archived.join(", ")
+        }
+    )?;
 
     writeln!(
         out,
@@ -456,6 +471,10 @@ store     /var/lib/torpor/store (as fn-resnet)
             key: "nv".into(),
             path: "/usr/local/nvidia".into(),
         });
+        m.archived_mounts.push(crate::manifest::ArchivedMount {
+            path: "/dev/shm".into(),
+            fstype: "tmpfs".into(),
+        });
         let text = render_summary(&m, Path::new("/snaps/resnet"));
         for needle in [
             "snapshot  /snaps/resnet",
@@ -468,6 +487,7 @@ store     /var/lib/torpor/store (as fn-resnet)
             "driver 580.159.04, CUDA 13.0",
             "[0] NVIDIA H100 80GB HBM3 GPU-abc, 85.5 GB, 1.90 GB used by the snapshot",
             "gpu-1, kernel 6.18.0, CRIU 4.1.1",
+            "archived  /dev/shm (tmpfs)",
             "external  /usr/local/nvidia (key nv)",
             "files     4, 2.50 GB",
             "2.50 GB  pages-1.img",

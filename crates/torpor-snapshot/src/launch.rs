@@ -2,8 +2,10 @@
 //! side. The command runs under a small init at PID 1 of new PID, mount and network namespaces:
 //!
 //! - PID namespace: restored copies keep their pids without clashing with each other;
-//! - mount namespace: /proc is remounted for the new PID namespace (CUDA's `cuInit` fails with
-//!   error 304 without it), privately, so nothing leaks to the host;
+//! - mount namespace: built by [`LaunchOptions::mounts`] ([`crate::mounts::MountPolicy`]: a
+//!   fresh /dev/shm of its own, the host's tmpfs either gone or left external, so a snapshot never
+//!   carries the host's files), and /proc is remounted for the new PID namespace (CUDA's
+//!   `cuInit` fails with error 304 without it), privately, so nothing leaks to the host;
 //! - network namespace: each restored copy re-binds its sockets (abstract Unix sockets, TCP
 //!   ports) in a namespace of its own; `lo` is brought up so 127.0.0.1 works.
 //!
@@ -18,6 +20,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
+use crate::mounts::MountPolicy;
 use crate::supervise;
 use crate::sys;
 
@@ -36,6 +39,17 @@ pub enum LaunchError {
     /// The log file's directory could not be created.
     #[error("cannot create the log directory {path}: {source}; pass --log with a writable path")]
     LogDir { path: PathBuf, source: io::Error },
+    /// The mount namespace could not be built.
+    #[error(transparent)]
+    Mounts(#[from] crate::mount_ns::MountNsError),
+    /// A path the launch needs lies where the new mount namespace has a tmpfs of its own (or
+    /// none of the host's).
+    #[error("the {what} {path} would be out of the command's reach in its mount namespace (a tmpfs of its own at /dev/shm, and for torpord's workers at /tmp, none of the host's tmpfs: docs/mounts.md); {fix}")]
+    Unreachable {
+        what: &'static str,
+        path: PathBuf,
+        fix: &'static str,
+    },
     /// A system call in the setup failed.
     #[error(
         "{step} failed: {source}; the kernel must allow PID/mount/network namespaces for root"
@@ -60,6 +74,8 @@ pub struct LaunchOptions<'a> {
     pub log: &'a Path,
     /// Where the init binary is kept (a content-addressed copy of the running torpor).
     pub state_dir: &'a Path,
+    /// How the command's mount namespace is built.
+    pub mounts: &'a MountPolicy,
 }
 
 /// The argument that makes `torpor` run as the init (a hidden subcommand of the CLI).
@@ -83,6 +99,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
             source,
         })?;
     }
+    check_reachable(opts)?;
     let init = init_binary(opts.state_dir)?;
     let setup = |step, source| LaunchError::Setup { step, source };
     let (report_rd, report_wr) = sys::pipe_cloexec().map_err(|e| setup("pipe", e))?;
@@ -106,7 +123,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
         libc::unshare(libc::CLONE_NEWPID | libc::CLONE_NEWNS | libc::CLONE_NEWNET)
     })
     .map_err(|e| setup("unshare(PID, mount, network namespaces)", e))?;
-    hide_stage_mounts().map_err(|e| setup("hiding torpord's staging tmpfs", e))?;
+    crate::mount_ns::build(opts.mounts)?;
     // SAFETY: the process is single-threaded here (the CLI starts no threads before run); the
     // child only clears a flag and execs.
     let pid = unsafe { libc::fork() };
@@ -141,50 +158,27 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
     Ok(pid)
 }
 
-/// Makes every mount of this process's (new) mount namespace private, so that what it mounts or
-/// unmounts from now on propagates nowhere.
-fn make_mounts_private() -> io::Result<()> {
-    // SAFETY: mount with null source/fstype/data and MS_REC|MS_PRIVATE only changes the
-    // propagation of this process's mount namespace.
-    sys::check(unsafe {
-        libc::mount(
-            std::ptr::null(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
-            std::ptr::null(),
-        )
-    })?;
-    Ok(())
-}
-
-/// Takes torpord's staging tmpfs ([`crate::mounts::STAGE_MOUNT_SOURCE`]) out of the new mount
-/// namespace, which started as a copy of the caller's: CRIU would otherwise dump it, staged
-/// snapshots and all, into every snapshot of the command. Mounts are made private first, so the
-/// unmount stays in this namespace.
-fn hide_stage_mounts() -> io::Result<()> {
-    let table = std::fs::read_to_string("/proc/self/mountinfo")?;
-    let points = crate::mounts::stage_mount_points(&table);
-    if points.is_empty() {
-        return Ok(());
-    }
-    make_mounts_private()?;
-    for point in points {
-        let path = cstring(point.as_bytes()).map_err(|e| io::Error::other(e.to_string()))?;
-        // Everything stacked there goes, the bind mount torpord puts under its tmpfs too: kept,
-        // CRIU would record it as an external mount and bind the host's path, which is the
-        // tmpfs, into every restored copy. A bounded number of layers.
-        for _ in 0..16 {
-            // SAFETY: detaches a mount of this process's own (private) mount namespace.
-            if unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) } != 0 {
-                let e = io::Error::last_os_error();
-                // Not a mount point (any more): done with this one.
-                if e.raw_os_error() == Some(libc::EINVAL) || e.raw_os_error() == Some(libc::ENOENT)
-                {
-                    break;
-                }
-                return Err(e);
-            }
+/// Refuses a log or state directory the command could not reach once its mount namespace is
+/// built: the log would be written where nobody outside sees it, the init could not be run.
+fn check_reachable(opts: &LaunchOptions) -> Result<(), LaunchError> {
+    let table =
+        std::fs::read_to_string("/proc/self/mountinfo").map_err(|source| LaunchError::Setup {
+            step: "reading the mount table",
+            source,
+        })?;
+    let table = crate::mounts::parse(&table);
+    let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    for (what, path, fix) in [
+        ("log file", opts.log, "pass --log with a path elsewhere"),
+        (
+            "state directory",
+            opts.state_dir,
+            "set TORPOR_STATE_DIR to a directory elsewhere",
+        ),
+    ] {
+        let path = absolute(path);
+        if !opts.mounts.reaches(&path, &table) {
+            return Err(LaunchError::Unreachable { what, path, fix });
         }
     }
     Ok(())
@@ -285,7 +279,7 @@ fn init(argv: &[CString], log: &CString, report: OwnedFd) -> Result<i32, InitErr
     if argv.is_empty() {
         return Err((LaunchError::NoCommand.to_string(), report));
     }
-    try_init!(make_mounts_private().map_err(|e| fail("making mounts private", e)));
+    try_init!(crate::mount_ns::make_private().map_err(|e| fail("making mounts private", e)));
     // SAFETY: mounts a fresh procfs of the new PID namespace over /proc, in this namespace only.
     try_init!(sys::check(unsafe {
         libc::mount(

@@ -1,20 +1,41 @@
-//! Which mounts of a worker's mount namespace CRIU must treat as external.
+//! The mount namespace of a launched process, and what CRIU does with each of its mounts.
 //!
-//! `torpor run` gives the worker a private copy of the host's mount table. CRIU can re-create
-//! virtual filesystems (proc, sysfs, tmpfs, devpts, cgroup…) by itself, but not a mount of a block
-//! device or a network or FUSE filesystem other than the root (the GPU machine has the driver's
-//! libraries on a read-only squashfs at /usr/local/nvidia). Those are dumped as external and
-//! bind-mounted from the same host path at restore, which is what the worker saw anyway.
+//! A snapshot holds the process and nothing of the node. CRIU archives the files of every tmpfs
+//! it finds in the tree's mount namespace and unpacks them into every restored copy, so the
+//! namespace is built on purpose ([`MountPolicy`], applied by [`crate::launch`]), and at snapshot
+//! time every mount gets one [`Role`]:
+//!
+//! - [`Role::Root`]: `/`, CRIU's `--root`; nothing is archived.
+//! - [`Role::Own`]: a tmpfs Torpor mounted fresh for the process (`/dev/shm`, a worker's `/tmp`),
+//!   recognised by its source name [`OWN_TMPFS_SOURCE`]. Its files are the process's own state:
+//!   archived and restored with it.
+//! - [`Role::Kernel`]: kernel interfaces without files of their own (proc, sysfs, devpts,
+//!   cgroup…; devtmpfs is one instance per kernel); CRIU mounts them anew.
+//! - [`Role::External`]: everything else — disks, network and FUSE filesystems, bind mounts, and
+//!   the host's tmpfs mounts the policy left visible. Dumped as `--external mnt[PATH]:KEY` and
+//!   bound from the same host path at restore: the process sees the host's live files there,
+//!   and no snapshot ever carries them (the GPU machine's driver libraries on a squashfs at
+//!   /usr/local/nvidia are one such mount).
 
 use std::fs;
 use std::io;
+use std::path::{Path, PathBuf};
 
-/// Filesystems CRIU re-creates itself.
-const VIRTUAL_FS: &[&str] = &[
+pub use torpor_image::{ArchivedMount, ExternalMount};
+
+/// The source name of the tmpfs mounts Torpor creates for a process (`/dev/shm`, `/tmp`): the
+/// mark by which a snapshot tells the process's own tmpfs from the host's.
+pub const OWN_TMPFS_SOURCE: &str = "torpor-own";
+
+/// The source name of torpord's staging tmpfs (`crate::stage`): taken out of every mount
+/// namespace [`crate::launch`] creates (it holds every staged snapshot).
+pub const STAGE_MOUNT_SOURCE: &str = "torpor-stage";
+
+/// Kernel filesystems without files of their own: CRIU mounts them anew at restore.
+const KERNEL_FS: &[&str] = &[
     "proc",
     "sysfs",
     "devtmpfs",
-    "tmpfs",
     "devpts",
     "cgroup",
     "cgroup2",
@@ -30,11 +51,153 @@ const VIRTUAL_FS: &[&str] = &[
     "binfmt_misc",
     "autofs",
     "efivarfs",
+    "selinuxfs",
     "nsfs",
-    "ramfs",
 ];
 
-pub use torpor_image::ExternalMount;
+/// Filesystems whose files live in memory: the host's are never archived into a snapshot.
+const MEMORY_FS: &[&str] = &["tmpfs", "ramfs"];
+
+/// One line of `/proc/PID/mountinfo`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountInfo {
+    /// Where it is mounted (unescaped).
+    pub point: String,
+    pub fstype: String,
+    pub source: String,
+}
+
+/// What CRIU does with a mount; see the module doc.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Root,
+    Own,
+    Kernel,
+    External,
+}
+
+impl MountInfo {
+    pub fn role(&self) -> Role {
+        if self.point == "/" {
+            Role::Root
+        } else if self.fstype == "tmpfs" && self.source == OWN_TMPFS_SOURCE {
+            Role::Own
+        } else if KERNEL_FS.contains(&self.fstype.as_str()) {
+            Role::Kernel
+        } else {
+            Role::External
+        }
+    }
+}
+
+/// Parses a mount table in `/proc/PID/mountinfo` format; malformed lines are skipped.
+pub fn parse(mountinfo: &str) -> Vec<MountInfo> {
+    mountinfo
+        .lines()
+        .filter_map(|line| {
+            // Fields: id parent major:minor root mountpoint options [optional...] - fstype source opts
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let sep = fields.iter().position(|f| *f == "-")?;
+            Some(MountInfo {
+                point: unescape(fields.get(4)?),
+                fstype: fields.get(sep + 1)?.to_string(),
+                source: unescape(fields.get(sep + 2)?),
+            })
+        })
+        .collect()
+}
+
+/// The mount holding `path` (absolute, symlinks resolved): the deepest mount point above it.
+pub fn containing<'t>(path: &Path, table: &'t [MountInfo]) -> Option<&'t MountInfo> {
+    table
+        .iter()
+        .filter(|m| path.starts_with(&m.point))
+        .max_by_key(|m| m.point.len())
+}
+
+/// How [`crate::launch`] builds the mount namespace of what it starts. It starts as a private
+/// copy of the caller's; then
+/// 1. the mounts [`MountPolicy::to_detach`] names are detached (with everything below them);
+/// 2. each of [`MountPolicy::private_tmpfs`] gets a fresh tmpfs of the process's own;
+/// 3. each of [`MountPolicy::binds`] is bound back from the host at the same path (taken before
+///    step 1, so a bind may come from a detached mount or land in a fresh tmpfs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountPolicy {
+    /// Directories that get a fresh, empty tmpfs (mode 1777): the process's own, archived.
+    pub private_tmpfs: Vec<PathBuf>,
+    /// Host directories the process reaches at the same path, as external mounts.
+    pub binds: Vec<PathBuf>,
+    /// Take away the host's tmpfs and ramfs mounts instead of leaving them visible (live,
+    /// external).
+    pub hide_host_memory_fs: bool,
+}
+
+impl MountPolicy {
+    /// `torpor run`: a command the user started, which may use any of the host's paths. Only
+    /// `/dev/shm` (POSIX shared memory) is its own; every other mount stays visible.
+    pub fn command() -> Self {
+        Self {
+            private_tmpfs: vec!["/dev/shm".into()],
+            binds: Vec::new(),
+            hide_host_memory_fs: false,
+        }
+    }
+
+    /// torpord's workers: their own `/dev/shm` and `/tmp`, none of the host's memory
+    /// filesystems, and `binds` (the state directory, the Python harness) reached only as
+    /// the mounts the daemon chose.
+    pub fn worker(binds: Vec<PathBuf>) -> Self {
+        Self {
+            private_tmpfs: vec!["/dev/shm".into(), "/tmp".into()],
+            binds,
+            hide_host_memory_fs: true,
+        }
+    }
+
+    /// The mount points to detach, deepest first: torpord's staging tmpfs, namespace files
+    /// (nsfs: other processes' namespaces), whatever is mounted at or below a private tmpfs
+    /// directory, and with [`MountPolicy::hide_host_memory_fs`] the host's tmpfs and ramfs.
+    pub fn to_detach(&self, table: &[MountInfo]) -> Vec<String> {
+        let mut points: Vec<String> = Vec::new();
+        for m in table {
+            if m.point == "/" || points.contains(&m.point) {
+                continue;
+            }
+            let stage = m.fstype == "tmpfs" && m.source == STAGE_MOUNT_SOURCE;
+            let under_private = self
+                .private_tmpfs
+                .iter()
+                .any(|p| Path::new(&m.point).starts_with(p));
+            let host_memory = self.hide_host_memory_fs
+                && MEMORY_FS.contains(&m.fstype.as_str())
+                && m.source != OWN_TMPFS_SOURCE;
+            if stage || m.fstype == "nsfs" || under_private || host_memory {
+                points.push(m.point.clone());
+            }
+        }
+        // Deepest first, so that a parent's detach never hides a child still to be named.
+        points.sort_by_key(|p| std::cmp::Reverse(Path::new(p).components().count()));
+        points
+    }
+}
+
+impl MountPolicy {
+    /// Whether `path` of the host would be out of reach in a namespace built by this policy
+    /// without a bind: it lies in a private tmpfs directory or in a mount to be detached.
+    pub fn hides(&self, path: &Path, table: &[MountInfo]) -> bool {
+        self.private_tmpfs.iter().any(|p| path.starts_with(p))
+            || self
+                .to_detach(table)
+                .iter()
+                .any(|p| path.starts_with(Path::new(p)))
+    }
+
+    /// Whether the launched process reaches the host's `path` at the same path: it is not
+    /// hidden, or lies in one of the binds.
+    pub fn reaches(&self, path: &Path, table: &[MountInfo]) -> bool {
+        self.binds.iter().any(|b| path.starts_with(b)) || !self.hides(path, table)
+    }
+}
 
 /// The `external` entry for `criu dump`: the mount point and the key it is saved under.
 pub fn dump_spec(m: &ExternalMount) -> String {
@@ -46,59 +209,44 @@ pub fn restore_spec(m: &ExternalMount) -> String {
     format!("mnt[{}]:{}", m.key, m.path)
 }
 
-/// Reads the mount table of `pid` and picks the external mounts.
-pub fn external_mounts(pid: i32) -> io::Result<Vec<ExternalMount>> {
-    Ok(pick_external(&fs::read_to_string(format!(
-        "/proc/{pid}/mountinfo"
-    ))?))
+/// What a snapshot of a tree does with its mounts: dumps these as external, archives those.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MountPlan {
+    pub external: Vec<ExternalMount>,
+    pub archived: Vec<ArchivedMount>,
 }
 
-fn pick_external(mountinfo: &str) -> Vec<ExternalMount> {
-    let mut paths: Vec<String> = Vec::new();
-    for line in mountinfo.lines() {
-        // Fields: id parent major:minor root mountpoint options [optional...] - fstype source opts
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let Some(sep) = fields.iter().position(|f| *f == "-") else {
-            continue;
-        };
-        let (Some(mountpoint), Some(fstype)) = (fields.get(4), fields.get(sep + 1)) else {
-            continue;
-        };
-        let mountpoint = unescape(mountpoint);
-        if mountpoint == "/" || VIRTUAL_FS.contains(fstype) || paths.contains(&mountpoint) {
-            continue;
+/// Reads the mount table of `pid` and sorts its mounts into external and archived ones.
+pub fn plan(pid: i32) -> io::Result<MountPlan> {
+    Ok(plan_of(&parse(&fs::read_to_string(format!(
+        "/proc/{pid}/mountinfo"
+    ))?)))
+}
+
+fn plan_of(table: &[MountInfo]) -> MountPlan {
+    let mut plan = MountPlan::default();
+    let mut external_paths: Vec<&str> = Vec::new();
+    for m in table {
+        match m.role() {
+            Role::External if !external_paths.contains(&m.point.as_str()) => {
+                external_paths.push(&m.point)
+            }
+            Role::Own => plan.archived.push(ArchivedMount {
+                path: m.point.clone(),
+                fstype: m.fstype.clone(),
+            }),
+            _ => {}
         }
-        paths.push(mountpoint);
     }
-    paths
+    plan.external = external_paths
         .into_iter()
         .enumerate()
         .map(|(i, path)| ExternalMount {
             key: format!("torpor-ext{i}"),
-            path,
-        })
-        .collect()
-}
-
-/// The source name of torpord's staging tmpfs (`crate::stage`): mounts with it are taken out of
-/// every mount namespace [`crate::launch`] creates, since CRIU would dump a tmpfs it finds there
-/// (contents included) into the worker's snapshot.
-pub const STAGE_MOUNT_SOURCE: &str = "torpor-stage";
-
-/// The mount points of staging tmpfs mounts in a mount table, deepest (latest) first.
-pub fn stage_mount_points(mountinfo: &str) -> Vec<String> {
-    let mut points: Vec<String> = mountinfo
-        .lines()
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let sep = fields.iter().position(|f| *f == "-")?;
-            let (mountpoint, fstype, source) =
-                (fields.get(4)?, fields.get(sep + 1)?, fields.get(sep + 2)?);
-            (*fstype == "tmpfs" && *source == STAGE_MOUNT_SOURCE).then(|| unescape(mountpoint))
+            path: path.to_string(),
         })
         .collect();
-    points.reverse();
-    points
+    plan
 }
 
 /// mountinfo escapes space, tab, newline and backslash as octal.
@@ -125,7 +273,8 @@ fn unescape(s: &str) -> String {
 mod tests {
     use super::*;
 
-    // The mount table a worker saw on the GPU machine (H100, Ubuntu 24.04), trimmed.
+    // The mount table a worker saw on the GPU machine (H100, Ubuntu 24.04), trimmed, with a
+    // systemd host's /run and a tmpfs of the user's added.
     const GPU_MACHINE: &str = "\
 87 86 254:0 / / rw,relatime - ext4 /dev/vda rw
 89 87 0:21 / /proc rw,relatime - proc proc rw
@@ -135,20 +284,89 @@ mod tests {
 105 102 0:24 / /dev/pts rw,relatime - devpts devpts rw
 106 87 254:16 / /usr/local/nvidia ro,nosuid,nodev,relatime - squashfs /dev/vdb ro
 108 87 0:50 / /data\\040dir rw shared:5 - virtiofs data rw
+109 87 0:51 / /run rw,nosuid,nodev - tmpfs tmpfs rw,mode=755
+110 109 0:4 net:[4026532] /run/netns/a rw - nsfs nsfs rw
+111 87 0:52 / /tmp/tm rw - tmpfs tmpfs rw,size=40m
 107 89 0:41 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw
 ";
 
-    #[test]
-    fn picks_block_and_network_mounts_but_not_root_or_virtual() {
-        let ext = pick_external(GPU_MACHINE);
-        let paths: Vec<&str> = ext.iter().map(|e| e.path.as_str()).collect();
-        assert_eq!(paths, vec!["/usr/local/nvidia", "/data dir"]);
-        assert_eq!(dump_spec(&ext[0]), "mnt[/usr/local/nvidia]:torpor-ext0");
-        assert_eq!(restore_spec(&ext[0]), "mnt[torpor-ext0]:/usr/local/nvidia");
+    fn points(v: &[ExternalMount]) -> Vec<&str> {
+        v.iter().map(|e| e.path.as_str()).collect()
     }
 
     #[test]
-    fn stage_mounts_are_found_by_their_source() {
+    fn host_filesystems_are_external_and_only_own_tmpfs_is_archived() {
+        let table = format!(
+            "{GPU_MACHINE}\
+130 102 0:70 / /dev/shm rw - tmpfs {OWN_TMPFS_SOURCE} rw,mode=1777
+131 87 0:71 / /tmp rw - tmpfs {OWN_TMPFS_SOURCE} rw,mode=1777
+"
+        );
+        let plan = plan_of(&parse(&table));
+        assert_eq!(
+            points(&plan.external),
+            vec![
+                "/dev/shm",
+                "/usr/local/nvidia",
+                "/data dir",
+                "/run",
+                "/tmp/tm"
+            ]
+        );
+        assert_eq!(
+            plan.archived,
+            vec![
+                ArchivedMount {
+                    path: "/dev/shm".into(),
+                    fstype: "tmpfs".into()
+                },
+                ArchivedMount {
+                    path: "/tmp".into(),
+                    fstype: "tmpfs".into()
+                }
+            ]
+        );
+        assert_eq!(
+            dump_spec(&plan.external[1]),
+            "mnt[/usr/local/nvidia]:torpor-ext1"
+        );
+        assert_eq!(
+            restore_spec(&plan.external[1]),
+            "mnt[torpor-ext1]:/usr/local/nvidia"
+        );
+    }
+
+    #[test]
+    fn a_worker_loses_the_hosts_memory_filesystems_and_what_lies_under_its_own() {
+        let table = parse(GPU_MACHINE);
+        let detach = MountPolicy::worker(vec!["/var/lib/torpor".into()]).to_detach(&table);
+        assert_eq!(detach, vec!["/run/netns/a", "/dev/shm", "/tmp/tm", "/run"]);
+        // A command keeps the host's tmpfs visible (external), all but /dev/shm.
+        let detach = MountPolicy::command().to_detach(&table);
+        assert_eq!(detach, vec!["/run/netns/a", "/dev/shm"]);
+        let worker = MountPolicy::worker(Vec::new());
+        for (path, hidden) in [
+            ("/tmp/x/python", true),
+            ("/run/user/0/py", true),
+            ("/dev/shm/a", true),
+            ("/home/u/torpor/python", false),
+            ("/data dir/py", false),
+        ] {
+            assert_eq!(worker.hides(Path::new(path), &table), hidden, "{path}");
+        }
+        assert!(!MountPolicy::command().hides(Path::new("/tmp/x"), &table));
+        let holder = |p: &str| containing(Path::new(p), &table).map(|m| m.point.as_str());
+        assert_eq!(holder("/tmp/tm/a"), Some("/tmp/tm"));
+        assert_eq!(holder("/tmp/tmx"), Some("/"));
+        assert_eq!(holder("/run/netns/a"), Some("/run/netns/a"));
+        let bound = MountPolicy::worker(vec!["/tmp/state".into()]);
+        assert!(bound.reaches(Path::new("/tmp/state/logs/w.log"), &table));
+        assert!(!bound.reaches(Path::new("/tmp/other.log"), &table));
+        assert!(bound.reaches(Path::new("/home/u/w.log"), &table));
+    }
+
+    #[test]
+    fn stage_mounts_are_found_by_their_source_and_always_detached() {
         let table = format!(
             "{GPU_MACHINE}\
 120 87 0:60 / /var/lib/torpor/stage rw - tmpfs {STAGE_MOUNT_SOURCE} rw,mode=700,huge=within_size
@@ -156,19 +374,19 @@ mod tests {
 122 87 0:62 / /other rw - ext4 {STAGE_MOUNT_SOURCE} rw
 "
         );
+        let detach = MountPolicy::command().to_detach(&parse(&table));
         assert_eq!(
-            stage_mount_points(&table),
-            vec!["/st x", "/var/lib/torpor/stage"]
+            detach,
+            vec!["/var/lib/torpor/stage", "/run/netns/a", "/dev/shm", "/st x"]
         );
-        assert!(stage_mount_points(GPU_MACHINE).is_empty());
     }
 
     #[test]
     fn own_mount_table_parses() {
         // Whatever this machine has, parsing must not fail and keys must be unique.
-        let ext = external_mounts(std::process::id() as i32).unwrap();
-        let mut keys: Vec<_> = ext.iter().map(|e| e.key.clone()).collect();
+        let plan = plan(std::process::id() as i32).unwrap();
+        let mut keys: Vec<_> = plan.external.iter().map(|e| e.key.clone()).collect();
         keys.dedup();
-        assert_eq!(keys.len(), ext.len());
+        assert_eq!(keys.len(), plan.external.len());
     }
 }

@@ -20,6 +20,7 @@ use crate::mounts;
 use crate::phases::Phases;
 use crate::preflight::{self, PreflightError};
 use crate::proctree::{self, ProcessInfo};
+use crate::space;
 
 /// What to snapshot and how.
 pub struct SnapshotOptions<'a> {
@@ -58,6 +59,18 @@ pub enum SnapshotError {
     /// CRIU failed; rolled back.
     #[error("{source}; pid {root} keeps running, nothing was written")]
     Dump { root: i32, source: CriuError },
+    /// The snapshot's filesystem cannot hold it (found before the dump), or CRIU filled it
+    /// (`log` is CRIU's log then); rolled back.
+    #[error("no space for the snapshot in {}: {}; free space there or put the snapshots (the state dir) on a larger filesystem; pid {root} keeps running, nothing was written", dir.display(), disk_full_detail(*needed, *free, log.as_deref()))]
+    DiskFull {
+        root: i32,
+        dir: PathBuf,
+        /// The least the dump writes ([`crate::space::least_needed`]).
+        needed: u64,
+        /// Free when the snapshot began.
+        free: u64,
+        log: Option<PathBuf>,
+    },
     /// SIGINT/SIGTERM arrived; rolled back.
     #[error("interrupted: pid {root} keeps running and no snapshot was written")]
     Interrupted { root: i32 },
@@ -96,10 +109,11 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
             proctree::read_process(p).map_err(|source| SnapshotError::Proc { pid: p, source })
         })
         .collect::<Result<_, _>>()?;
-    let external = mounts::external_mounts(root.pid).map_err(|source| SnapshotError::Proc {
+    let mount_plan = mounts::plan(root.pid).map_err(|source| SnapshotError::Proc {
         pid: root.pid,
         source,
     })?;
+    let external = mount_plan.external;
 
     let mut stdio: Vec<torpor_image::StdioFile> = Vec::new();
     for f in pids.iter().flat_map(|&p| proctree::stdio_files(p)) {
@@ -134,6 +148,26 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     };
     let mut tasks = cuda.as_ref().map(|(d, _, p)| GpuTasks::new(d, p.clone()));
 
+    // A dump into a filesystem that cannot hold it fails half-way: say so before the source
+    // is stopped, and name a full disk as such should it fill up during the dump.
+    let archived: Vec<String> = mount_plan.archived.iter().map(|a| a.path.clone()).collect();
+    let gpu_bytes: u64 = gpu_section
+        .iter()
+        .flat_map(|g| &g.gpus)
+        .filter_map(|g| g.used_by_snapshot)
+        .sum();
+    let space = Space {
+        dir: std::path::absolute(opts.out)
+            .ok()
+            .and_then(|out| out.parent().map(Path::to_path_buf))
+            .unwrap_or_else(|| PathBuf::from(".")),
+        needed: space::least_needed(&pids, &archived, gpu_bytes),
+        free: space::free_bytes(writer.dir()).unwrap_or(u64::MAX),
+    };
+    if space.free < space.needed {
+        return Err(space.full(root.pid, None));
+    }
+
     let stop_start = Instant::now();
     let result = stop_and_dump(
         &criu,
@@ -149,7 +183,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
             root.pid,
             tasks.as_mut(),
             original,
-            Some(&writer),
+            Some((&writer, &space)),
             opts.log_dir,
             false,
         ));
@@ -170,7 +204,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
                     root.pid,
                     Some(t),
                     original,
-                    Some(&writer),
+                    Some((&writer, &space)),
                     opts.log_dir,
                     false,
                 ));
@@ -204,6 +238,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     );
     manifest.gpu = gpu_section;
     manifest.external_mounts = external;
+    manifest.archived_mounts = mount_plan.archived;
     manifest.stdio_files = stdio;
     manifest.stop_time_s = stop_time;
 
@@ -213,7 +248,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
             root.pid,
             tasks.as_mut(),
             original,
-            Some(&writer),
+            Some((&writer, &space)),
             opts.log_dir,
             !opts.leave_running,
         ));
@@ -331,7 +366,7 @@ fn roll_back(
     root: i32,
     tasks: Option<&mut GpuTasks>,
     original: SnapshotError,
-    writer: Option<&SnapshotWriter>,
+    writer: Option<(&SnapshotWriter, &Space)>,
     log_dir: &Path,
     frozen: bool,
 ) -> SnapshotError {
@@ -339,7 +374,7 @@ fn roll_back(
         signal_tree(&proctree::tree(root), libc::SIGCONT);
     }
     let original = match writer {
-        Some(w) => keep_dump_log(original, w, log_dir),
+        Some((w, space)) => keep_dump_log(original, w, log_dir, space),
         None => original,
     };
     // The writer's Drop removes the partial directory.
@@ -353,18 +388,73 @@ fn roll_back(
     }
 }
 
+/// What a snapshot needs on its filesystem and what it had when the snapshot began.
+struct Space {
+    dir: PathBuf,
+    needed: u64,
+    free: u64,
+}
+
+fn disk_full_detail(needed: u64, free: u64, log: Option<&Path>) -> String {
+    use torpor_image::human_size;
+    match log {
+        None => format!(
+            "it needs at least {}, the filesystem has {} free",
+            human_size(needed),
+            human_size(free)
+        ),
+        Some(log) => format!(
+            "CRIU filled the filesystem during the dump: it needs more than the {} that were free (at least {} for the process's memory alone; CRIU's log: {})",
+            human_size(free),
+            human_size(needed),
+            log.display()
+        ),
+    }
+}
+
+impl Space {
+    fn full(&self, root: i32, log: Option<PathBuf>) -> SnapshotError {
+        SnapshotError::DiskFull {
+            root,
+            dir: self.dir.clone(),
+            needed: self.needed,
+            free: self.free,
+            log,
+        }
+    }
+}
+
 /// Moves CRIU's dump log out of the partial snapshot (which is about to be removed) so the error
-/// can name it.
-fn keep_dump_log(err: SnapshotError, writer: &SnapshotWriter, log_dir: &Path) -> SnapshotError {
+/// can name it, and names a full filesystem as such. The log is renamed when it can be (no
+/// space needed: the partial snapshot and `log_dir` are usually on one filesystem), else
+/// copied; an error never names a log that is gone.
+fn keep_dump_log(
+    err: SnapshotError,
+    writer: &SnapshotWriter,
+    log_dir: &Path,
+    space: &Space,
+) -> SnapshotError {
     let SnapshotError::Dump { root, source } = err else {
         return err;
     };
     let from = writer.dir().join("dump.log");
     let to = log_dir.join(format!("dump-{root}-{}.log", crate::sys::unix_millis()));
     let kept = std::fs::create_dir_all(log_dir)
-        .and_then(|_| std::fs::copy(&from, &to))
+        .and_then(|_| {
+            std::fs::rename(&from, &to).or_else(|_| std::fs::copy(&from, &to).map(|_| ()))
+        })
         .is_ok();
-    let source = if kept { source.with_log(to) } else { source };
+    let log = kept.then_some(to);
+    if log.as_deref().is_some_and(space::log_says_full) || (!kept && space::log_says_full(&from)) {
+        return space.full(root, log);
+    }
+    let source = match log {
+        Some(to) => source.with_log(to),
+        None => source.with_log(PathBuf::from(format!(
+            "(CRIU's log could not be kept in {})",
+            log_dir.display()
+        ))),
+    };
     SnapshotError::Dump { root, source }
 }
 

@@ -348,6 +348,7 @@ pub(crate) async fn boot_function(
     }
     let boot_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
+    crate::function_mounts::bind_function_dir(init, dir).await?;
     conn.send(&load_frame(spec, dir))
         .await
         .map_err(|e| format!("sending load: {e}"))?;
@@ -715,6 +716,9 @@ async fn steps(
     ));
 
     let t = Instant::now();
+    crate::function_mounts::bind_function_dir(init, &spec.dir)
+        .await
+        .map_err(|e| fail("load", e))?;
     conn.send(&load_frame(&spec.json, &spec.dir))
         .await
         .map_err(|e| conn_fail("load", "sending load", e))?;

@@ -11,6 +11,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 
+use torpor_snapshot::mounts::MountPolicy;
+
 /// The hidden subcommand of `torpor` and `torpord` that launches one worker.
 pub const LAUNCH_SUBCOMMAND: &str = "__launch";
 /// Names the directory holding the `torpor` Python package.
@@ -24,10 +26,18 @@ pub fn launch_main(args: &[OsString]) -> ExitCode {
         eprintln!("usage: {LAUNCH_SUBCOMMAND} LOG STATE_DIR CMD... (internal to torpord)");
         return ExitCode::from(2);
     };
+    let mounts = match worker_mounts(Path::new(state_dir)) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
     match torpor_snapshot::launch::launch(&torpor_snapshot::launch::LaunchOptions {
         command,
         log: Path::new(log),
         state_dir: Path::new(state_dir),
+        mounts: &mounts,
     }) {
         Ok(pid) => {
             println!("{pid}");
@@ -38,6 +48,28 @@ pub fn launch_main(args: &[OsString]) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A worker's mount namespace (docs/mounts.md): its own /dev/shm and
+/// /tmp, none of the host's memory filesystems, the state directory bound in, and the Python
+/// harness bound in where the worker could not reach it otherwise. The function's directory
+/// is bound in when the function is loaded ([`crate::function_mounts`]).
+fn worker_mounts(state_dir: &Path) -> Result<MountPolicy, String> {
+    let state_dir = std::path::absolute(state_dir).map_err(|e| {
+        format!(
+            "cannot make the state directory {} absolute: {e}",
+            state_dir.display()
+        )
+    })?;
+    let mut policy = MountPolicy::worker(vec![state_dir]);
+    if let Ok(python) = python_dir() {
+        let table = std::fs::read_to_string("/proc/self/mountinfo")
+            .map_err(|e| format!("cannot read this process's mount table: {e}"))?;
+        if !policy.reaches(&python, &torpor_snapshot::mounts::parse(&table)) {
+            policy.binds.push(python);
+        }
+    }
+    Ok(policy)
 }
 
 /// The directory holding the `torpor` Python package, or why there is none.

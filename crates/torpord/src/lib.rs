@@ -15,6 +15,7 @@ pub mod client;
 pub mod config;
 pub mod deploy;
 pub mod frames;
+pub mod function_mounts;
 pub mod instance_logs;
 pub mod keepalive;
 pub mod launcher;

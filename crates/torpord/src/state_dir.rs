@@ -31,6 +31,15 @@ pub enum StateDirError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The filesystem cannot serve: torpord runs each worker's init from the state directory.
+    #[error("state directory {path} cannot serve: its filesystem ({fstype} mounted at {mount}) is {what}, and torpord runs workers from it; remount it (mount -o remount,{fix} {mount}) or pass --state-dir on another filesystem")]
+    Filesystem {
+        path: PathBuf,
+        fstype: String,
+        mount: String,
+        what: &'static str,
+        fix: &'static str,
+    },
     /// Another daemon holds the lock.
     #[error(
         "state directory {path} is in use by another torpord{}: stop it, or pass --state-dir",
@@ -60,6 +69,7 @@ impl StateDir {
                 })
         };
         create(root)?;
+        check_filesystem(root)?;
         let lock_path = root.join("torpord.lock");
         let lock_err = |source| StateDirError::Lock {
             path: root.to_path_buf(),
@@ -133,6 +143,37 @@ impl StateDir {
     }
 }
 
+/// Refuses a filesystem a worker cannot be run from (read-only, noexec). Any other works:
+/// ext4, xfs, tmpfs, a bind mount — workers reach the state directory through a bind mount
+/// CRIU leaves out of every snapshot (docs/mounts.md).
+fn check_filesystem(root: &Path) -> Result<(), StateDirError> {
+    let st = torpor_snapshot::space::statvfs(root).map_err(|source| StateDirError::Create {
+        path: root.to_path_buf(),
+        source,
+    })?;
+    let (what, fix) = if st.f_flag & libc::ST_RDONLY != 0 {
+        ("read-only", "rw")
+    } else if st.f_flag & libc::ST_NOEXEC != 0 {
+        ("mounted noexec", "exec")
+    } else {
+        return Ok(());
+    };
+    let path = root.canonicalize().unwrap_or_else(|_| root.to_path_buf());
+    let table = torpor_snapshot::mounts::parse(
+        &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
+    );
+    let (fstype, mount) = torpor_snapshot::mounts::containing(&path, &table)
+        .map(|m| (m.fstype.clone(), m.point.clone()))
+        .unwrap_or_else(|| ("unknown".into(), "/".into()));
+    Err(StateDirError::Filesystem {
+        path: root.to_path_buf(),
+        fstype,
+        mount,
+        what,
+        fix,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,5 +201,31 @@ mod tests {
         );
         drop(dir);
         StateDir::open(&root).unwrap();
+    }
+
+    #[test]
+    fn a_noexec_filesystem_is_refused_with_the_fix() {
+        if !torpor_snapshot::is_root() {
+            eprintln!("skipped: needs root to mount a tmpfs");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let point = tmp.path().join("noexec");
+        std::fs::create_dir(&point).unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "noexec,size=1m", "tmpfs"])
+            .arg(&point)
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let err = StateDir::open(&point.join("state")).unwrap_err();
+        let _ = std::process::Command::new("umount").arg(&point).status();
+        let msg = err.to_string();
+        assert!(matches!(err, StateDirError::Filesystem { .. }), "{msg}");
+        assert!(msg.contains("mounted noexec"), "{msg}");
+        assert!(
+            msg.contains(&format!("mount -o remount,exec {}", point.display())),
+            "{msg}"
+        );
     }
 }

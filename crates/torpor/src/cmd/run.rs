@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use torpor_snapshot::launch::{launch, LaunchOptions};
+use torpor_snapshot::mounts::MountPolicy;
 
 pub fn run(log: Option<PathBuf>, command: &[OsString]) -> anyhow::Result<ExitCode> {
     let log = log.unwrap_or_else(|| {
@@ -17,6 +18,7 @@ pub fn run(log: Option<PathBuf>, command: &[OsString]) -> anyhow::Result<ExitCod
         command,
         log: &log,
         state_dir: &state_dir,
+        mounts: &MountPolicy::command(),
     })?;
     println!("{pid}");
     eprintln!("torpor: started pid {pid}, output in {}", log.display());
