@@ -38,6 +38,8 @@ pub const MAC_SCHEME: &str = "blake3-keyed";
 
 /// Prefix of every MAC input (domain separation from the key id).
 const MAC_CONTEXT: &[u8] = b"torpor snapshot manifest v1\0";
+/// Prefix of the MAC input of a chunk store record (`refs/<snapshot>.json`).
+const RECORD_CONTEXT: &[u8] = b"torpor chunk store record v1\0";
 /// Keyed-hashed to name a key without revealing it.
 const KEY_ID_CONTEXT: &[u8] = b"torpor snapshot key id v1\0";
 
@@ -209,9 +211,19 @@ impl SnapshotKey {
 
     /// The MAC of a manifest's exact bytes.
     pub fn mac(&self, manifest: &[u8]) -> blake3::Hash {
+        self.mac_in(MAC_CONTEXT, manifest)
+    }
+
+    /// The MAC of a chunk store record's bytes (without its MAC): the segments of a split
+    /// snapshot and their index are trusted for restores through it.
+    pub(crate) fn record_mac(&self, record: &[u8]) -> blake3::Hash {
+        self.mac_in(RECORD_CONTEXT, record)
+    }
+
+    fn mac_in(&self, context: &[u8], bytes: &[u8]) -> blake3::Hash {
         let mut hasher = blake3::Hasher::new_keyed(&self.key);
-        hasher.update(MAC_CONTEXT);
-        hasher.update(manifest);
+        hasher.update(context);
+        hasher.update(bytes);
         hasher.finalize()
     }
 

@@ -395,6 +395,7 @@ impl Runtime {
                 config.split_gpu,
                 &config.restore_server,
                 &metrics,
+                Arc::clone(&snapshot_key),
             )),
             staging: Arc::new(crate::staging::StageArea::open(
                 &state_root,

@@ -405,9 +405,9 @@ fn detach_all(dir: &Path) {
     }
 }
 
-/// The key of the unit tests' stage areas and snapshots.
+/// The key of the unit tests' stage areas, snapshots and chunk store records.
 #[cfg(test)]
-fn test_key() -> torpor_image::SnapshotKey {
+pub(crate) fn test_key() -> torpor_image::SnapshotKey {
     torpor_image::SnapshotKey::from_bytes([5; 32], Path::new("test.key"))
 }
 

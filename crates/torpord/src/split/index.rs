@@ -2,6 +2,11 @@
 //! backend, GPU), in which order to fill it, whether it is read-only (and why), and which
 //! recipe of the chunk store holds its bytes.
 //!
+//! **Who wrote it.** The record is sealed with the daemon's snapshot key
+//! ([`torpor_image::store::StoreWriter::commit_sealed`]) and [`load`] refuses one without that
+//! MAC: a writer who rewrote a segment's chunks, its recipe and the index alike (all hashes
+//! recomputed) still cannot forge the record's MAC.
+//!
 //! **Where it lives, and why there.** The index is stored in the chunk store itself, as the
 //! recipe `segments.json` of the snapshot's record (`<state>/chunks/refs/<snapshot id>.json`),
 //! beside one recipe per segment (`segment-<va in hex>`). So it is covered by the same integrity
@@ -77,9 +82,14 @@ pub fn fill_order(planned: &mut [Planned]) {
 }
 
 /// The segments of snapshot `id`, in fill order, or `None` when it is not a split snapshot (the
-/// store has no record of it, or the record has no index).
-pub fn load(store: &ChunkStore, id: &str) -> Result<Option<Vec<Planned>>, String> {
-    let recipes = match store.recipes(id) {
+/// store has no record of it, or the record has no index). A record `key` did not seal is
+/// refused.
+pub fn load(
+    store: &ChunkStore,
+    id: &str,
+    key: &torpor_image::SnapshotKey,
+) -> Result<Option<Vec<Planned>>, String> {
+    let recipes = match store.sealed_recipes(id, key) {
         Ok(r) => r,
         Err(StoreError::UnknownSnapshot { .. }) => return Ok(None),
         Err(e) => return Err(format!("cannot read the segments of snapshot {id}: {e}")),
@@ -191,7 +201,8 @@ mod tests {
     fn a_tampered_index_is_refused_and_a_plain_snapshot_has_none() {
         let dir = tempfile::tempdir().unwrap();
         let store = ChunkStore::open(&dir.path().join("chunks")).unwrap();
-        assert_eq!(load(&store, "fn-x-1").unwrap(), None);
+        let key = crate::staging::test_key();
+        assert_eq!(load(&store, "fn-x-1", &key).unwrap(), None);
         let data = vec![7u8; 8192];
         let mut w = store.writer().unwrap();
         let seg = w.put_bytes(&recipe_name(0x1000), &data).unwrap();
@@ -205,8 +216,57 @@ mod tests {
         let idx = w
             .put_bytes(INDEX_RECIPE, &serde_json::to_vec(&index).unwrap())
             .unwrap();
-        w.commit("fn-x-2", &[idx, seg]).unwrap();
-        let err = load(&store, "fn-x-2").unwrap_err();
+        w.commit_sealed("fn-x-2", &[idx, seg], &key).unwrap();
+        let err = load(&store, "fn-x-2", &key).unwrap_err();
         assert!(err.contains("does not match its record"), "{err}");
+    }
+
+    #[test]
+    fn a_record_the_key_did_not_seal_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(&dir.path().join("chunks")).unwrap();
+        let key = crate::staging::test_key();
+        let data = vec![7u8; 8192];
+        let put = || {
+            let mut w = store.writer().unwrap();
+            let seg = w.put_bytes(&recipe_name(0x1000), &data).unwrap();
+            let mut e = entry(0x1000, 0, Some(0)).0;
+            e.size = 8192;
+            e.blake3 = seg.blake3.clone();
+            let index = SegmentIndex {
+                format: INDEX_FORMAT,
+                segments: vec![e],
+            };
+            let idx = w
+                .put_bytes(INDEX_RECIPE, &serde_json::to_vec(&index).unwrap())
+                .unwrap();
+            (w, vec![idx, seg])
+        };
+        let (w, recipes) = put();
+        w.commit_sealed("fn-x-3", &recipes, &key).unwrap();
+        assert_eq!(load(&store, "fn-x-3", &key).unwrap().unwrap().len(), 1);
+        // Another writer plants other bytes: a new chunk, its recipe, the index, all hashes
+        // recomputed, written over the record.
+        let path = dir.path().join("chunks/refs/fn-x-3.json");
+        let mut record: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let planted = vec![9u8; 8192];
+        let mut w = store.writer().unwrap();
+        let seg = w.put_bytes(&recipe_name(0x1000), &planted).unwrap();
+        record["recipes"][1] = serde_json::to_value(&seg).unwrap();
+        std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
+        drop(w);
+        let err = load(&store, "fn-x-3", &key).unwrap_err();
+        assert!(err.contains("changed after the daemon sealed it"), "{err}");
+        // Its MAC removed.
+        record.as_object_mut().unwrap().remove("mac");
+        std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
+        let err = load(&store, "fn-x-3", &key).unwrap_err();
+        assert!(err.contains("carries no MAC"), "{err}");
+        // Committed unsealed (as by a torpord before sealing, or any other writer).
+        let (w, recipes) = put();
+        w.commit("fn-x-4", &recipes).unwrap();
+        let err = load(&store, "fn-x-4", &key).unwrap_err();
+        assert!(err.contains("carries no MAC"), "{err}");
     }
 }
