@@ -25,7 +25,7 @@ import pytest
 from conftest import kill_tree, wait_until
 
 from .conftest import Torpord
-from .test_daemon_stage import BALLAST, EXPECTED, copies, largest_pages_file, stage_dir
+from .test_daemon_stage import BALLAST, EXPECTED, copies, largest_pages_file, phases, stage_dir
 
 REFUSED = "changed after its writer sealed it"
 
@@ -169,3 +169,19 @@ def test_a_page_rewritten_and_rehashed_by_another_writer_is_never_restored(seale
         assert len(refusals(again, snap)) >= 2, again.log_text()
     finally:
         put_back(files)
+
+
+def test_a_base_the_key_did_not_seal_is_booted_again_at_the_next_deploy(sealed: Torpord) -> None:
+    """A refused base would fail every deploy on it: the deploy boots a new one instead."""
+    (base,) = [p for p in (sealed.state / "snapshots").iterdir() if p.name.startswith("base-")]
+    manifest = base / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["host"]["kernel"] = "0.0.0"
+    manifest.write_text(json.dumps(doc, indent=2) + "\n")
+    lines = sealed.deploy(BALLAST)
+    assert phases(lines)[:3] == ["validate", "boot_base", "snapshot_base"], lines
+    assert "not reusing the base snapshot" in sealed.log.read_text(errors="replace")
+    r = sealed.cli("verify", "--key", sealed.state / "snapshot.key", base)
+    assert r.returncode == 0, r.stderr
+    start, answer = invoke_fresh(sealed)
+    assert (start, answer) == ("restored", EXPECTED)

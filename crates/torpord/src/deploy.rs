@@ -604,16 +604,24 @@ async fn steps(
     // The base snapshot: reuse, or boot and snapshot.
     let registry = Arc::clone(&rt.registry);
     let k = key.clone();
+    let snapshot_key = Arc::clone(&rt.snapshot_key);
     let existing = blocking("boot_base", move || {
         registry
             .with(|s| {
                 let Some(b) = s.base_snapshot(&k)? else {
                     return Ok(None);
                 };
-                if b.path.is_dir() {
-                    return Ok(Some(b));
+                let sealed = torpor_image::Snapshot::open(&b.path)
+                    .and_then(|o| o.authenticate(torpor_image::Trust::Key(&snapshot_key)));
+                match sealed {
+                    Ok(()) => return Ok(Some(b)),
+                    Err(e) if b.path.is_dir() => {
+                        tracing::warn!(base = %b.id, error = %e, "not reusing the base snapshot: booting a new one");
+                    }
+                    Err(_) => {}
                 }
-                // Its directory is gone: forget it and make a new one.
+                // Its directory is gone, or this daemon's key did not seal it (taken before
+                // snapshots were sealed, or rewritten since): forget it and make a new one.
                 s.delete_snapshot(&b.id)?;
                 Ok::<_, crate::registry::RegistryError>(None)
             })
