@@ -102,14 +102,7 @@ impl SnapshotKey {
 
     /// Loads the key at `path`; refuses one others can read or write, or that is not 32 bytes.
     pub fn load(path: &Path) -> Result<SnapshotKey, KeyError> {
-        let io_err = |action| {
-            let path = path.to_path_buf();
-            move |source| KeyError::Io {
-                action,
-                path,
-                source,
-            }
-        };
+        let io_err = |action| key_io_error(action, path);
         let file = match File::options()
             .read(true)
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
@@ -151,14 +144,7 @@ impl SnapshotKey {
 
     /// Creates a new random key at `path` (mode 0600; fails if the file appears meanwhile).
     fn create(path: &Path) -> Result<SnapshotKey, KeyError> {
-        let io_err = |action| {
-            let path = path.to_path_buf();
-            move |source| KeyError::Io {
-                action,
-                path,
-                source,
-            }
-        };
+        let io_err = |action| key_io_error(action, path);
         let key = random_key().map_err(io_err("generate"))?;
         // Written aside and linked into place: the key file never exists half-written, and two
         // processes creating it at once agree on the one that won.
@@ -234,6 +220,16 @@ impl SnapshotKey {
             key_id: self.id.clone(),
             mac: self.mac(manifest).to_hex().to_string(),
         }
+    }
+}
+
+/// A `map_err` for an I/O failure while `action`ing the key file at `path`.
+fn key_io_error(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> KeyError {
+    let path = path.to_path_buf();
+    move |source| KeyError::Io {
+        action,
+        path,
+        source,
     }
 }
 

@@ -102,6 +102,25 @@ fn snapshot_tree(dir: &Path, key: Option<&SnapshotKey>) -> std::path::PathBuf {
     snap
 }
 
+/// A detached restore of `snap` with its log in `log_dir`, checked as `verify` and `trust` say.
+fn detached<'a>(
+    snap: &'a Path,
+    log_dir: &'a Path,
+    verify: Verify,
+    trust: Trust<'a>,
+) -> RestoreOptions<'a> {
+    RestoreOptions {
+        dir: snap,
+        detach: true,
+        gpu_map: &[],
+        log_dir,
+        stdio: None,
+        verify,
+        trust,
+        resume_gpu: true,
+    }
+}
+
 #[test]
 fn hashes_refuse_a_changed_byte_and_sizes_only_restores_it() {
     if skip("hashes_refuse_a_changed_byte_and_sizes_only_restores_it") {
@@ -115,16 +134,7 @@ fn hashes_refuse_a_changed_byte_and_sizes_only_restores_it() {
     let mut bytes = std::fs::read(&log).expect("the snapshot keeps CRIU's dump log");
     bytes[0] ^= 0xff;
     std::fs::write(&log, &bytes).expect("write");
-    let opts = |verify| RestoreOptions {
-        dir: &snap,
-        detach: true,
-        gpu_map: &[],
-        log_dir: dir.path(),
-        stdio: None,
-        verify,
-        trust: Trust::Unkeyed,
-        resume_gpu: true,
-    };
+    let opts = |verify| detached(&snap, dir.path(), verify, Trust::Unkeyed);
     let err = restore(&opts(Verify::Hashes)).err().expect("refused");
     assert!(matches!(err, RestoreError::Image(_)), "{err}");
     assert!(err.to_string().contains("hash mismatch"), "{err}");
@@ -178,16 +188,7 @@ fn only_the_key_holders_unchanged_snapshot_restores() {
         assert!(status.expect("cp").success());
     };
     copy(&snap, &pristine);
-    let opts = |verify, trust| RestoreOptions {
-        dir: &snap,
-        detach: true,
-        gpu_map: &[],
-        log_dir: dir.path(),
-        stdio: None,
-        verify,
-        trust,
-        resume_gpu: true,
-    };
+    let opts = |verify, trust| detached(&snap, dir.path(), verify, trust);
     let restored = restore(&opts(Verify::Hashes, Trust::Key(&key))).expect("sealed, restores");
     kill(restored.pid);
 

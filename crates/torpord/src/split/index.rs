@@ -197,18 +197,17 @@ mod tests {
         assert!(!e.deferrable);
     }
 
-    #[test]
-    fn a_tampered_index_is_refused_and_a_plain_snapshot_has_none() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(&dir.path().join("chunks")).unwrap();
-        let key = crate::staging::test_key();
-        assert_eq!(load(&store, "fn-x-1", &key).unwrap(), None);
-        let data = vec![7u8; 8192];
-        let mut w = store.writer().unwrap();
-        let seg = w.put_bytes(&recipe_name(0x1000), &data).unwrap();
+    /// Stores `data` as the segment at 0x1000 and an index naming it with `blake3` (the
+    /// segment's own hash when `None`): the recipes of a one-segment split snapshot.
+    fn store_segment(
+        w: &mut torpor_image::store::StoreWriter,
+        data: &[u8],
+        blake3: Option<String>,
+    ) -> Vec<Recipe> {
+        let seg = w.put_bytes(&recipe_name(0x1000), data).unwrap();
         let mut e = entry(0x1000, 0, Some(0)).0;
-        e.size = 8192;
-        e.blake3 = "0".repeat(64);
+        e.size = data.len() as u64;
+        e.blake3 = blake3.unwrap_or_else(|| seg.blake3.clone());
         let index = SegmentIndex {
             format: INDEX_FORMAT,
             segments: vec![e],
@@ -216,7 +215,18 @@ mod tests {
         let idx = w
             .put_bytes(INDEX_RECIPE, &serde_json::to_vec(&index).unwrap())
             .unwrap();
-        w.commit_sealed("fn-x-2", &[idx, seg], &key).unwrap();
+        vec![idx, seg]
+    }
+
+    #[test]
+    fn a_tampered_index_is_refused_and_a_plain_snapshot_has_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(&dir.path().join("chunks")).unwrap();
+        let key = crate::staging::test_key();
+        assert_eq!(load(&store, "fn-x-1", &key).unwrap(), None);
+        let mut w = store.writer().unwrap();
+        let recipes = store_segment(&mut w, &[7u8; 8192], Some("0".repeat(64)));
+        w.commit_sealed("fn-x-2", &recipes, &key).unwrap();
         let err = load(&store, "fn-x-2", &key).unwrap_err();
         assert!(err.contains("does not match its record"), "{err}");
     }
@@ -226,45 +236,36 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = ChunkStore::open(&dir.path().join("chunks")).unwrap();
         let key = crate::staging::test_key();
-        let data = vec![7u8; 8192];
-        let put = || {
-            let mut w = store.writer().unwrap();
-            let seg = w.put_bytes(&recipe_name(0x1000), &data).unwrap();
-            let mut e = entry(0x1000, 0, Some(0)).0;
-            e.size = 8192;
-            e.blake3 = seg.blake3.clone();
-            let index = SegmentIndex {
-                format: INDEX_FORMAT,
-                segments: vec![e],
-            };
-            let idx = w
-                .put_bytes(INDEX_RECIPE, &serde_json::to_vec(&index).unwrap())
-                .unwrap();
-            (w, vec![idx, seg])
-        };
-        let (w, recipes) = put();
+        let mut w = store.writer().unwrap();
+        let recipes = store_segment(&mut w, &[7u8; 8192], None);
         w.commit_sealed("fn-x-3", &recipes, &key).unwrap();
         assert_eq!(load(&store, "fn-x-3", &key).unwrap().unwrap().len(), 1);
-        // Another writer plants other bytes: a new chunk, its recipe, the index, all hashes
-        // recomputed, written over the record.
+        // Another writer plants other bytes: new chunks for the segment and for an index that
+        // names their hash, both recipes put in the record. Every hash agrees; only the MAC,
+        // kept from the original record, does not.
         let path = dir.path().join("chunks/refs/fn-x-3.json");
         let mut record: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        let planted = vec![9u8; 8192];
         let mut w = store.writer().unwrap();
-        let seg = w.put_bytes(&recipe_name(0x1000), &planted).unwrap();
-        record["recipes"][1] = serde_json::to_value(&seg).unwrap();
-        std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
+        let planted = store_segment(&mut w, &[9u8; 8192], None);
         drop(w);
+        record["recipes"] = serde_json::to_value(&planted).unwrap();
+        std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
         let err = load(&store, "fn-x-3", &key).unwrap_err();
         assert!(err.contains("changed after the daemon sealed it"), "{err}");
-        // Its MAC removed.
+        // The same record unsealed: its hashes alone would have planted the bytes.
         record.as_object_mut().unwrap().remove("mac");
         std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
+        let planned = store.recipes("fn-x-3").unwrap();
+        assert_eq!(
+            planned, planted,
+            "an unchecked reader takes the planted recipes"
+        );
         let err = load(&store, "fn-x-3", &key).unwrap_err();
         assert!(err.contains("carries no MAC"), "{err}");
         // Committed unsealed (as by a torpord before sealing, or any other writer).
-        let (w, recipes) = put();
+        let mut w = store.writer().unwrap();
+        let recipes = store_segment(&mut w, &[7u8; 8192], None);
         w.commit("fn-x-4", &recipes).unwrap();
         let err = load(&store, "fn-x-4", &key).unwrap_err();
         assert!(err.contains("carries no MAC"), "{err}");
