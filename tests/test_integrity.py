@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,3 +105,87 @@ def test_gpu_map_for_a_cpu_snapshot_is_refused(torpor: Torpor, snap: Path, prist
     line = torpor.fails("restore", snap, "--detach", "--gpu", "zero")
     assert "OLD=NEW" in line, line
     assert pids_with(pristine.token) == [], "a refused restore started a process"
+
+
+def forge_page(torpor: Torpor, snap: Path) -> Path:
+    """What a writer without the key does (issue 20): rewrite a byte of the biggest page file and
+    recompute its hash in the manifest, so that every listed hash agrees again. The new hash is
+    the one `torpor verify` reports for the changed file (what any writer can compute)."""
+    victim = max(snap.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    line = torpor.fails("verify", snap)
+    found = re.search(r"hash mismatch \(expected ([0-9a-f]{64}), got ([0-9a-f]{64})\)", line)
+    assert found, "verify did not report the changed file's hash"
+    manifest = snap / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    rel = str(victim.relative_to(snap))
+    (entry,) = [f for f in doc["files"] if f["path"] == rel]
+    assert entry["blake3"] == found.group(1)
+    entry["blake3"] = found.group(2)
+    manifest.write_text(json.dumps(doc, indent=2) + "\n")
+    return victim
+
+
+def test_a_page_rewritten_with_its_hash_recomputed_is_refused(
+    torpor: Torpor, snap: Path, pristine: Pristine
+) -> None:
+    forge_page(torpor, snap)
+    assert_refused(torpor, snap, pristine, "changed after", str(snap))
+    # Unkeyed, the forgery passes (the hashes agree), and the output says what was not checked.
+    out = torpor.ok("verify", "--unkeyed", snap).stdout
+    assert "ok" in out and "unkeyed" in out, out
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["criu_version", "stdio_files", "external_mounts", "root_pid", "kernel"],
+)
+def test_a_changed_field_no_hash_covers_is_refused(
+    torpor: Torpor, snap: Path, pristine: Pristine, field: str
+) -> None:
+    manifest = snap / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    if field == "criu_version":
+        doc["host"]["criu_version"] = "9.9.9"
+    elif field == "kernel":
+        doc["host"]["kernel"] = "0.0.0"
+    elif field == "stdio_files":
+        doc["stdio_files"] = [{"path": "/etc/shadow", "key": "etc/shadow"}]
+    elif field == "external_mounts":
+        doc["external_mounts"] = [{"key": "planted", "path": "/"}]
+    else:
+        doc["source"]["root_pid"] = 1
+    manifest.write_text(json.dumps(doc, indent=2) + "\n")
+    assert_refused(torpor, snap, pristine, "changed after")
+
+
+def test_a_snapshot_without_its_mac_is_refused_unless_unkeyed(
+    torpor: Torpor, snap: Path, pristine: Pristine
+) -> None:
+    inspected = torpor.ok("inspect", snap).stdout
+    assert "seal" in inspected and "authentic" in inspected, inspected
+    (snap / "manifest.mac").unlink()
+    assert_refused(torpor, snap, pristine, "no MAC", "--unkeyed")
+    assert "unkeyed" in torpor.ok("inspect", snap).stdout
+    out = torpor.ok("verify", "--unkeyed", snap).stdout
+    assert "unkeyed" in out, out
+
+
+def test_a_snapshot_sealed_by_another_key_is_refused(
+    torpor: Torpor, snap: Path, pristine: Pristine, tmp_path: Path
+) -> None:
+    other = tmp_path / "other.key"
+    other.write_bytes(os.urandom(32))
+    other.chmod(0o600)
+    for args in (("verify", "--key", other, snap), ("restore", "--key", other, snap, "--detach")):
+        line = torpor.fails(*args)
+        assert "another key" in line and str(other) in line, line
+    assert pids_with(pristine.token) == [], "a refused restore started a process"
+    # A key others can read is no key.
+    other.chmod(0o644)
+    line = torpor.fails("verify", "--key", other, snap)
+    assert "chmod 600" in line, line

@@ -71,7 +71,9 @@ def test_verify_and_inspect(torpor: Torpor, workers: Workers, tmp_path: Path) ->
 
     doc = torpor.inspect_json(snap)
     files = manifest_files(doc)
-    on_disk = {str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file()} - {"manifest.json"}
+    # The manifest and its MAC (the writer's seal of the manifest) are never listed.
+    assert (snap / "manifest.mac").is_file(), "the snapshot is not sealed"
+    on_disk = {str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file()} - {"manifest.json", "manifest.mac"}
     listed = {str(f["path"]) for f in files}
     assert listed == on_disk, f"manifest lists {sorted(listed ^ on_disk)} differently from the directory"
     for f in files:

@@ -103,6 +103,28 @@ pub enum ImageError {
         hash: String,
     },
 
+    // --- authentication -------------------------------------------------------------------
+    /// A MAC is required and the snapshot has none.
+    #[error("snapshot {dir} carries no MAC (manifest.mac), so nothing proves it was written by the holder of the snapshot key {key}: re-take the snapshot (torpord: deploy the function again), or check its hashes only with `torpor verify --unkeyed`")]
+    Unsealed { dir: PathBuf, key: PathBuf },
+
+    /// `manifest.mac` is not one torpor writes.
+    #[error("snapshot {dir} has a manifest.mac that is not a torpor MAC: it was damaged or forged; re-take the snapshot")]
+    SealMalformed { dir: PathBuf },
+
+    /// Sealed, but with another key than the one given.
+    #[error("snapshot {dir} was sealed with another key (id {found}), not {key} (id {expected}): use the key that sealed it (`--key`; a daemon's is <state-dir>/snapshot.key), or re-take the snapshot")]
+    SealOtherKey {
+        dir: PathBuf,
+        found: String,
+        key: PathBuf,
+        expected: String,
+    },
+
+    /// The manifest is not the one its writer sealed.
+    #[error("snapshot {dir} was changed after its writer sealed it (manifest.json does not match manifest.mac): refused; re-take the snapshot (torpord: deploy the function again)")]
+    SealMismatch { dir: PathBuf },
+
     // --- contents -------------------------------------------------------------------------
     /// A listed file is not there.
     #[error("snapshot {dir} is corrupt: {file} is missing: re-take the snapshot")]

@@ -365,6 +365,9 @@ pub fn check_relative_path(path: &str) -> std::result::Result<(), &'static str> 
     if path == MANIFEST_FILE {
         return Err("the manifest cannot list itself");
     }
+    if path == crate::auth::MAC_FILE {
+        return Err("the manifest cannot list its MAC");
+    }
     Ok(())
 }
 
@@ -502,7 +505,7 @@ mod tests {
         let m = sample();
         let json = m.to_json().expect("to_json");
         assert!(json.ends_with("}\n"));
-        assert!(json.contains("\n  \"format_version\": \"1.0\""), "{json}");
+        assert!(json.contains("\n  \"format_version\": \"1.1\""), "{json}");
         assert!(json.contains("\"kind\": \"transparent\""), "{json}");
         assert_eq!(parse(&json).expect("parse"), m);
     }
@@ -547,11 +550,11 @@ mod tests {
     #[test]
     fn version_rule_applies_before_the_layout_is_parsed() {
         // A newer minor version is refused with the version message, not a parse error.
-        let newer = edit(|v| v["format_version"] = "1.1".into());
+        let newer = edit(|v| v["format_version"] = "1.2".into());
         let err = parse(&newer).expect_err("newer minor");
         assert_eq!(
             err.to_string(),
-            "snapshot format 1.1 is newer than this torpor supports (1.0): upgrade torpor"
+            "snapshot format 1.2 is newer than this torpor supports (1.1): upgrade torpor"
         );
         // Another major version with an incompatible layout: still a version error.
         let other_major = r#"{"format_version": "2.0", "files": "chunked"}"#;

@@ -7,6 +7,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::auth::{read_seal_bytes, Seal, Trust, MAC_FILE};
 use crate::error::{ImageError, Result};
 use crate::hash::{hash_files, Flush};
 use crate::manifest::{Manifest, MANIFEST_FILE};
@@ -18,6 +19,19 @@ use crate::walk::walk;
 pub struct Snapshot {
     dir: PathBuf,
     manifest: Manifest,
+    /// `manifest.json` exactly as read: what the MAC covers, and what a copy writes.
+    manifest_bytes: Vec<u8>,
+    sealing: Sealing,
+}
+
+/// What `manifest.mac` said when the snapshot was opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Sealing {
+    /// There is none: the snapshot is unkeyed (or its MAC was removed).
+    Unsealed,
+    /// There is one, but it is not a torpor MAC.
+    Malformed,
+    Sealed(Seal),
 }
 
 /// What a successful check covered.
@@ -77,10 +91,64 @@ impl Snapshot {
         }
         let bytes = crate::manifest::read_capped(&path)?;
         let manifest = Manifest::from_json(&bytes, &path, dir)?;
+        let sealing = match read_seal_bytes(dir) {
+            Ok(None) => Sealing::Unsealed,
+            Ok(Some(seal)) => Seal::from_json(&seal).map_or(Sealing::Malformed, Sealing::Sealed),
+            Err(source) => {
+                return Err(ImageError::ReadFile {
+                    path: dir.join(MAC_FILE),
+                    source,
+                })
+            }
+        };
         Ok(Snapshot {
             dir: dir.to_path_buf(),
             manifest,
+            manifest_bytes: bytes,
+            sealing,
         })
+    }
+
+    /// Whether the manifest read by [`open`](Self::open) is the one the key's holder sealed.
+    /// With [`Trust::Unkeyed`] nothing is checked. Cheap (one keyed hash of the manifest); the
+    /// files are covered through their listed hashes, which [`verify`](Self::verify) checks.
+    pub fn authenticate(&self, trust: Trust) -> Result<()> {
+        let Trust::Key(key) = trust else {
+            return Ok(());
+        };
+        let dir = self.dir.clone();
+        match &self.sealing {
+            Sealing::Unsealed => Err(ImageError::Unsealed {
+                dir,
+                key: key.path().to_path_buf(),
+            }),
+            Sealing::Malformed => Err(ImageError::SealMalformed { dir }),
+            Sealing::Sealed(seal) if seal.key_id != key.id() => Err(ImageError::SealOtherKey {
+                dir,
+                found: seal.key_id.clone(),
+                key: key.path().to_path_buf(),
+                expected: key.id().to_owned(),
+            }),
+            Sealing::Sealed(seal) if !seal.matches(key, &self.manifest_bytes) => {
+                Err(ImageError::SealMismatch { dir })
+            }
+            Sealing::Sealed(_) => Ok(()),
+        }
+    }
+
+    /// What `manifest.mac` said (not checked: see [`authenticate`](Self::authenticate)).
+    pub fn sealing(&self) -> &Sealing {
+        &self.sealing
+    }
+
+    /// Writes the manifest and its MAC, exactly as [`open`](Self::open) read them, into `target`
+    /// (a copy of this snapshot whose files are in place): the copy is sealed as the original
+    /// was, and a manifest swapped in the original since it was read is never copied.
+    pub fn write_manifest_into(&self, target: &Path) -> io::Result<()> {
+        if let Sealing::Sealed(seal) = &self.sealing {
+            fs::write(target.join(MAC_FILE), seal.to_json())?;
+        }
+        fs::write(target.join(MANIFEST_FILE), &self.manifest_bytes)
     }
 
     pub fn dir(&self) -> &Path {
@@ -168,6 +236,7 @@ impl Snapshot {
             }
         }
         found.remove(MANIFEST_FILE);
+        found.remove(MAC_FILE);
         let mut ignored = Vec::new();
         for rel in found.into_keys() {
             if is_restore_artifact(&rel) {

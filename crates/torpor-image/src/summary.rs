@@ -478,7 +478,7 @@ store     /var/lib/torpor/store (as fn-resnet)
         let text = render_summary(&m, Path::new("/snaps/resnet"));
         for needle in [
             "snapshot  /snaps/resnet",
-            "transparent, GPU (format 1.0, torpor 0.1.0)",
+            "transparent, GPU (format 1.1, torpor 0.1.0)",
             "created   2026-05-01T12:34:56Z",
             "command   python serve.py",
             "processes 2 (root pid 100, left running)",

@@ -16,6 +16,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::auth::{SnapshotKey, MAC_FILE};
 use crate::error::{ImageError, Result};
 use crate::hash::{hash_files, Flush};
 use crate::manifest::{FileEntry, Manifest, MANIFEST_FILE};
@@ -23,6 +24,8 @@ use crate::walk::walk;
 
 /// Name of the manifest while it is being written.
 const MANIFEST_TMP_FILE: &str = "manifest.json.tmp";
+/// Name of the MAC while it is being written.
+const MAC_TMP_FILE: &str = "manifest.mac.tmp";
 
 /// The timing [`SnapshotWriter::finish`] records: hashing the files and flushing them to disk.
 pub const HASH_TIMING: &str = "hash_and_write";
@@ -101,11 +104,13 @@ impl SnapshotWriter {
     }
 
     /// Seals the snapshot and moves it to its output path; returns the manifest as written.
+    /// With `key`, `manifest.mac` (the key's MAC of `manifest.json`) is written after the
+    /// manifest; without, the snapshot is unkeyed (hashes only).
     ///
     /// `manifest.files` is replaced by the hashed contents of [`dir`](Self::dir), and the timing
     /// [`HASH_TIMING`] is set to the seconds spent hashing and flushing them to disk. On error
     /// nothing is left behind: neither the output nor the hidden directory.
-    pub fn finish(mut self, mut manifest: Manifest) -> Result<Manifest> {
+    pub fn finish(mut self, mut manifest: Manifest, key: Option<&SnapshotKey>) -> Result<Manifest> {
         // Fail fast on what the caller supplied, before the expensive part.
         manifest.files.clear();
         manifest.validate(&self.temp)?;
@@ -115,7 +120,10 @@ impl SnapshotWriter {
         let listed: Vec<(String, u64)> = tree
             .files
             .into_iter()
-            .filter(|f| f.rel != MANIFEST_FILE && f.rel != MANIFEST_TMP_FILE)
+            .filter(|f| {
+                ![MANIFEST_FILE, MANIFEST_TMP_FILE, MAC_FILE, MAC_TMP_FILE]
+                    .contains(&f.rel.as_str())
+            })
             .map(|f| (f.rel, f.size))
             .collect();
         let hashed = hash_files(&self.temp, &listed, Flush::Yes);
@@ -144,7 +152,11 @@ impl SnapshotWriter {
             .insert(HASH_TIMING.to_owned(), start.elapsed().as_secs_f64());
         manifest.validate(&self.temp)?;
         let json = manifest.to_json()?;
-        self.write_manifest(&json)?;
+        self.write_manifest(MANIFEST_TMP_FILE, MANIFEST_FILE, &json)?;
+        if let Some(key) = key {
+            let seal = key.seal(json.as_bytes()).to_json();
+            self.write_manifest(MAC_TMP_FILE, MAC_FILE, &seal)?;
+        }
         sync_dir(&self.temp)?;
 
         self.recheck(&manifest)?;
@@ -173,20 +185,21 @@ impl SnapshotWriter {
         remove_partial(&self.temp)
     }
 
-    fn write_manifest(&self, json: &str) -> Result<()> {
-        let tmp = self.temp.join(MANIFEST_TMP_FILE);
+    /// Writes `text` to `name` through `tmp_name` (flushed, then renamed).
+    fn write_manifest(&self, tmp_name: &str, name: &str, text: &str) -> Result<()> {
+        let tmp = self.temp.join(tmp_name);
         let write_error = |source| ImageError::WriteManifest {
             path: tmp.clone(),
             source,
         };
         let mut file = File::create(&tmp).map_err(write_error)?;
-        file.write_all(json.as_bytes()).map_err(write_error)?;
+        file.write_all(text.as_bytes()).map_err(write_error)?;
         file.sync_all().map_err(|source| ImageError::Sync {
             path: tmp.clone(),
             source,
         })?;
         drop(file);
-        let path = self.temp.join(MANIFEST_FILE);
+        let path = self.temp.join(name);
         fs::rename(&tmp, &path).map_err(|source| ImageError::Rename {
             from: tmp.clone(),
             to: path,
@@ -202,7 +215,7 @@ impl SnapshotWriter {
             .map(|f| (f.path.as_str(), f.size))
             .collect();
         for found in walk(&self.temp)?.files {
-            if found.rel == MANIFEST_FILE {
+            if found.rel == MANIFEST_FILE || found.rel == MAC_FILE {
                 continue;
             }
             match expected.remove(found.rel.as_str()) {

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use torpor_image::{
     remove_stale_partials, render_summary, FormatVersion, Host, ImageError, Manifest, ProcessEntry,
-    Snapshot, SnapshotWriter, Source, HASH_TIMING, MANIFEST_FILE,
+    Sealing, Snapshot, SnapshotKey, SnapshotWriter, Source, Trust, HASH_TIMING, MAC_FILE,
+    MANIFEST_FILE,
 };
 
 fn manifest() -> Manifest {
@@ -59,7 +60,7 @@ fn snapshot() -> (tempfile::TempDir, PathBuf) {
     let out = root.path().join("snap");
     let writer = SnapshotWriter::create(&out).expect("create");
     fill_dump(writer.dir());
-    writer.finish(manifest()).expect("finish");
+    writer.finish(manifest(), None).expect("finish");
     (root, out)
 }
 
@@ -97,7 +98,7 @@ fn written_snapshot_opens_and_verifies() {
         "process memory must not be world-readable"
     );
     let files = fill_dump(writer.dir());
-    let written = writer.finish(manifest()).expect("finish");
+    let written = writer.finish(manifest(), None).expect("finish");
 
     // Only the final directory is left, and it holds the manifest.
     assert_eq!(names_in(root.path()), ["snap"]);
@@ -274,11 +275,11 @@ fn open_refuses_a_tampered_path() {
 #[test]
 fn open_applies_the_version_rule() {
     let (_root, out) = snapshot();
-    rewrite_manifest(&out, |v| v["format_version"] = "1.1".into());
+    rewrite_manifest(&out, |v| v["format_version"] = "1.2".into());
     let err = Snapshot::open(&out).expect_err("newer minor");
     assert_eq!(
         err.to_string(),
-        "snapshot format 1.1 is newer than this torpor supports (1.0): upgrade torpor"
+        "snapshot format 1.2 is newer than this torpor supports (1.1): upgrade torpor"
     );
     rewrite_manifest(&out, |v| v["format_version"] = "2.0".into());
     assert!(matches!(
@@ -349,7 +350,7 @@ fn failed_finish_leaves_nothing_behind() {
     let mut bad = manifest();
     bad.timings.insert("hash".into(), f64::NAN);
     assert!(matches!(
-        writer.finish(bad),
+        writer.finish(bad, None),
         Err(ImageError::NonFiniteTiming { .. })
     ));
     assert!(names_in(root.path()).is_empty());
@@ -358,7 +359,7 @@ fn failed_finish_leaves_nothing_behind() {
     fill_dump(writer.dir());
     std::os::unix::fs::symlink("/etc/hostname", writer.dir().join("link.img")).expect("symlink");
     assert!(matches!(
-        writer.finish(manifest()),
+        writer.finish(manifest(), None),
         Err(ImageError::NotRegularFile { .. })
     ));
     assert!(names_in(root.path()).is_empty());
@@ -393,7 +394,7 @@ fn out_created_meanwhile_is_never_replaced() {
     // An empty directory: plain rename(2) would silently replace it.
     fs::create_dir(&out).expect("mkdir");
     assert!(matches!(
-        writer.finish(manifest()),
+        writer.finish(manifest(), None),
         Err(ImageError::OutExists { .. })
     ));
     assert_eq!(names_in(root.path()), ["snap"]);
@@ -431,7 +432,7 @@ fn final_dir_never_exists_without_its_manifest() {
                 seen
             })
         };
-        writer.finish(manifest()).expect("finish");
+        writer.finish(manifest(), None).expect("finish");
         stop.store(true, Ordering::Release);
         watcher.join().expect("watcher");
         assert!(Snapshot::open(&out)
@@ -478,4 +479,128 @@ fn stale_partials_of_dead_processes_are_removed() {
     assert!(remove_stale_partials(root.path())
         .expect("again")
         .is_empty());
+}
+
+fn key(byte: u8) -> SnapshotKey {
+    SnapshotKey::from_bytes([byte; 32], Path::new("test.key"))
+}
+
+/// A snapshot at `<tmp>/snap` sealed with `key(1)`.
+fn sealed_snapshot() -> (tempfile::TempDir, PathBuf) {
+    let root = tempfile::tempdir().expect("tempdir");
+    let out = root.path().join("snap");
+    let writer = SnapshotWriter::create(&out).expect("create");
+    fill_dump(writer.dir());
+    writer.finish(manifest(), Some(&key(1))).expect("finish");
+    (root, out)
+}
+
+#[test]
+fn a_sealed_snapshot_authenticates_under_its_key_only() {
+    let (_root, out) = sealed_snapshot();
+    assert!(out.join(MAC_FILE).is_file());
+    assert!(!out.join("manifest.mac.tmp").exists());
+    let snap = Snapshot::open(&out).expect("open");
+    assert!(matches!(snap.sealing(), Sealing::Sealed(s) if s.key_id == key(1).id()));
+    assert!(
+        !snap.manifest().files.iter().any(|f| f.path == MAC_FILE),
+        "the MAC is never listed"
+    );
+    snap.authenticate(Trust::Key(&key(1))).expect("authentic");
+    snap.verify().expect("the MAC is no unlisted file");
+    snap.authenticate(Trust::Unkeyed)
+        .expect("unkeyed checks nothing");
+    let err = snap
+        .authenticate(Trust::Key(&key(2)))
+        .expect_err("other key");
+    assert!(matches!(err, ImageError::SealOtherKey { .. }), "{err}");
+}
+
+#[test]
+fn any_change_to_the_manifest_breaks_the_seal() {
+    let (_root, out) = sealed_snapshot();
+    let pristine = fs::read(out.join(MANIFEST_FILE)).expect("read");
+    // A page rewritten with its hash recomputed; fields no file hash covers; an unknown field;
+    // even whitespace. Each is a manifest its writer did not seal.
+    let edits: [fn(&mut serde_json::Value); 8] = [
+        |v| v["files"][2]["blake3"] = blake3::hash(b"planted").to_hex().as_str().into(),
+        |v| v["host"]["criu_version"] = "9.9".into(),
+        |v| v["host"]["kernel"] = "0.0".into(),
+        |v| v["stdio_files"] = serde_json::json!([{"path": "/etc/shadow", "key": "etc/shadow"}]),
+        |v| v["external_mounts"] = serde_json::json!([{"key": "k", "path": "/"}]),
+        |v| v["source"]["root_pid"] = 1.into(),
+        |v| v["source"]["tree"] = serde_json::json!([]),
+        |v| v["added_later"] = true.into(),
+    ];
+    for (i, edit) in edits.iter().enumerate() {
+        fs::write(out.join(MANIFEST_FILE), &pristine).expect("restore");
+        rewrite_manifest(&out, edit);
+        let snap = Snapshot::open(&out).expect("still a well-formed manifest");
+        let err = snap
+            .authenticate(Trust::Key(&key(1)))
+            .expect_err(&format!("edit {i} accepted"));
+        assert!(matches!(err, ImageError::SealMismatch { .. }), "{i}: {err}");
+        let line = err.to_string();
+        assert!(!line.contains('\n'), "{line}");
+        assert!(line.contains(&out.display().to_string()), "{line}");
+    }
+    let mut spaced = pristine.clone();
+    spaced.push(b' ');
+    fs::write(out.join(MANIFEST_FILE), &spaced).expect("write");
+    let err = Snapshot::open(&out)
+        .expect("open")
+        .authenticate(Trust::Key(&key(1)))
+        .expect_err("whitespace");
+    assert!(matches!(err, ImageError::SealMismatch { .. }), "{err}");
+    fs::write(out.join(MANIFEST_FILE), &pristine).expect("write");
+    Snapshot::open(&out)
+        .expect("open")
+        .authenticate(Trust::Key(&key(1)))
+        .expect("the original manifest is authentic again");
+}
+
+#[test]
+fn a_missing_or_forged_mac_is_refused_when_a_key_is_required() {
+    let (_root, out) = sealed_snapshot();
+    let mac = fs::read(out.join(MAC_FILE)).expect("read");
+    fs::remove_file(out.join(MAC_FILE)).expect("rm");
+    let snap = Snapshot::open(&out).expect("open");
+    assert_eq!(snap.sealing(), &Sealing::Unsealed);
+    let err = snap
+        .authenticate(Trust::Key(&key(1)))
+        .expect_err("unsealed");
+    assert!(matches!(err, ImageError::Unsealed { .. }), "{err}");
+    assert!(err.to_string().contains("--unkeyed"), "{err}");
+    snap.authenticate(Trust::Unkeyed).expect("unkeyed");
+
+    fs::write(out.join(MAC_FILE), b"garbage").expect("write");
+    let snap = Snapshot::open(&out).expect("open");
+    assert_eq!(snap.sealing(), &Sealing::Malformed);
+    let err = snap
+        .authenticate(Trust::Key(&key(1)))
+        .expect_err("malformed");
+    assert!(matches!(err, ImageError::SealMalformed { .. }), "{err}");
+
+    // The right key id with a MAC made without the key.
+    let text = String::from_utf8(mac).expect("utf8");
+    let seal: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let forged = text.replace(
+        seal["mac"].as_str().expect("mac"),
+        blake3::hash(&fs::read(out.join(MANIFEST_FILE)).expect("read"))
+            .to_hex()
+            .as_str(),
+    );
+    fs::write(out.join(MAC_FILE), forged).expect("write");
+    let err = Snapshot::open(&out)
+        .expect("open")
+        .authenticate(Trust::Key(&key(1)))
+        .expect_err("forged");
+    assert!(matches!(err, ImageError::SealMismatch { .. }), "{err}");
+
+    // A manifest listing the MAC file is malformed, not a way to smuggle it in.
+    rewrite_manifest(&out, |v| v["files"][0]["path"] = MAC_FILE.into());
+    assert!(matches!(
+        Snapshot::open(&out),
+        Err(ImageError::UnsafePath { .. })
+    ));
 }

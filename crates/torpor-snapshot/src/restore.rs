@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 use torpor_criu::{CriuError, InheritedFd, LazyPages, LazyPagesError, RestoreRequest};
 use torpor_cuda::{CudaDriver, CudaError, GpuUuid, Nvml};
-use torpor_image::{GpuSection, ImageError, Manifest, Snapshot};
+use torpor_image::{GpuSection, ImageError, Manifest, Snapshot, Trust};
 
 use crate::gpu_map::GpuMapping;
 use crate::gpu_tasks::{GpuTasks, StepError};
@@ -42,6 +42,9 @@ pub struct RestoreOptions<'a> {
     pub stdio: Option<&'a Path>,
     /// How the image files are checked before CRIU reads them.
     pub verify: Verify,
+    /// Who must have written the snapshot: its MAC (`manifest.mac`) is checked against this
+    /// key before anything else is read, whichever `verify` is; [`Trust::Unkeyed`] skips that.
+    pub trust: Trust<'a>,
     /// Run the driver's restore and unlock on the CUDA processes (the default everywhere).
     /// `false` leaves the restored tree's CUDA state locked and checkpointed, holding no GPU
     /// memory, exactly as an in-place lock + checkpoint leaves a live process: the caller must
@@ -59,6 +62,8 @@ pub enum Verify {
     /// Compare the listing and sizes only. For a copy whose every file was hashed when it was
     /// made and that nobody else can write since: a staged copy ([`crate::stage::stage`]) on a
     /// tmpfs only its owner (root) can write. Saves re-reading the images at every restore.
+    /// The manifest's MAC is still checked ([`RestoreOptions::trust`]): a rewritten manifest is
+    /// refused, a page changed in place (same size) is not.
     SizesOnly,
 }
 
@@ -261,7 +266,11 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
     let mut phases = Phases::default();
 
     let start = std::time::Instant::now();
-    let snapshot = phases.time("open", || Snapshot::open(opts.dir))?;
+    let snapshot = phases.time("open", || {
+        let snapshot = Snapshot::open(opts.dir)?;
+        snapshot.authenticate(opts.trust)?;
+        Ok::<_, ImageError>(snapshot)
+    })?;
     let manifest = snapshot.manifest().clone();
     if manifest.gpu.is_none() && !opts.gpu_map.is_empty() {
         return Err(RestoreError::GpuMapWithoutGpu);

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use torpor_criu::{Criu, CriuError, DumpRequest};
 use torpor_cuda::{CudaDriver, CudaError, Nvml, ProcessState};
 use torpor_image::{
-    GpuEntry, GpuSection, Host, ImageError, Manifest, ProcessEntry, SnapshotWriter, Source,
+    GpuEntry, GpuSection, Host, ImageError, Manifest, ProcessEntry, SnapshotKey, SnapshotWriter,
+    Source,
 };
 
 use crate::gpu_tasks::{GpuTasks, StepError};
@@ -34,6 +35,9 @@ pub struct SnapshotOptions<'a> {
     pub lock_timeout: Duration,
     /// Where CRIU's log of a failed dump is kept.
     pub log_dir: &'a Path,
+    /// Seals the snapshot (`manifest.mac`) so that restores can tell it was written by the
+    /// key's holder; `None` writes an unkeyed snapshot (hashes only).
+    pub key: Option<&'a SnapshotKey>,
 }
 
 /// Why a snapshot failed. In every case the source process keeps running and `--out` does not
@@ -256,7 +260,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     manifest.timings = phases.0.iter().cloned().collect();
     // The writer hashes every file, adds its own "hash_and_write" timing, writes the manifest
     // last and renames the directory into place.
-    let finished = writer.finish(manifest);
+    let finished = writer.finish(manifest, opts.key);
     let manifest = match finished {
         Ok(m) => m,
         Err(source) => {

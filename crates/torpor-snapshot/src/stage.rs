@@ -5,6 +5,8 @@
 //! because source and target share a filesystem, hashed from the link) and compared with the
 //! manifest, and the manifest is written last; a staged copy that does not match is removed.
 //! The staged directory is itself a snapshot, so a later restore from it verifies it again.
+//! The source's MAC is checked first (`trust`), and the copy gets the manifest and MAC exactly
+//! as they were read and checked, so a staged copy is sealed by the same key as its source.
 
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
@@ -12,7 +14,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use torpor_image::{ImageError, Snapshot, MANIFEST_FILE};
+use torpor_image::{ImageError, Snapshot, Trust};
 
 /// The default base directory for staged snapshots (a tmpfs on every Linux with glibc).
 pub const DEFAULT_STAGE_BASE: &str = "/dev/shm/torpor";
@@ -45,10 +47,12 @@ pub struct Staged {
 }
 
 /// Copies (or hard-links) the snapshot at `src` into `target`, which must not exist, checking
-/// every file against the manifest on the way. On any failure `target` is removed.
-pub fn stage(src: &Path, target: &Path) -> Result<Staged, StageError> {
+/// every file against the manifest on the way, after the manifest's MAC against `trust`. On any
+/// failure `target` is removed.
+pub fn stage(src: &Path, target: &Path, trust: Trust) -> Result<Staged, StageError> {
     let start = Instant::now();
     let snapshot = Snapshot::open(src)?;
+    snapshot.authenticate(trust)?;
     if fs::symlink_metadata(target).is_ok() {
         return Err(StageError::TargetExists {
             path: target.to_path_buf(),
@@ -129,8 +133,9 @@ fn stage_files(snapshot: &Snapshot, target: &Path) -> Result<usize, StageError> 
         }
     }
     // The manifest last: a staged directory without one is never taken for a snapshot.
-    let manifest = target.join(MANIFEST_FILE);
-    fs::copy(src.join(MANIFEST_FILE), &manifest).map_err(io_err(&manifest))?;
+    snapshot
+        .write_manifest_into(target)
+        .map_err(io_err(target))?;
     Ok(linked)
 }
 
@@ -173,7 +178,11 @@ fn copy_hashing(from: &Path, to: Option<&Path>) -> Result<(u64, blake3::Hash), S
 #[cfg(test)]
 mod tests {
     use super::*;
-    use torpor_image::{Host, Manifest, SnapshotWriter, Source};
+    use torpor_image::{Host, Manifest, SnapshotKey, SnapshotWriter, Source};
+
+    fn key() -> SnapshotKey {
+        SnapshotKey::from_bytes([3; 32], Path::new("test.key"))
+    }
 
     fn snapshot_with(dir: &Path, files: &[(&str, &[u8])]) -> PathBuf {
         let out = dir.join("snap");
@@ -191,7 +200,7 @@ mod tests {
             },
             Host::current("4.2.1").unwrap(),
         );
-        writer.finish(manifest).unwrap();
+        writer.finish(manifest, Some(&key())).unwrap();
         out
     }
 
@@ -203,13 +212,16 @@ mod tests {
             &[("pages-1.img", &[7u8; 100_000]), ("core-1.img", b"c")],
         );
         let target = tmp.path().join("mem").join("snap");
-        let staged = stage(&src, &target).unwrap();
+        let staged = stage(&src, &target, Trust::Key(&key())).unwrap();
         assert_eq!(staged.files, 2);
         assert_eq!(staged.bytes, 100_001);
         // Same filesystem here: linked, and still hashed.
         assert_eq!(staged.linked, 2);
-        Snapshot::open(&target).unwrap().verify().unwrap();
-        let again = stage(&src, &target).unwrap_err();
+        let copy = Snapshot::open(&target).unwrap();
+        copy.verify().unwrap();
+        // Sealed as its source was.
+        copy.authenticate(Trust::Key(&key())).unwrap();
+        let again = stage(&src, &target, Trust::Key(&key())).unwrap_err();
         assert!(matches!(again, StageError::TargetExists { .. }), "{again}");
     }
 
@@ -221,12 +233,36 @@ mod tests {
         bytes[10] ^= 1;
         fs::write(src.join("pages-1.img"), bytes).unwrap();
         let target = tmp.path().join("staged");
-        let err = stage(&src, &target).unwrap_err();
+        let err = stage(&src, &target, Trust::Key(&key())).unwrap_err();
         assert!(err.to_string().contains("hash mismatch"), "{err}");
         assert!(!target.exists());
         fs::remove_file(src.join("pages-1.img")).unwrap();
-        let err = stage(&src, &target).unwrap_err();
+        let err = stage(&src, &target, Trust::Key(&key())).unwrap_err();
         assert!(err.to_string().contains("is missing"), "{err}");
+        assert!(!target.exists());
+    }
+
+    #[test]
+    fn a_source_rewritten_with_its_hash_recomputed_is_not_staged() {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = snapshot_with(tmp.path(), &[("pages-1.img", &[7u8; 4096])]);
+        let mut bytes = fs::read(src.join("pages-1.img")).unwrap();
+        bytes[10] ^= 1;
+        fs::write(src.join("pages-1.img"), &bytes).unwrap();
+        let manifest = src.join(torpor_image::MANIFEST_FILE);
+        let text = fs::read_to_string(&manifest).unwrap();
+        let old = blake3::hash(&[7u8; 4096]).to_hex().to_string();
+        let new = blake3::hash(&bytes).to_hex().to_string();
+        fs::write(&manifest, text.replace(&old, &new)).unwrap();
+        // Unkeyed, the forgery passes; keyed, it is refused before anything is copied.
+        let target = tmp.path().join("staged");
+        stage(&src, &target, Trust::Unkeyed).unwrap();
+        fs::remove_dir_all(&target).unwrap();
+        let err = stage(&src, &target, Trust::Key(&key())).unwrap_err();
+        assert!(
+            matches!(err, StageError::Image(ImageError::SealMismatch { .. })),
+            "{err}"
+        );
         assert!(!target.exists());
     }
 }

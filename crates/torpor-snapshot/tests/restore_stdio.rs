@@ -130,6 +130,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         leave_running: false,
         lock_timeout: Duration::from_secs(10),
         log_dir: dir.path(),
+        key: None,
     })
     .expect("snapshot");
     let _ = unshare.wait();
@@ -157,6 +158,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         log_dir: dir.path(),
         stdio: Some(&bad),
         verify: Verify::default(),
+        trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
     })
     .err()
@@ -180,6 +182,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         log_dir: dir.path(),
         stdio: Some(&new),
         verify: Verify::default(),
+        trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
     })
     .expect("restore");
@@ -205,6 +208,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         leave_running: false,
         lock_timeout: Duration::from_secs(10),
         log_dir: dir.path(),
+        key: None,
     })
     .expect("snapshot of the restored tree");
     let stdio2 = torpor_image::Snapshot::open(&snap2)
@@ -222,6 +226,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         log_dir: dir.path(),
         stdio: Some(&newer),
         verify: Verify::default(),
+        trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
     })
     .expect("restore of the second snapshot");
@@ -239,6 +244,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         log_dir: dir.path(),
         stdio: None,
         verify: Verify::default(),
+        trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
     })
     .expect("restore onto the recorded file");
@@ -284,6 +290,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         leave_running: false,
         lock_timeout: Duration::from_secs(10),
         log_dir: dir.path(),
+        key: None,
     })
     .expect("snapshot");
     let _ = unshare.wait();
@@ -296,6 +303,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         log_dir: dir.path(),
         stdio,
         verify: Verify::default(),
+        trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
     };
     let err = restore(&opts(Some(&new))).err().expect("refused");

@@ -48,6 +48,8 @@ enum Command {
         /// Print phase timings.
         #[arg(short, long)]
         verbose: bool,
+        #[command(flatten)]
+        key: cmd::KeyArgs,
     },
     /// Restore a snapshot into new namespaces (several restores may run side by side).
     Restore {
@@ -70,6 +72,8 @@ enum Command {
         /// Print phase timings.
         #[arg(short, long)]
         verbose: bool,
+        #[command(flatten)]
+        key: cmd::KeyArgs,
     },
     /// Copy a snapshot into memory (a tmpfs such as /dev/shm), checking every file's hash on
     /// the way; restore from the copy to read the images from RAM.
@@ -79,6 +83,8 @@ enum Command {
         /// Where the copy goes (must not exist; on a tmpfs).
         #[arg(long)]
         to: PathBuf,
+        #[command(flatten)]
+        key: cmd::KeyArgs,
     },
     /// Show what a snapshot holds.
     Inspect {
@@ -92,9 +98,17 @@ enum Command {
         /// The snapshot's id in the store (default: the snapshot directory's name).
         #[arg(long, value_name = "ID", requires = "store")]
         store_id: Option<String>,
+        /// The key to check the snapshot's MAC with [default: the `torpor snapshot` default,
+        /// when it exists]
+        #[arg(long, value_name = "FILE")]
+        key: Option<PathBuf>,
     },
-    /// Check every file of a snapshot against its size and BLAKE3 hash.
-    Verify { dir: PathBuf },
+    /// Check a snapshot's MAC (who wrote it) and every file against its size and BLAKE3 hash.
+    Verify {
+        dir: PathBuf,
+        #[command(flatten)]
+        key: cmd::KeyArgs,
+    },
     /// Run the node daemon torpord in the foreground (stop it with SIGTERM or Ctrl-C).
     Serve(torpord::ServeArgs),
     /// List the functions torpord knows.
@@ -200,7 +214,8 @@ fn main() -> ExitCode {
             leave_running,
             timeout,
             verbose,
-        } => cmd::snapshot::run(pid, &out, leave_running, timeout, verbose),
+            key,
+        } => cmd::snapshot::run(pid, &out, leave_running, timeout, verbose, &key),
         Command::Restore {
             dir,
             detach,
@@ -208,15 +223,31 @@ fn main() -> ExitCode {
             log,
             pages,
             verbose,
-        } => cmd::restore::run(&dir, detach, gpu.as_deref(), log.as_deref(), pages, verbose),
-        Command::Stage { dir, to } => cmd::stage::run(&dir, &to),
+            key,
+        } => cmd::restore::run(
+            &dir,
+            detach,
+            gpu.as_deref(),
+            log.as_deref(),
+            pages,
+            verbose,
+            &key,
+        ),
+        Command::Stage { dir, to, key } => cmd::stage::run(&dir, &to, &key),
         Command::Inspect {
             dir,
             json,
             store,
             store_id,
-        } => cmd::inspect::run(&dir, json, store.as_deref(), store_id.as_deref()),
-        Command::Verify { dir } => cmd::verify::run(&dir),
+            key,
+        } => cmd::inspect::run(
+            &dir,
+            json,
+            store.as_deref(),
+            store_id.as_deref(),
+            key.as_deref(),
+        ),
+        Command::Verify { dir, key } => cmd::verify::run(&dir, &key),
         Command::Serve(args) => cmd::serve::run(&args),
         Command::Ls { json, daemon } => cmd::ls::run(&daemon, json),
         Command::Status { json, daemon } => cmd::status::run(&daemon, json),

@@ -40,7 +40,7 @@ fn snapshot(parent: &Path, name: &str, files: &[(&str, Vec<u8>)], store: &ChunkS
         },
         Host::current("4.1.1").expect("uname"),
     );
-    writer.finish(manifest).expect("finish");
+    writer.finish(manifest, None).expect("finish");
     let mut store_writer = store.writer().expect("writer");
     let recipes: Vec<_> = files
         .iter()

@@ -27,9 +27,15 @@ pub(crate) const QUIET_TIMEOUT: Duration = Duration::from_secs(60);
 pub(crate) const CUDA_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Snapshots the quiet worker tree rooted at `pid` into `out` in kill mode (the source is gone
-/// afterwards), off the async runtime: `torpor_snapshot::snapshot` blocks for seconds.
-pub(crate) async fn snapshot_and_kill(pid: i32, out: &Path, log_dir: &Path) -> Result<(), String> {
-    let (out, log_dir) = (out.to_path_buf(), log_dir.to_path_buf());
+/// afterwards), off the async runtime: `torpor_snapshot::snapshot` blocks for seconds. Sealed
+/// with `key`, so that restores can tell it from a snapshot the daemon did not write.
+pub(crate) async fn snapshot_and_kill(
+    pid: i32,
+    out: &Path,
+    log_dir: &Path,
+    key: &Arc<torpor_image::SnapshotKey>,
+) -> Result<(), String> {
+    let (out, log_dir, key) = (out.to_path_buf(), log_dir.to_path_buf(), Arc::clone(key));
     tokio::task::spawn_blocking(move || {
         torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
             pid,
@@ -37,6 +43,7 @@ pub(crate) async fn snapshot_and_kill(pid: i32, out: &Path, log_dir: &Path) -> R
             leave_running: false,
             lock_timeout: CUDA_LOCK_TIMEOUT,
             log_dir: &log_dir,
+            key: Some(&key),
         })
         .map(|_| ())
         .map_err(|e| e.to_string())
@@ -439,9 +446,14 @@ async fn quiesce_and_snapshot(
     conn.expect_eof(QUIET_TIMEOUT)
         .await
         .map_err(|e| conn_fail(phase, "waiting for the worker to close after quiet", e))?;
-    snapshot_and_kill(init.0.unwrap_or_default(), out, &rt.logs_dir())
-        .await
-        .map_err(|e| fail(phase, e))?;
+    snapshot_and_kill(
+        init.0.unwrap_or_default(),
+        out,
+        &rt.logs_dir(),
+        &rt.snapshot_key,
+    )
+    .await
+    .map_err(|e| fail(phase, e))?;
     // Kill mode: the source is gone.
     init.0 = None;
     Ok(())
@@ -543,9 +555,14 @@ async fn finish_split(
         conn.expect_eof(QUIET_TIMEOUT)
             .await
             .map_err(|e| conn_fail(PHASE, "waiting for the worker to close after released", e))?;
-        snapshot_and_kill(init.0.unwrap_or_default(), out, &rt.logs_dir())
-            .await
-            .map_err(|e| fail(PHASE, e))?;
+        snapshot_and_kill(
+            init.0.unwrap_or_default(),
+            out,
+            &rt.logs_dir(),
+            &rt.snapshot_key,
+        )
+        .await
+        .map_err(|e| fail(PHASE, e))?;
         init.0 = None;
         Ok(())
     }
@@ -588,16 +605,24 @@ async fn steps(
     // The base snapshot: reuse, or boot and snapshot.
     let registry = Arc::clone(&rt.registry);
     let k = key.clone();
+    let snapshot_key = Arc::clone(&rt.snapshot_key);
     let existing = blocking("boot_base", move || {
         registry
             .with(|s| {
                 let Some(b) = s.base_snapshot(&k)? else {
                     return Ok(None);
                 };
-                if b.path.is_dir() {
-                    return Ok(Some(b));
+                let sealed = torpor_image::Snapshot::open(&b.path)
+                    .and_then(|o| o.authenticate(torpor_image::Trust::Key(&snapshot_key)));
+                match sealed {
+                    Ok(()) => return Ok(Some(b)),
+                    Err(e) if b.path.is_dir() => {
+                        tracing::warn!(base = %b.id, error = %e, "not reusing the base snapshot: booting a new one");
+                    }
+                    Err(_) => {}
                 }
-                // Its directory is gone: forget it and make a new one.
+                // Its directory is gone, or this daemon's key did not seal it (taken before
+                // snapshots were sealed, or rewritten since): forget it and make a new one.
                 s.delete_snapshot(&b.id)?;
                 Ok::<_, crate::registry::RegistryError>(None)
             })
@@ -697,7 +722,7 @@ async fn steps(
     // Restore the base and load the function into it.
     let t = Instant::now();
     let log = crate::instance_logs::deploy_log(&rt.logs_dir(), name, now_ms());
-    let (init, worker) = restore(&base.path, &rt.logs_dir(), &log)
+    let (init, worker) = restore(&base.path, &rt.logs_dir(), &log, &rt.snapshot_key)
         .await
         .map_err(|e| fail("restore_base", e))?;
     let mut guard = TreeGuard(Some(init));

@@ -651,7 +651,9 @@ impl Runtime {
             )),
         };
         let snapshotted = match closed {
-            Ok(()) => snapshot_and_kill(inst.init_pid, out, &self.logs_dir()).await,
+            Ok(()) => {
+                snapshot_and_kill(inst.init_pid, out, &self.logs_dir(), &self.snapshot_key).await
+            }
             Err(e) => Err(e),
         };
         if let Err(e) = snapshotted {

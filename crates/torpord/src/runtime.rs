@@ -66,6 +66,8 @@ pub struct Runtime {
     pub split: Arc<crate::split::Split>,
     /// Function snapshots staged in memory (crate::staging).
     pub staging: Arc<crate::staging::StageArea>,
+    /// Seals every snapshot the daemon writes; restores refuse any it did not seal.
+    pub snapshot_key: Arc<torpor_image::SnapshotKey>,
 }
 
 /// Failed restores of one function's snapshot in a row, and until when restores are skipped.
@@ -408,6 +410,7 @@ impl Runtime {
         metrics: Arc<Metrics>,
         state_root: PathBuf,
         workers_socket: PathBuf,
+        snapshot_key: Arc<torpor_image::SnapshotKey>,
     ) -> Self {
         Self {
             python_dir: crate::launcher::python_dir(),
@@ -424,12 +427,15 @@ impl Runtime {
                 config.split_gpu,
                 &config.restore_server,
                 &metrics,
+                Arc::clone(&snapshot_key),
             )),
             staging: Arc::new(crate::staging::StageArea::open(
                 &state_root,
                 config.restore_server.stage_bytes,
                 &metrics,
+                Arc::clone(&snapshot_key),
             )),
+            snapshot_key,
             config,
             registry,
             metrics,
@@ -1370,7 +1376,7 @@ impl Runtime {
             init,
             worker,
             pages,
-        } = restore_with(from, &self.logs_dir(), new.log, how)
+        } = restore_with(from, &self.logs_dir(), new.log, how, &self.snapshot_key)
             .await
             .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
         new.charge.process_started(init);
@@ -2022,13 +2028,18 @@ impl Drop for PendingPages {
 
 /// Restores a snapshot detached, every page copied and every file hashed first; returns
 /// (init, worker). See [`restore_with`].
-pub async fn restore(dir: &Path, log_dir: &Path, stdio: &Path) -> Result<(i32, i32), String> {
-    let tree = restore_with(dir, log_dir, stdio, HowToRestore::default()).await?;
+pub async fn restore(
+    dir: &Path,
+    log_dir: &Path,
+    stdio: &Path,
+    key: &Arc<torpor_image::SnapshotKey>,
+) -> Result<(i32, i32), String> {
+    let tree = restore_with(dir, log_dir, stdio, HowToRestore::default(), key).await?;
     Ok((tree.init, tree.worker))
 }
 
 /// Restores a snapshot (or its staged copy) detached (blocking work on the blocking pool), its
-/// stdout and stderr going to `stdio`. A snapshot that does not record its stdio files (taken
+/// stdout and stderr going to `stdio`; one that `key` did not seal is refused. A snapshot that does not record its stdio files (taken
 /// by an older torpord) is restored onto the files it had, with a warning. With lazy pages, a
 /// blocking thread reaps CRIU's lazy-pages daemon once it has served every page.
 pub async fn restore_with(
@@ -2036,6 +2047,7 @@ pub async fn restore_with(
     log_dir: &Path,
     stdio: &Path,
     how: HowToRestore,
+    key: &Arc<torpor_image::SnapshotKey>,
 ) -> Result<RestoredTree, String> {
     use torpor_snapshot::restore::{PageOptions, RestoreError, RestoreOptions, Verify};
     let (dir, verify) = match &how.staged {
@@ -2044,6 +2056,7 @@ pub async fn restore_with(
     };
     let log_dir = log_dir.to_path_buf();
     let stdio = stdio.to_path_buf();
+    let key = Arc::clone(key);
     tokio::task::spawn_blocking(move || {
         let pages = PageOptions { source: how.pages };
         let restore_onto = |stdio: Option<&Path>| {
@@ -2055,6 +2068,7 @@ pub async fn restore_with(
                     log_dir: &log_dir,
                     stdio,
                     verify,
+                    trust: torpor_image::Trust::Key(&key),
                     resume_gpu: !how.leave_gpu_checkpointed,
                 },
                 &pages,

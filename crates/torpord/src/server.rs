@@ -29,6 +29,8 @@ pub enum StartError {
     Socket(#[from] SocketError),
     #[error(transparent)]
     Token(#[from] TokenError),
+    #[error(transparent)]
+    SnapshotKey(#[from] torpor_image::KeyError),
     /// The TCP address cannot be bound.
     #[error("cannot listen on TCP {addr}: {source}")]
     Tcp {
@@ -70,6 +72,8 @@ pub struct Daemon {
     tcp: Option<(TcpListener, SocketAddr, Token)>,
     /// Live instances of an earlier daemon whose processes are still there, to re-adopt.
     orphans: Vec<crate::registry::Instance>,
+    /// Seals every snapshot the daemon writes; every restore checks it (created on first start).
+    snapshot_key: Arc<torpor_image::SnapshotKey>,
 }
 
 impl Daemon {
@@ -82,6 +86,9 @@ impl Daemon {
             _ => None,
         };
         let state_dir = StateDir::open(&config.state_dir)?;
+        let snapshot_key = Arc::new(torpor_image::SnapshotKey::load_or_create(
+            &state_dir.snapshot_key(),
+        )?);
         let registry = Registry::open(&state_dir.registry())?;
         for name in registry.with(|s| s.fail_interrupted_deploys(now_ms()))? {
             tracing::warn!(function = %name, "deploy was interrupted by a daemon stop; marked failed");
@@ -108,6 +115,7 @@ impl Daemon {
             workers,
             tcp,
             orphans,
+            snapshot_key,
         })
     }
 
@@ -143,6 +151,7 @@ impl Daemon {
             Arc::clone(&self.metrics),
             self.state_dir.root().to_path_buf(),
             self.state_dir.workers_socket(),
+            Arc::clone(&self.snapshot_key),
         ));
         if let Err(e) = &runtime.python_dir {
             tracing::warn!(error = %e, "deploys will fail until this is fixed");

@@ -74,6 +74,8 @@ pub struct StageArea {
     next: AtomicU64,
     /// `torpor_stage_bytes`.
     gauge: IntGauge,
+    /// Only snapshots it sealed are staged (and their copies keep the seal).
+    key: Arc<torpor_image::SnapshotKey>,
 }
 
 impl std::fmt::Debug for StageArea {
@@ -90,7 +92,12 @@ impl StageArea {
     /// there), bounded by `capacity` bytes; `capacity` 0 turns staging off. A kernel that
     /// refuses huge pages on tmpfs gets a plain tmpfs; one that refuses the mount, no staging:
     /// each with one warning line.
-    pub fn open(state_root: &Path, capacity: u64, metrics: &crate::metrics::Metrics) -> Self {
+    pub fn open(
+        state_root: &Path,
+        capacity: u64,
+        metrics: &crate::metrics::Metrics,
+        key: Arc<torpor_image::SnapshotKey>,
+    ) -> Self {
         let dir = state_root.join(STAGE_DIR);
         let gauge = stage_gauge(metrics);
         detach_all(&dir);
@@ -99,7 +106,7 @@ impl StageArea {
             tracing::info!(
                 "staging is off (restore_server.stage_bytes = 0): restores read the disk copies"
             );
-            return Self::new(None, false, capacity, gauge);
+            return Self::new(None, false, capacity, gauge, key);
         }
         match mount(&dir, capacity) {
             Ok(huge) => {
@@ -107,11 +114,11 @@ impl StageArea {
                     tracing::warn!(path = %dir.display(), "this kernel refuses huge pages on tmpfs (huge=within_size): staged snapshots use 4 KiB pages, which makes their restores slower");
                 }
                 tracing::info!(path = %dir.display(), stage_bytes = capacity, "stage area mounted");
-                Self::new(Some(dir), true, capacity, gauge)
+                Self::new(Some(dir), true, capacity, gauge, key)
             }
             Err(e) => {
                 tracing::warn!(path = %dir.display(), error = %e, "cannot mount the stage area (a tmpfs): restores read the disk copies; set restore_server.stage_bytes = 0 to silence this");
-                Self::new(None, false, capacity, gauge)
+                Self::new(None, false, capacity, gauge, key)
             }
         }
     }
@@ -120,10 +127,22 @@ impl StageArea {
     #[cfg(test)]
     pub(crate) fn in_dir(dir: &Path, capacity: u64) -> Self {
         let gauge = IntGauge::new("torpor_stage_bytes", "test").expect("valid metric");
-        Self::new(Some(dir.to_path_buf()), false, capacity, gauge)
+        Self::new(
+            Some(dir.to_path_buf()),
+            false,
+            capacity,
+            gauge,
+            Arc::new(test_key()),
+        )
     }
 
-    fn new(root: Option<PathBuf>, mounted: bool, capacity: u64, gauge: IntGauge) -> Self {
+    fn new(
+        root: Option<PathBuf>,
+        mounted: bool,
+        capacity: u64,
+        gauge: IntGauge,
+        key: Arc<torpor_image::SnapshotKey>,
+    ) -> Self {
         gauge.set(0);
         Self {
             root,
@@ -131,6 +150,7 @@ impl StageArea {
             copies: Mutex::new(Lru::new(capacity)),
             next: AtomicU64::new(1),
             gauge,
+            key,
         }
     }
 
@@ -180,7 +200,8 @@ impl StageArea {
             }
             self.gauge.set(copies.used() as i64);
         }
-        match torpor_snapshot::stage::stage(snapshot, &copy.dir) {
+        let trust = torpor_image::Trust::Key(&self.key);
+        match torpor_snapshot::stage::stage(snapshot, &copy.dir, trust) {
             Ok(staged) => {
                 copy.ready.store(true, Ordering::Release);
                 tracing::info!(snapshot = %snapshot.display(), path = %copy.dir.display(), bytes = staged.bytes, stage_s = staged.elapsed_s, "snapshot staged");
@@ -264,14 +285,17 @@ fn staged_bytes(snapshot: &Path) -> Result<u64, String> {
     const PAGE: u64 = 4096;
     let opened = torpor_image::Snapshot::open(snapshot)
         .map_err(|e| format!("cannot stage {}: {e}", snapshot.display()))?;
-    let manifest =
-        std::fs::metadata(snapshot.join(torpor_image::MANIFEST_FILE)).map_or(0, |m| m.len());
+    let size = |name| std::fs::metadata(snapshot.join(name)).map_or(0, |m| m.len());
+    let (manifest, mac) = (
+        size(torpor_image::MANIFEST_FILE),
+        size(torpor_image::MAC_FILE),
+    );
     Ok(opened
         .manifest()
         .files
         .iter()
         .map(|f| f.size)
-        .chain([manifest])
+        .chain([manifest, mac])
         .map(|b| b.div_ceil(PAGE) * PAGE)
         .sum())
 }
@@ -381,6 +405,12 @@ fn detach_all(dir: &Path) {
     }
 }
 
+/// The key of the unit tests' stage areas, snapshots and chunk store records.
+#[cfg(test)]
+pub(crate) fn test_key() -> torpor_image::SnapshotKey {
+    torpor_image::SnapshotKey::from_bytes([5; 32], Path::new("test.key"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -402,7 +432,7 @@ mod tests {
             },
             Host::current("4.2.1").unwrap(),
         );
-        writer.finish(manifest).unwrap();
+        writer.finish(manifest, Some(&test_key())).unwrap();
         out
     }
 
@@ -427,8 +457,8 @@ mod tests {
             snapshot(&disk, "fn-c", 20_000),
         );
         let one = staged_bytes(&a).unwrap();
-        // 20 000 bytes → 5 pages, core → 1, manifest → 1.
-        assert_eq!(one, 7 * 4096);
+        // 20 000 bytes → 5 pages, core → 1, manifest → 1, its MAC → 1.
+        assert_eq!(one, 8 * 4096);
         let area = StageArea::in_dir(&area_dir, 2 * one);
         let staged_a = area.stage(&a).unwrap().unwrap();
         torpor_image::Snapshot::open(staged_a.dir())
@@ -478,11 +508,32 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_this_key_did_not_seal_is_not_staged() {
+        let tmp = tempfile::tempdir().unwrap();
+        let snap = snapshot(&tmp.path().join("disk"), "fn-a", 100);
+        let area_dir = tmp.path().join("area");
+        std::fs::create_dir_all(&area_dir).unwrap();
+        let area = StageArea::in_dir(&area_dir, 1 << 20);
+        // Rewritten by someone without the key: the manifest no longer matches its MAC.
+        let manifest = snap.join(torpor_image::MANIFEST_FILE);
+        let text = std::fs::read_to_string(&manifest).unwrap();
+        std::fs::write(&manifest, text.replace("\"4.2.1\"", "\"9.9.9\"")).unwrap();
+        let err = area.stage(&snap).unwrap_err();
+        assert!(err.contains("changed after its writer sealed it"), "{err}");
+        // Without a MAC at all.
+        std::fs::write(&manifest, text).unwrap();
+        std::fs::remove_file(snap.join(torpor_image::MAC_FILE)).unwrap();
+        let err = area.stage(&snap).unwrap_err();
+        assert!(err.contains("carries no MAC"), "{err}");
+        assert!(files(&area_dir).is_empty());
+    }
+
+    #[test]
     fn staging_off_stages_nothing() {
         let tmp = tempfile::tempdir().unwrap();
         let snap = snapshot(tmp.path(), "fn-a", 100);
         let gauge = IntGauge::new("torpor_stage_bytes", "test").unwrap();
-        let area = StageArea::new(None, false, 0, gauge);
+        let area = StageArea::new(None, false, 0, gauge, Arc::new(test_key()));
         assert!(area.stage(&snap).unwrap().is_none());
         assert!(area.get(&snap).is_none());
         assert!(area.dir().is_none());

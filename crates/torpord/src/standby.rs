@@ -261,9 +261,15 @@ impl Runtime {
             staged: self.staging.get(&info.snapshot_dir),
             leave_gpu_checkpointed: true,
         };
-        let tree = restore_with(&info.snapshot_dir, &self.logs_dir(), &log, how)
-            .await
-            .map_err(|e| format!("cannot restore a standby instance of {name:?}: {e}"))?;
+        let tree = restore_with(
+            &info.snapshot_dir,
+            &self.logs_dir(),
+            &log,
+            how,
+            &self.snapshot_key,
+        )
+        .await
+        .map_err(|e| format!("cannot restore a standby instance of {name:?}: {e}"))?;
         let (init, worker) = (tree.init, tree.worker);
         charge.process_started(init);
         let what = format!("a standby instance of {name:?}");

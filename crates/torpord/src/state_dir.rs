@@ -137,6 +137,12 @@ impl StateDir {
         self.root.join("logs")
     }
 
+    /// The key that seals every snapshot this daemon writes (mode 0600; docs/torpord.md,
+    /// "Snapshot authentication").
+    pub fn snapshot_key(&self) -> PathBuf {
+        self.root.join(torpor_image::SNAPSHOT_KEY_FILE)
+    }
+
     /// The socket workers connect to (docs/torpord.md, "Worker ⇄ daemon protocol").
     pub fn workers_socket(&self) -> PathBuf {
         self.root.join("workers.sock")

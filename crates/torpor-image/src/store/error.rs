@@ -61,6 +61,14 @@ pub enum StoreError {
         actual: String,
     },
 
+    /// A record that must be sealed (its snapshot is restored from it) has no MAC.
+    #[error("the chunk store record of snapshot {id} carries no MAC, so nothing proves the daemon wrote its segments: deploy the function again")]
+    RecordUnsealed { id: String },
+
+    /// A record's MAC does not match it: someone without the key rewrote it.
+    #[error("the chunk store record of snapshot {id} was changed after the daemon sealed it (its MAC does not match): refused; deploy the function again")]
+    RecordSealMismatch { id: String },
+
     /// A recipe contradicts itself (its chunks do not add up to its size, bad hash text).
     #[error(
         "recipe of {file} is invalid ({reason}): the store record is corrupt; re-take the snapshot"

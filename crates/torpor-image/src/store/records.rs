@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::auth::SnapshotKey;
 use crate::store::error::{io_error, StoreError};
 use crate::store::{check_snapshot_id, sync_dir, ChunkId, ChunkStore, Recipe};
 
@@ -21,23 +22,48 @@ pub(crate) struct Record {
     pub format: u32,
     pub snapshot: String,
     pub recipes: Vec<Recipe>,
+    /// [`SnapshotKey::record_mac`] of this record encoded without it (lowercase hex), when it
+    /// was committed sealed. Strings and integers only: the encoding is the same every time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+}
+
+impl Record {
+    /// The bytes the MAC covers: the record encoded without its MAC.
+    fn unsealed_bytes(&self, id: &str) -> Result<Vec<u8>, StoreError> {
+        let bare = Record {
+            mac: None,
+            ..self.clone()
+        };
+        serde_json::to_vec(&bare).map_err(|source| StoreError::RecordEncode {
+            id: id.to_owned(),
+            source,
+        })
+    }
 }
 
 pub(crate) fn record_path(store: &ChunkStore, id: &str) -> PathBuf {
     store.refs_dir().join(format!("{id}{RECORD_SUFFIX}"))
 }
 
-/// Writes the record of `id` whole or not at all, never replacing an existing one.
+/// Writes the record of `id` whole or not at all, never replacing an existing one; sealed with
+/// `key` when given.
 pub(crate) fn write_record(
     store: &ChunkStore,
     id: &str,
     recipes: &[Recipe],
+    key: Option<&SnapshotKey>,
 ) -> Result<(), StoreError> {
-    let record = Record {
+    let mut record = Record {
         format: RECORD_FORMAT,
         snapshot: id.to_owned(),
         recipes: recipes.to_vec(),
+        mac: None,
     };
+    if let Some(key) = key {
+        let mac = key.record_mac(&record.unsealed_bytes(id)?);
+        record.mac = Some(mac.to_hex().to_string());
+    }
     let json = serde_json::to_vec(&record).map_err(|source| StoreError::RecordEncode {
         id: id.to_owned(),
         source,
@@ -136,6 +162,32 @@ impl ChunkStore {
             return Err(self.unknown(snapshot_id));
         }
         Ok(read_record(&path, snapshot_id)?.recipes)
+    }
+
+    /// [`recipes`](Self::recipes), for a restore: the record must carry `key`'s MAC (written by
+    /// [`StoreWriter::commit_sealed`](crate::store::StoreWriter::commit_sealed)). Every chunk is
+    /// then covered too: each is checked against its id, which the sealed recipes list.
+    pub fn sealed_recipes(
+        &self,
+        snapshot_id: &str,
+        key: &SnapshotKey,
+    ) -> Result<Vec<Recipe>, StoreError> {
+        check_snapshot_id(snapshot_id)?;
+        let path = record_path(self, snapshot_id);
+        if !path.exists() {
+            return Err(self.unknown(snapshot_id));
+        }
+        let record = read_record(&path, snapshot_id)?;
+        let id = snapshot_id.to_owned();
+        let Some(mac) = &record.mac else {
+            return Err(StoreError::RecordUnsealed { id });
+        };
+        let expected = key.record_mac(&record.unsealed_bytes(snapshot_id)?);
+        // Hash equality is constant-time.
+        if blake3::Hash::from_hex(mac).ok() != Some(expected) {
+            return Err(StoreError::RecordSealMismatch { id });
+        }
+        Ok(record.recipes)
     }
 
     /// Drops the references of `snapshot_id`. Its chunks stay until [`gc`](Self::gc) finds

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
+use crate::auth::SnapshotKey;
 use crate::store::chunk::{self, HEADER_LEN};
 use crate::store::error::{io_error, StoreError};
 use crate::store::lock::{self, Mode, StoreLock};
@@ -148,6 +149,26 @@ impl StoreWriter<'_> {
     /// Records `recipes` as the contents of snapshot `snapshot_id`, atomically: afterwards every
     /// chunk they list has one more reference, or, on error, none. Ends the writer.
     pub fn commit(self, snapshot_id: &str, recipes: &[Recipe]) -> Result<(), StoreError> {
+        self.commit_with(snapshot_id, recipes, None)
+    }
+
+    /// [`commit`](Self::commit), the record sealed with `key`, for snapshots restored from it
+    /// ([`ChunkStore::sealed_recipes`]).
+    pub fn commit_sealed(
+        self,
+        snapshot_id: &str,
+        recipes: &[Recipe],
+        key: &SnapshotKey,
+    ) -> Result<(), StoreError> {
+        self.commit_with(snapshot_id, recipes, Some(key))
+    }
+
+    fn commit_with(
+        self,
+        snapshot_id: &str,
+        recipes: &[Recipe],
+        key: Option<&SnapshotKey>,
+    ) -> Result<(), StoreError> {
         check_snapshot_id(snapshot_id)?;
         let mut names = HashSet::new();
         for recipe in recipes {
@@ -181,7 +202,7 @@ impl StoreWriter<'_> {
         // Every chunk written since the last sync reaches the disk before the record that
         // references them: one syncfs instead of an fsync per chunk.
         syncfs(store.root())?;
-        records::write_record(store, snapshot_id, recipes)
+        records::write_record(store, snapshot_id, recipes, key)
     }
 
     fn store_chunk(&self, data: &[u8]) -> Result<Stored, StoreError> {

@@ -127,3 +127,83 @@ pub fn stages(counts: &torpord::registry::StageCounts) -> String {
         parts.join(", ")
     }
 }
+
+/// `--key FILE` / `--unkeyed`: which key seals or authenticates a snapshot.
+#[derive(clap::Args, Debug, Clone)]
+pub struct KeyArgs {
+    /// The snapshot key that seals (`snapshot`) or must have sealed (`restore`, `stage`,
+    /// `verify`) the snapshot: a torpord's is <state-dir>/snapshot.key [default:
+    /// ${XDG_DATA_HOME:-$HOME/.local/share}/torpor/snapshot.key, created mode 0600 by the first
+    /// `torpor snapshot`]
+    #[arg(long, value_name = "FILE")]
+    pub key: Option<PathBuf>,
+    /// Unkeyed: write no MAC, or check none. The listed hashes still catch accidents, but anyone
+    /// who can write the snapshot can recompute them: nothing then proves who wrote it.
+    #[arg(long, conflicts_with = "key")]
+    pub unkeyed: bool,
+}
+
+impl KeyArgs {
+    /// The key file to use (`--key`, else the default), or `None` with `--unkeyed`.
+    pub fn path(&self) -> anyhow::Result<Option<PathBuf>> {
+        if self.unkeyed {
+            return Ok(None);
+        }
+        if let Some(path) = &self.key {
+            return Ok(Some(path.clone()));
+        }
+        let nonempty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+        let data = match (nonempty("XDG_DATA_HOME"), nonempty("HOME")) {
+            (Some(d), _) => PathBuf::from(d),
+            (None, Some(home)) => PathBuf::from(home).join(".local/share"),
+            (None, None) => anyhow::bail!(
+                "neither XDG_DATA_HOME nor HOME is set, so the snapshot key has no default place: pass --key FILE (or --unkeyed)"
+            ),
+        };
+        Ok(Some(
+            data.join("torpor").join(torpor_image::SNAPSHOT_KEY_FILE),
+        ))
+    }
+
+    /// The key that seals a new snapshot, created (and its directory, mode 0700) on first use.
+    pub fn sealing_key(&self) -> anyhow::Result<Option<torpor_image::SnapshotKey>> {
+        let Some(path) = self.path()? else {
+            return Ok(None);
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "cannot create {} for the snapshot key: {e}: create it, or pass --key FILE",
+                        dir.display()
+                    )
+                })?;
+        }
+        Ok(Some(torpor_image::SnapshotKey::load_or_create(&path)?))
+    }
+
+    /// The key a snapshot must be sealed with (it must exist), or `None` with `--unkeyed`.
+    pub fn checking_key(&self) -> anyhow::Result<Option<torpor_image::SnapshotKey>> {
+        match self.path()? {
+            None => Ok(None),
+            Some(path) => Ok(Some(torpor_image::SnapshotKey::load(&path)?)),
+        }
+    }
+}
+
+/// `Trust` for an optional key: the key, or unkeyed.
+pub fn trust(key: Option<&torpor_image::SnapshotKey>) -> torpor_image::Trust<'_> {
+    key.map_or(torpor_image::Trust::Unkeyed, torpor_image::Trust::Key)
+}
+
+/// How a checked snapshot was authenticated, for `verify` and `inspect` output.
+pub fn authenticity(key: Option<&torpor_image::SnapshotKey>) -> String {
+    match key {
+        Some(key) => format!("sealed by key {} ({})", key.id(), key.path().display()),
+        None => "unkeyed: MAC not checked, hashes only".to_owned(),
+    }
+}

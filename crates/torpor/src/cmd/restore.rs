@@ -13,7 +13,11 @@ pub fn run(
     log: Option<&Path>,
     pages: PageSource,
     verbose: bool,
+    key: &super::KeyArgs,
 ) -> anyhow::Result<ExitCode> {
+    // Before the key: a user who may not restore learns that first, not where keys live.
+    torpor_snapshot::preflight::require_root("torpor restore")?;
+    let key = key.checking_key()?;
     let gpu_map = match gpu {
         Some(spec) => parse_gpu_map(spec).map_err(anyhow::Error::msg)?,
         None => Vec::new(),
@@ -35,6 +39,7 @@ pub fn run(
             log_dir: &log_dir,
             stdio: log,
             verify: Verify::default(),
+            trust: super::trust(key.as_ref()),
             resume_gpu: true,
         },
         &PageOptions { source: pages },

@@ -12,10 +12,14 @@ pub fn run(
     leave_running: bool,
     timeout: f64,
     verbose: bool,
+    key: &super::KeyArgs,
 ) -> anyhow::Result<ExitCode> {
     if !(timeout.is_finite() && timeout > 0.0) {
         bail!("--timeout must be a positive number of seconds, got {timeout}");
     }
+    // Before the key: a user who may not snapshot learns that first, not where keys live.
+    torpor_snapshot::preflight::require_root("torpor snapshot")?;
+    let key = key.sealing_key()?;
     interrupt::install();
     let start = std::time::Instant::now();
     let log_dir = super::log_dir();
@@ -25,6 +29,7 @@ pub fn run(
         leave_running,
         lock_timeout: Duration::from_secs_f64(timeout),
         log_dir: &log_dir,
+        key: key.as_ref(),
     })?;
     let m = &report.manifest;
     if verbose {
@@ -33,7 +38,7 @@ pub fn run(
     }
     let gpus = m.gpu.as_ref().map_or(0, |g| g.gpus.len());
     println!(
-        "snapshot {}: {} files, {}, {} GPU(s); source stopped {:.3} s, {}; took {:.3} s",
+        "snapshot {}: {} files, {}, {} GPU(s); source stopped {:.3} s, {}; took {:.3} s; {}",
         report.dir.display(),
         m.files.len(),
         super::human(m.total_size()),
@@ -44,7 +49,8 @@ pub fn run(
         } else {
             "now killed"
         },
-        start.elapsed().as_secs_f64()
+        start.elapsed().as_secs_f64(),
+        super::authenticity(key.as_ref())
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -3,14 +3,17 @@ use std::process::ExitCode;
 
 use torpor_image::Snapshot;
 
-pub fn run(dir: &Path) -> anyhow::Result<ExitCode> {
+pub fn run(dir: &Path, key: &super::KeyArgs) -> anyhow::Result<ExitCode> {
+    let key = key.checking_key()?;
     let snapshot = Snapshot::open(dir)?;
+    snapshot.authenticate(super::trust(key.as_ref()))?;
     snapshot.verify()?;
     let m = snapshot.manifest();
     println!(
-        "ok: {} files, {} verified",
+        "ok: {} files, {} verified; {}",
         m.files.len(),
-        super::human(m.total_size())
+        super::human(m.total_size()),
+        super::authenticity(key.as_ref())
     );
     Ok(ExitCode::SUCCESS)
 }

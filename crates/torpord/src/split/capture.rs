@@ -247,7 +247,7 @@ pub fn store_all(
     recipes.insert(0, idx_recipe);
     let new_bytes = writer.stats().new_raw_bytes;
     writer
-        .commit(snapshot_id, &recipes)
+        .commit_sealed(snapshot_id, &recipes, &split.key)
         .map_err(|e| format!("committing the segments of {snapshot_id}: {e}"))?;
     Ok(Captured {
         segments: entries,

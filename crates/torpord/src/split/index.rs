@@ -2,6 +2,11 @@
 //! backend, GPU), in which order to fill it, whether it is read-only (and why), and which
 //! recipe of the chunk store holds its bytes.
 //!
+//! **Who wrote it.** The record is sealed with the daemon's snapshot key
+//! ([`torpor_image::store::StoreWriter::commit_sealed`]) and [`load`] refuses one without that
+//! MAC: a writer who rewrote a segment's chunks, its recipe and the index alike (all hashes
+//! recomputed) still cannot forge the record's MAC.
+//!
 //! **Where it lives, and why there.** The index is stored in the chunk store itself, as the
 //! recipe `segments.json` of the snapshot's record (`<state>/chunks/refs/<snapshot id>.json`),
 //! beside one recipe per segment (`segment-<va in hex>`). So it is covered by the same integrity
@@ -77,9 +82,14 @@ pub fn fill_order(planned: &mut [Planned]) {
 }
 
 /// The segments of snapshot `id`, in fill order, or `None` when it is not a split snapshot (the
-/// store has no record of it, or the record has no index).
-pub fn load(store: &ChunkStore, id: &str) -> Result<Option<Vec<Planned>>, String> {
-    let recipes = match store.recipes(id) {
+/// store has no record of it, or the record has no index). A record `key` did not seal is
+/// refused.
+pub fn load(
+    store: &ChunkStore,
+    id: &str,
+    key: &torpor_image::SnapshotKey,
+) -> Result<Option<Vec<Planned>>, String> {
+    let recipes = match store.sealed_recipes(id, key) {
         Ok(r) => r,
         Err(StoreError::UnknownSnapshot { .. }) => return Ok(None),
         Err(e) => return Err(format!("cannot read the segments of snapshot {id}: {e}")),
@@ -187,17 +197,17 @@ mod tests {
         assert!(!e.deferrable);
     }
 
-    #[test]
-    fn a_tampered_index_is_refused_and_a_plain_snapshot_has_none() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(&dir.path().join("chunks")).unwrap();
-        assert_eq!(load(&store, "fn-x-1").unwrap(), None);
-        let data = vec![7u8; 8192];
-        let mut w = store.writer().unwrap();
-        let seg = w.put_bytes(&recipe_name(0x1000), &data).unwrap();
+    /// Stores `data` as the segment at 0x1000 and an index naming it with `blake3` (the
+    /// segment's own hash when `None`): the recipes of a one-segment split snapshot.
+    fn store_segment(
+        w: &mut torpor_image::store::StoreWriter,
+        data: &[u8],
+        blake3: Option<String>,
+    ) -> Vec<Recipe> {
+        let seg = w.put_bytes(&recipe_name(0x1000), data).unwrap();
         let mut e = entry(0x1000, 0, Some(0)).0;
-        e.size = 8192;
-        e.blake3 = "0".repeat(64);
+        e.size = data.len() as u64;
+        e.blake3 = blake3.unwrap_or_else(|| seg.blake3.clone());
         let index = SegmentIndex {
             format: INDEX_FORMAT,
             segments: vec![e],
@@ -205,8 +215,59 @@ mod tests {
         let idx = w
             .put_bytes(INDEX_RECIPE, &serde_json::to_vec(&index).unwrap())
             .unwrap();
-        w.commit("fn-x-2", &[idx, seg]).unwrap();
-        let err = load(&store, "fn-x-2").unwrap_err();
+        vec![idx, seg]
+    }
+
+    #[test]
+    fn a_tampered_index_is_refused_and_a_plain_snapshot_has_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(&dir.path().join("chunks")).unwrap();
+        let key = crate::staging::test_key();
+        assert_eq!(load(&store, "fn-x-1", &key).unwrap(), None);
+        let mut w = store.writer().unwrap();
+        let recipes = store_segment(&mut w, &[7u8; 8192], Some("0".repeat(64)));
+        w.commit_sealed("fn-x-2", &recipes, &key).unwrap();
+        let err = load(&store, "fn-x-2", &key).unwrap_err();
         assert!(err.contains("does not match its record"), "{err}");
+    }
+
+    #[test]
+    fn a_record_the_key_did_not_seal_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(&dir.path().join("chunks")).unwrap();
+        let key = crate::staging::test_key();
+        let mut w = store.writer().unwrap();
+        let recipes = store_segment(&mut w, &[7u8; 8192], None);
+        w.commit_sealed("fn-x-3", &recipes, &key).unwrap();
+        assert_eq!(load(&store, "fn-x-3", &key).unwrap().unwrap().len(), 1);
+        // Another writer plants other bytes: new chunks for the segment and for an index that
+        // names their hash, both recipes put in the record. Every hash agrees; only the MAC,
+        // kept from the original record, does not.
+        let path = dir.path().join("chunks/refs/fn-x-3.json");
+        let mut record: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let mut w = store.writer().unwrap();
+        let planted = store_segment(&mut w, &[9u8; 8192], None);
+        drop(w);
+        record["recipes"] = serde_json::to_value(&planted).unwrap();
+        std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
+        let err = load(&store, "fn-x-3", &key).unwrap_err();
+        assert!(err.contains("changed after the daemon sealed it"), "{err}");
+        // The same record unsealed: its hashes alone would have planted the bytes.
+        record.as_object_mut().unwrap().remove("mac");
+        std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
+        let planned = store.recipes("fn-x-3").unwrap();
+        assert_eq!(
+            planned, planted,
+            "an unchecked reader takes the planted recipes"
+        );
+        let err = load(&store, "fn-x-3", &key).unwrap_err();
+        assert!(err.contains("carries no MAC"), "{err}");
+        // Committed unsealed (as by a torpord before sealing, or any other writer).
+        let mut w = store.writer().unwrap();
+        let recipes = store_segment(&mut w, &[7u8; 8192], None);
+        w.commit("fn-x-4", &recipes).unwrap();
+        let err = load(&store, "fn-x-4", &key).unwrap_err();
+        assert!(err.contains("carries no MAC"), "{err}");
     }
 }

@@ -132,6 +132,8 @@ pub struct Split {
     /// Segment plans of function snapshots, loaded once (snapshot ids are never reused).
     plans: Mutex<HashMap<String, Option<Arc<Vec<Planned>>>>>,
     pub metrics: SplitMetrics,
+    /// Seals the records of the segments it stores; restores refuse a record it did not seal.
+    pub(crate) key: Arc<torpor_image::SnapshotKey>,
 }
 
 impl std::fmt::Debug for Split {
@@ -180,6 +182,7 @@ impl Split {
         wanted_gpu: bool,
         limits: &RestoreServer,
         metrics: &crate::metrics::Metrics,
+        key: Arc<torpor_image::SnapshotKey>,
     ) -> Self {
         let hook_lib = match find_hook_lib() {
             Ok(p) => Some(p),
@@ -203,6 +206,7 @@ impl Split {
             shared: Mutex::new(HashMap::new()),
             plans: Mutex::new(HashMap::new()),
             metrics: SplitMetrics::new(metrics),
+            key,
         }
     }
 
@@ -269,7 +273,7 @@ impl Split {
         if !self.store_root.is_dir() {
             return Ok(None);
         }
-        let plan = index::load(&self.store()?, id)?.map(Arc::new);
+        let plan = index::load(&self.store()?, id, &self.key)?.map(Arc::new);
         // Function snapshots are restored again and again; a hibernation once, so caching its
         // plan would only grow the map with every hibernation the daemon ever took.
         if !id.starts_with("hib-") {

@@ -212,7 +212,8 @@ mod tests {
         let idx = w
             .put_bytes(INDEX_RECIPE, &serde_json::to_vec(&index).unwrap())
             .unwrap();
-        w.commit(id, &[idx, a, b]).unwrap();
+        w.commit_sealed(id, &[idx, a, b], &crate::staging::test_key())
+            .unwrap();
     }
 
     /// A split daemon state without caches, so read-only segments come from the shared copy or
@@ -224,7 +225,8 @@ mod tests {
             ..Default::default()
         };
         let metrics = crate::metrics::Metrics::new().unwrap();
-        Arc::new(Split::new(state, true, true, &limits, &metrics))
+        let key = Arc::new(crate::staging::test_key());
+        Arc::new(Split::new(state, true, true, &limits, &metrics, key))
     }
 
     fn contents(fd: &OwnedFd, len: usize) -> Vec<u8> {
