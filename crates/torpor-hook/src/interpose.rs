@@ -33,7 +33,7 @@ const INVALID_VALUE: c_int = 1;
 /// `cudaErrorMemoryAllocation`, `CUDA_ERROR_OUT_OF_MEMORY`.
 const OUT_OF_MEMORY: c_int = 2;
 /// `cudaErrorInitializationError`, `CUDA_ERROR_NOT_INITIALIZED`: the next definition is absent.
-const NOT_INITIALIZED: c_int = 3;
+pub(crate) const NOT_INITIALIZED: c_int = 3;
 
 type CudaMalloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type CudaFree = unsafe extern "C" fn(*mut c_void) -> c_int;
@@ -41,21 +41,21 @@ type CuMemAlloc = unsafe extern "C" fn(*mut u64, usize) -> c_int;
 type CuMemFree = unsafe extern "C" fn(u64) -> c_int;
 
 /// The next definition of a symbol after this library's, looked up once.
-struct Next {
+pub(crate) struct Next {
     name: &'static CStr,
     /// 0: not looked up yet; 1: absent; else the address.
     address: AtomicUsize,
 }
 
 impl Next {
-    const fn new(name: &'static CStr) -> Self {
+    pub(crate) const fn new(name: &'static CStr) -> Self {
         Next {
             name,
             address: AtomicUsize::new(0),
         }
     }
 
-    fn address(&self) -> Option<usize> {
+    pub(crate) fn address(&self) -> Option<usize> {
         let mut address = self.address.load(Ordering::Acquire);
         if address == 0 {
             // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name only looks the symbol up.
@@ -75,13 +75,14 @@ static NEXT_CU_MEM_FREE: Next = Next::new(c"cuMemFree_v2");
 macro_rules! next_fn {
     ($next:expr, $ty:ty) => {
         match $next.address() {
-            // SAFETY: the symbol of that name in libcudart/libcuda has this C signature
-            // (cuda_runtime_api.h, cuda.h).
+            // SAFETY: the symbol of that name in libcudart/libcuda/libnccl has this C
+            // signature (cuda_runtime_api.h, cuda.h, nccl.h).
             Some(address) => Some(unsafe { std::mem::transmute::<usize, $ty>(address) }),
             None => None,
         }
     };
 }
+pub(crate) use next_fn;
 
 fn warn_once(flag: &AtomicBool, what: &str, error: &HookError) {
     if !flag.swap(true, Ordering::Relaxed) {
@@ -190,7 +191,7 @@ fn free_code(result: Result<(), HookError>) -> c_int {
 }
 
 /// Runs `f`, turning a panic into `code`.
-fn guarded(call: &'static str, code: c_int, f: impl FnOnce() -> c_int) -> c_int {
+pub(crate) fn guarded(call: &'static str, code: c_int, f: impl FnOnce() -> c_int) -> c_int {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
         set_last_error(&HookError::Panicked { call });
         code

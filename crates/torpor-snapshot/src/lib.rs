@@ -4,17 +4,20 @@
 
 pub mod gpu_map;
 pub mod gpu_tasks;
+pub mod inherited_mappings;
 pub mod interrupt;
 pub mod launch;
 pub mod mounts;
 pub mod phases;
 pub mod preflight;
 pub mod proctree;
+pub mod remote_syscall;
 pub mod restore;
 pub mod snapshot;
 pub mod stage;
 pub mod supervise;
 mod sys;
+pub mod unsupported;
 pub mod visible_gpus;
 
 pub use sys::is_root;

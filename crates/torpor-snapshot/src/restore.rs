@@ -332,7 +332,9 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
         external,
         empty_ns_net: true,
         network_lock_skip: true,
-        tcp_established: false,
+        // Every restore gets a network namespace of its own, so repairing the tree's TCP
+        // connections (all between its own processes) cannot disturb anyone else's.
+        tcp_established: true,
         ext_unix_sk: false,
         file_locks: true,
         rst_sibling: !opts.detach,

@@ -1,5 +1,6 @@
-//! `torpor snapshot`: CUDA lock → driver checkpoint → CRIU dump → (leave running) driver restore
-//! and unlock, with every failure rolled back so the source keeps running.
+//! `torpor snapshot`: refuse what the driver cannot restore → drop device mappings that forked
+//! children inherited → CUDA lock → driver checkpoint → CRIU dump → (leave running) driver
+//! restore and unlock, with every failure rolled back so the source keeps running.
 //!
 //! CRIU always dumps with leave-running: torpor itself decides the source's fate only after the
 //! snapshot is complete on disk. Without `--leave-running` the source is frozen (SIGSTOP) from
@@ -15,11 +16,13 @@ use torpor_image::{
 };
 
 use crate::gpu_tasks::{GpuTasks, StepError};
+use crate::inherited_mappings::{self, DropError};
 use crate::interrupt;
 use crate::mounts;
 use crate::phases::Phases;
 use crate::preflight::{self, PreflightError};
 use crate::proctree::{self, ProcessInfo};
+use crate::unsupported::{self, Refusal};
 
 /// What to snapshot and how.
 pub struct SnapshotOptions<'a> {
@@ -52,6 +55,20 @@ pub enum SnapshotError {
     /// A CUDA process is not in the running state (another checkpoint in progress?).
     #[error("CUDA process {pid} is {state:?}, not running: another snapshot may be in progress; wait for it, or restart the process")]
     NotRunning { pid: i32, state: ProcessState },
+    /// The tree holds GPU state the driver cannot restore; nothing was touched.
+    #[error("{refusal}; pid {root} keeps running, nothing was written")]
+    Unsupported { root: i32, refusal: Refusal },
+    /// A process's inherited device mappings could not be dropped; the GPU was not touched.
+    #[error(
+        "cannot drop the NVIDIA device mappings and files process {pid} inherited by fork: \
+         {source}; pid \
+         {root} keeps running, nothing was written"
+    )]
+    InheritedMappings {
+        root: i32,
+        pid: i32,
+        source: DropError,
+    },
     /// A CUDA step failed; rolled back.
     #[error("{source}; pid {root} keeps running, nothing was written")]
     Gpu { root: i32, source: StepError },
@@ -132,6 +149,13 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         ),
         None => (Vec::new(), None),
     };
+    if let Some(refusal) = unsupported::find(&pids) {
+        return Err(SnapshotError::Unsupported {
+            root: root.pid,
+            refusal,
+        });
+    }
+    drop_inherited_mappings(root.pid, &pids, &cuda_pids)?;
     let mut tasks = cuda.as_ref().map(|(d, _, p)| GpuTasks::new(d, p.clone()));
 
     let stop_start = Instant::now();
@@ -269,6 +293,23 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     })
 }
 
+/// Replaces the NVIDIA device mappings of every process the driver does not know (children forked
+/// after CUDA was initialised) with empty reservations and closes their NVIDIA descriptors: see
+/// [`inherited_mappings`].
+fn drop_inherited_mappings(
+    root: i32,
+    pids: &[i32],
+    cuda_pids: &[i32],
+) -> Result<(), SnapshotError> {
+    for &pid in pids.iter().filter(|p| !cuda_pids.contains(p)) {
+        // A process that exited meanwhile has nothing left to drop.
+        let state = inherited_mappings::device_state(pid).unwrap_or_default();
+        inherited_mappings::drop_device_state(pid, &state)
+            .map_err(|source| SnapshotError::InheritedMappings { root, pid, source })?;
+    }
+    Ok(())
+}
+
 /// Lock, checkpoint and dump. Leaves CUDA processes checkpointed (GPU memory released).
 fn stop_and_dump(
     criu: &Criu,
@@ -311,9 +352,12 @@ fn stop_and_dump(
         external: external.to_vec(),
         empty_ns_net: true,
         network_lock_skip: true,
-        tcp_established: false,
+        // TCP repair is safe only where every connection is the tree's own: in a network
+        // namespace of its own (what `torpor run` gives), nothing outside can be talking to it.
+        tcp_established: own_network_namespace(root.pid),
         ext_unix_sk: false,
         file_locks: true,
+        link_remap: true,
         log_level: 4,
     };
     phases
@@ -323,6 +367,15 @@ fn stop_and_dump(
             source,
         })?;
     check_interrupt()
+}
+
+/// Whether `pid` lives in a network namespace other than torpor's own.
+fn own_network_namespace(pid: i32) -> bool {
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).ok();
+    match (ns(&pid.to_string()), ns("self")) {
+        (Some(theirs), Some(ours)) => theirs != ours,
+        _ => false,
+    }
 }
 
 /// Undoes whatever was done: thaws a frozen tree, returns CUDA processes to running, keeps

@@ -1,0 +1,104 @@
+"""The parts of users' programs that need no GPU: a worker forked with an inherited device mapping,
+a connected TCP pair, a POSIX semaphore and a shared-memory file snapshot and restore; GPU state
+the driver cannot restore is refused before anything is touched, and the source keeps answering.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import PROGRAMS, PYTHON, Torpor, Worker, Workers
+from linesrv import Endpoint
+
+TREE = PROGRAMS / "tree_server.py"
+LOOP_MAJOR = 7
+
+
+@pytest.fixture
+def fake_device() -> Iterator[Path]:
+    """A block device node named like the NVIDIA driver's (/dev/nvidia-…), backed by loop0.
+
+    CRIU refuses a mapping of it exactly as it refuses /dev/nvidia0 in a forked worker ("Can't
+    handle non-regular mapping"), and Torpor finds it by the same path prefix.
+    """
+    loop = Path("/dev/loop0")
+    if not loop.exists() or not stat.S_ISBLK(loop.stat().st_mode):
+        pytest.skip("needs /dev/loop0 to stand in for a device")
+    node = Path(f"/dev/nvidia-torpor-test-{os.getpid()}")
+    node.unlink(missing_ok=True)
+    os.mknod(node, 0o600 | stat.S_IFBLK, os.makedev(LOOP_MAJOR, 0))
+    try:
+        yield node
+    finally:
+        node.unlink(missing_ok=True)
+
+
+def start_tree(workers: Workers, *flags: str | Path, name: str = "tree") -> Worker:
+    endpoint = Endpoint(unix=str(workers.base / f"{name}.sock"))
+    ready = workers.base / f"{name}.ready"
+    argv = [PYTHON, TREE, "--unix", endpoint.unix or "", "--ready", ready, *flags]
+    return workers.start(argv, endpoint=endpoint, ready=ready, name=name)
+
+
+def test_forked_worker_with_an_inherited_device_mapping_restores(
+    torpor: Torpor, workers: Workers, tmp_path: Path, fake_device: Path
+) -> None:
+    w = start_tree(workers, "--device", fake_device)
+    assert w.ask("work", "5") == "26"
+    assert w.ask("devmaps") == "1", "the worker should have inherited the mapping"
+
+    snap = tmp_path / "snap"
+    torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap, "--leave-running")
+    # The source keeps running and answering; its worker lost only the mapping it never used.
+    assert w.ask("work", "6") == "37"
+    assert w.ask("devmaps") == "0"
+
+    os.kill(w.init_pid, 9)  # SIGKILL to PID 1 of its namespace ends the whole tree
+    w.wait_gone()
+    r = workers.restore(snap, endpoint=w.endpoint)
+    assert r.ask("work", "7") == "50"
+    assert r.ask("devmaps") == "0"
+
+
+def test_tcp_pair_semaphore_and_shared_memory_restore(
+    torpor: Torpor, workers: Workers, tmp_path: Path
+) -> None:
+    w = start_tree(workers, "--tcp", "--sem", "torpor-test-sem", "--shm", "torpor-test-shm")
+    assert w.ask("tcp", "hello") == "hello"
+    assert w.ask("sem") == "3"
+    shm_text = w.ask("shm")
+    assert shm_text == "torpor shared memory survives"
+
+    snap = tmp_path / "snap"
+    torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap)
+    w.wait_gone()
+    r = workers.restore(snap, endpoint=w.endpoint)
+    assert r.ask("tcp", "again") == "again"
+    assert r.ask("sem") == "3"
+    assert r.ask("shm") == shm_text
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (("--marker", "torpor-unsupported-cuda-ipc-import"), "GPU memory of another process opened through CUDA IPC"),
+        (("--marker", "torpor-unsupported-cuda-managed-memory"), "CUDA managed memory (UVM"),
+        (("--marker", "torpor-unsupported-nccl-multi-rank"), "multi-process NCCL"),
+        (("--nccl-shm",), "share NCCL's shared-memory files"),
+    ],
+)
+def test_gpu_state_the_driver_cannot_restore_is_refused_first(
+    torpor: Torpor, workers: Workers, tmp_path: Path, flags: tuple[str, ...], expect: str
+) -> None:
+    w = start_tree(workers, *flags)
+    assert w.ask("work", "2") == "5"
+    snap = tmp_path / "snap"
+    line = torpor.fails("snapshot", "--pid", w.init_pid, "--out", snap)
+    assert expect in line, line
+    assert f"pid {w.init_pid} keeps running, nothing was written" in line, line
+    assert not snap.exists()
+    assert w.ask("work", "3") == "10", "the source must keep answering"
