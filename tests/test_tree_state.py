@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import PROGRAMS, PYTHON, Torpor, Worker, Workers
+from conftest import PROGRAMS, PYTHON, FakeCuda, Torpor, Worker, Workers, fake_calls, fake_log
 from linesrv import Endpoint
 
 TREE = PROGRAMS / "tree_server.py"
@@ -102,3 +102,33 @@ def test_gpu_state_the_driver_cannot_restore_is_refused_first(
     assert f"pid {w.init_pid} keeps running, nothing was written" in line, line
     assert not snap.exists()
     assert w.ask("work", "3") == "10", "the source must keep answering"
+
+
+def test_cuda_ipc_seen_by_the_preloaded_hook_is_refused_before_the_driver_is_touched(
+    torpor: Torpor, workers: Workers, tmp_path: Path, fake_cuda: FakeCuda
+) -> None:
+    """`torpor run` preloads libtorpor_hook.so; a CUDA IPC import through it is refused with the
+    driver never called, and once the program closes the handle the snapshot goes through."""
+    w = start_tree(workers, "--cuda", fake_cuda.lib)
+    pid = w.child_pid
+    log = tmp_path / "fake-driver.log"
+    env = fake_cuda.env(fake_cuda.lib, [pid], log, tmp_path / "fake-state")
+    snap = tmp_path / "snap"
+
+    assert w.ask("ipc-open") == "0"
+    line = torpor.fails("snapshot", "--pid", w.init_pid, "--out", snap, env=env)
+    assert f"process {pid} holds GPU memory of another process opened through CUDA IPC" in line, line
+    assert "cudaIpcCloseMemHandle" in line, line
+    assert fake_calls(log, pid) == [], "the driver must not be touched\n" + fake_log(log)
+    assert not snap.exists()
+    assert w.ask("work", "4") == "17"
+
+    assert w.ask("ipc-close") == "0"
+    torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap, "--leave-running", env=env)
+    assert fake_calls(log, pid) == ["lock", "checkpoint", "restore", "unlock"], fake_log(log)
+
+    assert w.ask("managed") == "0"
+    line = torpor.fails("snapshot", "--pid", w.init_pid, "--out", tmp_path / "snap2", env=env)
+    assert "CUDA managed memory (UVM" in line, line
+    assert fake_calls(log, pid) == ["lock", "checkpoint", "restore", "unlock"], fake_log(log)
+    assert w.ask("work", "5") == "26"

@@ -843,3 +843,30 @@ CUresult cuMemHostRegister_v2(void *ptr, size_t bytes, unsigned int flags) {
 
 CUresult cuMemHostUnregister(void *ptr) { return ptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE; }
 #endif /* FAKE_CUDA_VMM */
+
+/* ---- legacy CUDA IPC and managed memory: enough for the hook's markers (crates/torpor-hook
+ * src/markers.rs) to see a success. Imports return a made-up address; nothing is mapped. */
+
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle;
+
+CUresult cuIpcOpenMemHandle_v2(unsigned long long *dptr, CUipcMemHandle handle, unsigned int flags) {
+    (void)handle;
+    if (!dptr || flags > 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    *dptr = 0x7e0000000000ULL;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuIpcCloseMemHandle(unsigned long long dptr) {
+    return dptr == 0x7e0000000000ULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemAllocManaged(unsigned long long *dptr, size_t bytes, unsigned int flags) {
+    (void)flags;
+    if (!dptr || bytes == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    *dptr = 0x7d0000000000ULL;
+    return CUDA_SUCCESS;
+}

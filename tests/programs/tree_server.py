@@ -15,7 +15,14 @@ and the parent unmaps its own copy afterwards: exactly what a CUDA parent and it
 worker look like once the driver checkpoint released the parent's device mappings. --tcp,
 --sem NAME and --shm NAME add the other kinds of state. --marker NAME keeps a memfd of that name
 open (what Torpor's hook does while a process holds GPU memory the driver cannot checkpoint), and
---nccl-shm maps /dev/shm/nccl-torpor-test in both processes, as two NCCL ranks do.
+--nccl-shm maps /dev/shm/nccl-torpor-test in both processes, as two NCCL ranks do. --cuda LIB
+loads a (fake) libcuda and serves:
+
+    ipc-open      cuIpcOpenMemHandle_v2 (answers the CUresult)
+    ipc-close     cuIpcCloseMemHandle of what ipc-open returned
+    managed       cuMemAllocManaged of 1 MiB
+
+called through the process's global symbol scope, where a preloaded libtorpor_hook.so comes first.
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ import sys
 from linesrv import Endpoint, Request, listen, serve
 
 SEM_VALUE = 3
+
+
+class IpcHandle(ctypes.Structure):
+    """CUipcMemHandle: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_char * 64)]
 SHM_TEXT = b"torpor shared memory survives\n"
 
 
@@ -62,6 +75,11 @@ class Tree:
             self.nccl = mmap.mmap(fd, 4096, mmap.MAP_SHARED)
             os.close(fd)
         self.marker = os.memfd_create(args.marker) if args.marker else None
+        self.cuda: ctypes.CDLL | None = None
+        self.ipc_ptr = ctypes.c_ulonglong(0)
+        if args.cuda:
+            ctypes.CDLL(args.cuda, mode=ctypes.RTLD_GLOBAL)
+            self.cuda = ctypes.CDLL(None)
         to_child, from_parent = os.pipe()
         to_parent, from_child = os.pipe()
         pid = os.fork()
@@ -141,6 +159,16 @@ class Tree:
                 value = ctypes.c_int(-1)
                 self.libc.sem_getvalue(self.sem, ctypes.byref(value))
                 return str(value.value)
+            case ["ipc-open"]:
+                assert self.cuda is not None
+                return str(self.cuda.cuIpcOpenMemHandle_v2(ctypes.byref(self.ipc_ptr), IpcHandle(), 1))
+            case ["ipc-close"]:
+                assert self.cuda is not None
+                return str(self.cuda.cuIpcCloseMemHandle(self.ipc_ptr))
+            case ["managed"]:
+                assert self.cuda is not None
+                ptr = ctypes.c_ulonglong(0)
+                return str(self.cuda.cuMemAllocManaged(ctypes.byref(ptr), ctypes.c_size_t(1 << 20), 1))
             case ["shm"]:
                 assert self.shm is not None
                 return self.shm[: len(SHM_TEXT)].decode().strip()
@@ -157,6 +185,7 @@ def main() -> None:
     p.add_argument("--shm")
     p.add_argument("--marker")
     p.add_argument("--nccl-shm", action="store_true")
+    p.add_argument("--cuda")
     args = p.parse_args()
     tree = Tree(args)
     serve(listen(Endpoint(unix=args.unix)), tree.handle, args.ready)
