@@ -15,6 +15,7 @@ use torpor_image::{
     GpuEntry, GpuSection, Host, ImageError, Manifest, ProcessEntry, SnapshotWriter, Source,
 };
 
+use crate::empty_gpu_memory;
 use crate::gpu_tasks::{GpuTasks, StepError};
 use crate::inherited_mappings::{self, DropError};
 use crate::interrupt;
@@ -96,6 +97,9 @@ pub struct SnapshotReport {
     pub manifest: Manifest,
     /// The phases in the order they ran (the manifest keeps them by name).
     pub phases: Phases,
+    /// Things the user should know about the snapshot (one line each), e.g. that most of the GPU
+    /// memory it saved is an empty reservation ([`crate::empty_gpu_memory`]).
+    pub warnings: Vec<String>,
 }
 
 /// Takes a snapshot; see the module doc for the protocol.
@@ -159,6 +163,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     let mut tasks = cuda.as_ref().map(|(d, _, p)| GpuTasks::new(d, p.clone()));
 
     let stop_start = Instant::now();
+    let mut warnings = Vec::new();
     let result = stop_and_dump(
         &criu,
         opts,
@@ -167,6 +172,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         tasks.as_mut(),
         &mut phases,
         &writer,
+        &mut warnings,
     );
     if let Err(original) = result {
         return Err(roll_back(
@@ -290,6 +296,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         dir: opts.out.to_path_buf(),
         manifest,
         phases,
+        warnings,
     })
 }
 
@@ -311,6 +318,7 @@ fn drop_inherited_mappings(
 }
 
 /// Lock, checkpoint and dump. Leaves CUDA processes checkpointed (GPU memory released).
+#[allow(clippy::too_many_arguments)]
 fn stop_and_dump(
     criu: &Criu,
     opts: &SnapshotOptions,
@@ -319,6 +327,7 @@ fn stop_and_dump(
     tasks: Option<&mut GpuTasks>,
     phases: &mut Phases,
     writer: &SnapshotWriter,
+    warnings: &mut Vec<String>,
 ) -> Result<(), SnapshotError> {
     let check_interrupt = || {
         if interrupt::interrupted() {
@@ -336,12 +345,24 @@ fn stop_and_dump(
                 source,
             })?;
         check_interrupt()?;
+        let before: Vec<_> = t
+            .pids()
+            .into_iter()
+            .map(|p| (p, empty_gpu_memory::Resident::of(p).unwrap_or_default()))
+            .collect();
         phases
             .time("cuda_checkpoint", || t.checkpoint_all())
             .map_err(|source| SnapshotError::Gpu {
                 root: root.pid,
                 source,
             })?;
+        for (pid, before) in &before {
+            let after = empty_gpu_memory::Resident::of(*pid).unwrap_or_default();
+            let added = empty_gpu_memory::added(*pid, before, &after, empty_gpu_memory::SAMPLES);
+            if let Some(w) = added.ok().and_then(|a| empty_gpu_memory::warning(*pid, &a)) {
+                warnings.push(w);
+            }
+        }
         check_interrupt()?;
     }
     let request = DumpRequest {
