@@ -291,19 +291,30 @@ static struct {
     int state;
 } memory_states[256];
 
+/* The state of a pid the fake has not acted on: FAKE_CUDA_DEFAULT_STATE ("checkpointed" for
+ * processes that CRIU just restored), else running. */
+static int default_state(void) {
+    const char *name = env("FAKE_CUDA_DEFAULT_STATE");
+    if (name)
+        for (int s = RUNNING; s <= FAILED; s++)
+            if (strcmp(name, STATE_NAMES[s]) == 0)
+                return s;
+    return RUNNING;
+}
+
 static int read_state(int pid) {
     const char *dir = env("FAKE_CUDA_STATE_DIR");
     if (!dir) {
         for (size_t i = 0; i < sizeof memory_states / sizeof memory_states[0]; i++)
             if (memory_states[i].pid == pid)
                 return memory_states[i].state;
-        return RUNNING;
+        return default_state();
     }
     char path[4096], word[32] = {0};
     snprintf(path, sizeof path, "%s/%d", dir, pid);
     FILE *f = fopen(path, "r");
     if (!f)
-        return RUNNING;
+        return default_state();
     int matched = fscanf(f, "%31s", word);
     fclose(f);
     if (matched == 1)
@@ -421,6 +432,19 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
             format_uuid(&args->gpuPairs[i].oldUuid, old_uuid);
             format_uuid(&args->gpuPairs[i].newUuid, new_uuid);
             at += snprintf(detail + at, sizeof detail - (size_t)at, " %s>%s", old_uuid, new_uuid);
+        }
+    }
+    /* FAKE_CUDA_RESTORE_FLAKY=PATH: the first restore fails with CUDA_ERROR_OPERATING_SYSTEM (and
+     * creates PATH), as the real driver's intermittent restore failure does; later ones work. */
+    const char *flaky = env("FAKE_CUDA_RESTORE_FLAKY");
+    if (flaky && access(flaky, F_OK) != 0) {
+        int fd = open(flaky, O_WRONLY | O_CREAT | O_EXCL, 0600);
+        if (fd >= 0) {
+            close(fd);
+            char line[128];
+            snprintf(line, sizeof line, "restore %d flaky result=%d", pid, CUDA_ERROR_OPERATING_SYSTEM);
+            log_line(line);
+            return CUDA_ERROR_OPERATING_SYSTEM;
         }
     }
     return act("restore", pid, detail, "FAKE_CUDA_RESTORE_RESULT", ok, CHECKPOINTED, LOCKED);

@@ -148,6 +148,16 @@ fn init_hint(code: CuResult) -> &'static str {
     }
 }
 
+impl CudaError {
+    /// Whether this is `CUDA_ERROR_OPERATING_SYSTEM` from a driver call: the code of the
+    /// intermittent `cuCheckpointProcessRestore` failure seen with JAX processes on driver 580,
+    /// after which that process cannot be restored again, but a fresh restore of the same
+    /// snapshot can.
+    pub fn is_operating_system_error(&self) -> bool {
+        matches!(self, CudaError::Call { code, .. } if *code == ffi::CUDA_ERROR_OPERATING_SYSTEM)
+    }
+}
+
 fn cuda_hint(code: CuResult) -> &'static str {
     match code {
         ffi::CUDA_ERROR_INVALID_VALUE => {
