@@ -89,6 +89,7 @@ def test_tcp_pair_semaphore_and_shared_memory_restore(
         (("--marker", "torpor-unsupported-cuda-managed-memory"), "CUDA managed memory (UVM"),
         (("--marker", "torpor-unsupported-nccl-multi-rank"), "multi-process NCCL"),
         (("--nccl-shm",), "share NCCL's shared-memory files"),
+        (("--io-uring",), "holds an io_uring instance, which CRIU cannot save"),
     ],
 )
 def test_gpu_state_the_driver_cannot_restore_is_refused_first(
@@ -132,3 +133,13 @@ def test_cuda_ipc_seen_by_the_preloaded_hook_is_refused_before_the_driver_is_tou
     assert "CUDA managed memory (UVM" in line, line
     assert fake_calls(log, pid) == ["lock", "checkpoint", "restore", "unlock"], fake_log(log)
     assert w.ask("work", "5") == "26"
+
+
+def test_torpor_run_keeps_libuv_off_io_uring_unless_told(torpor: Torpor, workers: Workers) -> None:
+    w = start_tree(workers, name="uv-default")
+    assert w.ask("env", "UV_USE_IO_URING") == "0"
+    endpoint = Endpoint(unix=str(workers.base / "uv-set.sock"))
+    ready = workers.base / "uv-set.ready"
+    argv = [PYTHON, TREE, "--unix", endpoint.unix or "", "--ready", ready]
+    w2 = workers.start(argv, endpoint=endpoint, ready=ready, name="uv-set", env={"UV_USE_IO_URING": "1"})
+    assert w2.ask("env", "UV_USE_IO_URING") == "1"

@@ -15,7 +15,8 @@ and the parent unmaps its own copy afterwards: exactly what a CUDA parent and it
 worker look like once the driver checkpoint released the parent's device mappings. --tcp,
 --sem NAME and --shm NAME add the other kinds of state. --marker NAME keeps a memfd of that name
 open (what Torpor's hook does while a process holds GPU memory the driver cannot checkpoint), and
---nccl-shm maps /dev/shm/nccl-torpor-test in both processes, as two NCCL ranks do. --cuda LIB
+--nccl-shm maps /dev/shm/nccl-torpor-test in both processes, as two NCCL ranks do. --io-uring
+opens an io_uring instance (io_uring_setup), as libuv does unless UV_USE_IO_URING=0. --cuda LIB
 loads a (fake) libcuda and serves:
 
     ipc-open      cuIpcOpenMemHandle_v2 (answers the CUresult)
@@ -75,6 +76,12 @@ class Tree:
             self.nccl = mmap.mmap(fd, 4096, mmap.MAP_SHARED)
             os.close(fd)
         self.marker = os.memfd_create(args.marker) if args.marker else None
+        self.ring = -1
+        if args.io_uring:
+            params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+            self.ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)  # io_uring_setup
+            if self.ring < 0:
+                raise OSError(ctypes.get_errno(), "io_uring_setup")
         self.cuda: ctypes.CDLL | None = None
         self.ipc_ptr = ctypes.c_ulonglong(0)
         if args.cuda:
@@ -169,6 +176,8 @@ class Tree:
                 assert self.cuda is not None
                 ptr = ctypes.c_ulonglong(0)
                 return str(self.cuda.cuMemAllocManaged(ctypes.byref(ptr), ctypes.c_size_t(1 << 20), 1))
+            case ["env", name]:
+                return os.environ.get(name, "(unset)")
             case ["shm"]:
                 assert self.shm is not None
                 return self.shm[: len(SHM_TEXT)].decode().strip()
@@ -186,6 +195,7 @@ def main() -> None:
     p.add_argument("--marker")
     p.add_argument("--nccl-shm", action="store_true")
     p.add_argument("--cuda")
+    p.add_argument("--io-uring", action="store_true")
     args = p.parse_args()
     tree = Tree(args)
     serve(listen(Endpoint(unix=args.unix)), tree.handle, args.ready)

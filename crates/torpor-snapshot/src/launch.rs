@@ -205,8 +205,13 @@ fn hide_stage_mounts() -> io::Result<()> {
     Ok(())
 }
 
+/// libuv (PyTorch's TCPStore, uvloop, Node.js) opens an io_uring instance, which CRIU cannot save,
+/// unless this says not to; it then uses epoll, as it did before io_uring. Set for every tree
+/// whose environment does not name it.
+pub const NO_IO_URING: (&str, &str) = ("UV_USE_IO_URING", "0");
+
 /// This process's environment for the init and the command, with `opts.preload` (copied into the
-/// state directory) first in `LD_PRELOAD`.
+/// state directory) first in `LD_PRELOAD`, and [`NO_IO_URING`].
 fn environment(opts: &LaunchOptions) -> Result<Vec<CString>, LaunchError> {
     let preload = match opts.preload {
         Some(library) => Some(
@@ -222,6 +227,11 @@ fn environment(opts: &LaunchOptions) -> Result<Vec<CString>, LaunchError> {
     };
     let mut env = Vec::new();
     let mut old_preload: Option<OsString> = None;
+    if std::env::var_os(NO_IO_URING.0).is_none() {
+        env.push(cstring(
+            format!("{}={}", NO_IO_URING.0, NO_IO_URING.1).as_bytes(),
+        )?);
+    }
     for (key, value) in std::env::vars_os() {
         if preload.is_some() && key == "LD_PRELOAD" {
             old_preload = Some(value);

@@ -7,6 +7,7 @@
 //! - the marker memfds Torpor's hook keeps open while a process holds CUDA IPC or managed
 //!   memory, or has joined a NCCL communicator of more than one rank
 //!   ([`torpor_cuda::unsupported::Unsupported::marker`]);
+//! - io_uring instances, which CRIU cannot dump (it would fail after the driver checkpoint);
 //! - shared-memory files of NCCL (`/dev/shm/nccl-*`) held by two or more processes of the tree:
 //!   ranks of one communicator talking through shared memory, which the hook cannot see when the
 //!   program was started without it.
@@ -15,6 +16,9 @@ use std::collections::BTreeMap;
 use std::fs;
 
 use torpor_cuda::unsupported::Unsupported;
+
+/// How /proc/PID/fd names an io_uring instance.
+const IO_URING: &str = "anon_inode:[io_uring]";
 
 /// Prefix of NCCL's shared-memory files.
 const NCCL_SHM_PREFIX: &str = "/dev/shm/nccl-";
@@ -26,6 +30,8 @@ pub enum Refusal {
     Holds { pid: i32, what: Unsupported },
     /// Processes of the tree are ranks of one NCCL communicator.
     MultiProcessNccl { pids: Vec<i32> },
+    /// A process holds an io_uring instance, which CRIU cannot save.
+    IoUring { pid: i32 },
 }
 
 impl std::fmt::Display for Refusal {
@@ -44,6 +50,13 @@ impl std::fmt::Display for Refusal {
                  driver's checkpoint cannot restore: {}",
                 Unsupported::MultiRankNccl.fix()
             ),
+            Refusal::IoUring { pid } => write!(
+                f,
+                "process {pid} holds an io_uring instance, which CRIU cannot save: libuv (PyTorch's \
+                 TCPStore, uvloop, Node.js) uses one unless UV_USE_IO_URING=0, which `torpor run` \
+                 sets unless the environment already names it; start the program with \
+                 UV_USE_IO_URING=0 (PyTorch: or USE_LIBUV=0), or without io_uring"
+            ),
         }
     }
 }
@@ -56,6 +69,9 @@ pub fn find(pids: &[i32]) -> Option<Refusal> {
         for target in fd_targets(pid) {
             if let Some(what) = Unsupported::from_fd_target(&target) {
                 return Some(Refusal::Holds { pid, what });
+            }
+            if target == IO_URING {
+                return Some(Refusal::IoUring { pid });
             }
             if let Some(name) = nccl_shm_name(&target) {
                 add(&mut nccl_files, name, pid);
