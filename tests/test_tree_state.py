@@ -45,21 +45,25 @@ def start_tree(workers: Workers, *flags: str | Path, name: str = "tree") -> Work
 
 
 def test_forked_worker_with_an_inherited_device_mapping_restores(
-    torpor: Torpor, workers: Workers, tmp_path: Path, fake_device: Path
+    torpor: Torpor, workers: Workers, tmp_path: Path, fake_device: Path, fake_cuda: FakeCuda
 ) -> None:
-    w = start_tree(workers, "--device", fake_device)
+    """The parent loads libcuda (the fake) and maps the device, then forks: the worker holds
+    libcuda and the mapping but is no CUDA process, as a DataLoader worker."""
+    w = start_tree(workers, "--cuda", fake_cuda.lib, "--device", fake_device)
     assert w.ask("work", "5") == "26"
     assert w.ask("devmaps") == "1", "the worker should have inherited the mapping"
+    # The fake driver knows no CUDA process here: both are processes it has no state for.
+    env = fake_cuda.env(fake_cuda.lib, [], tmp_path / "fake.log", tmp_path / "fake-state")
 
     snap = tmp_path / "snap"
-    torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap, "--leave-running")
+    torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap, "--leave-running", env=env)
     # The source keeps running and answering; its worker lost only the mapping it never used.
     assert w.ask("work", "6") == "37"
     assert w.ask("devmaps") == "0"
 
     os.kill(w.init_pid, 9)  # SIGKILL to PID 1 of its namespace ends the whole tree
     w.wait_gone()
-    r = workers.restore(snap, endpoint=w.endpoint)
+    r = workers.restore(snap, endpoint=w.endpoint, env=env)
     assert r.ask("work", "7") == "50"
     assert r.ask("devmaps") == "0"
 
@@ -143,3 +147,15 @@ def test_torpor_run_keeps_libuv_off_io_uring_unless_told(torpor: Torpor, workers
     argv = [PYTHON, TREE, "--unix", endpoint.unix or "", "--ready", ready]
     w2 = workers.start(argv, endpoint=endpoint, ready=ready, name="uv-set", env={"UV_USE_IO_URING": "1"})
     assert w2.ask("env", "UV_USE_IO_URING") == "1"
+
+
+def test_a_device_mapping_without_libcuda_is_left_alone(
+    torpor: Torpor, workers: Workers, tmp_path: Path, fake_device: Path
+) -> None:
+    """A process that opened the devices without libcuda (NVML alone does) keeps them: CRIU then
+    refuses the mapping, the source keeps running and keeps its mapping."""
+    w = start_tree(workers, "--device", fake_device)
+    assert w.ask("devmaps") == "1"
+    line = torpor.fails("snapshot", "--pid", w.init_pid, "--out", tmp_path / "snap", "--leave-running")
+    assert "CRIU dump failed" in line and "keeps running" in line, line
+    assert w.ask("devmaps") == "1" and w.ask("work", "3") == "10"

@@ -300,15 +300,19 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     })
 }
 
-/// Replaces the NVIDIA device mappings of every process the driver does not know (children forked
-/// after CUDA was initialised) with empty reservations and closes their NVIDIA descriptors: see
-/// [`inherited_mappings`].
+/// Replaces the NVIDIA device mappings of every process that maps libcuda but that the driver
+/// does not know (children forked after CUDA was initialised) with empty reservations and points
+/// their NVIDIA descriptors at an eventfd: see [`inherited_mappings`].
 fn drop_inherited_mappings(
     root: i32,
     pids: &[i32],
     cuda_pids: &[i32],
 ) -> Result<(), SnapshotError> {
-    for &pid in pids.iter().filter(|p| !cuda_pids.contains(p)) {
+    // Only processes whose image holds libcuda (a fork of a CUDA process) without CUDA state of
+    // their own: one that opened the devices through NVML alone keeps its descriptors (and CRIU
+    // refuses it, as before).
+    let forked = |p: &&i32| !cuda_pids.contains(p) && proctree::maps_libcuda(**p).unwrap_or(false);
+    for &pid in pids.iter().filter(forked) {
         // A process that exited meanwhile has nothing left to drop.
         let state = inherited_mappings::device_state(pid).unwrap_or_default();
         inherited_mappings::drop_device_state(pid, &state)
