@@ -122,16 +122,6 @@ static NEXT_NCCL_INIT_RANK_CONFIG: Next = Next::new(c"ncclCommInitRankConfig");
 static NEXT_NCCL_DESTROY: Next = Next::new(c"ncclCommDestroy");
 static NEXT_NCCL_ABORT: Next = Next::new(c"ncclCommAbort");
 
-type OpenMem = unsafe extern "C" fn(*mut *mut c_void, IpcHandle, c_uint) -> c_int;
-type CloseMem = unsafe extern "C" fn(*mut c_void) -> c_int;
-type GetMem = unsafe extern "C" fn(*mut IpcHandle, *mut c_void) -> c_int;
-type OpenEvent = unsafe extern "C" fn(*mut *mut c_void, IpcHandle) -> c_int;
-type GetEvent = unsafe extern "C" fn(*mut IpcHandle, *mut c_void) -> c_int;
-type CuOpenMem = unsafe extern "C" fn(*mut u64, IpcHandle, c_uint) -> c_int;
-type CuCloseMem = unsafe extern "C" fn(u64) -> c_int;
-type CuGetMem = unsafe extern "C" fn(*mut IpcHandle, u64) -> c_int;
-type MallocManaged = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> c_int;
-type CuAllocManaged = unsafe extern "C" fn(*mut u64, usize, c_uint) -> c_int;
 type NcclInitRank = unsafe extern "C" fn(*mut *mut c_void, c_int, NcclUniqueId, c_int) -> c_int;
 type NcclInitRankConfig =
     unsafe extern "C" fn(*mut *mut c_void, c_int, NcclUniqueId, c_int, *mut c_void) -> c_int;
@@ -140,196 +130,77 @@ type NcclComm = unsafe extern "C" fn(*mut c_void) -> c_int;
 /// `ncclInternalError`: what NCCL returns when its own symbol is missing.
 const NCCL_INTERNAL_ERROR: c_int = 3;
 
-/// `cudaIpcOpenMemHandle` (libcudart).
-///
-/// # Safety
-/// As for libcudart's `cudaIpcOpenMemHandle`.
-#[no_mangle]
-pub unsafe extern "C" fn cudaIpcOpenMemHandle(
-    dev_ptr: *mut *mut c_void,
-    handle: IpcHandle,
-    flags: c_uint,
-) -> c_int {
-    guarded("cudaIpcOpenMemHandle", NOT_INITIALIZED, || {
-        match next_fn!(NEXT_CUDA_IPC_OPEN_MEM, OpenMem) {
-            // SAFETY: the caller's arguments, passed on unchanged.
-            Some(next) => watch(
-                Unsupported::IpcImport,
-                unsafe { next(dev_ptr, handle, flags) },
-                hold,
-            ),
-            None => NOT_INITIALIZED,
+/// Defines `$name`, which calls the next definition of the same name with the caller's
+/// arguments and, when it succeeds, calls `$then($kind)`.
+macro_rules! watched {
+    ($(#[$doc:meta])* $name:ident, $next:ident, $kind:expr, $then:ident, ($($arg:ident: $ty:ty),*)) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// As for the library's own definition of this name.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+            guarded(stringify!($name), NOT_INITIALIZED, || {
+                match next_fn!($next, unsafe extern "C" fn($($ty),*) -> c_int) {
+                    // SAFETY: the caller's arguments, passed on unchanged.
+                    Some(next) => watch($kind, unsafe { next($($arg),*) }, $then),
+                    None => NOT_INITIALIZED,
+                }
+            })
         }
-    })
+    };
 }
 
-/// `cudaIpcCloseMemHandle` (libcudart).
-///
-/// # Safety
-/// As for libcudart's `cudaIpcCloseMemHandle`.
-#[no_mangle]
-pub unsafe extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> c_int {
-    guarded("cudaIpcCloseMemHandle", NOT_INITIALIZED, || {
-        match next_fn!(NEXT_CUDA_IPC_CLOSE_MEM, CloseMem) {
-            // SAFETY: the caller's argument, passed on unchanged.
-            Some(next) => watch(Unsupported::IpcImport, unsafe { next(dev_ptr) }, release),
-            None => NOT_INITIALIZED,
-        }
-    })
-}
-
-/// `cudaIpcGetMemHandle` (libcudart).
-///
-/// # Safety
-/// As for libcudart's `cudaIpcGetMemHandle`.
-#[no_mangle]
-pub unsafe extern "C" fn cudaIpcGetMemHandle(
-    handle: *mut IpcHandle,
-    dev_ptr: *mut c_void,
-) -> c_int {
-    guarded("cudaIpcGetMemHandle", NOT_INITIALIZED, || {
-        match next_fn!(NEXT_CUDA_IPC_GET_MEM, GetMem) {
-            // SAFETY: the caller's arguments, passed on unchanged.
-            Some(next) => watch(
-                Unsupported::IpcExport,
-                unsafe { next(handle, dev_ptr) },
-                hold,
-            ),
-            None => NOT_INITIALIZED,
-        }
-    })
-}
-
-/// `cudaIpcOpenEventHandle` (libcudart).
-///
-/// # Safety
-/// As for libcudart's `cudaIpcOpenEventHandle`.
-#[no_mangle]
-pub unsafe extern "C" fn cudaIpcOpenEventHandle(
-    event: *mut *mut c_void,
-    handle: IpcHandle,
-) -> c_int {
-    guarded("cudaIpcOpenEventHandle", NOT_INITIALIZED, || {
-        match next_fn!(NEXT_CUDA_IPC_OPEN_EVENT, OpenEvent) {
-            // SAFETY: the caller's arguments, passed on unchanged.
-            Some(next) => watch(Unsupported::IpcImport, unsafe { next(event, handle) }, hold),
-            None => NOT_INITIALIZED,
-        }
-    })
-}
-
-/// `cudaIpcGetEventHandle` (libcudart).
-///
-/// # Safety
-/// As for libcudart's `cudaIpcGetEventHandle`.
-#[no_mangle]
-pub unsafe extern "C" fn cudaIpcGetEventHandle(
-    handle: *mut IpcHandle,
-    event: *mut c_void,
-) -> c_int {
-    guarded("cudaIpcGetEventHandle", NOT_INITIALIZED, || {
-        match next_fn!(NEXT_CUDA_IPC_GET_EVENT, GetEvent) {
-            // SAFETY: the caller's arguments, passed on unchanged.
-            Some(next) => watch(Unsupported::IpcExport, unsafe { next(handle, event) }, hold),
-            None => NOT_INITIALIZED,
-        }
-    })
-}
-
-/// `cuIpcOpenMemHandle_v2` (libcuda; `cuIpcOpenMemHandle` in cuda.h).
-///
-/// # Safety
-/// As for libcuda's `cuIpcOpenMemHandle_v2`.
-#[no_mangle]
-pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
-    dptr: *mut u64,
-    handle: IpcHandle,
-    flags: c_uint,
-) -> c_int {
-    guarded("cuIpcOpenMemHandle_v2", NOT_INITIALIZED, || {
-        match next_fn!(NEXT_CU_IPC_OPEN_MEM, CuOpenMem) {
-            // SAFETY: the caller's arguments, passed on unchanged.
-            Some(next) => watch(
-                Unsupported::IpcImport,
-                unsafe { next(dptr, handle, flags) },
-                hold,
-            ),
-            None => NOT_INITIALIZED,
-        }
-    })
-}
-
-/// `cuIpcCloseMemHandle` (libcuda).
-///
-/// # Safety
-/// As for libcuda's `cuIpcCloseMemHandle`.
-#[no_mangle]
-pub unsafe extern "C" fn cuIpcCloseMemHandle(dptr: u64) -> c_int {
-    guarded("cuIpcCloseMemHandle", NOT_INITIALIZED, || {
-        match next_fn!(NEXT_CU_IPC_CLOSE_MEM, CuCloseMem) {
-            // SAFETY: the caller's argument, passed on unchanged.
-            Some(next) => watch(Unsupported::IpcImport, unsafe { next(dptr) }, release),
-            None => NOT_INITIALIZED,
-        }
-    })
-}
-
-/// `cuIpcGetMemHandle` (libcuda).
-///
-/// # Safety
-/// As for libcuda's `cuIpcGetMemHandle`.
-#[no_mangle]
-pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut IpcHandle, dptr: u64) -> c_int {
-    guarded("cuIpcGetMemHandle", NOT_INITIALIZED, || {
-        match next_fn!(NEXT_CU_IPC_GET_MEM, CuGetMem) {
-            // SAFETY: the caller's arguments, passed on unchanged.
-            Some(next) => watch(Unsupported::IpcExport, unsafe { next(handle, dptr) }, hold),
-            None => NOT_INITIALIZED,
-        }
-    })
-}
-
-/// `cudaMallocManaged` (libcudart).
-///
-/// # Safety
-/// As for libcudart's `cudaMallocManaged`.
-#[no_mangle]
-pub unsafe extern "C" fn cudaMallocManaged(
-    dev_ptr: *mut *mut c_void,
-    size: usize,
-    flags: c_uint,
-) -> c_int {
-    guarded("cudaMallocManaged", NOT_INITIALIZED, || {
-        match next_fn!(NEXT_CUDA_MALLOC_MANAGED, MallocManaged) {
-            // SAFETY: the caller's arguments, passed on unchanged.
-            Some(next) => watch(
-                Unsupported::Managed,
-                unsafe { next(dev_ptr, size, flags) },
-                hold,
-            ),
-            None => NOT_INITIALIZED,
-        }
-    })
-}
-
-/// `cuMemAllocManaged` (libcuda).
-///
-/// # Safety
-/// As for libcuda's `cuMemAllocManaged`.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut u64, size: usize, flags: c_uint) -> c_int {
-    guarded("cuMemAllocManaged", NOT_INITIALIZED, || {
-        match next_fn!(NEXT_CU_MEM_ALLOC_MANAGED, CuAllocManaged) {
-            // SAFETY: the caller's arguments, passed on unchanged.
-            Some(next) => watch(
-                Unsupported::Managed,
-                unsafe { next(dptr, size, flags) },
-                hold,
-            ),
-            None => NOT_INITIALIZED,
-        }
-    })
-}
+watched!(
+    /// `cudaIpcOpenMemHandle` (libcudart).
+    cudaIpcOpenMemHandle, NEXT_CUDA_IPC_OPEN_MEM, Unsupported::IpcImport, hold,
+    (dev_ptr: *mut *mut c_void, handle: IpcHandle, flags: c_uint)
+);
+watched!(
+    /// `cudaIpcCloseMemHandle` (libcudart).
+    cudaIpcCloseMemHandle, NEXT_CUDA_IPC_CLOSE_MEM, Unsupported::IpcImport, release,
+    (dev_ptr: *mut c_void)
+);
+watched!(
+    /// `cudaIpcGetMemHandle` (libcudart).
+    cudaIpcGetMemHandle, NEXT_CUDA_IPC_GET_MEM, Unsupported::IpcExport, hold,
+    (handle: *mut IpcHandle, dev_ptr: *mut c_void)
+);
+watched!(
+    /// `cudaIpcOpenEventHandle` (libcudart).
+    cudaIpcOpenEventHandle, NEXT_CUDA_IPC_OPEN_EVENT, Unsupported::IpcImport, hold,
+    (event: *mut *mut c_void, handle: IpcHandle)
+);
+watched!(
+    /// `cudaIpcGetEventHandle` (libcudart).
+    cudaIpcGetEventHandle, NEXT_CUDA_IPC_GET_EVENT, Unsupported::IpcExport, hold,
+    (handle: *mut IpcHandle, event: *mut c_void)
+);
+watched!(
+    /// `cuIpcOpenMemHandle_v2` (libcuda; `cuIpcOpenMemHandle` in cuda.h).
+    cuIpcOpenMemHandle_v2, NEXT_CU_IPC_OPEN_MEM, Unsupported::IpcImport, hold,
+    (dptr: *mut u64, handle: IpcHandle, flags: c_uint)
+);
+watched!(
+    /// `cuIpcCloseMemHandle` (libcuda).
+    cuIpcCloseMemHandle, NEXT_CU_IPC_CLOSE_MEM, Unsupported::IpcImport, release,
+    (dptr: u64)
+);
+watched!(
+    /// `cuIpcGetMemHandle` (libcuda).
+    cuIpcGetMemHandle, NEXT_CU_IPC_GET_MEM, Unsupported::IpcExport, hold,
+    (handle: *mut IpcHandle, dptr: u64)
+);
+watched!(
+    /// `cudaMallocManaged` (libcudart).
+    cudaMallocManaged, NEXT_CUDA_MALLOC_MANAGED, Unsupported::Managed, hold,
+    (dev_ptr: *mut *mut c_void, size: usize, flags: c_uint)
+);
+watched!(
+    /// `cuMemAllocManaged` (libcuda).
+    cuMemAllocManaged, NEXT_CU_MEM_ALLOC_MANAGED, Unsupported::Managed, hold,
+    (dptr: *mut u64, size: usize, flags: c_uint)
+);
 
 /// Holds the NCCL marker for a new communicator of `nranks` ranks.
 fn nccl_created(code: c_int, comm: *mut *mut c_void, nranks: c_int) -> c_int {

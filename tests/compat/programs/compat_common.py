@@ -71,3 +71,56 @@ def serve(compute: Callable[[], str], extra: Callable[[list[str]], str | None] |
 
     print(f"compat program {Path(sys.argv[0]).name} pid {os.getpid()} reference {reference}", flush=True)
     serve_lines(listen(Endpoint(unix=args.unix)), handle, args.ready)
+
+
+def nccl_world1(init_method: str, seed: int) -> Callable[[], str]:
+    """torch.distributed with NCCL, world size 1, through `init_method`: all_reduce and broadcast
+    of a GPU tensor made from `seed`."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=init_method, rank=0, world_size=1)
+    torch.manual_seed(seed)
+    x = torch.randn(1 << 16, device="cuda")
+
+    def compute() -> str:
+        y = x.clone()
+        dist.all_reduce(y)
+        z = torch.empty_like(y)
+        dist.broadcast(z.copy_(y), src=0)
+        torch.cuda.synchronize()
+        return digest(y, z)
+
+    return compute
+
+
+def http_service(answer: Callable[[], str], port: int = 8080) -> Callable[[], str]:
+    """Serve GET with `answer()` as the body from a thread of this program, and return a check
+    that asks it over one keep-alive connection (a TCP connection held across the snapshot)."""
+    import http.client
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802
+            body = answer().encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+    def compute() -> str:
+        client.request("GET", "/")
+        resp = client.getresponse()
+        return f"{resp.status}:{resp.read().decode()}"
+
+    return compute
