@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import FakeCuda, Torpor, Workers, fake_calls, fake_log, pids_with, wait_until
 
 GIB = 1 << 30

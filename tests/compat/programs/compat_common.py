@@ -26,7 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "programs"))
 
-from linesrv import Endpoint, Request, listen, serve as serve_lines  # noqa: E402
+from linesrv import Endpoint, Request, listen
+from linesrv import serve as serve_lines
 
 
 def digest(*parts: Any) -> str:
@@ -60,7 +61,7 @@ def serve(compute: Callable[[], str], extra: Callable[[list[str]], str | None] |
             case ["check"]:
                 try:
                     got = compute()
-                except Exception as e:  # the answer names the failure instead of dying
+                except Exception as e:  # the answer names the failure instead of dying  # noqa: BLE001
                     return f"error {type(e).__name__}: {e} {traceback.format_exc(limit=2)!r}"
                 return f"ok {got}" if got == reference else f"mismatch {got} {reference}"
         if extra is not None:
@@ -104,7 +105,7 @@ def http_service(answer: Callable[[], str], port: int = 8080) -> Callable[[], st
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             body = answer().encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))

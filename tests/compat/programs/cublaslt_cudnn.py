@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from compat_common import digest, serve
 
 REQUIRES = ("torch",)

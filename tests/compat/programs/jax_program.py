@@ -7,12 +7,13 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from compat_common import digest, serve  # noqa: E402
+import jax
+import jax.numpy as jnp
+from compat_common import digest, serve
 
 REQUIRES = ("jax",)
 EXPECT = "identical"
+RESTORES = 5  # its driver restore failed once in two (issue 16): count the attempts
 
 key = jax.random.PRNGKey(10)
 w1 = jax.random.normal(key, (256, 512))

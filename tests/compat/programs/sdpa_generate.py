@@ -4,7 +4,7 @@ scaled-dot-product attention under bf16 autocast."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from compat_common import digest, serve
 
 REQUIRES = ("torch",)

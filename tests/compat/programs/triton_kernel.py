@@ -12,7 +12,7 @@ EXPECT = "identical"
 
 
 @triton.jit
-def axpy(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):  # noqa: N803
+def axpy(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     tl.store(out_ptr + i, alpha * tl.load(x_ptr + i, mask=mask) + tl.load(y_ptr + i, mask=mask), mask=mask)
