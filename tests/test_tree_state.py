@@ -159,3 +159,15 @@ def test_a_device_mapping_without_libcuda_is_left_alone(
     line = torpor.fails("snapshot", "--pid", w.init_pid, "--out", tmp_path / "snap", "--leave-running")
     assert "CRIU dump failed" in line and "keeps running" in line, line
     assert w.ask("devmaps") == "1" and w.ask("work", "3") == "10"
+
+
+def test_the_hook_finds_a_driver_loaded_rtld_local(
+    torpor: Torpor, workers: Workers, tmp_path: Path, fake_cuda: FakeCuda
+) -> None:
+    """A library loaded with RTLD_LOCAL (as CuPy's libcudart is) is not in the global scope, yet
+    the call reaches the preloaded hook first: the hook must still find the real definition."""
+    w = start_tree(workers, "--cuda", fake_cuda.lib, "--cuda-local", name="local")
+    assert w.ask("managed") == "0", "the call through the hook must reach the library"
+    env = fake_cuda.env(fake_cuda.lib, [], tmp_path / "fake.log", tmp_path / "fake-state")
+    line = torpor.fails("snapshot", "--pid", w.init_pid, "--out", tmp_path / "snap", env=env)
+    assert "CUDA managed memory (UVM" in line, line

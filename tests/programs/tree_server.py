@@ -85,7 +85,9 @@ class Tree:
         self.cuda: ctypes.CDLL | None = None
         self.ipc_ptr = ctypes.c_ulonglong(0)
         if args.cuda:
-            ctypes.CDLL(args.cuda, mode=ctypes.RTLD_GLOBAL)
+            # --cuda-local: loaded as Python extensions load their libraries (RTLD_LOCAL), so the
+            # preloaded hook's RTLD_NEXT cannot see it.
+            ctypes.CDLL(args.cuda, mode=ctypes.RTLD_LOCAL if args.cuda_local else ctypes.RTLD_GLOBAL)
             self.cuda = ctypes.CDLL(None)
         to_child, from_parent = os.pipe()
         to_parent, from_child = os.pipe()
@@ -196,6 +198,7 @@ def main() -> None:
     p.add_argument("--nccl-shm", action="store_true")
     p.add_argument("--cuda")
     p.add_argument("--io-uring", action="store_true")
+    p.add_argument("--cuda-local", action="store_true")
     args = p.parse_args()
     tree = Tree(args)
     serve(listen(Endpoint(unix=args.unix)), tree.handle, args.ready)
