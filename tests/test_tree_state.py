@@ -77,6 +77,11 @@ def test_tcp_pair_semaphore_and_shared_memory_restore(
     shm_text = w.ask("shm")
     assert shm_text == "torpor shared memory survives"
 
+    # Left running, the source's connection comes out of TCP repair and carries on.
+    torpor.ok("snapshot", "--pid", w.init_pid, "--out", tmp_path / "kept", "--leave-running")
+    assert w.ask("tcp", "still") == "still"
+    assert w.ask("sem") == "3"
+
     snap = tmp_path / "snap"
     torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap)
     w.wait_gone()
