@@ -3,7 +3,13 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|all] [extra pytest args...]
+# compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
+# NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
+# the compat functions through a fresh daemon, into $OUT/compat-h100.json and $OUT/compat.log
+# ($COMPAT_ONLY: comma-separated names; $COMPAT_BUDGET_S: stop starting programs after, default 300;
+# functions stop deploying 150 s after they start).
+# Not part of `all`.
 # native: the Rust tests that need a real GPU and the fill bandwidth example, built here by
 # `make gpu-carry` into .gpu/native/ (the device's cuda backend; the hook), into $OUT/native.log
 # and $OUT/fill_bw.json.
@@ -95,6 +101,12 @@ if [ "$MODE" = serverless ] || [ "$MODE" = all ]; then
     src=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$src
     merge=(--merge)
   done
+fi
+if [ "$MODE" = compat ]; then
+  echo "== tests/compat (programs through torpor run/snapshot/restore, functions through torpord)"
+  python3 tests/compat/run.py --out "$OUT/compat-h100.json" --budget-s "${COMPAT_BUDGET_S:-300}" \
+    ${COMPAT_ONLY:+--only "$COMPAT_ONLY"} 2>&1 | tee "$OUT/compat.log"
+  crc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$crc
 fi
 if [ "$MODE" = criu-gpu ]; then
   echo "== bench/criu_restore with a GPU worker"

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import FakeCuda, Torpor, Workers, fake_calls, fake_log, pids_with, wait_until
 
 GIB = 1 << 30
@@ -95,3 +94,29 @@ def test_failed_driver_restore_kills_the_restored_tree(torpor: Torpor, gpu_snaps
         fake_log(log)
     )
     wait_until(lambda: pids_with(gpu_snapshot.token) == [], 10, "the restored tree to be killed")
+
+
+def test_a_transient_driver_restore_failure_is_retried_from_the_snapshot(
+    torpor: Torpor, gpu_snapshot: GpuSnapshot, tmp_path: Path
+) -> None:
+    """The driver's restore fails once with CUDA_ERROR_OPERATING_SYSTEM (as it intermittently does
+    for JAX processes): that tree is killed, and a fresh restore of the snapshot succeeds."""
+    flaky = tmp_path / "flaky-once"
+    env = gpu_snapshot.env(FAKE_CUDA_RESTORE_FLAKY=str(flaky), FAKE_CUDA_DEFAULT_STATE="checkpointed")
+    r = torpor.ok("restore", gpu_snapshot.snap, "--detach", env=env)
+    assert flaky.exists(), "the fake driver's flaky restore did not run"
+    assert "attempt 2 succeeded" in r.stderr, r.stderr
+    log = gpu_snapshot.base / "restore-fake.log"
+    lines = log.read_text().splitlines()
+    failed = [x for x in lines if x.startswith("restore ") and "flaky" in x]
+    assert len(failed) == 1, fake_log(log)
+    first_pid = int(failed[0].split()[1])
+    wait_until(lambda: not Path(f"/proc/{first_pid}").exists(), 10, "the first restored tree to be killed")
+    pid = int(r.stdout.split()[0])
+    try:
+        assert any(x.startswith("unlock ") for x in lines), fake_log(log)
+    finally:
+        import os
+        import signal
+
+        os.kill(pid, signal.SIGKILL)

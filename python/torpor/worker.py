@@ -9,9 +9,13 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
    and sends `hello` {pid, role, function: null, resumed: false, protocol: 2, reattach: false}.
    `pid` is the worker's PID in its own namespace; torpord identifies connections by SO_PEERCRED.
    `protocol: 2` says this harness sends `started` and reattaches after losing torpord (below).
-2. Imports the --preload modules in order and, with --gpu, warms CUDA through torch (which must
-   be among them): matmul, linear, softmax and conv in fp32 and fp16, so cuBLAS, cuBLASLt and
-   cuDNN are initialised; then frees torch's cached blocks. Role `base` then sends
+2. Sets the memory defaults frameworks read at start (XLA_PYTHON_CLIENT_PREALLOCATE=false: a JAX
+   base must not reserve most of the GPU into its snapshot; torpor.gpu), imports the --preload
+   modules in order and, with --gpu, warms CUDA through the first of torch, jax, cupy it imported
+   (torch: matmul, linear, softmax and conv in fp32 and fp16, so cuBLAS, cuBLASLt and cuDNN are
+   initialised, then its cached blocks are freed; jax: a compiled matmul and softmax; cupy: a
+   matmul and a kernel, then its pools are emptied), or with none of them through the driver API
+   (a primary context on device 0). Role `base` then sends
    `ready` {ok: true, setup_s: import time, warmup_s: GPU warm-up time}; role `function` sends
    nothing yet and waits for `load`.
 3. Serves frames until the connection ends:
@@ -30,7 +34,7 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      its timeout from `started`. An exception from the function, or a value that cannot be sent (not JSON, NaN,
      over 64 MiB), is `ok: false` with `error` {type, message, traceback} (texts capped at 64 KiB),
      and the worker serves on. `timeout_s` is enforced by torpord, which kills a hung worker.
-   - `quiesce` {split?}: synchronises CUDA if torch initialised it, flushes stdout and stderr (so
+   - `quiesce` {split?}: synchronises CUDA for each framework that initialised it, flushes stdout and stderr (so
      buffered output is not copied into every restored instance), runs the garbage collector, sends
      `quiet` {cuda_synced: whether a synchronize ran}, closes the connection and blocks in
      sigwait(SIGUSR2). torpord should snapshot once it has read EOF after `quiet`. On SIGUSR2 it
@@ -99,6 +103,7 @@ from types import TracebackType
 from typing import Any
 
 from torpor import data as torpor_data
+from torpor import gpu as torpor_gpu
 from torpor import hook as torpor_hook
 from torpor import pack as torpor_pack
 from torpor.errors import DataError, FrameError, HookError
@@ -212,44 +217,6 @@ def error_doc(e: BaseException) -> dict[str, str]:
     return {"type": _type_name(e), "message": _text(_str(e)), "traceback": _text(tb)}
 
 
-def cuda_sync() -> bool:
-    """torch.cuda.synchronize() if torch is imported and has initialised CUDA; whether it ran."""
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None) if torch is not None else None
-    if cuda is None or not cuda.is_initialized():
-        return False
-    cuda.synchronize()
-    return True
-
-
-def warm_gpu() -> None:
-    """Run matmul, linear, softmax and conv in fp32 and fp16 so cuBLAS(Lt) and cuDNN initialise."""
-    torch: Any = sys.modules.get("torch")
-    if torch is None:
-        raise RuntimeError(
-            "--gpu warms CUDA through torch, but torch is not preloaded; add torch to --preload or drop --gpu"
-        )
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "--gpu, but torch sees no CUDA device (torch.cuda.is_available() is False); "
-            "run on a GPU node or drop --gpu"
-        )
-    functional: Any = importlib.import_module("torch.nn.functional")
-    dev = torch.device("cuda", torch.cuda.current_device())
-    with torch.no_grad():
-        for dtype in (torch.float32, torch.float16):
-            a = torch.randn(256, 256, device=dev, dtype=dtype)
-            bias = torch.randn(256, device=dev, dtype=dtype)
-            b = torch.softmax(a @ a, dim=-1)
-            c = functional.linear(b, a, bias)
-            x = torch.randn(2, 3, 32, 32, device=dev, dtype=dtype)
-            w = torch.randn(8, 3, 3, 3, device=dev, dtype=dtype)
-            y = functional.conv2d(x, w, padding=1)
-            del a, bias, b, c, x, w, y
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 def _drain_sigusr2() -> None:
     """Consume a SIGUSR2 left pending from before, so the next sigwait waits for a fresh one."""
     while signal.SIGUSR2 in signal.sigpending():
@@ -271,6 +238,7 @@ class Worker:
         self.started_as = role
         self.preload = preload
         self.gpu = gpu
+        self.gpu_framework: str | None = None
         self.socket_path = socket_path
         self.function: str | None = None
         self.entry = ""
@@ -359,6 +327,8 @@ class Worker:
 
     def run(self) -> int:
         self.connect(resumed=False)
+        # Before any framework is imported: they read their memory settings when they start.
+        torpor_gpu.prepare_environment()
         t0 = time.perf_counter()
         try:
             for name in self.preload:
@@ -368,7 +338,7 @@ class Worker:
         t1 = time.perf_counter()
         if self.gpu:
             try:
-                warm_gpu()
+                self.gpu_framework = torpor_gpu.warm()
             except Exception as e:
                 return self.fail("gpu_warmup", e)
         t2 = time.perf_counter()
@@ -619,6 +589,8 @@ class Worker:
             phase = "import"
             cls = resolve(fdir, entry)
             phase = "setup"
+            gpu_memory = spec.get("gpu_memory", 0)
+            torpor_gpu.limit_memory(gpu_memory if isinstance(gpu_memory, int) else 0)
             t0 = time.perf_counter()
             instance = cls()
             instance.setup()
@@ -693,7 +665,7 @@ class Worker:
                 "mapped frame before the next snapshot"
             )
         hook = self._split_hook("quiesce {split: true}") if split else None
-        synced = cuda_sync()
+        synced = torpor_gpu.sync()
         sys.stdout.flush()
         sys.stderr.flush()
         assert self.reader is not None
@@ -787,7 +759,7 @@ class Worker:
                 f"unmap names {unknown[0]:#x}, which is not the start of a segment of this worker; "
                 "torpord must name the segments it handed over"
             )
-        cuda_sync()
+        torpor_gpu.sync()
         released = 0
         try:
             for va in vas:

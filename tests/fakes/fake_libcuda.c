@@ -291,19 +291,30 @@ static struct {
     int state;
 } memory_states[256];
 
+/* The state of a pid the fake has not acted on: FAKE_CUDA_DEFAULT_STATE ("checkpointed" for
+ * processes that CRIU just restored), else running. */
+static int default_state(void) {
+    const char *name = env("FAKE_CUDA_DEFAULT_STATE");
+    if (name)
+        for (int s = RUNNING; s <= FAILED; s++)
+            if (strcmp(name, STATE_NAMES[s]) == 0)
+                return s;
+    return RUNNING;
+}
+
 static int read_state(int pid) {
     const char *dir = env("FAKE_CUDA_STATE_DIR");
     if (!dir) {
         for (size_t i = 0; i < sizeof memory_states / sizeof memory_states[0]; i++)
             if (memory_states[i].pid == pid)
                 return memory_states[i].state;
-        return RUNNING;
+        return default_state();
     }
     char path[4096], word[32] = {0};
     snprintf(path, sizeof path, "%s/%d", dir, pid);
     FILE *f = fopen(path, "r");
     if (!f)
-        return RUNNING;
+        return default_state();
     int matched = fscanf(f, "%31s", word);
     fclose(f);
     if (matched == 1)
@@ -421,6 +432,19 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
             format_uuid(&args->gpuPairs[i].oldUuid, old_uuid);
             format_uuid(&args->gpuPairs[i].newUuid, new_uuid);
             at += snprintf(detail + at, sizeof detail - (size_t)at, " %s>%s", old_uuid, new_uuid);
+        }
+    }
+    /* FAKE_CUDA_RESTORE_FLAKY=PATH: the first restore fails with CUDA_ERROR_OPERATING_SYSTEM (and
+     * creates PATH), as the real driver's intermittent restore failure does; later ones work. */
+    const char *flaky = env("FAKE_CUDA_RESTORE_FLAKY");
+    if (flaky && access(flaky, F_OK) != 0) {
+        int fd = open(flaky, O_WRONLY | O_CREAT | O_EXCL, 0600);
+        if (fd >= 0) {
+            close(fd);
+            char line[128];
+            snprintf(line, sizeof line, "restore %d flaky result=%d", pid, CUDA_ERROR_OPERATING_SYSTEM);
+            log_line(line);
+            return CUDA_ERROR_OPERATING_SYSTEM;
         }
     }
     return act("restore", pid, detail, "FAKE_CUDA_RESTORE_RESULT", ok, CHECKPOINTED, LOCKED);
@@ -843,3 +867,30 @@ CUresult cuMemHostRegister_v2(void *ptr, size_t bytes, unsigned int flags) {
 
 CUresult cuMemHostUnregister(void *ptr) { return ptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE; }
 #endif /* FAKE_CUDA_VMM */
+
+/* ---- legacy CUDA IPC and managed memory: enough for the hook's markers (crates/torpor-hook
+ * src/markers.rs) to see a success. Imports return a made-up address; nothing is mapped. */
+
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle;
+
+CUresult cuIpcOpenMemHandle_v2(unsigned long long *dptr, CUipcMemHandle handle, unsigned int flags) {
+    (void)handle;
+    if (!dptr || flags > 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    *dptr = 0x7e0000000000ULL;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuIpcCloseMemHandle(unsigned long long dptr) {
+    return dptr == 0x7e0000000000ULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemAllocManaged(unsigned long long *dptr, size_t bytes, unsigned int flags) {
+    (void)flags;
+    if (!dptr || bytes == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    *dptr = 0x7d0000000000ULL;
+    return CUDA_SUCCESS;
+}

@@ -310,7 +310,7 @@ def test_data_changed_after_validation_fails_load(spawn: Spawner, daemon: Daemon
     assert w.wait() == EXIT_LOAD
 
 
-def test_preload_failure_and_gpu_without_torch(spawn: Spawner, daemon: Daemon) -> None:
+def test_preload_failure_and_gpu_without_a_driver(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
     w = spawn("--role", "base", "--preload", "json,no_such_module_xyz")
     c = daemon.accept()
     c.expect("hello")
@@ -321,12 +321,15 @@ def test_preload_failure_and_gpu_without_torch(spawn: Spawner, daemon: Daemon) -
         and "no_such_module_xyz" in ready["error"]["message"]
     )
     assert w.wait() == EXIT_LOAD
-    w = spawn("--role", "base", "--gpu")
+    # No framework preloaded: the warm-up goes through the driver, here one that is absent.
+    missing = str(tmp_path / "no-such-libcuda.so.1")
+    w = spawn("--role", "base", "--gpu", env={**worker_env(daemon.path), "TORPOR_LIBCUDA": missing})
     c = daemon.accept()
     c.expect("hello")
     ready = c.expect("ready")
     assert ready["ok"] is False and ready["phase"] == "gpu_warmup", ready
-    assert "torch is not preloaded" in ready["error"]["message"], ready
+    assert "warms CUDA through the driver" in ready["error"]["message"], ready
+    assert missing in ready["error"]["message"], ready
     assert w.wait() == EXIT_LOAD
 
 

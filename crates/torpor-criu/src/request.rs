@@ -40,6 +40,10 @@ pub struct DumpRequest<'a> {
     pub ext_unix_sk: bool,
     /// Dump file locks (`--file-locks`).
     pub file_locks: bool,
+    /// Keep files that are open but whose opened name was removed while another name still
+    /// links them (`--link-remap`): POSIX semaphores (`sem_open` links a temporary file to its
+    /// name and removes the temporary one), shared-memory files renamed after opening.
+    pub link_remap: bool,
 }
 
 impl<'a> DumpRequest<'a> {
@@ -57,6 +61,7 @@ impl<'a> DumpRequest<'a> {
             tcp_established: false,
             ext_unix_sk: false,
             file_locks: false,
+            link_remap: false,
         }
     }
 }
@@ -164,6 +169,7 @@ impl Criu {
             ext_unix_sk: Some(r.ext_unix_sk),
             tcp_established: Some(r.tcp_established),
             file_locks: Some(r.file_locks),
+            link_remap: Some(r.link_remap),
             log_level: Some(r.log_level),
             log_file: Some(plain_name(r.log_file)?),
             notify_scripts: Some(true),

@@ -148,6 +148,16 @@ fn init_hint(code: CuResult) -> &'static str {
     }
 }
 
+impl CudaError {
+    /// Whether this is `CUDA_ERROR_OPERATING_SYSTEM` from a driver call: the code of the
+    /// intermittent `cuCheckpointProcessRestore` failure seen with JAX processes on driver 580,
+    /// after which that process cannot be restored again, but a fresh restore of the same
+    /// snapshot can.
+    pub fn is_operating_system_error(&self) -> bool {
+        matches!(self, CudaError::Call { code, .. } if *code == ffi::CUDA_ERROR_OPERATING_SYSTEM)
+    }
+}
+
 fn cuda_hint(code: CuResult) -> &'static str {
     match code {
         ffi::CUDA_ERROR_INVALID_VALUE => {
@@ -175,7 +185,11 @@ fn cuda_hint(code: CuResult) -> &'static str {
             "the operation did not finish in time; retry with a larger timeout or when the process is idle"
         }
         ffi::CUDA_ERROR_NOT_SUPPORTED => {
-            "this driver or GPU does not support it; use driver >= 570 on a supported GPU"
+            "the driver cannot checkpoint what the process holds: CUDA managed memory (UVM, \
+             cudaMallocManaged) and CUDA IPC memory are not supported by the checkpoint API of \
+             this driver; allocate with cudaMalloc instead and share GPU memory between \
+             processes through host memory (or use driver >= 570 on a supported GPU if neither \
+             applies)"
         }
         _ => "read the NVIDIA driver's messages in the kernel log (`dmesg`) and retry; report the code if it persists",
     }

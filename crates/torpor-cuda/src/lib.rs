@@ -46,6 +46,7 @@ mod error;
 mod ffi;
 mod library;
 mod nvml;
+pub mod unsupported;
 mod uuid;
 mod vmm;
 

@@ -33,38 +33,108 @@ const INVALID_VALUE: c_int = 1;
 /// `cudaErrorMemoryAllocation`, `CUDA_ERROR_OUT_OF_MEMORY`.
 const OUT_OF_MEMORY: c_int = 2;
 /// `cudaErrorInitializationError`, `CUDA_ERROR_NOT_INITIALIZED`: the next definition is absent.
-const NOT_INITIALIZED: c_int = 3;
+pub(crate) const NOT_INITIALIZED: c_int = 3;
 
 type CudaMalloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type CudaFree = unsafe extern "C" fn(*mut c_void) -> c_int;
 type CuMemAlloc = unsafe extern "C" fn(*mut u64, usize) -> c_int;
 type CuMemFree = unsafe extern "C" fn(u64) -> c_int;
 
-/// The next definition of a symbol after this library's, looked up once.
-struct Next {
+/// The next definition of a symbol after this library's, looked up once it is found.
+///
+/// `dlsym(RTLD_NEXT)` searches the global scope only. A library a Python extension pulled in
+/// with `dlopen(RTLD_LOCAL)` (CuPy's libcudart, say) is not there, yet its callers still reach
+/// this library's definition first, because the global scope precedes their own. So when
+/// `RTLD_NEXT` finds nothing, every loaded object other than this one is asked in turn.
+pub(crate) struct Next {
     name: &'static CStr,
-    /// 0: not looked up yet; 1: absent; else the address.
+    /// 0: not found yet; else the address.
     address: AtomicUsize,
 }
 
 impl Next {
-    const fn new(name: &'static CStr) -> Self {
+    pub(crate) const fn new(name: &'static CStr) -> Self {
         Next {
             name,
             address: AtomicUsize::new(0),
         }
     }
 
-    fn address(&self) -> Option<usize> {
-        let mut address = self.address.load(Ordering::Acquire);
-        if address == 0 {
-            // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name only looks the symbol up.
-            let found = unsafe { libc::dlsym(libc::RTLD_NEXT, self.name.as_ptr()) } as usize;
-            address = if found == 0 { 1 } else { found };
-            self.address.store(address, Ordering::Release);
+    pub(crate) fn address(&self) -> Option<usize> {
+        let address = self.address.load(Ordering::Acquire);
+        if address != 0 {
+            return Some(address);
         }
-        (address != 1).then_some(address)
+        // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name only looks the symbol up.
+        let mut found = unsafe { libc::dlsym(libc::RTLD_NEXT, self.name.as_ptr()) } as usize;
+        if found == 0 {
+            found = in_any_other_object(self.name).unwrap_or(0);
+        }
+        // Not cached while absent: the library defining it may be loaded later.
+        if found != 0 {
+            self.address.store(found, Ordering::Release);
+        }
+        (found != 0).then_some(found)
     }
+}
+
+/// The first definition of `name` in a loaded object other than this library.
+fn in_any_other_object(name: &CStr) -> Option<usize> {
+    struct Search<'a> {
+        name: &'a CStr,
+        own_base: usize,
+        found: Option<usize>,
+    }
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        data: *mut c_void,
+    ) -> c_int {
+        // SAFETY: dl_iterate_phdr passes a valid info and the `data` pointer given below.
+        let (info, search) = unsafe { (&*info, &mut *(data as *mut Search<'_>)) };
+        if info.dlpi_name.is_null() || info.dlpi_addr as usize == search.own_base {
+            return 0;
+        }
+        // SAFETY: dlpi_name is a NUL-terminated path of a loaded object (empty for the program).
+        let path = unsafe { CStr::from_ptr(info.dlpi_name) };
+        if path.to_bytes().is_empty() {
+            return 0;
+        }
+        // SAFETY: RTLD_NOLOAD only returns a handle to an object that is already loaded, and the
+        // handle's reference is dropped again at once.
+        let symbol = unsafe {
+            let handle = libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+            if handle.is_null() {
+                return 0;
+            }
+            let symbol = libc::dlsym(handle, search.name.as_ptr()) as usize;
+            libc::dlclose(handle);
+            symbol
+        };
+        if symbol != 0 && object_base(symbol) != Some(search.own_base) {
+            search.found = Some(symbol);
+            return 1;
+        }
+        0
+    }
+    let own_base = object_base(in_any_other_object as *const () as usize)?;
+    let mut search = Search {
+        name,
+        own_base,
+        found: None,
+    };
+    // SAFETY: the callback only reads what dl_iterate_phdr hands it and writes `search`.
+    unsafe { libc::dl_iterate_phdr(Some(visit), &mut search as *mut Search<'_> as *mut c_void) };
+    search.found
+}
+
+/// The load address of the object holding `address`.
+fn object_base(address: usize) -> Option<usize> {
+    // SAFETY: Dl_info is plain data; dladdr fills it or returns 0.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the process's link map.
+    let ok = unsafe { libc::dladdr(address as *const c_void, &mut info) };
+    (ok != 0).then_some(info.dli_fbase as usize)
 }
 
 static NEXT_CUDA_MALLOC: Next = Next::new(c"cudaMalloc");
@@ -75,13 +145,14 @@ static NEXT_CU_MEM_FREE: Next = Next::new(c"cuMemFree_v2");
 macro_rules! next_fn {
     ($next:expr, $ty:ty) => {
         match $next.address() {
-            // SAFETY: the symbol of that name in libcudart/libcuda has this C signature
-            // (cuda_runtime_api.h, cuda.h).
+            // SAFETY: the symbol of that name in libcudart/libcuda/libnccl has this C
+            // signature (cuda_runtime_api.h, cuda.h, nccl.h).
             Some(address) => Some(unsafe { std::mem::transmute::<usize, $ty>(address) }),
             None => None,
         }
     };
 }
+pub(crate) use next_fn;
 
 fn warn_once(flag: &AtomicBool, what: &str, error: &HookError) {
     if !flag.swap(true, Ordering::Relaxed) {
@@ -190,7 +261,7 @@ fn free_code(result: Result<(), HookError>) -> c_int {
 }
 
 /// Runs `f`, turning a panic into `code`.
-fn guarded(call: &'static str, code: c_int, f: impl FnOnce() -> c_int) -> c_int {
+pub(crate) fn guarded(call: &'static str, code: c_int, f: impl FnOnce() -> c_int) -> c_int {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
         set_last_error(&HookError::Panicked { call });
         code

@@ -10,6 +10,9 @@
 //!   `torpor.buffer()` and declared data, the segment list, export, release (the snapshot step)
 //!   and map (the restore step).
 //! - [`segments`]: the table of every segment; [`hook`]: the process-wide state behind both.
+//! - [`markers`]: with `LD_PRELOAD` alone (no variable needed), records while the process holds
+//!   GPU state the driver's checkpoint cannot restore (CUDA IPC, managed memory, a NCCL
+//!   communicator of several ranks), so that `torpor snapshot` refuses it before touching it.
 //!
 //! The library is found by the harness through `TORPOR_HOOK_LIB`, which must name the same file
 //! as `LD_PRELOAD` so that both see one segment table.
@@ -28,6 +31,7 @@
 pub mod capi;
 pub mod hook;
 pub mod interpose;
+pub mod markers;
 pub mod segments;
 
 mod error;

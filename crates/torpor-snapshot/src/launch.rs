@@ -17,7 +17,7 @@
 use std::ffi::{CString, OsString};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
 use crate::mounts::MountPolicy;
@@ -64,6 +64,15 @@ pub enum LaunchError {
     /// The init binary could not be prepared.
     #[error("cannot prepare the init binary in {dir}: {source}; set TORPOR_STATE_DIR to a writable directory")]
     InitBinary { dir: PathBuf, source: io::Error },
+    /// The library to preload could not be copied.
+    #[error(
+        "cannot copy {library} into {dir}: {source}; set TORPOR_STATE_DIR to a writable directory"
+    )]
+    Preload {
+        library: PathBuf,
+        dir: PathBuf,
+        source: io::Error,
+    },
 }
 
 /// What `launch` needs.
@@ -76,6 +85,9 @@ pub struct LaunchOptions<'a> {
     pub state_dir: &'a Path,
     /// How the command's mount namespace is built.
     pub mounts: &'a MountPolicy,
+    /// A library to preload into the command (put first in `LD_PRELOAD`); a content-addressed
+    /// copy in `state_dir` is what the tree maps, so a rebuild never breaks a snapshot.
+    pub preload: Option<&'a Path>,
 }
 
 /// The argument that makes `torpor` run as the init (a hidden subcommand of the CLI).
@@ -116,6 +128,9 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
     }
     let mut ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
     ptrs.push(std::ptr::null());
+    let envp = environment(opts)?;
+    let mut env_ptrs: Vec<*const libc::c_char> = envp.iter().map(|e| e.as_ptr()).collect();
+    env_ptrs.push(std::ptr::null());
 
     // SAFETY: unshare changes only this (single-threaded) process's namespaces; the CLI exits
     // right after the launch, so nothing else observes the change.
@@ -135,8 +150,8 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
         // refer to a mount of the host's namespace, which CRIU cannot dump.
         // SAFETY: clearing FD_CLOEXEC on our own descriptor so it survives the exec.
         unsafe { libc::fcntl(report_wr.as_raw_fd(), libc::F_SETFD, 0) };
-        // SAFETY: ptrs is a NUL-terminated array of valid C strings.
-        unsafe { libc::execv(ptrs[0], ptrs.as_ptr()) };
+        // SAFETY: ptrs and env_ptrs are NUL-terminated arrays of valid C strings.
+        unsafe { libc::execve(ptrs[0], ptrs.as_ptr(), env_ptrs.as_ptr()) };
         let msg = format!(
             "cannot execute the init {}: {}",
             init.display(),
@@ -182,6 +197,74 @@ fn check_reachable(opts: &LaunchOptions) -> Result<(), LaunchError> {
         }
     }
     Ok(())
+}
+
+/// libuv (PyTorch's TCPStore, uvloop, Node.js) opens an io_uring instance, which CRIU cannot save,
+/// unless this says not to; it then uses epoll, as it did before io_uring. Set for every tree
+/// whose environment does not name it.
+pub const NO_IO_URING: (&str, &str) = ("UV_USE_IO_URING", "0");
+
+/// This process's environment for the init and the command, with `opts.preload` (copied into the
+/// state directory) first in `LD_PRELOAD`, and [`NO_IO_URING`].
+fn environment(opts: &LaunchOptions) -> Result<Vec<CString>, LaunchError> {
+    let preload = match opts.preload {
+        Some(library) => Some(
+            content_addressed_copy(library, &opts.state_dir.join("preload")).map_err(|source| {
+                LaunchError::Preload {
+                    library: library.to_path_buf(),
+                    dir: opts.state_dir.join("preload"),
+                    source,
+                }
+            })?,
+        ),
+        None => None,
+    };
+    let mut env = Vec::new();
+    let mut old_preload: Option<OsString> = None;
+    if std::env::var_os(NO_IO_URING.0).is_none() {
+        env.push(cstring(
+            format!("{}={}", NO_IO_URING.0, NO_IO_URING.1).as_bytes(),
+        )?);
+    }
+    for (key, value) in std::env::vars_os() {
+        if preload.is_some() && key == "LD_PRELOAD" {
+            old_preload = Some(value);
+            continue;
+        }
+        let mut entry = key.into_vec();
+        entry.push(b'=');
+        entry.extend_from_slice(value.as_bytes());
+        env.push(cstring(&entry)?);
+    }
+    if let Some(path) = preload {
+        let mut entry = b"LD_PRELOAD=".to_vec();
+        entry.extend_from_slice(path.as_os_str().as_bytes());
+        if let Some(old) = old_preload.filter(|o| !o.is_empty()) {
+            entry.push(b' ');
+            entry.extend_from_slice(old.as_bytes());
+        }
+        env.push(cstring(&entry)?);
+    }
+    Ok(env)
+}
+
+/// A copy of `file` in `dir` named by its hash (and keeping its name), made once.
+fn content_addressed_copy(file: &Path, dir: &Path) -> io::Result<PathBuf> {
+    let bytes = std::fs::read(file)?;
+    let hash = blake3::hash(&bytes).to_hex();
+    let name = file
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let path = dir.join(&hash[..16]).join(&name);
+    if !path.exists() {
+        std::fs::create_dir_all(path.parent().unwrap_or(dir))?;
+        let tmp = dir.join(format!(".{}-{name}.{}", &hash[..16], std::process::id()));
+        std::fs::write(&tmp, &bytes)?;
+        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+        std::fs::rename(&tmp, &path)?;
+    }
+    Ok(path)
 }
 
 /// A copy of the running torpor binary named by its hash. Snapshots map the init's binary, and

@@ -2,8 +2,10 @@
 //! namespaces that allow many restores side by side, snapshot it with the CUDA driver's
 //! checkpoint API and CRIU, restore it, and roll back every failure so the source keeps running.
 
+pub mod empty_gpu_memory;
 pub mod gpu_map;
 pub mod gpu_tasks;
+pub mod inherited_mappings;
 pub mod interrupt;
 pub mod launch;
 pub mod mount_ns;
@@ -11,12 +13,14 @@ pub mod mounts;
 pub mod phases;
 pub mod preflight;
 pub mod proctree;
+pub mod remote_syscall;
 pub mod restore;
 pub mod snapshot;
 pub mod space;
 pub mod stage;
 pub mod supervise;
 mod sys;
+pub mod unsupported;
 pub mod visible_gpus;
 
 pub use sys::is_root;

@@ -245,6 +245,8 @@ pub struct Restored {
     pub manifest: Manifest,
     /// With [`PageSource::Lazy`]: the daemon still serving the tree's memory.
     pub lazy_pages: Option<LazyRestore>,
+    /// How many restores it took (more than 1 after a transient driver failure).
+    pub attempts: u32,
 }
 
 /// The GPUs a restore puts the snapshot's state on.
@@ -258,8 +260,39 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
     restore_with(opts, &PageOptions::default())
 }
 
+/// How many times a restore is tried when the driver's restore fails with
+/// `CUDA_ERROR_OPERATING_SYSTEM` (see [`restore_with`]).
+pub const RESTORE_ATTEMPTS: u32 = 3;
+
 /// [`restore`], bringing the memory back as `pages` says.
+///
+/// The driver's restore of a freshly restored process sometimes fails with
+/// `CUDA_ERROR_OPERATING_SYSTEM` (seen once in two with a small JAX process on driver 580) and
+/// that process can then never be restored; a fresh restore of the same snapshot can. So such a
+/// failure kills what was restored and starts again, up to [`RESTORE_ATTEMPTS`] times in all;
+/// `Restored::attempts` says how many it took.
 pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, RestoreError> {
+    let mut attempt = 1;
+    loop {
+        match restore_once(opts, pages) {
+            Err(RestoreError::Gpu { source })
+                if attempt < RESTORE_ATTEMPTS
+                    && source.step == "restore"
+                    && source.source.is_operating_system_error()
+                    && !interrupt::interrupted() =>
+            {
+                attempt += 1;
+            }
+            Ok(mut restored) => {
+                restored.attempts = attempt;
+                return Ok(restored);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, RestoreError> {
     preflight::require_root("torpor restore")?;
     preflight::require_checkpoint_restore_kernel(Path::new("/proc"))?;
     let criu = preflight::require_criu()?;
@@ -341,7 +374,9 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
         external,
         empty_ns_net: true,
         network_lock_skip: true,
-        tcp_established: false,
+        // Every restore gets a network namespace of its own, so repairing the tree's TCP
+        // connections (all between its own processes) cannot disturb anyone else's.
+        tcp_established: true,
         ext_unix_sk: false,
         file_locks: true,
         rst_sibling: !opts.detach,
@@ -452,6 +487,7 @@ pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restor
         phases,
         manifest,
         lazy_pages,
+        attempts: 1,
     })
 }
 

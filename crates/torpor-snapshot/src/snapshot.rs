@@ -1,5 +1,6 @@
-//! `torpor snapshot`: CUDA lock → driver checkpoint → CRIU dump → (leave running) driver restore
-//! and unlock, with every failure rolled back so the source keeps running.
+//! `torpor snapshot`: refuse what the driver cannot restore → drop device mappings that forked
+//! children inherited → CUDA lock → driver checkpoint → CRIU dump → (leave running) driver
+//! restore and unlock, with every failure rolled back so the source keeps running.
 //!
 //! CRIU always dumps with leave-running: torpor itself decides the source's fate only after the
 //! snapshot is complete on disk. Without `--leave-running` the source is frozen (SIGSTOP) from
@@ -15,13 +16,16 @@ use torpor_image::{
     Source,
 };
 
+use crate::empty_gpu_memory;
 use crate::gpu_tasks::{GpuTasks, StepError};
+use crate::inherited_mappings::{self, DropError};
 use crate::interrupt;
 use crate::mounts;
 use crate::phases::Phases;
 use crate::preflight::{self, PreflightError};
 use crate::proctree::{self, ProcessInfo};
 use crate::space;
+use crate::unsupported::{self, Refusal};
 
 /// What to snapshot and how.
 pub struct SnapshotOptions<'a> {
@@ -57,6 +61,20 @@ pub enum SnapshotError {
     /// A CUDA process is not in the running state (another checkpoint in progress?).
     #[error("CUDA process {pid} is {state:?}, not running: another snapshot may be in progress; wait for it, or restart the process")]
     NotRunning { pid: i32, state: ProcessState },
+    /// The tree holds GPU state the driver cannot restore; nothing was touched.
+    #[error("{refusal}; pid {root} keeps running, nothing was written")]
+    Unsupported { root: i32, refusal: Refusal },
+    /// A process's inherited device mappings could not be dropped; the GPU was not touched.
+    #[error(
+        "cannot drop the NVIDIA device mappings and files process {pid} inherited by fork: \
+         {source}; pid \
+         {root} keeps running, nothing was written"
+    )]
+    InheritedMappings {
+        root: i32,
+        pid: i32,
+        source: DropError,
+    },
     /// A CUDA step failed; rolled back.
     #[error("{source}; pid {root} keeps running, nothing was written")]
     Gpu { root: i32, source: StepError },
@@ -96,6 +114,9 @@ pub struct SnapshotReport {
     pub manifest: Manifest,
     /// The phases in the order they ran (the manifest keeps them by name).
     pub phases: Phases,
+    /// Things the user should know about the snapshot (one line each), e.g. that most of the GPU
+    /// memory it saved is an empty reservation ([`crate::empty_gpu_memory`]).
+    pub warnings: Vec<String>,
 }
 
 /// Takes a snapshot; see the module doc for the protocol.
@@ -150,6 +171,13 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         ),
         None => (Vec::new(), None),
     };
+    if let Some(refusal) = unsupported::find(&pids) {
+        return Err(SnapshotError::Unsupported {
+            root: root.pid,
+            refusal,
+        });
+    }
+    drop_inherited_mappings(root.pid, &pids, &cuda_pids)?;
     let mut tasks = cuda.as_ref().map(|(d, _, p)| GpuTasks::new(d, p.clone()));
 
     // A dump into a filesystem that cannot hold it fails half-way: say so before the source
@@ -173,6 +201,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     }
 
     let stop_start = Instant::now();
+    let mut warnings = Vec::new();
     let result = stop_and_dump(
         &criu,
         opts,
@@ -181,6 +210,7 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         tasks.as_mut(),
         &mut phases,
         &writer,
+        &mut warnings,
     );
     if let Err(original) = result {
         return Err(roll_back(
@@ -305,10 +335,33 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         dir: opts.out.to_path_buf(),
         manifest,
         phases,
+        warnings,
     })
 }
 
+/// Replaces the NVIDIA device mappings of every process that maps libcuda but that the driver
+/// does not know (children forked after CUDA was initialised) with empty reservations and points
+/// their NVIDIA descriptors at an eventfd: see [`inherited_mappings`].
+fn drop_inherited_mappings(
+    root: i32,
+    pids: &[i32],
+    cuda_pids: &[i32],
+) -> Result<(), SnapshotError> {
+    // Only processes whose image holds libcuda (a fork of a CUDA process) without CUDA state of
+    // their own: one that opened the devices through NVML alone keeps its descriptors (and CRIU
+    // refuses it, as before).
+    let forked = |p: &&i32| !cuda_pids.contains(p) && proctree::maps_libcuda(**p).unwrap_or(false);
+    for &pid in pids.iter().filter(forked) {
+        // A process that exited meanwhile has nothing left to drop.
+        let state = inherited_mappings::device_state(pid).unwrap_or_default();
+        inherited_mappings::drop_device_state(pid, &state)
+            .map_err(|source| SnapshotError::InheritedMappings { root, pid, source })?;
+    }
+    Ok(())
+}
+
 /// Lock, checkpoint and dump. Leaves CUDA processes checkpointed (GPU memory released).
+#[allow(clippy::too_many_arguments)]
 fn stop_and_dump(
     criu: &Criu,
     opts: &SnapshotOptions,
@@ -317,6 +370,7 @@ fn stop_and_dump(
     tasks: Option<&mut GpuTasks>,
     phases: &mut Phases,
     writer: &SnapshotWriter,
+    warnings: &mut Vec<String>,
 ) -> Result<(), SnapshotError> {
     let check_interrupt = || {
         if interrupt::interrupted() {
@@ -334,12 +388,24 @@ fn stop_and_dump(
                 source,
             })?;
         check_interrupt()?;
+        let before: Vec<_> = t
+            .pids()
+            .into_iter()
+            .map(|p| (p, empty_gpu_memory::Resident::of(p).unwrap_or_default()))
+            .collect();
         phases
             .time("cuda_checkpoint", || t.checkpoint_all())
             .map_err(|source| SnapshotError::Gpu {
                 root: root.pid,
                 source,
             })?;
+        for (pid, before) in &before {
+            let after = empty_gpu_memory::Resident::of(*pid).unwrap_or_default();
+            let added = empty_gpu_memory::added(*pid, before, &after, empty_gpu_memory::SAMPLES);
+            if let Some(w) = added.ok().and_then(|a| empty_gpu_memory::warning(*pid, &a)) {
+                warnings.push(w);
+            }
+        }
         check_interrupt()?;
     }
     let request = DumpRequest {
@@ -350,9 +416,12 @@ fn stop_and_dump(
         external: external.to_vec(),
         empty_ns_net: true,
         network_lock_skip: true,
-        tcp_established: false,
+        // TCP repair is safe only where every connection is the tree's own: in a network
+        // namespace of its own (what `torpor run` gives), nothing outside can be talking to it.
+        tcp_established: own_network_namespace(root.pid),
         ext_unix_sk: false,
         file_locks: true,
+        link_remap: true,
         log_level: 4,
     };
     phases
@@ -362,6 +431,15 @@ fn stop_and_dump(
             source,
         })?;
     check_interrupt()
+}
+
+/// Whether `pid` lives in a network namespace other than torpor's own.
+fn own_network_namespace(pid: i32) -> bool {
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).ok();
+    match (ns(&pid.to_string()), ns("self")) {
+        (Some(theirs), Some(ours)) => theirs != ours,
+        _ => false,
+    }
 }
 
 /// Undoes whatever was done: thaws a frozen tree, returns CUDA processes to running, keeps

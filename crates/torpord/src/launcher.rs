@@ -38,6 +38,8 @@ pub fn launch_main(args: &[OsString]) -> ExitCode {
         log: Path::new(log),
         state_dir: Path::new(state_dir),
         mounts: &mounts,
+        // The worker's LD_PRELOAD, if any, is set by `launch_worker`.
+        preload: None,
     }) {
         Ok(pid) => {
             println!("{pid}");

@@ -44,6 +44,13 @@ pub fn run(
         },
         &PageOptions { source: pages },
     )?;
+    if restored.attempts > 1 {
+        eprintln!(
+            "torpor: note: the driver's restore failed with CUDA_ERROR_OPERATING_SYSTEM; restored \
+             again from the snapshot, attempt {} succeeded",
+            restored.attempts
+        );
+    }
     if verbose {
         super::print_phases(restored.phases.0.iter().map(|(n, s)| (n, s)));
         eprintln!("phase total {:.6}", restored.total_s);

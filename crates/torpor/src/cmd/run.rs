@@ -14,13 +14,32 @@ pub fn run(log: Option<PathBuf>, command: &[OsString]) -> anyhow::Result<ExitCod
         super::log_dir().join(format!("run-{ms}.log"))
     });
     let state_dir = super::state_dir();
+    let hook = hook_library();
     let pid = launch(&LaunchOptions {
         command,
         log: &log,
         state_dir: &state_dir,
         mounts: &MountPolicy::command(),
+        preload: hook.as_deref(),
     })?;
     println!("{pid}");
     eprintln!("torpor: started pid {pid}, output in {}", log.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// libtorpor_hook.so, preloaded into the tree. Without `TORPOR_HOOK_CUDA` it changes no
+/// allocation; it only records GPU state the driver's checkpoint cannot restore (CUDA IPC, managed
+/// memory, a NCCL communicator of several ranks), so that `torpor snapshot` refuses such a tree
+/// before it touches it instead of leaving it stuck.
+fn hook_library() -> Option<std::path::PathBuf> {
+    match torpord::split::find_hook_lib() {
+        Ok(hook) => Some(hook),
+        Err(e) => {
+            eprintln!(
+                "torpor: note: {e}; without it a snapshot cannot see CUDA IPC or managed memory \
+                 before touching the driver"
+            );
+            None
+        }
+    }
 }

@@ -32,6 +32,9 @@ pub fn run(
         key: key.as_ref(),
     })?;
     let m = &report.manifest;
+    for warning in &report.warnings {
+        eprintln!("torpor: warning: {warning}");
+    }
     if verbose {
         super::print_phases(report.phases.0.iter().map(|(n, s)| (n, s)));
         eprintln!("phase stop_time {:.6}", m.stop_time_s);

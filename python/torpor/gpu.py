@@ -1,0 +1,218 @@
+"""GPU warm-up, synchronisation and memory limits for whichever CUDA framework a worker preloads.
+
+The runtime must serve any CUDA framework, not only PyTorch. A worker started with --gpu warms
+CUDA through the first framework among its preloads that it knows (torch, jax, cupy, in that
+order), so that framework's context, libraries and kernels are in the base snapshot; with none of
+them it creates the CUDA context through the driver API (libcuda via ctypes), which every
+framework then shares.
+
+Frameworks that reserve most of the GPU up front would turn into snapshots of tens of GB of empty
+memory, so before anything is imported the worker turns that off (`prepare_environment`):
+JAX/XLA's preallocation (XLA_PYTHON_CLIENT_PREALLOCATE=false). When a function is loaded its
+spec's gpu_memory becomes the limit of CuPy's default memory pool (`limit_memory`), which
+otherwise keeps every block it ever freed. PyTorch gets no limit: its caching allocator reserves
+nothing up front, and a hard limit would turn the spec's estimate into out-of-memory errors.
+JAX's limit is fixed when its client starts (in the base, shared by every function), so
+XLA_PYTHON_CLIENT_MEM_FRACTION is only set from TORPOR_GPU_MEMORY (with TORPOR_GPU_TOTAL_MEMORY)
+when a worker is started with them. A variable the user set is never overridden.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import sys
+from typing import Any
+
+FRAMEWORKS = ("torch", "jax", "cupy")
+
+
+def prepare_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the memory defaults frameworks read when they start; returns what was set."""
+    target = os.environ if env is None else env
+    wanted = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    limit = int(target.get("TORPOR_GPU_MEMORY", "0") or "0")
+    total = int(target.get("TORPOR_GPU_TOTAL_MEMORY", "0") or "0")
+    if limit > 0 and total > 0:
+        wanted["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(limit / total, 1.0):.3f}"
+    done = {}
+    for key, value in wanted.items():
+        if key not in target:
+            target[key] = value
+            done[key] = value
+    return done
+
+
+def framework() -> str | None:
+    """The first known CUDA framework that is imported, or None."""
+    return next((name for name in FRAMEWORKS if name in sys.modules), None)
+
+
+def warm() -> str:
+    """Warm CUDA through the imported framework (or the driver); returns which one was used."""
+    name = framework()
+    if name == "torch":
+        _warm_torch(sys.modules["torch"])
+    elif name == "jax":
+        _warm_jax(sys.modules["jax"])
+    elif name == "cupy":
+        _warm_cupy(sys.modules["cupy"])
+        _WARMED["cupy"] = True
+    else:
+        Driver.load().warm()
+        name = "driver"
+    return name
+
+
+def sync() -> bool:
+    """Wait for the GPU work of every framework that initialised CUDA; whether any wait ran."""
+    synced = False
+    torch: Any = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None) if torch is not None else None
+    if cuda is not None and cuda.is_initialized():
+        cuda.synchronize()
+        synced = True
+    jax: Any = sys.modules.get("jax")
+    if jax is not None and _jax_backend_started(jax):
+        jax.effects_barrier()
+        for arr in jax.live_arrays():
+            arr.block_until_ready()
+        synced = True
+    cupy: Any = sys.modules.get("cupy")
+    if cupy is not None and _cupy_initialised(cupy):
+        cupy.cuda.Device().synchronize()
+        synced = True
+    if Driver.loaded is not None:
+        synced = Driver.loaded.sync() or synced
+    return synced
+
+
+def limit_memory(limit: int) -> dict[str, Any]:
+    """Make `limit` bytes the memory limit of every imported framework that can take one now."""
+    done: dict[str, Any] = {}
+    if limit <= 0:
+        return done
+    cupy: Any = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.get_default_memory_pool().set_limit(size=limit)
+        done["cupy_pool_limit"] = limit
+    return done
+
+
+def _warm_torch(torch: Any) -> None:
+    """Matmul, linear, softmax and conv in fp32 and fp16 so cuBLAS(Lt) and cuDNN initialise."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "--gpu, but torch sees no CUDA device (torch.cuda.is_available() is False); "
+            "run on a GPU node or drop --gpu"
+        )
+    functional: Any = importlib.import_module("torch.nn.functional")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float16):
+            a = torch.randn(256, 256, device=dev, dtype=dtype)
+            bias = torch.randn(256, device=dev, dtype=dtype)
+            b = torch.softmax(a @ a, dim=-1)
+            c = functional.linear(b, a, bias)
+            x = torch.randn(2, 3, 32, 32, device=dev, dtype=dtype)
+            w = torch.randn(8, 3, 3, 3, device=dev, dtype=dtype)
+            y = functional.conv2d(x, w, padding=1)
+            del a, bias, b, c, x, w, y
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _warm_jax(jax: Any) -> None:
+    """A matmul and a softmax on the first GPU, compiled and run."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError as e:
+        raise RuntimeError(f"--gpu, but JAX sees no GPU ({e}); install jax[cuda13] or drop --gpu") from None
+    jnp: Any = importlib.import_module("jax.numpy")
+    x = jax.device_put(jnp.ones((256, 256), dtype=jnp.float32), devices[0])
+    y = jax.nn.softmax(x @ x, axis=-1)
+    y.block_until_ready()
+    del x, y
+
+
+def _warm_cupy(cupy: Any) -> None:
+    """A matmul (cuBLAS) and an elementwise kernel, then the pool's cached blocks are freed."""
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        raise RuntimeError("--gpu, but CuPy sees no CUDA device; run on a GPU node or drop --gpu")
+    a = cupy.ones((256, 256), dtype=cupy.float32)
+    b = cupy.exp(a @ a / 256.0)
+    cupy.cuda.Device().synchronize()
+    del a, b
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def _jax_backend_started(jax: Any) -> bool:
+    try:
+        backends = importlib.import_module("jax._src.xla_bridge")._backends
+    except (ImportError, AttributeError):
+        return True  # unknown layout: waiting is always safe
+    return bool(backends)
+
+
+def _cupy_initialised(cupy: Any) -> bool:
+    """Whether CuPy holds GPU memory (asking the runtime for the device could create a context)."""
+    try:
+        return bool(cupy.get_default_memory_pool().total_bytes() > 0 or _WARMED.get("cupy"))
+    except (AttributeError, RuntimeError):  # CuPy's CUDA errors are RuntimeErrors
+        return False
+
+
+_WARMED: dict[str, bool] = {}
+
+
+class Driver:
+    """The CUDA driver API through ctypes: enough to create and keep a primary context."""
+
+    loaded: Driver | None = None
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.context = ctypes.c_void_p()
+
+    @classmethod
+    def load(cls) -> Driver:
+        path = os.environ.get("TORPOR_LIBCUDA") or "libcuda.so.1"
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise RuntimeError(
+                f"--gpu without torch, jax or cupy preloaded warms CUDA through the driver, but {path} "
+                f"cannot be loaded ({e}); install the NVIDIA driver or drop --gpu"
+            ) from None
+        cls.loaded = cls(lib)
+        return cls.loaded
+
+    def check(self, what: str, code: int) -> None:
+        if code != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(code, ctypes.byref(name))
+            text = name.value.decode() if name.value else "unknown"
+            raise RuntimeError(f"{what} failed with {text} ({code}); check `nvidia-smi` or drop --gpu")
+
+    def warm(self) -> None:
+        """cuInit, then retain device 0's primary context and make it current."""
+        self.check("cuInit", self.lib.cuInit(0))
+        count = ctypes.c_int(0)
+        self.check("cuDeviceGetCount", self.lib.cuDeviceGetCount(ctypes.byref(count)))
+        if count.value < 1:
+            raise RuntimeError("--gpu, but the CUDA driver sees no device; run on a GPU node or drop --gpu")
+        device = ctypes.c_int(0)
+        self.check("cuDeviceGet", self.lib.cuDeviceGet(ctypes.byref(device), 0))
+        self.check(
+            "cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), device)
+        )
+        self.check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self.context))
+
+    def sync(self) -> bool:
+        if not self.context.value:
+            return False
+        self.check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self.context))
+        self.check("cuCtxSynchronize", self.lib.cuCtxSynchronize())
+        return True
