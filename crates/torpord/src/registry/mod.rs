@@ -5,8 +5,10 @@
 //! them on the blocking pool. Queries are typed methods of [`Store`]; [`Registry::with`] runs
 //! some without a transaction, [`Registry::transaction`] runs some atomically.
 
+mod journal;
 mod migrate;
 mod model;
+mod reserve;
 mod store;
 
 use std::path::{Path, PathBuf};
@@ -15,8 +17,10 @@ use std::time::Duration;
 
 use rusqlite::{Connection, TransactionBehavior};
 
+pub use journal::{JournalEntry, JournalOp};
 pub use migrate::SCHEMA_VERSION;
 pub use model::*;
+pub use reserve::{is_disk_full, Reserve, RESERVE_BYTES};
 pub use store::Store;
 
 /// A registry operation that failed.
@@ -87,6 +91,8 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct Registry {
     path: PathBuf,
     conn: Mutex<Connection>,
+    /// Room for [`Registry::critical`] writes on a full disk.
+    reserve: Reserve,
 }
 
 impl Registry {
@@ -114,6 +120,7 @@ impl Registry {
         Ok(Self {
             path: path.to_path_buf(),
             conn: Mutex::new(conn),
+            reserve: Reserve::beside(path, RESERVE_BYTES),
         })
     }
 
@@ -150,6 +157,32 @@ impl Registry {
         let value = f(&Store { conn: &tx })?;
         tx.commit().map_err(RegistryError::from)?;
         Ok(value)
+    }
+
+    /// Runs `f` in one transaction, as a write that must not fail for want of space (removing
+    /// the row of an instance that is gone, ending a journal): if the disk is full, the
+    /// registry's reserve ([`Reserve`]) is freed and `f` runs once more. While the reserve is
+    /// missing, each call tries to make it again.
+    pub fn critical<T>(
+        &self,
+        f: impl Fn(&Store<'_>) -> Result<T, RegistryError>,
+    ) -> Result<T, RegistryError> {
+        let first = self.transaction(&f);
+        let out = match first {
+            Err(RegistryError::Sqlite(e)) if is_disk_full(&e) && self.reserve.release() => {
+                self.transaction(&f)
+            }
+            other => other,
+        };
+        if out.is_ok() {
+            self.reserve.restore_if_missing();
+        }
+        out
+    }
+
+    /// The disk reserve of [`Registry::critical`].
+    pub fn reserve(&self) -> &Reserve {
+        &self.reserve
     }
 
     /// The schema version of the open database.
