@@ -876,3 +876,17 @@ async fn steps(
     }
     Ok((id, base.id, reused))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_snapshot_says_its_source_was_stopped() {
+        let e = torpor_snapshot::snapshot::SnapshotError::Interrupted { root: 4242 };
+        assert!(e.to_string().contains("keeps running"));
+        let msg = stopped_source(4242, e);
+        assert!(!msg.contains("keeps running"), "{msg}");
+        assert!(msg.contains("(pid 4242) was stopped"), "{msg}");
+    }
+}

@@ -194,8 +194,9 @@ fn replay_deploy(registry: &Registry, e: &JournalEntry) -> Result<(), RegistryEr
             && f.snapshot.is_some()
             && f.snapshot.as_deref() == target_id.as_deref()
         {
-            // Its snapshot was recorded: only staging and cleanup were left, which start-up
-            // redoes.
+            // Its snapshot was recorded: what was left is what the deploy does once it took
+            // effect. Staging is redone at start; the older deploy's instances go here.
+            retire_older_instances(s, &f)?;
             tracing::info!(function = name, step = %e.step, "a deploy interrupted by a torpord stop had finished");
             return Ok(());
         }
@@ -223,6 +224,38 @@ fn replay_deploy(registry: &Registry, e: &JournalEntry) -> Result<(), RegistryEr
         }
         Ok(())
     })
+}
+
+/// What a finished deploy does to the instances of the deploy before it (crate::runtime::
+/// Runtime::deployed, discard_sleepers_of): live ones restored from an older snapshot are killed
+/// and their rows removed, so that none is re-adopted to serve the old code; hibernated ones
+/// that began before the deploy took effect are removed (their snapshots go with the sweep of
+/// unregistered snapshots).
+fn retire_older_instances(
+    s: &crate::registry::Store<'_>,
+    f: &crate::registry::Function,
+) -> Result<(), RegistryError> {
+    for i in s.instances_of(&f.name)? {
+        let older = if i.stage.has_process() {
+            i.snapshot != f.snapshot
+        } else {
+            i.started <= f.updated
+        };
+        if !older {
+            continue;
+        }
+        if let Some((pid, start)) = s.instance_process(&i.id)? {
+            if crate::workers::process_start(pid) == Some(start) {
+                crate::runtime::kill_tree(pid);
+            }
+        }
+        s.delete_instance(&i.id)?;
+        if let Some(hib) = i.snapshot.as_deref().filter(|_| !i.stage.has_process()) {
+            s.delete_snapshot(hib)?;
+        }
+        tracing::info!(function = %f.name, instance = %i.id, stage = %i.stage, "removed an instance of the deploy before one that finished as torpord stopped");
+    }
+    Ok(())
 }
 
 fn replay_hibernation(registry: &Registry, e: &JournalEntry) -> Result<(), RegistryError> {
