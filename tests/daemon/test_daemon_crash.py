@@ -268,8 +268,8 @@ def test_a_crashed_redeploy_keeps_the_previous_deploy_serving(torpord: Torpord, 
     serving = 1
     torpord.deploy(function_dir(tmp_path, name, [], serving))
     assert answers(torpord, name)["version"] == serving
-    for _ in ROUNDS:
-        new = serving + 1
+    for round_ in ROUNDS:
+        new = round_ + 2
         deploy_until(torpord, function_dir(tmp_path, name, [], new), point)
         restart_checked(torpord)
         assert state_of(torpord, name) == "ready", torpord.log_text()

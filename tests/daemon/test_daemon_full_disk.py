@@ -24,8 +24,9 @@ from .test_daemon_crash import (
     function_dir,
 )
 
-# Room for a base and a function snapshot of echoer (13 MB each), their logs and the registry.
-FS_MIB = 128
+# Room for the init binary the daemon copies into its state directory (the debug build is
+# ~130 MB), the base and function snapshots of two echoers (13 MB each), logs and the registry.
+FS_MIB = 320
 RESERVE_BYTES = 8 << 20
 
 
@@ -94,6 +95,17 @@ def listed(torpord: Torpord, name: str) -> list[dict[str, object]]:
     return [i for i in torpord.instances(name) if i.get("stage") != "hibernated"]
 
 
+def reserve_back(d: Torpord, reserve: Path) -> None:
+    """Waits for the daemon to make its reserve again, which it tries (at most every 5 s) when a
+    registry query succeeds: the listing queries it."""
+
+    def back() -> bool:
+        d.instances("full-stop")
+        return reserve.exists() and reserve.stat().st_size == RESERVE_BYTES
+
+    wait_until(back, 15, "the registry's disk reserve to be made again")
+
+
 def test_instances_leave_the_registry_with_their_processes_on_a_full_disk(
     torpor_bin: Path, criu_ready: None, small_state: Path, tmp_path: Path
 ) -> None:
@@ -127,6 +139,7 @@ def test_instances_leave_the_registry_with_their_processes_on_a_full_disk(
 
         # A hibernation that fails on the full disk removes its instance from the listing too.
         free(small_state)
+        reserve_back(d, reserve)
         assert d.invoke("full-hib", {"say": "c"}).status == 200
         fill(small_state)
         wait_until(lambda: not listed(d, "full-hib"), 20, "the instance to hibernate or be removed")
@@ -138,7 +151,7 @@ def test_instances_leave_the_registry_with_their_processes_on_a_full_disk(
         free(small_state)
         assert d.invoke("full-stop", {"say": "d"}).status == 200
         assert d.cli("stop", "full-stop").returncode == 0
-        wait_until(lambda: reserve.exists() and reserve.stat().st_size == RESERVE_BYTES, 15, "the reserve to be made again")
+        reserve_back(d, reserve)
         assert d.invoke("full-hib", {"say": "e"}).status == 200
     finally:
         free(small_state)

@@ -1706,9 +1706,7 @@ impl Runtime {
         tracing::warn!(function = %row.function, instance = %row.id, pid = row.pid, "killed an instance of an earlier torpord: {why}");
         let registry = Arc::clone(&self.registry);
         let id = row.id.clone();
-        let deleted =
-            tokio::task::spawn_blocking(move || registry.critical(|s| s.delete_instance(&id)))
-                .await;
+        let deleted = tokio::task::spawn_blocking(move || registry.remove_instance_row(&id)).await;
         if !matches!(deleted, Ok(Ok(_))) {
             tracing::error!(instance = %row.id, "cannot remove the registry row of an instance that was not re-adopted");
         }
@@ -1860,8 +1858,8 @@ impl Runtime {
         let id = inst.id.clone();
         tokio::task::spawn_blocking(move || {
             // Critical: a row left behind would list a process that is gone.
-            if let Err(e) = registry.critical(|s| s.delete_instance(&id)) {
-                tracing::error!(instance = %id, error = %e, "cannot remove the instance's registry row even after releasing the disk reserve: it is out of service, and the next torpord start removes the row");
+            if let Err(e) = registry.remove_instance_row(&id) {
+                tracing::error!(instance = %id, error = %e, "cannot remove the instance's registry row even after releasing the disk reserve: it is out of service and no longer listed; its row goes at a later row removal that succeeds, or at the next start");
             }
         });
     }

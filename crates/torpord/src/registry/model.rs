@@ -152,6 +152,17 @@ pub struct StageCounts {
 }
 
 impl StageCounts {
+    /// One instance fewer in `stage`.
+    pub fn remove(&mut self, stage: Stage) {
+        let n = match stage {
+            Stage::Warm => &mut self.warm,
+            Stage::GpuReleased => &mut self.gpu_released,
+            Stage::Hibernated => &mut self.hibernated,
+            Stage::Evicted => &mut self.evicted,
+        };
+        *n = n.saturating_sub(1);
+    }
+
     /// The count for one stage.
     pub fn get(&self, stage: Stage) -> u64 {
         match stage {
