@@ -18,7 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -211,17 +211,6 @@ def state_of(torpord: Torpord, name: str) -> str | None:
         return None
     assert r.status == 200, r.body
     return str(r.json()["state"])
-
-
-@pytest.fixture(scope="module")
-def torpord(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    d = Torpord(torpor_bin, tmp_path_factory.mktemp("torpord-crash"))
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 # Points before the base snapshot is recorded: their deploy must boot a base of its own.

@@ -2,35 +2,9 @@
 
 use rusqlite::{OptionalExtension, Row};
 
+use super::model::JournalOp;
 use super::store::Store;
 use super::RegistryError;
-
-/// What a journal row is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JournalOp {
-    /// A deploy of the function named by the row's subject.
-    Deploy,
-    /// A hibernation of the instance named by the row's subject.
-    Hibernate,
-}
-
-impl JournalOp {
-    /// The text stored in the registry.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JournalOp::Deploy => "deploy",
-            JournalOp::Hibernate => "hibernate",
-        }
-    }
-
-    fn parse(text: &str) -> Option<Self> {
-        match text {
-            "deploy" => Some(JournalOp::Deploy),
-            "hibernate" => Some(JournalOp::Hibernate),
-            _ => None,
-        }
-    }
-}
 
 /// One operation in progress: the step it is in (recorded before the step acts).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,15 +23,8 @@ pub struct JournalEntry {
 }
 
 fn entry_row(row: &Row<'_>) -> rusqlite::Result<JournalEntry> {
-    let op: String = row.get(0)?;
     Ok(JournalEntry {
-        op: JournalOp::parse(&op).ok_or_else(|| {
-            rusqlite::Error::FromSqlConversionFailure(
-                0,
-                rusqlite::types::Type::Text,
-                format!("unknown journal op {op:?}").into(),
-            )
-        })?,
+        op: row.get(0)?,
         subject: row.get(1)?,
         step: row.get(2)?,
         previous: row.get(3)?,
@@ -85,7 +52,7 @@ impl Store<'_> {
                  previous = excluded.previous, target = NULL, started = excluded.started, \
                  updated = excluded.updated",
             )?
-            .execute((op.as_str(), subject, step, previous, now))?;
+            .execute((op, subject, step, previous, now))?;
         Ok(())
     }
 
@@ -105,7 +72,7 @@ impl Store<'_> {
                 "UPDATE journal SET step = ?3, target = COALESCE(?4, target), updated = ?5 \
                  WHERE op = ?1 AND subject = ?2",
             )?
-            .execute((op.as_str(), subject, step, target, now))?;
+            .execute((op, subject, step, target, now))?;
         if n == 0 {
             return Err(RegistryError::NotFound {
                 what: "journal entry",
@@ -120,7 +87,7 @@ impl Store<'_> {
         let n = self
             .conn
             .prepare_cached("DELETE FROM journal WHERE op = ?1 AND subject = ?2")?
-            .execute((op.as_str(), subject))?;
+            .execute((op, subject))?;
         Ok(n > 0)
     }
 

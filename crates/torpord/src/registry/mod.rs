@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use rusqlite::{Connection, TransactionBehavior};
 
-pub use journal::{JournalEntry, JournalOp};
+pub use journal::JournalEntry;
 pub use migrate::SCHEMA_VERSION;
 pub use model::*;
 pub use reserve::{is_disk_full, Reserve, RESERVE_BYTES};

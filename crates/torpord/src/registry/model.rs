@@ -74,6 +74,16 @@ text_enum! {
 }
 
 text_enum! {
+    /// What a step-journal row is about (crate::journal).
+    JournalOp {
+        /// A deploy of the function named by the row's subject.
+        Deploy = "deploy",
+        /// A hibernation of the instance named by the row's subject.
+        Hibernate = "hibernate",
+    }
+}
+
+text_enum! {
     /// Keep-alive stage of an instance (docs/torpord.md, "Keep-alive stages").
     Stage {
         /// Process and GPU memory held.

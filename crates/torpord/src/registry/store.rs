@@ -36,7 +36,7 @@ macro_rules! sql_text_enum {
         }
     )+};
 }
-sql_text_enum!(FunctionState, SnapshotKind, Stage);
+sql_text_enum!(FunctionState, JournalOp, SnapshotKind, Stage);
 
 fn path_text(path: &Path) -> Result<&str, RegistryError> {
     path.to_str()
