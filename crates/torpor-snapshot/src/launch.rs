@@ -62,7 +62,7 @@ pub enum LaunchError {
     #[error("{0}")]
     Child(String),
     /// The init binary could not be prepared.
-    #[error("cannot prepare the init binary in {dir}: {source}; set TORPOR_STATE_DIR to a writable directory")]
+    #[error("cannot prepare the init binary in {dir}: {source}: free space on its filesystem, or make it writable")]
     InitBinary { dir: PathBuf, source: io::Error },
     /// The library to preload could not be copied.
     #[error(

@@ -206,7 +206,7 @@ pub enum RestoreError {
     #[error(transparent)]
     Criu(#[from] CriuError),
     /// The directory for CRIU's restore log could not be created.
-    #[error("cannot create the log directory {path}: {source}; set TORPOR_LOG_DIR to a writable directory")]
+    #[error("cannot create the restore's log directory {path}: {source}: free space on its filesystem, or make it writable")]
     LogDir {
         path: std::path::PathBuf,
         source: std::io::Error,

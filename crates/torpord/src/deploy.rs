@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::journal::Journal;
 use crate::launcher::{self, WorkerCommand};
-use crate::registry::{now_ms, Function, FunctionState, Snapshot, SnapshotKind};
+use crate::registry::{now_ms, Function, FunctionState, JournalOp, Snapshot, SnapshotKind};
 use crate::runtime::{kill_tree, restore, wake, Runtime, RECONNECT_TIMEOUT};
 use crate::workers::{ConnError, WorkerConn};
 
@@ -46,10 +47,24 @@ pub(crate) async fn snapshot_and_kill(
             key: Some(&key),
         })
         .map(|_| ())
-        .map_err(|e| e.to_string())
+        .map_err(|e| stopped_source(pid, e))
     })
     .await
     .map_err(|e| format!("snapshot task failed: {e}"))?
+}
+
+/// The message of a failed [`snapshot_and_kill`]: every caller kills the source then, so the
+/// library's "pid N keeps running" would be untrue.
+fn stopped_source(pid: i32, e: torpor_snapshot::snapshot::SnapshotError) -> String {
+    use torpor_snapshot::snapshot::SnapshotError as E;
+    let cause = match e {
+        E::Gpu { source, .. } => source.to_string(),
+        E::Dump { source, .. } => source.to_string(),
+        E::Write { source, .. } => source.to_string(),
+        E::Interrupted { .. } => "interrupted".to_string(),
+        other => other.to_string(),
+    };
+    format!("{cause}; no snapshot was written and its process (pid {pid}) was stopped")
 }
 
 /// A spec that `python3 -m torpor.spec` accepted.
@@ -201,11 +216,18 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
             return;
         }
     };
-    match steps(&rt, &spec, &tx).await {
+    let journal = Journal::of(&rt.registry, JournalOp::Deploy, &name);
+    let done = steps(&rt, &spec, &tx, &journal).await;
+    // Failed or not, the function's row says how it ended once this is over.
+    let ended = async {
+        journal.end().await;
+    };
+    match done {
         Ok((snapshot, base, base_reused)) => {
             let total = t0.elapsed().as_secs_f64();
             rt.metrics.observe_phase(&name, "deploy", total);
             tracing::info!(function = %name, snapshot = %snapshot, base = %base, total_s = total, "deployed");
+            ended.await;
             let _ = tx.send(json!({"result": {
                 "function": name, "snapshot": snapshot, "base": base,
                 "base_reused": base_reused, "total_s": total,
@@ -215,9 +237,12 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
             tracing::warn!(function = %name, phase = f.phase, error = %f.message, "deploy failed");
             let restored = previous.is_some();
             let registry = Arc::clone(&rt.registry);
-            let n = name.clone();
+            let (n, message) = (name.clone(), f.message.clone());
             let _ = tokio::task::spawn_blocking(move || {
                 registry.with(|s| {
+                    if !restored {
+                        s.set_function_failure(&n, &message, now_ms())?;
+                    }
                     if let Some(mut f) = s.function(&n)? {
                         f.state = if restored {
                             FunctionState::Ready
@@ -231,6 +256,7 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
                 })
             })
             .await;
+            ended.await;
             let mut line = json!({"error": f.message, "phase": f.phase});
             if let Some(e) = f.error {
                 line["worker_error"] = e;
@@ -251,10 +277,15 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, S
     tokio::task::spawn_blocking(move || {
         registry.transaction(|s| {
             let now = now_ms();
+            s.clear_function_failure(&spec.name)?;
             match s.function(&spec.name)? {
                 Some(mut f) => {
                     let prev = (f.state == FunctionState::Ready && f.snapshot.is_some())
                         .then(|| f.clone());
+                    // Recorded with the deploying state: a crash from here on is replayed
+                    // (crate::recovery), back to `prev` if there is one.
+                    let prev_id = prev.as_ref().and_then(|p| p.snapshot.as_deref());
+                    s.journal_begin(JournalOp::Deploy, &spec.name, "validate", prev_id, now)?;
                     f.state = FunctionState::Deploying;
                     f.updated = now;
                     s.update_function(&f)?;
@@ -271,6 +302,7 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, S
                         created: now,
                         updated: now,
                     })?;
+                    s.journal_begin(JournalOp::Deploy, &spec.name, "validate", None, now)?;
                     Ok(None)
                 }
             }
@@ -591,6 +623,7 @@ async fn steps(
     rt: &Arc<Runtime>,
     spec: &ValidSpec,
     tx: &mpsc::UnboundedSender<Value>,
+    journal: &Journal,
 ) -> Result<(String, String, bool), Failure> {
     let name = spec.name.as_str();
     let send = |line: Value| {
@@ -632,6 +665,7 @@ async fn steps(
     let (base, reused) = match existing {
         Some(b) => (b, true),
         None => {
+            journal.step("boot_base", None).await;
             let t = Instant::now();
             let log = rt.logs_dir().join(format!("base-{}.log", fnv(&key)));
             let (ws, sd, lg, py, pl, pd, hk) = (
@@ -692,6 +726,7 @@ async fn steps(
                 })
                 .await?;
             }
+            journal.step("snapshot_base", Some(&out)).await;
             quiesce_and_snapshot(rt, conn, &mut guard, &out, "snapshot_base").await?;
             let registry = Arc::clone(&rt.registry);
             let row = Snapshot {
@@ -720,6 +755,7 @@ async fn steps(
     };
 
     // Restore the base and load the function into it.
+    journal.step("restore_base", None).await;
     let t = Instant::now();
     let log = crate::instance_logs::deploy_log(&rt.logs_dir(), name, now_ms());
     let (init, worker) = restore(&base.path, &rt.logs_dir(), &log, &rt.snapshot_key)
@@ -740,6 +776,7 @@ async fn steps(
         json!({"snapshot": base.id, "reused": reused}),
     ));
 
+    journal.step("load", None).await;
     let t = Instant::now();
     crate::function_mounts::bind_function_dir(init, &spec.dir)
         .await
@@ -758,6 +795,7 @@ async fn steps(
     let t = Instant::now();
     let id = format!("fn-{name}-{}", now_ms());
     let out = snapshots.join(&id);
+    journal.step("snapshot_function", Some(&out)).await;
     let split = if rt.split.enabled {
         split_snapshot(rt, &mut conn, &spec.json, &id).await?
     } else {
@@ -832,6 +870,7 @@ async fn steps(
     send(phase("snapshot_function", t.elapsed().as_secs_f64(), line));
     // Into memory, so that restores read it from there (crate::staging); a failure only costs
     // speed: restores read the disk copy.
+    journal.step("stage", None).await;
     if rt.staging.dir().is_some() {
         let t = Instant::now();
         let (staging, o) = (Arc::clone(&rt.staging), out.clone());
@@ -865,4 +904,18 @@ async fn steps(
         .await;
     }
     Ok((id, base.id, reused))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_snapshot_says_its_source_was_stopped() {
+        let e = torpor_snapshot::snapshot::SnapshotError::Interrupted { root: 4242 };
+        assert!(e.to_string().contains("keeps running"));
+        let msg = stopped_source(4242, e);
+        assert!(!msg.contains("keeps running"), "{msg}");
+        assert!(msg.contains("(pid 4242) was stopped"), "{msg}");
+    }
 }

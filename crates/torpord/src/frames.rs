@@ -21,6 +21,23 @@ pub enum FrameError {
     Io(#[from] std::io::Error),
 }
 
+impl FrameError {
+    /// What happened to a worker whose frame failed this way, for the reason it was removed: a
+    /// broken connection is the worker's death, not its mistake.
+    pub fn what_happened(&self) -> String {
+        match self {
+            FrameError::Io(e) => {
+                format!("its connection broke ({e}): the worker exited or was killed")
+            }
+            FrameError::Truncated => {
+                "its connection closed in the middle of a frame: the worker exited or was killed"
+                    .to_string()
+            }
+            other => format!("it sent a malformed frame ({other})"),
+        }
+    }
+}
+
 /// One frame (header and payload) holding `obj`. Fails only for a payload over [`MAX_FRAME`].
 pub fn encode<T: serde::Serialize + ?Sized>(obj: &T) -> Result<Vec<u8>, FrameError> {
     let payload = serde_json::to_vec(obj).map_err(|e| FrameError::NotJson(e.to_string()))?;
@@ -96,6 +113,17 @@ pub fn parse(payload: &[u8]) -> Result<Map<String, Value>, FrameError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_broken_connection_is_not_called_a_malformed_frame() {
+        let reset = FrameError::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(reset.what_happened().contains("exited or was killed"));
+        assert!(!reset.what_happened().contains("malformed"));
+        assert!(!FrameError::Truncated.what_happened().contains("malformed"));
+        assert!(FrameError::NotJson("x".into())
+            .what_happened()
+            .starts_with("it sent a malformed frame"));
+    }
 
     fn block_on<F: std::future::Future>(f: F) -> F::Output {
         tokio::runtime::Builder::new_current_thread()

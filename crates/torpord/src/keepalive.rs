@@ -20,8 +20,9 @@ use serde_json::json;
 use crate::accounting::{self, Meter};
 use crate::config::ColdStart;
 use crate::deploy::{dir_bytes, snapshot_and_kill, CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
+use crate::journal::Journal;
 use crate::metrics::HIBERNATING;
-use crate::registry::{now_ms, RegistryError, Snapshot, SnapshotKind, Stage};
+use crate::registry::{now_ms, JournalOp, RegistryError, Snapshot, SnapshotKind, Stage};
 use crate::runtime::{lock, remove_snapshot_dir, Instance, Keep, Pool, Runtime, Sleeper};
 use crate::workers;
 
@@ -512,7 +513,14 @@ impl Runtime {
         let out =
             self.snapshots_dir()
                 .join(format!("hib-{}-{}-{}", inst.function, inst.id, now_ms()));
-        match self.hibernate_inner(&pool, &inst, &out).await {
+        // Recorded before the quiesce: a crash from here on is finished or undone at the next
+        // start (crate::recovery).
+        let journal =
+            Journal::begin(&self.registry, JournalOp::Hibernate, &inst.id, "quiesce").await;
+        journal.step("snapshot", Some(&out)).await;
+        let hibernated = self.hibernate_inner(&pool, &inst, &out).await;
+        journal.end().await;
+        match hibernated {
             Ok(mut sleeper) => {
                 inst.dead.store(true, Ordering::SeqCst);
                 // Its process is gone: the shared segment copies it mapped may go too.
@@ -644,7 +652,7 @@ impl Runtime {
                 "it sent {} after quiet instead of closing its connection",
                 m.get("type").unwrap_or(&serde_json::Value::Null)
             )),
-            Ok(Err(e)) => Err(format!("it sent a malformed frame ({e})")),
+            Ok(Err(e)) => Err(e.what_happened()),
             Err(_) => Err(format!(
                 "it did not close its connection within {} s of quiet",
                 QUIET_TIMEOUT.as_secs()

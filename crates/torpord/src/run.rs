@@ -34,6 +34,9 @@ pub fn run(args: &ServeArgs) -> Result<(), RunError> {
         tracing::info!(config = %file.display(), "config file read");
     }
     let daemon = Daemon::start(config)?;
+    // Before any thread starts: every process the daemon starts from here on is findable by a
+    // later daemon (crate::recovery).
+    crate::recovery::mark_children(daemon.state_dir().root());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("torpord")

@@ -700,8 +700,12 @@ impl Runtime {
                     ))));
                 };
                 if f.state != FunctionState::Ready {
+                    let why = match s.function_failure(&n)? {
+                        Some(m) if f.state == FunctionState::Failed => format!(" ({m})"),
+                        _ => String::new(),
+                    };
                     return Ok(Err(InvokeError::NotReady(format!(
-                        "function {n:?} is {}, not ready: {}",
+                        "function {n:?} is {}{why}, not ready: {}",
                         f.state,
                         if f.state == FunctionState::Deploying {
                             "wait for its deploy to finish"
@@ -1708,8 +1712,7 @@ impl Runtime {
         tracing::warn!(function = %row.function, instance = %row.id, pid = row.pid, "killed an instance of an earlier torpord: {why}");
         let registry = Arc::clone(&self.registry);
         let id = row.id.clone();
-        let deleted =
-            tokio::task::spawn_blocking(move || registry.with(|s| s.delete_instance(&id))).await;
+        let deleted = tokio::task::spawn_blocking(move || registry.remove_instance_row(&id)).await;
         if !matches!(deleted, Ok(Ok(_))) {
             tracing::error!(instance = %row.id, "cannot remove the registry row of an instance that was not re-adopted");
         }
@@ -1798,7 +1801,7 @@ impl Runtime {
                 Ok(None) => {
                     break "its connection closed (the worker exited or crashed)".to_string()
                 }
-                Err(e) => break format!("it sent a malformed frame ({e})"),
+                Err(e) => break e.what_happened(),
             }
         };
         self.remove_instance(&inst, &why, true);
@@ -1860,8 +1863,9 @@ impl Runtime {
         let registry = Arc::clone(&self.registry);
         let id = inst.id.clone();
         tokio::task::spawn_blocking(move || {
-            if let Err(e) = registry.with(|s| s.delete_instance(&id)) {
-                tracing::error!(instance = %id, error = %e, "cannot remove the instance's registry row");
+            // Critical: a row left behind would list a process that is gone.
+            if let Err(e) = registry.remove_instance_row(&id) {
+                tracing::error!(instance = %id, error = %e, "cannot remove the instance's registry row even after releasing the disk reserve: it is out of service and no longer listed; its row goes at a later row removal that succeeds, or at the next start");
             }
         });
     }

@@ -90,10 +90,15 @@ impl Daemon {
             &state_dir.snapshot_key(),
         )?);
         let registry = Registry::open(&state_dir.registry())?;
+        // What an earlier daemon was doing when it died: finished or undone (crate::recovery).
+        crate::recovery::replay_journal(&registry)?;
         for name in registry.with(|s| s.fail_interrupted_deploys(now_ms()))? {
             tracing::warn!(function = %name, "deploy was interrupted by a daemon stop; marked failed");
         }
         let orphans = clean_up_instances(&registry, state_dir.root())?;
+        let adopt: Vec<i32> = orphans.iter().filter_map(|i| i.pid).collect();
+        crate::recovery::sweep_processes(state_dir.root(), &adopt);
+        crate::recovery::sweep_snapshots(&registry, state_dir.root())?;
         let metrics = Arc::new(Metrics::new()?);
         let unix = socket::bind(&config.socket)?;
         let workers = socket::bind(&state_dir.workers_socket())?;
@@ -346,23 +351,6 @@ fn clean_up_instances(
             instances = orphans.len(),
             "waiting for the live instances of an earlier torpord to reconnect"
         );
-    }
-    // Hibernation snapshots no row refers to: a daemon killed between waking an instance (its
-    // row no longer names the snapshot) and removing the directory.
-    let known: std::collections::HashSet<std::path::PathBuf> = registry
-        .with(|s| s.snapshots())?
-        .into_iter()
-        .map(|s| s.path)
-        .collect();
-    if let Ok(entries) = std::fs::read_dir(state_root.join("snapshots")) {
-        for e in entries.flatten() {
-            let path = e.path();
-            let hib = e.file_name().to_string_lossy().starts_with("hib-");
-            if hib && e.file_type().is_ok_and(|t| t.is_dir()) && !known.contains(&path) {
-                crate::runtime::remove_snapshot_dir(&path);
-                tracing::info!(path = %path.display(), "removed a hibernation snapshot no instance refers to");
-            }
-        }
     }
     Ok(orphans)
 }

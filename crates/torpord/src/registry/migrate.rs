@@ -64,6 +64,27 @@ const MIGRATIONS: &[&str] = &[
         start    INTEGER NOT NULL CHECK (start >= 0)
     ) STRICT;
     "#,
+    // 2 → 3: the step journal of deploys and hibernations (crate::journal), written before each
+    // step acts so that a restarted daemon finishes or undoes what a crash interrupted, and why
+    // a function's last deploy failed.
+    r#"
+    CREATE TABLE journal (
+        op       TEXT NOT NULL CHECK (op IN ('deploy', 'hibernate')),
+        subject  TEXT NOT NULL,
+        step     TEXT NOT NULL,
+        previous TEXT,
+        target   TEXT,
+        started  INTEGER NOT NULL,
+        updated  INTEGER NOT NULL,
+        PRIMARY KEY (op, subject)
+    ) STRICT;
+
+    CREATE TABLE function_failures (
+        function TEXT PRIMARY KEY REFERENCES functions(name) ON DELETE CASCADE,
+        message  TEXT NOT NULL,
+        at       INTEGER NOT NULL
+    ) STRICT;
+    "#,
 ];
 
 /// The schema version of `conn`'s database (0 when empty).

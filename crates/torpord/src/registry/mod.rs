@@ -5,18 +5,23 @@
 //! them on the blocking pool. Queries are typed methods of [`Store`]; [`Registry::with`] runs
 //! some without a transaction, [`Registry::transaction`] runs some atomically.
 
+mod journal;
 mod migrate;
 mod model;
+mod reserve;
 mod store;
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use rusqlite::{Connection, TransactionBehavior};
 
+pub use journal::JournalEntry;
 pub use migrate::SCHEMA_VERSION;
 pub use model::*;
+pub use reserve::{is_disk_full, Reserve, RESERVE_BYTES};
 pub use store::Store;
 
 /// A registry operation that failed.
@@ -87,6 +92,11 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct Registry {
     path: PathBuf,
     conn: Mutex<Connection>,
+    /// Room for [`Registry::critical`] writes on a full disk.
+    reserve: Reserve,
+    /// Instances removed whose rows could not be deleted even with the reserve: hidden from the
+    /// instance queries, and deleted at the next critical write that succeeds.
+    unremoved: Mutex<HashSet<String>>,
 }
 
 impl Registry {
@@ -114,6 +124,8 @@ impl Registry {
         Ok(Self {
             path: path.to_path_buf(),
             conn: Mutex::new(conn),
+            reserve: Reserve::beside(path, RESERVE_BYTES),
+            unremoved: Mutex::new(HashSet::new()),
         })
     }
 
@@ -134,8 +146,18 @@ impl Registry {
         &self,
         f: impl FnOnce(&Store<'_>) -> Result<T, E>,
     ) -> Result<T, E> {
-        let conn = self.lock();
-        f(&Store { conn: &conn })
+        let out = {
+            let conn = self.lock();
+            let hidden = self.hidden();
+            f(&Store {
+                conn: &conn,
+                hidden: &hidden,
+            })
+        };
+        if out.is_ok() {
+            self.reserve.restore_if_missing();
+        }
+        out
     }
 
     /// Runs `f` in one transaction: committed if it returns `Ok`, rolled back otherwise.
@@ -147,9 +169,71 @@ impl Registry {
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(RegistryError::from)?;
-        let value = f(&Store { conn: &tx })?;
+        let hidden = self.hidden();
+        let value = f(&Store {
+            conn: &tx,
+            hidden: &hidden,
+        })?;
         tx.commit().map_err(RegistryError::from)?;
+        drop(conn);
+        self.reserve.restore_if_missing();
         Ok(value)
+    }
+
+    /// Runs `f` in one transaction, as a write that must not fail for want of space (removing
+    /// the row of an instance that is gone, ending a journal): if the disk is full, the
+    /// registry's reserve ([`Reserve`]) is freed and `f` runs once more. While the reserve is
+    /// missing, each query that succeeds tries to make it again (at most every few seconds).
+    pub fn critical<T>(
+        &self,
+        f: impl Fn(&Store<'_>) -> Result<T, RegistryError>,
+    ) -> Result<T, RegistryError> {
+        let first = self.transaction(&f);
+        let out = match first {
+            Err(RegistryError::Sqlite(e)) if is_disk_full(&e) && self.reserve.release() => {
+                self.transaction(&f)
+            }
+            other => other,
+        };
+        if out.is_ok() {
+            self.reserve.restore_if_missing();
+            self.delete_unremoved();
+        }
+        out
+    }
+
+    /// Deletes the row of an instance taken out of service, as a critical write. If even that
+    /// fails, the instance queries hide the row from now on (the listed state must not name a
+    /// process that is gone) and a later critical write, or the next start, deletes it.
+    pub fn remove_instance_row(&self, id: &str) -> Result<(), RegistryError> {
+        let deleted = self.critical(|s| s.delete_instance(id).map(|_| ()));
+        if deleted.is_err() {
+            self.unremoved_lock().insert(id.to_string());
+        }
+        deleted
+    }
+
+    fn unremoved_lock(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.unremoved.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn hidden(&self) -> HashSet<String> {
+        self.unremoved_lock().clone()
+    }
+
+    fn delete_unremoved(&self) {
+        let ids: Vec<String> = self.unremoved_lock().iter().cloned().collect();
+        for id in ids {
+            if self.transaction(|s| s.delete_instance(&id)).is_ok() {
+                self.unremoved_lock().remove(&id);
+                tracing::info!(instance = %id, "removed the registry row of an instance that left on a full disk");
+            }
+        }
+    }
+
+    /// The disk reserve of [`Registry::critical`].
+    pub fn reserve(&self) -> &Reserve {
+        &self.reserve
     }
 
     /// The schema version of the open database.

@@ -74,6 +74,16 @@ text_enum! {
 }
 
 text_enum! {
+    /// What a step-journal row is about (crate::journal).
+    JournalOp {
+        /// A deploy of the function named by the row's subject.
+        Deploy = "deploy",
+        /// A hibernation of the instance named by the row's subject.
+        Hibernate = "hibernate",
+    }
+}
+
+text_enum! {
     /// Keep-alive stage of an instance (docs/torpord.md, "Keep-alive stages").
     Stage {
         /// Process and GPU memory held.
@@ -152,6 +162,17 @@ pub struct StageCounts {
 }
 
 impl StageCounts {
+    /// One instance fewer in `stage`.
+    pub fn remove(&mut self, stage: Stage) {
+        let n = match stage {
+            Stage::Warm => &mut self.warm,
+            Stage::GpuReleased => &mut self.gpu_released,
+            Stage::Hibernated => &mut self.hibernated,
+            Stage::Evicted => &mut self.evicted,
+        };
+        *n = n.saturating_sub(1);
+    }
+
     /// The count for one stage.
     pub fn get(&self, stage: Stage) -> u64 {
         match stage {

@@ -12,6 +12,9 @@ use super::RegistryError;
 /// The registry's queries, on a connection the [`super::Registry`] lends out.
 pub struct Store<'c> {
     pub(super) conn: &'c Connection,
+    /// Instances removed whose rows could not be deleted yet ([`super::Registry::
+    /// remove_instance_row`]): the instance queries leave them out.
+    pub(super) hidden: &'c std::collections::HashSet<String>,
 }
 
 macro_rules! sql_text_enum {
@@ -33,7 +36,7 @@ macro_rules! sql_text_enum {
         }
     )+};
 }
-sql_text_enum!(FunctionState, SnapshotKind, Stage);
+sql_text_enum!(FunctionState, JournalOp, SnapshotKind, Stage);
 
 fn path_text(path: &Path) -> Result<&str, RegistryError> {
     path.to_str()
@@ -353,14 +356,21 @@ impl Store<'_> {
     /// The instance with id `id`.
     pub fn instance(&self, id: &str) -> Result<Option<Instance>, RegistryError> {
         let sql = format!("SELECT {INSTANCE_COLUMNS} FROM instances WHERE id = ?1");
-        self.one(&sql, [id], instance_row)
+        Ok(self
+            .one(&sql, [id], instance_row)?
+            .filter(|i| !self.hidden.contains(&i.id)))
     }
 
     /// Every instance, by function then start time.
     pub fn instances(&self) -> Result<Vec<Instance>, RegistryError> {
         let sql =
             format!("SELECT {INSTANCE_COLUMNS} FROM instances ORDER BY function, started, id");
-        self.collect(&sql, [], instance_row)
+        Ok(self.visible(self.collect(&sql, [], instance_row)?))
+    }
+
+    fn visible(&self, mut instances: Vec<Instance>) -> Vec<Instance> {
+        instances.retain(|i| !self.hidden.contains(&i.id));
+        instances
     }
 
     /// The instances of one function, by start time.
@@ -368,7 +378,7 @@ impl Store<'_> {
         let sql = format!(
             "SELECT {INSTANCE_COLUMNS} FROM instances WHERE function = ?1 ORDER BY started, id"
         );
-        self.collect(&sql, [function], instance_row)
+        Ok(self.visible(self.collect(&sql, [function], instance_row)?))
     }
 
     /// Removes an instance row. Whether it existed.
@@ -428,6 +438,14 @@ impl Store<'_> {
         for row in rows {
             let (function, stage, n) = row?;
             out.entry(function).or_default().add(stage, n);
+        }
+        for id in self.hidden {
+            let sql = format!("SELECT {INSTANCE_COLUMNS} FROM instances WHERE id = ?1");
+            if let Some(i) = self.one(&sql, [id], instance_row)? {
+                if let Some(c) = out.get_mut(&i.function) {
+                    c.remove(i.stage);
+                }
+            }
         }
         Ok(out)
     }

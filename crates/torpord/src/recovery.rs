@@ -1,0 +1,368 @@
+//! What a daemon does at start-up about an earlier daemon that died (kill -9, a crash, a power
+//! cut) in the middle of its work, so that nothing it started is left running, nothing it was
+//! writing is left on disk, and nothing that served stops serving:
+//!
+//! 1. [`replay_journal`]: each operation of the step journal (crate::journal) is finished or
+//!    undone. An interrupted redeploy puts its function back on the deploy that served before
+//!    it (ready); an interrupted first deploy ends `failed`, saying so; an interrupted
+//!    hibernation whose snapshot was complete is recorded (the instance sleeps), otherwise the
+//!    instance is removed.
+//! 2. [`sweep_processes`]: every process the daemon starts carries [`OWNER_ENV`] naming its
+//!    state directory in its environment (set by [`mark_children`] and inherited by the
+//!    launcher, the workers, CRIU and everything they start; CRIU restores a snapshot's
+//!    environment with it). Each such process that is not in the tree of an instance about to
+//!    be re-adopted is killed: deploy workers, a worker caught in a dump, CRIU itself.
+//! 3. [`sweep_snapshots`]: half-written snapshot directories (`.<id>.partial-<pid>`) and
+//!    snapshot directories no registry row names are removed.
+
+use std::collections::HashSet;
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::registry::{
+    now_ms, FunctionState, JournalEntry, JournalOp, Registry, RegistryError, Snapshot,
+    SnapshotKind, Stage,
+};
+
+/// The environment variable that marks a process as started by the daemon of a state
+/// directory: its value is the state directory's canonical path.
+pub const OWNER_ENV: &str = "TORPORD_STATE_DIR";
+
+/// How long the killed processes get to disappear before their directories are removed.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// The value of [`OWNER_ENV`] for the state directory `root`.
+pub fn owner_value(root: &Path) -> OsString {
+    std::fs::canonicalize(root)
+        .unwrap_or_else(|_| root.to_path_buf())
+        .into_os_string()
+}
+
+/// Marks every process this daemon starts from now on as its own (see the module docs). Must
+/// be called while the daemon has one thread: the environment is not safe to change while
+/// another thread may read it.
+pub fn mark_children(root: &Path) {
+    std::env::set_var(OWNER_ENV, owner_value(root));
+}
+
+/// Whether `environ` (`/proc/PID/environ`: NUL-separated `KEY=VALUE`) holds `OWNER_ENV=owner`.
+fn marked(environ: &[u8], owner: &[u8]) -> bool {
+    let key = OWNER_ENV.as_bytes();
+    environ.split(|b| *b == 0).any(|entry| {
+        entry.len() == key.len() + 1 + owner.len()
+            && entry.starts_with(key)
+            && entry[key.len()] == b'='
+            && &entry[key.len() + 1..] == owner
+    })
+}
+
+/// The processes marked as started by the daemon of `root` (see [`OWNER_ENV`]), other than
+/// this one. Zombies have no environment and are not listed.
+pub fn marked_processes(root: &Path) -> Vec<i32> {
+    let owner = owner_value(root);
+    let own = std::process::id() as i32;
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut pids: Vec<i32> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid != own)
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| marked(&env, owner.as_bytes()))
+        })
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
+/// The parent of `pid` (`/proc/PID/stat` field 4).
+fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Whether `pid` is one of `roots` or below one of them.
+fn in_trees(pid: i32, roots: &HashSet<i32>) -> bool {
+    let mut p = pid;
+    for _ in 0..64 {
+        if roots.contains(&p) {
+            return true;
+        }
+        match parent_of(p) {
+            Some(parent) if parent > 1 => p = parent,
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// Kills every process of the daemon of `root` that is not in the tree of one of `keep` (the
+/// inits of instances to re-adopt), and waits for them to go. Returns how many it killed.
+pub fn sweep_processes(root: &Path, keep: &[i32]) -> usize {
+    let keep: HashSet<i32> = keep.iter().copied().collect();
+    let doomed: Vec<i32> = marked_processes(root)
+        .into_iter()
+        .filter(|pid| !in_trees(*pid, &keep))
+        .collect();
+    for &pid in &doomed {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map(|c| {
+                String::from_utf8_lossy(&c)
+                    .replace('\0', " ")
+                    .trim()
+                    .to_string()
+            })
+            .unwrap_or_default();
+        // SAFETY: kill(2) only sends a signal, to a process whose environment names this
+        // daemon's state directory: one an earlier daemon of it started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        tracing::warn!(pid, command = %cmd, "killed a process an earlier torpord started and left behind");
+    }
+    let deadline = Instant::now() + KILL_WAIT;
+    while doomed.iter().any(|p| crate::workers::alive(*p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Some(p) = doomed.iter().find(|p| crate::workers::alive(**p)) {
+        tracing::error!(pid = *p, "a process an earlier torpord left is still alive {} s after SIGKILL (stuck in the kernel?)", KILL_WAIT.as_secs());
+    }
+    doomed.len()
+}
+
+/// Removes, under `<root>/snapshots`, the directories of snapshots half-written by a daemon
+/// that died, and the base, function and hibernation snapshots no registry row names.
+pub fn sweep_snapshots(registry: &Registry, root: &Path) -> Result<(), RegistryError> {
+    let dir = root.join("snapshots");
+    match torpor_image::remove_stale_partials(&dir) {
+        Ok(removed) => {
+            for p in removed {
+                tracing::info!(path = %p.display(), "removed a snapshot an earlier torpord was writing when it stopped");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot remove half-written snapshots"),
+    }
+    let known: HashSet<PathBuf> = registry
+        .with(|s| s.snapshots())?
+        .into_iter()
+        .map(|s| s.path)
+        .collect();
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let name = e.file_name();
+        let ours = ["base-", "fn-", "hib-"]
+            .iter()
+            .any(|p| name.as_bytes().starts_with(p.as_bytes()));
+        if ours && e.file_type().is_ok_and(|t| t.is_dir()) && !known.contains(&path) {
+            crate::runtime::remove_snapshot_dir(&path);
+            tracing::info!(path = %path.display(), "removed a snapshot no registry row names (left by an interrupted deploy or hibernation)");
+        }
+    }
+    Ok(())
+}
+
+/// Finishes or undoes each operation the journal says was in progress (see the module docs).
+pub fn replay_journal(registry: &Registry) -> Result<(), RegistryError> {
+    for entry in registry.with(|s| s.journal())? {
+        match entry.op {
+            JournalOp::Deploy => replay_deploy(registry, &entry)?,
+            JournalOp::Hibernate => replay_hibernation(registry, &entry)?,
+        }
+        registry.critical(|s| s.journal_end(entry.op, &entry.subject))?;
+    }
+    Ok(())
+}
+
+fn replay_deploy(registry: &Registry, e: &JournalEntry) -> Result<(), RegistryError> {
+    let name = e.subject.as_str();
+    registry.critical(|s| {
+        let Some(mut f) = s.function(name)? else {
+            return Ok(());
+        };
+        let target_id = e
+            .target
+            .as_deref()
+            .and_then(|t| Path::new(t).file_name())
+            .map(|n| n.to_string_lossy().into_owned());
+        if f.state == FunctionState::Ready
+            && f.snapshot.is_some()
+            && f.snapshot.as_deref() == target_id.as_deref()
+        {
+            // Its snapshot was recorded: what was left is what the deploy does once it took
+            // effect. Staging is redone at start; the older deploy's instances go here.
+            retire_older_instances(s, &f)?;
+            tracing::info!(function = name, step = %e.step, "a deploy interrupted by a torpord stop had finished");
+            return Ok(());
+        }
+        let previous = match e.previous.as_deref() {
+            Some(id) if f.snapshot.as_deref() == Some(id) => s.snapshot(id)?,
+            _ => None,
+        };
+        f.updated = now_ms();
+        match previous {
+            Some(p) if p.path.is_dir() => {
+                f.state = FunctionState::Ready;
+                s.update_function(&f)?;
+                tracing::warn!(function = name, step = %e.step, snapshot = %p.id, "a redeploy was interrupted by a torpord stop in its {} step: the previous deploy stays in service; deploy again", e.step);
+            }
+            _ => {
+                f.state = FunctionState::Failed;
+                s.update_function(&f)?;
+                let message = format!(
+                    "its deploy was interrupted in the {} step because torpord stopped: deploy it again",
+                    e.step
+                );
+                s.set_function_failure(name, &message, now_ms())?;
+                tracing::warn!(function = name, step = %e.step, "a deploy was interrupted by a torpord stop: the function is failed until deployed again");
+            }
+        }
+        Ok(())
+    })
+}
+
+/// What a finished deploy does to the instances of the deploy before it (crate::runtime::
+/// Runtime::deployed, discard_sleepers_of): live ones restored from an older snapshot are killed
+/// and their rows removed, so that none is re-adopted to serve the old code; hibernated ones
+/// that began before the deploy took effect are removed (their snapshots go with the sweep of
+/// unregistered snapshots).
+fn retire_older_instances(
+    s: &crate::registry::Store<'_>,
+    f: &crate::registry::Function,
+) -> Result<(), RegistryError> {
+    for i in s.instances_of(&f.name)? {
+        let older = if i.stage.has_process() {
+            i.snapshot != f.snapshot
+        } else {
+            i.started <= f.updated
+        };
+        if !older {
+            continue;
+        }
+        if let Some((pid, start)) = s.instance_process(&i.id)? {
+            if crate::workers::process_start(pid) == Some(start) {
+                crate::runtime::kill_tree(pid);
+            }
+        }
+        s.delete_instance(&i.id)?;
+        if let Some(hib) = i.snapshot.as_deref().filter(|_| !i.stage.has_process()) {
+            s.delete_snapshot(hib)?;
+        }
+        tracing::info!(function = %f.name, instance = %i.id, stage = %i.stage, "removed an instance of the deploy before one that finished as torpord stopped");
+    }
+    Ok(())
+}
+
+fn replay_hibernation(registry: &Registry, e: &JournalEntry) -> Result<(), RegistryError> {
+    let id = e.subject.as_str();
+    let Some(inst) = registry.with(|s| s.instance(id))? else {
+        return Ok(());
+    };
+    let process = registry.with(|s| s.instance_process(id))?;
+    // The worker was quiesced for the snapshot and can serve no more: it goes in every case.
+    if let Some((pid, start)) = process {
+        if crate::workers::process_start(pid) == Some(start) {
+            crate::runtime::kill_tree(pid);
+        }
+    }
+    let target = e.target.as_deref().map(PathBuf::from);
+    let complete = target
+        .as_deref()
+        .filter(|t| t.join(torpor_image::MANIFEST_FILE).is_file());
+    if !inst.stage.has_process() {
+        // Its hibernation was recorded.
+        return Ok(());
+    }
+    match complete {
+        Some(dir) => {
+            let hib_id = dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            registry.critical(|s| {
+                let base_key = s.function(&inst.function)?.map(|f| f.base_key);
+                if s.snapshot(&hib_id)?.is_none() {
+                    s.insert_snapshot(&Snapshot {
+                        id: hib_id.clone(),
+                        kind: SnapshotKind::Hibernation,
+                        path: dir.to_path_buf(),
+                        function: Some(inst.function.clone()),
+                        base_key: base_key.clone(),
+                        bytes: crate::deploy::dir_bytes(dir),
+                        created: now_ms(),
+                    })?;
+                }
+                s.set_instance_stage(id, Stage::Hibernated, None, Some(&hib_id))?;
+                Ok(())
+            })?;
+            tracing::warn!(instance = id, function = %inst.function, snapshot = %dir.display(), "a hibernation interrupted by a torpord stop had written its snapshot: the instance sleeps");
+        }
+        None => {
+            registry.critical(|s| s.delete_instance(id).map(|_| ()))?;
+            if let Some(t) = &target {
+                crate::runtime::remove_snapshot_dir(t);
+            }
+            tracing::warn!(instance = id, function = %inst.function, step = %e.step, "a hibernation was interrupted by a torpord stop before its snapshot was complete: the idle instance was removed");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_marker_matches_one_whole_entry() {
+        let env = b"A=1\0TORPORD_STATE_DIR=/var/lib/torpor\0B=2\0";
+        assert!(marked(env, b"/var/lib/torpor"));
+        assert!(!marked(env, b"/var/lib/torpo"));
+        assert!(!marked(env, b"/var/lib/torpor/x"));
+        assert!(!marked(
+            b"XTORPORD_STATE_DIR=/var/lib/torpor\0",
+            b"/var/lib/torpor"
+        ));
+        assert!(!marked(b"", b"/var/lib/torpor"));
+    }
+
+    #[test]
+    fn marked_children_are_found_and_swept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .env(OWNER_ENV, owner_value(root))
+            .spawn()
+            .unwrap();
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .env(OWNER_ENV, "/elsewhere")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        assert_eq!(marked_processes(root), vec![pid]);
+        // Kept when it is the tree of an instance to re-adopt.
+        assert_eq!(sweep_processes(root, &[pid]), 0);
+        assert!(crate::workers::alive(pid));
+        let killed = std::thread::spawn({
+            let root = root.to_path_buf();
+            move || sweep_processes(&root, &[])
+        });
+        // Reaped here, so that the sweep sees it go.
+        let status = child.wait().unwrap();
+        assert_eq!(killed.join().unwrap(), 1);
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "another state directory's process was killed"
+        );
+        other.kill().unwrap();
+        other.wait().unwrap();
+    }
+}

@@ -1,0 +1,350 @@
+"""kill -9 of the daemon in the middle of a deploy, a redeploy and a hibernation, through the
+real daemon, real workers and real CRIU (docs/torpord.md, "Crash recovery").
+
+Each case kills the daemon at one point (a deploy's NDJSON phase line, or inside a CRIU dump,
+seen by its half-written `.<id>.partial-<pid>` directory), restarts it, checks that the restart
+left no process of the daemon's but those it lists, no half-written or unregistered snapshot, and
+the function serving (the previous deploy after an interrupted redeploy), then stops it
+gracefully and checks that nothing of the daemon's is left. Every point runs three times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import wait_until
+
+from .conftest import FUNCTIONS, Torpord
+
+ECHOER = FUNCTIONS / "echoer"
+ROUNDS = range(3)
+# The marker every process the daemon starts carries (crates/torpord/src/recovery.rs).
+OWNER_ENV = "TORPORD_STATE_DIR"
+# Stdlib modules a base may preload: each case that must boot a base of its own gets a preload
+# set no other case has, so that its base key is new.
+STDLIB = ["json", "csv", "decimal", "fractions", "statistics", "colorsys", "textwrap", "difflib", "shlex", "gzip"]
+
+
+def daemon_processes(state: Path) -> list[int]:
+    """Live processes the daemon of `state` started: its marker in their environment, or the
+    state directory on their command line."""
+    owner = f"{OWNER_ENV}={os.path.realpath(state)}".encode()
+    path = str(state).encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if owner in environ or path in cmdline:
+            found.append(int(name))
+    return sorted(found)
+
+
+def describe(pids: list[int]) -> str:
+    out = []
+    for p in pids:
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            out.append(f"{p}: {cmd}")
+        except OSError:
+            out.append(f"{p}: gone")
+    return "; ".join(out)
+
+
+def registry(torpord: Torpord, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(torpord.state / "registry.db", timeout=10)
+    try:
+        return list(conn.execute(sql, args).fetchall())
+    finally:
+        conn.close()
+
+
+def assert_no_stray_snapshots(torpord: Torpord) -> None:
+    """No half-written snapshot directory, and no snapshot directory without a registry row."""
+    known = {Path(p) for (p,) in registry(torpord, "SELECT path FROM snapshots")}
+    for e in (torpord.state / "snapshots").iterdir():
+        assert ".partial-" not in e.name, f"half-written snapshot {e} left\n{torpord.log_text()}"
+        if e.name.startswith(("base-", "fn-", "hib-")):
+            assert e in known, f"snapshot {e} has no registry row\n{torpord.log_text()}"
+
+
+def listed_pids(torpord: Torpord) -> set[int]:
+    """The init pids of the instances the daemon lists."""
+    r = torpord.request("GET", "/v1/functions")
+    assert r.status == 200, r.body
+    pids: set[int] = set()
+    for f in r.json()["functions"]:
+        for i in torpord.instances(f["name"]):
+            if i.get("pid"):
+                pids.add(int(i["pid"]))
+    return pids
+
+
+def in_tree(pid: int, roots: set[int]) -> bool:
+    p = pid
+    for _ in range(64):
+        if p in roots:
+            return True
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            return False
+        p = int(stat.rsplit(")", 1)[1].split()[1])
+        if p <= 1:
+            return False
+    return False
+
+
+def assert_only_listed_processes(torpord: Torpord) -> None:
+    listed = listed_pids(torpord)
+    stray = [p for p in daemon_processes(torpord.state) if p != torpord.proc.pid and not in_tree(p, listed)]
+    assert not stray, f"processes of the daemon's it does not list: {describe(stray)}\n{torpord.log_text()}"
+
+
+def kill_daemon(torpord: Torpord) -> None:
+    torpord.proc.send_signal(signal.SIGKILL)
+    torpord.proc.wait()
+
+
+def restart_checked(torpord: Torpord) -> None:
+    torpord.restart()
+    assert_only_listed_processes(torpord)
+    assert_no_stray_snapshots(torpord)
+
+
+def stop_checked(torpord: Torpord) -> None:
+    """A graceful stop leaves nothing of the daemon's running; the daemon starts again after."""
+    torpord.proc.send_signal(signal.SIGTERM)
+    assert torpord.proc.wait(timeout=30) == 0, torpord.log_text()
+    wait_until(lambda: not daemon_processes(torpord.state), 10, "the daemon's processes to exit after a graceful stop")
+    assert_no_stray_snapshots(torpord)
+    torpord.restart()
+
+
+def remove(torpord: Torpord, name: str) -> None:
+    """`torpor rm`, so that the module's daemon does not restage every earlier case's snapshot at
+    each restart."""
+    r = torpord.cli("rm", name)
+    assert r.returncode == 0, r.stderr
+
+
+def function_dir(tmp: Path, name: str, preload: list[str], version: int, keepalive: str = "") -> Path:
+    """A copy of echoer named `name` whose answers carry `version`."""
+    d = tmp / f"{name}-v{version}"
+    shutil.copytree(ECHOER, d)
+    handler = d / "handler.py"
+    handler.write_text(handler.read_text().replace('return {"said": said}', f'return {{"said": said, "version": {version}}}'))
+    (d / "torpor.toml").write_text(
+        f'name = "{name}"\nentry = "handler:Echoer"\npreload = {json.dumps(preload)}\ntimeout_s = 30\n{keepalive}'
+    )
+    return d
+
+
+def poll(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    """Like conftest.wait_until, but every 5 ms: a CRIU dump of echoer lasts a few tenths."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.005)
+
+
+def partial_in(torpord: Torpord, prefix: str) -> Callable[[], bool]:
+    def seen() -> bool:
+        return any(e.name.startswith(f".{prefix}") and ".partial-" in e.name for e in (torpord.state / "snapshots").iterdir())
+
+    return seen
+
+
+def deploy_until(torpord: Torpord, fdir: Path, point: str) -> None:
+    """Runs `torpor deploy --json fdir` and kills the daemon at `point`: right after the phase
+    line of that name, or inside the CRIU dump of the base (`dump_base`) or function
+    (`dump_function`) snapshot."""
+    p = subprocess.Popen(
+        [str(torpord.binary), "deploy", "--json", str(fdir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, TORPOR_SOCKET=str(torpord.socket)),
+    )
+    try:
+        assert p.stdout is not None
+        if point.startswith("dump_"):
+            prefix = "base-" if point == "dump_base" else "fn-"
+            poll(partial_in(torpord, prefix), 60, f"the {prefix} CRIU dump to begin")
+        else:
+            for line in p.stdout:
+                if json.loads(line).get("phase") == point:
+                    break
+            else:
+                pytest.fail(f"the deploy ended before its {point} line\n{torpord.log_text()}")
+        kill_daemon(torpord)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def answers(torpord: Torpord, name: str) -> dict[str, Any]:
+    r = torpord.invoke(name, {"say": "hi"})
+    assert r.status == 200, f"{r.status} {r.body!r}\n{torpord.log_text()}"
+    return dict(r.json())
+
+
+def state_of(torpord: Torpord, name: str) -> str | None:
+    """The function's state; None when the daemon does not know it."""
+    r = torpord.request("GET", f"/v1/functions/{name}")
+    if r.status == 404:
+        return None
+    assert r.status == 200, r.body
+    return str(r.json()["state"])
+
+
+# Points before the base snapshot is recorded: their deploy must boot a base of its own.
+NEW_BASE = ["boot_base", "dump_base", "snapshot_base"]
+# After the function snapshot is recorded, the deploy has taken effect.
+TAKEN = {"snapshot_function", "stage"}
+
+
+@pytest.mark.parametrize("point", ["validate", *NEW_BASE, "restore_base", "load", "dump_function", "snapshot_function", "stage"])
+def test_a_crashed_first_deploy_leaves_nothing_behind(torpord: Torpord, tmp_path: Path, point: str) -> None:
+    for round_ in ROUNDS:
+        name = f"first-{point.replace('_', '-')}-{round_}"
+        # A preload set no other case has (a new base key) where the crash must come before the
+        # base exists.
+        preload: list[str] = []
+        if point in NEW_BASE:
+            k = NEW_BASE.index(point) * len(ROUNDS) + round_
+            preload = [STDLIB[k % len(STDLIB)]]
+        deploy_until(torpord, function_dir(tmp_path, name, preload, 1), point)
+        restart_checked(torpord)
+        state = state_of(torpord, name)
+        if point in TAKEN:
+            assert state == "ready"
+            assert answers(torpord, name)["version"] == 1
+        else:
+            # Right after its validate line, the daemon may die before it recorded the function.
+            assert state == "failed" or (point == "validate" and state is None), torpord.log_text()
+            if state is not None:
+                r = torpord.invoke(name, {"say": "hi"})
+                assert r.status == 409, r.body
+                assert b"interrupted" in r.body and b"torpord stopped" in r.body, r.body
+        stop_checked(torpord)
+        if round_ == 0 and point in ("dump_base", "load"):
+            # A deploy after the crash works.
+            torpord.deploy(function_dir(tmp_path, name, preload, 2))
+            assert answers(torpord, name)["version"] == 2
+        if state_of(torpord, name) is not None:
+            remove(torpord, name)
+
+
+@pytest.mark.parametrize("point", ["validate", "restore_base", "load", "dump_function", "snapshot_function", "stage"])
+def test_a_crashed_redeploy_keeps_the_previous_deploy_serving(torpord: Torpord, tmp_path: Path, point: str) -> None:
+    name = f"re-{point.replace('_', '-')}"
+    serving = 1
+    torpord.deploy(function_dir(tmp_path, name, [], serving))
+    assert answers(torpord, name)["version"] == serving
+    for round_ in ROUNDS:
+        new = round_ + 2
+        deploy_until(torpord, function_dir(tmp_path, name, [], new), point)
+        restart_checked(torpord)
+        assert state_of(torpord, name) == "ready", torpord.log_text()
+        if point in TAKEN:
+            serving = new
+        assert answers(torpord, name)["version"] == serving
+        assert_only_listed_processes(torpord)
+        stop_checked(torpord)
+    remove(torpord, name)
+
+
+def journal_has(torpord: Torpord, op: str) -> Callable[[], bool]:
+    return lambda: bool(registry(torpord, "SELECT 1 FROM journal WHERE op = ?", op))
+
+
+@pytest.mark.parametrize("point", ["quiesce", "dump"])
+def test_a_crashed_hibernation_leaves_nothing_behind(torpord: Torpord, tmp_path: Path, point: str) -> None:
+    name = f"hib-{point}"
+    keepalive = "[keepalive]\ngpu_release_s = 0.2\nhibernate_s = 0.4\nevict_s = 600\n"
+    torpord.deploy(function_dir(tmp_path, name, [], 1, keepalive))
+    for _ in ROUNDS:
+        # An instance that goes idle now; the daemon dies when its hibernation has begun
+        # (`quiesce`: the journal records it) or inside its CRIU dump.
+        assert answers(torpord, name)["version"] == 1
+        seen = journal_has(torpord, "hibernate") if point == "quiesce" else partial_in(torpord, "hib-")
+        poll(seen, 30, f"the hibernation's {point}")
+        kill_daemon(torpord)
+        restart_checked(torpord)
+        rows = registry(torpord, "SELECT stage, pid FROM instances WHERE function = ?", name)
+        # Finished (asleep) or undone (removed): never listed with a process that is gone.
+        for stage, pid in rows:
+            assert stage == "hibernated" and pid is None, rows
+        assert not registry(torpord, "SELECT 1 FROM journal")
+        stop_checked(torpord)
+    assert answers(torpord, name)["version"] == 1
+    remove(torpord, name)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: skipped without torch and a CUDA device; run on the GPU machine.
+
+GPUSLEEPY = FUNCTIONS / "gpusleepy"
+
+
+def gpu_apps() -> set[int]:
+    """Host pids of the processes holding GPU memory (nvidia-smi --query-compute-apps)."""
+    r = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True, timeout=60, check=True
+    )
+    return {int(line) for line in r.stdout.split() if line.strip().isdigit()}
+
+
+def assert_gpu_held_only_by_listed(torpord: Torpord, before: set[int]) -> None:
+    listed = listed_pids(torpord)
+    stray = [p for p in gpu_apps() - before if not in_tree(p, listed)]
+    assert not stray, f"GPU memory held by processes the daemon does not list: {describe(stray)}\n{torpord.log_text()}"
+
+
+@pytest.mark.parametrize("point", ["dump_base", "load", "dump_function", "hibernation"])
+def test_a_crashed_gpu_deploy_or_hibernation_holds_no_gpu_memory(
+    torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory, point: str
+) -> None:
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("needs nvidia-smi and a CUDA device")
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True, text=True, timeout=120, check=False
+    )
+    if r.stdout.strip() != "True":
+        pytest.skip("needs PyTorch with a CUDA device")
+    before = gpu_apps()
+    tmp = tmp_path_factory.mktemp("gpu-crash")
+    d = Torpord(torpor_bin, tmp)
+    try:
+        fdir = tmp / "gpusleepy"
+        shutil.copytree(GPUSLEEPY, fdir)
+        if point == "hibernation":
+            d.deploy(fdir)
+            assert d.invoke("gpusleepy", {"x": [0.5, -1.0, 2.0, 0.0]}).status == 200
+            # gpusleepy hibernates 4 s after its request.
+            poll(partial_in(d, "hib-"), 30, "the hibernation's CRIU dump")
+            kill_daemon(d)
+        else:
+            deploy_until(d, fdir, point)
+        restart_checked(d)
+        assert_gpu_held_only_by_listed(d, before)
+        stop_checked(d)
+        wait_until(lambda: not (gpu_apps() - before), 20, "the GPU memory of the daemon's processes to be freed")
+    finally:
+        d.stop()

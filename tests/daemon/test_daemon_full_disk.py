@@ -1,0 +1,159 @@
+"""The daemon on a full disk: its state directory on a small loop-mounted ext4 filled to the last
+block. Removing an instance still removes its registry row (the registry's disk reserve,
+crates/torpord/src/registry/reserve.rs), so the listed instances always match the processes, and
+the errors say what happened. Needs root, losetup and mkfs.ext4; the filesystem is unmounted
+and its loop device freed whatever happens."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_until
+
+from .conftest import Torpord
+from .test_daemon_crash import (
+    assert_only_listed_processes,
+    daemon_processes,
+    function_dir,
+)
+
+# Room for the init binary the daemon copies into its state directory (the debug build is
+# ~130 MB), the base and function snapshots of two echoers (13 MB each), logs and the registry.
+FS_MIB = 320
+RESERVE_BYTES = 8 << 20
+
+
+def mounted(path: Path) -> bool:
+    return any(line.split()[4] == str(path) for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+@pytest.fixture
+def small_state(tmp_path: Path) -> Iterator[Path]:
+    """`tmp_path/root/state` on an ext4 of FS_MIB MiB of its own."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: loop mounts")
+    for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs {tool}")
+    image = tmp_path / "fs.img"
+    with open(image, "wb") as f:
+        f.truncate(FS_MIB << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
+    state = tmp_path / "root" / "state"
+    state.mkdir(parents=True)
+    # `-o loop`: the loop device is freed (autoclear) when the filesystem is unmounted.
+    r = subprocess.run(["mount", "-o", "loop", str(image), str(state)], check=False, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot loop-mount an ext4 here: {r.stderr.strip()}")
+    try:
+        yield state
+    finally:
+        for _ in range(8):
+            if not mounted(state):
+                break
+            if subprocess.run(["umount", str(state)], check=False, capture_output=True).returncode != 0:
+                time.sleep(0.5)
+                subprocess.run(["umount", "--lazy", str(state)], check=False, capture_output=True)
+        image.unlink(missing_ok=True)
+
+
+def fill(directory: Path) -> Path:
+    """Fills the filesystem of `directory` to its last block; returns the filler file."""
+    filler = directory / "filler"
+    chunk = b"\0" * (1 << 20)
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    # The last partial chunk's room too.
+    with open(directory / "filler-tail", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    return filler
+
+
+def free(directory: Path) -> None:
+    (directory / "filler").unlink(missing_ok=True)
+    (directory / "filler-tail").unlink(missing_ok=True)
+
+
+def listed(torpord: Torpord, name: str) -> list[dict[str, object]]:
+    return [i for i in torpord.instances(name) if i.get("stage") != "hibernated"]
+
+
+def reserve_back(d: Torpord, reserve: Path) -> None:
+    """Waits for the daemon to make its reserve again, which it tries (at most every 5 s) when a
+    registry query succeeds: the listing queries it."""
+
+    def back() -> bool:
+        d.instances("full-stop")
+        return reserve.exists() and reserve.stat().st_size == RESERVE_BYTES
+
+    wait_until(back, 15, "the registry's disk reserve to be made again")
+
+
+def test_instances_leave_the_registry_with_their_processes_on_a_full_disk(
+    torpor_bin: Path, criu_ready: None, small_state: Path, tmp_path: Path
+) -> None:
+    d = Torpord(torpor_bin, small_state.parent)
+    try:
+        reserve = small_state / "registry.reserve"
+        assert reserve.stat().st_size == RESERVE_BYTES
+        stop_fn = function_dir(tmp_path, "full-stop", [], 1)
+        hib_fn = function_dir(tmp_path, "full-hib", [], 1, "[keepalive]\ngpu_release_s = 1\nhibernate_s = 1.5\nevict_s = 600\n")
+        d.deploy(stop_fn)
+        d.deploy(hib_fn)
+        assert d.invoke("full-stop", {"say": "a"}).status == 200
+        assert len(listed(d, "full-stop")) == 1
+        fill(small_state)
+
+        # `torpor stop` on a full disk: the instance goes, and with it its row.
+        r = d.cli("stop", "full-stop")
+        assert r.returncode == 0, r.stderr
+        assert "1 idle instance stopped" in r.stdout, r.stdout
+        wait_until(lambda: not listed(d, "full-stop"), 10, "the stopped instance to leave the listing")
+        assert_only_listed_processes(d)
+        assert "cannot remove the instance's registry row" not in d.log_text()
+
+        # A cold start on the full disk fails, saying what happened (not naming TORPOR_LOG_DIR,
+        # which the daemon does not use), or succeeds; either way the listing is true.
+        cold = d.invoke("full-stop", {"say": "b"})
+        assert b"TORPOR_LOG_DIR" not in cold.body, cold.body
+        if cold.status != 200:
+            assert b"space" in cold.body.lower(), cold.body
+        assert_only_listed_processes(d)
+
+        # A hibernation that fails on the full disk removes its instance from the listing too.
+        free(small_state)
+        reserve_back(d, reserve)
+        assert d.invoke("full-hib", {"say": "c"}).status == 200
+        fill(small_state)
+        wait_until(lambda: not listed(d, "full-hib"), 20, "the instance to hibernate or be removed")
+        assert_only_listed_processes(d)
+        for i in d.instances("full-hib"):
+            assert i.get("stage") == "hibernated", i
+
+        # With room again, the reserve comes back and the functions serve.
+        free(small_state)
+        assert d.invoke("full-stop", {"say": "d"}).status == 200
+        assert d.cli("stop", "full-stop").returncode == 0
+        reserve_back(d, reserve)
+        assert d.invoke("full-hib", {"say": "e"}).status == 200
+    finally:
+        free(small_state)
+        d.stop()
+    assert not daemon_processes(small_state)
