@@ -1,0 +1,247 @@
+//! A worker's process tree: restore it from a snapshot (CRIU, off the async runtime), wake its
+//! worker (SIGUSR2 and its `hello`), snapshot it in kill mode, kill it.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use crate::runtime::instance::kill_tree;
+use crate::runtime::Runtime;
+use crate::workers::{Hub, WorkerConn};
+
+/// How long a restored worker has to reconnect after SIGUSR2.
+pub const RECONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How [`restore_with`] restores: where the pages come from, and the staged copy of the
+/// snapshot to read instead of its disk copy.
+#[derive(Default)]
+pub struct HowToRestore {
+    pub pages: torpor_snapshot::restore::PageSource,
+    /// Restored from with sizes checked only (hashed when staged, on the daemon's root-only
+    /// tmpfs since); held until CRIU's lazy-pages daemon has read every page.
+    pub staged: Option<Arc<crate::staging::StagedCopy>>,
+    /// Skip the driver's restore and unlock: the tree's CUDA state stays locked and
+    /// checkpointed, as an in-place GPU release leaves it (a standby instance, crate::runtime::start::standby).
+    /// Only the worker may use CUDA then: the GPU resume restores that one process.
+    pub leave_gpu_checkpointed: bool,
+}
+
+/// A restored tree.
+pub struct RestoredTree {
+    pub init: i32,
+    pub worker: i32,
+    /// With lazy pages: the daemon still serving them.
+    pub pages: Option<PendingPages>,
+}
+
+/// CRIU's lazy-pages daemon serving a restored tree, and the staged copy it reads from. Dropped
+/// unfinished (the start of the instance failed and its tree was killed), the daemon is stopped
+/// and reaped on a blocking thread.
+pub struct PendingPages {
+    lazy: Option<torpor_snapshot::restore::LazyRestore>,
+    staged: Option<Arc<crate::staging::StagedCopy>>,
+}
+
+impl PendingPages {
+    /// Reaps the daemon on a blocking thread once it has served every page; the answer says
+    /// whether it did (if not, the tree was killed).
+    pub fn finish_in_background(mut self) -> oneshot::Receiver<Result<(), String>> {
+        let (tx, rx) = oneshot::channel();
+        let (lazy, staged) = (self.lazy.take(), self.staged.take());
+        tokio::task::spawn_blocking(move || {
+            let served = lazy.map_or(Ok(()), |l| l.finish().map_err(|e| e.to_string()));
+            let _ = tx.send(served);
+            // The staged copy may go now: every page was read.
+            drop(staged);
+        });
+        rx
+    }
+}
+
+impl Drop for PendingPages {
+    fn drop(&mut self) {
+        if let Some(lazy) = self.lazy.take() {
+            let staged = self.staged.take();
+            tokio::task::spawn_blocking(move || {
+                lazy.abandon();
+                drop(staged);
+            });
+        }
+    }
+}
+
+/// Restores a snapshot detached, every page copied and every file hashed first; returns
+/// (init, worker). See [`restore_with`].
+pub async fn restore(dir: &Path, log_dir: &Path, stdio: &Path) -> Result<(i32, i32), String> {
+    let tree = restore_with(dir, log_dir, stdio, HowToRestore::default()).await?;
+    Ok((tree.init, tree.worker))
+}
+
+/// Restores a snapshot (or its staged copy) detached (blocking work on the blocking pool), its
+/// stdout and stderr going to `stdio`. A snapshot that does not record its stdio files (taken
+/// by an older torpord) is restored onto the files it had, with a warning. With lazy pages, a
+/// blocking thread reaps CRIU's lazy-pages daemon once it has served every page.
+pub async fn restore_with(
+    dir: &Path,
+    log_dir: &Path,
+    stdio: &Path,
+    how: HowToRestore,
+) -> Result<RestoredTree, String> {
+    use torpor_snapshot::restore::{PageOptions, RestoreError, RestoreOptions, Verify};
+    let (dir, verify) = match &how.staged {
+        Some(copy) => (copy.dir().to_path_buf(), Verify::SizesOnly),
+        None => (dir.to_path_buf(), Verify::Hashes),
+    };
+    let log_dir = log_dir.to_path_buf();
+    let stdio = stdio.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        let pages = PageOptions { source: how.pages };
+        let restore_onto = |stdio: Option<&Path>| {
+            torpor_snapshot::restore::restore_with(
+                &RestoreOptions {
+                    dir: &dir,
+                    detach: true,
+                    gpu_map: &[],
+                    log_dir: &log_dir,
+                    stdio,
+                    verify,
+                    resume_gpu: !how.leave_gpu_checkpointed,
+                },
+                &pages,
+            )
+        };
+        let restored = match restore_onto(Some(&stdio)) {
+            Err(RestoreError::StdioUnknown) => {
+                tracing::warn!(snapshot = %dir.display(), "the snapshot records no stdout/stderr file: its instance keeps writing to the old log");
+                restore_onto(None)
+            }
+            other => other,
+        }
+        .map_err(|e| e.to_string())?;
+        let init = restored.pid;
+        let cuda = restored.manifest.source.tree.iter().filter(|p| p.cuda).count();
+        if how.leave_gpu_checkpointed && cuda > 1 {
+            kill_tree(init);
+            return Err(format!(
+                "the snapshot has {cuda} CUDA processes; a standby instance resumes only the \
+                 worker's: set scaling.standby = 0"
+            ));
+        }
+        let pages = restored.lazy_pages.map(|lazy| PendingPages {
+            lazy: Some(lazy),
+            staged: how.staged,
+        });
+        match crate::launcher::worker_pid(init) {
+            Ok(worker) => Ok(RestoredTree {
+                init,
+                worker,
+                pages,
+            }),
+            Err(e) => {
+                kill_tree(init);
+                Err(e)
+            }
+        }
+    })
+    .await
+    .map_err(|e| format!("restore task failed: {e}"))?
+}
+
+impl Runtime {
+    /// Wakes a restored worker (`what` names it in errors) and checks that it is an instance of
+    /// `name`; its tree is killed otherwise.
+    pub(crate) async fn wake_function(
+        &self,
+        name: &str,
+        init: i32,
+        worker: i32,
+        what: &str,
+    ) -> Result<WorkerConn, String> {
+        let conn = match wake(&self.hub, worker, RECONNECT_TIMEOUT).await {
+            Ok(c) => c,
+            Err(e) => {
+                kill_tree(init);
+                return Err(format!("{what} did not reconnect: {e}"));
+            }
+        };
+        if conn.hello.role != "function" || conn.hello.function.as_deref() != Some(name) {
+            kill_tree(init);
+            return Err(format!(
+                "{what} says it serves {:?} (role {}), not {name:?}: the snapshot is not this \
+                 function's; deploy it again",
+                conn.hello.function, conn.hello.role
+            ));
+        }
+        Ok(conn)
+    }
+}
+
+/// SIGUSR2 to a restored (or just snapshotted) worker, and its connection once it says hello
+/// with `resumed: true`.
+pub async fn wake(hub: &Arc<Hub>, worker: i32, timeout: Duration) -> Result<WorkerConn, String> {
+    let claim = hub.claim(worker);
+    // SAFETY: kill(2) only sends a signal to the worker this daemon restored.
+    if unsafe { libc::kill(worker, libc::SIGUSR2) } != 0 {
+        return Err(format!(
+            "cannot signal worker {worker}: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    let conn = claim.wait(timeout).await.map_err(|e| e.to_string())?;
+    if !conn.hello.resumed {
+        return Err("its hello says resumed: false".to_string());
+    }
+    Ok(conn)
+}
+
+/// How long a worker has to answer `quiesce` and close its connection.
+pub(crate) const QUIET_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the snapshot waits for in-flight CUDA work when locking.
+pub(crate) const CUDA_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Snapshots the quiet worker tree rooted at `pid` into `out` in kill mode (the source is gone
+/// afterwards), off the async runtime: `torpor_snapshot::snapshot` blocks for seconds.
+pub async fn snapshot_and_kill(pid: i32, out: &Path, log_dir: &Path) -> Result<(), String> {
+    let (out, log_dir) = (out.to_path_buf(), log_dir.to_path_buf());
+    tokio::task::spawn_blocking(move || {
+        torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
+            pid,
+            out: &out,
+            leave_running: false,
+            lock_timeout: CUDA_LOCK_TIMEOUT,
+            log_dir: &log_dir,
+        })
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| format!("snapshot task failed: {e}"))?
+}
+
+/// The bytes of the files under `dir`, recursively.
+pub fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+/// Kills a worker tree unless defused.
+pub struct TreeGuard(pub Option<i32>);
+
+impl Drop for TreeGuard {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.take() {
+            kill_tree(pid);
+        }
+    }
+}
