@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::launcher::{self, WorkerCommand};
+use crate::protocol::{Empty, Invoke, Quiesce, ToWorker};
 use crate::registry::{now_ms, Function, FunctionState, Snapshot, SnapshotKind};
 use crate::runtime::process::{
     dir_bytes, restore, snapshot_and_kill, wake, TreeGuard, QUIET_TIMEOUT, RECONNECT_TIMEOUT,
@@ -84,6 +85,9 @@ pub async fn validate(rt: &Runtime, dir: &str) -> Result<ValidSpec, (bool, Strin
             format!("python3 -m torpor.spec printed no JSON: {e}"),
         )
     })?;
+    // The one definition of the spec's shape (crate::spec): a torpor package of another
+    // version is refused here, not halfway through the deploy.
+    crate::spec::FunctionSpec::from_json(&json).map_err(|e| (false, e.to_string()))?;
     let k = crate::runtime::keepalive_of(&json, &rt.config.keepalive);
     if !(k.gpu_release <= k.hibernate && k.hibernate <= k.evict) {
         return Err((
@@ -256,7 +260,7 @@ async fn quiesce_and_snapshot(
     out: &Path,
     phase: &'static str,
 ) -> Result<(), Failure> {
-    conn.send(&json!({"type": "quiesce"}))
+    conn.send(&ToWorker::Quiesce(Quiesce::default()))
         .await
         .map_err(|e| conn_fail(phase, "sending quiesce", e))?;
     conn.expect("quiet", QUIET_TIMEOUT)
@@ -298,7 +302,7 @@ async fn split_snapshot(
         .await
         .map_err(|e| conn_fail(PHASE, "split quiesce", e))?;
     if probe.is_empty() {
-        conn.send(&json!({"type": "resume"}))
+        conn.send(&ToWorker::Resume(Empty {}))
             .await
             .map_err(|e| conn_fail(PHASE, "sending resume", e))?;
         return Ok(None);
@@ -314,11 +318,18 @@ async fn split_snapshot(
             None
         }
     };
-    conn.send(&json!({"type": "resume"}))
+    conn.send(&ToWorker::Resume(Empty {}))
         .await
         .map_err(|e| conn_fail(PHASE, "sending resume", e))?;
     if let Some(request) = warmup {
-        conn.send(&json!({"type": "invoke", "id": 0, "request": request, "timeout_s": LOAD_TIMEOUT.as_secs_f64()}))
+        let request = serde_json::value::to_raw_value(&request)
+            .map_err(|e| fail(PHASE, format!("the warm-up request cannot be sent: {e}")))?;
+        let invoke = ToWorker::Invoke(Invoke {
+            id: 0,
+            request,
+            timeout_s: LOAD_TIMEOUT.as_secs_f64(),
+        });
+        conn.send(&invoke)
             .await
             .map_err(|e| conn_fail(PHASE, "sending the read-only probe's warm-up request", e))?;
         let r = conn
@@ -458,10 +469,12 @@ async fn steps(
                     hook: hk.as_deref(),
                     preload_hook,
                 })
+                .map_err(|e| e.to_string())
             })
             .await?;
             let mut guard = TreeGuard(Some(init));
-            let worker = launcher::worker_pid(init).map_err(|e| fail("boot_base", e))?;
+            let worker =
+                launcher::worker_pid(init).map_err(|e| fail("boot_base", e.to_string()))?;
             let mut conn = rt
                 .hub
                 .claim(worker)

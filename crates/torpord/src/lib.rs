@@ -21,11 +21,15 @@ pub mod instance_logs;
 pub mod launcher;
 pub mod logging;
 pub mod metrics;
+pub mod protocol;
 pub mod registry;
 mod run;
 pub mod runtime;
+#[cfg(test)]
+mod schema_file;
 pub mod server;
 pub mod socket;
+pub mod spec;
 pub mod split;
 pub mod staging;
 pub mod state_dir;

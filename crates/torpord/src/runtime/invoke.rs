@@ -8,46 +8,21 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::value::RawValue;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use tokio::net::unix::OwnedReadHalf;
 use tokio::sync::oneshot;
 
 use crate::frames;
 use crate::metrics::{outcome, start};
+use crate::protocol::{FromWorker, Invoke, ResultFrame, Started, ToWorker};
 use crate::runtime::instance::{Instance, Pending};
 use crate::runtime::Runtime;
 use crate::sync::lock;
 use crate::workers::{self, ConnError};
 
-/// A worker's `result` frame: its fields, and its `value` as the bytes the worker sent (so the
-/// daemon never re-encodes a function's result: no float or big integer changes on the way).
-#[derive(Debug)]
-pub(crate) struct Answer {
-    pub(crate) msg: Map<String, Value>,
-    pub(crate) value: Option<Box<RawValue>>,
-}
-
-impl Answer {
-    /// The `value` of a result frame's payload, as sent.
-    pub(crate) fn value_of(payload: &[u8]) -> Result<Option<Box<RawValue>>, frames::FrameError> {
-        #[derive(serde::Deserialize)]
-        struct RawResult {
-            value: Option<Box<RawValue>>,
-        }
-        serde_json::from_slice::<RawResult>(payload)
-            .map(|r| r.value)
-            .map_err(|e| frames::FrameError::NotJson(e.to_string()))
-    }
-}
-
-/// The invoke frame; `request` is sent as the bytes the client sent.
-#[derive(serde::Serialize)]
-pub(crate) struct InvokeFrame<'a> {
-    r#type: &'static str,
-    pub(crate) id: u64,
-    pub(crate) request: &'a RawValue,
-    pub(crate) timeout_s: f64,
-}
+/// A worker's `result` frame, its `value` as the bytes the worker sent (so the daemon never
+/// re-encodes a function's result: no float or big integer changes on the way).
+pub(crate) type Answer = ResultFrame;
 
 /// How an invocation went wrong; the API maps each to a status.
 #[derive(Debug)]
@@ -146,10 +121,15 @@ impl Runtime {
             }
         };
         match res {
-            Ok(Answer { msg, value }) => {
-                let handler = msg.get("handler_s").and_then(Value::as_f64);
-                finish(&mut timings, handler);
-                if msg.get("ok").and_then(Value::as_bool) == Some(true) {
+            Ok(ResultFrame {
+                ok,
+                value,
+                error,
+                handler_s,
+                ..
+            }) => {
+                finish(&mut timings, handler_s);
+                if ok {
                     Ok(Invoked {
                         value: value.unwrap_or_else(|| {
                             RawValue::from_string("null".into()).expect("null is JSON")
@@ -158,7 +138,7 @@ impl Runtime {
                         timings,
                     })
                 } else {
-                    let err = msg.get("error").cloned().unwrap_or_else(
+                    let err = error.unwrap_or_else(
                         || json!({"type": "Error", "message": "the worker sent ok: false without an error", "traceback": ""}),
                     );
                     Err(InvokeError::User(err, timings))
@@ -190,12 +170,11 @@ impl Runtime {
                 result: tx,
             },
         );
-        let frame = InvokeFrame {
-            r#type: "invoke",
+        let frame = ToWorker::Invoke(Invoke {
             id,
-            request: &request,
+            request,
             timeout_s: timeout.as_secs_f64(),
-        };
+        });
         let frame = match frames::encode(&frame) {
             Ok(frame) => frame,
             Err(e) => {
@@ -308,89 +287,94 @@ impl Runtime {
     /// Hands each `result` to its request; anything else, or the end, removes the instance.
     pub(crate) async fn read_results(self: Arc<Self>, inst: Arc<Instance>, mut rd: OwnedReadHalf) {
         let why = loop {
-            match frames::read_payload(&mut rd).await {
-                Ok(Some(payload)) => {
+            let payload = match frames::read_payload(&mut rd).await {
+                Ok(Some(payload)) => payload,
+                Ok(None) => {
+                    break "its connection closed (the worker exited or crashed)".to_string()
+                }
+                Err(e) => break format!("it sent a malformed frame ({e})"),
+            };
+            let frame = match FromWorker::parse(&payload) {
+                Ok(frame) => frame,
+                Err(e) => break format!("it broke the protocol: {e}"),
+            };
+            match frame {
+                FromWorker::Quiet(_) if inst.hibernating.load(Ordering::SeqCst) => {
+                    // The hibernation reads the rest: segment fds (split), then the EOF.
                     let msg = match frames::parse(&payload) {
                         Ok(msg) => msg,
                         Err(e) => break format!("it sent a malformed frame ({e})"),
                     };
-                    let kind = msg.get("type").and_then(Value::as_str);
-                    if kind == Some("quiet") && inst.hibernating.load(Ordering::SeqCst) {
-                        // The hibernation reads the rest: segment fds (split), then the EOF.
-                        let tx = lock(&inst.quiet_tx).take();
-                        match tx {
-                            Some(tx) => match tx.send((msg, rd)) {
-                                Ok(()) => return,
-                                Err(_) => break "its hibernation was given up".to_string(),
-                            },
-                            None => break "it sent quiet twice".to_string(),
-                        }
+                    let tx = lock(&inst.quiet_tx).take();
+                    match tx {
+                        Some(tx) => match tx.send((msg, rd)) {
+                            Ok(()) => return,
+                            Err(_) => break "its hibernation was given up".to_string(),
+                        },
+                        None => break "it sent quiet twice".to_string(),
                     }
-                    if kind == Some("mapped") {
-                        // The segments of a restore (mapped while the instance takes requests)
-                        // or of a GPU resume.
-                        let answered = lock(&inst.mapping)
-                            .as_mut()
-                            .filter(|m| m.unmapped() > 0)
-                            .map(|m| m.answer(&msg));
-                        match answered {
-                            Some(Ok(())) => continue,
-                            Some(Err(why)) => break why,
-                            None => {}
-                        }
-                    }
-                    if kind == Some("unmapped") {
-                        // The answer to the daemon's `unmap` (a GPU release).
-                        let forward = lock(&inst.segment_replies).clone();
-                        match forward {
-                            Some(tx) if tx.send(msg).is_ok() => continue,
-                            _ => {
-                                break "it broke the protocol (sent unmapped while no segment was being unmapped)".to_string()
-                            }
-                        }
-                    }
-                    if kind == Some("started") {
-                        let Some(id) = msg.get("id").and_then(Value::as_u64) else {
-                            break "it broke the protocol (started without a numeric id)"
-                                .to_string();
-                        };
-                        // Unknown: a request the daemon gave up on.
-                        if let Some(p) = lock(&inst.pending).get_mut(&id) {
-                            if let Some(tx) = p.started.take() {
-                                let _ = tx.send(());
-                            }
-                        }
-                        continue;
-                    }
-                    if kind != Some("result") {
-                        break format!(
-                            "it broke the protocol (sent a {} frame while serving requests)",
-                            msg.get("type").unwrap_or(&Value::Null)
-                        );
-                    }
-                    let Some(id) = msg.get("id").and_then(Value::as_u64) else {
-                        break "it broke the protocol (a result without a numeric id)".to_string();
+                }
+                FromWorker::Mapped(_) if self.mapping_awaited(&inst) => {
+                    // The segments of a restore (mapped while the instance takes requests)
+                    // or of a GPU resume.
+                    let answered = match frames::parse(&payload) {
+                        Ok(msg) => lock(&inst.mapping).as_mut().map(|m| m.answer(&msg)),
+                        Err(e) => break format!("it sent a malformed frame ({e})"),
                     };
-                    let value = match Answer::value_of(&payload) {
-                        Ok(value) => value,
-                        Err(e) => break format!("it sent a malformed result ({e})"),
+                    match answered {
+                        Some(Ok(())) | None => continue,
+                        Some(Err(why)) => break why,
+                    }
+                }
+                FromWorker::Unmapped(_) => {
+                    // The answer to the daemon's `unmap` (a GPU release).
+                    let forward = lock(&inst.segment_replies).clone();
+                    let msg = match frames::parse(&payload) {
+                        Ok(msg) => msg,
+                        Err(e) => break format!("it sent a malformed frame ({e})"),
                     };
+                    match forward {
+                        Some(tx) if tx.send(msg).is_ok() => continue,
+                        _ => {
+                            break "it broke the protocol (sent unmapped while no segment was being unmapped)".to_string()
+                        }
+                    }
+                }
+                FromWorker::Started(Started { id }) => {
+                    // Unknown: a request the daemon gave up on.
+                    if let Some(p) = lock(&inst.pending).get_mut(&id) {
+                        if let Some(tx) = p.started.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                }
+                FromWorker::Result(result) => {
+                    let id = result.id;
                     let waiter = lock(&inst.pending).remove(&id);
                     match waiter {
                         Some(p) => {
-                            let _ = p.result.send(Answer { msg, value });
+                            let _ = p.result.send(result);
                         }
                         None => {
                             tracing::debug!(instance = %inst.id, id, "result for a request that was given up")
                         }
                     }
                 }
-                Ok(None) => {
-                    break "its connection closed (the worker exited or crashed)".to_string()
+                other => {
+                    break format!(
+                        "it broke the protocol (sent a {:?} frame while serving requests)",
+                        other.kind()
+                    )
                 }
-                Err(e) => break format!("it sent a malformed frame ({e})"),
             }
         };
         self.remove_instance(&inst, &why, true);
+    }
+
+    /// Whether `inst` has segments whose `mapped` answers its reader counts.
+    fn mapping_awaited(&self, inst: &Instance) -> bool {
+        lock(&inst.mapping)
+            .as_ref()
+            .is_some_and(|m| m.unmapped() > 0)
     }
 }

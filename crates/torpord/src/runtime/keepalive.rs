@@ -15,11 +15,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::json;
-
 use crate::accounting::{self, Meter};
 use crate::config::ColdStart;
 use crate::metrics::HIBERNATING;
+use crate::protocol::{Quiesce, ToWorker, Unmap};
 use crate::registry::{now_ms, RegistryError, Snapshot, SnapshotKind, Stage};
 use crate::runtime::lifecycle::Transition;
 use crate::runtime::pool::FnInfo;
@@ -289,7 +288,7 @@ impl Runtime {
             // the driver's checkpoint.
             let vas: Vec<u64> = plan.iter().map(|(e, _)| e.va).collect();
             let mut wr = inst.writer.lock().await;
-            if let Err(e) = workers::send(&mut wr, &json!({"type": "unmap", "vas": vas})).await {
+            if let Err(e) = workers::send(&mut wr, &ToWorker::Unmap(Unmap { vas })).await {
                 drop(wr);
                 let why = format!("cannot send unmap: {e}");
                 self.remove_instance(inst, &why, true);
@@ -577,7 +576,9 @@ impl Runtime {
             let mut wr = inst.writer.lock().await;
             workers::send(
                 &mut wr,
-                &json!({"type": "quiesce", "split": split.is_some()}),
+                &ToWorker::Quiesce(Quiesce {
+                    split: Some(split.is_some()),
+                }),
             )
             .await
             .map_err(|e| format!("sending quiesce: {e}"))?;

@@ -31,9 +31,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde_json::json;
 use tokio::net::unix::OwnedReadHalf;
 
+use crate::protocol::{Attached, ToWorker};
 use crate::registry::{now_ms, Instance as InstanceRow, Stage};
 use crate::runtime::instance::{kill_tree, new_instance, Instance, Keep, Sleeper};
 use crate::runtime::pool::{FnInfo, Pool};
@@ -165,8 +165,9 @@ impl Runtime {
     /// its reader.
     pub(crate) async fn attach(self: &Arc<Self>, inst: &Arc<Instance>, rd: OwnedReadHalf) {
         if inst.announces_start {
-            let frame =
-                json!({"type": "attached", "reattach_s": self.config.reattach.as_secs_f64()});
+            let frame = ToWorker::Attached(Attached {
+                reattach_s: self.config.reattach.as_secs_f64(),
+            });
             let sent = workers::send(&mut *inst.writer.lock().await, &frame).await;
             if let Err(e) = sent {
                 // Its reader sees the end of the connection and removes it.

@@ -141,7 +141,7 @@ pub async fn restore_with(
             }),
             Err(e) => {
                 kill_tree(init);
-                Err(e)
+                Err(e.to_string())
             }
         }
     })

@@ -107,7 +107,7 @@ impl Runtime {
         }
         let worker = match crate::launcher::worker_pid(init) {
             Ok(w) => w,
-            Err(e) => return self.drop_orphan(&row, &e).await,
+            Err(e) => return self.drop_orphan(&row, &e.to_string()).await,
         };
         let conn = match self.hub.claim(worker).wait(READOPT_TIMEOUT).await {
             Ok(c) => c,

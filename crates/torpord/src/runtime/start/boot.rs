@@ -5,10 +5,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::launcher::{self, WorkerCommand};
 use crate::metrics::start;
+use crate::protocol::{Load, ToWorker};
 use crate::runtime::instance::Instance;
 use crate::runtime::invoke::Timings;
 use crate::runtime::pool::FnInfo;
@@ -16,6 +17,7 @@ use crate::runtime::process::TreeGuard;
 use crate::runtime::start::NewInstance;
 use crate::runtime::Runtime;
 use crate::workers::{ConnError, WorkerConn};
+use std::collections::BTreeMap;
 
 impl Runtime {
     /// Boots an instance: launches a `--role function` worker, loads the function.
@@ -56,8 +58,8 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 pub const LOAD_TIMEOUT: Duration = Duration::from_secs(900);
 
 /// The `load` frame for a function: its spec, directory and declared data.
-pub fn load_frame(spec: &Value, dir: &Path) -> Value {
-    let data: serde_json::Map<String, Value> = spec["data"]
+pub fn load_frame(spec: &Value, dir: &Path) -> ToWorker {
+    let data: BTreeMap<String, Value> = spec["data"]
         .as_array()
         .map(|a| {
             a.iter()
@@ -65,7 +67,11 @@ pub fn load_frame(spec: &Value, dir: &Path) -> Value {
                 .collect()
         })
         .unwrap_or_default();
-    json!({"type": "load", "spec": spec, "dir": dir, "data": data})
+    ToWorker::Load(Load {
+        spec: spec.clone(),
+        dir: dir.to_string_lossy().into_owned(),
+        data,
+    })
 }
 
 /// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker
@@ -104,12 +110,13 @@ pub(crate) async fn boot_function(
         })
     })
     .await
-    .map_err(|e| format!("launch task failed: {e}"))??;
+    .map_err(|e| format!("launch task failed: {e}"))?
+    .map_err(|e| e.to_string())?;
     let mut guard = TreeGuard(Some(init));
     if let Some(c) = charge {
         c.process_started(init);
     }
-    let worker = launcher::worker_pid(init)?;
+    let worker = launcher::worker_pid(init).map_err(|e| e.to_string())?;
     let mut conn = rt
         .hub
         .claim(worker)
