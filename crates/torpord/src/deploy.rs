@@ -271,7 +271,7 @@ async fn quiesce_and_snapshot(
         .map_err(|e| conn_fail(phase, "waiting for the worker to close after quiet", e))?;
     snapshot_and_kill(init.0.unwrap_or_default(), out, &rt.logs_dir())
         .await
-        .map_err(|e| fail(phase, e))?;
+        .map_err(|e| fail(phase, e.to_string()))?;
     // Kill mode: the source is gone.
     init.0 = None;
     Ok(())
@@ -382,7 +382,7 @@ async fn finish_split(
             .map_err(|e| conn_fail(PHASE, "waiting for the worker to close after released", e))?;
         snapshot_and_kill(init.0.unwrap_or_default(), out, &rt.logs_dir())
             .await
-            .map_err(|e| fail(PHASE, e))?;
+            .map_err(|e| fail(PHASE, e.to_string()))?;
         init.0 = None;
         Ok(())
     }
@@ -541,7 +541,7 @@ async fn steps(
     let log = crate::instance_logs::deploy_log(&rt.logs_dir(), name, now_ms());
     let (init, worker) = restore(&base.path, &rt.logs_dir(), &log)
         .await
-        .map_err(|e| fail("restore_base", e))?;
+        .map_err(|e| fail("restore_base", e.to_string()))?;
     let mut guard = TreeGuard(Some(init));
     let mut conn = wake(&rt.hub, worker, RECONNECT_TIMEOUT)
         .await

@@ -617,7 +617,9 @@ impl Runtime {
             )),
         };
         let snapshotted = match closed {
-            Ok(()) => snapshot_and_kill(inst.init_pid, out, &self.logs_dir()).await,
+            Ok(()) => snapshot_and_kill(inst.init_pid, out, &self.logs_dir())
+                .await
+                .map_err(|e| e.to_string()),
             Err(e) => Err(e),
         };
         if let Err(e) = snapshotted {

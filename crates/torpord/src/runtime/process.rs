@@ -9,7 +9,7 @@ use tokio::sync::oneshot;
 
 use crate::runtime::instance::kill_tree;
 use crate::runtime::Runtime;
-use crate::workers::{Hub, WorkerConn};
+use crate::workers::{ConnError, Hub, WorkerConn};
 
 /// How long a restored worker has to reconnect after SIGUSR2.
 pub const RECONNECT_TIMEOUT: Duration = Duration::from_secs(15);
@@ -72,9 +72,58 @@ impl Drop for PendingPages {
     }
 }
 
+/// Why a worker tree could not be restored from a snapshot.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreTreeError {
+    /// CRIU, or a check of the snapshot, failed (names CRIU's log where it has one).
+    #[error(transparent)]
+    Restore(#[from] torpor_snapshot::restore::RestoreError),
+    /// A standby restore leaves CUDA checkpointed, and only one process can be resumed.
+    #[error(
+        "the snapshot has {cuda} CUDA processes; a standby instance resumes only the worker's: \
+         set scaling.standby = 0"
+    )]
+    CudaProcesses { cuda: usize },
+    /// The restored tree has no worker under its init (it was killed).
+    #[error(transparent)]
+    NoWorker(#[from] crate::launcher::LaunchError),
+    /// The blocking task running the restore panicked or was cancelled.
+    #[error("restore task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Why a restored worker did not come back.
+#[derive(Debug, thiserror::Error)]
+pub enum WakeError {
+    /// SIGUSR2 could not be sent; `errno` is kill(2)'s.
+    #[error("cannot signal worker {worker}: {}", std::io::Error::from_raw_os_error(*errno))]
+    Signal { worker: i32, errno: i32 },
+    /// It did not say hello in time, or its connection broke.
+    #[error(transparent)]
+    Hello(#[from] ConnError),
+    /// It said hello as a fresh worker, not a restored one.
+    #[error("its hello says resumed: false")]
+    NotResumed,
+}
+
+/// Why a worker tree could not be snapshotted.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotTreeError {
+    /// CRIU, or the CUDA checkpoint, failed (names CRIU's log where it has one).
+    #[error(transparent)]
+    Snapshot(#[from] torpor_snapshot::snapshot::SnapshotError),
+    /// The blocking task running the snapshot panicked or was cancelled.
+    #[error("snapshot task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
 /// Restores a snapshot detached, every page copied and every file hashed first; returns
 /// (init, worker). See [`restore_with`].
-pub async fn restore(dir: &Path, log_dir: &Path, stdio: &Path) -> Result<(i32, i32), String> {
+pub async fn restore(
+    dir: &Path,
+    log_dir: &Path,
+    stdio: &Path,
+) -> Result<(i32, i32), RestoreTreeError> {
     let tree = restore_with(dir, log_dir, stdio, HowToRestore::default()).await?;
     Ok((tree.init, tree.worker))
 }
@@ -88,7 +137,7 @@ pub async fn restore_with(
     log_dir: &Path,
     stdio: &Path,
     how: HowToRestore,
-) -> Result<RestoredTree, String> {
+) -> Result<RestoredTree, RestoreTreeError> {
     use torpor_snapshot::restore::{PageOptions, RestoreError, RestoreOptions, Verify};
     let (dir, verify) = match &how.staged {
         Some(copy) => (copy.dir().to_path_buf(), Verify::SizesOnly),
@@ -118,16 +167,12 @@ pub async fn restore_with(
                 restore_onto(None)
             }
             other => other,
-        }
-        .map_err(|e| e.to_string())?;
+        }?;
         let init = restored.pid;
         let cuda = restored.manifest.source.tree.iter().filter(|p| p.cuda).count();
         if how.leave_gpu_checkpointed && cuda > 1 {
             kill_tree(init);
-            return Err(format!(
-                "the snapshot has {cuda} CUDA processes; a standby instance resumes only the \
-                 worker's: set scaling.standby = 0"
-            ));
+            return Err(RestoreTreeError::CudaProcesses { cuda });
         }
         let pages = restored.lazy_pages.map(|lazy| PendingPages {
             lazy: Some(lazy),
@@ -141,12 +186,11 @@ pub async fn restore_with(
             }),
             Err(e) => {
                 kill_tree(init);
-                Err(e.to_string())
+                Err(e.into())
             }
         }
     })
-    .await
-    .map_err(|e| format!("restore task failed: {e}"))?
+    .await?
 }
 
 impl Runtime {
@@ -180,18 +224,16 @@ impl Runtime {
 
 /// SIGUSR2 to a restored (or just snapshotted) worker, and its connection once it says hello
 /// with `resumed: true`.
-pub async fn wake(hub: &Arc<Hub>, worker: i32, timeout: Duration) -> Result<WorkerConn, String> {
+pub async fn wake(hub: &Arc<Hub>, worker: i32, timeout: Duration) -> Result<WorkerConn, WakeError> {
     let claim = hub.claim(worker);
     // SAFETY: kill(2) only sends a signal to the worker this daemon restored.
     if unsafe { libc::kill(worker, libc::SIGUSR2) } != 0 {
-        return Err(format!(
-            "cannot signal worker {worker}: {}",
-            std::io::Error::last_os_error()
-        ));
+        let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        return Err(WakeError::Signal { worker, errno });
     }
-    let conn = claim.wait(timeout).await.map_err(|e| e.to_string())?;
+    let conn = claim.wait(timeout).await?;
     if !conn.hello.resumed {
-        return Err("its hello says resumed: false".to_string());
+        return Err(WakeError::NotResumed);
     }
     Ok(conn)
 }
@@ -203,7 +245,11 @@ pub(crate) const CUDA_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Snapshots the quiet worker tree rooted at `pid` into `out` in kill mode (the source is gone
 /// afterwards), off the async runtime: `torpor_snapshot::snapshot` blocks for seconds.
-pub async fn snapshot_and_kill(pid: i32, out: &Path, log_dir: &Path) -> Result<(), String> {
+pub async fn snapshot_and_kill(
+    pid: i32,
+    out: &Path,
+    log_dir: &Path,
+) -> Result<(), SnapshotTreeError> {
     let (out, log_dir) = (out.to_path_buf(), log_dir.to_path_buf());
     tokio::task::spawn_blocking(move || {
         torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
@@ -214,10 +260,9 @@ pub async fn snapshot_and_kill(pid: i32, out: &Path, log_dir: &Path) -> Result<(
             log_dir: &log_dir,
         })
         .map(|_| ())
-        .map_err(|e| e.to_string())
     })
-    .await
-    .map_err(|e| format!("snapshot task failed: {e}"))?
+    .await??;
+    Ok(())
 }
 
 /// The bytes of the files under `dir`, recursively.
