@@ -120,6 +120,11 @@ EXIT_LOAD = 4
 EXIT_CONNECT = 5
 CONNECT_TIMEOUT_S = 10.0
 PROTOCOL = 2
+# The frame types torpord sends (protocol.schema.json's to_worker, checked by
+# tests/sdk/test_sdk_protocol.py): those the serve loop takes, and those only a split quiesce
+# takes (after its quiet).
+SERVES = ("load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown")
+AFTER_SPLIT_QUIET = ("release", "resume", "shutdown")
 DEFAULT_REATTACH_S = 60.0
 REATTACH_MAX_DELAY_S = 0.5
 MAX_TEXT = 64 << 10
@@ -402,9 +407,7 @@ class Worker:
             elif kind == "release":
                 raise ProtocolError("release outside a split quiesce; send quiesce {split: true} first")
             else:
-                raise ProtocolError(
-                    f"unknown frame type {kind!r} (known: load, invoke, attached, quiesce, map, unmap, shutdown)"
-                )
+                raise ProtocolError(f"unknown frame type {kind!r} (known: {', '.join(SERVES)})")
 
     # -- messages -----------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from .conftest import FUNCTIONS, Answer, Torpord
 
 STEADY = FUNCTIONS / "steady"
 REATTACH_S = 6
-# The daemon's READOPT_TIMEOUT (crates/torpord/src/runtime.rs).
+# The daemon's READOPT_TIMEOUT (crates/torpord/src/runtime/readopt.rs).
 READOPT_S = 10
 
 

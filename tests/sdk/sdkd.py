@@ -2,7 +2,10 @@
 
 `Daemon` listens on a real Unix socket; workers are real `python3 -m torpor.worker` processes
 that connect to it. The frames the test sends and reads go through a codec written here, not
-torpor.frames, so a bug in the codec under test cannot cancel itself out.
+torpor.frames, so a bug in the codec under test cannot cancel itself out. Every frame a worker
+sends is checked against the protocol's schema, python/torpor/protocol.schema.json, which
+torpord's Rust types generate (crates/torpord/src/protocol.rs): a worker frame the daemon's
+types do not describe fails the test that received it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON_DIR = ROOT / "python"
 FUNCTIONS = Path(__file__).resolve().parent / "functions"
@@ -26,6 +31,43 @@ if str(PYTHON_DIR) not in sys.path:
     sys.path.insert(0, str(PYTHON_DIR))
 
 from torpor.spec import parse_dir  # noqa: E402
+
+SCHEMA = json.loads((PYTHON_DIR / "torpor" / "protocol.schema.json").read_text())
+FROM_WORKER = jsonschema.Draft202012Validator(SCHEMA["from_worker"])
+TO_WORKER = jsonschema.Draft202012Validator(SCHEMA["to_worker"])
+
+
+def _by_type(direction: str) -> dict[str, jsonschema.Draft202012Validator]:
+    """One validator per frame type (checking a frame against its own variant only is fast
+    enough for the timed round-trip test)."""
+    schema = SCHEMA[direction]
+    return {
+        v["properties"]["type"]["const"]: jsonschema.Draft202012Validator({**v, "$defs": schema.get("$defs", {})})
+        for v in schema["oneOf"]
+    }
+
+
+_FROM_WORKER_BY_TYPE = _by_type("from_worker")
+_TO_WORKER_BY_TYPE = _by_type("to_worker")
+
+
+def is_to_worker(doc: object) -> bool:
+    """Whether `doc` is a frame torpord's types describe for sending to a worker."""
+    v = _TO_WORKER_BY_TYPE.get(doc.get("type")) if isinstance(doc, dict) else None  # type: ignore[arg-type]
+    return v is not None and v.is_valid(doc)
+
+
+def check_from_worker(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` if it is a frame torpord's types describe; else an AssertionError naming why."""
+    v = _FROM_WORKER_BY_TYPE.get(doc.get("type"))  # type: ignore[arg-type]
+    if v is not None and v.is_valid(doc):
+        return doc
+    errors = sorted(FROM_WORKER.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    raise AssertionError(
+        f"the worker sent a frame protocol.schema.json does not describe: {doc}: "
+        + "; ".join(e.message for e in errors[:3])
+        + " (change crates/torpord/src/protocol.rs and regenerate the schema, or the worker)"
+    )
 
 _LEN = struct.Struct(">I")
 _PEERCRED = struct.Struct("3i")
@@ -54,16 +96,21 @@ class Conn:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        # The worker's frames are checked against the schema while the test has sent only
+        # frames the schema describes (a test may send others on purpose, e.g. string ids).
+        self.on_protocol = True
         pid, uid, gid = _PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
         self.peer_pid = pid
 
     def send(self, obj: dict[str, Any]) -> None:
+        self.on_protocol = self.on_protocol and is_to_worker(obj)
         payload = json.dumps(obj).encode()
         self.sock.sendall(_LEN.pack(len(payload)) + payload)
 
     def send_raw(self, data: bytes) -> None:
+        self.on_protocol = False
         self.sock.sendall(data)
 
     def _exact(self, n: int, timeout: float) -> bytes:
@@ -80,10 +127,11 @@ class Conn:
         (n,) = _LEN.unpack(self._exact(4, timeout))
         doc = json.loads(self._exact(n, timeout).decode("utf-8"))
         assert isinstance(doc, dict), doc
-        return doc
+        return check_from_worker(doc) if self.on_protocol else doc
 
     def send_with_fd(self, obj: dict[str, Any], fd: int) -> None:
         """A frame with `fd` attached to its first byte (socket.send_fds)."""
+        self.on_protocol = self.on_protocol and is_to_worker(obj)
         payload = json.dumps(obj).encode()
         data = _LEN.pack(len(payload)) + payload
         sent = socket.send_fds(self.sock, [data], [fd])
@@ -100,7 +148,7 @@ class Conn:
         (n,) = _LEN.unpack(head)
         doc = json.loads(self._exact(n, timeout).decode("utf-8"))
         assert isinstance(doc, dict), doc
-        return doc, (fds[0] if fds else None)
+        return (check_from_worker(doc) if self.on_protocol else doc), (fds[0] if fds else None)
 
     def expect(self, kind: str, timeout: float = 10.0) -> dict[str, Any]:
         doc = self.recv(timeout)

@@ -7,65 +7,23 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::journal::Journal;
 use crate::launcher::{self, WorkerCommand};
+use crate::protocol::{Empty, Invoke, Quiesce, ToWorker};
 use crate::registry::{now_ms, Function, FunctionState, JournalOp, Snapshot, SnapshotKind};
-use crate::runtime::{kill_tree, restore, wake, Runtime, RECONNECT_TIMEOUT};
+use crate::runtime::process::{
+    dir_bytes, restore, snapshot_and_kill, wake, TreeGuard, QUIET_TIMEOUT, RECONNECT_TIMEOUT,
+};
+use crate::runtime::start::boot::{
+    base_key, load_frame, ready, NotReady, CONNECT_TIMEOUT, LOAD_TIMEOUT,
+};
+use crate::runtime::Runtime;
 use crate::workers::{ConnError, WorkerConn};
-
-/// How long a booted worker has to connect.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long preloading (base) or loading (function: import, setup, warm-up) may take.
-const LOAD_TIMEOUT: Duration = Duration::from_secs(900);
-/// How long a worker has to answer `quiesce` and close its connection.
-pub(crate) const QUIET_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long the snapshot waits for in-flight CUDA work when locking.
-pub(crate) const CUDA_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Snapshots the quiet worker tree rooted at `pid` into `out` in kill mode (the source is gone
-/// afterwards), off the async runtime: `torpor_snapshot::snapshot` blocks for seconds. Sealed
-/// with `key`, so that restores can tell it from a snapshot the daemon did not write.
-pub(crate) async fn snapshot_and_kill(
-    pid: i32,
-    out: &Path,
-    log_dir: &Path,
-    key: &Arc<torpor_image::SnapshotKey>,
-) -> Result<(), String> {
-    let (out, log_dir, key) = (out.to_path_buf(), log_dir.to_path_buf(), Arc::clone(key));
-    tokio::task::spawn_blocking(move || {
-        torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
-            pid,
-            out: &out,
-            leave_running: false,
-            lock_timeout: CUDA_LOCK_TIMEOUT,
-            log_dir: &log_dir,
-            key: Some(&key),
-        })
-        .map(|_| ())
-        .map_err(|e| stopped_source(pid, e))
-    })
-    .await
-    .map_err(|e| format!("snapshot task failed: {e}"))?
-}
-
-/// The message of a failed [`snapshot_and_kill`]: every caller kills the source then, so the
-/// library's "pid N keeps running" would be untrue.
-fn stopped_source(pid: i32, e: torpor_snapshot::snapshot::SnapshotError) -> String {
-    use torpor_snapshot::snapshot::SnapshotError as E;
-    let cause = match e {
-        E::Gpu { source, .. } => source.to_string(),
-        E::Dump { source, .. } => source.to_string(),
-        E::Write { source, .. } => source.to_string(),
-        E::Interrupted { .. } => "interrupted".to_string(),
-        other => other.to_string(),
-    };
-    format!("{cause}; no snapshot was written and its process (pid {pid}) was stopped")
-}
 
 /// A spec that `python3 -m torpor.spec` accepted.
 #[derive(Debug, Clone)]
@@ -128,6 +86,9 @@ pub async fn validate(rt: &Runtime, dir: &str) -> Result<ValidSpec, (bool, Strin
             format!("python3 -m torpor.spec printed no JSON: {e}"),
         )
     })?;
+    // The one definition of the spec's shape (crate::spec): a torpor package of another
+    // version is refused here, not halfway through the deploy.
+    crate::spec::FunctionSpec::from_json(&json).map_err(|e| (false, e.to_string()))?;
     let k = crate::runtime::keepalive_of(&json, &rt.config.keepalive);
     if !(k.gpu_release <= k.hibernate && k.hibernate <= k.evict) {
         return Err((
@@ -170,17 +131,6 @@ fn fail(phase: &'static str, message: impl Into<String>) -> Failure {
     }
 }
 
-/// Kills a worker tree unless defused.
-struct TreeGuard(Option<i32>);
-
-impl Drop for TreeGuard {
-    fn drop(&mut self) {
-        if let Some(pid) = self.0.take() {
-            kill_tree(pid);
-        }
-    }
-}
-
 pub(crate) fn fnv(text: &str) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in text.bytes() {
@@ -188,20 +138,6 @@ pub(crate) fn fnv(text: &str) -> String {
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
     format!("{h:016x}")
-}
-
-pub(crate) fn dir_bytes(dir: &Path) -> u64 {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .map(|e| match e.metadata() {
-            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
-            Ok(m) => m.len(),
-            Err(_) => 0,
-        })
-        .sum()
 }
 
 /// Runs the deploy of an accepted spec, sending phase lines and then the result on `tx`.
@@ -273,7 +209,7 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
 async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, String> {
     let registry = Arc::clone(&rt.registry);
     let spec = spec.clone();
-    let key = base_key(&spec.json, &rt.split).map_err(|e| e.message)?;
+    let key = base_key(&spec.json, &rt.split)?;
     tokio::task::spawn_blocking(move || {
         registry.transaction(|s| {
             let now = now_ms();
@@ -313,152 +249,25 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, S
     .map_err(|e: crate::registry::RegistryError| e.to_string())
 }
 
-/// The `load` frame for a function: its spec, directory and declared data.
-fn load_frame(spec: &Value, dir: &Path) -> Value {
-    let data: serde_json::Map<String, Value> = spec["data"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|d| Some((d["name"].as_str()?.to_string(), d["abs_path"].clone())))
-                .collect()
-        })
-        .unwrap_or_default();
-    json!({"type": "load", "spec": spec, "dir": dir, "data": data})
-}
-
-/// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker
-/// writing to `log`, sends it `load` and waits for `ready`. Returns (init, worker, connection,
-/// timings: `boot` (launch and connect), `load` (import, setup, warm-up)). `charge`, for an
-/// instance's start, learns the worker's tree as soon as it is launched.
-pub(crate) async fn boot_function(
-    rt: &Runtime,
-    spec: &Value,
-    dir: &Path,
-    log: &Path,
-    charge: Option<&crate::accounting::StartGuard<'_>>,
-) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), String> {
-    let t = Instant::now();
-    let python_dir = rt.python_dir.clone()?;
-    let (_, python, preload, gpu) = base_key(spec, &rt.split).map_err(|f| f.message)?;
-    let (hook, preload_hook) = rt.split.worker_hook(gpu);
-    let log = log.to_path_buf();
-    let (ws, sd, lg) = (
-        rt.workers_socket.clone(),
-        rt.state_root.clone(),
-        log.clone(),
-    );
-    let init = tokio::task::spawn_blocking(move || {
-        launcher::launch_worker(&WorkerCommand {
-            python: &python,
-            role: "function",
-            preload: &preload,
-            gpu,
-            log: &lg,
-            state_dir: &sd,
-            workers_socket: &ws,
-            python_dir: &python_dir,
-            hook: hook.as_deref(),
-            preload_hook,
-        })
-    })
-    .await
-    .map_err(|e| format!("launch task failed: {e}"))??;
-    let mut guard = TreeGuard(Some(init));
-    if let Some(c) = charge {
-        c.process_started(init);
+/// A worker that did not become ready fails the deploy in `phase`, with the worker's own step
+/// and error document where it sent one.
+fn not_ready(phase: &'static str, e: NotReady) -> Failure {
+    let error = match &e {
+        NotReady::Failed {
+            worker_phase,
+            error,
+        } => Some(json!({"phase": worker_phase, "error": error})),
+        NotReady::Conn(_) => None,
+    };
+    Failure {
+        phase,
+        message: e.to_string(),
+        error,
     }
-    let worker = launcher::worker_pid(init)?;
-    let mut conn = rt
-        .hub
-        .claim(worker)
-        .wait(CONNECT_TIMEOUT)
-        .await
-        .map_err(|e| {
-            format!(
-                "the booted worker did not connect: {e}; see {}",
-                log.display()
-            )
-        })?;
-    if conn.hello.role != "function" || conn.hello.resumed {
-        return Err(format!(
-            "the booted worker said hello as role {} (resumed: {}), not a fresh function worker",
-            conn.hello.role, conn.hello.resumed
-        ));
-    }
-    let boot_s = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    crate::function_mounts::bind_function_dir(init, dir).await?;
-    conn.send(&load_frame(spec, dir))
-        .await
-        .map_err(|e| format!("sending load: {e}"))?;
-    ready(&mut conn, "load")
-        .await
-        .map_err(|f| format!("{}; see {}", f.message, log.display()))?;
-    let load_s = t.elapsed().as_secs_f64();
-    guard.0 = None;
-    Ok((
-        init,
-        worker,
-        conn,
-        vec![("boot".to_string(), boot_s), ("load".to_string(), load_s)],
-    ))
-}
-
-/// (key, interpreter, preload in spec order, gpu). The key ends with how the base's workers got
-/// the device-memory hook ([`crate::split::Split::base_key_suffix`]), so a base booted
-/// otherwise is never restored for this deploy.
-fn base_key(
-    spec: &Value,
-    split: &crate::split::Split,
-) -> Result<(String, PathBuf, Vec<String>, bool), Failure> {
-    let python = launcher::resolve_python(spec["python"].as_str().unwrap_or("python3"))
-        .map_err(|e| fail("validate", e))?;
-    let preload: Vec<String> = spec["preload"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
-    let mut sorted = preload.clone();
-    sorted.sort();
-    sorted.dedup();
-    let gpu = spec["gpus"].as_u64().unwrap_or(0) > 0;
-    let key = format!(
-        "{}|{}|{}{}",
-        python.display(),
-        sorted.join(","),
-        if gpu { "gpu" } else { "cpu" },
-        split.base_key_suffix(gpu)
-    );
-    Ok((key, python, preload, gpu))
 }
 
 fn conn_fail(phase: &'static str, what: &str, e: ConnError) -> Failure {
     fail(phase, format!("{what}: {e}"))
-}
-
-/// Reads `ready`; `ok: false` fails the deploy with the worker's phase and error.
-async fn ready(conn: &mut WorkerConn, phase: &'static str) -> Result<Value, Failure> {
-    let msg = conn
-        .expect("ready", LOAD_TIMEOUT)
-        .await
-        .map_err(|e| conn_fail(phase, "waiting for the worker's ready", e))?;
-    if msg.get("ok").and_then(Value::as_bool) == Some(true) {
-        return Ok(Value::Object(msg));
-    }
-    let wphase = msg.get("phase").and_then(Value::as_str).unwrap_or("?");
-    let err = msg.get("error").cloned().unwrap_or(Value::Null);
-    Err(Failure {
-        phase,
-        message: format!(
-            "the worker failed in its {wphase} step: {}: {}",
-            err["type"].as_str().unwrap_or("Error"),
-            err["message"].as_str().unwrap_or("")
-        ),
-        error: Some(json!({"phase": wphase, "error": err})),
-    })
 }
 
 /// quiesce → quiet → EOF → snapshot (the source is killed).
@@ -469,7 +278,7 @@ async fn quiesce_and_snapshot(
     out: &Path,
     phase: &'static str,
 ) -> Result<(), Failure> {
-    conn.send(&json!({"type": "quiesce"}))
+    conn.send(&ToWorker::Quiesce(Quiesce::default()))
         .await
         .map_err(|e| conn_fail(phase, "sending quiesce", e))?;
     conn.expect("quiet", QUIET_TIMEOUT)
@@ -485,7 +294,7 @@ async fn quiesce_and_snapshot(
         &rt.snapshot_key,
     )
     .await
-    .map_err(|e| fail(phase, e))?;
+    .map_err(|e| fail(phase, e.to_string()))?;
     // Kill mode: the source is gone.
     init.0 = None;
     Ok(())
@@ -516,7 +325,7 @@ async fn split_snapshot(
         .await
         .map_err(|e| conn_fail(PHASE, "split quiesce", e))?;
     if probe.is_empty() {
-        conn.send(&json!({"type": "resume"}))
+        conn.send(&ToWorker::Resume(Empty {}))
             .await
             .map_err(|e| conn_fail(PHASE, "sending resume", e))?;
         return Ok(None);
@@ -532,11 +341,18 @@ async fn split_snapshot(
             None
         }
     };
-    conn.send(&json!({"type": "resume"}))
+    conn.send(&ToWorker::Resume(Empty {}))
         .await
         .map_err(|e| conn_fail(PHASE, "sending resume", e))?;
     if let Some(request) = warmup {
-        conn.send(&json!({"type": "invoke", "id": 0, "request": request, "timeout_s": LOAD_TIMEOUT.as_secs_f64()}))
+        let request = serde_json::value::to_raw_value(&request)
+            .map_err(|e| fail(PHASE, format!("the warm-up request cannot be sent: {e}")))?;
+        let invoke = ToWorker::Invoke(Invoke {
+            id: 0,
+            request,
+            timeout_s: LOAD_TIMEOUT.as_secs_f64(),
+        });
+        conn.send(&invoke)
             .await
             .map_err(|e| conn_fail(PHASE, "sending the read-only probe's warm-up request", e))?;
         let r = conn
@@ -594,7 +410,7 @@ async fn finish_split(
             &rt.snapshot_key,
         )
         .await
-        .map_err(|e| fail(PHASE, e))?;
+        .map_err(|e| fail(PHASE, e.to_string()))?;
         init.0 = None;
         Ok(())
     }
@@ -630,7 +446,8 @@ async fn steps(
         let _ = tx.send(line);
     };
     let python_dir = rt.python_dir.clone().map_err(|e| fail("validate", e))?;
-    let (key, python, preload, gpu) = base_key(&spec.json, &rt.split)?;
+    let (key, python, preload, gpu) =
+        base_key(&spec.json, &rt.split).map_err(|e| fail("validate", e))?;
     let (hook, preload_hook) = rt.split.worker_hook(gpu);
     let state_root = rt.state_root.clone();
     let snapshots = rt.snapshots_dir();
@@ -690,10 +507,12 @@ async fn steps(
                     hook: hk.as_deref(),
                     preload_hook,
                 })
+                .map_err(|e| e.to_string())
             })
             .await?;
             let mut guard = TreeGuard(Some(init));
-            let worker = launcher::worker_pid(init).map_err(|e| fail("boot_base", e))?;
+            let worker =
+                launcher::worker_pid(init).map_err(|e| fail("boot_base", e.to_string()))?;
             let mut conn = rt
                 .hub
                 .claim(worker)
@@ -708,7 +527,9 @@ async fn steps(
                         ),
                     )
                 })?;
-            let r = ready(&mut conn, "boot_base").await?;
+            let r = ready(&mut conn)
+                .await
+                .map_err(|e| not_ready("boot_base", e))?;
             send(phase(
                 "boot_base",
                 t.elapsed().as_secs_f64(),
@@ -760,7 +581,7 @@ async fn steps(
     let log = crate::instance_logs::deploy_log(&rt.logs_dir(), name, now_ms());
     let (init, worker) = restore(&base.path, &rt.logs_dir(), &log, &rt.snapshot_key)
         .await
-        .map_err(|e| fail("restore_base", e))?;
+        .map_err(|e| fail("restore_base", e.to_string()))?;
     let mut guard = TreeGuard(Some(init));
     let mut conn = wake(&rt.hub, worker, RECONNECT_TIMEOUT)
         .await
@@ -784,7 +605,7 @@ async fn steps(
     conn.send(&load_frame(&spec.json, &spec.dir))
         .await
         .map_err(|e| conn_fail("load", "sending load", e))?;
-    let r = ready(&mut conn, "load").await?;
+    let r = ready(&mut conn).await.map_err(|e| not_ready("load", e))?;
     let mut loaded = json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]});
     // What the harness packed into segments of their own (docs/split.md, "Weight packing").
     if let Some(packed) = r.get("packed") {
@@ -904,18 +725,4 @@ async fn steps(
         .await;
     }
     Ok((id, base.id, reused))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_failed_snapshot_says_its_source_was_stopped() {
-        let e = torpor_snapshot::snapshot::SnapshotError::Interrupted { root: 4242 };
-        assert!(e.to_string().contains("keeps running"));
-        let msg = stopped_source(4242, e);
-        assert!(!msg.contains("keeps running"), "{msg}");
-        assert!(msg.contains("(pid 4242) was stopped"), "{msg}");
-    }
 }

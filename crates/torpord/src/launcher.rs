@@ -131,10 +131,38 @@ pub struct WorkerCommand<'a> {
     pub preload_hook: bool,
 }
 
+/// Why a worker could not be launched, or found under its init.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The daemon's own executable (which launches workers) cannot be found.
+    #[error("cannot find torpord's own executable to launch a worker: {0}")]
+    OwnExecutable(#[source] std::io::Error),
+    /// The launcher process could not be run.
+    #[error("cannot run {exe} {LAUNCH_SUBCOMMAND}: {source}")]
+    Spawn {
+        exe: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The launcher ran and failed; `status` is its exit code (`None`: killed by a signal).
+    #[error("launching the worker failed (exit status {status:?}): {stderr}")]
+    Failed { status: Option<i32>, stderr: String },
+    /// `/proc/<init>/task/<init>/children` cannot be read (the init is gone).
+    #[error("cannot read {path} to find the worker under init {init}: {source}")]
+    ReadChildren {
+        init: i32,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The init has no child: its worker exited.
+    #[error("init {0} has no worker process (it exited)")]
+    NoWorker(i32),
+}
+
 /// Launches a worker (blocking); returns the host pid of its init.
-pub fn launch_worker(w: &WorkerCommand) -> Result<i32, String> {
-    let exe = std::env::current_exe()
-        .map_err(|e| format!("cannot find torpord's own executable to launch a worker: {e}"))?;
+pub fn launch_worker(w: &WorkerCommand) -> Result<i32, LaunchError> {
+    let exe = std::env::current_exe().map_err(LaunchError::OwnExecutable)?;
     let mut cmd = Command::new(&exe);
     cmd.arg(LAUNCH_SUBCOMMAND)
         .arg(w.log)
@@ -163,26 +191,32 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, String> {
         .env("PYTHONUNBUFFERED", "1")
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| format!("cannot run {} {LAUNCH_SUBCOMMAND}: {e}", exe.display()))?;
+        .map_err(|source| LaunchError::Spawn {
+            exe: exe.display().to_string(),
+            source,
+        })?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     match stdout.trim().parse::<i32>() {
         Ok(pid) if out.status.success() => Ok(pid),
-        _ => Err(format!(
-            "launching the worker failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )),
+        _ => Err(LaunchError::Failed {
+            status: out.status.code(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        }),
     }
 }
 
 /// The host pid of the worker under init `init` (its only child).
-pub fn worker_pid(init: i32) -> Result<i32, String> {
+pub fn worker_pid(init: i32) -> Result<i32, LaunchError> {
     let path = format!("/proc/{init}/task/{init}/children");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| format!("cannot read {path} to find the worker under init {init}: {e}"))?;
+    let text = std::fs::read_to_string(&path).map_err(|source| LaunchError::ReadChildren {
+        init,
+        path: path.clone(),
+        source,
+    })?;
     text.split_whitespace()
         .next()
         .and_then(|p| p.parse().ok())
-        .ok_or_else(|| format!("init {init} has no worker process (it exited)"))
+        .ok_or(LaunchError::NoWorker(init))
 }
 
 /// Resolves the interpreter named in a spec (`python3`, or a path) to an absolute path, so the

@@ -5,8 +5,10 @@
 //! Layers: [`config`] (file + flags) → [`server::Daemon`] (state directory, [`registry`],
 //! listeners) → [`api`] (routes) with [`metrics`]. Functions run as workers: [`workers`] (their
 //! socket and [`frames`]), [`launcher`] (starting them), [`deploy`] (base and function
-//! snapshots) and [`runtime`] (instances, routing, the queue). [`client`] is the blocking client
-//! the CLI uses.
+//! snapshots, on top of the runtime) and [`runtime`] (instances: their pools and routing, the
+//! ways they start, their states, keep-alive). [`client`] is the blocking client the CLI uses.
+//! docs/architecture.md follows a deploy and a cold invoke through these modules; no two of
+//! them import each other in a circle (tests/module_graph.rs).
 
 pub mod accounting;
 pub mod api;
@@ -18,20 +20,23 @@ pub mod frames;
 pub mod function_mounts;
 pub mod instance_logs;
 pub mod journal;
-pub mod keepalive;
 pub mod launcher;
 pub mod logging;
 pub mod metrics;
+pub mod protocol;
 pub mod recovery;
 pub mod registry;
 mod run;
 pub mod runtime;
+#[cfg(test)]
+mod schema_file;
 pub mod server;
 pub mod socket;
+pub mod spec;
 pub mod split;
 pub mod staging;
-pub mod standby;
 pub mod state_dir;
+mod sync;
 pub mod toml_table;
 pub mod workers;
 

@@ -37,7 +37,7 @@ pub mod start {
     pub const RESTORED: &str = "restored";
     /// An instance booted from scratch.
     pub const BOOTED: &str = "booted";
-    /// A standby instance, restored ahead of time (crate::standby), resumed for the request.
+    /// A standby instance, restored ahead of time (crate::runtime::start::standby), resumed for the request.
     pub const STANDBY: &str = "standby";
     /// Every value.
     pub const ALL: &[&str] = &[WARM, RESTORED, BOOTED, STANDBY];
@@ -85,7 +85,7 @@ pub struct Metrics {
     pub gpu_memory_bytes: IntGauge,
     /// `torpor_queue_length{function}`: requests waiting for an instance.
     pub queue_length: IntGaugeVec,
-    /// `torpor_standby_instances{function}`: unused standby instances (crate::standby).
+    /// `torpor_standby_instances{function}`: unused standby instances (crate::runtime::start::standby).
     pub standby_instances: IntGaugeVec,
     /// `torpor_instance_stage_seconds_total{function, stage}`: time instances spent per stage
     /// ([`accounted_stages`]).

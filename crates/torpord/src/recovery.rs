@@ -293,7 +293,7 @@ fn replay_hibernation(registry: &Registry, e: &JournalEntry) -> Result<(), Regis
                         path: dir.to_path_buf(),
                         function: Some(inst.function.clone()),
                         base_key: base_key.clone(),
-                        bytes: crate::deploy::dir_bytes(dir),
+                        bytes: crate::runtime::process::dir_bytes(dir),
                         created: now_ms(),
                     })?;
                 }

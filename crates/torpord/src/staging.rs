@@ -31,8 +31,8 @@ use std::sync::{Arc, Mutex};
 use prometheus::IntGauge;
 use torpor_snapshot::mounts::STAGE_MOUNT_SOURCE;
 
-use crate::runtime::lock;
 use crate::split::cache::Lru;
+use crate::sync::lock;
 
 /// The stage area's directory under the state directory.
 pub const STAGE_DIR: &str = "stage";

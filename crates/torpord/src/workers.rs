@@ -39,27 +39,34 @@ pub struct Hello {
 }
 
 impl Hello {
-    fn parse(m: &Map<String, Value>) -> Result<Self, String> {
-        if m.get("type").and_then(Value::as_str) != Some("hello") {
+    /// The first frame of a connection, which must be a `hello` of a protocol this daemon
+    /// speaks.
+    fn parse(payload: &[u8]) -> Result<Self, String> {
+        use crate::protocol::{FromWorker, PROTOCOL};
+        let h = match FromWorker::parse(payload) {
+            Ok(FromWorker::Hello(h)) => h,
+            Ok(other) => {
+                return Err(format!(
+                    "first frame must be hello, got type {:?}",
+                    other.kind()
+                ))
+            }
+            Err(e) => return Err(format!("first frame must be hello, got {e}")),
+        };
+        if h.protocol > PROTOCOL {
             return Err(format!(
-                "first frame must be hello, got type {}",
-                m.get("type").unwrap_or(&Value::Null)
+                "it speaks worker protocol {}, this torpord at most {PROTOCOL}: upgrade torpord \
+                 to the version of the torpor package the worker runs",
+                h.protocol
             ));
         }
-        let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
-        if role != "base" && role != "function" {
-            return Err(format!("hello.role must be base or function, got {role:?}"));
-        }
         Ok(Self {
-            pid: m.get("pid").and_then(Value::as_i64).unwrap_or(-1),
-            role: role.to_string(),
-            function: m
-                .get("function")
-                .and_then(Value::as_str)
-                .map(str::to_string),
-            resumed: m.get("resumed").and_then(Value::as_bool).unwrap_or(false),
-            protocol: m.get("protocol").and_then(Value::as_u64).unwrap_or(1),
-            reattach: m.get("reattach").and_then(Value::as_bool).unwrap_or(false),
+            pid: h.pid,
+            role: h.role.as_str().to_string(),
+            function: h.function,
+            resumed: h.resumed,
+            protocol: h.protocol,
+            reattach: h.reattach,
         })
     }
 }
@@ -91,7 +98,7 @@ pub enum ConnError {
 
 impl WorkerConn {
     /// Sends one frame.
-    pub async fn send(&mut self, obj: &Value) -> Result<(), ConnError> {
+    pub async fn send<T: serde::Serialize + ?Sized>(&mut self, obj: &T) -> Result<(), ConnError> {
         send(&mut self.wr, obj).await
     }
 
@@ -141,8 +148,11 @@ impl WorkerConn {
     }
 }
 
-/// Writes one frame to a worker.
-pub async fn send(wr: &mut OwnedWriteHalf, obj: &Value) -> Result<(), ConnError> {
+/// Writes one frame to a worker (a [`crate::protocol::ToWorker`], or a test's own object).
+pub async fn send<T: serde::Serialize + ?Sized>(
+    wr: &mut OwnedWriteHalf,
+    obj: &T,
+) -> Result<(), ConnError> {
     send_frame(wr, &frames::encode(obj)?).await
 }
 
@@ -334,7 +344,7 @@ fn peer_pid(stream: &UnixStream) -> std::io::Result<i32> {
 async fn handshake(stream: UnixStream) -> Result<WorkerConn, String> {
     let pid = peer_pid(&stream).map_err(|e| format!("SO_PEERCRED failed: {e}"))?;
     let (mut rd, wr) = stream.into_split();
-    let first = tokio::time::timeout(HELLO_TIMEOUT, frames::read(&mut rd))
+    let first = tokio::time::timeout(HELLO_TIMEOUT, frames::read_payload(&mut rd))
         .await
         .map_err(|_| format!("worker pid {pid} sent no hello within {HELLO_TIMEOUT:?}"))?
         .map_err(|e| format!("worker pid {pid}: {e}"))?

@@ -21,9 +21,10 @@
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 use torpor_image::store::Recipe;
 
+use crate::protocol::{Empty, Quiesce, ToWorker};
 use crate::split::index::{self, SegmentEntry, SegmentIndex, INDEX_FORMAT, INDEX_RECIPE};
 use crate::split::{fds, lock, Split};
 use crate::workers::{ConnError, WorkerConn};
@@ -69,7 +70,7 @@ fn protocol(what: impl Into<String>) -> ConnError {
 pub async fn quiesce(
     conn: &mut WorkerConn,
 ) -> Result<(Map<String, Value>, Vec<Listed>), ConnError> {
-    conn.send(&json!({"type": "quiesce", "split": true}))
+    conn.send(&ToWorker::Quiesce(Quiesce { split: Some(true) }))
         .await?;
     let quiet = match fds::read_with_fd(&mut conn.rd).await? {
         None => return Err(ConnError::Closed),
@@ -261,7 +262,7 @@ pub async fn release(
     conn: &mut WorkerConn,
     timeout: std::time::Duration,
 ) -> Result<u64, ConnError> {
-    conn.send(&json!({"type": "release"})).await?;
+    conn.send(&ToWorker::Release(Empty {})).await?;
     let msg = conn.expect("released", timeout).await?;
     Ok(msg.get("bytes").and_then(Value::as_u64).unwrap_or(0))
 }
@@ -272,7 +273,7 @@ pub async fn release_halves(
     rd: &mut OwnedReadHalf,
     timeout: std::time::Duration,
 ) -> Result<u64, ConnError> {
-    crate::workers::send(wr, &json!({"type": "release"})).await?;
+    crate::workers::send(wr, &ToWorker::Release(Empty {})).await?;
     let msg = tokio::time::timeout(timeout, crate::frames::read(rd))
         .await
         .map_err(|_| ConnError::Timeout(timeout.as_secs_f64()))??

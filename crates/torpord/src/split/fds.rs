@@ -74,7 +74,7 @@ pub async fn read_with_fd(
 /// Sends `obj` as one frame with `fd` attached to its first byte.
 pub async fn send_with_fd(
     wr: &mut OwnedWriteHalf,
-    obj: &Value,
+    obj: &(impl serde::Serialize + ?Sized),
     fd: BorrowedFd<'_>,
 ) -> Result<(), ConnError> {
     let frame = frames::encode(obj)?;

@@ -65,7 +65,7 @@ impl InstanceSegments {
     }
 
     /// The segments of `plan`, none handed over yet: released, each to be filled from the
-    /// restore server's sources (a standby instance, crate::standby).
+    /// restore server's sources (a standby instance, crate::runtime::start::standby).
     pub fn unfilled(plan: Arc<Vec<Planned>>) -> Self {
         let saved = plan.iter().map(|_| None).collect();
         Self {

@@ -25,10 +25,11 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::protocol::{self, ToWorker};
 use crate::split::device::{HostBuffer, Memory, SegmentDevice};
 use crate::split::index::{Planned, SegmentEntry};
 use crate::split::{fds, lock, Split};
@@ -409,7 +410,12 @@ impl HandingOver {
                 Event::Failed(e) => return Err(e),
                 Event::Plan(_) => return Err("the restore server sent two plans".into()),
             };
-            let frame = json!({"type": "map", "va": f.va, "size": f.size, "readonly": f.readonly, "fd": true});
+            let frame = ToWorker::Map(protocol::Map {
+                va: f.va,
+                size: f.size,
+                readonly: f.readonly,
+                fd: true,
+            });
             let fd = f.fd;
             sent(f.va, f.lease);
             let mut wr = writer.lock().await;
@@ -505,6 +511,7 @@ impl Mapping {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn frame(v: Value) -> Map<String, Value> {
         match v {

@@ -20,8 +20,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::ColdStart;
-use crate::registry::{now_ms, Stage};
-use crate::runtime::{lock, restore_with, FnInfo, Instance, Pool, PoolState, Runtime};
+use crate::registry::Stage;
+use crate::runtime::instance::Instance;
+use crate::runtime::lifecycle::Transition;
+use crate::runtime::pool::{FnInfo, Pool, PoolState};
+use crate::runtime::process::{restore_with, HowToRestore};
+use crate::runtime::start::{NewInstance, StartKind};
+use crate::runtime::Runtime;
+use crate::sync::lock;
 
 /// The longest wait between failed standby starts of one function.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(60);
@@ -198,11 +204,18 @@ impl Runtime {
         let charge = self.starts.begin(&pool.name, 0, Arc::clone(&self.metrics));
         let t = Instant::now();
         let started = if info.gpu {
-            self.restore_standby(&pool.name, &info, generation, &charge)
+            let (id, log) = self.instance_files(&pool.name, None);
+            let new = NewInstance {
+                id: &id,
+                log: &log,
+                charge: &charge,
+            };
+            self.start(StartKind::Standby, &pool.name, &info, generation, &new)
                 .await
+                .map(|(inst, _, _)| inst)
         } else {
             // Nothing to put off on a CPU function: a fully restored idle instance.
-            self.start_instance(&pool.name, &info, generation, None, &charge)
+            self.cold_start(&pool.name, &info, generation, &charge)
                 .await
                 .map(|(inst, _, _)| inst)
         };
@@ -241,22 +254,20 @@ impl Runtime {
     /// The CRIU part of a restore of the function snapshot, without the driver restore, then the
     /// worker's wake-up: an instance in gpu_released whose segments (split path) are all still
     /// to be filled.
-    async fn restore_standby(
+    pub(crate) async fn restore_standby(
         self: &Arc<Self>,
         name: &str,
         info: &FnInfo,
         generation: u64,
-        charge: &crate::accounting::StartGuard<'_>,
+        new: &NewInstance<'_, '_>,
     ) -> Result<Arc<Instance>, String> {
-        let id = format!("{name}-{}-{}", now_ms(), self.next());
-        let log = crate::instance_logs::instance_log(&self.logs_dir(), name, &id);
         let (split, snapshot) = (Arc::clone(&self.split), info.snapshot_id.clone());
         let plan = tokio::task::spawn_blocking(move || split.plan(&snapshot))
             .await
             .map_err(|e| format!("split plan task failed: {e}"))??;
         // Copy pages, from the staged copy when there is one: off the request's path, and a
         // GPU worker's driver restore would fault in lazy pages one by one later.
-        let how = crate::runtime::HowToRestore {
+        let how = HowToRestore {
             pages: torpor_snapshot::restore::PageSource::Copy,
             staged: self.staging.get(&info.snapshot_dir),
             leave_gpu_checkpointed: true,
@@ -264,24 +275,33 @@ impl Runtime {
         let tree = restore_with(
             &info.snapshot_dir,
             &self.logs_dir(),
-            &log,
+            new.log,
             how,
             &self.snapshot_key,
         )
         .await
         .map_err(|e| format!("cannot restore a standby instance of {name:?}: {e}"))?;
         let (init, worker) = (tree.init, tree.worker);
-        charge.process_started(init);
+        new.charge.process_started(init);
         let what = format!("a standby instance of {name:?}");
         let conn = self.wake_function(name, init, worker, &what).await?;
         let inst = self
-            .adopt(id, name, info, generation, None, init, worker, conn)
+            .adopt(
+                new.id.to_string(),
+                name,
+                info,
+                generation,
+                None,
+                init,
+                worker,
+                conn,
+            )
             .await?;
         if let Some(plan) = plan {
             *lock(&inst.segments) = crate::split::release::InstanceSegments::unfilled(plan);
         }
         // Not in the pool yet: nothing routes to it before its stage says gpu_released.
-        lock(&inst.keep).stage = Stage::GpuReleased;
+        self.step(name, &mut lock(&inst.keep), Transition::Standby);
         if let Err(e) = self
             .record_stage(&inst.id, Stage::GpuReleased, Some(init), None)
             .await

@@ -15,14 +15,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::json;
-
 use crate::accounting::{self, Meter};
 use crate::config::ColdStart;
-use crate::deploy::{dir_bytes, snapshot_and_kill, CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
 use crate::journal::Journal;
 use crate::metrics::HIBERNATING;
+use crate::protocol::{Quiesce, ToWorker, Unmap};
 use crate::registry::{now_ms, JournalOp, RegistryError, Snapshot, SnapshotKind, Stage};
+use crate::runtime::lifecycle::Transition;
+use crate::runtime::pool::FnInfo;
+use crate::runtime::process::{dir_bytes, snapshot_and_kill, CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
 use crate::runtime::{lock, remove_snapshot_dir, Instance, Keep, Pool, Runtime, Sleeper};
 use crate::workers;
 
@@ -36,8 +37,8 @@ enum Step {
     /// `cold_start = "boot"`: no snapshot to hibernate to; the process is stopped.
     Stop(Arc<Instance>),
     Evict(String),
-    /// Start a standby instance (counted in `starting` already: crate::standby::plan).
-    StartStandby(Box<crate::runtime::FnInfo>, u64),
+    /// Start a standby instance (counted in `starting` already: crate::runtime::start::standby::plan).
+    StartStandby(Box<FnInfo>, u64),
 }
 
 impl Runtime {
@@ -79,26 +80,6 @@ impl Runtime {
             }
         }
         Some(out)
-    }
-
-    /// Adds the time since the last account to `label` (`keep`'s stage, or hibernating), with
-    /// the GPU memory last read for it; `reading`, where one was taken now, stands from now on.
-    pub(crate) fn account(
-        &self,
-        function: &str,
-        label: &str,
-        keep: &mut Keep,
-        reading: Option<u64>,
-    ) {
-        let charge = keep.meter.close(Instant::now(), reading);
-        self.metrics.add_charge(function, label, charge);
-    }
-
-    /// Accounts `keep`'s stage up to now, then moves it to `stage`. Between ticks nothing is read:
-    /// the interval is charged at the last reading, as the next tick would have charged it.
-    fn set_stage(&self, function: &str, keep: &mut Keep, stage: Stage) {
-        self.account(function, keep.stage.as_str(), keep, None);
-        keep.stage = stage;
     }
 
     fn tick(self: &Arc<Self>) {
@@ -155,7 +136,7 @@ impl Runtime {
                     || inst.generation != generation
                     || inst.still_mapping()
                     || inst.pages_pending.load(Ordering::SeqCst)
-                    || crate::standby::is_standby(inst)
+                    || crate::runtime::start::standby::is_standby(inst)
                 {
                     continue;
                 }
@@ -189,7 +170,8 @@ impl Runtime {
                     steps.push((Arc::clone(&pool), Step::Evict(s.id.clone())));
                 }
             }
-            let (ready, start) = crate::standby::plan(&mut st, self.config.cold_start, now);
+            let (ready, start) =
+                crate::runtime::start::standby::plan(&mut st, self.config.cold_start, now);
             self.metrics
                 .standby_instances
                 .with_label_values(&[&pool.name])
@@ -229,24 +211,6 @@ impl Runtime {
         }
     }
 
-    /// Records a stage in the registry (blocking pool).
-    pub(crate) async fn record_stage(
-        &self,
-        id: &str,
-        stage: Stage,
-        pid: Option<i32>,
-        snapshot: Option<String>,
-    ) -> Result<(), String> {
-        let registry = Arc::clone(&self.registry);
-        let id = id.to_string();
-        tokio::task::spawn_blocking(move || {
-            registry.with(|s| s.set_instance_stage(&id, stage, pid, snapshot.as_deref()))
-        })
-        .await
-        .map_err(|e| format!("registry task failed: {e}"))?
-        .map_err(|e| e.to_string())
-    }
-
     /// warm → gpu_released: CUDA driver lock + checkpoint of the worker, in place; on the split
     /// path its segments are unmapped and given back first.
     async fn release_gpu(self: Arc<Self>, pool: Arc<Pool>, inst: Arc<Instance>) {
@@ -265,7 +229,7 @@ impl Runtime {
         }
         {
             let mut k = lock(&inst.keep);
-            self.set_stage(&inst.function, &mut k, Stage::GpuReleased);
+            self.step(&inst.function, &mut k, Transition::ReleaseGpu);
             k.busy = false;
         }
         if let Err(e) = self
@@ -325,7 +289,7 @@ impl Runtime {
             // the driver's checkpoint.
             let vas: Vec<u64> = plan.iter().map(|(e, _)| e.va).collect();
             let mut wr = inst.writer.lock().await;
-            if let Err(e) = workers::send(&mut wr, &json!({"type": "unmap", "vas": vas})).await {
+            if let Err(e) = workers::send(&mut wr, &ToWorker::Unmap(Unmap { vas })).await {
                 drop(wr);
                 let why = format!("cannot send unmap: {e}");
                 self.remove_instance(inst, &why, true);
@@ -496,7 +460,7 @@ impl Runtime {
         };
         {
             let mut k = lock(&inst.keep);
-            self.set_stage(&inst.function, &mut k, Stage::Warm);
+            self.step(&inst.function, &mut k, Transition::ResumeGpu);
             k.busy = stay_busy;
         }
         if let Err(e) = self
@@ -620,7 +584,9 @@ impl Runtime {
             let mut wr = inst.writer.lock().await;
             workers::send(
                 &mut wr,
-                &json!({"type": "quiesce", "split": split.is_some()}),
+                &ToWorker::Quiesce(Quiesce {
+                    split: Some(split.is_some()),
+                }),
             )
             .await
             .map_err(|e| format!("sending quiesce: {e}"))?;
@@ -659,9 +625,9 @@ impl Runtime {
             )),
         };
         let snapshotted = match closed {
-            Ok(()) => {
-                snapshot_and_kill(inst.init_pid, out, &self.logs_dir(), &self.snapshot_key).await
-            }
+            Ok(()) => snapshot_and_kill(inst.init_pid, out, &self.logs_dir(), &self.snapshot_key)
+                .await
+                .map_err(|e| e.to_string()),
             Err(e) => Err(e),
         };
         if let Err(e) = snapshotted {
@@ -675,8 +641,7 @@ impl Runtime {
         // the sleeper takes its place, which copies it then).
         let (idle_since, keep) = {
             let mut k = lock(&inst.keep);
-            self.account(&inst.function, HIBERNATING, &mut k, None);
-            k.stage = Stage::Hibernated;
+            self.step(&inst.function, &mut k, Transition::Hibernate);
             (k.idle_since, Keep::new(k.stage, k.idle_since))
         };
         let idle_ms = now_ms() - i64::try_from(idle_since.elapsed().as_millis()).unwrap_or(0);
@@ -741,7 +706,7 @@ impl Runtime {
             s.keep.busy = false;
             match (&dropped, &recorded) {
                 (Ok(files), Ok(())) => {
-                    self.set_stage(&pool.name, &mut s.keep, Stage::Evicted);
+                    self.step(&pool.name, &mut s.keep, Transition::Evict);
                     let (split, hib, keep) = (
                         Arc::clone(&self.split),
                         s.snapshot_id.clone(),

@@ -1,0 +1,461 @@
+//! The worker protocol's frames, typed: [`ToWorker`] (what torpord sends) and [`FromWorker`]
+//! (what a worker sends), each frame a JSON object whose `type` names its variant
+//! (docs/torpord.md, "Worker protocol"; the codec is crate::frames).
+//!
+//! One definition for both sides: the JSON schema of these types,
+//! `python/torpor/protocol.schema.json`, is generated from them (schemars, the maintained
+//! JSON-schema derive for serde types) and checked to be current by this module's tests
+//! (`TORPOR_WRITE_SCHEMA=1 cargo test -p torpord protocol::` rewrites it); the Python SDK's tests
+//! validate every frame a real worker sends, and every frame type it accepts, against it
+//! (tests/sdk/sdkd.py, tests/sdk/test_sdk_protocol.py). The schema is strict (no fields it does
+//! not list); the daemon reads frames leniently (fields it does not know are ignored), so a
+//! worker that adds a field fails the tests, not a deployment.
+//!
+//! Parsing reads `type` first and then the variant's fields from the same bytes: serde's
+//! internally tagged enums buffer the content, which would re-encode a result's `value` (it
+//! must reach the client as the bytes the worker sent, RawValue).
+//!
+//! Versions: a worker says its [`PROTOCOL`] in `hello`; 1 (no `started`, no `attached`) and 2
+//! are understood, a newer one is refused with the fix (upgrade torpord).
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+/// The newest protocol version this daemon speaks (sent by workers in `hello`).
+pub const PROTOCOL: u64 = 2;
+
+/// A frame that is not a frame of the protocol.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    /// The payload is not an object with a string `type`.
+    #[error("a frame without a string type ({0})")]
+    NoType(String),
+    /// A `type` this side does not take.
+    #[error("an unknown frame type {0:?} (known: {1})")]
+    UnknownType(String, &'static str),
+    /// A known `type` whose fields do not fit.
+    #[error("a malformed {kind} frame ({cause})")]
+    Malformed { kind: &'static str, cause: String },
+}
+
+/// Who a worker is: a base (preloaded imports, no function) or a function worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Base,
+    Function,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Base => "base",
+            Role::Function => "function",
+        }
+    }
+}
+
+/// A Python exception as the worker reports it.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ErrorDoc {
+    /// The exception's class name.
+    pub r#type: String,
+    pub message: String,
+    pub traceback: String,
+}
+
+/// One device-memory segment, as a split `quiet` lists it (docs/split.md).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct SegmentInfo {
+    pub va: u64,
+    pub size: u64,
+    pub backend: String,
+    pub ordinal: Option<i64>,
+    pub order: Option<i64>,
+    pub first_use: Option<i64>,
+    pub readonly: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shareable: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deferrable: Option<bool>,
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// The first frame of every connection.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Hello {
+    /// The worker's pid in its own namespace (informational).
+    pub pid: i64,
+    pub role: Role,
+    pub function: Option<String>,
+    /// It was restored from a snapshot (and woken by SIGUSR2).
+    pub resumed: bool,
+    /// Its protocol version (1 when absent).
+    #[serde(default = "one")]
+    pub protocol: u64,
+    /// It lost its daemon and asks to be re-adopted.
+    #[serde(default)]
+    pub reattach: bool,
+}
+
+/// After `preload` (a base) or `load`: whether the worker is ready, or where it failed.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Ready {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub setup_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preload_s: Option<f64>,
+    /// The weight packing's report (docs/split.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packed: Option<BTreeMap<String, Value>>,
+    /// With `ok: false`: the worker's step that failed, and its error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<ErrorDoc>")]
+    pub error: Option<Value>,
+}
+
+/// A request's handler started (protocol 2): its timeout counts from here.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Started {
+    pub id: u64,
+}
+
+/// A request's outcome: its value (as the worker encoded it) or the handler's exception.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ResultFrame {
+    pub id: u64,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Value>")]
+    pub value: Option<Box<RawValue>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<ErrorDoc>")]
+    pub error: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handler_s: Option<f64>,
+}
+
+/// The worker is at a quiet point after `quiesce` (a split one lists its segments).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Quiet {
+    pub cuda_synced: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Vec<SegmentInfo>>")]
+    pub segments: Option<Vec<Value>>,
+}
+
+/// A segment's memfd, attached to this frame (SCM_RIGHTS).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct SegmentFd {
+    pub va: u64,
+    pub fd: bool,
+}
+
+/// After `release`: the device memory the worker gave back.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Released {
+    pub bytes: u64,
+}
+
+/// The answer to one `map`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Mapped {
+    pub va: u64,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<ErrorDoc>")]
+    pub error: Option<Value>,
+}
+
+/// The answer to `unmap`: the bytes given back, or the segments still unmapped and the error.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Unmapped {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<ErrorDoc>")]
+    pub error: Option<Value>,
+}
+
+/// A frame a worker sends.
+#[derive(Debug, Serialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum FromWorker {
+    Hello(Hello),
+    Ready(Ready),
+    Started(Started),
+    Result(ResultFrame),
+    Quiet(Quiet),
+    SegmentFd(SegmentFd),
+    Released(Released),
+    Mapped(Mapped),
+    Unmapped(Unmapped),
+}
+
+/// `load`: the function to import, set up and warm up (role function).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Load {
+    /// The function's spec, as `python3 -m torpor.spec` printed it.
+    pub spec: Value,
+    /// The function's directory.
+    pub dir: String,
+    /// Its declared data: name → absolute path.
+    pub data: BTreeMap<String, Value>,
+}
+
+/// `invoke`: one request; `request` is the client's bytes.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Invoke {
+    pub id: u64,
+    #[schemars(with = "Value")]
+    pub request: Box<RawValue>,
+    pub timeout_s: f64,
+}
+
+/// `attached`: the worker is in service; it outlives a lost daemon by `reattach_s`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Attached {
+    pub reattach_s: f64,
+}
+
+/// `quiesce`: go to a quiet point for a snapshot (`split`: list and hand over the segments).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Quiesce {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<bool>,
+}
+
+/// `map`: map one segment back from the memfd attached to the frame.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Map {
+    pub va: u64,
+    pub size: u64,
+    pub readonly: bool,
+    pub fd: bool,
+}
+
+/// `unmap`: give back these segments' device memory (a GPU release on the split path).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Unmap {
+    pub vas: Vec<u64>,
+}
+
+/// A frame without fields.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Empty {}
+
+/// A frame torpord sends.
+#[derive(Debug, Serialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToWorker {
+    Load(Load),
+    Invoke(Invoke),
+    Attached(Attached),
+    Quiesce(Quiesce),
+    /// After a split quiesce: serve on, nothing released.
+    Resume(Empty),
+    /// After a split quiesce: release the segments.
+    Release(Empty),
+    Map(Map),
+    Unmap(Unmap),
+    /// Exit.
+    Shutdown(Empty),
+}
+
+/// The `type` of a frame, read before its fields.
+fn type_of(payload: &[u8]) -> Result<String, ProtocolError> {
+    #[derive(Deserialize)]
+    struct Tag {
+        r#type: String,
+    }
+    serde_json::from_slice::<Tag>(payload)
+        .map(|t| t.r#type)
+        .map_err(|e| ProtocolError::NoType(e.to_string()))
+}
+
+fn fields<'a, T: Deserialize<'a>>(
+    kind: &'static str,
+    payload: &'a [u8],
+) -> Result<T, ProtocolError> {
+    serde_json::from_slice(payload).map_err(|e| ProtocolError::Malformed {
+        kind,
+        cause: e.to_string(),
+    })
+}
+
+impl FromWorker {
+    /// The frame types a worker sends.
+    pub const TYPES: &'static str =
+        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped";
+
+    /// A frame's payload, parsed (`type` first, then the variant from the same bytes).
+    pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
+        let kind = type_of(payload)?;
+        Ok(match kind.as_str() {
+            "hello" => Self::Hello(fields("hello", payload)?),
+            "ready" => Self::Ready(fields("ready", payload)?),
+            "started" => Self::Started(fields("started", payload)?),
+            "result" => Self::Result(fields("result", payload)?),
+            "quiet" => Self::Quiet(fields("quiet", payload)?),
+            "segment_fd" => Self::SegmentFd(fields("segment_fd", payload)?),
+            "released" => Self::Released(fields("released", payload)?),
+            "mapped" => Self::Mapped(fields("mapped", payload)?),
+            "unmapped" => Self::Unmapped(fields("unmapped", payload)?),
+            _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
+        })
+    }
+
+    /// Its `type`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Hello(_) => "hello",
+            Self::Ready(_) => "ready",
+            Self::Started(_) => "started",
+            Self::Result(_) => "result",
+            Self::Quiet(_) => "quiet",
+            Self::SegmentFd(_) => "segment_fd",
+            Self::Released(_) => "released",
+            Self::Mapped(_) => "mapped",
+            Self::Unmapped(_) => "unmapped",
+        }
+    }
+}
+
+impl ToWorker {
+    /// The frame types torpord sends.
+    pub const TYPES: &'static str =
+        "load, invoke, attached, quiesce, resume, release, map, unmap, shutdown";
+
+    /// A frame's payload, parsed as [`FromWorker::parse`] does (for tests and tools).
+    pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
+        let kind = type_of(payload)?;
+        Ok(match kind.as_str() {
+            "load" => Self::Load(fields("load", payload)?),
+            "invoke" => Self::Invoke(fields("invoke", payload)?),
+            "attached" => Self::Attached(fields("attached", payload)?),
+            "quiesce" => Self::Quiesce(fields("quiesce", payload)?),
+            "resume" => Self::Resume(Empty {}),
+            "release" => Self::Release(Empty {}),
+            "map" => Self::Map(fields("map", payload)?),
+            "unmap" => Self::Unmap(fields("unmap", payload)?),
+            "shutdown" => Self::Shutdown(Empty {}),
+            _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
+        })
+    }
+}
+
+/// The JSON schema of both directions: `{"to_worker": ..., "from_worker": ..., "protocol": N}`.
+pub fn schema() -> Value {
+    let to = schemars::schema_for!(ToWorker);
+    let from = schemars::schema_for!(FromWorker);
+    serde_json::json!({
+        "$comment": "Generated from crates/torpord/src/protocol.rs by its tests \
+                     (TORPOR_WRITE_SCHEMA=1 cargo test -p torpord protocol::); do not edit.",
+        "protocol": PROTOCOL,
+        "to_worker": to,
+        "from_worker": from,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_result_keeps_its_value_as_sent_and_unknown_types_are_refused() {
+        let payload = br#"{"type":"result","id":7,"ok":true,"value":1.0000000000000002e-300,"handler_s":0.5}"#;
+        match FromWorker::parse(payload).unwrap() {
+            FromWorker::Result(r) => {
+                assert_eq!(r.id, 7);
+                assert_eq!(r.value.unwrap().get(), "1.0000000000000002e-300");
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = FromWorker::parse(br#"{"type":"hullo"}"#).unwrap_err();
+        assert!(
+            e.to_string().contains("unknown frame type \"hullo\""),
+            "{e}"
+        );
+        let e = FromWorker::parse(br#"{"id":1}"#).unwrap_err();
+        assert!(matches!(e, ProtocolError::NoType(_)), "{e}");
+        let e = FromWorker::parse(br#"{"type":"started","id":"x"}"#).unwrap_err();
+        assert!(
+            e.to_string().starts_with("a malformed started frame"),
+            "{e}"
+        );
+        let e = ToWorker::parse(br#"{"type":"result"}"#).unwrap_err();
+        assert!(matches!(e, ProtocolError::UnknownType(..)), "{e}");
+    }
+
+    #[test]
+    fn sent_frames_parse_back_as_themselves() {
+        let frames = [
+            ToWorker::Attached(Attached { reattach_s: 30.0 }),
+            ToWorker::Quiesce(Quiesce { split: Some(true) }),
+            ToWorker::Unmap(Unmap { vas: vec![4096] }),
+            ToWorker::Release(Empty {}),
+            ToWorker::Invoke(Invoke {
+                id: 3,
+                request: RawValue::from_string("[1e400, 18446744073709551616]".into()).unwrap(),
+                timeout_s: 1.5,
+            }),
+        ];
+        for f in frames {
+            let bytes = serde_json::to_vec(&f).unwrap();
+            let back = ToWorker::parse(&bytes).unwrap();
+            assert_eq!(serde_json::to_vec(&back).unwrap(), bytes);
+        }
+    }
+
+    #[test]
+    fn hello_defaults_to_protocol_1_and_names_its_role() {
+        let h = match FromWorker::parse(
+            br#"{"type":"hello","pid":1,"role":"base","function":null,"resumed":false}"#,
+        )
+        .unwrap()
+        {
+            FromWorker::Hello(h) => h,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((h.protocol, h.reattach, h.role), (1, false, Role::Base));
+    }
+
+    /// The schema file the Python side checks against is the one these types make.
+    #[test]
+    fn schema_file_is_current() {
+        crate::schema_file::assert_current("protocol.schema.json", &schema(), "protocol");
+    }
+}

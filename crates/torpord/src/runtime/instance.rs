@@ -1,0 +1,172 @@
+//! A live instance: its worker's connection, its requests in flight, its keep-alive state
+//! ([`Keep`]); and a hibernated one ([`Sleeper`]). Which stage an instance is in and how it moves
+//! between stages is [`super::lifecycle`]'s business.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use serde_json::{Map, Value};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::oneshot;
+
+use crate::registry::Stage;
+use crate::runtime::invoke::Answer;
+use crate::sync::lock;
+use crate::workers::WorkerConn;
+
+/// A request sent to a worker: told when its handler starts, then given its result.
+pub(crate) struct Pending {
+    pub(crate) started: Option<oneshot::Sender<()>>,
+    pub(crate) result: oneshot::Sender<Answer>,
+}
+
+/// A live worker of a function.
+pub struct Instance {
+    pub id: String,
+    pub function: String,
+    /// Host pid of its init (the root of its process tree).
+    pub init_pid: i32,
+    /// Host pid of the worker (the Python process).
+    pub worker_pid: i32,
+    /// The deploy it belongs to; an older one is retired once idle.
+    pub(crate) generation: u64,
+    pub(crate) writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    /// Its harness sends `started` when a handler starts (protocol 2).
+    pub(crate) announces_start: bool,
+    pub(crate) pending: Mutex<HashMap<u64, Pending>>,
+    pub(crate) dead: AtomicBool,
+    pub(crate) why_dead: Mutex<Option<String>>,
+    /// Keep-alive state.
+    pub(crate) keep: Mutex<Keep>,
+    /// Set while it is being hibernated: its reader then takes `quiet` and the EOF after it.
+    pub(crate) hibernating: AtomicBool,
+    /// Told when `quiet` arrives while hibernating: the reader hands over the frame and the
+    /// connection's read half, and the hibernation reads the rest (segment fds, EOF).
+    pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<QuietHandOver>>>,
+    /// A GPU release failed: it stays warm until it hibernates.
+    pub(crate) gpu_release_failed: AtomicBool,
+    /// The segments it has from the restore server (split path), mapped or, while its GPU is
+    /// released, saved (crate::split::release).
+    pub(crate) segments: Mutex<crate::split::release::InstanceSegments>,
+    /// Set while the daemon unmaps its segments (GPU release): its reader forwards the
+    /// `unmapped` answer here.
+    pub(crate) segment_replies: Mutex<Option<SegmentReplies>>,
+    /// Its `map` frames and the worker's `mapped` answers, counted by its reader: after a split
+    /// restore (it takes requests before every segment is mapped) and during a GPU resume.
+    pub(crate) mapping: Mutex<Option<crate::split::server::Mapping>>,
+    /// Restored with lazy pages that CRIU's lazy-pages daemon is still serving: no keep-alive
+    /// step (a snapshot or GPU checkpoint) until every page is in.
+    pub(crate) pages_pending: AtomicBool,
+    /// An unused standby instance (crate::runtime::start::standby): no keep-alive step, `standby` to its first
+    /// request.
+    pub(crate) standby: AtomicBool,
+    /// Told once it joined its pool, or was removed: a restore's background segment hand-over
+    /// waits for it, so that a failed fill always finds the instance in its pool (and fails its
+    /// request there) instead of racing the start that is adding it.
+    pub(crate) joined: tokio::sync::Notify,
+}
+
+/// Where an instance's reader forwards the worker's answer to `unmap`.
+pub(crate) type SegmentReplies = tokio::sync::mpsc::UnboundedSender<Map<String, Value>>;
+
+/// The `quiet` frame of a hibernating instance and its connection's read half, handed from the
+/// instance's reader to the hibernation.
+pub(crate) type QuietHandOver = (Map<String, Value>, OwnedReadHalf);
+
+/// Keep-alive state of an instance (live or hibernated).
+#[derive(Debug)]
+pub struct Keep {
+    pub stage: Stage,
+    /// When it last became idle (no request in flight).
+    pub idle_since: Instant,
+    /// Its stage time and GPU memory, up to when they were added to the metrics.
+    pub meter: crate::accounting::Meter,
+    /// A stage change (or a resume) is in progress: not routable, not to be stepped down.
+    pub busy: bool,
+}
+
+impl Keep {
+    pub(crate) fn new(stage: Stage, idle_since: Instant) -> Self {
+        Self {
+            stage,
+            idle_since,
+            meter: crate::accounting::Meter::new(Instant::now()),
+            busy: false,
+        }
+    }
+}
+
+/// A hibernated (or evicted) instance: no process, a snapshot on disk.
+#[derive(Debug)]
+pub struct Sleeper {
+    pub id: String,
+    pub snapshot_id: String,
+    pub snapshot_dir: PathBuf,
+    pub keep: Keep,
+}
+
+impl Instance {
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn reason(&self) -> String {
+        lock(&self.why_dead)
+            .clone()
+            .unwrap_or_else(|| "the worker closed its connection".to_string())
+    }
+
+    /// Some of its segments are not mapped yet: it serves, but must not be stepped down (the
+    /// worker refuses a quiesce meanwhile).
+    pub(crate) fn still_mapping(&self) -> bool {
+        lock(&self.mapping)
+            .as_ref()
+            .is_some_and(|m| m.unmapped() > 0)
+    }
+}
+
+/// An instance around a connected worker; its reader half is for [`Runtime::attach`].
+pub(crate) fn new_instance(
+    id: String,
+    function: &str,
+    generation: u64,
+    init: i32,
+    worker: i32,
+    conn: WorkerConn,
+    keep: Keep,
+) -> (Arc<Instance>, OwnedReadHalf) {
+    let inst = Arc::new(Instance {
+        id,
+        function: function.to_string(),
+        init_pid: init,
+        worker_pid: worker,
+        generation,
+        writer: tokio::sync::Mutex::new(conn.wr),
+        announces_start: conn.hello.protocol >= 2,
+        pending: Mutex::new(HashMap::new()),
+        dead: AtomicBool::new(false),
+        why_dead: Mutex::new(None),
+        keep: Mutex::new(keep),
+        hibernating: AtomicBool::new(false),
+        quiet_tx: Mutex::new(None),
+        gpu_release_failed: AtomicBool::new(false),
+        segments: Mutex::new(Default::default()),
+        segment_replies: Mutex::new(None),
+        mapping: Mutex::new(None),
+        pages_pending: AtomicBool::new(false),
+        joined: tokio::sync::Notify::new(),
+        standby: AtomicBool::new(false),
+    });
+    (inst, conn.rd)
+}
+
+/// SIGKILL to the init of an instance: its whole PID namespace goes.
+pub fn kill_tree(init: i32) {
+    if init > 1 {
+        // SAFETY: kill(2) only sends a signal; the pid is one this daemon started or restored.
+        unsafe { libc::kill(init, libc::SIGKILL) };
+    }
+}

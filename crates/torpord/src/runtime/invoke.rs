@@ -1,0 +1,380 @@
+//! One invocation: the request routed to an instance ([`super::pool`]), sent as an `invoke` frame
+//! with the client's bytes, and answered by the instance's reader ([`Runtime::read_results`]),
+//! which hands every `result` to the request waiting for its id. The warm path touches no
+//! database.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::value::RawValue;
+use serde_json::{json, Value};
+use tokio::net::unix::OwnedReadHalf;
+use tokio::sync::oneshot;
+
+use crate::frames;
+use crate::metrics::{outcome, start};
+use crate::protocol::{FromWorker, Invoke, ResultFrame, Started, ToWorker};
+use crate::runtime::instance::{Instance, Pending};
+use crate::runtime::Runtime;
+use crate::sync::lock;
+use crate::workers::{self, ConnError};
+
+/// A worker's `result` frame, its `value` as the bytes the worker sent (so the daemon never
+/// re-encodes a function's result: no float or big integer changes on the way).
+pub(crate) type Answer = ResultFrame;
+
+/// How an invocation went wrong; the API maps each to a status.
+#[derive(Debug)]
+pub enum InvokeError {
+    /// 400: the request is not usable.
+    BadRequest(String),
+    /// 404.
+    NotFound(String),
+    /// 409: deploying or failed.
+    NotReady(String),
+    /// 429: the queue is full.
+    QueueFull(String),
+    /// 503 with Retry-After: waited in the queue too long.
+    QueueTimeout { message: String, retry_after_s: u64 },
+    /// 500: the function raised; the error document of the worker.
+    User(Value, Timings),
+    /// 502: the worker died or broke the protocol while holding the request.
+    Crashed(String),
+    /// 504: the request ran past the function's timeout_s; the worker was killed.
+    Timeout(String),
+    /// 500: the daemon could not start an instance, or another failure of its own.
+    Internal(String),
+}
+
+/// Phase timings of one invocation, in seconds, in order.
+pub type Timings = Vec<(String, f64)>;
+
+/// A successful invocation.
+#[derive(Debug)]
+pub struct Invoked {
+    /// The function's value as the worker encoded it.
+    pub value: Box<RawValue>,
+    pub start: &'static str,
+    pub timings: Timings,
+}
+
+impl Runtime {
+    /// Runs one request of function `name`.
+    pub async fn invoke(
+        self: &Arc<Self>,
+        name: &str,
+        request: Box<RawValue>,
+    ) -> Result<Invoked, InvokeError> {
+        let t0 = Instant::now();
+        let result = self.invoke_inner(name, request, t0).await;
+        let o = match &result {
+            Ok(_) => outcome::OK,
+            Err(InvokeError::User(..)) => outcome::ERROR,
+            Err(InvokeError::QueueFull(_) | InvokeError::QueueTimeout { .. }) => outcome::REJECTED,
+            Err(
+                InvokeError::NotFound(_) | InvokeError::BadRequest(_) | InvokeError::NotReady(_),
+            ) => return result,
+            Err(_) => outcome::FAILED,
+        };
+        self.metrics.invocations.with_label_values(&[name, o]).inc();
+        result
+    }
+
+    pub(crate) async fn invoke_inner(
+        self: &Arc<Self>,
+        name: &str,
+        request: Box<RawValue>,
+        t0: Instant,
+    ) -> Result<Invoked, InvokeError> {
+        let pool = self.pool(name).await?;
+        let (lease, kind, mut timings) = self.acquire(&pool).await?;
+        let (timeout, per_instance) = {
+            let st = lock(&pool.state);
+            (st.info.timeout, st.info.per_instance)
+        };
+        let inst = Arc::clone(&lease.instance);
+        let t_call = Instant::now();
+        let res = self.call(&inst, request, timeout, per_instance).await;
+        drop(lease);
+        if kind == start::RESTORED {
+            // hello → every segment mapped, when that happened before the answer (a request
+            // that needs only some segments may finish first).
+            let mapped_s = lock(&inst.mapping)
+                .as_ref()
+                .and_then(crate::split::server::Mapping::segments_s);
+            if let Some(s) = mapped_s {
+                timings.push(("segments".to_string(), s));
+            }
+        }
+        let call_s = t_call.elapsed().as_secs_f64();
+        let total = t0.elapsed().as_secs_f64();
+        self.metrics.starts.with_label_values(&[name, kind]).inc();
+        let finish = |timings: &mut Timings, handler: Option<f64>| {
+            if let Some(h) = handler {
+                timings.push(("handler".into(), h));
+                timings.push(("overhead".into(), (call_s - h).max(0.0)));
+            }
+            timings.push(("total".into(), total));
+            for (phase, s) in timings.iter() {
+                self.metrics.observe_phase(name, phase, *s);
+            }
+        };
+        match res {
+            Ok(ResultFrame {
+                ok,
+                value,
+                error,
+                handler_s,
+                ..
+            }) => {
+                finish(&mut timings, handler_s);
+                if ok {
+                    Ok(Invoked {
+                        value: value.unwrap_or_else(|| {
+                            RawValue::from_string("null".into()).expect("null is JSON")
+                        }),
+                        start: kind,
+                        timings,
+                    })
+                } else {
+                    let err = error.unwrap_or_else(
+                        || json!({"type": "Error", "message": "the worker sent ok: false without an error", "traceback": ""}),
+                    );
+                    Err(InvokeError::User(err, timings))
+                }
+            }
+            Err(e) => {
+                finish(&mut timings, None);
+                Err(e)
+            }
+        }
+    }
+
+    /// Sends the request to `inst` and waits for its result, killing the worker at `timeout`
+    /// after the handler started (`per_instance` requests may share the worker).
+    pub(crate) async fn call(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+        request: Box<RawValue>,
+        timeout: Duration,
+        per_instance: usize,
+    ) -> Result<Answer, InvokeError> {
+        let id = self.next();
+        let (tx, rx) = oneshot::channel();
+        let (started_tx, started_rx) = oneshot::channel();
+        lock(&inst.pending).insert(
+            id,
+            Pending {
+                started: Some(started_tx),
+                result: tx,
+            },
+        );
+        let frame = ToWorker::Invoke(Invoke {
+            id,
+            request,
+            timeout_s: timeout.as_secs_f64(),
+        });
+        let frame = match frames::encode(&frame) {
+            Ok(frame) => frame,
+            Err(e) => {
+                lock(&inst.pending).remove(&id);
+                return Err(InvokeError::BadRequest(format!(
+                    "the request cannot be sent ({e}): send less data (e.g. a path)"
+                )));
+            }
+        };
+        let crashed = |inst: &Instance| {
+            InvokeError::Crashed(format!(
+                "the worker of function {:?} (instance {}, pid {}) failed while handling the \
+                 request: {}; the instance was removed and the next request starts a new one",
+                inst.function,
+                inst.id,
+                inst.worker_pid,
+                inst.reason()
+            ))
+        };
+        if inst.is_dead() {
+            // Removed before its request was recorded (e.g. a split restore whose segments
+            // failed in the background): the removal did not see this request to fail it.
+            lock(&inst.pending).remove(&id);
+            return Err(crashed(inst));
+        }
+        // In a task of its own: a caller given up mid-write (its client went away) must not
+        // leave half a frame on the connection, which a restore's map frames share.
+        let to = Arc::clone(inst);
+        let sent = tokio::spawn(async move {
+            let mut wr = to.writer.lock().await;
+            workers::send_frame(&mut wr, &frame).await
+        })
+        .await
+        .unwrap_or_else(|e| Err(ConnError::Write(std::io::Error::other(e))));
+        if let Err(e) = sent {
+            lock(&inst.pending).remove(&id);
+            return match e {
+                ConnError::Frame(frames::FrameError::TooLong(n)) => Err(InvokeError::BadRequest(
+                    format!("the request is {n} bytes, over the 64 MiB frame limit: send less data (e.g. a path)"),
+                )),
+                e => {
+                    self.remove_instance(inst, &e.to_string(), true);
+                    Err(crashed(inst))
+                }
+            };
+        }
+        if inst.announces_start {
+            // With requests_per_instance > 1 the request may wait inside the worker behind
+            // others, each of which ends or is killed within its own timeout_s: the timeout
+            // counts from the start of the handler, and this bound only catches a worker that
+            // never starts it. Passing it fails this request alone (503); the worker lives.
+            let ahead = u32::try_from(per_instance.saturating_sub(1)).unwrap_or(u32::MAX);
+            let bound = timeout
+                .saturating_mul(ahead)
+                .saturating_add(self.config.queue.timeout);
+            // A restored instance's worker also waits here for the segments the request may
+            // touch: that wait is bounded by the hand-over (MAP_TIMEOUT, then the instance
+            // goes), so the bound counts only once every segment is mapped.
+            let mut started_rx = started_rx;
+            let mut waited = Duration::ZERO;
+            let started = loop {
+                match tokio::time::timeout(bound, &mut started_rx).await {
+                    Err(_) if inst.still_mapping() => waited += bound,
+                    r => break r,
+                }
+            };
+            match started {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => {
+                    // A result without `started` can only mean the instance is gone.
+                    if inst.is_dead() {
+                        return Err(crashed(inst));
+                    }
+                }
+                Err(_) => {
+                    lock(&inst.pending).remove(&id);
+                    let retry = bound.as_secs().clamp(1, 60);
+                    return Err(InvokeError::QueueTimeout {
+                        message: format!(
+                            "the request waited {:.1} s inside instance {} of {:?} without its \
+                             handler starting: retry after {retry} s",
+                            (waited + bound).as_secs_f64(),
+                            inst.id,
+                            inst.function
+                        ),
+                        retry_after_s: retry,
+                    });
+                }
+            }
+        }
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(msg)) => Ok(msg),
+            Ok(Err(_)) => Err(crashed(inst)),
+            Err(_) => {
+                lock(&inst.pending).remove(&id);
+                let why = format!("the request ran past timeout_s = {}", timeout.as_secs_f64());
+                self.remove_instance(inst, &why, true);
+                Err(InvokeError::Timeout(format!(
+                    "function {:?} did not answer within its timeout_s of {} s: its worker (pid {}) \
+                     was killed and will be replaced; raise timeout_s in torpor.toml if the \
+                     handler needs longer",
+                    inst.function,
+                    timeout.as_secs_f64(),
+                    inst.worker_pid
+                )))
+            }
+        }
+    }
+
+    /// Hands each `result` to its request; anything else, or the end, removes the instance.
+    pub(crate) async fn read_results(self: Arc<Self>, inst: Arc<Instance>, mut rd: OwnedReadHalf) {
+        let why = loop {
+            let payload = match frames::read_payload(&mut rd).await {
+                Ok(Some(payload)) => payload,
+                Ok(None) => {
+                    break "its connection closed (the worker exited or crashed)".to_string()
+                }
+                Err(e) => break e.what_happened(),
+            };
+            let frame = match FromWorker::parse(&payload) {
+                Ok(frame) => frame,
+                Err(e) => break format!("it broke the protocol: {e}"),
+            };
+            match frame {
+                FromWorker::Quiet(_) if inst.hibernating.load(Ordering::SeqCst) => {
+                    // The hibernation reads the rest: segment fds (split), then the EOF.
+                    let msg = match frames::parse(&payload) {
+                        Ok(msg) => msg,
+                        Err(e) => break format!("it sent a malformed frame ({e})"),
+                    };
+                    let tx = lock(&inst.quiet_tx).take();
+                    match tx {
+                        Some(tx) => match tx.send((msg, rd)) {
+                            Ok(()) => return,
+                            Err(_) => break "its hibernation was given up".to_string(),
+                        },
+                        None => break "it sent quiet twice".to_string(),
+                    }
+                }
+                FromWorker::Mapped(_) if self.mapping_awaited(&inst) => {
+                    // The segments of a restore (mapped while the instance takes requests)
+                    // or of a GPU resume.
+                    let answered = match frames::parse(&payload) {
+                        Ok(msg) => lock(&inst.mapping).as_mut().map(|m| m.answer(&msg)),
+                        Err(e) => break format!("it sent a malformed frame ({e})"),
+                    };
+                    match answered {
+                        Some(Ok(())) | None => continue,
+                        Some(Err(why)) => break why,
+                    }
+                }
+                FromWorker::Unmapped(_) => {
+                    // The answer to the daemon's `unmap` (a GPU release).
+                    let forward = lock(&inst.segment_replies).clone();
+                    let msg = match frames::parse(&payload) {
+                        Ok(msg) => msg,
+                        Err(e) => break format!("it sent a malformed frame ({e})"),
+                    };
+                    match forward {
+                        Some(tx) if tx.send(msg).is_ok() => continue,
+                        _ => {
+                            break "it broke the protocol (sent unmapped while no segment was being unmapped)".to_string()
+                        }
+                    }
+                }
+                FromWorker::Started(Started { id }) => {
+                    // Unknown: a request the daemon gave up on.
+                    if let Some(p) = lock(&inst.pending).get_mut(&id) {
+                        if let Some(tx) = p.started.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                }
+                FromWorker::Result(result) => {
+                    let id = result.id;
+                    let waiter = lock(&inst.pending).remove(&id);
+                    match waiter {
+                        Some(p) => {
+                            let _ = p.result.send(result);
+                        }
+                        None => {
+                            tracing::debug!(instance = %inst.id, id, "result for a request that was given up")
+                        }
+                    }
+                }
+                other => {
+                    break format!(
+                        "it broke the protocol (sent a {:?} frame while serving requests)",
+                        other.kind()
+                    )
+                }
+            }
+        };
+        self.remove_instance(&inst, &why, true);
+    }
+
+    /// Whether `inst` has segments whose `mapped` answers its reader counts.
+    fn mapping_awaited(&self, inst: &Instance) -> bool {
+        lock(&inst.mapping)
+            .as_ref()
+            .is_some_and(|m| m.unmapped() > 0)
+    }
+}

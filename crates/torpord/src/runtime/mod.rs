@@ -1,0 +1,233 @@
+//! The runtime: a function's instances, from their start to their end, and the requests they
+//! serve. One [`Runtime`] holds what they share; each part of its work has a module:
+//!
+//! - [`pool`]: per function, its instances, starts and queue, and the routing of a request
+//!   ([`Runtime::acquire`]: warm, else wake a hibernated one, else start one below
+//!   `scaling.max_instances`, else queue; 429 when full, 503 after `queue.timeout_s`);
+//! - [`invoke`]: one request sent to its instance and answered by the instance's reader;
+//! - [`start`]: each way an instance starts (boot, restore, wake, standby), behind
+//!   [`Runtime::start`](start), and the cold-start policy;
+//! - [`lifecycle`]: an instance's states and transitions with their accounting and registry
+//!   rows, its adoption into a pool and its removal;
+//! - [`keepalive`]: the ticker that steps idle instances down (gpu_released, hibernated,
+//!   evicted) and meters every stage;
+//! - [`process`]: a worker tree's snapshot, restore, wake-up and kill (CRIU, signals);
+//! - [`readopt`]: at startup, the instances an earlier daemon left;
+//! - [`instance`]: the instance itself (its connection, requests in flight, keep-alive state).
+//!
+//! Deploys (crate::deploy) use the runtime (boot a worker, snapshot it, restore a base); the
+//! runtime never uses the deploy. docs/architecture.md follows a deploy and a cold invoke
+//! through these files.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::registry::{FunctionState, Registry};
+use crate::runtime::start::RestoreHealth;
+use crate::sync::lock;
+use crate::workers::Hub;
+
+pub mod instance;
+pub mod invoke;
+pub mod keepalive;
+pub mod lifecycle;
+pub mod pool;
+pub mod process;
+pub mod readopt;
+pub mod start;
+
+pub use instance::{kill_tree, Instance, Keep, Sleeper};
+pub use invoke::{InvokeError, Invoked, Timings};
+pub use lifecycle::remove_snapshot_dir;
+pub use pool::{keepalive_of, Pool, StoppedInstances};
+
+/// Everything the deploy and invoke paths share.
+pub struct Runtime {
+    pub config: Config,
+    pub registry: Arc<Registry>,
+    pub metrics: Arc<Metrics>,
+    pub hub: Arc<Hub>,
+    pub state_root: PathBuf,
+    pub workers_socket: PathBuf,
+    /// Where the `torpor` Python package lives, or why it was not found (reported at deploy).
+    pub python_dir: Result<PathBuf, String>,
+    /// Deploys run one at a time (two deploys of one base must not both boot it).
+    pub deploy_lock: tokio::sync::Mutex<()>,
+    pub(crate) pools: Mutex<HashMap<String, Arc<Pool>>>,
+    pub(crate) next_id: AtomicU64,
+    /// The CUDA driver, loaded on first use (GPU release and resume).
+    pub(crate) cuda: std::sync::OnceLock<Result<Arc<torpor_cuda::CudaDriver>, String>>,
+    /// NVML, if it loads, for per-worker GPU memory.
+    pub(crate) nvml: std::sync::OnceLock<Option<torpor_cuda::Nvml>>,
+    /// Instances being booted or restored, metered as `starting` (crate::accounting).
+    pub(crate) starts: crate::accounting::Starts,
+    /// Per function: how restores of its function snapshot have been failing.
+    pub(crate) restore_health: Mutex<HashMap<String, RestoreHealth>>,
+    /// The split path: chunk store, restore server, caches (crate::split).
+    pub split: Arc<crate::split::Split>,
+    /// Function snapshots staged in memory (crate::staging).
+    pub staging: Arc<crate::staging::StageArea>,
+    /// Seals every snapshot the daemon writes; restores refuse any it did not seal.
+    pub snapshot_key: Arc<torpor_image::SnapshotKey>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Runtime { .. }")
+    }
+}
+
+impl Runtime {
+    pub fn new(
+        config: Config,
+        registry: Arc<Registry>,
+        metrics: Arc<Metrics>,
+        state_root: PathBuf,
+        workers_socket: PathBuf,
+        snapshot_key: Arc<torpor_image::SnapshotKey>,
+    ) -> Self {
+        Self {
+            python_dir: crate::launcher::python_dir(),
+            deploy_lock: tokio::sync::Mutex::new(()),
+            pools: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            cuda: std::sync::OnceLock::new(),
+            nvml: std::sync::OnceLock::new(),
+            starts: crate::accounting::Starts::default(),
+            restore_health: Mutex::new(HashMap::new()),
+            split: Arc::new(crate::split::Split::new(
+                &state_root,
+                config.split,
+                config.split_gpu,
+                &config.restore_server,
+                &metrics,
+                Arc::clone(&snapshot_key),
+            )),
+            staging: Arc::new(crate::staging::StageArea::open(
+                &state_root,
+                config.restore_server.stage_bytes,
+                &metrics,
+                Arc::clone(&snapshot_key),
+            )),
+            snapshot_key,
+            config,
+            registry,
+            metrics,
+            hub: Arc::new(Hub::default()),
+            state_root,
+            workers_socket,
+        }
+    }
+
+    pub fn snapshots_dir(&self) -> PathBuf {
+        self.state_root.join("snapshots")
+    }
+
+    pub fn logs_dir(&self) -> PathBuf {
+        self.state_root.join("logs")
+    }
+
+    pub(crate) fn next(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Live instances of `name` (in memory).
+    pub fn live_instances(&self, name: &str) -> usize {
+        let pool = lock(&self.pools).get(name).cloned();
+        pool.map_or(0, |p| lock(&p.state).instances.len())
+    }
+
+    /// At daemon stop: every live instance is stopped (its worker would exit anyway once the
+    /// daemon's end of its connection closes) and its registry row removed, synchronously.
+    pub fn shutdown(&self) {
+        self.stop_every_instance();
+        self.staging.shut_down();
+    }
+
+    pub(crate) fn stop_every_instance(&self) {
+        let pools: Vec<Arc<Pool>> = lock(&self.pools).drain().map(|(_, p)| p).collect();
+        let mut ids = Vec::new();
+        for pool in pools {
+            for (inst, _) in lock(&pool.state).instances.drain(..) {
+                inst.dead.store(true, Ordering::SeqCst);
+                lock(&inst.pending).clear();
+                kill_tree(inst.init_pid);
+                ids.push(inst.id.clone());
+            }
+        }
+        if ids.is_empty() {
+            return;
+        }
+        let removed = self.registry.transaction(|s| {
+            for id in &ids {
+                s.delete_instance(id)?;
+            }
+            Ok::<_, crate::registry::RegistryError>(())
+        });
+        match removed {
+            Ok(()) => tracing::info!(instances = ids.len(), "stopped the live instances"),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot remove the stopped instances' registry rows")
+            }
+        }
+    }
+
+    /// At startup: stages every deployed function's snapshot again (the stage area was mounted
+    /// empty; crate::staging), most recently deployed first, so that the area keeps the newest
+    /// when it cannot hold them all. Until a function's copy is staged, its restores read the
+    /// disk copy. Deploys and deletes wait meanwhile (they stage and drop copies themselves).
+    pub async fn restage(self: &Arc<Self>) {
+        if self.staging.dir().is_none() {
+            return;
+        }
+        let _deploys = self.deploy_lock.lock().await;
+        let (registry, staging) = (Arc::clone(&self.registry), Arc::clone(&self.staging));
+        let done = tokio::task::spawn_blocking(move || {
+            let mut snapshots = registry.with(|s| {
+                let mut found = Vec::new();
+                for f in s.functions()? {
+                    let Some(id) = f.snapshot.as_deref() else {
+                        continue;
+                    };
+                    if f.state != FunctionState::Ready {
+                        continue;
+                    }
+                    if let Some(snap) = s.snapshot(id)? {
+                        found.push((f.updated, f.name, snap.path));
+                    }
+                }
+                Ok::<_, crate::registry::RegistryError>(found)
+            })?;
+            snapshots.sort_by_key(|(updated, _, _)| std::cmp::Reverse(*updated));
+            let mut staged = 0;
+            // Oldest last: staging it must not push out a newer one.
+            for (_, name, path) in &snapshots {
+                match staging.stage_if_room(path) {
+                    Ok(true) => staged += 1,
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(function = %name, error = %e, "cannot stage the function snapshot again: its restores read the disk copy"),
+                }
+            }
+            // Then the newest is the most recently used: a later deploy drops the oldest first.
+            for (_, _, path) in snapshots.iter().rev() {
+                let _ = staging.get(path);
+            }
+            Ok::<_, crate::registry::RegistryError>(staged)
+        })
+        .await;
+        match done {
+            Ok(Ok(n)) if n > 0 => {
+                tracing::info!(functions = n, "staged the function snapshots again")
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "cannot list the function snapshots to stage")
+            }
+            Err(e) => tracing::error!(error = %e, "staging task failed"),
+        }
+    }
+}

@@ -1,0 +1,517 @@
+//! Pools and routing: per function, its live instances (with their requests in flight), its
+//! hibernated ones, its starts under way and its bounded queue; [`Runtime::acquire`] routes one
+//! request to an idle instance (warm before gpu_released, standbys last), else a wake of a
+//! hibernated one, else a new start while below `scaling.max_instances`, else the queue (429 when
+//! full, 503 after `queue.timeout_s`).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tokio::sync::Notify;
+
+use crate::config::Keepalive;
+use crate::metrics::{start, Metrics};
+use crate::registry::{now_ms, FunctionState, Stage};
+use crate::runtime::instance::{Instance, Keep, Sleeper};
+use crate::runtime::invoke::{InvokeError, Timings};
+use crate::runtime::Runtime;
+use crate::sync::lock;
+
+/// What [`Runtime::stop_instances`] took out of service.
+#[derive(Debug)]
+pub struct StoppedInstances {
+    /// Idle instances, stopped now.
+    pub stopped: Vec<String>,
+    /// Busy instances, stopped when their requests end.
+    pub retiring: Vec<String>,
+    /// Hibernated instances taken from the pool, to discard.
+    pub sleepers: Vec<Sleeper>,
+}
+
+/// What a pool needs from the function's registry row.
+#[derive(Debug, Clone)]
+pub(crate) struct FnInfo {
+    pub(crate) snapshot_dir: PathBuf,
+    pub(crate) snapshot_id: String,
+    pub(crate) timeout: Duration,
+    pub(crate) max_instances: usize,
+    pub(crate) per_instance: usize,
+    /// `scaling.standby`: idle standby instances to keep (crate::runtime::start::standby).
+    pub(crate) standby: usize,
+    /// Idle delays of the stages (cumulative).
+    pub(crate) keepalive: Keepalive,
+    /// `gpus = 1`: the instances hold GPU memory, and gpu_released applies.
+    pub(crate) gpu: bool,
+    /// The spec's `gpu_memory` estimate, in bytes.
+    pub(crate) gpu_bytes: u64,
+    /// The spec (for `load` when booting instead of restoring).
+    pub(crate) spec: Arc<Value>,
+}
+
+pub(crate) struct PoolState {
+    pub(crate) info: FnInfo,
+    pub(crate) generation: u64,
+    /// Live instances with their requests in flight.
+    pub(crate) instances: Vec<(Arc<Instance>, usize)>,
+    /// Hibernated and evicted instances, most recently idle last.
+    pub(crate) sleepers: Vec<Sleeper>,
+    /// Instances being restored.
+    pub(crate) starting: usize,
+    /// Standby instances being started (counted in `starting` too), and their failures.
+    pub(crate) standby: crate::runtime::start::standby::PoolStandby,
+    pub(crate) queued: usize,
+    /// The function was deleted: no new requests, no new instances.
+    pub(crate) closed: bool,
+}
+
+/// The instances and queue of one function.
+pub struct Pool {
+    pub(crate) name: String,
+    pub(crate) state: Mutex<PoolState>,
+    pub(crate) changed: Notify,
+}
+
+/// What `acquire` does next, decided under the pool's lock.
+pub(crate) enum Next {
+    /// An idle instance; `true` when its GPU must be resumed first; its start label.
+    Warm(Lease, bool, &'static str),
+    /// Start one: from the function snapshot, or by waking a hibernated instance.
+    Start(Box<(FnInfo, u64, Option<Sleeper>)>),
+    /// Wait in the queue.
+    Wait,
+}
+
+/// The pool slot of an acquired instance; released (and the queue woken) on drop.
+pub(crate) struct Lease {
+    pub(crate) pool: Arc<Pool>,
+    pub(crate) instance: Arc<Instance>,
+    pub(crate) runtime: Arc<Runtime>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let retire = {
+            let mut st = lock(&self.pool.state);
+            let generation = st.generation;
+            if let Some(slot) = st
+                .instances
+                .iter_mut()
+                .find(|(i, _)| Arc::ptr_eq(i, &self.instance))
+            {
+                slot.1 = slot.1.saturating_sub(1);
+                if slot.1 == 0 {
+                    lock(&self.instance.keep).idle_since = Instant::now();
+                }
+                slot.1 == 0 && self.instance.generation != generation
+            } else {
+                false
+            }
+        };
+        if retire {
+            self.runtime.remove_instance(
+                &self.instance,
+                "retired: a newer deploy or `torpor stop` replaced it",
+                true,
+            );
+        }
+        self.pool.changed.notify_waiters();
+    }
+}
+
+/// A place in a function's queue; given back on drop.
+pub(crate) struct QueueSlot<'a> {
+    pub(crate) pool: &'a Pool,
+    pub(crate) metrics: &'a Metrics,
+}
+
+impl Drop for QueueSlot<'_> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.pool.state);
+        st.queued = st.queued.saturating_sub(1);
+        self.metrics
+            .queue_length
+            .with_label_values(&[&self.pool.name])
+            .set(st.queued as i64);
+    }
+}
+
+/// Decrements `starting` unless defused (the restore task was dropped mid-way).
+pub(crate) struct Starting {
+    pub(crate) pool: Arc<Pool>,
+    pub(crate) armed: bool,
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if self.armed {
+            lock(&self.pool.state).starting -= 1;
+            self.pool.changed.notify_waiters();
+        }
+    }
+}
+
+impl Runtime {
+    /// Stops every live instance of `name` (for a delete): requests in flight fail, requests
+    /// waiting in the queue or starting an instance get 404. Returns the stopped instances' ids.
+    pub fn stop_function(self: &Arc<Self>, name: &str) -> Vec<String> {
+        let Some(pool) = lock(&self.pools).remove(name) else {
+            return Vec::new();
+        };
+        let live: Vec<Arc<Instance>> = {
+            let mut st = lock(&pool.state);
+            st.closed = true;
+            st.instances.iter().map(|(i, _)| Arc::clone(i)).collect()
+        };
+        for inst in &live {
+            self.remove_instance_of(&pool, inst, "stopped: its function was deleted", true);
+        }
+        pool.changed.notify_waiters();
+        live.iter().map(|i| i.id.clone()).collect()
+    }
+
+    /// `torpor stop`: takes every live instance of `name` out of service without touching the
+    /// deploy, as a redeploy does (the generation moves on): idle ones are stopped now, busy
+    /// ones when their last request ends, and instances starting meanwhile after their first.
+    /// Hibernated instances are taken too unless `keep_hibernated`; they are returned, for the
+    /// caller to discard ([`Runtime::discard_sleeper`]). `None` when the function has no pool
+    /// (no request since this daemon started): nothing of it is live.
+    pub fn stop_instances(
+        self: &Arc<Self>,
+        name: &str,
+        keep_hibernated: bool,
+    ) -> Option<StoppedInstances> {
+        let pool = lock(&self.pools).get(name).cloned()?;
+        let (idle, busy, sleepers) = {
+            let mut st = lock(&pool.state);
+            st.generation += 1;
+            let (idle, busy): (Vec<_>, Vec<_>) = st
+                .instances
+                .iter()
+                .filter(|(i, _)| !i.is_dead())
+                .map(|(i, n)| (Arc::clone(i), *n))
+                .partition(|(_, n)| *n == 0);
+            let sleepers = if keep_hibernated {
+                Vec::new()
+            } else {
+                // A sleeper being woken is no longer listed: it joins with the older
+                // generation and is retired after its request, like any starting instance.
+                std::mem::take(&mut st.sleepers)
+            };
+            let only = |v: Vec<(Arc<Instance>, usize)>| -> Vec<Arc<Instance>> {
+                v.into_iter().map(|(i, _)| i).collect()
+            };
+            (only(idle), only(busy), sleepers)
+        };
+        for inst in &idle {
+            self.remove_instance_of(&pool, inst, "retired: stopped by `torpor stop`", true);
+        }
+        pool.changed.notify_waiters();
+        Some(StoppedInstances {
+            stopped: idle.iter().map(|i| i.id.clone()).collect(),
+            retiring: busy.iter().map(|i| i.id.clone()).collect(),
+            sleepers,
+        })
+    }
+
+    /// After a (re)deploy: new instances come from `snapshot`; idle older ones are retired now,
+    /// busy ones when their request ends.
+    pub fn deployed(self: &Arc<Self>, name: &str, spec: &Value, snapshot_id: &str, dir: &Path) {
+        // The older deploy's hibernated instances were discarded from the registry already
+        // (`discard_sleepers_of`, before this call); the pool forgets them below.
+        // A new snapshot: its restores get a fresh start.
+        lock(&self.restore_health).remove(name);
+        let Some(pool) = lock(&self.pools).get(name).cloned() else {
+            return;
+        };
+        let idle: Vec<Arc<Instance>> = {
+            let mut st = lock(&pool.state);
+            st.info = fn_info(spec, snapshot_id, dir, &self.config.keepalive);
+            st.generation += 1;
+            st.standby.clear_failures();
+            st.sleepers.clear();
+            st.instances
+                .iter()
+                .filter(|(_, n)| *n == 0)
+                .map(|(i, _)| Arc::clone(i))
+                .collect()
+        };
+        for inst in idle {
+            self.remove_instance(&inst, "retired: a newer deploy replaced it", true);
+        }
+        pool.changed.notify_waiters();
+    }
+
+    pub(crate) async fn pool(self: &Arc<Self>, name: &str) -> Result<Arc<Pool>, InvokeError> {
+        if let Some(p) = lock(&self.pools).get(name) {
+            return Ok(Arc::clone(p));
+        }
+        let registry = Arc::clone(&self.registry);
+        let n = name.to_string();
+        let keepalive = self.config.keepalive;
+        let (info, sleepers) = tokio::task::spawn_blocking(move || {
+            registry.with(|s| {
+                let Some(f) = s.function(&n)? else {
+                    return Ok(Err(InvokeError::NotFound(format!(
+                        "no function named {n:?} (see `torpor ls`)"
+                    ))));
+                };
+                if f.state != FunctionState::Ready {
+                    let why = match s.function_failure(&n)? {
+                        Some(m) if f.state == FunctionState::Failed => format!(" ({m})"),
+                        _ => String::new(),
+                    };
+                    return Ok(Err(InvokeError::NotReady(format!(
+                        "function {n:?} is {}{why}, not ready: {}",
+                        f.state,
+                        if f.state == FunctionState::Deploying {
+                            "wait for its deploy to finish"
+                        } else {
+                            "deploy it again (`torpor deploy DIR`)"
+                        }
+                    ))));
+                }
+                let snap = match &f.snapshot {
+                    Some(id) => s.snapshot(id)?,
+                    None => None,
+                };
+                let Some(snap) = snap else {
+                    return Ok(Err(InvokeError::NotReady(format!(
+                        "function {n:?} has no function snapshot: deploy it again"
+                    ))));
+                };
+                // Hibernated instances, from this daemon or an earlier one.
+                let mut sleepers = Vec::new();
+                for i in s.instances_of(&n)? {
+                    if i.stage.has_process() {
+                        continue;
+                    }
+                    let Some(hib) = i
+                        .snapshot
+                        .as_deref()
+                        .map(|id| s.snapshot(id))
+                        .transpose()?
+                        .flatten()
+                    else {
+                        continue;
+                    };
+                    let idle_ms = u64::try_from(now_ms().saturating_sub(i.last_used)).unwrap_or(0);
+                    let idle_since = Instant::now()
+                        .checked_sub(Duration::from_millis(idle_ms))
+                        .unwrap_or_else(Instant::now);
+                    sleepers.push(Sleeper {
+                        id: i.id,
+                        snapshot_id: hib.id,
+                        snapshot_dir: hib.path,
+                        keep: Keep::new(i.stage, idle_since),
+                    });
+                }
+                sleepers.sort_by_key(|s| s.keep.idle_since);
+                Ok::<_, crate::registry::RegistryError>(Ok((
+                    fn_info(&f.spec, &snap.id, &snap.path, &keepalive),
+                    sleepers,
+                )))
+            })
+        })
+        .await
+        .map_err(|e| InvokeError::Internal(format!("registry task failed: {e}")))?
+        .map_err(|e| InvokeError::Internal(e.to_string()))??;
+        let mut pools = lock(&self.pools);
+        let pool = pools.entry(name.to_string()).or_insert_with(|| {
+            Arc::new(Pool {
+                name: name.to_string(),
+                state: Mutex::new(PoolState {
+                    info,
+                    generation: 0,
+                    instances: Vec::new(),
+                    sleepers,
+                    starting: 0,
+                    standby: Default::default(),
+                    queued: 0,
+                    closed: false,
+                }),
+                changed: Notify::new(),
+            })
+        });
+        Ok(Arc::clone(pool))
+    }
+
+    /// An instance for one request: idle warm, else restored, else after a wait in the queue.
+    pub(crate) async fn acquire(
+        self: &Arc<Self>,
+        pool: &Arc<Pool>,
+    ) -> Result<(Lease, &'static str, Timings), InvokeError> {
+        let t0 = Instant::now();
+        let limits = self.config.queue;
+        let deadline = tokio::time::Instant::now() + limits.timeout;
+        let mut slot: Option<QueueSlot<'_>> = None;
+        loop {
+            let notified = pool.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let next = {
+                let mut st = lock(&pool.state);
+                if st.closed {
+                    return Err(InvokeError::NotFound(format!(
+                        "function {:?} was deleted",
+                        pool.name
+                    )));
+                }
+                let generation = st.generation;
+                let per = st.info.per_instance;
+                // Warm before gpu_released, standbys last (using another leaves them standing);
+                // among equals, the least loaded.
+                let idle = st
+                    .instances
+                    .iter_mut()
+                    .filter(|(i, _)| !i.is_dead() && i.generation == generation)
+                    .filter(|(i, n)| *n < per && !lock(&i.keep).busy)
+                    .min_by_key(|(i, n)| {
+                        let warm = lock(&i.keep).stage == Stage::Warm;
+                        (!warm, crate::runtime::start::standby::is_standby(i), *n)
+                    });
+                if let Some((inst, n)) = idle {
+                    *n += 1;
+                    let kind = if crate::runtime::start::standby::take(inst) {
+                        start::STANDBY
+                    } else {
+                        start::WARM
+                    };
+                    let released = {
+                        let mut k = lock(&inst.keep);
+                        let released = k.stage == Stage::GpuReleased;
+                        k.busy |= released;
+                        released
+                    };
+                    let lease = Lease {
+                        pool: Arc::clone(pool),
+                        instance: Arc::clone(inst),
+                        runtime: Arc::clone(self),
+                    };
+                    Next::Warm(lease, released, kind)
+                } else if let Some(ix) = st.sleepers.iter().rposition(|s| !s.keep.busy) {
+                    // Every instance counts towards max_instances, in every stage: waking a
+                    // hibernated one comes before restoring a new one.
+                    let sleeper = st.sleepers.remove(ix);
+                    st.starting += 1;
+                    Next::Start(Box::new((st.info.clone(), st.generation, Some(sleeper))))
+                } else if st.instances.len() + st.starting + st.sleepers.len()
+                    < st.info.max_instances
+                {
+                    st.starting += 1;
+                    Next::Start(Box::new((st.info.clone(), st.generation, None)))
+                } else {
+                    if slot.is_none() {
+                        if st.queued >= limits.length {
+                            return Err(InvokeError::QueueFull(format!(
+                                "function {:?} is at max_instances = {} and its queue is full \
+                                 ({} waiting): retry later, or raise scaling.max_instances or \
+                                 the daemon's queue.length",
+                                pool.name, st.info.max_instances, st.queued
+                            )));
+                        }
+                        st.queued += 1;
+                        self.metrics
+                            .queue_length
+                            .with_label_values(&[&pool.name])
+                            .set(st.queued as i64);
+                        slot = Some(QueueSlot {
+                            pool,
+                            metrics: &self.metrics,
+                        });
+                    }
+                    Next::Wait
+                }
+            };
+            if let Next::Warm(lease, released, kind) = next {
+                drop(slot);
+                let mut timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
+                if released {
+                    let inst = Arc::clone(&lease.instance);
+                    match self.gpu_resume(&inst, false).await {
+                        Ok((s, segments)) => {
+                            timings.push(("gpu_resume".to_string(), s));
+                            if let Some(s) = segments {
+                                timings.push(("segments".to_string(), s));
+                            }
+                        }
+                        Err(e) => {
+                            let why = format!("resuming its GPU failed: {e}");
+                            self.remove_instance(&inst, &why, true);
+                            return Err(InvokeError::Internal(format!(
+                                "cannot resume the GPU of instance {} of {:?}: {e}; the \
+                                 instance was removed and the next request starts a new one",
+                                inst.id, pool.name
+                            )));
+                        }
+                    }
+                }
+                return Ok((lease, kind, timings));
+            }
+            if let Next::Start(start) = next {
+                let (info, generation, sleeper) = *start;
+                drop(slot);
+                let queue_s = t0.elapsed().as_secs_f64();
+                let (inst, mut timings, kind) =
+                    self.start_in_task(pool, info, generation, sleeper).await?;
+                timings.insert(0, ("queue".to_string(), queue_s));
+                let lease = Lease {
+                    pool: Arc::clone(pool),
+                    instance: inst,
+                    runtime: Arc::clone(self),
+                };
+                return Ok((lease, kind, timings));
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                let retry = limits.timeout.as_secs().clamp(1, 60);
+                return Err(InvokeError::QueueTimeout {
+                    message: format!(
+                        "function {:?} had no free instance within the queue timeout of {} s \
+                         (max_instances = {}): retry after {retry} s",
+                        pool.name,
+                        limits.timeout.as_secs_f64(),
+                        lock(&pool.state).info.max_instances
+                    ),
+                    retry_after_s: retry,
+                });
+            }
+        }
+    }
+}
+
+/// The keep-alive delays of a spec: its `[keepalive]`, each key defaulting to the daemon's.
+pub fn keepalive_of(spec: &Value, default: &Keepalive) -> Keepalive {
+    let secs = |key: &str, d: Duration| {
+        spec.pointer(&format!("/keepalive/{key}"))
+            .and_then(Value::as_f64)
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .map_or(d, Duration::from_secs_f64)
+    };
+    Keepalive {
+        gpu_release: secs("gpu_release_s", default.gpu_release),
+        hibernate: secs("hibernate_s", default.hibernate),
+        evict: secs("evict_s", default.evict),
+    }
+}
+
+pub(crate) fn fn_info(
+    spec: &Value,
+    snapshot_id: &str,
+    dir: &Path,
+    keepalive: &Keepalive,
+) -> FnInfo {
+    let num = |v: Option<&Value>, default: f64| v.and_then(Value::as_f64).unwrap_or(default);
+    FnInfo {
+        keepalive: keepalive_of(spec, keepalive),
+        gpu: num(spec.get("gpus"), 0.0) >= 1.0,
+        gpu_bytes: num(spec.get("gpu_memory"), 0.0).max(0.0) as u64,
+        spec: Arc::new(spec.clone()),
+        snapshot_dir: dir.to_path_buf(),
+        snapshot_id: snapshot_id.to_string(),
+        timeout: Duration::from_secs_f64(num(spec.get("timeout_s"), 30.0).max(0.001)),
+        max_instances: num(spec.pointer("/scaling/max_instances"), 1.0).max(1.0) as usize,
+        per_instance: num(spec.pointer("/scaling/requests_per_instance"), 1.0).max(1.0) as usize,
+        standby: num(spec.pointer("/scaling/standby"), 0.0).max(0.0) as usize,
+    }
+}

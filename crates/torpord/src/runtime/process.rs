@@ -1,0 +1,332 @@
+//! A worker's process tree: restore it from a snapshot (CRIU, off the async runtime), wake its
+//! worker (SIGUSR2 and its `hello`), snapshot it in kill mode, kill it.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use crate::runtime::instance::kill_tree;
+use crate::runtime::Runtime;
+use crate::workers::{ConnError, Hub, WorkerConn};
+
+/// How long a restored worker has to reconnect after SIGUSR2.
+pub const RECONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How [`restore_with`] restores: where the pages come from, and the staged copy of the
+/// snapshot to read instead of its disk copy.
+#[derive(Default)]
+pub struct HowToRestore {
+    pub pages: torpor_snapshot::restore::PageSource,
+    /// Restored from with sizes checked only (hashed when staged, on the daemon's root-only
+    /// tmpfs since); held until CRIU's lazy-pages daemon has read every page.
+    pub staged: Option<Arc<crate::staging::StagedCopy>>,
+    /// Skip the driver's restore and unlock: the tree's CUDA state stays locked and
+    /// checkpointed, as an in-place GPU release leaves it (a standby instance, crate::runtime::start::standby).
+    /// Only the worker may use CUDA then: the GPU resume restores that one process.
+    pub leave_gpu_checkpointed: bool,
+}
+
+/// A restored tree.
+pub struct RestoredTree {
+    pub init: i32,
+    pub worker: i32,
+    /// With lazy pages: the daemon still serving them.
+    pub pages: Option<PendingPages>,
+}
+
+/// CRIU's lazy-pages daemon serving a restored tree, and the staged copy it reads from. Dropped
+/// unfinished (the start of the instance failed and its tree was killed), the daemon is stopped
+/// and reaped on a blocking thread.
+pub struct PendingPages {
+    lazy: Option<torpor_snapshot::restore::LazyRestore>,
+    staged: Option<Arc<crate::staging::StagedCopy>>,
+}
+
+impl PendingPages {
+    /// Reaps the daemon on a blocking thread once it has served every page; the answer says
+    /// whether it did (if not, the tree was killed).
+    pub fn finish_in_background(mut self) -> oneshot::Receiver<Result<(), String>> {
+        let (tx, rx) = oneshot::channel();
+        let (lazy, staged) = (self.lazy.take(), self.staged.take());
+        tokio::task::spawn_blocking(move || {
+            let served = lazy.map_or(Ok(()), |l| l.finish().map_err(|e| e.to_string()));
+            let _ = tx.send(served);
+            // The staged copy may go now: every page was read.
+            drop(staged);
+        });
+        rx
+    }
+}
+
+impl Drop for PendingPages {
+    fn drop(&mut self) {
+        if let Some(lazy) = self.lazy.take() {
+            let staged = self.staged.take();
+            tokio::task::spawn_blocking(move || {
+                lazy.abandon();
+                drop(staged);
+            });
+        }
+    }
+}
+
+/// Why a worker tree could not be restored from a snapshot.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreTreeError {
+    /// CRIU, or a check of the snapshot, failed (names CRIU's log where it has one).
+    #[error(transparent)]
+    Restore(#[from] torpor_snapshot::restore::RestoreError),
+    /// A standby restore leaves CUDA checkpointed, and only one process can be resumed.
+    #[error(
+        "the snapshot has {cuda} CUDA processes; a standby instance resumes only the worker's: \
+         set scaling.standby = 0"
+    )]
+    CudaProcesses { cuda: usize },
+    /// The restored tree has no worker under its init (it was killed).
+    #[error(transparent)]
+    NoWorker(#[from] crate::launcher::LaunchError),
+    /// The blocking task running the restore panicked or was cancelled.
+    #[error("restore task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Why a restored worker did not come back.
+#[derive(Debug, thiserror::Error)]
+pub enum WakeError {
+    /// SIGUSR2 could not be sent; `errno` is kill(2)'s.
+    #[error("cannot signal worker {worker}: {}", std::io::Error::from_raw_os_error(*errno))]
+    Signal { worker: i32, errno: i32 },
+    /// It did not say hello in time, or its connection broke.
+    #[error(transparent)]
+    Hello(#[from] ConnError),
+    /// It said hello as a fresh worker, not a restored one.
+    #[error("its hello says resumed: false")]
+    NotResumed,
+}
+
+/// Why a worker tree could not be snapshotted.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotTreeError {
+    /// CRIU, or the CUDA checkpoint, failed (names CRIU's log where it has one). Every caller
+    /// stops the source then, so the message says so (the library's "pid N keeps running"
+    /// would be untrue here).
+    #[error("{}; no snapshot was written and its process (pid {pid}) was stopped", cause_of(.source))]
+    Snapshot {
+        pid: i32,
+        source: torpor_snapshot::snapshot::SnapshotError,
+    },
+    /// The blocking task running the snapshot panicked or was cancelled.
+    #[error("snapshot task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Restores a snapshot detached, every page copied and every file hashed first; returns
+/// (init, worker). See [`restore_with`].
+pub async fn restore(
+    dir: &Path,
+    log_dir: &Path,
+    stdio: &Path,
+    key: &Arc<torpor_image::SnapshotKey>,
+) -> Result<(i32, i32), RestoreTreeError> {
+    let tree = restore_with(dir, log_dir, stdio, HowToRestore::default(), key).await?;
+    Ok((tree.init, tree.worker))
+}
+
+/// Restores a snapshot (or its staged copy) detached (blocking work on the blocking pool), its
+/// stdout and stderr going to `stdio`; one that `key` did not seal is refused. A snapshot that
+/// does not record its stdio files (taken
+/// by an older torpord) is restored onto the files it had, with a warning. With lazy pages, a
+/// blocking thread reaps CRIU's lazy-pages daemon once it has served every page.
+pub async fn restore_with(
+    dir: &Path,
+    log_dir: &Path,
+    stdio: &Path,
+    how: HowToRestore,
+    key: &Arc<torpor_image::SnapshotKey>,
+) -> Result<RestoredTree, RestoreTreeError> {
+    use torpor_snapshot::restore::{PageOptions, RestoreError, RestoreOptions, Verify};
+    let (dir, verify) = match &how.staged {
+        Some(copy) => (copy.dir().to_path_buf(), Verify::SizesOnly),
+        None => (dir.to_path_buf(), Verify::Hashes),
+    };
+    let log_dir = log_dir.to_path_buf();
+    let stdio = stdio.to_path_buf();
+    let key = Arc::clone(key);
+    tokio::task::spawn_blocking(move || {
+        let pages = PageOptions { source: how.pages };
+        let restore_onto = |stdio: Option<&Path>| {
+            torpor_snapshot::restore::restore_with(
+                &RestoreOptions {
+                    dir: &dir,
+                    detach: true,
+                    gpu_map: &[],
+                    log_dir: &log_dir,
+                    stdio,
+                    verify,
+                    trust: torpor_image::Trust::Key(&key),
+                    resume_gpu: !how.leave_gpu_checkpointed,
+                },
+                &pages,
+            )
+        };
+        let restored = match restore_onto(Some(&stdio)) {
+            Err(RestoreError::StdioUnknown) => {
+                tracing::warn!(snapshot = %dir.display(), "the snapshot records no stdout/stderr file: its instance keeps writing to the old log");
+                restore_onto(None)
+            }
+            other => other,
+        }?;
+        let init = restored.pid;
+        let cuda = restored.manifest.source.tree.iter().filter(|p| p.cuda).count();
+        if how.leave_gpu_checkpointed && cuda > 1 {
+            kill_tree(init);
+            return Err(RestoreTreeError::CudaProcesses { cuda });
+        }
+        let pages = restored.lazy_pages.map(|lazy| PendingPages {
+            lazy: Some(lazy),
+            staged: how.staged,
+        });
+        match crate::launcher::worker_pid(init) {
+            Ok(worker) => Ok(RestoredTree {
+                init,
+                worker,
+                pages,
+            }),
+            Err(e) => {
+                kill_tree(init);
+                Err(e.into())
+            }
+        }
+    })
+    .await?
+}
+
+impl Runtime {
+    /// Wakes a restored worker (`what` names it in errors) and checks that it is an instance of
+    /// `name`; its tree is killed otherwise.
+    pub(crate) async fn wake_function(
+        &self,
+        name: &str,
+        init: i32,
+        worker: i32,
+        what: &str,
+    ) -> Result<WorkerConn, String> {
+        let conn = match wake(&self.hub, worker, RECONNECT_TIMEOUT).await {
+            Ok(c) => c,
+            Err(e) => {
+                kill_tree(init);
+                return Err(format!("{what} did not reconnect: {e}"));
+            }
+        };
+        if conn.hello.role != "function" || conn.hello.function.as_deref() != Some(name) {
+            kill_tree(init);
+            return Err(format!(
+                "{what} says it serves {:?} (role {}), not {name:?}: the snapshot is not this \
+                 function's; deploy it again",
+                conn.hello.function, conn.hello.role
+            ));
+        }
+        Ok(conn)
+    }
+}
+
+/// SIGUSR2 to a restored (or just snapshotted) worker, and its connection once it says hello
+/// with `resumed: true`.
+pub async fn wake(hub: &Arc<Hub>, worker: i32, timeout: Duration) -> Result<WorkerConn, WakeError> {
+    let claim = hub.claim(worker);
+    // SAFETY: kill(2) only sends a signal to the worker this daemon restored.
+    if unsafe { libc::kill(worker, libc::SIGUSR2) } != 0 {
+        let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        return Err(WakeError::Signal { worker, errno });
+    }
+    let conn = claim.wait(timeout).await?;
+    if !conn.hello.resumed {
+        return Err(WakeError::NotResumed);
+    }
+    Ok(conn)
+}
+
+/// How long a worker has to answer `quiesce` and close its connection.
+pub(crate) const QUIET_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the snapshot waits for in-flight CUDA work when locking.
+pub(crate) const CUDA_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What failed in a snapshot, without the library's word on the source's fate.
+fn cause_of(e: &torpor_snapshot::snapshot::SnapshotError) -> String {
+    use torpor_snapshot::snapshot::SnapshotError as E;
+    match e {
+        E::Gpu { source, .. } => source.to_string(),
+        E::Dump { source, .. } => source.to_string(),
+        E::Write { source, .. } => source.to_string(),
+        E::Interrupted { .. } => "interrupted".to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// Snapshots the quiet worker tree rooted at `pid` into `out` in kill mode (the source is gone
+/// afterwards), off the async runtime: `torpor_snapshot::snapshot` blocks for seconds. Sealed
+/// with `key`, so that restores can tell it from a snapshot the daemon did not write.
+pub async fn snapshot_and_kill(
+    pid: i32,
+    out: &Path,
+    log_dir: &Path,
+    key: &Arc<torpor_image::SnapshotKey>,
+) -> Result<(), SnapshotTreeError> {
+    let (out, log_dir, key) = (out.to_path_buf(), log_dir.to_path_buf(), Arc::clone(key));
+    tokio::task::spawn_blocking(move || {
+        torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
+            pid,
+            out: &out,
+            leave_running: false,
+            lock_timeout: CUDA_LOCK_TIMEOUT,
+            log_dir: &log_dir,
+            key: Some(&key),
+        })
+        .map(|_| ())
+        .map_err(|source| SnapshotTreeError::Snapshot { pid, source })
+    })
+    .await??;
+    Ok(())
+}
+
+/// The bytes of the files under `dir`, recursively.
+pub fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+/// Kills a worker tree unless defused.
+pub struct TreeGuard(pub Option<i32>);
+
+impl Drop for TreeGuard {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.take() {
+            kill_tree(pid);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_snapshot_says_its_source_was_stopped() {
+        let source = torpor_snapshot::snapshot::SnapshotError::Interrupted { root: 4242 };
+        assert!(source.to_string().contains("keeps running"));
+        let msg = SnapshotTreeError::Snapshot { pid: 4242, source }.to_string();
+        assert!(!msg.contains("keeps running"), "{msg}");
+        assert!(msg.contains("(pid 4242) was stopped"), "{msg}");
+    }
+}

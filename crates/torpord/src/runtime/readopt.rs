@@ -1,0 +1,181 @@
+//! At startup: the instances an earlier daemon left. Live ones are re-adopted once their workers
+//! reconnect ([`Runtime::readopt`]); hibernated ones join their function's pool so that their
+//! keep-alive (eviction) goes on ([`Runtime::take_up_hibernated`]).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::registry::{Instance as InstanceRow, Stage};
+use crate::runtime::instance::{kill_tree, new_instance, Keep};
+use crate::runtime::pool::{Pool, Starting};
+use crate::runtime::Runtime;
+use crate::sync::lock;
+
+/// How long a restarted daemon waits for the workers of an earlier one to reconnect (they retry
+/// at least twice a second).
+pub const READOPT_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Runtime {
+    /// At startup: the pools of functions with hibernated instances left by an earlier daemon,
+    /// so that their keep-alive (eviction) goes on before any request comes.
+    pub async fn take_up_hibernated(self: &Arc<Self>) {
+        let registry = Arc::clone(&self.registry);
+        let names = tokio::task::spawn_blocking(move || {
+            registry.with(|s| {
+                let mut names: Vec<String> = s
+                    .instances()?
+                    .into_iter()
+                    .filter(|i| !i.stage.has_process())
+                    .map(|i| i.function)
+                    .collect();
+                names.sort();
+                names.dedup();
+                Ok::<_, crate::registry::RegistryError>(names)
+            })
+        })
+        .await;
+        let names = match names {
+            Ok(Ok(n)) => n,
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "cannot list the hibernated instances");
+                return;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "registry task failed");
+                return;
+            }
+        };
+        for name in names {
+            match self.pool(&name).await {
+                Ok(pool) => {
+                    let n = lock(&pool.state).sleepers.len();
+                    tracing::info!(function = %name, hibernated = n, "took up the hibernated instances of an earlier torpord");
+                }
+                Err(e) => {
+                    tracing::warn!(function = %name, error = ?e, "cannot take up the hibernated instances")
+                }
+            }
+        }
+    }
+
+    /// At startup: takes back the live instances an earlier daemon left, whose workers
+    /// reconnect on their own. Each counts as starting in its function's pool (so requests wait
+    /// for it rather than start another past max_instances) until it reconnects, within
+    /// [`READOPT_TIMEOUT`], or is killed and its row removed.
+    pub async fn readopt(self: &Arc<Self>, orphans: Vec<InstanceRow>) {
+        for row in orphans {
+            let pool = match self.pool(&row.function).await {
+                Ok(p) => p,
+                Err(e) => {
+                    self.drop_orphan(&row, &format!("its function cannot serve: {e:?}"))
+                        .await;
+                    continue;
+                }
+            };
+            let generation = {
+                let mut st = lock(&pool.state);
+                st.starting += 1;
+                st.generation
+            };
+            let guard = Starting {
+                pool: Arc::clone(&pool),
+                armed: true,
+            };
+            let rt = Arc::clone(self);
+            tokio::spawn(async move { rt.readopt_one(pool, guard, generation, row).await });
+        }
+    }
+
+    pub(crate) async fn readopt_one(
+        self: Arc<Self>,
+        pool: Arc<Pool>,
+        mut guard: Starting,
+        generation: u64,
+        row: InstanceRow,
+    ) {
+        let Some(init) = row.pid else {
+            return self.drop_orphan(&row, "its row has no pid").await;
+        };
+        let split = self.split_function(&pool).await;
+        if row.stage == Stage::GpuReleased && split {
+            // Its segments' contents were saved in the earlier daemon's memory (crate::split::
+            // release): nothing can map them back.
+            let why = "it released its GPU on the split path, and its segments' saved contents \
+                       went with the earlier torpord";
+            return self.drop_orphan(&row, why).await;
+        }
+        let worker = match crate::launcher::worker_pid(init) {
+            Ok(w) => w,
+            Err(e) => return self.drop_orphan(&row, &e.to_string()).await,
+        };
+        let conn = match self.hub.claim(worker).wait(READOPT_TIMEOUT).await {
+            Ok(c) => c,
+            Err(e) => {
+                let why = format!("its worker did not reconnect: {e}");
+                return self.drop_orphan(&row, &why).await;
+            }
+        };
+        let hello = &conn.hello;
+        if !hello.reattach || hello.function.as_deref() != Some(row.function.as_str()) {
+            let why = format!(
+                "its worker reconnected as {:?} (reattach: {}), not as a lost instance of {:?}",
+                hello.function, hello.reattach, row.function
+            );
+            return self.drop_orphan(&row, &why).await;
+        }
+        // Its idle time counts from now: the warm path does not write last_used, so the row
+        // cannot say when it was last busy.
+        let (inst, rd) = new_instance(
+            row.id.clone(),
+            &row.function,
+            generation,
+            init,
+            worker,
+            conn,
+            Keep::new(row.stage, Instant::now()),
+        );
+        if split {
+            // Its worker maps segments the earlier daemon handed it, and this daemon holds no
+            // record of them to unmap and save: an in-place checkpoint would leave a process the
+            // driver refuses to resume. It stays warm until it hibernates (the capture reads its
+            // segments through the worker).
+            inst.gpu_release_failed.store(true, Ordering::SeqCst);
+        }
+        guard.armed = false;
+        {
+            let mut st = lock(&pool.state);
+            st.starting -= 1;
+            st.instances.push((Arc::clone(&inst), 0));
+        }
+        self.attach(&inst, rd).await;
+        pool.changed.notify_waiters();
+        tracing::info!(function = %row.function, instance = %row.id, pid = init, stage = %row.stage, "re-adopted an instance of an earlier torpord");
+    }
+
+    /// Whether the function snapshot of `pool` is a split snapshot (unknown counts as split).
+    pub(crate) async fn split_function(&self, pool: &Pool) -> bool {
+        let (split, id) = (
+            Arc::clone(&self.split),
+            lock(&pool.state).info.snapshot_id.clone(),
+        );
+        !matches!(
+            tokio::task::spawn_blocking(move || split.plan(&id)).await,
+            Ok(Ok(None))
+        )
+    }
+
+    /// An instance of an earlier daemon that cannot be taken back: killed, its row removed.
+    pub(crate) async fn drop_orphan(&self, row: &InstanceRow, why: &str) {
+        if let Some(pid) = row.pid {
+            kill_tree(pid);
+        }
+        tracing::warn!(function = %row.function, instance = %row.id, pid = row.pid, "killed an instance of an earlier torpord: {why}");
+        let registry = Arc::clone(&self.registry);
+        let id = row.id.clone();
+        let deleted = tokio::task::spawn_blocking(move || registry.remove_instance_row(&id)).await;
+        if !matches!(deleted, Ok(Ok(_))) {
+            tracing::error!(instance = %row.id, "cannot remove the registry row of an instance that was not re-adopted");
+        }
+    }
+}

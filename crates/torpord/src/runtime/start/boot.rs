@@ -1,0 +1,211 @@
+//! Start by booting: a fresh `--role function` worker loads the function (import, setup,
+//! warm-up), as at deploy; `cold_start = "boot"`, or the fallback when a restore fails.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::launcher::{self, WorkerCommand};
+use crate::metrics::start;
+use crate::protocol::{Load, ToWorker};
+use crate::runtime::instance::Instance;
+use crate::runtime::invoke::Timings;
+use crate::runtime::pool::FnInfo;
+use crate::runtime::process::TreeGuard;
+use crate::runtime::start::NewInstance;
+use crate::runtime::Runtime;
+use crate::workers::{ConnError, WorkerConn};
+use std::collections::BTreeMap;
+
+impl Runtime {
+    /// Boots an instance: launches a `--role function` worker, loads the function.
+    pub(crate) async fn boot_instance(
+        self: &Arc<Self>,
+        name: &str,
+        info: &FnInfo,
+        generation: u64,
+        new: &NewInstance<'_, '_>,
+    ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
+        let t = Instant::now();
+        let fdir = PathBuf::from(info.spec["dir"].as_str().unwrap_or_default());
+        let (init, worker, conn, mut timings) =
+            boot_function(self, &info.spec, &fdir, new.log, Some(new.charge))
+                .await
+                .map_err(|e| format!("cannot boot an instance of {name:?}: {e}"))?;
+        timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
+        let inst = self
+            .adopt(
+                new.id.to_string(),
+                name,
+                info,
+                generation,
+                None,
+                init,
+                worker,
+                conn,
+            )
+            .await?;
+        tracing::info!(function = name, instance = %inst.id, pid = init, boot_ms = t.elapsed().as_secs_f64() * 1e3, "instance booted");
+        Ok((inst, timings, start::BOOTED))
+    }
+}
+
+/// How long a booted worker has to connect.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long preloading (base) or loading (function: import, setup, warm-up) may take.
+pub const LOAD_TIMEOUT: Duration = Duration::from_secs(900);
+
+/// The `load` frame for a function: its spec, directory and declared data.
+pub fn load_frame(spec: &Value, dir: &Path) -> ToWorker {
+    let data: BTreeMap<String, Value> = spec["data"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|d| Some((d["name"].as_str()?.to_string(), d["abs_path"].clone())))
+                .collect()
+        })
+        .unwrap_or_default();
+    ToWorker::Load(Load {
+        spec: spec.clone(),
+        dir: dir.to_string_lossy().into_owned(),
+        data,
+    })
+}
+
+/// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker
+/// writing to `log`, sends it `load` and waits for `ready`. Returns (init, worker, connection,
+/// timings: `boot` (launch and connect), `load` (import, setup, warm-up)). `charge`, for an
+/// instance's start, learns the worker's tree as soon as it is launched.
+pub(crate) async fn boot_function(
+    rt: &Runtime,
+    spec: &Value,
+    dir: &Path,
+    log: &Path,
+    charge: Option<&crate::accounting::StartGuard<'_>>,
+) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), String> {
+    let t = Instant::now();
+    let python_dir = rt.python_dir.clone()?;
+    let (_, python, preload, gpu) = base_key(spec, &rt.split)?;
+    let (hook, preload_hook) = rt.split.worker_hook(gpu);
+    let log = log.to_path_buf();
+    let (ws, sd, lg) = (
+        rt.workers_socket.clone(),
+        rt.state_root.clone(),
+        log.clone(),
+    );
+    let init = tokio::task::spawn_blocking(move || {
+        launcher::launch_worker(&WorkerCommand {
+            python: &python,
+            role: "function",
+            preload: &preload,
+            gpu,
+            log: &lg,
+            state_dir: &sd,
+            workers_socket: &ws,
+            python_dir: &python_dir,
+            hook: hook.as_deref(),
+            preload_hook,
+        })
+    })
+    .await
+    .map_err(|e| format!("launch task failed: {e}"))?
+    .map_err(|e| e.to_string())?;
+    let mut guard = TreeGuard(Some(init));
+    if let Some(c) = charge {
+        c.process_started(init);
+    }
+    let worker = launcher::worker_pid(init).map_err(|e| e.to_string())?;
+    let mut conn = rt
+        .hub
+        .claim(worker)
+        .wait(CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| {
+            format!(
+                "the booted worker did not connect: {e}; see {}",
+                log.display()
+            )
+        })?;
+    if conn.hello.role != "function" || conn.hello.resumed {
+        return Err(format!(
+            "the booted worker said hello as role {} (resumed: {}), not a fresh function worker",
+            conn.hello.role, conn.hello.resumed
+        ));
+    }
+    let boot_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    crate::function_mounts::bind_function_dir(init, dir).await?;
+    conn.send(&load_frame(spec, dir))
+        .await
+        .map_err(|e| format!("sending load: {e}"))?;
+    ready(&mut conn)
+        .await
+        .map_err(|e| format!("{e}; see {}", log.display()))?;
+    let load_s = t.elapsed().as_secs_f64();
+    guard.0 = None;
+    Ok((
+        init,
+        worker,
+        conn,
+        vec![("boot".to_string(), boot_s), ("load".to_string(), load_s)],
+    ))
+}
+
+/// (key, interpreter, preload in spec order, gpu). The key ends with how the base's workers got
+/// the device-memory hook ([`crate::split::Split::base_key_suffix`]), so a base booted
+/// otherwise is never restored for this deploy. `Err`: the spec's interpreter is not found.
+pub fn base_key(
+    spec: &Value,
+    split: &crate::split::Split,
+) -> Result<(String, PathBuf, Vec<String>, bool), String> {
+    let python = launcher::resolve_python(spec["python"].as_str().unwrap_or("python3"))?;
+    let preload: Vec<String> = spec["preload"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut sorted = preload.clone();
+    sorted.sort();
+    sorted.dedup();
+    let gpu = spec["gpus"].as_u64().unwrap_or(0) > 0;
+    let key = format!(
+        "{}|{}|{}{}",
+        python.display(),
+        sorted.join(","),
+        if gpu { "gpu" } else { "cpu" },
+        split.base_key_suffix(gpu)
+    );
+    Ok((key, python, preload, gpu))
+}
+
+/// Why a worker did not become ready after `preload` or `load`.
+#[derive(Debug, thiserror::Error)]
+pub enum NotReady {
+    /// waiting for the worker's ready: {0}
+    #[error("waiting for the worker's ready: {0}")]
+    Conn(#[from] ConnError),
+    /// The worker's own step failed; `error` is its error document (type, message, traceback).
+    #[error("the worker failed in its {worker_phase} step: {}: {}", error["type"].as_str().unwrap_or("Error"), error["message"].as_str().unwrap_or(""))]
+    Failed { worker_phase: String, error: Value },
+}
+
+/// Reads `ready`: the worker's `ready` frame when it says `ok: true`.
+pub async fn ready(conn: &mut WorkerConn) -> Result<Value, NotReady> {
+    let msg = conn.expect("ready", LOAD_TIMEOUT).await?;
+    if msg.get("ok").and_then(Value::as_bool) == Some(true) {
+        return Ok(Value::Object(msg));
+    }
+    Err(NotReady::Failed {
+        worker_phase: msg
+            .get("phase")
+            .and_then(Value::as_str)
+            .unwrap_or("?")
+            .to_string(),
+        error: msg.get("error").cloned().unwrap_or(Value::Null),
+    })
+}

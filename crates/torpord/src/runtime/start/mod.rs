@@ -1,0 +1,264 @@
+//! Starting an instance. Each way has a file of its own, behind one entry point,
+//! [`Runtime::start`] with a [`StartKind`]:
+//!
+//! - [`boot`]: a fresh `--role function` worker loads the function (`X-Torpor-Start: booted`);
+//! - [`restore`]: the function snapshot restored by CRIU, its worker woken (`restored`);
+//! - [`wake`]: a hibernated instance restored from its own snapshot (`restored`);
+//! - [`standby`]: the function snapshot restored ahead of time, without the driver restore, held
+//!   idle in gpu_released until a request takes it (`standby`).
+//!
+//! Here too: the cold-start policy ([`Runtime::cold_start`]: restore, else boot; restores paused
+//! after [`RESTORE_FAILURES_TO_PAUSE`] failures in a row) and the start of an instance for a
+//! request in a task of its own ([`Runtime::start_in_task`]). Every way ends in
+//! [`Runtime::adopt`] (crate::runtime::lifecycle), which makes the worker a warm instance.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use crate::config::ColdStart;
+use crate::registry::now_ms;
+use crate::runtime::instance::{Instance, Sleeper};
+use crate::runtime::invoke::{InvokeError, Timings};
+use crate::runtime::pool::{FnInfo, Pool, Starting};
+use crate::runtime::Runtime;
+use crate::sync::lock;
+
+pub mod boot;
+pub mod restore;
+pub mod standby;
+pub mod wake;
+
+/// The ways an instance starts; [`Runtime::start`] runs one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum StartKind<'a> {
+    /// Boot a fresh worker (boot.rs).
+    Boot,
+    /// Restore the function snapshot (restore.rs).
+    Restore,
+    /// Restore a hibernated instance from its own snapshot (wake.rs).
+    Wake(&'a Sleeper),
+    /// Restore the function snapshot as a standby (standby.rs; GPU functions only).
+    Standby,
+}
+
+/// A started instance, the timings of its start, and its start label (`X-Torpor-Start`).
+pub(crate) type Started = (Arc<Instance>, Timings, &'static str);
+/// Consecutive failed restores of a function snapshot after which its cold starts boot
+/// without trying to restore, for [`RESTORE_PAUSE`].
+pub const RESTORE_FAILURES_TO_PAUSE: u32 = 3;
+/// How long restores of a failing function snapshot are skipped; a redeploy ends it at once.
+pub const RESTORE_PAUSE: Duration = Duration::from_secs(300);
+
+/// Failed restores of one function's snapshot in a row, and until when restores are skipped.
+#[derive(Debug, Default)]
+pub(crate) struct RestoreHealth {
+    pub(crate) failures: u32,
+    pub(crate) paused_until: Option<Instant>,
+}
+
+/// What every way of starting one instance shares: its id, its log file, its GPU meter.
+pub(crate) struct NewInstance<'a, 'g> {
+    pub(crate) id: &'a str,
+    pub(crate) log: &'a Path,
+    pub(crate) charge: &'a crate::accounting::StartGuard<'g>,
+}
+
+impl Runtime {
+    /// Restores an instance in a task of its own, so that a request given up mid-way leaves no
+    /// half-counted instance: the instance then joins the pool idle.
+    pub(crate) async fn start_in_task(
+        self: &Arc<Self>,
+        pool: &Arc<Pool>,
+        info: FnInfo,
+        generation: u64,
+        sleeper: Option<Sleeper>,
+    ) -> Result<Started, InvokeError> {
+        let (tx, rx) = oneshot::channel();
+        let rt = Arc::clone(self);
+        let pool2 = Arc::clone(pool);
+        tokio::spawn(async move {
+            let mut guard = Starting {
+                pool: Arc::clone(&pool2),
+                armed: true,
+            };
+            let mut sleeper = sleeper;
+            if let Some(s) = sleeper.as_mut() {
+                rt.close_sleeper(&pool2.name, s);
+            }
+            let gpu_fallback = if info.gpu { info.gpu_bytes } else { 0 };
+            let charge = rt
+                .starts
+                .begin(&pool2.name, gpu_fallback, Arc::clone(&rt.metrics));
+            let started = match &sleeper {
+                Some(s) => {
+                    rt.wake_or_cold_start(&pool2.name, &info, generation, s, &charge)
+                        .await
+                }
+                None => rt.cold_start(&pool2.name, &info, generation, &charge).await,
+            };
+            match &started {
+                Ok((inst, _, _)) => charge.finish_into(&mut lock(&inst.keep).meter),
+                Err(_) => drop(charge),
+            }
+            guard.armed = false;
+            let mut st = lock(&pool2.state);
+            st.starting -= 1;
+            let out = match started {
+                Ok((inst, _, _)) if st.closed => {
+                    drop(st);
+                    rt.remove_instance_of(&pool2, &inst, "stopped: its function was deleted", true);
+                    st = lock(&pool2.state);
+                    Err(format!("function {:?} was deleted", pool2.name))
+                }
+                // Removed already (its worker died): its removal found it in no pool, so it must
+                // not join one now.
+                Ok((inst, _, _)) if inst.is_dead() => Err(format!(
+                    "the new instance of {:?} was removed: {}",
+                    pool2.name,
+                    inst.reason()
+                )),
+                Ok((inst, timings, kind)) => {
+                    st.instances.push((Arc::clone(&inst), 1));
+                    Ok((inst, timings, kind))
+                }
+                Err(e) => Err(e),
+            };
+            drop(st);
+            if let Ok((inst, _, _)) = &out {
+                inst.joined.notify_one();
+            }
+            if let Err(Ok((inst, _, _))) = tx.send(out) {
+                // The request went away: the instance is idle.
+                if let Some(slot) = lock(&pool2.state)
+                    .instances
+                    .iter_mut()
+                    .find(|(i, _)| Arc::ptr_eq(i, &inst))
+                {
+                    slot.1 = 0;
+                    lock(&inst.keep).idle_since = Instant::now();
+                }
+            }
+            pool2.changed.notify_waiters();
+        });
+        rx.await
+            .map_err(|_| InvokeError::Internal("the instance start task failed".to_string()))?
+            .map_err(InvokeError::Internal)
+    }
+
+    /// Runs one way of starting an instance of `name` (`new`: its id, log and meter).
+    pub(crate) async fn start(
+        self: &Arc<Self>,
+        kind: StartKind<'_>,
+        name: &str,
+        info: &FnInfo,
+        generation: u64,
+        new: &NewInstance<'_, '_>,
+    ) -> Result<Started, String> {
+        match kind {
+            StartKind::Boot => self.boot_instance(name, info, generation, new).await,
+            StartKind::Restore => {
+                self.restore_instance(name, info, generation, None, new)
+                    .await
+            }
+            StartKind::Wake(sleeper) => {
+                self.wake_instance(name, info, generation, sleeper, new)
+                    .await
+            }
+            StartKind::Standby => {
+                let inst = self.restore_standby(name, info, generation, new).await?;
+                Ok((inst, Vec::new(), crate::metrics::start::STANDBY))
+            }
+        }
+    }
+
+    /// The id and log of a new instance of `name` (`id`: a woken instance keeps its own);
+    /// the function's older logs are pruned meanwhile.
+    pub(crate) fn instance_files(&self, name: &str, id: Option<&str>) -> (String, PathBuf) {
+        let id = id.map_or_else(
+            || format!("{name}-{}-{}", now_ms(), self.next()),
+            str::to_string,
+        );
+        let log = crate::instance_logs::instance_log(&self.logs_dir(), name, &id);
+        crate::instance_logs::prune_in_background(
+            Arc::clone(&self.registry),
+            self.logs_dir(),
+            name.to_string(),
+        );
+        (id, log)
+    }
+
+    /// A cold start: restores the function snapshot, else (with `cold_start = "boot"`, when
+    /// the restore fails, or while restores are paused) boots an instance.
+    pub(crate) async fn cold_start(
+        self: &Arc<Self>,
+        name: &str,
+        info: &FnInfo,
+        generation: u64,
+        charge: &crate::accounting::StartGuard<'_>,
+    ) -> Result<Started, String> {
+        let (id, log) = self.instance_files(name, None);
+        let new = NewInstance {
+            id: &id,
+            log: &log,
+            charge,
+        };
+        if self.config.cold_start == ColdStart::Boot {
+            return self
+                .start(StartKind::Boot, name, info, generation, &new)
+                .await;
+        }
+        let paused = lock(&self.restore_health)
+            .get(name)
+            .and_then(|h| h.paused_until)
+            .is_some_and(|until| Instant::now() < until);
+        let mut restore_error = None;
+        if !paused {
+            match self
+                .start(StartKind::Restore, name, info, generation, &new)
+                .await
+            {
+                Ok(started) => {
+                    // The failure count only: a pause the instance's background segment
+                    // hand-over set meanwhile (a corrupt chunk) must stand.
+                    if let Some(h) = lock(&self.restore_health).get_mut(name) {
+                        h.failures = 0;
+                    }
+                    return Ok(started);
+                }
+                Err(e) => {
+                    let failures = self.restore_failed(name, false);
+                    tracing::warn!(function = name, error = %e, failures, "restoring the function snapshot failed; booting an instance instead");
+                    if failures >= RESTORE_FAILURES_TO_PAUSE {
+                        tracing::warn!(function = name, pause_s = RESTORE_PAUSE.as_secs(), "{failures} restores in a row failed: booting instances without trying to restore until the pause ends or the function is deployed again");
+                    }
+                    restore_error = Some(e);
+                }
+            }
+        }
+        self.metrics
+            .restore_fallbacks
+            .with_label_values(&[name])
+            .inc();
+        self.start(StartKind::Boot, name, info, generation, &new)
+            .await
+            .map_err(|e| match restore_error {
+                Some(r) => format!("{r}; booting one instead failed too: {e}"),
+                None => format!("{e} (restores are paused after failing)"),
+            })
+    }
+
+    /// Counts a failed restore of `name`'s function snapshot (pausing restores after
+    /// [`RESTORE_FAILURES_TO_PAUSE`] in a row, or at once with `pause_now`); the count.
+    pub(crate) fn restore_failed(&self, name: &str, pause_now: bool) -> u32 {
+        let mut health = lock(&self.restore_health);
+        let h = health.entry(name.to_string()).or_default();
+        h.failures += 1;
+        if pause_now || h.failures >= RESTORE_FAILURES_TO_PAUSE {
+            h.paused_until = Some(Instant::now() + RESTORE_PAUSE);
+        }
+        h.failures
+    }
+}

@@ -1,0 +1,193 @@
+//! Start by restoring a snapshot: the function snapshot (a cold start) or a hibernation (a wake,
+//! [`super::wake`]). CRIU restores the tree (pages lazily or copied, from the staged copy when
+//! there is one), the worker is woken and says hello, and on the split path its segments are
+//! handed over in the background while it already takes requests.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::oneshot;
+
+use crate::metrics::start;
+use crate::runtime::instance::{kill_tree, Instance, Sleeper};
+use crate::runtime::invoke::Timings;
+use crate::runtime::lifecycle::RemoveWhenDone;
+use crate::runtime::pool::FnInfo;
+use crate::runtime::process::{restore_with, HowToRestore, PendingPages, RestoredTree};
+use crate::runtime::start::{NewInstance, RESTORE_PAUSE};
+use crate::runtime::Runtime;
+use crate::sync::lock;
+
+impl Runtime {
+    /// Restores the function snapshot (or `sleeper`'s), wakes the worker and waits for its
+    /// `hello`.
+    pub(crate) async fn restore_instance(
+        self: &Arc<Self>,
+        name: &str,
+        info: &FnInfo,
+        generation: u64,
+        sleeper: Option<&Sleeper>,
+        new: &NewInstance<'_, '_>,
+    ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
+        let t = Instant::now();
+        let from = sleeper.map_or(&info.snapshot_dir, |s| &s.snapshot_dir);
+        // A function snapshot staged in memory is restored from there; a hibernation is never
+        // staged (restored once, copying it first would only add a read).
+        let staged = match sleeper {
+            None => self.staging.get(from),
+            Some(_) => None,
+        };
+        // The restore server fills the segments of a split snapshot meanwhile.
+        let restoring = self
+            .split
+            .begin_restore(sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id));
+        // The page source itself (lazy or copy), as `auto` chose it for this function.
+        let how_pages = self.config.restore_server.pages.source(info.gpu);
+        let how = HowToRestore {
+            pages: how_pages,
+            staged,
+            ..HowToRestore::default()
+        };
+        let staged = how.staged.is_some();
+        // Until the instance is adopted, `pages` stops the lazy-pages daemon if dropped (each
+        // failure below kills the tree first).
+        let RestoredTree {
+            init,
+            worker,
+            pages,
+        } = restore_with(from, &self.logs_dir(), new.log, how, &self.snapshot_key)
+            .await
+            .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
+        new.charge.process_started(init);
+        let restore_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let what = format!("an instance of {name:?} restored from {}", from.display());
+        let conn = self.wake_function(name, init, worker, &what).await?;
+        let reconnect_s = t.elapsed().as_secs_f64();
+        let hello = Instant::now();
+        // The instance takes requests once the plan is known; its segments follow.
+        let handing = match restoring.planned().await {
+            Ok(h) => h,
+            Err(e) => {
+                kill_tree(init);
+                return Err(format!(
+                    "an instance of {name:?} restored from {} did not get its segments: {e}",
+                    from.display()
+                ));
+            }
+        };
+        let plan_s = hello.elapsed().as_secs_f64();
+        let inst = self
+            .adopt(
+                new.id.to_string(),
+                name,
+                info,
+                generation,
+                sleeper,
+                init,
+                worker,
+                conn,
+            )
+            .await?;
+        // A woken instance's hibernation snapshot goes once nothing reads it any more: its
+        // segments are mapped (they are read from its record meanwhile) and every lazy page is in.
+        let hibernation = sleeper.map(|s| Arc::new(RemoveWhenDone(s.snapshot_dir.clone())));
+        if handing.count() > 0 {
+            let (mapping, done) = crate::split::server::Mapping::new(hello, handing.count());
+            *lock(&inst.mapping) = Some(mapping);
+            *lock(&inst.segments) =
+                crate::split::release::InstanceSegments::handing(handing.plan());
+            let rt = Arc::clone(self);
+            let what = format!("an instance restored from {}", from.display());
+            let function_snapshot = sleeper.is_none();
+            let inst = Arc::clone(&inst);
+            let reading = hibernation.clone();
+            tokio::spawn(async move {
+                rt.hand_over(inst, handing, done, &what, function_snapshot)
+                    .await;
+                drop(reading);
+            });
+        }
+        if let Some(served) = pages.map(PendingPages::finish_in_background) {
+            // A page the lazy-pages daemon failed to serve may be missing: the tree was killed.
+            inst.pages_pending.store(true, Ordering::SeqCst);
+            let (rt, inst) = (Arc::clone(self), Arc::clone(&inst));
+            let reading = hibernation.clone();
+            tokio::spawn(async move {
+                let served = served.await;
+                drop(reading);
+                match served {
+                    Ok(Ok(())) => inst.pages_pending.store(false, Ordering::SeqCst),
+                    Ok(Err(e)) => {
+                        rt.remove_instance(&inst, &format!("its lazy pages failed: {e}"), true)
+                    }
+                    Err(_) => rt.remove_instance(
+                        &inst,
+                        "its lazy pages daemon was lost (the task reaping it ended)",
+                        true,
+                    ),
+                }
+            });
+        }
+        drop(hibernation);
+        tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, pages = ?how_pages, staged, "instance restored");
+        let timings = vec![
+            ("restore".to_string(), restore_s),
+            ("reconnect".to_string(), reconnect_s),
+            ("start".to_string(), restore_s + reconnect_s + plan_s),
+        ];
+        Ok((inst, timings, start::RESTORED))
+    }
+
+    /// Sends a restored instance its `map` frames as the fills complete, while it already takes
+    /// requests, and waits for the last `mapped` (its reader counts them). A failed fill, a
+    /// refused map or a timeout removes the instance (its requests are answered with the cause)
+    /// and, for the function snapshot, pauses its restores: a retry would read the same store.
+    pub(crate) async fn hand_over(
+        self: Arc<Self>,
+        inst: Arc<Instance>,
+        handing: crate::split::server::HandingOver,
+        done: oneshot::Receiver<()>,
+        what: &str,
+        function_snapshot: bool,
+    ) {
+        inst.joined.notified().await;
+        let deadline = tokio::time::Instant::now() + crate::split::server::MAP_TIMEOUT;
+        let sent = handing
+            .send_maps(&inst.writer, |va, lease| {
+                if inst.is_dead() {
+                    return;
+                }
+                if let Some(m) = lock(&inst.mapping).as_mut() {
+                    m.sent(va);
+                }
+                lock(&inst.segments).push(lease);
+            })
+            .await;
+        let failed = match sent {
+            Err(e) => e,
+            Ok(()) => match tokio::time::timeout_at(deadline, done).await {
+                Ok(Ok(())) => return,
+                // The mapping was dropped: the instance is gone already, for its own reason.
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    let left = lock(&inst.mapping).as_ref().map_or(0, |m| m.unmapped());
+                    format!(
+                        "the worker did not map {left} segment(s) within {} s",
+                        crate::split::server::MAP_TIMEOUT.as_secs()
+                    )
+                }
+            },
+        };
+        if inst.is_dead() {
+            return;
+        }
+        let why = format!("{what} did not get its segments: {failed}");
+        if function_snapshot {
+            self.restore_failed(&inst.function, true);
+            tracing::warn!(function = %inst.function, instance = %inst.id, error = %why, pause_s = RESTORE_PAUSE.as_secs(), "restoring the function snapshot failed after the instance took requests; booting an instance instead of restoring until the pause ends or the function is deployed again");
+        }
+        self.remove_instance(&inst, &why, true);
+    }
+}

@@ -1,0 +1,154 @@
+//! The function spec as torpord reads it: the JSON that `python3 -m torpor.spec` prints for a
+//! function's `torpor.toml` (python/torpor/spec.py parses and checks the TOML, with its error
+//! messages; docs/torpord.md). [`FunctionSpec`] is the one definition of that JSON: deploys
+//! refuse a spec it does not describe (a field it does not know included), and its JSON
+//! schema, `python/torpor/spec.schema.json`, generated from it and kept current by this module's
+//! tests, is what the SDK's tests check spec.py's output against (tests/sdk/test_sdk_spec_schema.py).
+//! So the parser stays in one place (Python, where users' tools read the same file) and the
+//! shape both sides rely on is defined once, here.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// A function's spec, as validated at deploy.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionSpec {
+    /// The function's directory, absolute.
+    pub dir: String,
+    pub name: String,
+    /// `module:Class`.
+    pub entry: String,
+    pub module: String,
+    pub class: String,
+    /// The interpreter (`python3`, or a path).
+    pub python: String,
+    /// Modules the base imports before the function loads.
+    pub preload: Vec<String>,
+    /// 0 or 1.
+    pub gpus: u32,
+    /// The GPU memory estimate, in bytes.
+    pub gpu_memory: u64,
+    pub timeout_s: f64,
+    pub data: Vec<DataFile>,
+    pub warmup: Option<Warmup>,
+    pub scaling: Scaling,
+    pub keepalive: KeepaliveSpec,
+    pub gpu: GpuSpec,
+}
+
+/// A declared data file.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DataFile {
+    pub name: String,
+    /// As written in torpor.toml (relative to the function's directory).
+    pub path: String,
+    pub abs_path: String,
+    pub size: u64,
+    /// `read-only` (the only access so far).
+    pub access: String,
+}
+
+/// The request sent once at deploy, before the snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Warmup {
+    pub request: Value,
+}
+
+/// `[scaling]`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Scaling {
+    pub max_instances: u32,
+    pub requests_per_instance: u32,
+    pub standby: u32,
+}
+
+/// `[keepalive]`: idle delays of the stages, in seconds (cumulative).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct KeepaliveSpec {
+    pub gpu_release_s: f64,
+    pub hibernate_s: f64,
+    pub evict_s: f64,
+}
+
+/// `[gpu]`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GpuSpec {
+    pub pack_weights: bool,
+}
+
+/// A spec that this daemon does not read as `python3 -m torpor.spec` printed it.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "python3 -m torpor.spec printed a spec this torpord does not read ({cause}): the torpor \
+     Python package and torpord are of different versions; install them together"
+)]
+pub struct SpecMismatch {
+    pub cause: String,
+}
+
+impl FunctionSpec {
+    /// The spec in `json` (spec.py's output).
+    pub fn from_json(json: &Value) -> Result<Self, SpecMismatch> {
+        Self::deserialize(json).map_err(|e| SpecMismatch {
+            cause: e.to_string(),
+        })
+    }
+}
+
+/// The JSON schema of [`FunctionSpec`].
+pub fn schema() -> Value {
+    let mut schema =
+        serde_json::to_value(schemars::schema_for!(FunctionSpec)).expect("a schema is JSON");
+    schema["$comment"] = Value::from(
+        "Generated from crates/torpord/src/spec.rs by its tests \
+         (TORPOR_WRITE_SCHEMA=1 cargo test -p torpord spec::); do not edit.",
+    );
+    schema
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Value {
+        serde_json::json!({
+            "dir": "/f", "name": "f", "entry": "m:C", "module": "m", "class": "C",
+            "python": "python3", "preload": [], "gpus": 0, "gpu_memory": 0, "timeout_s": 10,
+            "data": [{"name": "w", "path": "w.bin", "abs_path": "/f/w.bin", "size": 3,
+                      "access": "read-only"}],
+            "warmup": null,
+            "scaling": {"max_instances": 4, "requests_per_instance": 1, "standby": 0},
+            "keepalive": {"gpu_release_s": 30, "hibernate_s": 120, "evict_s": 600},
+            "gpu": {"pack_weights": true}
+        })
+    }
+
+    #[test]
+    fn a_spec_reads_and_one_with_a_field_it_does_not_know_is_refused() {
+        let spec = FunctionSpec::from_json(&sample()).unwrap();
+        assert_eq!((spec.name.as_str(), spec.scaling.max_instances), ("f", 4));
+        let mut extra = sample();
+        extra["scaling"]["burst"] = Value::from(2);
+        let e = FunctionSpec::from_json(&extra).unwrap_err().to_string();
+        assert!(
+            e.contains("unknown field `burst`") && e.contains("install them together"),
+            "{e}"
+        );
+        let mut missing = sample();
+        missing.as_object_mut().unwrap().remove("timeout_s");
+        assert!(FunctionSpec::from_json(&missing).is_err());
+    }
+
+    /// The schema file the Python side checks against is the one this type makes.
+    #[test]
+    fn schema_file_is_current() {
+        crate::schema_file::assert_current("spec.schema.json", &schema(), "spec");
+    }
+}
