@@ -18,6 +18,7 @@ pub mod frames;
 pub mod instance_logs;
 pub mod keepalive;
 pub mod launcher;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod registry;
