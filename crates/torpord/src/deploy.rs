@@ -19,8 +19,8 @@ use crate::workers::{ConnError, WorkerConn};
 
 /// How long a booted worker has to connect.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long preloading (base) or loading (function: import, setup, warm-up) may take.
-const LOAD_TIMEOUT: Duration = Duration::from_secs(900);
+// How long preloading (base) or loading (function: import, setup, warm-up) may take: the spec's
+// load_timeout_s, else the config's workers.load_timeout_s (crate::limits::load_timeout).
 /// How long a worker has to answer `quiesce` and close its connection.
 pub(crate) const QUIET_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the snapshot waits for in-flight CUDA work when locking.
@@ -185,7 +185,8 @@ pub(crate) fn dir_bytes(dir: &Path) -> u64 {
 /// Runs the deploy of an accepted spec, sending phase lines and then the result on `tx`.
 pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Value>) {
     let t0 = Instant::now();
-    let _one_at_a_time = rt.deploy_lock.lock().await;
+    // Deploys of other functions run meanwhile (crate::deploy_locks).
+    let _this_function = rt.deploy_locks.function(&spec.name).await;
     let name = spec.name.clone();
     let previous = match deploying(&rt, &spec).await {
         Ok(p) => p,
@@ -351,7 +352,8 @@ pub(crate) async fn boot_function(
     conn.send(&load_frame(spec, dir))
         .await
         .map_err(|e| format!("sending load: {e}"))?;
-    ready(&mut conn, "load")
+    let bound = crate::limits::load_timeout(spec, rt.config.load_timeout);
+    ready(&mut conn, "load", bound)
         .await
         .map_err(|f| format!("{}; see {}", f.message, log.display()))?;
     let load_s = t.elapsed().as_secs_f64();
@@ -400,11 +402,18 @@ fn conn_fail(phase: &'static str, what: &str, e: ConnError) -> Failure {
 }
 
 /// Reads `ready`; `ok: false` fails the deploy with the worker's phase and error.
-async fn ready(conn: &mut WorkerConn, phase: &'static str) -> Result<Value, Failure> {
-    let msg = conn
-        .expect("ready", LOAD_TIMEOUT)
-        .await
-        .map_err(|e| conn_fail(phase, "waiting for the worker's ready", e))?;
+async fn ready(
+    conn: &mut WorkerConn,
+    phase: &'static str,
+    bound: Duration,
+) -> Result<Value, Failure> {
+    let msg = match conn.expect("ready", bound).await {
+        // The caller's guard kills the worker.
+        Err(ConnError::Timeout(_)) => {
+            return Err(fail(phase, crate::limits::load_timed_out(bound)))
+        }
+        r => r.map_err(|e| conn_fail(phase, "waiting for the worker's ready", e))?,
+    };
     if msg.get("ok").and_then(Value::as_bool) == Some(true) {
         return Ok(Value::Object(msg));
     }
@@ -490,12 +499,13 @@ async fn split_snapshot(
     conn.send(&json!({"type": "resume"}))
         .await
         .map_err(|e| conn_fail(PHASE, "sending resume", e))?;
+    let bound = crate::limits::load_timeout(spec, rt.config.load_timeout);
     if let Some(request) = warmup {
-        conn.send(&json!({"type": "invoke", "id": 0, "request": request, "timeout_s": LOAD_TIMEOUT.as_secs_f64()}))
+        conn.send(&json!({"type": "invoke", "id": 0, "request": request, "timeout_s": bound.as_secs_f64()}))
             .await
             .map_err(|e| conn_fail(PHASE, "sending the read-only probe's warm-up request", e))?;
         let r = conn
-            .expect("result", LOAD_TIMEOUT)
+            .expect("result", bound)
             .await
             .map_err(|e| conn_fail(PHASE, "waiting for the probe's warm-up result", e))?;
         if r.get("ok").and_then(Value::as_bool) != Some(true) {
@@ -583,6 +593,9 @@ async fn steps(
     let (hook, preload_hook) = rt.split.worker_hook(gpu);
     let state_root = rt.state_root.clone();
     let snapshots = rt.snapshots_dir();
+    let bound = crate::limits::load_timeout(&spec.json, rt.config.load_timeout);
+    // Two first deploys on one key make one base; held until it is recorded, not across the load.
+    let base_lock = rt.deploy_locks.base(&key).await;
 
     // The base snapshot: reuse, or boot and snapshot.
     let registry = Arc::clone(&rt.registry);
@@ -648,7 +661,7 @@ async fn steps(
                         ),
                     )
                 })?;
-            let r = ready(&mut conn, "boot_base").await?;
+            let r = ready(&mut conn, "boot_base", bound).await?;
             send(phase(
                 "boot_base",
                 t.elapsed().as_secs_f64(),
@@ -693,6 +706,8 @@ async fn steps(
         }
     };
 
+    drop(base_lock);
+
     // Restore the base and load the function into it.
     let t = Instant::now();
     let log = crate::instance_logs::deploy_log(&rt.logs_dir(), name, now_ms());
@@ -718,7 +733,7 @@ async fn steps(
     conn.send(&load_frame(&spec.json, &spec.dir))
         .await
         .map_err(|e| conn_fail("load", "sending load", e))?;
-    let r = ready(&mut conn, "load").await?;
+    let r = ready(&mut conn, "load", bound).await?;
     let mut loaded = json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]});
     // What the harness packed into segments of their own (docs/split.md, "Weight packing").
     if let Some(packed) = r.get("packed") {

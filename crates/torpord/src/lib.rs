@@ -14,6 +14,7 @@ pub mod auth;
 pub mod client;
 pub mod config;
 pub mod deploy;
+pub mod deploy_locks;
 pub mod frames;
 pub mod instance_logs;
 pub mod keepalive;

@@ -67,6 +67,27 @@ pub fn spec_count(value: Option<&Value>, default: u64, min: u64, max: u64) -> us
     usize::try_from(n).unwrap_or(usize::MAX)
 }
 
+/// The bound on a deploy's import, `setup()` and warm-up (and its base's preload): the spec's
+/// `load_timeout_s`, else `default` (the config's `workers.load_timeout_s`).
+pub fn load_timeout(spec: &Value, default: Duration) -> Duration {
+    spec_secs(
+        spec.get("load_timeout_s"),
+        default,
+        0.001,
+        MAX_LOAD_TIMEOUT_S,
+    )
+}
+
+/// The error of a worker that passed its [`load_timeout`] (it is killed).
+pub fn load_timed_out(bound: Duration) -> String {
+    format!(
+        "the worker did not finish import, setup() and warm-up within {} s (load_timeout_s) and \
+         was killed: make them faster, or raise load_timeout_s in torpor.toml (or \
+         workers.load_timeout_s in torpord's config)",
+        bound.as_secs_f64()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,5 +125,16 @@ mod tests {
         assert_eq!(c(json!(7)), 7);
         assert_eq!(c(json!(null)), 4);
         assert_eq!(spec_count(None, 0, 0, MAX_INSTANCES), 0);
+        let d = DEFAULT_LOAD_TIMEOUT;
+        assert_eq!(load_timeout(&json!({}), d), d);
+        assert_eq!(load_timeout(&json!({"load_timeout_s": null}), d), d);
+        assert_eq!(
+            load_timeout(&json!({"load_timeout_s": 2.5}), d),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(
+            load_timeout(&json!({"load_timeout_s": 1e300}), d),
+            Duration::from_secs(3600)
+        );
     }
 }

@@ -67,8 +67,8 @@ pub async fn delete(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
 ) -> Result<Json<Deleted>, ApiError> {
-    // No deploy runs meanwhile.
-    let _deploys = state.runtime.deploy_lock.lock().await;
+    // No deploy of it runs meanwhile.
+    let _deploys = state.runtime.deploy_locks.function(&name).await;
     let stopped = state.runtime.stop_function(&name);
     let n = name.clone();
     let (function, snapshots) = with_registry(&state, move |r| {

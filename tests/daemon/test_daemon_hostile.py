@@ -1,0 +1,161 @@
+"""The holes a hostile-input probe found in torpord (issue 20), each closed and kept closed: a hung
+deploy blocked every other deploy; idle connections were unbounded; smaller ones (a JSON array as
+the deploy body, a NUL in `dir`, the invoke body limit, registry.db that never shrank, a worker
+that inherited the daemon's whole environment). One daemon with TCP, a token and small bounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon.conftest import Torpord
+
+TOKEN = "hostile-probe-token-0123456789"
+# Small bounds so that the tests reach them quickly.
+LOAD_TIMEOUT_S = 3  # [workers] load_timeout_s: a spec without load_timeout_s gets this
+MAX_CONNECTIONS = 32  # [http] max_connections, per listener
+HEADER_TIMEOUT_S = 2  # [http] header_timeout_s
+# In the daemon's environment: a worker must not see it.
+SECRET = "TORPOR_TEST_ONLY_NOT_SECRET_BUT_CLOSE"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def hostile(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    root = tmp_path_factory.mktemp("torpord-hostile")
+    token = root / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    port = free_port()
+    config = (
+        f'tcp = "127.0.0.1:{port}"\ntoken_file = "{token}"\n'
+        f"[workers]\nload_timeout_s = {LOAD_TIMEOUT_S}\n"
+        f"[http]\nmax_connections = {MAX_CONNECTIONS}\nheader_timeout_s = {HEADER_TIMEOUT_S}\n"
+    )
+    d = Torpord(torpor_bin, root, config=config, env={"HOSTILE_SECRET_VAR": SECRET, "AWS_SECRET_ACCESS_KEY": SECRET})
+    d.port = port  # type: ignore[attr-defined]
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def function_dir(root: Path, name: str, body: str, extra_toml: str = "") -> Path:
+    """A function `name` whose module holds `body` (the class Fn is appended)."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "torpor.toml").write_text(f'name = "{name}"\nentry = "handler:Fn"\ntimeout_s = 10\n{extra_toml}')
+    (d / "handler.py").write_text(
+        "from __future__ import annotations\nimport os, time\nfrom typing import Any\nimport torpor\n"
+        f"{body}\n"
+        "@torpor.function\nclass Fn:\n"
+        "    def setup(self) -> None:\n        pass\n\n"
+        "    def __call__(self, request: Any) -> Any:\n"
+        "        if request == 'env':\n            return dict(os.environ)\n"
+        "        return {'echo': request}\n"
+    )
+    return d
+
+
+def lines_of(out: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def deploy_in_background(torpord: Torpord, fdir: Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, TORPOR_SOCKET=str(torpord.socket))
+    return subprocess.Popen(
+        [str(torpord.binary), "deploy", "--json", str(fdir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def state_of(torpord: Torpord, name: str) -> str | None:
+    r = torpord.request("GET", f"/v1/functions/{name}")
+    return None if r.status == 404 else str(r.json()["state"])
+
+
+def wait_deploying(torpord: Torpord, name: str, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 30
+    while state_of(torpord, name) != "deploying":
+        assert proc.poll() is None, f"deploy of {name} ended early: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"{name} never reached deploying"
+        time.sleep(0.05)
+
+
+# --- item 2: deploys that cannot block each other --------------------------------------------
+
+
+def test_a_hung_deploy_blocks_no_other_and_is_killed_at_its_bound(hostile: Torpord, tmp_path: Path) -> None:
+    quick = function_dir(tmp_path, "quick", "")
+    hostile.deploy(quick)  # the base exists from here on: the timing below is a deploy's own
+    # Order 1: the hung deploy first (its import sleeps; its own bound is 15 s), then another.
+    hung = function_dir(tmp_path, "hung", "time.sleep(3600)\n", "load_timeout_s = 15\n")
+    proc = deploy_in_background(hostile, hung)
+    try:
+        wait_deploying(hostile, "hung", proc)
+        time.sleep(1.0)  # well inside the hung worker's import
+        t = time.monotonic()
+        lines = hostile.deploy(function_dir(tmp_path, "other", ""))
+        took = time.monotonic() - t
+        assert "result" in lines[-1], lines
+        assert proc.poll() is None and state_of(hostile, "hung") == "deploying", "the hung deploy is still hung"
+        assert took < 12, f"another function's deploy waited {took:.1f} s for the hung one"
+        # Order 2: another deploy starts first, the hung one's redeploy right behind it.
+        proc2 = deploy_in_background(hostile, function_dir(tmp_path, "other2", ""))
+        out2, err2 = proc2.communicate(timeout=60)
+        assert proc2.returncode == 0 and "result" in lines_of(out2)[-1], (out2, err2)
+        assert proc.poll() is None, "the hung deploy is still hung after the second"
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    last = lines_of(out)[-1]
+    assert proc.returncode != 0 and last.get("phase") == "load", (out, err)
+    assert "within 15 s (load_timeout_s)" in last["error"] and "was killed" in last["error"], last
+    assert state_of(hostile, "hung") == "failed"
+    assert not [c for c in pids_in_namespaces_of(hostile) if "torpor.worker" in c], "the hung worker was killed"
+
+
+def test_a_deploy_without_load_timeout_gets_the_daemons(hostile: Torpord, tmp_path: Path) -> None:
+    hung = function_dir(tmp_path, "hung-default", "time.sleep(3600)\n")
+    t = time.monotonic()
+    r = hostile.cli("deploy", "--json", hung)
+    took = time.monotonic() - t
+    last = lines_of(r.stdout)[-1]
+    assert r.returncode != 0 and last.get("phase") == "load", r
+    assert f"within {LOAD_TIMEOUT_S} s (load_timeout_s)" in last["error"], last
+    assert took < LOAD_TIMEOUT_S + 20, took
+
+
+def pids_in_namespaces_of(torpord: Torpord) -> list[str]:
+    """Command lines of the daemon's descendant processes (workers and their inits)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if str(torpord.state).encode() in environ or str(torpord.state) in cmd:
+            out.append(cmd)
+    return out
