@@ -159,3 +159,85 @@ def pids_in_namespaces_of(torpord: Torpord) -> list[str]:
         if str(torpord.state).encode() in environ or str(torpord.state) in cmd:
             out.append(cmd)
     return out
+
+
+# --- item 4: bounded connections ---------------------------------------------------------------
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+    """Whether the daemon closed this client socket (EOF or reset), without waiting."""
+    s.setblocking(False)
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def test_idle_tcp_connections_are_bounded_closed_and_leave_the_unix_socket_answering(hostile: Torpord) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    pid = hostile.proc.pid
+    baseline = fd_count(pid)
+    socks: list[socket.socket] = []
+    most = 0
+    try:
+        for i in range(2000):
+            s = socket.create_connection(("127.0.0.1", hostile.port), timeout=10)  # type: ignore[attr-defined]
+            socks.append(s)
+            if i % 100 == 0:
+                most = max(most, fd_count(pid))
+        most = max(most, fd_count(pid))
+        # The cap holds: the daemon never had more than its connections' worth of extra files.
+        assert most <= baseline + MAX_CONNECTIONS + 16, (baseline, most)
+        # The Unix socket answers meanwhile, at once.
+        t = time.monotonic()
+        r = hostile.cli("ls", "--json", timeout=10)
+        assert r.returncode == 0, r
+        assert hostile.request("GET", "/v1/status", timeout=5).status == 200
+        assert time.monotonic() - t < 5
+        # All but the newest (at most max_connections) were closed already to make room.
+        early = sum(closed_by_peer(s) for s in socks)
+        assert early >= len(socks) - MAX_CONNECTIONS, early
+        # The rest close themselves after the header timeout.
+        deadline = time.monotonic() + HEADER_TIMEOUT_S + 5
+        while not all(closed_by_peer(s) for s in socks):
+            assert time.monotonic() < deadline, "idle connections outlived the header timeout"
+            time.sleep(0.2)
+        assert fd_count(pid) <= baseline + 4, (baseline, fd_count(pid))
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_connection_that_sent_the_token_is_closed_last(hostile: Torpord) -> None:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", hostile.port, timeout=10)  # type: ignore[attr-defined]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    conn.request("GET", "/v1/status", headers=auth)
+    r = conn.getresponse()
+    assert r.status == 200
+    r.read()
+    flood = [socket.create_connection(("127.0.0.1", hostile.port), timeout=10) for _ in range(4 * MAX_CONNECTIONS)]  # type: ignore[attr-defined]
+    try:
+        # Kept alive, within the header timeout: the same connection serves again.
+        conn.request("GET", "/v1/status", headers=auth)
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        r.read()
+        # An unauthenticated request is still refused, and a wrong token does not protect.
+        bad = http.client.HTTPConnection("127.0.0.1", hostile.port, timeout=10)  # type: ignore[attr-defined]
+        bad.request("GET", "/v1/status", headers={"Authorization": "Bearer wrong"})
+        assert bad.getresponse().status == 401
+        bad.close()
+        assert sum(closed_by_peer(s) for s in flood) >= 3 * MAX_CONNECTIONS - 1
+    finally:
+        conn.close()
+        for s in flood:
+            s.close()

@@ -13,6 +13,7 @@ pub mod api;
 pub mod auth;
 pub mod client;
 pub mod config;
+pub mod connections;
 pub mod deploy;
 pub mod deploy_locks;
 pub mod frames;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use crate::api::{self, AppState};
 use crate::auth::{Token, TokenError};
 use crate::config::Config;
+use crate::connections;
 use crate::metrics::Metrics;
 use crate::registry::{now_ms, Registry, RegistryError};
 use crate::runtime::Runtime;
@@ -82,6 +83,7 @@ impl Daemon {
             _ => None,
         };
         let state_dir = StateDir::open(&config.state_dir)?;
+        connections::raise_fd_limit();
         let registry = Registry::open(&state_dir.registry())?;
         for name in registry.with(|s| s.fail_interrupted_deploys(now_ms()))? {
             tracing::warn!(function = %name, "deploy was interrupted by a daemon stop; marked failed");
@@ -189,9 +191,10 @@ impl Daemon {
             started_ms: now_ms(),
         });
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let stopped = move |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-            // An error means the sender is gone, which also means stop.
-            let _ = rx.wait_for(|stop| *stop).await;
+        let bounds = |trusted| connections::Bounds {
+            max_connections: self.config.http.max_connections,
+            header_timeout: self.config.http.header_timeout,
+            trusted,
         };
 
         let unix_what = format!("unix socket {}", self.unix.path().display());
@@ -212,13 +215,10 @@ impl Daemon {
         let mut servers = tokio::task::JoinSet::new();
         {
             let app = api::router(Arc::clone(&state));
-            let rx = stop_rx.clone();
-            let what = unix_what.clone();
+            let (rx, what, b) = (stop_rx.clone(), unix_what.clone(), bounds(true));
             servers.spawn(async move {
-                axum::serve(unix_listener, app)
-                    .with_graceful_shutdown(stopped(rx))
-                    .await
-                    .map_err(|source| ServeError::Serve { what, source })
+                connections::serve(unix_listener, app, b, rx, what).await;
+                Ok(())
             });
         }
         if let Some((std_tcp, addr, token)) = self.tcp.take() {
@@ -234,12 +234,10 @@ impl Daemon {
                 tracing::warn!(%addr, "the API is on a non-loopback TCP address without TLS: the bearer token crosses the network in clear text");
             }
             let app = api::router_with_token(Arc::clone(&state), Arc::new(token));
-            let rx = stop_rx.clone();
+            let (rx, b) = (stop_rx.clone(), bounds(false));
             servers.spawn(async move {
-                axum::serve(tcp_listener, app)
-                    .with_graceful_shutdown(stopped(rx))
-                    .await
-                    .map_err(|source| ServeError::Serve { what, source })
+                connections::serve(tcp_listener, app, b, rx, what).await;
+                Ok(())
             });
         }
         tracing::info!(

@@ -140,6 +140,10 @@ async fn require_token(State(token): State<Arc<Token>>, req: Request, next: Next
         .get(header::AUTHORIZATION)
         .is_some_and(|v| token.accepts(v.as_bytes()));
     if ok {
+        // Closed last when the listener is full (crate::connections).
+        if let Some(conn) = req.extensions().get::<Arc<crate::connections::ConnAuth>>() {
+            conn.authenticated();
+        }
         return next.run(req).await;
     }
     tracing::warn!(method = %req.method(), path = %req.uri().path(), "refused a TCP request without the right bearer token");
