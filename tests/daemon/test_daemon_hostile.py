@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from daemon.conftest import Torpord
 
 TOKEN = "hostile-probe-token-0123456789"
@@ -241,3 +242,91 @@ def test_a_connection_that_sent_the_token_is_closed_last(hostile: Torpord) -> No
         conn.close()
         for s in flood:
             s.close()
+
+
+# --- item 5: the smaller holes -----------------------------------------------------------------
+
+
+def raw_request(torpord: Torpord, method: str, path: str, body: bytes, timeout: float = 30) -> tuple[int, Any]:
+    from daemon.conftest import UnixHTTPConnection
+
+    conn = UnixHTTPConnection(torpord.socket, timeout)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    try:
+        return r.status, json.loads(data)
+    except ValueError:
+        return r.status, data
+
+
+def test_a_deploy_body_must_be_an_object_without_nul(hostile: Torpord, tmp_path: Path) -> None:
+    fdir = function_dir(tmp_path, "arrayed", "")
+    status, body = raw_request(hostile, "POST", "/v1/functions", json.dumps([str(fdir)]).encode())
+    assert status == 400 and "got an array, not an object" in body["error"], (status, body)
+    assert state_of(hostile, "arrayed") is None, "nothing was deployed"
+    status, body = raw_request(hostile, "POST", "/v1/functions", json.dumps({"dir": f"{fdir}\0x"}).encode())
+    assert status == 400 and "NUL" in body["error"] and "\n" not in body["error"], (status, body)
+    status, body = raw_request(hostile, "POST", "/v1/functions", b'{"dir": "' + b"a" * (100 << 10) + b'"}')
+    assert status == 413 and "KiB" in body["error"], (status, body)
+
+
+def test_invoke_bodies_up_to_the_documented_limit(hostile: Torpord, tmp_path: Path) -> None:
+    hostile.deploy(function_dir(tmp_path, "big-bodies", ""))
+    # 8 MiB passes (it was refused past 2 MiB); 63 MiB is the documented limit; past it, 413.
+    payload = b'"' + b"x" * (8 << 20) + b'"'
+    status, body = raw_request(hostile, "POST", "/v1/functions/big-bodies/invoke", payload, timeout=120)
+    assert status == 200 and len(body["echo"]) == 8 << 20, status
+    # One byte past the limit: 413, with the error as JSON.
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(60)
+        s.connect(str(hostile.socket))
+        too_big = b'"' + b"x" * ((63 << 20) - 1) + b'"'
+        s.sendall(
+            b"POST /v1/functions/big-bodies/invoke HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(too_big)}\r\n\r\n".encode()
+            + too_big
+        )
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert "63 MiB limit" in json.loads(rest)["error"], rest
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "torpord.md").read_text()
+    assert "over 63 MiB" in doc and "64 MiB and 400" not in doc
+
+
+def test_a_worker_gets_a_minimal_environment(hostile: Torpord, tmp_path: Path) -> None:
+    hostile.deploy(function_dir(tmp_path, "envprobe", ""))
+    r = hostile.invoke("envprobe", "env")
+    assert r.status == 200, r.body
+    env = r.json()["echo"] if "echo" in r.json() else r.json()
+    assert SECRET not in json.dumps(env), sorted(env)
+    assert "HOSTILE_SECRET_VAR" not in env and "AWS_SECRET_ACCESS_KEY" not in env and "TORPOR_SOCKET" not in env
+    assert env.get("TORPOR_WORKER_SOCKET") and env.get("PYTHONPATH") and "PATH" in env
+    allowed = {"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "LD_PRELOAD"}
+    # Python itself may add LC_CTYPE when it coerces the C locale.
+    odd = [k for k in env if k not in allowed and not k.startswith(("LC_", "CUDA_", "NVIDIA_", "TORPOR_"))]
+    assert not odd, odd
+
+
+def test_the_registry_shrinks_when_functions_are_removed(hostile: Torpord, tmp_path: Path) -> None:
+    pad = "x" * (700 << 10)
+    fdir = function_dir(tmp_path, "bulky", "", f'[warmup]\nrequest = {{ pad = "{pad}" }}\n')
+    db = hostile.state / "registry.db"
+
+    def size() -> int:
+        wal = db.with_name("registry.db-wal")
+        return db.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+
+    hostile.deploy(fdir)
+    grown = size()
+    assert grown > 700 << 10, grown
+    r = hostile.cli("rm", "bulky")
+    assert r.returncode == 0, r
+    assert size() < grown - (500 << 10), (grown, size())

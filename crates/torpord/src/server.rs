@@ -89,6 +89,11 @@ impl Daemon {
             tracing::warn!(function = %name, "deploy was interrupted by a daemon stop; marked failed");
         }
         let orphans = clean_up_instances(&registry, state_dir.root())?;
+        match registry.shrink() {
+            Ok(0) => {}
+            Ok(bytes) => tracing::info!(bytes, "registry shrunk"),
+            Err(e) => tracing::warn!(error = %e, "cannot shrink the registry"),
+        }
         let metrics = Arc::new(Metrics::new()?);
         let unix = socket::bind(&config.socket)?;
         let workers = socket::bind(&state_dir.workers_socket())?;
