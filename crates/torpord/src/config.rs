@@ -783,91 +783,20 @@ mod tests {
 
     /// Every number of the config at its limits and beyond (issue 20): (table, key, the largest
     /// value accepted, values refused, the range as the error names it).
+    #[rustfmt::skip]
     const LIMITS: &[(&str, &str, &str, &[&str], &str)] = &[
-        (
-            "keepalive",
-            "gpu_release_s",
-            "31536000",
-            &["31536001", "1e300", "-1", "nan", "inf"],
-            "from 0 to 31536000",
-        ),
-        (
-            "keepalive",
-            "hibernate_s",
-            "31536000",
-            &["31536000.5", "1e300", "-1"],
-            "from 0 to 31536000",
-        ),
-        (
-            "keepalive",
-            "evict_s",
-            "31536000",
-            &["31536001", "1e300", "-1"],
-            "from 0 to 31536000",
-        ),
-        (
-            "queue",
-            "length",
-            "65536",
-            &["65537", "9223372036854775807", "-1"],
-            "from 0 to 65536",
-        ),
-        (
-            "queue",
-            "timeout_s",
-            "86400",
-            &["86401", "1e308", "0", "-1"],
-            "> 0 and ≤ 86400",
-        ),
-        (
-            "workers",
-            "reattach_s",
-            "86400",
-            &["86401", "1e300", "-1"],
-            "from 0 to 86400",
-        ),
-        (
-            "workers",
-            "load_timeout_s",
-            "3600",
-            &["3601", "1e300", "0"],
-            "> 0 and ≤ 3600",
-        ),
-        (
-            "http",
-            "max_connections",
-            "65536",
-            &["65537", "9223372036854775807", "0"],
-            "from 1 to 65536",
-        ),
-        (
-            "http",
-            "header_timeout_s",
-            "3600",
-            &["3601", "1e300", "0"],
-            "> 0 and ≤ 3600",
-        ),
-        (
-            "restore_server",
-            "host_cache_bytes",
-            "1125899906842624",
-            &["1125899906842625", "9223372036854775807", "-1"],
-            "from 0 to 1125899906842624",
-        ),
-        (
-            "restore_server",
-            "gpu_cache_bytes",
-            "1125899906842624",
-            &["1125899906842625", "-1"],
-            "from 0 to 1125899906842624",
-        ),
-        (
-            "restore_server",
-            "stage_bytes",
-            "1125899906842624",
-            &["1125899906842625", "9223372036854775807"],
-            "from 0 to 1125899906842624",
-        ),
+        ("keepalive", "gpu_release_s", "31536000", &["31536001", "1e300", "-1", "nan", "inf"], "from 0 to 31536000"),
+        ("keepalive", "hibernate_s", "31536000", &["31536000.5", "1e300", "-1"], "from 0 to 31536000"),
+        ("keepalive", "evict_s", "31536000", &["31536001", "1e300", "-1"], "from 0 to 31536000"),
+        ("queue", "length", "65536", &["65537", "9223372036854775807", "-1"], "from 0 to 65536"),
+        ("queue", "timeout_s", "86400", &["86401", "1e308", "0", "-1"], "> 0 and ≤ 86400"),
+        ("workers", "reattach_s", "86400", &["86401", "1e300", "-1"], "from 0 to 86400"),
+        ("workers", "load_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
+        ("http", "max_connections", "65536", &["65537", "9223372036854775807", "0"], "from 1 to 65536"),
+        ("http", "header_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
+        ("restore_server", "host_cache_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807", "-1"], "from 0 to 1125899906842624"),
+        ("restore_server", "gpu_cache_bytes", "1125899906842624", &["1125899906842625", "-1"], "from 0 to 1125899906842624"),
+        ("restore_server", "stage_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807"], "from 0 to 1125899906842624"),
     ];
 
     #[test]
