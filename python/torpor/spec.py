@@ -4,24 +4,27 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
 
     name = "cpu-mlp"              # required; [a-z0-9][a-z0-9_.-]*, at most 63 characters
     entry = "model:MLP"           # required; module:Class, the module found in the function dir
-    python = "python3"            # interpreter, a command on PATH or an absolute path
+    python = "python3"            # interpreter: a command on PATH (no '/') or an absolute path
     preload = []                  # modules imported by the base worker, in this order, no repeats
     gpus = 0                      # 0 or 1
-    gpu_memory = "0"              # a size; must be "0" when gpus = 0
-    timeout_s = 30                # per request, > 0
+    gpu_memory = "0"              # a size up to 1 TiB; must be "0" when gpus = 0
+    timeout_s = 30                # per request, > 0 and at most 86400 (a day)
+    load_timeout_s = 30           # optional: import, setup() and warm-up at deploy (and the base's
+                                  # preload), > 0 and at most 3600; unset: torpord's
+                                  # workers.load_timeout_s (30). Past it the worker is killed.
     [[data]]                      # zero or more
     name = "weights"              # required; [A-Za-z_][A-Za-z0-9_.-]*, unique
     path = "weights.npy"          # required; relative, must stay inside the function dir
-    size = "auto"                 # default "auto"; else a size that must equal the file's size
+    size = "auto"                 # default "auto"; else a size (up to 1 PiB) equal to the file's
     access = "read-only"          # or "writable"
     [warmup]                      # optional
     request = { x = [0.0, 1.0] }  # required in [warmup]; any TOML value but dates and times
     [scaling]
-    max_instances = 4             # integer >= 1
-    requests_per_instance = 1     # integer >= 1
+    max_instances = 4             # integer from 1 to 1024
+    requests_per_instance = 1     # integer from 1 to 1024
     standby = 0                   # integer from 0 to max_instances: instances kept restored
                                   # ahead of requests (torpord, cold_start = "restore")
-    [keepalive]                   # seconds, each >= 0
+    [keepalive]                   # seconds, each from 0 to 31536000 (a year)
     gpu_release_s = 30
     hibernate_s = 120
     evict_s = 600
@@ -32,13 +35,20 @@ Sizes are a TOML integer (bytes) or a string: a number and an optional unit, bin
 GiB, TiB) or decimal (B, kB, MB, GB, TB), e.g. "0", "512", "16MiB", "1.5 GiB". The result must be
 a whole number of bytes.
 
+Every number has a range (above), so that no value can overflow the daemon's arithmetic: a
+value outside it is an error naming the range.
+
+torpor.toml itself must be a regular file of at most 1 MiB, not a symlink (a symlink could make
+the root-run daemon read any file of the node); it is opened without following links. The entry
+module (module.py, or the package directory) must resolve inside the function dir, like data.
+
 Declared data must exist when the spec is validated, as a regular file (symlinks are followed and
 must stay inside the function dir). A declared size is checked exactly against the file, so a
 stale weights file is caught at deploy rather than in setup(); `size = "auto"` (the default)
 takes the file's size as it is.
 
 Every problem is a SpecError whose message is one line: the key path, what is wrong, and the fix,
-e.g. `torpor.toml: scaling.max_instances must be an integer >= 1, got "four"; write e.g.
+e.g. `torpor.toml: scaling.max_instances must be an integer from 1 to 1024, got "four"; write e.g.
 max_instances = 4`. Unknown keys are errors too.
 
 Command line (an interface: torpord runs it to validate a spec before it deploys it):
@@ -55,6 +65,7 @@ this order (sizes in bytes, durations in seconds as JSON numbers):
     {"dir": "/abs/path/of/DIR",            # resolved, absolute
      "name": str, "entry": "module:Class", "module": str, "class": str,
      "python": str, "preload": [str, ...], "gpus": 0|1, "gpu_memory": int, "timeout_s": number,
+     "load_timeout_s": number | null,
      "data": [{"name": str, "path": str (relative, normalised), "abs_path": str, "size": int,
                "access": "read-only"|"writable"}, ...],
      "warmup": {"request": JSON} | null,
@@ -68,6 +79,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import difflib
+import errno
 import json
 import math
 import os
@@ -114,6 +126,7 @@ TOP_KEYS = (
     "gpus",
     "gpu_memory",
     "timeout_s",
+    "load_timeout_s",
     "data",
     "warmup",
     "scaling",
@@ -122,6 +135,17 @@ TOP_KEYS = (
 )
 DATA_KEYS = ("name", "path", "size", "access")
 WARMUP_KEYS = ("request",)
+# The ranges of the numbers (docs/torpord.md, "Ranges"): each keeps the daemon's arithmetic on
+# the value (durations, counts, byte sums) far from overflow.
+MAX_TIMEOUT_S = 86_400  # a day
+MAX_LOAD_TIMEOUT_S = 3_600  # an hour
+MAX_KEEPALIVE_S = 31_536_000  # a year
+MAX_INSTANCES = 1024
+MAX_REQUESTS_PER_INSTANCE = 1024
+MAX_GPU_MEMORY = 1 << 40  # 1 TiB
+MAX_DATA_SIZE = 1 << 50  # 1 PiB
+MAX_SPEC_BYTES = 1 << 20  # torpor.toml itself
+
 SCALING_KEYS = ("max_instances", "requests_per_instance", "standby")
 KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s")
 GPU_KEYS = ("pack_weights",)
@@ -185,6 +209,8 @@ class Spec:
     gpus: int = 0
     gpu_memory: int = 0
     timeout_s: float = 30
+    # None: the daemon's workers.load_timeout_s.
+    load_timeout_s: float | None = None
     data: tuple[DataDecl, ...] = ()
     warmup: Warmup | None = None
     scaling: Scaling = field(default_factory=Scaling)
@@ -212,6 +238,7 @@ class Spec:
             "gpus": self.gpus,
             "gpu_memory": self.gpu_memory,
             "timeout_s": self.timeout_s,
+            "load_timeout_s": self.load_timeout_s,
             "data": [d.to_json() for d in self.data],
             "warmup": None if self.warmup is None else {"request": self.warmup.request},
             "scaling": {
@@ -304,14 +331,18 @@ def _int(
     return value
 
 
-def _seconds(table: Mapping[str, Any], prefix: str, key: str, default: float, positive: bool) -> float:
+def _seconds(
+    table: Mapping[str, Any], prefix: str, key: str, default: float, positive: bool, maximum: float
+) -> float:
     if key not in table:
         return default
     value = table[key]
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        if value > 0 if positive else value >= 0:
-            return value
-    rule = "> 0" if positive else "≥ 0"
+    rule = f"> 0 and ≤ {maximum:g}" if positive else f"from 0 to {maximum:g}"
+    # Compared as given (an int can be far past a float's range: no float() before the check).
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    finite = number and (not isinstance(value, float) or math.isfinite(value))
+    if finite and value <= maximum and (value > 0 if positive else value >= 0):
+        return value
     raise _fail(
         _path(prefix, key),
         f"must be a number of seconds {rule}, got {_show(value)}",
@@ -365,6 +396,8 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise ValueError("a size cannot be negative")
         return text
+    if len(text) > 64:
+        raise ValueError("too long for a size")
     m = SIZE_RE.fullmatch(text)
     if m is None:
         raise ValueError("not a number with an optional unit")
@@ -383,9 +416,9 @@ def parse_size(text: str | int) -> int:
 
 
 def _size(
-    table: Mapping[str, Any], prefix: str, key: str, default: int | None, allow_auto: bool
+    table: Mapping[str, Any], prefix: str, key: str, default: int | None, allow_auto: bool, maximum: int
 ) -> int | None:
-    """A size in bytes; None for "auto" (when allowed)."""
+    """A size in bytes, at most `maximum`; None for "auto" (when allowed)."""
     if key not in table:
         return default
     value = table[key]
@@ -393,7 +426,10 @@ def _size(
         return None
     if isinstance(value, (str, int)) and not isinstance(value, bool):
         try:
-            return parse_size(value)
+            size = parse_size(value)
+            if size <= maximum:
+                return size
+            reason = f"more than the maximum, {_show_bytes(maximum)}"
         except ValueError as e:
             reason = str(e)
     else:
@@ -401,9 +437,16 @@ def _size(
     auto = ' or "auto"' if allow_auto else ""
     raise _fail(
         _path(prefix, key),
-        f'must be a size like "16MiB", "4GiB" or "0"{auto}, got {_show(value)} ({reason})',
+        f'must be a size like "16MiB", "4GiB" or "0"{auto} up to {_show_bytes(maximum)}, got {_show(value)} ({reason})',
         f'write e.g. {key} = "16MiB"',
     )
+
+
+def _show_bytes(n: int) -> str:
+    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} bytes"
 
 
 def _json_value(value: Any, key: str) -> Any:
@@ -447,19 +490,67 @@ def parse_dir(fdir: str | os.PathLike[str], check_files: bool = True) -> Spec:
             "pass the function directory that holds torpor.toml",
         )
     path = root / SPEC_FILE
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise _fail(
-            None, f"not found in {root}", f"create {path} (see docs/torpord.md for its keys)"
-        ) from None
-    except OSError as e:
-        raise _fail(None, f"cannot be read: {e.strerror} ({path})", "check the file's permissions") from None
+    raw = _read_spec_file(path, root)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise _fail(None, f"is not valid UTF-8 (byte {e.start})", "save the file as UTF-8") from None
     return parse_text(text, root, check_files)
+
+
+def _read_spec_file(path: Path, root: Path) -> bytes:
+    """The bytes of torpor.toml: a regular file, not a symlink, at most MAX_SPEC_BYTES. The root-run
+    daemon reads it for whoever deploys, so it must never follow a link to another file (nor
+    quote one: errors name the file, never its content), nor block on a FIFO or read a device."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _fail(
+            None, f"not found in {root}", f"create {path} (see docs/torpord.md for its keys)"
+        ) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _fail(
+                None,
+                f"is a symlink ({path}); torpord reads only a regular file there",
+                "replace the link with the file itself",
+            ) from None
+        raise _fail(None, f"cannot be read: {e.strerror} ({path})", "check the file's permissions") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise _fail(None, f"is not a regular file ({path})", "make torpor.toml a plain file")
+        if st.st_size > MAX_SPEC_BYTES:
+            raise _fail(
+                None,
+                f"is {st.st_size} bytes, more than the {MAX_SPEC_BYTES} bytes a spec may have ({path})",
+                "keep data out of torpor.toml: declare it under [[data]]",
+            )
+        return f.read(MAX_SPEC_BYTES + 1)[:MAX_SPEC_BYTES]
+
+
+def _entry_inside(root: Path, module: str) -> None:
+    """The entry module's file or package (each level that exists) must resolve inside `root`,
+    as declared data must: a symlink out of the function dir is refused."""
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        base = root.joinpath(*parts[:i])
+        for candidate in (base.with_name(base.name + ".py"), base):
+            if not os.path.lexists(candidate):
+                continue
+            try:
+                real = candidate.resolve(strict=True)
+            except (OSError, RuntimeError) as e:
+                raise _fail(
+                    "entry", f"names {candidate}, which cannot be resolved ({e})", "fix the path or the symlink"
+                ) from None
+            if not real.is_relative_to(root):
+                raise _fail(
+                    "entry",
+                    f"names module {module}, whose {candidate.relative_to(root)} is a symlink that leads "
+                    f"out of the function dir to {real}",
+                    "copy the module into the function dir",
+                )
 
 
 def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> Spec:
@@ -494,6 +585,7 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
                 f"names module {m.group(1)}, but neither {top}.py nor the package {top}/ is in {root}",
                 "put the module in the function dir or fix entry",
             )
+        _entry_inside(root, m.group(1))
 
     python = _str(doc, "", "python", "python3")
     if not python.strip() or any(c.isspace() for c in python):
@@ -502,16 +594,28 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
             f"must be one interpreter command without spaces, got {_show(python)}",
             'write e.g. python = "python3"',
         )
+    if "/" in python and not os.path.isabs(python):
+        # Relative to what? The daemon's working directory is no answer a spec can rely on.
+        raise _fail(
+            "python",
+            f"must be a command on PATH (no '/') or an absolute path, got the relative path {_show(python)}",
+            'write e.g. python = "python3" or python = "/opt/venv/bin/python3"',
+        )
 
     preload = _preload(doc)
 
     gpus = _int(doc, "", "gpus", 0, 0, 1)
-    gpu_memory = _size(doc, "", "gpu_memory", 0, allow_auto=False)
+    gpu_memory = _size(doc, "", "gpu_memory", 0, allow_auto=False, maximum=MAX_GPU_MEMORY)
     assert gpu_memory is not None
     if gpus == 0 and gpu_memory != 0:
         raise _fail("gpu_memory", f"is {gpu_memory} bytes but gpus = 0", 'set gpus = 1 or gpu_memory = "0"')
 
-    timeout_s = _seconds(doc, "", "timeout_s", 30, positive=True)
+    timeout_s = _seconds(doc, "", "timeout_s", 30, positive=True, maximum=MAX_TIMEOUT_S)
+    load_timeout_s = (
+        _seconds(doc, "", "load_timeout_s", 30, positive=True, maximum=MAX_LOAD_TIMEOUT_S)
+        if "load_timeout_s" in doc
+        else None
+    )
     data = _data(doc, root, check_files)
 
     warmup = None
@@ -526,8 +630,8 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
 
     st = _table(doc, "", "scaling") or {}
     _check_keys(st, "scaling", SCALING_KEYS)
-    max_instances = _int(st, "scaling", "max_instances", Scaling.max_instances, 1)
-    standby = _int(st, "scaling", "standby", Scaling.standby, 0)
+    max_instances = _int(st, "scaling", "max_instances", Scaling.max_instances, 1, MAX_INSTANCES)
+    standby = _int(st, "scaling", "standby", Scaling.standby, 0, MAX_INSTANCES)
     if standby > max_instances:
         raise _fail(
             "scaling.standby",
@@ -536,14 +640,19 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         )
     scaling = Scaling(
         max_instances=max_instances,
-        requests_per_instance=_int(st, "scaling", "requests_per_instance", Scaling.requests_per_instance, 1),
+        requests_per_instance=_int(
+            st, "scaling", "requests_per_instance", Scaling.requests_per_instance, 1, MAX_REQUESTS_PER_INSTANCE
+        ),
         standby=standby,
     )
 
     kt = _table(doc, "", "keepalive") or {}
     _check_keys(kt, "keepalive", KEEPALIVE_KEYS)
     keepalive = Keepalive(
-        **{k: _seconds(kt, "keepalive", k, getattr(Keepalive, k), positive=False) for k in KEEPALIVE_KEYS}
+        **{
+            k: _seconds(kt, "keepalive", k, getattr(Keepalive, k), positive=False, maximum=MAX_KEEPALIVE_S)
+            for k in KEEPALIVE_KEYS
+        }
     )
 
     gt = _table(doc, "", "gpu") or {}
@@ -559,6 +668,7 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         gpus=gpus,
         gpu_memory=gpu_memory,
         timeout_s=timeout_s,
+        load_timeout_s=load_timeout_s,
         data=data,
         warmup=warmup,
         scaling=scaling,
@@ -613,7 +723,7 @@ def _data(doc: Mapping[str, Any], root: Path, check_files: bool) -> tuple[DataDe
             raise _fail(f"{prefix}.name", f"repeats {_show(name)}", "give each [[data]] entry its own name")
         raw_path = _str(table, prefix, "path", None)
         rel = _data_path(raw_path, f"{prefix}.path")
-        declared = _size(table, prefix, "size", None, allow_auto=True)
+        declared = _size(table, prefix, "size", None, allow_auto=True, maximum=MAX_DATA_SIZE)
         access = _str(table, prefix, "access", "read-only")
         if access not in ACCESS_MODES:
             raise _fail(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,7 @@ def test_defaults(tmp_path: Path) -> None:
         "gpus": 0,
         "gpu_memory": 0,
         "timeout_s": 30,
+        "load_timeout_s": None,
         "data": [],
         "warmup": None,
         "scaling": {"max_instances": 4, "requests_per_instance": 1, "standby": 0},
@@ -163,23 +165,23 @@ W = '[[data]]\nname = "weights"\npath = "weights.npy"\n'
         (BASE + "gpus = true\n", "gpus", "got true"),
         (BASE + 'gpu_memory = "4GiB"\n', "gpu_memory", "but gpus = 0"),
         (BASE + 'gpus = 1\ngpu_memory = "4 gigs"\n', "gpu_memory", "unknown unit"),
-        (BASE + "timeout_s = 0\n", "timeout_s", "> 0, got 0"),
+        (BASE + "timeout_s = 0\n", "timeout_s", "> 0 and ≤ 86400, got 0"),
         (BASE + 'timeout_s = "30"\n', "timeout_s", 'got "30"'),
         (BASE + "timeout_s = inf\n", "timeout_s", "got inf"),
         (
             BASE + '[scaling]\nmax_instances = "four"\n',
             "scaling.max_instances",
-            'must be an integer ≥ 1, got "four"',
+            'must be an integer from 1 to 1024, got "four"',
         ),
-        (BASE + "[scaling]\nmax_instances = 0\n", "scaling.max_instances", "≥ 1, got 0"),
+        (BASE + "[scaling]\nmax_instances = 0\n", "scaling.max_instances", "from 1 to 1024, got 0"),
         (BASE + "[scaling]\nrequests_per_instance = 1.5\n", "scaling.requests_per_instance", "got 1.5"),
         (BASE + "[scaling]\nmax = 1\n", "scaling.max", "did you mean max_instances?"),
-        (BASE + "[scaling]\nstandby = -1\n", "scaling.standby", "integer ≥ 0, got -1"),
+        (BASE + "[scaling]\nstandby = -1\n", "scaling.standby", "integer from 0 to 1024, got -1"),
         (BASE + '[scaling]\nstandby = "1"\n', "scaling.standby", 'got "1"'),
         (BASE + "[scaling]\nstandby = 5\n", "scaling.standby", "is 5, more than max_instances = 4"),
         (BASE + "[scaling]\nmax_instances = 1\nstandby = 2\n", "scaling.standby", "at most 1"),
         (BASE + "scaling = 3\n", "scaling", "must be a table"),
-        (BASE + "[keepalive]\nhibernate_s = -1\n", "keepalive.hibernate_s", "≥ 0, got -1"),
+        (BASE + "[keepalive]\nhibernate_s = -1\n", "keepalive.hibernate_s", "from 0 to 3.1536e+07, got -1"),
         (BASE + "[keepalive]\nevict = 1\n", "keepalive.evict", "did you mean evict_s?"),
         (BASE + '[gpu]\npack_weights = "no"\n', "gpu.pack_weights", 'must be true or false, got "no"'),
         (BASE + "[gpu]\npack = false\n", "gpu.pack", "did you mean pack_weights?"),
@@ -261,7 +263,7 @@ def test_cli_prints_one_json_line_or_one_error_line(tmp_path: Path) -> None:
     doc = json.loads(r.stdout)
     assert doc == parse_dir(TINYMLP).to_json()
     assert list(doc) == ["dir", "name", "entry", "module", "class", "python", "preload", "gpus", "gpu_memory",
-                         "timeout_s", "data", "warmup", "scaling", "keepalive", "gpu"]  # fmt: skip
+                         "timeout_s", "load_timeout_s", "data", "warmup", "scaling", "keepalive", "gpu"]  # fmt: skip
     assert doc["data"] == [
         {
             "name": "weights",
@@ -275,8 +277,110 @@ def test_cli_prints_one_json_line_or_one_error_line(tmp_path: Path) -> None:
     r = run_cli(str(d))
     assert r.returncode == 1 and r.stdout == "", r
     assert r.stderr == (
-        'torpor.toml: scaling.max_instances must be an integer ≥ 1, got "four"; '
+        'torpor.toml: scaling.max_instances must be an integer from 1 to 1024, got "four"; '
         "write e.g. max_instances = 4\n"
     )
     r = run_cli()
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+# Every number of torpor.toml at its limits and just beyond (issue 20: `gpu_release_s = 1e300`
+# panicked torpord, `timeout_s = 1e308` made every invoke fail, `max_instances = 2^63-1` passed).
+# (key path, TOML text of the largest accepted value, of values refused, the range's words)
+LIMITS = [
+    ("timeout_s", "86400", ["86400.5", "1e308", "99999999999999999999", "1" + "0" * 400, "0", "-1"], "≤ 86400"),
+    ("load_timeout_s", "3600", ["3601", "1e300", "0", "-0.5", "nan"], "≤ 3600"),
+    ("gpu_memory", '"1TiB"', ['"1025GiB"', str(2**63 - 1), '"' + "9" * 70 + '"'], "up to 1 TiB"),
+    ("scaling.max_instances", "1024", ["1025", str(2**63 - 1), "0"], "from 1 to 1024"),
+    ("scaling.requests_per_instance", "1024", ["1025", str(2**63 - 1), "0"], "from 1 to 1024"),
+    ("scaling.standby", "1024", [str(2**63 - 1), "-1"], "from 0 to 1024"),
+    ("keepalive.gpu_release_s", "31536000", ["31536001", "1e300", "-1"], "from 0 to 3.1536e+07"),
+    ("keepalive.hibernate_s", "31536000", ["31536000.5", "1e300", "-1"], "from 0 to 3.1536e+07"),
+    ("keepalive.evict_s", "31536000", ["31536001", "1e300", "-1"], "from 0 to 3.1536e+07"),
+    ("data[0].size", '"auto"', ['"1025TiB"', str(2**63 - 1)], "up to 1 PiB"),
+]
+
+
+def _limit_toml(key: str, value: str) -> str:
+    table, _, leaf = key.rpartition(".")
+    extra = "gpus = 1\n" if key == "gpu_memory" else ""
+    if key == "scaling.standby":
+        # standby ≤ max_instances: let max_instances allow the largest standby.
+        return BASE + f"[scaling]\nmax_instances = 1024\nstandby = {value}\n"
+    if table == "data[0]":
+        return BASE + W + f"size = {value}\n"
+    if table:
+        return BASE + extra + f"[{table}]\n{leaf} = {value}\n"
+    return BASE + extra + f"{leaf} = {value}\n"
+
+
+@pytest.mark.parametrize(("key", "largest", "refused", "words"), LIMITS, ids=[k for k, *_ in LIMITS])
+def test_every_number_is_bounded(tmp_path: Path, key: str, largest: str, refused: list[str], words: str) -> None:
+    spec = parse_dir(make_dir(tmp_path, _limit_toml(key, largest)))
+    json.dumps(spec.to_json(), allow_nan=False)
+    for value in refused:
+        e = error_of(tmp_path, _limit_toml(key, value))
+        msg = str(e)
+        assert e.key == key, f"{value}: {msg}"
+        assert words in msg, f"{value}: {msg}"
+        assert "\n" not in msg and len(msg) < 400, f"{value}: one short line: {msg}"
+
+
+def test_load_timeout_is_carried_or_left_to_the_daemon(tmp_path: Path) -> None:
+    assert parse_dir(make_dir(tmp_path, BASE)).to_json()["load_timeout_s"] is None
+    spec = parse_dir(make_dir(tmp_path, BASE + "load_timeout_s = 2.5\n"))
+    assert spec.to_json()["load_timeout_s"] == 2.5
+
+
+def test_python_is_a_command_or_an_absolute_path(tmp_path: Path) -> None:
+    e = error_of(tmp_path, BASE + 'python = "../../usr/bin/python3"\n')
+    assert e.key == "python" and "relative path" in str(e) and "absolute path" in str(e), e
+    e = error_of(tmp_path, BASE + 'python = "bin/python3"\n')
+    assert e.key == "python", e
+    assert parse_dir(make_dir(tmp_path, BASE + 'python = "/usr/bin/python3"\n')).python == "/usr/bin/python3"
+    assert parse_dir(make_dir(tmp_path, BASE + 'python = "python3.11"\n')).python == "python3.11"
+
+
+def test_an_entry_module_symlinked_out_of_the_dir_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.py"
+    outside.write_text("")
+    d = make_dir(tmp_path, 'name = "f"\nentry = "handler:F"\n', {})
+    (d / "handler.py").symlink_to(outside)
+    e = error_of(tmp_path, 'name = "f"\nentry = "handler:F"\n', {})
+    assert e.key == "entry" and "symlink that leads out of the function dir" in str(e), e
+    # A package directory, and a module inside one, are checked too.
+    (d / "handler.py").unlink()
+    (tmp_path / "pkg").mkdir()
+    (d / "pkg").symlink_to(tmp_path / "pkg")
+    e = error_of(tmp_path, 'name = "f"\nentry = "pkg.mod:F"\n', {})
+    assert e.key == "entry" and "pkg" in str(e), e
+    (d / "pkg").unlink()
+    (d / "pkg").mkdir()
+    (d / "pkg" / "mod.py").symlink_to(outside)
+    e = error_of(tmp_path, 'name = "f"\nentry = "pkg.mod:F"\n', {})
+    assert e.key == "entry" and "pkg/mod.py" in str(e), e
+    # A link that stays inside is fine.
+    (d / "pkg" / "mod.py").unlink()
+    (d / "pkg" / "real.py").write_text("")
+    (d / "pkg" / "mod.py").symlink_to("real.py")
+    parse_dir(make_dir(tmp_path, 'name = "f"\nentry = "pkg.mod:F"\n', {}))
+
+
+def test_a_symlinked_or_special_torpor_toml_is_never_read(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text('name = "leaked-secret-line"\nthis is = not toml at all\n')
+    d = make_dir(tmp_path, "", {})
+    (d / "torpor.toml").unlink()
+    (d / "torpor.toml").symlink_to(secret)
+    with pytest.raises(SpecError, match="is a symlink") as info:
+        parse_dir(d)
+    assert "leaked" not in str(info.value) and "line 2" not in str(info.value)
+    (d / "torpor.toml").unlink()
+    os.mkfifo(d / "torpor.toml")  # would block a reader forever
+    with pytest.raises(SpecError, match="not a regular file"):
+        parse_dir(d)
+    (d / "torpor.toml").unlink()
+    with open(d / "torpor.toml", "wb") as f:
+        f.truncate((1 << 20) + 1)
+    with pytest.raises(SpecError, match="more than the 1048576 bytes"):
+        parse_dir(d)

@@ -12,18 +12,26 @@
 //! split_gpu = true                # also for GPU memory (GPU workers preload the hook); see docs/split.md
 //!
 //! [keepalive]                     # default idle seconds before each stage (a function's spec
-//! gpu_release_s = 30              # may set its own); cumulative, so each is ≥ the one before
-//! hibernate_s = 120
+//! gpu_release_s = 30              # may set its own); cumulative, so each is ≥ the one before;
+//! hibernate_s = 120               # each from 0 to 31536000 (a year)
 //! evict_s = 600
 //!
 //! [queue]                         # per function
-//! length = 64                     # requests that may wait for an instance
-//! timeout_s = 30                  # how long one may wait before 503
+//! length = 64                     # requests that may wait for an instance: 0 to 65536
+//! timeout_s = 30                  # how long one may wait before 503: > 0, ≤ 86400
 //!
 //! [workers]
-//! reattach_s = 60                 # how long a worker outlives a lost daemon, to be re-adopted
+//! reattach_s = 60                 # how long a worker outlives a lost daemon, to be re-adopted: 0 to 86400
+//! load_timeout_s = 30             # a deploy's import, setup() and warm-up (and a base's preload),
+//!                                 # unless the spec sets load_timeout_s: > 0, ≤ 3600
 //!
-//! [restore_server]                # caches of segments for restores (LRU), in bytes
+//! [http]                          # each API listener (the Unix socket, TCP) on its own
+//! max_connections = 1024          # open connections: 1 to 65536; past it the oldest TCP connection
+//!                                 # that has not sent the token yet is closed, else the new one
+//! header_timeout_s = 10           # a request's headers must arrive within this of the connection's
+//!                                 # opening or its previous answer (so also the idle timeout): > 0, ≤ 3600
+//!
+//! [restore_server]                # caches of segments for restores (LRU), in bytes, each ≤ 2^50
 //! host_cache_bytes = 4294967296   # host memory (pinned on cuda): 4 GiB
 //! gpu_cache_bytes = 2147483648    # device memory: 2 GiB (memfd memory on the host backend)
 //! pages = "auto"                  # "lazy": instances' memory on first touch; "copy": all before they
@@ -35,6 +43,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::limits;
 use crate::toml_table::{KeyError, Table};
 
 /// The config file read when `--config` is not given, if it exists.
@@ -239,6 +248,31 @@ impl Pages {
     }
 }
 
+/// The API listeners' bounds on connections (crate::connections), each listener on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Http {
+    /// Connections open at once on one listener.
+    pub max_connections: usize,
+    /// How long a connection may take to send a request's headers, counted from its opening or
+    /// from its previous answer: an idle connection closes after this too.
+    #[serde(rename = "header_timeout_s", serialize_with = "secs")]
+    pub header_timeout: Duration,
+}
+
+/// The largest `http.max_connections`.
+pub const MAX_CONNECTIONS: i64 = 65_536;
+/// The largest `http.header_timeout_s`: an hour.
+pub const MAX_HEADER_TIMEOUT_S: f64 = 3_600.0;
+
+impl Default for Http {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+            header_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
 fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(d.as_secs_f64())
 }
@@ -259,6 +293,10 @@ pub struct Config {
     pub cold_start: ColdStart,
     /// How long a worker that lost its daemon waits for the next one to re-adopt it.
     pub reattach: Duration,
+    /// The bound on a deploy's import, setup() and warm-up when the spec sets none
+    /// (`workers.load_timeout_s`).
+    pub load_timeout: Duration,
+    pub http: Http,
     /// Split snapshots for functions whose workers have the hook; `false`: transparent only.
     pub split: bool,
     /// The split path for GPU memory too (the hook preloaded into GPU workers); with `split`.
@@ -285,6 +323,8 @@ impl Default for Config {
             queue: QueueLimits::default(),
             cold_start: ColdStart::default(),
             reattach: DEFAULT_REATTACH,
+            load_timeout: limits::DEFAULT_LOAD_TIMEOUT,
+            http: Http::default(),
             split: true,
             split_gpu: true,
             restore_server: RestoreServer::default(),
@@ -413,17 +453,22 @@ impl Config {
         }
         if let Some(mut t) = root.table("keepalive")? {
             let k = &mut config.keepalive;
-            k.gpu_release = t.seconds("gpu_release_s", false)?.unwrap_or(k.gpu_release);
-            k.hibernate = t.seconds("hibernate_s", false)?.unwrap_or(k.hibernate);
-            k.evict = t.seconds("evict_s", false)?.unwrap_or(k.evict);
+            let max = limits::MAX_KEEPALIVE_S;
+            k.gpu_release = t
+                .seconds("gpu_release_s", false, max)?
+                .unwrap_or(k.gpu_release);
+            k.hibernate = t.seconds("hibernate_s", false, max)?.unwrap_or(k.hibernate);
+            k.evict = t.seconds("evict_s", false, max)?.unwrap_or(k.evict);
             t.finish()?;
         }
         if let Some(mut t) = root.table("queue")? {
             let q = &mut config.queue;
-            if let Some(n) = t.integer("length", 0)? {
+            if let Some(n) = t.integer("length", 0, limits::MAX_QUEUE_LENGTH as i64)? {
                 q.length = usize::try_from(n).unwrap_or(usize::MAX);
             }
-            q.timeout = t.seconds("timeout_s", true)?.unwrap_or(q.timeout);
+            q.timeout = t
+                .seconds("timeout_s", true, limits::MAX_WAIT_S)?
+                .unwrap_or(q.timeout);
             t.finish()?;
         }
         if let Some(b) = root.boolean("split")? {
@@ -434,22 +479,38 @@ impl Config {
         }
         if let Some(mut t) = root.table("restore_server")? {
             let r = &mut config.restore_server;
-            if let Some(n) = t.integer("host_cache_bytes", 0)? {
+            let max = limits::MAX_BYTES as i64;
+            if let Some(n) = t.integer("host_cache_bytes", 0, max)? {
                 r.host_cache_bytes = u64::try_from(n).unwrap_or(0);
             }
-            if let Some(n) = t.integer("gpu_cache_bytes", 0)? {
+            if let Some(n) = t.integer("gpu_cache_bytes", 0, max)? {
                 r.gpu_cache_bytes = u64::try_from(n).unwrap_or(0);
             }
             if let Some(p) = t.parsed("pages", "\"auto\", \"lazy\" or \"copy\"", Pages::parse)? {
                 r.pages = p;
             }
-            if let Some(n) = t.integer("stage_bytes", 0)? {
+            if let Some(n) = t.integer("stage_bytes", 0, max)? {
                 r.stage_bytes = u64::try_from(n).unwrap_or(0);
             }
             t.finish()?;
         }
         if let Some(mut t) = root.table("workers")? {
-            config.reattach = t.seconds("reattach_s", false)?.unwrap_or(config.reattach);
+            config.reattach = t
+                .seconds("reattach_s", false, limits::MAX_WAIT_S)?
+                .unwrap_or(config.reattach);
+            config.load_timeout = t
+                .seconds("load_timeout_s", true, limits::MAX_LOAD_TIMEOUT_S)?
+                .unwrap_or(config.load_timeout);
+            t.finish()?;
+        }
+        if let Some(mut t) = root.table("http")? {
+            let h = &mut config.http;
+            if let Some(n) = t.integer("max_connections", 1, MAX_CONNECTIONS)? {
+                h.max_connections = usize::try_from(n).unwrap_or(usize::MAX);
+            }
+            h.header_timeout = t
+                .seconds("header_timeout_s", true, MAX_HEADER_TIMEOUT_S)?
+                .unwrap_or(h.header_timeout);
             t.finish()?;
         }
         root.finish()?;
@@ -634,14 +695,14 @@ mod tests {
             .to_string();
         assert_eq!(
             e,
-            "torpord.toml: keepalive.evict_s must be a number of seconds ≥ 0, got \"10m\""
+            "torpord.toml: keepalive.evict_s must be a number of seconds from 0 to 31536000, got \"10m\""
         );
         let e = parse("[workers]\nreattach_s = -1\n")
             .unwrap_err()
             .to_string();
         assert_eq!(
             e,
-            "torpord.toml: workers.reattach_s must be a number of seconds ≥ 0, got -1"
+            "torpord.toml: workers.reattach_s must be a number of seconds from 0 to 86400, got -1"
         );
         let e = parse("keepalive = 3\n").unwrap_err().to_string();
         assert_eq!(e, "torpord.toml: keepalive must be a table, got 3");
@@ -718,6 +779,51 @@ mod tests {
         c.validate().unwrap();
         c.tcp = None;
         assert!(matches!(c.validate(), Err(ConfigError::TokenWithoutTcp)));
+    }
+
+    /// Every number of the config at its limits and beyond (issue 20): (table, key, the largest
+    /// value accepted, values refused, the range as the error names it).
+    #[rustfmt::skip]
+    const LIMITS: &[(&str, &str, &str, &[&str], &str)] = &[
+        ("keepalive", "gpu_release_s", "31536000", &["31536001", "1e300", "-1", "nan", "inf"], "from 0 to 31536000"),
+        ("keepalive", "hibernate_s", "31536000", &["31536000.5", "1e300", "-1"], "from 0 to 31536000"),
+        ("keepalive", "evict_s", "31536000", &["31536001", "1e300", "-1"], "from 0 to 31536000"),
+        ("queue", "length", "65536", &["65537", "9223372036854775807", "-1"], "from 0 to 65536"),
+        ("queue", "timeout_s", "86400", &["86401", "1e308", "0", "-1"], "> 0 and ≤ 86400"),
+        ("workers", "reattach_s", "86400", &["86401", "1e300", "-1"], "from 0 to 86400"),
+        ("workers", "load_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
+        ("http", "max_connections", "65536", &["65537", "9223372036854775807", "0"], "from 1 to 65536"),
+        ("http", "header_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
+        ("restore_server", "host_cache_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807", "-1"], "from 0 to 1125899906842624"),
+        ("restore_server", "gpu_cache_bytes", "1125899906842624", &["1125899906842625", "-1"], "from 0 to 1125899906842624"),
+        ("restore_server", "stage_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807"], "from 0 to 1125899906842624"),
+    ];
+
+    #[test]
+    fn every_number_is_bounded() {
+        for (table, key, largest, refused, range) in LIMITS {
+            let text = |v: &str| format!("[{table}]\n{key} = {v}\n");
+            parse(&text(largest)).unwrap_or_else(|e| panic!("{table}.{key} = {largest}: {e}"));
+            for v in *refused {
+                let e = parse(&text(v)).unwrap_err().to_string();
+                let want = format!("torpord.toml: {table}.{key} must be ");
+                assert!(
+                    e.starts_with(&want) && e.contains(range),
+                    "{table}.{key} = {v}: {e}"
+                );
+                assert!(!e.contains('\n') && e.len() < 200, "one short line: {e}");
+            }
+        }
+        let c = parse("[workers]\nload_timeout_s = 3600\n[http]\nmax_connections = 1\nheader_timeout_s = 0.5\n").unwrap();
+        assert_eq!(c.load_timeout, Duration::from_secs(3600));
+        assert_eq!(c.http.max_connections, 1);
+        assert_eq!(c.http.header_timeout, Duration::from_millis(500));
+        let d = Config::default();
+        assert_eq!(d.load_timeout, Duration::from_secs(30));
+        assert_eq!(
+            (d.http.max_connections, d.http.header_timeout),
+            (1024, Duration::from_secs(10))
+        );
     }
 
     #[test]

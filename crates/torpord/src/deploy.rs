@@ -19,9 +19,7 @@ use crate::registry::{now_ms, Function, FunctionState, JournalOp, Snapshot, Snap
 use crate::runtime::process::{
     dir_bytes, restore, snapshot_and_kill, wake, TreeGuard, QUIET_TIMEOUT, RECONNECT_TIMEOUT,
 };
-use crate::runtime::start::boot::{
-    base_key, load_frame, ready, NotReady, CONNECT_TIMEOUT, LOAD_TIMEOUT,
-};
+use crate::runtime::start::boot::{base_key, load_frame, ready, NotReady, CONNECT_TIMEOUT};
 use crate::runtime::Runtime;
 use crate::workers::{ConnError, WorkerConn};
 
@@ -143,7 +141,8 @@ pub(crate) fn fnv(text: &str) -> String {
 /// Runs the deploy of an accepted spec, sending phase lines and then the result on `tx`.
 pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Value>) {
     let t0 = Instant::now();
-    let _one_at_a_time = rt.deploy_lock.lock().await;
+    // Deploys of other functions run meanwhile (crate::deploy_locks).
+    let _this_function = rt.deploy_locks.function(&spec.name).await;
     let name = spec.name.clone();
     let previous = match deploying(&rt, &spec).await {
         Ok(p) => p,
@@ -257,7 +256,7 @@ fn not_ready(phase: &'static str, e: NotReady) -> Failure {
             worker_phase,
             error,
         } => Some(json!({"phase": worker_phase, "error": error})),
-        NotReady::Conn(_) => None,
+        NotReady::Conn(_) | NotReady::TimedOut { .. } => None,
     };
     Failure {
         phase,
@@ -344,19 +343,20 @@ async fn split_snapshot(
     conn.send(&ToWorker::Resume(Empty {}))
         .await
         .map_err(|e| conn_fail(PHASE, "sending resume", e))?;
+    let bound = crate::limits::load_timeout(spec, rt.config.load_timeout);
     if let Some(request) = warmup {
         let request = serde_json::value::to_raw_value(&request)
             .map_err(|e| fail(PHASE, format!("the warm-up request cannot be sent: {e}")))?;
         let invoke = ToWorker::Invoke(Invoke {
             id: 0,
             request,
-            timeout_s: LOAD_TIMEOUT.as_secs_f64(),
+            timeout_s: bound.as_secs_f64(),
         });
         conn.send(&invoke)
             .await
             .map_err(|e| conn_fail(PHASE, "sending the read-only probe's warm-up request", e))?;
         let r = conn
-            .expect("result", LOAD_TIMEOUT)
+            .expect("result", bound)
             .await
             .map_err(|e| conn_fail(PHASE, "waiting for the probe's warm-up result", e))?;
         if r.get("ok").and_then(Value::as_bool) != Some(true) {
@@ -451,6 +451,9 @@ async fn steps(
     let (hook, preload_hook) = rt.split.worker_hook(gpu);
     let state_root = rt.state_root.clone();
     let snapshots = rt.snapshots_dir();
+    let bound = crate::limits::load_timeout(&spec.json, rt.config.load_timeout);
+    // Two first deploys on one key make one base; held until it is recorded, not across the load.
+    let base_lock = rt.deploy_locks.base(&key).await;
 
     // The base snapshot: reuse, or boot and snapshot.
     let registry = Arc::clone(&rt.registry);
@@ -527,7 +530,7 @@ async fn steps(
                         ),
                     )
                 })?;
-            let r = ready(&mut conn)
+            let r = ready(&mut conn, bound)
                 .await
                 .map_err(|e| not_ready("boot_base", e))?;
             send(phase(
@@ -575,6 +578,8 @@ async fn steps(
         }
     };
 
+    drop(base_lock);
+
     // Restore the base and load the function into it.
     journal.step("restore_base", None).await;
     let t = Instant::now();
@@ -605,7 +610,9 @@ async fn steps(
     conn.send(&load_frame(&spec.json, &spec.dir))
         .await
         .map_err(|e| conn_fail("load", "sending load", e))?;
-    let r = ready(&mut conn).await.map_err(|e| not_ready("load", e))?;
+    let r = ready(&mut conn, bound)
+        .await
+        .map_err(|e| not_ready("load", e))?;
     let mut loaded = json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]});
     // What the harness packed into segments of their own (docs/split.md, "Weight packing").
     if let Some(packed) = r.get("packed") {

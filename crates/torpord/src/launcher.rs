@@ -113,6 +113,35 @@ pub fn pythonpath(python_dir: &Path) -> OsString {
     out
 }
 
+/// The variables of the daemon's environment a worker keeps; every other one is left out, so a
+/// function never sees the daemon's secrets (cloud credentials, tokens) or settings meant for it.
+/// The worker also gets what the launcher sets: `TORPOR_WORKER_SOCKET`, `PYTHONPATH`,
+/// `PYTHONUNBUFFERED` and, with the hook, `TORPOR_HOOK_LIB`, `TORPOR_HOOK_CUDA`, `LD_PRELOAD`.
+/// (A restored instance has the environment its base was booted with: it is part of the
+/// snapshot.) docs/torpord.md, "Worker environment".
+pub const WORKER_ENV: &[&str] = &["PATH", "HOME", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH"];
+/// Prefixes of the variables a worker keeps: locale, CUDA's and the NVIDIA container runtime's
+/// (device selection, e.g. `CUDA_VISIBLE_DEVICES`), and Torpor's own (e.g. `TORPOR_LIBCUDA`).
+pub const WORKER_ENV_PREFIXES: &[&str] = &["LC_", "CUDA_", "NVIDIA_", "TORPOR_"];
+/// Torpor variables of the daemon that are not the worker's business.
+const WORKER_ENV_DROPPED: &[&str] = &[crate::config::SOCKET_ENV];
+
+/// Whether a worker keeps the daemon's variable `name`. The owner marker
+/// ([`crate::recovery::OWNER_ENV`]) is always kept: it is how a restarted daemon finds the
+/// processes an earlier one started.
+fn kept_in_worker(name: &str) -> bool {
+    name == crate::recovery::OWNER_ENV
+        || (WORKER_ENV.contains(&name) || WORKER_ENV_PREFIXES.iter().any(|p| name.starts_with(p)))
+            && !WORKER_ENV_DROPPED.contains(&name)
+}
+
+/// The daemon's variables a worker keeps ([`WORKER_ENV`], [`WORKER_ENV_PREFIXES`]).
+pub fn worker_env() -> Vec<(OsString, OsString)> {
+    std::env::vars_os()
+        .filter(|(k, _)| k.to_str().is_some_and(kept_in_worker))
+        .collect()
+}
+
 /// What a worker is started with.
 pub struct WorkerCommand<'a> {
     pub python: &'a Path,
@@ -164,6 +193,8 @@ pub enum LaunchError {
 pub fn launch_worker(w: &WorkerCommand) -> Result<i32, LaunchError> {
     let exe = std::env::current_exe().map_err(LaunchError::OwnExecutable)?;
     let mut cmd = Command::new(&exe);
+    // A minimal environment: the daemon's own is not the function's.
+    cmd.env_clear().envs(worker_env());
     cmd.arg(LAUNCH_SUBCOMMAND)
         .arg(w.log)
         .arg(w.state_dir)
@@ -225,6 +256,13 @@ pub fn worker_pid(init: i32) -> Result<i32, LaunchError> {
 /// path makes Python pick up the environment's packages.
 pub fn resolve_python(name: &str) -> Result<PathBuf, String> {
     let found = if name.contains('/') {
+        // Relative to what? Not the daemon's working directory (the spec checker refuses it too).
+        if !Path::new(name).is_absolute() {
+            return Err(format!(
+                "interpreter {name:?} (the spec's python) is a relative path: name a command on \
+                 PATH or an absolute path"
+            ));
+        }
         Some(PathBuf::from(name))
     } else {
         std::env::var_os("PATH").and_then(|paths| {
@@ -247,4 +285,45 @@ pub fn resolve_python(name: &str) -> Result<PathBuf, String> {
 fn is_executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_interpreter_is_a_command_or_an_absolute_path() {
+        let e = resolve_python("../../usr/bin/python3").unwrap_err();
+        assert!(e.contains("relative path"), "{e}");
+        assert!(resolve_python("/nonexistent/python3").is_err());
+        assert!(resolve_python("sh").unwrap().is_absolute());
+    }
+
+    #[test]
+    fn a_worker_keeps_only_the_listed_variables() {
+        let kept = kept_in_worker;
+        for k in [
+            "PATH",
+            "HOME",
+            "LC_ALL",
+            "CUDA_VISIBLE_DEVICES",
+            "LD_LIBRARY_PATH",
+            "TORPOR_LIBCUDA",
+            crate::recovery::OWNER_ENV,
+        ] {
+            assert!(kept(k), "{k}");
+        }
+        for k in [
+            "AWS_SECRET_ACCESS_KEY",
+            "TORPOR_SOCKET",
+            "LD_PRELOAD",
+            "SSH_AUTH_SOCK",
+            "PYTHONSTARTUP",
+        ] {
+            assert!(!kept(k), "{k}");
+        }
+        for (k, _) in worker_env() {
+            assert!(kept(k.to_str().unwrap()), "{k:?}");
+        }
+    }
 }

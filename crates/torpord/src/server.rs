@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use crate::api::{self, AppState};
 use crate::auth::{Token, TokenError};
 use crate::config::Config;
+use crate::connections;
 use crate::metrics::Metrics;
 use crate::registry::{now_ms, Registry, RegistryError};
 use crate::runtime::Runtime;
@@ -89,6 +90,7 @@ impl Daemon {
         let snapshot_key = Arc::new(torpor_image::SnapshotKey::load_or_create(
             &state_dir.snapshot_key(),
         )?);
+        connections::raise_fd_limit();
         let registry = Registry::open(&state_dir.registry())?;
         // What an earlier daemon was doing when it died: finished or undone (crate::recovery).
         crate::recovery::replay_journal(&registry)?;
@@ -99,6 +101,11 @@ impl Daemon {
         let adopt: Vec<i32> = orphans.iter().filter_map(|i| i.pid).collect();
         crate::recovery::sweep_processes(state_dir.root(), &adopt);
         crate::recovery::sweep_snapshots(&registry, state_dir.root())?;
+        match registry.shrink() {
+            Ok(0) => {}
+            Ok(bytes) => tracing::info!(bytes, "registry shrunk"),
+            Err(e) => tracing::warn!(error = %e, "cannot shrink the registry"),
+        }
         let metrics = Arc::new(Metrics::new()?);
         let unix = socket::bind(&config.socket)?;
         let workers = socket::bind(&state_dir.workers_socket())?;
@@ -203,9 +210,10 @@ impl Daemon {
             started_ms: now_ms(),
         });
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let stopped = move |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-            // An error means the sender is gone, which also means stop.
-            let _ = rx.wait_for(|stop| *stop).await;
+        let bounds = |trusted| connections::Bounds {
+            max_connections: self.config.http.max_connections,
+            header_timeout: self.config.http.header_timeout,
+            trusted,
         };
 
         let unix_what = format!("unix socket {}", self.unix.path().display());
@@ -226,13 +234,10 @@ impl Daemon {
         let mut servers = tokio::task::JoinSet::new();
         {
             let app = api::router(Arc::clone(&state));
-            let rx = stop_rx.clone();
-            let what = unix_what.clone();
+            let (rx, what, b) = (stop_rx.clone(), unix_what.clone(), bounds(true));
             servers.spawn(async move {
-                axum::serve(unix_listener, app)
-                    .with_graceful_shutdown(stopped(rx))
-                    .await
-                    .map_err(|source| ServeError::Serve { what, source })
+                connections::serve(unix_listener, app, b, rx, what).await;
+                Ok(())
             });
         }
         if let Some((std_tcp, addr, token)) = self.tcp.take() {
@@ -248,12 +253,10 @@ impl Daemon {
                 tracing::warn!(%addr, "the API is on a non-loopback TCP address without TLS: the bearer token crosses the network in clear text");
             }
             let app = api::router_with_token(Arc::clone(&state), Arc::new(token));
-            let rx = stop_rx.clone();
+            let (rx, b) = (stop_rx.clone(), bounds(false));
             servers.spawn(async move {
-                axum::serve(tcp_listener, app)
-                    .with_graceful_shutdown(stopped(rx))
-                    .await
-                    .map_err(|source| ServeError::Serve { what, source })
+                connections::serve(tcp_listener, app, b, rx, what).await;
+                Ok(())
             });
         }
         tracing::info!(

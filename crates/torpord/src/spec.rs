@@ -31,6 +31,9 @@ pub struct FunctionSpec {
     /// The GPU memory estimate, in bytes.
     pub gpu_memory: u64,
     pub timeout_s: f64,
+    /// Import, setup() and warm-up's bound at deploy; `None`: the config's
+    /// `workers.load_timeout_s` (crate::limits::load_timeout).
+    pub load_timeout_s: Option<f64>,
     pub data: Vec<DataFile>,
     pub warmup: Option<Warmup>,
     pub scaling: Scaling,

@@ -100,22 +100,27 @@ impl Table {
         }
     }
 
-    /// An integer ≥ `min`.
-    pub fn integer(&mut self, key: &str, min: i64) -> Result<Option<i64>, KeyError> {
-        let expected = format!("an integer ≥ {min}");
+    /// An integer from `min` to `max`.
+    pub fn integer(&mut self, key: &str, min: i64, max: i64) -> Result<Option<i64>, KeyError> {
+        let expected = format!("an integer from {min} to {max}");
         match self.entries.remove(key) {
             None => Ok(None),
-            Some(toml::Value::Integer(n)) if n >= min => Ok(Some(n)),
+            Some(toml::Value::Integer(n)) if (min..=max).contains(&n) => Ok(Some(n)),
             Some(other) => Err(self.wrong(key, &expected, &other)),
         }
     }
 
-    /// A duration in seconds: an integer or a float, finite and ≥ 0 (> 0 when `positive`).
-    pub fn seconds(&mut self, key: &str, positive: bool) -> Result<Option<Duration>, KeyError> {
+    /// A duration in seconds: an integer or a float, ≥ 0 (> 0 when `positive`) and ≤ `max`.
+    pub fn seconds(
+        &mut self,
+        key: &str,
+        positive: bool,
+        max: f64,
+    ) -> Result<Option<Duration>, KeyError> {
         let expected = if positive {
-            "a number of seconds > 0"
+            format!("a number of seconds > 0 and ≤ {max}")
         } else {
-            "a number of seconds ≥ 0"
+            format!("a number of seconds from 0 to {max}")
         };
         let value = match self.entries.remove(key) {
             None => return Ok(None),
@@ -124,12 +129,14 @@ impl Table {
         let secs = match &value {
             toml::Value::Integer(n) => *n as f64,
             toml::Value::Float(f) => *f,
-            _ => return Err(self.wrong(key, expected, &value)),
+            _ => return Err(self.wrong(key, &expected, &value)),
         };
-        let ok = secs.is_finite() && if positive { secs > 0.0 } else { secs >= 0.0 };
-        match Duration::try_from_secs_f64(secs) {
-            Ok(d) if ok => Ok(Some(d)),
-            _ => Err(self.wrong(key, expected, &value)),
+        let low = if positive { secs > 0.0 } else { secs >= 0.0 };
+        // NaN fails both comparisons.
+        if low && secs <= max {
+            Ok(Some(crate::limits::secs(secs)))
+        } else {
+            Err(self.wrong(key, &expected, &value))
         }
     }
 
@@ -160,7 +167,7 @@ fn describe(value: &toml::Value) -> String {
     match value {
         toml::Value::String(s) => format!("{s:?}"),
         toml::Value::Integer(n) => n.to_string(),
-        toml::Value::Float(f) => f.to_string(),
+        toml::Value::Float(f) => format!("{f:?}"),
         toml::Value::Boolean(b) => b.to_string(),
         toml::Value::Datetime(d) => d.to_string(),
         toml::Value::Array(_) => "an array".to_string(),
@@ -180,18 +187,18 @@ mod tests {
     fn errors_name_the_dotted_key() {
         let mut t = table("[queue]\nlength = \"many\"\n");
         let mut q = t.table("queue").unwrap().unwrap();
-        let err = q.integer("length", 0).unwrap_err();
+        let err = q.integer("length", 0, 9).unwrap_err();
         assert_eq!(err.key, "queue.length");
         assert_eq!(
             err.to_string(),
-            "t.toml: queue.length must be an integer ≥ 0, got \"many\""
+            "t.toml: queue.length must be an integer from 0 to 9, got \"many\""
         );
     }
 
     #[test]
     fn unknown_keys_are_errors() {
         let mut t = table("a = 1\nzz = 2\nb = 3\n");
-        assert_eq!(t.integer("a", 0).unwrap(), Some(1));
+        assert_eq!(t.integer("a", 0, 1).unwrap(), Some(1));
         let err = t.finish().unwrap_err();
         assert_eq!(err.key, "b");
         assert_eq!(err.to_string(), "t.toml: b is not a known key");
@@ -199,16 +206,29 @@ mod tests {
 
     #[test]
     fn seconds_accept_integers_and_floats_in_range() {
-        let mut t = table("a = 2\nb = 0.25\nc = -1\nd = 0\ne = nan\n");
-        assert_eq!(t.seconds("a", true).unwrap(), Some(Duration::from_secs(2)));
+        let mut t = table("a = 2\nb = 0.25\nc = -1\nd = 0\ne = nan\nf = 1e300\ng = 10.5\nh = 10\n");
         assert_eq!(
-            t.seconds("b", true).unwrap(),
+            t.seconds("a", true, 10.0).unwrap(),
+            Some(Duration::from_secs(2))
+        );
+        assert_eq!(
+            t.seconds("b", true, 10.0).unwrap(),
             Some(Duration::from_millis(250))
         );
-        assert!(t.seconds("c", false).is_err());
-        assert!(t.seconds("d", true).is_err());
-        assert!(t.seconds("e", false).is_err());
-        assert_eq!(t.seconds("missing", false).unwrap(), None);
+        assert!(t.seconds("c", false, 10.0).is_err());
+        assert!(t.seconds("d", true, 10.0).is_err());
+        assert!(t.seconds("e", false, 10.0).is_err());
+        let e = t.seconds("f", false, 10.0).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "t.toml: f must be a number of seconds from 0 to 10, got 1e300"
+        );
+        assert!(t.seconds("g", true, 10.0).is_err());
+        assert_eq!(
+            t.seconds("h", true, 10.0).unwrap(),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(t.seconds("missing", false, 10.0).unwrap(), None);
     }
 
     #[test]
@@ -216,9 +236,9 @@ mod tests {
         let mut t = table("a = [1]\nb = true\nc = { x = 1 }\n");
         let e = t.string("a").unwrap_err();
         assert_eq!(e.to_string(), "t.toml: a must be a string, got an array");
-        let e = t.seconds("b", false).unwrap_err();
+        let e = t.seconds("b", false, 1.0).unwrap_err();
         assert!(e.to_string().ends_with("got true"), "{e}");
-        let e = t.integer("c", 1).unwrap_err();
+        let e = t.integer("c", 1, 2).unwrap_err();
         assert!(e.to_string().ends_with("got a table"), "{e}");
     }
 }

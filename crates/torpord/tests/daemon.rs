@@ -523,7 +523,9 @@ fn bad_startup_settings_are_refused_with_the_reason() {
     std::fs::write(&config, "[keepalive]\nhibernate_s = \"2m\"\n").unwrap();
     let err = env.spawn(&[]).expect_failure();
     assert!(
-        err.contains("keepalive.hibernate_s must be a number of seconds ≥ 0, got \"2m\""),
+        err.contains(
+            "keepalive.hibernate_s must be a number of seconds from 0 to 31536000, got \"2m\""
+        ),
         "{err}"
     );
 }

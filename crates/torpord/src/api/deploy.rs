@@ -11,6 +11,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
+use serde_json::Value;
 
 use super::{ApiError, AppState};
 use crate::deploy;
@@ -22,19 +23,55 @@ pub struct DeployBody {
     pub dir: String,
 }
 
-pub async fn deploy(
-    State(state): State<Arc<AppState>>,
-    body: Result<Json<DeployBody>, axum::extract::rejection::JsonRejection>,
-) -> Result<Response, ApiError> {
-    let Json(body) = body.map_err(|e| {
+/// The body as sent: an object `{"dir": "/abs/path"}` and nothing else. (serde would also take
+/// a struct from an array, `["/abs/path"]`.)
+fn parse_body(
+    body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,
+) -> Result<DeployBody, ApiError> {
+    let bad = |why: String| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
-            format!(
-                "the body must be {{\"dir\": \"/abs/path\"}}: {}",
-                e.body_text()
-            ),
+            format!("the body must be {{\"dir\": \"/abs/path\"}}: {why}"),
         )
+    };
+    let Json(value) = body.map_err(|e| match e.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
+            e.status(),
+            format!(
+                "the body is over {} KiB: send only {{\"dir\": \"/abs/path\"}}",
+                super::MAX_CONTROL_BODY >> 10
+            ),
+        ),
+        _ => bad(e.body_text()),
     })?;
+    if !value.is_object() {
+        return Err(bad(format!(
+            "got {}, not an object",
+            match value {
+                Value::Array(_) => "an array",
+                Value::String(_) => "a string",
+                Value::Number(_) => "a number",
+                Value::Bool(_) => "a boolean",
+                _ => "null",
+            }
+        )));
+    }
+    let body: DeployBody = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
+    if body.dir.contains('\0') {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "the body's \"dir\" contains a NUL byte, which no path can hold: send the function \
+             directory's absolute path",
+        ));
+    }
+    Ok(body)
+}
+
+pub async fn deploy(
+    State(state): State<Arc<AppState>>,
+    body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,
+) -> Result<Response, ApiError> {
+    let body = parse_body(body)?;
     let rt = Arc::clone(&state.runtime);
     let t = std::time::Instant::now();
     let spec = deploy::validate(&rt, &body.dir)
@@ -66,4 +103,29 @@ pub async fn deploy(
         Body::from_stream(stream),
     )
         .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: Value) -> Result<DeployBody, String> {
+        parse_body(Ok(Json(v))).map_err(|e| format!("{} {}", e.status.as_u16(), e.message))
+    }
+
+    #[test]
+    fn only_an_object_with_a_dir_is_a_deploy_body() {
+        assert_eq!(parse(serde_json::json!({"dir": "/f"})).unwrap().dir, "/f");
+        let e = parse(serde_json::json!(["/f"])).unwrap_err();
+        assert!(
+            e.starts_with("400 ") && e.contains("got an array, not an object"),
+            "{e}"
+        );
+        let e = parse(serde_json::json!({"dir": "/f", "x": 1})).unwrap_err();
+        assert!(e.starts_with("400 ") && e.contains("unknown field"), "{e}");
+        let e = parse(serde_json::json!({"dir": "/f\u{0}x"})).unwrap_err();
+        assert!(e.starts_with("400 ") && e.contains("NUL"), "{e}");
+        let e = parse(serde_json::json!("dir")).unwrap_err();
+        assert!(e.contains("a string"), "{e}");
+    }
 }

@@ -67,8 +67,8 @@ pub async fn delete(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
 ) -> Result<Json<Deleted>, ApiError> {
-    // No deploy runs meanwhile.
-    let _deploys = state.runtime.deploy_lock.lock().await;
+    // No deploy of it runs meanwhile.
+    let _deploys = state.runtime.deploy_locks.function(&name).await;
     let stopped = state.runtime.stop_function(&name);
     let n = name.clone();
     let (function, snapshots) = with_registry(&state, move |r| {
@@ -105,6 +105,12 @@ pub async fn delete(
     })
     .await?;
     tracing::info!(function = %name, snapshots = snapshots.len(), "function deleted");
+    // What the function's rows took goes back to the file system (a big spec, many instances).
+    match with_registry(&state, |r| Ok(r.shrink()?)).await {
+        Ok(0) => {}
+        Ok(bytes) => tracing::info!(bytes, "registry shrunk"),
+        Err(e) => tracing::warn!(error = %e.message, "cannot shrink the registry"),
+    }
     for s in &snapshots {
         state.runtime.staging.remove(&s.path);
     }

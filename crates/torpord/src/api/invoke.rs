@@ -24,8 +24,19 @@ fn timings_header(t: &Timings) -> HeaderValue {
 pub async fn invoke(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let body = body.map_err(|e| match e.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the request body is over the {} MiB limit: send less data (e.g. a path the \
+                 function reads)",
+                super::MAX_INVOKE_BODY >> 20
+            ),
+        ),
+        status => ApiError::new(status, e.body_text()),
+    })?;
     // Checked as JSON but kept as the bytes sent: the daemon never re-encodes a request.
     let request: Box<RawValue> = if body.is_empty() {
         RawValue::from_string("null".into()).expect("null is JSON")

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::{Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -104,6 +104,13 @@ pub(crate) async fn with_registry<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("registry task failed: {e}")))?
 }
 
+/// The largest invoke body (docs/torpord.md): the request goes to the worker in one frame of at
+/// most 64 MiB ([`crate::frames::MAX_FRAME`]), inside an envelope of a few dozen bytes. Larger:
+/// 413.
+pub const MAX_INVOKE_BODY: usize = 63 << 20;
+/// The largest body of every other route (a deploy's or a stop's few bytes of JSON).
+pub const MAX_CONTROL_BODY: usize = 64 << 10;
+
 /// The API's routes, without authentication (the Unix socket's).
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -115,7 +122,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route(
             "/v1/functions/{name}/invoke",
-            axum::routing::post(invoke::invoke),
+            axum::routing::post(invoke::invoke).layer(DefaultBodyLimit::max(MAX_INVOKE_BODY)),
         )
         .route(
             "/v1/functions/{name}/stop",
@@ -123,6 +130,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/functions/{name}/logs", get(logs::get))
         .route("/metrics", get(metrics::get))
+        .layer(DefaultBodyLimit::max(MAX_CONTROL_BODY))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(middleware::from_fn(log_request))
@@ -140,6 +148,10 @@ async fn require_token(State(token): State<Arc<Token>>, req: Request, next: Next
         .get(header::AUTHORIZATION)
         .is_some_and(|v| token.accepts(v.as_bytes()));
     if ok {
+        // Closed last when the listener is full (crate::connections).
+        if let Some(conn) = req.extensions().get::<Arc<crate::connections::ConnAuth>>() {
+            conn.authenticated();
+        }
         return next.run(req).await;
     }
     tracing::warn!(method = %req.method(), path = %req.uri().path(), "refused a TCP request without the right bearer token");

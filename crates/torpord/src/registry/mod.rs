@@ -84,6 +84,9 @@ pub enum RegistryError {
     Sqlite(#[from] rusqlite::Error),
 }
 
+/// [`Registry::shrink`] runs from this many free pages on (256 KiB at SQLite's 4 KiB pages).
+pub const SHRINK_MIN_FREE_PAGES: i64 = 64;
+
 /// How long a writer waits for another connection's lock (e.g. a tool reading the registry).
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -234,6 +237,34 @@ impl Registry {
     /// The disk reserve of [`Registry::critical`].
     pub fn reserve(&self) -> &Reserve {
         &self.reserve
+    }
+
+    /// Gives the pages that deletions freed back to the file system, when they are at least a
+    /// quarter of the file and [`SHRINK_MIN_FREE_PAGES`] or more: `VACUUM` (which rewrites the
+    /// database without them), then a checkpoint that truncates the WAL. Returns the bytes the
+    /// files shrank by (0: nothing to do). SQLite never shrinks a file on its own, so a registry
+    /// that once held big specs stayed big after they were removed.
+    pub fn shrink(&self) -> Result<u64, RegistryError> {
+        let conn = self.lock();
+        let pragma = |name: &str| -> Result<i64, RegistryError> {
+            Ok(conn.query_row(&format!("PRAGMA {name}"), [], |r| r.get(0))?)
+        };
+        let (free, pages) = (pragma("freelist_count")?, pragma("page_count")?);
+        if free < SHRINK_MIN_FREE_PAGES || free.saturating_mul(4) < pages {
+            return Ok(0);
+        }
+        let before = self.bytes_on_disk();
+        conn.execute_batch("VACUUM")?;
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+        Ok(before.saturating_sub(self.bytes_on_disk()))
+    }
+
+    /// The database file and its WAL, in bytes.
+    fn bytes_on_disk(&self) -> u64 {
+        let len = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+        let mut wal = self.path.as_os_str().to_os_string();
+        wal.push("-wal");
+        len(&self.path) + len(Path::new(&wal))
     }
 
     /// The schema version of the open database.
@@ -399,6 +430,31 @@ mod tests {
         assert!(reg.with(|s| s.set_instance_process("ghost", 1, 1)).is_err());
         reg.with(|s| s.delete_instance("a-1")).unwrap();
         assert_eq!(reg.with(|s| s.instance_process("a-1")).unwrap(), None);
+    }
+
+    #[test]
+    fn shrink_gives_freed_pages_back() {
+        let (dir, reg) = open();
+        let file = dir.path().join("registry.db");
+        let size = || {
+            std::fs::metadata(&file).unwrap().len()
+                + std::fs::metadata(dir.path().join("registry.db-wal")).map_or(0, |m| m.len())
+        };
+        // Nothing freed yet: nothing to do.
+        assert_eq!(reg.shrink().unwrap(), 0);
+        let mut big = function("big");
+        big.spec = serde_json::json!({"pad": "x".repeat(4 << 20)});
+        reg.with(|s| s.insert_function(&big)).unwrap();
+        reg.with(|s| s.insert_function(&function("small"))).unwrap();
+        let full = size();
+        assert!(full > 4 << 20, "{full}");
+        reg.with(|s| s.delete_function("big")).unwrap();
+        assert!(size() >= full, "SQLite keeps freed pages in the file");
+        assert!(reg.shrink().unwrap() > 3 << 20);
+        assert!(size() < 1 << 20, "{}", size());
+        // The rest is intact.
+        assert!(reg.with(|s| s.function("small")).unwrap().is_some());
+        assert_eq!(reg.shrink().unwrap(), 0);
     }
 
     #[test]

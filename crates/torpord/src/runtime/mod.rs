@@ -56,7 +56,7 @@ pub struct Runtime {
     /// Where the `torpor` Python package lives, or why it was not found (reported at deploy).
     pub python_dir: Result<PathBuf, String>,
     /// Deploys run one at a time (two deploys of one base must not both boot it).
-    pub deploy_lock: tokio::sync::Mutex<()>,
+    pub deploy_locks: crate::deploy_locks::DeployLocks,
     pub(crate) pools: Mutex<HashMap<String, Arc<Pool>>>,
     pub(crate) next_id: AtomicU64,
     /// The CUDA driver, loaded on first use (GPU release and resume).
@@ -92,7 +92,7 @@ impl Runtime {
     ) -> Self {
         Self {
             python_dir: crate::launcher::python_dir(),
-            deploy_lock: tokio::sync::Mutex::new(()),
+            deploy_locks: Default::default(),
             pools: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             cuda: std::sync::OnceLock::new(),
@@ -184,7 +184,7 @@ impl Runtime {
         if self.staging.dir().is_none() {
             return;
         }
-        let _deploys = self.deploy_lock.lock().await;
+        let _deploys = self.deploy_locks.all().await;
         let (registry, staging) = (Arc::clone(&self.registry), Arc::clone(&self.staging));
         let done = tokio::task::spawn_blocking(move || {
             let mut snapshots = registry.with(|s| {

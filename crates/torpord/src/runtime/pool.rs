@@ -483,10 +483,8 @@ impl Runtime {
 /// The keep-alive delays of a spec: its `[keepalive]`, each key defaulting to the daemon's.
 pub fn keepalive_of(spec: &Value, default: &Keepalive) -> Keepalive {
     let secs = |key: &str, d: Duration| {
-        spec.pointer(&format!("/keepalive/{key}"))
-            .and_then(Value::as_f64)
-            .filter(|s| s.is_finite() && *s >= 0.0)
-            .map_or(d, Duration::from_secs_f64)
+        let v = spec.pointer(&format!("/keepalive/{key}"));
+        crate::limits::spec_secs(v, d, 0.0, crate::limits::MAX_KEEPALIVE_S)
     };
     Keepalive {
         gpu_release: secs("gpu_release_s", default.gpu_release),
@@ -501,17 +499,39 @@ pub(crate) fn fn_info(
     dir: &Path,
     keepalive: &Keepalive,
 ) -> FnInfo {
+    use crate::limits;
     let num = |v: Option<&Value>, default: f64| v.and_then(Value::as_f64).unwrap_or(default);
     FnInfo {
         keepalive: keepalive_of(spec, keepalive),
         gpu: num(spec.get("gpus"), 0.0) >= 1.0,
-        gpu_bytes: num(spec.get("gpu_memory"), 0.0).max(0.0) as u64,
+        gpu_bytes: num(spec.get("gpu_memory"), 0.0).clamp(0.0, limits::MAX_GPU_MEMORY as f64)
+            as u64,
         spec: Arc::new(spec.clone()),
         snapshot_dir: dir.to_path_buf(),
         snapshot_id: snapshot_id.to_string(),
-        timeout: Duration::from_secs_f64(num(spec.get("timeout_s"), 30.0).max(0.001)),
-        max_instances: num(spec.pointer("/scaling/max_instances"), 1.0).max(1.0) as usize,
-        per_instance: num(spec.pointer("/scaling/requests_per_instance"), 1.0).max(1.0) as usize,
-        standby: num(spec.pointer("/scaling/standby"), 0.0).max(0.0) as usize,
+        timeout: limits::spec_secs(
+            spec.get("timeout_s"),
+            Duration::from_secs(30),
+            0.001,
+            limits::MAX_TIMEOUT_S,
+        ),
+        max_instances: limits::spec_count(
+            spec.pointer("/scaling/max_instances"),
+            1,
+            1,
+            limits::MAX_INSTANCES,
+        ),
+        per_instance: limits::spec_count(
+            spec.pointer("/scaling/requests_per_instance"),
+            1,
+            1,
+            limits::MAX_REQUESTS_PER_INSTANCE,
+        ),
+        standby: limits::spec_count(
+            spec.pointer("/scaling/standby"),
+            0,
+            0,
+            limits::MAX_INSTANCES,
+        ),
     }
 }

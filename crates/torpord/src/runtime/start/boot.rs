@@ -54,8 +54,8 @@ impl Runtime {
 
 /// How long a booted worker has to connect.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long preloading (base) or loading (function: import, setup, warm-up) may take.
-pub const LOAD_TIMEOUT: Duration = Duration::from_secs(900);
+// How long preloading (base) or loading (function: import, setup, warm-up) may take: the spec's
+// load_timeout_s, else the config's workers.load_timeout_s (crate::limits::load_timeout).
 
 /// The `load` frame for a function: its spec, directory and declared data.
 pub fn load_frame(spec: &Value, dir: &Path) -> ToWorker {
@@ -140,9 +140,12 @@ pub(crate) async fn boot_function(
     conn.send(&load_frame(spec, dir))
         .await
         .map_err(|e| format!("sending load: {e}"))?;
-    ready(&mut conn)
-        .await
-        .map_err(|e| format!("{e}; see {}", log.display()))?;
+    ready(
+        &mut conn,
+        crate::limits::load_timeout(spec, rt.config.load_timeout),
+    )
+    .await
+    .map_err(|e| format!("{e}; see {}", log.display()))?;
     let load_s = t.elapsed().as_secs_f64();
     guard.0 = None;
     Ok((
@@ -189,14 +192,20 @@ pub enum NotReady {
     /// waiting for the worker's ready: {0}
     #[error("waiting for the worker's ready: {0}")]
     Conn(#[from] ConnError),
+    /// The worker passed its load bound (the caller's guard kills it).
+    #[error("{}", crate::limits::load_timed_out(*bound))]
+    TimedOut { bound: Duration },
     /// The worker's own step failed; `error` is its error document (type, message, traceback).
     #[error("the worker failed in its {worker_phase} step: {}: {}", error["type"].as_str().unwrap_or("Error"), error["message"].as_str().unwrap_or(""))]
     Failed { worker_phase: String, error: Value },
 }
 
 /// Reads `ready`: the worker's `ready` frame when it says `ok: true`.
-pub async fn ready(conn: &mut WorkerConn) -> Result<Value, NotReady> {
-    let msg = conn.expect("ready", LOAD_TIMEOUT).await?;
+pub async fn ready(conn: &mut WorkerConn, bound: Duration) -> Result<Value, NotReady> {
+    let msg = match conn.expect("ready", bound).await {
+        Err(ConnError::Timeout(_)) => return Err(NotReady::TimedOut { bound }),
+        r => r?,
+    };
     if msg.get("ok").and_then(Value::as_bool) == Some(true) {
         return Ok(Value::Object(msg));
     }
