@@ -34,6 +34,7 @@ unit: criu
 
 pytest: build criu
 	@$(PYTHON) -m pytest --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q pytest
+	@$(PYTHON) -m mypy --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q mypy
 	TORPOR_BIN=$(CURDIR)/$(TEST_BIN) TORPOR_HOOK_LIB=$(CURDIR)/$(TEST_HOOK) $(PYTHON) -m pytest -q -ra tests
 
 test: lint unit pytest
