@@ -10,7 +10,7 @@ RELEASE_BIN := target/release/torpor
 TEST_HOOK := target/debug/libtorpor_hook.so
 RELEASE_HOOK := target/release/libtorpor_hook.so
 
-.PHONY: all build release criu test lint unit pytest demo gpu-carry clean
+.PHONY: all build release criu test lint unit pytest demo demo-snapshot wheel gpu-carry clean
 
 all: release
 
@@ -39,8 +39,13 @@ pytest: build criu
 
 test: lint unit pytest
 
+# The runtime: torpord deploys an example, boots, restores, scales, steps down and wakes it.
 demo: release criu
-	TORPOR_BIN=$(CURDIR)/$(RELEASE_BIN) $(PYTHON) scripts/demo.py
+	TORPOR_BIN=$(CURDIR)/$(RELEASE_BIN) TORPOR_HOOK_LIB=$(CURDIR)/$(RELEASE_HOOK) $(PYTHON) scripts/demo.py
+
+# The transparent CLI underneath: torpor run, snapshot, restore twice side by side.
+demo-snapshot: release criu
+	TORPOR_BIN=$(CURDIR)/$(RELEASE_BIN) $(PYTHON) scripts/demo_snapshot.py
 
 # What the GPU machine needs (it has no Rust and no network): the release binary and CRIU's .debs.
 gpu-carry: release
