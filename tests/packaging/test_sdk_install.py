@@ -90,8 +90,16 @@ def test_the_installed_sdk_is_typed(venv: Path, tmp_path: Path) -> None:
         f = tmp_path / "use.py"
         f.write_text(source)
         return subprocess.run(
-            [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--python-executable",
-             venv / "bin/python", f],
+            [
+                sys.executable,
+                "-m",
+                "mypy",
+                "--strict",
+                "--no-incremental",
+                "--python-executable",
+                venv / "bin/python",
+                f,
+            ],
             cwd=tmp_path,
             capture_output=True,
             text=True,
