@@ -6,6 +6,8 @@ use torpor_snapshot::gpu_map::parse_gpu_map;
 use torpor_snapshot::restore::{restore_with, PageOptions, PageSource, RestoreOptions, Verify};
 use torpor_snapshot::{interrupt, supervise};
 
+use super::progress::Progress;
+
 pub fn run(
     dir: &Path,
     detach: bool,
@@ -27,6 +29,7 @@ pub fn run(
     }
     interrupt::install();
     let log_dir = super::log_dir();
+    let progress = Progress::start(format!("restore of {}", dir.display()));
     let restored = restore_with(
         &RestoreOptions {
             dir,
@@ -38,7 +41,9 @@ pub fn run(
             resume_gpu: true,
         },
         &PageOptions { source: pages },
-    )?;
+    );
+    progress.finish();
+    let restored = restored?;
     if verbose {
         super::print_phases(restored.phases.0.iter().map(|(n, s)| (n, s)));
         eprintln!("phase total {:.6}", restored.total_s);

@@ -6,6 +6,8 @@ use anyhow::bail;
 use torpor_snapshot::interrupt;
 use torpor_snapshot::snapshot::{snapshot, SnapshotOptions};
 
+use super::progress::Progress;
+
 pub fn run(
     pid: i32,
     out: &Path,
@@ -19,13 +21,16 @@ pub fn run(
     interrupt::install();
     let start = std::time::Instant::now();
     let log_dir = super::log_dir();
+    let progress = Progress::start(format!("snapshot of pid {pid} into {}", out.display()));
     let report = snapshot(&SnapshotOptions {
         pid,
         out,
         leave_running,
         lock_timeout: Duration::from_secs_f64(timeout),
         log_dir: &log_dir,
-    })?;
+    });
+    progress.finish();
+    let report = report?;
     let m = &report.manifest;
     if verbose {
         super::print_phases(report.phases.0.iter().map(|(n, s)| (n, s)));

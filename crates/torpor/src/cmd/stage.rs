@@ -3,8 +3,13 @@ use std::process::ExitCode;
 
 use torpor_snapshot::stage::stage;
 
+use super::progress::Progress;
+
 pub fn run(dir: &Path, to: &Path) -> anyhow::Result<ExitCode> {
-    let staged = stage(dir, to)?;
+    let progress = Progress::start(format!("staging {} into {}", dir.display(), to.display()));
+    let staged = stage(dir, to);
+    progress.finish();
+    let staged = staged?;
     println!(
         "staged {} files, {} in {:.3} s ({} hard-linked) at {}",
         staged.files,
