@@ -35,6 +35,7 @@ unit: criu
 pytest: build criu
 	@$(PYTHON) -m pytest --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q pytest
 	@$(PYTHON) -m mypy --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q mypy
+	@$(PYTHON) -m maturin --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q 'maturin>=1.5,<2'
 	TORPOR_BIN=$(CURDIR)/$(TEST_BIN) TORPOR_HOOK_LIB=$(CURDIR)/$(TEST_HOOK) $(PYTHON) -m pytest -q -ra tests
 
 test: lint unit pytest
@@ -46,6 +47,12 @@ demo: release criu
 # The transparent CLI underneath: torpor run, snapshot, restore twice side by side.
 demo-snapshot: release criu
 	TORPOR_BIN=$(CURDIR)/$(RELEASE_BIN) $(PYTHON) scripts/demo_snapshot.py
+
+# One wheel with the torpor binary (CLI and daemon) and the Python SDK: pip install target/wheels/torpor-*.whl
+# (maturin, "bin" bindings; see docs/install.md). The SDK alone: pip install ./python.
+wheel:
+	@$(PYTHON) -m maturin --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q 'maturin>=1.5,<2'
+	$(PYTHON) -m maturin build --release --out target/wheels
 
 # What the GPU machine needs (it has no Rust and no network): the release binary and CRIU's .debs.
 gpu-carry: release
