@@ -208,6 +208,18 @@ def same(call: Call, reference: Any) -> str:
     return "identical output"
 
 
+def step(d: Daemon, example: Example, label: str, expect: str, reference: Any) -> Call:
+    """One `torpor invoke -v`: checks how the daemon got the instance and, given a reference
+    answer, that the answer is the same; prints the line and the daemon's timings."""
+    call = d.invoke(example.name, example.request)
+    if call.start != expect:
+        raise DemoError(f"{label} expected X-Torpor-Start {expect}, the daemon says {call.start}")
+    check = "" if reference is None else same(call, reference)
+    print(f"{label:<27} {call.start:<9} {call.wall_s:7.3f} s   {check}".rstrip())
+    print(f"   ({timings_text(call.timings)})")
+    return call
+
+
 def prepare(example: Example, work: Path) -> Path:
     """The example copied into `work`, with the demo's [keepalive] in its spec."""
     if example is GPU and not (example.dir / "weights.safetensors").is_file():
@@ -297,10 +309,7 @@ def run(example: Example, work: Path, d: Daemon) -> None:
     print(f"deploy {example.dir.relative_to(ROOT)} (torpor deploy: boot the base and the function, snapshot both):")
     for line in d.cli("deploy", fdir).stdout.splitlines():
         print(f"    {line}")
-    booted = d.invoke(example.name, example.request)
-    if booted.start != "booted":
-        raise DemoError(f"expected a booted instance, the daemon says {booted.start}")
-    print(f"1. from-scratch boot:       {booted.start:<9} {booted.wall_s:7.3f} s   ({timings_text(booted.timings)})")
+    booted = step(d, example, "1. from-scratch boot:", "booted", None)
     print(f"   answer: {json.dumps(booted.value)[:110]}")
     took = d.stop()
     print(f"   torpord stopped (SIGTERM, its instance stopped) in {took:.2f} s; restarted in restore mode:")
@@ -310,16 +319,8 @@ def run(example: Example, work: Path, d: Daemon) -> None:
     )
 
     # 2. Cold start from the function snapshot, 3. warm.
-    cold = d.invoke(example.name, example.request)
-    if cold.start != "restored":
-        raise DemoError(f"expected a restore from the snapshot, the daemon says {cold.start}")
-    print(f"2. cold start (snapshot):   {cold.start:<9} {cold.wall_s:7.3f} s   {same(cold, booted.value)}")
-    print(f"   ({timings_text(cold.timings)})")
-    warm = d.invoke(example.name, example.request)
-    if warm.start != "warm":
-        raise DemoError(f"expected the warm instance, the daemon says {warm.start}")
-    print(f"3. warm call:               {warm.start:<9} {warm.wall_s:7.3f} s   {same(warm, booted.value)}")
-    print(f"   ({timings_text(warm.timings)})")
+    step(d, example, "2. cold start (snapshot):", "restored", booted.value)
+    step(d, example, "3. warm call:", "warm", booted.value)
 
     # 4. Requests at the same moment: the warm instance takes one, the others start instances.
     burst = 3
@@ -359,9 +360,8 @@ def run(example: Example, work: Path, d: Daemon) -> None:
     step_down(d, example, idle_since)
 
     # 6. Wake: the next request restores a hibernated (here evicted) instance, its memory as it was.
-    wake = d.invoke(example.name, example.request)
-    print(f"6. wake from evicted:       {wake.start:<9} {wake.wall_s:7.3f} s   {same(wake, booted.value)}")
-    print(f"   ({timings_text(wake.timings)}); torpor ls: {counts_text(d.stage_counts(example.name))}")
+    step(d, example, "6. wake from evicted:", "restored", booted.value)
+    print(f"   torpor ls: {counts_text(d.stage_counts(example.name))}")
 
     print("/metrics since the restart (the non-zero series of this function):")
     show_metrics(d.metrics(), example.name)

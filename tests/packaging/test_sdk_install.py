@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from .installs import cargo_version, fresh_venv, imported_from, pip_install
+
 ROOT = Path(__file__).resolve().parents[2]
 
 TYPED_USE = """\
@@ -38,21 +40,10 @@ NO_INDEX = re.compile(
 MISTYPED_USE = 'import torpor\nn: int = torpor.load_bytes("weights")\n'
 
 
-def cargo_version() -> str:
-    cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())
-    return str(cargo["workspace"]["package"]["version"])
-
-
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("sdk-venv") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", d], check=True)
-    r = subprocess.run(
-        [d / "bin/pip", "install", "--quiet", "--disable-pip-version-check", ROOT / "python"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    d = fresh_venv(tmp_path_factory.mktemp("sdk-venv") / "venv")
+    r = pip_install(d, ROOT / "python")
     if r.returncode != 0 and NO_INDEX.search(r.stderr):
         # The GPU machine has no network: pip cannot fetch the build backend (hatchling) there.
         pytest.skip(f"no package index reachable for the build backend: {r.stderr.strip().splitlines()[-1]}")
@@ -61,15 +52,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_installed_sdk_imports_from_the_venv_and_parses_a_spec(venv: Path, tmp_path: Path) -> None:
-    # Run from an empty directory, so that nothing of the checkout is on sys.path.
-    r = subprocess.run(
-        [venv / "bin/python", "-c", "import torpor, torpor.worker; print(torpor.__file__)"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert Path(r.stdout.strip()).is_relative_to(venv), r.stdout
+    assert imported_from(venv, tmp_path).is_relative_to(venv)
     spec = subprocess.run(
         [venv / "bin/python", "-m", "torpor.spec", ROOT / "examples/cpu-mlp"],
         cwd=tmp_path,

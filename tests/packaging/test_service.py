@@ -9,11 +9,12 @@ import shlex
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
+
+from .installs import serve
 
 CONFIG = ROOT / "packaging/torpord.toml"
 UNIT = ROOT / "packaging/systemd/torpord.service"
@@ -56,17 +57,10 @@ def test_the_daemon_starts_with_the_default_config(torpor_bin: Path, tmp_path: P
     sock = tmp_path / "torpord.sock"
     log = tmp_path / "torpord.log"
     # The shipped file, with the state and the socket moved to the test's directory by flags.
-    proc = subprocess.Popen(
-        [torpor_bin, "serve", "--config", CONFIG, "--state-dir", tmp_path / "state", "--socket", sock],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("wb"),
+    proc = serve(
+        [torpor_bin, "serve", "--config", CONFIG, "--state-dir", tmp_path / "state", "--socket", sock], sock, log
     )
     try:
-        deadline = time.monotonic() + 20
-        while not sock.exists():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "torpord did not listen"
-            time.sleep(0.02)
         r = subprocess.run(
             [torpor_bin, "status", "--json", "--socket", sock], capture_output=True, text=True, check=False
         )

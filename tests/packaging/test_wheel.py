@@ -12,13 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, pids_with
+
+from .installs import cargo_version, fresh_venv, imported_from, pip_install, serve
 
 REQUEST = {"x": [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]}
 
@@ -38,10 +38,6 @@ def workers_of(state: Path) -> list[int]:
         for p in os.listdir("/proc")
         if p.isdigit() and env_of(int(p)).get("TORPOR_WORKER_SOCKET", "").startswith(f"{state}/")
     ]
-
-
-def cargo_version() -> str:
-    return str(tomllib.loads((ROOT / "Cargo.toml").read_text())["workspace"]["package"]["version"])
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +61,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("wheel-venv") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", d], check=True)
-    r = subprocess.run(
-        [d / "bin/pip", "install", "--quiet", "--disable-pip-version-check", wheel],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    d = fresh_venv(tmp_path_factory.mktemp("wheel-venv") / "venv")
+    r = pip_install(d, wheel)
     assert r.returncode == 0, r.stdout + r.stderr
     return d
 
@@ -90,14 +80,7 @@ def test_one_install_gives_the_cli_and_the_sdk(venv: Path, tmp_path: Path) -> No
     torpor = venv / "bin/torpor"
     r = subprocess.run([torpor, "--version"], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == f"torpor {cargo_version()}"
-    r = subprocess.run(
-        [venv / "bin/python", "-c", "import torpor, torpor.worker; print(torpor.__file__)"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert Path(r.stdout.strip()).is_relative_to(venv)
+    assert imported_from(venv, tmp_path).is_relative_to(venv)
 
 
 def test_the_installed_daemon_deploys_and_invokes_with_the_installed_sdk(venv: Path, tmp_path: Path) -> None:
@@ -111,19 +94,9 @@ def test_the_installed_daemon_deploys_and_invokes_with_the_installed_sdk(venv: P
     # workers run the venv's interpreter, which has no access to the repository's python/.
     env = {k: v for k, v in os.environ.items() if k not in ("TORPOR_PYTHONPATH", "PYTHONPATH", "TORPOR_SOCKET")}
     env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
-    daemon = subprocess.Popen(
-        [torpor, "serve", "--state-dir", state, "--socket", sock],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("wb"),
-        env=env,
-        cwd=tmp_path,
-    )
+    # cwd: the daemon's own directory is not the checkout either.
+    daemon = serve([torpor, "serve", "--state-dir", state, "--socket", sock], sock, log, env, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 20
-        while not sock.exists():
-            assert daemon.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "torpord did not listen"
-            time.sleep(0.02)
         env["TORPOR_SOCKET"] = str(sock)
         r = subprocess.run([torpor, "deploy", fdir], capture_output=True, text=True, env=env, check=False)
         assert r.returncode == 0, r.stdout + r.stderr + log.read_text()[-3000:]
