@@ -10,7 +10,7 @@ RELEASE_BIN := target/release/torpor
 TEST_HOOK := target/debug/libtorpor_hook.so
 RELEASE_HOOK := target/release/libtorpor_hook.so
 
-.PHONY: all build release criu test lint unit pytest demo gpu-carry clean
+.PHONY: all build release criu test lint unit pytest demo demo-snapshot wheel gpu-carry clean
 
 all: release
 
@@ -34,12 +34,25 @@ unit: criu
 
 pytest: build criu
 	@$(PYTHON) -c 'import pytest, hypothesis' >/dev/null 2>&1 || $(PYTHON) -m pip install -q -r tests/requirements.txt
+	@$(PYTHON) -m mypy --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q mypy
+	@$(PYTHON) -m maturin --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q 'maturin>=1.5,<2'
 	TORPOR_BIN=$(CURDIR)/$(TEST_BIN) TORPOR_HOOK_LIB=$(CURDIR)/$(TEST_HOOK) $(PYTHON) -m pytest -q -ra tests
 
 test: lint unit pytest
 
+# The runtime: torpord deploys an example, boots, restores, scales, steps down and wakes it.
 demo: release criu
-	TORPOR_BIN=$(CURDIR)/$(RELEASE_BIN) $(PYTHON) scripts/demo.py
+	TORPOR_BIN=$(CURDIR)/$(RELEASE_BIN) TORPOR_HOOK_LIB=$(CURDIR)/$(RELEASE_HOOK) $(PYTHON) scripts/demo.py
+
+# The transparent CLI underneath: torpor run, snapshot, restore twice side by side.
+demo-snapshot: release criu
+	TORPOR_BIN=$(CURDIR)/$(RELEASE_BIN) $(PYTHON) scripts/demo_snapshot.py
+
+# One wheel with the torpor binary (CLI and daemon) and the Python SDK: pip install target/wheels/torpor-*.whl
+# (maturin, "bin" bindings; see docs/install.md). The SDK alone: pip install ./python.
+wheel:
+	@$(PYTHON) -m maturin --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q 'maturin>=1.5,<2'
+	$(PYTHON) -m maturin build --release --out target/wheels
 
 # What the GPU machine needs (it has no Rust and no network): the release binary and CRIU's .debs.
 gpu-carry: release

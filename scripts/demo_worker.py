@@ -1,4 +1,4 @@
-"""The process `make demo` snapshots: boots slowly once, then answers requests fast.
+"""The process `make demo-snapshot` snapshots: boots slowly once, then answers requests fast.
 
 With a GPU and PyTorch it holds a ResNet-50 on the GPU (fixed seed) and answers `infer` with a
 digest of the output; otherwise it builds a CPU "model" (a large table computed at boot) and

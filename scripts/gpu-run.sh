@@ -3,13 +3,15 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|all] [extra pytest args...]
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
 # the compat functions through a fresh daemon, into $OUT/compat-h100.json and $OUT/compat.log
 # ($COMPAT_ONLY: comma-separated names; $COMPAT_BUDGET_S: stop starting programs after, default 300;
 # functions stop deploying 150 s after they start).
 # Not part of `all`.
+# demo: `make demo` with the carried binary (scripts/demo.py: torpord deploys examples/resnet152,
+# its weights written first if absent), into $OUT/demo.log. Not part of `all`.
 # native: the Rust tests that need a real GPU and the fill bandwidth example, built here by
 # `make gpu-carry` into .gpu/native/ (the device's cuda backend; the hook), into $OUT/native.log
 # and $OUT/fill_bw.json.
@@ -64,6 +66,11 @@ if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
   echo "== bench/coldstart"
   python3 bench/coldstart/run.py --runs "${RUNS:-5}" --out "$OUT/coldstart.json" 2>&1 | tee "$OUT/bench.log"
   brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
+fi
+if [ "$MODE" = demo ]; then
+  echo "== demo (scripts/demo.py)"
+  python3 scripts/demo.py 2>&1 | tee "$OUT/demo.log"
+  drc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$drc
 fi
 if [ "$MODE" = examples ] || [ "$MODE" = all ]; then
   echo "== examples (deploy + invoke through torpord): ${EXAMPLES_PATHS:-transparent}"

@@ -83,6 +83,10 @@ pub struct ServeArgs {
     /// worker (snapshots off at invoke, for comparison) [default: restore]
     #[arg(long, value_enum, value_name = "HOW")]
     pub cold_start: Option<ColdStart>,
+    /// Check the configuration (file and flags), print it resolved as JSON and exit without
+    /// starting: what an edited /etc/torpor/torpord.toml would do
+    #[arg(long)]
+    pub check: bool,
 }
 
 /// How a cold start gets an instance.
@@ -291,7 +295,9 @@ pub struct Config {
     pub keepalive: Keepalive,
     pub queue: QueueLimits,
     pub cold_start: ColdStart,
-    /// How long a worker that lost its daemon waits for the next one to re-adopt it.
+    /// How long a worker that lost its daemon waits for the next one to re-adopt it
+    /// (`workers.reattach_s`).
+    #[serde(rename = "reattach_s", serialize_with = "secs")]
     pub reattach: Duration,
     /// The bound on a deploy's import, setup() and warm-up when the spec sets none
     /// (`workers.load_timeout_s`).
@@ -641,6 +647,24 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("restore_server.stage_bytes"), "{e}");
+    }
+
+    #[test]
+    fn the_shipped_config_file_states_the_defaults() {
+        // packaging/torpord.toml is what /etc/torpor/torpord.toml starts as: it must parse, and
+        // change nothing until edited.
+        let path = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../packaging/torpord.toml"
+        ));
+        let text = std::fs::read_to_string(path).unwrap();
+        let c = Config::from_toml(path, &text).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c, Config::default());
+        // Every key the parser knows is in it (commented out where its default is "off").
+        for key in ["tcp", "token_file"] {
+            assert!(text.contains(&format!("# {key} = ")), "{key}");
+        }
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //!
 //! Workers import the `torpor` Python package from `$TORPOR_PYTHONPATH` if set, else from the
 //! `python/` directory of the source tree the running binary was built in (found by walking up
-//! from the executable, e.g. `<repo>/target/release/torpor` → `<repo>/python`).
+//! from the executable, e.g. `<repo>/target/release/torpor` → `<repo>/python`), or from the
+//! site-packages the wheel installed it in beside the binary (`<venv>/bin/torpor` →
+//! `<venv>/lib/python3.X/site-packages`).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -91,9 +93,11 @@ pub fn python_dir() -> Result<PathBuf, String> {
         .map_err(|e| format!("cannot find the running executable ({e}): set ${PYTHONPATH_ENV}"))?;
     let exe = exe.canonicalize().unwrap_or(exe);
     for dir in exe.ancestors().skip(1) {
-        let candidate = dir.join("python");
-        if candidate.join("torpor/worker.py").is_file() {
-            return Ok(candidate);
+        if let Some(found) = package_dirs(dir)
+            .into_iter()
+            .find(|d| d.join("torpor/worker.py").is_file())
+        {
+            return Ok(found);
         }
     }
     Err(format!(
@@ -101,6 +105,28 @@ pub fn python_dir() -> Result<PathBuf, String> {
          directory that contains torpor/worker.py (the repository's python/)",
         exe.display()
     ))
+}
+
+/// Where the `torpor` package may be relative to a directory above the executable: `python/` of
+/// a source tree (`<repo>/target/release/torpor`), or the site-packages of an installed wheel,
+/// which puts the binary in `<prefix>/bin` and the package in
+/// `<prefix>/lib/python3.X/{site,dist}-packages` (a virtual environment, /usr/local).
+fn package_dirs(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![dir.join("python")];
+    let Ok(entries) = std::fs::read_dir(dir.join("lib")) else {
+        return out;
+    };
+    let mut pythons: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+        .map(|e| e.path())
+        .collect();
+    pythons.sort();
+    for p in pythons {
+        out.push(p.join("site-packages"));
+        out.push(p.join("dist-packages"));
+    }
+    out
 }
 
 /// `PYTHONPATH` for workers: the package's directory, then whatever was set before.
@@ -325,5 +351,21 @@ mod tests {
         for (k, _) in worker_env() {
             assert!(kept(k.to_str().unwrap()), "{k:?}");
         }
+    }
+
+    #[test]
+    fn the_package_is_found_in_a_source_tree_and_in_site_packages() {
+        let root = tempfile::tempdir().unwrap();
+        let dirs = package_dirs(root.path());
+        assert_eq!(dirs, vec![root.path().join("python")]);
+        let site = root.path().join("lib/python3.11/site-packages");
+        std::fs::create_dir_all(site.join("torpor")).unwrap();
+        std::fs::create_dir_all(root.path().join("lib/pkgconfig")).unwrap();
+        let dirs = package_dirs(root.path());
+        assert!(dirs.contains(&site), "{dirs:?}");
+        assert!(dirs.contains(&root.path().join("lib/python3.11/dist-packages")));
+        assert!(!dirs
+            .iter()
+            .any(|d| d.starts_with(root.path().join("lib/pkgconfig"))));
     }
 }

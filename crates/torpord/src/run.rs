@@ -20,15 +20,23 @@ pub enum RunError {
     /// The async runtime cannot be built.
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
+    /// `--check`: the resolved config cannot be printed (a path that is not UTF-8).
+    #[error("cannot print the configuration as JSON: {0}")]
+    Check(serde_json::Error),
     /// SIGTERM/SIGINT cannot be caught.
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
 }
 
 /// Loads the config (file + flags), sets up logging, starts the daemon and serves until
-/// SIGTERM or SIGINT.
+/// SIGTERM or SIGINT. With `--check`, prints the resolved config as JSON and returns instead.
 pub fn run(args: &ServeArgs) -> Result<(), RunError> {
     let config = Config::load(args)?;
+    if args.check {
+        let json = serde_json::to_string_pretty(&config).map_err(RunError::Check)?;
+        println!("{json}");
+        return Ok(());
+    }
     logging::init(config.log_format, config.log_level);
     if let Some(file) = &config.file {
         tracing::info!(config = %file.display(), "config file read");

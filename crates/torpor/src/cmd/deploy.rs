@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use serde_json::Value;
 
+use super::progress::Progress;
 use super::DaemonArgs;
 
 /// `torpor deploy DIR`: prints each phase as the daemon reports it, then the result.
@@ -21,24 +22,32 @@ pub fn run(daemon: &DaemonArgs, dir: &Path, json: bool) -> anyhow::Result<ExitCo
     }
     let mut ok = false;
     let mut seen_end = false;
+    let what = dir.file_name().map_or_else(
+        || dir.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let progress = Progress::start(format!("deploy {what}: validating"));
     for line in BufReader::new(response.body).lines() {
         let line = line.map_err(|e| anyhow::anyhow!("reading the deploy's progress: {e}"))?;
         if line.trim().is_empty() {
             continue;
         }
         if json {
-            println!("{line}");
+            progress.suspend(|| println!("{line}"));
         }
         let v: Value = serde_json::from_str(&line)?;
         if let Some(phase) = v.get("phase").and_then(Value::as_str) {
             if v.get("error").is_none() {
                 if !json {
                     let s = v.get("s").and_then(Value::as_f64).unwrap_or(0.0);
-                    println!("{phase:<18} {:>9.3} s{}", s, snapshot_details(&v));
+                    progress
+                        .suspend(|| println!("{phase:<18} {:>9.3} s{}", s, snapshot_details(&v)));
                 }
+                progress.next(format!("deploy {what}: {phase} done, next phase"));
                 continue;
             }
         }
+        progress.finish();
         seen_end = true;
         if let Some(r) = v.get("result") {
             ok = true;

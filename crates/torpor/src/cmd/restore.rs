@@ -6,6 +6,8 @@ use torpor_snapshot::gpu_map::parse_gpu_map;
 use torpor_snapshot::restore::{restore_with, PageOptions, PageSource, RestoreOptions, Verify};
 use torpor_snapshot::{interrupt, supervise};
 
+use super::progress::Progress;
+
 pub fn run(
     dir: &Path,
     detach: bool,
@@ -31,6 +33,7 @@ pub fn run(
     }
     interrupt::install();
     let log_dir = super::log_dir();
+    let progress = Progress::start(format!("restore of {}", dir.display()));
     let restored = restore_with(
         &RestoreOptions {
             dir,
@@ -43,7 +46,9 @@ pub fn run(
             resume_gpu: true,
         },
         &PageOptions { source: pages },
-    )?;
+    );
+    progress.finish();
+    let restored = restored?;
     if restored.attempts > 1 {
         eprintln!(
             "torpor: note: the driver's restore failed with CUDA_ERROR_OPERATING_SYSTEM; restored \

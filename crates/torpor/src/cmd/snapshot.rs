@@ -6,6 +6,8 @@ use anyhow::bail;
 use torpor_snapshot::interrupt;
 use torpor_snapshot::snapshot::{snapshot, SnapshotOptions};
 
+use super::progress::Progress;
+
 pub fn run(
     pid: i32,
     out: &Path,
@@ -23,6 +25,7 @@ pub fn run(
     interrupt::install();
     let start = std::time::Instant::now();
     let log_dir = super::log_dir();
+    let progress = Progress::start(format!("snapshot of pid {pid} into {}", out.display()));
     let report = snapshot(&SnapshotOptions {
         pid,
         out,
@@ -30,7 +33,9 @@ pub fn run(
         lock_timeout: Duration::from_secs_f64(timeout),
         log_dir: &log_dir,
         key: key.as_ref(),
-    })?;
+    });
+    progress.finish();
+    let report = report?;
     let m = &report.manifest;
     for warning in &report.warnings {
         eprintln!("torpor: warning: {warning}");

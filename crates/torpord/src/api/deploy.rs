@@ -12,11 +12,13 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use super::{ApiError, AppState};
 use crate::deploy;
 
-#[derive(Debug, Deserialize)]
+/// The body of `POST /v1/functions`.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DeployBody {
     /// The function's directory (absolute), holding torpor.toml.
@@ -67,6 +69,17 @@ fn parse_body(
     Ok(body)
 }
 
+/// Deploys the function in `dir`: validates its spec, then makes (or reuses) its base snapshot
+/// and makes its function snapshot, reporting each phase as it ends.
+#[utoipa::path(post, path = "/v1/functions", tag = "functions",
+    request_body = DeployBody,
+    responses(
+        (status = 200, content_type = "application/x-ndjson", body = String,
+            description = "One JSON object per line: `{\"phase\": NAME, \"s\": SECONDS, …}` as each \
+                phase ends, then `{\"result\": {…}}`, or `{\"error\": MESSAGE, \"phase\": NAME}` if it failed"),
+        (status = 400, description = "The body or the spec is invalid: the spec checker's line", body = super::types::ErrorBody),
+        (status = 500, description = "The daemon cannot deploy (e.g. the SDK is not found)", body = super::types::ErrorBody),
+    ))]
 pub async fn deploy(
     State(state): State<Arc<AppState>>,
     body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,

@@ -18,6 +18,12 @@ fn unknown(name: &str) -> ApiError {
     ApiError::not_found(format!("no function named {name:?} (see `torpor ls`)"))
 }
 
+/// Every function the registry knows, with its instances per stage.
+#[utoipa::path(get, path = "/v1/functions", tag = "functions",
+    responses(
+        (status = 200, description = "The functions", body = FunctionList),
+        (status = 500, description = "The registry cannot be read", body = super::types::ErrorBody),
+    ))]
 pub async fn list(State(state): State<Arc<AppState>>) -> Result<Json<FunctionList>, ApiError> {
     let (functions, stages) = with_registry(&state, |r| {
         r.with(|s| Ok::<_, ApiError>((s.functions()?, s.stage_counts_by_function()?)))
@@ -39,6 +45,13 @@ pub async fn list(State(state): State<Arc<AppState>>) -> Result<Json<FunctionLis
     Ok(Json(FunctionList { functions }))
 }
 
+/// One function with its snapshots and instances.
+#[utoipa::path(get, path = "/v1/functions/{name}", tag = "functions",
+    params(("name" = String, Path, description = "The function's name (its torpor.toml's `name`).")),
+    responses(
+        (status = 200, description = "The function", body = FunctionDetail),
+        (status = 404, description = "No such function", body = super::types::ErrorBody),
+    ))]
 pub async fn get(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
@@ -63,6 +76,13 @@ pub async fn get(
 /// function, its snapshots (rows and directories) and its hibernated instances. Refused while
 /// it deploys, or while it has running instances this daemon did not start (e.g. left by an
 /// earlier daemon). Base snapshots are shared and stay.
+#[utoipa::path(delete, path = "/v1/functions/{name}", tag = "functions",
+    params(("name" = String, Path, description = "The function's name (its torpor.toml's `name`).")),
+    responses(
+        (status = 200, description = "Deleted: what was removed", body = Deleted),
+        (status = 404, description = "No such function", body = super::types::ErrorBody),
+        (status = 409, description = "It is being deployed, or has instances this daemon did not start", body = super::types::ErrorBody),
+    ))]
 pub async fn delete(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
@@ -149,6 +169,14 @@ pub async fn delete(
 /// are stopped now, busy ones when their requests end (as a redeploy retires them), and its
 /// hibernated instances are discarded unless the body says `{"keep_hibernated": true}`. The
 /// next request restores a fresh instance from the function snapshot.
+#[utoipa::path(post, path = "/v1/functions/{name}/stop", tag = "functions",
+    params(("name" = String, Path, description = "The function's name (its torpor.toml's `name`).")),
+    request_body(content = Option<StopRequest>, description = "Optional: an empty body is `{\"keep_hibernated\": false}`"),
+    responses(
+        (status = 200, description = "The instances taken out of service", body = Stopped),
+        (status = 400, description = "The body is not a StopRequest", body = super::types::ErrorBody),
+        (status = 404, description = "No such function", body = super::types::ErrorBody),
+    ))]
 pub async fn stop(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,

@@ -21,6 +21,28 @@ fn timings_header(t: &Timings) -> HeaderValue {
         .unwrap_or_else(|_| HeaderValue::from_static("{}"))
 }
 
+/// Runs one request of the function: on a warm instance, or on one restored, woken or booted
+/// for it; waits in the function's queue when every instance is busy.
+#[utoipa::path(post, path = "/v1/functions/{name}/invoke", tag = "invoke",
+    params(("name" = String, Path, description = "The function's name (its torpor.toml's `name`).")),
+    request_body(content = serde_json::Value, description = "The function's request: any JSON (empty: null)"),
+    responses(
+        (status = 200, description = "The function's value", body = serde_json::Value,
+            headers(
+                ("x-torpor-start" = String, description = "How the instance was obtained: warm, restored, booted or standby"),
+                ("x-torpor-timings" = String, description = "The phases in seconds, as a JSON object (queue, start, restore, handler, overhead, total, …)"),
+            )),
+        (status = 400, description = "The body is not JSON", body = super::types::ErrorBody),
+        (status = 404, description = "No such function", body = super::types::ErrorBody),
+        (status = 409, description = "The function is not ready (deploying or failed)", body = super::types::ErrorBody),
+        (status = 429, description = "The function's queue is full", body = super::types::ErrorBody),
+        (status = 500, description = "The function raised (or the daemon failed: then the body is an ErrorBody)", body = super::types::RaisedBody,
+            headers(("x-torpor-timings" = String, description = "The phases in seconds"))),
+        (status = 502, description = "The worker crashed or misbehaved", body = super::types::ErrorBody),
+        (status = 503, description = "No instance became free within the queue's timeout", body = super::types::ErrorBody,
+            headers(("retry-after" = u64, description = "Seconds to wait before retrying"))),
+        (status = 504, description = "The request ran past the function's timeout_s", body = super::types::ErrorBody),
+    ))]
 pub async fn invoke(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,

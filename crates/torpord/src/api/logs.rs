@@ -15,6 +15,7 @@ use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::Json;
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use super::{with_registry, ApiError, AppState};
 use crate::instance_logs;
@@ -27,8 +28,9 @@ pub const MAX_LINES: usize = 10_000;
 const MAX_TAIL_BYTES: u64 = 4 << 20;
 
 /// One log file's tail.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct LogFile {
+    #[schema(value_type = String)]
     pub path: PathBuf,
     /// The instance that writes it; `None` for the log of a deploy's load phase.
     pub instance: Option<String>,
@@ -41,13 +43,25 @@ pub struct LogFile {
 }
 
 /// The answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct FunctionLogs {
     pub function: String,
     /// Most recently written first.
     pub files: Vec<LogFile>,
 }
 
+/// The tail of each of the function's log files, most recently written first.
+#[utoipa::path(get, path = "/v1/functions/{name}/logs", tag = "functions",
+    params(
+        ("name" = String, Path, description = "The function's name (its torpor.toml's `name`)."),
+        ("lines" = Option<usize>, Query, description = "Lines per file, 1 to 10000 (default 200)"),
+        ("instance" = Option<String>, Query, description = "Only this instance's log"),
+    ),
+    responses(
+        (status = 200, description = "The log tails", body = FunctionLogs),
+        (status = 400, description = "A query parameter is invalid or unknown", body = super::types::ErrorBody),
+        (status = 404, description = "No such function, or no log of that instance", body = super::types::ErrorBody),
+    ))]
 pub async fn get(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,

@@ -9,6 +9,13 @@ use axum::response::IntoResponse;
 use super::{with_registry, ApiError, AppState};
 use crate::metrics::CONTENT_TYPE;
 
+/// Prometheus text exposition of every metric (docs/torpord.md, "Metrics").
+#[utoipa::path(get, path = "/metrics", tag = "daemon",
+    responses(
+        (status = 200, description = "Prometheus text format 0.0.4", body = String,
+            content_type = "text/plain; version=0.0.4"),
+        (status = 500, description = "The registry cannot be read", body = super::types::ErrorBody),
+    ))]
 pub async fn get(State(state): State<Arc<AppState>>) -> Result<impl IntoResponse, ApiError> {
     let (stages, names) = with_registry(&state, |r| {
         r.with(|s| {

@@ -1,4 +1,10 @@
 //! The HTTP/JSON API (docs/torpord.md, "HTTP API"): one module per resource.
+//!
+//! Every route is declared once, in [`routes`], from handlers annotated with `#[utoipa::path]`:
+//! the router and the OpenAPI document (`GET /v1/openapi.json`, [`openapi`]) are the two halves
+//! of that one list (utoipa-axum), so the document cannot miss a route. utoipa is the maintained
+//! code-first OpenAPI generator for axum; the schemas come from the same serde types the
+//! handlers answer with.
 
 mod deploy;
 mod functions;
@@ -16,8 +22,10 @@ use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use axum::{Json, Router};
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::auth::Token;
 use crate::config::Config;
@@ -111,30 +119,77 @@ pub const MAX_INVOKE_BODY: usize = 63 << 20;
 /// The largest body of every other route (a deploy's or a stop's few bytes of JSON).
 pub const MAX_CONTROL_BODY: usize = 64 << 10;
 
+/// What the OpenAPI document says beside the routes (title, version and licence come from
+/// the crate).
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "torpord",
+        description = "Torpor's node daemon: deploy functions, invoke them, watch their instances. \
+            Served on a Unix socket (mode 0600) and, when configured, on TCP behind \
+            `Authorization: Bearer <token>`. Errors are `{\"error\": \"…\"}` with one line \
+            naming the cause and the fix. See docs/torpord.md."
+    ),
+    tags(
+        (name = "functions", description = "Deploy, list, inspect, stop and delete functions; their logs"),
+        (name = "invoke", description = "Run a function's request"),
+        (name = "daemon", description = "The daemon itself: status, metrics, this document"),
+    )
+)]
+struct ApiDoc;
+
+/// Every route of the API with its OpenAPI operation: one list, from which both the router and
+/// the document are made.
+pub fn routes() -> OpenApiRouter<Arc<AppState>> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(status::get))
+        .routes(routes!(functions::list, deploy::deploy))
+        .routes(routes!(functions::get, functions::delete))
+        .routes(invoke_route())
+        .routes(routes!(functions::stop))
+        .routes(routes!(logs::get))
+        .routes(routes!(metrics::get))
+        .routes(routes!(openapi_json))
+}
+
+/// The invoke route, with its own body limit ([`MAX_INVOKE_BODY`]; every other route has
+/// [`MAX_CONTROL_BODY`]). The inner limit is the one the handler's extractor sees.
+fn invoke_route() -> utoipa_axum::router::UtoipaMethodRouter<Arc<AppState>> {
+    let (schemas, paths, method) = routes!(invoke::invoke);
+    (
+        schemas,
+        paths,
+        method.layer(DefaultBodyLimit::max(MAX_INVOKE_BODY)),
+    )
+}
+
+/// The OpenAPI 3.1 document of the API.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    routes().into_openapi()
+}
+
+/// This document: the OpenAPI 3.1 description of every route of the API.
+#[utoipa::path(get, path = "/v1/openapi.json", tag = "daemon",
+    responses((status = 200, description = "The OpenAPI document", content_type = "application/json",
+        body = Object)))]
+pub async fn openapi_json() -> Response {
+    static DOC: std::sync::OnceLock<utoipa::openapi::OpenApi> = std::sync::OnceLock::new();
+    Json(DOC.get_or_init(openapi)).into_response()
+}
+
 /// The API's routes, without authentication (the Unix socket's).
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/v1/status", get(status::get))
-        .route("/v1/functions", get(functions::list).post(deploy::deploy))
-        .route(
-            "/v1/functions/{name}",
-            get(functions::get).delete(functions::delete),
-        )
-        .route(
-            "/v1/functions/{name}/invoke",
-            axum::routing::post(invoke::invoke).layer(DefaultBodyLimit::max(MAX_INVOKE_BODY)),
-        )
-        .route(
-            "/v1/functions/{name}/stop",
-            axum::routing::post(functions::stop),
-        )
-        .route("/v1/functions/{name}/logs", get(logs::get))
-        .route("/metrics", get(metrics::get))
-        .layer(DefaultBodyLimit::max(MAX_CONTROL_BODY))
+    service_routes().with_state(state)
+}
+
+/// The routes with the fallbacks and the request log, before the state is given.
+fn service_routes() -> Router<Arc<AppState>> {
+    let (router, _) = routes().split_for_parts();
+    router
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
+        .layer(DefaultBodyLimit::max(MAX_CONTROL_BODY))
         .layer(middleware::from_fn(log_request))
-        .with_state(state)
 }
 
 /// The API's routes behind the bearer token (the TCP listener's).
@@ -194,4 +249,101 @@ async fn wrong_method(req: Request) -> ApiError {
         StatusCode::METHOD_NOT_ALLOWED,
         format!("{} is not allowed on {}", req.method(), req.uri().path()),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+
+    /// (method, path) of every route `router` serves, read from its `Debug` output, the only
+    /// listing axum gives: `RouteId(N): MethodRouter(… allow_header: Bytes(b"GET,HEAD") })` per
+    /// route and `RouteId(N): "/path"` in its node. HEAD is left out (axum adds it to GET).
+    fn served(router: &Router<Arc<AppState>>) -> BTreeSet<(String, String)> {
+        let text = format!("{router:?}");
+        let main = text.split(", fallback_router:").next().unwrap_or_default();
+        let (routes, node) = main
+            .split_once("node: Node")
+            .expect("axum's Router Debug changed");
+        let id = |chunk: &str| chunk.split(')').next().unwrap_or_default().to_string();
+        let between = |s: &str, a: &str, b: &str| {
+            let rest = s.split_once(a)?.1;
+            Some(rest.split_once(b)?.0.to_string())
+        };
+        let mut methods = std::collections::BTreeMap::new();
+        for chunk in routes.split("RouteId(").skip(1) {
+            if let Some(allow) = between(chunk, "allow_header: Bytes(b\"", "\"") {
+                methods.insert(id(chunk), allow);
+            }
+        }
+        let mut out = BTreeSet::new();
+        for chunk in node.split("RouteId(").skip(1) {
+            let path = between(chunk, ": \"", "\"").expect("a route id without its path");
+            let allow = methods
+                .get(&id(chunk))
+                .expect("a path without its method router");
+            for m in allow.split(',').filter(|m| *m != "HEAD") {
+                out.insert((m.to_string(), path.clone()));
+            }
+        }
+        out
+    }
+
+    /// (method, path) of every operation in the document.
+    fn documented() -> BTreeSet<(String, String)> {
+        let doc = serde_json::to_value(openapi()).unwrap();
+        let mut out = BTreeSet::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for method in [
+                "get", "put", "post", "delete", "options", "head", "patch", "trace",
+            ] {
+                if item.get(method).is_some() {
+                    out.insert((method.to_uppercase(), path.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_route_of_the_router_is_in_the_openapi_document_and_back() {
+        let served = served(&service_routes());
+        let documented = documented();
+        assert!(served.len() >= 10, "{served:?}");
+        assert_eq!(served, documented);
+        assert!(served.contains(&("GET".to_string(), "/v1/openapi.json".to_string())));
+    }
+
+    #[test]
+    fn every_operation_documents_its_answers_with_schemas() {
+        let doc = serde_json::to_value(openapi()).unwrap();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for (method, op) in item.as_object().unwrap() {
+                let responses = op["responses"].as_object().unwrap();
+                assert!(responses.contains_key("200"), "{method} {path}");
+                assert!(
+                    op["tags"].as_array().is_some_and(|t| !t.is_empty()),
+                    "{method} {path}"
+                );
+                for (status, r) in responses {
+                    assert!(
+                        r["content"].as_object().is_some_and(|c| !c.is_empty()),
+                        "{method} {path} {status} has no body"
+                    );
+                }
+            }
+        }
+        let schemas = doc["components"]["schemas"].as_object().unwrap();
+        for name in [
+            "Status",
+            "FunctionList",
+            "FunctionDetail",
+            "Stopped",
+            "FunctionLogs",
+            "ErrorBody",
+        ] {
+            assert!(schemas.contains_key(name), "{name}");
+        }
+    }
 }

@@ -8,6 +8,12 @@ use axum::Json;
 use super::types::Status;
 use super::{with_registry, ApiError, AppState};
 
+/// What the daemon is and what its registry holds.
+#[utoipa::path(get, path = "/v1/status", tag = "daemon",
+    responses(
+        (status = 200, description = "The daemon's state", body = Status),
+        (status = 500, description = "The registry cannot be read", body = super::types::ErrorBody),
+    ))]
 pub async fn get(State(state): State<Arc<AppState>>) -> Result<Json<Status>, ApiError> {
     let (counts, schema) = with_registry(&state, |r| {
         Ok((r.with(|s| s.counts())?, r.schema_version()?))

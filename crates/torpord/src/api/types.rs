@@ -5,18 +5,37 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::config::{Keepalive, QueueLimits};
 use crate::registry::{Function, FunctionState, Instance, Snapshot, SnapshotCounts, StageCounts};
 
 /// Every error response: `{"error": "…"}`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ErrorBody {
     pub error: String,
 }
 
+/// The body of a 500 from `POST /v1/functions/{name}/invoke` when the function raised: the
+/// exception as the worker reported it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RaisedBody {
+    pub error: Raised,
+}
+
+/// An exception the function raised.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Raised {
+    /// The exception's class name.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub message: String,
+    /// Python's formatted traceback.
+    pub traceback: String,
+}
+
 /// `GET /v1/status`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Status {
     /// torpord's version.
     pub version: String,
@@ -24,11 +43,15 @@ pub struct Status {
     /// When it started, Unix ms.
     pub started: i64,
     pub uptime_s: f64,
+    #[schema(value_type = String)]
     pub state_dir: PathBuf,
+    #[schema(value_type = String)]
     pub socket: PathBuf,
     /// The TCP address actually bound, if TCP is on.
+    #[schema(value_type = Option<String>)]
     pub tcp: Option<SocketAddr>,
     /// The config file read, if any.
+    #[schema(value_type = Option<String>)]
     pub config_file: Option<PathBuf>,
     pub registry_schema: u32,
     pub functions: u64,
@@ -41,7 +64,7 @@ pub struct Status {
 }
 
 /// [`Keepalive`] in seconds.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
 pub struct KeepaliveSecs {
     pub gpu_release_s: f64,
     pub hibernate_s: f64,
@@ -59,7 +82,7 @@ impl From<Keepalive> for KeepaliveSecs {
 }
 
 /// [`QueueLimits`] in seconds.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
 pub struct QueueSecs {
     pub length: usize,
     pub timeout_s: f64,
@@ -75,10 +98,11 @@ impl From<QueueLimits> for QueueSecs {
 }
 
 /// One row of `GET /v1/functions`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct FunctionSummary {
     pub name: String,
     pub state: FunctionState,
+    #[schema(value_type = String)]
     pub dir: PathBuf,
     pub base_key: String,
     pub snapshot: Option<String>,
@@ -89,13 +113,13 @@ pub struct FunctionSummary {
 }
 
 /// `GET /v1/functions`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct FunctionList {
     pub functions: Vec<FunctionSummary>,
 }
 
 /// `GET /v1/functions/{name}`: the function with its snapshots and instances.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct FunctionDetail {
     #[serde(flatten)]
     pub function: Function,
@@ -104,19 +128,21 @@ pub struct FunctionDetail {
 }
 
 /// `DELETE /v1/functions/{name}`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Deleted {
     pub deleted: String,
     /// Ids of the snapshots removed with it.
     pub snapshots: Vec<String>,
     /// Directories removed from disk.
+    #[schema(value_type = Vec<String>)]
     pub removed: Vec<PathBuf>,
     /// Directories that could not be removed (path → reason); the registry no longer knows them.
+    #[schema(value_type = BTreeMap<String, String>)]
     pub left_behind: BTreeMap<PathBuf, String>,
 }
 
 /// The body of `POST /v1/functions/{name}/stop` (optional: an empty body is the default).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StopRequest {
     /// Leave the hibernated (and evicted) instances on disk, to be woken by later requests.
@@ -125,7 +151,7 @@ pub struct StopRequest {
 }
 
 /// `POST /v1/functions/{name}/stop`: the instances taken out of service.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Stopped {
     pub function: String,
     /// Idle instances, stopped now.

@@ -15,7 +15,7 @@ pub fn now_ms() -> i64 {
 macro_rules! text_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal,)+ }) => {
         $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema)]
         #[serde(rename_all = "snake_case")]
         pub enum $name {
             $($(#[$vmeta])* $variant,)+
@@ -105,11 +105,12 @@ impl Stage {
 }
 
 /// A deployed (or deploying) function.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Function {
     /// Unique name, from the spec.
     pub name: String,
     /// The function's directory (its copy under the state directory).
+    #[schema(value_type = String)]
     pub dir: PathBuf,
     /// The parsed `torpor.toml`, as JSON.
     pub spec: serde_json::Value,
@@ -123,11 +124,12 @@ pub struct Function {
 }
 
 /// A snapshot directory known to the registry.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Snapshot {
     pub id: String,
     pub kind: SnapshotKind,
     /// The snapshot directory.
+    #[schema(value_type = String)]
     pub path: PathBuf,
     /// The function it belongs to; `None` exactly for base snapshots.
     pub function: Option<String>,
@@ -139,7 +141,7 @@ pub struct Snapshot {
 }
 
 /// A worker instance of a function, live or hibernated.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Instance {
     pub id: String,
     pub function: String,
@@ -153,7 +155,7 @@ pub struct Instance {
 }
 
 /// Number of instances in each stage.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct StageCounts {
     pub warm: u64,
     pub gpu_released: u64,
@@ -199,7 +201,7 @@ impl StageCounts {
 }
 
 /// Number of snapshots of each kind.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotCounts {
     pub base: u64,
     pub function: u64,

@@ -1,0 +1,122 @@
+"""The wheel (root pyproject.toml, maturin "bin" bindings) gives the CLI and the SDK in one
+`pip install`: built here with the dev profile (`make wheel` builds the same wheel in release),
+installed into a fresh venv, and used from there: the binary on the venv's PATH, the package in
+its site-packages, and a real deploy and invoke through `torpor serve` run from the venv, which
+must find the SDK beside itself (no TORPOR_PYTHONPATH, no checkout on any path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, pids_with
+
+from .installs import cargo_version, fresh_venv, imported_from, pip_install, serve
+
+REQUEST = {"x": [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]}
+
+
+def env_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(e.decode(errors="replace").split("=", 1) for e in raw.split(b"\0") if b"=" in e)
+
+
+def workers_of(state: Path) -> list[int]:
+    """Processes whose environment names a worker socket in `state`: the daemon's workers."""
+    return [
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and env_of(int(p)).get("TORPOR_WORKER_SOCKET", "").startswith(f"{state}/")
+    ]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("cargo") is None:
+        pytest.skip("no Rust toolchain here (the GPU machine): the wheel is built where cargo is")
+    if subprocess.run([sys.executable, "-m", "maturin", "--version"], capture_output=True, check=False).returncode:
+        pytest.skip("maturin is not installed here (make pytest installs it)")
+    out = tmp_path_factory.mktemp("wheel")
+    r = subprocess.run(
+        [sys.executable, "-m", "maturin", "build", "--profile", "dev", "--out", out],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (built,) = out.glob("torpor-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = fresh_venv(tmp_path_factory.mktemp("wheel-venv") / "venv")
+    r = pip_install(d, wheel)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return d
+
+
+def test_the_wheel_holds_the_binary_and_the_typed_package(wheel: Path) -> None:
+    version = cargo_version()
+    assert wheel.name.startswith(f"torpor-{version}-")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert f"torpor-{version}.data/scripts/torpor" in names
+    for module in ("__init__.py", "worker.py", "spec.py", "py.typed"):
+        assert f"torpor/{module}" in names, names
+
+
+def test_one_install_gives_the_cli_and_the_sdk(venv: Path, tmp_path: Path) -> None:
+    torpor = venv / "bin/torpor"
+    r = subprocess.run([torpor, "--version"], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == f"torpor {cargo_version()}"
+    assert imported_from(venv, tmp_path).is_relative_to(venv)
+
+
+def test_the_installed_daemon_deploys_and_invokes_with_the_installed_sdk(venv: Path, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    torpor = venv / "bin/torpor"
+    fdir = tmp_path / "cpu-mlp"
+    shutil.copytree(ROOT / "examples/cpu-mlp", fdir, ignore=shutil.ignore_patterns("__pycache__"))
+    state, sock, log = tmp_path / "state", tmp_path / "torpord.sock", tmp_path / "torpord.log"
+    # Nothing of the checkout: the daemon must find the SDK in the venv's site-packages, and the
+    # workers run the venv's interpreter, which has no access to the repository's python/.
+    env = {k: v for k, v in os.environ.items() if k not in ("TORPOR_PYTHONPATH", "PYTHONPATH", "TORPOR_SOCKET")}
+    env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
+    # cwd: the daemon's own directory is not the checkout either.
+    daemon = serve([torpor, "serve", "--state-dir", state, "--socket", sock], sock, log, env, cwd=tmp_path)
+    try:
+        env["TORPOR_SOCKET"] = str(sock)
+        r = subprocess.run([torpor, "deploy", fdir], capture_output=True, text=True, env=env, check=False)
+        assert r.returncode == 0, r.stdout + r.stderr + log.read_text()[-3000:]
+        r = subprocess.run(
+            [torpor, "invoke", "cpu-mlp", "-v", "--data", json.dumps(REQUEST)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        assert r.returncode == 0, r.stderr + log.read_text()[-3000:]
+        assert "start: restored" in r.stderr
+        assert json.loads(r.stdout)["label"] in range(4)
+        # The live worker was given the venv's site-packages as its SDK.
+        paths = [env_of(pid).get("PYTHONPATH", "") for pid in workers_of(state)]
+        assert paths, "no live worker found"
+        for p in paths:
+            assert Path(p.split(":")[0]).is_relative_to(venv / "lib"), p
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+        for pid in pids_with(f"{state}/"):
+            os.kill(pid, signal.SIGKILL)
