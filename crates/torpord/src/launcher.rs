@@ -152,11 +152,15 @@ pub const WORKER_ENV_PREFIXES: &[&str] = &["LC_", "CUDA_", "NVIDIA_", "TORPOR_"]
 /// Torpor variables of the daemon that are not the worker's business.
 const WORKER_ENV_DROPPED: &[&str] = &[crate::config::SOCKET_ENV];
 
-/// Whether a worker keeps the daemon's variable `name`. The owner marker
-/// ([`crate::recovery::OWNER_ENV`]) is always kept: it is how a restarted daemon finds the
-/// processes an earlier one started.
+/// The environment variable that marks a process as started by the daemon of a state
+/// directory: its value is the state directory's canonical path (crate::recovery finds and
+/// kills such processes after a crash).
+pub const OWNER_ENV: &str = "TORPORD_STATE_DIR";
+
+/// Whether a worker keeps the daemon's variable `name`. The owner marker ([`OWNER_ENV`]) is
+/// always kept: it is how a restarted daemon finds the processes an earlier one started.
 fn kept_in_worker(name: &str) -> bool {
-    name == crate::recovery::OWNER_ENV
+    name == OWNER_ENV
         || (WORKER_ENV.contains(&name) || WORKER_ENV_PREFIXES.iter().any(|p| name.starts_with(p)))
             && !WORKER_ENV_DROPPED.contains(&name)
 }
@@ -335,7 +339,7 @@ mod tests {
             "CUDA_VISIBLE_DEVICES",
             "LD_LIBRARY_PATH",
             "TORPOR_LIBCUDA",
-            crate::recovery::OWNER_ENV,
+            OWNER_ENV,
         ] {
             assert!(kept(k), "{k}");
         }

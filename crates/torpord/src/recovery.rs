@@ -27,8 +27,8 @@ use crate::registry::{
 };
 
 /// The environment variable that marks a process as started by the daemon of a state
-/// directory: its value is the state directory's canonical path.
-pub const OWNER_ENV: &str = "TORPORD_STATE_DIR";
+/// directory (defined beside the launcher, which keeps it in every worker's environment).
+pub use crate::launcher::OWNER_ENV;
 
 /// How long the killed processes get to disappear before their directories are removed.
 const KILL_WAIT: Duration = Duration::from_secs(5);
