@@ -91,6 +91,18 @@ def test_a_log_in_the_commands_own_shm_is_refused(torpor: Torpor, tmp_path: Path
     assert not log.exists()
 
 
+def test_a_command_in_the_commands_own_shm_is_refused_with_one_line(torpor: Torpor, tmp_path: Path) -> None:
+    program = Path(f"/dev/shm/torpor-test-{tmp_path.name}.sh")
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o755)
+    try:
+        line = torpor.fails("run", "--log", tmp_path / "run.log", "--", program)
+        assert f"the command {program} would be out of the command's reach" in line, line
+        assert "virtual environment" in line, line
+    finally:
+        program.unlink()
+
+
 SHARED = """
 import mmap, os, sys, time
 m = mmap.mmap(-1, 32 << 20)  # shared anonymous memory: dumped by CRIU, not "Anonymous" in smaps

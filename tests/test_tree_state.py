@@ -147,11 +147,13 @@ def test_cuda_ipc_seen_by_the_preloaded_hook_is_refused_before_the_driver_is_tou
 def test_torpor_run_keeps_libuv_off_io_uring_unless_told(torpor: Torpor, workers: Workers) -> None:
     w = start_tree(workers, name="uv-default")
     assert w.ask("env", "UV_USE_IO_URING") == "0"
+    assert w.ask("env", "USE_LIBUV") == "0"
     endpoint = Endpoint(unix=str(workers.base / "uv-set.sock"))
     ready = workers.base / "uv-set.ready"
     argv = [PYTHON, TREE, "--unix", endpoint.unix or "", "--ready", ready]
-    w2 = workers.start(argv, endpoint=endpoint, ready=ready, name="uv-set", env={"UV_USE_IO_URING": "1"})
+    w2 = workers.start(argv, endpoint=endpoint, ready=ready, name="uv-set", env={"UV_USE_IO_URING": "1", "USE_LIBUV": "1"})
     assert w2.ask("env", "UV_USE_IO_URING") == "1"
+    assert w2.ask("env", "USE_LIBUV") == "1"
 
 
 def test_a_device_mapping_without_libcuda_is_left_alone(

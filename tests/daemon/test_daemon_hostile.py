@@ -313,6 +313,9 @@ def test_a_worker_gets_a_minimal_environment(hostile: Torpord, tmp_path: Path) -
     assert "HOSTILE_SECRET_VAR" not in env and "AWS_SECRET_ACCESS_KEY" not in env and "TORPOR_SOCKET" not in env
     assert env.get("TORPOR_WORKER_SOCKET") and env.get("PYTHONPATH") and "PATH" in env
     allowed = {"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "LD_PRELOAD"}
+    # What Torpor itself sets: the owner marker of crash recovery (crate::launcher::OWNER_ENV),
+    # libuv off io_uring (torpor_snapshot::launch), JAX's preallocation off (python/torpor/gpu.py).
+    allowed |= {"TORPORD_STATE_DIR", "UV_USE_IO_URING", "USE_LIBUV", "XLA_PYTHON_CLIENT_PREALLOCATE"}
     # Python itself may add LC_CTYPE when it coerces the C locale.
     odd = [k for k in env if k not in allowed and not k.startswith(("LC_", "CUDA_", "NVIDIA_", "TORPOR_"))]
     assert not odd, odd

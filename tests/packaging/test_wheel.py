@@ -12,7 +12,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,11 +62,17 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = fresh_venv(tmp_path_factory.mktemp("wheel-venv") / "venv")
-    r = pip_install(d, wheel)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return d
+def venv(wheel: Path) -> Iterator[Path]:
+    # Not under /tmp: torpord's workers get a /tmp of their own (docs/mounts.md), so an
+    # interpreter there is out of their reach (and refused at launch with one line).
+    root = Path(tempfile.mkdtemp(prefix="torpor-wheel-venv-", dir="/var/tmp"))
+    try:
+        d = fresh_venv(root / "venv")
+        r = pip_install(d, wheel)
+        assert r.returncode == 0, r.stdout + r.stderr
+        yield d
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_the_wheel_holds_the_binary_and_the_typed_package(wheel: Path) -> None:

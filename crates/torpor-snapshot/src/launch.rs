@@ -175,6 +175,8 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
 
 /// Refuses a log or state directory the command could not reach once its mount namespace is
 /// built: the log would be written where nobody outside sees it, the init could not be run.
+/// Likewise a command given by an absolute path there (e.g. a venv's interpreter under /tmp):
+/// it would fail with a bare "No such file or directory".
 fn check_reachable(opts: &LaunchOptions) -> Result<(), LaunchError> {
     let table =
         std::fs::read_to_string("/proc/self/mountinfo").map_err(|source| LaunchError::Setup {
@@ -196,6 +198,16 @@ fn check_reachable(opts: &LaunchOptions) -> Result<(), LaunchError> {
             return Err(LaunchError::Unreachable { what, path, fix });
         }
     }
+    if let Some(program) = opts.command.first().map(Path::new) {
+        if program.is_absolute() && !opts.mounts.reaches(program, &table) {
+            return Err(LaunchError::Unreachable {
+                what: "command",
+                path: program.to_path_buf(),
+                fix: "install it (or its virtual environment) outside /tmp, /dev/shm and the \
+                      host's other tmpfs mounts",
+            });
+        }
+    }
     Ok(())
 }
 
@@ -203,9 +215,13 @@ fn check_reachable(opts: &LaunchOptions) -> Result<(), LaunchError> {
 /// unless this says not to; it then uses epoll, as it did before io_uring. Set for every tree
 /// whose environment does not name it.
 pub const NO_IO_URING: (&str, &str) = ("UV_USE_IO_URING", "0");
+/// PyTorch's TCPStore runs on libuv by default, and the libuv it bundles opened an io_uring even
+/// with [`NO_IO_URING`] on the H100 machine (tests/compat `nccl_world1_tcp`); `USE_LIBUV=0` gives
+/// it the plain socket backend, which CRIU saves with TCP repair. Set likewise.
+pub const NO_LIBUV_STORE: (&str, &str) = ("USE_LIBUV", "0");
 
 /// This process's environment for the init and the command, with `opts.preload` (copied into the
-/// state directory) first in `LD_PRELOAD`, and [`NO_IO_URING`].
+/// state directory) first in `LD_PRELOAD`, [`NO_IO_URING`] and [`NO_LIBUV_STORE`].
 fn environment(opts: &LaunchOptions) -> Result<Vec<CString>, LaunchError> {
     let preload = match opts.preload {
         Some(library) => Some(
@@ -221,10 +237,10 @@ fn environment(opts: &LaunchOptions) -> Result<Vec<CString>, LaunchError> {
     };
     let mut env = Vec::new();
     let mut old_preload: Option<OsString> = None;
-    if std::env::var_os(NO_IO_URING.0).is_none() {
-        env.push(cstring(
-            format!("{}={}", NO_IO_URING.0, NO_IO_URING.1).as_bytes(),
-        )?);
+    for (key, value) in [NO_IO_URING, NO_LIBUV_STORE] {
+        if std::env::var_os(key).is_none() {
+            env.push(cstring(format!("{key}={value}").as_bytes())?);
+        }
     }
     for (key, value) in std::env::vars_os() {
         if preload.is_some() && key == "LD_PRELOAD" {
