@@ -35,3 +35,17 @@ def test_compat_runner_restores_the_cpu_program_and_skips_gpu_ones(
     assert set(s) >= {"programs", "restored_identical", "refused_cleanly", "unhandled", "harmed_sources",
                       "deployable_functions"}  # fmt: skip
     assert s["unhandled"] == 0 and s["harmed_sources"] == 0, s
+
+
+def test_the_committed_gpu_results_render_as_the_readme_quotes_them() -> None:
+    """The README's compatibility table is tests/compat/table.py's rendering of the JSON in
+    bench/results, not typed by hand: a change to either shows here."""
+    r = subprocess.run(
+        [sys.executable, ROOT / "tests/compat/table.py", ROOT / "bench/results/compat-h100.json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    summary = json.loads((ROOT / "bench/results/compat-h100.json").read_text())["summary"]
+    assert f"programs {summary['programs']}" in r.stdout
+    assert r.stdout.strip() in (ROOT / "README.md").read_text(), "re-render the README's compat table"
