@@ -225,9 +225,15 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, LaunchError> {
     let mut cmd = Command::new(&exe);
     // A minimal environment: the daemon's own is not the function's.
     cmd.env_clear().envs(worker_env());
+    // Nor its working directory: one under /tmp (a daemon started from there) would be out of
+    // the worker's reach in its mount namespace (its own /tmp), and CRIU refuses to dump a cwd
+    // it cannot open ("Unaccessible path opened"). So the paths go absolute and the worker
+    // starts in /.
+    let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    cmd.current_dir("/");
     cmd.arg(LAUNCH_SUBCOMMAND)
-        .arg(w.log)
-        .arg(w.state_dir)
+        .arg(absolute(w.log))
+        .arg(absolute(w.state_dir))
         .arg(w.python)
         .args(["-m", "torpor.worker", "--role", w.role]);
     if !w.preload.is_empty() {
@@ -241,14 +247,15 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, LaunchError> {
     cmd.env_remove(crate::split::HOOK_LIB_ENV)
         .env_remove("TORPOR_HOOK_CUDA");
     if let Some(hook) = w.hook {
-        cmd.env(crate::split::HOOK_LIB_ENV, hook);
+        let hook = absolute(hook);
+        cmd.env(crate::split::HOOK_LIB_ENV, &hook);
         if w.preload_hook {
-            cmd.env("LD_PRELOAD", hook).env("TORPOR_HOOK_CUDA", "1");
+            cmd.env("LD_PRELOAD", &hook).env("TORPOR_HOOK_CUDA", "1");
         }
     }
     let out = cmd
-        .env(WORKER_SOCKET_ENV, w.workers_socket)
-        .env("PYTHONPATH", pythonpath(w.python_dir))
+        .env(WORKER_SOCKET_ENV, absolute(w.workers_socket))
+        .env("PYTHONPATH", pythonpath(&absolute(w.python_dir)))
         .env("PYTHONUNBUFFERED", "1")
         .stdin(Stdio::null())
         .output()
