@@ -17,7 +17,7 @@ use crate::launcher::{self, WorkerCommand};
 use crate::protocol::{Empty, Invoke, Quiesce, ToWorker};
 use crate::registry::{now_ms, Function, FunctionState, JournalOp, Snapshot, SnapshotKind};
 use crate::runtime::process::{
-    dir_bytes, restore, snapshot_and_kill, wake, TreeGuard, QUIET_TIMEOUT, RECONNECT_TIMEOUT,
+    dir_bytes, restore, wake, TreeGuard, QUIET_TIMEOUT, RECONNECT_TIMEOUT,
 };
 use crate::runtime::start::boot::{base_key, load_frame, ready, NotReady, CONNECT_TIMEOUT};
 use crate::runtime::Runtime;
@@ -286,14 +286,9 @@ async fn quiesce_and_snapshot(
     conn.expect_eof(QUIET_TIMEOUT)
         .await
         .map_err(|e| conn_fail(phase, "waiting for the worker to close after quiet", e))?;
-    snapshot_and_kill(
-        init.0.unwrap_or_default(),
-        out,
-        &rt.logs_dir(),
-        &rt.snapshot_key,
-    )
-    .await
-    .map_err(|e| fail(phase, e.to_string()))?;
+    rt.snapshot_and_kill(init.0.unwrap_or_default(), out)
+        .await
+        .map_err(|e| fail(phase, e.to_string()))?;
     // Kill mode: the source is gone.
     init.0 = None;
     Ok(())
@@ -403,14 +398,9 @@ async fn finish_split(
         conn.expect_eof(QUIET_TIMEOUT)
             .await
             .map_err(|e| conn_fail(PHASE, "waiting for the worker to close after released", e))?;
-        snapshot_and_kill(
-            init.0.unwrap_or_default(),
-            out,
-            &rt.logs_dir(),
-            &rt.snapshot_key,
-        )
-        .await
-        .map_err(|e| fail(PHASE, e.to_string()))?;
+        rt.snapshot_and_kill(init.0.unwrap_or_default(), out)
+            .await
+            .map_err(|e| fail(PHASE, e.to_string()))?;
         init.0 = None;
         Ok(())
     }

@@ -1,10 +1,11 @@
 //! A live instance: its worker's connection, its requests in flight, its keep-alive state
-//! ([`Keep`]); and a hibernated one ([`Sleeper`]). Which stage an instance is in and how it moves
-//! between stages is [`super::lifecycle`]'s business.
+//! ([`Keep`]); and a hibernated one ([`Sleeper`]). Which state an instance is in and how it moves
+//! between states is [`super::lifecycle`]'s business: [`Keep::state`] changes only through
+//! `Runtime::step`.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -12,8 +13,8 @@ use serde_json::{Map, Value};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::oneshot;
 
-use crate::registry::Stage;
 use crate::runtime::invoke::Answer;
+use crate::runtime::lifecycle::State;
 use crate::sync::lock;
 use crate::workers::WorkerConn;
 
@@ -37,13 +38,12 @@ pub struct Instance {
     /// Its harness sends `started` when a handler starts (protocol 2).
     pub(crate) announces_start: bool,
     pub(crate) pending: Mutex<HashMap<u64, Pending>>,
-    pub(crate) dead: AtomicBool,
+    /// Why it was removed (its state is `gone`).
     pub(crate) why_dead: Mutex<Option<String>>,
-    /// Keep-alive state.
+    /// Its state and keep-alive accounting.
     pub(crate) keep: Mutex<Keep>,
-    /// Set while it is being hibernated: its reader then takes `quiet` and the EOF after it.
-    pub(crate) hibernating: AtomicBool,
-    /// Told when `quiet` arrives while hibernating: the reader hands over the frame and the
+    /// Told when `quiet` arrives while hibernating (`State::Hibernating`: its reader then takes
+    /// `quiet` and the EOF after it): the reader hands over the frame and the
     /// connection's read half, and the hibernation reads the rest (segment fds, EOF).
     pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<QuietHandOver>>>,
     /// A GPU release failed: it stays warm until it hibernates.
@@ -60,9 +60,6 @@ pub struct Instance {
     /// Restored with lazy pages that CRIU's lazy-pages daemon is still serving: no keep-alive
     /// step (a snapshot or GPU checkpoint) until every page is in.
     pub(crate) pages_pending: AtomicBool,
-    /// An unused standby instance (crate::runtime::start::standby): no keep-alive step, `standby` to its first
-    /// request.
-    pub(crate) standby: AtomicBool,
     /// Told once it joined its pool, or was removed: a restore's background segment hand-over
     /// waits for it, so that a failed fill always finds the instance in its pool (and fails its
     /// request there) instead of racing the start that is adding it.
@@ -76,26 +73,32 @@ pub(crate) type SegmentReplies = tokio::sync::mpsc::UnboundedSender<Map<String, 
 /// instance's reader to the hibernation.
 pub(crate) type QuietHandOver = (Map<String, Value>, OwnedReadHalf);
 
-/// Keep-alive state of an instance (live or hibernated).
+/// The state of an instance (live or hibernated) and its keep-alive accounting.
 #[derive(Debug)]
 pub struct Keep {
-    pub stage: Stage,
+    /// Where it is in its life; changed by `Runtime::step` only (crate::runtime::lifecycle).
+    pub(crate) state: State,
     /// When it last became idle (no request in flight).
     pub idle_since: Instant,
     /// Its stage time and GPU memory, up to when they were added to the metrics.
     pub meter: crate::accounting::Meter,
-    /// A stage change (or a resume) is in progress: not routable, not to be stepped down.
-    pub busy: bool,
 }
 
 impl Keep {
-    pub(crate) fn new(stage: Stage, idle_since: Instant) -> Self {
+    /// The keep of an instance in `state`: `State::Starting` for a new one, which
+    /// `Transition::Adopt` or `Transition::Readopt` then makes live, or what its registry row
+    /// says (`State::at_rest`) for a hibernated one listed at the pool's creation.
+    pub(crate) fn new(state: State, idle_since: Instant) -> Self {
         Self {
-            stage,
+            state,
             idle_since,
             meter: crate::accounting::Meter::new(Instant::now()),
-            busy: false,
         }
+    }
+
+    /// Its state (see crate::runtime::lifecycle).
+    pub fn state(&self) -> State {
+        self.state
     }
 }
 
@@ -109,8 +112,14 @@ pub struct Sleeper {
 }
 
 impl Instance {
+    /// Out of service: removed, or hibernated (its process is gone).
     pub(crate) fn is_dead(&self) -> bool {
-        self.dead.load(Ordering::SeqCst)
+        !lock(&self.keep).state.is_live()
+    }
+
+    /// Its state (see crate::runtime::lifecycle).
+    pub(crate) fn state(&self) -> State {
+        lock(&self.keep).state
     }
 
     pub(crate) fn reason(&self) -> String {
@@ -147,10 +156,8 @@ pub(crate) fn new_instance(
         writer: tokio::sync::Mutex::new(conn.wr),
         announces_start: conn.hello.protocol >= 2,
         pending: Mutex::new(HashMap::new()),
-        dead: AtomicBool::new(false),
         why_dead: Mutex::new(None),
         keep: Mutex::new(keep),
-        hibernating: AtomicBool::new(false),
         quiet_tx: Mutex::new(None),
         gpu_release_failed: AtomicBool::new(false),
         segments: Mutex::new(Default::default()),
@@ -158,7 +165,6 @@ pub(crate) fn new_instance(
         mapping: Mutex::new(None),
         pages_pending: AtomicBool::new(false),
         joined: tokio::sync::Notify::new(),
-        standby: AtomicBool::new(false),
     });
     (inst, conn.rd)
 }

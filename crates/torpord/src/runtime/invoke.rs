@@ -3,7 +3,6 @@
 //! which hands every `result` to the request waiting for its id. The warm path touches no
 //! database.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,6 +15,7 @@ use crate::frames;
 use crate::metrics::{outcome, start};
 use crate::protocol::{FromWorker, Invoke, ResultFrame, Started, ToWorker};
 use crate::runtime::instance::{Instance, Pending};
+use crate::runtime::lifecycle::State;
 use crate::runtime::Runtime;
 use crate::sync::lock;
 use crate::workers::{self, ConnError};
@@ -299,7 +299,7 @@ impl Runtime {
                 Err(e) => break format!("it broke the protocol: {e}"),
             };
             match frame {
-                FromWorker::Quiet(_) if inst.hibernating.load(Ordering::SeqCst) => {
+                FromWorker::Quiet(_) if inst.state() == State::Hibernating => {
                     // The hibernation reads the rest: segment fds (split), then the EOF.
                     let msg = match frames::parse(&payload) {
                         Ok(msg) => msg,

@@ -18,12 +18,11 @@ use std::time::{Duration, Instant};
 use crate::accounting::{self, Meter};
 use crate::config::ColdStart;
 use crate::journal::Journal;
-use crate::metrics::HIBERNATING;
 use crate::protocol::{Quiesce, ToWorker, Unmap};
-use crate::registry::{now_ms, JournalOp, RegistryError, Snapshot, SnapshotKind, Stage};
-use crate::runtime::lifecycle::Transition;
+use crate::registry::{now_ms, JournalOp, RegistryError, Stage};
+use crate::runtime::lifecycle::{Doing, State, Transition};
 use crate::runtime::pool::FnInfo;
-use crate::runtime::process::{dir_bytes, snapshot_and_kill, CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
+use crate::runtime::process::{CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
 use crate::runtime::{lock, remove_snapshot_dir, Instance, Keep, Pool, Runtime, Sleeper};
 use crate::workers;
 
@@ -119,54 +118,57 @@ impl Runtime {
                     // Without NVML, the spec's estimate while warm, through a hibernation's
                     // quiesce and snapshot too: when the driver checkpoint frees the memory
                     // inside the snapshot cannot be seen, so the figure errs high, not low.
-                    None if info.gpu && keep.stage == Stage::Warm => info.gpu_bytes,
+                    None if info.gpu && keep.state.stage() == Some(Stage::Warm) => info.gpu_bytes,
                     None => 0,
                 };
                 gpu_total += bytes;
-                let label = if inst.hibernating.load(Ordering::SeqCst) {
-                    HIBERNATING
-                } else {
-                    keep.stage.as_str()
-                };
                 let charge = keep.meter.close(now, Some(bytes));
-                self.metrics.add_charge(&pool.name, label, charge);
+                if let Some(label) = keep.state.charged_as() {
+                    self.metrics.add_charge(&pool.name, label, charge);
+                }
+                // At rest, not a standby, not being changed or removed.
                 if *n > 0
-                    || keep.busy
-                    || inst.is_dead()
+                    || !matches!(keep.state, State::Warm | State::GpuReleased)
                     || inst.generation != generation
                     || inst.still_mapping()
                     || inst.pages_pending.load(Ordering::SeqCst)
-                    || crate::runtime::start::standby::is_standby(inst)
                 {
                     continue;
                 }
                 let idle = keep.idle_since.elapsed();
-                if idle >= k.hibernate {
-                    keep.busy = true;
-                    let step = if self.config.cold_start == ColdStart::Boot {
-                        Step::Stop(Arc::clone(inst))
+                let (doing, step) = if idle >= k.hibernate {
+                    if self.config.cold_start == ColdStart::Boot {
+                        (Doing::Stop, Step::Stop(Arc::clone(inst)))
                     } else {
-                        Step::Hibernate(Arc::clone(inst))
-                    };
-                    steps.push((Arc::clone(&pool), step));
+                        (Doing::Hibernate, Step::Hibernate(Arc::clone(inst)))
+                    }
                 } else if info.gpu
-                    && keep.stage == Stage::Warm
+                    && keep.state == State::Warm
                     && idle >= k.gpu_release
                     && !inst.gpu_release_failed.load(Ordering::SeqCst)
                 {
-                    keep.busy = true;
-                    steps.push((Arc::clone(&pool), Step::ReleaseGpu(Arc::clone(inst))));
+                    (Doing::ReleaseGpu, Step::ReleaseGpu(Arc::clone(inst)))
+                } else {
+                    continue;
+                };
+                if self
+                    .step(&pool.name, &mut keep, Transition::Begin(doing))
+                    .is_ok()
+                {
+                    steps.push((Arc::clone(&pool), step));
                 }
             }
             for s in &mut st.sleepers {
                 let charge = s.keep.meter.close(now, Some(0));
-                self.metrics
-                    .add_charge(&pool.name, s.keep.stage.as_str(), charge);
-                if !s.keep.busy
-                    && s.keep.stage == Stage::Hibernated
+                if let Some(label) = s.keep.state.charged_as() {
+                    self.metrics.add_charge(&pool.name, label, charge);
+                }
+                if s.keep.state == State::Hibernated
                     && s.keep.idle_since.elapsed() >= k.evict
+                    && self
+                        .step(&pool.name, &mut s.keep, Transition::Begin(Doing::Evict))
+                        .is_ok()
                 {
-                    s.keep.busy = true;
                     steps.push((Arc::clone(&pool), Step::Evict(s.id.clone())));
                 }
             }
@@ -223,14 +225,19 @@ impl Runtime {
             // The instance stays warm; it will hibernate at its time.
             tracing::warn!(instance = %inst.id, function = %inst.function, error = %e, "cannot release the GPU; the instance stays warm");
             inst.gpu_release_failed.store(true, Ordering::SeqCst);
-            lock(&inst.keep).busy = false;
+            let _ = self.step(&inst.function, &mut lock(&inst.keep), Transition::Abort);
             pool.changed.notify_waiters();
             return;
         }
-        {
-            let mut k = lock(&inst.keep);
-            self.step(&inst.function, &mut k, Transition::ReleaseGpu);
-            k.busy = false;
+        let released = self.step(
+            &inst.function,
+            &mut lock(&inst.keep),
+            Transition::ReleaseGpu,
+        );
+        if released.is_err() {
+            // Removed meanwhile: no row to record.
+            pool.changed.notify_waiters();
+            return;
         }
         if let Err(e) = self
             .record_stage(&inst.id, Stage::GpuReleased, Some(inst.init_pid), None)
@@ -248,6 +255,9 @@ impl Runtime {
         // The driver will not resume a process that maps memory it imported from the daemon
         // (crate::split::release): such an instance gives its segments back first.
         let cuda = self.cuda()?;
+        if let Some(why) = crate::launcher::unrestorable(inst.init_pid, false).await {
+            return Err(why);
+        }
         let split = !lock(&inst.segments).is_empty();
         if split {
             self.unmap_segments(inst).await?;
@@ -434,13 +444,13 @@ impl Runtime {
     }
 
     /// gpu_released → warm: driver restore + unlock, then (split path) the segments are mapped
-    /// back. Returns the seconds of each: (driver, segments if any). The instance stays busy (not
-    /// routable) when `stay_busy`, as for a hibernation that goes on. A failure to map the
-    /// segments back removes the instance.
+    /// back. Returns the seconds of each: (driver, segments if any). The instance is in a
+    /// resume already (`Doing::ResumeGpu`, for a request: it ends warm) or in a hibernation
+    /// (`Doing::Hibernate`: it goes on hibernating). A failure to map the segments back removes
+    /// the instance.
     pub(crate) async fn gpu_resume(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
-        stay_busy: bool,
     ) -> Result<(f64, Option<f64>), String> {
         let t = Instant::now();
         let cuda = self.cuda()?;
@@ -458,10 +468,9 @@ impl Runtime {
         } else {
             None
         };
-        {
-            let mut k = lock(&inst.keep);
-            self.step(&inst.function, &mut k, Transition::ResumeGpu);
-            k.busy = stay_busy;
+        let resumed = self.step(&inst.function, &mut lock(&inst.keep), Transition::ResumeGpu);
+        if let Err(e) = resumed {
+            return Err(format!("it was removed while its GPU was resumed ({e})"));
         }
         if let Err(e) = self
             .record_stage(&inst.id, Stage::Warm, Some(inst.init_pid), None)
@@ -474,6 +483,10 @@ impl Runtime {
 
     /// → hibernated: quiesce, snapshot in kill mode, keep the snapshot as a sleeper.
     async fn hibernate(self: Arc<Self>, pool: Arc<Pool>, inst: Arc<Instance>) {
+        if self.hibernation_refused(&inst).await {
+            pool.changed.notify_waiters();
+            return;
+        }
         let out =
             self.snapshots_dir()
                 .join(format!("hib-{}-{}-{}", inst.function, inst.id, now_ms()));
@@ -486,7 +499,6 @@ impl Runtime {
         journal.end().await;
         match hibernated {
             Ok(mut sleeper) => {
-                inst.dead.store(true, Ordering::SeqCst);
                 // Its process is gone: the shared segment copies it mapped may go too.
                 lock(&inst.segments).clear();
                 *lock(&inst.why_dead) = Some("hibernated".to_string());
@@ -518,6 +530,40 @@ impl Runtime {
             }
         }
         pool.changed.notify_waiters();
+    }
+
+    /// The preflight of a hibernation, before the quiesce: a tree the driver cannot restore
+    /// (crate::launcher::unrestorable) or a snapshot that would not fit
+    /// (torpor_snapshot::space::check_tree) is refused while the instance is untouched, so it
+    /// stays warm (logged, counted in `torpor_hibernations_refused_total`), and is tried again
+    /// after another `hibernate_s` of idleness.
+    async fn hibernation_refused(&self, inst: &Arc<Instance>) -> bool {
+        // What the driver cannot restore (CUDA IPC, managed memory, multi-rank NCCL), asked
+        // again after another hibernate_s idle: the program may have let go by then.
+        let refusal = match crate::launcher::unrestorable(inst.init_pid, true).await {
+            Some(why) => why,
+            None => {
+                let (root, dir) = (inst.init_pid, self.snapshots_dir());
+                let checked = tokio::task::spawn_blocking(move || {
+                    torpor_snapshot::space::check_tree(root, &dir)
+                })
+                .await;
+                let Ok(Err(refusal)) = checked else {
+                    return false;
+                };
+                refusal.to_string()
+            }
+        };
+        tracing::warn!(instance = %inst.id, function = %inst.function, "hibernation refused, the instance stays warm: {refusal}");
+        self.metrics
+            .hibernations_refused
+            .with_label_values(&[&inst.function])
+            .inc();
+        // Back to the stage it began the hibernation in, idle from now.
+        let mut k = lock(&inst.keep);
+        let _ = self.step(&inst.function, &mut k, Transition::Abort);
+        k.idle_since = Instant::now();
+        true
     }
 
     /// The split part of a hibernation: the segments go to the chunk store as the record of
@@ -564,10 +610,10 @@ impl Runtime {
         inst: &Arc<Instance>,
         out: &Path,
     ) -> Result<Sleeper, String> {
-        if lock(&inst.keep).stage == Stage::GpuReleased {
+        if inst.state() == State::Changing(Stage::GpuReleased, Doing::Hibernate) {
             // The worker must run CUDA to synchronise before quiet, and the split capture reads
             // every segment: resume first (segments mapped back), then hibernate as a warm one.
-            self.gpu_resume(inst, true).await?;
+            self.gpu_resume(inst).await?;
         }
         // A split function snapshot: its instances hibernate split too.
         let function_snapshot = lock(&pool.state).info.snapshot_id.clone();
@@ -579,7 +625,11 @@ impl Runtime {
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         *lock(&inst.quiet_tx) = Some(tx);
-        inst.hibernating.store(true, Ordering::SeqCst);
+        let quiescing = self.step(&inst.function, &mut lock(&inst.keep), Transition::Quiesce);
+        if let Err(e) = quiescing {
+            lock(&inst.quiet_tx).take();
+            return Err(format!("it cannot be quiesced ({e})"));
+        }
         {
             let mut wr = inst.writer.lock().await;
             workers::send(
@@ -625,7 +675,8 @@ impl Runtime {
             )),
         };
         let snapshotted = match closed {
-            Ok(()) => snapshot_and_kill(inst.init_pid, out, &self.logs_dir(), &self.snapshot_key)
+            Ok(()) => self
+                .snapshot_and_kill(inst.init_pid, out)
                 .await
                 .map_err(|e| e.to_string()),
             Err(e) => Err(e),
@@ -641,36 +692,13 @@ impl Runtime {
         // the sleeper takes its place, which copies it then).
         let (idle_since, keep) = {
             let mut k = lock(&inst.keep);
-            self.step(&inst.function, &mut k, Transition::Hibernate);
-            (k.idle_since, Keep::new(k.stage, k.idle_since))
+            let _ = self.step(&inst.function, &mut k, Transition::Hibernate);
+            (k.idle_since, Keep::new(State::Hibernated, k.idle_since))
         };
         let idle_ms = now_ms() - i64::try_from(idle_since.elapsed().as_millis()).unwrap_or(0);
-        let row = Snapshot {
-            id: hib_id.clone(),
-            kind: SnapshotKind::Hibernation,
-            path: out.to_path_buf(),
-            function: Some(inst.function.clone()),
-            base_key: None,
-            bytes: dir_bytes(out),
-            created: now_ms(),
-        };
-        let registry = Arc::clone(&self.registry);
-        let id = inst.id.clone();
-        let function = inst.function.clone();
-        let h = hib_id.clone();
-        tokio::task::spawn_blocking(move || {
-            registry.transaction(|s| {
-                let mut row = row;
-                row.base_key = s.function(&function)?.map(|f| f.base_key);
-                s.insert_snapshot(&row)?;
-                s.set_instance_stage(&id, Stage::Hibernated, None, Some(&h))?;
-                s.touch_instance(&id, idle_ms)?;
-                Ok::<_, RegistryError>(())
-            })
-        })
-        .await
-        .map_err(|e| format!("registry task failed: {e}"))?
-        .map_err(|e| format!("cannot record the hibernation: {e}"))?;
+        self.record_hibernation(inst, &hib_id, out, idle_ms)
+            .await
+            .map_err(|e| e.to_string())?;
         Ok(Sleeper {
             id: inst.id.clone(),
             snapshot_id: hib_id,
@@ -695,18 +723,17 @@ impl Runtime {
             .map_err(|e| format!("eviction task failed: {e}"))
             .and_then(|r| r);
         let recorded = match &dropped {
-            Ok(_) => {
-                self.record_stage(&id, Stage::Evicted, None, Some(hib))
-                    .await
-            }
+            Ok(_) => self
+                .record_stage(&id, Stage::Evicted, None, Some(hib))
+                .await
+                .map_err(|e| e.to_string()),
             Err(e) => Err(e.clone()),
         };
         let mut st = lock(&pool.state);
         if let Some(s) = st.sleepers.iter_mut().find(|s| s.id == id) {
-            s.keep.busy = false;
             match (&dropped, &recorded) {
                 (Ok(files), Ok(())) => {
-                    self.step(&pool.name, &mut s.keep, Transition::Evict);
+                    let _ = self.step(&pool.name, &mut s.keep, Transition::Evict);
                     let (split, hib, keep) = (
                         Arc::clone(&self.split),
                         s.snapshot_id.clone(),
@@ -716,6 +743,7 @@ impl Runtime {
                     tracing::info!(instance = %id, files, snapshot = %dir.display(), "hibernated instance evicted from the page cache");
                 }
                 (_, Err(e)) | (Err(e), _) => {
+                    let _ = self.step(&pool.name, &mut s.keep, Transition::Abort);
                     // Stays hibernated; tried again at the next tick would loop, so count it
                     // as evicted only once it works: push its idle time back one delay.
                     s.keep.idle_since = Instant::now();

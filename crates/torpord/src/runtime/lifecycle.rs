@@ -1,40 +1,60 @@
-//! An instance's life, in one place: the states it goes through, the transitions between them,
-//! and what each transition charges to the metrics (stage seconds and GPU memory·seconds,
-//! crate::accounting) and writes to the registry (the instance's row).
+//! An instance's life, in one place: its [`State`], the [`Transition`]s between states, and
+//! what each transition charges to the metrics (stage seconds and GPU memory·seconds,
+//! crate::accounting) and writes to the registry (the instance's row). Every change of state goes
+//! through [`Runtime::step`], which checks it against [`Transition::apply`] and charges the time
+//! up to it; nothing else writes `Keep::state`.
 //!
 //! ```text
-//!   (start: boot | restore | wake | standby, crate::runtime::start)      metered as `starting`
-//!        │ adopt()                        standby start: Transition::Standby
-//!        ▼                                          │
-//!      warm ── Transition::ReleaseGpu ──▶ gpu_released ◀┘
-//!        ▲ ◀── Transition::ResumeGpu ──────┘  │
-//!        │                                   │ Transition::Hibernate (charged `hibernating`
-//!        └──────────── Transition::Hibernate ─┤  until the snapshot is in)
-//!                                            ▼
-//!    wake (Runtime::close_sleeper) ◀─── hibernated ── Transition::Evict ──▶ evicted
-//!                                                            │
-//!   any state ── remove_instance() / discard_sleeper() ──▶ gone (row deleted)
+//!  starting ─Adopt─▶ warm ◀────────────────────────── Readopt (an earlier daemon's instance)
+//!     │  ▲            │ ▲ Begin(ReleaseGpu)  ╭─ ReleaseGpu ─▶ gpu_released ── Begin(ResumeGpu) ─╮
+//!     │  │            │ ╰─────── Abort ──────┤ releasing                  ▲                    │
+//!     │  │            │                      ╰────────────────────────────╯      resuming ◀──╯
+//!     │  │            │ Standby (CPU) / Standby (GPU: gpu_released)                 │ ResumeGpu
+//!     │  │            ▼                                                             ▼
+//!     │  │        standby ── TakeStandby ──▶ warm (CPU) │ resuming (GPU) ─────────▶ warm
+//!     │  │
+//!     │  │   warm │ gpu_released ── Begin(Hibernate) ─▶ (resume first if gpu_released)
+//!     │  │        ── Quiesce ─▶ hibernating ── Hibernate ─▶ hibernated ── Begin(Evict) ─▶
+//!     │  │        evicting ── Evict ─▶ evicted        (Abort: back to hibernated)
+//!     │  ╰── Wake (a hibernated or evicted instance taken to be restored) ──╯
+//!     ╰──── any live state ── Remove ─▶ gone (row deleted)
 //! ```
 //!
-//! The stage an instance is in lives in its [`Keep`] (`Stage`, the registry's four stages);
-//! the states around them are flags of the instance: `starting` (counted in its pool, metered by
-//! `Runtime::starts`), `standby` (an unused standby, in gpu_released on a GPU function), `busy`
-//! (a transition in progress: not routable, not stepped down), `hibernating`, `dead`. Every
-//! change of `Keep::stage` goes through [`Runtime::step`], which checks the transition against
-//! [`Transition::from`] and charges the time up to it to the stage being left.
+//! | Transition | From → to | Charged to (the time up to it) | Registry row | Run by |
+//! |---|---|---|---|---|
+//! | `Adopt` | starting → warm | nothing (the start's meter, `Runtime::starts`, carries over) | inserted, or a woken one's updated | [`Runtime::adopt`] |
+//! | `Readopt(stage)` | starting → warm or gpu_released | nothing | kept | `runtime/readopt.rs` |
+//! | `Standby` | warm → standby | nothing | kept (gpu_released on a GPU function: [`Runtime::record_stage`]) | `runtime/start/standby.rs` |
+//! | `TakeStandby` | standby → warm, or resuming | nothing | kept | `runtime/pool.rs` `acquire` |
+//! | `Begin(step)` | warm / gpu_released / hibernated → changing | nothing | kept | the ticker, `acquire` |
+//! | `Abort` | changing → where it began | nothing | kept | `runtime/keepalive.rs` |
+//! | `ReleaseGpu` | releasing → gpu_released | warm | gpu_released | `runtime/keepalive.rs` `release_gpu` |
+//! | `ResumeGpu` | resuming → warm (or on to its hibernation) | gpu_released | warm | `runtime/keepalive.rs` `gpu_resume` |
+//! | `Quiesce` | changing to hibernated (from warm) → hibernating | nothing (the time goes to hibernating) | kept | `runtime/keepalive.rs` `hibernate_inner` |
+//! | `Hibernate` | hibernating → hibernated | hibernating | hibernated, with its snapshot ([`Runtime::record_hibernation`]) | `runtime/keepalive.rs` `hibernate_inner` |
+//! | `Evict` | evicting → evicted | hibernated | evicted | `runtime/keepalive.rs` `evict` |
+//! | `Wake` | hibernated / evicted → starting | the stage left | kept, updated by `Adopt` | `runtime/start/mod.rs` (via [`Runtime::close_sleeper`]) |
+//! | `Remove` | any live state → gone | nothing (the ticker accounted it) | deleted | [`Runtime::remove_instance`] |
+//!
+//! A transition [`Transition::apply`] refuses is logged and not taken (the state stays what it
+//! was); one from `gone` is only a race with a removal, and is logged at debug level.
+//! `starting` is the state of an instance that is not an [`Instance`] yet: its pool counts it
+//! (`PoolState::starting`) and `Runtime::starts` meters it. The registry keeps four persisted
+//! stages ([`Stage`]); [`State::stage`] maps each state to the row's stage.
 //!
 //! States that later work adds (a migration, a concurrent checkpoint, a sandbox member) are new
-//! [`Transition`]s here, and, where they need a row of their own, new `Stage`s in the registry.
+//! [`State`]s and [`Transition`]s here (a checkpoint of a serving instance, for one, would be a
+//! [`Doing`] of its own, warm → checkpointing → warm), and, where they need a row of their own,
+//! new `Stage`s in the registry.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::net::unix::OwnedReadHalf;
 
 use crate::protocol::{Attached, ToWorker};
-use crate::registry::{now_ms, Instance as InstanceRow, Stage};
+use crate::registry::{now_ms, Instance as InstanceRow, Snapshot, SnapshotKind, Stage};
 use crate::runtime::instance::{kill_tree, new_instance, Instance, Keep, Sleeper};
 use crate::runtime::pool::{FnInfo, Pool};
 use crate::runtime::Runtime;
@@ -55,26 +75,42 @@ impl Runtime {
         self.metrics.add_charge(function, label, charge);
     }
 
-    /// Moves `keep` (an instance of `function`) along `t`: accounts the time since the last
-    /// account to what [`Transition::charged_as`] says (between ticks nothing is read: the
-    /// interval is charged at the last reading, as the next tick would have charged it), then
-    /// sets the new stage. A transition from a stage it does not start from is a bug: it is
-    /// logged and the stage set anyway (the instance's state must follow what was done to it).
-    pub(crate) fn step(&self, function: &str, keep: &mut Keep, t: Transition) {
-        if !t.from().contains(&keep.stage) {
-            tracing::error!(function, from = %keep.stage, transition = ?t, "an instance took a transition that does not start from its stage");
-        }
-        if let Some(label) = t.charged_as(keep.stage) {
+    /// The one checked way to change an instance's state: moves `keep` (an instance of
+    /// `function`) along `t` when [`Transition::apply`] allows it from its state, first
+    /// accounting the time since the last account to what [`Transition::charged_as`] says
+    /// (between ticks nothing is read: the interval is charged at the last reading, as the next
+    /// tick would have charged it). Returns the new state; a transition the state does not allow
+    /// is refused and logged, and the state stays as it was.
+    pub(crate) fn step(
+        &self,
+        function: &str,
+        keep: &mut Keep,
+        t: Transition,
+    ) -> Result<State, Refused> {
+        let from = keep.state;
+        let Some(to) = t.apply(from) else {
+            if from == State::Gone {
+                // A removal won the race with this change: nothing left to change.
+                tracing::debug!(function, transition = ?t, "a transition of a removed instance was not taken");
+            } else {
+                tracing::error!(function, from = ?from, transition = ?t, "an instance was asked to take a transition its state does not allow; it keeps its state");
+            }
+            return Err(Refused {
+                from,
+                transition: t,
+            });
+        };
+        if let Some(label) = t.charged_as(from) {
             self.account(function, label, keep, None);
         }
-        keep.stage = t.to();
+        keep.state = to;
+        Ok(to)
     }
 
-    /// A hibernated instance (`sleeper`) is taken to be woken: its time as a sleeper is charged
-    /// up to now, with no GPU memory from now on (the start is metered as `starting`).
+    /// A hibernated instance (`sleeper`) is taken to be woken ([`Transition::Wake`]): its time
+    /// as a sleeper is charged up to now (the start is metered as `starting` from here on).
     pub(crate) fn close_sleeper(&self, function: &str, sleeper: &mut Sleeper) {
-        let stage = sleeper.keep.stage.as_str();
-        self.account(function, stage, &mut sleeper.keep, Some(0));
+        let _ = self.step(function, &mut sleeper.keep, Transition::Wake);
     }
 
     /// Records a stage in the registry (blocking pool).
@@ -84,46 +120,106 @@ impl Runtime {
         stage: Stage,
         pid: Option<i32>,
         snapshot: Option<String>,
-    ) -> Result<(), String> {
+    ) -> Result<(), RecordError> {
         let registry = Arc::clone(&self.registry);
-        let id = id.to_string();
+        let instance = id.to_string();
+        let id = instance.clone();
+        let what = RecordError::stage_name(stage);
         tokio::task::spawn_blocking(move || {
             registry.with(|s| s.set_instance_stage(&id, stage, pid, snapshot.as_deref()))
         })
         .await
-        .map_err(|e| format!("registry task failed: {e}"))?
-        .map_err(|e| e.to_string())
+        .map_err(|source| RecordError::Task {
+            instance: instance.clone(),
+            source,
+        })?
+        .map_err(|source| RecordError::Registry {
+            instance,
+            what,
+            source: Box::new(source),
+        })
     }
 
-    /// Makes a connected worker an instance of the pool: records it, starts its reader.
-    #[allow(clippy::too_many_arguments)]
+    /// The registry rows of [`Transition::Hibernate`], in one transaction: the hibernation
+    /// snapshot `hib_id` at `out`, and the instance's row at hibernated, pointing at it, last
+    /// used at `idle_ms`.
+    pub(crate) async fn record_hibernation(
+        &self,
+        inst: &Instance,
+        hib_id: &str,
+        out: &Path,
+        idle_ms: i64,
+    ) -> Result<(), RecordError> {
+        let row = Snapshot {
+            id: hib_id.to_string(),
+            kind: SnapshotKind::Hibernation,
+            path: out.to_path_buf(),
+            function: Some(inst.function.clone()),
+            base_key: None,
+            bytes: crate::runtime::process::dir_bytes(out),
+            created: now_ms(),
+        };
+        let registry = Arc::clone(&self.registry);
+        let id = inst.id.clone();
+        let function = inst.function.clone();
+        let h = hib_id.to_string();
+        tokio::task::spawn_blocking(move || {
+            registry.transaction(|s| {
+                let mut row = row;
+                row.base_key = s.function(&function)?.map(|f| f.base_key);
+                s.insert_snapshot(&row)?;
+                s.set_instance_stage(&id, Stage::Hibernated, None, Some(&h))?;
+                s.touch_instance(&id, idle_ms)?;
+                Ok::<_, crate::registry::RegistryError>(())
+            })
+        })
+        .await
+        .map_err(|source| RecordError::Task {
+            instance: inst.id.clone(),
+            source,
+        })?
+        .map_err(|source| RecordError::Registry {
+            instance: inst.id.clone(),
+            what: "the hibernation",
+            source: Box::new(source),
+        })
+    }
+
+    /// Makes a connected worker an instance of the pool ([`Transition::Adopt`]): records it,
+    /// starts its reader.
     pub(crate) async fn adopt(
         self: &Arc<Self>,
-        id: String,
-        name: &str,
-        info: &FnInfo,
-        generation: u64,
-        sleeper: Option<&Sleeper>,
-        init: i32,
-        worker: i32,
-        conn: WorkerConn,
-    ) -> Result<Arc<Instance>, String> {
+        id: &str,
+        adopted: Adopted<'_>,
+    ) -> Result<Arc<Instance>, AdoptError> {
+        let Adopted {
+            function: name,
+            info,
+            generation,
+            woken: sleeper,
+            tree: WorkerTree { init, worker, conn },
+        } = adopted;
         let now = now_ms();
         let (inst, rd) = new_instance(
-            id,
+            id.to_string(),
             name,
             generation,
             init,
             worker,
             conn,
-            Keep::new(Stage::Warm, Instant::now()),
+            Keep::new(State::Starting, Instant::now()),
         );
+        {
+            let mut keep = lock(&inst.keep);
+            let _ = self.step(name, &mut keep, Transition::Adopt);
+        }
         // Which process it is, so that a restarted daemon re-adopts this one only.
         let Some(process_start) = workers::process_start(init) else {
             kill_tree(init);
-            return Err(format!(
-                "the new instance of {name:?} (init pid {init}) exited before it was recorded"
-            ));
+            return Err(AdoptError::Exited {
+                function: name.to_string(),
+                init,
+            });
         };
         let row = InstanceRow {
             id: inst.id.clone(),
@@ -151,11 +247,23 @@ impl Runtime {
             }),
         })
         .await
-        .map_err(|e| e.to_string())
-        .and_then(|r| r.map_err(|e| e.to_string()));
-        if let Err(e) = recorded {
+        .map_err(|source| RecordError::Task {
+            instance: id.to_string(),
+            source,
+        })
+        .and_then(|r| {
+            r.map_err(|source| RecordError::Registry {
+                instance: id.to_string(),
+                what: "the new instance",
+                source: Box::new(source),
+            })
+        });
+        if let Err(source) = recorded {
             kill_tree(init);
-            return Err(format!("cannot record the new instance of {name:?}: {e}"));
+            return Err(AdoptError::Record {
+                function: name.to_string(),
+                source,
+            });
         }
         self.attach(&inst, rd).await;
         Ok(inst)
@@ -205,8 +313,13 @@ impl Runtime {
         why: &str,
         kill: bool,
     ) {
-        if inst.dead.swap(true, Ordering::SeqCst) {
-            return;
+        {
+            let mut keep = lock(&inst.keep);
+            // Idempotent: removed already, or hibernated (its process went with the snapshot).
+            if !keep.state.is_live() && keep.state != State::Starting {
+                return;
+            }
+            let _ = self.step(&inst.function, &mut keep, Transition::Remove);
         }
         *lock(&inst.why_dead) = Some(why.to_string());
         // Dropping the senders fails every request still waiting on this instance.
@@ -243,6 +356,96 @@ impl Runtime {
     }
 }
 
+/// A registry write of a transition failed (the instance's state changed anyway: the row
+/// follows at its next transition, or is cleaned at the next start).
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The blocking task that writes the registry did not finish (it panicked, or the daemon is
+    /// stopping).
+    #[error("the registry task recording instance {instance} failed ({source}); torpord's log has the cause")]
+    Task {
+        instance: String,
+        #[source]
+        source: tokio::task::JoinError,
+    },
+    /// The registry refused the write (e.g. a full disk).
+    #[error("cannot record {what} of instance {instance}: {source}")]
+    Registry {
+        instance: String,
+        /// What was being recorded (`the gpu_released stage`, `the hibernation`, …).
+        what: &'static str,
+        /// Boxed: the registry's error is large, and this one travels in every start's result.
+        #[source]
+        source: Box<crate::registry::RegistryError>,
+    },
+}
+
+impl RecordError {
+    fn stage_name(stage: Stage) -> &'static str {
+        match stage {
+            Stage::Warm => "the warm stage",
+            Stage::GpuReleased => "the gpu_released stage",
+            Stage::Hibernated => "the hibernated stage",
+            Stage::Evicted => "the evicted stage",
+        }
+    }
+}
+
+/// [`Runtime::adopt`] could not make a started worker an instance; its tree was killed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdoptError {
+    /// The tree exited between its start and its record (its log under the state directory's
+    /// `logs/` says why).
+    #[error("the new instance of {function:?} (init pid {init}) exited before it was recorded")]
+    Exited { function: String, init: i32 },
+    /// Its registry row could not be written.
+    #[error("cannot record the new instance of {function:?}: {source}")]
+    Record {
+        function: String,
+        #[source]
+        source: RecordError,
+    },
+}
+
+/// A started worker tree, connected to the daemon: what every way of starting hands to
+/// [`Runtime::adopt`].
+pub(crate) struct WorkerTree {
+    /// Host pid of its init (the root of its PID namespace).
+    pub(crate) init: i32,
+    /// Host pid of the worker (the Python process).
+    pub(crate) worker: i32,
+    pub(crate) conn: WorkerConn,
+}
+
+/// What [`Runtime::adopt`] makes an instance of.
+pub(crate) struct Adopted<'a> {
+    pub(crate) function: &'a str,
+    pub(crate) info: &'a FnInfo,
+    /// The pool's deploy it belongs to.
+    pub(crate) generation: u64,
+    /// The hibernated instance it was woken from (it keeps its row and id).
+    pub(crate) woken: Option<&'a Sleeper>,
+    pub(crate) tree: WorkerTree,
+}
+
+impl<'a> Adopted<'a> {
+    pub(crate) fn new(
+        function: &'a str,
+        info: &'a FnInfo,
+        generation: u64,
+        woken: Option<&'a Sleeper>,
+        tree: WorkerTree,
+    ) -> Self {
+        Self {
+            function,
+            info,
+            generation,
+            woken,
+            tree,
+        }
+    }
+}
+
 /// Removes a snapshot directory the daemon wrote (a hibernation), logging a failure.
 pub fn remove_snapshot_dir(dir: &Path) {
     if let Err(e) = std::fs::remove_dir_all(dir) {
@@ -270,53 +473,220 @@ impl Drop for RemoveWhenDone {
     }
 }
 
-/// The transitions between an instance's stages (see the module doc). Starting and leaving
-/// are not transitions of a stage: [`Runtime::adopt`] creates the stage (warm), and
-/// [`Runtime::remove_instance`] / [`Runtime::discard_sleeper`] end it.
+/// Where an instance is in its life (see the module doc for the diagram).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// Being booted, restored or woken; no [`Instance`] exists yet, except between its
+    /// creation and [`Transition::Adopt`] / [`Transition::Readopt`].
+    Starting,
+    /// Live, holding its GPU state: serves requests at once.
+    Warm,
+    /// Live, its CUDA state checkpointed in place (`gpus = 1`): a request resumes it first.
+    GpuReleased,
+    /// An unused standby (crate::runtime::start::standby), at rest in `Stage::Warm` (a CPU
+    /// function) or `Stage::GpuReleased` (a GPU function, whose driver restore was put off):
+    /// routed to last, never stepped down.
+    Standby(Stage),
+    /// A change is under way from the persisted stage `from`: not routable, not stepped down;
+    /// charged as `from` until it is done or aborted.
+    Changing(Stage, Doing),
+    /// Quiesced and being snapshotted: charged `hibernating` until the snapshot is in; its
+    /// reader hands the worker's `quiet` over to the hibernation.
+    Hibernating,
+    /// No process: a snapshot on disk (a [`Sleeper`]).
+    Hibernated,
+    /// Hibernated, its snapshot's pages dropped from the page cache.
+    Evicted,
+    /// Out of service for good (its process killed, its row deleted).
+    Gone,
+}
+
+/// A change an instance is going through ([`State::Changing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Doing {
+    /// warm → gpu_released (the ticker).
+    ReleaseGpu,
+    /// gpu_released → warm, for a request.
+    ResumeGpu,
+    /// → hibernated (a gpu_released instance is resumed first, in place).
+    Hibernate,
+    /// hibernated → evicted.
+    Evict,
+    /// warm or gpu_released → gone: idle past `hibernate_s` with `cold_start = "boot"`.
+    Stop,
+}
+
+impl State {
+    /// The instance's row's stage in the registry; `None` where it has no row of its own
+    /// (starting, gone).
+    pub fn stage(self) -> Option<Stage> {
+        match self {
+            State::Warm | State::Hibernating => Some(Stage::Warm),
+            State::GpuReleased => Some(Stage::GpuReleased),
+            State::Standby(stage) | State::Changing(stage, _) => Some(stage),
+            State::Hibernated => Some(Stage::Hibernated),
+            State::Evicted => Some(Stage::Evicted),
+            State::Starting | State::Gone => None,
+        }
+    }
+
+    /// What the ticker charges its time to; `None` where nothing is (its start is metered by
+    /// `Runtime::starts`; a removed instance is charged no more).
+    pub fn charged_as(self) -> Option<&'static str> {
+        match self {
+            State::Hibernating => Some(crate::metrics::HIBERNATING),
+            State::Starting | State::Gone => None,
+            other => other.stage().map(Stage::as_str),
+        }
+    }
+
+    /// It has a process and may still serve: not starting, hibernated, evicted or gone.
+    pub fn is_live(self) -> bool {
+        matches!(
+            self,
+            State::Warm
+                | State::GpuReleased
+                | State::Standby(_)
+                | State::Changing(Stage::Warm | Stage::GpuReleased, _)
+                | State::Hibernating
+        )
+    }
+
+    /// A request may be routed to it (perhaps after a GPU resume).
+    pub fn is_routable(self) -> bool {
+        matches!(self, State::Warm | State::GpuReleased | State::Standby(_))
+    }
+
+    /// At rest and not a standby: the ticker may step it down.
+    pub fn is_idle_stage(self) -> bool {
+        matches!(
+            self,
+            State::Warm | State::GpuReleased | State::Hibernated | State::Evicted
+        )
+    }
+
+    /// A state an instance loaded from its registry row starts in (an earlier daemon's
+    /// instance, a hibernated instance listed at the pool's creation).
+    pub fn at_rest(stage: Stage) -> State {
+        match stage {
+            Stage::Warm => State::Warm,
+            Stage::GpuReleased => State::GpuReleased,
+            Stage::Hibernated => State::Hibernated,
+            Stage::Evicted => State::Evicted,
+        }
+    }
+}
+
+impl std::fmt::Display for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            State::Starting => f.write_str("starting"),
+            State::Warm => f.write_str("warm"),
+            State::GpuReleased => f.write_str("gpu_released"),
+            State::Standby(s) => write!(f, "standby ({s})"),
+            State::Changing(s, d) => write!(f, "{s}, {d:?} under way"),
+            State::Hibernating => f.write_str("hibernating"),
+            State::Hibernated => f.write_str("hibernated"),
+            State::Evicted => f.write_str("evicted"),
+            State::Gone => f.write_str("gone"),
+        }
+    }
+}
+
+/// The transitions between an instance's states (see the module doc's table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transition {
-    /// warm → gpu_released: the CUDA state checkpointed in place (keep-alive).
+    /// starting → warm: a started worker becomes an instance ([`Runtime::adopt`]).
+    Adopt,
+    /// starting → the row's live stage: an earlier daemon's instance taken back.
+    Readopt(Stage),
+    /// warm → standby: a standby start's instance, never served; on a GPU function in
+    /// gpu_released from the start (the restore left its CUDA state checkpointed).
+    Standby { gpu_released: bool },
+    /// standby → warm (CPU) or resuming (GPU): a request takes it.
+    TakeStandby,
+    /// A resting state → changing: a keep-alive step, a resume or a stop begins.
+    Begin(Doing),
+    /// changing → the stage it began in: the change failed and the instance stays as it was.
+    Abort,
+    /// releasing → gpu_released: the CUDA state checkpointed in place.
     ReleaseGpu,
-    /// gpu_released → warm: restored for a request.
+    /// resuming → warm (for a request), or a hibernation's resume → on to its hibernation.
     ResumeGpu,
-    /// A standby start's instance, just adopted, never served: gpu_released from the start
-    /// (its CUDA state was left checkpointed by the restore), nothing charged as warm.
-    Standby,
-    /// warm or gpu_released → hibernated: quiesced, snapshotted, the process gone.
+    /// A hibernation (from warm) → hibernating: `quiesce` is sent.
+    Quiesce,
+    /// hibernating → hibernated: the snapshot is in, the process gone.
     Hibernate,
-    /// hibernated → evicted: its snapshot's pages dropped from the page cache.
+    /// evicting → evicted: its snapshot's pages dropped from the page cache.
     Evict,
+    /// hibernated or evicted → starting: taken to be woken (crate::runtime::start::wake).
+    Wake,
+    /// any live state → gone.
+    Remove,
+}
+
+/// A transition [`Transition::apply`] does not allow from the instance's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("an instance in state {from} cannot take {transition:?}")]
+pub struct Refused {
+    pub from: State,
+    pub transition: Transition,
 }
 
 impl Transition {
-    /// The stages the transition starts from.
-    pub fn from(self) -> &'static [Stage] {
-        match self {
-            Transition::ReleaseGpu | Transition::Standby => &[Stage::Warm],
-            Transition::ResumeGpu => &[Stage::GpuReleased],
-            Transition::Hibernate => &[Stage::Warm, Stage::GpuReleased],
-            Transition::Evict => &[Stage::Hibernated],
-        }
-    }
-
-    /// The stage it ends in.
-    pub fn to(self) -> Stage {
-        match self {
-            Transition::ReleaseGpu | Transition::Standby => Stage::GpuReleased,
-            Transition::ResumeGpu => Stage::Warm,
-            Transition::Hibernate => Stage::Hibernated,
-            Transition::Evict => Stage::Evicted,
-        }
+    /// The state `self` leads to from `from`; `None`: not allowed from there.
+    pub fn apply(self, from: State) -> Option<State> {
+        use Doing as D;
+        use Stage as S;
+        use State as St;
+        Some(match (self, from) {
+            (Transition::Adopt, St::Starting) => St::Warm,
+            (Transition::Readopt(stage @ (S::Warm | S::GpuReleased)), St::Starting) => {
+                State::at_rest(stage)
+            }
+            (Transition::Standby { gpu_released }, St::Warm) => St::Standby(if gpu_released {
+                S::GpuReleased
+            } else {
+                S::Warm
+            }),
+            (Transition::TakeStandby, St::Standby(S::Warm)) => St::Warm,
+            (Transition::TakeStandby, St::Standby(S::GpuReleased)) => {
+                St::Changing(S::GpuReleased, D::ResumeGpu)
+            }
+            (Transition::Begin(D::ReleaseGpu), St::Warm) => St::Changing(S::Warm, D::ReleaseGpu),
+            (Transition::Begin(D::ResumeGpu), St::GpuReleased) => {
+                St::Changing(S::GpuReleased, D::ResumeGpu)
+            }
+            (Transition::Begin(d @ (D::Hibernate | D::Stop)), St::Warm | St::GpuReleased) => {
+                St::Changing(from.stage()?, d)
+            }
+            (Transition::Begin(D::Evict), St::Hibernated) => St::Changing(S::Hibernated, D::Evict),
+            (Transition::Abort, St::Changing(stage, _)) => State::at_rest(stage),
+            (Transition::ReleaseGpu, St::Changing(S::Warm, D::ReleaseGpu)) => St::GpuReleased,
+            (Transition::ResumeGpu, St::Changing(S::GpuReleased, D::ResumeGpu)) => St::Warm,
+            (Transition::ResumeGpu, St::Changing(S::GpuReleased, D::Hibernate)) => {
+                St::Changing(S::Warm, D::Hibernate)
+            }
+            (Transition::Quiesce, St::Changing(S::Warm, D::Hibernate)) => St::Hibernating,
+            (Transition::Hibernate, St::Hibernating) => St::Hibernated,
+            (Transition::Evict, St::Changing(S::Hibernated, D::Evict)) => St::Evicted,
+            (Transition::Wake, St::Hibernated | St::Evicted) => St::Starting,
+            (Transition::Remove, from) if from.is_live() || from == St::Starting => St::Gone,
+            _ => return None,
+        })
     }
 
     /// The metrics label the time up to the transition is charged to, leaving `from`; `None`:
-    /// nothing is charged (the time goes to the new stage).
-    pub fn charged_as(self, from: Stage) -> Option<&'static str> {
+    /// nothing is charged (the time goes to the new state, whose label is the same, or the
+    /// start's meter takes over).
+    pub fn charged_as(self, from: State) -> Option<&'static str> {
         match self {
-            Transition::Standby => None,
-            // The quiesce and snapshot, until the hibernation is in.
-            Transition::Hibernate => Some(crate::metrics::HIBERNATING),
-            _ => Some(from.as_str()),
+            Transition::ReleaseGpu
+            | Transition::ResumeGpu
+            | Transition::Hibernate
+            | Transition::Evict
+            | Transition::Wake => from.charged_as(),
+            _ => None,
         }
     }
 }
@@ -325,42 +695,184 @@ impl Transition {
 mod tests {
     use super::*;
 
-    const ALL: [Transition; 5] = [
-        Transition::ReleaseGpu,
-        Transition::ResumeGpu,
-        Transition::Standby,
-        Transition::Hibernate,
-        Transition::Evict,
+    const DOINGS: [Doing; 5] = [
+        Doing::ReleaseGpu,
+        Doing::ResumeGpu,
+        Doing::Hibernate,
+        Doing::Evict,
+        Doing::Stop,
     ];
 
-    #[test]
-    fn live_stages_keep_a_process_and_the_others_do_not() {
-        for t in ALL {
-            for from in t.from() {
-                assert!(from.has_process() || *from == Stage::Hibernated, "{t:?}");
+    fn states() -> Vec<State> {
+        let mut all = vec![
+            State::Starting,
+            State::Warm,
+            State::GpuReleased,
+            State::Standby(Stage::Warm),
+            State::Standby(Stage::GpuReleased),
+            State::Hibernating,
+            State::Hibernated,
+            State::Evicted,
+            State::Gone,
+        ];
+        for stage in [Stage::Warm, Stage::GpuReleased, Stage::Hibernated] {
+            for d in DOINGS {
+                all.push(State::Changing(stage, d));
             }
-            // Only a hibernation ends the process; nothing brings one back in place.
-            let ends_process = t.from().iter().all(|f| f.has_process()) && !t.to().has_process();
-            assert_eq!(ends_process, t == Transition::Hibernate, "{t:?}");
-            assert!(!t.from().contains(&t.to()), "{t:?} must change the stage");
+        }
+        all
+    }
+
+    fn transitions() -> Vec<Transition> {
+        let mut all = vec![
+            Transition::Adopt,
+            Transition::Standby { gpu_released: true },
+            Transition::Standby {
+                gpu_released: false,
+            },
+            Transition::TakeStandby,
+            Transition::Abort,
+            Transition::ReleaseGpu,
+            Transition::ResumeGpu,
+            Transition::Quiesce,
+            Transition::Hibernate,
+            Transition::Evict,
+            Transition::Wake,
+            Transition::Remove,
+        ];
+        for stage in [
+            Stage::Warm,
+            Stage::GpuReleased,
+            Stage::Hibernated,
+            Stage::Evicted,
+        ] {
+            all.push(Transition::Readopt(stage));
+        }
+        for d in DOINGS {
+            all.push(Transition::Begin(d));
+        }
+        all
+    }
+
+    #[test]
+    fn nothing_leaves_gone_and_only_a_hibernation_ends_a_process_in_place() {
+        for t in transitions() {
+            assert_eq!(t.apply(State::Gone), None, "{t:?}");
+            for from in states() {
+                let Some(to) = t.apply(from) else { continue };
+                assert_ne!(from, to, "{t:?} from {from:?} must change the state");
+                // Only a hibernation (and a removal, and a wake of what has no process) moves a
+                // live instance to a state without a process.
+                if from.is_live() && !to.is_live() {
+                    assert!(
+                        matches!(t, Transition::Hibernate | Transition::Remove),
+                        "{t:?} from {from:?}"
+                    );
+                }
+                // Nothing brings a process back in place: only a start does.
+                if !from.is_live() && to.is_live() {
+                    assert!(
+                        matches!(t, Transition::Adopt | Transition::Readopt(_)),
+                        "{t:?} from {from:?}"
+                    );
+                }
+            }
         }
     }
 
     #[test]
-    fn the_time_before_a_transition_goes_to_the_stage_left_except_hibernating_and_standby() {
-        assert_eq!(Transition::ReleaseGpu.charged_as(Stage::Warm), Some("warm"));
+    fn a_change_under_way_is_neither_routed_nor_stepped_down_and_ends_where_it_began_on_abort() {
+        for from in states() {
+            if let State::Changing(stage, _) = from {
+                assert!(!from.is_routable() && !from.is_idle_stage(), "{from:?}");
+                assert_eq!(Transition::Abort.apply(from), Some(State::at_rest(stage)));
+                // Until it is done it is charged as where it began.
+                assert_eq!(from.charged_as(), Some(stage.as_str()));
+            }
+        }
+        assert!(!State::Hibernating.is_routable());
+        assert!(!State::Standby(Stage::Warm).is_idle_stage());
+    }
+
+    #[test]
+    fn a_release_a_resume_a_hibernation_and_an_eviction_follow_their_paths() {
+        let walk = |from: State, path: &[Transition]| {
+            path.iter().fold(from, |s, t| {
+                t.apply(s)
+                    .unwrap_or_else(|| panic!("{t:?} refused from {s:?}"))
+            })
+        };
+        use Transition as T;
         assert_eq!(
-            Transition::ResumeGpu.charged_as(Stage::GpuReleased),
+            walk(
+                State::Starting,
+                &[T::Adopt, T::Begin(Doing::ReleaseGpu), T::ReleaseGpu]
+            ),
+            State::GpuReleased
+        );
+        assert_eq!(
+            walk(
+                State::GpuReleased,
+                &[
+                    T::Begin(Doing::Hibernate),
+                    T::ResumeGpu,
+                    T::Quiesce,
+                    T::Hibernate,
+                    T::Begin(Doing::Evict),
+                    T::Evict,
+                    T::Wake,
+                    T::Adopt
+                ]
+            ),
+            State::Warm
+        );
+        assert_eq!(
+            walk(
+                State::Warm,
+                &[
+                    T::Standby { gpu_released: true },
+                    T::TakeStandby,
+                    T::ResumeGpu
+                ]
+            ),
+            State::Warm
+        );
+        // A quiesce of an instance whose GPU is still released is refused: it resumes first.
+        assert_eq!(
+            T::Quiesce.apply(State::Changing(Stage::GpuReleased, Doing::Hibernate)),
+            None
+        );
+        // An earlier daemon's row never re-adopts a process that has none.
+        assert_eq!(T::Readopt(Stage::Hibernated).apply(State::Starting), None);
+    }
+
+    #[test]
+    fn the_time_before_a_transition_goes_to_the_stage_left_except_hibernating_and_standby() {
+        let changing = |s, d| State::Changing(s, d);
+        assert_eq!(
+            Transition::ReleaseGpu.charged_as(changing(Stage::Warm, Doing::ReleaseGpu)),
+            Some("warm")
+        );
+        assert_eq!(
+            Transition::ResumeGpu.charged_as(changing(Stage::GpuReleased, Doing::ResumeGpu)),
             Some("gpu_released")
         );
         assert_eq!(
-            Transition::Evict.charged_as(Stage::Hibernated),
+            Transition::Evict.charged_as(changing(Stage::Hibernated, Doing::Evict)),
             Some("hibernated")
         );
         assert_eq!(
-            Transition::Hibernate.charged_as(Stage::Warm),
+            Transition::Hibernate.charged_as(State::Hibernating),
             Some("hibernating")
         );
-        assert_eq!(Transition::Standby.charged_as(Stage::Warm), None);
+        assert_eq!(
+            Transition::Standby { gpu_released: true }.charged_as(State::Warm),
+            None
+        );
+        assert_eq!(State::Hibernating.stage(), Some(Stage::Warm));
+        assert_eq!(
+            State::Standby(Stage::GpuReleased).charged_as(),
+            Some("gpu_released")
+        );
     }
 }

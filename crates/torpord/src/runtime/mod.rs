@@ -91,7 +91,7 @@ impl Runtime {
         snapshot_key: Arc<torpor_image::SnapshotKey>,
     ) -> Self {
         Self {
-            python_dir: crate::launcher::python_dir(),
+            python_dir: crate::sdk_dir::python_dir(),
             deploy_locks: Default::default(),
             pools: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
@@ -153,7 +153,11 @@ impl Runtime {
         let mut ids = Vec::new();
         for pool in pools {
             for (inst, _) in lock(&pool.state).instances.drain(..) {
-                inst.dead.store(true, Ordering::SeqCst);
+                let _ = self.step(
+                    &inst.function,
+                    &mut lock(&inst.keep),
+                    lifecycle::Transition::Remove,
+                );
                 lock(&inst.pending).clear();
                 kill_tree(inst.init_pid);
                 ids.push(inst.id.clone());

@@ -16,6 +16,7 @@ use crate::metrics::{start, Metrics};
 use crate::registry::{now_ms, FunctionState, Stage};
 use crate::runtime::instance::{Instance, Keep, Sleeper};
 use crate::runtime::invoke::{InvokeError, Timings};
+use crate::runtime::lifecycle::{Doing, State, Transition};
 use crate::runtime::Runtime;
 use crate::sync::lock;
 
@@ -304,7 +305,7 @@ impl Runtime {
                         id: i.id,
                         snapshot_id: hib.id,
                         snapshot_dir: hib.path,
-                        keep: Keep::new(i.stage, idle_since),
+                        keep: Keep::new(State::at_rest(i.stage), idle_since),
                     });
                 }
                 sleepers.sort_by_key(|s| s.keep.idle_since);
@@ -366,23 +367,32 @@ impl Runtime {
                     .instances
                     .iter_mut()
                     .filter(|(i, _)| !i.is_dead() && i.generation == generation)
-                    .filter(|(i, n)| *n < per && !lock(&i.keep).busy)
+                    .filter(|(i, n)| *n < per && i.state().is_routable())
                     .min_by_key(|(i, n)| {
-                        let warm = lock(&i.keep).stage == Stage::Warm;
-                        (!warm, crate::runtime::start::standby::is_standby(i), *n)
+                        let state = i.state();
+                        let warm = state.stage() == Some(Stage::Warm);
+                        (!warm, matches!(state, State::Standby(_)), *n)
                     });
                 if let Some((inst, n)) = idle {
                     *n += 1;
-                    let kind = if crate::runtime::start::standby::take(inst) {
-                        start::STANDBY
-                    } else {
-                        start::WARM
-                    };
-                    let released = {
+                    // A standby becomes an ordinary instance; a gpu_released one is resumed
+                    // (it is not routable meanwhile).
+                    let (kind, released) = {
                         let mut k = lock(&inst.keep);
-                        let released = k.stage == Stage::GpuReleased;
-                        k.busy |= released;
-                        released
+                        let (kind, t) = match k.state {
+                            State::Standby(_) => (start::STANDBY, Some(Transition::TakeStandby)),
+                            State::GpuReleased => {
+                                (start::WARM, Some(Transition::Begin(Doing::ResumeGpu)))
+                            }
+                            _ => (start::WARM, None),
+                        };
+                        if let Some(t) = t {
+                            let _ = self.step(&pool.name, &mut k, t);
+                        }
+                        (
+                            kind,
+                            matches!(k.state, State::Changing(_, Doing::ResumeGpu)),
+                        )
                     };
                     let lease = Lease {
                         pool: Arc::clone(pool),
@@ -390,7 +400,11 @@ impl Runtime {
                         runtime: Arc::clone(self),
                     };
                     Next::Warm(lease, released, kind)
-                } else if let Some(ix) = st.sleepers.iter().rposition(|s| !s.keep.busy) {
+                } else if let Some(ix) = st
+                    .sleepers
+                    .iter()
+                    .rposition(|s| s.keep.state.is_idle_stage())
+                {
                     // Every instance counts towards max_instances, in every stage: waking a
                     // hibernated one comes before restoring a new one.
                     let sleeper = st.sleepers.remove(ix);
@@ -429,7 +443,7 @@ impl Runtime {
                 let mut timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
                 if released {
                     let inst = Arc::clone(&lease.instance);
-                    match self.gpu_resume(&inst, false).await {
+                    match self.gpu_resume(&inst).await {
                         Ok((s, segments)) => {
                             timings.push(("gpu_resume".to_string(), s));
                             if let Some(s) = segments {

@@ -261,14 +261,23 @@ fn cause_of(e: &torpor_snapshot::snapshot::SnapshotError) -> String {
         E::Dump { source, .. } => source.to_string(),
         E::Write { source, .. } => source.to_string(),
         E::Interrupted { .. } => "interrupted".to_string(),
+        E::DiskFull { space, .. } => space.to_string(),
         other => other.to_string(),
     }
 }
 
-/// Snapshots the quiet worker tree rooted at `pid` into `out` in kill mode (the source is gone
-/// afterwards), off the async runtime: `torpor_snapshot::snapshot` blocks for seconds. Sealed
-/// with `key`, so that restores can tell it from a snapshot the daemon did not write.
-pub async fn snapshot_and_kill(
+impl Runtime {
+    /// Snapshots the quiet worker tree rooted at `pid` into `out` in kill mode (the source is
+    /// gone afterwards), off the async runtime: `torpor_snapshot::snapshot` blocks for seconds.
+    /// CRIU's logs go to the daemon's log directory; the snapshot is sealed with the daemon's
+    /// key, so that restores can tell it from a snapshot the daemon did not write.
+    pub async fn snapshot_and_kill(&self, pid: i32, out: &Path) -> Result<(), SnapshotTreeError> {
+        snapshot_and_kill(pid, out, &self.logs_dir(), &self.snapshot_key).await
+    }
+}
+
+/// [`Runtime::snapshot_and_kill`], with the log directory and key given.
+async fn snapshot_and_kill(
     pid: i32,
     out: &Path,
     log_dir: &Path,

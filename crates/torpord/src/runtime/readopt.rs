@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::registry::{Instance as InstanceRow, Stage};
 use crate::runtime::instance::{kill_tree, new_instance, Keep};
+use crate::runtime::lifecycle::{State, Transition};
 use crate::runtime::pool::{Pool, Starting};
 use crate::runtime::Runtime;
 use crate::sync::lock;
@@ -133,8 +134,12 @@ impl Runtime {
             init,
             worker,
             conn,
-            Keep::new(row.stage, Instant::now()),
+            Keep::new(State::Starting, Instant::now()),
         );
+        {
+            let mut keep = lock(&inst.keep);
+            let _ = self.step(&row.function, &mut keep, Transition::Readopt(row.stage));
+        }
         if split {
             // Its worker maps segments the earlier daemon handed it, and this daemon holds no
             // record of them to unmap and save: an in-place checkpoint would leave a process the

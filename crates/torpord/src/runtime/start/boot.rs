@@ -12,6 +12,7 @@ use crate::metrics::start;
 use crate::protocol::{Load, ToWorker};
 use crate::runtime::instance::Instance;
 use crate::runtime::invoke::Timings;
+use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::pool::FnInfo;
 use crate::runtime::process::TreeGuard;
 use crate::runtime::start::NewInstance;
@@ -35,18 +36,12 @@ impl Runtime {
                 .await
                 .map_err(|e| format!("cannot boot an instance of {name:?}: {e}"))?;
         timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
+        let tree = WorkerTree { init, worker, conn };
+        let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self
-            .adopt(
-                new.id.to_string(),
-                name,
-                info,
-                generation,
-                None,
-                init,
-                worker,
-                conn,
-            )
-            .await?;
+            .adopt(new.id, adopted)
+            .await
+            .map_err(|e| e.to_string())?;
         tracing::info!(function = name, instance = %inst.id, pid = init, boot_ms = t.elapsed().as_secs_f64() * 1e3, "instance booted");
         Ok((inst, timings, start::BOOTED))
     }

@@ -13,6 +13,7 @@ use crate::metrics::start;
 use crate::runtime::instance::{kill_tree, Instance, Sleeper};
 use crate::runtime::invoke::Timings;
 use crate::runtime::lifecycle::RemoveWhenDone;
+use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::pool::FnInfo;
 use crate::runtime::process::{restore_with, HowToRestore, PendingPages, RestoredTree};
 use crate::runtime::start::{NewInstance, RESTORE_PAUSE};
@@ -78,18 +79,12 @@ impl Runtime {
             }
         };
         let plan_s = hello.elapsed().as_secs_f64();
+        let tree = WorkerTree { init, worker, conn };
+        let adopted = Adopted::new(name, info, generation, sleeper, tree);
         let inst = self
-            .adopt(
-                new.id.to_string(),
-                name,
-                info,
-                generation,
-                sleeper,
-                init,
-                worker,
-                conn,
-            )
-            .await?;
+            .adopt(new.id, adopted)
+            .await
+            .map_err(|e| e.to_string())?;
         // A woken instance's hibernation snapshot goes once nothing reads it any more: its
         // segments are mapped (they are read from its record meanwhile) and every lazy page is in.
         let hibernation = sleeper.map(|s| Arc::new(RemoveWhenDone(s.snapshot_dir.clone())));

@@ -15,14 +15,14 @@
 //! A CPU function (`gpus = 0`) has no driver restore to put off: its standbys are fully restored
 //! idle instances (segments mapped), which saves the whole restore.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::ColdStart;
 use crate::registry::Stage;
 use crate::runtime::instance::Instance;
-use crate::runtime::lifecycle::Transition;
+use crate::runtime::lifecycle::{Adopted, WorkerTree};
+use crate::runtime::lifecycle::{State, Transition};
 use crate::runtime::pool::{FnInfo, Pool, PoolState};
 use crate::runtime::process::{restore_with, HowToRestore};
 use crate::runtime::start::{NewInstance, StartKind};
@@ -79,14 +79,10 @@ pub fn to_start(
     missing.min(max_instances.saturating_sub(occupied))
 }
 
-/// Whether `inst` is an unused standby.
+/// Whether `inst` is an unused standby (a request takes it through `Transition::TakeStandby`,
+/// in crate::runtime::pool's `acquire`).
 pub fn is_standby(inst: &Instance) -> bool {
-    inst.standby.load(Ordering::SeqCst)
-}
-
-/// A request takes `inst`: from now on it is an ordinary instance. Whether it was a standby.
-pub fn take(inst: &Instance) -> bool {
-    inst.standby.swap(false, Ordering::SeqCst)
+    matches!(inst.state(), State::Standby(_))
 }
 
 /// The unused standbys of the pool's current deploy.
@@ -235,7 +231,16 @@ impl Runtime {
                 );
             }
             Ok(inst) => {
-                inst.standby.store(true, Ordering::SeqCst);
+                {
+                    // A CPU function's standby is a warm instance, from now on routed to last.
+                    let mut keep = lock(&inst.keep);
+                    if keep.state == State::Warm {
+                        let t = Transition::Standby {
+                            gpu_released: false,
+                        };
+                        let _ = self.step(&pool.name, &mut keep, t);
+                    }
+                }
                 st.instances.push((Arc::clone(&inst), 0));
                 st.standby.clear_failures();
                 drop(st);
@@ -285,23 +290,21 @@ impl Runtime {
         new.charge.process_started(init);
         let what = format!("a standby instance of {name:?}");
         let conn = self.wake_function(name, init, worker, &what).await?;
+        let tree = WorkerTree { init, worker, conn };
+        let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self
-            .adopt(
-                new.id.to_string(),
-                name,
-                info,
-                generation,
-                None,
-                init,
-                worker,
-                conn,
-            )
-            .await?;
+            .adopt(new.id, adopted)
+            .await
+            .map_err(|e| e.to_string())?;
         if let Some(plan) = plan {
             *lock(&inst.segments) = crate::split::release::InstanceSegments::unfilled(plan);
         }
         // Not in the pool yet: nothing routes to it before its stage says gpu_released.
-        self.step(name, &mut lock(&inst.keep), Transition::Standby);
+        let _ = self.step(
+            name,
+            &mut lock(&inst.keep),
+            Transition::Standby { gpu_released: true },
+        );
         if let Err(e) = self
             .record_stage(&inst.id, Stage::GpuReleased, Some(init), None)
             .await
