@@ -7,6 +7,7 @@ and every descendant, for restored instances too).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -26,6 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "tests" / "programs"
 FAKES = ROOT / "tests" / "fakes"
 sys.path.insert(0, str(PROGRAMS))
+# The SDK of this checkout (torpor.client, the daemon tests' HTTP client).
+if str(ROOT / "python") not in sys.path:
+    sys.path.insert(1, str(ROOT / "python"))
 
 from linesrv import Endpoint, request  # noqa: E402
 
@@ -694,3 +698,41 @@ def host_files() -> Iterator[HostFiles]:
         for point in (files.tmp_tmpfs, files.other_tmpfs):
             subprocess.run(["umount", "--lazy", str(point)], check=False)
             point.rmdir()
+
+
+# --------------------------------------------------------------------------------------------
+# A small filesystem of its own (issue 13: the snapshot's preflight and a dump that fills the disk)
+
+
+def _mounted(path: Path) -> bool:
+    return any(line.split()[4] == str(path) for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+@contextlib.contextmanager
+def loop_ext4(where: Path, mib: int) -> Iterator[Path]:
+    """`where` (created) on an ext4 of `mib` MiB of its own, no blocks reserved for root; skips
+    without root, losetup or mkfs.ext4. Unmounted, and its loop device freed, whatever happens."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: loop mounts")
+    for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs {tool}")
+    image = where.parent / f"{where.name}.img"
+    with open(image, "wb") as f:
+        f.truncate(mib << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
+    where.mkdir(parents=True, exist_ok=True)
+    # `-o loop`: the loop device is freed (autoclear) when the filesystem is unmounted.
+    r = subprocess.run(["mount", "-o", "loop", str(image), str(where)], check=False, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot loop-mount an ext4 here: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        for _ in range(8):
+            if not _mounted(where):
+                break
+            if subprocess.run(["umount", str(where)], check=False, capture_output=True).returncode != 0:
+                time.sleep(0.5)
+                subprocess.run(["umount", "--lazy", str(where)], check=False, capture_output=True)
+        image.unlink(missing_ok=True)

@@ -6,6 +6,7 @@ source still answers with its state, and no snapshot directory (nor a half-writt
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from conftest import (
     fake_calls,
     fake_log,
     fake_state,
+    loop_ext4,
 )
 
 NOBODY = 65534
@@ -178,18 +180,27 @@ def test_driver_without_checkpoint_api(
     assert "checkpoint" in line.lower(), line
 
 
+@pytest.mark.parametrize(
+    ("code", "named"),
+    [
+        # CUDA_ERROR_OUT_OF_MEMORY: the driver could not copy the GPU state to host memory.
+        ("2", "checkpoint"),
+        # CUDA_ERROR_NOT_SUPPORTED: what the driver says of managed memory (CuPy on UVM, issue
+        # 16) in a process the hook did not watch; the line names UVM and the way around it.
+        ("801", "CUDA managed memory (UVM"),
+    ],
+)
 def test_cuda_checkpoint_failure_unlocks(
-    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path
+    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path, code: str, named: str
 ) -> None:
     w = workers.server(load_lib=fake_cuda.lib)
     source = make_source(w)
     log, state = tmp_path / "fake-cuda.log", tmp_path / "state"
-    # CUDA_ERROR_OUT_OF_MEMORY: the driver could not copy the GPU state to host memory.
-    env = fake_cuda.env(fake_cuda.lib, [w.child_pid], log, state, FAKE_CUDA_CKPT_RESULT="2")
+    env = fake_cuda.env(fake_cuda.lib, [w.child_pid], log, state, FAKE_CUDA_CKPT_RESULT=code)
     line = snapshot_fails(torpor, source, tmp_path / "out", env=env)
-    assert "checkpoint" in line.lower(), line
+    assert "checkpoint" in line.lower() and named in line, line
     calls = fake_calls(log, w.child_pid)
-    assert calls[:2] == ["lock", "checkpoint=2"] and calls[-1] == "unlock", fake_log(log)
+    assert calls[:2] == ["lock", f"checkpoint={code}"] and calls[-1] == "unlock", fake_log(log)
     assert fake_state(state, w.child_pid) == "running"
 
 
@@ -230,3 +241,99 @@ def test_ctrl_c_during_snapshot(torpor: Torpor, workers: Workers, tmp_path: Path
     error_line(r, code=130)
     source.assert_intact(timeout=20)
     assert_no_snapshot(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 13.1: every failure after the driver's checkpoint returns the source to running. CRIU's
+# own failure points are forced with CRIU's CRIU_FAULT (which torpor passes on), torpor's with
+# TORPOR_FAULT (crates/torpor-snapshot/src/fault.rs); the GPU side is the fake driver here and the
+# real one in tests/test_gpu.py::test_fault_points_after_gpu_checkpoint_roll_back on a GPU machine.
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [
+        ("TORPOR_FAULT", "before-dump"),  # after the driver checkpoint, before CRIU starts
+        ("CRIU_FAULT", "1"),  # CRIU dies (kill -9, OOM) with its parasite inside the process
+        ("CRIU_FAULT", "3"),  # CRIU's page dump fails after the memory was made readable
+        ("TORPOR_FAULT", "after-dump"),  # CRIU wrote everything; the commit never happens
+    ],
+    ids=lambda s: f"{s[0]}={s[1]}",
+)
+def test_fault_points_after_gpu_checkpoint_roll_back(
+    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path, switch: tuple[str, str]
+) -> None:
+    w = workers.server(load_lib=fake_cuda.lib)
+    source = make_source(w)
+    log, state = tmp_path / "fake-cuda.log", tmp_path / "state"
+    env = fake_cuda.env(fake_cuda.lib, [w.child_pid], log, state, **{switch[0]: switch[1]})
+    snapshot_fails(torpor, source, tmp_path / "out", env=env)
+    assert fake_calls(log, w.child_pid) == ["lock", "checkpoint", "restore", "unlock"], fake_log(log)
+    assert fake_state(state, w.child_pid) == "running"
+    # And it can still be snapshotted: nothing of the failed attempt is in the way.
+    ok = torpor.ok("snapshot", "--pid", w.init_pid, "--out", tmp_path / "again", "--leave-running", env={
+        k: v for k, v in env.items() if k not in ("TORPOR_FAULT", "CRIU_FAULT")
+    })
+    assert (tmp_path / "again" / "manifest.json").is_file(), ok
+    source.assert_intact()
+
+
+def fs_entries(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name != "lost+found")
+
+
+def test_preflight_refuses_before_touching_the_source(
+    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """The tree's memory and its GPU memory (NVML) do not fit: one line with both numbers and
+    the fix, the driver never called, nothing left on the filesystem."""
+    w = workers.server(load_lib=fake_cuda.lib)
+    source = make_source(w)
+    log, state = tmp_path / "fake-cuda.log", tmp_path / "state"
+    with loop_ext4(tmp_path / "small", 48) as small:
+        # The process's own memory fits; with its 100 MiB on the GPU it does not.
+        env = fake_cuda.env(fake_cuda.lib, [w.child_pid], log, state, gpu_bytes=100 << 20)
+        line = snapshot_fails(torpor, source, small / "out", env=env)
+        assert f"no space for the snapshot in {small}" in line, line
+        assert re.search(r"it needs at least [\d.]+ \w+, the filesystem has [\d.]+ \w+ free", line), line
+        assert "free space there" in line and f"pid {w.init_pid} keeps running" in line, line
+        assert fake_calls(log, w.child_pid) == [], fake_log(log)
+        assert fs_entries(small) == []
+
+
+def test_dump_that_fills_the_disk_rolls_back(
+    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """The preflight passes, then the filesystem fills while CRIU writes the pages (CRIU's
+    `page-xfer: Unable to spice data: No space left on device`): the disk is given back before
+    the GPU state is, the source runs on, the error says the disk filled and names CRIU's log."""
+    w = workers.server(load_lib=fake_cuda.lib, hold_mb=768, timeout=60)
+    source = make_source(w)
+    log, state = tmp_path / "fake-cuda.log", tmp_path / "state"
+    env = fake_cuda.env(fake_cuda.lib, [w.child_pid], log, state, gpu_bytes=1 << 20)
+    with loop_ext4(tmp_path / "small", 1200) as small:
+        out = small / "out"
+        p, _stdout, stderr = workers.popen_torpor("snapshot", "--pid", w.init_pid, "--out", out, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and p.poll() is None:
+            pages = [f for f in small.glob(".out.partial-*/pages-*.img") if f.stat().st_size > 0]
+            if pages:
+                break
+            time.sleep(0.005)
+        assert p.poll() is None, f"the dump ended before the disk could be filled\n{stderr.read_text()}"
+        st = os.statvfs(small)
+        with open(small / "filler", "wb") as f:
+            try:
+                os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize)
+            except OSError as e:  # CRIU took some of it meanwhile: full all the same
+                assert e.errno == errno.ENOSPC, e
+        code = p.wait(timeout=120)
+        line = error_line(subprocess.CompletedProcess(p.args, code, "", stderr.read_text()))
+        assert "CRIU filled the filesystem during the dump" in line, line
+        kept = re.search(r"CRIU's log: (/\S+\.log)", line)
+        # The log is kept, though it may lack CRIU's ENOSPC line: it was on the filesystem that filled.
+        assert kept and Path(kept.group(1)).is_file(), line
+        source.assert_intact(timeout=20)
+        assert_no_snapshot(out)
+        assert fs_entries(small) == ["filler"]
+    assert fake_calls(log, w.child_pid) == ["lock", "checkpoint", "restore", "unlock"], fake_log(log)

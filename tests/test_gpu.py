@@ -198,3 +198,26 @@ def test_gpu_manifest_records_the_gpu(torpor: Torpor, left_running: Booted) -> N
     assert isinstance(first, dict)
     assert first.get("name") == nvidia_gpus()[0]["name"]
     assert "ok" in torpor.ok("verify", left_running.snap).stdout.lower()
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [("TORPOR_FAULT", "before-dump"), ("CRIU_FAULT", "1"), ("CRIU_FAULT", "3"), ("TORPOR_FAULT", "after-dump")],
+    ids=lambda s: f"{s[0]}={s[1]}",
+)
+def test_fault_points_after_gpu_checkpoint_roll_back(
+    torpor: Torpor, workers: Workers, tmp_path: Path, switch: tuple[str, str]
+) -> None:
+    """Issue 13.1 with the real driver: a snapshot that fails after the driver's checkpoint (GPU
+    memory moved into the process) at each point gives the source back running on the GPU, with
+    the same outputs; the CPU twin with the fake driver is tests/test_failures.py's."""
+    w = boot(workers, "gpu")
+    ref = outputs(infer(w))
+    out = tmp_path / "snap"
+    r = torpor("snapshot", "--pid", w.init_pid, "--out", out, env={switch[0]: switch[1]}, timeout=600)
+    assert r.returncode == 1, describe(r)
+    assert "rolling back failed" not in r.stderr, describe(r)
+    assert not out.exists()
+    assert w.alive(), f"{w} died\n{describe(r)}"
+    assert outputs(infer(w)) == ref
+    assert any(pid == w.child_pid for pid, _ in compute_apps()), "the source is not back on the GPU"

@@ -95,6 +95,7 @@ def test_tcp_pair_semaphore_and_shared_memory_restore(
     ("flags", "expect"),
     [
         (("--marker", "torpor-unsupported-cuda-ipc-import"), "GPU memory of another process opened through CUDA IPC"),
+        (("--marker", "torpor-unsupported-cuda-ipc-export"), "GPU memory exported to other processes through CUDA IPC"),
         (("--marker", "torpor-unsupported-cuda-managed-memory"), "CUDA managed memory (UVM"),
         (("--marker", "torpor-unsupported-nccl-multi-rank"), "multi-process NCCL"),
         (("--nccl-shm",), "share NCCL's shared-memory files"),

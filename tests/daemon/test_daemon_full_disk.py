@@ -86,6 +86,13 @@ def fill(directory: Path) -> Path:
     return filler
 
 
+def fill_leaving(directory: Path, room: int) -> None:
+    """Fills the filesystem of `directory` but for about `room` bytes."""
+    st = os.statvfs(directory)
+    with open(directory / "filler", "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, max(st.f_bavail * st.f_frsize - room, 1))
+
+
 def free(directory: Path) -> None:
     (directory / "filler").unlink(missing_ok=True)
     (directory / "filler-tail").unlink(missing_ok=True)
@@ -137,15 +144,35 @@ def test_instances_leave_the_registry_with_their_processes_on_a_full_disk(
             assert b"space" in cold.body.lower(), cold.body
         assert_only_listed_processes(d)
 
-        # A hibernation that fails on the full disk removes its instance from the listing too.
+        # A hibernation whose snapshot would not fit is refused before the instance is touched
+        # (torpor_snapshot::space::check_tree): it stays warm, listed and answering; the refusal
+        # is logged with the numbers and counted; nothing is left in the snapshots directory.
         free(small_state)
         reserve_back(d, reserve)
         assert d.invoke("full-hib", {"say": "c"}).status == 200
         fill(small_state)
-        wait_until(lambda: not listed(d, "full-hib"), 20, "the instance to hibernate or be removed")
+        wait_until(lambda: "hibernation refused" in d.log.read_text(errors="replace"), 20, "the hibernation to be refused")
+        refusal = next(line for line in d.log.read_text(errors="replace").splitlines() if "hibernation refused" in line)
+        assert "no space for the snapshot in" in refusal and "it needs at least" in refusal, refusal
+        [warm] = listed(d, "full-hib")
+        assert warm.get("stage") == "warm", warm
+        assert d.invoke("full-hib", {"say": "still"}).status == 200
+        metrics = d.request("GET", "/metrics").body.decode()
+        assert 'torpor_hibernations_refused_total{function="full-hib"}' in metrics, metrics[-2000:]
         assert_only_listed_processes(d)
-        for i in d.instances("full-hib"):
-            assert i.get("stage") == "hibernated", i
+        assert not [p.name for p in (small_state / "snapshots").iterdir() if p.name.lstrip(".").startswith("hib-")]
+
+        # A redeploy whose function snapshot would not fit fails with that line, before the
+        # snapshot is taken, and the previous deploy keeps serving.
+        free(small_state)
+        reserve_back(d, reserve)
+        fill_leaving(small_state, 3 << 20)
+        r = d.cli("deploy", hib_fn)
+        assert r.returncode != 0, r.stdout
+        assert "no space for the snapshot in" in r.stdout + r.stderr, r.stdout + r.stderr
+        free(small_state)
+        assert d.invoke("full-hib", {"say": "previous"}).status == 200
+        assert_only_listed_processes(d)
 
         # With room again, the reserve comes back and the functions serve.
         free(small_state)

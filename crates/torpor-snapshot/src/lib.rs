@@ -3,6 +3,7 @@
 //! checkpoint API and CRIU, restore it, and roll back every failure so the source keeps running.
 
 pub mod empty_gpu_memory;
+pub mod fault;
 pub mod gpu_map;
 pub mod gpu_tasks;
 pub mod inherited_mappings;

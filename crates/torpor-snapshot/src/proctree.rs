@@ -176,9 +176,83 @@ pub fn is_alive(pid: i32) -> bool {
     }
 }
 
+/// What became of `pid`, for an error that must say why the driver could not act on it: the
+/// state /proc gives (a process that is exiting, a zombie, gone), and an OOM kill the kernel's
+/// log records for it.
+pub fn fate(pid: i32) -> String {
+    let state = fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next())
+        });
+    let oom = oom_kill_of(pid);
+    let what = match state {
+        None => format!("pid {pid} no longer exists"),
+        Some('Z') | Some('X') => format!("pid {pid} has exited"),
+        Some(c) => format!("pid {pid} is in state {c}"),
+    };
+    match oom {
+        Some(line) => format!("{what}: the kernel's OOM killer killed it ({line})"),
+        None => what,
+    }
+}
+
+/// The kernel log's record of an OOM kill of `pid`, if it is still in the log buffer.
+fn oom_kill_of(pid: i32) -> Option<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut kmsg = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open("/dev/kmsg")
+        .ok()?;
+    let needle = format!("Killed process {pid} ");
+    let mut found = None;
+    let mut buf = vec![0u8; 8192];
+    // One record per read; EAGAIN at the end of the buffer, EPIPE when a record was overwritten
+    // (reading goes on at the next one).
+    for _ in 0..100_000 {
+        match kmsg.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                let rec = String::from_utf8_lossy(&buf[..n]);
+                if let Some((_, msg)) = rec.split_once(';') {
+                    if msg.contains(&needle) {
+                        found = Some(msg.trim().to_string());
+                    }
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
+            Err(_) => break,
+        }
+    }
+    found
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fate_tells_a_live_process_from_a_gone_one() {
+        let me = std::process::id() as i32;
+        assert!(
+            fate(me).starts_with(&format!("pid {me} is in state")),
+            "{}",
+            fate(me)
+        );
+        let gone = i32::MAX - 9;
+        assert_eq!(fate(gone), format!("pid {gone} no longer exists"));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        // Not reaped yet: a zombie once it has exited.
+        while is_alive(pid) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(fate(pid), format!("pid {pid} has exited"));
+        child.wait().unwrap();
+    }
 
     #[test]
     fn reads_self() {

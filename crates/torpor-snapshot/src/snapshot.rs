@@ -17,6 +17,7 @@ use torpor_image::{
 };
 
 use crate::empty_gpu_memory;
+use crate::fault;
 use crate::gpu_tasks::{GpuTasks, StepError};
 use crate::inherited_mappings::{self, DropError};
 use crate::interrupt;
@@ -24,7 +25,7 @@ use crate::mounts;
 use crate::phases::Phases;
 use crate::preflight::{self, PreflightError};
 use crate::proctree::{self, ProcessInfo};
-use crate::space;
+use crate::space::{self, NoSpace};
 use crate::unsupported::{self, Refusal};
 
 /// What to snapshot and how.
@@ -81,30 +82,31 @@ pub enum SnapshotError {
     /// CRIU failed; rolled back.
     #[error("{source}; pid {root} keeps running, nothing was written")]
     Dump { root: i32, source: CriuError },
-    /// The snapshot's filesystem cannot hold it (found before the dump), or CRIU filled it
-    /// (`log` is CRIU's log then); rolled back.
-    #[error("no space for the snapshot in {}: {}; free space there or put the snapshots (the state dir) on a larger filesystem; pid {root} keeps running, nothing was written", dir.display(), disk_full_detail(*needed, *free, log.as_deref()))]
+    /// The snapshot would not fit (found before the source was touched: [`space::check`]), or
+    /// CRIU filled its filesystem; rolled back.
+    #[error("{space}; pid {root} keeps running, nothing was written")]
     DiskFull {
         root: i32,
-        dir: PathBuf,
-        /// The least the dump writes ([`crate::space::least_needed`]).
-        needed: u64,
-        /// Free when the snapshot began.
-        free: u64,
-        log: Option<PathBuf>,
+        #[source]
+        space: Box<NoSpace>,
     },
+    /// A fault forced by `TORPOR_FAULT` ([`crate::fault`]); rolled back.
+    #[error("fault {} forced by {}; pid {root} keeps running, nothing was written", point.name(), crate::fault::ENV)]
+    Fault { root: i32, point: fault::Point },
     /// SIGINT/SIGTERM arrived; rolled back.
     #[error("interrupted: pid {root} keeps running and no snapshot was written")]
     Interrupted { root: i32 },
     /// Writing the snapshot failed after the dump; rolled back.
     #[error("{source}; pid {root} keeps running")]
     Write { root: i32, source: ImageError },
-    /// The rollback itself failed: the message keeps both errors.
-    #[error("{original}; rolling back failed as well ({rollback}): pid {root} may be stuck in a CUDA lock — check it, or kill it")]
+    /// The rollback itself failed: the message keeps both errors and what became of the
+    /// process the driver could not restore ([`proctree::fate`]).
+    #[error("{original}; rolling back failed as well ({rollback}; {fate}): pid {root} may be stuck in a CUDA lock — check it, or kill it")]
     RollbackFailed {
         root: i32,
         original: Box<SnapshotError>,
-        rollback: StepError,
+        rollback: Box<StepError>,
+        fate: String,
     },
 }
 
@@ -188,16 +190,18 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
         .flat_map(|g| &g.gpus)
         .filter_map(|g| g.used_by_snapshot)
         .sum();
-    let space = Space {
-        dir: std::path::absolute(opts.out)
-            .ok()
-            .and_then(|out| out.parent().map(Path::to_path_buf))
-            .unwrap_or_else(|| PathBuf::from(".")),
-        needed: space::least_needed(&pids, &archived, gpu_bytes),
-        free: space::free_bytes(writer.dir()).unwrap_or(u64::MAX),
-    };
-    if space.free < space.needed {
-        return Err(space.full(root.pid, None));
+    let mut space = space::check(&pids, &archived, gpu_bytes, writer.dir()).map_err(|space| {
+        SnapshotError::DiskFull {
+            root: root.pid,
+            space: Box::new(space),
+        }
+    })?;
+    // Named by the directory the user gave (the partial one is hidden and goes away).
+    if let Some(parent) = std::path::absolute(opts.out)
+        .ok()
+        .and_then(|out| out.parent().map(Path::to_path_buf))
+    {
+        space.dir = parent;
     }
 
     let stop_start = Instant::now();
@@ -276,8 +280,17 @@ pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError>
     manifest.stdio_files = stdio;
     manifest.stop_time_s = stop_time;
 
-    if interrupt::interrupted() {
-        let original = SnapshotError::Interrupted { root: root.pid };
+    let failed = if interrupt::interrupted() {
+        Some(SnapshotError::Interrupted { root: root.pid })
+    } else if fault::armed(fault::Point::AfterDump) {
+        Some(SnapshotError::Fault {
+            root: root.pid,
+            point: fault::Point::AfterDump,
+        })
+    } else {
+        None
+    };
+    if let Some(original) = failed {
         return Err(roll_back(
             root.pid,
             tasks.as_mut(),
@@ -408,6 +421,12 @@ fn stop_and_dump(
         }
         check_interrupt()?;
     }
+    if fault::armed(fault::Point::BeforeDump) {
+        return Err(SnapshotError::Fault {
+            root: root.pid,
+            point: fault::Point::BeforeDump,
+        });
+    }
     let request = DumpRequest {
         pid: root.pid,
         images_dir: writer.dir(),
@@ -442,67 +461,39 @@ fn own_network_namespace(pid: i32) -> bool {
     }
 }
 
-/// Undoes whatever was done: thaws a frozen tree, returns CUDA processes to running, keeps
-/// CRIU's log of a failed dump in `log_dir`, and removes the partial snapshot.
+/// Undoes whatever was done, in the order that gives the source the best chance: keeps CRIU's
+/// log of a failed dump in `log_dir`, removes the partial snapshot (a dump that filled the
+/// filesystem gives its space back before the source runs again: the process, and the driver
+/// putting its GPU state back, must not meet a full disk), thaws a frozen tree, and returns
+/// CUDA processes to running.
 fn roll_back(
     root: i32,
     tasks: Option<&mut GpuTasks>,
     original: SnapshotError,
-    writer: Option<(&SnapshotWriter, &Space)>,
+    writer: Option<(&SnapshotWriter, &space::Estimate)>,
     log_dir: &Path,
     frozen: bool,
 ) -> SnapshotError {
+    let original = match writer {
+        Some((w, space)) => {
+            let kept = keep_dump_log(original, w, log_dir, space);
+            // The writer's Drop would remove it too, but only once the rollback is over.
+            let _ = std::fs::remove_dir_all(w.dir());
+            kept
+        }
+        None => original,
+    };
     if frozen {
         signal_tree(&proctree::tree(root), libc::SIGCONT);
     }
-    let original = match writer {
-        Some((w, space)) => keep_dump_log(original, w, log_dir, space),
-        None => original,
-    };
-    // The writer's Drop removes the partial directory.
     match tasks.map(|t| t.rollback()) {
         Some(Err(rollback)) => SnapshotError::RollbackFailed {
             root,
+            fate: proctree::fate(rollback.pid),
             original: Box::new(original),
-            rollback,
+            rollback: Box::new(rollback),
         },
         _ => original,
-    }
-}
-
-/// What a snapshot needs on its filesystem and what it had when the snapshot began.
-struct Space {
-    dir: PathBuf,
-    needed: u64,
-    free: u64,
-}
-
-fn disk_full_detail(needed: u64, free: u64, log: Option<&Path>) -> String {
-    use torpor_image::human_size;
-    match log {
-        None => format!(
-            "it needs at least {}, the filesystem has {} free",
-            human_size(needed),
-            human_size(free)
-        ),
-        Some(log) => format!(
-            "CRIU filled the filesystem during the dump: it needs more than the {} that were free (at least {} for the process's memory alone; CRIU's log: {})",
-            human_size(free),
-            human_size(needed),
-            log.display()
-        ),
-    }
-}
-
-impl Space {
-    fn full(&self, root: i32, log: Option<PathBuf>) -> SnapshotError {
-        SnapshotError::DiskFull {
-            root,
-            dir: self.dir.clone(),
-            needed: self.needed,
-            free: self.free,
-            log,
-        }
     }
 }
 
@@ -514,12 +505,15 @@ fn keep_dump_log(
     err: SnapshotError,
     writer: &SnapshotWriter,
     log_dir: &Path,
-    space: &Space,
+    space: &space::Estimate,
 ) -> SnapshotError {
     let SnapshotError::Dump { root, source } = err else {
         return err;
     };
     let from = writer.dir().join("dump.log");
+    // CRIU's log lives on the filesystem that filled, so its last lines (the ENOSPC) may be
+    // missing: a filesystem left all but full by the failed dump counts as filled too.
+    let left_full = space::left_full(writer.dir());
     let to = log_dir.join(format!("dump-{root}-{}.log", crate::sys::unix_millis()));
     let kept = std::fs::create_dir_all(log_dir)
         .and_then(|_| {
@@ -527,8 +521,14 @@ fn keep_dump_log(
         })
         .is_ok();
     let log = kept.then_some(to);
-    if log.as_deref().is_some_and(space::log_says_full) || (!kept && space::log_says_full(&from)) {
-        return space.full(root, log);
+    if left_full
+        || log.as_deref().is_some_and(space::log_says_full)
+        || (!kept && space::log_says_full(&from))
+    {
+        return SnapshotError::DiskFull {
+            root,
+            space: Box::new(space.full(log)),
+        };
     }
     let source = match log {
         Some(to) => source.with_log(to),

@@ -1,9 +1,147 @@
 //! Disk space for a snapshot: the least a dump writes, what the target filesystem has free,
 //! and whether a failed dump ran out of it. A full disk is then reported as such, with both
 //! numbers, instead of as CRIU's exit status.
+//!
+//! [`check`] is the preflight `torpor snapshot` runs before it touches the source, and
+//! [`check_tree`] the same check for a caller that has not read the tree yet (torpord, before it
+//! quiesces an instance for hibernation): a dump that fills its filesystem after the driver's
+//! checkpoint has moved the GPU memory into the process is the riskiest failure there is.
 
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use torpor_image::human_size;
+
+/// Why a snapshot would not fit. Each message has the numbers and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum NoSpace {
+    /// The snapshot's filesystem cannot hold it (found before the dump), or CRIU filled it
+    /// (`log` is CRIU's log then).
+    #[error("no space for the snapshot in {}: {}; free space there or put the snapshots (the state dir) on a larger filesystem", dir.display(), disk_full_detail(*needed, *free, log.as_deref()))]
+    Disk {
+        dir: PathBuf,
+        /// The least the dump writes ([`least_needed`]).
+        needed: u64,
+        /// Free when the snapshot began.
+        free: u64,
+        log: Option<PathBuf>,
+    },
+    /// The driver's checkpoint moves the tree's GPU memory into its host memory, and the host
+    /// has less than that available: the kernel's OOM killer would end the source.
+    #[error("not enough host memory for the snapshot: the CUDA checkpoint moves the {} the process holds on the GPU into host memory, and {} is available (MemAvailable + SwapFree); free host memory, or hold less GPU memory (e.g. limit the framework's pre-allocated pool) before snapshotting", human_size(*gpu), human_size(*available))]
+    HostMemory { gpu: u64, available: u64 },
+}
+
+fn disk_full_detail(needed: u64, free: u64, log: Option<&Path>) -> String {
+    match log {
+        None => format!(
+            "it needs at least {}, the filesystem has {} free",
+            human_size(needed),
+            human_size(free)
+        ),
+        Some(log) => format!(
+            "CRIU filled the filesystem during the dump: it needs more than the {} that were free (at least {} for the process's memory alone; CRIU's log: {})",
+            human_size(free),
+            human_size(needed),
+            log.display()
+        ),
+    }
+}
+
+/// What a snapshot needs and what its filesystem had when it was checked.
+#[derive(Debug, Clone)]
+pub struct Estimate {
+    /// The directory the snapshot goes in (named in messages).
+    pub dir: PathBuf,
+    pub needed: u64,
+    pub free: u64,
+}
+
+impl Estimate {
+    /// The error for this estimate, with CRIU's log when the dump itself filled the disk.
+    pub fn full(&self, log: Option<PathBuf>) -> NoSpace {
+        NoSpace::Disk {
+            dir: self.dir.clone(),
+            needed: self.needed,
+            free: self.free,
+            log,
+        }
+    }
+}
+
+/// The preflight: refuses when the filesystem holding `dir` cannot hold the least the dump of
+/// `pids` writes ([`least_needed`]), or when the host cannot take `gpu_bytes` (the tree's GPU
+/// memory, which the driver's checkpoint moves into the process) into memory. `dir` must exist.
+pub fn check(
+    pids: &[i32],
+    own_tmpfs: &[String],
+    gpu_bytes: u64,
+    dir: &Path,
+) -> Result<Estimate, NoSpace> {
+    let estimate = Estimate {
+        dir: std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf()),
+        needed: least_needed(pids, own_tmpfs, gpu_bytes),
+        // Unreadable: no refusal on a guess (the dump's own failure is still named).
+        free: free_bytes(dir).unwrap_or(u64::MAX),
+    };
+    verdict(estimate, gpu_bytes, host_memory_available())
+}
+
+/// The decision of [`check`] on its figures (`available`: host memory, when known).
+fn verdict(
+    estimate: Estimate,
+    gpu_bytes: u64,
+    available: Option<u64>,
+) -> Result<Estimate, NoSpace> {
+    if let Some(available) = available.filter(|&a| gpu_bytes > a) {
+        return Err(NoSpace::HostMemory {
+            gpu: gpu_bytes,
+            available,
+        });
+    }
+    if estimate.free < estimate.needed {
+        return Err(estimate.full(None));
+    }
+    Ok(estimate)
+}
+
+/// [`check`] for the tree rooted at `root`, snapshotted into a new directory in `dir`: reads
+/// the tree, its own tmpfs mounts and (when NVML loads) its GPU memory.
+pub fn check_tree(root: i32, dir: &Path) -> Result<Estimate, NoSpace> {
+    let pids = crate::proctree::tree(root);
+    let archived: Vec<String> = crate::mounts::plan(root)
+        .map(|p| p.archived.into_iter().map(|a| a.path).collect())
+        .unwrap_or_default();
+    check(&pids, &archived, gpu_bytes_of(&pids), dir)
+}
+
+/// The GPU memory NVML lists for `pids`; 0 without NVML.
+pub fn gpu_bytes_of(pids: &[i32]) -> u64 {
+    let Ok(nvml) = torpor_cuda::Nvml::load() else {
+        return 0;
+    };
+    nvml.process_memory()
+        .map(|procs| {
+            procs
+                .iter()
+                .filter(|p| i32::try_from(p.pid).is_ok_and(|pid| pids.contains(&pid)))
+                .map(|p| p.used_memory.unwrap_or(0))
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// `MemAvailable` + `SwapFree` of /proc/meminfo, in bytes.
+fn host_memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    Some(field("MemAvailable:")? + field("SwapFree:").unwrap_or(0))
+}
 
 /// The least CRIU writes for `pids`: their resident anonymous memory (every such page goes into
 /// the image), the used bytes of the process's own tmpfs mounts (`own_tmpfs`, paths inside the
@@ -61,6 +199,23 @@ fn used_bytes(dir: &Path) -> io::Result<u64> {
     Ok((st.f_blocks as u64).saturating_sub(st.f_bfree as u64) * st.f_frsize as u64)
 }
 
+/// Free space below which a filesystem that a failed dump wrote to counts as filled by it.
+const FULL_BELOW: u64 = 4 << 20;
+/// The most space a filesystem holds back from every user of its own accord (ext4 keeps up to
+/// 4096 clusters, 16 MiB at 4 KiB, even from root); a larger gap is a reserve for root, which
+/// CRIU may still have had.
+const OWN_RESERVE: u64 = 64 << 20;
+
+/// Whether the filesystem holding `dir` is all but full (after a failed dump: CRIU's log is on it,
+/// so the log may lack the ENOSPC line that says so).
+pub fn left_full(dir: &Path) -> bool {
+    statvfs(dir).is_ok_and(|st| {
+        let unit = st.f_frsize;
+        let (free, avail) = (st.f_bfree * unit, st.f_bavail * unit);
+        free < FULL_BELOW || (avail < FULL_BELOW && free - avail.min(free) < OWN_RESERVE)
+    })
+}
+
 /// Whether CRIU's log says a write failed for want of space (ENOSPC).
 pub fn log_says_full(log: &Path) -> bool {
     std::fs::read(log).is_ok_and(|bytes| {
@@ -95,5 +250,38 @@ mod tests {
         std::fs::write(&log, "(00.1) Error (criu/cr-dump.c:1): Dumping FAILED.\n").unwrap();
         assert!(!log_says_full(&log));
         assert!(!log_says_full(&dir.path().join("missing.log")));
+    }
+
+    #[test]
+    fn check_refuses_what_the_filesystem_cannot_hold_with_both_numbers() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = [std::process::id() as i32];
+        let fits = check(&me, &[], 0, dir.path()).unwrap();
+        assert!(fits.needed > 0 && fits.free >= fits.needed);
+        let at = |needed, free| Estimate {
+            dir: PathBuf::from("/snapshots"),
+            needed,
+            free,
+        };
+        verdict(at(10 << 30, 10 << 30), 0, None).unwrap();
+        let err = verdict(at(3 << 30, 1 << 30), 2 << 30, Some(64 << 30)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "no space for the snapshot in /snapshots: it needs at least 3.22 GB, the filesystem \
+             has 1.07 GB free; free space there or put the snapshots (the state dir) on a larger \
+             filesystem"
+        );
+    }
+
+    #[test]
+    fn gpu_memory_must_fit_in_host_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = [std::process::id() as i32];
+        let err = check(&me, &[], u64::MAX / 4, dir.path()).unwrap_err();
+        assert!(
+            matches!(err, NoSpace::HostMemory { gpu, available } if gpu == u64::MAX / 4 && available > 0),
+            "{err}"
+        );
+        assert!(err.to_string().contains("MemAvailable"), "{err}");
     }
 }

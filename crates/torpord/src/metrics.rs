@@ -77,6 +77,9 @@ pub struct Metrics {
     /// `torpor_restore_fallbacks_total{function}`: instances booted because restoring the
     /// function snapshot failed (or restores were paused after failing).
     pub restore_fallbacks: IntCounterVec,
+    /// `torpor_hibernations_refused_total{function}`: hibernations not started because the
+    /// snapshot would not fit (torpor_snapshot::space); the instance stayed warm.
+    pub hibernations_refused: IntCounterVec,
     /// `torpor_phase_duration_seconds{function, phase}`; fed by [`Metrics::observe_phase`].
     phase_seconds: HistogramVec,
     /// `torpor_instances{stage}`, from the registry.
@@ -132,6 +135,13 @@ impl Metrics {
             ),
             &["function"],
         )?;
+        let hibernations_refused = IntCounterVec::new(
+            Opts::new(
+                "torpor_hibernations_refused_total",
+                "Hibernations refused before they began because the snapshot would not fit; the instance stayed warm.",
+            ),
+            &["function"],
+        )?;
         let phase_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "torpor_phase_duration_seconds",
@@ -179,6 +189,7 @@ impl Metrics {
         registry.register(Box::new(invocations.clone()))?;
         registry.register(Box::new(starts.clone()))?;
         registry.register(Box::new(restore_fallbacks.clone()))?;
+        registry.register(Box::new(hibernations_refused.clone()))?;
         registry.register(Box::new(phase_seconds.clone()))?;
         registry.register(Box::new(instances.clone()))?;
         registry.register(Box::new(gpu_memory_bytes.clone()))?;
@@ -194,6 +205,7 @@ impl Metrics {
             invocations,
             starts,
             restore_fallbacks,
+            hibernations_refused,
             phase_seconds,
             instances,
             gpu_memory_bytes,
@@ -227,6 +239,7 @@ impl Metrics {
             self.starts.with_label_values(&[function, k]);
         }
         self.restore_fallbacks.with_label_values(&[function]);
+        self.hibernations_refused.with_label_values(&[function]);
         for p in INVOKE_PHASES {
             self.phase_seconds.with_label_values(&[function, p]);
         }
@@ -249,6 +262,7 @@ impl Metrics {
             let _ = self.starts.remove_label_values(&[function, k]);
         }
         let _ = self.restore_fallbacks.remove_label_values(&[function]);
+        let _ = self.hibernations_refused.remove_label_values(&[function]);
         let _ = self.queue_length.remove_label_values(&[function]);
         let _ = self.standby_instances.remove_label_values(&[function]);
         for s in accounted_stages() {

@@ -1,0 +1,35 @@
+//! Fault switches, so the rollback of each failure point of a snapshot is tested against the real
+//! CRIU and a real process (CRIU's CUDA plugin has the same idea). `TORPOR_FAULT=<point>` in the
+//! environment of `torpor snapshot` (or torpord) makes every snapshot fail at that point:
+//!
+//! - `before-dump`: after the driver's checkpoint (GPU memory now in the process), before CRIU;
+//! - `after-dump`: after CRIU wrote the images, before the snapshot is hashed and committed.
+//!
+//! CRIU's own failure points need no switch here: CRIU reads `CRIU_FAULT` from the environment
+//! torpor passes on (`1`: CRIU kills itself with its parasite inside the process, as a kill -9
+//! or the OOM killer would; `3`: the page dump fails after the memory was made readable), and a
+//! page write that fails for want of space is forced with a full filesystem.
+
+/// The environment variable that arms a fault point.
+pub const ENV: &str = "TORPOR_FAULT";
+
+/// A point of the snapshot at which a fault can be forced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Point {
+    BeforeDump,
+    AfterDump,
+}
+
+impl Point {
+    pub fn name(self) -> &'static str {
+        match self {
+            Point::BeforeDump => "before-dump",
+            Point::AfterDump => "after-dump",
+        }
+    }
+}
+
+/// Whether `TORPOR_FAULT` names `point`.
+pub fn armed(point: Point) -> bool {
+    std::env::var(ENV).is_ok_and(|v| v.trim() == point.name())
+}
