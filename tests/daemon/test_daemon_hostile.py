@@ -19,12 +19,14 @@ from typing import Any
 import pytest
 
 from daemon.conftest import Torpord
+from torpor import client
 
 TOKEN = "hostile-probe-token-0123456789"
 # Small bounds so that the tests reach them quickly.
 LOAD_TIMEOUT_S = 3  # [workers] load_timeout_s: a spec without load_timeout_s gets this
 MAX_CONNECTIONS = 32  # [http] max_connections, per listener
 HEADER_TIMEOUT_S = 2  # [http] header_timeout_s
+BODY_TIMEOUT_S = 4  # [http] body_timeout_s (the 63 MiB invoke body below arrives well within it)
 # In the daemon's environment: a worker must not see it.
 SECRET = "TORPOR_TEST_ONLY_NOT_SECRET_BUT_CLOSE"
 
@@ -48,6 +50,7 @@ def hostile(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPat
         f'tcp = "127.0.0.1:{port}"\ntoken_file = "{token}"\n'
         f"[workers]\nload_timeout_s = {LOAD_TIMEOUT_S}\n"
         f"[http]\nmax_connections = {MAX_CONNECTIONS}\nheader_timeout_s = {HEADER_TIMEOUT_S}\n"
+        f"body_timeout_s = {BODY_TIMEOUT_S}\n"
     )
     d = Torpord(torpor_bin, root, config=config, env={"HOSTILE_SECRET_VAR": SECRET, "AWS_SECRET_ACCESS_KEY": SECRET})
     d.port = port  # type: ignore[attr-defined]
@@ -245,21 +248,69 @@ def test_a_connection_that_sent_the_token_is_closed_last(hostile: Torpord) -> No
             s.close()
 
 
+def trickle(sock: socket.socket, head: bytes, every_s: float = 0.5, limit_s: float = 30) -> tuple[bytes, float]:
+    """Sends `head` (a request's headers, announcing a body), then its body one byte every
+    `every_s` until the daemon answers: the answer (read until the daemon closes) and the time it
+    took from the headers."""
+    import select
+
+    sock.sendall(head)
+    t = time.monotonic()
+    answer = b""
+    while time.monotonic() - t < limit_s:
+        readable, _, _ = select.select([sock], [], [], every_s)
+        if readable:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+            continue
+        if answer:
+            continue
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(b" ")
+    return answer, time.monotonic() - t
+
+
+def test_a_slow_body_is_refused_408_after_the_body_timeout(hostile: Torpord) -> None:
+    """Issue 13 item 5: an authenticated client that trickles an invoke body (a byte every 0.5 s,
+    so the connection never idles) is answered 408 with one JSON line once body_timeout_s has
+    passed, and its connection is closed; the Unix socket's routes have the same deadline."""
+    head = (
+        b"POST /v1/functions/anything/invoke HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: 100000\r\n\r\n".encode()
+    )
+    with socket.create_connection(("127.0.0.1", hostile.port), timeout=30) as s:  # type: ignore[attr-defined]
+        answer, took = trickle(s, head)
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 408"), answer[:300]
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert b"connection: close" in headers.lower(), headers
+    assert body.count(b"\n") == 0 and "body_timeout_s" in json.loads(body)["error"], body
+    assert BODY_TIMEOUT_S - 0.5 <= took <= BODY_TIMEOUT_S + 5, took
+    # The deploy route, on the Unix socket.
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(str(hostile.socket))
+        answer, took = trickle(
+            s, b"POST /v1/functions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n{"
+        )
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert took <= BODY_TIMEOUT_S + 5, took
+    # A body sent at once is not affected, and the daemon serves on.
+    status, body = raw_request(hostile, "POST", "/v1/functions/anything/invoke", b"{}")
+    assert status == 404, (status, body)
+
+
 # --- item 5: the smaller holes -----------------------------------------------------------------
 
 
 def raw_request(torpord: Torpord, method: str, path: str, body: bytes, timeout: float = 30) -> tuple[int, Any]:
-    from daemon.conftest import UnixHTTPConnection
-
-    conn = UnixHTTPConnection(torpord.socket, timeout)
-    conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    data = r.read()
-    conn.close()
+    r = client.request(torpord.socket, method, path, body, timeout)
     try:
-        return r.status, json.loads(data)
+        return r.status, json.loads(r.body)
     except ValueError:
-        return r.status, data
+        return r.status, r.body
 
 
 def test_a_deploy_body_must_be_an_object_without_nul(hostile: Torpord, tmp_path: Path) -> None:

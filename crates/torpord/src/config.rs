@@ -30,6 +30,8 @@
 //!                                 # that has not sent the token yet is closed, else the new one
 //! header_timeout_s = 10           # a request's headers must arrive within this of the connection's
 //!                                 # opening or its previous answer (so also the idle timeout): > 0, ≤ 3600
+//! body_timeout_s = 60             # a request's body must arrive whole within this of its headers,
+//!                                 # else 408: > 0, ≤ 3600
 //!
 //! [restore_server]                # caches of segments for restores (LRU), in bytes, each ≤ 2^50
 //! host_cache_bytes = 4294967296   # host memory (pinned on cuda): 4 GiB
@@ -261,18 +263,25 @@ pub struct Http {
     /// from its previous answer: an idle connection closes after this too.
     #[serde(rename = "header_timeout_s", serialize_with = "secs")]
     pub header_timeout: Duration,
+    /// How long a request's body may take to arrive, counted from its headers (crate::api's
+    /// body deadline): past it, 408.
+    #[serde(rename = "body_timeout_s", serialize_with = "secs")]
+    pub body_timeout: Duration,
 }
 
 /// The largest `http.max_connections`.
 pub const MAX_CONNECTIONS: i64 = 65_536;
 /// The largest `http.header_timeout_s`: an hour.
 pub const MAX_HEADER_TIMEOUT_S: f64 = 3_600.0;
+/// The largest `http.body_timeout_s`: an hour.
+pub const MAX_BODY_TIMEOUT_S: f64 = 3_600.0;
 
 impl Default for Http {
     fn default() -> Self {
         Self {
             max_connections: 1024,
             header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -517,6 +526,9 @@ impl Config {
             h.header_timeout = t
                 .seconds("header_timeout_s", true, MAX_HEADER_TIMEOUT_S)?
                 .unwrap_or(h.header_timeout);
+            h.body_timeout = t
+                .seconds("body_timeout_s", true, MAX_BODY_TIMEOUT_S)?
+                .unwrap_or(h.body_timeout);
             t.finish()?;
         }
         root.finish()?;
@@ -818,6 +830,7 @@ mod tests {
         ("workers", "load_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
         ("http", "max_connections", "65536", &["65537", "9223372036854775807", "0"], "from 1 to 65536"),
         ("http", "header_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
+        ("http", "body_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
         ("restore_server", "host_cache_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807", "-1"], "from 0 to 1125899906842624"),
         ("restore_server", "gpu_cache_bytes", "1125899906842624", &["1125899906842625", "-1"], "from 0 to 1125899906842624"),
         ("restore_server", "stage_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807"], "from 0 to 1125899906842624"),
@@ -845,8 +858,12 @@ mod tests {
         let d = Config::default();
         assert_eq!(d.load_timeout, Duration::from_secs(30));
         assert_eq!(
-            (d.http.max_connections, d.http.header_timeout),
-            (1024, Duration::from_secs(10))
+            (
+                d.http.max_connections,
+                d.http.header_timeout,
+                d.http.body_timeout
+            ),
+            (1024, Duration::from_secs(10), Duration::from_secs(60))
         );
     }
 

@@ -78,6 +78,7 @@ fn parse_body(
             description = "One JSON object per line: `{\"phase\": NAME, \"s\": SECONDS, …}` as each \
                 phase ends, then `{\"result\": {…}}`, or `{\"error\": MESSAGE, \"phase\": NAME}` if it failed"),
         (status = 400, description = "The body or the spec is invalid: the spec checker's line", body = super::types::ErrorBody),
+        (status = 408, description = "The body did not arrive within http.body_timeout_s of the headers", body = super::types::ErrorBody),
         (status = 500, description = "The daemon cannot deploy (e.g. the SDK is not found)", body = super::types::ErrorBody),
     ))]
 pub async fn deploy(

@@ -6,7 +6,7 @@ use std::path::{Component, Path as FsPath, PathBuf};
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 
@@ -54,7 +54,7 @@ pub async fn list(State(state): State<Arc<AppState>>) -> Result<Json<FunctionLis
     ))]
 pub async fn get(
     State(state): State<Arc<AppState>>,
-    Path(name): Path<String>,
+    super::FunctionName(name): super::FunctionName,
 ) -> Result<Json<FunctionDetail>, ApiError> {
     let detail = with_registry(&state, move |r| {
         r.with(|s| {
@@ -85,7 +85,7 @@ pub async fn get(
     ))]
 pub async fn delete(
     State(state): State<Arc<AppState>>,
-    Path(name): Path<String>,
+    super::FunctionName(name): super::FunctionName,
 ) -> Result<Json<Deleted>, ApiError> {
     // No deploy of it runs meanwhile.
     let _deploys = state.runtime.deploy_locks.function(&name).await;
@@ -179,7 +179,7 @@ pub async fn delete(
     ))]
 pub async fn stop(
     State(state): State<Arc<AppState>>,
-    Path(name): Path<String>,
+    super::FunctionName(name): super::FunctionName,
     body: Bytes,
 ) -> Result<Json<Stopped>, ApiError> {
     let req: StopRequest = if body.iter().all(u8::is_ascii_whitespace) {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -33,6 +33,7 @@ fn timings_header(t: &Timings) -> HeaderValue {
                 ("x-torpor-timings" = String, description = "The phases in seconds, as a JSON object (queue, start, restore, handler, overhead, total, …)"),
             )),
         (status = 400, description = "The body is not JSON", body = super::types::ErrorBody),
+        (status = 408, description = "The body did not arrive within http.body_timeout_s of the headers", body = super::types::ErrorBody),
         (status = 404, description = "No such function", body = super::types::ErrorBody),
         (status = 409, description = "The function is not ready (deploying or failed)", body = super::types::ErrorBody),
         (status = 429, description = "The function's queue is full", body = super::types::ErrorBody),
@@ -45,7 +46,7 @@ fn timings_header(t: &Timings) -> HeaderValue {
     ))]
 pub async fn invoke(
     State(state): State<Arc<AppState>>,
-    Path(name): Path<String>,
+    super::FunctionName(name): super::FunctionName,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| match e.status() {

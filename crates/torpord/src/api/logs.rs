@@ -11,7 +11,7 @@ use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::Json;
 use serde::{Deserialize, Serialize};
@@ -64,7 +64,7 @@ pub struct FunctionLogs {
     ))]
 pub async fn get(
     State(state): State<Arc<AppState>>,
-    Path(name): Path<String>,
+    super::FunctionName(name): super::FunctionName,
     RawQuery(query): RawQuery,
 ) -> Result<Json<FunctionLogs>, ApiError> {
     let mut lines = DEFAULT_LINES;

@@ -6,6 +6,7 @@
 //! code-first OpenAPI generator for axum; the schemas come from the same serde types the
 //! handlers answer with.
 
+mod body_deadline;
 mod deploy;
 mod functions;
 mod invoke;
@@ -101,6 +102,55 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A function's name from a route's path (`/v1/functions/{name}…`), checked before anything
+/// looks it up: a name is what spec.py accepts for torpor.toml's `name`
+/// (`[a-z0-9][a-z0-9_.-]{0,62}`), so `..`, `/`, NUL or bytes that are no UTF-8 are refused with
+/// 400 and one JSON error line, never reach the registry or a file path, and a path axum cannot
+/// decode is answered in JSON too (axum's own rejection is plain text).
+#[derive(Debug, Clone)]
+pub struct FunctionName(pub String);
+
+/// Whether `name` is a function name (python/torpor/spec.py's `NAME_RE`).
+pub fn is_function_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"_.-".contains(c))
+}
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for FunctionName {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        let bad = |got: String| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{got} is not a function name: a name is 1 to 63 of a-z, 0-9, '_', '.', '-', \
+                     starting with a letter or digit (torpor.toml's name; see `torpor ls`)"
+                ),
+            )
+        };
+        let axum::extract::Path(name) =
+            axum::extract::Path::<String>::from_request_parts(parts, state)
+                .await
+                .map_err(|e| bad(format!("the path's name ({})", e.body_text())))?;
+        if !is_function_name(&name) {
+            let mut shown: String = name.escape_debug().take(80).collect();
+            if name.len() > 80 {
+                shown.push('…');
+            }
+            return Err(bad(format!("\"{shown}\"")));
+        }
+        Ok(Self(name))
+    }
+}
+
 /// Runs registry work on the blocking pool (SQLite calls block).
 pub(crate) async fn with_registry<T: Send + 'static>(
     state: &AppState,
@@ -179,7 +229,13 @@ pub async fn openapi_json() -> Response {
 
 /// The API's routes, without authentication (the Unix socket's).
 pub fn router(state: Arc<AppState>) -> Router {
-    service_routes().with_state(state)
+    let body_timeout = state.config.http.body_timeout;
+    service_routes()
+        .with_state(state)
+        .layer(middleware::from_fn_with_state(
+            body_timeout,
+            body_deadline::limit,
+        ))
 }
 
 /// The routes with the fallbacks and the request log, before the state is given.
@@ -304,6 +360,28 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn function_names_are_spec_names_and_nothing_that_walks_a_path() {
+        for ok in ["resnet", "a", "gpt2-large", "x.y_z", &"a".repeat(63)] {
+            assert!(is_function_name(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "..",
+            ".",
+            "../etc",
+            "a/b",
+            "a\0b",
+            "A",
+            "-a",
+            ".a",
+            "é",
+            &"a".repeat(64),
+        ] {
+            assert!(!is_function_name(bad), "{bad:?}");
+        }
     }
 
     #[test]
