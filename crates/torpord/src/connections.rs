@@ -158,7 +158,12 @@ async fn until_stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
-/// Serves `app` on `listener` within `bounds` until `stop` turns true; then stops accepting,
+/// How long, once stopped, the listener waits for one more queued connection before it closes.
+const BACKLOG_POLL: Duration = Duration::from_millis(20);
+
+/// Serves `app` on `listener` within `bounds` until `stop` turns true; then serves one request
+/// on each connection still queued in the listener's backlog (its client has connected and may
+/// have sent its request: closing the listener would reset it unanswered), closes the listener,
 /// lets each connection finish its request in flight (idle ones close at once) and returns
 /// when all are closed. `what` names the listener in logs.
 pub async fn serve<L: Accept>(
@@ -174,6 +179,20 @@ pub async fn serve<L: Accept>(
     let permits = Arc::new(Semaphore::new(bounds.max_connections));
     let mut tasks = tokio::task::JoinSet::new();
     let mut accept_error_logged: Option<Instant> = None;
+    // Records an accepted connection and returns the task that serves it.
+    let admit = |io, permit, stop, keep_alive| {
+        let admitted = lock(&open).admit(&bounds);
+        serve_connection(
+            io,
+            app.clone(),
+            admitted,
+            permit,
+            bounds.header_timeout,
+            stop,
+            Arc::clone(&open),
+            keep_alive,
+        )
+    };
     loop {
         let accepted = tokio::select! {
             r = listener.accept_io() => r,
@@ -207,20 +226,24 @@ pub async fn serve<L: Accept>(
                 }
             }
         };
-        let admitted = lock(&open).admit(&bounds);
-        tasks.spawn(serve_connection(
-            io,
-            app.clone(),
-            admitted,
-            permit,
-            bounds.header_timeout,
-            stop.clone(),
-            Arc::clone(&open),
-        ));
+        tasks.spawn(admit(io, permit, stop.clone(), true));
     }
+    // Stopped: the queued connections get one request each, on a stop signal of their own that
+    // never fires (their keep-alive is off, so each closes after its answer).
+    let (_never_tx, never) = watch::channel(false);
+    while let Ok(Ok(io)) = tokio::time::timeout(BACKLOG_POLL, listener.accept_io()).await {
+        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+            continue; // over the bound: closed, as while running
+        };
+        tasks.spawn(admit(io, permit, never.clone(), false));
+    }
+    drop(listener);
     while tasks.join_next().await.is_some() {}
 }
 
+/// Serves one connection until it closes, `stop` turns true (then after its request in flight)
+/// or the admission closes it; `keep_alive: false` closes it after its first answer.
+#[allow(clippy::too_many_arguments)]
 async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     io: Io,
     app: Router,
@@ -229,9 +252,19 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     header_timeout: Duration,
     mut stop: watch::Receiver<bool>,
     open: Arc<Mutex<Open>>,
+    keep_alive: bool,
 ) {
     let auth = Arc::clone(&admitted.auth);
+    // Set when the first request's head has been read: a stop before that must not close the
+    // connection (hyper closes a connection with nothing read at once), since its client has
+    // connected and is sending a request it would then never see answered.
+    let first_request = Arc::new(Notify::new());
+    let started = Arc::new(AtomicBool::new(false));
+    let (seen, on_first) = (Arc::clone(&started), Arc::clone(&first_request));
     let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
+        if !seen.swap(true, Ordering::SeqCst) {
+            on_first.notify_one();
+        }
         req.extensions_mut().insert(Arc::clone(&auth));
         let mut app = app.clone();
         async move { app.call(req).await }
@@ -239,11 +272,16 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
+        .header_read_timeout(header_timeout)
+        .keep_alive(keep_alive);
     {
         let conn = builder.serve_connection(TokioIo::new(io), service);
         tokio::pin!(conn);
         let mut stopping = false;
+        // Stopped before its first request: it gets until the header timeout to send one.
+        let mut awaiting_first = false;
+        let first_deadline = tokio::time::sleep(header_timeout);
+        tokio::pin!(first_deadline);
         loop {
             tokio::select! {
                 _ = conn.as_mut() => break,
@@ -251,6 +289,18 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
                 () = admitted.close.notified() => break,
                 () = until_stopped(&mut stop), if !stopping => {
                     stopping = true;
+                    if started.load(Ordering::SeqCst) {
+                        conn.as_mut().graceful_shutdown();
+                    } else {
+                        awaiting_first = true;
+                    }
+                }
+                () = first_request.notified(), if awaiting_first => {
+                    awaiting_first = false;
+                    conn.as_mut().graceful_shutdown();
+                }
+                () = &mut first_deadline, if awaiting_first => {
+                    awaiting_first = false;
                     conn.as_mut().graceful_shutdown();
                 }
             }

@@ -275,6 +275,10 @@ impl Daemon {
                 result = flatten(joined);
             }
         }
+        // No new connection from here on (a client's connect now fails before it sends anything,
+        // so it can retry against the next daemon), then the listeners stop and serve what is
+        // already queued: a connection accepted by the kernel carries a request that was sent.
+        self.unix.unlink();
         let _ = stop_tx.send(true);
         let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
             while let Some(joined) = servers.join_next().await {

@@ -58,16 +58,22 @@ impl BoundSocket {
     pub fn take_listener(&mut self) -> Option<UnixListener> {
         self.listener.take()
     }
-}
 
-impl Drop for BoundSocket {
-    fn drop(&mut self) {
+    /// Removes the socket file, if it is still this one: from then on a client's connect fails
+    /// at once (ENOENT, nothing sent) while the listener still serves what is in its backlog.
+    pub fn unlink(&self) {
         if let Ok(meta) = std::fs::symlink_metadata(&self.path) {
             if (meta.dev(), meta.ino()) == self.id {
                 // Nothing to do if it is already gone.
                 let _ = std::fs::remove_file(&self.path);
             }
         }
+    }
+}
+
+impl Drop for BoundSocket {
+    fn drop(&mut self) {
+        self.unlink();
     }
 }
 
