@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# The checkout's SDK: its client of the daemon's API (torpor.client).
+sys.path.insert(0, str(ROOT / "python"))
+from torpor import client  # noqa: E402
+
 TORPOR = Path(os.environ.get("TORPOR_BIN", str(ROOT / "target/release/torpor")))
 STAGES = ("warm", "gpu_released", "hibernated", "evicted")
 
@@ -80,18 +83,6 @@ def has_gpu() -> bool:
     except (OSError, subprocess.CalledProcessError):
         return False
     return True
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path, timeout: float) -> None:
-        super().__init__("torpord", timeout=timeout)
-        self.socket_path = str(path)
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.socket_path)
-        self.sock = s
 
 
 @dataclass
@@ -164,17 +155,13 @@ class Daemon:
     def invoke_http(self, name: str, request: Any) -> Call:
         """The same over the API socket, for requests sent at the same moment."""
         t = time.monotonic()
-        conn = UnixHTTPConnection(self.socket, timeout=300)
-        conn.request("POST", f"/v1/functions/{name}/invoke", body=json.dumps(request).encode())
-        r = conn.getresponse()
-        body = r.read()
-        conn.close()
+        r = client.request(self.socket, "POST", f"/v1/functions/{name}/invoke", request, timeout=300)
         if r.status != 200:
-            raise DemoError(f"invoke {name} answered {r.status}: {body.decode(errors='replace')}")
+            raise DemoError(f"invoke {name} answered {r.status}: {r.body.decode(errors='replace')}")
         return Call(
-            json.loads(body),
-            r.getheader("x-torpor-start") or "?",
-            json.loads(r.getheader("x-torpor-timings") or "{}"),
+            r.json(),
+            r.headers.get("x-torpor-start") or "?",
+            json.loads(r.headers.get("x-torpor-timings") or "{}"),
             time.monotonic() - t,
         )
 
@@ -187,11 +174,7 @@ class Daemon:
         raise DemoError(f"torpor ls does not list {name}")
 
     def metrics(self) -> str:
-        conn = UnixHTTPConnection(self.socket, timeout=30)
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-        conn.close()
-        return text
+        return client.request(self.socket, "GET", "/metrics", timeout=30).body.decode()
 
 
 def counts_text(counts: dict[str, int]) -> str:

@@ -49,7 +49,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -66,6 +65,9 @@ FUNCTIONS = HERE / "functions"
 sys.path.insert(0, str(HERE))
 
 from run import disk_usage, find_torpor, machine, summary  # noqa: E402
+
+sys.path.insert(1, str(ROOT / "python"))
+from torpor import client  # noqa: E402
 
 Json = dict[str, Any]
 GIB = 1 << 30
@@ -215,18 +217,6 @@ def render_toml(config: Json) -> str:
 # The daemon, over its Unix socket
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path, timeout: float) -> None:
-        super().__init__("torpord", timeout=timeout)
-        self.unix_path = str(path)
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.unix_path)
-        self.sock = s
-
-
 def pids_with(text: str) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -271,14 +261,8 @@ class Daemon:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
 
     def request(self, method: str, path: str, body: Any = None, timeout: float = 600) -> tuple[int, dict[str, str], bytes]:
-        conn = UnixHTTPConnection(self.socket, timeout)
-        try:
-            data = None if body is None else json.dumps(body).encode()
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
-            r = conn.getresponse()
-            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-        finally:
-            conn.close()
+        r = client.request(self.socket, method, path, None if body is None else json.dumps(body).encode(), timeout)
+        return r.status, r.headers, r.body
 
     def invoke(self, name: str, request: Any) -> Json:
         """One invoke, timed from the send to the last byte of the answer."""

@@ -45,7 +45,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,8 +59,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(ROOT / "python"))
 
 import table
+from torpor import client
 from traces import PATTERNS, Trace, generate
 
 Json = dict[str, Any]
@@ -73,29 +74,11 @@ GIB = 1 << 30
 # HTTP over the daemon's Unix socket
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("torpord", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.unix_path)
-        self.sock = s
-
-
 def request(
     sock: str, method: str, path: str, body: bytes | None, timeout: float
 ) -> tuple[int, dict[str, str], bytes]:
-    conn = UnixHTTPConnection(sock, timeout)
-    try:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        conn.request(method, path, body=body, headers=headers)
-        r = conn.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-    finally:
-        conn.close()
+    r = client.request(sock, method, path, body, timeout)
+    return r.status, r.headers, r.body
 
 
 def invoke(sock: str, function: str, body: Any, timeout: float) -> Json:

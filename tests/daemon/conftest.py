@@ -3,20 +3,18 @@ and an HTTP client over the socket. Every worker it started is killed at teardow
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import kill_tree, pids_with
+from torpor import client
 
 HERE = Path(__file__).resolve().parent
 FUNCTIONS = HERE / "functions"
@@ -26,26 +24,8 @@ QUEUE_LENGTH = 3
 QUEUE_TIMEOUT_S = 1.5
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path, timeout: float) -> None:
-        super().__init__("torpord", timeout=timeout)
-        self.path = str(path)
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.path)
-        self.sock = s
-
-
-@dataclass
-class Answer:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
+class Answer(client.Response):
+    """An answer, with the daemon's start and timings headers read."""
 
     @property
     def start(self) -> str | None:
@@ -99,14 +79,9 @@ class Torpord:
         return self.log.read_text(errors="replace")[-4000:]
 
     def request(self, method: str, path: str, body: Any = None, timeout: float = 60.0) -> Answer:
-        conn = UnixHTTPConnection(self.socket, timeout)
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        conn.request(method, path, body=data, headers=headers)
-        r = conn.getresponse()
-        out = Answer(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
-        conn.close()
-        return out
+        """`body` as JSON (`None`: no body)."""
+        r = client.request(self.socket, method, path, None if body is None else json.dumps(body).encode(), timeout)
+        return Answer(r.status, r.headers, r.body)
 
     def invoke(self, name: str, request: Any, timeout: float = 60.0) -> Answer:
         return self.request("POST", f"/v1/functions/{name}/invoke", request, timeout)

@@ -20,7 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import FUNCTIONS, Torpord, UnixHTTPConnection
+from torpor.client import UnixHTTPConnection
+
+from .conftest import FUNCTIONS, Torpord
 
 
 @pytest.fixture(scope="module")
