@@ -48,11 +48,12 @@ demo: release criu
 demo-snapshot: release criu
 	TORPOR_BIN=$(CURDIR)/$(RELEASE_BIN) $(PYTHON) scripts/demo_snapshot.py
 
-# One wheel with the torpor binary (CLI and daemon) and the Python SDK: pip install target/wheels/torpor-*.whl
-# (maturin, "bin" bindings; see docs/install.md). The SDK alone: pip install ./python.
+# One wheel with the torpor binary (CLI and daemon), the Python SDK and the device-memory hook:
+# pip install target/wheels/torpor-*.whl (maturin, "bin" bindings; see docs/install.md).
+# The SDK alone: pip install ./python.
 wheel:
 	@$(PYTHON) -m maturin --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q 'maturin>=1.5,<2'
-	$(PYTHON) -m maturin build --release --out target/wheels
+	PYTHON=$(PYTHON) bash scripts/build-wheel.sh release target/wheels
 
 # What the GPU machine needs (it has no Rust and no network): the release binary and CRIU's .debs.
 gpu-carry: release
@@ -63,6 +64,7 @@ gpu-carry: release
 	git rev-parse HEAD > .gpu/commit
 	git status --porcelain --untracked-files=no > .gpu/dirty
 	bash scripts/provision-criu.sh --download-only .criu-debs
+	bash scripts/gpu-carry-wheels.sh .whl
 
 clean:
 	$(CARGO) clean

@@ -43,6 +43,12 @@ export TORPOR_BIN=$PWD/.gpu/torpor
 # The device-memory hook (tests/test_hook_gpu.py, the SDK's hook tests); copied by `make gpu-carry`.
 [ -f .gpu/libtorpor_hook.so ] && export TORPOR_HOOK_LIB=$PWD/.gpu/libtorpor_hook.so
 export TORPOR_CRIU_DEBS=$PWD/.criu-debs
+# Test dependencies the GPU image lacks (jsonschema and its needs), carried as wheels by
+# `make gpu-carry` (scripts/gpu-carry-wheels.sh): installed aside, never into the image's Python.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/torpor-site .whl/*.whl &&
+    export PYTHONPATH=/tmp/torpor-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 # No .git travels: the commit the binary was built from, recorded by `make gpu-carry`.
 [ -f .gpu/commit ] && TORPOR_COMMIT=$(cat .gpu/commit) && export TORPOR_COMMIT
 [ -f .gpu/dirty ] && TORPOR_DIRTY=$(cat .gpu/dirty) && export TORPOR_DIRTY

@@ -1,8 +1,9 @@
 """The wheel (root pyproject.toml, maturin "bin" bindings) gives the CLI and the SDK in one
-`pip install`: built here with the dev profile (`make wheel` builds the same wheel in release),
-installed into a fresh venv, and used from there: the binary on the venv's PATH, the package in
-its site-packages, and a real deploy and invoke through `torpor serve` run from the venv, which
-must find the SDK beside itself (no TORPOR_PYTHONPATH, no checkout on any path)."""
+`pip install`: built here with the dev profile by scripts/build-wheel.sh (`make wheel` builds the
+same wheel in release), installed into a fresh venv, and used from there: the binary on the venv's
+PATH, the package in its site-packages, and a real deploy and invoke through `torpor serve` run
+from the venv, which must find the SDK and the device-memory hook beside itself (no
+TORPOR_PYTHONPATH, no TORPOR_HOOK_LIB, no checkout on any path)."""
 
 from __future__ import annotations
 
@@ -50,11 +51,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("maturin is not installed here (make pytest installs it)")
     out = tmp_path_factory.mktemp("wheel")
     r = subprocess.run(
-        [sys.executable, "-m", "maturin", "build", "--profile", "dev", "--out", out],
+        ["bash", ROOT / "scripts/build-wheel.sh", "dev", out],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
+        env={**os.environ, "PYTHON": sys.executable},
     )
     assert r.returncode == 0, r.stdout + r.stderr
     (built,) = out.glob("torpor-*.whl")
@@ -80,8 +82,12 @@ def test_the_wheel_holds_the_binary_and_the_typed_package(wheel: Path) -> None:
     assert wheel.name.startswith(f"torpor-{version}-")
     names = zipfile.ZipFile(wheel).namelist()
     assert f"torpor-{version}.data/scripts/torpor" in names
-    for module in ("__init__.py", "worker.py", "spec.py", "py.typed"):
+    for module in ("__init__.py", "worker.py", "spec.py", "py.typed", "libtorpor_hook.so"):
         assert f"torpor/{module}" in names, names
+    # The hook is the one the workspace builds (an ELF shared object exporting the C API the SDK
+    # binds), not a stale or empty file.
+    hook = zipfile.ZipFile(wheel).read("torpor/libtorpor_hook.so")
+    assert hook[:4] == b"\x7fELF" and b"torpor_hook_abi_version" in hook, len(hook)
 
 
 def test_one_install_gives_the_cli_and_the_sdk(venv: Path, tmp_path: Path) -> None:
@@ -100,12 +106,21 @@ def test_the_installed_daemon_deploys_and_invokes_with_the_installed_sdk(venv: P
     state, sock, log = tmp_path / "state", tmp_path / "torpord.sock", tmp_path / "torpord.log"
     # Nothing of the checkout: the daemon must find the SDK in the venv's site-packages, and the
     # workers run the venv's interpreter, which has no access to the repository's python/.
-    env = {k: v for k, v in os.environ.items() if k not in ("TORPOR_PYTHONPATH", "PYTHONPATH", "TORPOR_SOCKET")}
+    # Nor the checkout's hook: the daemon must find the one the wheel installed in the package.
+    dropped = ("TORPOR_PYTHONPATH", "PYTHONPATH", "TORPOR_SOCKET", "TORPOR_HOOK_LIB", "LD_PRELOAD")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
     # cwd: the daemon's own directory is not the checkout either.
     daemon = serve([torpor, "serve", "--state-dir", state, "--socket", sock], sock, log, env, cwd=tmp_path)
     try:
         env["TORPOR_SOCKET"] = str(sock)
+        installed_hook = imported_from(venv, tmp_path).parent / "libtorpor_hook.so"
+        r = subprocess.run([torpor, "status", "--json"], capture_output=True, text=True, env=env, check=True)
+        hook = json.loads(r.stdout)["hook"]
+        assert hook["library"] == str(installed_hook), hook
+        assert hook["missing"] is None and hook["split"] and hook["gpu_workers"] == "segments", hook
+        r = subprocess.run([torpor, "status"], capture_output=True, text=True, env=env, check=True)
+        assert f"hook        {installed_hook} (split on" in r.stdout, r.stdout
         r = subprocess.run([torpor, "deploy", fdir], capture_output=True, text=True, env=env, check=False)
         assert r.returncode == 0, r.stdout + r.stderr + log.read_text()[-3000:]
         r = subprocess.run(
@@ -123,6 +138,9 @@ def test_the_installed_daemon_deploys_and_invokes_with_the_installed_sdk(venv: P
         assert paths, "no live worker found"
         for p in paths:
             assert Path(p.split(":")[0]).is_relative_to(venv / "lib"), p
+        # And the installed hook (split snapshots: `torpor.buffer()` works in its workers).
+        hooks = {env_of(pid).get("TORPOR_HOOK_LIB") for pid in workers_of(state)}
+        assert hooks == {str(installed_hook)}, hooks
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=30)

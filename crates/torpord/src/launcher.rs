@@ -15,10 +15,10 @@ use std::process::{Command, ExitCode, Stdio};
 
 use torpor_snapshot::mounts::MountPolicy;
 
+use crate::split::HookPreload;
+
 /// The hidden subcommand of `torpor` and `torpord` that launches one worker.
 pub const LAUNCH_SUBCOMMAND: &str = "__launch";
-/// Names the directory holding the `torpor` Python package.
-pub const PYTHONPATH_ENV: &str = "TORPOR_PYTHONPATH";
 /// The socket the worker connects to.
 pub const WORKER_SOCKET_ENV: &str = "TORPOR_WORKER_SOCKET";
 
@@ -66,7 +66,7 @@ fn worker_mounts(state_dir: &Path) -> Result<MountPolicy, String> {
         )
     })?;
     let mut policy = MountPolicy::worker(vec![state_dir]);
-    if let Ok(python) = python_dir() {
+    if let Ok(python) = crate::sdk_dir::python_dir() {
         let table = std::fs::read_to_string("/proc/self/mountinfo")
             .map_err(|e| format!("cannot read this process's mount table: {e}"))?;
         if !policy.reaches(&python, &torpor_snapshot::mounts::parse(&table)) {
@@ -74,59 +74,6 @@ fn worker_mounts(state_dir: &Path) -> Result<MountPolicy, String> {
         }
     }
     Ok(policy)
-}
-
-/// The directory holding the `torpor` Python package, or why there is none.
-pub fn python_dir() -> Result<PathBuf, String> {
-    if let Some(dir) = std::env::var_os(PYTHONPATH_ENV).filter(|d| !d.is_empty()) {
-        let dir = PathBuf::from(dir);
-        if dir.join("torpor/worker.py").is_file() {
-            return Ok(dir);
-        }
-        return Err(format!(
-            "${PYTHONPATH_ENV}={} holds no torpor/worker.py: point it at the directory that \
-             contains the torpor Python package (the repository's python/)",
-            dir.display()
-        ));
-    }
-    let exe = std::env::current_exe()
-        .map_err(|e| format!("cannot find the running executable ({e}): set ${PYTHONPATH_ENV}"))?;
-    let exe = exe.canonicalize().unwrap_or(exe);
-    for dir in exe.ancestors().skip(1) {
-        if let Some(found) = package_dirs(dir)
-            .into_iter()
-            .find(|d| d.join("torpor/worker.py").is_file())
-        {
-            return Ok(found);
-        }
-    }
-    Err(format!(
-        "cannot find the torpor Python package near {}: set ${PYTHONPATH_ENV} to the \
-         directory that contains torpor/worker.py (the repository's python/)",
-        exe.display()
-    ))
-}
-
-/// Where the `torpor` package may be relative to a directory above the executable: `python/` of
-/// a source tree (`<repo>/target/release/torpor`), or the site-packages of an installed wheel,
-/// which puts the binary in `<prefix>/bin` and the package in
-/// `<prefix>/lib/python3.X/{site,dist}-packages` (a virtual environment, /usr/local).
-fn package_dirs(dir: &Path) -> Vec<PathBuf> {
-    let mut out = vec![dir.join("python")];
-    let Ok(entries) = std::fs::read_dir(dir.join("lib")) else {
-        return out;
-    };
-    let mut pythons: Vec<PathBuf> = entries
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
-        .map(|e| e.path())
-        .collect();
-    pythons.sort();
-    for p in pythons {
-        out.push(p.join("site-packages"));
-        out.push(p.join("dist-packages"));
-    }
-    out
 }
 
 /// `PYTHONPATH` for workers: the package's directory, then whatever was set before.
@@ -142,7 +89,8 @@ pub fn pythonpath(python_dir: &Path) -> OsString {
 /// The variables of the daemon's environment a worker keeps; every other one is left out, so a
 /// function never sees the daemon's secrets (cloud credentials, tokens) or settings meant for it.
 /// The worker also gets what the launcher sets: `TORPOR_WORKER_SOCKET`, `PYTHONPATH`,
-/// `PYTHONUNBUFFERED` and, with the hook, `TORPOR_HOOK_LIB`, `TORPOR_HOOK_CUDA`, `LD_PRELOAD`.
+/// `PYTHONUNBUFFERED` and, with the hook, `TORPOR_HOOK_LIB`, `TORPOR_HOOK_CUDA`, `LD_PRELOAD`
+/// (every GPU worker preloads it: [`crate::split::Split::worker_hook`]).
 /// (A restored instance has the environment its base was booted with: it is part of the
 /// snapshot.) docs/torpord.md, "Worker environment".
 pub const WORKER_ENV: &[&str] = &["PATH", "HOME", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH"];
@@ -182,12 +130,12 @@ pub struct WorkerCommand<'a> {
     pub state_dir: &'a Path,
     pub workers_socket: &'a Path,
     pub python_dir: &'a Path,
-    /// The device-memory hook: the worker gets `TORPOR_HOOK_LIB`, so that `torpor.buffer()`
-    /// works.
+    /// The device-memory hook, used as `preload_hook` says ([`crate::split::Split::worker_hook`]).
     pub hook: Option<&'a Path>,
-    /// Also preload the hook with `TORPOR_HOOK_CUDA=1` (a GPU worker on the split path), so
-    /// that its big `cudaMalloc`s become segments.
-    pub preload_hook: bool,
+    /// How the worker uses `hook`: `TORPOR_HOOK_LIB` (so that `torpor.buffer()` works) and
+    /// `LD_PRELOAD`, watching only or with `TORPOR_HOOK_CUDA=1` (so that its big `cudaMalloc`s
+    /// become segments).
+    pub preload_hook: crate::split::HookUse,
 }
 
 /// Why a worker could not be launched, or found under its init.
@@ -248,9 +196,17 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, LaunchError> {
         .env_remove("TORPOR_HOOK_CUDA");
     if let Some(hook) = w.hook {
         let hook = absolute(hook);
-        cmd.env(crate::split::HOOK_LIB_ENV, &hook);
-        if w.preload_hook {
-            cmd.env("LD_PRELOAD", &hook).env("TORPOR_HOOK_CUDA", "1");
+        if w.preload_hook.buffers {
+            cmd.env(crate::split::HOOK_LIB_ENV, &hook);
+        }
+        match w.preload_hook.preload {
+            HookPreload::No => {}
+            HookPreload::Watch => {
+                cmd.env("LD_PRELOAD", &hook);
+            }
+            HookPreload::Segments => {
+                cmd.env("LD_PRELOAD", &hook).env("TORPOR_HOOK_CUDA", "1");
+            }
         }
     }
     let out = cmd
@@ -271,6 +227,22 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, LaunchError> {
             stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
         }),
     }
+}
+
+/// What the worker tree under `init` holds that the CUDA driver's checkpoint cannot restore
+/// (CUDA IPC, managed memory, multi-rank NCCL: the records of the hook every GPU worker
+/// preloads), as the one line that names it and the way around it; `None` when nothing. An
+/// io_uring counts only for a snapshot (`for_criu`): an in-place GPU release never meets CRIU.
+/// The keep-alive steps ask this before touching the driver, so that such an instance is left
+/// warm and serving instead of checkpointed and never resumed (docs/compat.md).
+pub async fn unrestorable(init: i32, for_criu: bool) -> Option<String> {
+    use torpor_snapshot::unsupported::{find, Refusal};
+    tokio::task::spawn_blocking(move || find(&torpor_snapshot::proctree::tree(init)))
+        .await
+        .ok()
+        .flatten()
+        .filter(|r| for_criu || !matches!(r, Refusal::IoUring { .. }))
+        .map(|r| r.to_string())
 }
 
 /// The host pid of the worker under init `init` (its only child).
@@ -362,21 +334,5 @@ mod tests {
         for (k, _) in worker_env() {
             assert!(kept(k.to_str().unwrap()), "{k:?}");
         }
-    }
-
-    #[test]
-    fn the_package_is_found_in_a_source_tree_and_in_site_packages() {
-        let root = tempfile::tempdir().unwrap();
-        let dirs = package_dirs(root.path());
-        assert_eq!(dirs, vec![root.path().join("python")]);
-        let site = root.path().join("lib/python3.11/site-packages");
-        std::fs::create_dir_all(site.join("torpor")).unwrap();
-        std::fs::create_dir_all(root.path().join("lib/pkgconfig")).unwrap();
-        let dirs = package_dirs(root.path());
-        assert!(dirs.contains(&site), "{dirs:?}");
-        assert!(dirs.contains(&root.path().join("lib/python3.11/dist-packages")));
-        assert!(!dirs
-            .iter()
-            .any(|d| d.starts_with(root.path().join("lib/pkgconfig"))));
     }
 }

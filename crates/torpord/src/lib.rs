@@ -33,6 +33,7 @@ mod run;
 pub mod runtime;
 #[cfg(test)]
 mod schema_file;
+pub mod sdk_dir;
 pub mod server;
 pub mod socket;
 pub mod spec;

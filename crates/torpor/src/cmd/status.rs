@@ -41,5 +41,25 @@ pub fn run(daemon: &DaemonArgs, json: bool) -> anyhow::Result<ExitCode> {
         "queue       {} requests per function, {} s timeout",
         s.queue.length, s.queue.timeout_s
     );
+    let h = &s.hook;
+    match (&h.library, &h.missing) {
+        (Some(lib), _) => println!(
+            "hook        {} (split {}, GPU memory split {}, GPU workers: {})",
+            lib.display(),
+            on(h.split),
+            on(h.split_gpu),
+            h.gpu_workers
+        ),
+        (None, Some(why)) => println!("hook        none: {why}"),
+        (None, None) => println!("hook        none"),
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+fn on(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
 }

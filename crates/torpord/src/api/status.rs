@@ -35,5 +35,23 @@ pub async fn get(State(state): State<Arc<AppState>>) -> Result<Json<Status>, Api
         instances: counts.instances,
         keepalive: c.keepalive.into(),
         queue: c.queue.into(),
+        hook: hook_status(&state.runtime.split),
     }))
+}
+
+fn hook_status(split: &crate::split::Split) -> super::types::HookStatus {
+    use crate::split::HookPreload;
+    let (lib, using) = split.worker_hook(true);
+    super::types::HookStatus {
+        library: split.hook_lib.clone(),
+        missing: split.hook_missing.clone(),
+        split: split.enabled,
+        split_gpu: split.gpu_enabled,
+        gpu_workers: match (lib, using.preload) {
+            (None, _) | (_, HookPreload::No) => "none",
+            (Some(_), HookPreload::Watch) => "watch",
+            (Some(_), HookPreload::Segments) => "segments",
+        }
+        .to_string(),
+    }
 }

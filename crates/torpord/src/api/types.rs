@@ -61,6 +61,27 @@ pub struct Status {
     pub keepalive: KeepaliveSecs,
     /// Per-function queue limits.
     pub queue: QueueSecs,
+    /// The device-memory hook (`libtorpor_hook.so`) and what this daemon does with it.
+    pub hook: HookStatus,
+}
+
+/// The device-memory hook as the daemon found and uses it (docs/split.md, docs/compat.md).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct HookStatus {
+    /// The library workers get (`$TORPOR_HOOK_LIB`, else beside the binary, else in the
+    /// installed torpor package); none when it was not found.
+    #[schema(value_type = Option<String>)]
+    pub library: Option<PathBuf>,
+    /// Why it was not found, and what to do.
+    pub missing: Option<String>,
+    /// Split snapshots for functions deployed from now on (config `split`, and the hook found).
+    pub split: bool,
+    /// GPU memory on the split path too (config `split_gpu`).
+    pub split_gpu: bool,
+    /// How GPU workers have it preloaded: `segments` (split GPU path), `watch` (records CUDA
+    /// IPC, managed memory and multi-rank NCCL so that their snapshots are refused before the
+    /// driver is touched), `none` (no hook found).
+    pub gpu_workers: String,
 }
 
 /// [`Keepalive`] in seconds.

@@ -122,6 +122,8 @@ pub struct Split {
     pub gpu_enabled: bool,
     /// The hook library workers are started with, if found.
     pub hook_lib: Option<PathBuf>,
+    /// Why none was found ([`HookLibError`]'s line).
+    pub hook_missing: Option<String>,
     store_root: PathBuf,
     store: OnceLock<Result<ChunkStore, String>>,
     host: OnceLock<Arc<dyn SegmentDevice>>,
@@ -149,30 +151,71 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The hook library: `$TORPOR_HOOK_LIB`, else `libtorpor_hook.so` beside the executable.
-pub fn find_hook_lib() -> Result<PathBuf, String> {
+/// Why no hook library was found.
+#[derive(Debug, thiserror::Error)]
+pub enum HookLibError {
+    /// `$TORPOR_HOOK_LIB` names something that is not a file.
+    #[error("${HOOK_LIB_ENV}={} is not a file: point it at libtorpor_hook.so", .0.display())]
+    NotAFile(PathBuf),
+    /// None in any of the places looked at (`looked`, in order).
+    #[error(
+        "no {HOOK_LIB_FILE} in {} and ${HOOK_LIB_ENV} is not set: install the wheel \
+         (`make wheel`, which ships it in the torpor package), build it (`cargo build -p \
+         torpor-hook --lib`, beside the torpor binary) or set ${HOOK_LIB_ENV}",
+        .looked.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    NotFound { looked: Vec<PathBuf> },
+}
+
+/// The hook library: `$TORPOR_HOOK_LIB`, else `libtorpor_hook.so` beside the executable (a
+/// build tree, `target/<profile>/`), else in the `torpor` Python package the daemon gives its
+/// workers ([`crate::sdk_dir::python_dir`]), where the wheel installs it.
+pub fn find_hook_lib() -> Result<PathBuf, HookLibError> {
     if let Some(p) = std::env::var_os(HOOK_LIB_ENV).filter(|p| !p.is_empty()) {
         let p = PathBuf::from(p);
         return if p.is_file() {
             Ok(std::path::absolute(&p).unwrap_or(p))
         } else {
-            Err(format!(
-                "${HOOK_LIB_ENV}={} is not a file: point it at libtorpor_hook.so",
-                p.display()
-            ))
+            Err(HookLibError::NotAFile(p))
         };
     }
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let exe = exe.canonicalize().unwrap_or(exe);
-    let beside = exe.with_file_name(HOOK_LIB_FILE);
-    if beside.is_file() {
-        return Ok(beside);
+    let mut looked = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        let exe = exe.canonicalize().unwrap_or(exe);
+        looked.push(exe.with_file_name(HOOK_LIB_FILE));
     }
-    Err(format!(
-        "no {HOOK_LIB_FILE} beside {} and ${HOOK_LIB_ENV} is not set: build it (cargo build \
-         --workspace) or set ${HOOK_LIB_ENV}",
-        exe.display()
-    ))
+    if let Ok(python) = crate::sdk_dir::python_dir() {
+        looked.push(python.join("torpor").join(HOOK_LIB_FILE));
+    }
+    match looked.iter().find(|p| p.is_file()) {
+        Some(found) => Ok(found.clone()),
+        None => Err(HookLibError::NotFound { looked }),
+    }
+}
+
+/// How a worker uses the hook library [`Split::worker_hook`] names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HookUse {
+    /// `TORPOR_HOOK_LIB` names it, so that `torpor.buffer()` works: every worker on the split
+    /// path.
+    pub buffers: bool,
+    /// Whether and how it is preloaded.
+    pub preload: HookPreload,
+}
+
+/// Whether and how a worker has the hook preloaded (`LD_PRELOAD`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HookPreload {
+    /// Not preloaded: CPU workers.
+    No,
+    /// Preloaded without `TORPOR_HOOK_CUDA`: no allocation changes, only the records of GPU
+    /// state the driver's checkpoint cannot restore (CUDA IPC, managed memory, multi-rank NCCL),
+    /// so that a snapshot of the worker refuses it before the driver is touched
+    /// (crates/torpor-hook/src/markers.rs). GPU workers off the split GPU path.
+    Watch,
+    /// Preloaded with `TORPOR_HOOK_CUDA=1`: big allocations become segments (the split GPU
+    /// path); it watches too.
+    Segments,
 }
 
 impl Split {
@@ -184,12 +227,20 @@ impl Split {
         metrics: &crate::metrics::Metrics,
         key: Arc<torpor_image::SnapshotKey>,
     ) -> Self {
-        let hook_lib = match find_hook_lib() {
+        let found = find_hook_lib();
+        let hook_missing = found.as_ref().err().map(ToString::to_string);
+        let hook_lib = match found {
             Ok(p) => Some(p),
             Err(e) => {
-                if wanted {
-                    tracing::warn!("split snapshots are off: {e}");
-                }
+                let off = if wanted {
+                    "split snapshots are off and "
+                } else {
+                    ""
+                };
+                tracing::warn!(
+                    "{off}GPU workers start without the hook (CUDA IPC, managed memory and \
+                     multi-rank NCCL are then seen only when the driver's checkpoint fails): {e}"
+                );
                 None
             }
         };
@@ -197,6 +248,7 @@ impl Split {
             enabled: wanted && hook_lib.is_some(),
             gpu_enabled: wanted && wanted_gpu && hook_lib.is_some(),
             hook_lib,
+            hook_missing,
             store_root: state_root.join(STORE_DIR),
             store: OnceLock::new(),
             host: OnceLock::new(),
@@ -210,26 +262,42 @@ impl Split {
         }
     }
 
-    /// How workers get the hook: (the library, preloaded). With split on, every worker gets the
-    /// library (`torpor.buffer()`), and with `split_gpu` a GPU worker has it preloaded with
-    /// `TORPOR_HOOK_CUDA=1`, so that its big CUDA allocations become segments.
-    /// With `split = false` no worker gets it: the transparent path as before, where
-    /// `torpor.buffer()` raises an error naming `TORPOR_HOOK_LIB` (CRIU cannot restore the sealed
-    /// memfds of read-only buffers).
-    pub fn worker_hook(&self, gpu: bool) -> (Option<PathBuf>, bool) {
-        if !self.enabled {
-            return (None, false);
-        }
-        (self.hook_lib.clone(), gpu && self.gpu_enabled)
+    /// How a worker gets the hook: (the library, how it is used); no library when the worker
+    /// does not use it or none was found. With split on, every worker
+    /// gets the library (`torpor.buffer()`), and with `split_gpu` a GPU worker has it preloaded
+    /// with `TORPOR_HOOK_CUDA=1`, so that its big CUDA allocations become segments. Every other
+    /// GPU worker has it preloaded to watch ([`HookPreload::Watch`]), so that CUDA IPC, managed
+    /// memory and multi-rank NCCL are refused before the driver is touched, as for `torpor run`.
+    /// With `split = false` no worker gets `TORPOR_HOOK_LIB`: the transparent path, where
+    /// `torpor.buffer()` raises an error naming it (CRIU cannot restore the sealed memfds of
+    /// read-only buffers).
+    pub fn worker_hook(&self, gpu: bool) -> (Option<PathBuf>, HookUse) {
+        let preload = match (gpu, self.gpu_enabled) {
+            (false, _) => HookPreload::No,
+            (true, true) => HookPreload::Segments,
+            (true, false) => HookPreload::Watch,
+        };
+        let using = HookUse {
+            buffers: self.enabled,
+            preload,
+        };
+        let used = using.buffers || using.preload != HookPreload::No;
+        (self.hook_lib.clone().filter(|_| used), using)
     }
 
     /// The part of a base key that says how the base's workers got the hook: a base booted
     /// otherwise is never restored for this daemon's deploys.
     pub fn base_key_suffix(&self, gpu: bool) -> &'static str {
-        match self.worker_hook(gpu) {
-            (None, _) => "",
-            (Some(_), false) => "|hook",
-            (Some(_), true) => "|hook+cuda",
+        let (lib, using) = self.worker_hook(gpu);
+        if lib.is_none() {
+            return "";
+        }
+        match (using.buffers, using.preload) {
+            (false, HookPreload::No) => "",
+            (false, _) => "|watch",
+            (true, HookPreload::No) => "|hook",
+            (true, HookPreload::Watch) => "|hook+watch",
+            (true, HookPreload::Segments) => "|hook+cuda",
         }
     }
 
@@ -362,5 +430,87 @@ pub fn release_snapshot_of_dir(dir: &Path) {
         // A writer is between its chunks and its commit: the next release collects.
         Ok(None) => {}
         Err(e) => tracing::warn!(error = %e, "chunk store GC failed"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(hook: Option<&str>, wanted: bool, wanted_gpu: bool) -> Split {
+        let metrics = crate::metrics::Metrics::new().unwrap();
+        let key = Arc::new(crate::staging::test_key());
+        let state = tempfile::tempdir().unwrap();
+        let mut s = Split::new(
+            state.path(),
+            wanted,
+            wanted_gpu,
+            &RestoreServer::default(),
+            &metrics,
+            key,
+        );
+        // What Split::new found in this environment is replaced by the case under test.
+        s.hook_lib = hook.map(PathBuf::from);
+        s.enabled = wanted && hook.is_some();
+        s.gpu_enabled = s.enabled && wanted_gpu;
+        s
+    }
+
+    fn uses(
+        hook: Option<&str>,
+        wanted: bool,
+        wanted_gpu: bool,
+        gpu: bool,
+    ) -> (bool, bool, HookPreload) {
+        let (lib, using) = split(hook, wanted, wanted_gpu).worker_hook(gpu);
+        (lib.is_some(), using.buffers, using.preload)
+    }
+
+    #[test]
+    fn every_gpu_worker_preloads_the_hook_and_only_split_workers_get_its_variable() {
+        let lib = Some("/x/libtorpor_hook.so");
+        use HookPreload::*;
+        // (found, split, split_gpu, gpu worker) -> (library given, TORPOR_HOOK_LIB, preload)
+        assert_eq!(uses(lib, true, true, true), (true, true, Segments));
+        assert_eq!(uses(lib, true, false, true), (true, true, Watch));
+        assert_eq!(uses(lib, false, true, true), (true, false, Watch));
+        assert_eq!(uses(lib, false, false, true), (true, false, Watch));
+        assert_eq!(uses(lib, true, true, false), (true, true, No));
+        assert_eq!(uses(lib, false, false, false), (false, false, No));
+        // No hook found: nothing to give, whatever the config wants.
+        assert!(!uses(None, true, true, true).0);
+        assert!(!uses(None, false, false, true).0);
+    }
+
+    #[test]
+    fn the_base_key_says_how_the_workers_got_the_hook() {
+        let lib = Some("/x/libtorpor_hook.so");
+        let suffix =
+            |hook, wanted, wanted_gpu, gpu| split(hook, wanted, wanted_gpu).base_key_suffix(gpu);
+        assert_eq!(suffix(lib, true, true, true), "|hook+cuda");
+        assert_eq!(suffix(lib, true, false, true), "|hook+watch");
+        assert_eq!(suffix(lib, false, false, true), "|watch");
+        assert_eq!(suffix(lib, true, true, false), "|hook");
+        assert_eq!(suffix(lib, false, false, false), "");
+        assert_eq!(suffix(None, true, true, true), "");
+    }
+
+    #[test]
+    fn a_missing_hook_names_where_it_was_looked_for_and_the_fix() {
+        let e = HookLibError::NotFound {
+            looked: vec![
+                PathBuf::from("/venv/bin/libtorpor_hook.so"),
+                PathBuf::from("/venv/lib/python3.11/site-packages/torpor/libtorpor_hook.so"),
+            ],
+        }
+        .to_string();
+        assert!(!e.contains('\n'), "{e}");
+        for part in [
+            "/venv/bin/libtorpor_hook.so, /venv/lib/python3.11/site-packages/torpor/",
+            "TORPOR_HOOK_LIB",
+            "make wheel",
+        ] {
+            assert!(e.contains(part), "{part}: {e}");
+        }
     }
 }
