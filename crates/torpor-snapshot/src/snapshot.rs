@@ -393,6 +393,7 @@ fn stop_and_dump(
         }
     };
     check_interrupt()?;
+    let cuda_pids = tasks.as_ref().map(|t| t.pids()).unwrap_or_default();
     if let Some(t) = tasks {
         phases
             .time("cuda_lock", || t.lock_all(opts.lock_timeout))
@@ -421,6 +422,11 @@ fn stop_and_dump(
         }
         check_interrupt()?;
     }
+    // Once more, on the tree as it is now: a process started, or one that mapped the driver,
+    // since the tree was first listed (inductor's compile workers start in the background and
+    // may still be importing torch then; the lock and checkpoint above take seconds) would
+    // otherwise reach CRIU with its device mappings ("handle_device_vma plugin failed").
+    drop_inherited_mappings(root.pid, &proctree::tree(root.pid), &cuda_pids)?;
     if fault::armed(fault::Point::BeforeDump) {
         return Err(SnapshotError::Fault {
             root: root.pid,
