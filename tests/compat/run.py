@@ -232,7 +232,11 @@ def run_program(torpor: Torpor, path: Path, work: Path, step_s: float) -> dict[s
             row["restores"] = restores
         if any("error" in x for x in restores):
             bad = next(x for x in restores if "error" in x)
-            return {**row, "outcome": "unhandled", "stage": "restore", "error": bad["error"]}
+            # For the post-mortem: what the program printed (its restored copy writes to the same
+            # log) and what the kernel said (a restored process killed by a signal is logged there).
+            tail = log.read_text()[-3000:] if log.exists() else ""
+            kernel = subprocess.run(["dmesg"], capture_output=True, text=True, check=False).stdout.splitlines()[-20:]
+            return {**row, "outcome": "unhandled", "stage": "restore", "error": bad["error"], "log": tail, "kernel": kernel}
         identical = all(x.get("after") == before for x in restores)
         return {**row, "outcome": "restored_identical" if identical else "unhandled"}
     except Exception as e:  # the next program must run whatever happened here  # noqa: BLE001
