@@ -121,10 +121,10 @@ struct Failure {
     error: Option<Value>,
 }
 
-fn fail(phase: &'static str, message: impl Into<String>) -> Failure {
+fn fail(phase: &'static str, message: impl std::fmt::Display) -> Failure {
     Failure {
         phase,
-        message: message.into(),
+        message: message.to_string(),
         error: None,
     }
 }
@@ -414,9 +414,10 @@ async fn finish_split(
     done
 }
 
-async fn blocking<T: Send + 'static>(
+/// Runs `f` on the blocking pool; its error fails the deploy in `phase`.
+async fn blocking<T: Send + 'static, E: std::fmt::Display + Send + 'static>(
     phase: &'static str,
-    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
 ) -> Result<T, Failure> {
     tokio::task::spawn_blocking(f)
         .await

@@ -60,7 +60,8 @@ pub struct Runtime {
     pub(crate) pools: Mutex<HashMap<String, Arc<Pool>>>,
     pub(crate) next_id: AtomicU64,
     /// The CUDA driver, loaded on first use (GPU release and resume).
-    pub(crate) cuda: std::sync::OnceLock<Result<Arc<torpor_cuda::CudaDriver>, String>>,
+    pub(crate) cuda:
+        std::sync::OnceLock<Result<Arc<torpor_cuda::CudaDriver>, keepalive::CudaLoadError>>,
     /// NVML, if it loads, for per-worker GPU memory.
     pub(crate) nvml: std::sync::OnceLock<Option<torpor_cuda::Nvml>>,
     /// Instances being booted or restored, metered as `starting` (crate::accounting).

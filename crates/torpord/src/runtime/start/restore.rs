@@ -168,10 +168,10 @@ impl Runtime {
                 Ok(Err(_)) => return,
                 Err(_) => {
                     let left = lock(&inst.mapping).as_ref().map_or(0, |m| m.unmapped());
-                    format!(
-                        "the worker did not map {left} segment(s) within {} s",
-                        crate::split::server::MAP_TIMEOUT.as_secs()
-                    )
+                    crate::split::server::SegmentsError::MapTimeout {
+                        left,
+                        bound: crate::split::server::MAP_TIMEOUT,
+                    }
                 }
             },
         };

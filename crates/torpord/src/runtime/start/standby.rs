@@ -269,7 +269,8 @@ impl Runtime {
         let (split, snapshot) = (Arc::clone(&self.split), info.snapshot_id.clone());
         let plan = tokio::task::spawn_blocking(move || split.plan(&snapshot))
             .await
-            .map_err(|e| format!("split plan task failed: {e}"))??;
+            .map_err(|e| format!("split plan task failed: {e}"))?
+            .map_err(|e| e.to_string())?;
         // Copy pages, from the staged copy when there is one: off the request's path, and a
         // GPU worker's driver restore would fault in lazy pages one by one later.
         let how = HowToRestore {
