@@ -34,7 +34,7 @@ pub struct ValidSpec {
 /// Validates `dir`'s torpor.toml with `python3 -m torpor.spec`. `Err((true, msg))` is the
 /// user's mistake (400), `Err((false, msg))` the daemon's (500).
 pub async fn validate(rt: &Runtime, dir: &str) -> Result<ValidSpec, (bool, String)> {
-    let python_dir = rt.python_dir.clone().map_err(|e| (false, e))?;
+    let python_dir = rt.python_dir.clone().map_err(|e| (false, e.to_string()))?;
     if dir.is_empty() {
         return Err((
             true,
@@ -147,7 +147,7 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
     let previous = match deploying(&rt, &spec).await {
         Ok(p) => p,
         Err(e) => {
-            let _ = tx.send(json!({"error": e, "phase": "register"}));
+            let _ = tx.send(json!({"error": e.to_string(), "phase": "register"}));
             return;
         }
     };
@@ -205,7 +205,7 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
 }
 
 /// Records the function as deploying; returns the previous snapshot id, if it was deployed.
-async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, String> {
+async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, RegisterError> {
     let registry = Arc::clone(&rt.registry);
     let spec = spec.clone();
     let key = base_key(&spec.json, &rt.split)?;
@@ -244,8 +244,22 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, S
         })
     })
     .await
-    .map_err(|e| e.to_string())?
-    .map_err(|e: crate::registry::RegistryError| e.to_string())
+    .map_err(RegisterError::Task)?
+    .map_err(|e: crate::registry::RegistryError| RegisterError::Registry(Box::new(e)))
+}
+
+/// Why a deploy could not be recorded as begun (its `register` phase); nothing changed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    /// The spec's interpreter cannot be used (its base key needs its absolute path).
+    #[error(transparent)]
+    Python(#[from] launcher::ResolvePythonError),
+    /// The blocking task writing the registry did not finish.
+    #[error("the registry task recording the deploy failed ({0}); torpord's log has the cause")]
+    Task(#[source] tokio::task::JoinError),
+    /// The registry refused the write (e.g. a full disk).
+    #[error(transparent)]
+    Registry(Box<crate::registry::RegistryError>),
 }
 
 /// A worker that did not become ready fails the deploy in `phase`, with the worker's own step

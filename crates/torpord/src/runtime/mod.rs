@@ -54,7 +54,7 @@ pub struct Runtime {
     pub state_root: PathBuf,
     pub workers_socket: PathBuf,
     /// Where the `torpor` Python package lives, or why it was not found (reported at deploy).
-    pub python_dir: Result<PathBuf, String>,
+    pub python_dir: Result<PathBuf, crate::sdk_dir::SdkDirError>,
     /// Deploys run one at a time (two deploys of one base must not both boot it).
     pub deploy_locks: crate::deploy_locks::DeployLocks,
     pub(crate) pools: Mutex<HashMap<String, Arc<Pool>>>,
