@@ -775,3 +775,29 @@ async fn steps(
     }
     Ok((id, base.id, reused))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_users_mistakes_are_answered_400() {
+        let refused = |status| ValidateError::Refused {
+            status,
+            line: "torpor.toml: name is missing".into(),
+        };
+        assert!(refused(Some(1)).is_users_mistake());
+        assert_eq!(refused(Some(1)).to_string(), "torpor.toml: name is missing");
+        // The checker itself failed (a traceback, a signal): the daemon's.
+        assert!(!refused(Some(2)).is_users_mistake());
+        assert!(!refused(None).is_users_mistake());
+        assert!(ValidateError::EmptyDir.is_users_mistake());
+        let relative = ValidateError::RelativeDir {
+            dir: PathBuf::from("f"),
+        };
+        assert!(relative.is_users_mistake());
+        assert!(relative.to_string().contains("send an absolute path"));
+        let missing = std::io::Error::from_raw_os_error(libc::ENOENT);
+        assert!(!ValidateError::RunChecker(missing).is_users_mistake());
+    }
+}

@@ -1068,3 +1068,34 @@ pub enum PageCacheError {
     #[error("posix_fadvise on {}: {}", path.display(), std::io::Error::from_raw_os_error(*errno))]
     Fadvise { path: PathBuf, errno: i32 },
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_cache_error_names_the_step_and_keeps_the_errno() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("pages-1.img"), b"x").unwrap();
+        assert_eq!(drop_from_page_cache(dir.path()).unwrap(), 1);
+        let gone = dir.path().join("gone");
+        let e = drop_from_page_cache(&gone).unwrap_err();
+        let PageCacheError::Io { step, source, .. } = &e else {
+            panic!("{e}");
+        };
+        assert_eq!((*step, source.raw_os_error()), ("read", Some(libc::ENOENT)));
+        assert!(
+            e.to_string()
+                .starts_with(&format!("cannot read {}: ", gone.display())),
+            "{e}"
+        );
+        let fadvise = PageCacheError::Fadvise {
+            path: gone,
+            errno: libc::EBADF,
+        };
+        assert!(
+            fadvise.to_string().contains("Bad file descriptor"),
+            "{fadvise}"
+        );
+    }
+}

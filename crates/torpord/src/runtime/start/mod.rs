@@ -332,3 +332,41 @@ impl Runtime {
         h.failures
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_boot_after_a_failed_restore_keeps_both_errors() {
+        let restore = StartError::Removed {
+            function: "f".into(),
+            reason: "its worker exited".into(),
+        };
+        let boot = StartError::Deleted {
+            function: "f".into(),
+        };
+        let both = StartError::BootAfterRestore {
+            restore: Box::new(restore),
+            boot: Box::new(boot),
+        };
+        assert_eq!(
+            both.to_string(),
+            "the new instance of \"f\" was removed: its worker exited; booting one instead \
+             failed too: function \"f\" was deleted"
+        );
+        let StartError::BootAfterRestore { restore, .. } = &both else {
+            unreachable!()
+        };
+        assert!(matches!(**restore, StartError::Removed { .. }));
+        let source = std::error::Error::source(&both).map(ToString::to_string);
+        assert_eq!(source.as_deref(), Some("function \"f\" was deleted"));
+        let paused = StartError::BootWhilePaused(Box::new(StartError::Deleted {
+            function: "f".into(),
+        }));
+        assert_eq!(
+            paused.to_string(),
+            "function \"f\" was deleted (restores are paused after failing)"
+        );
+    }
+}
