@@ -31,25 +31,16 @@ pub struct ValidSpec {
     pub dir: PathBuf,
 }
 
-/// Validates `dir`'s torpor.toml with `python3 -m torpor.spec`. `Err((true, msg))` is the
-/// user's mistake (400), `Err((false, msg))` the daemon's (500).
-pub async fn validate(rt: &Runtime, dir: &str) -> Result<ValidSpec, (bool, String)> {
-    let python_dir = rt.python_dir.clone().map_err(|e| (false, e))?;
+/// Validates `dir`'s torpor.toml with `python3 -m torpor.spec`. The error says whether it is
+/// the user's mistake (400) or the daemon's (500): [`ValidateError::is_users_mistake`].
+pub async fn validate(rt: &Runtime, dir: &str) -> Result<ValidSpec, ValidateError> {
+    let python_dir = rt.python_dir.clone()?;
     if dir.is_empty() {
-        return Err((
-            true,
-            "the body's \"dir\" is empty: name the function's directory".into(),
-        ));
+        return Err(ValidateError::EmptyDir);
     }
     let dir = PathBuf::from(dir);
     if !dir.is_absolute() {
-        return Err((
-            true,
-            format!(
-                "the function directory {} is relative: send an absolute path (`torpor deploy` does)",
-                dir.display()
-            ),
-        ));
+        return Err(ValidateError::RelativeDir { dir });
     }
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new("python3")
@@ -60,49 +51,95 @@ pub async fn validate(rt: &Runtime, dir: &str) -> Result<ValidSpec, (bool, Strin
             .output()
     })
     .await
-    .map_err(|e| (false, format!("spec task failed: {e}")))?
-    .map_err(|e| {
-        (
-            false,
-            format!("cannot run python3 -m torpor.spec: {e}; install python3"),
-        )
-    })?;
+    .map_err(ValidateError::Task)?
+    .map_err(ValidateError::RunChecker)?;
     if !out.status.success() {
         let msg = String::from_utf8_lossy(&out.stderr).trim().to_string();
-        let user = out.status.code() == Some(1);
-        return Err((
-            user,
-            msg.lines()
+        return Err(ValidateError::Refused {
+            status: out.status.code(),
+            line: msg
+                .lines()
                 .last()
                 .unwrap_or("spec check failed")
                 .to_string(),
-        ));
+        });
     }
-    let json: Value = serde_json::from_slice(&out.stdout).map_err(|e| {
-        (
-            false,
-            format!("python3 -m torpor.spec printed no JSON: {e}"),
-        )
-    })?;
+    let json: Value = serde_json::from_slice(&out.stdout).map_err(ValidateError::NoJson)?;
     // The one definition of the spec's shape (crate::spec): a torpor package of another
     // version is refused here, not halfway through the deploy.
-    crate::spec::FunctionSpec::from_json(&json).map_err(|e| (false, e.to_string()))?;
+    crate::spec::FunctionSpec::from_json(&json)?;
     let k = crate::runtime::keepalive_of(&json, &rt.config.keepalive);
     if !(k.gpu_release <= k.hibernate && k.hibernate <= k.evict) {
-        return Err((
-            true,
-            format!(
-                "torpor.toml: keepalive delays count from the moment the instance went idle, so \
-                 they must not decrease (gpu_release_s ≤ hibernate_s ≤ evict_s), got {}, {}, {}",
-                k.gpu_release.as_secs_f64(),
-                k.hibernate.as_secs_f64(),
-                k.evict.as_secs_f64()
-            ),
-        ));
+        return Err(ValidateError::KeepaliveOrder {
+            gpu_release: k.gpu_release,
+            hibernate: k.hibernate,
+            evict: k.evict,
+        });
     }
     let name = json["name"].as_str().unwrap_or_default().to_string();
     let dir = PathBuf::from(json["dir"].as_str().unwrap_or_default());
     Ok(ValidSpec { json, name, dir })
+}
+
+/// Why a deploy's spec was not accepted (its `validate` phase, before anything is recorded).
+#[derive(Debug, thiserror::Error)]
+pub enum ValidateError {
+    /// The `torpor` Python package, which checks the spec, cannot be found (the daemon's).
+    #[error(transparent)]
+    SdkDir(#[from] crate::sdk_dir::SdkDirError),
+    /// The body names no directory (the user's).
+    #[error("the body's \"dir\" is empty: name the function's directory")]
+    EmptyDir,
+    /// The directory is relative to nothing the daemon knows (the user's).
+    #[error(
+        "the function directory {} is relative: send an absolute path (`torpor deploy` does)",
+        dir.display()
+    )]
+    RelativeDir { dir: PathBuf },
+    /// The blocking task running the checker did not finish (the daemon's).
+    #[error("spec task failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
+    /// `python3` cannot be run (the daemon's).
+    #[error("cannot run python3 -m torpor.spec: {0}; install python3")]
+    RunChecker(#[source] std::io::Error),
+    /// The checker refused the spec: `line` is the last line of its stderr, `status` its exit
+    /// code (1: the spec is wrong, the user's; anything else: the checker failed, the daemon's).
+    #[error("{line}")]
+    Refused { status: Option<i32>, line: String },
+    /// The checker printed no JSON (the daemon's).
+    #[error("python3 -m torpor.spec printed no JSON: {0}")]
+    NoJson(#[source] serde_json::Error),
+    /// The checker's spec is not the one this daemon reads (the daemon's).
+    #[error(transparent)]
+    Spec(#[from] crate::spec::SpecMismatch),
+    /// The keep-alive delays decrease (the user's).
+    #[error(
+        "torpor.toml: keepalive delays count from the moment the instance went idle, so they \
+         must not decrease (gpu_release_s ≤ hibernate_s ≤ evict_s), got {}, {}, {}",
+        gpu_release.as_secs_f64(),
+        hibernate.as_secs_f64(),
+        evict.as_secs_f64()
+    )]
+    KeepaliveOrder {
+        gpu_release: std::time::Duration,
+        hibernate: std::time::Duration,
+        evict: std::time::Duration,
+    },
+}
+
+impl ValidateError {
+    /// The user's mistake (answered 400), not the daemon's (500).
+    pub fn is_users_mistake(&self) -> bool {
+        match self {
+            Self::EmptyDir | Self::RelativeDir { .. } | Self::KeepaliveOrder { .. } => true,
+            Self::Refused { status, .. } => *status == Some(1),
+            Self::SdkDir(_)
+            | Self::Task(_)
+            | Self::RunChecker(_)
+            | Self::NoJson(_)
+            | Self::Spec(_) => false,
+        }
+    }
 }
 
 /// One NDJSON line of a deploy's answer.
@@ -121,10 +158,10 @@ struct Failure {
     error: Option<Value>,
 }
 
-fn fail(phase: &'static str, message: impl Into<String>) -> Failure {
+fn fail(phase: &'static str, message: impl std::fmt::Display) -> Failure {
     Failure {
         phase,
-        message: message.into(),
+        message: message.to_string(),
         error: None,
     }
 }
@@ -147,7 +184,7 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
     let previous = match deploying(&rt, &spec).await {
         Ok(p) => p,
         Err(e) => {
-            let _ = tx.send(json!({"error": e, "phase": "register"}));
+            let _ = tx.send(json!({"error": e.to_string(), "phase": "register"}));
             return;
         }
     };
@@ -205,7 +242,7 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
 }
 
 /// Records the function as deploying; returns the previous snapshot id, if it was deployed.
-async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, String> {
+async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, RegisterError> {
     let registry = Arc::clone(&rt.registry);
     let spec = spec.clone();
     let key = base_key(&spec.json, &rt.split)?;
@@ -244,8 +281,22 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, S
         })
     })
     .await
-    .map_err(|e| e.to_string())?
-    .map_err(|e: crate::registry::RegistryError| e.to_string())
+    .map_err(RegisterError::Task)?
+    .map_err(|e: crate::registry::RegistryError| RegisterError::Registry(Box::new(e)))
+}
+
+/// Why a deploy could not be recorded as begun (its `register` phase); nothing changed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    /// The spec's interpreter cannot be used (its base key needs its absolute path).
+    #[error(transparent)]
+    Python(#[from] launcher::ResolvePythonError),
+    /// The blocking task writing the registry did not finish.
+    #[error("the registry task recording the deploy failed ({0}); torpord's log has the cause")]
+    Task(#[source] tokio::task::JoinError),
+    /// The registry refused the write (e.g. a full disk).
+    #[error(transparent)]
+    Registry(Box<crate::registry::RegistryError>),
 }
 
 /// A worker that did not become ready fails the deploy in `phase`, with the worker's own step
@@ -414,9 +465,10 @@ async fn finish_split(
     done
 }
 
-async fn blocking<T: Send + 'static>(
+/// Runs `f` on the blocking pool; its error fails the deploy in `phase`.
+async fn blocking<T: Send + 'static, E: std::fmt::Display + Send + 'static>(
     phase: &'static str,
-    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
 ) -> Result<T, Failure> {
     tokio::task::spawn_blocking(f)
         .await
@@ -722,4 +774,30 @@ async fn steps(
         .await;
     }
     Ok((id, base.id, reused))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_users_mistakes_are_answered_400() {
+        let refused = |status| ValidateError::Refused {
+            status,
+            line: "torpor.toml: name is missing".into(),
+        };
+        assert!(refused(Some(1)).is_users_mistake());
+        assert_eq!(refused(Some(1)).to_string(), "torpor.toml: name is missing");
+        // The checker itself failed (a traceback, a signal): the daemon's.
+        assert!(!refused(Some(2)).is_users_mistake());
+        assert!(!refused(None).is_users_mistake());
+        assert!(ValidateError::EmptyDir.is_users_mistake());
+        let relative = ValidateError::RelativeDir {
+            dir: PathBuf::from("f"),
+        };
+        assert!(relative.is_users_mistake());
+        assert!(relative.to_string().contains("send an absolute path"));
+        let missing = std::io::Error::from_raw_os_error(libc::ENOENT);
+        assert!(!ValidateError::RunChecker(missing).is_users_mistake());
+    }
 }

@@ -6,13 +6,23 @@
 
 use std::path::Path;
 
+/// Why a function's directory could not be bound into its worker's mount namespace.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// The bind itself failed (the message names the mount step and its errno).
+    #[error(transparent)]
+    Mount(#[from] torpor_snapshot::mount_ns::MountNsError),
+    /// The blocking task doing the bind did not finish (it panicked, or the daemon is stopping).
+    #[error("binding the function directory failed: the task doing it ended ({0}); torpord's log has the cause")]
+    Task(#[from] tokio::task::JoinError),
+}
+
 /// Binds `dir` into the mount namespace of the tree under `init`.
-pub async fn bind_function_dir(init: i32, dir: &Path) -> Result<(), String> {
+pub async fn bind_function_dir(init: i32, dir: &Path) -> Result<(), BindError> {
     let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || {
         torpor_snapshot::mount_ns::bind_into(init, std::slice::from_ref(&dir))
-            .map_err(|e| e.to_string())
     })
-    .await
-    .map_err(|e| format!("binding the function directory failed: {e}"))?
+    .await??;
+    Ok(())
 }

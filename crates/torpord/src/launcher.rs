@@ -58,22 +58,39 @@ pub fn launch_main(args: &[OsString]) -> ExitCode {
 /// /tmp, none of the host's memory filesystems, the state directory bound in, and the Python
 /// harness bound in where the worker could not reach it otherwise. The function's directory
 /// is bound in when the function is loaded ([`crate::function_mounts`]).
-fn worker_mounts(state_dir: &Path) -> Result<MountPolicy, String> {
-    let state_dir = std::path::absolute(state_dir).map_err(|e| {
-        format!(
-            "cannot make the state directory {} absolute: {e}",
-            state_dir.display()
-        )
-    })?;
+fn worker_mounts(state_dir: &Path) -> Result<MountPolicy, WorkerMountsError> {
+    let state_dir =
+        std::path::absolute(state_dir).map_err(|source| WorkerMountsError::StateDir {
+            dir: state_dir.to_path_buf(),
+            source,
+        })?;
     let mut policy = MountPolicy::worker(vec![state_dir]);
     if let Ok(python) = crate::sdk_dir::python_dir() {
         let table = std::fs::read_to_string("/proc/self/mountinfo")
-            .map_err(|e| format!("cannot read this process's mount table: {e}"))?;
+            .map_err(WorkerMountsError::MountTable)?;
         if !policy.reaches(&python, &torpor_snapshot::mounts::parse(&table)) {
             policy.binds.push(python);
         }
     }
     Ok(policy)
+}
+
+/// Why the launcher could not work out a worker's mount namespace (it prints this and exits).
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerMountsError {
+    /// The state directory (bound into every worker) has no absolute form.
+    #[error("cannot make the state directory {} absolute: {source}", dir.display())]
+    StateDir {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// `/proc/self/mountinfo` cannot be read, so whether the worker reaches the Python package
+    /// is unknown.
+    #[error(
+        "cannot read this process's mount table (/proc/self/mountinfo): {0}; is /proc mounted?"
+    )]
+    MountTable(#[source] std::io::Error),
 }
 
 /// `PYTHONPATH` for workers: the package's directory, then whatever was set before.
@@ -263,14 +280,13 @@ pub fn worker_pid(init: i32) -> Result<i32, LaunchError> {
 /// base key does not depend on `PATH` lookups at boot time. Symlinks are kept: a virtual
 /// environment's `bin/python3` is a symlink to the base interpreter, and only the link's own
 /// path makes Python pick up the environment's packages.
-pub fn resolve_python(name: &str) -> Result<PathBuf, String> {
+pub fn resolve_python(name: &str) -> Result<PathBuf, ResolvePythonError> {
     let found = if name.contains('/') {
         // Relative to what? Not the daemon's working directory (the spec checker refuses it too).
         if !Path::new(name).is_absolute() {
-            return Err(format!(
-                "interpreter {name:?} (the spec's python) is a relative path: name a command on \
-                 PATH or an absolute path"
-            ));
+            return Err(ResolvePythonError::Relative {
+                name: name.to_string(),
+            });
         }
         Some(PathBuf::from(name))
     } else {
@@ -280,15 +296,34 @@ pub fn resolve_python(name: &str) -> Result<PathBuf, String> {
                 .find(|p| is_executable(p))
         })
     };
-    let path = found.filter(|p| is_executable(p)).ok_or_else(|| {
-        format!("interpreter {name:?} (the spec's python) is not an executable on PATH: install it or name a full path")
-    })?;
-    std::path::absolute(&path).map_err(|e| {
-        format!(
-            "cannot make the interpreter path {} absolute: {e}",
-            path.display()
-        )
-    })
+    let path =
+        found
+            .filter(|p| is_executable(p))
+            .ok_or_else(|| ResolvePythonError::NotExecutable {
+                name: name.to_string(),
+            })?;
+    std::path::absolute(&path).map_err(|source| ResolvePythonError::Absolute { path, source })
+}
+
+/// Why the interpreter a spec names (its `python`) cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolvePythonError {
+    /// A path relative to nothing the user chose (the daemon's working directory).
+    #[error(
+        "interpreter {name:?} (the spec's python) is a relative path: name a command on \
+         PATH or an absolute path"
+    )]
+    Relative { name: String },
+    /// Not found on `PATH`, or not an executable file.
+    #[error("interpreter {name:?} (the spec's python) is not an executable on PATH: install it or name a full path")]
+    NotExecutable { name: String },
+    /// The found path has no absolute form.
+    #[error("cannot make the interpreter path {} absolute: {source}", path.display())]
+    Absolute {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 fn is_executable(p: &Path) -> bool {
@@ -302,7 +337,9 @@ mod tests {
 
     #[test]
     fn the_interpreter_is_a_command_or_an_absolute_path() {
-        let e = resolve_python("../../usr/bin/python3").unwrap_err();
+        let e = resolve_python("../../usr/bin/python3")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("relative path"), "{e}");
         assert!(resolve_python("/nonexistent/python3").is_err());
         assert!(resolve_python("sh").unwrap().is_absolute());

@@ -4,25 +4,49 @@
 //! hook library the wheel ships inside the package) ask it.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Names the directory holding the `torpor` Python package.
 pub const PYTHONPATH_ENV: &str = "TORPOR_PYTHONPATH";
 
+/// Why the `torpor` Python package (which every worker imports) cannot be found. Cloned: the
+/// runtime keeps the answer it got at start and hands it to every deploy and boot.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SdkDirError {
+    /// `$TORPOR_PYTHONPATH` is set but names no directory holding the package.
+    #[error(
+        "${PYTHONPATH_ENV}={} holds no torpor/worker.py: point it at the directory that \
+         contains the torpor Python package (the repository's python/)",
+        dir.display()
+    )]
+    EnvHasNoPackage { dir: PathBuf },
+    /// The running executable cannot be found, so neither can the package beside it.
+    #[error("cannot find the running executable ({source}): set ${PYTHONPATH_ENV}")]
+    NoExecutable {
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// No directory above the executable holds the package.
+    #[error(
+        "cannot find the torpor Python package near {}: set ${PYTHONPATH_ENV} to the \
+         directory that contains torpor/worker.py (the repository's python/)",
+        exe.display()
+    )]
+    NotFound { exe: PathBuf },
+}
+
 /// The directory holding the `torpor` Python package, or why there is none.
-pub fn python_dir() -> Result<PathBuf, String> {
+pub fn python_dir() -> Result<PathBuf, SdkDirError> {
     if let Some(dir) = std::env::var_os(PYTHONPATH_ENV).filter(|d| !d.is_empty()) {
         let dir = PathBuf::from(dir);
         if dir.join("torpor/worker.py").is_file() {
             return Ok(dir);
         }
-        return Err(format!(
-            "${PYTHONPATH_ENV}={} holds no torpor/worker.py: point it at the directory that \
-             contains the torpor Python package (the repository's python/)",
-            dir.display()
-        ));
+        return Err(SdkDirError::EnvHasNoPackage { dir });
     }
-    let exe = std::env::current_exe()
-        .map_err(|e| format!("cannot find the running executable ({e}): set ${PYTHONPATH_ENV}"))?;
+    let exe = std::env::current_exe().map_err(|e| SdkDirError::NoExecutable {
+        source: Arc::new(e),
+    })?;
     let exe = exe.canonicalize().unwrap_or(exe);
     for dir in exe.ancestors().skip(1) {
         if let Some(found) = package_dirs(dir)
@@ -32,11 +56,7 @@ pub fn python_dir() -> Result<PathBuf, String> {
             return Ok(found);
         }
     }
-    Err(format!(
-        "cannot find the torpor Python package near {}: set ${PYTHONPATH_ENV} to the \
-         directory that contains torpor/worker.py (the repository's python/)",
-        exe.display()
-    ))
+    Err(SdkDirError::NotFound { exe })
 }
 
 /// Where the `torpor` package may be relative to a directory above the executable: `python/` of

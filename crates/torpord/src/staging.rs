@@ -168,7 +168,7 @@ impl StageArea {
     /// the least recently used copies to make room. `Ok(None)`: not staged (staging off, or
     /// the snapshot is larger than the whole area; logged). On an error nothing is staged and
     /// restores read the disk copy.
-    pub fn stage(&self, snapshot: &Path) -> Result<Option<Arc<StagedCopy>>, String> {
+    pub fn stage(&self, snapshot: &Path) -> Result<Option<Arc<StagedCopy>>, StageCopyError> {
         let Some(root) = &self.root else {
             return Ok(None);
         };
@@ -209,14 +209,17 @@ impl StageArea {
             }
             Err(e) => {
                 self.forget(&key, &copy);
-                Err(format!("cannot stage {}: {e}", snapshot.display()))
+                Err(StageCopyError::Copy {
+                    snapshot: snapshot.to_path_buf(),
+                    source: Box::new(e),
+                })
             }
         }
     }
 
     /// [`StageArea::stage`], but only into free room: nothing staged is dropped for it (a
     /// daemon's start stages every function again, newest first). Whether it was staged.
-    pub fn stage_if_room(&self, snapshot: &Path) -> Result<bool, String> {
+    pub fn stage_if_room(&self, snapshot: &Path) -> Result<bool, StageCopyError> {
         let Some(_) = &self.root else {
             return Ok(false);
         };
@@ -274,6 +277,25 @@ impl StageArea {
     }
 }
 
+/// Why a snapshot was not staged (its restores read the disk copy).
+#[derive(Debug, thiserror::Error)]
+pub enum StageCopyError {
+    /// The snapshot's manifest cannot be read, so its size is unknown.
+    #[error("cannot stage {}: {source}", snapshot.display())]
+    Open {
+        snapshot: PathBuf,
+        #[source]
+        source: Box<torpor_image::ImageError>,
+    },
+    /// Copying (and checking) its files into the stage area failed; nothing of it is staged.
+    #[error("cannot stage {}: {source}", snapshot.display())]
+    Copy {
+        snapshot: PathBuf,
+        #[source]
+        source: Box<torpor_snapshot::stage::StageError>,
+    },
+}
+
 /// The key of a snapshot's disk copy.
 fn key_of(snapshot: &Path) -> String {
     snapshot.to_string_lossy().into_owned()
@@ -281,10 +303,12 @@ fn key_of(snapshot: &Path) -> String {
 
 /// What staging `snapshot` takes on a tmpfs: each file of its manifest, and the manifest,
 /// rounded up to 4 KiB pages.
-fn staged_bytes(snapshot: &Path) -> Result<u64, String> {
+fn staged_bytes(snapshot: &Path) -> Result<u64, StageCopyError> {
     const PAGE: u64 = 4096;
-    let opened = torpor_image::Snapshot::open(snapshot)
-        .map_err(|e| format!("cannot stage {}: {e}", snapshot.display()))?;
+    let opened = torpor_image::Snapshot::open(snapshot).map_err(|e| StageCopyError::Open {
+        snapshot: snapshot.to_path_buf(),
+        source: Box::new(e),
+    })?;
     let size = |name| std::fs::metadata(snapshot.join(name)).map_or(0, |m| m.len());
     let (manifest, mac) = (
         size(torpor_image::MANIFEST_FILE),
@@ -500,7 +524,7 @@ mod tests {
         let mut bytes = std::fs::read(small.join("pages-1.img")).unwrap();
         bytes[3] ^= 1;
         std::fs::write(small.join("pages-1.img"), bytes).unwrap();
-        let err = area.stage(&small).unwrap_err();
+        let err = area.stage(&small).unwrap_err().to_string();
         assert!(err.contains("hash mismatch"), "{err}");
         assert!(area.get(&small).is_none());
         assert_eq!(area.used(), 0);
@@ -518,12 +542,12 @@ mod tests {
         let manifest = snap.join(torpor_image::MANIFEST_FILE);
         let text = std::fs::read_to_string(&manifest).unwrap();
         std::fs::write(&manifest, text.replace("\"4.2.1\"", "\"9.9.9\"")).unwrap();
-        let err = area.stage(&snap).unwrap_err();
+        let err = area.stage(&snap).unwrap_err().to_string();
         assert!(err.contains("changed after its writer sealed it"), "{err}");
         // Without a MAC at all.
         std::fs::write(&manifest, text).unwrap();
         std::fs::remove_file(snap.join(torpor_image::MAC_FILE)).unwrap();
-        let err = area.stage(&snap).unwrap_err();
+        let err = area.stage(&snap).unwrap_err().to_string();
         assert!(err.contains("carries no MAC"), "{err}");
         assert!(files(&area_dir).is_empty());
     }

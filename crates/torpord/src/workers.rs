@@ -41,24 +41,18 @@ pub struct Hello {
 impl Hello {
     /// The first frame of a connection, which must be a `hello` of a protocol this daemon
     /// speaks.
-    fn parse(payload: &[u8]) -> Result<Self, String> {
+    fn parse(payload: &[u8]) -> Result<Self, HelloError> {
         use crate::protocol::{FromWorker, PROTOCOL};
         let h = match FromWorker::parse(payload) {
             Ok(FromWorker::Hello(h)) => h,
-            Ok(other) => {
-                return Err(format!(
-                    "first frame must be hello, got type {:?}",
-                    other.kind()
-                ))
-            }
-            Err(e) => return Err(format!("first frame must be hello, got {e}")),
+            Ok(other) => return Err(HelloError::NotHello { got: other.kind() }),
+            Err(e) => return Err(HelloError::Unparsable(e)),
         };
         if h.protocol > PROTOCOL {
-            return Err(format!(
-                "it speaks worker protocol {}, this torpord at most {PROTOCOL}: upgrade torpord \
-                 to the version of the torpor package the worker runs",
-                h.protocol
-            ));
+            return Err(HelloError::Protocol {
+                theirs: h.protocol,
+                ours: PROTOCOL,
+            });
         }
         Ok(Self {
             pid: h.pid,
@@ -341,16 +335,61 @@ fn peer_pid(stream: &UnixStream) -> std::io::Result<i32> {
     Ok(cred.pid)
 }
 
-async fn handshake(stream: UnixStream) -> Result<WorkerConn, String> {
-    let pid = peer_pid(&stream).map_err(|e| format!("SO_PEERCRED failed: {e}"))?;
+async fn handshake(stream: UnixStream) -> Result<WorkerConn, HandshakeError> {
+    let pid = peer_pid(&stream).map_err(HandshakeError::PeerCred)?;
     let (mut rd, wr) = stream.into_split();
     let first = tokio::time::timeout(HELLO_TIMEOUT, frames::read_payload(&mut rd))
         .await
-        .map_err(|_| format!("worker pid {pid} sent no hello within {HELLO_TIMEOUT:?}"))?
-        .map_err(|e| format!("worker pid {pid}: {e}"))?
-        .ok_or_else(|| format!("worker pid {pid} closed before its hello"))?;
-    let hello = Hello::parse(&first).map_err(|e| format!("worker pid {pid}: {e}"))?;
+        .map_err(|_| HandshakeError::NoHello { pid })?
+        .map_err(|source| HandshakeError::Frame { pid, source })?
+        .ok_or(HandshakeError::Closed { pid })?;
+    let hello = Hello::parse(&first).map_err(|source| HandshakeError::Hello { pid, source })?;
     Ok(WorkerConn { pid, hello, rd, wr })
+}
+
+/// Why a connection's first frame is not a `hello` this daemon takes.
+#[derive(Debug, thiserror::Error)]
+pub enum HelloError {
+    /// Another frame came first.
+    #[error("first frame must be hello, got type {got:?}")]
+    NotHello { got: &'static str },
+    /// The first frame is not a worker frame at all.
+    #[error("first frame must be hello, got {0}")]
+    Unparsable(#[source] crate::protocol::ProtocolError),
+    /// The worker's harness is newer than this daemon.
+    #[error(
+        "it speaks worker protocol {theirs}, this torpord at most {ours}: upgrade torpord \
+         to the version of the torpor package the worker runs"
+    )]
+    Protocol { theirs: u64, ours: u64 },
+}
+
+/// Why a new connection on the workers socket was dropped before it could be claimed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// The peer's pid (how the daemon tells its workers apart) cannot be read.
+    #[error("SO_PEERCRED failed: {0}")]
+    PeerCred(#[source] std::io::Error),
+    /// Nothing arrived in time.
+    #[error("worker pid {pid} sent no hello within {HELLO_TIMEOUT:?}")]
+    NoHello { pid: i32 },
+    /// The first frame could not be read.
+    #[error("worker pid {pid}: {source}")]
+    Frame {
+        pid: i32,
+        #[source]
+        source: FrameError,
+    },
+    /// The peer closed before its `hello`.
+    #[error("worker pid {pid} closed before its hello")]
+    Closed { pid: i32 },
+    /// The first frame is not a `hello` this daemon takes.
+    #[error("worker pid {pid}: {source}")]
+    Hello {
+        pid: i32,
+        #[source]
+        source: HelloError,
+    },
 }
 
 #[cfg(test)]

@@ -88,15 +88,13 @@ pub async fn deploy(
     let body = parse_body(body)?;
     let rt = Arc::clone(&state.runtime);
     let t = std::time::Instant::now();
-    let spec = deploy::validate(&rt, &body.dir)
-        .await
-        .map_err(|(user, msg)| {
-            if user {
-                ApiError::new(StatusCode::BAD_REQUEST, msg)
-            } else {
-                ApiError::internal(msg)
-            }
-        })?;
+    let spec = deploy::validate(&rt, &body.dir).await.map_err(|e| {
+        if e.is_users_mistake() {
+            ApiError::new(StatusCode::BAD_REQUEST, e.to_string())
+        } else {
+            ApiError::internal(e.to_string())
+        }
+    })?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let first = serde_json::json!({
         "phase": "validate",

@@ -134,7 +134,7 @@ pub async fn get(
         let mut out = Vec::new();
         for e in entries {
             // A file pruned between the listing and the read is skipped.
-            if let Some((bytes, tail)) = tail(&e.path, lines).map_err(ApiError::internal)? {
+            if let Some((bytes, tail)) = tail(&e.path, lines).map_err(|e| ApiError::internal(e.to_string()))? {
                 let modified_ms = e
                     .modified
                     .duration_since(UNIX_EPOCH)
@@ -159,22 +159,24 @@ pub async fn get(
 }
 
 /// The size and last `lines` lines of `path`, or `None` if it does not exist.
-fn tail(path: &FsPath, lines: usize) -> Result<Option<(u64, String)>, String> {
+fn tail(path: &FsPath, lines: usize) -> Result<Option<(u64, String)>, TailError> {
+    let io = |step: &'static str| {
+        move |source| TailError {
+            step,
+            path: path.to_path_buf(),
+            source,
+        }
+    };
     let mut f = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot open {}: {e}", path.display())),
+        Err(e) => return Err(io("open")(e)),
     };
-    let bytes = f
-        .metadata()
-        .map_err(|e| format!("cannot stat {}: {e}", path.display()))?
-        .len();
+    let bytes = f.metadata().map_err(io("stat"))?.len();
     let start = bytes.saturating_sub(MAX_TAIL_BYTES);
-    f.seek(SeekFrom::Start(start))
-        .map_err(|e| format!("cannot seek in {}: {e}", path.display()))?;
+    f.seek(SeekFrom::Start(start)).map_err(io("seek in"))?;
     let mut buf = Vec::new();
-    f.read_to_end(&mut buf)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    f.read_to_end(&mut buf).map_err(io("read"))?;
     let text = String::from_utf8_lossy(&buf);
     let all: Vec<&str> = text.lines().collect();
     // A partial first line (the read started mid-file) is dropped.
@@ -184,6 +186,17 @@ fn tail(path: &FsPath, lines: usize) -> Result<Option<(u64, String)>, String> {
         tail.push('\n');
     }
     Ok(Some((bytes, tail)))
+}
+
+/// A log file that exists but cannot be read (the answer is a 500 naming it).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot {step} {}: {source}", path.display())]
+struct TailError {
+    /// `open`, `stat`, `seek in`, `read`.
+    step: &'static str,
+    path: std::path::PathBuf,
+    #[source]
+    source: std::io::Error,
 }
 
 #[cfg(test)]

@@ -323,7 +323,7 @@ impl Runtime {
                     };
                     match answered {
                         Some(Ok(())) | None => continue,
-                        Some(Err(why)) => break why,
+                        Some(Err(why)) => break why.to_string(),
                     }
                 }
                 FromWorker::Unmapped(_) => {

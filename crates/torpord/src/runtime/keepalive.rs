@@ -24,6 +24,7 @@ use crate::runtime::lifecycle::{Doing, State, Transition};
 use crate::runtime::pool::FnInfo;
 use crate::runtime::process::{CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
 use crate::runtime::{lock, remove_snapshot_dir, Instance, Keep, Pool, Runtime, Sleeper};
+use crate::split::server::SegmentsError;
 use crate::workers;
 
 /// How often the keep-alive ticker runs.
@@ -55,12 +56,12 @@ impl Runtime {
     }
 
     /// The CUDA driver (loaded once).
-    fn cuda(&self) -> Result<Arc<torpor_cuda::CudaDriver>, String> {
+    fn cuda(&self) -> Result<Arc<torpor_cuda::CudaDriver>, CudaLoadError> {
         self.cuda
             .get_or_init(|| {
-                torpor_cuda::CudaDriver::load().map(Arc::new).map_err(|e| {
-                    format!("cannot load the CUDA driver for GPU release ({e}): install the NVIDIA driver, or set gpus = 0")
-                })
+                torpor_cuda::CudaDriver::load()
+                    .map(Arc::new)
+                    .map_err(|e| CudaLoadError(Arc::new(e)))
             })
             .clone()
     }
@@ -251,12 +252,15 @@ impl Runtime {
 
     /// The steps of a GPU release. A failure leaves the instance warm with its segments mapped,
     /// or removes it when they cannot be mapped back.
-    async fn release_gpu_inner(self: &Arc<Self>, inst: &Arc<Instance>) -> Result<(), String> {
+    async fn release_gpu_inner(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+    ) -> Result<(), ReleaseGpuError> {
         // The driver will not resume a process that maps memory it imported from the daemon
         // (crate::split::release): such an instance gives its segments back first.
         let cuda = self.cuda()?;
-        if let Some(why) = crate::launcher::unrestorable(inst.init_pid, false).await {
-            return Err(why);
+        if let Some(reason) = crate::launcher::unrestorable(inst.init_pid, false).await {
+            return Err(ReleaseGpuError::Unrestorable { reason });
         }
         let split = !lock(&inst.segments).is_empty();
         if split {
@@ -264,16 +268,15 @@ impl Runtime {
         }
         let pid = inst.worker_pid;
         let checkpointed = tokio::task::spawn_blocking(move || {
-            cuda.lock(pid, CUDA_LOCK_TIMEOUT)
-                .map_err(|e| e.to_string())?;
+            cuda.lock(pid, CUDA_LOCK_TIMEOUT)?;
             if let Err(e) = cuda.checkpoint(pid) {
                 let _ = cuda.unlock(pid);
-                return Err(e.to_string());
+                return Err(ReleaseGpuError::Cuda(e));
             }
             Ok(())
         })
         .await
-        .map_err(|e| format!("GPU release task failed: {e}"))
+        .map_err(ReleaseGpuError::Task)
         .and_then(|r| r);
         if let Err(e) = checkpointed {
             if split {
@@ -289,9 +292,9 @@ impl Runtime {
     /// handles on all of them. On failure the segments the worker released are mapped back (the
     /// instance stays warm), or the
     /// instance is removed when that fails too.
-    async fn unmap_segments(self: &Arc<Self>, inst: &Arc<Instance>) -> Result<(), String> {
+    async fn unmap_segments(self: &Arc<Self>, inst: &Arc<Instance>) -> Result<(), ReleaseGpuError> {
         let Some((plan, leases)) = lock(&inst.segments).leases() else {
-            return Err("its segments are released already".to_string());
+            return Err(ReleaseGpuError::AlreadyReleased);
         };
         let mut replies = ForwardedReplies::new(inst)?;
         {
@@ -301,9 +304,9 @@ impl Runtime {
             let mut wr = inst.writer.lock().await;
             if let Err(e) = workers::send(&mut wr, &ToWorker::Unmap(Unmap { vas })).await {
                 drop(wr);
-                let why = format!("cannot send unmap: {e}");
-                self.remove_instance(inst, &why, true);
-                return Err(why);
+                let e = ReleaseGpuError::SendUnmap(e);
+                self.remove_instance(inst, &e.to_string(), true);
+                return Err(e);
             }
         }
         let answer = match tokio::time::timeout(QUIET_TIMEOUT, replies.rx.recv()).await {
@@ -314,16 +317,20 @@ impl Runtime {
             }
             other => {
                 // What the worker holds is unknown: it cannot serve on.
-                let why = match other {
-                    Ok(Some(m)) => {
-                        format!("it answered unmap with {}", serde_json::Value::Object(m))
-                    }
-                    Ok(None) => inst.reason(),
-                    Err(_) => format!("no unmapped within {} s of unmap", QUIET_TIMEOUT.as_secs()),
+                let e = match other {
+                    Ok(Some(m)) => ReleaseGpuError::UnmapAnswer {
+                        answer: serde_json::Value::Object(m),
+                    },
+                    Ok(None) => ReleaseGpuError::Removed {
+                        reason: inst.reason(),
+                    },
+                    Err(_) => ReleaseGpuError::UnmapTimeout {
+                        bound: QUIET_TIMEOUT,
+                    },
                 };
                 drop(replies);
-                self.remove_instance(inst, &why, true);
-                return Err(why);
+                self.remove_instance(inst, &e.to_string(), true);
+                return Err(e);
             }
         };
         drop(replies);
@@ -341,9 +348,7 @@ impl Runtime {
                 .unwrap_or_default();
             drop(leases);
             self.map_segments_back(inst, Some(&released)).await?;
-            return Err(format!(
-                "the worker could not unmap its segments: {message}"
-            ));
+            return Err(ReleaseGpuError::UnmapRefused { message });
         }
         let split = Arc::clone(&self.split);
         let plan2 = Arc::clone(&plan);
@@ -353,8 +358,8 @@ impl Runtime {
             saved
         })
         .await
-        .map_err(|e| format!("segment save task failed: {e}"))
-        .and_then(|r| r);
+        .map_err(ReleaseGpuError::SaveTask)
+        .and_then(|r| r.map_err(ReleaseGpuError::Save));
         match saved {
             Ok(saved) => {
                 // Every handle on the memory goes: the instance holds no device memory now.
@@ -363,7 +368,7 @@ impl Runtime {
             }
             Err(e) => {
                 self.map_segments_back(inst, None).await?;
-                Err(format!("cannot save its segments: {e}"))
+                Err(e)
             }
         }
     }
@@ -375,7 +380,7 @@ impl Runtime {
         self: &Arc<Self>,
         inst: &Arc<Instance>,
         only: Option<&std::collections::HashSet<u64>>,
-    ) -> Result<f64, String> {
+    ) -> Result<f64, MapBackError> {
         let t = Instant::now();
         let (released, plan, sources) = {
             let mut s = lock(&inst.segments);
@@ -404,7 +409,7 @@ impl Runtime {
         // As after a restore (crate::split::server::Mapping): the instance's reader counts the
         // `mapped` answers; the request waits for all of them (the worker's main loop maps them).
         let handed = async {
-            let handing = refill.planned().await?;
+            let handing = refill.planned().await.map_err(MapBackError::Segments)?;
             let (mapping, done) =
                 crate::split::server::Mapping::new(Instant::now(), handing.count());
             *lock(&inst.mapping) = Some(mapping);
@@ -416,14 +421,20 @@ impl Runtime {
                     }
                     back.push(lease);
                 })
-                .await?;
+                .await
+                .map_err(MapBackError::Segments)?;
             match tokio::time::timeout(crate::split::server::MAP_TIMEOUT, done).await {
                 Ok(Ok(())) => Ok(back),
-                Ok(Err(_)) => Err(inst.reason()),
-                Err(_) => Err(format!(
-                    "the worker did not map its segments within {} s",
-                    crate::split::server::MAP_TIMEOUT.as_secs()
-                )),
+                Ok(Err(_)) => Err(MapBackError::Removed {
+                    reason: inst.reason(),
+                }),
+                Err(_) => {
+                    let left = lock(&inst.mapping).as_ref().map_or(0, |m| m.unmapped());
+                    Err(MapBackError::Segments(SegmentsError::MapTimeout {
+                        left,
+                        bound: crate::split::server::MAP_TIMEOUT,
+                    }))
+                }
             }
         }
         .await;
@@ -436,9 +447,8 @@ impl Runtime {
                 Ok(t.elapsed().as_secs_f64())
             }
             Err(e) => {
-                let why = format!("mapping its segments back failed: {e}");
-                self.remove_instance(inst, &why, true);
-                Err(why)
+                self.remove_instance(inst, &e.to_string(), true);
+                Err(e)
             }
         }
     }
@@ -451,16 +461,16 @@ impl Runtime {
     pub(crate) async fn gpu_resume(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
-    ) -> Result<(f64, Option<f64>), String> {
+    ) -> Result<(f64, Option<f64>), ResumeGpuError> {
         let t = Instant::now();
         let cuda = self.cuda()?;
         let pid = inst.worker_pid;
         tokio::task::spawn_blocking(move || {
-            cuda.restore(pid, &[]).map_err(|e| e.to_string())?;
-            cuda.unlock(pid).map_err(|e| e.to_string())
+            cuda.restore(pid, &[])?;
+            cuda.unlock(pid)
         })
         .await
-        .map_err(|e| format!("GPU resume task failed: {e}"))??;
+        .map_err(ResumeGpuError::Task)??;
         let s = t.elapsed().as_secs_f64();
         let released = lock(&inst.segments).is_released();
         let segments_s = if released {
@@ -470,7 +480,7 @@ impl Runtime {
         };
         let resumed = self.step(&inst.function, &mut lock(&inst.keep), Transition::ResumeGpu);
         if let Err(e) = resumed {
-            return Err(format!("it was removed while its GPU was resumed ({e})"));
+            return Err(ResumeGpuError::Removed(e));
         }
         if let Err(e) = self
             .record_stage(&inst.id, Stage::Warm, Some(inst.init_pid), None)
@@ -576,10 +586,10 @@ impl Runtime {
         rd: &mut tokio::net::unix::OwnedReadHalf,
         hib_id: &str,
         plan: &[crate::split::index::Planned],
-    ) -> Result<crate::split::capture::Captured, String> {
+    ) -> Result<crate::split::capture::Captured, HibernateError> {
         let listed = crate::split::capture::segment_fds(rd, quiet)
             .await
-            .map_err(|e| format!("receiving the segments: {e}"))?;
+            .map_err(HibernateError::SegmentFds)?;
         let readonly: std::collections::HashMap<u64, String> = plan
             .iter()
             .filter(|(e, _)| e.readonly)
@@ -590,7 +600,7 @@ impl Runtime {
             crate::split::capture::store_all(&split, &id, listed, &readonly)
         })
         .await
-        .map_err(|e| format!("segment capture task failed: {e}"))??;
+        .map_err(HibernateError::CaptureTask)??;
         let released = {
             let mut wr = inst.writer.lock().await;
             crate::split::capture::release_halves(&mut wr, rd, QUIET_TIMEOUT).await
@@ -598,7 +608,7 @@ impl Runtime {
         if let Err(e) = released {
             let (store, id) = (self.split.store(), hib_id.to_string());
             let _ = tokio::task::spawn_blocking(move || store.map(|s| s.release(&id))).await;
-            return Err(format!("releasing the segments: {e}"));
+            return Err(HibernateError::ReleaseSegments(e));
         }
         tracing::info!(instance = %inst.id, segments = captured.segments.len(), bytes = captured.bytes, new_bytes = captured.new_bytes, "hibernation: segments stored");
         Ok(captured)
@@ -609,7 +619,7 @@ impl Runtime {
         pool: &Arc<Pool>,
         inst: &Arc<Instance>,
         out: &Path,
-    ) -> Result<Sleeper, String> {
+    ) -> Result<Sleeper, HibernateError> {
         if inst.state() == State::Changing(Stage::GpuReleased, Doing::Hibernate) {
             // The worker must run CUDA to synchronise before quiet, and the split capture reads
             // every segment: resume first (segments mapped back), then hibernate as a warm one.
@@ -621,14 +631,14 @@ impl Runtime {
             let (s, id) = (Arc::clone(&self.split), function_snapshot.clone());
             tokio::task::spawn_blocking(move || s.plan(&id))
                 .await
-                .map_err(|e| format!("split plan task failed: {e}"))??
+                .map_err(HibernateError::PlanTask)??
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         *lock(&inst.quiet_tx) = Some(tx);
         let quiescing = self.step(&inst.function, &mut lock(&inst.keep), Transition::Quiesce);
         if let Err(e) = quiescing {
             lock(&inst.quiet_tx).take();
-            return Err(format!("it cannot be quiesced ({e})"));
+            return Err(HibernateError::Quiesce(e));
         }
         {
             let mut wr = inst.writer.lock().await;
@@ -639,16 +649,19 @@ impl Runtime {
                 }),
             )
             .await
-            .map_err(|e| format!("sending quiesce: {e}"))?;
+            .map_err(HibernateError::SendQuiesce)?;
         }
         let (quiet, mut rd) = match tokio::time::timeout(QUIET_TIMEOUT, rx).await {
             Ok(Ok(q)) => q,
-            Ok(Err(_)) => return Err(inst.reason()),
+            Ok(Err(_)) => {
+                return Err(HibernateError::Removed {
+                    reason: inst.reason(),
+                })
+            }
             Err(_) => {
-                return Err(format!(
-                    "no quiet within {} s of quiesce",
-                    QUIET_TIMEOUT.as_secs()
-                ))
+                return Err(HibernateError::QuietTimeout {
+                    bound: QUIET_TIMEOUT,
+                })
             }
         };
         let hib_id = out
@@ -664,21 +677,19 @@ impl Runtime {
         };
         let closed = match tokio::time::timeout(QUIET_TIMEOUT, crate::frames::read(&mut rd)).await {
             Ok(Ok(None)) => Ok(()),
-            Ok(Ok(Some(m))) => Err(format!(
-                "it sent {} after quiet instead of closing its connection",
-                m.get("type").unwrap_or(&serde_json::Value::Null)
-            )),
-            Ok(Err(e)) => Err(e.what_happened()),
-            Err(_) => Err(format!(
-                "it did not close its connection within {} s of quiet",
-                QUIET_TIMEOUT.as_secs()
-            )),
+            Ok(Ok(Some(m))) => Err(HibernateError::NotClosed {
+                sent: m.get("type").cloned().unwrap_or(serde_json::Value::Null),
+            }),
+            Ok(Err(e)) => Err(HibernateError::Frame(e)),
+            Err(_) => Err(HibernateError::CloseTimeout {
+                bound: QUIET_TIMEOUT,
+            }),
         };
         let snapshotted = match closed {
             Ok(()) => self
                 .snapshot_and_kill(inst.init_pid, out)
                 .await
-                .map_err(|e| e.to_string()),
+                .map_err(HibernateError::from),
             Err(e) => Err(e),
         };
         if let Err(e) = snapshotted {
@@ -696,9 +707,7 @@ impl Runtime {
             (k.idle_since, Keep::new(State::Hibernated, k.idle_since))
         };
         let idle_ms = now_ms() - i64::try_from(idle_since.elapsed().as_millis()).unwrap_or(0);
-        self.record_hibernation(inst, &hib_id, out, idle_ms)
-            .await
-            .map_err(|e| e.to_string())?;
+        self.record_hibernation(inst, &hib_id, out, idle_ms).await?;
         Ok(Sleeper {
             id: inst.id.clone(),
             snapshot_id: hib_id,
@@ -718,21 +727,19 @@ impl Runtime {
             return;
         };
         let d = dir.clone();
-        let dropped = tokio::task::spawn_blocking(move || drop_from_page_cache(&d))
-            .await
-            .map_err(|e| format!("eviction task failed: {e}"))
-            .and_then(|r| r);
-        let recorded = match &dropped {
-            Ok(_) => self
-                .record_stage(&id, Stage::Evicted, None, Some(hib))
+        let evicted = async {
+            let files = tokio::task::spawn_blocking(move || drop_from_page_cache(&d))
                 .await
-                .map_err(|e| e.to_string()),
-            Err(e) => Err(e.clone()),
-        };
+                .map_err(EvictError::Task)??;
+            self.record_stage(&id, Stage::Evicted, None, Some(hib))
+                .await?;
+            Ok::<_, EvictError>(files)
+        }
+        .await;
         let mut st = lock(&pool.state);
         if let Some(s) = st.sleepers.iter_mut().find(|s| s.id == id) {
-            match (&dropped, &recorded) {
-                (Ok(files), Ok(())) => {
+            match &evicted {
+                Ok(files) => {
                     let _ = self.step(&pool.name, &mut s.keep, Transition::Evict);
                     let (split, hib, keep) = (
                         Arc::clone(&self.split),
@@ -742,7 +749,7 @@ impl Runtime {
                     tokio::task::spawn_blocking(move || split.drop_cached(&hib, Some(&keep)));
                     tracing::info!(instance = %id, files, snapshot = %dir.display(), "hibernated instance evicted from the page cache");
                 }
-                (_, Err(e)) | (Err(e), _) => {
+                Err(e) => {
                     let _ = self.step(&pool.name, &mut s.keep, Transition::Abort);
                     // Stays hibernated; tried again at the next tick would loop, so count it
                     // as evicted only once it works: push its idle time back one delay.
@@ -829,13 +836,15 @@ struct ForwardedReplies<'a> {
 }
 
 impl<'a> ForwardedReplies<'a> {
-    fn new(inst: &'a Instance) -> Result<Self, String> {
+    fn new(inst: &'a Instance) -> Result<Self, ReleaseGpuError> {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         *lock(&inst.segment_replies) = Some(tx);
         // Removed meanwhile: its reader is gone and would never forward anything.
         if inst.is_dead() {
             lock(&inst.segment_replies).take();
-            return Err(inst.reason());
+            return Err(ReleaseGpuError::Removed {
+                reason: inst.reason(),
+            });
         }
         Ok(Self { inst, rx })
     }
@@ -857,17 +866,18 @@ fn sleeper_of(inst: &Instance, out: &Path) -> (String, String, PathBuf) {
 
 /// `posix_fadvise(POSIX_FADV_DONTNEED)` on every file under `dir` (after writing back any dirty
 /// pages, which DONTNEED would skip). Returns how many files.
-pub fn drop_from_page_cache(dir: &Path) -> Result<usize, String> {
+pub fn drop_from_page_cache(dir: &Path) -> Result<usize, PageCacheError> {
     use std::os::fd::AsRawFd;
+    let io = |step: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| PageCacheError::Io { step, path, source }
+    };
     let mut n = 0;
-    let entries =
-        std::fs::read_dir(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+    let entries = std::fs::read_dir(dir).map_err(io("read", dir))?;
     for e in entries {
-        let e = e.map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+        let e = e.map_err(io("read", dir))?;
         let path = e.path();
-        let meta = e
-            .metadata()
-            .map_err(|err| format!("cannot stat {}: {err}", path.display()))?;
+        let meta = e.metadata().map_err(io("stat", &path))?;
         if meta.is_dir() {
             n += drop_from_page_cache(&path)?;
             continue;
@@ -875,20 +885,217 @@ pub fn drop_from_page_cache(dir: &Path) -> Result<usize, String> {
         if !meta.is_file() {
             continue;
         }
-        let f = std::fs::File::open(&path)
-            .map_err(|err| format!("cannot open {}: {err}", path.display()))?;
-        f.sync_all()
-            .map_err(|err| format!("cannot write back {}: {err}", path.display()))?;
+        let f = std::fs::File::open(&path).map_err(io("open", &path))?;
+        f.sync_all().map_err(io("write back", &path))?;
         // SAFETY: posix_fadvise only advises the kernel about the open descriptor `f`.
         let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         if rc != 0 {
-            return Err(format!(
-                "posix_fadvise on {}: {}",
-                path.display(),
-                std::io::Error::from_raw_os_error(rc)
-            ));
+            return Err(PageCacheError::Fadvise { path, errno: rc });
         }
         n += 1;
     }
     Ok(n)
+}
+
+/// The CUDA driver cannot be loaded (kept: every later GPU release or resume gets the same
+/// answer until the daemon restarts).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "cannot load the CUDA driver for GPU release ({0}): install the NVIDIA driver, or set gpus = 0"
+)]
+pub struct CudaLoadError(pub Arc<torpor_cuda::CudaError>);
+
+/// Why the GPU of an idle instance was not released in place. The instance stays warm, unless
+/// its segments could not be mapped back (or its worker broke the unmap): then it was removed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReleaseGpuError {
+    /// The CUDA driver cannot be loaded.
+    #[error(transparent)]
+    Driver(#[from] CudaLoadError),
+    /// The tree holds what the driver's checkpoint cannot restore (the line names it and the
+    /// way around it).
+    #[error("{reason}")]
+    Unrestorable { reason: String },
+    /// Its segments were given back already (a bug: a release of a released instance).
+    #[error("its segments are released already")]
+    AlreadyReleased,
+    /// It was removed meanwhile, for `reason`.
+    #[error("{reason}")]
+    Removed { reason: String },
+    /// The `unmap` frame could not be sent (the instance was removed).
+    #[error("cannot send unmap: {0}")]
+    SendUnmap(#[source] workers::ConnError),
+    /// The worker answered `unmap` with another frame (the instance was removed).
+    #[error("it answered unmap with {answer}")]
+    UnmapAnswer { answer: serde_json::Value },
+    /// No `unmapped` in time (the instance was removed).
+    #[error("no unmapped within {} s of unmap", bound.as_secs())]
+    UnmapTimeout { bound: Duration },
+    /// The worker could not unmap its segments; `message` is its own reason (those it released
+    /// were mapped back).
+    #[error("the worker could not unmap its segments: {message}")]
+    UnmapRefused { message: String },
+    /// The task saving the writable segments did not finish.
+    #[error("cannot save its segments: segment save task failed: {0}")]
+    SaveTask(#[source] tokio::task::JoinError),
+    /// The writable segments could not be saved (they were mapped back).
+    #[error("cannot save its segments: {0}")]
+    Save(#[source] crate::split::release::SaveError),
+    /// Mapping the segments back after a failure failed too (the instance was removed).
+    #[error(transparent)]
+    MapBack(#[from] MapBackError),
+    /// The task running the driver calls did not finish.
+    #[error("GPU release task failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
+    /// The driver's lock or checkpoint failed (its `CUresult` is inside).
+    #[error(transparent)]
+    Cuda(#[from] torpor_cuda::CudaError),
+}
+
+/// Why an instance's segments could not be mapped back into its worker; the instance was
+/// removed with this as its reason.
+#[derive(Debug, thiserror::Error)]
+pub enum MapBackError {
+    /// A segment could not be filled or handed over, or the worker did not map them in time.
+    #[error("mapping its segments back failed: {0}")]
+    Segments(#[source] SegmentsError),
+    /// It was removed meanwhile, for `reason`.
+    #[error("mapping its segments back failed: {reason}")]
+    Removed { reason: String },
+}
+
+/// Why the GPU of an instance in gpu_released could not be resumed (the caller removes it).
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeGpuError {
+    /// The CUDA driver cannot be loaded.
+    #[error(transparent)]
+    Driver(#[from] CudaLoadError),
+    /// The task running the driver calls did not finish.
+    #[error("GPU resume task failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
+    /// The driver's restore or unlock failed (its `CUresult` is inside).
+    #[error(transparent)]
+    Cuda(#[from] torpor_cuda::CudaError),
+    /// Its segments could not be mapped back.
+    #[error(transparent)]
+    MapBack(#[from] MapBackError),
+    /// It was removed while its GPU was resumed.
+    #[error("it was removed while its GPU was resumed ({0})")]
+    Removed(#[source] crate::runtime::lifecycle::Refused),
+}
+
+/// Why an instance could not be hibernated (the instance was removed with this as its reason,
+/// and its partial snapshot deleted).
+#[derive(Debug, thiserror::Error)]
+pub enum HibernateError {
+    /// Its GPU (released) could not be resumed first.
+    #[error(transparent)]
+    Resume(#[from] ResumeGpuError),
+    /// The task loading the function snapshot's segment plan did not finish.
+    #[error("split plan task failed: {0}")]
+    PlanTask(#[source] tokio::task::JoinError),
+    /// The function snapshot's segment plan cannot be read.
+    #[error(transparent)]
+    Plan(#[from] crate::split::PlanError),
+    /// Its state does not allow a quiesce (it was removed or taken meanwhile).
+    #[error("it cannot be quiesced ({0})")]
+    Quiesce(#[source] crate::runtime::lifecycle::Refused),
+    /// The `quiesce` frame could not be sent.
+    #[error("sending quiesce: {0}")]
+    SendQuiesce(#[source] workers::ConnError),
+    /// It was removed meanwhile, for `reason`.
+    #[error("{reason}")]
+    Removed { reason: String },
+    /// No `quiet` in time.
+    #[error("no quiet within {} s of quiesce", bound.as_secs())]
+    QuietTimeout { bound: Duration },
+    /// The segments' fds did not come after `quiet`.
+    #[error("receiving the segments: {0}")]
+    SegmentFds(#[source] workers::ConnError),
+    /// The task storing the segments did not finish.
+    #[error("segment capture task failed: {0}")]
+    CaptureTask(#[source] tokio::task::JoinError),
+    /// Storing the segments failed.
+    #[error(transparent)]
+    Capture(#[from] crate::split::capture::CaptureError),
+    /// The worker did not release its segments (their record was released).
+    #[error("releasing the segments: {0}")]
+    ReleaseSegments(#[source] workers::ConnError),
+    /// The worker sent a frame after `quiet` instead of closing.
+    #[error("it sent {sent} after quiet instead of closing its connection")]
+    NotClosed { sent: serde_json::Value },
+    /// Its connection broke, or it sent a malformed frame, after `quiet`.
+    #[error("{}", .0.what_happened())]
+    Frame(#[source] crate::frames::FrameError),
+    /// It did not close its connection in time after `quiet`.
+    #[error("it did not close its connection within {} s of quiet", bound.as_secs())]
+    CloseTimeout { bound: Duration },
+    /// CRIU's snapshot failed (its errno and log are inside).
+    #[error(transparent)]
+    Snapshot(#[from] crate::runtime::process::SnapshotTreeError),
+    /// The hibernation could not be recorded.
+    #[error(transparent)]
+    Record(#[from] crate::runtime::lifecycle::RecordError),
+}
+
+/// Why a hibernated instance's snapshot was not evicted (it stays hibernated, tried again one
+/// delay later).
+#[derive(Debug, thiserror::Error)]
+pub enum EvictError {
+    /// The task dropping the pages did not finish.
+    #[error("eviction task failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
+    /// Dropping the snapshot's pages failed.
+    #[error(transparent)]
+    PageCache(#[from] PageCacheError),
+    /// The evicted stage could not be recorded.
+    #[error(transparent)]
+    Record(#[from] crate::runtime::lifecycle::RecordError),
+}
+
+/// Why [`drop_from_page_cache`] stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum PageCacheError {
+    /// A file-system step on `path` failed.
+    #[error("cannot {step} {}: {source}", path.display())]
+    Io {
+        step: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// `posix_fadvise(POSIX_FADV_DONTNEED)` refused; `errno` is its return value.
+    #[error("posix_fadvise on {}: {}", path.display(), std::io::Error::from_raw_os_error(*errno))]
+    Fadvise { path: PathBuf, errno: i32 },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_cache_error_names_the_step_and_keeps_the_errno() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("pages-1.img"), b"x").unwrap();
+        assert_eq!(drop_from_page_cache(dir.path()).unwrap(), 1);
+        let gone = dir.path().join("gone");
+        let e = drop_from_page_cache(&gone).unwrap_err();
+        let PageCacheError::Io { step, source, .. } = &e else {
+            panic!("{e}");
+        };
+        assert_eq!((*step, source.raw_os_error()), ("read", Some(libc::ENOENT)));
+        assert!(
+            e.to_string()
+                .starts_with(&format!("cannot read {}: ", gone.display())),
+            "{e}"
+        );
+        let fadvise = PageCacheError::Fadvise {
+            path: gone,
+            errno: libc::EBADF,
+        };
+        assert!(
+            fadvise.to_string().contains("Bad file descriptor"),
+            "{fadvise}"
+        );
+    }
 }

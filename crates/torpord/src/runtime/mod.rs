@@ -54,13 +54,14 @@ pub struct Runtime {
     pub state_root: PathBuf,
     pub workers_socket: PathBuf,
     /// Where the `torpor` Python package lives, or why it was not found (reported at deploy).
-    pub python_dir: Result<PathBuf, String>,
+    pub python_dir: Result<PathBuf, crate::sdk_dir::SdkDirError>,
     /// Deploys run one at a time (two deploys of one base must not both boot it).
     pub deploy_locks: crate::deploy_locks::DeployLocks,
     pub(crate) pools: Mutex<HashMap<String, Arc<Pool>>>,
     pub(crate) next_id: AtomicU64,
     /// The CUDA driver, loaded on first use (GPU release and resume).
-    pub(crate) cuda: std::sync::OnceLock<Result<Arc<torpor_cuda::CudaDriver>, String>>,
+    pub(crate) cuda:
+        std::sync::OnceLock<Result<Arc<torpor_cuda::CudaDriver>, keepalive::CudaLoadError>>,
     /// NVML, if it loads, for per-worker GPU memory.
     pub(crate) nvml: std::sync::OnceLock<Option<torpor_cuda::Nvml>>,
     /// Instances being booted or restored, metered as `starting` (crate::accounting).

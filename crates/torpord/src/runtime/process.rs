@@ -47,11 +47,13 @@ pub struct PendingPages {
 impl PendingPages {
     /// Reaps the daemon on a blocking thread once it has served every page; the answer says
     /// whether it did (if not, the tree was killed).
-    pub fn finish_in_background(mut self) -> oneshot::Receiver<Result<(), String>> {
+    pub fn finish_in_background(
+        mut self,
+    ) -> oneshot::Receiver<Result<(), torpor_snapshot::restore::RestoreError>> {
         let (tx, rx) = oneshot::channel();
         let (lazy, staged) = (self.lazy.take(), self.staged.take());
         tokio::task::spawn_blocking(move || {
-            let served = lazy.map_or(Ok(()), |l| l.finish().map_err(|e| e.to_string()));
+            let served = lazy.map_or(Ok(()), |l| l.finish());
             let _ = tx.send(served);
             // The staged copy may go now: every page was read.
             drop(staged);
@@ -212,24 +214,52 @@ impl Runtime {
         init: i32,
         worker: i32,
         what: &str,
-    ) -> Result<WorkerConn, String> {
+    ) -> Result<WorkerConn, WakeFunctionError> {
         let conn = match wake(&self.hub, worker, RECONNECT_TIMEOUT).await {
             Ok(c) => c,
-            Err(e) => {
+            Err(source) => {
                 kill_tree(init);
-                return Err(format!("{what} did not reconnect: {e}"));
+                return Err(WakeFunctionError::Reconnect {
+                    what: what.to_string(),
+                    source,
+                });
             }
         };
         if conn.hello.role != "function" || conn.hello.function.as_deref() != Some(name) {
             kill_tree(init);
-            return Err(format!(
-                "{what} says it serves {:?} (role {}), not {name:?}: the snapshot is not this \
-                 function's; deploy it again",
-                conn.hello.function, conn.hello.role
-            ));
+            return Err(WakeFunctionError::NotThisFunction {
+                what: what.to_string(),
+                serves: conn.hello.function.clone(),
+                role: conn.hello.role.clone(),
+                function: name.to_string(),
+            });
         }
         Ok(conn)
     }
+}
+
+/// Why a restored instance's worker did not come back as an instance of its function (its tree
+/// was killed).
+#[derive(Debug, thiserror::Error)]
+pub enum WakeFunctionError {
+    /// It did not come back (`what` names the instance and its snapshot).
+    #[error("{what} did not reconnect: {source}")]
+    Reconnect {
+        what: String,
+        #[source]
+        source: WakeError,
+    },
+    /// It came back as something else: the snapshot is another function's.
+    #[error(
+        "{what} says it serves {serves:?} (role {role}), not {function:?}: the snapshot is not \
+         this function's; deploy it again"
+    )]
+    NotThisFunction {
+        what: String,
+        serves: Option<String>,
+        role: String,
+        function: String,
+    },
 }
 
 /// SIGUSR2 to a restored (or just snapshotted) worker, and its connection once it says hello

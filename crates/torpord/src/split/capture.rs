@@ -22,11 +22,12 @@ use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 
 use serde_json::{Map, Value};
-use torpor_image::store::Recipe;
+use torpor_device::DeviceError;
+use torpor_image::store::{Recipe, StoreError};
 
 use crate::protocol::{Empty, Quiesce, ToWorker};
 use crate::split::index::{self, SegmentEntry, SegmentIndex, INDEX_FORMAT, INDEX_RECIPE};
-use crate::split::{fds, lock, Split};
+use crate::split::{fds, lock, DeviceOpenError, Split, StoreOpenError};
 use crate::workers::{ConnError, WorkerConn};
 use tokio::net::unix::OwnedReadHalf;
 
@@ -146,17 +147,15 @@ pub async fn segment_fds(
 }
 
 /// The BLAKE3 hash of every listed segment's contents, by VA (blocking: copies every segment).
-pub fn hash_all(split: &Split, listed: &[Listed]) -> Result<HashMap<u64, String>, String> {
+pub fn hash_all(split: &Split, listed: &[Listed]) -> Result<HashMap<u64, String>, CaptureError> {
     let mut out = HashMap::new();
     for l in listed {
         let dev = split.device(&l.backend, l.ordinal)?;
         // Pageable memory: this copy is thrown away, and pinning costs more than staging.
         let mut buf = vec![0u8; l.size as usize];
-        let fd =
-            l.fd.try_clone()
-                .map_err(|e| format!("dup of a segment fd: {e}"))?;
+        let fd = l.fd.try_clone().map_err(CaptureError::Dup)?;
         dev.read_fd(fd, &mut buf)
-            .map_err(|e| format!("reading the segment at {:#x}: {e}", l.va))?;
+            .map_err(|source| CaptureError::Read { va: l.va, source })?;
         let hash = blake3::Hasher::new().update_rayon(&buf).finalize();
         out.insert(l.va, hash.to_hex().to_string());
     }
@@ -189,9 +188,11 @@ pub fn store_all(
     snapshot_id: &str,
     listed: Vec<Listed>,
     earlier: &HashMap<u64, String>,
-) -> Result<Captured, String> {
+) -> Result<Captured, CaptureError> {
     let store = split.store()?;
-    let mut writer = store.writer().map_err(|e| e.to_string())?;
+    let mut writer = store
+        .writer()
+        .map_err(|e| CaptureError::Writer(Box::new(e)))?;
     let mut recipes: Vec<Recipe> = Vec::with_capacity(listed.len() + 1);
     let mut entries = Vec::with_capacity(listed.len());
     let mut bytes = 0;
@@ -199,13 +200,20 @@ pub fn store_all(
         let dev = split.device(&l.backend, l.ordinal)?;
         let mut buf = dev
             .host_buffer(l.size as usize)
-            .map_err(|e| e.to_string())?;
-        dev.read_fd(l.fd.try_clone().map_err(|e| e.to_string())?, &mut buf)
-            .map_err(|e| format!("reading the segment at {:#x}: {e}", l.va))?;
+            .map_err(|source| CaptureError::Buffer {
+                va: l.va,
+                size: l.size,
+                source,
+            })?;
+        dev.read_fd(l.fd.try_clone().map_err(CaptureError::Dup)?, &mut buf)
+            .map_err(|source| CaptureError::Read { va: l.va, source })?;
         let name = index::recipe_name(l.va);
         let recipe = writer
             .put_bytes(&name, &buf)
-            .map_err(|e| format!("storing the segment at {:#x}: {e}", l.va))?;
+            .map_err(|e| CaptureError::Put {
+                va: l.va,
+                source: Box::new(e),
+            })?;
         let why = read_only_reason(&l, &recipe.blake3, earlier);
         let entry = SegmentEntry {
             va: l.va,
@@ -241,20 +249,76 @@ pub fn store_all(
         format: INDEX_FORMAT,
         segments: entries.clone(),
     };
-    let json = serde_json::to_vec(&idx).map_err(|e| e.to_string())?;
+    let json = serde_json::to_vec(&idx).map_err(CaptureError::Encode)?;
     let idx_recipe = writer
         .put_bytes(INDEX_RECIPE, &json)
-        .map_err(|e| format!("storing the segments index: {e}"))?;
+        .map_err(|e| CaptureError::PutIndex(Box::new(e)))?;
     recipes.insert(0, idx_recipe);
     let new_bytes = writer.stats().new_raw_bytes;
     writer
         .commit_sealed(snapshot_id, &recipes, &split.key)
-        .map_err(|e| format!("committing the segments of {snapshot_id}: {e}"))?;
+        .map_err(|e| CaptureError::Commit {
+            snapshot: snapshot_id.to_string(),
+            source: Box::new(e),
+        })?;
     Ok(Captured {
         segments: entries,
         bytes,
         new_bytes,
     })
+}
+
+/// Why hashing or storing a worker's segments failed (at a deploy or a hibernation; the
+/// worker's own memory is untouched, and a capture that fails commits no record).
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    /// The chunk store cannot be opened.
+    #[error(transparent)]
+    Store(#[from] StoreOpenError),
+    /// The device holding a segment cannot be opened.
+    #[error(transparent)]
+    Device(#[from] DeviceOpenError),
+    /// The segment's fd cannot be duplicated (out of fds?).
+    #[error("dup of a segment fd: {0}")]
+    Dup(#[source] std::io::Error),
+    /// No host buffer for a segment's copy.
+    #[error("cannot allocate a host buffer of {size} bytes for the segment at {va:#x}: {source}")]
+    Buffer {
+        va: u64,
+        size: u64,
+        #[source]
+        source: DeviceError,
+    },
+    /// Copying a segment's memory to the host failed (the driver's code is inside).
+    #[error("reading the segment at {va:#x}: {source}")]
+    Read {
+        va: u64,
+        #[source]
+        source: DeviceError,
+    },
+    /// The store cannot take writes.
+    #[error("cannot write to the chunk store: {0}")]
+    Writer(#[source] Box<StoreError>),
+    /// Storing a segment failed (a full disk, say).
+    #[error("storing the segment at {va:#x}: {source}")]
+    Put {
+        va: u64,
+        #[source]
+        source: Box<StoreError>,
+    },
+    /// The index cannot be encoded.
+    #[error("cannot encode the segments index: {0}")]
+    Encode(#[source] serde_json::Error),
+    /// Storing the index failed.
+    #[error("storing the segments index: {0}")]
+    PutIndex(#[source] Box<StoreError>),
+    /// The record could not be committed.
+    #[error("committing the segments of {snapshot}: {source}")]
+    Commit {
+        snapshot: String,
+        #[source]
+        source: Box<StoreError>,
+    },
 }
 
 /// Sends `release` and reads `released`; returns the bytes the worker released.

@@ -88,47 +88,95 @@ pub fn load(
     store: &ChunkStore,
     id: &str,
     key: &torpor_image::SnapshotKey,
-) -> Result<Option<Vec<Planned>>, String> {
+) -> Result<Option<Vec<Planned>>, IndexError> {
+    let id_ = || id.to_string();
     let recipes = match store.sealed_recipes(id, key) {
         Ok(r) => r,
         Err(StoreError::UnknownSnapshot { .. }) => return Ok(None),
-        Err(e) => return Err(format!("cannot read the segments of snapshot {id}: {e}")),
+        Err(e) => {
+            return Err(IndexError::Record {
+                id: id_(),
+                source: Box::new(e),
+            })
+        }
     };
     let Some(index_recipe) = recipes.iter().find(|r| r.name == INDEX_RECIPE) else {
         return Ok(None);
     };
     let mut bytes = vec![0u8; index_recipe.size as usize];
-    store.read_into(index_recipe, &mut bytes).map_err(|e| {
-        format!("the segments index of snapshot {id} is damaged: {e}; deploy the function again")
-    })?;
-    let index: SegmentIndex = serde_json::from_slice(&bytes).map_err(|e| {
-        format!("the segments index of snapshot {id} is not valid: {e}; deploy the function again")
-    })?;
+    store
+        .read_into(index_recipe, &mut bytes)
+        .map_err(|e| IndexError::Damaged {
+            id: id_(),
+            source: Box::new(e),
+        })?;
+    let index: SegmentIndex = serde_json::from_slice(&bytes)
+        .map_err(|source| IndexError::Invalid { id: id_(), source })?;
     if index.format != INDEX_FORMAT {
-        return Err(format!(
-            "the segments index of snapshot {id} has format {}, this torpord reads {INDEX_FORMAT}: deploy the function again",
-            index.format
-        ));
+        return Err(IndexError::Format {
+            id: id_(),
+            format: index.format,
+        });
     }
     let mut planned = Vec::with_capacity(index.segments.len());
     for entry in index.segments {
         let Some(recipe) = recipes.iter().find(|r| r.name == entry.recipe) else {
-            return Err(format!(
-                "snapshot {id}'s segments index names {} but its record holds no such recipe: deploy the function again",
-                entry.recipe
-            ));
+            return Err(IndexError::NoRecipe {
+                id: id_(),
+                recipe: entry.recipe,
+            });
         };
         if recipe.blake3 != entry.blake3 || recipe.size != entry.size {
-            return Err(format!(
-                "snapshot {id}'s segment at {:#x} does not match its record (hash or size): the \
-                 store was altered; deploy the function again",
-                entry.va
-            ));
+            return Err(IndexError::Altered {
+                id: id_(),
+                va: entry.va,
+            });
         }
         planned.push((entry, recipe.clone()));
     }
     fill_order(&mut planned);
     Ok(Some(planned))
+}
+
+/// Why the segments of a split snapshot cannot be planned from its record in the chunk store.
+/// Every case but the first is fixed by deploying the function again.
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    /// The snapshot's record cannot be read (or this daemon's key did not seal it).
+    #[error("cannot read the segments of snapshot {id}: {source}")]
+    Record {
+        id: String,
+        #[source]
+        source: Box<StoreError>,
+    },
+    /// The index's chunks cannot be read back.
+    #[error("the segments index of snapshot {id} is damaged: {source}; deploy the function again")]
+    Damaged {
+        id: String,
+        #[source]
+        source: Box<StoreError>,
+    },
+    /// The index is not the JSON this daemon writes.
+    #[error(
+        "the segments index of snapshot {id} is not valid: {source}; deploy the function again"
+    )]
+    Invalid {
+        id: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Another format of index.
+    #[error("the segments index of snapshot {id} has format {format}, this torpord reads {INDEX_FORMAT}: deploy the function again")]
+    Format { id: String, format: u32 },
+    /// The index names a recipe the record does not hold.
+    #[error("snapshot {id}'s segments index names {recipe} but its record holds no such recipe: deploy the function again")]
+    NoRecipe { id: String, recipe: String },
+    /// A segment's hash or size differs between the index and the record.
+    #[error(
+        "snapshot {id}'s segment at {va:#x} does not match its record (hash or size): the \
+         store was altered; deploy the function again"
+    )]
+    Altered { id: String, va: u64 },
 }
 
 #[cfg(test)]
@@ -227,7 +275,7 @@ mod tests {
         let mut w = store.writer().unwrap();
         let recipes = store_segment(&mut w, &[7u8; 8192], Some("0".repeat(64)));
         w.commit_sealed("fn-x-2", &recipes, &key).unwrap();
-        let err = load(&store, "fn-x-2", &key).unwrap_err();
+        let err = load(&store, "fn-x-2", &key).unwrap_err().to_string();
         assert!(err.contains("does not match its record"), "{err}");
     }
 
@@ -251,7 +299,7 @@ mod tests {
         drop(w);
         record["recipes"] = serde_json::to_value(&planted).unwrap();
         std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
-        let err = load(&store, "fn-x-3", &key).unwrap_err();
+        let err = load(&store, "fn-x-3", &key).unwrap_err().to_string();
         assert!(err.contains("changed after the daemon sealed it"), "{err}");
         // The same record unsealed: its hashes alone would have planted the bytes.
         record.as_object_mut().unwrap().remove("mac");
@@ -261,13 +309,13 @@ mod tests {
             planned, planted,
             "an unchecked reader takes the planted recipes"
         );
-        let err = load(&store, "fn-x-3", &key).unwrap_err();
+        let err = load(&store, "fn-x-3", &key).unwrap_err().to_string();
         assert!(err.contains("carries no MAC"), "{err}");
         // Committed unsealed (as by a torpord before sealing, or any other writer).
         let mut w = store.writer().unwrap();
         let recipes = store_segment(&mut w, &[7u8; 8192], None);
         w.commit("fn-x-4", &recipes).unwrap();
-        let err = load(&store, "fn-x-4", &key).unwrap_err();
+        let err = load(&store, "fn-x-4", &key).unwrap_err().to_string();
         assert!(err.contains("carries no MAC"), "{err}");
     }
 }

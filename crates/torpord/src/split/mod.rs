@@ -125,7 +125,7 @@ pub struct Split {
     /// Why none was found ([`HookLibError`]'s line).
     pub hook_missing: Option<String>,
     store_root: PathBuf,
-    store: OnceLock<Result<ChunkStore, String>>,
+    store: OnceLock<Result<ChunkStore, StoreOpenError>>,
     host: OnceLock<Arc<dyn SegmentDevice>>,
     cuda: Mutex<HashMap<i32, Arc<dyn SegmentDevice>>>,
     pub(crate) host_cache: Mutex<Lru<Mutex<HostBuffer>>>,
@@ -149,6 +149,40 @@ impl std::fmt::Debug for Split {
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The chunk store cannot be opened (kept: every later use gets the same answer, until the
+/// daemon restarts).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(transparent)]
+pub struct StoreOpenError(pub Arc<torpor_image::store::StoreError>);
+
+/// Why the device holding a worker's segment cannot be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceOpenError {
+    /// The GPU cannot be opened for the split path (the driver's error code is inside).
+    #[error("cannot open GPU {ordinal} for the split path: {source}")]
+    Gpu {
+        ordinal: i32,
+        #[source]
+        source: torpor_device::DeviceError,
+    },
+    /// The worker named a backend this daemon does not know (a newer harness).
+    #[error(
+        "the worker reported a segment of backend {backend:?}; this torpord knows host and cuda"
+    )]
+    UnknownBackend { backend: String },
+}
+
+/// Why the segment plan of a snapshot cannot be had.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The chunk store holding its record cannot be opened.
+    #[error(transparent)]
+    Store(#[from] StoreOpenError),
+    /// Its record or index cannot be read, or does not hold together.
+    #[error(transparent)]
+    Index(#[from] index::IndexError),
 }
 
 /// Why no hook library was found.
@@ -302,14 +336,20 @@ impl Split {
     }
 
     /// The chunk store (opened, and created, on first use).
-    pub fn store(&self) -> Result<ChunkStore, String> {
+    pub fn store(&self) -> Result<ChunkStore, StoreOpenError> {
         self.store
-            .get_or_init(|| ChunkStore::open(&self.store_root).map_err(|e| e.to_string()))
+            .get_or_init(|| {
+                ChunkStore::open(&self.store_root).map_err(|e| StoreOpenError(Arc::new(e)))
+            })
             .clone()
     }
 
     /// The device of `backend` (and GPU `ordinal` for cuda), opened on first use.
-    pub fn device(&self, backend: &str, ordinal: i32) -> Result<Arc<dyn SegmentDevice>, String> {
+    pub fn device(
+        &self,
+        backend: &str,
+        ordinal: i32,
+    ) -> Result<Arc<dyn SegmentDevice>, DeviceOpenError> {
         match backend {
             "host" => Ok(Arc::clone(self.host.get_or_init(|| {
                 Arc::new(Backend(torpor_device::host::HostDevice::new()))
@@ -320,21 +360,20 @@ impl Split {
                     return Ok(Arc::clone(d));
                 }
                 let d: Arc<dyn SegmentDevice> = Arc::new(Backend(
-                    torpor_device::cuda::CudaDevice::open(ordinal).map_err(|e| {
-                        format!("cannot open GPU {ordinal} for the split path: {e}")
-                    })?,
+                    torpor_device::cuda::CudaDevice::open(ordinal)
+                        .map_err(|source| DeviceOpenError::Gpu { ordinal, source })?,
                 ));
                 cuda.insert(ordinal, Arc::clone(&d));
                 Ok(d)
             }
-            other => Err(format!(
-                "the worker reported a segment of backend {other:?}; this torpord knows host and cuda"
-            )),
+            other => Err(DeviceOpenError::UnknownBackend {
+                backend: other.to_string(),
+            }),
         }
     }
 
     /// The segments of snapshot `id` in fill order; `None` for a transparent snapshot.
-    pub fn plan(&self, id: &str) -> Result<Option<Arc<Vec<Planned>>>, String> {
+    pub fn plan(&self, id: &str) -> Result<Option<Arc<Vec<Planned>>>, PlanError> {
         if let Some(p) = lock(&self.plans).get(id) {
             return Ok(p.clone());
         }

@@ -130,13 +130,12 @@ impl Split {
         &self,
         plan: &[Planned],
         leases: &[Lease],
-    ) -> Result<Vec<Option<HostBuffer>>, String> {
+    ) -> Result<Vec<Option<HostBuffer>>, SaveError> {
         if plan.len() != leases.len() {
-            return Err(format!(
-                "the instance holds {} segments but its plan lists {}",
-                leases.len(),
-                plan.len()
-            ));
+            return Err(SaveError::Mismatch {
+                held: leases.len(),
+                planned: plan.len(),
+            });
         }
         plan.iter()
             .zip(leases)
@@ -145,16 +144,48 @@ impl Split {
                     return Ok(None);
                 };
                 let dev = self.device(&e.backend, e.ordinal)?;
-                let size = usize::try_from(e.size).map_err(|x| x.to_string())?;
+                let size = usize::try_from(e.size).map_err(|_| SaveError::TooLarge {
+                    va: e.va,
+                    size: e.size,
+                })?;
                 let mut buf = dev
                     .host_buffer(size)
-                    .map_err(|x| format!("host memory to save the segment at {:#x}: {x}", e.va))?;
+                    .map_err(|source| SaveError::HostBuffer { va: e.va, source })?;
                 dev.read_memory(&own.memory, &mut buf)
-                    .map_err(|x| format!("saving the segment at {:#x}: {x}", e.va))?;
+                    .map_err(|source| SaveError::Read { va: e.va, source })?;
                 Ok(Some(buf))
             })
             .collect()
     }
+}
+
+/// Why the writable segments of an instance releasing its GPU could not be saved (the release
+/// is undone: the instance keeps its memory).
+#[derive(Debug, thiserror::Error)]
+pub enum SaveError {
+    /// The instance's leases and its plan disagree (a bug).
+    #[error("the instance holds {held} segments but its plan lists {planned}")]
+    Mismatch { held: usize, planned: usize },
+    /// The device of a segment cannot be opened.
+    #[error(transparent)]
+    Device(#[from] crate::split::DeviceOpenError),
+    /// A segment larger than this machine's address space.
+    #[error("the segment at {va:#x} ({size} bytes) is too large to save on this machine")]
+    TooLarge { va: u64, size: u64 },
+    /// No host memory (pinned, on cuda) for the copy.
+    #[error("host memory to save the segment at {va:#x}: {source}")]
+    HostBuffer {
+        va: u64,
+        #[source]
+        source: torpor_device::DeviceError,
+    },
+    /// Copying the segment to the host failed (the driver's code is inside).
+    #[error("saving the segment at {va:#x}: {source}")]
+    Read {
+        va: u64,
+        #[source]
+        source: torpor_device::DeviceError,
+    },
 }
 
 #[cfg(test)]
@@ -260,7 +291,10 @@ mod tests {
     async fn hand_over(
         restoring: crate::split::server::Restoring,
         n: usize,
-    ) -> (Result<InstanceSegments, String>, Vec<(Value, OwnedFd)>) {
+    ) -> (
+        Result<InstanceSegments, crate::split::server::SegmentsError>,
+        Vec<(Value, OwnedFd)>,
+    ) {
         let (daemon, worker_end) = UnixStream::pair().unwrap();
         let (_drd, dwr) = daemon.into_split();
         let writer = tokio::sync::Mutex::new(dwr);
@@ -360,7 +394,7 @@ mod tests {
         let (plan, sources) = segments.sources();
         let (handed, maps) =
             hand_over(split.begin_refill(plan, sources, "instance i-1".into()), 1).await;
-        let err = handed.unwrap_err();
+        let err = handed.unwrap_err().to_string();
         assert!(
             err.contains(&format!("segment at {READ_ONLY:#x} of instance i-1")),
             "{err}"
@@ -386,7 +420,8 @@ mod tests {
             panic!("saved without a lease");
         };
         assert!(
-            err.contains("holds 0 segments but its plan lists 1"),
+            err.to_string()
+                .contains("holds 0 segments but its plan lists 1"),
             "{err}"
         );
     }

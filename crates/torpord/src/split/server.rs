@@ -32,7 +32,10 @@ use tokio::sync::{mpsc, oneshot};
 use crate::protocol::{self, ToWorker};
 use crate::split::device::{HostBuffer, Memory, SegmentDevice};
 use crate::split::index::{Planned, SegmentEntry};
-use crate::split::{fds, lock, Split};
+use crate::split::{fds, lock, DeviceOpenError, PlanError, Split, StoreOpenError};
+use crate::workers::ConnError;
+use torpor_device::DeviceError;
+use torpor_image::store::StoreError;
 
 /// How long a restored worker has to map all its segments.
 pub const MAP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -105,7 +108,7 @@ enum Event {
     /// The segments that will come, in this order (none: a transparent snapshot).
     Plan(Arc<Vec<Planned>>),
     Filled(Filled),
-    Failed(String),
+    Failed(SegmentsError),
 }
 
 /// Where the memory of one segment of a plan comes from.
@@ -136,7 +139,7 @@ impl Split {
                 Ok(Some(p)) => p,
                 Ok(None) => Arc::new(Vec::new()),
                 Err(e) => {
-                    let _ = tx.send(Event::Failed(e));
+                    let _ = tx.send(Event::Failed(SegmentsError::Plan(e)));
                     return;
                 }
             };
@@ -183,11 +186,12 @@ impl Split {
                 Ok(f) => {
                     let _ = tx.send(Event::Filled(f));
                 }
-                Err(e) => {
-                    let _ = tx.send(Event::Failed(format!(
-                        "cannot restore the segment at {:#x} of {of}: {e}",
-                        planned.0.va
-                    )));
+                Err(source) => {
+                    let _ = tx.send(Event::Failed(SegmentsError::Fill {
+                        va: planned.0.va,
+                        of: of.to_string(),
+                        source,
+                    }));
                     return;
                 }
             }
@@ -195,12 +199,15 @@ impl Split {
     }
 
     /// New memory holding a writable segment's saved contents.
-    fn fill_saved(&self, e: &SegmentEntry, saved: &[u8]) -> Result<Filled, String> {
+    fn fill_saved(&self, e: &SegmentEntry, saved: &[u8]) -> Result<Filled, FillError> {
         let dev = self.device(&e.backend, e.ordinal)?;
         let t = Instant::now();
         let m = dev
             .fill_from_bytes(saved, false)
-            .map_err(|x| format!("copying its saved contents: {x}"))?;
+            .map_err(|source| FillError::Copy {
+                what: "copying its saved contents",
+                source,
+            })?;
         let secs = t.elapsed().as_secs_f64().max(1e-9);
         self.metrics
             .fill_gbps
@@ -215,13 +222,13 @@ impl Split {
     }
 
     /// A `map` frame's worth of memory the daemon holds: a new fd for it.
-    fn export_held(&self, e: &SegmentEntry, lease: Lease) -> Result<Filled, String> {
+    fn export_held(&self, e: &SegmentEntry, lease: Lease) -> Result<Filled, FillError> {
         let dev = self.device(&e.backend, e.ordinal)?;
         let fd = match &lease {
             Lease::Own(o) => dev.export(&o.memory),
             Lease::Shared(s) => dev.export(&s.memory),
         }
-        .map_err(|x| format!("exporting its memory: {x}"))?;
+        .map_err(FillError::Export)?;
         Ok(Filled {
             va: e.va,
             size: e.size,
@@ -232,7 +239,7 @@ impl Split {
     }
 
     /// The memory of one segment, from the first source that has it.
-    fn fill(&self, (e, recipe): &Planned) -> Result<Filled, String> {
+    fn fill(&self, (e, recipe): &Planned) -> Result<Filled, FillError> {
         let dev = self.device(&e.backend, e.ordinal)?;
         let t = Instant::now();
         let (memory, lease, source) = if e.readonly {
@@ -291,7 +298,7 @@ impl Split {
         e: &SegmentEntry,
         recipe: &torpor_image::store::Recipe,
         seal: bool,
-    ) -> Result<(Memory, &'static str), String> {
+    ) -> Result<(Memory, &'static str), FillError> {
         let count = |cache: &str, hit: bool| {
             self.metrics
                 .cache_requests
@@ -305,7 +312,10 @@ impl Split {
         if let Some(src) = cached {
             let m = dev
                 .fill_from_memory(&src, size, seal)
-                .map_err(|x| format!("copying from the GPU cache: {x}"))?;
+                .map_err(|source| FillError::Copy {
+                    what: "copying from the GPU cache",
+                    source,
+                })?;
             return Ok((m, "gpu"));
         }
         let cached = lock(&self.host_cache).get(&e.blake3);
@@ -314,7 +324,10 @@ impl Split {
             let buf = lock(&src);
             let m = dev
                 .fill_from_bytes(&buf, seal)
-                .map_err(|x| format!("copying from the host cache: {x}"))?;
+                .map_err(|source| FillError::Copy {
+                    what: "copying from the host cache",
+                    source,
+                })?;
             // A second use: hot, so it also goes to the GPU cache (when it has room for it).
             if lock(&self.gpu_cache).capacity() >= e.size {
                 match dev.fill_from_bytes(&buf, false) {
@@ -329,15 +342,16 @@ impl Split {
             return Ok((m, "host"));
         }
         let store = self.store()?;
-        let mut buf = dev
-            .host_buffer(size)
-            .map_err(|x| format!("host memory for the copy: {x}"))?;
+        let mut buf = dev.host_buffer(size).map_err(FillError::HostBuffer)?;
         store
             .read_into(recipe, &mut buf)
-            .map_err(|x| x.to_string())?;
+            .map_err(|e| FillError::Read(Box::new(e)))?;
         let m = dev
             .fill_from_bytes(&buf, seal)
-            .map_err(|x| format!("copying from the store: {x}"))?;
+            .map_err(|source| FillError::Copy {
+                what: "copying from the store",
+                source,
+            })?;
         lock(&self.host_cache).insert(&e.blake3, Arc::new(Mutex::new(buf)), e.size);
         self.update_cache_gauges();
         Ok((m, "store"))
@@ -349,14 +363,12 @@ impl Restoring {
     /// transparent snapshot); the segments are then handed over while the instance already takes
     /// requests ([`HandingOver::send_maps`]). An error names the cause; the caller then kills
     /// the instance.
-    pub async fn planned(mut self) -> Result<HandingOver, String> {
+    pub async fn planned(mut self) -> Result<HandingOver, SegmentsError> {
         let deadline = tokio::time::Instant::now() + MAP_TIMEOUT;
         let plan = match next(&mut self.rx, deadline).await? {
             Event::Plan(p) => p,
             Event::Failed(e) => return Err(e),
-            Event::Filled(_) => {
-                return Err("the restore server sent a segment before its plan".into())
-            }
+            Event::Filled(_) => return Err(SegmentsError::FilledBeforePlan),
         };
         Ok(HandingOver {
             rx: self.rx,
@@ -369,11 +381,96 @@ impl Restoring {
 async fn next(
     rx: &mut mpsc::UnboundedReceiver<Event>,
     deadline: tokio::time::Instant,
-) -> Result<Event, String> {
+) -> Result<Event, SegmentsError> {
     tokio::time::timeout_at(deadline, rx.recv())
         .await
-        .map_err(|_| format!("segments not filled within {} s", MAP_TIMEOUT.as_secs()))?
-        .ok_or_else(|| "the restore server's fill task ended early".to_string())
+        .map_err(|_| SegmentsError::FillTimeout { bound: MAP_TIMEOUT })?
+        .ok_or(SegmentsError::FillTaskEnded)
+}
+
+/// Why one segment's memory could not be produced (the caller names the segment).
+#[derive(Debug, thiserror::Error)]
+pub enum FillError {
+    /// The device of the segment cannot be opened.
+    #[error(transparent)]
+    Device(#[from] DeviceOpenError),
+    /// The chunk store cannot be opened.
+    #[error(transparent)]
+    Store(#[from] StoreOpenError),
+    /// Copying into new device memory failed (`what` names the source; the driver's code is
+    /// inside).
+    #[error("{what}: {source}")]
+    Copy {
+        what: &'static str,
+        #[source]
+        source: DeviceError,
+    },
+    /// No host memory to read the segment from the store into.
+    #[error("host memory for the copy: {0}")]
+    HostBuffer(#[source] DeviceError),
+    /// The segment's chunks cannot be read from the store (gone, or altered: every chunk is
+    /// verified).
+    #[error("reading it from the chunk store: {0}")]
+    Read(#[source] Box<StoreError>),
+    /// The filled memory cannot be exported as an fd for the worker.
+    #[error("exporting its memory: {0}")]
+    Export(#[source] DeviceError),
+}
+
+/// Why a restored (or resumed) instance did not get all its segments; the caller removes it.
+#[derive(Debug, thiserror::Error)]
+pub enum SegmentsError {
+    /// The snapshot's segment plan cannot be had.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// One segment could not be filled.
+    #[error("cannot restore the segment at {va:#x} of {of}: {source}")]
+    Fill {
+        va: u64,
+        /// What the segments belong to (`snapshot <id>`, `instance <id>`).
+        of: String,
+        #[source]
+        source: FillError,
+    },
+    /// The fills took longer than [`MAP_TIMEOUT`] in all.
+    #[error("segments not filled within {} s", bound.as_secs())]
+    FillTimeout { bound: Duration },
+    /// The fill task went away without a word (it panicked).
+    #[error("the restore server's fill task ended early")]
+    FillTaskEnded,
+    /// The fill task broke its own order (a bug).
+    #[error("the restore server sent a segment before its plan")]
+    FilledBeforePlan,
+    /// The fill task broke its own order (a bug).
+    #[error("the restore server sent two plans")]
+    TwoPlans,
+    /// A `map` frame could not be sent to the worker.
+    #[error("sending map for {va:#x}: {source}")]
+    SendMap {
+        va: u64,
+        #[source]
+        source: ConnError,
+    },
+    /// The worker answered a `map` wrongly, or refused it.
+    #[error(transparent)]
+    Map(#[from] MapAnswerError),
+    /// The worker did not answer every `map` in time.
+    #[error("the worker did not map {left} segment(s) within {} s", bound.as_secs())]
+    MapTimeout { left: usize, bound: Duration },
+}
+
+/// A `mapped` answer the daemon cannot take: the instance must go.
+#[derive(Debug, thiserror::Error)]
+pub enum MapAnswerError {
+    /// An answer to no `map` frame.
+    #[error("it broke the protocol (mapped {va} with no map frame outstanding)")]
+    Unsolicited { va: Value },
+    /// An answer for another segment than the next one sent.
+    #[error("it broke the protocol (mapped {va} while the segment at {expected:#x} was next)")]
+    OutOfOrder { va: Value, expected: u64 },
+    /// The worker could not map it; `message` is its own reason.
+    #[error("the worker could not map the segment at {va:#x}: {message}")]
+    Refused { va: u64, message: String },
 }
 
 /// A restore's segments, planned, to be handed to the worker as they are filled.
@@ -403,12 +500,12 @@ impl HandingOver {
         mut self,
         writer: &tokio::sync::Mutex<OwnedWriteHalf>,
         mut sent: impl FnMut(u64, Lease),
-    ) -> Result<(), String> {
+    ) -> Result<(), SegmentsError> {
         for _ in 0..self.plan.len() {
             let f = match next(&mut self.rx, self.deadline).await? {
                 Event::Filled(f) => f,
                 Event::Failed(e) => return Err(e),
-                Event::Plan(_) => return Err("the restore server sent two plans".into()),
+                Event::Plan(_) => return Err(SegmentsError::TwoPlans),
             };
             let frame = ToWorker::Map(protocol::Map {
                 va: f.va,
@@ -421,7 +518,7 @@ impl HandingOver {
             let mut wr = writer.lock().await;
             fds::send_with_fd(&mut wr, &frame, fd.as_fd())
                 .await
-                .map_err(|e| format!("sending map for {:#x}: {e}", f.va))?;
+                .map_err(|source| SegmentsError::SendMap { va: f.va, source })?;
         }
         Ok(())
     }
@@ -462,28 +559,28 @@ impl Mapping {
 
     /// A `mapped` frame from the worker; the error (a refused map, or an answer to no `map`)
     /// names the segment and the cause, and the instance must go.
-    pub fn answer(&mut self, msg: &Map<String, Value>) -> Result<(), String> {
+    pub fn answer(&mut self, msg: &Map<String, Value>) -> Result<(), MapAnswerError> {
         let va = msg.get("va").and_then(Value::as_u64);
+        let raw_va = || msg.get("va").cloned().unwrap_or(Value::Null);
         let Some(expected) = self.sent.front().copied() else {
-            return Err(format!(
-                "it broke the protocol (mapped {} with no map frame outstanding)",
-                msg.get("va").unwrap_or(&Value::Null)
-            ));
+            return Err(MapAnswerError::Unsolicited { va: raw_va() });
         };
         if va != Some(expected) {
-            return Err(format!(
-                "it broke the protocol (mapped {} while the segment at {expected:#x} was next)",
-                msg.get("va").unwrap_or(&Value::Null)
-            ));
+            return Err(MapAnswerError::OutOfOrder {
+                va: raw_va(),
+                expected,
+            });
         }
         if msg.get("ok").and_then(Value::as_bool) != Some(true) {
-            return Err(format!(
-                "the worker could not map the segment at {expected:#x}: {}",
-                msg.get("error")
+            return Err(MapAnswerError::Refused {
+                va: expected,
+                message: msg
+                    .get("error")
                     .and_then(|e| e.get("message"))
                     .and_then(Value::as_str)
                     .unwrap_or("no reason given")
-            ));
+                    .to_string(),
+            });
         }
         self.sent.pop_front();
         self.mapped += 1;
@@ -542,17 +639,21 @@ mod tests {
         let e = m
             .answer(&frame(json!({"type": "mapped", "va": 0x1000, "ok": true})))
             .unwrap_err();
-        assert!(e.contains("no map frame outstanding"), "{e}");
+        assert!(e.to_string().contains("no map frame outstanding"), "{e}");
         m.sent(0x1000);
         let e = m
             .answer(&frame(json!({"type": "mapped", "va": 0x2000, "ok": true})))
             .unwrap_err();
-        assert!(e.contains("while the segment at 0x1000 was next"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("while the segment at 0x1000 was next"),
+            "{e}"
+        );
         let refused = json!({"type": "mapped", "va": 0x1000, "ok": false,
             "error": {"type": "HookError", "message": "not a memfd"}});
         let e = m.answer(&frame(refused)).unwrap_err();
         assert_eq!(
-            e,
+            e.to_string(),
             "the worker could not map the segment at 0x1000: not a memfd"
         );
         assert_eq!(m.unmapped(), 2);

@@ -15,7 +15,7 @@ use crate::runtime::invoke::Timings;
 use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::pool::FnInfo;
 use crate::runtime::process::TreeGuard;
-use crate::runtime::start::NewInstance;
+use crate::runtime::start::{NewInstance, StartError};
 use crate::runtime::Runtime;
 use crate::workers::{ConnError, WorkerConn};
 use std::collections::BTreeMap;
@@ -28,20 +28,20 @@ impl Runtime {
         info: &FnInfo,
         generation: u64,
         new: &NewInstance<'_, '_>,
-    ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
+    ) -> Result<(Arc<Instance>, Timings, &'static str), StartError> {
         let t = Instant::now();
         let fdir = PathBuf::from(info.spec["dir"].as_str().unwrap_or_default());
         let (init, worker, conn, mut timings) =
             boot_function(self, &info.spec, &fdir, new.log, Some(new.charge))
                 .await
-                .map_err(|e| format!("cannot boot an instance of {name:?}: {e}"))?;
+                .map_err(|source| StartError::Boot {
+                    function: name.to_string(),
+                    source,
+                })?;
         timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
         let tree = WorkerTree { init, worker, conn };
         let adopted = Adopted::new(name, info, generation, None, tree);
-        let inst = self
-            .adopt(new.id, adopted)
-            .await
-            .map_err(|e| e.to_string())?;
+        let inst = self.adopt(new.id, adopted).await?;
         tracing::info!(function = name, instance = %inst.id, pid = init, boot_ms = t.elapsed().as_secs_f64() * 1e3, "instance booted");
         Ok((inst, timings, start::BOOTED))
     }
@@ -79,7 +79,7 @@ pub(crate) async fn boot_function(
     dir: &Path,
     log: &Path,
     charge: Option<&crate::accounting::StartGuard<'_>>,
-) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), String> {
+) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), BootError> {
     let t = Instant::now();
     let python_dir = rt.python_dir.clone()?;
     let (_, python, preload, gpu) = base_key(spec, &rt.split)?;
@@ -105,42 +105,39 @@ pub(crate) async fn boot_function(
         })
     })
     .await
-    .map_err(|e| format!("launch task failed: {e}"))?
-    .map_err(|e| e.to_string())?;
+    .map_err(BootError::LaunchTask)??;
     let mut guard = TreeGuard(Some(init));
     if let Some(c) = charge {
         c.process_started(init);
     }
-    let worker = launcher::worker_pid(init).map_err(|e| e.to_string())?;
+    let worker = launcher::worker_pid(init)?;
     let mut conn = rt
         .hub
         .claim(worker)
         .wait(CONNECT_TIMEOUT)
         .await
-        .map_err(|e| {
-            format!(
-                "the booted worker did not connect: {e}; see {}",
-                log.display()
-            )
+        .map_err(|source| BootError::Connect {
+            source,
+            log: log.clone(),
         })?;
     if conn.hello.role != "function" || conn.hello.resumed {
-        return Err(format!(
-            "the booted worker said hello as role {} (resumed: {}), not a fresh function worker",
-            conn.hello.role, conn.hello.resumed
-        ));
+        return Err(BootError::WrongHello {
+            role: conn.hello.role.clone(),
+            resumed: conn.hello.resumed,
+        });
     }
     let boot_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
     crate::function_mounts::bind_function_dir(init, dir).await?;
     conn.send(&load_frame(spec, dir))
         .await
-        .map_err(|e| format!("sending load: {e}"))?;
+        .map_err(BootError::SendLoad)?;
     ready(
         &mut conn,
         crate::limits::load_timeout(spec, rt.config.load_timeout),
     )
     .await
-    .map_err(|e| format!("{e}; see {}", log.display()))?;
+    .map_err(|source| BootError::NotReady { source, log })?;
     let load_s = t.elapsed().as_secs_f64();
     guard.0 = None;
     Ok((
@@ -157,7 +154,7 @@ pub(crate) async fn boot_function(
 pub fn base_key(
     spec: &Value,
     split: &crate::split::Split,
-) -> Result<(String, PathBuf, Vec<String>, bool), String> {
+) -> Result<(String, PathBuf, Vec<String>, bool), launcher::ResolvePythonError> {
     let python = launcher::resolve_python(spec["python"].as_str().unwrap_or("python3"))?;
     let preload: Vec<String> = spec["preload"]
         .as_array()
@@ -179,6 +176,46 @@ pub fn base_key(
         split.base_key_suffix(gpu)
     );
     Ok((key, python, preload, gpu))
+}
+
+/// Why [`boot_function`] could not boot a function worker (its tree, if launched, was killed).
+#[derive(Debug, thiserror::Error)]
+pub enum BootError {
+    /// The `torpor` Python package, which the worker runs, cannot be found.
+    #[error(transparent)]
+    SdkDir(#[from] crate::sdk_dir::SdkDirError),
+    /// The spec's interpreter cannot be used.
+    #[error(transparent)]
+    Python(#[from] launcher::ResolvePythonError),
+    /// The blocking task launching the worker did not finish.
+    #[error("launch task failed: {0}; torpord's log has the cause")]
+    LaunchTask(#[source] tokio::task::JoinError),
+    /// The launcher failed, or its worker is not under the init.
+    #[error(transparent)]
+    Launch(#[from] launcher::LaunchError),
+    /// The worker did not connect to the workers socket in time (its log says why).
+    #[error("the booted worker did not connect: {source}; see {}", log.display())]
+    Connect {
+        #[source]
+        source: ConnError,
+        log: PathBuf,
+    },
+    /// The worker that connected is not a fresh function worker.
+    #[error("the booted worker said hello as role {role} (resumed: {resumed}), not a fresh function worker")]
+    WrongHello { role: String, resumed: bool },
+    /// The function's directory could not be bound into the worker's mount namespace.
+    #[error(transparent)]
+    Bind(#[from] crate::function_mounts::BindError),
+    /// The `load` frame could not be sent.
+    #[error("sending load: {0}")]
+    SendLoad(#[source] ConnError),
+    /// The worker did not become ready after `load` (its log says why).
+    #[error("{source}; see {}", log.display())]
+    NotReady {
+        #[source]
+        source: NotReady,
+        log: PathBuf,
+    },
 }
 
 /// Why a worker did not become ready after `preload` or `load`.

@@ -22,8 +22,11 @@ use crate::config::ColdStart;
 use crate::registry::now_ms;
 use crate::runtime::instance::{Instance, Sleeper};
 use crate::runtime::invoke::{InvokeError, Timings};
+use crate::runtime::lifecycle::AdoptError;
 use crate::runtime::pool::{FnInfo, Pool, Starting};
+use crate::runtime::process::{RestoreTreeError, WakeFunctionError};
 use crate::runtime::Runtime;
+use crate::split::server::SegmentsError;
 use crate::sync::lock;
 
 pub mod boot;
@@ -42,6 +45,69 @@ pub(crate) enum StartKind<'a> {
     Wake(&'a Sleeper),
     /// Restore the function snapshot as a standby (standby.rs; GPU functions only).
     Standby,
+}
+
+/// Why an instance could not be started ([`Runtime::start`], [`Runtime::cold_start`]); every
+/// way's failure names the function, and a tree that was started is killed.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Booting a worker failed (boot.rs).
+    #[error("cannot boot an instance of {function:?}: {source}")]
+    Boot {
+        function: String,
+        #[source]
+        source: boot::BootError,
+    },
+    /// CRIU could not restore the function snapshot or hibernation (restore.rs; CRIU's log is
+    /// named inside).
+    #[error("cannot start an instance of {function:?}: {source}")]
+    Restore {
+        function: String,
+        #[source]
+        source: RestoreTreeError,
+    },
+    /// CRIU could not restore a standby instance (standby.rs).
+    #[error("cannot restore a standby instance of {function:?}: {source}")]
+    Standby {
+        function: String,
+        #[source]
+        source: RestoreTreeError,
+    },
+    /// The restored worker did not come back as an instance of the function.
+    #[error(transparent)]
+    Wake(#[from] WakeFunctionError),
+    /// The restored instance did not get its segments (`what` names it and its snapshot).
+    #[error("{what} did not get its segments: {source}")]
+    Segments {
+        what: String,
+        #[source]
+        source: SegmentsError,
+    },
+    /// The task loading the snapshot's segment plan did not finish.
+    #[error("split plan task failed: {0}")]
+    PlanTask(#[source] tokio::task::JoinError),
+    /// The snapshot's segment plan cannot be read.
+    #[error(transparent)]
+    Plan(#[from] crate::split::PlanError),
+    /// The started worker could not be made an instance.
+    #[error(transparent)]
+    Adopt(#[from] AdoptError),
+    /// The function was deleted while its instance started (the instance was stopped).
+    #[error("function {function:?} was deleted")]
+    Deleted { function: String },
+    /// The new instance died before it joined its pool.
+    #[error("the new instance of {function:?} was removed: {reason}")]
+    Removed { function: String, reason: String },
+    /// The restore failed, and the boot that followed it too: both causes.
+    #[error("{restore}; booting one instead failed too: {boot}")]
+    BootAfterRestore {
+        restore: Box<StartError>,
+        #[source]
+        boot: Box<StartError>,
+    },
+    /// Restores are paused after failing, and the boot failed.
+    #[error("{0} (restores are paused after failing)")]
+    BootWhilePaused(#[source] Box<StartError>),
 }
 
 /// A started instance, the timings of its start, and its start label (`X-Torpor-Start`).
@@ -111,15 +177,16 @@ impl Runtime {
                     drop(st);
                     rt.remove_instance_of(&pool2, &inst, "stopped: its function was deleted", true);
                     st = lock(&pool2.state);
-                    Err(format!("function {:?} was deleted", pool2.name))
+                    Err(StartError::Deleted {
+                        function: pool2.name.clone(),
+                    })
                 }
                 // Removed already (its worker died): its removal found it in no pool, so it must
                 // not join one now.
-                Ok((inst, _, _)) if inst.is_dead() => Err(format!(
-                    "the new instance of {:?} was removed: {}",
-                    pool2.name,
-                    inst.reason()
-                )),
+                Ok((inst, _, _)) if inst.is_dead() => Err(StartError::Removed {
+                    function: pool2.name.clone(),
+                    reason: inst.reason(),
+                }),
                 Ok((inst, timings, kind)) => {
                     st.instances.push((Arc::clone(&inst), 1));
                     Ok((inst, timings, kind))
@@ -145,7 +212,7 @@ impl Runtime {
         });
         rx.await
             .map_err(|_| InvokeError::Internal("the instance start task failed".to_string()))?
-            .map_err(InvokeError::Internal)
+            .map_err(|e| InvokeError::Internal(e.to_string()))
     }
 
     /// Runs one way of starting an instance of `name` (`new`: its id, log and meter).
@@ -156,7 +223,7 @@ impl Runtime {
         info: &FnInfo,
         generation: u64,
         new: &NewInstance<'_, '_>,
-    ) -> Result<Started, String> {
+    ) -> Result<Started, StartError> {
         match kind {
             StartKind::Boot => self.boot_instance(name, info, generation, new).await,
             StartKind::Restore => {
@@ -198,7 +265,7 @@ impl Runtime {
         info: &FnInfo,
         generation: u64,
         charge: &crate::accounting::StartGuard<'_>,
-    ) -> Result<Started, String> {
+    ) -> Result<Started, StartError> {
         let (id, log) = self.instance_files(name, None);
         let new = NewInstance {
             id: &id,
@@ -244,9 +311,12 @@ impl Runtime {
             .inc();
         self.start(StartKind::Boot, name, info, generation, &new)
             .await
-            .map_err(|e| match restore_error {
-                Some(r) => format!("{r}; booting one instead failed too: {e}"),
-                None => format!("{e} (restores are paused after failing)"),
+            .map_err(|boot| match restore_error {
+                Some(restore) => StartError::BootAfterRestore {
+                    restore: Box::new(restore),
+                    boot: Box::new(boot),
+                },
+                None => StartError::BootWhilePaused(Box::new(boot)),
             })
     }
 
@@ -260,5 +330,43 @@ impl Runtime {
             h.paused_until = Some(Instant::now() + RESTORE_PAUSE);
         }
         h.failures
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_boot_after_a_failed_restore_keeps_both_errors() {
+        let restore = StartError::Removed {
+            function: "f".into(),
+            reason: "its worker exited".into(),
+        };
+        let boot = StartError::Deleted {
+            function: "f".into(),
+        };
+        let both = StartError::BootAfterRestore {
+            restore: Box::new(restore),
+            boot: Box::new(boot),
+        };
+        assert_eq!(
+            both.to_string(),
+            "the new instance of \"f\" was removed: its worker exited; booting one instead \
+             failed too: function \"f\" was deleted"
+        );
+        let StartError::BootAfterRestore { restore, .. } = &both else {
+            unreachable!()
+        };
+        assert!(matches!(**restore, StartError::Removed { .. }));
+        let source = std::error::Error::source(&both).map(ToString::to_string);
+        assert_eq!(source.as_deref(), Some("function \"f\" was deleted"));
+        let paused = StartError::BootWhilePaused(Box::new(StartError::Deleted {
+            function: "f".into(),
+        }));
+        assert_eq!(
+            paused.to_string(),
+            "function \"f\" was deleted (restores are paused after failing)"
+        );
     }
 }

@@ -16,7 +16,7 @@ use crate::runtime::lifecycle::RemoveWhenDone;
 use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::pool::FnInfo;
 use crate::runtime::process::{restore_with, HowToRestore, PendingPages, RestoredTree};
-use crate::runtime::start::{NewInstance, RESTORE_PAUSE};
+use crate::runtime::start::{NewInstance, StartError, RESTORE_PAUSE};
 use crate::runtime::Runtime;
 use crate::sync::lock;
 
@@ -30,7 +30,7 @@ impl Runtime {
         generation: u64,
         sleeper: Option<&Sleeper>,
         new: &NewInstance<'_, '_>,
-    ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
+    ) -> Result<(Arc<Instance>, Timings, &'static str), StartError> {
         let t = Instant::now();
         let from = sleeper.map_or(&info.snapshot_dir, |s| &s.snapshot_dir);
         // A function snapshot staged in memory is restored from there; a hibernation is never
@@ -59,7 +59,10 @@ impl Runtime {
             pages,
         } = restore_with(from, &self.logs_dir(), new.log, how, &self.snapshot_key)
             .await
-            .map_err(|e| format!("cannot start an instance of {name:?}: {e}"))?;
+            .map_err(|source| StartError::Restore {
+                function: name.to_string(),
+                source,
+            })?;
         new.charge.process_started(init);
         let restore_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
@@ -70,21 +73,15 @@ impl Runtime {
         // The instance takes requests once the plan is known; its segments follow.
         let handing = match restoring.planned().await {
             Ok(h) => h,
-            Err(e) => {
+            Err(source) => {
                 kill_tree(init);
-                return Err(format!(
-                    "an instance of {name:?} restored from {} did not get its segments: {e}",
-                    from.display()
-                ));
+                return Err(StartError::Segments { what, source });
             }
         };
         let plan_s = hello.elapsed().as_secs_f64();
         let tree = WorkerTree { init, worker, conn };
         let adopted = Adopted::new(name, info, generation, sleeper, tree);
-        let inst = self
-            .adopt(new.id, adopted)
-            .await
-            .map_err(|e| e.to_string())?;
+        let inst = self.adopt(new.id, adopted).await?;
         // A woken instance's hibernation snapshot goes once nothing reads it any more: its
         // segments are mapped (they are read from its record meanwhile) and every lazy page is in.
         let hibernation = sleeper.map(|s| Arc::new(RemoveWhenDone(s.snapshot_dir.clone())));
@@ -168,10 +165,10 @@ impl Runtime {
                 Ok(Err(_)) => return,
                 Err(_) => {
                     let left = lock(&inst.mapping).as_ref().map_or(0, |m| m.unmapped());
-                    format!(
-                        "the worker did not map {left} segment(s) within {} s",
-                        crate::split::server::MAP_TIMEOUT.as_secs()
-                    )
+                    crate::split::server::SegmentsError::MapTimeout {
+                        left,
+                        bound: crate::split::server::MAP_TIMEOUT,
+                    }
                 }
             },
         };

@@ -25,7 +25,7 @@ use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::lifecycle::{State, Transition};
 use crate::runtime::pool::{FnInfo, Pool, PoolState};
 use crate::runtime::process::{restore_with, HowToRestore};
-use crate::runtime::start::{NewInstance, StartKind};
+use crate::runtime::start::{NewInstance, StartError, StartKind};
 use crate::runtime::Runtime;
 use crate::sync::lock;
 
@@ -265,11 +265,11 @@ impl Runtime {
         info: &FnInfo,
         generation: u64,
         new: &NewInstance<'_, '_>,
-    ) -> Result<Arc<Instance>, String> {
+    ) -> Result<Arc<Instance>, StartError> {
         let (split, snapshot) = (Arc::clone(&self.split), info.snapshot_id.clone());
         let plan = tokio::task::spawn_blocking(move || split.plan(&snapshot))
             .await
-            .map_err(|e| format!("split plan task failed: {e}"))??;
+            .map_err(StartError::PlanTask)??;
         // Copy pages, from the staged copy when there is one: off the request's path, and a
         // GPU worker's driver restore would fault in lazy pages one by one later.
         let how = HowToRestore {
@@ -285,17 +285,17 @@ impl Runtime {
             &self.snapshot_key,
         )
         .await
-        .map_err(|e| format!("cannot restore a standby instance of {name:?}: {e}"))?;
+        .map_err(|source| StartError::Standby {
+            function: name.to_string(),
+            source,
+        })?;
         let (init, worker) = (tree.init, tree.worker);
         new.charge.process_started(init);
         let what = format!("a standby instance of {name:?}");
         let conn = self.wake_function(name, init, worker, &what).await?;
         let tree = WorkerTree { init, worker, conn };
         let adopted = Adopted::new(name, info, generation, None, tree);
-        let inst = self
-            .adopt(new.id, adopted)
-            .await
-            .map_err(|e| e.to_string())?;
+        let inst = self.adopt(new.id, adopted).await?;
         if let Some(plan) = plan {
             *lock(&inst.segments) = crate::split::release::InstanceSegments::unfilled(plan);
         }

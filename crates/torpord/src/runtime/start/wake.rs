@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::runtime::instance::Sleeper;
 use crate::runtime::pool::FnInfo;
-use crate::runtime::start::{NewInstance, StartKind, Started};
+use crate::runtime::start::{NewInstance, StartError, StartKind, Started};
 use crate::runtime::Runtime;
 
 impl Runtime {
@@ -20,7 +20,7 @@ impl Runtime {
         generation: u64,
         sleeper: &Sleeper,
         new: &NewInstance<'_, '_>,
-    ) -> Result<Started, String> {
+    ) -> Result<Started, StartError> {
         self.restore_instance(name, info, generation, Some(sleeper), new)
             .await
     }
@@ -33,7 +33,7 @@ impl Runtime {
         generation: u64,
         sleeper: &Sleeper,
         charge: &crate::accounting::StartGuard<'_>,
-    ) -> Result<Started, String> {
+    ) -> Result<Started, StartError> {
         let (id, log) = self.instance_files(name, Some(&sleeper.id));
         let new = NewInstance {
             id: &id,
