@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import loop_ext4, wait_until
 
 from .conftest import Torpord
 from .test_daemon_crash import (
@@ -30,38 +27,12 @@ FS_MIB = 320
 RESERVE_BYTES = 8 << 20
 
 
-def mounted(path: Path) -> bool:
-    return any(line.split()[4] == str(path) for line in Path("/proc/self/mountinfo").read_text().splitlines())
-
-
 @pytest.fixture
 def small_state(tmp_path: Path) -> Iterator[Path]:
     """`tmp_path/root/state` on an ext4 of FS_MIB MiB of its own."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: loop mounts")
-    for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"needs {tool}")
-    image = tmp_path / "fs.img"
-    with open(image, "wb") as f:
-        f.truncate(FS_MIB << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
-    state = tmp_path / "root" / "state"
-    state.mkdir(parents=True)
-    # `-o loop`: the loop device is freed (autoclear) when the filesystem is unmounted.
-    r = subprocess.run(["mount", "-o", "loop", str(image), str(state)], check=False, capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot loop-mount an ext4 here: {r.stderr.strip()}")
-    try:
+    (tmp_path / "root").mkdir()
+    with loop_ext4(tmp_path / "root" / "state", FS_MIB) as state:
         yield state
-    finally:
-        for _ in range(8):
-            if not mounted(state):
-                break
-            if subprocess.run(["umount", str(state)], check=False, capture_output=True).returncode != 0:
-                time.sleep(0.5)
-                subprocess.run(["umount", "--lazy", str(state)], check=False, capture_output=True)
-        image.unlink(missing_ok=True)
 
 
 def fill(directory: Path) -> Path:

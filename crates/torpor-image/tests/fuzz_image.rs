@@ -18,7 +18,7 @@ use proptest::prelude::*;
 use torpor_image::store::ChunkStore;
 use torpor_image::{check_relative_path, Host, Manifest, ProcessEntry, SnapshotWriter, Source};
 
-use fuzz_support::{campaign, check_alloc, corpus, mutated, peak_alloc};
+use fuzz_support::{campaign, check_alloc, corpus, mutated, one_line, peak_alloc};
 
 #[global_allocator]
 static ALLOC: fuzz_support::Counting = fuzz_support::Counting;
@@ -90,15 +90,6 @@ fn seeds(target: &str, live: &[u8]) -> Vec<Vec<u8>> {
     let mut all = corpus(&dir);
     all.push(live.to_vec());
     all
-}
-
-fn one_line(e: &impl std::fmt::Display) -> Result<(), TestCaseError> {
-    let text = e.to_string();
-    prop_assert!(
-        !text.is_empty() && !text.contains('\n'),
-        "not one line: {text:?}"
-    );
-    Ok(())
 }
 
 #[test]

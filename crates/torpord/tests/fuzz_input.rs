@@ -28,7 +28,7 @@ use torpord::frames::{self, FrameError, MAX_FRAME};
 use torpord::protocol::{FromWorker, ToWorker};
 use torpord::spec::FunctionSpec;
 
-use fuzz_support::{campaign, check_alloc, corpus, json_value, mutated, peak_alloc};
+use fuzz_support::{campaign, check_alloc, corpus, json_value, mutated, one_line, peak_alloc};
 
 #[global_allocator]
 static ALLOC: fuzz_support::Counting = fuzz_support::Counting;
@@ -50,15 +50,6 @@ macro_rules! regressions {
             ".txt"
         )
     };
-}
-
-fn one_line(e: &impl std::fmt::Display) -> Result<(), TestCaseError> {
-    let text = e.to_string();
-    prop_assert!(
-        !text.is_empty() && !text.contains('\n'),
-        "not one line: {text:?}"
-    );
-    Ok(())
 }
 
 fn block_on<F: std::future::Future>(f: F) -> F::Output {

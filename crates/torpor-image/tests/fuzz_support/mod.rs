@@ -331,3 +331,13 @@ pub fn json_value() -> impl Strategy<Value = serde_json::Value> {
         ]
     })
 }
+
+/// A refusal is one non-empty line (the error type's Display), as every error of the project is.
+pub fn one_line(e: &impl std::fmt::Display) -> Result<(), TestCaseError> {
+    let text = e.to_string();
+    prop_assert!(
+        !text.is_empty() && !text.contains('\n'),
+        "not one line: {text:?}"
+    );
+    Ok(())
+}
