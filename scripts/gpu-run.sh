@@ -4,6 +4,7 @@
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
 #   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|all] [extra pytest args...]
+# tests: pytest over $TESTS (default: tests, the whole suite), into $OUT/pytest.log.
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
 # the compat functions through a fresh daemon, into $OUT/compat-h100.json and $OUT/compat.log
@@ -65,7 +66,8 @@ bash scripts/provision-criu.sh || { echo "gpu-run: CRIU provisioning failed" >&2
 rc=0
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
   echo "== tests"
-  python3 -m pytest -q -ra tests "$@" 2>&1 | tee "$OUT/pytest.log"
+  # shellcheck disable=SC2086 # $TESTS is a list of paths
+  python3 -m pytest -q -ra ${TESTS:-tests} "$@" 2>&1 | tee "$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
 fi
 if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
