@@ -156,6 +156,16 @@ impl CudaError {
     pub fn is_operating_system_error(&self) -> bool {
         matches!(self, CudaError::Call { code, .. } if *code == ffi::CUDA_ERROR_OPERATING_SYSTEM)
     }
+
+    /// Whether the process the call was about has no CUDA state or no longer exists: what a
+    /// driver restore meets when a freshly restored process died before it (see
+    /// torpor_snapshot's `restore_with`).
+    pub fn is_process_lost(&self) -> bool {
+        matches!(
+            self,
+            CudaError::NotCudaProcess { .. } | CudaError::NoSuchProcess { .. }
+        )
+    }
 }
 
 fn cuda_hint(code: CuResult) -> &'static str {
@@ -212,6 +222,28 @@ fn nvml_hint(code: NvmlReturn) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_process_is_told_from_other_failures() {
+        let lost = [
+            CudaError::NotCudaProcess {
+                function: "cuCheckpointProcessRestore",
+                pid: 7,
+            },
+            CudaError::NoSuchProcess {
+                function: "cuCheckpointProcessRestore",
+                pid: 7,
+            },
+        ];
+        assert!(lost.iter().all(CudaError::is_process_lost));
+        let os = CudaError::Call {
+            function: "cuCheckpointProcessRestore",
+            pid: Some(7),
+            code: ffi::CUDA_ERROR_OPERATING_SYSTEM,
+            name: "CUDA_ERROR_OPERATING_SYSTEM".into(),
+        };
+        assert!(!os.is_process_lost() && os.is_operating_system_error());
+    }
 
     #[test]
     fn messages_name_cause_and_fix_on_one_line() {

@@ -260,29 +260,35 @@ pub fn restore(opts: &RestoreOptions) -> Result<Restored, RestoreError> {
     restore_with(opts, &PageOptions::default())
 }
 
-/// How many times a restore is tried when the driver's restore fails with
-/// `CUDA_ERROR_OPERATING_SYSTEM` (see [`restore_with`]).
+/// How many times a restore is tried when the driver's restore fails transiently (see
+/// [`restore_with`]).
 pub const RESTORE_ATTEMPTS: u32 = 3;
 
 /// [`restore`], bringing the memory back as `pages` says.
 ///
-/// The driver's restore of a freshly restored process sometimes fails with
-/// `CUDA_ERROR_OPERATING_SYSTEM` (seen once in two with a small JAX process on driver 580) and
-/// that process can then never be restored; a fresh restore of the same snapshot can. So such a
-/// failure kills what was restored and starts again, up to [`RESTORE_ATTEMPTS`] times in all;
-/// `Restored::attempts` says how many it took.
+/// A freshly restored JAX process (driver 580) sometimes cannot be given its CUDA state back:
+/// CRIU resumes its tasks before the driver's restore, and in that window one of libcuda's own
+/// threads reads a driver mapping that only the driver's restore puts back. On the H100 the
+/// kernel then logged `segfault at … in libcuda.so` (the same address each time) and the process
+/// was gone before, or during, the driver's restore: `CUDA_ERROR_OPERATING_SYSTEM` (seen once in
+/// two in issue 16), "not a CUDA process", or no such process in the restored tree. A fresh
+/// restore of the same snapshot usually wins the race. So such a failure kills what was
+/// restored and starts again, up to [`RESTORE_ATTEMPTS`] times in all; `Restored::attempts` says
+/// how many it took.
 pub fn restore_with(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, RestoreError> {
     let mut attempt = 1;
     loop {
+        let again = attempt < RESTORE_ATTEMPTS && !interrupt::interrupted();
         match restore_once(opts, pages) {
             Err(RestoreError::Gpu { source })
-                if attempt < RESTORE_ATTEMPTS
+                if again
                     && source.step == "restore"
-                    && source.source.is_operating_system_error()
-                    && !interrupt::interrupted() =>
+                    && (source.source.is_operating_system_error()
+                        || source.source.is_process_lost()) =>
             {
                 attempt += 1;
             }
+            Err(RestoreError::MissingCudaProcess { .. }) if again => attempt += 1,
             Ok(mut restored) => {
                 restored.attempts = attempt;
                 return Ok(restored);
