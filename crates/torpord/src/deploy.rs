@@ -478,6 +478,13 @@ async fn steps(
             journal.step("boot_base", None).await;
             let t = Instant::now();
             let log = rt.logs_dir().join(format!("base-{}.log", fnv(&key)));
+            // The base boots under the limits of the function whose deploy boots it.
+            let base_cgroup = rt
+                .worker_cgroup(&format!("base-{}", fnv(&key)), &spec.json)
+                .map_err(|e| fail("boot_base", e))?;
+            let procs = base_cgroup
+                .as_ref()
+                .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files);
             let (ws, sd, lg, py, pl, pd, hk) = (
                 rt.workers_socket.clone(),
                 state_root.clone(),
@@ -499,6 +506,7 @@ async fn steps(
                     python_dir: &pd,
                     hook: hk.as_deref(),
                     preload_hook,
+                    cgroup: &procs,
                 })
                 .map_err(|e| e.to_string())
             })
@@ -574,7 +582,13 @@ async fn steps(
     journal.step("restore_base", None).await;
     let t = Instant::now();
     let log = crate::instance_logs::deploy_log(&rt.logs_dir(), name, now_ms());
-    let (init, worker) = restore(&base.path, &rt.logs_dir(), &log, &rt.snapshot_key)
+    let cgroup = rt
+        .worker_cgroup(&format!("deploy-{name}"), &spec.json)
+        .map_err(|e| fail("restore_base", e))?;
+    let procs = cgroup
+        .as_ref()
+        .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files);
+    let (init, worker) = restore(&base.path, &rt.logs_dir(), &log, &rt.snapshot_key, procs)
         .await
         .map_err(|e| fail("restore_base", e.to_string()))?;
     let mut guard = TreeGuard(Some(init));

@@ -31,12 +31,17 @@ impl Runtime {
     ) -> Result<(Arc<Instance>, Timings, &'static str), String> {
         let t = Instant::now();
         let fdir = PathBuf::from(info.spec["dir"].as_str().unwrap_or_default());
-        let (init, worker, conn, mut timings) =
-            boot_function(self, &info.spec, &fdir, new.log, Some(new.charge))
+        let (init, worker, conn, mut timings, cgroup) =
+            boot_function(self, &info.spec, &fdir, new.log, new.id, Some(new.charge))
                 .await
                 .map_err(|e| format!("cannot boot an instance of {name:?}: {e}"))?;
         timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
-        let tree = WorkerTree { init, worker, conn };
+        let tree = WorkerTree {
+            init,
+            worker,
+            conn,
+            cgroup,
+        };
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self
             .adopt(new.id, adopted)
@@ -69,18 +74,33 @@ pub fn load_frame(spec: &Value, dir: &Path) -> ToWorker {
     })
 }
 
+/// What [`boot_function`] returns: (init, worker, connection, timings, the tree's cgroup).
+pub(crate) type Booted = (
+    i32,
+    i32,
+    WorkerConn,
+    Vec<(String, f64)>,
+    Option<crate::cgroup::Cgroup>,
+);
+
 /// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker
-/// writing to `log`, sends it `load` and waits for `ready`. Returns (init, worker, connection,
-/// timings: `boot` (launch and connect), `load` (import, setup, warm-up)). `charge`, for an
-/// instance's start, learns the worker's tree as soon as it is launched.
+/// writing to `log` in a new cgroup named after `id`, sends it `load` and waits for `ready`.
+/// Returns (init, worker, connection, timings: `boot` (launch and connect), `load` (import,
+/// setup, warm-up), cgroup). `charge`, for an instance's start, learns the worker's tree as soon
+/// as it is launched.
 pub(crate) async fn boot_function(
     rt: &Runtime,
     spec: &Value,
     dir: &Path,
     log: &Path,
+    id: &str,
     charge: Option<&crate::accounting::StartGuard<'_>>,
-) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), String> {
+) -> Result<Booted, String> {
     let t = Instant::now();
+    let cgroup = rt.worker_cgroup(id, spec)?;
+    let cgroup_procs = cgroup
+        .as_ref()
+        .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files);
     let python_dir = rt.python_dir.clone()?;
     let (_, python, preload, gpu) = base_key(spec, &rt.split)?;
     let (hook, preload_hook) = rt.split.worker_hook(gpu);
@@ -102,6 +122,7 @@ pub(crate) async fn boot_function(
             python_dir: &python_dir,
             hook: hook.as_deref(),
             preload_hook,
+            cgroup: &cgroup_procs,
         })
     })
     .await
@@ -148,6 +169,7 @@ pub(crate) async fn boot_function(
         worker,
         conn,
         vec![("boot".to_string(), boot_s), ("load".to_string(), load_s)],
+        cgroup,
     ))
 }
 
