@@ -225,3 +225,47 @@ def test_a_stopped_daemon_leaves_no_cgroup_behind(torpor_bin: Path, criu_ready: 
         d.stop()
     assert left == [], left
 
+
+def test_a_function_past_its_memory_limit_is_killed_alone_and_its_request_answered_502(
+    confined: Torpord, tmp_path: Path
+) -> None:
+    confined.deploy(HOG)
+    bystander = hog_dir(tmp_path, "hogbystander")
+    confined.deploy(bystander)
+    assert confined.invoke("hogbystander", {"mib": 1}).status == 200
+    [other] = confined.instances("hogbystander")
+    ok = confined.invoke("hog", {"mib": 8})
+    assert ok.status == 200, ok.body
+    dirs = own_cgroups(ok.json(), confined.state)
+    # 200 MiB in a 96 MiB cgroup: the kernel kills the worker.
+    r = confined.invoke("hog", {"mib": 200})
+    assert r.status == 502, (r.status, r.body)
+    msg = r.body.decode()
+    assert "killed by the kernel for using more than its memory limit, 96 MiB (memory_limit)" in msg, msg
+    assert "raise memory_limit in the function's torpor.toml" in msg, msg
+    assert "\n" not in msg.strip(), msg
+    # Its cgroup went with it; the daemon, the other function's instance and the function live on.
+    assert gone(dirs), dirs
+    assert [(i["id"], i["pid"]) for i in confined.instances("hogbystander")] == [(other["id"], other["pid"])]
+    assert confined.invoke("hogbystander", {"mib": 1}).status == 200
+    again = confined.invoke("hog", {"mib": 8})
+    assert again.status == 200 and again.start == "restored", (again.status, again.body)
+    for name in ("hog", "hogbystander"):
+        assert confined.request("POST", f"/v1/functions/{name}/stop").status == 200
+
+
+def test_a_deploy_whose_setup_passes_the_memory_limit_fails_naming_it(confined: Torpord, tmp_path: Path) -> None:
+    d = tmp_path / "hogsetup"
+    d.mkdir()
+    (d / "handler.py").write_text(
+        "import torpor\n\n\n@torpor.function\nclass Big:\n    def setup(self):\n"
+        "        self.b = bytearray(200 << 20)\n        for i in range(0, len(self.b), 4096):\n"
+        "            self.b[i] = 1\n\n    def __call__(self, request):\n        return len(self.b)\n"
+    )
+    (d / "torpor.toml").write_text('name = "hogsetup"\nentry = "handler:Big"\nmemory_limit = "64MiB"\n')
+    r = confined.cli("deploy", d)
+    assert r.returncode != 0
+    assert "deploy failed in load" in r.stderr, r.stderr
+    assert "more than its memory limit, 64 MiB (memory_limit): raise memory_limit" in r.stderr, r.stderr
+    # The daemon lives on and serves.
+    assert confined.request("GET", "/v1/status").status == 200

@@ -396,6 +396,15 @@ impl Cgroup {
             .unwrap_or(0)
     }
 
+    /// The reason to give for a worker of this cgroup that died: [`out_of_memory`]
+    /// when the kernel killed it for the memory limit, else `otherwise`.
+    pub fn explain_death(cgroup: Option<&Cgroup>, otherwise: String) -> String {
+        match cgroup.filter(|c| c.oom_kills() > 0) {
+            Some(c) => out_of_memory(c.limits.memory),
+            None => otherwise,
+        }
+    }
+
     /// Writes `pid` (a process of a tree that started outside it) into this cgroup, in every
     /// hierarchy.
     pub fn add(&self, pid: i32) -> Result<(), CgroupError> {
@@ -428,6 +437,21 @@ fn mkdir(dir: &Path) -> std::io::Result<()> {
     }
 }
 
+/// Why an instance went whose worker the kernel killed for its cgroup's memory limit
+/// (`limit`, in bytes: the spec's `memory_limit`, else `workers.memory_limit`, plus a GPU
+/// function's `gpu_memory`).
+pub fn out_of_memory(limit: Option<u64>) -> String {
+    let limit = limit.map_or_else(
+        || "its memory limit".to_string(),
+        |b| format!("its memory limit, {} MiB", b.div_ceil(1 << 20)),
+    );
+    format!(
+        "the worker was killed by the kernel for using more than {limit} (memory_limit): raise \
+         memory_limit in the function's torpor.toml (or workers.memory_limit in torpord's \
+         config), or make the function use less memory"
+    )
+}
+
 /// How often the daemon removes the cgroups of trees that are gone.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(2);
 
@@ -446,6 +470,20 @@ mod tests {
             join(Path::new("/sys/fs/cgroup/memory"), "/a/b"),
             Path::new("/sys/fs/cgroup/memory/a/b")
         );
+    }
+
+    #[test]
+    fn the_out_of_memory_reason_names_the_limit_and_how_to_raise_it() {
+        let m = out_of_memory(Some(96 << 20));
+        assert!(
+            m.contains("more than its memory limit, 96 MiB (memory_limit)"),
+            "{m}"
+        );
+        assert!(
+            m.contains("raise memory_limit in the function's torpor.toml"),
+            "{m}"
+        );
+        assert!(!out_of_memory(None).contains("MiB"));
     }
 
     #[test]

@@ -248,6 +248,22 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, S
     .map_err(|e: crate::registry::RegistryError| e.to_string())
 }
 
+/// [`not_ready`], unless the kernel killed the worker for its cgroup's memory limit: then the
+/// deploy fails with that reason (crate::cgroup::out_of_memory).
+fn out_of_memory_or(
+    cgroup: Option<&crate::cgroup::Cgroup>,
+    phase: &'static str,
+    e: NotReady,
+) -> Failure {
+    if cgroup.is_some_and(|c| c.oom_kills() > 0) {
+        return fail(
+            phase,
+            crate::cgroup::Cgroup::explain_death(cgroup, String::new()),
+        );
+    }
+    not_ready(phase, e)
+}
+
 /// A worker that did not become ready fails the deploy in `phase`, with the worker's own step
 /// and error document where it sent one.
 fn not_ready(phase: &'static str, e: NotReady) -> Failure {
@@ -530,7 +546,7 @@ async fn steps(
                 })?;
             let r = ready(&mut conn, bound)
                 .await
-                .map_err(|e| not_ready("boot_base", e))?;
+                .map_err(|e| out_of_memory_or(base_cgroup.as_ref(), "boot_base", e))?;
             send(phase(
                 "boot_base",
                 t.elapsed().as_secs_f64(),
@@ -616,7 +632,7 @@ async fn steps(
         .map_err(|e| conn_fail("load", "sending load", e))?;
     let r = ready(&mut conn, bound)
         .await
-        .map_err(|e| not_ready("load", e))?;
+        .map_err(|e| out_of_memory_or(cgroup.as_ref(), "load", e))?;
     let mut loaded = json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]});
     // What the harness packed into segments of their own (docs/split.md, "Weight packing").
     if let Some(packed) = r.get("packed") {

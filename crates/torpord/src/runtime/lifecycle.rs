@@ -320,6 +320,10 @@ impl Runtime {
             }
             let _ = self.step(&inst.function, &mut keep, Transition::Remove);
         }
+        // A worker the kernel killed for its cgroup's memory limit: say so, and how to raise it,
+        // instead of "it closed its connection".
+        let why = crate::cgroup::Cgroup::explain_death(inst.cgroup.as_ref(), why.to_string());
+        let why = why.as_str();
         *lock(&inst.why_dead) = Some(why.to_string());
         // Dropping the senders fails every request still waiting on this instance.
         lock(&inst.pending).clear();

@@ -161,7 +161,10 @@ pub(crate) async fn boot_function(
         crate::limits::load_timeout(spec, rt.config.load_timeout),
     )
     .await
-    .map_err(|e| format!("{e}; see {}", log.display()))?;
+    .map_err(|e| {
+        let e = crate::cgroup::Cgroup::explain_death(cgroup.as_ref(), e.to_string());
+        format!("{e}; see {}", log.display())
+    })?;
     let load_s = t.elapsed().as_secs_f64();
     guard.0 = None;
     Ok((
