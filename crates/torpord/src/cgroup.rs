@@ -324,12 +324,14 @@ impl Cgroup {
             let path = dir.join(file);
             std::fs::write(&path, value).map_err(io("write", &path))
         };
+        // Files a kernel may lack (swap accounting off: no memory.swap.max, no memsw): written
+        // where they exist. (cgroupfs cannot create a file: a missing one fails with EACCES.)
         let optional = |dir: &Path, file: &str, value: &str| {
             let path = dir.join(file);
-            match std::fs::write(&path, value) {
-                Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
-                r => r.map_err(io("write", &path)),
+            if !path.exists() {
+                return Ok(());
             }
+            std::fs::write(&path, value).map_err(io("write", &path))
         };
         match self.owner.version {
             Version::V2 => {
@@ -484,6 +486,78 @@ mod tests {
             "{m}"
         );
         assert!(!out_of_memory(None).contains("MiB"));
+    }
+
+    /// The files each version writes, on a directory tree standing in for the cgroup file
+    /// system (the real ones: tests/daemon/test_daemon_confine.py, on the version the machine has).
+    #[test]
+    fn each_version_writes_its_own_files() {
+        let limits = Limits {
+            memory: Some(96 << 20),
+            cpu: Some(0.5),
+            pids: Some(64),
+        };
+        let fs = tempfile::tempdir().unwrap();
+        let root = fs.path();
+        std::fs::write(
+            root.join("cgroup.controllers"),
+            "cpuset cpu io memory pids\n",
+        )
+        .unwrap();
+        let own = own_cgroups("0::/system.slice/torpord.service\n");
+        let unit = root.join("system.slice/torpord.service");
+        std::fs::create_dir_all(&unit).unwrap();
+        std::fs::write(unit.join("cgroup.controllers"), "cpu memory pids\n").unwrap();
+        let v2 = Arc::new(Cgroups::detect_v2(root, &own, "t").unwrap());
+        assert_eq!(v2.bases(), [unit.join("torpor-t")]);
+        let read = |p: PathBuf| std::fs::read_to_string(p).unwrap();
+        assert_eq!(
+            read(unit.join("cgroup.subtree_control")),
+            "+memory +cpu +pids"
+        );
+        let c = v2.create("i.1", limits).unwrap();
+        let dir = unit.join("torpor-t/i.1");
+        assert_eq!(read(dir.join("memory.max")), "100663296");
+        assert_eq!(read(dir.join("cpu.max")), "50000 100000");
+        assert_eq!(read(dir.join("pids.max")), "64");
+        assert!(
+            !dir.join("memory.swap.max").exists(),
+            "written only where the kernel has it"
+        );
+        assert_eq!(c.procs_files(), [dir.join("cgroup.procs")]);
+        std::fs::write(
+            dir.join("memory.events"),
+            "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n",
+        )
+        .unwrap();
+        assert_eq!(c.oom_kills(), 1);
+        assert!(explain_death_line(&c).contains("96 MiB"));
+
+        let fs = tempfile::tempdir().unwrap();
+        let root = fs.path();
+        for m in ["memory", "cpu,cpuacct", "pids"] {
+            std::fs::create_dir_all(root.join(m).join("a")).unwrap();
+            std::fs::write(root.join(m).join("cgroup.procs"), "").unwrap();
+        }
+        let own = own_cgroups("4:memory:/a\n1:cpu,cpuacct:/a\n8:pids:/a\n0::/\n");
+        let v1 = Arc::new(Cgroups::detect_v1(root, &own, "t").unwrap());
+        let c = v1.create("i.2", Limits::default()).unwrap();
+        let [m, cpu, p] = c.dirs() else { panic!() };
+        assert_eq!(m, &root.join("memory/a/torpor-t/i.2"));
+        assert_eq!(cpu, &root.join("cpu,cpuacct/a/torpor-t/i.2"));
+        assert_eq!(read(m.join("memory.limit_in_bytes")), "-1");
+        assert_eq!(read(cpu.join("cpu.cfs_quota_us")), "-1");
+        assert_eq!(read(p.join("pids.max")), "max");
+        std::fs::write(
+            m.join("memory.oom_control"),
+            "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n",
+        )
+        .unwrap();
+        assert_eq!(c.oom_kills(), 2);
+    }
+
+    fn explain_death_line(c: &Cgroup) -> String {
+        Cgroup::explain_death(Some(c), "closed".to_string())
     }
 
     #[test]
