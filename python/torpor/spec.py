@@ -12,6 +12,13 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     load_timeout_s = 30           # optional: import, setup() and warm-up at deploy (and the base's
                                   # preload), > 0 and at most 3600; unset: torpord's
                                   # workers.load_timeout_s (30). Past it the worker is killed.
+    memory_limit = "2GiB"         # optional: the instance's host memory, a size from 32 MiB to
+                                  # 1 TiB; unset: torpord's workers.memory_limit. Past it the
+                                  # kernel kills the worker (its request is answered 502).
+    cpu_limit = 2                 # optional: CPU cores the instance may use, from 0.01 to 1024;
+                                  # unset: torpord's workers.cpu_limit
+    pids_limit = 1024             # optional: its processes and threads, from 16 to 65536; unset:
+                                  # torpord's workers.pids_limit
     [[data]]                      # zero or more
     name = "weights"              # required; [A-Za-z_][A-Za-z0-9_.-]*, unique
     path = "weights.npy"          # required; relative, must stay inside the function dir
@@ -66,6 +73,7 @@ this order (sizes in bytes, durations in seconds as JSON numbers):
      "name": str, "entry": "module:Class", "module": str, "class": str,
      "python": str, "preload": [str, ...], "gpus": 0|1, "gpu_memory": int, "timeout_s": number,
      "load_timeout_s": number | null,
+     "memory_limit": int | null, "cpu_limit": number | null, "pids_limit": int | null,
      "data": [{"name": str, "path": str (relative, normalised), "abs_path": str, "size": int,
                "access": "read-only"|"writable"}, ...],
      "warmup": {"request": JSON} | null,
@@ -127,6 +135,9 @@ TOP_KEYS = (
     "gpu_memory",
     "timeout_s",
     "load_timeout_s",
+    "memory_limit",
+    "cpu_limit",
+    "pids_limit",
     "data",
     "warmup",
     "scaling",
@@ -145,6 +156,13 @@ MAX_REQUESTS_PER_INSTANCE = 1024
 MAX_GPU_MEMORY = 1 << 40  # 1 TiB
 MAX_DATA_SIZE = 1 << 50  # 1 PiB
 MAX_SPEC_BYTES = 1 << 20  # torpor.toml itself
+# An instance's cgroup limits (torpord's crate::limits holds the same figures).
+MIN_MEMORY_LIMIT = 32 << 20  # 32 MiB: less does not run the Python harness
+MAX_MEMORY_LIMIT = 1 << 40  # 1 TiB
+MIN_CPU_LIMIT = 0.01  # cores
+MAX_CPU_LIMIT = 1024
+MIN_PIDS_LIMIT = 16
+MAX_PIDS_LIMIT = 65_536
 
 SCALING_KEYS = ("max_instances", "requests_per_instance", "standby")
 KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s")
@@ -211,6 +229,10 @@ class Spec:
     timeout_s: float = 30
     # None: the daemon's workers.load_timeout_s.
     load_timeout_s: float | None = None
+    # The instance's cgroup limits; None: the daemon's workers.memory_limit, cpu_limit, pids_limit.
+    memory_limit: int | None = None
+    cpu_limit: float | None = None
+    pids_limit: int | None = None
     data: tuple[DataDecl, ...] = ()
     warmup: Warmup | None = None
     scaling: Scaling = field(default_factory=Scaling)
@@ -239,6 +261,9 @@ class Spec:
             "gpu_memory": self.gpu_memory,
             "timeout_s": self.timeout_s,
             "load_timeout_s": self.load_timeout_s,
+            "memory_limit": self.memory_limit,
+            "cpu_limit": self.cpu_limit,
+            "pids_limit": self.pids_limit,
             "data": [d.to_json() for d in self.data],
             "warmup": None if self.warmup is None else {"request": self.warmup.request},
             "scaling": {
@@ -616,6 +641,11 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         if "load_timeout_s" in doc
         else None
     )
+    memory_limit = _memory_limit(doc)
+    cpu_limit = _cpu_limit(doc)
+    pids_limit = (
+        _int(doc, "", "pids_limit", 1024, MIN_PIDS_LIMIT, MAX_PIDS_LIMIT) if "pids_limit" in doc else None
+    )
     data = _data(doc, root, check_files)
 
     warmup = None
@@ -669,11 +699,42 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         gpu_memory=gpu_memory,
         timeout_s=timeout_s,
         load_timeout_s=load_timeout_s,
+        memory_limit=memory_limit,
+        cpu_limit=cpu_limit,
+        pids_limit=pids_limit,
         data=data,
         warmup=warmup,
         scaling=scaling,
         keepalive=keepalive,
         gpu=gpu,
+    )
+
+
+def _memory_limit(doc: Mapping[str, Any]) -> int | None:
+    if "memory_limit" not in doc:
+        return None
+    size = _size(doc, "", "memory_limit", None, allow_auto=False, maximum=MAX_MEMORY_LIMIT)
+    assert size is not None
+    if size < MIN_MEMORY_LIMIT:
+        raise _fail(
+            "memory_limit",
+            f"must be a size from {_show_bytes(MIN_MEMORY_LIMIT)} to {_show_bytes(MAX_MEMORY_LIMIT)}, got {_show(doc['memory_limit'])}",
+            'write e.g. memory_limit = "2GiB"',
+        )
+    return size
+
+
+def _cpu_limit(doc: Mapping[str, Any]) -> float | None:
+    if "cpu_limit" not in doc:
+        return None
+    value = doc["cpu_limit"]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and (not isinstance(value, float) or math.isfinite(value)) and MIN_CPU_LIMIT <= value <= MAX_CPU_LIMIT:
+        return value
+    raise _fail(
+        "cpu_limit",
+        f"must be a number of CPU cores from {MIN_CPU_LIMIT:g} to {MAX_CPU_LIMIT}, got {_show(value)}",
+        "write e.g. cpu_limit = 2 or cpu_limit = 0.5",
     )
 
 

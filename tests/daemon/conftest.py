@@ -3,6 +3,7 @@ and an HTTP client over the socket. Every worker it started is killed at teardow
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,53 @@ class Answer(client.Response):
     @property
     def timings(self) -> dict[str, float]:
         return dict(json.loads(self.headers.get("x-torpor-timings", "{}")))
+
+
+def cgroup_tag(state: Path) -> str:
+    """The name torpord gives its cgroups' directory for a state directory (crate::cgroup::tag:
+    FNV-1a of the path, its upper 32 bits)."""
+    h = 0xCBF29CE484222325
+    for b in os.fsencode(str(state)):
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"torpor-{h >> 32:08x}"
+
+
+def cgroup_dirs(lines: list[str] | str) -> list[Path]:
+    """The directories of the cgroups that /proc/PID/cgroup `lines` name, in the memory, cpu and
+    pids hierarchies of cgroup v1 (where those are mounted) else in cgroup v2."""
+    if isinstance(lines, str):
+        lines = lines.splitlines()
+    root = Path("/sys/fs/cgroup")
+    dirs = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        names = controllers.split(",")
+        if controllers == "" and (root / "cgroup.controllers").is_file():
+            dirs.append(root / path.lstrip("/"))
+        elif any(n in ("memory", "cpu", "pids") for n in names):
+            mount = next((root / m for m in (controllers, *names) if (root / m / "cgroup.procs").is_file()), None)
+            if mount is not None:
+                dirs.append(mount / path.lstrip("/"))
+    return dirs
+
+
+def cgroup_bases(state: Path) -> list[Path]:
+    """The directories of the cgroups of the daemon of `state`, where they exist (under the test
+    process's own cgroups, which the daemon it started shares)."""
+    tag = cgroup_tag(state)
+    return [d / tag for d in cgroup_dirs(Path("/proc/self/cgroup").read_text()) if (d / tag).is_dir()]
+
+
+def remove_cgroups(state: Path) -> None:
+    """Removes what a daemon of `state` that did not stop cleanly left in the cgroup file system
+    (its trees must be gone)."""
+    for base in cgroup_bases(state):
+        for child in base.iterdir():
+            if child.is_dir():
+                with contextlib.suppress(OSError):
+                    child.rmdir()
+        with contextlib.suppress(OSError):
+            base.rmdir()
 
 
 class Torpord:
@@ -114,6 +162,12 @@ class Torpord:
         # Workers exit when the daemon's connection goes; anything left is killed.
         for pid in pids_with(f"{self.state}/"):
             kill_tree(pid)
+        # A daemon killed (not stopped) leaves its cgroups: the killed trees take a moment to go.
+        for _ in range(50):
+            remove_cgroups(self.state)
+            if not cgroup_bases(self.state):
+                break
+            time.sleep(0.1)
         # A daemon killed (not stopped) leaves its stage area mounted: detach it.
         stage = str(self.state / "stage")
         for _ in range(16):

@@ -82,6 +82,9 @@ def test_defaults(tmp_path: Path) -> None:
         "gpu_memory": 0,
         "timeout_s": 30,
         "load_timeout_s": None,
+        "memory_limit": None,
+        "cpu_limit": None,
+        "pids_limit": None,
         "data": [],
         "warmup": None,
         "scaling": {"max_instances": 4, "requests_per_instance": 1, "standby": 0},
@@ -263,7 +266,7 @@ def test_cli_prints_one_json_line_or_one_error_line(tmp_path: Path) -> None:
     doc = json.loads(r.stdout)
     assert doc == parse_dir(TINYMLP).to_json()
     assert list(doc) == ["dir", "name", "entry", "module", "class", "python", "preload", "gpus", "gpu_memory",
-                         "timeout_s", "load_timeout_s", "data", "warmup", "scaling", "keepalive", "gpu"]  # fmt: skip
+                         "timeout_s", "load_timeout_s", "memory_limit", "cpu_limit", "pids_limit", "data", "warmup", "scaling", "keepalive", "gpu"]  # fmt: skip
     assert doc["data"] == [
         {
             "name": "weights",
@@ -297,6 +300,9 @@ LIMITS = [
     ("keepalive.gpu_release_s", "31536000", ["31536001", "1e300", "-1"], "from 0 to 3.1536e+07"),
     ("keepalive.hibernate_s", "31536000", ["31536000.5", "1e300", "-1"], "from 0 to 3.1536e+07"),
     ("keepalive.evict_s", "31536000", ["31536001", "1e300", "-1"], "from 0 to 3.1536e+07"),
+    ("memory_limit", '"1TiB"', ['"1025GiB"', '"31MiB"', "0", str(2**63 - 1), '"lots"'], "1 TiB"),
+    ("cpu_limit", "1024", ["1025", "0", "0.009", "-1", "nan", "inf", "1e300", '"2"'], "from 0.01 to 1024"),
+    ("pids_limit", "65536", ["65537", "15", "0", str(2**63 - 1)], "from 16 to 65536"),
     ("data[0].size", '"auto"', ['"1025TiB"', str(2**63 - 1)], "up to 1 PiB"),
 ]
 
@@ -330,6 +336,16 @@ def test_load_timeout_is_carried_or_left_to_the_daemon(tmp_path: Path) -> None:
     assert parse_dir(make_dir(tmp_path, BASE)).to_json()["load_timeout_s"] is None
     spec = parse_dir(make_dir(tmp_path, BASE + "load_timeout_s = 2.5\n"))
     assert spec.to_json()["load_timeout_s"] == 2.5
+
+
+def test_limits_are_carried_or_left_to_the_daemon(tmp_path: Path) -> None:
+    spec = parse_dir(make_dir(tmp_path, BASE + 'memory_limit = "256MiB"\ncpu_limit = 0.5\npids_limit = 64\n'))
+    j = spec.to_json()
+    assert (j["memory_limit"], j["cpu_limit"], j["pids_limit"]) == (256 << 20, 0.5, 64)
+    e = error_of(tmp_path, BASE + 'memory_limit = "16MiB"\n')
+    assert str(e) == (
+        'torpor.toml: memory_limit must be a size from 32 MiB to 1 TiB, got "16MiB"; write e.g. memory_limit = "2GiB"'
+    ), e
 
 
 def test_python_is_a_command_or_an_absolute_path(tmp_path: Path) -> None:

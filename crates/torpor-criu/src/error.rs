@@ -78,6 +78,10 @@ pub enum CriuError {
     #[error("a restore can hand at most {max} descriptors to the restored tree, {count} were given: pass fewer inherit_fds")]
     TooManyInheritedFds { count: usize, max: usize },
 
+    /// A cgroup the restored tree is to be born in cannot be opened ([`crate::RestoreRequest::cgroup`]).
+    #[error("cannot open {path} to restore into its cgroup: {source}")]
+    Cgroup { path: PathBuf, source: io::Error },
+
     /// The socket pair or the stderr capture for `criu swrk` could not be created.
     #[error("cannot set up the channel to CRIU: {source}; check the open-file limit (ulimit -n)")]
     Channel { source: io::Error },

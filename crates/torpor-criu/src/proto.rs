@@ -60,6 +60,8 @@ pub struct CriuOpts {
     pub work_dir_fd: Option<i32>,
     #[prost(bool, optional, tag = "18")]
     pub link_remap: Option<bool>,
+    #[prost(bool, optional, tag = "24")]
+    pub manage_cgroups: Option<bool>,
     #[prost(bool, optional, tag = "26")]
     pub rst_sibling: Option<bool>,
     #[prost(message, repeated, tag = "27")]

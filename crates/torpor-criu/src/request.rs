@@ -3,7 +3,7 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Action, CriuError};
 use crate::locate::Criu;
@@ -113,6 +113,11 @@ pub struct RestoreRequest<'a> {
     /// already listen in `work_dir` (see [`Criu::start_lazy_pages`]); the daemon fills pages as
     /// they are touched, then the rest in the background.
     pub lazy_pages: bool,
+    /// Restore into these cgroups (their `cgroup.procs` files, one per hierarchy): `criu swrk`
+    /// joins them before it runs, so the restored processes, its children, are born in them,
+    /// and CRIU is told to leave cgroups alone (`--manage-cgroups=ignore`), so it moves none of
+    /// them back into the cgroups recorded at the dump. Empty: CRIU's default (soft mode).
+    pub cgroup: Vec<PathBuf>,
 }
 
 /// One `--inherit-fd` entry of a restore.
@@ -144,6 +149,7 @@ impl<'a> RestoreRequest<'a> {
             loopback_up: false,
             inherit_fds: Vec::new(),
             lazy_pages: false,
+            cgroup: Vec::new(),
         }
     }
 }
@@ -186,6 +192,7 @@ impl Criu {
             Action::Dump,
             request(ReqType::Dump, opts),
             log,
+            &[],
             &[],
             on_notify,
         )?;
@@ -247,6 +254,7 @@ impl Criu {
             empty_ns: r.empty_ns_net.then_some(EMPTY_NS_NET),
             orphan_pts_master: Some(r.orphan_pts_master),
             lazy_pages: r.lazy_pages.then_some(true),
+            manage_cgroups: (!r.cgroup.is_empty()).then_some(false),
             network_lock: r
                 .network_lock_skip
                 .then_some(NetworkLockMethod::Skip as i32),
@@ -274,6 +282,7 @@ impl Criu {
             request(ReqType::Restore, opts),
             log.clone(),
             &pass,
+            &r.cgroup,
             &mut handler,
         );
         let resp = match result {

@@ -68,9 +68,10 @@ pub(crate) fn call(
     req: CriuReq,
     log: PathBuf,
     pass: &[BorrowedFd<'_>],
+    cgroup: &[PathBuf],
     handler: &mut NotifyHandler<'_>,
 ) -> Result<CriuResp, CriuError> {
-    let mut session = Session::spawn(criu, action, log, pass)?;
+    let mut session = Session::spawn(criu, action, log, pass, cgroup)?;
     let result = session.converse(req, handler);
     // Closing our end lets a CRIU that is still waiting for us exit; then reap it.
     let Session {
@@ -104,7 +105,23 @@ impl Session {
         action: Action,
         log: PathBuf,
         pass: &[BorrowedFd<'_>],
+        cgroup: &[PathBuf],
     ) -> Result<Session, CriuError> {
+        // Opened here (close-on-exec), written by the child before exec: CRIU is born in the
+        // cgroup, and so are the processes it restores.
+        let join: Vec<File> = cgroup
+            .iter()
+            .map(|path| {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .map_err(|source| CriuError::Cgroup {
+                        path: path.clone(),
+                        source,
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        let join_fds: Vec<RawFd> = join.iter().map(AsRawFd::as_raw_fd).collect();
         let (ours, theirs) = seqpacket_pair().map_err(|source| CriuError::Channel { source })?;
         let stderr = tempfile::tempfile().map_err(|source| CriuError::Channel { source })?;
         let child_stderr = stderr
@@ -132,16 +149,21 @@ impl Session {
         // back cleanly, never to CRIU halfway through a dump (its parasite inside the target).
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         // SAFETY: the closure runs in the forked child before exec and only makes raw
-        // fcntl/close_range system calls, which are async-signal-safe; it allocates nothing and
-        // touches no locks. `keep` is an array of plain integers copied into the closure.
+        // fcntl/close_range/write system calls, which are async-signal-safe; it allocates
+        // nothing and touches no locks. `keep` is an array of plain integers copied into the
+        // closure, `join_fds` a vector allocated before the fork and only read in the child.
         unsafe {
-            cmd.pre_exec(move || keep_only_fds(&keep));
+            cmd.pre_exec(move || {
+                keep_only_fds(&keep)?;
+                join_cgroups(&join_fds)
+            });
         }
         let child = cmd.spawn().map_err(|source| CriuError::Spawn {
             program: criu.program().to_path_buf(),
             source,
         })?;
         drop(theirs);
+        drop(join);
         Ok(Session {
             child,
             sock: ours,
@@ -397,6 +419,17 @@ fn keep_only_fds(keep: &[RawFd]) -> io::Result<()> {
     Ok(())
 }
 
+/// Moves the calling process into the cgroups whose `cgroup.procs` files are open at `fds`.
+fn join_cgroups(fds: &[RawFd]) -> io::Result<()> {
+    for &fd in fds {
+        // SAFETY: write(2) of a 1-byte static buffer to a descriptor the parent opened.
+        if unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) } != 1 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 fn read_tail(file: &mut File) -> String {
     let mut text = String::new();
     if file.seek(SeekFrom::Start(0)).is_ok() {
@@ -450,8 +483,10 @@ open(out, "w").write(" ".join(map(str, sorted(fds))) + " socket=" + fd)
             notify_success: None,
         };
         let log = dir.path().join("dump.log");
-        let err = call(&criu, Action::Dump, req, log.clone(), &[], &mut |_| Ok(()))
-            .expect_err("the stand-in never answers");
+        let err = call(&criu, Action::Dump, req, log.clone(), &[], &[], &mut |_| {
+            Ok(())
+        })
+        .expect_err("the stand-in never answers");
         match &err {
             CriuError::Exited { stderr, log: l, .. } => {
                 assert!(stderr.contains("inherited"), "{stderr:?}");
@@ -494,6 +529,7 @@ open(out, "w").write(" ".join(map(str, sorted(fds))) + " socket=" + fd)
             req,
             log,
             &[file.as_fd()],
+            &[],
             &mut |_| Ok(()),
         )
         .expect_err("the stand-in never answers");

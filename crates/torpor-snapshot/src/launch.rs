@@ -15,7 +15,7 @@
 //! command's status.
 
 use std::ffi::{CString, OsString};
-use std::io;
+use std::io::{self, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
@@ -39,6 +39,9 @@ pub enum LaunchError {
     /// The log file's directory could not be created.
     #[error("cannot create the log directory {path}: {source}; pass --log with a writable path")]
     LogDir { path: PathBuf, source: io::Error },
+    /// The tree's cgroup could not be joined ([`LaunchOptions::cgroup`]).
+    #[error("cannot start the tree in its cgroup ({path}): {source}")]
+    Cgroup { path: PathBuf, source: io::Error },
     /// The mount namespace could not be built.
     #[error(transparent)]
     Mounts(#[from] crate::mount_ns::MountNsError),
@@ -88,6 +91,10 @@ pub struct LaunchOptions<'a> {
     /// A library to preload into the command (put first in `LD_PRELOAD`); a content-addressed
     /// copy in `state_dir` is what the tree maps, so a rebuild never breaks a snapshot.
     pub preload: Option<&'a Path>,
+    /// Cgroups to start the tree in: their `cgroup.procs` files (one per hierarchy), joined
+    /// right before the init is forked, so that this launcher's own memory (it reads the init
+    /// binary whole to hash it) is not charged to the tree. Empty: the caller's cgroup.
+    pub cgroup: &'a [PathBuf],
 }
 
 /// The argument that makes `torpor` run as the init (a hidden subcommand of the CLI).
@@ -132,6 +139,20 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
     let mut env_ptrs: Vec<*const libc::c_char> = envp.iter().map(|e| e.as_ptr()).collect();
     env_ptrs.push(std::ptr::null());
 
+    // Opened before the mount namespace is built: the cgroup file system may not be there after.
+    let mut cgroup = opts
+        .cgroup
+        .iter()
+        .map(|procs| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(procs)
+                .map_err(|source| LaunchError::Cgroup {
+                    path: procs.clone(),
+                    source,
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     // SAFETY: unshare changes only this (single-threaded) process's namespaces; the CLI exits
     // right after the launch, so nothing else observes the change.
     sys::check(unsafe {
@@ -139,6 +160,13 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32, LaunchError> {
     })
     .map_err(|e| setup("unshare(PID, mount, network namespaces)", e))?;
     crate::mount_ns::build(opts.mounts)?;
+    for (procs, file) in opts.cgroup.iter().zip(&mut cgroup) {
+        file.write_all(b"0").map_err(|source| LaunchError::Cgroup {
+            path: procs.clone(),
+            source,
+        })?;
+    }
+    drop(cgroup);
     // SAFETY: the process is single-threaded here (the CLI starts no threads before run); the
     // child only clears a flag and execs.
     let pid = unsafe { libc::fork() };

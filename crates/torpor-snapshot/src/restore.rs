@@ -14,7 +14,7 @@
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use torpor_criu::{CriuError, InheritedFd, LazyPages, LazyPagesError, RestoreRequest};
@@ -51,6 +51,9 @@ pub struct RestoreOptions<'a> {
     /// later call cuCheckpointProcessRestore then cuCheckpointProcessUnlock on each CUDA process
     /// before it runs CUDA work (torpord's standby instances, resumed as gpu_released ones are).
     pub resume_gpu: bool,
+    /// The cgroup the restored tree is born in: the `cgroup.procs` file of each hierarchy
+    /// (torpord's instance cgroup). Empty: CRIU's (and so the caller's) cgroup.
+    pub cgroup: &'a [PathBuf],
 }
 
 /// How a restore checks the snapshot's files against its manifest.
@@ -397,6 +400,7 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
             })
             .collect(),
         lazy_pages: false,
+        cgroup: opts.cgroup.to_vec(),
     };
     // Lazy pages: the daemon and the restore meet at a socket in a work directory of their own,
     // so that restores side by side never share one.

@@ -160,6 +160,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         verify: Verify::default(),
         trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
+        cgroup: &[],
     })
     .err()
     .expect("refused");
@@ -184,6 +185,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         verify: Verify::default(),
         trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
+        cgroup: &[],
     })
     .expect("restore");
     // Both processes write on, each through its own descriptor, to the new file only.
@@ -228,6 +230,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         verify: Verify::default(),
         trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
+        cgroup: &[],
     })
     .expect("restore of the second snapshot");
     wait_for("the twice-restored tree to write the newer log", || {
@@ -246,6 +249,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         verify: Verify::default(),
         trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
+        cgroup: &[],
     })
     .expect("restore onto the recorded file");
     wait_for("the copy to append to the recorded log", || {
@@ -305,6 +309,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         verify: Verify::default(),
         trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
+        cgroup: &[],
     };
     let err = restore(&opts(Some(&new))).err().expect("refused");
     assert!(matches!(err, RestoreError::StdioUnknown), "{err}");

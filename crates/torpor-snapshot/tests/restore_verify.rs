@@ -118,6 +118,7 @@ fn detached<'a>(
         verify,
         trust,
         resume_gpu: true,
+        cgroup: &[],
     }
 }
 

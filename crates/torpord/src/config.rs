@@ -24,6 +24,11 @@
 //! reattach_s = 60                 # how long a worker outlives a lost daemon, to be re-adopted: 0 to 86400
 //! load_timeout_s = 30             # a deploy's import, setup() and warm-up (and a base's preload),
 //!                                 # unless the spec sets load_timeout_s: > 0, ≤ 3600
+//! memory_limit = 8589934592       # each instance's cgroup (docs/security.md), unless its spec sets
+//!                                 # its own: bytes, 0 (no limit) or 32 MiB to 1 TiB: 8 GiB
+//! cpu_limit = 0                   # CPU cores: 0 (no limit) or 0.01 to 1024
+//! pids_limit = 4096               # processes and threads: 0 (no limit) or 16 to 65536
+//! allow_unconfined = false        # true: start even where cgroups cannot confine workers
 //!
 //! [http]                          # each API listener (the Unix socket, TCP) on its own
 //! max_connections = 1024          # open connections: 1 to 65536; past it the oldest TCP connection
@@ -311,6 +316,11 @@ pub struct Config {
     /// The bound on a deploy's import, setup() and warm-up when the spec sets none
     /// (`workers.load_timeout_s`).
     pub load_timeout: Duration,
+    /// Each instance's cgroup limits unless its spec sets its own (`workers.memory_limit`,
+    /// `cpu_limit`, `pids_limit`).
+    pub worker_limits: WorkerLimits,
+    /// Start even where no cgroup file system can confine workers (`workers.allow_unconfined`).
+    pub allow_unconfined: bool,
     pub http: Http,
     /// Split snapshots for functions whose workers have the hook; `false`: transparent only.
     pub split: bool,
@@ -320,6 +330,8 @@ pub struct Config {
     pub split_gpu: bool,
     pub restore_server: RestoreServer,
 }
+
+pub use crate::limits::WorkerLimits;
 
 /// Default of `workers.reattach_s`.
 pub const DEFAULT_REATTACH: Duration = Duration::from_secs(60);
@@ -339,6 +351,8 @@ impl Default for Config {
             cold_start: ColdStart::default(),
             reattach: DEFAULT_REATTACH,
             load_timeout: limits::DEFAULT_LOAD_TIMEOUT,
+            worker_limits: WorkerLimits::default(),
+            allow_unconfined: false,
             http: Http::default(),
             split: true,
             split_gpu: true,
@@ -516,6 +530,31 @@ impl Config {
             config.load_timeout = t
                 .seconds("load_timeout_s", true, limits::MAX_LOAD_TIMEOUT_S)?
                 .unwrap_or(config.load_timeout);
+            let w = &mut config.worker_limits;
+            let (lo, hi) = (limits::MIN_MEMORY_LIMIT, limits::MAX_MEMORY_LIMIT);
+            let words = format!("a number of bytes: 0 (no limit) or from {lo} to {hi}");
+            if let Some(n) = t.integer_where("memory_limit", &words, |n| {
+                n == 0 || (lo as i64..=hi as i64).contains(&n)
+            })? {
+                w.memory = u64::try_from(n).unwrap_or(0);
+            }
+            let (lo, hi) = (limits::MIN_CPU_LIMIT, limits::MAX_CPU_LIMIT);
+            let words = format!("a number of CPU cores: 0 (no limit) or from {lo} to {hi}");
+            if let Some(c) =
+                t.number_where("cpu_limit", &words, |c| c == 0.0 || (lo..=hi).contains(&c))?
+            {
+                w.cpu = c;
+            }
+            let (lo, hi) = (limits::MIN_PIDS_LIMIT, limits::MAX_PIDS_LIMIT);
+            let words = format!("an integer: 0 (no limit) or from {lo} to {hi}");
+            if let Some(n) = t.integer_where("pids_limit", &words, |n| {
+                n == 0 || (lo as i64..=hi as i64).contains(&n)
+            })? {
+                w.pids = u64::try_from(n).unwrap_or(0);
+            }
+            if let Some(b) = t.boolean("allow_unconfined")? {
+                config.allow_unconfined = b;
+            }
             t.finish()?;
         }
         if let Some(mut t) = root.table("http")? {
@@ -698,6 +737,10 @@ mod tests {
             timeout_s = 0.1
             [workers]
             reattach_s = 0
+            memory_limit = 0
+            cpu_limit = 1.5
+            pids_limit = 64
+            allow_unconfined = true
             "#,
         )
         .unwrap();
@@ -712,6 +755,15 @@ mod tests {
         assert_eq!(c.queue.length, 0);
         assert_eq!(c.queue.timeout, Duration::from_millis(100));
         assert_eq!(c.reattach, Duration::ZERO);
+        assert_eq!(
+            c.worker_limits,
+            WorkerLimits {
+                memory: 0,
+                cpu: 1.5,
+                pids: 64
+            }
+        );
+        assert!(c.allow_unconfined);
         c.validate().unwrap();
     }
 
@@ -828,6 +880,9 @@ mod tests {
         ("queue", "timeout_s", "86400", &["86401", "1e308", "0", "-1"], "> 0 and ≤ 86400"),
         ("workers", "reattach_s", "86400", &["86401", "1e300", "-1"], "from 0 to 86400"),
         ("workers", "load_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
+        ("workers", "memory_limit", "1099511627776", &["1099511627777", "33554431", "1", "-1", "\"8GiB\"", "1.5"], "0 (no limit) or from 33554432 to 1099511627776"),
+        ("workers", "cpu_limit", "1024", &["1025", "0.001", "-1", "nan", "inf", "1e300", "\"2\""], "0 (no limit) or from 0.01 to 1024"),
+        ("workers", "pids_limit", "65536", &["65537", "15", "-1", "9223372036854775807"], "0 (no limit) or from 16 to 65536"),
         ("http", "max_connections", "65536", &["65537", "9223372036854775807", "0"], "from 1 to 65536"),
         ("http", "header_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
         ("http", "body_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),

@@ -299,6 +299,22 @@ pub enum RegisterError {
     Registry(Box<crate::registry::RegistryError>),
 }
 
+/// [`not_ready`], unless the kernel killed the worker for its cgroup's memory limit: then the
+/// deploy fails with that reason (crate::cgroup::out_of_memory).
+fn out_of_memory_or(
+    cgroup: Option<&crate::cgroup::Cgroup>,
+    phase: &'static str,
+    e: NotReady,
+) -> Failure {
+    if cgroup.is_some_and(|c| c.oom_kills() > 0) {
+        return fail(
+            phase,
+            crate::cgroup::Cgroup::explain_death(cgroup, String::new()),
+        );
+    }
+    not_ready(phase, e)
+}
+
 /// A worker that did not become ready fails the deploy in `phase`, with the worker's own step
 /// and error document where it sent one.
 fn not_ready(phase: &'static str, e: NotReady) -> Failure {
@@ -530,6 +546,13 @@ async fn steps(
             journal.step("boot_base", None).await;
             let t = Instant::now();
             let log = rt.logs_dir().join(format!("base-{}.log", fnv(&key)));
+            // The base boots under the limits of the function whose deploy boots it.
+            let base_cgroup = rt
+                .worker_cgroup(&format!("base-{}", fnv(&key)), &spec.json)
+                .map_err(|e| fail("boot_base", e))?;
+            let procs = base_cgroup
+                .as_ref()
+                .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files);
             let (ws, sd, lg, py, pl, pd, hk) = (
                 rt.workers_socket.clone(),
                 state_root.clone(),
@@ -551,6 +574,7 @@ async fn steps(
                     python_dir: &pd,
                     hook: hk.as_deref(),
                     preload_hook,
+                    cgroup: &procs,
                 })
                 .map_err(|e| e.to_string())
             })
@@ -574,7 +598,7 @@ async fn steps(
                 })?;
             let r = ready(&mut conn, bound)
                 .await
-                .map_err(|e| not_ready("boot_base", e))?;
+                .map_err(|e| out_of_memory_or(base_cgroup.as_ref(), "boot_base", e))?;
             send(phase(
                 "boot_base",
                 t.elapsed().as_secs_f64(),
@@ -626,7 +650,13 @@ async fn steps(
     journal.step("restore_base", None).await;
     let t = Instant::now();
     let log = crate::instance_logs::deploy_log(&rt.logs_dir(), name, now_ms());
-    let (init, worker) = restore(&base.path, &rt.logs_dir(), &log, &rt.snapshot_key)
+    let cgroup = rt
+        .worker_cgroup(&format!("deploy-{name}"), &spec.json)
+        .map_err(|e| fail("restore_base", e))?;
+    let procs = cgroup
+        .as_ref()
+        .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files);
+    let (init, worker) = restore(&base.path, &rt.logs_dir(), &log, &rt.snapshot_key, procs)
         .await
         .map_err(|e| fail("restore_base", e.to_string()))?;
     let mut guard = TreeGuard(Some(init));
@@ -654,7 +684,7 @@ async fn steps(
         .map_err(|e| conn_fail("load", "sending load", e))?;
     let r = ready(&mut conn, bound)
         .await
-        .map_err(|e| not_ready("load", e))?;
+        .map_err(|e| out_of_memory_or(cgroup.as_ref(), "load", e))?;
     let mut loaded = json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]});
     // What the harness packed into segments of their own (docs/split.md, "Weight packing").
     if let Some(packed) = r.get("packed") {

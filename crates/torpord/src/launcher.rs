@@ -19,13 +19,27 @@ use crate::split::HookPreload;
 
 /// The hidden subcommand of `torpor` and `torpord` that launches one worker.
 pub const LAUNCH_SUBCOMMAND: &str = "__launch";
+/// `__launch`'s option naming a `cgroup.procs` file to join (once per hierarchy).
+const CGROUP_FLAG: &str = "--cgroup";
 /// The socket the worker connects to.
 pub const WORKER_SOCKET_ENV: &str = "TORPOR_WORKER_SOCKET";
 
-/// `__launch LOG STATE_DIR CMD…`: launches CMD under a new init, prints its pid.
+/// `__launch [--cgroup PROCS_FILE]… LOG STATE_DIR CMD…`: launches CMD under a new init in the
+/// cgroups (their `cgroup.procs` files, crate::cgroup), prints the init's pid.
 pub fn launch_main(args: &[OsString]) -> ExitCode {
+    let mut args = args;
+    let mut cgroup = Vec::new();
+    while let [flag, file, rest @ ..] = args {
+        if flag != CGROUP_FLAG {
+            break;
+        }
+        cgroup.push(PathBuf::from(file));
+        args = rest;
+    }
     let [log, state_dir, command @ ..] = args else {
-        eprintln!("usage: {LAUNCH_SUBCOMMAND} LOG STATE_DIR CMD... (internal to torpord)");
+        eprintln!(
+            "usage: {LAUNCH_SUBCOMMAND} [{CGROUP_FLAG} FILE]... LOG STATE_DIR CMD... (internal to torpord)"
+        );
         return ExitCode::from(2);
     };
     let mounts = match worker_mounts(Path::new(state_dir)) {
@@ -42,6 +56,8 @@ pub fn launch_main(args: &[OsString]) -> ExitCode {
         mounts: &mounts,
         // The worker's LD_PRELOAD, if any, is set by `launch_worker`.
         preload: None,
+        // Joined right before the init is forked: every process of the tree is born in it.
+        cgroup: &cgroup,
     }) {
         Ok(pid) => {
             println!("{pid}");
@@ -153,6 +169,8 @@ pub struct WorkerCommand<'a> {
     /// `LD_PRELOAD`, watching only or with `TORPOR_HOOK_CUDA=1` (so that its big `cudaMalloc`s
     /// become segments).
     pub preload_hook: crate::split::HookUse,
+    /// The `cgroup.procs` files of the tree's cgroup (crate::cgroup); empty: unconfined.
+    pub cgroup: &'a [PathBuf],
 }
 
 /// Why a worker could not be launched, or found under its init.
@@ -196,8 +214,11 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, LaunchError> {
     // starts in /.
     let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
     cmd.current_dir("/");
-    cmd.arg(LAUNCH_SUBCOMMAND)
-        .arg(absolute(w.log))
+    cmd.arg(LAUNCH_SUBCOMMAND);
+    for procs in w.cgroup {
+        cmd.arg(CGROUP_FLAG).arg(procs);
+    }
+    cmd.arg(absolute(w.log))
         .arg(absolute(w.state_dir))
         .arg(w.python)
         .args(["-m", "torpor.worker", "--role", w.role]);

@@ -33,6 +33,84 @@ pub const MAX_WAIT_S: f64 = 86_400.0;
 /// and the tmpfs size computed from them.
 pub const MAX_BYTES: u64 = 1 << 50;
 
+/// `memory_limit` (spec) and `workers.memory_limit` (config, where 0 is also accepted: no
+/// limit): less does not run the Python harness.
+pub const MIN_MEMORY_LIMIT: u64 = 32 << 20;
+/// The largest memory limit: 1 TiB.
+pub const MAX_MEMORY_LIMIT: u64 = 1 << 40;
+/// `cpu_limit`, in cores (config: also 0, no limit).
+pub const MIN_CPU_LIMIT: f64 = 0.01;
+pub const MAX_CPU_LIMIT: f64 = 1024.0;
+/// `pids_limit`: processes and threads (config: also 0, no limit).
+pub const MIN_PIDS_LIMIT: u64 = 16;
+pub const MAX_PIDS_LIMIT: u64 = 65_536;
+
+/// An instance's cgroup limits (crate::cgroup): the spec's `memory_limit`, `cpu_limit` and
+/// `pids_limit`, each clamped to its range, else the config's `workers.*` default (0 there: no
+/// limit). A GPU function's memory limit is raised by its `gpu_memory`: the driver's checkpoint
+/// (a GPU release, a hibernation) moves the GPU memory into the process's host memory.
+pub fn instance_limits(spec: &Value, defaults: &WorkerLimits) -> crate::cgroup::Limits {
+    let memory = match spec.get("memory_limit").and_then(Value::as_f64) {
+        Some(m) if !m.is_nan() => Some((m as u64).clamp(MIN_MEMORY_LIMIT, MAX_MEMORY_LIMIT)),
+        _ => (defaults.memory > 0).then_some(defaults.memory),
+    };
+    let gpu = if spec.get("gpus").and_then(Value::as_u64).unwrap_or(0) > 0 {
+        spec.get("gpu_memory")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            .min(MAX_GPU_MEMORY)
+    } else {
+        0
+    };
+    let cpu = match spec.get("cpu_limit").and_then(Value::as_f64) {
+        Some(c) if !c.is_nan() => Some(c.clamp(MIN_CPU_LIMIT, MAX_CPU_LIMIT)),
+        _ => (defaults.cpu > 0.0).then_some(defaults.cpu),
+    };
+    let pids = match spec.get("pids_limit") {
+        Some(v) if !v.is_null() => {
+            Some(spec_count(Some(v), 0, MIN_PIDS_LIMIT, MAX_PIDS_LIMIT) as u64)
+        }
+        _ => (defaults.pids > 0).then_some(defaults.pids),
+    };
+    crate::cgroup::Limits {
+        memory: memory.map(|m| m + gpu),
+        cpu,
+        pids,
+    }
+}
+
+/// The default cgroup limits of an instance (`[workers]`); 0: no limit. A spec's own
+/// `memory_limit`, `cpu_limit`, `pids_limit` replace them (crate::limits::instance_limits).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct WorkerLimits {
+    /// Bytes.
+    #[serde(rename = "memory_limit")]
+    pub memory: u64,
+    /// Cores.
+    #[serde(rename = "cpu_limit")]
+    pub cpu: f64,
+    #[serde(rename = "pids_limit")]
+    pub pids: u64,
+}
+
+// The CPU limit is never NaN (the parser refuses it): equality is total.
+impl Eq for WorkerLimits {}
+
+/// Default of `workers.memory_limit`: 8 GiB.
+pub const DEFAULT_MEMORY_LIMIT: u64 = 8 << 30;
+/// Default of `workers.pids_limit`.
+pub const DEFAULT_PIDS_LIMIT: u64 = 4096;
+
+impl Default for WorkerLimits {
+    fn default() -> Self {
+        Self {
+            memory: DEFAULT_MEMORY_LIMIT,
+            cpu: 0.0,
+            pids: DEFAULT_PIDS_LIMIT,
+        }
+    }
+}
+
 /// Seconds as a [`Duration`], never panicking: NaN and negatives give zero, a value past
 /// `Duration`'s range gives [`Duration::MAX`] (`Duration::from_secs_f64` panics on both).
 pub fn secs(s: f64) -> Duration {
@@ -92,6 +170,52 @@ pub fn load_timed_out(bound: Duration) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn instance_limits_come_from_the_spec_clamped_else_the_config() {
+        let d = WorkerLimits {
+            memory: 1 << 30,
+            cpu: 0.0,
+            pids: 4096,
+        };
+        let l = instance_limits(&json!({}), &d);
+        assert_eq!((l.memory, l.cpu, l.pids), (Some(1 << 30), None, Some(4096)));
+        let l = instance_limits(
+            &json!({"memory_limit": 64 << 20, "cpu_limit": 0.5, "pids_limit": 32}),
+            &d,
+        );
+        assert_eq!(
+            (l.memory, l.cpu, l.pids),
+            (Some(64 << 20), Some(0.5), Some(32))
+        );
+        let l = instance_limits(
+            &json!({"memory_limit": 1e300, "cpu_limit": -1, "pids_limit": u64::MAX}),
+            &d,
+        );
+        assert_eq!(
+            (l.memory, l.cpu, l.pids),
+            (
+                Some(MAX_MEMORY_LIMIT),
+                Some(MIN_CPU_LIMIT),
+                Some(MAX_PIDS_LIMIT)
+            )
+        );
+        let l = instance_limits(&json!({"memory_limit": 1, "pids_limit": 0}), &d);
+        assert_eq!(
+            (l.memory, l.pids),
+            (Some(MIN_MEMORY_LIMIT), Some(MIN_PIDS_LIMIT))
+        );
+        // A GPU function's limit leaves room for its checkpointed GPU memory.
+        let l = instance_limits(&json!({"gpus": 1, "gpu_memory": 2u64 << 30}), &d);
+        assert_eq!(l.memory, Some(3 << 30));
+        let none = WorkerLimits {
+            memory: 0,
+            cpu: 0.0,
+            pids: 0,
+        };
+        let l = instance_limits(&json!({"memory_limit": null}), &none);
+        assert_eq!(l, crate::cgroup::Limits::default());
+    }
 
     #[test]
     fn seconds_never_panic() {

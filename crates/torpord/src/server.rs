@@ -32,6 +32,10 @@ pub enum StartError {
     Token(#[from] TokenError),
     #[error(transparent)]
     SnapshotKey(#[from] torpor_image::KeyError),
+    /// No cgroup file system can confine workers, and the config does not allow running them
+    /// unconfined.
+    #[error(transparent)]
+    Cgroups(#[from] crate::cgroup::Unavailable),
     /// The TCP address cannot be bound.
     #[error("cannot listen on TCP {addr}: {source}")]
     Tcp {
@@ -75,6 +79,8 @@ pub struct Daemon {
     orphans: Vec<crate::registry::Instance>,
     /// Seals every snapshot the daemon writes; every restore checks it (created on first start).
     snapshot_key: Arc<torpor_image::SnapshotKey>,
+    /// Where worker trees get their cgroups; `None`: unconfined (`workers.allow_unconfined`).
+    cgroups: Option<Arc<crate::cgroup::Cgroups>>,
 }
 
 impl Daemon {
@@ -118,6 +124,18 @@ impl Daemon {
             }
             _ => None,
         };
+        // Last: it makes the daemon's cgroup directory, which nothing after may leave behind.
+        let cgroups = match crate::cgroup::Cgroups::detect(state_dir.root()) {
+            Ok(c) => {
+                tracing::info!(cgroup = ?c.version(), dir = %c.bases()[0].display(), "workers run in cgroups of their own");
+                Some(c)
+            }
+            Err(e) if config.allow_unconfined => {
+                tracing::warn!("{e} (workers.allow_unconfined = true: workers run without limits)");
+                None
+            }
+            Err(e) => return Err(e.into()),
+        };
         Ok(Self {
             config,
             state_dir,
@@ -128,6 +146,7 @@ impl Daemon {
             tcp,
             orphans,
             snapshot_key,
+            cgroups,
         })
     }
 
@@ -164,6 +183,7 @@ impl Daemon {
             self.state_dir.root().to_path_buf(),
             self.state_dir.workers_socket(),
             Arc::clone(&self.snapshot_key),
+            self.cgroups.clone(),
         ));
         if let Err(e) = &runtime.python_dir {
             tracing::warn!(error = %e, "deploys will fail until this is fixed");
@@ -188,6 +208,17 @@ impl Daemon {
         // starting another one.
         runtime.readopt(std::mem::take(&mut self.orphans)).await;
         let keepalive_task = runtime.spawn_keepalive();
+        // The cgroups of trees that are gone (a re-adopted instance's, one whose removal found
+        // its tree still exiting).
+        let sweep_task = self.cgroups.clone().map(|cgroups| {
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(crate::cgroup::SWEEP_EVERY).await;
+                    let c = Arc::clone(&cgroups);
+                    let _ = tokio::task::spawn_blocking(move || c.sweep()).await;
+                }
+            })
+        });
         {
             let rt = Arc::clone(&runtime);
             tokio::spawn(async move {
@@ -297,8 +328,14 @@ impl Daemon {
         }
         hub_task.abort();
         keepalive_task.abort();
+        if let Some(t) = sweep_task {
+            t.abort();
+        }
         let runtime = Arc::clone(&state.runtime);
         let _ = tokio::task::spawn_blocking(move || runtime.shutdown()).await;
+        if let Some(cgroups) = self.cgroups.clone() {
+            let _ = tokio::task::spawn_blocking(move || cgroups.shut_down()).await;
+        }
         // The socket file goes with `self.unix`, the state directory lock with `self.state_dir`.
         drop(self);
         tracing::info!("torpord stopped");

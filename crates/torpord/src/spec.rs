@@ -34,6 +34,13 @@ pub struct FunctionSpec {
     /// Import, setup() and warm-up's bound at deploy; `None`: the config's
     /// `workers.load_timeout_s` (crate::limits::load_timeout).
     pub load_timeout_s: Option<f64>,
+    /// The instance's cgroup memory limit, in bytes; `None`: the config's
+    /// `workers.memory_limit` (crate::limits::instance_limits).
+    pub memory_limit: Option<u64>,
+    /// CPU cores; `None`: `workers.cpu_limit`.
+    pub cpu_limit: Option<f64>,
+    /// Processes and threads; `None`: `workers.pids_limit`.
+    pub pids_limit: Option<u64>,
     pub data: Vec<DataFile>,
     pub warmup: Option<Warmup>,
     pub scaling: Scaling,
@@ -147,6 +154,23 @@ mod tests {
         let mut missing = sample();
         missing.as_object_mut().unwrap().remove("timeout_s");
         assert!(FunctionSpec::from_json(&missing).is_err());
+    }
+
+    #[test]
+    fn limits_are_optional_and_typed() {
+        let spec = FunctionSpec::from_json(&sample()).unwrap();
+        assert_eq!(
+            (spec.memory_limit, spec.cpu_limit, spec.pids_limit),
+            (None, None, None)
+        );
+        let mut with = sample();
+        with["memory_limit"] = Value::from(64u64 << 20);
+        with["cpu_limit"] = Value::from(0.5);
+        with["pids_limit"] = Value::from(32);
+        let spec = FunctionSpec::from_json(&with).unwrap();
+        assert_eq!(spec.memory_limit, Some(64 << 20));
+        with["memory_limit"] = Value::from("64MiB");
+        assert!(FunctionSpec::from_json(&with).is_err());
     }
 
     /// The schema file the Python side checks against is the one this type makes.

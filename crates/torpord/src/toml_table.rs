@@ -110,6 +110,43 @@ impl Table {
         }
     }
 
+    /// An integer that `ok` accepts; `expected` says which, as the error shows it.
+    pub fn integer_where(
+        &mut self,
+        key: &str,
+        expected: &str,
+        ok: impl Fn(i64) -> bool,
+    ) -> Result<Option<i64>, KeyError> {
+        match self.entries.remove(key) {
+            None => Ok(None),
+            Some(toml::Value::Integer(n)) if ok(n) => Ok(Some(n)),
+            Some(other) => Err(self.wrong(key, expected, &other)),
+        }
+    }
+
+    /// A number (an integer or a float) that `ok` accepts; `expected` says which.
+    pub fn number_where(
+        &mut self,
+        key: &str,
+        expected: &str,
+        ok: impl Fn(f64) -> bool,
+    ) -> Result<Option<f64>, KeyError> {
+        let value = match self.entries.remove(key) {
+            None => return Ok(None),
+            Some(v) => v,
+        };
+        let n = match &value {
+            toml::Value::Integer(n) => *n as f64,
+            toml::Value::Float(f) => *f,
+            _ => return Err(self.wrong(key, expected, &value)),
+        };
+        if n.is_finite() && ok(n) {
+            Ok(Some(n))
+        } else {
+            Err(self.wrong(key, expected, &value))
+        }
+    }
+
     /// A duration in seconds: an integer or a float, ≥ 0 (> 0 when `positive`) and ≤ `max`.
     pub fn seconds(
         &mut self,

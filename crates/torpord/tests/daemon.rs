@@ -15,6 +15,10 @@ use torpord::registry::{
     Function, FunctionState, Instance, Registry, Snapshot, SnapshotKind, Stage,
 };
 
+/// These tests start no worker: their daemons make no cgroup (a daemon a test kills would leave
+/// its directory behind), with the cgroup file system out of reach (`TORPORD_CGROUP_FS`).
+const UNCONFINED: &str = "[workers]\nallow_unconfined = true\n";
+
 /// Upper bound on waiting for the daemon to answer (never reached when things work).
 const STARTUP_LIMIT: Duration = Duration::from_secs(20);
 
@@ -27,7 +31,7 @@ struct Daemon {
 
 /// Paths of one test: a temp dir with a state dir, a socket and a config file that turns the
 /// stage area off (these tests deploy nothing, and the tmpfs of a daemon killed at the end of a
-/// test would stay mounted in the temp dir).
+/// test would stay mounted in the temp dir), and cgroups too ([`UNCONFINED`]).
 struct Env {
     tmp: tempfile::TempDir,
 }
@@ -37,7 +41,7 @@ impl Env {
         let tmp = tempfile::tempdir().unwrap();
         std::fs::write(
             tmp.path().join("torpord.toml"),
-            "[restore_server]\nstage_bytes = 0\n",
+            format!("[restore_server]\nstage_bytes = 0\n{UNCONFINED}"),
         )
         .unwrap();
         Self { tmp }
@@ -72,6 +76,7 @@ impl Env {
             .arg(socket)
             .args(extra)
             .env_remove("TORPOR_SOCKET")
+            .env(torpord::cgroup::FS_ENV, "/nonexistent")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr).unwrap())
@@ -537,7 +542,7 @@ fn config_file_settings_apply_and_flags_override_them() {
         env.path("torpord.toml"),
         format!(
             "socket = \"{}\"\n[keepalive]\ngpu_release_s = 0.5\nhibernate_s = 1\nevict_s = 2\n\
-             [queue]\nlength = 3\ntimeout_s = 0.25\n[restore_server]\nstage_bytes = 0\n",
+             [queue]\nlength = 3\ntimeout_s = 0.25\n[restore_server]\nstage_bytes = 0\n[workers]\nallow_unconfined = true\n",
             env.path("from-file.sock").display()
         ),
     )

@@ -235,7 +235,8 @@ impl Daemon {
         let config = tmp.path().join("torpord.toml");
         std::fs::write(
             &config,
-            "[restore_server]\nstage_bytes = 0\n[http]\nbody_timeout_s = 5\n",
+            // No worker starts: no cgroup either (crate::cgroup), which a killed daemon would leave.
+            "[restore_server]\nstage_bytes = 0\n[http]\nbody_timeout_s = 5\n[workers]\nallow_unconfined = true\n",
         )
         .expect("config");
         let socket = tmp.path().join("torpord.sock");
@@ -252,6 +253,7 @@ impl Daemon {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr).expect("stderr"))
+            .env(torpord::cgroup::FS_ENV, "/nonexistent")
             .spawn()
             .expect("torpord");
         let d = Self {

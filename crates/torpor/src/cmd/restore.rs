@@ -44,6 +44,7 @@ pub fn run(
             verify: Verify::default(),
             trust: super::trust(key.as_ref()),
             resume_gpu: true,
+            cgroup: &[],
         },
         &PageOptions { source: pages },
     );

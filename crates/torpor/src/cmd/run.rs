@@ -21,6 +21,7 @@ pub fn run(log: Option<PathBuf>, command: &[OsString]) -> anyhow::Result<ExitCod
         state_dir: &state_dir,
         mounts: &MountPolicy::command(),
         preload: hook.as_deref(),
+        cgroup: &[],
     })?;
     println!("{pid}");
     eprintln!("torpor: started pid {pid}, output in {}", log.display());

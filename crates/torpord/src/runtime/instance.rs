@@ -14,9 +14,8 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::oneshot;
 
 use crate::runtime::invoke::Answer;
-use crate::runtime::lifecycle::State;
+use crate::runtime::lifecycle::{State, WorkerTree};
 use crate::sync::lock;
-use crate::workers::WorkerConn;
 
 /// A request sent to a worker: told when its handler starts, then given its result.
 pub(crate) struct Pending {
@@ -64,6 +63,9 @@ pub struct Instance {
     /// waits for it, so that a failed fill always finds the instance in its pool (and fails its
     /// request there) instead of racing the start that is adding it.
     pub(crate) joined: tokio::sync::Notify,
+    /// Its tree's cgroup (crate::cgroup), removed when the instance goes; `None`: unconfined,
+    /// or re-adopted from an earlier daemon (whose cgroup the sweep removes once empty).
+    pub(crate) cgroup: Option<crate::cgroup::Cgroup>,
 }
 
 /// Where an instance's reader forwards the worker's answer to `unmap`.
@@ -137,16 +139,20 @@ impl Instance {
     }
 }
 
-/// An instance around a connected worker; its reader half is for [`Runtime::attach`].
+/// An instance around a connected worker tree; its reader half is for [`Runtime::attach`].
 pub(crate) fn new_instance(
     id: String,
     function: &str,
     generation: u64,
-    init: i32,
-    worker: i32,
-    conn: WorkerConn,
+    tree: WorkerTree,
     keep: Keep,
 ) -> (Arc<Instance>, OwnedReadHalf) {
+    let WorkerTree {
+        init,
+        worker,
+        conn,
+        cgroup,
+    } = tree;
     let inst = Arc::new(Instance {
         id,
         function: function.to_string(),
@@ -165,6 +171,7 @@ pub(crate) fn new_instance(
         mapping: Mutex::new(None),
         pages_pending: AtomicBool::new(false),
         joined: tokio::sync::Notify::new(),
+        cgroup,
     });
     (inst, conn.rd)
 }

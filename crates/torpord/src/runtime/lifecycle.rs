@@ -197,16 +197,15 @@ impl Runtime {
             info,
             generation,
             woken: sleeper,
-            tree: WorkerTree { init, worker, conn },
+            tree,
         } = adopted;
+        let init = tree.init;
         let now = now_ms();
         let (inst, rd) = new_instance(
             id.to_string(),
             name,
             generation,
-            init,
-            worker,
-            conn,
+            tree,
             Keep::new(State::Starting, Instant::now()),
         );
         {
@@ -321,6 +320,10 @@ impl Runtime {
             }
             let _ = self.step(&inst.function, &mut keep, Transition::Remove);
         }
+        // A worker the kernel killed for its cgroup's memory limit: say so, and how to raise it,
+        // instead of "it closed its connection".
+        let why = crate::cgroup::Cgroup::explain_death(inst.cgroup.as_ref(), why.to_string());
+        let why = why.as_str();
         *lock(&inst.why_dead) = Some(why.to_string());
         // Dropping the senders fails every request still waiting on this instance.
         lock(&inst.pending).clear();
@@ -343,7 +346,11 @@ impl Runtime {
         if why.starts_with("retired") || why.starts_with("stopped: idle") {
             tracing::info!(instance = %inst.id, function = %inst.function, "instance removed: {why}");
         } else {
-            tracing::warn!(instance = %inst.id, function = %inst.function, pid = inst.worker_pid, "instance removed: {why}");
+            let cgroup = inst
+                .cgroup
+                .as_ref()
+                .map(|c| c.dirs()[0].display().to_string());
+            tracing::warn!(instance = %inst.id, function = %inst.function, pid = inst.worker_pid, cgroup, "instance removed: {why}");
         }
         let registry = Arc::clone(&self.registry);
         let id = inst.id.clone();
@@ -415,6 +422,8 @@ pub(crate) struct WorkerTree {
     /// Host pid of the worker (the Python process).
     pub(crate) worker: i32,
     pub(crate) conn: WorkerConn,
+    /// Its cgroup, which the instance keeps.
+    pub(crate) cgroup: Option<crate::cgroup::Cgroup>,
 }
 
 /// What [`Runtime::adopt`] makes an instance of.

@@ -74,6 +74,9 @@ pub struct Runtime {
     pub staging: Arc<crate::staging::StageArea>,
     /// Seals every snapshot the daemon writes; restores refuse any it did not seal.
     pub snapshot_key: Arc<torpor_image::SnapshotKey>,
+    /// Where each worker tree gets its cgroup (crate::cgroup); `None`: unconfined
+    /// (`workers.allow_unconfined`, on a node without a usable cgroup file system).
+    pub cgroups: Option<Arc<crate::cgroup::Cgroups>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -90,6 +93,7 @@ impl Runtime {
         state_root: PathBuf,
         workers_socket: PathBuf,
         snapshot_key: Arc<torpor_image::SnapshotKey>,
+        cgroups: Option<Arc<crate::cgroup::Cgroups>>,
     ) -> Self {
         Self {
             python_dir: crate::sdk_dir::python_dir(),
@@ -121,7 +125,24 @@ impl Runtime {
             hub: Arc::new(Hub::default()),
             state_root,
             workers_socket,
+            cgroups,
         }
+    }
+
+    /// The cgroup of a new worker tree (`what` names it: an instance id, `base-…`), with the
+    /// limits of `spec` (crate::limits::instance_limits); `Ok(None)`: workers are unconfined.
+    pub(crate) fn worker_cgroup(
+        &self,
+        what: &str,
+        spec: &serde_json::Value,
+    ) -> Result<Option<crate::cgroup::Cgroup>, crate::cgroup::CgroupError> {
+        let Some(cgroups) = &self.cgroups else {
+            return Ok(None);
+        };
+        let limits = crate::limits::instance_limits(spec, &self.config.worker_limits);
+        cgroups
+            .create(&format!("{what}.{}", self.next()), limits)
+            .map(Some)
     }
 
     pub fn snapshots_dir(&self) -> PathBuf {

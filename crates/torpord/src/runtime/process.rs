@@ -26,6 +26,9 @@ pub struct HowToRestore {
     /// checkpointed, as an in-place GPU release leaves it (a standby instance, crate::runtime::start::standby).
     /// Only the worker may use CUDA then: the GPU resume restores that one process.
     pub leave_gpu_checkpointed: bool,
+    /// The tree's cgroup (its `cgroup.procs` files, crate::cgroup::Cgroup::procs_files): CRIU
+    /// restores the tree into it. Empty: unconfined.
+    pub cgroup: Vec<std::path::PathBuf>,
 }
 
 /// A restored tree.
@@ -124,15 +127,20 @@ pub enum SnapshotTreeError {
     Task(#[from] tokio::task::JoinError),
 }
 
-/// Restores a snapshot detached, every page copied and every file hashed first; returns
-/// (init, worker). See [`restore_with`].
+/// Restores a snapshot detached into `cgroup` (its `cgroup.procs` files; empty: unconfined),
+/// every page copied and every file hashed first; returns (init, worker). See [`restore_with`].
 pub async fn restore(
     dir: &Path,
     log_dir: &Path,
     stdio: &Path,
     key: &Arc<torpor_image::SnapshotKey>,
+    cgroup: Vec<std::path::PathBuf>,
 ) -> Result<(i32, i32), RestoreTreeError> {
-    let tree = restore_with(dir, log_dir, stdio, HowToRestore::default(), key).await?;
+    let how = HowToRestore {
+        cgroup,
+        ..HowToRestore::default()
+    };
+    let tree = restore_with(dir, log_dir, stdio, how, key).await?;
     Ok((tree.init, tree.worker))
 }
 
@@ -169,6 +177,7 @@ pub async fn restore_with(
                     verify,
                     trust: torpor_image::Trust::Key(&key),
                     resume_gpu: !how.leave_gpu_checkpointed,
+                    cgroup: &how.cgroup,
                 },
                 &pages,
             )

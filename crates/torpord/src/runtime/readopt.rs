@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::registry::{Instance as InstanceRow, Stage};
 use crate::runtime::instance::{kill_tree, new_instance, Keep};
-use crate::runtime::lifecycle::{State, Transition};
+use crate::runtime::lifecycle::{State, Transition, WorkerTree};
 use crate::runtime::pool::{Pool, Starting};
 use crate::runtime::Runtime;
 use crate::sync::lock;
@@ -131,9 +131,12 @@ impl Runtime {
             row.id.clone(),
             &row.function,
             generation,
-            init,
-            worker,
-            conn,
+            WorkerTree {
+                init,
+                worker,
+                conn,
+                cgroup: None,
+            },
             Keep::new(State::Starting, Instant::now()),
         );
         {

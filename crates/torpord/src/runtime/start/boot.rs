@@ -31,15 +31,20 @@ impl Runtime {
     ) -> Result<(Arc<Instance>, Timings, &'static str), StartError> {
         let t = Instant::now();
         let fdir = PathBuf::from(info.spec["dir"].as_str().unwrap_or_default());
-        let (init, worker, conn, mut timings) =
-            boot_function(self, &info.spec, &fdir, new.log, Some(new.charge))
+        let (init, worker, conn, mut timings, cgroup) =
+            boot_function(self, &info.spec, &fdir, new.log, new.id, Some(new.charge))
                 .await
                 .map_err(|source| StartError::Boot {
                     function: name.to_string(),
                     source,
                 })?;
         timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
-        let tree = WorkerTree { init, worker, conn };
+        let tree = WorkerTree {
+            init,
+            worker,
+            conn,
+            cgroup,
+        };
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
         tracing::info!(function = name, instance = %inst.id, pid = init, boot_ms = t.elapsed().as_secs_f64() * 1e3, "instance booted");
@@ -69,18 +74,33 @@ pub fn load_frame(spec: &Value, dir: &Path) -> ToWorker {
     })
 }
 
+/// What [`boot_function`] returns: (init, worker, connection, timings, the tree's cgroup).
+pub(crate) type Booted = (
+    i32,
+    i32,
+    WorkerConn,
+    Vec<(String, f64)>,
+    Option<crate::cgroup::Cgroup>,
+);
+
 /// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker
-/// writing to `log`, sends it `load` and waits for `ready`. Returns (init, worker, connection,
-/// timings: `boot` (launch and connect), `load` (import, setup, warm-up)). `charge`, for an
-/// instance's start, learns the worker's tree as soon as it is launched.
+/// writing to `log` in a new cgroup named after `id`, sends it `load` and waits for `ready`.
+/// Returns (init, worker, connection, timings: `boot` (launch and connect), `load` (import,
+/// setup, warm-up), cgroup). `charge`, for an instance's start, learns the worker's tree as soon
+/// as it is launched.
 pub(crate) async fn boot_function(
     rt: &Runtime,
     spec: &Value,
     dir: &Path,
     log: &Path,
+    id: &str,
     charge: Option<&crate::accounting::StartGuard<'_>>,
-) -> Result<(i32, i32, WorkerConn, Vec<(String, f64)>), BootError> {
+) -> Result<Booted, BootError> {
     let t = Instant::now();
+    let cgroup = rt.worker_cgroup(id, spec)?;
+    let cgroup_procs = cgroup
+        .as_ref()
+        .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files);
     let python_dir = rt.python_dir.clone()?;
     let (_, python, preload, gpu) = base_key(spec, &rt.split)?;
     let (hook, preload_hook) = rt.split.worker_hook(gpu);
@@ -102,6 +122,7 @@ pub(crate) async fn boot_function(
             python_dir: &python_dir,
             hook: hook.as_deref(),
             preload_hook,
+            cgroup: &cgroup_procs,
         })
     })
     .await
@@ -137,7 +158,15 @@ pub(crate) async fn boot_function(
         crate::limits::load_timeout(spec, rt.config.load_timeout),
     )
     .await
-    .map_err(|source| BootError::NotReady { source, log })?;
+    .map_err(
+        |source| match cgroup.as_ref().filter(|c| c.oom_kills() > 0) {
+            Some(c) => BootError::OutOfMemory {
+                reason: crate::cgroup::out_of_memory(c.limits().memory),
+                log,
+            },
+            None => BootError::NotReady { source, log },
+        },
+    )?;
     let load_s = t.elapsed().as_secs_f64();
     guard.0 = None;
     Ok((
@@ -145,6 +174,7 @@ pub(crate) async fn boot_function(
         worker,
         conn,
         vec![("boot".to_string(), boot_s), ("load".to_string(), load_s)],
+        cgroup,
     ))
 }
 
@@ -209,6 +239,12 @@ pub enum BootError {
     /// The `load` frame could not be sent.
     #[error("sending load: {0}")]
     SendLoad(#[source] ConnError),
+    /// Its cgroup could not be made.
+    #[error("cannot make the worker's cgroup: {0}")]
+    Cgroup(#[from] crate::cgroup::CgroupError),
+    /// The kernel killed the worker for its cgroup's memory limit before it became ready.
+    #[error("{reason}; see {}", log.display())]
+    OutOfMemory { reason: String, log: PathBuf },
     /// The worker did not become ready after `load` (its log says why).
     #[error("{source}; see {}", log.display())]
     NotReady {

@@ -51,6 +51,9 @@ pub(crate) enum StartKind<'a> {
 /// way's failure names the function, and a tree that was started is killed.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
+    /// The instance's cgroup could not be made (crate::cgroup); nothing was started.
+    #[error("cannot make the worker's cgroup: {0}")]
+    Cgroup(#[from] crate::cgroup::CgroupError),
     /// Booting a worker failed (boot.rs).
     #[error("cannot boot an instance of {function:?}: {source}")]
     Boot {

@@ -45,9 +45,14 @@ impl Runtime {
             .begin_restore(sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id));
         // The page source itself (lazy or copy), as `auto` chose it for this function.
         let how_pages = self.config.restore_server.pages.source(info.gpu);
+        // Its own new cgroup, never its source's: CRIU restores the tree into it.
+        let cgroup = self.worker_cgroup(new.id, &info.spec)?;
         let how = HowToRestore {
             pages: how_pages,
             staged,
+            cgroup: cgroup
+                .as_ref()
+                .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
             ..HowToRestore::default()
         };
         let staged = how.staged.is_some();
@@ -79,7 +84,12 @@ impl Runtime {
             }
         };
         let plan_s = hello.elapsed().as_secs_f64();
-        let tree = WorkerTree { init, worker, conn };
+        let tree = WorkerTree {
+            init,
+            worker,
+            conn,
+            cgroup,
+        };
         let adopted = Adopted::new(name, info, generation, sleeper, tree);
         let inst = self.adopt(new.id, adopted).await?;
         // A woken instance's hibernation snapshot goes once nothing reads it any more: its

@@ -272,10 +272,14 @@ impl Runtime {
             .map_err(StartError::PlanTask)??;
         // Copy pages, from the staged copy when there is one: off the request's path, and a
         // GPU worker's driver restore would fault in lazy pages one by one later.
+        let cgroup = self.worker_cgroup(new.id, &info.spec)?;
         let how = HowToRestore {
             pages: torpor_snapshot::restore::PageSource::Copy,
             staged: self.staging.get(&info.snapshot_dir),
             leave_gpu_checkpointed: true,
+            cgroup: cgroup
+                .as_ref()
+                .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
         };
         let tree = restore_with(
             &info.snapshot_dir,
@@ -293,7 +297,12 @@ impl Runtime {
         new.charge.process_started(init);
         let what = format!("a standby instance of {name:?}");
         let conn = self.wake_function(name, init, worker, &what).await?;
-        let tree = WorkerTree { init, worker, conn };
+        let tree = WorkerTree {
+            init,
+            worker,
+            conn,
+            cgroup,
+        };
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
         if let Some(plan) = plan {
