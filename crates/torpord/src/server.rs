@@ -93,6 +93,11 @@ impl Daemon {
             &state_dir.snapshot_key(),
         )?);
         connections::raise_fd_limit();
+        // A registry that went missing or empty is never made again silently over what it
+        // recorded (issue 13).
+        for holds in [state_dir.snapshots(), state_dir.functions()] {
+            crate::registry::check_not_lost(&state_dir.registry(), &holds)?;
+        }
         let registry = Registry::open(&state_dir.registry())?;
         // The early sweep: processes of an earlier daemon outside the trees of its live
         // instances (CRIU, deploy workers) go first, so that none holds a tree the replay undoes.
