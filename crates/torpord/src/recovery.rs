@@ -270,9 +270,9 @@ fn retire_older_instances(
 /// What [`replay_journal`] left for the runtime to do once it serves.
 #[derive(Debug, Default)]
 pub struct Replayed {
-    /// Instances whose interrupted hibernation was undone while their worker waited at its
-    /// quiet point (closed, in sigwait): [`crate::runtime::Runtime::readopt`] wakes each with
-    /// SIGUSR2, and takes its `hello` (resumed, not reattach) as the instance reconnecting.
+    /// Instances whose interrupted hibernation was undone: their worker may wait at its quiet
+    /// point (closed, in sigwait), so [`crate::runtime::Runtime::readopt`] wakes each with
+    /// SIGUSR2 and takes its `hello` (resumed, not reattach) as the instance reconnecting.
     pub woken: Vec<String>,
 }
 
@@ -425,11 +425,11 @@ fn replay_hibernation(
                     })?;
                 }
                 remove_target();
-                // Past `quiesce` the worker may wait at its quiet point; woken, it reconnects.
-                // Before it, it lost its connection and reconnects on its own.
-                if e.step != step::QUIESCE {
-                    replayed.woken.push(id.to_string());
-                }
+                // It may wait at its quiet point (even at `quiesce`: it may have answered just
+                // before the daemon died, before `quiet` was recorded); woken, it reconnects. One
+                // that lost its connection earlier reconnects on its own, the SIGUSR2 pending and
+                // harmless (blocked, drained at its next quiet).
+                replayed.woken.push(id.to_string());
                 tracing::warn!(instance = id, function = %inst.function, step = %e.step, pid = init, stage = %stage, "a hibernation interrupted by a torpord stop was undone: the instance is taken back {stage}");
                 return Ok(());
             }
