@@ -109,8 +109,10 @@ pub mod hibernation_step {
     pub const QUIESCE: &str = "quiesce";
     /// The worker answered `quiet` and closed its connection: it waits for SIGUSR2.
     pub const QUIET: &str = "quiet";
-    /// Split path: the segments go to the chunk store and the worker releases them. From here
-    /// the worker holds none of the memory the daemon handed it: it cannot serve again.
+    /// Split path: the segments go to the chunk store and the worker releases them (the split
+    /// path's last step before `record`). From here the worker may hold none of the memory the
+    /// daemon handed it, and what the daemon saved of it dies with the daemon: a crash from
+    /// here cannot be undone.
     pub const SEGMENTS: &str = "segments";
     /// CRIU dumps the tree (frozen with SIGSTOP until the snapshot is committed, then killed).
     pub const DUMP: &str = "dump";
