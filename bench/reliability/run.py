@@ -92,11 +92,18 @@ class Bench:
 
     # -- checks ---------------------------------------------------------------------------------
 
-    def stray(self) -> list[int]:
-        listed = crash.listed_pids(self.d)
-        return [
-            p for p in crash.daemon_processes(self.d.state) if p != self.d.proc.pid and not crash.in_tree(p, listed)
-        ]
+    def stray(self, settle_s: float = 5.0) -> list[str]:
+        """Processes of the daemon's it does not list, still there after `settle_s` (a restore's
+        CRIU lazy-pages server, not in the instance's tree, leaves once its pages are served)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            listed = crash.listed_pids(self.d)
+            pids = [
+                p for p in crash.daemon_processes(self.d.state) if p != self.d.proc.pid and not crash.in_tree(p, listed)
+            ]
+            if not pids or time.monotonic() > deadline:
+                return crash.describe(pids).split("; ") if pids else []
+            time.sleep(0.05)
 
     def invalid_snapshots(self) -> int:
         bad = 0
@@ -162,7 +169,7 @@ class Bench:
             "harmed_sources": int(not listed or bool(stray)),
             "lost_requests": lost,
             "recovery_s": round(secs, 3),
-            "stray_processes": len(stray),
+            "stray_processes": stray,
         }
 
     def redeploy_kill(self, point: str) -> dict[str, Any]:
@@ -184,7 +191,7 @@ class Bench:
             "harmed_sources": int(bool(stray)),
             "lost_requests": lost,
             "recovery_s": round(secs, 3),
-            "stray_processes": len(stray),
+            "stray_processes": stray,
         }
 
     def worker_kill(self) -> dict[str, Any]:
@@ -205,7 +212,7 @@ class Bench:
             "harmed_sources": int(bool(stray)),
             "lost_requests": lost + more,
             "recovery_s": round(secs, 3),
-            "stray_processes": len(stray),
+            "stray_processes": stray,
         }
 
     def criu_fault(self, switch: tuple[str, str]) -> dict[str, Any]:
@@ -231,7 +238,7 @@ class Bench:
             "harmed_sources": int(bool(stray)),
             "lost_requests": lost,
             "recovery_s": round(secs, 3),
-            "stray_processes": len(stray),
+            "stray_processes": stray,
         }
 
     def run(self, fault: Callable[[], dict[str, Any]]) -> dict[str, Any]:
