@@ -151,6 +151,10 @@ class Bench:
         name = "rel-hib"
         if name not in self.versions:
             self.deploy(name, 1, crash.KEEPALIVE)
+        # A graceful restart first, as each round of the crash test ends with one: the stop
+        # ends the live instances, so the request below starts the only one (an instance still
+        # hibernating from the last run would make the request start a second).
+        self.restart({"TORPORD_HOLD": "" if point == "in_dump" else f"hibernate:{point}"})
         iid, pid = crash.crash_hibernation(self.d, name, point)
         self.d.env = {}
         t0 = time.monotonic()
@@ -247,7 +251,12 @@ class Bench:
             row = fault()
         except Exception as e:  # a run that could not even be checked is harm, reported
             row = {"outcome": f"error: {type(e).__name__}: {str(e)[:300]}", "harmed_sources": 1, "lost_requests": 1}
-            if self.d.proc.poll() is not None:
+            # A fresh daemon (a graceful stop ends the live instances) for the next run.
+            try:
+                self.restart({})
+            except Exception:  # noqa: BLE001 (a daemon that will not stop is killed)
+                self.d.proc.kill()
+                self.d.proc.wait()
                 self.d.env = {}
                 self.d.restart()
         if row["harmed_sources"] or row["lost_requests"]:
