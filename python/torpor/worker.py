@@ -676,7 +676,13 @@ class Worker:
         gc.collect()
         _drain_sigusr2()
         if hook is None:
-            self.send({"type": "quiet", "cuda_synced": synced})
+            try:
+                self.send({"type": "quiet", "cuda_synced": synced})
+            except ConnectionError:
+                # torpord went between quiesce and quiet: nothing was snapshotted, so this is
+                # a lost daemon like any other; False (exit) when none takes it back.
+                self.close()
+                return self.reattach()
         else:
             outcome = self.hand_over_segments(hook, synced)
             if outcome == "shutdown":

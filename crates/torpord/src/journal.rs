@@ -6,10 +6,27 @@
 //! The journal is a record, never a gate: a step whose record cannot be written (a full disk)
 //! still runs, with a warning, since refusing it would leave the same state a crash does and
 //! recovery copes with a missing or stale step.
+//!
+//! A test switch holds an operation right after one of its steps is recorded, so that a crash
+//! test can kill the daemon exactly there: `TORPORD_HOLD=<op>:<step>` (e.g.
+//! `hibernate:quiet`) makes that step wait [`HOLD`] before it acts, logging that it does.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::registry::{now_ms, JournalOp, Registry};
+
+/// The environment variable of the test switch (see the module docs).
+pub const HOLD_ENV: &str = "TORPORD_HOLD";
+
+/// How long a held step waits (long enough for a test to kill the daemon, short enough that a
+/// switch left set by mistake is seen as a stall, not a hang).
+pub const HOLD: Duration = Duration::from_secs(60);
+
+/// Whether `TORPORD_HOLD` names `op`'s `step`.
+fn held(op: JournalOp, step: &str) -> bool {
+    std::env::var(HOLD_ENV).is_ok_and(|v| v.trim().split_once(':') == Some((op.as_str(), step)))
+}
 
 /// The journal of one operation.
 pub struct Journal {
@@ -32,23 +49,33 @@ impl Journal {
     /// Begins the journal of `op` on `subject` at `step`.
     pub async fn begin(registry: &Arc<Registry>, op: JournalOp, subject: &str, step: &str) -> Self {
         let j = Self::of(registry, op, subject);
-        let step = step.to_string();
+        let name = step.to_string();
         j.write(move |r, op, subject| {
-            r.with(|s| s.journal_begin(op, subject, &step, None, now_ms()))
+            r.with(|s| s.journal_begin(op, subject, &name, None, now_ms()))
         })
         .await;
+        j.hold(step).await;
         j
     }
 
     /// Records that `step` is about to act, writing into `target` (a snapshot directory) if
     /// given.
     pub async fn step(&self, step: &str, target: Option<&std::path::Path>) {
-        let step = step.to_string();
+        let name = step.to_string();
         let target = target.map(|t| t.to_string_lossy().into_owned());
         self.write(move |r, op, subject| {
-            r.with(|s| s.journal_step(op, subject, &step, target.as_deref(), now_ms()))
+            r.with(|s| s.journal_step(op, subject, &name, target.as_deref(), now_ms()))
         })
         .await;
+        self.hold(step).await;
+    }
+
+    /// The test switch [`HOLD_ENV`]: waits [`HOLD`] when it names this step.
+    async fn hold(&self, step: &str) {
+        if held(self.op, step) {
+            tracing::warn!(op = self.op.as_str(), subject = %self.subject, step, "{HOLD_ENV} holds this step for {} s", HOLD.as_secs());
+            tokio::time::sleep(HOLD).await;
+        }
     }
 
     /// Ends the journal: the operation is over, done or undone.
@@ -73,4 +100,23 @@ impl Journal {
             Err(e) => tracing::error!(error = %e, "journal task failed"),
         }
     }
+}
+
+/// The steps of a hibernation's journal (crate::runtime::keepalive; replayed by crate::recovery), in order. Each is
+/// recorded before it acts.
+pub mod hibernation_step {
+    /// `quiesce` is about to be sent: the worker serves on until it reads it.
+    pub const QUIESCE: &str = "quiesce";
+    /// The worker answered `quiet` and closed its connection: it waits for SIGUSR2.
+    pub const QUIET: &str = "quiet";
+    /// Split path: the segments go to the chunk store and the worker releases them (the split
+    /// path's last step before `record`). From here the worker may hold none of the memory the
+    /// daemon handed it, and what the daemon saved of it dies with the daemon: a crash from
+    /// here cannot be undone.
+    pub const SEGMENTS: &str = "segments";
+    /// CRIU dumps the tree (frozen with SIGSTOP until the snapshot is committed, then killed).
+    pub const DUMP: &str = "dump";
+    /// The snapshot is committed and the tree killed: the registry records the hibernation.
+    pub const RECORD: &str = "record";
+    pub const ALL: &[&str] = &[QUIESCE, QUIET, SEGMENTS, DUMP, RECORD];
 }

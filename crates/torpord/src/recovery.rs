@@ -4,9 +4,13 @@
 //!
 //! 1. [`replay_journal`]: each operation of the step journal (crate::journal) is finished or
 //!    undone. An interrupted redeploy puts its function back on the deploy that served before
-//!    it (ready); an interrupted first deploy ends `failed`, saying so; an interrupted
-//!    hibernation whose snapshot was complete is recorded (the instance sleeps), otherwise the
-//!    instance is removed.
+//!    it (ready); an interrupted first deploy ends `failed`, saying so. An interrupted
+//!    hibernation is undone while its tree is alive (thawed, its CUDA state resumed, its worker
+//!    woken from its quiet point, re-adopted warm or gpu_released), finished when the tree is
+//!    gone and the snapshot is complete, sealed and verifies (the instance sleeps), and only
+//!    otherwise is the instance removed, with the reason logged. Before the replay, every
+//!    process of the earlier daemon outside the trees of live instances is killed (the early
+//!    sweep), so that no CRIU of its holds a tree being undone.
 //! 2. [`sweep_processes`]: every process the daemon starts carries [`OWNER_ENV`] naming its
 //!    state directory in its environment (set by [`mark_children`] and inherited by the
 //!    launcher, the workers, CRIU and everything they start; CRIU restores a snapshot's
@@ -168,15 +172,20 @@ pub fn sweep_snapshots(registry: &Registry, root: &Path) -> Result<(), RegistryE
 }
 
 /// Finishes or undoes each operation the journal says was in progress (see the module docs).
-pub fn replay_journal(registry: &Registry) -> Result<(), RegistryError> {
+/// `key` checks the snapshot of an interrupted hibernation before it is taken as finished.
+pub fn replay_journal(
+    registry: &Registry,
+    key: &torpor_image::SnapshotKey,
+) -> Result<Replayed, RegistryError> {
+    let mut replayed = Replayed::default();
     for entry in registry.with(|s| s.journal())? {
         match entry.op {
             JournalOp::Deploy => replay_deploy(registry, &entry)?,
-            JournalOp::Hibernate => replay_hibernation(registry, &entry)?,
+            JournalOp::Hibernate => replay_hibernation(registry, key, &entry, &mut replayed)?,
         }
         registry.critical(|s| s.journal_end(entry.op, &entry.subject))?;
     }
-    Ok(())
+    Ok(replayed)
 }
 
 fn replay_deploy(registry: &Registry, e: &JournalEntry) -> Result<(), RegistryError> {
@@ -258,28 +267,187 @@ fn retire_older_instances(
     Ok(())
 }
 
-fn replay_hibernation(registry: &Registry, e: &JournalEntry) -> Result<(), RegistryError> {
+/// What [`replay_journal`] left for the runtime to do once it serves.
+#[derive(Debug, Default)]
+pub struct Replayed {
+    /// Instances whose interrupted hibernation was undone: their worker may wait at its quiet
+    /// point (closed, in sigwait), so [`crate::runtime::Runtime::readopt`] wakes each with
+    /// SIGUSR2 and takes its `hello` (resumed, not reattach) as the instance reconnecting.
+    pub woken: Vec<String>,
+}
+
+/// The init pids of the live instances whose recorded process is still there (same pid, same
+/// start time): what the early sweep of a restart keeps, before the journal is replayed.
+pub fn live_instance_inits(registry: &Registry) -> Result<Vec<i32>, RegistryError> {
+    let mut out = Vec::new();
+    for i in registry.with(|s| s.instances())? {
+        if !i.stage.has_process() {
+            continue;
+        }
+        if let Some((pid, start)) = registry.with(|s| s.instance_process(&i.id))? {
+            if crate::workers::process_start(pid) == Some(start) {
+                out.push(pid);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Why a snapshot directory an interrupted hibernation wrote cannot be taken as its instance's
+/// hibernation, or `None` when it is complete, sealed with this daemon's key and every file
+/// matches its manifest.
+fn snapshot_refused(dir: &Path, key: &torpor_image::SnapshotKey) -> Option<String> {
+    if !dir.join(torpor_image::MANIFEST_FILE).is_file() {
+        return Some(format!(
+            "{} has no manifest (the dump never finished)",
+            dir.display()
+        ));
+    }
+    torpor_image::Snapshot::open(dir)
+        .and_then(|s| {
+            s.authenticate(torpor_image::Trust::Key(key))?;
+            s.verify().map(|_| ())
+        })
+        .err()
+        .map(|e| e.to_string())
+}
+
+/// Whether `pid` is a zombie (`/proc/PID/stat` state `Z`): dead, not yet reaped.
+fn zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let (_, rest) = stat.rsplit_once(')')?;
+            rest.split_whitespace().next().map(|st| st == "Z")
+        })
+        .unwrap_or(true)
+}
+
+/// SIGCONT to every process of the tree of `init`: a dump freezes the tree with SIGSTOP until
+/// its snapshot is committed, and a daemon killed meanwhile leaves it stopped.
+fn thaw_tree(init: i32) {
+    for pid in torpor_snapshot::proctree::tree(init) {
+        // SAFETY: kill(2) only sends a signal, to a process of an instance tree this daemon's
+        // registry records (same pid, same start time).
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+    }
+}
+
+/// The GPU side of undoing a hibernation: a dump checkpoints the worker's CUDA state in the
+/// driver (lock, checkpoint) before CRIU runs; a daemon killed meanwhile leaves it so. Returns
+/// the stage the instance is in afterwards (`warm`, or `gpu_released` when it was released on
+/// purpose before the hibernation began), or why its GPU state cannot be put back.
+fn undo_gpu(worker: i32, stage: Stage) -> Result<Stage, String> {
+    // A CPU-only tree never maps libcuda: nothing to undo, and no driver to load.
+    if !torpor_snapshot::proctree::maps_libcuda(worker).unwrap_or(false) {
+        return Ok(stage);
+    }
+    let cuda = torpor_cuda::CudaDriver::load()
+        .map_err(|e| format!("cannot load the CUDA driver to resume its GPU state: {e}"))?;
+    let state = cuda
+        .process_state(worker)
+        .map_err(|e| format!("cannot read its CUDA state: {e}"))?;
+    use torpor_cuda::ProcessState as P;
+    match state {
+        None | Some(P::Running) => Ok(if stage == Stage::GpuReleased {
+            Stage::Warm
+        } else {
+            stage
+        }),
+        Some(P::Locked) => {
+            cuda.unlock(worker)
+                .map_err(|e| format!("cannot unlock its CUDA state: {e}"))?;
+            Ok(Stage::Warm)
+        }
+        Some(P::Checkpointed) if stage == Stage::GpuReleased => Ok(stage),
+        Some(P::Checkpointed) => {
+            cuda.restore(worker, &[])
+                .map_err(|e| format!("cannot restore its CUDA state: {e}"))?;
+            cuda.unlock(worker)
+                .map_err(|e| format!("cannot unlock its CUDA state: {e}"))?;
+            Ok(Stage::Warm)
+        }
+        Some(P::Failed) => Err("the driver failed its CUDA state".to_string()),
+    }
+}
+
+/// An interrupted hibernation (see the module docs): undone while the tree is alive (thawed,
+/// its GPU state resumed, re-adopted as it was), finished when the tree is gone and its
+/// snapshot complete and verified (the instance sleeps), otherwise dropped with the reason
+/// logged. Runs after the early sweep, so that no CRIU of the earlier daemon holds the tree.
+fn replay_hibernation(
+    registry: &Registry,
+    key: &torpor_image::SnapshotKey,
+    e: &JournalEntry,
+    replayed: &mut Replayed,
+) -> Result<(), RegistryError> {
+    use crate::journal::hibernation_step as step;
     let id = e.subject.as_str();
     let Some(inst) = registry.with(|s| s.instance(id))? else {
         return Ok(());
     };
-    let process = registry.with(|s| s.instance_process(id))?;
-    // The worker was quiesced for the snapshot and can serve no more: it goes in every case.
-    if let Some((pid, start)) = process {
-        if crate::workers::process_start(pid) == Some(start) {
-            crate::runtime::kill_tree(pid);
-        }
-    }
     let target = e.target.as_deref().map(PathBuf::from);
-    let complete = target
-        .as_deref()
-        .filter(|t| t.join(torpor_image::MANIFEST_FILE).is_file());
     if !inst.stage.has_process() {
         // Its hibernation was recorded.
         return Ok(());
     }
-    match complete {
-        Some(dir) => {
+    let remove_target = || {
+        if let Some(t) = &target {
+            crate::runtime::remove_snapshot_dir(t);
+        }
+    };
+    let process = registry
+        .with(|s| s.instance_process(id))?
+        .filter(|(pid, start)| crate::workers::process_start(*pid) == Some(*start));
+    // The tree lives when its init does (not a zombie: a dump that committed killed it, and
+    // nobody reaped it yet) and still has its worker.
+    let live = process.and_then(|(init, _)| {
+        let worker = crate::launcher::worker_pid(init)
+            .ok()
+            .filter(|w| !zombie(init) && !zombie(*w));
+        if worker.is_none() {
+            crate::runtime::kill_tree(init);
+        }
+        Some(init).zip(worker)
+    });
+    if let Some((init, worker)) = live {
+        thaw_tree(init);
+        let undone = if e.step == step::SEGMENTS {
+            Err("its worker had handed its segments over, and what the earlier torpord saved of them went with it".to_string())
+        } else {
+            undo_gpu(worker, inst.stage)
+        };
+        match undone {
+            Ok(stage) => {
+                if stage != inst.stage {
+                    registry.critical(|s| {
+                        s.set_instance_stage(id, stage, Some(init), inst.snapshot.as_deref())
+                    })?;
+                }
+                remove_target();
+                // It may wait at its quiet point (even at `quiesce`: it may have answered just
+                // before the daemon died, before `quiet` was recorded); woken, it reconnects. One
+                // that lost its connection earlier reconnects on its own, the SIGUSR2 pending and
+                // harmless (blocked, drained at its next quiet).
+                replayed.woken.push(id.to_string());
+                tracing::warn!(instance = id, function = %inst.function, step = %e.step, pid = init, stage = %stage, "a hibernation interrupted by a torpord stop was undone: the instance is taken back {stage}");
+                return Ok(());
+            }
+            Err(why) => {
+                crate::runtime::kill_tree(init);
+                registry.critical(|s| s.delete_instance(id).map(|_| ()))?;
+                remove_target();
+                tracing::warn!(instance = id, function = %inst.function, step = %e.step, "a hibernation was interrupted by a torpord stop and its instance removed: it cannot serve again ({why})");
+                return Ok(());
+            }
+        }
+    }
+    let refused = match target.as_deref() {
+        Some(dir) => snapshot_refused(dir, key),
+        None => Some("no snapshot directory was recorded".to_string()),
+    };
+    match (target.as_deref(), refused) {
+        (Some(dir), None) => {
             let hib_id = dir
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
@@ -300,14 +468,13 @@ fn replay_hibernation(registry: &Registry, e: &JournalEntry) -> Result<(), Regis
                 s.set_instance_stage(id, Stage::Hibernated, None, Some(&hib_id))?;
                 Ok(())
             })?;
-            tracing::warn!(instance = id, function = %inst.function, snapshot = %dir.display(), "a hibernation interrupted by a torpord stop had written its snapshot: the instance sleeps");
+            tracing::warn!(instance = id, function = %inst.function, snapshot = %dir.display(), "a hibernation interrupted by a torpord stop had written and sealed its snapshot: finished, the instance sleeps");
         }
-        None => {
+        (_, why) => {
             registry.critical(|s| s.delete_instance(id).map(|_| ()))?;
-            if let Some(t) = &target {
-                crate::runtime::remove_snapshot_dir(t);
-            }
-            tracing::warn!(instance = id, function = %inst.function, step = %e.step, "a hibernation was interrupted by a torpord stop before its snapshot was complete: the idle instance was removed");
+            remove_target();
+            let why = why.unwrap_or_default();
+            tracing::warn!(instance = id, function = %inst.function, step = %e.step, "a hibernation was interrupted by a torpord stop after its process was gone, and its snapshot cannot be used ({why}): the idle instance was removed");
         }
     }
     Ok(())

@@ -77,6 +77,8 @@ pub struct Daemon {
     tcp: Option<(TcpListener, SocketAddr, Token)>,
     /// Live instances of an earlier daemon whose processes are still there, to re-adopt.
     orphans: Vec<crate::registry::Instance>,
+    /// Those of them whose interrupted hibernation was undone: their workers are woken.
+    woken: Vec<String>,
     /// Seals every snapshot the daemon writes; every restore checks it (created on first start).
     snapshot_key: Arc<torpor_image::SnapshotKey>,
     /// Where worker trees get their cgroups; `None`: unconfined (`workers.allow_unconfined`).
@@ -97,9 +99,20 @@ impl Daemon {
             &state_dir.snapshot_key(),
         )?);
         connections::raise_fd_limit();
+        // A registry that went missing or empty is never made again silently over what it
+        // recorded (issue 13).
+        for holds in [state_dir.snapshots(), state_dir.functions()] {
+            crate::registry::check_not_lost(&state_dir.registry(), &holds)?;
+        }
         let registry = Registry::open(&state_dir.registry())?;
+        // The early sweep: processes of an earlier daemon outside the trees of its live
+        // instances (CRIU, deploy workers) go first, so that none holds a tree the replay undoes.
+        crate::recovery::sweep_processes(
+            state_dir.root(),
+            &crate::recovery::live_instance_inits(&registry)?,
+        );
         // What an earlier daemon was doing when it died: finished or undone (crate::recovery).
-        crate::recovery::replay_journal(&registry)?;
+        let replayed = crate::recovery::replay_journal(&registry, &snapshot_key)?;
         for name in registry.with(|s| s.fail_interrupted_deploys(now_ms()))? {
             tracing::warn!(function = %name, "deploy was interrupted by a daemon stop; marked failed");
         }
@@ -145,6 +158,7 @@ impl Daemon {
             workers,
             tcp,
             orphans,
+            woken: replayed.woken,
             snapshot_key,
             cgroups,
         })
@@ -206,7 +220,12 @@ impl Daemon {
         let hub_task = tokio::spawn(Arc::clone(&runtime.hub).serve(workers_listener));
         // Before the API serves, so that a request waits for a re-adopted instance instead of
         // starting another one.
-        runtime.readopt(std::mem::take(&mut self.orphans)).await;
+        runtime
+            .readopt(
+                std::mem::take(&mut self.orphans),
+                std::mem::take(&mut self.woken),
+            )
+            .await;
         let keepalive_task = runtime.spawn_keepalive();
         // The cgroups of trees that are gone (a re-adopted instance's, one whose removal found
         // its tree still exiting).

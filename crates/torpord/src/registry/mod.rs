@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use rusqlite::{Connection, TransactionBehavior};
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 pub use journal::JournalEntry;
 pub use migrate::SCHEMA_VERSION;
@@ -32,6 +32,27 @@ pub enum RegistryError {
     Open {
         path: PathBuf,
         source: rusqlite::Error,
+    },
+    /// The database file is damaged: not a database, truncated, failing SQLite's own check, or
+    /// holding a row no torpord writes. Nothing was changed.
+    #[error(
+        "registry {path} is damaged ({cause}); torpord did not start and left it as it is: \
+         restore it from a backup, or move it and its -wal and -shm files aside to start with an \
+         empty registry (every function must then be deployed again)"
+    )]
+    Corrupt { path: PathBuf, cause: String },
+    /// The database file is missing or empty while the state directory holds what a registry
+    /// recorded: starting would forget (and sweep away) it.
+    #[error(
+        "registry {path} is {what}, but {holds} is not empty ({entries} entries a registry \
+         recorded); torpord did not start, since an empty registry would remove them: restore \
+         the registry from a backup, or move the state directory aside to start afresh"
+    )]
+    Lost {
+        path: PathBuf,
+        what: &'static str,
+        holds: PathBuf,
+        entries: usize,
     },
     /// The database was written by a newer torpord.
     #[error(
@@ -84,6 +105,110 @@ pub enum RegistryError {
     Sqlite(#[from] rusqlite::Error),
 }
 
+/// What is damaged, when `e` says the file is not a sound database (SQLite's NOTADB, CORRUPT).
+fn damage(e: &rusqlite::Error) -> Option<String> {
+    match e.sqlite_error_code() {
+        Some(rusqlite::ErrorCode::NotADatabase | rusqlite::ErrorCode::DatabaseCorrupt) => {
+            Some(e.to_string())
+        }
+        _ => None,
+    }
+}
+
+/// SQLite's own check of the file's structure (`PRAGMA quick_check`: pages, records, NOT NULL;
+/// linear in the file's size, milliseconds for a registry). The first problem, if any.
+fn check_integrity(conn: &Connection) -> Result<(), String> {
+    let mut stmt = conn
+        .prepare("PRAGMA quick_check")
+        .map_err(|e| e.to_string())?;
+    let first: String = stmt
+        .query_row([], |r| r.get(0))
+        .map_err(|e| e.to_string())?;
+    if first == "ok" {
+        Ok(())
+    } else {
+        // Its report spans lines; the error is one.
+        let first = first.split_whitespace().collect::<Vec<_>>().join(" ");
+        Err(format!("SQLite's quick_check: {first}"))
+    }
+}
+
+/// Every row read through the typed readers (a state, stage or kind no torpord writes, a spec
+/// that is not JSON), the pids a recovery would signal (a pid of 0, 1 or below would signal a
+/// process group or every process) and the references between rows. The first problem, if any.
+fn check_rows(conn: &Connection) -> Result<(), String> {
+    let hidden = HashSet::new();
+    let s = Store {
+        conn,
+        hidden: &hidden,
+    };
+    let table = |name: &str, e: RegistryError| format!("table {name}: {e}");
+    s.functions().map_err(|e| table("functions", e))?;
+    s.snapshots().map_err(|e| table("snapshots", e))?;
+    s.journal().map_err(|e| table("journal", e))?;
+    for i in s.instances().map_err(|e| table("instances", e))? {
+        if let Some(pid) = i.pid.filter(|p| *p <= 1) {
+            return Err(format!(
+                "table instances: instance {:?} has pid {pid}",
+                i.id
+            ));
+        }
+    }
+    let bad: Option<(String, i64)> = conn
+        .query_row(
+            "SELECT instance, pid FROM instance_processes WHERE pid <= 1 OR start < 0 LIMIT 1",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()
+        .map_err(|e| table("instance_processes", e.into()))?;
+    if let Some((id, pid)) = bad {
+        return Err(format!(
+            "table instance_processes: instance {id:?} has pid {pid} or a negative start time"
+        ));
+    }
+    let dangling: Option<(String, i64)> = conn
+        .query_row("PRAGMA foreign_key_check", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .optional()
+        .map_err(|e| e.to_string())?;
+    if let Some((t, rowid)) = dangling {
+        return Err(format!(
+            "table {t}: row {rowid} refers to a row that does not exist"
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses to start on a registry that is missing or empty while `dir` (the snapshots or
+/// functions directory) holds entries a registry would have recorded: opening it would make an
+/// empty registry, and the start-up sweep would remove every snapshot it does not name.
+pub fn check_not_lost(path: &Path, dir: &Path) -> Result<(), RegistryError> {
+    let what = match std::fs::metadata(path) {
+        Ok(m) if m.len() > 0 => return Ok(()),
+        Ok(_) => "empty",
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => "missing",
+        Err(_) => return Ok(()),
+    };
+    let entries = std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| !e.file_name().as_encoded_bytes().starts_with(b"."))
+                .count()
+        })
+        .unwrap_or(0);
+    if entries == 0 {
+        return Ok(());
+    }
+    Err(RegistryError::Lost {
+        path: path.to_path_buf(),
+        what,
+        holds: dir.to_path_buf(),
+        entries,
+    })
+}
+
 /// [`Registry::shrink`] runs from this many free pages on (256 KiB at SQLite's 4 KiB pages).
 pub const SHRINK_MIN_FREE_PAGES: i64 = 64;
 
@@ -105,9 +230,15 @@ pub struct Registry {
 impl Registry {
     /// Opens (creating if needed) the registry at `path` and migrates it to [`SCHEMA_VERSION`].
     pub fn open(path: &Path) -> Result<Self, RegistryError> {
-        let open_err = |source| RegistryError::Open {
-            path: path.to_path_buf(),
-            source,
+        let open_err = |source: rusqlite::Error| match damage(&source) {
+            Some(cause) => RegistryError::Corrupt {
+                path: path.to_path_buf(),
+                cause,
+            },
+            None => RegistryError::Open {
+                path: path.to_path_buf(),
+                source,
+            },
         };
         let mut conn = Connection::open(path).map_err(open_err)?;
         conn.busy_timeout(BUSY_TIMEOUT).map_err(open_err)?;
@@ -123,7 +254,22 @@ impl Registry {
             .map_err(open_err)?;
         conn.pragma_update(None, "foreign_keys", true)
             .map_err(open_err)?;
-        migrate::migrate(&mut conn, path)?;
+        check_integrity(&conn).map_err(|cause| RegistryError::Corrupt {
+            path: path.to_path_buf(),
+            cause,
+        })?;
+        migrate::migrate(&mut conn, path).map_err(|e| match e {
+            RegistryError::Migrate { source, .. } | RegistryError::Sqlite(source)
+                if damage(&source).is_some() =>
+            {
+                open_err(source)
+            }
+            other => other,
+        })?;
+        check_rows(&conn).map_err(|cause| RegistryError::Corrupt {
+            path: path.to_path_buf(),
+            cause,
+        })?;
         Ok(Self {
             path: path.to_path_buf(),
             conn: Mutex::new(conn),
@@ -349,6 +495,70 @@ mod tests {
             matches!(err, RegistryError::TooNew { found: 99, .. }),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_damaged_database_is_refused_and_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("registry.db");
+        std::fs::write(&path, vec![0x5a; 16384]).unwrap();
+        let err = Registry::open(&path).unwrap_err();
+        assert!(matches!(err, RegistryError::Corrupt { .. }), "{err}");
+        assert!(
+            err.to_string().contains("restore it from a backup"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), vec![0x5a; 16384]);
+
+        std::fs::remove_file(&path).unwrap();
+        drop(Registry::open(&path).unwrap());
+        let conn = Connection::open(&path).unwrap();
+        conn.execute(
+            "INSERT INTO functions VALUES ('f', '/f', '{}', 'k', NULL, 'ready', 1, 1)",
+            [],
+        )
+        .unwrap();
+        conn.execute(
+            "INSERT INTO instances VALUES ('f-1', 'f', 0, 'warm', NULL, 1, 1)",
+            [],
+        )
+        .unwrap();
+        drop(conn);
+        let err = Registry::open(&path).unwrap_err();
+        assert!(
+            matches!(&err, RegistryError::Corrupt { cause, .. } if cause.contains("has pid 0")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_lost_registry_is_refused_only_beside_what_it_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, snaps) = (dir.path().join("registry.db"), dir.path().join("snapshots"));
+        std::fs::create_dir(&snaps).unwrap();
+        check_not_lost(&path, &snaps).unwrap();
+        std::fs::create_dir(snaps.join(".fn-a.partial-1")).unwrap();
+        check_not_lost(&path, &snaps).unwrap();
+        std::fs::create_dir(snaps.join("fn-a")).unwrap();
+        let err = check_not_lost(&path, &snaps).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                RegistryError::Lost {
+                    what: "missing",
+                    entries: 1,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        std::fs::write(&path, b"").unwrap();
+        assert!(matches!(
+            check_not_lost(&path, &snaps),
+            Err(RegistryError::Lost { what: "empty", .. })
+        ));
+        drop(Registry::open(&dir.path().join("other.db")).unwrap());
+        check_not_lost(&dir.path().join("other.db"), &snaps).unwrap();
     }
 
     #[test]

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::accounting::{self, Meter};
 use crate::config::ColdStart;
+use crate::journal::hibernation_step as step;
 use crate::journal::Journal;
 use crate::protocol::{Quiesce, ToWorker, Unmap};
 use crate::registry::{now_ms, JournalOp, RegistryError, Stage};
@@ -502,10 +503,15 @@ impl Runtime {
                 .join(format!("hib-{}-{}-{}", inst.function, inst.id, now_ms()));
         // Recorded before the quiesce: a crash from here on is finished or undone at the next
         // start (crate::recovery).
-        let journal =
-            Journal::begin(&self.registry, JournalOp::Hibernate, &inst.id, "quiesce").await;
-        journal.step("snapshot", Some(&out)).await;
-        let hibernated = self.hibernate_inner(&pool, &inst, &out).await;
+        let journal = Journal::begin(
+            &self.registry,
+            JournalOp::Hibernate,
+            &inst.id,
+            step::QUIESCE,
+        )
+        .await;
+        journal.step(step::QUIESCE, Some(&out)).await;
+        let hibernated = self.hibernate_inner(&pool, &inst, &out, &journal).await;
         journal.end().await;
         match hibernated {
             Ok(mut sleeper) => {
@@ -619,6 +625,7 @@ impl Runtime {
         pool: &Arc<Pool>,
         inst: &Arc<Instance>,
         out: &Path,
+        journal: &Journal,
     ) -> Result<Sleeper, HibernateError> {
         if inst.state() == State::Changing(Stage::GpuReleased, Doing::Hibernate) {
             // The worker must run CUDA to synchronise before quiet, and the split capture reads
@@ -668,6 +675,14 @@ impl Runtime {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
+        // Quiet: from here a crash is undone by waking the worker, until the split path hands
+        // its segments over (crate::recovery).
+        let quiet_step = if split.is_some() {
+            step::SEGMENTS
+        } else {
+            step::QUIET
+        };
+        journal.step(quiet_step, None).await;
         let stored = match split {
             Some(plan) => Some(
                 self.hibernate_segments(inst, &quiet, &mut rd, &hib_id, plan.as_slice())
@@ -686,10 +701,14 @@ impl Runtime {
             }),
         };
         let snapshotted = match closed {
-            Ok(()) => self
-                .snapshot_and_kill(inst.init_pid, out)
-                .await
-                .map_err(HibernateError::from),
+            Ok(()) => {
+                if stored.is_none() {
+                    journal.step(step::DUMP, None).await;
+                }
+                self.snapshot_and_kill(inst.init_pid, out)
+                    .await
+                    .map_err(HibernateError::from)
+            }
             Err(e) => Err(e),
         };
         if let Err(e) = snapshotted {
@@ -699,6 +718,7 @@ impl Runtime {
             }
             return Err(e);
         }
+        journal.step(step::RECORD, None).await;
         // The instance's own keep-alive state moves on (the ticker goes on accounting it until
         // the sleeper takes its place, which copies it then).
         let (idle_since, keep) = {

@@ -64,8 +64,12 @@ impl Runtime {
     /// reconnect on their own. Each counts as starting in its function's pool (so requests wait
     /// for it rather than start another past max_instances) until it reconnects, within
     /// [`READOPT_TIMEOUT`], or is killed and its row removed.
-    pub async fn readopt(self: &Arc<Self>, orphans: Vec<InstanceRow>) {
+    ///
+    /// `woken`: the instances whose interrupted hibernation was undone (crate::recovery): their
+    /// workers may wait at their quiet point, and are woken with SIGUSR2 first.
+    pub async fn readopt(self: &Arc<Self>, orphans: Vec<InstanceRow>, woken: Vec<String>) {
         for row in orphans {
+            let woken = woken.contains(&row.id);
             let pool = match self.pool(&row.function).await {
                 Ok(p) => p,
                 Err(e) => {
@@ -84,7 +88,7 @@ impl Runtime {
                 armed: true,
             };
             let rt = Arc::clone(self);
-            tokio::spawn(async move { rt.readopt_one(pool, guard, generation, row).await });
+            tokio::spawn(async move { rt.readopt_one(pool, guard, generation, row, woken).await });
         }
     }
 
@@ -94,6 +98,7 @@ impl Runtime {
         mut guard: Starting,
         generation: u64,
         row: InstanceRow,
+        woken: bool,
     ) {
         let Some(init) = row.pid else {
             return self.drop_orphan(&row, "its row has no pid").await;
@@ -110,7 +115,14 @@ impl Runtime {
             Ok(w) => w,
             Err(e) => return self.drop_orphan(&row, &e.to_string()).await,
         };
-        let conn = match self.hub.claim(worker).wait(READOPT_TIMEOUT).await {
+        let claim = self.hub.claim(worker);
+        if woken {
+            // At its quiet point it waits in sigwait(SIGUSR2) and then reconnects as resumed;
+            // anywhere else SIGUSR2 stays blocked and pending, and is drained at its next quiet.
+            // SAFETY: kill(2) only sends a signal, to the worker of a tree the registry records.
+            unsafe { libc::kill(worker, libc::SIGUSR2) };
+        }
+        let conn = match claim.wait(READOPT_TIMEOUT).await {
             Ok(c) => c,
             Err(e) => {
                 let why = format!("its worker did not reconnect: {e}");
@@ -118,7 +130,9 @@ impl Runtime {
             }
         };
         let hello = &conn.hello;
-        if !hello.reattach || hello.function.as_deref() != Some(row.function.as_str()) {
+        // Woken from its quiet point, it says resumed (as after a restore), not reattach.
+        let back = hello.reattach || (woken && hello.resumed);
+        if !back || hello.function.as_deref() != Some(row.function.as_str()) {
             let why = format!(
                 "its worker reconnected as {:?} (reattach: {}), not as a lost instance of {:?}",
                 hello.function, hello.reattach, row.function

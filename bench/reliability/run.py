@@ -1,0 +1,394 @@
+#!/usr/bin/env python3
+"""The reliability report of issue 13: each fault forced `--runs` times through the real daemon,
+workers and CRIU, plus the fuzz campaign's and the load test's results, written to
+bench/results/reliability.json (rendered into the README by bench/reliability/table.py).
+
+    python3 bench/reliability/run.py                 # 2 runs per fault (a few minutes)
+    python3 bench/reliability/run.py --runs 20       # the soak (docs/reliability.md)
+    python3 bench/reliability/run.py --only daemon_kill_hibernate_quiet --runs 5
+
+Needs root, CRIU (`make criu`) and a built torpor (`--torpor`, default $TORPOR_BIN or
+target/debug/torpor). Fuzz and load are not run here: their own scripts write
+bench/results/fuzz.json (bench/reliability/fuzz.py) and bench/results/reliability-load*.json
+(bench/reliability/load.py), and this reads them.
+
+The faults (one daemon for them all, on a fresh state directory):
+- `daemon_kill_hibernate_<step>`: kill -9 of torpord at each step of a hibernation's journal
+  (`TORPORD_HOLD=hibernate:<step>`) and inside CRIU's dump (`in_dump`), then a restart: the
+  machinery of tests/daemon/test_daemon_crash.py.
+- `daemon_kill_redeploy_<phase>`: kill -9 of torpord at a redeploy's phase line, or inside the
+  function snapshot's dump, then a restart.
+- `worker_kill`: kill -9 of a warm instance's worker between requests.
+- `criu_fault_hibernate_<switch>`: a hibernation whose snapshot fails inside CRIU (`CRIU_FAULT=1`:
+  CRIU dies with its parasite in the worker) or after CRIU wrote everything
+  (`TORPOR_FAULT=after-dump`); the daemon then restarts without the switch.
+
+Each run counts, after the fault and its recovery:
+- `harmed_sources`: 1 when the process the fault hit is left in a state nobody accounts for: an
+  instance a daemon kill interrupted that is no longer listed (dropped), or a process of the
+  daemon's that it does not list (stray, or left stopped by a dump).
+- `invalid_snapshots_accepted`: snapshots the registry names whose directory fails `torpor verify`
+  with the daemon's key (a half-written or damaged snapshot taken as good).
+- `lost_requests`: requests sent after the recovery (one per run, plus the one after a worker
+  kill) that were not answered 200 with the right answer.
+- `recovery_s`: from the restart (or the fault) until the function answered again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python")]
+
+from daemon import test_daemon_crash as crash  # noqa: E402
+from daemon.conftest import Torpord  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+OUT = RESULTS / "reliability.json"
+HIBERNATION = crash.HIBERNATION_POINTS
+REDEPLOY = ["load", "dump_function", "stage"]
+CRIU_SWITCHES = [("CRIU_FAULT", "1"), ("TORPOR_FAULT", "after-dump")]
+
+
+def machine(binary: Path) -> dict[str, Any]:
+    """As bench/reliability/load.py records it."""
+    commit = os.environ.get("TORPOR_COMMIT")
+    if not commit:
+        r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+        commit = r.stdout.strip() or None
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False).stdout.strip()
+    return {
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torpor": version,
+        "binary": str(binary),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+class Bench:
+    def __init__(self, binary: Path, root: Path) -> None:
+        self.d = Torpord(binary, root)
+        self.tmp = root / "functions"
+        self.tmp.mkdir()
+        self.versions: dict[str, int] = {}
+        self.attempts: dict[str, int] = {}
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def stray(self, settle_s: float = 5.0) -> list[str]:
+        """Processes of the daemon's it does not list, still there after `settle_s` (a restore's
+        CRIU lazy-pages server, not in the instance's tree, leaves once its pages are served)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            listed = crash.listed_pids(self.d)
+            pids = [
+                p for p in crash.daemon_processes(self.d.state) if p != self.d.proc.pid and not crash.in_tree(p, listed)
+            ]
+            if not pids or time.monotonic() > deadline:
+                return crash.describe(pids).split("; ") if pids else []
+            time.sleep(0.05)
+
+    def invalid_snapshots(self) -> int:
+        bad = 0
+        key = self.d.state / "snapshot.key"
+        for (path,) in crash.registry(self.d, "SELECT path FROM snapshots"):
+            r = subprocess.run([str(self.d.binary), "verify", "--key", str(key), path], capture_output=True, check=False)
+            bad += r.returncode != 0
+        return bad
+
+    def stray_snapshots(self) -> int:
+        try:
+            crash.assert_no_stray_snapshots(self.d)
+        except AssertionError:
+            return 1
+        return 0
+
+    def answers(self, name: str) -> bool:
+        try:
+            r = self.d.invoke(name, {"say": "hi"}, timeout=60)
+            return r.status == 200 and r.json().get("version") == self.versions[name]
+        except (OSError, ValueError):
+            return False
+
+    def recovered(self, name: str, t0: float) -> tuple[int, float]:
+        """(lost requests, seconds until it answered): one request, retried only while nothing
+        was sent (the socket not there yet)."""
+        ok = self.answers(name)
+        return (0 if ok else 1), time.monotonic() - t0
+
+    def deploy(self, name: str, version: int, keepalive: str = "") -> None:
+        self.d.deploy(crash.function_dir(self.tmp, name, [], version, keepalive))
+        self.versions[name] = version
+
+    def restart(self, env: dict[str, str] | None = None) -> None:
+        if self.d.proc.poll() is None:
+            assert self.d.request("GET", "/v1/functions").status == 200
+            self.d.proc.send_signal(signal.SIGTERM)
+            self.d.proc.wait(timeout=30)
+        self.d.env = dict(env or {})
+        self.d.restart()
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def hibernate_kill(self, point: str) -> dict[str, Any]:
+        name = "rel-hib"
+        if name not in self.versions:
+            self.deploy(name, 1, crash.KEEPALIVE)
+        # A graceful restart first, as each round of the crash test ends with one: the stop
+        # ends the live instances, so the request below starts the only one (an instance still
+        # hibernating from the last run would make the request start a second).
+        self.restart({"TORPORD_HOLD": "" if point == "in_dump" else f"hibernate:{point}"})
+        iid, pid = crash.crash_hibernation(self.d, name, point)
+        self.d.env = {}
+        t0 = time.monotonic()
+        self.d.restart()
+        listed = False
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not listed:
+            listed = any(i["id"] == iid for i in self.d.instances(name))
+            if not listed:
+                time.sleep(0.02)
+        outcome = "undone" if pid in crash.listed_pids(self.d) else "finished" if listed else "dropped"
+        lost, secs = self.recovered(name, t0)
+        stray = self.stray()
+        return {
+            "outcome": outcome,
+            "harmed_sources": int(not listed or bool(stray)),
+            "lost_requests": lost,
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
+    def redeploy_kill(self, point: str) -> dict[str, Any]:
+        name = f"rel-re-{point.replace('_', '-')}"
+        if name not in self.versions:
+            self.deploy(name, 1)
+        # A new version each attempt (one that did not take effect leaves its directory).
+        self.attempts[name] = self.attempts.get(name, 1) + 1
+        new = self.attempts[name]
+        crash.deploy_until(self.d, crash.function_dir(self.tmp, name, [], new), point)
+        t0 = time.monotonic()
+        self.d.restart()
+        if point in crash.TAKEN:
+            self.versions[name] = new
+        lost, secs = self.recovered(name, t0)
+        stray = self.stray()
+        return {
+            "outcome": crash.state_of(self.d, name),
+            "harmed_sources": int(bool(stray)),
+            "lost_requests": lost,
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
+    def worker_kill(self) -> dict[str, Any]:
+        name = "rel-worker"
+        if name not in self.versions:
+            self.deploy(name, 1)
+        lost = 0 if self.answers(name) else 1
+        (inst,) = [i for i in self.d.instances(name) if i.get("pid")]
+        init = int(inst["pid"])
+        kids = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+        t0 = time.monotonic()
+        os.kill(int(kids[0]), signal.SIGKILL)
+        crash.wait_until(lambda: inst["id"] not in [i["id"] for i in self.d.instances(name)], 15, "the instance to go")
+        more, secs = self.recovered(name, t0)
+        stray = self.stray()
+        return {
+            "outcome": "replaced",
+            "harmed_sources": int(bool(stray)),
+            "lost_requests": lost + more,
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
+    def criu_fault(self, switch: tuple[str, str]) -> dict[str, Any]:
+        name = "rel-criu"
+        if name not in self.versions:
+            self.deploy(name, 1, crash.KEEPALIVE)
+        self.restart({switch[0]: switch[1]})
+        assert self.answers(name)
+        before = self.d.log.read_text(errors="replace").count("hibernation failed")
+        crash.wait_until(
+            lambda: self.d.log.read_text(errors="replace").count("hibernation failed") > before,
+            30,
+            "the hibernation to fail",
+        )
+        stray = self.stray()
+        t0 = time.monotonic()
+        self.restart({})
+        lost, secs = self.recovered(name, t0)
+        stray += self.stray()
+        return {
+            # The failed hibernation removes its instance (logged); the function serves on.
+            "outcome": "instance_removed",
+            "harmed_sources": int(bool(stray)),
+            "lost_requests": lost,
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
+    def run(self, fault: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        t = time.monotonic()
+        try:
+            row = fault()
+        except Exception as e:  # a run that could not even be checked is harm, reported
+            row = {"outcome": f"error: {type(e).__name__}: {str(e)[:300]}", "harmed_sources": 1, "lost_requests": 1}
+            # A fresh daemon (a graceful stop ends the live instances) for the next run.
+            try:
+                self.restart({})
+            except Exception:  # noqa: BLE001 (a daemon that will not stop is killed)
+                self.d.proc.kill()
+                self.d.proc.wait()
+                self.d.env = {}
+                self.d.restart()
+        if row["harmed_sources"] or row["lost_requests"]:
+            # What the daemon said, for whoever reads the report.
+            row["log_tail"] = self.d.log.read_text(errors="replace").splitlines()[-40:]
+        row["invalid_snapshots_accepted"] = self.invalid_snapshots()
+        row["stray_snapshots"] = self.stray_snapshots()
+        row["seconds"] = round(time.monotonic() - t, 3)
+        return row
+
+
+def faults(b: Bench) -> dict[str, Callable[[], dict[str, Any]]]:
+    out: dict[str, Callable[[], dict[str, Any]]] = {}
+    for p in HIBERNATION:
+        out[f"daemon_kill_hibernate_{p}"] = lambda p=p: b.hibernate_kill(p)
+    for p in REDEPLOY:
+        out[f"daemon_kill_redeploy_{p}"] = lambda p=p: b.redeploy_kill(p)
+    out["worker_kill"] = b.worker_kill
+    for s in CRIU_SWITCHES:
+        out[f"criu_fault_hibernate_{s[0]}={s[1]}"] = lambda s=s: b.criu_fault(s)
+    return out
+
+
+def median(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return round(statistics.median(vals), 3) if vals else None
+
+
+def read(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def fuzz_part() -> dict[str, Any] | None:
+    doc = read(RESULTS / "fuzz.json")
+    if doc is None:
+        return None
+    return {
+        "source": "bench/results/fuzz.json (bench/reliability/fuzz.py)",
+        "executions": doc["executions"],
+        "findings": doc["findings"],
+        "fixed_findings": len(doc.get("fixed_findings", [])),
+        "targets": len(doc["targets"]),
+    }
+
+
+def load_part() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path in sorted(RESULTS.glob("reliability-load*.json")):
+        doc = read(path)
+        assert doc is not None
+        out[path.stem] = {
+            "source": f"bench/results/{path.name} (bench/reliability/load.py)",
+            "restart": doc["settings"]["restart"]["mode"],
+            "invocations": doc["summary"]["invocations"],
+            "lost_requests": doc["summary"]["lost_requests"],
+            "duplicated_requests": doc["summary"]["duplicated_requests"],
+            "wrong_answers": doc["summary"]["wrong_answers"],
+            "errors": doc["summary"]["errors"],
+            "throughput_rps": doc["throughput_rps"],
+            "p50_ms": doc["summary"]["p50_ms"],
+            "p99_ms": doc["summary"]["p99_ms"],
+            "commit": doc["machine"].get("commit"),
+        }
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--torpor", default=os.environ.get("TORPOR_BIN", str(ROOT / "target/debug/torpor")))
+    p.add_argument("--runs", type=int, default=2, help="runs per fault (20 for the soak)")
+    p.add_argument("--only", action="append", default=[], help="run only this fault (repeatable)")
+    p.add_argument("--out", default=str(OUT))
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        p.error("needs root: torpord starts workers in namespaces and runs CRIU")
+    binary = Path(args.torpor).resolve()
+    t = time.monotonic()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="torpor-reliability-") as tmp:
+        b = Bench(binary, Path(tmp))
+        try:
+            table = faults(b)
+            unknown = set(args.only) - set(table)
+            if unknown:
+                p.error(f"no such fault: {', '.join(sorted(unknown))}; there are {', '.join(table)}")
+            for name, fault in table.items():
+                if args.only and name not in args.only:
+                    continue
+                rows = []
+                for i in range(args.runs):
+                    row = b.run(fault)
+                    print(f"{name} run {i + 1}/{args.runs}: {json.dumps(row)}", flush=True)
+                    rows.append(row)
+                results[name] = {
+                    "runs": len(rows),
+                    "harmed_sources": sum(r["harmed_sources"] for r in rows),
+                    "invalid_snapshots_accepted": sum(r["invalid_snapshots_accepted"] for r in rows),
+                    "lost_requests": sum(r["lost_requests"] for r in rows),
+                    "median_recovery_s": median(rows, "recovery_s"),
+                    "median_run_s": median(rows, "seconds"),
+                    "every_run": rows,
+                }
+        finally:
+            b.d.stop()
+    fuzz, load = fuzz_part(), load_part()
+    summary = {
+        "faults": len(results),
+        "runs": sum(r["runs"] for r in results.values()),
+        "harmed_sources": sum(r["harmed_sources"] for r in results.values()),
+        "invalid_snapshots_accepted": sum(r["invalid_snapshots_accepted"] for r in results.values()),
+        # Lost under faults, plus the load test's: requests sent that never ran nor answered
+        # (a kill -9 under load may lose those in flight; a graceful restart must lose none).
+        "lost_requests": sum(r["lost_requests"] for r in results.values())
+        + sum(v["lost_requests"] for v in load.values()),
+        "lost_requests_under_faults": sum(r["lost_requests"] for r in results.values()),
+        "fuzz_executions": fuzz["executions"] if fuzz else None,
+        "fuzz_findings": fuzz["findings"] if fuzz else None,
+    }
+    doc = {
+        "what": "faults forced through the real daemon, workers and CRIU; fuzz and load results (docs/reliability.md)",
+        "settings": {"runs": args.runs, "only": args.only or None},
+        "machine": machine(binary),
+        "wall_s": round(time.monotonic() - t, 1),
+        "faults": results,
+        "fuzz": fuzz,
+        "load": load,
+        "summary": summary,
+    }
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(summary))
+    return 0 if summary["harmed_sources"] == summary["invalid_snapshots_accepted"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
