@@ -177,15 +177,17 @@ def test_a_config_limit_out_of_range_is_refused_in_one_line(
     assert r.stderr.strip().count("\n") == 0, r.stderr
 
 
-def test_without_a_cgroup_file_system_the_daemon_refuses_to_start_unless_allowed(
+def test_without_a_cgroup_file_system_the_daemon_warns_or_refuses_when_told_to(
     torpor_bin: Path, criu_ready: None, tmp_path: Path
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
     env = {"TORPORD_CGROUP_FS": str(tmp_path / "no-cgroup-fs")}
     state = tmp_path / "refused" / "state"
+    strict = tmp_path / "strict.toml"
+    strict.write_text("[workers]\nallow_unconfined = false\n")
     r = subprocess.run(
-        [torpor_bin, "serve", "--state-dir", state, "--socket", tmp_path / "refused.sock"],
+        [torpor_bin, "serve", "--config", strict, "--state-dir", state, "--socket", tmp_path / "refused.sock"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -198,9 +200,10 @@ def test_without_a_cgroup_file_system_the_daemon_refuses_to_start_unless_allowed
     assert not (tmp_path / "refused.sock").exists()
 
     (tmp_path / "allowed").mkdir()
-    d = Torpord(torpor_bin, tmp_path / "allowed", config="[workers]\nallow_unconfined = true\n", env=env)
+    # The built-in default: it starts, says so once, and runs its workers without limits.
+    d = Torpord(torpor_bin, tmp_path / "allowed", env=env)
     try:
-        assert "(workers.allow_unconfined = true: workers run without limits)" in d.log_text()
+        assert "(workers.allow_unconfined = true: workers run without limits; set it to false to refuse to start instead)" in d.log_text()
         d.deploy(HOG)
         r2 = d.invoke("hog", {"mib": 1})
         assert r2.status == 200, r2.body

@@ -22,8 +22,9 @@
 //!   `cpu.cfs_quota_us`/`cpu.cfs_period_us`, `pids.max`; an OOM kill shows in
 //!   `memory.oom_control` (`oom_kill`).
 //!
-//! If neither is usable, [`Cgroups::detect`] says why in one line; the daemon then refuses to
-//! start unless `workers.allow_unconfined = true`.
+//! If neither is usable, [`Cgroups::detect`] says why in one line; the daemon then logs it as a
+//! warning and runs workers without limits, or, with `workers.allow_unconfined = false` (the
+//! packaged config), refuses to start.
 //!
 //! CRIU and cgroups: a tree joins its cgroup by its first process (the launcher writes itself
 //! into `cgroup.procs` before it forks the worker's init; CRIU's `swrk` for a restore joins the

@@ -28,7 +28,8 @@
 //!                                 # its own: bytes, 0 (no limit) or 32 MiB to 1 TiB: 8 GiB
 //! cpu_limit = 0                   # CPU cores: 0 (no limit) or 0.01 to 1024
 //! pids_limit = 4096               # processes and threads: 0 (no limit) or 16 to 65536
-//! allow_unconfined = false        # true: start even where cgroups cannot confine workers
+//! allow_unconfined = true         # false: refuse to start where cgroups cannot confine workers
+//!                                 # (the packaged config's choice); true: warn and run them unlimited
 //!
 //! [http]                          # each API listener (the Unix socket, TCP) on its own
 //! max_connections = 1024          # open connections: 1 to 65536; past it the oldest TCP connection
@@ -320,6 +321,9 @@ pub struct Config {
     /// `cpu_limit`, `pids_limit`).
     pub worker_limits: WorkerLimits,
     /// Start even where no cgroup file system can confine workers (`workers.allow_unconfined`).
+    /// On by default: a container or a node without delegated controllers (the H100 machine:
+    /// cgroup v2 with no cpu or pids controller for the daemon's cgroup) still serves, with a
+    /// warning; a node whose daemon runs under systemd with `Delegate=` can turn it off.
     pub allow_unconfined: bool,
     pub http: Http,
     /// Split snapshots for functions whose workers have the hook; `false`: transparent only.
@@ -352,7 +356,7 @@ impl Default for Config {
             reattach: DEFAULT_REATTACH,
             load_timeout: limits::DEFAULT_LOAD_TIMEOUT,
             worker_limits: WorkerLimits::default(),
-            allow_unconfined: false,
+            allow_unconfined: true,
             http: Http::default(),
             split: true,
             split_gpu: true,
@@ -740,7 +744,7 @@ mod tests {
             memory_limit = 0
             cpu_limit = 1.5
             pids_limit = 64
-            allow_unconfined = true
+            allow_unconfined = false
             "#,
         )
         .unwrap();
@@ -763,7 +767,7 @@ mod tests {
                 pids: 64
             }
         );
-        assert!(c.allow_unconfined);
+        assert!(!c.allow_unconfined);
         c.validate().unwrap();
     }
 

@@ -144,7 +144,7 @@ impl Daemon {
                 Some(c)
             }
             Err(e) if config.allow_unconfined => {
-                tracing::warn!("{e} (workers.allow_unconfined = true: workers run without limits)");
+                tracing::warn!("{e} (workers.allow_unconfined = true: workers run without limits; set it to false to refuse to start instead)");
                 None
             }
             Err(e) => return Err(e.into()),
