@@ -333,20 +333,38 @@ fn thaw_tree(init: i32) {
     }
 }
 
+/// Why an interrupted hibernation could not be undone on the GPU side ([`undo_gpu`]); the
+/// driver's own error is kept.
+#[derive(Debug, thiserror::Error)]
+pub enum UndoGpuError {
+    #[error("cannot load the CUDA driver to resume its GPU state: {0}")]
+    Load(#[source] torpor_cuda::CudaError),
+    #[error("cannot read its CUDA state: {0}")]
+    State(#[source] torpor_cuda::CudaError),
+    #[error("cannot restore its CUDA state: {0}")]
+    Restore(#[source] torpor_cuda::CudaError),
+    #[error("cannot unlock its CUDA state: {0}")]
+    Unlock(#[source] torpor_cuda::CudaError),
+    /// The driver reports the process's checkpoint as failed: nothing can bring it back.
+    #[error("the driver failed its CUDA state")]
+    Failed,
+    /// A split hibernation past `segments`: the worker released its segments to the earlier
+    /// daemon, whose copy of them is gone.
+    #[error("its worker had handed its segments over, and what the earlier torpord saved of them went with it")]
+    SegmentsHandedOver,
+}
+
 /// The GPU side of undoing a hibernation: a dump checkpoints the worker's CUDA state in the
 /// driver (lock, checkpoint) before CRIU runs; a daemon killed meanwhile leaves it so. Returns
 /// the stage the instance is in afterwards (`warm`, or `gpu_released` when it was released on
 /// purpose before the hibernation began), or why its GPU state cannot be put back.
-fn undo_gpu(worker: i32, stage: Stage) -> Result<Stage, String> {
+fn undo_gpu(worker: i32, stage: Stage) -> Result<Stage, UndoGpuError> {
     // A CPU-only tree never maps libcuda: nothing to undo, and no driver to load.
     if !torpor_snapshot::proctree::maps_libcuda(worker).unwrap_or(false) {
         return Ok(stage);
     }
-    let cuda = torpor_cuda::CudaDriver::load()
-        .map_err(|e| format!("cannot load the CUDA driver to resume its GPU state: {e}"))?;
-    let state = cuda
-        .process_state(worker)
-        .map_err(|e| format!("cannot read its CUDA state: {e}"))?;
+    let cuda = torpor_cuda::CudaDriver::load().map_err(UndoGpuError::Load)?;
+    let state = cuda.process_state(worker).map_err(UndoGpuError::State)?;
     use torpor_cuda::ProcessState as P;
     match state {
         None | Some(P::Running) => Ok(if stage == Stage::GpuReleased {
@@ -355,19 +373,16 @@ fn undo_gpu(worker: i32, stage: Stage) -> Result<Stage, String> {
             stage
         }),
         Some(P::Locked) => {
-            cuda.unlock(worker)
-                .map_err(|e| format!("cannot unlock its CUDA state: {e}"))?;
+            cuda.unlock(worker).map_err(UndoGpuError::Unlock)?;
             Ok(Stage::Warm)
         }
         Some(P::Checkpointed) if stage == Stage::GpuReleased => Ok(stage),
         Some(P::Checkpointed) => {
-            cuda.restore(worker, &[])
-                .map_err(|e| format!("cannot restore its CUDA state: {e}"))?;
-            cuda.unlock(worker)
-                .map_err(|e| format!("cannot unlock its CUDA state: {e}"))?;
+            cuda.restore(worker, &[]).map_err(UndoGpuError::Restore)?;
+            cuda.unlock(worker).map_err(UndoGpuError::Unlock)?;
             Ok(Stage::Warm)
         }
-        Some(P::Failed) => Err("the driver failed its CUDA state".to_string()),
+        Some(P::Failed) => Err(UndoGpuError::Failed),
     }
 }
 
@@ -413,7 +428,7 @@ fn replay_hibernation(
     if let Some((init, worker)) = live {
         thaw_tree(init);
         let undone = if e.step == step::SEGMENTS {
-            Err("its worker had handed its segments over, and what the earlier torpord saved of them went with it".to_string())
+            Err(UndoGpuError::SegmentsHandedOver)
         } else {
             undo_gpu(worker, inst.stage)
         };

@@ -40,7 +40,7 @@ pub enum RegistryError {
          restore it from a backup, or move it and its -wal and -shm files aside to start with an \
          empty registry (every function must then be deployed again)"
     )]
-    Corrupt { path: PathBuf, cause: String },
+    Corrupt { path: PathBuf, cause: Damage },
     /// The database file is missing or empty while the state directory holds what a registry
     /// recorded: starting would forget (and sweep away) it.
     #[error(
@@ -105,53 +105,93 @@ pub enum RegistryError {
     Sqlite(#[from] rusqlite::Error),
 }
 
-/// What is damaged, when `e` says the file is not a sound database (SQLite's NOTADB, CORRUPT).
-fn damage(e: &rusqlite::Error) -> Option<String> {
+/// What is damaged in a registry ([`RegistryError::Corrupt`]).
+#[derive(Debug, thiserror::Error)]
+pub enum Damage {
+    /// SQLite says the file is no database, or a corrupt one (NOTADB, CORRUPT).
+    #[error("{0}")]
+    File(#[source] rusqlite::Error),
+    /// `PRAGMA quick_check`'s first finding, on one line.
+    #[error("SQLite's quick_check: {0}")]
+    QuickCheck(String),
+    /// A row the typed readers refuse (a state, stage or kind no torpord writes).
+    #[error("table {table}: {source}")]
+    Row {
+        table: &'static str,
+        #[source]
+        source: Box<RegistryError>,
+    },
+    /// A pid a recovery would signal that is 0, 1 or below (a process group, every process).
+    #[error("table {table}: instance {instance:?} has pid {pid}{also}")]
+    Pid {
+        table: &'static str,
+        instance: String,
+        pid: i64,
+        also: &'static str,
+    },
+    /// `PRAGMA foreign_key_check`: a row refers to one that does not exist.
+    #[error("table {table}: row {rowid} refers to a row that does not exist")]
+    Dangling { table: String, rowid: i64 },
+}
+
+/// `e` as damage, when it says the file is not a sound database (SQLite's NOTADB, CORRUPT).
+fn damage(e: rusqlite::Error) -> Result<Damage, rusqlite::Error> {
     match e.sqlite_error_code() {
         Some(rusqlite::ErrorCode::NotADatabase | rusqlite::ErrorCode::DatabaseCorrupt) => {
-            Some(e.to_string())
+            Ok(Damage::File(e))
         }
-        _ => None,
+        _ => Err(e),
     }
+}
+
+fn is_damage(e: &rusqlite::Error) -> bool {
+    matches!(
+        e.sqlite_error_code(),
+        Some(rusqlite::ErrorCode::NotADatabase | rusqlite::ErrorCode::DatabaseCorrupt)
+    )
 }
 
 /// SQLite's own check of the file's structure (`PRAGMA quick_check`: pages, records, NOT NULL;
 /// linear in the file's size, milliseconds for a registry). The first problem, if any.
-fn check_integrity(conn: &Connection) -> Result<(), String> {
-    let mut stmt = conn
+fn check_integrity(conn: &Connection) -> Result<(), Damage> {
+    let first: String = conn
         .prepare("PRAGMA quick_check")
-        .map_err(|e| e.to_string())?;
-    let first: String = stmt
-        .query_row([], |r| r.get(0))
-        .map_err(|e| e.to_string())?;
+        .and_then(|mut stmt| stmt.query_row([], |r| r.get(0)))
+        .map_err(Damage::File)?;
     if first == "ok" {
         Ok(())
     } else {
         // Its report spans lines; the error is one.
-        let first = first.split_whitespace().collect::<Vec<_>>().join(" ");
-        Err(format!("SQLite's quick_check: {first}"))
+        Err(Damage::QuickCheck(
+            first.split_whitespace().collect::<Vec<_>>().join(" "),
+        ))
     }
 }
 
 /// Every row read through the typed readers (a state, stage or kind no torpord writes, a spec
 /// that is not JSON), the pids a recovery would signal (a pid of 0, 1 or below would signal a
 /// process group or every process) and the references between rows. The first problem, if any.
-fn check_rows(conn: &Connection) -> Result<(), String> {
+fn check_rows(conn: &Connection) -> Result<(), Damage> {
     let hidden = HashSet::new();
     let s = Store {
         conn,
         hidden: &hidden,
     };
-    let table = |name: &str, e: RegistryError| format!("table {name}: {e}");
+    let table = |table: &'static str, e: RegistryError| Damage::Row {
+        table,
+        source: Box::new(e),
+    };
     s.functions().map_err(|e| table("functions", e))?;
     s.snapshots().map_err(|e| table("snapshots", e))?;
     s.journal().map_err(|e| table("journal", e))?;
     for i in s.instances().map_err(|e| table("instances", e))? {
         if let Some(pid) = i.pid.filter(|p| *p <= 1) {
-            return Err(format!(
-                "table instances: instance {:?} has pid {pid}",
-                i.id
-            ));
+            return Err(Damage::Pid {
+                table: "instances",
+                instance: i.id,
+                pid: pid.into(),
+                also: "",
+            });
         }
     }
     let bad: Option<(String, i64)> = conn
@@ -163,20 +203,21 @@ fn check_rows(conn: &Connection) -> Result<(), String> {
         .optional()
         .map_err(|e| table("instance_processes", e.into()))?;
     if let Some((id, pid)) = bad {
-        return Err(format!(
-            "table instance_processes: instance {id:?} has pid {pid} or a negative start time"
-        ));
+        return Err(Damage::Pid {
+            table: "instance_processes",
+            instance: id,
+            pid,
+            also: " or a negative start time",
+        });
     }
     let dangling: Option<(String, i64)> = conn
         .query_row("PRAGMA foreign_key_check", [], |r| {
             Ok((r.get(0)?, r.get(1)?))
         })
         .optional()
-        .map_err(|e| e.to_string())?;
-    if let Some((t, rowid)) = dangling {
-        return Err(format!(
-            "table {t}: row {rowid} refers to a row that does not exist"
-        ));
+        .map_err(Damage::File)?;
+    if let Some((table, rowid)) = dangling {
+        return Err(Damage::Dangling { table, rowid });
     }
     Ok(())
 }
@@ -230,12 +271,12 @@ pub struct Registry {
 impl Registry {
     /// Opens (creating if needed) the registry at `path` and migrates it to [`SCHEMA_VERSION`].
     pub fn open(path: &Path) -> Result<Self, RegistryError> {
-        let open_err = |source: rusqlite::Error| match damage(&source) {
-            Some(cause) => RegistryError::Corrupt {
+        let open_err = |source: rusqlite::Error| match damage(source) {
+            Ok(cause) => RegistryError::Corrupt {
                 path: path.to_path_buf(),
                 cause,
             },
-            None => RegistryError::Open {
+            Err(source) => RegistryError::Open {
                 path: path.to_path_buf(),
                 source,
             },
@@ -260,7 +301,7 @@ impl Registry {
         })?;
         migrate::migrate(&mut conn, path).map_err(|e| match e {
             RegistryError::Migrate { source, .. } | RegistryError::Sqlite(source)
-                if damage(&source).is_some() =>
+                if is_damage(&source) =>
             {
                 open_err(source)
             }
@@ -526,7 +567,7 @@ mod tests {
         drop(conn);
         let err = Registry::open(&path).unwrap_err();
         assert!(
-            matches!(&err, RegistryError::Corrupt { cause, .. } if cause.contains("has pid 0")),
+            matches!(&err, RegistryError::Corrupt { cause, .. } if cause.to_string().contains("has pid 0")),
             "{err}"
         );
     }
