@@ -527,6 +527,12 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = child.id() as i32;
+        // Its environment (and so the mark) is /proc's only once it has exec'd: on a loaded
+        // machine that is not at once after spawn returns.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while marked_processes(root).is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         assert_eq!(marked_processes(root), vec![pid]);
         // Kept when it is the tree of an instance to re-adopt.
         assert_eq!(sweep_processes(root, &[pid]), 0);
