@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -51,10 +50,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python")]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python"), str(Path(__file__).resolve().parent)]
 
 from daemon import test_daemon_crash as crash  # noqa: E402
 from daemon.conftest import Torpord  # noqa: E402
+from load import machine  # noqa: E402  (the same record of the machine as the load test)
 
 RESULTS = ROOT / "bench" / "results"
 OUT = RESULTS / "reliability.json"
@@ -63,23 +63,6 @@ REDEPLOY = ["load", "dump_function", "stage"]
 CRIU_SWITCHES = [("CRIU_FAULT", "1"), ("TORPOR_FAULT", "after-dump")]
 
 
-def machine(binary: Path) -> dict[str, Any]:
-    """As bench/reliability/load.py records it."""
-    commit = os.environ.get("TORPOR_COMMIT")
-    if not commit:
-        r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
-        commit = r.stdout.strip() or None
-    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False).stdout.strip()
-    return {
-        "host": platform.node(),
-        "kernel": platform.release(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torpor": version,
-        "binary": str(binary),
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
 
 
 class Bench:
