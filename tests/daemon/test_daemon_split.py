@@ -263,3 +263,31 @@ def test_a_split_instance_left_in_gpu_released_by_a_lost_daemon_is_not_readopted
     again = fresh.invoke("splitbuf", {"op": "compute", "x": 2})
     assert again.status == 200 and again.start == "restored", (again.status, again.body)
     assert again.json()["sha"] == expected_sha(2)
+
+
+def test_a_hook_library_under_tmp_still_reaches_the_workers(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
+    """Workers have a /tmp of their own, so a hook library under the host's /tmp (a checkout or
+    a build there) is not where the daemon found it: the daemon gives them a copy in its state
+    directory. Before, every split deploy from such a build failed at quiesce ("cannot load the
+    device-memory hook …: No such file or directory")."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    lib = Path(os.environ["TORPOR_HOOK_LIB"])
+    under_tmp = Path("/tmp") / f"torpor-hook-test-{os.getpid()}" / lib.name
+    under_tmp.parent.mkdir(exist_ok=True)
+    shutil.copy(lib, under_tmp)
+    (tmp_path / "daemon").mkdir()
+    d = Torpord(torpor_bin, tmp_path / "daemon", env={"TORPOR_HOOK_LIB": str(under_tmp)})
+    try:
+        snap = snapshot_line(d.deploy(SPLITBUF))
+        assert snap["split"] is True, snap
+        r = d.invoke("splitbuf", {"op": "compute", "x": 3})
+        assert r.status == 200 and r.json()["sha"] == expected_sha(3), (r.status, r.body)
+        status = d.request("GET", "/v1/status").json()
+        assert status["hook"]["library"] == str(under_tmp), status["hook"]
+        assert status["hook"]["worker_copy"].startswith(str(d.state)), status["hook"]
+    finally:
+        d.stop()
+        shutil.rmtree(under_tmp.parent, ignore_errors=True)

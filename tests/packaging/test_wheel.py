@@ -138,9 +138,13 @@ def test_the_installed_daemon_deploys_and_invokes_with_the_installed_sdk(venv: P
         assert paths, "no live worker found"
         for p in paths:
             assert Path(p.split(":")[0]).is_relative_to(venv / "lib"), p
-        # And the installed hook (split snapshots: `torpor.buffer()` works in its workers).
+        # And the installed hook (split snapshots: `torpor.buffer()` works in its workers), as the
+        # copy in the state directory that their mount namespace reaches.
         hooks = {env_of(pid).get("TORPOR_HOOK_LIB") for pid in workers_of(state)}
-        assert hooks == {str(installed_hook)}, hooks
+        assert len(hooks) == 1, hooks
+        (copy,) = hooks
+        assert copy is not None and Path(copy).is_relative_to(state), copy
+        assert Path(copy).read_bytes() == installed_hook.read_bytes()
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=30)

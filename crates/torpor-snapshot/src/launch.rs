@@ -293,7 +293,7 @@ fn environment(opts: &LaunchOptions) -> Result<Vec<CString>, LaunchError> {
 }
 
 /// A copy of `file` in `dir` named by its hash (and keeping its name), made once.
-fn content_addressed_copy(file: &Path, dir: &Path) -> io::Result<PathBuf> {
+pub fn content_addressed_copy(file: &Path, dir: &Path) -> io::Result<PathBuf> {
     let bytes = std::fs::read(file)?;
     let hash = blake3::hash(&bytes).to_hex();
     let name = file

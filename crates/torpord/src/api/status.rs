@@ -43,7 +43,8 @@ fn hook_status(split: &crate::split::Split) -> super::types::HookStatus {
     use crate::split::HookPreload;
     let (lib, using) = split.worker_hook(true);
     super::types::HookStatus {
-        library: split.hook_lib.clone(),
+        library: split.hook_found.clone(),
+        worker_copy: split.hook_lib.clone(),
         missing: split.hook_missing.clone(),
         split: split.enabled,
         split_gpu: split.gpu_enabled,

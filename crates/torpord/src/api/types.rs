@@ -72,6 +72,10 @@ pub struct HookStatus {
     /// installed torpor package); none when it was not found.
     #[schema(value_type = Option<String>)]
     pub library: Option<PathBuf>,
+    /// The copy of it in the state directory that workers load (their mount namespace reaches
+    /// the state directory, not necessarily where the library was found).
+    #[schema(value_type = Option<String>)]
+    pub worker_copy: Option<PathBuf>,
     /// Why it was not found, and what to do.
     pub missing: Option<String>,
     /// Split snapshots for functions deployed from now on (config `split`, and the hook found).

@@ -120,8 +120,10 @@ pub struct Split {
     pub enabled: bool,
     /// GPU memory too (config `split_gpu`): GPU workers get the hook preloaded.
     pub gpu_enabled: bool,
-    /// The hook library workers are started with, if found.
+    /// The hook library workers are started with, if found: the state directory's copy of it.
     pub hook_lib: Option<PathBuf>,
+    /// Where it was found ([`find_hook_lib`]), which `torpor status` names.
+    pub hook_found: Option<PathBuf>,
     /// Why none was found ([`HookLibError`]'s line).
     pub hook_missing: Option<String>,
     store_root: PathBuf,
@@ -199,7 +201,19 @@ pub enum HookLibError {
         .looked.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
     )]
     NotFound { looked: Vec<PathBuf> },
+    /// It was found but could not be copied into the state directory.
+    #[error("cannot copy {} into {}: {source}; free space there", lib.display(), dir.display())]
+    Copy {
+        lib: PathBuf,
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
+
+/// Where in the state directory workers' copies of the hook live (the directory `torpor run`'s
+/// launcher copies preloaded libraries into, so one copy serves both).
+pub const HOOK_COPY_DIR: &str = "preload";
 
 /// The hook library: `$TORPOR_HOOK_LIB`, else `libtorpor_hook.so` beside the executable (a
 /// build tree, `target/<profile>/`), else in the `torpor` Python package the daemon gives its
@@ -261,10 +275,20 @@ impl Split {
         metrics: &crate::metrics::Metrics,
         key: Arc<torpor_image::SnapshotKey>,
     ) -> Self {
-        let found = find_hook_lib();
+        // Workers get a copy in the state directory, named by its hash: the state directory is
+        // in every worker's mount namespace (a library under /tmp is not: workers have their own
+        // /tmp, and a checkout there made every split deploy fail at quiesce), and a snapshot
+        // that maps the library stays restorable when the build replaces the original.
+        let found = find_hook_lib().and_then(|lib| {
+            let dir = state_root.join(HOOK_COPY_DIR);
+            match torpor_snapshot::launch::content_addressed_copy(&lib, &dir) {
+                Ok(copy) => Ok((lib, copy)),
+                Err(source) => Err(HookLibError::Copy { lib, dir, source }),
+            }
+        });
         let hook_missing = found.as_ref().err().map(ToString::to_string);
-        let hook_lib = match found {
-            Ok(p) => Some(p),
+        let (hook_found, hook_lib) = match found {
+            Ok((lib, copy)) => (Some(lib), Some(copy)),
             Err(e) => {
                 let off = if wanted {
                     "split snapshots are off and "
@@ -275,13 +299,14 @@ impl Split {
                     "{off}GPU workers start without the hook (CUDA IPC, managed memory and \
                      multi-rank NCCL are then seen only when the driver's checkpoint fails): {e}"
                 );
-                None
+                (None, None)
             }
         };
         Self {
             enabled: wanted && hook_lib.is_some(),
             gpu_enabled: wanted && wanted_gpu && hook_lib.is_some(),
             hook_lib,
+            hook_found,
             hook_missing,
             store_root: state_root.join(STORE_DIR),
             store: OnceLock::new(),
