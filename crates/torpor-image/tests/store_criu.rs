@@ -181,7 +181,12 @@ fn two_dumps_of_one_process_dedup_and_materialise_bit_identical() {
     let store = ChunkStore::open(&dir.join("store")).expect("open");
     let (_, logical_1, new_1) = put_dump(&store, "dump-1", &dir.join("dump-1"));
     let (recipes_2, logical_2, new_2) = put_dump(&store, "dump-2", &dir.join("dump-2"));
-    assert_eq!(new_1, logical_1, "the first dump has nothing to share with");
+    // An empty store has nothing to share with but the first dump's own repeats: a few
+    // identical small image files (seen once: 161 bytes of 54 MB).
+    assert!(
+        new_1 <= logical_1 && new_1 as f64 >= 0.99 * logical_1 as f64,
+        "the first dump has nothing to share with but itself: {new_1} of {logical_1} bytes new"
+    );
 
     // Measured dedup of the pages, for the chosen chunking and for fixed-size chunks.
     let (pages_1, pages_2) = (
