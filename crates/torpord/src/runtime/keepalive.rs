@@ -404,9 +404,14 @@ impl Runtime {
         if plan.is_empty() {
             return Ok(0.0);
         }
-        let refill = self
-            .split
-            .begin_refill(plan, sources, format!("instance {}", inst.id));
+        // Its function's tenant; without a pool (none would be gone yet), a scope of its own,
+        // which no tenant name can equal: shared with nobody.
+        let tenant = self
+            .pool_tenant(&inst.function)
+            .unwrap_or_else(|| format!("instance {}", inst.id));
+        let refill =
+            self.split
+                .begin_refill(plan, sources, format!("instance {}", inst.id), tenant);
         // As after a restore (crate::split::server::Mapping): the instance's reader counts the
         // `mapped` answers; the request waits for all of them (the worker's main loop maps them).
         let handed = async {
@@ -766,7 +771,10 @@ impl Runtime {
                         s.snapshot_id.clone(),
                         st.info.snapshot_id.clone(),
                     );
-                    tokio::task::spawn_blocking(move || split.drop_cached(&hib, Some(&keep)));
+                    let tenant = crate::tenant::of_spec(&st.info.spec).to_string();
+                    tokio::task::spawn_blocking(move || {
+                        split.drop_cached(&hib, Some(&keep), &tenant);
+                    });
                     tracing::info!(instance = %id, files, snapshot = %dir.display(), "hibernated instance evicted from the page cache");
                 }
                 Err(e) => {
