@@ -462,8 +462,9 @@ async fn split_snapshot(
         .await
         .map_err(|e| conn_fail(PHASE, "split quiesce", e))?;
     let (split, sid) = (Arc::clone(&rt.split), id.to_string());
+    let tenant = crate::tenant::of_spec(spec).to_string();
     let captured = blocking(PHASE, move || {
-        capture::store_all(&split, &sid, listed, &before.unwrap_or_default())
+        capture::store_all(&split, &sid, &tenant, listed, &before.unwrap_or_default())
     })
     .await?;
     Ok(Some(SplitCapture {

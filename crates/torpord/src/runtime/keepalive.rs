@@ -607,8 +607,12 @@ impl Runtime {
             .map(|(e, _)| (e.va, e.blake3.clone()))
             .collect();
         let (split, id) = (Arc::clone(&self.split), hib_id.to_string());
+        // As for a refill: without a pool, a scope no tenant shares.
+        let tenant = self
+            .pool_tenant(&inst.function)
+            .unwrap_or_else(|| format!("instance {}", inst.id));
         let captured = tokio::task::spawn_blocking(move || {
-            crate::split::capture::store_all(&split, &id, listed, &readonly)
+            crate::split::capture::store_all(&split, &id, &tenant, listed, &readonly)
         })
         .await
         .map_err(HibernateError::CaptureTask)??;
