@@ -176,23 +176,23 @@ pub(crate) fn unknown_function(name: &str) -> ApiError {
 
 /// `Ok` when the caller may see function `name`: every caller of the Unix socket or with the
 /// admin token, at once; a tenant's token when the function is its tenant's. A function this
-/// daemon serves is judged by its pool's spec (no registry read on the way to an invoke), any
-/// other by its registry row. Otherwise [`unknown_function`], as if it did not exist.
+/// daemon serves to that tenant is judged by its pool's spec (no registry read on the way to
+/// its invoke); every other answer reads the registry row, the other tenant's served function
+/// too, so that its 404 takes the time a missing function's takes. Otherwise
+/// [`unknown_function`], as if it did not exist.
 pub(crate) async fn visible(state: &AppState, scope: &Scope, name: &str) -> Result<(), ApiError> {
     let Scope::Tenant(tenant) = scope else {
         return Ok(());
     };
-    let owner = match state.runtime.pool_tenant(name) {
-        Some(t) => Some(t),
-        None => {
-            let n = name.to_string();
-            with_registry(state, move |r| {
-                Ok(r.with(|s| s.function(&n))?
-                    .map(|f| crate::tenant::of_spec(&f.spec).to_string()))
-            })
-            .await?
-        }
-    };
+    if state.runtime.pool_tenant(name).as_deref() == Some(tenant.as_str()) {
+        return Ok(());
+    }
+    let n = name.to_string();
+    let owner = with_registry(state, move |r| {
+        Ok(r.with(|s| s.function(&n))?
+            .map(|f| crate::tenant::of_spec(&f.spec).to_string()))
+    })
+    .await?;
     if owner.as_deref() == Some(tenant.as_str()) {
         Ok(())
     } else {
