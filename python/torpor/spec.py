@@ -3,6 +3,8 @@
 The file format is the one docs/torpord.md fixes; every key but `name` and `entry` has a default:
 
     name = "cpu-mlp"              # required; [a-z0-9][a-z0-9_.-]*, at most 63 characters
+    tenant = "default"            # who owns it (docs/security.md, "Tenants"); a name like `name`;
+                                  # default "default". A tenant's token deploys only its own.
     entry = "model:MLP"           # required; module:Class, the module found in the function dir
     python = "python3"            # interpreter: a command on PATH (no '/') or an absolute path
     preload = []                  # modules imported by the base worker, in this order, no repeats
@@ -70,7 +72,7 @@ The JSON form is also the `spec` field of the `load` frame the daemon sends to a
 this order (sizes in bytes, durations in seconds as JSON numbers):
 
     {"dir": "/abs/path/of/DIR",            # resolved, absolute
-     "name": str, "entry": "module:Class", "module": str, "class": str,
+     "name": str, "tenant": str, "entry": "module:Class", "module": str, "class": str,
      "python": str, "preload": [str, ...], "gpus": 0|1, "gpu_memory": int, "timeout_s": number,
      "load_timeout_s": number | null,
      "memory_limit": int | null, "cpu_limit": number | null, "pids_limit": int | null,
@@ -107,6 +109,8 @@ ACCESS_MODES = ("read-only", "writable")
 Access = Literal["read-only", "writable"]
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+# A function's tenant when torpor.toml names none (torpord's crate::tenant holds the same).
+DEFAULT_TENANT = "default"
 DATA_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 ENTRY_RE = re.compile(rf"({IDENT}(?:\.{IDENT})*):({IDENT})")
@@ -128,6 +132,7 @@ SIZE_UNITS = {
 
 TOP_KEYS = (
     "name",
+    "tenant",
     "entry",
     "python",
     "preload",
@@ -222,6 +227,9 @@ class Spec:
     dir: Path
     name: str
     entry: str
+    # Who owns the function: API tokens of another tenant cannot see it, and nothing it shares
+    # (read-only GPU copies, cached segments, its base) is shared with another tenant.
+    tenant: str = DEFAULT_TENANT
     python: str = "python3"
     preload: tuple[str, ...] = ()
     gpus: int = 0
@@ -252,6 +260,7 @@ class Spec:
         return {
             "dir": str(self.dir),
             "name": self.name,
+            "tenant": self.tenant,
             "entry": self.entry,
             "module": self.module,
             "class": self.class_name,
@@ -405,6 +414,7 @@ def _str(table: Mapping[str, Any], prefix: str, key: str, default: str | None) -
 
 _HINTS = {
     "name": "e.g. name = \"cpu-mlp\": lower-case letters, digits, '_', '.', '-'",
+    "tenant": "e.g. tenant = \"team-a\": lower-case letters, digits, '_', '.', '-'",
     "entry": 'module:Class, e.g. entry = "model:MLP"',
     "python": 'e.g. python = "python3"',
     "data.name": 'e.g. name = "weights"',
@@ -592,6 +602,15 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
             'write e.g. name = "cpu-mlp"',
         )
 
+    tenant = _str(doc, "", "tenant", DEFAULT_TENANT)
+    if not NAME_RE.fullmatch(tenant):
+        raise _fail(
+            "tenant",
+            "must be 1-63 lower-case letters, digits, '_', '.' or '-', starting with a letter or digit, "
+            f"got {_show(tenant)}",
+            'write e.g. tenant = "team-a", or leave it out for the tenant "default"',
+        )
+
     entry = _str(doc, "", "entry", None)
     m = ENTRY_RE.fullmatch(entry)
     if m is None:
@@ -692,6 +711,7 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
     return Spec(
         dir=root,
         name=name,
+        tenant=tenant,
         entry=entry,
         python=python,
         preload=preload,

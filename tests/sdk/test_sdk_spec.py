@@ -73,6 +73,7 @@ def test_defaults(tmp_path: Path) -> None:
     assert spec.to_json() == {
         "dir": str((tmp_path / "fn").resolve()),
         "name": "f",
+        "tenant": "default",
         "entry": "model:F",
         "module": "model",
         "class": "F",
@@ -265,7 +266,7 @@ def test_cli_prints_one_json_line_or_one_error_line(tmp_path: Path) -> None:
     assert r.stdout.endswith("\n") and r.stdout.count("\n") == 1
     doc = json.loads(r.stdout)
     assert doc == parse_dir(TINYMLP).to_json()
-    assert list(doc) == ["dir", "name", "entry", "module", "class", "python", "preload", "gpus", "gpu_memory",
+    assert list(doc) == ["dir", "name", "tenant", "entry", "module", "class", "python", "preload", "gpus", "gpu_memory",
                          "timeout_s", "load_timeout_s", "memory_limit", "cpu_limit", "pids_limit", "data", "warmup", "scaling", "keepalive", "gpu"]  # fmt: skip
     assert doc["data"] == [
         {
@@ -346,6 +347,17 @@ def test_limits_are_carried_or_left_to_the_daemon(tmp_path: Path) -> None:
     assert str(e) == (
         'torpor.toml: memory_limit must be a size from 32 MiB to 1 TiB, got "16MiB"; write e.g. memory_limit = "2GiB"'
     ), e
+
+
+def test_the_tenant_is_a_name_and_defaults_to_default(tmp_path: Path) -> None:
+    assert parse_dir(make_dir(tmp_path, BASE)).to_json()["tenant"] == "default"
+    assert parse_dir(make_dir(tmp_path, BASE + 'tenant = "team-a.1"\n')).to_json()["tenant"] == "team-a.1"
+    for bad in ['"Team"', '"../x"', '""', '"a b"', '"a|b"', '"-a"', '"' + "a" * 64 + '"', "1", "true"]:
+        e = error_of(tmp_path, BASE + f"tenant = {bad}\n")
+        msg = str(e)
+        assert e.key == "tenant", f"{bad}: {msg}"
+        assert msg.startswith("torpor.toml: tenant "), f"{bad}: {msg}"
+        assert "\n" not in msg and len(msg) < 400, f"{bad}: {msg}"
 
 
 def test_python_is_a_command_or_an_absolute_path(tmp_path: Path) -> None:

@@ -3,8 +3,10 @@
 //! ```toml
 //! state_dir = "/var/lib/torpor"
 //! socket = "/run/torpor/torpord.sock"
-//! tcp = "127.0.0.1:7070"          # off unless set; needs token_file
-//! token_file = "/etc/torpor/token"
+//! tcp = "127.0.0.1:7070"          # off unless set; needs token_file or tenant_tokens_file
+//! token_file = "/etc/torpor/token" # the admin token: every tenant's functions (mode 0600)
+//! tenant_tokens_file = "/etc/torpor/tenant-tokens"  # lines `tenant = token` (mode 0600): each
+//!                                 # token sees its tenant's functions only (docs/security.md)
 //! log_format = "human"            # or "json"
 //! log_level = "info"              # error, warn, info, debug, trace
 //! cold_start = "restore"          # or "boot": no snapshots at invoke (the benchmark's baseline)
@@ -78,9 +80,12 @@ pub struct ServeArgs {
     /// Also serve the API on TCP at IP:PORT (requires --token-file)
     #[arg(long, value_name = "ADDR")]
     pub tcp: Option<SocketAddr>,
-    /// File holding the bearer token that TCP clients must send (mode 0600)
+    /// File holding the admin bearer token for TCP clients: every tenant's functions (mode 0600)
     #[arg(long, value_name = "FILE")]
     pub token_file: Option<PathBuf>,
+    /// File of `tenant = token` lines: TCP tokens that each see one tenant's functions (mode 0600)
+    #[arg(long, value_name = "FILE")]
+    pub tenant_tokens_file: Option<PathBuf>,
     /// Log format on stderr [default: human]
     #[arg(long, value_enum, value_name = "FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -304,7 +309,10 @@ pub struct Config {
     pub state_dir: PathBuf,
     pub socket: PathBuf,
     pub tcp: Option<SocketAddr>,
+    /// The admin token: every tenant (crate::auth::Tokens).
     pub token_file: Option<PathBuf>,
+    /// `tenant = token` lines: each token one tenant's (crate::auth::Tokens).
+    pub tenant_tokens_file: Option<PathBuf>,
     pub log_format: LogFormat,
     pub log_level: LogLevel,
     pub keepalive: Keepalive,
@@ -348,6 +356,7 @@ impl Default for Config {
             socket: PathBuf::from(DEFAULT_SOCKET),
             tcp: None,
             token_file: None,
+            tenant_tokens_file: None,
             log_format: LogFormat::default(),
             log_level: LogLevel::default(),
             keepalive: Keepalive::default(),
@@ -397,12 +406,12 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// TCP was asked for without a token.
-    #[error("--tcp needs a token: pass --token-file")]
+    #[error("--tcp needs a token: pass --token-file (the admin token) or --tenant-tokens-file")]
     TcpWithoutToken,
     /// A token file was given, but there is no TCP listener for it to guard.
     #[error(
-        "--token-file is only used with --tcp (the Unix socket is guarded by its file mode): \
-         pass --tcp ADDR or drop the token file"
+        "--token-file and --tenant-tokens-file are only used with --tcp (the Unix socket is \
+         guarded by its file mode): pass --tcp ADDR or drop the token files"
     )]
     TokenWithoutTcp,
 }
@@ -448,6 +457,9 @@ impl Config {
         if let Some(p) = &mut self.token_file {
             abs(p)?;
         }
+        if let Some(p) = &mut self.tenant_tokens_file {
+            abs(p)?;
+        }
         if let Some(p) = &mut self.file {
             abs(p)?;
         }
@@ -474,6 +486,9 @@ impl Config {
         }
         config.tcp = root.parsed("tcp", "an address IP:PORT", |s| s.parse().ok())?;
         config.token_file = root.nonempty_string("token_file")?.map(|s| base.join(s));
+        config.tenant_tokens_file = root
+            .nonempty_string("tenant_tokens_file")?
+            .map(|s| base.join(s));
         if let Some(f) = root.parsed("log_format", "\"human\" or \"json\"", LogFormat::parse)? {
             config.log_format = f;
         }
@@ -591,6 +606,9 @@ impl Config {
         if let Some(p) = &args.token_file {
             self.token_file = Some(p.clone());
         }
+        if let Some(p) = &args.tenant_tokens_file {
+            self.tenant_tokens_file = Some(p.clone());
+        }
         if let Some(f) = args.log_format {
             self.log_format = f;
         }
@@ -612,7 +630,8 @@ impl Config {
                 evict: k.evict.as_secs_f64(),
             });
         }
-        match (self.tcp.is_some(), self.token_file.is_some()) {
+        let tokens = self.token_file.is_some() || self.tenant_tokens_file.is_some();
+        match (self.tcp.is_some(), tokens) {
             (true, false) => Err(ConfigError::TcpWithoutToken),
             (false, true) => Err(ConfigError::TokenWithoutTcp),
             _ => Ok(()),
@@ -717,7 +736,7 @@ mod tests {
         c.validate().unwrap();
         assert_eq!(c, Config::default());
         // Every key the parser knows is in it (commented out where its default is "off").
-        for key in ["tcp", "token_file"] {
+        for key in ["tcp", "token_file", "tenant_tokens_file"] {
             assert!(text.contains(&format!("# {key} = ")), "{key}");
         }
     }
@@ -730,6 +749,7 @@ mod tests {
             socket = "/s.sock"
             tcp = "127.0.0.1:7070"
             token_file = "/t"
+            tenant_tokens_file = "tt"
             log_format = "json"
             log_level = "debug"
             [keepalive]
@@ -752,6 +772,7 @@ mod tests {
         assert_eq!(c.socket, Path::new("/s.sock"));
         assert_eq!(c.tcp, Some("127.0.0.1:7070".parse().unwrap()));
         assert_eq!(c.token_file.as_deref(), Some(Path::new("/t")));
+        assert_eq!(c.tenant_tokens_file.as_deref(), Some(Path::new("tt")));
         assert_eq!(c.log_format, LogFormat::Json);
         assert_eq!(c.log_level, LogLevel::Debug);
         assert_eq!(c.keepalive.gpu_release, Duration::from_millis(500));
@@ -865,9 +886,12 @@ mod tests {
         };
         assert_eq!(
             c.validate().unwrap_err().to_string(),
-            "--tcp needs a token: pass --token-file"
+            "--tcp needs a token: pass --token-file (the admin token) or --tenant-tokens-file"
         );
         c.token_file = Some(PathBuf::from("/t"));
+        c.validate().unwrap();
+        c.token_file = None;
+        c.tenant_tokens_file = Some(PathBuf::from("/tt"));
         c.validate().unwrap();
         c.tcp = None;
         assert!(matches!(c.validate(), Err(ConfigError::TokenWithoutTcp)));

@@ -29,6 +29,9 @@ pub struct ValidSpec {
     pub json: Value,
     pub name: String,
     pub dir: PathBuf,
+    /// Who asks for the deploy ([`validate`] says every tenant; the API sets the caller's): a
+    /// tenant's token may not replace another tenant's function of the same name.
+    pub caller: crate::tenant::Scope,
 }
 
 /// Validates `dir`'s torpor.toml with `python3 -m torpor.spec`. The error says whether it is
@@ -78,7 +81,12 @@ pub async fn validate(rt: &Runtime, dir: &str) -> Result<ValidSpec, ValidateErro
     }
     let name = json["name"].as_str().unwrap_or_default().to_string();
     let dir = PathBuf::from(json["dir"].as_str().unwrap_or_default());
-    Ok(ValidSpec { json, name, dir })
+    Ok(ValidSpec {
+        json,
+        name,
+        dir,
+        caller: crate::tenant::Scope::All,
+    })
 }
 
 /// Why a deploy's spec was not accepted (its `validate` phase, before anything is recorded).
@@ -252,6 +260,13 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, R
             s.clear_function_failure(&spec.name)?;
             match s.function(&spec.name)? {
                 Some(mut f) => {
+                    // Checked here, in the transaction that records the deploy, so that two
+                    // tenants' first deploys of one name cannot both pass.
+                    if !spec.caller.sees_spec(&f.spec) {
+                        return Err(RegisterError::NameTaken {
+                            name: spec.name.clone(),
+                        });
+                    }
                     let prev = (f.state == FunctionState::Ready && f.snapshot.is_some())
                         .then(|| f.clone());
                     // Recorded with the deploying state: a crash from here on is replayed
@@ -282,7 +297,12 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, R
     })
     .await
     .map_err(RegisterError::Task)?
-    .map_err(|e: crate::registry::RegistryError| RegisterError::Registry(Box::new(e)))
+}
+
+impl From<crate::registry::RegistryError> for RegisterError {
+    fn from(e: crate::registry::RegistryError) -> Self {
+        Self::Registry(Box::new(e))
+    }
 }
 
 /// Why a deploy could not be recorded as begun (its `register` phase); nothing changed.
@@ -297,6 +317,12 @@ pub enum RegisterError {
     /// The registry refused the write (e.g. a full disk).
     #[error(transparent)]
     Registry(Box<crate::registry::RegistryError>),
+    /// Another tenant's function has this name (names are node-wide).
+    #[error(
+        "the function name {name:?} is taken on this node by another tenant (function names are \
+         node-wide): choose another name in torpor.toml"
+    )]
+    NameTaken { name: String },
 }
 
 /// [`not_ready`], unless the kernel killed the worker for its cgroup's memory limit: then the
@@ -436,8 +462,9 @@ async fn split_snapshot(
         .await
         .map_err(|e| conn_fail(PHASE, "split quiesce", e))?;
     let (split, sid) = (Arc::clone(&rt.split), id.to_string());
+    let tenant = crate::tenant::of_spec(spec).to_string();
     let captured = blocking(PHASE, move || {
-        capture::store_all(&split, &sid, listed, &before.unwrap_or_default())
+        capture::store_all(&split, &sid, &tenant, listed, &before.unwrap_or_default())
     })
     .await?;
     Ok(Some(SplitCapture {

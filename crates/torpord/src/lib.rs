@@ -42,6 +42,7 @@ pub mod split;
 pub mod staging;
 pub mod state_dir;
 mod sync;
+pub mod tenant;
 pub mod toml_table;
 pub mod workers;
 

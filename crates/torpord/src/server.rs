@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::api::{self, AppState};
-use crate::auth::{Token, TokenError};
+use crate::auth::{TenantTokensError, Tokens};
 use crate::config::Config;
 use crate::connections;
 use crate::metrics::Metrics;
@@ -29,7 +29,7 @@ pub enum StartError {
     #[error(transparent)]
     Socket(#[from] SocketError),
     #[error(transparent)]
-    Token(#[from] TokenError),
+    Token(#[from] TenantTokensError),
     #[error(transparent)]
     SnapshotKey(#[from] torpor_image::KeyError),
     /// No cgroup file system can confine workers, and the config does not allow running them
@@ -74,7 +74,7 @@ pub struct Daemon {
     unix: BoundSocket,
     /// The socket workers connect to.
     workers: BoundSocket,
-    tcp: Option<(TcpListener, SocketAddr, Token)>,
+    tcp: Option<(TcpListener, SocketAddr, Tokens)>,
     /// Live instances of an earlier daemon whose processes are still there, to re-adopt.
     orphans: Vec<crate::registry::Instance>,
     /// Those of them whose interrupted hibernation was undone: their workers are woken.
@@ -90,9 +90,12 @@ impl Daemon {
     /// The config must have passed [`Config::validate`]. Nothing is served until [`Daemon::serve`].
     pub fn start(config: Config) -> Result<Self, StartError> {
         // The token first: a bad token file must not leave a bound socket behind.
-        let token = match (&config.tcp, &config.token_file) {
-            (Some(_), Some(path)) => Some(Token::load(path)?),
-            _ => None,
+        let token = match config.tcp {
+            Some(_) => Some(Tokens::load(
+                config.token_file.as_deref(),
+                config.tenant_tokens_file.as_deref(),
+            )?),
+            None => None,
         };
         let state_dir = StateDir::open(&config.state_dir)?;
         let snapshot_key = Arc::new(torpor_image::SnapshotKey::load_or_create(

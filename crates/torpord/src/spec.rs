@@ -18,6 +18,9 @@ pub struct FunctionSpec {
     /// The function's directory, absolute.
     pub dir: String,
     pub name: String,
+    /// Who owns the function (crate::tenant): a name like `name`, `"default"` when torpor.toml
+    /// names none.
+    pub tenant: String,
     /// `module:Class`.
     pub entry: String,
     pub module: String,
@@ -129,7 +132,7 @@ mod tests {
 
     fn sample() -> Value {
         serde_json::json!({
-            "dir": "/f", "name": "f", "entry": "m:C", "module": "m", "class": "C",
+            "dir": "/f", "name": "f", "tenant": "default", "entry": "m:C", "module": "m", "class": "C",
             "python": "python3", "preload": [], "gpus": 0, "gpu_memory": 0, "timeout_s": 10,
             "data": [{"name": "w", "path": "w.bin", "abs_path": "/f/w.bin", "size": 3,
                       "access": "read-only"}],
@@ -171,6 +174,15 @@ mod tests {
         assert_eq!(spec.memory_limit, Some(64 << 20));
         with["memory_limit"] = Value::from("64MiB");
         assert!(FunctionSpec::from_json(&with).is_err());
+    }
+
+    #[test]
+    fn the_tenant_is_required() {
+        let spec = FunctionSpec::from_json(&sample()).unwrap();
+        assert_eq!(spec.tenant, "default");
+        let mut missing = sample();
+        missing.as_object_mut().unwrap().remove("tenant");
+        assert!(FunctionSpec::from_json(&missing).is_err());
     }
 
     /// The schema file the Python side checks against is the one this type makes.

@@ -490,6 +490,65 @@ fn tcp_requires_the_bearer_token() {
 }
 
 #[test]
+fn a_tenants_token_is_its_tenants_and_the_admin_token_everyones() {
+    let env = Env::new();
+    let admin = env.token_file("admin-token-0123456789abcdef");
+    let tenants = env.path("tenant-tokens");
+    std::fs::write(&tenants, "# tenants\nteam-a = team-a-token-0123456789ab\n").unwrap();
+    std::fs::set_permissions(&tenants, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let d = env.start(&[
+        "--tcp",
+        "127.0.0.1:0",
+        "--token-file",
+        admin.to_str().unwrap(),
+        "--tenant-tokens-file",
+        tenants.to_str().unwrap(),
+    ]);
+    let status: Status = d.client().get_json("/v1/status").unwrap();
+    let addr = status.tcp.expect("tcp address in status");
+    let team_a = Client::tcp(addr, Some("team-a-token-0123456789ab".to_string()));
+    let status: Status = team_a.get_json("/v1/status").unwrap();
+    assert_eq!(status.functions, 0);
+    let r = team_a.request("GET", "/v1/functions", None).unwrap();
+    assert_eq!(r.status, 200);
+    let r = team_a.request("GET", "/v1/functions/f", None).unwrap();
+    assert_eq!(
+        (r.status, r.error_message()),
+        (404, "no function named \"f\" (see `torpor ls`)".to_string())
+    );
+    let r = team_a.request("GET", "/metrics", None).unwrap();
+    assert_eq!(r.status, 403, "{}", r.error_message());
+    assert!(
+        r.error_message().contains("admin token"),
+        "{}",
+        r.error_message()
+    );
+    let admin = Client::tcp(addr, Some("admin-token-0123456789abcdef".to_string()));
+    assert_eq!(admin.request("GET", "/metrics", None).unwrap().status, 200);
+    let r = Client::tcp(addr, Some("team-b-token-0123456789ab".to_string()))
+        .request("GET", "/v1/functions", None)
+        .unwrap();
+    assert_eq!(r.status, 401);
+    assert!(d.stop().success());
+
+    // Tenants' tokens alone are enough for TCP; a bad line stops the start, naming it.
+    std::fs::write(&tenants, "team-a = team-a-token-0123456789ab\nTeam B = x\n").unwrap();
+    let err = env
+        .spawn(&[
+            "--tcp",
+            "127.0.0.1:0",
+            "--tenant-tokens-file",
+            tenants.to_str().unwrap(),
+        ])
+        .expect_failure();
+    assert!(
+        err.contains("line 2 names a tenant that is not a tenant name"),
+        "{err}"
+    );
+    assert!(!err.contains("team-a-token"), "{err}");
+}
+
+#[test]
 fn bad_startup_settings_are_refused_with_the_reason() {
     let env = Env::new();
     let err = env.spawn(&["--tcp", "127.0.0.1:0"]).expect_failure();

@@ -16,6 +16,7 @@ use utoipa::ToSchema;
 
 use super::{ApiError, AppState};
 use crate::deploy;
+use crate::tenant::Scope;
 
 /// The body of `POST /v1/functions`.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -78,23 +79,53 @@ fn parse_body(
             description = "One JSON object per line: `{\"phase\": NAME, \"s\": SECONDS, …}` as each \
                 phase ends, then `{\"result\": {…}}`, or `{\"error\": MESSAGE, \"phase\": NAME}` if it failed"),
         (status = 400, description = "The body or the spec is invalid: the spec checker's line", body = super::types::ErrorBody),
+        (status = 403, description = "A tenant's token, and the spec names another tenant", body = super::types::ErrorBody),
         (status = 408, description = "The body did not arrive within http.body_timeout_s of the headers", body = super::types::ErrorBody),
+        (status = 409, description = "A tenant's token, and another tenant's function has the name", body = super::types::ErrorBody),
         (status = 500, description = "The daemon cannot deploy (e.g. the SDK is not found)", body = super::types::ErrorBody),
     ))]
 pub async fn deploy(
     State(state): State<Arc<AppState>>,
+    scope: Scope,
     body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Response, ApiError> {
     let body = parse_body(body)?;
     let rt = Arc::clone(&state.runtime);
     let t = std::time::Instant::now();
-    let spec = deploy::validate(&rt, &body.dir).await.map_err(|e| {
+    let mut spec = deploy::validate(&rt, &body.dir).await.map_err(|e| {
         if e.is_users_mistake() {
             ApiError::new(StatusCode::BAD_REQUEST, e.to_string())
         } else {
             ApiError::internal(e.to_string())
         }
     })?;
+    let tenant = crate::tenant::of_spec(&spec.json).to_string();
+    if let Scope::Tenant(caller) = &scope {
+        if *caller != tenant {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "the spec names tenant {tenant:?}, and this token is tenant {caller:?}'s: \
+                     set tenant = {caller:?} in torpor.toml, or deploy with that tenant's token"
+                ),
+            ));
+        }
+        // Answered before the stream starts when it is plain; the deploy's own transaction
+        // checks again (crate::deploy::RegisterError::NameTaken), for two deploys at once.
+        let n = spec.name.clone();
+        let owner = super::with_registry(&state, move |r| {
+            Ok(r.with(|s| s.function(&n))?
+                .map(|f| crate::tenant::of_spec(&f.spec).to_string()))
+        })
+        .await?;
+        if owner.is_some_and(|o| o != *caller) {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                deploy::RegisterError::NameTaken { name: spec.name }.to_string(),
+            ));
+        }
+    }
+    spec.caller = scope;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let first = serde_json::json!({
         "phase": "validate",

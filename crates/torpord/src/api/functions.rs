@@ -11,26 +11,28 @@ use axum::http::StatusCode;
 use axum::Json;
 
 use super::types::{Deleted, FunctionDetail, FunctionList, FunctionSummary, StopRequest, Stopped};
-use super::{with_registry, ApiError, AppState};
+use super::{unknown_function as unknown, visible, with_registry, ApiError, AppState};
 use crate::registry::FunctionState;
+use crate::tenant::Scope;
 
-fn unknown(name: &str) -> ApiError {
-    ApiError::not_found(format!("no function named {name:?} (see `torpor ls`)"))
-}
-
-/// Every function the registry knows, with its instances per stage.
+/// Every function the registry knows that the caller's tenant may see, with its instances per
+/// stage.
 #[utoipa::path(get, path = "/v1/functions", tag = "functions",
     responses(
         (status = 200, description = "The functions", body = FunctionList),
         (status = 500, description = "The registry cannot be read", body = super::types::ErrorBody),
     ))]
-pub async fn list(State(state): State<Arc<AppState>>) -> Result<Json<FunctionList>, ApiError> {
+pub async fn list(
+    State(state): State<Arc<AppState>>,
+    scope: Scope,
+) -> Result<Json<FunctionList>, ApiError> {
     let (functions, stages) = with_registry(&state, |r| {
         r.with(|s| Ok::<_, ApiError>((s.functions()?, s.stage_counts_by_function()?)))
     })
     .await?;
     let functions = functions
         .into_iter()
+        .filter(|f| scope.sees_spec(&f.spec))
         .map(|f| FunctionSummary {
             instances: stages.get(&f.name).copied().unwrap_or_default(),
             name: f.name,
@@ -54,11 +56,12 @@ pub async fn list(State(state): State<Arc<AppState>>) -> Result<Json<FunctionLis
     ))]
 pub async fn get(
     State(state): State<Arc<AppState>>,
+    scope: Scope,
     super::FunctionName(name): super::FunctionName,
 ) -> Result<Json<FunctionDetail>, ApiError> {
     let detail = with_registry(&state, move |r| {
         r.with(|s| {
-            let Some(function) = s.function(&name)? else {
+            let Some(function) = s.function(&name)?.filter(|f| scope.sees_spec(&f.spec)) else {
                 return Err(unknown(&name));
             };
             Ok(FunctionDetail {
@@ -85,10 +88,12 @@ pub async fn get(
     ))]
 pub async fn delete(
     State(state): State<Arc<AppState>>,
+    scope: Scope,
     super::FunctionName(name): super::FunctionName,
 ) -> Result<Json<Deleted>, ApiError> {
-    // No deploy of it runs meanwhile.
+    // No deploy of it runs meanwhile (so its tenant cannot change before it is gone).
     let _deploys = state.runtime.deploy_locks.function(&name).await;
+    visible(&state, &scope, &name).await?;
     let stopped = state.runtime.stop_function(&name);
     let n = name.clone();
     let (function, snapshots) = with_registry(&state, move |r| {
@@ -179,9 +184,11 @@ pub async fn delete(
     ))]
 pub async fn stop(
     State(state): State<Arc<AppState>>,
+    scope: Scope,
     super::FunctionName(name): super::FunctionName,
     body: Bytes,
 ) -> Result<Json<Stopped>, ApiError> {
+    visible(&state, &scope, &name).await?;
     let req: StopRequest = if body.iter().all(u8::is_ascii_whitespace) {
         StopRequest::default()
     } else {

@@ -46,9 +46,11 @@ fn timings_header(t: &Timings) -> HeaderValue {
     ))]
 pub async fn invoke(
     State(state): State<Arc<AppState>>,
+    scope: crate::tenant::Scope,
     super::FunctionName(name): super::FunctionName,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Response, ApiError> {
+    super::visible(&state, &scope, &name).await?;
     let body = body.map_err(|e| match e.status() {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,

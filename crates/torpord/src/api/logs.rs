@@ -64,9 +64,11 @@ pub struct FunctionLogs {
     ))]
 pub async fn get(
     State(state): State<Arc<AppState>>,
+    scope: crate::tenant::Scope,
     super::FunctionName(name): super::FunctionName,
     RawQuery(query): RawQuery,
 ) -> Result<Json<FunctionLogs>, ApiError> {
+    super::visible(&state, &scope, &name).await?;
     let mut lines = DEFAULT_LINES;
     let mut instance: Option<String> = None;
     for pair in query

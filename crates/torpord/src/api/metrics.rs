@@ -14,9 +14,14 @@ use crate::metrics::CONTENT_TYPE;
     responses(
         (status = 200, description = "Prometheus text format 0.0.4", body = String,
             content_type = "text/plain; version=0.0.4"),
+        (status = 403, description = "A tenant's token: the metrics name every tenant's functions", body = super::types::ErrorBody),
         (status = 500, description = "The registry cannot be read", body = super::types::ErrorBody),
     ))]
-pub async fn get(State(state): State<Arc<AppState>>) -> Result<impl IntoResponse, ApiError> {
+pub async fn get(
+    State(state): State<Arc<AppState>>,
+    scope: crate::tenant::Scope,
+) -> Result<impl IntoResponse, ApiError> {
+    super::admin_only(&scope, "GET /metrics")?;
     let (stages, names) = with_registry(&state, |r| {
         r.with(|s| {
             let names = s

@@ -28,10 +28,11 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::auth::Token;
+use crate::auth::Tokens;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::registry::{Registry, RegistryError};
+use crate::tenant::Scope;
 use types::ErrorBody;
 
 /// What every handler can reach.
@@ -151,6 +152,68 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for FunctionName {
     }
 }
 
+/// The caller's [`Scope`], put in the request's extensions by the listener's layer (the Unix
+/// socket's: every tenant; TCP's: the token's). A request without one is refused (500), never
+/// served as if it could see everything.
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Scope {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, ApiError> {
+        parts.extensions.get::<Scope>().cloned().ok_or_else(|| {
+            ApiError::internal("the request reached a handler without a tenant scope (a bug)")
+        })
+    }
+}
+
+/// The answer for a function that does not exist, or that the caller's tenant cannot see:
+/// the same, so that a tenant cannot learn of another's functions.
+pub(crate) fn unknown_function(name: &str) -> ApiError {
+    ApiError::not_found(format!("no function named {name:?} (see `torpor ls`)"))
+}
+
+/// `Ok` when the caller may see function `name`: every caller of the Unix socket or with the
+/// admin token, at once; a tenant's token when the function is its tenant's. A function this
+/// daemon serves to that tenant is judged by its pool's spec (no registry read on the way to
+/// its invoke); every other answer reads the registry row, the other tenant's served function
+/// too, so that its 404 takes the time a missing function's takes. Otherwise
+/// [`unknown_function`], as if it did not exist.
+pub(crate) async fn visible(state: &AppState, scope: &Scope, name: &str) -> Result<(), ApiError> {
+    let Scope::Tenant(tenant) = scope else {
+        return Ok(());
+    };
+    if state.runtime.pool_tenant(name).as_deref() == Some(tenant.as_str()) {
+        return Ok(());
+    }
+    let n = name.to_string();
+    let owner = with_registry(state, move |r| {
+        Ok(r.with(|s| s.function(&n))?
+            .map(|f| crate::tenant::of_spec(&f.spec).to_string()))
+    })
+    .await?;
+    if owner.as_deref() == Some(tenant.as_str()) {
+        Ok(())
+    } else {
+        Err(unknown_function(name))
+    }
+}
+
+/// Refuses a route that shows every tenant's functions (the metrics) to a tenant's token.
+pub(crate) fn admin_only(scope: &Scope, what: &str) -> Result<(), ApiError> {
+    match scope {
+        Scope::All => Ok(()),
+        Scope::Tenant(t) => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!(
+                "{what} covers every tenant's functions, and this token is tenant {t:?}'s: use \
+                 the admin token (token_file) or the Unix socket"
+            ),
+        )),
+    }
+}
+
 /// Runs registry work on the blocking pool (SQLite calls block).
 pub(crate) async fn with_registry<T: Send + 'static>(
     state: &AppState,
@@ -227,8 +290,14 @@ pub async fn openapi_json() -> Response {
     Json(DOC.get_or_init(openapi)).into_response()
 }
 
-/// The API's routes, without authentication (the Unix socket's).
+/// The API's routes, without authentication (the Unix socket's, root-only by its mode): every
+/// tenant's functions.
 pub fn router(state: Arc<AppState>) -> Router {
+    routes_with_state(state).layer(axum::Extension(Scope::All))
+}
+
+/// The routes with their state and body deadline, before a scope is given.
+fn routes_with_state(state: Arc<AppState>) -> Router {
     let body_timeout = state.config.http.body_timeout;
     service_routes()
         .with_state(state)
@@ -248,17 +317,22 @@ fn service_routes() -> Router<Arc<AppState>> {
         .layer(middleware::from_fn(log_request))
 }
 
-/// The API's routes behind the bearer token (the TCP listener's).
-pub fn router_with_token(state: Arc<AppState>, token: Arc<Token>) -> Router {
-    router(state).layer(middleware::from_fn_with_state(token, require_token))
+/// The API's routes behind the bearer tokens (the TCP listener's): each token's scope.
+pub fn router_with_token(state: Arc<AppState>, tokens: Arc<Tokens>) -> Router {
+    routes_with_state(state).layer(middleware::from_fn_with_state(tokens, require_token))
 }
 
-async fn require_token(State(token): State<Arc<Token>>, req: Request, next: Next) -> Response {
-    let ok = req
+async fn require_token(
+    State(tokens): State<Arc<Tokens>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let scope = req
         .headers()
         .get(header::AUTHORIZATION)
-        .is_some_and(|v| token.accepts(v.as_bytes()));
-    if ok {
+        .and_then(|v| tokens.scope(v.as_bytes()));
+    if let Some(scope) = scope {
+        req.extensions_mut().insert(scope);
         // Closed last when the listener is full (crate::connections).
         if let Some(conn) = req.extensions().get::<Arc<crate::connections::ConnAuth>>() {
             conn.authenticated();
@@ -269,7 +343,7 @@ async fn require_token(State(token): State<Arc<Token>>, req: Request, next: Next
     let mut res = ApiError::new(
         StatusCode::UNAUTHORIZED,
         "missing or wrong bearer token: send `Authorization: Bearer <token>` with the token \
-         from torpord's --token-file",
+         from torpord's --token-file (admin) or your tenant's from --tenant-tokens-file",
     )
     .into_response();
     res.headers_mut()

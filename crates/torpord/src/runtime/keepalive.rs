@@ -404,9 +404,14 @@ impl Runtime {
         if plan.is_empty() {
             return Ok(0.0);
         }
-        let refill = self
-            .split
-            .begin_refill(plan, sources, format!("instance {}", inst.id));
+        // Its function's tenant; without a pool (none would be gone yet), a scope of its own,
+        // which no tenant name can equal: shared with nobody.
+        let tenant = self
+            .pool_tenant(&inst.function)
+            .unwrap_or_else(|| format!("instance {}", inst.id));
+        let refill =
+            self.split
+                .begin_refill(plan, sources, format!("instance {}", inst.id), tenant);
         // As after a restore (crate::split::server::Mapping): the instance's reader counts the
         // `mapped` answers; the request waits for all of them (the worker's main loop maps them).
         let handed = async {
@@ -602,8 +607,12 @@ impl Runtime {
             .map(|(e, _)| (e.va, e.blake3.clone()))
             .collect();
         let (split, id) = (Arc::clone(&self.split), hib_id.to_string());
+        // As for a refill: without a pool, a scope no tenant shares.
+        let tenant = self
+            .pool_tenant(&inst.function)
+            .unwrap_or_else(|| format!("instance {}", inst.id));
         let captured = tokio::task::spawn_blocking(move || {
-            crate::split::capture::store_all(&split, &id, listed, &readonly)
+            crate::split::capture::store_all(&split, &id, &tenant, listed, &readonly)
         })
         .await
         .map_err(HibernateError::CaptureTask)??;
@@ -766,7 +775,10 @@ impl Runtime {
                         s.snapshot_id.clone(),
                         st.info.snapshot_id.clone(),
                     );
-                    tokio::task::spawn_blocking(move || split.drop_cached(&hib, Some(&keep)));
+                    let tenant = crate::tenant::of_spec(&st.info.spec).to_string();
+                    tokio::task::spawn_blocking(move || {
+                        split.drop_cached(&hib, Some(&keep), &tenant);
+                    });
                     tracing::info!(instance = %id, files, snapshot = %dir.display(), "hibernated instance evicted from the page cache");
                 }
                 Err(e) => {

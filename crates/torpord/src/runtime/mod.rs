@@ -86,6 +86,13 @@ impl std::fmt::Debug for Runtime {
 }
 
 impl Runtime {
+    /// The tenant of function `name`'s current deploy, when this daemon has a pool for it.
+    pub fn pool_tenant(&self, name: &str) -> Option<String> {
+        let pool = lock(&self.pools).get(name).cloned()?;
+        let st = lock(&pool.state);
+        Some(crate::tenant::of_spec(&st.info.spec).to_string())
+    }
+
     pub fn new(
         config: Config,
         registry: Arc<Registry>,

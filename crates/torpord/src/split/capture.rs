@@ -181,11 +181,13 @@ pub fn read_only_reason(
 
 /// Copies every listed segment into the chunk store and commits them, with their index, as the
 /// record of `snapshot_id` (blocking); see [`read_only_reason`] for `earlier`. Each segment's
-/// bytes also go into the host cache, so the first restore after a deploy does not read the
+/// bytes also go into the host cache, as an entry of the function's `tenant`
+/// ([`crate::tenant::scoped_key`]), so the first restore after a deploy does not read the
 /// store.
 pub fn store_all(
     split: &Split,
     snapshot_id: &str,
+    tenant: &str,
     listed: Vec<Listed>,
     earlier: &HashMap<u64, String>,
 ) -> Result<Captured, CaptureError> {
@@ -230,7 +232,7 @@ pub fn store_all(
         };
         bytes += l.size;
         let inserted = lock(&split.host_cache).insert(
-            &entry.blake3,
+            &crate::tenant::scoped_key(tenant, &entry.blake3),
             std::sync::Arc::new(std::sync::Mutex::new(buf)),
             l.size,
         );

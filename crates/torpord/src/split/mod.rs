@@ -414,9 +414,9 @@ impl Split {
         Ok(plan)
     }
 
-    /// The evicted stage: drops the cached segments of snapshot `id` that snapshot `keep` (the
-    /// function snapshot, whose restores go on) does not also hold.
-    pub fn drop_cached(&self, id: &str, keep: Option<&str>) {
+    /// The evicted stage: drops the cached segments of snapshot `id`, a function of `tenant`,
+    /// that snapshot `keep` (the function snapshot, whose restores go on) does not also hold.
+    pub fn drop_cached(&self, id: &str, keep: Option<&str>, tenant: &str) {
         let Ok(Some(plan)) = self.plan(id) else {
             return;
         };
@@ -426,10 +426,12 @@ impl Split {
             .unwrap_or_default();
         let mut dropped = 0u64;
         for (e, _) in plan.iter().filter(|(e, _)| !kept.contains(&e.blake3)) {
-            if lock(&self.host_cache).remove(&e.blake3) {
+            let hkey = crate::tenant::scoped_key(tenant, &e.blake3);
+            if lock(&self.host_cache).remove(&hkey) {
                 dropped += e.size;
             }
-            if lock(&self.gpu_cache).remove(&server::gpu_key(e)) {
+            let gkey = crate::tenant::scoped_key(tenant, &server::gpu_key(e));
+            if lock(&self.gpu_cache).remove(&gkey) {
                 dropped += e.size;
             }
         }

@@ -328,7 +328,7 @@ mod tests {
         snapshot(dir.path(), "fn-t-1", &writable, &read_only);
         let split = split(dir.path());
 
-        let (handed, maps) = hand_over(split.begin_restore("fn-t-1"), 2).await;
+        let (handed, maps) = hand_over(split.begin_restore("fn-t-1", "default"), 2).await;
         let mut segments = handed.unwrap();
         assert!(!segments.is_empty() && !segments.is_released());
         // The worker wrote into its writable segment after the restore.
@@ -341,7 +341,11 @@ mod tests {
         // A release that fails before the memory is dropped hands the same memory back.
         let (plan, sources) = segments.sources();
         assert!(sources.iter().all(|s| matches!(s, Source::Held(_))));
-        let (handed, again) = hand_over(split.begin_refill(plan, sources, "t".into()), 2).await;
+        let (handed, again) = hand_over(
+            split.begin_refill(plan, sources, "t".into(), "default".into()),
+            2,
+        )
+        .await;
         assert!(handed.is_ok() && again.len() == 2);
         assert_eq!(contents(&again[0].1, writable.len()), changed);
         // The same memory: dropping this second set of handles leaves it held.
@@ -358,7 +362,11 @@ mod tests {
 
         let (plan, sources) = segments.sources();
         assert!(matches!(sources[0], Source::Saved(_)) && matches!(sources[1], Source::Fill));
-        let (handed, back) = hand_over(split.begin_refill(plan, sources, "t".into()), 2).await;
+        let (handed, back) = hand_over(
+            split.begin_refill(plan, sources, "t".into(), "default".into()),
+            2,
+        )
+        .await;
         let segments = handed.unwrap();
         assert_eq!((back.len(), bytes(&back)), (2, (5 * PAGE) as u64));
         assert_eq!(back[0].0["readonly"], false);
@@ -380,7 +388,7 @@ mod tests {
         let read_only = vec![2u8; PAGE];
         snapshot(dir.path(), "fn-t-2", &writable, &read_only);
         let split = split(dir.path());
-        let (handed, maps) = hand_over(split.begin_restore("fn-t-2"), 2).await;
+        let (handed, maps) = hand_over(split.begin_restore("fn-t-2", "default"), 2).await;
         drop(maps);
         let mut segments = handed.unwrap();
         let (plan, leases) = segments.leases().unwrap();
@@ -392,8 +400,11 @@ mod tests {
         store.release("fn-t-2").unwrap();
         store.try_gc().unwrap();
         let (plan, sources) = segments.sources();
-        let (handed, maps) =
-            hand_over(split.begin_refill(plan, sources, "instance i-1".into()), 1).await;
+        let (handed, maps) = hand_over(
+            split.begin_refill(plan, sources, "instance i-1".into(), "default".into()),
+            1,
+        )
+        .await;
         let err = handed.unwrap_err().to_string();
         assert!(
             err.contains(&format!("segment at {READ_ONLY:#x} of instance i-1")),
@@ -401,6 +412,80 @@ mod tests {
         );
         // The writable one was handed over before.
         assert_eq!(contents(&maps[0].1, PAGE), writable);
+    }
+
+    /// The inode of an fd's file (a memfd: one per copy).
+    fn inode(fd: &OwnedFd) -> u64 {
+        std::fs::File::from(fd.try_clone().unwrap())
+            .metadata()
+            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+            .unwrap()
+    }
+
+    /// Issue 13, tenants: two functions with the same read-only contents share one copy when
+    /// they are one tenant's, and get one each when they are two tenants'.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn read_only_copies_are_shared_within_a_tenant_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let read_only: Vec<u8> = (0..3 * PAGE).map(|i| (i % 239) as u8).collect();
+        for id in ["fn-a-1", "fn-b-1", "fn-c-1"] {
+            snapshot(dir.path(), id, &[7u8; PAGE], &read_only);
+        }
+        let split = split(dir.path());
+        let one = (3 * PAGE) as i64;
+        let (a, a_maps) = hand_over(split.begin_restore("fn-a-1", "team-a"), 2).await;
+        assert_eq!(split.metrics.shared_bytes.get(), one);
+        // Another function of the same tenant: the same copy.
+        let (b, b_maps) = hand_over(split.begin_restore("fn-b-1", "team-a"), 2).await;
+        assert_eq!(split.metrics.shared_bytes.get(), one);
+        assert_eq!(inode(&a_maps[1].1), inode(&b_maps[1].1));
+        // Another tenant's function with the same weights: a copy of its own.
+        let (c, c_maps) = hand_over(split.begin_restore("fn-c-1", "team-b"), 2).await;
+        assert_eq!(split.metrics.shared_bytes.get(), 2 * one);
+        assert_ne!(inode(&a_maps[1].1), inode(&c_maps[1].1));
+        assert_eq!(contents(&c_maps[1].1, read_only.len()), read_only);
+        // The default tenant is a tenant like the others.
+        let (d, d_maps) = hand_over(split.begin_restore("fn-c-1", "default"), 2).await;
+        assert_eq!(split.metrics.shared_bytes.get(), 3 * one);
+        assert_ne!(inode(&a_maps[1].1), inode(&d_maps[1].1));
+        drop((a, b, c, d, a_maps, b_maps, c_maps, d_maps));
+        assert_eq!(split.metrics.shared_bytes.get(), 0);
+    }
+
+    /// The restore server's caches are scoped the same way: a segment another tenant's restore
+    /// cached is a miss.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cached_segments_are_hits_within_a_tenant_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let writable: Vec<u8> = (0..PAGE).map(|i| (i % 233) as u8).collect();
+        for id in ["fn-a-1", "fn-b-1", "fn-c-1"] {
+            snapshot(dir.path(), id, &writable, &[9u8; PAGE]);
+        }
+        let limits = crate::config::RestoreServer {
+            host_cache_bytes: 1 << 20,
+            gpu_cache_bytes: 0,
+            ..Default::default()
+        };
+        let metrics = crate::metrics::Metrics::new().unwrap();
+        let key = Arc::new(crate::staging::test_key());
+        let split = Arc::new(Split::new(dir.path(), true, true, &limits, &metrics, key));
+        let hits = || {
+            split
+                .metrics
+                .cache_requests
+                .with_label_values(&["host", "hit"])
+                .get()
+        };
+        let (a, _) = hand_over(split.begin_restore("fn-a-1", "team-a"), 2).await;
+        assert_eq!(hits(), 0);
+        // The same tenant: its writable segment comes from the host cache.
+        let (b, _) = hand_over(split.begin_restore("fn-b-1", "team-a"), 2).await;
+        assert_eq!(hits(), 1);
+        // Another tenant: from the store, as if nothing were cached.
+        let (c, maps) = hand_over(split.begin_restore("fn-c-1", "team-b"), 2).await;
+        assert_eq!(hits(), 1);
+        assert_eq!(contents(&maps[0].1, PAGE), writable);
+        drop((a, b, c));
     }
 
     #[test]

@@ -12,6 +12,10 @@
 //!    cache);
 //! 4. the **chunk store** (every chunk verified), and the bytes then go into the host cache.
 //!
+//! Every key (shared copies, both caches) is scoped by the function's tenant as well as the
+//! contents ([`crate::tenant::scoped_key`]): two tenants with the same weights never share a
+//! copy or a cache entry, so neither can observe the other's through timing or a mapping.
+//!
 //! Both caches are LRU and bounded by `[restore_server] host_cache_bytes` and
 //! `gpu_cache_bytes`. On the host backend the "GPU" cache holds memfd memory, so every path runs
 //! without a GPU.
@@ -128,12 +132,13 @@ pub struct Restoring {
 }
 
 impl Split {
-    /// Starts filling the segments of snapshot `id` on the blocking pool, in parallel with the
-    /// caller's CRIU restore.
-    pub fn begin_restore(self: &Arc<Self>, id: &str) -> Restoring {
+    /// Starts filling the segments of snapshot `id`, a function of `tenant`, on the blocking
+    /// pool, in parallel with the caller's CRIU restore.
+    pub fn begin_restore(self: &Arc<Self>, id: &str, tenant: &str) -> Restoring {
         let (tx, rx) = mpsc::unbounded_channel();
         let split = Arc::clone(self);
         let id = id.to_string();
+        let tenant = tenant.to_string();
         tokio::task::spawn_blocking(move || {
             let plan = match split.plan(&id) {
                 Ok(Some(p)) => p,
@@ -144,22 +149,24 @@ impl Split {
                 }
             };
             let sources = plan.iter().map(|_| Source::Fill).collect();
-            split.fill_all(&tx, &format!("snapshot {id}"), plan, sources);
+            split.fill_all(&tx, &format!("snapshot {id}"), &tenant, plan, sources);
         });
         Restoring { rx }
     }
 
     /// Starts filling `plan` (one source per entry, same order) on the blocking pool: the
-    /// segments of a live instance whose GPU comes back. `of` names them in errors.
+    /// segments of a live instance of a function of `tenant` whose GPU comes back. `of` names
+    /// them in errors.
     pub fn begin_refill(
         self: &Arc<Self>,
         plan: Arc<Vec<Planned>>,
         sources: Vec<Source>,
         of: String,
+        tenant: String,
     ) -> Restoring {
         let (tx, rx) = mpsc::unbounded_channel();
         let split = Arc::clone(self);
-        tokio::task::spawn_blocking(move || split.fill_all(&tx, &of, plan, sources));
+        tokio::task::spawn_blocking(move || split.fill_all(&tx, &of, &tenant, plan, sources));
         Restoring { rx }
     }
 
@@ -168,6 +175,7 @@ impl Split {
         &self,
         tx: &mpsc::UnboundedSender<Event>,
         of: &str,
+        tenant: &str,
         plan: Arc<Vec<Planned>>,
         sources: Vec<Source>,
     ) {
@@ -178,7 +186,7 @@ impl Split {
                 return;
             }
             let filled = match source {
-                Source::Fill => self.fill(planned),
+                Source::Fill => self.fill(planned, tenant),
                 Source::Saved(buf) => self.fill_saved(&planned.0, &buf),
                 Source::Held(lease) => self.export_held(&planned.0, lease),
             };
@@ -238,19 +246,19 @@ impl Split {
         })
     }
 
-    /// The memory of one segment, from the first source that has it.
-    fn fill(&self, (e, recipe): &Planned) -> Result<Filled, FillError> {
+    /// The memory of one segment of a function of `tenant`, from the first source that has it.
+    fn fill(&self, (e, recipe): &Planned, tenant: &str) -> Result<Filled, FillError> {
         let dev = self.device(&e.backend, e.ordinal)?;
         let t = Instant::now();
         let (memory, lease, source) = if e.readonly {
-            let key = gpu_key(e);
+            let key = crate::tenant::scoped_key(tenant, &gpu_key(e));
             let resident = lock(&self.shared)
                 .get(&key)
                 .and_then(std::sync::Weak::upgrade);
             match resident {
                 Some(s) => (None, Some(s), "shared"),
                 None => {
-                    let (m, source) = self.fresh(&*dev, e, recipe, true)?;
+                    let (m, source) = self.fresh(&*dev, e, recipe, true, tenant)?;
                     let copy = Arc::new(SharedCopy {
                         memory: m,
                         bytes: e.size,
@@ -273,7 +281,7 @@ impl Split {
                 }
             }
         } else {
-            let (m, source) = self.fresh(&*dev, e, recipe, false)?;
+            let (m, source) = self.fresh(&*dev, e, recipe, false, tenant)?;
             (Some(m), None, source)
         };
         let lease = match (memory, lease) {
@@ -291,13 +299,15 @@ impl Split {
         self.export_held(e, lease)
     }
 
-    /// New memory holding the segment: from the GPU cache, the host cache or the store.
+    /// New memory holding the segment: from the GPU cache, the host cache or the store; the
+    /// caches' entries are `tenant`'s.
     fn fresh(
         &self,
         dev: &dyn SegmentDevice,
         e: &SegmentEntry,
         recipe: &torpor_image::store::Recipe,
         seal: bool,
+        tenant: &str,
     ) -> Result<(Memory, &'static str), FillError> {
         let count = |cache: &str, hit: bool| {
             self.metrics
@@ -305,7 +315,8 @@ impl Split {
                 .with_label_values(&[cache, if hit { "hit" } else { "miss" }])
                 .inc();
         };
-        let gkey = gpu_key(e);
+        let gkey = crate::tenant::scoped_key(tenant, &gpu_key(e));
+        let hkey = crate::tenant::scoped_key(tenant, &e.blake3);
         let size = e.size as usize;
         let cached = lock(&self.gpu_cache).get(&gkey);
         count("gpu", cached.is_some());
@@ -318,7 +329,7 @@ impl Split {
                 })?;
             return Ok((m, "gpu"));
         }
-        let cached = lock(&self.host_cache).get(&e.blake3);
+        let cached = lock(&self.host_cache).get(&hkey);
         count("host", cached.is_some());
         if let Some(src) = cached {
             let buf = lock(&src);
@@ -352,7 +363,7 @@ impl Split {
                 what: "copying from the store",
                 source,
             })?;
-        lock(&self.host_cache).insert(&e.blake3, Arc::new(Mutex::new(buf)), e.size);
+        lock(&self.host_cache).insert(&hkey, Arc::new(Mutex::new(buf)), e.size);
         self.update_cache_gauges();
         Ok((m, "store"))
     }

@@ -180,7 +180,10 @@ pub(crate) async fn boot_function(
 
 /// (key, interpreter, preload in spec order, gpu). The key ends with how the base's workers got
 /// the device-memory hook ([`crate::split::Split::base_key_suffix`]), so a base booted
-/// otherwise is never restored for this deploy. `Err`: the spec's interpreter is not found.
+/// otherwise is never restored for this deploy, and starts with the spec's tenant unless it is
+/// the default one ([`crate::tenant::scoped_key`]): tenants never share a base (nor learn from
+/// `base_reused` that another tenant deployed on it). `Err`: the spec's interpreter is not
+/// found.
 pub fn base_key(
     spec: &Value,
     split: &crate::split::Split,
@@ -198,12 +201,15 @@ pub fn base_key(
     sorted.sort();
     sorted.dedup();
     let gpu = spec["gpus"].as_u64().unwrap_or(0) > 0;
-    let key = format!(
-        "{}|{}|{}{}",
-        python.display(),
-        sorted.join(","),
-        if gpu { "gpu" } else { "cpu" },
-        split.base_key_suffix(gpu)
+    let key = crate::tenant::scoped_key(
+        crate::tenant::of_spec(spec),
+        &format!(
+            "{}|{}|{}{}",
+            python.display(),
+            sorted.join(","),
+            if gpu { "gpu" } else { "cpu" },
+            split.base_key_suffix(gpu)
+        ),
     );
     Ok((key, python, preload, gpu))
 }

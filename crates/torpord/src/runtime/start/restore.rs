@@ -40,9 +40,10 @@ impl Runtime {
             Some(_) => None,
         };
         // The restore server fills the segments of a split snapshot meanwhile.
-        let restoring = self
-            .split
-            .begin_restore(sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id));
+        let restoring = self.split.begin_restore(
+            sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id),
+            crate::tenant::of_spec(&info.spec),
+        );
         // The page source itself (lazy or copy), as `auto` chose it for this function.
         let how_pages = self.config.restore_server.pages.source(info.gpu);
         // Its own new cgroup, never its source's: CRIU restores the tree into it.
