@@ -61,9 +61,8 @@ pub fn push(
         }
     };
 
-    let recipes = local_recipes(store, &snapshot, id, progress)?;
-
-    // A manifest already there: the same snapshot (complete what is missing) or a clash.
+    // A manifest already there: the same snapshot (complete what is missing) or a clash,
+    // refused before anything is stored.
     let manifest_key = snapshot_key(id, MANIFEST_FILE);
     let already_pushed = match remote.get(&manifest_key, torpor_image::MAX_MANIFEST_BYTES)? {
         Some(theirs) if theirs == manifest_bytes => true,
@@ -75,6 +74,8 @@ pub fn push(
         }
         None => false,
     };
+
+    let recipes = local_recipes(store, &snapshot, id, progress)?;
 
     let mut unique: BTreeMap<ChunkId, (ChunkRef, &str)> = BTreeMap::new();
     for r in &recipes {
@@ -146,8 +147,12 @@ fn local_recipes(
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<Vec<Recipe>, TransferError> {
     let files = &snapshot.manifest().files;
-    if store.snapshots()?.iter().any(|s| s == id) {
-        let recipes = store.recipes(id)?;
+    let committed = match store.recipes(id) {
+        Ok(recipes) => Some(recipes),
+        Err(StoreError::UnknownSnapshot { .. }) => None,
+        Err(e) => return Err(e.into()),
+    };
+    if let Some(recipes) = committed {
         for f in files {
             let same = recipes
                 .iter()

@@ -129,6 +129,36 @@ fn push_and_pull_against_seaweedfs() {
     assert!(pushed_b.present >= pushed.chunks - 1, "{pushed_b:?}");
     assert_eq!(pushed_b.uploaded, pushed_b.chunks - pushed_b.present);
 
+    // Another snapshot under a taken id: refused by the bucket before the local store changes,
+    // and by a local store that holds other contents under that id.
+    let fresh = ChunkStore::open(&w.join("fresh")).expect("fresh store");
+    let err = push(
+        &remote(&config),
+        &fresh,
+        &b,
+        "fn-a",
+        Trust::Key(&key),
+        4,
+        &quiet,
+    )
+    .expect_err("conflict");
+    assert!(matches!(err, TransferError::Conflict { .. }), "{err}");
+    assert!(fresh.snapshots().expect("ids").is_empty());
+    let mut other = fresh.writer().expect("writer");
+    let recipe = other.put_bytes("core.img", b"other contents").expect("put");
+    other.commit("fn-local", &[recipe]).expect("commit");
+    let err = push(
+        &remote(&config),
+        &fresh,
+        &b,
+        "fn-local",
+        Trust::Key(&key),
+        4,
+        &quiet,
+    )
+    .expect_err("store differs");
+    assert!(matches!(err, TransferError::StoreDiffers { .. }), "{err}");
+
     // Pull A into an empty store: everything fetched, the snapshot verifies and authenticates.
     let node2 = ChunkStore::open(&w.join("node2")).expect("store 2");
     let r2 = remote(&config);
