@@ -103,6 +103,32 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         key: Option<PathBuf>,
     },
+    /// Push a snapshot to the object store: into the local chunk store, then the chunks the
+    /// bucket lacks, then its record and manifest (docs/objstore.md).
+    Push {
+        /// Snapshot directory.
+        dir: PathBuf,
+        /// The snapshot's id in the store and the bucket [default: the directory's name].
+        #[arg(long)]
+        id: Option<String>,
+        #[command(flatten)]
+        remote: cmd::objstore::RemoteArgs,
+        #[command(flatten)]
+        key: cmd::KeyArgs,
+    },
+    /// Pull a snapshot from the object store: only the chunks the local store lacks, each
+    /// checked, then a verified snapshot directory at --out.
+    Pull {
+        /// The snapshot's id in the bucket.
+        id: String,
+        /// Snapshot directory to create (must not exist).
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        remote: cmd::objstore::RemoteArgs,
+        #[command(flatten)]
+        key: cmd::KeyArgs,
+    },
     /// Check a snapshot's MAC (who wrote it) and every file against its size and BLAKE3 hash.
     Verify {
         dir: PathBuf,
@@ -247,6 +273,18 @@ fn main() -> ExitCode {
             store_id.as_deref(),
             key.as_deref(),
         ),
+        Command::Push {
+            dir,
+            id,
+            remote,
+            key,
+        } => cmd::objstore::push(&dir, id.as_deref(), &remote, &key),
+        Command::Pull {
+            id,
+            out,
+            remote,
+            key,
+        } => cmd::objstore::pull(&id, &out, &remote, &key),
         Command::Verify { dir, key } => cmd::verify::run(&dir, &key),
         Command::Serve(args) => cmd::serve::run(&args),
         Command::Ls { json, daemon } => cmd::ls::run(&daemon, json),

@@ -45,6 +45,14 @@ pub enum StoreError {
         snapshots: String,
     },
 
+    /// A chunk file that came from elsewhere (the object tier) does not decode to its id.
+    #[error("chunk {chunk} from {origin} is corrupt ({damage}): refused, nothing stored; push the snapshot again from a node whose store holds it intact")]
+    ForeignChunkCorrupt {
+        chunk: ChunkId,
+        origin: String,
+        damage: String,
+    },
+
     /// A chunk a recipe needs is not in the store.
     #[error("chunk {chunk} of {file} is missing from the store; snapshots holding it: {snapshots}: re-take them (the store was changed outside torpor or a corrupt chunk was moved aside)")]
     MissingChunk {

@@ -66,6 +66,7 @@ mod lock;
 mod read;
 mod recipe;
 mod records;
+mod transfer;
 mod usage;
 mod write;
 
@@ -182,8 +183,9 @@ impl ChunkStore {
     }
 }
 
-/// Why `id` cannot name a snapshot in the store, if it cannot.
-pub(crate) fn check_snapshot_id(id: &str) -> Result<(), StoreError> {
+/// Why `id` cannot name a snapshot in the store, if it cannot (letters, digits, `.`, `_`, `-`;
+/// not starting with `.`; at most 200 characters).
+pub fn check_snapshot_id(id: &str) -> Result<(), StoreError> {
     let reason = if id.is_empty() {
         Some("empty")
     } else if id.len() > 200 {

@@ -153,7 +153,7 @@ impl ChunkStore {
         damage.map_err(|damage| self.corrupt(c, file, damage))
     }
 
-    fn corrupt(&self, c: &ChunkRef, file: &str, damage: Damage) -> StoreError {
+    pub(crate) fn corrupt(&self, c: &ChunkRef, file: &str, damage: Damage) -> StoreError {
         let path = self.chunk_path(&c.id);
         let aside = self.root.join(CORRUPT_DIR).join(c.id.to_hex());
         // Moved aside so that re-taking a snapshot holding it writes it anew (a writer skips

@@ -18,7 +18,7 @@ use crate::store::records;
 use crate::store::{check_snapshot_id, ChunkId, ChunkRef, ChunkStore, Chunking, Recipe};
 
 /// Makes the names of temporary chunk files unique within this process.
-static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+pub(crate) static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// What a writer stored so far.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -141,6 +141,11 @@ impl StoreWriter<'_> {
         self.put_bytes_with(name, &map, chunking)
     }
 
+    /// The store this writer writes to.
+    pub(crate) fn store(&self) -> &ChunkStore {
+        self.store
+    }
+
     /// What this writer stored so far.
     pub fn stats(&self) -> PutStats {
         self.stats
@@ -247,7 +252,7 @@ impl StoreWriter<'_> {
 /// Whether a chunk file for `raw_len` bytes is at `path` already. Its header is read, not just
 /// its name trusted: a crash before the writer's commit (before syncfs) can leave an empty or
 /// truncated file under the final name, which must be written again rather than referenced.
-fn already_stored(path: &Path, raw_len: u64) -> bool {
+pub(crate) fn already_stored(path: &Path, raw_len: u64) -> bool {
     let mut header = [0u8; HEADER_LEN];
     File::options()
         .read(true)
@@ -258,7 +263,7 @@ fn already_stored(path: &Path, raw_len: u64) -> bool {
 }
 
 /// Writes a new file readable by its owner only (chunks hold process memory).
-fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut file = File::options()
         .write(true)
         .create_new(true)

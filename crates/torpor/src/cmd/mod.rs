@@ -5,6 +5,7 @@ pub mod inspect;
 pub mod invoke;
 pub mod logs;
 pub mod ls;
+pub mod objstore;
 pub mod progress;
 pub mod restore;
 pub mod rm;

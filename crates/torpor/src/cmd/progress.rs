@@ -37,6 +37,13 @@ impl Progress {
         }
     }
 
+    /// A new message, the elapsed time kept (progress within one step).
+    pub fn message(&self, message: impl Into<String>) {
+        if let Some(bar) = &self.0 {
+            bar.set_message(message.into());
+        }
+    }
+
     /// Runs `f` (which prints) with the spinner out of the way, so that lines do not mix.
     pub fn suspend<R>(&self, f: impl FnOnce() -> R) -> R {
         match &self.0 {

@@ -1,0 +1,261 @@
+//! Signed GET, PUT and HEAD of objects: rusty-s3 signs (SigV4, as a presigned URL), ureq sends.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rusty_s3::{Bucket, S3Action, UrlStyle};
+
+use crate::config::{Credentials, RemoteConfig};
+use crate::error::{ObjError, TransferError};
+
+/// How long a signed request stays valid: longer than any one request takes.
+const SIGNED_FOR: Duration = Duration::from_secs(15 * 60);
+/// A connection that cannot be made in this time is a server that is not there.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request that moves no byte for this long is a server that went away.
+const STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Requests and bytes moved, for reports and tests.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Traffic {
+    pub requests: u64,
+    pub bytes_up: u64,
+    pub bytes_down: u64,
+}
+
+/// A bucket at an endpoint, with the credentials to use it.
+#[derive(Debug)]
+pub struct Remote {
+    bucket: Bucket,
+    credentials: rusty_s3::Credentials,
+    credentials_file: PathBuf,
+    endpoint: String,
+    prefix: String,
+    agent: ureq::Agent,
+    requests: AtomicU64,
+    bytes_up: AtomicU64,
+    bytes_down: AtomicU64,
+}
+
+impl Remote {
+    /// Opens the bucket `config` names, reading its credentials file.
+    pub fn open(config: &RemoteConfig) -> Result<Remote, TransferError> {
+        let creds = Credentials::load(&config.credentials_file)?;
+        let credentials = match &creds.session_token {
+            Some(token) => rusty_s3::Credentials::new_with_token(
+                &creds.access_key_id,
+                &creds.secret_access_key,
+                token,
+            ),
+            None => rusty_s3::Credentials::new(&creds.access_key_id, &creds.secret_access_key),
+        };
+        let endpoint_error = |reason: String| ObjError::Endpoint {
+            endpoint: config.endpoint.clone(),
+            bucket: config.bucket.clone(),
+            reason,
+        };
+        let url = config
+            .endpoint
+            .parse()
+            .map_err(|e: url::ParseError| endpoint_error(e.to_string()))?;
+        let style = if config.path_style {
+            UrlStyle::Path
+        } else {
+            UrlStyle::VirtualHost
+        };
+        let bucket = Bucket::new(url, style, config.bucket.clone(), config.region.clone())
+            .map_err(|e| endpoint_error(e.to_string()))?;
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_connect(Some(CONNECT_TIMEOUT))
+            .timeout_per_read(Some(STALL_TIMEOUT))
+            .timeout_per_write(Some(STALL_TIMEOUT))
+            .build()
+            .into();
+        Ok(Remote {
+            bucket,
+            credentials,
+            credentials_file: config.credentials_file.clone(),
+            endpoint: config.endpoint.clone(),
+            prefix: config.prefix.clone(),
+            agent,
+            requests: AtomicU64::new(0),
+            bytes_up: AtomicU64::new(0),
+            bytes_down: AtomicU64::new(0),
+        })
+    }
+
+    /// The bucket's name.
+    pub fn bucket(&self) -> &str {
+        self.bucket.name()
+    }
+
+    /// What this remote moved so far.
+    pub fn traffic(&self) -> Traffic {
+        Traffic {
+            requests: self.requests.load(Ordering::Relaxed),
+            bytes_up: self.bytes_up.load(Ordering::Relaxed),
+            bytes_down: self.bytes_down.load(Ordering::Relaxed),
+        }
+    }
+
+    /// `key` with the configured prefix: the object's full name.
+    pub fn full_key(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+
+    /// Whether object `key` exists.
+    pub fn exists(&self, key: &str) -> Result<bool, ObjError> {
+        let full = self.full_key(key);
+        let url = self
+            .bucket
+            .head_object(Some(&self.credentials), &full)
+            .sign(SIGNED_FOR);
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let resp = self
+            .agent
+            .head(url.as_str())
+            .call()
+            .map_err(|e| self.unreachable("HEAD", &full, e))?;
+        match resp.status().as_u16() {
+            200..=299 => Ok(true),
+            // HEAD has no body, so no S3 error code to tell a missing bucket from a missing key.
+            404 => Ok(false),
+            status => Err(self.status_error("HEAD", &full, status, String::new())),
+        }
+    }
+
+    /// Object `key`'s contents, or `None` when there is no such object; refuses one larger
+    /// than `limit` bytes.
+    pub fn get(&self, key: &str, limit: u64) -> Result<Option<Vec<u8>>, ObjError> {
+        let full = self.full_key(key);
+        let url = self
+            .bucket
+            .get_object(Some(&self.credentials), &full)
+            .sign(SIGNED_FOR);
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let mut resp = self
+            .agent
+            .get(url.as_str())
+            .call()
+            .map_err(|e| self.unreachable("GET", &full, e))?;
+        let status = resp.status().as_u16();
+        let mut body = Vec::new();
+        let read = resp
+            .body_mut()
+            .as_reader()
+            .take(limit.saturating_add(1))
+            .read_to_end(&mut body);
+        if let Err(e) = read {
+            return Err(self.unreachable("GET", &full, ureq::Error::Io(e)));
+        }
+        self.bytes_down
+            .fetch_add(body.len() as u64, Ordering::Relaxed);
+        match status {
+            200..=299 if body.len() as u64 > limit => Err(ObjError::TooLarge {
+                bucket: self.bucket().to_owned(),
+                key: full,
+                limit,
+            }),
+            200..=299 => Ok(Some(body)),
+            404 if s3_code(&body) == "NoSuchBucket" => Err(self.no_bucket()),
+            404 => Ok(None),
+            status => Err(self.status_error("GET", &full, status, s3_code(&body))),
+        }
+    }
+
+    /// Writes object `key`.
+    pub fn put(&self, key: &str, bytes: &[u8]) -> Result<(), ObjError> {
+        let full = self.full_key(key);
+        let url = self
+            .bucket
+            .put_object(Some(&self.credentials), &full)
+            .sign(SIGNED_FOR);
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let mut resp = self
+            .agent
+            .put(url.as_str())
+            .send(bytes)
+            .map_err(|e| self.unreachable("PUT", &full, e))?;
+        self.bytes_up
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let status = resp.status().as_u16();
+        if (200..=299).contains(&status) {
+            return Ok(());
+        }
+        let mut body = Vec::new();
+        let _ = resp
+            .body_mut()
+            .as_reader()
+            .take(64 << 10)
+            .read_to_end(&mut body);
+        match (status, s3_code(&body).as_str()) {
+            (404, "NoSuchBucket") => Err(self.no_bucket()),
+            (_, code) => Err(self.status_error("PUT", &full, status, code.to_owned())),
+        }
+    }
+
+    fn status_error(&self, op: &'static str, key: &str, status: u16, code: String) -> ObjError {
+        if status == 403 || status == 401 {
+            return ObjError::Denied {
+                endpoint: self.endpoint.clone(),
+                bucket: self.bucket().to_owned(),
+                credentials: self.credentials_file.clone(),
+                key: key.to_owned(),
+                status,
+                code: if code.is_empty() {
+                    "Forbidden".to_owned()
+                } else {
+                    code
+                },
+            };
+        }
+        ObjError::Status {
+            endpoint: self.endpoint.clone(),
+            op,
+            key: key.to_owned(),
+            status,
+            code,
+        }
+    }
+
+    fn no_bucket(&self) -> ObjError {
+        ObjError::NoBucket {
+            endpoint: self.endpoint.clone(),
+            bucket: self.bucket().to_owned(),
+        }
+    }
+
+    fn unreachable(&self, op: &'static str, key: &str, e: ureq::Error) -> ObjError {
+        ObjError::Unreachable {
+            endpoint: self.endpoint.clone(),
+            op,
+            key: key.to_owned(),
+            source: Box::new(e),
+        }
+    }
+}
+
+/// The `<Code>` of an S3 error body, or "" when there is none.
+fn s3_code(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    text.split_once("<Code>")
+        .and_then(|(_, rest)| rest.split_once("</Code>"))
+        .map(|(code, _)| code.trim().to_owned())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_codes_are_read_from_s3_bodies() {
+        let body =
+            b"<?xml version=\"1.0\"?><Error><Code>NoSuchBucket</Code><Message>x</Message></Error>";
+        assert_eq!(s3_code(body), "NoSuchBucket");
+        assert_eq!(s3_code(b"not xml"), "");
+    }
+}

