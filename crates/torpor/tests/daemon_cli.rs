@@ -170,6 +170,6 @@ fn serve_refuses_tcp_without_a_token() {
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),
-        "torpor: error: --tcp needs a token: pass --token-file\n"
+        "torpor: error: --tcp needs a token: pass --token-file (the admin token) or --tenant-tokens-file\n"
     );
 }
