@@ -8,9 +8,9 @@ use serde_json::Value;
 /// The tenant of a function whose spec names none (python/torpor/spec.py's `DEFAULT_TENANT`).
 pub const DEFAULT_TENANT: &str = "default";
 
-/// Whether `name` is a tenant name: the rule of a function's name (spec.py's `NAME_RE`,
-/// `[a-z0-9][a-z0-9_.-]{0,62}`; crate::api::is_function_name), here again so that this module
-/// depends on none of the daemon's.
+/// Whether `name` is a tenant name: the rule of a function's name too (spec.py's `NAME_RE`,
+/// `[a-z0-9][a-z0-9_.-]{0,62}`), which crate::api::is_function_name uses from here, so that this
+/// module depends on none of the daemon's.
 pub fn is_tenant_name(name: &str) -> bool {
     let b = name.as_bytes();
     !b.is_empty()

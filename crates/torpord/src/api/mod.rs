@@ -111,14 +111,10 @@ impl IntoResponse for ApiError {
 #[derive(Debug, Clone)]
 pub struct FunctionName(pub String);
 
-/// Whether `name` is a function name (python/torpor/spec.py's `NAME_RE`).
+/// Whether `name` is a function name (python/torpor/spec.py's `NAME_RE`): the rule tenant
+/// names follow too, kept in one place ([`crate::tenant::is_tenant_name`]).
 pub fn is_function_name(name: &str) -> bool {
-    let b = name.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"_.-".contains(c))
+    crate::tenant::is_tenant_name(name)
 }
 
 impl<S: Send + Sync> axum::extract::FromRequestParts<S> for FunctionName {
