@@ -7,11 +7,10 @@
 use std::fs;
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
-use std::sync::atomic::Ordering;
 
 use crate::store::chunk::{self, HEADER_LEN};
 use crate::store::error::{io_error, StoreError};
-use crate::store::write::{already_stored, write_private, TMP_COUNTER};
+use crate::store::write::{already_stored, place_chunk_file};
 use crate::store::{ChunkRef, ChunkStore, StoreWriter};
 
 impl ChunkStore {
@@ -70,24 +69,8 @@ impl StoreWriter<'_> {
         if already_stored(&path, c.len) {
             return Ok(false);
         }
-        let tmp = store.tmp_dir().join(format!(
-            "{}.{}.{}",
-            c.id.to_hex(),
-            std::process::id(),
-            TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        write_private(&tmp, bytes).map_err(|e| {
-            let _ = fs::remove_file(&tmp);
-            io_error("write", &tmp, e)
-        })?;
-        let dir = path.parent().expect("chunk paths have a fan-out directory");
-        let placed = fs::create_dir_all(dir)
-            .map_err(|e| io_error("create", dir, e))
-            .and_then(|()| fs::rename(&tmp, &path).map_err(|e| io_error("write", &path, e)));
-        if placed.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        placed.map(|()| true)
+        place_chunk_file(store, &c.id, &path, bytes)?;
+        Ok(true)
     }
 }
 

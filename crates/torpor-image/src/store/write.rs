@@ -224,24 +224,7 @@ impl StoreWriter<'_> {
             });
         }
         let bytes = chunk::encode(data, self.store.compression);
-        let tmp = self.store.tmp_dir().join(format!(
-            "{}.{}.{}",
-            id.to_hex(),
-            std::process::id(),
-            TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        write_private(&tmp, &bytes).map_err(|e| {
-            let _ = fs::remove_file(&tmp);
-            io_error("write", &tmp, e)
-        })?;
-        let dir = path.parent().expect("chunk paths have a fan-out directory");
-        let placed = fs::create_dir_all(dir)
-            .map_err(|e| io_error("create", dir, e))
-            .and_then(|()| fs::rename(&tmp, &path).map_err(|e| io_error("write", &path, e)));
-        if placed.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        placed?;
+        place_chunk_file(self.store, &id, &path, &bytes)?;
         Ok(Stored {
             chunk,
             written: Some(bytes.len() as u64),
@@ -281,4 +264,33 @@ fn syncfs(dir: &Path) -> Result<(), StoreError> {
         return Err(io_error("flush", dir, std::io::Error::last_os_error()));
     }
     Ok(())
+}
+
+/// Puts the encoded chunk file `bytes` of `id` at `path`, its place in `store`: written privately
+/// into the store's tmp dir, then renamed into its fan-out directory, so that no reader ever
+/// sees half a chunk. Nothing is left in the tmp dir on failure.
+pub(super) fn place_chunk_file(
+    store: &ChunkStore,
+    id: &ChunkId,
+    path: &Path,
+    bytes: &[u8],
+) -> Result<(), StoreError> {
+    let tmp = store.tmp_dir().join(format!(
+        "{}.{}.{}",
+        id.to_hex(),
+        std::process::id(),
+        TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    write_private(&tmp, bytes).map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        io_error("write", &tmp, e)
+    })?;
+    let dir = path.parent().expect("chunk paths have a fan-out directory");
+    let placed = fs::create_dir_all(dir)
+        .map_err(|e| io_error("create", dir, e))
+        .and_then(|()| fs::rename(&tmp, path).map_err(|e| io_error("write", path, e)));
+    if placed.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    placed
 }

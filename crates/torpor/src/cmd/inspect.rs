@@ -1,7 +1,6 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use anyhow::Context as _;
 use torpor_image::store::ChunkStore;
 use torpor_image::{ImageError, KeyError, Sealing, Snapshot, SnapshotKey, Trust};
 
@@ -18,17 +17,7 @@ pub fn run(
     let usage = match store {
         None => None,
         Some(root) => {
-            let id = match store_id {
-                Some(id) => id.to_owned(),
-                None => dir
-                    .canonicalize()
-                    .ok()
-                    .and_then(|d| d.file_name()?.to_str().map(str::to_owned))
-                    .context(format!(
-                        "cannot name {} in the store: pass --store-id",
-                        dir.display()
-                    ))?,
-            };
+            let id = super::snapshot_id(dir, store_id, "--store-id")?;
             let store = ChunkStore::open_existing(root)?;
             Some((store.usage(&id)?, store))
         }

@@ -198,6 +198,24 @@ impl KeyArgs {
 }
 
 /// `Trust` for an optional key: the key, or unkeyed.
+/// The id a snapshot directory goes by in a chunk store or a bucket: `given`, else the
+/// directory's own name; `flag` is the option that names it, for the error.
+pub fn snapshot_id(
+    dir: &std::path::Path,
+    given: Option<&str>,
+    flag: &str,
+) -> anyhow::Result<String> {
+    use anyhow::Context;
+    match given {
+        Some(id) => Ok(id.to_owned()),
+        None => dir
+            .canonicalize()
+            .ok()
+            .and_then(|d| d.file_name()?.to_str().map(str::to_owned))
+            .with_context(|| format!("cannot name {}: pass {flag}", dir.display())),
+    }
+}
+
 pub fn trust(key: Option<&torpor_image::SnapshotKey>) -> torpor_image::Trust<'_> {
     key.map_or(torpor_image::Trust::Unkeyed, torpor_image::Trust::Key)
 }

@@ -3,7 +3,6 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::Context as _;
 use torpor_image::store::ChunkStore;
 use torpor_objstore::{Progress as Step, PullReport, PushReport, Remote, RemoteConfig};
 
@@ -60,17 +59,7 @@ pub fn push(
     key: &super::KeyArgs,
 ) -> anyhow::Result<ExitCode> {
     let key = key.checking_key()?;
-    let id = match id {
-        Some(id) => id.to_owned(),
-        None => dir
-            .canonicalize()
-            .ok()
-            .and_then(|d| d.file_name()?.to_str().map(str::to_owned))
-            .context(format!(
-                "cannot name {} in the bucket: pass --id",
-                dir.display()
-            ))?,
-    };
+    let id = super::snapshot_id(dir, id, "--id")?;
     let (remote, store) = args.open()?;
     let what = format!("pushing {id}");
     let progress = Progress::start(what.clone());
