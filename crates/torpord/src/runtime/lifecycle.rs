@@ -426,6 +426,22 @@ pub(crate) struct WorkerTree {
     pub(crate) cgroup: Option<crate::cgroup::Cgroup>,
 }
 
+impl WorkerTree {
+    pub(crate) fn new(
+        init: i32,
+        worker: i32,
+        conn: WorkerConn,
+        cgroup: Option<crate::cgroup::Cgroup>,
+    ) -> Self {
+        Self {
+            init,
+            worker,
+            conn,
+            cgroup,
+        }
+    }
+}
+
 /// What [`Runtime::adopt`] makes an instance of.
 pub(crate) struct Adopted<'a> {
     pub(crate) function: &'a str,

@@ -145,12 +145,7 @@ impl Runtime {
             row.id.clone(),
             &row.function,
             generation,
-            WorkerTree {
-                init,
-                worker,
-                conn,
-                cgroup: None,
-            },
+            WorkerTree::new(init, worker, conn, None),
             Keep::new(State::Starting, Instant::now()),
         );
         {

@@ -39,12 +39,7 @@ impl Runtime {
                     source,
                 })?;
         timings.push(("start".to_string(), t.elapsed().as_secs_f64()));
-        let tree = WorkerTree {
-            init,
-            worker,
-            conn,
-            cgroup,
-        };
+        let tree = WorkerTree::new(init, worker, conn, cgroup);
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
         tracing::info!(function = name, instance = %inst.id, pid = init, boot_ms = t.elapsed().as_secs_f64() * 1e3, "instance booted");

@@ -85,12 +85,7 @@ impl Runtime {
             }
         };
         let plan_s = hello.elapsed().as_secs_f64();
-        let tree = WorkerTree {
-            init,
-            worker,
-            conn,
-            cgroup,
-        };
+        let tree = WorkerTree::new(init, worker, conn, cgroup);
         let adopted = Adopted::new(name, info, generation, sleeper, tree);
         let inst = self.adopt(new.id, adopted).await?;
         // A woken instance's hibernation snapshot goes once nothing reads it any more: its

@@ -297,12 +297,7 @@ impl Runtime {
         new.charge.process_started(init);
         let what = format!("a standby instance of {name:?}");
         let conn = self.wake_function(name, init, worker, &what).await?;
-        let tree = WorkerTree {
-            init,
-            worker,
-            conn,
-            cgroup,
-        };
+        let tree = WorkerTree::new(init, worker, conn, cgroup);
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
         if let Some(plan) = plan {
