@@ -9,7 +9,7 @@
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
 # the compat functions through a fresh daemon, into $OUT/compat-h100.json and $OUT/compat.log
 # ($COMPAT_ONLY: comma-separated names; $COMPAT_BUDGET_S: stop starting programs after, default 300;
-# functions stop deploying 150 s after they start).
+# functions stop deploying 240 s after they start).
 # Not part of `all`.
 # demo: `make demo` with the carried binary (scripts/demo.py: torpord deploys examples/resnet152,
 # its weights written first if absent), into $OUT/demo.log. Not part of `all`.

@@ -20,6 +20,10 @@ def seconds(v: Any) -> str:
     return f"{v:.2f} s" if isinstance(v, (int, float)) else "—"
 
 
+def millis(v: Any) -> str:
+    return f"{v * 1e3:.1f} ms" if isinstance(v, (int, float)) else "—"
+
+
 def render(doc: dict[str, Any]) -> str:
     out = [
         f"{doc.get('machine', '?')}; binary {str(doc.get('commit', '?'))[:12]}; "
@@ -37,13 +41,18 @@ def render(doc: dict[str, Any]) -> str:
             + (f"{size / 1e9:.2f} GB" if isinstance(size, int) else "—")
             + f" | {', '.join(map(str, p.get('attempts') or [])) or '—'} |"
         )
-    out += ["", "| function | outcome | deploy | cold | warm | answers identical |", "|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "| function | path | outcome | deploy | cold | warm | handler after restore | handler warm | answers identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for f in doc["functions"]:
         answers = f.get("answers") or []
         same = all(a.get("ok") for a in answers) and bool(answers)
         out.append(
-            f"| {f['function']} | {f['outcome']} | {seconds(f.get('deploy_s'))} | {seconds(f.get('cold_s'))} | "
-            f"{seconds(f.get('warm_s'))} | {'yes' if same else 'no'} |"
+            f"| {f['function']} | {f.get('path', 'transparent')} | {f['outcome']} | {seconds(f.get('deploy_s'))} | "
+            f"{seconds(f.get('cold_s'))} | {millis(f.get('warm_s'))} | {millis(f.get('cold_handler_s'))} | "
+            f"{millis(f.get('warm_handler_s'))} | {'yes' if same else 'no'} |"
         )
     s = doc["summary"]
     out += [
