@@ -121,8 +121,49 @@ pub struct SnapshotReport {
     pub warnings: Vec<String>,
 }
 
+/// How many times a snapshot is tried when a process forked from a CUDA process reached CRIU
+/// with the driver's mappings (see [`forked_during_dump`]).
+const DUMP_ATTEMPTS: u32 = 3;
+
 /// Takes a snapshot; see the module doc for the protocol.
+///
+/// A dump that CRIU refused because a process forked from a CUDA process still held the
+/// driver's mappings is rolled back (the source runs again) and tried anew: the tree is listed
+/// twice before the dump, yet a fork can land between the second listing and CRIU's seize. On
+/// the H100 (2026-11-23) inductor's compile-worker pool did so once in three deploys of a
+/// `torch.compile` function; the next attempt finds the pool started and its children already
+/// released.
 pub fn snapshot(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError> {
+    let mut attempt = 1;
+    loop {
+        match snapshot_once(opts) {
+            Err(e) if attempt < DUMP_ATTEMPTS && forked_during_dump(&e) => attempt += 1,
+            Ok(mut report) if attempt > 1 => {
+                report.warnings.push(format!(
+                    "the dump was taken on attempt {attempt} of {DUMP_ATTEMPTS}: a process forked from a CUDA process reached CRIU with the driver's mappings before (each earlier attempt was rolled back and the source ran on)"
+                ));
+                return Ok(report);
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Whether CRIU refused the dump over a device mapping of a process the driver does not know
+/// (its CUDA plugin's `handle_device_vma`): a child forked after the tree was listed. Only a
+/// clean failure counts: the rollback put the source back, so trying again is safe.
+fn forked_during_dump(e: &SnapshotError) -> bool {
+    const PLUGIN: &str = "handle_device_vma";
+    match e {
+        SnapshotError::Dump { source, .. } => {
+            source.to_string().contains(PLUGIN)
+                || source.log_errors(20).iter().any(|l| l.contains(PLUGIN))
+        }
+        _ => false,
+    }
+}
+
+fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError> {
     preflight::require_root("torpor snapshot")?;
     preflight::require_checkpoint_restore_kernel(Path::new("/proc"))?;
     let criu = preflight::require_criu()?;
