@@ -415,6 +415,7 @@ class Workers:
         data_file: bool = True,
         hold_mb: int = 0,
         load_lib: Path | None = None,
+        threads: int = 0,
         timeout: float = 30.0,
     ) -> Worker:
         """Start tests/programs/stateful_server.py."""
@@ -434,6 +435,8 @@ class Workers:
             argv += ["--hold-mb", hold_mb]
         if load_lib is not None:
             argv += ["--load-lib", load_lib]
+        if threads:
+            argv += ["--threads", threads]
         return self.start(argv, endpoint=endpoint, ready=ready, name=name, timeout=timeout)
 
     def adopt(self, init_pid: int, endpoint: Endpoint, name: str) -> Worker:

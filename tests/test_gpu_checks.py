@@ -120,3 +120,40 @@ def test_a_transient_driver_restore_failure_is_retried_from_the_snapshot(
         import signal
 
         os.kill(pid, signal.SIGKILL)
+
+
+def test_a_restored_cuda_process_runs_nothing_but_the_driver_restore_thread_until_restored(
+    torpor: Torpor, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """Between CRIU letting the restored tasks go and the driver's restore, libcuda's own threads
+    crashed a restored JAX process on the H100 (they read a driver mapping only the restore puts
+    back). So the CUDA process is stopped at CRIU's pre-resume point and only the driver's restore
+    thread runs (the fake driver names the main thread) while the driver restores: the fake logs
+    every thread's state then. Afterwards the whole process runs and answers."""
+    ws = Workers(torpor, tmp_path)
+    try:
+        w = ws.server(load_lib=fake_cuda.lib, threads=3)
+        assert w.ask("incr") == "1"
+        env = fake_cuda.env(fake_cuda.lib, [w.child_pid], tmp_path / "fake.log", tmp_path / "state", gpu_bytes=GIB)
+        snap = tmp_path / "snap"
+        torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap, env=env)
+        w.wait_gone()
+        log = tmp_path / "restore-fake.log"
+        renv = fake_cuda.env(fake_cuda.lib, [], log, tmp_path / "restore-state")
+        renv = {**renv, "FAKE_CUDA_PIDS": "*", "FAKE_NVML_PROCS": "", "FAKE_CUDA_DEFAULT_STATE": "checkpointed",
+                "FAKE_CUDA_LOG_THREADS": "1"}  # fmt: skip
+        restored = ws.restore(snap, endpoint=w.endpoint, env=renv)
+        [line] = [x for x in log.read_text().splitlines() if x.startswith("restore ")]
+        states = line.split(" threads=")[1].split()[0].split(",")
+        # The first listed thread is the main one: the fake's restore thread.
+        assert len(states) == 4 and states[0] not in "Tt", line
+        assert all(s == "T" for s in states[1:]), f"a thread ran before the driver's restore: {line}"
+        # Then everything runs: the threads tick again and the server answers.
+        assert restored.ask("incr") == "2"
+        pid = int(line.split()[1])
+        wait_until(
+            lambda: all(t.read_text().split(")")[-1].split()[0] in "RS" for t in Path(f"/proc/{pid}/task").glob("*/stat")),
+            10, "every thread to run again",
+        )  # fmt: skip
+    finally:
+        ws.cleanup()

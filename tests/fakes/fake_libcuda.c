@@ -46,6 +46,7 @@
  * non-zero pair count needs a pair array, else CUDA_ERROR_INVALID_VALUE (1).
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -420,6 +421,42 @@ CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args
     return act("checkpoint", pid, "", "FAKE_CUDA_CKPT_RESULT", ok, LOCKED, CHECKPOINTED);
 }
 
+/* Appends " threads=" and the state letter of every thread of `pid` (tid order as listed), e.g.
+ * " threads=S,T,T"; returns the length appended. */
+static int thread_states(int pid, char *out, size_t room) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/task", pid);
+    DIR *dir = opendir(path);
+    if (!dir || room < 16) {
+        if (dir)
+            closedir(dir);
+        return 0;
+    }
+    int at = snprintf(out, room, " threads=");
+    const struct dirent *e;
+    int first = 1;
+    while ((e = readdir(dir)) && at < (int)room - 4) {
+        if (e->d_name[0] == '.')
+            continue;
+        char stat_path[128], buf[512] = {0};
+        snprintf(stat_path, sizeof stat_path, "/proc/%d/task/%s/stat", pid, e->d_name);
+        FILE *f = fopen(stat_path, "r");
+        if (!f)
+            continue;
+        size_t n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[n] = 0;
+        /* The state follows the command's closing parenthesis. */
+        const char *close = strrchr(buf, ')');
+        if (!close || close[1] != ' ' || !close[2])
+            continue;
+        at += snprintf(out + at, room - (size_t)at, "%s%c", first ? "" : ",", close[2]);
+        first = 0;
+    }
+    closedir(dir);
+    return at;
+}
+
 CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
     char detail[1800];
     unsigned int count = args ? args->gpuPairsCount : 0;
@@ -434,6 +471,11 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
             at += snprintf(detail + at, sizeof detail - (size_t)at, " %s>%s", old_uuid, new_uuid);
         }
     }
+    /* FAKE_CUDA_LOG_THREADS=1: the state letter of each thread of the target (/proc/PID/task/TID/
+     * stat, in the kernel's listing order) as the restore saw them, e.g. "threads=SS,T,T": what a
+     * test needs to see that only the restore thread ran while the driver restored. */
+    if (env("FAKE_CUDA_LOG_THREADS"))
+        at += thread_states(pid, detail + at, sizeof detail - (size_t)at);
     /* FAKE_CUDA_RESTORE_FLAKY=PATH: the first restore fails with CUDA_ERROR_OPERATING_SYSTEM (and
      * creates PATH), as the real driver's intermittent restore failure does; later ones work. */
     const char *flaky = env("FAKE_CUDA_RESTORE_FLAKY");

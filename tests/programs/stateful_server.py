@@ -25,6 +25,8 @@ import hashlib
 import json
 import os
 import sys
+import threading
+import time
 
 from linesrv import Endpoint, Exit, Request, listen, serve
 
@@ -93,6 +95,11 @@ class State:
         return f"error unknown command {cmd!r}"
 
 
+def tick() -> None:
+    while True:
+        time.sleep(0.01)
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ready", required=True, help="file created once the sockets listen")
@@ -103,7 +110,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--data-file", help="append one line per request to this file through a held fd")
     p.add_argument("--hold-mb", type=int, default=0, help="also hold this many MiB of filled memory")
     p.add_argument("--load-lib", help="dlopen this shared library (look like a process using it)")
+    p.add_argument("--threads", type=int, default=0, help="also run this many threads that wake every 10 ms")
     a = p.parse_args(argv)
+    for _ in range(a.threads):
+        # Like a driver's or a framework's helper threads: always about to run again.
+        threading.Thread(target=tick, daemon=True).start()
 
     state = State(a.data_file)
     # Filled memory (every page touched), so a snapshot has that much to write.

@@ -55,5 +55,5 @@ pub use locate::{
     locate, min_version, private_prefix, Criu, Version, ENV_CRIU, ENV_PREFIX, MIN_VERSION,
 };
 pub use netns::{set_loopback_up, NetnsError};
-pub use request::{DumpRequest, InheritedFd, RestoreRequest, SETUP_NAMESPACES};
+pub use request::{DumpRequest, InheritedFd, RestoreRequest, PRE_RESUME, SETUP_NAMESPACES};
 pub use swrk::{Notification, NotifyHandler};

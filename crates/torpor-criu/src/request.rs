@@ -14,6 +14,9 @@ use crate::swrk::{self, Notification, NotifyHandler};
 /// The notification CRIU sends once the restored tree's namespaces exist, before any of its
 /// files, sockets or memory are restored. Its pid is the restored root's host pid.
 pub const SETUP_NAMESPACES: &str = "setup-namespaces";
+/// The action-script point right before CRIU lets the restored tasks go (it still holds every
+/// thread): a signal sent then is the first thing each thread meets.
+pub const PRE_RESUME: &str = "pre-resume";
 
 /// What to dump and how. CRIU writes its images and `log_file` into `images_dir`.
 #[derive(Clone, Debug)]

@@ -16,6 +16,7 @@ pub mod preflight;
 pub mod proctree;
 pub mod remote_syscall;
 pub mod restore;
+pub mod restore_thread;
 pub mod snapshot;
 pub mod space;
 pub mod stage;

@@ -27,6 +27,7 @@ use crate::interrupt;
 use crate::phases::Phases;
 use crate::preflight::{self, PreflightError};
 use crate::proctree;
+use crate::restore_thread;
 
 /// What to restore and how.
 pub struct RestoreOptions<'a> {
@@ -229,6 +230,12 @@ pub enum RestoreError {
     /// The driver restore failed; the restored tree was killed.
     #[error("{source}; the restored processes were killed")]
     Gpu { source: StepError },
+    /// The driver's restore thread of a restored CUDA process could not be run alone; the
+    /// restored tree was killed.
+    #[error("{source}; the restored processes were killed")]
+    RestoreThread {
+        source: crate::restore_thread::RestoreThreadError,
+    },
     /// SIGINT/SIGTERM arrived; the restored tree was killed.
     #[error("interrupted: the restored processes were killed")]
     Interrupted,
@@ -424,8 +431,14 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
             Some(daemon)
         }
     };
+    // The CUDA processes stay stopped from CRIU's resume until the driver has restored them
+    // (restore_thread): only when this restore resumes them on the GPU itself.
+    let cuda_inner: Vec<i32> = match &plan {
+        Some(_) if opts.resume_gpu => cuda_inner_pids(&manifest),
+        _ => Vec::new(),
+    };
     let daemon = daemon.map(std::sync::Mutex::new);
-    let restored = restore_watching(&criu, &request, daemon.as_ref(), &mut phases);
+    let restored = restore_watching(&criu, &request, daemon.as_ref(), &cuda_inner, &mut phases);
     let daemon = daemon.map(|d| d.into_inner().unwrap_or_else(|e| e.into_inner()));
     let pid = match restored {
         Ok(pid) => pid,
@@ -458,13 +471,7 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
         }
     };
     if let Some(plan) = &plan {
-        let inner: Vec<i32> = manifest
-            .source
-            .tree
-            .iter()
-            .filter(|p| p.cuda)
-            .map(|p| p.ns_pid.last().copied().unwrap_or(p.pid))
-            .collect();
+        let inner = cuda_inner_pids(&manifest);
         let pids = match restored_pids(pid, &inner) {
             Ok(p) => p,
             Err(e) => {
@@ -472,14 +479,26 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
                 return Err(e);
             }
         };
-        let mut tasks = GpuTasks::restored(plan.driver, pids);
+        let mut tasks = GpuTasks::restored(plan.driver, pids.clone());
         let resumed = if !opts.resume_gpu {
             // Left locked + checkpointed for the caller (see RestoreOptions::resume_gpu).
             Ok(())
         } else {
-            phases
+            // Stopped since CRIU let them go: each runs only its driver restore thread until
+            // the driver has put its GPU state back (restore_thread's module doc says why).
+            let alone = match run_restore_threads(plan.driver, &pids) {
+                Ok(threads) => threads,
+                Err(e) => {
+                    kill_restored();
+                    return Err(e);
+                }
+            };
+            let resumed = phases
                 .time("cuda_restore", || tasks.restore_all(&plan.pairs))
-                .and_then(|_| phases.time("cuda_unlock", || tasks.unlock_all()))
+                .and_then(|_| phases.time("cuda_unlock", || tasks.unlock_all()));
+            drop(alone);
+            restore_thread::resume(&pids);
+            resumed
         };
         if let Err(source) = resumed {
             kill_restored();
@@ -508,6 +527,7 @@ fn restore_watching(
     criu: &torpor_criu::Criu,
     request: &RestoreRequest,
     daemon: Option<&std::sync::Mutex<LazyPages>>,
+    stop_at_resume: &[i32],
     phases: &mut Phases,
 ) -> Result<i32, CriuError> {
     use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -543,6 +563,14 @@ fn restore_watching(
                 criu_pid.store(n.criu_pid as i32, Ordering::Release);
                 if n.script == torpor_criu::SETUP_NAMESPACES {
                     root.store(n.pid.unwrap_or(0), Ordering::Release);
+                }
+                // CRIU still holds every thread: a SIGSTOP now is what each of them meets
+                // first when CRIU lets go. A CUDA process not found is reported after CRIU
+                // (restored_pids), when nothing of it has run.
+                if n.script == torpor_criu::PRE_RESUME && !stop_at_resume.is_empty() {
+                    if let Ok(pids) = restored_pids(root.load(Ordering::Acquire), stop_at_resume) {
+                        restore_thread::stop(&pids);
+                    }
                 }
                 Ok(())
             })
@@ -601,6 +629,44 @@ fn stdio_handles(
 }
 
 /// Host pids of the restored processes whose innermost pid is in `inner`, in that order.
+/// The pids of the snapshot's CUDA processes as seen inside its PID namespace.
+fn cuda_inner_pids(manifest: &Manifest) -> Vec<i32> {
+    manifest
+        .source
+        .tree
+        .iter()
+        .filter(|p| p.cuda)
+        .map(|p| p.ns_pid.last().copied().unwrap_or(p.pid))
+        .collect()
+}
+
+/// Lets the driver's restore thread of each stopped CUDA process run alone.
+fn run_restore_threads(
+    driver: &CudaDriver,
+    pids: &[i32],
+) -> Result<Vec<restore_thread::RunningRestoreThread>, RestoreError> {
+    let mut running = Vec::with_capacity(pids.len());
+    for &pid in pids {
+        // Each thread stops as CRIU lets it go; a thread seized before its stop is handled
+        // too (RunningRestoreThread::start), so this only saves that detour.
+        restore_thread::wait_stopped(pid, std::time::Duration::from_secs(1));
+        let tid = driver
+            .restore_thread_id(pid)
+            .map_err(|source| RestoreError::Gpu {
+                source: StepError {
+                    step: "restore thread lookup",
+                    pid,
+                    source,
+                },
+            })?;
+        running.push(
+            restore_thread::RunningRestoreThread::start(pid, tid)
+                .map_err(|source| RestoreError::RestoreThread { source })?,
+        );
+    }
+    Ok(running)
+}
+
 fn restored_pids(root: i32, inner: &[i32]) -> Result<Vec<i32>, RestoreError> {
     let tree: Vec<_> = proctree::tree(root)
         .into_iter()
