@@ -435,6 +435,11 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    # Each path's daemon log beside the JSON: a slow or failed function is explained there.
+    for path in PATHS:
+        log = work / f"daemon-{path}" / "daemon.log"
+        if log.exists():
+            shutil.copy(log, args.out.parent / f"{args.out.stem}-daemon-{path}.log")
     print(json.dumps(doc["summary"], indent=2))
     shutil.rmtree(work, ignore_errors=True)
     s = summarise(programs, functions)
