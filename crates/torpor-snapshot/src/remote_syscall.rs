@@ -135,27 +135,14 @@ impl RemoteProcess {
     /// Waits for the next stop; returns its signal and ptrace event (0 for none).
     #[cfg(target_arch = "x86_64")]
     fn wait_stop(&mut self) -> Result<(libc::c_int, libc::c_int), RemoteError> {
-        loop {
-            let mut status = 0;
-            // SAFETY: status is a valid int to write; __WALL also waits for threads.
-            let rc = unsafe { libc::waitpid(self.pid, &mut status, libc::__WALL) };
-            if rc < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(RemoteError::Ptrace {
-                    step: "waitpid",
-                    pid: self.pid,
-                    source: e,
-                });
-            }
-            if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
-                return Err(RemoteError::Exited { pid: self.pid });
-            }
-            if libc::WIFSTOPPED(status) {
-                return Ok((libc::WSTOPSIG(status), status >> 16));
-            }
+        match crate::sys::wait_tracee(self.pid) {
+            Ok(crate::sys::TraceeStop::Stopped { signal, event }) => Ok((signal, event)),
+            Ok(crate::sys::TraceeStop::Gone) => Err(RemoteError::Exited { pid: self.pid }),
+            Err(source) => Err(RemoteError::Ptrace {
+                step: "waitpid",
+                pid: self.pid,
+                source,
+            }),
         }
     }
 

@@ -164,34 +164,20 @@ impl RunningRestoreThread {
         Ok(me)
     }
 
-    /// Waits for the thread's next ptrace stop; other stops on the way (a signal) are passed
-    /// over without delivering them, as they stay pending in the process.
+    /// Waits for the thread's next ptrace stop.
     fn wait_trap(&mut self) -> Result<(), RestoreThreadError> {
-        loop {
-            let mut status = 0;
-            // SAFETY: waitpid writes one int; __WALL waits for a thread as well.
-            let rc = unsafe { libc::waitpid(self.tid, &mut status, libc::__WALL) };
-            if rc < 0 {
-                let source = io::Error::last_os_error();
-                if source.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(RestoreThreadError::Ptrace {
-                    step: "waitpid",
-                    pid: self.pid,
-                    tid: self.tid,
-                    source,
-                });
-            }
-            if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
-                return Err(RestoreThreadError::Exited {
-                    pid: self.pid,
-                    tid: self.tid,
-                });
-            }
-            if libc::WIFSTOPPED(status) {
-                return Ok(());
-            }
+        match crate::sys::wait_tracee(self.tid) {
+            Ok(crate::sys::TraceeStop::Stopped { .. }) => Ok(()),
+            Ok(crate::sys::TraceeStop::Gone) => Err(RestoreThreadError::Exited {
+                pid: self.pid,
+                tid: self.tid,
+            }),
+            Err(source) => Err(RestoreThreadError::Ptrace {
+                step: "waitpid",
+                pid: self.pid,
+                tid: self.tid,
+                source,
+            }),
         }
     }
 }

@@ -129,3 +129,39 @@ pub(crate) fn unix_millis() -> u128 {
         .map(|d| d.as_millis())
         .unwrap_or(0)
 }
+
+/// What waiting for a traced thread found.
+pub(crate) enum TraceeStop {
+    /// In a ptrace stop: its signal and its ptrace event (0 for none).
+    Stopped {
+        signal: libc::c_int,
+        event: libc::c_int,
+    },
+    /// It exited or was killed.
+    Gone,
+}
+
+/// Waits for the next stop of traced thread `tid` (`__WALL`: threads too), retrying on EINTR.
+pub(crate) fn wait_tracee(tid: i32) -> io::Result<TraceeStop> {
+    loop {
+        let mut status = 0;
+        // SAFETY: status is a valid int to write.
+        let rc = unsafe { libc::waitpid(tid, &mut status, libc::__WALL) };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+            return Ok(TraceeStop::Gone);
+        }
+        if libc::WIFSTOPPED(status) {
+            return Ok(TraceeStop::Stopped {
+                signal: libc::WSTOPSIG(status),
+                event: status >> 16,
+            });
+        }
+    }
+}
