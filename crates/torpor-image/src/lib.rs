@@ -17,6 +17,7 @@ mod auth;
 mod error;
 mod hash;
 mod manifest;
+mod reopened;
 mod snapshot;
 pub mod store;
 mod summary;
@@ -31,6 +32,7 @@ pub use manifest::{
     check_relative_path, ArchivedMount, ExternalMount, FileEntry, GpuEntry, GpuSection, Host,
     Manifest, ProcessEntry, SnapshotKind, Source, StdioFile, MANIFEST_FILE, MAX_MANIFEST_BYTES,
 };
+pub use reopened::{check_reopened, ReopenedCheck, ReopenedFile};
 pub use snapshot::{is_restore_artifact, Sealing, Snapshot, VerifyReport};
 pub use summary::{human_seconds, human_size, render_store_usage, render_summary};
 pub use time::{format_rfc3339_utc, now_rfc3339_utc};

@@ -19,7 +19,9 @@ use std::sync::OnceLock;
 
 use torpor_criu::{CriuError, InheritedFd, LazyPages, LazyPagesError, RestoreRequest};
 use torpor_cuda::{CudaDriver, CudaError, GpuUuid, Nvml};
-use torpor_image::{GpuSection, ImageError, Manifest, Snapshot, Trust};
+use torpor_image::{
+    check_reopened, GpuSection, ImageError, Manifest, ReopenedCheck, Snapshot, Trust,
+};
 
 use crate::gpu_map::GpuMapping;
 use crate::gpu_tasks::{GpuTasks, StepError};
@@ -330,10 +332,15 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     let (verified, plan) = std::thread::scope(|scope| {
         let verify = scope.spawn(|| {
             let t = std::time::Instant::now();
-            let checked = match opts.verify {
-                Verify::Hashes => snapshot.verify(),
-                Verify::SizesOnly => snapshot.size_check_only(),
+            let (checked, depth) = match opts.verify {
+                Verify::Hashes => (snapshot.verify(), ReopenedCheck::Hashes),
+                Verify::SizesOnly => (snapshot.size_check_only(), ReopenedCheck::Sizes),
             };
+            // The files CRIU maps again by path must be the ones it was taken with.
+            let checked = checked.and_then(|report| {
+                let reopened = &snapshot.manifest().reopened_files;
+                check_reopened(reopened, Path::new("/"), opts.dir, depth).map(|()| report)
+            });
             (checked, t.elapsed().as_secs_f64())
         });
         let t = std::time::Instant::now();
