@@ -32,7 +32,10 @@ pub use manifest::{
     check_relative_path, ArchivedMount, ExternalMount, FileEntry, GpuEntry, GpuSection, Host,
     Manifest, ProcessEntry, SnapshotKind, Source, StdioFile, MANIFEST_FILE, MAX_MANIFEST_BYTES,
 };
-pub use reopened::{check_reopened, ReopenedCheck, ReopenedFile};
+pub use reopened::{
+    check_reopened, hash_cache_path, sha256_file, HashCache, ReopenedFile, DEFAULT_HASH_CACHE,
+    SETTLE,
+};
 pub use snapshot::{is_restore_artifact, Sealing, Snapshot, VerifyReport};
 pub use summary::{human_seconds, human_size, render_store_usage, render_summary};
 pub use time::{format_rfc3339_utc, now_rfc3339_utc};

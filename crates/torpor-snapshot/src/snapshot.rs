@@ -134,12 +134,18 @@ fn identify_reopened(
     archived: &[String],
 ) -> Vec<torpor_image::ReopenedFile> {
     let ns_root = Path::new("/proc").join(root.to_string()).join("root");
-    proctree::reopened_paths(pids, archived)
+    // The node's cache of file hashes (torpor_image::reopened): a deploy's snapshot of a
+    // worker whose libraries were hashed before reads none of them again.
+    let mut cache = torpor_image::HashCache::open(&torpor_image::hash_cache_path());
+    let files = proctree::reopened_paths(pids, archived)
         .iter()
         .filter_map(|p| {
-            torpor_image::ReopenedFile::identify(p, &ns_root.join(p.trim_start_matches('/'))).ok()
+            let path = ns_root.join(p.trim_start_matches('/'));
+            torpor_image::ReopenedFile::identify(p, &path, Some(&mut cache)).ok()
         })
-        .collect()
+        .collect();
+    cache.save();
+    files
 }
 
 /// Takes a snapshot; see the module doc for the protocol.

@@ -77,6 +77,8 @@ pub struct Runtime {
     /// Where each worker tree gets its cgroup (crate::cgroup); `None`: unconfined
     /// (`workers.allow_unconfined`, on a node without a usable cgroup file system).
     pub cgroups: Option<Arc<crate::cgroup::Cgroups>>,
+    /// `[objstore]`: pushes after deploys, pulls of unknown functions (crate::objstore).
+    pub objstore: Option<Arc<crate::objstore::Tier>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -101,6 +103,7 @@ impl Runtime {
         workers_socket: PathBuf,
         snapshot_key: Arc<torpor_image::SnapshotKey>,
         cgroups: Option<Arc<crate::cgroup::Cgroups>>,
+        objstore: Option<Arc<crate::objstore::Tier>>,
     ) -> Self {
         Self {
             python_dir: crate::sdk_dir::python_dir(),
@@ -133,6 +136,7 @@ impl Runtime {
             state_root,
             workers_socket,
             cgroups,
+            objstore,
         }
     }
 
