@@ -132,9 +132,9 @@ pub struct Fetched {
 #[derive(Debug, thiserror::Error)]
 pub enum PushError {
     #[error(transparent)]
-    Transfer(#[from] TransferError),
+    Transfer(Box<TransferError>),
     #[error(transparent)]
-    Remote(#[from] ObjError),
+    Remote(Box<ObjError>),
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The chunk store cannot be opened.
@@ -179,9 +179,9 @@ pub enum PullError {
     #[error(transparent)]
     NotPortable(torpor_image::ImageError),
     #[error(transparent)]
-    Transfer(#[from] TransferError),
+    Transfer(Box<TransferError>),
     #[error(transparent)]
-    Remote(#[from] ObjError),
+    Remote(Box<ObjError>),
     #[error("{0}")]
     StoreOpen(String),
     #[error("cannot remove the stale {path}: {source}")]
@@ -189,6 +189,30 @@ pub enum PullError {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+impl From<TransferError> for PushError {
+    fn from(e: TransferError) -> Self {
+        Self::Transfer(Box::new(e))
+    }
+}
+
+impl From<ObjError> for PushError {
+    fn from(e: ObjError) -> Self {
+        Self::Remote(Box::new(e))
+    }
+}
+
+impl From<TransferError> for PullError {
+    fn from(e: TransferError) -> Self {
+        Self::Transfer(Box::new(e))
+    }
+}
+
+impl From<ObjError> for PullError {
+    fn from(e: ObjError) -> Self {
+        Self::Remote(Box::new(e))
+    }
 }
 
 impl PullError {

@@ -204,16 +204,18 @@ impl Daemon {
         mut self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServeError> {
-        let runtime = Arc::new(Runtime::new(
-            self.config.clone(),
-            Arc::clone(&self.registry),
-            Arc::clone(&self.metrics),
-            self.state_dir.root().to_path_buf(),
-            self.state_dir.workers_socket(),
-            Arc::clone(&self.snapshot_key),
-            self.cgroups.clone(),
-            self.objstore.clone(),
-        ));
+        let runtime = Arc::new(
+            Runtime::new(
+                self.config.clone(),
+                Arc::clone(&self.registry),
+                Arc::clone(&self.metrics),
+                self.state_dir.root().to_path_buf(),
+                self.state_dir.workers_socket(),
+                Arc::clone(&self.snapshot_key),
+                self.cgroups.clone(),
+            )
+            .with_objstore(self.objstore.clone()),
+        );
         if let Err(e) = &runtime.python_dir {
             tracing::warn!(error = %e, "deploys will fail until this is fixed");
         }

@@ -103,7 +103,6 @@ impl Runtime {
         workers_socket: PathBuf,
         snapshot_key: Arc<torpor_image::SnapshotKey>,
         cgroups: Option<Arc<crate::cgroup::Cgroups>>,
-        objstore: Option<Arc<crate::objstore::Tier>>,
     ) -> Self {
         Self {
             python_dir: crate::sdk_dir::python_dir(),
@@ -136,8 +135,14 @@ impl Runtime {
             state_root,
             workers_socket,
             cgroups,
-            objstore,
+            objstore: None,
         }
+    }
+
+    /// The runtime with the object tier of `[objstore]` (crate::objstore).
+    pub fn with_objstore(mut self, objstore: Option<Arc<crate::objstore::Tier>>) -> Self {
+        self.objstore = objstore;
+        self
     }
 
     /// The cgroup of a new worker tree (`what` names it: an instance id, `base-…`), with the
