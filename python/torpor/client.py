@@ -66,3 +66,88 @@ def request(
         return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
     finally:
         conn.close()
+
+
+class ApiError(Exception):
+    """An answer other than 200: its status and the daemon's one error line."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """`POST /v1/functions/{name}/pull`'s answer: what the pull moved (0 bytes when the node
+    knew the function already)."""
+
+    function: str
+    pulled_bytes: int
+    pulled_chunks: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    """`GET /v1/functions/{name}/placement`'s answer: the node's local facts for routing
+    (docs/objstore.md, "Placement")."""
+
+    function: str
+    known: bool
+    instances: int
+    warm_idle: int
+    queue_depth: int
+    staged: bool
+    local_snapshot: bool
+    in_bucket: bool | None
+    gpu_free_bytes: int | None
+
+
+class Client:
+    """Typed calls of the daemon at `socket_path` (its Unix socket). Each raises `ApiError` on
+    an answer other than 200, `OSError` when no daemon answers."""
+
+    def __init__(self, socket_path: str | os.PathLike[str], timeout: float = 300.0) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+
+    def _ok(self, method: str, path: str) -> dict[str, Any]:
+        r = request(self.socket_path, method, path, None, self.timeout)
+        try:
+            doc = r.json()
+        except ValueError:
+            doc = {"error": r.body.decode(errors="replace")}
+        if r.status != 200:
+            raise ApiError(r.status, str(doc.get("error", doc)) if isinstance(doc, dict) else str(doc))
+        if not isinstance(doc, dict):
+            raise ApiError(r.status, f"expected a JSON object, got {doc!r}")
+        return doc
+
+    def pull(self, name: str) -> Pulled:
+        """Pulls function `name` from the object store into this node (only the chunks it
+        lacks) and registers it; idempotent. `ApiError` 404: not in the bucket."""
+        d = self._ok("POST", f"/v1/functions/{name}/pull")
+        return Pulled(str(d["function"]), int(d["pulled_bytes"]), int(d["pulled_chunks"]), float(d["seconds"]))
+
+    def placement(self, name: str) -> Placement:
+        """This node's facts for function `name`: known, instances, idle ones, queue, staged,
+        local snapshot, in the bucket, free GPU memory."""
+        d = self._ok("GET", f"/v1/functions/{name}/placement")
+        in_bucket = d["in_bucket"]
+        gpu_free = d["gpu_free_bytes"]
+        return Placement(
+            function=str(d["function"]),
+            known=bool(d["known"]),
+            instances=int(d["instances"]),
+            warm_idle=int(d["warm_idle"]),
+            queue_depth=int(d["queue_depth"]),
+            staged=bool(d["staged"]),
+            local_snapshot=bool(d["local_snapshot"]),
+            in_bucket=None if in_bucket is None else bool(in_bucket),
+            gpu_free_bytes=None if gpu_free is None else int(gpu_free),
+        )
+
+    def push(self, name: str) -> dict[str, Any]:
+        """Pushes function `name`'s current snapshot now (a deploy pushes by itself)."""
+        return self._ok("POST", f"/v1/functions/{name}/push")

@@ -48,6 +48,15 @@ pub enum ImageError {
     #[error("{dir} is not a torpor snapshot (no manifest.json) — an interrupted snapshot never has one: check the path or re-take the snapshot")]
     NotASnapshot { dir: PathBuf },
 
+    /// A file the restored tree reopens by path differs from the one the snapshot was taken with.
+    #[error("snapshot {dir} cannot be restored on this node: {file} differs from the one it was taken with ({expected}; here: {found}): install the same version of it, or take the snapshot on a node like this one")]
+    NotPortable {
+        dir: PathBuf,
+        file: String,
+        expected: String,
+        found: String,
+    },
+
     /// `manifest.json` is bigger than any real manifest.
     #[error("manifest {path} is {size} bytes, over the {limit}-byte limit: it is not a torpor manifest; re-take the snapshot")]
     ManifestTooLarge {

@@ -17,6 +17,7 @@ mod auth;
 mod error;
 mod hash;
 mod manifest;
+mod reopened;
 mod snapshot;
 pub mod store;
 mod summary;
@@ -30,6 +31,10 @@ pub use error::{ImageError, Result};
 pub use manifest::{
     check_relative_path, ArchivedMount, ExternalMount, FileEntry, GpuEntry, GpuSection, Host,
     Manifest, ProcessEntry, SnapshotKind, Source, StdioFile, MANIFEST_FILE, MAX_MANIFEST_BYTES,
+};
+pub use reopened::{
+    check_reopened, hash_cache_path, sha256_file, HashCache, ReopenedFile, DEFAULT_HASH_CACHE,
+    SETTLE,
 };
 pub use snapshot::{is_restore_artifact, Sealing, Snapshot, VerifyReport};
 pub use summary::{human_seconds, human_size, render_store_usage, render_summary};

@@ -15,6 +15,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ImageError, Result};
+use crate::reopened::ReopenedFile;
 use crate::time::now_rfc3339_utc;
 use crate::version::FormatVersion;
 
@@ -55,6 +56,11 @@ pub struct Manifest {
     /// recorded, and when stdio was no regular file.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stdio_files: Vec<StdioFile>,
+    /// The executables and mapped files the tree reopens by path at restore (the init binary,
+    /// Python, its libraries), with their sizes and hashes: a restore refuses a node whose files
+    /// differ ([`crate::check_reopened`]). Empty for snapshots taken before it was recorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reopened_files: Vec<ReopenedFile>,
     /// Every file of the snapshot except `manifest.json`, sorted by path.
     #[serde(default)]
     pub files: Vec<FileEntry>,
@@ -236,6 +242,7 @@ impl Manifest {
             external_mounts: Vec::new(),
             archived_mounts: Vec::new(),
             stdio_files: Vec::new(),
+            reopened_files: Vec::new(),
             files: Vec::new(),
             timings: BTreeMap::new(),
             stop_time_s: 0.0,

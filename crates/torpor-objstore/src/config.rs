@@ -78,30 +78,43 @@ impl RemoteConfig {
             path: path.to_path_buf(),
             reason: e.message().to_owned(),
         })?;
-        let invalid = |reason: String| ConfigError::Invalid {
+        config.check().map_err(|(_, reason)| ConfigError::Invalid {
             path: path.to_path_buf(),
             reason,
-        };
-        let url = url::Url::parse(&config.endpoint)
-            .map_err(|e| invalid(format!("endpoint {:?}: {e}", config.endpoint)))?;
-        if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
-            return Err(invalid(format!(
-                "endpoint {:?} is not an http(s) URL with a host",
-                config.endpoint
-            )));
-        }
-        if config.bucket.is_empty() {
-            return Err(invalid("bucket is empty".into()));
-        }
-        if !(config.prefix.is_empty() || config.prefix.ends_with('/'))
-            || config.prefix.starts_with('/')
-        {
-            return Err(invalid(format!(
-                "prefix {:?} must end with '/' and not start with one",
-                config.prefix
-            )));
-        }
+        })?;
         Ok(config)
+    }
+}
+
+impl RemoteConfig {
+    /// Checks the values no type can: the endpoint is an http(s) URL with a host, the bucket is
+    /// named, the prefix ends with '/' and does not start with one. The error names the key
+    /// and says why (torpord's `[objstore]` section is checked by this too).
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        let url = url::Url::parse(&self.endpoint)
+            .map_err(|e| ("endpoint", format!("endpoint {:?}: {e}", self.endpoint)))?;
+        if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+            return Err((
+                "endpoint",
+                format!(
+                    "endpoint {:?} is not an http(s) URL with a host",
+                    self.endpoint
+                ),
+            ));
+        }
+        if self.bucket.is_empty() {
+            return Err(("bucket", "bucket is empty".into()));
+        }
+        if !(self.prefix.is_empty() || self.prefix.ends_with('/')) || self.prefix.starts_with('/') {
+            return Err((
+                "prefix",
+                format!(
+                    "prefix {:?} must end with '/' and not start with one",
+                    self.prefix
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

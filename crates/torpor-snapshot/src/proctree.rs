@@ -8,6 +8,45 @@ use std::path::Path;
 
 use torpor_image::StdioFile;
 
+/// The files the tree reopens by path at restore: each process's executable and the files it
+/// maps privately (its libraries), as absolute paths in the processes' mount namespace, sorted,
+/// without duplicates. Paths under `skip` (mounts whose files CRIU archives into the image),
+/// deleted files and shared mappings (data, not code) are left out.
+pub fn reopened_paths(pids: &[i32], skip: &[String]) -> Vec<String> {
+    let mut paths = std::collections::BTreeSet::new();
+    for &pid in pids {
+        let dir = Path::new("/proc").join(pid.to_string());
+        if let Some(exe) = fs::read_link(dir.join("exe"))
+            .ok()
+            .and_then(|p| p.to_str().map(str::to_owned))
+        {
+            paths.insert(exe);
+        }
+        let Ok(maps) = fs::read_to_string(dir.join("maps")) else {
+            continue;
+        };
+        for line in maps.lines() {
+            // address perms offset dev inode path
+            let mut fields = line.splitn(6, ' ');
+            let perms = fields.nth(1).unwrap_or("");
+            let path = fields.nth(3).unwrap_or("").trim_start();
+            if path.starts_with('/') && !perms.contains('s') {
+                paths.insert(path.to_owned());
+            }
+        }
+    }
+    paths
+        .into_iter()
+        .filter(|p| !p.ends_with(" (deleted)"))
+        .filter(|p| {
+            !skip.iter().any(|m| {
+                let m = m.trim_end_matches('/');
+                p == m || p.starts_with(&format!("{m}/"))
+            })
+        })
+        .collect()
+}
+
 /// One process as /proc describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessInfo {
@@ -233,6 +272,21 @@ fn oom_kill_of(pid: i32) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reopened_paths_are_the_executable_and_its_libraries() {
+        let me = std::process::id() as i32;
+        let exe = fs::read_link("/proc/self/exe").expect("exe");
+        let exe = exe.to_str().expect("utf-8").to_owned();
+        let paths = reopened_paths(&[me], &[]);
+        assert!(paths.contains(&exe), "{paths:?}");
+        assert!(paths.iter().any(|p| p.contains("libc")), "{paths:?}");
+        assert!(paths.windows(2).all(|w| w[0] < w[1]), "sorted, unique");
+        // A mount CRIU archives hides what is under it.
+        let parent = Path::new(&exe).parent().expect("dir");
+        let skipped = reopened_paths(&[me], &[parent.to_string_lossy().into_owned()]);
+        assert!(!skipped.contains(&exe), "{skipped:?}");
+    }
 
     #[test]
     fn fate_tells_a_live_process_from_a_gone_one() {

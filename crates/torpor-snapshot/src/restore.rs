@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 use torpor_criu::{CriuError, InheritedFd, LazyPages, LazyPagesError, RestoreRequest};
 use torpor_cuda::{CudaDriver, CudaError, GpuUuid, Nvml};
-use torpor_image::{GpuSection, ImageError, Manifest, Snapshot, Trust};
+use torpor_image::{check_reopened, GpuSection, HashCache, ImageError, Manifest, Snapshot, Trust};
 
 use crate::gpu_map::GpuMapping;
 use crate::gpu_tasks::{GpuTasks, StepError};
@@ -334,7 +334,17 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
                 Verify::Hashes => snapshot.verify(),
                 Verify::SizesOnly => snapshot.size_check_only(),
             };
-            (checked, t.elapsed().as_secs_f64())
+            let verify_s = t.elapsed().as_secs_f64();
+            // The files CRIU maps again by path must be the ones it was taken with: hashed
+            // through the node's cache, so only files changed since they were last seen are
+            // read (torpor_image::reopened), staged copy or not.
+            let t = std::time::Instant::now();
+            let checked = checked.and_then(|report| {
+                let reopened = &snapshot.manifest().reopened_files;
+                let mut cache = HashCache::open(&torpor_image::hash_cache_path());
+                check_reopened(reopened, Path::new("/"), opts.dir, &mut cache).map(|()| report)
+            });
+            (checked, verify_s, t.elapsed().as_secs_f64())
         });
         let t = std::time::Instant::now();
         let plan = manifest
@@ -342,15 +352,17 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
             .as_ref()
             .map(|gpu| plan_gpus(gpu, opts.gpu_map));
         let plan_s = t.elapsed().as_secs_f64();
-        let (verified, verify_s) = verify.join().unwrap_or_else(|_| {
+        let (verified, verify_s, reopened_s) = verify.join().unwrap_or_else(|_| {
             (
                 Err(ImageError::Invalid {
                     reason: "verification thread panicked".into(),
                 }),
                 0.0,
+                0.0,
             )
         });
         phases.0.push(("verify".into(), verify_s));
+        phases.0.push(("check_reopened".into(), reopened_s));
         if plan.is_some() {
             phases.0.push(("gpu_checks".into(), plan_s));
         }

@@ -125,6 +125,29 @@ pub struct SnapshotReport {
 /// with the driver's mappings (see [`forked_during_dump`]).
 const DUMP_ATTEMPTS: u32 = 3;
 
+/// The identity of each file the tree reopens by path ([`proctree::reopened_paths`]), read in
+/// the root's mount namespace. A file that cannot be read (gone meanwhile, not a regular file
+/// such as a device) is left out: CRIU reports what it cannot dump.
+fn identify_reopened(
+    root: i32,
+    pids: &[i32],
+    archived: &[String],
+) -> Vec<torpor_image::ReopenedFile> {
+    let ns_root = Path::new("/proc").join(root.to_string()).join("root");
+    // The node's cache of file hashes (torpor_image::reopened): a deploy's snapshot of a
+    // worker whose libraries were hashed before reads none of them again.
+    let mut cache = torpor_image::HashCache::open(&torpor_image::hash_cache_path());
+    let files = proctree::reopened_paths(pids, archived)
+        .iter()
+        .filter_map(|p| {
+            let path = ns_root.join(p.trim_start_matches('/'));
+            torpor_image::ReopenedFile::identify(p, &path, Some(&mut cache)).ok()
+        })
+        .collect();
+    cache.save();
+    files
+}
+
 /// Takes a snapshot; see the module doc for the protocol.
 ///
 /// A dump that CRIU refused because a process forked from a CUDA process still held the
@@ -182,6 +205,10 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         source,
     })?;
     let external = mount_plan.external;
+    // Identified now, while the tree runs (its files seen through /proc/PID/root), before it
+    // is stopped: this adds nothing to the stop time.
+    let archived: Vec<String> = mount_plan.archived.iter().map(|m| m.path.clone()).collect();
+    let reopened = identify_reopened(root.pid, &pids, &archived);
 
     let mut stdio: Vec<torpor_image::StdioFile> = Vec::new();
     for f in pids.iter().flat_map(|&p| proctree::stdio_files(p)) {
@@ -319,6 +346,7 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
     manifest.external_mounts = external;
     manifest.archived_mounts = mount_plan.archived;
     manifest.stdio_files = stdio;
+    manifest.reopened_files = reopened;
     manifest.stop_time_s = stop_time;
 
     let failed = if interrupt::interrupted() {

@@ -47,6 +47,18 @@
 //! pages = "auto"                  # "lazy": instances' memory on first touch; "copy": all before they
 //!                                 # run; "auto": lazy for CPU functions, copy for GPU ones
 //! stage_bytes = 8589934592        # function snapshots staged in a huge-page tmpfs: 8 GiB; 0: off
+//!
+//! [objstore]                      # absent: a single node. Present: deploys push to this bucket,
+//!                                 # unknown functions are pulled from it (docs/objstore.md)
+//! endpoint = "http://127.0.0.1:8333"  # any S3-compatible endpoint, http(s)
+//! bucket = "torpor"
+//! region = "us-east-1"            # default
+//! credentials_file = "/etc/torpor/objstore.credentials"  # as `torpor push`'s: 0600, TOML keys
+//!                                 # access_key_id, secret_access_key (relative: to this file)
+//! prefix = ""                     # every key starts with it ("" or ending in '/')
+//! path_style = true               # false: virtual-host addressing
+//! cache_bytes = 17179869184       # chunks kept in <state>/chunks beyond what registered snapshots
+//!                                 # need, least recently used dropped first: 16 GiB, ≤ 2^50
 //! ```
 
 use std::net::SocketAddr;
@@ -341,6 +353,40 @@ pub struct Config {
     /// driver's checkpoint).
     pub split_gpu: bool,
     pub restore_server: RestoreServer,
+    /// `[objstore]`: the bucket deploys push to and unknown functions are pulled from; `None`:
+    /// a single node (crate::objstore).
+    pub objstore: Option<Objstore>,
+}
+
+/// `[objstore]` (docs/objstore.md, "torpord").
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Objstore {
+    pub endpoint: String,
+    pub bucket: String,
+    pub region: String,
+    /// The credentials file (`torpor push`'s format); absolute once loaded.
+    pub credentials_file: PathBuf,
+    pub prefix: String,
+    pub path_style: bool,
+    /// Bytes of chunks the local store keeps beyond those of registered snapshots.
+    pub cache_bytes: u64,
+}
+
+/// Default of `objstore.cache_bytes`: 16 GiB.
+pub const DEFAULT_OBJSTORE_CACHE_BYTES: u64 = 16 << 30;
+
+impl Objstore {
+    /// The object store client's configuration.
+    pub fn remote(&self) -> torpor_objstore::RemoteConfig {
+        torpor_objstore::RemoteConfig {
+            endpoint: self.endpoint.clone(),
+            bucket: self.bucket.clone(),
+            region: self.region.clone(),
+            credentials_file: self.credentials_file.clone(),
+            path_style: self.path_style,
+            prefix: self.prefix.clone(),
+        }
+    }
 }
 
 pub use crate::limits::WorkerLimits;
@@ -370,6 +416,7 @@ impl Default for Config {
             split: true,
             split_gpu: true,
             restore_server: RestoreServer::default(),
+            objstore: None,
         }
     }
 }
@@ -462,6 +509,9 @@ impl Config {
         }
         if let Some(p) = &mut self.file {
             abs(p)?;
+        }
+        if let Some(o) = &mut self.objstore {
+            abs(&mut o.credentials_file)?;
         }
         Ok(())
     }
@@ -576,6 +626,10 @@ impl Config {
             }
             t.finish()?;
         }
+        if let Some(mut t) = root.table("objstore")? {
+            config.objstore = Some(objstore_section(&mut t, base)?);
+            t.finish()?;
+        }
         if let Some(mut t) = root.table("http")? {
             let h = &mut config.http;
             if let Some(n) = t.integer("max_connections", 1, MAX_CONNECTIONS)? {
@@ -637,6 +691,59 @@ impl Config {
             _ => Ok(()),
         }
     }
+}
+
+/// Reads `[objstore]`: every key but `region`, `prefix`, `path_style` and `cache_bytes` is
+/// required; the values are checked as `torpor push` checks its configuration, and a secret in
+/// the section is refused (it belongs in the credentials file).
+fn objstore_section(t: &mut Table, base: &Path) -> Result<Objstore, KeyError> {
+    for secret in ["access_key_id", "secret_access_key", "session_token"] {
+        if t.has(secret) {
+            return Err(t.invalid(
+                secret,
+                "must not be in the configuration: credentials go in the file named by \
+                 objstore.credentials_file (mode 0600)"
+                    .into(),
+            ));
+        }
+    }
+    let required = |t: &mut Table, key: &str, what: &str| -> Result<String, KeyError> {
+        t.nonempty_string(key)?
+            .ok_or_else(|| t.invalid(key, format!("is missing: set it to {what}")))
+    };
+    let endpoint = required(
+        t,
+        "endpoint",
+        "the S3 endpoint's URL, e.g. \"http://127.0.0.1:8333\"",
+    )?;
+    let bucket = required(t, "bucket", "the bucket's name")?;
+    let credentials = required(
+        t,
+        "credentials_file",
+        "the path of a 0600 file with access_key_id and secret_access_key",
+    )?;
+    let region = t
+        .nonempty_string("region")?
+        .unwrap_or_else(|| "us-east-1".into());
+    let prefix = t.string("prefix")?.unwrap_or_default();
+    let path_style = t.boolean("path_style")?.unwrap_or(true);
+    let cache_bytes = match t.integer("cache_bytes", 0, limits::MAX_BYTES as i64)? {
+        Some(n) => u64::try_from(n).unwrap_or(0),
+        None => DEFAULT_OBJSTORE_CACHE_BYTES,
+    };
+    let o = Objstore {
+        endpoint,
+        bucket,
+        region,
+        credentials_file: base.join(credentials),
+        prefix,
+        path_style,
+        cache_bytes,
+    };
+    o.remote()
+        .check()
+        .map_err(|(key, reason)| t.invalid(key, format!("is not usable ({reason}): fix it")))?;
+    Ok(o)
 }
 
 #[cfg(test)]

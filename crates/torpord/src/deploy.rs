@@ -208,10 +208,19 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
             rt.metrics.observe_phase(&name, "deploy", total);
             tracing::info!(function = %name, snapshot = %snapshot, base = %base, total_s = total, "deployed");
             ended.await;
-            let _ = tx.send(json!({"result": {
+            let mut result = json!({
                 "function": name, "snapshot": snapshot, "base": base,
                 "base_reused": base_reused, "total_s": total,
-            }}));
+            });
+            // With [objstore], the new snapshot goes to the bucket (crate::objstore). A failed
+            // push does not fail the deploy: it is reported here and tried again later.
+            if rt.objstore.is_some() {
+                result["pushed"] = match rt.push_function(&name).await {
+                    Ok(p) => json!(p),
+                    Err(e) => json!(e),
+                };
+            }
+            let _ = tx.send(json!({ "result": result }));
         }
         Err(f) => {
             tracing::warn!(function = %name, phase = f.phase, error = %f.message, "deploy failed");

@@ -27,6 +27,7 @@ pub mod launcher;
 pub mod limits;
 pub mod logging;
 pub mod metrics;
+pub mod objstore;
 pub mod protocol;
 pub mod recovery;
 pub mod registry;

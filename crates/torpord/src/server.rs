@@ -45,6 +45,9 @@ pub enum StartError {
     /// The metrics cannot be registered (a bug: names are fixed).
     #[error("cannot register metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    /// `[objstore]`'s credentials file cannot be used.
+    #[error("torpord.toml [objstore]: {0}")]
+    Objstore(#[from] torpor_objstore::ConfigError),
 }
 
 /// Why serving stopped with an error.
@@ -83,6 +86,8 @@ pub struct Daemon {
     snapshot_key: Arc<torpor_image::SnapshotKey>,
     /// Where worker trees get their cgroups; `None`: unconfined (`workers.allow_unconfined`).
     cgroups: Option<Arc<crate::cgroup::Cgroups>>,
+    /// `[objstore]`, its credentials checked.
+    objstore: Option<Arc<crate::objstore::Tier>>,
 }
 
 impl Daemon {
@@ -95,6 +100,11 @@ impl Daemon {
                 config.token_file.as_deref(),
                 config.tenant_tokens_file.as_deref(),
             )?),
+            None => None,
+        };
+        // Before the state directory: bad credentials leave nothing behind.
+        let objstore = match &config.objstore {
+            Some(o) => Some(Arc::new(crate::objstore::Tier::open(o)?)),
             None => None,
         };
         let state_dir = StateDir::open(&config.state_dir)?;
@@ -164,6 +174,7 @@ impl Daemon {
             woken: replayed.woken,
             snapshot_key,
             cgroups,
+            objstore,
         })
     }
 
@@ -193,15 +204,18 @@ impl Daemon {
         mut self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServeError> {
-        let runtime = Arc::new(Runtime::new(
-            self.config.clone(),
-            Arc::clone(&self.registry),
-            Arc::clone(&self.metrics),
-            self.state_dir.root().to_path_buf(),
-            self.state_dir.workers_socket(),
-            Arc::clone(&self.snapshot_key),
-            self.cgroups.clone(),
-        ));
+        let runtime = Arc::new(
+            Runtime::new(
+                self.config.clone(),
+                Arc::clone(&self.registry),
+                Arc::clone(&self.metrics),
+                self.state_dir.root().to_path_buf(),
+                self.state_dir.workers_socket(),
+                Arc::clone(&self.snapshot_key),
+                self.cgroups.clone(),
+            )
+            .with_objstore(self.objstore.clone()),
+        );
         if let Err(e) = &runtime.python_dir {
             tracing::warn!(error = %e, "deploys will fail until this is fixed");
         }
@@ -230,6 +244,8 @@ impl Daemon {
             )
             .await;
         let keepalive_task = runtime.spawn_keepalive();
+        // Failed pushes, tried again (crate::objstore); ends with the daemon.
+        let _push_task = runtime.spawn_push_retries().map(AbortOnDrop);
         // The cgroups of trees that are gone (a re-adopted instance's, one whose removal found
         // its tree still exiting).
         let sweep_task = self.cgroups.clone().map(|cgroups| {
@@ -430,4 +446,13 @@ fn flatten(
             source: std::io::Error::other(e.to_string()),
         })
     })
+}
+
+/// Aborts its task when dropped (a background loop that must end with `serve`).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

@@ -242,6 +242,12 @@ impl StageArea {
             .filter(|c| c.ready.load(Ordering::Acquire))
     }
 
+    /// Whether `snapshot` has a staged copy (ready or being made), without making it the most
+    /// recently used: for placement answers, which must not change what gets dropped.
+    pub fn contains(&self, snapshot: &Path) -> bool {
+        lock(&self.copies).contains(&key_of(snapshot))
+    }
+
     /// Drops the staged copy of `snapshot`, if any (its disk copy is being removed or replaced).
     pub fn remove(&self, snapshot: &Path) {
         let mut copies = lock(&self.copies);

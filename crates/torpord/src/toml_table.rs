@@ -190,6 +190,16 @@ impl Table {
         }
     }
 
+    /// An error about `key` of this table: `message` follows the dotted key.
+    pub fn invalid(&self, key: &str, message: String) -> KeyError {
+        self.error(key, message)
+    }
+
+    /// Whether the table still holds `key` (not read yet).
+    pub fn has(&self, key: &str) -> bool {
+        self.entries.contains_key(key)
+    }
+
     /// Fails on the first key (in sorted order) that no getter read.
     pub fn finish(self) -> Result<(), KeyError> {
         match self.entries.keys().min() {

@@ -50,6 +50,23 @@ pub async fn invoke(
     super::FunctionName(name): super::FunctionName,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Response, ApiError> {
+    // Any node serves any function: one this node does not know is pulled from the object
+    // store first (crate::objstore), then cold-started as usual.
+    if state.runtime.objstore.is_some() && state.runtime.pool_tenant(&name).is_none() {
+        let n = name.clone();
+        let known = super::with_registry(&state, move |r| Ok(r.with(|s| s.function(&n))?))
+            .await?
+            .is_some();
+        if !known {
+            match state.runtime.pull_function(&scope, &name).await {
+                Ok(_) => {}
+                Err(crate::objstore::PullError::NotInBucket { .. }) => {
+                    return Err(super::unknown_function(&name))
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
     super::visible(&state, &scope, &name).await?;
     let body = body.map_err(|e| match e.status() {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(

@@ -12,6 +12,7 @@ mod functions;
 mod invoke;
 pub mod logs;
 mod metrics;
+mod objstore;
 mod status;
 pub mod types;
 
@@ -256,6 +257,9 @@ pub fn routes() -> OpenApiRouter<Arc<AppState>> {
         .routes(routes!(functions::get, functions::delete))
         .routes(invoke_route())
         .routes(routes!(functions::stop))
+        .routes(routes!(objstore::pull))
+        .routes(routes!(objstore::push))
+        .routes(routes!(objstore::placement))
         .routes(routes!(logs::get))
         .routes(routes!(metrics::get))
         .routes(routes!(openapi_json))

@@ -77,6 +77,8 @@ pub struct Runtime {
     /// Where each worker tree gets its cgroup (crate::cgroup); `None`: unconfined
     /// (`workers.allow_unconfined`, on a node without a usable cgroup file system).
     pub cgroups: Option<Arc<crate::cgroup::Cgroups>>,
+    /// `[objstore]`: pushes after deploys, pulls of unknown functions (crate::objstore).
+    pub objstore: Option<Arc<crate::objstore::Tier>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -133,7 +135,14 @@ impl Runtime {
             state_root,
             workers_socket,
             cgroups,
+            objstore: None,
         }
+    }
+
+    /// The runtime with the object tier of `[objstore]` (crate::objstore).
+    pub fn with_objstore(mut self, objstore: Option<Arc<crate::objstore::Tier>>) -> Self {
+        self.objstore = objstore;
+        self
     }
 
     /// The cgroup of a new worker tree (`what` names it: an instance id, `base-…`), with the
