@@ -3,7 +3,7 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|all] [extra pytest args...]
 # tests: pytest over $TESTS (default: tests, the whole suite), into $OUT/pytest.log.
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
@@ -20,6 +20,9 @@
 # (first invoke restored, second warm), for each of $EXAMPLES_PATHS ("transparent": split = false;
 # "split": split and split_gpu on; default "transparent"), into $OUT/examples.log.
 # Results go under $OUT (the device tool's output folder) or /tmp/torpor-out.
+# portability: bench/portability/run.py: the cost of hashing the files a restore reopens (cold
+# and with the node's hash cache) on a PyTorch + transformers program, into
+# $OUT/portability-h100.json and $OUT/portability.log. Not part of `all`.
 # criu-gpu: bench/criu_restore/run.py with the GPU worker (torch, CUDA state, GPU weights): CRIU
 # restore -> first answer from disk, a huge-page tmpfs, and lazy pages from it, into
 # $OUT/criu-restore-gpu.json.
@@ -122,6 +125,11 @@ if [ "$MODE" = compat ]; then
   python3 tests/compat/run.py --out "$OUT/compat-h100.json" --budget-s "${COMPAT_BUDGET_S:-300}" \
     ${COMPAT_ONLY:+--only "$COMPAT_ONLY"} 2>&1 | tee "$OUT/compat.log"
   crc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$crc
+fi
+if [ "$MODE" = portability ]; then
+  echo "== bench/portability (hashing reopened files: cold and cached)"
+  python3 bench/portability/run.py --torpor "$TORPOR_BIN" --runs "${RUNS:-3}" --out "$OUT/portability-h100.json" 2>&1 | tee "$OUT/portability.log"
+  prc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$prc
 fi
 if [ "$MODE" = criu-gpu ]; then
   echo "== bench/criu_restore with a GPU worker"

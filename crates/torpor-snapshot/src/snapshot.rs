@@ -208,7 +208,9 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
     // Identified now, while the tree runs (its files seen through /proc/PID/root), before it
     // is stopped: this adds nothing to the stop time.
     let archived: Vec<String> = mount_plan.archived.iter().map(|m| m.path.clone()).collect();
+    let identify = Instant::now();
     let reopened = identify_reopened(root.pid, &pids, &archived);
+    let identify_s = identify.elapsed().as_secs_f64();
 
     let mut stdio: Vec<torpor_image::StdioFile> = Vec::new();
     for f in pids.iter().flat_map(|&p| proctree::stdio_files(p)) {
@@ -233,6 +235,7 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
     // Everything that can fail without touching the source happens before it is stopped.
     let host = Host::current(criu.version_string())?;
     let mut phases = Phases::default();
+    phases.0.push(("identify_reopened".into(), identify_s));
     let cuda = find_cuda(&tree)?;
     let (cuda_pids, gpu_section) = match &cuda {
         Some((driver, nvml, pids)) => (
