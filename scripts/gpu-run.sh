@@ -20,7 +20,7 @@
 # (first invoke restored, second warm), for each of $EXAMPLES_PATHS ("transparent": split = false;
 # "split": split and split_gpu on; default "transparent"), into $OUT/examples.log.
 # Results go under $OUT (the device tool's output folder) or /tmp/torpor-out.
-# portability: bench/portability/run.py: the cost of hashing the files a restore reopens (cold
+# portability: bench/portability/cost.py: the cost of hashing the files a restore reopens (cold
 # and with the node's hash cache) on a PyTorch + transformers program, into
 # $OUT/portability-h100.json and $OUT/portability.log. Not part of `all`.
 # criu-gpu: bench/criu_restore/run.py with the GPU worker (torch, CUDA state, GPU weights): CRIU
@@ -128,7 +128,7 @@ if [ "$MODE" = compat ]; then
 fi
 if [ "$MODE" = portability ]; then
   echo "== bench/portability (hashing reopened files: cold and cached)"
-  python3 bench/portability/run.py --torpor "$TORPOR_BIN" --runs "${RUNS:-3}" --out "$OUT/portability-h100.json" 2>&1 | tee "$OUT/portability.log"
+  python3 bench/portability/cost.py --torpor "$TORPOR_BIN" --runs "${RUNS:-3}" --out "$OUT/portability-h100.json" 2>&1 | tee "$OUT/portability.log"
   prc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$prc
 fi
 if [ "$MODE" = criu-gpu ]; then

@@ -11,7 +11,7 @@ default `sdpa_generate`: PyTorch and transformers on the GPU), side by side in o
   first restore) and with it kept (every later one);
 - the restore's total both ways, and that the restored program answers its `check` identically.
 
-    python3 bench/portability/run.py [--program sdpa_generate] [--runs 3] [--out FILE]
+    python3 bench/portability/cost.py [--program sdpa_generate] [--runs 3] [--out FILE]
 
 Writes bench/results/portability-<device>.json (device, driver, versions, commit, every run,
 medians, `summary`). On the GPU machine: `bash scripts/gpu-run.sh portability`.
