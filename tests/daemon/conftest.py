@@ -86,10 +86,16 @@ def remove_cgroups(state: Path) -> None:
 
 class Torpord:
     def __init__(
-        self, binary: Path, root: Path, *extra: str, config: str = "", env: dict[str, str] | None = None
+        self,
+        binary: Path,
+        root: Path,
+        *extra: str,
+        config: str = "",
+        env: dict[str, str] | None = None,
+        queue_timeout_s: float = QUEUE_TIMEOUT_S,
     ) -> None:
         """`extra`: more `torpor serve` flags; `config`: more TOML for its config file; `env`: more
-        environment for the daemon."""
+        environment for the daemon; `queue_timeout_s`: its queue.timeout_s."""
         self.binary = binary
         self.extra = list(extra)
         self.env = dict(env or {})
@@ -99,7 +105,7 @@ class Torpord:
         self.log = root / "torpord.log"
         self.config = root / "torpord.toml"
         # `config` first: its top-level keys must not land in the [queue] table.
-        self.config.write_text(f"{config}\n[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {QUEUE_TIMEOUT_S}\n")
+        self.config.write_text(f"{config}\n[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {queue_timeout_s}\n")
         self._spawn()
 
     def _spawn(self) -> None:

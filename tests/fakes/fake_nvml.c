@@ -15,7 +15,11 @@
  *   FAKE_NVML_PROCS_FILE      a file holding such a list, read again at every call (so a test can
  *                             name processes that start after the caller loaded NVML); it takes
  *                             the place of FAKE_NVML_PROCS. A missing file lists nothing.
+ *   FAKE_NVML_PROCS_MATCH     "TEXT:BYTES": also every running process whose command line holds
+ *                             TEXT, with BYTES on GPU 0 (e.g. a daemon's workers, whose pids a
+ *                             test cannot know in advance).
  */
+#include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,11 +86,59 @@ static const char *process_list(char *buf, size_t size) {
     return buf;
 }
 
+/* Adds to `out` (up to `room`) every process whose command line holds FAKE_NVML_PROCS_MATCH's
+ * text, on GPU 0; returns the count `n` becomes. */
+static unsigned int matching_processes(int gpu, nvmlProcessInfo_t *out, unsigned int room, unsigned int n) {
+    const char *match = env("FAKE_NVML_PROCS_MATCH");
+    const char *colon = match ? strrchr(match, ':') : NULL;
+    if (!colon || gpu != 0)
+        return n;
+    char text[256];
+    size_t len = (size_t)(colon - match) < sizeof text - 1 ? (size_t)(colon - match) : sizeof text - 1;
+    memcpy(text, match, len);
+    text[len] = '\0';
+    unsigned long long bytes = strtoull(colon + 1, NULL, 10);
+    DIR *proc = opendir("/proc");
+    if (!proc)
+        return n;
+    const struct dirent *e;
+    while ((e = readdir(proc))) {
+        char *end;
+        unsigned long pid = strtoul(e->d_name, &end, 10);
+        if (*end || pid == 0)
+            continue;
+        char path[64], cmd[4096];
+        snprintf(path, sizeof path, "/proc/%lu/cmdline", pid);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            continue;
+        size_t got = fread(cmd, 1, sizeof cmd - 1, f);
+        fclose(f);
+        for (size_t i = 0; i < got; i++)
+            if (cmd[i] == '\0')
+                cmd[i] = ' ';
+        cmd[got] = '\0';
+        if (!strstr(cmd, text))
+            continue;
+        if (out && n < room) {
+            nvmlProcessInfo_t info = {0};
+            info.pid = (unsigned int)pid;
+            info.usedGpuMemory = bytes;
+            info.gpuInstanceId = 0xFFFFFFFFu;
+            info.computeInstanceId = 0xFFFFFFFFu;
+            out[n] = info;
+        }
+        n++;
+    }
+    closedir(proc);
+    return n;
+}
+
 /* Copies up to `room` processes of the list on GPU `gpu` to `out`; returns how many there are. */
 static unsigned int for_each_process(int gpu, nvmlProcessInfo_t *out, unsigned int room) {
     char buf[4096];
     const char *p = process_list(buf, sizeof buf);
-    unsigned int n = 0;
+    unsigned int n = matching_processes(gpu, out, room, 0);
     while (p && *p) {
         char *end;
         nvmlProcessInfo_t info = {0};

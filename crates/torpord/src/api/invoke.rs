@@ -115,6 +115,10 @@ fn error_response(e: InvokeError) -> Response {
         InvokeError::QueueTimeout {
             message,
             retry_after_s,
+        }
+        | InvokeError::NoGpuMemory {
+            message,
+            retry_after_s,
         } => {
             let mut r = plain(StatusCode::SERVICE_UNAVAILABLE, message);
             r.headers_mut()

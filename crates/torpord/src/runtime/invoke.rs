@@ -43,6 +43,9 @@ pub enum InvokeError {
     Crashed(String),
     /// 504: the request ran past the function's timeout_s; the worker was killed.
     Timeout(String),
+    /// 503 with Retry-After: no GPU had the free memory the function's snapshot needs, for as
+    /// long as the request could wait (other processes hold it).
+    NoGpuMemory { message: String, retry_after_s: u64 },
     /// 500: the daemon could not start an instance, or another failure of its own.
     Internal(String),
 }

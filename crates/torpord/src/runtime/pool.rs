@@ -347,6 +347,9 @@ impl Runtime {
         let limits = self.config.queue;
         let deadline = tokio::time::Instant::now() + limits.timeout;
         let mut slot: Option<QueueSlot<'_>> = None;
+        // After a start found too little free GPU memory: no new start before this instant;
+        // the request waits for an instance to free up, or for the memory, meanwhile.
+        let mut gpu_retry_at: Option<(tokio::time::Instant, InvokeError)> = None;
         loop {
             let notified = pool.changed.notified();
             tokio::pin!(notified);
@@ -412,6 +415,9 @@ impl Runtime {
                     Next::Start(Box::new((st.info.clone(), st.generation, Some(sleeper))))
                 } else if st.instances.len() + st.starting + st.sleepers.len()
                     < st.info.max_instances
+                    && gpu_retry_at
+                        .as_ref()
+                        .is_none_or(|(at, _)| tokio::time::Instant::now() >= *at)
                 {
                     st.starting += 1;
                     Next::Start(Box::new((st.info.clone(), st.generation, None)))
@@ -465,10 +471,23 @@ impl Runtime {
             }
             if let Next::Start(start) = next {
                 let (info, generation, sleeper) = *start;
-                drop(slot);
+                // Out of the queue while it starts one (back in if it must wait after all).
+                slot = None;
                 let queue_s = t0.elapsed().as_secs_f64();
-                let (inst, mut timings, kind) =
-                    self.start_in_task(pool, info, generation, sleeper).await?;
+                let (inst, mut timings, kind) = match self
+                    .start_in_task(pool, info, generation, sleeper)
+                    .await
+                {
+                    Ok(started) => started,
+                    Err(e @ InvokeError::NoGpuMemory { .. }) => {
+                        // Waits, within its queue timeout: an instance of the function
+                        // may free up, or the memory; the last such error is its answer.
+                        tracing::info!(function = %pool.name, "too little free GPU memory to start an instance: the request waits for one to free up or for the memory");
+                        gpu_retry_at = Some((tokio::time::Instant::now() + GPU_RETRY, e));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
                 timings.insert(0, ("queue".to_string(), queue_s));
                 let lease = Lease {
                     pool: Arc::clone(pool),
@@ -477,7 +496,18 @@ impl Runtime {
                 };
                 return Ok((lease, kind, timings));
             }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+            let wake_at = match &gpu_retry_at {
+                Some((at, _)) => deadline.min(*at),
+                None => deadline,
+            };
+            if tokio::time::timeout_at(wake_at, notified).await.is_err() {
+                if tokio::time::Instant::now() < deadline {
+                    // Time to try the GPU again.
+                    continue;
+                }
+                if let Some((_, e)) = gpu_retry_at {
+                    return Err(e);
+                }
                 let retry = limits.timeout.as_secs().clamp(1, 60);
                 return Err(InvokeError::QueueTimeout {
                     message: format!(
@@ -493,6 +523,10 @@ impl Runtime {
         }
     }
 }
+
+/// How long a request that found too little free GPU memory waits before trying to start an
+/// instance again (unless an instance of its function frees up first).
+const GPU_RETRY: Duration = Duration::from_secs(1);
 
 /// The keep-alive delays of a spec: its `[keepalive]`, each key defaulting to the daemon's.
 pub fn keepalive_of(spec: &Value, default: &Keepalive) -> Keepalive {

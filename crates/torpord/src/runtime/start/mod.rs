@@ -113,6 +113,22 @@ pub enum StartError {
     BootWhilePaused(#[source] Box<StartError>),
 }
 
+impl StartError {
+    /// Why a restore found too little free GPU memory for the snapshot, when that is why this
+    /// start failed (the restore's own check, before any process was restored).
+    pub(crate) fn gpu_memory_short(&self) -> Option<String> {
+        use torpor_snapshot::restore::RestoreError;
+        match self {
+            StartError::Restore { source, .. } | StartError::Standby { source, .. } => match source
+            {
+                RestoreTreeError::Restore(e @ RestoreError::NoRoom { .. }) => Some(format!("{e}")),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
 /// A started instance, the timings of its start, and its start label (`X-Torpor-Start`).
 pub(crate) type Started = (Arc<Instance>, Timings, &'static str);
 /// Consecutive failed restores of a function snapshot after which its cold starts boot
@@ -215,7 +231,18 @@ impl Runtime {
         });
         rx.await
             .map_err(|_| InvokeError::Internal("the instance start task failed".to_string()))?
-            .map_err(|e| InvokeError::Internal(e.to_string()))
+            .map_err(|e| match e.gpu_memory_short() {
+                Some(why) => InvokeError::NoGpuMemory {
+                    message: format!(
+                        "cannot start an instance of {:?}: {why}; the request was not run: \
+                         retry later, or free GPU memory on this node (its other processes, \
+                         or other functions' idle instances: a shorter keepalive.gpu_release_s)",
+                        pool.name
+                    ),
+                    retry_after_s: 1,
+                },
+                None => InvokeError::Internal(e.to_string()),
+            })
     }
 
     /// Runs one way of starting an instance of `name` (`new`: its id, log and meter).
@@ -298,6 +325,9 @@ impl Runtime {
                     }
                     return Ok(started);
                 }
+                // Too little free GPU memory says nothing about the snapshot, and a boot
+                // needs the same memory: the request waits for it instead (pool::acquire).
+                Err(e) if e.gpu_memory_short().is_some() => return Err(e),
                 Err(e) => {
                     let failures = self.restore_failed(name, false);
                     tracing::warn!(function = name, error = %e, failures, "restoring the function snapshot failed; booting an instance instead");
