@@ -13,6 +13,7 @@
 pub mod accounting;
 pub mod api;
 pub mod auth;
+pub mod bucket;
 pub mod cgroup;
 pub mod client;
 pub mod config;

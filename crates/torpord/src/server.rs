@@ -87,7 +87,7 @@ pub struct Daemon {
     /// Where worker trees get their cgroups; `None`: unconfined (`workers.allow_unconfined`).
     cgroups: Option<Arc<crate::cgroup::Cgroups>>,
     /// `[objstore]`, its credentials checked.
-    objstore: Option<Arc<crate::objstore::Tier>>,
+    objstore: Option<Arc<crate::bucket::Tier>>,
 }
 
 impl Daemon {
@@ -104,7 +104,7 @@ impl Daemon {
         };
         // Before the state directory: bad credentials leave nothing behind.
         let objstore = match &config.objstore {
-            Some(o) => Some(Arc::new(crate::objstore::Tier::open(o)?)),
+            Some(o) => Some(Arc::new(crate::bucket::Tier::open(o)?)),
             None => None,
         };
         let state_dir = StateDir::open(&config.state_dir)?;

@@ -60,7 +60,7 @@ pub async fn invoke(
         if !known {
             match state.runtime.pull_function(&scope, &name).await {
                 Ok(_) => {}
-                Err(crate::objstore::PullError::NotInBucket { .. }) => {
+                Err(crate::bucket::PullError::NotInBucket { .. }) => {
                     return Err(super::unknown_function(&name))
                 }
                 Err(e) => return Err(e.into()),

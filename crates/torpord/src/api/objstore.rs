@@ -10,7 +10,7 @@ use axum::Json;
 use serde::Serialize;
 
 use super::{unknown_function, visible, ApiError, AppState};
-use crate::objstore::{PullError, Pulled, Pushed};
+use crate::bucket::{PullError, Pulled, Pushed};
 use crate::registry::FunctionState;
 use crate::sync::lock;
 use crate::tenant::Scope;

@@ -77,8 +77,8 @@ pub struct Runtime {
     /// Where each worker tree gets its cgroup (crate::cgroup); `None`: unconfined
     /// (`workers.allow_unconfined`, on a node without a usable cgroup file system).
     pub cgroups: Option<Arc<crate::cgroup::Cgroups>>,
-    /// `[objstore]`: pushes after deploys, pulls of unknown functions (crate::objstore).
-    pub objstore: Option<Arc<crate::objstore::Tier>>,
+    /// `[objstore]`: pushes after deploys, pulls of unknown functions (crate::objstore drives it; the Tier is crate::bucket).
+    pub objstore: Option<Arc<crate::bucket::Tier>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -139,8 +139,8 @@ impl Runtime {
         }
     }
 
-    /// The runtime with the object tier of `[objstore]` (crate::objstore).
-    pub fn with_objstore(mut self, objstore: Option<Arc<crate::objstore::Tier>>) -> Self {
+    /// The runtime with the object tier of `[objstore]` (crate::objstore drives it; the Tier is crate::bucket).
+    pub fn with_objstore(mut self, objstore: Option<Arc<crate::bucket::Tier>>) -> Self {
         self.objstore = objstore;
         self
     }

@@ -1,0 +1,588 @@
+//! A function in an S3 bucket, without the daemon's runtime: the function records, pushing a
+//! snapshot and the record, pulling both into the local chunk store (verified, portability
+//! checked), and bounding that store ([`Tier`]). `objstore.rs` drives it from the runtime
+//! (push after a deploy, pull on demand, registering what was pulled); this module stays
+//! below the runtime so that the runtime can hold a [`Tier`] without importing that driver.
+//!
+//! The object tier in the daemon (docs/objstore.md, "torpord"): with `[objstore]` configured,
+//! every successful deploy pushes its function snapshot and a function record to the bucket,
+//! and a node that does not know a function pulls it from there on `POST
+//! /v1/functions/{name}/pull` or on its first invoke, so that any node can serve any function.
+//!
+//! The transfers are `torpor_objstore`'s `push` and `pull` (the same as `torpor push/pull`:
+//! only missing chunks move, each hashed against its name before it is stored), run on the
+//! blocking pool against the daemon's chunk store (`<state>/chunks`, the split path's). What
+//! this module adds is the function: its record in the bucket, tenancy, registering a pulled
+//! function as if it were deployed, retrying failed pushes, and bounding the chunk store.
+//!
+//! # In the bucket, beside `torpor push`'s layout
+//!
+//! ```text
+//! <prefix>functions/<tenant>/<name>.json   the function record: spec, dir, base key, snapshot id
+//! <prefix>function-names/<name>.json       {"tenant": …}: which tenant owns the name (for admin pulls)
+//! ```
+//!
+//! A tenant's token reads `functions/<its tenant>/…` only, so it can pull nothing of another
+//! tenant's (the answer is the same 404 as for a function nowhere). The name file exists
+//! because function names are node-wide, so cluster-wide: the admin token (and the Unix
+//! socket) pull by name alone.
+//!
+//! # The local chunk store as a cache
+//!
+//! A push stores the snapshot's files in the chunk store (so a later push or pull of a function
+//! on the same base moves only what differs), and a pull commits what it fetched there. The
+//! records of snapshots the registry still names are kept; the others (an older deploy's, a
+//! removed function's) are only a cache of chunks. After each push and pull, while the store's
+//! chunks take more than `cache_bytes`, the least recently written of those records is released
+//! and the chunks nothing references any more are deleted (the store's GC).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use torpor_image::store::{ChunkStore, StoreError};
+use torpor_objstore::{ObjError, Remote, TransferError};
+
+use crate::config::Objstore;
+use crate::registry::Function;
+use crate::sync::lock;
+use crate::tenant::Scope;
+
+/// Requests in flight per push or pull.
+pub const PARALLEL: usize = 8;
+/// A failed push is tried again after this, doubling up to [`RETRY_MAX`].
+pub const RETRY_FIRST: Duration = Duration::from_secs(30);
+pub const RETRY_MAX: Duration = Duration::from_secs(600);
+/// The id under which a function snapshot's files are kept in the chunk store and the bucket:
+/// not the snapshot's own id, which the split path uses for the sealed record of its segments
+/// (a record under that id would be taken for one).
+pub fn files_id(snapshot: &str) -> String {
+    format!("{snapshot}.files")
+}
+
+/// The chunk store's directory of records (`refs/<id>.json`), whose mtimes order the cache.
+const REFS_DIR: &str = "refs";
+/// The function record's format.
+const RECORD_FORMAT: u32 = 1;
+/// Function records are small (a spec); anything larger is not one torpord wrote.
+const MAX_RECORD_BYTES: u64 = 4 << 20;
+
+/// What the bucket holds about one function.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FunctionRecord {
+    pub format: u32,
+    pub name: String,
+    pub tenant: String,
+    /// The parsed torpor.toml, as the registry keeps it.
+    pub spec: serde_json::Value,
+    /// The function's directory: each node binds it into restored workers, so it must exist
+    /// at this path on the node that pulls.
+    pub dir: PathBuf,
+    pub base_key: String,
+    /// The function snapshot (its id in `snapshots/` of the bucket and of every node).
+    pub snapshot: String,
+    /// Every snapshot the function needs (today the function snapshot alone).
+    pub snapshots: Vec<String>,
+    /// When it was pushed (Unix ms).
+    pub pushed_ms: i64,
+    /// The pushing daemon's state directory: the snapshot's workers reconnect to
+    /// `<state_dir>/workers.sock` by that path, so a node whose state_dir differs cannot take
+    /// its restored instances (they fall back to a boot). Empty in records of older torpords.
+    #[serde(default)]
+    pub state_dir: PathBuf,
+}
+
+/// The owner of a name.
+#[derive(Debug, Serialize, Deserialize)]
+struct NameRecord {
+    tenant: String,
+}
+
+/// What a push did, for the deploy's answer and `POST …/push`.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Pushed {
+    pub function: String,
+    pub snapshot: String,
+    pub bucket: String,
+    /// Distinct chunks of the snapshot.
+    pub chunks: u64,
+    /// Chunks uploaded (the bucket lacked them).
+    pub uploaded_chunks: u64,
+    pub uploaded_bytes: u64,
+    pub seconds: f64,
+}
+
+/// What a pull did (`POST …/pull`).
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Pulled {
+    pub function: String,
+    /// Bytes downloaded (0 when the function was known here already).
+    pub pulled_bytes: u64,
+    /// Chunks downloaded: the ones this node's store lacked.
+    pub pulled_chunks: u64,
+    pub seconds: f64,
+}
+
+/// A pull's transfer, before the function is registered.
+#[derive(Debug)]
+pub struct Fetched {
+    pub record: FunctionRecord,
+    pub snapshot_dir: PathBuf,
+    pub pulled_bytes: u64,
+    pub pulled_chunks: u64,
+}
+
+/// Why a push did not happen. The deploy still succeeded: this is reported beside it.
+#[derive(Debug, thiserror::Error)]
+pub enum PushError {
+    #[error(transparent)]
+    Transfer(Box<TransferError>),
+    #[error(transparent)]
+    Remote(Box<ObjError>),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The chunk store cannot be opened.
+    #[error("{0}")]
+    StoreOpen(String),
+    /// Split snapshots keep device segments in the chunk store under a sealed record that the
+    /// push does not carry yet.
+    #[error("function {function:?} has a split snapshot (device segments in the chunk store), which is not pushed yet: set split = false (or split_gpu = false) in torpord.toml to deploy it on the transparent path, which is")]
+    Split { function: String },
+    /// The name belongs to another tenant in the bucket.
+    #[error("the name {name:?} belongs to tenant {owner:?} in bucket {bucket} (function names are cluster-wide): rename the function, or remove functions/{owner}/{name}.json and function-names/{name}.json from the bucket")]
+    NameTaken {
+        name: String,
+        owner: String,
+        bucket: String,
+    },
+    #[error("cannot encode the function record: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+/// Why a pull did not register the function.
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    /// Not in the bucket (or not the caller's tenant's): 404.
+    #[error("no function named {name:?} in bucket {bucket}{tenant}: deploy it on a node of this cluster first (its deploy pushes it)")]
+    NotInBucket {
+        name: String,
+        bucket: String,
+        tenant: String,
+    },
+    /// The record is not one torpord wrote, or names something else.
+    #[error("the function record {key} in bucket {bucket} is invalid ({reason}): deploy the function again to replace it")]
+    BadRecord {
+        key: String,
+        bucket: String,
+        reason: String,
+    },
+    /// The function's directory is not on this node.
+    #[error("function {name:?} needs its directory {dir} on this node (restored workers bind it at that path), and it is not a directory here: copy the function's directory to {dir} on this node and pull again")]
+    NoDir { name: String, dir: PathBuf },
+    /// A file the snapshot's processes reopen differs on this node.
+    #[error(transparent)]
+    NotPortable(torpor_image::ImageError),
+    #[error(transparent)]
+    Transfer(Box<TransferError>),
+    #[error(transparent)]
+    Remote(Box<ObjError>),
+    #[error("{0}")]
+    StoreOpen(String),
+    #[error("cannot remove the stale {path}: {source}")]
+    Stale {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl From<TransferError> for PushError {
+    fn from(e: TransferError) -> Self {
+        Self::Transfer(Box::new(e))
+    }
+}
+
+impl From<ObjError> for PushError {
+    fn from(e: ObjError) -> Self {
+        Self::Remote(Box::new(e))
+    }
+}
+
+impl From<TransferError> for PullError {
+    fn from(e: TransferError) -> Self {
+        Self::Transfer(Box::new(e))
+    }
+}
+
+impl From<ObjError> for PullError {
+    fn from(e: ObjError) -> Self {
+        Self::Remote(Box::new(e))
+    }
+}
+
+impl PullError {
+    /// The HTTP status of the answer.
+    pub fn status(&self) -> axum::http::StatusCode {
+        use axum::http::StatusCode;
+        match self {
+            Self::NotInBucket { .. } => StatusCode::NOT_FOUND,
+            Self::NoDir { .. } | Self::NotPortable(_) => StatusCode::CONFLICT,
+            Self::BadRecord { .. } | Self::Transfer(_) | Self::Remote(_) => StatusCode::BAD_GATEWAY,
+            Self::StoreOpen(_) | Self::Stale { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+/// The object tier of one daemon.
+#[derive(Debug)]
+pub struct Tier {
+    pub config: Objstore,
+    /// Functions whose last push failed: when to try again, and the delay after that.
+    pending: Mutex<BTreeMap<String, (Instant, Duration)>>,
+    /// Last push error per function, for `placement` and logs.
+    last_error: Mutex<BTreeMap<String, String>>,
+}
+
+fn record_key(tenant: &str, name: &str) -> String {
+    format!("functions/{tenant}/{name}.json")
+}
+
+fn name_key(name: &str) -> String {
+    format!("function-names/{name}.json")
+}
+
+impl Tier {
+    /// The tier for `config`; its credentials file is read now, so that a bad one stops the
+    /// start in one line rather than failing every deploy's push.
+    pub fn open(config: &Objstore) -> Result<Tier, torpor_objstore::ConfigError> {
+        torpor_objstore::Credentials::load(&config.credentials_file)?;
+        Ok(Tier {
+            config: config.clone(),
+            pending: Mutex::new(BTreeMap::new()),
+            last_error: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// A client for one operation: the credentials file is read again, so rotated credentials
+    /// take effect without a restart.
+    fn remote(&self) -> Result<Remote, TransferError> {
+        Remote::open(&self.config.remote())
+    }
+
+    /// Pushes function `f`'s snapshot at `dir` (sealed by `key`) and its record. Blocking.
+    pub fn push(
+        &self,
+        store: &ChunkStore,
+        key: &torpor_image::SnapshotKey,
+        f: &Function,
+        dir: &Path,
+        state_dir: &Path,
+    ) -> Result<Pushed, PushError> {
+        let t = Instant::now();
+        let Some(id) = f.snapshot.clone() else {
+            return Err(PushError::StoreOpen(format!(
+                "function {:?} has no snapshot to push",
+                f.name
+            )));
+        };
+        let tenant = crate::tenant::of_spec(&f.spec).to_string();
+        // A split snapshot's segments are a sealed record under the snapshot's id; a push of
+        // the directory alone would make a function no other node can restore.
+        match store.recipes(&id) {
+            Ok(_) => {
+                return Err(PushError::Split {
+                    function: f.name.clone(),
+                })
+            }
+            Err(StoreError::UnknownSnapshot { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let remote = self.remote()?;
+        if let Some(owner) = remote.get(&name_key(&f.name), MAX_RECORD_BYTES)? {
+            let owner: NameRecord = serde_json::from_slice(&owner).unwrap_or(NameRecord {
+                tenant: tenant.clone(),
+            });
+            if owner.tenant != tenant {
+                return Err(PushError::NameTaken {
+                    name: f.name.clone(),
+                    owner: owner.tenant,
+                    bucket: remote.bucket().to_owned(),
+                });
+            }
+        }
+        let report = torpor_objstore::push(
+            &remote,
+            store,
+            dir,
+            &files_id(&id),
+            torpor_image::Trust::Key(key),
+            PARALLEL,
+            &|_| {},
+        )?;
+        let record = FunctionRecord {
+            format: RECORD_FORMAT,
+            name: f.name.clone(),
+            tenant: tenant.clone(),
+            spec: f.spec.clone(),
+            dir: f.dir.clone(),
+            base_key: f.base_key.clone(),
+            snapshot: id.clone(),
+            snapshots: vec![id.clone()],
+            pushed_ms: crate::registry::now_ms(),
+            state_dir: state_dir.to_path_buf(),
+        };
+        // The snapshot first, then the record that points at it, then the name.
+        remote.put(&record_key(&tenant, &f.name), &serde_json::to_vec(&record)?)?;
+        remote.put(
+            &name_key(&f.name),
+            &serde_json::to_vec(&NameRecord {
+                tenant: tenant.clone(),
+            })?,
+        )?;
+        let traffic = remote.traffic();
+        Ok(Pushed {
+            function: f.name.clone(),
+            snapshot: id,
+            bucket: report.bucket,
+            chunks: report.chunks,
+            uploaded_chunks: report.uploaded,
+            uploaded_bytes: traffic.bytes_up,
+            seconds: t.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The tenant whose record of `name` the caller may read: its own for a tenant's token;
+    /// for every-tenant callers, the name file's, or `None` when the bucket has no such name.
+    fn tenant_for(
+        &self,
+        remote: &Remote,
+        scope: &Scope,
+        name: &str,
+    ) -> Result<Option<String>, PullError> {
+        match scope {
+            Scope::Tenant(t) => Ok(Some(t.clone())),
+            Scope::All => {
+                let Some(bytes) = remote.get(&name_key(name), MAX_RECORD_BYTES)? else {
+                    return Ok(None);
+                };
+                let owner: NameRecord =
+                    serde_json::from_slice(&bytes).map_err(|e| PullError::BadRecord {
+                        key: remote.full_key(&name_key(name)),
+                        bucket: remote.bucket().to_owned(),
+                        reason: e.to_string(),
+                    })?;
+                Ok(Some(owner.tenant))
+            }
+        }
+    }
+
+    /// The function record of `name` the caller may read, if the bucket has it. Blocking.
+    pub fn record(&self, scope: &Scope, name: &str) -> Result<FunctionRecord, PullError> {
+        let remote = self.remote()?;
+        self.record_with(&remote, scope, name)
+    }
+
+    fn record_with(
+        &self,
+        remote: &Remote,
+        scope: &Scope,
+        name: &str,
+    ) -> Result<FunctionRecord, PullError> {
+        let missing = || PullError::NotInBucket {
+            name: name.to_owned(),
+            bucket: remote.bucket().to_owned(),
+            tenant: match scope {
+                Scope::Tenant(t) => format!(" for tenant {t:?}"),
+                Scope::All => String::new(),
+            },
+        };
+        let Some(tenant) = self.tenant_for(remote, scope, name)? else {
+            return Err(missing());
+        };
+        let key = record_key(&tenant, name);
+        let Some(bytes) = remote.get(&key, MAX_RECORD_BYTES)? else {
+            return Err(missing());
+        };
+        let bad = |reason: String| PullError::BadRecord {
+            key: remote.full_key(&key),
+            bucket: remote.bucket().to_owned(),
+            reason,
+        };
+        let r: FunctionRecord = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+        if r.format != RECORD_FORMAT {
+            return Err(bad(format!(
+                "format {}, this torpord reads {RECORD_FORMAT}",
+                r.format
+            )));
+        }
+        if r.name != name || r.tenant != tenant || crate::tenant::of_spec(&r.spec) != tenant {
+            return Err(bad(format!(
+                "it names function {:?} of tenant {:?}",
+                r.name, r.tenant
+            )));
+        }
+        if !r.snapshot.starts_with(&format!("fn-{name}-")) || r.snapshots != [r.snapshot.clone()] {
+            return Err(bad(format!(
+                "its snapshot {:?} is not this function's",
+                r.snapshot
+            )));
+        }
+        torpor_image::store::check_snapshot_id(&r.snapshot).map_err(|e| bad(e.to_string()))?;
+        crate::spec::FunctionSpec::from_json(&r.spec).map_err(|e| bad(e.to_string()))?;
+        if !r.dir.is_absolute() {
+            return Err(bad(format!("its dir {} is relative", r.dir.display())));
+        }
+        Ok(r)
+    }
+
+    /// Fetches function `name`'s record and snapshot into `snapshots` (`<state>/snapshots`)
+    /// and checks that the snapshot can run here (its directory, the files it reopens).
+    /// Blocking; registers nothing.
+    pub fn fetch(
+        &self,
+        store: &ChunkStore,
+        key: &torpor_image::SnapshotKey,
+        scope: &Scope,
+        name: &str,
+        snapshots: &Path,
+    ) -> Result<Fetched, PullError> {
+        let remote = self.remote()?;
+        let record = self.record_with(&remote, scope, name)?;
+        if !record.dir.is_dir() {
+            return Err(PullError::NoDir {
+                name: name.to_owned(),
+                dir: record.dir.clone(),
+            });
+        }
+        let out = snapshots.join(&record.snapshot);
+        // Left by a pull that died before registering it (the registry does not know it: the
+        // caller checked that the function is unknown, under its deploy lock).
+        if out.exists() {
+            std::fs::remove_dir_all(&out).map_err(|source| PullError::Stale {
+                path: out.clone(),
+                source,
+            })?;
+        }
+        let report = torpor_objstore::pull(
+            &remote,
+            store,
+            &files_id(&record.snapshot),
+            &out,
+            torpor_image::Trust::Key(key),
+            PARALLEL,
+            &|_| {},
+        )?;
+        // Refused here rather than at the first restore: the files this node would map into
+        // the restored processes must be the ones the snapshot was taken with.
+        let checked = torpor_image::Snapshot::open(&out).and_then(|s| {
+            let mut cache = torpor_image::HashCache::open(&torpor_image::hash_cache_path());
+            torpor_image::check_reopened(
+                &s.manifest().reopened_files,
+                Path::new("/"),
+                &out,
+                &mut cache,
+            )
+        });
+        if let Err(e) = checked {
+            // Not a registered snapshot yet: its directory, and any split record of it.
+            if let Err(e) = std::fs::remove_dir_all(&out) {
+                tracing::warn!(path = %out.display(), error = %e, "cannot remove a pulled snapshot that is not portable");
+            }
+            crate::split::release_snapshot_of_dir(&out);
+            return Err(PullError::NotPortable(e));
+        }
+        Ok(Fetched {
+            record,
+            snapshot_dir: out,
+            pulled_bytes: report.traffic.bytes_down,
+            pulled_chunks: report.fetched,
+        })
+    }
+
+    /// Whether the bucket has the record of `name` for the caller (`None`: it cannot be told,
+    /// the server did not answer). Blocking.
+    pub fn in_bucket(&self, scope: &Scope, tenant: Option<&str>, name: &str) -> Option<bool> {
+        let remote = self.remote().ok()?;
+        let tenant = match tenant {
+            Some(t) => Some(t.to_owned()),
+            None => self.tenant_for(&remote, scope, name).ok()?,
+        };
+        match tenant {
+            Some(t) => remote.exists(&record_key(&t, name)).ok(),
+            None => Some(false),
+        }
+    }
+
+    /// Records a failed push of `name`: it is tried again later ([`Tier::due`]).
+    pub fn failed(&self, name: &str, error: &str) {
+        let mut pending = lock(&self.pending);
+        let delay = pending
+            .get(name)
+            .map_or(RETRY_FIRST, |(_, d)| (*d * 2).min(RETRY_MAX));
+        pending.insert(name.to_owned(), (Instant::now() + delay, delay));
+        lock(&self.last_error).insert(name.to_owned(), error.to_owned());
+    }
+
+    /// Records a successful push (or a function gone): nothing to retry.
+    pub fn done(&self, name: &str) {
+        lock(&self.pending).remove(name);
+        lock(&self.last_error).remove(name);
+    }
+
+    /// The functions whose push is due for another try.
+    pub fn due(&self) -> Vec<String> {
+        let now = Instant::now();
+        lock(&self.pending)
+            .iter()
+            .filter(|(_, (at, _))| *at <= now)
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// Keeps the chunk store within `cache_bytes` beyond what `registered` (the snapshot ids
+    /// the registry names) need: releases the least recently written other function-snapshot
+    /// records, oldest first, and deletes the chunks nothing references any more. Blocking.
+    pub fn trim(
+        &self,
+        store: &ChunkStore,
+        registered: &BTreeSet<String>,
+    ) -> Result<u64, StoreError> {
+        let mut others: Vec<(std::time::SystemTime, String)> = store
+            .snapshots()?
+            .into_iter()
+            .filter(|id| {
+                id.strip_suffix(".files")
+                    .is_some_and(|snapshot| !registered.contains(snapshot))
+            })
+            .map(|id| {
+                let written =
+                    std::fs::metadata(store.root().join(REFS_DIR).join(format!("{id}.json")))
+                        .and_then(|m| m.modified())
+                        .unwrap_or(std::time::UNIX_EPOCH);
+                (written, id)
+            })
+            .collect();
+        others.sort();
+        let mut freed = 0;
+        let mut report = match store.try_gc()? {
+            Some(r) => r,
+            // A writer is busy: the next push or pull trims.
+            None => return Ok(0),
+        };
+        freed += report.freed_bytes;
+        for (_, id) in others {
+            if report.kept_bytes <= self.config.cache_bytes {
+                break;
+            }
+            store.release(&id)?;
+            report = match store.try_gc()? {
+                Some(r) => r,
+                None => break,
+            };
+            freed += report.freed_bytes;
+            tracing::info!(snapshot = %id, kept_bytes = report.kept_bytes, cache_bytes = self.config.cache_bytes, "released a cached snapshot's chunks from the store (objstore.cache_bytes)");
+        }
+        Ok(freed)
+    }
+}
