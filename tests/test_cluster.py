@@ -62,8 +62,9 @@ RAY_ENV = {
 }
 
 
-def pids_with_env(entry: str) -> list[int]:
-    """Live processes whose environment holds `entry` (NAME=VALUE)."""
+def pids_with_env(entry: str, exact: bool = False) -> list[int]:
+    """Live processes whose environment holds `entry` (NAME=VALUE), or an entry that starts
+    with it unless `exact`."""
     want = entry.encode()
     out = []
     for name in os.listdir("/proc"):
@@ -73,7 +74,7 @@ def pids_with_env(entry: str) -> list[int]:
             env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if want in env and alive(int(name)):
+        if (want in env if exact else any(e.startswith(want) for e in env)) and alive(int(name)):
             out.append(int(name))
     return out
 
@@ -130,8 +131,10 @@ class Cluster:
             f"--dashboard-agent-listen-port={p[2]}", f"--dashboard-agent-grpc-port={p[3]}",
             f"--runtime-env-agent-port={p[4]}", f"--metrics-export-port={p[5]}",
         ]
-        env = {**os.environ, **RAY_ENV, "TORPOR_CLUSTER_TEST": str(self.ray_tmp),
-               "TORPOR_CLUSTER_TEST_NODE": str(self.ray_tmp / n), "PYTHONPATH": f"{ROOT / 'python'}:{os.environ.get('PYTHONPATH', '')}"}
+        # The markers go last: Ray renames its processes by writing over the start of their
+        # environment block (setproctitle), so /proc/PID/environ keeps only its end.
+        env = {**os.environ, **RAY_ENV, "PYTHONPATH": f"{ROOT / 'python'}:{os.environ.get('PYTHONPATH', '')}",
+               "TORPOR_CLUSTER_TEST_NODE": str(self.ray_tmp / n)}
         with open(self.base / f"{n}-up.log", "ab") as log:
             self.ups[n] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
 
@@ -139,7 +142,7 @@ class Cluster:
         """kill -9 of the whole node: its Ray (supervisor, raylet, workers, agent) and its torpord."""
         kill_tree(self.ups[n].pid)
         self.ups[n].wait()
-        for pid in pids_with_env(f"TORPOR_CLUSTER_TEST_NODE={self.ray_tmp / n}"):
+        for pid in pids_with_env(f"TORPOR_CLUSTER_TEST_NODE={self.ray_tmp / n}", exact=True):
             kill_tree(pid)
         self.daemons[n].proc.kill()
         self.daemons[n].proc.wait()
@@ -215,7 +218,7 @@ class Cluster:
         # Whatever a killed node's Ray left: Ray renames its processes and some outlive their
         # parents (reparented to init), so they are found by the variable every one inherited.
         for _ in range(5):
-            left = pids_with_env(f"TORPOR_CLUSTER_TEST={self.ray_tmp}")
+            left = pids_with_env(f"TORPOR_CLUSTER_TEST_NODE={self.ray_tmp}/")
             if not left:
                 break
             for pid in left:

@@ -248,7 +248,7 @@ def run_once(args: argparse.Namespace, models: list[Model], policy: str, link_gb
 
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+    return float(s[min(len(s) - 1, int(q * len(s)))]) if s else float("nan")
 
 
 def summarize(
@@ -320,7 +320,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     cold = one_cold_start_s(models, args.functions)
 
     def mean(policy: str, key: str) -> float:
-        xs = [r[key] for r in runs if r["policy"] == policy and r["link_gbps"] == args.summary_link_gbps]
+        xs = [float(r[key]) for r in runs if r["policy"] == policy and r["link_gbps"] == args.summary_link_gbps]
         return sum(xs) / len(xs)
 
     loc_p99, rnd_p99 = mean("locality", "p99_s"), mean("random", "p99_s")

@@ -15,6 +15,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from torpor.cluster.node import NodeConfig
 
@@ -29,14 +30,22 @@ def _need_ray() -> None:
         raise SystemExit(1) from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument as one line (no usage block): `torpor cluster: error: …`."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"torpor cluster: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ray_args: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, ray_args = argv[:i], argv[i + 1 :]
-    ap = argparse.ArgumentParser(prog="torpor cluster", description="Torpor on a Ray cluster (docs/cluster.md)")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = _Parser(prog="torpor cluster", description="Torpor on a Ray cluster (docs/cluster.md)")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{up,status}", parser_class=_Parser)
     up = sub.add_parser("up", help="run this node of the cluster: Ray, its agent and (head) the ingress")
     role = up.add_mutually_exclusive_group(required=True)
     role.add_argument("--head", action="store_true", help="this node is the head (Ray's GCS and the HTTP ingress)")
@@ -71,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return status(args.address, args.json)
     if not NAME_RE.match(args.name):
-        ap.error(f"--name {args.name!r} is not a node name: use [a-z0-9][a-z0-9_.-]*, at most 63 characters")
+        up.error(f"--name {args.name!r} is not a node name: use [a-z0-9][a-z0-9_.-]*, at most 63 characters")
     if args.address is not None and not re.match(r"^[^:\s]+:\d+$", args.address):
-        ap.error(f"--address {args.address!r} is not HOST:PORT (the head's Ray address, e.g. 10.0.0.1:6379)")
+        up.error(f"--address {args.address!r} is not HOST:PORT (the head's Ray address, e.g. 10.0.0.1:6379)")
     from torpor.cluster.node import Supervisor
 
     c = NodeConfig(

@@ -328,8 +328,11 @@ class Ingress:
                 rid = request.headers.get("x-torpor-request-id") or uuid.uuid4().hex
                 if len(rid) > 128 or not rid.isprintable():
                     return _json(400, {"error": "X-Torpor-Request-Id must be at most 128 printable characters"})
-                out = await self.router.invoke(parts[2], await request.body(), rid)
-                return Response(out.body, status_code=out.status, headers={**out.headers, "x-torpor-request-id": rid}, media_type="application/json")
+                answer = await self.router.invoke(parts[2], await request.body(), rid)
+                return Response(
+                    answer.body, status_code=answer.status, headers={**answer.headers, "x-torpor-request-id": rid},
+                    media_type="application/json",
+                )
             if method == "GET" and parts == ["v1", "cluster"]:
                 return _json(200, await self.router.cluster())
         except RayError as e:
@@ -339,5 +342,3 @@ class Ingress:
             return _json(500, {"error": f"the ingress failed: {type(e).__name__}: {e}"})
         return _json(404, {"error": f"no route {method} {request.url.path} (routes: POST /v1/functions, POST /v1/functions/NAME/invoke, GET /v1/cluster)"})
 
-
-app = Ingress.bind()

@@ -19,6 +19,7 @@ the daemon is the node's service (systemd, packaging/systemd/torpord.service) an
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -26,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torpor.cluster.agent import NAMESPACE, actor_name
 
@@ -79,18 +80,19 @@ def attach(c: NodeConfig, timeout_s: float = 120.0) -> None:
 
     from torpor.cluster.agent import NodeAgent
 
-    ray.init(address=c.gcs_address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
+    ray.init(address=c.gcs_address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     resource = f"{RESOURCE_PREFIX}{c.name}"
     deadline = time.monotonic() + timeout_s
     node_id = None
     while node_id is None:
-        node_id = next((n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n.get("Resources", {})), None)
+        alive = [n for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
+        node_id = next((n["NodeID"] for n in alive if resource in n.get("Resources", {})), None)
         if node_id is None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"torpor cluster: node {c.name} did not join Ray at {c.gcs_address} within {timeout_s:g} s")
             time.sleep(0.2)
-    remote = ray.remote(NodeAgent)
-    agent = remote.options(  # type: ignore[attr-defined]
+    remote: Any = ray.remote(NodeAgent)
+    agent = remote.options(
         name=actor_name(c.name),
         namespace=NAMESPACE,
         lifetime="detached",
@@ -99,15 +101,20 @@ def attach(c: NodeConfig, timeout_s: float = 120.0) -> None:
         num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
     ).remote(c.name, c.socket)
-    info = ray.get(agent.info.remote(), timeout=timeout_s)
+    info: dict[str, Any] = ray.get(agent.info.remote(), timeout=timeout_s)
     if info["ray_node_id"] != node_id:
         raise SystemExit(f"torpor cluster: agent {actor_name(c.name)} runs on {info['ray_node_id']}, not on this node {node_id}")
     if c.head:
         from torpor.cluster.ingress import Ingress
 
         serve.start(http_options={"host": c.http_host, "port": c.http_port, "location": "HeadOnly"})
+        # The replica on the head, beside Serve's controller and proxy: placed anywhere, it would
+        # die with whichever node Ray put it on, and the requests in it with it.
+        pinned = Ingress.options(  # type: ignore[attr-defined]
+            ray_actor_options={"num_cpus": 0, "resources": {resource: 0.001}}
+        )
         serve.run(
-            Ingress.bind(invoke_timeout_s=c.invoke_timeout_s),  # type: ignore[attr-defined]
+            pinned.bind(invoke_timeout_s=c.invoke_timeout_s),
             name=SERVE_APP,
             route_prefix="/",
             blocking=False,
@@ -185,7 +192,7 @@ def status(address: str, as_json: bool) -> int:
 
     from torpor.cluster.agent import ACTOR_PREFIX
 
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     try:
         names = sorted(
             e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
@@ -195,12 +202,13 @@ def status(address: str, as_json: bool) -> int:
         for name in names:
             try:
                 h = ray.get_actor(name, namespace=NAMESPACE)
-                info = ray.get(h.info.remote(), timeout=10)
-                info["functions"] = [f["name"] for f in ray.get(h.functions.remote(), timeout=10)]
+                info = cast(dict[str, Any], ray.get(h.info.remote(), timeout=10))
+                fns = cast(list[dict[str, Any]], ray.get(h.functions.remote(), timeout=10))
+                info["functions"] = [f["name"] for f in fns]
                 nodes[name[len(ACTOR_PREFIX):]] = info
             except Exception as e:  # noqa: BLE001 (a dead node is reported, not raised)
                 nodes[name[len(ACTOR_PREFIX):]] = {"error": f"{type(e).__name__}: {e}"}
-        ray_nodes = [n for n in ray.nodes() if n["Alive"]]
+        ray_nodes = [n for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
     finally:
         ray.shutdown()
     if as_json:
