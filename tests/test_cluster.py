@@ -6,7 +6,7 @@ workers joining it with `ray start --address`, each with its own Ray temporary d
 own `torpor-node-<name>` resource and its own ports. It is `ray start`, not
 `ray.cluster_utils.Cluster`, because that is what `torpor cluster up` runs on real machines, and
 because every node is then a process tree of its own that a test can kill -9 as a machine dies.
-The nodes share this machine's network namespace: Ray's nodes reach each other at 127.0.0.1,
+The nodes share this machine's network namespace: Ray's nodes reach each other at this host's address,
 and torpord's API is a Unix socket that a network namespace would not separate anyway
 (docs/cluster.md, "Tests", says what a namespace per node would take).
 
@@ -273,6 +273,25 @@ def test_deploy_once_and_a_burst_runs_on_every_node(cluster: Cluster) -> None:
     ran = cluster.ran()
     for rid, r in got:
         assert sum(ran[n][rid] for n in NODES) == 1 and ran[r.headers["x-torpor-node"]][rid] == 1, (rid, ran)
+
+
+def test_status_lists_every_node(cluster: Cluster) -> None:
+    r = subprocess.run(
+        [str(cluster.binary), "cluster", "status", "--address", cluster.address, "--json"],
+        capture_output=True, text=True, check=False, timeout=120, env={**os.environ, **RAY_ENV},
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ray_nodes_alive"] == 3 and set(doc["nodes"]) == set(NODES), doc
+    for n, info in doc["nodes"].items():
+        assert info["socket"] == str(cluster.daemons[n].socket) and "cluster-ledger" in info["functions"], info
+    r = subprocess.run(
+        [str(cluster.binary), "cluster", "up", "--address", cluster.address, "--name", "x", "--socket", "/nonexistent.sock"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "torpor cluster up [x]: no torpord socket at /nonexistent.sock: start torpord first (torpor serve --socket /nonexistent.sock)"
+    ], r.stderr
 
 
 def test_a_request_id_runs_once(cluster: Cluster) -> None:
