@@ -106,13 +106,42 @@ class Cluster:
         self.daemons: dict[str, Torpord] = {}
         self.ups: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: dict[str, list[int]] = {}
+        self.seaweed: Any = None
+        config = self.objstore_config()
         for n in NODES:
             root = base / n
             root.mkdir()
-            self.daemons[n] = Torpord(binary, root)
+            if n != NODES[0]:
+                # Pulled snapshots are sealed by the node that took them: one key for the cluster.
+                (root / "state").mkdir(mode=0o700)
+                key = root / "state" / "snapshot.key"
+                shutil.copyfile(self.daemons[NODES[0]].state / "snapshot.key", key)
+                os.chmod(key, 0o600)
+            self.daemons[n] = Torpord(binary, root, config=config)
             self.ports[n] = [free_port() for _ in range(6)]
         for n in NODES:
             self.start_node(n)
+
+    def objstore_config(self) -> str:
+        """The `[objstore]` table for every torpord when this torpord has the object tier
+        (issue 12 item 1: push after deploy, pull, placement), with a SeaweedFS started here;
+        "" when it does not (its config refuses the table), and the cluster deploys everywhere."""
+        probe = self.base / "probe.toml"
+        probe.write_text('[objstore]\nendpoint = "http://127.0.0.1:1"\nbucket = "b"\ncredentials_file = "c"\n')
+        r = subprocess.run(
+            [str(self.binary), "serve", "--config", str(probe), "--state-dir", str(self.base / "probe"), "--check"],
+            capture_output=True, text=True, check=False, timeout=60,
+        )
+        if r.returncode != 0 and "objstore" in r.stderr:
+            return ""
+        from objstore_server import Seaweed
+
+        self.seaweed = Seaweed(self.base / "seaweed")
+        self.seaweed.create_bucket("cluster")
+        remote = self.seaweed.config(self.base, "cluster")
+        return "[objstore]\n" + "\n".join(
+            line.replace('credentials_file = "', f'credentials_file = "{self.base}/') for line in remote.read_text().splitlines()
+        )
 
     @property
     def address(self) -> str:
@@ -226,6 +255,8 @@ class Cluster:
             time.sleep(0.5)
         for d in self.daemons.values():
             d.stop()
+        if self.seaweed is not None:
+            self.seaweed.stop()
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
@@ -263,7 +294,11 @@ def test_deploy_once_and_a_burst_runs_on_every_node(cluster: Cluster) -> None:
     assert r.status == 200, f"{r.status} {r.body[:2000]!r}\n{cluster.logs()}"
     doc = r.json()
     assert doc["function"] == "cluster-ledger" and set(doc["nodes"]) == set(NODES), doc
-    assert doc["mode"] in ("pull", "everywhere"), doc
+    # Deploy once and pull, when the daemons have the object tier; else deploy on every node.
+    assert doc["mode"] == ("pull" if cluster.seaweed is not None else "everywhere"), doc
+    if doc["mode"] == "pull":
+        pulled = [doc["nodes"][n] for n in NODES if n != doc["deployed_on"]]
+        assert all(p["pulled_bytes"] > 0 for p in pulled), pulled
     # Six requests at once, each holding an instance for a while: no node can take them all
     # (two instances each), and placement spreads them over the three.
     got = burst(cluster, 6, sleep=1.5, threads=6)
