@@ -211,6 +211,13 @@ enum Command {
         #[command(flatten)]
         daemon: cmd::DaemonArgs,
     },
+    /// Torpor across nodes on Ray: `cluster up` on each node, `cluster status` (docs/cluster.md;
+    /// runs `python3 -m torpor.cluster` with these arguments).
+    #[command(disable_help_flag = true)]
+    Cluster {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
     /// Launches one worker for torpord (internal).
     #[command(name = "__launch", hide = true)]
     Launch {
@@ -310,6 +317,7 @@ fn main() -> ExitCode {
             verbose,
             daemon,
         } => cmd::invoke::run(&daemon, &name, &data, verbose),
+        Command::Cluster { args } => cmd::cluster::run(&args),
         Command::Launch { args } => return torpord::launcher::launch_main(&args),
         Command::Init {
             report_fd,

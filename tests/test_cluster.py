@@ -1,0 +1,391 @@
+"""Torpor on a real Ray cluster of three nodes on loopback (torpor.cluster, docs/cluster.md).
+
+The fixture starts three torpords (each its own state directory, socket and config) and three
+`python3 -m torpor.cluster up` supervisors: the head (Ray's GCS, the Serve ingress) and two
+workers joining it with `ray start --address`, each with its own Ray temporary directory, its
+own `torpor-node-<name>` resource and its own ports. It is `ray start`, not
+`ray.cluster_utils.Cluster`, because that is what `torpor cluster up` runs on real machines, and
+because every node is then a process tree of its own that a test can kill -9 as a machine dies.
+The nodes share this machine's network namespace: Ray's nodes reach each other at this host's address,
+and torpord's API is a Unix socket that a network namespace would not separate anyway
+(docs/cluster.md, "Tests", says what a namespace per node would take).
+
+Every request carries an id; the function prints each id it runs into its instance's log on
+its node (`<state>/logs/cluster-ledger/*.log`), which outlives a killed node, so the tests count
+what ran where, and how often, from the nodes' own records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Only the cluster's processes import Ray; this process talks HTTP. (Importing Ray here would
+# also find tests/packaging/ before the `packaging` distribution that Ray imports.)
+_RAY = importlib.util.find_spec("ray")
+if _RAY is None or _RAY.origin is None or not (Path(_RAY.origin).parent / "serve").is_dir():
+    pytest.skip('Ray is not installed: pip install "ray[serve]>=2.40,<3" (make test does)', allow_module_level=True)
+
+from conftest import ROOT, alive, kill_tree  # noqa: E402
+from daemon.conftest import Torpord  # noqa: E402
+
+LEDGER = ROOT / "tests" / "cluster_functions" / "ledger"
+NODES = ("head", "w1", "w2")
+# Fast failure detection for a test (defaults: a dead node is seen after ~15 s, a worker gives up on
+# a lost head after 60 s).
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+    "RAY_gcs_rpc_server_reconnect_timeout_s": "5",
+}
+
+
+def pids_with_env(entry: str, exact: bool = False) -> list[int]:
+    """Live processes whose environment holds `entry` (NAME=VALUE), or an entry that starts
+    with it unless `exact`."""
+    want = entry.encode()
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (want in env if exact else any(e.startswith(want) for e in env)) and alive(int(name)):
+            out.append(int(name))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Cluster:
+    def __init__(self, binary: Path, base: Path) -> None:
+        self.base = base
+        self.binary = binary
+        self.gcs_port = free_port()
+        self.http_port = free_port()
+        # Ray's socket paths must stay short (AF_UNIX): its temporary directories go under /tmp.
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="trc-", dir="/tmp"))
+        self.daemons: dict[str, Torpord] = {}
+        self.ups: dict[str, subprocess.Popen[bytes]] = {}
+        self.ports: dict[str, list[int]] = {}
+        self.seaweed: Any = None
+        config = self.objstore_config()
+        for n in NODES:
+            root = base / n
+            root.mkdir()
+            if n != NODES[0]:
+                # Pulled snapshots are sealed by the node that took them: one key for the cluster.
+                (root / "state").mkdir(mode=0o700)
+                key = root / "state" / "snapshot.key"
+                shutil.copyfile(self.daemons[NODES[0]].state / "snapshot.key", key)
+                os.chmod(key, 0o600)
+            self.daemons[n] = Torpord(binary, root, config=config)
+            self.ports[n] = [free_port() for _ in range(6)]
+        for n in NODES:
+            self.start_node(n)
+
+    def objstore_config(self) -> str:
+        """The `[objstore]` table for every torpord when this torpord has the object tier
+        (issue 12 item 1: push after deploy, pull, placement), with a SeaweedFS started here;
+        "" when it does not (its config refuses the table), and the cluster deploys everywhere."""
+        probe = self.base / "probe.toml"
+        probe.write_text('[objstore]\nendpoint = "http://127.0.0.1:1"\nbucket = "b"\ncredentials_file = "c"\n')
+        r = subprocess.run(
+            [str(self.binary), "serve", "--config", str(probe), "--state-dir", str(self.base / "probe"), "--check"],
+            capture_output=True, text=True, check=False, timeout=60,
+        )
+        if r.returncode != 0 and "objstore" in r.stderr:
+            return ""
+        from objstore_server import Seaweed
+
+        self.seaweed = Seaweed(self.base / "seaweed")
+        self.seaweed.create_bucket("cluster")
+        remote = self.seaweed.config(self.base, "cluster")
+        return "[objstore]\n" + "\n".join(
+            line.replace('credentials_file = "', f'credentials_file = "{self.base}/') for line in remote.read_text().splitlines()
+        )
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    def start_node(self, n: str) -> None:
+        p = self.ports[n]
+        argv = [
+            sys.executable, "-m", "torpor.cluster", "up", "--name", n, "--socket", str(self.daemons[n].socket),
+            "--temp-dir", str(self.ray_tmp / n), "--num-cpus", "1", "--log", str(self.base / f"{n}-ray.log"),
+            "--invoke-timeout-s", "90",
+        ]
+        argv += ["--head", "--port", str(self.gcs_port), "--http-port", str(self.http_port)] if n == "head" else ["--address", self.address]
+        argv += [
+            "--", f"--node-manager-port={p[0]}", f"--object-manager-port={p[1]}",
+            f"--dashboard-agent-listen-port={p[2]}", f"--dashboard-agent-grpc-port={p[3]}",
+            f"--runtime-env-agent-port={p[4]}", f"--metrics-export-port={p[5]}",
+        ]
+        # The markers go last: Ray renames its processes by writing over the start of their
+        # environment block (setproctitle), so /proc/PID/environ keeps only its end.
+        env = {**os.environ, **RAY_ENV, "PYTHONPATH": f"{ROOT / 'python'}:{os.environ.get('PYTHONPATH', '')}",
+               "TORPOR_CLUSTER_TEST_NODE": str(self.ray_tmp / n)}
+        with open(self.base / f"{n}-up.log", "ab") as log:
+            self.ups[n] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+
+    def kill_node(self, n: str) -> None:
+        """kill -9 of the whole node: its Ray (supervisor, raylet, workers, agent) and its torpord."""
+        kill_tree(self.ups[n].pid)
+        self.ups[n].wait()
+        for pid in pids_with_env(f"TORPOR_CLUSTER_TEST_NODE={self.ray_tmp / n}", exact=True):
+            kill_tree(pid)
+        self.daemons[n].proc.kill()
+        self.daemons[n].proc.wait()
+
+    def restart_node(self, n: str) -> None:
+        self.daemons[n].restart()
+        self.start_node(n)
+
+    def logs(self) -> str:
+        out = []
+        serve_logs = sorted(self.ray_tmp.glob("head/session_latest/logs/serve/replica_*.log"))
+        for f in [*sorted(self.base.glob("*.log")), *serve_logs]:
+            out.append(f"--- {f.name}\n{f.read_text(errors='replace')[-2500:]}")
+        return "\n".join(out)
+
+    def http(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 120) -> Reply:
+        c = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout)
+        try:
+            c.request(method, path, body=body, headers=headers or {})
+            r = c.getresponse()
+            return Reply(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+        finally:
+            c.close()
+
+    def wait_nodes(self, want: set[str], timeout: float = 150) -> dict[str, Any]:
+        """Until the ingress answers and sees exactly the agents `want` alive."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            for n, up in self.ups.items():
+                assert up.poll() is None or n not in want, f"torpor cluster up on {n} exited {up.returncode}\n{self.logs()}"
+            try:
+                r = self.http("GET", "/v1/cluster", timeout=15)
+                last = (r.status, r.body[:500])
+                if r.status == 200:
+                    nodes = r.json()["nodes"]
+                    alive = {k for k, v in nodes.items() if "error" not in v}
+                    if alive == want:
+                        return dict(nodes)
+            except (OSError, http.client.HTTPException) as e:
+                last = repr(e)
+            time.sleep(1)
+        raise AssertionError(f"the cluster did not show nodes {sorted(want)} within {timeout} s (last: {last})\n{self.logs()}")
+
+    def invoke(self, name: str, request: Any, rid: str | None = None, timeout: float = 120) -> Reply:
+        headers = {"Content-Type": "application/json"}
+        if rid:
+            headers["X-Torpor-Request-Id"] = rid
+        return self.http("POST", f"/v1/functions/{name}/invoke", json.dumps(request).encode(), headers, timeout)
+
+    def ran(self) -> dict[str, Counter[str]]:
+        """Per node, how often each request id ran (from its instances' logs)."""
+        out: dict[str, Counter[str]] = {}
+        for n, d in self.daemons.items():
+            c: Counter[str] = Counter()
+            for log in (d.state / "logs").glob("cluster-ledger/*.log"):
+                for line in log.read_text(errors="replace").splitlines():
+                    if line.startswith("ledger-ran "):
+                        c[line.split()[1]] += 1
+            out[n] = c
+        return out
+
+    def stop(self) -> None:
+        for up in self.ups.values():
+            if up.poll() is None:
+                up.send_signal(signal.SIGTERM)
+        for up in self.ups.values():
+            try:
+                up.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                kill_tree(up.pid)
+                up.wait()
+        # Whatever a killed node's Ray left: Ray renames its processes and some outlive their
+        # parents (reparented to init), so they are found by the variable every one inherited.
+        for _ in range(5):
+            left = pids_with_env(f"TORPOR_CLUSTER_TEST_NODE={self.ray_tmp}/")
+            if not left:
+                break
+            for pid in left:
+                kill_tree(pid)
+            time.sleep(0.5)
+        for d in self.daemons.values():
+            d.stop()
+        if self.seaweed is not None:
+            self.seaweed.stop()
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    c = Cluster(torpor_bin, tmp_path_factory.mktemp("cluster"))
+    try:
+        c.wait_nodes(set(NODES))
+        yield c
+    finally:
+        c.stop()
+
+
+def burst(c: Cluster, n: int, sleep: float, threads: int, on_answer: Any = None) -> list[tuple[str, Reply]]:
+    def one(i: int) -> tuple[str, Reply]:
+        rid = f"r{i}-{uuid.uuid4().hex[:8]}"
+        r = c.invoke("cluster-ledger", {"id": rid, "sleep": sleep}, rid=rid)
+        if on_answer is not None:
+            on_answer()
+        return rid, r
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def check_answers(c: Cluster, got: list[tuple[str, Reply]]) -> None:
+    bad = [(rid, r.status, r.body[:200]) for rid, r in got if r.status != 200 or r.json().get("id") != rid]
+    assert not bad, f"{len(bad)} of {len(got)} requests lost or wrong: {bad[:5]}\n{c.logs()}"
+
+
+def test_deploy_once_and_a_burst_runs_on_every_node(cluster: Cluster) -> None:
+    r = cluster.http("POST", "/v1/functions", json.dumps({"dir": str(LEDGER)}).encode(), timeout=300)
+    assert r.status == 200, f"{r.status} {r.body[:2000]!r}\n{cluster.logs()}"
+    doc = r.json()
+    assert doc["function"] == "cluster-ledger" and set(doc["nodes"]) == set(NODES), doc
+    # Deploy once and pull, when the daemons have the object tier; else deploy on every node.
+    assert doc["mode"] == ("pull" if cluster.seaweed is not None else "everywhere"), doc
+    if doc["mode"] == "pull":
+        pulled = [doc["nodes"][n] for n in NODES if n != doc["deployed_on"]]
+        assert all(p["pulled_bytes"] > 0 for p in pulled), pulled
+    # Six requests at once, each holding an instance for a while: no node can take them all
+    # (two instances each), and placement spreads them over the three.
+    got = burst(cluster, 6, sleep=1.5, threads=6)
+    check_answers(cluster, got)
+    served = Counter(r.headers["x-torpor-node"] for _, r in got)
+    assert set(served) == set(NODES), served
+    ran = cluster.ran()
+    for rid, r in got:
+        assert sum(ran[n][rid] for n in NODES) == 1 and ran[r.headers["x-torpor-node"]][rid] == 1, (rid, ran)
+
+
+def test_status_lists_every_node(cluster: Cluster) -> None:
+    r = subprocess.run(
+        [str(cluster.binary), "cluster", "status", "--address", cluster.address, "--json"],
+        capture_output=True, text=True, check=False, timeout=120, env={**os.environ, **RAY_ENV},
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ray_nodes_alive"] == 3 and set(doc["nodes"]) == set(NODES), doc
+    for n, info in doc["nodes"].items():
+        assert info["socket"] == str(cluster.daemons[n].socket) and "cluster-ledger" in info["functions"], info
+    r = subprocess.run(
+        [str(cluster.binary), "cluster", "up", "--address", cluster.address, "--name", "x", "--socket", "/nonexistent.sock"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "torpor cluster up [x]: no torpord socket at /nonexistent.sock: start torpord first (torpor serve --socket /nonexistent.sock)"
+    ], r.stderr
+
+
+def test_a_request_id_runs_once(cluster: Cluster) -> None:
+    rid = f"once-{uuid.uuid4().hex[:8]}"
+    first = cluster.invoke("cluster-ledger", {"id": rid}, rid=rid)
+    again = cluster.invoke("cluster-ledger", {"id": rid}, rid=rid)
+    assert first.status == again.status == 200 and first.body == again.body, (first, again)
+    assert again.headers.get("x-torpor-replayed") == "1", again.headers
+    assert sum(c[rid] for c in cluster.ran().values()) == 1
+
+
+def test_errors_are_one_line(cluster: Cluster) -> None:
+    r = cluster.invoke("no-such-function", {})
+    assert r.status == 404 and "no node of the cluster knows a function" in r.json()["error"], r
+    r = cluster.http("POST", "/v1/functions", b'{"dir": "relative"}')
+    assert r.status == 400 and "absolute" in r.json()["error"], r
+    r = cluster.http("POST", "/v1/functions", json.dumps({"dir": str(ROOT / "tests" / "daemon" / "functions" / "badspec")}).encode())
+    assert r.status == 400 and r.json()["error"], r
+
+
+def test_kill_a_node_under_load_loses_nothing(cluster: Cluster) -> None:
+    answered = 0
+    lock = threading.Lock()
+    killed = threading.Event()
+
+    def on_answer() -> None:
+        nonlocal answered
+        with lock:
+            answered += 1
+            if answered == 10 and not killed.is_set():
+                killed.set()
+                cluster.kill_node("w2")
+
+    got = burst(cluster, 40, sleep=0.3, threads=6, on_answer=on_answer)
+    assert killed.is_set()
+    check_answers(cluster, got)
+    ran = cluster.ran()
+    survivors = ("head", "w1")
+    twice_on_a_survivor = [rid for rid, _ in got if sum(ran[n][rid] for n in survivors) > 1]
+    assert not twice_on_a_survivor, twice_on_a_survivor
+    never = [rid for rid, _ in got if sum(ran[n][rid] for n in NODES) == 0]
+    assert not never, never
+    # What ran on the dying node and again elsewhere: its answer died with the node.
+    again = [rid for rid, _ in got if ran["w2"][rid] and sum(ran[n][rid] for n in survivors)]
+    print(f"kill -9 of w2 under load: 40 answered, {len(again)} re-run after the node died, "
+          f"served {dict(Counter(r.headers['x-torpor-node'] for _, r in got))}")
+    assert all(r.headers["x-torpor-node"] in survivors for rid, r in got if ran["w2"][rid] and rid in again)
+    cluster.wait_nodes({"head", "w1"}, timeout=30)
+
+
+def test_functions_survive_restarts_of_a_node_and_of_the_head(cluster: Cluster) -> None:
+    cluster.restart_node("w2")
+    cluster.wait_nodes(set(NODES))
+    cluster.kill_node("head")
+    cluster.restart_node("head")
+    # The workers lose their head: their Ray exits and `up` starts it again on the new head.
+    cluster.wait_nodes(set(NODES), timeout=150)
+    got = burst(cluster, 6, sleep=1.5, threads=6)
+    check_answers(cluster, got)
+    assert set(Counter(r.headers["x-torpor-node"] for _, r in got)) == set(NODES)
+    with contextlib.suppress(Exception):
+        print(json.dumps({k: v.get("functions") for k, v in cluster.wait_nodes(set(NODES)).items()}))
