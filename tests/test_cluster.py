@@ -136,6 +136,7 @@ class Cluster:
             return ""
         from objstore_server import Seaweed
 
+        (self.base / "seaweed").mkdir(parents=True, exist_ok=True)
         self.seaweed = Seaweed(self.base / "seaweed")
         self.seaweed.create_bucket("cluster")
         remote = self.seaweed.config(self.base, "cluster")
