@@ -739,3 +739,14 @@ def loop_ext4(where: Path, mib: int) -> Iterator[Path]:
                 time.sleep(0.5)
                 subprocess.run(["umount", "--lazy", str(where)], check=False, capture_output=True)
         image.unlink(missing_ok=True)
+
+
+def a_library() -> Path:
+    """A real shared library of this machine (libm), for tests that copy one to change it."""
+    import ctypes.util
+
+    name = ctypes.util.find_library("m") or "libm.so.6"
+    for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib"):
+        if (Path(d) / name).is_file():
+            return Path(d) / name
+    raise AssertionError(f"no {name} found to copy")

@@ -4,19 +4,10 @@ node whose copy differs is refused with one line naming the file."""
 
 from __future__ import annotations
 
-import ctypes.util
 import shutil
 from pathlib import Path
 
-from conftest import Torpor, Workers
-
-
-def a_library() -> Path:
-    name = ctypes.util.find_library("m") or "libm.so.6"
-    for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib"):
-        if (Path(d) / name).is_file():
-            return Path(d) / name
-    raise AssertionError(f"no {name} found to copy")
+from conftest import Torpor, Workers, a_library
 
 
 def test_restore_refuses_a_changed_library_and_names_it(

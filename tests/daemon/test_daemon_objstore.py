@@ -7,7 +7,6 @@ file the snapshot reopens that differs on the pulling node are refused; placemen
 
 from __future__ import annotations
 
-import ctypes.util
 import http.client
 import os
 import shutil
@@ -16,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import pids_with
+from conftest import a_library, pids_with
 from objstore_server import Seaweed, free_ports, running_seaweed
 from torpor import client
 
@@ -170,14 +169,6 @@ def test_a_corrupted_chunk_in_the_bucket_is_refused_and_nothing_is_registered(
         client.Client(b.socket).pull("os-corrupt")
     assert e.value.status == 502 and victim in e.value.message and "corrupt" in e.value.message, e.value.message
     assert client.Client(b.socket).placement("os-corrupt").known is False
-
-
-def a_library() -> Path:
-    name = ctypes.util.find_library("m") or "libm.so.6"
-    for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib"):
-        if (Path(d) / name).is_file():
-            return Path(d) / name
-    raise AssertionError(f"no {name} found to copy")
 
 
 def test_a_reopened_file_that_differs_on_the_pulling_node_is_refused_naming_it(
