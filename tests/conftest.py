@@ -75,13 +75,14 @@ def children(pid: int) -> list[int]:
     out: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        # A process that is exiting lists ESRCH rather than ENOENT.
         return out
     for tid in tasks:
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 out.extend(int(x) for x in f.read().split())
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             pass
     return out
 
