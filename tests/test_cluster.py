@@ -40,8 +40,7 @@ from typing import Any
 
 import pytest
 
-# Only the cluster's processes import Ray; this process talks HTTP. (Importing Ray here would
-# also find tests/packaging/ before the `packaging` distribution that Ray imports.)
+# Only the cluster's processes import Ray; this process talks HTTP.
 _RAY = importlib.util.find_spec("ray")
 if _RAY is None or _RAY.origin is None or not (Path(_RAY.origin).parent / "serve").is_dir():
     pytest.skip('Ray is not installed: pip install "ray[serve]>=2.40,<3" (make test does)', allow_module_level=True)
