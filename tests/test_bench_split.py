@@ -91,20 +91,38 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr[-4000:]}\n(work dir kept: {work})"
     d = json.loads(out.read_text())
     assert d["benchmark"] == "coldstart-split" and d["errors"] == []
+    summary = d["summary"]["cpu"]
+    assert summary["cold"] == next(r for r in d["results"] if r["mode"] == "cold")["wall_s"]["median"] and summary["identical"] is True, summary
+    assert summary["burst8_over_cold"] == round(summary["burst8"] / summary["cold"], 3), summary
     assert {"device", "kernel", "torpor_commit", "criu_version", "versions"} <= set(d["machine"])
     assert d["machine"]["criu_version"], d["machine"]
     assert 'log_level = "debug"' in d["settings"]["daemon_config"]["second"]
     assert "timeout_s = 120" in d["settings"]["daemon_config"]["transparent"]
 
     rows = {r["mode"]: r for r in d["results"]}
-    assert list(rows) == ["transparent", "host-cache", "gpu-cache", "second", "standby"]
+    assert list(rows) == ["transparent", "host-cache", "gpu-cache", "second", "standby", "cold", "cold-disk", "burst8"]
     standby = rows.pop("standby")
+    burst = rows.pop("burst8")
     for mode, row in rows.items():
         assert len(row["runs"]) == 2 and row["all_same"], (mode, row)
         assert row["wall_s"]["n"] == 2 and row["timings"]["restore"]["median"] > 0
         for run in row["runs"]:
             assert run["start"] == "restored" and run["same"], run
             assert run["stop"]["function"] == "cpu", run["stop"]
+    assert all(set(run["fills"]) == {"gpu"} for run in rows["cold"]["runs"])
+    # Nothing in memory: no cache, no stage area; segments read from the chunk store, and the
+    # page cache dropped first (this machine lets root write /proc/sys).
+    assert 'stage_bytes = 0' in d["settings"]["daemon_config"]["cold-disk"]
+    for run in rows["cold-disk"]["runs"]:
+        assert set(run["fills"]) == {"store"} and run["page_cache_dropped"] is True, run
+    # 8 restores side by side, each one answered, every answer the reference; one GPU cache
+    # (warmed by the model's own restores) and the first instance's read-only copies shared.
+    assert len(burst["runs"]) == 2 and burst["all_same"], burst
+    for run in burst["runs"]:
+        assert len(run["answers"]) == 8 and run["start"] == "restored", run
+        assert run["wall_s"] >= max(a["wall_s"] for a in run["answers"]) - 0.05, run
+        assert set(run["fills"]) <= {"gpu", "shared"} and run["fills"]["gpu"]["segments"] >= 8, run["fills"]
+    assert d["deploys"]["split"]["cpu-burst"]["snapshot_function"]["split"] is True
     # Where each path's segments came from, restore by restore.
     assert all(not run["fills"] for run in rows["transparent"]["runs"])
     assert "segments" not in rows["transparent"]["timings"]
@@ -139,5 +157,35 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
     table = split_table.render(d)
     assert "| cpu | split, GPU cache |" in table and "| cpu | split, standby instance (GPU cache) |" in table
     assert "| cpu | split, GPU cache |" in table and "bit-identical" in table and "DIFFER" not in table
+    assert "| cpu | cold (split, GPU cache, best config) |" in table and "| cpu | burst of 8 (all answered) |" in table
     assert not any(work.iterdir()), "the work dir is removed without --keep"
     work.rmdir()
+
+
+def test_the_readme_quotes_the_rendered_cold_start_table_and_the_chart_renders(tmp_path: Path) -> None:
+    """The README's cold-start table is split_table.py's headline of the H100 JSON, never typed
+    by hand; the chart beside it renders from the same JSON."""
+    d = json.loads((ROOT / "bench" / "results" / "split-bench-h100.json").read_text())
+    table = split_table.headline(d)
+    assert table in (ROOT / "README.md").read_text(), "re-render the README's cold-start table (split_table.py --headline)"
+    assert "| GPT-2-Large |" in table.splitlines()[0]
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "split.png"
+    split_table.chart(d, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_parts_of_one_run_merge_and_parts_of_two_binaries_are_refused(tmp_path: Path) -> None:
+    merge = load("split_merge")
+    d = json.loads((ROOT / "bench" / "results" / "split-bench-h100.json").read_text())
+    a = {**d, "results": [r for r in d["results"] if r["mode"] in ("transparent", "gpu-cache")]}
+    b = {**d, "results": [r for r in d["results"] if r["mode"] in ("standby",)]}
+    merged = merge.merge([b, a])
+    assert [r["mode"] for r in merged["results"]] == ["transparent", "transparent", "gpu-cache", "gpu-cache", "standby", "standby"]
+    assert merged["summary"]["gpt2-large"]["standby"] == next(
+        r["wall_s"]["median"] for r in d["results"] if r["model"] == "gpt2-large" and r["mode"] == "standby"
+    )
+    assert merged["outputs"]["gpt2-large"]["identical_across_modes"] is True
+    other = {**b, "machine": {**b["machine"], "torpor_commit": "0" * 40}}
+    with pytest.raises(merge.MergeError, match="one machine and one binary"):
+        merge.merge([a, other])

@@ -1,6 +1,12 @@
-"""Renders a split benchmark JSON (bench/coldstart/split.py) as the Markdown the README quotes.
+"""Renders a split benchmark JSON (bench/coldstart/split.py) as the Markdown the README quotes,
+and its bar chart.
 
-    python3 bench/coldstart/split_table.py RESULT.json
+    python3 bench/coldstart/split_table.py RESULT.json             # the whole report
+    python3 bench/coldstart/split_table.py --headline RESULT.json  # the README's table
+    python3 bench/coldstart/split_table.py --chart OUT.png RESULT.json
+
+The chart needs matplotlib (tests/requirements.txt has it; the GPU machine's image may not: render
+it here from the JSON copied back).
 """
 
 from __future__ import annotations
@@ -17,7 +23,22 @@ MODE_NAMES = {
     "gpu-cache": "split, GPU cache",
     "second": "split, 2nd instance (shared read-only)",
     "standby": "split, standby instance (GPU cache)",
+    "cold": "cold (split, GPU cache, best config)",
+    "cold-disk": "cold from disk (no cache, page cache dropped)",
+    "burst8": "burst of 8 (all answered)",
 }
+# The README's table: one row per mode, one column per model, the median of the client's wall time.
+HEADLINE_NAMES = {
+    "transparent": "transparent (`split = false`)",
+    "host-cache": "split, segments from the host cache",
+    "gpu-cache": "split, segments from the GPU cache",
+    "second": "split, a second instance mapping the first's weights",
+    "cold": "**cold** (split, GPU cache, best config)",
+    "cold-disk": "cold from disk (no cache, page cache dropped)",
+    "standby": "standby instance (split, GPU cache)",
+    "burst8": "burst: 8 cold starts at once, until all answered",
+}
+MODEL_NAMES = {"resnet152": "ResNet-152", "gpt2-large": "GPT-2-Large", "cpu": "CPU function"}
 PHASES = ("restore", "reconnect", "gpu_resume", "segments", "handler", "overhead")
 
 
@@ -108,6 +129,62 @@ def sizes_table(d: Json) -> list[str]:
     return out
 
 
+def _medians(d: Json) -> tuple[list[str], list[str], dict[tuple[str, str], float]]:
+    models: list[str] = []
+    modes: list[str] = []
+    got: dict[tuple[str, str], float] = {}
+    for r in d["results"]:
+        if not r.get("runs") or not r.get("wall_s"):
+            continue
+        models += [r["model"]] if r["model"] not in models else []
+        modes += [r["mode"]] if r["mode"] not in modes else []
+        got[(r["model"], r["mode"])] = r["wall_s"]["median"]
+    order = list(HEADLINE_NAMES)
+    modes.sort(key=lambda m: order.index(m) if m in order else len(order))
+    return models, modes, got
+
+
+def headline(d: Json) -> str:
+    """Mode × model medians of request → first inference (what the README quotes)."""
+    models, modes, got = _medians(d)
+    out = [
+        "| request → first inference | " + " | ".join(MODEL_NAMES.get(m, m) for m in models) + " |",
+        "|---|" + "---|" * len(models),
+    ]
+    for mode in modes:
+        cells = [f"{got[(m, mode)]:.2f} s" if (m, mode) in got else "–" for m in models]
+        out.append(f"| {HEADLINE_NAMES.get(mode, mode)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def chart(d: Json, png: str) -> None:
+    """Grouped bars: one group per mode, one bar per model, median seconds (min–max whiskers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models, modes, got = _medians(d)
+    spans = {(r["model"], r["mode"]): r["wall_s"] for r in d["results"] if r.get("runs") and r.get("wall_s")}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(modes)), 4.0))
+    width = 0.8 / max(1, len(models))
+    for k, model in enumerate(models):
+        xs = [i + k * width for i, mode in enumerate(modes) if (model, mode) in got]
+        ys = [got[(model, mode)] for mode in modes if (model, mode) in got]
+        lo = [got[(model, mode)] - spans[(model, mode)]["min"] for mode in modes if (model, mode) in got]
+        hi = [spans[(model, mode)]["max"] - got[(model, mode)] for mode in modes if (model, mode) in got]
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=MODEL_NAMES.get(model, model))
+    ax.set_xticks([i + width * (len(models) - 1) / 2 for i in range(len(modes))])
+    ax.set_xticklabels([m for m in modes], rotation=20)
+    ax.set_ylabel("request → first inference, s (median, min–max)")
+    m = d["machine"]
+    ax.set_title(f"Cold start through torpord, {m.get('device') or 'no GPU'}, commit {(m.get('torpor_commit') or '?')[:8]}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def render(d: Json) -> str:
     out = [header(d), "", *results_table(d), "", *sizes_table(d)]
     for x in d.get("dedup") or []:
@@ -130,6 +207,22 @@ def render(d: Json) -> str:
     return "\n".join(out)
 
 
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--chart"] and len(argv) == 3:
+        with open(argv[2]) as f:
+            chart(json.load(f), argv[1])
+        return 0
+    if argv[:1] == ["--headline"] and len(argv) == 2:
+        with open(argv[1]) as f:
+            print(headline(json.load(f)))
+        return 0
+    if len(argv) == 1:
+        with open(argv[0]) as f:
+            print(render(json.load(f)))
+        return 0
+    print("usage: split_table.py [--headline | --chart OUT.png] RESULT.json", file=sys.stderr)
+    return 2
+
+
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        print(render(json.load(f)))
+    sys.exit(main(sys.argv[1:]))
