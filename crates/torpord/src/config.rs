@@ -47,6 +47,8 @@
 //! pages = "auto"                  # "lazy": instances' memory on first touch; "copy": all before they
 //!                                 # run; "auto": lazy for CPU functions, copy for GPU ones
 //! stage_bytes = 8589934592        # function snapshots staged in a huge-page tmpfs: 8 GiB; 0: off
+//! transparent_hugepage = "leave"  # or "always": set the node's THP mode to always while torpord
+//!                                 # runs (restores fill memory with 2 MiB pages; docs/split.md)
 //!
 //! [objstore]                      # absent: a single node. Present: deploys push to this bucket,
 //!                                 # unknown functions are pulled from it (docs/objstore.md)
@@ -222,6 +224,8 @@ pub struct RestoreServer {
     pub pages: Pages,
     /// Bytes of function snapshots staged in the daemon's tmpfs (`crate::staging`); 0: none.
     pub stage_bytes: u64,
+    /// The node's transparent-huge-page mode while the daemon runs (`crate::hugepages`).
+    pub transparent_hugepage: crate::hugepages::ThpPolicy,
 }
 
 /// Default of `restore_server.stage_bytes`: 8 GiB (tmpfs memory is used only as snapshots are
@@ -235,6 +239,7 @@ impl Default for RestoreServer {
             gpu_cache_bytes: 2 << 30,
             pages: Pages::default(),
             stage_bytes: DEFAULT_STAGE_BYTES,
+            transparent_hugepage: crate::hugepages::ThpPolicy::default(),
         }
     }
 }
@@ -589,6 +594,13 @@ impl Config {
             }
             if let Some(n) = t.integer("stage_bytes", 0, max)? {
                 r.stage_bytes = u64::try_from(n).unwrap_or(0);
+            }
+            if let Some(p) = t.parsed(
+                "transparent_hugepage",
+                "\"leave\" or \"always\"",
+                crate::hugepages::ThpPolicy::parse,
+            )? {
+                r.transparent_hugepage = p;
             }
             t.finish()?;
         }

@@ -90,6 +90,9 @@ pub struct Metrics {
     pub queue_length: IntGaugeVec,
     /// `torpor_standby_instances{function}`: unused standby instances (crate::runtime::start::standby).
     pub standby_instances: IntGaugeVec,
+    /// `torpor_node_transparent_hugepage{enabled}`: 1 for the node's THP mode at start
+    /// (crate::hugepages).
+    pub node_transparent_hugepage: IntGaugeVec,
     /// `torpor_instance_stage_seconds_total{function, stage}`: time instances spent per stage
     /// ([`accounted_stages`]).
     pub stage_seconds: CounterVec,
@@ -172,6 +175,14 @@ impl Metrics {
             ),
             &["function"],
         )?;
+        let node_transparent_hugepage = IntGaugeVec::new(
+            Opts::new(
+                "torpor_node_transparent_hugepage",
+                "The node's transparent-huge-page mode when the daemon started (always, madvise or never): \
+                 restores fill memory with huge pages only with always.",
+            ),
+            &["enabled"],
+        )?;
         let stage_seconds = CounterVec::new(
             Opts::new(
                 "torpor_instance_stage_seconds_total",
@@ -195,6 +206,12 @@ impl Metrics {
         registry.register(Box::new(gpu_memory_bytes.clone()))?;
         registry.register(Box::new(queue_length.clone()))?;
         registry.register(Box::new(standby_instances.clone()))?;
+        registry.register(Box::new(node_transparent_hugepage.clone()))?;
+        if let Some(mode) =
+            crate::hugepages::node_mode(std::path::Path::new(crate::hugepages::SYSFS_ENABLED))
+        {
+            node_transparent_hugepage.with_label_values(&[&mode]).set(1);
+        }
         registry.register(Box::new(stage_seconds.clone()))?;
         registry.register(Box::new(gpu_memory_byte_seconds.clone()))?;
         for stage in Stage::ALL {
@@ -211,6 +228,7 @@ impl Metrics {
             gpu_memory_bytes,
             queue_length,
             standby_instances,
+            node_transparent_hugepage,
             stage_seconds,
             gpu_memory_byte_seconds,
             functions: Mutex::new(BTreeSet::new()),

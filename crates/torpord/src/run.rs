@@ -26,6 +26,8 @@ pub enum RunError {
     /// SIGTERM/SIGINT cannot be caught.
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
+    #[error(transparent)]
+    HugePages(#[from] crate::hugepages::ThpError),
 }
 
 /// Loads the config (file + flags), sets up logging, starts the daemon and serves until
@@ -41,7 +43,20 @@ pub fn run(args: &ServeArgs) -> Result<(), RunError> {
     if let Some(file) = &config.file {
         tracing::info!(config = %file.display(), "config file read");
     }
-    let daemon = Daemon::start(config)?;
+    // Before the daemon starts restoring (its re-adoption and standbys may restore at once).
+    let thp = crate::hugepages::apply(
+        config.restore_server.transparent_hugepage,
+        std::path::Path::new(crate::hugepages::SYSFS_ENABLED),
+    )?;
+    let daemon = match Daemon::start(config) {
+        Ok(d) => d,
+        Err(e) => {
+            if let Some(changed) = thp {
+                changed.restore();
+            }
+            return Err(e.into());
+        }
+    };
     // Before any thread starts: every process the daemon starts from here on is findable by a
     // later daemon (crate::recovery).
     crate::recovery::mark_children(daemon.state_dir().root());
@@ -50,10 +65,14 @@ pub fn run(args: &ServeArgs) -> Result<(), RunError> {
         .thread_name("torpord")
         .build()
         .map_err(RunError::Runtime)?;
-    runtime.block_on(async move {
+    let served = runtime.block_on(async move {
         let stop = shutdown_signal().map_err(RunError::Signals)?;
         Ok(daemon.serve(stop).await?)
-    })
+    });
+    if let Some(changed) = thp {
+        changed.restore();
+    }
+    served
 }
 
 /// Completes at the first SIGTERM or SIGINT. The handlers are installed before it returns.
