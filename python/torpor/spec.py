@@ -33,6 +33,9 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     requests_per_instance = 1     # integer from 1 to 1024
     standby = 0                   # integer from 0 to max_instances: instances kept restored
                                   # ahead of requests (torpord, cold_start = "restore")
+    standby_gpu = "released"      # a GPU function's standby: "released" (no GPU memory while it
+                                  # waits; a request pays the driver's restore) or "live" (its
+                                  # CUDA context kept on the GPU; a request pays only its segments)
     [keepalive]                   # seconds, each from 0 to 31536000 (a year)
     gpu_release_s = 30
     hibernate_s = 120
@@ -79,7 +82,8 @@ this order (sizes in bytes, durations in seconds as JSON numbers):
      "data": [{"name": str, "path": str (relative, normalised), "abs_path": str, "size": int,
                "access": "read-only"|"writable"}, ...],
      "warmup": {"request": JSON} | null,
-     "scaling": {"max_instances": int, "requests_per_instance": int, "standby": int},
+     "scaling": {"max_instances": int, "requests_per_instance": int, "standby": int,
+                 "standby_gpu": "released"|"live"},
      "keepalive": {"gpu_release_s": number, "hibernate_s": number, "evict_s": number},
      "gpu": {"pack_weights": bool}}
 """
@@ -169,7 +173,8 @@ MAX_CPU_LIMIT = 1024
 MIN_PIDS_LIMIT = 16
 MAX_PIDS_LIMIT = 65_536
 
-SCALING_KEYS = ("max_instances", "requests_per_instance", "standby")
+SCALING_KEYS = ("max_instances", "requests_per_instance", "standby", "standby_gpu")
+STANDBY_GPU = ("released", "live")
 KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s")
 GPU_KEYS = ("pack_weights",)
 
@@ -205,6 +210,8 @@ class Scaling:
     requests_per_instance: int = 1
     # Instances torpord keeps restored ahead of requests (docs/split.md, "Standby instances").
     standby: int = 0
+    # What a GPU function's standby keeps on its GPU: "released" or "live".
+    standby_gpu: str = "released"
 
 
 @dataclass(frozen=True)
@@ -279,6 +286,7 @@ class Spec:
                 "max_instances": self.scaling.max_instances,
                 "requests_per_instance": self.scaling.requests_per_instance,
                 "standby": self.scaling.standby,
+                "standby_gpu": self.scaling.standby_gpu,
             },
             "keepalive": {
                 "gpu_release_s": self.keepalive.gpu_release_s,
@@ -393,6 +401,17 @@ def _bool(table: Mapping[str, Any], prefix: str, key: str, default: bool) -> boo
             _path(prefix, key),
             f"must be true or false, got {_show(value)}",
             f"write {key} = {'true' if default else 'false'} (without quotes)",
+        )
+    return value
+
+
+def _choice(table: Mapping[str, Any], prefix: str, key: str, default: str, choices: tuple[str, ...]) -> str:
+    value = _str(table, prefix, key, default)
+    if value not in choices:
+        raise _fail(
+            _path(prefix, key),
+            f"must be {' or '.join(repr(c).replace(chr(39), chr(34)) for c in choices)}, got {_show(value)}",
+            f'write {key} = "{default}"',
         )
     return value
 
@@ -693,6 +712,7 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
             st, "scaling", "requests_per_instance", Scaling.requests_per_instance, 1, MAX_REQUESTS_PER_INSTANCE
         ),
         standby=standby,
+        standby_gpu=_choice(st, "scaling", "standby_gpu", Scaling.standby_gpu, STANDBY_GPU),
     )
 
     kt = _table(doc, "", "keepalive") or {}

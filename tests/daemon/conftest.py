@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import kill_tree, pids_with
+from conftest import FAKES, FakeCuda, kill_tree, pids_with
 from torpor import client
 
 HERE = Path(__file__).resolve().parent
@@ -191,3 +192,22 @@ def torpord(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPat
         yield d
     finally:
         d.stop()
+
+
+def fake_gpu_env(root: Path, fake_cuda: FakeCuda, **extra: str) -> dict[str, str]:
+    """The environment of a daemon whose GPU is tests/fakes (no real driver involved): the fake
+    driver built with VMM under the state directory (where the workers reach it: their /tmp is
+    their own), every process that maps it a CUDA process in whatever state a call needs, and
+    fake NVML. `extra` adds or overrides variables (FAKE_NVML_PROCS_MATCH, FAKE_CUDA_LOG...)."""
+    lib = root / "state" / "fake-cuda" / "libcuda.so.1"
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "no C compiler (the fake_cuda fixture has one)"
+    subprocess.run([cc, "-shared", "-fPIC", "-DFAKE_CUDA_VMM", "-o", lib, FAKES / "fake_libcuda.c"], check=True)
+    return {
+        "TORPOR_LIBCUDA": str(lib),
+        "TORPOR_LIBNVML": str(fake_cuda.nvml),
+        "FAKE_CUDA_PIDS": "*",
+        "FAKE_CUDA_DEFAULT_STATE": "any",
+        **extra,
+    }

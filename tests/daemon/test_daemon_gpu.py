@@ -359,22 +359,24 @@ def test_split_gpu_instance_releases_its_gpu_and_maps_its_segments_back(cuda: No
     assert woken.json() == {"y": y, "calls": first.json()["calls"] + 2}, woken.json()
 
 
-def _standby_copy(tmp_path: Path, name: str, standby: int) -> Path:
-    """gpusleepy as `name`, two instances, `standby` of them standing by."""
+def _standby_copy(tmp_path: Path, name: str, standby: int, kind: str = "released") -> Path:
+    """gpusleepy as `name`, two instances, `standby` of them standing by (`standby_gpu = kind`)."""
     fdir = tmp_path / name
     shutil.copytree(GPUSLEEPY, fdir)
     toml = fdir / "torpor.toml"
     text = toml.read_text().replace('name = "gpusleepy"', f'name = "{name}"')
-    text = text.replace("max_instances = 1", f"max_instances = 2\nstandby = {standby}")
+    text = text.replace("max_instances = 1", f'max_instances = 2\nstandby = {standby}\nstandby_gpu = "{kind}"')
     toml.write_text(text)
     return fdir
 
 
-def _wait_standby(torpord: Torpord, name: str, not_ids: set[str], timeout: float = 120.0) -> dict[str, Any]:
-    """An instance of `name` in gpu_released that is none of `not_ids` (a standby)."""
+def _wait_standby(
+    torpord: Torpord, name: str, not_ids: set[str], timeout: float = 120.0, stage: str = "gpu_released"
+) -> dict[str, Any]:
+    """An instance of `name` in `stage` that is none of `not_ids` (a standby)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = [i for i in torpord.instances(name) if i["stage"] == "gpu_released" and i["id"] not in not_ids]
+        found = [i for i in torpord.instances(name) if i["stage"] == stage and i["id"] not in not_ids]
         if found:
             return found[0]
         assert time.monotonic() < deadline, f"no standby of {name}: {torpord.instances(name)}\n{torpord.log_text()}"
@@ -425,3 +427,37 @@ def test_a_standby_gpu_instance_serves_like_a_restored_one(
     while {i["id"]: i["stage"] for i in torpord.instances("gpusleepy-standby")}.get(standby["id"]) != "hibernated":
         assert time.monotonic() < deadline, (torpord.instances("gpusleepy-standby"), torpord.log_text())
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("daemon", ["split_gpu_daemon", "transparent_gpu_daemon"])
+def test_a_live_standby_holds_its_context_and_serves_without_the_driver_restore(
+    cuda: None, daemon: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """`standby_gpu = "live"`: the standby's driver restore is done ahead (it waits warm, holding
+    its CUDA context's GPU memory, in /metrics); a request pays only the segments (split) and
+    answers bit-identically to an instance restored on demand."""
+    torpord: Torpord = request.getfixturevalue(daemon)
+    split = daemon == "split_gpu_daemon"
+    torpord.deploy(_standby_copy(tmp_path, "gpusleepy-lref", 0))
+    ref = torpord.invoke("gpusleepy-lref", {"x": X}, timeout=180)
+    assert ref.status == 200 and ref.start == "restored", (ref.status, ref.body, torpord.log_text())
+    torpord.deploy(_standby_copy(tmp_path, "gpusleepy-live", 1, "live"))
+    if split:
+        hook_or_skip(torpord)
+    standby = _wait_standby(torpord, "gpusleepy-live", set(), stage="warm")
+    assert standby["pid"] is not None, standby
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = torpord.request("GET", "/metrics").body.decode()
+        held = re.search(r'^torpor_standby_gpu_memory_bytes\{function="gpusleepy-live"\} (\S+)$', metrics, re.MULTILINE)
+        if held and float(held.group(1)) > 0:
+            break
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.2)
+    print("live standby holds", float(held.group(1)) / 2**20, "MiB of GPU memory")
+    r = torpord.invoke("gpusleepy-live", {"x": X}, timeout=180)
+    assert r.status == 200 and r.start == "standby", (r.status, r.headers, r.body, torpord.log_text())
+    print("live standby:", r.timings, "restored:", ref.timings)
+    assert "gpu_resume" not in r.timings and "restore" not in r.timings, r.timings
+    assert ("segments" in r.timings) is split, r.timings
+    assert r.json() == ref.json(), (r.json(), ref.json())

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import FAKES, FakeCuda
+from conftest import FakeCuda
 
-from .conftest import Torpord
+from .conftest import Torpord, fake_gpu_env
 
 MIB = 1 << 20
 HANDLER = '''
@@ -77,22 +75,13 @@ def daemon(
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
     root = tmp_path_factory.mktemp("torpord-gpumem")
-    # Where the workers reach it (their /tmp is their own); with VMM for the driver warm-up.
-    lib = root / "state" / "fake-cuda" / "libcuda.so.1"
-    lib.parent.mkdir(parents=True)
-    cc = shutil.which("cc") or shutil.which("gcc")
-    assert cc, "no C compiler (the fake_cuda fixture has one)"
-    subprocess.run([cc, "-shared", "-fPIC", "-DFAKE_CUDA_VMM", "-o", lib, FAKES / "fake_libcuda.c"], check=True)
-    env = {
-        "TORPOR_LIBCUDA": str(lib),
-        "TORPOR_LIBNVML": str(fake_cuda.nvml),
-        "FAKE_CUDA_TOTAL_MEM": str(160 * MIB),
-        "FAKE_NVML_PROCS_MATCH": f"torpor.worker:{64 * MIB}",
-        "FAKE_NVML_PROCS_FILE": str(others),
-        # Every process that maps the fake driver is a CUDA process, in whatever state a call needs.
-        "FAKE_CUDA_PIDS": "*",
-        "FAKE_CUDA_DEFAULT_STATE": "any",
-    }
+    env = fake_gpu_env(
+        root,
+        fake_cuda,
+        FAKE_CUDA_TOTAL_MEM=str(160 * MIB),
+        FAKE_NVML_PROCS_MATCH=f"torpor.worker:{64 * MIB}",
+        FAKE_NVML_PROCS_FILE=str(others),
+    )
     d = Torpord(torpor_bin, root, config="split = false\n", env=env, queue_timeout_s=3)
     try:
         fdir = root / "gpumem"

@@ -88,7 +88,7 @@ def test_defaults(tmp_path: Path) -> None:
         "pids_limit": None,
         "data": [],
         "warmup": None,
-        "scaling": {"max_instances": 4, "requests_per_instance": 1, "standby": 0},
+        "scaling": {"max_instances": 4, "requests_per_instance": 1, "standby": 0, "standby_gpu": "released"},
         "keepalive": {"gpu_release_s": 30, "hibernate_s": 120, "evict_s": 600},
         "gpu": {"pack_weights": True},
     }
@@ -98,7 +98,10 @@ def test_standby_up_to_max_instances(tmp_path: Path) -> None:
     toml = 'name = "g"\nentry = "model:G"\ngpus = 1\n[scaling]\nmax_instances = 2\nstandby = 2\n'
     spec = parse_dir(make_dir(tmp_path, toml, {}))
     assert spec.scaling == Scaling(2, 1, 2)
-    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2}
+    (tmp_path / "live").mkdir()
+    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2, "standby_gpu": "released"}
+    live = parse_dir(make_dir(tmp_path / "live", toml + 'standby_gpu = "live"\n', {}))
+    assert live.to_json()["scaling"]["standby_gpu"] == "live"
 
 
 def test_gpu_pack_weights_can_be_turned_off(tmp_path: Path) -> None:
@@ -184,6 +187,8 @@ W = '[[data]]\nname = "weights"\npath = "weights.npy"\n'
         (BASE + '[scaling]\nstandby = "1"\n', "scaling.standby", 'got "1"'),
         (BASE + "[scaling]\nstandby = 5\n", "scaling.standby", "is 5, more than max_instances = 4"),
         (BASE + "[scaling]\nmax_instances = 1\nstandby = 2\n", "scaling.standby", "at most 1"),
+        (BASE + '[scaling]\nstandby_gpu = "hot"\n', "scaling.standby_gpu", 'must be "released" or "live", got "hot"'),
+        (BASE + "[scaling]\nstandby_gpu = 1\n", "scaling.standby_gpu", "must be a string"),
         (BASE + "scaling = 3\n", "scaling", "must be a table"),
         (BASE + "[keepalive]\nhibernate_s = -1\n", "keepalive.hibernate_s", "from 0 to 3.1536e+07, got -1"),
         (BASE + "[keepalive]\nevict = 1\n", "keepalive.evict", "did you mean evict_s?"),

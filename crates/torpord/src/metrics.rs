@@ -90,6 +90,10 @@ pub struct Metrics {
     pub queue_length: IntGaugeVec,
     /// `torpor_standby_instances{function}`: unused standby instances (crate::runtime::start::standby).
     pub standby_instances: IntGaugeVec,
+    /// `torpor_standby_gpu_memory_bytes{function}`, `torpor_standby_host_memory_bytes{function}`:
+    /// what the unused standbys hold (GPU: NVML, or the spec's estimate for a live one).
+    pub standby_gpu_memory_bytes: IntGaugeVec,
+    pub standby_host_memory_bytes: IntGaugeVec,
     /// `torpor_node_transparent_hugepage{enabled}`: 1 for the node's THP mode at start
     /// (crate::hugepages).
     pub node_transparent_hugepage: IntGaugeVec,
@@ -175,6 +179,20 @@ impl Metrics {
             ),
             &["function"],
         )?;
+        let standby_gpu_memory_bytes = IntGaugeVec::new(
+            Opts::new(
+                "torpor_standby_gpu_memory_bytes",
+                "GPU memory the unused standby instances hold, by function (0 for standby_gpu = released).",
+            ),
+            &["function"],
+        )?;
+        let standby_host_memory_bytes = IntGaugeVec::new(
+            Opts::new(
+                "torpor_standby_host_memory_bytes",
+                "Resident host memory of the unused standby instances' workers, by function.",
+            ),
+            &["function"],
+        )?;
         let node_transparent_hugepage = IntGaugeVec::new(
             Opts::new(
                 "torpor_node_transparent_hugepage",
@@ -207,6 +225,8 @@ impl Metrics {
         registry.register(Box::new(queue_length.clone()))?;
         registry.register(Box::new(standby_instances.clone()))?;
         registry.register(Box::new(node_transparent_hugepage.clone()))?;
+        registry.register(Box::new(standby_gpu_memory_bytes.clone()))?;
+        registry.register(Box::new(standby_host_memory_bytes.clone()))?;
         if let Some(mode) =
             crate::hugepages::node_mode(std::path::Path::new(crate::hugepages::SYSFS_ENABLED))
         {
@@ -229,6 +249,8 @@ impl Metrics {
             queue_length,
             standby_instances,
             node_transparent_hugepage,
+            standby_gpu_memory_bytes,
+            standby_host_memory_bytes,
             stage_seconds,
             gpu_memory_byte_seconds,
             functions: Mutex::new(BTreeSet::new()),
@@ -263,6 +285,9 @@ impl Metrics {
         }
         self.queue_length.with_label_values(&[function]);
         self.standby_instances.with_label_values(&[function]);
+        self.standby_gpu_memory_bytes.with_label_values(&[function]);
+        self.standby_host_memory_bytes
+            .with_label_values(&[function]);
         for s in accounted_stages() {
             self.stage_seconds.with_label_values(&[function, s]);
             self.gpu_memory_byte_seconds
@@ -283,6 +308,12 @@ impl Metrics {
         let _ = self.hibernations_refused.remove_label_values(&[function]);
         let _ = self.queue_length.remove_label_values(&[function]);
         let _ = self.standby_instances.remove_label_values(&[function]);
+        let _ = self
+            .standby_gpu_memory_bytes
+            .remove_label_values(&[function]);
+        let _ = self
+            .standby_host_memory_bytes
+            .remove_label_values(&[function]);
         for s in accounted_stages() {
             let _ = self.stage_seconds.remove_label_values(&[function, s]);
             let _ = self

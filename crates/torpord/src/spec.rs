@@ -78,6 +78,23 @@ pub struct Scaling {
     pub max_instances: u32,
     pub requests_per_instance: u32,
     pub standby: u32,
+    /// What a GPU function's standby keeps on its GPU; absent in specs of before (released).
+    #[serde(default)]
+    pub standby_gpu: StandbyGpu,
+}
+
+/// `scaling.standby_gpu` (docs/split.md, "Standby instances"): the cost and the speed of a GPU
+/// function's standby.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum StandbyGpu {
+    /// Its CUDA state checkpointed into host memory: no GPU memory while it waits; a request
+    /// pays the driver's restore (~0.25–0.3 s on the H100) and the segments.
+    #[default]
+    Released,
+    /// The driver's restore done ahead: it holds its CUDA context's GPU memory while it waits
+    /// (~0.35–0.7 GB on the H100, not its segments); a request pays only the segments.
+    Live,
 }
 
 /// `[keepalive]`: idle delays of the stages, in seconds (cumulative).

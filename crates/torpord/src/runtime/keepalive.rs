@@ -110,6 +110,7 @@ impl Runtime {
             let info = st.info.clone();
             let generation = st.generation;
             let k = info.keepalive;
+            let (mut standby_gpu, mut standby_host) = (0u64, 0u64);
             for (inst, n) in &st.instances {
                 let mut keep = lock(&inst.keep);
                 let bytes = match by_root.as_ref() {
@@ -124,6 +125,11 @@ impl Runtime {
                     None => 0,
                 };
                 gpu_total += bytes;
+                if *n == 0 && matches!(keep.state, State::Standby(_)) {
+                    // What keeping it costs (docs/split.md, "Standby instances").
+                    standby_gpu += bytes;
+                    standby_host += resident_bytes(inst.worker_pid);
+                }
                 let charge = keep.meter.close(now, Some(bytes));
                 if let Some(label) = keep.state.charged_as() {
                     self.metrics.add_charge(&pool.name, label, charge);
@@ -180,6 +186,14 @@ impl Runtime {
                 .standby_instances
                 .with_label_values(&[&pool.name])
                 .set(i64::try_from(ready).unwrap_or(i64::MAX));
+            self.metrics
+                .standby_gpu_memory_bytes
+                .with_label_values(&[&pool.name])
+                .set(i64::try_from(standby_gpu).unwrap_or(i64::MAX));
+            self.metrics
+                .standby_host_memory_bytes
+                .with_label_values(&[&pool.name])
+                .set(i64::try_from(standby_host).unwrap_or(i64::MAX));
             for _ in 0..start {
                 let step = Step::StartStandby(Box::new(st.info.clone()), st.generation);
                 steps.push((Arc::clone(&pool), step));
@@ -468,22 +482,8 @@ impl Runtime {
         self: &Arc<Self>,
         inst: &Arc<Instance>,
     ) -> Result<(f64, Option<f64>), ResumeGpuError> {
-        let t = Instant::now();
-        let cuda = self.cuda()?;
-        let pid = inst.worker_pid;
-        tokio::task::spawn_blocking(move || {
-            cuda.restore(pid, &[])?;
-            cuda.unlock(pid)
-        })
-        .await
-        .map_err(ResumeGpuError::Task)??;
-        let s = t.elapsed().as_secs_f64();
-        let released = lock(&inst.segments).is_released();
-        let segments_s = if released {
-            Some(self.map_segments_back(inst, None).await?)
-        } else {
-            None
-        };
+        let s = self.driver_resume(inst.worker_pid).await?;
+        let segments_s = self.segments_resume(inst).await?;
         let resumed = self.step(&inst.function, &mut lock(&inst.keep), Transition::ResumeGpu);
         if let Err(e) = resumed {
             return Err(ResumeGpuError::Removed(e));
@@ -495,6 +495,33 @@ impl Runtime {
             tracing::warn!(instance = %inst.id, error = %e, "cannot record the warm stage");
         }
         Ok((s, segments_s))
+    }
+
+    /// The driver's restore and unlock of a live process whose CUDA state is checkpointed in
+    /// place (a `standby_gpu = "live"` standby, ahead of its first request).
+    pub(crate) async fn driver_resume(&self, pid: i32) -> Result<f64, ResumeGpuError> {
+        let t = Instant::now();
+        let cuda = self.cuda()?;
+        tokio::task::spawn_blocking(move || {
+            cuda.restore(pid, &[])?;
+            cuda.unlock(pid)
+        })
+        .await
+        .map_err(ResumeGpuError::Task)??;
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// Maps an instance's released segments back (`None`: none were released): the part of a
+    /// resume after the driver's, and all a live standby's first request needs.
+    pub(crate) async fn segments_resume(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+    ) -> Result<Option<f64>, ResumeGpuError> {
+        let released = lock(&inst.segments).is_released();
+        if !released {
+            return Ok(None);
+        }
+        Ok(Some(self.map_segments_back(inst, None).await?))
     }
 
     /// → hibernated: quiesce, snapshot in kill mode, keep the snapshot as a sleeper.
@@ -1099,6 +1126,18 @@ pub enum PageCacheError {
     /// `posix_fadvise(POSIX_FADV_DONTNEED)` refused; `errno` is its return value.
     #[error("posix_fadvise on {}: {}", path.display(), std::io::Error::from_raw_os_error(*errno))]
     Fadvise { path: PathBuf, errno: i32 },
+}
+
+/// The resident memory of `pid` (VmRSS), 0 when it cannot be read (it is gone).
+fn resident_bytes(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
 }
 
 #[cfg(test)]

@@ -41,6 +41,8 @@ pub(crate) struct FnInfo {
     pub(crate) per_instance: usize,
     /// `scaling.standby`: idle standby instances to keep (crate::runtime::start::standby).
     pub(crate) standby: usize,
+    /// `scaling.standby_gpu`: whether a GPU standby's driver restore is done ahead.
+    pub(crate) standby_gpu: crate::spec::StandbyGpu,
     /// Idle delays of the stages (cumulative).
     pub(crate) keepalive: Keepalive,
     /// `gpus = 1`: the instances hold GPU memory, and gpu_released applies.
@@ -447,6 +449,24 @@ impl Runtime {
             if let Next::Warm(lease, released, kind) = next {
                 drop(slot);
                 let mut timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
+                // A live standby (`standby_gpu = "live"`): its context is restored, its
+                // segments are still to be mapped; a CPU standby has none released.
+                if !released && kind == start::STANDBY {
+                    let inst = Arc::clone(&lease.instance);
+                    match self.segments_resume(&inst).await {
+                        Ok(Some(s)) => timings.push(("segments".to_string(), s)),
+                        Ok(None) => {}
+                        Err(e) => {
+                            let why = format!("mapping its segments failed: {e}");
+                            self.remove_instance(&inst, &why, true);
+                            return Err(InvokeError::Internal(format!(
+                                "cannot map the segments of standby instance {} of {:?}: {e}; \
+                                 the instance was removed and the next request starts a new one",
+                                inst.id, pool.name
+                            )));
+                        }
+                    }
+                }
                 if released {
                     let inst = Arc::clone(&lease.instance);
                     match self.gpu_resume(&inst).await {
@@ -581,5 +601,10 @@ pub(crate) fn fn_info(
             0,
             limits::MAX_INSTANCES,
         ),
+        // Specs of before have none: released, as then.
+        standby_gpu: match spec.pointer("/scaling/standby_gpu").and_then(Value::as_str) {
+            Some("live") => crate::spec::StandbyGpu::Live,
+            _ => crate::spec::StandbyGpu::Released,
+        },
     }
 }

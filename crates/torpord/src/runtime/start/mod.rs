@@ -76,6 +76,13 @@ pub enum StartError {
         #[source]
         source: RestoreTreeError,
     },
+    /// The driver's restore of a `standby_gpu = "live"` standby failed (the standby was removed).
+    #[error("cannot restore the GPU context of a live standby of {function:?}: {source}; set scaling.standby_gpu = \"released\" if it keeps failing")]
+    LiveStandby {
+        function: String,
+        #[source]
+        source: Box<crate::runtime::keepalive::ResumeGpuError>,
+    },
     /// The restored worker did not come back as an instance of the function.
     #[error(transparent)]
     Wake(#[from] WakeFunctionError),

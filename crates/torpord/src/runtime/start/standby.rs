@@ -27,6 +27,7 @@ use crate::runtime::pool::{FnInfo, Pool, PoolState};
 use crate::runtime::process::{restore_with, HowToRestore};
 use crate::runtime::start::{NewInstance, StartError, StartKind};
 use crate::runtime::Runtime;
+use crate::spec::StandbyGpu;
 use crate::sync::lock;
 
 /// The longest wait between failed standby starts of one function.
@@ -196,8 +197,13 @@ impl Runtime {
             pool: Arc::clone(&pool),
             armed: true,
         };
-        // A GPU standby holds no GPU memory: nothing to charge without NVML.
-        let charge = self.starts.begin(&pool.name, 0, Arc::clone(&self.metrics));
+        // A released GPU standby holds no GPU memory: nothing to charge without NVML; a live
+        // one holds its context, charged at the spec's estimate without NVML (errs high).
+        let live = info.gpu && info.standby_gpu == StandbyGpu::Live;
+        let fallback = if live { info.gpu_bytes } else { 0 };
+        let charge = self
+            .starts
+            .begin(&pool.name, fallback, Arc::clone(&self.metrics));
         let t = Instant::now();
         let started = if info.gpu {
             let (id, log) = self.instance_files(&pool.name, None);
@@ -303,17 +309,39 @@ impl Runtime {
         if let Some(plan) = plan {
             *lock(&inst.segments) = crate::split::release::InstanceSegments::unfilled(plan);
         }
-        // Not in the pool yet: nothing routes to it before its stage says gpu_released.
+        // `standby_gpu = "live"`: the driver's restore now, off the request's path; the
+        // standby then holds its context's GPU memory, and a request pays only the segments.
+        let live = info.standby_gpu == StandbyGpu::Live;
+        if live {
+            match self.driver_resume(inst.worker_pid).await {
+                Ok(s) => {
+                    tracing::debug!(instance = %inst.id, driver_restore_s = s, "live standby: GPU context restored")
+                }
+                Err(e) => {
+                    let why = format!("the driver's restore of a live standby failed: {e}");
+                    self.remove_instance(&inst, &why, true);
+                    return Err(StartError::LiveStandby {
+                        function: name.to_string(),
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        // Not in the pool yet: nothing routes to it before its stage is recorded.
         let _ = self.step(
             name,
             &mut lock(&inst.keep),
-            Transition::Standby { gpu_released: true },
+            Transition::Standby {
+                gpu_released: !live,
+            },
         );
-        if let Err(e) = self
-            .record_stage(&inst.id, Stage::GpuReleased, Some(init), None)
-            .await
-        {
-            tracing::warn!(instance = %inst.id, error = %e, "cannot record the standby's gpu_released stage");
+        let stage = if live {
+            Stage::Warm
+        } else {
+            Stage::GpuReleased
+        };
+        if let Err(e) = self.record_stage(&inst.id, stage, Some(init), None).await {
+            tracing::warn!(instance = %inst.id, error = %e, "cannot record the standby's stage");
         }
         Ok(inst)
     }
