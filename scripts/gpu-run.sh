@@ -32,8 +32,8 @@
 # split-bench: bench/coldstart/split.py: restore → first inference of ResNet-152 and GPT-2-Large
 # through torpord, transparent path vs split (host cache, GPU cache, a second instance sharing the
 # read-only weights, standby, the cold path at its best, cold from disk, a burst of 8 at once;
-# all eight modes of two models do not fit one 10-minute call: split them with
-# SPLIT_ARGS="--modes transparent,host-cache,gpu-cache,cold" and "--modes cold-disk,standby,burst8"
+# all nine modes of two models do not fit one 10-minute call: split them with
+# SPLIT_ARGS="--modes transparent,host-cache,gpu-cache,cold" and "--modes cold-disk,standby,standby-live,burst8"
 # and merge the JSONs with bench/coldstart/split_merge.py), $SPLIT_RUNS fresh restores each (default 5; repeats stop after
 # $SPLIT_BUDGET_MIN minutes, default 6), into $OUT/split-bench.json and
 # $OUT/split-bench.log (also the Markdown table); $SPLIT_ARGS adds flags (e.g.

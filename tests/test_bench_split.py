@@ -100,8 +100,11 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
     assert "timeout_s = 120" in d["settings"]["daemon_config"]["transparent"]
 
     rows = {r["mode"]: r for r in d["results"]}
-    assert list(rows) == ["transparent", "host-cache", "gpu-cache", "second", "standby", "cold", "cold-disk", "burst8"]
+    assert list(rows) == ["transparent", "host-cache", "gpu-cache", "second", "standby", "standby-live", "cold", "cold-disk", "burst8"]
     standby = rows.pop("standby")
+    # A CPU function has no GPU to keep live: the same fully restored idle instance.
+    standby_live = rows.pop("standby-live")
+    assert standby_live["all_same"] and all(r["start"] == "standby" for r in standby_live["runs"]), standby_live
     burst = rows.pop("burst8")
     for mode, row in rows.items():
         assert len(row["runs"]) == 2 and row["all_same"], (mode, row)

@@ -21,6 +21,8 @@ so no instance and no hibernated one is left):
                wait until the standby is ready (`standby_wait_s`), invoke it (`X-Torpor-Start:
                standby`, timings gpu_resume + segments), then `torpor stop` (the next run waits
                for the next standby). Warm-up runs first, as for gpu-cache.
+  standby-live as standby, with `scaling.standby_gpu = "live"` (`NAME-standby-live`): the
+               standby's driver restore done ahead, so the request pays only the segments;
   cold         the cold path at its best: nothing of the function resident, split with the GPU
                cache warmed as for gpu-cache, and whatever `--daemon-config cold:KEY=VALUE` adds
                (the page source, for one); the row the cold-start targets are measured on;
@@ -83,7 +85,7 @@ from torpor import client  # noqa: E402
 
 Json = dict[str, Any]
 GIB = 1 << 30
-MODES = ("transparent", "host-cache", "gpu-cache", "second", "standby", "cold", "cold-disk", "burst8")
+MODES = ("transparent", "host-cache", "gpu-cache", "second", "standby", "standby-live", "cold", "cold-disk", "burst8")
 # Instances a burst starts at once (mode burst8).
 BURST = 8
 # Host cache for every split mode: every model's segments fit (GPT-2-Large holds ~3.3 GB).
@@ -652,8 +654,11 @@ class Bench:
         self.deployed[state][name] = dep
         return name
 
-    def ensure_standby_deployed(self, d: Daemon, model: Model) -> str:
-        """`NAME-standby`: the model's function with `standby = 1`."""
+    def ensure_standby_deployed(self, d: Daemon, model: Model, live: bool = False) -> str:
+        """`NAME-standby`: the model's function with `standby = 1` (`NAME-standby-live`: and
+        `standby_gpu = "live"`)."""
+        if live:
+            return self.ensure_copy_deployed(d, model, "standby-live", 'standby = 1\nstandby_gpu = "live"')
         return self.ensure_copy_deployed(d, model, "standby", "standby = 1")
 
     def drop_page_cache(self) -> Json:
@@ -717,12 +722,12 @@ class Bench:
             "same": all(self.same(model.name, a["value"]) for a in got),
         }
 
-    def wait_standby(self, d: Daemon, name: str, gpu: bool, not_ids: set[str]) -> tuple[str, float]:
+    def wait_standby(self, d: Daemon, name: str, gpu: bool, not_ids: set[str], live: bool = False) -> tuple[str, float]:
         """Waits until `name` has an unused standby that is none of `not_ids`: a live instance in
         its stage (gpu_released, or warm on the CPU) while the daemon's
         torpor_standby_instances says 1, twice, a tick apart (the gauge is set at each 200 ms
         keep-alive tick). Returns its id and the seconds waited."""
-        stage = "gpu_released" if gpu else "warm"
+        stage = "gpu_released" if gpu and not live else "warm"
         t0 = time.perf_counter()
         deadline = time.monotonic() + 600
         gauge = f'torpor_standby_instances{{function="{name}"}}'
@@ -744,7 +749,8 @@ class Bench:
     def standby_run(self, d: Daemon, model: Model, name: str, i: int) -> Json:
         """Waits for the standby, invokes it, then stops every instance (the next standby
         comes from the function snapshot again)."""
-        standby, waited = self.wait_standby(d, name, model.gpu, self.used_standbys)
+        live = name.endswith("-standby-live")
+        standby, waited = self.wait_standby(d, name, model.gpu, self.used_standbys, live)
         before = d.restore_metrics()
         r = d.invoke(name, model.request)
         after = d.restore_metrics()
@@ -769,7 +775,11 @@ class Bench:
         d = self.use_daemon(mode)
         self.ensure_deployed(d, model)
         out: Json = {"model": model.name, "mode": mode, "config": d.config}
-        standby = self.ensure_standby_deployed(d, model) if mode == "standby" else None
+        standby = (
+            self.ensure_standby_deployed(d, model, live=mode == "standby-live")
+            if mode in ("standby", "standby-live")
+            else None
+        )
         burst = (
             self.ensure_copy_deployed(d, model, "burst", f"max_instances = {BURST}\nrequests_per_instance = 1")
             if mode == "burst8"

@@ -23,6 +23,7 @@ MODE_NAMES = {
     "gpu-cache": "split, GPU cache",
     "second": "split, 2nd instance (shared read-only)",
     "standby": "split, standby instance (GPU cache)",
+    "standby-live": "split, live standby (context on the GPU)",
     "cold": "cold (split, GPU cache, best config)",
     "cold-disk": "cold from disk (no cache, page cache dropped)",
     "burst8": "burst of 8 (all answered)",
@@ -36,6 +37,7 @@ HEADLINE_NAMES = {
     "cold": "**cold** (split, GPU cache, best config)",
     "cold-disk": "cold from disk (no cache, page cache dropped)",
     "standby": "standby instance (split, GPU cache)",
+    "standby-live": "live standby (`standby_gpu = \"live\"`)",
     "burst8": "burst: 8 cold starts at once, until all answered",
 }
 MODEL_NAMES = {"resnet152": "ResNet-152", "gpt2-large": "GPT-2-Large", "cpu": "CPU function"}
