@@ -291,3 +291,41 @@ def test_a_hook_library_under_tmp_still_reaches_the_workers(torpor_bin: Path, cr
     finally:
         d.stop()
         shutil.rmtree(under_tmp.parent, ignore_errors=True)
+
+
+def test_a_read_only_segment_in_the_gpu_cache_is_mapped_not_copied(fresh: Torpord) -> None:
+    """With nothing live, a cold restore whose read-only segments are in the GPU cache maps the
+    cache's (sealed) memory itself: restore after restore, the instance's weights are the same
+    physical pages, so their cost does not grow with the model; its writable segment is a copy
+    of its own each time."""
+    fresh.deploy(SPLITBUF)
+
+    def cold_restore() -> dict[str, Any]:
+        r = fresh.cli("stop", "splitbuf", "--json")
+        assert r.returncode == 0, r.stderr
+        deadline = time.monotonic() + 30
+        while any(i.get("pid") for i in fresh.instances("splitbuf")):
+            assert time.monotonic() < deadline, fresh.instances("splitbuf")
+            time.sleep(0.05)
+        a = fresh.invoke("splitbuf", {"op": "info"})
+        assert a.status == 200 and a.start == "restored", (a.status, a.body, fresh.log_text())
+        maps: dict[str, Any] = a.json()["maps"]
+        return maps
+
+    def gpu_hits() -> float:
+        text = fresh.request("GET", "/metrics").body.decode()
+        line = 'torpor_restore_cache_requests_total{cache="gpu",result="hit"} '
+        return float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
+
+    # The store fills the host cache, a host-cache hit fills the GPU cache.
+    maps = [cold_restore() for _ in range(3)]
+    before = gpu_hits()
+    maps += [cold_restore(), cold_restore()]
+    assert gpu_hits() - before >= 6, "three segments per restore, each from the GPU cache"
+    last, prev = maps[-1], maps[-2]
+    for seg in ("weights", "table"):
+        assert last[seg]["perms"] == "r--s", last[seg]
+        assert last[seg]["inode"] == prev[seg]["inode"], (seg, prev[seg], last[seg])
+    assert last["scratch"]["inode"] != prev["scratch"]["inode"], (prev["scratch"], last["scratch"])
+    answer = fresh.invoke("splitbuf", {"op": "compute", "x": 7})
+    assert answer.status == 200 and answer.json()["sha"] == expected_sha(7)

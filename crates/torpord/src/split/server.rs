@@ -7,7 +7,9 @@
 //! 1. **read-only**: the shared copy of its contents if one is resident (one physical copy
 //!    mapped read-only into every instance; a sealed memfd on the host), else a new shared copy
 //!    filled as below, then sealed and kept while an instance maps it;
-//! 2. the **GPU cache** (device memory; a device-to-device copy);
+//! 2. the **GPU cache** (device memory): a read-only segment's cache entry *is* its shared copy
+//!    (entries are sealed read-only when they go in, so the instance maps the cache's memory:
+//!    no copy, whatever the model's size); a writable one gets a device-to-device copy;
 //! 3. the **host cache** (host memory; on a hit the segment is hot and is also put in the GPU
 //!    cache);
 //! 4. the **chunk store** (every chunk verified), and the bytes then go into the host cache.
@@ -46,7 +48,9 @@ pub const MAP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One physical copy of a read-only segment, mapped by every instance holding an `Arc` of it.
 pub struct SharedCopy {
-    memory: Memory,
+    /// Its own memory, or a GPU cache entry's (the same `Arc`: the cache may evict it while
+    /// instances still map it; it goes with the last holder).
+    memory: Arc<Memory>,
     bytes: u64,
     gauge: prometheus::IntGauge,
 }
@@ -258,7 +262,21 @@ impl Split {
             match resident {
                 Some(s) => (None, Some(s), "shared"),
                 None => {
-                    let (m, source) = self.fresh(&*dev, e, recipe, true, tenant)?;
+                    // The GPU cache's entry (sealed) serves as the shared copy itself.
+                    let cached = lock(&self.gpu_cache).get(&crate::tenant::scoped_key(tenant, &gpu_key(e)));
+                    let (m, source) = match cached {
+                        Some(m) => {
+                            self.metrics
+                                .cache_requests
+                                .with_label_values(&["gpu", "hit"])
+                                .inc();
+                            (m, "gpu")
+                        }
+                        None => {
+                            let (m, source) = self.fresh(&*dev, e, recipe, true, tenant)?;
+                            (Arc::new(m), source)
+                        }
+                    };
                     let copy = Arc::new(SharedCopy {
                         memory: m,
                         bytes: e.size,
@@ -339,9 +357,10 @@ impl Split {
                     what: "copying from the host cache",
                     source,
                 })?;
-            // A second use: hot, so it also goes to the GPU cache (when it has room for it).
+            // A second use: hot, so it also goes to the GPU cache (when it has room for it),
+            // sealed: a read-only segment's entry is handed out as its shared copy.
             if lock(&self.gpu_cache).capacity() >= e.size {
-                match dev.fill_from_bytes(&buf, false) {
+                match dev.fill_from_bytes(&buf, true) {
                     Ok(copy) => {
                         lock(&self.gpu_cache).insert(&gkey, Arc::new(copy), e.size);
                     }
