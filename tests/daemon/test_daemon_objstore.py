@@ -1,8 +1,8 @@
 """Two torpord daemons on this machine, each with its own state directory, sharing one bucket of
 a real SeaweedFS (docs/objstore.md, "torpord"): a deploy on A pushes the function; B pulls it
 (only the chunks B lacks) on `POST …/pull` or on its first invoke and answers as A does; a
-second function on the same base pulls fewer chunks; a push to a server that is down does not
-fail the deploy; a function not in the bucket is a 404; a corrupted chunk in the bucket and a
+second function on the same base pulls fewer chunks; a split snapshot's sealed segment record travels with it and a record
+rewritten in the bucket is refused; a push to a server that is down does not fail the deploy; a function not in the bucket is a 404; a corrupted chunk in the bucket and a
 file the snapshot reopens that differs on the pulling node are refused; placement's facts."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from conftest import a_library, pids_with
 from objstore_server import Seaweed, free_ports, running_seaweed
 from torpor import client
 
-from .conftest import Torpord
+from .conftest import FUNCTIONS, Torpord
 
 BUCKET = "cluster"
 
@@ -169,6 +169,53 @@ def test_a_corrupted_chunk_in_the_bucket_is_refused_and_nothing_is_registered(
         client.Client(b.socket).pull("os-corrupt")
     assert e.value.status == 502 and victim in e.value.message and "corrupt" in e.value.message, e.value.message
     assert client.Client(b.socket).placement("os-corrupt").known is False
+
+
+def splitbuf_as(tmp_path: Path, name: str) -> Path:
+    d = tmp_path / name
+    shutil.copytree(FUNCTIONS / "splitbuf", d)
+    toml = d / "torpor.toml"
+    toml.write_text(toml.read_text().replace('name = "splitbuf"', f'name = "{name}"'))
+    return d
+
+
+def test_a_split_snapshot_travels_with_its_sealed_segment_record(nodes: tuple[Torpord, Torpord], tmp_path: Path) -> None:
+    a, b = nodes
+    lines = a.deploy(splitbuf_as(tmp_path, "os-split"))
+    (snap,) = [x for x in lines if x.get("phase") == "snapshot_function"]
+    assert snap["split"] is True and snap["segments"] == 3, snap
+    pushed = lines[-1]["result"]["pushed"]
+    assert isinstance(pushed, dict) and pushed["chunks"] > 0, pushed
+    pulled = client.Client(b.socket).pull("os-split")
+    assert pulled.pulled_chunks > 0, pulled
+    # B's store holds A's record of the segments, sealed alike (the nodes share the key).
+    sid = snap["snapshot"]
+    record_a = (a.state / "chunks" / "refs" / f"{sid}.json").read_bytes()
+    record_b = (b.state / "chunks" / "refs" / f"{sid}.json").read_bytes()
+    assert record_a == record_b and b'"mac"' in record_b
+    ra = a.invoke("os-split", {"op": "compute", "x": 3})
+    rb = b.invoke("os-split", {"op": "compute", "x": 3})
+    assert ra.status == rb.status == 200 and ra.json()["sha"] == rb.json()["sha"], (ra.body, rb.body)
+
+
+def test_a_segment_record_rewritten_in_the_bucket_is_refused_and_nothing_is_registered(
+    nodes: tuple[Torpord, Torpord], seaweed: Seaweed, tmp_path: Path
+) -> None:
+    a, b = nodes
+    lines = a.deploy(splitbuf_as(tmp_path, "os-split-forged"))
+    (snap,) = [x for x in lines if x.get("phase") == "snapshot_function"]
+    sid = snap["snapshot"]
+    record = (a.state / "chunks" / "refs" / f"{sid}.json").read_text()
+    # Someone with write access to the bucket but not the key: the sizes say 1 byte more.
+    forged = record.replace('"size":', '"size":1', 1)
+    assert forged != record
+    s3_put_via_filer(seaweed, f"snapshots/{sid}/sealed-record.json", forged.encode())
+    with pytest.raises(client.ApiError) as e:
+        client.Client(b.socket).pull("os-split-forged")
+    assert e.value.status == 502, (e.value.status, e.value.message)
+    assert "MAC" in e.value.message or "corrupt" in e.value.message, e.value.message
+    assert client.Client(b.socket).placement("os-split-forged").known is False
+    assert not (b.state / "snapshots" / sid).exists()
 
 
 def test_a_reopened_file_that_differs_on_the_pulling_node_is_refused_naming_it(

@@ -43,17 +43,22 @@
 //! single-PUT limit, and a failed push or pull is simply run again (both are idempotent and only
 //! move what is missing).
 
+mod chunks;
 mod client;
 mod config;
 mod error;
 mod pull;
 mod push;
+mod sealed;
 
 pub use client::{Remote, Traffic};
 pub use config::{Credentials, RemoteConfig};
 pub use error::{ConfigError, ObjError, TransferError};
 pub use pull::{pull, PullReport};
 pub use push::{push, PushReport};
+pub use sealed::{
+    pull_sealed_record, push_sealed_record, SealedRecordReport, SEALED_RECORD_OBJECT,
+};
 
 /// Concurrent requests of a push or pull unless told otherwise.
 pub const DEFAULT_PARALLEL: usize = 8;

@@ -1,19 +1,16 @@
 //! `pull`: a snapshot from the bucket into the local chunk store and a snapshot directory.
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
-use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Recipe, StoreError};
+use torpor_image::store::{ChunkStore, Recipe, StoreError};
 use torpor_image::{Manifest, Snapshot, Trust, MAC_FILE, MANIFEST_FILE};
 
 use crate::client::{Remote, Traffic};
 use crate::error::TransferError;
 use crate::{
-    chunk_key, for_each_parallel, snapshot_key, Phase, Progress, RemoteRecord, MAX_RECORD_BYTES,
-    RECORD_FORMAT, RECORD_OBJECT,
+    snapshot_key, Phase, Progress, RemoteRecord, MAX_RECORD_BYTES, RECORD_FORMAT, RECORD_OBJECT,
 };
 
 /// What a pull did.
@@ -87,39 +84,9 @@ pub fn pull(
     // Chunks: only those the store lacks. The writer's shared lock keeps a GC from deleting
     // the ones already here (or fetched) before the record that references them is committed.
     let writer = store.writer()?;
-    let mut unique: BTreeMap<ChunkId, ChunkRef> = BTreeMap::new();
-    for r in &recipes {
-        for c in &r.chunks {
-            unique.entry(c.id).or_insert(*c);
-        }
-    }
-    let total = unique.len() as u64;
-    let wanted: Vec<ChunkRef> = unique
-        .into_values()
-        .filter(|c| !store.contains(&c.id))
-        .collect();
-    let local = total - wanted.len() as u64;
-    let done = AtomicU64::new(local);
-    progress(Progress {
-        phase: Phase::Chunks,
-        done: local,
-        total,
-    });
-    for_each_parallel(&wanted, parallel, |c| {
-        let key = chunk_key(&c.id);
-        // Header, and a body of at most the raw length plus zstd's worst-case growth.
-        let limit = 16 + c.len + c.len / 64 + 1024;
-        let bytes = remote.get(&key, limit)?.ok_or_else(|| missing(&key))?;
-        let origin = format!("object {} in bucket {bucket}", remote.full_key(&key));
-        writer.put_chunk_file(c, &bytes, &origin)?;
-        let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-        progress(Progress {
-            phase: Phase::Chunks,
-            done: n,
-            total,
-        });
-        Ok::<(), TransferError>(())
-    })?;
+    let (total, fetched_chunks) = crate::chunks::download(
+        remote, store, &writer, &recipes, parallel, progress, &missing,
+    )?;
     match store.recipes(id) {
         // Pulled before: the same contents are fine, other contents are not replaced.
         Ok(have) if have == recipes => drop(writer),
@@ -152,8 +119,8 @@ pub fn pull(
         bucket,
         out: out.to_path_buf(),
         chunks: total,
-        fetched: wanted.len() as u64,
-        local,
+        fetched: fetched_chunks,
+        local: total - fetched_chunks,
         traffic: remote.traffic(),
     })
 }

@@ -1,18 +1,14 @@
 //! `push`: a snapshot directory into the local chunk store, then into the bucket.
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
 
-use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Recipe, StoreError};
+use torpor_image::store::{ChunkStore, Recipe, StoreError};
 use torpor_image::{Snapshot, Trust, MAC_FILE, MANIFEST_FILE};
 
 use crate::client::{Remote, Traffic};
 use crate::error::TransferError;
-use crate::{
-    chunk_key, for_each_parallel, snapshot_key, Phase, Progress, RemoteRecord, RECORD_FORMAT,
-    RECORD_OBJECT,
-};
+use crate::{snapshot_key, Phase, Progress, RemoteRecord, RECORD_FORMAT, RECORD_OBJECT};
 
 /// What a push did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -76,37 +72,7 @@ pub fn push(
     };
 
     let recipes = local_recipes(store, &snapshot, id, progress)?;
-
-    let mut unique: BTreeMap<ChunkId, (ChunkRef, &str)> = BTreeMap::new();
-    for r in &recipes {
-        for c in &r.chunks {
-            unique.entry(c.id).or_insert((*c, r.name.as_str()));
-        }
-    }
-    let chunks: Vec<(ChunkRef, &str)> = unique.into_values().collect();
-    let total = chunks.len() as u64;
-    let done = std::sync::atomic::AtomicU64::new(0);
-    let uploaded = std::sync::atomic::AtomicU64::new(0);
-    progress(Progress {
-        phase: Phase::Chunks,
-        done: 0,
-        total,
-    });
-    for_each_parallel(&chunks, parallel, |(c, file)| {
-        let key = chunk_key(&c.id);
-        if !remote.exists(&key)? {
-            let bytes = store.chunk_file(c, file)?;
-            remote.put(&key, &bytes)?;
-            uploaded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        progress(Progress {
-            phase: Phase::Chunks,
-            done: n,
-            total,
-        });
-        Ok::<(), TransferError>(())
-    })?;
+    let (total, uploaded) = crate::chunks::upload(remote, store, &recipes, parallel, progress)?;
 
     if !already_pushed {
         let record = RemoteRecord {
@@ -126,7 +92,6 @@ pub fn push(
         }
         remote.put(&manifest_key, &manifest_bytes)?;
     }
-    let uploaded = uploaded.into_inner();
     Ok(PushReport {
         id: id.to_owned(),
         bucket: remote.bucket().to_owned(),

@@ -146,10 +146,6 @@ pub enum PushError {
     /// The chunk store cannot be opened.
     #[error("{0}")]
     StoreOpen(String),
-    /// Split snapshots keep device segments in the chunk store under a sealed record that the
-    /// push does not carry yet.
-    #[error("function {function:?} has a split snapshot (device segments in the chunk store), which is not pushed yet: set split = false (or split_gpu = false) in torpord.toml to deploy it on the transparent path, which is")]
-    Split { function: String },
     /// The name belongs to another tenant in the bucket.
     #[error("the name {name:?} belongs to tenant {owner:?} in bucket {bucket} (function names are cluster-wide): rename the function, or remove functions/{owner}/{name}.json and function-names/{name}.json from the bucket")]
     NameTaken {
@@ -287,17 +283,13 @@ impl Tier {
             )));
         };
         let tenant = crate::tenant::of_spec(&f.spec).to_string();
-        // A split snapshot's segments are a sealed record under the snapshot's id; a push of
-        // the directory alone would make a function no other node can restore.
-        match store.recipes(&id) {
-            Ok(_) => {
-                return Err(PushError::Split {
-                    function: f.name.clone(),
-                })
-            }
-            Err(StoreError::UnknownSnapshot { .. }) => {}
+        // A split snapshot's segments are a sealed record under the snapshot's id: it travels
+        // too (torpor_objstore::push_sealed_record), or no other node could restore it.
+        let split = match store.recipes(&id) {
+            Ok(_) => true,
+            Err(StoreError::UnknownSnapshot { .. }) => false,
             Err(e) => return Err(e.into()),
-        }
+        };
         let remote = self.remote()?;
         if let Some(owner) = remote.get(&name_key(&f.name), MAX_RECORD_BYTES)? {
             let owner: NameRecord = serde_json::from_slice(&owner).unwrap_or(NameRecord {
@@ -320,6 +312,18 @@ impl Tier {
             PARALLEL,
             &|_| {},
         )?;
+        let segments = if split {
+            Some(torpor_objstore::push_sealed_record(
+                &remote,
+                store,
+                &id,
+                key,
+                PARALLEL,
+                &|_| {},
+            )?)
+        } else {
+            None
+        };
         let record = FunctionRecord {
             format: RECORD_FORMAT,
             name: f.name.clone(),
@@ -345,8 +349,8 @@ impl Tier {
             function: f.name.clone(),
             snapshot: id,
             bucket: report.bucket,
-            chunks: report.chunks,
-            uploaded_chunks: report.uploaded,
+            chunks: report.chunks + segments.map_or(0, |s| s.chunks),
+            uploaded_chunks: report.uploaded + segments.map_or(0, |s| s.moved),
             uploaded_bytes: traffic.bytes_up,
             seconds: t.elapsed().as_secs_f64(),
         })
@@ -473,6 +477,24 @@ impl Tier {
             PARALLEL,
             &|_| {},
         )?;
+        // A split snapshot's segment record (sealed by a node with this node's key).
+        let segments = torpor_objstore::pull_sealed_record(
+            &remote,
+            store,
+            &record.snapshot,
+            key,
+            PARALLEL,
+            &|_| {},
+        );
+        let segments = match segments {
+            Ok(s) => s,
+            Err(e) => {
+                if let Err(x) = std::fs::remove_dir_all(&out) {
+                    tracing::warn!(path = %out.display(), error = %x, "cannot remove a pulled snapshot whose segments did not come");
+                }
+                return Err(e.into());
+            }
+        };
         // Refused here rather than at the first restore: the files this node would map into
         // the restored processes must be the ones the snapshot was taken with.
         let checked = torpor_image::Snapshot::open(&out).and_then(|s| {
@@ -495,8 +517,8 @@ impl Tier {
         Ok(Fetched {
             record,
             snapshot_dir: out,
-            pulled_bytes: report.traffic.bytes_down,
-            pulled_chunks: report.fetched,
+            pulled_bytes: remote.traffic().bytes_down,
+            pulled_chunks: report.fetched + segments.map_or(0, |s| s.moved),
         })
     }
 

@@ -80,6 +80,7 @@ pub use compress::{Compression, DEFAULT_ZSTD_LEVEL, MIN_SAVING_DIVISOR};
 pub use error::StoreError;
 pub use gc::GcReport;
 pub use recipe::{ChunkRef, Recipe};
+pub use records::open_sealed_record;
 pub use usage::Usage;
 pub use write::{PutStats, StoreWriter};
 

@@ -42,6 +42,37 @@ impl Record {
     }
 }
 
+/// Whether `record` carries `key`'s MAC over itself.
+fn check_seal(record: &Record, id: &str, key: &SnapshotKey) -> Result<(), StoreError> {
+    let Some(mac) = &record.mac else {
+        return Err(StoreError::RecordUnsealed { id: id.to_owned() });
+    };
+    let expected = key.record_mac(&record.unsealed_bytes(id)?);
+    // Hash equality is constant-time.
+    if blake3::Hash::from_hex(mac).ok() != Some(expected) {
+        return Err(StoreError::RecordSealMismatch { id: id.to_owned() });
+    }
+    Ok(())
+}
+
+/// The recipes of record bytes another store committed sealed ([`ChunkStore::record_bytes`],
+/// e.g. fetched from a bucket; `origin` names where in errors), if they are a valid record of
+/// `id` sealed with `key`: nodes sharing the key trust each other's segment records, and no one
+/// else can have written them. Commit them with
+/// [`StoreWriter::commit_sealed`](crate::store::StoreWriter::commit_sealed), which seals them
+/// again with the same MAC.
+pub fn open_sealed_record(
+    bytes: &[u8],
+    origin: &Path,
+    id: &str,
+    key: &SnapshotKey,
+) -> Result<Vec<Recipe>, StoreError> {
+    check_snapshot_id(id)?;
+    let record = parse_record(bytes, origin, id)?;
+    check_seal(&record, id, key)?;
+    Ok(record.recipes)
+}
+
 pub(crate) fn record_path(store: &ChunkStore, id: &str) -> PathBuf {
     store.refs_dir().join(format!("{id}{RECORD_SUFFIX}"))
 }
@@ -97,8 +128,14 @@ pub(crate) fn write_record(
 
 fn read_record(path: &Path, id: &str) -> Result<Record, StoreError> {
     let bytes = fs::read(path).map_err(|e| io_error("read", path, e))?;
+    parse_record(&bytes, path, id)
+}
+
+/// A record's bytes, checked as [`read_record`] checks a file (`path` names where they came
+/// from in errors).
+fn parse_record(bytes: &[u8], path: &Path, id: &str) -> Result<Record, StoreError> {
     let record: Record =
-        serde_json::from_slice(&bytes).map_err(|source| StoreError::RecordCorrupt {
+        serde_json::from_slice(bytes).map_err(|source| StoreError::RecordCorrupt {
             path: path.to_path_buf(),
             source,
         })?;
@@ -178,16 +215,19 @@ impl ChunkStore {
             return Err(self.unknown(snapshot_id));
         }
         let record = read_record(&path, snapshot_id)?;
-        let id = snapshot_id.to_owned();
-        let Some(mac) = &record.mac else {
-            return Err(StoreError::RecordUnsealed { id });
-        };
-        let expected = key.record_mac(&record.unsealed_bytes(snapshot_id)?);
-        // Hash equality is constant-time.
-        if blake3::Hash::from_hex(mac).ok() != Some(expected) {
-            return Err(StoreError::RecordSealMismatch { id });
-        }
+        check_seal(&record, snapshot_id, key)?;
         Ok(record.recipes)
+    }
+
+    /// The committed record of `snapshot_id` as it is on disk (its MAC included, if sealed):
+    /// what another node's store takes with [`open_sealed_record`].
+    pub fn record_bytes(&self, snapshot_id: &str) -> Result<Vec<u8>, StoreError> {
+        check_snapshot_id(snapshot_id)?;
+        let path = record_path(self, snapshot_id);
+        if !path.exists() {
+            return Err(self.unknown(snapshot_id));
+        }
+        fs::read(&path).map_err(|e| io_error("read", &path, e))
     }
 
     /// Drops the references of `snapshot_id`. Its chunks stay until [`gc`](Self::gc) finds
@@ -257,4 +297,48 @@ pub(crate) fn refcounts(all: &BTreeMap<String, Record>) -> HashMap<ChunkId, u64>
         }
     }
     counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(byte: u8) -> SnapshotKey {
+        SnapshotKey::from_bytes([byte; 32], Path::new("test.key"))
+    }
+
+    #[test]
+    fn a_sealed_record_opens_on_another_node_with_the_same_key_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = ChunkStore::open(&dir.path().join("a")).expect("store");
+        let file = dir.path().join("seg");
+        fs::write(&file, vec![7u8; 100_000]).expect("write");
+        let mut w = store.writer().expect("writer");
+        let recipe = w.put_file(&file, "segment-1000").expect("put");
+        w.commit_sealed("fn-x-1", std::slice::from_ref(&recipe), &key(1))
+            .expect("commit");
+        let bytes = store.record_bytes("fn-x-1").expect("bytes");
+        let origin = Path::new("bucket object");
+        assert_eq!(
+            open_sealed_record(&bytes, origin, "fn-x-1", &key(1)).expect("opens"),
+            vec![recipe]
+        );
+        // Another key, another id, a rewritten record, an unsealed one: refused.
+        assert!(matches!(
+            open_sealed_record(&bytes, origin, "fn-x-1", &key(2)),
+            Err(StoreError::RecordSealMismatch { .. })
+        ));
+        assert!(open_sealed_record(&bytes, origin, "fn-x-2", &key(1)).is_err());
+        let text = String::from_utf8(bytes.clone()).expect("utf8");
+        let forged = text.replacen("\"size\":", "\"size\":1", 1);
+        assert!(open_sealed_record(forged.as_bytes(), origin, "fn-x-1", &key(1)).is_err());
+        let store_b = ChunkStore::open(&dir.path().join("b")).expect("store b");
+        let w = store_b.writer().expect("writer");
+        w.commit("fn-x-1", &[]).expect("commit");
+        let unsealed = store_b.record_bytes("fn-x-1").expect("bytes");
+        assert!(matches!(
+            open_sealed_record(&unsealed, origin, "fn-x-1", &key(1)),
+            Err(StoreError::RecordUnsealed { .. })
+        ));
+    }
 }

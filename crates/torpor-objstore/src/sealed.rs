@@ -1,0 +1,96 @@
+//! A sealed chunk store record (the split path's device segments: a record the daemon sealed
+//! with the node's snapshot key, `torpor_image::store::StoreWriter::commit_sealed`) between a
+//! node's store and the bucket, so a split snapshot restores on any node that shares the key.
+//!
+//! The record travels as the bytes the pushing store committed, MAC included
+//! (`snapshots/<id>/sealed-record.json`); the pulling node checks that MAC with its own key
+//! before it fetches a chunk (`torpor_image::store::open_sealed_record`), checks every chunk
+//! against its id, and commits the recipes sealed with its key, which yields the same MAC.
+//! Nobody without the key can make a record this accepts.
+
+use std::path::Path;
+
+use torpor_image::store::{open_sealed_record, ChunkStore, StoreError};
+use torpor_image::SnapshotKey;
+
+use crate::client::Remote;
+use crate::error::TransferError;
+use crate::{snapshot_key, Progress, MAX_RECORD_BYTES};
+
+/// The object holding a snapshot's sealed record, under `snapshots/<id>/`.
+pub const SEALED_RECORD_OBJECT: &str = "sealed-record.json";
+
+/// What a push or pull of a sealed record moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct SealedRecordReport {
+    /// Distinct chunks the record lists.
+    pub chunks: u64,
+    /// Chunks uploaded (push) or fetched (pull) by this call.
+    pub moved: u64,
+}
+
+/// Pushes the committed record `id` of `store` (it must be sealed) and the chunks the bucket
+/// lacks; the record last, so a record in the bucket always has its chunks there.
+pub fn push_sealed_record(
+    remote: &Remote,
+    store: &ChunkStore,
+    id: &str,
+    key: &SnapshotKey,
+    parallel: usize,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<SealedRecordReport, TransferError> {
+    let bytes = store.record_bytes(id)?;
+    // Only what this node sealed goes out (and it is what the pulling node will check).
+    let recipes = open_sealed_record(&bytes, &store.root().join("refs"), id, key)?;
+    let (chunks, moved) = crate::chunks::upload(remote, store, &recipes, parallel, progress)?;
+    remote.put(&snapshot_key(id, SEALED_RECORD_OBJECT), &bytes)?;
+    Ok(SealedRecordReport { chunks, moved })
+}
+
+/// Pulls the sealed record `id` into `store` if the bucket has one (`Ok(None)`: it has none):
+/// its MAC checked with `key`, its missing chunks fetched and checked, then committed sealed.
+/// A record `store` holds already must be the same.
+pub fn pull_sealed_record(
+    remote: &Remote,
+    store: &ChunkStore,
+    id: &str,
+    key: &SnapshotKey,
+    parallel: usize,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<Option<SealedRecordReport>, TransferError> {
+    torpor_image::store::check_snapshot_id(id)?;
+    let object = snapshot_key(id, SEALED_RECORD_OBJECT);
+    let Some(bytes) = remote.get(&object, MAX_RECORD_BYTES)? else {
+        return Ok(None);
+    };
+    let origin = format!(
+        "object {} in bucket {}",
+        remote.full_key(&object),
+        remote.bucket()
+    );
+    let recipes = open_sealed_record(&bytes, Path::new(&origin), id, key)?;
+    let writer = store.writer()?;
+    let bucket = remote.bucket().to_owned();
+    let missing = |k: &str| TransferError::MissingObject {
+        id: id.to_owned(),
+        bucket: bucket.clone(),
+        key: remote.full_key(k),
+    };
+    let (chunks, moved) = crate::chunks::download(
+        remote, store, &writer, &recipes, parallel, progress, &missing,
+    )?;
+    match store.sealed_recipes(id, key) {
+        Ok(have) if have == recipes => drop(writer),
+        Ok(_) => {
+            return Err(TransferError::StoreDiffers {
+                id: id.to_owned(),
+                store: store.root().to_path_buf(),
+                dir: store.root().to_path_buf(),
+                file: "its sealed record".to_owned(),
+            })
+        }
+        Err(StoreError::UnknownSnapshot { .. }) => writer.commit_sealed(id, &recipes, key)?,
+        Err(e) => return Err(e.into()),
+    }
+    Ok(Some(SealedRecordReport { chunks, moved }))
+}
