@@ -313,8 +313,9 @@ pub fn content_addressed_copy(file: &Path, dir: &Path) -> io::Result<PathBuf> {
 
 /// A copy of the running torpor binary named by its hash. Snapshots map the init's binary, and
 /// CRIU refuses to restore a mapping whose file changed; a content-addressed copy keeps every
-/// snapshot restorable when torpor itself is rebuilt or upgraded.
-fn init_binary(state_dir: &Path) -> Result<PathBuf, LaunchError> {
+/// snapshot restorable when torpor itself is rebuilt or upgraded. A daemon makes it at start
+/// too: a snapshot another node took with the same binary restores before anything launched.
+pub fn init_binary(state_dir: &Path) -> Result<PathBuf, LaunchError> {
     // A daemon launches many workers: hash the running binary once per process and state dir.
     static CACHE: std::sync::Mutex<Option<(PathBuf, PathBuf)>> = std::sync::Mutex::new(None);
     let mut cache = CACHE

@@ -199,6 +199,12 @@ impl MountPolicy {
     }
 }
 
+/// The key of the external mount of torpord's state directory in a worker's snapshot
+/// ([`crate::snapshot::SnapshotOptions::state_dir`]): a restore binds the restoring daemon's own
+/// state directory there ([`crate::restore::RestoreOptions::external_sources`]), so a worker
+/// snapshotted on a node whose state_dir differs reaches this node's daemon by its old path.
+pub const STATE_DIR_KEY: &str = "torpor-state-dir";
+
 /// The `external` entry for `criu dump`: the mount point and the key it is saved under.
 pub fn dump_spec(m: &ExternalMount) -> String {
     format!("mnt[{}]:{}", m.path, m.key)

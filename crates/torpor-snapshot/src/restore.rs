@@ -55,6 +55,9 @@ pub struct RestoreOptions<'a> {
     /// The cgroup the restored tree is born in: the `cgroup.procs` file of each hierarchy
     /// (torpord's instance cgroup). Empty: CRIU's (and so the caller's) cgroup.
     pub cgroup: &'a [PathBuf],
+    /// Host paths to bind at the external mounts of these keys instead of the paths recorded
+    /// in the snapshot (torpord: its own state directory at [`crate::mounts::STATE_DIR_KEY`]).
+    pub external_sources: &'a [(&'a str, &'a Path)],
 }
 
 /// How a restore checks the snapshot's files against its manifest.
@@ -392,7 +395,12 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     let external: Vec<String> = manifest
         .external_mounts
         .iter()
-        .map(crate::mounts::restore_spec)
+        .map(
+            |m| match opts.external_sources.iter().find(|(key, _)| *key == m.key) {
+                Some((key, here)) => format!("mnt[{key}]:{}", here.display()),
+                None => crate::mounts::restore_spec(m),
+            },
+        )
         .collect();
     let request = RestoreRequest {
         images_dir: opts.dir,

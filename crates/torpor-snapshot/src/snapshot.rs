@@ -43,6 +43,9 @@ pub struct SnapshotOptions<'a> {
     /// Seals the snapshot (`manifest.mac`) so that restores can tell it was written by the
     /// key's holder; `None` writes an unkeyed snapshot (hashes only).
     pub key: Option<&'a SnapshotKey>,
+    /// torpord's state directory, mounted in its workers: its external mount is saved under
+    /// [`mounts::STATE_DIR_KEY`] so that any node's daemon can bind its own there at restore.
+    pub state_dir: Option<&'a Path>,
 }
 
 /// Why a snapshot failed. In every case the source process keeps running and `--out` does not
@@ -204,7 +207,21 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         pid: root.pid,
         source,
     })?;
-    let external = mount_plan.external;
+    let mut external = mount_plan.external;
+    if let Some(state_dir) = opts.state_dir {
+        // By identity, not by path: a worker restored from another node's snapshot has this
+        // daemon's state directory mounted at that node's path.
+        use std::os::unix::fs::MetadataExt;
+        let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+        let ours = id(state_dir);
+        for m in external.iter_mut() {
+            let seen =
+                Path::new(&format!("/proc/{}/root", root.pid)).join(m.path.trim_start_matches('/'));
+            if Path::new(&m.path) == state_dir || (ours.is_some() && id(&seen) == ours) {
+                m.key = mounts::STATE_DIR_KEY.to_owned();
+            }
+        }
+    }
     // Identified now, while the tree runs (its files seen through /proc/PID/root), before it
     // is stopped: this adds nothing to the stop time.
     let archived: Vec<String> = mount_plan.archived.iter().map(|m| m.path.clone()).collect();

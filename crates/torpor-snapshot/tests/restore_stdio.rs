@@ -131,6 +131,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         lock_timeout: Duration::from_secs(10),
         log_dir: dir.path(),
         key: None,
+        state_dir: None,
     })
     .expect("snapshot");
     let _ = unshare.wait();
@@ -161,6 +162,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
         cgroup: &[],
+        external_sources: &[],
     })
     .err()
     .expect("refused");
@@ -186,6 +188,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
         cgroup: &[],
+        external_sources: &[],
     })
     .expect("restore");
     // Both processes write on, each through its own descriptor, to the new file only.
@@ -211,6 +214,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         lock_timeout: Duration::from_secs(10),
         log_dir: dir.path(),
         key: None,
+        state_dir: None,
     })
     .expect("snapshot of the restored tree");
     let stdio2 = torpor_image::Snapshot::open(&snap2)
@@ -231,6 +235,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
         cgroup: &[],
+        external_sources: &[],
     })
     .expect("restore of the second snapshot");
     wait_for("the twice-restored tree to write the newer log", || {
@@ -250,6 +255,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
         cgroup: &[],
+        external_sources: &[],
     })
     .expect("restore onto the recorded file");
     wait_for("the copy to append to the recorded log", || {
@@ -295,6 +301,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         lock_timeout: Duration::from_secs(10),
         log_dir: dir.path(),
         key: None,
+        state_dir: None,
     })
     .expect("snapshot");
     let _ = unshare.wait();
@@ -310,6 +317,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         trust: torpor_image::Trust::Unkeyed,
         resume_gpu: true,
         cgroup: &[],
+        external_sources: &[],
     };
     let err = restore(&opts(Some(&new))).err().expect("refused");
     assert!(matches!(err, RestoreError::StdioUnknown), "{err}");

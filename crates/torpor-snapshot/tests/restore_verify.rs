@@ -96,6 +96,7 @@ fn snapshot_tree(dir: &Path, key: Option<&SnapshotKey>) -> std::path::PathBuf {
         lock_timeout: Duration::from_secs(10),
         log_dir: dir,
         key,
+        state_dir: None,
     })
     .expect("snapshot");
     let _ = unshare.wait();
@@ -119,6 +120,7 @@ fn detached<'a>(
         trust,
         resume_gpu: true,
         cgroup: &[],
+        external_sources: &[],
     }
 }
 

@@ -692,9 +692,16 @@ async fn steps(
     let procs = cgroup
         .as_ref()
         .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files);
-    let (init, worker) = restore(&base.path, &rt.logs_dir(), &log, &rt.snapshot_key, procs)
-        .await
-        .map_err(|e| fail("restore_base", e.to_string()))?;
+    let (init, worker) = restore(
+        &base.path,
+        &rt.logs_dir(),
+        &log,
+        &rt.snapshot_key,
+        procs,
+        &rt.state_root,
+    )
+    .await
+    .map_err(|e| fail("restore_base", e.to_string()))?;
     let mut guard = TreeGuard(Some(init));
     let mut conn = wake(&rt.hub, worker, RECONNECT_TIMEOUT)
         .await

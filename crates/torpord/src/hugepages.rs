@@ -91,18 +91,8 @@ impl Changed {
 pub fn apply(policy: ThpPolicy, path: &Path) -> Result<Option<Changed>, ThpError> {
     let current = node_mode(path);
     match policy {
-        ThpPolicy::Leave => {
-            if let Some(mode) = current.as_deref().filter(|m| *m != "always") {
-                tracing::info!(
-                    mode,
-                    "transparent huge pages are not \"always\" on this node: CRIU fills restored \
-                     memory with 4 KiB pages (on the H100 a GPT-2-Large restore took 4.8 s \
-                     instead of 3.0 s); set restore_server.transparent_hugepage = \"always\" or \
-                     the node's mode (docs/split.md, \"Huge pages\")"
-                );
-            }
-            Ok(None)
-        }
+        // Said once the daemon has started (`report`): a start that fails says one line only.
+        ThpPolicy::Leave => Ok(None),
         ThpPolicy::Always => {
             if current.as_deref() == Some("always") {
                 return Ok(None);
@@ -118,6 +108,19 @@ pub fn apply(policy: ThpPolicy, path: &Path) -> Result<Option<Changed>, ThpError
                 previous,
             }))
         }
+    }
+}
+
+/// Says in the log what the node's mode costs restores, when it is not `always`.
+pub fn report(path: &Path) {
+    if let Some(mode) = node_mode(path).filter(|m| m != "always") {
+        tracing::info!(
+            mode,
+            "transparent huge pages are not \"always\" on this node: CRIU fills restored \
+             memory with 4 KiB pages (on the H100 a GPT-2-Large restore took 4.8 s \
+             instead of 3.0 s); set restore_server.transparent_hugepage = \"always\" or \
+             the node's mode (docs/split.md, \"Huge pages\")"
+        );
     }
 }
 

@@ -175,7 +175,10 @@ impl crate::runtime::Runtime {
         };
         let theirs = &fetched.record.state_dir;
         if !theirs.as_os_str().is_empty() && *theirs != self.state_root {
-            tracing::warn!(function = %name, theirs = %theirs.display(), ours = %self.state_root.display(), "the function was snapshotted by a torpord with another state_dir: its restored instances cannot reconnect here and each cold start boots instead; run every node with the same state_dir");
+            // Restores bind this node's state directory where the worker had the other's
+            // (torpor_snapshot::mounts::STATE_DIR_KEY); a snapshot taken before that key
+            // existed still reconnects by the old path and boots instead.
+            tracing::info!(function = %name, theirs = %theirs.display(), ours = %self.state_root.display(), "the function was snapshotted by a torpord with another state_dir: restores bind this one in its place");
         }
         tracing::info!(function = %name, snapshot = %fetched.record.snapshot, pulled_bytes = pulled.pulled_bytes, pulled_chunks = pulled.pulled_chunks, seconds = pulled.seconds, "pulled from the object store");
         Ok(pulled)

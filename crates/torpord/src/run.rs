@@ -57,6 +57,7 @@ pub fn run(args: &ServeArgs) -> Result<(), RunError> {
             return Err(e.into());
         }
     };
+    crate::hugepages::report(std::path::Path::new(crate::hugepages::SYSFS_ENABLED));
     // Before any thread starts: every process the daemon starts from here on is findable by a
     // later daemon (crate::recovery).
     crate::recovery::mark_children(daemon.state_dir().root());

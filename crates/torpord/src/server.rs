@@ -138,6 +138,11 @@ impl Daemon {
             Ok(bytes) => tracing::info!(bytes, "registry shrunk"),
             Err(e) => tracing::warn!(error = %e, "cannot shrink the registry"),
         }
+        // The init copy workers run from, before any restore needs it: a snapshot pulled from
+        // another node maps it by this binary's hash, and nothing may have launched here yet.
+        if let Err(e) = torpor_snapshot::launch::init_binary(state_dir.root()) {
+            tracing::warn!(error = %e, "cannot copy the init binary into the state directory; the first launch tries again");
+        }
         let metrics = Arc::new(Metrics::new()?);
         let unix = socket::bind(&config.socket)?;
         let workers = socket::bind(&state_dir.workers_socket())?;

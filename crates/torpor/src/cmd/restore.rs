@@ -45,6 +45,7 @@ pub fn run(
             trust: super::trust(key.as_ref()),
             resume_gpu: true,
             cgroup: &[],
+            external_sources: &[],
         },
         &PageOptions { source: pages },
     );

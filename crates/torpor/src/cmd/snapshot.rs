@@ -33,6 +33,7 @@ pub fn run(
         lock_timeout: Duration::from_secs_f64(timeout),
         log_dir: &log_dir,
         key: key.as_ref(),
+        state_dir: None,
     });
     progress.finish();
     let report = report?;

@@ -29,6 +29,10 @@ pub struct HowToRestore {
     /// The tree's cgroup (its `cgroup.procs` files, crate::cgroup::Cgroup::procs_files): CRIU
     /// restores the tree into it. Empty: unconfined.
     pub cgroup: Vec<std::path::PathBuf>,
+    /// The daemon's state directory, bound where the snapshot's worker had its daemon's
+    /// (`torpor_snapshot::mounts::STATE_DIR_KEY`): a snapshot taken by a daemon with another
+    /// state_dir (pulled from the object store) reaches this one. `None`: as recorded.
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 /// A restored tree.
@@ -135,9 +139,11 @@ pub async fn restore(
     stdio: &Path,
     key: &Arc<torpor_image::SnapshotKey>,
     cgroup: Vec<std::path::PathBuf>,
+    state_dir: &Path,
 ) -> Result<(i32, i32), RestoreTreeError> {
     let how = HowToRestore {
         cgroup,
+        state_dir: Some(state_dir.to_path_buf()),
         ..HowToRestore::default()
     };
     let tree = restore_with(dir, log_dir, stdio, how, key).await?;
@@ -166,6 +172,12 @@ pub async fn restore_with(
     let key = Arc::clone(key);
     tokio::task::spawn_blocking(move || {
         let pages = PageOptions { source: how.pages };
+        let sources: Vec<(&str, &Path)> = how
+            .state_dir
+            .as_deref()
+            .map(|d| (torpor_snapshot::mounts::STATE_DIR_KEY, d))
+            .into_iter()
+            .collect();
         let restore_onto = |stdio: Option<&Path>| {
             torpor_snapshot::restore::restore_with(
                 &RestoreOptions {
@@ -178,6 +190,7 @@ pub async fn restore_with(
                     trust: torpor_image::Trust::Key(&key),
                     resume_gpu: !how.leave_gpu_checkpointed,
                     cgroup: &how.cgroup,
+                    external_sources: &sources,
                 },
                 &pages,
             )
@@ -311,7 +324,14 @@ impl Runtime {
     /// CRIU's logs go to the daemon's log directory; the snapshot is sealed with the daemon's
     /// key, so that restores can tell it from a snapshot the daemon did not write.
     pub async fn snapshot_and_kill(&self, pid: i32, out: &Path) -> Result<(), SnapshotTreeError> {
-        snapshot_and_kill(pid, out, &self.logs_dir(), &self.snapshot_key).await
+        snapshot_and_kill(
+            pid,
+            out,
+            &self.logs_dir(),
+            &self.snapshot_key,
+            &self.state_root,
+        )
+        .await
     }
 }
 
@@ -321,8 +341,10 @@ async fn snapshot_and_kill(
     out: &Path,
     log_dir: &Path,
     key: &Arc<torpor_image::SnapshotKey>,
+    state_dir: &Path,
 ) -> Result<(), SnapshotTreeError> {
     let (out, log_dir, key) = (out.to_path_buf(), log_dir.to_path_buf(), Arc::clone(key));
+    let state_dir = state_dir.to_path_buf();
     tokio::task::spawn_blocking(move || {
         torpor_snapshot::snapshot::snapshot(&torpor_snapshot::snapshot::SnapshotOptions {
             pid,
@@ -331,6 +353,7 @@ async fn snapshot_and_kill(
             lock_timeout: CUDA_LOCK_TIMEOUT,
             log_dir: &log_dir,
             key: Some(&key),
+            state_dir: Some(&state_dir),
         })
         .map(|_| ())
         .map_err(|source| SnapshotTreeError::Snapshot { pid, source })

@@ -263,7 +263,8 @@ impl Split {
                 Some(s) => (None, Some(s), "shared"),
                 None => {
                     // The GPU cache's entry (sealed) serves as the shared copy itself.
-                    let cached = lock(&self.gpu_cache).get(&crate::tenant::scoped_key(tenant, &gpu_key(e)));
+                    let cached =
+                        lock(&self.gpu_cache).get(&crate::tenant::scoped_key(tenant, &gpu_key(e)));
                     let (m, source) = match cached {
                         Some(m) => {
                             self.metrics

@@ -54,6 +54,7 @@ impl Runtime {
             cgroup: cgroup
                 .as_ref()
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
+            state_dir: Some(self.state_root.clone()),
             ..HowToRestore::default()
         };
         let staged = how.staged.is_some();

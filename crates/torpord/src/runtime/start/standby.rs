@@ -286,6 +286,7 @@ impl Runtime {
             cgroup: cgroup
                 .as_ref()
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
+            state_dir: Some(self.state_root.clone()),
         };
         let tree = restore_with(
             &info.snapshot_dir,
