@@ -31,13 +31,8 @@ pub(crate) fn upload(
 ) -> Result<(u64, u64), TransferError> {
     let chunks = distinct(recipes);
     let total = chunks.len() as u64;
-    let done = AtomicU64::new(0);
+    let ticker = Ticker::start(0, total, progress);
     let uploaded = AtomicU64::new(0);
-    progress(Progress {
-        phase: Phase::Chunks,
-        done: 0,
-        total,
-    });
     for_each_parallel(&chunks, parallel, |(c, file)| {
         let key = chunk_key(&c.id);
         if !remote.exists(&key)? {
@@ -45,12 +40,7 @@ pub(crate) fn upload(
             remote.put(&key, &bytes)?;
             uploaded.fetch_add(1, Ordering::Relaxed);
         }
-        let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-        progress(Progress {
-            phase: Phase::Chunks,
-            done: n,
-            total,
-        });
+        ticker.tick();
         Ok::<(), TransferError>(())
     })?;
     Ok((total, uploaded.into_inner()))
@@ -75,13 +65,7 @@ pub(crate) fn download(
         .map(|(c, _)| c)
         .filter(|c| !store.contains(&c.id))
         .collect();
-    let local = total - wanted.len() as u64;
-    let done = AtomicU64::new(local);
-    progress(Progress {
-        phase: Phase::Chunks,
-        done: local,
-        total,
-    });
+    let ticker = Ticker::start(total - wanted.len() as u64, total, progress);
     let bucket = remote.bucket().to_owned();
     for_each_parallel(&wanted, parallel, |c| {
         let key = chunk_key(&c.id);
@@ -90,13 +74,39 @@ pub(crate) fn download(
         let bytes = remote.get(&key, limit)?.ok_or_else(|| missing(&key))?;
         let origin = format!("object {} in bucket {bucket}", remote.full_key(&key));
         writer.put_chunk_file(c, &bytes, &origin)?;
-        let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-        progress(Progress {
-            phase: Phase::Chunks,
-            done: n,
-            total,
-        });
+        ticker.tick();
         Ok::<(), TransferError>(())
     })?;
     Ok((total, wanted.len() as u64))
+}
+
+/// Counts the chunks done and reports each to `progress`.
+struct Ticker<'a> {
+    done: AtomicU64,
+    total: u64,
+    progress: &'a (dyn Fn(Progress) + Sync),
+}
+
+impl<'a> Ticker<'a> {
+    fn start(done: u64, total: u64, progress: &'a (dyn Fn(Progress) + Sync)) -> Self {
+        progress(Progress {
+            phase: Phase::Chunks,
+            done,
+            total,
+        });
+        Ticker {
+            done: AtomicU64::new(done),
+            total,
+            progress,
+        }
+    }
+
+    fn tick(&self) {
+        let n = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+        (self.progress)(Progress {
+            phase: Phase::Chunks,
+            done: n,
+            total: self.total,
+        });
+    }
 }
