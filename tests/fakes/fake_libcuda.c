@@ -39,7 +39,8 @@
  *   FAKE_CUDA_UNLOCK_RESULT   failure leaves the state as it was and is logged.
  *   FAKE_CUDA_STATE_RESULT    code cuCheckpointProcessGetState returns.
  *   FAKE_CUDA_DEVICES         number of GPUs (default 1, at most 16). GPU i is named
- *                             "Fake NVIDIA GPU i" and has the UUID
+ *                             "Fake NVIDIA GPU i" ("Fake NVIDIA GPU" for all with
+ *                             FAKE_CUDA_SAME_MODEL set: one model) and has the UUID
  *                             GPU-fa4e0000-0000-0000-0000-0000000000ii (i in hex).
  *   FAKE_CUDA_TOTAL_MEM       bytes of memory of each GPU (default 80 GiB).
  *   FAKE_CUDA_DRIVER_VERSION  what cuDriverGetVersion returns (default 13000).
@@ -171,7 +172,11 @@ CUresult cuDeviceGetName(char *name, int len, CUdevice device) {
         return CUDA_ERROR_INVALID_VALUE;
     if (device < 0 || device >= device_count())
         return CUDA_ERROR_INVALID_DEVICE;
-    snprintf(name, (size_t)len, "Fake NVIDIA GPU %d", device);
+    /* FAKE_CUDA_SAME_MODEL: every GPU is one model (for moves between GPUs). */
+    if (env("FAKE_CUDA_SAME_MODEL"))
+        snprintf(name, (size_t)len, "Fake NVIDIA GPU");
+    else
+        snprintf(name, (size_t)len, "Fake NVIDIA GPU %d", device);
     return CUDA_SUCCESS;
 }
 

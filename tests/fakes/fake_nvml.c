@@ -235,7 +235,9 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int len
         return NVML_ERROR_UNINITIALIZED;
     if (i < 0 || !name)
         return NVML_ERROR_INVALID_ARGUMENT;
-    if ((unsigned int)snprintf(name, length, "Fake NVIDIA GPU %d", i) >= length)
+    int n = getenv("FAKE_CUDA_SAME_MODEL") ? snprintf(name, length, "Fake NVIDIA GPU")
+                                           : snprintf(name, length, "Fake NVIDIA GPU %d", i);
+    if ((unsigned int)n >= length)
         return NVML_ERROR_INSUFFICIENT_SIZE;
     return NVML_SUCCESS;
 }

@@ -9,6 +9,7 @@ pub mod gpu_tasks;
 pub mod inherited_mappings;
 pub mod interrupt;
 pub mod launch;
+pub mod migrate;
 pub mod mount_ns;
 pub mod mounts;
 pub mod phases;

@@ -651,11 +651,11 @@ fn root_command(tree: &[ProcessInfo]) -> Vec<String> {
         .unwrap_or_else(|| root.cmdline.clone())
 }
 
-type CudaContext = (CudaDriver, Option<Nvml>, Vec<i32>);
+pub(crate) type CudaContext = (CudaDriver, Option<Nvml>, Vec<i32>);
 
 /// Finds the CUDA processes of the tree. The driver is loaded only if some process maps
 /// libcuda, so CPU-only trees never need (or touch) it.
-fn find_cuda(tree: &[ProcessInfo]) -> Result<Option<CudaContext>, SnapshotError> {
+pub(crate) fn find_cuda(tree: &[ProcessInfo]) -> Result<Option<CudaContext>, SnapshotError> {
     let mapped: Vec<i32> = tree
         .iter()
         .filter(|p| proctree::maps_libcuda(p.pid).unwrap_or(false))
@@ -683,7 +683,7 @@ fn find_cuda(tree: &[ProcessInfo]) -> Result<Option<CudaContext>, SnapshotError>
 
 /// What the manifest records about the GPUs: the ones the tree uses (per NVML), or every device
 /// when NVML is unavailable.
-fn gpu_section(
+pub(crate) fn gpu_section(
     driver: &CudaDriver,
     nvml: Option<&Nvml>,
     pids: &[i32],

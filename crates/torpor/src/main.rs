@@ -51,6 +51,22 @@ enum Command {
         #[command(flatten)]
         key: cmd::KeyArgs,
     },
+    /// Move the running process tree rooted at PID (started by `torpor run`) onto another GPU
+    /// of this node, in place: the driver checkpoints its GPU state and restores it there.
+    Migrate {
+        /// The pid `torpor run` printed.
+        #[arg(long)]
+        pid: i32,
+        /// The GPU to move to: an ordinal or a UUID (GPU-…).
+        #[arg(long)]
+        gpu: String,
+        /// Seconds to wait for in-flight CUDA work when locking.
+        #[arg(long, default_value_t = 10.0)]
+        timeout: f64,
+        /// Print phase timings.
+        #[arg(short, long)]
+        verbose: bool,
+    },
     /// Restore a snapshot into new namespaces (several restores may run side by side).
     Restore {
         /// Snapshot directory.
@@ -249,6 +265,12 @@ fn main() -> ExitCode {
             verbose,
             key,
         } => cmd::snapshot::run(pid, &out, leave_running, timeout, verbose, &key),
+        Command::Migrate {
+            pid,
+            gpu,
+            timeout,
+            verbose,
+        } => cmd::migrate::run(pid, &gpu, timeout, verbose),
         Command::Restore {
             dir,
             detach,

@@ -6,6 +6,7 @@ pub mod inspect;
 pub mod invoke;
 pub mod logs;
 pub mod ls;
+pub mod migrate;
 pub mod objstore;
 pub mod progress;
 pub mod restore;
