@@ -115,7 +115,11 @@ pub fn migrate(opts: &MigrateOptions) -> Result<MigrateReport, MigrateError> {
         ([one], _) => *one,
         ([], [only]) => only,
         (many, all) => {
-            let on = if many.is_empty() { all.iter().collect() } else { many.to_vec() };
+            let on = if many.is_empty() {
+                all.iter().collect()
+            } else {
+                many.to_vec()
+            };
             return Err(MigrateError::ManyGpus {
                 pid: root.pid,
                 count: on.len(),
@@ -127,9 +131,10 @@ pub fn migrate(opts: &MigrateOptions) -> Result<MigrateReport, MigrateError> {
             });
         }
     };
-    let devices = driver
-        .devices()
-        .map_err(|source| SnapshotError::Driver { pid: root.pid, source })?;
+    let devices = driver.devices().map_err(|source| SnapshotError::Driver {
+        pid: root.pid,
+        source,
+    })?;
     let Some(target) = devices
         .iter()
         .find(|d| opts.target.matches(d.ordinal as u32, &d.uuid))
