@@ -221,3 +221,20 @@ def test_fault_points_after_gpu_checkpoint_roll_back(
     assert w.alive(), f"{w} died\n{describe(r)}"
     assert outputs(infer(w)) == ref
     assert any(pid == w.child_pid for pid, _ in compute_apps()), "the source is not back on the GPU"
+
+
+def test_gpu_migrate_moves_a_running_process_to_the_other_gpu(torpor: Torpor, workers: Workers) -> None:
+    """`torpor migrate --pid PID --gpu 1` (crates/torpor-snapshot/src/migrate.rs) on two GPUs of
+    one model: the same process answers bit-identically on GPU 1, and back on GPU 0."""
+    gpus = nvidia_gpus()
+    if len(gpus) < 2 or gpus[0]["name"] != gpus[1]["name"]:
+        pytest.skip(f"needs 2 GPUs of one model, this machine has {[g['name'] for g in gpus]}")
+    w = boot(workers, "migrate")
+    ref = outputs(infer(w))
+    for target in (1, 0):
+        r = torpor.ok("migrate", "--pid", w.init_pid, "--gpu", str(target), "-v", timeout=300)
+        print(r.stdout, r.stderr)
+        assert f"to GPU {target}" in r.stdout, r.stdout
+        on = {uuid for pid, uuid in compute_apps() if pid == w.child_pid}
+        assert on == {gpus[target]["uuid"]}, f"the process runs on {on}, expected GPU {target}"
+        assert outputs(infer(w)) == ref
