@@ -254,6 +254,11 @@ fn main() -> ExitCode {
     // torpor enumerates every GPU of the node; the processes it snapshots keep their own
     // CUDA_VISIBLE_DEVICES, read from /proc. Removed while the process is single-threaded.
     std::env::remove_var("CUDA_VISIBLE_DEVICES");
+    // A lazy restore's page server (torpor_criu::page_server), run by this binary for itself.
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.len() > 1 && args[1] == torpor_snapshot::page_server::SUBCOMMAND {
+        return ExitCode::from(torpor_snapshot::page_server::main(&args[2..]) as u8);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run { log, command } => cmd::run::run(log, &command),
