@@ -80,9 +80,10 @@ enum Command {
         /// File for the restored tree's stdout and stderr (appended) [default: the files they had when snapshotted]
         #[arg(long)]
         log: Option<PathBuf>,
-        /// How memory comes back: `copy` (every page before the process runs) or `lazy` (each
-        /// page on first touch over userfaultfd, the rest in the background; torpor then waits
-        /// for the lazy-pages daemon to finish before it returns).
+        /// How memory comes back: `copy` (every page before the process runs), `lazy` (over
+        /// userfaultfd by Torpor's page server: faults first, then the rest in the background;
+        /// torpor waits for it to finish before it returns; docs/lazy-pages.md) or `criu-lazy`
+        /// (the same with CRIU's lazy-pages daemon).
         #[arg(long, default_value = "copy")]
         pages: PageSource,
         /// Print phase timings.
