@@ -139,7 +139,7 @@ if [ "$MODE" = criu-gpu ]; then
   huge=/mnt/torpor-huge
   mkdir -p "$huge" && { mountpoint -q "$huge" || mount -t tmpfs -o huge=always,size=16G,mode=0700 tmpfs "$huge"; }
   python3 bench/criu_restore/run.py --worker bench/criu_restore/gpu_worker.py --mib "${CRIU_GPU_MIB:-256}" \
-    --runs "${RUNS:-3}" --huge-stage-base "$huge" --sources disk-warm,tmpfs-huge,lazy-tmpfs-huge \
+    --runs "${RUNS:-3}" --huge-stage-base "$huge" --sources disk-warm,tmpfs-huge,lazy-tmpfs-huge,criu-lazy-tmpfs-huge \
     --out "$OUT/criu-restore-gpu.json" 2>&1 | tee "$OUT/criu-gpu.log"
   crc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$crc
   umount "$huge" 2>/dev/null

@@ -4,6 +4,7 @@ a lazy-pages daemon that fails gives one error line and leaves nothing running."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -90,7 +91,8 @@ def staged_dir() -> Iterator[Path]:
 
 
 def lazy_daemons(snap: Path) -> list[int]:
-    return [p for p in pids_with("lazy-pages") if str(snap) in cmdline(p)]
+    """CRIU's lazy-pages daemons and Torpor's page servers serving `snap`."""
+    return [p for p in pids_with("lazy-pages") + pids_with("__page-server") if str(snap) in cmdline(p)]
 
 
 def restored_checksum(torpor: Torpor, workers: Workers, src: Source, snap: Path, *extra: str) -> str:
@@ -115,8 +117,9 @@ def test_copy_staged_and_lazy_restores_give_the_same_memory(
 
     # Lazy: `restore --detach` returns only once the daemon served every page and was reaped.
     for snap in (staged_dir, source.snap):
-        assert restored_checksum(torpor, workers, source, snap, "--pages", "lazy") == source.checksum
-        assert lazy_daemons(snap) == [], "a lazy-pages daemon outlived its restore"
+        for pages in ("lazy", "criu-lazy"):
+            assert restored_checksum(torpor, workers, source, snap, "--pages", pages) == source.checksum
+            assert lazy_daemons(snap) == [], f"a {pages} daemon outlived its restore"
     # Restoring left the snapshot as it was.
     torpor.ok("verify", source.snap)
 
@@ -155,7 +158,7 @@ def test_a_lazy_pages_daemon_that_cannot_start_is_one_error(
     torpor: Torpor, workers: Workers, source: Source, tmp_path: Path
 ) -> None:
     env = criu_wrapper(tmp_path, '  echo "lazy-pages: userfaultfd is not allowed here" >&2; exit 1')
-    line = torpor.fails("restore", source.snap, "--detach", "--pages", "lazy", env=env)
+    line = torpor.fails("restore", source.snap, "--detach", "--pages", "criu-lazy", env=env)
     assert "criu lazy-pages" in line and "userfaultfd is not allowed here" in line, line
     assert pids_with(source.token) == [], "a failed lazy restore left a process"
 
@@ -172,7 +175,53 @@ def test_a_lazy_pages_daemon_missing_pages_is_one_error_and_kills_the_restore(
         '  shift 3\n'
         f'  exec "$REAL" lazy-pages -D "{broken}" "$@"',
     )
-    line = torpor.fails("restore", source.snap, "--detach", "--pages", "lazy", env=env, timeout=120)
+    line = torpor.fails("restore", source.snap, "--detach", "--pages", "criu-lazy", env=env, timeout=120)
     assert "lazy-pages" in line or "CRIU restore failed" in line, line
     wait_until(lambda: pids_with(source.token) == [], 15, "the restored tree to be killed")
     assert lazy_daemons(broken) == [], "the lazy-pages daemon was left running"
+
+
+def stats_of(path: Path) -> list[dict[str, int]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_torpors_page_server_serves_faults_in_runs_records_a_profile_and_serves_it_first(
+    torpor: Torpor, workers: Workers, source: Source, tmp_path: Path
+) -> None:
+    """Torpor's page server (torpor_criu::page_server), whose counters and profile it writes
+    where $TORPOR_PAGE_SERVER_STATS and $TORPOR_PAGE_PROFILE_OUT say: a first restore records the
+    ranges faulted in; a second one given them copies them as its hot set at the end of CRIU's
+    restore, before the process runs, and the rest in the background. Same memory both times."""
+    stats, profile = tmp_path / "stats.jsonl", tmp_path / "profile"
+    env = {"TORPOR_PAGE_SERVER_STATS": str(stats), "TORPOR_PAGE_PROFILE_OUT": str(profile)}
+    with_env = dict(os.environ, **env)
+    r = torpor("restore", source.snap, "--detach", "--pages", "lazy", env=with_env)
+    w = workers.adopt(parse_pid(r), Endpoint(unix=str(source.sock)), "restored")
+    assert ask(source.sock, "sum") == source.checksum
+    workers.cleanup()
+    w.wait_gone()
+    [first] = stats_of(stats)
+    assert first["tasks"] >= 1 and first["faults"] > 0 and first["background_pages"] > 0, first
+    assert profile.read_text().strip(), "no fault was recorded"
+    assert first["hot_pages"] == 0, first
+
+    stats.unlink()
+    again = dict(os.environ, TORPOR_PAGE_SERVER_STATS=str(stats), TORPOR_PAGE_PROFILE_IN=str(profile))
+    r = torpor("restore", source.snap, "--detach", "--pages", "lazy", env=again)
+    w = workers.adopt(parse_pid(r), Endpoint(unix=str(source.sock)), "restored")
+    assert ask(source.sock, "sum") == source.checksum
+    workers.cleanup()
+    w.wait_gone()
+    [second] = stats_of(stats)
+    assert second["hot_pages"] > 0, second
+    assert lazy_daemons(source.snap) == []
+
+
+def test_a_page_server_that_stops_half_way_is_one_error_and_kills_the_restore(
+    torpor: Torpor, workers: Workers, source: Source, tmp_path: Path
+) -> None:
+    env = dict(os.environ, TORPOR_PAGE_SERVER_FAULT="1", TORPOR_LOG_DIR=str(tmp_path / "logs"))
+    line = torpor.fails("restore", source.snap, "--detach", "--pages", "lazy", env=env, timeout=120)
+    assert "torpor's page server failed" in line and "TORPOR_PAGE_SERVER_FAULT" in line, line
+    wait_until(lambda: pids_with(source.token) == [], 15, "the restored tree to be killed")
+    assert lazy_daemons(source.snap) == [], "the page server was left running"

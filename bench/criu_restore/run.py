@@ -12,8 +12,9 @@ Then for each page source and each touch pattern, RUNS times:
   sent; the time from starting `torpor restore` to the answer is "restore → first answer".
 Page sources: disk-cold (page cache dropped before each run), disk-warm (the images read once
 first), tmpfs (the staged copy in --stage-base, /dev/shm: 4 KiB pages), lazy-tmpfs (the same with
---pages lazy); with --huge-stage-base (a tmpfs mounted huge=always) also tmpfs-huge and
-lazy-tmpfs-huge. Touch patterns: 10 % and 100 %. Rounds are interleaved (run i of every cell,
+--pages lazy: Torpor's page server), criu-lazy-tmpfs (--pages criu-lazy: CRIU's lazy-pages
+daemon); with --huge-stage-base (a tmpfs mounted huge=always) also tmpfs-huge, lazy-tmpfs-huge
+and criu-lazy-tmpfs-huge. Touch patterns: 10 % and 100 %. Rounds are interleaved (run i of every cell,
 then run i+1), so background load on a shared machine spreads over all cells alike. Every answer
 is checked against the worker's own answer before the snapshot. Every run is recorded with
 torpor's phases; medians, min and max per cell.
@@ -41,8 +42,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PYTHON = shutil.which("python3") or sys.executable
 PHASE_RE = re.compile(r"^phase\s+(\S+)\s+([-+0-9.eE]+)\s*$")
-SOURCES = ("disk-cold", "disk-warm", "tmpfs", "lazy-tmpfs", "tmpfs-huge", "lazy-tmpfs-huge")
-DEFAULT_SOURCES = SOURCES[:4]
+SOURCES = (
+    "disk-cold", "disk-warm", "tmpfs", "lazy-tmpfs", "criu-lazy-tmpfs",
+    "tmpfs-huge", "lazy-tmpfs-huge", "criu-lazy-tmpfs-huge",
+)
+DEFAULT_SOURCES = SOURCES[:5]
 TOUCH = (10, 100)
 
 Json = dict[str, Any]
@@ -226,8 +230,8 @@ class Bench:
         size = sum(f.stat().st_size for f in snap.rglob("*") if f.is_file())
         return snap, expected, {"snapshot_s": round(snap_s, 3), "bytes": size}
 
-    def restore_once(self, snap: Path, lazy: bool, touch: int, expected: str) -> Json:
-        args = [str(self.torpor), "restore", str(snap), "--detach", "-v"] + (["--pages", "lazy"] if lazy else [])
+    def restore_once(self, snap: Path, pages: str, touch: int, expected: str) -> Json:
+        args = [str(self.torpor), "restore", str(snap), "--detach", "-v", "--pages", pages]
         with tempfile.TemporaryFile("w+") as err:
             t0 = time.monotonic()
             p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, env=self.env, text=True)
@@ -337,7 +341,7 @@ def main(argv: list[str]) -> int:
     runs: dict[tuple[str, int], list[Json]] = {(s, t): [] for s in a.sources for t in TOUCH}
     try:
         for suffix, target in staged.items():
-            if any(s.startswith(("tmpfs", "lazy-tmpfs")) and s.endswith(suffix) and
+            if any(s.startswith(("tmpfs", "lazy-tmpfs", "criu-lazy-tmpfs")) and s.endswith(suffix) and
                    (suffix or not s.endswith("-huge")) for s in a.sources):
                 t = time.monotonic()
                 bench.tp("stage", snap, "--to", target)
@@ -350,7 +354,8 @@ def main(argv: list[str]) -> int:
                         drop_caches()
                     elif source == "disk-warm":
                         read_all(d)
-                    r = bench.restore_once(d, source.startswith("lazy"), touch, expected[touch])
+                    pages = "criu-lazy" if source.startswith("criu-lazy") else "lazy" if source.startswith("lazy") else "copy"
+                    r = bench.restore_once(d, pages, touch, expected[touch])
                     bench.say(f"{source} touch {touch}% run {i + 1}: first answer {r['first_answer_s']:.3f} s")
                     runs[(source, touch)].append(r)
         for source in a.sources:

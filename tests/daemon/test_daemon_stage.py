@@ -148,10 +148,10 @@ def test_invokes_restore_the_staged_copy_with_lazy_pages_bit_identically(staged:
     first = staged.invoke("ballast", {})
     assert first.status == 200 and first.start == "restored", (first.status, first.body)
     assert first.json() == EXPECTED
-    assert restores(staged)[-1] == ("ballast", "Lazy", True), staged.log_text()
+    assert restores(staged)[-1] == ("ballast", "CriuLazy", True), staged.log_text()
     assert {"restore", "reconnect", "start"} <= set(first.timings), first.timings
     assert fresh_restore(staged, "ballast") == EXPECTED
-    assert restores(staged)[-1] == ("ballast", "Lazy", True)
+    assert restores(staged)[-1] == ("ballast", "CriuLazy", True)
 
 
 def test_the_stage_area_is_in_no_worker_namespace_nor_snapshot(staged: Torpord) -> None:
@@ -171,7 +171,7 @@ def test_a_corrupt_disk_copy_does_not_matter_while_staged(staged: Torpord) -> No
     flip_byte(pages)
     try:
         assert fresh_restore(staged, "ballast") == EXPECTED
-        assert restores(staged)[-1] == ("ballast", "Lazy", True)
+        assert restores(staged)[-1] == ("ballast", "CriuLazy", True)
     finally:
         pages.write_bytes(original)
 
@@ -184,7 +184,7 @@ def test_a_redeploy_replaces_the_staged_copy(staged: Torpord) -> None:
     (new,) = copies(staged)
     assert new != old and new.startswith(f"{snap}."), (old, new)
     assert fresh_restore(staged, "ballast") == EXPECTED
-    assert restores(staged)[-1] == ("ballast", "Lazy", True)
+    assert restores(staged)[-1] == ("ballast", "CriuLazy", True)
 
 
 def test_a_restarted_daemon_stages_again_and_never_reads_a_copy_it_did_not_stage(staged: Torpord) -> None:
@@ -202,7 +202,7 @@ def test_a_restarted_daemon_stages_again_and_never_reads_a_copy_it_did_not_stage
     (snap,) = [p for p in (again.state / "snapshots").iterdir() if p.name.startswith("fn-ballast-")]
     same_files(stage_dir(again) / fresh, snap)
     assert fresh_restore(again, "ballast") == EXPECTED
-    assert restores(again)[-1] == ("ballast", "Lazy", True)
+    assert restores(again)[-1] == ("ballast", "CriuLazy", True)
 
 
 def lazy_pages_daemons(d: Torpord) -> list[int]:
@@ -298,8 +298,8 @@ def test_rm_removes_the_staged_copy(staged: Torpord) -> None:
     ("restore_server", "pages", "is_staged"),
     [
         ('pages = "copy"', "Copy", True),
-        ("stage_bytes = 0", "Lazy", False),
-        ("stage_bytes = 1048576", "Lazy", False),
+        ("stage_bytes = 0", "CriuLazy", False),
+        ("stage_bytes = 1048576", "CriuLazy", False),
     ],
     ids=["copy", "staging-off", "larger-than-the-area"],
 )
@@ -346,8 +346,8 @@ def test_a_full_stage_area_drops_the_least_recently_used_copy(torpor_bin: Path, 
         wait_until(lambda: [c.split(".")[0] for c in copies(d)] == [second], 10, "ballast's copy to go")
         # ballast's restores read its disk copy again (hashed), ballast2's its staged copy.
         assert d.invoke("ballast", {}).json() == EXPECTED
-        assert restores(d)[-1] == ("ballast", "Lazy", False)
+        assert restores(d)[-1] == ("ballast", "CriuLazy", False)
         assert d.invoke("ballast2", {}).json() == EXPECTED
-        assert restores(d)[-1] == ("ballast2", "Lazy", True)
+        assert restores(d)[-1] == ("ballast2", "CriuLazy", True)
     finally:
         d.stop()

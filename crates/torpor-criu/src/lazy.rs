@@ -33,15 +33,17 @@ pub enum LazyPagesError {
         source: std::io::Error,
     },
     /// The daemon exited or hung before it listened for the restore.
-    #[error("`criu lazy-pages` did not start listening ({why}){}; see {log} (check `criu check --feature uffd-noncoop`)", last_words(.stderr))]
+    #[error("{who} did not start listening ({why}){}; see {log} (check `criu check --feature uffd-noncoop`)", last_words(.stderr))]
     NotListening {
+        who: &'static str,
         why: String,
         stderr: String,
         log: PathBuf,
     },
     /// The daemon failed while serving pages: the restored processes may miss memory.
-    #[error("`criu lazy-pages` failed ({status}) before every page was served{}; the restored processes were killed, see {log}", last_words(.stderr))]
+    #[error("{who} failed ({status}) before every page was served{}; the restored processes were killed, see {log}", last_words(.stderr))]
     Failed {
+        who: &'static str,
         status: ExitStatus,
         stderr: String,
         log: PathBuf,
@@ -66,6 +68,8 @@ fn last_words(stderr: &str) -> String {
 /// dropping it unwaited kills and reaps it (only right for a restore that failed: a restored
 /// process whose pages are not all served hangs on its next fault).
 pub struct LazyPages {
+    /// Which daemon it is, for messages.
+    who: &'static str,
     child: Option<Child>,
     /// How the daemon exited, once reaped.
     exited: Option<ExitStatus>,
@@ -117,6 +121,7 @@ impl Criu {
             source,
         })?;
         let mut daemon = LazyPages {
+            who: "`criu lazy-pages`",
             child: Some(child),
             exited: None,
             stderr,
@@ -125,6 +130,43 @@ impl Criu {
         daemon.wait_listening(&socket)?;
         Ok(daemon)
     }
+}
+
+/// Starts Torpor's page server (crate::page_server) in `work_dir` for the images in
+/// `images_dir`: `exe` (a torpor binary, the caller's own) run with
+/// [`crate::page_server::SUBCOMMAND`]. The same handshake, so the same [`LazyPages`] handle.
+pub fn start_page_server(
+    exe: &Path,
+    images_dir: &Path,
+    work_dir: &Path,
+) -> Result<LazyPages, LazyPagesError> {
+    let log = work_dir.join("page-server.log");
+    let spawn_err = |source| LazyPagesError::Spawn {
+        program: exe.to_path_buf(),
+        source,
+    };
+    let stderr = tempfile::tempfile().map_err(spawn_err)?;
+    let child_stderr = stderr.try_clone().map_err(spawn_err)?;
+    let socket = work_dir.join(LAZY_PAGES_SOCKET);
+    let _ = std::fs::remove_file(&socket);
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg(crate::page_server::SUBCOMMAND)
+        .arg(images_dir)
+        .arg(work_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(child_stderr));
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let child = cmd.spawn().map_err(spawn_err)?;
+    let mut daemon = LazyPages {
+        who: "torpor's page server",
+        child: Some(child),
+        exited: None,
+        stderr,
+        log,
+    };
+    daemon.wait_listening(&socket)?;
+    Ok(daemon)
 }
 
 impl LazyPages {
@@ -150,6 +192,7 @@ impl LazyPages {
                 Ok(Some(status)) => {
                     self.child = None;
                     return Err(LazyPagesError::NotListening {
+                        who: self.who,
                         why: format!("it exited, {status}"),
                         stderr: self.stderr_tail(),
                         log: self.log.clone(),
@@ -165,6 +208,7 @@ impl LazyPages {
             }
             if start.elapsed() > LISTEN_TIMEOUT {
                 return Err(LazyPagesError::NotListening {
+                    who: self.who,
                     why: format!("no socket after {} s", LISTEN_TIMEOUT.as_secs()),
                     stderr: self.stderr_tail(),
                     log: self.log.clone(),
@@ -213,6 +257,7 @@ impl LazyPages {
     fn outcome(&mut self) -> Result<(), LazyPagesError> {
         match self.exited {
             Some(status) if !status.success() => Err(LazyPagesError::Failed {
+                who: self.who,
                 status,
                 stderr: self.stderr_tail(),
                 log: self.log.clone(),

@@ -42,15 +42,17 @@
 //! with the reason and pass. `TORPOR_CRIU=/path/to/criu` picks another CRIU.
 
 mod error;
+pub mod images;
 mod lazy;
 mod locate;
 mod netns;
+pub mod page_server;
 mod proto;
 mod request;
 mod swrk;
 
 pub use error::{Action, CriuError};
-pub use lazy::{LazyPages, LazyPagesError, LAZY_PAGES_SOCKET};
+pub use lazy::{start_page_server, LazyPages, LazyPagesError, LAZY_PAGES_SOCKET};
 pub use locate::{
     locate, min_version, private_prefix, Criu, Version, ENV_CRIU, ENV_PREFIX, MIN_VERSION,
 };

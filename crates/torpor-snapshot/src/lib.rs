@@ -27,3 +27,6 @@ pub mod unsupported;
 pub mod visible_gpus;
 
 pub use sys::is_root;
+
+/// The lazy restores' page server, whose subcommand the torpor binaries run.
+pub use torpor_criu::page_server;

@@ -80,10 +80,14 @@ pub enum PageSource {
     /// CRIU copies every page from the images before the process runs (the default).
     #[default]
     Copy,
-    /// CRIU restores the memory layout only; a `criu lazy-pages` daemon fills each page over
-    /// userfaultfd when it is first touched, then the rest in the background. The restore's
-    /// [`Restored::lazy_pages`] must be finished ([`LazyRestore::finish`]).
+    /// CRIU restores the memory layout only; Torpor's page server (`torpor_criu::page_server`)
+    /// fills each fault with a run around it, the profiled hot set before the driver's restore,
+    /// then the rest in the background. The restore's [`Restored::lazy_pages`] must be finished
+    /// ([`LazyRestore::finish`]).
     Lazy,
+    /// As [`PageSource::Lazy`], with CRIU's own `criu lazy-pages` daemon (one page per fault;
+    /// kept to compare with).
+    CriuLazy,
 }
 
 impl std::str::FromStr for PageSource {
@@ -92,8 +96,9 @@ impl std::str::FromStr for PageSource {
         match s {
             "copy" => Ok(PageSource::Copy),
             "lazy" => Ok(PageSource::Lazy),
+            "criu-lazy" => Ok(PageSource::CriuLazy),
             other => Err(format!(
-                "unknown page source {other:?}: use `copy` (every page before the process runs) or `lazy` (on first touch, over userfaultfd)"
+                "unknown page source {other:?}: use `copy` (every page before the process runs), `lazy` (on first touch, over userfaultfd, Torpor's page server) or `criu-lazy` (the same with CRIU's daemon)"
             )),
         }
     }
@@ -435,15 +440,24 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     let mut request = request;
     let daemon = match pages.source {
         PageSource::Copy => None,
-        PageSource::Lazy => {
+        PageSource::Lazy | PageSource::CriuLazy => {
             std::fs::create_dir(&lazy_dir).map_err(|source| RestoreError::LogDir {
                 path: lazy_dir.clone(),
                 source,
             })?;
             let daemon = phases
                 .time("lazy_pages_start", || {
-                    // Errors and warnings only: at debug level the daemon logs every fault.
-                    criu.start_lazy_pages(opts.dir, &lazy_dir, "lazy-pages.log", 2)
+                    if pages.source == PageSource::CriuLazy {
+                        // Errors and warnings only: at debug level it logs every fault.
+                        return criu.start_lazy_pages(opts.dir, &lazy_dir, "lazy-pages.log", 2);
+                    }
+                    let exe = std::env::current_exe().map_err(|source| {
+                        torpor_criu::LazyPagesError::Spawn {
+                            program: "/proc/self/exe".into(),
+                            source,
+                        }
+                    })?;
+                    torpor_criu::start_page_server(&exe, opts.dir, &lazy_dir)
                 })
                 .map_err(|source| RestoreError::LazyPages { source })?;
             request.work_dir = Some(&lazy_dir);
@@ -490,6 +504,11 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
             lazy.killed.set(true);
         }
     };
+    // Torpor's page server copies the hot set as soon as CRIU is done: the driver's restore,
+    // which reads what it saved into the process, waits for it (or for the server's end).
+    if pages.source == PageSource::Lazy && plan.is_some() && opts.resume_gpu {
+        phases.time("hot_set", || wait_hot_set(&lazy_dir, lazy_pages.as_ref()));
+    }
     if let Some(plan) = &plan {
         let inner = cuda_inner_pids(&manifest);
         let pids = match restored_pids(pid, &inner) {
@@ -538,6 +557,18 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
         lazy_pages,
         attempts: 1,
     })
+}
+
+/// Waits until the page server marked the hot set served, it ended, or 30 s passed.
+fn wait_hot_set(work_dir: &Path, lazy: Option<&LazyRestore>) {
+    let marker = work_dir.join(torpor_criu::page_server::HOT_SERVED);
+    let start = std::time::Instant::now();
+    while !marker.exists() && start.elapsed() < std::time::Duration::from_secs(30) {
+        if lazy.is_none() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
 }
 
 /// The CRIU restore; with a lazy-pages daemon, watched: should the daemon fail while CRIU

@@ -80,9 +80,10 @@ enum Command {
         /// File for the restored tree's stdout and stderr (appended) [default: the files they had when snapshotted]
         #[arg(long)]
         log: Option<PathBuf>,
-        /// How memory comes back: `copy` (every page before the process runs) or `lazy` (each
-        /// page on first touch over userfaultfd, the rest in the background; torpor then waits
-        /// for the lazy-pages daemon to finish before it returns).
+        /// How memory comes back: `copy` (every page before the process runs), `lazy` (over
+        /// userfaultfd by Torpor's page server: faults first, then the rest in the background;
+        /// torpor waits for it to finish before it returns; docs/lazy-pages.md) or `criu-lazy`
+        /// (the same with CRIU's lazy-pages daemon).
         #[arg(long, default_value = "copy")]
         pages: PageSource,
         /// Print phase timings.
@@ -254,6 +255,11 @@ fn main() -> ExitCode {
     // torpor enumerates every GPU of the node; the processes it snapshots keep their own
     // CUDA_VISIBLE_DEVICES, read from /proc. Removed while the process is single-threaded.
     std::env::remove_var("CUDA_VISIBLE_DEVICES");
+    // A lazy restore's page server (torpor_criu::page_server), run by this binary for itself.
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.len() > 1 && args[1] == torpor_snapshot::page_server::SUBCOMMAND {
+        return ExitCode::from(torpor_snapshot::page_server::main(&args[2..]) as u8);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run { log, command } => cmd::run::run(log, &command),

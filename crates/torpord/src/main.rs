@@ -23,6 +23,9 @@ fn main() -> ExitCode {
     if args.len() > 1 && args[1] == torpor_snapshot::launch::INIT_SUBCOMMAND {
         return init(&args[2..]);
     }
+    if args.len() > 1 && args[1] == torpor_snapshot::page_server::SUBCOMMAND {
+        return ExitCode::from(torpor_snapshot::page_server::main(&args[2..]) as u8);
+    }
     if args.len() > 1 && args[1] == torpord::launcher::LAUNCH_SUBCOMMAND {
         return torpord::launcher::launch_main(&args[2..]);
     }

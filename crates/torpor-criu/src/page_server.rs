@@ -1,0 +1,707 @@
+//! Torpor's page server: takes `criu lazy-pages`' place in `criu restore --lazy-pages` (the
+//! handshake is CRIU's, docs/lazy-pages.md) and serves the restored tasks' lazy memory from the
+//! snapshot's page images, mapped read-only (a staged copy sits on a huge-page tmpfs), in large
+//! `UFFDIO_COPY` runs:
+//!
+//! 1. a fault is served first, always, with a run of [`FAULT_RUN`] around it: CRIU's daemon
+//!    copies one page per fault and resets its background transfer on each, which made the CUDA
+//!    driver's sequential read of its ~0.7 GB of checkpointed state take 8.5 s;
+//! 2. once CRIU says the restore finished, the *hot set* (ranges a profiled restore saw faulted,
+//!    in that order: `$TORPOR_PAGE_PROFILE_IN`) goes in at once, and `hot-served` is created in
+//!    the work directory, which the restore waits for before the driver's restore starts;
+//! 3. the rest in address order, [`BACKGROUND_RUN`] per copy, a fault always taking its turn
+//!    between two copies.
+//!
+//! It runs as a child process of the restoring one (`torpor __page-server IMAGES WORK`, the
+//! same binary), so the restore's handling of CRIU's daemon holds: it listens on
+//! `lazy-pages.socket`, exits 0 once every page of every live task is in, and non-zero with one
+//! line on stderr otherwise (the restore then kills the tree: a task left with missing pages
+//! would wait for ever). `$TORPOR_PAGE_PROFILE_OUT` records the faults' ranges in order (for the
+//! next restores' hot set); `$TORPOR_PAGE_SERVER_STATS` gets its counters as JSON.
+//!
+//! userfaultfd by raw ioctls (libc): the `userfaultfd` crate creates and registers uffds, but
+//! here CRIU has done both and hands over the fd; only COPY, ZEROPAGE and WAKE are needed.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::images::{self, LazyRun, PAGE_SIZE};
+use crate::lazy::LAZY_PAGES_SOCKET;
+
+/// The hidden subcommand of the torpor binaries that runs the server.
+pub const SUBCOMMAND: &str = "__page-server";
+/// Created in the work directory once the hot set is in (or there is none).
+pub const HOT_SERVED: &str = "hot-served";
+/// Bytes copied around a fault.
+pub const FAULT_RUN: u64 = 1 << 20;
+/// Bytes per background copy.
+pub const BACKGROUND_RUN: u64 = 4 << 20;
+/// `LAZY_PAGES_RESTORE_FINISHED` (criu/uffd.c).
+const RESTORE_FINISHED: u32 = 0x5253_5446;
+/// How long CRIU may take to connect.
+const ACCEPT_TIMEOUT: Duration = Duration::from_secs(120);
+/// While recording a profile, the background copy waits until no fault came for this long, so
+/// that what the process (and the driver's restore) touches first faults and is recorded.
+const PROFILE_QUIET: Duration = Duration::from_millis(300);
+
+// linux/userfaultfd.h (x86-64 and arm64 alike).
+const UFFDIO_COPY: u64 = 0xC028_AA03;
+const UFFDIO_ZEROPAGE: u64 = 0xC020_AA04;
+const UFFDIO_WAKE: u64 = 0x8010_AA02;
+const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+const UFFD_EVENT_FORK: u8 = 0x13;
+const UFFD_EVENT_REMAP: u8 = 0x14;
+const UFFD_EVENT_REMOVE: u8 = 0x15;
+const UFFD_EVENT_UNMAP: u8 = 0x16;
+
+#[repr(C)]
+struct UffdioCopy {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copy: i64,
+}
+
+#[repr(C)]
+struct UffdioZeropage {
+    start: u64,
+    len: u64,
+    mode: u64,
+    zeropage: i64,
+}
+
+#[repr(C)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<UffdioCopy>() == 40);
+const _: () = assert!(std::mem::size_of::<UffdioZeropage>() == 32);
+
+/// Why the server stopped before every page was in.
+#[derive(Debug, thiserror::Error)]
+pub enum PageServerError {
+    #[error(transparent)]
+    Image(#[from] images::ImageReadError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("CRIU did not connect within {} s", ACCEPT_TIMEOUT.as_secs())]
+    NoRestore,
+    #[error("CRIU closed the connection before the restore finished")]
+    RestoreAborted,
+    #[error("UFFDIO_COPY of {len} bytes at {at:#x} into pid {pid} failed: {source}")]
+    Copy {
+        pid: i32,
+        at: u64,
+        len: u64,
+        source: std::io::Error,
+    },
+    #[error("stopped by TORPOR_PAGE_SERVER_FAULT after {pages} pages (a test's fault switch)")]
+    Fault { pages: u64 },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> PageServerError {
+    let what = what.into();
+    move |source| PageServerError::Io { what, source }
+}
+
+/// Counters, written as JSON to `$TORPOR_PAGE_SERVER_STATS`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Stats {
+    pub tasks: u64,
+    pub faults: u64,
+    pub fault_pages: u64,
+    pub hot_pages: u64,
+    pub background_pages: u64,
+    pub zero_pages: u64,
+    pub forks: u64,
+}
+
+struct Task {
+    pid: i32,
+    uffd: OwnedFd,
+    /// Index into the mapped page files.
+    pages: usize,
+    /// What is still to copy, sorted, disjoint.
+    runs: Vec<LazyRun>,
+    gone: bool,
+}
+
+/// Removes `[start, end)` from `runs`.
+fn cut(runs: &mut Vec<LazyRun>, start: u64, end: u64) {
+    let mut out = Vec::with_capacity(runs.len() + 1);
+    for r in runs.drain(..) {
+        if r.end <= start || r.start >= end {
+            out.push(r);
+            continue;
+        }
+        if r.start < start {
+            out.push(LazyRun {
+                start: r.start,
+                end: start,
+                offset: r.offset,
+            });
+        }
+        if r.end > end {
+            out.push(LazyRun {
+                start: end,
+                end: r.end,
+                offset: r.offset + (end - r.start),
+            });
+        }
+    }
+    *runs = out;
+}
+
+/// Moves the part of `runs` inside `[from, from + len)` to start at `to` (mremap).
+fn remap(runs: &mut Vec<LazyRun>, from: u64, to: u64, len: u64) {
+    let moved: Vec<LazyRun> = runs
+        .iter()
+        .filter(|r| r.end > from && r.start < from + len)
+        .map(|r| {
+            let (s, e) = (r.start.max(from), r.end.min(from + len));
+            LazyRun {
+                start: s - from + to,
+                end: e - from + to,
+                offset: r.offset + (s - r.start),
+            }
+        })
+        .collect();
+    cut(runs, from, from + len);
+    runs.extend(moved);
+    runs.sort_unstable_by_key(|r| r.start);
+}
+
+fn ioctl<T>(fd: RawFd, request: u64, arg: &mut T) -> std::io::Result<()> {
+    // SAFETY: `arg` is the struct the request takes, alive for the call.
+    let rc = unsafe { libc::ioctl(fd, request as _, arg as *mut T) };
+    if rc < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+struct Server {
+    maps: Vec<memmap2::Mmap>,
+    tasks: Vec<Task>,
+    stats: Stats,
+    profile: Vec<(u64, u64)>,
+    /// Faults are recorded once CRIU's restore finished (before, they are CRIU's restorer's).
+    recording: bool,
+    last_fault: Instant,
+    fault_budget: Option<u64>,
+}
+
+enum Copied {
+    Done,
+    Gone,
+    Again,
+}
+
+impl Server {
+    /// Copies `[start, end)` (inside one run of task `t`) into the task.
+    fn copy(&mut self, t: usize, start: u64, end: u64) -> Result<Copied, PageServerError> {
+        if let Some(budget) = self.fault_budget {
+            let done = self.stats.fault_pages + self.stats.hot_pages + self.stats.background_pages;
+            if done >= budget {
+                return Err(PageServerError::Fault { pages: done });
+            }
+        }
+        let task = &self.tasks[t];
+        let Some(run) = task
+            .runs
+            .iter()
+            .find(|r| r.start <= start && start < r.end)
+            .copied()
+        else {
+            return Ok(Copied::Done);
+        };
+        let end = end.min(run.end);
+        let map = &self.maps[task.pages];
+        let from = (run.offset + (start - run.start)) as usize;
+        let src = map
+            .get(from..from + (end - start) as usize)
+            .ok_or_else(|| PageServerError::Copy {
+                pid: task.pid,
+                at: start,
+                len: end - start,
+                source: std::io::Error::other("the pages image is shorter than its pagemap says"),
+            })?;
+        let mut arg = UffdioCopy {
+            dst: start,
+            src: src.as_ptr() as u64,
+            len: end - start,
+            mode: 0,
+            copy: 0,
+        };
+        match ioctl(task.uffd.as_raw_fd(), UFFDIO_COPY, &mut arg) {
+            Ok(()) => {}
+            Err(e) => match e.raw_os_error() {
+                // Some page is there already (a fault raced us): one page at a time.
+                Some(libc::EEXIST) if end - start > PAGE_SIZE => {
+                    let mut at = start;
+                    while at < end {
+                        match self.copy(t, at, at + PAGE_SIZE)? {
+                            Copied::Gone => return Ok(Copied::Gone),
+                            Copied::Again => return Ok(Copied::Again),
+                            Copied::Done => {}
+                        }
+                        at += PAGE_SIZE;
+                    }
+                    return Ok(Copied::Done);
+                }
+                Some(libc::EEXIST) => {}
+                Some(libc::EAGAIN) => return Ok(Copied::Again),
+                Some(libc::ESRCH | libc::ENOENT) => {
+                    self.tasks[t].gone = true;
+                    return Ok(Copied::Gone);
+                }
+                _ => {
+                    return Err(PageServerError::Copy {
+                        pid: task.pid,
+                        at: start,
+                        len: end - start,
+                        source: e,
+                    })
+                }
+            },
+        }
+        cut(&mut self.tasks[t].runs, start, end);
+        Ok(Copied::Done)
+    }
+
+    /// Serves one fault at `addr` of task `t`.
+    fn fault(&mut self, t: usize, addr: u64) -> Result<(), PageServerError> {
+        let page = addr & !(PAGE_SIZE - 1);
+        self.stats.faults += 1;
+        let lazy = self.tasks[t]
+            .runs
+            .iter()
+            .any(|r| r.start <= page && page < r.end);
+        if lazy {
+            let left = |s: &Self| s.tasks[t].runs.iter().map(|r| r.end - r.start).sum::<u64>();
+            let before = left(self);
+            self.copy(t, page, page + FAULT_RUN)?;
+            let copied = before.saturating_sub(left(self));
+            self.stats.fault_pages += copied / PAGE_SIZE;
+            self.last_fault = Instant::now();
+            if self.recording {
+                self.profile.push((page, page + copied.max(PAGE_SIZE)));
+            }
+            return Ok(());
+        }
+        // Not in the image (a hole, or memory the task unmapped and mapped again): zeros, or
+        // a wake when the page arrived meanwhile.
+        let fd = self.tasks[t].uffd.as_raw_fd();
+        let mut z = UffdioZeropage {
+            start: page,
+            len: PAGE_SIZE,
+            mode: 0,
+            zeropage: 0,
+        };
+        match ioctl(fd, UFFDIO_ZEROPAGE, &mut z) {
+            Ok(()) => self.stats.zero_pages += 1,
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                let mut r = UffdioRange {
+                    start: page,
+                    len: PAGE_SIZE,
+                };
+                let _ = ioctl(fd, UFFDIO_WAKE, &mut r);
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ESRCH | libc::ENOENT)) => {
+                self.tasks[t].gone = true;
+            }
+            Err(_) => {}
+        }
+        Ok(())
+    }
+
+    /// Reads and handles every pending event of task `t`.
+    fn events(&mut self, t: usize) -> Result<(), PageServerError> {
+        loop {
+            let mut msg = [0u8; 32];
+            // SAFETY: reading into our own buffer of its size.
+            let n = unsafe {
+                libc::read(
+                    self.tasks[t].uffd.as_raw_fd(),
+                    msg.as_mut_ptr().cast(),
+                    msg.len(),
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EAGAIN) {
+                    return Ok(());
+                }
+                self.tasks[t].gone = true;
+                return Ok(());
+            }
+            if n == 0 {
+                self.tasks[t].gone = true;
+                return Ok(());
+            }
+            let u64_at =
+                |at: usize| u64::from_ne_bytes(msg[at..at + 8].try_into().unwrap_or([0; 8]));
+            match msg[0] {
+                UFFD_EVENT_PAGEFAULT => self.fault(t, u64_at(16))?,
+                UFFD_EVENT_FORK => {
+                    let ufd = u32::from_ne_bytes(msg[8..12].try_into().unwrap_or([0; 4])) as RawFd;
+                    // SAFETY: the kernel made this descriptor for us with the event.
+                    let uffd = unsafe { OwnedFd::from_raw_fd(ufd) };
+                    set_nonblocking(uffd.as_raw_fd());
+                    let parent = &self.tasks[t];
+                    let child = Task {
+                        pid: parent.pid,
+                        uffd,
+                        pages: parent.pages,
+                        runs: parent.runs.clone(),
+                        gone: false,
+                    };
+                    self.tasks.push(child);
+                    self.stats.forks += 1;
+                }
+                UFFD_EVENT_REMAP => {
+                    remap(&mut self.tasks[t].runs, u64_at(8), u64_at(16), u64_at(24))
+                }
+                UFFD_EVENT_REMOVE | UFFD_EVENT_UNMAP => {
+                    cut(&mut self.tasks[t].runs, u64_at(8), u64_at(16))
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn live(&self) -> bool {
+        self.tasks.iter().any(|t| !t.gone && !t.runs.is_empty())
+    }
+
+    /// The next background copy: the first task with pages left, its lowest run.
+    fn background(&mut self) -> Result<(), PageServerError> {
+        let Some(t) = self
+            .tasks
+            .iter()
+            .position(|t| !t.gone && !t.runs.is_empty())
+        else {
+            return Ok(());
+        };
+        let r = self.tasks[t].runs[0];
+        let end = r.end.min(r.start + BACKGROUND_RUN);
+        if let Copied::Done = self.copy(t, r.start, end)? {
+            self.stats.background_pages += (end - r.start) / PAGE_SIZE;
+        }
+        Ok(())
+    }
+
+    /// The hot set: each profiled range still lazy, in every task, in profile order.
+    fn hot(&mut self, ranges: &[(u64, u64)]) -> Result<(), PageServerError> {
+        for &(s, e) in ranges {
+            for t in 0..self.tasks.len() {
+                let mut at = s;
+                while at < e && !self.tasks[t].gone {
+                    let Some(r) = self.tasks[t]
+                        .runs
+                        .iter()
+                        .find(|r| r.end > at && r.start < e)
+                        .copied()
+                    else {
+                        break;
+                    };
+                    let (cs, ce) = (r.start.max(at), r.end.min(e));
+                    if let Copied::Done = self.copy(t, cs, ce)? {
+                        self.stats.hot_pages += (ce - cs) / PAGE_SIZE;
+                    }
+                    at = ce;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn set_nonblocking(fd: RawFd) {
+    // SAFETY: flags of a descriptor we own.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+}
+
+/// Receives one descriptor (SCM_RIGHTS) on `sock`.
+fn recv_fd(sock: &UnixStream) -> std::io::Result<OwnedFd> {
+    let mut byte = [0u8; 1];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    let mut control = [0u8; 64];
+    // SAFETY: msghdr over our own buffers, read back only as the kernel filled them.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = control.len() as _;
+        if libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        if cmsg.is_null()
+            || (*cmsg).cmsg_level != libc::SOL_SOCKET
+            || (*cmsg).cmsg_type != libc::SCM_RIGHTS
+        {
+            return Err(std::io::Error::other("no descriptor came with the message"));
+        }
+        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>());
+        Ok(OwnedFd::from_raw_fd(fd))
+    }
+}
+
+fn read_profile(path: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|t| {
+            t.lines()
+                .filter_map(|l| {
+                    let (a, b) = l.split_once(' ')?;
+                    Some((
+                        u64::from_str_radix(a.trim_start_matches("0x"), 16).ok()?,
+                        u64::from_str_radix(b.trim().trim_start_matches("0x"), 16).ok()?,
+                    ))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Serves one restore's lazy pages; see the module doc.
+pub fn serve(images_dir: &Path, work_dir: &Path) -> Result<Stats, PageServerError> {
+    // Absolute before the chdir below.
+    let images_dir = &std::path::absolute(images_dir).map_err(io("the images directory"))?;
+    let work_dir = &std::path::absolute(work_dir).map_err(io("the work directory"))?;
+    let env_path = |name: &str| std::env::var_os(name).and_then(|p| std::path::absolute(p).ok());
+    let (profile_in, profile_out, stats_out) = (
+        env_path("TORPOR_PAGE_PROFILE_IN"),
+        env_path("TORPOR_PAGE_PROFILE_OUT"),
+        env_path("TORPOR_PAGE_SERVER_STATS"),
+    );
+    // Bound by its name in the work directory, as CRIU connects to it: a full path could pass
+    // the 108 bytes a socket address holds.
+    std::env::set_current_dir(work_dir).map_err(io(format!("entering {}", work_dir.display())))?;
+    let _ = std::fs::remove_file(LAZY_PAGES_SOCKET);
+    let listener = UnixListener::bind(LAZY_PAGES_SOCKET).map_err(io(format!(
+        "binding {LAZY_PAGES_SOCKET} in {}",
+        work_dir.display()
+    )))?;
+    let pids = images::task_pids(images_dir)?;
+    listener
+        .set_nonblocking(true)
+        .map_err(io("the listening socket"))?;
+    let start = Instant::now();
+    let (mut conn, _) = loop {
+        match listener.accept() {
+            Ok(c) => break c,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if start.elapsed() > ACCEPT_TIMEOUT {
+                    return Err(PageServerError::NoRestore);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(io("accepting CRIU's connection")(e)),
+        }
+    };
+    conn.set_nonblocking(false)
+        .map_err(io("CRIU's connection"))?;
+    let mut server = Server {
+        maps: Vec::new(),
+        tasks: Vec::new(),
+        stats: Stats::default(),
+        profile: Vec::new(),
+        recording: false,
+        last_fault: Instant::now(),
+        fault_budget: std::env::var("TORPOR_PAGE_SERVER_FAULT")
+            .ok()
+            .and_then(|v| v.parse().ok()),
+    };
+    let mut files: HashMap<PathBuf, usize> = HashMap::new();
+    for _ in 0..pids.len() {
+        let mut pid = [0u8; 4];
+        conn.read_exact(&mut pid).map_err(io("CRIU's task pid"))?;
+        let pid = i32::from_ne_bytes(pid);
+        if pid < 0 {
+            continue; // a zombie: no memory
+        }
+        let uffd = recv_fd(&conn).map_err(io(format!("the userfaultfd of pid {pid}")))?;
+        set_nonblocking(uffd.as_raw_fd());
+        let lazy = images::lazy_pages(images_dir, pid)?;
+        let pages = match files.get(&lazy.pages_file) {
+            Some(&i) => i,
+            None => {
+                let f = std::fs::File::open(&lazy.pages_file)
+                    .map_err(io(format!("opening {}", lazy.pages_file.display())))?;
+                // SAFETY: a snapshot's image, which nothing writes while it is restored.
+                let map = unsafe { memmap2::Mmap::map(&f) }
+                    .map_err(io(format!("mapping {}", lazy.pages_file.display())))?;
+                server.maps.push(map);
+                files.insert(lazy.pages_file.clone(), server.maps.len() - 1);
+                server.maps.len() - 1
+            }
+        };
+        server.tasks.push(Task {
+            pid,
+            uffd,
+            pages,
+            runs: lazy.runs,
+            gone: false,
+        });
+    }
+    server.stats.tasks = server.tasks.len() as u64;
+    let hot = profile_in.map(|p| read_profile(&p)).unwrap_or_default();
+    let profiling = profile_out.is_some();
+    let mut finished = false;
+    conn.set_nonblocking(true)
+        .map_err(io("CRIU's connection"))?;
+    loop {
+        let mut fds: Vec<libc::pollfd> = server
+            .tasks
+            .iter()
+            .map(|t| libc::pollfd {
+                fd: if t.gone { -1 } else { t.uffd.as_raw_fd() },
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        if !finished {
+            fds.push(libc::pollfd {
+                fd: conn.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        if finished && !server.live() {
+            break;
+        }
+        // Recording: no background copy until the process went quiet (see PROFILE_QUIET).
+        let background = finished
+            && server.live()
+            && !(profiling && server.last_fault.elapsed() < PROFILE_QUIET);
+        let timeout = if background { 0 } else { 20 };
+        // SAFETY: poll over our own array.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as _, timeout) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(io("poll")(e));
+        }
+        for (i, p) in fds.iter().enumerate().take(server.tasks.len()) {
+            if p.revents & libc::POLLIN != 0 {
+                server.events(i)?;
+            } else if p.revents & (libc::POLLHUP | libc::POLLERR) != 0 {
+                server.tasks[i].gone = true;
+            }
+        }
+        if !finished {
+            let p = fds[fds.len() - 1];
+            if p.revents != 0 {
+                let mut word = [0u8; 4];
+                match conn.read(&mut word) {
+                    Ok(4) if u32::from_ne_bytes(word) == RESTORE_FINISHED => {
+                        finished = true;
+                        server.recording = profiling;
+                        server.last_fault = Instant::now();
+                        server.hot(&hot)?;
+                        std::fs::write(work_dir.join(HOT_SERVED), b"")
+                            .map_err(io("marking the hot set served"))?;
+                    }
+                    Ok(_) => return Err(PageServerError::RestoreAborted),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(_) => return Err(PageServerError::RestoreAborted),
+                }
+            }
+        }
+        if background && n == 0 {
+            server.background()?;
+        }
+    }
+    if let Some(out) = profile_out {
+        let mut text = String::new();
+        for (s, e) in &server.profile {
+            text.push_str(&format!("{s:#x} {e:#x}\n"));
+        }
+        std::fs::write(&out, text).map_err(io("writing the page profile"))?;
+    }
+    if let Some(out) = stats_out {
+        let s = server.stats;
+        let json = format!(
+            "{{\"tasks\":{},\"faults\":{},\"fault_pages\":{},\"hot_pages\":{},\"background_pages\":{},\"zero_pages\":{},\"forks\":{}}}\n",
+            s.tasks, s.faults, s.fault_pages, s.hot_pages, s.background_pages, s.zero_pages, s.forks
+        );
+        let _ = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&out)
+            .and_then(|mut f| f.write_all(json.as_bytes()));
+    }
+    Ok(server.stats)
+}
+
+/// `__page-server IMAGES_DIR WORK_DIR`: the exit status is the outcome.
+pub fn main(args: &[std::ffi::OsString]) -> i32 {
+    let [images, work] = args else {
+        eprintln!("usage: torpor {SUBCOMMAND} IMAGES_DIR WORK_DIR (internal to lazy restores)");
+        return 2;
+    };
+    match serve(Path::new(images), Path::new(work)) {
+        Ok(_) => 0,
+        Err(e) => {
+            eprintln!("torpor page server: {e}");
+            1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(start: u64, end: u64, offset: u64) -> LazyRun {
+        LazyRun { start, end, offset }
+    }
+
+    #[test]
+    fn a_cut_splits_runs_and_keeps_their_offsets() {
+        let mut runs = vec![run(0x1000, 0x5000, 0), run(0x8000, 0x9000, 0x4000)];
+        cut(&mut runs, 0x2000, 0x3000);
+        assert_eq!(
+            runs,
+            vec![
+                run(0x1000, 0x2000, 0),
+                run(0x3000, 0x5000, 0x2000),
+                run(0x8000, 0x9000, 0x4000)
+            ]
+        );
+        cut(&mut runs, 0, 0x10000);
+        assert!(runs.is_empty());
+    }
+
+    #[test]
+    fn a_remap_moves_what_is_left_with_its_image_offset() {
+        let mut runs = vec![run(0x1000, 0x3000, 0x10000)];
+        remap(&mut runs, 0x2000, 0x7000, 0x1000);
+        assert_eq!(
+            runs,
+            vec![run(0x1000, 0x2000, 0x10000), run(0x7000, 0x8000, 0x11000)]
+        );
+    }
+}
