@@ -89,18 +89,6 @@ impl Criu {
         log_file: &str,
         log_level: i32,
     ) -> Result<LazyPages, LazyPagesError> {
-        let log = work_dir.join(log_file);
-        let stderr = tempfile::tempfile().map_err(|source| LazyPagesError::Spawn {
-            program: self.program().to_path_buf(),
-            source,
-        })?;
-        let child_stderr = stderr.try_clone().map_err(|source| LazyPagesError::Spawn {
-            program: self.program().to_path_buf(),
-            source,
-        })?;
-        let socket = work_dir.join(LAZY_PAGES_SOCKET);
-        // A socket left by an earlier daemon would make the wait below return at once.
-        let _ = std::fs::remove_file(&socket);
         let mut cmd = self.command();
         cmd.arg("lazy-pages")
             .arg("-D")
@@ -109,27 +97,44 @@ impl Criu {
             .arg(work_dir)
             .arg("-o")
             .arg(log_file)
-            .arg(format!("-v{log_level}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(child_stderr));
-        // Its own process group, like `criu swrk`: a terminal's Ctrl-C must not cut off the
-        // pages of a restored process; torpor decides what to do.
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let child = cmd.spawn().map_err(|source| LazyPagesError::Spawn {
-            program: self.program().to_path_buf(),
-            source,
-        })?;
-        let mut daemon = LazyPages {
-            who: "`criu lazy-pages`",
-            child: Some(child),
-            exited: None,
-            stderr,
-            log,
-        };
-        daemon.wait_listening(&socket)?;
-        Ok(daemon)
+            .arg(format!("-v{log_level}"));
+        spawn_daemon(cmd, "`criu lazy-pages`", work_dir, work_dir.join(log_file))
     }
+}
+
+/// Starts `cmd` as a lazy-pages daemon for `work_dir` and waits until it listens.
+fn spawn_daemon(
+    mut cmd: std::process::Command,
+    who: &'static str,
+    work_dir: &Path,
+    log: PathBuf,
+) -> Result<LazyPages, LazyPagesError> {
+    let program = PathBuf::from(cmd.get_program());
+    let spawn_err = |source| LazyPagesError::Spawn {
+        program: program.clone(),
+        source,
+    };
+    let stderr = tempfile::tempfile().map_err(spawn_err)?;
+    let child_stderr = stderr.try_clone().map_err(spawn_err)?;
+    let socket = work_dir.join(LAZY_PAGES_SOCKET);
+    // A socket left by an earlier daemon would make the wait below return at once.
+    let _ = std::fs::remove_file(&socket);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(child_stderr));
+    // Its own process group, like `criu swrk`: a terminal's Ctrl-C must not cut off the
+    // pages of a restored process; torpor decides what to do.
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let child = cmd.spawn().map_err(spawn_err)?;
+    let mut daemon = LazyPages {
+        who,
+        child: Some(child),
+        exited: None,
+        stderr,
+        log,
+    };
+    daemon.wait_listening(&socket)?;
+    Ok(daemon)
 }
 
 /// Starts Torpor's page server (crate::page_server) in `work_dir` for the images in
@@ -140,33 +145,16 @@ pub fn start_page_server(
     images_dir: &Path,
     work_dir: &Path,
 ) -> Result<LazyPages, LazyPagesError> {
-    let log = work_dir.join("page-server.log");
-    let spawn_err = |source| LazyPagesError::Spawn {
-        program: exe.to_path_buf(),
-        source,
-    };
-    let stderr = tempfile::tempfile().map_err(spawn_err)?;
-    let child_stderr = stderr.try_clone().map_err(spawn_err)?;
-    let socket = work_dir.join(LAZY_PAGES_SOCKET);
-    let _ = std::fs::remove_file(&socket);
     let mut cmd = std::process::Command::new(exe);
     cmd.arg(crate::page_server::SUBCOMMAND)
         .arg(images_dir)
-        .arg(work_dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(child_stderr));
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    let child = cmd.spawn().map_err(spawn_err)?;
-    let mut daemon = LazyPages {
-        who: "torpor's page server",
-        child: Some(child),
-        exited: None,
-        stderr,
-        log,
-    };
-    daemon.wait_listening(&socket)?;
-    Ok(daemon)
+        .arg(work_dir);
+    spawn_daemon(
+        cmd,
+        "torpor's page server",
+        work_dir,
+        work_dir.join("page-server.log"),
+    )
 }
 
 impl LazyPages {
