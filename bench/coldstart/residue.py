@@ -123,7 +123,7 @@ def child(model: str, variant: str, fd: int) -> None:
 
     from torpor import hook as torpor_hook
 
-    sock = socket.socket(fileno=fd)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
     h = torpor_hook.get()
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -202,8 +202,11 @@ def child(model: str, variant: str, fd: int) -> None:
 
 
 def one(model: str, variant: str) -> Json:
-    parent, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    env = os.environ | {"LD_PRELOAD": os.environ["TORPOR_HOOK_LIB"]}
+    # SEQPACKET keeps each message whole: two quick sends must not arrive as one read.
+    parent, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # TORPOR_HOOK_CUDA=1, as torpord sets for a split worker: without it the hook interposes
+    # nothing and every buffer stays in the driver's checkpoint.
+    env = os.environ | {"LD_PRELOAD": os.environ["TORPOR_HOOK_LIB"], "TORPOR_HOOK_CUDA": "1"}
     p = subprocess.Popen(
         [sys.executable, __file__, "--child", model, variant, str(child_sock.fileno())],
         pass_fds=[child_sock.fileno()], env=env,

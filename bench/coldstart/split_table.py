@@ -41,7 +41,9 @@ HEADLINE_NAMES = {
     "burst8": "burst: 8 cold starts at once, until all answered",
 }
 MODEL_NAMES = {"resnet152": "ResNet-152", "gpt2-large": "GPT-2-Large", "cpu": "CPU function"}
-PHASES = ("restore", "reconnect", "gpu_resume", "segments", "handler", "overhead")
+PHASES = ("restore", "restore.criu_restore", "restore.cuda_restore", "reconnect", "gpu_resume", "segments", "handler", "overhead")
+# The restore's own phases (X-Torpor-Timings `restore.<phase>`), shorter in the header.
+PHASE_NAMES = {"restore.criu_restore": "of which CRIU", "restore.cuda_restore": "of which driver"}
 
 
 def span(s: Json | None, digits: int = 3) -> str:
@@ -91,7 +93,7 @@ def header(d: Json) -> str:
 def results_table(d: Json) -> list[str]:
     out = [
         "| model | path | restore → first inference (client) | "
-        + " | ".join(PHASES)
+        + " | ".join(PHASE_NAMES.get(p, p) for p in PHASES)
         + " | fills: source mean GB/s (segments) | outputs |",
         "|---|---|---|" + "---|" * len(PHASES) + "---|---|",
     ]

@@ -72,6 +72,10 @@ def test_first_invoke_restores_then_warm_and_matches_a_local_run(torpord: Torpor
     assert first.start == "restored", first.headers
     assert first.json() == expected
     assert {"queue", "restore", "handler", "total"} <= set(first.timings), first.timings
+    # The restore's own phases say where its time went; none takes longer than the whole.
+    phases = {k: v for k, v in first.timings.items() if k.startswith("restore.")}
+    assert {"restore.open", "restore.criu_restore"} <= set(phases), first.timings
+    assert all(0 <= v <= first.timings["restore"] for v in phases.values()), first.timings
 
     second = torpord.invoke("cpu-mlp", request)
     assert second.status == 200 and second.start == "warm", (second.status, second.headers)

@@ -41,6 +41,9 @@ pub struct RestoredTree {
     pub worker: i32,
     /// With lazy pages: the daemon still serving them.
     pub pages: Option<PendingPages>,
+    /// The restore's own phases (open, criu_restore, cuda_restore, ...), for the request's
+    /// timings: "restore" alone cannot say where a cold start's time went.
+    pub phases: torpor_snapshot::phases::Phases,
 }
 
 /// CRIU's lazy-pages daemon serving a restored tree, and the staged copy it reads from. Dropped
@@ -203,6 +206,7 @@ pub async fn restore_with(
             other => other,
         }?;
         let init = restored.pid;
+        let phases = restored.phases;
         let cuda = restored.manifest.source.tree.iter().filter(|p| p.cuda).count();
         if how.leave_gpu_checkpointed && cuda > 1 {
             kill_tree(init);
@@ -217,6 +221,7 @@ pub async fn restore_with(
                 init,
                 worker,
                 pages,
+                phases,
             }),
             Err(e) => {
                 kill_tree(init);

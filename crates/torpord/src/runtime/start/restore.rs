@@ -64,6 +64,7 @@ impl Runtime {
             init,
             worker,
             pages,
+            phases,
         } = restore_with(from, &self.logs_dir(), new.log, how, &self.snapshot_key)
             .await
             .map_err(|source| StartError::Restore {
@@ -131,11 +132,12 @@ impl Runtime {
         }
         drop(hibernation);
         tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, pages = ?how_pages, staged, "instance restored");
-        let timings = vec![
+        let mut timings = vec![
             ("restore".to_string(), restore_s),
             ("reconnect".to_string(), reconnect_s),
             ("start".to_string(), restore_s + reconnect_s + plan_s),
         ];
+        timings.extend(restore_phases(phases));
         Ok((inst, timings, start::RESTORED))
     }
 
@@ -189,4 +191,13 @@ impl Runtime {
         }
         self.remove_instance(&inst, &why, true);
     }
+}
+
+/// The restore library's phases as request timings, each under `restore.<phase>` so that none
+/// can take the name of a request's own phase.
+fn restore_phases(phases: torpor_snapshot::phases::Phases) -> impl Iterator<Item = (String, f64)> {
+    phases
+        .0
+        .into_iter()
+        .map(|(name, s)| (format!("restore.{name}"), s))
 }
