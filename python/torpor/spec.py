@@ -33,9 +33,9 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     requests_per_instance = 1     # integer from 1 to 1024
     standby = 0                   # integer from 0 to max_instances: instances kept restored
                                   # ahead of requests (torpord, cold_start = "restore")
-    standby_gpu = "released"      # a GPU function's standby: "released" (no GPU memory while it
-                                  # waits; a request pays the driver's restore) or "live" (its
-                                  # CUDA context kept on the GPU; a request pays only its segments)
+    standby_gpu = "live"          # a GPU function's standby: "live" (its CUDA context kept on
+                                  # the GPU; a request pays only its segments) or "released" (no
+                                  # GPU memory while it waits; a request pays the driver's restore)
     [keepalive]                   # seconds, each from 0 to 31536000 (a year)
     gpu_release_s = 30
     hibernate_s = 120
@@ -211,7 +211,7 @@ class Scaling:
     # Instances torpord keeps restored ahead of requests (docs/split.md, "Standby instances").
     standby: int = 0
     # What a GPU function's standby keeps on its GPU: "released" or "live".
-    standby_gpu: str = "released"
+    standby_gpu: str = "live"
 
 
 @dataclass(frozen=True)

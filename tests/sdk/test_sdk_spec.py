@@ -88,7 +88,7 @@ def test_defaults(tmp_path: Path) -> None:
         "pids_limit": None,
         "data": [],
         "warmup": None,
-        "scaling": {"max_instances": 4, "requests_per_instance": 1, "standby": 0, "standby_gpu": "released"},
+        "scaling": {"max_instances": 4, "requests_per_instance": 1, "standby": 0, "standby_gpu": "live"},
         "keepalive": {"gpu_release_s": 30, "hibernate_s": 120, "evict_s": 600},
         "gpu": {"pack_weights": True},
     }
@@ -98,10 +98,10 @@ def test_standby_up_to_max_instances(tmp_path: Path) -> None:
     toml = 'name = "g"\nentry = "model:G"\ngpus = 1\n[scaling]\nmax_instances = 2\nstandby = 2\n'
     spec = parse_dir(make_dir(tmp_path, toml, {}))
     assert spec.scaling == Scaling(2, 1, 2)
-    (tmp_path / "live").mkdir()
-    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2, "standby_gpu": "released"}
-    live = parse_dir(make_dir(tmp_path / "live", toml + 'standby_gpu = "live"\n', {}))
-    assert live.to_json()["scaling"]["standby_gpu"] == "live"
+    (tmp_path / "released").mkdir()
+    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2, "standby_gpu": "live"}
+    released = parse_dir(make_dir(tmp_path / "released", toml + 'standby_gpu = "released"\n', {}))
+    assert released.to_json()["scaling"]["standby_gpu"] == "released"
 
 
 def test_gpu_pack_weights_can_be_turned_off(tmp_path: Path) -> None:
