@@ -141,7 +141,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=300, help="longest one peer run may take")
     p.add_argument("--torpor", type=Path, help="torpor binary (Torpor's modes; default $TORPOR_BIN)")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp/torpor-split"), help="Torpor's modes: split.py's work dir")
-    p.add_argument("--budget-min", type=float, default=8.0, help="Torpor's modes: skip the remaining runs past this")
+    p.add_argument(
+        "--budget-min",
+        type=float,
+        default=8.0,
+        help="past this many minutes, rows get one run each (Torpor's deploys always run); the JSON is rewritten after every row",
+    )
     a = p.parse_args(argv)
     a.models = [m.strip() for m in a.models.split(",") if m.strip()]
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -242,8 +247,10 @@ class Bench:
         self.best: dict[str, Json] = {}
         self.cache_dropped = False
         self.torpor: Json = {}
+        self.torpor_doc: Json | None = None
+        self.info: Json = machine()
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = a.out.with_suffix(".peers.log")
+        self.log_path = a.out.with_suffix(".workers.log")
         self.log = open(self.log_path, "a")
 
     def say(self, msg: str) -> None:
@@ -251,6 +258,9 @@ class Bench:
         print(line, file=sys.stderr, flush=True)
         self.log.write(line + "\n")
         self.log.flush()
+
+    def over_budget(self) -> bool:
+        return (time.monotonic() - self.t0) / 60 > self.a.budget_min
 
     def runs(self, model: str) -> int:
         return int(self.a.runs or DEFAULT_RUNS.get(model, 2))
@@ -379,6 +389,10 @@ class Bench:
             self.cache_dropped = False
         role = "scratch" if mode.startswith("scratch") else "pool" if mode == "pool" else "built"
         for i in range(self.runs(model)):
+            if i > 0 and self.over_budget():
+                row["skipped_runs"] = self.runs(model) - i
+                self.say(f"{model}/{mode}: time budget spent after {i} runs")
+                break
             try:
                 if role == "scratch":
                     r = self.scratch_run(model, weights, loader, disk)
@@ -443,7 +457,7 @@ class Bench:
             "--runs", "1",
             "--out", str(self.a.out),
             "--work-dir", str(self.a.work_dir),
-            "--budget-min", str(self.a.budget_min),
+            "--budget-min", str(max(0.5, self.a.budget_min - (time.monotonic() - self.t0) / 60)),
             "--no-dedup",
             "--idle",
         ]  # fmt: skip
@@ -524,6 +538,7 @@ class Bench:
                 if row.get("skipped"):
                     self.say(f"{model}/{mode}: skipped: {row['skipped']}")
                 self.results.append(finish_row(row))
+                self.save()
             if torpor_modes:
                 try:
                     rows = self.torpor_rows(model, torpor_modes)
@@ -536,6 +551,39 @@ class Bench:
                     if row.get("skipped"):
                         self.say(f"{model}/{row['mode']}: skipped: {row['skipped']}")
                     self.results.append(finish_row(row))
+                    self.save()
+
+    def document(self) -> Json:
+        a = self.a
+        return {
+            "benchmark": "peers",
+            "machine": self.info,
+            "settings": {
+                "models": a.models,
+                "modes": a.modes,
+                "runs": {m: self.runs(m) for m in a.models},
+                "request": REQUEST,
+                "device": self.device,
+                "best_loader": a.best_loader,
+                "drop_cache": not a.no_drop_cache,
+                "weights": {m: lm.SPECS[m].dtype for m in a.models},
+                "each run": "a fresh process (peers) or a fresh restore (Torpor), the same request, the logits' SHA-256",
+            },
+            "results": self.results,
+            "summary": make_summary(self.results),
+            "torpor": self.torpor_doc,
+            "errors": self.errors,
+            "elapsed_s": round(time.monotonic() - self.t0, 1),
+        }
+
+    def save(self) -> Json:
+        """Writes the JSON as it stands (after every row: a device call cut off at its time
+        limit still leaves the rows it measured)."""
+        doc = self.document()
+        tmp = self.a.out.with_name(f".{self.a.out.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, self.a.out)
+        return doc
 
 
 def gpu_present() -> bool:
@@ -672,35 +720,13 @@ def main(argv: list[str]) -> int:
     # split.py's llama-8b function finds the generated weights here too.
     os.environ["TORPOR_PEERS_DIR"] = str(a.weights_dir.resolve())
     bench = Bench(a)
-    info = machine()
-    bench.say(f"device {info['device'] or 'none'} ({bench.device}); models {a.models}; modes {a.modes}")
-    torpor: Json | None = None
+    bench.say(f"device {bench.info['device'] or 'none'} ({bench.device}); models {a.models}; modes {a.modes}")
     try:
         bench.run()
     finally:
-        torpor = bench.close_torpor()
+        bench.torpor_doc = bench.close_torpor()
         bench.log.close()
-    doc: Json = {
-        "benchmark": "peers",
-        "machine": info,
-        "settings": {
-            "models": a.models,
-            "modes": a.modes,
-            "runs": {m: bench.runs(m) for m in a.models},
-            "request": REQUEST,
-            "device": bench.device,
-            "best_loader": a.best_loader,
-            "drop_cache": not a.no_drop_cache,
-            "weights": {m: lm.SPECS[m].dtype for m in a.models},
-            "each run": "a fresh process (peers) or a fresh restore (Torpor), the same request, the logits' SHA-256",
-        },
-        "results": bench.results,
-        "summary": make_summary(bench.results),
-        "torpor": torpor,
-        "errors": bench.errors,
-        "elapsed_s": round(time.monotonic() - bench.t0, 1),
-    }
-    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+        doc = bench.save()
     print(table.render(doc))
     print(f"\n{a.out} ({doc['elapsed_s']:.0f} s)")
     return 1 if bench.errors else 0
