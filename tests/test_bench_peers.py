@@ -179,7 +179,8 @@ def test_the_readme_holds_the_rendered_peer_table_or_says_it_is_not_measured() -
     assert table.BEGIN in text and table.END in text, "the README lost its peers block"
     block = text.split(table.BEGIN, 1)[1].split(table.END, 1)[0]
     if not H100_JSON.is_file():
-        assert "Not measured yet" in block and not re.search(r"\d\.\d\d s", block), block
+        # No table: not one measured row quoted.
+        assert "Not measured yet" in block and "|" not in block, block
         return
     d = json.loads(H100_JSON.read_text())
     check_schema(d)

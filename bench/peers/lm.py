@@ -185,7 +185,8 @@ def answer(model: torch.nn.Module, request: Any, device: str) -> dict[str, Any]:
     last position's logits (as examples/gpt2-large/model.py answers)."""
     import torch
 
-    vocab = int(model.config.vocab_size)  # type: ignore[union-attr]
+    config: Any = model.config
+    vocab = int(config.vocab_size)
     ids = request_ids(request, vocab).to(device)
     with torch.inference_mode():
         out = model(ids, use_cache=False)

@@ -260,7 +260,7 @@ class Bench:
         self.log.flush()
 
     def over_budget(self) -> bool:
-        return (time.monotonic() - self.t0) / 60 > self.a.budget_min
+        return bool((time.monotonic() - self.t0) / 60 > self.a.budget_min)
 
     def runs(self, model: str) -> int:
         return int(self.a.runs or DEFAULT_RUNS.get(model, 2))
@@ -690,12 +690,13 @@ def make_summary(results: list[Json]) -> Json:
         seen = sorted({d for r in rows for d in r.get("digests") or []})
         digests[m] = {"digests": seen, "identical": len(seen) == 1 if seen else None}
         for mode in MODES:
-            r = next((x for x in rows if x["mode"] == mode), None)
-            if r is None:
+            found = [x for x in rows if x["mode"] == mode]
+            if not found:
                 continue
-            if r.get("median") is not None:
-                medians[m][mode] = r["median"]
-            cost = resident(r)
+            row = found[-1]
+            if row.get("median") is not None:
+                medians[m][mode] = row["median"]
+            cost = resident(row)
             if cost is not None:
                 idle[m][mode] = cost
     measured = [d["identical"] for d in digests.values() if d["identical"] is not None]

@@ -64,7 +64,7 @@ def ready_context(device: str) -> None:
     import torch
 
     if device == "cuda":
-        torch.cuda.init()
+        torch.cuda.init()  # type: ignore[no-untyped-call]
         torch.empty(1, device="cuda")
         torch.cuda.synchronize()
 
