@@ -186,3 +186,25 @@ def test_the_readme_holds_the_rendered_peer_table_or_says_it_is_not_measured() -
     check_schema(d)
     assert {r["model"] for r in d["results"]} == {"gpt2-large", "llama-8b"}
     assert table.readme_block(d) in text, "re-render it: python3 bench/peers/table.py --readme README.md bench/results/peers-h100.json"
+
+
+def test_torpor_idle_cost_adds_the_daemon_its_stage_area_and_the_standby() -> None:
+    """split.py --idle's record of a standby mode (the shape its CPU smoke test checks) as the
+    summary's resident figure: host = the daemon's RSS + the stage tmpfs + the standby's memory;
+    GPU = the daemon's NVML figure, at least the GPU cache, + the standby's."""
+    idle = {
+        "metrics": {
+            'torpor_restore_cache_bytes{cache="gpu"}': 16e9,
+            'torpor_restore_cache_bytes{cache="host"}': 16e9,
+            "torpor_stage_bytes": 1.5e9,
+            'torpor_standby_host_memory_bytes{function="llama-8b-standby"}': 2e9,
+            'torpor_standby_gpu_memory_bytes{function="llama-8b-standby"}': 0.5e9,
+        },
+        "daemon_rss_bytes": int(16.2e9),
+        "daemon_gpu_bytes": int(0.6e9),  # only its context: the cache is counted from its gauge
+    }
+    cost = run.resident({"model": "llama-8b", "mode": "standby", "runs": [{}], "idle": idle})
+    assert cost["host_bytes"] == int(16.2e9 + 1.5e9 + 2e9) and cost["gpu_bytes"] == int(16e9 + 0.5e9), cost
+    assert cost["standby_host_bytes"] == int(2e9) and "standby" in cost["what"]
+    assert run.resident({"model": "llama-8b", "mode": "cold", "runs": [], "idle": idle}) is None
+    assert run.resident({"model": "x", "mode": "scratch", "runs": [{}]})["host_bytes"] == 0

@@ -44,6 +44,11 @@ bytes, bytes stored in the chunk store from `torpor inspect --store`), and for m
 `-embed` variant (same base, same weights) the deduplication in the chunk store. The link's
 host→device bandwidth comes from a fill_bw JSON (--fill-bw).
 
+With --idle, each mode's row also says what the node keeps while the function is idle after its
+runs (`idle`: the daemon's /metrics gauges of the restore server's caches, the stage area and the
+function's standbys, once a fresh standby is ready; the daemon's RSS and NVML GPU memory): the
+peer benchmark (bench/peers/run.py) reports Torpor's resident cost from it.
+
 The split modes share one state directory: the host-cache daemon deploys, later daemons
 (restarted with their config) restore the same snapshots. Extra daemon config per mode:
 `--daemon-config [MODE:]KEY=VALUE` (KEY dotted for a table, e.g. restore_server.pages=lazy; VALUE

@@ -643,14 +643,19 @@ def resident(row: Json) -> Json | None:
     standby_host = sum(v for k, v in metrics.items() if k.startswith("torpor_standby_host_memory_bytes"))
     standby_gpu = sum(v for k, v in metrics.items() if k.startswith("torpor_standby_gpu_memory_bytes"))
     caches = {k: int(v) for k, v in metrics.items() if k.startswith(("torpor_restore_cache_bytes", "torpor_stage_bytes"))}
+    # The stage area is a tmpfs (not in the daemon's RSS); the GPU cache is device memory that
+    # NVML shows for the daemon where it allocates it, else counted from its gauge.
+    stage = sum(v for k, v in caches.items() if k.startswith("torpor_stage_bytes"))
+    gpu_cache = sum(v for k, v in caches.items() if 'cache="gpu"' in k)
+    daemon_gpu = max(float(idle.get("daemon_gpu_bytes") or 0), gpu_cache)
     return {
-        "host_bytes": int((idle.get("daemon_rss_bytes") or 0) + standby_host),
-        "gpu_bytes": int((idle.get("daemon_gpu_bytes") or 0) + standby_gpu),
+        "host_bytes": int((idle.get("daemon_rss_bytes") or 0) + stage + standby_host),
+        "gpu_bytes": int(daemon_gpu + standby_gpu),
         "standby_host_bytes": int(standby_host),
         "standby_gpu_bytes": int(standby_gpu),
         "caches": caches,
-        "what": "torpord (RSS and NVML; its caches are shared by every function on the node)"
-        + (" and the function's standby instance" if mode == "standby" else ""),
+        "what": "torpord: its RSS (the pinned host cache), the stage tmpfs and its GPU memory (NVML, at least the GPU "
+        "cache), shared by every function on the node" + (", and the function's standby instance" if mode == "standby" else ""),
     }
 
 
