@@ -69,7 +69,10 @@ def check_schema(d: dict[str, Any]) -> None:
 
 def test_the_cpu_smoke_run_measures_every_peer_path_with_one_digest(tmp_path: Path) -> None:
     for module in ("torch", "transformers", "safetensors"):
-        pytest.importorskip(module, reason=f"the peer paths run {module} (on the GPU machine's image it is there)")
+        # find_spec, not importorskip: torch is never imported into pytest's own process (the
+        # SDK's packing tests skip once it is).
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the peer paths run {module}, which is not installed here (the GPU machine's image has it)")
     out = tmp_path / "peers.json"
     r = subprocess.run(
         [
@@ -208,3 +211,18 @@ def test_torpor_idle_cost_adds_the_daemon_its_stage_area_and_the_standby() -> No
     assert cost["standby_host_bytes"] == int(2e9) and "standby" in cost["what"]
     assert run.resident({"model": "llama-8b", "mode": "cold", "runs": [], "idle": idle}) is None
     assert run.resident({"model": "x", "mode": "scratch", "runs": [{}]})["host_bytes"] == 0
+
+
+def test_a_missing_loader_makes_a_skipped_row_that_says_how_to_get_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "runai_model_streamer" else real(name, *a))
+    why = run.loaders.missing("runai")
+    assert why is not None and "runai-model-streamer==0.16.1" in why and "make gpu-carry" in why, why
+    bench = run.Bench(run.parse_args(["--models", "tiny-llama", "--device", "cpu", "--weights-dir", str(tmp_path), "--out", str(tmp_path / "p.json")]))
+    row = run.finish_row(bench.peer_row("tiny-llama", "built-runai"))
+    assert row["skipped"] == why and row["runs"] == [] and row["median"] is None, row
+    # Never silently dropped: the summary lists it, the table shows it.
+    assert run.make_summary([row])["skipped"] == {"tiny-llama/built-runai": why}
+    doc = {**json.loads(CPU_JSON.read_text()), "results": [row]}
+    assert "| … Run:ai Model Streamer (`SafetensorsStreamer`) | skipped |" in table.headline(doc)
+    assert not (tmp_path / "tiny-llama.safetensors").exists(), "a skipped mode writes no weights"

@@ -90,7 +90,8 @@ PEER_MODES = ("scratch", "scratch-disk", "pool", "built-safetensors", "built-run
 TORPOR_MODES = ("transparent", "cold", "cold-disk", "standby")
 MODES = PEER_MODES + TORPOR_MODES
 # The order a model's modes run in: the built-* rows first (they choose the best loader), the
-# page-cache-dropping modes after the warm ones, Torpor's last.
+# page-cache-dropping modes after the warm ones, Torpor's last, cold and standby side by side
+# (one daemon config: its warmed GPU cache serves both) and cold-disk (no cache) after them.
 ORDER = (
     "built-safetensors",
     "built-runai",
@@ -101,8 +102,8 @@ ORDER = (
     "built-disk",
     "transparent",
     "cold",
-    "cold-disk",
     "standby",
+    "cold-disk",
 )
 BUILT_LOADER = {"built-safetensors": "safetensors", "built-runai": "runai", "built-fastsafetensors": "fastsafetensors"}
 MODELS = tuple(lm.SPECS)
