@@ -9,9 +9,12 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -78,6 +81,7 @@ def test_the_cpu_smoke_run_measures_every_peer_path_with_one_digest(tmp_path: Pa
         [
             sys.executable, str(PEERS / "run.py"),
             "--models", "tiny-llama",
+            "--modes", ",".join(run.PEER_MODES),
             "--runs", "1",
             "--device", "cpu",
             # The page cache of a shared machine is left alone: the *-disk rows say so.
@@ -92,7 +96,7 @@ def test_the_cpu_smoke_run_measures_every_peer_path_with_one_digest(tmp_path: Pa
     check_schema(d)
     assert d["errors"] == [] and d["settings"]["device"] == "cpu"
     rows = {x["mode"]: x for x in d["results"]}
-    assert list(rows) == list(run.ORDER), list(rows)
+    assert list(rows) == [m for m in run.ORDER if m in run.PEER_MODES], list(rows)
     digests = set()
     for mode in run.PEER_MODES:
         row = rows[mode]
@@ -114,14 +118,62 @@ def test_the_cpu_smoke_run_measures_every_peer_path_with_one_digest(tmp_path: Pa
             assert x["page_cache_dropped"] is False and x["why"] == "--no-drop-cache", x
     assert len(digests) == 1, digests
     assert d["summary"]["digests_identical"] is True and d["summary"]["digests"]["tiny-llama"]["digests"] == sorted(digests)
-    for mode in run.TORPOR_MODES:
-        assert "GPU machine" in rows[mode]["skipped"], rows[mode]
     idle = d["summary"]["resident_idle"]["tiny-llama"]
     assert idle["scratch"]["host_bytes"] == 0 and idle["pool"]["host_bytes"] > 100 << 20, idle
     assert rows["scratch"]["loader"] == rows["pool"]["loader"] == rows["built-disk"]["loader"]
     assert "fastest built-* median" in rows["scratch"]["loader_choice"]
     text = table.headline(d)
     assert "| from scratch (exec → first answer), best loader, page cache warm | " in text and "identical on every path" in text
+
+
+def test_torpors_modes_on_the_cpu_answer_what_the_peers_answer(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
+    """tiny-llama through torpord (bench/coldstart/functions/tiny-llama: the llama-8b function's
+    code on the CPU), transparent, cold, standby and cold from disk, beside a pre-built peer, in
+    one run: the same digest on every path, and what the node keeps while idle."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    for module in ("torch", "transformers", "safetensors"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the function runs {module}, which is not installed here (the GPU machine's image has it)")
+    out = tmp_path / "peers.json"
+    # The daemons' sockets live in the work dir: pytest's tmp_path may be too long for them.
+    work = Path(tempfile.mkdtemp(prefix="peers-", dir="/tmp"))
+    # The functions' `python = "python3"` is this interpreter.
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    r = subprocess.run(
+        [
+            sys.executable, str(PEERS / "run.py"),
+            "--models", "tiny-llama",
+            "--modes", "built-safetensors,transparent,cold,standby,cold-disk",
+            "--runs", "1",
+            "--device", "cpu",
+            "--no-drop-cache",
+            "--torpor", str(torpor_bin),
+            "--work-dir", str(work),
+            "--weights-dir", str(tmp_path / "weights"),
+            "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=600, check=False, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}\n(work dir kept: {work})"
+    d = json.loads(out.read_text())
+    check_schema(d)
+    rows = {x["mode"]: x for x in d["results"]}
+    assert list(rows) == ["built-safetensors", "transparent", "cold", "standby", "cold-disk"], list(rows)
+    for mode, row in rows.items():
+        assert len(row["runs"]) == 1 and not row.get("skipped") and not row.get("error"), row
+    # One digest across the peer and every Torpor path.
+    assert d["summary"]["digests_identical"] is True and len(d["summary"]["digests"]["tiny-llama"]["digests"]) == 1
+    assert [rows[m]["runs"][0]["start"] for m in ("transparent", "cold", "standby", "cold-disk")] == ["restored", "restored", "standby", "restored"]
+    assert rows["cold-disk"]["runs"][0]["page_cache_dropped"] is False and rows["cold-disk"]["runs"][0]["why"] == "--no-drop-cache"
+    assert rows["transparent"]["torpor"]["daemon_config"] == {"split": False}
+    idle = d["summary"]["resident_idle"]["tiny-llama"]
+    # A CPU function's standby is a whole restored process: its memory shows.
+    assert idle["standby"]["standby_host_bytes"] > 10 << 20 and idle["cold"]["standby_host_bytes"] == 0, idle
+    assert idle["cold"]["host_bytes"] > 10 << 20 and "torpord" in idle["cold"]["what"], idle
+    assert set(d["torpor"]["deploys"]) == {"transparent", "split"} and d["torpor"]["errors"] == []
+    assert not work.exists() or not any(work.iterdir()), "the work dir is removed after a run without errors"
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def test_the_committed_cpu_run_has_the_schema_and_its_table_renders(tmp_path: Path) -> None:

@@ -117,11 +117,16 @@ class Model:
     modules: tuple[str, ...] = ()
 
 
+# The peer benchmark's function code (bench/peers): the models and the handler.
+PEER_MODULES = ("bench/peers/lm.py", "bench/peers/peer_function.py")
+
 MODELS = {
     "resnet152": Model("resnet152", "resnet152", {"seed": 1}, True, True),
     "gpt2-large": Model("gpt2-large", "gpt2-large", {"seed": 1}, True, False),
     # Llama-3-8B's shape with random bf16 weights (bench/peers: the peer benchmark).
-    "llama-8b": Model("llama-8b", None, {"seed": 1}, True, False, generated=True, modules=("bench/peers/lm.py",)),
+    "llama-8b": Model("llama-8b", None, {"seed": 1}, True, False, generated=True, modules=PEER_MODULES),
+    # Its code on the CPU with a tiny Llama: the peer benchmark's CPU test.
+    "tiny-llama": Model("tiny-llama", None, {"seed": 1}, False, False, generated=True, modules=PEER_MODULES),
     "cpu": Model("cpu", None, {"seed": 1}, False, True),
 }
 
@@ -159,6 +164,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--idle",
         action="store_true",
         help="after a mode's runs, record what stays resident while the function is idle (idle_resident)",
+    )
+    p.add_argument(
+        "--no-drop-cache",
+        action="store_true",
+        help="cold-disk: leave the page cache alone (a shared machine); each run says so",
     )
     p.add_argument("--budget-min", type=float, default=8.0, help="skip the remaining runs past this")
     p.add_argument("--torpor", type=Path, help="torpor binary (default $TORPOR_BIN, target/{release,debug})")
@@ -723,6 +733,8 @@ class Bench:
     def drop_page_cache(self) -> Json:
         """Writes dirty pages back and drops the kernel's page cache (root; refused where
         /proc/sys is read-only, as in some containers: then say so rather than pretend)."""
+        if self.a.no_drop_cache:
+            return {"page_cache_dropped": False, "why": "--no-drop-cache"}
         t0 = time.perf_counter()
         os.sync()
         try:

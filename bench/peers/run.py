@@ -6,7 +6,8 @@ request with the same digest. Run on the GPU machine as root (scripts/gpu-run.sh
 Models (bench/peers/lm.py): `gpt2-large` (the examples/gpt2-large function's model and weights,
 fp32, 3.1 GB) and `llama-8b` (Llama-3-8B's shape, bf16, 16.1 GB of random weights that
 bench/peers/make_weights.py writes on the machine, on the GPU, into --weights-dir, when absent);
-`tiny-gpt2` and `tiny-llama` for the CPU smoke test (tests/test_bench_peers.py).
+`tiny-gpt2` and `tiny-llama` for the CPU test (tests/test_bench_peers.py; tiny-llama has a Torpor
+function too, bench/coldstart/functions/tiny-llama, so Torpor's modes run on the CPU as well).
 
 Modes, each run a fresh process (bench/peers/worker.py) or a fresh restore:
   scratch                a fresh python: import torch and transformers, make the CUDA context,
@@ -28,7 +29,9 @@ Modes, each run a fresh process (bench/peers/worker.py) or a fresh restore:
 The best loader is the fastest built-* median of the model in this run (--best-loader to name
 one, e.g. in a part without the built-* rows). Loaders that are not installed (runai,
 fastsafetensors: optional benchmark dependencies, bench/peers/carry.sh) make their mode a
-skipped row with the reason; so do the Torpor modes without a GPU or root.
+skipped row with the reason; so do Torpor's modes without root or a torpor binary, and for a
+GPU model without a GPU. --no-drop-cache leaves the page cache alone (a shared machine): the
+*-disk runs, Torpor's cold-disk included, then record page_cache_dropped false and why.
 
 Per pool and built run, what the kept process holds while idle, before the request: its
 resident host memory (VmRSS) and GPU memory (NVML, the CUDA context included); per Torpor mode
@@ -413,15 +416,16 @@ class Bench:
     # Torpor, through bench/coldstart/split.py
 
     def torpor_skip(self, model: str) -> str | None:
-        if self.device != "cuda":
-            return (
-                "Torpor's modes of this benchmark run on the GPU machine (on the CPU, "
-                "tests/test_bench_split.py runs the same split.py machinery with a CPU function)"
-            )
         if model not in split.MODELS:
-            return f"{model} has no Torpor function (bench/coldstart/functions/)"
+            return f"{model} has no Torpor function in bench/coldstart/functions/ (tiny-llama is the CPU one)"
+        if split.MODELS[model].gpu and self.device != "cuda":
+            return f"{model}'s Torpor function needs a GPU (on the CPU: tiny-llama)"
         if os.geteuid() != 0:
             return "needs root: torpord starts workers in namespaces and runs CRIU"
+        try:
+            coldstart.find_torpor(self.a.torpor)
+        except SystemExit as e:
+            return f"{e} (make build, or on the GPU machine make gpu-carry)"
         return None
 
     def torpor_rows(self, model: str, modes: list[str]) -> list[Json]:
@@ -462,6 +466,8 @@ class Bench:
             "--no-dedup",
             "--idle",
         ]  # fmt: skip
+        if self.a.no_drop_cache:
+            argv.append("--no-drop-cache")
         if self.a.torpor:
             argv += ["--torpor", str(self.a.torpor)]
         sa = split.parse_args(argv)
