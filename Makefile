@@ -55,7 +55,8 @@ wheel:
 	@$(PYTHON) -m maturin --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q 'maturin>=1.5,<2'
 	PYTHON=$(PYTHON) bash scripts/build-wheel.sh release target/wheels
 
-# What the GPU machine needs (it has no Rust and no network): the release binary and CRIU's .debs.
+# What the GPU machine needs (it has no Rust and no network): the release binary and CRIU's .debs,
+# the test dependencies' wheels and the peer benchmark's optional loaders' (bench/peers/carry.sh).
 gpu-carry: release
 	mkdir -p .gpu
 	cp $(RELEASE_BIN) .gpu/torpor
@@ -65,6 +66,7 @@ gpu-carry: release
 	git status --porcelain --untracked-files=no > .gpu/dirty
 	bash scripts/provision-criu.sh --download-only .criu-debs
 	bash scripts/gpu-carry-wheels.sh .whl
+	bash bench/peers/carry.sh .whl
 
 clean:
 	$(CARGO) clean

@@ -3,7 +3,7 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|all] [extra pytest args...]
 # tests: pytest over $TESTS (default: tests, the whole suite), into $OUT/pytest.log.
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
@@ -29,6 +29,15 @@
 # serverless: writes the examples' weights if absent, then bench/serverless/run.py --compare for each
 # of $SERVERLESS_MODELS (default "resnet152"; "resnet152 gpt2-large" for both, about twice as long),
 # $SERVERLESS_DURATION seconds per trace (default 30), into $OUT/serverless.json.
+# peers: bench/peers/run.py: the ways users start the same model (scratch, page cache dropped,
+# pre-imported pool, pre-built with safetensors / Run:ai Model Streamer / fastsafetensors) and
+# Torpor's transparent, cold, cold-disk and standby, GPT-2-Large and Llama-3-8B's shape (its
+# random weights written first, on the GPU, into /var/tmp/torpor-peers), into $OUT/peers.json and
+# $OUT/peers.log (worker output: $OUT/peers.workers.log; $PEERS_PART=x names them peers-x.*);
+# $PEERS_ARGS picks a part
+# (--models, --modes, --runs, --best-loader): docs/gpu-machine.md gives the parts of < 9 minutes
+# and the merge (bench/peers/merge.py). The loaders' wheels come from .whl (make gpu-carry).
+# Not part of `all`.
 # split-bench: bench/coldstart/split.py: restore → first inference of ResNet-152 and GPT-2-Large
 # through torpord, transparent path vs split (host cache, GPU cache, a second instance sharing the
 # read-only weights, standby, the cold path at its best, cold from disk, a burst of 8 at once;
@@ -178,6 +187,16 @@ if [ "$MODE" = split-bench ]; then
       --fill-bw "$fill" --out "$OUT/split-bench.json" ${SPLIT_ARGS:-}
   ) 2>&1 | tee "$OUT/split-bench.log"
   sbrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$sbrc
+fi
+if [ "$MODE" = peers ]; then
+  echo "== bench/peers (the ways users start the same model, side by side, and Torpor's)"
+  # An earlier part's Torpor work dirs (kept after an error) would fill the disk: 16 GB each at 8B.
+  [ -n "${PEERS_KEEP_OLD:-}" ] || rm -rf /var/tmp/torpor-split/run-*
+  # shellcheck disable=SC2086 # PEERS_ARGS is a list of flags
+  part=peers${PEERS_PART:+-$PEERS_PART}
+  python3 bench/peers/run.py --out "$OUT/$part.json" ${PEERS_ARGS:-} 2>&1 | tee "$OUT/$part.log"
+  perc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$perc
+  df -h /var/tmp | tail -1
 fi
 # CRIU's logs of anything that failed, for the post-mortem.
 ls /var/log/torpor/*.log >/dev/null 2>&1 && tail -n 40 /var/log/torpor/dump-*.log /var/log/torpor/restore-*.log > "$OUT/criu-failures.txt" 2>/dev/null

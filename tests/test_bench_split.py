@@ -81,6 +81,7 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
             "--work-dir", str(work),
             "--daemon-config", "queue.timeout_s=120",
             "--daemon-config", "second:log_level=debug",
+            "--idle",
             "--out", str(out),
         ],
         capture_output=True,
@@ -146,6 +147,15 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
         assert "restore" not in run["timings"] and run["standby_wait_s"] > 0, run
         assert run["stop"]["function"] == "cpu-standby" and run["stop"]["stopped"], run["stop"]
     assert d["deploys"]["split"]["cpu-standby"]["snapshot_function"]["split"] is True
+
+    # --idle: what the node keeps while the function is idle, from the daemon's gauges.
+    cold_idle = rows["cold"]["idle"]
+    # The GPU cache ("GPU" memfd memory here) holds at least the 8 MiB of read-only weights.
+    assert cold_idle["metrics"]['torpor_restore_cache_bytes{cache="gpu"}'] >= split.CPU_WEIGHTS_BYTES, cold_idle
+    assert cold_idle["daemon_rss_bytes"] > 10 << 20 and cold_idle["metrics"].get('torpor_standby_instances{function="cpu"}', 0) == 0
+    standby_idle = standby["idle"]
+    assert standby_idle["metrics"]['torpor_standby_instances{function="cpu-standby"}'] == 1, standby_idle
+    assert standby_idle["metrics"]['torpor_standby_host_memory_bytes{function="cpu-standby"}'] > 1 << 20, standby_idle
 
     split_deploy = d["deploys"]["split"]["cpu"]["snapshot_function"]
     assert split_deploy["split"] and split_deploy["segments"] == 3 and split_deploy["stop_s"] > 0

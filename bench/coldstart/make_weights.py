@@ -17,6 +17,10 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -32,20 +36,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
-    a = parse_args(argv)
-    name = check(a.model)
-    start = time.time()
-
+def save_model(model: torch.nn.Module, out: Path, metadata: dict[str, str]) -> tuple[int, int, int]:
+    """Writes every parameter and buffer of `model` to `out` (atomically: a temporary file, then
+    a rename), each storage once: a tensor under a second name (tied weights) is listed in the
+    metadata's "aliases". Returns (tensors stored, aliases, bytes). bench/peers/make_weights.py
+    writes its models with it too."""
     import torch
     from safetensors.torch import save_file
-
-    device = a.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(a.seed)
-    with torch.device(device):
-        model = build(name)
 
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -56,21 +53,34 @@ def main(argv: list[str]) -> int:
             aliases[key] = canonical[ident]
             continue
         canonical[ident] = key
-        tensors[key] = t.detach().to("cpu").contiguous().clone()
+        # One copy on the host (from the GPU: one device-to-host copy, not two).
+        tensors[key] = t.detach().to("cpu", copy=True).contiguous()
 
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_name(f".{a.out.name}.tmp-{os.getpid()}")
-    metadata = {
-        "model": name,
-        "seed": str(a.seed),
-        "init_device": device,
-        "aliases": json.dumps(aliases, sort_keys=True),
-    }
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, a.out)
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={**metadata, "aliases": json.dumps(aliases, sort_keys=True)})
+    os.replace(tmp, out)
+    return len(tensors), len(aliases), sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    name = check(a.model)
+    start = time.time()
+
+    import torch
+
+    device = a.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(a.seed)
+    with torch.device(device):
+        model = build(name)
+
+    metadata = {"model": name, "seed": str(a.seed), "init_device": device}
+    n, n_aliases, size = save_model(model, a.out, metadata)
     print(
-        f"{name}: {len(tensors)} tensors, {len(aliases)} aliases, {size / 1e6:.0f} MB -> {a.out} "
+        f"{name}: {n} tensors, {n_aliases} aliases, {size / 1e6:.0f} MB -> {a.out} "
         f"({time.time() - start:.1f} s)"
     )
     return 0

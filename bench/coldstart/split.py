@@ -44,6 +44,11 @@ bytes, bytes stored in the chunk store from `torpor inspect --store`), and for m
 `-embed` variant (same base, same weights) the deduplication in the chunk store. The link's
 host→device bandwidth comes from a fill_bw JSON (--fill-bw).
 
+With --idle, each mode's row also says what the node keeps while the function is idle after its
+runs (`idle`: the daemon's /metrics gauges of the restore server's caches, the stage area and the
+function's standbys, once a fresh standby is ready; the daemon's RSS and NVML GPU memory): the
+peer benchmark (bench/peers/run.py) reports Torpor's resident cost from it.
+
 The split modes share one state directory: the host-cache daemon deploys, later daemons
 (restarted with their config) restore the same snapshots. Extra daemon config per mode:
 `--daemon-config [MODE:]KEY=VALUE` (KEY dotted for a table, e.g. restore_server.pages=lazy; VALUE
@@ -105,13 +110,31 @@ class Model:
     gpu: bool
     # An `<name>-embed` function on the same base and weights, for the dedup measurement.
     embed: bool
+    # Weights made on the machine (bench/peers/make_weights.py, never in the repository): the
+    # file generated_weights(name), hard-linked as weights.safetensors.
+    generated: bool = False
+    # Python files of the repository (relative to its root) copied beside the handler.
+    modules: tuple[str, ...] = ()
 
+
+# The peer benchmark's function code (bench/peers): the models and the handler.
+PEER_MODULES = ("bench/peers/lm.py", "bench/peers/peer_function.py")
 
 MODELS = {
     "resnet152": Model("resnet152", "resnet152", {"seed": 1}, True, True),
     "gpt2-large": Model("gpt2-large", "gpt2-large", {"seed": 1}, True, False),
+    # Llama-3-8B's shape with random bf16 weights (bench/peers: the peer benchmark).
+    "llama-8b": Model("llama-8b", None, {"seed": 1}, True, False, generated=True, modules=PEER_MODULES),
+    # Its code on the CPU with a tiny Llama: the peer benchmark's CPU test.
+    "tiny-llama": Model("tiny-llama", None, {"seed": 1}, False, False, generated=True, modules=PEER_MODULES),
     "cpu": Model("cpu", None, {"seed": 1}, False, True),
 }
+
+
+def generated_weights(name: str) -> Path:
+    """Where bench/peers/make_weights.py's file of model `name` is: $TORPOR_PEERS_DIR (default
+    /var/tmp/torpor-peers, beside --work-dir's default so that a hard link works)."""
+    return Path(os.environ.get("TORPOR_PEERS_DIR", "/var/tmp/torpor-peers")) / f"{name}.safetensors"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,6 +159,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=[],
         metavar="[MODE:]KEY=VALUE",
         help="extra daemon config, for every mode or one; KEY dotted for a table (restore_server.pages)",
+    )
+    p.add_argument(
+        "--idle",
+        action="store_true",
+        help="after a mode's runs, record what stays resident while the function is idle (idle_resident)",
+    )
+    p.add_argument(
+        "--no-drop-cache",
+        action="store_true",
+        help="cold-disk: leave the page cache alone (a shared machine); each run says so",
     )
     p.add_argument("--budget-min", type=float, default=8.0, help="skip the remaining runs past this")
     p.add_argument("--torpor", type=Path, help="torpor binary (default $TORPOR_BIN, target/{release,debug})")
@@ -369,6 +402,35 @@ class Daemon:
                 pass
 
 
+def process_rss(pid: int) -> int | None:
+    """Resident host memory of process `pid` (VmRSS), None where it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def gpu_memory_by_pid() -> dict[int, int]:
+    """GPU memory used per process (NVML through nvidia-smi: CUDA contexts included, which
+    torch.cuda.memory_reserved() does not count); empty without a GPU."""
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    out: dict[int, int] = {}
+    for line in r.stdout.splitlines() if r.returncode == 0 else []:
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            out[int(parts[0])] = out.get(int(parts[0]), 0) + int(parts[1]) * (1 << 20)
+    return out
+
+
 def fills(before: dict[str, float], after: dict[str, float]) -> Json:
     """Per source, the segments filled between two /metrics reads and their mean GB/s (the mean
     over segments of each segment's size / fill time)."""
@@ -433,9 +495,16 @@ def assemble(name: str, model: Model, dest_root: Path, say: Any) -> Path:
         if f.is_file() and f.suffix == ".py":
             shutil.copy2(f, dest / f.name)
     shutil.copy2(FUNCTIONS / name / "torpor.toml", dest / "torpor.toml")
+    for module in model.modules:
+        shutil.copy2(ROOT / module, dest / Path(module).name)
     if model.example:
         shutil.copy2(ROOT / "examples" / model.example / "model.py", dest / "model.py")
         link_or_copy(example_weights(model.example, say), dest / "weights.safetensors")
+    elif model.generated:
+        weights = generated_weights(model.name)
+        if not weights.is_file():
+            raise RuntimeError(f"{weights} is missing: write it with python3 bench/peers/make_weights.py {model.name} {weights}")
+        link_or_copy(weights, dest / "weights.safetensors")
     else:
         link_or_copy(cpu_weights(dest_root / "cpu-weights.bin"), dest / "weights.bin")
     return dest
@@ -665,6 +734,8 @@ class Bench:
     def drop_page_cache(self) -> Json:
         """Writes dirty pages back and drops the kernel's page cache (root; refused where
         /proc/sys is read-only, as in some containers: then say so rather than pretend)."""
+        if self.a.no_drop_cache:
+            return {"page_cache_dropped": False, "why": "--no-drop-cache"}
         t0 = time.perf_counter()
         os.sync()
         try:
@@ -826,6 +897,10 @@ class Bench:
                 f"{ {k: v['segments'] for k, v in r['fills'].items()} }, same {r['same']}"
             )
         if standby is not None or burst is not None:
+            if standby is not None and self.a.idle and runs and "error" not in out:
+                # Idle with its standby ready: what the standby keeps costs while no request comes.
+                _, waited = self.wait_standby(d, standby, model.gpu, self.used_standbys, mode == "standby-live")
+                out["idle"] = {**self.idle_resident(d, standby), "standby_wait_s": waited}
             # Standbys would come back after a stop, and 8 instances hold memory through later modes.
             copy = standby or burst
             gone = d.cli("rm", str(copy), timeout=300)
@@ -833,6 +908,8 @@ class Bench:
                 self.errors.append(f"torpor rm {copy}: {gone.stderr.strip()}")
         elif "error" not in out:
             d.stop_function(model.name)
+            if self.a.idle and runs:
+                out["idle"] = self.idle_resident(d, model.name)
         phases: list[str] = []
         for r in runs:
             phases += [p for p in r["timings"] if p not in phases]
@@ -844,6 +921,31 @@ class Bench:
             all_same=bool(runs) and all(r["same"] for r in runs),
         )
         return out
+
+    def idle_resident(self, d: Daemon, name: str) -> Json:
+        """What the node keeps for function `name` while it is idle (no request, nothing live
+        but a standby): the daemon's gauges in /metrics (the restore server's caches, the stage
+        area, the function's standbys) and the daemon process's own resident host memory and
+        GPU memory (NVML: the pinned host cache and the GPU cache live in it)."""
+        status, _, body = d.request("GET", "/metrics", timeout=30)
+        gauges: Json = {}
+        if status == 200:
+            wanted = ("torpor_restore_cache_bytes", "torpor_stage_bytes", "torpor_gpu_memory_bytes")
+            mine = ("torpor_standby_host_memory_bytes", "torpor_standby_gpu_memory_bytes", "torpor_standby_instances")
+            for line in body.decode(errors="replace").splitlines():
+                key, _, value = line.rpartition(" ")
+                base = key.split("{", 1)[0]
+                if base in wanted or (base in mine and f'function="{name}"' in key):
+                    try:
+                        gauges[key] = float(value)
+                    except ValueError:
+                        pass
+        pid = d.proc.pid
+        return {
+            "metrics": gauges,
+            "daemon_rss_bytes": process_rss(pid),
+            "daemon_gpu_bytes": gpu_memory_by_pid().get(pid),
+        }
 
     def dedup(self) -> list[Json]:
         out = []

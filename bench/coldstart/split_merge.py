@@ -26,7 +26,8 @@ class MergeError(ValueError):
     pass
 
 
-def merge(parts: list[Json]) -> Json:
+def check_one_machine(parts: list[Json]) -> None:
+    """Parts of one run come from one machine and one binary (bench/peers/merge.py too)."""
     if not parts:
         raise MergeError("no part to merge")
     first = parts[0]
@@ -37,11 +38,22 @@ def merge(parts: list[Json]) -> Json:
                     f"the parts differ in machine.{key} ({first['machine'].get(key)!r} vs "
                     f"{p['machine'].get(key)!r}): merge only runs of one machine and one binary"
                 )
+
+
+def merge_rows(parts: list[Json], modes: tuple[str, ...]) -> list[Json]:
+    """The parts' result rows, one per (model, mode) (a later part's row replaces an earlier
+    one's), sorted by `modes`' order (stable: the models keep their parts' order)."""
     rows: dict[tuple[str, str], Json] = {}
     for p in parts:
         for r in p["results"]:
             rows[(r["model"], r["mode"])] = r
-    results = sorted(rows.values(), key=lambda r: (MODES.index(r["mode"]) if r["mode"] in MODES else len(MODES)))
+    return sorted(rows.values(), key=lambda r: (modes.index(r["mode"]) if r["mode"] in modes else len(modes)))
+
+
+def merge(parts: list[Json]) -> Json:
+    check_one_machine(parts)
+    first = parts[0]
+    results = merge_rows(parts, MODES)
     models: list[str] = []
     for p in parts:
         models += [m for m in p["settings"]["models"] if m not in models]
