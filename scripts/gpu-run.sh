@@ -24,7 +24,8 @@
 # and with the node's hash cache) on a PyTorch + transformers program, into
 # $OUT/portability-h100.json and $OUT/portability.log. Not part of `all`.
 # criu-gpu: bench/criu_restore/run.py with the GPU worker (torch, CUDA state, GPU weights): CRIU
-# restore -> first answer from disk, a huge-page tmpfs, and lazy pages from it, into
+# restore -> first answer from disk, a huge-page tmpfs, and lazy pages from it (Torpor's page
+# server without and with a recorded hot set, CRIU's lazy-pages daemon), into
 # $OUT/criu-restore-gpu.json.
 # serverless: writes the examples' weights if absent, then bench/serverless/run.py --compare for each
 # of $SERVERLESS_MODELS (default "resnet152"; "resnet152 gpt2-large" for both, about twice as long),
@@ -148,7 +149,7 @@ if [ "$MODE" = criu-gpu ]; then
   huge=/mnt/torpor-huge
   mkdir -p "$huge" && { mountpoint -q "$huge" || mount -t tmpfs -o huge=always,size=16G,mode=0700 tmpfs "$huge"; }
   python3 bench/criu_restore/run.py --worker bench/criu_restore/gpu_worker.py --mib "${CRIU_GPU_MIB:-256}" \
-    --runs "${RUNS:-3}" --huge-stage-base "$huge" --sources disk-warm,tmpfs-huge,lazy-tmpfs-huge,criu-lazy-tmpfs-huge \
+    --runs "${RUNS:-3}" --huge-stage-base "$huge" --sources disk-warm,tmpfs-huge,lazy-tmpfs-huge,hot-lazy-tmpfs-huge,criu-lazy-tmpfs-huge \
     --out "$OUT/criu-restore-gpu.json" 2>&1 | tee "$OUT/criu-gpu.log"
   crc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$crc
   umount "$huge" 2>/dev/null

@@ -5,6 +5,7 @@ one line and before any process is restored; a driver restore that fails kills w
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,3 +158,23 @@ def test_a_restored_cuda_process_runs_nothing_but_the_driver_restore_thread_unti
         )  # fmt: skip
     finally:
         ws.cleanup()
+
+
+def test_a_page_server_dead_before_the_hot_set_fails_the_restore_at_once(
+    torpor: Torpor, gpu_snapshot: GpuSnapshot, tmp_path: Path
+) -> None:
+    """With Torpor's page server, a restore that resumes GPU state waits for the hot set before
+    the driver's restore (the driver reads what it saved into the process), up to 30 s for a
+    slow server. A server that has exited is told from a slow one: here it stops right after
+    CRIU's restore, the hot set never served (TORPOR_PAGE_SERVER_FAULT=hot-set), and the restore
+    fails at once with its one line, the tree killed and the driver's restore never run on it."""
+    log = tmp_path / "fake.log"
+    env = gpu_snapshot.env(TORPOR_PAGE_SERVER_FAULT="hot-set", TORPOR_LOG_DIR=str(tmp_path / "logs"), FAKE_CUDA_LOG=str(log))
+    start = time.monotonic()
+    line = torpor.fails("restore", gpu_snapshot.snap, "--detach", "--pages", "lazy", env=env, timeout=90)
+    took = time.monotonic() - start
+    assert "torpor's page server failed" in line and "TORPOR_PAGE_SERVER_FAULT=hot-set" in line, line
+    assert took < 20, f"the failed restore took {took:.1f} s: it waited for a dead page server"
+    wait_until(lambda: pids_with(gpu_snapshot.token) == [], 10, "the restored tree to be killed")
+    calls = log.read_text().splitlines() if log.exists() else []
+    assert not any(x.startswith("restore ") for x in calls), calls

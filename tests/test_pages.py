@@ -225,3 +225,43 @@ def test_a_page_server_that_stops_half_way_is_one_error_and_kills_the_restore(
     assert "torpor's page server failed" in line and "TORPOR_PAGE_SERVER_FAULT" in line, line
     wait_until(lambda: pids_with(source.token) == [], 15, "the restored tree to be killed")
     assert lazy_daemons(source.snap) == [], "the page server was left running"
+
+
+LAZY_MEM = ROOT / "tests" / "programs" / "lazy_mem.py"
+
+
+def test_fork_and_mremap_of_memory_still_on_the_page_server_keep_its_contents(
+    torpor: Torpor, workers: Workers, criu_ready: None, tmp_path: Path
+) -> None:
+    """A restored worker forks a child that reads memory the page server has not served yet
+    (the child's faults come on the uffd the kernel made at fork, which the server must serve
+    from the parent's remaining ranges), and moves a lazy area with mremap (the server must
+    serve its pages at their new address). The server runs without its background copy
+    ($TORPOR_PAGE_SERVER_BACKGROUND=off), so the memory is still lazy when the worker does both.
+    Every checksum matches the source's; the server ends once the tree is gone."""
+    sock = tmp_path / "lazy.sock"
+    w = workers.start(
+        [PYTHON, LAZY_MEM, sock, 16], endpoint=Endpoint(unix=str(sock)), ready=Path(f"{sock}.ready"), name="lazy-mem"
+    )
+    data_sum, area_sum = ask(sock, "sum").split()
+    snap = tmp_path / "snap"
+    torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap)
+    w.wait_gone()
+
+    stats = tmp_path / "stats.jsonl"
+    env = {"TORPOR_PAGE_SERVER_BACKGROUND": "off", "TORPOR_PAGE_SERVER_STATS": str(stats), "TORPOR_LOG_DIR": str(tmp_path / "logs")}
+    p, out, err = workers.popen_torpor("restore", snap, "--detach", "--pages", "lazy", env=env)
+    # The pid comes out as soon as CRIU is done; torpor then waits for its page server.
+    wait_until(lambda: out.read_text().strip().isdigit() or p.poll() is not None, 60, "the restored pid")
+    assert out.read_text().strip().isdigit(), err.read_text()
+    restored = workers.adopt(int(out.read_text().strip()), Endpoint(unix=str(sock)), "restored")
+    assert ask(sock, "forksum").split() == [data_sum, area_sum]
+    assert ask(sock, "remap") == area_sum
+    assert ask(sock, "sum").split() == [data_sum, area_sum]
+    assert p.poll() is None, "the page server ended while the tree lives (it has no background copy)"
+    # Killing the tree ends the server (it probes its tasks), and with it `torpor restore`.
+    os.kill(restored.init_pid, 9)
+    assert p.wait(timeout=30) == 0, err.read_text()
+    [s] = stats_of(stats)
+    assert s["forks"] >= 1 and s["faults"] > 0 and s["background_pages"] == 0, s
+    assert lazy_daemons(snap) == []

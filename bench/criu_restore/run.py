@@ -13,8 +13,10 @@ Then for each page source and each touch pattern, RUNS times:
 Page sources: disk-cold (page cache dropped before each run), disk-warm (the images read once
 first), tmpfs (the staged copy in --stage-base, /dev/shm: 4 KiB pages), lazy-tmpfs (the same with
 --pages lazy: Torpor's page server), criu-lazy-tmpfs (--pages criu-lazy: CRIU's lazy-pages
-daemon); with --huge-stage-base (a tmpfs mounted huge=always) also tmpfs-huge, lazy-tmpfs-huge
-and criu-lazy-tmpfs-huge. Touch patterns: 10 % and 100 %. Rounds are interleaved (run i of every cell,
+daemon), hot-lazy-tmpfs (Torpor's page server given a hot set: the profile a first, untimed
+restore of the staged copy recorded while the worker answered `touch 10`, as torpord records one
+at deploy); with --huge-stage-base (a tmpfs mounted huge=always) also tmpfs-huge,
+lazy-tmpfs-huge, hot-lazy-tmpfs-huge and criu-lazy-tmpfs-huge. Touch patterns: 10 % and 100 %. Rounds are interleaved (run i of every cell,
 then run i+1), so background load on a shared machine spreads over all cells alike. Every answer
 is checked against the worker's own answer before the snapshot. Every run is recorded with
 torpor's phases; medians, min and max per cell.
@@ -45,6 +47,7 @@ PHASE_RE = re.compile(r"^phase\s+(\S+)\s+([-+0-9.eE]+)\s*$")
 SOURCES = (
     "disk-cold", "disk-warm", "tmpfs", "lazy-tmpfs", "criu-lazy-tmpfs",
     "tmpfs-huge", "lazy-tmpfs-huge", "criu-lazy-tmpfs-huge",
+    "hot-lazy-tmpfs", "hot-lazy-tmpfs-huge",
 )
 DEFAULT_SOURCES = SOURCES[:5]
 TOUCH = (10, 100)
@@ -230,11 +233,19 @@ class Bench:
         size = sum(f.stat().st_size for f in snap.rglob("*") if f.is_file())
         return snap, expected, {"snapshot_s": round(snap_s, 3), "bytes": size}
 
-    def restore_once(self, snap: Path, pages: str, touch: int, expected: str) -> Json:
+    def record_profile(self, snap: Path, out: Path, expected: str) -> None:
+        """An untimed restore of `snap` by Torpor's page server recording the order the worker
+        touches its pages (faults only: $TORPOR_PAGE_SERVER_BACKGROUND=off) while it answers
+        `touch 10`, as torpord's profiling restore at deploy does; the profile goes to `out`."""
+        out.unlink(missing_ok=True)
+        env = dict(self.env, TORPOR_PAGE_PROFILE_OUT=str(out), TORPOR_PAGE_SERVER_BACKGROUND="off")
+        self.restore_once(snap, "lazy", 10, expected, env)
+
+    def restore_once(self, snap: Path, pages: str, touch: int, expected: str, env: dict[str, str] | None = None) -> Json:
         args = [str(self.torpor), "restore", str(snap), "--detach", "-v", "--pages", pages]
         with tempfile.TemporaryFile("w+") as err:
             t0 = time.monotonic()
-            p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, env=self.env, text=True)
+            p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, env=env or self.env, text=True)
             assert p.stdout is not None
             line = p.stdout.readline().strip()
             t_pid = time.monotonic()
@@ -248,6 +259,8 @@ class Bench:
                 t_answer = time.monotonic()
                 if answer != expected:
                     raise RuntimeError(f"restored worker answered {answer!r}, expected {expected!r}")
+                if (env or {}).get("TORPOR_PAGE_SERVER_BACKGROUND") == "off":
+                    kill_tree(pid)  # faults only: the server ends once the tree is gone
                 code = p.wait(timeout=600)  # lazy: torpor waits for the daemon to serve every page
                 t_done = time.monotonic()
             finally:
@@ -341,11 +354,20 @@ def main(argv: list[str]) -> int:
     runs: dict[tuple[str, int], list[Json]] = {(s, t): [] for s in a.sources for t in TOUCH}
     try:
         for suffix, target in staged.items():
-            if any(s.startswith(("tmpfs", "lazy-tmpfs", "criu-lazy-tmpfs")) and s.endswith(suffix) and
+            if any(s.startswith(("tmpfs", "lazy-tmpfs", "criu-lazy-tmpfs", "hot-lazy-tmpfs")) and s.endswith(suffix) and
                    (suffix or not s.endswith("-huge")) for s in a.sources):
                 t = time.monotonic()
                 bench.tp("stage", snap, "--to", target)
                 snap_info[f"stage{suffix}_s"] = round(time.monotonic() - t, 3)
+        profiles: dict[str, Path] = {}
+        for suffix, target in staged.items():
+            if f"hot-lazy-tmpfs{suffix}" in a.sources:
+                profiles[suffix] = a.work_dir / f"profile{suffix or '-small'}"
+                t = time.monotonic()
+                bench.record_profile(target, profiles[suffix], expected[10])
+                lines = profiles[suffix].read_text().splitlines() if profiles[suffix].exists() else []
+                snap_info[f"profile{suffix}"] = {"s": round(time.monotonic() - t, 3), "ranges": len(lines)}
+                bench.say(f"profile{suffix}: {len(lines)} ranges")
         for i in range(a.runs):
             for source in a.sources:
                 d = snap if source.startswith("disk") else staged["-huge" if source.endswith("-huge") else ""]
@@ -354,8 +376,12 @@ def main(argv: list[str]) -> int:
                         drop_caches()
                     elif source == "disk-warm":
                         read_all(d)
-                    pages = "criu-lazy" if source.startswith("criu-lazy") else "lazy" if source.startswith("lazy") else "copy"
-                    r = bench.restore_once(d, pages, touch, expected[touch])
+                    pages = "criu-lazy" if source.startswith("criu-lazy") else "lazy" if "lazy" in source else "copy"
+                    env = None
+                    if source.startswith("hot-lazy"):
+                        profile = profiles["-huge" if source.endswith("-huge") else ""]
+                        env = dict(bench.env, TORPOR_PAGE_PROFILE_IN=str(profile))
+                    r = bench.restore_once(d, pages, touch, expected[touch], env)
                     bench.say(f"{source} touch {touch}% run {i + 1}: first answer {r['first_answer_s']:.3f} s")
                     runs[(source, touch)].append(r)
         for source in a.sources:

@@ -69,6 +69,14 @@ def describe(pids: list[int]) -> str:
     return "; ".join(out)
 
 
+def gone(pid: int) -> bool:
+    """Whether `pid` has exited (gone, or a zombie nobody reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 def registry(torpord: Torpord, sql: str, *args: Any) -> list[tuple[Any, ...]]:
     conn = sqlite3.connect(torpord.state / "registry.db", timeout=10)
     try:
@@ -219,10 +227,12 @@ def state_of(torpord: Torpord, name: str) -> str | None:
 # Points before the base snapshot is recorded: their deploy must boot a base of its own.
 NEW_BASE = ["boot_base", "dump_base", "snapshot_base"]
 # After the function snapshot is recorded, the deploy has taken effect.
-TAKEN = {"snapshot_function", "stage"}
+TAKEN = {"snapshot_function", "stage", "profile"}
 
 
-@pytest.mark.parametrize("point", ["validate", *NEW_BASE, "restore_base", "load", "dump_function", "snapshot_function", "stage"])
+@pytest.mark.parametrize(
+    "point", ["validate", *NEW_BASE, "restore_base", "load", "dump_function", "snapshot_function", "stage", "profile"]
+)
 def test_a_crashed_first_deploy_leaves_nothing_behind(torpord: Torpord, tmp_path: Path, point: str) -> None:
     for round_ in ROUNDS:
         name = f"first-{point.replace('_', '-')}-{round_}"
@@ -254,7 +264,7 @@ def test_a_crashed_first_deploy_leaves_nothing_behind(torpord: Torpord, tmp_path
             remove(torpord, name)
 
 
-@pytest.mark.parametrize("point", ["validate", "restore_base", "load", "dump_function", "snapshot_function", "stage"])
+@pytest.mark.parametrize("point", ["validate", "restore_base", "load", "dump_function", "snapshot_function", "stage", "profile"])
 def test_a_crashed_redeploy_keeps_the_previous_deploy_serving(torpord: Torpord, tmp_path: Path, point: str) -> None:
     name = f"re-{point.replace('_', '-')}"
     serving = 1
@@ -270,6 +280,44 @@ def test_a_crashed_redeploy_keeps_the_previous_deploy_serving(torpord: Torpord, 
         assert answers(torpord, name)["version"] == serving
         assert_only_listed_processes(torpord)
         stop_checked(torpord)
+    remove(torpord, name)
+
+
+def test_a_restore_that_ends_after_the_start_up_sweep_is_killed_when_its_worker_says_hello(torpord: Torpord, tmp_path: Path) -> None:
+    """A restore an earlier daemon had in flight when it was killed (the deploy's profiling
+    restore at its `profile` step, an instance's) may end after the next daemon's start-up
+    sweep, which kills only what exists when it lists /proc: its worker, once woken, says hello
+    as a restored instance that this daemon does not hold. Stood in for deterministically by
+    the function snapshot restored by hand, once the daemon is up, and its worker woken. The
+    daemon kills the tree as soon as the worker says hello (before the fix the connection
+    waited unclaimed for 30 s, then the worker in its reconnect loop for reattach_s, and a
+    graceful stop left it running)."""
+    name = "late-restore"
+    torpord.deploy(function_dir(tmp_path, name, [], 1))
+    [(snap,)] = registry(torpord, "SELECT path FROM snapshots WHERE function = ? AND kind = 'function'", name)
+    r = subprocess.run(
+        [str(torpord.binary), "restore", snap, "--detach", "--key", str(torpord.state / "snapshot.key")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, TORPOR_LOG_DIR=str(tmp_path / "logs")),
+    )
+    assert r.returncode == 0, r.stderr
+    init = int(r.stdout.split()[0])
+    try:
+        children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+        assert children, f"the restored init {init} has no worker"
+        worker = int(children[0])
+        assert init in daemon_processes(torpord.state), "the hand-restored tree is not marked as the daemon's"
+        os.kill(worker, signal.SIGUSR2)
+        wait_until(lambda: gone(init), 10, "the stray tree to be killed")
+        assert "killed a worker of an instance this torpord does not hold" in torpord.log_text()
+        assert_only_listed_processes(torpord)
+        assert answers(torpord, name)["version"] == 1
+        stop_checked(torpord)
+    finally:
+        if not gone(init):
+            os.kill(init, signal.SIGKILL)
     remove(torpord, name)
 
 

@@ -38,6 +38,7 @@ def test_deploy_reports_phases_and_a_second_function_reuses_the_base(torpord: To
         "load",
         "snapshot_function",
         "stage",
+        "profile",
     ], lines
     result = lines[-1]["result"]
     assert result["function"] == "cpu-mlp" and result["base_reused"] is False, lines

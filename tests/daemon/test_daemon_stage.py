@@ -127,7 +127,7 @@ def largest_pages_file(snapshot: Path) -> Path:
 
 def test_a_deploy_stages_the_function_snapshot_on_a_private_tmpfs(staged: Torpord) -> None:
     lines = staged.deploy(BALLAST)
-    assert phases(lines)[-2:] == ["snapshot_function", "stage"], lines
+    assert phases(lines)[-3:] == ["snapshot_function", "stage", "profile"], lines
     snap = snapshot_of(lines)
     # A tmpfs of the daemon's own, root-only, with huge pages, on a private bind of its directory.
     stacked = mounts_at(stage_dir(staged))
@@ -148,10 +148,10 @@ def test_invokes_restore_the_staged_copy_with_lazy_pages_bit_identically(staged:
     first = staged.invoke("ballast", {})
     assert first.status == 200 and first.start == "restored", (first.status, first.body)
     assert first.json() == EXPECTED
-    assert restores(staged)[-1] == ("ballast", "CriuLazy", True), staged.log_text()
+    assert restores(staged)[-1] == ("ballast", "Lazy", True), staged.log_text()
     assert {"restore", "reconnect", "start"} <= set(first.timings), first.timings
     assert fresh_restore(staged, "ballast") == EXPECTED
-    assert restores(staged)[-1] == ("ballast", "CriuLazy", True)
+    assert restores(staged)[-1] == ("ballast", "Lazy", True)
 
 
 def test_the_stage_area_is_in_no_worker_namespace_nor_snapshot(staged: Torpord) -> None:
@@ -171,7 +171,7 @@ def test_a_corrupt_disk_copy_does_not_matter_while_staged(staged: Torpord) -> No
     flip_byte(pages)
     try:
         assert fresh_restore(staged, "ballast") == EXPECTED
-        assert restores(staged)[-1] == ("ballast", "CriuLazy", True)
+        assert restores(staged)[-1] == ("ballast", "Lazy", True)
     finally:
         pages.write_bytes(original)
 
@@ -184,7 +184,7 @@ def test_a_redeploy_replaces_the_staged_copy(staged: Torpord) -> None:
     (new,) = copies(staged)
     assert new != old and new.startswith(f"{snap}."), (old, new)
     assert fresh_restore(staged, "ballast") == EXPECTED
-    assert restores(staged)[-1] == ("ballast", "CriuLazy", True)
+    assert restores(staged)[-1] == ("ballast", "Lazy", True)
 
 
 def test_a_restarted_daemon_stages_again_and_never_reads_a_copy_it_did_not_stage(staged: Torpord) -> None:
@@ -202,12 +202,13 @@ def test_a_restarted_daemon_stages_again_and_never_reads_a_copy_it_did_not_stage
     (snap,) = [p for p in (again.state / "snapshots").iterdir() if p.name.startswith("fn-ballast-")]
     same_files(stage_dir(again) / fresh, snap)
     assert fresh_restore(again, "ballast") == EXPECTED
-    assert restores(again)[-1] == ("ballast", "CriuLazy", True)
+    assert restores(again)[-1] == ("ballast", "Lazy", True)
 
 
 def lazy_pages_daemons(d: Torpord) -> list[int]:
+    """Torpor's page servers (and CRIU's lazy-pages daemons) serving `d`'s restores."""
     token = f"{d.state}/logs/lazy-"
-    return [pid for pid in pids_with(token) if "lazy-pages" in cmdline(pid)]
+    return [pid for pid in pids_with(token) if "__page-server" in cmdline(pid) or "lazy-pages" in cmdline(pid)]
 
 
 def restored_and_untraced(d: Torpord, before: set[int]) -> bool:
@@ -225,7 +226,7 @@ def restored_and_untraced(d: Torpord, before: set[int]) -> bool:
 
 @pytest.mark.parametrize("when", ["while-it-starts", "once-it-listens"])
 def test_a_failing_lazy_pages_daemon_leaves_no_instance_serving(staged: Torpord, when: str) -> None:
-    """SIGKILL to CRIU's lazy-pages daemon. As it starts: the restore fails and an instance is
+    """SIGKILL to Torpor's page server. As it starts: the restore fails and an instance is
     booted instead. Once it listens (stopped first, so that it serves nothing more, and killed
     once CRIU no longer traces the restored init, or after 3 s): the restored tree is killed.
     Where that happens before the worker reconnected (as on the CPU VM: CRIU waits for the
@@ -298,8 +299,8 @@ def test_rm_removes_the_staged_copy(staged: Torpord) -> None:
     ("restore_server", "pages", "is_staged"),
     [
         ('pages = "copy"', "Copy", True),
-        ("stage_bytes = 0", "CriuLazy", False),
-        ("stage_bytes = 1048576", "CriuLazy", False),
+        ("stage_bytes = 0", "Lazy", False),
+        ("stage_bytes = 1048576", "Lazy", False),
     ],
     ids=["copy", "staging-off", "larger-than-the-area"],
 )
@@ -346,8 +347,8 @@ def test_a_full_stage_area_drops_the_least_recently_used_copy(torpor_bin: Path, 
         wait_until(lambda: [c.split(".")[0] for c in copies(d)] == [second], 10, "ballast's copy to go")
         # ballast's restores read its disk copy again (hashed), ballast2's its staged copy.
         assert d.invoke("ballast", {}).json() == EXPECTED
-        assert restores(d)[-1] == ("ballast", "CriuLazy", False)
+        assert restores(d)[-1] == ("ballast", "Lazy", False)
         assert d.invoke("ballast2", {}).json() == EXPECTED
-        assert restores(d)[-1] == ("ballast2", "CriuLazy", True)
+        assert restores(d)[-1] == ("ballast2", "Lazy", True)
     finally:
         d.stop()

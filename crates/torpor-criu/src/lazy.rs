@@ -70,6 +70,12 @@ fn last_words(stderr: &str) -> String {
 pub struct LazyPages {
     /// Which daemon it is, for messages.
     who: &'static str,
+    /// Torpor's page server only: our end of a socket pair on which the server sends every
+    /// userfaultfd it serves, left unread. A descriptor in flight keeps its file open, so a server
+    /// that dies does not release the uffds: the restored tasks' faults wait (instead of the
+    /// kernel filling the missing pages with zeros, as it does once a uffd's last holder closes
+    /// it) until the caller has killed the tree. See [`LazyPages::take_hold`].
+    hold: Option<std::os::unix::net::UnixStream>,
     child: Option<Child>,
     /// How the daemon exited, once reaped.
     exited: Option<ExitStatus>,
@@ -98,7 +104,13 @@ impl Criu {
             .arg("-o")
             .arg(log_file)
             .arg(format!("-v{log_level}"));
-        spawn_daemon(cmd, "`criu lazy-pages`", work_dir, work_dir.join(log_file))
+        spawn_daemon(
+            cmd,
+            "`criu lazy-pages`",
+            work_dir,
+            work_dir.join(log_file),
+            None,
+        )
     }
 }
 
@@ -108,6 +120,7 @@ fn spawn_daemon(
     who: &'static str,
     work_dir: &Path,
     log: PathBuf,
+    hold: Option<std::os::unix::net::UnixStream>,
 ) -> Result<LazyPages, LazyPagesError> {
     let program = PathBuf::from(cmd.get_program());
     let spawn_err = |source| LazyPagesError::Spawn {
@@ -128,6 +141,7 @@ fn spawn_daemon(
     let child = cmd.spawn().map_err(spawn_err)?;
     let mut daemon = LazyPages {
         who,
+        hold,
         child: Some(child),
         exited: None,
         stderr,
@@ -137,6 +151,27 @@ fn spawn_daemon(
     Ok(daemon)
 }
 
+/// What a restore asks of Torpor's page server beyond its images (crate::page_server).
+#[derive(Debug, Clone, Copy)]
+pub struct PageServerOptions<'a> {
+    /// The hot set: a profile an earlier restore recorded.
+    pub profile_in: Option<&'a Path>,
+    /// Where to record this restore's faults, in order.
+    pub profile_out: Option<&'a Path>,
+    /// Copy what was not faulted in the background (false: faults and the hot set only).
+    pub background: bool,
+}
+
+impl Default for PageServerOptions<'_> {
+    fn default() -> Self {
+        Self {
+            profile_in: None,
+            profile_out: None,
+            background: true,
+        }
+    }
+}
+
 /// Starts Torpor's page server (crate::page_server) in `work_dir` for the images in
 /// `images_dir`: `exe` (a torpor binary, the caller's own) run with
 /// [`crate::page_server::SUBCOMMAND`]. The same handshake, so the same [`LazyPages`] handle.
@@ -144,23 +179,74 @@ pub fn start_page_server(
     exe: &Path,
     images_dir: &Path,
     work_dir: &Path,
+    opts: &PageServerOptions<'_>,
 ) -> Result<LazyPages, LazyPagesError> {
+    use std::os::fd::AsRawFd;
+    let spawn_err = |source| LazyPagesError::Spawn {
+        program: exe.to_path_buf(),
+        source,
+    };
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(spawn_err)?;
     let mut cmd = std::process::Command::new(exe);
     cmd.arg(crate::page_server::SUBCOMMAND)
         .arg(images_dir)
-        .arg(work_dir);
-    spawn_daemon(
+        .arg(work_dir)
+        .arg(format!(
+            "{}{}",
+            crate::page_server::HOLD_FD_ARG,
+            crate::page_server::HOLD_FD
+        ));
+    // Set on the server's own environment (a daemon runs many restores at once), each over
+    // whatever the restoring process's environment says.
+    if let Some(p) = opts.profile_in {
+        cmd.env(crate::page_server::PROFILE_IN_ENV, p);
+    }
+    if let Some(p) = opts.profile_out {
+        cmd.env(crate::page_server::PROFILE_OUT_ENV, p);
+    }
+    if !opts.background {
+        cmd.env(crate::page_server::BACKGROUND_ENV, "off");
+    }
+    let fd = theirs.as_raw_fd();
+    // SAFETY: between fork and exec only async-signal-safe calls (dup2, fcntl) on descriptors
+    // this process owns: the server's end of the pair becomes its HOLD_FD, without close-on-exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+            let target = crate::page_server::HOLD_FD;
+            let rc = if fd == target {
+                libc::fcntl(fd, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(fd, target)
+            };
+            if rc < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let server = spawn_daemon(
         cmd,
         "torpor's page server",
         work_dir,
         work_dir.join("page-server.log"),
-    )
+        Some(ours),
+    );
+    drop(theirs);
+    server
 }
 
 impl LazyPages {
     /// The daemon's pid.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(|c| c.id())
+    }
+
+    /// The socket that keeps the restored tasks' userfaultfds open (Torpor's page server only;
+    /// `None` for CRIU's daemon or once taken). Hold it until the outcome is known: after a
+    /// failure, kill every task of the tree first and only then drop it, so that no task ever
+    /// runs on pages the kernel filled with zeros.
+    pub fn take_hold(&mut self) -> Option<std::os::unix::net::UnixStream> {
+        self.hold.take()
     }
 
     /// CRIU's log of the daemon.

@@ -52,7 +52,9 @@ mod request;
 mod swrk;
 
 pub use error::{Action, CriuError};
-pub use lazy::{start_page_server, LazyPages, LazyPagesError, LAZY_PAGES_SOCKET};
+pub use lazy::{
+    start_page_server, LazyPages, LazyPagesError, PageServerOptions, LAZY_PAGES_SOCKET,
+};
 pub use locate::{
     locate, min_version, private_prefix, Criu, Version, ENV_CRIU, ENV_PREFIX, MIN_VERSION,
 };

@@ -34,6 +34,23 @@ use crate::lazy::LAZY_PAGES_SOCKET;
 
 /// The hidden subcommand of the torpor binaries that runs the server.
 pub const SUBCOMMAND: &str = "__page-server";
+/// The descriptor on which the server sends each userfaultfd it serves to the restoring
+/// process, which keeps them in flight (unread) until it knows the outcome
+/// ([`crate::LazyPages::take_hold`]): a server that dies then leaves the restored tasks' faults
+/// waiting instead of released to zero-filled pages.
+pub const HOLD_FD: RawFd = 3;
+/// The argument that names it: `--hold-fd=3`.
+pub const HOLD_FD_ARG: &str = "--hold-fd=";
+/// The hot set to copy first: a profile an earlier restore recorded.
+pub const PROFILE_IN_ENV: &str = "TORPOR_PAGE_PROFILE_IN";
+/// Where to record the ranges faulted in once CRIU's restore finished, in order.
+pub const PROFILE_OUT_ENV: &str = "TORPOR_PAGE_PROFILE_OUT";
+/// Where to append the server's counters (one JSON line per restore).
+pub const STATS_ENV: &str = "TORPOR_PAGE_SERVER_STATS";
+/// `off`: no background copy, faults and the hot set only; the server ends once every task
+/// has exited (a profiling restore, whose tree is thrown away; a test that needs memory still
+/// lazy while it forks and mremaps).
+pub const BACKGROUND_ENV: &str = "TORPOR_PAGE_SERVER_BACKGROUND";
 /// Created in the work directory once the hot set is in (or there is none).
 pub const HOT_SERVED: &str = "hot-served";
 /// Bytes copied around a fault.
@@ -44,6 +61,13 @@ pub const BACKGROUND_RUN: u64 = 4 << 20;
 const RESTORE_FINISHED: u32 = 0x5253_5446;
 /// How long CRIU may take to connect.
 const ACCEPT_TIMEOUT: Duration = Duration::from_secs(120);
+/// `TORPOR_PAGE_SERVER_FAULT=hot-set`: how long the server lets the restore go on after CRIU's
+/// "finished" before it stops, so that the restoring side is past CRIU and waits for the hot set.
+const HOT_SET_FAULT_DELAY: Duration = Duration::from_millis(500);
+/// The page [`Server::probe`] asks about: `mmap_min_addr`'s usual value, below any program.
+const PROBE_ADDR: u64 = 0x10000;
+/// How often an idle server without background copy probes whether its tasks still live.
+const PROBE_EVERY: Duration = Duration::from_millis(100);
 /// While recording a profile, the background copy waits until no fault came for this long, so
 /// that what the process (and the driver's restore) touches first faults and is recorded.
 const PROFILE_QUIET: Duration = Duration::from_millis(300);
@@ -107,6 +131,8 @@ pub enum PageServerError {
     },
     #[error("stopped by TORPOR_PAGE_SERVER_FAULT after {pages} pages (a test's fault switch)")]
     Fault { pages: u64 },
+    #[error("stopped by TORPOR_PAGE_SERVER_FAULT=hot-set before serving the hot set, {} ms after CRIU's restore finished (a test's fault switch)", HOT_SET_FAULT_DELAY.as_millis())]
+    FaultHotSet,
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> PageServerError {
@@ -200,6 +226,8 @@ struct Server {
     recording: bool,
     last_fault: Instant,
     fault_budget: Option<u64>,
+    /// Where each uffd goes to be kept open ([`HOLD_FD`]).
+    hold: Option<UnixStream>,
 }
 
 enum Copied {
@@ -359,6 +387,7 @@ impl Server {
                     // SAFETY: the kernel made this descriptor for us with the event.
                     let uffd = unsafe { OwnedFd::from_raw_fd(ufd) };
                     set_nonblocking(uffd.as_raw_fd());
+                    self.hold(&uffd)?;
                     let parent = &self.tasks[t];
                     let child = Task {
                         pid: parent.pid,
@@ -377,6 +406,47 @@ impl Server {
                     cut(&mut self.tasks[t].runs, u64_at(8), u64_at(16))
                 }
                 _ => {}
+            }
+        }
+    }
+
+    /// Hands a copy of `uffd` to the restoring process to keep ([`HOLD_FD`]).
+    fn hold(&self, uffd: &OwnedFd) -> Result<(), PageServerError> {
+        match &self.hold {
+            Some(sock) => send_fd(sock, uffd.as_raw_fd())
+                .map_err(io("handing a userfaultfd to the restoring process")),
+            None => Ok(()),
+        }
+    }
+
+    /// Without a background copy nothing tells the server that a task exited (a uffd signals
+    /// no exit; CRIU's daemon, too, learns it from a copy failing with ESRCH). So, when idle,
+    /// each task with pages left is probed: `UFFDIO_ZEROPAGE` of [`PROBE_ADDR`] fails with ESRCH
+    /// once its memory is gone, else with ENOENT (nothing registered there) or EEXIST. Where
+    /// that page is registered and missing, it gets the zero page a fault there would get (it
+    /// is in none of the task's runs: a page outside the image).
+    fn probe(&mut self) {
+        for t in self
+            .tasks
+            .iter_mut()
+            .filter(|t| !t.gone && !t.runs.is_empty())
+        {
+            if t.runs
+                .iter()
+                .any(|r| r.start <= PROBE_ADDR && PROBE_ADDR < r.end)
+            {
+                continue;
+            }
+            let mut z = UffdioZeropage {
+                start: PROBE_ADDR,
+                len: PAGE_SIZE,
+                mode: 0,
+                zeropage: 0,
+            };
+            if let Err(e) = ioctl(t.uffd.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) {
+                if e.raw_os_error() == Some(libc::ESRCH) {
+                    t.gone = true;
+                }
             }
         }
     }
@@ -466,6 +536,36 @@ fn recv_fd(sock: &UnixStream) -> std::io::Result<OwnedFd> {
     }
 }
 
+/// Sends `fd` (SCM_RIGHTS) on `sock`, with one byte.
+fn send_fd(sock: &UnixStream, fd: RawFd) -> std::io::Result<()> {
+    let mut byte = [0u8; 1];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: CMSG_SPACE of one descriptor, computed by libc.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: msghdr over our own buffers; the one control message is laid out with libc's
+    // CMSG macros inside `control`, which is CMSG_SPACE bytes long.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+        if libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 fn read_profile(path: &Path) -> Vec<(u64, u64)> {
     std::fs::read_to_string(path)
         .ok()
@@ -484,16 +584,24 @@ fn read_profile(path: &Path) -> Vec<(u64, u64)> {
 }
 
 /// Serves one restore's lazy pages; see the module doc.
-pub fn serve(images_dir: &Path, work_dir: &Path) -> Result<Stats, PageServerError> {
+pub fn serve(
+    images_dir: &Path,
+    work_dir: &Path,
+    hold: Option<UnixStream>,
+) -> Result<Stats, PageServerError> {
     // Absolute before the chdir below.
     let images_dir = &std::path::absolute(images_dir).map_err(io("the images directory"))?;
     let work_dir = &std::path::absolute(work_dir).map_err(io("the work directory"))?;
     let env_path = |name: &str| std::env::var_os(name).and_then(|p| std::path::absolute(p).ok());
     let (profile_in, profile_out, stats_out) = (
-        env_path("TORPOR_PAGE_PROFILE_IN"),
-        env_path("TORPOR_PAGE_PROFILE_OUT"),
-        env_path("TORPOR_PAGE_SERVER_STATS"),
+        env_path(PROFILE_IN_ENV),
+        env_path(PROFILE_OUT_ENV),
+        env_path(STATS_ENV),
     );
+    // The test's fault switch: a number of pages after which to stop, or `hot-set`.
+    let fault = std::env::var("TORPOR_PAGE_SERVER_FAULT").ok();
+    let hot_set_fault = fault.as_deref() == Some("hot-set");
+    let background_on = std::env::var_os(BACKGROUND_ENV).is_none_or(|v| v != "off");
     // Bound by its name in the work directory, as CRIU connects to it: a full path could pass
     // the 108 bytes a socket address holds.
     std::env::set_current_dir(work_dir).map_err(io(format!("entering {}", work_dir.display())))?;
@@ -528,9 +636,8 @@ pub fn serve(images_dir: &Path, work_dir: &Path) -> Result<Stats, PageServerErro
         profile: Vec::new(),
         recording: false,
         last_fault: Instant::now(),
-        fault_budget: std::env::var("TORPOR_PAGE_SERVER_FAULT")
-            .ok()
-            .and_then(|v| v.parse().ok()),
+        fault_budget: fault.as_deref().and_then(|v| v.parse().ok()),
+        hold,
     };
     let mut files: HashMap<PathBuf, usize> = HashMap::new();
     for _ in 0..pids.len() {
@@ -542,6 +649,7 @@ pub fn serve(images_dir: &Path, work_dir: &Path) -> Result<Stats, PageServerErro
         }
         let uffd = recv_fd(&conn).map_err(io(format!("the userfaultfd of pid {pid}")))?;
         set_nonblocking(uffd.as_raw_fd());
+        server.hold(&uffd)?;
         let lazy = images::lazy_pages(images_dir, pid)?;
         let pages = match files.get(&lazy.pages_file) {
             Some(&i) => i,
@@ -568,6 +676,7 @@ pub fn serve(images_dir: &Path, work_dir: &Path) -> Result<Stats, PageServerErro
     let hot = profile_in.map(|p| read_profile(&p)).unwrap_or_default();
     let profiling = profile_out.is_some();
     let mut finished = false;
+    let mut last_probe = Instant::now();
     conn.set_nonblocking(true)
         .map_err(io("CRIU's connection"))?;
     loop {
@@ -591,7 +700,8 @@ pub fn serve(images_dir: &Path, work_dir: &Path) -> Result<Stats, PageServerErro
             break;
         }
         // Recording: no background copy until the process went quiet (see PROFILE_QUIET).
-        let background = finished
+        let background = background_on
+            && finished
             && server.live()
             && !(profiling && server.last_fault.elapsed() < PROFILE_QUIET);
         let timeout = if background { 0 } else { 20 };
@@ -617,6 +727,10 @@ pub fn serve(images_dir: &Path, work_dir: &Path) -> Result<Stats, PageServerErro
                 let mut word = [0u8; 4];
                 match conn.read(&mut word) {
                     Ok(4) if u32::from_ne_bytes(word) == RESTORE_FINISHED => {
+                        if hot_set_fault {
+                            std::thread::sleep(HOT_SET_FAULT_DELAY);
+                            return Err(PageServerError::FaultHotSet);
+                        }
                         finished = true;
                         server.recording = profiling;
                         server.last_fault = Instant::now();
@@ -632,6 +746,10 @@ pub fn serve(images_dir: &Path, work_dir: &Path) -> Result<Stats, PageServerErro
         }
         if background && n == 0 {
             server.background()?;
+        }
+        if !background_on && finished && n == 0 && last_probe.elapsed() >= PROBE_EVERY {
+            server.probe();
+            last_probe = Instant::now();
         }
     }
     if let Some(out) = profile_out {
@@ -656,13 +774,33 @@ pub fn serve(images_dir: &Path, work_dir: &Path) -> Result<Stats, PageServerErro
     Ok(server.stats)
 }
 
-/// `__page-server IMAGES_DIR WORK_DIR`: the exit status is the outcome.
+/// `__page-server IMAGES_DIR WORK_DIR [--hold-fd=N]`: the exit status is the outcome.
 pub fn main(args: &[std::ffi::OsString]) -> i32 {
-    let [images, work] = args else {
-        eprintln!("usage: torpor {SUBCOMMAND} IMAGES_DIR WORK_DIR (internal to lazy restores)");
-        return 2;
+    let usage = || {
+        eprintln!(
+            "usage: torpor {SUBCOMMAND} IMAGES_DIR WORK_DIR [{HOLD_FD_ARG}N] (internal to lazy restores)"
+        );
+        2
     };
-    match serve(Path::new(images), Path::new(work)) {
+    let (images, work, hold) = match args {
+        [images, work] => (images, work, None),
+        [images, work, hold] => {
+            let Some(fd) = hold
+                .to_str()
+                .and_then(|h| h.strip_prefix(HOLD_FD_ARG))
+                .and_then(|n| n.parse::<RawFd>().ok())
+                .filter(|&fd| fd > 2)
+            else {
+                return usage();
+            };
+            // SAFETY: the restoring process put its end of a socket pair at this descriptor for
+            // us (crate::start_page_server); nothing else in this process owns it.
+            let sock = unsafe { UnixStream::from_raw_fd(fd) };
+            (images, work, Some(sock))
+        }
+        _ => return usage(),
+    };
+    match serve(Path::new(images), Path::new(work), hold) {
         Ok(_) => 0,
         Err(e) => {
             eprintln!("torpor page server: {e}");

@@ -107,42 +107,73 @@ impl std::str::FromStr for PageSource {
 /// How a restore brings back the process's memory; `Default` is what [`restore`] does.
 /// (A snapshot staged in memory with [`crate::stage::stage`] is restored by passing the staged
 /// directory as [`RestoreOptions::dir`].)
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct PageOptions {
     pub source: PageSource,
+    /// Torpor's page server: what to serve as the hot set, a profile an earlier restore
+    /// recorded (`profile_out`). A file that is missing or empty means no hot set.
+    pub profile_in: Option<std::path::PathBuf>,
+    /// Torpor's page server: where to record the ranges the restored tree faults in, in order,
+    /// once CRIU's restore finished (written when the server ends).
+    pub profile_out: Option<std::path::PathBuf>,
+    /// Torpor's page server: serve faults (and the hot set) only, no background copy. For a
+    /// restore whose tree is thrown away after it ran (a deploy's profiling restore): what it
+    /// never touched is never copied, and every page it touched is recorded. The server, and so
+    /// [`LazyRestore::finish`], ends only once the tree has exited.
+    pub faults_only: bool,
 }
 
 /// The `criu lazy-pages` daemon still serving a lazily restored tree.
 #[must_use = "finish() reports whether every page arrived; dropping it waits for the daemon"]
 pub struct LazyRestore {
-    daemon: Option<LazyPages>,
+    /// Behind a lock: the hot-set wait and a daemon's wake polls it through `&self`.
+    daemon: std::sync::Mutex<Option<LazyPages>>,
     work_dir: std::path::PathBuf,
     root: i32,
     /// The tree was killed after the restore: nobody waits for pages, stop the daemon.
-    killed: std::cell::Cell<bool>,
+    killed: std::sync::atomic::AtomicBool,
 }
 
 impl LazyRestore {
     /// The daemon's pid.
     pub fn daemon_pid(&self) -> Option<u32> {
-        self.daemon.as_ref().and_then(|d| d.pid())
+        self.server().as_ref().and_then(|d| d.pid())
     }
 
     /// Waits until the daemon has served every page and exited, and reaps it. When it failed,
     /// the restored tree (which may miss memory) is killed and its logs are kept.
-    pub fn finish(mut self) -> Result<(), RestoreError> {
-        let Some(daemon) = self.daemon.take() else {
+    pub fn finish(self) -> Result<(), RestoreError> {
+        let Some(mut daemon) = self.server().take() else {
             return Ok(());
         };
+        let hold = daemon.take_hold();
         match daemon.wait() {
             Ok(()) => {
+                drop(hold);
                 let _ = std::fs::remove_dir_all(&self.work_dir);
                 Ok(())
             }
             Err(source) => {
-                crate::sys::kill(self.root, libc::SIGKILL);
+                kill_every_task(self.root);
+                // Only now may the uffds go: a task still alive would fault in zeros.
+                drop(hold);
                 Err(RestoreError::LazyPages { source })
             }
+        }
+    }
+}
+
+impl LazyRestore {
+    fn server(&self) -> std::sync::MutexGuard<'_, Option<LazyPages>> {
+        self.daemon.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Without blocking: `Ok(true)` once the server exited having served every page,
+    /// `Ok(false)` while it runs, its error once it exited failing (reaped either way).
+    pub fn server_exited(&self) -> Result<bool, LazyPagesError> {
+        match self.server().as_mut() {
+            Some(d) => d.try_wait(),
+            None => Ok(true),
         }
     }
 }
@@ -152,24 +183,39 @@ impl LazyRestore {
     /// nobody left to serve, and reaps it; its logs are kept. Never touches the tree's pid,
     /// which may belong to another process by now.
     pub fn abandon(self) {
-        self.killed.set(true);
+        self.killed.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
 impl Drop for LazyRestore {
     fn drop(&mut self) {
-        let Some(daemon) = self.daemon.take() else {
+        let Some(daemon) = self.server().take() else {
             return;
         };
-        if self.killed.get() {
+        if self.killed.load(std::sync::atomic::Ordering::SeqCst) {
             daemon.kill();
         } else {
             // Killing the daemon would leave the tree hanging on its next fault: wait instead.
+            let mut daemon = daemon;
+            let hold = daemon.take_hold();
             if daemon.wait().is_ok() {
                 let _ = std::fs::remove_dir_all(&self.work_dir);
+            } else {
+                kill_every_task(self.root);
             }
+            drop(hold);
         }
     }
+}
+
+/// SIGKILL to every process of the tree of `root`, then to `root`: each has a fatal signal
+/// pending before its page server's uffds are released, so none runs user code again (killing
+/// the namespace's init alone kills the others only once it has exited).
+pub fn kill_every_task(root: i32) {
+    for pid in crate::proctree::tree(root).into_iter().rev() {
+        crate::sys::kill(pid, libc::SIGKILL);
+    }
+    crate::sys::kill(root, libc::SIGKILL);
 }
 
 /// Why a restore was refused or failed. Nothing restored is left running.
@@ -457,7 +503,16 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
                             source,
                         }
                     })?;
-                    torpor_criu::start_page_server(&exe, opts.dir, &lazy_dir)
+                    torpor_criu::start_page_server(
+                        &exe,
+                        opts.dir,
+                        &lazy_dir,
+                        &torpor_criu::PageServerOptions {
+                            profile_in: pages.profile_in.as_deref(),
+                            profile_out: pages.profile_out.as_deref(),
+                            background: !pages.faults_only,
+                        },
+                    )
                 })
                 .map_err(|source| RestoreError::LazyPages { source })?;
             request.work_dir = Some(&lazy_dir);
@@ -492,22 +547,29 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     let log_in = request.work_dir.unwrap_or(opts.dir);
     let _ = std::fs::remove_file(log_in.join(&log_name));
     let lazy_pages = daemon.map(|daemon| LazyRestore {
-        daemon: Some(daemon),
+        daemon: std::sync::Mutex::new(Some(daemon)),
         work_dir: lazy_dir.clone(),
         root: pid,
-        killed: std::cell::Cell::new(false),
+        killed: std::sync::atomic::AtomicBool::new(false),
     });
 
     let kill_restored = || {
-        crate::sys::kill(pid, libc::SIGKILL);
+        kill_every_task(pid);
         if let Some(lazy) = &lazy_pages {
-            lazy.killed.set(true);
+            lazy.killed.store(true, std::sync::atomic::Ordering::SeqCst);
         }
     };
     // Torpor's page server copies the hot set as soon as CRIU is done: the driver's restore,
     // which reads what it saved into the process, waits for it (or for the server's end).
     if pages.source == PageSource::Lazy && plan.is_some() && opts.resume_gpu {
-        phases.time("hot_set", || wait_hot_set(&lazy_dir, lazy_pages.as_ref()));
+        let waited = match lazy_pages.as_ref() {
+            Some(lazy) => phases.time("hot_set", || wait_hot_set(&lazy_dir, lazy)),
+            None => Ok(()),
+        };
+        if let Err(source) = waited {
+            kill_restored();
+            return Err(RestoreError::LazyPages { source });
+        }
     }
     if let Some(plan) = &plan {
         let inner = cuda_inner_pids(&manifest);
@@ -559,16 +621,23 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     })
 }
 
-/// Waits until the page server marked the hot set served, it ended, or 30 s passed.
-fn wait_hot_set(work_dir: &Path, lazy: Option<&LazyRestore>) {
+/// How long the driver's restore waits for a slow page server's hot set before it starts anyway
+/// (its faults are then served one run at a time).
+const HOT_SET_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Waits until the page server marked the hot set served, exited after serving every page, or
+/// [`HOT_SET_WAIT`] passed (a slow server: the restore goes on). A server that exited failing is
+/// the error at once: its pages will never come, and waiting would only delay the one line.
+fn wait_hot_set(work_dir: &Path, lazy: &LazyRestore) -> Result<(), LazyPagesError> {
     let marker = work_dir.join(torpor_criu::page_server::HOT_SERVED);
     let start = std::time::Instant::now();
-    while !marker.exists() && start.elapsed() < std::time::Duration::from_secs(30) {
-        if lazy.is_none() {
-            return;
+    while !marker.exists() && start.elapsed() < HOT_SET_WAIT {
+        if lazy.server_exited()? {
+            return Ok(());
         }
         std::thread::sleep(std::time::Duration::from_micros(200));
     }
+    Ok(())
 }
 
 /// The CRIU restore; with a lazy-pages daemon, watched: should the daemon fail while CRIU

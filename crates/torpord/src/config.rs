@@ -44,8 +44,9 @@
 //! [restore_server]                # caches of segments for restores (LRU), in bytes, each ≤ 2^50
 //! host_cache_bytes = 4294967296   # host memory (pinned on cuda): 4 GiB
 //! gpu_cache_bytes = 2147483648    # device memory: 2 GiB (memfd memory on the host backend)
-//! pages = "auto"                  # "lazy": instances' memory on first touch (CRIU's lazy-pages
-//!                                 # daemon; docs/lazy-pages.md); "copy": all before they run;
+//! pages = "auto"                  # "lazy": instances' memory on first touch (Torpor's page
+//!                                 # server, docs/lazy-pages.md); "criu-lazy": the same with CRIU's
+//!                                 # lazy-pages daemon (to compare); "copy": all before they run;
 //!                                 # "auto": lazy for CPU functions, copy for GPU ones
 //! stage_bytes = 8589934592        # function snapshots staged in a huge-page tmpfs: 8 GiB; 0: off
 //! transparent_hugepage = "leave"  # or "always": set the node's THP mode to always while torpord
@@ -247,17 +248,24 @@ impl Default for RestoreServer {
 
 /// How a restored instance gets its memory (`torpor_snapshot::restore::PageSource`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Pages {
-    /// Lazy for CPU functions, copy for GPU ones. Measured on the H100 (docs/split.md, "CPU
-    /// side"): the driver's restore reads the ~0.7 GB of context it saved into the process
-    /// through userfaultfd faults one page at a time, and took 8.5 s instead of 0.25–0.38 s for
-    /// GPT-2-Large, far more than the 0.8 s lazy pages save CRIU.
+    /// Lazy (Torpor's page server) for CPU functions, copy for GPU ones. CPU: on this project's
+    /// CPU VM a worker holding 1 GiB answered its first request after 0.28 s with Torpor's page
+    /// server, 0.30 s with CRIU's daemon and 0.79 s copying (10 % of its memory touched; 0.60,
+    /// 0.66 and 0.77 s touching all of it: bench/results/criu-restore-pages-cpu.json). GPU: with
+    /// CRIU's daemon the driver's restore read the ~0.7 GB of context it saved into the process
+    /// one fault at a time, 8.5 s instead of 0.25–0.38 s for GPT-2-Large; whether Torpor's page
+    /// server (hot set in bulk before the driver's restore) beats copying there is for the GPU
+    /// machine to measure (`scripts/gpu-run.sh criu-gpu`), so GPU functions copy until then.
     #[default]
     Auto,
-    /// Each page on first touch, the rest in the background (CRIU lazy pages): the instance runs
-    /// after CRIU restored its layout only.
+    /// Each page on first touch, the rest in the background, by Torpor's page server
+    /// (`torpor_criu::page_server`, docs/lazy-pages.md): the instance runs after CRIU restored
+    /// its layout only, and the hot set recorded at deploy is copied first.
     Lazy,
+    /// As `Lazy`, with CRIU's own `criu lazy-pages` daemon (one page per fault; kept to compare).
+    CriuLazy,
     /// Every page before the instance runs.
     Copy,
 }
@@ -267,23 +275,19 @@ impl Pages {
         match s {
             "auto" => Some(Pages::Auto),
             "lazy" => Some(Pages::Lazy),
+            "criu-lazy" => Some(Pages::CriuLazy),
             "copy" => Some(Pages::Copy),
             _ => None,
         }
     }
 
     /// The page source of a restore of a function that uses a GPU (`gpu`) or not.
-    ///
-    /// Lazy restores through torpord still use CRIU's daemon: with Torpor's page server
-    /// (`PageSource::Lazy`, what `torpor restore --pages lazy` uses) a worker left warm by a
-    /// SIGKILLed daemon was neither re-adopted nor killed by the next one
-    /// (tests/daemon/test_daemon_crash.py's redeploy test, session 7); until that is understood,
-    /// the daemon keeps the daemon it was tested with.
     pub fn source(self, gpu: bool) -> torpor_snapshot::restore::PageSource {
         use torpor_snapshot::restore::PageSource;
         match self {
             Pages::Auto if gpu => PageSource::Copy,
-            Pages::Auto | Pages::Lazy => PageSource::CriuLazy,
+            Pages::Auto | Pages::Lazy => PageSource::Lazy,
+            Pages::CriuLazy => PageSource::CriuLazy,
             Pages::Copy => PageSource::Copy,
         }
     }
@@ -596,7 +600,11 @@ impl Config {
             if let Some(n) = t.integer("gpu_cache_bytes", 0, max)? {
                 r.gpu_cache_bytes = u64::try_from(n).unwrap_or(0);
             }
-            if let Some(p) = t.parsed("pages", "\"auto\", \"lazy\" or \"copy\"", Pages::parse)? {
+            if let Some(p) = t.parsed(
+                "pages",
+                "\"auto\", \"lazy\", \"criu-lazy\" or \"copy\"",
+                Pages::parse,
+            )? {
                 r.pages = p;
             }
             if let Some(n) = t.integer("stage_bytes", 0, max)? {
@@ -824,8 +832,11 @@ mod tests {
         assert_eq!(c.restore_server.stage_bytes, 8 << 30);
         use torpor_snapshot::restore::PageSource;
         assert_eq!(Pages::Auto.source(true), PageSource::Copy);
-        assert_eq!(Pages::Auto.source(false), PageSource::CriuLazy);
-        assert_eq!(Pages::Lazy.source(true), PageSource::CriuLazy);
+        assert_eq!(Pages::Auto.source(false), PageSource::Lazy);
+        assert_eq!(Pages::Lazy.source(true), PageSource::Lazy);
+        assert_eq!(Pages::CriuLazy.source(false), PageSource::CriuLazy);
+        let c = parse("[restore_server]\npages = \"criu-lazy\"\n").unwrap();
+        assert_eq!(c.restore_server.pages, Pages::CriuLazy);
         let c = parse("[restore_server]\npages = \"copy\"\nstage_bytes = 0\n").unwrap();
         assert_eq!(c.restore_server.pages, Pages::Copy);
         assert_eq!(c.restore_server.stage_bytes, 0);
@@ -837,7 +848,7 @@ mod tests {
             .to_string();
         assert_eq!(
             e,
-            "torpord.toml: restore_server.pages must be \"auto\", \"lazy\" or \"copy\", got \"eager\""
+            "torpord.toml: restore_server.pages must be \"auto\", \"lazy\", \"criu-lazy\" or \"copy\", got \"eager\""
         );
         let e = parse("[restore_server]\nstage_bytes = -1\n")
             .unwrap_err()

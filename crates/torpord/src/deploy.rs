@@ -830,6 +830,27 @@ async fn steps(
             Err(e) => tracing::error!(function = %name, error = %e, "staging task failed"),
         }
     }
+    // The order its restores first touch their pages (crate::page_profile), where they use
+    // Torpor's page server: served first by every later restore.
+    if rt.config.restore_server.pages.source(gpu) == torpor_snapshot::restore::PageSource::Lazy {
+        journal.step("profile", None).await;
+        if let Some((s, r)) = crate::page_profile::record_at_deploy(
+            rt,
+            name,
+            &spec.json,
+            (&out, &id),
+            split.is_some(),
+            &log,
+        )
+        .await
+        {
+            send(phase(
+                "profile",
+                s,
+                json!({"ranges": r.ranges, "bytes": r.bytes}),
+            ));
+        }
+    }
     // Hibernated instances of the older deploy go before the new one takes requests, so that
     // none of them is woken to serve the old code.
     let (rt2, n) = (Arc::clone(rt), name.to_string());

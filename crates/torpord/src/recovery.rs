@@ -137,6 +137,51 @@ pub fn sweep_processes(root: &Path, keep: &[i32]) -> usize {
     doomed.len()
 }
 
+/// The directory of the markers of instances whose lazy pages are still being served.
+pub const PAGES_PENDING_DIR: &str = "pages-pending";
+
+/// Marks instance `id` as having pages its page server has not served yet: created before the
+/// instance's registry row (so no row of a lazily restored instance is ever without it until
+/// its pages are in), removed by [`pages_served`].
+pub fn pages_pending(root: &Path, id: &str) -> std::io::Result<()> {
+    let dir = root.join(PAGES_PENDING_DIR);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join(id), b"")
+}
+
+/// Every page of instance `id` is in (or the instance is gone): its marker goes.
+pub fn pages_served(root: &Path, id: &str) {
+    let _ = std::fs::remove_file(root.join(PAGES_PENDING_DIR).join(id));
+}
+
+/// At start-up, before the early sweep: an instance whose pages its page server was still
+/// serving when the earlier daemon died is killed and its row removed, never re-adopted. The
+/// sweep kills that server (a process of the earlier daemon outside every instance tree), and
+/// once the last holder of a uffd closes it the kernel fills the pages it never served with
+/// zeros: the instance would run on with zeros where its memory was. Returns how many.
+pub fn drop_pages_pending(registry: &Registry, root: &Path) -> Result<usize, RegistryError> {
+    let dir = root.join(PAGES_PENDING_DIR);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Ok(0);
+    };
+    let mut dropped = 0;
+    for e in entries.flatten() {
+        let id = e.file_name().to_string_lossy().into_owned();
+        if let Some(i) = registry.with(|s| s.instance(&id))? {
+            if let Some((pid, start)) = registry.with(|s| s.instance_process(&id))? {
+                if crate::workers::process_start(pid) == Some(start) {
+                    torpor_snapshot::restore::kill_every_task(pid);
+                }
+            }
+            registry.critical(|s| s.delete_instance(&id).map(|_| ()))?;
+            dropped += 1;
+            tracing::warn!(instance = %id, function = %i.function, "killed an instance whose page server was still serving its memory when torpord stopped: without it, the pages it had not served would read as zeros");
+        }
+        let _ = std::fs::remove_file(e.path());
+    }
+    Ok(dropped)
+}
+
 /// Removes, under `<root>/snapshots`, the directories of snapshots half-written by a daemon
 /// that died, and the base, function and hibernation snapshots no registry row names.
 pub fn sweep_snapshots(registry: &Registry, root: &Path) -> Result<(), RegistryError> {

@@ -118,6 +118,8 @@ impl Daemon {
             crate::registry::check_not_lost(&state_dir.registry(), &holds)?;
         }
         let registry = Registry::open(&state_dir.registry())?;
+        // Instances whose memory was still on a page server (which the sweep kills) go first.
+        crate::recovery::drop_pages_pending(&registry, state_dir.root())?;
         // The early sweep: processes of an earlier daemon outside the trees of its live
         // instances (CRIU, deploy workers) go first, so that none holds a tree the replay undoes.
         crate::recovery::sweep_processes(
@@ -239,6 +241,14 @@ impl Daemon {
                 what: workers_what,
                 source,
             })?;
+        // The workers of the instances to re-adopt may say hello before they are claimed; any
+        // other restored or re-attaching worker is a stray and is killed (workers::Hub::deliver).
+        runtime.hub.expect(
+            self.orphans
+                .iter()
+                .filter_map(|o| o.pid)
+                .filter_map(|init| crate::launcher::worker_pid(init).ok()),
+        );
         let hub_task = tokio::spawn(Arc::clone(&runtime.hub).serve(workers_listener));
         // Before the API serves, so that a request waits for a re-adopted instance instead of
         // starting another one.

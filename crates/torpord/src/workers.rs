@@ -6,7 +6,7 @@
 //! connection whose first frame is not a valid `hello` is dropped; so is any worker that breaks
 //! the protocol later. Nothing a worker sends can stop the daemon.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -159,6 +159,9 @@ pub async fn send_frame(wr: &mut OwnedWriteHalf, frame: &[u8]) -> Result<(), Con
 struct Slots {
     waiting: HashMap<i32, oneshot::Sender<WorkerConn>>,
     unclaimed: HashMap<i32, WorkerConn>,
+    /// The workers of the instances an earlier daemon left, which this one re-adopts
+    /// ([`Hub::expect`]): their hello may come before the claim.
+    expected: HashSet<i32>,
 }
 
 /// Hands identified connections to whoever waits for their pid.
@@ -247,10 +250,19 @@ impl Hub {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Before the hub serves, at start-up: the workers of the instances to re-adopt (their
+    /// hello, reattach or resumed, may come before their claim). Any other worker that says
+    /// hello as a restored or re-attaching instance while nobody waits for it is a stray and
+    /// is killed ([`Hub::deliver`]).
+    pub fn expect(&self, workers: impl IntoIterator<Item = i32>) {
+        self.lock().expected.extend(workers);
+    }
+
     /// Claims the next connection from host pid `pid` (one that already arrived, if any).
     pub fn claim(self: &Arc<Self>, pid: i32) -> Claim {
         let (tx, rx) = oneshot::channel();
         let mut slots = self.lock();
+        slots.expected.remove(&pid);
         match slots.unclaimed.remove(&pid) {
             Some(conn) => {
                 let _ = tx.send(conn);
@@ -276,6 +288,21 @@ impl Hub {
             },
             None => conn,
         };
+        // Every restored worker this daemon wakes, and every instance it re-adopts, is claimed
+        // before its SIGUSR2 or expected (Hub::expect). A worker that says hello as restored or
+        // re-attaching with neither is of an instance this daemon does not hold: a restore an
+        // earlier daemon of this state directory had in flight when it was killed, which
+        // finished after this daemon's start-up sweep (the sweep kills only what exists when it
+        // lists /proc), and whose worker was woken and then lost that daemon. Nothing would
+        // ever claim it, and it would wait in its reconnect loop for reattach_s, holding its
+        // memory (and GPU) outside every account. Killed here, when it shows itself, which
+        // needs no second sweep racing this daemon's own restores.
+        let stray = (conn.hello.resumed || conn.hello.reattach) && !slots.expected.contains(&pid);
+        if stray {
+            drop(slots);
+            kill_stray(conn);
+            return;
+        }
         slots.unclaimed.insert(pid, conn);
         drop(slots);
         let hub = Arc::clone(self);
@@ -310,6 +337,45 @@ impl Hub {
             });
         }
     }
+}
+
+/// Kills the tree of a stray worker (see [`Hub::deliver`]): its parent when that is the init
+/// of its PID namespace that Torpor made (the whole namespace goes with it), else the worker
+/// alone. The connection closes with `conn`.
+fn kill_stray(conn: WorkerConn) {
+    let worker = conn.pid;
+    let init = parent_of(worker).filter(|&p| p > 1 && is_namespace_init(p));
+    let target = init.unwrap_or(worker);
+    // SAFETY: kill(2) only sends a signal, to a process that connected to this daemon's
+    // workers socket (in its state directory) as a worker, or to the init of its namespace.
+    unsafe { libc::kill(target, libc::SIGKILL) };
+    tracing::warn!(
+        worker,
+        init,
+        function = conn.hello.function.as_deref().unwrap_or(""),
+        reattach = conn.hello.reattach,
+        "killed a worker of an instance this torpord does not hold: a restore an earlier torpord had in flight when it stopped finished after this one started"
+    );
+}
+
+/// The parent of `pid` (`/proc/PID/stat` field 4).
+fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Whether `pid` is PID 1 of a PID namespace below this one (`NSpid` ends in 1).
+fn is_namespace_init(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| l.strip_prefix("NSpid:")).map(|ids| {
+                let ids: Vec<&str> = ids.split_whitespace().collect();
+                ids.len() > 1 && ids.last() == Some(&"1")
+            })
+        })
+        .unwrap_or(false)
 }
 
 fn peer_pid(stream: &UnixStream) -> std::io::Result<i32> {

@@ -47,7 +47,10 @@ pub fn run(
             cgroup: &[],
             external_sources: &[],
         },
-        &PageOptions { source: pages },
+        &PageOptions {
+            source: pages,
+            ..PageOptions::default()
+        },
     );
     progress.finish();
     let restored = restored?;

@@ -33,6 +33,12 @@ pub struct HowToRestore {
     /// (`torpor_snapshot::mounts::STATE_DIR_KEY`): a snapshot taken by a daemon with another
     /// state_dir (pulled from the object store) reaches this one. `None`: as recorded.
     pub state_dir: Option<std::path::PathBuf>,
+    /// Torpor's page server: the hot set to serve first (a profile recorded at deploy,
+    /// crate::page_profile).
+    pub profile_in: Option<std::path::PathBuf>,
+    /// Torpor's page server: record the faults' order here, serving faults only (a deploy's
+    /// profiling restore, whose tree is thrown away after its warm-up).
+    pub profile_out: Option<std::path::PathBuf>,
 }
 
 /// A restored tree.
@@ -72,6 +78,25 @@ impl PendingPages {
     }
 }
 
+impl PendingPages {
+    /// Resolves once the page server has exited failing, with its error (the restored tree may
+    /// then miss pages: its faults wait, the uffds being held, until the caller kills it); never
+    /// while it serves, nor once it has served every page. For a wait on the restored worker
+    /// (its wake), which would otherwise time out on a fault nobody serves.
+    pub async fn failure(&self) -> torpor_snapshot::restore::RestoreError {
+        loop {
+            match self.lazy.as_ref().map(|l| l.server_exited()) {
+                Some(Err(source)) => {
+                    return torpor_snapshot::restore::RestoreError::LazyPages { source }
+                }
+                Some(Ok(false)) => {}
+                Some(Ok(true)) | None => std::future::pending::<()>().await,
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
 impl Drop for PendingPages {
     fn drop(&mut self) {
         if let Some(lazy) = self.lazy.take() {
@@ -102,6 +127,10 @@ pub enum RestoreTreeError {
     /// The blocking task running the restore panicked or was cancelled.
     #[error("restore task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// The marker of an instance whose lazy pages are pending could not be written (the
+    /// restored tree was killed: a crash of the daemon would otherwise re-adopt it).
+    #[error("cannot mark the instance's lazy pages pending in the state directory: {0}; free space on its filesystem")]
+    PagesPending(std::io::Error),
 }
 
 /// Why a restored worker did not come back.
@@ -174,7 +203,12 @@ pub async fn restore_with(
     let stdio = stdio.to_path_buf();
     let key = Arc::clone(key);
     tokio::task::spawn_blocking(move || {
-        let pages = PageOptions { source: how.pages };
+        let pages = PageOptions {
+            source: how.pages,
+            profile_in: how.profile_in.clone(),
+            faults_only: how.profile_out.is_some(),
+            profile_out: how.profile_out.clone(),
+        };
         let sources: Vec<(&str, &Path)> = how
             .state_dir
             .as_deref()

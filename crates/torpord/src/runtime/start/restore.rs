@@ -20,6 +20,19 @@ use crate::runtime::start::{NewInstance, StartError, RESTORE_PAUSE};
 use crate::runtime::Runtime;
 use crate::sync::lock;
 
+/// The instance's pages-pending marker (crate::recovery::pages_pending), removed when dropped:
+/// once its pages are all in, or when its start fails.
+struct PagesMark {
+    root: std::path::PathBuf,
+    id: String,
+}
+
+impl Drop for PagesMark {
+    fn drop(&mut self) {
+        crate::recovery::pages_served(&self.root, &self.id);
+    }
+}
+
 impl Runtime {
     /// Restores the function snapshot (or `sleeper`'s), wakes the worker and waits for its
     /// `hello`.
@@ -48,9 +61,18 @@ impl Runtime {
         let how_pages = self.config.restore_server.pages.source(info.gpu);
         // Its own new cgroup, never its source's: CRIU restores the tree into it.
         let cgroup = self.worker_cgroup(new.id, &info.spec)?;
+        // The hot set recorded at deploy (crate::page_profile), for the function snapshot's
+        // restores by Torpor's page server.
+        let profile_in = match (sleeper, how_pages) {
+            (None, torpor_snapshot::restore::PageSource::Lazy) => {
+                crate::page_profile::recorded(&self.state_root, &info.snapshot_id)
+            }
+            _ => None,
+        };
         let how = HowToRestore {
             pages: how_pages,
             staged,
+            profile_in,
             cgroup: cgroup
                 .as_ref()
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
@@ -72,10 +94,39 @@ impl Runtime {
                 source,
             })?;
         new.charge.process_started(init);
+        // Before the instance's registry row (adopt): a daemon killed while its pages are
+        // still served must not re-adopt it (crate::recovery::drop_pages_pending).
+        if pages.is_some() {
+            if let Err(e) = crate::recovery::pages_pending(&self.state_root, new.id) {
+                kill_tree(init);
+                return Err(StartError::Restore {
+                    function: name.to_string(),
+                    source: crate::runtime::process::RestoreTreeError::PagesPending(e),
+                });
+            }
+        }
+        let served_mark = pages.is_some().then(|| PagesMark {
+            root: self.state_root.clone(),
+            id: new.id.to_string(),
+        });
         let restore_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let what = format!("an instance of {name:?} restored from {}", from.display());
-        let conn = self.wake_function(name, init, worker, &what).await?;
+        // A page server that dies meanwhile fails the start at once: the worker would wait on
+        // its next fault until the reconnect timed out.
+        let conn = match &pages {
+            Some(p) => tokio::select! {
+                conn = self.wake_function(name, init, worker, &what) => conn?,
+                source = p.failure() => {
+                    torpor_snapshot::restore::kill_every_task(init);
+                    return Err(StartError::Restore {
+                        function: name.to_string(),
+                        source: source.into(),
+                    });
+                }
+            },
+            None => self.wake_function(name, init, worker, &what).await?,
+        };
         let reconnect_s = t.elapsed().as_secs_f64();
         let hello = Instant::now();
         // The instance takes requests once the plan is known; its segments follow.
@@ -114,9 +165,11 @@ impl Runtime {
             inst.pages_pending.store(true, Ordering::SeqCst);
             let (rt, inst) = (Arc::clone(self), Arc::clone(&inst));
             let reading = hibernation.clone();
+            let mark = served_mark;
             tokio::spawn(async move {
                 let served = served.await;
                 drop(reading);
+                drop(mark);
                 match served {
                     Ok(Ok(())) => inst.pages_pending.store(false, Ordering::SeqCst),
                     Ok(Err(e)) => {

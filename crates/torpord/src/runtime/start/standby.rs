@@ -287,6 +287,7 @@ impl Runtime {
                 .as_ref()
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
             state_dir: Some(self.state_root.clone()),
+            ..HowToRestore::default()
         };
         let tree = restore_with(
             &info.snapshot_dir,
