@@ -125,6 +125,8 @@ MODELS = {
     "gpt2-large": Model("gpt2-large", "gpt2-large", {"seed": 1}, True, False),
     # Llama-3-8B's shape with random bf16 weights (bench/peers: the peer benchmark).
     "llama-8b": Model("llama-8b", None, {"seed": 1}, True, False, generated=True, modules=PEER_MODULES),
+    # Llama-3.2-3B's shape, the same code: the per-size phase breakdown's middle size.
+    "llama-3b": Model("llama-3b", None, {"seed": 1}, True, False, generated=True, modules=PEER_MODULES),
     # Its code on the CPU with a tiny Llama: the peer benchmark's CPU test.
     "tiny-llama": Model("tiny-llama", None, {"seed": 1}, False, False, generated=True, modules=PEER_MODULES),
     "cpu": Model("cpu", None, {"seed": 1}, False, True),

@@ -53,6 +53,25 @@ SPECS = {
             "tie_word_embeddings": False,
         },
     ),
+    # Llama-3.2-3B's shape (3.2 B parameters), bf16, 6.4 GB: the middle size of issue 18's
+    # per-size phase breakdown (0.8 B, ~3 B, 8 B).
+    "llama-3b": Spec(
+        "llama-3b",
+        "llama",
+        "bfloat16",
+        {
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+        },
+    ),
     # The CPU smoke test's models: the same classes, a few hundred kB.
     "tiny-gpt2": Spec(
         "tiny-gpt2",

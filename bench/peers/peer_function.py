@@ -48,6 +48,14 @@ class Llama8B(PeerModel):
 
 
 @torpor.function
+class Llama3B(PeerModel):
+    """Llama-3.2-3B's shape, bf16, on the GPU (the per-size phase breakdown's middle size)."""
+
+    model_name = "llama-3b"
+    device = "cuda"
+
+
+@torpor.function
 class TinyLlama(PeerModel):
     """The CPU test's tiny Llama: the same code through torpord on a machine without a GPU."""
 

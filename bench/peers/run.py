@@ -113,7 +113,7 @@ SPLIT_MODE = {"standby": "standby-live"}
 BUILT_LOADER = {"built-safetensors": "safetensors", "built-runai": "runai", "built-fastsafetensors": "fastsafetensors"}
 MODELS = tuple(lm.SPECS)
 # A scratch start of llama-8b takes 20-35 s: two runs there.
-DEFAULT_RUNS = {"gpt2-large": 3, "llama-8b": 2, "tiny-gpt2": 1, "tiny-llama": 1}
+DEFAULT_RUNS = {"gpt2-large": 3, "llama-3b": 2, "llama-8b": 2, "tiny-gpt2": 1, "tiny-llama": 1}
 REQUEST: Json = {"seed": 1}
 GIB = 1 << 30
 # llama-8b's segments (16.1 GB) do not fit split.py's 8 GiB caches: the cold and standby daemons

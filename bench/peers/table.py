@@ -34,6 +34,7 @@ MODE_NAMES = {
 }
 MODEL_NAMES = {
     "gpt2-large": "GPT-2-Large, fp32",
+    "llama-3b": "Llama-3.2-3B shape, bf16",
     "llama-8b": "Llama-3-8B shape, bf16",
     "tiny-gpt2": "tiny GPT-2 (CPU smoke)",
     "tiny-llama": "tiny Llama (CPU smoke)",
