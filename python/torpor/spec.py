@@ -42,6 +42,8 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     evict_s = 600
     [gpu]
     pack_weights = true           # move the weights into segments of their own (torpor.pack)
+    shrink_context = true         # at the quiet point, the CUDA context's stack limit to 0: a
+                                  # smaller driver checkpoint and restore (torpor.gpu.shrink_context)
 
 Sizes are a TOML integer (bytes) or a string: a number and an optional unit, binary (KiB, MiB,
 GiB, TiB) or decimal (B, kB, MB, GB, TB), e.g. "0", "512", "16MiB", "1.5 GiB". The result must be
@@ -85,7 +87,7 @@ this order (sizes in bytes, durations in seconds as JSON numbers):
      "scaling": {"max_instances": int, "requests_per_instance": int, "standby": int,
                  "standby_gpu": "released"|"live"},
      "keepalive": {"gpu_release_s": number, "hibernate_s": number, "evict_s": number},
-     "gpu": {"pack_weights": bool}}
+     "gpu": {"pack_weights": bool, "shrink_context": bool}}
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ MAX_PIDS_LIMIT = 65_536
 SCALING_KEYS = ("max_instances", "requests_per_instance", "standby", "standby_gpu")
 STANDBY_GPU = ("released", "live")
 KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s")
-GPU_KEYS = ("pack_weights",)
+GPU_KEYS = ("pack_weights", "shrink_context")
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,10 @@ class Gpu:
     # weights into segments of their own after setup(), so instances can share them read-only
     # (torpor.pack, docs/split.md). false: leave them where setup() put them.
     pack_weights: bool = True
+    # At every quiet point (the deploy's snapshot, a GPU release, a hibernation) the CUDA
+    # context's per-thread stack limit goes to 0, so the driver's checkpoint is smaller; the
+    # driver grows it again when a kernel needs it. false: leave the context's limits alone.
+    shrink_context: bool = True
 
 
 @dataclass(frozen=True)
@@ -293,7 +299,7 @@ class Spec:
                 "hibernate_s": self.keepalive.hibernate_s,
                 "evict_s": self.keepalive.evict_s,
             },
-            "gpu": {"pack_weights": self.gpu.pack_weights},
+            "gpu": {"pack_weights": self.gpu.pack_weights, "shrink_context": self.gpu.shrink_context},
         }
 
 
@@ -726,7 +732,10 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
 
     gt = _table(doc, "", "gpu") or {}
     _check_keys(gt, "gpu", GPU_KEYS)
-    gpu = Gpu(pack_weights=_bool(gt, "gpu", "pack_weights", Gpu.pack_weights))
+    gpu = Gpu(
+        pack_weights=_bool(gt, "gpu", "pack_weights", Gpu.pack_weights),
+        shrink_context=_bool(gt, "gpu", "shrink_context", Gpu.shrink_context),
+    )
 
     return Spec(
         dir=root,

@@ -249,6 +249,9 @@ class Worker:
         self.entry = ""
         self.call: Callable[[Any], Any] | None = None
         self.preload_s = 0.0
+        # spec.gpu.shrink_context: the context's stack limit to 0 at each quiet point (a base's
+        # quiet point too: the base snapshot's residue is every cold start's of its functions).
+        self.shrink_context = True
         self.sock: socket.socket | None = None
         self.reader: FrameReader | None = None
         self.reattach_s = DEFAULT_REATTACH_S
@@ -561,8 +564,12 @@ class Worker:
             raise ProtocolError("load's spec.warmup must be null or {request}")
         gpu = spec.get("gpu", {})
         pack_weights = gpu.get("pack_weights", True) if isinstance(gpu, dict) else None
-        if not isinstance(pack_weights, bool):
-            raise ProtocolError("load's spec.gpu must be absent or {pack_weights: true|false}")
+        shrink = gpu.get("shrink_context", True) if isinstance(gpu, dict) else None
+        if not isinstance(pack_weights, bool) or not isinstance(shrink, bool):
+            raise ProtocolError(
+                "load's spec.gpu must be absent or {pack_weights: true|false, shrink_context: true|false}"
+            )
+        self.shrink_context = shrink
         declared = {d["name"] for d in decls}
         if set(data_map) != declared or not all(isinstance(p, str) for p in data_map.values()):
             raise ProtocolError(
@@ -669,6 +676,8 @@ class Worker:
             )
         hook = self._split_hook("quiesce {split: true}") if split else None
         synced = torpor_gpu.sync()
+        if synced and self.shrink_context:
+            torpor_gpu.shrink_context()
         sys.stdout.flush()
         sys.stderr.flush()
         assert self.reader is not None

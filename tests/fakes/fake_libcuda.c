@@ -670,6 +670,31 @@ CUresult cuCtxGetCurrent(CUcontext *ctx) {
     return CUDA_SUCCESS;
 }
 
+/* The context's limits (cuCtxSetLimit/cuCtxGetLimit): stack 1024 bytes per thread as on the H100;
+ * a change is logged "limit <pid> <which>=<value>" to FAKE_CUDA_LOG. */
+static size_t ctx_limits[3] = {1024, 8650752, 8388608};
+
+CUresult cuCtxSetLimit(int which, size_t value) {
+    if (!current_context)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (which < 0 || which > 2)
+        return CUDA_ERROR_INVALID_VALUE;
+    ctx_limits[which] = value;
+    char line[96];
+    snprintf(line, sizeof line, "limit %d %d=%zu", (int)getpid(), which, value);
+    log_line(line);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetLimit(size_t *value, int which) {
+    if (!current_context)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!value || which < 0 || which > 2)
+        return CUDA_ERROR_INVALID_VALUE;
+    *value = ctx_limits[which];
+    return CUDA_SUCCESS;
+}
+
 CUresult cuCtxGetDevice(CUdevice *device) {
     if (!device)
         return CUDA_ERROR_INVALID_VALUE;

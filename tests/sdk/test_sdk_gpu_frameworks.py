@@ -56,3 +56,37 @@ def test_driver_warm_up_names_a_missing_driver(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("TORPOR_LIBCUDA", str(tmp_path / "absent.so"))
     with pytest.raises(RuntimeError, match="warms CUDA through the driver, but .*absent.so cannot be loaded"):
         gpu.Driver.load()
+
+
+def test_shrink_context_sets_the_current_contexts_stack_limit_to_zero(tmp_path: Path) -> None:
+    """torpor.gpu.shrink_context() at the quiet point: the stack limit of the context current on
+    this thread goes to 0 (the fake driver logs the call and reads the limit back); with no
+    current context it does nothing and says so."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libcuda")
+    lib = tmp_path / "libcuda.so.1"
+    src = ROOT / "tests" / "fakes" / "fake_libcuda.c"
+    subprocess.run([cc, "-shared", "-fPIC", "-DFAKE_CUDA_VMM", "-o", str(lib), str(src)], check=True)
+    log = tmp_path / "cuda.log"
+    code = (
+        "import ctypes\n"
+        "from torpor import gpu\n"
+        "lib = ctypes.CDLL(gpu.os.environ['TORPOR_LIBCUDA'])\n"
+        "assert gpu.shrink_context() is False, 'no context is current yet'\n"
+        "assert gpu.warm() == 'driver'\n"
+        "v = ctypes.c_size_t()\n"
+        "assert lib.cuCtxGetLimit(ctypes.byref(v), 0) == 0 and v.value == 1024\n"
+        "assert gpu.shrink_context() is True\n"
+        "assert lib.cuCtxGetLimit(ctypes.byref(v), 0) == 0 and v.value == 0\n"
+        "print('ok')\n"
+    )
+    env = {
+        "TORPOR_LIBCUDA": str(lib),
+        "FAKE_CUDA_LOG": str(log),
+        "PYTHONPATH": str(ROOT / "python"),
+        "PATH": "/usr/bin:/bin",
+    }
+    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    assert any(ln.split()[0::2] == ["limit", "0=0"] for ln in log.read_text().splitlines()), log.read_text()

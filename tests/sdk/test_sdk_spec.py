@@ -90,7 +90,7 @@ def test_defaults(tmp_path: Path) -> None:
         "warmup": None,
         "scaling": {"max_instances": 4, "requests_per_instance": 1, "standby": 0, "standby_gpu": "live"},
         "keepalive": {"gpu_release_s": 30, "hibernate_s": 120, "evict_s": 600},
-        "gpu": {"pack_weights": True},
+        "gpu": {"pack_weights": True, "shrink_context": True},
     }
 
 
@@ -107,7 +107,10 @@ def test_standby_up_to_max_instances(tmp_path: Path) -> None:
 def test_gpu_pack_weights_can_be_turned_off(tmp_path: Path) -> None:
     toml = 'name = "g"\nentry = "model:G"\ngpus = 1\n[gpu]\npack_weights = false\n'
     spec = parse_dir(make_dir(tmp_path, toml, {}))
-    assert spec.gpu == Gpu(pack_weights=False) and spec.to_json()["gpu"] == {"pack_weights": False}
+    assert spec.gpu == Gpu(pack_weights=False) and spec.to_json()["gpu"] == {"pack_weights": False, "shrink_context": True}
+    (tmp_path / "keep").mkdir()
+    keep = parse_dir(make_dir(tmp_path / "keep", 'name = "g"\nentry = "model:G"\ngpus = 1\n[gpu]\nshrink_context = false\n', {}))
+    assert keep.to_json()["gpu"] == {"pack_weights": True, "shrink_context": False}
 
 
 def test_size_auto_takes_the_file_size_and_gpu_memory(tmp_path: Path) -> None:
@@ -194,6 +197,7 @@ W = '[[data]]\nname = "weights"\npath = "weights.npy"\n'
         (BASE + "[keepalive]\nevict = 1\n", "keepalive.evict", "did you mean evict_s?"),
         (BASE + '[gpu]\npack_weights = "no"\n', "gpu.pack_weights", 'must be true or false, got "no"'),
         (BASE + "[gpu]\npack = false\n", "gpu.pack", "did you mean pack_weights?"),
+        (BASE + "[gpu]\nshrink_context = 0\n", "gpu.shrink_context", "must be true or false, got 0"),
         (BASE + "gpu = 1\n", "gpu", "must be a table"),
         (BASE + "[warmup]\n", "warmup.request", "is missing"),
         (BASE + "[warmup]\nrequest = { at = 1979-05-27T07:32:00Z }\n", "warmup.request.at", "date/time"),

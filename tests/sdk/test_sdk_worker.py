@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import statistics
 import struct
+import subprocess
 import time
 from pathlib import Path
 
@@ -214,7 +216,7 @@ def test_a_malformed_gpu_table_in_load_exits_3(spawn: Spawner, daemon: Daemon) -
     spec = parse_dir(TINYMLP).to_json() | {"gpu": {"pack_weights": "yes"}}
     c.send({"type": "load", "spec": spec, "dir": str(TINYMLP), "data": {"weights": str(TINYMLP / "weights.f32")}})
     assert w.wait() == EXIT_PROTOCOL
-    assert "spec.gpu must be absent or {pack_weights: true|false}" in w.stderr()
+    assert "spec.gpu must be absent or {pack_weights: true|false, shrink_context: true|false}" in w.stderr()
 
 
 def test_weight_packing_without_torch_packs_nothing(spawn: Spawner, daemon: Daemon) -> None:
@@ -425,3 +427,27 @@ def test_example_cpu_mlp_through_the_harness(spawn: Spawner, daemon: Daemon) -> 
         and bad["error"]["type"] == "ValueError"
         and "16 numbers" in bad["error"]["message"]
     )
+
+
+def test_the_quiet_point_shrinks_the_cuda_context(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
+    """At quiesce, after syncing the GPU, the harness sets the current context's stack limit to 0
+    (spec.gpu.shrink_context, on by default): the fake driver (with its contexts: FAKE_CUDA_VMM)
+    logs the call."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libcuda")
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-DFAKE_CUDA_VMM", "-o", str(lib), str(ROOT / "tests" / "fakes" / "fake_libcuda.c")], check=True)
+    log = tmp_path / "cuda.log"
+    env = {**worker_env(daemon.path), "TORPOR_LIBCUDA": str(lib), "FAKE_CUDA_LOG": str(log)}
+    w = spawn("--role", "base", "--gpu", env=env)
+    c = daemon.accept()
+    c.expect("hello")
+    ready = c.expect("ready")
+    assert ready["ok"] is True, ready
+    assert not log.exists() or "limit" not in log.read_text(), "shrunk before the quiet point"
+    c.send({"type": "quiesce"})
+    assert c.expect("quiet") == {"type": "quiet", "cuda_synced": True}
+    assert f"limit {w.pid} 0=0" in log.read_text().splitlines(), log.read_text()
+    os.kill(w.pid, signal.SIGKILL)
+    w.wait()

@@ -113,6 +113,14 @@ pub struct KeepaliveSpec {
 #[serde(deny_unknown_fields)]
 pub struct GpuSpec {
     pub pack_weights: bool,
+    /// The context's stack limit to 0 at the quiet point (the harness reads it; specs stored
+    /// before the key have none and get the default).
+    #[serde(default = "shrink_context_default")]
+    pub shrink_context: bool,
+}
+
+fn shrink_context_default() -> bool {
+    true
 }
 
 /// A spec that this daemon does not read as `python3 -m torpor.spec` printed it.
