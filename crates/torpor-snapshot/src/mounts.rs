@@ -130,6 +130,18 @@ pub struct MountPolicy {
     /// Take away the host's tmpfs and ramfs mounts instead of leaving them visible (live,
     /// external).
     pub hide_host_memory_fs: bool,
+    /// For a process that will drop root (torpord's unprivileged workers): every mount of the
+    /// host's it keeps is made read-only (recursively, from `/`), and so is every bind but
+    /// those in [`MountPolicy::writable`]; only its own tmpfs mounts stay writable.
+    pub read_only: bool,
+    /// Binds that stay writable with [`MountPolicy::read_only`] (the log directory the init
+    /// opens its log in, as root, before it drops root).
+    pub writable: Vec<PathBuf>,
+    /// Make every bind reachable by an unprivileged user: the first directory on its path that
+    /// others cannot traverse (`/root` 0700, a 0700 state directory) gets an empty tmpfs of the
+    /// process's own (mode 0755, a *veil*: what the host keeps there is hidden), in which the
+    /// rest of the path is made.
+    pub veil: bool,
 }
 
 impl MountPolicy {
@@ -140,6 +152,9 @@ impl MountPolicy {
             private_tmpfs: vec!["/dev/shm".into()],
             binds: Vec::new(),
             hide_host_memory_fs: false,
+            read_only: false,
+            writable: Vec::new(),
+            veil: false,
         }
     }
 
@@ -151,6 +166,23 @@ impl MountPolicy {
             private_tmpfs: vec!["/dev/shm".into(), "/tmp".into()],
             binds,
             hide_host_memory_fs: true,
+            read_only: false,
+            writable: Vec::new(),
+            veil: false,
+        }
+    }
+
+    /// torpord's unprivileged workers: as [`MountPolicy::worker`], with the host read-only,
+    /// `/var/tmp` a tmpfs of their own too (their scratch directory beside `/tmp`), every bind
+    /// reachable by their user ([`MountPolicy::veil`]) and read-only but `writable`.
+    pub fn unprivileged_worker(binds: Vec<PathBuf>, writable: Vec<PathBuf>) -> Self {
+        Self {
+            private_tmpfs: vec!["/dev/shm".into(), "/tmp".into(), "/var/tmp".into()],
+            binds,
+            hide_host_memory_fs: true,
+            read_only: true,
+            writable,
+            veil: true,
         }
     }
 
@@ -204,6 +236,13 @@ impl MountPolicy {
 /// state directory there ([`crate::restore::RestoreOptions::external_sources`]), so a worker
 /// snapshotted on a node whose state_dir differs reaches this node's daemon by its old path.
 pub const STATE_DIR_KEY: &str = "torpor-state-dir";
+
+/// The key of the external mount of the state directory's directory `name` (`init`, `sock`…),
+/// which an unprivileged worker gets bound in instead of the whole state directory: a restore
+/// binds the restoring daemon's own `<state_dir>/name` there.
+pub fn state_dir_piece_key(name: &str) -> String {
+    format!("{STATE_DIR_KEY}-{name}")
+}
 
 /// The `external` entry for `criu dump`: the mount point and the key it is saved under.
 pub fn dump_spec(m: &ExternalMount) -> String {
