@@ -219,7 +219,18 @@ pub fn pythonpath(python_dir: &Path) -> OsString {
 /// (every GPU worker preloads it: [`crate::split::Split::worker_hook`]).
 /// (A restored instance has the environment its base was booted with: it is part of the
 /// snapshot.) docs/torpord.md, "Worker environment".
-pub const WORKER_ENV: &[&str] = &["PATH", "HOME", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH"];
+/// `PYENV_ROOT` and `PYENV_VERSION`: a pyenv shim (the spec's `python3` found on `PATH`) finds
+/// its interpreters by them, or by `HOME`, which an unprivileged worker's is not.
+pub const WORKER_ENV: &[&str] = &[
+    "PATH",
+    "HOME",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+    "LD_LIBRARY_PATH",
+    "PYENV_ROOT",
+    "PYENV_VERSION",
+];
 /// Prefixes of the variables a worker keeps: locale, CUDA's and the NVIDIA container runtime's
 /// (device selection, e.g. `CUDA_VISIBLE_DEVICES`), and Torpor's own (e.g. `TORPOR_LIBCUDA`).
 pub const WORKER_ENV_PREFIXES: &[&str] = &["LC_", "CUDA_", "NVIDIA_", "TORPOR_"];
@@ -318,6 +329,9 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, LaunchError> {
         // No /etc/passwd entry names the user: `getpass.getuser()` and its kind read these.
         let name = format!("torpor-{}", u.uid);
         cmd.env("USER", &name).env("LOGNAME", &name);
+        // The daemon's home (/root) is out of its reach: caches that default to it (Triton's
+        // ~/.triton, ~/.cache) go to its own /tmp instead.
+        cmd.env("HOME", "/tmp");
     }
     cmd.arg(absolute(w.log))
         .arg(absolute(w.state_dir))
