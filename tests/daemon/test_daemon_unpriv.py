@@ -214,3 +214,28 @@ def test_an_impossible_uid_range_is_refused_in_one_line(torpor_bin: Path, tmp_pa
     assert r.returncode != 0 and len(lines) == 1, r.stderr
     assert "workers.uid_base + workers.uid_count - 1 must be ≤ 4294967294" in lines[0], lines
     assert "lower uid_base or uid_count" in lines[0], lines
+
+
+def test_a_function_directory_its_user_cannot_read_is_refused_in_one_line(
+    torpord: Torpord, deployed: dict[str, Any], tmp_path: Path
+) -> None:
+    d = function_dir(tmp_path, "prober-closed", "alpha")
+    d.chmod(0o700)
+    r = torpord.cli("deploy", d)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, (r.stdout, r.stderr)
+    assert f"the function directory {d} (mode 700, owner 0:0) cannot be read by its workers" in lines[0], lines
+    assert "chmod o+rX" in lines[0], lines
+
+
+def test_with_unprivileged_off_workers_run_as_root_as_before(
+    torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    d = Torpord(torpor_bin, tmp_path_factory.mktemp("asroot"), config="[workers]\nunprivileged = false\n")
+    try:
+        d.deploy(function_dir(tmp_path_factory.mktemp("asroot-fn"), "prober-root", "alpha"))
+        start, who = call(d, "prober-root", {"op": "whoami"})
+        assert start == "restored" and who["uid"] == who["gid"] == 0, (start, who)
+        assert "workers run as root (workers.unprivileged = false)" in d.log_text()
+    finally:
+        d.stop()

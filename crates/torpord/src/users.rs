@@ -117,4 +117,31 @@ mod tests {
         };
         assert_eq!(of_tenant(&reg, &root, "a").unwrap(), None);
     }
+
+    #[test]
+    fn gpu_device_files_others_cannot_open_are_named() {
+        use std::os::unix::fs::PermissionsExt;
+        let dev = tempfile::tempdir().unwrap();
+        let node = |name: &str, mode: u32| {
+            let path = std::ffi::CString::new(dev.path().join(name).to_str().unwrap()).unwrap();
+            // SAFETY: makes a character device file (1:3, what /dev/null is) in our temp dir.
+            let rc =
+                unsafe { libc::mknod(path.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(1, 3)) };
+            if rc == 0 {
+                std::fs::set_permissions(dev.path().join(name), PermissionsExt::from_mode(mode))
+                    .unwrap();
+            }
+            rc == 0
+        };
+        if !(node("nvidiactl", 0o666) && node("nvidia0", 0o660) && node("null", 0o600)) {
+            return; // not root: mknod refused
+        }
+        std::fs::write(dev.path().join("nvidia-caps"), b"").unwrap();
+        let lines = unusable_gpu_devices(dev.path());
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].contains("nvidia0 is mode 660") && lines[0].contains("0666"),
+            "{lines:?}"
+        );
+    }
 }
