@@ -75,10 +75,10 @@ def test_on_a_tmpfs_state_dir_a_worker_deploys_restores_and_hibernates_seeing_no
         lines = torpor.ok("inspect", d).stdout.splitlines()
         archived = next(line for line in lines if line.startswith("archived"))
         points = {p.removesuffix(" (tmpfs)") for p in archived.removeprefix("archived  ").split(", ")}
-        # The unprivileged worker's own tmpfs (its scratch /var/tmp too), and its veils: a tmpfs
+        # The unprivileged worker's own tmpfs (its scratch /var/tmp and its /run too), and its veils: a tmpfs
         # over each directory others cannot enter on the way to what it needs (docs/security.md;
         # here /root, where pyenv keeps the interpreter).
-        own = {"/dev/shm", "/tmp", "/var/tmp"}
+        own = {"/dev/shm", "/tmp", "/var/tmp", "/run"}
         assert own <= points, (d, lines)
         for veil in points - own:
             assert os.stat(veil).st_mode & 0o001 == 0, (veil, d, lines)

@@ -172,7 +172,8 @@ def test_a_function_cannot_reach_host_tmpfs_files_or_signal_the_daemon_or_others
     torpord: Torpord, deployed: dict[str, Any]
 ) -> None:
     tag = f"torpor-unpriv-secret-{os.getpid()}"
-    planted = [Path("/dev/shm") / tag, Path("/tmp") / tag]
+    # /run is a directory of the root filesystem on this machine (a tmpfs on most nodes).
+    planted = [Path("/dev/shm") / tag, Path("/tmp") / tag, Path("/run") / tag]
     for p in planted:
         p.write_text("host secret\n")
     sleeper = subprocess.Popen(["sleep", "600"])

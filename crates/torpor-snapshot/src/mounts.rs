@@ -173,11 +173,18 @@ impl MountPolicy {
     }
 
     /// torpord's unprivileged workers: as [`MountPolicy::worker`], with the host read-only,
-    /// `/var/tmp` a tmpfs of their own too (their scratch directory beside `/tmp`), every bind
-    /// reachable by their user ([`MountPolicy::veil`]) and read-only but `writable`.
+    /// `/var/tmp` a tmpfs of their own too (their scratch directory beside `/tmp`), `/run` one
+    /// (the host's is a tmpfs, detached, on most nodes, but a directory of the root filesystem on
+    /// some, whose files others may read), every bind reachable by their user
+    /// ([`MountPolicy::veil`]) and read-only but `writable`.
     pub fn unprivileged_worker(binds: Vec<PathBuf>, writable: Vec<PathBuf>) -> Self {
         Self {
-            private_tmpfs: vec!["/dev/shm".into(), "/tmp".into(), "/var/tmp".into()],
+            private_tmpfs: vec![
+                "/dev/shm".into(),
+                "/tmp".into(),
+                "/var/tmp".into(),
+                "/run".into(),
+            ],
             binds,
             hide_host_memory_fs: true,
             read_only: true,
@@ -408,6 +415,26 @@ mod tests {
         assert!(bound.reaches(Path::new("/tmp/state/logs/w.log"), &table));
         assert!(!bound.reaches(Path::new("/tmp/other.log"), &table));
         assert!(bound.reaches(Path::new("/home/u/w.log"), &table));
+    }
+
+    #[test]
+    fn an_unprivileged_worker_has_its_own_run_and_var_tmp_and_a_read_only_host() {
+        let table = parse(GPU_MACHINE);
+        let p = MountPolicy::unprivileged_worker(
+            vec!["/var/lib/torpor/sock".into()],
+            vec!["/var/lib/torpor/logs".into()],
+        );
+        assert!(p.read_only && p.veil && p.hide_host_memory_fs);
+        for (path, hidden) in [
+            ("/run/nvidia-persistenced/socket", true),
+            ("/var/tmp/x", true),
+            ("/tmp/x", true),
+            ("/usr/lib/python3", false),
+        ] {
+            assert_eq!(p.hides(Path::new(path), &table), hidden, "{path}");
+        }
+        // /run is detached as a host tmpfs, then gets one of the worker's own.
+        assert!(p.to_detach(&table).contains(&"/run".to_string()));
     }
 
     #[test]
