@@ -950,6 +950,9 @@ mod tests {
             cpu_limit = 1.5
             pids_limit = 64
             allow_unconfined = false
+            unprivileged = false
+            uid_base = 100000
+            uid_count = 10
             "#,
         )
         .unwrap();
@@ -974,6 +977,14 @@ mod tests {
             }
         );
         assert!(!c.allow_unconfined);
+        assert_eq!(
+            c.worker_users,
+            WorkerUsers {
+                unprivileged: false,
+                uid_base: 100000,
+                uid_count: 10
+            }
+        );
         c.validate().unwrap();
     }
 
