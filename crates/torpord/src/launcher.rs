@@ -160,6 +160,10 @@ fn worker_mounts(
         let Ok(path) = std::fs::canonicalize(&path) else {
             continue;
         };
+        // Never a directory holding the state directory: that would bind all of it in.
+        if state_dir.starts_with(&path) {
+            continue;
+        }
         let out_of_reach = path.starts_with(&state_dir)
             || policy.hides(&path, &table)
             || !traversable_by_others(&path);
