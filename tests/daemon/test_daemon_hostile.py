@@ -367,6 +367,9 @@ def test_a_worker_gets_a_minimal_environment(hostile: Torpord, tmp_path: Path) -
     # What Torpor itself sets: the owner marker of crash recovery (crate::launcher::OWNER_ENV),
     # libuv off io_uring (torpor_snapshot::launch), JAX's preallocation off (python/torpor/gpu.py).
     allowed |= {"TORPORD_STATE_DIR", "UV_USE_IO_URING", "USE_LIBUV", "XLA_PYTHON_CLIENT_PREALLOCATE"}
+    # An unprivileged worker's user has no passwd entry: its name, torpor-UID (crate::launcher).
+    allowed |= {"USER", "LOGNAME", "PYENV_ROOT", "PYENV_VERSION"}
+    assert env["USER"] == env["LOGNAME"] and env["USER"].startswith("torpor-"), env
     # Python itself may add LC_CTYPE when it coerces the C locale.
     odd = [k for k in env if k not in allowed and not k.startswith(("LC_", "CUDA_", "NVIDIA_", "TORPOR_"))]
     assert not odd, odd

@@ -222,9 +222,10 @@ def test_a_reopened_file_that_differs_on_the_pulling_node_is_refused_naming_it(
     nodes: tuple[Torpord, Torpord], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     a, b = nodes
-    # Outside /tmp: a worker's /tmp is a tmpfs of its own, archived into the snapshot, so files
-    # under it are not reopened from the node.
-    libdir = Path(tempfile.mkdtemp(prefix="torpor-portable-", dir="/var/tmp"))
+    # On the host's disk, readable by the workers' users: a worker's /tmp and /var/tmp are tmpfs
+    # of its own, archived into the snapshot, so files under them are not reopened from the node.
+    libdir = Path(tempfile.mkdtemp(prefix="torpor-portable-", dir="/var/lib"))
+    libdir.chmod(0o755)
     request.addfinalizer(lambda: shutil.rmtree(libdir, ignore_errors=True))
     lib = libdir / "libtorporportable.so"
     shutil.copyfile(a_library(), lib)

@@ -82,6 +82,11 @@ pub enum CriuError {
     #[error("cannot open {path} to restore into its cgroup: {source}")]
     Cgroup { path: PathBuf, source: io::Error },
 
+    /// CRIU's kernel-feature cache, which a dump of a tree that runs as another user than root
+    /// needs (crate::kerndat), could not be made.
+    #[error("cannot prepare CRIU's kernel-feature cache, needed to dump a process tree that runs as uid {uid} (an unprivileged worker): {detail}; check that `criu check` passes as root")]
+    KernelCache { uid: u32, detail: String },
+
     /// The socket pair or the stderr capture for `criu swrk` could not be created.
     #[error("cannot set up the channel to CRIU: {source}; check the open-file limit (ulimit -n)")]
     Channel { source: io::Error },

@@ -43,6 +43,7 @@
 
 mod error;
 pub mod images;
+mod kerndat;
 mod lazy;
 mod locate;
 mod netns;

@@ -190,19 +190,32 @@ impl Criu {
             ..Default::default()
         };
         let log = r.images_dir.join(r.log_file);
+        // A tree that dropped root is dumped by a CRIU with its real ids (crate::kerndat).
+        let as_tree = match tree_ids(r.pid) {
+            Some((uid, gid)) => Some(crate::kerndat::AsTree {
+                uid,
+                gid,
+                cache: crate::kerndat::cache(self, uid)?,
+            }),
+            None => None,
+        };
         swrk::call(
             self,
             Action::Dump,
             request(ReqType::Dump, opts),
             log,
-            &[],
-            &[],
+            swrk::Start {
+                as_tree,
+                ..swrk::Start::default()
+            },
             on_notify,
         )?;
         Ok(())
     }
 
     /// Restores a process tree and returns the host pid of its root.
+    ///
+    /// (A restore runs CRIU as plain root: it sets the restored tasks' credentials itself.)
     pub fn restore(&self, r: &RestoreRequest<'_>) -> Result<i32, CriuError> {
         self.restore_with(r, &mut |_| Ok(()))
     }
@@ -284,8 +297,11 @@ impl Criu {
             Action::Restore,
             request(ReqType::Restore, opts),
             log.clone(),
-            &pass,
-            &r.cgroup,
+            swrk::Start {
+                pass: &pass,
+                cgroup: &r.cgroup,
+                as_tree: None,
+            },
             &mut handler,
         );
         let resp = match result {
@@ -355,6 +371,24 @@ fn plain_name(name: &str) -> Result<String, CriuError> {
             name: name.to_string(),
         })
     }
+}
+
+/// The uid and gid of the tree rooted at `pid` when it runs as one user that is not root (real,
+/// effective and saved ids alike, `/proc/PID/status`): CRIU's dump runs with these as its real
+/// ids (crate::kerndat). `None`: root, mixed ids, or unreadable.
+fn tree_ids(pid: i32) -> Option<(u32, u32)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let ids = |key: &str| -> Option<u32> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        let v: Vec<u32> = line[key.len()..]
+            .split_whitespace()
+            .take(3)
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .ok()?;
+        (v.len() == 3 && v.iter().all(|x| *x == v[0]) && v[0] != 0).then_some(v[0])
+    };
+    Some((ids("Uid:")?, ids("Gid:")?))
 }
 
 #[cfg(test)]

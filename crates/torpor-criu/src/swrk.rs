@@ -59,19 +59,27 @@ struct Session {
     log: PathBuf,
 }
 
+/// How CRIU's process is started: the descriptors it inherits (at the same numbers) besides its
+/// socket, the cgroups it is born in, and for a dump of a tree that runs as another user than
+/// root, that user's real ids (crate::kerndat).
+#[derive(Default)]
+pub(crate) struct Start<'a> {
+    pub pass: &'a [BorrowedFd<'a>],
+    pub cgroup: &'a [PathBuf],
+    pub as_tree: Option<crate::kerndat::AsTree>,
+}
+
 /// Runs one request to completion: sends it, answers notifications through `handler`, and
-/// returns CRIU's final reply, which is successful and of the request's type. CRIU inherits
-/// `pass` (at the same numbers) besides its socket.
+/// returns CRIU's final reply, which is successful and of the request's type.
 pub(crate) fn call(
     criu: &Criu,
     action: Action,
     req: CriuReq,
     log: PathBuf,
-    pass: &[BorrowedFd<'_>],
-    cgroup: &[PathBuf],
+    start: Start<'_>,
     handler: &mut NotifyHandler<'_>,
 ) -> Result<CriuResp, CriuError> {
-    let mut session = Session::spawn(criu, action, log, pass, cgroup)?;
+    let mut session = Session::spawn(criu, action, log, start)?;
     let result = session.converse(req, handler);
     // Closing our end lets a CRIU that is still waiting for us exit; then reap it.
     let Session {
@@ -104,9 +112,13 @@ impl Session {
         criu: &Criu,
         action: Action,
         log: PathBuf,
-        pass: &[BorrowedFd<'_>],
-        cgroup: &[PathBuf],
+        start: Start<'_>,
     ) -> Result<Session, CriuError> {
+        let Start {
+            pass,
+            cgroup,
+            as_tree,
+        } = start;
         // Opened here (close-on-exec), written by the child before exec: CRIU is born in the
         // cgroup, and so are the processes it restores.
         let join: Vec<File> = cgroup
@@ -155,7 +167,11 @@ impl Session {
         unsafe {
             cmd.pre_exec(move || {
                 keep_only_fds(&keep)?;
-                join_cgroups(&join_fds)
+                join_cgroups(&join_fds)?;
+                match &as_tree {
+                    Some(t) => crate::kerndat::enter(t),
+                    None => Ok(()),
+                }
             });
         }
         let child = cmd.spawn().map_err(|source| CriuError::Spawn {
@@ -483,9 +499,14 @@ open(out, "w").write(" ".join(map(str, sorted(fds))) + " socket=" + fd)
             notify_success: None,
         };
         let log = dir.path().join("dump.log");
-        let err = call(&criu, Action::Dump, req, log.clone(), &[], &[], &mut |_| {
-            Ok(())
-        })
+        let err = call(
+            &criu,
+            Action::Dump,
+            req,
+            log.clone(),
+            Start::default(),
+            &mut |_| Ok(()),
+        )
         .expect_err("the stand-in never answers");
         match &err {
             CriuError::Exited { stderr, log: l, .. } => {
@@ -528,8 +549,10 @@ open(out, "w").write(" ".join(map(str, sorted(fds))) + " socket=" + fd)
             Action::Restore,
             req,
             log,
-            &[file.as_fd()],
-            &[],
+            Start {
+                pass: &[file.as_fd()],
+                ..Start::default()
+            },
             &mut |_| Ok(()),
         )
         .expect_err("the stand-in never answers");

@@ -95,7 +95,21 @@ pub struct LaunchOptions<'a> {
     /// right before the init is forked, so that this launcher's own memory (it reads the init
     /// binary whole to hash it) is not charged to the tree. Empty: the caller's cgroup.
     pub cgroup: &'a [PathBuf],
+    /// The user the tree runs as: the init drops root for it ([`drop_root`]) once the
+    /// namespaces are built, before the command starts. `None`: root.
+    pub user: Option<User>,
 }
+
+/// A user and group, by number (no `/etc/passwd` entry is needed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct User {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// The variable by which the launcher tells the init which user to drop root for (`UID:GID`);
+/// the init removes it before it starts the command.
+pub const INIT_USER_ENV: &str = "TORPOR_INIT_USER";
 
 /// The argument that makes `torpor` run as the init (a hidden subcommand of the CLI).
 pub const INIT_SUBCOMMAND: &str = "__init";
@@ -213,11 +227,14 @@ fn check_reachable(opts: &LaunchOptions) -> Result<(), LaunchError> {
         })?;
     let table = crate::mounts::parse(&table);
     let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    // The init is run from there (the state directory itself may be out of reach: only the
+    // pieces a worker needs are bound in for unprivileged workers).
+    let init_dir = opts.state_dir.join("init");
     for (what, path, fix) in [
         ("log file", opts.log, "pass --log with a path elsewhere"),
         (
             "state directory",
-            opts.state_dir,
+            init_dir.as_path(),
             "set TORPOR_STATE_DIR to a directory elsewhere",
         ),
     ] {
@@ -264,6 +281,11 @@ fn environment(opts: &LaunchOptions) -> Result<Vec<CString>, LaunchError> {
         None => None,
     };
     let mut env = Vec::new();
+    if let Some(u) = opts.user {
+        env.push(cstring(
+            format!("{INIT_USER_ENV}={}:{}", u.uid, u.gid).as_bytes(),
+        )?);
+    }
     let mut old_preload: Option<OsString> = None;
     for (key, value) in [NO_IO_URING, NO_LIBUV_STORE] {
         if std::env::var_os(key).is_none() {
@@ -271,6 +293,9 @@ fn environment(opts: &LaunchOptions) -> Result<Vec<CString>, LaunchError> {
         }
     }
     for (key, value) in std::env::vars_os() {
+        if key == INIT_USER_ENV {
+            continue;
+        }
         if preload.is_some() && key == "LD_PRELOAD" {
             old_preload = Some(value);
             continue;
@@ -366,6 +391,18 @@ pub fn init_main(report_fd: i32, log: &Path, command: &[OsString]) -> i32 {
     // launcher would never see the pipe close.
     // SAFETY: setting a flag on our own descriptor.
     unsafe { libc::fcntl(report.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+    // Read and removed while single-threaded, before anything runs: the command must not see it.
+    let user = std::env::var(INIT_USER_ENV).ok();
+    std::env::remove_var(INIT_USER_ENV);
+    let user = match user.map(|u| parse_user(&u)) {
+        None => None,
+        Some(Some(u)) => Some(u),
+        Some(None) => {
+            let msg = format!("{INIT_USER_ENV} must be UID:GID (internal to torpord)");
+            let _ = sys::write_all(&report, msg.as_bytes());
+            return 127;
+        }
+    };
     let prepared = command
         .iter()
         .map(|a| cstring(a.as_bytes()))
@@ -378,7 +415,7 @@ pub fn init_main(report_fd: i32, log: &Path, command: &[OsString]) -> i32 {
             return 127;
         }
     };
-    match init(&argv, &log, report) {
+    match init(&argv, &log, user, report) {
         Ok(code) => code,
         Err((msg, report)) => {
             if let Some(r) = report {
@@ -391,9 +428,65 @@ pub fn init_main(report_fd: i32, log: &Path, command: &[OsString]) -> i32 {
 
 type InitError = (String, Option<OwnedFd>);
 
+fn parse_user(text: &str) -> Option<User> {
+    let (uid, gid) = text.split_once(':')?;
+    Some(User {
+        uid: uid.parse().ok()?,
+        gid: gid.parse().ok()?,
+    })
+}
+
+/// The highest capability number any kernel may know; dropping an unknown one is EINVAL.
+const LAST_CAPABILITY: libc::c_ulong = 63;
+
+/// Drops root for `user` for good: no capability left in any set (the bounding set too, so no
+/// file capability brings one back), no supplementary group, real, effective and saved ids all
+/// the user's, and `no_new_privs` (no set-uid program raises it again). Checked: getting root
+/// back must fail. CRIU dumps and restores all of it with the process.
+pub fn drop_root(user: User) -> io::Result<()> {
+    for cap in 0..=LAST_CAPABILITY {
+        // SAFETY: prctl with integer arguments only; EINVAL for a number this kernel lacks.
+        let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) };
+        if rc != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    // SAFETY: as above; clears the ambient set.
+    sys::check(unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        )
+    })?;
+    // SAFETY: an empty group list (the pointer is not read with a size of 0).
+    sys::check(unsafe { libc::setgroups(0, std::ptr::null()) })?;
+    // SAFETY: integer arguments only; this process is single-threaded.
+    sys::check(unsafe { libc::setresgid(user.gid, user.gid, user.gid) })?;
+    // SAFETY: as above. With every uid non-zero, the kernel clears the permitted and effective
+    // capabilities (no SECBIT_KEEP_CAPS).
+    sys::check(unsafe { libc::setresuid(user.uid, user.uid, user.uid) })?;
+    // SAFETY: integer arguments only.
+    sys::check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
+    // SAFETY: must fail now; if it succeeds, root was not dropped.
+    if user.uid != 0 && unsafe { libc::setuid(0) } == 0 {
+        return Err(io::Error::other(
+            "root could be taken back after dropping it",
+        ));
+    }
+    Ok(())
+}
+
 /// Everything the init does; an error before the command started comes back with the report
 /// fd, so the launcher hears about it.
-fn init(argv: &[CString], log: &CString, report: OwnedFd) -> Result<i32, InitError> {
+fn init(
+    argv: &[CString],
+    log: &CString,
+    user: Option<User>,
+    report: OwnedFd,
+) -> Result<i32, InitError> {
     let report = Some(report);
     let fail = |what: &str, e: io::Error| format!("{what} failed in the new namespaces: {e}");
     macro_rules! try_init {
@@ -445,6 +538,11 @@ fn init(argv: &[CString], log: &CString, report: OwnedFd) -> Result<i32, InitErr
     drop(out);
     let keep = report.as_ref().map_or(-1, |r| r.as_raw_fd());
     sys::close_fds_from(3, keep);
+    // Last: the namespaces and the mounts are built, stdio is open; nothing of the command's
+    // has run yet. The init itself runs on as that user too.
+    if let Some(u) = user {
+        try_init!(drop_root(u).map_err(|e| fail("dropping root", e)));
+    }
 
     let old_mask = supervise::block_all_signals();
     let (exec_rd, exec_wr) = try_init!(sys::pipe_cloexec().map_err(|e| fail("pipe", e)));

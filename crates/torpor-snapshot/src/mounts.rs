@@ -130,6 +130,18 @@ pub struct MountPolicy {
     /// Take away the host's tmpfs and ramfs mounts instead of leaving them visible (live,
     /// external).
     pub hide_host_memory_fs: bool,
+    /// For a process that will drop root (torpord's unprivileged workers): every mount of the
+    /// host's it keeps is made read-only (recursively, from `/`), and so is every bind but
+    /// those in [`MountPolicy::writable`]; only its own tmpfs mounts stay writable.
+    pub read_only: bool,
+    /// Binds that stay writable with [`MountPolicy::read_only`] (the log directory the init
+    /// opens its log in, as root, before it drops root).
+    pub writable: Vec<PathBuf>,
+    /// Make every bind reachable by an unprivileged user: the first directory on its path that
+    /// others cannot traverse (`/root` 0700, a 0700 state directory) gets an empty tmpfs of the
+    /// process's own (mode 0755, a *veil*: what the host keeps there is hidden), in which the
+    /// rest of the path is made.
+    pub veil: bool,
 }
 
 impl MountPolicy {
@@ -140,6 +152,9 @@ impl MountPolicy {
             private_tmpfs: vec!["/dev/shm".into()],
             binds: Vec::new(),
             hide_host_memory_fs: false,
+            read_only: false,
+            writable: Vec::new(),
+            veil: false,
         }
     }
 
@@ -151,6 +166,30 @@ impl MountPolicy {
             private_tmpfs: vec!["/dev/shm".into(), "/tmp".into()],
             binds,
             hide_host_memory_fs: true,
+            read_only: false,
+            writable: Vec::new(),
+            veil: false,
+        }
+    }
+
+    /// torpord's unprivileged workers: as [`MountPolicy::worker`], with the host read-only,
+    /// `/var/tmp` a tmpfs of their own too (their scratch directory beside `/tmp`), `/run` one
+    /// (the host's is a tmpfs, detached, on most nodes, but a directory of the root filesystem on
+    /// some, whose files others may read), every bind reachable by their user
+    /// ([`MountPolicy::veil`]) and read-only but `writable`.
+    pub fn unprivileged_worker(binds: Vec<PathBuf>, writable: Vec<PathBuf>) -> Self {
+        Self {
+            private_tmpfs: vec![
+                "/dev/shm".into(),
+                "/tmp".into(),
+                "/var/tmp".into(),
+                "/run".into(),
+            ],
+            binds,
+            hide_host_memory_fs: true,
+            read_only: true,
+            writable,
+            veil: true,
         }
     }
 
@@ -204,6 +243,13 @@ impl MountPolicy {
 /// state directory there ([`crate::restore::RestoreOptions::external_sources`]), so a worker
 /// snapshotted on a node whose state_dir differs reaches this node's daemon by its old path.
 pub const STATE_DIR_KEY: &str = "torpor-state-dir";
+
+/// The key of the external mount of the state directory's directory `name` (`init`, `sock`…),
+/// which an unprivileged worker gets bound in instead of the whole state directory: a restore
+/// binds the restoring daemon's own `<state_dir>/name` there.
+pub fn state_dir_piece_key(name: &str) -> String {
+    format!("{STATE_DIR_KEY}-{name}")
+}
 
 /// The `external` entry for `criu dump`: the mount point and the key it is saved under.
 pub fn dump_spec(m: &ExternalMount) -> String {
@@ -369,6 +415,26 @@ mod tests {
         assert!(bound.reaches(Path::new("/tmp/state/logs/w.log"), &table));
         assert!(!bound.reaches(Path::new("/tmp/other.log"), &table));
         assert!(bound.reaches(Path::new("/home/u/w.log"), &table));
+    }
+
+    #[test]
+    fn an_unprivileged_worker_has_its_own_run_and_var_tmp_and_a_read_only_host() {
+        let table = parse(GPU_MACHINE);
+        let p = MountPolicy::unprivileged_worker(
+            vec!["/var/lib/torpor/sock".into()],
+            vec!["/var/lib/torpor/logs".into()],
+        );
+        assert!(p.read_only && p.veil && p.hide_host_memory_fs);
+        for (path, hidden) in [
+            ("/run/nvidia-persistenced/socket", true),
+            ("/var/tmp/x", true),
+            ("/tmp/x", true),
+            ("/usr/lib/python3", false),
+        ] {
+            assert_eq!(p.hides(Path::new(path), &table), hidden, "{path}");
+        }
+        // /run is detached as a host tmpfs, then gets one of the worker's own.
+        assert!(p.to_detach(&table).contains(&"/run".to_string()));
     }
 
     #[test]

@@ -214,11 +214,27 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         use std::os::unix::fs::MetadataExt;
         let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
         let ours = id(state_dir);
+        // Its directories, which an unprivileged worker gets bound in one by one.
+        let pieces: Vec<(String, Option<(u64, u64)>)> = std::fs::read_dir(state_dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .filter_map(|e| Some((e.file_name().to_str()?.to_owned(), id(&e.path()))))
+                    .collect()
+            })
+            .unwrap_or_default();
         for m in external.iter_mut() {
             let seen =
                 Path::new(&format!("/proc/{}/root", root.pid)).join(m.path.trim_start_matches('/'));
-            if Path::new(&m.path) == state_dir || (ours.is_some() && id(&seen) == ours) {
+            let seen_id = id(&seen);
+            if Path::new(&m.path) == state_dir || (ours.is_some() && seen_id == ours) {
                 m.key = mounts::STATE_DIR_KEY.to_owned();
+            } else if let Some((name, _)) = pieces
+                .iter()
+                .find(|(_, piece)| piece.is_some() && *piece == seen_id)
+            {
+                m.key = mounts::state_dir_piece_key(name);
             }
         }
     }

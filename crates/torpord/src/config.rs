@@ -32,6 +32,11 @@
 //! pids_limit = 4096               # processes and threads: 0 (no limit) or 16 to 65536
 //! allow_unconfined = true         # false: refuse to start where cgroups cannot confine workers
 //!                                 # (the packaged config's choice); true: warn and run them unlimited
+//! unprivileged = true             # workers run as a user of their tenant's, not root, seeing the
+//!                                 # host read-only (docs/security.md); false: as root
+//! uid_base = 2000000000           # tenant N's workers (N: its number in the registry, from 0)
+//! uid_count = 65536               # run as uid and gid uid_base + N; at most uid_count tenants;
+//!                                 # uid_base from 1000, uid_base + uid_count - 1 ≤ 4294967294
 //!
 //! [http]                          # each API listener (the Unix socket, TCP) on its own
 //! max_connections = 1024          # open connections: 1 to 65536; past it the oldest TCP connection
@@ -361,6 +366,9 @@ pub struct Config {
     /// cgroup v2 with no cpu or pids controller for the daemon's cgroup) still serves, with a
     /// warning; a node whose daemon runs under systemd with `Delegate=` can turn it off.
     pub allow_unconfined: bool,
+    /// Workers as an unprivileged user per tenant (`workers.unprivileged`, `uid_base`,
+    /// `uid_count`; crate::users).
+    pub worker_users: WorkerUsers,
     pub http: Http,
     /// Split snapshots for functions whose workers have the hook; `false`: transparent only.
     pub split: bool,
@@ -407,6 +415,33 @@ impl Objstore {
 
 pub use crate::limits::WorkerLimits;
 
+/// `[workers]`'s `unprivileged`, `uid_base`, `uid_count` (docs/security.md): tenant N's workers
+/// (N: the tenant's number in the registry, crate::registry::Registry::tenant_number) run as
+/// uid and gid `uid_base + N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct WorkerUsers {
+    pub unprivileged: bool,
+    pub uid_base: u32,
+    pub uid_count: u32,
+}
+
+/// The lowest `workers.uid_base`: below are the node's system and login users.
+pub const MIN_UID_BASE: i64 = 1000;
+/// The highest uid a worker may get: 4294967295 is `(uid_t) -1`, "no change" to setresuid.
+pub const MAX_WORKER_UID: i64 = 4_294_967_294;
+/// The most tenants `workers.uid_count` may allow.
+pub const MAX_UID_COUNT: i64 = 1 << 24;
+
+impl Default for WorkerUsers {
+    fn default() -> Self {
+        Self {
+            unprivileged: true,
+            uid_base: 2_000_000_000,
+            uid_count: 65_536,
+        }
+    }
+}
+
 /// Default of `workers.reattach_s`.
 pub const DEFAULT_REATTACH: Duration = Duration::from_secs(60);
 
@@ -428,6 +463,7 @@ impl Default for Config {
             load_timeout: limits::DEFAULT_LOAD_TIMEOUT,
             worker_limits: WorkerLimits::default(),
             allow_unconfined: true,
+            worker_users: WorkerUsers::default(),
             http: Http::default(),
             split: true,
             split_gpu: true,
@@ -468,6 +504,12 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// `workers.uid_base + uid_count` goes past the highest uid.
+    #[error(
+        "torpord.toml: workers.uid_base + workers.uid_count - 1 must be ≤ {MAX_WORKER_UID} \
+         (the highest uid), got {base} + {count} - 1: lower uid_base or uid_count"
+    )]
+    UidRange { base: u32, count: u32 },
     /// TCP was asked for without a token.
     #[error("--tcp needs a token: pass --token-file (the admin token) or --tenant-tokens-file")]
     TcpWithoutToken,
@@ -651,6 +693,16 @@ impl Config {
             if let Some(b) = t.boolean("allow_unconfined")? {
                 config.allow_unconfined = b;
             }
+            let u = &mut config.worker_users;
+            if let Some(b) = t.boolean("unprivileged")? {
+                u.unprivileged = b;
+            }
+            if let Some(n) = t.integer("uid_base", MIN_UID_BASE, MAX_WORKER_UID)? {
+                u.uid_base = u32::try_from(n).unwrap_or(u32::MAX);
+            }
+            if let Some(n) = t.integer("uid_count", 1, MAX_UID_COUNT)? {
+                u.uid_count = u32::try_from(n).unwrap_or(1);
+            }
             t.finish()?;
         }
         if let Some(mut t) = root.table("objstore")? {
@@ -709,6 +761,13 @@ impl Config {
                 gpu_release: k.gpu_release.as_secs_f64(),
                 hibernate: k.hibernate.as_secs_f64(),
                 evict: k.evict.as_secs_f64(),
+            });
+        }
+        let u = &self.worker_users;
+        if i64::from(u.uid_base) + i64::from(u.uid_count) - 1 > MAX_WORKER_UID {
+            return Err(ConfigError::UidRange {
+                base: u.uid_base,
+                count: u.uid_count,
             });
         }
         let tokens = self.token_file.is_some() || self.tenant_tokens_file.is_some();
@@ -902,6 +961,9 @@ mod tests {
             cpu_limit = 1.5
             pids_limit = 64
             allow_unconfined = false
+            unprivileged = false
+            uid_base = 100000
+            uid_count = 10
             "#,
         )
         .unwrap();
@@ -926,6 +988,14 @@ mod tests {
             }
         );
         assert!(!c.allow_unconfined);
+        assert_eq!(
+            c.worker_users,
+            WorkerUsers {
+                unprivileged: false,
+                uid_base: 100000,
+                uid_count: 10
+            }
+        );
         c.validate().unwrap();
     }
 
@@ -1048,6 +1118,8 @@ mod tests {
         ("workers", "memory_limit", "1099511627776", &["1099511627777", "33554431", "1", "-1", "\"8GiB\"", "1.5"], "0 (no limit) or from 33554432 to 1099511627776"),
         ("workers", "cpu_limit", "1024", &["1025", "0.001", "-1", "nan", "inf", "1e300", "\"2\""], "0 (no limit) or from 0.01 to 1024"),
         ("workers", "pids_limit", "65536", &["65537", "15", "-1", "9223372036854775807"], "0 (no limit) or from 16 to 65536"),
+        ("workers", "uid_base", "4294967294", &["4294967295", "999", "0", "-1", "\"2000000000\""], "from 1000 to 4294967294"),
+        ("workers", "uid_count", "16777216", &["16777217", "0", "-1"], "from 1 to 16777216"),
         ("http", "max_connections", "65536", &["65537", "9223372036854775807", "0"], "from 1 to 65536"),
         ("http", "header_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
         ("http", "body_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
@@ -1085,6 +1157,20 @@ mod tests {
             ),
             (1024, Duration::from_secs(10), Duration::from_secs(60))
         );
+    }
+
+    #[test]
+    fn a_uid_range_past_the_highest_uid_is_refused_in_one_line() {
+        let c = parse("[workers]\nuid_base = 4294967000\nuid_count = 1000\n").unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("workers.uid_base + workers.uid_count") && !e.contains('\n'),
+            "{e}"
+        );
+        let c = parse("[workers]\nuid_base = 4294966295\nuid_count = 1000\nunprivileged = false\n")
+            .unwrap();
+        assert!(c.validate().is_ok() && !c.worker_users.unprivileged);
+        assert!(Config::default().worker_users.unprivileged);
     }
 
     #[test]

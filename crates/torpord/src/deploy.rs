@@ -262,7 +262,9 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
 async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, RegisterError> {
     let registry = Arc::clone(&rt.registry);
     let spec = spec.clone();
-    let key = base_key(&spec.json, &rt.split)?;
+    let user = rt.worker_user(&spec.json)?;
+    crate::function_mounts::check_readable(&spec.dir, user)?;
+    let key = base_key(&spec.json, &rt.split, user)?;
     tokio::task::spawn_blocking(move || {
         registry.transaction(|s| {
             let now = now_ms();
@@ -320,6 +322,12 @@ pub enum RegisterError {
     /// The spec's interpreter cannot be used (its base key needs its absolute path).
     #[error(transparent)]
     Python(#[from] launcher::ResolvePythonError),
+    /// The tenant has no user for its workers.
+    #[error(transparent)]
+    User(#[from] crate::users::UserError),
+    /// The function's directory is out of its workers' user's reach.
+    #[error(transparent)]
+    Unreadable(#[from] crate::function_mounts::UnreadableError),
     /// The blocking task writing the registry did not finish.
     #[error("the registry task recording the deploy failed ({0}); torpord's log has the cause")]
     Task(#[source] tokio::task::JoinError),
@@ -540,8 +548,11 @@ async fn steps(
         let _ = tx.send(line);
     };
     let python_dir = rt.python_dir.clone().map_err(|e| fail("validate", e))?;
+    let user = rt
+        .worker_user(&spec.json)
+        .map_err(|e| fail("validate", e))?;
     let (key, python, preload, gpu) =
-        base_key(&spec.json, &rt.split).map_err(|e| fail("validate", e))?;
+        base_key(&spec.json, &rt.split, user).map_err(|e| fail("validate", e))?;
     let (hook, preload_hook) = rt.split.worker_hook(gpu);
     let state_root = rt.state_root.clone();
     let snapshots = rt.snapshots_dir();
@@ -611,6 +622,7 @@ async fn steps(
                     hook: hk.as_deref(),
                     preload_hook,
                     cgroup: &procs,
+                    user,
                 })
                 .map_err(|e| e.to_string())
             })
@@ -719,7 +731,7 @@ async fn steps(
 
     journal.step("load", None).await;
     let t = Instant::now();
-    crate::function_mounts::bind_function_dir(init, &spec.dir)
+    crate::function_mounts::bind_function_dir(init, &spec.dir, user.is_some())
         .await
         .map_err(|e| fail("load", e))?;
     conn.send(&load_frame(&spec.json, &spec.dir))

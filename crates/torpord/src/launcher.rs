@@ -21,28 +21,42 @@ use crate::split::HookPreload;
 pub const LAUNCH_SUBCOMMAND: &str = "__launch";
 /// `__launch`'s option naming a `cgroup.procs` file to join (once per hierarchy).
 const CGROUP_FLAG: &str = "--cgroup";
+/// `__launch`'s option naming the user (`UID:GID`) the tree runs as (docs/security.md).
+const USER_FLAG: &str = "--user";
 /// The socket the worker connects to.
 pub const WORKER_SOCKET_ENV: &str = "TORPOR_WORKER_SOCKET";
 
-/// `__launch [--cgroup PROCS_FILE]… LOG STATE_DIR CMD…`: launches CMD under a new init in the
-/// cgroups (their `cgroup.procs` files, crate::cgroup), prints the init's pid.
+/// `__launch [--cgroup PROCS_FILE]… [--user UID:GID] LOG STATE_DIR CMD…`: launches CMD under a
+/// new init in the cgroups (their `cgroup.procs` files, crate::cgroup), as the user if given
+/// (an unprivileged worker: [`worker_mounts`]), prints the init's pid.
 pub fn launch_main(args: &[OsString]) -> ExitCode {
+    let usage = || {
+        eprintln!(
+            "usage: {LAUNCH_SUBCOMMAND} [{CGROUP_FLAG} FILE]... [{USER_FLAG} UID:GID] LOG STATE_DIR CMD... (internal to torpord)"
+        );
+        ExitCode::from(2)
+    };
     let mut args = args;
     let mut cgroup = Vec::new();
-    while let [flag, file, rest @ ..] = args {
-        if flag != CGROUP_FLAG {
+    let mut user = None;
+    while let [flag, value, rest @ ..] = args {
+        if flag == CGROUP_FLAG {
+            cgroup.push(PathBuf::from(value));
+        } else if flag == USER_FLAG {
+            match value.to_str().and_then(parse_user) {
+                Some(u) => user = Some(u),
+                None => return usage(),
+            }
+        } else {
             break;
         }
-        cgroup.push(PathBuf::from(file));
         args = rest;
     }
     let [log, state_dir, command @ ..] = args else {
-        eprintln!(
-            "usage: {LAUNCH_SUBCOMMAND} [{CGROUP_FLAG} FILE]... LOG STATE_DIR CMD... (internal to torpord)"
-        );
-        return ExitCode::from(2);
+        return usage();
     };
-    let mounts = match worker_mounts(Path::new(state_dir)) {
+    let program = command.first().map(PathBuf::from);
+    let mounts = match worker_mounts(Path::new(state_dir), user.is_some(), program.as_deref()) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("{e}");
@@ -58,6 +72,7 @@ pub fn launch_main(args: &[OsString]) -> ExitCode {
         preload: None,
         // Joined right before the init is forked: every process of the tree is born in it.
         cgroup: &cgroup,
+        user,
     }) {
         Ok(pid) => {
             println!("{pid}");
@@ -70,25 +85,107 @@ pub fn launch_main(args: &[OsString]) -> ExitCode {
     }
 }
 
-/// A worker's mount namespace (docs/mounts.md): its own /dev/shm and
-/// /tmp, none of the host's memory filesystems, the state directory bound in, and the Python
-/// harness bound in where the worker could not reach it otherwise. The function's directory
-/// is bound in when the function is loaded ([`crate::function_mounts`]).
-fn worker_mounts(state_dir: &Path) -> Result<MountPolicy, WorkerMountsError> {
+fn parse_user(text: &str) -> Option<torpor_snapshot::launch::User> {
+    let (uid, gid) = text.split_once(':')?;
+    Some(torpor_snapshot::launch::User {
+        uid: uid.parse().ok()?,
+        gid: gid.parse().ok()?,
+    })
+}
+
+/// The directories of the state directory an unprivileged worker reaches (bound in, read-only
+/// but `logs`): the init copies it runs ([`torpor_snapshot::launch::init_binary`]), the preload
+/// copies (the hook), the workers socket's own directory and the logs (which the init opens
+/// before it drops root; the directory is 0700, out of the worker's reach after).
+pub const WORKER_STATE_DIRS: &[&str] = &["init", crate::split::HOOK_COPY_DIR, "sock", "logs"];
+
+/// A worker's mount namespace (docs/mounts.md): its own /dev/shm and /tmp, none of the host's
+/// memory filesystems, the state directory bound in, and the Python harness bound in where the
+/// worker could not reach it otherwise. The function's directory is bound in when the function
+/// is loaded ([`crate::function_mounts`]).
+///
+/// An unprivileged worker (docs/security.md) sees the host read-only, has `/var/tmp` of its own
+/// too, and gets only [`WORKER_STATE_DIRS`] of the state directory; the harness, the interpreter's
+/// prefix (`program`'s `bin/..`, and its target's) and `TORPOR_LIBCUDA`'s directory are bound in
+/// where its user could not reach them (under the state directory, a host tmpfs, or a directory
+/// others cannot enter, such as `/root`), the way to each made traversable.
+fn worker_mounts(
+    state_dir: &Path,
+    unprivileged: bool,
+    program: Option<&Path>,
+) -> Result<MountPolicy, WorkerMountsError> {
     let state_dir =
         std::path::absolute(state_dir).map_err(|source| WorkerMountsError::StateDir {
             dir: state_dir.to_path_buf(),
             source,
         })?;
-    let mut policy = MountPolicy::worker(vec![state_dir]);
+    let table =
+        std::fs::read_to_string("/proc/self/mountinfo").map_err(WorkerMountsError::MountTable)?;
+    let table = torpor_snapshot::mounts::parse(&table);
+    if !unprivileged {
+        let mut policy = MountPolicy::worker(vec![state_dir]);
+        if let Ok(python) = crate::sdk_dir::python_dir() {
+            if !policy.reaches(&python, &table) {
+                policy.binds.push(python);
+            }
+        }
+        return Ok(policy);
+    }
+    let pieces: Vec<PathBuf> = WORKER_STATE_DIRS
+        .iter()
+        .map(|d| state_dir.join(d))
+        .filter(|d| d.is_dir())
+        .collect();
+    let logs = state_dir.join("logs");
+    let mut policy = MountPolicy::unprivileged_worker(pieces, vec![logs]);
+    let mut wanted: Vec<PathBuf> = Vec::new();
     if let Ok(python) = crate::sdk_dir::python_dir() {
-        let table = std::fs::read_to_string("/proc/self/mountinfo")
-            .map_err(WorkerMountsError::MountTable)?;
-        if !policy.reaches(&python, &torpor_snapshot::mounts::parse(&table)) {
-            policy.binds.push(python);
+        wanted.push(python);
+    }
+    if let Some(program) = program.filter(|p| p.is_absolute()) {
+        let prefix = |p: &Path| p.parent().and_then(Path::parent).map(Path::to_path_buf);
+        wanted.extend(prefix(program));
+        if let Ok(real) = std::fs::canonicalize(program) {
+            wanted.extend(prefix(&real));
+        }
+    }
+    if let Some(lib) = std::env::var_os("TORPOR_LIBCUDA").map(PathBuf::from) {
+        wanted.extend(
+            lib.parent()
+                .filter(|p| p.is_absolute())
+                .map(Path::to_path_buf),
+        );
+    }
+    for path in wanted {
+        let Ok(path) = std::fs::canonicalize(&path) else {
+            continue;
+        };
+        // Never a directory holding the state directory: that would bind all of it in.
+        if state_dir.starts_with(&path) {
+            continue;
+        }
+        let out_of_reach = path.starts_with(&state_dir)
+            || policy.hides(&path, &table)
+            || !traversable_by_others(&path);
+        let covered = policy
+            .binds
+            .iter()
+            .any(|b| path.starts_with(b) && !b.starts_with(&state_dir));
+        if out_of_reach && !covered && path != Path::new("/") {
+            policy.binds.retain(|b| !b.starts_with(&path));
+            policy.binds.push(path);
         }
     }
     Ok(policy)
+}
+
+/// Whether a user who is neither owner nor in the group can walk to `path` (every directory above
+/// it lets others search it).
+fn traversable_by_others(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    path.ancestors()
+        .skip(1)
+        .all(|a| std::fs::metadata(a).is_ok_and(|m| m.permissions().mode() & 0o001 != 0))
 }
 
 /// Why the launcher could not work out a worker's mount namespace (it prints this and exits).
@@ -126,7 +223,18 @@ pub fn pythonpath(python_dir: &Path) -> OsString {
 /// (every GPU worker preloads it: [`crate::split::Split::worker_hook`]).
 /// (A restored instance has the environment its base was booted with: it is part of the
 /// snapshot.) docs/torpord.md, "Worker environment".
-pub const WORKER_ENV: &[&str] = &["PATH", "HOME", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH"];
+/// `PYENV_ROOT` and `PYENV_VERSION`: a pyenv shim (the spec's `python3` found on `PATH`) finds
+/// its interpreters by them, or by `HOME`, which an unprivileged worker's is not.
+pub const WORKER_ENV: &[&str] = &[
+    "PATH",
+    "HOME",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+    "LD_LIBRARY_PATH",
+    "PYENV_ROOT",
+    "PYENV_VERSION",
+];
 /// Prefixes of the variables a worker keeps: locale, CUDA's and the NVIDIA container runtime's
 /// (device selection, e.g. `CUDA_VISIBLE_DEVICES`), and Torpor's own (e.g. `TORPOR_LIBCUDA`).
 pub const WORKER_ENV_PREFIXES: &[&str] = &["LC_", "CUDA_", "NVIDIA_", "TORPOR_"];
@@ -171,6 +279,8 @@ pub struct WorkerCommand<'a> {
     pub preload_hook: crate::split::HookUse,
     /// The `cgroup.procs` files of the tree's cgroup (crate::cgroup); empty: unconfined.
     pub cgroup: &'a [PathBuf],
+    /// The user the tree runs as (crate::users); `None`: root.
+    pub user: Option<torpor_snapshot::launch::User>,
 }
 
 /// Why a worker could not be launched, or found under its init.
@@ -217,6 +327,15 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, LaunchError> {
     cmd.arg(LAUNCH_SUBCOMMAND);
     for procs in w.cgroup {
         cmd.arg(CGROUP_FLAG).arg(procs);
+    }
+    if let Some(u) = w.user {
+        cmd.arg(USER_FLAG).arg(format!("{}:{}", u.uid, u.gid));
+        // No /etc/passwd entry names the user: `getpass.getuser()` and its kind read these.
+        let name = format!("torpor-{}", u.uid);
+        cmd.env("USER", &name).env("LOGNAME", &name);
+        // The daemon's home (/root) is out of its reach: caches that default to it (Triton's
+        // ~/.triton, ~/.cache) go to its own /tmp instead.
+        cmd.env("HOME", "/tmp");
     }
     cmd.arg(absolute(w.log))
         .arg(absolute(w.state_dir))

@@ -48,6 +48,7 @@ pub mod state_dir;
 mod sync;
 pub mod tenant;
 pub mod toml_table;
+pub mod users;
 pub mod workers;
 
 pub use config::{Config, ServeArgs};

@@ -145,9 +145,22 @@ impl Daemon {
         if let Err(e) = torpor_snapshot::launch::init_binary(state_dir.root()) {
             tracing::warn!(error = %e, "cannot copy the init binary into the state directory; the first launch tries again");
         }
+        if config.worker_users.unprivileged {
+            let u = &config.worker_users;
+            tracing::info!(
+                uid_base = u.uid_base,
+                uid_count = u.uid_count,
+                "workers run unprivileged, as uid and gid uid_base + the tenant's number, seeing the host read-only"
+            );
+            for line in crate::users::unusable_gpu_devices(std::path::Path::new("/dev")) {
+                tracing::warn!("{line}");
+            }
+        } else {
+            tracing::warn!("workers run as root (workers.unprivileged = false): a hostile function can act on the node, the daemon and other tenants");
+        }
         let metrics = Arc::new(Metrics::new()?);
         let unix = socket::bind(&config.socket)?;
-        let workers = socket::bind(&state_dir.workers_socket())?;
+        let workers = socket::bind_with_mode(&state_dir.workers_socket(), 0o666)?;
         let tcp = match (config.tcp, token) {
             (Some(addr), Some(token)) => {
                 let tcp_err = |source| StartError::Tcp { addr, source };

@@ -82,6 +82,12 @@ impl Drop for BoundSocket {
 /// The socket is bound under a temporary name in the same directory, restricted to 0600 and
 /// then renamed into place, so it is never reachable with a looser mode.
 pub fn bind(path: &Path) -> Result<BoundSocket, SocketError> {
+    bind_with_mode(path, 0o600)
+}
+
+/// [`bind`] with another mode: the workers socket is 0666 (every worker's user connects to it),
+/// in a directory of the state directory (0700) that only workers' mount namespaces expose.
+pub fn bind_with_mode(path: &Path, mode: u32) -> Result<BoundSocket, SocketError> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
@@ -107,7 +113,7 @@ pub fn bind(path: &Path) -> Result<BoundSocket, SocketError> {
         Err(e) => return Err(bind_err(e)),
     }
     let listener = UnixListener::bind(&tmp).map_err(bind_err)?;
-    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
         .and_then(|()| std::fs::rename(&tmp, path))
         .and_then(|()| std::fs::symlink_metadata(path));
     match placed {

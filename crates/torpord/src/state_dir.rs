@@ -7,8 +7,13 @@
 //! <state>/snapshots/     base, function and hibernation snapshots
 //! <state>/functions/     the deployed functions' directories
 //! <state>/logs/          deploy and worker logs
+//! <state>/sock/workers.sock  the socket workers connect to (0666, in a directory of its own
+//!                        that workers' mount namespaces expose; docs/security.md)
+//! <state>/workers.sock   a symlink to it, for workers snapshotted before it moved
 //! ```
-//! Everything is created mode 0700: snapshots hold process memory.
+//! Everything is created mode 0700: snapshots hold process memory. The state directory itself
+//! is 0700, so only what a worker's mount namespace binds in of it is reachable by workers
+//! (`init`, `preload`, `sock`; crate::launcher::WORKER_STATE_DIRS).
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::io::{Read, Seek, Write};
@@ -109,6 +114,17 @@ impl StateDir {
         for sub in [dir.snapshots(), dir.functions(), dir.logs()] {
             create(&sub)?;
         }
+        // What workers reach (bound into their mount namespaces): others may enter and read.
+        for sub in ["sock", "init", crate::split::HOOK_COPY_DIR] {
+            let path = root.join(sub);
+            create(&path)?;
+            std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .map_err(|source| StateDirError::Create {
+                    path: path.clone(),
+                    source,
+                })?;
+        }
+        link_old_workers_socket(root)?;
         Ok(dir)
     }
 
@@ -145,8 +161,27 @@ impl StateDir {
 
     /// The socket workers connect to (docs/torpord.md, "Worker ⇄ daemon protocol").
     pub fn workers_socket(&self) -> PathBuf {
-        self.root.join("workers.sock")
+        self.root.join("sock").join("workers.sock")
     }
+}
+
+/// `<state>/workers.sock`, where workers snapshotted before the socket moved to `sock/` connect:
+/// a symlink to the socket (a socket file a daemon of before left there is replaced).
+fn link_old_workers_socket(root: &Path) -> Result<(), StateDirError> {
+    let old = root.join("workers.sock");
+    let target = Path::new("sock/workers.sock");
+    let fail = |source| StateDirError::Create {
+        path: old.clone(),
+        source,
+    };
+    match std::fs::read_link(&old) {
+        Ok(t) if t == target => return Ok(()),
+        Ok(_) => std::fs::remove_file(&old).map_err(fail)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        // Not a symlink: the socket of a daemon of before (the state directory is locked).
+        Err(_) => std::fs::remove_file(&old).map_err(fail)?,
+    }
+    std::os::unix::fs::symlink(target, &old).map_err(fail)
 }
 
 /// Refuses a filesystem a worker cannot be run from (read-only, noexec). Any other works:

@@ -22,6 +22,7 @@ pub fn run(log: Option<PathBuf>, command: &[OsString]) -> anyhow::Result<ExitCod
         mounts: &MountPolicy::command(),
         preload: hook.as_deref(),
         cgroup: &[],
+        user: None,
     })?;
     println!("{pid}");
     eprintln!("torpor: started pid {pid}, output in {}", log.display());

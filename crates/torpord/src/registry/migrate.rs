@@ -85,6 +85,14 @@ const MIGRATIONS: &[&str] = &[
         at       INTEGER NOT NULL
     ) STRICT;
     "#,
+    // 3 → 4: each tenant's number, from 0 in the order they were first seen, never reused: its
+    // workers run as uid and gid workers.uid_base + number (crate::users, docs/security.md).
+    r#"
+    CREATE TABLE tenant_numbers (
+        tenant TEXT PRIMARY KEY,
+        number INTEGER NOT NULL UNIQUE CHECK (number >= 0)
+    ) STRICT;
+    "#,
 ];
 
 /// The schema version of `conn`'s database (0 when empty).

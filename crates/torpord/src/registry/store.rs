@@ -143,6 +143,24 @@ impl Store<'_> {
         Ok(stmt.query_row(params, map).optional()?)
     }
 
+    // ---- tenants ----
+
+    /// The number of `tenant` (crate::users): the one it was given when first seen, or the next
+    /// free one (the highest so far + 1, from 0), recorded now. Numbers are never reused.
+    pub fn tenant_number(&self, tenant: &str) -> Result<u32, RegistryError> {
+        self.conn
+            .prepare_cached(
+                "INSERT OR IGNORE INTO tenant_numbers (tenant, number) \
+                 VALUES (?1, (SELECT COALESCE(MAX(number) + 1, 0) FROM tenant_numbers))",
+            )?
+            .execute([tenant])?;
+        let n: i64 = self
+            .conn
+            .prepare_cached("SELECT number FROM tenant_numbers WHERE tenant = ?1")?
+            .query_row([tenant], |r| r.get(0))?;
+        Ok(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
     // ---- functions ----
 
     /// Adds a function; [`RegistryError::Exists`] if the name is taken.

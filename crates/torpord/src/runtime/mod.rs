@@ -161,6 +161,18 @@ impl Runtime {
             .map(Some)
     }
 
+    /// The user a worker of `spec`'s tenant runs as (crate::users); `Ok(None)`: root.
+    pub(crate) fn worker_user(
+        &self,
+        spec: &serde_json::Value,
+    ) -> Result<Option<torpor_snapshot::launch::User>, crate::users::UserError> {
+        crate::users::of_tenant(
+            &self.registry,
+            &self.config.worker_users,
+            crate::tenant::of_spec(spec),
+        )
+    }
+
     pub fn snapshots_dir(&self) -> PathBuf {
         self.state_root.join("snapshots")
     }

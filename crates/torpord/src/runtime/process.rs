@@ -209,11 +209,25 @@ pub async fn restore_with(
             faults_only: how.profile_out.is_some(),
             profile_out: how.profile_out.clone(),
         };
-        let sources: Vec<(&str, &Path)> = how
+        // The state directory, and each of its directories an unprivileged worker has bound in.
+        let owned: Vec<(String, std::path::PathBuf)> = how
             .state_dir
             .as_deref()
-            .map(|d| (torpor_snapshot::mounts::STATE_DIR_KEY, d))
-            .into_iter()
+            .map(|d| {
+                let pieces = crate::launcher::WORKER_STATE_DIRS.iter().map(|name| {
+                    (
+                        torpor_snapshot::mounts::state_dir_piece_key(name),
+                        d.join(name),
+                    )
+                });
+                std::iter::once((torpor_snapshot::mounts::STATE_DIR_KEY.to_owned(), d.to_path_buf()))
+                    .chain(pieces)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let sources: Vec<(&str, &Path)> = owned
+            .iter()
+            .map(|(k, p)| (k.as_str(), p.as_path()))
             .collect();
         let restore_onto = |stdio: Option<&Path>| {
             torpor_snapshot::restore::restore_with(

@@ -97,7 +97,8 @@ pub(crate) async fn boot_function(
         .as_ref()
         .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files);
     let python_dir = rt.python_dir.clone()?;
-    let (_, python, preload, gpu) = base_key(spec, &rt.split)?;
+    let user = rt.worker_user(spec)?;
+    let (_, python, preload, gpu) = base_key(spec, &rt.split, user)?;
     let (hook, preload_hook) = rt.split.worker_hook(gpu);
     let log = log.to_path_buf();
     let (ws, sd, lg) = (
@@ -118,6 +119,7 @@ pub(crate) async fn boot_function(
             hook: hook.as_deref(),
             preload_hook,
             cgroup: &cgroup_procs,
+            user,
         })
     })
     .await
@@ -144,7 +146,7 @@ pub(crate) async fn boot_function(
     }
     let boot_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    crate::function_mounts::bind_function_dir(init, dir).await?;
+    crate::function_mounts::bind_function_dir(init, dir, user.is_some()).await?;
     conn.send(&load_frame(spec, dir))
         .await
         .map_err(BootError::SendLoad)?;
@@ -179,9 +181,13 @@ pub(crate) async fn boot_function(
 /// the default one ([`crate::tenant::scoped_key`]): tenants never share a base (nor learn from
 /// `base_reused` that another tenant deployed on it). `Err`: the spec's interpreter is not
 /// found.
+///
+/// An unprivileged worker's base ends with its user (`|uid N`): a base booted as root, or as
+/// another user, is never restored for it (CRIU restores the credentials it dumped).
 pub fn base_key(
     spec: &Value,
     split: &crate::split::Split,
+    user: Option<torpor_snapshot::launch::User>,
 ) -> Result<(String, PathBuf, Vec<String>, bool), launcher::ResolvePythonError> {
     let python = launcher::resolve_python(spec["python"].as_str().unwrap_or("python3"))?;
     let preload: Vec<String> = spec["preload"]
@@ -199,11 +205,13 @@ pub fn base_key(
     let key = crate::tenant::scoped_key(
         crate::tenant::of_spec(spec),
         &format!(
-            "{}|{}|{}{}",
+            "{}|{}|{}{}{}",
             python.display(),
             sorted.join(","),
             if gpu { "gpu" } else { "cpu" },
-            split.base_key_suffix(gpu)
+            split.base_key_suffix(gpu),
+            user.map(|u| format!("|uid {}:{}", u.uid, u.gid))
+                .unwrap_or_default()
         ),
     );
     Ok((key, python, preload, gpu))
@@ -243,6 +251,9 @@ pub enum BootError {
     /// Its cgroup could not be made.
     #[error("cannot make the worker's cgroup: {0}")]
     Cgroup(#[from] crate::cgroup::CgroupError),
+    /// Its tenant has no user to run it as.
+    #[error(transparent)]
+    User(#[from] crate::users::UserError),
     /// The kernel killed the worker for its cgroup's memory limit before it became ready.
     #[error("{reason}; see {}", log.display())]
     OutOfMemory { reason: String, log: PathBuf },
