@@ -278,3 +278,18 @@ def test_a_missing_loader_makes_a_skipped_row_that_says_how_to_get_it(tmp_path: 
     doc = {**json.loads(CPU_JSON.read_text()), "results": [row]}
     assert "| … Run:ai Model Streamer (`SafetensorsStreamer`) | skipped |" in table.headline(doc)
     assert not (tmp_path / "tiny-llama.safetensors").exists(), "a skipped mode writes no weights"
+
+
+def test_the_per_size_phase_table_in_docs_is_the_rendering_of_the_h100_jsons() -> None:
+    """docs/split.md's per-size breakdown (issue 18) is bench/peers/phases.py's output, never typed."""
+    results = ROOT / "bench" / "results"
+    parts = [results / "peers-h100.json", results / "peers-llama3b-h100.json"]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not measured yet (docs/gpu-machine.md, 'The peer benchmark')")
+    sys.path.insert(0, str(ROOT / "bench" / "peers"))
+    import phases
+
+    table = phases.render([json.loads(p.read_text()) for p in parts])
+    assert "| gpt2-large | cold |" in table and "| llama-8b | cold |" in table, table
+    assert table in (ROOT / "docs" / "split.md").read_text(), "re-render docs/split.md's per-size table (bench/peers/phases.py)"
