@@ -122,7 +122,10 @@ def in_tree(pid: int, roots: set[int]) -> bool:
 
 
 def assert_only_listed_processes(torpord: Torpord) -> None:
-    listed = listed_pids(torpord)
+    # The running daemon's own children count as listed: the page server still serving a lazily
+    # restored instance's memory, a CRIU at work. What an earlier daemon left has lost its
+    # parent (it is the init's, or a subreaper's), so it is never below this one.
+    listed = listed_pids(torpord) | {torpord.proc.pid}
     stray = [p for p in daemon_processes(torpord.state) if p != torpord.proc.pid and not in_tree(p, listed)]
     assert not stray, f"processes of the daemon's it does not list: {describe(stray)}\n{torpord.log_text()}"
 

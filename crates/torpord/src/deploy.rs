@@ -842,11 +842,11 @@ async fn steps(
             Err(e) => tracing::error!(function = %name, error = %e, "staging task failed"),
         }
     }
-    // The order its restores first touch their pages (crate::page_profile), where they use
+    // The order its restores first touch their pages (crate::runtime::page_profile), where they use
     // Torpor's page server: served first by every later restore.
     if rt.config.restore_server.pages.source(gpu) == torpor_snapshot::restore::PageSource::Lazy {
         journal.step("profile", None).await;
-        if let Some((s, r)) = crate::page_profile::record_at_deploy(
+        if let Some((s, r)) = crate::runtime::page_profile::record_at_deploy(
             rt,
             name,
             &spec.json,

@@ -30,7 +30,6 @@ pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod objstore;
-pub mod page_profile;
 pub mod protocol;
 pub mod recovery;
 pub mod registry;

@@ -37,6 +37,14 @@ pub use crate::launcher::OWNER_ENV;
 /// How long the killed processes get to disappear before their directories are removed.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 
+/// The whole environment entry `OWNER_ENV=<owner_value(root)>` that marks the processes of the
+/// daemon of `root` (crate::workers::Hub::expect looks for it).
+pub fn owner_entry(root: &Path) -> Vec<u8> {
+    let mut entry = format!("{OWNER_ENV}=").into_bytes();
+    entry.extend_from_slice(owner_value(root).as_bytes());
+    entry
+}
+
 /// The value of [`OWNER_ENV`] for the state directory `root`.
 pub fn owner_value(root: &Path) -> OsString {
     std::fs::canonicalize(root)
@@ -137,30 +145,13 @@ pub fn sweep_processes(root: &Path, keep: &[i32]) -> usize {
     doomed.len()
 }
 
-/// The directory of the markers of instances whose lazy pages are still being served.
-pub const PAGES_PENDING_DIR: &str = "pages-pending";
-
-/// Marks instance `id` as having pages its page server has not served yet: created before the
-/// instance's registry row (so no row of a lazily restored instance is ever without it until
-/// its pages are in), removed by [`pages_served`].
-pub fn pages_pending(root: &Path, id: &str) -> std::io::Result<()> {
-    let dir = root.join(PAGES_PENDING_DIR);
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join(id), b"")
-}
-
-/// Every page of instance `id` is in (or the instance is gone): its marker goes.
-pub fn pages_served(root: &Path, id: &str) {
-    let _ = std::fs::remove_file(root.join(PAGES_PENDING_DIR).join(id));
-}
-
 /// At start-up, before the early sweep: an instance whose pages its page server was still
 /// serving when the earlier daemon died is killed and its row removed, never re-adopted. The
 /// sweep kills that server (a process of the earlier daemon outside every instance tree), and
 /// once the last holder of a uffd closes it the kernel fills the pages it never served with
 /// zeros: the instance would run on with zeros where its memory was. Returns how many.
 pub fn drop_pages_pending(registry: &Registry, root: &Path) -> Result<usize, RegistryError> {
-    let dir = root.join(PAGES_PENDING_DIR);
+    let dir = root.join(crate::runtime::pages_pending::DIR);
     let Ok(entries) = std::fs::read_dir(&dir) else {
         return Ok(0);
     };

@@ -257,6 +257,7 @@ impl Daemon {
         // The workers of the instances to re-adopt may say hello before they are claimed; any
         // other restored or re-attaching worker is a stray and is killed (workers::Hub::deliver).
         runtime.hub.expect(
+            crate::recovery::owner_entry(self.state_dir.root()),
             self.orphans
                 .iter()
                 .filter_map(|o| o.pid)

@@ -162,6 +162,10 @@ struct Slots {
     /// The workers of the instances an earlier daemon left, which this one re-adopts
     /// ([`Hub::expect`]): their hello may come before the claim.
     expected: HashSet<i32>,
+    /// This daemon's marker, the environment entry `TORPORD_STATE_DIR=…`
+    /// (crate::recovery::owner_entry), once [`Hub::expect`] set it: only a process that
+    /// carries it can be a stray worker of this state directory.
+    owner: Option<Vec<u8>>,
 }
 
 /// Hands identified connections to whoever waits for their pid.
@@ -254,8 +258,11 @@ impl Hub {
     /// hello, reattach or resumed, may come before their claim). Any other worker that says
     /// hello as a restored or re-attaching instance while nobody waits for it is a stray and
     /// is killed ([`Hub::deliver`]).
-    pub fn expect(&self, workers: impl IntoIterator<Item = i32>) {
-        self.lock().expected.extend(workers);
+    /// `owner`: the marker entry of this daemon's processes (crate::recovery::owner_entry).
+    pub fn expect(&self, owner: Vec<u8>, workers: impl IntoIterator<Item = i32>) {
+        let mut slots = self.lock();
+        slots.owner = Some(owner);
+        slots.expected.extend(workers);
     }
 
     /// Claims the next connection from host pid `pid` (one that already arrived, if any).
@@ -297,10 +304,18 @@ impl Hub {
         // ever claim it, and it would wait in its reconnect loop for reattach_s, holding its
         // memory (and GPU) outside every account. Killed here, when it shows itself, which
         // needs no second sweep racing this daemon's own restores.
-        let stray = (conn.hello.resumed || conn.hello.reattach) && !slots.expected.contains(&pid);
+        // Only a process that carries this daemon's marker (its workers and what CRIU restores
+        // of them do): anything else that can reach the socket (root) is no worker of ours.
+        let stray = (conn.hello.resumed || conn.hello.reattach)
+            && !slots.expected.contains(&pid)
+            && slots
+                .owner
+                .as_deref()
+                .is_some_and(|owner| is_marked(pid, owner));
         if stray {
+            let owner = slots.owner.clone().unwrap_or_default();
             drop(slots);
-            kill_stray(conn);
+            kill_stray(conn, &owner);
             return;
         }
         slots.unclaimed.insert(pid, conn);
@@ -340,11 +355,11 @@ impl Hub {
 }
 
 /// Kills the tree of a stray worker (see [`Hub::deliver`]): its parent when that is the init
-/// of its PID namespace that Torpor made (the whole namespace goes with it), else the worker
-/// alone. The connection closes with `conn`.
-fn kill_stray(conn: WorkerConn) {
+/// of its PID namespace and carries this daemon's marker `owner` (the whole namespace goes
+/// with it), else the worker alone. The connection closes with `conn`.
+fn kill_stray(conn: WorkerConn, owner: &[u8]) {
     let worker = conn.pid;
-    let init = parent_of(worker).filter(|&p| p > 1 && is_namespace_init(p));
+    let init = parent_of(worker).filter(|&p| p > 1 && is_namespace_init(p) && is_marked(p, owner));
     let target = init.unwrap_or(worker);
     // SAFETY: kill(2) only sends a signal, to a process that connected to this daemon's
     // workers socket (in its state directory) as a worker, or to the init of its namespace.
@@ -356,6 +371,12 @@ fn kill_stray(conn: WorkerConn) {
         reattach = conn.hello.reattach,
         "killed a worker of an instance this torpord does not hold: a restore an earlier torpord had in flight when it stopped finished after this one started"
     );
+}
+
+/// Whether the environment of `pid` holds the entry `owner` (`KEY=VALUE`, whole).
+fn is_marked(pid: i32, owner: &[u8]) -> bool {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .is_ok_and(|env| env.split(|b| *b == 0).any(|entry| entry == owner))
 }
 
 /// The parent of `pid` (`/proc/PID/stat` field 4).

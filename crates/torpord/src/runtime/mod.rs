@@ -35,6 +35,8 @@ pub mod instance;
 pub mod invoke;
 pub mod keepalive;
 pub mod lifecycle;
+pub mod page_profile;
+pub mod pages_pending;
 pub mod pool;
 pub mod process;
 pub mod readopt;

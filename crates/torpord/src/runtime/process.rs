@@ -34,7 +34,7 @@ pub struct HowToRestore {
     /// state_dir (pulled from the object store) reaches this one. `None`: as recorded.
     pub state_dir: Option<std::path::PathBuf>,
     /// Torpor's page server: the hot set to serve first (a profile recorded at deploy,
-    /// crate::page_profile).
+    /// crate::runtime::page_profile).
     pub profile_in: Option<std::path::PathBuf>,
     /// Torpor's page server: record the faults' order here, serving faults only (a deploy's
     /// profiling restore, whose tree is thrown away after its warm-up).

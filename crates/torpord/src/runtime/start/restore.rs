@@ -20,7 +20,7 @@ use crate::runtime::start::{NewInstance, StartError, RESTORE_PAUSE};
 use crate::runtime::Runtime;
 use crate::sync::lock;
 
-/// The instance's pages-pending marker (crate::recovery::pages_pending), removed when dropped:
+/// The instance's pages-pending marker (crate::runtime::pages_pending), removed when dropped:
 /// once its pages are all in, or when its start fails.
 struct PagesMark {
     root: std::path::PathBuf,
@@ -29,7 +29,7 @@ struct PagesMark {
 
 impl Drop for PagesMark {
     fn drop(&mut self) {
-        crate::recovery::pages_served(&self.root, &self.id);
+        crate::runtime::pages_pending::served(&self.root, &self.id);
     }
 }
 
@@ -61,11 +61,11 @@ impl Runtime {
         let how_pages = self.config.restore_server.pages.source(info.gpu);
         // Its own new cgroup, never its source's: CRIU restores the tree into it.
         let cgroup = self.worker_cgroup(new.id, &info.spec)?;
-        // The hot set recorded at deploy (crate::page_profile), for the function snapshot's
+        // The hot set recorded at deploy (crate::runtime::page_profile), for the function snapshot's
         // restores by Torpor's page server.
         let profile_in = match (sleeper, how_pages) {
             (None, torpor_snapshot::restore::PageSource::Lazy) => {
-                crate::page_profile::recorded(&self.state_root, &info.snapshot_id)
+                crate::runtime::page_profile::recorded(&self.state_root, &info.snapshot_id)
             }
             _ => None,
         };
@@ -97,7 +97,7 @@ impl Runtime {
         // Before the instance's registry row (adopt): a daemon killed while its pages are
         // still served must not re-adopt it (crate::recovery::drop_pages_pending).
         if pages.is_some() {
-            if let Err(e) = crate::recovery::pages_pending(&self.state_root, new.id) {
+            if let Err(e) = crate::runtime::pages_pending::mark(&self.state_root, new.id) {
                 kill_tree(init);
                 return Err(StartError::Restore {
                     function: name.to_string(),
