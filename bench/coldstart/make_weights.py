@@ -59,6 +59,9 @@ def save_model(model: torch.nn.Module, out: Path, metadata: dict[str, str]) -> t
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     save_file(tensors, str(tmp), metadata={**metadata, "aliases": json.dumps(aliases, sort_keys=True)})
+    # Readable by others whatever the umask: torpord's workers run as an unprivileged user and
+    # must read the weights (workers.unprivileged, docs/security.md).
+    os.chmod(tmp, 0o644)
     os.replace(tmp, out)
     return len(tensors), len(aliases), sum(t.numel() * t.element_size() for t in tensors.values())
 

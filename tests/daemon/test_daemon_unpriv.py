@@ -229,6 +229,30 @@ def test_a_function_directory_its_user_cannot_read_is_refused_in_one_line(
     assert "chmod o+rX" in lines[0], lines
 
 
+def test_a_data_file_its_user_cannot_read_is_refused_in_one_line(
+    torpord: Torpord, deployed: dict[str, Any], tmp_path: Path
+) -> None:
+    """A declared data file written under a umask of 077 (mode 600, root's): refused at deploy with
+    the file, its mode and the fix, not left to fail in setup() (safetensors would say "No such
+    file or directory" for a file it may not open)."""
+    d = function_dir(tmp_path, "prober-data", "alpha")
+    weights = d / "weights.bin"
+    weights.write_bytes(b"\0" * 4096)
+    weights.chmod(0o600)
+    toml = d / "torpor.toml"
+    text = toml.read_text().replace(
+        "[scaling]", '[[data]]\nname = "weights"\npath = "weights.bin"\nsize = "auto"\naccess = "read-only"\n\n[scaling]', 1
+    )
+    toml.write_text(text)
+    r = torpord.cli("deploy", d)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, (r.stdout, r.stderr)
+    assert f'the data "weights" of the function, {weights} (mode 600, owner 0:0) cannot be read by its workers' in lines[0], lines
+    assert "chmod o+r;" in lines[0] and "umask of 077" in lines[0], lines
+    weights.chmod(0o644)
+    torpord.deploy(d)
+
+
 def test_with_unprivileged_off_workers_run_as_root_as_before(
     torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

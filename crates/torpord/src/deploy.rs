@@ -263,7 +263,18 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, R
     let registry = Arc::clone(&rt.registry);
     let spec = spec.clone();
     let user = rt.worker_user(&spec.json)?;
-    crate::function_mounts::check_readable(&spec.dir, user)?;
+    let data: Vec<(String, std::path::PathBuf)> = spec.json["data"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| {
+            Some((
+                d["name"].as_str()?.to_string(),
+                d["abs_path"].as_str()?.into(),
+            ))
+        })
+        .collect();
+    crate::function_mounts::check_readable(&spec.dir, &data, user)?;
     let key = base_key(&spec.json, &rt.split, user)?;
     tokio::task::spawn_blocking(move || {
         registry.transaction(|s| {

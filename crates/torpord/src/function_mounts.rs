@@ -38,28 +38,55 @@ pub async fn bind_function_dir(init: i32, dir: &Path, unprivileged: bool) -> Res
     Ok(())
 }
 
-/// A function's directory its workers' user could not read.
+/// A function's directory, or one of its declared data files, its workers' user could not read.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "the function directory {} (mode {mode:o}, owner {owner}:{group}) cannot be read by its \
-     workers, which run as uid {uid} (workers.unprivileged): make it readable and searchable by \
-     others (chmod o+rX), or give it to that uid or gid",
-    dir.display()
+    "{what} {} (mode {mode:o}, owner {owner}:{group}) cannot be read by its workers, which run as \
+     uid {uid} (workers.unprivileged): make it readable by others (chmod o+r{x}; a umask of 077 \
+     leaves new files unreadable), or give it to that uid or gid",
+    path.display(),
+    x = if *.dir { "X" } else { "" }
 )]
 pub struct UnreadableError {
-    dir: PathBuf,
+    what: String,
+    path: PathBuf,
+    dir: bool,
     mode: u32,
     owner: u32,
     group: u32,
     uid: u32,
 }
 
-/// Refuses a function directory `user` can neither list nor enter (only the directory itself is
-/// checked: the way to it is made traversable in the worker's mount namespace, and the files
-/// under it are the function's business). `None`: root reads anything.
-pub fn check_readable(dir: &Path, user: Option<User>) -> Result<(), UnreadableError> {
+/// Refuses a function whose directory `user` can neither list nor enter, or one of whose declared
+/// data files (`data`: name and path) `user` cannot read: the worker would fail later, in its
+/// setup, with an error that names neither the cause nor the fix (safetensors says "No such file
+/// or directory" for any file it cannot open). The way to the directory is made traversable in
+/// the worker's mount namespace; other files under it are the function's business. `None`: root
+/// reads anything.
+pub fn check_readable(
+    dir: &Path,
+    data: &[(String, PathBuf)],
+    user: Option<User>,
+) -> Result<(), UnreadableError> {
+    let Some(user) = user else {
+        return Ok(());
+    };
+    check_one(dir, "the function directory".to_string(), true, user)?;
+    for (name, path) in data {
+        check_one(
+            path,
+            format!("the data {name:?} of the function,"),
+            false,
+            user,
+        )?;
+    }
+    Ok(())
+}
+
+fn check_one(path: &Path, what: String, dir: bool, user: User) -> Result<(), UnreadableError> {
     use std::os::unix::fs::MetadataExt;
-    let (Some(user), Ok(meta)) = (user, std::fs::metadata(dir)) else {
+    // A path that cannot be read at all is the spec check's to report, not this one's.
+    let Ok(meta) = std::fs::metadata(path) else {
         return Ok(());
     };
     let mode = meta.mode() & 0o7777;
@@ -70,11 +97,14 @@ pub fn check_readable(dir: &Path, user: Option<User>) -> Result<(), UnreadableEr
     } else {
         mode
     };
-    if bits & 0o5 == 0o5 {
+    let needed = if dir { 0o5 } else { 0o4 };
+    if bits & needed == needed {
         return Ok(());
     }
     Err(UnreadableError {
-        dir: dir.to_path_buf(),
+        what,
+        path: path.to_path_buf(),
+        dir,
         mode,
         owner: meta.uid(),
         group: meta.gid(),
