@@ -143,6 +143,15 @@ def generated_weights(name: str) -> Path:
 # Arguments and daemon configs
 
 
+def choose(p: argparse.ArgumentParser, text: str, allowed: Any, what: str) -> list[str]:
+    """The names of a comma list, each one of `allowed` (else argparse's error, naming them)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    for m in names:
+        if m not in allowed:
+            p.error(f"unknown {what} {m!r}: one of {', '.join(allowed)}")
+    return names
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="resnet152,gpt2-large", help=f"comma list of {', '.join(MODELS)}")
@@ -176,14 +185,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--torpor", type=Path, help="torpor binary (default $TORPOR_BIN, target/{release,debug})")
     p.add_argument("--keep", action="store_true", help="keep the work dir (state dirs, daemon logs)")
     a = p.parse_args(argv)
-    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    for m in a.models:
-        if m not in MODELS:
-            p.error(f"unknown model {m!r}: one of {', '.join(MODELS)}")
-    for m in a.modes:
-        if m not in MODES:
-            p.error(f"unknown mode {m!r}: one of {', '.join(MODES)}")
+    a.models = choose(p, a.models, MODELS, "model")
+    a.modes = choose(p, a.modes, MODES, "mode")
     # Modes run in the documented order, whatever order they were given in.
     a.modes = [m for m in MODES if m in a.modes]
     if a.runs < 1 or a.warm_max < 0 or a.hold_s <= 0:

@@ -154,14 +154,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="past this many minutes, rows get one run each (Torpor's deploys always run); the JSON is rewritten after every row",
     )
     a = p.parse_args(argv)
-    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    for m in a.models:
-        if m not in MODELS:
-            p.error(f"unknown model {m!r}: one of {', '.join(MODELS)}")
-    for m in a.modes:
-        if m not in MODES:
-            p.error(f"unknown mode {m!r}: one of {', '.join(MODES)}")
+    a.models = split.choose(p, a.models, MODELS, "model")
+    a.modes = split.choose(p, a.modes, MODES, "mode")
     a.modes = [m for m in ORDER if m in a.modes]
     if a.runs is not None and a.runs < 1:
         p.error("--runs must be at least 1")

@@ -151,20 +151,7 @@ fn veil_path_to(target: &Path, writable_areas: &mut Vec<PathBuf>) -> Result<bool
 /// Mounts a veil at `dir`: an empty tmpfs of the process's own (named
 /// [`mounts::OWN_TMPFS_SOURCE`]: a snapshot archives its few empty directories), mode 0755, small.
 fn mount_veil(dir: &Path) -> io::Result<()> {
-    let target = path_cstring(dir)?;
-    let source = path_cstring(Path::new(mounts::OWN_TMPFS_SOURCE))?;
-    // SAFETY: all pointers are valid NUL-terminated strings; the mount goes into this
-    // process's own private namespace.
-    sys::check(unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target.as_ptr(),
-            c"tmpfs".as_ptr(),
-            libc::MS_NOSUID | libc::MS_NODEV,
-            c"mode=0755,size=1m".as_ptr().cast(),
-        )
-    })?;
-    Ok(())
+    mount_own(dir, c"mode=0755,size=1m")
 }
 
 // From <linux/mount.h>.
@@ -299,6 +286,11 @@ fn detach_all(point: &str) -> io::Result<()> {
 /// snapshot archives it (and no other tmpfs).
 fn mount_own_tmpfs(dir: &Path) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
+    mount_own(dir, c"mode=1777")
+}
+
+/// A tmpfs named [`mounts::OWN_TMPFS_SOURCE`] at `dir`, with tmpfs `options`.
+fn mount_own(dir: &Path, options: &std::ffi::CStr) -> io::Result<()> {
     let target = path_cstring(dir)?;
     let source = path_cstring(Path::new(mounts::OWN_TMPFS_SOURCE))?;
     // SAFETY: all pointers are valid NUL-terminated strings; the mount goes into this
@@ -309,7 +301,7 @@ fn mount_own_tmpfs(dir: &Path) -> io::Result<()> {
             target.as_ptr(),
             c"tmpfs".as_ptr(),
             libc::MS_NOSUID | libc::MS_NODEV,
-            c"mode=1777".as_ptr().cast(),
+            options.as_ptr().cast(),
         )
     })?;
     Ok(())
