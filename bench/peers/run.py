@@ -428,10 +428,20 @@ class Bench:
             return f"{e} (make build, or on the GPU machine make gpu-carry)"
         return None
 
-    def torpor_rows(self, model: str, modes: list[str]) -> list[Json]:
+    def add(self, row: Json) -> None:
+        """Records a finished row and rewrites the JSON (a part cut off at the device's time
+        limit keeps every row it finished)."""
+        if row.get("skipped"):
+            self.say(f"{row['model']}/{row['mode']}: skipped: {row['skipped']}")
+        self.results.append(finish_row(row))
+        self.save()
+
+    def torpor_rows(self, model: str, modes: list[str]) -> None:
         why = self.torpor_skip(model)
         if why is not None:
-            return [{"model": model, "mode": m, "runs": [], "skipped": why} for m in modes]
+            for m in modes:
+                self.add({"model": model, "mode": m, "runs": [], "skipped": why})
+            return
         self.weights(model)
         bench = self.split_bench()
         size = CACHE_BYTES.get(model)
@@ -440,7 +450,6 @@ class Bench:
         ]
         bench.a.extra = split.parse_daemon_config(items)
         bench.a.runs = self.runs(model)
-        rows = []
         for mode in modes:
             self.say(f"{model}/{mode}: through torpord (bench/coldstart/split.py)")
             try:
@@ -449,8 +458,12 @@ class Bench:
                 out = {"model": model, "mode": mode, "runs": [], "error": f"{type(e).__name__}: {e}"}
                 bench.errors.append(f"{model}/{mode}: {out['error']}")
                 self.say(f"{model}/{mode}: FAILED: {out['error'][:2000]}")
-            rows.append(self.torpor_row(bench, model, mode, out))
-        return rows
+            self.add(self.torpor_row(bench, model, mode, out))
+        if bench.daemon is not None:
+            # Its caches (GPU and pinned host memory) must not sit beside the next model's peers;
+            # the state directory stays, so a later mode restarts a daemon on the same deploys.
+            bench.daemon.stop()
+            bench.daemon = None
 
     def split_bench(self) -> Any:
         """One split.Bench for the whole part (its daemons restart per model and mode config)."""
@@ -542,23 +555,18 @@ class Bench:
                     row = {"model": model, "mode": mode, "runs": [], "error": f"{type(e).__name__}: {e}"}
                     self.errors.append(f"{model}/{mode}: {row['error']}")
                     self.say(f"{model}/{mode}: FAILED: {row['error'][:2000]}")
-                if row.get("skipped"):
-                    self.say(f"{model}/{mode}: skipped: {row['skipped']}")
-                self.results.append(finish_row(row))
-                self.save()
+                self.add(row)
             if torpor_modes:
                 try:
-                    rows = self.torpor_rows(model, torpor_modes)
+                    self.torpor_rows(model, torpor_modes)
                 except Exception as e:
                     err = f"{type(e).__name__}: {e}"
                     self.errors.append(f"{model}/torpor: {err}")
                     self.say(f"{model}/torpor: FAILED: {err[:2000]}")
-                    rows = [{"model": model, "mode": m, "runs": [], "error": err} for m in torpor_modes]
-                for row in rows:
-                    if row.get("skipped"):
-                        self.say(f"{model}/{row['mode']}: skipped: {row['skipped']}")
-                    self.results.append(finish_row(row))
-                    self.save()
+                    done = {r["mode"] for r in self.results if r["model"] == model}
+                    for m in torpor_modes:
+                        if m not in done:
+                            self.add({"model": model, "mode": m, "runs": [], "error": err})
 
     def document(self) -> Json:
         a = self.a
