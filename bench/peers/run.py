@@ -250,6 +250,7 @@ class Bench:
         self.errors: list[str] = []
         self.best: dict[str, Json] = {}
         self.cache_dropped = False
+        self.weight_bytes: dict[str, int] = {}
         self.torpor: Json = {}
         self.torpor_doc: Json | None = None
         self.info: Json = machine()
@@ -289,6 +290,7 @@ class Bench:
             if r.returncode != 0:
                 raise RuntimeError(f"writing {path} failed:\n{r.stdout}\n{r.stderr[-3000:]}")
             self.say(f"{r.stdout.strip()} ({time.perf_counter() - t0:.1f} s)")
+        self.weight_bytes[model] = path.stat().st_size
         return path
 
     # -----------------------------------------------------------------------------------------
@@ -582,6 +584,7 @@ class Bench:
                 "best_loader": a.best_loader,
                 "drop_cache": not a.no_drop_cache,
                 "weights": {m: lm.SPECS[m].dtype for m in a.models},
+                "weights_bytes": self.weight_bytes,
                 "each run": "a fresh process (peers) or a fresh restore (Torpor), the same request, the logits' SHA-256",
             },
             "results": self.results,
