@@ -64,7 +64,9 @@ def size(n: float | None) -> str:
         return "?"
     if n == 0:
         return "0"
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+    if n >= 1e8:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 
 
 def cell(r: Json | None) -> str:
