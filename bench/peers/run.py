@@ -323,14 +323,31 @@ class Bench:
             run.update(dropped)
         return run
 
+    def gpu_bytes(self, pid: int, baseline: int | None) -> tuple[int | None, str]:
+        """The GPU memory of process `pid`: NVML's per-process figure, else (a PID namespace
+        can hide it) the device's used memory above `baseline`, taken before the process
+        started (nothing else runs on the GPU meanwhile)."""
+        if self.device != "cuda":
+            return 0, "no GPU"
+        got = split.gpu_memory_by_pid().get(pid)
+        if got is not None:
+            return got, "nvml-process"
+        used = device_used_bytes()
+        if used is None or baseline is None:
+            return None, "unknown"
+        return max(0, used - baseline), "nvml-device-delta"
+
     def served_run(self, model: str, weights: Path, role: str, loader: str, disk: bool) -> Json:
+        baseline = device_used_bytes() if self.device == "cuda" else None
         p = PeerProcess(self.worker_argv(role, model, weights, loader), self.log)
         try:
             ready = p.message(self.a.timeout_s)["ready"]
             pid = p.proc.pid
+            gpu, source = self.gpu_bytes(pid, baseline)
             idle = {
                 "host_rss_bytes": split.process_rss(pid),
-                "gpu_bytes": split.gpu_memory_by_pid().get(pid) if self.device == "cuda" else 0,
+                "gpu_bytes": gpu,
+                "gpu_bytes_source": source,
                 "torch_reserved_bytes": ready.get("torch_reserved_bytes"),
                 "setup_s": ready.get("setup_s"),
             }
@@ -342,10 +359,7 @@ class Bench:
             msg = p.message(self.a.timeout_s)
             wall = time.perf_counter() - t0
             # What it holds once it answered (weights on the device): a warm process's cost.
-            idle["after_answer"] = {
-                "host_rss_bytes": split.process_rss(pid),
-                "gpu_bytes": split.gpu_memory_by_pid().get(pid) if self.device == "cuda" else 0,
-            }
+            idle["after_answer"] = {"host_rss_bytes": split.process_rss(pid), "gpu_bytes": self.gpu_bytes(pid, baseline)[0]}
         finally:
             rc = p.close()
         run: Json = {
@@ -602,6 +616,19 @@ class Bench:
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         os.replace(tmp, self.a.out)
         return doc
+
+
+def device_used_bytes() -> int | None:
+    """Used memory of GPU 0 (NVML, through nvidia-smi), None without one."""
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--id=0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = r.stdout.strip()
+    return int(text) * (1 << 20) if r.returncode == 0 and text.isdigit() else None
 
 
 def gpu_present() -> bool:
