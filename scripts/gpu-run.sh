@@ -193,8 +193,8 @@ if [ "$MODE" = peers ]; then
   echo "== bench/peers (the ways users start the same model, side by side, and Torpor's)"
   # An earlier part's Torpor work dirs (kept after an error) would fill the disk: 16 GB each at 8B.
   [ -n "${PEERS_KEEP_OLD:-}" ] || rm -rf /var/tmp/torpor-split/run-*
-  # shellcheck disable=SC2086 # PEERS_ARGS is a list of flags
   part=peers${PEERS_PART:+-$PEERS_PART}
+  # shellcheck disable=SC2086 # PEERS_ARGS is a list of flags
   python3 bench/peers/run.py --out "$OUT/$part.json" ${PEERS_ARGS:-} 2>&1 | tee "$OUT/$part.log"
   perc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$perc
   df -h /var/tmp | tail -1

@@ -53,6 +53,7 @@ def merge(parts: list[Json]) -> Json:
     settings["models"] = models
     settings["modes"] = [m for m in run.ORDER if any(r["mode"] == m for r in results)]
     settings["runs"] = {k: v for p in parts for k, v in (p["settings"].get("runs") or {}).items()}
+    settings["weights_bytes"] = {k: v for p in parts for k, v in (p["settings"].get("weights_bytes") or {}).items()}
     settings["merged_from"] = len(parts)
     torpor: Json = {"deploys": {}, "errors": []}
     for p in parts:

@@ -246,6 +246,7 @@ class Bench:
         self.errors: list[str] = []
         self.best: dict[str, Json] = {}
         self.cache_dropped = False
+        self.weight_bytes: dict[str, int] = {}
         self.torpor: Json = {}
         self.torpor_doc: Json | None = None
         self.info: Json = machine()
@@ -285,6 +286,7 @@ class Bench:
             if r.returncode != 0:
                 raise RuntimeError(f"writing {path} failed:\n{r.stdout}\n{r.stderr[-3000:]}")
             self.say(f"{r.stdout.strip()} ({time.perf_counter() - t0:.1f} s)")
+        self.weight_bytes[model] = path.stat().st_size
         return path
 
     # -----------------------------------------------------------------------------------------
@@ -317,14 +319,31 @@ class Bench:
             run.update(dropped)
         return run
 
+    def gpu_bytes(self, pid: int, baseline: int | None) -> tuple[int | None, str]:
+        """The GPU memory of process `pid`: NVML's per-process figure, else (a PID namespace
+        can hide it) the device's used memory above `baseline`, taken before the process
+        started (nothing else runs on the GPU meanwhile)."""
+        if self.device != "cuda":
+            return 0, "no GPU"
+        got = split.gpu_memory_by_pid().get(pid)
+        if got is not None:
+            return got, "nvml-process"
+        used = device_used_bytes()
+        if used is None or baseline is None:
+            return None, "unknown"
+        return max(0, used - baseline), "nvml-device-delta"
+
     def served_run(self, model: str, weights: Path, role: str, loader: str, disk: bool) -> Json:
+        baseline = device_used_bytes() if self.device == "cuda" else None
         p = PeerProcess(self.worker_argv(role, model, weights, loader), self.log)
         try:
             ready = p.message(self.a.timeout_s)["ready"]
             pid = p.proc.pid
+            gpu, source = self.gpu_bytes(pid, baseline)
             idle = {
                 "host_rss_bytes": split.process_rss(pid),
-                "gpu_bytes": split.gpu_memory_by_pid().get(pid) if self.device == "cuda" else 0,
+                "gpu_bytes": gpu,
+                "gpu_bytes_source": source,
                 "torch_reserved_bytes": ready.get("torch_reserved_bytes"),
                 "setup_s": ready.get("setup_s"),
             }
@@ -336,10 +355,7 @@ class Bench:
             msg = p.message(self.a.timeout_s)
             wall = time.perf_counter() - t0
             # What it holds once it answered (weights on the device): a warm process's cost.
-            idle["after_answer"] = {
-                "host_rss_bytes": split.process_rss(pid),
-                "gpu_bytes": split.gpu_memory_by_pid().get(pid) if self.device == "cuda" else 0,
-            }
+            idle["after_answer"] = {"host_rss_bytes": split.process_rss(pid), "gpu_bytes": self.gpu_bytes(pid, baseline)[0]}
         finally:
             rc = p.close()
         run: Json = {
@@ -424,10 +440,20 @@ class Bench:
             return f"{e} (make build, or on the GPU machine make gpu-carry)"
         return None
 
-    def torpor_rows(self, model: str, modes: list[str]) -> list[Json]:
+    def add(self, row: Json) -> None:
+        """Records a finished row and rewrites the JSON (a part cut off at the device's time
+        limit keeps every row it finished)."""
+        if row.get("skipped"):
+            self.say(f"{row['model']}/{row['mode']}: skipped: {row['skipped']}")
+        self.results.append(finish_row(row))
+        self.save()
+
+    def torpor_rows(self, model: str, modes: list[str]) -> None:
         why = self.torpor_skip(model)
         if why is not None:
-            return [{"model": model, "mode": m, "runs": [], "skipped": why} for m in modes]
+            for m in modes:
+                self.add({"model": model, "mode": m, "runs": [], "skipped": why})
+            return
         self.weights(model)
         bench = self.split_bench()
         size = CACHE_BYTES.get(model)
@@ -442,7 +468,6 @@ class Bench:
         ]
         bench.a.extra = split.parse_daemon_config(items)
         bench.a.runs = self.runs(model)
-        rows = []
         for mode in modes:
             self.say(f"{model}/{mode}: through torpord (bench/coldstart/split.py)")
             try:
@@ -451,8 +476,12 @@ class Bench:
                 out = {"model": model, "mode": mode, "runs": [], "error": f"{type(e).__name__}: {e}"}
                 bench.errors.append(f"{model}/{mode}: {out['error']}")
                 self.say(f"{model}/{mode}: FAILED: {out['error'][:2000]}")
-            rows.append(self.torpor_row(bench, model, mode, out))
-        return rows
+            self.add(self.torpor_row(bench, model, mode, out))
+        if bench.daemon is not None:
+            # Its caches (GPU and pinned host memory) must not sit beside the next model's peers;
+            # the state directory stays, so a later mode restarts a daemon on the same deploys.
+            bench.daemon.stop()
+            bench.daemon = None
 
     def split_bench(self) -> Any:
         """One split.Bench for the whole part (its daemons restart per model and mode config)."""
@@ -545,23 +574,18 @@ class Bench:
                     row = {"model": model, "mode": mode, "runs": [], "error": f"{type(e).__name__}: {e}"}
                     self.errors.append(f"{model}/{mode}: {row['error']}")
                     self.say(f"{model}/{mode}: FAILED: {row['error'][:2000]}")
-                if row.get("skipped"):
-                    self.say(f"{model}/{mode}: skipped: {row['skipped']}")
-                self.results.append(finish_row(row))
-                self.save()
+                self.add(row)
             if torpor_modes:
                 try:
-                    rows = self.torpor_rows(model, torpor_modes)
+                    self.torpor_rows(model, torpor_modes)
                 except Exception as e:
                     err = f"{type(e).__name__}: {e}"
                     self.errors.append(f"{model}/torpor: {err}")
                     self.say(f"{model}/torpor: FAILED: {err[:2000]}")
-                    rows = [{"model": model, "mode": m, "runs": [], "error": err} for m in torpor_modes]
-                for row in rows:
-                    if row.get("skipped"):
-                        self.say(f"{model}/{row['mode']}: skipped: {row['skipped']}")
-                    self.results.append(finish_row(row))
-                    self.save()
+                    done = {r["mode"] for r in self.results if r["model"] == model}
+                    for m in torpor_modes:
+                        if m not in done:
+                            self.add({"model": model, "mode": m, "runs": [], "error": err})
 
     def document(self) -> Json:
         a = self.a
@@ -577,6 +601,7 @@ class Bench:
                 "best_loader": a.best_loader,
                 "drop_cache": not a.no_drop_cache,
                 "weights": {m: lm.SPECS[m].dtype for m in a.models},
+                "weights_bytes": self.weight_bytes,
                 "each run": "a fresh process (peers) or a fresh restore (Torpor), the same request, the logits' SHA-256",
             },
             "results": self.results,
@@ -594,6 +619,19 @@ class Bench:
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         os.replace(tmp, self.a.out)
         return doc
+
+
+def device_used_bytes() -> int | None:
+    """Used memory of GPU 0 (NVML, through nvidia-smi), None without one."""
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--id=0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = r.stdout.strip()
+    return int(text) * (1 << 20) if r.returncode == 0 and text.isdigit() else None
 
 
 def gpu_present() -> bool:

@@ -65,7 +65,9 @@ def size(n: float | None) -> str:
         return "?"
     if n == 0:
         return "0"
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+    if n >= 1e8:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 
 
 def cell(r: Json | None) -> str:
@@ -103,9 +105,14 @@ def targets_line(d: Json) -> str:
 def headline(d: Json) -> str:
     """Mode × model medians of start → first answer, with what each keeps while idle."""
     models = models_of(d)
-    names = [MODEL_NAMES.get(m, m) for m in models]
+    sizes = (d.get("settings") or {}).get("weights_bytes") or {}
+    names = [MODEL_NAMES.get(m, m) + (f" ({size(sizes[m])})" if sizes.get(m) else "") for m in models]
     out = [
-        "| how the instance starts | " + " | ".join(names) + " | " + " | ".join(f"kept while idle ({n.split(',')[0]})" for n in names) + " |",
+        "| how the instance starts | "
+        + " | ".join(names)
+        + " | "
+        + " | ".join(f"kept while idle ({MODEL_NAMES.get(m, m).split(',')[0]})" for m in models)
+        + " |",
         "|---|" + "---|" * (2 * len(models)),
     ]
     for mode in modes_of(d):
