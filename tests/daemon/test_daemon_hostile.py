@@ -206,8 +206,14 @@ def test_idle_tcp_connections_are_bounded_closed_and_leave_the_unix_socket_answe
         assert r.returncode == 0, r
         assert hostile.request("GET", "/v1/status", timeout=5).status == 200
         assert time.monotonic() - t < 5
-        # All but the newest (at most max_connections) were closed already to make room.
-        early = sum(closed_by_peer(s) for s in socks)
+        # All but the newest (at most max_connections) were closed already to make room. Some
+        # may still wait in the kernel's accept backlog (neither the daemon's nor closed: seen on
+        # a loaded 2-core CI run, 1944 of 2000): half the header timeout lets the daemon drain it.
+        drained = time.monotonic() + HEADER_TIMEOUT_S / 2
+        while (early := sum(closed_by_peer(s) for s in socks)) < len(socks) - MAX_CONNECTIONS:
+            if time.monotonic() > drained:
+                break
+            time.sleep(0.05)
         assert early >= len(socks) - MAX_CONNECTIONS, early
         # The rest close themselves after the header timeout.
         deadline = time.monotonic() + HEADER_TIMEOUT_S + 5
