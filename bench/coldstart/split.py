@@ -143,6 +143,21 @@ def generated_weights(name: str) -> Path:
 # Arguments and daemon configs
 
 
+def drop_page_cache(allowed: bool) -> Json:
+    """Writes dirty pages back and drops the kernel's page cache (root; refused where /proc/sys
+    is read-only, as in some containers: then say so rather than pretend); says whether it
+    happened and why not. The peer benchmark uses it too."""
+    if not allowed:
+        return {"page_cache_dropped": False, "why": "--no-drop-cache"}
+    t0 = time.perf_counter()
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as e:
+        return {"page_cache_dropped": False, "why": f"{type(e).__name__}: {e}"}
+    return {"page_cache_dropped": True, "drop_s": round(time.perf_counter() - t0, 3)}
+
+
 def choose(p: argparse.ArgumentParser, text: str, allowed: Any, what: str) -> list[str]:
     """The names of a comma list, each one of `allowed` (else argparse's error, naming them)."""
     names = [m.strip() for m in text.split(",") if m.strip()]
@@ -737,17 +752,7 @@ class Bench:
         return self.ensure_copy_deployed(d, model, "standby", 'standby = 1\nstandby_gpu = "released"')
 
     def drop_page_cache(self) -> Json:
-        """Writes dirty pages back and drops the kernel's page cache (root; refused where
-        /proc/sys is read-only, as in some containers: then say so rather than pretend)."""
-        if self.a.no_drop_cache:
-            return {"page_cache_dropped": False, "why": "--no-drop-cache"}
-        t0 = time.perf_counter()
-        os.sync()
-        try:
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        except OSError as e:
-            return {"page_cache_dropped": False, "why": f"{type(e).__name__}: {e}"}
-        return {"page_cache_dropped": True, "drop_s": round(time.perf_counter() - t0, 3)}
+        return drop_page_cache(not self.a.no_drop_cache)
 
     def cold_disk_run(self, d: Daemon, model: Model, i: int) -> Json:
         d.stop_function(model.name)

@@ -167,19 +167,6 @@ def summary(values: list[float]) -> Json | None:
     return out
 
 
-def drop_page_cache(allowed: bool) -> Json:
-    """sync; echo 3 > /proc/sys/vm/drop_caches (root); says whether it happened and why not."""
-    if not allowed:
-        return {"page_cache_dropped": False, "why": "--no-drop-cache"}
-    t0 = time.perf_counter()
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as e:
-        return {"page_cache_dropped": False, "why": f"{type(e).__name__}: {e}"}
-    return {"page_cache_dropped": True, "drop_s": round(time.perf_counter() - t0, 3)}
-
-
 def read_file(path: Path) -> float:
     """Reads `path` once, so its pages are in the page cache; returns the seconds it took."""
     t0 = time.perf_counter()
@@ -305,7 +292,7 @@ class Bench:
         ]  # fmt: skip
 
     def scratch_run(self, model: str, weights: Path, loader: str, disk: bool) -> Json:
-        dropped = drop_page_cache(not self.a.no_drop_cache) if disk else None
+        dropped = split.drop_page_cache(not self.a.no_drop_cache) if disk else None
         if dropped is not None:
             self.cache_dropped = True
         p = PeerProcess(self.worker_argv("scratch", model, weights, loader), self.log)
@@ -347,7 +334,7 @@ class Bench:
                 "torch_reserved_bytes": ready.get("torch_reserved_bytes"),
                 "setup_s": ready.get("setup_s"),
             }
-            dropped = drop_page_cache(not self.a.no_drop_cache) if disk else None
+            dropped = split.drop_page_cache(not self.a.no_drop_cache) if disk else None
             if dropped is not None:
                 self.cache_dropped = True
             t0 = time.perf_counter()
