@@ -202,3 +202,13 @@ def test_parts_of_one_run_merge_and_parts_of_two_binaries_are_refused(tmp_path: 
     other = {**b, "machine": {**b["machine"], "torpor_commit": "0" * 40}}
     with pytest.raises(merge.MergeError, match="one machine and one binary"):
         merge.merge([a, other])
+
+
+def test_the_residue_table_in_docs_is_the_rendering_of_the_h100_json() -> None:
+    """docs/split.md's residue table is bench/coldstart/residue.py --table of the H100 JSON."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "coldstart" / "residue.py"), "--table", str(ROOT / "bench" / "results" / "residue-h100.json")],
+        capture_output=True, text=True, check=True,
+    )
+    assert "| gpt2-large | stack0 |" in r.stdout, r.stdout
+    assert r.stdout.strip() in (ROOT / "docs" / "split.md").read_text(), "re-render docs/split.md's residue table"

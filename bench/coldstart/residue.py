@@ -1,6 +1,7 @@
 """What the CUDA driver's checkpoint of a split worker holds, and what shrinks it.
 
     python3 bench/coldstart/residue.py [--models ctx,gpt2-large] [--variants base,stack0,...] --out FILE
+    python3 bench/coldstart/residue.py --table FILE   # the Markdown docs/split.md quotes
 
 The split path takes every big buffer out of a worker (the device-memory hook's segments) before
 the snapshot; what the driver's checkpoint still moves into the process — the *residue* — is then
@@ -257,7 +258,29 @@ def one(model: str, variant: str) -> Json:
     return doc
 
 
+def table(doc: Json) -> str:
+    """The residue per model and variant as the Markdown docs/split.md quotes (first run of each)."""
+    lines = [
+        "| worker | variant | segments out | residue (MiB) | driver checkpoint | driver restore | first request after | outputs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        run = next((x for x in r["runs"] if "error" not in x), None)
+        if run is None:
+            lines.append(f"| {r['model']} | {r['variant']} | error: {r['runs'][0]['error'][:80]} |||||")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {run['segments']} ({run['segment_bytes'] / 2**30:.2f} GiB) "
+            f"| {run['residue_bytes'] / 2**20:.0f} | {run['checkpoint_s']:.2f} s | {run['restore_s']:.2f} s "
+            f"| {run['first_request_s'] * 1e3:.0f} ms | {'identical' if run['identical'] else 'DIFFER'} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--table"]:
+        print(table(json.loads(Path(argv[1]).read_text())))
+        return 0
     if argv[:1] == ["--child"]:
         child(argv[1], argv[2], int(argv[3]))
         return 0
