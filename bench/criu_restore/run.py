@@ -58,6 +58,7 @@ Json = dict[str, Any]
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=1536, help="MiB of distinct data the worker holds")
+    p.add_argument("--vmas", type=int, default=0, help="one-page VMAs the worker holds besides (worker.py VMAS)")
     p.add_argument("--runs", type=int, default=5, help="restores per page source and touch pattern")
     p.add_argument("--out", type=Path, help="result JSON (default bench/results/criu-restore-<host>.json)")
     p.add_argument("--worker", type=Path, default=HERE / "worker.py", help="worker program (SOCKET MIB)")
@@ -216,8 +217,9 @@ class Bench:
         shutil.rmtree(snap, ignore_errors=True)
         ready = Path(f"{self.sock}.ready")
         ready.unlink(missing_ok=True)
+        extra = [str(self.a.vmas)] if self.a.vmas else []
         r = self.tp("run", "--log", self.a.work_dir / "worker.log", "--", PYTHON, self.a.worker, self.sock,
-                    str(self.a.mib))
+                    str(self.a.mib), *extra)
         pid = int(r.stdout.strip())
         try:
             wait_for(lambda: ready.exists() or gone(pid), 600, "the worker to hold its data")
@@ -404,6 +406,7 @@ def main(argv: list[str]) -> int:
         "machine": info,
         "settings": {
             "mib": a.mib,
+            "vmas": a.vmas,
             "runs": a.runs,
             "worker": str(a.worker),
             "stage_base": str(a.stage_base),

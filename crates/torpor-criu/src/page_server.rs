@@ -162,30 +162,52 @@ struct Task {
     gone: bool,
 }
 
-/// Removes `[start, end)` from `runs`.
+/// The index of the run that holds `addr`, if any. Runs are sorted and disjoint, so every
+/// lookup is a binary search: a GPU worker's image has tens of thousands of runs (the driver's
+/// residue sits in one-page VMAs), and a linear scan per fault made a restore quadratic.
+fn run_at(runs: &[LazyRun], addr: u64) -> Option<usize> {
+    let i = runs.partition_point(|r| r.end <= addr);
+    (i < runs.len() && runs[i].start <= addr).then_some(i)
+}
+
+/// Removes `[start, end)` from `runs`, touching only the runs it overlaps.
 fn cut(runs: &mut Vec<LazyRun>, start: u64, end: u64) {
-    let mut out = Vec::with_capacity(runs.len() + 1);
-    for r in runs.drain(..) {
-        if r.end <= start || r.start >= end {
-            out.push(r);
-            continue;
-        }
-        if r.start < start {
-            out.push(LazyRun {
-                start: r.start,
-                end: start,
-                offset: r.offset,
-            });
-        }
-        if r.end > end {
-            out.push(LazyRun {
-                start: end,
-                end: r.end,
-                offset: r.offset + (end - r.start),
-            });
+    let lo = runs.partition_point(|r| r.end <= start);
+    let hi = runs.partition_point(|r| r.start < end);
+    if lo >= hi {
+        return;
+    }
+    let (first, last) = (runs[lo], runs[hi - 1]);
+    let mut kept = Vec::with_capacity(2);
+    if first.start < start {
+        kept.push(LazyRun {
+            start: first.start,
+            end: start,
+            offset: first.offset,
+        });
+    }
+    if last.end > end {
+        kept.push(LazyRun {
+            start: end,
+            end: last.end,
+            offset: last.offset + (end - last.start),
+        });
+    }
+    runs.splice(lo..hi, kept);
+}
+
+/// Profile ranges with each range that continues the one before it merged into it, in order:
+/// a profiling restore records the driver's sequential read page by page (one range per fault),
+/// and a hot set served range by range is 60 000 copies where 150 will do.
+fn coalesce(ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (s, e) in ranges {
+        match out.last_mut() {
+            Some(last) if last.0 <= s && s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
         }
     }
-    *runs = out;
+    out
 }
 
 /// Moves the part of `runs` inside `[from, from + len)` to start at `to` (mremap).
@@ -246,12 +268,7 @@ impl Server {
             }
         }
         let task = &self.tasks[t];
-        let Some(run) = task
-            .runs
-            .iter()
-            .find(|r| r.start <= start && start < r.end)
-            .copied()
-        else {
+        let Some(run) = run_at(&task.runs, start).map(|i| task.runs[i]) else {
             return Ok(Copied::Done);
         };
         let end = end.min(run.end);
@@ -308,24 +325,48 @@ impl Server {
         Ok(Copied::Done)
     }
 
+    /// Copies every lazy page of `[start, end)` into task `t`, run by run (one `UFFDIO_COPY`
+    /// each: a copy may not cross a VMA), and returns the bytes copied; `record` appends each
+    /// copied piece to the profile. Stops early when the task is gone or its memory is changing.
+    fn copy_span(
+        &mut self,
+        t: usize,
+        start: u64,
+        end: u64,
+        record: bool,
+    ) -> Result<u64, PageServerError> {
+        let mut copied = 0;
+        let mut at = start;
+        while at < end && !self.tasks[t].gone {
+            let runs = &self.tasks[t].runs;
+            let i = runs.partition_point(|r| r.end <= at);
+            let Some(r) = runs.get(i).copied().filter(|r| r.start < end) else {
+                break;
+            };
+            let (cs, ce) = (r.start.max(at), r.end.min(end));
+            match self.copy(t, cs, ce)? {
+                Copied::Done => {
+                    copied += ce - cs;
+                    if record {
+                        self.profile.push((cs, ce));
+                    }
+                }
+                Copied::Gone | Copied::Again => break,
+            }
+            at = ce;
+        }
+        Ok(copied)
+    }
+
     /// Serves one fault at `addr` of task `t`.
     fn fault(&mut self, t: usize, addr: u64) -> Result<(), PageServerError> {
         let page = addr & !(PAGE_SIZE - 1);
         self.stats.faults += 1;
-        let lazy = self.tasks[t]
-            .runs
-            .iter()
-            .any(|r| r.start <= page && page < r.end);
-        if lazy {
-            let left = |s: &Self| s.tasks[t].runs.iter().map(|r| r.end - r.start).sum::<u64>();
-            let before = left(self);
-            self.copy(t, page, page + FAULT_RUN)?;
-            let copied = before.saturating_sub(left(self));
+        if run_at(&self.tasks[t].runs, page).is_some() {
+            let recording = self.recording;
+            let copied = self.copy_span(t, page, page + FAULT_RUN, recording)?;
             self.stats.fault_pages += copied / PAGE_SIZE;
             self.last_fault = Instant::now();
-            if self.recording {
-                self.profile.push((page, page + copied.max(PAGE_SIZE)));
-            }
             return Ok(());
         }
         // Not in the image (a hole, or memory the task unmapped and mapped again): zeros, or
@@ -431,10 +472,7 @@ impl Server {
             .iter_mut()
             .filter(|t| !t.gone && !t.runs.is_empty())
         {
-            if t.runs
-                .iter()
-                .any(|r| r.start <= PROBE_ADDR && PROBE_ADDR < r.end)
-            {
+            if run_at(&t.runs, PROBE_ADDR).is_some() {
                 continue;
             }
             let mut z = UffdioZeropage {
@@ -464,11 +502,9 @@ impl Server {
         else {
             return Ok(());
         };
-        let r = self.tasks[t].runs[0];
-        let end = r.end.min(r.start + BACKGROUND_RUN);
-        if let Copied::Done = self.copy(t, r.start, end)? {
-            self.stats.background_pages += (end - r.start) / PAGE_SIZE;
-        }
+        let start = self.tasks[t].runs[0].start;
+        let copied = self.copy_span(t, start, start + BACKGROUND_RUN, false)?;
+        self.stats.background_pages += copied / PAGE_SIZE;
         Ok(())
     }
 
@@ -476,22 +512,8 @@ impl Server {
     fn hot(&mut self, ranges: &[(u64, u64)]) -> Result<(), PageServerError> {
         for &(s, e) in ranges {
             for t in 0..self.tasks.len() {
-                let mut at = s;
-                while at < e && !self.tasks[t].gone {
-                    let Some(r) = self.tasks[t]
-                        .runs
-                        .iter()
-                        .find(|r| r.end > at && r.start < e)
-                        .copied()
-                    else {
-                        break;
-                    };
-                    let (cs, ce) = (r.start.max(at), r.end.min(e));
-                    if let Copied::Done = self.copy(t, cs, ce)? {
-                        self.stats.hot_pages += (ce - cs) / PAGE_SIZE;
-                    }
-                    at = ce;
-                }
+                let copied = self.copy_span(t, s, e, false)?;
+                self.stats.hot_pages += copied / PAGE_SIZE;
             }
         }
         Ok(())
@@ -578,8 +600,9 @@ fn read_profile(path: &Path) -> Vec<(u64, u64)> {
                         u64::from_str_radix(b.trim().trim_start_matches("0x"), 16).ok()?,
                     ))
                 })
-                .collect()
+                .collect::<Vec<_>>()
         })
+        .map(coalesce)
         .unwrap_or_default()
 }
 
@@ -754,7 +777,7 @@ pub fn serve(
     }
     if let Some(out) = profile_out {
         let mut text = String::new();
-        for (s, e) in &server.profile {
+        for (s, e) in coalesce(server.profile.iter().copied()) {
             text.push_str(&format!("{s:#x} {e:#x}\n"));
         }
         std::fs::write(&out, text).map_err(io("writing the page profile"))?;
@@ -831,6 +854,53 @@ mod tests {
         );
         cut(&mut runs, 0, 0x10000);
         assert!(runs.is_empty());
+    }
+
+    #[test]
+    fn a_cut_inside_one_run_keeps_both_ends_and_the_order() {
+        let mut runs: Vec<LazyRun> = (0..4u64)
+            .map(|i| run(0x1000 * (2 * i + 1), 0x1000 * (2 * i + 2), 0x1000 * i))
+            .collect();
+        cut(&mut runs, 0x3000, 0x6000);
+        assert_eq!(
+            runs,
+            vec![run(0x1000, 0x2000, 0), run(0x7000, 0x8000, 0x3000)]
+        );
+        let mut one = vec![run(0x1000, 0x9000, 0)];
+        cut(&mut one, 0x4000, 0x5000);
+        assert_eq!(
+            one,
+            vec![run(0x1000, 0x4000, 0), run(0x5000, 0x9000, 0x4000)]
+        );
+        cut(&mut one, 0x9000, 0xa000);
+        assert_eq!(one.len(), 2, "a range past every run cuts nothing");
+    }
+
+    #[test]
+    fn a_run_is_found_by_any_address_inside_it_only() {
+        let runs = vec![run(0x1000, 0x3000, 0), run(0x5000, 0x6000, 0x2000)];
+        assert_eq!(run_at(&runs, 0x1000), Some(0));
+        assert_eq!(run_at(&runs, 0x2fff), Some(0));
+        assert_eq!(run_at(&runs, 0x3000), None);
+        assert_eq!(run_at(&runs, 0x5000), Some(1));
+        assert_eq!(run_at(&runs, 0x0), None);
+        assert_eq!(run_at(&runs, 0x6000), None);
+    }
+
+    #[test]
+    fn a_profile_recorded_page_by_page_coalesces_in_order() {
+        let pages = (0..1000u64).map(|i| (0x10_0000 + i * 0x1000, 0x10_1000 + i * 0x1000));
+        let low = (0x1000, 0x3000);
+        let merged = coalesce(pages.chain([low, (0x2000, 0x4000), (0x9000, 0xa000)]));
+        assert_eq!(
+            merged,
+            vec![
+                (0x10_0000, 0x10_0000 + 1000 * 0x1000),
+                (0x1000, 0x4000),
+                (0x9000, 0xa000)
+            ],
+            "adjacent and overlapping ranges merge; a range before the last one stays in its place"
+        );
     }
 
     #[test]
