@@ -255,14 +255,16 @@ impl Default for RestoreServer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Pages {
-    /// Lazy (Torpor's page server) for CPU functions, copy for GPU ones. CPU: on this project's
-    /// CPU VM a worker holding 1 GiB answered its first request after 0.28 s with Torpor's page
-    /// server, 0.30 s with CRIU's daemon and 0.79 s copying (10 % of its memory touched; 0.60,
-    /// 0.66 and 0.77 s touching all of it: bench/results/criu-restore-pages-cpu.json). GPU: with
-    /// CRIU's daemon the driver's restore read the ~0.7 GB of context it saved into the process
-    /// one fault at a time, 8.5 s instead of 0.25–0.38 s for GPT-2-Large; whether Torpor's page
-    /// server (hot set in bulk before the driver's restore) beats copying there is for the GPU
-    /// machine to measure (`scripts/gpu-run.sh criu-gpu`), so GPU functions copy until then.
+    /// Lazy (Torpor's page server) for CPU functions; for GPU ones lazy once the deploy recorded
+    /// the snapshot's hot set, copy otherwise. CPU: on this project's CPU VM a worker holding
+    /// 1 GiB answered its first request after 0.28 s with Torpor's page server, 0.30 s with
+    /// CRIU's daemon and 0.79 s copying (bench/results/criu-restore-pages-cpu.json). GPU: the
+    /// driver's restore reads the ~0.5 GB of context it saved into the process, in ~60 000
+    /// one-page VMAs; served as the hot set (in bulk, before the driver's restore), GPT-2-Large's
+    /// cold start took 0.85 s against 1.07 s copying on the H100 (ResNet-152 0.75 against 0.89;
+    /// bench/results/split-bench-pages-h100.json). Without a hot set every one of those pages
+    /// would be a fault, so a GPU snapshot with no recorded profile (a hibernated instance, a
+    /// deploy whose profiling restore failed) copies.
     #[default]
     Auto,
     /// Each page on first touch, the rest in the background, by Torpor's page server
@@ -286,15 +288,21 @@ impl Pages {
         }
     }
 
-    /// The page source of a restore of a function that uses a GPU (`gpu`) or not.
-    pub fn source(self, gpu: bool) -> torpor_snapshot::restore::PageSource {
+    /// The page source of a restore of a function that uses a GPU (`gpu`) or not, whose
+    /// snapshot has a recorded hot set (`profiled`) or not.
+    pub fn source(self, gpu: bool, profiled: bool) -> torpor_snapshot::restore::PageSource {
         use torpor_snapshot::restore::PageSource;
         match self {
-            Pages::Auto if gpu => PageSource::Copy,
+            Pages::Auto if gpu && !profiled => PageSource::Copy,
             Pages::Auto | Pages::Lazy => PageSource::Lazy,
             Pages::CriuLazy => PageSource::CriuLazy,
             Pages::Copy => PageSource::Copy,
         }
+    }
+
+    /// Whether a deploy records the function snapshot's hot set (a lazy restore may serve it).
+    pub fn records_profile(self) -> bool {
+        matches!(self, Pages::Auto | Pages::Lazy)
     }
 }
 
@@ -890,10 +898,14 @@ mod tests {
         assert_eq!(c.restore_server.pages, Pages::Auto);
         assert_eq!(c.restore_server.stage_bytes, 8 << 30);
         use torpor_snapshot::restore::PageSource;
-        assert_eq!(Pages::Auto.source(true), PageSource::Copy);
-        assert_eq!(Pages::Auto.source(false), PageSource::Lazy);
-        assert_eq!(Pages::Lazy.source(true), PageSource::Lazy);
-        assert_eq!(Pages::CriuLazy.source(false), PageSource::CriuLazy);
+        assert_eq!(Pages::Auto.source(true, false), PageSource::Copy);
+        assert_eq!(Pages::Auto.source(true, true), PageSource::Lazy);
+        assert_eq!(Pages::Auto.source(false, false), PageSource::Lazy);
+        assert_eq!(Pages::Lazy.source(true, false), PageSource::Lazy);
+        assert_eq!(Pages::CriuLazy.source(false, true), PageSource::CriuLazy);
+        assert_eq!(Pages::Copy.source(false, true), PageSource::Copy);
+        assert!(Pages::Auto.records_profile() && Pages::Lazy.records_profile());
+        assert!(!Pages::Copy.records_profile() && !Pages::CriuLazy.records_profile());
         let c = parse("[restore_server]\npages = \"criu-lazy\"\n").unwrap();
         assert_eq!(c.restore_server.pages, Pages::CriuLazy);
         let c = parse("[restore_server]\npages = \"copy\"\nstage_bytes = 0\n").unwrap();

@@ -855,7 +855,7 @@ async fn steps(
     }
     // The order its restores first touch their pages (crate::runtime::page_profile), where they use
     // Torpor's page server: served first by every later restore.
-    if rt.config.restore_server.pages.source(gpu) == torpor_snapshot::restore::PageSource::Lazy {
+    if rt.config.restore_server.pages.records_profile() {
         journal.step("profile", None).await;
         if let Some((s, r)) = crate::runtime::page_profile::record_at_deploy(
             rt,

@@ -57,18 +57,22 @@ impl Runtime {
             sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id),
             crate::tenant::of_spec(&info.spec),
         );
-        // The page source itself (lazy or copy), as `auto` chose it for this function.
-        let how_pages = self.config.restore_server.pages.source(info.gpu);
+        // The hot set recorded at deploy (crate::runtime::page_profile), for the function
+        // snapshot's restores by Torpor's page server; `auto` picks lazy for a GPU function only
+        // with one.
+        let profile = match sleeper {
+            None => crate::runtime::page_profile::recorded(&self.state_root, &info.snapshot_id),
+            Some(_) => None,
+        };
+        let how_pages = self
+            .config
+            .restore_server
+            .pages
+            .source(info.gpu, profile.is_some());
         // Its own new cgroup, never its source's: CRIU restores the tree into it.
         let cgroup = self.worker_cgroup(new.id, &info.spec)?;
-        // The hot set recorded at deploy (crate::runtime::page_profile), for the function snapshot's
-        // restores by Torpor's page server.
-        let profile_in = match (sleeper, how_pages) {
-            (None, torpor_snapshot::restore::PageSource::Lazy) => {
-                crate::runtime::page_profile::recorded(&self.state_root, &info.snapshot_id)
-            }
-            _ => None,
-        };
+        let profile_in =
+            profile.filter(|_| how_pages == torpor_snapshot::restore::PageSource::Lazy);
         let how = HowToRestore {
             pages: how_pages,
             staged,
