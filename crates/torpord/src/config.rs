@@ -260,10 +260,11 @@ pub enum Pages {
     /// 1 GiB answered its first request after 0.28 s with Torpor's page server, 0.30 s with
     /// CRIU's daemon and 0.79 s copying (bench/results/criu-restore-pages-cpu.json). GPU: the
     /// driver's restore reads the ~0.5 GB of context it saved into the process, in ~60 000
-    /// one-page VMAs; served as the hot set (in bulk, before the driver's restore), GPT-2-Large's
-    /// cold start took 0.85 s against 1.07 s copying on the H100 (ResNet-152 0.75 against 0.89;
-    /// bench/results/split-bench-pages-h100.json). Without a hot set every one of those pages
-    /// would be a fault, so a GPU snapshot with no recorded profile (a hibernated instance, a
+    /// one-page runs of its image. On the H100 (3 runs each, bench/results/split-bench-pages-h100.json and
+    /// split-bench-pages-noprofile-h100.json) GPT-2-Large's cold start took 0.80 s served lazily
+    /// with that hot set copied first, 1.03 s lazily without one, 1.14 s copying (ResNet-152:
+    /// 0.73, 0.85, 1.00 s). Without a hot set every one of those pages is a fault, and the gain
+    /// is within the noise, so a GPU snapshot with no recorded profile (a hibernated instance, a
     /// deploy whose profiling restore failed) copies.
     #[default]
     Auto,
