@@ -196,6 +196,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="cold-disk: leave the page cache alone (a shared machine); each run says so",
     )
+    p.add_argument(
+        "--maps",
+        action="store_true",
+        help="record each restored instance's address space (VMAs, one-page VMAs, huge pages) after its answer",
+    )
     p.add_argument("--budget-min", type=float, default=8.0, help="skip the remaining runs past this")
     p.add_argument("--torpor", type=Path, help="torpor binary (default $TORPOR_BIN, target/{release,debug})")
     p.add_argument("--keep", action="store_true", help="keep the work dir (state dirs, daemon logs)")
@@ -420,6 +425,51 @@ class Daemon:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def tree_of(pid: int) -> list[int]:
+    """`pid` and its descendants (through /proc/PID/task/TID/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for t in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo.extend(int(c) for c in (t / "children").read_text().split())
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def address_space(pid: int) -> Json:
+    """VMAs of `pid` (all, one page long, anonymous), and its resident and huge-page memory."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return {"pid": pid, "gone": True}
+    one_page = anon = 0
+    for line in maps:
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        one_page += hi - lo == 4096
+        anon += len(fields) < 6
+    kib = {}
+    for line in rollup[1:]:
+        key, _, rest = line.partition(":")
+        if key in ("Rss", "Anonymous", "AnonHugePages"):
+            kib[key] = int(rest.split()[0])
+    return {"pid": pid, "comm": comm, "vmas": len(maps), "one_page_vmas": one_page, "anon_vmas": anon, "kib": kib}
+
+
+def instance_maps(d: Daemon, name: str) -> list[Json]:
+    """The address spaces of every process of `name`'s live instances."""
+    status, _, body = d.request("GET", f"/v1/functions/{name}", timeout=30)
+    if status != 200:
+        return []
+    pids = [i["pid"] for i in json.loads(body)["instances"] if i.get("pid")]
+    return [address_space(p) for root in pids for p in tree_of(root)]
 
 
 def process_rss(pid: int) -> int | None:
@@ -659,6 +709,8 @@ class Bench:
         after = d.restore_metrics()
         r.pop("t_done")
         r.update(run=i, stop=stopped, fills=fills(before, after), same=self.same(model.name, r["value"]))
+        if self.a.maps:
+            r["maps"] = instance_maps(d, model.name)
         if r["start"] != "restored":
             raise RuntimeError(f"{model.name} run {i}: the invoke was {r['start']}, not restored")
         return r
