@@ -139,6 +139,32 @@ class Seaweed:
             assert time.monotonic() < deadline, f"cannot create bucket {name}\n{self.log_tail()}"
             time.sleep(0.2)
 
+    def put_object(self, bucket: str, key: str, data: bytes) -> None:
+        """Writes an object through the filer (what `aws s3 cp` would do through the S3 API):
+        the tests' way to upload data, not the code under test."""
+        c = http.client.HTTPConnection("127.0.0.1", self.filer_port, timeout=30)
+        try:
+            c.request("PUT", f"/buckets/{bucket}/{key}", body=data, headers={"Content-Type": "application/octet-stream"})
+            r = c.getresponse()
+            body = r.read()
+            assert r.status in (200, 201, 204), f"PUT {bucket}/{key}: {r.status} {body[:200]!r}"
+        finally:
+            c.close()
+
+    def get_object(self, bucket: str, key: str) -> bytes | None:
+        """An object's contents through the filer, or None when there is none."""
+        c = http.client.HTTPConnection("127.0.0.1", self.filer_port, timeout=30)
+        try:
+            c.request("GET", f"/buckets/{bucket}/{key}")
+            r = c.getresponse()
+            body = r.read()
+            if r.status == 404:
+                return None
+            assert r.status == 200, f"GET {bucket}/{key}: {r.status} {body[:200]!r}"
+            return body
+        finally:
+            c.close()
+
     def config(self, directory: Path, bucket: str, secret: str = SECRET_KEY, name: str | None = None) -> Path:
         """An objstore.toml for `bucket` with its credentials file (mode 0600) beside it."""
         name = name or bucket

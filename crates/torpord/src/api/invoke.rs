@@ -90,6 +90,35 @@ pub async fn invoke(
             )
         })?
     };
+    // Inputs by reference (crate::s3data): `{"$ref": "s3://…"}` objects loaded from the
+    // function's tenant's space in the bucket before the request is queued.
+    let request = if crate::s3data::may_hold_refs(request.get().as_bytes()) {
+        let n = name.clone();
+        let tenant = match state.runtime.pool_tenant(&name) {
+            Some(t) => t,
+            None => super::with_registry(&state, move |r| Ok(r.with(|s| s.function(&n))?))
+                .await?
+                .map(|f| crate::tenant::of_spec(&f.spec).to_string())
+                .ok_or_else(|| super::unknown_function(&name))?,
+        };
+        let tier = state.runtime.objstore.clone();
+        let raw = request.get().as_bytes().to_vec();
+        let resolved = tokio::task::spawn_blocking(move || {
+            crate::s3data::resolve_refs(tier.as_deref(), &tenant, &raw)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("the $ref loading task failed: {e}")))?
+        .map_err(|e| ApiError::new(e.status(), e.to_string()))?;
+        match resolved {
+            Some(bytes) => RawValue::from_string(String::from_utf8(bytes).map_err(|e| {
+                ApiError::internal(format!("a resolved request is not UTF-8: {e}"))
+            })?)
+            .map_err(|e| ApiError::internal(format!("a resolved request is not JSON: {e}")))?,
+            None => request,
+        }
+    } else {
+        request
+    };
     match state.runtime.invoke(&name, request).await {
         Ok(done) => {
             let mut headers = HeaderMap::new();
