@@ -21,6 +21,8 @@ everything on loopback; run as root (torpord, CRIU):
 
 Summary: `pull_gbps` (median pulled bytes ÷ pull_s), `transfer_gbps` (the best raw GET, one or
 8 streams), `pull_efficiency` = pull_gbps ÷ transfer_gbps (the issue's target: ≥ 0.8),
+`pull_over_chunk_gets` (pull_gbps ÷ raw GETs, 8 at a time, of as many objects as the pull's
+chunks, of their mean size: the store's per-request cost, without Torpor's),
 `first_start_s` (pull + restore to first answer, median), `cold_start_s` (A's), and whether the
 first start is within the target: ≤ cold start + the pulled bytes at 80 % of the transfer speed.
 
@@ -164,6 +166,51 @@ def transfer_speed(port: int, size: int) -> Json:
     out[f"get_{STREAMS}_streams_gbps"] = round(max(best), 3)
     out["transfer_gbps"] = max(out["get_1_stream_gbps"], out[f"get_{STREAMS}_streams_gbps"])
     return out
+
+
+def chunk_gets(port: int, count: int, size: int) -> Json:
+    """GB/s and requests/s of GETs of `count` objects of `size` bytes, STREAMS at a time: what
+    the store gives a pull whose chunks are that many and that small (the pull's own pattern,
+    without Torpor's hashing, storing and materialising)."""
+    count = max(1, min(count, 4000))
+    body = os.urandom(max(1, size))
+    for i in range(count):
+        s3_request(port, "PUT", f"chunks-probe/{i:05d}", body=body)
+    errors: list[BaseException] = []
+    nxt = iter(range(count))
+    lock = threading.Lock()
+    got = [0] * STREAMS
+
+    def worker(w: int) -> None:
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                return
+            try:
+                got[w] += s3_request(port, "GET", f"chunks-probe/{i:05d}")
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(STREAMS)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    assert sum(got) == count * len(body)
+    return {
+        "objects": count,
+        "object_bytes": len(body),
+        "streams": STREAMS,
+        "seconds": round(wall, 4),
+        "gbps": round(count * len(body) / wall / 1e9, 4),
+        "requests_per_s": round(count / wall, 1),
+    }
 
 
 def disk_speed(directory: Path, size: int, drop_cache: bool) -> Json:
@@ -313,6 +360,8 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(state_b, ignore_errors=True)
 
         runs = result["runs"]
+        say("the store's speed for objects as many and as small as the pull's chunks")
+        result["transfer"]["chunk_gets"] = chunk_gets(seaweed.s3_port, runs[0]["pulled_chunks"], runs[0]["mean_chunk_bytes"])
         transfer = result["transfer"]["transfer_gbps"]
         pull_gbps = statistics.median(r["pull_gbps"] for r in runs)
         cold_s = statistics.median(r["wall_s"] for r in result["cold_start_local"])
@@ -323,6 +372,9 @@ def main(argv: list[str]) -> int:
             "pull_gbps": pull_gbps,
             "transfer_gbps": transfer,
             "pull_efficiency": round(pull_gbps / transfer, 3),
+            # Against GETs of as many objects of the chunks' mean size: how much of the gap is
+            # the store's per-request cost rather than Torpor's.
+            "pull_over_chunk_gets": round(pull_gbps / result["transfer"]["chunk_gets"]["gbps"], 3),
             "disk_write_fsync_gbps": result["disk"]["write_fsync_gbps"],
             "pulled_bytes": pulled_bytes,
             "pull_s": statistics.median(r["pull_s"] for r in runs),
