@@ -65,7 +65,9 @@ def free_ports(n: int) -> list[int]:
 
 
 class Seaweed:
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, volumes: int = 4, volume_mb: int = 64) -> None:
+        """`volumes` of at most `volume_mb` MB each: what the server can hold (the tests need
+        little; bench/cluster/pull.py asks for gigabytes)."""
         self.base = base
         data = base / "data"
         data.mkdir()
@@ -92,7 +94,7 @@ class Seaweed:
                     f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
                     "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
                     "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
-                    "-volume.max=4", "-master.volumeSizeLimitMB=64",
+                    f"-volume.max={volumes}", f"-master.volumeSizeLimitMB={volume_mb}",
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,

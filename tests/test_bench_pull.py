@@ -38,5 +38,5 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     assert d["transfer"]["object_bytes"] == 64 << 20 and d["transfer"]["transfer_gbps"] > 0, d["transfer"]
     assert s["first_start_within_target"] == (s["first_start_s"] <= s["target_first_start_s"]), s
     probe = d["transfer"]["chunk_gets"]
-    assert probe["objects"] == run["pulled_chunks"] and probe["object_bytes"] == run["mean_chunk_bytes"], probe
+    assert probe["objects"] == min(run["pulled_chunks"], 4000) and probe["object_bytes"] == run["mean_chunk_bytes"], probe
     assert s["pull_over_chunk_gets"] == round(run["pull_gbps"] / probe["gbps"], 3), s
