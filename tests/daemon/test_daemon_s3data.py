@@ -65,17 +65,20 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
     yield from running_seaweed(tmp_path_factory.mktemp("seaweedfs-edas"), BUCKET)
 
 
-@pytest.fixture(scope="module")
-def node(torpor_bin: Path, criu_ready: None, seaweed: Seaweed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
+def start_node(torpor_bin: Path, seaweed: Seaweed, root: Path, *extra: str) -> Torpord:
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    root = tmp_path_factory.mktemp("edas-node")
     seaweed.config(root, BUCKET)
     section = (
         f'[objstore]\nendpoint = "{seaweed.endpoint}"\nbucket = "{BUCKET}"\n'
         f'credentials_file = "{root / (BUCKET + ".credentials")}"\n'
     )
-    d = Torpord(torpor_bin, root, config=section)
+    return Torpord(torpor_bin, root, *extra, config=section)
+
+
+@pytest.fixture(scope="module")
+def node(torpor_bin: Path, criu_ready: None, seaweed: Seaweed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
+    d = start_node(torpor_bin, seaweed, tmp_path_factory.mktemp("edas-node"))
     try:
         yield d
     finally:
@@ -174,3 +177,31 @@ def test_a_missing_object_or_a_wrong_size_fails_the_deploy_naming_the_key(node: 
     assert f"has {len(WEIGHTS)} bytes, but {len(WEIGHTS) + 1} are declared" in err, err
     err = deploy_fails(node, function_dir(tmp_path, "edas-f", data_entries(weights_key="../functions/x.json")))
     assert "data[0].source" in err and "'..' segment" in err, err
+
+
+def test_a_booted_cold_start_loads_the_data_again(
+    torpor_bin: Path, criu_ready: None, seaweed: Seaweed, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """`--cold-start boot` (no snapshot at invoke): each boot fetches the objects while the
+    worker launches, and setup() sees the store's current object."""
+    upload(seaweed)
+    d = start_node(torpor_bin, seaweed, tmp_path_factory.mktemp("edas-boot"), "--cold-start", "boot")
+    try:
+        d.deploy(function_dir(tmp_path, "edas-boot", data_entries()))
+        r = d.invoke("edas-boot", {})
+        assert r.status == 200 and r.start == "booted", (r.status, r.body, d.log_text())
+        assert r.json()["sha"] == hashlib.sha256(WEIGHTS).hexdigest() and r.json()["scratch"] == "Zbc", r.body
+        # A new object of the same size: the next boot loads it.
+        replaced = bytes(reversed(WEIGHTS))
+        seaweed.put_object(BUCKET, "data/default/models/w.bin", replaced)
+        assert d.cli("stop", "edas-boot").returncode == 0
+        deadline = time.monotonic() + 30
+        while any(i.get("pid") for i in d.instances("edas-boot")):
+            assert time.monotonic() < deadline, d.instances("edas-boot")
+            time.sleep(0.1)
+        r = d.invoke("edas-boot", {})
+        assert r.status == 200 and r.start == "booted", (r.status, r.body)
+        assert r.json()["sha"] == hashlib.sha256(replaced).hexdigest(), r.body
+    finally:
+        d.stop()
+        seaweed.put_object(BUCKET, "data/default/models/w.bin", WEIGHTS)
