@@ -145,6 +145,9 @@ def test_declared_data_refs_and_dump_go_through_the_object_store(node: Torpord, 
         time.sleep(0.1)
     assert json.loads(got) == {"echo": [1, "two"]}
     assert "torpor.dump written" in node.log_text()
+    metrics = node.request("GET", "/metrics").body.decode()
+    assert 'torpor_dumps_total{function="edas-a",outcome="written"} 1' in metrics, metrics[-2000:]
+    assert 'torpor_dumps_total{function="edas-a",outcome="failed"} 0' in metrics
 
     # Access modes and the data's lifetime are checked in the handler.
     r = node.invoke("edas-a", {"dump_readonly": 1})

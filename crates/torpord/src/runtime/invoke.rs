@@ -379,7 +379,7 @@ impl Runtime {
     }
 
     /// Writes a `dump` frame's data to its object (crate::s3data::dump) on the blocking pool;
-    /// the outcome is logged.
+    /// the outcome is logged and counted (`torpor_dumps_total{function, outcome}`).
     fn dump_in_background(self: &Arc<Self>, function: &str, d: crate::protocol::Dump) {
         let rt = Arc::clone(self);
         let function = function.to_string();
@@ -396,14 +396,21 @@ impl Runtime {
                 }
             };
             let t = std::time::Instant::now();
-            match crate::s3data::dump(rt.objstore.as_deref(), &spec, &d.name, &d.data) {
+            let outcome = match crate::s3data::dump(rt.objstore.as_deref(), &spec, &d.name, &d.data)
+            {
                 Ok(key) => {
-                    tracing::info!(function = %function, name = %d.name, key = %key, seconds = t.elapsed().as_secs_f64(), "torpor.dump written")
+                    tracing::info!(function = %function, name = %d.name, key = %key, seconds = t.elapsed().as_secs_f64(), "torpor.dump written");
+                    "written"
                 }
                 Err(e) => {
-                    tracing::warn!(function = %function, name = %d.name, error = %e, "torpor.dump failed")
+                    tracing::warn!(function = %function, name = %d.name, error = %e, "torpor.dump failed");
+                    "failed"
                 }
-            }
+            };
+            rt.metrics
+                .dumps
+                .with_label_values(&[function.as_str(), outcome])
+                .inc();
         });
     }
 
