@@ -208,3 +208,17 @@ def test_a_booted_cold_start_loads_the_data_again(
     finally:
         d.stop()
         seaweed.put_object(BUCKET, "data/default/models/w.bin", WEIGHTS)
+
+
+def test_without_an_objstore_or_in_another_bucket_the_deploy_fails_before_it_starts(
+    node: Torpord, torpor_bin: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    err = deploy_fails(node, function_dir(tmp_path, "edas-g", data_entries().replace(f"s3://{BUCKET}/models", "s3://elsewhere/models")))
+    assert "deploy failed in validate" in err and f"this node's object store is bucket {BUCKET}" in err, err
+    plain = Torpord(torpor_bin, tmp_path_factory.mktemp("edas-plain"))
+    try:
+        err = deploy_fails(plain, function_dir(tmp_path, "edas-h", data_entries()))
+        assert "deploy failed in validate" in err and "has no [objstore] in torpord.toml" in err, err
+        assert len(err.splitlines()) == 1, err
+    finally:
+        plain.stop()

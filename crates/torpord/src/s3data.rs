@@ -220,7 +220,8 @@ pub fn declared_sources(spec: &Value) -> Result<Vec<Source>, DataError> {
     Ok(out)
 }
 
-fn remote_for(tier: Option<&Tier>, src: &Source) -> Result<Remote, DataError> {
+/// That `src` can be loaded here at all (a `[objstore]`, and its bucket): the tier.
+fn check_target<'a>(tier: Option<&'a Tier>, src: &Source) -> Result<&'a Tier, DataError> {
     let Some(tier) = tier else {
         return Err(DataError::NoObjstore {
             what: src.what.clone(),
@@ -235,6 +236,11 @@ fn remote_for(tier: Option<&Tier>, src: &Source) -> Result<Remote, DataError> {
             configured: tier.config.bucket.clone(),
         });
     }
+    Ok(tier)
+}
+
+fn remote_for(tier: Option<&Tier>, src: &Source) -> Result<Remote, DataError> {
+    let tier = check_target(tier, src)?;
     Remote::open(&tier.config.remote()).map_err(|e| DataError::Store {
         what: src.what.clone(),
         source: Box::new(e),
@@ -369,6 +375,10 @@ pub fn start_loading(tier: Option<Arc<Tier>>, spec: &Value) -> Result<Option<Loa
     let sources = declared_sources(spec)?;
     if sources.is_empty() {
         return Ok(None);
+    }
+    // What needs no request is refused now, before the start spends anything.
+    for src in &sources {
+        check_target(tier.as_deref(), src)?;
     }
     Ok(Some(tokio::task::spawn_blocking(move || {
         let t = std::time::Instant::now();
