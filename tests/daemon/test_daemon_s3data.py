@@ -31,6 +31,8 @@ import torpor
 class F:
     def setup(self):
         self.weights = torpor.load_bytes("weights")
+        # A segment of the device-memory hook, read from the memfd (kept after the memfd closes).
+        self.view = torpor.load("weights", buffer=True)
         try:
             with open(torpor.load("weights"), "r+b") as f:
                 f.write(b"x")
@@ -44,7 +46,8 @@ class F:
 
     def __call__(self, request):
         out = {"sha": hashlib.sha256(self.weights).hexdigest(), "readonly": self.readonly,
-               "scratch": self.scratch}
+               "scratch": self.scratch, "view_sha": hashlib.sha256(self.view).hexdigest(),
+               "view_readonly": self.view.readonly}
         if "input" in request:
             out["input"] = [type(request["input"]).__name__, hashlib.sha256(request["input"]).hexdigest()]
             out["nested"] = request["nested"][1]["deep"].decode()
@@ -128,7 +131,8 @@ def test_declared_data_refs_and_dump_go_through_the_object_store(node: Torpord, 
                                "dump": [1, "two"]})
     assert r.status == 200, (r.body, node.log_text())
     out = r.json()
-    assert out["sha"] == hashlib.sha256(WEIGHTS).hexdigest(), out
+    assert out["sha"] == out["view_sha"] == hashlib.sha256(WEIGHTS).hexdigest(), out
+    assert out["view_readonly"] is True, out
     # Read-only data is a sealed memfd: the write through a reopened descriptor is refused.
     assert out["readonly"].startswith("refused"), out
     assert out["scratch"] == "Zbc", out
