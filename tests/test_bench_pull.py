@@ -31,7 +31,7 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     pushed = d["deploy"]["pushed"]
     assert run["pulled_bytes"] == pushed["uploaded_bytes"] > 0, (run, pushed)
     assert run["pulled_chunks"] == pushed["uploaded_chunks"], (run, pushed)
-    assert run["start"] == "restored" and run["same_answer"], run
+    assert run["start"] == "restored" and run["same_answer"] and run["cold_start_after_s"] > 0, run
     s = d["summary"]
     assert s["pull_gbps"] == run["pull_gbps"] and s["first_start_s"] == run["first_start_s"], s
     assert s["pull_efficiency"] == round(run["pull_gbps"] / d["transfer"]["transfer_gbps"], 3), s
