@@ -20,7 +20,10 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
    nothing yet and waits for `load`.
 3. Serves frames until the connection ends:
    - `load` {spec, dir, data}: checks every declared data file the `data` map names (it must
-     exist, and read-only data must have the declared size), binds them for torpor.load, imports
+     exist, and read-only data must have the declared size); an entry {"fd": true} (a `source`
+     in torpor.toml) comes as a `data_fd` {name, fd: true} frame right after `load`, in declared
+     order, its memfd attached, served as /proc/self/fd/N and closed once setup() and the
+     warm-up are done (docs/data.md); binds them for torpor.load, imports
      `entry` with `dir` first on sys.path, instantiates the decorated class, runs setup(), packs
      the function's CUDA weights into segments of their own when the hook backs CUDA memory
      ($TORPOR_HOOK_CUDA=1, unless spec.gpu.pack_weights is false: torpor.pack), then runs the
@@ -28,8 +31,9 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      `ready` {ok: true, setup_s, warmup_s, packed?} (role function adds `preload_s`; `packed`:
      what packing did, torpor.pack.Packed.frame). From then on hello says role "function" and
      the spec's name.
-   - `invoke` {id, request, timeout_s}: sends `started` {id}, calls the function and sends
-     `result` {id, ok, value, handler_s}. Invokes run one after another, so with
+   - `invoke` {id, request, timeout_s}: sends `started` {id}, calls the function (every
+     {"$ref", "data"} object torpord loaded in the request replaced by its bytes; torpor.dump
+     sends `dump` {name, data: base64} meanwhile) and sends `result` {id, ok, value, handler_s}. Invokes run one after another, so with
      requests_per_instance > 1 a request waits here until the ones before it end; torpord counts
      its timeout from `started`. An exception from the function, or a value that cannot be sent (not JSON, NaN,
      over 64 MiB), is `ok: false` with `error` {type, message, traceback} (texts capped at 64 KiB),
