@@ -54,3 +54,10 @@ def test_bad_arguments_are_one_usage_line(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "bench/cluster/summary.py"), "--out", str(tmp_path / "x.json")],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 2 and "give --out, --pull and one of --kill FILE or --run-kill" in r.stderr, r.stderr
+
+
+def test_readme_writing_replaces_only_the_table(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n\n| figure | value | target | | where from |\n|---|---|---|---|---|\n| old | 1 |\n\nafter\n")
+    summary.write_readme("| figure | value | target | | where from |\n|---|---|---|---|---|\n| new | 2 |\n", readme)
+    assert readme.read_text() == "intro\n\n| figure | value | target | | where from |\n|---|---|---|---|---|\n| new | 2 |\n\nafter\n"

@@ -7,8 +7,8 @@ with the file and machine it comes from, and the README's table rendered from it
         --pull bench/results/cluster-pull-h100.json --out bench/results/cluster-summary.json
     # or from a kill result already written (TORPOR_CLUSTER_RESULT=FILE pytest …):
     python3 bench/cluster/summary.py --kill FILE --sim … --pull … --out …
-    # the Markdown table of a summary JSON (the README's):
-    python3 bench/cluster/summary.py --table bench/results/cluster-summary.json
+    # the Markdown table of a summary JSON (the README's; --readme writes it there too):
+    python3 bench/cluster/summary.py --table bench/results/cluster-summary.json [--readme]
 
 --run-kill needs what tests/test_cluster.py needs: root, Ray, `weed` (SeaweedFS), $TORPOR_BIN and
 $TORPOR_HOOK_LIB (as `make pytest` sets them).
@@ -113,6 +113,17 @@ def table(doc: Json) -> str:
     return "\n".join(rows) + "\n"
 
 
+def write_readme(text: str, readme: Path = ROOT / "README.md") -> None:
+    """Replaces the README's table (from its header row to the blank line after it) with `text`."""
+    doc = readme.read_text()
+    header = text.splitlines()[0]
+    start = doc.find(header)
+    if start < 0:
+        raise SystemExit(f"summary.py: no table starting with {header!r} in {readme}")
+    end = doc.find("\n\n", start)
+    readme.write_text(doc[:start] + text.rstrip("\n") + (doc[end:] if end >= 0 else "\n"))
+
+
 def rel(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(ROOT))
@@ -128,9 +139,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sim", type=Path, default=ROOT / "bench/results/cluster-sim.json")
     ap.add_argument("--pull", type=Path, help="a bench/cluster/pull.py JSON")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--readme", action="store_true", help="also replace the table in README.md with the new one")
     args = ap.parse_args(argv)
     if args.table:
         sys.stdout.write(table(json.loads(args.table.read_text())))
+        if args.readme:
+            write_readme(table(json.loads(args.table.read_text())))
         return 0
     if args.out is None or args.pull is None or (args.kill is None) == (not args.run_kill):
         ap.error("give --out, --pull and one of --kill FILE or --run-kill (or --table FILE)")
@@ -149,6 +163,8 @@ def main(argv: list[str]) -> int:
     )
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     sys.stdout.write(table(doc))
+    if args.readme:
+        write_readme(table(doc))
     return 0
 
 
