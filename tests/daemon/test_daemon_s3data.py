@@ -226,3 +226,20 @@ def test_without_an_objstore_or_in_another_bucket_the_deploy_fails_before_it_sta
         assert len(err.splitlines()) == 1, err
     finally:
         plain.stop()
+
+
+def test_a_memfd_setup_keeps_open_travels_in_the_snapshot(node: Torpord, seaweed: Seaweed, tmp_path: Path) -> None:
+    """docs/data.md: a file setup() keeps open on the data keeps the memfd, and CRIU stores it
+    (sealed) in the snapshot: the restored instance still reads it."""
+    upload(seaweed)
+    d = function_dir(tmp_path, "edas-open", data_entries())
+    (d / "handler.py").write_text(
+        "import torpor\n\n@torpor.function\nclass F:\n"
+        "    def setup(self):\n        self.f = open(torpor.load('weights'), 'rb')\n\n"
+        "    def __call__(self, request):\n        self.f.seek(len(self.f.read()) - 3)\n"
+        "        return {'tail': self.f.read().decode()}\n"
+    )
+    node.deploy(d)
+    r = node.invoke("edas-open", {})
+    assert r.status == 200 and r.start == "restored", (r.status, r.body, node.log_text())
+    assert r.json() == {"tail": "end"}, r.body
