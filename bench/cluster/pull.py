@@ -170,8 +170,8 @@ def transfer_speed(port: int, size: int) -> Json:
     return out
 
 
-def chunk_gets(port: int, count: int, size: int) -> Json:
-    """GB/s and requests/s of GETs of `count` objects of `size` bytes, STREAMS at a time: what
+def chunk_gets(port: int, count: int, size: int, streams: int = STREAMS) -> Json:
+    """GB/s and requests/s of GETs of `count` objects of `size` bytes, `streams` at a time: what
     the store gives a pull whose chunks are that many and that small (the pull's own pattern,
     without Torpor's hashing, storing and materialising)."""
     # At most 4 000 objects and 512 MiB in all (a GPU function's 4 MiB chunks: 128 of them).
@@ -182,7 +182,7 @@ def chunk_gets(port: int, count: int, size: int) -> Json:
     errors: list[BaseException] = []
     nxt = iter(range(count))
     lock = threading.Lock()
-    got = [0] * STREAMS
+    got = [0] * streams
 
     def worker(w: int) -> None:
         while True:
@@ -196,7 +196,7 @@ def chunk_gets(port: int, count: int, size: int) -> Json:
                 errors.append(e)
                 return
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(STREAMS)]
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(streams)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -209,7 +209,7 @@ def chunk_gets(port: int, count: int, size: int) -> Json:
     return {
         "objects": count,
         "object_bytes": len(body),
-        "streams": STREAMS,
+        "streams": streams,
         "seconds": round(wall, 4),
         "gbps": round(count * len(body) / wall / 1e9, 4),
         "requests_per_s": round(count / wall, 1),
@@ -248,13 +248,14 @@ def disk_speed(directory: Path, size: int, drop_cache: bool) -> Json:
 # The nodes
 
 
-def objstore_table(seaweed: Seaweed, directory: Path) -> Json:
+def objstore_table(seaweed: Seaweed, directory: Path, parallel: int) -> Json:
     seaweed.config(directory, BUCKET)
     return {
         "endpoint": seaweed.endpoint,
         "bucket": BUCKET,
         "credentials_file": str(directory / f"{BUCKET}.credentials"),
         "cache_bytes": 64 * GIB,
+        "parallel": parallel,
     }
 
 
@@ -282,6 +283,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--work-dir", type=Path, default=None, help="default: a new directory under /var/tmp")
     p.add_argument("--transfer-bytes", type=int, default=None)
+    p.add_argument("--parallel", type=int, default=STREAMS,
+                   help=f"torpord's objstore.parallel for push and pull, and the chunk probe's streams (default {STREAMS})")
     p.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before the disk read")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -309,11 +312,12 @@ def main(argv: list[str]) -> int:
         "machine": machine(),
         "torpor_commit": os.environ.get("TORPOR_COMMIT"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "parallel": args.parallel,
         "runs": [],
     }
     try:
         seaweed.create_bucket(BUCKET)
-        table = objstore_table(seaweed, work)
+        table = objstore_table(seaweed, work, args.parallel)
         fdir = split.assemble(model.name, model, work / "functions", say)
 
         say("node A: deploy (pushes to the bucket)")
@@ -373,7 +377,9 @@ def main(argv: list[str]) -> int:
 
         runs = result["runs"]
         say("the store's speed for objects as many and as small as the pull's chunks")
-        result["transfer"]["chunk_gets"] = chunk_gets(seaweed.s3_port, runs[0]["pulled_chunks"], runs[0]["mean_chunk_bytes"])
+        result["transfer"]["chunk_gets"] = chunk_gets(
+            seaweed.s3_port, runs[0]["pulled_chunks"], runs[0]["mean_chunk_bytes"], args.parallel
+        )
         transfer = result["transfer"]["transfer_gbps"]
         pull_gbps = statistics.median(r["pull_gbps"] for r in runs)
         cold_s = statistics.median(r["wall_s"] for r in result["cold_start_local"])
