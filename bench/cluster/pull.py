@@ -286,6 +286,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--parallel", type=int, default=STREAMS,
                    help=f"torpord's objstore.parallel for push and pull, and the chunk probe's streams (default {STREAMS})")
     p.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before the disk read")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="start no further run once one more would end past this many seconds (default 480: the GPU "
+                        "machine's calls end at 600)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if os.geteuid() != 0:
@@ -301,6 +304,7 @@ def main(argv: list[str]) -> int:
     def say(msg: str) -> None:
         print(f"[pull {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
+    started = time.monotonic()
     (work / "seaweed").mkdir(exist_ok=True)
     # Room for the snapshot twice over, the transfer object and the chunk probe: 64 volumes of
     # up to 1 GB (the tests' server holds 256 MB).
@@ -338,8 +342,15 @@ def main(argv: list[str]) -> int:
         say(f"transfer speed: raw S3 GET of {size >> 20} MiB, 1 and {STREAMS} streams; the disk")
         result["transfer"] = transfer_speed(seaweed.s3_port, size)
         result["disk"] = disk_speed(work, size, not args.no_drop_cache)
+        runs_t0 = time.monotonic()
 
         for i in range(args.runs):
+            if result["runs"]:
+                per_run = (time.monotonic() - runs_t0) / len(result["runs"])
+                if time.monotonic() - started + per_run > args.budget_s:
+                    say(f"stopping after {len(result['runs'])} runs: one more would end past --budget-s {args.budget_s:g}")
+                    result["stopped_by_budget"] = True
+                    break
             state_b = work / "state-b"
             fresh_state(state_b, a.state / "snapshot.key")
             b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table), logs)
