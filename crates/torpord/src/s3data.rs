@@ -319,6 +319,12 @@ pub fn load_one(tier: Option<&Tier>, src: &Source) -> Result<OwnedFd, DataError>
     })?;
     drop(writer);
     if !src.readonly {
+        // The worker shares this open file (and its offset): hand it over at the start.
+        use std::io::Seek;
+        file.rewind().map_err(|e| DataError::Memfd {
+            what: src.what.clone(),
+            source: e,
+        })?;
         return Ok(OwnedFd::from(file));
     }
     let seals = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
@@ -370,7 +376,8 @@ pub type Loaded = (Vec<(String, OwnedFd)>, f64);
 pub type Loading = tokio::task::JoinHandle<Result<Loaded, DataError>>;
 
 /// Starts loading `spec`'s source entries (crate docs: in parallel with the start). `Err`: a
-/// source that cannot be loaded at all (a malformed key).
+/// source that cannot be loaded here at all (a malformed key, no `[objstore]`, another bucket).
+/// A start that fails meanwhile drops the handle; the fetch then runs to its end unawaited.
 pub fn start_loading(tier: Option<Arc<Tier>>, spec: &Value) -> Result<Option<Loading>, DataError> {
     let sources = declared_sources(spec)?;
     if sources.is_empty() {
