@@ -67,6 +67,7 @@ gpu-carry: release
 	bash scripts/provision-criu.sh --download-only .criu-debs
 	bash scripts/gpu-carry-wheels.sh .whl
 	bash bench/peers/carry.sh .whl
+	bash bench/cluster/carry.sh .whl-pull
 
 clean:
 	$(CARGO) clean

@@ -3,7 +3,7 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|all] [extra pytest args...]
 # tests: pytest over $TESTS (default: tests, the whole suite), into $OUT/pytest.log.
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
@@ -39,6 +39,12 @@
 # (--models, --modes, --runs, --best-loader): docs/gpu-machine.md gives the parts of < 9 minutes
 # and the merge (bench/peers/merge.py). The loaders' wheels come from .whl (make gpu-carry).
 # Not part of `all`.
+# pull: bench/cluster/pull.py: SeaweedFS on loopback, a node deploys and pushes $PULL_MODEL
+# (default gpt2-large), an empty node pulls and restores it, $PULL_RUNS times (default 3; $PULL_ARGS
+# adds flags, e.g. "--parallel 32" for torpord's objstore.parallel): pull
+# and restore to first answer against a raw S3 GET and the disk, into $OUT/cluster-pull.json and
+# $OUT/cluster-pull.log. Needs `weed`: carry .whl-pull (bench/cluster/carry.sh; docs/gpu-machine.md
+# says what to carry within 64 MiB). Not part of `all`.
 # split-bench: bench/coldstart/split.py: restore → first inference of ResNet-152 and GPT-2-Large
 # through torpord, transparent path vs split (host cache, GPU cache, a second instance sharing the
 # read-only weights, standby, the cold path at its best, cold from disk, a burst of 8 at once;
@@ -65,6 +71,17 @@ export TORPOR_CRIU_DEBS=$PWD/.criu-debs
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/torpor-site .whl/*.whl &&
     export PYTHONPATH=/tmp/torpor-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# .whl-pull: SeaweedFS's `weed`, xz-compressed (bench/cluster/carry.sh), carried for the pull run
+# only: unpacked into /tmp/torpor-site/bin, its hash checked, put on PATH.
+if [ -f .whl-pull/weed.xz ]; then
+  mkdir -p /tmp/torpor-site/bin &&
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      .whl-pull/weed.xz /tmp/torpor-site/bin/weed &&
+    chmod 755 /tmp/torpor-site/bin/weed &&
+    [ "$(sha256sum /tmp/torpor-site/bin/weed | cut -d' ' -f1)" = "$(cat .whl-pull/weed.sha256)" ] &&
+    export PATH=/tmp/torpor-site/bin:$PATH ||
+    echo "gpu-run: cannot unpack .whl-pull/weed.xz (or its hash differs): the pull run will have no weed" >&2
 fi
 # No .git travels: the commit the binary was built from, recorded by `make gpu-carry`.
 [ -f .gpu/commit ] && TORPOR_COMMIT=$(cat .gpu/commit) && export TORPOR_COMMIT
@@ -188,6 +205,19 @@ if [ "$MODE" = split-bench ]; then
       --fill-bw "$fill" --out "$OUT/split-bench.json" ${SPLIT_ARGS:-}
   ) 2>&1 | tee "$OUT/split-bench.log"
   sbrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$sbrc
+fi
+if [ "$MODE" = pull ]; then
+  echo "== bench/cluster/pull.py (pull from SeaweedFS into an empty node, then restore)"
+  (
+    model=${PULL_MODEL:-gpt2-large}
+    case $model in resnet152|gpt2-large)
+      [ -f "examples/$model/weights.safetensors" ] || python3 "examples/$model/make_weights.py" || exit 1 ;;
+    esac
+    command -v weed >/dev/null || { echo "gpu-run: no weed: carry .whl-pull (make gpu-carry, or bench/cluster/carry.sh .whl-pull)" >&2; exit 2; }
+    # shellcheck disable=SC2086 # PULL_ARGS is a list of flags (e.g. "--parallel 32")
+    python3 bench/cluster/pull.py --model "$model" --runs "${PULL_RUNS:-3}" --out "$OUT/cluster-pull.json" ${PULL_ARGS:-}
+  ) 2>&1 | tee "$OUT/cluster-pull.log"
+  plrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$plrc
 fi
 if [ "$MODE" = peers ]; then
   echo "== bench/peers (the ways users start the same model, side by side, and Torpor's)"

@@ -65,7 +65,9 @@ def free_ports(n: int) -> list[int]:
 
 
 class Seaweed:
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, volumes: int = 4, volume_mb: int = 64) -> None:
+        """`volumes` of at most `volume_mb` MB each: what the server can hold (the tests need
+        little; bench/cluster/pull.py asks for gigabytes)."""
         self.base = base
         data = base / "data"
         data.mkdir()
@@ -92,7 +94,7 @@ class Seaweed:
                     f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
                     "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
                     "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
-                    "-volume.max=4", "-master.volumeSizeLimitMB=64",
+                    f"-volume.max={volumes}", f"-master.volumeSizeLimitMB={volume_mb}",
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -138,6 +140,32 @@ class Seaweed:
                 pass
             assert time.monotonic() < deadline, f"cannot create bucket {name}\n{self.log_tail()}"
             time.sleep(0.2)
+
+    def put_object(self, bucket: str, key: str, data: bytes) -> None:
+        """Writes an object through the filer (what `aws s3 cp` would do through the S3 API):
+        the tests' way to upload data, not the code under test."""
+        c = http.client.HTTPConnection("127.0.0.1", self.filer_port, timeout=30)
+        try:
+            c.request("PUT", f"/buckets/{bucket}/{key}", body=data, headers={"Content-Type": "application/octet-stream"})
+            r = c.getresponse()
+            body = r.read()
+            assert r.status in (200, 201, 204), f"PUT {bucket}/{key}: {r.status} {body[:200]!r}"
+        finally:
+            c.close()
+
+    def get_object(self, bucket: str, key: str) -> bytes | None:
+        """An object's contents through the filer, or None when there is none."""
+        c = http.client.HTTPConnection("127.0.0.1", self.filer_port, timeout=30)
+        try:
+            c.request("GET", f"/buckets/{bucket}/{key}")
+            r = c.getresponse()
+            body = r.read()
+            if r.status == 404:
+                return None
+            assert r.status == 200, f"GET {bucket}/{key}: {r.status} {body[:200]!r}"
+            return body
+        finally:
+            c.close()
 
     def config(self, directory: Path, bucket: str, secret: str = SECRET_KEY, name: str | None = None) -> Path:
         """An objstore.toml for `bucket` with its credentials file (mode 0600) beside it."""

@@ -347,6 +347,28 @@ def test_errors_are_one_line(cluster: Cluster) -> None:
     assert r.status == 400 and r.json()["error"], r
 
 
+def record_kill_result(got: list[tuple[str, Reply]], ran: Any, survivors: tuple[str, ...], wall_s: float) -> None:
+    """With $TORPOR_CLUSTER_RESULT set, writes what the kill -9 under load came to there, as
+    JSON (bench/cluster/summary.py reads it): requests, lost ones (no right answer), duplicated
+    ones (run twice on surviving nodes), ones re-run after the node died, nodes that answered."""
+    path = os.environ.get("TORPOR_CLUSTER_RESULT")
+    if not path:
+        return
+    lost = [rid for rid, r in got if r.status != 200 or r.json().get("id") != rid]
+    doc = {
+        "what": "kill -9 of worker node w2 (Ray and torpord) after 10 of 40 answers, 6 requests at a time, 3-node Ray cluster on one machine",
+        "requests": len(got),
+        "lost_requests": len(lost),
+        "lost_ids": lost,
+        "duplicated_on_survivors": sum(1 for rid, _ in got if sum(ran[n][rid] for n in survivors) > 1),
+        "rerun_after_node_death": sum(1 for rid, _ in got if ran["w2"][rid] and sum(ran[n][rid] for n in survivors)),
+        "served_by": dict(Counter(r.headers.get("x-torpor-node", "?") for _, r in got)),
+        "attempts_over_1": sum(1 for _, r in got if int(r.headers.get("x-torpor-attempts", "1") or 1) > 1),
+        "wall_s": round(wall_s, 3),
+    }
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def test_kill_a_node_under_load_loses_nothing(cluster: Cluster) -> None:
     answered = 0
     lock = threading.Lock()
@@ -360,11 +382,14 @@ def test_kill_a_node_under_load_loses_nothing(cluster: Cluster) -> None:
                 killed.set()
                 cluster.kill_node("w2")
 
+    t0 = time.monotonic()
     got = burst(cluster, 40, sleep=0.3, threads=6, on_answer=on_answer)
+    wall_s = time.monotonic() - t0
     assert killed.is_set()
-    check_answers(cluster, got)
     ran = cluster.ran()
     survivors = ("head", "w1")
+    record_kill_result(got, ran, survivors, wall_s)
+    check_answers(cluster, got)
     twice_on_a_survivor = [rid for rid, _ in got if sum(ran[n][rid] for n in survivors) > 1]
     assert not twice_on_a_survivor, twice_on_a_survivor
     never = [rid for rid, _ in got if sum(ran[n][rid] for n in NODES) == 0]

@@ -16,12 +16,15 @@ torpor.buffer(size) gives writable memory that a split snapshot stores outside t
 The function's directory holds torpor.toml (see torpor.spec) and its code. The worker harness
 that runs it is torpor.worker; the frame codec it speaks is torpor.frames.
 
-torpor.dump (saving an object as declared data) is not part of this release.
+Declared data may come from the node's object store (`source = "s3://…"` in torpor.toml,
+loaded by torpord while the instance starts), a request may pass inputs by reference
+(`{"$ref": "s3://…"}`), and torpor.dump(name, obj) writes a result back without waiting
+(torpor.data; docs/data.md).
 """
 
 from __future__ import annotations
 
-from torpor.data import declared, load, load_bytes, use_dir
+from torpor.data import declared, dump, load, load_bytes, use_dir
 from torpor.errors import DataError, DefinitionError, FrameError, HookError, SpecError, TorporError
 from torpor.functions import function
 from torpor.hook import buffer
@@ -35,6 +38,7 @@ __all__ = [
     "TorporError",
     "buffer",
     "declared",
+    "dump",
     "function",
     "load",
     "load_bytes",

@@ -16,12 +16,23 @@ once per name and process; later calls return the same one.
 
 Outside a worker, torpor.use_dir(DIR) binds DIR/torpor.toml's data, for trying a function in a
 plain Python session or a test.
+
+Platform-loaded data (EDAS; docs/data.md). A [[data]] entry with `source = "s3://BUCKET/KEY"`
+is loaded by torpord from its object store while the instance starts and handed over as a
+memfd (sealed when read-only): torpor.load(name) is then `/proc/self/fd/N`, usable in setup()
+and the warm-up only (the memfd is closed before the snapshot; keep what setup() made of it).
+A request may pass inputs by reference, `{"$ref": "s3://BUCKET/KEY"}` anywhere in its JSON:
+torpord loads the object before the handler runs and the handler gets its contents as `bytes`
+in that place. torpor.dump(name, obj) writes a result to the object of a writable source
+entry without waiting for the store (torpord writes it in the background).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import base64
+import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
@@ -40,11 +51,18 @@ class Bound:
     path: Path
     size: int
     access: str  # "read-only" or "writable"
+    source: str | None = None  # s3://BUCKET/KEY: loaded by torpord (path is /proc/self/fd/N)
 
 
 _bound: dict[str, Bound] | None = None
 _source = ""
 _buffers: dict[str, memoryview] = {}
+# Source entries whose memfd was closed after setup() (their path no longer opens).
+_gone: set[str] = set()
+# Where torpor.dump sends (set by the worker while a request runs).
+_dump_sink: Callable[[str, bytes], None] | None = None
+# The most bytes of one torpor.dump (torpord's s3data::MAX_DUMP_BYTES: it travels in one frame).
+MAX_DUMP_BYTES = 32 << 20
 
 
 def bind(entries: Iterable[Bound], source: str) -> None:
@@ -54,6 +72,12 @@ def bind(entries: Iterable[Bound], source: str) -> None:
     _bound = {e.name: e for e in entries}
     _source = source
     _buffers.clear()
+    _gone.clear()
+
+
+def loaded_done() -> None:
+    """After setup() and the warm-up: the memfds of source entries are closed (worker)."""
+    _gone.update(n for n, e in (_bound or {}).items() if e.source)
 
 
 def unbind() -> None:
@@ -73,7 +97,12 @@ def use_dir(fdir: str | os.PathLike[str]) -> Spec:
     from torpor.spec import parse_dir
 
     spec = parse_dir(fdir)
-    bind((Bound(d.name, d.abs_path, d.size, d.access) for d in spec.data), f"{spec.dir}/torpor.toml")
+    bind(
+        (Bound(d.name, d.abs_path, d.size, d.access, d.source) for d in spec.data),
+        f"{spec.dir}/torpor.toml",
+    )
+    # Nothing loads a source outside a worker: those entries are not there to read.
+    _gone.update(d.name for d in spec.data if d.source)
     return spec
 
 
@@ -90,6 +119,12 @@ def _lookup(name: str, caller: str) -> Bound:
             f"torpor.{caller}({name!r}): no data named {name!r} is declared in {_source} "
             f"(declared: {names}); "
             "add a [[data]] entry with that name or fix the name"
+        )
+    if name in _gone:
+        raise DataError(
+            f"torpor.{caller}({name!r}): the data comes from {entry.source}, which torpord loads for "
+            "setup() and the warm-up of a worker only; read it in setup() and keep what you need "
+            "(outside a worker, declare it with path to try the function)"
         )
     return entry
 
@@ -170,3 +205,71 @@ def load_bytes(name: str) -> bytes:
             "the file changed after the spec was validated: redeploy the function"
         )
     return data
+
+
+def set_dump_sink(sink: Callable[[str, bytes], None] | None) -> None:
+    """Where torpor.dump sends while a request runs (the worker sets it)."""
+    global _dump_sink
+    _dump_sink = sink
+
+
+def dump(name: str, obj: object) -> None:
+    """Writes `obj` to the object of the declared data `name` (a [[data]] entry with a source
+    and access = "writable") and returns at once: torpord writes it to the store in the
+    background. bytes-like and str objects are written as they are (str as UTF-8); anything
+    else as its JSON. Only while a request runs (not in setup()); at most 32 MiB, and no more
+    than the entry's declared size. A write that fails later is in torpord's log."""
+    entry = _lookup_for_dump(name)
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        data = bytes(obj)
+    elif isinstance(obj, str):
+        data = obj.encode("utf-8")
+    else:
+        try:
+            data = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode("utf-8")
+        except (TypeError, ValueError) as e:
+            raise DataError(
+                f"torpor.dump({name!r}): the object is not bytes, str or JSON ({e}); "
+                "pass bytes (e.g. numpy's tobytes()) or a JSON value"
+            ) from None
+    limit = min(entry.size, MAX_DUMP_BYTES)
+    if len(data) > limit:
+        raise DataError(
+            f"torpor.dump({name!r}): {len(data)} bytes, more than the {limit} allowed "
+            f"(the declared size {entry.size}, at most {MAX_DUMP_BYTES}); raise size in torpor.toml or write less"
+        )
+    sink = _dump_sink
+    if sink is None:
+        raise DataError(
+            f"torpor.dump({name!r}): no request is running; call it from the handler (__call__) "
+            "of a function torpor runs"
+        )
+    sink(name, data)
+
+
+def _lookup_for_dump(name: str) -> Bound:
+    if _bound is None or name not in _bound:
+        return _lookup(name, "dump")
+    entry = _bound[name]
+    if entry.source is None:
+        raise DataError(
+            f"torpor.dump({name!r}): the data is the file {entry.path}, not an object; "
+            'declare it with source = "s3://BUCKET/KEY" and access = "writable"'
+        )
+    if entry.access != "writable":
+        raise DataError(
+            f"torpor.dump({name!r}): the data is read-only in {_source}; declare it access = \"writable\""
+        )
+    return entry
+
+
+def with_refs(request: object) -> object:
+    """`request` with every object torpord loaded by reference ({"$ref": uri, "data": base64},
+    from a {"$ref": uri} the client sent) replaced by its contents, as bytes."""
+    if isinstance(request, dict):
+        if len(request) == 2 and isinstance(request.get("$ref"), str) and isinstance(request.get("data"), str):
+            return base64.b64decode(request["data"])
+        return {k: with_refs(v) for k, v in request.items()}
+    if isinstance(request, list):
+        return [with_refs(v) for v in request]
+    return request

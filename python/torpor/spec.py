@@ -26,6 +26,10 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     path = "weights.npy"          # required; relative, must stay inside the function dir
     size = "auto"                 # default "auto"; else a size (up to 1 PiB) equal to the file's
     access = "read-only"          # or "writable"
+    # or, instead of path: data the platform loads from the node's object store (EDAS), in
+    # parallel with the instance's start; size is then required (the object is checked
+    # against it) and the key is in the tenant's space of the bucket (docs/data.md):
+    # source = "s3://torpor-data/weights.bin"
     [warmup]                      # optional
     request = { x = [0.0, 1.0] }  # required in [warmup]; any TOML value but dates and times
     [scaling]
@@ -82,7 +86,8 @@ this order (sizes in bytes, durations in seconds as JSON numbers):
      "load_timeout_s": number | null,
      "memory_limit": int | null, "cpu_limit": number | null, "pids_limit": int | null,
      "data": [{"name": str, "path": str (relative, normalised), "abs_path": str, "size": int,
-               "access": "read-only"|"writable"}, ...],
+               "access": "read-only"|"writable", "source": "s3://…" (only when given; then
+               path and abs_path are "")}, ...],
      "warmup": {"request": JSON} | null,
      "scaling": {"max_instances": int, "requests_per_instance": int, "standby": int,
                  "standby_gpu": "released"|"live"},
@@ -155,7 +160,7 @@ TOP_KEYS = (
     "keepalive",
     "gpu",
 )
-DATA_KEYS = ("name", "path", "size", "access")
+DATA_KEYS = ("name", "path", "source", "size", "access")
 WARMUP_KEYS = ("request",)
 # The ranges of the numbers (docs/torpord.md, "Ranges"): each keeps the daemon's arithmetic on
 # the value (durations, counts, byte sums) far from overflow.
@@ -190,15 +195,20 @@ class DataDecl:
     abs_path: Path
     size: int  # bytes
     access: Access
+    # s3://BUCKET/KEY: torpord loads the object (path and abs_path are then "").
+    source: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "path": self.path,
-            "abs_path": str(self.abs_path),
+            "abs_path": "" if self.source else str(self.abs_path),
             "size": self.size,
             "access": self.access,
         }
+        if self.source:
+            out["source"] = self.source
+        return out
 
 
 @dataclass(frozen=True)
@@ -445,6 +455,7 @@ _HINTS = {
     "data.name": 'e.g. name = "weights"',
     "data.path": 'relative to the function dir, e.g. path = "weights.npy"',
     "data.access": '"read-only" or "writable"',
+    "data.source": 'an object of the node\'s object store, e.g. source = "s3://torpor-data/weights.bin"',
 }
 
 
@@ -831,9 +842,6 @@ def _data(doc: Mapping[str, Any], root: Path, check_files: bool) -> tuple[DataDe
             )
         if any(d.name == name for d in out):
             raise _fail(f"{prefix}.name", f"repeats {_show(name)}", "give each [[data]] entry its own name")
-        raw_path = _str(table, prefix, "path", None)
-        rel = _data_path(raw_path, f"{prefix}.path")
-        declared = _size(table, prefix, "size", None, allow_auto=True, maximum=MAX_DATA_SIZE)
         access = _str(table, prefix, "access", "read-only")
         if access not in ACCESS_MODES:
             raise _fail(
@@ -841,6 +849,12 @@ def _data(doc: Mapping[str, Any], root: Path, check_files: bool) -> tuple[DataDe
                 f'must be "read-only" or "writable", got {_show(access)}',
                 'write access = "read-only"',
             )
+        if "source" in table:
+            out.append(_source_data(table, prefix, name, access))  # type: ignore[arg-type]
+            continue
+        raw_path = _str(table, prefix, "path", None)
+        rel = _data_path(raw_path, f"{prefix}.path")
+        declared = _size(table, prefix, "size", None, allow_auto=True, maximum=MAX_DATA_SIZE)
         abs_path = root / rel
         size = declared if declared is not None else 0
         if check_files:
@@ -854,6 +868,58 @@ def _data(doc: Mapping[str, Any], root: Path, check_files: bool) -> tuple[DataDe
             size = actual
         out.append(DataDecl(name=name, path=rel, abs_path=abs_path, size=size, access=access))  # type: ignore[arg-type]
     return tuple(out)
+
+
+# An S3 bucket name (what S3 allows, lower case) and the key rules of parse_source.
+BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+MAX_SOURCE_KEY = 512
+
+
+def parse_source(uri: str) -> tuple[str, str]:
+    """(bucket, key) of a data source `s3://BUCKET/KEY`. The key is relative to the tenant's
+    data space in the bucket (torpord reads `<prefix>data/<tenant>/KEY`), so it must not climb
+    out of it: no empty, "." or ".." segment, no leading "/", no backslash or control character,
+    at most 512 bytes. Raises ValueError with the reason. (torpord checks the same again.)"""
+    if not uri.startswith("s3://"):
+        raise ValueError("it is not an s3:// URI")
+    bucket, sep, key = uri[len("s3://") :].partition("/")
+    if not BUCKET_RE.fullmatch(bucket):
+        raise ValueError(f"{bucket!r} is not a bucket name (3 to 63 of a-z, 0-9, '.', '-')")
+    if not sep or not key:
+        raise ValueError("it names no key after the bucket")
+    if len(key.encode()) > MAX_SOURCE_KEY:
+        raise ValueError(f"its key is longer than {MAX_SOURCE_KEY} bytes")
+    if any(ord(c) < 0x20 or c in "\\\x7f" for c in key):
+        raise ValueError("its key holds a control character or a backslash")
+    for seg in key.split("/"):
+        if seg in ("", ".", ".."):
+            raise ValueError(f"its key has an empty, '.' or '..' segment ({key!r}); keys stay in the tenant's space")
+    return bucket, key
+
+
+def _source_data(table: Mapping[str, Any], prefix: str, name: str, access: str) -> DataDecl:
+    if "path" in table:
+        raise _fail(
+            f"{prefix}.path",
+            "is set together with source",
+            "keep source (torpord loads the object) or path (a file in the function dir), not both",
+        )
+    source = _str(table, prefix, "source", None)
+    try:
+        parse_source(source)
+    except ValueError as e:
+        raise _fail(
+            f"{prefix}.source", f"must be s3://BUCKET/KEY, got {_show(source)} ({e})", 'write e.g. source = "s3://torpor-data/weights.bin"'
+        ) from None
+    if table.get("size", "auto") == "auto":
+        raise _fail(
+            f"{prefix}.size",
+            "must be given with source: torpord checks the object against it",
+            "write the object's size in bytes, e.g. size = 1048576",
+        )
+    size = _size(table, prefix, "size", None, allow_auto=False, maximum=MAX_DATA_SIZE)
+    assert size is not None
+    return DataDecl(name=name, path="", abs_path=Path(""), size=size, access=access, source=source)  # type: ignore[arg-type]
 
 
 def _data_path(raw: str, key: str) -> str:

@@ -20,7 +20,10 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
    nothing yet and waits for `load`.
 3. Serves frames until the connection ends:
    - `load` {spec, dir, data}: checks every declared data file the `data` map names (it must
-     exist, and read-only data must have the declared size), binds them for torpor.load, imports
+     exist, and read-only data must have the declared size); an entry {"fd": true} (a `source`
+     in torpor.toml) comes as a `data_fd` {name, fd: true} frame right after `load`, in declared
+     order, its memfd attached, served as /proc/self/fd/N and closed once setup() and the
+     warm-up are done (docs/data.md); binds them for torpor.load, imports
      `entry` with `dir` first on sys.path, instantiates the decorated class, runs setup(), packs
      the function's CUDA weights into segments of their own when the hook backs CUDA memory
      ($TORPOR_HOOK_CUDA=1, unless spec.gpu.pack_weights is false: torpor.pack), then runs the
@@ -28,8 +31,9 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      `ready` {ok: true, setup_s, warmup_s, packed?} (role function adds `preload_s`; `packed`:
      what packing did, torpor.pack.Packed.frame). From then on hello says role "function" and
      the spec's name.
-   - `invoke` {id, request, timeout_s}: sends `started` {id}, calls the function and sends
-     `result` {id, ok, value, handler_s}. Invokes run one after another, so with
+   - `invoke` {id, request, timeout_s}: sends `started` {id}, calls the function (every
+     {"$ref", "data"} object torpord loaded in the request replaced by its bytes; torpor.dump
+     sends `dump` {name, data: base64} meanwhile) and sends `result` {id, ok, value, handler_s}. Invokes run one after another, so with
      requests_per_instance > 1 a request waits here until the ones before it end; torpord counts
      its timeout from `started`. An exception from the function, or a value that cannot be sent (not JSON, NaN,
      over 64 MiB), is `ok: false` with `error` {type, message, traceback} (texts capped at 64 KiB),
@@ -125,6 +129,8 @@ PROTOCOL = 2
 # takes (after its quiet).
 SERVES = ("load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown")
 AFTER_SPLIT_QUIET = ("release", "resume", "shutdown")
+# Taken only right after `load`: one per declared data entry with a source (torpord loaded it).
+AFTER_LOAD = ("data_fd",)
 DEFAULT_REATTACH_S = 60.0
 REATTACH_MAX_DELAY_S = 0.5
 MAX_TEXT = 64 << 10
@@ -444,7 +450,12 @@ class Worker:
         self.send({"type": "started", "id": rid})
         t0 = time.perf_counter()
         try:
-            value = call(msg["request"])
+            request = torpor_data.with_refs(msg["request"])
+            torpor_data.set_dump_sink(self.send_dump)
+            try:
+                value = call(request)
+            finally:
+                torpor_data.set_dump_sink(None)
         except Exception as e:
             out = {
                 "type": "result",
@@ -463,6 +474,13 @@ class Worker:
             }
         self.settle_readiness()
         self.send_result(out)
+
+    def send_dump(self, name: str, data: bytes) -> None:
+        """torpor.dump while a request runs: torpord writes `data` to the object in the
+        background (the handler does not wait for the store)."""
+        import base64
+
+        self.send({"type": "dump", "name": name, "data": base64.b64encode(data).decode("ascii")})
 
     def send_result(self, out: dict[str, Any]) -> None:
         """Sends a result frame; a value that cannot be sent becomes a ResultError."""
@@ -571,17 +589,22 @@ class Worker:
             )
         self.shrink_context = shrink
         declared = {d["name"] for d in decls}
-        if set(data_map) != declared or not all(isinstance(p, str) for p in data_map.values()):
+        if set(data_map) != declared or not all(
+            isinstance(p, str) or p == {"fd": True} for p in data_map.values()
+        ):
             raise ProtocolError(
                 f"load's data map names {sorted(data_map)} but the spec declares {sorted(declared)}; "
-                "send one path per declared name"
+                'send one path (or {"fd": true}, then a data_fd frame) per declared name'
             )
+        # Platform-loaded data (a source in torpor.toml): its memfd follows in a data_fd frame.
+        data_fds = self.read_data_fds([d["name"] for d in decls if data_map[d["name"]] == {"fd": True}])
         self.function, self.entry, self.role = name, entry, "function"
         phase = "data"
         try:
             bound = []
             for d in decls:
-                path = Path(data_map[d["name"]])
+                fd = data_fds.get(d["name"])
+                path = Path(f"/proc/self/fd/{fd}") if fd is not None else Path(data_map[d["name"]])
                 access = str(d.get("access", "read-only"))
                 try:
                     size = path.stat().st_size
@@ -594,7 +617,7 @@ class Worker:
                         f"declared data {d['name']!r}: {path} has {size} bytes, "
                         f"the spec says {d['size']}; redeploy the function"
                     )
-                bound.append(torpor_data.Bound(d["name"], path, d["size"], access))
+                bound.append(torpor_data.Bound(d["name"], path, d["size"], access, d.get("source")))
             torpor_data.bind(bound, f"the torpor.toml of {name}")
             phase = "import"
             cls = resolve(fdir, entry)
@@ -620,6 +643,12 @@ class Worker:
         except Exception as e:
             self.fail(phase, e)
             return False
+        finally:
+            # The objects torpord loaded are for setup() and the warm-up: closed before the
+            # snapshot, so that it does not carry a second copy of them.
+            for fd in data_fds.values():
+                os.close(fd)
+            torpor_data.loaded_done()
         self.call = instance.__call__
         ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t_packed}
         if self.started_as == "function":
@@ -628,6 +657,32 @@ class Worker:
             ready["packed"] = packed
         self.send(ready)
         return True
+
+    def read_data_fds(self, names: list[str]) -> dict[str, int]:
+        """The memfds of `names` from the data_fd frames that follow `load`, in that order."""
+        assert self.reader is not None
+        fds: dict[str, int] = {}
+        if not names:
+            return fds
+        self.reader.fds = True
+        try:
+            for want in names:
+                msg = self.reader.read()
+                fd = self.reader.take_fd()
+                if msg is None or msg.get("type") != "data_fd" or msg.get("name") != want or fd is None:
+                    if fd is not None:
+                        os.close(fd)
+                    for f in fds.values():
+                        os.close(f)
+                    got = "the end of the connection" if msg is None else f"{msg.get('type')!r} {msg.get('name')!r}"
+                    raise ProtocolError(
+                        f"expected data_fd {want!r} with its memfd after load, got {got}"
+                        f"{'' if fd is not None or msg is None else ' without an fd'}"
+                    )
+                fds[want] = fd
+        finally:
+            self.reader.fds = False
+        return fds
 
     def pack(self, instance: Any) -> dict[str, Any] | None:
         """Move the function's CUDA weights into segments of their own (torpor.pack), when its

@@ -36,7 +36,7 @@ def send_checked(conn: Any, frame: dict[str, Any]) -> None:
 def test_the_schema_is_the_workers_protocol() -> None:
     assert SCHEMA["protocol"] == worker.PROTOCOL
     # Every frame torpord may send is one the worker takes, and the other way round.
-    assert types_of("to_worker") == set(worker.SERVES) | set(worker.AFTER_SPLIT_QUIET)
+    assert types_of("to_worker") == set(worker.SERVES) | set(worker.AFTER_SPLIT_QUIET) | set(worker.AFTER_LOAD)
     # Every frame type the worker sends is one torpord's types know.
     sent = set(re.findall(r'"type": "([a-z_]+)"', (ROOT / "python/torpor/worker.py").read_text()))
     sent -= {"ResultError"}  # an error document's type, not a frame's

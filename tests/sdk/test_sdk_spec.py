@@ -421,3 +421,60 @@ def test_a_symlinked_or_special_torpor_toml_is_never_read(tmp_path: Path) -> Non
         f.truncate((1 << 20) + 1)
     with pytest.raises(SpecError, match="more than the 1048576 bytes"):
         parse_dir(d)
+
+
+def test_a_source_is_an_s3_key_in_the_tenants_space_with_a_size(tmp_path: Path) -> None:
+    base = 'name = "f"\nentry = "model:F"\n[[data]]\nname = "w"\n'
+    for sub in ("ok", "file", *(f"bad{i}" for i in range(8))):
+        (tmp_path / sub).mkdir()
+    d = make_dir(tmp_path / "ok", base + 'source = "s3://torpor-data/models/w.bin"\nsize = "1KiB"\naccess = "writable"\n')
+    (entry,) = parse_dir(d).to_json()["data"]
+    assert entry == {"name": "w", "path": "", "abs_path": "", "size": 1024, "access": "writable",
+                     "source": "s3://torpor-data/models/w.bin"}
+    # A file entry carries no source key at all (specs of before stay byte-identical).
+    d2 = make_dir(tmp_path / "file", base + 'path = "w.bin"\n', {"w.bin": 3})
+    assert "source" not in parse_dir(d2).to_json()["data"][0]
+    for i, (body, key, words) in enumerate([
+        ('source = "s3://torpor-data/w.bin"\n', "data[0].size", "must be given with source"),
+        ('source = "s3://torpor-data/w.bin"\nsize = "auto"\n', "data[0].size", "must be given with source"),
+        ('source = "s3://torpor-data/a/../../functions/f.json"\nsize = 3\n', "data[0].source", "'..' segment"),
+        ('source = "s3://torpor-data//w"\nsize = 3\n', "data[0].source", "'..' segment"),
+        ('source = "s3://torpor-data/"\nsize = 3\n', "data[0].source", "no key"),
+        ('source = "https://x/w"\nsize = 3\n', "data[0].source", "not an s3:// URI"),
+        ('source = "s3://A_B/w"\nsize = 3\n', "data[0].source", "not a bucket name"),
+        ('source = "s3://torpor-data/w"\npath = "w.bin"\nsize = 3\n', "data[0].path", "not both"),
+    ]):
+        e = error_of(tmp_path / f"bad{i}", base + body, {"w.bin": 3})
+        assert str(e).startswith(f"torpor.toml: {key} "), e
+        assert words in str(e) and "\n" not in str(e), e
+
+
+def test_outside_a_worker_source_data_and_dump_say_why_not(tmp_path: Path) -> None:
+    import torpor
+    from torpor import data
+    from torpor.errors import DataError
+
+    d = make_dir(tmp_path, 'name = "f"\nentry = "model:F"\n[[data]]\nname = "out"\nsource = "s3://b-b/o"\nsize = 8\naccess = "writable"\n'
+                 '[[data]]\nname = "ro"\nsource = "s3://b-b/r"\nsize = 8\n')
+    torpor.use_dir(d)
+    try:
+        with pytest.raises(DataError, match="torpord loads for setup"):
+            torpor.load_bytes("out")
+        with pytest.raises(DataError, match="no request is running"):
+            torpor.dump("out", b"12")
+        with pytest.raises(DataError, match="more than the 8 allowed"):
+            torpor.dump("out", b"123456789")
+        with pytest.raises(DataError, match="read-only"):
+            torpor.dump("ro", b"1")
+        sent: list[tuple[str, bytes]] = []
+        data.set_dump_sink(lambda n, b: sent.append((n, b)))
+        try:
+            torpor.dump("out", {"a": 1})
+            torpor.dump("out", "é")
+        finally:
+            data.set_dump_sink(None)
+        assert sent == [("out", b'{"a":1}'), ("out", "é".encode())]
+    finally:
+        data.unbind()
+    assert data.with_refs({"x": [{"$ref": "s3://b-b/k", "data": "QUJD"}], "y": {"$ref": "s3://b-b/k"}}) == {
+        "x": [b"ABC"], "y": {"$ref": "s3://b-b/k"}}

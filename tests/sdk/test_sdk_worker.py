@@ -451,3 +451,66 @@ def test_the_quiet_point_shrinks_the_cuda_context(spawn: Spawner, daemon: Daemon
     assert f"limit {w.pid} 0=0" in log.read_text().splitlines(), log.read_text()
     os.kill(w.pid, signal.SIGKILL)
     w.wait()
+
+
+SOURCED = (
+    "@torpor.function\nclass F:\n"
+    "    def setup(self):\n"
+    "        self.w = torpor.load_bytes('w')\n"
+    "    def __call__(self, r):\n"
+    "        torpor.dump('out', {'got': r['x'].decode()})\n"
+    "        return {'w': self.w.decode(), 'x': r['x'].decode(), 'y': r['y']}\n"
+)
+SOURCED_DATA = (
+    '[[data]]\nname = "w"\nsource = "s3://b-b/w.bin"\nsize = 5\n'
+    '[[data]]\nname = "out"\nsource = "s3://b-b/out.json"\nsize = 64\naccess = "writable"\n'
+)
+
+
+def memfd_with(data: bytes) -> int:
+    fd = os.memfd_create("test-data")
+    os.write(fd, data)
+    return fd
+
+
+def test_source_data_comes_as_data_fd_frames_and_refs_and_dumps_pass(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
+    import base64
+    import json
+
+    fdir = write_function(tmp_path / "fn", SOURCED, SOURCED_DATA)
+    spec = parse_dir(fdir).to_json()
+    w = spawn("--role", "base")
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "load", "spec": spec, "dir": str(fdir), "data": {"w": {"fd": True}, "out": {"fd": True}}})
+    for name, data in (("w", b"hello"), ("out", b"{}")):
+        fd = memfd_with(data)
+        c.send_with_fd({"type": "data_fd", "name": name, "fd": True}, fd)
+        os.close(fd)
+    ready = c.expect("ready")
+    assert ready["ok"] is True, ready
+    c.send({"type": "invoke", "id": 1, "timeout_s": 10,
+            "request": {"x": {"$ref": "s3://b-b/x", "data": base64.b64encode(b"ref!").decode()}, "y": {"$ref": "s3://b-b/y"}}})
+    c.expect("started")
+    dump = c.expect("dump")
+    assert dump["name"] == "out" and json.loads(base64.b64decode(dump["data"])) == {"got": "ref!"}, dump
+    result = c.expect("result")
+    assert result["ok"] is True, result
+    # A reference torpord did not load (no data) is left as it came.
+    assert result["value"] == {"w": "hello", "x": "ref!", "y": {"$ref": "s3://b-b/y"}}, result
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
+
+
+def test_a_missing_data_fd_frame_exits_3(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
+    fdir = write_function(tmp_path / "fn", SOURCED, SOURCED_DATA)
+    spec = parse_dir(fdir).to_json()
+    w = spawn("--role", "base")
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "load", "spec": spec, "dir": str(fdir), "data": {"w": {"fd": True}, "out": {"fd": True}}})
+    c.send({"type": "data_fd", "name": "w", "fd": True})  # no fd attached
+    assert w.wait() == EXIT_PROTOCOL
+    assert "expected data_fd 'w' with its memfd after load" in w.stderr(), w.stderr()

@@ -166,6 +166,64 @@ impl Remote {
         }
     }
 
+    /// Streams object `key` into `out` and returns its length, or `None` when there is no
+    /// such object; refuses one larger than `limit` bytes (`TooLarge`, after `limit + 1` bytes
+    /// were written: the caller discards `out`).
+    pub fn get_into(
+        &self,
+        key: &str,
+        out: &mut dyn std::io::Write,
+        limit: u64,
+    ) -> Result<Option<u64>, ObjError> {
+        let full = self.full_key(key);
+        let url = self
+            .bucket
+            .get_object(Some(&self.credentials), &full)
+            .sign(SIGNED_FOR);
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let mut resp = self
+            .agent
+            .get(url.as_str())
+            .call()
+            .map_err(|e| self.unreachable("GET", &full, e))?;
+        let status = resp.status().as_u16();
+        let reader = resp.body_mut().as_reader();
+        if !(200..=299).contains(&status) {
+            let mut body = Vec::new();
+            let _ = reader.take(64 << 10).read_to_end(&mut body);
+            return match status {
+                404 if s3_code(&body) == "NoSuchBucket" => Err(self.no_bucket()),
+                404 => Ok(None),
+                status => Err(self.status_error("GET", &full, status, s3_code(&body))),
+            };
+        }
+        let mut body = reader.take(limit.saturating_add(1));
+        let mut buf = vec![0u8; 1 << 20];
+        let mut n = 0u64;
+        loop {
+            let k = match body.read(&mut buf) {
+                Ok(0) => break,
+                Ok(k) => k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(self.unreachable("GET", &full, ureq::Error::Io(e))),
+            };
+            out.write_all(&buf[..k]).map_err(|e| ObjError::Local {
+                key: full.clone(),
+                source: e,
+            })?;
+            n += k as u64;
+        }
+        self.bytes_down.fetch_add(n, Ordering::Relaxed);
+        if n > limit {
+            return Err(ObjError::TooLarge {
+                bucket: self.bucket().to_owned(),
+                key: full,
+                limit,
+            });
+        }
+        Ok(Some(n))
+    }
+
     /// Writes object `key`.
     pub fn put(&self, key: &str, bytes: &[u8]) -> Result<(), ObjError> {
         let full = self.full_key(key);

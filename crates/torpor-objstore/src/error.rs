@@ -69,6 +69,15 @@ pub enum ObjError {
         limit: u64,
     },
 
+    #[error(
+        "cannot store object {key} on this node: {source}; free memory or disk space and try again"
+    )]
+    Local {
+        key: String,
+        #[source]
+        source: std::io::Error,
+    },
+
     #[error("invalid object store endpoint {endpoint} for bucket {bucket} ({reason}): fix endpoint or set path_style = true")]
     Endpoint {
         endpoint: String,

@@ -220,6 +220,7 @@ fn push_and_pull_against_seaweedfs() {
     assert!(matches!(err, TransferError::Image(_)), "{err}");
     assert!(!w.join("x").exists());
 
+    streamed_get(&config);
     server_gone_mid_pull(&server, w, &config, &key);
     corrupted_object_is_refused(w, &config, &key, &node1);
     wrong_credentials(&server, w);
@@ -394,4 +395,33 @@ fn unknown_snapshot_and_missing_bucket(server: &Seaweed, w: &Path) {
         matches!(&err, TransferError::Remote(e) if matches!(**e, ObjError::NoBucket { .. })),
         "{err}"
     );
+}
+
+/// `get_into` (torpord's platform-loaded data): an object streams into the writer with its
+/// length; a missing one is `None`; one over the limit is `TooLarge` after limit + 1 bytes.
+fn streamed_get(config: &Path) {
+    let r = remote(config);
+    let data = pages("streamed", (3 << 20) + 17);
+    r.put("data/t/obj.bin", &data).expect("put");
+    let mut out = Vec::new();
+    let n = r
+        .get_into("data/t/obj.bin", &mut out, data.len() as u64)
+        .expect("get_into");
+    assert_eq!((n, out.len()), (Some(data.len() as u64), data.len()));
+    assert!(out == data);
+    let mut none = Vec::new();
+    assert_eq!(
+        r.get_into("data/t/nowhere.bin", &mut none, 10)
+            .expect("missing"),
+        None
+    );
+    let mut short = Vec::new();
+    let err = r
+        .get_into("data/t/obj.bin", &mut short, 1000)
+        .expect_err("too large");
+    assert!(
+        matches!(err, ObjError::TooLarge { limit: 1000, .. }),
+        "{err}"
+    );
+    assert_eq!(short.len(), 1001);
 }

@@ -50,7 +50,7 @@ use crate::registry::Function;
 use crate::sync::lock;
 use crate::tenant::Scope;
 
-/// Requests in flight per push or pull.
+/// Requests in flight per push or pull, unless `objstore.parallel` says otherwise.
 pub const PARALLEL: usize = 8;
 /// A failed push is tried again after this, doubling up to [`RETRY_MAX`].
 pub const RETRY_FIRST: Duration = Duration::from_secs(30);
@@ -309,7 +309,7 @@ impl Tier {
             dir,
             &files_id(&id),
             torpor_image::Trust::Key(key),
-            PARALLEL,
+            self.config.parallel,
             &|_| {},
         )?;
         let segments = if split {
@@ -318,7 +318,7 @@ impl Tier {
                 store,
                 &id,
                 key,
-                PARALLEL,
+                self.config.parallel,
                 &|_| {},
             )?)
         } else {
@@ -474,7 +474,7 @@ impl Tier {
             &files_id(&record.snapshot),
             &out,
             torpor_image::Trust::Key(key),
-            PARALLEL,
+            self.config.parallel,
             &|_| {},
         )?;
         // A split snapshot's segment record (sealed by a node with this node's key).
@@ -483,7 +483,7 @@ impl Tier {
             store,
             &record.snapshot,
             key,
-            PARALLEL,
+            self.config.parallel,
             &|_| {},
         );
         let segments = match segments {

@@ -68,6 +68,7 @@
 //! path_style = true               # false: virtual-host addressing
 //! cache_bytes = 17179869184       # chunks kept in <state>/chunks beyond what registered snapshots
 //!                                 # need, least recently used dropped first: 16 GiB, ≤ 2^50
+//! parallel = 8                    # requests in flight per push or pull, 1 to 256
 //! ```
 
 use std::net::SocketAddr;
@@ -403,7 +404,12 @@ pub struct Objstore {
     pub path_style: bool,
     /// Bytes of chunks the local store keeps beyond those of registered snapshots.
     pub cache_bytes: u64,
+    /// Requests in flight per push or pull (`parallel`, default [`crate::bucket::PARALLEL`]).
+    pub parallel: usize,
 }
+
+/// The most requests in flight `objstore.parallel` allows.
+pub const MAX_OBJSTORE_PARALLEL: usize = 256;
 
 /// Default of `objstore.cache_bytes`: 16 GiB.
 pub const DEFAULT_OBJSTORE_CACHE_BYTES: u64 = 16 << 30;
@@ -788,7 +794,8 @@ impl Config {
     }
 }
 
-/// Reads `[objstore]`: every key but `region`, `prefix`, `path_style` and `cache_bytes` is
+/// Reads `[objstore]`: every key but `region`, `prefix`, `path_style`, `cache_bytes` and
+/// `parallel` is
 /// required; the values are checked as `torpor push` checks its configuration, and a secret in
 /// the section is refused (it belongs in the credentials file).
 fn objstore_section(t: &mut Table, base: &Path) -> Result<Objstore, KeyError> {
@@ -826,6 +833,10 @@ fn objstore_section(t: &mut Table, base: &Path) -> Result<Objstore, KeyError> {
         Some(n) => u64::try_from(n).unwrap_or(0),
         None => DEFAULT_OBJSTORE_CACHE_BYTES,
     };
+    let parallel = match t.integer("parallel", 1, MAX_OBJSTORE_PARALLEL as i64)? {
+        Some(n) => usize::try_from(n).unwrap_or(crate::bucket::PARALLEL),
+        None => crate::bucket::PARALLEL,
+    };
     let o = Objstore {
         endpoint,
         bucket,
@@ -834,6 +845,7 @@ fn objstore_section(t: &mut Table, base: &Path) -> Result<Objstore, KeyError> {
         prefix,
         path_style,
         cache_bytes,
+        parallel,
     };
     o.remote()
         .check()
@@ -1140,6 +1152,25 @@ mod tests {
         ("restore_server", "gpu_cache_bytes", "1125899906842624", &["1125899906842625", "-1"], "from 0 to 1125899906842624"),
         ("restore_server", "stage_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807"], "from 0 to 1125899906842624"),
     ];
+
+    #[test]
+    fn objstore_parallel_defaults_to_8_and_is_bounded() {
+        let base = "[objstore]\nendpoint = \"http://127.0.0.1:8333\"\nbucket = \"b\"\ncredentials_file = \"c\"\n";
+        let c = parse(base).unwrap();
+        assert_eq!(c.objstore.unwrap().parallel, crate::bucket::PARALLEL);
+        let c = parse(&format!("{base}parallel = 256\n")).unwrap();
+        assert_eq!(c.objstore.unwrap().parallel, 256);
+        for bad in ["0", "257", "-1", "\"8\""] {
+            let e = parse(&format!("{base}parallel = {bad}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("torpord.toml: objstore.parallel must be ")
+                    && e.contains("from 1 to 256"),
+                "{bad}: {e}"
+            );
+        }
+    }
 
     #[test]
     fn every_number_is_bounded() {

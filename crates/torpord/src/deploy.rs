@@ -267,6 +267,8 @@ async fn deploying(rt: &Runtime, spec: &ValidSpec) -> Result<Option<Function>, R
         .as_array()
         .into_iter()
         .flatten()
+        // A source's object is loaded by torpord, not read from a path.
+        .filter(|d| d.get("source").is_none_or(Value::is_null))
         .filter_map(|d| {
             Some((
                 d["name"].as_str()?.to_string(),
@@ -568,6 +570,9 @@ async fn steps(
     let state_root = rt.state_root.clone();
     let snapshots = rt.snapshots_dir();
     let bound = crate::limits::load_timeout(&spec.json, rt.config.load_timeout);
+    // Platform-loaded data (crate::s3data): fetched while the base boots or is restored.
+    let data_loading = crate::s3data::start_loading(rt.objstore.clone(), &spec.json)
+        .map_err(|e| fail("validate", e))?;
     // Two first deploys on one key make one base; held until it is recorded, not across the load.
     let base_lock = rt.deploy_locks.base(&key).await;
 
@@ -745,13 +750,28 @@ async fn steps(
     crate::function_mounts::bind_function_dir(init, &spec.dir, user.is_some())
         .await
         .map_err(|e| fail("load", e))?;
+    let t_wait = Instant::now();
+    let (data, data_s) = crate::s3data::finish_loading(data_loading)
+        .await
+        .map_err(|e| fail("load", e))?;
+    let data_wait_s = t_wait.elapsed().as_secs_f64();
     conn.send(&load_frame(&spec.json, &spec.dir))
         .await
         .map_err(|e| conn_fail("load", "sending load", e))?;
+    crate::s3data::send_fds(&mut conn, &data)
+        .await
+        .map_err(|e| conn_fail("load", "sending the loaded data", e))?;
+    drop(data);
     let r = ready(&mut conn, bound)
         .await
         .map_err(|e| out_of_memory_or(cgroup.as_ref(), "load", e))?;
     let mut loaded = json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]});
+    if data_s > 0.0 {
+        // The object store's part: how long the loads took, and how much of that the load
+        // still waited for after the base was up (the rest overlapped the start).
+        loaded["data_s"] = json!(data_s);
+        loaded["data_wait_s"] = json!(data_wait_s);
+    }
     // What the harness packed into segments of their own (docs/split.md, "Weight packing").
     if let Some(packed) = r.get("packed") {
         loaded["packed"] = packed.clone();

@@ -35,6 +35,7 @@ pub mod recovery;
 pub mod registry;
 mod run;
 pub mod runtime;
+pub mod s3data;
 #[cfg(test)]
 mod schema_file;
 pub mod sdk_dir;

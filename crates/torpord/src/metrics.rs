@@ -57,6 +57,9 @@ pub fn accounted_stages() -> impl Iterator<Item = &'static str> {
         .chain(std::iter::once(HIBERNATING))
 }
 
+/// The outcomes of `torpor_dumps_total`.
+pub const DUMP_OUTCOMES: &[&str] = &["written", "failed"];
+
 /// The invoke phases whose series exist from the start for every function; other phases
 /// (deploy's, for instance) appear when first observed.
 pub const INVOKE_PHASES: &[&str] = &["queue", "start", "handler", "total"];
@@ -80,6 +83,9 @@ pub struct Metrics {
     /// `torpor_hibernations_refused_total{function}`: hibernations not started because the
     /// snapshot would not fit (torpor_snapshot::space); the instance stayed warm.
     pub hibernations_refused: IntCounterVec,
+    /// `torpor_dumps_total{function, outcome}`: `torpor.dump` writes to the object store,
+    /// `written` or `failed` (crate::s3data; the cause is in the log).
+    pub dumps: IntCounterVec,
     /// `torpor_phase_duration_seconds{function, phase}`; fed by [`Metrics::observe_phase`].
     phase_seconds: HistogramVec,
     /// `torpor_instances{stage}`, from the registry.
@@ -148,6 +154,13 @@ impl Metrics {
                 "Hibernations refused before they began because the snapshot would not fit; the instance stayed warm.",
             ),
             &["function"],
+        )?;
+        let dumps = IntCounterVec::new(
+            Opts::new(
+                "torpor_dumps_total",
+                "torpor.dump writes to the object store, by function and outcome (written, failed).",
+            ),
+            &["function", "outcome"],
         )?;
         let phase_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -219,6 +232,7 @@ impl Metrics {
         registry.register(Box::new(starts.clone()))?;
         registry.register(Box::new(restore_fallbacks.clone()))?;
         registry.register(Box::new(hibernations_refused.clone()))?;
+        registry.register(Box::new(dumps.clone()))?;
         registry.register(Box::new(phase_seconds.clone()))?;
         registry.register(Box::new(instances.clone()))?;
         registry.register(Box::new(gpu_memory_bytes.clone()))?;
@@ -243,6 +257,7 @@ impl Metrics {
             starts,
             restore_fallbacks,
             hibernations_refused,
+            dumps,
             phase_seconds,
             instances,
             gpu_memory_bytes,
@@ -280,6 +295,9 @@ impl Metrics {
         }
         self.restore_fallbacks.with_label_values(&[function]);
         self.hibernations_refused.with_label_values(&[function]);
+        for o in DUMP_OUTCOMES {
+            self.dumps.with_label_values(&[function, o]);
+        }
         for p in INVOKE_PHASES {
             self.phase_seconds.with_label_values(&[function, p]);
         }
@@ -306,6 +324,9 @@ impl Metrics {
         }
         let _ = self.restore_fallbacks.remove_label_values(&[function]);
         let _ = self.hibernations_refused.remove_label_values(&[function]);
+        for o in DUMP_OUTCOMES {
+            let _ = self.dumps.remove_label_values(&[function, o]);
+        }
         let _ = self.queue_length.remove_label_values(&[function]);
         let _ = self.standby_instances.remove_label_values(&[function]);
         let _ = self

@@ -216,6 +216,7 @@ pub enum FromWorker {
     Released(Released),
     Mapped(Mapped),
     Unmapped(Unmapped),
+    Dump(Dump),
 }
 
 /// `load`: the function to import, set up and warm up (role function).
@@ -226,7 +227,8 @@ pub struct Load {
     pub spec: Value,
     /// The function's directory.
     pub dir: String,
-    /// Its declared data: name → absolute path.
+    /// Its declared data: name → absolute path, or `{"fd": true}` for a `source` entry,
+    /// whose object follows in a `data_fd` frame.
     pub data: BTreeMap<String, Value>,
 }
 
@@ -272,6 +274,24 @@ pub struct Unmap {
     pub vas: Vec<u64>,
 }
 
+/// `data_fd`: after `load`, one per declared data entry with a `source`, in declared order:
+/// the object torpord loaded, as a memfd attached to the frame (crate::s3data).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct DataFd {
+    pub name: String,
+    pub fd: bool,
+}
+
+/// `dump` (while serving a request): `torpor.dump(name, obj)`; torpord writes `data` (base64)
+/// to the object of the writable declared entry `name` without answering (crate::s3data).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Dump {
+    pub name: String,
+    pub data: String,
+}
+
 /// A frame without fields.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 #[schemars(deny_unknown_fields)]
@@ -291,6 +311,7 @@ pub enum ToWorker {
     Release(Empty),
     Map(Map),
     Unmap(Unmap),
+    DataFd(DataFd),
     /// Exit.
     Shutdown(Empty),
 }
@@ -319,7 +340,7 @@ fn fields<'a, T: Deserialize<'a>>(
 impl FromWorker {
     /// The frame types a worker sends.
     pub const TYPES: &'static str =
-        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped";
+        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump";
 
     /// A frame's payload, parsed (`type` first, then the variant from the same bytes).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -334,6 +355,7 @@ impl FromWorker {
             "released" => Self::Released(fields("released", payload)?),
             "mapped" => Self::Mapped(fields("mapped", payload)?),
             "unmapped" => Self::Unmapped(fields("unmapped", payload)?),
+            "dump" => Self::Dump(fields("dump", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
         })
     }
@@ -350,6 +372,7 @@ impl FromWorker {
             Self::Released(_) => "released",
             Self::Mapped(_) => "mapped",
             Self::Unmapped(_) => "unmapped",
+            Self::Dump(_) => "dump",
         }
     }
 }
@@ -357,7 +380,7 @@ impl FromWorker {
 impl ToWorker {
     /// The frame types torpord sends.
     pub const TYPES: &'static str =
-        "load, invoke, attached, quiesce, resume, release, map, unmap, shutdown";
+        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, shutdown";
 
     /// A frame's payload, parsed as [`FromWorker::parse`] does (for tests and tools).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -371,6 +394,7 @@ impl ToWorker {
             "release" => Self::Release(Empty {}),
             "map" => Self::Map(fields("map", payload)?),
             "unmap" => Self::Unmap(fields("unmap", payload)?),
+            "data_fd" => Self::DataFd(fields("data_fd", payload)?),
             "shutdown" => Self::Shutdown(Empty {}),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
         })

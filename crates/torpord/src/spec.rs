@@ -60,8 +60,12 @@ pub struct DataFile {
     pub path: String,
     pub abs_path: String,
     pub size: u64,
-    /// `read-only` (the only access so far).
+    /// `read-only` or `writable`.
     pub access: String,
+    /// `s3://BUCKET/KEY`: torpord loads the object from its object store (crate::s3data);
+    /// `path` and `abs_path` are then empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
 /// The request sent once at deploy, before the snapshot.

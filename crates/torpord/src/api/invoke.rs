@@ -34,13 +34,14 @@ fn timings_header(t: &Timings) -> HeaderValue {
             )),
         (status = 400, description = "The body is not JSON", body = super::types::ErrorBody),
         (status = 408, description = "The body did not arrive within http.body_timeout_s of the headers", body = super::types::ErrorBody),
-        (status = 404, description = "No such function", body = super::types::ErrorBody),
+        (status = 404, description = "No such function, or an object a `{\"$ref\": \"s3://…\"}` of the request names is not in the bucket (docs/data.md)", body = super::types::ErrorBody),
         (status = 409, description = "The function is not ready (deploying or failed)", body = super::types::ErrorBody),
+        (status = 422, description = "A `$ref` of the request is malformed, names another bucket, or the references hold more than 32 MiB", body = super::types::ErrorBody),
         (status = 429, description = "The function's queue is full", body = super::types::ErrorBody),
         (status = 500, description = "The function raised (or the daemon failed: then the body is an ErrorBody)", body = super::types::RaisedBody,
             headers(("x-torpor-timings" = String, description = "The phases in seconds"))),
-        (status = 502, description = "The worker crashed or misbehaved", body = super::types::ErrorBody),
-        (status = 503, description = "No instance became free within the queue's timeout", body = super::types::ErrorBody,
+        (status = 502, description = "The worker crashed or misbehaved, or the object store failed while loading a `$ref`", body = super::types::ErrorBody),
+        (status = 503, description = "No instance became free within the queue's timeout (or a `$ref` came to a node without [objstore])", body = super::types::ErrorBody,
             headers(("retry-after" = u64, description = "Seconds to wait before retrying"))),
         (status = 504, description = "The request ran past the function's timeout_s", body = super::types::ErrorBody),
     ))]
@@ -89,6 +90,35 @@ pub async fn invoke(
                 format!("the request body is not JSON ({e}): send the function's request as JSON"),
             )
         })?
+    };
+    // Inputs by reference (crate::s3data): `{"$ref": "s3://…"}` objects loaded from the
+    // function's tenant's space in the bucket before the request is queued.
+    let request = if crate::s3data::may_hold_refs(request.get().as_bytes()) {
+        let n = name.clone();
+        let tenant = match state.runtime.pool_tenant(&name) {
+            Some(t) => t,
+            None => super::with_registry(&state, move |r| Ok(r.with(|s| s.function(&n))?))
+                .await?
+                .map(|f| crate::tenant::of_spec(&f.spec).to_string())
+                .ok_or_else(|| super::unknown_function(&name))?,
+        };
+        let tier = state.runtime.objstore.clone();
+        let raw = request.get().as_bytes().to_vec();
+        let resolved = tokio::task::spawn_blocking(move || {
+            crate::s3data::resolve_refs(tier.as_deref(), &tenant, &raw)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("the $ref loading task failed: {e}")))?
+        .map_err(|e| ApiError::new(e.status(), e.to_string()))?;
+        match resolved {
+            Some(bytes) => RawValue::from_string(String::from_utf8(bytes).map_err(|e| {
+                ApiError::internal(format!("a resolved request is not UTF-8: {e}"))
+            })?)
+            .map_err(|e| ApiError::internal(format!("a resolved request is not JSON: {e}")))?,
+            None => request,
+        }
+    } else {
+        request
     };
     match state.runtime.invoke(&name, request).await {
         Ok(done) => {

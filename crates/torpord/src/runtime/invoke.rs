@@ -363,6 +363,10 @@ impl Runtime {
                         }
                     }
                 }
+                FromWorker::Dump(d) => {
+                    // torpor.dump: written in the background; the handler does not wait.
+                    self.dump_in_background(&inst.function, d);
+                }
                 other => {
                     break format!(
                         "it broke the protocol (sent a {:?} frame while serving requests)",
@@ -372,6 +376,42 @@ impl Runtime {
             }
         };
         self.remove_instance(&inst, &why, true);
+    }
+
+    /// Writes a `dump` frame's data to its object (crate::s3data::dump) on the blocking pool;
+    /// the outcome is logged and counted (`torpor_dumps_total{function, outcome}`).
+    fn dump_in_background(self: &Arc<Self>, function: &str, d: crate::protocol::Dump) {
+        let rt = Arc::clone(self);
+        let function = function.to_string();
+        tokio::task::spawn_blocking(move || {
+            let spec = match rt.registry.with(|s| s.function(&function)) {
+                Ok(Some(f)) => f.spec,
+                Ok(None) => {
+                    tracing::warn!(function = %function, name = %d.name, "torpor.dump dropped: the function is gone");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(function = %function, name = %d.name, error = %e, "torpor.dump dropped: the registry failed");
+                    return;
+                }
+            };
+            let t = std::time::Instant::now();
+            let outcome = match crate::s3data::dump(rt.objstore.as_deref(), &spec, &d.name, &d.data)
+            {
+                Ok(key) => {
+                    tracing::info!(function = %function, name = %d.name, key = %key, seconds = t.elapsed().as_secs_f64(), "torpor.dump written");
+                    "written"
+                }
+                Err(e) => {
+                    tracing::warn!(function = %function, name = %d.name, error = %e, "torpor.dump failed");
+                    "failed"
+                }
+            };
+            rt.metrics
+                .dumps
+                .with_label_values(&[function.as_str(), outcome])
+                .inc();
+        });
     }
 
     /// Whether `inst` has segments whose `mapped` answers its reader counts.

@@ -58,7 +58,14 @@ pub fn load_frame(spec: &Value, dir: &Path) -> ToWorker {
         .as_array()
         .map(|a| {
             a.iter()
-                .filter_map(|d| Some((d["name"].as_str()?.to_string(), d["abs_path"].clone())))
+                .filter_map(|d| {
+                    let name = d["name"].as_str()?.to_string();
+                    // A source's object comes as a `data_fd` frame after `load`.
+                    Some(match d.get("source") {
+                        Some(Value::String(_)) => (name, serde_json::json!({"fd": true})),
+                        _ => (name, d["abs_path"].clone()),
+                    })
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -92,6 +99,8 @@ pub(crate) async fn boot_function(
     charge: Option<&crate::accounting::StartGuard<'_>>,
 ) -> Result<Booted, BootError> {
     let t = Instant::now();
+    // Platform-loaded data (crate::s3data): fetched while the worker is launched.
+    let data_loading = crate::s3data::start_loading(rt.objstore.clone(), spec)?;
     let cgroup = rt.worker_cgroup(id, spec)?;
     let cgroup_procs = cgroup
         .as_ref()
@@ -147,9 +156,14 @@ pub(crate) async fn boot_function(
     let boot_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
     crate::function_mounts::bind_function_dir(init, dir, user.is_some()).await?;
+    let (data, _) = crate::s3data::finish_loading(data_loading).await?;
     conn.send(&load_frame(spec, dir))
         .await
         .map_err(BootError::SendLoad)?;
+    crate::s3data::send_fds(&mut conn, &data)
+        .await
+        .map_err(BootError::SendLoad)?;
+    drop(data);
     ready(
         &mut conn,
         crate::limits::load_timeout(spec, rt.config.load_timeout),
@@ -245,6 +259,9 @@ pub enum BootError {
     /// The function's directory could not be bound into the worker's mount namespace.
     #[error(transparent)]
     Bind(#[from] crate::function_mounts::BindError),
+    /// Platform-loaded data could not be loaded (crate::s3data).
+    #[error(transparent)]
+    Data(#[from] crate::s3data::DataError),
     /// The `load` frame could not be sent.
     #[error("sending load: {0}")]
     SendLoad(#[source] ConnError),

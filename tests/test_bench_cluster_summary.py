@@ -1,0 +1,63 @@
+"""bench/cluster/summary.py: the summary is assembled from its three sources as they are, the
+targets are judged from the values, and the README's table is the rendering of the JSON kept in
+bench/results/."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("cluster_summary", ROOT / "bench" / "cluster" / "summary.py")
+assert spec and spec.loader
+summary = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(summary)
+
+
+def test_assemble_takes_each_figure_from_its_source_and_judges_the_targets() -> None:
+    kill = {"requests": 40, "lost_requests": 1, "lost_ids": ["r3"], "duplicated_on_survivors": 0,
+            "rerun_after_node_death": 2, "served_by": {}, "attempts_over_1": 3, "wall_s": 5.0}
+    sim = {"summary": {"burst_p99_ratio": 2.9, "link_gbps": 25.0, "p99_s": 4.0, "one_cold_start_s": 1.38,
+                       "random_burst_p99_ratio": 6.0}}
+    pull = {"model": "gpt2-large", "machine": {"gpus": [{"name": "NVIDIA H100"}]},
+            "summary": {"pull_efficiency": 0.85, "pull_gbps": 1.7, "transfer_gbps": 2.0}}
+    doc = summary.assemble(kill, "k.json", sim, "s.json", pull, "p.json")
+    assert doc["summary"] == {"lost_requests": 1, "burst_p99_ratio": 2.9, "pull_efficiency": 0.85}
+    assert doc["meets"] == {"lost_requests": False, "burst_p99_ratio": True, "pull_efficiency": True}
+    assert doc["sources"]["pull_efficiency"]["machine"] == "NVIDIA H100"
+    assert "lost_ids" not in doc["sources"]["lost_requests"]
+    text = summary.table(doc)
+    assert "| `lost_requests` | 1 of 40 | 0 | **missed** |" in text, text
+    assert "| `pull_efficiency` | 0.85 | ≥ 0.8 | met |" in text, text
+
+
+def test_the_readme_table_is_the_rendering_of_the_kept_json() -> None:
+    kept = ROOT / "bench" / "results" / "cluster-summary.json"
+    doc = json.loads(kept.read_text())
+    assert set(doc["summary"]) == {"lost_requests", "burst_p99_ratio", "pull_efficiency"}
+    # Each figure is its source file's.
+    for key in ("burst_p99_ratio", "pull_efficiency"):
+        src = json.loads((ROOT / doc["sources"][key]["file"]).read_text())
+        assert src["summary"][key] == doc["summary"][key], key
+    kill = json.loads((ROOT / doc["sources"]["lost_requests"]["file"]).read_text())
+    assert kill["lost_requests"] == doc["summary"]["lost_requests"]
+    r = subprocess.run([sys.executable, str(ROOT / "bench/cluster/summary.py"), "--table", str(kept)],
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.strip() in (ROOT / "README.md").read_text(), "re-render the README's cluster table"
+
+
+def test_bad_arguments_are_one_usage_line(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "bench/cluster/summary.py"), "--out", str(tmp_path / "x.json")],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 2 and "give --out, --pull and one of --kill FILE or --run-kill" in r.stderr, r.stderr
+
+
+def test_readme_writing_replaces_only_the_table(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n\n| figure | value | target | | where from |\n|---|---|---|---|---|\n| old | 1 |\n\nafter\n")
+    summary.write_readme("| figure | value | target | | where from |\n|---|---|---|---|---|\n| new | 2 |\n", readme)
+    assert readme.read_text() == "intro\n\n| figure | value | target | | where from |\n|---|---|---|---|---|\n| new | 2 |\n\nafter\n"

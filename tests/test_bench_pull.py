@@ -1,0 +1,43 @@
+"""bench/cluster/pull.py on the CPU (`--model cpu`): SeaweedFS on loopback, node A deploys and
+pushes, a node on an empty state directory pulls and restores, with the real daemon, workers
+and CRIU; checks that the fresh node pulled exactly what A pushed, restored (not booted), gave
+A's answer, and that the summary's figures are the runs' own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+
+def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    out = tmp_path / "pull.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", "--runs", "1",
+         "--work-dir", str(tmp_path / "work"), "--no-drop-cache", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "TORPOR_BIN": str(torpor_bin)},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    (run,) = d["runs"]
+    pushed = d["deploy"]["pushed"]
+    assert run["pulled_bytes"] == pushed["uploaded_bytes"] > 0, (run, pushed)
+    assert run["pulled_chunks"] == pushed["uploaded_chunks"], (run, pushed)
+    assert run["start"] == "restored" and run["same_answer"] and run["cold_start_after_s"] > 0, run
+    s = d["summary"]
+    assert s["pull_gbps"] == run["pull_gbps"] and s["first_start_s"] == run["first_start_s"], s
+    assert s["pull_efficiency"] == round(run["pull_gbps"] / d["transfer"]["transfer_gbps"], 3), s
+    assert d["transfer"]["object_bytes"] == 64 << 20 and d["transfer"]["transfer_gbps"] > 0, d["transfer"]
+    assert s["first_start_within_target"] == (s["first_start_s"] <= s["target_first_start_s"]), s
+    probe = d["transfer"]["chunk_gets"]
+    assert probe["objects"] == min(run["pulled_chunks"], 4000) and probe["object_bytes"] == run["mean_chunk_bytes"], probe
+    assert s["pull_over_chunk_gets"] == round(run["pull_gbps"] / probe["gbps"], 3), s
+    assert d["parallel"] == probe["streams"] == 8, (d["parallel"], probe)
