@@ -325,6 +325,16 @@ impl Runtime {
             .get(name)
             .and_then(|h| h.paused_until)
             .is_some_and(|until| Instant::now() < until);
+        if info.stale_credentials.is_some() {
+            // Its snapshot would restore the credentials of before (pool(): warned once).
+            self.metrics
+                .restore_fallbacks
+                .with_label_values(&[name])
+                .inc();
+            return self
+                .start(StartKind::Boot, name, info, generation, &new)
+                .await;
+        }
         let mut restore_error = None;
         if !paused {
             match self
