@@ -31,10 +31,13 @@ The faults (one daemon for them all, on a fresh state directory):
   files); with `--gpu` a hog process holds all but 128 MiB of the real GPU.
 
 `--gpu` runs every fault with a GPU function (the echoer with torch preloaded, `gpus = 1`, a
-32 MiB tensor made in setup) on the machine's real GPU and writes
-bench/results/reliability-gpu.json unless `--out` says otherwise; `--budget-s` stops starting
-runs after that many seconds (the GPU machine's calls are bounded), and the JSON counts the runs
-that were made. The GPU machine's one-call soak (docs/reliability.md):
+32 MiB tensor made in setup) on the machine's real GPU, through the transparent path
+(`split_gpu = false`; `--split-gpu` for the split path, whose interrupted hibernations past
+`segments` are dropped, docs/reliability.md), and writes
+bench/results/reliability-gpu.json unless `--out` says otherwise; `--budget-s` shares that many
+seconds equally among the chosen faults, each starting no run past its share (the GPU machine's
+calls are bounded), and the JSON counts the runs that were made. The GPU machine's one-call soak
+(docs/reliability.md; `scripts/gpu-run.sh reliability` runs it):
 
     python3 bench/reliability/run.py --gpu --runs 20 --budget-s 480 \
         --only worker_kill --only daemon_kill_hibernate_dump --only daemon_kill_redeploy_load \
@@ -140,8 +143,10 @@ class FakeNvml:
 
 
 class Bench:
-    def __init__(self, binary: Path, root: Path, gpu: str = "") -> None:
-        """`gpu`: "" (CPU functions), "fake" (GPU functions on tests/fakes' GPU) or "real"."""
+    def __init__(self, binary: Path, root: Path, gpu: str = "", split_gpu: bool = False) -> None:
+        """`gpu`: "" (CPU functions), "fake" (GPU functions on tests/fakes' GPU) or "real";
+        `split_gpu`: on the real GPU, the split path (else the transparent one, whose undo of an
+        interrupted GPU hibernation is what the soak checks)."""
         root.mkdir(parents=True, exist_ok=True)
         self.gpu = gpu
         if gpu == "fake":
@@ -153,7 +158,7 @@ class Bench:
             )
             self.d = Torpord(binary, root, config="split = false\n", env=env, queue_timeout_s=3)
         elif gpu == "real":
-            self.d = Torpord(binary, root, queue_timeout_s=3)
+            self.d = Torpord(binary, root, config=f"split_gpu = {str(split_gpu).lower()}\n", queue_timeout_s=3)
         else:
             self.d = Torpord(binary, root)
         # The daemon's own variables, which every restart keeps (a fault's are added to them).
@@ -488,6 +493,7 @@ def main() -> int:
     p.add_argument("--only", action="append", default=[], help="run only this fault (repeatable)")
     p.add_argument("--out", default=None, help=f"default {OUT} ({OUT_GPU} with --gpu)")
     p.add_argument("--gpu", action="store_true", help="every fault with a GPU function on this machine's real GPU")
+    p.add_argument("--split-gpu", action="store_true", help="with --gpu: the split path (default: transparent)")
     p.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -497,7 +503,7 @@ def main() -> int:
     t = time.monotonic()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="torpor-reliability-") as tmp:
-        b = Bench(binary, Path(tmp) / "main", "real" if args.gpu else "")
+        b = Bench(binary, Path(tmp) / "main", "real" if args.gpu else "", args.split_gpu)
         benches = [b]
 
         def gpu_bench() -> Bench:
@@ -511,13 +517,16 @@ def main() -> int:
             unknown = set(args.only) - set(table)
             if unknown:
                 p.error(f"no such fault: {', '.join(sorted(unknown))}; there are {', '.join(table)}")
-            for name, fault in table.items():
-                if args.only and name not in args.only:
-                    continue
+            chosen = [n for n in table if not args.only or n in args.only]
+            for k, name in enumerate(chosen):
+                fault = table[name]
+                # The budget is shared out: each fault gets an equal part of what is left.
+                share = None if args.budget_s is None else (args.budget_s - (time.monotonic() - t)) / (len(chosen) - k)
+                t_fault = time.monotonic()
                 rows = []
                 for i in range(args.runs):
-                    if args.budget_s is not None and time.monotonic() - t > args.budget_s:
-                        print(f"{name}: the budget of {args.budget_s:g} s is spent after {i} runs", flush=True)
+                    if share is not None and time.monotonic() - t_fault > share:
+                        print(f"{name}: its share of the budget ({share:.0f} s) is spent after {i} runs", flush=True)
                         break
                     row = fault()
                     print(f"{name} run {i + 1}/{args.runs}: {json.dumps(row)}", flush=True)
@@ -552,7 +561,13 @@ def main() -> int:
     }
     doc = {
         "what": "faults forced through the real daemon, workers and CRIU; fuzz and load results (docs/reliability.md)",
-        "settings": {"runs": args.runs, "only": args.only or None, "gpu": args.gpu, "budget_s": args.budget_s},
+        "settings": {
+            "runs": args.runs,
+            "only": args.only or None,
+            "gpu": args.gpu,
+            "split_gpu": args.split_gpu if args.gpu else None,
+            "budget_s": args.budget_s,
+        },
         "machine": machine(binary),
         "wall_s": round(time.monotonic() - t, 1),
         "faults": results,
