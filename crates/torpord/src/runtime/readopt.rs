@@ -243,3 +243,22 @@ impl Runtime {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_takes_every_instance_still_waiting_and_none_joins_after_it() {
+        let mut r = Readopting::default();
+        assert!(r.wait("a", 10));
+        assert!(r.wait("b", 11));
+        // "a" came back before the stop: it joins its pool, and the stop does not see it.
+        assert!(r.done("a"));
+        assert_eq!(r.close(), vec![("b".to_string(), 11)]);
+        // After the stop: "b" must not join (the stop killed it), nor may any other wait.
+        assert!(!r.done("b"));
+        assert!(!r.wait("c", 12));
+        assert!(r.close().is_empty());
+    }
+}
