@@ -3,7 +3,7 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|all] [extra pytest args...]
 # tests: pytest over $TESTS (default: tests, the whole suite), into $OUT/pytest.log.
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
@@ -11,6 +11,11 @@
 # ($COMPAT_ONLY: comma-separated names; $COMPAT_BUDGET_S: stop starting programs after, default 300;
 # functions stop deploying 240 s after they start).
 # Not part of `all`.
+# reliability: bench/reliability/run.py --gpu: the faults (worker kill, daemon kill -9 in a
+# hibernation's dump and at a redeploy's load, GPU memory exhausted at a restore and at a redeploy)
+# with a torch function on this GPU, $RELIABILITY_RUNS each (default 20) within
+# $RELIABILITY_BUDGET_S seconds shared among them (default 420), into $OUT/reliability-gpu.json
+# and $OUT/reliability-gpu.log; $RELIABILITY_ONLY: other --only flags. Not part of `all`.
 # demo: `make demo` with the carried binary (scripts/demo.py: torpord deploys examples/resnet152,
 # its weights written first if absent), into $OUT/demo.log. Not part of `all`.
 # native: the Rust tests that need a real GPU and the fill bandwidth example, built here by
@@ -107,6 +112,14 @@ if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
   echo "== bench/coldstart"
   python3 bench/coldstart/run.py --runs "${RUNS:-5}" --out "$OUT/coldstart.json" 2>&1 | tee "$OUT/bench.log"
   brc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$brc
+fi
+if [ "$MODE" = reliability ]; then
+  echo "== bench/reliability --gpu (faults with a torch function on this GPU)"
+  # shellcheck disable=SC2086 # $RELIABILITY_ONLY is a list of flags
+  python3 bench/reliability/run.py --gpu --runs "${RELIABILITY_RUNS:-20}" --budget-s "${RELIABILITY_BUDGET_S:-420}" \
+    --out "$OUT/reliability-gpu.json" ${RELIABILITY_ONLY:---only worker_kill --only daemon_kill_hibernate_dump --only daemon_kill_redeploy_load --only gpu_oom_restore --only gpu_oom_deploy} \
+    2>&1 | tee "$OUT/reliability-gpu.log"
+  lrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$lrc
 fi
 if [ "$MODE" = demo ]; then
   echo "== demo (scripts/demo.py)"

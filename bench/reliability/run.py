@@ -22,6 +22,26 @@ The faults (one daemon for them all, on a fresh state directory):
 - `criu_fault_hibernate_<switch>`: a hibernation whose snapshot fails inside CRIU (`CRIU_FAULT=1`:
   CRIU dies with its parasite in the worker) or after CRIU wrote everything
   (`TORPOR_FAULT=after-dump`); the daemon then restarts without the switch.
+- `gpu_oom_restore`: a cold start while the GPU's memory is gone (the driver's restore answers
+  CUDA_ERROR_OUT_OF_MEMORY): the request must wait and be answered 503 with the line naming
+  the lack of GPU memory, leave nothing behind, and the next request once the memory is back
+  must be restored. `gpu_oom_deploy`: a redeploy whose setup finds the GPU full: it must fail
+  in that line, leave no worker, and the previous deploy must answer afterwards. Without
+  `--gpu` these two run on a second daemon whose GPU is tests/fakes (the fake driver's switch
+  files); with `--gpu` a hog process holds all but 128 MiB of the real GPU.
+
+`--gpu` runs every fault with a GPU function (the echoer with torch preloaded, `gpus = 1`, a
+32 MiB tensor made in setup) on the machine's real GPU, through the transparent path
+(`split_gpu = false`; `--split-gpu` for the split path, whose interrupted hibernations past
+`segments` are dropped, docs/reliability.md), and writes
+bench/results/reliability-gpu.json unless `--out` says otherwise; `--budget-s` shares that many
+seconds equally among the chosen faults, each starting no run past its share (the GPU machine's
+calls are bounded), and the JSON counts the runs that were made. The GPU machine's one-call soak
+(docs/reliability.md; `scripts/gpu-run.sh reliability` runs it):
+
+    python3 bench/reliability/run.py --gpu --runs 20 --budget-s 480 \
+        --only worker_kill --only daemon_kill_hibernate_dump --only daemon_kill_redeploy_load \
+        --only gpu_oom_restore --only gpu_oom_deploy
 
 Each run counts, after the fault and its recovery:
 - `harmed_sources`: 1 when the process the fault hit is left in a state nobody accounts for: an
@@ -39,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -53,11 +74,40 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python"), str(Path(__file__).resolve().parent)]
 
 from daemon import test_daemon_crash as crash  # noqa: E402
-from daemon.conftest import Torpord  # noqa: E402
+from daemon.conftest import Torpord, fake_gpu_env  # noqa: E402
 from load import machine  # noqa: E402  (the same record of the machine as the load test)
 
 RESULTS = ROOT / "bench" / "results"
 OUT = RESULTS / "reliability.json"
+OUT_GPU = RESULTS / "reliability-gpu.json"
+MIB = 1 << 20
+# What the hog leaves free on a real GPU: less than a PyTorch CUDA context needs.
+HOG_LEAVES = 128 * MIB
+HOG = f"""
+import sys, torch
+free, total = torch.cuda.mem_get_info()
+held = torch.empty(max(free - {HOG_LEAVES}, 0), dtype=torch.uint8, device="cuda")
+free, total = torch.cuda.mem_get_info()
+print(f"holding {{held.numel() >> 20}} MiB, {{free >> 20}} MiB free of {{total >> 20}}", flush=True)
+sys.stdin.read()
+"""
+# The setup of the GPU function: 32 MiB of device memory, through torch or, on the fake GPU,
+# through the driver (as a framework's allocator would).
+ALLOC_TORCH = """        import torch
+
+        self.buf = torch.ones(8 << 20, device="cuda")
+"""
+ALLOC_DRIVER = """        import ctypes
+
+        from torpor import gpu
+
+        driver = gpu.Driver.loaded
+        self.ptr = ctypes.c_uint64()
+        driver.check("cuMemAlloc_v2", driver.lib.cuMemAlloc_v2(ctypes.byref(self.ptr), ctypes.c_size_t(32 << 20)))
+"""
+# The one line every GPU-memory failure must carry (the restore's check and the driver's
+# out-of-memory both name it; so does a deploy's).
+GPU_MEMORY_LINE = "free GPU memory"
 HIBERNATION = crash.HIBERNATION_POINTS
 REDEPLOY = ["load", "dump_function", "stage"]
 CRIU_SWITCHES = [("CRIU_FAULT", "1"), ("TORPOR_FAULT", "after-dump")]
@@ -65,13 +115,90 @@ CRIU_SWITCHES = [("CRIU_FAULT", "1"), ("TORPOR_FAULT", "after-dump")]
 
 
 
+class Hog:
+    """Another process holding all but HOG_LEAVES of the real GPU's memory, until `release`."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        assert line.startswith("holding"), f"the GPU hog did not start: {line!r}"
+
+    def release(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        time.sleep(1.0)  # the driver frees a dead process's memory shortly after it is reaped
+
+
+class FakeNvml:
+    """tests/fakes/fake_nvml.c built under `root` (fake_gpu_env builds the fake libcuda itself)."""
+
+    def __init__(self, root: Path) -> None:
+        self.nvml = root / "nvml" / "libnvidia-ml.so.1"
+        self.nvml.parent.mkdir(parents=True)
+        cc = shutil.which("cc") or shutil.which("gcc")
+        assert cc, "no C compiler to build tests/fakes (apt-get install gcc)"
+        subprocess.run([cc, "-shared", "-fPIC", "-o", str(self.nvml), str(ROOT / "tests/fakes/fake_nvml.c")], check=True)
+
+
 class Bench:
-    def __init__(self, binary: Path, root: Path) -> None:
-        self.d = Torpord(binary, root)
+    def __init__(self, binary: Path, root: Path, gpu: str = "", split_gpu: bool = False) -> None:
+        """`gpu`: "" (CPU functions), "fake" (GPU functions on tests/fakes' GPU) or "real";
+        `split_gpu`: on the real GPU, the split path (else the transparent one, whose undo of an
+        interrupted GPU hibernation is what the soak checks)."""
+        root.mkdir(parents=True, exist_ok=True)
+        self.gpu = gpu
+        if gpu == "fake":
+            env = fake_gpu_env(
+                root,
+                FakeNvml(root),  # type: ignore[arg-type]
+                FAKE_CUDA_TOTAL_MEM=str(1024 * MIB),
+                FAKE_NVML_PROCS_MATCH=f"torpor.worker:{64 * MIB}",
+            )
+            self.d = Torpord(binary, root, config="split = false\n", env=env, queue_timeout_s=3)
+        elif gpu == "real":
+            self.d = Torpord(binary, root, config=f"split_gpu = {str(split_gpu).lower()}\n", queue_timeout_s=3)
+        else:
+            self.d = Torpord(binary, root)
+        # The daemon's own variables, which every restart keeps (a fault's are added to them).
+        self.base_env = dict(self.d.env)
         self.tmp = root / "functions"
         self.tmp.mkdir()
         self.versions: dict[str, int] = {}
         self.attempts: dict[str, int] = {}
+
+    def function_dir(self, name: str, version: int, keepalive: str = "") -> Path:
+        """The echoer answering `version`; with a GPU, a GPU function that holds 32 MiB of it."""
+        torch = self.gpu == "real"
+        d = crash.function_dir(self.tmp, name, ["torch"] if torch else [], version, keepalive)
+        if self.gpu:
+            handler = d / "handler.py"
+            setup = '        print("echoer setup", flush=True)\n'
+            text = handler.read_text()
+            assert setup in text, "the echoer's setup changed: update bench/reliability/run.py"
+            handler.write_text(text.replace(setup, ALLOC_TORCH if torch else ALLOC_DRIVER))
+            toml = d / "torpor.toml"
+            gpu_keys = 'gpus = 1\ngpu_memory = "64MiB"\nload_timeout_s = 120\n'
+            toml.write_text(toml.read_text().replace("timeout_s = 30\n", "timeout_s = 30\n" + gpu_keys, 1))
+        return d
+
+    # -- GPU memory -----------------------------------------------------------------------------
+
+    def fill_gpu(self, *switches: str) -> Callable[[], None]:
+        """Takes the GPU's memory away (the fake driver's `switches` answer out of memory, or a
+        hog process holds the real GPU's); returns what gives it back."""
+        if self.gpu == "real":
+            return Hog().release
+        lib_dir = self.d.state / "fake-cuda"
+        for name in switches:
+            (lib_dir / name).write_text("2")
+
+        def release() -> None:
+            for name in switches:
+                (lib_dir / name).unlink(missing_ok=True)
+
+        return release
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -117,7 +244,7 @@ class Bench:
         return (0 if ok else 1), time.monotonic() - t0
 
     def deploy(self, name: str, version: int, keepalive: str = "") -> None:
-        self.d.deploy(crash.function_dir(self.tmp, name, [], version, keepalive))
+        self.d.deploy(self.function_dir(name, version, keepalive))
         self.versions[name] = version
 
     def restart(self, env: dict[str, str] | None = None) -> None:
@@ -125,7 +252,7 @@ class Bench:
             assert self.d.request("GET", "/v1/functions").status == 200
             self.d.proc.send_signal(signal.SIGTERM)
             self.d.proc.wait(timeout=30)
-        self.d.env = dict(env or {})
+        self.d.env = {**self.base_env, **(env or {})}
         self.d.restart()
 
     # -- faults ---------------------------------------------------------------------------------
@@ -139,7 +266,7 @@ class Bench:
         # hibernating from the last run would make the request start a second).
         self.restart({"TORPORD_HOLD": "" if point == "in_dump" else f"hibernate:{point}"})
         iid, pid = crash.crash_hibernation(self.d, name, point)
-        self.d.env = {}
+        self.d.env = dict(self.base_env)
         t0 = time.monotonic()
         self.d.restart()
         listed = False
@@ -166,7 +293,7 @@ class Bench:
         # A new version each attempt (one that did not take effect leaves its directory).
         self.attempts[name] = self.attempts.get(name, 1) + 1
         new = self.attempts[name]
-        crash.deploy_until(self.d, crash.function_dir(self.tmp, name, [], new), point)
+        crash.deploy_until(self.d, self.function_dir(name, new), point)
         t0 = time.monotonic()
         self.d.restart()
         if point in crash.TAKEN:
@@ -228,6 +355,56 @@ class Bench:
             "stray_processes": stray,
         }
 
+    def gpu_oom_restore(self) -> dict[str, Any]:
+        name = "rel-gpu-restore"
+        if name not in self.versions:
+            self.deploy(name, 1)
+        # A graceful restart ends the live instances: the request below must start one.
+        self.restart({})
+        release = self.fill_gpu("FAKE_CUDA_RESTORE_RESULT")
+        try:
+            r = self.d.invoke(name, {"say": "hi"}, timeout=120)
+            stray = self.stray()
+            listed = self.d.instances(name)
+        finally:
+            release()
+        body = r.body.decode(errors="replace")
+        clear = r.status == 503 and GPU_MEMORY_LINE in body and "\n" not in body.strip()
+        t0 = time.monotonic()
+        lost, secs = self.recovered(name, t0)
+        return {
+            "outcome": "waited_503" if clear else f"answered {r.status}: {body[:300]}",
+            "harmed_sources": int(bool(stray) or bool(listed)),
+            # The request the fault hit must get the clear 503; the one after, the answer.
+            "lost_requests": lost + int(not clear),
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
+    def gpu_oom_deploy(self) -> dict[str, Any]:
+        name = "rel-gpu-deploy"
+        if name not in self.versions:
+            self.deploy(name, 1)
+        self.attempts[name] = self.attempts.get(name, 1) + 1
+        release = self.fill_gpu("FAKE_CUDA_MEM_ALLOC_RESULT", "FAKE_CUDA_MEM_CREATE_RESULT")
+        try:
+            r = self.d.cli("deploy", self.function_dir(name, self.attempts[name]), timeout=300)
+            stray = self.stray()
+        finally:
+            release()
+        lines = r.stderr.strip().splitlines()
+        clear = r.returncode != 0 and bool(lines) and GPU_MEMORY_LINE in lines[-1]
+        t0 = time.monotonic()
+        # The previous deploy serves on (self.versions still names it).
+        lost, secs = self.recovered(name, t0)
+        return {
+            "outcome": "refused" if clear else f"deploy exited {r.returncode}: {(lines or [''])[-1][:300]}",
+            "harmed_sources": int(bool(stray)),
+            "lost_requests": lost + int(not clear),
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
     def run(self, fault: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         t = time.monotonic()
         try:
@@ -240,7 +417,7 @@ class Bench:
             except Exception:  # noqa: BLE001 (a daemon that will not stop is killed)
                 self.d.proc.kill()
                 self.d.proc.wait()
-                self.d.env = {}
+                self.d.env = dict(self.base_env)
                 self.d.restart()
         if row["harmed_sources"] or row["lost_requests"]:
             # What the daemon said, for whoever reads the report.
@@ -251,15 +428,18 @@ class Bench:
         return row
 
 
-def faults(b: Bench) -> dict[str, Callable[[], dict[str, Any]]]:
+def faults(b: Bench, gpu_bench: Callable[[], Bench]) -> dict[str, Callable[[], dict[str, Any]]]:
+    """Every fault by name; the GPU-memory ones on `gpu_bench()` (made when first needed)."""
     out: dict[str, Callable[[], dict[str, Any]]] = {}
     for p in HIBERNATION:
-        out[f"daemon_kill_hibernate_{p}"] = lambda p=p: b.hibernate_kill(p)
+        out[f"daemon_kill_hibernate_{p}"] = lambda p=p: b.run(lambda: b.hibernate_kill(p))
     for p in REDEPLOY:
-        out[f"daemon_kill_redeploy_{p}"] = lambda p=p: b.redeploy_kill(p)
-    out["worker_kill"] = b.worker_kill
+        out[f"daemon_kill_redeploy_{p}"] = lambda p=p: b.run(lambda: b.redeploy_kill(p))
+    out["worker_kill"] = lambda: b.run(b.worker_kill)
     for s in CRIU_SWITCHES:
-        out[f"criu_fault_hibernate_{s[0]}={s[1]}"] = lambda s=s: b.criu_fault(s)
+        out[f"criu_fault_hibernate_{s[0]}={s[1]}"] = lambda s=s: b.run(lambda: b.criu_fault(s))
+    out["gpu_oom_restore"] = lambda: gpu_bench().run(gpu_bench().gpu_oom_restore)
+    out["gpu_oom_deploy"] = lambda: gpu_bench().run(gpu_bench().gpu_oom_deploy)
     return out
 
 
@@ -311,28 +491,48 @@ def main() -> int:
     p.add_argument("--torpor", default=os.environ.get("TORPOR_BIN", str(ROOT / "target/debug/torpor")))
     p.add_argument("--runs", type=int, default=2, help="runs per fault (20 for the soak)")
     p.add_argument("--only", action="append", default=[], help="run only this fault (repeatable)")
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--out", default=None, help=f"default {OUT} ({OUT_GPU} with --gpu)")
+    p.add_argument("--gpu", action="store_true", help="every fault with a GPU function on this machine's real GPU")
+    p.add_argument("--split-gpu", action="store_true", help="with --gpu: the split path (default: transparent)")
+    p.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
     args = p.parse_args()
     if os.geteuid() != 0:
         p.error("needs root: torpord starts workers in namespaces and runs CRIU")
+    out_path = Path(args.out) if args.out else OUT_GPU if args.gpu else OUT
     binary = Path(args.torpor).resolve()
     t = time.monotonic()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="torpor-reliability-") as tmp:
-        b = Bench(binary, Path(tmp))
+        b = Bench(binary, Path(tmp) / "main", "real" if args.gpu else "", args.split_gpu)
+        benches = [b]
+
+        def gpu_bench() -> Bench:
+            # The real GPU's bench is the main one; the fake GPU's, a daemon of its own.
+            if len(benches) == 1 and not args.gpu:
+                benches.append(Bench(binary, Path(tmp) / "fake-gpu", "fake"))
+            return benches[-1]
+
         try:
-            table = faults(b)
+            table = faults(b, gpu_bench)
             unknown = set(args.only) - set(table)
             if unknown:
                 p.error(f"no such fault: {', '.join(sorted(unknown))}; there are {', '.join(table)}")
-            for name, fault in table.items():
-                if args.only and name not in args.only:
-                    continue
+            chosen = [n for n in table if not args.only or n in args.only]
+            for k, name in enumerate(chosen):
+                fault = table[name]
+                # The budget is shared out: each fault gets an equal part of what is left.
+                share = None if args.budget_s is None else (args.budget_s - (time.monotonic() - t)) / (len(chosen) - k)
+                t_fault = time.monotonic()
                 rows = []
                 for i in range(args.runs):
-                    row = b.run(fault)
+                    if share is not None and time.monotonic() - t_fault > share:
+                        print(f"{name}: its share of the budget ({share:.0f} s) is spent after {i} runs", flush=True)
+                        break
+                    row = fault()
                     print(f"{name} run {i + 1}/{args.runs}: {json.dumps(row)}", flush=True)
                     rows.append(row)
+                if not rows:
+                    continue
                 results[name] = {
                     "runs": len(rows),
                     "harmed_sources": sum(r["harmed_sources"] for r in rows),
@@ -343,7 +543,8 @@ def main() -> int:
                     "every_run": rows,
                 }
         finally:
-            b.d.stop()
+            for bench in benches:
+                bench.d.stop()
     fuzz, load = fuzz_part(), load_part()
     summary = {
         "faults": len(results),
@@ -360,7 +561,13 @@ def main() -> int:
     }
     doc = {
         "what": "faults forced through the real daemon, workers and CRIU; fuzz and load results (docs/reliability.md)",
-        "settings": {"runs": args.runs, "only": args.only or None},
+        "settings": {
+            "runs": args.runs,
+            "only": args.only or None,
+            "gpu": args.gpu,
+            "split_gpu": args.split_gpu if args.gpu else None,
+            "budget_s": args.budget_s,
+        },
         "machine": machine(binary),
         "wall_s": round(time.monotonic() - t, 1),
         "faults": results,
@@ -368,7 +575,7 @@ def main() -> int:
         "load": load,
         "summary": summary,
     }
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    out_path.write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps(summary))
     return 0 if summary["harmed_sources"] == summary["invalid_snapshots_accepted"] == 0 else 1
 

@@ -5,20 +5,28 @@ snapshot as failing: the request waits, within its queue timeout, for an instanc
 to free up or for the memory, and is answered 503 with Retry-After and one line naming the numbers
 and the fix when neither comes. Nothing is left behind.
 
+The same holds when the memory goes after that check: the driver's restore answering
+CUDA_ERROR_OUT_OF_MEMORY kills what was restored and the request waits as above. A deploy whose
+setup finds the GPU full fails in one line that says so and what to do, and leaves no worker.
+
 The GPU is tests/fakes: fake_libcuda.c for the worker and the driver calls, fake_nvml.c for the
 memory the restore checks. Every worker of the daemon counts 64 MiB on a 160 MiB GPU
 (FAKE_NVML_PROCS_MATCH), and a file names another process's use of the rest (FAKE_NVML_PROCS_FILE).
+The driver's failures are switch files beside the fake library (fake_libcuda.c's header), which
+the daemon and its workers read at each call.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import FakeCuda
+from conftest import FakeCuda, cmdline, pids_with
 
 from .conftest import Torpord, fake_gpu_env
 
@@ -145,3 +153,153 @@ def test_a_request_that_never_gets_gpu_memory_is_answered_503_in_one_line(daemon
     finally:
         others.write_text("")
     assert daemon.invoke("gpumem", {}).status == 200
+
+
+ALLOC_HANDLER = '''
+import ctypes
+
+import torpor
+from torpor import gpu
+
+
+@torpor.function
+class Alloc:
+    def setup(self) -> None:
+        # 32 MiB of device memory through the driver, as a framework's allocator would.
+        driver = gpu.Driver.loaded
+        self.ptr = ctypes.c_uint64()
+        driver.check("cuMemAlloc_v2", driver.lib.cuMemAlloc_v2(ctypes.byref(self.ptr), ctypes.c_size_t(32 << 20)))
+
+    def __call__(self, request: dict) -> dict:
+        return {"ptr": self.ptr.value != 0}
+'''
+
+
+@pytest.fixture(scope="module")
+def roomy(
+    torpor_bin: Path,
+    criu_ready: None,
+    fake_cuda: FakeCuda,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Torpord]:
+    """A daemon on a fake GPU with room for every instance: its GPU memory runs out only when a
+    switch says so."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    root = tmp_path_factory.mktemp("torpord-gpuoom")
+    env = fake_gpu_env(
+        root,
+        fake_cuda,
+        FAKE_CUDA_TOTAL_MEM=str(1024 * MIB),
+        FAKE_NVML_PROCS_MATCH=f"torpor.worker:{64 * MIB}",
+    )
+    d = Torpord(torpor_bin, root, config="split = false\n", env=env, queue_timeout_s=3)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def switch(d: Torpord, name: str, value: str | None) -> None:
+    """Turns a fake driver switch (a file beside the fake libcuda) on (`value`) or off."""
+    f = d.state / "fake-cuda" / name
+    if value is None:
+        f.unlink(missing_ok=True)
+    else:
+        f.write_text(value)
+
+
+def workers_of(d: Torpord) -> list[int]:
+    """The daemon's processes (instance trees, CRIU): those whose command line names its state
+    directory."""
+    return sorted(pids_with(f"{d.state}/"))
+
+
+def function_dir(root: Path, name: str, handler: str, entry: str, max_instances: int = 1) -> Path:
+    fdir = root / name
+    fdir.mkdir(exist_ok=True)
+    (fdir / "handler.py").write_text(handler)
+    spec = SPEC.replace('name = "gpumem"', f'name = "{name}"').replace('entry = "handler:Mem"', f'entry = "{entry}"')
+    spec = spec.replace("max_instances = 2", f"max_instances = {max_instances}")
+    (fdir / "torpor.toml").write_text(spec)
+    return fdir
+
+
+def fallbacks(d: Torpord, name: str) -> str:
+    metrics = d.request("GET", "/metrics").body.decode()
+    found = re.search(rf'torpor_restore_fallbacks_total{{function="{name}"}} (\S+)', metrics)
+    return found.group(1) if found else "0"
+
+
+def test_a_driver_restore_out_of_gpu_memory_waits_for_the_memory_and_leaves_nothing(roomy: Torpord) -> None:
+    fdir = function_dir(roomy.root, "gpuoom", HANDLER, "handler:Mem")
+    roomy.deploy(fdir)
+    assert roomy.instances("gpuoom") == []
+    before = workers_of(roomy)
+    # NVML shows room, but the driver's restore finds the memory gone (another process took it
+    # after the check): CUDA_ERROR_OUT_OF_MEMORY, for as long as the request may wait (3 s).
+    switch(roomy, "FAKE_CUDA_RESTORE_RESULT", "2")
+    try:
+        t0 = time.monotonic()
+        r = roomy.invoke("gpuoom", {})
+        waited = time.monotonic() - t0
+    finally:
+        switch(roomy, "FAKE_CUDA_RESTORE_RESULT", None)
+    assert r.status == 503, (r.status, r.body, roomy.log_text())
+    msg = r.body.decode()
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in msg and "free GPU memory on this node" in msg, msg
+    assert "\n" not in msg.strip(), msg
+    assert r.headers.get("retry-after") == "1", r.headers
+    assert waited >= 2.5, waited  # it waited for the memory, within its queue timeout
+    # Nothing left: no instance, no restored tree, no boot instead, restores not paused.
+    assert roomy.instances("gpuoom") == []
+    assert workers_of(roomy) == before
+    log = roomy.log_text()
+    assert "booting an instance instead" not in log, log
+    assert fallbacks(roomy, "gpuoom") == "0"
+    # Once the memory is back the function restores at once (a paused restore would boot).
+    r = roomy.invoke("gpuoom", {})
+    assert r.status == 200 and r.start == "restored", (r.status, r.body, roomy.log_text())
+
+
+def test_a_request_waiting_out_a_driver_restore_out_of_memory_is_served_when_the_memory_comes(roomy: Torpord) -> None:
+    fdir = function_dir(roomy.root, "gpuoom2", HANDLER, "handler:Mem")
+    roomy.deploy(fdir)
+    switch(roomy, "FAKE_CUDA_RESTORE_RESULT", "2")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(roomy.invoke, "gpuoom2", {})
+            time.sleep(1.0)
+            assert not waiting.done()
+            switch(roomy, "FAKE_CUDA_RESTORE_RESULT", None)
+            r = waiting.result(timeout=30)
+    finally:
+        switch(roomy, "FAKE_CUDA_RESTORE_RESULT", None)
+    assert r.status == 200 and r.start == "restored", (r.status, r.body, roomy.log_text())
+    assert len(roomy.instances("gpuoom2")) == 1
+
+
+def test_a_deploy_out_of_gpu_memory_fails_in_one_line_and_leaves_no_worker(roomy: Torpord) -> None:
+    fdir = function_dir(roomy.root, "gpualloc", ALLOC_HANDLER, "handler:Alloc")
+    before = workers_of(roomy)
+    # The GPU is full: every device allocation fails, through the hook (cuMemCreate) or not.
+    switch(roomy, "FAKE_CUDA_MEM_ALLOC_RESULT", "2")
+    switch(roomy, "FAKE_CUDA_MEM_CREATE_RESULT", "2")
+    try:
+        r = roomy.cli("deploy", fdir)
+    finally:
+        switch(roomy, "FAKE_CUDA_MEM_ALLOC_RESULT", None)
+        switch(roomy, "FAKE_CUDA_MEM_CREATE_RESULT", None)
+    assert r.returncode != 0, (r.stdout, r.stderr)
+    err = r.stderr.strip()
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in err and "the GPU ran out of memory: free GPU memory" in err, err
+    assert "setup" in err, err
+    # No worker of the failed deploy is left, and none holds GPU memory.
+    deadline = time.monotonic() + 10
+    while workers_of(roomy) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert workers_of(roomy) == before, [cmdline(p) for p in workers_of(roomy)]
+    # With the memory back the same function deploys and serves.
+    roomy.deploy(fdir)
+    r2 = roomy.invoke("gpualloc", {})
+    assert r2.status == 200 and r2.json() == {"ptr": True}, (r2.status, r2.body)

@@ -264,3 +264,42 @@ def test_with_unprivileged_off_workers_run_as_root_as_before(
         assert "workers run as root (workers.unprivileged = false)" in d.log_text()
     finally:
         d.stop()
+
+
+def test_a_function_deployed_when_workers_ran_as_root_is_booted_unprivileged_until_redeployed(
+    torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    """Issue 13: a function snapshot (and a hibernation) taken while workers ran as root keeps
+    root's credentials, which a restore brings back. After the switch to unprivileged workers the
+    daemon never restores it: it boots the function's instances as the tenant's user, discards
+    the hibernated instances of before, and says so once, naming the function and the fix; a
+    redeploy restores again, unprivileged."""
+    root = Path(tempfile.mkdtemp(prefix="torpor-unpriv-old-", dir="/var/lib"))
+    d = Torpord(torpor_bin, root, config="[workers]\nunprivileged = false\n")
+    try:
+        fdir = function_dir(tmp_path, "prober-old", "alpha")
+        d.deploy(fdir)
+        start, before = call(d, "prober-old", {"op": "whoami"})
+        assert start == "restored" and before["uid"] == 0, (start, before)
+        wait_stage(d, "prober-old", "hibernated")
+        d.stop()
+        d.config.write_text(d.config.read_text().replace("unprivileged = false", "unprivileged = true"))
+        d.restart()
+
+        start, after = call(d, "prober-old", {"op": "whoami"})
+        # Booted (not restored, not woken: a woken instance would count its second call).
+        assert start == "booted" and after["calls"] == 1, (start, after)
+        assert after["uid"] != 0 and after["euid"] != 0 and after["gid"] != 0, after
+        log = d.log_text()
+        lines = [line for line in log.splitlines() if "was deployed when its workers ran as root" in line]
+        assert len(lines) == 1, log
+        assert '"prober-old"' in lines[0] and "torpor deploy" in lines[0], lines[0]
+        assert not any(i["stage"] in ("hibernated", "evicted") for i in d.instances("prober-old")), d.instances("prober-old")
+        assert not worker_pids(0), "a worker runs as root"
+
+        d.deploy(fdir)
+        start, redeployed = call(d, "prober-old", {"op": "whoami"})
+        assert start in ("restored", "warm") and redeployed["uid"] == after["uid"], (start, redeployed)
+    finally:
+        d.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -45,11 +45,18 @@
  *   FAKE_CUDA_TOTAL_MEM       bytes of memory of each GPU (default 80 GiB).
  *   FAKE_CUDA_DRIVER_VERSION  what cuDriverGetVersion returns (default 13000).
  *
+ * The *_RESULT variables (and FAKE_CUDA_MEM_CREATE_RESULT, FAKE_CUDA_MEM_ALLOC_RESULT below) may
+ * also be given as a file named like the variable in the directory this library was loaded
+ * from, holding the value: a switch that a test turns on and off while the processes that loaded
+ * the library run, and that reaches processes that do not inherit FAKE_CUDA_* variables
+ * (torpord's workers keep only CUDA_*, TORPOR_* and a few others). A set variable wins.
+ *
  * Arguments are checked as the real driver documents them: reserved fields must be zero and a
  * non-zero pair count needs a pair array, else CUDA_ERROR_INVALID_VALUE (1).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -80,6 +87,40 @@ static const char *env(const char *name) {
     return value && *value ? value : NULL;
 }
 
+/* A switch: the variable `name`, else the first line of the file `name` beside this library
+ * (read at each call, so that a test can flip it; see the header). */
+static const char *switch_value(const char *name) {
+    const char *value = env(name);
+    if (value)
+        return value;
+    static __thread char buf[256];
+    Dl_info info;
+    if (!dladdr((void *)switch_value, &info) || !info.dli_fname)
+        return NULL;
+    const char *slash = strrchr(info.dli_fname, '/');
+    if (!slash)
+        return NULL;
+    char path[4096];
+    int n = snprintf(path, sizeof path, "%.*s/%s", (int)(slash - info.dli_fname), info.dli_fname, name);
+    if (n < 0 || (size_t)n >= sizeof path)
+        return NULL;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return NULL;
+    ssize_t got = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (got <= 0)
+        return NULL;
+    buf[got] = 0;
+    buf[strcspn(buf, "\r\n")] = 0;
+    return *buf ? buf : NULL;
+}
+
+static long switch_long(const char *name, long fallback) {
+    const char *value = switch_value(name);
+    return value ? strtol(value, NULL, 10) : fallback;
+}
+
 static long env_long(const char *name, long fallback) {
     const char *value = env(name);
     return value ? strtol(value, NULL, 10) : fallback;
@@ -98,7 +139,7 @@ static int device_count(void) {
 }
 
 CUresult cuInit(unsigned int flags) {
-    long forced = env_long("FAKE_CUDA_INIT_RESULT", 0);
+    long forced = switch_long("FAKE_CUDA_INIT_RESULT", 0);
     if (forced)
         return (CUresult)forced;
     if (flags != 0)
@@ -260,7 +301,7 @@ static int pid_listed(const char *list, int pid) {
 
 /* The result forced by variable `name` for `pid`: "CODE" or a comma list of "CODE@PID". */
 static CUresult forced_result(const char *name, int pid) {
-    const char *p = env(name);
+    const char *p = switch_value(name);
     char *end, *after;
     while (p && *p) {
         long code = strtol(p, &end, 10);
@@ -553,6 +594,7 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
  *
  *   FAKE_CUDA_GRANULARITY     allocation granularity in bytes (default 2 MiB, as on an H100).
  *   FAKE_CUDA_MEM_CREATE_RESULT  code cuMemCreate returns instead of creating (2: out of memory).
+ *   FAKE_CUDA_MEM_ALLOC_RESULT   code cuMemAlloc_v2 returns instead of allocating (2: out of memory).
  *   FAKE_CUDA_LOG             also gets one line per copy: "<htod|dtoh|dtod> stream=<id> bytes=<n>".
  */
 #include <pthread.h>
@@ -710,6 +752,9 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
         return CUDA_ERROR_INVALID_VALUE;
     if (!current_context)
         return CUDA_ERROR_INVALID_CONTEXT;
+    long forced = switch_long("FAKE_CUDA_MEM_ALLOC_RESULT", 0);
+    if (forced)
+        return (CUresult)forced;
     void *p = aligned_alloc(256, (size + 255) / 256 * 256);
     if (!p)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -769,7 +814,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                      const CUmemAllocationProp *prop, unsigned long long flags) {
     if (!handle || flags || !prop_ok(prop) || size == 0 || size % granularity())
         return CUDA_ERROR_INVALID_VALUE;
-    long forced = env_long("FAKE_CUDA_MEM_CREATE_RESULT", 0);
+    long forced = switch_long("FAKE_CUDA_MEM_CREATE_RESULT", 0);
     if (forced)
         return (CUresult)forced;
     int fd = memfd_create("fake-cuda-memory", MFD_CLOEXEC);

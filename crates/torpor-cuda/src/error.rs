@@ -157,6 +157,13 @@ impl CudaError {
         matches!(self, CudaError::Call { code, .. } if *code == ffi::CUDA_ERROR_OPERATING_SYSTEM)
     }
 
+    /// Whether a driver call failed with `CUDA_ERROR_OUT_OF_MEMORY`: the GPU had too little free
+    /// memory (e.g. a driver restore whose memory another process took after the restore's own
+    /// check), which says nothing about the process or the snapshot.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, CudaError::Call { code, .. } if *code == ffi::CUDA_ERROR_OUT_OF_MEMORY)
+    }
+
     /// Whether the process the call was about has no CUDA state or no longer exists: what a
     /// driver restore meets when a freshly restored process died before it (see
     /// torpor_snapshot's `restore_with`).

@@ -312,19 +312,23 @@ impl Runtime {
         why: &str,
         kill: bool,
     ) {
+        // A worker the kernel killed for its cgroup's memory limit: say so, and how to raise it,
+        // instead of "it closed its connection".
+        let why = crate::cgroup::Cgroup::explain_death(inst.cgroup.as_ref(), why.to_string());
+        let why = why.as_str();
         {
             let mut keep = lock(&inst.keep);
             // Idempotent: removed already, or hibernated (its process went with the snapshot).
             if !keep.state.is_live() && keep.state != State::Starting {
                 return;
             }
+            // The cause first, then the state, under the state's lock: whoever sees the
+            // instance dead (`Instance::is_dead`, e.g. a request about to be sent to it) finds
+            // why. The other way round, a request racing a failed segment fill was answered
+            // with the generic "closed its connection" instead of the fill's cause.
+            *lock(&inst.why_dead) = Some(why.to_string());
             let _ = self.step(&inst.function, &mut keep, Transition::Remove);
         }
-        // A worker the kernel killed for its cgroup's memory limit: say so, and how to raise it,
-        // instead of "it closed its connection".
-        let why = crate::cgroup::Cgroup::explain_death(inst.cgroup.as_ref(), why.to_string());
-        let why = why.as_str();
-        *lock(&inst.why_dead) = Some(why.to_string());
         // Dropping the senders fails every request still waiting on this instance.
         lock(&inst.pending).clear();
         lock(&inst.quiet_tx).take();

@@ -81,6 +81,9 @@ pub struct Runtime {
     pub cgroups: Option<Arc<crate::cgroup::Cgroups>>,
     /// `[objstore]`: pushes after deploys, pulls of unknown functions (crate::objstore drives it; the Tier is crate::bucket).
     pub objstore: Option<Arc<crate::bucket::Tier>>,
+    /// Live instances of an earlier daemon whose workers have not reconnected yet
+    /// (crate::runtime::readopt): a stop kills them too.
+    pub(crate) readopting: Mutex<readopt::Readopting>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -110,6 +113,7 @@ impl Runtime {
             python_dir: crate::sdk_dir::python_dir(),
             deploy_locks: Default::default(),
             pools: Mutex::new(HashMap::new()),
+            readopting: Mutex::new(Default::default()),
             next_id: AtomicU64::new(1),
             cuda: std::sync::OnceLock::new(),
             nvml: std::sync::OnceLock::new(),
@@ -201,8 +205,16 @@ impl Runtime {
     }
 
     pub(crate) fn stop_every_instance(&self) {
+        // The instances of an earlier daemon still waiting for their workers to reconnect: no
+        // pool holds them yet, and a worker that reconnects after this finds no daemon and
+        // retries for its reattach_s (60 s by default) before it exits. Closed first, so that
+        // none joins a pool once the pools are drained below.
+        let mut ids: Vec<String> = Vec::new();
+        for (id, init) in lock(&self.readopting).close() {
+            kill_tree(init);
+            ids.push(id);
+        }
         let pools: Vec<Arc<Pool>> = lock(&self.pools).drain().map(|(_, p)| p).collect();
-        let mut ids = Vec::new();
         for pool in pools {
             for (inst, _) in lock(&pool.state).instances.drain(..) {
                 let _ = self.step(

@@ -51,6 +51,36 @@ pub(crate) struct FnInfo {
     pub(crate) gpu_bytes: u64,
     /// The spec (for `load` when booting instead of restoring).
     pub(crate) spec: Arc<Value>,
+    /// Its function snapshot was taken from a worker of another user than its workers run as
+    /// now (deployed before `workers.unprivileged`): restoring it would bring back the
+    /// credentials it was dumped with (root). Its instances are booted instead, as the tenant's
+    /// user, until it is deployed again; this is the warning that says so.
+    pub(crate) stale_credentials: Option<String>,
+}
+
+/// Why a function whose base was `base_key` must not be restored for workers that run as
+/// `user` (`None`: root), or `None` when its snapshot's credentials are the ones its workers
+/// get now. The user is the base key's last part (crate::runtime::start::boot::base_key).
+pub(crate) fn stale_credentials(
+    name: &str,
+    base_key: &str,
+    user: Option<torpor_snapshot::launch::User>,
+) -> Option<String> {
+    let user = user?;
+    if base_key.ends_with(&format!("|uid {}:{}", user.uid, user.gid)) {
+        return None;
+    }
+    let then = match base_key.rsplit_once("|uid ") {
+        Some((_, ids)) => format!("uid:gid {ids}"),
+        None => "root".to_string(),
+    };
+    Some(format!(
+        "function {name:?} was deployed when its workers ran as {then}, and a restore of its \
+         snapshot would run as {then} again: its instances are booted as uid {} instead (slower \
+         cold starts) and its hibernated instances of before are discarded; deploy it again \
+         (`torpor deploy` its directory) to restore it as uid {}",
+        user.uid, user.uid
+    ))
 }
 
 pub(crate) struct PoolState {
@@ -253,7 +283,7 @@ impl Runtime {
         let registry = Arc::clone(&self.registry);
         let n = name.to_string();
         let keepalive = self.config.keepalive;
-        let (info, sleepers) = tokio::task::spawn_blocking(move || {
+        let (info, sleepers, base_key) = tokio::task::spawn_blocking(move || {
             registry.with(|s| {
                 let Some(f) = s.function(&n)? else {
                     return Ok(Err(InvokeError::NotFound(format!(
@@ -314,30 +344,63 @@ impl Runtime {
                 Ok::<_, crate::registry::RegistryError>(Ok((
                     fn_info(&f.spec, &snap.id, &snap.path, &keepalive),
                     sleepers,
+                    f.base_key,
                 )))
             })
         })
         .await
         .map_err(|e| InvokeError::Internal(format!("registry task failed: {e}")))?
         .map_err(|e| InvokeError::Internal(e.to_string()))??;
-        let mut pools = lock(&self.pools);
-        let pool = pools.entry(name.to_string()).or_insert_with(|| {
-            Arc::new(Pool {
-                name: name.to_string(),
-                state: Mutex::new(PoolState {
-                    info,
-                    generation: 0,
-                    instances: Vec::new(),
-                    sleepers,
-                    starting: 0,
-                    standby: Default::default(),
-                    queued: 0,
-                    closed: false,
-                }),
-                changed: Notify::new(),
-            })
-        });
-        Ok(Arc::clone(pool))
+        let (mut info, mut sleepers, base_key) = (info, sleepers, base_key);
+        let rt = Arc::clone(self);
+        let spec = Arc::clone(&info.spec);
+        // A user that cannot be found fails the boot later, with its own error.
+        let user = tokio::task::spawn_blocking(move || rt.worker_user(&spec))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .flatten();
+        // Hibernated instances of before hold the credentials of before too.
+        let mut stale_sleepers = Vec::new();
+        if let Some(why) = stale_credentials(name, &base_key, user) {
+            info.standby = 0;
+            info.stale_credentials = Some(why);
+            stale_sleepers = std::mem::take(&mut sleepers);
+        }
+        let (pool, warn) = {
+            let mut pools = lock(&self.pools);
+            match pools.entry(name.to_string()) {
+                // Another request made it meanwhile (and dealt with the same rows).
+                std::collections::hash_map::Entry::Occupied(e) => (Arc::clone(e.get()), None),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let warning = info.stale_credentials.clone();
+                    let pool = Arc::new(Pool {
+                        name: name.to_string(),
+                        state: Mutex::new(PoolState {
+                            info,
+                            generation: 0,
+                            instances: Vec::new(),
+                            sleepers,
+                            starting: 0,
+                            standby: Default::default(),
+                            queued: 0,
+                            closed: false,
+                        }),
+                        changed: Notify::new(),
+                    });
+                    e.insert(Arc::clone(&pool));
+                    (pool, warning)
+                }
+            }
+        };
+        if let Some(why) = warn {
+            tracing::warn!(function = name, "{why}");
+            for s in stale_sleepers {
+                self.discard_sleeper(s.id, s.snapshot_id, s.snapshot_dir)
+                    .await;
+            }
+        }
+        Ok(pool)
     }
 
     /// An instance for one request: idle warm, else restored, else after a wait in the queue.
@@ -575,6 +638,8 @@ pub(crate) fn fn_info(
         gpu_bytes: num(spec.get("gpu_memory"), 0.0).clamp(0.0, limits::MAX_GPU_MEMORY as f64)
             as u64,
         spec: Arc::new(spec.clone()),
+        // A deploy made now keys its base with its workers' user; pool() checks older ones.
+        stale_credentials: None,
         snapshot_dir: dir.to_path_buf(),
         snapshot_id: snapshot_id.to_string(),
         timeout: limits::spec_secs(
@@ -606,5 +671,32 @@ pub(crate) fn fn_info(
             Some("live") => crate::spec::StandbyGpu::Live,
             _ => crate::spec::StandbyGpu::Released,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use torpor_snapshot::launch::User;
+
+    #[test]
+    fn a_snapshot_of_another_user_than_its_workers_now_is_not_restored() {
+        let now = Some(User { uid: 7, gid: 7 });
+        // Deployed as the same user: restored.
+        assert_eq!(
+            stale_credentials("f", "py|torch|gpu|hook|uid 7:7", now),
+            None
+        );
+        // Root workers now: nothing to protect (and nothing to compare).
+        assert_eq!(stale_credentials("f", "py|torch|gpu", None), None);
+        // Deployed while workers ran as root, or as another uid_base: booted instead.
+        let root = stale_credentials("f", "py|torch|gpu", now).expect("stale");
+        assert!(root.contains("\"f\"") && root.contains("as root"), "{root}");
+        assert!(
+            root.contains("torpor deploy") && root.contains("uid 7"),
+            "{root}"
+        );
+        let other = stale_credentials("f", "py||cpu|uid 5:5", now).expect("stale");
+        assert!(other.contains("uid:gid 5:5"), "{other}");
     }
 }

@@ -17,6 +17,38 @@ use crate::sync::lock;
 /// at least twice a second).
 pub const READOPT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The live instances of an earlier daemon not re-adopted (nor dropped) yet, by id, with the
+/// init pid of each; closed at the daemon's stop, which kills them ([`Runtime::shutdown`]).
+#[derive(Debug, Default)]
+pub(crate) struct Readopting {
+    trees: std::collections::HashMap<String, i32>,
+    closed: bool,
+}
+
+impl Readopting {
+    /// Records an instance waiting to be re-adopted; `false` once the daemon is stopping.
+    fn wait(&mut self, id: &str, init: i32) -> bool {
+        if !self.closed {
+            self.trees.insert(id.to_string(), init);
+        }
+        !self.closed
+    }
+
+    /// The instance `id` is re-adopted (it joined its pool under this lock) or dropped;
+    /// `false` when the daemon is stopping (and killed it, or will not have it).
+    fn done(&mut self, id: &str) -> bool {
+        self.trees.remove(id);
+        !self.closed
+    }
+
+    /// At the daemon's stop: no instance is re-adopted from now on; those still waiting (id,
+    /// init pid), for the stop to kill.
+    pub(crate) fn close(&mut self) -> Vec<(String, i32)> {
+        self.closed = true;
+        self.trees.drain().collect()
+    }
+}
+
 impl Runtime {
     /// At startup: the pools of functions with hibernated instances left by an earlier daemon,
     /// so that their keep-alive (eviction) goes on before any request comes.
@@ -69,6 +101,13 @@ impl Runtime {
     /// workers may wait at their quiet point, and are woken with SIGUSR2 first.
     pub async fn readopt(self: &Arc<Self>, orphans: Vec<InstanceRow>, woken: Vec<String>) {
         for row in orphans {
+            if let Some(init) = row.pid {
+                if !lock(&self.readopting).wait(&row.id, init) {
+                    // Stopping already: the stop's own sweep of the rows is past; kill it here.
+                    self.drop_orphan(&row, "torpord is stopping").await;
+                    continue;
+                }
+            }
             let woken = woken.contains(&row.id);
             let pool = match self.pool(&row.function).await {
                 Ok(p) => p,
@@ -161,8 +200,15 @@ impl Runtime {
         }
         guard.armed = false;
         {
+            let mut readopting = lock(&self.readopting);
             let mut st = lock(&pool.state);
             st.starting -= 1;
+            if !readopting.done(&row.id) {
+                // The daemon is stopping: its stop killed the tree (or drained the pools).
+                drop((st, readopting));
+                kill_tree(init);
+                return;
+            }
             st.instances.push((Arc::clone(&inst), 0));
         }
         self.attach(&inst, rd).await;
@@ -184,6 +230,7 @@ impl Runtime {
 
     /// An instance of an earlier daemon that cannot be taken back: killed, its row removed.
     pub(crate) async fn drop_orphan(&self, row: &InstanceRow, why: &str) {
+        lock(&self.readopting).done(&row.id);
         if let Some(pid) = row.pid {
             kill_tree(pid);
         }
@@ -194,5 +241,24 @@ impl Runtime {
         if !matches!(deleted, Ok(Ok(_))) {
             tracing::error!(instance = %row.id, "cannot remove the registry row of an instance that was not re-adopted");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_takes_every_instance_still_waiting_and_none_joins_after_it() {
+        let mut r = Readopting::default();
+        assert!(r.wait("a", 10));
+        assert!(r.wait("b", 11));
+        // "a" came back before the stop: it joins its pool, and the stop does not see it.
+        assert!(r.done("a"));
+        assert_eq!(r.close(), vec![("b".to_string(), 11)]);
+        // After the stop: "b" must not join (the stop killed it), nor may any other wait.
+        assert!(!r.done("b"));
+        assert!(!r.wait("c", 12));
+        assert!(r.close().is_empty());
     }
 }

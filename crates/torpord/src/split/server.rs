@@ -490,6 +490,23 @@ pub enum SegmentsError {
     MapTimeout { left: usize, bound: Duration },
 }
 
+impl SegmentsError {
+    /// Whether a fill found too little free GPU memory for a segment (the driver's
+    /// `CUDA_ERROR_OUT_OF_MEMORY` making or filling its memory): the snapshot is not at fault.
+    pub fn is_out_of_gpu_memory(&self) -> bool {
+        matches!(
+            self,
+            SegmentsError::Fill {
+                source: FillError::Copy {
+                    source: DeviceError::Cuda(e),
+                    ..
+                },
+                ..
+            } if e.is_out_of_memory()
+        )
+    }
+}
+
 /// A `mapped` answer the daemon cannot take: the instance must go.
 #[derive(Debug, thiserror::Error)]
 pub enum MapAnswerError {
@@ -640,6 +657,27 @@ impl Mapping {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_fill_out_of_gpu_memory_is_told_apart_from_a_damaged_segment() {
+        let fill = |source| SegmentsError::Fill {
+            va: 0x1000,
+            of: "snapshot s".into(),
+            source,
+        };
+        let cuda = |code| FillError::Copy {
+            what: "copying from the store",
+            source: DeviceError::Cuda(torpor_cuda::CudaError::Call {
+                function: "cuMemCreate",
+                pid: None,
+                code,
+                name: "CUDA_ERROR_X".into(),
+            }),
+        };
+        assert!(fill(cuda(2)).is_out_of_gpu_memory());
+        assert!(!fill(cuda(1)).is_out_of_gpu_memory());
+        assert!(!SegmentsError::FillTaskEnded.is_out_of_gpu_memory());
+    }
 
     fn frame(v: Value) -> Map<String, Value> {
         match v {

@@ -293,8 +293,27 @@ pub enum NotReady {
     #[error("{}", crate::limits::load_timed_out(*bound))]
     TimedOut { bound: Duration },
     /// The worker's own step failed; `error` is its error document (type, message, traceback).
-    #[error("the worker failed in its {worker_phase} step: {}: {}", error["type"].as_str().unwrap_or("Error"), error["message"].as_str().unwrap_or(""))]
+    #[error("the worker failed in its {worker_phase} step: {}: {}{}", error["type"].as_str().unwrap_or("Error"), error["message"].as_str().unwrap_or(""), gpu_memory_hint(error))]
     Failed { worker_phase: String, error: Value },
+}
+
+/// What to do when a worker's step failed for lack of GPU memory (a framework's or the
+/// driver's out-of-memory error); empty for any other failure.
+fn gpu_memory_hint(error: &Value) -> &'static str {
+    let kind = error["type"].as_str().unwrap_or("");
+    let message = error["message"].as_str().unwrap_or("").to_ascii_lowercase();
+    let gpu = kind.ends_with("OutOfMemoryError")
+        || message.contains("cuda_error_out_of_memory")
+        || message.contains("cuda out of memory")
+        || message.contains("cudaerrormemoryallocation")
+        || (message.contains("out of memory")
+            && (message.contains("cuda") || message.contains("gpu")));
+    if gpu {
+        " (the GPU ran out of memory: free GPU memory on this node, whose other processes \
+         `nvidia-smi` lists, or make the function use less, then deploy again)"
+    } else {
+        ""
+    }
 }
 
 /// Reads `ready`: the worker's `ready` frame when it says `ok: true`.
@@ -314,4 +333,48 @@ pub async fn ready(conn: &mut WorkerConn, bound: Duration) -> Result<Value, NotR
             .to_string(),
         error: msg.get("error").cloned().unwrap_or(Value::Null),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn failed(kind: &str, message: &str) -> String {
+        NotReady::Failed {
+            worker_phase: "setup".into(),
+            error: json!({"type": kind, "message": message, "traceback": ""}),
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn a_step_out_of_gpu_memory_says_so_and_what_to_do() {
+        for (kind, message) in [
+            (
+                "OutOfMemoryError",
+                "CUDA out of memory. Tried to allocate 2.00 GiB",
+            ),
+            (
+                "RuntimeError",
+                "cuMemAlloc_v2 failed with CUDA_ERROR_OUT_OF_MEMORY (2)",
+            ),
+            (
+                "XlaRuntimeError",
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate on GPU",
+            ),
+        ] {
+            let line = failed(kind, message);
+            assert!(line.contains(message), "{line}");
+            assert!(
+                line.contains("the GPU ran out of memory: free GPU memory"),
+                "{line}"
+            );
+            assert!(!line.contains('\n'), "{line}");
+        }
+        // Host memory, or anything else: no GPU hint.
+        for (kind, message) in [("MemoryError", ""), ("ValueError", "bad weights")] {
+            assert!(!failed(kind, message).contains("GPU"), "{kind}");
+        }
+    }
 }

@@ -122,13 +122,20 @@ pub enum StartError {
 
 impl StartError {
     /// Why a restore found too little free GPU memory for the snapshot, when that is why this
-    /// start failed (the restore's own check, before any process was restored).
+    /// start failed: the restore's own check, before any process was restored, or the driver's
+    /// restore answering `CUDA_ERROR_OUT_OF_MEMORY` (another process took the memory after the
+    /// check; the restored tree was killed). Neither says anything about the snapshot.
     pub(crate) fn gpu_memory_short(&self) -> Option<String> {
         use torpor_snapshot::restore::RestoreError;
         match self {
             StartError::Restore { source, .. } | StartError::Standby { source, .. } => match source
             {
                 RestoreTreeError::Restore(e @ RestoreError::NoRoom { .. }) => Some(format!("{e}")),
+                RestoreTreeError::Restore(e @ RestoreError::Gpu { source })
+                    if source.source.is_out_of_memory() =>
+                {
+                    Some(format!("{e}"))
+                }
                 _ => None,
             },
             _ => None,
@@ -318,6 +325,16 @@ impl Runtime {
             .get(name)
             .and_then(|h| h.paused_until)
             .is_some_and(|until| Instant::now() < until);
+        if info.stale_credentials.is_some() {
+            // Its snapshot would restore the credentials of before (pool(): warned once).
+            self.metrics
+                .restore_fallbacks
+                .with_label_values(&[name])
+                .inc();
+            return self
+                .start(StartKind::Boot, name, info, generation, &new)
+                .await;
+        }
         let mut restore_error = None;
         if !paused {
             match self
@@ -376,6 +393,41 @@ impl Runtime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_driver_restore_out_of_gpu_memory_is_a_lack_of_memory_not_a_bad_snapshot() {
+        use torpor_snapshot::gpu_tasks::StepError;
+        use torpor_snapshot::restore::RestoreError;
+        let driver = |code| StartError::Restore {
+            function: "f".into(),
+            source: RestoreTreeError::Restore(RestoreError::Gpu {
+                source: StepError {
+                    step: "restore",
+                    pid: 7,
+                    source: torpor_cuda::CudaError::Call {
+                        function: "cuCheckpointProcessRestore",
+                        pid: Some(7),
+                        code,
+                        name: "CUDA_ERROR_X".into(),
+                    },
+                },
+            }),
+        };
+        let why = driver(2).gpu_memory_short().expect("out of memory");
+        assert!(why.contains("cuCheckpointProcessRestore"), "{why}");
+        assert!(why.contains("too little free memory"), "{why}");
+        // Any other driver failure is the snapshot's, and counts as a failed restore.
+        assert_eq!(driver(304).gpu_memory_short(), None);
+        let check = StartError::Restore {
+            function: "f".into(),
+            source: RestoreTreeError::Restore(RestoreError::NoRoom {
+                ordinal: 0,
+                free: 10,
+                need: 64,
+            }),
+        };
+        assert!(check.gpu_memory_short().is_some());
+    }
 
     #[test]
     fn a_boot_after_a_failed_restore_keeps_both_errors() {

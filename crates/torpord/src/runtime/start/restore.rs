@@ -242,7 +242,10 @@ impl Runtime {
             return;
         }
         let why = format!("{what} did not get its segments: {failed}");
-        if function_snapshot {
+        if failed.is_out_of_gpu_memory() {
+            // The GPU's memory, not the snapshot: restores go on (the next one may find room).
+            tracing::warn!(function = %inst.function, instance = %inst.id, error = %why, "a restored instance's segments found too little free GPU memory; its requests fail, restores of the function go on");
+        } else if function_snapshot {
             self.restore_failed(&inst.function, true);
             tracing::warn!(function = %inst.function, instance = %inst.id, error = %why, pause_s = RESTORE_PAUSE.as_secs(), "restoring the function snapshot failed after the instance took requests; booting an instance instead of restoring until the pause ends or the function is deployed again");
         }

@@ -1,0 +1,138 @@
+"""GPU memory exhausted by another process, on a real GPU (issue 13, item 4): a hog process holds
+all but a little of the GPU's memory, then the daemon deploys (the base's CUDA warm-up, or the
+restore of a base snapshot, finds no room) and restores (its own check finds no room). Each fails
+in one line that names the lack of GPU memory and what to do; a request waits within its queue
+timeout and is answered 503 with Retry-After; nothing of the daemon's is left running, and once
+the hog goes the same function deploys and serves. Skipped without torch and a CUDA device; the
+fake-GPU versions of the same promises run everywhere (tests/daemon/test_daemon_gpu_memory.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, pids_with
+
+from .conftest import Torpord
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
+
+TORCHMM = ROOT / "tests" / "sdk" / "functions" / "torchmm"
+MIB = 1 << 20
+# What the hog leaves free: less than a PyTorch CUDA context needs (~350-600 MiB on the H100).
+LEAVE = 128 * MIB
+
+HOG = f"""
+import sys, torch
+free, total = torch.cuda.mem_get_info()
+held = torch.empty(max(free - {LEAVE}, 0), dtype=torch.uint8, device="cuda")
+free, total = torch.cuda.mem_get_info()
+print(f"holding {{held.numel() >> 20}} MiB, {{free >> 20}} MiB free of {{total >> 20}}", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def cuda() -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if r.stdout.strip() != "True":
+        pytest.skip(f"needs a CUDA device visible to torch ({r.stdout.strip() or r.stderr.strip()[-200:]})")
+
+
+class Hog:
+    """Another process holding all but LEAVE of the GPU's memory, until `release`."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOG], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        self.line = self.proc.stdout.readline().strip()
+        assert self.line.startswith("holding"), f"the hog did not start: {self.line!r}"
+        print("hog:", self.line)
+
+    def release(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        # The driver frees a dead process's memory shortly after it is reaped.
+        time.sleep(1.0)
+
+
+@pytest.fixture()
+def daemon(torpor_bin: Path, criu_ready: None, cuda: None, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Torpord]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    d = Torpord(torpor_bin, tmp_path, config=request.param, queue_timeout_s=3)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def daemons_processes(d: Torpord) -> list[int]:
+    return sorted(pids_with(f"{d.state}/"))
+
+
+def settle(d: Torpord, want: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (got := daemons_processes(d)) != want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return got
+
+
+MODES = ["split_gpu = true\n", "split_gpu = false\n"]
+
+
+@pytest.mark.parametrize("daemon", MODES, indirect=True, ids=["split", "transparent"])
+def test_a_deploy_on_a_full_gpu_fails_in_one_line_and_leaves_nothing(daemon: Torpord) -> None:
+    before = daemons_processes(daemon)
+    hog = Hog()
+    try:
+        r = daemon.cli("deploy", TORCHMM, timeout=300)
+    finally:
+        hog.release()
+    assert r.returncode != 0, (r.stdout, r.stderr)
+    line = r.stderr.strip().splitlines()[-1]
+    print("deploy:", line)
+    assert "free GPU memory" in line and "memory" in line.lower(), (line, daemon.log_text())
+    assert settle(daemon, before) == before
+    daemon.deploy(TORCHMM)
+    r2 = daemon.invoke("torchmm", {"x": [0.5, -1.0, 2.0, 0.0]}, timeout=180)
+    assert r2.status == 200, (r2.status, r2.body, daemon.log_text())
+
+
+@pytest.mark.parametrize("daemon", MODES, indirect=True, ids=["split", "transparent"])
+def test_a_restore_on_a_full_gpu_waits_then_answers_503_and_leaves_nothing(daemon: Torpord) -> None:
+    daemon.deploy(TORCHMM)
+    assert daemon.instances("torchmm") == []
+    before = daemons_processes(daemon)
+    hog = Hog()
+    try:
+        t0 = time.monotonic()
+        r = daemon.invoke("torchmm", {"x": [0.5, -1.0, 2.0, 0.0]}, timeout=180)
+        waited = time.monotonic() - t0
+        print("restore:", r.status, r.body.decode(errors="replace"), f"{waited:.1f} s")
+        assert r.status == 503, (r.status, r.body, daemon.log_text())
+        msg = r.body.decode()
+        assert "free GPU memory" in msg and "\n" not in msg.strip(), msg
+        assert r.headers.get("retry-after"), r.headers
+        assert daemon.instances("torchmm") == []
+        assert settle(daemon, before) == before
+        assert "booting an instance instead" not in daemon.log_text()
+    finally:
+        hog.release()
+    r = daemon.invoke("torchmm", {"x": [0.5, -1.0, 2.0, 0.0]}, timeout=180)
+    assert r.status == 200 and r.start == "restored", (r.status, r.body, daemon.log_text())
