@@ -27,6 +27,27 @@ enum Command {
         /// File for the command's stdout and stderr (appended) [default: /var/log/torpor/run-<time>.log]
         #[arg(long)]
         log: Option<PathBuf>,
+        /// Checkpoint the job every SECS seconds while it runs (it keeps running) into the chunk
+        /// store of --checkpoints; torpor run then stays until the job exits and exits with its
+        /// status. `torpor restore DIR` restores the newest checkpoint (docs/checkpoints.md).
+        #[arg(long, value_name = "SECS", requires = "checkpoints")]
+        checkpoint_every: Option<f64>,
+        /// The checkpoint directory (created; one job per directory).
+        #[arg(long, value_name = "DIR", requires = "checkpoint_every")]
+        checkpoints: Option<PathBuf>,
+        /// How many checkpoints to keep; older ones are pruned (their chunks collected).
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = 3,
+            requires = "checkpoint_every"
+        )]
+        keep: usize,
+        /// Seconds to wait for in-flight CUDA work when locking, at each checkpoint.
+        #[arg(long, default_value_t = 10.0, requires = "checkpoint_every")]
+        timeout: f64,
+        #[command(flatten)]
+        key: cmd::KeyArgs,
         /// The command and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<OsString>,
@@ -262,7 +283,27 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run { log, command } => cmd::run::run(log, &command),
+        Command::Run {
+            log,
+            checkpoint_every,
+            checkpoints,
+            keep,
+            timeout,
+            key,
+            command,
+        } => cmd::run::run(
+            log,
+            checkpoint_every
+                .zip(checkpoints)
+                .map(|(every, dir)| cmd::run::Periodic {
+                    every,
+                    dir,
+                    keep,
+                    timeout,
+                }),
+            &key,
+            &command,
+        ),
         Command::Snapshot {
             pid,
             out,

@@ -32,6 +32,16 @@ pub fn run(
         supervise::block_all_signals();
     }
     interrupt::install();
+    // A checkpoint directory (`torpor run --checkpoint-every`): its newest checkpoint, written
+    // back out of the chunk store beside it, removed once the restore no longer needs it.
+    let materialised = if torpor_snapshot::checkpoints::is_checkpoint_dir(dir) {
+        let m = torpor_snapshot::checkpoints::materialise(dir, None)?;
+        eprintln!("torpor: restoring checkpoint {} of {}", m.id, dir.display());
+        Some(m)
+    } else {
+        None
+    };
+    let dir = materialised.as_ref().map_or(dir, |m| m.dir.as_path());
     let log_dir = super::log_dir();
     let progress = Progress::start(format!("restore of {}", dir.display()));
     let restored = restore_with(
@@ -86,6 +96,7 @@ pub fn run(
     if let Some(lazy) = restored.lazy_pages {
         lazy.finish()?;
     }
+    drop(materialised);
     let code = supervise::supervise(restored.pid)?;
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
 }

@@ -1,0 +1,115 @@
+"""Periodic checkpoints of a long-running job (`torpor run --checkpoint-every SECS --keep N
+--checkpoints DIR`, crates/torpor-snapshot/src/checkpoints.rs, docs/checkpoints.md): a real
+numpy training loop is checkpointed while it trains, killed with SIGKILL, and `torpor restore DIR`
+resumes it from the newest checkpoint: every loss it prints afterwards equals, bit for bit, the
+loss of an uninterrupted run at that step. Each checkpoint stores only the chunks that changed;
+older ones are pruned to N."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import signal
+from pathlib import Path
+
+from conftest import PROGRAMS, PYTHON, Torpor, Workers, parse_pid, wait_until
+
+TRAIN = PROGRAMS / "train_numpy.py"
+STEPS = 400
+LINE = re.compile(
+    r"torpor: checkpoint (ckpt-\d+): job stopped ([\d.]+) s; .* \((\d+) chunks\), .* new to the store \((\d+) chunks\)"
+)
+
+
+def reference() -> list[str]:
+    import sys
+
+    sys.path.insert(0, str(PROGRAMS))
+    import train_numpy
+
+    return [repr(x) for x in train_numpy.curve(STEPS, 0.0, None)]
+
+
+def steps(log: Path) -> list[tuple[int, str]]:
+    out = []
+    for line in log.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[0] == "step" and parts[2] == "loss":
+            out.append((int(parts[1]), parts[3]))
+    return out
+
+
+def test_a_killed_training_job_resumes_from_its_newest_checkpoint(
+    torpor: Torpor, workers: Workers, tmp_path: Path
+) -> None:
+    ref = reference()
+    ckpts, log, log2 = tmp_path / "ckpts", tmp_path / "train.log", tmp_path / "resumed.log"
+    p, out, err = workers.popen_torpor(
+        "run", "--log", log, "--checkpoint-every", "1", "--keep", "2", "--checkpoints", ckpts,
+        "--", PYTHON, TRAIN, "--steps", STEPS, "--sleep", "0.05",
+    )  # fmt: skip
+    wait_until(lambda: out.read_text().strip().isdigit() or p.poll() is not None, 30, "torpor run to print the pid")
+    init = int(out.read_text().strip())
+    workers.track(init)
+
+    def taken() -> list[re.Match[str]]:
+        return [m for m in map(LINE.search, err.read_text().splitlines()) if m]
+
+    wait_until(lambda: len(taken()) >= 3 or p.poll() is not None, 90, "three checkpoints")
+    assert len(taken()) >= 3, err.read_text()
+    os.kill(init, signal.SIGKILL)
+    assert p.wait(timeout=30) == 128 + signal.SIGKILL, err.read_text()
+    assert f"pid {init} exited with status 137" in err.read_text()
+    before = steps(log)
+    assert before and before[-1][0] < STEPS, "the job finished before it was killed: make it longer"
+    assert all(loss == ref[s - 1] for s, loss in before), "the job's own curve differs from the reference"
+
+    # Only the chunks that changed are stored: after the first, each checkpoint reuses most.
+    ms = taken()
+    for m in ms[1:]:
+        total, new = int(m.group(3)), int(m.group(4))
+        assert new < total, f"checkpoint {m.group(1)} stored all {total} chunks again"
+    # Pruned to the newest two.
+    refs = sorted(f.name for f in (ckpts / "store" / "refs").iterdir())
+    assert refs == [f"{m.group(1)}.json" for m in ms[-2:]], (refs, err.read_text())
+
+    r = torpor.ok("restore", ckpts, "--detach", "--log", log2)
+    workers.track(parse_pid(r))
+    assert f"restoring checkpoint {ms[-1].group(1)}" in r.stderr, r.stderr
+    wait_until(lambda: log2.exists() and "done" in log2.read_text(), 90, "the resumed job to finish")
+    after = steps(log2)
+    first = after[0][0]
+    # It resumed (not restarted) at a step the killed job had reached, and went on to the end.
+    assert 1 < first <= before[-1][0] + 1, (first, before[-1])
+    assert [s for s, _ in after] == list(range(first, STEPS + 1))
+    diff = [(s, loss, ref[s - 1]) for s, loss in after if loss != ref[s - 1]]
+    assert not diff, f"the resumed loss curve differs from the uninterrupted one: {diff[:3]}"
+    # The materialised copy is gone once the restore is done.
+    assert not [c for c in ckpts.iterdir() if c.name.startswith(".restore-")]
+
+
+def test_bad_checkpoint_options_are_refused_in_one_line(torpor: Torpor, tmp_path: Path) -> None:
+    cmd = ["--", "true"]
+    ck = tmp_path / "ck"
+    assert "--keep must be at least 1" in torpor.fails(
+        "run", "--checkpoint-every", "1", "--checkpoints", ck, "--keep", "0", *cmd
+    )
+    assert "--checkpoint-every must be a positive" in torpor.fails(
+        "run", "--checkpoint-every", "0", "--checkpoints", ck, *cmd
+    )
+    assert "--key and --unkeyed seal checkpoints" in torpor.fails("run", "--unkeyed", *cmd)
+    # clap refuses a checkpoint option without the other.
+    r = torpor("run", "--checkpoint-every", "1", *cmd)
+    assert r.returncode == 2 and "--checkpoints" in r.stderr, r.stderr
+    # One job per directory, refused before the job starts.
+    ck.mkdir()
+    with open(ck / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        line = torpor.fails("run", "--checkpoint-every", "1", "--checkpoints", ck, *cmd)
+    assert "is in use by another" in line, line
+    # A directory with no checkpoint in it.
+    (tmp_path / "empty" / "store" / "refs").mkdir(parents=True)
+    (tmp_path / "empty" / "store" / "chunks").mkdir()
+    line = torpor.fails("restore", tmp_path / "empty")
+    assert "holds no checkpoint" in line, line
