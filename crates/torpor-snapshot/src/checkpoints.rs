@@ -161,6 +161,7 @@ impl Checkpoints {
         &mut self,
         pid: i32,
         keep: usize,
+        pre_dump_rounds: u32,
         lock_timeout: Duration,
         log_dir: &Path,
         key: Option<&SnapshotKey>,
@@ -176,6 +177,7 @@ impl Checkpoints {
             log_dir,
             key,
             state_dir: None,
+            pre_dump_rounds,
         })?;
         let stored = self.store_dir(&out, &id);
         let _ = fs::remove_dir_all(&out);

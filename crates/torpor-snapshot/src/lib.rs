@@ -3,6 +3,7 @@
 //! checkpoint API and CRIU, restore it, and roll back every failure so the source keeps running.
 
 pub mod checkpoints;
+pub mod dirty_tracking;
 pub mod empty_gpu_memory;
 pub mod fault;
 pub mod gpu_map;

@@ -46,6 +46,12 @@ enum Command {
         /// Seconds to wait for in-flight CUDA work when locking, at each checkpoint.
         #[arg(long, default_value_t = 10.0, requires = "checkpoint_every")]
         timeout: f64,
+        /// Take each checkpoint concurrently (as `torpor snapshot --concurrent`, with N
+        /// pre-dump rounds): the job is stopped only for what changed since the last round.
+        /// Needs the kernel's soft-dirty tracking; refused before the job starts without it.
+        #[arg(long, value_name = "N", requires = "checkpoint_every",
+              value_parser = clap::value_parser!(u32).range(1..))]
+        concurrent_rounds: Option<u32>,
         #[command(flatten)]
         key: cmd::KeyArgs,
         /// The command and its arguments.
@@ -66,6 +72,15 @@ enum Command {
         /// Seconds to wait for in-flight CUDA work when locking.
         #[arg(long, default_value_t = 10.0)]
         timeout: f64,
+        /// Concurrent snapshot: CRIU pre-dump rounds copy the memory while the process runs, the
+        /// stop copies only what changed since (and the GPU state). Needs the kernel's
+        /// soft-dirty tracking; refused in one line where it has none (docs/checkpoints.md).
+        #[arg(long)]
+        concurrent: bool,
+        /// Pre-dump rounds of --concurrent.
+        #[arg(long, value_name = "N", default_value_t = 2, requires = "concurrent",
+              value_parser = clap::value_parser!(u32).range(1..))]
+        rounds: u32,
         /// Print phase timings.
         #[arg(short, long)]
         verbose: bool,
@@ -289,6 +304,7 @@ fn main() -> ExitCode {
             checkpoints,
             keep,
             timeout,
+            concurrent_rounds,
             key,
             command,
         } => cmd::run::run(
@@ -300,6 +316,7 @@ fn main() -> ExitCode {
                     dir,
                     keep,
                     timeout,
+                    pre_dump_rounds: concurrent_rounds.unwrap_or(0),
                 }),
             &key,
             &command,
@@ -309,9 +326,19 @@ fn main() -> ExitCode {
             out,
             leave_running,
             timeout,
+            concurrent,
+            rounds,
             verbose,
             key,
-        } => cmd::snapshot::run(pid, &out, leave_running, timeout, verbose, &key),
+        } => cmd::snapshot::run(
+            pid,
+            &out,
+            leave_running,
+            timeout,
+            if concurrent { rounds } else { 0 },
+            verbose,
+            &key,
+        ),
         Command::Migrate {
             pid,
             gpu,

@@ -16,6 +16,8 @@ pub struct Periodic {
     pub dir: PathBuf,
     pub keep: usize,
     pub timeout: f64,
+    /// Pre-dump rounds of each checkpoint (0: stop-the-world).
+    pub pre_dump_rounds: u32,
 }
 
 pub fn run(
@@ -48,6 +50,13 @@ pub fn run(
                 );
             }
             torpor_snapshot::preflight::require_root("torpor run --checkpoint-every")?;
+            if p.pre_dump_rounds > 0 {
+                match torpor_snapshot::dirty_tracking::available() {
+                    Ok(true) => {}
+                    Ok(false) => bail!("--concurrent-rounds needs the kernel's soft-dirty page tracking (CONFIG_MEM_SOFT_DIRTY), which this kernel lacks: leave --concurrent-rounds out (stop-the-world checkpoints)"),
+                    Err(e) => bail!("--concurrent-rounds needs the kernel's soft-dirty page tracking, which could not be probed ({e}): leave --concurrent-rounds out (stop-the-world checkpoints)"),
+                }
+            }
             let sealing = key.sealing_key()?;
             Some((Checkpoints::open(&p.dir)?, sealing))
         }
@@ -103,10 +112,15 @@ fn checkpoint_until_exit(
     let every = Duration::from_secs_f64(p.every);
     let log_dir = super::log_dir();
     eprintln!(
-        "torpor: checkpointing pid {pid} every {} s into {} (keeping {})",
+        "torpor: checkpointing pid {pid} every {} s into {} (keeping {}), {}",
         p.every,
         cps.dir().display(),
-        p.keep
+        p.keep,
+        if p.pre_dump_rounds > 0 {
+            format!("concurrently ({} pre-dump rounds each)", p.pre_dump_rounds)
+        } else {
+            "stop-the-world".to_string()
+        }
     );
     let mut next = Instant::now() + every;
     loop {
@@ -130,6 +144,7 @@ fn checkpoint_until_exit(
         match cps.take(
             pid,
             p.keep,
+            p.pre_dump_rounds,
             Duration::from_secs_f64(p.timeout),
             &log_dir,
             key,
