@@ -11,11 +11,14 @@ import fcntl
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 
-from conftest import PROGRAMS, PYTHON, Torpor, Workers, parse_pid, wait_until
+import pytest
+from conftest import PROGRAMS, PYTHON, ROOT, Arg, Torpor, Workers, parse_pid, wait_until
 
 TRAIN = PROGRAMS / "train_numpy.py"
+WORKLOAD = ROOT / "bench" / "checkpoint" / "workload.py"
 STEPS = 400
 LINE = re.compile(
     r"torpor: checkpoint (ckpt-\d+): job stopped ([\d.]+) s; .* \((\d+) chunks\), .* new to the store \((\d+) chunks\)"
@@ -35,7 +38,7 @@ def steps(log: Path) -> list[tuple[int, str]]:
     out = []
     for line in log.read_text().splitlines():
         parts = line.split()
-        if len(parts) == 4 and parts[0] == "step" and parts[2] == "loss":
+        if len(parts) >= 4 and parts[0] == "step" and parts[2] == "loss":
             out.append((int(parts[1]), parts[3]))
     return out
 
@@ -43,12 +46,41 @@ def steps(log: Path) -> list[tuple[int, str]]:
 def test_a_killed_training_job_resumes_from_its_newest_checkpoint(
     torpor: Torpor, workers: Workers, tmp_path: Path
 ) -> None:
-    ref = reference()
+    argv: list[Arg] = [PYTHON, TRAIN, "--steps", STEPS, "--sleep", "0.05"]
+    killed_job_resumes(torpor, workers, tmp_path, argv, reference(), every=1.0)
+
+
+def torch_cuda() -> bool:
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([PYTHON, "-c", probe], capture_output=True, timeout=120).returncode == 0
+
+
+@pytest.mark.skipif(not torch_cuda(), reason="needs PyTorch with a CUDA GPU (the GPU machine)")
+def test_a_killed_pytorch_training_job_on_the_gpu_resumes_bit_for_bit(
+    torpor: Torpor, workers: Workers, tmp_path: Path
+) -> None:
+    """A small transformer (bench/checkpoint/workload.py) trained on the GPU: checkpointed with its
+    GPU state (the driver's checkpoint) while it trains, killed, restored from the newest."""
+    ref_run = subprocess.run(
+        [PYTHON, WORKLOAD, "--kind", "torch", "--steps", str(STEPS)], capture_output=True, text=True, timeout=300
+    )
+    assert ref_run.returncode == 0, ref_run.stderr
+    ref_log = tmp_path / "reference.log"
+    ref_log.write_text(ref_run.stdout)
+    ref = [loss for _, loss in steps(ref_log)]
+    assert len(ref) == STEPS
+    argv: list[Arg] = [PYTHON, WORKLOAD, "--kind", "torch", "--steps", STEPS, "--sleep", "0.05"]
+    killed_job_resumes(torpor, workers, tmp_path, argv, ref, every=3.0)
+
+
+def killed_job_resumes(
+    torpor: Torpor, workers: Workers, tmp_path: Path, argv: list[Arg], ref: list[str], every: float
+) -> None:
+    """Checkpoint ARGV every EVERY s, kill it after three, restore the newest: the curve goes on as REF."""
     ckpts, log, log2 = tmp_path / "ckpts", tmp_path / "train.log", tmp_path / "resumed.log"
     p, out, err = workers.popen_torpor(
-        "run", "--log", log, "--checkpoint-every", "1", "--keep", "2", "--checkpoints", ckpts,
-        "--", PYTHON, TRAIN, "--steps", STEPS, "--sleep", "0.05",
-    )  # fmt: skip
+        "run", "--log", log, "--checkpoint-every", str(every), "--keep", "2", "--checkpoints", ckpts, "--", *argv
+    )
     wait_until(lambda: out.read_text().strip().isdigit() or p.poll() is not None, 30, "torpor run to print the pid")
     init = int(out.read_text().strip())
     workers.track(init)
@@ -56,7 +88,7 @@ def test_a_killed_training_job_resumes_from_its_newest_checkpoint(
     def taken() -> list[re.Match[str]]:
         return [m for m in map(LINE.search, err.read_text().splitlines()) if m]
 
-    wait_until(lambda: len(taken()) >= 3 or p.poll() is not None, 90, "three checkpoints")
+    wait_until(lambda: len(taken()) >= 3 or p.poll() is not None, 180, "three checkpoints")
     assert len(taken()) >= 3, err.read_text()
     os.kill(init, signal.SIGKILL)
     assert p.wait(timeout=30) == 128 + signal.SIGKILL, err.read_text()
@@ -77,7 +109,7 @@ def test_a_killed_training_job_resumes_from_its_newest_checkpoint(
     r = torpor.ok("restore", ckpts, "--detach", "--log", log2)
     workers.track(parse_pid(r))
     assert f"restoring checkpoint {ms[-1].group(1)}" in r.stderr, r.stderr
-    wait_until(lambda: log2.exists() and "done" in log2.read_text(), 90, "the resumed job to finish")
+    wait_until(lambda: log2.exists() and "done" in log2.read_text(), 180, "the resumed job to finish")
     after = steps(log2)
     first = after[0][0]
     # It resumed (not restarted) at a step the killed job had reached, and went on to the end.
