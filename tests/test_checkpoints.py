@@ -121,6 +121,55 @@ def killed_job_resumes(
     assert not [c for c in ckpts.iterdir() if c.name.startswith(".restore-")]
 
 
+def test_a_restored_job_is_checkpointed_on_and_survives_a_second_kill(
+    torpor: Torpor, workers: Workers, tmp_path: Path
+) -> None:
+    """`torpor restore DIR --checkpoint-every`: the restored job goes on being checkpointed into
+    DIR (the numbering goes on), so a second kill loses only what came after the newest one."""
+    ref = reference()
+    ckpts, log = tmp_path / "ckpts", tmp_path / "train.log"
+    every = ["--checkpoint-every", "1", "--keep", "2"]
+    p, out, err = workers.popen_torpor(
+        "run", "--log", log, *every, "--checkpoints", ckpts, "--", PYTHON, TRAIN, "--steps", STEPS, "--sleep", "0.05"
+    )
+    wait_until(lambda: out.read_text().strip().isdigit() or p.poll() is not None, 30, "torpor run to print the pid")
+    init = int(out.read_text().strip())
+    workers.track(init)
+    wait_until(lambda: len(LINE.findall(err.read_text())) >= 2 or p.poll() is not None, 90, "two checkpoints")
+    os.kill(init, signal.SIGKILL)
+    assert p.wait(timeout=30) == 137, err.read_text()
+    first = [m.group(1) for m in map(LINE.search, err.read_text().splitlines()) if m]
+
+    log2 = tmp_path / "resumed.log"
+    p2, _, err2 = workers.popen_torpor("restore", ckpts, *every, "--log", log2)
+    started = re.compile(r"torpor: checkpointing pid (\d+) every")
+    wait_until(lambda: started.search(err2.read_text()) is not None or p2.poll() is not None, 60, "the restore")
+    m = started.search(err2.read_text())
+    assert m, err2.read_text()
+    restored = int(m.group(1))
+    workers.track(restored)
+    assert f"restoring checkpoint {first[-1]}" in err2.read_text()
+    wait_until(lambda: len(LINE.findall(err2.read_text())) >= 2 or p2.poll() is not None, 90, "two more checkpoints")
+    second = [m.group(1) for m in map(LINE.search, err2.read_text().splitlines()) if m]
+    # The numbering goes on after the newest checkpoint of the first run.
+    assert int(second[0].split("-")[1]) == int(first[-1].split("-")[1]) + 1, (first, second)
+    os.kill(restored, signal.SIGKILL)
+    assert p2.wait(timeout=30) == 137, err2.read_text()
+    resumed = steps(log2)
+
+    log3 = tmp_path / "resumed-again.log"
+    r = torpor.ok("restore", ckpts, "--detach", "--log", log3)
+    workers.track(parse_pid(r))
+    newest = sorted(f.name for f in (ckpts / "store" / "refs").iterdir())
+    assert newest == [f"{c}.json" for c in second[-2:]], newest
+    wait_until(lambda: log3.exists() and "done" in log3.read_text(), 90, "the job to finish")
+    after = steps(log3)
+    # Resumed from the second run's newest checkpoint: past where the second run started.
+    assert resumed[0][0] < after[0][0] <= resumed[-1][0] + 1, (resumed[0], after[0], resumed[-1])
+    assert [s for s, _ in after] == list(range(after[0][0], STEPS + 1))
+    assert all(loss == ref[s - 1] for s, loss in resumed + after), "a resumed curve differs from the uninterrupted one"
+
+
 def test_bad_checkpoint_options_are_refused_in_one_line(torpor: Torpor, tmp_path: Path) -> None:
     cmd = ["--", "true"]
     ck = tmp_path / "ck"
@@ -145,3 +194,7 @@ def test_bad_checkpoint_options_are_refused_in_one_line(torpor: Torpor, tmp_path
     (tmp_path / "empty" / "store" / "chunks").mkdir()
     line = torpor.fails("restore", tmp_path / "empty")
     assert "holds no checkpoint" in line, line
+    # Going on checkpointing needs a checkpoint directory, not a snapshot.
+    (tmp_path / "snap").mkdir()
+    line = torpor.fails("restore", tmp_path / "snap", "--checkpoint-every", "1")
+    assert "is not one (no store/ in it)" in line, line

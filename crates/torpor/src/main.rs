@@ -122,6 +122,23 @@ enum Command {
         /// (the same with CRIU's lazy-pages daemon).
         #[arg(long, default_value = "copy")]
         pages: PageSource,
+        /// DIR being a checkpoint directory: go on checkpointing the restored job every SECS
+        /// into it, as `torpor run --checkpoint-every` did (CUDA lock timeout 10 s), until it
+        /// exits.
+        #[arg(long, value_name = "SECS", conflicts_with = "detach")]
+        checkpoint_every: Option<f64>,
+        /// How many checkpoints to keep with --checkpoint-every.
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = 3,
+            requires = "checkpoint_every"
+        )]
+        keep: usize,
+        /// Concurrent checkpoints with --checkpoint-every (N pre-dump rounds each).
+        #[arg(long, value_name = "N", requires = "checkpoint_every",
+              value_parser = clap::value_parser!(u32).range(1..))]
+        concurrent_rounds: Option<u32>,
         /// Print phase timings.
         #[arg(short, long)]
         verbose: bool,
@@ -311,7 +328,7 @@ fn main() -> ExitCode {
             log,
             checkpoint_every
                 .zip(checkpoints)
-                .map(|(every, dir)| cmd::run::Periodic {
+                .map(|(every, dir)| cmd::checkpointing::Periodic {
                     every,
                     dir,
                     keep,
@@ -351,6 +368,9 @@ fn main() -> ExitCode {
             gpu,
             log,
             pages,
+            checkpoint_every,
+            keep,
+            concurrent_rounds,
             verbose,
             key,
         } => cmd::restore::run(
@@ -359,6 +379,13 @@ fn main() -> ExitCode {
             gpu.as_deref(),
             log.as_deref(),
             pages,
+            checkpoint_every.map(|every| cmd::checkpointing::Periodic {
+                every,
+                dir: dir.clone(),
+                keep,
+                timeout: 10.0,
+                pre_dump_rounds: concurrent_rounds.unwrap_or(0),
+            }),
             verbose,
             &key,
         ),

@@ -14,17 +14,37 @@ pub fn run(
     gpu: Option<&str>,
     log: Option<&Path>,
     pages: PageSource,
+    periodic: Option<super::checkpointing::Periodic>,
     verbose: bool,
     key: &super::KeyArgs,
 ) -> anyhow::Result<ExitCode> {
     // Before the key: a user who may not restore learns that first, not where keys live.
     torpor_snapshot::preflight::require_root("torpor restore")?;
+    let key_args = key;
     let key = key.checking_key()?;
     let gpu_map = match gpu {
         Some(spec) => parse_gpu_map(spec).map_err(anyhow::Error::msg)?,
         None => Vec::new(),
     };
-    if !detach {
+    // Going on checkpointing: the directory is locked before anything is restored from it.
+    let checkpointing = match &periodic {
+        Some(p) => {
+            if !torpor_snapshot::checkpoints::is_checkpoint_dir(dir) {
+                anyhow::bail!(
+                    "--checkpoint-every goes on with the checkpoints of a checkpoint directory, and {} is not one (no store/ in it): restore one made by `torpor run --checkpoint-every`, or start the job with that",
+                    dir.display()
+                );
+            }
+            let sealing =
+                super::checkpointing::check(p, key_args, "torpor restore --checkpoint-every")?;
+            Some((
+                torpor_snapshot::checkpoints::Checkpoints::open(dir)?,
+                sealing,
+            ))
+        }
+        None => None,
+    };
+    if !detach && checkpointing.is_none() {
         // Before the restore starts any thread (the hashing pool, the CUDA driver's): every
         // thread inherits the mask, so a signal meant for the restored tree, or the SIGCHLD
         // of its exit, stays pending until `supervise` takes it. A thread that did not block
@@ -97,6 +117,9 @@ pub fn run(
         lazy.finish()?;
     }
     drop(materialised);
+    if let (Some(p), Some((cps, sealing))) = (periodic, checkpointing) {
+        return super::checkpointing::until_exit(restored.pid, &p, cps, sealing.as_ref());
+    }
     let code = supervise::supervise(restored.pid)?;
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
 }
