@@ -8,6 +8,7 @@ use torpor_snapshot::{interrupt, supervise};
 
 use super::progress::Progress;
 
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     dir: &Path,
     detach: bool,
