@@ -151,6 +151,9 @@ if [ "$MODE" = portability ]; then
 fi
 if [ "$MODE" = checkpoint ]; then
   echo "== periodic checkpoints: tests, then bench/checkpoint/train.py"
+  # Whether this kernel can pre-dump (CRIU's soft-dirty tracking): decides the concurrent mode.
+  { zcat /proc/config.gz 2>/dev/null || cat "/boot/config-$(uname -r)" 2>/dev/null; } | grep -E "MEM_SOFT_DIRTY|PTE_MARKER_UFFD_WP" | tee -a "$OUT/machine.txt"
+  "$HOME/.local/share/torpor/criu/bin/criu" check --feature mem_dirty_track 2>&1 | tee -a "$OUT/machine.txt"
   python3 -m pytest -q -ra tests/test_checkpoints.py tests/test_concurrent_snapshot.py 2>&1 | tee "$OUT/checkpoint-pytest.log"
   krc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$krc
   # shellcheck disable=SC2086 # $CKPT_ARGS is a list of flags

@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="pre-dump rounds of the concurrent mode")
     ap.add_argument("--sleep", type=float, default=0.0, help="per-step sleep of the workload (a longer iteration)")
     ap.add_argument("--hold-mb", type=int, default=0, help="torch: a GPU buffer rewritten every step")
+    ap.add_argument("--size", choices=("small", "large"), default="small", help="torch: the model (workload.py)")
     ap.add_argument("--work", type=Path, default=Path("/var/tmp/torpor-checkpoint-bench"))
     ap.add_argument("--timeout", type=float, default=500.0, help="seconds per mode")
     ap.add_argument("--out", type=Path)
@@ -145,6 +146,8 @@ def main() -> None:
     argv = [PYTHON, str(WORKLOAD), "--kind", args.kind, "--steps", str(args.steps), "--sleep", str(args.sleep)]
     if args.hold_mb:
         argv += ["--hold-mb", str(args.hold_mb)]
+    if args.kind == "torch":
+        argv += ["--size", args.size]
 
     modes: Json = {}
     none = run_mode(torpor, argv, args.work, "none", None, 0, args.timeout)

@@ -8,9 +8,10 @@ with L as repr() of a float and T the wall-clock time (time.time()) at the end o
     python3 workload.py --kind torch --steps 300          # a small transformer on synthetic data, on the GPU
     python3 workload.py --kind numpy --steps 300          # a two-layer MLP, CPU (tests/programs/train_numpy.py's)
 
-torch: a 4-layer transformer encoder (d_model 256, 8 heads) regressing a fixed function of random
+torch: a transformer encoder (`--size small`: 4 layers, d_model 256, 8 heads; `large`: 12 layers,
+d_model 1024) regressing a fixed function of random
 token sequences, AdamW, deterministic algorithms (CUBLAS_WORKSPACE_CONFIG set before CUDA starts),
-its parameters and optimizer state (~25 MB) on the GPU. `--hold-mb` adds a GPU buffer the loop
+its parameters and optimizer state on the GPU. `--hold-mb` adds a GPU buffer the loop
 rewrites every step (a bigger model's weights, for the stop-the-world cost).
 """
 
@@ -51,7 +52,14 @@ def numpy_losses(steps: int, sleep: float) -> Iterator[float]:
             time.sleep(sleep)
 
 
-def torch_losses(steps: int, sleep: float, hold_mb: int, device: str) -> Iterator[float]:
+SIZES = {
+    # name: (d_model, layers, batch, sequence)
+    "small": (256, 4, 32, 64),  # ~3.2 M parameters, a few ms per step on an H100
+    "large": (1024, 12, 32, 256),  # ~150 M parameters, ~1.8 GB with AdamW's state
+}
+
+
+def torch_losses(steps: int, sleep: float, hold_mb: int, device: str, size: str = "small") -> Iterator[float]:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
@@ -59,7 +67,8 @@ def torch_losses(steps: int, sleep: float, hold_mb: int, device: str) -> Iterato
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     dev = torch.device(device)
-    vocab, seq, batch, d = 512, 64, 32, 256
+    d, layers, batch, seq = SIZES[size]
+    vocab = 512
     gen = torch.Generator(device="cpu").manual_seed(0)
     data = torch.randint(0, vocab, (16, batch, seq), generator=gen)
     targets = (data.float().sin().mean(-1, keepdim=True)).to(dev)
@@ -70,7 +79,7 @@ def torch_losses(steps: int, sleep: float, hold_mb: int, device: str) -> Iterato
             super().__init__()
             self.emb = torch.nn.Embedding(vocab, d)
             layer = torch.nn.TransformerEncoderLayer(d, 8, 4 * d, dropout=0.0, batch_first=True)
-            self.enc = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+            self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
             self.head = torch.nn.Linear(d, 1)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,11 +108,12 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--hold-mb", type=int, default=0, help="torch: a GPU buffer of this size rewritten every step")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--size", choices=sorted(SIZES), default="small", help="torch: the model's size")
     args = ap.parse_args()
     losses = (
         numpy_losses(args.steps, args.sleep)
         if args.kind == "numpy"
-        else torch_losses(args.steps, args.sleep, args.hold_mb, args.device)
+        else torch_losses(args.steps, args.sleep, args.hold_mb, args.device, args.size)
     )
     for step, loss in enumerate(losses, 1):
         print(f"step {step} loss {loss!r} t {time.time():.6f}", flush=True)
