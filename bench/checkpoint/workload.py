@@ -66,6 +66,10 @@ def torch_losses(steps: int, sleep: float, hold_mb: int, device: str, size: str 
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
+    # The math attention kernels: the fused ones' backward passes may not be deterministic.
+    for off in ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_cudnn_sdp"):
+        if hasattr(torch.backends.cuda, off):
+            getattr(torch.backends.cuda, off)(False)
     dev = torch.device(device)
     d, layers, batch, seq = SIZES[size]
     vocab = 512
