@@ -170,6 +170,29 @@ def test_a_restored_job_is_checkpointed_on_and_survives_a_second_kill(
     assert all(loss == ref[s - 1] for s, loss in resumed + after), "a resumed curve differs from the uninterrupted one"
 
 
+def test_a_failing_checkpoint_leaves_the_job_training_and_the_directory_clean(
+    torpor: Torpor, workers: Workers, tmp_path: Path
+) -> None:
+    """Every checkpoint fails after CRIU's dump (TORPOR_FAULT=after-dump): each is reported on one
+    line, the job trains on to the end unchanged, nothing is committed, nothing half-written stays."""
+    ckpts, log = tmp_path / "ckpts", tmp_path / "train.log"
+    r = torpor(
+        "run", "--log", log, "--checkpoint-every", "0.5", "--checkpoints", ckpts,
+        "--", PYTHON, TRAIN, "--steps", "80", "--sleep", "0.05",
+        env={"TORPOR_FAULT": "after-dump"}, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    failed = [line for line in r.stderr.splitlines() if "checkpoint failed" in line]
+    assert failed, r.stderr
+    assert all("fault after-dump forced by TORPOR_FAULT" in line and "keeps running" in line for line in failed), failed
+    assert "exited with status 0" in r.stderr
+    ref = reference()
+    done = steps(log)
+    assert [s for s, _ in done] == list(range(1, 81)) and all(loss == ref[s - 1] for s, loss in done)
+    assert not list((ckpts / "store" / "refs").iterdir())
+    assert sorted(p.name for p in ckpts.iterdir()) == ["lock", "store"], list(ckpts.iterdir())
+
+
 def test_bad_checkpoint_options_are_refused_in_one_line(torpor: Torpor, tmp_path: Path) -> None:
     cmd = ["--", "true"]
     ck = tmp_path / "ck"
