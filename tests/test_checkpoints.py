@@ -169,6 +169,16 @@ def test_a_restored_job_is_checkpointed_on_and_survives_a_second_kill(
     assert [s for s, _ in after] == list(range(after[0][0], STEPS + 1))
     assert all(loss == ref[s - 1] for s, loss in resumed + after), "a resumed curve differs from the uninterrupted one"
 
+    # The older of the two kept is there too, by name: it resumes earlier, on the same curve.
+    log4 = tmp_path / "older.log"
+    old = parse_pid(torpor.ok("restore", ckpts, "--checkpoint", second[-2], "--detach", "--log", log4))
+    workers.track(old)
+    wait_until(lambda: log4.exists() and len(steps(log4)) >= 3, 60, "the older checkpoint to train")
+    older = steps(log4)
+    assert resumed[0][0] <= older[0][0] < after[0][0], (resumed[0], older[0], after[0])
+    assert all(loss == ref[s - 1] for s, loss in older)
+    os.kill(old, signal.SIGKILL)
+
 
 def test_a_failing_checkpoint_leaves_the_job_training_and_the_directory_clean(
     torpor: Torpor, workers: Workers, tmp_path: Path
@@ -217,7 +227,11 @@ def test_bad_checkpoint_options_are_refused_in_one_line(torpor: Torpor, tmp_path
     (tmp_path / "empty" / "store" / "chunks").mkdir()
     line = torpor.fails("restore", tmp_path / "empty")
     assert "holds no checkpoint" in line, line
+    line = torpor.fails("restore", tmp_path / "empty", "--checkpoint", "ckpt-00000001")
+    assert "has no checkpoint ckpt-00000001 (it holds: none)" in line, line
     # Going on checkpointing needs a checkpoint directory, not a snapshot.
     (tmp_path / "snap").mkdir()
     line = torpor.fails("restore", tmp_path / "snap", "--checkpoint-every", "1")
     assert "is not one (no store/ in it)" in line, line
+    line = torpor.fails("restore", tmp_path / "snap", "--checkpoint", "ckpt-00000001")
+    assert "--checkpoint picks a checkpoint of a checkpoint directory" in line, line

@@ -55,6 +55,13 @@ pub enum CheckpointError {
     /// The path holds no checkpoints.
     #[error("{path} holds no checkpoint (no {STORE_DIR}/ with a committed {ID_PREFIX}* in it); pass the --checkpoints directory of a `torpor run --checkpoint-every` that took one")]
     NoCheckpoint { path: PathBuf },
+    /// The checkpoint asked for is not (or no longer) there.
+    #[error("{path} has no checkpoint {id} (it holds: {have}); pass one of those, or leave --checkpoint out for the newest")]
+    UnknownCheckpoint {
+        path: PathBuf,
+        id: String,
+        have: String,
+    },
     /// The chunk store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -267,11 +274,21 @@ pub fn materialise(dir: &Path, id: Option<&str>) -> Result<Materialised, Checkpo
     let store = ChunkStore::open_existing(&dir.join(STORE_DIR)).map_err(|_| no_checkpoint())?;
     let all = list(&store)?;
     let id = match id {
-        Some(id) => all
-            .into_iter()
-            .map(|(_, i)| i)
-            .find(|i| i == id)
-            .ok_or_else(no_checkpoint)?,
+        Some(id) => {
+            let have: Vec<String> = all.into_iter().map(|(_, i)| i).collect();
+            if !have.iter().any(|i| i == id) {
+                return Err(CheckpointError::UnknownCheckpoint {
+                    path: dir.to_path_buf(),
+                    id: id.to_owned(),
+                    have: if have.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        have.join(", ")
+                    },
+                });
+            }
+            id.to_owned()
+        }
         None => all.into_iter().last().ok_or_else(no_checkpoint)?.1,
     };
     let recipes = store.recipes(&id)?;
@@ -343,10 +360,14 @@ mod tests {
         let kept = m.dir.clone();
         drop(m);
         assert!(!kept.exists());
-        assert!(matches!(
-            materialise(dir.path(), Some("ckpt-00000001")),
-            Err(CheckpointError::NoCheckpoint { .. })
-        ));
+        match materialise(dir.path(), Some("ckpt-00000001")) {
+            Err(CheckpointError::UnknownCheckpoint { have, .. }) => {
+                assert_eq!(have, "ckpt-00000003, ckpt-00000004")
+            }
+            other => panic!("{:?}", other.map(|m| m.id.clone())),
+        }
+        let older = materialise(dir.path(), Some("ckpt-00000003")).expect("an older one");
+        assert_eq!(fs::read(older.dir.join("a.img")).expect("read"), [3u8; 100]);
         drop(cps);
         // Reopened, numbering goes on after the newest.
         assert_eq!(Checkpoints::open(dir.path()).expect("open").next, 5);

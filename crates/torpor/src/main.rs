@@ -122,6 +122,10 @@ enum Command {
         /// (the same with CRIU's lazy-pages daemon).
         #[arg(long, default_value = "copy")]
         pages: PageSource,
+        /// DIR being a checkpoint directory: restore this checkpoint (ckpt-…) instead of the
+        /// newest.
+        #[arg(long, value_name = "ID")]
+        checkpoint: Option<String>,
         /// DIR being a checkpoint directory: go on checkpointing the restored job every SECS
         /// into it, as `torpor run --checkpoint-every` did (CUDA lock timeout 10 s), until it
         /// exits.
@@ -368,6 +372,7 @@ fn main() -> ExitCode {
             gpu,
             log,
             pages,
+            checkpoint,
             checkpoint_every,
             keep,
             concurrent_rounds,
@@ -379,6 +384,7 @@ fn main() -> ExitCode {
             gpu.as_deref(),
             log.as_deref(),
             pages,
+            checkpoint.as_deref(),
             checkpoint_every.map(|every| cmd::checkpointing::Periodic {
                 every,
                 dir: dir.clone(),

@@ -15,6 +15,7 @@ pub fn run(
     gpu: Option<&str>,
     log: Option<&Path>,
     pages: PageSource,
+    checkpoint: Option<&str>,
     periodic: Option<super::checkpointing::Periodic>,
     verbose: bool,
     key: &super::KeyArgs,
@@ -56,9 +57,14 @@ pub fn run(
     // A checkpoint directory (`torpor run --checkpoint-every`): its newest checkpoint, written
     // back out of the chunk store beside it, removed once the restore no longer needs it.
     let materialised = if torpor_snapshot::checkpoints::is_checkpoint_dir(dir) {
-        let m = torpor_snapshot::checkpoints::materialise(dir, None)?;
+        let m = torpor_snapshot::checkpoints::materialise(dir, checkpoint)?;
         eprintln!("torpor: restoring checkpoint {} of {}", m.id, dir.display());
         Some(m)
+    } else if checkpoint.is_some() {
+        anyhow::bail!(
+            "--checkpoint picks a checkpoint of a checkpoint directory, and {} is not one (no store/ in it): leave --checkpoint out to restore the snapshot",
+            dir.display()
+        );
     } else {
         None
     };
