@@ -172,11 +172,14 @@ impl Criu {
         self.dump_with(r, &mut |_| Ok(()))
     }
 
-    /// Copies the tree's memory into `images_dir` while it keeps running (CRIU's pre-dump: the
+    /// Copies the tree's memory into `images_dir` while it keeps running (CRIU's pre-dump, as a
+    /// `SINGLE_PRE_DUMP` request: the
     /// tree is frozen only while its memory is made readable and its soft-dirty bits are
     /// cleared). Needs the kernel's soft-dirty tracking; `leave_running` does not apply.
     pub fn pre_dump(&self, r: &DumpRequest<'_>) -> Result<(), CriuError> {
-        self.call_dump(ReqType::PreDump, Action::PreDump, r, &mut |_| Ok(()))
+        // SINGLE_PRE_DUMP: one pre-dump per request. (PRE_DUMP enters CRIU's pre-dump loop,
+        // which after its reply waits on the socket for the next pre-dump or the dump.)
+        self.call_dump(ReqType::SinglePreDump, Action::PreDump, r, &mut |_| Ok(()))
     }
 
     /// [`Criu::dump`], calling `on_notify` at each of CRIU's action-script points
