@@ -674,10 +674,16 @@ fn pre_dump(
             Err(detail) => return Err(SnapshotError::NoDirtyTracking { root, detail }),
         }
     }
-    let mut name = writer.dir().as_os_str().to_owned();
-    name.push(".pre");
+    // Named like the writer's partial directory (`.NAME-pre.partial-PID`, beside it), so that
+    // what a killed torpor left is removed as stale as the partial snapshot is.
+    let out_name = writer
+        .out()
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let parent = writer.dir().parent().unwrap_or(Path::new("."));
     let pre = PreDumps {
-        dir: PathBuf::from(name),
+        dir: parent.join(format!(".{out_name}-pre.partial-{}", std::process::id())),
         rounds: opts.pre_dump_rounds,
     };
     for round in 1..=opts.pre_dump_rounds {
