@@ -20,6 +20,9 @@ from conftest import PROGRAMS, PYTHON, ROOT, Arg, Torpor, Workers, parse_pid, wa
 TRAIN = PROGRAMS / "train_numpy.py"
 WORKLOAD = ROOT / "bench" / "checkpoint" / "workload.py"
 STEPS = 400
+# The GPU job: its checkpoints (driver checkpoint of the CUDA context, a GB-sized image) take
+# seconds, so it trains longer (~1 min at 50 ms a step) to be killed after three of them.
+GPU_STEPS = 1200
 LINE = re.compile(
     r"torpor: checkpoint (ckpt-\d+): job stopped ([\d.]+) s; .* \((\d+) chunks\), .* new to the store \((\d+) chunks\)"
 )
@@ -62,19 +65,19 @@ def test_a_killed_pytorch_training_job_on_the_gpu_resumes_bit_for_bit(
     """A small transformer (bench/checkpoint/workload.py) trained on the GPU: checkpointed with its
     GPU state (the driver's checkpoint) while it trains, killed, restored from the newest."""
     ref_run = subprocess.run(
-        [PYTHON, WORKLOAD, "--kind", "torch", "--steps", str(STEPS)], capture_output=True, text=True, timeout=300
+        [PYTHON, WORKLOAD, "--kind", "torch", "--steps", str(GPU_STEPS)], capture_output=True, text=True, timeout=300
     )
     assert ref_run.returncode == 0, ref_run.stderr
     ref_log = tmp_path / "reference.log"
     ref_log.write_text(ref_run.stdout)
     ref = [loss for _, loss in steps(ref_log)]
-    assert len(ref) == STEPS
-    argv: list[Arg] = [PYTHON, WORKLOAD, "--kind", "torch", "--steps", STEPS, "--sleep", "0.05"]
-    killed_job_resumes(torpor, workers, tmp_path, argv, ref, every=3.0)
+    assert len(ref) == GPU_STEPS
+    argv: list[Arg] = [PYTHON, WORKLOAD, "--kind", "torch", "--steps", GPU_STEPS, "--sleep", "0.05"]
+    killed_job_resumes(torpor, workers, tmp_path, argv, ref, every=3.0, total=GPU_STEPS)
 
 
 def killed_job_resumes(
-    torpor: Torpor, workers: Workers, tmp_path: Path, argv: list[Arg], ref: list[str], every: float
+    torpor: Torpor, workers: Workers, tmp_path: Path, argv: list[Arg], ref: list[str], every: float, total: int = STEPS
 ) -> None:
     """Checkpoint ARGV every EVERY s, kill it after three, restore the newest: the curve goes on as REF."""
     ckpts, log, log2 = tmp_path / "ckpts", tmp_path / "train.log", tmp_path / "resumed.log"
@@ -94,7 +97,7 @@ def killed_job_resumes(
     assert p.wait(timeout=30) == 128 + signal.SIGKILL, err.read_text()
     assert f"pid {init} exited with status 137" in err.read_text()
     before = steps(log)
-    assert before and before[-1][0] < STEPS, "the job finished before it was killed: make it longer"
+    assert before and before[-1][0] < total, "the job finished before it was killed: make it longer"
     assert all(loss == ref[s - 1] for s, loss in before), "the job's own curve differs from the reference"
 
     # Only the chunks that changed are stored: after the first, each checkpoint reuses most.
@@ -114,7 +117,7 @@ def killed_job_resumes(
     first = after[0][0]
     # It resumed (not restarted) at a step the killed job had reached, and went on to the end.
     assert 1 < first <= before[-1][0] + 1, (first, before[-1])
-    assert [s for s, _ in after] == list(range(first, STEPS + 1))
+    assert [s for s, _ in after] == list(range(first, total + 1))
     diff = [(s, loss, ref[s - 1]) for s, loss in after if loss != ref[s - 1]]
     assert not diff, f"the resumed loss curve differs from the uninterrupted one: {diff[:3]}"
     # The materialised copy is gone once the restore is done.
