@@ -103,8 +103,8 @@ def killed_job_resumes(
     # Only the chunks that changed are stored: after the first, each checkpoint reuses most.
     ms = taken()
     for m in ms[1:]:
-        total, new = int(m.group(3)), int(m.group(4))
-        assert new < total, f"checkpoint {m.group(1)} stored all {total} chunks again"
+        chunks, new = int(m.group(3)), int(m.group(4))
+        assert new < chunks, f"checkpoint {m.group(1)} stored all {chunks} chunks again"
     # Pruned to the newest two.
     refs = sorted(f.name for f in (ckpts / "store" / "refs").iterdir())
     assert refs == [f"{m.group(1)}.json" for m in ms[-2:]], (refs, err.read_text())
