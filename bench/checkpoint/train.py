@@ -96,6 +96,7 @@ def run_mode(
     log = work / f"{name}.log"
     ckpts = work / f"{name}-ckpts"
     shutil.rmtree(ckpts, ignore_errors=True)
+    log.unlink(missing_ok=True)  # torpor run appends
     cmd = [str(torpor), "run", "--log", str(log)]
     if every is not None:
         cmd += ["--checkpoint-every", f"{every:.4f}", "--keep", "2", "--checkpoints", str(ckpts)]
@@ -112,6 +113,9 @@ def run_mode(
         while Path(f"/proc/{pid}").exists() and time.monotonic() - start < timeout:
             time.sleep(0.05)
     wall = time.monotonic() - start
+    if "done" not in log.read_text().split():
+        tail = log.read_text().strip().splitlines()[-3:]
+        return {"ok": False, "error": f"the training loop did not finish: {' | '.join(tail)}", "command": cmd}
     taken = [m for m in map(CKPT_RE.search, r.stderr.splitlines()) if m]
     steps = parse_steps(log)
     shutil.rmtree(ckpts, ignore_errors=True)
