@@ -8,6 +8,7 @@ older ones are pruned to N."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import signal
@@ -108,6 +109,12 @@ def killed_job_resumes(
     # Pruned to the newest two.
     refs = sorted(f.name for f in (ckpts / "store" / "refs").iterdir())
     assert refs == [f"{m.group(1)}.json" for m in ms[-2:]], (refs, err.read_text())
+    # inspect lists them, with what each shares with the other.
+    shown = torpor.ok("inspect", ckpts).stdout
+    assert all(m.group(1) in shown for m in ms[-2:]) and ms[0].group(1) not in shown, shown
+    used = json.loads(torpor.ok("inspect", ckpts, "--json").stdout)
+    assert [u["snapshot"] for u in used] == [m.group(1) for m in ms[-2:]]
+    assert all(u["exclusive"] < u["stored"] and u["shared_with"] for u in used), used
 
     r = torpor.ok("restore", ckpts, "--detach", "--log", log2)
     workers.track(parse_pid(r))

@@ -251,6 +251,19 @@ pub fn ids(dir: &Path) -> Result<Vec<String>, CheckpointError> {
     Ok(list(&store)?.into_iter().map(|(_, id)| id).collect())
 }
 
+/// The space each committed checkpoint in `dir` takes in its store, oldest first.
+pub fn usage(dir: &Path) -> Result<Vec<torpor_image::store::Usage>, CheckpointError> {
+    let store = ChunkStore::open_existing(&dir.join(STORE_DIR)).map_err(|_| {
+        CheckpointError::NoCheckpoint {
+            path: dir.to_path_buf(),
+        }
+    })?;
+    list(&store)?
+        .into_iter()
+        .map(|(_, id)| store.usage(&id).map_err(CheckpointError::from))
+        .collect()
+}
+
 /// A checkpoint written back out as a snapshot directory; removed on drop.
 pub struct Materialised {
     /// The snapshot directory.
@@ -349,6 +362,12 @@ mod tests {
                 .expect("commit");
         }
         let pruned = cps.prune(2).expect("prune");
+        let used = usage(dir.path()).expect("usage");
+        assert_eq!(used.len(), 2);
+        assert_eq!(
+            (used[1].snapshot.as_str(), used[1].logical),
+            ("ckpt-00000004", 100)
+        );
         assert_eq!(pruned, ["ckpt-00000001", "ckpt-00000002"]);
         assert_eq!(
             ids(dir.path()).expect("ids"),
