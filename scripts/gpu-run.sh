@@ -3,7 +3,12 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|checkpoint|all] [extra pytest args...]
+# checkpoint: periodic checkpoints of a PyTorch training job (docs/checkpoints.md): the kill -9 /
+# restore tests (tests/test_checkpoints.py, tests/test_concurrent_snapshot.py) into
+# $OUT/checkpoint-pytest.log, then bench/checkpoint/train.py (none vs stop-the-world vs concurrent,
+# a checkpoint every 10 iterations; $CKPT_ARGS adds flags) into $OUT/concurrent-checkpoint-h100.json
+# and $OUT/checkpoint-bench.log. Not part of `all`.
 # tests: pytest over $TESTS (default: tests, the whole suite), into $OUT/pytest.log.
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
@@ -173,6 +178,18 @@ if [ "$MODE" = portability ]; then
   echo "== bench/portability (hashing reopened files: cold and cached)"
   python3 bench/portability/cost.py --torpor "$TORPOR_BIN" --runs "${RUNS:-3}" --out "$OUT/portability-h100.json" 2>&1 | tee "$OUT/portability.log"
   prc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$prc
+fi
+if [ "$MODE" = checkpoint ]; then
+  echo "== periodic checkpoints: tests, then bench/checkpoint/train.py"
+  # Whether this kernel can pre-dump (CRIU's soft-dirty tracking): decides the concurrent mode.
+  { zcat /proc/config.gz 2>/dev/null || cat "/boot/config-$(uname -r)" 2>/dev/null; } | grep -E "MEM_SOFT_DIRTY|PTE_MARKER_UFFD_WP" | tee -a "$OUT/machine.txt"
+  "$HOME/.local/share/torpor/criu/bin/criu" check --feature mem_dirty_track 2>&1 | tee -a "$OUT/machine.txt"
+  python3 -m pytest -q -ra tests/test_checkpoints.py tests/test_concurrent_snapshot.py 2>&1 | tee "$OUT/checkpoint-pytest.log"
+  krc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$krc
+  # shellcheck disable=SC2086 # $CKPT_ARGS is a list of flags
+  python3 bench/checkpoint/train.py --kind torch --steps "${CKPT_STEPS:-600}" --every-iters 10 \
+    --out "$OUT/concurrent-checkpoint-h100.json" ${CKPT_ARGS:-} 2>&1 | tee "$OUT/checkpoint-bench.log"
+  krc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$krc
 fi
 if [ "$MODE" = criu-gpu ]; then
   echo "== bench/criu_restore with a GPU worker"

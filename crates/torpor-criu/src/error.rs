@@ -11,6 +11,7 @@ use crate::locate::Version;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Action {
     Dump,
+    PreDump,
     Restore,
 }
 
@@ -18,6 +19,7 @@ impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Action::Dump => "dump",
+            Action::PreDump => "pre-dump",
             Action::Restore => "restore",
         })
     }

@@ -218,8 +218,339 @@ pub fn lazy_pages(dir: &Path, pid: i32) -> Result<LazyPagesOf, ImageReadError> {
     })
 }
 
+/// What [`flatten`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Flattened {
+    /// Pagemap images rewritten.
+    pub pagemaps: usize,
+    /// Pages copied in from the parent images.
+    pub pages_from_parents: u64,
+}
+
+/// The name of the link CRIU puts in a dump taken with a parent (`--prev-images-dir`).
+pub const PARENT_LINK: &str = "parent";
+
+/// One pagemap of one image directory of a chain: its entries (sorted by address) with their
+/// offsets in its pages file.
+struct Level {
+    pages: fs::File,
+    pages_path: PathBuf,
+    /// (vaddr, pages, flags, offset in the pages file)
+    entries: Vec<(u64, u64, u32, u64)>,
+}
+
+fn read_level(dir: &Path, name: &str) -> Result<Option<(Level, Vec<u8>)>, ImageReadError> {
+    let path = dir.join(name);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let all = entries(&path, PAGEMAP_MAGIC)?;
+    let (head_bytes, rest) = all.split_first().ok_or_else(|| ImageReadError::Format {
+        path: path.clone(),
+        why: "no pagemap head".into(),
+    })?;
+    let head: PagemapHead = decode(&path, head_bytes)?;
+    let pages_path = dir.join(format!("pages-{}.img", head.pages_id));
+    let pages = fs::File::open(&pages_path).map_err(|source| ImageReadError::Io {
+        path: pages_path.clone(),
+        source,
+    })?;
+    let mut list = Vec::with_capacity(rest.len());
+    let mut offset = 0u64;
+    for e in rest {
+        let e: PagemapEntry = decode(&path, e)?;
+        let flags = e.flags.unwrap_or(PE_PRESENT) | u32::from(e.in_parent == Some(true));
+        let n = e.nr_pages.unwrap_or(u64::from(e.compat_nr_pages));
+        list.push((e.vaddr, n, flags, offset));
+        if flags & PE_PRESENT != 0 && flags & PE_PARENT == 0 {
+            offset += n * PAGE_SIZE;
+        }
+    }
+    list.sort_unstable_by_key(|e| e.0);
+    Ok(Some((
+        Level {
+            pages,
+            pages_path,
+            entries: list,
+        },
+        head_bytes.clone(),
+    )))
+}
+
+/// Where the page at `vaddr` is stored: (level, offset in that level's pages file), found down
+/// the chain from `level`.
+fn resolve(
+    levels: &[Level],
+    level: usize,
+    vaddr: u64,
+    path: &Path,
+) -> Result<(usize, u64), ImageReadError> {
+    let missing = || ImageReadError::Format {
+        path: path.to_path_buf(),
+        why: format!("the page at {vaddr:#x} is in no parent image"),
+    };
+    let l = levels.get(level).ok_or_else(missing)?;
+    let i = l.entries.partition_point(|e| e.0 <= vaddr);
+    let &(start, n, flags, offset) = i
+        .checked_sub(1)
+        .and_then(|i| l.entries.get(i))
+        .ok_or_else(missing)?;
+    if vaddr >= start + n * PAGE_SIZE {
+        return Err(missing());
+    }
+    if flags & PE_PARENT != 0 {
+        resolve(levels, level + 1, vaddr, path)
+    } else if flags & PE_PRESENT != 0 {
+        Ok((level, offset + (vaddr - start)))
+    } else {
+        Err(missing())
+    }
+}
+
+/// Makes the images in `dir`, a dump taken with a parent (pre-dump rounds, `--prev-images-dir`),
+/// self-contained: every page its pagemaps record as "in parent" is copied from the chain of
+/// parents into its own pages files (in pagemap order, as CRIU reads them), the pagemaps say
+/// they are present, and the `parent` link is removed. A dump without a parent is left as it
+/// is. The parents are only read.
+pub fn flatten(dir: &Path) -> Result<Flattened, ImageReadError> {
+    use std::io::Write;
+    use std::os::unix::fs::FileExt;
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| ImageReadError::Io { path, source }
+    };
+    let link = dir.join(PARENT_LINK);
+    if fs::symlink_metadata(&link).is_err() {
+        return Ok(Flattened::default());
+    }
+    // The chain of image directories, this one first.
+    let mut chain = vec![dir.to_path_buf()];
+    while let Ok(target) = fs::read_link(chain[chain.len() - 1].join(PARENT_LINK)) {
+        let last = &chain[chain.len() - 1];
+        chain.push(last.join(target));
+        if chain.len() > 64 {
+            return Err(ImageReadError::Format {
+                path: dir.to_path_buf(),
+                why: "a chain of more than 64 parent images".into(),
+            });
+        }
+    }
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .map_err(io(dir))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("pagemap-") && n.ends_with(".img"))
+        .collect();
+    names.sort();
+    let mut done = Flattened::default();
+    for name in names {
+        let path = dir.join(&name);
+        let mut levels = Vec::new();
+        let mut head = Vec::new();
+        for (i, d) in chain.iter().enumerate() {
+            match read_level(d, &name)? {
+                Some((level, h)) => {
+                    if i == 0 {
+                        head = h;
+                    }
+                    levels.push(level);
+                }
+                None if i == 0 => unreachable!("listed above"),
+                None => break,
+            }
+        }
+        // The entries in file order (CRIU writes them sorted by address).
+        let all = entries(&path, PAGEMAP_MAGIC)?;
+        let needs = levels[0].entries.iter().any(|e| e.2 & PE_PARENT != 0);
+        if !needs {
+            done.pagemaps += 1;
+            continue;
+        }
+        let new_pages_path = levels[0].pages_path.with_extension("img.flat");
+        let mut out = std::io::BufWriter::new(
+            fs::File::create(&new_pages_path).map_err(io(&new_pages_path))?,
+        );
+        let mut buf = Vec::new();
+        let mut copy =
+            |levels: &[Level], level: usize, offset: u64, len: u64| -> Result<(), ImageReadError> {
+                buf.resize(len as usize, 0);
+                let l = &levels[level];
+                l.pages
+                    .read_exact_at(&mut buf, offset)
+                    .map_err(io(&l.pages_path))?;
+                out.write_all(&buf).map_err(io(&new_pages_path))
+            };
+        let mut map = Vec::new();
+        map.extend_from_slice(&IMG_COMMON_MAGIC.to_le_bytes());
+        map.extend_from_slice(&PAGEMAP_MAGIC.to_le_bytes());
+        let push = |map: &mut Vec<u8>, bytes: &[u8]| {
+            map.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+            map.extend_from_slice(bytes);
+        };
+        push(&mut map, &head);
+        for raw in &all[1..] {
+            let mut e: PagemapEntry = decode(&path, raw)?;
+            let mut flags = e.flags.unwrap_or(PE_PRESENT);
+            if e.in_parent == Some(true) {
+                flags |= PE_PARENT;
+            }
+            let n = e.nr_pages.unwrap_or(u64::from(e.compat_nr_pages));
+            if flags & PE_PARENT != 0 {
+                // Page by page down the chain, consecutive pages of one file read at once.
+                let mut run: Option<(usize, u64, u64)> = None;
+                for p in 0..n {
+                    let (level, offset) = resolve(&levels, 1, e.vaddr + p * PAGE_SIZE, &path)?;
+                    run = match run {
+                        Some((l, o, len)) if l == level && o + len == offset => {
+                            Some((l, o, len + PAGE_SIZE))
+                        }
+                        Some((l, o, len)) => {
+                            copy(&levels, l, o, len)?;
+                            Some((level, offset, PAGE_SIZE))
+                        }
+                        None => Some((level, offset, PAGE_SIZE)),
+                    };
+                }
+                if let Some((l, o, len)) = run {
+                    copy(&levels, l, o, len)?;
+                }
+                done.pages_from_parents += n;
+                e.in_parent = None;
+                e.flags = Some((flags & !PE_PARENT) | PE_PRESENT);
+            } else if flags & PE_PRESENT != 0 {
+                let (_, _, _, offset) = *levels[0]
+                    .entries
+                    .iter()
+                    .find(|x| x.0 == e.vaddr)
+                    .expect("every entry was read");
+                copy(&levels, 0, offset, n * PAGE_SIZE)?;
+            }
+            push(&mut map, &prost::Message::encode_to_vec(&e));
+        }
+        out.into_inner()
+            .map_err(|e| ImageReadError::Io {
+                path: new_pages_path.clone(),
+                source: e.into_error(),
+            })?
+            .sync_all()
+            .map_err(io(&new_pages_path))?;
+        let new_map_path = path.with_extension("img.flat");
+        fs::write(&new_map_path, &map).map_err(io(&new_map_path))?;
+        fs::rename(&new_pages_path, &levels[0].pages_path).map_err(io(&levels[0].pages_path))?;
+        fs::rename(&new_map_path, &path).map_err(io(&path))?;
+        done.pagemaps += 1;
+    }
+    fs::remove_file(&link).map_err(io(&link))?;
+    Ok(done)
+}
+
 #[cfg(test)]
-mod tests {
+mod flatten_tests {
+    use super::*;
+
+    fn write_image(path: &Path, pages_id: u32, list: &[(u64, u64, u32)]) {
+        let mut map = Vec::new();
+        map.extend_from_slice(&IMG_COMMON_MAGIC.to_le_bytes());
+        map.extend_from_slice(&PAGEMAP_MAGIC.to_le_bytes());
+        let mut push = |bytes: Vec<u8>| {
+            map.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+            map.extend_from_slice(&bytes);
+        };
+        push(prost::Message::encode_to_vec(&PagemapHead { pages_id }));
+        for &(vaddr, n, flags) in list {
+            push(prost::Message::encode_to_vec(&PagemapEntry {
+                vaddr,
+                compat_nr_pages: n as u32,
+                in_parent: None,
+                flags: Some(flags),
+                nr_pages: Some(n),
+            }));
+        }
+        fs::write(path, map).expect("write pagemap");
+    }
+
+    fn page(tag: u8) -> Vec<u8> {
+        vec![tag; PAGE_SIZE as usize]
+    }
+
+    /// Three levels: the grandparent has pages A B C D at 0x10000.., the parent re-dumped B
+    /// (now b) and keeps the rest in its parent, the final dump re-dumped D (now d) and keeps
+    /// the rest in the parents. Flattened, the final dump holds A b C d itself.
+    #[test]
+    fn pages_in_parents_are_copied_in_and_the_link_removed() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let (g, p, f) = (
+            root.path().join("1"),
+            root.path().join("2"),
+            root.path().join("final"),
+        );
+        for d in [&g, &p, &f] {
+            fs::create_dir(d).expect("mkdir");
+        }
+        let base = 0x10000u64;
+        write_image(&g.join("pagemap-7.img"), 1, &[(base, 4, PE_PRESENT)]);
+        fs::write(
+            g.join("pages-1.img"),
+            [page(b'A'), page(b'B'), page(b'C'), page(b'D')].concat(),
+        )
+        .expect("w");
+        write_image(
+            &p.join("pagemap-7.img"),
+            1,
+            &[
+                (base, 1, PE_PARENT),
+                (base + PAGE_SIZE, 1, PE_PRESENT),
+                (base + 2 * PAGE_SIZE, 2, PE_PARENT),
+            ],
+        );
+        fs::write(p.join("pages-1.img"), page(b'b')).expect("w");
+        std::os::unix::fs::symlink("../1", p.join(PARENT_LINK)).expect("link");
+        write_image(
+            &f.join("pagemap-7.img"),
+            3,
+            &[
+                (base, 3, PE_PARENT),
+                (base + 3 * PAGE_SIZE, 1, PE_PRESENT),
+                (0x90000, 1, PE_PRESENT | PE_LAZY),
+            ],
+        );
+        fs::write(f.join("pages-3.img"), [page(b'd'), page(b'z')].concat()).expect("w");
+        std::os::unix::fs::symlink("../2", f.join(PARENT_LINK)).expect("link");
+
+        let done = flatten(&f).expect("flatten");
+        assert_eq!(
+            done,
+            Flattened {
+                pagemaps: 1,
+                pages_from_parents: 3
+            }
+        );
+        assert!(
+            fs::symlink_metadata(f.join(PARENT_LINK)).is_err(),
+            "the parent link is gone"
+        );
+        let pages = fs::read(f.join("pages-3.img")).expect("read");
+        assert_eq!(
+            pages,
+            [page(b'A'), page(b'b'), page(b'C'), page(b'd'), page(b'z')].concat()
+        );
+        // Every entry is now present here; the lazy one stays lazy.
+        let (level, _) = read_level(&f, "pagemap-7.img")
+            .expect("read")
+            .expect("there");
+        let flags: Vec<u32> = level.entries.iter().map(|e| e.2).collect();
+        assert_eq!(flags, [PE_PRESENT, PE_PRESENT, PE_PRESENT | PE_LAZY]);
+        // Flattening again is a no-op.
+        assert_eq!(flatten(&f).expect("again"), Flattened::default());
+        // A page no parent holds is an error, not a hole.
+        fs::write(f.join("pages-3.img"), page(b'x')).expect("w");
+        write_image(&f.join("pagemap-7.img"), 3, &[(0x500000, 1, PE_PARENT)]);
+        std::os::unix::fs::symlink("../2", f.join(PARENT_LINK)).expect("link");
+        assert!(matches!(flatten(&f), Err(ImageReadError::Format { .. })));
+    }
+}
+
+#[cfg(test)]
+mod run_merge_tests {
     use super::*;
 
     fn run(start: u64, end: u64, offset: u64) -> LazyRun {

@@ -56,6 +56,13 @@ pub struct CriuOpts {
     pub notify_scripts: Option<bool>,
     #[prost(string, optional, tag = "13")]
     pub root: Option<String>,
+    /// A previous (pre-)dump's images, relative to `images_dir`: pages unchanged since are
+    /// recorded as "in parent" instead of copied (`--prev-images-dir`).
+    #[prost(string, optional, tag = "14")]
+    pub parent_img: Option<String>,
+    /// Track memory changes with the kernel's soft-dirty bits (`--track-mem`).
+    #[prost(bool, optional, tag = "15")]
+    pub track_mem: Option<bool>,
     #[prost(int32, optional, tag = "17")]
     pub work_dir_fd: Option<i32>,
     #[prost(bool, optional, tag = "18")]
@@ -185,6 +192,21 @@ mod tests {
         let mut want = vec![0x08, 2, 0x12, opts.len() as u8];
         want.extend_from_slice(&opts);
         assert_eq!(req.encode_to_vec(), want);
+    }
+
+    /// A pre-dump's chain: `parent_img` is CRIU's 14, `track_mem` its 15.
+    #[test]
+    fn pre_dump_fields_have_criu_tags() {
+        let opts = CriuOpts {
+            images_dir_fd: 5,
+            parent_img: Some("../1".into()),
+            track_mem: Some(true),
+            ..Default::default()
+        };
+        assert_eq!(
+            opts.encode_to_vec(),
+            [0x08, 5, 0x72, 4, b'.', b'.', b'/', b'1', 0x78, 1]
+        );
     }
 
     #[test]

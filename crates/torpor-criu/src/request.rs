@@ -47,6 +47,13 @@ pub struct DumpRequest<'a> {
     /// links them (`--link-remap`): POSIX semaphores (`sem_open` links a temporary file to its
     /// name and removes the temporary one), shared-memory files renamed after opening.
     pub link_remap: bool,
+    /// The images of a previous pre-dump, as a path relative to `images_dir`
+    /// (`--prev-images-dir`): CRIU links it as `parent` and records the pages that did not
+    /// change since as "in parent" (needs `track_mem`).
+    pub parent_img: Option<String>,
+    /// Track memory changes with the kernel's soft-dirty bits (`--track-mem`): needed by
+    /// [`Criu::pre_dump`] and by a dump with `parent_img`.
+    pub track_mem: bool,
 }
 
 impl<'a> DumpRequest<'a> {
@@ -65,6 +72,8 @@ impl<'a> DumpRequest<'a> {
             ext_unix_sk: false,
             file_locks: false,
             link_remap: false,
+            parent_img: None,
+            track_mem: false,
         }
     }
 }
@@ -163,6 +172,16 @@ impl Criu {
         self.dump_with(r, &mut |_| Ok(()))
     }
 
+    /// Copies the tree's memory into `images_dir` while it keeps running (CRIU's pre-dump, as a
+    /// `SINGLE_PRE_DUMP` request: the
+    /// tree is frozen only while its memory is made readable and its soft-dirty bits are
+    /// cleared). Needs the kernel's soft-dirty tracking; `leave_running` does not apply.
+    pub fn pre_dump(&self, r: &DumpRequest<'_>) -> Result<(), CriuError> {
+        // SINGLE_PRE_DUMP: one pre-dump per request. (PRE_DUMP enters CRIU's pre-dump loop,
+        // which after its reply waits on the socket for the next pre-dump or the dump.)
+        self.call_dump(ReqType::SinglePreDump, Action::PreDump, r, &mut |_| Ok(()))
+    }
+
     /// [`Criu::dump`], calling `on_notify` at each of CRIU's action-script points
     /// ("pre-dump", "network-lock", "post-dump", …); an `Err` aborts the dump.
     pub fn dump_with(
@@ -170,11 +189,23 @@ impl Criu {
         r: &DumpRequest<'_>,
         on_notify: &mut NotifyHandler<'_>,
     ) -> Result<(), CriuError> {
+        self.call_dump(ReqType::Dump, Action::Dump, r, on_notify)
+    }
+
+    fn call_dump(
+        &self,
+        kind: ReqType,
+        action: Action,
+        r: &DumpRequest<'_>,
+        on_notify: &mut NotifyHandler<'_>,
+    ) -> Result<(), CriuError> {
         let images = open_images_dir(r.images_dir)?;
         let opts = CriuOpts {
             images_dir_fd: images.as_raw_fd(),
             pid: Some(r.pid),
-            leave_running: Some(r.leave_running),
+            leave_running: (kind == ReqType::Dump).then_some(r.leave_running),
+            parent_img: r.parent_img.clone(),
+            track_mem: r.track_mem.then_some(true),
             ext_unix_sk: Some(r.ext_unix_sk),
             tcp_established: Some(r.tcp_established),
             file_locks: Some(r.file_locks),
@@ -201,8 +232,8 @@ impl Criu {
         };
         swrk::call(
             self,
-            Action::Dump,
-            request(ReqType::Dump, opts),
+            action,
+            request(kind, opts),
             log,
             swrk::Start {
                 as_tree,

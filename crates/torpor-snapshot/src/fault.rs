@@ -3,7 +3,10 @@
 //! environment of `torpor snapshot` (or torpord) makes every snapshot fail at that point:
 //!
 //! - `before-dump`: after the driver's checkpoint (GPU memory now in the process), before CRIU;
-//! - `after-dump`: after CRIU wrote the images, before the snapshot is hashed and committed.
+//! - `after-dump`: after CRIU wrote the images, before the snapshot is hashed and committed;
+//! - `after-pre-dump`: a concurrent snapshot's pre-dump rounds are done, the tree not stopped;
+//! - `skip-tracking-check`: a concurrent snapshot asks CRIU to pre-dump even where the kernel
+//!   has no soft-dirty tracking, so that CRIU's own refusal (and the rollback) is tested.
 //!
 //! CRIU's own failure points need no switch here: CRIU reads `CRIU_FAULT` from the environment
 //! torpor passes on (`1`: CRIU kills itself with its parasite inside the process, as a kill -9
@@ -18,6 +21,8 @@ pub const ENV: &str = "TORPOR_FAULT";
 pub enum Point {
     BeforeDump,
     AfterDump,
+    AfterPreDump,
+    SkipTrackingCheck,
 }
 
 impl Point {
@@ -25,6 +30,8 @@ impl Point {
         match self {
             Point::BeforeDump => "before-dump",
             Point::AfterDump => "after-dump",
+            Point::AfterPreDump => "after-pre-dump",
+            Point::SkipTrackingCheck => "skip-tracking-check",
         }
     }
 }

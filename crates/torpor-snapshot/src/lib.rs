@@ -2,6 +2,8 @@
 //! namespaces that allow many restores side by side, snapshot it with the CUDA driver's
 //! checkpoint API and CRIU, restore it, and roll back every failure so the source keeps running.
 
+pub mod checkpoints;
+pub mod dirty_tracking;
 pub mod empty_gpu_memory;
 pub mod fault;
 pub mod gpu_map;

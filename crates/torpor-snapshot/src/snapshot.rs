@@ -46,6 +46,11 @@ pub struct SnapshotOptions<'a> {
     /// torpord's state directory, mounted in its workers: its external mount is saved under
     /// [`mounts::STATE_DIR_KEY`] so that any node's daemon can bind its own there at restore.
     pub state_dir: Option<&'a Path>,
+    /// Concurrent snapshot: this many CRIU pre-dump rounds copy the tree's memory while it
+    /// runs, each only what changed since the one before (soft-dirty tracking), so the stop
+    /// copies only the pages written since the last round (and the GPU state). 0: the whole
+    /// copy happens during the stop. Needs [`crate::dirty_tracking::available`].
+    pub pre_dump_rounds: u32,
 }
 
 /// Why a snapshot failed. In every case the source process keeps running and `--out` does not
@@ -92,6 +97,22 @@ pub enum SnapshotError {
         root: i32,
         #[source]
         space: Box<NoSpace>,
+    },
+    /// A concurrent snapshot was asked for on a kernel that does not track written pages.
+    #[error("a concurrent snapshot needs the kernel's soft-dirty page tracking (CONFIG_MEM_SOFT_DIRTY), which this kernel lacks ({detail}), so CRIU's pre-dump cannot run: take the snapshot without --concurrent (stop-the-world); pid {root} keeps running, nothing was written")]
+    NoDirtyTracking { root: i32, detail: String },
+    /// A pre-dump round failed (before the tree was stopped for the snapshot).
+    #[error("CRIU's pre-dump round {round} failed: {source}; pid {root} keeps running, nothing was written")]
+    PreDump {
+        root: i32,
+        round: u32,
+        source: CriuError,
+    },
+    /// The dump could not be made self-contained (its pre-dumped pages copied in); rolled back.
+    #[error("cannot copy the pre-dumped pages into the snapshot: {source}; pid {root} keeps running, nothing was written")]
+    Flatten {
+        root: i32,
+        source: torpor_criu::images::ImageReadError,
     },
     /// A fault forced by `TORPOR_FAULT` ([`crate::fault`]); rolled back.
     #[error("fault {} forced by {}; pid {root} keeps running, nothing was written", point.name(), crate::fault::ENV)]
@@ -308,6 +329,20 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         space.dir = parent;
     }
 
+    // Concurrent: copy the memory while the tree runs; the stop then copies what changed.
+    let pre_dumps = if opts.pre_dump_rounds > 0 {
+        Some(pre_dump(
+            &criu,
+            opts,
+            root.pid,
+            &dump_external,
+            &writer,
+            &mut phases,
+        )?)
+    } else {
+        None
+    };
+
     let stop_start = Instant::now();
     let mut warnings = Vec::new();
     let result = stop_and_dump(
@@ -319,6 +354,7 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         &mut phases,
         &writer,
         &mut warnings,
+        pre_dumps.as_ref().map(|p| p.parent_of_final()),
     );
     if let Err(original) = result {
         return Err(roll_back(
@@ -356,6 +392,29 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
     } else {
         // Freeze the source exactly as dumped until the snapshot is committed.
         signal_tree(&pids, libc::SIGSTOP);
+    }
+
+    // The pages the final dump left in the pre-dumps are copied in (the tree runs again, or is
+    // frozen, meanwhile): the snapshot holds every page itself, as a stop-the-world one does.
+    if let Some(pre) = pre_dumps {
+        let flattened = phases.time("flatten_pre_dumps", || {
+            torpor_criu::images::flatten(writer.dir())
+        });
+        drop(pre);
+        if let Err(source) = flattened {
+            let original = SnapshotError::Flatten {
+                root: root.pid,
+                source,
+            };
+            return Err(roll_back(
+                root.pid,
+                tasks.as_mut(),
+                original,
+                Some((&writer, &space)),
+                opts.log_dir,
+                !opts.leave_running,
+            ));
+        }
     }
 
     let mut manifest = Manifest::new(
@@ -489,6 +548,7 @@ fn stop_and_dump(
     phases: &mut Phases,
     writer: &SnapshotWriter,
     warnings: &mut Vec<String>,
+    parent_img: Option<String>,
 ) -> Result<(), SnapshotError> {
     let check_interrupt = || {
         if interrupt::interrupted() {
@@ -553,6 +613,8 @@ fn stop_and_dump(
         file_locks: true,
         link_remap: true,
         log_level: 4,
+        track_mem: parent_img.is_some(),
+        parent_img,
     };
     phases
         .time("criu_dump", || criu.dump(&request))
@@ -561,6 +623,116 @@ fn stop_and_dump(
             source,
         })?;
     check_interrupt()
+}
+
+/// The pre-dump rounds of a concurrent snapshot, in a directory beside the snapshot being
+/// written (removed when dropped: the snapshot's own images are made self-contained first).
+pub(crate) struct PreDumps {
+    dir: PathBuf,
+    rounds: u32,
+}
+
+impl PreDumps {
+    /// The last round, as CRIU's `parent_img` of the final dump (relative to its images).
+    fn parent_of_final(&self) -> String {
+        let name = self
+            .dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        format!("../{name}/{}", self.rounds)
+    }
+}
+
+impl Drop for PreDumps {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs `opts.pre_dump_rounds` CRIU pre-dumps of the running tree, each into its own directory
+/// with the one before as its parent (only the pages written since are copied). Refuses a
+/// kernel without soft-dirty tracking before CRIU is asked (`TORPOR_FAULT=skip-tracking-check`
+/// asks CRIU anyway, so its own refusal is tested). A failure leaves the tree running.
+fn pre_dump(
+    criu: &Criu,
+    opts: &SnapshotOptions,
+    root: i32,
+    external: &[String],
+    writer: &SnapshotWriter,
+    phases: &mut Phases,
+) -> Result<PreDumps, SnapshotError> {
+    if !fault::armed(fault::Point::SkipTrackingCheck) {
+        match crate::dirty_tracking::available() {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(SnapshotError::NoDirtyTracking {
+                    root,
+                    detail: "written pages never show as soft-dirty".into(),
+                })
+            }
+            Err(detail) => return Err(SnapshotError::NoDirtyTracking { root, detail }),
+        }
+    }
+    // Named like the writer's partial directory (`.NAME-pre.partial-PID`, beside it), so that
+    // what a killed torpor left is removed as stale as the partial snapshot is.
+    let out_name = writer
+        .out()
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let parent = writer.dir().parent().unwrap_or(Path::new("."));
+    let pre = PreDumps {
+        dir: parent.join(format!(".{out_name}-pre.partial-{}", std::process::id())),
+        rounds: opts.pre_dump_rounds,
+    };
+    for round in 1..=opts.pre_dump_rounds {
+        if interrupt::interrupted() {
+            return Err(SnapshotError::Interrupted { root });
+        }
+        let dir = pre.dir.join(round.to_string());
+        std::fs::create_dir_all(&dir)
+            .map_err(|source| SnapshotError::Proc { pid: root, source })?;
+        let request = DumpRequest {
+            parent_img: (round > 1).then(|| format!("../{}", round - 1)),
+            track_mem: true,
+            external: external.to_vec(),
+            empty_ns_net: true,
+            network_lock_skip: true,
+            tcp_established: own_network_namespace(root),
+            file_locks: true,
+            link_remap: true,
+            log_level: 4,
+            log_file: "pre-dump.log",
+            ..DumpRequest::new(root, &dir)
+        };
+        phases
+            .time(&format!("criu_pre_dump_{round}"), || {
+                criu.pre_dump(&request)
+            })
+            .map_err(|source| {
+                // CRIU's log outlives the pre-dump directory.
+                let to = opts
+                    .log_dir
+                    .join(format!("pre-dump-{root}-{}.log", crate::sys::unix_millis()));
+                let kept = std::fs::create_dir_all(opts.log_dir)
+                    .and_then(|_| std::fs::copy(dir.join("pre-dump.log"), &to))
+                    .is_ok();
+                let source = if kept { source.with_log(to) } else { source };
+                SnapshotError::PreDump {
+                    root,
+                    round,
+                    source,
+                }
+            })?;
+    }
+    if fault::armed(fault::Point::AfterPreDump) {
+        return Err(SnapshotError::Fault {
+            root,
+            point: fault::Point::AfterPreDump,
+        });
+    }
+    Ok(pre)
 }
 
 /// Whether `pid` lives in a network namespace other than torpor's own.

@@ -132,6 +132,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         log_dir: dir.path(),
         key: None,
         state_dir: None,
+        pre_dump_rounds: 0,
     })
     .expect("snapshot");
     let _ = unshare.wait();
@@ -215,6 +216,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         log_dir: dir.path(),
         key: None,
         state_dir: None,
+        pre_dump_rounds: 0,
     })
     .expect("snapshot of the restored tree");
     let stdio2 = torpor_image::Snapshot::open(&snap2)
@@ -302,6 +304,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         log_dir: dir.path(),
         key: None,
         state_dir: None,
+        pre_dump_rounds: 0,
     })
     .expect("snapshot");
     let _ = unshare.wait();

@@ -97,6 +97,7 @@ fn snapshot_tree(dir: &Path, key: Option<&SnapshotKey>) -> std::path::PathBuf {
         log_dir: dir,
         key,
         state_dir: None,
+        pre_dump_rounds: 0,
     })
     .expect("snapshot");
     let _ = unshare.wait();

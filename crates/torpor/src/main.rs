@@ -27,6 +27,33 @@ enum Command {
         /// File for the command's stdout and stderr (appended) [default: /var/log/torpor/run-<time>.log]
         #[arg(long)]
         log: Option<PathBuf>,
+        /// Checkpoint the job every SECS seconds while it runs (it keeps running) into the chunk
+        /// store of --checkpoints; torpor run then stays until the job exits and exits with its
+        /// status. `torpor restore DIR` restores the newest checkpoint (docs/checkpoints.md).
+        #[arg(long, value_name = "SECS", requires = "checkpoints")]
+        checkpoint_every: Option<f64>,
+        /// The checkpoint directory (created; one job per directory).
+        #[arg(long, value_name = "DIR", requires = "checkpoint_every")]
+        checkpoints: Option<PathBuf>,
+        /// How many checkpoints to keep; older ones are pruned (their chunks collected).
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = 3,
+            requires = "checkpoint_every"
+        )]
+        keep: usize,
+        /// Seconds to wait for in-flight CUDA work when locking, at each checkpoint.
+        #[arg(long, default_value_t = 10.0, requires = "checkpoint_every")]
+        timeout: f64,
+        /// Take each checkpoint concurrently (as `torpor snapshot --concurrent`, with N
+        /// pre-dump rounds): the job is stopped only for what changed since the last round.
+        /// Needs the kernel's soft-dirty tracking; refused before the job starts without it.
+        #[arg(long, value_name = "N", requires = "checkpoint_every",
+              value_parser = clap::value_parser!(u32).range(1..))]
+        concurrent_rounds: Option<u32>,
+        #[command(flatten)]
+        key: cmd::KeyArgs,
         /// The command and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<OsString>,
@@ -45,6 +72,15 @@ enum Command {
         /// Seconds to wait for in-flight CUDA work when locking.
         #[arg(long, default_value_t = 10.0)]
         timeout: f64,
+        /// Concurrent snapshot: CRIU pre-dump rounds copy the memory while the process runs, the
+        /// stop copies only what changed since (and the GPU state). Needs the kernel's
+        /// soft-dirty tracking; refused in one line where it has none (docs/checkpoints.md).
+        #[arg(long)]
+        concurrent: bool,
+        /// Pre-dump rounds of --concurrent.
+        #[arg(long, value_name = "N", default_value_t = 2, requires = "concurrent",
+              value_parser = clap::value_parser!(u32).range(1..))]
+        rounds: u32,
         /// Print phase timings.
         #[arg(short, long)]
         verbose: bool,
@@ -86,6 +122,27 @@ enum Command {
         /// (the same with CRIU's lazy-pages daemon).
         #[arg(long, default_value = "copy")]
         pages: PageSource,
+        /// DIR being a checkpoint directory: restore this checkpoint (ckpt-…) instead of the
+        /// newest.
+        #[arg(long, value_name = "ID")]
+        checkpoint: Option<String>,
+        /// DIR being a checkpoint directory: go on checkpointing the restored job every SECS
+        /// into it, as `torpor run --checkpoint-every` did (CUDA lock timeout 10 s), until it
+        /// exits.
+        #[arg(long, value_name = "SECS", conflicts_with = "detach")]
+        checkpoint_every: Option<f64>,
+        /// How many checkpoints to keep with --checkpoint-every.
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = 3,
+            requires = "checkpoint_every"
+        )]
+        keep: usize,
+        /// Concurrent checkpoints with --checkpoint-every (N pre-dump rounds each).
+        #[arg(long, value_name = "N", requires = "checkpoint_every",
+              value_parser = clap::value_parser!(u32).range(1..))]
+        concurrent_rounds: Option<u32>,
         /// Print phase timings.
         #[arg(short, long)]
         verbose: bool,
@@ -262,15 +319,47 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run { log, command } => cmd::run::run(log, &command),
+        Command::Run {
+            log,
+            checkpoint_every,
+            checkpoints,
+            keep,
+            timeout,
+            concurrent_rounds,
+            key,
+            command,
+        } => cmd::run::run(
+            log,
+            checkpoint_every
+                .zip(checkpoints)
+                .map(|(every, dir)| cmd::checkpointing::Periodic {
+                    every,
+                    dir,
+                    keep,
+                    timeout,
+                    pre_dump_rounds: concurrent_rounds.unwrap_or(0),
+                }),
+            &key,
+            &command,
+        ),
         Command::Snapshot {
             pid,
             out,
             leave_running,
             timeout,
+            concurrent,
+            rounds,
             verbose,
             key,
-        } => cmd::snapshot::run(pid, &out, leave_running, timeout, verbose, &key),
+        } => cmd::snapshot::run(
+            pid,
+            &out,
+            leave_running,
+            timeout,
+            if concurrent { rounds } else { 0 },
+            verbose,
+            &key,
+        ),
         Command::Migrate {
             pid,
             gpu,
@@ -283,6 +372,10 @@ fn main() -> ExitCode {
             gpu,
             log,
             pages,
+            checkpoint,
+            checkpoint_every,
+            keep,
+            concurrent_rounds,
             verbose,
             key,
         } => cmd::restore::run(
@@ -291,6 +384,14 @@ fn main() -> ExitCode {
             gpu.as_deref(),
             log.as_deref(),
             pages,
+            checkpoint.as_deref(),
+            checkpoint_every.map(|every| cmd::checkpointing::Periodic {
+                every,
+                dir: dir.clone(),
+                keep,
+                timeout: 10.0,
+                pre_dump_rounds: concurrent_rounds.unwrap_or(0),
+            }),
             verbose,
             &key,
         ),

@@ -12,6 +12,16 @@ pub fn run(
     store_id: Option<&str>,
     key: Option<&Path>,
 ) -> anyhow::Result<ExitCode> {
+    if torpor_snapshot::checkpoints::is_checkpoint_dir(dir) {
+        if store.is_some() || key.is_some() {
+            anyhow::bail!(
+                "{} is a checkpoint directory, whose store is its own: leave --store and --key out (`torpor restore {}` checks the newest's seal)",
+                dir.display(),
+                dir.display()
+            );
+        }
+        return checkpoints(dir, json);
+    }
     let snapshot = Snapshot::open(dir)?;
     let seal = seal_line(&snapshot, key)?;
     let usage = match store {
@@ -36,6 +46,35 @@ pub fn run(
         if let Some((usage, store)) = usage {
             print!("{}", torpor_image::render_store_usage(&usage, store.root()));
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A checkpoint directory (`torpor run --checkpoint-every`): each checkpoint kept and the space
+/// it takes in the directory's store.
+fn checkpoints(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let used = torpor_snapshot::checkpoints::usage(dir)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&used)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "checkpoints of {} (newest last; `torpor restore {}` restores the newest):",
+        dir.display(),
+        dir.display()
+    );
+    for u in &used {
+        println!(
+            "  {}  {} ({} files), {} on disk with what it shares, {} its own",
+            u.snapshot,
+            super::human(u.logical),
+            u.recipes,
+            super::human(u.stored),
+            super::human(u.exclusive),
+        );
+    }
+    if used.is_empty() {
+        println!("  none");
     }
     Ok(ExitCode::SUCCESS)
 }

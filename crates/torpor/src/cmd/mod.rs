@@ -1,5 +1,6 @@
 //! One module per subcommand; each parses nothing and prints little, the work is in the crates.
 
+pub mod checkpointing;
 pub mod cluster;
 pub mod deploy;
 pub mod inspect;

@@ -13,6 +13,7 @@ pub fn run(
     out: &Path,
     leave_running: bool,
     timeout: f64,
+    pre_dump_rounds: u32,
     verbose: bool,
     key: &super::KeyArgs,
 ) -> anyhow::Result<ExitCode> {
@@ -34,6 +35,7 @@ pub fn run(
         log_dir: &log_dir,
         key: key.as_ref(),
         state_dir: None,
+        pre_dump_rounds,
     });
     progress.finish();
     let report = report?;

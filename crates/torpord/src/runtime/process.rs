@@ -407,6 +407,7 @@ async fn snapshot_and_kill(
             log_dir: &log_dir,
             key: Some(&key),
             state_dir: Some(&state_dir),
+            pre_dump_rounds: 0,
         })
         .map(|_| ())
         .map_err(|source| SnapshotTreeError::Snapshot { pid, source })
