@@ -16,6 +16,9 @@ torpor.buffer(size) gives writable memory that a split snapshot stores outside t
 The function's directory holds torpor.toml (see torpor.spec) and its code. The worker harness
 that runs it is torpor.worker; the frame codec it speaks is torpor.frames.
 
+torpor.put(key, value) / torpor.get(key) hand values between the functions of a sandbox
+without a copy (torpor.store, docs/sandboxes.md).
+
 torpor.dump (saving an object as declared data) is not part of this release.
 """
 
@@ -25,6 +28,7 @@ from torpor.data import declared, load, load_bytes, use_dir
 from torpor.errors import DataError, DefinitionError, FrameError, HookError, SpecError, TorporError
 from torpor.functions import function
 from torpor.hook import buffer
+from torpor.store import get, put
 
 __all__ = [
     "DataError",
@@ -36,7 +40,9 @@ __all__ = [
     "buffer",
     "declared",
     "function",
+    "get",
     "load",
     "load_bytes",
+    "put",
     "use_dir",
 ]

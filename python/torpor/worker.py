@@ -248,6 +248,13 @@ class Worker:
         self.function: str | None = None
         self.entry = ""
         self.call: Callable[[Any], Any] | None = None
+        # Every function this worker serves by name: one, or in a sandbox (spec
+        # scaling.sandbox, docs/sandboxes.md) every function loaded into it. A sandbox runs
+        # each request on a thread of its own; `function` above stays the first one loaded
+        # (its host: the name torpord knows the instance by).
+        self.functions: dict[str, Callable[[Any], Any]] = {}
+        self.sandbox = False
+        self.tenant: str | None = None
         self.preload_s = 0.0
         # spec.gpu.shrink_context: the context's stack limit to 0 at each quiet point (a base's
         # quiet point too: the base snapshot's residue is every cold start's of its functions).
@@ -421,6 +428,33 @@ class Worker:
         if "id" not in msg or "request" not in msg:
             raise ProtocolError(f"invoke frame lacks {'id' if 'id' not in msg else 'request'}")
         rid = msg["id"]
+        fname = msg.get("function")
+        if fname is not None:
+            if not isinstance(fname, str):
+                raise ProtocolError(f"invoke's function must be a string, got {fname!r}")
+            named = self.functions.get(fname)
+            if named is None:
+                # A function deployed after this sandbox's snapshot was taken (docs/sandboxes.md).
+                self.send({"type": "started", "id": rid})
+                self.send_result(
+                    {
+                        "type": "result",
+                        "id": rid,
+                        "ok": False,
+                        "error": {
+                            "type": "NotLoaded",
+                            "message": _text(
+                                f"function {fname!r} is not loaded in this sandbox (it hosts "
+                                f"{', '.join(sorted(self.functions))}); deploy {fname} again so that "
+                                "its sandbox's snapshot includes it"
+                            ),
+                            "traceback": "",
+                        },
+                        "handler_s": 0.0,
+                    }
+                )
+                return
+            call = named
         if self.map_reader is None and self.reader is not None and self.reader.fds:
             # After `unmap`, until the map frames bring every segment back: the request would
             # touch memory that is not there (SIGSEGV, or a broken CUDA context).
@@ -439,6 +473,17 @@ class Worker:
                     {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0}
                 )
                 return
+        if self.sandbox:
+            # One thread per request: the sandbox's functions (and more requests of one of
+            # them, up to requests_per_instance) run side by side, each on a CUDA stream of its
+            # own under torch.
+            threading.Thread(
+                target=self._request_thread,
+                args=(call, rid, msg["request"]),
+                name=f"torpor-request-{rid}",
+                daemon=True,
+            ).start()
+            return
         # The daemon's timeout counts from here, not from the time this request waited behind
         # the ones before it.
         self.send({"type": "started", "id": rid})
@@ -463,6 +508,30 @@ class Worker:
             }
         self.settle_readiness()
         self.send_result(out)
+
+    def _request_thread(self, call: Callable[[Any], Any], rid: Any, request: Any) -> None:
+        """A sandbox's request, on its own thread (and CUDA stream): `started`, the call, its
+        `result`. A lost daemon is the main loop's business: the result dies with the
+        connection."""
+        try:
+            self.send({"type": "started", "id": rid})
+            t0 = time.perf_counter()
+            try:
+                with torpor_gpu.request_stream(self.gpu_framework or torpor_gpu.framework()):
+                    value = call(request)
+            except Exception as e:
+                out = {
+                    "type": "result",
+                    "id": rid,
+                    "ok": False,
+                    "error": error_doc(e),
+                    "handler_s": time.perf_counter() - t0,
+                }
+            else:
+                out = {"type": "result", "id": rid, "ok": True, "value": value, "handler_s": time.perf_counter() - t0}
+            self.send_result(out)
+        except (ConnectionError, OSError, AssertionError):
+            pass
 
     def send_result(self, out: dict[str, Any]) -> None:
         """Sends a result frame; a value that cannot be sent becomes a ResultError."""
@@ -539,14 +608,26 @@ class Worker:
             delay = min(delay * 2, REATTACH_MAX_DELAY_S)
 
     def load(self, msg: dict[str, Any]) -> bool:
-        if self.call is not None:
-            raise ProtocolError(
-                f"a second load, but this worker already serves {self.function}; start another worker"
-            )
         spec, fdir, data_map = msg.get("spec"), msg.get("dir"), msg.get("data")
         if not isinstance(spec, dict) or not isinstance(fdir, str) or not isinstance(data_map, dict):
             raise ProtocolError("load needs spec (object), dir (string) and data (object)")
         name, entry = spec.get("name"), spec.get("entry")
+        scaling = spec.get("scaling")
+        sandboxed = isinstance(scaling, dict) and scaling.get("sandbox") is True
+        tenant = spec.get("tenant")
+        if self.call is not None:
+            if not (self.sandbox and sandboxed):
+                raise ProtocolError(
+                    f"a second load, but this worker already serves {self.function} and is not a sandbox; "
+                    "start another worker (or set scaling.sandbox = true on both functions)"
+                )
+            if tenant != self.tenant:
+                raise ProtocolError(
+                    f"load of {name!r} of tenant {tenant!r} into a sandbox of tenant {self.tenant!r}: "
+                    "functions of different tenants never share a sandbox"
+                )
+            if name in self.functions:
+                raise ProtocolError(f"a second load of {name!r} into this sandbox; it is loaded already")
         decls, warmup = spec.get("data", []), spec.get("warmup")
         if not isinstance(name, str) or not isinstance(entry, str):
             raise ProtocolError(
@@ -576,7 +657,12 @@ class Worker:
                 f"load's data map names {sorted(data_map)} but the spec declares {sorted(declared)}; "
                 "send one path per declared name"
             )
-        self.function, self.entry, self.role = name, entry, "function"
+        if self.call is None:
+            self.function, self.entry, self.role = name, entry, "function"
+            self.sandbox, self.tenant = sandboxed, tenant if isinstance(tenant, str) else None
+        else:
+            self.entry = entry
+            _forget_foreign_module(str(entry).partition(":")[0], fdir)
         phase = "data"
         try:
             bound = []
@@ -620,7 +706,9 @@ class Worker:
         except Exception as e:
             self.fail(phase, e)
             return False
-        self.call = instance.__call__
+        if self.call is None:
+            self.call = instance.__call__
+        self.functions[name] = instance.__call__
         ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t_packed}
         if self.started_as == "function":
             ready["preload_s"] = self.preload_s
@@ -878,6 +966,18 @@ class Worker:
         finally:
             if readiness is not None:
                 readiness.mapped(va)
+
+
+def _forget_foreign_module(module: str, fdir: str) -> None:
+    """Before a sandbox imports the next function's entry module: an imported module of the
+    same (top-level) name from another function's directory is dropped from sys.modules, so the
+    import finds this function's (the one loaded before keeps its own module object)."""
+    top = module.split(".")[0]
+    root = str(Path(fdir).resolve()) + os.sep
+    for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+        where = getattr(sys.modules[name], "__file__", None)
+        if where is not None and not str(Path(where).resolve()).startswith(root):
+            del sys.modules[name]
 
 
 def _modules(text: str) -> list[str]:

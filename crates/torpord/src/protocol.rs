@@ -238,6 +238,10 @@ pub struct Invoke {
     #[schemars(with = "Value")]
     pub request: Box<RawValue>,
     pub timeout_s: f64,
+    /// In a sandbox (crate::runtime::sandbox): which of the functions it hosts serves the
+    /// request; absent for a worker of one function.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub function: Option<String>,
 }
 
 /// `attached`: the worker is in service; it outlives a lost daemon by `reattach_s`.
@@ -431,6 +435,13 @@ mod tests {
                 id: 3,
                 request: RawValue::from_string("[1e400, 18446744073709551616]".into()).unwrap(),
                 timeout_s: 1.5,
+                function: None,
+            }),
+            ToWorker::Invoke(Invoke {
+                id: 4,
+                request: RawValue::from_string("{}".into()).unwrap(),
+                timeout_s: 1.5,
+                function: Some("detect".into()),
             }),
         ];
         for f in frames {

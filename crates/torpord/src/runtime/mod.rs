@@ -13,6 +13,7 @@
 //!   evicted) and meters every stage;
 //! - [`process`]: a worker tree's snapshot, restore, wake-up and kill (CRIU, signals);
 //! - [`readopt`]: at startup, the instances an earlier daemon left;
+//! - [`sandbox`]: which instance serves a sandboxed function (an instance hosting several);
 //! - [`instance`]: the instance itself (its connection, requests in flight, keep-alive state).
 //!
 //! Deploys (crate::deploy) use the runtime (boot a worker, snapshot it, restore a base); the
@@ -40,6 +41,7 @@ pub mod pages_pending;
 pub mod pool;
 pub mod process;
 pub mod readopt;
+pub mod sandbox;
 pub mod start;
 
 pub use instance::{kill_tree, Instance, Keep, Sleeper};
@@ -81,6 +83,8 @@ pub struct Runtime {
     pub cgroups: Option<Arc<crate::cgroup::Cgroups>>,
     /// `[objstore]`: pushes after deploys, pulls of unknown functions (crate::objstore drives it; the Tier is crate::bucket).
     pub objstore: Option<Arc<crate::bucket::Tier>>,
+    /// Which pool serves each sandboxed function (sandbox).
+    pub(crate) sandbox_routes: sandbox::Routes,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -138,6 +142,7 @@ impl Runtime {
             workers_socket,
             cgroups,
             objstore: None,
+            sandbox_routes: sandbox::Routes::default(),
         }
     }
 

@@ -1,0 +1,61 @@
+"""A function for the sandbox tests (tests/daemon/test_daemon_sandbox.py): every copy of this
+directory is deployed under another name, tenant and workflow (the test writes torpor.toml),
+all with this one module name `handler`, so a sandbox hosting several must keep them apart.
+
+Its answer says which function answered (`fn`, from torpor.toml's name as the spec gave it),
+which process (`process`: a token drawn at the first request a process serves and shared by
+every function in it; a restore of the function snapshot draws a new one, a woken hibernated
+process keeps its own), which thread, and how many calls this function had in this process.
+Ops: sleep {s}, crash (os._exit), put {key} and get {key} through the communication store."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import torpor
+
+NAME = Path(__file__).resolve().parent.name
+
+
+def process_token() -> str:
+    shared = sys.modules.get("_sandbox_test_process")
+    if shared is None:
+        shared = types.ModuleType("_sandbox_test_process")
+        shared.token = os.urandom(8).hex()  # type: ignore[attr-defined]
+        sys.modules["_sandbox_test_process"] = shared
+    return str(shared.token)  # type: ignore[attr-defined]
+
+
+@torpor.function
+class Sandboxed:
+    def setup(self) -> None:
+        self.calls = 0
+
+    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.calls += 1
+        out: dict[str, Any] = {
+            "fn": NAME,
+            "process": process_token(),
+            "thread": threading.get_ident(),
+            "calls": self.calls,
+        }
+        op = request.get("op")
+        if op == "sleep":
+            time.sleep(float(request["s"]))
+        elif op == "crash":
+            os._exit(7)
+        elif op == "put":
+            value = {"by": NAME, "rows": list(range(int(request.get("n", 3))))}
+            torpor.put(str(request["key"]), value)
+            out["id"] = id(value)
+        elif op == "get":
+            value = torpor.get(str(request["key"]))
+            out["id"] = id(value)
+            out["value"] = value
+        return out
