@@ -255,6 +255,8 @@ class Worker:
         self.functions: dict[str, Callable[[Any], Any]] = {}
         self.sandbox = False
         self.tenant: str | None = None
+        # The directories of the functions loaded so far (a sandbox keeps their modules apart).
+        self.loaded_dirs: list[str] = []
         self.preload_s = 0.0
         # spec.gpu.shrink_context: the context's stack limit to 0 at each quiet point (a base's
         # quiet point too: the base snapshot's residue is every cold start's of its functions).
@@ -662,7 +664,7 @@ class Worker:
             self.sandbox, self.tenant = sandboxed, tenant if isinstance(tenant, str) else None
         else:
             self.entry = entry
-            _forget_foreign_module(str(entry).partition(":")[0], fdir)
+            _forget_modules_of(self.loaded_dirs)
         phase = "data"
         try:
             bound = []
@@ -709,6 +711,7 @@ class Worker:
         if self.call is None:
             self.call = instance.__call__
         self.functions[name] = instance.__call__
+        self.loaded_dirs.append(fdir)
         ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t_packed}
         if self.started_as == "function":
             ready["preload_s"] = self.preload_s
@@ -968,15 +971,15 @@ class Worker:
                 readiness.mapped(va)
 
 
-def _forget_foreign_module(module: str, fdir: str) -> None:
-    """Before a sandbox imports the next function's entry module: an imported module of the
-    same (top-level) name from another function's directory is dropped from sys.modules, so the
-    import finds this function's (the one loaded before keeps its own module object)."""
-    top = module.split(".")[0]
-    root = str(Path(fdir).resolve()) + os.sep
-    for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
-        where = getattr(sys.modules[name], "__file__", None)
-        if where is not None and not str(Path(where).resolve()).startswith(root):
+def _forget_modules_of(dirs: list[str]) -> None:
+    """Before a sandbox imports the next function: every module imported from the directory of
+    a function loaded before is dropped from sys.modules, so that this function's `import
+    model` or `import common` finds its own files (the functions loaded before keep their
+    module objects, referenced by their instances)."""
+    roots = tuple(str(Path(d).resolve()) + os.sep for d in dirs)
+    for name, module in list(sys.modules.items()):
+        where = getattr(module, "__file__", None)
+        if isinstance(where, str) and str(Path(where).resolve()).startswith(roots):
             del sys.modules[name]
 
 

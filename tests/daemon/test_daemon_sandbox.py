@@ -207,3 +207,71 @@ def test_the_spec_keys_are_strict(torpord: Torpord, tmp_path: Path) -> None:
     r = torpord.cli("deploy", "--json", d)
     assert r.returncode != 0 and "workflow must be" in r.stdout + r.stderr, (r.stdout, r.stderr)
     json.dumps(r.stdout)
+
+
+VISION = Path(__file__).resolve().parents[2] / "examples" / "vision-workflow"
+
+
+def test_the_vision_workflow_runs_as_one_request_in_one_sandbox(torpord: Torpord, tmp_path: Path) -> None:
+    # examples/vision-workflow as shipped (copied: a deploy writes nothing there, but the
+    # test must not depend on that).
+    root = tmp_path / "vision"
+    shutil.copytree(VISION, root, ignore=shutil.ignore_patterns("__pycache__"))
+    for stage in ("detect", "classify", "describe"):
+        torpord.deploy(root / stage)
+    r = torpord.cli("deploy", "--json", root)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    recorded = json.loads(r.stdout)
+    assert recorded["one_sandbox"] is True
+    assert [s["function"] for s in recorded["stages"]] == ["vision-detect", "vision-classify", "vision-describe"]
+    a = torpord.request("POST", "/v1/workflows/vision-text/invoke", {"seed": 3})
+    assert a.status == 200, (a.status, a.body, torpord.log_text())
+    value = a.json()
+    assert value["caption"].startswith("a scene with ") and value["topic"] in ("nature", "city", "pets", "travel")
+    assert len(value["boxes"]) == 4
+    # Every stage ran in the one sandbox (stage 2 and 3 took their inputs from the store: a
+    # get in another process would have failed the request).
+    assert a.timings["sandbox"] == 1.0
+    assert {"stage:vision-detect", "stage:vision-classify", "stage:vision-describe"} <= set(a.timings)
+    # The same request, the same answer; through the CLI too.
+    cli = torpord.cli("invoke", "--workflow", "vision-text", "--data", '{"seed": 3}')
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout) == value
+    # A stage that raises: 500 with its error, which names the stage.
+    bad = torpord.request("POST", "/v1/workflows/vision-text/invoke", {"image": [[1.0]]})
+    assert bad.status == 500, bad.body
+    err = bad.json()["error"]
+    assert err["stage"] == "vision-detect" and "64" in err["message"], err
+    cli = torpord.cli("invoke", "--workflow", "vision-text", "--data", '{"image": [[1]]}')
+    assert cli.returncode != 0 and "stage vision-detect raised ValueError" in cli.stderr, cli.stderr
+    assert torpord.request("GET", "/v1/workflows/vision-text").json()["tenant"] == "demo"
+
+
+def test_a_workflow_across_instances_passes_values_as_json_and_stages_must_be_the_tenants(
+    torpord: Torpord, tmp_path: Path
+) -> None:
+    d = tmp_path / "mixed"
+    d.mkdir()
+    (d / "workflow.toml").write_text(
+        'name = "mixed"\ntenant = "team-a"\n[[stage]]\nfunction = "sb-solo"\n'
+        '[[stage]]\nfunction = "sb-classify"\nafter = ["sb-solo"]\n'
+    )
+    r = torpord.cli("deploy", "--json", d)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert json.loads(r.stdout)["one_sandbox"] is False
+    a = torpord.request("POST", "/v1/workflows/mixed/invoke", {})
+    assert a.status == 200, a.body
+    assert a.json()["fn"] == "sb-classify" and a.timings["sandbox"] == 0.0
+    # A stage of another tenant is refused as if it did not exist.
+    (d / "workflow.toml").write_text('name = "mixed"\ntenant = "team-a"\n[[stage]]\nfunction = "sb-other"\n')
+    r = torpord.cli("deploy", d)
+    assert r.returncode != 0 and "stage sb-other is no function of tenant \"team-a\"" in r.stderr, r.stderr
+    # A cycle is refused by the checker, with the fix.
+    (d / "workflow.toml").write_text(
+        'name = "cyc"\n[[stage]]\nfunction = "a"\nafter = ["b"]\n[[stage]]\nfunction = "b"\nafter = ["a"]\n'
+    )
+    r = torpord.cli("deploy", d)
+    assert r.returncode != 0 and "cycle among a, b" in r.stderr, r.stderr
+    # Forgotten: its invoke is 404.
+    assert torpord.request("DELETE", "/v1/workflows/mixed").status == 200
+    assert torpord.request("POST", "/v1/workflows/mixed/invoke", {}).status == 404

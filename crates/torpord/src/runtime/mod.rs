@@ -14,6 +14,7 @@
 //! - [`process`]: a worker tree's snapshot, restore, wake-up and kill (CRIU, signals);
 //! - [`readopt`]: at startup, the instances an earlier daemon left;
 //! - [`sandbox`]: which instance serves a sandboxed function (an instance hosting several);
+//! - [`workflow`]: a DAG of functions run as one request, in one sandbox where it can;
 //! - [`instance`]: the instance itself (its connection, requests in flight, keep-alive state).
 //!
 //! Deploys (crate::deploy) use the runtime (boot a worker, snapshot it, restore a base); the
@@ -43,6 +44,7 @@ pub mod process;
 pub mod readopt;
 pub mod sandbox;
 pub mod start;
+pub mod workflow;
 
 pub use instance::{kill_tree, Instance, Keep, Sleeper};
 pub use invoke::{InvokeError, Invoked, Timings};
