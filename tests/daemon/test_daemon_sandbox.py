@@ -11,6 +11,7 @@ another in the same sandbox without a copy. The tests run in file order and shar
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -275,3 +276,20 @@ def test_a_workflow_across_instances_passes_values_as_json_and_stages_must_be_th
     # Forgotten: its invoke is 404.
     assert torpord.request("DELETE", "/v1/workflows/mixed").status == 200
     assert torpord.request("POST", "/v1/workflows/mixed/invoke", {}).status == 404
+
+
+def test_a_booted_sandbox_loads_every_function_of_its_group(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
+    # cold_start = "boot": no snapshot is restored; the host boots and loads the others.
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    (tmp_path / "boot").mkdir()
+    d = Torpord(torpor_bin, tmp_path / "boot", "--cold-start", "boot")
+    try:
+        for name in ("sb-boot-a", "sb-boot-b"):
+            d.deploy(make_function(tmp_path, name, "team-a", "booted", per_instance=2, max_instances=1))
+        first = d.invoke("sb-boot-a", {})
+        assert first.status == 200 and first.start == "booted", (first.status, first.body, first.start)
+        b = ok(d.invoke("sb-boot-b", {}))
+        assert b["fn"] == "sb-boot-b" and b["process"] == first.json()["process"]
+    finally:
+        d.stop()
