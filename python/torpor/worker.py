@@ -106,6 +106,7 @@ from torpor import data as torpor_data
 from torpor import gpu as torpor_gpu
 from torpor import hook as torpor_hook
 from torpor import pack as torpor_pack
+from torpor import store as torpor_store
 from torpor.errors import DataError, FrameError, HookError
 from torpor.frames import FrameReader, encode, write_frame_with_fd
 from torpor.functions import resolve
@@ -123,7 +124,10 @@ PROTOCOL = 2
 # The frame types torpord sends (protocol.schema.json's to_worker, checked by
 # tests/sdk/test_sdk_protocol.py): those the serve loop takes, and those only a split quiesce
 # takes (after its quiet).
-SERVES = ("load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown")
+SERVES = ("load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown", "store_stored", "store_value")
+# torpord's answers to a sandbox's store requests (torpor.store), handed to the waiting thread.
+STORE_ANSWERS = ("store_stored", "store_value")
+STORE_TIMEOUT_S = 30.0
 AFTER_SPLIT_QUIET = ("release", "resume", "shutdown")
 DEFAULT_REATTACH_S = 60.0
 REATTACH_MAX_DELAY_S = 0.5
@@ -168,6 +172,9 @@ class MapReader:
                 if msg is None:
                     self.frames.put(None)
                     return
+                if msg.get("type") in STORE_ANSWERS:
+                    worker.store_answer(msg, reader.take_fd())
+                    continue
                 if msg.get("type") != "map":
                     self.frames.put(msg)
                     continue
@@ -257,6 +264,10 @@ class Worker:
         self.tenant: str | None = None
         # The directories of the functions loaded so far (a sandbox keeps their modules apart).
         self.loaded_dirs: list[str] = []
+        # A sandbox's store requests to torpord waiting for their answers, by id.
+        self.store_waits: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self.store_ids = 0
+        self.store_lock = threading.Lock()
         self.preload_s = 0.0
         # spec.gpu.shrink_context: the context's stack limit to 0 at each quiet point (a base's
         # quiet point too: the base snapshot's residue is every cold start's of its functions).
@@ -416,6 +427,8 @@ class Worker:
             elif kind == "shutdown":
                 self.close()
                 return EXIT_OK
+            elif kind in STORE_ANSWERS:
+                self.store_answer(msg, self.reader.take_fd() if self.reader is not None else None)
             elif kind == "release":
                 raise ProtocolError("release outside a split quiesce; send quiesce {split: true} first")
             else:
@@ -535,6 +548,69 @@ class Worker:
         except (ConnectionError, OSError, AssertionError):
             pass
 
+    # -- torpord's communication store (a sandbox's request threads) ----------------------
+
+    def _store_request(self, frame: dict[str, Any], fd: int | None = None) -> tuple[dict[str, Any], int | None]:
+        """Sends a store request (with `fd` after it, in a store_fd frame) and waits for
+        torpord's answer, which the main loop (or the map reader) hands over."""
+        with self.store_lock:
+            self.store_ids += 1
+            rid = self.store_ids
+            done: tuple[threading.Event, list[Any]] = (threading.Event(), [])
+            self.store_waits[rid] = done
+        frame["id"] = rid
+        try:
+            with self.send_lock:
+                sock = self.sock
+                if sock is None:
+                    raise ConnectionError("not connected to torpord")
+                sock.sendall(encode(frame))
+                if fd is not None:
+                    write_frame_with_fd(sock, {"type": "store_fd", "id": rid, "fd": True}, fd)
+            if not done[0].wait(STORE_TIMEOUT_S):
+                raise TimeoutError(f"torpord did not answer {frame['type']} within {STORE_TIMEOUT_S:g} s")
+        finally:
+            with self.store_lock:
+                self.store_waits.pop(rid, None)
+        msg, got = done[1]
+        return msg, got
+
+    def store_answer(self, msg: dict[str, Any], fd: int | None) -> None:
+        """torpord's answer to a store request: to the thread waiting for it (an answer nobody
+        waits for any more is dropped, its fd closed)."""
+        rid = msg.get("id")
+        with self.store_lock:
+            waiting = self.store_waits.get(rid) if isinstance(rid, int) else None
+        if waiting is None:
+            if fd is not None:
+                os.close(fd)
+            return
+        waiting[1].extend([msg, fd])
+        waiting[0].set()
+
+    def store_put_remote(self, key: str, ttl_s: float, meta: dict[str, Any], fd: int) -> str | None:
+        msg, got = self._store_request({"type": "store_put", "key": key, "ttl_s": ttl_s, "meta": meta}, fd)
+        if got is not None:
+            os.close(got)
+        if msg.get("ok") is True:
+            return None
+        return str(msg.get("error") or "refused")
+
+    def store_get_remote(self, key: str, keep: bool) -> tuple[dict[str, Any], int, int] | None:
+        msg, fd = self._store_request({"type": "store_get", "key": key, "keep": keep})
+        if msg.get("found") is not True:
+            if fd is not None:
+                os.close(fd)
+            if msg.get("error"):
+                raise RuntimeError(f"torpord's store: {msg['error']}")
+            return None
+        size, meta = msg.get("bytes"), msg.get("meta")
+        if fd is None or not isinstance(size, int) or not isinstance(meta, dict):
+            if fd is not None:
+                os.close(fd)
+            raise RuntimeError("torpord's store_value came without its memfd, size or meta")
+        return meta, size, fd
+
     def send_result(self, out: dict[str, Any]) -> None:
         """Sends a result frame; a value that cannot be sent becomes a ResultError."""
         rid = out["id"]
@@ -594,6 +670,7 @@ class Worker:
                 self.sock.settimeout(left)
                 # A fresh reader: frames buffered from the lost connection are for a dead daemon.
                 self.reader = FrameReader(self.sock)
+                self.reader.accept_fds = self.sandbox
                 msg = self.reader.read()
             except OSError:
                 msg = None
@@ -662,6 +739,10 @@ class Worker:
         if self.call is None:
             self.function, self.entry, self.role = name, entry, "function"
             self.sandbox, self.tenant = sandboxed, tenant if isinstance(tenant, str) else None
+            if sandboxed:
+                assert self.reader is not None
+                self.reader.accept_fds = True
+                torpor_store.connect(self.store_put_remote, self.store_get_remote)
         else:
             self.entry = entry
             _forget_modules_of(self.loaded_dirs)

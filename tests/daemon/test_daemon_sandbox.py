@@ -136,6 +136,37 @@ def test_the_store_hands_the_same_object_between_functions_of_a_sandbox(torpord:
     assert theirs.status == 500 and theirs.json()["error"]["type"] == "KeyError", theirs.body
 
 
+def test_the_store_hands_a_shared_value_to_another_sandbox_of_the_tenant_through_the_daemon(
+    torpord: Torpord, tmp_path: Path
+) -> None:
+    # Another workflow of team-a: another sandbox, another process.
+    torpord.deploy(make_function(tmp_path, "sb-reader", "team-a", "reading"))
+    put = ok(torpord.invoke("sb-detect", {"op": "share", "key": "shared/1", "n": 40}))
+    got = ok(torpord.invoke("sb-reader", {"op": "get_shared", "key": "shared/1", "keep": True}))
+    assert got["process"] != put["process"]
+    # The sealed memfd's pages, mapped read-only.
+    assert got["type"] == "memoryview" and got["value"] == list(range(40)) and got["writeable"] is False
+    got = ok(torpord.invoke("sb-reader", {"op": "get_shared", "key": "shared/1"}))
+    assert got["value"] == list(range(40))
+    # Consumed: gone for every sandbox.
+    gone = torpord.invoke("sb-detect", {"op": "get_shared", "key": "shared/1"})
+    assert gone.status == 500 and gone.json()["error"]["type"] == "KeyError", gone.body
+    # A NumPy array arrives as a read-only array of its dtype and shape.
+    ok(torpord.invoke("sb-reader", {"op": "share", "key": "shared/2", "array": True}))
+    arr = ok(torpord.invoke("sb-detect", {"op": "get_shared", "key": "shared/2"}))
+    assert arr["type"] == "ndarray" and arr["value"] == [[float(4 * r + c) for c in range(4)] for r in range(3)]
+    assert arr["writeable"] is False
+    # Another tenant's sandbox never sees team-a's keys.
+    ok(torpord.invoke("sb-detect", {"op": "share", "key": "shared/3"}))
+    theirs = torpord.invoke("sb-other", {"op": "get_shared", "key": "shared/3"})
+    assert theirs.status == 500 and theirs.json()["error"]["type"] == "KeyError", theirs.body
+    assert ok(torpord.invoke("sb-reader", {"op": "get_shared", "key": "shared/3"}))["value"] == list(range(16))
+    # A function outside a sandbox cannot reach the daemon's store: one clear error.
+    solo = torpord.invoke("sb-solo", {"op": "share", "key": "shared/4"})
+    assert solo.status == 500, solo.body
+    assert "sandbox = true" in solo.json()["error"]["message"], solo.body
+
+
 def test_a_crash_in_one_function_fails_its_sandbox_only_and_the_next_request_gets_a_new_one(
     torpord: Torpord, tmp_path: Path
 ) -> None:

@@ -203,6 +203,67 @@ pub struct Unmapped {
     pub error: Option<Value>,
 }
 
+/// `store_put` (a sandbox's torpor.put(..., shared=True); crate::runtime::store): hand the
+/// sealed memfd that holds a value to the daemon's communication store under `key` of the
+/// worker's tenant. A `store_fd` frame with the same `id` and the memfd attached follows at
+/// once; the daemon answers `store_stored`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StorePut {
+    pub id: u64,
+    pub key: String,
+    pub ttl_s: f64,
+    /// What the bytes are, for the reader (e.g. {kind: "ndarray", dtype, shape}); kept as sent.
+    pub meta: Value,
+}
+
+/// The memfd of the `store_put` of the same `id`, attached to this frame (SCM_RIGHTS).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreFd {
+    pub id: u64,
+    pub fd: bool,
+}
+
+/// `store_get`: the value under `key` of the worker's tenant, consumed unless `keep`; the
+/// daemon answers `store_value`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreGet {
+    pub id: u64,
+    pub key: String,
+    #[serde(default)]
+    pub keep: bool,
+}
+
+/// The answer to `store_put`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreStored {
+    pub id: u64,
+    pub ok: bool,
+    /// Why not (one line: cause and fix).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The answer to `store_get`: when `found`, the value's sealed memfd is attached (SCM_RIGHTS)
+/// with its `meta` and size.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreValue {
+    pub id: u64,
+    pub found: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fd: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 /// A frame a worker sends.
 #[derive(Debug, Serialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -216,6 +277,9 @@ pub enum FromWorker {
     Released(Released),
     Mapped(Mapped),
     Unmapped(Unmapped),
+    StorePut(StorePut),
+    StoreFd(StoreFd),
+    StoreGet(StoreGet),
 }
 
 /// `load`: the function to import, set up and warm up (role function).
@@ -297,6 +361,8 @@ pub enum ToWorker {
     Unmap(Unmap),
     /// Exit.
     Shutdown(Empty),
+    StoreStored(StoreStored),
+    StoreValue(StoreValue),
 }
 
 /// The `type` of a frame, read before its fields.
@@ -323,7 +389,7 @@ fn fields<'a, T: Deserialize<'a>>(
 impl FromWorker {
     /// The frame types a worker sends.
     pub const TYPES: &'static str =
-        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped";
+        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped, store_put, store_fd, store_get";
 
     /// A frame's payload, parsed (`type` first, then the variant from the same bytes).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -338,6 +404,9 @@ impl FromWorker {
             "released" => Self::Released(fields("released", payload)?),
             "mapped" => Self::Mapped(fields("mapped", payload)?),
             "unmapped" => Self::Unmapped(fields("unmapped", payload)?),
+            "store_put" => Self::StorePut(fields("store_put", payload)?),
+            "store_fd" => Self::StoreFd(fields("store_fd", payload)?),
+            "store_get" => Self::StoreGet(fields("store_get", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
         })
     }
@@ -354,6 +423,9 @@ impl FromWorker {
             Self::Released(_) => "released",
             Self::Mapped(_) => "mapped",
             Self::Unmapped(_) => "unmapped",
+            Self::StorePut(_) => "store_put",
+            Self::StoreFd(_) => "store_fd",
+            Self::StoreGet(_) => "store_get",
         }
     }
 }
@@ -361,7 +433,7 @@ impl FromWorker {
 impl ToWorker {
     /// The frame types torpord sends.
     pub const TYPES: &'static str =
-        "load, invoke, attached, quiesce, resume, release, map, unmap, shutdown";
+        "load, invoke, attached, quiesce, resume, release, map, unmap, shutdown, store_stored, store_value";
 
     /// A frame's payload, parsed as [`FromWorker::parse`] does (for tests and tools).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -376,6 +448,8 @@ impl ToWorker {
             "map" => Self::Map(fields("map", payload)?),
             "unmap" => Self::Unmap(fields("unmap", payload)?),
             "shutdown" => Self::Shutdown(Empty {}),
+            "store_stored" => Self::StoreStored(fields("store_stored", payload)?),
+            "store_value" => Self::StoreValue(fields("store_value", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
         })
     }

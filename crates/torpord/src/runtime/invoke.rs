@@ -350,6 +350,27 @@ impl Runtime {
                         }
                     }
                 }
+                FromWorker::StorePut(put) => {
+                    // Its memfd comes with the next frame (crate::runtime::store).
+                    let fd = match crate::split::fds::read_with_fd(&mut rd).await {
+                        Ok(Some((msg, Some(fd))))
+                            if msg.get("type").and_then(Value::as_str) == Some("store_fd")
+                                && msg.get("id").and_then(Value::as_u64) == Some(put.id) =>
+                        {
+                            fd
+                        }
+                        Ok(Some(_)) => {
+                            break "it broke the protocol (store_put not followed by its store_fd with the memfd attached)".to_string()
+                        }
+                        Ok(None) => {
+                            break "its connection closed (the worker exited or crashed)"
+                                .to_string()
+                        }
+                        Err(e) => break e.to_string(),
+                    };
+                    self.store_put(&inst, put, fd);
+                }
+                FromWorker::StoreGet(get) => self.store_get(&inst, get),
                 FromWorker::Started(Started { id }) => {
                     // Unknown: a request the daemon gave up on.
                     if let Some(p) = lock(&inst.pending).get_mut(&id) {

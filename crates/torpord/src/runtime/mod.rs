@@ -14,6 +14,7 @@
 //! - [`process`]: a worker tree's snapshot, restore, wake-up and kill (CRIU, signals);
 //! - [`readopt`]: at startup, the instances an earlier daemon left;
 //! - [`sandbox`]: which instance serves a sandboxed function (an instance hosting several);
+//! - [`store`]: the communication store's values handed between sandboxes (memfds);
 //! - [`workflow`]: a DAG of functions run as one request, in one sandbox where it can;
 //! - [`instance`]: the instance itself (its connection, requests in flight, keep-alive state).
 //!
@@ -44,6 +45,7 @@ pub mod process;
 pub mod readopt;
 pub mod sandbox;
 pub mod start;
+pub mod store;
 pub mod workflow;
 
 pub use instance::{kill_tree, Instance, Keep, Sleeper};
@@ -87,6 +89,8 @@ pub struct Runtime {
     pub objstore: Option<Arc<crate::bucket::Tier>>,
     /// Which pool serves each sandboxed function (sandbox).
     pub(crate) sandbox_routes: sandbox::Routes,
+    /// The communication store's values handed between processes (store).
+    pub store: store::Store,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -145,6 +149,7 @@ impl Runtime {
             cgroups,
             objstore: None,
             sandbox_routes: sandbox::Routes::default(),
+            store: store::Store::default(),
         }
     }
 

@@ -6,7 +6,8 @@ Its answer says which function answered (`fn`, from torpor.toml's name as the sp
 which process (`process`: a token drawn at the first request a process serves and shared by
 every function in it; a restore of the function snapshot draws a new one, a woken hibernated
 process keeps its own), which thread, and how many calls this function had in this process.
-Ops: sleep {s}, crash (os._exit), put {key} and get {key} through the communication store."""
+Ops: sleep {s}, crash (os._exit), put {key} and get {key} through the communication store,
+share {key, n | array} (put with shared=True) and get_shared {key, keep}."""
 
 from __future__ import annotations
 
@@ -58,4 +59,21 @@ class Sandboxed:
             value = torpor.get(str(request["key"]))
             out["id"] = id(value)
             out["value"] = value
+        elif op == "share":
+            # Through torpord's store, for another sandbox of the tenant: bytes or an array.
+            if request.get("array"):
+                import numpy as np
+
+                torpor.put(str(request["key"]), np.arange(12, dtype=np.float32).reshape(3, 4), shared=True)
+            else:
+                torpor.put(str(request["key"]), bytes(range(int(request.get("n", 16)))), shared=True)
+        elif op == "get_shared":
+            value = torpor.get(str(request["key"]), keep=bool(request.get("keep", False)))
+            out["type"] = type(value).__name__
+            if out["type"] == "ndarray":
+                out["value"] = value.tolist()
+                out["writeable"] = bool(value.flags.writeable)
+            else:
+                out["value"] = list(bytes(value))
+                out["writeable"] = not value.readonly
         return out
