@@ -1,4 +1,5 @@
-"""The worker harness: one function per process, driven by torpord over a Unix socket.
+"""The worker harness: one function per process (or a sandbox's several), driven by torpord
+over a Unix socket.
 
     python3 -m torpor.worker --role base|function [--preload m1,m2] [--gpu]
 
@@ -28,7 +29,18 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      `ready` {ok: true, setup_s, warmup_s, packed?} (role function adds `preload_s`; `packed`:
      what packing did, torpor.pack.Packed.frame). From then on hello says role "function" and
      the spec's name.
-   - `invoke` {id, request, timeout_s}: sends `started` {id}, calls the function and sends
+   - A sandbox (the spec's scaling.sandbox = true; docs/sandboxes.md) takes more `load` frames,
+     one per function of its tenant and workflow (another tenant's is a protocol error); the
+     first one loaded names the worker in hello. Each later load first drops from sys.modules
+     the modules of the directories loaded before, so every function imports its own files.
+   - `invoke` {id, request, timeout_s, function?}: `function` names which of a sandbox's
+     functions serves it (a function not loaded is answered `ok: false`, type NotLoaded). In a
+     sandbox every invoke runs on a thread of its own (under torch on a CUDA stream of its own,
+     torpor.gpu.request_stream) and the main loop reads on; a sandbox's request threads may send
+     `store_put` {id, key, ttl_s, meta} + `store_fd` {id, fd: true} (the sealed memfd attached)
+     and `store_get` {id, key, keep}, whose answers `store_stored` {id, ok, error?} and
+     `store_value` {id, found, meta?, bytes?, fd?} (the memfd attached) the main loop hands to
+     them (torpor.store). Otherwise: sends `started` {id}, calls the function and sends
      `result` {id, ok, value, handler_s}. Invokes run one after another, so with
      requests_per_instance > 1 a request waits here until the ones before it end; torpord counts
      its timeout from `started`. An exception from the function, or a value that cannot be sent (not JSON, NaN,
