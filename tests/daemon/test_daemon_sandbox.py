@@ -324,3 +324,30 @@ def test_a_booted_sandbox_loads_every_function_of_its_group(torpor_bin: Path, cr
         assert b["fn"] == "sb-boot-b" and b["process"] == first.json()["process"]
     finally:
         d.stop()
+
+
+def test_a_daemon_killed_and_started_again_takes_the_sandbox_back(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    (tmp_path / "adopt").mkdir()
+    d = Torpord(torpor_bin, tmp_path / "adopt")
+    try:
+        for name in ("sb-adopt-a", "sb-adopt-b"):
+            d.deploy(make_function(tmp_path, name, "team-a", "adopted"))
+        a, b = ok(d.invoke("sb-adopt-a", {})), ok(d.invoke("sb-adopt-b", {}))
+        assert a["process"] == b["process"]
+        d.proc.kill()
+        d.proc.wait()
+        d.restart()
+        # Re-adoption runs beside the first requests: wait for it (as test_daemon_adopt does).
+        deadline = time.monotonic() + 20
+        while "re-adopted an instance of an earlier torpord" not in d.log_text():
+            assert time.monotonic() < deadline, f"the sandbox was not re-adopted\n{d.log_text()}"
+            time.sleep(0.05)
+        # The same process, re-adopted with both functions and their state.
+        again_a, again_b = d.invoke("sb-adopt-a", {}), ok(d.invoke("sb-adopt-b", {}))
+        assert again_a.status == 200 and again_a.start == "warm", (again_a.status, again_a.body, again_a.start)
+        assert again_a.json()["process"] == again_b["process"] == a["process"]
+        assert again_a.json()["calls"] == 2 and again_b["calls"] == 2
+    finally:
+        d.stop()

@@ -5,7 +5,8 @@
 //!
 //! - its group, `tenant/workflow` ([`group_of`]): functions of different tenants never share
 //!   one (the tenant is part of the group, and the harness refuses a load of another tenant);
-//! - its host: the group's most recently deployed member ([`Runtime::sandbox_host`]). A
+//! - its host: the group's member with the newest function snapshot, its most recently
+//!   deployed ([`Runtime::sandbox_host`]). A
 //!   sandboxed function's deploy loads every other ready member of its group into the worker
 //!   after the function itself ([`load_members`]), so the host's function snapshot holds the
 //!   whole group; every member's requests go to the host's pool, with the member's name in the
@@ -143,7 +144,7 @@ pub(crate) async fn load_members(
 
 impl Runtime {
     /// Where requests of `name` go: `Some(host)` when `name` runs in a sandbox (the group's
-    /// most recently deployed ready member, whose snapshot holds the whole group), `None` when
+    /// ready member with the newest function snapshot, which holds the whole group), `None` when
     /// it has instances of its own (or is unknown: the pool says so).
     pub(crate) async fn sandbox_host(
         self: &Arc<Self>,
@@ -166,13 +167,22 @@ impl Runtime {
                 if f.state != FunctionState::Ready {
                     return Ok(None);
                 }
-                let newest = members(s, &group, &n)?
-                    .into_iter()
-                    .filter(|m| m.updated > f.updated)
-                    .max_by_key(|m| m.updated);
-                Ok::<_, crate::registry::RegistryError>(Some(
-                    newest.map_or_else(|| f.name.clone(), |m| m.name),
-                ))
+                // The member whose function snapshot is the newest: it was taken with every
+                // member then ready loaded (a row's `updated` moves for other reasons).
+                let taken = |f: &Function| -> Result<i64, crate::registry::RegistryError> {
+                    Ok(match f.snapshot.as_deref() {
+                        Some(id) => s.snapshot(id)?.map_or(i64::MIN, |snap| snap.created),
+                        None => i64::MIN,
+                    })
+                };
+                let mut host = (taken(&f)?, f.name.clone());
+                for m in members(s, &group, &n)? {
+                    let candidate = (taken(&m)?, m.name);
+                    if candidate > host {
+                        host = candidate;
+                    }
+                }
+                Ok::<_, crate::registry::RegistryError>(Some(host.1))
             })
         })
         .await
