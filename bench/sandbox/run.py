@@ -11,7 +11,9 @@ tenant and workflow). Writes bench/results/sandbox-<device>.json with a top-leve
     python3 bench/sandbox/run.py --cpu      # NumPy functions, host memory (PSS), for a machine without a GPU
 
 GPU memory is NVML's per-process figure (nvidia-smi --query-compute-apps) summed over the
-workers of the daemon; host memory with --cpu is the workers' PSS (/proc/PID/smaps_rollup).
+workers of the daemon (when NVML lists none of them, the growth of the GPU's memory in use
+since before the daemon started; both are recorded); host memory with --cpu is the workers' PSS
+(/proc/PID/smaps_rollup).
 """
 
 from __future__ import annotations
@@ -144,6 +146,17 @@ def gpu_mib(pids: list[int]) -> float:
     return total
 
 
+def gpu_used_mib() -> float:
+    """The GPU's memory in use, all processes (NVML), MiB."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return float(out.split()[0])
+
+
 def pss_mib(pids: list[int]) -> float:
     total = 0
     for pid in pids:
@@ -158,6 +171,7 @@ def pss_mib(pids: list[int]) -> float:
 
 def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="torpor-sandbox-bench-"))
+    before = None if cpu else gpu_used_mib()
     state, sock = root / "state", root / "torpord.sock"
     (root / "torpord.toml").write_text("split = false\n")
     log = open(root / "torpord.log", "wb")  # noqa: SIM115 (closed below)
@@ -190,10 +204,15 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[s
         time.sleep(1.0)
         pids = worker_pids(state)
         used = pss_mib(pids) if cpu else gpu_mib(pids)
+        delta = None if before is None else gpu_used_mib() - before
+        if not cpu and used == 0 and delta is not None:
+            # NVML lists no process of the workers' PID namespaces here: the whole GPU's growth.
+            used = delta
         return {
             "sandbox": sandbox,
             "workers": len(pids),
             ("host_pss_mib" if cpu else "gpu_mib"): used,
+            "gpu_used_delta_mib": delta,
             "deploy_s": deploy_s,
             "first_invoke_s": first,
             "warm_invoke_s": warm,
