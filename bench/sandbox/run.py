@@ -3,9 +3,13 @@
 N functions (a small PyTorch MLP each, its weights on the GPU), invokes each once so that each
 is live, and reads the GPU memory the workers hold: first with one process per function
 (scaling.sandbox = false), then with every function in one sandbox (sandbox = true, one
-tenant and workflow). Writes bench/results/sandbox-<device>.json with a top-level `summary`:
-`memory_ratio_8fn` (processes ÷ sandbox); the other figures of the issue (`pooled_start_s`,
-`handoff_100mb_ms`, `small_p99_ratio`) are null: what they measure is not built.
+tenant and workflow). In the sandbox it then hands 100 MiB from one function to another
+through the store, three times each way: the same object (`torpor.put`/`get`; a CUDA tensor on
+the GPU) and `shared=True` (a sealed memfd through torpord; host memory), timed inside the
+handlers. Writes bench/results/sandbox-<device>.json with a top-level `summary`:
+`memory_ratio_8fn` (processes ÷ sandbox), `handoff_100mb_ms` (same object, put + get, best of
+3) and `handoff_100mb_shared_ms`; `pooled_start_s` and `small_p99_ratio` are null: what they
+measure (the live-context pool, the fair PCIe scheduler) is not built.
 
     python3 bench/sandbox/run.py [--functions 8] [--weights-mib 64] [--out FILE]
     python3 bench/sandbox/run.py --cpu      # NumPy functions, host memory (PSS), for a machine without a GPU
@@ -45,6 +49,24 @@ import torpor
 MIB = {mib}
 
 
+def handoff(request, make, sync):
+    """The store's hand-off, timed inside the handlers: "put" makes a value of `mib` MiB and puts
+    it (shared: through torpord's store, as NumPy bytes); "get" takes it."""
+    import time
+    import numpy as np
+    key, mib, shared = request["key"], request["mib"], request.get("shared", False)
+    if request["handoff"] == "put":
+        value = np.ones(mib << 20, dtype=np.uint8) if shared else make(mib << 20)
+        sync()
+        t = time.perf_counter()
+        torpor.put(key, value, shared=shared)
+        return {{"s": time.perf_counter() - t}}
+    t = time.perf_counter()
+    value = torpor.get(key)
+    n = int(value.nbytes)
+    return {{"s": time.perf_counter() - t, "bytes": n}}
+
+
 @torpor.function
 class Fn:
     def setup(self) -> None:
@@ -53,6 +75,8 @@ class Fn:
         self.layers = [torch.randn(width, width, device="cuda") / 32 for _ in range(layers)]
 
     def __call__(self, request):
+        if "handoff" in request:
+            return handoff(request, lambda n: torch.empty(n, dtype=torch.uint8, device="cuda"), torch.cuda.synchronize)
         x = torch.ones(8, 1024, device="cuda")
         for w in self.layers:
             x = torch.tanh(x @ w)
@@ -66,6 +90,24 @@ import torpor
 MIB = {mib}
 
 
+def handoff(request, make, sync):
+    """The store's hand-off, timed inside the handlers: "put" makes a value of `mib` MiB and puts
+    it (shared: through torpord's store, as NumPy bytes); "get" takes it."""
+    import time
+    import numpy as np
+    key, mib, shared = request["key"], request["mib"], request.get("shared", False)
+    if request["handoff"] == "put":
+        value = np.ones(mib << 20, dtype=np.uint8) if shared else make(mib << 20)
+        sync()
+        t = time.perf_counter()
+        torpor.put(key, value, shared=shared)
+        return {{"s": time.perf_counter() - t}}
+    t = time.perf_counter()
+    value = torpor.get(key)
+    n = int(value.nbytes)
+    return {{"s": time.perf_counter() - t, "bytes": n}}
+
+
 @torpor.function
 class Fn:
     def setup(self) -> None:
@@ -75,6 +117,8 @@ class Fn:
         self.layers = [rng.standard_normal((width, width), dtype=np.float32) / 23 for _ in range(layers)]
 
     def __call__(self, request):
+        if "handoff" in request:
+            return handoff(request, lambda n: np.ones(n, dtype=np.uint8), lambda: None)
         x = np.ones((8, 512), dtype=np.float32)
         for w in self.layers:
             x = np.tanh(x @ w)
@@ -169,6 +213,31 @@ def pss_mib(pids: list[int]) -> float:
     return total / 1024
 
 
+def call(sock: Path, name: str, request: dict[str, Any]) -> dict[str, Any]:
+    a = client.request(sock, "POST", f"/v1/functions/{name}/invoke", json.dumps(request).encode(), 300)
+    if a.status != 200:
+        raise RuntimeError(f"invoke {name}: {a.status} {a.body[:300]!r}")
+    return dict(json.loads(a.body))
+
+
+def measure_handoffs(sock: Path, n: int) -> dict[str, Any]:
+    """100 MiB from bench-fn0 to bench-fn1 in the sandbox through torpor.put/get: the same
+    object (GPU memory under torch), and shared=True (a sealed memfd through torpord, host
+    memory). Seconds inside the handlers, put and get apart."""
+    out: dict[str, Any] = {}
+    other = "bench-fn1" if n > 1 else "bench-fn0"
+    for how, shared in (("same_object", False), ("shared_memfd", True)):
+        runs = []
+        for i in range(3):
+            key = f"handoff-{how}-{i}"
+            put = call(sock, "bench-fn0", {"handoff": "put", "key": key, "mib": 100, "shared": shared})
+            got = call(sock, other, {"handoff": "get", "key": key, "mib": 100})
+            assert got["bytes"] == 100 << 20, got
+            runs.append({"put_s": put["s"], "get_s": got["s"]})
+        out[how] = runs
+    return out
+
+
 def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="torpor-sandbox-bench-"))
     before = None if cpu else gpu_used_mib()
@@ -205,6 +274,9 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[s
         pids = worker_pids(state)
         used = pss_mib(pids) if cpu else gpu_mib(pids)
         delta = None if before is None else gpu_used_mib() - before
+        # After the memory is read: the hand-offs' values are gone by then, but an allocator may
+        # keep what they freed.
+        handoffs = measure_handoffs(sock, n) if sandbox else None
         if not cpu and used == 0 and delta is not None:
             # NVML lists no process of the workers' PID namespaces here: the whole GPU's growth.
             used = delta
@@ -214,6 +286,7 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[s
             ("host_pss_mib" if cpu else "gpu_mib"): used,
             "gpu_used_delta_mib": delta,
             "deploy_s": deploy_s,
+            "handoff": handoffs,
             "first_invoke_s": first,
             "warm_invoke_s": warm,
         }
@@ -239,6 +312,8 @@ def main() -> int:
     sandbox = one_mode(args.torpor, args.functions, True, args.weights_mib, args.cpu)
     key = "host_pss_mib" if args.cpu else "gpu_mib"
     ratio = processes[key] / sandbox[key] if sandbox[key] else None
+    same = sandbox["handoff"]["same_object"]
+    handoff_ms = min(r["put_s"] + r["get_s"] for r in same) * 1e3
     device = "cpu"
     if not args.cpu:
         device = subprocess.run(
@@ -249,7 +324,10 @@ def main() -> int:
             "memory_ratio_8fn" if args.functions == 8 else f"memory_ratio_{args.functions}fn": ratio,
             "memory": key,
             "pooled_start_s": None,
-            "handoff_100mb_ms": None,
+            # 100 MiB handed from one function to another in the sandbox (put + get, the same
+            # object; on the GPU variant a CUDA tensor), best of 3.
+            "handoff_100mb_ms": handoff_ms,
+            "handoff_100mb_shared_ms": min(r["put_s"] + r["get_s"] for r in sandbox["handoff"]["shared_memfd"]) * 1e3,
             "small_p99_ratio": None,
             "not_built": "the live-context pool, GPU hand-off between processes and the fair PCIe scheduler (docs/sandboxes.md)",
         },
