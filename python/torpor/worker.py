@@ -983,11 +983,13 @@ class Worker:
         read the segments, e.g. to hash them before a warm-up request; nothing is released)."""
         assert self.sock is not None and self.reader is not None
         segments = hook.segments()
-        function = getattr(self.call, "__self__", None)
+        # Every function this worker serves (a sandbox's several): a segment is shareable or
+        # deferrable when it holds only one function's weights.
+        functions = [getattr(c, "__self__", None) for c in self.functions.values()] or [getattr(self.call, "__self__", None)]
         cuda = any(s.backend == "cuda" for s in segments)
-        shareable = shareable_vas(function) if cuda else set()
+        shareable: set[int] = set().union(*(shareable_vas(f) for f in functions)) if cuda else set()
         # Allocator state is part of the snapshot: what is deferrable now is so after a restore.
-        self.deferrable = deferrable_vas(function) if cuda else set()
+        self.deferrable = set().union(*(deferrable_vas(f) for f in functions)) if cuda else set()
         frames = [
             s.frame()
             | ({"shareable": True} if s.va in shareable else {})
