@@ -229,6 +229,32 @@ def test_a_hibernated_sandbox_wakes_with_every_function(torpord: Torpord, tmp_pa
     assert woke_a.json()["calls"] == 2 and woke_b["calls"] == 2
 
 
+def test_a_sandbox_on_the_split_path_maps_every_functions_segments_back(torpord: Torpord, tmp_path: Path) -> None:
+    # Each function's state in a torpor.buffer() segment: the sandbox's split snapshot stores
+    # both outside the CRIU image, and a restore and a wake map both back.
+    keep = "gpu_release_s = 1\nhibernate_s = 2\nevict_s = 600"
+    dirs = [
+        make_function(tmp_path, name, "team-d", "segments", per_instance=1, max_instances=1, keepalive=keep)
+        for name in ("sb-seg-a", "sb-seg-b")
+    ]
+    for d in dirs:
+        (d / "with_buffer").touch()
+        lines = torpord.deploy(d)
+    # The host's function snapshot stored both functions' segments outside its CRIU image.
+    snap = next(line for line in lines if line.get("phase") == "snapshot_function")
+    assert snap.get("segments") == 2, lines
+    a, b = ok(torpord.invoke("sb-seg-a", {"op": "buffer"})), ok(torpord.invoke("sb-seg-b", {"op": "buffer"}))
+    assert a["process"] == b["process"] and a["intact"] and b["intact"], (a, b)
+    deadline = time.monotonic() + 30
+    while [i["stage"] for i in torpord.instances("sb-seg-b")] != ["hibernated"]:
+        assert time.monotonic() < deadline, f"the sandbox did not hibernate\n{torpord.log_text()}"
+        time.sleep(0.1)
+    a2, b2 = ok(torpord.invoke("sb-seg-a", {"op": "buffer"})), ok(torpord.invoke("sb-seg-b", {"op": "buffer"}))
+    assert a2["process"] == b2["process"] == a["process"]
+    # Each segment came back with its own bytes and the count written before the hibernation.
+    assert a2["intact"] and b2["intact"] and a2["count"] == 1 and b2["count"] == 1, (a2, b2)
+
+
 def test_the_spec_keys_are_strict(torpord: Torpord, tmp_path: Path) -> None:
     d = make_function(tmp_path, "sb-bad", "team-a", "vision")
     spec = (d / "torpor.toml").read_text()

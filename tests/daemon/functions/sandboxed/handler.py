@@ -7,7 +7,8 @@ which process (`process`: a token drawn at the first request a process serves an
 every function in it; a restore of the function snapshot draws a new one, a woken hibernated
 process keeps its own), which thread, and how many calls this function had in this process.
 Ops: sleep {s}, crash (os._exit), put {key} and get {key} through the communication store,
-share {key, n | array} (put with shared=True) and get_shared {key, keep}."""
+share {key, n | array} (put with shared=True) and get_shared {key, keep}; buffer (with a file
+`with_buffer` in the directory: whether its torpor.buffer() segment holds its own bytes)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ from typing import Any
 import torpor
 
 NAME = Path(__file__).resolve().parent.name
+BUFFER_SIZE = 8 * 4096
+
+
+def pattern() -> bytes:
+    """This function's own bytes (its name in them), so two functions' buffers differ."""
+    seed = NAME.encode()
+    return bytes((seed[i % len(seed)] + i) % 251 for i in range(BUFFER_SIZE))
 
 
 def process_token() -> str:
@@ -37,6 +45,12 @@ def process_token() -> str:
 class Sandboxed:
     def setup(self) -> None:
         self.calls = 0
+        # With a file `with_buffer` beside it: its state also in a torpor.buffer() segment
+        # (the split path keeps it outside the CRIU image; a restore maps it back).
+        self.buf = None
+        if (Path(__file__).resolve().parent / "with_buffer").exists():
+            self.buf = torpor.buffer(BUFFER_SIZE)
+            self.buf[:] = pattern()
 
     def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
@@ -59,6 +73,12 @@ class Sandboxed:
             value = torpor.get(str(request["key"]))
             out["id"] = id(value)
             out["value"] = value
+        elif op == "buffer":
+            # Whether its segment holds its own bytes, then a count written into it.
+            assert self.buf is not None, "deployed without with_buffer"
+            out["intact"] = bytes(self.buf[8:]) == pattern()[8:]
+            out["count"] = int.from_bytes(self.buf[:8], "little") if self.calls > 1 else 0
+            self.buf[:8] = self.calls.to_bytes(8, "little")
         elif op == "share":
             # Through torpord's store, for another sandbox of the tenant: bytes or an array.
             if request.get("array"):
