@@ -3,12 +3,15 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|checkpoint|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|checkpoint|sandbox-bench|all] [extra pytest args...]
 # checkpoint: periodic checkpoints of a PyTorch training job (docs/checkpoints.md): the kill -9 /
 # restore tests (tests/test_checkpoints.py, tests/test_concurrent_snapshot.py) into
 # $OUT/checkpoint-pytest.log, then bench/checkpoint/train.py (none vs stop-the-world vs concurrent,
 # a checkpoint every 10 iterations; $CKPT_ARGS adds flags) into $OUT/concurrent-checkpoint-h100.json
 # and $OUT/checkpoint-bench.log. Not part of `all`.
+# sandbox-bench: bench/sandbox/run.py: GPU memory of 8 PyTorch functions of one tenant, one
+# process each against one sandbox (docs/sandboxes.md), into $OUT/sandbox-h100.json and
+# $OUT/sandbox.log ($SANDBOX_ARGS adds flags, e.g. "--weights-mib 256"). Not part of `all`.
 # tests: pytest over $TESTS (default: tests, the whole suite), into $OUT/pytest.log.
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
@@ -173,6 +176,12 @@ if [ "$MODE" = compat ]; then
   python3 tests/compat/run.py --out "$OUT/compat-h100.json" --budget-s "${COMPAT_BUDGET_S:-300}" \
     ${COMPAT_ONLY:+--only "$COMPAT_ONLY"} 2>&1 | tee "$OUT/compat.log"
   crc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$crc
+fi
+if [ "$MODE" = sandbox-bench ]; then
+  echo "== bench/sandbox (8 functions: processes against one sandbox)"
+  # shellcheck disable=SC2086 # $SANDBOX_ARGS is a list of flags
+  python3 bench/sandbox/run.py --torpor "$TORPOR_BIN" --out "$OUT/sandbox-h100.json" ${SANDBOX_ARGS:-} 2>&1 | tee "$OUT/sandbox.log"
+  sbrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$sbrc
 fi
 if [ "$MODE" = portability ]; then
   echo "== bench/portability (hashing reopened files: cold and cached)"

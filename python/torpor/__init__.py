@@ -20,6 +20,9 @@ Declared data may come from the node's object store (`source = "s3://…"` in to
 loaded by torpord while the instance starts), a request may pass inputs by reference
 (`{"$ref": "s3://…"}`), and torpor.dump(name, obj) writes a result back without waiting
 (torpor.data; docs/data.md).
+
+torpor.put(key, value) / torpor.get(key) hand values between the functions of a sandbox
+without a copy (torpor.store, docs/sandboxes.md).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torpor.data import declared, dump, load, load_bytes, use_dir
 from torpor.errors import DataError, DefinitionError, FrameError, HookError, SpecError, TorporError
 from torpor.functions import function
 from torpor.hook import buffer
+from torpor.store import get, put
 
 __all__ = [
     "DataError",
@@ -40,7 +44,9 @@ __all__ = [
     "declared",
     "dump",
     "function",
+    "get",
     "load",
     "load_bytes",
+    "put",
     "use_dir",
 ]

@@ -114,6 +114,9 @@ class FrameReader:
         self.sock = sock
         self.max_frame = max_frame
         self.fds = fds
+        # A sandbox's reader: frames may carry an fd whatever `fds` says (torpor.store's
+        # store_value), so every header is read with recvmsg.
+        self.accept_fds = False
         self._fd: int | None = None
         self._header = bytearray(HEADER.size)
         self._header_view = memoryview(self._header)
@@ -160,7 +163,7 @@ class FrameReader:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        got = self._fill_header_with_fd() if self.fds else self._fill(self._header_view)
+        got = self._fill_header_with_fd() if self.fds or self.accept_fds else self._fill(self._header_view)
         if got == 0:
             return None
         if got < HEADER.size:

@@ -19,10 +19,13 @@ when a worker is started with them. A variable the user set is never overridden.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import os
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 FRAMEWORKS = ("torch", "jax", "cupy")
@@ -244,3 +247,31 @@ class Driver:
         self.check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self.context))
         self.check("cuCtxSynchronize", self.lib.cuCtxSynchronize())
         return True
+
+
+@contextlib.contextmanager
+def request_stream(framework_name: str | None) -> Iterator[None]:
+    """A sandbox's request (torpor.worker runs each on a thread of its own): under torch with
+    CUDA initialised, the request's kernels go to a CUDA stream of its own, synchronised before
+    its result is sent, so the requests of a sandbox's functions overlap on the GPU while they
+    share one context (docs/sandboxes.md). Elsewhere it does nothing."""
+    if framework_name != "torch":
+        yield
+        return
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        yield
+        return
+    stream = getattr(_streams, "stream", None)
+    if stream is None:
+        stream = torch.cuda.Stream()
+        _streams.stream = stream
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
+
+
+# Each request thread's CUDA stream (request_stream).
+_streams = threading.local()

@@ -5,6 +5,9 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     name = "cpu-mlp"              # required; [a-z0-9][a-z0-9_.-]*, at most 63 characters
     tenant = "default"            # who owns it (docs/security.md, "Tenants"); a name like `name`;
                                   # default "default". A tenant's token deploys only its own.
+    workflow = "vision"           # optional: the workflow the function belongs to (a name like
+                                  # `name`); with [scaling] sandbox = true, the functions of one
+                                  # tenant and workflow share sandboxes (docs/sandboxes.md)
     entry = "model:MLP"           # required; module:Class, the module found in the function dir
     python = "python3"            # interpreter: a command on PATH (no '/') or an absolute path
     preload = []                  # modules imported by the base worker, in this order, no repeats
@@ -40,6 +43,9 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     standby_gpu = "live"          # a GPU function's standby: "live" (its CUDA context kept on
                                   # the GPU; a request pays only its segments) or "released" (no
                                   # GPU memory while it waits; a request pays the driver's restore)
+    sandbox = false               # true: run in a sandbox, one worker hosting every sandboxed
+                                  # function of this tenant and workflow, a thread (and CUDA
+                                  # stream) per request (docs/sandboxes.md)
     [keepalive]                   # seconds, each from 0 to 31536000 (a year)
     gpu_release_s = 30
     hibernate_s = 120
@@ -81,7 +87,7 @@ The JSON form is also the `spec` field of the `load` frame the daemon sends to a
 this order (sizes in bytes, durations in seconds as JSON numbers):
 
     {"dir": "/abs/path/of/DIR",            # resolved, absolute
-     "name": str, "tenant": str, "entry": "module:Class", "module": str, "class": str,
+     "name": str, "tenant": str, "workflow": str | null, "entry": "module:Class", "module": str, "class": str,
      "python": str, "preload": [str, ...], "gpus": 0|1, "gpu_memory": int, "timeout_s": number,
      "load_timeout_s": number | null,
      "memory_limit": int | null, "cpu_limit": number | null, "pids_limit": int | null,
@@ -90,7 +96,7 @@ this order (sizes in bytes, durations in seconds as JSON numbers):
                path and abs_path are "")}, ...],
      "warmup": {"request": JSON} | null,
      "scaling": {"max_instances": int, "requests_per_instance": int, "standby": int,
-                 "standby_gpu": "released"|"live"},
+                 "standby_gpu": "released"|"live", "sandbox": bool},
      "keepalive": {"gpu_release_s": number, "hibernate_s": number, "evict_s": number},
      "gpu": {"pack_weights": bool, "shrink_context": bool}}
 """
@@ -144,6 +150,7 @@ SIZE_UNITS = {
 TOP_KEYS = (
     "name",
     "tenant",
+    "workflow",
     "entry",
     "python",
     "preload",
@@ -180,7 +187,7 @@ MAX_CPU_LIMIT = 1024
 MIN_PIDS_LIMIT = 16
 MAX_PIDS_LIMIT = 65_536
 
-SCALING_KEYS = ("max_instances", "requests_per_instance", "standby", "standby_gpu")
+SCALING_KEYS = ("max_instances", "requests_per_instance", "standby", "standby_gpu", "sandbox")
 STANDBY_GPU = ("released", "live")
 KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s")
 GPU_KEYS = ("pack_weights", "shrink_context")
@@ -224,6 +231,8 @@ class Scaling:
     standby: int = 0
     # What a GPU function's standby keeps on its GPU: "released" or "live".
     standby_gpu: str = "live"
+    # Run in a sandbox shared by the sandboxed functions of the same tenant and workflow.
+    sandbox: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,6 +262,8 @@ class Spec:
     # Who owns the function: API tokens of another tenant cannot see it, and nothing it shares
     # (read-only GPU copies, cached segments, its base) is shared with another tenant.
     tenant: str = DEFAULT_TENANT
+    # The workflow it belongs to (None: none); with scaling.sandbox, its sandbox group.
+    workflow: str | None = None
     python: str = "python3"
     preload: tuple[str, ...] = ()
     gpus: int = 0
@@ -284,6 +295,7 @@ class Spec:
             "dir": str(self.dir),
             "name": self.name,
             "tenant": self.tenant,
+            "workflow": self.workflow,
             "entry": self.entry,
             "module": self.module,
             "class": self.class_name,
@@ -303,6 +315,7 @@ class Spec:
                 "requests_per_instance": self.scaling.requests_per_instance,
                 "standby": self.scaling.standby,
                 "standby_gpu": self.scaling.standby_gpu,
+                "sandbox": self.scaling.sandbox,
             },
             "keepalive": {
                 "gpu_release_s": self.keepalive.gpu_release_s,
@@ -450,6 +463,7 @@ def _str(table: Mapping[str, Any], prefix: str, key: str, default: str | None) -
 _HINTS = {
     "name": "e.g. name = \"cpu-mlp\": lower-case letters, digits, '_', '.', '-'",
     "tenant": "e.g. tenant = \"team-a\": lower-case letters, digits, '_', '.', '-'",
+    "workflow": "e.g. workflow = \"vision\": lower-case letters, digits, '_', '.', '-'",
     "entry": 'module:Class, e.g. entry = "model:MLP"',
     "python": 'e.g. python = "python3"',
     "data.name": 'e.g. name = "weights"',
@@ -647,6 +661,17 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
             'write e.g. tenant = "team-a", or leave it out for the tenant "default"',
         )
 
+    workflow: str | None = None
+    if "workflow" in doc:
+        workflow = _str(doc, "", "workflow", None)
+        if not NAME_RE.fullmatch(workflow):
+            raise _fail(
+                "workflow",
+                "must be 1-63 lower-case letters, digits, '_', '.' or '-', starting with a letter or digit, "
+                f"got {_show(workflow)}",
+                'write e.g. workflow = "vision", or leave it out',
+            )
+
     entry = _str(doc, "", "entry", None)
     m = ENTRY_RE.fullmatch(entry)
     if m is None:
@@ -730,6 +755,7 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         ),
         standby=standby,
         standby_gpu=_choice(st, "scaling", "standby_gpu", Scaling.standby_gpu, STANDBY_GPU),
+        sandbox=_bool(st, "scaling", "sandbox", Scaling.sandbox),
     )
 
     kt = _table(doc, "", "keepalive") or {}
@@ -752,6 +778,7 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         dir=root,
         name=name,
         tenant=tenant,
+        workflow=workflow,
         entry=entry,
         python=python,
         preload=preload,

@@ -1,4 +1,5 @@
-"""The worker harness: one function per process, driven by torpord over a Unix socket.
+"""The worker harness: one function per process (or a sandbox's several), driven by torpord
+over a Unix socket.
 
     python3 -m torpor.worker --role base|function [--preload m1,m2] [--gpu]
 
@@ -31,7 +32,18 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      `ready` {ok: true, setup_s, warmup_s, packed?} (role function adds `preload_s`; `packed`:
      what packing did, torpor.pack.Packed.frame). From then on hello says role "function" and
      the spec's name.
-   - `invoke` {id, request, timeout_s}: sends `started` {id}, calls the function (every
+   - A sandbox (the spec's scaling.sandbox = true; docs/sandboxes.md) takes more `load` frames,
+     one per function of its tenant and workflow (another tenant's is a protocol error); the
+     first one loaded names the worker in hello. Each later load first drops from sys.modules
+     the modules of the directories loaded before, so every function imports its own files.
+   - `invoke` {id, request, timeout_s, function?}: `function` names which of a sandbox's
+     functions serves it (a function not loaded is answered `ok: false`, type NotLoaded). In a
+     sandbox every invoke runs on a thread of its own (under torch on a CUDA stream of its own,
+     torpor.gpu.request_stream) and the main loop reads on; a sandbox's request threads may send
+     `store_put` {id, key, ttl_s, meta} + `store_fd` {id, fd: true} (the sealed memfd attached)
+     and `store_get` {id, key, keep}, whose answers `store_stored` {id, ok, error?} and
+     `store_value` {id, found, meta?, bytes?, fd?} (the memfd attached) the main loop hands to
+     them (torpor.store). Otherwise: sends `started` {id}, calls the function (every
      {"$ref", "data"} object torpord loaded in the request replaced by its bytes; torpor.dump
      sends `dump` {name, data: base64} meanwhile) and sends `result` {id, ok, value, handler_s}. Invokes run one after another, so with
      requests_per_instance > 1 a request waits here until the ones before it end; torpord counts
@@ -110,6 +122,7 @@ from torpor import data as torpor_data
 from torpor import gpu as torpor_gpu
 from torpor import hook as torpor_hook
 from torpor import pack as torpor_pack
+from torpor import store as torpor_store
 from torpor.errors import DataError, FrameError, HookError
 from torpor.frames import FrameReader, encode, write_frame_with_fd
 from torpor.functions import resolve
@@ -127,7 +140,10 @@ PROTOCOL = 2
 # The frame types torpord sends (protocol.schema.json's to_worker, checked by
 # tests/sdk/test_sdk_protocol.py): those the serve loop takes, and those only a split quiesce
 # takes (after its quiet).
-SERVES = ("load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown")
+SERVES = ("load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown", "store_stored", "store_value")
+# torpord's answers to a sandbox's store requests (torpor.store), handed to the waiting thread.
+STORE_ANSWERS = ("store_stored", "store_value")
+STORE_TIMEOUT_S = 30.0
 AFTER_SPLIT_QUIET = ("release", "resume", "shutdown")
 # Taken only right after `load`: one per declared data entry with a source (torpord loaded it).
 AFTER_LOAD = ("data_fd",)
@@ -174,6 +190,9 @@ class MapReader:
                 if msg is None:
                     self.frames.put(None)
                     return
+                if msg.get("type") in STORE_ANSWERS:
+                    worker.store_answer(msg, reader.take_fd())
+                    continue
                 if msg.get("type") != "map":
                     self.frames.put(msg)
                     continue
@@ -254,6 +273,19 @@ class Worker:
         self.function: str | None = None
         self.entry = ""
         self.call: Callable[[Any], Any] | None = None
+        # Every function this worker serves by name: one, or in a sandbox (spec
+        # scaling.sandbox, docs/sandboxes.md) every function loaded into it. A sandbox runs
+        # each request on a thread of its own; `function` above stays the first one loaded
+        # (its host: the name torpord knows the instance by).
+        self.functions: dict[str, Callable[[Any], Any]] = {}
+        self.sandbox = False
+        self.tenant: str | None = None
+        # The directories of the functions loaded so far (a sandbox keeps their modules apart).
+        self.loaded_dirs: list[str] = []
+        # A sandbox's store requests to torpord waiting for their answers, by id.
+        self.store_waits: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self.store_ids = 0
+        self.store_lock = threading.Lock()
         self.preload_s = 0.0
         # spec.gpu.shrink_context: the context's stack limit to 0 at each quiet point (a base's
         # quiet point too: the base snapshot's residue is every cold start's of its functions).
@@ -413,6 +445,8 @@ class Worker:
             elif kind == "shutdown":
                 self.close()
                 return EXIT_OK
+            elif kind in STORE_ANSWERS:
+                self.store_answer(msg, self.reader.take_fd() if self.reader is not None else None)
             elif kind == "release":
                 raise ProtocolError("release outside a split quiesce; send quiesce {split: true} first")
             else:
@@ -427,6 +461,33 @@ class Worker:
         if "id" not in msg or "request" not in msg:
             raise ProtocolError(f"invoke frame lacks {'id' if 'id' not in msg else 'request'}")
         rid = msg["id"]
+        fname = msg.get("function")
+        if fname is not None:
+            if not isinstance(fname, str):
+                raise ProtocolError(f"invoke's function must be a string, got {fname!r}")
+            named = self.functions.get(fname)
+            if named is None:
+                # A function deployed after this sandbox's snapshot was taken (docs/sandboxes.md).
+                self.send({"type": "started", "id": rid})
+                self.send_result(
+                    {
+                        "type": "result",
+                        "id": rid,
+                        "ok": False,
+                        "error": {
+                            "type": "NotLoaded",
+                            "message": _text(
+                                f"function {fname!r} is not loaded in this sandbox (it hosts "
+                                f"{', '.join(sorted(self.functions))}); deploy {fname} again so that "
+                                "its sandbox's snapshot includes it"
+                            ),
+                            "traceback": "",
+                        },
+                        "handler_s": 0.0,
+                    }
+                )
+                return
+            call = named
         if self.map_reader is None and self.reader is not None and self.reader.fds:
             # After `unmap`, until the map frames bring every segment back: the request would
             # touch memory that is not there (SIGSEGV, or a broken CUDA context).
@@ -445,6 +506,17 @@ class Worker:
                     {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0}
                 )
                 return
+        if self.sandbox:
+            # One thread per request: the sandbox's functions (and more requests of one of
+            # them, up to requests_per_instance) run side by side, each on a CUDA stream of its
+            # own under torch.
+            threading.Thread(
+                target=self._request_thread,
+                args=(call, rid, msg["request"]),
+                name=f"torpor-request-{rid}",
+                daemon=True,
+            ).start()
+            return
         # The daemon's timeout counts from here, not from the time this request waited behind
         # the ones before it.
         self.send({"type": "started", "id": rid})
@@ -481,6 +553,95 @@ class Worker:
         import base64
 
         self.send({"type": "dump", "name": name, "data": base64.b64encode(data).decode("ascii")})
+
+    def _request_thread(self, call: Callable[[Any], Any], rid: Any, request: Any) -> None:
+        """A sandbox's request, on its own thread (and CUDA stream): `started`, the call, its
+        `result`. A lost daemon is the main loop's business: the result dies with the
+        connection."""
+        try:
+            self.send({"type": "started", "id": rid})
+            t0 = time.perf_counter()
+            try:
+                # torpor.dump's sink is process-wide: a sandbox's threads share it.
+                torpor_data.set_dump_sink(self.send_dump)
+                with torpor_gpu.request_stream(self.gpu_framework or torpor_gpu.framework()):
+                    value = call(torpor_data.with_refs(request))
+            except Exception as e:
+                out = {
+                    "type": "result",
+                    "id": rid,
+                    "ok": False,
+                    "error": error_doc(e),
+                    "handler_s": time.perf_counter() - t0,
+                }
+            else:
+                out = {"type": "result", "id": rid, "ok": True, "value": value, "handler_s": time.perf_counter() - t0}
+            self.send_result(out)
+        except (ConnectionError, OSError, AssertionError):
+            pass
+
+    # -- torpord's communication store (a sandbox's request threads) ----------------------
+
+    def _store_request(self, frame: dict[str, Any], fd: int | None = None) -> tuple[dict[str, Any], int | None]:
+        """Sends a store request (with `fd` after it, in a store_fd frame) and waits for
+        torpord's answer, which the main loop (or the map reader) hands over."""
+        with self.store_lock:
+            self.store_ids += 1
+            rid = self.store_ids
+            done: tuple[threading.Event, list[Any]] = (threading.Event(), [])
+            self.store_waits[rid] = done
+        frame["id"] = rid
+        try:
+            with self.send_lock:
+                sock = self.sock
+                if sock is None:
+                    raise ConnectionError("not connected to torpord")
+                sock.sendall(encode(frame))
+                if fd is not None:
+                    write_frame_with_fd(sock, {"type": "store_fd", "id": rid, "fd": True}, fd)
+            if not done[0].wait(STORE_TIMEOUT_S):
+                raise TimeoutError(f"torpord did not answer {frame['type']} within {STORE_TIMEOUT_S:g} s")
+        finally:
+            with self.store_lock:
+                self.store_waits.pop(rid, None)
+        msg, got = done[1]
+        return msg, got
+
+    def store_answer(self, msg: dict[str, Any], fd: int | None) -> None:
+        """torpord's answer to a store request: to the thread waiting for it (an answer nobody
+        waits for any more is dropped, its fd closed)."""
+        rid = msg.get("id")
+        with self.store_lock:
+            waiting = self.store_waits.get(rid) if isinstance(rid, int) else None
+        if waiting is None:
+            if fd is not None:
+                os.close(fd)
+            return
+        waiting[1].extend([msg, fd])
+        waiting[0].set()
+
+    def store_put_remote(self, key: str, ttl_s: float, meta: dict[str, Any], fd: int) -> str | None:
+        msg, got = self._store_request({"type": "store_put", "key": key, "ttl_s": ttl_s, "meta": meta}, fd)
+        if got is not None:
+            os.close(got)
+        if msg.get("ok") is True:
+            return None
+        return str(msg.get("error") or "refused")
+
+    def store_get_remote(self, key: str, keep: bool) -> tuple[dict[str, Any], int, int] | None:
+        msg, fd = self._store_request({"type": "store_get", "key": key, "keep": keep})
+        if msg.get("found") is not True:
+            if fd is not None:
+                os.close(fd)
+            if msg.get("error"):
+                raise RuntimeError(f"torpord's store: {msg['error']}")
+            return None
+        size, meta = msg.get("bytes"), msg.get("meta")
+        if fd is None or not isinstance(size, int) or not isinstance(meta, dict):
+            if fd is not None:
+                os.close(fd)
+            raise RuntimeError("torpord's store_value came without its memfd, size or meta")
+        return meta, size, fd
 
     def send_result(self, out: dict[str, Any]) -> None:
         """Sends a result frame; a value that cannot be sent becomes a ResultError."""
@@ -541,6 +702,7 @@ class Worker:
                 self.sock.settimeout(left)
                 # A fresh reader: frames buffered from the lost connection are for a dead daemon.
                 self.reader = FrameReader(self.sock)
+                self.reader.accept_fds = self.sandbox
                 msg = self.reader.read()
             except OSError:
                 msg = None
@@ -557,14 +719,26 @@ class Worker:
             delay = min(delay * 2, REATTACH_MAX_DELAY_S)
 
     def load(self, msg: dict[str, Any]) -> bool:
-        if self.call is not None:
-            raise ProtocolError(
-                f"a second load, but this worker already serves {self.function}; start another worker"
-            )
         spec, fdir, data_map = msg.get("spec"), msg.get("dir"), msg.get("data")
         if not isinstance(spec, dict) or not isinstance(fdir, str) or not isinstance(data_map, dict):
             raise ProtocolError("load needs spec (object), dir (string) and data (object)")
         name, entry = spec.get("name"), spec.get("entry")
+        scaling = spec.get("scaling")
+        sandboxed = isinstance(scaling, dict) and scaling.get("sandbox") is True
+        tenant = spec.get("tenant")
+        if self.call is not None:
+            if not (self.sandbox and sandboxed):
+                raise ProtocolError(
+                    f"a second load, but this worker already serves {self.function} and is not a sandbox; "
+                    "start another worker (or set scaling.sandbox = true on both functions)"
+                )
+            if tenant != self.tenant:
+                raise ProtocolError(
+                    f"load of {name!r} of tenant {tenant!r} into a sandbox of tenant {self.tenant!r}: "
+                    "functions of different tenants never share a sandbox"
+                )
+            if name in self.functions:
+                raise ProtocolError(f"a second load of {name!r} into this sandbox; it is loaded already")
         decls, warmup = spec.get("data", []), spec.get("warmup")
         if not isinstance(name, str) or not isinstance(entry, str):
             raise ProtocolError(
@@ -598,7 +772,16 @@ class Worker:
             )
         # Platform-loaded data (a source in torpor.toml): its memfd follows in a data_fd frame.
         data_fds = self.read_data_fds([d["name"] for d in decls if data_map[d["name"]] == {"fd": True}])
-        self.function, self.entry, self.role = name, entry, "function"
+        if self.call is None:
+            self.function, self.entry, self.role = name, entry, "function"
+            self.sandbox, self.tenant = sandboxed, tenant if isinstance(tenant, str) else None
+            if sandboxed:
+                assert self.reader is not None
+                self.reader.accept_fds = True
+                torpor_store.connect(self.store_put_remote, self.store_get_remote)
+        else:
+            self.entry = entry
+            _forget_modules_of(self.loaded_dirs)
         phase = "data"
         try:
             bound = []
@@ -649,7 +832,10 @@ class Worker:
             for fd in data_fds.values():
                 os.close(fd)
             torpor_data.loaded_done()
-        self.call = instance.__call__
+        if self.call is None:
+            self.call = instance.__call__
+        self.functions[name] = instance.__call__
+        self.loaded_dirs.append(fdir)
         ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t_packed}
         if self.started_as == "function":
             ready["preload_s"] = self.preload_s
@@ -854,11 +1040,13 @@ class Worker:
         read the segments, e.g. to hash them before a warm-up request; nothing is released)."""
         assert self.sock is not None and self.reader is not None
         segments = hook.segments()
-        function = getattr(self.call, "__self__", None)
+        # Every function this worker serves (a sandbox's several): a segment is shareable or
+        # deferrable when it holds only one function's weights.
+        functions = [getattr(c, "__self__", None) for c in self.functions.values()] or [getattr(self.call, "__self__", None)]
         cuda = any(s.backend == "cuda" for s in segments)
-        shareable = shareable_vas(function) if cuda else set()
+        shareable: set[int] = set().union(*(shareable_vas(f) for f in functions)) if cuda else set()
         # Allocator state is part of the snapshot: what is deferrable now is so after a restore.
-        self.deferrable = deferrable_vas(function) if cuda else set()
+        self.deferrable = set().union(*(deferrable_vas(f) for f in functions)) if cuda else set()
         frames = [
             s.frame()
             | ({"shareable": True} if s.va in shareable else {})
@@ -933,6 +1121,18 @@ class Worker:
         finally:
             if readiness is not None:
                 readiness.mapped(va)
+
+
+def _forget_modules_of(dirs: list[str]) -> None:
+    """Before a sandbox imports the next function: every module imported from the directory of
+    a function loaded before is dropped from sys.modules, so that this function's `import
+    model` or `import common` finds its own files (the functions loaded before keep their
+    module objects, referenced by their instances)."""
+    roots = tuple(str(Path(d).resolve()) + os.sep for d in dirs)
+    for name, module in list(sys.modules.items()):
+        where = getattr(module, "__file__", None)
+        if isinstance(where, str) and str(Path(where).resolve()).startswith(roots):
+            del sys.modules[name]
 
 
 def _modules(text: str) -> list[str]:

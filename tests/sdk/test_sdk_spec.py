@@ -74,6 +74,7 @@ def test_defaults(tmp_path: Path) -> None:
         "dir": str((tmp_path / "fn").resolve()),
         "name": "f",
         "tenant": "default",
+        "workflow": None,
         "entry": "model:F",
         "module": "model",
         "class": "F",
@@ -88,7 +89,13 @@ def test_defaults(tmp_path: Path) -> None:
         "pids_limit": None,
         "data": [],
         "warmup": None,
-        "scaling": {"max_instances": 4, "requests_per_instance": 1, "standby": 0, "standby_gpu": "live"},
+        "scaling": {
+            "max_instances": 4,
+            "requests_per_instance": 1,
+            "standby": 0,
+            "standby_gpu": "live",
+            "sandbox": False,
+        },
         "keepalive": {"gpu_release_s": 30, "hibernate_s": 120, "evict_s": 600},
         "gpu": {"pack_weights": True, "shrink_context": True},
     }
@@ -99,7 +106,7 @@ def test_standby_up_to_max_instances(tmp_path: Path) -> None:
     spec = parse_dir(make_dir(tmp_path, toml, {}))
     assert spec.scaling == Scaling(2, 1, 2)
     (tmp_path / "released").mkdir()
-    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2, "standby_gpu": "live"}
+    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2, "standby_gpu": "live", "sandbox": False}
     released = parse_dir(make_dir(tmp_path / "released", toml + 'standby_gpu = "released"\n', {}))
     assert released.to_json()["scaling"]["standby_gpu"] == "released"
 
@@ -275,7 +282,7 @@ def test_cli_prints_one_json_line_or_one_error_line(tmp_path: Path) -> None:
     assert r.stdout.endswith("\n") and r.stdout.count("\n") == 1
     doc = json.loads(r.stdout)
     assert doc == parse_dir(TINYMLP).to_json()
-    assert list(doc) == ["dir", "name", "tenant", "entry", "module", "class", "python", "preload", "gpus", "gpu_memory",
+    assert list(doc) == ["dir", "name", "tenant", "workflow", "entry", "module", "class", "python", "preload", "gpus", "gpu_memory",
                          "timeout_s", "load_timeout_s", "memory_limit", "cpu_limit", "pids_limit", "data", "warmup", "scaling", "keepalive", "gpu"]  # fmt: skip
     assert doc["data"] == [
         {
@@ -478,3 +485,19 @@ def test_outside_a_worker_source_data_and_dump_say_why_not(tmp_path: Path) -> No
         data.unbind()
     assert data.with_refs({"x": [{"$ref": "s3://b-b/k", "data": "QUJD"}], "y": {"$ref": "s3://b-b/k"}}) == {
         "x": [b"ABC"], "y": {"$ref": "s3://b-b/k"}}
+
+
+def test_workflow_and_sandbox(tmp_path: Path) -> None:
+    toml = 'name = "f"\nentry = "model:F"\nworkflow = "vision"\n[scaling]\nsandbox = true\n'
+    spec = parse_dir(make_dir(tmp_path, toml, {}))
+    assert spec.workflow == "vision" and spec.scaling.sandbox is True
+    doc = spec.to_json()
+    assert doc["workflow"] == "vision" and doc["scaling"]["sandbox"] is True
+    for sub in ("a", "b", "c"):
+        (tmp_path / sub).mkdir()
+    e = error_of(tmp_path / "a", 'name = "f"\nentry = "model:F"\n[scaling]\nsandbox = 1\n', {})
+    assert "scaling.sandbox must be true or false" in str(e)
+    e = error_of(tmp_path / "b", 'name = "f"\nentry = "model:F"\nworkflow = "A B"\n', {})
+    assert str(e).startswith("torpor.toml: workflow must be 1-63 lower-case letters"), str(e)
+    e = error_of(tmp_path / "c", 'name = "f"\nentry = "model:F"\nworkflow = 3\n', {})
+    assert "workflow must be a string" in str(e)

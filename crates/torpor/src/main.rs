@@ -265,6 +265,7 @@ enum Command {
         daemon: cmd::DaemonArgs,
     },
     /// Deploy the function in DIR (its torpor.toml): base snapshot, function snapshot; prints the phases.
+    /// A DIR holding workflow.toml instead records that workflow (docs/sandboxes.md).
     Deploy {
         dir: PathBuf,
         /// Print the daemon's NDJSON lines as they arrive.
@@ -273,9 +274,12 @@ enum Command {
         #[command(flatten)]
         daemon: cmd::DaemonArgs,
     },
-    /// Invoke a deployed function; prints its value (JSON).
+    /// Invoke a deployed function (or, with --workflow, a workflow); prints its value (JSON).
     Invoke {
         name: String,
+        /// NAME is a workflow (deployed from a directory holding workflow.toml), run as one request.
+        #[arg(long)]
+        workflow: bool,
         /// The request, as JSON.
         #[arg(long, default_value = "null")]
         data: String,
@@ -442,10 +446,11 @@ fn main() -> ExitCode {
         Command::Deploy { dir, json, daemon } => cmd::deploy::run(&daemon, &dir, json),
         Command::Invoke {
             name,
+            workflow,
             data,
             verbose,
             daemon,
-        } => cmd::invoke::run(&daemon, &name, &data, verbose),
+        } => cmd::invoke::run(&daemon, &name, &data, verbose, workflow),
         Command::Cluster { args } => cmd::cluster::run(&args),
         Command::Launch { args } => return torpord::launcher::launch_main(&args),
         Command::Init {

@@ -469,6 +469,7 @@ async fn split_snapshot(
             id: 0,
             request,
             timeout_s: bound.as_secs_f64(),
+            function: None,
         });
         conn.send(&invoke)
             .await
@@ -777,6 +778,31 @@ async fn steps(
         loaded["packed"] = packed.clone();
     }
     send(phase("load", t.elapsed().as_secs_f64(), loaded));
+    // A sandboxed function: the other functions of its sandbox join it, so that its snapshot
+    // holds them all (crate::runtime::sandbox).
+    if let Some(group) = crate::runtime::sandbox::group_of(&spec.json) {
+        let t = Instant::now();
+        let members = crate::runtime::sandbox::load_members(
+            rt,
+            &mut conn,
+            init,
+            name,
+            &group,
+            user.is_some(),
+            bound,
+        )
+        .await
+        .map_err(|e| {
+            let mut f = fail("load_sandbox", &e);
+            f.error = e.worker_error();
+            f
+        })?;
+        send(phase(
+            "load_sandbox",
+            t.elapsed().as_secs_f64(),
+            json!({"sandbox": group, "functions": members}),
+        ));
+    }
 
     let t = Instant::now();
     let id = format!("fn-{name}-{}", now_ms());
@@ -901,6 +927,7 @@ async fn steps(
         tracing::error!(function = %name, error = %e, "discarding the older deploy's hibernated instances failed");
     }
     rt.deployed(name, &spec.json, &id, &out);
+    rt.sandbox_deployed(name, &spec.json).await;
     rt.keep_standbys(name, &spec.json).await;
     if let Some(old) = old {
         // Live instances were restored from it and no longer need it.

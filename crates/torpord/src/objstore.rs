@@ -235,6 +235,7 @@ impl crate::runtime::Runtime {
             }
         }
         self.deployed(&r.name, &r.spec, &r.snapshot, &f.snapshot_dir);
+        self.forget_sandbox_routes();
         self.keep_standbys(&r.name, &r.spec).await;
         Ok(())
     }

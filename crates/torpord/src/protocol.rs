@@ -203,6 +203,67 @@ pub struct Unmapped {
     pub error: Option<Value>,
 }
 
+/// `store_put` (a sandbox's torpor.put(..., shared=True); crate::runtime::store): hand the
+/// sealed memfd that holds a value to the daemon's communication store under `key` of the
+/// worker's tenant. A `store_fd` frame with the same `id` and the memfd attached follows at
+/// once; the daemon answers `store_stored`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StorePut {
+    pub id: u64,
+    pub key: String,
+    pub ttl_s: f64,
+    /// What the bytes are, for the reader (e.g. {kind: "ndarray", dtype, shape}); kept as sent.
+    pub meta: Value,
+}
+
+/// The memfd of the `store_put` of the same `id`, attached to this frame (SCM_RIGHTS).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreFd {
+    pub id: u64,
+    pub fd: bool,
+}
+
+/// `store_get`: the value under `key` of the worker's tenant, consumed unless `keep`; the
+/// daemon answers `store_value`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreGet {
+    pub id: u64,
+    pub key: String,
+    #[serde(default)]
+    pub keep: bool,
+}
+
+/// The answer to `store_put`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreStored {
+    pub id: u64,
+    pub ok: bool,
+    /// Why not (one line: cause and fix).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The answer to `store_get`: when `found`, the value's sealed memfd is attached (SCM_RIGHTS)
+/// with its `meta` and size.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreValue {
+    pub id: u64,
+    pub found: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fd: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 /// A frame a worker sends.
 #[derive(Debug, Serialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -217,6 +278,9 @@ pub enum FromWorker {
     Mapped(Mapped),
     Unmapped(Unmapped),
     Dump(Dump),
+    StorePut(StorePut),
+    StoreFd(StoreFd),
+    StoreGet(StoreGet),
 }
 
 /// `load`: the function to import, set up and warm up (role function).
@@ -240,6 +304,10 @@ pub struct Invoke {
     #[schemars(with = "Value")]
     pub request: Box<RawValue>,
     pub timeout_s: f64,
+    /// In a sandbox (crate::runtime::sandbox): which of the functions it hosts serves the
+    /// request; absent for a worker of one function.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub function: Option<String>,
 }
 
 /// `attached`: the worker is in service; it outlives a lost daemon by `reattach_s`.
@@ -314,6 +382,8 @@ pub enum ToWorker {
     DataFd(DataFd),
     /// Exit.
     Shutdown(Empty),
+    StoreStored(StoreStored),
+    StoreValue(StoreValue),
 }
 
 /// The `type` of a frame, read before its fields.
@@ -340,7 +410,7 @@ fn fields<'a, T: Deserialize<'a>>(
 impl FromWorker {
     /// The frame types a worker sends.
     pub const TYPES: &'static str =
-        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump";
+        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump, store_put, store_fd, store_get";
 
     /// A frame's payload, parsed (`type` first, then the variant from the same bytes).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -356,6 +426,9 @@ impl FromWorker {
             "mapped" => Self::Mapped(fields("mapped", payload)?),
             "unmapped" => Self::Unmapped(fields("unmapped", payload)?),
             "dump" => Self::Dump(fields("dump", payload)?),
+            "store_put" => Self::StorePut(fields("store_put", payload)?),
+            "store_fd" => Self::StoreFd(fields("store_fd", payload)?),
+            "store_get" => Self::StoreGet(fields("store_get", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
         })
     }
@@ -373,6 +446,9 @@ impl FromWorker {
             Self::Mapped(_) => "mapped",
             Self::Unmapped(_) => "unmapped",
             Self::Dump(_) => "dump",
+            Self::StorePut(_) => "store_put",
+            Self::StoreFd(_) => "store_fd",
+            Self::StoreGet(_) => "store_get",
         }
     }
 }
@@ -380,7 +456,7 @@ impl FromWorker {
 impl ToWorker {
     /// The frame types torpord sends.
     pub const TYPES: &'static str =
-        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, shutdown";
+        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, shutdown, store_stored, store_value";
 
     /// A frame's payload, parsed as [`FromWorker::parse`] does (for tests and tools).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -396,6 +472,8 @@ impl ToWorker {
             "unmap" => Self::Unmap(fields("unmap", payload)?),
             "data_fd" => Self::DataFd(fields("data_fd", payload)?),
             "shutdown" => Self::Shutdown(Empty {}),
+            "store_stored" => Self::StoreStored(fields("store_stored", payload)?),
+            "store_value" => Self::StoreValue(fields("store_value", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
         })
     }
@@ -455,6 +533,13 @@ mod tests {
                 id: 3,
                 request: RawValue::from_string("[1e400, 18446744073709551616]".into()).unwrap(),
                 timeout_s: 1.5,
+                function: None,
+            }),
+            ToWorker::Invoke(Invoke {
+                id: 4,
+                request: RawValue::from_string("{}".into()).unwrap(),
+                timeout_s: 1.5,
+                function: Some("detect".into()),
             }),
         ];
         for f in frames {

@@ -21,6 +21,10 @@ pub struct FunctionSpec {
     /// Who owns the function (crate::tenant): a name like `name`, `"default"` when torpor.toml
     /// names none.
     pub tenant: String,
+    /// The workflow the function belongs to; with `scaling.sandbox`, its sandbox group
+    /// (crate::sandbox). Absent in specs of before.
+    #[serde(default)]
+    pub workflow: Option<String>,
     /// `module:Class`.
     pub entry: String,
     pub module: String,
@@ -85,6 +89,10 @@ pub struct Scaling {
     /// What a GPU function's standby keeps on its GPU; absent in specs of before (released).
     #[serde(default)]
     pub standby_gpu: StandbyGpu,
+    /// Runs in a sandbox shared with the sandboxed functions of its tenant and workflow
+    /// (crate::sandbox, docs/sandboxes.md); absent in specs of before (false).
+    #[serde(default)]
+    pub sandbox: bool,
 }
 
 /// `scaling.standby_gpu` (docs/split.md, "Standby instances"): the cost and the speed of a GPU

@@ -11,6 +11,9 @@ use super::DaemonArgs;
 pub fn run(daemon: &DaemonArgs, dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let dir = std::path::absolute(dir)
         .map_err(|e| anyhow::anyhow!("cannot make {} absolute: {e}", dir.display()))?;
+    if dir.join("workflow.toml").exists() && !dir.join("torpor.toml").exists() {
+        return workflow(daemon, &dir, json);
+    }
     let body = serde_json::to_vec(&serde_json::json!({ "dir": dir }))?;
     // A deploy that boots a framework may be silent for minutes between phases: no timeout.
     let response = daemon
@@ -111,4 +114,37 @@ fn snapshot_details(v: &Value) -> String {
     }
     out.push(')');
     out
+}
+
+/// `torpor deploy DIR` of a directory holding workflow.toml (and no torpor.toml): records the
+/// workflow (docs/sandboxes.md); its functions are deployed on their own beforehand.
+fn workflow(daemon: &DaemonArgs, dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let body = serde_json::to_vec(&serde_json::json!({ "dir": dir }))?;
+    let r = daemon
+        .client_without_timeout()
+        .request("POST", "/v1/workflows", Some(&body))?;
+    if r.status != 200 {
+        anyhow::bail!("torpord answered {}: {}", r.status, r.error_message());
+    }
+    if json {
+        println!("{}", String::from_utf8_lossy(&r.body).trim_end());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let v: Value = serde_json::from_slice(&r.body)?;
+    let stages: Vec<&str> = v["stages"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|s| s["function"].as_str()).collect())
+        .unwrap_or_default();
+    println!(
+        "deployed workflow {} ({} stages: {}; {})",
+        v["workflow"].as_str().unwrap_or("?"),
+        stages.len(),
+        stages.join(" → "),
+        if v["one_sandbox"].as_bool() == Some(true) {
+            "one sandbox"
+        } else {
+            "stages in their own instances"
+        }
+    );
+    Ok(ExitCode::SUCCESS)
 }

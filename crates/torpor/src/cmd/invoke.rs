@@ -5,7 +5,14 @@ use serde_json::Value;
 use super::DaemonArgs;
 
 /// `torpor invoke NAME --data JSON`: prints the function's value (JSON) on stdout.
-pub fn run(daemon: &DaemonArgs, name: &str, data: &str, verbose: bool) -> anyhow::Result<ExitCode> {
+/// With `workflow`, NAME is a workflow's (docs/sandboxes.md), run as one request.
+pub fn run(
+    daemon: &DaemonArgs,
+    name: &str,
+    data: &str,
+    verbose: bool,
+    workflow: bool,
+) -> anyhow::Result<ExitCode> {
     let request: Value = serde_json::from_str(data).map_err(|e| {
         anyhow::anyhow!(
             "--data is not JSON ({e}): pass the request as JSON, e.g. --data '{{\"x\": [1, 2]}}'"
@@ -15,7 +22,11 @@ pub fn run(daemon: &DaemonArgs, name: &str, data: &str, verbose: bool) -> anyhow
     // The daemon enforces the function's timeout_s; the client waits for its answer.
     let r = daemon.client_without_timeout().request(
         "POST",
-        &format!("/v1/functions/{name}/invoke"),
+        &if workflow {
+            format!("/v1/workflows/{name}/invoke")
+        } else {
+            format!("/v1/functions/{name}/invoke")
+        },
         Some(&body),
     )?;
     if verbose {
@@ -39,8 +50,12 @@ pub fn run(daemon: &DaemonArgs, name: &str, data: &str, verbose: bool) -> anyhow
         {
             eprintln!("{}", tb.trim_end());
         }
+        let who = match e.get("stage").and_then(Value::as_str) {
+            Some(stage) => format!("{name}'s stage {stage}"),
+            None => name.to_string(),
+        };
         anyhow::bail!(
-            "{name} raised {}: {}",
+            "{who} raised {}: {}",
             e["type"].as_str().unwrap_or("an exception"),
             e["message"].as_str().unwrap_or("")
         );

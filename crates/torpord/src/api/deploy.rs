@@ -28,7 +28,7 @@ pub struct DeployBody {
 
 /// The body as sent: an object `{"dir": "/abs/path"}` and nothing else. (serde would also take
 /// a struct from an array, `["/abs/path"]`.)
-fn parse_body(
+pub(super) fn parse_body(
     body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,
 ) -> Result<DeployBody, ApiError> {
     let bad = |why: String| {

@@ -95,6 +95,7 @@ pub async fn delete(
     let _deploys = state.runtime.deploy_locks.function(&name).await;
     visible(&state, &scope, &name).await?;
     let stopped = state.runtime.stop_function(&name);
+    state.runtime.forget_sandbox_routes();
     let n = name.clone();
     let (function, snapshots) = with_registry(&state, move |r| {
         r.transaction(|s| {

@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value};
 use super::{ApiError, AppState};
 use crate::runtime::{InvokeError, Timings};
 
-fn timings_header(t: &Timings) -> HeaderValue {
+pub(super) fn timings_header(t: &Timings) -> HeaderValue {
     let m: Map<String, Value> = t.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
     HeaderValue::from_str(&Value::Object(m).to_string())
         .unwrap_or_else(|_| HeaderValue::from_static("{}"))
@@ -135,7 +135,7 @@ pub async fn invoke(
     }
 }
 
-fn error_response(e: InvokeError) -> Response {
+pub(super) fn error_response(e: InvokeError) -> Response {
     let plain = |status: StatusCode, msg: String| ApiError::new(status, msg).into_response();
     match e {
         InvokeError::BadRequest(m) => plain(StatusCode::BAD_REQUEST, m),

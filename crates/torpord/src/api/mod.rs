@@ -15,6 +15,7 @@ mod metrics;
 mod objstore;
 mod status;
 pub mod types;
+mod workflows;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -257,6 +258,9 @@ pub fn routes() -> OpenApiRouter<Arc<AppState>> {
         .routes(routes!(functions::get, functions::delete))
         .routes(invoke_route())
         .routes(routes!(functions::stop))
+        .routes(routes!(workflows::deploy))
+        .routes(routes!(workflows::get, workflows::delete))
+        .routes(workflow_invoke_route())
         .routes(routes!(objstore::pull))
         .routes(routes!(objstore::push))
         .routes(routes!(objstore::placement))
@@ -269,6 +273,16 @@ pub fn routes() -> OpenApiRouter<Arc<AppState>> {
 /// [`MAX_CONTROL_BODY`]). The inner limit is the one the handler's extractor sees.
 fn invoke_route() -> utoipa_axum::router::UtoipaMethodRouter<Arc<AppState>> {
     let (schemas, paths, method) = routes!(invoke::invoke);
+    (
+        schemas,
+        paths,
+        method.layer(DefaultBodyLimit::max(MAX_INVOKE_BODY)),
+    )
+}
+
+/// A workflow's invoke route, with the invoke body limit.
+fn workflow_invoke_route() -> utoipa_axum::router::UtoipaMethodRouter<Arc<AppState>> {
+    let (schemas, paths, method) = routes!(workflows::invoke);
     (
         schemas,
         paths,

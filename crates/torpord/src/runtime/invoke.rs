@@ -90,7 +90,9 @@ impl Runtime {
         request: Box<RawValue>,
         t0: Instant,
     ) -> Result<Invoked, InvokeError> {
-        let pool = self.pool(name).await?;
+        // A sandboxed function's requests go to its sandbox's host pool (sandbox).
+        let host = self.sandbox_host(name).await?;
+        let pool = self.pool(host.as_deref().unwrap_or(name)).await?;
         let (lease, kind, mut timings) = self.acquire(&pool).await?;
         let (timeout, per_instance) = {
             let st = lock(&pool.state);
@@ -98,7 +100,10 @@ impl Runtime {
         };
         let inst = Arc::clone(&lease.instance);
         let t_call = Instant::now();
-        let res = self.call(&inst, request, timeout, per_instance).await;
+        let member = host.is_some().then_some(name);
+        let res = self
+            .call(&inst, member, request, timeout, per_instance)
+            .await;
         drop(lease);
         if kind == start::RESTORED {
             // hello → every segment mapped, when that happened before the answer (a request
@@ -159,6 +164,7 @@ impl Runtime {
     pub(crate) async fn call(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
+        function: Option<&str>,
         request: Box<RawValue>,
         timeout: Duration,
         per_instance: usize,
@@ -177,6 +183,7 @@ impl Runtime {
             id,
             request,
             timeout_s: timeout.as_secs_f64(),
+            function: function.map(str::to_string),
         });
         let frame = match frames::encode(&frame) {
             Ok(frame) => frame,
@@ -343,6 +350,27 @@ impl Runtime {
                         }
                     }
                 }
+                FromWorker::StorePut(put) => {
+                    // Its memfd comes with the next frame (crate::runtime::store).
+                    let fd = match crate::split::fds::read_with_fd(&mut rd).await {
+                        Ok(Some((msg, Some(fd))))
+                            if msg.get("type").and_then(Value::as_str) == Some("store_fd")
+                                && msg.get("id").and_then(Value::as_u64) == Some(put.id) =>
+                        {
+                            fd
+                        }
+                        Ok(Some(_)) => {
+                            break "it broke the protocol (store_put not followed by its store_fd with the memfd attached)".to_string()
+                        }
+                        Ok(None) => {
+                            break "its connection closed (the worker exited or crashed)"
+                                .to_string()
+                        }
+                        Err(e) => break e.to_string(),
+                    };
+                    self.store_put(&inst, put, fd);
+                }
+                FromWorker::StoreGet(get) => self.store_get(&inst, get),
                 FromWorker::Started(Started { id }) => {
                     // Unknown: a request the daemon gave up on.
                     if let Some(p) = lock(&inst.pending).get_mut(&id) {

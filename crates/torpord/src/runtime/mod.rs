@@ -13,6 +13,9 @@
 //!   evicted) and meters every stage;
 //! - [`process`]: a worker tree's snapshot, restore, wake-up and kill (CRIU, signals);
 //! - [`readopt`]: at startup, the instances an earlier daemon left;
+//! - [`sandbox`]: which instance serves a sandboxed function (an instance hosting several);
+//! - [`store`]: the communication store's values handed between sandboxes (memfds);
+//! - [`workflow`]: a DAG of functions run as one request, in one sandbox where it can;
 //! - [`instance`]: the instance itself (its connection, requests in flight, keep-alive state).
 //!
 //! Deploys (crate::deploy) use the runtime (boot a worker, snapshot it, restore a base); the
@@ -40,7 +43,10 @@ pub mod pages_pending;
 pub mod pool;
 pub mod process;
 pub mod readopt;
+pub mod sandbox;
 pub mod start;
+pub mod store;
+pub mod workflow;
 
 pub use instance::{kill_tree, Instance, Keep, Sleeper};
 pub use invoke::{InvokeError, Invoked, Timings};
@@ -84,6 +90,10 @@ pub struct Runtime {
     /// Live instances of an earlier daemon whose workers have not reconnected yet
     /// (crate::runtime::readopt): a stop kills them too.
     pub(crate) readopting: Mutex<readopt::Readopting>,
+    /// Which pool serves each sandboxed function (sandbox).
+    pub(crate) sandbox_routes: sandbox::Routes,
+    /// The communication store's values handed between processes (store).
+    pub store: store::Store,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -142,6 +152,8 @@ impl Runtime {
             workers_socket,
             cgroups,
             objstore: None,
+            sandbox_routes: sandbox::Routes::default(),
+            store: store::Store::default(),
         }
     }
 

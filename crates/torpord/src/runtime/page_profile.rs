@@ -129,6 +129,7 @@ pub async fn record(
                 id: 0,
                 request,
                 timeout_s: bound.as_secs_f64(),
+                function: None,
             }))
             .await
             .map_err(|e| ProfileError::Warmup(e.to_string()))?;

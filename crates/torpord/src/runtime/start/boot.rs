@@ -178,6 +178,20 @@ pub(crate) async fn boot_function(
             None => BootError::NotReady { source, log },
         },
     )?;
+    // A sandbox's host boots with the other functions of its sandbox (crate::runtime::sandbox).
+    if let Some(group) = crate::runtime::sandbox::group_of(spec) {
+        let name = spec["name"].as_str().unwrap_or_default();
+        crate::runtime::sandbox::load_members(
+            rt,
+            &mut conn,
+            init,
+            name,
+            &group,
+            user.is_some(),
+            crate::limits::load_timeout(spec, rt.config.load_timeout),
+        )
+        .await?;
+    }
     let load_s = t.elapsed().as_secs_f64();
     guard.0 = None;
     Ok((
@@ -234,6 +248,9 @@ pub fn base_key(
 /// Why [`boot_function`] could not boot a function worker (its tree, if launched, was killed).
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
+    /// Another function of the sandbox did not load beside its host.
+    #[error(transparent)]
+    Sandbox(#[from] crate::runtime::sandbox::LoadMembersError),
     /// The `torpor` Python package, which the worker runs, cannot be found.
     #[error(transparent)]
     SdkDir(#[from] crate::sdk_dir::SdkDirError),

@@ -1,0 +1,187 @@
+"""The communication store: hand a value from one function to another without a copy.
+
+    torpor.put("frame-17/boxes", boxes)            # in one function's request
+    boxes = torpor.get("frame-17/boxes")           # in another's: the same object
+
+Within one worker process (one sandbox, docs/sandboxes.md: the functions of one tenant and
+workflow) `get` returns the very object `put` was given: no copy, no serialisation, whatever
+the object is (a NumPy array, a torch tensor on the GPU, a dict).
+
+Between sandboxes of one tenant on the node, `put(key, value, shared=True)` takes bytes or a
+NumPy array: it copies the bytes once into a memfd, seals it (no write, no resize) and hands
+the fd to torpord, which keeps it under the tenant's key; a `get` in any sandbox of the tenant
+that does not hold the key itself asks torpord for it and maps the same pages read-only (a
+read-only NumPy array, or a memoryview for bytes): no copy on the way out. Workers have no
+shared /dev/shm; the fd passes through the daemon, which scopes keys by tenant. Only sandboxed
+functions (scaling.sandbox = true) reach torpord's store: their requests run on threads, so the
+harness can read its answer meanwhile.
+
+A key holds one value until it is consumed (`get`, unless keep=True) or expires (`ttl_s` after
+the put, default 600 s); then it is dropped, so its memory goes back once nothing maps it.
+Keys are scoped by tenant: a sandbox hosts one tenant's functions, and torpord keeps each
+tenant's keys apart.
+
+What is not built (docs/sandboxes.md, "Limitations"): GPU memory between processes (exported
+VMM memory mapped, peer copies), other nodes, spilling under pressure.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_TTL_S = 600.0
+MAX_TTL_S = 86_400.0
+MAX_KEY = 256
+
+
+@dataclass
+class _Item:
+    value: Any
+    expires: float  # time.monotonic()
+
+
+_lock = threading.Lock()
+_items: dict[str, _Item] = {}
+
+
+def _check_key(key: object) -> str:
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY:
+        raise TypeError(f"a store key is a non-empty string of at most {MAX_KEY} characters, got {key!r}")
+    return key
+
+
+def _sweep(now: float) -> None:
+    for k in [k for k, item in _items.items() if item.expires <= now]:
+        del _items[k]
+
+
+# Set by the worker harness of a sandbox (torpor.worker): put a sealed memfd in torpord's store
+# ({key, ttl_s, meta}, fd) -> error or None; get one (key, keep) -> (meta, bytes, fd) or None.
+RemotePut = Callable[[str, float, dict[str, Any], int], "str | None"]
+RemoteGet = Callable[[str, bool], "tuple[dict[str, Any], int, int] | None"]
+_remote: tuple[RemotePut, RemoteGet] | None = None
+
+
+def connect(put_remote: RemotePut, get_remote: RemoteGet) -> None:
+    """The worker harness's hooks to torpord's store (a sandbox only)."""
+    global _remote
+    _remote = (put_remote, get_remote)
+
+
+def _encode(value: Any) -> tuple[dict[str, Any], memoryview]:
+    """The bytes of a shared value and what they are."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray):
+        a = np.ascontiguousarray(value)
+        if a.dtype.hasobject:
+            raise TypeError("put(..., shared=True) takes arrays of numbers, not of Python objects")
+        return {"kind": "ndarray", "dtype": a.dtype.str, "shape": list(a.shape)}, memoryview(a).cast("B")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"kind": "bytes"}, memoryview(value).cast("B")
+    raise TypeError(
+        f"put(..., shared=True) takes bytes or a NumPy array, got {type(value).__name__}; "
+        "without shared=True any object is handed over within the sandbox"
+    )
+
+
+def _sealed_memfd(data: memoryview) -> int:
+    fd = os.memfd_create("torpor-store", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        n = len(data)
+        if n:
+            os.ftruncate(fd, n)
+            with mmap.mmap(fd, n) as m:
+                m[:] = data
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _decode(meta: dict[str, Any], size: int, fd: int) -> Any:
+    """The value of a memfd from torpord's store, mapped read-only (no copy)."""
+    view: Any = memoryview(b"") if size == 0 else memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+    if meta.get("kind") == "ndarray":
+        import numpy as np
+
+        return np.frombuffer(view, dtype=np.dtype(meta["dtype"])).reshape(meta["shape"])
+    return view
+
+
+def put(key: str, value: Any, ttl_s: float = DEFAULT_TTL_S, shared: bool = False) -> None:
+    """Store `value` under `key` (replacing what the key held) until it is consumed or `ttl_s`
+    seconds pass. No copy is made: a get in this process returns this object. With
+    shared=True (bytes or a NumPy array, in a sandbox) the value goes to torpord's store
+    instead, copied once, for any sandbox of the tenant on the node."""
+    _check_key(key)
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_TTL_S:
+        raise ValueError(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}], got {ttl_s!r}")
+    if shared:
+        if _remote is None:
+            raise RuntimeError(
+                "put(..., shared=True) needs torpord's store, which sandboxed functions reach "
+                "(set [scaling] sandbox = true in torpor.toml)"
+            )
+        meta, data = _encode(value)
+        fd = _sealed_memfd(data)
+        try:
+            error = _remote[0](key, float(ttl_s), meta, fd)
+        finally:
+            os.close(fd)
+        if error is not None:
+            raise RuntimeError(f"torpord refused store key {key!r}: {error}")
+        with _lock:
+            _items.pop(key, None)
+        return
+    now = time.monotonic()
+    with _lock:
+        _sweep(now)
+        _items[key] = _Item(value, now + float(ttl_s))
+
+
+def get(key: str, keep: bool = False) -> Any:
+    """The value put under `key`, consumed (the key is freed) unless keep=True: this
+    process's, else (in a sandbox) torpord's, put with shared=True by any sandbox of the
+    tenant. KeyError when no value is there: never put, consumed or expired."""
+    _check_key(key)
+    now = time.monotonic()
+    with _lock:
+        _sweep(now)
+        item = _items.get(key) if keep else _items.pop(key, None)
+    if item is None and _remote is not None:
+        found = _remote[1](key, keep)
+        if found is not None:
+            meta, size, fd = found
+            try:
+                return _decode(meta, size, fd)
+            finally:
+                os.close(fd)
+    if item is None:
+        raise KeyError(
+            f"no value under store key {key!r} in this sandbox: it was never put here, was consumed "
+            "by an earlier get, or expired (put(..., ttl_s=...) keeps it longer); another sandbox's value "
+            "is reachable when it was put with shared=True (docs/sandboxes.md)"
+        )
+    return item.value
+
+
+def keys() -> list[str]:
+    """The keys that hold a value now."""
+    with _lock:
+        _sweep(time.monotonic())
+        return sorted(_items)
+
+
+def clear() -> None:
+    """Drop every value (tests)."""
+    with _lock:
+        _items.clear()

@@ -1,0 +1,99 @@
+"""A function for the sandbox tests (tests/daemon/test_daemon_sandbox.py): every copy of this
+directory is deployed under another name, tenant and workflow (the test writes torpor.toml),
+all with this one module name `handler`, so a sandbox hosting several must keep them apart.
+
+Its answer says which function answered (`fn`, from torpor.toml's name as the spec gave it),
+which process (`process`: a token drawn at the first request a process serves and shared by
+every function in it; a restore of the function snapshot draws a new one, a woken hibernated
+process keeps its own), which thread, and how many calls this function had in this process.
+Ops: sleep {s}, crash (os._exit), put {key} and get {key} through the communication store,
+share {key, n | array} (put with shared=True) and get_shared {key, keep}; buffer (with a file
+`with_buffer` in the directory: whether its torpor.buffer() segment holds its own bytes)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import torpor
+
+NAME = Path(__file__).resolve().parent.name
+BUFFER_SIZE = 8 * 4096
+
+
+def pattern() -> bytes:
+    """This function's own bytes (its name in them), so two functions' buffers differ."""
+    seed = NAME.encode()
+    return bytes((seed[i % len(seed)] + i) % 251 for i in range(BUFFER_SIZE))
+
+
+def process_token() -> str:
+    shared = sys.modules.get("_sandbox_test_process")
+    if shared is None:
+        shared = types.ModuleType("_sandbox_test_process")
+        shared.token = os.urandom(8).hex()  # type: ignore[attr-defined]
+        sys.modules["_sandbox_test_process"] = shared
+    return str(shared.token)  # type: ignore[attr-defined]
+
+
+@torpor.function
+class Sandboxed:
+    def setup(self) -> None:
+        self.calls = 0
+        # With a file `with_buffer` beside it: its state also in a torpor.buffer() segment
+        # (the split path keeps it outside the CRIU image; a restore maps it back).
+        self.buf = None
+        if (Path(__file__).resolve().parent / "with_buffer").exists():
+            self.buf = torpor.buffer(BUFFER_SIZE)
+            self.buf[:] = pattern()
+
+    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.calls += 1
+        out: dict[str, Any] = {
+            "fn": NAME,
+            "process": process_token(),
+            "thread": threading.get_ident(),
+            "calls": self.calls,
+        }
+        op = request.get("op")
+        if op == "sleep":
+            time.sleep(float(request["s"]))
+        elif op == "crash":
+            os._exit(7)
+        elif op == "put":
+            value = {"by": NAME, "rows": list(range(int(request.get("n", 3))))}
+            torpor.put(str(request["key"]), value)
+            out["id"] = id(value)
+        elif op == "get":
+            value = torpor.get(str(request["key"]))
+            out["id"] = id(value)
+            out["value"] = value
+        elif op == "buffer":
+            # Whether its segment holds its own bytes, then a count written into it.
+            assert self.buf is not None, "deployed without with_buffer"
+            out["intact"] = bytes(self.buf[8:]) == pattern()[8:]
+            out["count"] = int.from_bytes(self.buf[:8], "little") if self.calls > 1 else 0
+            self.buf[:8] = self.calls.to_bytes(8, "little")
+        elif op == "share":
+            # Through torpord's store, for another sandbox of the tenant: bytes or an array.
+            if request.get("array"):
+                import numpy as np
+
+                torpor.put(str(request["key"]), np.arange(12, dtype=np.float32).reshape(3, 4), shared=True)
+            else:
+                torpor.put(str(request["key"]), bytes(range(int(request.get("n", 16)))), shared=True)
+        elif op == "get_shared":
+            value = torpor.get(str(request["key"]), keep=bool(request.get("keep", False)))
+            out["type"] = type(value).__name__
+            if out["type"] == "ndarray":
+                out["value"] = value.tolist()
+                out["writeable"] = bool(value.flags.writeable)
+            else:
+                out["value"] = list(bytes(value))
+                out["writeable"] = not value.readonly
+        return out

@@ -1,0 +1,128 @@
+"""A sandbox in the worker harness (docs/sandboxes.md), the test as torpord: several `load`
+frames of one tenant into one worker, `invoke` routed by `function` and run on threads (a
+request does not wait for a slower one), a function not loaded answered NotLoaded, another
+tenant's load refused (exit 3), and the store frames a request thread sends for
+torpor.put(shared=True) / torpor.get with a memfd, answered by the test."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from sdkd import ROOT, Conn, Daemon, Spawned, Spawner
+from torpor.spec import parse_dir
+
+SANDBOXED = ROOT / "tests" / "daemon" / "functions" / "sandboxed"
+EXIT_PROTOCOL = 3
+
+
+def function(tmp: Path, name: str, tenant: str = "t") -> Path:
+    d = tmp / name
+    shutil.copytree(SANDBOXED, d, ignore=shutil.ignore_patterns("__pycache__"))
+    (d / "torpor.toml").write_text(
+        f'name = "{name}"\ntenant = "{tenant}"\nworkflow = "w"\nentry = "handler:Sandboxed"\n'
+        "[scaling]\nsandbox = true\nrequests_per_instance = 4\n"
+    )
+    return d
+
+
+def sandbox(spawn: Spawner, daemon: Daemon, tmp: Path, *names: str) -> tuple[Spawned, Conn]:
+    w = spawn("--role", "function")
+    c = daemon.accept()
+    c.expect("hello")
+    for name in names:
+        ready = c.load(function(tmp, name))
+        assert ready["ok"] is True, f"{ready}\n{w.stderr()}"
+    return w, c
+
+
+def invoke(c: Conn, rid: int, fn: str, request: dict[str, Any]) -> None:
+    c.send({"type": "invoke", "id": rid, "request": request, "timeout_s": 10, "function": fn})
+
+
+def results(c: Conn, n: int) -> list[dict[str, Any]]:
+    """The next `n` results, in the order they arrive (started frames skipped)."""
+    out = []
+    while len(out) < n:
+        doc = c.recv()
+        if doc["type"] == "result":
+            out.append(doc)
+        else:
+            assert doc["type"] == "started", doc
+    return out
+
+
+def test_a_sandbox_serves_its_functions_on_threads(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
+    w, c = sandbox(spawn, daemon, tmp_path, "fa", "fb")
+    invoke(c, 1, "fa", {"op": "sleep", "s": 1.0})
+    invoke(c, 2, "fb", {})
+    first, second = results(c, 2)
+    # fb answered while fa still slept: each request has a thread of its own.
+    assert (first["id"], second["id"]) == (2, 1), (first, second)
+    assert first["value"]["fn"] == "fb" and second["value"]["fn"] == "fa"
+    assert first["value"]["process"] == second["value"]["process"]
+    assert first["value"]["thread"] != second["value"]["thread"]
+    invoke(c, 3, "nope", {})
+    (r,) = results(c, 1)
+    assert r["ok"] is False and r["error"]["type"] == "NotLoaded", r
+    assert "fa, fb" in r["error"]["message"] and "deploy nope again" in r["error"]["message"], r
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
+
+
+def test_another_tenants_load_is_refused(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
+    w, c = sandbox(spawn, daemon, tmp_path, "fa")
+    spec = parse_dir(function(tmp_path, "fx", tenant="other"))
+    c.send({"type": "load", "spec": spec.to_json(), "dir": str(spec.dir), "data": {}})
+    assert w.wait() == EXIT_PROTOCOL
+    assert "functions of different tenants never share a sandbox" in w.stderr()
+
+
+def test_the_store_frames_of_a_request_thread(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
+    w, c = sandbox(spawn, daemon, tmp_path, "fa", "fb")
+    invoke(c, 1, "fa", {"op": "share", "key": "k", "n": 8})
+    assert c.expect("started")["id"] == 1
+    put = c.expect("store_put")
+    assert put["key"] == "k" and put["meta"] == {"kind": "bytes"} and put["ttl_s"] == 600.0, put
+    fd_frame, fd = c.recv_with_fd()
+    assert fd_frame == {"type": "store_fd", "id": put["id"], "fd": True} and fd is not None
+    # Sealed against writes and resizing, holding the bytes.
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_WRITE and seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+    assert os.pread(fd, 100, 0) == bytes(range(8))
+    c.send({"type": "store_stored", "id": put["id"], "ok": True})
+    (r,) = results(c, 1)
+    assert r["ok"] is True, r
+    # A get the sandbox cannot answer itself goes to the daemon, which hands the fd back.
+    invoke(c, 2, "fb", {"op": "get_shared", "key": "k"})
+    assert c.expect("started")["id"] == 2
+    get = c.expect("store_get")
+    assert get["key"] == "k" and get["keep"] is False, get
+    c.send_with_fd(
+        {"type": "store_value", "id": get["id"], "found": True, "meta": {"kind": "bytes"}, "bytes": 8, "fd": True}, fd
+    )
+    os.close(fd)
+    (r,) = results(c, 1)
+    assert r["ok"] is True and r["value"]["value"] == list(range(8)) and r["value"]["writeable"] is False, r
+    # Not found there either: KeyError in the function.
+    invoke(c, 3, "fb", {"op": "get_shared", "key": "gone"})
+    c.expect("started")
+    get = c.expect("store_get")
+    c.send({"type": "store_value", "id": get["id"], "found": False})
+    (r,) = results(c, 1)
+    assert r["ok"] is False and r["error"]["type"] == "KeyError", r
+    # A refused put is the function's RuntimeError, with the daemon's reason.
+    invoke(c, 4, "fa", {"op": "share", "key": "k2"})
+    c.expect("started")
+    put = c.expect("store_put")
+    _, fd2 = c.recv_with_fd()
+    assert fd2 is not None
+    os.close(fd2)
+    c.send({"type": "store_stored", "id": put["id"], "ok": False, "error": "the tenant's store is full"})
+    (r,) = results(c, 1)
+    assert r["ok"] is False and r["error"]["type"] == "RuntimeError" and "is full" in r["error"]["message"], r
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
