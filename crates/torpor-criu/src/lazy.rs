@@ -325,7 +325,12 @@ impl LazyPages {
                 }
             }
         }
-        self.outcome().map(|()| true)
+        self.outcome()?;
+        // Every page is in: the uffds may go now, and must. Held open with nobody reading them,
+        // a restored task's munmap of registered memory waits for ever for its UNMAP event to be
+        // read (userfaultfd_unmap_complete): the driver's restore thread did, on the H100.
+        self.hold = None;
+        Ok(true)
     }
 
     fn outcome(&mut self) -> Result<(), LazyPagesError> {

@@ -594,9 +594,32 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
                     return Err(e);
                 }
             };
-            let resumed = phases
-                .time("cuda_restore", || tasks.restore_all(&plan.pairs))
-                .and_then(|_| phases.time("cuda_unlock", || tasks.unlock_all()));
+            // A page server that ends while the driver restores (every page in) must let go of
+            // the uffds at once (LazyPages::try_wait), or the driver's munmap of registered
+            // memory waits for an UNMAP event nobody reads; one that fails leaves faults nobody
+            // serves, so the tree is killed, which ends the driver's restore with an error.
+            let driver_done = std::sync::atomic::AtomicBool::new(false);
+            let resumed = std::thread::scope(|scope| {
+                if let Some(lazy) = lazy_pages.as_ref() {
+                    let driver_done = &driver_done;
+                    let kill_restored = &kill_restored;
+                    scope.spawn(move || {
+                        while !driver_done.load(std::sync::atomic::Ordering::Acquire) {
+                            match lazy.server_exited() {
+                                Ok(true) => return,
+                                Ok(false) => {}
+                                Err(_) => return kill_restored(),
+                            }
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                        }
+                    });
+                }
+                let resumed = phases
+                    .time("cuda_restore", || tasks.restore_all(&plan.pairs))
+                    .and_then(|_| phases.time("cuda_unlock", || tasks.unlock_all()));
+                driver_done.store(true, std::sync::atomic::Ordering::Release);
+                resumed
+            });
             drop(alone);
             restore_thread::resume(&pids);
             resumed
