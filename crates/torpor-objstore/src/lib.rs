@@ -113,6 +113,8 @@ pub(crate) struct RemoteRecord {
 
 pub(crate) const RECORD_FORMAT: u32 = 1;
 pub(crate) const RECORD_OBJECT: &str = "record.json";
+/// The locator of a snapshot's chunks in packs, under `snapshots/<id>/`.
+pub(crate) const LOCATOR_OBJECT: &str = "packs.json";
 /// Records larger than this are refused (a snapshot of millions of chunks is ~100 MiB).
 pub(crate) const MAX_RECORD_BYTES: u64 = 256 << 20;
 
