@@ -374,14 +374,19 @@ pub(crate) fn download(
                         ),
                     });
                 }
-                for (c, offset, len) in &r.chunks {
+                // Decoding and hashing on rayon's pool (one thread a core, shared by every
+                // range in flight) while this thread's peers keep fetching.
+                use rayon::prelude::*;
+                r.chunks.par_iter().try_for_each(|(c, offset, len)| {
                     let at = (offset - r.start) as usize;
                     let origin = format!(
                         "object {full} (bytes {offset}..{}) in bucket {bucket}",
                         offset + len
                     );
-                    writer.put_chunk_file(c, &bytes[at..at + *len as usize], &origin)?;
-                }
+                    writer
+                        .put_chunk_file(c, &bytes[at..at + *len as usize], &origin)
+                        .map(|_| ())
+                })?;
                 ticker.tick_n(r.chunks.len() as u64);
             }
         }
