@@ -315,6 +315,15 @@ impl Remote {
                 }
             }
             match page.next_continuation_token {
+                // A server that hands back the token it was given would list forever.
+                Some(t) if token.as_deref() == Some(t.as_str()) => {
+                    return Err(self.status_error(
+                        "LIST",
+                        &full,
+                        status,
+                        "the listing repeats its continuation token".to_owned(),
+                    ))
+                }
                 Some(t) if !t.is_empty() => token = Some(t),
                 _ => return Ok(out),
             }

@@ -667,3 +667,17 @@ fn streamed_get(config: &Path) {
         None
     );
 }
+
+/// Runs `f` on every item, 16 threads at once.
+fn put_all_parallel(items: &[String], f: impl Fn(&String) + Sync) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..16 {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                f(item);
+            });
+        }
+    });
+}
