@@ -666,6 +666,23 @@ fn streamed_get(config: &Path) {
         r.get_range("data/t/nowhere.bin", 0, 10).expect("none"),
         None
     );
+    // Listings go past a page (1 000 keys): every key once, relative to the prefix.
+    let keys: Vec<String> = (0..1100).map(|i| format!("list-test/{i:05}")).collect();
+    put_all_parallel(&keys, |k| r.put(k, b"x").expect("put"));
+    let before = r.traffic().requests;
+    let mut listed: Vec<String> = r
+        .list("list-test/")
+        .expect("list")
+        .into_iter()
+        .map(|(k, size)| {
+            assert_eq!(size, 1, "{k}");
+            k
+        })
+        .collect();
+    assert_eq!(r.traffic().requests - before, 2, "two pages");
+    listed.sort();
+    assert_eq!(listed, keys);
+    assert!(r.list("list-nothing/").expect("empty").is_empty());
 }
 
 /// Runs `f` on every item, 16 threads at once.
