@@ -511,6 +511,41 @@ fn loose_chunks_of_an_older_push(w: &Path, config: &Path, key: &SnapshotKey) {
     snap.authenticate(Trust::Key(key)).expect("authentic");
     snap.verify().expect("verify");
     assert!(fs::read(out.join("pages-1.img")).expect("read") == old_pages);
+    // A loose chunk overwritten in the bucket is refused with its key, nothing committed.
+    let victim = recipes
+        .iter()
+        .find(|r| r.name == "core.img")
+        .expect("core.img")
+        .chunks[0];
+    let object = format!("chunks/{}", victim.id);
+    let good = node7.chunk_file(&victim, "core.img").expect("chunk file");
+    let mut bad = good.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 0x55;
+    r.put(&object, &bad).expect("overwrite");
+    let node10 = ChunkStore::open(&w.join("node10")).expect("store 10");
+    let err = pull(
+        &r,
+        &node10,
+        "fn-c",
+        &w.join("pulled-c-bad"),
+        Trust::Key(key),
+        4,
+        &quiet,
+    )
+    .expect_err("corrupt loose chunk");
+    assert!(
+        matches!(
+            err,
+            TransferError::Store(StoreError::ForeignChunkCorrupt { .. })
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains(&object), "{err}");
+    assert!(!node10.contains(&victim.id));
+    assert!(node10.snapshots().expect("ids").is_empty());
+    assert!(!w.join("pulled-c-bad").exists());
+    r.put(&object, &good).expect("restore object");
 
     // D shares C's pages: the loose chunks count as present, only D's own go up, in a pack.
     let d = snapshot(
