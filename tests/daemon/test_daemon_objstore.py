@@ -8,6 +8,7 @@ file the snapshot reopens that differs on the pulling node are refused; placemen
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import shutil
 import tempfile
@@ -148,24 +149,43 @@ def s3_put_via_filer(seaweed: Seaweed, key: str, data: bytes) -> None:
     assert status in (200, 201, 204), status
 
 
+def s3_get_via_filer(seaweed: Seaweed, key: str) -> bytes:
+    """Object `key` of the bucket, read through the filer."""
+    c = http.client.HTTPConnection("127.0.0.1", seaweed.filer_port, timeout=30)
+    c.request("GET", f"/buckets/{BUCKET}/{key}")
+    r = c.getresponse()
+    body = r.read()
+    c.close()
+    assert r.status == 200, (key, r.status)
+    return body
+
+
 def test_a_corrupted_chunk_in_the_bucket_is_refused_and_nothing_is_registered(
     nodes: tuple[Torpord, Torpord], seaweed: Seaweed, tmp_path: Path
 ) -> None:
     a, b = nodes
     # Its own payload, so that it has chunks no other function holds.
     d = function_dir(tmp_path, "os-corrupt", setup="self.blob = bytes(range(256)) * 40000")
-    a.deploy(d)
+    lines = a.deploy(d)
+    (snap,) = [x for x in lines if x.get("phase") == "snapshot_function"]
+    # Where the push put each of the snapshot's chunks: (pack, offset, length). The daemon
+    # pushes a function's files as snapshot `<id>.files` (torpord::bucket::files_id).
+    locator = json.loads(s3_get_via_filer(seaweed, f"snapshots/{snap['snapshot']}.files/packs.json"))
+    placed = {c[0]: (pack, c[1], c[2]) for pack, p in locator["packs"].items() for c in p["chunks"]}
     store_a = a.state / "chunks" / "chunks"
     store_b = b.state / "chunks" / "chunks"
     have_b = {p.name for p in store_b.rglob("*") if p.is_file()}
-    only_a = [p for p in store_a.rglob("*") if p.is_file() and p.name not in have_b]
+    only_a = [p.name for p in store_a.rglob("*") if p.is_file() and p.name not in have_b and p.name in placed]
     assert only_a, "no chunk of the new function is missing on B"
-    victim = only_a[0].name
-    raw = only_a[0].read_bytes()
-    s3_put_via_filer(seaweed, f"chunks/{victim}", raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+    victim = only_a[0]
+    pack, offset, length = placed[victim]
+    raw = bytearray(s3_get_via_filer(seaweed, f"packs/{pack}.pack"))
+    raw[offset + length - 1] ^= 0xFF
+    s3_put_via_filer(seaweed, f"packs/{pack}.pack", bytes(raw))
     with pytest.raises(client.ApiError) as e:
         client.Client(b.socket).pull("os-corrupt")
-    assert e.value.status == 502 and victim in e.value.message and "corrupt" in e.value.message, e.value.message
+    msg = e.value.message
+    assert e.value.status == 502 and victim in msg and f"packs/{pack}.pack" in msg and "corrupt" in msg, msg
     assert client.Client(b.socket).placement("os-corrupt").known is False
 
 

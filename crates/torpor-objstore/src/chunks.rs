@@ -1,8 +1,15 @@
 //! Moving the chunks of a set of recipes between the local chunk store and the bucket: what a
 //! snapshot's files and a split snapshot's segment record both need.
+//!
+//! New chunks go up in packs (`packs/<hash>.pack`, chunk files concatenated, ~32 MiB each) with
+//! an index per pack (`packs/<hash>.idx`); a push also writes a locator for its snapshot (where
+//! in which pack each of its chunks lies). A pull reads the locator and fetches the chunks it
+//! lacks in coalesced ranged GETs; chunks the locator does not place are loose objects
+//! (`chunks/<hex>`, what pushes before packs wrote) and are fetched one by one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Recipe, StoreWriter};
 
@@ -10,54 +17,305 @@ use crate::client::Remote;
 use crate::error::TransferError;
 use crate::{chunk_key, for_each_parallel, Phase, Progress};
 
-/// Each distinct chunk of `recipes` once, with the name of a file that holds it (for errors).
-pub(crate) fn distinct(recipes: &[Recipe]) -> Vec<(ChunkRef, &str)> {
-    let mut unique: BTreeMap<ChunkId, (ChunkRef, &str)> = BTreeMap::new();
-    for r in recipes {
-        for c in &r.chunks {
-            unique.entry(c.id).or_insert((*c, r.name.as_str()));
-        }
-    }
-    unique.into_values().collect()
+/// A pack is closed once its chunks' raw lengths reach this.
+pub(crate) const PACK_TARGET: u64 = 32 << 20;
+/// Ranges of one pack closer than this are fetched as one (the gap is read and dropped): a
+/// request costs more than this many bytes on any link worth the name.
+const COALESCE_GAP: u64 = 1 << 20;
+/// One ranged GET asks for at most this much (more requests in flight, bounded memory).
+const MAX_RANGE: u64 = 32 << 20;
+/// Format of pack indexes and locators.
+const PACK_FORMAT: u32 = 1;
+/// Pack indexes and locators larger than this are refused.
+const MAX_INDEX_BYTES: u64 = 256 << 20;
+
+/// Where chunks lie in one pack: (chunk, offset, length of its chunk file).
+pub(crate) type Placement = Vec<(ChunkId, u64, u64)>;
+
+/// `packs/<name>.idx`: the chunks of pack `packs/<name>.pack`.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct PackIndex {
+    format: u32,
+    pack: String,
+    size: u64,
+    chunks: Placement,
 }
 
-/// Uploads the chunks of `recipes` the bucket lacks from `store`; returns (distinct, uploaded).
+/// A snapshot's locator (`snapshots/<id>/packs.json`): for each pack holding some of its
+/// chunks, the pack's size and where they lie in it.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Locator {
+    format: u32,
+    packs: BTreeMap<String, PackPlacement>,
+}
+
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct PackPlacement {
+    size: u64,
+    chunks: Placement,
+}
+
+impl Locator {
+    pub(crate) fn to_json(&self) -> Vec<u8> {
+        // Only strings and integers: serialising cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses a locator; `Err` says what is wrong with it.
+    pub(crate) fn from_json(bytes: &[u8]) -> Result<Locator, String> {
+        let locator: Locator = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        if locator.format != PACK_FORMAT {
+            return Err(format!(
+                "locator format {}, this torpor reads {PACK_FORMAT}",
+                locator.format
+            ));
+        }
+        for (name, p) in &locator.packs {
+            check_pack_name(name)?;
+            for (id, offset, len) in &p.chunks {
+                match offset.checked_add(*len) {
+                    Some(end) if end <= p.size => {}
+                    _ => return Err(format!("chunk {id} lies past the end of pack {name}")),
+                }
+            }
+        }
+        Ok(locator)
+    }
+
+    fn chunks(&self) -> u64 {
+        self.packs.values().map(|p| p.chunks.len() as u64).sum()
+    }
+}
+
+fn pack_key(name: &str) -> String {
+    format!("packs/{name}.pack")
+}
+
+fn index_key(name: &str) -> String {
+    format!("packs/{name}.idx")
+}
+
+/// Pack names are BLAKE3 hashes of the pack: 64 lowercase hex digits, nothing that could
+/// reach another key.
+fn check_pack_name(name: &str) -> Result<(), String> {
+    if ChunkId::from_hex(name).is_some() {
+        Ok(())
+    } else {
+        Err(format!("pack name {name:?} is not 64 hex digits"))
+    }
+}
+
+/// The largest chunk file a chunk of `len` raw bytes can have: header, and a body of at most
+/// the raw length plus zstd's worst-case growth.
+fn max_chunk_file(len: u64) -> u64 {
+    16 + len + len / 64 + 1024
+}
+
+/// Each distinct chunk of `recipes` once, in the order the recipes first use them (a file's
+/// chunks stay together in a pack), with the name of a file that holds it (for errors).
+pub(crate) fn distinct(recipes: &[Recipe]) -> Vec<(ChunkRef, &str)> {
+    let mut seen: HashSet<ChunkId> = HashSet::new();
+    let mut out = Vec::new();
+    for r in recipes {
+        for c in &r.chunks {
+            if seen.insert(c.id) {
+                out.push((*c, r.name.as_str()));
+            }
+        }
+    }
+    out
+}
+
+/// What the bucket holds already: every chunk of every pack (from the pack indexes) and the
+/// loose chunk objects.
+struct BucketChunks {
+    packed: HashMap<ChunkId, (String, u64, u64, u64)>,
+    loose: HashSet<ChunkId>,
+}
+
+fn bucket_chunks(remote: &Remote, parallel: usize) -> Result<BucketChunks, TransferError> {
+    let indexes: Vec<String> = remote
+        .list("packs/")?
+        .into_iter()
+        .filter_map(|(key, _)| {
+            let name = key.strip_prefix("packs/")?.strip_suffix(".idx")?;
+            check_pack_name(name).ok()?;
+            Some(name.to_owned())
+        })
+        .collect();
+    let packed = Mutex::new(HashMap::new());
+    for_each_parallel(&indexes, parallel, |name| {
+        let key = index_key(name);
+        // An index whose pack is gone or that does not parse is ignored: its chunks are
+        // simply uploaded again.
+        let Some(bytes) = remote.get(&key, MAX_INDEX_BYTES)? else {
+            return Ok(());
+        };
+        let Ok(index) = serde_json::from_slice::<PackIndex>(&bytes) else {
+            return Ok(());
+        };
+        if index.format != PACK_FORMAT || index.pack != *name {
+            return Ok(());
+        }
+        let mut map = packed.lock().unwrap_or_else(|p| p.into_inner());
+        for (id, offset, len) in index.chunks {
+            map.entry(id)
+                .or_insert((name.clone(), index.size, offset, len));
+        }
+        Ok::<(), TransferError>(())
+    })?;
+    let loose = remote
+        .list("chunks/")?
+        .into_iter()
+        .filter_map(|(key, _)| ChunkId::from_hex(key.strip_prefix("chunks/")?))
+        .collect();
+    Ok(BucketChunks {
+        packed: packed.into_inner().unwrap_or_else(|p| p.into_inner()),
+        loose,
+    })
+}
+
+/// What an upload did.
+pub(crate) struct Uploaded {
+    /// Distinct chunks of the recipes.
+    pub total: u64,
+    /// Chunks uploaded (in new packs).
+    pub uploaded: u64,
+    /// Where the recipes' packed chunks lie (the loose ones are not in it).
+    pub locator: Locator,
+}
+
+/// Uploads the chunks of `recipes` the bucket lacks (in no pack and not loose) from `store`,
+/// in new packs, each pack before its index.
 pub(crate) fn upload(
     remote: &Remote,
     store: &ChunkStore,
     recipes: &[Recipe],
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
-) -> Result<(u64, u64), TransferError> {
+) -> Result<Uploaded, TransferError> {
     let chunks = distinct(recipes);
     let total = chunks.len() as u64;
-    let ticker = Ticker::start(0, total, progress);
-    let uploaded = AtomicU64::new(0);
-    for_each_parallel(&chunks, parallel, |(c, file)| {
-        let key = chunk_key(&c.id);
-        if !remote.exists(&key)? {
-            let bytes = store.chunk_file(c, file)?;
-            remote.put(&key, &bytes)?;
-            uploaded.fetch_add(1, Ordering::Relaxed);
+    let have = bucket_chunks(remote, parallel)?;
+    let mut locator = Locator {
+        format: PACK_FORMAT,
+        packs: BTreeMap::new(),
+    };
+    let mut plans: Vec<Vec<(ChunkRef, &str)>> = Vec::new();
+    let mut open: Vec<(ChunkRef, &str)> = Vec::new();
+    let mut open_len = 0u64;
+    let mut present = 0u64;
+    for (c, file) in chunks {
+        if let Some((pack, size, offset, len)) = have.packed.get(&c.id) {
+            let p = locator.packs.entry(pack.clone()).or_default();
+            p.size = *size;
+            p.chunks.push((c.id, *offset, *len));
+            present += 1;
+        } else if have.loose.contains(&c.id) {
+            present += 1;
+        } else {
+            open.push((c, file));
+            open_len += c.len;
+            if open_len >= PACK_TARGET {
+                plans.push(std::mem::take(&mut open));
+                open_len = 0;
+            }
         }
-        ticker.tick();
+    }
+    if !open.is_empty() {
+        plans.push(open);
+    }
+    let ticker = Ticker::start(present, total, progress);
+    let made = Mutex::new(Vec::new());
+    for_each_parallel(&plans, parallel, |plan| {
+        let mut bytes = Vec::new();
+        let mut placed = Vec::with_capacity(plan.len());
+        for (c, file) in plan {
+            let chunk = store.chunk_file(c, file)?;
+            placed.push((c.id, bytes.len() as u64, chunk.len() as u64));
+            bytes.extend_from_slice(&chunk);
+        }
+        let name = blake3::hash(&bytes).to_hex().to_string();
+        let index = PackIndex {
+            format: PACK_FORMAT,
+            pack: name.clone(),
+            size: bytes.len() as u64,
+            chunks: placed,
+        };
+        remote.put(&pack_key(&name), &bytes)?;
+        // Only strings and integers: serialising cannot fail.
+        remote.put(
+            &index_key(&name),
+            &serde_json::to_vec(&index).unwrap_or_default(),
+        )?;
+        ticker.tick_n(plan.len() as u64);
+        made.lock().unwrap_or_else(|p| p.into_inner()).push(index);
         Ok::<(), TransferError>(())
     })?;
-    Ok((total, uploaded.into_inner()))
+    let mut uploaded = 0;
+    for index in made.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        uploaded += index.chunks.len() as u64;
+        let p = locator.packs.entry(index.pack).or_default();
+        p.size = index.size;
+        p.chunks.extend(index.chunks);
+    }
+    Ok(Uploaded {
+        total,
+        uploaded,
+        locator,
+    })
+}
+
+/// Chunks with their offset and length in a pack.
+type InPack = Vec<(ChunkRef, u64, u64)>;
+
+/// One ranged GET: bytes `start..start + len` of a pack and the chunks that lie in them.
+#[derive(Debug)]
+struct RangeJob {
+    pack: String,
+    pack_size: u64,
+    start: u64,
+    len: u64,
+    chunks: InPack,
+}
+
+/// What a download fetched.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Downloaded {
+    /// Distinct chunks of the recipes.
+    pub total: u64,
+    /// Chunks fetched (packed and loose).
+    pub fetched: u64,
+    /// Of those, fetched as loose objects (one GET each).
+    pub loose: u64,
+    /// Ranged GETs of packs.
+    pub ranges: u64,
+}
+
+/// Where a download's chunks come from: the bucket, the snapshot's locator (`None`: a push
+/// before packs, every chunk loose), and the error naming an absent object.
+pub(crate) struct Source<'a> {
+    pub remote: &'a Remote,
+    pub locator: Option<&'a Locator>,
+    pub missing: &'a (dyn Fn(&str) -> TransferError + Sync),
 }
 
 /// Fetches into `store` (through `writer`, whose lock keeps a GC off them until the commit) the
-/// chunks of `recipes` it lacks, each checked against its id; `missing` names an absent object.
-/// Returns (distinct, fetched).
+/// chunks of `recipes` it lacks, each checked against its id: those the locator places in
+/// ranged GETs of their packs, the others as loose objects.
 pub(crate) fn download(
-    remote: &Remote,
+    source: &Source<'_>,
     store: &ChunkStore,
     writer: &StoreWriter<'_>,
     recipes: &[Recipe],
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
-    missing: &(dyn Fn(&str) -> TransferError + Sync),
-) -> Result<(u64, u64), TransferError> {
+) -> Result<Downloaded, TransferError> {
+    let Source {
+        remote,
+        locator,
+        missing,
+    } = *source;
     let chunks = distinct(recipes);
     let total = chunks.len() as u64;
     let wanted: Vec<ChunkRef> = chunks
@@ -65,19 +323,148 @@ pub(crate) fn download(
         .map(|(c, _)| c)
         .filter(|c| !store.contains(&c.id))
         .collect();
-    let ticker = Ticker::start(total - wanted.len() as u64, total, progress);
     let bucket = remote.bucket().to_owned();
-    for_each_parallel(&wanted, parallel, |c| {
-        let key = chunk_key(&c.id);
-        // Header, and a body of at most the raw length plus zstd's worst-case growth.
-        let limit = 16 + c.len + c.len / 64 + 1024;
-        let bytes = remote.get(&key, limit)?.ok_or_else(|| missing(&key))?;
-        let origin = format!("object {} in bucket {bucket}", remote.full_key(&key));
-        writer.put_chunk_file(c, &bytes, &origin)?;
-        ticker.tick();
+    let (jobs, loose) =
+        plan_ranges(&wanted, locator).map_err(|(pack, reason)| TransferError::CorruptObject {
+            bucket: bucket.clone(),
+            key: remote.full_key(&pack_key(&pack)),
+            reason,
+        })?;
+    let ticker = Ticker::start(total - wanted.len() as u64, total, progress);
+    let ranges = jobs.len() as u64;
+    // Ranges first (the bulk), then the loose chunks, all from one pool of `parallel`.
+    enum Job<'a> {
+        Range(&'a RangeJob),
+        Loose(&'a ChunkRef),
+    }
+    let all: Vec<Job<'_>> = jobs
+        .iter()
+        .map(Job::Range)
+        .chain(loose.iter().map(Job::Loose))
+        .collect();
+    for_each_parallel(&all, parallel, |job| {
+        match job {
+            Job::Loose(c) => {
+                let key = chunk_key(&c.id);
+                let bytes = remote
+                    .get(&key, max_chunk_file(c.len))?
+                    .ok_or_else(|| missing(&key))?;
+                let origin = format!("object {} in bucket {bucket}", remote.full_key(&key));
+                writer.put_chunk_file(c, &bytes, &origin)?;
+                ticker.tick_n(1);
+            }
+            Job::Range(r) => {
+                let key = pack_key(&r.pack);
+                let bytes = if r.start == 0 && r.len == r.pack_size {
+                    remote.get(&key, r.pack_size)?
+                } else {
+                    remote.get_range(&key, r.start, r.len)?
+                }
+                .ok_or_else(|| missing(&key))?;
+                let full = remote.full_key(&key);
+                if bytes.len() as u64 != r.len {
+                    return Err(TransferError::CorruptObject {
+                        bucket: bucket.clone(),
+                        key: full,
+                        reason: format!(
+                            "bytes {}..{} asked, {} came: shorter than its index says",
+                            r.start,
+                            r.start + r.len,
+                            bytes.len()
+                        ),
+                    });
+                }
+                // Decoding and hashing on rayon's pool (one thread a core, shared by every
+                // range in flight) while this thread's peers keep fetching.
+                use rayon::prelude::*;
+                r.chunks.par_iter().try_for_each(|(c, offset, len)| {
+                    let at = (offset - r.start) as usize;
+                    let origin = format!(
+                        "object {full} (bytes {offset}..{}) in bucket {bucket}",
+                        offset + len
+                    );
+                    writer
+                        .put_chunk_file(c, &bytes[at..at + *len as usize], &origin)
+                        .map(|_| ())
+                })?;
+                ticker.tick_n(r.chunks.len() as u64);
+            }
+        }
         Ok::<(), TransferError>(())
     })?;
-    Ok((total, wanted.len() as u64))
+    Ok(Downloaded {
+        total,
+        fetched: wanted.len() as u64,
+        loose: loose.len() as u64,
+        ranges,
+    })
+}
+
+/// Groups the `wanted` chunks `locator` places by pack into coalesced ranges; returns them and
+/// the chunks it does not place (loose). `Err`: (pack, what is wrong with its placement).
+fn plan_ranges(
+    wanted: &[ChunkRef],
+    locator: Option<&Locator>,
+) -> Result<(Vec<RangeJob>, Vec<ChunkRef>), (String, String)> {
+    let Some(locator) = locator else {
+        return Ok((Vec::new(), wanted.to_vec()));
+    };
+    let mut place: HashMap<ChunkId, (&str, u64, u64, u64)> =
+        HashMap::with_capacity(locator.chunks() as usize);
+    for (name, p) in &locator.packs {
+        for (id, offset, len) in &p.chunks {
+            place.entry(*id).or_insert((name, p.size, *offset, *len));
+        }
+    }
+    let mut by_pack: BTreeMap<&str, (u64, InPack)> = BTreeMap::new();
+    let mut loose = Vec::new();
+    for c in wanted {
+        match place.get(&c.id) {
+            Some(&(name, size, offset, len)) => {
+                if len > max_chunk_file(c.len) {
+                    return Err((
+                        name.to_owned(),
+                        format!(
+                            "its locator gives chunk {} {len} bytes, more than a chunk of {} can take",
+                            c.id, c.len
+                        ),
+                    ));
+                }
+                by_pack
+                    .entry(name)
+                    .or_insert((size, Vec::new()))
+                    .1
+                    .push((*c, offset, len));
+            }
+            None => loose.push(*c),
+        }
+    }
+    let mut jobs = Vec::new();
+    for (name, (size, mut chunks)) in by_pack {
+        chunks.sort_by_key(|&(_, offset, _)| offset);
+        let mut current: Option<RangeJob> = None;
+        for (c, offset, len) in chunks {
+            if let Some(r) = current.as_mut() {
+                let end = r.start + r.len;
+                let new_end = (offset + len).max(end);
+                if offset <= end + COALESCE_GAP && new_end - r.start <= MAX_RANGE {
+                    r.len = new_end - r.start;
+                    r.chunks.push((c, offset, len));
+                    continue;
+                }
+                jobs.extend(current.take());
+            }
+            current = Some(RangeJob {
+                pack: name.to_owned(),
+                pack_size: size,
+                start: offset,
+                len,
+                chunks: vec![(c, offset, len)],
+            });
+        }
+        jobs.extend(current);
+    }
+    Ok((jobs, loose))
 }
 
 /// Counts the chunks done and reports each to `progress`.
@@ -101,12 +488,126 @@ impl<'a> Ticker<'a> {
         }
     }
 
-    fn tick(&self) {
-        let n = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+    fn tick_n(&self, n: u64) {
+        let done = self.done.fetch_add(n, Ordering::Relaxed) + n;
         (self.progress)(Progress {
             phase: Phase::Chunks,
-            done: n,
+            done,
             total: self.total,
         });
+    }
+}
+
+/// Reads the locator object `key`: `None` when there is none (a push before packs).
+pub(crate) fn fetch_locator(remote: &Remote, key: &str) -> Result<Option<Locator>, TransferError> {
+    let Some(bytes) = remote.get(key, MAX_INDEX_BYTES)? else {
+        return Ok(None);
+    };
+    Locator::from_json(&bytes)
+        .map(Some)
+        .map_err(|reason| TransferError::CorruptObject {
+            bucket: remote.bucket().to_owned(),
+            key: remote.full_key(key),
+            reason,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(n: u8, len: u64) -> ChunkRef {
+        ChunkRef {
+            id: ChunkId::of(&[n]),
+            len,
+        }
+    }
+
+    type Pack<'a> = (&'a str, u64, &'a [(ChunkRef, u64, u64)]);
+
+    fn locator(packs: &[Pack<'_>]) -> Locator {
+        Locator {
+            format: PACK_FORMAT,
+            packs: packs
+                .iter()
+                .map(|(name, size, chunks)| {
+                    (
+                        name.repeat(64),
+                        PackPlacement {
+                            size: *size,
+                            chunks: chunks.iter().map(|(c, o, l)| (c.id, *o, *l)).collect(),
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn near_chunks_coalesce_far_ones_split_unplaced_ones_are_loose() {
+        let (a, b, c, d, e) = (
+            chunk(1, 1000),
+            chunk(2, 1000),
+            chunk(3, 1000),
+            chunk(4, 1000),
+            chunk(5, 1000),
+        );
+        let far = 10 << 20;
+        let loc = locator(&[
+            // a and b a small gap apart (b's neighbour not wanted), c far away.
+            (
+                "a",
+                far + 2000,
+                &[(a, 0, 900), (b, 1900, 900), (c, far, 900)],
+            ),
+            ("b", 900, &[(d, 0, 900)]),
+        ]);
+        let (jobs, loose) = plan_ranges(&[c, a, b, d, e], Some(&loc)).expect("plan");
+        assert_eq!(loose.len(), 1);
+        assert_eq!(loose[0].id, e.id);
+        let spans: Vec<(u64, u64, usize)> = jobs
+            .iter()
+            .map(|j| (j.start, j.len, j.chunks.len()))
+            .collect();
+        assert_eq!(spans, [(0, 2800, 2), (far, 900, 1), (0, 900, 1)]);
+        // The whole of pack b: fetched with a plain GET.
+        assert_eq!(jobs[2].pack_size, jobs[2].len);
+        // No locator: everything loose.
+        let (jobs, loose) = plan_ranges(&[a, b], None).expect("plan");
+        assert!(jobs.is_empty() && loose.len() == 2);
+    }
+
+    #[test]
+    fn ranges_stop_at_the_cap_and_oversized_placements_are_refused() {
+        let chunks: Vec<ChunkRef> = (0..40).map(|n| chunk(n, 1 << 20)).collect();
+        let placed: Vec<(ChunkRef, u64, u64)> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (*c, i as u64 * (1 << 20), 1 << 20))
+            .collect();
+        let loc = locator(&[("c", 40 << 20, &placed)]);
+        let (jobs, _) = plan_ranges(&chunks, Some(&loc)).expect("plan");
+        assert_eq!(jobs.len(), 2);
+        assert!(jobs.iter().all(|j| j.len <= MAX_RANGE));
+        assert_eq!(jobs.iter().map(|j| j.chunks.len()).sum::<usize>(), 40);
+        let small = chunk(99, 10);
+        let loc = locator(&[("d", 1 << 20, &[(small, 0, 1 << 20)])]);
+        let (pack, reason) = plan_ranges(&[small], Some(&loc)).expect_err("oversized");
+        assert_eq!(pack, "d".repeat(64));
+        assert!(reason.contains("more than a chunk"), "{reason}");
+    }
+
+    #[test]
+    fn locators_with_chunks_past_their_pack_or_odd_names_are_refused() {
+        let a = chunk(1, 100);
+        let good = locator(&[("e", 100, &[(a, 0, 100)])]);
+        Locator::from_json(&good.to_json()).expect("good");
+        let past = locator(&[("e", 100, &[(a, 50, 100)])]);
+        let err = Locator::from_json(&past.to_json()).expect_err("past");
+        assert!(err.contains("past the end"), "{err}");
+        let mut odd = locator(&[]);
+        odd.packs.insert("../x".into(), PackPlacement::default());
+        let err = Locator::from_json(&odd.to_json()).expect_err("odd");
+        assert!(err.contains("not 64 hex"), "{err}");
     }
 }

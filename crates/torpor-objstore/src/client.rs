@@ -224,6 +224,112 @@ impl Remote {
         Ok(Some(n))
     }
 
+    /// Bytes `start..start + len` of object `key` (an HTTP Range GET), or `None` when there is
+    /// no such object. The answer may be shorter than `len` (the object is): the caller checks.
+    pub fn get_range(&self, key: &str, start: u64, len: u64) -> Result<Option<Vec<u8>>, ObjError> {
+        let full = self.full_key(key);
+        let url = self
+            .bucket
+            .get_object(Some(&self.credentials), &full)
+            .sign(SIGNED_FOR);
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let last = start.saturating_add(len.max(1)) - 1;
+        let mut resp = self
+            .agent
+            .get(url.as_str())
+            .header("Range", &format!("bytes={start}-{last}"))
+            .call()
+            .map_err(|e| self.unreachable("GET", &full, e))?;
+        let status = resp.status().as_u16();
+        // A server that ignores Range answers 200 with the whole object: read up to the range's
+        // end and cut it out.
+        let (skip, limit) = match status {
+            200 => (start, start.saturating_add(len)),
+            _ => (0, len.max(64 << 10)),
+        };
+        let mut body = Vec::with_capacity(if status == 206 { len as usize } else { 0 });
+        let read = resp
+            .body_mut()
+            .as_reader()
+            .take(limit)
+            .read_to_end(&mut body);
+        if let Err(e) = read {
+            return Err(self.unreachable("GET", &full, ureq::Error::Io(e)));
+        }
+        self.bytes_down
+            .fetch_add(body.len() as u64, Ordering::Relaxed);
+        match status {
+            206 => Ok(Some(body)),
+            200 => Ok(Some(body.split_off((skip as usize).min(body.len())))),
+            // The range starts past the object's end: an object shorter than its index says.
+            416 => Ok(Some(Vec::new())),
+            404 if s3_code(&body) == "NoSuchBucket" => Err(self.no_bucket()),
+            404 => Ok(None),
+            status => Err(self.status_error("GET", &full, status, s3_code(&body))),
+        }
+    }
+
+    /// The objects whose keys start with `prefix` (relative to the configured prefix), as
+    /// (key relative to the configured prefix, size), every page of the listing.
+    pub fn list(&self, prefix: &str) -> Result<Vec<(String, u64)>, ObjError> {
+        let full = self.full_key(prefix);
+        let mut out = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let mut action = self.bucket.list_objects_v2(Some(&self.credentials));
+            action.with_prefix(full.as_str());
+            if let Some(t) = &token {
+                action.with_continuation_token(t.as_str());
+            }
+            let url = action.sign(SIGNED_FOR);
+            self.requests.fetch_add(1, Ordering::Relaxed);
+            let mut resp = self
+                .agent
+                .get(url.as_str())
+                .call()
+                .map_err(|e| self.unreachable("LIST", &full, e))?;
+            let status = resp.status().as_u16();
+            let mut body = Vec::new();
+            let read = resp
+                .body_mut()
+                .as_reader()
+                .take(64 << 20)
+                .read_to_end(&mut body);
+            if let Err(e) = read {
+                return Err(self.unreachable("LIST", &full, ureq::Error::Io(e)));
+            }
+            self.bytes_down
+                .fetch_add(body.len() as u64, Ordering::Relaxed);
+            match status {
+                200..=299 => {}
+                404 if s3_code(&body) == "NoSuchBucket" => return Err(self.no_bucket()),
+                status => return Err(self.status_error("LIST", &full, status, s3_code(&body))),
+            }
+            let text = String::from_utf8_lossy(&body);
+            let page = rusty_s3::actions::ListObjectsV2::parse_response(&text).map_err(|e| {
+                self.status_error("LIST", &full, status, format!("unreadable listing: {e}"))
+            })?;
+            for c in page.contents {
+                if let Some(rel) = c.key.strip_prefix(self.prefix.as_str()) {
+                    out.push((rel.to_owned(), c.size.unwrap_or(0)));
+                }
+            }
+            match page.next_continuation_token {
+                // A server that hands back the token it was given would list forever.
+                Some(t) if token.as_deref() == Some(t.as_str()) => {
+                    return Err(self.status_error(
+                        "LIST",
+                        &full,
+                        status,
+                        "the listing repeats its continuation token".to_owned(),
+                    ))
+                }
+                Some(t) if !t.is_empty() => token = Some(t),
+                _ => return Ok(out),
+            }
+        }
+    }
+
     /// Writes object `key`.
     pub fn put(&self, key: &str, bytes: &[u8]) -> Result<(), ObjError> {
         let full = self.full_key(key);

@@ -3,15 +3,21 @@
 //!
 //! - [`push`] stores a snapshot directory's files in the local chunk store (content-defined
 //!   chunks, so functions on one base share their base pages), then uploads the chunks the bucket
-//!   lacks, the store record and the manifest, manifest last.
-//! - [`pull`] fetches a snapshot's manifest and record, then only the chunks the local store
-//!   lacks, in parallel (bounded), each checked against its BLAKE3 id before it is stored; then it
-//!   commits the record and materialises a verified snapshot directory.
+//!   lacks in pack objects, the snapshot's locator, the store record and the manifest, manifest
+//!   last.
+//! - [`pull`] fetches a snapshot's manifest, record and locator, then only the chunks the local
+//!   store lacks, in coalesced ranged GETs of their packs, in parallel (bounded), each checked
+//!   against its BLAKE3 id before it is stored; then it commits the record and materialises a
+//!   verified snapshot directory.
 //!
 //! # Layout in the bucket
 //!
 //! ```text
-//! <prefix>chunks/<64 hex>                 one chunk file (the store's own format: header + raw or zstd body)
+//! <prefix>packs/<64 hex>.pack             chunk files concatenated (~32 MiB), named by the BLAKE3 of its bytes
+//! <prefix>packs/<64 hex>.idx              that pack's index: chunk id -> offset, length (JSON), written after the pack
+//! <prefix>chunks/<64 hex>                 one loose chunk file (pushes before packs; still read)
+//! <prefix>snapshots/<id>/packs.json       the locator: for each pack holding chunks of <id>, its size and where they lie
+//! <prefix>snapshots/<id>/sealed-packs.json  the same for a split snapshot's sealed segment record (sealed.rs)
 //! <prefix>snapshots/<id>/record.json      the snapshot's recipes (which chunks make each file)
 //! <prefix>snapshots/<id>/manifest.mac     the seal, when the snapshot is sealed
 //! <prefix>snapshots/<id>/manifest.json    written last: a snapshot without it is incomplete
@@ -20,6 +26,29 @@
 //! Chunks are named by the hash of their raw contents, so a chunk is uploaded once whichever
 //! snapshot, node or function holds it, and an object can never be trusted by its name alone:
 //! every fetched chunk is decoded and hashed before it enters a store.
+//!
+//! # Packs: why, and where the pull finds them
+//!
+//! CRIU's pages are cut into content-defined chunks of ~30–120 KB; one object per chunk made a
+//! pull of GPT-2-Large's snapshot (27 000 chunks) bound by requests, at 4 % of what one large
+//! GET moves. A push therefore writes the chunks new to the bucket into packs of ~32 MiB
+//! (`PACK_TARGET`), in the order the snapshot's files use them, so a snapshot's
+//! chunks lie in long runs; a pull groups the chunks it lacks by pack, coalesces runs less than
+//! 1 MiB apart into ranged GETs of at most 32 MiB (the whole pack, without a Range, when it
+//! needs all of it), and runs `parallel` of them at once. Chunks stay the unit of deduplication
+//! and of verification: packs only change how they travel.
+//!
+//! The index is kept twice, for the two readers:
+//! - **per snapshot** (`snapshots/<id>/packs.json`): the pull reads one object, whatever else the
+//!   bucket holds; its size is the snapshot's, not the bucket's. A chunk it does not place is a
+//!   loose object (`chunks/<hex>`), which is how snapshots pushed before packs still pull.
+//! - **per pack** (`packs/<hash>.idx`, listed with ListObjectsV2): a push must know every chunk
+//!   in the bucket, whichever snapshot brought it, to upload only new ones. It lists the pack
+//!   indexes and the loose chunks (a few requests per thousand objects) instead of one HEAD per
+//!   chunk. An index is written after its pack, so a listed index always has its pack.
+//!
+//! Neither is trusted: a wrong offset or a corrupted pack yields bytes that fail their chunk's
+//! hash, and the pull is refused with nothing committed.
 //!
 //! # Choice of the S3 client
 //!
@@ -38,10 +67,10 @@
 //! store this talks to is synchronous (file I/O, rayon), the CLI has no async runtime, and the
 //! transfers are bounded by a fixed pool of threads; torpord, when it is wired in, calls this
 //! from `spawn_blocking` like its other store work. An async SDK would bring a second HTTP stack
-//! into the build for no gain here. The cost: no built-in retries or multipart upload. Chunks
-//! are at most a few MiB (content-defined page chunks, 4 MiB segment chunks), far under the 5 GiB
-//! single-PUT limit, and a failed push or pull is simply run again (both are idempotent and only
-//! move what is missing).
+//! into the build for no gain here. The cost: no built-in retries or multipart upload. Packs
+//! are ~32 MiB (a pack closes once it holds that much; its last chunk may add up to one 4 MiB
+//! segment chunk), far under the 5 GiB single-PUT limit, and a failed push or pull is simply run
+//! again (both are idempotent and only move what is missing).
 
 mod chunks;
 mod client;
@@ -113,6 +142,8 @@ pub(crate) struct RemoteRecord {
 
 pub(crate) const RECORD_FORMAT: u32 = 1;
 pub(crate) const RECORD_OBJECT: &str = "record.json";
+/// The locator of a snapshot's chunks in packs, under `snapshots/<id>/`.
+pub(crate) const LOCATOR_OBJECT: &str = "packs.json";
 /// Records larger than this are refused (a snapshot of millions of chunks is ~100 MiB).
 pub(crate) const MAX_RECORD_BYTES: u64 = 256 << 20;
 

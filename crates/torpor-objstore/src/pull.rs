@@ -10,7 +10,8 @@ use torpor_image::{Manifest, Snapshot, Trust, MAC_FILE, MANIFEST_FILE};
 use crate::client::{Remote, Traffic};
 use crate::error::TransferError;
 use crate::{
-    snapshot_key, Phase, Progress, RemoteRecord, MAX_RECORD_BYTES, RECORD_FORMAT, RECORD_OBJECT,
+    snapshot_key, Phase, Progress, RemoteRecord, LOCATOR_OBJECT, MAX_RECORD_BYTES, RECORD_FORMAT,
+    RECORD_OBJECT,
 };
 
 /// What a pull did.
@@ -25,6 +26,10 @@ pub struct PullReport {
     pub fetched: u64,
     /// Chunks the local store had already.
     pub local: u64,
+    /// Ranged GETs of packs that fetched the packed chunks.
+    pub ranges: u64,
+    /// Chunks fetched as loose objects, one GET each (pushed before packs).
+    pub loose: u64,
     pub traffic: Traffic,
 }
 
@@ -84,9 +89,14 @@ pub fn pull(
     // Chunks: only those the store lacks. The writer's shared lock keeps a GC from deleting
     // the ones already here (or fetched) before the record that references them is committed.
     let writer = store.writer()?;
-    let (total, fetched_chunks) = crate::chunks::download(
-        remote, store, &writer, &recipes, parallel, progress, &missing,
-    )?;
+    let locator = crate::chunks::fetch_locator(remote, &snapshot_key(id, LOCATOR_OBJECT))?;
+    let source = crate::chunks::Source {
+        remote,
+        locator: locator.as_ref(),
+        missing: &missing,
+    };
+    let down = crate::chunks::download(&source, store, &writer, &recipes, parallel, progress)?;
+    let (total, fetched_chunks) = (down.total, down.fetched);
     match store.recipes(id) {
         // Pulled before: the same contents are fine, other contents are not replaced.
         Ok(have) if have == recipes => drop(writer),
@@ -121,6 +131,8 @@ pub fn pull(
         chunks: total,
         fetched: fetched_chunks,
         local: total - fetched_chunks,
+        ranges: down.ranges,
+        loose: down.loose,
         traffic: remote.traffic(),
     })
 }

@@ -8,7 +8,9 @@ use torpor_image::{Snapshot, Trust, MAC_FILE, MANIFEST_FILE};
 
 use crate::client::{Remote, Traffic};
 use crate::error::TransferError;
-use crate::{snapshot_key, Phase, Progress, RemoteRecord, RECORD_FORMAT, RECORD_OBJECT};
+use crate::{
+    snapshot_key, Phase, Progress, RemoteRecord, LOCATOR_OBJECT, RECORD_FORMAT, RECORD_OBJECT,
+};
 
 /// What a push did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -72,8 +74,14 @@ pub fn push(
     };
 
     let recipes = local_recipes(store, &snapshot, id, progress)?;
-    let (total, uploaded) = crate::chunks::upload(remote, store, &recipes, parallel, progress)?;
+    let up = crate::chunks::upload(remote, store, &recipes, parallel, progress)?;
+    let (total, uploaded) = (up.total, up.uploaded);
 
+    // The locator before the manifest (a snapshot with a manifest has its locator); rewritten
+    // when a push of a snapshot already there had to upload chunks the bucket had lost.
+    if !already_pushed || uploaded > 0 {
+        remote.put(&snapshot_key(id, LOCATOR_OBJECT), &up.locator.to_json())?;
+    }
     if !already_pushed {
         let record = RemoteRecord {
             format: RECORD_FORMAT,

@@ -19,6 +19,8 @@ use crate::{snapshot_key, Progress, MAX_RECORD_BYTES};
 
 /// The object holding a snapshot's sealed record, under `snapshots/<id>/`.
 pub const SEALED_RECORD_OBJECT: &str = "sealed-record.json";
+/// The locator of the sealed record's chunks in packs, under `snapshots/<id>/`.
+const SEALED_LOCATOR_OBJECT: &str = "sealed-packs.json";
 
 /// What a push or pull of a sealed record moved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -42,9 +44,16 @@ pub fn push_sealed_record(
     let bytes = store.record_bytes(id)?;
     // Only what this node sealed goes out (and it is what the pulling node will check).
     let recipes = open_sealed_record(&bytes, &store.root().join("refs"), id, key)?;
-    let (chunks, moved) = crate::chunks::upload(remote, store, &recipes, parallel, progress)?;
+    let up = crate::chunks::upload(remote, store, &recipes, parallel, progress)?;
+    remote.put(
+        &snapshot_key(id, SEALED_LOCATOR_OBJECT),
+        &up.locator.to_json(),
+    )?;
     remote.put(&snapshot_key(id, SEALED_RECORD_OBJECT), &bytes)?;
-    Ok(SealedRecordReport { chunks, moved })
+    Ok(SealedRecordReport {
+        chunks: up.total,
+        moved: up.uploaded,
+    })
 }
 
 /// Pulls the sealed record `id` into `store` if the bucket has one (`Ok(None)`: it has none):
@@ -76,9 +85,14 @@ pub fn pull_sealed_record(
         bucket: bucket.clone(),
         key: remote.full_key(k),
     };
-    let (chunks, moved) = crate::chunks::download(
-        remote, store, &writer, &recipes, parallel, progress, &missing,
-    )?;
+    let locator = crate::chunks::fetch_locator(remote, &snapshot_key(id, SEALED_LOCATOR_OBJECT))?;
+    let source = crate::chunks::Source {
+        remote,
+        locator: locator.as_ref(),
+        missing: &missing,
+    };
+    let down = crate::chunks::download(&source, store, &writer, &recipes, parallel, progress)?;
+    let (chunks, moved) = (down.total, down.fetched);
     match store.sealed_recipes(id, key) {
         Ok(have) if have == recipes => drop(writer),
         Ok(_) => {

@@ -102,6 +102,25 @@ fn push_and_pull_against_seaweedfs() {
     assert!(pushed.chunks > 3, "{pushed:?}");
     assert_eq!(pushed.uploaded, pushed.chunks, "{pushed:?}");
     assert!(!pushed.already_pushed);
+    // In packs: a pack and its index, no loose chunk object; the locator names every chunk.
+    let listed = r.list("").expect("list");
+    let packs: Vec<&String> = listed
+        .iter()
+        .map(|(k, _)| k)
+        .filter(|k| k.starts_with("packs/") && k.ends_with(".pack"))
+        .collect();
+    assert_eq!(packs.len(), 1, "{listed:?}");
+    assert!(
+        listed
+            .iter()
+            .any(|(k, _)| *k == packs[0].replace(".pack", ".idx")),
+        "{listed:?}"
+    );
+    assert!(
+        listed.iter().all(|(k, _)| !k.starts_with("chunks/")),
+        "{listed:?}"
+    );
+    assert_eq!(located(&r, "fn-a").len() as u64, pushed.chunks);
     let again = push(
         &remote(&config),
         &node1,
@@ -128,6 +147,21 @@ fn push_and_pull_against_seaweedfs() {
     .expect("push b");
     assert!(pushed_b.present >= pushed.chunks - 1, "{pushed_b:?}");
     assert_eq!(pushed_b.uploaded, pushed_b.chunks - pushed_b.present);
+    assert!(pushed_b.uploaded > 0, "{pushed_b:?}");
+    // Only B's new chunks went up, in one new pack: its upload is about their size.
+    let b_new: u64 = {
+        let a_ids = located(&r, "fn-a");
+        located(&r, "fn-b")
+            .iter()
+            .filter(|(id, _)| !a_ids.iter().any(|(a, _)| a == id))
+            .map(|(_, len)| *len)
+            .sum()
+    };
+    let up = pushed_b.traffic.bytes_up;
+    assert!(
+        up >= b_new && up < b_new + (64 << 10),
+        "{pushed_b:?} {b_new}"
+    );
 
     // Another snapshot under a taken id: refused by the bucket before the local store changes,
     // and by a local store that holds other contents under that id.
@@ -184,7 +218,7 @@ fn push_and_pull_against_seaweedfs() {
     assert_eq!(node2.snapshots().expect("ids"), ["fn-a"]);
 
     // Pull B into the store that has A: only B's own chunks are fetched (requests counted:
-    // manifest, record, seal, then one GET per missing chunk).
+    // manifest, record, seal, locator, then one ranged GET: B's new chunks are one pack).
     let r3 = remote(&config);
     let pulled_b = pull(
         &r3,
@@ -198,7 +232,8 @@ fn push_and_pull_against_seaweedfs() {
     .expect("pull b");
     assert_eq!(pulled_b.fetched, pushed_b.uploaded, "{pulled_b:?}");
     assert_eq!(pulled_b.local, pulled_b.chunks - pulled_b.fetched);
-    assert_eq!(r3.traffic().requests, 3 + pulled_b.fetched, "{pulled_b:?}");
+    assert_eq!((pulled_b.ranges, pulled_b.loose), (1, 0), "{pulled_b:?}");
+    assert_eq!(r3.traffic().requests, 4 + pulled_b.ranges, "{pulled_b:?}");
     assert!(r3.traffic().bytes_down < 2 << 20, "{pulled_b:?}");
     Snapshot::open(&w.join("pulled-b"))
         .expect("open")
@@ -222,7 +257,8 @@ fn push_and_pull_against_seaweedfs() {
 
     streamed_get(&config);
     server_gone_mid_pull(&server, w, &config, &key);
-    corrupted_object_is_refused(w, &config, &key, &node1);
+    corrupted_pack_is_refused(w, &config, &key, &node1);
+    loose_chunks_of_an_older_push(w, &config, &key);
     wrong_credentials(&server, w);
     unknown_snapshot_and_missing_bucket(&server, w);
 }
@@ -292,11 +328,73 @@ fn server_gone_mid_pull(server: &Seaweed, w: &Path, config: &Path, key: &Snapsho
         .expect("open")
         .verify()
         .expect("verify");
+    // A then needs only its own core.img, a few KiB of a ~3 MiB pack: one ranged GET of it.
+    let r = remote(config);
+    let pulled_a = pull(
+        &r,
+        &node3,
+        "fn-a",
+        &w.join("pulled-a3"),
+        Trust::Key(key),
+        4,
+        &quiet,
+    )
+    .expect("pull a into node3");
+    assert_eq!(
+        (pulled_a.fetched, pulled_a.ranges, pulled_a.loose),
+        (1, 1, 0),
+        "{pulled_a:?}"
+    );
+    assert!(r.traffic().bytes_down < 512 << 10, "{pulled_a:?}");
+    Snapshot::open(&w.join("pulled-a3"))
+        .expect("open")
+        .verify()
+        .expect("verify a3");
 }
 
-/// An object overwritten in the bucket is refused with one line naming its key; nothing of it
-/// is stored.
-fn corrupted_object_is_refused(w: &Path, config: &Path, key: &SnapshotKey, node1: &ChunkStore) {
+/// The chunks the locator of `id` places: (chunk id, length of its chunk file).
+fn located(r: &Remote, id: &str) -> Vec<(String, u64)> {
+    let bytes = r
+        .get(&format!("snapshots/{id}/packs.json"), 64 << 20)
+        .expect("get locator")
+        .expect("a locator");
+    let locator: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+    let mut out = Vec::new();
+    for (_, p) in locator["packs"].as_object().expect("packs") {
+        for c in p["chunks"].as_array().expect("chunks") {
+            out.push((
+                c[0].as_str().expect("id").to_owned(),
+                c[2].as_u64().expect("len"),
+            ));
+        }
+    }
+    out
+}
+
+/// (pack name, offset, length) of `chunk` in the locator of `id`.
+fn place_of(r: &Remote, id: &str, chunk: &str) -> (String, u64, u64) {
+    let bytes = r
+        .get(&format!("snapshots/{id}/packs.json"), 64 << 20)
+        .expect("get locator")
+        .expect("a locator");
+    let locator: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+    for (name, p) in locator["packs"].as_object().expect("packs") {
+        for c in p["chunks"].as_array().expect("chunks") {
+            if c[0].as_str() == Some(chunk) {
+                return (
+                    name.clone(),
+                    c[1].as_u64().expect("offset"),
+                    c[2].as_u64().expect("len"),
+                );
+            }
+        }
+    }
+    panic!("{chunk} not in the locator of {id}");
+}
+
+/// A byte flipped inside a pack: the pull that fetches that range is refused with one line
+/// naming the pack; nothing of the chunk is stored, nothing committed, no directory written.
+fn corrupted_pack_is_refused(w: &Path, config: &Path, key: &SnapshotKey, node1: &ChunkStore) {
     let recipes = node1.recipes("fn-a").expect("recipes");
     let victim = recipes
         .iter()
@@ -304,11 +402,12 @@ fn corrupted_object_is_refused(w: &Path, config: &Path, key: &SnapshotKey, node1
         .expect("core.img")
         .chunks[0];
     let r = remote(config);
-    let mut bytes = node1.chunk_file(&victim, "core.img").expect("chunk file");
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0x55;
-    let object = format!("chunks/{}", victim.id);
-    r.put(&object, &bytes).expect("overwrite");
+    let (pack, offset, len) = place_of(&r, "fn-a", &victim.id.to_hex());
+    let object = format!("packs/{pack}.pack");
+    let good = r.get(&object, 1 << 30).expect("get pack").expect("pack");
+    let mut bad = good.clone();
+    bad[(offset + len - 1) as usize] ^= 0x55;
+    r.put(&object, &bad).expect("overwrite");
     let node4 = ChunkStore::open(&w.join("node4")).expect("store 4");
     let err = pull(
         &r,
@@ -332,10 +431,167 @@ fn corrupted_object_is_refused(w: &Path, config: &Path, key: &SnapshotKey, node1
     assert!(!node4.contains(&victim.id));
     assert!(node4.snapshots().expect("ids").is_empty());
     assert!(!w.join("pulled-bad").exists());
-    // Pushing again from the node that has it intact does not repair it (the object exists):
-    // put it back by hand for the later checks.
-    let good = node1.chunk_file(&victim, "core.img").expect("chunk file");
+    // A pack cut short is refused too, naming the pack.
+    r.put(&object, &good[..offset as usize]).expect("truncate");
+    let err = pull(
+        &r,
+        &node4,
+        "fn-a",
+        &w.join("pulled-bad"),
+        Trust::Key(key),
+        4,
+        &quiet,
+    )
+    .expect_err("short");
+    assert!(matches!(err, TransferError::CorruptObject { .. }), "{err}");
+    assert!(err.to_string().contains(&object), "{err}");
+    assert!(!node4.contains(&victim.id));
+    assert!(node4.snapshots().expect("ids").is_empty());
+    assert!(!w.join("pulled-bad").exists());
+    // Put it back for the later checks (a push does not repair it: the index lists the chunk).
+    r.put(&object, &good).expect("restore pack");
+}
+
+/// A snapshot pushed before packs (every chunk a loose `chunks/<hex>` object, no locator)
+/// still pulls, and a later push counts its loose chunks as present.
+fn loose_chunks_of_an_older_push(w: &Path, config: &Path, key: &SnapshotKey) {
+    // Push C under a scratch prefix of the bucket, then lay it out at the top as the pushes
+    // before packs did.
+    let scratch_config = w.join("scratch.toml");
+    let text = fs::read_to_string(config).expect("read");
+    fs::write(&scratch_config, format!("{text}prefix = \"scratch/\"\n")).expect("write");
+    let scratch = remote(&scratch_config);
+    let old_pages = pages("old", 2 << 20);
+    let c = snapshot(
+        w,
+        "fn-c",
+        &[
+            ("pages-1.img", old_pages.clone()),
+            ("core.img", vec![5; 100]),
+        ],
+        Some(key),
+    );
+    let node7 = ChunkStore::open(&w.join("node7")).expect("store 7");
+    push(&scratch, &node7, &c, "fn-c", Trust::Key(key), 4, &quiet).expect("push c");
+    let r = remote(config);
+    let recipes = node7.recipes("fn-c").expect("recipes");
+    let mut loose = 0;
+    for recipe in &recipes {
+        for chunk in &recipe.chunks {
+            let bytes = node7.chunk_file(chunk, &recipe.name).expect("chunk file");
+            r.put(&format!("chunks/{}", chunk.id), &bytes).expect("put");
+            loose += 1;
+        }
+    }
+    for file in ["record.json", "manifest.mac", "manifest.json"] {
+        let object = format!("snapshots/fn-c/{file}");
+        let bytes = scratch.get(&object, 1 << 30).expect("get").expect(file);
+        r.put(&object, &bytes).expect("put");
+    }
+
+    let node8 = ChunkStore::open(&w.join("node8")).expect("store 8");
+    let out = w.join("pulled-c");
+    let pulled = pull(
+        &remote(config),
+        &node8,
+        "fn-c",
+        &out,
+        Trust::Key(key),
+        4,
+        &quiet,
+    )
+    .expect("pull old");
+    assert_eq!(
+        (pulled.loose, pulled.ranges),
+        (pulled.fetched, 0),
+        "{pulled:?}"
+    );
+    assert!(pulled.fetched >= 2 && pulled.fetched <= loose, "{pulled:?}");
+    let snap = Snapshot::open(&out).expect("open");
+    snap.authenticate(Trust::Key(key)).expect("authentic");
+    snap.verify().expect("verify");
+    assert!(fs::read(out.join("pages-1.img")).expect("read") == old_pages);
+    // A loose chunk overwritten in the bucket is refused with its key, nothing committed.
+    let victim = recipes
+        .iter()
+        .find(|r| r.name == "core.img")
+        .expect("core.img")
+        .chunks[0];
+    let object = format!("chunks/{}", victim.id);
+    let good = node7.chunk_file(&victim, "core.img").expect("chunk file");
+    let mut bad = good.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 0x55;
+    r.put(&object, &bad).expect("overwrite");
+    let node10 = ChunkStore::open(&w.join("node10")).expect("store 10");
+    let err = pull(
+        &r,
+        &node10,
+        "fn-c",
+        &w.join("pulled-c-bad"),
+        Trust::Key(key),
+        4,
+        &quiet,
+    )
+    .expect_err("corrupt loose chunk");
+    assert!(
+        matches!(
+            err,
+            TransferError::Store(StoreError::ForeignChunkCorrupt { .. })
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains(&object), "{err}");
+    assert!(!node10.contains(&victim.id));
+    assert!(node10.snapshots().expect("ids").is_empty());
+    assert!(!w.join("pulled-c-bad").exists());
     r.put(&object, &good).expect("restore object");
+
+    // D shares C's pages: the loose chunks count as present, only D's own go up, in a pack.
+    let d = snapshot(
+        w,
+        "fn-d",
+        &[("pages-1.img", old_pages), ("core.img", vec![6; 100])],
+        Some(key),
+    );
+    let pushed_d = push(&r, &node7, &d, "fn-d", Trust::Key(key), 4, &quiet).expect("push d");
+    assert_eq!(pushed_d.uploaded, 1, "{pushed_d:?}");
+    assert_eq!(pushed_d.present, pushed_d.chunks - 1, "{pushed_d:?}");
+    // Pulled where C is: only D's core.img, from its pack.
+    let pulled_d = pull(
+        &remote(config),
+        &node8,
+        "fn-d",
+        &w.join("pulled-d"),
+        Trust::Key(key),
+        4,
+        &quiet,
+    )
+    .expect("pull d");
+    assert_eq!(
+        (pulled_d.fetched, pulled_d.ranges, pulled_d.loose),
+        (1, 1, 0),
+        "{pulled_d:?}"
+    );
+    // Pulled into an empty store: C's chunks loose, D's own from its pack.
+    let node9 = ChunkStore::open(&w.join("node9")).expect("store 9");
+    let pulled_d = pull(
+        &remote(config),
+        &node9,
+        "fn-d",
+        &w.join("pulled-d2"),
+        Trust::Key(key),
+        4,
+        &quiet,
+    )
+    .expect("pull d fresh");
+    assert_eq!(pulled_d.fetched, pulled_d.chunks, "{pulled_d:?}");
+    assert_eq!(pulled_d.loose, pulled_d.chunks - 1, "{pulled_d:?}");
+    assert_eq!(pulled_d.ranges, 1, "{pulled_d:?}");
+    Snapshot::open(&w.join("pulled-d2"))
+        .expect("open")
+        .verify()
+        .expect("verify d");
 }
 
 fn wrong_credentials(server: &Seaweed, w: &Path) {
@@ -424,4 +680,56 @@ fn streamed_get(config: &Path) {
         "{err}"
     );
     assert_eq!(short.len(), 1001);
+    // Ranged GETs: the bytes asked for; past the end, what there is.
+    let part = r
+        .get_range("data/t/obj.bin", 1000, 5000)
+        .expect("range")
+        .expect("object");
+    assert!(part == data[1000..6000]);
+    let end = data.len() as u64;
+    let tail = r
+        .get_range("data/t/obj.bin", end - 10, 100)
+        .expect("tail")
+        .expect("object");
+    assert!(tail == data[data.len() - 10..]);
+    let past = r
+        .get_range("data/t/obj.bin", end + 10, 100)
+        .expect("past")
+        .expect("object");
+    assert!(past.is_empty());
+    assert_eq!(
+        r.get_range("data/t/nowhere.bin", 0, 10).expect("none"),
+        None
+    );
+    // Listings go past a page (1 000 keys): every key once, relative to the prefix.
+    let keys: Vec<String> = (0..1100).map(|i| format!("list-test/{i:05}")).collect();
+    put_all_parallel(&keys, |k| r.put(k, b"x").expect("put"));
+    let before = r.traffic().requests;
+    let mut listed: Vec<String> = r
+        .list("list-test/")
+        .expect("list")
+        .into_iter()
+        .map(|(k, size)| {
+            assert_eq!(size, 1, "{k}");
+            k
+        })
+        .collect();
+    assert_eq!(r.traffic().requests - before, 2, "two pages");
+    listed.sort();
+    assert_eq!(listed, keys);
+    assert!(r.list("list-nothing/").expect("empty").is_empty());
+}
+
+/// Runs `f` on every item, 16 threads at once.
+fn put_all_parallel(items: &[String], f: impl Fn(&String) + Sync) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..16 {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                f(item);
+            });
+        }
+    });
 }
