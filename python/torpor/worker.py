@@ -520,32 +520,24 @@ class Worker:
         # The daemon's timeout counts from here, not from the time this request waited behind
         # the ones before it.
         self.send({"type": "started", "id": rid})
-        t0 = time.perf_counter()
         try:
-            request = torpor_data.with_refs(msg["request"])
-            torpor_data.set_dump_sink(self.send_dump)
-            try:
-                value = call(request)
-            finally:
-                torpor_data.set_dump_sink(None)
-        except Exception as e:
-            out = {
-                "type": "result",
-                "id": rid,
-                "ok": False,
-                "error": error_doc(e),
-                "handler_s": time.perf_counter() - t0,
-            }
-        else:
-            out = {
-                "type": "result",
-                "id": rid,
-                "ok": True,
-                "value": value,
-                "handler_s": time.perf_counter() - t0,
-            }
+            out = self.call_result(rid, call, msg["request"])
+        finally:
+            torpor_data.set_dump_sink(None)
         self.settle_readiness()
         self.send_result(out)
+
+    def call_result(self, rid: Any, call: Callable[[Any], Any], request: Any) -> dict[str, Any]:
+        """Calls the function on `request` (its {"$ref"} objects replaced by their bytes,
+        torpor.dump's sink set) and returns the `result` frame: its value or its error, and the
+        handler's time."""
+        t0 = time.perf_counter()
+        try:
+            torpor_data.set_dump_sink(self.send_dump)
+            value = call(torpor_data.with_refs(request))
+        except Exception as e:
+            return {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": time.perf_counter() - t0}
+        return {"type": "result", "id": rid, "ok": True, "value": value, "handler_s": time.perf_counter() - t0}
 
     def send_dump(self, name: str, data: bytes) -> None:
         """torpor.dump while a request runs: torpord writes `data` to the object in the
@@ -560,23 +552,14 @@ class Worker:
         connection."""
         try:
             self.send({"type": "started", "id": rid})
-            t0 = time.perf_counter()
-            try:
-                # torpor.dump's sink is process-wide: a sandbox's threads share it.
-                torpor_data.set_dump_sink(self.send_dump)
-                with torpor_gpu.request_stream(self.gpu_framework or torpor_gpu.framework()):
-                    value = call(torpor_data.with_refs(request))
-            except Exception as e:
-                out = {
-                    "type": "result",
-                    "id": rid,
-                    "ok": False,
-                    "error": error_doc(e),
-                    "handler_s": time.perf_counter() - t0,
-                }
-            else:
-                out = {"type": "result", "id": rid, "ok": True, "value": value, "handler_s": time.perf_counter() - t0}
-            self.send_result(out)
+            framework = self.gpu_framework or torpor_gpu.framework()
+
+            def on_own_stream(req: Any) -> Any:
+                with torpor_gpu.request_stream(framework):
+                    return call(req)
+
+            # torpor.dump's sink is process-wide: a sandbox's threads share it (never unset).
+            self.send_result(self.call_result(rid, on_own_stream, request))
         except (ConnectionError, OSError, AssertionError):
             pass
 

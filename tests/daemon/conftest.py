@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,3 +212,17 @@ def fake_gpu_env(root: Path, fake_cuda: FakeCuda, **extra: str) -> dict[str, str
         "FAKE_CUDA_DEFAULT_STATE": "any",
         **extra,
     }
+
+
+@pytest.fixture(scope="module")
+def cuda() -> None:
+    """Skips unless torch sees a CUDA device (the GPU machine's tests)."""
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if r.stdout.strip() != "True":
+        pytest.skip(f"needs a CUDA device visible to torch ({r.stdout.strip() or r.stderr.strip()[-200:]})")

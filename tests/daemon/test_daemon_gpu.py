@@ -34,19 +34,6 @@ TORCHMM = ROOT / "tests" / "sdk" / "functions" / "torchmm"
 X = [0.5, -1.0, 2.0, 0.0]
 
 
-@pytest.fixture(scope="module")
-def cuda() -> None:
-    r = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if r.stdout.strip() != "True":
-        pytest.skip(f"needs a CUDA device visible to torch ({r.stdout.strip() or r.stderr.strip()[-200:]})")
-
-
 def expected_y() -> list[float]:
     code = (
         "import json, torch; g = torch.Generator().manual_seed(0); w = torch.randn(4, 4, generator=g); "

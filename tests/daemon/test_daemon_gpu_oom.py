@@ -38,19 +38,6 @@ sys.stdin.read()
 """
 
 
-@pytest.fixture(scope="module")
-def cuda() -> None:
-    r = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if r.stdout.strip() != "True":
-        pytest.skip(f"needs a CUDA device visible to torch ({r.stdout.strip() or r.stderr.strip()[-200:]})")
-
-
 class Hog:
     """Another process holding all but LEAVE of the GPU's memory, until `release`."""
 

@@ -46,19 +46,6 @@ print(json.dumps(value))
 """
 
 
-@pytest.fixture(scope="module")
-def cuda() -> None:
-    r = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if r.stdout.strip() != "True":
-        pytest.skip(f"needs a CUDA device visible to torch ({r.stdout.strip() or r.stderr.strip()[-200:]})")
-
-
 def test_the_gpu_vision_workflow_runs_in_one_sandbox_and_matches_the_cpu(cuda: None, torpord: Torpord, tmp_path: Path) -> None:
     gpu = tmp_path / "vision-gpu"
     subprocess.run([sys.executable, VISION / "make_weights.py", "--gpu", gpu], check=True, timeout=120)

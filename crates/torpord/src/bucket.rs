@@ -50,8 +50,6 @@ use crate::registry::Function;
 use crate::sync::lock;
 use crate::tenant::Scope;
 
-/// Requests in flight per push or pull, unless `objstore.parallel` says otherwise.
-pub const PARALLEL: usize = 8;
 /// A failed push is tried again after this, doubling up to [`RETRY_MAX`].
 pub const RETRY_FIRST: Duration = Duration::from_secs(30);
 pub const RETRY_MAX: Duration = Duration::from_secs(600);

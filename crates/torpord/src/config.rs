@@ -404,12 +404,14 @@ pub struct Objstore {
     pub path_style: bool,
     /// Bytes of chunks the local store keeps beyond those of registered snapshots.
     pub cache_bytes: u64,
-    /// Requests in flight per push or pull (`parallel`, default [`crate::bucket::PARALLEL`]).
+    /// Requests in flight per push or pull (`parallel`, default [`OBJSTORE_PARALLEL`]).
     pub parallel: usize,
 }
 
 /// The most requests in flight `objstore.parallel` allows.
 pub const MAX_OBJSTORE_PARALLEL: usize = 256;
+/// Requests in flight per push or pull, unless `objstore.parallel` says otherwise.
+pub const OBJSTORE_PARALLEL: usize = 8;
 
 /// Default of `objstore.cache_bytes`: 16 GiB.
 pub const DEFAULT_OBJSTORE_CACHE_BYTES: u64 = 16 << 30;
@@ -834,8 +836,8 @@ fn objstore_section(t: &mut Table, base: &Path) -> Result<Objstore, KeyError> {
         None => DEFAULT_OBJSTORE_CACHE_BYTES,
     };
     let parallel = match t.integer("parallel", 1, MAX_OBJSTORE_PARALLEL as i64)? {
-        Some(n) => usize::try_from(n).unwrap_or(crate::bucket::PARALLEL),
-        None => crate::bucket::PARALLEL,
+        Some(n) => usize::try_from(n).unwrap_or(OBJSTORE_PARALLEL),
+        None => OBJSTORE_PARALLEL,
     };
     let o = Objstore {
         endpoint,
@@ -1157,7 +1159,7 @@ mod tests {
     fn objstore_parallel_defaults_to_8_and_is_bounded() {
         let base = "[objstore]\nendpoint = \"http://127.0.0.1:8333\"\nbucket = \"b\"\ncredentials_file = \"c\"\n";
         let c = parse(base).unwrap();
-        assert_eq!(c.objstore.unwrap().parallel, crate::bucket::PARALLEL);
+        assert_eq!(c.objstore.unwrap().parallel, OBJSTORE_PARALLEL);
         let c = parse(&format!("{base}parallel = 256\n")).unwrap();
         assert_eq!(c.objstore.unwrap().parallel, 256);
         for bad in ["0", "257", "-1", "\"8\""] {
