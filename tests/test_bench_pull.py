@@ -42,3 +42,8 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     assert probe["objects"] == min(run["pulled_chunks"], 4000) and probe["object_bytes"] == run["mean_chunk_bytes"], probe
     assert s["pull_over_chunk_gets"] == round(run["pull_gbps"] / probe["gbps"], 3), s
     assert d["parallel"] == probe["streams"] == 8, (d["parallel"], probe)
+    # The pull reports where its time went; the phases are parts of the pull, so none exceeds it.
+    phases = run["phases"]
+    assert phases is not None and set(phases) >= {"files_s", "segments_s", "files_fetch_s", "files_commit_s", "register_s"}, phases
+    assert all(0 <= v <= run["pull_s"] + 0.05 for v in phases.values()), (phases, run["pull_s"])
+    assert s["pull_phases_s"] == phases, s

@@ -268,6 +268,14 @@ def node_config(model: split.Model, table: Json) -> Json:
     return config
 
 
+def median_phases(phases: list[Json | None]) -> Json | None:
+    """Each phase's median over the runs that reported phases (None: no run did)."""
+    got = [p for p in phases if isinstance(p, dict)]
+    if not got:
+        return None
+    return {k: round(statistics.median(float(p[k]) for p in got), 4) for k in got[0]}
+
+
 def fresh_state(state: Path, key_from: Path) -> None:
     """An empty state directory holding only the cluster's snapshot key."""
     if state.exists():
@@ -283,6 +291,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--work-dir", type=Path, default=None, help="default: a new directory under /var/tmp")
     p.add_argument("--transfer-bytes", type=int, default=None)
+    p.add_argument("--cpu-weights-mib", type=int, default=None,
+                   help="--model cpu: the size of its weights (default 8): a CPU pull of GPU-like size")
     p.add_argument("--parallel", type=int, default=STREAMS,
                    help=f"torpord's objstore.parallel for push and pull, and the chunk probe's streams (default {STREAMS})")
     p.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before the disk read")
@@ -295,6 +305,11 @@ def main(argv: list[str]) -> int:
         print("bench/cluster/pull.py: run as root (torpord starts workers in namespaces and runs CRIU)", file=sys.stderr)
         return 2
     model = split.MODELS[args.model]
+    if args.cpu_weights_mib is not None:
+        if model.gpu or args.cpu_weights_mib < 1:
+            print("bench/cluster/pull.py: --cpu-weights-mib takes a size >= 1 and --model cpu", file=sys.stderr)
+            return 2
+        split.CPU_WEIGHTS_BYTES = args.cpu_weights_mib << 20
     torpor = find_torpor(None)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="torpor-pull-", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
@@ -317,6 +332,7 @@ def main(argv: list[str]) -> int:
         "torpor_commit": os.environ.get("TORPOR_COMMIT"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "parallel": args.parallel,
+        "cpu_weights_bytes": split.CPU_WEIGHTS_BYTES if not model.gpu else None,
         "runs": [],
     }
     try:
@@ -371,6 +387,8 @@ def main(argv: list[str]) -> int:
                 "pull_gbps": round(pulled["pulled_bytes"] / pull_s / 1e9, 3),
                 # The daemon's own figure (the API call less the HTTP round trip).
                 "daemon_pull_s": pulled["seconds"],
+                # Where the daemon's seconds went (files and segments overlap: pulled at once).
+                "phases": {k: round(v, 4) for k, v in pulled["phases"].items()} if pulled.get("phases") else None,
                 "mean_chunk_bytes": pulled["pulled_bytes"] // max(1, pulled["pulled_chunks"]),
                 "restore_to_first_answer_s": first["wall_s"],
                 "first_start_s": round(pull_s + first["wall_s"], 4),
@@ -407,6 +425,7 @@ def main(argv: list[str]) -> int:
             "disk_write_fsync_gbps": result["disk"]["write_fsync_gbps"],
             "pulled_bytes": pulled_bytes,
             "pull_s": statistics.median(r["pull_s"] for r in runs),
+            "pull_phases_s": median_phases([r.get("phases") for r in runs]),
             "restore_to_first_answer_s": statistics.median(r["restore_to_first_answer_s"] for r in runs),
             "first_start_s": first_s,
             "cold_start_s": cold_s,

@@ -543,7 +543,14 @@ def link_or_copy(src: Path, dest: Path) -> None:
 
 def cpu_weights(path: Path) -> Path:
     if not path.is_file() or path.stat().st_size != CPU_WEIGHTS_BYTES:
-        path.write_bytes(random.Random(0).randbytes(CPU_WEIGHTS_BYTES))
+        # In pieces: randbytes of more than ~256 MiB overflows a C int; the first 64 MiB are
+        # what one call made before, so small weights files keep their bytes.
+        rng, left = random.Random(0), CPU_WEIGHTS_BYTES
+        with open(path, "wb") as f:
+            while left:
+                piece = min(left, 64 << 20)
+                f.write(rng.randbytes(piece))
+                left -= piece
     return path
 
 

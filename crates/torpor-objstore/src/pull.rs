@@ -3,6 +3,7 @@
 use std::fs;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use torpor_image::store::{ChunkStore, Recipe, StoreError};
 use torpor_image::{Manifest, Snapshot, Trust, MAC_FILE, MANIFEST_FILE};
@@ -15,7 +16,7 @@ use crate::{
 };
 
 /// What a pull did.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct PullReport {
     pub id: String,
     pub bucket: String,
@@ -31,6 +32,22 @@ pub struct PullReport {
     /// Chunks fetched as loose objects, one GET each (pushed before packs).
     pub loose: u64,
     pub traffic: Traffic,
+    pub timings: PullTimings,
+}
+
+/// Where a pull's time went, in seconds: what to look at when a pull is slower than the link.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct PullTimings {
+    /// The manifest, the record and the MAC: small GETs one after another.
+    pub metadata_s: f64,
+    /// The chunks: GETs, decoding, checking each against its id, writing them into the store.
+    pub fetch_s: f64,
+    /// The store's commit: one syncfs, then the record.
+    pub commit_s: f64,
+    /// Writing the snapshot directory from the store.
+    pub materialise_s: f64,
+    /// Authenticating the manifest and hashing every file of the directory against it.
+    pub verify_s: f64,
 }
 
 /// Pulls snapshot `id` into `store` and writes it as the snapshot directory `out` (which must
@@ -48,6 +65,14 @@ pub fn pull(
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<PullReport, TransferError> {
     torpor_image::store::check_snapshot_id(id)?;
+    let mut timings = PullTimings::default();
+    let mut clock = Instant::now();
+    let mut lap = move || {
+        let now = Instant::now();
+        let s = now.duration_since(clock).as_secs_f64();
+        clock = now;
+        s
+    };
     if fs::symlink_metadata(out).is_ok() {
         return Err(TransferError::OutExists {
             path: out.to_path_buf(),
@@ -95,8 +120,10 @@ pub fn pull(
         locator: locator.as_ref(),
         missing: &missing,
     };
+    timings.metadata_s = lap();
     let down = crate::chunks::download(&source, store, &writer, &recipes, parallel, progress)?;
     let (total, fetched_chunks) = (down.total, down.fetched);
+    timings.fetch_s = lap();
     match store.recipes(id) {
         // Pulled before: the same contents are fine, other contents are not replaced.
         Ok(have) if have == recipes => drop(writer),
@@ -111,6 +138,7 @@ pub fn pull(
         Err(StoreError::UnknownSnapshot { .. }) => writer.commit(id, &recipes)?,
         Err(e) => return Err(e.into()),
     }
+    timings.commit_s = lap();
 
     progress(Progress {
         phase: Phase::Materialising,
@@ -123,7 +151,9 @@ pub fn pull(
         manifest_bytes: &manifest_bytes,
         mac: mac.as_deref(),
     };
-    materialise(store, &fetched, trust, out)?;
+    let (materialise_s, verify_s) = materialise(store, &fetched, trust, out)?;
+    timings.materialise_s = materialise_s;
+    timings.verify_s = verify_s;
     Ok(PullReport {
         id: id.to_owned(),
         bucket,
@@ -134,6 +164,7 @@ pub fn pull(
         ranges: down.ranges,
         loose: down.loose,
         traffic: remote.traffic(),
+        timings,
     })
 }
 
@@ -174,12 +205,13 @@ struct Fetched<'a> {
 }
 
 /// Writes the snapshot directory aside, authenticates and verifies it, then renames it to `out`.
+/// Returns the seconds spent writing and verifying.
 fn materialise(
     store: &ChunkStore,
     fetched: &Fetched<'_>,
     trust: Trust<'_>,
     out: &Path,
-) -> Result<(), TransferError> {
+) -> Result<(f64, f64), TransferError> {
     let Fetched {
         recipes,
         manifest,
@@ -204,6 +236,7 @@ fn materialise(
         .create(&aside)
         .map_err(io("create", &aside))?;
     let result = (|| {
+        let start = Instant::now();
         let files: Vec<Recipe> = recipes
             .iter()
             .filter(|r| manifest.files.iter().any(|f| f.path == r.name))
@@ -215,10 +248,15 @@ fn materialise(
         }
         let manifest_path = aside.join(MANIFEST_FILE);
         fs::write(&manifest_path, manifest_bytes).map_err(io("write", &manifest_path))?;
+        let written = Instant::now();
         let snapshot = Snapshot::open(&aside)?;
         snapshot.authenticate(trust)?;
         snapshot.verify()?;
-        fs::rename(&aside, out).map_err(io("rename", out))
+        fs::rename(&aside, out).map_err(io("rename", out))?;
+        Ok((
+            written.duration_since(start).as_secs_f64(),
+            written.elapsed().as_secs_f64(),
+        ))
     })();
     if result.is_err() {
         let _ = fs::remove_dir_all(&aside);

@@ -121,6 +121,35 @@ pub struct Pulled {
     /// Chunks downloaded: the ones this node's store lacked.
     pub pulled_chunks: u64,
     pub seconds: f64,
+    /// Where the seconds went (absent when nothing was pulled).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phases: Option<PullPhases>,
+}
+
+/// Where a pull's seconds went. The snapshot's files and its segments are pulled at once, so
+/// `files_s` and `segments_s` overlap; the files' own steps add up to `files_s`.
+#[derive(Debug, Clone, Copy, Default, Serialize, utoipa::ToSchema)]
+pub struct PullPhases {
+    /// The function's record from the bucket.
+    pub record_s: f64,
+    /// The snapshot's files, all of it: the steps below.
+    pub files_s: f64,
+    /// Of the files: the manifest, the record and the MAC (small GETs).
+    pub files_metadata_s: f64,
+    /// Of the files: the chunks (GETs, decoding, checking, writing them into the store).
+    pub files_fetch_s: f64,
+    /// Of the files: the store's commit (a syncfs, then the record).
+    pub files_commit_s: f64,
+    /// Of the files: writing the snapshot directory from the store.
+    pub files_materialise_s: f64,
+    /// Of the files: authenticating the manifest and hashing the directory's files.
+    pub files_verify_s: f64,
+    /// The split path's segments (their sealed record and chunks), beside the files.
+    pub segments_s: f64,
+    /// Checking that the files the snapshot reopens are this node's.
+    pub portability_s: f64,
+    /// Registering the function, staging its snapshot, trimming the store.
+    pub register_s: f64,
 }
 
 /// A pull's transfer, before the function is registered.
@@ -130,6 +159,7 @@ pub struct Fetched {
     pub snapshot_dir: PathBuf,
     pub pulled_bytes: u64,
     pub pulled_chunks: u64,
+    pub phases: PullPhases,
 }
 
 /// Why a push did not happen. The deploy still succeeded: this is reported beside it.
@@ -449,8 +479,13 @@ impl Tier {
         name: &str,
         snapshots: &Path,
     ) -> Result<Fetched, PullError> {
+        let clock = Instant::now();
         let remote = self.remote()?;
         let record = self.record_with(&remote, scope, name)?;
+        let mut phases = PullPhases {
+            record_s: clock.elapsed().as_secs_f64(),
+            ..PullPhases::default()
+        };
         if !record.dir.is_dir() {
             return Err(PullError::NoDir {
                 name: name.to_owned(),
@@ -466,24 +501,63 @@ impl Tier {
                 source,
             })?;
         }
-        let report = torpor_objstore::pull(
-            &remote,
-            store,
-            &files_id(&record.snapshot),
-            &out,
-            torpor_image::Trust::Key(key),
-            self.config.parallel,
-            &|_| {},
-        )?;
-        // A split snapshot's segment record (sealed by a node with this node's key).
-        let segments = torpor_objstore::pull_sealed_record(
-            &remote,
-            store,
-            &record.snapshot,
-            key,
-            self.config.parallel,
-            &|_| {},
-        );
+        // The files and the split snapshot's segment record (sealed by a node with this
+        // node's key) at once: the two are independent until registration, and one pull's
+        // GETs, decoding and writes overlap the other's syncfs, materialising and hashing.
+        let (files, segments) = std::thread::scope(|threads| {
+            let segments = threads.spawn(|| {
+                let t = Instant::now();
+                let r = torpor_objstore::pull_sealed_record(
+                    &remote,
+                    store,
+                    &record.snapshot,
+                    key,
+                    self.config.parallel,
+                    &|_| {},
+                );
+                (r, t.elapsed().as_secs_f64())
+            });
+            let t = Instant::now();
+            let files = torpor_objstore::pull(
+                &remote,
+                store,
+                &files_id(&record.snapshot),
+                &out,
+                torpor_image::Trust::Key(key),
+                self.config.parallel,
+                &|_| {},
+            );
+            let files_s = t.elapsed().as_secs_f64();
+            let segments = segments.join().unwrap_or_else(|_| {
+                (
+                    Err(TransferError::Io {
+                        op: "pull",
+                        path: out.clone(),
+                        source: std::io::Error::other("the segments' pull thread panicked"),
+                    }),
+                    0.0,
+                )
+            });
+            ((files, files_s), segments)
+        });
+        let ((files, files_s), (segments, segments_s)) = (files, segments);
+        phases.files_s = files_s;
+        phases.segments_s = segments_s;
+        let report = match files {
+            Ok(r) => r,
+            Err(e) => {
+                if matches!(segments, Ok(Some(_))) {
+                    crate::split::release_snapshot_of_dir(&out);
+                }
+                return Err(e.into());
+            }
+        };
+        let t = report.timings;
+        phases.files_metadata_s = t.metadata_s;
+        phases.files_fetch_s = t.fetch_s;
+        phases.files_commit_s = t.commit_s;
+        phases.files_materialise_s = t.materialise_s;
+        phases.files_verify_s = t.verify_s;
         let segments = match segments {
             Ok(s) => s,
             Err(e) => {
@@ -493,6 +567,7 @@ impl Tier {
                 return Err(e.into());
             }
         };
+        let portability = Instant::now();
         // Refused here rather than at the first restore: the files this node would map into
         // the restored processes must be the ones the snapshot was taken with.
         let checked = torpor_image::Snapshot::open(&out).and_then(|s| {
@@ -512,11 +587,13 @@ impl Tier {
             crate::split::release_snapshot_of_dir(&out);
             return Err(PullError::NotPortable(e));
         }
+        phases.portability_s = portability.elapsed().as_secs_f64();
         Ok(Fetched {
             record,
             snapshot_dir: out,
             pulled_bytes: remote.traffic().bytes_down,
             pulled_chunks: report.fetched + segments.map_or(0, |s| s.moved),
+            phases,
         })
     }
 

@@ -136,6 +136,7 @@ impl crate::runtime::Runtime {
                     pulled_bytes: 0,
                     pulled_chunks: 0,
                     seconds: t.elapsed().as_secs_f64(),
+                    phases: None,
                 });
             }
             // Another tenant's function holds the name here: as if the bucket had none.
@@ -153,25 +154,32 @@ impl crate::runtime::Runtime {
                 .split
                 .store()
                 .map_err(|e| PullError::StoreOpen(e.to_string()))?;
-            let fetched = tier.fetch(&store, &rt.snapshot_key, &scope2, &n, &rt.snapshots_dir())?;
+            let mut fetched =
+                tier.fetch(&store, &rt.snapshot_key, &scope2, &n, &rt.snapshots_dir())?;
+            let trimmed = Instant::now();
             let mut registered = rt.registered_snapshots();
             registered.insert(fetched.record.snapshot.clone());
             if let Err(e) = tier.trim(&store, &registered) {
                 tracing::warn!(error = %e, "cannot trim the chunk store to objstore.cache_bytes");
             }
+            fetched.phases.register_s = trimmed.elapsed().as_secs_f64();
             Ok::<_, PullError>(fetched)
         })
         .await
         .map_err(|e| PullError::StoreOpen(format!("the pull task failed: {e}")))??;
+        let registering = Instant::now();
         self.register_pulled(&fetched).await.map_err(|e| {
             crate::runtime::remove_snapshot_dir(&fetched.snapshot_dir);
             PullError::StoreOpen(e)
         })?;
+        let mut phases = fetched.phases;
+        phases.register_s += registering.elapsed().as_secs_f64();
         let pulled = Pulled {
             function: name.to_owned(),
             pulled_bytes: fetched.pulled_bytes,
             pulled_chunks: fetched.pulled_chunks,
             seconds: t.elapsed().as_secs_f64(),
+            phases: Some(phases),
         };
         let theirs = &fetched.record.state_dir;
         if !theirs.as_os_str().is_empty() && *theirs != self.state_root {
