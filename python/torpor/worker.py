@@ -121,6 +121,7 @@ from typing import Any
 from torpor import data as torpor_data
 from torpor import gpu as torpor_gpu
 from torpor import hook as torpor_hook
+from torpor import mempool as torpor_mempool
 from torpor import pack as torpor_pack
 from torpor import store as torpor_store
 from torpor.errors import DataError, FrameError, HookError
@@ -148,6 +149,8 @@ AFTER_SPLIT_QUIET = ("release", "resume", "shutdown")
 # Taken only right after `load`: one per declared data entry with a source (torpord loaded it).
 AFTER_LOAD = ("data_fd",)
 DEFAULT_REATTACH_S = 60.0
+# keepalive.memory_release_s when a spec has none (torpor.spec's default).
+DEFAULT_MEMORY_RELEASE_S = 2.0
 REATTACH_MAX_DELAY_S = 0.5
 MAX_TEXT = 64 << 10
 ROLES = ("base", "function")
@@ -303,6 +306,15 @@ class Worker:
         self.readiness: Readiness | None = None
         self.module_waits: ModuleWaits | None = None
         self.map_reader: MapReader | None = None
+        # Each loaded function's memory pool (torpor.mempool) and keepalive.memory_release_s;
+        # each function's count of requests begun, so an idle release knows it is still idle.
+        self.pools: dict[str, torpor_mempool.FunctionPool] = {}
+        self.release_after: dict[str, float] = {}
+        self.begun: dict[str, int] = {}
+        # Held while an idle release sends its `memory` frame, and by quiesce while it sets
+        # `quiescing`: no frame of a release may follow `quiet`.
+        self.memory_lock = threading.Lock()
+        self.quiescing = False
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -437,6 +449,7 @@ class Worker:
                 if not self.quiesce(msg):
                     self.close()
                     return EXIT_OK
+                self.quiescing = False
             elif kind == "map":
                 # After `unmap`: torpord maps the segments back before the next request.
                 self.map_segment(msg)
@@ -512,7 +525,7 @@ class Worker:
             # own under torch.
             threading.Thread(
                 target=self._request_thread,
-                args=(call, rid, msg["request"]),
+                args=(call, rid, msg["request"], fname or self.function),
                 name=f"torpor-request-{rid}",
                 daemon=True,
             ).start()
@@ -520,10 +533,16 @@ class Worker:
         # The daemon's timeout counts from here, not from the time this request waited behind
         # the ones before it.
         self.send({"type": "started", "id": rid})
+        pool = self._begin(fname or self.function)
         try:
-            out = self.call_result(rid, call, msg["request"])
+            if pool is None:
+                out = self.call_result(rid, call, msg["request"])
+            else:
+                with pool.request():
+                    out = self.call_result(rid, call, msg["request"])
         finally:
             torpor_data.set_dump_sink(None)
+            self._ended(fname or self.function)
         self.settle_readiness()
         self.send_result(out)
 
@@ -546,10 +565,11 @@ class Worker:
 
         self.send({"type": "dump", "name": name, "data": base64.b64encode(data).decode("ascii")})
 
-    def _request_thread(self, call: Callable[[Any], Any], rid: Any, request: Any) -> None:
-        """A sandbox's request, on its own thread (and CUDA stream): `started`, the call, its
-        `result`. A lost daemon is the main loop's business: the result dies with the
-        connection."""
+    def _request_thread(self, call: Callable[[Any], Any], rid: Any, request: Any, fname: str | None) -> None:
+        """A sandbox's request, on its own thread (and CUDA stream, and its function's memory
+        pool): `started`, the call, its `result` with the pool's `memory` report. A lost daemon
+        is the main loop's business: the result dies with the connection."""
+        pool = self._begin(fname)
         try:
             self.send({"type": "started", "id": rid})
             framework = self.gpu_framework or torpor_gpu.framework()
@@ -559,9 +579,53 @@ class Worker:
                     return call(req)
 
             # torpor.dump's sink is process-wide: a sandbox's threads share it (never unset).
-            self.send_result(self.call_result(rid, on_own_stream, request))
+            if pool is None:
+                out = self.call_result(rid, on_own_stream, request)
+            else:
+                with pool.request() as used:
+                    out = self.call_result(rid, on_own_stream, request)
+                out["memory"] = pool.report(used["peak"])
+            self.send_result(out)
         except (ConnectionError, OSError, AssertionError):
             pass
+        finally:
+            self._ended(fname)
+
+    # -- the functions' memory pools (torpor.mempool) ---------------------------------------
+
+    def _begin(self, fname: str | None) -> torpor_mempool.FunctionPool | None:
+        pool = self.pools.get(fname) if fname is not None else None
+        if pool is not None:
+            with self.memory_lock:
+                self.begun[pool.name] = self.begun.get(pool.name, 0) + 1
+        return pool
+
+    def _ended(self, fname: str | None) -> None:
+        """After a request of `fname`: its pool's memory is given back once the function has
+        been idle for its keepalive.memory_release_s."""
+        pool = self.pools.get(fname) if fname is not None else None
+        if pool is None:
+            return
+        with self.memory_lock:
+            token = self.begun.get(pool.name, 0)
+        timer = threading.Timer(self.release_after.get(pool.name, 0.0), self._idle_release, (pool, token))
+        timer.daemon = True
+        timer.start()
+
+    def _idle_release(self, pool: torpor_mempool.FunctionPool, token: int) -> None:
+        """The function stayed idle: its pool's memory goes back, and a sandbox tells torpord
+        (`memory` {function, resident, pool}), whose accounting drops."""
+        with self.memory_lock:
+            if self.quiescing or self.begun.get(pool.name, 0) != token or pool.in_flight:
+                return
+            if pool.release() == 0 or not self.sandbox or self.sock is None:
+                return
+            report = pool.report()
+            report["type"] = "memory"
+            try:
+                self.send(report)
+            except (ConnectionError, OSError, AssertionError):
+                pass
 
     # -- torpord's communication store (a sandbox's request threads) ----------------------
 
@@ -791,15 +855,19 @@ class Worker:
             gpu_memory = spec.get("gpu_memory", 0)
             torpor_gpu.limit_memory(gpu_memory if isinstance(gpu_memory, int) else 0)
             t0 = time.perf_counter()
+            pool = torpor_mempool.FunctionPool(
+                name, torpor_mempool.backend_for(self.gpu_framework or torpor_gpu.framework())
+            )
             instance = cls()
-            instance.setup()
+            with pool.setup():
+                instance.setup()
             t1 = time.perf_counter()
             packed = self.pack(instance) if pack_weights else None
             t_packed = time.perf_counter()
             phase = "warmup"
             if warmup is not None:
                 # The warm-up request sets the segments' first-use order (docs/split.md).
-                with torpor_hook.recording_first_use():
+                with torpor_hook.recording_first_use(), pool.request():
                     value = instance(warmup["request"])
                 try:
                     encode({"value": value})
@@ -819,7 +887,18 @@ class Worker:
             self.call = instance.__call__
         self.functions[name] = instance.__call__
         self.loaded_dirs.append(fdir)
-        ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t_packed}
+        # The warm-up's memory is given back before the snapshot: the model keeps its peak.
+        pool.release()
+        self.pools[name] = pool
+        self.release_after[name] = _memory_release_s(spec)
+        self.begun[name] = 0
+        ready: dict[str, Any] = {
+            "type": "ready",
+            "ok": True,
+            "setup_s": t1 - t0,
+            "warmup_s": t2 - t_packed,
+            "memory": pool.model(),
+        }
         if self.started_as == "function":
             ready["preload_s"] = self.preload_s
         if packed is not None:
@@ -899,6 +978,12 @@ class Worker:
                 "mapped frame before the next snapshot"
             )
         hook = self._split_hook("quiesce {split: true}") if split else None
+        with self.memory_lock:
+            # No idle release may send a frame after `quiet`; the pools' idle memory is not
+            # worth a snapshot's bytes.
+            self.quiescing = True
+            for pool in self.pools.values():
+                pool.release()
         synced = torpor_gpu.sync()
         if synced and self.shrink_context:
             torpor_gpu.shrink_context()
@@ -1104,6 +1189,15 @@ class Worker:
         finally:
             if readiness is not None:
                 readiness.mapped(va)
+
+
+def _memory_release_s(spec: dict[str, Any]) -> float:
+    """The spec's keepalive.memory_release_s (specs of before have none: the default)."""
+    keepalive = spec.get("keepalive")
+    value = keepalive.get("memory_release_s") if isinstance(keepalive, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return DEFAULT_MEMORY_RELEASE_S
 
 
 def _forget_modules_of(dirs: list[str]) -> None:

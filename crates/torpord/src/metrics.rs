@@ -109,6 +109,13 @@ pub struct Metrics {
     /// `torpor_gpu_memory_byte_seconds_total{function, stage}`: GPU memory held over time, per
     /// stage ([`accounted_stages`]); the sum over stages is the function's total.
     pub gpu_memory_byte_seconds: CounterVec,
+    /// `torpor_sandbox_memory_bytes{sandbox, function, kind}`: each function's memory in each
+    /// sandbox (crate::runtime::memory): `resident` (after setup), `pool` (its request pool, as
+    /// the worker reported it), `reserved` (the memory model's peaks of its requests running).
+    pub sandbox_memory_bytes: IntGaugeVec,
+    /// `torpor_sandbox_memory_waits_total{function}`: requests that found no sandbox with room
+    /// for their function's peak and waited.
+    pub sandbox_memory_waits: IntCounterVec,
     /// Functions whose series exist, to drop them when the function goes.
     functions: Mutex<BTreeSet<String>>,
     /// Every phase name seen, to drop a function's phase series.
@@ -247,6 +254,22 @@ impl Metrics {
             node_transparent_hugepage.with_label_values(&[&mode]).set(1);
         }
         registry.register(Box::new(stage_seconds.clone()))?;
+        let sandbox_memory_bytes = IntGaugeVec::new(
+            Opts::new(
+                "torpor_sandbox_memory_bytes",
+                "Memory of each function in each sandbox, by kind: resident (after setup), pool (its request pool now), reserved (its running requests' modelled peaks).",
+            ),
+            &["sandbox", "function", "kind"],
+        )?;
+        let sandbox_memory_waits = IntCounterVec::new(
+            Opts::new(
+                "torpor_sandbox_memory_waits_total",
+                "Requests that found no sandbox with room for their function's memory peak and waited, by function.",
+            ),
+            &["function"],
+        )?;
+        registry.register(Box::new(sandbox_memory_bytes.clone()))?;
+        registry.register(Box::new(sandbox_memory_waits.clone()))?;
         registry.register(Box::new(gpu_memory_byte_seconds.clone()))?;
         for stage in Stage::ALL {
             instances.with_label_values(&[stage.as_str()]).set(0);
@@ -268,6 +291,8 @@ impl Metrics {
             standby_host_memory_bytes,
             stage_seconds,
             gpu_memory_byte_seconds,
+            sandbox_memory_bytes,
+            sandbox_memory_waits,
             functions: Mutex::new(BTreeSet::new()),
             phases: Mutex::new(INVOKE_PHASES.iter().map(|p| p.to_string()).collect()),
         })

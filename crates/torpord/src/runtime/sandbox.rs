@@ -201,6 +201,7 @@ impl Runtime {
         let mut hosts = lock(&self.sandbox_routes.hosts);
         self.sandbox_routes.epoch.fetch_add(1, Ordering::AcqRel);
         hosts.clear();
+        self.forget_memory_models();
     }
 
     /// After the deploy of `name`: routes are computed again and, when it is sandboxed, the

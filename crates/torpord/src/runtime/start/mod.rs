@@ -174,6 +174,7 @@ impl Runtime {
         info: FnInfo,
         generation: u64,
         sleeper: Option<Sleeper>,
+        demand: Option<crate::runtime::memory::Demand>,
     ) -> Result<Started, InvokeError> {
         let (tx, rx) = oneshot::channel();
         let rt = Arc::clone(self);
@@ -222,6 +223,11 @@ impl Runtime {
                 }),
                 Ok((inst, timings, kind)) => {
                     st.instances.push((Arc::clone(&inst), 1));
+                    // Its request's room, taken as it joins (under the pool's lock, like
+                    // every reservation: crate::runtime::memory).
+                    if let Some(d) = &demand {
+                        rt.memory_reserve(&inst.id, d);
+                    }
                     Ok((inst, timings, kind))
                 }
                 Err(e) => Err(e),
@@ -239,6 +245,9 @@ impl Runtime {
                 {
                     slot.1 = 0;
                     lock(&inst.keep).idle_since = Instant::now();
+                    if let Some(d) = &demand {
+                        rt.memory_unreserve(&inst.id, &d.function, d.peak);
+                    }
                 }
             }
             pool2.changed.notify_waiters();
