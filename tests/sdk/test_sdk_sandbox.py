@@ -126,3 +126,29 @@ def test_the_store_frames_of_a_request_thread(spawn: Spawner, daemon: Daemon, tm
     assert r["ok"] is False and r["error"]["type"] == "RuntimeError" and "is full" in r["error"]["message"], r
     c.send({"type": "shutdown"})
     assert w.wait() == 0
+
+
+def test_each_function_s_memory_is_measured_reported_and_given_back(
+    spawn: Spawner, daemon: Daemon, tmp_path: Path
+) -> None:
+    """torpor.mempool in the harness: `ready` carries the function's model (its warm-up's peak),
+    a request's `result` its pool after it, and an idle function's pool is given back and said
+    in a `memory` frame (every frame checked against the protocol's schema by sdkd)."""
+    w = spawn("--role", "function")
+    c = daemon.accept()
+    c.expect("hello")
+    d = function(tmp_path, "fm")
+    with (d / "torpor.toml").open("a") as f:
+        f.write('[warmup]\nrequest = { op = "scratch", mib = 3 }\n[keepalive]\nmemory_release_s = 0.3\n')
+    ready = c.load(d)
+    assert ready["ok"] is True, f"{ready}\n{w.stderr()}"
+    assert ready["memory"] == {"backend": "host", "resident": 0, "request_peak": 3 << 20}, ready
+    invoke(c, 1, "fm", {"op": "scratch", "mib": 5})
+    (r,) = results(c, 1)
+    assert r["ok"] is True, r
+    # The array died with the request; its block stays cached in the function's pool...
+    assert r["memory"] == {"function": "fm", "resident": 0, "pool": 5 << 20, "peak": 5 << 20}, r
+    # ...until the function has been idle for memory_release_s.
+    assert c.expect("memory") == {"type": "memory", "function": "fm", "resident": 0, "pool": 0}
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
