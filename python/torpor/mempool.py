@@ -228,7 +228,8 @@ def _export(block: bytearray) -> tuple[Any, Any]:
         import numpy as np
     except ImportError:
         return exporter, exporter
-    return exporter, np.frombuffer(exporter, dtype=np.uint8)
+    view: Any = np.frombuffer(exporter, dtype=np.uint8)  # type: ignore[call-overload]
+    return exporter, view
 
 
 def _torch_reserved() -> int:
