@@ -241,9 +241,15 @@ def _torch_reserved() -> int:
 
 
 def _torch_pool_bytes(pool: Any) -> int:
+    """The bytes of the segments `pool` holds: its snapshot, or (a PyTorch without
+    `MemPool.snapshot`) the allocator's segments tagged with the pool's id."""
     if pool is None:
         return 0
     try:
-        return sum(int(seg.get("total_size", 0)) for seg in pool.snapshot())
-    except Exception:
-        return 0
+        segments = pool.snapshot()
+    except AttributeError:
+        torch: Any = sys.modules.get("torch")
+        if torch is None:
+            return 0
+        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool.id)]
+    return sum(int(seg.get("total_size", 0)) for seg in segments)
