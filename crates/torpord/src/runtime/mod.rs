@@ -98,6 +98,8 @@ pub struct Runtime {
     pub store: store::Store,
     /// The sandboxes' memory: models, accounts, admission (memory).
     pub(crate) memory: memory::Memory,
+    /// Ready sandboxes per tenant and base (start::pooled).
+    pub(crate) sandbox_pool: start::pooled::SandboxPool,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -159,6 +161,7 @@ impl Runtime {
             sandbox_routes: sandbox::Routes::default(),
             store: store::Store::default(),
             memory: memory::Memory::default(),
+            sandbox_pool: Default::default(),
         }
     }
 
@@ -218,6 +221,7 @@ impl Runtime {
     /// daemon's end of its connection closes) and its registry row removed, synchronously.
     pub fn shutdown(&self) {
         self.stop_every_instance();
+        self.sandbox_pool.clear();
         self.staging.shut_down();
     }
 

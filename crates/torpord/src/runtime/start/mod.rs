@@ -30,6 +30,7 @@ use crate::split::server::SegmentsError;
 use crate::sync::lock;
 
 pub mod boot;
+pub mod pooled;
 pub mod restore;
 pub mod standby;
 pub mod wake;
@@ -329,6 +330,14 @@ impl Runtime {
             return self
                 .start(StartKind::Boot, name, info, generation, &new)
                 .await;
+        }
+        // A sandboxed function's first start on the node: into a ready sandbox (pooled).
+        match self.pooled_start(name, info, generation, &new).await {
+            Ok(Some(started)) => return Ok(started),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(function = name, error = %e, "starting in a ready sandbox failed; restoring the function snapshot instead")
+            }
         }
         let paused = lock(&self.restore_health)
             .get(name)
