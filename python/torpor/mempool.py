@@ -34,8 +34,9 @@ Two backends, one per kind of device memory:
   does, and frees them at idle. Its figures are the bytes of the blocks it holds, so the daemon's
   admission is driven by what the worker really allocated (tests/daemon/test_daemon_sandbox_memory.py).
 
-A function in a worker of its own (not a sandbox) gets the host pool's accounting too (scratch
-works the same), but only sandboxes report per request: admission is a sandbox's question.
+Only a sandbox's functions run their warm-up and requests in their pools (admission is a
+sandbox's question): a function in a worker of its own allocates as before (its CUDA memory in
+PyTorch's default pool, `torpor.scratch` plain memory), and only its `resident` is measured.
 """
 
 from __future__ import annotations

@@ -101,6 +101,7 @@ Limitation: SIGUSR2 stays blocked in processes the function starts (the mask is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import gc
 import importlib
@@ -533,16 +534,10 @@ class Worker:
         # The daemon's timeout counts from here, not from the time this request waited behind
         # the ones before it.
         self.send({"type": "started", "id": rid})
-        pool = self._begin(fname or self.function)
         try:
-            if pool is None:
-                out = self.call_result(rid, call, msg["request"])
-            else:
-                with pool.request():
-                    out = self.call_result(rid, call, msg["request"])
+            out = self.call_result(rid, call, msg["request"])
         finally:
             torpor_data.set_dump_sink(None)
-            self._ended(fname or self.function)
         self.settle_readiness()
         self.send_result(out)
 
@@ -867,7 +862,10 @@ class Worker:
             phase = "warmup"
             if warmup is not None:
                 # The warm-up request sets the segments' first-use order (docs/split.md).
-                with torpor_hook.recording_first_use(), pool.request():
+                # A sandbox's function warms up in its pool (its memory model's peak); a
+                # function in a worker of its own allocates as before.
+                scope = pool.request() if sandboxed else contextlib.nullcontext()
+                with torpor_hook.recording_first_use(), scope:
                     value = instance(warmup["request"])
                 try:
                     encode({"value": value})
