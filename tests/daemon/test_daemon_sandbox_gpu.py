@@ -130,3 +130,39 @@ def test_the_cuda_memory_pool_measures_admits_and_gives_back(cuda: None, torpord
     while pool_bytes() > 0:
         assert time.monotonic() < deadline, pool_bytes()
         time.sleep(0.2)
+
+
+def test_a_gpu_function_s_first_start_loads_into_a_ready_sandbox(
+    cuda: None, torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    """The live-context pool on the GPU (docs/sandboxes.md, "The live-context pool"): a ready
+    sandbox (torch imported, CUDA context warm) takes a GPU function's first start; its answer
+    is right, and how long it took is in the timings (bench/sandbox/run.py measures it against
+    a cold restore)."""
+    import re
+    import time
+
+    daemon = Torpord(torpor_bin, tmp_path / "pool-daemon", config="[sandbox_pool]\nsize = 1\n")
+    try:
+        d = tmp_path / "gpu-pooled"
+        d.mkdir()
+        (d / "hold.py").write_text(GPU_MEMORY_FN)
+        (d / "torpor.toml").write_text(
+            'name = "gpu-pooled"\ntenant = "gpu-pool"\nentry = "hold:Hold"\npreload = ["torch"]\ngpus = 1\n'
+            'gpu_memory = "1GiB"\n[warmup]\nrequest = { mib = 16 }\n[scaling]\nsandbox = true\n'
+        )
+        daemon.deploy(d)
+        deadline = time.monotonic() + 120
+        while not re.search(
+            r'^torpor_sandbox_pool_ready\{tenant="gpu-pool"\} 1$',
+            daemon.request("GET", "/metrics").body.decode(),
+            re.M,
+        ):
+            assert time.monotonic() < deadline, daemon.log_text()
+            time.sleep(0.2)
+        a = daemon.invoke("gpu-pooled", {"mib": 16})
+        assert a.status == 200 and a.start == "pooled", (a.status, a.start, a.body, daemon.log_text())
+        assert a.json() == {"sum": 16}, a.body
+        print("pooled GPU start:", a.timings)
+    finally:
+        daemon.stop()
