@@ -531,6 +531,9 @@ impl Runtime {
             pool.changed.notify_waiters();
             return;
         }
+        // The quiesce gives every pool of a sandbox's functions back (torpor.mempool): its
+        // account starts afresh, whether it sleeps or serves on (crate::runtime::memory).
+        self.memory_forget(&inst.id);
         let out =
             self.snapshots_dir()
                 .join(format!("hib-{}-{}-{}", inst.function, inst.id, now_ms()));
