@@ -76,6 +76,11 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      `unmapped` {ok: true, bytes} and serves on, connected; `map` frames bring the memory back.
      A release the hook refuses is `unmapped` {ok: false, released: [va of each of them now
      without memory], error {type, message, traceback}}.
+   - Memory pools (torpor.mempool): `ready` after a `load` carries the function's memory model
+     `memory` {backend, resident, request_peak}; a sandbox's `result` carries `memory`
+     {function, resident, pool, peak}; when a sandbox's function has been idle for its
+     keepalive.memory_release_s, or on torpord's `release_memory`, its pool is given back and
+     the worker sends `memory` {function, resident, pool} (never after `quiet`).
    - `attached` {reattach_s}: torpord took this worker into service as an instance; how long to
      wait for a daemon after losing this one.
    - `shutdown`: closes the connection and exits 0.
@@ -142,7 +147,9 @@ PROTOCOL = 2
 # The frame types torpord sends (protocol.schema.json's to_worker, checked by
 # tests/sdk/test_sdk_protocol.py): those the serve loop takes, and those only a split quiesce
 # takes (after its quiet).
-SERVES = ("load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown", "store_stored", "store_value")
+SERVES = (
+    "load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown", "store_stored", "store_value", "release_memory"
+)
 # torpord's answers to a sandbox's store requests (torpor.store), handed to the waiting thread.
 STORE_ANSWERS = ("store_stored", "store_value")
 STORE_TIMEOUT_S = 30.0
@@ -459,6 +466,10 @@ class Worker:
             elif kind == "shutdown":
                 self.close()
                 return EXIT_OK
+            elif kind == "release_memory":
+                # A request waits for room in this sandbox: idle pools go back now.
+                for pool in list(self.pools.values()):
+                    self._idle_release(pool, None)
             elif kind in STORE_ANSWERS:
                 self.store_answer(msg, self.reader.take_fd() if self.reader is not None else None)
             elif kind == "release":
@@ -607,11 +618,14 @@ class Worker:
         timer.daemon = True
         timer.start()
 
-    def _idle_release(self, pool: torpor_mempool.FunctionPool, token: int) -> None:
-        """The function stayed idle: its pool's memory goes back, and a sandbox tells torpord
+    def _idle_release(self, pool: torpor_mempool.FunctionPool, token: int | None) -> None:
+        """The function stayed idle (`token`: its count of requests begun then; None: torpord
+        asked, `release_memory`): its pool's memory goes back, and a sandbox tells torpord
         (`memory` {function, resident, pool}), whose accounting drops."""
         with self.memory_lock:
-            if self.quiescing or self.begun.get(pool.name, 0) != token or pool.in_flight:
+            if self.quiescing or pool.in_flight:
+                return
+            if token is not None and self.begun.get(pool.name, 0) != token:
                 return
             if pool.release() == 0 or not self.sandbox or self.sock is None:
                 return

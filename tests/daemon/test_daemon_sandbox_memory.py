@@ -23,7 +23,7 @@ from .conftest import FUNCTIONS, Answer, Torpord
 
 SANDBOXED = FUNCTIONS / "sandboxed"
 MIB = 1 << 20
-RELEASE_S = 1.0
+RELEASE_S = 3.0
 
 
 def make_function(
@@ -122,9 +122,10 @@ def test_a_request_that_does_not_fit_its_sandbox_waits_and_then_runs(torpord: To
         a, b = ok(first.result()), ok(second)
     # One sandbox (max_instances = 1) with threads to spare (requests_per_instance = 4), but
     # 60 + 60 MiB is over its 100 MiB: mem-b's request waited for mem-a's to end and its pool
-    # to be given back (memory_release_s), then ran in the same process.
+    # to be given back, then ran in the same process. The daemon asked the sandbox for the
+    # idle pool at once (release_memory), not after memory_release_s.
     assert a["process"] == b["process"] and b["held"] == 60 * MIB
-    assert took >= 2 + RELEASE_S, took
+    assert 2 <= took < 2 + RELEASE_S, took
     assert second.timings["queue"] >= 1.5, second.timings
     assert waits(torpord, "mem-b") >= before + 1
 
@@ -152,7 +153,7 @@ def test_an_idle_function_gives_its_memory_back(torpord: Torpord) -> None:
     # The request's array died, its block is cached in the function's pool: still held.
     assert 60 * MIB in pools.values(), pools
     assert set(sandbox_memory(torpord, "mem-c", "reserved").values()) == {0}
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + RELEASE_S + 10
     while max(sandbox_memory(torpord, "mem-c", "pool").values()) > 0:
         assert time.monotonic() < deadline, sandbox_memory(torpord, "mem-c", "pool")
         time.sleep(0.2)

@@ -152,3 +152,22 @@ def test_each_function_s_memory_is_measured_reported_and_given_back(
     assert c.expect("memory") == {"type": "memory", "function": "fm", "resident": 0, "pool": 0}
     c.send({"type": "shutdown"})
     assert w.wait() == 0
+
+
+def test_release_memory_gives_idle_pools_back_at_once(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
+    """torpord's `release_memory` (a request waits for room): every idle function's pool goes
+    back now, each answered by a `memory` frame; a busy one keeps its pool."""
+    w, c = sandbox(spawn, daemon, tmp_path, "ra", "rb")
+    invoke(c, 1, "ra", {"op": "scratch", "mib": 2})
+    (r,) = results(c, 1)
+    assert r["memory"]["pool"] == 2 << 20, r
+    invoke(c, 2, "rb", {"op": "scratch", "mib": 1, "s": 1.5})
+    assert c.expect("started")["id"] == 2
+    c.send({"type": "release_memory"})
+    # ra's pool (idle) comes back at once, long before its memory_release_s (2 s by default)...
+    assert c.expect("memory") == {"type": "memory", "function": "ra", "resident": 0, "pool": 0}
+    # ...rb's request is still running and keeps its own.
+    (r,) = results(c, 1)
+    assert r["id"] == 2 and r["memory"]["pool"] == 1 << 20, r
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0

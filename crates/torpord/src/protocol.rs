@@ -433,6 +433,9 @@ pub enum ToWorker {
     DataFd(DataFd),
     /// Exit.
     Shutdown(Empty),
+    /// A sandbox: give back the pools of its idle functions now (a request waits for room;
+    /// crate::runtime::memory); each one released is answered by a `memory` frame.
+    ReleaseMemory(Empty),
     StoreStored(StoreStored),
     StoreValue(StoreValue),
 }

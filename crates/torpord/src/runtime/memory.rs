@@ -17,7 +17,8 @@
 //!   term is `max(pool_f, reserved_f + peak_f)` (its cached pool serves its next request, so a
 //!   function's idle cache counts once, not on top). A request that fits no live sandbox takes
 //!   a new one while the group is below `max_instances`, else waits in the queue until a
-//!   request ends or a pool gives memory back; one that cannot fit even an empty sandbox is
+//!   request ends or a pool gives memory back (the sandboxes whose idle functions hold cached
+//!   pools are asked to give them back at once: `release_memory`); one that cannot fit even an empty sandbox is
 //!   refused at once with the figures and the fix. The check and the reservation happen under
 //!   the pool's lock, with the choice of the instance, so two requests never take the same
 //!   room.
@@ -251,6 +252,34 @@ impl Runtime {
         if let Some(pool) = lock(&self.pools).get(host).cloned() {
             pool.changed.notify_waiters();
         }
+    }
+
+    /// A request waits for room in `inst`'s group: the sandbox is asked to give its idle
+    /// functions' pools back now (`release_memory`), rather than after their
+    /// `memory_release_s`; each pool released comes back as a `memory` frame.
+    pub(crate) fn reclaim_memory(self: &Arc<Self>, inst: Arc<crate::runtime::Instance>) {
+        let held = lock(&self.memory.accounts)
+            .get(&inst.id)
+            .is_some_and(|a| a.functions.values().any(|u| u.pool > u.reserved));
+        if !held {
+            return;
+        }
+        let frame = match crate::frames::encode(&crate::protocol::ToWorker::ReleaseMemory(
+            crate::protocol::Empty {},
+        )) {
+            Ok(frame) => frame,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot encode release_memory");
+                return;
+            }
+        };
+        // In a task of its own, as every frame to a serving worker (crate::runtime::invoke).
+        tokio::spawn(async move {
+            let mut wr = inst.writer.lock().await;
+            if let Err(e) = crate::workers::send_frame(&mut wr, &frame).await {
+                tracing::debug!(instance = %inst.id, error = %e, "release_memory not sent");
+            }
+        });
     }
 
     /// A sandbox went: its account and series with it.

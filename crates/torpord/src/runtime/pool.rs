@@ -432,6 +432,8 @@ impl Runtime {
             let notified = pool.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            // Sandboxes asked to give their idle pools back (the request waits for room).
+            let mut reclaim: Vec<Arc<Instance>> = Vec::new();
             let next = {
                 let mut st = lock(&pool.state);
                 if st.closed {
@@ -505,13 +507,23 @@ impl Runtime {
                     st.starting += 1;
                     Next::Start(Box::new((st.info.clone(), st.generation, None)))
                 } else {
+                    // Waiting although a sandbox has a free thread: for memory. Its idle
+                    // functions' pools are asked back (each time the request looks again).
+                    let memory_bound = demand.is_some()
+                        && st.instances.iter().any(|(i, n)| {
+                            *n < st.info.per_instance
+                                && !i.is_dead()
+                                && i.generation == st.generation
+                        });
+                    if memory_bound {
+                        reclaim.extend(
+                            st.instances
+                                .iter()
+                                .filter(|(i, _)| !i.is_dead())
+                                .map(|(i, _)| Arc::clone(i)),
+                        );
+                    }
                     if slot.is_none() {
-                        let memory_bound = demand.is_some()
-                            && st.instances.iter().any(|(i, n)| {
-                                *n < st.info.per_instance
-                                    && !i.is_dead()
-                                    && i.generation == st.generation
-                            });
                         if memory_bound {
                             self.metrics
                                 .sandbox_memory_waits
@@ -539,6 +551,9 @@ impl Runtime {
                     Next::Wait
                 }
             };
+            for inst in reclaim {
+                self.reclaim_memory(inst);
+            }
             if let Next::Warm(lease, released, kind) = next {
                 drop(slot);
                 let mut timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
