@@ -10,8 +10,9 @@
 # a checkpoint every 10 iterations; $CKPT_ARGS adds flags) into $OUT/concurrent-checkpoint-h100.json
 # and $OUT/checkpoint-bench.log. Not part of `all`.
 # sandbox-bench: bench/sandbox/run.py: GPU memory of 8 PyTorch functions of one tenant, one
-# process each against one sandbox (docs/sandboxes.md), into $OUT/sandbox-h100.json and
-# $OUT/sandbox.log ($SANDBOX_ARGS adds flags, e.g. "--weights-mib 256"). Not part of `all`.
+# process each against one sandbox (docs/sandboxes.md), then a function new to the node started
+# into a ready sandbox of the live-context pool against a cold restore (pooled_start_s), into
+# $OUT/sandbox-h100.json and $OUT/sandbox.log ($SANDBOX_ARGS adds flags, e.g. "--weights-mib 256"). Not part of `all`.
 # tests: pytest over $TESTS (default: tests, the whole suite), into $OUT/pytest.log.
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
@@ -178,7 +179,7 @@ if [ "$MODE" = compat ]; then
   crc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$crc
 fi
 if [ "$MODE" = sandbox-bench ]; then
-  echo "== bench/sandbox (8 functions: processes against one sandbox)"
+  echo "== bench/sandbox (8 functions: processes against one sandbox; pooled starts against cold restores)"
   # shellcheck disable=SC2086 # $SANDBOX_ARGS is a list of flags
   python3 bench/sandbox/run.py --torpor "$TORPOR_BIN" --out "$OUT/sandbox-h100.json" ${SANDBOX_ARGS:-} 2>&1 | tee "$OUT/sandbox.log"
   sbrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$sbrc

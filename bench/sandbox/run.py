@@ -8,8 +8,11 @@ through the store, three times each way: the same object (`torpor.put`/`get`; a 
 the GPU) and `shared=True` (a sealed memfd through torpord; host memory), timed inside the
 handlers. Writes bench/results/sandbox-<device>.json with a top-level `summary`:
 `memory_ratio_8fn` (processes ÷ sandbox), `handoff_100mb_ms` (same object, put + get, best of
-3) and `handoff_100mb_shared_ms`; `pooled_start_s` and `small_p99_ratio` are null: what they
-measure (the live-context pool, the fair PCIe scheduler) is not built.
+3) and `handoff_100mb_shared_ms`; `pooled_start_s`: a sandboxed function's first start into a
+ready sandbox of the live-context pool (`[sandbox_pool] size = 1`) → its first answer, median of
+3 functions each new to the node, against `cold_restore_start_s`, the same with the pool off (a
+restore of the function snapshot), and `pooled_setup_s` (the function's own setup() and warm-up
+inside it, from its deploy); `small_p99_ratio` is null: the fair PCIe scheduler is not built.
 
     python3 bench/sandbox/run.py [--functions 8] [--weights-mib 64] [--out FILE]
     python3 bench/sandbox/run.py --cpu      # NumPy functions, host memory (PSS), for a machine without a GPU
@@ -300,6 +303,80 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[s
         shutil.rmtree(root, ignore_errors=True)
 
 
+def metric(sock: Path, name: str, tenant: str) -> float:
+    text = client.request(sock, "GET", "/metrics", None, 30).body.decode()
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{tenant="{tenant}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def measure_starts(torpor: Path, pooled: bool, mib: int, cpu: bool, rounds: int) -> list[dict[str, Any]]:
+    """`rounds` sandboxed functions, each new to the node (a workflow of its own, so it loads
+    alone): deployed, then its first invoke timed (client side), with the live-context pool
+    (`pooled`: one ready sandbox per tenant and base, awaited before each invoke) or without (a
+    restore of its function snapshot)."""
+    root = Path(tempfile.mkdtemp(prefix="torpor-sandbox-start-"))
+    state, sock = root / "state", root / "torpord.sock"
+    (root / "torpord.toml").write_text("split = false\n" + ("[sandbox_pool]\nsize = 1\n" if pooled else ""))
+    log = open(root / "torpord.log", "wb")  # noqa: SIM115 (closed below)
+    daemon = subprocess.Popen(
+        [torpor, "serve", "--config", root / "torpord.toml", "--state-dir", state, "--socket", sock],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    out = []
+    try:
+        for _ in range(200):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        env = dict(os.environ, TORPOR_SOCKET=str(sock))
+        for k in range(rounds):
+            (d,) = write_functions(root / f"start{k}", 1, True, mib, cpu)
+            spec = (d / "torpor.toml").read_text()
+            spec = spec.replace('name = "bench-fn0"', f'name = "bench-start{k}"').replace(
+                'workflow = "eight"', f'workflow = "start{k}"'
+            )
+            (d / "torpor.toml").write_text(spec)
+            r = subprocess.run([torpor, "deploy", "--json", d], capture_output=True, text=True, env=env, check=False)
+            if r.returncode != 0:
+                raise RuntimeError(f"deploy {d}: {r.stdout}{r.stderr}")
+            load = next(json.loads(x) for x in r.stdout.splitlines() if '"phase":"load"' in x.replace(" ", ""))
+            if pooled:
+                deadline = time.monotonic() + 300
+                while metric(sock, "torpor_sandbox_pool_ready", "bench") < 1:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no ready sandbox within 300 s")
+                    time.sleep(0.1)
+            t = time.monotonic()
+            a = client.request(sock, "POST", f"/v1/functions/bench-start{k}/invoke", b"{}", 300)
+            took = time.monotonic() - t
+            if a.status != 200:
+                raise RuntimeError(f"invoke bench-start{k}: {a.status} {a.body[:300]!r}")
+            out.append({
+                "total_s": took,
+                "start": a.headers.get("x-torpor-start"),
+                "timings": json.loads(a.headers.get("x-torpor-timings", "{}")),
+                "deploy_setup_s": load.get("setup_s"),
+                "deploy_warmup_s": load.get("warmup_s"),
+            })
+        return out
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--functions", type=int, default=8)
@@ -307,7 +384,13 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="NumPy functions and host memory (no GPU)")
     ap.add_argument("--torpor", type=Path, default=Path(os.environ.get("TORPOR_BIN", ROOT / "target/release/torpor")))
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--start-rounds", type=int, default=3, help="functions new to the node per start mode")
     args = ap.parse_args()
+    starts = {
+        "pooled": measure_starts(args.torpor, True, args.weights_mib, args.cpu, args.start_rounds),
+        "restored": measure_starts(args.torpor, False, args.weights_mib, args.cpu, args.start_rounds),
+    }
+    pooled_runs = [r for r in starts["pooled"] if r["start"] == "pooled"]
     processes = one_mode(args.torpor, args.functions, False, args.weights_mib, args.cpu)
     sandbox = one_mode(args.torpor, args.functions, True, args.weights_mib, args.cpu)
     key = "host_pss_mib" if args.cpu else "gpu_mib"
@@ -323,18 +406,24 @@ def main() -> int:
         "summary": {
             "memory_ratio_8fn" if args.functions == 8 else f"memory_ratio_{args.functions}fn": ratio,
             "memory": key,
-            "pooled_start_s": None,
+            # A function new to the node: first start into a ready sandbox → first answer
+            # (median), against a restore of its function snapshot; its own setup and warm-up.
+            "pooled_start_s": median([r["total_s"] for r in pooled_runs]),
+            "cold_restore_start_s": median([r["total_s"] for r in starts["restored"]]),
+            "pooled_setup_s": median([(r["deploy_setup_s"] or 0) + (r["deploy_warmup_s"] or 0) for r in pooled_runs]),
+            "pooled_starts": f"{len(pooled_runs)} of {len(starts['pooled'])}",
             # 100 MiB handed from one function to another in the sandbox (put + get, the same
             # object; on the GPU variant a CUDA tensor), best of 3.
             "handoff_100mb_ms": handoff_ms,
             "handoff_100mb_shared_ms": min(r["put_s"] + r["get_s"] for r in sandbox["handoff"]["shared_memfd"]) * 1e3,
             "small_p99_ratio": None,
-            "not_built": "the live-context pool, GPU hand-off between processes and the fair PCIe scheduler (docs/sandboxes.md)",
+            "not_built": "GPU hand-off between processes and the fair PCIe scheduler (docs/sandboxes.md)",
         },
         "machine": {"device": device, "kernel": platform.release(), "python": platform.python_version()},
         "settings": {"functions": args.functions, "weights_mib": args.weights_mib, "cpu": args.cpu},
         "processes": processes,
         "sandbox": sandbox,
+        "starts": starts,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     text = json.dumps(doc, indent=2)

@@ -22,7 +22,9 @@ loaded by torpord while the instance starts), a request may pass inputs by refer
 (torpor.data; docs/data.md).
 
 torpor.put(key, value) / torpor.get(key) hand values between the functions of a sandbox
-without a copy (torpor.store, docs/sandboxes.md).
+without a copy (torpor.store, docs/sandboxes.md); torpor.scratch(nbytes) gives request memory
+from the function's pool, which its sandbox accounts and gives back when it idles
+(torpor.mempool).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torpor.data import declared, dump, load, load_bytes, use_dir
 from torpor.errors import DataError, DefinitionError, FrameError, HookError, SpecError, TorporError
 from torpor.functions import function
 from torpor.hook import buffer
+from torpor.mempool import scratch
 from torpor.store import get, put
 
 __all__ = [
@@ -48,5 +51,6 @@ __all__ = [
     "load",
     "load_bytes",
     "put",
+    "scratch",
     "use_dir",
 ]

@@ -46,10 +46,18 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     sandbox = false               # true: run in a sandbox, one worker hosting every sandboxed
                                   # function of this tenant and workflow, a thread (and CUDA
                                   # stream) per request (docs/sandboxes.md)
+    sandbox_memory = "8GiB"       # optional, only with sandbox = true: the memory a sandbox of
+                                  # this function's group may give its functions (resident and
+                                  # requests' peaks), a size from 1 MiB to 1 TiB; a request runs
+                                  # only where its function's peak fits (docs/sandboxes.md,
+                                  # "The memory pool"). Unset: a GPU's memory (gpus = 1), else
+                                  # no bound
     [keepalive]                   # seconds, each from 0 to 31536000 (a year)
     gpu_release_s = 30
     hibernate_s = 120
     evict_s = 600
+    memory_release_s = 2          # idle this long, a function gives its request pool's memory
+                                  # back (torpor.mempool)
     [gpu]
     pack_weights = true           # move the weights into segments of their own (torpor.pack)
     shrink_context = true         # at the quiet point, the CUDA context's stack limit to 0: a
@@ -96,8 +104,9 @@ this order (sizes in bytes, durations in seconds as JSON numbers):
                path and abs_path are "")}, ...],
      "warmup": {"request": JSON} | null,
      "scaling": {"max_instances": int, "requests_per_instance": int, "standby": int,
-                 "standby_gpu": "released"|"live", "sandbox": bool},
-     "keepalive": {"gpu_release_s": number, "hibernate_s": number, "evict_s": number},
+                 "standby_gpu": "released"|"live", "sandbox": bool, "sandbox_memory": int|null},
+     "keepalive": {"gpu_release_s": number, "hibernate_s": number, "evict_s": number,
+                   "memory_release_s": number},
      "gpu": {"pack_weights": bool, "shrink_context": bool}}
 """
 
@@ -187,9 +196,10 @@ MAX_CPU_LIMIT = 1024
 MIN_PIDS_LIMIT = 16
 MAX_PIDS_LIMIT = 65_536
 
-SCALING_KEYS = ("max_instances", "requests_per_instance", "standby", "standby_gpu", "sandbox")
+SCALING_KEYS = ("max_instances", "requests_per_instance", "standby", "standby_gpu", "sandbox", "sandbox_memory")
 STANDBY_GPU = ("released", "live")
-KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s")
+KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s", "memory_release_s")
+MIN_SANDBOX_MEMORY = 1 << 20  # 1 MiB
 GPU_KEYS = ("pack_weights", "shrink_context")
 
 
@@ -233,6 +243,8 @@ class Scaling:
     standby_gpu: str = "live"
     # Run in a sandbox shared by the sandboxed functions of the same tenant and workflow.
     sandbox: bool = False
+    # The memory a sandbox may give its functions (bytes); None: a GPU's, or no bound.
+    sandbox_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -240,6 +252,8 @@ class Keepalive:
     gpu_release_s: float = 30
     hibernate_s: float = 120
     evict_s: float = 600
+    # Idle this long, a function's request pool gives its memory back (torpor.mempool).
+    memory_release_s: float = 2
 
 
 @dataclass(frozen=True)
@@ -316,11 +330,13 @@ class Spec:
                 "standby": self.scaling.standby,
                 "standby_gpu": self.scaling.standby_gpu,
                 "sandbox": self.scaling.sandbox,
+                "sandbox_memory": self.scaling.sandbox_memory,
             },
             "keepalive": {
                 "gpu_release_s": self.keepalive.gpu_release_s,
                 "hibernate_s": self.keepalive.hibernate_s,
                 "evict_s": self.keepalive.evict_s,
+                "memory_release_s": self.keepalive.memory_release_s,
             },
             "gpu": {"pack_weights": self.gpu.pack_weights, "shrink_context": self.gpu.shrink_context},
         }
@@ -756,7 +772,23 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         standby=standby,
         standby_gpu=_choice(st, "scaling", "standby_gpu", Scaling.standby_gpu, STANDBY_GPU),
         sandbox=_bool(st, "scaling", "sandbox", Scaling.sandbox),
+        sandbox_memory=_size(
+            st, "scaling", "sandbox_memory", None, allow_auto=False, maximum=MAX_GPU_MEMORY
+        ),
     )
+    if scaling.sandbox_memory is not None:
+        if not scaling.sandbox:
+            raise _fail(
+                "scaling.sandbox_memory",
+                "is set but sandbox = false (it bounds a sandbox's memory)",
+                "set sandbox = true, or remove sandbox_memory",
+            )
+        if scaling.sandbox_memory < MIN_SANDBOX_MEMORY:
+            raise _fail(
+                "scaling.sandbox_memory",
+                f"is {scaling.sandbox_memory} bytes, less than 1 MiB",
+                'write a size from 1 MiB to 1 TiB, e.g. sandbox_memory = "8GiB"',
+            )
 
     kt = _table(doc, "", "keepalive") or {}
     _check_keys(kt, "keepalive", KEEPALIVE_KEYS)

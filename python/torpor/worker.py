@@ -76,6 +76,11 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      `unmapped` {ok: true, bytes} and serves on, connected; `map` frames bring the memory back.
      A release the hook refuses is `unmapped` {ok: false, released: [va of each of them now
      without memory], error {type, message, traceback}}.
+   - Memory pools (torpor.mempool): `ready` after a `load` carries the function's memory model
+     `memory` {backend, resident, request_peak}; a sandbox's `result` carries `memory`
+     {function, resident, pool, peak}; when a sandbox's function has been idle for its
+     keepalive.memory_release_s, or on torpord's `release_memory`, its pool is given back and
+     the worker sends `memory` {function, resident, pool} (never after `quiet`).
    - `attached` {reattach_s}: torpord took this worker into service as an instance; how long to
      wait for a daemon after losing this one.
    - `shutdown`: closes the connection and exits 0.
@@ -101,6 +106,7 @@ Limitation: SIGUSR2 stays blocked in processes the function starts (the mask is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import gc
 import importlib
@@ -121,6 +127,7 @@ from typing import Any
 from torpor import data as torpor_data
 from torpor import gpu as torpor_gpu
 from torpor import hook as torpor_hook
+from torpor import mempool as torpor_mempool
 from torpor import pack as torpor_pack
 from torpor import store as torpor_store
 from torpor.errors import DataError, FrameError, HookError
@@ -140,7 +147,9 @@ PROTOCOL = 2
 # The frame types torpord sends (protocol.schema.json's to_worker, checked by
 # tests/sdk/test_sdk_protocol.py): those the serve loop takes, and those only a split quiesce
 # takes (after its quiet).
-SERVES = ("load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown", "store_stored", "store_value")
+SERVES = (
+    "load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown", "store_stored", "store_value", "release_memory"
+)
 # torpord's answers to a sandbox's store requests (torpor.store), handed to the waiting thread.
 STORE_ANSWERS = ("store_stored", "store_value")
 STORE_TIMEOUT_S = 30.0
@@ -148,6 +157,8 @@ AFTER_SPLIT_QUIET = ("release", "resume", "shutdown")
 # Taken only right after `load`: one per declared data entry with a source (torpord loaded it).
 AFTER_LOAD = ("data_fd",)
 DEFAULT_REATTACH_S = 60.0
+# keepalive.memory_release_s when a spec has none (torpor.spec's default).
+DEFAULT_MEMORY_RELEASE_S = 2.0
 REATTACH_MAX_DELAY_S = 0.5
 MAX_TEXT = 64 << 10
 ROLES = ("base", "function")
@@ -303,6 +314,15 @@ class Worker:
         self.readiness: Readiness | None = None
         self.module_waits: ModuleWaits | None = None
         self.map_reader: MapReader | None = None
+        # Each loaded function's memory pool (torpor.mempool) and keepalive.memory_release_s;
+        # each function's count of requests begun, so an idle release knows it is still idle.
+        self.pools: dict[str, torpor_mempool.FunctionPool] = {}
+        self.release_after: dict[str, float] = {}
+        self.begun: dict[str, int] = {}
+        # Held while an idle release sends its `memory` frame, and by quiesce while it sets
+        # `quiescing`: no frame of a release may follow `quiet`.
+        self.memory_lock = threading.Lock()
+        self.quiescing = False
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -437,6 +457,7 @@ class Worker:
                 if not self.quiesce(msg):
                     self.close()
                     return EXIT_OK
+                self.quiescing = False
             elif kind == "map":
                 # After `unmap`: torpord maps the segments back before the next request.
                 self.map_segment(msg)
@@ -445,6 +466,10 @@ class Worker:
             elif kind == "shutdown":
                 self.close()
                 return EXIT_OK
+            elif kind == "release_memory":
+                # A request waits for room in this sandbox: idle pools go back now.
+                for pool in list(self.pools.values()):
+                    self._idle_release(pool, None)
             elif kind in STORE_ANSWERS:
                 self.store_answer(msg, self.reader.take_fd() if self.reader is not None else None)
             elif kind == "release":
@@ -512,7 +537,7 @@ class Worker:
             # own under torch.
             threading.Thread(
                 target=self._request_thread,
-                args=(call, rid, msg["request"]),
+                args=(call, rid, msg["request"], fname or self.function),
                 name=f"torpor-request-{rid}",
                 daemon=True,
             ).start()
@@ -546,10 +571,11 @@ class Worker:
 
         self.send({"type": "dump", "name": name, "data": base64.b64encode(data).decode("ascii")})
 
-    def _request_thread(self, call: Callable[[Any], Any], rid: Any, request: Any) -> None:
-        """A sandbox's request, on its own thread (and CUDA stream): `started`, the call, its
-        `result`. A lost daemon is the main loop's business: the result dies with the
-        connection."""
+    def _request_thread(self, call: Callable[[Any], Any], rid: Any, request: Any, fname: str | None) -> None:
+        """A sandbox's request, on its own thread (and CUDA stream, and its function's memory
+        pool): `started`, the call, its `result` with the pool's `memory` report. A lost daemon
+        is the main loop's business: the result dies with the connection."""
+        pool = self._begin(fname)
         try:
             self.send({"type": "started", "id": rid})
             framework = self.gpu_framework or torpor_gpu.framework()
@@ -559,9 +585,56 @@ class Worker:
                     return call(req)
 
             # torpor.dump's sink is process-wide: a sandbox's threads share it (never unset).
-            self.send_result(self.call_result(rid, on_own_stream, request))
+            if pool is None:
+                out = self.call_result(rid, on_own_stream, request)
+            else:
+                with pool.request() as used:
+                    out = self.call_result(rid, on_own_stream, request)
+                out["memory"] = pool.report(used["peak"])
+            self.send_result(out)
         except (ConnectionError, OSError, AssertionError):
             pass
+        finally:
+            self._ended(fname)
+
+    # -- the functions' memory pools (torpor.mempool) ---------------------------------------
+
+    def _begin(self, fname: str | None) -> torpor_mempool.FunctionPool | None:
+        pool = self.pools.get(fname) if fname is not None else None
+        if pool is not None:
+            with self.memory_lock:
+                self.begun[pool.name] = self.begun.get(pool.name, 0) + 1
+        return pool
+
+    def _ended(self, fname: str | None) -> None:
+        """After a request of `fname`: its pool's memory is given back once the function has
+        been idle for its keepalive.memory_release_s."""
+        pool = self.pools.get(fname) if fname is not None else None
+        if pool is None:
+            return
+        with self.memory_lock:
+            token = self.begun.get(pool.name, 0)
+        timer = threading.Timer(self.release_after.get(pool.name, 0.0), self._idle_release, (pool, token))
+        timer.daemon = True
+        timer.start()
+
+    def _idle_release(self, pool: torpor_mempool.FunctionPool, token: int | None) -> None:
+        """The function stayed idle (`token`: its count of requests begun then; None: torpord
+        asked, `release_memory`): its pool's memory goes back, and a sandbox tells torpord
+        (`memory` {function, resident, pool}), whose accounting drops."""
+        with self.memory_lock:
+            if self.quiescing or pool.in_flight:
+                return
+            if token is not None and self.begun.get(pool.name, 0) != token:
+                return
+            if pool.release() == 0 or not self.sandbox or self.sock is None:
+                return
+            report = pool.report()
+            report["type"] = "memory"
+            try:
+                self.send(report)
+            except (ConnectionError, OSError, AssertionError):
+                pass
 
     # -- torpord's communication store (a sandbox's request threads) ----------------------
 
@@ -791,15 +864,22 @@ class Worker:
             gpu_memory = spec.get("gpu_memory", 0)
             torpor_gpu.limit_memory(gpu_memory if isinstance(gpu_memory, int) else 0)
             t0 = time.perf_counter()
+            pool = torpor_mempool.FunctionPool(
+                name, torpor_mempool.backend_for(self.gpu_framework or torpor_gpu.framework())
+            )
             instance = cls()
-            instance.setup()
+            with pool.setup():
+                instance.setup()
             t1 = time.perf_counter()
             packed = self.pack(instance) if pack_weights else None
             t_packed = time.perf_counter()
             phase = "warmup"
             if warmup is not None:
                 # The warm-up request sets the segments' first-use order (docs/split.md).
-                with torpor_hook.recording_first_use():
+                # A sandbox's function warms up in its pool (its memory model's peak); a
+                # function in a worker of its own allocates as before.
+                scope = pool.request() if sandboxed else contextlib.nullcontext()
+                with torpor_hook.recording_first_use(), scope:
                     value = instance(warmup["request"])
                 try:
                     encode({"value": value})
@@ -819,7 +899,18 @@ class Worker:
             self.call = instance.__call__
         self.functions[name] = instance.__call__
         self.loaded_dirs.append(fdir)
-        ready: dict[str, Any] = {"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t_packed}
+        # The warm-up's memory is given back before the snapshot: the model keeps its peak.
+        pool.release()
+        self.pools[name] = pool
+        self.release_after[name] = _memory_release_s(spec)
+        self.begun[name] = 0
+        ready: dict[str, Any] = {
+            "type": "ready",
+            "ok": True,
+            "setup_s": t1 - t0,
+            "warmup_s": t2 - t_packed,
+            "memory": pool.model(),
+        }
         if self.started_as == "function":
             ready["preload_s"] = self.preload_s
         if packed is not None:
@@ -899,6 +990,12 @@ class Worker:
                 "mapped frame before the next snapshot"
             )
         hook = self._split_hook("quiesce {split: true}") if split else None
+        with self.memory_lock:
+            # No idle release may send a frame after `quiet`; the pools' idle memory is not
+            # worth a snapshot's bytes.
+            self.quiescing = True
+            for pool in self.pools.values():
+                pool.release()
         synced = torpor_gpu.sync()
         if synced and self.shrink_context:
             torpor_gpu.shrink_context()
@@ -1104,6 +1201,15 @@ class Worker:
         finally:
             if readiness is not None:
                 readiness.mapped(va)
+
+
+def _memory_release_s(spec: dict[str, Any]) -> float:
+    """The spec's keepalive.memory_release_s (specs of before have none: the default)."""
+    keepalive = spec.get("keepalive")
+    value = keepalive.get("memory_release_s") if isinstance(keepalive, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return DEFAULT_MEMORY_RELEASE_S
 
 
 def _forget_modules_of(dirs: list[str]) -> None:

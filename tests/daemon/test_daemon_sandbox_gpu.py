@@ -69,3 +69,100 @@ def test_the_gpu_vision_workflow_runs_in_one_sandbox_and_matches_the_cpu(cuda: N
     # Warm: the same sandbox answers again.
     again = torpord.request("POST", "/v1/workflows/vision-text/invoke", {"seed": 3})
     assert again.status == 200 and again.json()["caption"] == expected["caption"]
+
+
+GPU_MEMORY_FN = '''
+import time
+import torch
+import torpor
+
+@torpor.function
+class Hold:
+    def setup(self) -> None:
+        self.weights = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB, resident
+
+    def __call__(self, request):
+        held = torch.empty(int(request["mib"]) << 20, dtype=torch.uint8, device="cuda").fill_(1)
+        time.sleep(float(request.get("s", 0)))
+        return {"sum": int(held[:: 1 << 20].sum().item())}
+'''
+
+
+def test_the_cuda_memory_pool_measures_admits_and_gives_back(cuda: None, torpord: Torpord, tmp_path: Path) -> None:
+    """torpor.mempool's CUDA backend (a torch.cuda.MemPool per function) through the daemon:
+    the model from the warm-up, the pool after a request, given back at idle, and a second
+    request that does not fit beside the first waiting for it (docs/sandboxes.md, "The memory
+    pool")."""
+    import re
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = tmp_path / "gpu-hold"
+    d.mkdir()
+    (d / "hold.py").write_text(GPU_MEMORY_FN)
+    (d / "torpor.toml").write_text(
+        'name = "gpu-hold"\ntenant = "gpu-mem"\nentry = "hold:Hold"\npreload = ["torch"]\ngpus = 1\n'
+        'gpu_memory = "2GiB"\n[warmup]\nrequest = { mib = 512 }\n[scaling]\nmax_instances = 1\n'
+        'requests_per_instance = 4\nsandbox = true\nsandbox_memory = "1GiB"\n[keepalive]\nmemory_release_s = 1\n'
+    )
+    lines = torpord.deploy(d)
+    memory = next(line for line in lines if line.get("phase") == "load")["memory"]
+    assert memory["backend"] == "cuda", memory
+    assert memory["resident"] >= 64 << 20 and memory["request_peak"] >= 512 << 20, memory
+
+    def pool_bytes() -> int:
+        text = torpord.request("GET", "/metrics").body.decode()
+        found = [int(float(m.group(1))) for m in re.finditer(
+            r'^torpor_sandbox_memory_bytes\{[^}]*function="gpu-hold"[^}]*kind="pool"[^}]*\} (\S+)$', text, re.M)]
+        return max(found, default=0)
+
+    with ThreadPoolExecutor(2) as pool:
+        t0 = time.monotonic()
+        first = pool.submit(torpord.invoke, "gpu-hold", {"mib": 512, "s": 2})
+        time.sleep(0.5)
+        second = torpord.invoke("gpu-hold", {"mib": 512})
+        took = time.monotonic() - t0
+        assert first.result().status == 200 and second.status == 200, (first.result().body, second.body)
+    # 64 MiB + 2 × 512 MiB is over the 1 GiB sandbox: the second waited for the first.
+    assert took >= 2.0, took
+    assert pool_bytes() >= 512 << 20
+    deadline = time.monotonic() + 15
+    while pool_bytes() > 0:
+        assert time.monotonic() < deadline, pool_bytes()
+        time.sleep(0.2)
+
+
+def test_a_gpu_function_s_first_start_loads_into_a_ready_sandbox(
+    cuda: None, torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    """The live-context pool on the GPU (docs/sandboxes.md, "The live-context pool"): a ready
+    sandbox (torch imported, CUDA context warm) takes a GPU function's first start; its answer
+    is right, and how long it took is in the timings (bench/sandbox/run.py measures it against
+    a cold restore)."""
+    import re
+    import time
+
+    daemon = Torpord(torpor_bin, tmp_path / "pool-daemon", config="[sandbox_pool]\nsize = 1\n")
+    try:
+        d = tmp_path / "gpu-pooled"
+        d.mkdir()
+        (d / "hold.py").write_text(GPU_MEMORY_FN)
+        (d / "torpor.toml").write_text(
+            'name = "gpu-pooled"\ntenant = "gpu-pool"\nentry = "hold:Hold"\npreload = ["torch"]\ngpus = 1\n'
+            'gpu_memory = "1GiB"\n[warmup]\nrequest = { mib = 16 }\n[scaling]\nsandbox = true\n'
+        )
+        daemon.deploy(d)
+        deadline = time.monotonic() + 120
+        while not re.search(
+            r'^torpor_sandbox_pool_ready\{tenant="gpu-pool"\} 1$',
+            daemon.request("GET", "/metrics").body.decode(),
+            re.M,
+        ):
+            assert time.monotonic() < deadline, daemon.log_text()
+            time.sleep(0.2)
+        a = daemon.invoke("gpu-pooled", {"mib": 16})
+        assert a.status == 200 and a.start == "pooled", (a.status, a.start, a.body, daemon.log_text())
+        assert a.json() == {"sum": 16}, a.body
+        print("pooled GPU start:", a.timings)
+    finally:
+        daemon.stop()

@@ -126,3 +126,48 @@ def test_the_store_frames_of_a_request_thread(spawn: Spawner, daemon: Daemon, tm
     assert r["ok"] is False and r["error"]["type"] == "RuntimeError" and "is full" in r["error"]["message"], r
     c.send({"type": "shutdown"})
     assert w.wait() == 0
+
+
+def test_each_function_s_memory_is_measured_reported_and_given_back(
+    spawn: Spawner, daemon: Daemon, tmp_path: Path
+) -> None:
+    """torpor.mempool in the harness: `ready` carries the function's model (its warm-up's peak),
+    a request's `result` its pool after it, and an idle function's pool is given back and said
+    in a `memory` frame (every frame checked against the protocol's schema by sdkd)."""
+    w = spawn("--role", "function")
+    c = daemon.accept()
+    c.expect("hello")
+    d = function(tmp_path, "fm")
+    with (d / "torpor.toml").open("a") as f:
+        f.write('[warmup]\nrequest = { op = "scratch", mib = 3 }\n[keepalive]\nmemory_release_s = 0.3\n')
+    ready = c.load(d)
+    assert ready["ok"] is True, f"{ready}\n{w.stderr()}"
+    assert ready["memory"] == {"backend": "host", "resident": 0, "request_peak": 3 << 20}, ready
+    invoke(c, 1, "fm", {"op": "scratch", "mib": 5})
+    (r,) = results(c, 1)
+    assert r["ok"] is True, r
+    # The array died with the request; its block stays cached in the function's pool...
+    assert r["memory"] == {"function": "fm", "resident": 0, "pool": 5 << 20, "peak": 5 << 20}, r
+    # ...until the function has been idle for memory_release_s.
+    assert c.expect("memory") == {"type": "memory", "function": "fm", "resident": 0, "pool": 0}
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
+
+
+def test_release_memory_gives_idle_pools_back_at_once(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
+    """torpord's `release_memory` (a request waits for room): every idle function's pool goes
+    back now, each answered by a `memory` frame; a busy one keeps its pool."""
+    w, c = sandbox(spawn, daemon, tmp_path, "ra", "rb")
+    invoke(c, 1, "ra", {"op": "scratch", "mib": 2})
+    (r,) = results(c, 1)
+    assert r["memory"]["pool"] == 2 << 20, r
+    invoke(c, 2, "rb", {"op": "scratch", "mib": 1, "s": 1.5})
+    assert c.expect("started")["id"] == 2
+    c.send({"type": "release_memory"})
+    # ra's pool (idle) comes back at once, long before its memory_release_s (2 s by default)...
+    assert c.expect("memory") == {"type": "memory", "function": "ra", "resident": 0, "pool": 0}
+    # ...rb's request is still running and keeps its own.
+    (r,) = results(c, 1)
+    assert r["id"] == 2 and r["memory"]["pool"] == 1 << 20, r
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0

@@ -95,8 +95,9 @@ def test_defaults(tmp_path: Path) -> None:
             "standby": 0,
             "standby_gpu": "live",
             "sandbox": False,
+            "sandbox_memory": None,
         },
-        "keepalive": {"gpu_release_s": 30, "hibernate_s": 120, "evict_s": 600},
+        "keepalive": {"gpu_release_s": 30, "hibernate_s": 120, "evict_s": 600, "memory_release_s": 2},
         "gpu": {"pack_weights": True, "shrink_context": True},
     }
 
@@ -106,7 +107,7 @@ def test_standby_up_to_max_instances(tmp_path: Path) -> None:
     spec = parse_dir(make_dir(tmp_path, toml, {}))
     assert spec.scaling == Scaling(2, 1, 2)
     (tmp_path / "released").mkdir()
-    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2, "standby_gpu": "live", "sandbox": False}
+    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2, "standby_gpu": "live", "sandbox": False, "sandbox_memory": None}
     released = parse_dir(make_dir(tmp_path / "released", toml + 'standby_gpu = "released"\n', {}))
     assert released.to_json()["scaling"]["standby_gpu"] == "released"
 
@@ -501,3 +502,24 @@ def test_workflow_and_sandbox(tmp_path: Path) -> None:
     assert str(e).startswith("torpor.toml: workflow must be 1-63 lower-case letters"), str(e)
     e = error_of(tmp_path / "c", 'name = "f"\nentry = "model:F"\nworkflow = 3\n', {})
     assert "workflow must be a string" in str(e)
+
+
+def test_sandbox_memory_and_memory_release(tmp_path: Path) -> None:
+    toml = (
+        'name = "f"\nentry = "model:F"\n[scaling]\nsandbox = true\nsandbox_memory = "8GiB"\n'
+        "[keepalive]\nmemory_release_s = 0.5\n"
+    )
+    spec = parse_dir(make_dir(tmp_path, toml, {}))
+    assert spec.scaling.sandbox_memory == 8 << 30 and spec.keepalive.memory_release_s == 0.5
+    doc = spec.to_json()
+    assert doc["scaling"]["sandbox_memory"] == 8 << 30 and doc["keepalive"]["memory_release_s"] == 0.5
+    for sub in ("a", "b", "c", "d"):
+        (tmp_path / sub).mkdir()
+    e = error_of(tmp_path / "a", 'name = "f"\nentry = "model:F"\n[scaling]\nsandbox_memory = "1GiB"\n', {})
+    assert "scaling.sandbox_memory is set but sandbox = false" in str(e) and "\n" not in str(e), str(e)
+    e = error_of(tmp_path / "b", 'name = "f"\nentry = "model:F"\n[scaling]\nsandbox = true\nsandbox_memory = "4KiB"\n', {})
+    assert "less than 1 MiB" in str(e), str(e)
+    e = error_of(tmp_path / "c", 'name = "f"\nentry = "model:F"\n[scaling]\nsandbox = true\nsandbox_memory = "lots"\n', {})
+    assert str(e).startswith("torpor.toml: scaling.sandbox_memory"), str(e)
+    e = error_of(tmp_path / "d", 'name = "f"\nentry = "model:F"\n[keepalive]\nmemory_release_s = -1\n', {})
+    assert str(e).startswith("torpor.toml: keepalive.memory_release_s"), str(e)

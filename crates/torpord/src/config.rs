@@ -69,9 +69,18 @@
 //! cache_bytes = 17179869184       # chunks kept in <state>/chunks beyond what registered snapshots
 //!                                 # need, least recently used dropped first: 16 GiB, ≤ 2^50
 //! parallel = 8                    # requests in flight per push or pull, 1 to 256
+//!
+//! [sandbox_pool]                  # the live-context pool (docs/sandboxes.md, "The live-context pool")
+//! size = 0                        # ready sandboxes kept per tenant and base (interpreter, preloads,
+//!                                 # GPU): launched, preloaded, CUDA warm, waiting for a function;
+//!                                 # a sandboxed function's first start on the node loads into one
+//!                                 # instead of restoring its snapshot. 0 (off) to 64
 //! ```
 
 use std::net::SocketAddr;
+
+/// The most ready sandboxes `sandbox_pool.size` may ask for, per tenant and base.
+const MAX_SANDBOX_POOL: i64 = 64;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -390,6 +399,8 @@ pub struct Config {
     /// `[objstore]`: the bucket deploys push to and unknown functions are pulled from; `None`:
     /// a single node (crate::objstore).
     pub objstore: Option<Objstore>,
+    /// `sandbox_pool.size`: ready sandboxes per tenant and base (crate::runtime::start::pooled).
+    pub sandbox_pool: usize,
 }
 
 /// `[objstore]` (docs/objstore.md, "torpord").
@@ -486,6 +497,7 @@ impl Default for Config {
             split_gpu: true,
             restore_server: RestoreServer::default(),
             objstore: None,
+            sandbox_pool: 0,
         }
     }
 }
@@ -724,6 +736,12 @@ impl Config {
         }
         if let Some(mut t) = root.table("objstore")? {
             config.objstore = Some(objstore_section(&mut t, base)?);
+            t.finish()?;
+        }
+        if let Some(mut t) = root.table("sandbox_pool")? {
+            if let Some(n) = t.integer("size", 0, MAX_SANDBOX_POOL)? {
+                config.sandbox_pool = usize::try_from(n).unwrap_or(0);
+            }
             t.finish()?;
         }
         if let Some(mut t) = root.table("http")? {
@@ -1147,6 +1165,7 @@ mod tests {
         ("workers", "pids_limit", "65536", &["65537", "15", "-1", "9223372036854775807"], "0 (no limit) or from 16 to 65536"),
         ("workers", "uid_base", "4294967294", &["4294967295", "999", "0", "-1", "\"2000000000\""], "from 1000 to 4294967294"),
         ("workers", "uid_count", "16777216", &["16777217", "0", "-1"], "from 1 to 16777216"),
+        ("sandbox_pool", "size", "64", &["65", "-1", "1.5", "\"2\""], "from 0 to 64"),
         ("http", "max_connections", "65536", &["65537", "9223372036854775807", "0"], "from 1 to 65536"),
         ("http", "header_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
         ("http", "body_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),

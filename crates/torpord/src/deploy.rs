@@ -777,6 +777,14 @@ async fn steps(
     if let Some(packed) = r.get("packed") {
         loaded["packed"] = packed.clone();
     }
+    // Its memory model, measured by its pool (crate::runtime::memory); a harness of before
+    // sends none.
+    let memory: Option<crate::protocol::MemoryModel> = r
+        .get("memory")
+        .and_then(|m| serde_json::from_value(m.clone()).ok());
+    if let Some(m) = &memory {
+        loaded["memory"] = json!(m);
+    }
     send(phase("load", t.elapsed().as_secs_f64(), loaded));
     // A sandboxed function: the other functions of its sandbox join it, so that its snapshot
     // holds them all (crate::runtime::sandbox).
@@ -863,6 +871,9 @@ async fn steps(
                 f.base_key = key;
                 f.updated = now_ms();
                 s.update_function(&f)?;
+                if let Some(m) = &memory {
+                    s.set_function_memory(&n, m, now_ms())?;
+                }
                 let old = match old {
                     Some(o) => s.snapshot(&o)?.inspect(|_| {
                         let _ = s.delete_snapshot(&o);

@@ -39,8 +39,10 @@ pub mod start {
     pub const BOOTED: &str = "booted";
     /// A standby instance, restored ahead of time (crate::runtime::start::standby), resumed for the request.
     pub const STANDBY: &str = "standby";
+    /// A function loaded into a ready sandbox of the live-context pool (crate::runtime::start::pooled).
+    pub const POOLED: &str = "pooled";
     /// Every value.
-    pub const ALL: &[&str] = &[WARM, RESTORED, BOOTED, STANDBY];
+    pub const ALL: &[&str] = &[WARM, RESTORED, BOOTED, STANDBY, POOLED];
 }
 
 /// The `stage` label of an instance from the moment its boot or restore begins until it is live
@@ -109,6 +111,17 @@ pub struct Metrics {
     /// `torpor_gpu_memory_byte_seconds_total{function, stage}`: GPU memory held over time, per
     /// stage ([`accounted_stages`]); the sum over stages is the function's total.
     pub gpu_memory_byte_seconds: CounterVec,
+    /// `torpor_sandbox_memory_bytes{sandbox, function, kind}`: each function's memory in each
+    /// sandbox (crate::runtime::memory): `resident` (after setup), `pool` (its request pool, as
+    /// the worker reported it), `reserved` (the memory model's peaks of its requests running).
+    pub sandbox_memory_bytes: IntGaugeVec,
+    /// `torpor_sandbox_memory_waits_total{function}`: requests that found no sandbox with room
+    /// for their function's peak and waited.
+    pub sandbox_memory_waits: IntCounterVec,
+    /// `torpor_sandbox_pool_ready{tenant}`: ready sandboxes of the live-context pool.
+    pub sandbox_pool_ready: IntGaugeVec,
+    /// `torpor_sandbox_pool_replaced_total{tenant}`: ready sandboxes found dead and replaced.
+    pub sandbox_pool_replaced: IntCounterVec,
     /// Functions whose series exist, to drop them when the function goes.
     functions: Mutex<BTreeSet<String>>,
     /// Every phase name seen, to drop a function's phase series.
@@ -137,7 +150,7 @@ impl Metrics {
         let starts = IntCounterVec::new(
             Opts::new(
                 "torpor_starts_total",
-                "How invocations got their instance: warm, restored, booted or standby.",
+                "How invocations got their instance: warm, restored, booted, standby or pooled.",
             ),
             &["function", "kind"],
         )?;
@@ -247,6 +260,38 @@ impl Metrics {
             node_transparent_hugepage.with_label_values(&[&mode]).set(1);
         }
         registry.register(Box::new(stage_seconds.clone()))?;
+        let sandbox_memory_bytes = IntGaugeVec::new(
+            Opts::new(
+                "torpor_sandbox_memory_bytes",
+                "Memory of each function in each sandbox, by kind: resident (after setup), pool (its request pool now), reserved (its running requests' modelled peaks).",
+            ),
+            &["sandbox", "function", "kind"],
+        )?;
+        let sandbox_memory_waits = IntCounterVec::new(
+            Opts::new(
+                "torpor_sandbox_memory_waits_total",
+                "Requests that found no sandbox with room for their function's memory peak and waited, by function.",
+            ),
+            &["function"],
+        )?;
+        registry.register(Box::new(sandbox_memory_bytes.clone()))?;
+        registry.register(Box::new(sandbox_memory_waits.clone()))?;
+        let sandbox_pool_ready = IntGaugeVec::new(
+            Opts::new(
+                "torpor_sandbox_pool_ready",
+                "Ready sandboxes of the live-context pool (launched, preloaded, waiting for a function), by tenant.",
+            ),
+            &["tenant"],
+        )?;
+        let sandbox_pool_replaced = IntCounterVec::new(
+            Opts::new(
+                "torpor_sandbox_pool_replaced_total",
+                "Ready sandboxes of the live-context pool found dead and replaced, by tenant.",
+            ),
+            &["tenant"],
+        )?;
+        registry.register(Box::new(sandbox_pool_ready.clone()))?;
+        registry.register(Box::new(sandbox_pool_replaced.clone()))?;
         registry.register(Box::new(gpu_memory_byte_seconds.clone()))?;
         for stage in Stage::ALL {
             instances.with_label_values(&[stage.as_str()]).set(0);
@@ -268,6 +313,10 @@ impl Metrics {
             standby_host_memory_bytes,
             stage_seconds,
             gpu_memory_byte_seconds,
+            sandbox_memory_bytes,
+            sandbox_memory_waits,
+            sandbox_pool_ready,
+            sandbox_pool_replaced,
             functions: Mutex::new(BTreeSet::new()),
             phases: Mutex::new(INVOKE_PHASES.iter().map(|p| p.to_string()).collect()),
         })

@@ -122,6 +122,9 @@ pub struct Ready {
     /// The weight packing's report (docs/split.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub packed: Option<BTreeMap<String, Value>>,
+    /// After a `load`: the function's memory model, measured by its pool (torpor.mempool).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryModel>,
     /// With `ok: false`: the worker's step that failed, and its error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<String>,
@@ -151,6 +154,52 @@ pub struct ResultFrame {
     pub error: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handler_s: Option<f64>,
+    /// A sandbox's request: its function's memory after it (crate::runtime::memory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryReport>,
+}
+
+/// A function's memory model (`ready`'s `memory`), in bytes: what it holds after setup() and
+/// the most one request needed above that (its warm-up's, at a deploy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct MemoryModel {
+    pub backend: MemoryBackend,
+    pub resident: u64,
+    pub request_peak: u64,
+}
+
+/// Which memory a function's pool accounts (torpor.mempool).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryBackend {
+    /// PyTorch's CUDA memory, a `torch.cuda.MemPool` per function.
+    Cuda,
+    /// Host memory from `torpor.scratch`.
+    Host,
+}
+
+impl MemoryBackend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cuda => "cuda",
+            Self::Host => "host",
+        }
+    }
+}
+
+/// One function's memory in a sandbox, in bytes: a `result`'s `memory` (with `peak`, the
+/// request's above `resident`) and the `memory` frame a sandbox sends when a function's idle
+/// pool gave its memory back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct MemoryReport {
+    pub function: String,
+    pub resident: u64,
+    /// What its request pool holds now (in use and cached).
+    pub pool: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak: Option<u64>,
 }
 
 /// The worker is at a quiet point after `quiesce` (a split one lists its segments).
@@ -281,6 +330,8 @@ pub enum FromWorker {
     StorePut(StorePut),
     StoreFd(StoreFd),
     StoreGet(StoreGet),
+    /// A sandbox's function idled and its pool gave its memory back.
+    Memory(MemoryReport),
 }
 
 /// `load`: the function to import, set up and warm up (role function).
@@ -382,6 +433,9 @@ pub enum ToWorker {
     DataFd(DataFd),
     /// Exit.
     Shutdown(Empty),
+    /// A sandbox: give back the pools of its idle functions now (a request waits for room;
+    /// crate::runtime::memory); each one released is answered by a `memory` frame.
+    ReleaseMemory(Empty),
     StoreStored(StoreStored),
     StoreValue(StoreValue),
 }
@@ -410,7 +464,7 @@ fn fields<'a, T: Deserialize<'a>>(
 impl FromWorker {
     /// The frame types a worker sends.
     pub const TYPES: &'static str =
-        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump, store_put, store_fd, store_get";
+        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump, store_put, store_fd, store_get, memory";
 
     /// A frame's payload, parsed (`type` first, then the variant from the same bytes).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -429,6 +483,7 @@ impl FromWorker {
             "store_put" => Self::StorePut(fields("store_put", payload)?),
             "store_fd" => Self::StoreFd(fields("store_fd", payload)?),
             "store_get" => Self::StoreGet(fields("store_get", payload)?),
+            "memory" => Self::Memory(fields("memory", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
         })
     }
@@ -449,6 +504,7 @@ impl FromWorker {
             Self::StorePut(_) => "store_put",
             Self::StoreFd(_) => "store_fd",
             Self::StoreGet(_) => "store_get",
+            Self::Memory(_) => "memory",
         }
     }
 }

@@ -297,6 +297,11 @@ impl Daemon {
             let rt = Arc::clone(&runtime);
             tokio::spawn(async move { rt.restage().await });
         }
+        {
+            // The live-context pool's ready sandboxes (crate::runtime::start::pooled).
+            let rt = Arc::clone(&runtime);
+            tokio::spawn(async move { rt.fill_sandbox_pools().await });
+        }
         let state = Arc::new(AppState {
             runtime,
             config: self.config.clone(),

@@ -93,6 +93,11 @@ pub struct Scaling {
     /// (crate::sandbox, docs/sandboxes.md); absent in specs of before (false).
     #[serde(default)]
     pub sandbox: bool,
+    /// With `sandbox`: the memory a sandbox of the group may give its functions, in bytes
+    /// (crate::runtime::memory); `None`: a GPU's memory for `gpus = 1`, else no bound. Absent
+    /// in specs of before.
+    #[serde(default)]
+    pub sandbox_memory: Option<u64>,
 }
 
 /// `scaling.standby_gpu` (docs/split.md, "Standby instances"): the cost and the speed of a GPU
@@ -118,6 +123,14 @@ pub struct KeepaliveSpec {
     pub gpu_release_s: f64,
     pub hibernate_s: f64,
     pub evict_s: f64,
+    /// Idle this long, a function's request pool gives its memory back (torpor.mempool; the
+    /// harness reads it). Absent in specs of before: 2 s.
+    #[serde(default = "memory_release_default")]
+    pub memory_release_s: f64,
+}
+
+fn memory_release_default() -> f64 {
+    2.0
 }
 
 /// `[gpu]`.

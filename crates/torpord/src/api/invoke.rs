@@ -1,5 +1,5 @@
 //! `POST /v1/functions/{name}/invoke`: the body is the request JSON, the answer's body the
-//! function's value, with `X-Torpor-Start` (warm, restored, booted, standby) and `X-Torpor-Timings` (the
+//! function's value, with `X-Torpor-Start` (warm, restored, booted, standby, pooled) and `X-Torpor-Timings` (the
 //! phases in seconds, as a JSON object).
 
 use std::sync::Arc;
@@ -29,7 +29,7 @@ pub(super) fn timings_header(t: &Timings) -> HeaderValue {
     responses(
         (status = 200, description = "The function's value", body = serde_json::Value,
             headers(
-                ("x-torpor-start" = String, description = "How the instance was obtained: warm, restored, booted or standby"),
+                ("x-torpor-start" = String, description = "How the instance was obtained: warm, restored, booted, standby or pooled"),
                 ("x-torpor-timings" = String, description = "The phases in seconds, as a JSON object (queue, start, restore, handler, overhead, total, …)"),
             )),
         (status = 400, description = "The body is not JSON", body = super::types::ErrorBody),

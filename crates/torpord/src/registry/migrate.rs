@@ -93,6 +93,17 @@ const MIGRATIONS: &[&str] = &[
         number INTEGER NOT NULL UNIQUE CHECK (number >= 0)
     ) STRICT;
     "#,
+    // 4 → 5: each function's memory model, measured at its deploy by its pool (a sandbox
+    // admits a request where its peak fits: crate::runtime::memory).
+    r#"
+    CREATE TABLE function_memory (
+        function     TEXT PRIMARY KEY REFERENCES functions(name) ON DELETE CASCADE,
+        backend      TEXT NOT NULL CHECK (backend IN ('cuda', 'host')),
+        resident     INTEGER NOT NULL CHECK (resident >= 0),
+        request_peak INTEGER NOT NULL CHECK (request_peak >= 0),
+        measured     INTEGER NOT NULL
+    ) STRICT;
+    "#,
 ];
 
 /// The schema version of `conn`'s database (0 when empty).

@@ -6,6 +6,7 @@
 //! some without a transaction, [`Registry::transaction`] runs some atomically.
 
 mod journal;
+mod memory;
 mod migrate;
 mod model;
 mod reserve;

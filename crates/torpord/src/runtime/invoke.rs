@@ -93,7 +93,15 @@ impl Runtime {
         // A sandboxed function's requests go to its sandbox's host pool (sandbox).
         let host = self.sandbox_host(name).await?;
         let pool = self.pool(host.as_deref().unwrap_or(name)).await?;
-        let (lease, kind, mut timings) = self.acquire(&pool).await?;
+        // In a sandbox with a memory budget: room for the function's peak (memory).
+        let demand = match host {
+            Some(_) => {
+                let spec = Arc::clone(&lock(&pool.state).info.spec);
+                self.sandbox_demand(name, &spec).await?
+            }
+            None => None,
+        };
+        let (lease, kind, mut timings) = self.acquire(&pool, demand).await?;
         let (timeout, per_instance) = {
             let st = lock(&pool.state);
             (st.info.timeout, st.info.per_instance)
@@ -104,6 +112,15 @@ impl Runtime {
         let res = self
             .call(&inst, member, request, timeout, per_instance)
             .await;
+        // The function's memory after the request, taken before its reservation is given
+        // back, so a waiting request sees the pool it left (memory).
+        if let Ok(ResultFrame {
+            memory: Some(report),
+            ..
+        }) = &res
+        {
+            self.memory_report(&inst.id, &inst.function, report);
+        }
         drop(lease);
         if kind == start::RESTORED {
             // hello → every segment mapped, when that happened before the answer (a request
@@ -371,6 +388,10 @@ impl Runtime {
                     self.store_put(&inst, put, fd);
                 }
                 FromWorker::StoreGet(get) => self.store_get(&inst, get),
+                FromWorker::Memory(report) => {
+                    // A sandbox's idle function gave its pool's memory back (memory).
+                    self.memory_report(&inst.id, &inst.function, &report);
+                }
                 FromWorker::Started(Started { id }) => {
                     // Unknown: a request the daemon gave up on.
                     if let Some(p) = lock(&inst.pending).get_mut(&id) {

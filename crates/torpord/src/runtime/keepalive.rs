@@ -84,6 +84,7 @@ impl Runtime {
     }
 
     fn tick(self: &Arc<Self>) {
+        self.sandbox_pool_tick();
         let pools: Vec<Arc<Pool>> = lock(&self.pools).values().cloned().collect();
         // NVML's figures, per instance root (live and starting). Every function's processes are
         // measured, not only `gpus = 1` ones': memory NVML sees is held, whatever the spec says.
@@ -530,6 +531,9 @@ impl Runtime {
             pool.changed.notify_waiters();
             return;
         }
+        // The quiesce gives every pool of a sandbox's functions back (torpor.mempool): its
+        // account starts afresh, whether it sleeps or serves on (crate::runtime::memory).
+        self.memory_forget(&inst.id);
         let out =
             self.snapshots_dir()
                 .join(format!("hib-{}-{}-{}", inst.function, inst.id, now_ms()));

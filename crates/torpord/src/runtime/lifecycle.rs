@@ -316,6 +316,8 @@ impl Runtime {
         // instead of "it closed its connection".
         let why = crate::cgroup::Cgroup::explain_death(inst.cgroup.as_ref(), why.to_string());
         let why = why.as_str();
+        // Its memory went with its process (crate::runtime::memory).
+        self.memory_forget(&inst.id);
         {
             let mut keep = lock(&inst.keep);
             // Idempotent: removed already, or hibernated (its process went with the snapshot).

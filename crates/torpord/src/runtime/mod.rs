@@ -14,6 +14,7 @@
 //! - [`process`]: a worker tree's snapshot, restore, wake-up and kill (CRIU, signals);
 //! - [`readopt`]: at startup, the instances an earlier daemon left;
 //! - [`sandbox`]: which instance serves a sandboxed function (an instance hosting several);
+//! - [`memory`]: each function's memory in each sandbox, its model, and admission by it;
 //! - [`store`]: the communication store's values handed between sandboxes (memfds);
 //! - [`workflow`]: a DAG of functions run as one request, in one sandbox where it can;
 //! - [`instance`]: the instance itself (its connection, requests in flight, keep-alive state).
@@ -38,6 +39,7 @@ pub mod instance;
 pub mod invoke;
 pub mod keepalive;
 pub mod lifecycle;
+pub mod memory;
 pub mod page_profile;
 pub mod pages_pending;
 pub mod pool;
@@ -94,6 +96,10 @@ pub struct Runtime {
     pub(crate) sandbox_routes: sandbox::Routes,
     /// The communication store's values handed between processes (store).
     pub store: store::Store,
+    /// The sandboxes' memory: models, accounts, admission (memory).
+    pub(crate) memory: memory::Memory,
+    /// Ready sandboxes per tenant and base (start::pooled).
+    pub(crate) sandbox_pool: start::pooled::SandboxPool,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -154,6 +160,8 @@ impl Runtime {
             objstore: None,
             sandbox_routes: sandbox::Routes::default(),
             store: store::Store::default(),
+            memory: memory::Memory::default(),
+            sandbox_pool: Default::default(),
         }
     }
 
@@ -213,6 +221,7 @@ impl Runtime {
     /// daemon's end of its connection closes) and its registry row removed, synchronously.
     pub fn shutdown(&self) {
         self.stop_every_instance();
+        self.sandbox_pool.clear();
         self.staging.shut_down();
     }
 

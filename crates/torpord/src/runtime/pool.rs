@@ -121,10 +121,16 @@ pub(crate) struct Lease {
     pub(crate) pool: Arc<Pool>,
     pub(crate) instance: Arc<Instance>,
     pub(crate) runtime: Arc<Runtime>,
+    /// The sandbox memory its request reserved: function and bytes (crate::runtime::memory).
+    pub(crate) reserved: Option<(String, u64)>,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        if let Some((function, peak)) = self.reserved.take() {
+            self.runtime
+                .memory_unreserve(&self.instance.id, &function, peak);
+        }
         let retire = {
             let mut st = lock(&self.pool.state);
             let generation = st.generation;
@@ -404,9 +410,16 @@ impl Runtime {
     }
 
     /// An instance for one request: idle warm, else restored, else after a wait in the queue.
+    ///
+    /// With `demand` (a sandboxed function's request in a sandbox with a memory budget:
+    /// crate::runtime::memory) an instance is taken only where the request's peak fits, and
+    /// the peak is reserved there with the choice; none fitting, a new sandbox is started while
+    /// below max_instances, else the request waits until a request ends or a pool gives its
+    /// memory back.
     pub(crate) async fn acquire(
         self: &Arc<Self>,
         pool: &Arc<Pool>,
+        demand: Option<crate::runtime::memory::Demand>,
     ) -> Result<(Lease, &'static str, Timings), InvokeError> {
         let t0 = Instant::now();
         let limits = self.config.queue;
@@ -419,6 +432,8 @@ impl Runtime {
             let notified = pool.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            // Sandboxes asked to give their idle pools back (the request waits for room).
+            let mut reclaim: Vec<Arc<Instance>> = Vec::new();
             let next = {
                 let mut st = lock(&pool.state);
                 if st.closed {
@@ -436,6 +451,7 @@ impl Runtime {
                     .iter_mut()
                     .filter(|(i, _)| !i.is_dead() && i.generation == generation)
                     .filter(|(i, n)| *n < per && i.state().is_routable())
+                    .filter(|(i, _)| demand.as_ref().is_none_or(|d| self.memory_fits(&i.id, d)))
                     .min_by_key(|(i, n)| {
                         let state = i.state();
                         let warm = state.stage() == Some(Stage::Warm);
@@ -443,6 +459,9 @@ impl Runtime {
                     });
                 if let Some((inst, n)) = idle {
                     *n += 1;
+                    if let Some(d) = &demand {
+                        self.memory_reserve(&inst.id, d);
+                    }
                     // A standby becomes an ordinary instance; a gpu_released one is resumed
                     // (it is not routable meanwhile).
                     let (kind, released) = {
@@ -466,6 +485,7 @@ impl Runtime {
                         pool: Arc::clone(pool),
                         instance: Arc::clone(inst),
                         runtime: Arc::clone(self),
+                        reserved: demand.as_ref().map(|d| (d.function.clone(), d.peak)),
                     };
                     Next::Warm(lease, released, kind)
                 } else if let Some(ix) = st
@@ -487,7 +507,29 @@ impl Runtime {
                     st.starting += 1;
                     Next::Start(Box::new((st.info.clone(), st.generation, None)))
                 } else {
+                    // Waiting although a sandbox has a free thread: for memory. Its idle
+                    // functions' pools are asked back (each time the request looks again).
+                    let memory_bound = demand.is_some()
+                        && st.instances.iter().any(|(i, n)| {
+                            *n < st.info.per_instance
+                                && !i.is_dead()
+                                && i.generation == st.generation
+                        });
+                    if memory_bound {
+                        reclaim.extend(
+                            st.instances
+                                .iter()
+                                .filter(|(i, _)| !i.is_dead())
+                                .map(|(i, _)| Arc::clone(i)),
+                        );
+                    }
                     if slot.is_none() {
+                        if memory_bound {
+                            self.metrics
+                                .sandbox_memory_waits
+                                .with_label_values(&[demand.as_ref().map_or("", |d| &d.function)])
+                                .inc();
+                        }
                         if st.queued >= limits.length {
                             return Err(InvokeError::QueueFull(format!(
                                 "function {:?} is at max_instances = {} and its queue is full \
@@ -509,6 +551,9 @@ impl Runtime {
                     Next::Wait
                 }
             };
+            for inst in reclaim {
+                self.reclaim_memory(inst);
+            }
             if let Next::Warm(lease, released, kind) = next {
                 drop(slot);
                 let mut timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
@@ -558,7 +603,7 @@ impl Runtime {
                 slot = None;
                 let queue_s = t0.elapsed().as_secs_f64();
                 let (inst, mut timings, kind) = match self
-                    .start_in_task(pool, info, generation, sleeper)
+                    .start_in_task(pool, info, generation, sleeper, demand.clone())
                     .await
                 {
                     Ok(started) => started,
@@ -576,6 +621,7 @@ impl Runtime {
                     pool: Arc::clone(pool),
                     instance: inst,
                     runtime: Arc::clone(self),
+                    reserved: demand.as_ref().map(|d| (d.function.clone(), d.peak)),
                 };
                 return Ok((lease, kind, timings));
             }

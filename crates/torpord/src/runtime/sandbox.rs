@@ -201,6 +201,7 @@ impl Runtime {
         let mut hosts = lock(&self.sandbox_routes.hosts);
         self.sandbox_routes.epoch.fetch_add(1, Ordering::AcqRel);
         hosts.clear();
+        self.forget_memory_models();
     }
 
     /// After the deploy of `name`: routes are computed again and, when it is sandboxed, the
@@ -208,6 +209,9 @@ impl Runtime {
     /// their hibernated ones discarded.
     pub async fn sandbox_deployed(self: &Arc<Self>, name: &str, spec: &Value) {
         self.forget_sandbox_routes();
+        // Its first start after this deploy may take a ready sandbox (start::pooled).
+        self.sandbox_pool_forget(name);
+        self.sandbox_pool_wanted(spec);
         let Some(group) = group_of(spec) else {
             return;
         };

@@ -217,7 +217,10 @@ impl Runtime {
         let lease = match &one_host {
             Some(host) => {
                 let pool = self.pool(host).await.map_err(|e| in_stage(host, e))?;
-                let (lease, kind, t) = self.acquire(&pool).await.map_err(|e| in_stage(host, e))?;
+                let (lease, kind, t) = self
+                    .acquire(&pool, None)
+                    .await
+                    .map_err(|e| in_stage(host, e))?;
                 start = kind;
                 timings.extend(t);
                 let (timeout, per_instance) = {

@@ -8,7 +8,10 @@ every function in it; a restore of the function snapshot draws a new one, a woke
 process keeps its own), which thread, and how many calls this function had in this process.
 Ops: sleep {s}, crash (os._exit), put {key} and get {key} through the communication store,
 share {key, n | array} (put with shared=True) and get_shared {key, keep}; buffer (with a file
-`with_buffer` in the directory: whether its torpor.buffer() segment holds its own bytes)."""
+`with_buffer` in the directory: whether its torpor.buffer() segment holds its own bytes);
+scratch {mib, s}: `mib` MiB from the function's memory pool (torpor.scratch), written, held for
+`s` seconds (tests/daemon/test_daemon_sandbox_memory.py: a warm-up of it makes the function's
+memory model)."""
 
 from __future__ import annotations
 
@@ -63,6 +66,12 @@ class Sandboxed:
         op = request.get("op")
         if op == "sleep":
             time.sleep(float(request["s"]))
+        elif op == "scratch":
+            held = torpor.scratch(int(request["mib"]) << 20)
+            held[::4096] = 1
+            time.sleep(float(request.get("s", 0)))
+            out["held"] = int(held.nbytes)
+            del held
         elif op == "crash":
             os._exit(7)
         elif op == "put":

@@ -85,6 +85,21 @@ pub(crate) type Booted = (
     Option<crate::cgroup::Cgroup>,
 );
 
+/// A launched `--role function` worker that said hello and waits for `load` (its preloads
+/// imported, CUDA warmed with `--gpu`): the first half of a boot, and what the live-context pool
+/// keeps ready (crate::runtime::start::pooled). Dropping it kills its tree.
+pub(crate) struct Launched {
+    pub(crate) init: i32,
+    pub(crate) worker: i32,
+    pub(crate) conn: WorkerConn,
+    pub(crate) cgroup: Option<crate::cgroup::Cgroup>,
+    /// Runs as a tenant's user (not root): binds are made for an unprivileged worker.
+    pub(crate) unprivileged: bool,
+    pub(crate) guard: TreeGuard,
+    /// Launch → hello.
+    pub(crate) boot_s: f64,
+}
+
 /// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker
 /// writing to `log` in a new cgroup named after `id`, sends it `load` and waits for `ready`.
 /// Returns (init, worker, connection, timings: `boot` (launch and connect), `load` (import,
@@ -98,9 +113,31 @@ pub(crate) async fn boot_function(
     id: &str,
     charge: Option<&crate::accounting::StartGuard<'_>>,
 ) -> Result<Booted, BootError> {
-    let t = Instant::now();
     // Platform-loaded data (crate::s3data): fetched while the worker is launched.
     let data_loading = crate::s3data::start_loading(rt.objstore.clone(), spec)?;
+    let launched = launch_function_worker(rt, spec, log, id, charge).await?;
+    let boot_s = launched.boot_s;
+    let (init, worker, conn, load_s, cgroup) =
+        load_into(rt, launched, spec, dir, log, data_loading).await?;
+    Ok((
+        init,
+        worker,
+        conn,
+        vec![("boot".to_string(), boot_s), ("load".to_string(), load_s)],
+        cgroup,
+    ))
+}
+
+/// Launches a `--role function` worker for `spec`'s interpreter, preloads, GPU and tenant's
+/// user, writing to `log`, in a new cgroup named after `id`, and waits for its hello.
+pub(crate) async fn launch_function_worker(
+    rt: &Runtime,
+    spec: &Value,
+    log: &Path,
+    id: &str,
+    charge: Option<&crate::accounting::StartGuard<'_>>,
+) -> Result<Launched, BootError> {
+    let t = Instant::now();
     let cgroup = rt.worker_cgroup(id, spec)?;
     let cgroup_procs = cgroup
         .as_ref()
@@ -133,12 +170,12 @@ pub(crate) async fn boot_function(
     })
     .await
     .map_err(BootError::LaunchTask)??;
-    let mut guard = TreeGuard(Some(init));
+    let guard = TreeGuard(Some(init));
     if let Some(c) = charge {
         c.process_started(init);
     }
     let worker = launcher::worker_pid(init)?;
-    let mut conn = rt
+    let conn = rt
         .hub
         .claim(worker)
         .wait(CONNECT_TIMEOUT)
@@ -153,9 +190,40 @@ pub(crate) async fn boot_function(
             resumed: conn.hello.resumed,
         });
     }
-    let boot_s = t.elapsed().as_secs_f64();
+    Ok(Launched {
+        init,
+        worker,
+        conn,
+        cgroup,
+        unprivileged: user.is_some(),
+        guard,
+        boot_s: t.elapsed().as_secs_f64(),
+    })
+}
+
+/// The second half of a boot: binds `dir` into the launched worker, sends `load` (with the
+/// data `data_loading` fetched), waits for `ready` and, for a sandbox's host, loads the other
+/// members of its group. Returns (init, worker, connection, load seconds, cgroup).
+pub(crate) async fn load_into(
+    rt: &Runtime,
+    launched: Launched,
+    spec: &Value,
+    dir: &Path,
+    log: &Path,
+    data_loading: Option<crate::s3data::Loading>,
+) -> Result<(i32, i32, WorkerConn, f64, Option<crate::cgroup::Cgroup>), BootError> {
+    let Launched {
+        init,
+        worker,
+        mut conn,
+        cgroup,
+        unprivileged,
+        mut guard,
+        ..
+    } = launched;
+    let log = log.to_path_buf();
     let t = Instant::now();
-    crate::function_mounts::bind_function_dir(init, dir, user.is_some()).await?;
+    crate::function_mounts::bind_function_dir(init, dir, unprivileged).await?;
     let (data, _) = crate::s3data::finish_loading(data_loading).await?;
     conn.send(&load_frame(spec, dir))
         .await
@@ -187,20 +255,14 @@ pub(crate) async fn boot_function(
             init,
             name,
             &group,
-            user.is_some(),
+            unprivileged,
             crate::limits::load_timeout(spec, rt.config.load_timeout),
         )
         .await?;
     }
     let load_s = t.elapsed().as_secs_f64();
     guard.0 = None;
-    Ok((
-        init,
-        worker,
-        conn,
-        vec![("boot".to_string(), boot_s), ("load".to_string(), load_s)],
-        cgroup,
-    ))
+    Ok((init, worker, conn, load_s, cgroup))
 }
 
 /// (key, interpreter, preload in spec order, gpu). The key ends with how the base's workers got

@@ -30,6 +30,7 @@ use crate::split::server::SegmentsError;
 use crate::sync::lock;
 
 pub mod boot;
+pub mod pooled;
 pub mod restore;
 pub mod standby;
 pub mod wake;
@@ -174,6 +175,7 @@ impl Runtime {
         info: FnInfo,
         generation: u64,
         sleeper: Option<Sleeper>,
+        demand: Option<crate::runtime::memory::Demand>,
     ) -> Result<Started, InvokeError> {
         let (tx, rx) = oneshot::channel();
         let rt = Arc::clone(self);
@@ -222,6 +224,11 @@ impl Runtime {
                 }),
                 Ok((inst, timings, kind)) => {
                     st.instances.push((Arc::clone(&inst), 1));
+                    // Its request's room, taken as it joins (under the pool's lock, like
+                    // every reservation: crate::runtime::memory).
+                    if let Some(d) = &demand {
+                        rt.memory_reserve(&inst.id, d);
+                    }
                     Ok((inst, timings, kind))
                 }
                 Err(e) => Err(e),
@@ -239,6 +246,9 @@ impl Runtime {
                 {
                     slot.1 = 0;
                     lock(&inst.keep).idle_since = Instant::now();
+                    if let Some(d) = &demand {
+                        rt.memory_unreserve(&inst.id, &d.function, d.peak);
+                    }
                 }
             }
             pool2.changed.notify_waiters();
@@ -320,6 +330,14 @@ impl Runtime {
             return self
                 .start(StartKind::Boot, name, info, generation, &new)
                 .await;
+        }
+        // A sandboxed function's first start on the node: into a ready sandbox (pooled).
+        match self.pooled_start(name, info, generation, &new).await {
+            Ok(Some(started)) => return Ok(started),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(function = name, error = %e, "starting in a ready sandbox failed; restoring the function snapshot instead")
+            }
         }
         let paused = lock(&self.restore_health)
             .get(name)

@@ -1,0 +1,375 @@
+//! The live-context pool (issue 11 item 3, docs/sandboxes.md, "The live-context pool"): ready
+//! sandboxes per tenant and base, each a launched `--role function` worker whose interpreter
+//! imported its preloads and, for a GPU base, created and warmed its CUDA context, waiting for
+//! a `load` (PhOS's pool of ready contexts, seed 001, built out of the boot path's first half,
+//! [`launch_function_worker`]). `sandbox_pool.size` of them are kept per key.
+//!
+//! - **The key** is the tenant and the base key (interpreter, preloads, GPU, hook, the
+//!   tenant's user): a ready sandbox is only ever given to a function of its tenant, and runs
+//!   as that tenant's user from its launch.
+//! - **Use.** A sandboxed function's first start on this daemon ([`Runtime::pooled_start`])
+//!   takes one instead of restoring its function snapshot: its directory is bound in, `load`
+//!   runs the function's setup and warm-up as at deploy, then the other members of its group
+//!   load ([`load_into`], the boot path's second half), and the worker becomes its instance
+//!   (start label `pooled`, timing `pooled_load`). Later cold starts restore the snapshot, which
+//!   brings the state setup() made without running it again. A function whose spec sets its own
+//!   cgroup limits is not given one (a ready sandbox's cgroup has the daemon's defaults).
+//! - **Refill.** Every take starts a replacement in the background; the keep-alive ticker drops
+//!   ready sandboxes whose process died (counted in `torpor_sandbox_pool_replaced_total`) and
+//!   refills every key to its size (after a failed launch, not sooner than [`RETRY`]). Keys come
+//!   from the sandboxed functions deployed (at a deploy, and at the daemon's start).
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::metrics::start;
+use crate::runtime::lifecycle::{Adopted, WorkerTree};
+use crate::runtime::pool::FnInfo;
+use crate::runtime::start::boot::{launch_function_worker, load_into, Launched};
+use crate::runtime::start::{NewInstance, StartError, Started};
+use crate::runtime::Runtime;
+use crate::sync::lock;
+
+/// After a launch for a key failed: no new one before this.
+pub const RETRY: Duration = Duration::from_secs(10);
+
+/// One ready sandbox.
+struct Ready {
+    launched: Launched,
+    /// Its log until it serves a function (then it becomes the instance's).
+    log: PathBuf,
+}
+
+/// One key's ready sandboxes, launches under way and the spec to launch with.
+struct Key {
+    tenant: String,
+    spec: Arc<Value>,
+    ready: Vec<Ready>,
+    launching: usize,
+    failed_at: Option<Instant>,
+}
+
+/// The runtime's live-context pool.
+#[derive(Default)]
+pub struct SandboxPool {
+    keys: Mutex<HashMap<String, Key>>,
+    /// Functions that had an instance on this daemon: their starts restore.
+    served: Mutex<HashSet<String>>,
+}
+
+impl std::fmt::Debug for SandboxPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SandboxPool { .. }")
+    }
+}
+
+impl SandboxPool {
+    /// Kills every ready sandbox (daemon stop).
+    pub fn clear(&self) {
+        lock(&self.keys).clear();
+    }
+}
+
+/// Whether the function of `spec` may start in a ready sandbox: sandboxed, and without cgroup
+/// limits of its own.
+pub fn eligible(spec: &Value) -> bool {
+    crate::runtime::sandbox::group_of(spec).is_some()
+        && ["memory_limit", "cpu_limit", "pids_limit"]
+            .iter()
+            .all(|k| spec.get(*k).is_none_or(Value::is_null))
+}
+
+/// Whether a process is alive (not gone, not a zombie).
+fn alive(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state follows the command's closing parenthesis.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    !matches!(state, None | Some('Z' | 'X'))
+}
+
+impl Runtime {
+    /// The pool key of `spec`, or `None` when its base cannot be named (its interpreter is
+    /// missing, its tenant has no user: a boot would say why).
+    fn pool_key(&self, spec: &Value) -> Option<String> {
+        let user = self.worker_user(spec).ok()?;
+        let (key, ..) = crate::runtime::start::boot::base_key(spec, &self.split, user).ok()?;
+        Some(format!("{}\u{1f}{key}", crate::tenant::of_spec(spec)))
+    }
+
+    /// A sandboxed function was deployed (or found at the daemon's start): its key gets its
+    /// ready sandboxes.
+    pub fn sandbox_pool_wanted(self: &Arc<Self>, spec: &Value) {
+        if self.config.sandbox_pool == 0 || !eligible(spec) {
+            return;
+        }
+        let Some(key) = self.pool_key(spec) else {
+            return;
+        };
+        {
+            let mut keys = lock(&self.sandbox_pool.keys);
+            let k = keys.entry(key.clone()).or_insert_with(|| Key {
+                tenant: crate::tenant::of_spec(spec).to_string(),
+                spec: Arc::new(spec.clone()),
+                ready: Vec::new(),
+                launching: 0,
+                failed_at: None,
+            });
+            k.spec = Arc::new(spec.clone());
+        }
+        self.refill(&key);
+    }
+
+    /// At the daemon's start: the keys of every ready sandboxed function.
+    pub async fn fill_sandbox_pools(self: &Arc<Self>) {
+        if self.config.sandbox_pool == 0 {
+            return;
+        }
+        let registry = Arc::clone(&self.registry);
+        let specs = tokio::task::spawn_blocking(move || {
+            registry.with(|s| {
+                Ok::<_, crate::registry::RegistryError>(
+                    s.functions()?
+                        .into_iter()
+                        .filter(|f| f.state == crate::registry::FunctionState::Ready)
+                        .map(|f| f.spec)
+                        .collect::<Vec<_>>(),
+                )
+            })
+        })
+        .await;
+        match specs {
+            Ok(Ok(specs)) => {
+                for spec in specs {
+                    self.sandbox_pool_wanted(&spec);
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot list the functions to fill the sandbox pool")
+            }
+            Err(e) => tracing::warn!(error = %e, "sandbox pool task failed"),
+        }
+    }
+
+    /// Launches ready sandboxes for `key` until it has its size (with those under way).
+    fn refill(self: &Arc<Self>, key: &str) {
+        let size = self.config.sandbox_pool;
+        let spec = {
+            let mut keys = lock(&self.sandbox_pool.keys);
+            let Some(k) = keys.get_mut(key) else {
+                return;
+            };
+            if k.failed_at.is_some_and(|at| at.elapsed() < RETRY)
+                || k.ready.len() + k.launching >= size
+            {
+                return;
+            }
+            let missing = size - k.ready.len() - k.launching;
+            k.launching += missing;
+            (0..missing)
+                .map(|_| Arc::clone(&k.spec))
+                .collect::<Vec<_>>()
+        };
+        for spec in spec {
+            let rt = Arc::clone(self);
+            let key = key.to_string();
+            tokio::spawn(async move { rt.launch_ready(&key, &spec).await });
+        }
+    }
+
+    async fn launch_ready(self: &Arc<Self>, key: &str, spec: &Value) {
+        let tenant = crate::tenant::of_spec(spec).to_string();
+        let n = self.next();
+        let dir = self.logs_dir().join("sandbox-pool");
+        let log = dir.join(format!("{tenant}-{n}.log"));
+        let launched = match std::fs::create_dir_all(&dir) {
+            Ok(()) => launch_function_worker(self, spec, &log, &format!("pool-{n}"), None)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(format!("cannot make {}: {e}", dir.display())),
+        };
+        let mut keys = lock(&self.sandbox_pool.keys);
+        let Some(k) = keys.get_mut(key) else {
+            return; // Dropped (the daemon stops): the tree dies with `launched`.
+        };
+        k.launching = k.launching.saturating_sub(1);
+        match launched {
+            Ok(launched) => {
+                k.failed_at = None;
+                k.ready.push(Ready { launched, log });
+                tracing::info!(tenant = %tenant, ready = k.ready.len(), "sandbox pool: a ready sandbox launched");
+            }
+            Err(e) => {
+                k.failed_at = Some(Instant::now());
+                tracing::warn!(tenant = %tenant, error = %e, "sandbox pool: launching a ready sandbox failed; retrying in {} s", RETRY.as_secs());
+            }
+        }
+        self.metrics
+            .sandbox_pool_ready
+            .with_label_values(&[&tenant])
+            .set(k.ready.len() as i64);
+    }
+
+    /// At each keep-alive tick: ready sandboxes whose process died are dropped and replaced,
+    /// and every key is refilled.
+    pub(crate) fn sandbox_pool_tick(self: &Arc<Self>) {
+        if self.config.sandbox_pool == 0 {
+            return;
+        }
+        let keys: Vec<String> = {
+            let mut keys = lock(&self.sandbox_pool.keys);
+            for k in keys.values_mut() {
+                let before = k.ready.len();
+                k.ready
+                    .retain(|r| alive(r.launched.init) && alive(r.launched.worker));
+                let died = before - k.ready.len();
+                if died > 0 {
+                    tracing::warn!(tenant = %k.tenant, died, "sandbox pool: ready sandboxes died; replacing them");
+                    self.metrics
+                        .sandbox_pool_replaced
+                        .with_label_values(&[&k.tenant])
+                        .inc_by(died as u64);
+                    self.metrics
+                        .sandbox_pool_ready
+                        .with_label_values(&[&k.tenant])
+                        .set(k.ready.len() as i64);
+                }
+            }
+            keys.keys().cloned().collect()
+        };
+        for key in keys {
+            self.refill(&key);
+        }
+    }
+
+    /// A live ready sandbox of `key`, taken (the dead ones met on the way are dropped).
+    fn take_ready(&self, key: &str) -> Option<Ready> {
+        let mut keys = lock(&self.sandbox_pool.keys);
+        let k = keys.get_mut(key)?;
+        let mut taken = None;
+        while let Some(r) = k.ready.pop() {
+            if alive(r.launched.init) && alive(r.launched.worker) {
+                taken = Some(r);
+                break;
+            }
+            self.metrics
+                .sandbox_pool_replaced
+                .with_label_values(&[&k.tenant])
+                .inc();
+        }
+        self.metrics
+            .sandbox_pool_ready
+            .with_label_values(&[&k.tenant])
+            .set(k.ready.len() as i64);
+        taken
+    }
+
+    /// A sandboxed function's first start on this daemon, in a ready sandbox of its key;
+    /// `Ok(None)` when it does not apply or none is ready (the caller restores as before).
+    pub(crate) async fn pooled_start(
+        self: &Arc<Self>,
+        name: &str,
+        info: &FnInfo,
+        generation: u64,
+        new: &NewInstance<'_, '_>,
+    ) -> Result<Option<Started>, StartError> {
+        if self.config.sandbox_pool == 0
+            || !eligible(&info.spec)
+            || lock(&self.sandbox_pool.served).contains(name)
+        {
+            return Ok(None);
+        }
+        let Some(key) = self.pool_key(&info.spec) else {
+            return Ok(None);
+        };
+        let taken = self.take_ready(&key);
+        // Whether one was there or not, the key is refilled (and known from now on).
+        self.sandbox_pool_wanted(&info.spec);
+        let Some(ready) = taken else {
+            return Ok(None);
+        };
+        let t = Instant::now();
+        new.charge.process_started(ready.launched.init);
+        // Its log becomes the instance's (the worker keeps writing to the same file).
+        if let Err(e) = std::fs::rename(&ready.log, new.log) {
+            tracing::warn!(log = %ready.log.display(), error = %e, "sandbox pool: cannot move the ready sandbox's log to the instance's");
+        }
+        let fdir = PathBuf::from(info.spec["dir"].as_str().unwrap_or_default());
+        let boot = |source| StartError::Boot {
+            function: name.to_string(),
+            source,
+        };
+        let data_loading = crate::s3data::start_loading(self.objstore.clone(), &info.spec)
+            .map_err(|e| boot(e.into()))?;
+        let (init, worker, conn, load_s, cgroup) = load_into(
+            self,
+            ready.launched,
+            &info.spec,
+            &fdir,
+            log_of(new.log, &ready.log),
+            data_loading,
+        )
+        .await
+        .map_err(boot)?;
+        let tree = WorkerTree::new(init, worker, conn, cgroup);
+        let adopted = Adopted::new(name, info, generation, None, tree);
+        let inst = self.adopt(new.id, adopted).await?;
+        lock(&self.sandbox_pool.served).insert(name.to_string());
+        let start_s = t.elapsed().as_secs_f64();
+        tracing::info!(function = name, instance = %inst.id, pid = init, ms = start_s * 1e3, "instance started in a ready sandbox");
+        Ok(Some((
+            inst,
+            vec![
+                ("pooled_load".to_string(), load_s),
+                ("start".to_string(), start_s),
+            ],
+            start::POOLED,
+        )))
+    }
+
+    /// A function was deleted or deployed again: its next first start may use the pool.
+    pub(crate) fn sandbox_pool_forget(&self, name: &str) {
+        lock(&self.sandbox_pool.served).remove(name);
+    }
+}
+
+/// The log a load error names: the instance's when the rename worked.
+fn log_of<'a>(instance: &'a Path, pooled: &'a Path) -> &'a Path {
+    if instance.exists() {
+        instance
+    } else {
+        pooled
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn only_sandboxed_functions_without_limits_of_their_own_take_a_ready_sandbox() {
+        let spec = |sandbox: bool, limit: Value| json!({"tenant": "t", "scaling": {"sandbox": sandbox}, "memory_limit": limit, "cpu_limit": null});
+        assert!(eligible(&spec(true, Value::Null)));
+        assert!(!eligible(&spec(false, Value::Null)));
+        assert!(!eligible(&spec(true, json!(1 << 30))));
+    }
+
+    #[test]
+    fn a_zombie_or_a_missing_process_is_not_alive() {
+        assert!(alive(std::process::id() as i32));
+        assert!(!alive(i32::MAX));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        // Exited and not reaped yet: a zombie.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!alive(child.id() as i32));
+        child.wait().unwrap();
+    }
+}

@@ -1,0 +1,256 @@
+"""Per-function memory pools inside a sandbox (issue 11 item 2, docs/sandboxes.md, "The memory
+pool"): what each function of a sandbox holds, what one of its requests needs at its peak, and
+its idle memory given back.
+
+Each function loaded into a worker gets a `FunctionPool`. It measures, and reports to torpord:
+
+- `resident`: what the function holds after setup() (its weights);
+- `request_peak`: the most one request needed above that, first from the warm-up request at
+  deploy (torpord keeps it as the function's memory model and admits a request into a sandbox
+  only where that much is free), then from every request (a larger one raises the model);
+- `pool`: what the function's request pool holds now (in use and cached);
+
+and gives the pool's memory back when the function has been idle for the spec's
+`keepalive.memory_release_s`.
+
+Two backends, one per kind of device memory:
+
+- **cuda (PyTorch).** One `torch.cuda.MemPool` per function; each of its request threads (and
+  the warm-up) allocates through it (`torch.cuda.use_mem_pool`, which routes the current
+  thread's allocations), so a function's activations are apart from the others' and from the
+  weights setup() made in the default pool. `pool` is the sum of the pool's segments
+  (`MemPool.snapshot()`). At idle the pool object is dropped (its use count reaches zero) and
+  `torch.cuda.empty_cache()` frees its segments; the next request makes a new pool. Why this
+  and not `empty_cache()` alone: the caching allocator keeps every block a request freed, and
+  `empty_cache()` frees the cached blocks of every function at once (the busy ones' too, which
+  then pay cudaMalloc again); a pool per function frees exactly the idle function's blocks, and
+  measures them (the allocator's global counters cannot say whose a block is). Why not a pool
+  per request: a request would pay cudaMalloc for its activations every time. Measured on the
+  GPU machine by bench/sandbox/run.py (`pool_release` in its JSON).
+- **host (CPU functions; the host backend of docs/split.md).** Host memory has no caching
+  allocator to attribute, so the pool is the function's own: `torpor.scratch(nbytes)` returns a
+  writable NumPy array (a ctypes array without NumPy) from the calling function's pool, which
+  caches the blocks of arrays that died for the next request, exactly as the CUDA allocator
+  does, and frees them at idle. Its figures are the bytes of the blocks it holds, so the daemon's
+  admission is driven by what the worker really allocated (tests/daemon/test_daemon_sandbox_memory.py).
+
+Only a sandbox's functions run their warm-up and requests in their pools (admission is a
+sandbox's question): a function in a worker of its own allocates as before (its CUDA memory in
+PyTorch's default pool, `torpor.scratch` plain memory), and only its `resident` is measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+# The pool of the function whose request (or load) runs on this thread.
+_current = threading.local()
+
+
+class FunctionPool:
+    """One function's memory in its worker (see the module doc)."""
+
+    def __init__(self, name: str, backend: str) -> None:
+        self.name = name
+        self.backend = backend  # "cuda" or "host"
+        self.resident = 0
+        self.request_peak = 0
+        self.in_flight = 0
+        self.lock = threading.Lock()
+        # host: blocks held (live or cached) by size, and the cached ones ready for reuse.
+        self._held = 0
+        self._live = 0
+        self._peak_live = 0
+        self._cache: dict[int, list[Any]] = {}
+        # cuda: the request pool (None until a request needs one, and after a release).
+        self._torch_pool: Any = None
+
+    # -- what the daemon is told ------------------------------------------------------------
+
+    def pool_bytes(self) -> int:
+        if self.backend == "cuda":
+            return _torch_pool_bytes(self._torch_pool)
+        with self.lock:
+            return self._held
+
+    def report(self, peak: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"function": self.name, "resident": self.resident, "pool": self.pool_bytes()}
+        if peak is not None:
+            out["peak"] = peak
+        return out
+
+    def model(self) -> dict[str, Any]:
+        return {"backend": self.backend, "resident": self.resident, "request_peak": self.request_peak}
+
+    # -- scopes ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def setup(self) -> Iterator[None]:
+        """Around setup(): what it allocates and keeps is the function's resident memory."""
+        before = _torch_reserved() if self.backend == "cuda" else 0
+        prev = getattr(_current, "pool", None)
+        _current.pool = self
+        try:
+            yield
+        finally:
+            _current.pool = prev
+            if self.backend == "cuda":
+                self.resident = max(0, _torch_reserved() - before)
+            else:
+                with self.lock:
+                    # What setup() still holds is the function's own; its cache is not.
+                    self.resident = self._live
+                    self._drop_cache()
+                    self._held = self._live
+                    self._peak_live = self._live
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[dict[str, int]]:
+        """Around one request (and the warm-up) on this thread: its allocations come from the
+        function's pool; on exit `peak` holds the most the pool held above `resident`."""
+        out = {"peak": 0}
+        with self.lock:
+            self.in_flight += 1
+            if self.in_flight == 1:
+                self._peak_live = self._live
+        prev = getattr(_current, "pool", None)
+        _current.pool = self
+        try:
+            if self.backend == "cuda":
+                with self._torch_scope():
+                    yield out
+            else:
+                yield out
+        finally:
+            _current.pool = prev
+            if self.backend == "cuda":
+                peak = _torch_pool_bytes(self._torch_pool)
+            else:
+                with self.lock:
+                    peak = max(0, self._peak_live - self.resident)
+            with self.lock:
+                self.in_flight -= 1
+            out["peak"] = peak
+            self.request_peak = max(self.request_peak, peak)
+
+    def release(self) -> int:
+        """Gives the pool's idle memory back (nothing while a request runs); returns the bytes
+        it held before."""
+        with self.lock:
+            if self.in_flight:
+                return 0
+        before = self.pool_bytes()
+        if self.backend == "cuda":
+            self._torch_pool = None
+            torch: Any = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        else:
+            with self.lock:
+                self._drop_cache()
+                self._held = self._live
+        return before
+
+    # -- host backend ------------------------------------------------------------------------
+
+    def _drop_cache(self) -> None:
+        self._cache.clear()
+
+    def scratch(self, nbytes: int) -> Any:
+        with self.lock:
+            cached = self._cache.get(nbytes)
+            block = cached.pop() if cached else None
+            if block is None:
+                block = bytearray(nbytes)
+                self._held += nbytes
+            self._live += nbytes
+            self._peak_live = max(self._peak_live, self._live)
+        exporter, view = _export(block)
+        # The exporter lives as long as any view of it (NumPy keeps its base): when the last
+        # one dies, the block goes back to the cache.
+        weakref.finalize(exporter, self._returned, block, nbytes)
+        return view
+
+    def _returned(self, block: bytearray, nbytes: int) -> None:
+        with self.lock:
+            self._live -= nbytes
+            self._cache.setdefault(nbytes, []).append(block)
+
+    # -- cuda backend ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _torch_scope(self) -> Iterator[None]:
+        torch: Any = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized() or not hasattr(torch.cuda, "MemPool"):
+            yield
+            return
+        with self.lock:
+            if self._torch_pool is None:
+                self._torch_pool = torch.cuda.MemPool()
+            pool = self._torch_pool
+        with torch.cuda.use_mem_pool(pool):
+            yield
+
+
+def backend_for(gpu_framework: str | None) -> str:
+    """The pool backend of a function loaded now: cuda under PyTorch with CUDA initialised."""
+    torch: Any = sys.modules.get("torch")
+    if gpu_framework == "torch" and torch is not None and torch.cuda.is_initialized():
+        return "cuda"
+    return "host"
+
+
+def scratch(nbytes: int) -> Any:
+    """Writable memory of `nbytes` from the calling function's pool (the host backend's
+    allocator; see the module doc): a NumPy uint8 array, or a ctypes array without NumPy. Its
+    block goes back to the function's pool when the array is garbage, and the pool's idle
+    memory back to the system when the function idles. Outside a function's load or request it
+    is plain memory, counted nowhere."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"torpor.scratch needs a size in bytes (an integer >= 0), got {nbytes!r}")
+    pool: FunctionPool | None = getattr(_current, "pool", None)
+    if pool is None or pool.backend != "host":
+        return _export(bytearray(nbytes))[1]
+    return pool.scratch(nbytes)
+
+
+def _export(block: bytearray) -> tuple[Any, Any]:
+    """A ctypes array over `block` (it supports weak references) and the view the caller gets:
+    a NumPy uint8 array over it, or the ctypes array itself without NumPy."""
+    exporter = (ctypes.c_uint8 * len(block)).from_buffer(block)
+    try:
+        import numpy as np
+    except ImportError:
+        return exporter, exporter
+    view: Any = np.frombuffer(exporter, dtype=np.uint8)  # type: ignore[call-overload]
+    return exporter, view
+
+
+def _torch_reserved() -> int:
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0
+    torch.cuda.synchronize()
+    return int(torch.cuda.memory_reserved())
+
+
+def _torch_pool_bytes(pool: Any) -> int:
+    """The bytes of the segments `pool` holds: its snapshot, or (a PyTorch without
+    `MemPool.snapshot`) the allocator's segments tagged with the pool's id."""
+    if pool is None:
+        return 0
+    try:
+        segments = pool.snapshot()
+    except AttributeError:
+        torch: Any = sys.modules.get("torch")
+        if torch is None:
+            return 0
+        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool.id)]
+    return sum(int(seg.get("total_size", 0)) for seg in segments)

@@ -1,0 +1,131 @@
+"""The live-context pool (issue 11, item 3; docs/sandboxes.md, "The live-context pool") through
+the real daemon, real CRIU and real workers, with CPU functions: `[sandbox_pool] size = 1`
+keeps one ready sandbox (a launched, preloaded worker waiting for a function) per tenant and
+base; a sandboxed function's first start loads into it (start `pooled`), a later cold start
+restores the snapshot, tenants never share a ready sandbox, one that dies is replaced, the pool
+refills after each take, and a bad config line is one clear error. The tests run in file order
+and share one daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import pids_with
+
+from .conftest import Torpord
+from .test_daemon_sandbox import make_function, ok
+
+
+@pytest.fixture(scope="module")
+def torpord(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    d = Torpord(torpor_bin, tmp_path_factory.mktemp("torpord"), config="[sandbox_pool]\nsize = 1\n")
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def metric(torpord: Torpord, name: str, tenant: str) -> float:
+    text = torpord.request("GET", "/metrics").body.decode()
+    m = re.search(rf'^{name}{{tenant="{tenant}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_ready(torpord: Torpord, tenant: str, n: int = 1, within: float = 30) -> None:
+    deadline = time.monotonic() + within
+    while metric(torpord, "torpor_sandbox_pool_ready", tenant) != n:
+        assert time.monotonic() < deadline, f"{tenant}: no ready sandbox\n{torpord.log_text()}"
+        time.sleep(0.1)
+
+
+# The launch processes of ready sandboxes that became instances (their command line still
+# names the pool's log).
+TAKEN: set[int] = set()
+
+
+def ready_pids(torpord: Torpord, tenant: str) -> list[int]:
+    """The ready sandboxes' launch processes (their log is named in their command line)."""
+    return [p for p in pids_with(f"{torpord.state}/logs/sandbox-pool/{tenant}-") if p not in TAKEN]
+
+
+def test_a_function_s_first_start_loads_into_a_ready_sandbox_of_its_tenant(
+    torpord: Torpord, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = tmp_path_factory.mktemp("pool-fns")
+    for name, tenant in (("pool-a", "team-a"), ("pool-b", "team-b")):
+        torpord.deploy(make_function(root, name, tenant, "w"))
+    # Each tenant got its own ready sandbox at the deploy.
+    wait_ready(torpord, "team-a")
+    wait_ready(torpord, "team-b")
+    ready_a, ready_b = ready_pids(torpord, "team-a"), ready_pids(torpord, "team-b")
+    assert ready_a and ready_b and not set(ready_a) & set(ready_b)
+    a = torpord.invoke("pool-a", {})
+    b = torpord.invoke("pool-b", {})
+    # Loaded into the ready sandboxes: setup ran there (the first call of a fresh process),
+    # each in its own tenant's process.
+    assert a.start == "pooled" and b.start == "pooled", (a.start, b.start, torpord.log_text())
+    assert "pooled_load" in a.timings and a.timings["total"] < 30, a.timings
+    got_a, got_b = ok(a), ok(b)
+    assert got_a["fn"] == "pool-a" and got_a["calls"] == 1, got_a
+    assert got_a["process"] != got_b["process"]
+    # The taken ones became the instances; each tenant's pool refilled with a new one.
+    TAKEN.update(ready_a + ready_b)
+    wait_ready(torpord, "team-a")
+    wait_ready(torpord, "team-b")
+    assert len(ready_pids(torpord, "team-a")) == 1 and len(ready_pids(torpord, "team-b")) == 1
+    # Warm afterwards, in the same process.
+    again = torpord.invoke("pool-a", {})
+    assert again.start == "warm" and ok(again)["process"] == got_a["process"]
+
+
+def test_a_later_cold_start_restores_the_snapshot(torpord: Torpord) -> None:
+    r = torpord.cli("stop", "pool-a")
+    assert r.returncode == 0, r.stderr
+    a = torpord.invoke("pool-a", {})
+    assert a.start == "restored", (a.start, a.timings)
+    ok(a)
+    # The ready sandbox is still there for the next function new to the node.
+    assert metric(torpord, "torpor_sandbox_pool_ready", "team-a") == 1
+
+
+def test_a_ready_sandbox_that_dies_is_replaced(torpord: Torpord) -> None:
+    before = metric(torpord, "torpor_sandbox_pool_replaced_total", "team-b")
+    (victim,) = ready_pids(torpord, "team-b")
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while metric(torpord, "torpor_sandbox_pool_replaced_total", "team-b") < before + 1:
+        assert time.monotonic() < deadline, torpord.log_text()
+        time.sleep(0.1)
+    wait_ready(torpord, "team-b")
+    assert victim not in ready_pids(torpord, "team-b")
+    assert torpord.proc.poll() is None
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[sandbox_pool]\nsize = 65\n", "sandbox_pool.size"),
+        ("[sandbox_pool]\nsize = -1\n", "sandbox_pool.size"),
+        ("[sandbox_pool]\nsized = 1\n", "sized"),
+    ],
+)
+def test_a_bad_sandbox_pool_line_is_one_clear_error(torpor_bin: Path, tmp_path: Path, text: str, says: str) -> None:
+    config = tmp_path / "torpord.toml"
+    config.write_text(text)
+    r = subprocess.run(
+        [torpor_bin, "serve", "--config", config, "--state-dir", tmp_path / "state", "--socket", tmp_path / "s.sock"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and says in lines[0], r.stderr
