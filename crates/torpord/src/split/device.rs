@@ -212,7 +212,7 @@ mod tests {
             fair: true,
             block_bytes: 4096,
         };
-        let dev = Backend::new(HostDevice::new(), Pcie::new(block, None));
+        let dev = Backend::new(HostDevice::new(), Pcie::new("host", block, None));
         let page = 4096;
         let data: Vec<u8> = (0..3 * page).map(|i| (i % 251) as u8).collect();
         let m = dev.fill_from_bytes(&data, false).unwrap();
@@ -250,7 +250,7 @@ mod tests {
         };
         let cuda = CudaDevice::open_with(driver, 0, config).unwrap();
         let granule = torpor_device::Device::granularity(&cuda);
-        let dev = Backend::new(cuda, Pcie::new(Default::default(), None));
+        let dev = Backend::new(cuda, Pcie::new("cuda0", Default::default(), None));
         assert_eq!(dev.backend(), "cuda");
         let data: Vec<u8> = (0..2 * granule).map(|i| (i % 253) as u8).collect();
         let m = dev.fill_from_bytes(&data, false).unwrap();

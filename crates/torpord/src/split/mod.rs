@@ -63,6 +63,8 @@ pub struct SplitMetrics {
     pub pcie_wait: HistogramVec,
     /// `torpor_pcie_bytes_total{device}`: bytes copied host→device.
     pub pcie_bytes: IntCounterVec,
+    /// `torpor_pcie_transfers{device}`: host→device transfers in progress.
+    pub pcie_active: IntGaugeVec,
 }
 
 impl SplitMetrics {
@@ -77,6 +79,7 @@ impl SplitMetrics {
             Box::new(m.shared_bytes.clone()),
             Box::new(m.pcie_wait.clone()),
             Box::new(m.pcie_bytes.clone()),
+            Box::new(m.pcie_active.clone()),
         ] {
             if let Err(e) = metrics.register(c) {
                 tracing::warn!(error = %e, "cannot register a restore server metric");
@@ -136,6 +139,13 @@ impl SplitMetrics {
                 ),
                 &["device"],
             )?,
+            pcie_active: IntGaugeVec::new(
+                Opts::new(
+                    "torpor_pcie_transfers",
+                    "Host-to-device transfers in progress (waiting for their turn or copying), by device.",
+                ),
+                &["device"],
+            )?,
         })
     }
 
@@ -144,6 +154,7 @@ impl SplitMetrics {
         pcie::PcieMetrics {
             wait: self.pcie_wait.with_label_values(&[label]),
             bytes: self.pcie_bytes.with_label_values(&[label]),
+            active: self.pcie_active.with_label_values(&[label]),
         }
     }
 }
@@ -366,7 +377,7 @@ impl Split {
     }
 
     fn scheduler(&self, label: &str) -> pcie::Pcie {
-        pcie::Pcie::new(self.pcie, Some(self.metrics.pcie(label)))
+        pcie::Pcie::new(label, self.pcie, Some(self.metrics.pcie(label)))
     }
 
     /// How a worker gets the hook: (the library, how it is used); no library when the worker

@@ -32,7 +32,7 @@ use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};
 use std::time::Instant;
 
-use prometheus::{Histogram, IntCounter};
+use prometheus::{Histogram, IntCounter, IntGauge};
 use torpor_device::DeviceError;
 
 use crate::config::PcieConfig;
@@ -60,10 +60,14 @@ pub struct PcieMetrics {
     pub wait: Histogram,
     /// `torpor_pcie_bytes_total{device}`: bytes copied host→device.
     pub bytes: IntCounter,
+    /// `torpor_pcie_transfers{device}`: transfers in progress (waiting or copying).
+    pub active: IntGauge,
 }
 
 /// One device's scheduler.
 pub struct Pcie {
+    /// The device, as logs and metrics name it (`host`, `cuda0`).
+    device: String,
     config: PcieConfig,
     state: Mutex<State>,
     turn: Condvar,
@@ -156,9 +160,10 @@ impl Drop for Leave<'_> {
 }
 
 impl Pcie {
-    /// A scheduler with `config`.
-    pub fn new(config: PcieConfig, metrics: Option<PcieMetrics>) -> Self {
+    /// The scheduler of `device` (its name in logs), with `config`.
+    pub fn new(device: &str, config: PcieConfig, metrics: Option<PcieMetrics>) -> Self {
         Self {
+            device: device.to_string(),
             config,
             state: Mutex::new(State::default()),
             turn: Condvar::new(),
@@ -186,17 +191,60 @@ impl Pcie {
         &self,
         src: &[u8],
         from: Source,
-        mut copy: impl FnMut(usize, &[u8]) -> Result<(), DeviceError>,
+        copy: impl FnMut(usize, &[u8]) -> Result<(), DeviceError>,
     ) -> Result<(), DeviceError> {
         if src.is_empty() {
             return Ok(());
         }
         let arrived = Instant::now();
-        if !self.config.fair {
-            let _whole = lock(&self.whole);
-            self.waited(arrived, src.len());
-            return copy(0, src);
+        let gauge = self.metrics.as_ref().map(|m| m.active.clone());
+        if let Some(g) = &gauge {
+            g.inc();
         }
+        let waited = std::cell::Cell::new(None);
+        let r = if self.config.fair {
+            self.in_turns(src, from, copy, arrived, &waited)
+        } else {
+            self.whole(src, copy, arrived, &waited)
+        };
+        if let Some(g) = &gauge {
+            g.dec();
+        }
+        // One line per transfer: how long it waited for its first block and took in all.
+        tracing::debug!(
+            device = %self.device,
+            bytes = src.len(),
+            fair = self.config.fair,
+            waited_s = waited.get().unwrap_or(0.0),
+            s = arrived.elapsed().as_secs_f64(),
+            ok = r.is_ok(),
+            "pcie transfer"
+        );
+        r
+    }
+
+    /// Without fairness: all of `src` in one copy, while no other transfer of the device copies.
+    fn whole(
+        &self,
+        src: &[u8],
+        mut copy: impl FnMut(usize, &[u8]) -> Result<(), DeviceError>,
+        arrived: Instant,
+        waited: &std::cell::Cell<Option<f64>>,
+    ) -> Result<(), DeviceError> {
+        let _whole = lock(&self.whole);
+        waited.set(Some(self.waited(arrived, src.len())));
+        copy(0, src)
+    }
+
+    /// Round-robin, one block per turn.
+    fn in_turns(
+        &self,
+        src: &[u8],
+        from: Source,
+        mut copy: impl FnMut(usize, &[u8]) -> Result<(), DeviceError>,
+        arrived: Instant,
+        waited: &std::cell::Cell<Option<f64>>,
+    ) -> Result<(), DeviceError> {
         let block = self.config.block_bytes.max(1);
         let blocks = src.len().div_ceil(block);
         let id = lock(&self.state).join();
@@ -213,7 +261,7 @@ impl Pcie {
                 }
             }
             if i == 0 {
-                self.waited(arrived, src.len());
+                waited.set(Some(self.waited(arrived, src.len())));
             }
             let offset = i * block;
             match from {
@@ -240,11 +288,14 @@ impl Pcie {
         Ok(())
     }
 
-    fn waited(&self, arrived: Instant, bytes: usize) {
+    /// The transfer got its first turn: counts it; returns its wait in seconds.
+    fn waited(&self, arrived: Instant, bytes: usize) -> f64 {
+        let s = arrived.elapsed().as_secs_f64();
         if let Some(m) = &self.metrics {
-            m.wait.observe(arrived.elapsed().as_secs_f64());
+            m.wait.observe(s);
             m.bytes.inc_by(bytes as u64);
         }
+        s
     }
 }
 
@@ -260,6 +311,7 @@ mod tests {
 
     fn pcie(fair: bool) -> Arc<Pcie> {
         Arc::new(Pcie::new(
+            "test",
             PcieConfig {
                 fair,
                 block_bytes: BLOCK,
