@@ -514,3 +514,47 @@ def test_a_missing_data_fd_frame_exits_3(spawn: Spawner, daemon: Daemon, tmp_pat
     c.send({"type": "data_fd", "name": "w", "fd": True})  # no fd attached
     assert w.wait() == EXIT_PROTOCOL
     assert "expected data_fd 'w' with its memfd after load" in w.stderr(), w.stderr()
+
+
+GPU_DATA_FN = (
+    "@torpor.function\nclass F:\n"
+    "    def setup(self):\n"
+    "        self.w = torpor.load('w', device='cuda')\n"
+    "    def __call__(self, r):\n"
+    "        return {}\n"
+)
+
+
+def test_gpu_data_comes_in_gpu_data_frames_and_a_worker_without_cuda_says_so(
+    spawn: Spawner, daemon: Daemon, tmp_path: Path
+) -> None:
+    """Platform-managed GPU data (docs/sandboxes.md): after load, one gpu_data frame per
+    device = "cuda" entry, its fd attached. A worker without a GPU fails its load with one line
+    naming the data and the cause; a frame without its fd is a protocol error."""
+    toml_data = '[[data]]\nname = "w"\npath = "w.bin"\ndevice = "cuda"\n'
+    fdir = write_function(tmp_path / "fn", GPU_DATA_FN, "gpus = 1\n" + toml_data)
+    (fdir / "w.bin").write_bytes(b"x" * 4096)
+    spec = parse_dir(fdir).to_json()
+    env = {**worker_env(daemon.path), "TORPOR_LIBCUDA": str(tmp_path / "no-libcuda.so")}
+    w = spawn("--role", "base", env=env)
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "load", "spec": spec, "dir": str(fdir), "data": {"w": str(fdir / "w.bin")}})
+    fd = memfd_with(b"x" * 4096)
+    c.send_with_fd({"type": "gpu_data", "name": "w", "size": 4096, "padded": 4096, "readonly": True, "fd": True}, fd)
+    os.close(fd)
+    ready = c.expect("ready")
+    assert ready["ok"] is False and ready["phase"] == "data", ready
+    message = ready["error"]["message"]
+    assert "mapping the GPU data 'w' (4096 bytes)" in message and "\n" not in message, message
+    assert w.wait() == EXIT_LOAD
+
+    w = spawn("--role", "base", env=env)
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "load", "spec": spec, "dir": str(fdir), "data": {"w": str(fdir / "w.bin")}})
+    c.send({"type": "gpu_data", "name": "w", "size": 4096, "padded": 4096, "readonly": True, "fd": True})
+    assert w.wait() == EXIT_PROTOCOL
+    assert "expected gpu_data 'w' with its fd after load" in w.stderr(), w.stderr()

@@ -27,6 +27,9 @@ pub trait SegmentDevice: Send + Sync {
     /// `"host"` or `"cuda"`.
     fn backend(&self) -> &'static str;
 
+    /// The unit of its memory's sizes, in bytes (2 MiB on an H100, the page size on the host).
+    fn granularity(&self) -> usize;
+
     /// `len` bytes of host memory for copies.
     fn host_buffer(&self, len: usize) -> Result<HostBuffer, DeviceError>;
 
@@ -142,6 +145,10 @@ where
 {
     fn backend(&self) -> &'static str {
         self.device.backend()
+    }
+
+    fn granularity(&self) -> usize {
+        self.device.granularity()
     }
 
     fn host_buffer(&self, len: usize) -> Result<HostBuffer, DeviceError> {

@@ -101,6 +101,8 @@ pub(crate) async fn boot_function(
     let t = Instant::now();
     // Platform-loaded data (crate::s3data): fetched while the worker is launched.
     let data_loading = crate::s3data::start_loading(rt.objstore.clone(), spec)?;
+    // Platform-managed GPU data (crate::gpudata), on GPU 0: filled meanwhile too.
+    let gpu_filling = crate::gpudata::start(&rt.split, spec, crate::tenant::of_spec(spec), 0)?;
     let cgroup = rt.worker_cgroup(id, spec)?;
     let cgroup_procs = cgroup
         .as_ref()
@@ -157,6 +159,7 @@ pub(crate) async fn boot_function(
     let t = Instant::now();
     crate::function_mounts::bind_function_dir(init, dir, user.is_some()).await?;
     let (data, _) = crate::s3data::finish_loading(data_loading).await?;
+    let gpu_data = crate::gpudata::finish(gpu_filling).await?;
     conn.send(&load_frame(spec, dir))
         .await
         .map_err(BootError::SendLoad)?;
@@ -164,6 +167,9 @@ pub(crate) async fn boot_function(
         .await
         .map_err(BootError::SendLoad)?;
     drop(data);
+    crate::gpudata::send(&mut conn, &gpu_data)
+        .await
+        .map_err(BootError::SendLoad)?;
     ready(
         &mut conn,
         crate::limits::load_timeout(spec, rt.config.load_timeout),
@@ -279,6 +285,9 @@ pub enum BootError {
     /// Platform-loaded data could not be loaded (crate::s3data).
     #[error(transparent)]
     Data(#[from] crate::s3data::DataError),
+    /// Platform-managed GPU data could not be filled.
+    #[error(transparent)]
+    GpuData(#[from] crate::gpudata::GpuDataError),
     /// The `load` frame could not be sent.
     #[error("sending load: {0}")]
     SendLoad(#[source] ConnError),
