@@ -5,7 +5,7 @@ A large function (one writable 512 MiB segment) and a small one (4 MiB) are depl
 split path; both are restored once so that their segments are in the restore server's host
 cache (the GPU cache is off, so every cold restore copies the segment host→device through the
 scheduler). Then the large one is restored and, while its fill is copying, the small one: with
-the scheduler the small fill waits at most a block or two of the large one; without it
+the scheduler the small fill waits at most one piece of the large one; without it
 (`[pcie] fair = false`) it waits for the large copy to end. Each transfer's wait is the
 daemon's own `pcie transfer` debug line.
 """
@@ -130,9 +130,9 @@ def test_a_small_fill_is_not_stuck_behind_a_large_one(torpor_bin: Path, criu_rea
     finally:
         d.stop()
     assert large["fair"] and small["fair"]
-    # It arrived while the large copy was under way, waited for about a block of it, and was
-    # done long before the large one.
-    assert small["waited_s"] < 0.1 * large["s"], json.dumps([large, small])
+    # It arrived while the large copy was under way, waited for at most the piece the large one
+    # was copying (64 MiB while it was alone, `solo_bytes`), and was done long before it.
+    assert small["waited_s"] < 0.25 * large["s"], json.dumps([large, small])
     assert ended(small) < ended(large) - 0.25 * large["s"], json.dumps([large, small])
 
 

@@ -61,6 +61,8 @@
 //! fair = true                     # false: each copy whole, one after another (the benchmark's
 //!                                 # "without it" side)
 //! block_bytes = 2097152           # the turn of one transfer: 2 MiB; 4 KiB to 1 GiB
+//! solo_bytes = 67108864           # the turn of a transfer alone on the device: 64 MiB; from
+//!                                 # block_bytes to 1 GiB
 //!
 //! [objstore]                      # absent: a single node. Present: deploys push to this bucket,
 //!                                 # unknown functions are pulled from it (docs/objstore.md)
@@ -248,6 +250,8 @@ pub struct PcieConfig {
     pub fair: bool,
     /// Bytes one transfer copies per turn.
     pub block_bytes: usize,
+    /// Bytes a transfer copies per turn while no other is on the device (pinned sources).
+    pub solo_bytes: usize,
 }
 
 /// Bounds of `pcie.block_bytes`: 4 KiB (a page) to 1 GiB.
@@ -258,6 +262,7 @@ impl Default for PcieConfig {
         Self {
             fair: true,
             block_bytes: 2 << 20,
+            solo_bytes: 64 << 20,
         }
     }
 }
@@ -715,6 +720,12 @@ impl Config {
             if let Some(n) = t.integer("block_bytes", lo, hi)? {
                 config.pcie.block_bytes = usize::try_from(n).unwrap_or(2 << 20);
             }
+            let block = config.pcie.block_bytes as i64;
+            if let Some(n) = t.integer("solo_bytes", block, hi)? {
+                config.pcie.solo_bytes = usize::try_from(n).unwrap_or(64 << 20);
+            } else if config.pcie.solo_bytes < config.pcie.block_bytes {
+                config.pcie.solo_bytes = config.pcie.block_bytes;
+            }
             t.finish()?;
         }
         if let Some(mut t) = root.table("workers")? {
@@ -953,22 +964,28 @@ mod tests {
             c.pcie,
             PcieConfig {
                 fair: true,
-                block_bytes: 2 << 20
+                block_bytes: 2 << 20,
+                solo_bytes: 64 << 20,
             }
         );
-        let c = parse("[pcie]\nfair = false\nblock_bytes = 65536\n").unwrap();
+        let c = parse("[pcie]\nfair = false\nblock_bytes = 65536\nsolo_bytes = 65536\n").unwrap();
         assert_eq!(
             c.pcie,
             PcieConfig {
                 fair: false,
-                block_bytes: 65536
+                block_bytes: 65536,
+                solo_bytes: 65536,
             }
         );
+        // A block larger than the default solo piece makes the solo piece that large.
+        let c = parse("[pcie]\nblock_bytes = 134217728\n").unwrap();
+        assert_eq!(c.pcie.solo_bytes, 128 << 20);
         for (bad, names) in [
             ("[pcie]\nfair = 1\n", "pcie.fair"),
             ("[pcie]\nblock_bytes = 1024\n", "pcie.block_bytes"),
             ("[pcie]\nblock_bytes = 2147483648\n", "pcie.block_bytes"),
             ("[pcie]\nblock = 2097152\n", "block"),
+            ("[pcie]\nsolo_bytes = 1048576\n", "pcie.solo_bytes"),
         ] {
             let e = parse(bad).unwrap_err().to_string();
             assert!(e.contains(names), "{bad:?}: {e}");

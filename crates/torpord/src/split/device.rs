@@ -218,6 +218,7 @@ mod tests {
         let block = crate::config::PcieConfig {
             fair: true,
             block_bytes: 4096,
+            solo_bytes: 4096,
         };
         let dev = Backend::new(HostDevice::new(), Pcie::new("host", block, None));
         let page = 4096;

@@ -10,7 +10,12 @@
 //! one is copying waits for at most one of its blocks per transfer ahead of it, never for the
 //! whole large copy.
 //!
-//! Only the transfer holding the turn copies, so one block is in flight per device. A source
+//! A transfer alone on the device copies a pinned source in pieces of `solo_bytes` (64 MiB)
+//! instead, each one copy over all the device's streams, so a large fill with nothing beside it
+//! keeps the link's full speed; a transfer that arrives meanwhile waits for at most one such
+//! piece, and from then on turns are one block again.
+//!
+//! Only the transfer holding the turn copies, so one piece is in flight per device. A source
 //! that is not pinned ([`Source::Pageable`]: a memfd, a Python buffer) goes through the device's
 //! one **shared staging buffer** (pinned host memory on cuda, allocated on first use, one
 //! block long): the turn holder copies its block into it and from it to the device. A pinned
@@ -236,7 +241,7 @@ impl Pcie {
         copy(0, src)
     }
 
-    /// Round-robin, one block per turn.
+    /// Round-robin, one block per turn (more while it is alone on the device).
     fn in_turns(
         &self,
         src: &[u8],
@@ -246,24 +251,32 @@ impl Pcie {
         waited: &std::cell::Cell<Option<f64>>,
     ) -> Result<(), DeviceError> {
         let block = self.config.block_bytes.max(1);
-        let blocks = src.len().div_ceil(block);
+        let solo = self.config.solo_bytes.max(block);
         let id = lock(&self.state).join();
         let mut leave = Leave {
             pcie: self,
             id,
             gone: false,
         };
-        for (i, piece) in src.chunks(block).enumerate() {
-            {
+        let mut offset = 0;
+        while offset < src.len() {
+            let alone = {
                 let mut st = lock(&self.state);
                 while st.holder() != Some(id) {
                     st = self.turn.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
-            }
-            if i == 0 {
+                st.active() == 1
+            };
+            if offset == 0 {
                 waited.set(Some(self.waited(arrived, src.len())));
             }
-            let offset = i * block;
+            // Alone, a pinned source goes in bigger pieces (one copy on all the device's
+            // streams); the next transfer to arrive waits for at most one such piece.
+            let turn = match from {
+                Source::Pinned if alone => solo,
+                _ => block,
+            };
+            let piece = &src[offset..src.len().min(offset + turn)];
             match from {
                 Source::Pinned => copy(offset, piece)?,
                 Source::Pageable(alloc) => {
@@ -278,7 +291,8 @@ impl Pcie {
                     copy(offset, &buf[..piece.len()])?;
                 }
             }
-            let more = i + 1 < blocks;
+            offset += piece.len();
+            let more = offset < src.len();
             lock(&self.state).turn_done(id, more);
             if !more {
                 leave.gone = true;
@@ -315,6 +329,7 @@ mod tests {
             PcieConfig {
                 fair,
                 block_bytes: BLOCK,
+                solo_bytes: BLOCK,
             },
             None,
         ))
@@ -481,6 +496,45 @@ mod tests {
             panic!("no copy of nothing")
         })
         .unwrap();
+    }
+
+    #[test]
+    fn a_transfer_alone_copies_bigger_pieces_until_another_arrives() {
+        let p = Arc::new(Pcie::new(
+            "test",
+            PcieConfig {
+                fair: true,
+                block_bytes: BLOCK,
+                solo_bytes: 4 * BLOCK,
+            },
+            None,
+        ));
+        let log: Arc<Mutex<Vec<String>>> = Arc::default();
+        let run = |name: char, blocks: usize, gate: bool| {
+            let (p, log) = (Arc::clone(&p), Arc::clone(&log));
+            thread::spawn(move || {
+                let src = vec![0u8; blocks * BLOCK];
+                let probe = Arc::clone(&p);
+                p.transfer(&src, Source::Pinned, |off, bytes| {
+                    if gate && off == 0 {
+                        wait_until("B is active", || probe.active() >= 2);
+                    }
+                    let entry = format!("{name}{}x{}", off / BLOCK, bytes.len() / BLOCK);
+                    log.lock().unwrap().push(entry);
+                    Ok(())
+                })
+            })
+        };
+        let a = run('A', 8, true);
+        wait_until("A is active", || p.active() == 1);
+        let b = run('B', 2, false);
+        a.join().unwrap().unwrap();
+        b.join().unwrap().unwrap();
+        // Alone: 4 blocks in one copy; with B there: a block each; alone again: the rest.
+        assert_eq!(
+            log.lock().unwrap().join(" "),
+            "A0x4 A4x1 B0x1 A5x1 B1x1 A6x2"
+        );
     }
 
     #[test]
