@@ -8,8 +8,8 @@ through the store, three times each way: the same object (`torpor.put`/`get`; a 
 the GPU) and `shared=True` (a sealed memfd through torpord; host memory), timed inside the
 handlers. Writes bench/results/sandbox-<device>.json with a top-level `summary`:
 `memory_ratio_8fn` (processes ÷ sandbox), `handoff_100mb_ms` (same object, put + get, best of
-3) and `handoff_100mb_shared_ms`; `pooled_start_s` and `small_p99_ratio` are null: what they
-measure (the live-context pool, the fair PCIe scheduler) is not built.
+3) and `handoff_100mb_shared_ms`; `pooled_start_s` is null: the live-context pool is not built;
+`small_p99_ratio` is null here: bench/pcie/run.py measures it (sandbox-pcie-*.json).
 
     python3 bench/sandbox/run.py [--functions 8] [--weights-mib 64] [--out FILE]
     python3 bench/sandbox/run.py --cpu      # NumPy functions, host memory (PSS), for a machine without a GPU
@@ -329,7 +329,7 @@ def main() -> int:
             "handoff_100mb_ms": handoff_ms,
             "handoff_100mb_shared_ms": min(r["put_s"] + r["get_s"] for r in sandbox["handoff"]["shared_memfd"]) * 1e3,
             "small_p99_ratio": None,
-            "not_built": "the live-context pool, GPU hand-off between processes and the fair PCIe scheduler (docs/sandboxes.md)",
+            "not_built": "the live-context pool and GPU hand-off between processes (docs/sandboxes.md); small_p99_ratio: bench/pcie/run.py",
         },
         "machine": {"device": device, "kernel": platform.release(), "python": platform.python_version()},
         "settings": {"functions": args.functions, "weights_mib": args.weights_mib, "cpu": args.cpu},
