@@ -774,6 +774,14 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         standby_gpu=_choice(st, "scaling", "standby_gpu", Scaling.standby_gpu, STANDBY_GPU),
         sandbox=_bool(st, "scaling", "sandbox", Scaling.sandbox),
     )
+    if scaling.sandbox:
+        for i, d in enumerate(data):
+            if d.device == "cuda":
+                raise _fail(
+                    f"data[{i}].device",
+                    'is "cuda" in a sandboxed function: a sandbox loads its other members without platform-managed GPU data',
+                    "drop device (read the file in setup()), or set [scaling] sandbox = false",
+                )
 
     kt = _table(doc, "", "keepalive") or {}
     _check_keys(kt, "keepalive", KEEPALIVE_KEYS)

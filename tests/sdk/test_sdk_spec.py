@@ -500,6 +500,8 @@ def test_platform_managed_gpu_data_is_declared_strictly(tmp_path: Path) -> None:
     assert 'must be "host" or "cuda"' in str(e), e
     e = error_of(tmp_path, head + 'gpus = 1\n[[data]]\nname = "w"\nsource = "s3://b-b/o"\nsize = 8\ndevice = "cuda"\n')
     assert "from a file in the function dir only" in str(e), e
+    e = error_of(tmp_path, head + "gpus = 1\n" + entry + 'device = "cuda"\n[scaling]\nsandbox = true\n')
+    assert "in a sandboxed function" in str(e), e
     for err in (e,):
         assert "\n" not in str(err)
 
