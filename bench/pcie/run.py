@@ -17,11 +17,12 @@ cache), then measures the small function's cold start (`torpor stop`, then one i
 the same without it. Writes bench/results/sandbox-pcie-<device>.json with a top-level
 `summary`.
 
-    python3 bench/pcie/run.py [--runs 20] [--large-mib 3072] [--small-mib 4] [--out FILE]
+    python3 bench/pcie/run.py [--runs 20] [--large-mib 3072] [--tensor-mib 1024] [--small-mib 4] [--out FILE]
     python3 bench/pcie/run.py --cpu    # CPU functions, torpor.buffer() segments, host backend
 
 On the GPU the functions are PyTorch ones whose weights are CUDA tensors (segments of the
-hook); with --cpu they keep their weights in torpor.buffer() (the host backend stands in for the
+hook), the large one's in 1 GiB tensors by default: each segment is one transfer, and without
+the scheduler a copy of a segment holds the GPU's copy engine whole; with --cpu they keep their weights in torpor.buffer() (the host backend stands in for the
 GPU; its copies are memcpy, so the figures say little about PCIe).
 """
 
@@ -53,14 +54,16 @@ import torch
 import torpor
 
 MIB = {mib}
+TENSOR_MIB = {tensor_mib}
 
 
 @torpor.function
 class Fn:
     def setup(self) -> None:
-        # 64 MiB tensors (or one smaller one): each a segment of the hook; held in a list, not
-        # a module, so a request waits for all of them (docs/split.md).
-        chunk = min(MIB, 64)
+        # Tensors of TENSOR_MIB (or one smaller one): each a segment of the hook, so one
+        # transfer of the restore server; held in a list, not a module, so a request waits for
+        # all of them (docs/split.md).
+        chunk = min(MIB, TENSOR_MIB)
         self.w = [torch.full((chunk << 18,), 1.0 / (1 + i), device="cuda") for i in range(max(1, MIB // chunk))]
 
     def __call__(self, request):
@@ -86,10 +89,10 @@ class Fn:
 '''
 
 
-def write_function(root: Path, name: str, mib: int, cpu: bool) -> Path:
+def write_function(root: Path, name: str, mib: int, cpu: bool, tensor_mib: int) -> Path:
     d = root / name
     d.mkdir(parents=True)
-    (d / "model.py").write_text((CPU_MODEL if cpu else GPU_MODEL).format(mib=mib))
+    (d / "model.py").write_text((CPU_MODEL if cpu else GPU_MODEL).format(mib=mib, tensor_mib=tensor_mib))
     spec = [
         f'name = "{name}"',
         'entry = "model:Fn"',
@@ -183,7 +186,7 @@ def one_side(args: argparse.Namespace, fair: bool) -> dict[str, Any]:
     try:
         fns = d.root / "fns"
         for name, mib in (("large", args.large_mib), ("small", args.small_mib)):
-            d.cli("deploy", write_function(fns, name, mib, args.cpu))
+            d.cli("deploy", write_function(fns, name, mib, args.cpu, args.tensor_mib))
             d.cold(name)  # from the store: into the host cache
             d.stop_fn(name)
         solo, during, large_s, small_timings = [], [], [], []
@@ -231,6 +234,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--large-mib", type=int, default=3072)
     ap.add_argument("--small-mib", type=int, default=4)
+    ap.add_argument("--tensor-mib", type=int, default=1024,
+                    help="GPU: the large function's weights in tensors (segments, transfers) of this size")
     ap.add_argument("--cpu", action="store_true", help="CPU functions on the host backend (no GPU)")
     ap.add_argument("--torpor", type=Path, default=Path(os.environ.get("TORPOR_BIN", ROOT / "target/release/torpor")))
     ap.add_argument("--out", type=Path)
@@ -259,7 +264,7 @@ def main() -> int:
             "target": "small_p99_ratio <= 1.2 (issue 11)",
         },
         "machine": {"device": device, "kernel": platform.release(), "python": platform.python_version()},
-        "settings": {"torpor": str(args.torpor), "commit": os.environ.get("TORPOR_COMMIT"), "runs": args.runs, "large_mib": args.large_mib, "small_mib": args.small_mib, "cpu": args.cpu,
+        "settings": {"torpor": str(args.torpor), "commit": os.environ.get("TORPOR_COMMIT"), "runs": args.runs, "large_mib": args.large_mib, "tensor_mib": args.tensor_mib, "small_mib": args.small_mib, "cpu": args.cpu,
                      "block_bytes": 2 << 20, "solo_bytes": 64 << 20, "gpu_cache_bytes": 0},
         "with_scheduler": with_it,
         "without_scheduler": without,
