@@ -148,6 +148,22 @@ impl State {
     }
 }
 
+/// One transfer counted in `torpor_pcie_transfers` while it lives.
+struct Active(IntGauge);
+
+impl Active {
+    fn new(gauge: &IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// Takes a transfer out of the rotation when it ends early (an error or a panic in its copy).
 struct Leave<'a> {
     pcie: &'a Pcie,
@@ -202,19 +218,14 @@ impl Pcie {
             return Ok(());
         }
         let arrived = Instant::now();
-        let gauge = self.metrics.as_ref().map(|m| m.active.clone());
-        if let Some(g) = &gauge {
-            g.inc();
-        }
+        // In progress until this returns or unwinds.
+        let _active = self.metrics.as_ref().map(|m| Active::new(&m.active));
         let waited = std::cell::Cell::new(None);
         let r = if self.config.fair {
             self.in_turns(src, from, copy, arrived, &waited)
         } else {
             self.whole(src, copy, arrived, &waited)
         };
-        if let Some(g) = &gauge {
-            g.dec();
-        }
         // One line per transfer: how long it waited for its first block and took in all.
         tracing::debug!(
             device = %self.device,
@@ -457,6 +468,34 @@ mod tests {
         a.join().unwrap().unwrap();
         assert_eq!(order(&log), "A0 A1 A2");
         assert_eq!(p.active(), 0);
+    }
+
+    #[test]
+    fn the_metrics_count_transfers_and_bytes_also_when_a_copy_panics() {
+        let metrics = PcieMetrics {
+            wait: Histogram::with_opts(prometheus::HistogramOpts::new("w", "w")).unwrap(),
+            bytes: IntCounter::new("b", "b").unwrap(),
+            active: IntGauge::new("a", "a").unwrap(),
+        };
+        let p = Pcie::new("test", pcie(true).config(), Some(metrics.clone()));
+        p.transfer(&[1u8; 3 * BLOCK], Source::Pinned, |_, _| {
+            assert_eq!(metrics.active.get(), 1, "in progress while it copies");
+            Ok(())
+        })
+        .unwrap();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            p.transfer(&[1u8; BLOCK], Source::Pinned, |_, _| {
+                panic!("a copy that panics")
+            })
+        }));
+        assert!(panicked.is_err());
+        assert_eq!(
+            metrics.active.get(),
+            0,
+            "the panicking transfer is not counted on"
+        );
+        assert_eq!(metrics.bytes.get(), 4 * BLOCK as u64);
+        assert_eq!(metrics.wait.get_sample_count(), 2);
     }
 
     #[test]
