@@ -3,7 +3,7 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|checkpoint|sandbox-bench|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|checkpoint|sandbox-bench|pcie-bench|all] [extra pytest args...]
 # checkpoint: periodic checkpoints of a PyTorch training job (docs/checkpoints.md): the kill -9 /
 # restore tests (tests/test_checkpoints.py, tests/test_concurrent_snapshot.py) into
 # $OUT/checkpoint-pytest.log, then bench/checkpoint/train.py (none vs stop-the-world vs concurrent,
@@ -13,6 +13,10 @@
 # process each against one sandbox (docs/sandboxes.md), then a function new to the node started
 # into a ready sandbox of the live-context pool against a cold restore (pooled_start_s), into
 # $OUT/sandbox-h100.json and $OUT/sandbox.log ($SANDBOX_ARGS adds flags, e.g. "--weights-mib 256"). Not part of `all`.
+# pcie-bench: bench/pcie/run.py: a small function's cold start while a 3 GiB model loads, with
+# the fair PCIe scheduler and without it (docs/sandboxes.md "Fair PCIe"), into
+# $OUT/sandbox-pcie-h100.json and $OUT/pcie.log ($PCIE_ARGS adds flags, e.g. "--runs 10"; the
+# default 20 runs per side take about 5 minutes). Not part of `all`.
 # tests: pytest over $TESTS (default: tests, the whole suite), into $OUT/pytest.log.
 # compat: tests/compat/run.py: the compatibility programs (Triton, torch.compile, DataLoader workers,
 # NCCL world size 1, CUDA IPC, JAX, CuPy, CUDA graphs, ...) through torpor run/snapshot/restore and
@@ -183,6 +187,12 @@ if [ "$MODE" = sandbox-bench ]; then
   # shellcheck disable=SC2086 # $SANDBOX_ARGS is a list of flags
   python3 bench/sandbox/run.py --torpor "$TORPOR_BIN" --out "$OUT/sandbox-h100.json" ${SANDBOX_ARGS:-} 2>&1 | tee "$OUT/sandbox.log"
   sbrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$sbrc
+fi
+if [ "$MODE" = pcie-bench ]; then
+  echo "== bench/pcie (a small cold start during a 3 GiB load: with the scheduler and without)"
+  # shellcheck disable=SC2086 # $PCIE_ARGS is a list of flags
+  python3 bench/pcie/run.py --torpor "$TORPOR_BIN" --out "$OUT/sandbox-pcie-h100.json" ${PCIE_ARGS:-} 2>&1 | tee "$OUT/pcie.log"
+  pcrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$pcrc
 fi
 if [ "$MODE" = portability ]; then
   echo "== bench/portability (hashing reopened files: cold and cached)"

@@ -12,7 +12,8 @@ handlers. Writes bench/results/sandbox-<device>.json with a top-level `summary`:
 ready sandbox of the live-context pool (`[sandbox_pool] size = 1`) → its first answer, median of
 3 functions each new to the node, against `cold_restore_start_s`, the same with the pool off (a
 restore of the function snapshot), and `pooled_setup_s` (the function's own setup() and warm-up
-inside it, from its deploy); `small_p99_ratio` is null: the fair PCIe scheduler is not built.
+inside it, from its deploy); `small_p99_ratio` is null here: bench/pcie/run.py measures it
+(sandbox-pcie-*.json).
 
     python3 bench/sandbox/run.py [--functions 8] [--weights-mib 64] [--out FILE]
     python3 bench/sandbox/run.py --cpu      # NumPy functions, host memory (PSS), for a machine without a GPU
@@ -417,7 +418,7 @@ def main() -> int:
             "handoff_100mb_ms": handoff_ms,
             "handoff_100mb_shared_ms": min(r["put_s"] + r["get_s"] for r in sandbox["handoff"]["shared_memfd"]) * 1e3,
             "small_p99_ratio": None,
-            "not_built": "GPU hand-off between processes and the fair PCIe scheduler (docs/sandboxes.md)",
+            "not_built": "GPU hand-off between processes (docs/sandboxes.md); small_p99_ratio: bench/pcie/run.py",
         },
         "machine": {"device": device, "kernel": platform.release(), "python": platform.python_version()},
         "settings": {"functions": args.functions, "weights_mib": args.weights_mib, "cpu": args.cpu},

@@ -17,6 +17,15 @@ once per name and process; later calls return the same one.
 Outside a worker, torpor.use_dir(DIR) binds DIR/torpor.toml's data, for trying a function in a
 plain Python session or a test.
 
+Platform-managed GPU data (EDAS; docs/sandboxes.md). A [[data]] entry with `device = "cuda"`
+(in a function with gpus = 1) is filled into GPU memory by torpord while the instance starts
+(from its GPU cache or a shared read-only copy when there is one, else from the file through
+the node's fair PCIe scheduler) and mapped into the worker before setup() runs:
+torpor.load(name, device="cuda") is then a PyTorch uint8 tensor of the data's bytes on that
+memory (no copy of the function's own; read-only data is mapped read-only, so a write to it
+fails on the GPU). Reinterpret it with tensor.view(dtype) and reshape. The file itself stays
+readable through torpor.load(name).
+
 Platform-loaded data (EDAS; docs/data.md). A [[data]] entry with `source = "s3://BUCKET/KEY"`
 is loaded by torpord from its object store while the instance starts and handed over as a
 memfd (sealed when read-only): torpor.load(name) is then `/proc/self/fd/N`, usable in setup()
@@ -35,7 +44,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from torpor.errors import DataError
 
@@ -52,11 +61,25 @@ class Bound:
     size: int
     access: str  # "read-only" or "writable"
     source: str | None = None  # s3://BUCKET/KEY: loaded by torpord (path is /proc/self/fd/N)
+    device: str = "host"  # "cuda": torpord fills GPU memory with it (gpu_data frames)
+
+
+@dataclass(frozen=True)
+class GpuData:
+    """Platform-managed GPU memory mapped into this worker: `size` bytes of data at `va`."""
+
+    va: int
+    size: int
+    padded: int
+    readonly: bool
 
 
 _bound: dict[str, Bound] | None = None
 _source = ""
 _buffers: dict[str, memoryview] = {}
+# Platform-managed GPU data mapped into this process, and the tensors made of it.
+_gpu: dict[str, GpuData] = {}
+_tensors: dict[str, object] = {}
 # Source entries whose memfd was closed after setup() (their path no longer opens).
 _gone: set[str] = set()
 # Where torpor.dump sends (set by the worker while a request runs).
@@ -73,6 +96,7 @@ def bind(entries: Iterable[Bound], source: str) -> None:
     _source = source
     _buffers.clear()
     _gone.clear()
+    _tensors.clear()
 
 
 def loaded_done() -> None:
@@ -98,7 +122,7 @@ def use_dir(fdir: str | os.PathLike[str]) -> Spec:
 
     spec = parse_dir(fdir)
     bind(
-        (Bound(d.name, d.abs_path, d.size, d.access, d.source) for d in spec.data),
+        (Bound(d.name, d.abs_path, d.size, d.access, d.source, d.device) for d in spec.data),
         f"{spec.dir}/torpor.toml",
     )
     # Nothing loads a source outside a worker: those entries are not there to read.
@@ -130,16 +154,30 @@ def _lookup(name: str, caller: str) -> Bound:
 
 
 @overload
-def load(name: str, *, buffer: Literal[False] = False) -> Path: ...
+def load(name: str, *, buffer: Literal[False] = False, device: Literal["host"] | None = None) -> Path: ...
 
 
 @overload
-def load(name: str, *, buffer: Literal[True]) -> memoryview: ...
+def load(name: str, *, buffer: Literal[True], device: Literal["host"] | None = None) -> memoryview: ...
 
 
-def load(name: str, *, buffer: bool = False) -> Path | memoryview:
+@overload
+def load(name: str, *, buffer: Literal[False] = False, device: Literal["cuda"]) -> Any: ...
+
+
+def load(name: str, *, buffer: bool = False, device: str | None = None) -> Path | memoryview | Any:
     """The path of the declared data file `name`; with buffer=True, its contents in a segment
-    (a memoryview, read-only for read-only data; see the module's doc)."""
+    (a memoryview, read-only for read-only data); with device="cuda", the GPU memory the
+    platform filled with it, as a PyTorch uint8 tensor (see the module's doc)."""
+    if device not in (None, "host", "cuda"):
+        raise DataError(f'torpor.load({name!r}, device={device!r}): device is "host" (the default) or "cuda"')
+    if device == "cuda":
+        if buffer:
+            raise DataError(
+                f'torpor.load({name!r}, buffer=True, device="cuda"): pick one: buffer=True for host memory, '
+                'device="cuda" for GPU memory'
+            )
+        return _load_gpu(name)
     entry = _lookup(name, "load")
     if not buffer:
         return entry.path
@@ -149,6 +187,93 @@ def load(name: str, *, buffer: bool = False) -> Path | memoryview:
     view = _load_segment(entry)
     _buffers[name] = view
     return view
+
+
+def _load_gpu(name: str) -> Any:
+    what = f'torpor.load({name!r}, device="cuda")'
+    entry = _lookup(name, "load")
+    if entry.device != "cuda":
+        raise DataError(
+            f'{what}: {name!r} is not declared device = "cuda" in {_source}; add device = "cuda" to its '
+            f"[[data]] entry (with gpus = 1) so torpord fills GPU memory with it, or call torpor.load({name!r}) for the file"
+        )
+    mapped = _gpu.get(name)
+    if mapped is None:
+        raise DataError(
+            f"{what}: no GPU memory was filled for it in this process: torpord fills it in the worker of a "
+            f"function with gpus = 1 on a node with a GPU; here use torpor.load({name!r}) for the file"
+        )
+    cached = _tensors.get(name)
+    if cached is not None:
+        return cached
+    import sys
+
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        raise DataError(
+            f"{what}: the tensor view needs PyTorch: import torch in the function (preload = [\"torch\"]); "
+            f"the memory is at {mapped.va:#x} ({mapped.size} bytes)"
+        )
+
+    va, size = mapped.va, mapped.size
+
+    class _CudaArray:
+        # torch refuses the read-only flag of the interface; the mapping itself is read-only.
+        __cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (va, False),
+            "version": 3,
+            "strides": None,
+        }
+
+    tensor = torch.as_tensor(_CudaArray(), device="cuda")
+    _tensors[name] = tensor
+    return tensor
+
+
+def map_gpu(name: str, fd: int, size: int, padded: int, readonly: bool) -> None:
+    """Maps the GPU memory behind `fd` (torpord's `gpu_data` frame; the fd stays the caller's)
+    into a new segment of the device-memory hook, so that torpor.load(name, device="cuda") finds
+    it and a split snapshot stores it like any segment (worker)."""
+    import ctypes
+
+    from torpor import hook
+
+    what = f"mapping the GPU data {name!r} ({size} bytes)"
+    try:
+        cuda = ctypes.CDLL(os.environ.get("TORPOR_LIBCUDA") or "libcuda.so.1")
+        # The process's own symbols: the preloaded hook's cuMemAlloc_v2, which makes a segment.
+        alloc = ctypes.CDLL(None).cuMemAlloc_v2
+    except (OSError, AttributeError) as e:
+        raise DataError(f"{what}: no CUDA driver in this worker ({e}); it needs a GPU and the split GPU path") from None
+    try:
+        h = hook.get()
+    except Exception as e:
+        raise DataError(f"{what}: {e}") from None
+    ctx = ctypes.c_void_p()
+    if cuda.cuInit(0) != 0:
+        raise DataError(f"{what}: cuInit failed: the worker has no usable GPU")
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+        dev = ctypes.c_int()
+        if (
+            cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0
+            or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0
+            or cuda.cuCtxSetCurrent(ctx) != 0
+        ):
+            raise DataError(f"{what}: no CUDA context on GPU 0")
+    va = ctypes.c_uint64()
+    rc = alloc(ctypes.byref(va), ctypes.c_size_t(padded))
+    if rc != 0:
+        raise DataError(f"{what}: cuMemAlloc_v2 of {padded} bytes failed with CUresult {rc}")
+    if not any(seg.va == va.value for seg in h.segments()):
+        raise DataError(
+            f"{what}: the allocation at {va.value:#x} is not a segment of the hook: the worker runs off "
+            "the split GPU path (TORPOR_HOOK_CUDA)"
+        )
+    h.release(va.value)
+    h.map(va.value, fd, readonly)
+    _gpu[name] = GpuData(va.value, size, padded, readonly)
 
 
 def _load_segment(entry: Bound) -> memoryview:

@@ -33,6 +33,10 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
     # parallel with the instance's start; size is then required (the object is checked
     # against it) and the key is in the tenant's space of the bucket (docs/data.md):
     # source = "s3://torpor-data/weights.bin"
+    device = "host"               # or "cuda" (with gpus = 1 and path): the platform fills GPU
+                                  # memory with the file while the instance starts, and
+                                  # torpor.load(name, device="cuda") is a tensor view of it
+                                  # (docs/sandboxes.md, "Platform-managed GPU data")
     [warmup]                      # optional
     request = { x = [0.0, 1.0] }  # required in [warmup]; any TOML value but dates and times
     [scaling]
@@ -176,7 +180,8 @@ TOP_KEYS = (
     "keepalive",
     "gpu",
 )
-DATA_KEYS = ("name", "path", "source", "size", "access")
+DATA_KEYS = ("name", "path", "source", "size", "access", "device")
+DATA_DEVICES = ("host", "cuda")
 WARMUP_KEYS = ("request",)
 # The ranges of the numbers (docs/torpord.md, "Ranges"): each keeps the daemon's arithmetic on
 # the value (durations, counts, byte sums) far from overflow.
@@ -214,6 +219,8 @@ class DataDecl:
     access: Access
     # s3://BUCKET/KEY: torpord loads the object (path and abs_path are then "").
     source: str | None = None
+    # "cuda": torpord fills GPU memory with it (platform-managed GPU data); "host": a file.
+    device: str = "host"
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -225,6 +232,8 @@ class DataDecl:
         }
         if self.source:
             out["source"] = self.source
+        if self.device != "host":
+            out["device"] = self.device
         return out
 
 
@@ -486,6 +495,7 @@ _HINTS = {
     "data.path": 'relative to the function dir, e.g. path = "weights.npy"',
     "data.access": '"read-only" or "writable"',
     "data.source": 'an object of the node\'s object store, e.g. source = "s3://torpor-data/weights.bin"',
+    "data.device": '"host" or "cuda"',
 }
 
 
@@ -743,6 +753,13 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         _int(doc, "", "pids_limit", 1024, MIN_PIDS_LIMIT, MAX_PIDS_LIMIT) if "pids_limit" in doc else None
     )
     data = _data(doc, root, check_files)
+    for i, d in enumerate(data):
+        if d.device == "cuda" and gpus == 0:
+            raise _fail(
+                f"data[{i}].device",
+                'is "cuda" but the function has gpus = 0',
+                'set gpus = 1, or drop device to read the data on the host with torpor.load(name)',
+            )
 
     warmup = None
     wt = _table(doc, "", "warmup")
@@ -789,6 +806,14 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
                 f"is {scaling.sandbox_memory} bytes, less than 1 MiB",
                 'write a size from 1 MiB to 1 TiB, e.g. sandbox_memory = "8GiB"',
             )
+    if scaling.sandbox:
+        for i, d in enumerate(data):
+            if d.device == "cuda":
+                raise _fail(
+                    f"data[{i}].device",
+                    'is "cuda" in a sandboxed function: a sandbox loads its other members without platform-managed GPU data',
+                    "drop device (read the file in setup()), or set [scaling] sandbox = false",
+                )
 
     kt = _table(doc, "", "keepalive") or {}
     _check_keys(kt, "keepalive", KEEPALIVE_KEYS)
@@ -908,7 +933,16 @@ def _data(doc: Mapping[str, Any], root: Path, check_files: bool) -> tuple[DataDe
                 f'must be "read-only" or "writable", got {_show(access)}',
                 'write access = "read-only"',
             )
+        device = _str(table, prefix, "device", "host")
+        if device not in DATA_DEVICES:
+            raise _fail(f"{prefix}.device", f'must be "host" or "cuda", got {_show(device)}', 'write device = "cuda"')
         if "source" in table:
+            if device != "host":
+                raise _fail(
+                    f"{prefix}.device",
+                    'is "cuda" with a source: platform-managed GPU data is filled from a file in the function dir only',
+                    "declare the data with path, or drop device",
+                )
             out.append(_source_data(table, prefix, name, access))  # type: ignore[arg-type]
             continue
         raw_path = _str(table, prefix, "path", None)
@@ -925,7 +959,7 @@ def _data(doc: Mapping[str, Any], root: Path, check_files: bool) -> tuple[DataDe
                     f'set size = "auto" or size = {actual}, or replace the file',
                 )
             size = actual
-        out.append(DataDecl(name=name, path=rel, abs_path=abs_path, size=size, access=access))  # type: ignore[arg-type]
+        out.append(DataDecl(name=name, path=rel, abs_path=abs_path, size=size, access=access, device=device))  # type: ignore[arg-type]
     return tuple(out)
 
 

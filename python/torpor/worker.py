@@ -155,7 +155,7 @@ STORE_ANSWERS = ("store_stored", "store_value")
 STORE_TIMEOUT_S = 30.0
 AFTER_SPLIT_QUIET = ("release", "resume", "shutdown")
 # Taken only right after `load`: one per declared data entry with a source (torpord loaded it).
-AFTER_LOAD = ("data_fd",)
+AFTER_LOAD = ("data_fd", "gpu_data")
 DEFAULT_REATTACH_S = 60.0
 # keepalive.memory_release_s when a spec has none (torpor.spec's default).
 DEFAULT_MEMORY_RELEASE_S = 2.0
@@ -828,6 +828,8 @@ class Worker:
             )
         # Platform-loaded data (a source in torpor.toml): its memfd follows in a data_fd frame.
         data_fds = self.read_data_fds([d["name"] for d in decls if data_map[d["name"]] == {"fd": True}])
+        # Platform-managed GPU data (device = "cuda"): its memory follows in gpu_data frames.
+        gpu_data = self.read_gpu_data([d["name"] for d in decls if d.get("device") == "cuda"])
         if self.call is None:
             self.function, self.entry, self.role = name, entry, "function"
             self.sandbox, self.tenant = sandboxed, tenant if isinstance(tenant, str) else None
@@ -856,8 +858,12 @@ class Worker:
                         f"declared data {d['name']!r}: {path} has {size} bytes, "
                         f"the spec says {d['size']}; redeploy the function"
                     )
-                bound.append(torpor_data.Bound(d["name"], path, d["size"], access, d.get("source")))
+                bound.append(
+                    torpor_data.Bound(d["name"], path, d["size"], access, d.get("source"), str(d.get("device", "host")))
+                )
             torpor_data.bind(bound, f"the torpor.toml of {name}")
+            for frame, fd in gpu_data:
+                torpor_data.map_gpu(frame["name"], fd, frame["size"], frame["padded"], frame["readonly"])
             phase = "import"
             cls = resolve(fdir, entry)
             phase = "setup"
@@ -893,6 +899,8 @@ class Worker:
             # The objects torpord loaded are for setup() and the warm-up: closed before the
             # snapshot, so that it does not carry a second copy of them.
             for fd in data_fds.values():
+                os.close(fd)
+            for _, fd in gpu_data:
                 os.close(fd)
             torpor_data.loaded_done()
         if self.call is None:
@@ -943,6 +951,38 @@ class Worker:
         finally:
             self.reader.fds = False
         return fds
+
+    def read_gpu_data(self, names: list[str]) -> list[tuple[dict[str, Any], int]]:
+        """The gpu_data frames of `names` (and their fds) that follow `load` and its data_fd
+        frames, in that order."""
+        assert self.reader is not None
+        out: list[tuple[dict[str, Any], int]] = []
+        if not names:
+            return out
+        self.reader.fds = True
+        try:
+            for want in names:
+                msg = self.reader.read()
+                fd = self.reader.take_fd()
+                ok = (
+                    msg is not None
+                    and msg.get("type") == "gpu_data"
+                    and msg.get("name") == want
+                    and all(isinstance(msg.get(k), int) for k in ("size", "padded"))
+                    and isinstance(msg.get("readonly"), bool)
+                )
+                if not ok or fd is None:
+                    if fd is not None:
+                        os.close(fd)
+                    for _, f in out:
+                        os.close(f)
+                    got = "the end of the connection" if msg is None else f"{msg.get('type')!r} {msg.get('name')!r}"
+                    raise ProtocolError(f"expected gpu_data {want!r} with its fd after load, got {got}")
+                assert msg is not None
+                out.append((msg, fd))
+        finally:
+            self.reader.fds = False
+        return out
 
     def pack(self, instance: Any) -> dict[str, Any] | None:
         """Move the function's CUDA weights into segments of their own (torpor.pack), when its

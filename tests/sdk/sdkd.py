@@ -135,7 +135,8 @@ class Conn:
         payload = json.dumps(obj).encode()
         data = _LEN.pack(len(payload)) + payload
         sent = socket.send_fds(self.sock, [data], [fd])
-        self.sock.sendall(data[sent:])
+        if sent < len(data):  # a send of nothing fails (EPIPE) once a worker that read it all has exited
+            self.sock.sendall(data[sent:])
 
     def recv_with_fd(self, timeout: float = 10.0) -> tuple[dict[str, Any], int | None]:
         """A frame and the fd that came with its first byte (None if none)."""

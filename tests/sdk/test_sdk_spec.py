@@ -488,6 +488,56 @@ def test_outside_a_worker_source_data_and_dump_say_why_not(tmp_path: Path) -> No
         "x": [b"ABC"], "y": {"$ref": "s3://b-b/k"}}
 
 
+def test_platform_managed_gpu_data_is_declared_strictly(tmp_path: Path) -> None:
+    head = 'name = "f"\nentry = "model:F"\n'
+    entry = '[[data]]\nname = "w"\npath = "weights.npy"\n'
+    spec = parse_dir(make_dir(tmp_path, head + "gpus = 1\n" + entry + 'device = "cuda"\n'))
+    (d,) = spec.data
+    assert d.device == "cuda" and d.to_json()["device"] == "cuda"
+    assert "device" not in parse_dir(make_dir(tmp_path, head + entry)).data[0].to_json()
+    e = error_of(tmp_path, head + entry + 'device = "cuda"\n')
+    assert str(e).startswith("torpor.toml: data[0].device ") and "gpus = 0" in str(e) and "set gpus = 1" in str(e), e
+    e = error_of(tmp_path, head + "gpus = 1\n" + entry + 'device = "gpu"\n')
+    assert 'must be "host" or "cuda"' in str(e), e
+    e = error_of(tmp_path, head + 'gpus = 1\n[[data]]\nname = "w"\nsource = "s3://b-b/o"\nsize = 8\ndevice = "cuda"\n')
+    assert "from a file in the function dir only" in str(e), e
+    e = error_of(tmp_path, head + "gpus = 1\n" + entry + 'device = "cuda"\n[scaling]\nsandbox = true\n')
+    assert "in a sandboxed function" in str(e), e
+    for err in (e,):
+        assert "\n" not in str(err)
+
+
+def test_outside_a_worker_gpu_data_says_why_not_and_the_host_path_works(tmp_path: Path) -> None:
+    """On a machine without a GPU (or outside a worker) device="cuda" is one clear error; the
+    file stays readable the host way."""
+    import torpor
+    from torpor import data
+    from torpor.errors import DataError
+
+    d = make_dir(
+        tmp_path,
+        'name = "f"\nentry = "model:F"\ngpus = 1\n[[data]]\nname = "w"\npath = "weights.npy"\ndevice = "cuda"\n'
+        '[[data]]\nname = "h"\npath = "h.bin"\n',
+        {"weights.npy": 4096, "h.bin": 16},
+    )
+    torpor.use_dir(d)
+    try:
+        assert torpor.load("w") == d / "weights.npy"
+        assert len(torpor.load_bytes("w")) == 4096
+        cases = [
+            (lambda: torpor.load("w", device="cuda"), "no GPU memory was filled for it in this process"),
+            (lambda: torpor.load("h", device="cuda"), 'is not declared device = "cuda"'),
+            (lambda: torpor.load("w", device="tpu"), 'device is "host" (the default) or "cuda"'),  # type: ignore[call-overload]
+            (lambda: torpor.load("w", buffer=True, device="cuda"), "pick one"),  # type: ignore[call-overload]
+        ]
+        for call, words in cases:
+            with pytest.raises(DataError) as info:
+                call()
+            assert words in str(info.value) and "\n" not in str(info.value), info.value
+    finally:
+        data.unbind()
+
+
 def test_workflow_and_sandbox(tmp_path: Path) -> None:
     toml = 'name = "f"\nentry = "model:F"\nworkflow = "vision"\n[scaling]\nsandbox = true\n'
     spec = parse_dir(make_dir(tmp_path, toml, {}))

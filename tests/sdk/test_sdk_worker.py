@@ -514,3 +514,115 @@ def test_a_missing_data_fd_frame_exits_3(spawn: Spawner, daemon: Daemon, tmp_pat
     c.send({"type": "data_fd", "name": "w", "fd": True})  # no fd attached
     assert w.wait() == EXIT_PROTOCOL
     assert "expected data_fd 'w' with its memfd after load" in w.stderr(), w.stderr()
+
+
+GPU_DATA_FN = (
+    "@torpor.function\nclass F:\n"
+    "    def setup(self):\n"
+    "        self.w = torpor.load('w', device='cuda')\n"
+    "    def __call__(self, r):\n"
+    "        return {}\n"
+)
+
+
+def test_gpu_data_comes_in_gpu_data_frames_and_a_worker_without_cuda_says_so(
+    spawn: Spawner, daemon: Daemon, tmp_path: Path
+) -> None:
+    """Platform-managed GPU data (docs/sandboxes.md): after load, one gpu_data frame per
+    device = "cuda" entry, its fd attached. A worker without a GPU fails its load with one line
+    naming the data and the cause; a frame without its fd is a protocol error."""
+    toml_data = '[[data]]\nname = "w"\npath = "w.bin"\ndevice = "cuda"\n'
+    fdir = write_function(tmp_path / "fn", GPU_DATA_FN, "gpus = 1\n" + toml_data)
+    (fdir / "w.bin").write_bytes(b"x" * 4096)
+    spec = parse_dir(fdir).to_json()
+    env = {**worker_env(daemon.path), "TORPOR_LIBCUDA": str(tmp_path / "no-libcuda.so")}
+    w = spawn("--role", "base", env=env)
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "load", "spec": spec, "dir": str(fdir), "data": {"w": str(fdir / "w.bin")}})
+    fd = memfd_with(b"x" * 4096)
+    c.send_with_fd({"type": "gpu_data", "name": "w", "size": 4096, "padded": 4096, "readonly": True, "fd": True}, fd)
+    os.close(fd)
+    ready = c.expect("ready")
+    assert ready["ok"] is False and ready["phase"] == "data", ready
+    message = ready["error"]["message"]
+    assert "mapping the GPU data 'w' (4096 bytes)" in message and "\n" not in message, message
+    assert w.wait() == EXIT_LOAD
+
+    w = spawn("--role", "base", env=env)
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "load", "spec": spec, "dir": str(fdir), "data": {"w": str(fdir / "w.bin")}})
+    c.send({"type": "gpu_data", "name": "w", "size": 4096, "padded": 4096, "readonly": True, "fd": True})
+    assert w.wait() == EXIT_PROTOCOL
+    assert "expected gpu_data 'w' with its fd after load" in w.stderr(), w.stderr()
+
+
+GPU_DATA_READER = (
+    "import ctypes\n"
+    "from torpor import data\n"
+    "@torpor.function\nclass F:\n"
+    "    def setup(self):\n"
+    "        self.g = data._gpu['w']\n"
+    "        try:\n"
+    "            torpor.load('w', device='cuda')\n"
+    "            self.err = None\n"
+    "        except Exception as e:\n"
+    "            self.err = str(e)\n"
+    "    def __call__(self, r):\n"
+    "        # The fake driver's device memory is host memory: read it where it is mapped.\n"
+    "        raw = ctypes.string_at(self.g.va, self.g.size)\n"
+    "        return {'data': raw.decode(), 'size': self.g.size, 'padded': self.g.padded,\n"
+    "                'readonly': self.g.readonly, 'err': self.err}\n"
+)
+
+
+def test_gpu_data_is_mapped_into_a_segment_of_the_hook(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
+    """The worker's side of platform-managed GPU data on the fake driver (its VMM memory is
+    memfd memory; tests/fakes/fake_libcuda.c): the harness allocates a segment through the
+    preloaded hook, releases its memory and maps the daemon's there, read-only; the function
+    reads the bytes at the segment's address, and the segment is one the split capture sees."""
+    from sdkd import hook_lib
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libcuda")
+    fake = tmp_path / "libcuda.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-DFAKE_CUDA_VMM", "-o", str(fake), str(ROOT / "tests" / "fakes" / "fake_libcuda.c")], check=True)
+    lib = str(hook_lib())
+    env = worker_env(daemon.path, LD_PRELOAD=lib, TORPOR_HOOK_LIB=lib, TORPOR_HOOK_CUDA="1", TORPOR_LIBCUDA=str(fake))
+    fdir = write_function(tmp_path / "fn", GPU_DATA_READER, 'gpus = 1\n[[data]]\nname = "w"\npath = "w.bin"\ndevice = "cuda"\n')
+    payload = b"platform-filled weights"
+    (fdir / "w.bin").write_bytes(payload)
+    spec = parse_dir(fdir).to_json()
+    w = spawn("--role", "base", env=env)
+    c = daemon.accept()
+    c.expect("hello")
+    c.expect("ready")
+    c.send({"type": "load", "spec": spec, "dir": str(fdir), "data": {"w": str(fdir / "w.bin")}})
+    padded = 2 << 20
+    fd = os.memfd_create("gpu-data")
+    os.write(fd, payload)
+    os.ftruncate(fd, padded)
+    c.send_with_fd(
+        {"type": "gpu_data", "name": "w", "size": len(payload), "padded": padded, "readonly": True, "fd": True}, fd
+    )
+    os.close(fd)
+    ready = c.expect("ready")
+    assert ready["ok"] is True, f"{ready}\n{w.stderr()}"
+    got = c.invoke(1, {})
+    assert got["ok"] is True, got
+    v = got["value"]
+    assert v["data"] == payload.decode() and v["size"] == len(payload) and v["padded"] == padded, v
+    assert v["readonly"] is True
+    # Without PyTorch the tensor view is one line naming the address.
+    assert "needs PyTorch" in v["err"] and "\n" not in v["err"], v
+    # The split capture sees it as a read-only cuda segment of its padded size.
+    c.send({"type": "quiesce", "split": True})
+    quiet, _ = c.recv_with_fd(timeout=30)
+    segs = [s for s in quiet["segments"] if s["size"] == padded and s["backend"] == "cuda"]
+    assert len(segs) == 1 and segs[0]["readonly"] is True, quiet
+    os.kill(w.pid, signal.SIGKILL)
+    w.wait()

@@ -57,6 +57,13 @@
 //! transparent_hugepage = "leave"  # or "always": set the node's THP mode to always while torpord
 //!                                 # runs (restores fill memory with 2 MiB pages; docs/split.md)
 //!
+//! [pcie]                          # the fair PCIe scheduler of host→device copies (docs/sandboxes.md)
+//! fair = true                     # false: each copy whole, one after another (the benchmark's
+//!                                 # "without it" side)
+//! block_bytes = 2097152           # the turn of one transfer: 2 MiB; 4 KiB to 1 GiB
+//! solo_bytes = 67108864           # the turn of a transfer alone on the device: 64 MiB; from
+//!                                 # block_bytes to 1 GiB
+//!
 //! [objstore]                      # absent: a single node. Present: deploys push to this bucket,
 //!                                 # unknown functions are pulled from it (docs/objstore.md)
 //! endpoint = "http://127.0.0.1:8333"  # any S3-compatible endpoint, http(s)
@@ -245,6 +252,30 @@ pub struct RestoreServer {
     pub transparent_hugepage: crate::hugepages::ThpPolicy,
 }
 
+/// The fair PCIe scheduler (`crate::split::pcie`, docs/sandboxes.md "Fair PCIe").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct PcieConfig {
+    /// Round-robin in blocks across transfers; false: whole transfers one after another.
+    pub fair: bool,
+    /// Bytes one transfer copies per turn.
+    pub block_bytes: usize,
+    /// Bytes a transfer copies per turn while no other is on the device (pinned sources).
+    pub solo_bytes: usize,
+}
+
+/// Bounds of `pcie.block_bytes`: 4 KiB (a page) to 1 GiB.
+pub const PCIE_BLOCK_BYTES: (i64, i64) = (4 << 10, 1 << 30);
+
+impl Default for PcieConfig {
+    fn default() -> Self {
+        Self {
+            fair: true,
+            block_bytes: 2 << 20,
+            solo_bytes: 64 << 20,
+        }
+    }
+}
+
 /// Default of `restore_server.stage_bytes`: 8 GiB (tmpfs memory is used only as snapshots are
 /// staged).
 pub const DEFAULT_STAGE_BYTES: u64 = 8 << 30;
@@ -396,6 +427,8 @@ pub struct Config {
     /// driver's checkpoint).
     pub split_gpu: bool,
     pub restore_server: RestoreServer,
+    /// The fair PCIe scheduler.
+    pub pcie: PcieConfig,
     /// `[objstore]`: the bucket deploys push to and unknown functions are pulled from; `None`:
     /// a single node (crate::objstore).
     pub objstore: Option<Objstore>,
@@ -496,6 +529,7 @@ impl Default for Config {
             split: true,
             split_gpu: true,
             restore_server: RestoreServer::default(),
+            pcie: PcieConfig::default(),
             objstore: None,
             sandbox_pool: 0,
         }
@@ -687,6 +721,22 @@ impl Config {
                 crate::hugepages::ThpPolicy::parse,
             )? {
                 r.transparent_hugepage = p;
+            }
+            t.finish()?;
+        }
+        if let Some(mut t) = root.table("pcie")? {
+            if let Some(b) = t.boolean("fair")? {
+                config.pcie.fair = b;
+            }
+            let (lo, hi) = PCIE_BLOCK_BYTES;
+            if let Some(n) = t.integer("block_bytes", lo, hi)? {
+                config.pcie.block_bytes = usize::try_from(n).unwrap_or(2 << 20);
+            }
+            let block = config.pcie.block_bytes as i64;
+            if let Some(n) = t.integer("solo_bytes", block, hi)? {
+                config.pcie.solo_bytes = usize::try_from(n).unwrap_or(64 << 20);
+            } else if config.pcie.solo_bytes < config.pcie.block_bytes {
+                config.pcie.solo_bytes = config.pcie.block_bytes;
             }
             t.finish()?;
         }
@@ -923,6 +973,41 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("host_cache"), "{err}");
+    }
+
+    #[test]
+    fn the_pcie_scheduler_is_read_strictly() {
+        let c = parse("").unwrap();
+        assert_eq!(
+            c.pcie,
+            PcieConfig {
+                fair: true,
+                block_bytes: 2 << 20,
+                solo_bytes: 64 << 20,
+            }
+        );
+        let c = parse("[pcie]\nfair = false\nblock_bytes = 65536\nsolo_bytes = 65536\n").unwrap();
+        assert_eq!(
+            c.pcie,
+            PcieConfig {
+                fair: false,
+                block_bytes: 65536,
+                solo_bytes: 65536,
+            }
+        );
+        // A block larger than the default solo piece makes the solo piece that large.
+        let c = parse("[pcie]\nblock_bytes = 134217728\n").unwrap();
+        assert_eq!(c.pcie.solo_bytes, 128 << 20);
+        for (bad, names) in [
+            ("[pcie]\nfair = 1\n", "pcie.fair"),
+            ("[pcie]\nblock_bytes = 1024\n", "pcie.block_bytes"),
+            ("[pcie]\nblock_bytes = 2147483648\n", "pcie.block_bytes"),
+            ("[pcie]\nblock = 2097152\n", "block"),
+            ("[pcie]\nsolo_bytes = 1048576\n", "pcie.solo_bytes"),
+        ] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains(names), "{bad:?}: {e}");
+        }
     }
 
     #[test]

@@ -574,6 +574,10 @@ async fn steps(
     // Platform-loaded data (crate::s3data): fetched while the base boots or is restored.
     let data_loading = crate::s3data::start_loading(rt.objstore.clone(), &spec.json)
         .map_err(|e| fail("validate", e))?;
+    // Platform-managed GPU data (crate::gpudata): filled meanwhile too, on GPU 0.
+    let gpu_filling =
+        crate::gpudata::start(&rt.split, &spec.json, crate::tenant::of_spec(&spec.json), 0)
+            .map_err(|e| fail("validate", e))?;
     // Two first deploys on one key make one base; held until it is recorded, not across the load.
     let base_lock = rt.deploy_locks.base(&key).await;
 
@@ -755,6 +759,9 @@ async fn steps(
     let (data, data_s) = crate::s3data::finish_loading(data_loading)
         .await
         .map_err(|e| fail("load", e))?;
+    let gpu_data = crate::gpudata::finish(gpu_filling)
+        .await
+        .map_err(|e| fail("load", e))?;
     let data_wait_s = t_wait.elapsed().as_secs_f64();
     conn.send(&load_frame(&spec.json, &spec.dir))
         .await
@@ -763,9 +770,14 @@ async fn steps(
         .await
         .map_err(|e| conn_fail("load", "sending the loaded data", e))?;
     drop(data);
+    crate::gpudata::send(&mut conn, &gpu_data)
+        .await
+        .map_err(|e| conn_fail("load", "sending the GPU data", e))?;
     let r = ready(&mut conn, bound)
         .await
         .map_err(|e| out_of_memory_or(cgroup.as_ref(), "load", e))?;
+    // The worker mapped it before its setup(): the daemon's handles may go.
+    drop(gpu_data);
     let mut loaded = json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]});
     if data_s > 0.0 {
         // The object store's part: how long the loads took, and how much of that the load

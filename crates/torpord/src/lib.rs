@@ -22,6 +22,7 @@ pub mod deploy;
 pub mod deploy_locks;
 pub mod frames;
 pub mod function_mounts;
+pub mod gpudata;
 pub mod hugepages;
 pub mod instance_logs;
 pub mod journal;

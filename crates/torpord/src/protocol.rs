@@ -402,6 +402,21 @@ pub struct DataFd {
     pub fd: bool,
 }
 
+/// `gpu_data`: after `load` (and its `data_fd` frames), one per declared data entry with
+/// `device = "cuda"`, in declared order: GPU memory torpord filled with the file
+/// (crate::gpudata), `padded` bytes (a multiple of the GPU's granularity) of which the first
+/// `size` are the data, exported as an fd attached to the frame; the worker maps it (read-only
+/// when `readonly`) before setup() runs.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct GpuData {
+    pub name: String,
+    pub size: u64,
+    pub padded: u64,
+    pub readonly: bool,
+    pub fd: bool,
+}
+
 /// `dump` (while serving a request): `torpor.dump(name, obj)`; torpord writes `data` (base64)
 /// to the object of the writable declared entry `name` without answering (crate::s3data).
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -431,6 +446,7 @@ pub enum ToWorker {
     Map(Map),
     Unmap(Unmap),
     DataFd(DataFd),
+    GpuData(GpuData),
     /// Exit.
     Shutdown(Empty),
     /// A sandbox: give back the pools of its idle functions now (a request waits for room;
@@ -512,7 +528,7 @@ impl FromWorker {
 impl ToWorker {
     /// The frame types torpord sends.
     pub const TYPES: &'static str =
-        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, shutdown, store_stored, store_value";
+        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, gpu_data, shutdown, store_stored, store_value";
 
     /// A frame's payload, parsed as [`FromWorker::parse`] does (for tests and tools).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -527,6 +543,7 @@ impl ToWorker {
             "map" => Self::Map(fields("map", payload)?),
             "unmap" => Self::Unmap(fields("unmap", payload)?),
             "data_fd" => Self::DataFd(fields("data_fd", payload)?),
+            "gpu_data" => Self::GpuData(fields("gpu_data", payload)?),
             "shutdown" => Self::Shutdown(Empty {}),
             "store_stored" => Self::StoreStored(fields("store_stored", payload)?),
             "store_value" => Self::StoreValue(fields("store_value", payload)?),

@@ -70,6 +70,10 @@ pub struct DataFile {
     /// `path` and `abs_path` are then empty.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// `cuda`: torpord fills GPU memory with the file while the instance starts (crate::gpudata)
+    /// and the worker maps it; absent: `host`, a file the worker reads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
 }
 
 /// The request sent once at deploy, before the snapshot.

@@ -135,14 +135,17 @@ impl Runtime {
             nvml: std::sync::OnceLock::new(),
             starts: crate::accounting::Starts::default(),
             restore_health: Mutex::new(HashMap::new()),
-            split: Arc::new(crate::split::Split::new(
-                &state_root,
-                config.split,
-                config.split_gpu,
-                &config.restore_server,
-                &metrics,
-                Arc::clone(&snapshot_key),
-            )),
+            split: Arc::new(
+                crate::split::Split::new(
+                    &state_root,
+                    config.split,
+                    config.split_gpu,
+                    &config.restore_server,
+                    &metrics,
+                    Arc::clone(&snapshot_key),
+                )
+                .with_pcie(config.pcie),
+            ),
             staging: Arc::new(crate::staging::StageArea::open(
                 &state_root,
                 config.restore_server.stage_bytes,

@@ -4,12 +4,17 @@
 //!
 //! The daemon maps each piece of memory only for the length of one copy, into addresses it
 //! reserves and frees around it, so it never holds a segment's addresses longer than needed.
+//!
+//! Every host→device copy goes through the device's fair PCIe scheduler ([`super::pcie`]), which
+//! each [`Backend`] owns: one per device.
 
 use std::any::Any;
 use std::ops::DerefMut;
 use std::os::fd::OwnedFd;
 
 use torpor_device::{Access, Device, DeviceError};
+
+use super::pcie::{Pcie, Source};
 
 /// Memory of one backend, type-erased so that caches and shared copies can hold either.
 pub type Memory = Box<dyn Any + Send + Sync>;
@@ -22,6 +27,9 @@ pub trait SegmentDevice: Send + Sync {
     /// `"host"` or `"cuda"`.
     fn backend(&self) -> &'static str;
 
+    /// The unit of its memory's sizes, in bytes (2 MiB on an H100, the page size on the host).
+    fn granularity(&self) -> usize;
+
     /// `len` bytes of host memory for copies.
     fn host_buffer(&self, len: usize) -> Result<HostBuffer, DeviceError>;
 
@@ -29,8 +37,17 @@ pub trait SegmentDevice: Send + Sync {
     /// `out`.
     fn read_fd(&self, fd: OwnedFd, out: &mut [u8]) -> Result<(), DeviceError>;
 
-    /// New exportable memory holding `src`; sealed read-only for sharing when `seal`.
+    /// New exportable memory holding `src`, memory of [`SegmentDevice::host_buffer`] (pinned on
+    /// cuda, so copied from in place); sealed read-only for sharing when `seal`. The copy is one
+    /// transfer of the device's PCIe scheduler.
     fn fill_from_bytes(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError>;
+
+    /// The same from any other host memory (a memfd, a file's pages): each block goes through
+    /// the scheduler's shared staging buffer.
+    fn fill_from_pageable(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError>;
+
+    /// The device's PCIe scheduler.
+    fn pcie(&self) -> &Pcie;
 
     /// New exportable memory holding a copy of `src` (device to device); sealed when `seal`.
     fn fill_from_memory(
@@ -48,8 +65,17 @@ pub trait SegmentDevice: Send + Sync {
     fn read_memory(&self, memory: &Memory, out: &mut [u8]) -> Result<(), DeviceError>;
 }
 
-/// [`SegmentDevice`] over a `torpor-device` backend.
-pub struct Backend<D>(pub D);
+/// [`SegmentDevice`] over a `torpor-device` backend, with its PCIe scheduler.
+pub struct Backend<D> {
+    device: D,
+    pcie: Pcie,
+}
+
+impl<D: Device> Backend<D> {
+    pub fn new(device: D, pcie: Pcie) -> Self {
+        Self { device, pcie }
+    }
+}
 
 /// Addresses reserved for one copy; given back on drop (after the mapping is gone).
 struct Window<'a, D: Device> {
@@ -96,6 +122,20 @@ where
         m.downcast_ref::<D::Memory>()
             .expect("memory of one backend is only handed to that backend")
     }
+
+    fn fill(&self, src: &[u8], seal: bool, from: Source<'_>) -> Result<Memory, DeviceError> {
+        let memory = self.device.create(src.len())?;
+        {
+            let w = Window::map(&self.device, &memory, src.len(), Access::ReadWrite)?;
+            self.pcie.transfer(src, from, |offset, bytes| {
+                self.device.copy_to_device(w.at + offset as u64, bytes)
+            })?;
+        }
+        if seal {
+            self.device.seal_read_only(&memory)?;
+        }
+        Ok(Box::new(memory))
+    }
 }
 
 impl<D: Device> SegmentDevice for Backend<D>
@@ -104,29 +144,34 @@ where
     D::HostBuffer: 'static,
 {
     fn backend(&self) -> &'static str {
-        self.0.backend()
+        self.device.backend()
+    }
+
+    fn granularity(&self) -> usize {
+        self.device.granularity()
     }
 
     fn host_buffer(&self, len: usize) -> Result<HostBuffer, DeviceError> {
-        Ok(Box::new(self.0.host_buffer(len)?))
+        Ok(Box::new(self.device.host_buffer(len)?))
     }
 
     fn read_fd(&self, fd: OwnedFd, out: &mut [u8]) -> Result<(), DeviceError> {
-        let memory = self.0.import(fd, out.len())?;
-        let w = Window::map(&self.0, &memory, out.len(), Access::ReadOnly)?;
-        self.0.copy_to_host(w.at, out)
+        let memory = self.device.import(fd, out.len())?;
+        let w = Window::map(&self.device, &memory, out.len(), Access::ReadOnly)?;
+        self.device.copy_to_host(w.at, out)
     }
 
     fn fill_from_bytes(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError> {
-        let memory = self.0.create(src.len())?;
-        {
-            let w = Window::map(&self.0, &memory, src.len(), Access::ReadWrite)?;
-            self.0.copy_to_device(w.at, src)?;
-        }
-        if seal {
-            self.0.seal_read_only(&memory)?;
-        }
-        Ok(Box::new(memory))
+        self.fill(src, seal, Source::Pinned)
+    }
+
+    fn fill_from_pageable(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError> {
+        let alloc = |len: usize| self.host_buffer(len);
+        self.fill(src, seal, Source::Pageable(&alloc))
+    }
+
+    fn pcie(&self) -> &Pcie {
+        &self.pcie
     }
 
     fn fill_from_memory(
@@ -136,25 +181,30 @@ where
         seal: bool,
     ) -> Result<Memory, DeviceError> {
         let src = self.memory(src);
-        let memory = self.0.create(size)?;
+        let memory = self.device.create(size)?;
         {
-            let from = Window::map(&self.0, src, size, Access::ReadOnly)?;
-            let to = Window::map(&self.0, &memory, size, Access::ReadWrite)?;
-            self.0.copy_within_device(from.at, to.at, size)?;
+            let from = Window::map(&self.device, src, size, Access::ReadOnly)?;
+            let to = Window::map(&self.device, &memory, size, Access::ReadWrite)?;
+            self.device.copy_within_device(from.at, to.at, size)?;
         }
         if seal {
-            self.0.seal_read_only(&memory)?;
+            self.device.seal_read_only(&memory)?;
         }
         Ok(Box::new(memory))
     }
 
     fn export(&self, memory: &Memory) -> Result<OwnedFd, DeviceError> {
-        self.0.export(self.memory(memory))
+        self.device.export(self.memory(memory))
     }
 
     fn read_memory(&self, memory: &Memory, out: &mut [u8]) -> Result<(), DeviceError> {
-        let w = Window::map(&self.0, self.memory(memory), out.len(), Access::ReadOnly)?;
-        self.0.copy_to_host(w.at, out)
+        let w = Window::map(
+            &self.device,
+            self.memory(memory),
+            out.len(),
+            Access::ReadOnly,
+        )?;
+        self.device.copy_to_host(w.at, out)
     }
 }
 
@@ -165,7 +215,12 @@ mod tests {
 
     #[test]
     fn bytes_go_through_memory_and_back() {
-        let dev = Backend(HostDevice::new());
+        let block = crate::config::PcieConfig {
+            fair: true,
+            block_bytes: 4096,
+            solo_bytes: 4096,
+        };
+        let dev = Backend::new(HostDevice::new(), Pcie::new("host", block, None));
         let page = 4096;
         let data: Vec<u8> = (0..3 * page).map(|i| (i % 251) as u8).collect();
         let m = dev.fill_from_bytes(&data, false).unwrap();
@@ -175,6 +230,10 @@ mod tests {
         assert_eq!(out, data);
         let mut saved = dev.host_buffer(data.len()).unwrap();
         dev.read_memory(&m, &mut saved).unwrap();
+        assert!(saved[..] == data[..]);
+        // From pageable memory, through the scheduler's staging buffer, in blocks.
+        let staged = dev.fill_from_pageable(&data, false).unwrap();
+        dev.read_memory(&staged, &mut saved).unwrap();
         assert!(saved[..] == data[..]);
         // A sealed copy cannot be the source of a writable mapping anywhere.
         let sealed = copy
@@ -199,7 +258,7 @@ mod tests {
         };
         let cuda = CudaDevice::open_with(driver, 0, config).unwrap();
         let granule = torpor_device::Device::granularity(&cuda);
-        let dev = Backend(cuda);
+        let dev = Backend::new(cuda, Pcie::new("cuda0", Default::default(), None));
         assert_eq!(dev.backend(), "cuda");
         let data: Vec<u8> = (0..2 * granule).map(|i| (i % 253) as u8).collect();
         let m = dev.fill_from_bytes(&data, false).unwrap();

@@ -11,6 +11,7 @@
 //! | [`capture`] | quiesce with `split`, hash, store, release |
 //! | [`cache`] | the byte-bounded LRU of the host and GPU caches |
 //! | [`server`] | filling segments for a restore; shared read-only copies |
+//! | [`pcie`] | the fair PCIe scheduler every host→device copy of a device goes through |
 //! | [`release`] | an instance's segments across gpu_released: saved, given back, filled again |
 //!
 //! The chunk store is `<state>/chunks`; a snapshot's record there is named by the snapshot id,
@@ -22,6 +23,7 @@ pub mod capture;
 pub mod device;
 pub mod fds;
 pub mod index;
+pub mod pcie;
 pub mod release;
 pub mod server;
 
@@ -32,7 +34,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts};
 use torpor_image::store::{ChunkStore, StoreError};
 
-use crate::config::RestoreServer;
+use crate::config::{PcieConfig, RestoreServer};
 use cache::Lru;
 use device::{Backend, HostBuffer, Memory, SegmentDevice};
 use index::Planned;
@@ -56,6 +58,13 @@ pub struct SplitMetrics {
     pub fill_gbps: HistogramVec,
     /// `torpor_restore_shared_bytes`: bytes of resident shared read-only copies.
     pub shared_bytes: IntGauge,
+    /// `torpor_pcie_wait_seconds{device}`: how long each host→device transfer waited for its
+    /// first block.
+    pub pcie_wait: HistogramVec,
+    /// `torpor_pcie_bytes_total{device}`: bytes copied host→device.
+    pub pcie_bytes: IntCounterVec,
+    /// `torpor_pcie_transfers{device}`: host→device transfers in progress.
+    pub pcie_active: IntGaugeVec,
 }
 
 impl SplitMetrics {
@@ -68,6 +77,9 @@ impl SplitMetrics {
             Box::new(m.cache_requests.clone()),
             Box::new(m.fill_gbps.clone()),
             Box::new(m.shared_bytes.clone()),
+            Box::new(m.pcie_wait.clone()),
+            Box::new(m.pcie_bytes.clone()),
+            Box::new(m.pcie_active.clone()),
         ] {
             if let Err(e) = metrics.register(c) {
                 tracing::warn!(error = %e, "cannot register a restore server metric");
@@ -110,7 +122,40 @@ impl SplitMetrics {
                 "torpor_restore_shared_bytes",
                 "Bytes of shared read-only segment copies resident for live instances.",
             )?,
+            pcie_wait: HistogramVec::new(
+                HistogramOpts::new(
+                    "torpor_pcie_wait_seconds",
+                    "How long each host-to-device transfer waited for its first block, by device.",
+                )
+                .buckets(vec![
+                    0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0,
+                ]),
+                &["device"],
+            )?,
+            pcie_bytes: IntCounterVec::new(
+                Opts::new(
+                    "torpor_pcie_bytes_total",
+                    "Bytes copied host-to-device through the PCIe scheduler, by device.",
+                ),
+                &["device"],
+            )?,
+            pcie_active: IntGaugeVec::new(
+                Opts::new(
+                    "torpor_pcie_transfers",
+                    "Host-to-device transfers in progress (waiting for their turn or copying), by device.",
+                ),
+                &["device"],
+            )?,
         })
+    }
+
+    /// The scheduler metrics of device `label` (`host`, `cuda0`).
+    fn pcie(&self, label: &str) -> pcie::PcieMetrics {
+        pcie::PcieMetrics {
+            wait: self.pcie_wait.with_label_values(&[label]),
+            bytes: self.pcie_bytes.with_label_values(&[label]),
+            active: self.pcie_active.with_label_values(&[label]),
+        }
     }
 }
 
@@ -136,6 +181,8 @@ pub struct Split {
     /// Segment plans of function snapshots, loaded once (snapshot ids are never reused).
     plans: Mutex<HashMap<String, Option<Arc<Vec<Planned>>>>>,
     pub metrics: SplitMetrics,
+    /// Each device's PCIe scheduler is made with this.
+    pcie: PcieConfig,
     /// Seals the records of the segments it stores; restores refuse a record it did not seal.
     pub(crate) key: Arc<torpor_image::SnapshotKey>,
 }
@@ -317,8 +364,20 @@ impl Split {
             shared: Mutex::new(HashMap::new()),
             plans: Mutex::new(HashMap::new()),
             metrics: SplitMetrics::new(metrics),
+            pcie: PcieConfig::default(),
             key,
         }
+    }
+
+    /// Devices opened from now on schedule their host→device copies with `config` (set once,
+    /// before any device is opened).
+    pub fn with_pcie(mut self, config: PcieConfig) -> Self {
+        self.pcie = config;
+        self
+    }
+
+    fn scheduler(&self, label: &str) -> pcie::Pcie {
+        pcie::Pcie::new(label, self.pcie, Some(self.metrics.pcie(label)))
     }
 
     /// How a worker gets the hook: (the library, how it is used); no library when the worker
@@ -377,16 +436,20 @@ impl Split {
     ) -> Result<Arc<dyn SegmentDevice>, DeviceOpenError> {
         match backend {
             "host" => Ok(Arc::clone(self.host.get_or_init(|| {
-                Arc::new(Backend(torpor_device::host::HostDevice::new()))
+                Arc::new(Backend::new(
+                    torpor_device::host::HostDevice::new(),
+                    self.scheduler("host"),
+                ))
             }))),
             "cuda" => {
                 let mut cuda = lock(&self.cuda);
                 if let Some(d) = cuda.get(&ordinal) {
                     return Ok(Arc::clone(d));
                 }
-                let d: Arc<dyn SegmentDevice> = Arc::new(Backend(
+                let d: Arc<dyn SegmentDevice> = Arc::new(Backend::new(
                     torpor_device::cuda::CudaDevice::open(ordinal)
                         .map_err(|source| DeviceOpenError::Gpu { ordinal, source })?,
+                    self.scheduler(&format!("cuda{ordinal}")),
                 ));
                 cuda.insert(ordinal, Arc::clone(&d));
                 Ok(d)

@@ -109,7 +109,12 @@ pub struct Filled {
 
 /// The GPU cache's key of a segment: its device and its contents.
 pub fn gpu_key(e: &SegmentEntry) -> String {
-    format!("{}{}:{}", e.backend, e.ordinal, e.blake3)
+    gpu_key_of(&e.backend, e.ordinal, &e.blake3)
+}
+
+/// The GPU cache's key of memory on `backend`/`ordinal` whose contents hash to `blake3` (hex).
+pub fn gpu_key_of(backend: &str, ordinal: i32, blake3: &str) -> String {
+    format!("{backend}{ordinal}:{blake3}")
 }
 
 enum Event {
@@ -136,6 +141,47 @@ pub struct Restoring {
 }
 
 impl Split {
+    /// The resident shared read-only copy under `key` (a tenant-scoped [`gpu_key`]), if any.
+    pub(crate) fn resident_copy(&self, key: &str) -> Option<Arc<SharedCopy>> {
+        lock(&self.shared)
+            .get(key)
+            .and_then(std::sync::Weak::upgrade)
+    }
+
+    /// Makes `memory` (sealed) the shared copy under `key`, unless another one got there first:
+    /// then that one.
+    pub(crate) fn share(&self, key: String, memory: Arc<Memory>, bytes: u64) -> Arc<SharedCopy> {
+        let copy = Arc::new(SharedCopy {
+            memory,
+            bytes,
+            gauge: self.metrics.shared_bytes.clone(),
+        });
+        self.metrics
+            .shared_bytes
+            .add(i64::try_from(bytes).unwrap_or(0));
+        let mut shared = lock(&self.shared);
+        let winner = match shared.get(&key).and_then(std::sync::Weak::upgrade) {
+            Some(s) => s,
+            None => {
+                shared.insert(key, Arc::downgrade(&copy));
+                copy
+            }
+        };
+        shared.retain(|_, w| w.strong_count() > 0);
+        winner
+    }
+
+    /// A new fd for memory the daemon holds (`lease`), on device `dev`.
+    pub(crate) fn export_lease(
+        dev: &dyn SegmentDevice,
+        lease: &Lease,
+    ) -> Result<OwnedFd, DeviceError> {
+        match lease {
+            Lease::Own(o) => dev.export(&o.memory),
+            Lease::Shared(s) => dev.export(&s.memory),
+        }
+    }
+
     /// Starts filling the segments of snapshot `id`, a function of `tenant`, on the blocking
     /// pool, in parallel with the caller's CRIU restore.
     pub fn begin_restore(self: &Arc<Self>, id: &str, tenant: &str) -> Restoring {

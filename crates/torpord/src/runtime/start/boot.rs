@@ -115,10 +115,12 @@ pub(crate) async fn boot_function(
 ) -> Result<Booted, BootError> {
     // Platform-loaded data (crate::s3data): fetched while the worker is launched.
     let data_loading = crate::s3data::start_loading(rt.objstore.clone(), spec)?;
+    // Platform-managed GPU data (crate::gpudata), on GPU 0: filled meanwhile too.
+    let gpu_filling = crate::gpudata::start(&rt.split, spec, crate::tenant::of_spec(spec), 0)?;
     let launched = launch_function_worker(rt, spec, log, id, charge).await?;
     let boot_s = launched.boot_s;
     let (init, worker, conn, load_s, cgroup) =
-        load_into(rt, launched, spec, dir, log, data_loading).await?;
+        load_into(rt, launched, spec, dir, log, data_loading, gpu_filling).await?;
     Ok((
         init,
         worker,
@@ -202,7 +204,7 @@ pub(crate) async fn launch_function_worker(
 }
 
 /// The second half of a boot: binds `dir` into the launched worker, sends `load` (with the
-/// data `data_loading` fetched), waits for `ready` and, for a sandbox's host, loads the other
+/// data `data_loading` fetched and the GPU data `gpu_filling` filled), waits for `ready` and, for a sandbox's host, loads the other
 /// members of its group. Returns (init, worker, connection, load seconds, cgroup).
 pub(crate) async fn load_into(
     rt: &Runtime,
@@ -211,6 +213,7 @@ pub(crate) async fn load_into(
     dir: &Path,
     log: &Path,
     data_loading: Option<crate::s3data::Loading>,
+    gpu_filling: Option<crate::gpudata::Filling>,
 ) -> Result<(i32, i32, WorkerConn, f64, Option<crate::cgroup::Cgroup>), BootError> {
     let Launched {
         init,
@@ -225,6 +228,7 @@ pub(crate) async fn load_into(
     let t = Instant::now();
     crate::function_mounts::bind_function_dir(init, dir, unprivileged).await?;
     let (data, _) = crate::s3data::finish_loading(data_loading).await?;
+    let gpu_data = crate::gpudata::finish(gpu_filling).await?;
     conn.send(&load_frame(spec, dir))
         .await
         .map_err(BootError::SendLoad)?;
@@ -232,6 +236,9 @@ pub(crate) async fn load_into(
         .await
         .map_err(BootError::SendLoad)?;
     drop(data);
+    crate::gpudata::send(&mut conn, &gpu_data)
+        .await
+        .map_err(BootError::SendLoad)?;
     ready(
         &mut conn,
         crate::limits::load_timeout(spec, rt.config.load_timeout),
@@ -341,6 +348,9 @@ pub enum BootError {
     /// Platform-loaded data could not be loaded (crate::s3data).
     #[error(transparent)]
     Data(#[from] crate::s3data::DataError),
+    /// Platform-managed GPU data could not be filled.
+    #[error(transparent)]
+    GpuData(#[from] crate::gpudata::GpuDataError),
     /// The `load` frame could not be sent.
     #[error("sending load: {0}")]
     SendLoad(#[source] ConnError),

@@ -315,6 +315,8 @@ impl Runtime {
             &fdir,
             log_of(new.log, &ready.log),
             data_loading,
+            // Pooled functions are sandboxed, and the spec refuses GPU data in a sandbox.
+            None,
         )
         .await
         .map_err(boot)?;

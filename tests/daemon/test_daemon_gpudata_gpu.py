@@ -1,0 +1,69 @@
+"""Platform-managed GPU data on the GPU (docs/sandboxes.md, "Platform-managed GPU data"): a
+function declares its weights `device = "cuda"`; torpord fills GPU memory with the file through
+the fair PCIe scheduler while the worker starts, the worker maps it, and
+torpor.load(name, device="cuda") is a tensor on that memory (no copy of the function's own).
+Skipped without PyTorch and a CUDA device."""
+
+from __future__ import annotations
+
+import importlib.util
+import struct
+from pathlib import Path
+
+import pytest
+
+from .conftest import Torpord
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
+
+MODEL = '''
+import torch
+import torpor
+
+
+@torpor.function
+class F:
+    def setup(self) -> None:
+        self.raw = torpor.load("w", device="cuda")
+        self.w = self.raw.view(torch.float32)
+        self.ptr = self.raw.data_ptr()
+
+    def __call__(self, request):
+        again = torpor.load("w", device="cuda") if request.get("again") else self.raw
+        return {
+            "sum": float(self.w.sum()),
+            "n": int(self.w.numel()),
+            "device": str(self.raw.device),
+            "same_memory": again.data_ptr() == self.ptr,
+            "first": [float(x) for x in self.w[:4].tolist()],
+        }
+'''
+
+
+def write(tmp_path: Path, n: int) -> Path:
+    d = tmp_path / "gpudata"
+    d.mkdir()
+    (d / "model.py").write_text(MODEL)
+    (d / "w.bin").write_bytes(struct.pack(f"<{n}f", *[float(i % 7) for i in range(n)]))
+    (d / "torpor.toml").write_text(
+        'name = "gpudata"\nentry = "model:F"\npreload = ["torch"]\ngpus = 1\ngpu_memory = "1GiB"\n'
+        'load_timeout_s = 300\n[[data]]\nname = "w"\npath = "w.bin"\ndevice = "cuda"\n'
+    )
+    return d
+
+
+def test_declared_weights_arrive_as_platform_filled_gpu_memory(cuda: None, torpord: Torpord, tmp_path: Path) -> None:
+    n = 3 << 20  # 12 MiB of float32: not a multiple of nothing in particular, padded by torpord
+    d = write(tmp_path, n)
+    lines = torpord.deploy(d)
+    assert any(line.get("phase") == "load" for line in lines), lines
+    want = float(sum(i % 7 for i in range(n)))
+    for _ in range(2):  # the deploy's instance or a restored one: the data is a segment by then
+        a = torpord.invoke("gpudata", {"again": True})
+        assert a.status == 200, (a.status, a.body, torpord.log_text())
+        v = a.json()
+        assert v["device"].startswith("cuda") and v["n"] == n, v
+        assert v["sum"] == want and v["first"] == [0.0, 1.0, 2.0, 3.0], v
+        assert v["same_memory"] is True, v
+    metrics = torpord.request("GET", "/metrics").body.decode()
+    assert 'torpor_pcie_bytes_total{device="cuda0"}' in metrics, metrics[-2000:]
