@@ -56,6 +56,9 @@
 //! stage_bytes = 8589934592        # function snapshots staged in a huge-page tmpfs: 8 GiB; 0: off
 //! transparent_hugepage = "leave"  # or "always": set the node's THP mode to always while torpord
 //!                                 # runs (restores fill memory with 2 MiB pages; docs/split.md)
+//! concurrent_snapshot = true      # hibernations pre-copy segments while the instance serves and
+//!                                 # stop only for what changed (docs/checkpoints.md); false: all
+//!                                 # in the stop
 //!
 //! [objstore]                      # absent: a single node. Present: deploys push to this bucket,
 //!                                 # unknown functions are pulled from it (docs/objstore.md)
@@ -234,6 +237,10 @@ pub struct RestoreServer {
     pub stage_bytes: u64,
     /// The node's transparent-huge-page mode while the daemon runs (`crate::hugepages`).
     pub transparent_hugepage: crate::hugepages::ThpPolicy,
+    /// Hibernations of split instances pre-copy their segments while the instance still serves
+    /// and stop only for what changed (`crate::split::precopy`, docs/checkpoints.md); false: the
+    /// whole capture happens in the stop, as before.
+    pub concurrent_snapshot: bool,
 }
 
 /// Default of `restore_server.stage_bytes`: 8 GiB (tmpfs memory is used only as snapshots are
@@ -248,6 +255,7 @@ impl Default for RestoreServer {
             pages: Pages::default(),
             stage_bytes: DEFAULT_STAGE_BYTES,
             transparent_hugepage: crate::hugepages::ThpPolicy::default(),
+            concurrent_snapshot: true,
         }
     }
 }
@@ -675,6 +683,9 @@ impl Config {
                 crate::hugepages::ThpPolicy::parse,
             )? {
                 r.transparent_hugepage = p;
+            }
+            if let Some(b) = t.boolean("concurrent_snapshot")? {
+                r.concurrent_snapshot = b;
             }
             t.finish()?;
         }

@@ -50,6 +50,9 @@ pub struct Instance {
     /// The segments it has from the restore server (split path), mapped or, while its GPU is
     /// released, saved (crate::split::release).
     pub(crate) segments: Mutex<crate::split::release::InstanceSegments>,
+    /// Its segments copied while it serves, for the stop of its next hibernation
+    /// (crate::split::precopy).
+    pub(crate) precopy: Mutex<crate::split::precopy::PreCopyState>,
     /// Set while the daemon unmaps its segments (GPU release): its reader forwards the
     /// `unmapped` answer here.
     pub(crate) segment_replies: Mutex<Option<SegmentReplies>>,
@@ -167,6 +170,7 @@ pub(crate) fn new_instance(
         quiet_tx: Mutex::new(None),
         gpu_release_failed: AtomicBool::new(false),
         segments: Mutex::new(Default::default()),
+        precopy: Mutex::new(Default::default()),
         segment_replies: Mutex::new(None),
         mapping: Mutex::new(None),
         pages_pending: AtomicBool::new(false),

@@ -46,6 +46,20 @@ pub trait SegmentDevice: Send + Sync {
     /// Copies the first `out.len()` bytes of `memory` (made by this device) into `out`: the
     /// contents of an instance's writable segment, saved while its GPU is released.
     fn read_memory(&self, memory: &Memory, out: &mut [u8]) -> Result<(), DeviceError>;
+
+    /// The memory behind `fd` (a worker's segment of `out.len()` bytes), block by block of
+    /// `block` bytes: each block whose BLAKE3 hash is not `hashes[i]` is copied into `out` at its
+    /// place; returns the indices of those blocks. `out` held the segment's contents when
+    /// `hashes` were taken (a pre-copy), so afterwards it holds them as they are now. Each block
+    /// goes through the device's host staging and is hashed on the CPU (no hashing kernel on
+    /// the GPU yet: docs/checkpoints.md).
+    fn refresh_fd(
+        &self,
+        fd: OwnedFd,
+        block: usize,
+        hashes: &[[u8; 32]],
+        out: &mut [u8],
+    ) -> Result<Vec<usize>, DeviceError>;
 }
 
 /// [`SegmentDevice`] over a `torpor-device` backend.
@@ -156,6 +170,39 @@ where
         let w = Window::map(&self.0, self.memory(memory), out.len(), Access::ReadOnly)?;
         self.0.copy_to_host(w.at, out)
     }
+
+    fn refresh_fd(
+        &self,
+        fd: OwnedFd,
+        block: usize,
+        hashes: &[[u8; 32]],
+        out: &mut [u8],
+    ) -> Result<Vec<usize>, DeviceError> {
+        let block = block.max(1);
+        let memory = self.0.import(fd, out.len())?;
+        let w = Window::map(&self.0, &memory, out.len(), Access::ReadOnly)?;
+        let mut staging = self.0.host_buffer(block.min(out.len()).max(1))?;
+        let mut changed = Vec::new();
+        for (i, dst) in out.chunks_mut(block).enumerate() {
+            let n = dst.len();
+            self.0
+                .copy_to_host(w.at + (i * block) as u64, &mut staging[..n])?;
+            let hash = blake3::hash(&staging[..n]);
+            if hashes.get(i) != Some(hash.as_bytes()) {
+                dst.copy_from_slice(&staging[..n]);
+                changed.push(i);
+            }
+        }
+        Ok(changed)
+    }
+}
+
+/// The BLAKE3 hash of each `block`-byte block of `data` (the last may be shorter), in order.
+pub fn block_hashes(data: &[u8], block: usize) -> Vec<[u8; 32]> {
+    use rayon::prelude::*;
+    data.par_chunks(block.max(1))
+        .map(|b| *blake3::hash(b).as_bytes())
+        .collect()
 }
 
 #[cfg(test)]
@@ -181,6 +228,31 @@ mod tests {
             .downcast_ref::<torpor_device::host::HostMemory>()
             .unwrap();
         assert!(torpor_device::PhysicalMemory::is_sealed(sealed));
+    }
+
+    #[test]
+    fn refresh_copies_only_the_blocks_that_changed() {
+        let dev = Backend(HostDevice::new());
+        let page = 4096;
+        let mut data: Vec<u8> = (0..4 * page).map(|i| (i % 249) as u8).collect();
+        let m = dev.fill_from_bytes(&data, false).unwrap();
+        let mut copy = dev.host_buffer(data.len()).unwrap();
+        dev.read_memory(&m, &mut copy).unwrap();
+        let hashes = block_hashes(&copy, page);
+        assert_eq!(hashes.len(), 4);
+        // Nothing written: nothing copied.
+        let none = dev
+            .refresh_fd(dev.export(&m).unwrap(), page, &hashes, &mut copy)
+            .unwrap();
+        assert!(none.is_empty(), "{none:?}");
+        // One byte of the third block written through another mapping of the memory.
+        data[2 * page + 17] ^= 0xff;
+        let changed = dev.fill_from_bytes(&data, false).unwrap();
+        let found = dev
+            .refresh_fd(dev.export(&changed).unwrap(), page, &hashes, &mut copy)
+            .unwrap();
+        assert_eq!(found, vec![2]);
+        assert!(copy[..] == data[..], "the refreshed copy differs");
     }
 
     /// The cuda backend's path (import, map read-only, device→host through pinned staging on

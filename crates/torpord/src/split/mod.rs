@@ -11,6 +11,7 @@
 //! | [`capture`] | quiesce with `split`, hash, store, release |
 //! | [`cache`] | the byte-bounded LRU of the host and GPU caches |
 //! | [`server`] | filling segments for a restore; shared read-only copies |
+//! | [`precopy`] | a concurrent hibernation: segments copied while the instance serves, the changed blocks in the stop |
 //! | [`release`] | an instance's segments across gpu_released: saved, given back, filled again |
 //!
 //! The chunk store is `<state>/chunks`; a snapshot's record there is named by the snapshot id,
@@ -22,6 +23,7 @@ pub mod capture;
 pub mod device;
 pub mod fds;
 pub mod index;
+pub mod precopy;
 pub mod release;
 pub mod server;
 

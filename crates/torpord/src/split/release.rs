@@ -79,6 +79,11 @@ impl InstanceSegments {
         self.plan.is_empty()
     }
 
+    /// The worker maps segments the daemon holds a handle on (a pre-copy can read them).
+    pub fn is_held(&self) -> bool {
+        !self.plan.is_empty() && matches!(self.held, Held::Mapped(_))
+    }
+
     /// Given back: the worker has no memory behind its segments until they are handed over.
     pub fn is_released(&self) -> bool {
         matches!(self.held, Held::Saved(_))
