@@ -59,6 +59,9 @@
 //! concurrent_snapshot = true      # hibernations pre-copy segments while the instance serves and
 //!                                 # stop only for what changed (docs/checkpoints.md); false: all
 //!                                 # in the stop
+//! host_devices = 1                # devices of the host backend, which instances without a GPU
+//!                                 # migrate between (docs/migration.md): 1 to 16
+//! host_device_bytes = 0           # segment bytes each host device may hold; 0: no bound
 //!
 //! [objstore]                      # absent: a single node. Present: deploys push to this bucket,
 //!                                 # unknown functions are pulled from it (docs/objstore.md)
@@ -241,6 +244,12 @@ pub struct RestoreServer {
     /// and stop only for what changed (`crate::split::precopy`, docs/checkpoints.md); false: the
     /// whole capture happens in the stop, as before.
     pub concurrent_snapshot: bool,
+    /// Devices of the host backend (crate::runtime::migrate): where CPU functions' segments
+    /// live, and what an instance without a GPU migrates between. 1 to 16.
+    pub host_devices: u32,
+    /// Bytes of segments each host device may hold (0: no bound); a migration that would pass
+    /// it is refused.
+    pub host_device_bytes: u64,
 }
 
 /// Default of `restore_server.stage_bytes`: 8 GiB (tmpfs memory is used only as snapshots are
@@ -256,6 +265,8 @@ impl Default for RestoreServer {
             stage_bytes: DEFAULT_STAGE_BYTES,
             transparent_hugepage: crate::hugepages::ThpPolicy::default(),
             concurrent_snapshot: true,
+            host_devices: 1,
+            host_device_bytes: 0,
         }
     }
 }
@@ -686,6 +697,12 @@ impl Config {
             }
             if let Some(b) = t.boolean("concurrent_snapshot")? {
                 r.concurrent_snapshot = b;
+            }
+            if let Some(n) = t.integer("host_devices", 1, 16)? {
+                r.host_devices = u32::try_from(n).unwrap_or(1);
+            }
+            if let Some(n) = t.integer("host_device_bytes", 0, max)? {
+                r.host_device_bytes = u64::try_from(n).unwrap_or(0);
             }
             t.finish()?;
         }

@@ -46,6 +46,17 @@ pub async fn delay(point: &str) {
     }
 }
 
+/// The environment variable of the fault switch: `TORPORD_FAULT=<point>` makes the daemon fail
+/// at `point` as if that step had failed, so that the rollback from there is tested with the
+/// real worker and CRIU: `migrate:precopy`, `migrate:unmap`, `migrate:copy`, `migrate:residue`,
+/// `migrate:map` (crate::runtime::migrate).
+pub const FAULT_ENV: &str = "TORPORD_FAULT";
+
+/// Whether [`FAULT_ENV`] names `point`.
+pub fn fault(point: &str) -> bool {
+    std::env::var(FAULT_ENV).is_ok_and(|v| v.trim() == point)
+}
+
 /// Whether `TORPORD_HOLD` names `op`'s `step`.
 fn held(op: JournalOp, step: &str) -> bool {
     std::env::var(HOLD_ENV).is_ok_and(|v| v.trim().split_once(':') == Some((op.as_str(), step)))

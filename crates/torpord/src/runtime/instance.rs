@@ -53,6 +53,12 @@ pub struct Instance {
     /// Its segments copied while it serves, for the stop of its next hibernation
     /// (crate::split::precopy).
     pub(crate) precopy: Mutex<crate::split::precopy::PreCopyState>,
+    /// The GPU (the daemon's CUDA ordinal; a host-backend device for a CPU function) its
+    /// segments and CUDA state are on: 0 until a live migration moves it
+    /// (crate::runtime::migrate).
+    pub(crate) gpu: std::sync::atomic::AtomicU32,
+    /// A live migration of it is under way.
+    pub(crate) migrating: AtomicBool,
     /// Set while the daemon unmaps its segments (GPU release): its reader forwards the
     /// `unmapped` answer here.
     pub(crate) segment_replies: Mutex<Option<SegmentReplies>>,
@@ -171,6 +177,8 @@ pub(crate) fn new_instance(
         gpu_release_failed: AtomicBool::new(false),
         segments: Mutex::new(Default::default()),
         precopy: Mutex::new(Default::default()),
+        gpu: std::sync::atomic::AtomicU32::new(0),
+        migrating: AtomicBool::new(false),
         segment_replies: Mutex::new(None),
         mapping: Mutex::new(None),
         pages_pending: AtomicBool::new(false),

@@ -60,7 +60,7 @@ impl Runtime {
     }
 
     /// The CUDA driver (loaded once).
-    fn cuda(&self) -> Result<Arc<torpor_cuda::CudaDriver>, CudaLoadError> {
+    pub(crate) fn cuda(&self) -> Result<Arc<torpor_cuda::CudaDriver>, CudaLoadError> {
         self.cuda
             .get_or_init(|| {
                 torpor_cuda::CudaDriver::load()
@@ -71,7 +71,7 @@ impl Runtime {
     }
 
     /// GPU memory per host pid, from NVML, if NVML loads.
-    fn gpu_memory_by_pid(&self) -> Option<std::collections::HashMap<i32, u64>> {
+    pub(crate) fn gpu_memory_by_pid(&self) -> Option<std::collections::HashMap<i32, u64>> {
         let nvml = self
             .nvml
             .get_or_init(|| torpor_cuda::Nvml::load().ok())
@@ -223,6 +223,7 @@ impl Runtime {
         self.metrics
             .gpu_memory_bytes
             .set(i64::try_from(gpu_total).unwrap_or(i64::MAX));
+        self.update_placement_gauges();
         for (pool, step) in steps {
             let rt = Arc::clone(self);
             match step {
@@ -415,7 +416,7 @@ impl Runtime {
     /// Hands the instance's segments to its worker again with `map` frames (all of them, or
     /// those at `only`): from the memory still held, or, once released, from the saved contents
     /// and the restore server. Returns the seconds it took. A failure removes the instance.
-    async fn map_segments_back(
+    pub(crate) async fn map_segments_back(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
         only: Option<&std::collections::HashSet<u64>>,
@@ -984,13 +985,13 @@ impl Runtime {
 }
 
 /// The worker's `unmapped` frame, forwarded by the instance's reader while this lives.
-struct ForwardedReplies<'a> {
+pub(crate) struct ForwardedReplies<'a> {
     inst: &'a Instance,
-    rx: tokio::sync::mpsc::UnboundedReceiver<serde_json::Map<String, serde_json::Value>>,
+    pub(crate) rx: tokio::sync::mpsc::UnboundedReceiver<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl<'a> ForwardedReplies<'a> {
-    fn new(inst: &'a Instance) -> Result<Self, ReleaseGpuError> {
+    pub(crate) fn new(inst: &'a Instance) -> Result<Self, ReleaseGpuError> {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         *lock(&inst.segment_replies) = Some(tx);
         // Removed meanwhile: its reader is gone and would never forward anything.

@@ -544,6 +544,9 @@ pub enum Doing {
     Evict,
     /// warm or gpu_released → gone: idle past `hibernate_s` with `cold_start = "boot"`.
     Stop,
+    /// warm → warm on another GPU: the stop of a live migration (crate::runtime::migrate); it
+    /// ends with `Abort`, back to warm, whether it moved or not.
+    Migrate,
 }
 
 impl State {
@@ -684,6 +687,7 @@ impl Transition {
                 St::Changing(S::GpuReleased, D::ResumeGpu)
             }
             (Transition::Begin(D::ReleaseGpu), St::Warm) => St::Changing(S::Warm, D::ReleaseGpu),
+            (Transition::Begin(D::Migrate), St::Warm) => St::Changing(S::Warm, D::Migrate),
             (Transition::Begin(D::ResumeGpu), St::GpuReleased) => {
                 St::Changing(S::GpuReleased, D::ResumeGpu)
             }

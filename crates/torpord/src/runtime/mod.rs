@@ -38,6 +38,7 @@ pub mod instance;
 pub mod invoke;
 pub mod keepalive;
 pub mod lifecycle;
+pub mod migrate;
 pub mod page_profile;
 pub mod pages_pending;
 pub mod pool;

@@ -60,6 +60,25 @@ pub trait SegmentDevice: Send + Sync {
         hashes: &[[u8; 32]],
         out: &mut [u8],
     ) -> Result<Vec<usize>, DeviceError>;
+
+    /// [`SegmentDevice::refresh_fd`] on `memory` (made by this device).
+    fn refresh_memory(
+        &self,
+        memory: &Memory,
+        block: usize,
+        hashes: &[[u8; 32]],
+        out: &mut [u8],
+    ) -> Result<Vec<usize>, DeviceError>;
+
+    /// Copies the blocks `blocks` (indices of `block`-byte blocks) of `src` into `memory` (made
+    /// by this device, writable), at the same places.
+    fn write_blocks(
+        &self,
+        memory: &Memory,
+        src: &[u8],
+        block: usize,
+        blocks: &[usize],
+    ) -> Result<(), DeviceError>;
 }
 
 /// [`SegmentDevice`] over a `torpor-device` backend.
@@ -178,9 +197,59 @@ where
         hashes: &[[u8; 32]],
         out: &mut [u8],
     ) -> Result<Vec<usize>, DeviceError> {
-        let block = block.max(1);
         let memory = self.0.import(fd, out.len())?;
-        let w = Window::map(&self.0, &memory, out.len(), Access::ReadOnly)?;
+        self.refresh(&memory, block, hashes, out)
+    }
+
+    fn refresh_memory(
+        &self,
+        memory: &Memory,
+        block: usize,
+        hashes: &[[u8; 32]],
+        out: &mut [u8],
+    ) -> Result<Vec<usize>, DeviceError> {
+        self.refresh(self.memory(memory), block, hashes, out)
+    }
+
+    fn write_blocks(
+        &self,
+        memory: &Memory,
+        src: &[u8],
+        block: usize,
+        blocks: &[usize],
+    ) -> Result<(), DeviceError> {
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let block = block.max(1);
+        let w = Window::map(&self.0, self.memory(memory), src.len(), Access::ReadWrite)?;
+        for &i in blocks {
+            let start = i * block;
+            if start >= src.len() {
+                continue;
+            }
+            let end = src.len().min(start + block);
+            self.0
+                .copy_to_device(w.at + start as u64, &src[start..end])?;
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> Backend<D>
+where
+    D::Memory: 'static,
+{
+    /// See [`SegmentDevice::refresh_fd`].
+    fn refresh(
+        &self,
+        memory: &D::Memory,
+        block: usize,
+        hashes: &[[u8; 32]],
+        out: &mut [u8],
+    ) -> Result<Vec<usize>, DeviceError> {
+        let block = block.max(1);
+        let w = Window::map(&self.0, memory, out.len(), Access::ReadOnly)?;
         let mut staging = self.0.host_buffer(block.min(out.len()).max(1))?;
         let mut changed = Vec::new();
         for (i, dst) in out.chunks_mut(block).enumerate() {

@@ -11,6 +11,7 @@
 //! | [`capture`] | quiesce with `split`, hash, store, release |
 //! | [`cache`] | the byte-bounded LRU of the host and GPU caches |
 //! | [`server`] | filling segments for a restore; shared read-only copies |
+//! | [`migrate`] | an instance's segments copied to another device while it serves, the changed blocks in the stop |
 //! | [`precopy`] | a concurrent hibernation: segments copied while the instance serves, the changed blocks in the stop |
 //! | [`release`] | an instance's segments across gpu_released: saved, given back, filled again |
 //!
@@ -23,6 +24,7 @@ pub mod capture;
 pub mod device;
 pub mod fds;
 pub mod index;
+pub mod migrate;
 pub mod precopy;
 pub mod release;
 pub mod server;

@@ -57,6 +57,20 @@ impl InstanceSegments {
         }
     }
 
+    /// Segments whose memory the daemon holds (`leases[i]` for `plan[i]`), not handed over yet:
+    /// a migration's new memory, mapped with `map` frames from these handles.
+    pub fn held(plan: Arc<Vec<Planned>>, leases: super::server::Leases) -> Self {
+        Self {
+            plan,
+            held: Held::Mapped(leases),
+        }
+    }
+
+    /// Bytes of its segments.
+    pub fn bytes(&self) -> u64 {
+        self.plan.iter().map(|(e, _)| e.size).sum()
+    }
+
     /// The daemon's handle on the next segment handed over (in plan order).
     pub fn push(&mut self, lease: Lease) {
         if let Held::Mapped(leases) = &mut self.held {
