@@ -66,7 +66,9 @@ def wait_hibernated(d: Torpord, name: str) -> None:
 
 
 def stop_lines(d: Torpord) -> list[dict[str, Any]]:
-    """The `hibernation stop` lines: stop_s, concurrent and the stop's delta."""
+    """The `hibernation stop` lines: stop_s, concurrent and the stop's delta (it is logged just
+    after the registry shows the instance hibernated: wait for it)."""
+    wait_log(d, "hibernation stop")
     out = []
     for line in full_log(d).splitlines():
         if "hibernation stop" not in line:

@@ -700,9 +700,14 @@ impl Runtime {
         hib_id: &str,
         plan: &[crate::split::index::Planned],
     ) -> Result<crate::split::capture::Captured, HibernateError> {
-        let listed = crate::split::capture::segment_fds(rd, quiet)
+        let mut listed = crate::split::capture::segment_fds(rd, quiet)
             .await
             .map_err(HibernateError::SegmentFds)?;
+        // The worker names its own CUDA ordinals; after a migration they are other GPUs of the
+        // daemon's (crate::runtime::migrate).
+        for l in listed.iter_mut().filter(|l| l.backend == "cuda") {
+            l.ordinal = inst.daemon_ordinal(l.ordinal);
+        }
         // Test switch: inside the stop (quiet, nothing captured yet).
         crate::journal::delay("hibernate-stop").await;
         // A concurrent snapshot: what the pre-copy read and the segments mapped read-only

@@ -409,6 +409,12 @@ impl Runtime {
             }
         })?;
         inst.gpu.store(gpu, Ordering::SeqCst);
+        if residue_moved {
+            inst.swap_gpus(
+                i32::try_from(from).unwrap_or(0),
+                i32::try_from(gpu).unwrap_or(0),
+            );
+        }
         self.update_placement_gauges();
         self.metrics
             .observe_phase(&inst.function, "migration_stop", stop_s);
