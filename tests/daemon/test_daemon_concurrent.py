@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from .conftest import Torpord
-from .test_daemon_split import expected_sha, twin
+from .test_daemon_split import expected_sha, snapshot_line, twin
 
 KEEPALIVE = "\n[keepalive]\ngpu_release_s = 1\nhibernate_s = 1\nevict_s = 600\n"
 
@@ -100,7 +100,12 @@ def test_a_write_during_the_pre_copy_is_caught_in_the_stop_and_copied_again(
     precopy_window: Torpord, tmp_path: Path
 ) -> None:
     d = precopy_window
-    d.deploy(sleepy(tmp_path, "splitbuf-conc"))
+    snap = snapshot_line(d.deploy(sleepy(tmp_path, "splitbuf-conc")))
+    # The deploy's function snapshot: the read-only probe's read was the pre-copy; its capture
+    # copied only the scratch block the warm-up request wrote.
+    assert snap["split"] and snap["concurrent"], snap
+    assert snap["changed_blocks"] == 1 and snap["changed_bytes"] == 2 * 4096, snap
+    assert snap["readonly_segments"] == 2, snap
     first = d.invoke("splitbuf-conc", {"op": "compute", "x": 7})
     assert first.status == 200, first.body
     assert first.json()["sha"] == expected_sha(7)
@@ -176,7 +181,9 @@ def stop_the_world(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> Any:
 
 def test_concurrent_snapshot_false_captures_everything_in_the_stop(stop_the_world: Torpord, tmp_path: Path) -> None:
     d = stop_the_world
-    d.deploy(sleepy(tmp_path, "splitbuf-stw"))
+    snap = snapshot_line(d.deploy(sleepy(tmp_path, "splitbuf-stw")))
+    assert snap["split"] and not snap["concurrent"] and "changed_blocks" not in snap, snap
+    assert snap["readonly_segments"] == 2, snap
     calls = d.invoke("splitbuf-stw", {"op": "compute", "x": 4}).json()["calls"]
     wait_hibernated(d, "splitbuf-stw")
     (stop,) = stop_lines(d)

@@ -164,6 +164,61 @@ pub fn hash_all(split: &Split, listed: &[Listed]) -> Result<HashMap<u64, String>
     Ok(out)
 }
 
+/// The pre-copy of a deploy's segments, from the read-only probe's quiesce (blocking): each
+/// segment is read whole, hashed per block, stored, and its whole BLAKE3 hash returned by VA
+/// (the probe's `before` hashes, as [`hash_all`] gives them). The capture's stop then copies
+/// only the blocks that changed ([`store_all_with`]).
+pub fn precopy_listed(
+    split: &Split,
+    listed: &[Listed],
+) -> Result<(HashMap<u64, String>, super::precopy::PreCopy), CaptureError> {
+    let began = std::time::Instant::now();
+    let store = split.store()?;
+    let mut writer = store
+        .writer()
+        .map_err(|e| CaptureError::Writer(Box::new(e)))?;
+    let mut hashes = HashMap::new();
+    let mut segments = Vec::with_capacity(listed.len());
+    let mut bytes = 0;
+    for l in listed {
+        let dev = split.device(&l.backend, l.ordinal)?;
+        let mut buf = dev
+            .host_buffer(l.size as usize)
+            .map_err(|source| CaptureError::Buffer {
+                va: l.va,
+                size: l.size,
+                source,
+            })?;
+        dev.read_fd(l.fd.try_clone().map_err(CaptureError::Dup)?, &mut buf)
+            .map_err(|source| CaptureError::Read { va: l.va, source })?;
+        let recipe = writer
+            .put_bytes(&index::recipe_name(l.va), &buf)
+            .map_err(|e| CaptureError::Put {
+                va: l.va,
+                source: Box::new(e),
+            })?;
+        hashes.insert(l.va, recipe.blake3.clone());
+        bytes += l.size;
+        segments.push(super::precopy::CopiedSegment {
+            va: l.va,
+            size: l.size,
+            hashes: super::device::block_hashes(&buf, super::precopy::BLOCK),
+            buf,
+            recipe: Some(recipe),
+        });
+    }
+    drop(writer);
+    Ok((
+        hashes,
+        super::precopy::PreCopy {
+            began,
+            seconds: began.elapsed().as_secs_f64(),
+            bytes,
+            segments,
+        },
+    ))
+}
+
 /// Whether (and why) a segment is read-only (the rule in the module doc): declared by the
 /// worker, or shareable and with the same hash as in `earlier` (the probe's hashes before the
 /// warm-up at a deploy; the function snapshot's read-only segments at a hibernation).

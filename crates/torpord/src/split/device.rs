@@ -240,7 +240,8 @@ impl<D: Device> Backend<D>
 where
     D::Memory: 'static,
 {
-    /// See [`SegmentDevice::refresh_fd`].
+    /// See [`SegmentDevice::refresh_fd`]. The memory is copied to the host [`REFRESH_BLOCKS`]
+    /// blocks at a time and each batch's blocks are hashed on all cores.
     fn refresh(
         &self,
         memory: &D::Memory,
@@ -248,23 +249,38 @@ where
         hashes: &[[u8; 32]],
         out: &mut [u8],
     ) -> Result<Vec<usize>, DeviceError> {
+        use rayon::prelude::*;
         let block = block.max(1);
-        let w = Window::map(&self.0, memory, out.len(), Access::ReadOnly)?;
-        let mut staging = self.0.host_buffer(block.min(out.len()).max(1))?;
+        let len = out.len();
+        let w = Window::map(&self.0, memory, len, Access::ReadOnly)?;
+        let batch = block.saturating_mul(REFRESH_BLOCKS).min(len).max(1);
+        let mut staging = self.0.host_buffer(batch)?;
         let mut changed = Vec::new();
-        for (i, dst) in out.chunks_mut(block).enumerate() {
-            let n = dst.len();
-            self.0
-                .copy_to_host(w.at + (i * block) as u64, &mut staging[..n])?;
-            let hash = blake3::hash(&staging[..n]);
-            if hashes.get(i) != Some(hash.as_bytes()) {
-                dst.copy_from_slice(&staging[..n]);
-                changed.push(i);
+        let mut at = 0usize;
+        while at < len {
+            let n = batch.min(len - at);
+            self.0.copy_to_host(w.at + at as u64, &mut staging[..n])?;
+            let first = at / block;
+            let found: Vec<usize> = staging[..n]
+                .par_chunks(block)
+                .enumerate()
+                .filter(|(i, b)| hashes.get(first + i) != Some(blake3::hash(b).as_bytes()))
+                .map(|(i, _)| first + i)
+                .collect();
+            for &i in &found {
+                let start = i * block;
+                let end = len.min(start + block);
+                out[start..end].copy_from_slice(&staging[start - at..end - at]);
             }
+            changed.extend(found);
+            at += n;
         }
         Ok(changed)
     }
 }
+
+/// Blocks a refresh copies to the host at once (32 × 2 MiB = 64 MiB of staging).
+pub const REFRESH_BLOCKS: usize = 32;
 
 /// The BLAKE3 hash of each `block`-byte block of `data` (the last may be shorter), in order.
 pub fn block_hashes(data: &[u8], block: usize) -> Vec<[u8; 32]> {
@@ -322,6 +338,30 @@ mod tests {
             .unwrap();
         assert_eq!(found, vec![2]);
         assert!(copy[..] == data[..], "the refreshed copy differs");
+    }
+
+    #[test]
+    fn refresh_finds_changes_in_every_batch_and_in_a_short_last_block() {
+        let dev = Backend(HostDevice::new());
+        let page = 4096;
+        // More blocks than one batch, the last one short (memory is whole pages).
+        let block = 3 * page;
+        let blocks = REFRESH_BLOCKS + 8;
+        let len = blocks * block - page;
+        let mut data: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+        let mut copy = data.clone();
+        let hashes = block_hashes(&copy, block);
+        for i in [0, REFRESH_BLOCKS - 1, REFRESH_BLOCKS + 3] {
+            data[i * block + 5] ^= 0x5a;
+        }
+        data[len - 1] ^= 0x5a;
+        let m = dev.fill_from_bytes(&data, false).unwrap();
+        let found = dev.refresh_memory(&m, block, &hashes, &mut copy).unwrap();
+        assert_eq!(
+            found,
+            vec![0, REFRESH_BLOCKS - 1, REFRESH_BLOCKS + 3, blocks - 1]
+        );
+        assert!(copy == data, "the refreshed copy differs");
     }
 
     /// The cuda backend's path (import, map read-only, device→host through pinned staging on
