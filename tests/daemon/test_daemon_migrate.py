@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
-from .conftest import FUNCTIONS, Torpord
+from conftest import FakeCuda
+
+from .conftest import FUNCTIONS, Torpord, fake_gpu_env
 from .test_daemon_split import expected_sha, twin
 
 TWO_DEVICES = "[restore_server]\nhost_devices = 2\n"
@@ -204,5 +206,98 @@ def test_a_request_during_the_stop_waits_and_is_answered_by_the_moved_instance(
         (row,) = d.instances("splitbuf-wait")
         assert row["pid"] == inst["pid"]
         assert result["r"].json()["stop_s"] >= 1.5
+    finally:
+        d.stop()
+
+
+def gpu_splitbuf(tmp_path: Path, name: str) -> Path:
+    """splitbuf as a `gpus = 1` function (its segments stay host ones: the handler runs no CUDA;
+    the fake driver takes every process for a CUDA one), one instance."""
+    fdir = twin(tmp_path, name)
+    toml = fdir / "torpor.toml"
+    text = toml.read_text().replace("max_instances = 2", "max_instances = 1")
+    text = text.replace('timeout_s = 30', 'timeout_s = 30\ngpus = 1\ngpu_memory = "64MiB"')
+    toml.write_text(text)
+    return fdir
+
+
+@pytest.fixture
+def fake_gpus(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path) -> Any:
+    """A daemon on two fake GPUs of one model (tests/fakes: every driver call logged)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    root = tmp_path / "daemon"
+    root.mkdir()
+    log = root / "cuda-calls.log"
+    env = fake_gpu_env(
+        root, fake_cuda, FAKE_CUDA_DEVICES="2", FAKE_CUDA_SAME_MODEL="1", FAKE_CUDA_LOG=str(log),
+        # Armed by creating its directory: the first driver restore after that fails.
+        FAKE_CUDA_RESTORE_FLAKY=str(root / "flaky" / "used"),
+    )
+    d = Torpord(torpor_bin, root, env=env, queue_timeout_s=30)
+    try:
+        yield d, log, root / "flaky" / "used"
+    finally:
+        d.stop()
+
+
+def test_a_gpu_instance_moves_its_cuda_state_with_the_gpu_pairs_and_a_driver_failure_is_undone(
+    fake_gpus: tuple[Torpord, Path, Path], tmp_path: Path
+) -> None:
+    d, log, flaky = fake_gpus
+    fdir = gpu_splitbuf(tmp_path, "gpubuf")
+    d.deploy(fdir)
+    r = d.invoke("gpubuf", {"op": "compute", "x": 9})
+    assert r.status == 200, (r.status, r.body, d.log_text())
+    (inst,) = d.instances("gpubuf")
+    calls = r.json()["calls"]
+    # The first driver restore fails (FAKE_CUDA_RESTORE_FLAKY): the move onto GPU 1 fails at the
+    # residue, the driver puts the state back on GPU 0 (a restore without pairs), the old
+    # segments are mapped back.
+    before = log.read_text() if log.exists() else ""
+    flaky.parent.mkdir()
+    first = migrate(d, inst["id"], 1)
+    assert first.status == 500, first.body
+    assert "failed at residue" in first.json()["error"] and "serves on, on GPU 0" in first.json()["error"], first.body
+    assert flaky.exists()
+    calls_log = log.read_text()[len(before):].splitlines()
+    assert [line.split()[0] for line in calls_log] == ["lock", "checkpoint", "restore", "restore", "unlock"], calls_log
+    assert "flaky" in calls_log[2], calls_log
+    assert any(line.startswith("restore ") and "pairs=0" in line and line.endswith("result=0") for line in calls_log), calls_log
+    assert calls_log[-1].endswith("result=0"), calls_log
+    r2 = d.invoke("gpubuf", {"op": "compute", "x": 9})
+    assert r2.status == 200 and r2.start == "warm" and r2.json()["calls"] == calls + 1, (r2.status, r2.body)
+    # Now it moves: lock, checkpoint, restore with both pairs (0 and 1 swap), unlock.
+    before = log.read_text()
+    ok = migrate(d, inst["id"], 1)
+    assert ok.status == 200, (ok.status, ok.body, d.log_text())
+    assert ok.json()["residue_moved"] is True and ok.json()["to"] == 1, ok.body
+    moved = log.read_text()[len(before):].splitlines()
+    ops = [line.split()[0] for line in moved]
+    assert ops == ["lock", "checkpoint", "restore", "unlock"], moved
+    restore = moved[2]
+    g0, g1 = "GPU-fa4e0000-0000-0000-0000-000000000000", "GPU-fa4e0000-0000-0000-0000-000000000001"
+    assert f"pairs=2 {g0}>{g1} {g1}>{g0}" in restore and restore.endswith("result=0"), restore
+    r3 = d.invoke("gpubuf", {"op": "compute", "x": 9})
+    assert r3.status == 200 and r3.json() == {"sha": expected_sha(9), "calls": calls + 2}, r3.body
+    device_gauge(d, "torpor_device_instances", 1, 1)
+
+
+def test_a_gpu_of_another_model_is_refused(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Torpord(torpor_bin, root, env=fake_gpu_env(root, fake_cuda, FAKE_CUDA_DEVICES="2"), queue_timeout_s=30)
+    try:
+        d.deploy(gpu_splitbuf(tmp_path, "gpubuf2"))
+        assert d.invoke("gpubuf2", {"op": "compute", "x": 9}).status == 200
+        (inst,) = d.instances("gpubuf2")
+        r = migrate(d, inst["id"], 1)
+        assert r.status == 409, r.body
+        assert r.json()["error"] == (
+            f"instance {inst['id']} is on a Fake NVIDIA GPU 0, but GPU 1 is a Fake NVIDIA GPU 1: the driver "
+            "restores only onto the same model; choose a GPU of the same model"
+        )
     finally:
         d.stop()
