@@ -301,3 +301,31 @@ def test_a_gpu_of_another_model_is_refused(torpor_bin: Path, criu_ready: None, f
         )
     finally:
         d.stop()
+
+
+def test_a_request_in_flight_finishes_and_one_sent_meanwhile_waits_for_the_moved_instance(
+    two: Torpord, tmp_path: Path
+) -> None:
+    d = two
+    inst = deploy_one(d, tmp_path, "splitbuf-drain")
+    out: dict[str, Any] = {}
+    slow = threading.Thread(target=lambda: out.update(slow=d.invoke("splitbuf-drain", {"op": "info", "sleep": 1.5})))
+    slow.start()
+    time.sleep(0.4)
+    mover = threading.Thread(target=lambda: out.update(moved=migrate(d, inst["id"], 1)))
+    mover.start()
+    time.sleep(0.4)
+    # Draining: this request is not routed to the instance until it has moved.
+    t0 = time.monotonic()
+    late = d.invoke("splitbuf-drain", {"op": "compute", "x": 9})
+    waited = time.monotonic() - t0
+    slow.join(30)
+    mover.join(30)
+    assert out["slow"].status == 200, out["slow"].body
+    assert out["moved"].status == 200, out["moved"].body
+    assert late.status == 200 and late.start == "warm", (late.status, late.body)
+    # It ran after the slow one (its calls count) on the moved instance, having waited.
+    assert late.json() == {"sha": expected_sha(9), "calls": inst["calls"] + 2}
+    assert waited > 0.5, waited
+    # The stop counted from when routing to the instance ended: the slow request's rest.
+    assert out["moved"].json()["stop_s"] >= 0.5, out["moved"].body

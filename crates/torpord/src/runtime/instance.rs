@@ -59,6 +59,9 @@ pub struct Instance {
     pub(crate) gpu: std::sync::atomic::AtomicU32,
     /// A live migration of it is under way.
     pub(crate) migrating: AtomicBool,
+    /// A migration's stop was asked for: no new request is routed to it (they wait in the
+    /// queue), the ones in flight finish, then the stop begins.
+    pub(crate) draining: AtomicBool,
     /// The worker's CUDA ordinals that are another GPU of the daemon's since a migration (the
     /// driver's restore swapped the two GPUs' UUIDs under the process, so its ordinal 0 is then
     /// the daemon's target); absent ones are the same.
@@ -210,6 +213,7 @@ pub(crate) fn new_instance(
         precopy: Mutex::new(Default::default()),
         gpu: std::sync::atomic::AtomicU32::new(0),
         migrating: AtomicBool::new(false),
+        draining: AtomicBool::new(false),
         gpu_map: Mutex::new(HashMap::new()),
         segment_replies: Mutex::new(None),
         mapping: Mutex::new(None),

@@ -143,6 +143,7 @@ impl Runtime {
                     || inst.generation != generation
                     || inst.still_mapping()
                     || inst.pages_pending.load(Ordering::SeqCst)
+                    || inst.migrating.load(Ordering::SeqCst)
                 {
                     continue;
                 }

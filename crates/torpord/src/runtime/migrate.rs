@@ -89,7 +89,7 @@ pub enum MigrateError {
     NotWarm { id: String, state: String },
     #[error("instance {id} is being migrated already: wait for that migration's answer")]
     Migrating { id: String },
-    #[error("instance {id} stayed busy for {secs} s: migrate it between its requests")]
+    #[error("instance {id} still had a request in flight after {secs} s: migrate it when its requests are shorter")]
     Busy { id: String, secs: u64 },
     #[error("GPU {gpu} does not exist on this node ({list}): name one of those")]
     NoSuchGpu { gpu: u32, list: String },
@@ -160,6 +160,7 @@ struct MigratingFlag<'a>(&'a Instance);
 
 impl Drop for MigratingFlag<'_> {
     fn drop(&mut self) {
+        self.0.draining.store(false, Ordering::SeqCst);
         self.0.migrating.store(false, Ordering::SeqCst);
     }
 }
@@ -395,6 +396,7 @@ impl Runtime {
         let moved = self.migrate_stop(&inst, &plan, leases, moving, uuids).await;
         // Routable again, moved or not (a removed instance stays gone).
         let _ = self.step(&inst.function, &mut lock(&inst.keep), Transition::Abort);
+        inst.draining.store(false, Ordering::SeqCst);
         pool.changed.notify_waiters();
         let stop_s = stop.elapsed().as_secs_f64();
         let (delta, residue_moved) = moved.map_err(|(step, message, lost)| {
@@ -437,13 +439,26 @@ impl Runtime {
         Ok(out)
     }
 
-    /// Takes the instance out of routing once no request of it is in flight
-    /// (`Begin(Migrate)`); returns the stop's start.
+    /// Takes the instance out of routing (new requests wait: `draining`), then, once no
+    /// request of it is in flight, begins the stop (`Begin(Migrate)`); returns the stop's start
+    /// (when routing to it ended).
     async fn begin_stop(
         &self,
         pool: &Arc<Pool>,
         inst: &Arc<Instance>,
     ) -> Result<Instant, MigrateError> {
+        let began = Instant::now();
+        inst.draining.store(true, Ordering::SeqCst);
+        let result = self.drained(pool, inst).await;
+        if result.is_err() {
+            inst.draining.store(false, Ordering::SeqCst);
+            pool.changed.notify_waiters();
+        }
+        result.map(|()| began)
+    }
+
+    /// Waits until no request of the instance is in flight and begins its stop.
+    async fn drained(&self, pool: &Arc<Pool>, inst: &Arc<Instance>) -> Result<(), MigrateError> {
         let deadline = tokio::time::Instant::now() + BUSY_WAIT;
         loop {
             let notified = pool.changed.notified();
@@ -469,7 +484,7 @@ impl Runtime {
                         &mut k,
                         Transition::Begin(Doing::Migrate),
                     ) {
-                        Ok(_) => Ok(Instant::now()),
+                        Ok(_) => Ok(()),
                         Err(_) => Err(MigrateError::NotWarm {
                             id: inst.id.clone(),
                             state: from.to_string(),

@@ -436,6 +436,8 @@ impl Runtime {
                     .iter_mut()
                     .filter(|(i, _)| !i.is_dead() && i.generation == generation)
                     .filter(|(i, n)| *n < per && i.state().is_routable())
+                    // A migration's stop is draining it (crate::runtime::migrate).
+                    .filter(|(i, _)| !i.draining.load(std::sync::atomic::Ordering::SeqCst))
                     .min_by_key(|(i, n)| {
                         let state = i.state();
                         let warm = state.stage() == Some(Stage::Warm);
