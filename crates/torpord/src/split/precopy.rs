@@ -220,3 +220,114 @@ impl Split {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::split::index::SegmentEntry;
+
+    fn listed(va: u64, size: u64, sealed: bool) -> Listed {
+        Listed {
+            va,
+            size,
+            backend: "host".to_string(),
+            ordinal: -1,
+            order: 0,
+            first_use: None,
+            sealed,
+            shareable: true,
+            deferrable: false,
+            fd: std::fs::File::open("/dev/null").expect("/dev/null").into(),
+        }
+    }
+
+    fn planned(store: &ChunkStore, va: u64, bytes: &[u8], readonly: bool) -> Planned {
+        let mut w = store.writer().unwrap();
+        let recipe = w.put_bytes(&index::recipe_name(va), bytes).unwrap();
+        // Referenced, so that a GC keeps its chunks.
+        w.commit(&format!("fn-{va:x}"), std::slice::from_ref(&recipe))
+            .unwrap();
+        let entry = SegmentEntry {
+            va,
+            size: bytes.len() as u64,
+            backend: "host".to_string(),
+            ordinal: -1,
+            order: 0,
+            first_use: None,
+            deferrable: false,
+            readonly,
+            readonly_why: if readonly { "declared" } else { "" }.to_string(),
+            recipe: index::recipe_name(va),
+            blake3: recipe.blake3.clone(),
+        };
+        (entry, recipe)
+    }
+
+    fn copied(va: u64, size: u64) -> CopiedSegment {
+        CopiedSegment {
+            va,
+            size,
+            buf: Box::new(vec![0u8; size as usize]),
+            hashes: Vec::new(),
+            recipe: None,
+        }
+    }
+
+    #[test]
+    fn the_stop_keeps_only_read_only_mapped_segments_by_recipe_and_matches_copies_by_address_and_size(
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let plan = vec![
+            planned(&store, 0x1000_0000, &[7u8; 8192], true),
+            planned(&store, 0x2000_0000, &[9u8; 4096], true),
+        ];
+        let pre = PreCopy {
+            began: Instant::now(),
+            seconds: 0.0,
+            bytes: 0,
+            segments: vec![copied(0x3000_0000, 4096), copied(0x4000_0000, 4096)],
+        };
+        let mut known = Known::new(&plan, Some(pre));
+        // Read-only in the plan and mapped read-only now: kept by its recipe.
+        assert!(matches!(
+            known.take(&listed(0x1000_0000, 8192, true), &store),
+            Prior::ReadOnly(r) if r.name == index::recipe_name(0x1000_0000)
+        ));
+        // Read-only in the plan but mapped writable now (freed and made again by the worker):
+        // read it.
+        assert!(matches!(
+            known.take(&listed(0x2000_0000, 4096, false), &store),
+            Prior::None
+        ));
+        // Pre-copied: compared; at another size: read whole.
+        assert!(matches!(
+            known.take(&listed(0x3000_0000, 4096, false), &store),
+            Prior::Copied(c) if c.va == 0x3000_0000
+        ));
+        assert!(matches!(
+            known.take(&listed(0x4000_0000, 8192, false), &store),
+            Prior::None
+        ));
+        // Each is taken once.
+        assert!(matches!(
+            known.take(&listed(0x1000_0000, 8192, true), &store),
+            Prior::None
+        ));
+    }
+
+    #[test]
+    fn a_read_only_recipe_whose_chunks_are_gone_is_read_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        let plan = vec![planned(&store, 0x1000_0000, &[5u8; 4096], true)];
+        // Its record released and collected: the chunks are gone.
+        store.release(&format!("fn-{:x}", 0x1000_0000u64)).unwrap();
+        store.gc().unwrap();
+        let mut known = Known::new(&plan, None);
+        assert!(matches!(
+            known.take(&listed(0x1000_0000, 4096, true), &store),
+            Prior::None
+        ));
+    }
+}
