@@ -223,14 +223,14 @@ def gpu_splitbuf(tmp_path: Path, name: str) -> Path:
 
 @pytest.fixture
 def fake_gpus(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path) -> Any:
-    """A daemon on two fake GPUs of one model (tests/fakes: every driver call logged)."""
+    """A daemon on three fake GPUs of one model (tests/fakes: every driver call logged)."""
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
     root = tmp_path / "daemon"
     root.mkdir()
     log = root / "cuda-calls.log"
     env = fake_gpu_env(
-        root, fake_cuda, FAKE_CUDA_DEVICES="2", FAKE_CUDA_SAME_MODEL="1", FAKE_CUDA_LOG=str(log),
+        root, fake_cuda, FAKE_CUDA_DEVICES="3", FAKE_CUDA_SAME_MODEL="1", FAKE_CUDA_LOG=str(log),
         # Armed by creating its directory: the first driver restore after that fails.
         FAKE_CUDA_RESTORE_FLAKY=str(root / "flaky" / "used"),
     )
@@ -267,7 +267,8 @@ def test_a_gpu_instance_moves_its_cuda_state_with_the_gpu_pairs_and_a_driver_fai
     assert calls_log[-1].endswith("result=0"), calls_log
     r2 = d.invoke("gpubuf", {"op": "compute", "x": 9})
     assert r2.status == 200 and r2.start == "warm" and r2.json()["calls"] == calls + 1, (r2.status, r2.body)
-    # Now it moves: lock, checkpoint, restore with both pairs (0 and 1 swap), unlock.
+    # Now it moves: lock, checkpoint, restore with a pair for every GPU (0 and 1 swap, 2 stays),
+    # unlock.
     before = log.read_text()
     ok = migrate(d, inst["id"], 1)
     assert ok.status == 200, (ok.status, ok.body, d.log_text())
@@ -276,8 +277,8 @@ def test_a_gpu_instance_moves_its_cuda_state_with_the_gpu_pairs_and_a_driver_fai
     ops = [line.split()[0] for line in moved]
     assert ops == ["lock", "checkpoint", "restore", "unlock"], moved
     restore = moved[2]
-    g0, g1 = "GPU-fa4e0000-0000-0000-0000-000000000000", "GPU-fa4e0000-0000-0000-0000-000000000001"
-    assert f"pairs=2 {g0}>{g1} {g1}>{g0}" in restore and restore.endswith("result=0"), restore
+    g0, g1, g2 = (f"GPU-fa4e0000-0000-0000-0000-00000000000{i}" for i in range(3))
+    assert f"pairs=3 {g0}>{g1} {g1}>{g0} {g2}>{g2}" in restore and restore.endswith("result=0"), restore
     r3 = d.invoke("gpubuf", {"op": "compute", "x": 9})
     assert r3.status == 200 and r3.json() == {"sha": expected_sha(9), "calls": calls + 2}, r3.body
     device_gauge(d, "torpor_device_instances", 1, 1)

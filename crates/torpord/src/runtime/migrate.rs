@@ -389,11 +389,27 @@ impl Runtime {
         // 3. The stop.
         let stop = self.begin_stop(&pool, &inst).await?;
         crate::journal::delay("migrate-stop").await;
-        let uuids = match (source.and_then(|s| s.uuid), target.uuid) {
-            (Some(a), Some(b)) if gpu_fn => Some((a, b)),
+        // The driver takes a pair for every GPU the process sees (the worker sees the daemon's):
+        // the two swap, the others stay. The same pairs move it back.
+        let pairs = match (source.and_then(|s| s.uuid), target.uuid) {
+            (Some(a), Some(b)) if gpu_fn => Some(
+                devices
+                    .iter()
+                    .filter_map(|d| d.uuid)
+                    .map(|u| {
+                        if u == a {
+                            (a, b)
+                        } else if u == b {
+                            (b, a)
+                        } else {
+                            (u, u)
+                        }
+                    })
+                    .collect::<Vec<_>>(),
+            ),
             _ => None,
         };
-        let moved = self.migrate_stop(&inst, &plan, leases, moving, uuids).await;
+        let moved = self.migrate_stop(&inst, &plan, leases, moving, pairs).await;
         // Routable again, moved or not (a removed instance stays gone).
         let _ = self.step(&inst.function, &mut lock(&inst.keep), Transition::Abort);
         inst.draining.store(false, Ordering::SeqCst);
@@ -512,7 +528,7 @@ impl Runtime {
         plan: &Arc<Vec<crate::split::index::Planned>>,
         old: crate::split::server::Leases,
         moving: Moving,
-        uuids: Option<(GpuUuid, GpuUuid)>,
+        pairs: Option<Vec<(GpuUuid, GpuUuid)>>,
     ) -> Result<(Delta, bool), (&'static str, String, bool)> {
         let mut undo = Undo::Nothing;
         let forced = |step: &'static str| (step, "forced by TORPORD_FAULT".to_string(), false);
@@ -539,9 +555,9 @@ impl Runtime {
             if crate::journal::fault("migrate:residue") {
                 return Err(forced("residue"));
             }
-            let residue_moved = match uuids {
-                Some((a, b)) => {
-                    self.move_residue(inst.worker_pid, a, b)
+            let residue_moved = match &pairs {
+                Some(pairs) => {
+                    self.move_residue(inst.worker_pid, pairs.clone())
                         .await
                         .map_err(|e| ("residue", e, false))?;
                     undo = Undo::Residue;
@@ -561,8 +577,8 @@ impl Runtime {
             Err((step, message, false)) => {
                 // Undo, newest first; the old segments were never written.
                 if matches!(undo, Undo::Residue) {
-                    if let Some((a, b)) = uuids {
-                        if let Err(e) = self.move_residue(inst.worker_pid, b, a).await {
+                    if let Some(pairs) = &pairs {
+                        if let Err(e) = self.move_residue(inst.worker_pid, pairs.clone()).await {
                             let why = format!(
                                 "{message}, and moving the CUDA state back failed too ({e})"
                             );
@@ -658,13 +674,12 @@ impl Runtime {
         Ok(())
     }
 
-    /// The driver moves a process's CUDA state from GPU `from` to `to`: lock, checkpoint,
-    /// restore with the pairs (the two swap), unlock; a failure puts it back where it was.
-    async fn move_residue(&self, pid: i32, from: GpuUuid, to: GpuUuid) -> Result<(), String> {
+    /// The driver moves a process's CUDA state by `pairs` (old UUID → new, one per GPU it sees):
+    /// lock, checkpoint, restore with the pairs, unlock; a failure puts it back where it was.
+    async fn move_residue(&self, pid: i32, pairs: Vec<(GpuUuid, GpuUuid)>) -> Result<(), String> {
         let driver = self.cuda().map_err(|e| e.to_string())?;
         tokio::task::spawn_blocking(move || {
             let mut tasks = torpor_snapshot::gpu_tasks::GpuTasks::new(&driver, vec![pid]);
-            let pairs = [(from, to), (to, from)];
             let moved = tasks
                 .lock_all(CUDA_LOCK_TIMEOUT)
                 .and_then(|()| tasks.checkpoint_all())
