@@ -24,6 +24,7 @@ from conftest import FakeCuda
 
 from .conftest import FUNCTIONS, Torpord, fake_gpu_env
 from .test_daemon_split import expected_sha, twin
+from .test_daemon_tenants import TOKENS, splitbuf_twin, tcp, tenants  # noqa: F401 (the fixture)
 
 TWO_DEVICES = "[restore_server]\nhost_devices = 2\n"
 
@@ -330,3 +331,17 @@ def test_a_request_in_flight_finishes_and_one_sent_meanwhile_waits_for_the_moved
     assert waited > 0.5, waited
     # The stop counted from when routing to the instance ended: the slow request's rest.
     assert out["moved"].json()["stop_s"] >= 0.5, out["moved"].body
+
+
+def test_another_tenants_instance_answers_as_if_it_did_not_exist(tenants: Torpord, tmp_path: Path) -> None:
+    tenants.deploy(splitbuf_twin(tmp_path, "sb-mig-a", "team-a"))
+    status, _ = tcp(tenants, TOKENS["team-a"], "POST", "/v1/functions/sb-mig-a/invoke", {"op": "compute", "x": 1})
+    assert status == 200
+    (inst,) = tenants.instances("sb-mig-a")
+    got = tcp(tenants, TOKENS["team-b"], "POST", f"/v1/instances/{inst['id']}/migrate", {"gpu": 1})
+    missing = tcp(tenants, TOKENS["team-b"], "POST", "/v1/instances/sb-nosuch-1/migrate", {"gpu": 1})
+    assert got[0] == missing[0] == 404, (got, missing)
+    assert got[1]["error"] == missing[1]["error"].replace("sb-nosuch-1", inst["id"]), (got, missing)
+    # Its own tenant reaches it (one host device here: the target does not exist).
+    own = tcp(tenants, TOKENS["team-a"], "POST", f"/v1/instances/{inst['id']}/migrate", {"gpu": 1})
+    assert own[0] == 400 and "GPU 1 does not exist" in own[1]["error"], own

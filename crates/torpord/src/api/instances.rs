@@ -53,9 +53,13 @@ pub async fn migrate(
             format!("the migrate body is not {{\"gpu\": N}} ({e}): send the target GPU's ordinal"),
         )
     })?;
-    // A tenant sees only its own functions' instances.
+    // A tenant sees only its own functions' instances: another's answers as one that does not
+    // exist (the function's name is not told).
     if let Some(function) = state.runtime.instance_function(&id) {
-        visible(&state, &scope, &function).await?;
+        if visible(&state, &scope, &function).await.is_err() {
+            let e = crate::runtime::migrate::MigrateError::NoInstance { id };
+            return Err(ApiError::new(e.status(), e.to_string()));
+        }
     }
     state
         .runtime
