@@ -62,8 +62,9 @@ def inodes(d: Torpord, name: str) -> dict[str, int]:
 
 
 def device_gauge(d: Torpord, metric: str, device: int, want: float) -> None:
-    """Waits until /metrics shows `metric{device}` at `want` (the keep-alive ticker sets it)."""
-    deadline = time.monotonic() + 5
+    """Waits until /metrics shows `metric{device}` at `want` (the keep-alive ticker sets it every
+    200 ms; a loaded machine may take longer)."""
+    deadline = time.monotonic() + 15
     while True:
         text = d.request("GET", "/metrics").body.decode()
         m = re.search(rf'^{metric}{{device="{device}"}} (\S+)$', text, re.MULTILINE)
