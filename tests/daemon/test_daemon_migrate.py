@@ -11,8 +11,10 @@ instance must then serve on, on its old device, with its old memory.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -346,3 +348,29 @@ def test_another_tenants_instance_answers_as_if_it_did_not_exist(tenants: Torpor
     # Its own tenant reaches it (one host device here: the target does not exist).
     own = tcp(tenants, TOKENS["team-a"], "POST", f"/v1/instances/{inst['id']}/migrate", {"gpu": 1})
     assert own[0] == 400 and "GPU 1 does not exist" in own[1]["error"], own
+
+
+def test_a_daemon_restarted_after_a_migration_re_adopts_the_instance_where_it_moved(two: Torpord, tmp_path: Path) -> None:
+    d = two
+    inst = deploy_one(d, tmp_path, "splitbuf-readopt")
+    r = migrate(d, inst["id"], 1)
+    assert r.status == 200, r.body
+    placement = d.state / "placement" / f"{inst['id']}.json"
+    assert json.loads(placement.read_text()) == {"gpu": 1, "gpu_map": []}
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    d.restart()
+    deadline = time.monotonic() + 30
+    while [i["pid"] for i in d.instances("splitbuf-readopt") if i.get("pid")] != [inst["pid"]]:
+        assert time.monotonic() < deadline, d.log_text()
+        time.sleep(0.1)
+    device_gauge(d, "torpor_device_instances", 1, 1)
+    answer = d.invoke("splitbuf-readopt", {"op": "compute", "x": 9})
+    assert answer.status == 200 and answer.start == "warm", (answer.status, answer.body)
+    assert answer.json() == {"sha": expected_sha(9), "calls": inst["calls"] + 1}
+    # Gone with the instance.
+    assert d.cli("stop", "splitbuf-readopt").returncode == 0
+    deadline = time.monotonic() + 15
+    while placement.exists():
+        assert time.monotonic() < deadline, "the placement file outlived its instance"
+        time.sleep(0.1)

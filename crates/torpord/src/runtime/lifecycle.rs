@@ -328,6 +328,8 @@ impl Runtime {
             // with the generic "closed its connection" instead of the fill's cause.
             *lock(&inst.why_dead) = Some(why.to_string());
             let _ = self.step(&inst.function, &mut keep, Transition::Remove);
+            // Where a migration put it no longer matters.
+            self.forget_placement(&inst.id);
         }
         // Dropping the senders fails every request still waiting on this instance.
         lock(&inst.pending).clear();

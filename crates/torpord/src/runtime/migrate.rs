@@ -39,6 +39,18 @@ use crate::split::precopy::Delta;
 use crate::split::release::InstanceSegments;
 use crate::workers;
 
+/// The state directory's folder of migrated instances' placements (`<id>.json`), so that a
+/// restarted daemon re-adopts them where they are.
+pub const PLACEMENT_DIR: &str = "placement";
+
+/// A migrated instance's placement as kept on disk.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    pub gpu: u32,
+    /// The worker's CUDA ordinal → the daemon's, where they differ (`Instance::gpu_map`).
+    pub gpu_map: Vec<(i32, i32)>,
+}
+
 /// How long a migration waits for the instance's in-flight requests before it gives up.
 pub const BUSY_WAIT: Duration = Duration::from_secs(30);
 
@@ -187,6 +199,72 @@ impl Runtime {
                 .map(|(i, _)| Arc::clone(i));
             inst.map(|i| (p, i))
         })
+    }
+
+    fn placement_path(&self, id: &str) -> Option<std::path::PathBuf> {
+        // Ids are the daemon's own (`fn-…-N`); anything else never names a file.
+        let safe = !id.is_empty()
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+            && !id.starts_with('.');
+        safe.then(|| {
+            self.config
+                .state_dir
+                .join(PLACEMENT_DIR)
+                .join(format!("{id}.json"))
+        })
+    }
+
+    /// Writes a migrated instance's placement (best effort: logged; a restart would then
+    /// re-adopt it as on GPU 0).
+    pub(crate) fn save_placement(&self, inst: &Instance) {
+        let Some(path) = self.placement_path(&inst.id) else {
+            return;
+        };
+        let mut gpu_map: Vec<(i32, i32)> =
+            lock(&inst.gpu_map).iter().map(|(w, d)| (*w, *d)).collect();
+        gpu_map.sort_unstable();
+        let placement = Placement {
+            gpu: inst.gpu.load(Ordering::SeqCst),
+            gpu_map,
+        };
+        let written = (|| -> std::io::Result<()> {
+            let dir = path.parent().ok_or(std::io::ErrorKind::NotFound)?;
+            std::fs::create_dir_all(dir)?;
+            let tmp = path.with_extension("json.tmp");
+            std::fs::write(&tmp, serde_json::to_vec(&placement)?)?;
+            std::fs::rename(&tmp, &path)
+        })();
+        if let Err(e) = written {
+            tracing::warn!(instance = %inst.id, path = %path.display(), error = %e, "cannot record the migrated instance's placement; a restarted daemon will take it for GPU 0's");
+        }
+    }
+
+    /// Applies the placement a migration recorded for a re-adopted instance.
+    pub(crate) fn load_placement(&self, inst: &Instance) {
+        let Some(path) = self.placement_path(&inst.id) else {
+            return;
+        };
+        let Ok(bytes) = std::fs::read(&path) else {
+            return;
+        };
+        match serde_json::from_slice::<Placement>(&bytes) {
+            Ok(p) => {
+                inst.gpu.store(p.gpu, Ordering::SeqCst);
+                *lock(&inst.gpu_map) = p.gpu_map.into_iter().collect();
+            }
+            Err(e) => {
+                tracing::warn!(instance = %inst.id, path = %path.display(), error = %e, "an unreadable placement file; the instance is taken for GPU 0's");
+            }
+        }
+    }
+
+    /// Forgets the placement of an instance that is gone.
+    pub(crate) fn forget_placement(&self, id: &str) {
+        if let Some(path) = self.placement_path(id) {
+            let _ = std::fs::remove_file(path);
+        }
     }
 
     /// The function of live instance `id`.
@@ -433,6 +511,9 @@ impl Runtime {
                 i32::try_from(gpu).unwrap_or(0),
             );
         }
+        let rt = Arc::clone(self);
+        let moved_inst = Arc::clone(&inst);
+        let _ = tokio::task::spawn_blocking(move || rt.save_placement(&moved_inst)).await;
         self.update_placement_gauges();
         self.metrics
             .observe_phase(&inst.function, "migration_stop", stop_s);
