@@ -3,7 +3,15 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|checkpoint|sandbox-bench|pcie-bench|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|checkpoint|concurrent|sandbox-bench|pcie-bench|all] [extra pytest args...]
+# concurrent: bench/concurrent/measure.py (docs/checkpoints.md, docs/migration.md): the hibernation
+# stop of $CONCURRENT_MODEL (default gpt2-large) through torpord, stop-the-world against concurrent,
+# into $OUT/concurrent-checkpoint-$CONCURRENT_TAG.json (default tag h100), and, where two GPUs are
+# visible (nvidia-h200-x2), live migration downtime while a client sends back to back, into
+# $OUT/migration-$CONCURRENT_TAG.json; first the daemon tests of both on this GPU
+# (tests/daemon/test_daemon_concurrent.py, test_daemon_migrate.py: the host backend) into
+# $OUT/concurrent-pytest.log. $CONCURRENT_ARGS adds flags (e.g. "--runs 5 --parts migrate").
+# Not part of `all`.
 # checkpoint: periodic checkpoints of a PyTorch training job (docs/checkpoints.md): the kill -9 /
 # restore tests (tests/test_checkpoints.py, tests/test_concurrent_snapshot.py) into
 # $OUT/checkpoint-pytest.log, then bench/checkpoint/train.py (none vs stop-the-world vs concurrent,
@@ -209,6 +217,18 @@ if [ "$MODE" = checkpoint ]; then
   # shellcheck disable=SC2086 # $CKPT_ARGS is a list of flags
   python3 bench/checkpoint/train.py --kind torch --steps "${CKPT_STEPS:-600}" --every-iters 10 \
     --out "$OUT/concurrent-checkpoint-h100.json" ${CKPT_ARGS:-} 2>&1 | tee "$OUT/checkpoint-bench.log"
+  krc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$krc
+fi
+if [ "$MODE" = concurrent ]; then
+  echo "== concurrent hibernation and live migration through torpord"
+  nvidia-smi -L | tee -a "$OUT/machine.txt"
+  python3 -m pytest -q -ra tests/daemon/test_daemon_concurrent.py tests/daemon/test_daemon_migrate.py 2>&1 | tee "$OUT/concurrent-pytest.log"
+  krc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$krc
+  tag=${CONCURRENT_TAG:-h100}
+  # shellcheck disable=SC2086 # $CONCURRENT_ARGS is a list of flags
+  python3 bench/concurrent/measure.py --model "${CONCURRENT_MODEL:-gpt2-large}" --work-dir /var/tmp/torpor-concurrent \
+    --out-hibernate "$OUT/concurrent-checkpoint-$tag.json" --out-migrate "$OUT/migration-$tag.json" \
+    ${CONCURRENT_ARGS:-} 2>&1 | tee "$OUT/concurrent-bench.log"
   krc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$krc
 fi
 if [ "$MODE" = criu-gpu ]; then

@@ -89,10 +89,24 @@ enum Command {
     },
     /// Move the running process tree rooted at PID (started by `torpor run`) onto another GPU
     /// of this node, in place: the driver checkpoints its GPU state and restores it there.
+    /// With --instance, a torpord instance moves live (docs/migration.md).
     Migrate {
         /// The pid `torpor run` printed.
+        #[arg(
+            long,
+            required_unless_present = "instance",
+            conflicts_with = "instance"
+        )]
+        pid: Option<i32>,
+        /// A torpord instance's id (GET /v1/functions/NAME, `torpor status`): moved live, its
+        /// segments pre-copied while it serves.
         #[arg(long)]
-        pid: i32,
+        instance: Option<String>,
+        /// Print the daemon's JSON answer (with --instance).
+        #[arg(long, requires = "instance")]
+        json: bool,
+        #[command(flatten)]
+        daemon: cmd::DaemonArgs,
         /// The GPU to move to: an ordinal or a UUID (GPU-…).
         #[arg(long)]
         gpu: String,
@@ -366,10 +380,19 @@ fn main() -> ExitCode {
         ),
         Command::Migrate {
             pid,
+            instance,
+            json,
+            daemon,
             gpu,
             timeout,
             verbose,
-        } => cmd::migrate::run(pid, &gpu, timeout, verbose),
+        } => match (pid, instance) {
+            (_, Some(id)) => cmd::migrate::run_instance(&daemon, &id, &gpu, json),
+            (Some(pid), None) => cmd::migrate::run(pid, &gpu, timeout, verbose),
+            (None, None) => Err(anyhow::anyhow!(
+                "give --pid PID (a process started by torpor run) or --instance ID (a torpord instance)"
+            )),
+        },
         Command::Restore {
             dir,
             detach,

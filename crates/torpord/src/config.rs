@@ -56,6 +56,12 @@
 //! stage_bytes = 8589934592        # function snapshots staged in a huge-page tmpfs: 8 GiB; 0: off
 //! transparent_hugepage = "leave"  # or "always": set the node's THP mode to always while torpord
 //!                                 # runs (restores fill memory with 2 MiB pages; docs/split.md)
+//! concurrent_snapshot = true      # hibernations pre-copy segments while the instance serves and
+//!                                 # stop only for what changed (docs/checkpoints.md); false: all
+//!                                 # in the stop
+//! host_devices = 1                # devices of the host backend, which instances without a GPU
+//!                                 # migrate between (docs/migration.md): 1 to 16
+//! host_device_bytes = 0           # segment bytes each host device may hold; 0: no bound
 //!
 //! [pcie]                          # the fair PCIe scheduler of host→device copies (docs/sandboxes.md)
 //! fair = true                     # false: each copy whole, one after another (the benchmark's
@@ -250,6 +256,16 @@ pub struct RestoreServer {
     pub stage_bytes: u64,
     /// The node's transparent-huge-page mode while the daemon runs (`crate::hugepages`).
     pub transparent_hugepage: crate::hugepages::ThpPolicy,
+    /// Hibernations of split instances pre-copy their segments while the instance still serves
+    /// and stop only for what changed (`crate::split::precopy`, docs/checkpoints.md); false: the
+    /// whole capture happens in the stop, as before.
+    pub concurrent_snapshot: bool,
+    /// Devices of the host backend (crate::runtime::migrate): where CPU functions' segments
+    /// live, and what an instance without a GPU migrates between. 1 to 16.
+    pub host_devices: u32,
+    /// Bytes of segments each host device may hold (0: no bound); a migration that would pass
+    /// it is refused.
+    pub host_device_bytes: u64,
 }
 
 /// The fair PCIe scheduler (`crate::split::pcie`, docs/sandboxes.md "Fair PCIe").
@@ -288,6 +304,9 @@ impl Default for RestoreServer {
             pages: Pages::default(),
             stage_bytes: DEFAULT_STAGE_BYTES,
             transparent_hugepage: crate::hugepages::ThpPolicy::default(),
+            concurrent_snapshot: true,
+            host_devices: 1,
+            host_device_bytes: 0,
         }
     }
 }
@@ -721,6 +740,15 @@ impl Config {
                 crate::hugepages::ThpPolicy::parse,
             )? {
                 r.transparent_hugepage = p;
+            }
+            if let Some(b) = t.boolean("concurrent_snapshot")? {
+                r.concurrent_snapshot = b;
+            }
+            if let Some(n) = t.integer("host_devices", 1, 16)? {
+                r.host_devices = u32::try_from(n).unwrap_or(1);
+            }
+            if let Some(n) = t.integer("host_device_bytes", 0, max)? {
+                r.host_device_bytes = u64::try_from(n).unwrap_or(0);
             }
             t.finish()?;
         }

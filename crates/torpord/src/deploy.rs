@@ -424,6 +424,9 @@ struct SplitCapture {
     new_bytes: u64,
     /// From the capturing `quiesce` until the record was committed.
     stop_s: f64,
+    /// With `restore_server.concurrent_snapshot`: the probe pre-copied the segments and the
+    /// capture copied only what changed (crate::split::precopy).
+    delta: Option<crate::split::precopy::Delta>,
 }
 
 /// The deploy's split capture (crate::split::capture): a probe quiesce for the segments'
@@ -448,12 +451,23 @@ async fn split_snapshot(
         return Ok(None);
     }
     let warmup = spec.pointer("/warmup/request").cloned();
-    let before = match &warmup {
-        Some(_) => {
+    let concurrent = rt.config.restore_server.concurrent_snapshot;
+    // A concurrent snapshot: the probe's read is the pre-copy (stored now, hashed per block),
+    // and the capture's stop copies only the blocks the warm-up changed.
+    let mut pre = None;
+    let before = match (&warmup, concurrent) {
+        (_, true) => {
+            let split = Arc::clone(&rt.split);
+            let (hashes, copied) =
+                blocking(PHASE, move || capture::precopy_listed(&split, &probe)).await?;
+            pre = Some(copied);
+            warmup.is_some().then_some(hashes)
+        }
+        (Some(_), false) => {
             let split = Arc::clone(&rt.split);
             Some(blocking(PHASE, move || capture::hash_all(&split, &probe)).await?)
         }
-        None => {
+        (None, false) => {
             drop(probe);
             None
         }
@@ -494,8 +508,16 @@ async fn split_snapshot(
         .map_err(|e| conn_fail(PHASE, "split quiesce", e))?;
     let (split, sid) = (Arc::clone(&rt.split), id.to_string());
     let tenant = crate::tenant::of_spec(spec).to_string();
+    let known = pre.map(|p| crate::split::precopy::Known::new(&[], Some(p)));
     let captured = blocking(PHASE, move || {
-        capture::store_all(&split, &sid, &tenant, listed, &before.unwrap_or_default())
+        capture::store_all_with(
+            &split,
+            &sid,
+            &tenant,
+            listed,
+            &before.unwrap_or_default(),
+            known,
+        )
     })
     .await?;
     Ok(Some(SplitCapture {
@@ -503,6 +525,7 @@ async fn split_snapshot(
         bytes: captured.bytes,
         new_bytes: captured.new_bytes,
         stop_s: t.elapsed().as_secs_f64(),
+        delta: captured.delta,
     }))
 }
 
@@ -843,7 +866,12 @@ async fn steps(
                 "segment_bytes": c.bytes,
                 "stored_bytes": c.new_bytes,
                 "readonly_segments": c.segments.iter().filter(|s| s.readonly).count(),
+                "concurrent": c.delta.is_some(),
             });
+            if let (Some(d), Value::Object(m)) = (&c.delta, &mut details) {
+                m.insert("changed_blocks".to_string(), json!(d.changed_blocks));
+                m.insert("changed_bytes".to_string(), json!(d.changed_bytes));
+            }
         }
         None => quiesce_and_snapshot(rt, conn, &mut guard, &out, "snapshot_function").await?,
     }

@@ -23,6 +23,40 @@ pub const HOLD_ENV: &str = "TORPORD_HOLD";
 /// switch left set by mistake is seen as a stall, not a hang).
 pub const HOLD: Duration = Duration::from_secs(60);
 
+/// The environment variable of the timing switch: `TORPORD_DELAY=<point>:<ms>` makes the
+/// daemon wait that long at `point` (logged), so that a test can act inside a window that is
+/// otherwise too short to hit: `precopy` (a hibernation's pre-copy has read the segments, the
+/// instance still serving), `hibernate-stop` (a hibernation's stop, after the worker's quiet).
+pub const DELAY_ENV: &str = "TORPORD_DELAY";
+
+/// Waits as [`DELAY_ENV`] says for `point`, if it names it.
+pub async fn delay(point: &str) {
+    let Ok(v) = std::env::var(DELAY_ENV) else {
+        return;
+    };
+    let Some((p, ms)) = v.trim().split_once(':') else {
+        return;
+    };
+    let Ok(ms) = ms.parse::<u64>() else {
+        return;
+    };
+    if p == point {
+        tracing::warn!(point, ms, "{DELAY_ENV} delays this point");
+        tokio::time::sleep(Duration::from_millis(ms.min(HOLD.as_millis() as u64))).await;
+    }
+}
+
+/// The environment variable of the fault switch: `TORPORD_FAULT=<point>` makes the daemon fail
+/// at `point` as if that step had failed, so that the rollback from there is tested with the
+/// real worker and CRIU: `migrate:precopy`, `migrate:unmap`, `migrate:copy`, `migrate:residue`,
+/// `migrate:map` (crate::runtime::migrate).
+pub const FAULT_ENV: &str = "TORPORD_FAULT";
+
+/// Whether [`FAULT_ENV`] names `point`.
+pub fn fault(point: &str) -> bool {
+    std::env::var(FAULT_ENV).is_ok_and(|v| v.trim() == point)
+}
+
 /// Whether `TORPORD_HOLD` names `op`'s `step`.
 fn held(op: JournalOp, step: &str) -> bool {
     std::env::var(HOLD_ENV).is_ok_and(|v| v.trim().split_once(':') == Some((op.as_str(), step)))

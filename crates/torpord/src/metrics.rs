@@ -122,6 +122,13 @@ pub struct Metrics {
     pub sandbox_pool_ready: IntGaugeVec,
     /// `torpor_sandbox_pool_replaced_total{tenant}`: ready sandboxes found dead and replaced.
     pub sandbox_pool_replaced: IntCounterVec,
+    /// `torpor_device_instances{device}`, `torpor_device_segment_bytes{device}`: live instances
+    /// on each GPU (a host-backend device for CPU functions) and the segment bytes they map
+    /// there; a live migration moves an instance's count and bytes (crate::runtime::migrate).
+    pub device_instances: IntGaugeVec,
+    pub device_segment_bytes: IntGaugeVec,
+    /// Devices whose placement series exist (set to 0 when they empty).
+    devices: Mutex<BTreeSet<u32>>,
     /// Functions whose series exist, to drop them when the function goes.
     functions: Mutex<BTreeSet<String>>,
     /// Every phase name seen, to drop a function's phase series.
@@ -241,6 +248,22 @@ impl Metrics {
             ),
             &["function", "stage"],
         )?;
+        let device_instances = IntGaugeVec::new(
+            Opts::new(
+                "torpor_device_instances",
+                "Live instances on each device (the daemon's GPU ordinal; a host-backend device for CPU functions).",
+            ),
+            &["device"],
+        )?;
+        let device_segment_bytes = IntGaugeVec::new(
+            Opts::new(
+                "torpor_device_segment_bytes",
+                "Bytes of segments the live instances on each device map from the daemon.",
+            ),
+            &["device"],
+        )?;
+        registry.register(Box::new(device_instances.clone()))?;
+        registry.register(Box::new(device_segment_bytes.clone()))?;
         registry.register(Box::new(invocations.clone()))?;
         registry.register(Box::new(starts.clone()))?;
         registry.register(Box::new(restore_fallbacks.clone()))?;
@@ -317,9 +340,19 @@ impl Metrics {
             sandbox_memory_waits,
             sandbox_pool_ready,
             sandbox_pool_replaced,
+            device_instances,
+            device_segment_bytes,
+            devices: Mutex::new(BTreeSet::new()),
             functions: Mutex::new(BTreeSet::new()),
             phases: Mutex::new(INVOKE_PHASES.iter().map(|p| p.to_string()).collect()),
         })
+    }
+
+    /// Every device with placement series, `now` (those with instances) added.
+    pub fn devices_seen(&self, now: impl Iterator<Item = u32>) -> Vec<u32> {
+        let mut d = self.devices.lock().unwrap_or_else(|p| p.into_inner());
+        d.extend(now);
+        d.iter().copied().collect()
     }
 
     /// Records that `phase` of an invoke or deploy of `function` took `seconds`.

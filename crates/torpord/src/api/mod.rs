@@ -9,6 +9,7 @@
 mod body_deadline;
 mod deploy;
 mod functions;
+mod instances;
 mod invoke;
 pub mod logs;
 mod metrics;
@@ -258,6 +259,7 @@ pub fn routes() -> OpenApiRouter<Arc<AppState>> {
         .routes(routes!(functions::get, functions::delete))
         .routes(invoke_route())
         .routes(routes!(functions::stop))
+        .routes(routes!(instances::migrate))
         .routes(routes!(workflows::deploy))
         .routes(routes!(workflows::get, workflows::delete))
         .routes(workflow_invoke_route())

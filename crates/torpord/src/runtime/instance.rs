@@ -50,6 +50,22 @@ pub struct Instance {
     /// The segments it has from the restore server (split path), mapped or, while its GPU is
     /// released, saved (crate::split::release).
     pub(crate) segments: Mutex<crate::split::release::InstanceSegments>,
+    /// Its segments copied while it serves, for the stop of its next hibernation
+    /// (crate::split::precopy).
+    pub(crate) precopy: Mutex<crate::split::precopy::PreCopyState>,
+    /// The GPU (the daemon's CUDA ordinal; a host-backend device for a CPU function) its
+    /// segments and CUDA state are on: 0 until a live migration moves it
+    /// (crate::runtime::migrate).
+    pub(crate) gpu: std::sync::atomic::AtomicU32,
+    /// A live migration of it is under way.
+    pub(crate) migrating: AtomicBool,
+    /// A migration's stop was asked for: no new request is routed to it (they wait in the
+    /// queue), the ones in flight finish, then the stop begins.
+    pub(crate) draining: AtomicBool,
+    /// The worker's CUDA ordinals that are another GPU of the daemon's since a migration (the
+    /// driver's restore swapped the two GPUs' UUIDs under the process, so its ordinal 0 is then
+    /// the daemon's target); absent ones are the same.
+    pub(crate) gpu_map: Mutex<HashMap<i32, i32>>,
     /// Set while the daemon unmaps its segments (GPU release): its reader forwards the
     /// `unmapped` answer here.
     pub(crate) segment_replies: Mutex<Option<SegmentReplies>>,
@@ -130,6 +146,17 @@ impl Instance {
             .unwrap_or_else(|| "the worker closed its connection".to_string())
     }
 
+    /// The daemon's CUDA ordinal of the worker's ordinal `worker` (see `gpu_map`).
+    pub(crate) fn daemon_ordinal(&self, worker: i32) -> i32 {
+        lock(&self.gpu_map).get(&worker).copied().unwrap_or(worker)
+    }
+
+    /// Records that the driver moved its CUDA state from the daemon's GPU `a` to `b` (and `b`'s
+    /// to `a`: the pairs swap the two).
+    pub(crate) fn swap_gpus(&self, a: i32, b: i32) {
+        swap_in(&mut lock(&self.gpu_map), a, b);
+    }
+
     /// Some of its segments are not mapped yet: it serves, but must not be stepped down (the
     /// worker refuses a quiesce meanwhile).
     pub(crate) fn still_mapping(&self) -> bool {
@@ -137,6 +164,22 @@ impl Instance {
             .as_ref()
             .is_some_and(|m| m.unmapped() > 0)
     }
+}
+
+/// Composes a move of the daemon's GPUs `a` ⇄ `b` into `map` (worker ordinal → daemon
+/// ordinal, identities left out).
+fn swap_in(map: &mut HashMap<i32, i32>, a: i32, b: i32) {
+    for w in [a, b] {
+        map.entry(w).or_insert(w);
+    }
+    for d in map.values_mut() {
+        if *d == a {
+            *d = b;
+        } else if *d == b {
+            *d = a;
+        }
+    }
+    map.retain(|w, d| w != d);
 }
 
 /// An instance around a connected worker tree; its reader half is for [`Runtime::attach`].
@@ -167,6 +210,11 @@ pub(crate) fn new_instance(
         quiet_tx: Mutex::new(None),
         gpu_release_failed: AtomicBool::new(false),
         segments: Mutex::new(Default::default()),
+        precopy: Mutex::new(Default::default()),
+        gpu: std::sync::atomic::AtomicU32::new(0),
+        migrating: AtomicBool::new(false),
+        draining: AtomicBool::new(false),
+        gpu_map: Mutex::new(HashMap::new()),
         segment_replies: Mutex::new(None),
         mapping: Mutex::new(None),
         pages_pending: AtomicBool::new(false),
@@ -181,5 +229,30 @@ pub fn kill_tree(init: i32) {
     if init > 1 {
         // SAFETY: kill(2) only sends a signal; the pid is one this daemon started or restored.
         unsafe { libc::kill(init, libc::SIGKILL) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn swapped(moves: &[(i32, i32)]) -> HashMap<i32, i32> {
+        let mut map = HashMap::new();
+        for &(a, b) in moves {
+            swap_in(&mut map, a, b);
+        }
+        map
+    }
+
+    #[test]
+    fn migrations_compose_into_the_workers_ordinal_map() {
+        assert_eq!(swapped(&[(0, 1)]), HashMap::from([(0, 1), (1, 0)]));
+        // There and back: the identity again.
+        assert!(swapped(&[(0, 1), (1, 0)]).is_empty());
+        // 0 → 1 → 2: the worker's 0 is the daemon's 2; its 1 the daemon's 0; its 2 the daemon's 1.
+        assert_eq!(
+            swapped(&[(0, 1), (1, 2)]),
+            HashMap::from([(0, 2), (1, 0), (2, 1)])
+        );
     }
 }

@@ -35,6 +35,9 @@ pub const TICK: Duration = Duration::from_millis(200);
 enum Step {
     ReleaseGpu(Arc<Instance>),
     Hibernate(Arc<Instance>),
+    /// A split instance due to hibernate: copy its segments first, while it serves
+    /// (crate::split::precopy); the hibernation follows on a later tick.
+    PreCopy(Arc<Instance>),
     /// `cold_start = "boot"`: no snapshot to hibernate to; the process is stopped.
     Stop(Arc<Instance>),
     Evict(String),
@@ -57,7 +60,7 @@ impl Runtime {
     }
 
     /// The CUDA driver (loaded once).
-    fn cuda(&self) -> Result<Arc<torpor_cuda::CudaDriver>, CudaLoadError> {
+    pub(crate) fn cuda(&self) -> Result<Arc<torpor_cuda::CudaDriver>, CudaLoadError> {
         self.cuda
             .get_or_init(|| {
                 torpor_cuda::CudaDriver::load()
@@ -68,7 +71,7 @@ impl Runtime {
     }
 
     /// GPU memory per host pid, from NVML, if NVML loads.
-    fn gpu_memory_by_pid(&self) -> Option<std::collections::HashMap<i32, u64>> {
+    pub(crate) fn gpu_memory_by_pid(&self) -> Option<std::collections::HashMap<i32, u64>> {
         let nvml = self
             .nvml
             .get_or_init(|| torpor_cuda::Nvml::load().ok())
@@ -141,10 +144,29 @@ impl Runtime {
                     || inst.generation != generation
                     || inst.still_mapping()
                     || inst.pages_pending.load(Ordering::SeqCst)
+                    || inst.migrating.load(Ordering::SeqCst)
                 {
                     continue;
                 }
                 let idle = keep.idle_since.elapsed();
+                if idle >= k.hibernate
+                    && self.config.cold_start != ColdStart::Boot
+                    && self.config.restore_server.concurrent_snapshot
+                    && keep.state == State::Warm
+                    && lock(&inst.segments).is_held()
+                {
+                    use crate::split::precopy::PreCopyState;
+                    let mut pre = lock(&inst.precopy);
+                    match *pre {
+                        PreCopyState::None => {
+                            *pre = PreCopyState::Running;
+                            steps.push((Arc::clone(&pool), Step::PreCopy(Arc::clone(inst))));
+                            continue;
+                        }
+                        PreCopyState::Running => continue,
+                        PreCopyState::Done(_) | PreCopyState::Failed => {}
+                    }
+                }
                 let (doing, step) = if idle >= k.hibernate {
                     if self.config.cold_start == ColdStart::Boot {
                         (Doing::Stop, Step::Stop(Arc::clone(inst)))
@@ -203,6 +225,7 @@ impl Runtime {
         self.metrics
             .gpu_memory_bytes
             .set(i64::try_from(gpu_total).unwrap_or(i64::MAX));
+        self.update_placement_gauges();
         for (pool, step) in steps {
             let rt = Arc::clone(self);
             match step {
@@ -211,6 +234,9 @@ impl Runtime {
                 }
                 Step::Hibernate(inst) => {
                     tokio::spawn(async move { rt.hibernate(pool, inst).await });
+                }
+                Step::PreCopy(inst) => {
+                    tokio::spawn(async move { rt.precopy(pool, inst).await });
                 }
                 Step::Stop(inst) => {
                     // Its stage time was accounted up to now just above.
@@ -392,7 +418,7 @@ impl Runtime {
     /// Hands the instance's segments to its worker again with `map` frames (all of them, or
     /// those at `only`): from the memory still held, or, once released, from the saved contents
     /// and the restore server. Returns the seconds it took. A failure removes the instance.
-    async fn map_segments_back(
+    pub(crate) async fn map_segments_back(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
         only: Option<&std::collections::HashSet<u64>>,
@@ -525,8 +551,50 @@ impl Runtime {
         Ok(Some(self.map_segments_back(inst, None).await?))
     }
 
+    /// The pre-copy of a split instance due to hibernate (crate::split::precopy): its writable
+    /// segments are read, hashed and stored while it stays warm and routable; the hibernation's
+    /// stop then copies only what changed. A failure is logged and leaves the whole capture to
+    /// the stop.
+    async fn precopy(self: Arc<Self>, pool: Arc<Pool>, inst: Arc<Instance>) {
+        use crate::split::precopy::PreCopyState;
+        let leases = lock(&inst.segments).leases();
+        let state = match leases {
+            None => PreCopyState::Failed,
+            Some((plan, leases)) => {
+                let split = Arc::clone(&self.split);
+                let copied =
+                    tokio::task::spawn_blocking(move || split.precopy(&plan, &leases)).await;
+                // Test switch: the copy is read; a request now writes after it.
+                crate::journal::delay("precopy").await;
+                match copied {
+                    Ok(Ok(p)) => {
+                        tracing::info!(instance = %inst.id, function = %inst.function, segments = p.segments.len(), bytes = p.bytes, seconds = p.seconds, "hibernation: segments pre-copied while the instance serves");
+                        self.metrics.observe_phase(
+                            &inst.function,
+                            "hibernation_precopy",
+                            p.seconds,
+                        );
+                        PreCopyState::Done(p)
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(instance = %inst.id, function = %inst.function, "{e}; the hibernation will copy every segment in its stop");
+                        PreCopyState::Failed
+                    }
+                    Err(e) => {
+                        tracing::warn!(instance = %inst.id, function = %inst.function, "pre-copy task: {e}; the hibernation will copy every segment in its stop");
+                        PreCopyState::Failed
+                    }
+                }
+            }
+        };
+        *lock(&inst.precopy) = state;
+        pool.changed.notify_waiters();
+    }
+
     /// → hibernated: quiesce, snapshot in kill mode, keep the snapshot as a sleeper.
     async fn hibernate(self: Arc<Self>, pool: Arc<Pool>, inst: Arc<Instance>) {
+        // The instance takes no request from here (the ticker began the change): its stop.
+        let stop = Instant::now();
         if self.hibernation_refused(&inst).await {
             pool.changed.notify_waiters();
             return;
@@ -550,7 +618,15 @@ impl Runtime {
         let hibernated = self.hibernate_inner(&pool, &inst, &out, &journal).await;
         journal.end().await;
         match hibernated {
-            Ok(mut sleeper) => {
+            Ok((mut sleeper, delta)) => {
+                let stop_s = stop.elapsed().as_secs_f64();
+                self.metrics
+                    .observe_phase(&inst.function, "hibernation_stop", stop_s);
+                let delta_json = delta
+                    .as_ref()
+                    .and_then(|d| serde_json::to_string(d).ok())
+                    .unwrap_or_default();
+                tracing::info!(instance = %inst.id, function = %inst.function, stop_s, concurrent = delta.is_some(), delta = %delta_json, "hibernation stop");
                 // Its process is gone: the shared segment copies it mapped may go too.
                 lock(&inst.segments).clear();
                 *lock(&inst.why_dead) = Some("hibernated".to_string());
@@ -629,9 +705,32 @@ impl Runtime {
         hib_id: &str,
         plan: &[crate::split::index::Planned],
     ) -> Result<crate::split::capture::Captured, HibernateError> {
-        let listed = crate::split::capture::segment_fds(rd, quiet)
+        let mut listed = crate::split::capture::segment_fds(rd, quiet)
             .await
             .map_err(HibernateError::SegmentFds)?;
+        // The worker names its own CUDA ordinals; after a migration they are other GPUs of the
+        // daemon's (crate::runtime::migrate).
+        for l in listed.iter_mut().filter(|l| l.backend == "cuda") {
+            l.ordinal = inst.daemon_ordinal(l.ordinal);
+        }
+        // Test switch: inside the stop (quiet, nothing captured yet).
+        crate::journal::delay("hibernate-stop").await;
+        // A concurrent snapshot: what the pre-copy read and the segments mapped read-only
+        // (crate::split::precopy); without, every segment is read in the stop.
+        let known = if self.config.restore_server.concurrent_snapshot {
+            use crate::split::precopy::{Known, PreCopyState};
+            let pre = match std::mem::take(&mut *lock(&inst.precopy)) {
+                PreCopyState::Done(p) => Some(p),
+                _ => None,
+            };
+            let plan = lock(&inst.segments).leases().map(|(p, _)| p);
+            Some(Known::new(
+                plan.as_deref().map_or(&[][..], |p| p.as_slice()),
+                pre,
+            ))
+        } else {
+            None
+        };
         let readonly: std::collections::HashMap<u64, String> = plan
             .iter()
             .filter(|(e, _)| e.readonly)
@@ -643,7 +742,7 @@ impl Runtime {
             .pool_tenant(&inst.function)
             .unwrap_or_else(|| format!("instance {}", inst.id));
         let captured = tokio::task::spawn_blocking(move || {
-            crate::split::capture::store_all(&split, &id, &tenant, listed, &readonly)
+            crate::split::capture::store_all_with(&split, &id, &tenant, listed, &readonly, known)
         })
         .await
         .map_err(HibernateError::CaptureTask)??;
@@ -666,7 +765,7 @@ impl Runtime {
         inst: &Arc<Instance>,
         out: &Path,
         journal: &Journal,
-    ) -> Result<Sleeper, HibernateError> {
+    ) -> Result<(Sleeper, Option<crate::split::precopy::Delta>), HibernateError> {
         if inst.state() == State::Changing(Stage::GpuReleased, Doing::Hibernate) {
             // The worker must run CUDA to synchronise before quiet, and the split capture reads
             // every segment: resume first (segments mapped back), then hibernate as a warm one.
@@ -768,12 +867,15 @@ impl Runtime {
         };
         let idle_ms = now_ms() - i64::try_from(idle_since.elapsed().as_millis()).unwrap_or(0);
         self.record_hibernation(inst, &hib_id, out, idle_ms).await?;
-        Ok(Sleeper {
-            id: inst.id.clone(),
-            snapshot_id: hib_id,
-            snapshot_dir: out.to_path_buf(),
-            keep,
-        })
+        Ok((
+            Sleeper {
+                id: inst.id.clone(),
+                snapshot_id: hib_id,
+                snapshot_dir: out.to_path_buf(),
+                keep,
+            },
+            stored.and_then(|c| c.delta),
+        ))
     }
 
     /// hibernated → evicted: the snapshot's files leave the page cache.
@@ -893,13 +995,13 @@ impl Runtime {
 }
 
 /// The worker's `unmapped` frame, forwarded by the instance's reader while this lives.
-struct ForwardedReplies<'a> {
+pub(crate) struct ForwardedReplies<'a> {
     inst: &'a Instance,
-    rx: tokio::sync::mpsc::UnboundedReceiver<serde_json::Map<String, serde_json::Value>>,
+    pub(crate) rx: tokio::sync::mpsc::UnboundedReceiver<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl<'a> ForwardedReplies<'a> {
-    fn new(inst: &'a Instance) -> Result<Self, ReleaseGpuError> {
+    pub(crate) fn new(inst: &'a Instance) -> Result<Self, ReleaseGpuError> {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         *lock(&inst.segment_replies) = Some(tx);
         // Removed meanwhile: its reader is gone and would never forward anything.

@@ -330,6 +330,8 @@ impl Runtime {
             // with the generic "closed its connection" instead of the fill's cause.
             *lock(&inst.why_dead) = Some(why.to_string());
             let _ = self.step(&inst.function, &mut keep, Transition::Remove);
+            // Where a migration put it no longer matters.
+            self.forget_placement(&inst.id);
         }
         // Dropping the senders fails every request still waiting on this instance.
         lock(&inst.pending).clear();
@@ -546,6 +548,9 @@ pub enum Doing {
     Evict,
     /// warm or gpu_released → gone: idle past `hibernate_s` with `cold_start = "boot"`.
     Stop,
+    /// warm → warm on another GPU: the stop of a live migration (crate::runtime::migrate); it
+    /// ends with `Abort`, back to warm, whether it moved or not.
+    Migrate,
 }
 
 impl State {
@@ -686,6 +691,7 @@ impl Transition {
                 St::Changing(S::GpuReleased, D::ResumeGpu)
             }
             (Transition::Begin(D::ReleaseGpu), St::Warm) => St::Changing(S::Warm, D::ReleaseGpu),
+            (Transition::Begin(D::Migrate), St::Warm) => St::Changing(S::Warm, D::Migrate),
             (Transition::Begin(D::ResumeGpu), St::GpuReleased) => {
                 St::Changing(S::GpuReleased, D::ResumeGpu)
             }

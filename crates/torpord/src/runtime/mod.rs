@@ -40,6 +40,7 @@ pub mod invoke;
 pub mod keepalive;
 pub mod lifecycle;
 pub mod memory;
+pub mod migrate;
 pub mod page_profile;
 pub mod pages_pending;
 pub mod pool;

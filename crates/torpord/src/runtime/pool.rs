@@ -452,6 +452,8 @@ impl Runtime {
                     .filter(|(i, _)| !i.is_dead() && i.generation == generation)
                     .filter(|(i, n)| *n < per && i.state().is_routable())
                     .filter(|(i, _)| demand.as_ref().is_none_or(|d| self.memory_fits(&i.id, d)))
+                    // A migration's stop is draining it (crate::runtime::migrate).
+                    .filter(|(i, _)| !i.draining.load(std::sync::atomic::Ordering::SeqCst))
                     .min_by_key(|(i, n)| {
                         let state = i.state();
                         let warm = state.stage() == Some(Stage::Warm);

@@ -191,6 +191,8 @@ impl Runtime {
             let mut keep = lock(&inst.keep);
             let _ = self.step(&row.function, &mut keep, Transition::Readopt(row.stage));
         }
+        // Where a live migration put it (crate::runtime::migrate).
+        self.load_placement(&inst);
         if split {
             // Its worker maps segments the earlier daemon handed it, and this daemon holds no
             // record of them to unmap and save: an in-place checkpoint would leave a process the

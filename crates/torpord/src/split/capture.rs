@@ -61,6 +61,8 @@ pub struct Captured {
     pub bytes: u64,
     /// Bytes written to the store (not there already).
     pub new_bytes: u64,
+    /// A concurrent snapshot's stop: what it did not have to copy (crate::split::precopy).
+    pub delta: Option<super::precopy::Delta>,
 }
 
 fn protocol(what: impl Into<String>) -> ConnError {
@@ -162,6 +164,61 @@ pub fn hash_all(split: &Split, listed: &[Listed]) -> Result<HashMap<u64, String>
     Ok(out)
 }
 
+/// The pre-copy of a deploy's segments, from the read-only probe's quiesce (blocking): each
+/// segment is read whole, hashed per block, stored, and its whole BLAKE3 hash returned by VA
+/// (the probe's `before` hashes, as [`hash_all`] gives them). The capture's stop then copies
+/// only the blocks that changed ([`store_all_with`]).
+pub fn precopy_listed(
+    split: &Split,
+    listed: &[Listed],
+) -> Result<(HashMap<u64, String>, super::precopy::PreCopy), CaptureError> {
+    let began = std::time::Instant::now();
+    let store = split.store()?;
+    let mut writer = store
+        .writer()
+        .map_err(|e| CaptureError::Writer(Box::new(e)))?;
+    let mut hashes = HashMap::new();
+    let mut segments = Vec::with_capacity(listed.len());
+    let mut bytes = 0;
+    for l in listed {
+        let dev = split.device(&l.backend, l.ordinal)?;
+        let mut buf = dev
+            .host_buffer(l.size as usize)
+            .map_err(|source| CaptureError::Buffer {
+                va: l.va,
+                size: l.size,
+                source,
+            })?;
+        dev.read_fd(l.fd.try_clone().map_err(CaptureError::Dup)?, &mut buf)
+            .map_err(|source| CaptureError::Read { va: l.va, source })?;
+        let recipe = writer
+            .put_bytes(&index::recipe_name(l.va), &buf)
+            .map_err(|e| CaptureError::Put {
+                va: l.va,
+                source: Box::new(e),
+            })?;
+        hashes.insert(l.va, recipe.blake3.clone());
+        bytes += l.size;
+        segments.push(super::precopy::CopiedSegment {
+            va: l.va,
+            size: l.size,
+            hashes: super::device::block_hashes(&buf, super::precopy::BLOCK),
+            buf,
+            recipe: Some(recipe),
+        });
+    }
+    drop(writer);
+    Ok((
+        hashes,
+        super::precopy::PreCopy {
+            began,
+            seconds: began.elapsed().as_secs_f64(),
+            bytes,
+            segments,
+        },
+    ))
+}
+
 /// Whether (and why) a segment is read-only (the rule in the module doc): declared by the
 /// worker, or shareable and with the same hash as in `earlier` (the probe's hashes before the
 /// warm-up at a deploy; the function snapshot's read-only segments at a hibernation).
@@ -191,6 +248,22 @@ pub fn store_all(
     listed: Vec<Listed>,
     earlier: &HashMap<u64, String>,
 ) -> Result<Captured, CaptureError> {
+    store_all_with(split, snapshot_id, tenant, listed, earlier, None)
+}
+
+/// [`store_all`], with what a concurrent snapshot already has (`known`, crate::split::precopy):
+/// a segment the instance maps read-only from the restore server keeps its recipe without being
+/// read, and a pre-copied one is only hashed block by block, the blocks that changed since the
+/// pre-copy copied again ([`super::device::SegmentDevice::refresh_fd`]); every other segment is
+/// read whole, as without.
+pub fn store_all_with(
+    split: &Split,
+    snapshot_id: &str,
+    tenant: &str,
+    listed: Vec<Listed>,
+    earlier: &HashMap<u64, String>,
+    mut known: Option<super::precopy::Known>,
+) -> Result<Captured, CaptureError> {
     let store = split.store()?;
     let mut writer = store
         .writer()
@@ -198,24 +271,74 @@ pub fn store_all(
     let mut recipes: Vec<Recipe> = Vec::with_capacity(listed.len() + 1);
     let mut entries = Vec::with_capacity(listed.len());
     let mut bytes = 0;
+    let mut delta = known.as_ref().map(|_| super::precopy::Delta::default());
     for l in listed {
-        let dev = split.device(&l.backend, l.ordinal)?;
-        let mut buf = dev
-            .host_buffer(l.size as usize)
-            .map_err(|source| CaptureError::Buffer {
-                va: l.va,
-                size: l.size,
-                source,
-            })?;
-        dev.read_fd(l.fd.try_clone().map_err(CaptureError::Dup)?, &mut buf)
-            .map_err(|source| CaptureError::Read { va: l.va, source })?;
         let name = index::recipe_name(l.va);
-        let recipe = writer
-            .put_bytes(&name, &buf)
-            .map_err(|e| CaptureError::Put {
-                va: l.va,
-                source: Box::new(e),
-            })?;
+        // What a concurrent snapshot knows of this segment already.
+        let reuse = known
+            .as_mut()
+            .map(|k| k.take(&l, &store))
+            .unwrap_or(super::precopy::Prior::None);
+        let (recipe, cached) = match reuse {
+            super::precopy::Prior::ReadOnly(recipe) => {
+                if let Some(d) = delta.as_mut() {
+                    d.read_only_kept += 1;
+                    d.read_only_bytes += l.size;
+                }
+                (recipe, None)
+            }
+            super::precopy::Prior::Copied(mut pre) => {
+                let dev = split.device(&l.backend, l.ordinal)?;
+                let fd = l.fd.try_clone().map_err(CaptureError::Dup)?;
+                let changed = dev
+                    .refresh_fd(fd, super::precopy::BLOCK, &pre.hashes, &mut pre.buf)
+                    .map_err(|source| CaptureError::Read { va: l.va, source })?;
+                let d = delta.get_or_insert_with(Default::default);
+                d.pre_copied += 1;
+                d.blocks += pre.hashes.len() as u64;
+                d.changed_blocks += changed.len() as u64;
+                d.changed_bytes += changed
+                    .iter()
+                    .map(|&i| {
+                        let start = i * super::precopy::BLOCK;
+                        (pre.buf.len().min(start + super::precopy::BLOCK) - start) as u64
+                    })
+                    .sum::<u64>();
+                let recipe = match pre.recipe {
+                    Some(r) if changed.is_empty() && r.name == name && all_stored(&store, &r) => r,
+                    _ => writer
+                        .put_bytes(&name, &pre.buf)
+                        .map_err(|e| CaptureError::Put {
+                            va: l.va,
+                            source: Box::new(e),
+                        })?,
+                };
+                (recipe, Some(pre.buf))
+            }
+            super::precopy::Prior::None => {
+                let dev = split.device(&l.backend, l.ordinal)?;
+                let mut buf =
+                    dev.host_buffer(l.size as usize)
+                        .map_err(|source| CaptureError::Buffer {
+                            va: l.va,
+                            size: l.size,
+                            source,
+                        })?;
+                dev.read_fd(l.fd.try_clone().map_err(CaptureError::Dup)?, &mut buf)
+                    .map_err(|source| CaptureError::Read { va: l.va, source })?;
+                let recipe = writer
+                    .put_bytes(&name, &buf)
+                    .map_err(|e| CaptureError::Put {
+                        va: l.va,
+                        source: Box::new(e),
+                    })?;
+                if let Some(d) = delta.as_mut() {
+                    d.copied_in_stop += 1;
+                    d.changed_bytes += l.size;
+                }
+                (recipe, Some(buf))
+            }
+        };
         let why = read_only_reason(&l, &recipe.blake3, earlier);
         let entry = SegmentEntry {
             va: l.va,
@@ -231,17 +354,19 @@ pub fn store_all(
             blake3: recipe.blake3.clone(),
         };
         bytes += l.size;
-        let inserted = lock(&split.host_cache).insert(
-            &crate::tenant::scoped_key(tenant, &entry.blake3),
-            std::sync::Arc::new(std::sync::Mutex::new(buf)),
-            l.size,
-        );
-        if inserted.is_none() {
-            tracing::debug!(
-                va = l.va,
-                size = l.size,
-                "segment larger than the host cache"
+        if let Some(buf) = cached {
+            let inserted = lock(&split.host_cache).insert(
+                &crate::tenant::scoped_key(tenant, &entry.blake3),
+                std::sync::Arc::new(std::sync::Mutex::new(buf)),
+                l.size,
             );
+            if inserted.is_none() {
+                tracing::debug!(
+                    va = l.va,
+                    size = l.size,
+                    "segment larger than the host cache"
+                );
+            }
         }
         entries.push(entry);
         recipes.push(recipe);
@@ -267,7 +392,14 @@ pub fn store_all(
         segments: entries,
         bytes,
         new_bytes,
+        delta,
     })
+}
+
+/// Every chunk of `recipe` is in `store` (checked under a writer, which holds GC off until its
+/// commit, so they stay).
+pub(crate) fn all_stored(store: &torpor_image::store::ChunkStore, recipe: &Recipe) -> bool {
+    recipe.chunks.iter().all(|c| store.contains(&c.id))
 }
 
 /// Why hashing or storing a worker's segments failed (at a deploy or a hibernation; the

@@ -63,6 +63,39 @@ pub trait SegmentDevice: Send + Sync {
     /// Copies the first `out.len()` bytes of `memory` (made by this device) into `out`: the
     /// contents of an instance's writable segment, saved while its GPU is released.
     fn read_memory(&self, memory: &Memory, out: &mut [u8]) -> Result<(), DeviceError>;
+
+    /// The memory behind `fd` (a worker's segment of `out.len()` bytes), block by block of
+    /// `block` bytes: each block whose BLAKE3 hash is not `hashes[i]` is copied into `out` at its
+    /// place; returns the indices of those blocks. `out` held the segment's contents when
+    /// `hashes` were taken (a pre-copy), so afterwards it holds them as they are now. Each block
+    /// goes through the device's host staging and is hashed on the CPU (no hashing kernel on
+    /// the GPU yet: docs/checkpoints.md).
+    fn refresh_fd(
+        &self,
+        fd: OwnedFd,
+        block: usize,
+        hashes: &[[u8; 32]],
+        out: &mut [u8],
+    ) -> Result<Vec<usize>, DeviceError>;
+
+    /// [`SegmentDevice::refresh_fd`] on `memory` (made by this device).
+    fn refresh_memory(
+        &self,
+        memory: &Memory,
+        block: usize,
+        hashes: &[[u8; 32]],
+        out: &mut [u8],
+    ) -> Result<Vec<usize>, DeviceError>;
+
+    /// Copies the blocks `blocks` (indices of `block`-byte blocks) of `src` into `memory` (made
+    /// by this device, writable), at the same places.
+    fn write_blocks(
+        &self,
+        memory: &Memory,
+        src: &[u8],
+        block: usize,
+        blocks: &[usize],
+    ) -> Result<(), DeviceError>;
 }
 
 /// [`SegmentDevice`] over a `torpor-device` backend, with its PCIe scheduler.
@@ -206,6 +239,115 @@ where
         )?;
         self.device.copy_to_host(w.at, out)
     }
+
+    fn refresh_fd(
+        &self,
+        fd: OwnedFd,
+        block: usize,
+        hashes: &[[u8; 32]],
+        out: &mut [u8],
+    ) -> Result<Vec<usize>, DeviceError> {
+        let memory = self.device.import(fd, out.len())?;
+        self.refresh(&memory, block, hashes, out)
+    }
+
+    fn refresh_memory(
+        &self,
+        memory: &Memory,
+        block: usize,
+        hashes: &[[u8; 32]],
+        out: &mut [u8],
+    ) -> Result<Vec<usize>, DeviceError> {
+        self.refresh(self.memory(memory), block, hashes, out)
+    }
+
+    fn write_blocks(
+        &self,
+        memory: &Memory,
+        src: &[u8],
+        block: usize,
+        blocks: &[usize],
+    ) -> Result<(), DeviceError> {
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let block = block.max(1);
+        // Not through the fair PCIe scheduler: these are a migration's changed blocks, copied
+        // inside its stop, where every millisecond is the instance's downtime.
+        let w = Window::map(
+            &self.device,
+            self.memory(memory),
+            src.len(),
+            Access::ReadWrite,
+        )?;
+        for &i in blocks {
+            let start = i * block;
+            if start >= src.len() {
+                continue;
+            }
+            let end = src.len().min(start + block);
+            self.device
+                .copy_to_device(w.at + start as u64, &src[start..end])?;
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> Backend<D>
+where
+    D::Memory: 'static,
+{
+    /// See [`SegmentDevice::refresh_fd`]. The memory is copied to the host [`REFRESH_BLOCKS`]
+    /// blocks at a time and each batch's blocks are hashed on all cores.
+    fn refresh(
+        &self,
+        memory: &D::Memory,
+        block: usize,
+        hashes: &[[u8; 32]],
+        out: &mut [u8],
+    ) -> Result<Vec<usize>, DeviceError> {
+        use rayon::prelude::*;
+        let block = block.max(1);
+        let len = out.len();
+        let w = Window::map(&self.device, memory, len, Access::ReadOnly)?;
+        let batch = block.saturating_mul(REFRESH_BLOCKS).min(len).max(1);
+        // Pageable: pinning 64 MiB (~40 ms on the H100) would cost more than the device's own
+        // pinned staging does, in the stop.
+        let mut staging = vec![0u8; batch];
+        let mut changed = Vec::new();
+        let mut at = 0usize;
+        while at < len {
+            let n = batch.min(len - at);
+            self.device
+                .copy_to_host(w.at + at as u64, &mut staging[..n])?;
+            let first = at / block;
+            let found: Vec<usize> = staging[..n]
+                .par_chunks(block)
+                .enumerate()
+                .filter(|(i, b)| hashes.get(first + i) != Some(blake3::hash(b).as_bytes()))
+                .map(|(i, _)| first + i)
+                .collect();
+            for &i in &found {
+                let start = i * block;
+                let end = len.min(start + block);
+                out[start..end].copy_from_slice(&staging[start - at..end - at]);
+            }
+            changed.extend(found);
+            at += n;
+        }
+        Ok(changed)
+    }
+}
+
+/// Blocks a refresh copies to the host at once (32 × 2 MiB = 64 MiB of staging).
+pub const REFRESH_BLOCKS: usize = 32;
+
+/// The BLAKE3 hash of each `block`-byte block of `data` (the last may be shorter), in order.
+pub fn block_hashes(data: &[u8], block: usize) -> Vec<[u8; 32]> {
+    use rayon::prelude::*;
+    data.par_chunks(block.max(1))
+        .map(|b| *blake3::hash(b).as_bytes())
+        .collect()
 }
 
 #[cfg(test)]
@@ -240,6 +382,61 @@ mod tests {
             .downcast_ref::<torpor_device::host::HostMemory>()
             .unwrap();
         assert!(torpor_device::PhysicalMemory::is_sealed(sealed));
+    }
+
+    #[test]
+    fn refresh_copies_only_the_blocks_that_changed() {
+        let dev = Backend::new(
+            HostDevice::new(),
+            Pcie::new("host", Default::default(), None),
+        );
+        let page = 4096;
+        let mut data: Vec<u8> = (0..4 * page).map(|i| (i % 249) as u8).collect();
+        let m = dev.fill_from_bytes(&data, false).unwrap();
+        let mut copy = dev.host_buffer(data.len()).unwrap();
+        dev.read_memory(&m, &mut copy).unwrap();
+        let hashes = block_hashes(&copy, page);
+        assert_eq!(hashes.len(), 4);
+        // Nothing written: nothing copied.
+        let none = dev
+            .refresh_fd(dev.export(&m).unwrap(), page, &hashes, &mut copy)
+            .unwrap();
+        assert!(none.is_empty(), "{none:?}");
+        // One byte of the third block written through another mapping of the memory.
+        data[2 * page + 17] ^= 0xff;
+        let changed = dev.fill_from_bytes(&data, false).unwrap();
+        let found = dev
+            .refresh_fd(dev.export(&changed).unwrap(), page, &hashes, &mut copy)
+            .unwrap();
+        assert_eq!(found, vec![2]);
+        assert!(copy[..] == data[..], "the refreshed copy differs");
+    }
+
+    #[test]
+    fn refresh_finds_changes_in_every_batch_and_in_a_short_last_block() {
+        let dev = Backend::new(
+            HostDevice::new(),
+            Pcie::new("host", Default::default(), None),
+        );
+        let page = 4096;
+        // More blocks than one batch, the last one short (memory is whole pages).
+        let block = 3 * page;
+        let blocks = REFRESH_BLOCKS + 8;
+        let len = blocks * block - page;
+        let mut data: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+        let mut copy = data.clone();
+        let hashes = block_hashes(&copy, block);
+        for i in [0, REFRESH_BLOCKS - 1, REFRESH_BLOCKS + 3] {
+            data[i * block + 5] ^= 0x5a;
+        }
+        data[len - 1] ^= 0x5a;
+        let m = dev.fill_from_bytes(&data, false).unwrap();
+        let found = dev.refresh_memory(&m, block, &hashes, &mut copy).unwrap();
+        assert_eq!(
+            found,
+            vec![0, REFRESH_BLOCKS - 1, REFRESH_BLOCKS + 3, blocks - 1]
+        );
+        assert!(copy == data, "the refreshed copy differs");
     }
 
     /// The cuda backend's path (import, map read-only, device→host through pinned staging on

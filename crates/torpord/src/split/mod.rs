@@ -11,7 +11,9 @@
 //! | [`capture`] | quiesce with `split`, hash, store, release |
 //! | [`cache`] | the byte-bounded LRU of the host and GPU caches |
 //! | [`server`] | filling segments for a restore; shared read-only copies |
+//! | [`migrate`] | an instance's segments copied to another device while it serves, the changed blocks in the stop |
 //! | [`pcie`] | the fair PCIe scheduler every host→device copy of a device goes through |
+//! | [`precopy`] | a concurrent hibernation: segments copied while the instance serves, the changed blocks in the stop |
 //! | [`release`] | an instance's segments across gpu_released: saved, given back, filled again |
 //!
 //! The chunk store is `<state>/chunks`; a snapshot's record there is named by the snapshot id,
@@ -23,7 +25,9 @@ pub mod capture;
 pub mod device;
 pub mod fds;
 pub mod index;
+pub mod migrate;
 pub mod pcie;
+pub mod precopy;
 pub mod release;
 pub mod server;
 

@@ -57,6 +57,20 @@ impl InstanceSegments {
         }
     }
 
+    /// Segments whose memory the daemon holds (`leases[i]` for `plan[i]`), not handed over yet:
+    /// a migration's new memory, mapped with `map` frames from these handles.
+    pub fn held(plan: Arc<Vec<Planned>>, leases: super::server::Leases) -> Self {
+        Self {
+            plan,
+            held: Held::Mapped(leases),
+        }
+    }
+
+    /// Bytes of its segments.
+    pub fn bytes(&self) -> u64 {
+        self.plan.iter().map(|(e, _)| e.size).sum()
+    }
+
     /// The daemon's handle on the next segment handed over (in plan order).
     pub fn push(&mut self, lease: Lease) {
         if let Held::Mapped(leases) = &mut self.held {
@@ -77,6 +91,11 @@ impl InstanceSegments {
     /// No segments from the restore server.
     pub fn is_empty(&self) -> bool {
         self.plan.is_empty()
+    }
+
+    /// The worker maps segments the daemon holds a handle on (a pre-copy can read them).
+    pub fn is_held(&self) -> bool {
+        !self.plan.is_empty() && matches!(self.held, Held::Mapped(_))
     }
 
     /// Given back: the worker has no memory behind its segments until they are handed over.

@@ -55,6 +55,13 @@ pub struct SharedCopy {
     gauge: prometheus::IntGauge,
 }
 
+impl SharedCopy {
+    /// Its memory (read to move it to another device, crate::split::migrate).
+    pub(crate) fn memory(&self) -> &Arc<Memory> {
+        &self.memory
+    }
+}
+
 impl std::fmt::Debug for SharedCopy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SharedCopy")

@@ -151,8 +151,21 @@ impl Runtime {
         if handing.count() > 0 {
             let (mapping, done) = crate::split::server::Mapping::new(hello, handing.count());
             *lock(&inst.mapping) = Some(mapping);
-            *lock(&inst.segments) =
-                crate::split::release::InstanceSegments::handing(handing.plan());
+            let plan = handing.plan();
+            // A hibernation of a migrated instance: its CUDA state and segments are on the GPU
+            // the migration moved it to (workers start on their ordinal 0; crate::runtime::migrate).
+            if let Some(d) = plan
+                .iter()
+                .find(|(e, _)| e.backend == "cuda" && e.ordinal > 0)
+                .map(|(e, _)| e.ordinal)
+            {
+                inst.gpu.store(
+                    u32::try_from(d).unwrap_or(0),
+                    std::sync::atomic::Ordering::SeqCst,
+                );
+                inst.swap_gpus(0, d);
+            }
+            *lock(&inst.segments) = crate::split::release::InstanceSegments::handing(plan);
             let rt = Arc::clone(self);
             let what = format!("an instance restored from {}", from.display());
             let function_snapshot = sleeper.is_none();
