@@ -61,7 +61,13 @@ def request(
     try:
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
-        conn.request(method, path, body=data, headers=headers)
+        try:
+            conn.request(method, path, body=data, headers=headers)
+        except (BrokenPipeError, ConnectionResetError):
+            # http.client writes the head and the body apart; the daemon may answer (an error:
+            # no such route or function) from the head alone and close before the body lands.
+            # Its answer is still there to read; if there is none, getresponse says so.
+            pass
         r = conn.getresponse()
         return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
     finally:

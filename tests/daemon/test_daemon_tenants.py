@@ -63,7 +63,10 @@ def tcp(d: Torpord, token: str, method: str, path: str, body: Any = None, timeou
     try:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-        conn.request(method, path, body=data, headers=headers)
+        try:
+            conn.request(method, path, body=data, headers=headers)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # answered from the head alone (a refusal) before the body landed: read it
         r = conn.getresponse()
         text = r.read().decode()
         if r.getheader("content-type", "").startswith("application/x-ndjson"):

@@ -143,6 +143,13 @@ impl LazyRestore {
     /// Waits until the daemon has served every page and exited, and reaps it. When it failed,
     /// the restored tree (which may miss memory) is killed and its logs are kept.
     pub fn finish(self) -> Result<(), RestoreError> {
+        self.finish_or(|_| {})
+    }
+
+    /// [`finish`](Self::finish), but a failure is handed to `failed` before the tree is
+    /// killed: a caller that also watches the tree (a daemon reading its worker's connection)
+    /// records the cause first, instead of learning only that the worker died.
+    pub fn finish_or(self, failed: impl FnOnce(&RestoreError)) -> Result<(), RestoreError> {
         let Some(mut daemon) = self.server().take() else {
             return Ok(());
         };
@@ -154,10 +161,12 @@ impl LazyRestore {
                 Ok(())
             }
             Err(source) => {
+                let e = RestoreError::LazyPages { source };
+                failed(&e);
                 kill_every_task(self.root);
                 // Only now may the uffds go: a task still alive would fault in zeros.
                 drop(hold);
-                Err(RestoreError::LazyPages { source })
+                Err(e)
             }
         }
     }

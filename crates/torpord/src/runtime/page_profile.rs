@@ -147,7 +147,7 @@ pub async fn record(
     // The tree is thrown away: the server sees its tasks go, writes the profile and ends.
     torpor_snapshot::restore::kill_every_task(tree.init);
     drop(guard);
-    let served = match pages.finish_in_background().await {
+    let served = match pages.finish_in_background(|_| {}).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(ProfileError::Pages(e.to_string())),
         Err(_) => Err(ProfileError::Pages("the task reaping it ended".into())),

@@ -62,14 +62,17 @@ pub struct PendingPages {
 
 impl PendingPages {
     /// Reaps the daemon on a blocking thread once it has served every page; the answer says
-    /// whether it did (if not, the tree was killed).
+    /// whether it did (if not, the tree was killed). A failure is first handed to `failed`, on
+    /// that thread, before the tree is killed: the instance's removal names the cause rather
+    /// than a worker that died.
     pub fn finish_in_background(
         mut self,
+        failed: impl FnOnce(&torpor_snapshot::restore::RestoreError) + Send + 'static,
     ) -> oneshot::Receiver<Result<(), torpor_snapshot::restore::RestoreError>> {
         let (tx, rx) = oneshot::channel();
         let (lazy, staged) = (self.lazy.take(), self.staged.take());
         tokio::task::spawn_blocking(move || {
-            let served = lazy.map_or(Ok(()), |l| l.finish());
+            let served = lazy.map_or(Ok(()), |l| l.finish_or(failed));
             let _ = tx.send(served);
             // The staged copy may go now: every page was read.
             drop(staged);

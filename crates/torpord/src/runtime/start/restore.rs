@@ -15,7 +15,7 @@ use crate::runtime::invoke::Timings;
 use crate::runtime::lifecycle::RemoveWhenDone;
 use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::pool::FnInfo;
-use crate::runtime::process::{restore_with, HowToRestore, PendingPages, RestoredTree};
+use crate::runtime::process::{restore_with, HowToRestore, RestoredTree};
 use crate::runtime::start::{NewInstance, StartError, RESTORE_PAUSE};
 use crate::runtime::Runtime;
 use crate::sync::lock;
@@ -177,10 +177,16 @@ impl Runtime {
                 drop(reading);
             });
         }
-        if let Some(served) = pages.map(PendingPages::finish_in_background) {
-            // A page the lazy-pages daemon failed to serve may be missing: the tree was killed.
+        if let Some(pages) = pages {
+            // A page the lazy-pages daemon failed to serve may be missing: the instance is
+            // removed with the cause, then the tree is killed (in that order, or the worker's
+            // closed connection would remove it first as a crash).
             inst.pages_pending.store(true, Ordering::SeqCst);
             let (rt, inst) = (Arc::clone(self), Arc::clone(&inst));
+            let served = pages.finish_in_background({
+                let (rt, inst) = (Arc::clone(&rt), Arc::clone(&inst));
+                move |e| rt.remove_instance(&inst, &format!("its lazy pages failed: {e}"), true)
+            });
             let reading = hibernation.clone();
             let mark = served_mark;
             tokio::spawn(async move {
@@ -189,9 +195,8 @@ impl Runtime {
                 drop(mark);
                 match served {
                     Ok(Ok(())) => inst.pages_pending.store(false, Ordering::SeqCst),
-                    Ok(Err(e)) => {
-                        rt.remove_instance(&inst, &format!("its lazy pages failed: {e}"), true)
-                    }
+                    // Removed already, before its tree was killed.
+                    Ok(Err(_)) => {}
                     Err(_) => rt.remove_instance(
                         &inst,
                         "its lazy pages daemon was lost (the task reaping it ended)",
