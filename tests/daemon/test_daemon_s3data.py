@@ -243,3 +243,42 @@ def test_a_memfd_setup_keeps_open_travels_in_the_snapshot(node: Torpord, seaweed
     r = node.invoke("edas-open", {})
     assert r.status == 200 and r.start == "restored", (r.status, r.body, node.log_text())
     assert r.json() == {"tail": "end"}, r.body
+
+
+SANDBOXED = "[scaling]\nsandbox = true\n"
+
+PLAIN_HANDLER = '''
+import torpor
+
+
+@torpor.function
+class G:
+    def setup(self):
+        pass
+
+    def __call__(self, request):
+        return {"plain": True}
+'''
+
+
+def test_a_sandbox_member_gets_its_data_again_when_a_newcomer_loads_it(node: Torpord, seaweed: Seaweed, tmp_path: Path) -> None:
+    """A sandboxed function that declares data from the object store, deployed first; a second
+    function of its group deployed after it loads it next to itself, running its setup() again,
+    which reads the data: the daemon fetches it for that load too. Both then answer from one
+    sandbox, the first with its object's bytes."""
+    upload(seaweed)
+    first = function_dir(tmp_path, "edas-sb-data", data_entries() + SANDBOXED)
+    node.deploy(first)
+    second = tmp_path / "edas-sb-plain"
+    second.mkdir()
+    (second / "torpor.toml").write_text(f'name = "edas-sb-plain"\nentry = "handler:G"\ntimeout_s = 30\n{SANDBOXED}')
+    (second / "handler.py").write_text(PLAIN_HANDLER)
+    node.deploy(second)
+    a = node.invoke("edas-sb-data", {})
+    assert a.status == 200, (a.status, a.body, node.log_text())
+    assert a.json()["sha"] == hashlib.sha256(WEIGHTS).hexdigest() and a.json()["readonly"].startswith("refused"), a.body
+    b = node.invoke("edas-sb-plain", {})
+    assert b.status == 200 and b.json() == {"plain": True}, (b.status, b.body)
+    # One sandbox serves both: the group's host holds the two functions.
+    (host,) = node.instances("edas-sb-plain") or node.instances("edas-sb-data")
+    assert host["pid"], host

@@ -74,6 +74,13 @@ pub enum LoadMembersError {
         #[source]
         source: ConnError,
     },
+    /// A member's platform-loaded data could not be loaded (crate::s3data).
+    #[error("cannot load the data of {function} for the sandbox: {source}")]
+    Data {
+        function: String,
+        #[source]
+        source: crate::s3data::DataError,
+    },
     /// A member did not load.
     #[error(
         "function {function} of the same sandbox did not load next to this one: {source}; \
@@ -119,18 +126,27 @@ pub(crate) async fn load_members(
     let mut loaded = Vec::new();
     for m in others {
         let dir = m.dir.clone();
+        let data = |source| LoadMembersError::Data {
+            function: m.name.clone(),
+            source,
+        };
+        // Its platform-loaded data, as its own start would have it (a member whose setup()
+        // reads `torpor.load` would otherwise fail here, failing the newcomer's deploy).
+        let loading = crate::s3data::start_loading(rt.objstore.clone(), &m.spec).map_err(data)?;
         crate::function_mounts::bind_function_dir(init, &dir, unprivileged)
             .await
             .map_err(|source| LoadMembersError::Bind {
                 function: m.name.clone(),
                 source,
             })?;
-        conn.send(&load_frame(&m.spec, &dir))
-            .await
-            .map_err(|source| LoadMembersError::Send {
-                function: m.name.clone(),
-                source,
-            })?;
+        let (fds, _) = crate::s3data::finish_loading(loading).await.map_err(data)?;
+        let send = |source| LoadMembersError::Send {
+            function: m.name.clone(),
+            source,
+        };
+        conn.send(&load_frame(&m.spec, &dir)).await.map_err(send)?;
+        crate::s3data::send_fds(conn, &fds).await.map_err(send)?;
+        drop(fds);
         ready(conn, bound)
             .await
             .map_err(|source| LoadMembersError::Load {
