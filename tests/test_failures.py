@@ -337,3 +337,26 @@ def test_dump_that_fills_the_disk_rolls_back(
         assert_no_snapshot(out)
         assert fs_entries(small) == ["filler"]
     assert fake_calls(log, w.child_pid) == ["lock", "checkpoint", "restore", "unlock"], fake_log(log)
+
+
+def test_a_rollback_that_fails_says_both_errors_and_the_process_fate(
+    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """CRIU fails after the driver checkpoint (a descriptor it cannot dump), and the driver then
+    refuses the rollback's restore (CUDA_ERROR_OUT_OF_MEMORY, as when the GPU filled meanwhile):
+    one line with CRIU's failure, the rollback's, and what became of the process; no snapshot."""
+    w = workers.server(load_lib=fake_cuda.lib)
+    source = make_source(w)
+    give_host_fd(source, tmp_path)
+    log, state = tmp_path / "fake-cuda.log", tmp_path / "state"
+    env = fake_cuda.env(fake_cuda.lib, [w.child_pid], log, state, FAKE_CUDA_RESTORE_RESULT="2")
+    out = tmp_path / "out"
+    line = torpor.fails("snapshot", "--pid", source.worker.init_pid, "--out", out, env=env)
+    assert "rolling back failed as well" in line, line
+    assert "criu" in line.lower() and "restore" in line.lower(), line
+    # The fate of the process the driver could not restore: it is alive, still checkpointed.
+    assert re.search(rf"pid {w.child_pid} is in state [RSD]\b", line), line
+    assert "check it, or kill it" in line, line
+    assert fake_calls(log, w.child_pid)[:3] == ["lock", "checkpoint", "restore=2"], fake_log(log)
+    assert fake_state(state, w.child_pid) == "checkpointed", fake_log(log)
+    assert_no_snapshot(out)
