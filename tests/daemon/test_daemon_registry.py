@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
+import re
 import signal
 import sqlite3
 import subprocess
@@ -63,10 +65,10 @@ def truncate(db: Path) -> None:
 
 
 def garbage(db: Path) -> None:
-    """Random bytes over every page but the header's."""
+    """Random bytes over every page but the header's (seeded: the same damage every run)."""
     with open(db, "r+b") as f:
         f.seek(4096)
-        f.write(os.urandom(db.stat().st_size - 4096))
+        f.write(random.Random(0).randbytes(db.stat().st_size - 4096))
 
 
 def not_a_database(db: Path) -> None:
@@ -101,7 +103,8 @@ def impossible_pid(db: Path) -> None:
 
 CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "truncated": (truncate, "database disk image is malformed"),
-    "garbage": (garbage, "quick_check"),
+    # Either SQLite's quick_check finds it, or (the schema spanning a damaged page) the open.
+    "garbage": (garbage, "quick_check|database disk image is malformed"),
     "not_a_database": (not_a_database, "file is not a database"),
     # SQLite's quick_check re-checks the schema's CHECK constraints.
     "impossible_stage": (impossible_stage, "CHECK constraint failed in instances"),
@@ -124,7 +127,7 @@ def test_a_damaged_registry_refuses_to_start_and_is_left_alone(torpor_bin: Path,
     assert len(lines) == 1, r.stderr
     line = lines[0]
     assert f"registry {made} is damaged" in line, line
-    assert cause in line, line
+    assert re.search(cause, line), line
     assert FIX in line, line
     assert digest(made) == before, "the damaged registry was changed"
     # The same on every start: nothing was repaired or reset meanwhile.

@@ -327,7 +327,7 @@ fn path_name() -> impl Strategy<Value = String> {
 
 /// One request: a route, a name in its path, a (mutated) body.
 fn api_request() -> impl Strategy<Value = (usize, String, Vec<u8>)> {
-    (0usize..8, path_name(), mutated(seeds("bodies")))
+    (0usize..15, path_name(), mutated(seeds("bodies")))
 }
 
 fn render((route, name, body): &(usize, String, Vec<u8>)) -> Vec<u8> {
@@ -342,6 +342,13 @@ fn render((route, name, body): &(usize, String, Vec<u8>)) -> Vec<u8> {
             format!("/v1/functions/{name}/logs?instance={name}&lines=5"),
         ),
         6 => ("GET", format!("/v1/functions/{name}/logs?lines={name}")),
+        7 => ("POST", format!("/v1/functions/{name}/pull")),
+        8 => ("POST", format!("/v1/functions/{name}/push")),
+        9 => ("GET", format!("/v1/functions/{name}/placement")),
+        10 => ("POST", "/v1/workflows".to_string()),
+        11 => ("POST", format!("/v1/workflows/{name}/invoke")),
+        12 => ("DELETE", format!("/v1/workflows/{name}")),
+        13 => ("POST", format!("/v1/instances/{name}/migrate")),
         _ => ("PUT", format!("/v1/{name}")),
     };
     let mut raw = format!(
@@ -375,15 +382,16 @@ fn fuzz_daemon_api() {
             if status == 400 && !head.to_ascii_lowercase().contains("content-type") {
                 return Ok(());
             }
-            // A name that could walk a path or is no name is refused as such (routes 1 to 6
-            // take a function name; 0 and 7 do not).
+            // A name that could walk a path or is no name is refused as such (routes 1 to 9
+            // take a function name; the workflow and instance routes refuse it their own way,
+            // checked by the rules below: no 5xx, one JSON error line).
             let (route, name, _) = &req;
             let walks = name.starts_with('.')
                 || name.starts_with("%2e")
                 || ["%2F", "%2f", "%00", "%ff"]
                     .iter()
                     .any(|t| name.contains(t));
-            if (1..=6).contains(route) && walks {
+            if (1..=9).contains(route) && walks {
                 prop_assert!(
                     status == 400 && body.contains("not a function name"),
                     "{name:?} on route {route}: {text}"
