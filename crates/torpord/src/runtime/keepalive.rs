@@ -376,18 +376,7 @@ impl Runtime {
             }
         };
         drop(replies);
-        if answer.get("ok").and_then(serde_json::Value::as_bool) != Some(true) {
-            let message = answer
-                .get("error")
-                .and_then(|e| e.get("message"))
-                .and_then(serde_json::Value::as_str)
-                .unwrap_or("no reason given")
-                .to_string();
-            let released: std::collections::HashSet<u64> = answer
-                .get("released")
-                .and_then(serde_json::Value::as_array)
-                .map(|v| v.iter().filter_map(serde_json::Value::as_u64).collect())
-                .unwrap_or_default();
+        if let Some((message, released)) = unmap_refused(&answer) {
             drop(leases);
             self.map_segments_back(inst, Some(&released)).await?;
             return Err(ReleaseGpuError::UnmapRefused { message });
@@ -1019,6 +1008,28 @@ impl Drop for ForwardedReplies<'_> {
     fn drop(&mut self) {
         lock(&self.inst.segment_replies).take();
     }
+}
+
+/// A worker's answer to `unmap` that is a refusal: its message and the segments it had
+/// released before it refused (to be mapped back); `None` when it unmapped them all.
+pub(crate) fn unmap_refused(
+    answer: &serde_json::Map<String, serde_json::Value>,
+) -> Option<(String, std::collections::HashSet<u64>)> {
+    if answer.get("ok").and_then(serde_json::Value::as_bool) == Some(true) {
+        return None;
+    }
+    let message = answer
+        .get("error")
+        .and_then(|e| e.get("message"))
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("no reason given")
+        .to_string();
+    let released = answer
+        .get("released")
+        .and_then(serde_json::Value::as_array)
+        .map(|v| v.iter().filter_map(serde_json::Value::as_u64).collect())
+        .unwrap_or_default();
+    Some((message, released))
 }
 
 fn sleeper_of(inst: &Instance, out: &Path) -> (String, String, PathBuf) {

@@ -732,18 +732,7 @@ impl Runtime {
             }
         };
         drop(replies);
-        if answer.get("ok").and_then(serde_json::Value::as_bool) != Some(true) {
-            let message = answer
-                .get("error")
-                .and_then(|e| e.get("message"))
-                .and_then(serde_json::Value::as_str)
-                .unwrap_or("no reason given")
-                .to_string();
-            let released: std::collections::HashSet<u64> = answer
-                .get("released")
-                .and_then(serde_json::Value::as_array)
-                .map(|v| v.iter().filter_map(serde_json::Value::as_u64).collect())
-                .unwrap_or_default();
+        if let Some((message, released)) = crate::runtime::keepalive::unmap_refused(&answer) {
             if let Err(e) = self.map_segments_back(inst, Some(&released)).await {
                 return Err((
                     format!("the worker refused unmap ({message}), and mapping back failed ({e})"),
