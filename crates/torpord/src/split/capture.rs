@@ -148,6 +148,21 @@ pub async fn segment_fds(
     Ok(out)
 }
 
+/// The whole of segment `l`, read into a host buffer of its device.
+fn read_whole(split: &Split, l: &Listed) -> Result<super::device::HostBuffer, CaptureError> {
+    let dev = split.device(&l.backend, l.ordinal)?;
+    let mut buf = dev
+        .host_buffer(l.size as usize)
+        .map_err(|source| CaptureError::Buffer {
+            va: l.va,
+            size: l.size,
+            source,
+        })?;
+    dev.read_fd(l.fd.try_clone().map_err(CaptureError::Dup)?, &mut buf)
+        .map_err(|source| CaptureError::Read { va: l.va, source })?;
+    Ok(buf)
+}
+
 /// The BLAKE3 hash of every listed segment's contents, by VA (blocking: copies every segment).
 pub fn hash_all(split: &Split, listed: &[Listed]) -> Result<HashMap<u64, String>, CaptureError> {
     let mut out = HashMap::new();
@@ -181,16 +196,7 @@ pub fn precopy_listed(
     let mut segments = Vec::with_capacity(listed.len());
     let mut bytes = 0;
     for l in listed {
-        let dev = split.device(&l.backend, l.ordinal)?;
-        let mut buf = dev
-            .host_buffer(l.size as usize)
-            .map_err(|source| CaptureError::Buffer {
-                va: l.va,
-                size: l.size,
-                source,
-            })?;
-        dev.read_fd(l.fd.try_clone().map_err(CaptureError::Dup)?, &mut buf)
-            .map_err(|source| CaptureError::Read { va: l.va, source })?;
+        let buf = read_whole(split, l)?;
         let recipe = writer
             .put_bytes(&index::recipe_name(l.va), &buf)
             .map_err(|e| CaptureError::Put {
@@ -316,16 +322,7 @@ pub fn store_all_with(
                 (recipe, Some(pre.buf))
             }
             super::precopy::Prior::None => {
-                let dev = split.device(&l.backend, l.ordinal)?;
-                let mut buf =
-                    dev.host_buffer(l.size as usize)
-                        .map_err(|source| CaptureError::Buffer {
-                            va: l.va,
-                            size: l.size,
-                            source,
-                        })?;
-                dev.read_fd(l.fd.try_clone().map_err(CaptureError::Dup)?, &mut buf)
-                    .map_err(|source| CaptureError::Read { va: l.va, source })?;
+                let buf = read_whole(split, &l)?;
                 let recipe = writer
                     .put_bytes(&name, &buf)
                     .map_err(|e| CaptureError::Put {
