@@ -17,9 +17,10 @@
 //!    does not offer).
 //! 2. [`RunningRestoreThread`]: the driver's restore thread of each stopped process
 //!    (`cuCheckpointProcessGetRestoreThreadId`) is seized with ptrace and let run alone, signals
-//!    blocked but `SIGTRAP` (as the plugin does), for the driver's restore and unlock; then it is
-//!    stopped again, its signal mask put back, and released into the group stop. [`resume`]
-//!    then continues the processes.
+//!    blocked but `SIGTRAP` (as the plugin does), for the driver's restore and unlock; a tracer
+//!    thread of its own continues it from any stop it meets meanwhile (the group stop can reach
+//!    it late); then it is stopped again, its signal mask put back, and released into the group
+//!    stop. [`resume`] then continues the processes.
 //!
 //! The ptrace steps follow the kernel's rules for a thread already in group-stop: `PTRACE_SEIZE`
 //! turns its stop into a ptrace group-stop trap (reported by `waitpid` as `PTRACE_EVENT_STOP`),
@@ -45,9 +46,6 @@ pub enum RestoreThreadError {
     )]
     Exited { pid: i32, tid: i32 },
 }
-
-/// How many 1 ms polls [`RunningRestoreThread::start`] watches for a late group-stop trap.
-const SETTLE_POLLS: u32 = 5;
 
 /// Sends `SIGSTOP` to each of `pids` (their whole thread groups).
 pub fn stop(pids: &[i32]) {
@@ -88,40 +86,127 @@ pub fn resume(pids: &[i32]) {
 /// The kernel's signal set as ptrace's GETSIGMASK/SETSIGMASK read and write it (64 signals).
 type SigSet = u64;
 
+/// How often the tracer looks for a stop of the thread it lets run (and for its release).
+const TRACER_POLL: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// The driver's restore thread of a stopped process, running alone while this lives; dropping
 /// it stops the thread again, puts its signal mask back and releases it into the group stop.
+///
+/// ptrace belongs to the thread that seized: a tracer thread of its own holds the restore
+/// thread for as long as this lives and lets it go on from every stop it meets meanwhile. A
+/// group stop reaches a thread when it next leaves the kernel, which under load can be long
+/// after the seize: on the H100 (2026-11-24, a burst of 8 restores, `scripts/stuck-dump.sh`)
+/// one restore thread met it after the 5 ms that the seizing thread used to watch, stayed in
+/// its ptrace stop (`t`) and the driver's restore waited for it for ever.
 pub struct RunningRestoreThread {
-    pid: i32,
-    tid: i32,
-    saved_mask: SigSet,
+    release: Option<std::sync::mpsc::Sender<()>>,
+    tracer: Option<std::thread::JoinHandle<()>>,
 }
 
 impl RunningRestoreThread {
     /// Seizes thread `tid` of the stopped process `pid` and lets it run, every signal but
     /// `SIGTRAP` blocked so that nothing else the process has pending runs on it meanwhile.
     pub fn start(pid: i32, tid: i32) -> Result<Self, RestoreThreadError> {
-        let fail = |step, source| RestoreThreadError::Ptrace {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let tracer = std::thread::Builder::new()
+            .name(format!("restore-thread-{tid}"))
+            .spawn(move || {
+                let mut traced = match Traced::seize(pid, tid) {
+                    Ok(t) => {
+                        let _ = ready_tx.send(Ok(()));
+                        t
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                // Until released (or the owner is gone): on from every stop.
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    released.recv_timeout(TRACER_POLL)
+                {
+                    if traced.go_on_from_stops().is_err() {
+                        break;
+                    }
+                }
+                traced.release();
+            })
+            .map_err(|source| RestoreThreadError::Ptrace {
+                step: "spawning the tracer thread",
+                pid,
+                tid,
+                source,
+            })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(Self {
+                release: Some(release),
+                tracer: Some(tracer),
+            }),
+            Ok(Err(e)) => {
+                let _ = tracer.join();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = tracer.join();
+                Err(RestoreThreadError::Exited { pid, tid })
+            }
+        }
+    }
+}
+
+impl Drop for RunningRestoreThread {
+    fn drop(&mut self) {
+        if let Some(release) = self.release.take() {
+            let _ = release.send(());
+        }
+        if let Some(tracer) = self.tracer.take() {
+            let _ = tracer.join();
+        }
+    }
+}
+
+/// The restore thread as its tracer thread holds it.
+struct Traced {
+    pid: i32,
+    tid: i32,
+    saved_mask: SigSet,
+    /// It exited: nothing to put back.
+    gone: bool,
+    /// A signal its stop was for, given back when it is let go.
+    pending: libc::c_int,
+}
+
+impl Traced {
+    fn fail(&self, step: &'static str, source: io::Error) -> RestoreThreadError {
+        RestoreThreadError::Ptrace {
             step,
-            pid,
-            tid,
+            pid: self.pid,
+            tid: self.tid,
             source,
-        };
-        // SAFETY: PTRACE_SEIZE takes no pointers; the kernel checks the permission.
-        check(unsafe { libc::ptrace(libc::PTRACE_SEIZE, tid, 0usize, 0usize) })
-            .map_err(|e| fail("ptrace(SEIZE)", e))?;
-        let mut me = RunningRestoreThread {
+        }
+    }
+
+    /// Seizes, blocks every signal but `SIGTRAP`, and continues it.
+    fn seize(pid: i32, tid: i32) -> Result<Self, RestoreThreadError> {
+        let mut me = Traced {
             pid,
             tid,
             saved_mask: 0,
+            gone: false,
+            pending: 0,
         };
+        // SAFETY: PTRACE_SEIZE takes no pointers; the kernel checks the permission.
+        check(unsafe { libc::ptrace(libc::PTRACE_SEIZE, tid, 0usize, 0usize) })
+            .map_err(|e| me.fail("ptrace(SEIZE)", e))?;
         // One in group-stop reports a trap of its own once seized; a running one (the process
-        // was not stopped after all) is interrupted. Either way exactly one stop is waited for.
+        // was not stopped yet) is interrupted. Either way exactly one stop is waited for.
         if !in_group_stop(pid, tid) {
             // SAFETY: PTRACE_INTERRUPT takes no pointers.
             check(unsafe { libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0usize, 0usize) })
-                .map_err(|e| fail("ptrace(INTERRUPT)", e))?;
+                .map_err(|e| me.fail("ptrace(INTERRUPT)", e))?;
         }
-        me.wait_trap()?;
+        me.wait_stop()?;
         // SAFETY: GETSIGMASK writes size_of::<SigSet>() bytes into `saved_mask`.
         check(unsafe {
             libc::ptrace(
@@ -131,7 +216,7 @@ impl RunningRestoreThread {
                 &mut me.saved_mask as *mut SigSet,
             )
         })
-        .map_err(|e| fail("ptrace(GETSIGMASK)", e))?;
+        .map_err(|e| me.fail("ptrace(GETSIGMASK)", e))?;
         let block: SigSet = !(1u64 << (libc::SIGTRAP - 1));
         // SAFETY: SETSIGMASK reads size_of::<SigSet>() bytes from `block`.
         check(unsafe {
@@ -142,52 +227,78 @@ impl RunningRestoreThread {
                 &block as *const SigSet,
             )
         })
-        .map_err(|e| fail("ptrace(SETSIGMASK)", e))?;
-        // SAFETY: PTRACE_CONT takes no pointers; signal 0 delivers nothing.
-        check(unsafe { libc::ptrace(libc::PTRACE_CONT, tid, 0usize, 0usize) })
-            .map_err(|e| fail("ptrace(CONT)", e))?;
-        // A thread seized before it took part in the group stop meets the stop right after
-        // (a ptrace group-stop trap): let it go on from that too.
-        for _ in 0..SETTLE_POLLS {
-            let mut status = 0;
-            // SAFETY: waitpid writes one int; WNOHANG returns at once.
-            let rc = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
-            if rc == tid && libc::WIFSTOPPED(status) {
-                // SAFETY: as above.
-                check(unsafe { libc::ptrace(libc::PTRACE_CONT, tid, 0usize, 0usize) })
-                    .map_err(|e| fail("ptrace(CONT)", e))?;
-            } else if rc == tid {
-                return Err(RestoreThreadError::Exited { pid, tid });
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+        .map_err(|e| me.fail("ptrace(SETSIGMASK)", e))?;
+        me.go_on()?;
         Ok(me)
     }
 
-    /// Waits for the thread's next ptrace stop.
-    fn wait_trap(&mut self) -> Result<(), RestoreThreadError> {
+    /// Waits for its next ptrace stop; keeps the signal of a signal-delivery stop.
+    fn wait_stop(&mut self) -> Result<(), RestoreThreadError> {
         match crate::sys::wait_tracee(self.tid) {
-            Ok(crate::sys::TraceeStop::Stopped { .. }) => Ok(()),
-            Ok(crate::sys::TraceeStop::Gone) => Err(RestoreThreadError::Exited {
-                pid: self.pid,
-                tid: self.tid,
-            }),
-            Err(source) => Err(RestoreThreadError::Ptrace {
-                step: "waitpid",
-                pid: self.pid,
-                tid: self.tid,
-                source,
-            }),
+            Ok(crate::sys::TraceeStop::Stopped { signal, event }) => {
+                self.note(signal, event);
+                Ok(())
+            }
+            Ok(crate::sys::TraceeStop::Gone) => {
+                self.gone = true;
+                Err(RestoreThreadError::Exited {
+                    pid: self.pid,
+                    tid: self.tid,
+                })
+            }
+            Err(source) => Err(self.fail("waitpid", source)),
         }
     }
-}
 
-impl Drop for RunningRestoreThread {
-    fn drop(&mut self) {
+    /// A stop for a signal (not a ptrace event) keeps that signal for when it goes on: the
+    /// `SIGSTOP` that starts the process's group stop, say, which must reach the other threads.
+    fn note(&mut self, signal: libc::c_int, event: libc::c_int) {
+        self.pending = if event == 0 && signal != libc::SIGTRAP {
+            signal
+        } else {
+            0
+        };
+    }
+
+    /// Continues it from its stop, with the signal the stop was for.
+    fn go_on(&mut self) -> Result<(), RestoreThreadError> {
+        let signal = std::mem::take(&mut self.pending);
+        // SAFETY: PTRACE_CONT takes no pointers; the signal is one the thread stopped for.
+        check(unsafe { libc::ptrace(libc::PTRACE_CONT, self.tid, 0usize, signal as usize) })
+            .map_err(|e| self.fail("ptrace(CONT)", e))
+    }
+
+    /// Continues it from any stop it met since (a group stop it reached late, a signal); an
+    /// error when it is gone.
+    fn go_on_from_stops(&mut self) -> Result<(), RestoreThreadError> {
+        loop {
+            let mut status = 0;
+            // SAFETY: waitpid writes one int; WNOHANG returns at once.
+            let rc = unsafe { libc::waitpid(self.tid, &mut status, libc::__WALL | libc::WNOHANG) };
+            if rc == self.tid && libc::WIFSTOPPED(status) {
+                self.note(libc::WSTOPSIG(status), status >> 16);
+                self.go_on()?;
+            } else if rc == self.tid {
+                self.gone = true;
+                return Err(RestoreThreadError::Exited {
+                    pid: self.pid,
+                    tid: self.tid,
+                });
+            } else {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Stops it again, puts its signal mask back and detaches into the group stop.
+    fn release(mut self) {
+        if self.gone {
+            return;
+        }
         // SAFETY: PTRACE_INTERRUPT takes no pointers; a thread that is gone makes it fail.
         let stopped = unsafe { libc::ptrace(libc::PTRACE_INTERRUPT, self.tid, 0usize, 0usize) }
             >= 0
-            && self.wait_trap().is_ok();
+            && self.wait_stop().is_ok();
         if stopped {
             // SAFETY: SETSIGMASK reads size_of::<SigSet>() bytes from `saved_mask`.
             unsafe {
@@ -200,7 +311,7 @@ impl Drop for RunningRestoreThread {
             };
         }
         // SAFETY: detaching takes no pointers; with the group stop in effect the thread stops.
-        unsafe { libc::ptrace(libc::PTRACE_DETACH, self.tid, 0usize, 0usize) };
+        unsafe { libc::ptrace(libc::PTRACE_DETACH, self.tid, 0usize, self.pending as usize) };
     }
 }
 
@@ -288,6 +399,54 @@ mod tests {
             }
         }
         wait_for("the restore thread to stop again", || {
+            thread_states(pid)
+                .iter()
+                .all(|(_, s)| *s == 'T' || *s == 't')
+        });
+        resume(&[pid]);
+        wait_for("every thread to run", || {
+            thread_states(pid).iter().all(|(_, s)| *s == 'R')
+        });
+        crate::sys::kill(pid, libc::SIGKILL);
+        let mut child = child;
+        let _ = child.wait();
+    }
+
+    /// The group stop reaches the seized thread long after the seize (what a burst of restores
+    /// did on the H100): it still runs alone until released, and stops with the rest after.
+    #[test]
+    fn a_group_stop_that_comes_late_does_not_stop_the_restore_thread() {
+        let child = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import threading\n\
+                 def spin():\n    while True: pass\n\
+                 for _ in range(2): threading.Thread(target=spin, daemon=True).start()\n\
+                 spin()",
+            ])
+            .spawn()
+            .expect("python3");
+        let pid = child.id() as i32;
+        wait_for("three threads", || thread_states(pid).len() == 3);
+        let tid = thread_states(pid).iter().map(|(t, _)| *t).max().unwrap();
+        {
+            // Seized while the process still runs; its SIGSTOP comes well after.
+            let _running = RunningRestoreThread::start(pid, tid).unwrap();
+            std::thread::sleep(Duration::from_millis(100));
+            stop(&[pid]);
+            wait_for("the other threads' group stop", || {
+                thread_states(pid)
+                    .iter()
+                    .all(|(t, s)| *t == tid || *s == 'T')
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            wait_for("the restore thread to run on", || {
+                thread_states(pid)
+                    .iter()
+                    .any(|(t, s)| *t == tid && *s == 'R')
+            });
+        }
+        wait_for("the restore thread to stop with the rest", || {
             thread_states(pid)
                 .iter()
                 .all(|(_, s)| *s == 'T' || *s == 't')
