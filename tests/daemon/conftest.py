@@ -106,6 +106,7 @@ class Torpord:
         self.socket = root / "torpord.sock"
         self.log = root / "torpord.log"
         self.config = root / "torpord.toml"
+        root.mkdir(parents=True, exist_ok=True)
         # `config` first: its top-level keys must not land in the [queue] table.
         self.config.write_text(f"{config}\n[queue]\nlength = {QUEUE_LENGTH}\ntimeout_s = {queue_timeout_s}\n")
         self._spawn()

@@ -88,15 +88,13 @@ class Hold:
 '''
 
 
-def test_the_cuda_memory_pool_measures_admits_and_gives_back(cuda: None, torpord: Torpord, tmp_path: Path) -> None:
+def test_the_cuda_memory_pool_measures_admits_and_gives_back(
+    cuda: None, torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
     """torpor.mempool's CUDA backend (a torch.cuda.MemPool per function) through the daemon:
     the model from the warm-up, the pool after a request, given back at idle, and a second
     request that does not fit beside the first waiting for it (docs/sandboxes.md, "The memory
     pool")."""
-    import re
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
     d = tmp_path / "gpu-hold"
     d.mkdir()
     (d / "hold.py").write_text(GPU_MEMORY_FN)
@@ -105,6 +103,20 @@ def test_the_cuda_memory_pool_measures_admits_and_gives_back(cuda: None, torpord
         'gpu_memory = "2GiB"\n[warmup]\nrequest = { mib = 512 }\n[scaling]\nmax_instances = 1\n'
         'requests_per_instance = 4\nsandbox = true\nsandbox_memory = "1GiB"\n[keepalive]\nmemory_release_s = 1\n'
     )
+    # Its own daemon: the second request waits in the queue for the first one's memory (2 s),
+    # longer than the shared daemon's queue timeout.
+    torpord = Torpord(torpor_bin, tmp_path / "daemon", queue_timeout_s=20)
+    try:
+        memory_pool_case(torpord, d)
+    finally:
+        torpord.stop()
+
+
+def memory_pool_case(torpord: Torpord, d: Path) -> None:
+    import re
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
     lines = torpord.deploy(d)
     memory = next(line for line in lines if line.get("phase") == "load")["memory"]
     assert memory["backend"] == "cuda", memory
@@ -116,6 +128,9 @@ def test_the_cuda_memory_pool_measures_admits_and_gives_back(cuda: None, torpord
             r'^torpor_sandbox_memory_bytes\{[^}]*function="gpu-hold"[^}]*kind="pool"[^}]*\} (\S+)$', text, re.M)]
         return max(found, default=0)
 
+    # Restored first, so that the wait below is the memory pool's admission, not the restore.
+    warm = torpord.invoke("gpu-hold", {"mib": 16})
+    assert warm.status == 200 and warm.json() == {"sum": 16}, (warm.status, warm.body)
     with ThreadPoolExecutor(2) as pool:
         t0 = time.monotonic()
         first = pool.submit(torpord.invoke, "gpu-hold", {"mib": 512, "s": 2})
