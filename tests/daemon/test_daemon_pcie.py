@@ -141,7 +141,8 @@ def test_a_small_fill_is_not_stuck_behind_a_large_one(torpor_bin: Path, criu_rea
     # (without the scheduler the small one waits outside its transfer line: no such check there).
     assert arrived(small) < ended(large), (
         f"the small fill arrived {arrived(small) - ended(large):.3f} s after the large copy ended: "
-        "nothing to schedule (the large copy is too short for this machine: raise LARGE)"
+        "nothing to schedule (the large copy is too short for this machine: raise LARGE): "
+        + json.dumps([large, small])
     )
     # It arrived while the large copy was under way, waited for at most the piece the large one
     # was copying (64 MiB while it was alone, `solo_bytes`), and was done long before it.
