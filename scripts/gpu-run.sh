@@ -15,7 +15,7 @@
 # checkpoint: periodic checkpoints of a PyTorch training job (docs/checkpoints.md): the kill -9 /
 # restore tests (tests/test_checkpoints.py, tests/test_concurrent_snapshot.py) into
 # $OUT/checkpoint-pytest.log, then bench/checkpoint/train.py (none vs stop-the-world vs concurrent,
-# a checkpoint every 10 iterations; $CKPT_ARGS adds flags) into $OUT/concurrent-checkpoint-h100.json
+# a checkpoint every 10 iterations; $CKPT_ARGS adds flags) into $OUT/checkpoint-train-h100.json
 # and $OUT/checkpoint-bench.log. Not part of `all`.
 # sandbox-bench: bench/sandbox/run.py: GPU memory of 8 PyTorch functions of one tenant, one
 # process each against one sandbox (docs/sandboxes.md), then a function new to the node started
@@ -216,7 +216,7 @@ if [ "$MODE" = checkpoint ]; then
   krc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$krc
   # shellcheck disable=SC2086 # $CKPT_ARGS is a list of flags
   python3 bench/checkpoint/train.py --kind torch --steps "${CKPT_STEPS:-600}" --every-iters 10 \
-    --out "$OUT/concurrent-checkpoint-h100.json" ${CKPT_ARGS:-} 2>&1 | tee "$OUT/checkpoint-bench.log"
+    --out "$OUT/checkpoint-train-h100.json" ${CKPT_ARGS:-} 2>&1 | tee "$OUT/checkpoint-bench.log"
   krc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$krc
 fi
 if [ "$MODE" = concurrent ]; then

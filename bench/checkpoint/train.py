@@ -1,7 +1,7 @@
 """Training throughput with periodic checkpoints: none vs stop-the-world vs concurrent. Run as root.
 
     TORPOR_BIN=target/release/torpor python3 bench/checkpoint/train.py --kind torch \
-        --steps 600 --every-iters 10 --out bench/results/concurrent-checkpoint-h100.json
+        --steps 600 --every-iters 10 --out bench/results/checkpoint-train-h100.json
     TORPOR_BIN=target/debug/torpor python3 bench/checkpoint/train.py --kind numpy --sleep 0.02 \
         --steps 400 --out bench/results/concurrent-checkpoint-cpu.json
 
