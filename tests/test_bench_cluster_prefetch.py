@@ -31,9 +31,21 @@ def test_no_prefetch_is_the_simulators_place_and_the_bound_is_below_it() -> None
         never = pe.run_once(args, models, 25.0, seed, 1e9)
         assert never["prefetches"] == 0 and never["p99_s"] == theirs["p99_s"]
         bound = pe.run_once(S.parse([*SMALL, "--copies", "12"]), models, 25.0, seed, None)
-        assert bound["bytes_moved"] == 0 and bound["p99_s"] <= theirs["p99_s"], (bound, theirs)
+        assert bound["bytes_moved"] == 0, bound
         eager = pe.run_once(args, models, 25.0, seed, -1e9)
         assert eager["prefetches"] > 0 and eager["bytes_moved"] > theirs["bytes_moved"], eager
+
+
+def test_the_contention_bound_is_below_placement_at_the_experiments_scale() -> None:
+    """At the experiment's own scale (100 nodes, 1 000 starts, 20 functions) every snapshot on
+    every node is never slower than placing with pulls. It is not a bound in general: `place` is
+    greedy, and on 12 nodes with session 12's faster restores it was 3 % slower for one seed."""
+    args = S.parse(["--out", "/dev/null"])
+    models, _ = S.measured_models()
+    for seed in (1, 2):
+        theirs = S.run_once(args, models, "locality", 25.0, seed)
+        bound = pe.run_once(S.parse(["--out", "/dev/null", "--copies", str(args.nodes)]), models, 25.0, seed, None)
+        assert bound["bytes_moved"] == 0 and bound["p99_s"] <= theirs["p99_s"], (bound, theirs)
 
 
 def test_prefetch_node_triggers_on_the_margin_and_skips_warm_choices_and_nodes_already_pulling() -> None:
