@@ -359,11 +359,18 @@ mod tests {
         }
     }
 
-    /// A stopped process whose one thread is let run alone: that thread runs (it is not in a
-    /// stop state), every other one stays stopped, and after the drop and `resume` all run.
-    #[test]
-    fn only_the_restore_thread_runs_until_the_process_is_resumed() {
-        // A child with three threads, each spinning (so a running thread shows R).
+    /// A child killed and reaped when dropped, also when a test fails before its end.
+    struct Spinning(std::process::Child);
+
+    impl Drop for Spinning {
+        fn drop(&mut self) {
+            crate::sys::kill(self.0.id() as i32, libc::SIGKILL);
+            let _ = self.0.wait();
+        }
+    }
+
+    /// A child with three threads, each spinning (so a running thread shows R), and its pid.
+    fn spinning_child() -> (Spinning, i32) {
         let child = std::process::Command::new("python3")
             .args([
                 "-c",
@@ -375,7 +382,16 @@ mod tests {
             .spawn()
             .expect("python3");
         let pid = child.id() as i32;
+        let child = Spinning(child);
         wait_for("three threads", || thread_states(pid).len() == 3);
+        (child, pid)
+    }
+
+    /// A stopped process whose one thread is let run alone: that thread runs (it is not in a
+    /// stop state), every other one stays stopped, and after the drop and `resume` all run.
+    #[test]
+    fn only_the_restore_thread_runs_until_the_process_is_resumed() {
+        let (_child, pid) = spinning_child();
         stop(&[pid]);
         wait_for("the group stop", || {
             thread_states(pid).iter().all(|(_, s)| *s == 'T')
@@ -407,27 +423,13 @@ mod tests {
         wait_for("every thread to run", || {
             thread_states(pid).iter().all(|(_, s)| *s == 'R')
         });
-        crate::sys::kill(pid, libc::SIGKILL);
-        let mut child = child;
-        let _ = child.wait();
     }
 
     /// The group stop reaches the seized thread long after the seize (what a burst of restores
     /// did on the H100): it still runs alone until released, and stops with the rest after.
     #[test]
     fn a_group_stop_that_comes_late_does_not_stop_the_restore_thread() {
-        let child = std::process::Command::new("python3")
-            .args([
-                "-c",
-                "import threading\n\
-                 def spin():\n    while True: pass\n\
-                 for _ in range(2): threading.Thread(target=spin, daemon=True).start()\n\
-                 spin()",
-            ])
-            .spawn()
-            .expect("python3");
-        let pid = child.id() as i32;
-        wait_for("three threads", || thread_states(pid).len() == 3);
+        let (_child, pid) = spinning_child();
         let tid = thread_states(pid).iter().map(|(t, _)| *t).max().unwrap();
         {
             // Seized while the process still runs; its SIGSTOP comes well after.
@@ -455,8 +457,5 @@ mod tests {
         wait_for("every thread to run", || {
             thread_states(pid).iter().all(|(_, s)| *s == 'R')
         });
-        crate::sys::kill(pid, libc::SIGKILL);
-        let mut child = child;
-        let _ = child.wait();
     }
 }
