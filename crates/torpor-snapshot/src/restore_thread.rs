@@ -387,6 +387,19 @@ mod tests {
         (child, pid)
     }
 
+    /// Once released, the restore thread stops with the others; `resume` then runs them all.
+    fn stopped_again_then_resumed(pid: i32) {
+        wait_for("the restore thread to stop with the rest", || {
+            thread_states(pid)
+                .iter()
+                .all(|(_, s)| *s == 'T' || *s == 't')
+        });
+        resume(&[pid]);
+        wait_for("every thread to run", || {
+            thread_states(pid).iter().all(|(_, s)| *s == 'R')
+        });
+    }
+
     /// A stopped process whose one thread is let run alone: that thread runs (it is not in a
     /// stop state), every other one stays stopped, and after the drop and `resume` all run.
     #[test]
@@ -414,15 +427,7 @@ mod tests {
                 }
             }
         }
-        wait_for("the restore thread to stop again", || {
-            thread_states(pid)
-                .iter()
-                .all(|(_, s)| *s == 'T' || *s == 't')
-        });
-        resume(&[pid]);
-        wait_for("every thread to run", || {
-            thread_states(pid).iter().all(|(_, s)| *s == 'R')
-        });
+        stopped_again_then_resumed(pid);
     }
 
     /// The group stop reaches the seized thread long after the seize (what a burst of restores
@@ -448,14 +453,6 @@ mod tests {
                     .any(|(t, s)| *t == tid && *s == 'R')
             });
         }
-        wait_for("the restore thread to stop with the rest", || {
-            thread_states(pid)
-                .iter()
-                .all(|(_, s)| *s == 'T' || *s == 't')
-        });
-        resume(&[pid]);
-        wait_for("every thread to run", || {
-            thread_states(pid).iter().all(|(_, s)| *s == 'R')
-        });
+        stopped_again_then_resumed(pid);
     }
 }
