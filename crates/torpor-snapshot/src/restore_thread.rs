@@ -86,6 +86,10 @@ pub fn resume(pids: &[i32]) {
 /// The kernel's signal set as ptrace's GETSIGMASK/SETSIGMASK read and write it (64 signals).
 type SigSet = u64;
 
+/// How many polls, [`TRACER_POLL`] apart, the tracer makes for the seized thread's first late
+/// stop before it says the thread runs.
+const SETTLE_POLLS: u32 = 5;
+
 /// How often the tracer looks for a stop of the thread it lets run (and for its release).
 const TRACER_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
@@ -112,7 +116,7 @@ impl RunningRestoreThread {
         let tracer = std::thread::Builder::new()
             .name(format!("restore-thread-{tid}"))
             .spawn(move || {
-                let mut traced = match Traced::seize(pid, tid) {
+                let mut traced = match Traced::seize(pid, tid).and_then(Traced::settled) {
                     Ok(t) => {
                         let _ = ready_tx.send(Ok(()));
                         t
@@ -230,6 +234,17 @@ impl Traced {
         .map_err(|e| me.fail("ptrace(SETSIGMASK)", e))?;
         me.go_on()?;
         Ok(me)
+    }
+
+    /// A thread seized in the group stop usually meets a group-stop trap right after it is
+    /// continued: it is let go on from that before the driver is called, so that it is running
+    /// when the driver's restore begins (later stops are the tracer loop's).
+    fn settled(mut self) -> Result<Self, RestoreThreadError> {
+        for _ in 0..SETTLE_POLLS {
+            self.go_on_from_stops()?;
+            std::thread::sleep(TRACER_POLL);
+        }
+        Ok(self)
     }
 
     /// Waits for its next ptrace stop; keeps the signal of a signal-delivery stop.
