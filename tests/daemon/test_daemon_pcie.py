@@ -112,7 +112,8 @@ def small_during_large(d: Torpord, tmp_path: Path) -> tuple[dict[str, Any], dict
     while active(d) < 1:
         assert time.monotonic() < deadline, "the large fill never started"
         time.sleep(0.002)
-    cold(d, "small", SMALL)
+    sent = time.time()
+    small_answer = cold(d, "small", SMALL)
     t.join()
     assert "large" in answers
     # Two transfers of each (the first restore's and this one's); the log is written behind.
@@ -127,6 +128,9 @@ def small_during_large(d: Torpord, tmp_path: Path) -> tuple[dict[str, Any], dict
         time.sleep(0.05)
     large, small = larges[-1], smalls[-1]
     assert large["ok"] and small["ok"], lines
+    # For the overlap check's message: when the small request went out, and its phases.
+    small["request_sent"] = sent
+    small["request_timings"] = small_answer.timings
     return large, small
 
 
