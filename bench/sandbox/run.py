@@ -242,6 +242,18 @@ def measure_handoffs(sock: Path, n: int) -> dict[str, Any]:
     return out
 
 
+def stop_daemon(daemon: subprocess.Popen[bytes], log: Any, root: Path) -> None:
+    """Stops a daemon this script started (SIGTERM, then kill after 60 s), closes its log and
+    removes its state."""
+    daemon.send_signal(signal.SIGTERM)
+    try:
+        daemon.wait(60)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+    log.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="torpor-sandbox-bench-"))
     before = None if cpu else gpu_used_mib()
@@ -295,13 +307,7 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[s
             "warm_invoke_s": warm,
         }
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-        log.close()
-        shutil.rmtree(root, ignore_errors=True)
+        stop_daemon(daemon, log, root)
 
 
 def metric(sock: Path, name: str, tenant: str) -> float:
@@ -364,13 +370,7 @@ def measure_starts(torpor: Path, pooled: bool, mib: int, cpu: bool, rounds: int)
             })
         return out
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-        log.close()
-        shutil.rmtree(root, ignore_errors=True)
+        stop_daemon(daemon, log, root)
 
 
 def median(xs: list[float]) -> float | None:

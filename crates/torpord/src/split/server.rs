@@ -309,10 +309,7 @@ impl Split {
         let t = Instant::now();
         let (memory, lease, source) = if e.readonly {
             let key = crate::tenant::scoped_key(tenant, &gpu_key(e));
-            let resident = lock(&self.shared)
-                .get(&key)
-                .and_then(std::sync::Weak::upgrade);
-            match resident {
+            match self.resident_copy(&key) {
                 Some(s) => (None, Some(s), "shared"),
                 None => {
                     // The GPU cache's entry (sealed) serves as the shared copy itself.
@@ -331,25 +328,8 @@ impl Split {
                             (Arc::new(m), source)
                         }
                     };
-                    let copy = Arc::new(SharedCopy {
-                        memory: m,
-                        bytes: e.size,
-                        gauge: self.metrics.shared_bytes.clone(),
-                    });
-                    self.metrics
-                        .shared_bytes
-                        .add(i64::try_from(e.size).unwrap_or(0));
-                    let mut shared = lock(&self.shared);
-                    // Another restore may have made one meanwhile: use the first.
-                    let winner = match shared.get(&key).and_then(std::sync::Weak::upgrade) {
-                        Some(s) => s,
-                        None => {
-                            shared.insert(key, Arc::downgrade(&copy));
-                            copy
-                        }
-                    };
-                    shared.retain(|_, w| w.strong_count() > 0);
-                    (None, Some(winner), source)
+                    // Another restore may have made one meanwhile: `share` keeps the first.
+                    (None, Some(self.share(key, m, e.size)), source)
                 }
             }
         } else {
