@@ -125,6 +125,8 @@ MODELS = {
     "gpt2-large": Model("gpt2-large", "gpt2-large", {"seed": 1}, True, False),
     # Llama-3-8B's shape with random bf16 weights (bench/peers: the peer benchmark).
     "llama-8b": Model("llama-8b", None, {"seed": 1}, True, False, generated=True, modules=PEER_MODULES),
+    # Llama-2-13B's shape, the same code: issue 10's live migration (bench/concurrent/measure.py).
+    "llama-13b": Model("llama-13b", None, {"seed": 1}, True, False, generated=True, modules=PEER_MODULES),
     # Llama-3.2-3B's shape, the same code: the per-size phase breakdown's middle size.
     "llama-3b": Model("llama-3b", None, {"seed": 1}, True, False, generated=True, modules=PEER_MODULES),
     # Its code on the CPU with a tiny Llama: the peer benchmark's CPU test.
@@ -580,7 +582,10 @@ def assemble(name: str, model: Model, dest_root: Path, say: Any) -> Path:
     elif model.generated:
         weights = generated_weights(model.name)
         if not weights.is_file():
-            raise RuntimeError(f"{weights} is missing: write it with python3 bench/peers/make_weights.py {model.name} {weights}")
+            # Made once per machine, on its GPU where there is one (seconds), then written.
+            say(f"{model.name}: writing {weights} (bench/peers/make_weights.py)")
+            weights.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, str(ROOT / "bench" / "peers" / "make_weights.py"), model.name, str(weights)], check=True)
         link_or_copy(weights, dest / "weights.safetensors")
     else:
         link_or_copy(cpu_weights(dest_root / "cpu-weights.bin"), dest / "weights.bin")

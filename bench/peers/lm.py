@@ -53,6 +53,24 @@ SPECS = {
             "tie_word_embeddings": False,
         },
     ),
+    # Llama-2-13B's shape (13.0 B parameters), bf16, 26.0 GB of random weights: issue 10's live
+    # migration between the two GPUs of nvidia-h200-x2 (bench/concurrent/measure.py).
+    "llama-13b": Spec(
+        "llama-13b",
+        "llama",
+        "bfloat16",
+        {
+            "hidden_size": 5120,
+            "intermediate_size": 13824,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 40,
+            "num_key_value_heads": 40,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
     # Llama-3.2-3B's shape (3.2 B parameters), bf16, 6.4 GB: the middle size of issue 18's
     # per-size phase breakdown (0.8 B, ~3 B, 8 B).
     "llama-3b": Spec(

@@ -48,6 +48,14 @@ class Llama8B(PeerModel):
 
 
 @torpor.function
+class Llama13B(PeerModel):
+    """Llama-2-13B's shape, bf16, on the GPU (the live migration's model, issue 10)."""
+
+    model_name = "llama-13b"
+    device = "cuda"
+
+
+@torpor.function
 class Llama3B(PeerModel):
     """Llama-3.2-3B's shape, bf16, on the GPU (the per-size phase breakdown's middle size)."""
 
