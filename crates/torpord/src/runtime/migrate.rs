@@ -463,6 +463,8 @@ impl Runtime {
         };
         let precopy_s = p0.elapsed().as_secs_f64();
         tracing::info!(instance = %inst.id, function = %inst.function, from, to = gpu, bytes = moving.bytes, precopy_s, "migration: segments pre-copied while the instance serves");
+        // A test's window for writes after the pre-copy read the segments (the stop must catch them).
+        crate::journal::delay("migrate-precopy").await;
 
         // 3. The stop.
         let stop = self.begin_stop(&pool, &inst).await?;
