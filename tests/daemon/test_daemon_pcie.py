@@ -131,7 +131,25 @@ def small_during_large(d: Torpord, tmp_path: Path) -> tuple[dict[str, Any], dict
     # For the overlap check's message: when the small request went out, and its phases.
     small["request_sent"] = sent
     small["request_timings"] = small_answer.timings
+    # And the fill path's own lines of this pair of restores (when each fill thread started,
+    # made and mapped its memory, and ended), for a small fill that reached the scheduler late.
+    steps = [x for x in debug_lines(d) if x.get("message") in FILL_STEPS]
+    small["fill_steps"] = [{k: v for k, v in x.items() if k not in ("level", "target")} for x in steps[-8:]]
     return large, small
+
+
+FILL_STEPS = ("segment fills started", "device fill: memory made and mapped", "segment filled")
+
+
+def debug_lines(d: Torpord) -> list[dict[str, Any]]:
+    out = []
+    for line in d.log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
 
 
 def test_a_small_fill_is_not_stuck_behind_a_large_one(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:

@@ -157,9 +157,19 @@ where
     }
 
     fn fill(&self, src: &[u8], seal: bool, from: Source<'_>) -> Result<Memory, DeviceError> {
+        let t = std::time::Instant::now();
         let memory = self.device.create(src.len())?;
+        let created = t.elapsed().as_secs_f64();
         {
             let w = Window::map(&self.device, &memory, src.len(), Access::ReadWrite)?;
+            // What came before the transfer line (the fair PCIe test's diagnosis: a small fill
+            // that reached the scheduler late, docs/sandboxes.md).
+            tracing::debug!(
+                bytes = src.len(),
+                create_s = created,
+                map_s = t.elapsed().as_secs_f64() - created,
+                "device fill: memory made and mapped"
+            );
             self.pcie.transfer(src, from, |offset, bytes| {
                 self.device.copy_to_device(w.at + offset as u64, bytes)
             })?;

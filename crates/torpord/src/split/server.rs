@@ -196,7 +196,9 @@ impl Split {
         let split = Arc::clone(self);
         let id = id.to_string();
         let tenant = tenant.to_string();
+        let asked = Instant::now();
         tokio::task::spawn_blocking(move || {
+            tracing::debug!(snapshot = %id, started_s = asked.elapsed().as_secs_f64(), "segment fills started");
             let plan = match split.plan(&id) {
                 Ok(Some(p)) => p,
                 Ok(None) => Arc::new(Vec::new()),
@@ -348,6 +350,13 @@ impl Split {
             .fill_gbps
             .with_label_values(&[source])
             .observe(e.size as f64 / secs / 1e9);
+        tracing::debug!(
+            va = e.va,
+            bytes = e.size,
+            source,
+            s = secs,
+            "segment filled"
+        );
         self.export_held(e, lease)
     }
 
