@@ -553,8 +553,12 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
         }
     };
     // The log of a successful restore is noise; a failed one is kept and named in the error.
+    // `TORPOR_KEEP_RESTORE_LOG=1` keeps every one (CRIU's timestamped steps of a slow restore,
+    // docs/gpu-machine.md).
     let log_in = request.work_dir.unwrap_or(opts.dir);
-    let _ = std::fs::remove_file(log_in.join(&log_name));
+    if std::env::var_os("TORPOR_KEEP_RESTORE_LOG").is_none_or(|v| v != "1") {
+        let _ = std::fs::remove_file(log_in.join(&log_name));
+    }
     let lazy_pages = daemon.map(|daemon| LazyRestore {
         daemon: std::sync::Mutex::new(Some(daemon)),
         work_dir: lazy_dir.clone(),
