@@ -138,7 +138,12 @@ def small_during_large(d: Torpord, tmp_path: Path) -> tuple[dict[str, Any], dict
     return large, small
 
 
-FILL_STEPS = ("segment fills started", "device fill: memory made and mapped", "segment filled")
+FILL_STEPS = (
+    "segment fills started",
+    "device fill: memory made and mapped",
+    "device fill: memory made, written unmapped",
+    "segment filled",
+)
 
 
 def debug_lines(d: Torpord) -> list[dict[str, Any]]:

@@ -102,6 +102,17 @@ pub enum DeviceError {
         reason: String,
     },
 
+    /// A write past the end of the memory it targets.
+    #[error(
+        "a write of {len:#x} bytes at offset {offset:#x} runs past the memory's {size:#x} bytes: \
+         report this as a Torpor bug"
+    )]
+    OutOfRange {
+        offset: usize,
+        len: usize,
+        size: usize,
+    },
+
     /// A system call failed.
     #[error("{call} failed: {source}; {hint}")]
     Os {

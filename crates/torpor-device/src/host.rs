@@ -397,4 +397,38 @@ impl Device for HostDevice {
     fn host_buffer(&self, len: usize) -> Result<Vec<u8>, DeviceError> {
         Ok(vec![0; len])
     }
+
+    /// `pwrite` into the memfd: no mapping in this process, so no address-space lock is taken.
+    fn write_unmapped(
+        &self,
+        memory: &HostMemory,
+        offset: usize,
+        src: &[u8],
+    ) -> Option<Result<(), DeviceError>> {
+        use std::os::unix::fs::FileExt;
+        if offset
+            .checked_add(src.len())
+            .is_none_or(|end| end > memory.size)
+        {
+            return Some(Err(DeviceError::OutOfRange {
+                offset,
+                len: src.len(),
+                size: memory.size,
+            }));
+        }
+        // Borrowed, not owned: the memfd stays with `memory`.
+        let file = std::mem::ManuallyDrop::new(
+            // SAFETY: the descriptor is open for as long as `memory` is borrowed, and the
+            // ManuallyDrop keeps this File from closing it.
+            unsafe { std::fs::File::from_raw_fd(memory.fd.as_raw_fd()) },
+        );
+        Some(
+            file.write_all_at(src, offset as u64)
+                .map_err(|source| DeviceError::Os {
+                    call: "pwrite(memfd)",
+                    hint: "tmpfs may be full or limited; free memory or give a smaller size",
+                    source,
+                }),
+        )
+    }
 }

@@ -147,4 +147,18 @@ pub trait Device: Send + Sync {
 
     /// `len` bytes of zeroed host memory that copies use at full speed.
     fn host_buffer(&self, len: usize) -> Result<Self::HostBuffer, DeviceError>;
+
+    /// Writes `src` into `memory` at `offset` without mapping it, where the backend can (`None`
+    /// where it cannot: the caller maps it and uses `copy_to_device`). A fill that needs no
+    /// mapping takes no part of the address space, so fills side by side never wait on each
+    /// other's `reserve`, `map` or `unmap`.
+    fn write_unmapped(
+        &self,
+        memory: &Self::Memory,
+        offset: usize,
+        src: &[u8],
+    ) -> Option<Result<(), DeviceError>> {
+        let _ = (memory, offset, src);
+        None
+    }
 }

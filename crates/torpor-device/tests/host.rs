@@ -328,3 +328,26 @@ fn bad_fds_are_clear_errors() {
     let err = device.import(unsealed, page).unwrap_err();
     assert!(err.to_string().contains("size is not sealed"), "{err}");
 }
+
+#[test]
+fn a_write_without_a_mapping_lands_in_the_memory_and_a_write_past_its_end_is_refused() {
+    let device = HostDevice::new();
+    let len = len(&device);
+    let memory = device.create(len).unwrap();
+    let data = pattern(len, 7);
+    // In two pieces, the second at an offset, as the PCIe scheduler hands them out.
+    let half = len / 2;
+    device.write_unmapped(&memory, 0, &data[..half]).unwrap().unwrap();
+    device.write_unmapped(&memory, half, &data[half..]).unwrap().unwrap();
+    // Nothing of this device's address space was used.
+    let at = device.reserve(len, Some(test_address(9))).unwrap();
+    device.map(&memory, at, Access::ReadOnly).unwrap();
+    let mut back = vec![0u8; len];
+    device.copy_to_host(at, &mut back).unwrap();
+    assert!(back == data, "the bytes written unmapped differ");
+    device.unmap(at, len).unwrap();
+    device.free_reservation(at, len).unwrap();
+    let err = device.write_unmapped(&memory, len - 1, &[1, 2]).unwrap().unwrap_err();
+    assert!(matches!(err, DeviceError::OutOfRange { .. }), "{err}");
+    one_clear_line(&err, "report this as a Torpor bug");
+}

@@ -558,6 +558,9 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     let log_in = request.work_dir.unwrap_or(opts.dir);
     if std::env::var_os("TORPOR_KEEP_RESTORE_LOG").is_none_or(|v| v != "1") {
         let _ = std::fs::remove_file(log_in.join(&log_name));
+    } else if log_in != opts.log_dir {
+        // A lazy restore's work directory goes once its pages are served: keep a copy beside.
+        let _ = std::fs::copy(log_in.join(&log_name), opts.log_dir.join(&log_name));
     }
     let lazy_pages = daemon.map(|daemon| LazyRestore {
         daemon: std::sync::Mutex::new(Some(daemon)),
