@@ -189,10 +189,12 @@ def splitbuf_twin(root: Path, name: str, tenant: str) -> Path:
 
 def test_two_tenants_with_the_same_weights_never_share_a_copy(tenants: Torpord, tmp_path: Path) -> None:
     maps: dict[str, dict[str, Any]] = {}
+    stored: dict[str, int] = {}
     for name, tenant in [("sb-a1", "team-a"), ("sb-a2", "team-a"), ("sb-b", "team-b")]:
         lines = tenants.deploy(splitbuf_twin(tmp_path, name, tenant))
         (snap,) = [x for x in lines if x.get("phase") == "snapshot_function"]
         assert snap["split"] is True and snap["readonly_segments"] == 2, snap
+        stored[name] = snap["stored_bytes"]
         status, info = tcp(tenants, TOKENS[tenant], "POST", f"/v1/functions/{name}/invoke", {"op": "info"})
         assert status == 200, (status, info, tenants.log_text())
         maps[name] = info["maps"]
@@ -203,6 +205,13 @@ def test_two_tenants_with_the_same_weights_never_share_a_copy(tenants: Torpord, 
         assert a1[seg]["inode"] == a2[seg]["inode"], (seg, a1, a2)
         # Another tenant's: a copy of its own.
         assert a1[seg]["inode"] != b[seg]["inode"], (seg, a1, b)
+    # The chunk store deduplicates within a tenant only: team-a's second deploy of the same
+    # contents stores less than its first, and team-b's, the same contents again, stores what
+    # team-a's first did, so its deploy's `stored_bytes` cannot tell it what team-a holds.
+    assert 0 < stored["sb-a2"] < stored["sb-a1"], stored
+    assert stored["sb-b"] == stored["sb-a1"], stored
+    for tenant in ("team-a", "team-b"):
+        assert (tenants.state / "chunks-tenants" / tenant).is_dir(), tenant
 
 
 def start_failure(torpor_bin: Path, root: Path, tokens_text: str, mode: int = 0o600) -> str:

@@ -473,7 +473,7 @@ impl Tier {
     /// Blocking; registers nothing.
     pub fn fetch(
         &self,
-        store: &ChunkStore,
+        stores: &dyn Fn(&str) -> Result<ChunkStore, PullError>,
         key: &torpor_image::SnapshotKey,
         scope: &Scope,
         name: &str,
@@ -482,6 +482,8 @@ impl Tier {
         let clock = Instant::now();
         let remote = self.remote()?;
         let record = self.record_with(&remote, scope, name)?;
+        // The chunk store of the function's tenant (crate::split::Split::store_for).
+        let store = &stores(&record.tenant)?;
         let mut phases = PullPhases {
             record_s: clock.elapsed().as_secs_f64(),
             ..PullPhases::default()

@@ -458,8 +458,12 @@ async fn split_snapshot(
     let before = match (&warmup, concurrent) {
         (_, true) => {
             let split = Arc::clone(&rt.split);
-            let (hashes, copied) =
-                blocking(PHASE, move || capture::precopy_listed(&split, &probe)).await?;
+            let tenant = crate::tenant::of_spec(spec).to_string();
+            let (hashes, copied) = blocking(PHASE, move || {
+                let store = split.store_for(&tenant)?;
+                capture::precopy_listed(&split, &store, &probe)
+            })
+            .await?;
             pre = Some(copied);
             warmup.is_some().then_some(hashes)
         }
@@ -510,8 +514,10 @@ async fn split_snapshot(
     let tenant = crate::tenant::of_spec(spec).to_string();
     let known = pre.map(|p| crate::split::precopy::Known::new(&[], Some(p)));
     let captured = blocking(PHASE, move || {
+        let store = split.store_for(&tenant)?;
         capture::store_all_with(
             &split,
+            &store,
             &sid,
             &tenant,
             listed,
@@ -536,7 +542,7 @@ async fn finish_split(
     mut conn: WorkerConn,
     init: &mut TreeGuard,
     out: &Path,
-    id: &str,
+    (id, tenant): (&str, &str),
 ) -> Result<(), Failure> {
     const PHASE: &str = "snapshot_function";
     let done = async {
@@ -554,7 +560,7 @@ async fn finish_split(
     }
     .await;
     if done.is_err() {
-        if let Ok(store) = rt.split.store() {
+        if let Ok(store) = rt.split.store_for(tenant) {
             let id = id.to_string();
             let _ = tokio::task::spawn_blocking(move || store.release(&id)).await;
         }
@@ -860,7 +866,8 @@ async fn steps(
     let mut details = json!({});
     match &split {
         Some(c) => {
-            finish_split(rt, conn, &mut guard, &out, &id).await?;
+            let tenant = crate::tenant::of_spec(&spec.json);
+            finish_split(rt, conn, &mut guard, &out, (&id, tenant)).await?;
             details = json!({
                 "segments": c.segments.len(),
                 "segment_bytes": c.bytes,

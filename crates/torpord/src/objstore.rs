@@ -82,7 +82,10 @@ impl crate::runtime::Runtime {
                 .with(|s| s.snapshot(&id))
                 .map_err(|e| e.to_string())?
                 .ok_or_else(|| format!("snapshot {id} is not in the registry"))?;
-            let store = rt.split.store().map_err(|e| e.to_string())?;
+            let store = rt
+                .split
+                .store_for(crate::tenant::of_spec(&f.spec))
+                .map_err(|e| e.to_string())?;
             let pushed = tier
                 .push(&store, &rt.snapshot_key, &f, &snap.path, &rt.state_root)
                 .map_err(|e| e.to_string())?;
@@ -150,12 +153,14 @@ impl crate::runtime::Runtime {
         let (scope2, n) = (scope.clone(), name.to_owned());
         let tier = Arc::clone(&tier);
         let fetched = tokio::task::spawn_blocking(move || {
-            let store = rt
-                .split
-                .store()
-                .map_err(|e| PullError::StoreOpen(e.to_string()))?;
+            let stores = |tenant: &str| {
+                rt.split
+                    .store_for(tenant)
+                    .map_err(|e| PullError::StoreOpen(e.to_string()))
+            };
             let mut fetched =
-                tier.fetch(&store, &rt.snapshot_key, &scope2, &n, &rt.snapshots_dir())?;
+                tier.fetch(&stores, &rt.snapshot_key, &scope2, &n, &rt.snapshots_dir())?;
+            let store = stores(&fetched.record.tenant)?;
             let trimmed = Instant::now();
             let mut registered = rt.registered_snapshots();
             registered.insert(fetched.record.snapshot.clone());

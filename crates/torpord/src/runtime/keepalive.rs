@@ -434,11 +434,8 @@ impl Runtime {
         if plan.is_empty() {
             return Ok(0.0);
         }
-        // Its function's tenant; without a pool (none would be gone yet), a scope of its own,
-        // which no tenant name can equal: shared with nobody.
-        let tenant = self
-            .pool_tenant(&inst.function)
-            .unwrap_or_else(|| format!("instance {}", inst.id));
+        // Its function's tenant: its caches and chunk store.
+        let tenant = self.function_tenant(&inst.function);
         let refill =
             self.split
                 .begin_refill(plan, sources, format!("instance {}", inst.id), tenant);
@@ -551,8 +548,12 @@ impl Runtime {
             None => PreCopyState::Failed,
             Some((plan, leases)) => {
                 let split = Arc::clone(&self.split);
-                let copied =
-                    tokio::task::spawn_blocking(move || split.precopy(&plan, &leases)).await;
+                let tenant = self.function_tenant(&inst.function);
+                let copied = tokio::task::spawn_blocking(move || {
+                    let store = split.store_for(&tenant)?;
+                    split.precopy(&store, &plan, &leases)
+                })
+                .await;
                 // Test switch: the copy is read; a request now writes after it.
                 crate::journal::delay("precopy").await;
                 match copied {
@@ -726,12 +727,13 @@ impl Runtime {
             .map(|(e, _)| (e.va, e.blake3.clone()))
             .collect();
         let (split, id) = (Arc::clone(&self.split), hib_id.to_string());
-        // As for a refill: without a pool, a scope no tenant shares.
-        let tenant = self
-            .pool_tenant(&inst.function)
-            .unwrap_or_else(|| format!("instance {}", inst.id));
+        // As for a refill: its function's tenant's caches and chunk store.
+        let tenant = self.function_tenant(&inst.function);
         let captured = tokio::task::spawn_blocking(move || {
-            crate::split::capture::store_all_with(&split, &id, &tenant, listed, &readonly, known)
+            let store = split.store_for(&tenant)?;
+            crate::split::capture::store_all_with(
+                &split, &store, &id, &tenant, listed, &readonly, known,
+            )
         })
         .await
         .map_err(HibernateError::CaptureTask)??;
@@ -740,7 +742,8 @@ impl Runtime {
             crate::split::capture::release_halves(&mut wr, rd, QUIET_TIMEOUT).await
         };
         if let Err(e) = released {
-            let (store, id) = (self.split.store(), hib_id.to_string());
+            let tenant = self.function_tenant(&inst.function);
+            let (store, id) = (self.split.store_for(&tenant), hib_id.to_string());
             let _ = tokio::task::spawn_blocking(move || store.map(|s| s.release(&id))).await;
             return Err(HibernateError::ReleaseSegments(e));
         }
@@ -764,7 +767,8 @@ impl Runtime {
         let function_snapshot = lock(&pool.state).info.snapshot_id.clone();
         let split = {
             let (s, id) = (Arc::clone(&self.split), function_snapshot.clone());
-            tokio::task::spawn_blocking(move || s.plan(&id))
+            let tenant = self.function_tenant(&inst.function);
+            tokio::task::spawn_blocking(move || s.plan(&id, &tenant))
                 .await
                 .map_err(HibernateError::PlanTask)??
         };

@@ -117,6 +117,22 @@ impl Runtime {
         Some(crate::tenant::of_spec(&st.info.spec).to_string())
     }
 
+    /// The tenant of function `name`: its pool's spec's, else the registry's (a pool already
+    /// gone), else the default tenant's. What its snapshots' chunk store and caches are scoped by.
+    pub fn function_tenant(&self, name: &str) -> String {
+        if let Some(t) = self.pool_tenant(name) {
+            return t;
+        }
+        self.registry
+            .with(|s| s.function(name))
+            .ok()
+            .flatten()
+            .map_or_else(
+                || crate::tenant::DEFAULT_TENANT.to_string(),
+                |f| crate::tenant::of_spec(&f.spec).to_string(),
+            )
+    }
+
     pub fn new(
         config: Config,
         registry: Arc<Registry>,

@@ -220,12 +220,16 @@ impl Runtime {
 
     /// Whether the function snapshot of `pool` is a split snapshot (unknown counts as split).
     pub(crate) async fn split_function(&self, pool: &Pool) -> bool {
-        let (split, id) = (
-            Arc::clone(&self.split),
-            lock(&pool.state).info.snapshot_id.clone(),
-        );
+        let (split, id, tenant) = {
+            let st = lock(&pool.state);
+            (
+                Arc::clone(&self.split),
+                st.info.snapshot_id.clone(),
+                crate::tenant::of_spec(&st.info.spec).to_string(),
+            )
+        };
         !matches!(
-            tokio::task::spawn_blocking(move || split.plan(&id)).await,
+            tokio::task::spawn_blocking(move || split.plan(&id, &tenant)).await,
             Ok(Ok(None))
         )
     }

@@ -23,7 +23,7 @@ use std::os::fd::OwnedFd;
 
 use serde_json::{Map, Value};
 use torpor_device::DeviceError;
-use torpor_image::store::{Recipe, StoreError};
+use torpor_image::store::{ChunkStore, Recipe, StoreError};
 
 use crate::protocol::{Empty, Quiesce, ToWorker};
 use crate::split::index::{self, SegmentEntry, SegmentIndex, INDEX_FORMAT, INDEX_RECIPE};
@@ -185,10 +185,10 @@ pub fn hash_all(split: &Split, listed: &[Listed]) -> Result<HashMap<u64, String>
 /// only the blocks that changed ([`store_all_with`]).
 pub fn precopy_listed(
     split: &Split,
+    store: &ChunkStore,
     listed: &[Listed],
 ) -> Result<(HashMap<u64, String>, super::precopy::PreCopy), CaptureError> {
     let began = std::time::Instant::now();
-    let store = split.store()?;
     let mut writer = store
         .writer()
         .map_err(|e| CaptureError::Writer(Box::new(e)))?;
@@ -249,12 +249,13 @@ pub fn read_only_reason(
 /// store.
 pub fn store_all(
     split: &Split,
+    store: &ChunkStore,
     snapshot_id: &str,
     tenant: &str,
     listed: Vec<Listed>,
     earlier: &HashMap<u64, String>,
 ) -> Result<Captured, CaptureError> {
-    store_all_with(split, snapshot_id, tenant, listed, earlier, None)
+    store_all_with(split, store, snapshot_id, tenant, listed, earlier, None)
 }
 
 /// [`store_all`], with what a concurrent snapshot already has (`known`, crate::split::precopy):
@@ -264,13 +265,13 @@ pub fn store_all(
 /// read whole, as without.
 pub fn store_all_with(
     split: &Split,
+    store: &ChunkStore,
     snapshot_id: &str,
     tenant: &str,
     listed: Vec<Listed>,
     earlier: &HashMap<u64, String>,
     mut known: Option<super::precopy::Known>,
 ) -> Result<Captured, CaptureError> {
-    let store = split.store()?;
     let mut writer = store
         .writer()
         .map_err(|e| CaptureError::Writer(Box::new(e)))?;
@@ -283,7 +284,7 @@ pub fn store_all_with(
         // What a concurrent snapshot knows of this segment already.
         let reuse = known
             .as_mut()
-            .map(|k| k.take(&l, &store))
+            .map(|k| k.take(&l, store))
             .unwrap_or(super::precopy::Prior::None);
         let (recipe, cached) = match reuse {
             super::precopy::Prior::ReadOnly(recipe) => {
@@ -311,7 +312,7 @@ pub fn store_all_with(
                     })
                     .sum::<u64>();
                 let recipe = match pre.recipe {
-                    Some(r) if changed.is_empty() && r.name == name && all_stored(&store, &r) => r,
+                    Some(r) if changed.is_empty() && r.name == name && all_stored(store, &r) => r,
                     _ => writer
                         .put_bytes(&name, &pre.buf)
                         .map_err(|e| CaptureError::Put {

@@ -176,7 +176,8 @@ pub struct Split {
     /// Why none was found ([`HookLibError`]'s line).
     pub hook_missing: Option<String>,
     store_root: PathBuf,
-    store: OnceLock<Result<ChunkStore, StoreOpenError>>,
+    /// Each tenant's chunk store, opened on first use ([`Split::store_for`]).
+    stores: Mutex<HashMap<String, ChunkStore>>,
     host: OnceLock<Arc<dyn SegmentDevice>>,
     cuda: Mutex<HashMap<i32, Arc<dyn SegmentDevice>>>,
     pub(crate) host_cache: Mutex<Lru<Mutex<HostBuffer>>>,
@@ -360,7 +361,7 @@ impl Split {
             hook_found,
             hook_missing,
             store_root: state_root.join(STORE_DIR),
-            store: OnceLock::new(),
+            stores: Mutex::new(HashMap::new()),
             host: OnceLock::new(),
             cuda: Mutex::new(HashMap::new()),
             host_cache: Mutex::new(Lru::new(limits.host_cache_bytes)),
@@ -423,13 +424,19 @@ impl Split {
         }
     }
 
-    /// The chunk store (opened, and created, on first use).
-    pub fn store(&self) -> Result<ChunkStore, StoreOpenError> {
-        self.store
-            .get_or_init(|| {
-                ChunkStore::open(&self.store_root).map_err(|e| StoreOpenError(Arc::new(e)))
-            })
-            .clone()
+    /// The chunk store of `tenant`'s snapshots (opened, and created, on first use). Each tenant
+    /// has a store of its own, so chunks are deduplicated within a tenant only: with one store,
+    /// a deploy's `stored_bytes` (and how long its store took) would tell a tenant whether
+    /// another tenant had stored the same bytes (docs/security.md, "Tenants").
+    pub fn store_for(&self, tenant: &str) -> Result<ChunkStore, StoreOpenError> {
+        let mut stores = lock(&self.stores);
+        if let Some(s) = stores.get(tenant) {
+            return Ok(s.clone());
+        }
+        let store = ChunkStore::open(&store_root_of(&self.store_root, tenant))
+            .map_err(|e| StoreOpenError(Arc::new(e)))?;
+        stores.insert(tenant.to_string(), store.clone());
+        Ok(store)
     }
 
     /// The device of `backend` (and GPU `ordinal` for cuda), opened on first use.
@@ -465,14 +472,14 @@ impl Split {
     }
 
     /// The segments of snapshot `id` in fill order; `None` for a transparent snapshot.
-    pub fn plan(&self, id: &str) -> Result<Option<Arc<Vec<Planned>>>, PlanError> {
+    pub fn plan(&self, id: &str, tenant: &str) -> Result<Option<Arc<Vec<Planned>>>, PlanError> {
         if let Some(p) = lock(&self.plans).get(id) {
             return Ok(p.clone());
         }
-        if !self.store_root.is_dir() {
+        if !store_root_of(&self.store_root, tenant).is_dir() {
             return Ok(None);
         }
-        let plan = index::load(&self.store()?, id, &self.key)?.map(Arc::new);
+        let plan = index::load(&self.store_for(tenant)?, id, &self.key)?.map(Arc::new);
         // Function snapshots are restored again and again; a hibernation once, so caching its
         // plan would only grow the map with every hibernation the daemon ever took.
         if !id.starts_with("hib-") {
@@ -484,11 +491,11 @@ impl Split {
     /// The evicted stage: drops the cached segments of snapshot `id`, a function of `tenant`,
     /// that snapshot `keep` (the function snapshot, whose restores go on) does not also hold.
     pub fn drop_cached(&self, id: &str, keep: Option<&str>, tenant: &str) {
-        let Ok(Some(plan)) = self.plan(id) else {
+        let Ok(Some(plan)) = self.plan(id, tenant) else {
             return;
         };
         let kept: std::collections::HashSet<String> = keep
-            .and_then(|k| self.plan(k).ok().flatten())
+            .and_then(|k| self.plan(k, tenant).ok().flatten())
             .map(|p| p.iter().map(|(e, _)| e.blake3.clone()).collect())
             .unwrap_or_default();
         let mut dropped = 0u64;
@@ -526,6 +533,46 @@ impl Split {
     }
 }
 
+/// Where `tenant`'s chunk store lives under the default tenant's `root` (`<state>/chunks`): the
+/// default tenant's is `root` itself, so a node from before tenants keeps its chunks; another
+/// tenant's is `<root>-tenants/<tenant>` (tenant names are `[a-z0-9][a-z0-9_.-]*`: one path
+/// component).
+pub fn store_root_of(root: &Path, tenant: &str) -> PathBuf {
+    if tenant == crate::tenant::DEFAULT_TENANT {
+        return root.to_path_buf();
+    }
+    let mut dir = root.as_os_str().to_owned();
+    dir.push("-tenants");
+    // A name that is not a tenant's (a damaged bucket record) never becomes a path of its own.
+    let component = if crate::tenant::is_tenant_name(tenant) {
+        tenant.to_string()
+    } else {
+        format!(
+            "not-a-tenant-{}",
+            &blake3::hash(tenant.as_bytes()).to_hex()[..16]
+        )
+    };
+    PathBuf::from(dir).join(component)
+}
+
+/// Every tenant's store root that exists under the default `root`, the default's first.
+pub fn store_roots(root: &Path) -> Vec<PathBuf> {
+    let mut roots = vec![root.to_path_buf()];
+    let others = store_root_of(root, "x");
+    if let Some(parent) = others.parent() {
+        if let Ok(entries) = std::fs::read_dir(parent) {
+            let mut more: Vec<PathBuf> = entries
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect();
+            more.sort();
+            roots.extend(more);
+        }
+    }
+    roots
+}
+
 /// Releases the chunk-store record of the snapshot in `dir` (`<state>/snapshots/<id>`), if it
 /// has one, and collects the chunks nothing references any more. Chunks other snapshots hold
 /// stay. Best effort: logged, never fails the removal of the snapshot.
@@ -539,10 +586,17 @@ pub fn release_snapshot_of_dir(dir: &Path) {
     let Some(state) = parent.parent() else {
         return;
     };
-    let root = state.join(STORE_DIR);
-    let Ok(store) = ChunkStore::open_existing(&root) else {
-        return;
-    };
+    // Whichever tenant's store holds it (a snapshot id is in one store at most).
+    for store in store_roots(&state.join(STORE_DIR))
+        .into_iter()
+        .filter_map(|root| ChunkStore::open_existing(&root).ok())
+    {
+        release_from(&store, id);
+    }
+}
+
+/// [`release_snapshot_of_dir`] in one store: nothing when the store does not hold `id`.
+fn release_from(store: &ChunkStore, id: &str) {
     match store.release(id) {
         Ok(()) => {}
         Err(StoreError::UnknownSnapshot { .. } | StoreError::InvalidSnapshotId { .. }) => return,
@@ -569,6 +623,39 @@ pub fn release_snapshot_of_dir(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_tenant_has_a_store_of_its_own_and_a_bad_name_never_becomes_a_path() {
+        let root = Path::new("/state/chunks");
+        assert_eq!(store_root_of(root, "default"), root);
+        assert_eq!(
+            store_root_of(root, "team-a"),
+            Path::new("/state/chunks-tenants/team-a")
+        );
+        for bad in ["../../etc", "a/b", "", "Team"] {
+            let p = store_root_of(root, bad);
+            assert_eq!(
+                p.parent(),
+                Some(Path::new("/state/chunks-tenants")),
+                "{bad:?}"
+            );
+            let name = p.file_name().unwrap().to_str().unwrap();
+            assert!(name.starts_with("not-a-tenant-"), "{bad:?}: {name}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("chunks");
+        for t in ["default", "team-b", "team-a"] {
+            std::fs::create_dir_all(store_root_of(&root, t)).unwrap();
+        }
+        assert_eq!(
+            store_roots(&root),
+            vec![
+                root.clone(),
+                store_root_of(&root, "team-a"),
+                store_root_of(&root, "team-b")
+            ]
+        );
+    }
 
     fn split(hook: Option<&str>, wanted: bool, wanted_gpu: bool) -> Split {
         let metrics = crate::metrics::Metrics::new().unwrap();

@@ -181,10 +181,14 @@ impl Split {
     /// Reads every writable segment an instance maps from the restore server (`leases[i]` holds
     /// `plan[i]`), hashes its blocks and stores it (blocking; see the module doc). Read-only
     /// segments are not read: the stop keeps their recipes.
-    pub fn precopy(&self, plan: &[Planned], leases: &[Lease]) -> Result<PreCopy, PreCopyError> {
+    pub fn precopy(
+        &self,
+        store: &ChunkStore,
+        plan: &[Planned],
+        leases: &[Lease],
+    ) -> Result<PreCopy, PreCopyError> {
         let began = Instant::now();
         let saved = self.save_writable(plan, leases)?;
-        let store = self.store()?;
         // The writer holds GC off while it stores; its chunks stay unreferenced until the
         // hibernation's commit, which checks that each is still there.
         let mut writer = store.writer().map_err(|e| PreCopyError::Put {

@@ -245,10 +245,22 @@ mod tests {
         }
     }
 
-    /// A split snapshot `id` in the store at `state/chunks` with one writable and one read-only
-    /// host segment.
+    /// A split snapshot `id` in the default tenant's store at `state/chunks` with one writable
+    /// and one read-only host segment.
     fn snapshot(state: &std::path::Path, id: &str, writable: &[u8], read_only: &[u8]) {
-        let store = ChunkStore::open(&state.join(crate::split::STORE_DIR)).unwrap();
+        snapshot_of(state, "default", id, writable, read_only);
+    }
+
+    /// [`snapshot`] in `tenant`'s store.
+    fn snapshot_of(
+        state: &std::path::Path,
+        tenant: &str,
+        id: &str,
+        writable: &[u8],
+        read_only: &[u8],
+    ) {
+        let root = crate::split::store_root_of(&state.join(crate::split::STORE_DIR), tenant);
+        let store = ChunkStore::open(&root).unwrap();
         let mut w = store.writer().unwrap();
         let a = w.put_bytes(&recipe_name(WRITABLE), writable).unwrap();
         let b = w.put_bytes(&recipe_name(READ_ONLY), read_only).unwrap();
@@ -415,7 +427,7 @@ mod tests {
         drop(leases);
         // The snapshot goes meanwhile (e.g. removed by hand) and no cache holds the read-only
         // segment: the store's chunks are gone.
-        let store = split.store().unwrap();
+        let store = split.store_for(crate::tenant::DEFAULT_TENANT).unwrap();
         store.release("fn-t-2").unwrap();
         store.try_gc().unwrap();
         let (plan, sources) = segments.sources();
@@ -447,8 +459,14 @@ mod tests {
     async fn read_only_copies_are_shared_within_a_tenant_only() {
         let dir = tempfile::tempdir().unwrap();
         let read_only: Vec<u8> = (0..3 * PAGE).map(|i| (i % 239) as u8).collect();
-        for id in ["fn-a-1", "fn-b-1", "fn-c-1"] {
-            snapshot(dir.path(), id, &[7u8; PAGE], &read_only);
+        // fn-c-1 in two tenants' stores: restored as each (the same contents, two tenants).
+        for (tenant, id) in [
+            ("team-a", "fn-a-1"),
+            ("team-a", "fn-b-1"),
+            ("team-b", "fn-c-1"),
+            ("default", "fn-c-1"),
+        ] {
+            snapshot_of(dir.path(), tenant, id, &[7u8; PAGE], &read_only);
         }
         let split = split(dir.path());
         let one = (3 * PAGE) as i64;
@@ -477,8 +495,12 @@ mod tests {
     async fn cached_segments_are_hits_within_a_tenant_only() {
         let dir = tempfile::tempdir().unwrap();
         let writable: Vec<u8> = (0..PAGE).map(|i| (i % 233) as u8).collect();
-        for id in ["fn-a-1", "fn-b-1", "fn-c-1"] {
-            snapshot(dir.path(), id, &writable, &[9u8; PAGE]);
+        for (tenant, id) in [
+            ("team-a", "fn-a-1"),
+            ("team-a", "fn-b-1"),
+            ("team-b", "fn-c-1"),
+        ] {
+            snapshot_of(dir.path(), tenant, id, &writable, &[9u8; PAGE]);
         }
         let limits = crate::config::RestoreServer {
             host_cache_bytes: 1 << 20,

@@ -199,7 +199,7 @@ impl Split {
         let asked = Instant::now();
         tokio::task::spawn_blocking(move || {
             tracing::debug!(snapshot = %id, started_s = asked.elapsed().as_secs_f64(), "segment fills started");
-            let plan = match split.plan(&id) {
+            let plan = match split.plan(&id, &tenant) {
                 Ok(Some(p)) => p,
                 Ok(None) => Arc::new(Vec::new()),
                 Err(e) => {
@@ -414,7 +414,7 @@ impl Split {
             self.update_cache_gauges();
             return Ok((m, "host"));
         }
-        let store = self.store()?;
+        let store = self.store_for(tenant)?;
         let mut buf = dev.host_buffer(size).map_err(FillError::HostBuffer)?;
         store
             .read_into(recipe, &mut buf)

@@ -273,7 +273,8 @@ impl Runtime {
         new: &NewInstance<'_, '_>,
     ) -> Result<Arc<Instance>, StartError> {
         let (split, snapshot) = (Arc::clone(&self.split), info.snapshot_id.clone());
-        let plan = tokio::task::spawn_blocking(move || split.plan(&snapshot))
+        let tenant = crate::tenant::of_spec(&info.spec).to_string();
+        let plan = tokio::task::spawn_blocking(move || split.plan(&snapshot, &tenant))
             .await
             .map_err(StartError::PlanTask)??;
         // Copy pages, from the staged copy when there is one: off the request's path, and a
