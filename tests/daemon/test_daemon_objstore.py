@@ -225,6 +225,32 @@ def test_a_split_snapshot_travels_with_its_sealed_segment_record(nodes: tuple[To
     assert rb.start == "restored" and "segments" in rb.timings, (rb.headers, b.log_text())
 
 
+def test_another_tenants_snapshot_travels_under_its_own_prefix_into_its_own_store(
+    nodes: tuple[Torpord, Torpord], seaweed: Seaweed, tmp_path: Path
+) -> None:
+    """The same splitbuf, as tenant team-a's: pushed under `tenants/team-a/` in the bucket (its
+    packs deduplicated against team-a's only, so every chunk goes up again though the default
+    tenant's os-split holds the same bytes) and pulled into B's team-a store."""
+    a, b = nodes
+    d = splitbuf_as(tmp_path, "os-team-a")
+    toml = d / "torpor.toml"
+    toml.write_text(toml.read_text().replace('name = "os-team-a"\n', 'name = "os-team-a"\ntenant = "team-a"\n'))
+    lines = a.deploy(d)
+    (snap,) = [x for x in lines if x.get("phase") == "snapshot_function"]
+    sid = snap["snapshot"]
+    pushed = lines[-1]["result"]["pushed"]
+    assert isinstance(pushed, dict) and pushed["uploaded_chunks"] == pushed["chunks"] > 0, pushed
+    locator = json.loads(s3_get_via_filer(seaweed, f"tenants/team-a/snapshots/{sid}.files/packs.json"))
+    assert locator["packs"], locator
+    client.Client(b.socket).pull("os-team-a")
+    record_a = (a.state / "chunks-tenants" / "team-a" / "refs" / f"{sid}.json").read_bytes()
+    record_b = (b.state / "chunks-tenants" / "team-a" / "refs" / f"{sid}.json").read_bytes()
+    assert record_a == record_b and b'"mac"' in record_b
+    assert not (b.state / "chunks" / "refs" / f"{sid}.json").exists()
+    rb = b.invoke("os-team-a", {"op": "compute", "x": 3})
+    assert rb.status == 200 and rb.start == "restored" and "segments" in rb.timings, (rb.body, b.log_text())
+
+
 def test_a_segment_record_rewritten_in_the_bucket_is_refused_and_nothing_is_registered(
     nodes: tuple[Torpord, Torpord], seaweed: Seaweed, tmp_path: Path
 ) -> None:

@@ -20,6 +20,8 @@
 //! ```text
 //! <prefix>functions/<tenant>/<name>.json   the function record: spec, dir, base key, snapshot id
 //! <prefix>function-names/<name>.json       {"tenant": …}: which tenant owns the name (for admin pulls)
+//! <prefix>tenants/<tenant>/packs/…, snapshots/…   a non-default tenant's snapshots (`torpor push`'s
+//!                                          layout under a prefix of its own: dedup within a tenant)
 //! ```
 //!
 //! A tenant's token reads `functions/<its tenant>/…` only, so it can pull nothing of another
@@ -294,6 +296,27 @@ impl Tier {
         Remote::open(&self.config.remote())
     }
 
+    /// A client for `tenant`'s snapshots (packs, locators, segment records): the bucket's prefix
+    /// for the default tenant, `<prefix>tenants/<tenant>/` for another, so that chunks are
+    /// deduplicated within a tenant only, as in the node's stores (crate::split::store_root_of),
+    /// and a push's `uploaded_bytes` cannot tell one tenant what another pushed.
+    fn snapshots_remote(&self, tenant: &str) -> Result<Remote, TransferError> {
+        let mut config = self.config.remote();
+        if tenant != crate::tenant::DEFAULT_TENANT {
+            // Record tenants are checked names; anything else gets a prefix of its own.
+            let part = if crate::tenant::is_tenant_name(tenant) {
+                tenant.to_string()
+            } else {
+                format!(
+                    "not-a-tenant-{}",
+                    &blake3::hash(tenant.as_bytes()).to_hex()[..16]
+                )
+            };
+            config.prefix = format!("{}tenants/{part}/", config.prefix);
+        }
+        Remote::open(&config)
+    }
+
     /// Pushes function `f`'s snapshot at `dir` (sealed by `key`) and its record. Blocking.
     pub fn push(
         &self,
@@ -331,8 +354,9 @@ impl Tier {
                 });
             }
         }
+        let snapshots = self.snapshots_remote(&tenant)?;
         let report = torpor_objstore::push(
-            &remote,
+            &snapshots,
             store,
             dir,
             &files_id(&id),
@@ -342,7 +366,7 @@ impl Tier {
         )?;
         let segments = if split {
             Some(torpor_objstore::push_sealed_record(
-                &remote,
+                &snapshots,
                 store,
                 &id,
                 key,
@@ -372,7 +396,7 @@ impl Tier {
                 tenant: tenant.clone(),
             })?,
         )?;
-        let traffic = remote.traffic();
+        let traffic = snapshots.traffic();
         Ok(Pushed {
             function: f.name.clone(),
             snapshot: id,
@@ -482,8 +506,10 @@ impl Tier {
         let clock = Instant::now();
         let remote = self.remote()?;
         let record = self.record_with(&remote, scope, name)?;
-        // The chunk store of the function's tenant (crate::split::Split::store_for).
+        // The chunk store of the function's tenant (crate::split::Split::store_for), and its
+        // snapshots' place in the bucket.
         let store = &stores(&record.tenant)?;
+        let remote = self.snapshots_remote(&record.tenant)?;
         let mut phases = PullPhases {
             record_s: clock.elapsed().as_secs_f64(),
             ..PullPhases::default()

@@ -64,6 +64,20 @@ pub fn scoped_key(tenant: &str, key: &str) -> String {
     }
 }
 
+/// `tenant` as one path component (a directory of the node, a key prefix in the bucket): the
+/// name itself when it is a tenant's name, else a name of its own derived from its hash, so a
+/// damaged record's tenant never walks out of its place.
+pub fn path_component(tenant: &str) -> String {
+    if is_tenant_name(tenant) {
+        tenant.to_string()
+    } else {
+        format!(
+            "not-a-tenant-{}",
+            &blake3::hash(tenant.as_bytes()).to_hex()[..16]
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
