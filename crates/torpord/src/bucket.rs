@@ -303,15 +303,7 @@ impl Tier {
     fn snapshots_remote(&self, tenant: &str) -> Result<Remote, TransferError> {
         let mut config = self.config.remote();
         if tenant != crate::tenant::DEFAULT_TENANT {
-            // Record tenants are checked names; anything else gets a prefix of its own.
-            let part = if crate::tenant::is_tenant_name(tenant) {
-                tenant.to_string()
-            } else {
-                format!(
-                    "not-a-tenant-{}",
-                    &blake3::hash(tenant.as_bytes()).to_hex()[..16]
-                )
-            };
+            let part = crate::tenant::path_component(tenant);
             config.prefix = format!("{}tenants/{part}/", config.prefix);
         }
         Remote::open(&config)

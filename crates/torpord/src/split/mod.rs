@@ -543,15 +543,7 @@ pub fn store_root_of(root: &Path, tenant: &str) -> PathBuf {
     }
     let mut dir = root.as_os_str().to_owned();
     dir.push("-tenants");
-    // A name that is not a tenant's (a damaged bucket record) never becomes a path of its own.
-    let component = if crate::tenant::is_tenant_name(tenant) {
-        tenant.to_string()
-    } else {
-        format!(
-            "not-a-tenant-{}",
-            &blake3::hash(tenant.as_bytes()).to_hex()[..16]
-        )
-    };
+    let component = crate::tenant::path_component(tenant);
     PathBuf::from(dir).join(component)
 }
 
