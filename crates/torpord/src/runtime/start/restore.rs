@@ -91,13 +91,39 @@ impl Runtime {
             worker,
             pages,
             phases,
-        } = restore_with(from, &self.logs_dir(), new.log, how, &self.snapshot_key)
-            .await
-            .map_err(|source| StartError::Restore {
-                function: name.to_string(),
-                source,
-            })?;
+        } = match restore_with(from, &self.logs_dir(), new.log, how, &self.snapshot_key).await {
+            Ok(tree) => tree,
+            Err(source) => {
+                // CRIU is born in the cgroup, and so is all it forks: what a CRIU killed or
+                // crashed mid-restore left there goes now, not with the daemon's next start.
+                if let Some(files) = cgroup.as_ref().map(crate::cgroup::Cgroup::procs_files) {
+                    let left =
+                        tokio::task::spawn_blocking(move || crate::cgroup::kill_procs(&files))
+                            .await
+                            .unwrap_or(0);
+                    if left > 0 {
+                        tracing::warn!(
+                            function = name,
+                            killed = left,
+                            "killed what a failed restore left in the instance's cgroup"
+                        );
+                    }
+                }
+                return Err(StartError::Restore {
+                    function: name.to_string(),
+                    source,
+                });
+            }
+        };
         new.charge.process_started(init);
+        // The test switch of the fault suite: CRIU has restored the tree, the worker is not
+        // woken yet, nothing is adopted (`TORPORD_DELAY=restored:<ms>`, or `woken` for a wake).
+        crate::journal::delay(if sleeper.is_some() {
+            "woken"
+        } else {
+            "restored"
+        })
+        .await;
         // Before the instance's registry row (adopt): a daemon killed while its pages are
         // still served must not re-adopt it (crate::recovery::drop_pages_pending).
         if pages.is_some() {
