@@ -326,6 +326,43 @@ def test_a_daemon_killed_in_a_wake_keeps_the_hibernated_instance(torpord: Torpor
     crash.remove(torpord, name)
 
 
+def test_a_daemon_killed_while_a_woken_instances_pages_come_puts_it_back_to_sleep(torpord: Torpord, tmp_path: Path) -> None:
+    """A lazily woken instance is adopted while its page server still serves its pages; a daemon
+    killed then leaves its pages-pending marker, and the restart kills such an instance (its
+    unserved pages would read as zeros). Before the fix its hibernation snapshot's row was gone
+    at adoption: the instance was deleted and its snapshot swept, its state lost (seen by
+    catching the window by watching, one wake in three). Now the row is kept until the pages
+    are in and the restart puts the instance back to sleep from it; the next request wakes it.
+    Held deterministically with `TORPORD_DELAY=pages-served` (the marker left as a kill while
+    the pages come leaves it)."""
+    name = "wake-pages"
+    torpord.deploy(crash.function_dir(tmp_path, name, [], 1, crash.KEEPALIVE))
+    iid = hibernated(torpord, name)
+    [(snap,)] = crash.registry(torpord, "SELECT snapshot FROM instances WHERE id = ?", iid)
+    restart_with(torpord, TORPORD_DELAY="pages-served:60000")
+    try:
+        before = delays_seen(torpord, "pages-served")
+        r = torpord.invoke(name, {"say": "hi"})
+        assert r.status == 200, (r.status, r.body, torpord.log_text())
+        wait_until(delayed(torpord, "pages-served", before), 30, "the woken instance's pages to be in")
+        assert (torpord.state / "pages-pending" / iid).is_file()
+        crash.kill_daemon(torpord)
+    finally:
+        torpord.env.pop("TORPORD_DELAY", None)
+    torpord.restart()
+    assert "it sleeps again from the hibernation it woke from" in torpord.log_text(), torpord.log_text()
+    assert [(r[0], r[1]) for r in crash.instance_rows(torpord, name)] == [(iid, "hibernated")], torpord.log_text()
+    assert crash.registry(torpord, "SELECT snapshot FROM instances WHERE id = ?", iid) == [(snap,)]
+    assert_clean(torpord)
+    r = torpord.invoke(name, {"say": "hi"})
+    assert r.status == 200, (r.status, r.body, torpord.log_text())
+    assert iid in [i["id"] for i in torpord.instances(name)], torpord.log_text()
+    # Once its pages are in, the hibernation's row and directory go.
+    wait_until(lambda: not crash.registry(torpord, "SELECT 1 FROM snapshots WHERE id = ?", snap), 15, "the hibernation's row to go")
+    assert_clean(torpord)
+    crash.remove(torpord, name)
+
+
 @pytest.mark.parametrize("point", ["restore", "wake"])
 def test_a_worker_killed_before_its_hello_is_answered_and_leaves_nothing(torpord: Torpord, tmp_path: Path, point: str) -> None:
     """kill -9 of the restored worker after CRIU restored it and before it said hello (a cold

@@ -127,7 +127,10 @@ impl Runtime {
         // Before the instance's registry row (adopt): a daemon killed while its pages are
         // still served must not re-adopt it (crate::recovery::drop_pages_pending).
         if pages.is_some() {
-            if let Err(e) = crate::runtime::pages_pending::mark(&self.state_root, new.id) {
+            let hibernation = sleeper.map(|s| s.snapshot_id.as_str());
+            if let Err(e) =
+                crate::runtime::pages_pending::mark(&self.state_root, new.id, hibernation)
+            {
                 kill_tree(init);
                 return Err(StartError::Restore {
                     function: name.to_string(),
@@ -169,7 +172,11 @@ impl Runtime {
         };
         let plan_s = hello.elapsed().as_secs_f64();
         let tree = WorkerTree::new(init, worker, conn, cgroup);
-        let adopted = Adopted::new(name, info, generation, sleeper, tree);
+        let adopted = Adopted::new(name, info, generation, sleeper, tree)
+            .keeping_hibernation(sleeper.is_some() && pages.is_some());
+        let hibernation_row = sleeper
+            .filter(|_| pages.is_some())
+            .map(|s| s.snapshot_id.clone());
         let inst = self.adopt(new.id, adopted).await?;
         // A woken instance's hibernation snapshot goes once nothing reads it any more: its
         // segments are mapped (they are read from its record meanwhile) and every lazy page is in.
@@ -217,8 +224,24 @@ impl Runtime {
             let mark = served_mark;
             tokio::spawn(async move {
                 let served = served.await;
-                drop(reading);
+                // The fault suite's switch: the pages are in, the marker not yet removed (as
+                // a daemon killed while they come leaves it).
+                crate::journal::delay("pages-served").await;
+                // The marker first: from here a daemon that dies re-adopts the instance (every
+                // page is in) or finds it gone; then the hibernation it woke from, whose row
+                // was kept for a daemon that died while the pages came.
                 drop(mark);
+                if let Some(hib) = hibernation_row {
+                    let registry = Arc::clone(&rt.registry);
+                    let forgot = tokio::task::spawn_blocking(move || {
+                        registry.with(|s| s.delete_snapshot(&hib).map(|_| ()))
+                    })
+                    .await;
+                    if let Ok(Err(e)) = forgot {
+                        tracing::warn!(instance = %inst.id, error = %e, "cannot remove the row of the hibernation a woken instance came from");
+                    }
+                }
+                drop(reading);
                 match served {
                     Ok(Ok(())) => inst.pages_pending.store(false, Ordering::SeqCst),
                     // Removed already, before its tree was killed.
