@@ -57,6 +57,7 @@ Each run counts, after the fault and its recovery:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -710,27 +711,31 @@ class Bench:
 def faults(b: Bench, gpu_bench: Callable[[], Bench]) -> dict[str, Callable[[], dict[str, Any]]]:
     """Every fault by name; the GPU-memory ones on `gpu_bench()` (made when first needed)."""
     out: dict[str, Callable[[], dict[str, Any]]] = {}
+
+    def on_b(fault: Callable[..., dict[str, Any]], *args: Any) -> Callable[[], dict[str, Any]]:
+        return lambda: b.run(functools.partial(fault, *args))
+
     for p in HIBERNATION:
-        out[f"daemon_kill_hibernate_{p}"] = lambda p=p: b.run(lambda: b.hibernate_kill(p))
+        out[f"daemon_kill_hibernate_{p}"] = on_b(b.hibernate_kill, p)
     for p in REDEPLOY:
-        out[f"daemon_kill_redeploy_{p}"] = lambda p=p: b.run(lambda: b.redeploy_kill(p))
-    out["worker_kill"] = lambda: b.run(b.worker_kill)
+        out[f"daemon_kill_redeploy_{p}"] = on_b(b.redeploy_kill, p)
+    out["worker_kill"] = on_b(b.worker_kill)
     for s in CRIU_SWITCHES:
-        out[f"criu_fault_hibernate_{s[0]}={s[1]}"] = lambda s=s: b.run(lambda: b.criu_fault(s))
+        out[f"criu_fault_hibernate_{s[0]}={s[1]}"] = on_b(b.criu_fault, s)
     for p in RESTORE_POINTS:
-        out[f"daemon_kill_restore_{p}"] = lambda p=p: b.run(lambda: b.restore_kill(p, False))
-        out[f"daemon_kill_wake_{p}"] = lambda p=p: b.run(lambda: b.restore_kill(p, True))
-    out["daemon_kill_restore_early"] = lambda: b.run(lambda: b.restore_kill(EARLY, False))
+        out[f"daemon_kill_restore_{p}"] = on_b(b.restore_kill, p, False)
+        out[f"daemon_kill_wake_{p}"] = on_b(b.restore_kill, p, True)
+    out["daemon_kill_restore_early"] = on_b(b.restore_kill, EARLY, False)
     for p in ["early", "in_criu"]:
-        out[f"criu_kill_restore_{p}"] = lambda p=p: b.run(lambda: b.criu_kill_restore(p))
-    out["criu_kill_hibernate_dump"] = lambda: b.run(lambda: b.criu_kill_dump("hibernate"))
-    out["criu_kill_redeploy_dump"] = lambda: b.run(lambda: b.criu_kill_dump("deploy"))
-    out["page_server_kill_restore"] = lambda: b.run(b.page_server_kill)
-    out["worker_kill_restore"] = lambda: b.run(lambda: b.worker_kill_restore(False))
-    out["worker_kill_wake"] = lambda: b.run(lambda: b.worker_kill_restore(True))
-    out["worker_kill_quiesce"] = lambda: b.run(b.worker_kill_quiesce)
+        out[f"criu_kill_restore_{p}"] = on_b(b.criu_kill_restore, p)
+    out["criu_kill_hibernate_dump"] = on_b(b.criu_kill_dump, "hibernate")
+    out["criu_kill_redeploy_dump"] = on_b(b.criu_kill_dump, "deploy")
+    out["page_server_kill_restore"] = on_b(b.page_server_kill)
+    out["worker_kill_restore"] = on_b(b.worker_kill_restore, False)
+    out["worker_kill_wake"] = on_b(b.worker_kill_restore, True)
+    out["worker_kill_quiesce"] = on_b(b.worker_kill_quiesce)
     for p in FIRST_DEPLOY:
-        out[f"daemon_kill_first_deploy_{p}"] = lambda p=p: b.run(lambda: b.first_deploy_kill(p))
+        out[f"daemon_kill_first_deploy_{p}"] = on_b(b.first_deploy_kill, p)
     out["gpu_oom_restore"] = lambda: gpu_bench().run(gpu_bench().gpu_oom_restore)
     out["gpu_oom_deploy"] = lambda: gpu_bench().run(gpu_bench().gpu_oom_deploy)
     return out

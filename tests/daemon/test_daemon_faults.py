@@ -386,7 +386,7 @@ def test_a_worker_killed_before_its_hello_is_answered_and_leaves_nothing(torpord
         os.kill(worker_of(new[0]), signal.SIGKILL)
         out = req.answer()
         assert answered_or_error_line(out), (out, torpord.log_text())
-        assert isinstance(out, Answer) and out.status == 200, (out.status, out.body, torpord.log_text())
+        assert isinstance(out, Answer) and out.status == 200, (out, torpord.log_text())
     finally:
         restart_with(torpord, TORPORD_DELAY="")
     assert_clean(torpord)
