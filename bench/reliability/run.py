@@ -57,6 +57,7 @@ Each run counts, after the fault and its recovery:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -74,6 +75,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python"), str(Path(__file__).resolve().parent)]
 
 from daemon import test_daemon_crash as crash  # noqa: E402
+from daemon import test_daemon_faults as faults_t  # noqa: E402
 from daemon.conftest import Torpord, fake_gpu_env  # noqa: E402
 from load import machine  # noqa: E402  (the same record of the machine as the load test)
 
@@ -111,6 +113,13 @@ GPU_MEMORY_LINE = "free GPU memory"
 HIBERNATION = crash.HIBERNATION_POINTS
 REDEPLOY = ["load", "dump_function", "stage"]
 CRIU_SWITCHES = [("CRIU_FAULT", "1"), ("TORPOR_FAULT", "after-dump")]
+# Where a cold start's or a wake's restore is interrupted: inside CRIU (held at its pre-resume
+# notification, `TORPOR_DELAY`), or after CRIU restored the tree, before it is adopted
+# (`TORPORD_DELAY=restored` / `woken`).
+RESTORE_POINTS = ["in_criu", "restored"]
+# `early`: inside CRIU's restore just after it forked the restored root (caught by watching).
+EARLY = "early"
+FIRST_DEPLOY = ["boot_base", "snapshot_base", "restore_base", "load"]
 
 
 
@@ -405,6 +414,277 @@ class Bench:
             "stray_processes": stray,
         }
 
+    # -- kills during restores, wakes and dumps (tests/daemon/test_daemon_faults.py) ----------
+
+    def strict_stray(self) -> list[str]:
+        """Processes of the daemon's outside the instances it lists, counting those in its
+        cgroups that lost its environment marker (what a killed CRIU had half restored)."""
+        pids = faults_t.strays(self.d)
+        return crash.describe(pids).split("; ") if pids else []
+
+    def held(self, delay: str) -> None:
+        """A graceful restart with the switch that holds restores (`TORPOR_DELAY=criu-...` or
+        `TORPORD_DELAY=...`; "" for none)."""
+        env = {}
+        if delay.startswith("criu-"):
+            env["TORPOR_DELAY"] = delay
+        elif delay:
+            env["TORPORD_DELAY"] = delay
+        self.restart(env)
+
+    def hibernated(self, name: str) -> str:
+        if name not in self.versions:
+            self.deploy(name, 1, crash.KEEPALIVE)
+        if not any(r[1] == "hibernated" for r in crash.instance_rows(self.d, name)):
+            self.restart({})
+            faults_t.hibernated(self.d, name)
+        (iid,) = [r[0] for r in crash.instance_rows(self.d, name) if r[1] == "hibernated"]
+        return str(iid)
+
+    def restore_kill(self, point: str, wake: bool) -> dict[str, Any]:
+        """kill -9 of torpord in a cold start's (or a wake's) restore at `point`, then a restart.
+        A wake must leave the instance hibernated, its snapshot kept, and the request after the
+        restart must wake that very instance."""
+        name = "rel-wake" if wake else "rel-restore"
+        iid = self.hibernated(name) if wake else None
+        if not wake and name not in self.versions:
+            self.deploy(name, 1)
+        mark = "woken" if wake else "restored"
+        self.held({"in_criu": faults_t.IN_CRIU, "early": ""}.get(point, f"{mark}:60000"))
+        before = faults_t.delays_seen(self.d, mark)
+        req = faults_t.InFlight(self.d, name)
+        caught = True
+        if point == "in_criu":
+            faults_t.helper_of(self.d, " swrk ", forks=1)
+        elif point == "early":
+            # CRIU with its helper and the restored root just forked (watched: no switch holds
+            # CRIU there); a restore that ended first is counted `not_caught`.
+            try:
+                faults_t.helper_of(self.d, " swrk ", timeout=10, forks=2, until=lambda: not req.thread.is_alive())
+            except AssertionError:
+                caught = False
+        else:
+            crash.wait_until(faults_t.delayed(self.d, mark, before), 30, "the restore to be held")
+        crash.kill_daemon(self.d)
+        req.answer()
+        self.d.env = dict(self.base_env)
+        t0 = time.monotonic()
+        self.d.restart()
+        kept = True
+        if wake:
+            kept = [(r[0], r[1]) for r in crash.instance_rows(self.d, name)] == [(iid, "hibernated")]
+        lost, secs = self.recovered(name, t0)
+        if wake:
+            kept = kept and iid in [i["id"] for i in self.d.instances(name)]
+        stray = self.strict_stray()
+        return {
+            "outcome": ("" if caught else "not_caught: ")
+            + (("woke_the_kept_instance" if kept else "instance_lost") if wake else "served"),
+            "harmed_sources": int(bool(stray) or not kept),
+            "lost_requests": lost,
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
+    def criu_kill_restore(self, point: str) -> dict[str, Any]:
+        """kill -9 of CRIU in a cold start's restore: `early` (caught with its forks, before the
+        restored root has its own descriptors) or `in_criu` (held at pre-resume). The request
+        it hit must be served (a booted instance) or refused in one line, never hang."""
+        name = "rel-restore"
+        if name not in self.versions:
+            self.deploy(name, 1)
+        t0 = time.monotonic()
+        if point == "early":
+            killed, outs = faults_t.kill_criu_early_in_a_restore(self.d, name)
+            out = outs[-1]
+            outcome_pre = "" if killed else "not_caught: "
+        else:
+            self.held(faults_t.IN_CRIU)
+            req = faults_t.InFlight(self.d, name)
+            os.kill(faults_t.helper_of(self.d, " swrk ", forks=1), signal.SIGKILL)
+            out = req.answer()
+            self.restart({})
+            outcome_pre = ""
+        ok = faults_t.answered_or_error_line(out)
+        stray = self.strict_stray()
+        more, secs = self.recovered(name, t0)
+        status = out.status if isinstance(out, faults_t.Answer) else type(out).__name__
+        return {
+            "outcome": f"{outcome_pre}answered {status}",
+            "harmed_sources": int(bool(stray)),
+            "lost_requests": more + int(not ok),
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
+    def page_server_kill(self) -> dict[str, Any]:
+        """kill -9 of Torpor's page server (a lazy restore's helper) while CRIU restores through
+        it: the restore fails naming it, the request is served by a booted instance."""
+        name = "rel-restore"
+        if name not in self.versions:
+            self.deploy(name, 1)
+        self.held(faults_t.IN_CRIU_BRIEFLY)
+        t0 = time.monotonic()
+        req = faults_t.InFlight(self.d, name)
+        faults_t.helper_of(self.d, " swrk ", forks=1)
+        os.kill(faults_t.helper_of(self.d, "__page-server"), signal.SIGKILL)
+        out = req.answer()
+        self.restart({})
+        ok = faults_t.answered_or_error_line(out)
+        stray = self.strict_stray()
+        more, secs = self.recovered(name, t0)
+        status = out.status if isinstance(out, faults_t.Answer) else type(out).__name__
+        return {
+            "outcome": f"answered {status}",
+            "harmed_sources": int(bool(stray)),
+            "lost_requests": more + int(not ok),
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
+    def worker_kill_restore(self, wake: bool) -> dict[str, Any]:
+        """kill -9 of the restored worker before its hello (a cold start, a wake): the request is
+        answered, nothing is left."""
+        name = "rel-wake" if wake else "rel-restore"
+        if wake:
+            self.hibernated(name)
+        elif name not in self.versions:
+            self.deploy(name, 1)
+        mark = "woken" if wake else "restored"
+        self.held(f"{mark}:3000")
+        before = faults_t.delays_seen(self.d, mark)
+        known = faults_t.cgroup_pids(self.d.state)
+        t0 = time.monotonic()
+        req = faults_t.InFlight(self.d, name)
+        crash.wait_until(faults_t.delayed(self.d, mark, before), 30, "the restore to be held")
+        new = [p for p in faults_t.cgroup_pids(self.d.state) - known if faults_t.children(p)]
+        os.kill(faults_t.worker_of(new[0]), signal.SIGKILL)
+        out = req.answer()
+        self.restart({})
+        ok = faults_t.answered_or_error_line(out)
+        stray = self.strict_stray()
+        more, secs = self.recovered(name, t0)
+        status = out.status if isinstance(out, faults_t.Answer) else type(out).__name__
+        return {
+            "outcome": f"answered {status}",
+            "harmed_sources": int(bool(stray)),
+            "lost_requests": more + int(not ok),
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
+    def first_deploy_kill(self, point: str) -> dict[str, Any]:
+        """kill -9 of torpord at a first deploy's phase: the restart leaves nothing, the function
+        is failed (or unknown), and a new deploy of it succeeds."""
+        self.attempts["first"] = self.attempts.get("first", 0) + 1
+        name = f"rel-first-{point.replace('_', '-')}-{self.attempts['first']}"
+        # A base of its own where the kill comes before the base exists: a preload set no
+        # earlier run had (the attempt number's bits pick stdlib modules).
+        k = self.attempts["first"]
+        preload = [m for i, m in enumerate(crash.STDLIB) if k >> i & 1] if "base" in point else []
+        fdir = crash.function_dir(self.tmp, name, preload, 1)
+        crash.deploy_until(self.d, fdir, point)
+        t0 = time.monotonic()
+        self.d.restart()
+        state = crash.state_of(self.d, name)
+        stray = self.strict_stray()
+        snaps = self.stray_snapshots()
+        self.d.deploy(crash.function_dir(self.tmp, name, [], 2))
+        self.versions[name] = 2
+        lost, secs = self.recovered(name, t0)
+        self.d.cli("rm", name)
+        self.versions.pop(name)
+        return {
+            "outcome": f"then {state}, redeployed",
+            "harmed_sources": int(bool(stray) or bool(snaps)),
+            "lost_requests": lost,
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
+    def criu_kill_dump(self, what: str) -> dict[str, Any]:
+        """kill -9 of CRIU inside a dump: a hibernation's (its half-written directory seen; the
+        source must keep serving or sleep from a good snapshot) or a redeploy's function
+        snapshot (the previous deploy must keep serving)."""
+        if what == "hibernate":
+            name = "rel-criu-dump"
+            if name not in self.versions:
+                self.deploy(name, 1, crash.KEEPALIVE)
+            self.restart({})
+            assert self.answers(name)
+            crash.poll(crash.partial_in(self.d, "hib-"), 30, "the hibernation's CRIU dump")
+        else:
+            name = "rel-criu-redeploy"
+            if name not in self.versions:
+                self.deploy(name, 1)
+            self.attempts[name] = self.attempts.get(name, 1) + 1
+            p = subprocess.Popen(
+                [str(self.d.binary), "deploy", str(self.function_dir(name, self.attempts[name]))],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, TORPOR_SOCKET=str(self.d.socket)),
+            )
+            crash.poll(crash.partial_in(self.d, "fn-"), 60, "the function snapshot's CRIU dump")
+        t0 = time.monotonic()
+        failed_before = self.d.log.read_text(errors="replace").count("hibernation failed")
+        criu = faults_t.helper_of(self.d, " swrk ", timeout=5)
+        os.kill(criu, signal.SIGKILL)
+        outcome = "killed"
+        deploy_error = ""
+        if what == "deploy":
+            _, err = p.communicate(timeout=120)
+            lines = err.strip().splitlines()
+            deploy_error = (lines or [""])[-1][:300]
+            outcome = "refused_previous_serves" if p.returncode != 0 else "deployed"
+            if p.returncode == 0:
+                self.versions[name] = self.attempts[name]
+        else:
+            crash.wait_until(
+                lambda: self.d.log.read_text(errors="replace").count("hibernation failed") > failed_before,
+                30,
+                "the hibernation to fail",
+            )
+            outcome = "hibernation failed, instance removed"
+        lost, secs = self.recovered(name, t0)
+        stray = self.strict_stray()
+        row = {
+            "outcome": outcome,
+            "harmed_sources": int(bool(stray)),
+            "lost_requests": lost,
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+        if what == "deploy":
+            row["deploy_error"] = deploy_error
+        return row
+
+    def worker_kill_quiesce(self) -> dict[str, Any]:
+        """kill -9 of the worker while its hibernation holds at `quiesce`: the instance is
+        removed, nothing is left, the function answers."""
+        name = "rel-quiesce"
+        if name not in self.versions:
+            self.deploy(name, 1, crash.KEEPALIVE)
+        self.restart({"TORPORD_HOLD": "hibernate:quiesce"})
+        assert self.answers(name)
+        rows = [r for r in crash.instance_rows(self.d, name) if r[2] is not None]
+        crash.poll(crash.journal_step(self.d, "quiesce"), 30, "the hibernation's quiesce")
+        init = int(rows[0][2])
+        t0 = time.monotonic()
+        os.kill(faults_t.worker_of(init), signal.SIGKILL)
+        crash.wait_until(lambda: crash.gone(init), 15, "the instance's tree to go")
+        lost, secs = self.recovered(name, t0)
+        stray = self.strict_stray()
+        self.restart({})
+        stray += self.strict_stray()
+        return {
+            "outcome": "instance_removed",
+            "harmed_sources": int(bool(stray)),
+            "lost_requests": lost,
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
     def run(self, fault: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         t = time.monotonic()
         try:
@@ -431,13 +711,31 @@ class Bench:
 def faults(b: Bench, gpu_bench: Callable[[], Bench]) -> dict[str, Callable[[], dict[str, Any]]]:
     """Every fault by name; the GPU-memory ones on `gpu_bench()` (made when first needed)."""
     out: dict[str, Callable[[], dict[str, Any]]] = {}
+
+    def on_b(fault: Callable[..., dict[str, Any]], *args: Any) -> Callable[[], dict[str, Any]]:
+        return lambda: b.run(functools.partial(fault, *args))
+
     for p in HIBERNATION:
-        out[f"daemon_kill_hibernate_{p}"] = lambda p=p: b.run(lambda: b.hibernate_kill(p))
+        out[f"daemon_kill_hibernate_{p}"] = on_b(b.hibernate_kill, p)
     for p in REDEPLOY:
-        out[f"daemon_kill_redeploy_{p}"] = lambda p=p: b.run(lambda: b.redeploy_kill(p))
-    out["worker_kill"] = lambda: b.run(b.worker_kill)
+        out[f"daemon_kill_redeploy_{p}"] = on_b(b.redeploy_kill, p)
+    out["worker_kill"] = on_b(b.worker_kill)
     for s in CRIU_SWITCHES:
-        out[f"criu_fault_hibernate_{s[0]}={s[1]}"] = lambda s=s: b.run(lambda: b.criu_fault(s))
+        out[f"criu_fault_hibernate_{s[0]}={s[1]}"] = on_b(b.criu_fault, s)
+    for p in RESTORE_POINTS:
+        out[f"daemon_kill_restore_{p}"] = on_b(b.restore_kill, p, False)
+        out[f"daemon_kill_wake_{p}"] = on_b(b.restore_kill, p, True)
+    out["daemon_kill_restore_early"] = on_b(b.restore_kill, EARLY, False)
+    for p in ["early", "in_criu"]:
+        out[f"criu_kill_restore_{p}"] = on_b(b.criu_kill_restore, p)
+    out["criu_kill_hibernate_dump"] = on_b(b.criu_kill_dump, "hibernate")
+    out["criu_kill_redeploy_dump"] = on_b(b.criu_kill_dump, "deploy")
+    out["page_server_kill_restore"] = on_b(b.page_server_kill)
+    out["worker_kill_restore"] = on_b(b.worker_kill_restore, False)
+    out["worker_kill_wake"] = on_b(b.worker_kill_restore, True)
+    out["worker_kill_quiesce"] = on_b(b.worker_kill_quiesce)
+    for p in FIRST_DEPLOY:
+        out[f"daemon_kill_first_deploy_{p}"] = on_b(b.first_deploy_kill, p)
     out["gpu_oom_restore"] = lambda: gpu_bench().run(gpu_bench().gpu_oom_restore)
     out["gpu_oom_deploy"] = lambda: gpu_bench().run(gpu_bench().gpu_oom_deploy)
     return out
@@ -495,6 +793,11 @@ def main() -> int:
     p.add_argument("--gpu", action="store_true", help="every fault with a GPU function on this machine's real GPU")
     p.add_argument("--split-gpu", action="store_true", help="with --gpu: the split path (default: transparent)")
     p.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the faults of the existing output file that this run did not force (their rows, settings and wall time)",
+    )
     args = p.parse_args()
     if os.geteuid() != 0:
         p.error("needs root: torpord starts workers in namespaces and runs CRIU")
@@ -546,6 +849,12 @@ def main() -> int:
             for bench in benches:
                 bench.d.stop()
     fuzz, load = fuzz_part(), load_part()
+    earlier = read(out_path) if args.merge else None
+    wall_s = round(time.monotonic() - t, 1)
+    if earlier is not None:
+        # The new faults after the earlier ones; a fault forced again replaces its rows.
+        results = {**{k: v for k, v in earlier["faults"].items() if k not in results}, **results}
+        wall_s = round(wall_s + float(earlier.get("wall_s") or 0), 1)
     summary = {
         "faults": len(results),
         "runs": sum(r["runs"] for r in results.values()),
@@ -567,9 +876,10 @@ def main() -> int:
             "gpu": args.gpu,
             "split_gpu": args.split_gpu if args.gpu else None,
             "budget_s": args.budget_s,
+            "merged": bool(earlier),
         },
         "machine": machine(binary),
-        "wall_s": round(time.monotonic() - t, 1),
+        "wall_s": wall_s,
         "faults": results,
         "fuzz": fuzz,
         "load": load,

@@ -90,6 +90,18 @@ pub(crate) fn call(
         log,
     } = session;
     drop(sock);
+    if !matches!(result, Ok(Some(_))) {
+        // No successful final reply: whatever CRIU forked and left behind (a restore's helper
+        // and half-restored tasks when CRIU was killed) is still in its process group, stopped
+        // on a futex for ever and holding CRIU's socket. Killed while CRIU's pid, the group's
+        // id, is still held by its unreaped zombie, so that no other group can be hit.
+        let pid = child.id() as libc::pid_t;
+        if wait_exited_unreaped(pid) {
+            // SAFETY: kill(2) of the process group CRIU led (process_group(0) at spawn); its
+            // leader is a zombie not yet reaped, so the id names no other group.
+            unsafe { libc::kill(-pid, libc::SIGKILL) };
+        }
+    }
     let status = child.wait();
     match result {
         Ok(Some(resp)) => Ok(resp),
@@ -298,9 +310,33 @@ impl Session {
         }
     }
 
-    /// One message and the descriptors that came with it; `None` at end of stream.
+    /// One message and the descriptors that came with it; `None` at end of stream, or once
+    /// CRIU has exited with nothing pending: a process CRIU forked may hold CRIU's end of the
+    /// socket (a restore's tasks, left when CRIU is killed), so its end of stream may never come.
     fn recv(&self) -> Result<Option<Packet>, CriuError> {
         let fd = self.sock.as_raw_fd();
+        loop {
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            let n = unsafe { libc::poll(&mut pfd, 1, EXIT_CHECK_MS) };
+            if n > 0 {
+                break;
+            }
+            if n < 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(self.io_error(err));
+            }
+            if exited_unreaped(self.child.id() as libc::pid_t) {
+                return Ok(None);
+            }
+        }
         let len = loop {
             // SAFETY: a zero-length peek with a null buffer is valid; MSG_TRUNC makes the kernel
             // return the real length of the pending packet without copying anything.
@@ -392,6 +428,43 @@ fn take_fds(msg: &libc::msghdr) -> Vec<OwnedFd> {
         cmsg = unsafe { libc::CMSG_NXTHDR(msg, cmsg) };
     }
     fds
+}
+
+/// How often a wait for CRIU's next message checks whether CRIU is still alive.
+const EXIT_CHECK_MS: libc::c_int = 100;
+
+/// Whether the child `pid` has exited; it is left unreaped (its pid stays taken).
+fn exited_unreaped(pid: libc::pid_t) -> bool {
+    waitid_nowait(pid, libc::WNOHANG)
+}
+
+/// Waits until the child `pid` has exited, leaving it unreaped; false if it cannot be waited
+/// for (already reaped).
+fn wait_exited_unreaped(pid: libc::pid_t) -> bool {
+    waitid_nowait(pid, 0)
+}
+
+fn waitid_nowait(pid: libc::pid_t, flags: libc::c_int) -> bool {
+    loop {
+        // SAFETY: siginfo_t is plain data, zeroed as waitid(2) with WNOHANG requires.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our own child with a valid siginfo_t; WNOWAIT leaves it unreaped.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT | flags,
+            )
+        };
+        if rc == 0 {
+            // SAFETY: waitid filled `info` (si_pid 0: WNOHANG and the child still runs).
+            return unsafe { info.si_pid() } == pid;
+        }
+        if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return false;
+        }
+    }
 }
 
 fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {

@@ -40,3 +40,25 @@ impl Point {
 pub fn armed(point: Point) -> bool {
     std::env::var(ENV).is_ok_and(|v| v.trim() == point.name())
 }
+
+/// The environment variable of the timing switch: `TORPOR_DELAY=criu-<notification>:<ms>` (e.g.
+/// `criu-pre-resume:3000`) holds every CRIU restore at that notification of CRIU's for `ms`
+/// (at most a minute), CRIU waiting for the answer, so that a fault suite can kill CRIU, the
+/// daemon or a helper while CRIU is inside a restore, its tasks forked.
+pub const DELAY_ENV: &str = "TORPOR_DELAY";
+
+/// Waits as [`DELAY_ENV`] says if it names CRIU's notification `script`.
+pub fn delay_at_notification(script: &str) {
+    let Ok(v) = std::env::var(DELAY_ENV) else {
+        return;
+    };
+    let Some((point, ms)) = v.trim().split_once(':') else {
+        return;
+    };
+    let Ok(ms) = ms.parse::<u64>() else {
+        return;
+    };
+    if point.strip_prefix("criu-") == Some(script) {
+        std::thread::sleep(std::time::Duration::from_millis(ms.min(60_000)));
+    }
+}

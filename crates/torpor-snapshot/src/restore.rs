@@ -720,6 +720,7 @@ fn restore_watching(
         let result = phases.time("criu_restore", || {
             criu.restore_with(request, &mut |n| {
                 criu_pid.store(n.criu_pid as i32, Ordering::Release);
+                crate::fault::delay_at_notification(&n.script);
                 if n.script == torpor_criu::SETUP_NAMESPACES {
                     root.store(n.pid.unwrap_or(0), Ordering::Release);
                 }
@@ -735,6 +736,15 @@ fn restore_watching(
             })
         });
         done.store(true, Ordering::Release);
+        // CRIU gone without answering (killed, or crashed) rolled nothing back: the tasks it
+        // had restored so far wait in its restorer for ever. Its own forks went with its
+        // process group (torpor_criu); the restored root leads a group of its own.
+        if let Err(CriuError::Exited { .. }) = &result {
+            let root = root.load(Ordering::Acquire);
+            if root > 0 {
+                kill_every_task(root);
+            }
+        }
         result
     })
 }

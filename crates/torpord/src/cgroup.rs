@@ -418,6 +418,44 @@ impl Cgroup {
     }
 }
 
+impl Cgroup {
+    /// SIGKILL to every process in the cgroup, until it has none (or about a second passed):
+    /// after a restore that failed with CRIU gone, what CRIU had forked and restored is left
+    /// in it, waiting for ever and no longer marked as the daemon's (its environment is the
+    /// restored tree's, or unreadable). Returns how many were killed.
+    pub fn kill_all(&self) -> usize {
+        kill_procs(&self.procs_files())
+    }
+}
+
+/// [`Cgroup::kill_all`] on the cgroup's `cgroup.procs` files (for a blocking thread).
+pub fn kill_procs(procs_files: &[PathBuf]) -> usize {
+    let mut killed = 0;
+    for _ in 0..50 {
+        let pids: Vec<i32> = procs_files
+            .iter()
+            .filter_map(|f| std::fs::read_to_string(f).ok())
+            .flat_map(|t| {
+                t.split_whitespace()
+                    .filter_map(|p| p.parse().ok())
+                    .collect::<Vec<i32>>()
+            })
+            .collect();
+        if pids.is_empty() {
+            break;
+        }
+        for pid in pids {
+            // SAFETY: kill(2) only sends a signal, to a process in this instance's cgroup,
+            // which the daemon made for it alone.
+            if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
+                killed += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    killed
+}
+
 impl Drop for Cgroup {
     fn drop(&mut self) {
         crate::sync::lock(&self.owner.reserved).remove(&self.name);

@@ -26,7 +26,10 @@ pub const HOLD: Duration = Duration::from_secs(60);
 /// The environment variable of the timing switch: `TORPORD_DELAY=<point>:<ms>` makes the
 /// daemon wait that long at `point` (logged), so that a test can act inside a window that is
 /// otherwise too short to hit: `precopy` (a hibernation's pre-copy has read the segments, the
-/// instance still serving), `hibernate-stop` (a hibernation's stop, after the worker's quiet).
+/// instance still serving), `hibernate-stop` (a hibernation's stop, after the worker's quiet),
+/// `restored` / `woken` (a cold start's / a wake's restore: CRIU restored the tree, its worker
+/// not yet woken, nothing adopted), `pages-served` (a lazily restored instance's pages are in,
+/// its pages-pending marker not yet removed).
 pub const DELAY_ENV: &str = "TORPORD_DELAY";
 
 /// Waits as [`DELAY_ENV`] says for `point`, if it names it.

@@ -164,6 +164,22 @@ pub fn drop_pages_pending(registry: &Registry, root: &Path) -> Result<usize, Reg
                     torpor_snapshot::restore::kill_every_task(pid);
                 }
             }
+            // Woken from a hibernation whose row was kept until its pages were in: it sleeps
+            // again, from that snapshot, as it did before the wake.
+            let slept = match crate::runtime::pages_pending::hibernation_of(&e.path()) {
+                Some(hib) => registry
+                    .with(|s| s.snapshot(&hib))?
+                    .filter(|snap| snap.path.is_dir())
+                    .map(|snap| snap.id),
+                None => None,
+            };
+            if let Some(hib) = slept {
+                registry
+                    .critical(|s| s.set_instance_stage(&id, Stage::Hibernated, None, Some(&hib)))?;
+                tracing::warn!(instance = %id, function = %i.function, snapshot = %hib, "killed a woken instance whose page server was still serving its memory when torpord stopped; it sleeps again from the hibernation it woke from");
+                let _ = std::fs::remove_file(e.path());
+                continue;
+            }
             registry.critical(|s| s.delete_instance(&id).map(|_| ()))?;
             dropped += 1;
             tracing::warn!(instance = %id, function = %i.function, "killed an instance whose page server was still serving its memory when torpord stopped: without it, the pages it had not served would read as zeros");

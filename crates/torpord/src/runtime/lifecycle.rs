@@ -198,6 +198,7 @@ impl Runtime {
             generation,
             woken: sleeper,
             tree,
+            keep_hibernation,
         } = adopted;
         let init = tree.init;
         let now = now_ms();
@@ -236,7 +237,9 @@ impl Runtime {
             Some(hib) => registry.transaction(|s| {
                 s.set_instance_stage(&row.id, Stage::Warm, Some(init), row.snapshot.as_deref())?;
                 s.touch_instance(&row.id, now)?;
-                s.delete_snapshot(&hib)?;
+                if !keep_hibernation {
+                    s.delete_snapshot(&hib)?;
+                }
                 s.set_instance_process(&row.id, init, process_start)?;
                 Ok::<_, crate::registry::RegistryError>(())
             }),
@@ -459,6 +462,9 @@ pub(crate) struct Adopted<'a> {
     /// The hibernated instance it was woken from (it keeps its row and id).
     pub(crate) woken: Option<&'a Sleeper>,
     pub(crate) tree: WorkerTree,
+    /// A woken instance whose lazy pages are still being served: its hibernation snapshot's
+    /// row stays until they are in (crate::runtime::pages_pending::mark).
+    pub(crate) keep_hibernation: bool,
 }
 
 impl<'a> Adopted<'a> {
@@ -475,7 +481,14 @@ impl<'a> Adopted<'a> {
             generation,
             woken,
             tree,
+            keep_hibernation: false,
         }
+    }
+
+    /// See [`Adopted::keep_hibernation`].
+    pub(crate) fn keeping_hibernation(mut self, keep: bool) -> Self {
+        self.keep_hibernation = keep;
+        self
     }
 }
 

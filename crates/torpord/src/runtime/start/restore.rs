@@ -91,17 +91,46 @@ impl Runtime {
             worker,
             pages,
             phases,
-        } = restore_with(from, &self.logs_dir(), new.log, how, &self.snapshot_key)
-            .await
-            .map_err(|source| StartError::Restore {
-                function: name.to_string(),
-                source,
-            })?;
+        } = match restore_with(from, &self.logs_dir(), new.log, how, &self.snapshot_key).await {
+            Ok(tree) => tree,
+            Err(source) => {
+                // CRIU is born in the cgroup, and so is all it forks: what a CRIU killed or
+                // crashed mid-restore left there goes now, not with the daemon's next start.
+                if let Some(files) = cgroup.as_ref().map(crate::cgroup::Cgroup::procs_files) {
+                    let left =
+                        tokio::task::spawn_blocking(move || crate::cgroup::kill_procs(&files))
+                            .await
+                            .unwrap_or(0);
+                    if left > 0 {
+                        tracing::warn!(
+                            function = name,
+                            killed = left,
+                            "killed what a failed restore left in the instance's cgroup"
+                        );
+                    }
+                }
+                return Err(StartError::Restore {
+                    function: name.to_string(),
+                    source,
+                });
+            }
+        };
         new.charge.process_started(init);
+        // The test switch of the fault suite: CRIU has restored the tree, the worker is not
+        // woken yet, nothing is adopted (`TORPORD_DELAY=restored:<ms>`, or `woken` for a wake).
+        crate::journal::delay(if sleeper.is_some() {
+            "woken"
+        } else {
+            "restored"
+        })
+        .await;
         // Before the instance's registry row (adopt): a daemon killed while its pages are
         // still served must not re-adopt it (crate::recovery::drop_pages_pending).
         if pages.is_some() {
-            if let Err(e) = crate::runtime::pages_pending::mark(&self.state_root, new.id) {
+            let hibernation = sleeper.map(|s| s.snapshot_id.as_str());
+            if let Err(e) =
+                crate::runtime::pages_pending::mark(&self.state_root, new.id, hibernation)
+            {
                 kill_tree(init);
                 return Err(StartError::Restore {
                     function: name.to_string(),
@@ -143,7 +172,11 @@ impl Runtime {
         };
         let plan_s = hello.elapsed().as_secs_f64();
         let tree = WorkerTree::new(init, worker, conn, cgroup);
-        let adopted = Adopted::new(name, info, generation, sleeper, tree);
+        let adopted = Adopted::new(name, info, generation, sleeper, tree)
+            .keeping_hibernation(sleeper.is_some() && pages.is_some());
+        let hibernation_row = sleeper
+            .filter(|_| pages.is_some())
+            .map(|s| s.snapshot_id.clone());
         let inst = self.adopt(new.id, adopted).await?;
         // A woken instance's hibernation snapshot goes once nothing reads it any more: its
         // segments are mapped (they are read from its record meanwhile) and every lazy page is in.
@@ -191,8 +224,24 @@ impl Runtime {
             let mark = served_mark;
             tokio::spawn(async move {
                 let served = served.await;
-                drop(reading);
+                // The fault suite's switch: the pages are in, the marker not yet removed (as
+                // a daemon killed while they come leaves it).
+                crate::journal::delay("pages-served").await;
+                // The marker first: from here a daemon that dies re-adopts the instance (every
+                // page is in) or finds it gone; then the hibernation it woke from, whose row
+                // was kept for a daemon that died while the pages came.
                 drop(mark);
+                if let Some(hib) = hibernation_row {
+                    let registry = Arc::clone(&rt.registry);
+                    let forgot = tokio::task::spawn_blocking(move || {
+                        registry.with(|s| s.delete_snapshot(&hib).map(|_| ()))
+                    })
+                    .await;
+                    if let Ok(Err(e)) = forgot {
+                        tracing::warn!(instance = %inst.id, error = %e, "cannot remove the row of the hibernation a woken instance came from");
+                    }
+                }
+                drop(reading);
                 match served {
                     Ok(Ok(())) => inst.pages_pending.store(false, Ordering::SeqCst),
                     // Removed already, before its tree was killed.
