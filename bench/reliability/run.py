@@ -542,6 +542,20 @@ class Bench:
             "stray_processes": stray,
         }
 
+    def instance_pids(self) -> set[int]:
+        """The processes of the daemon's cgroups and every instance's init (`torpor-init-N`): a
+        node whose cgroups lack controllers (the GPU machine's) runs workers unconfined, without
+        an instance cgroup to find them in."""
+        inits = set()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if (entry / "comm").read_text().startswith("torpor-init"):
+                        inits.add(int(entry.name))
+                except OSError:
+                    continue
+        return faults_t.cgroup_pids(self.d.state) | inits
+
     def worker_kill_restore(self, wake: bool) -> dict[str, Any]:
         """kill -9 of the restored worker before its hello (a cold start, a wake): the request is
         answered, nothing is left."""
@@ -553,11 +567,11 @@ class Bench:
         mark = "woken" if wake else "restored"
         self.held(f"{mark}:3000")
         before = faults_t.delays_seen(self.d, mark)
-        known = faults_t.cgroup_pids(self.d.state)
+        known = self.instance_pids()
         t0 = time.monotonic()
         req = faults_t.InFlight(self.d, name)
         crash.wait_until(faults_t.delayed(self.d, mark, before), 30, "the restore to be held")
-        new = [p for p in faults_t.cgroup_pids(self.d.state) - known if faults_t.children(p)]
+        new = [p for p in self.instance_pids() - known if faults_t.children(p)]
         os.kill(faults_t.worker_of(new[0]), signal.SIGKILL)
         out = req.answer()
         self.restart({})
