@@ -486,6 +486,21 @@ class Bench:
             "stray_processes": stray,
         }
 
+    def answered_row(self, name: str, out: Any, t0: float, outcome_pre: str = "") -> dict[str, Any]:
+        """The row of a fault whose request `out` must be answered or refused in one line; then
+        nothing stray, and the next request (after `t0`) answered."""
+        ok = faults_t.answered_or_error_line(out)
+        stray = self.strict_stray()
+        more, secs = self.recovered(name, t0)
+        status = out.status if isinstance(out, faults_t.Answer) else type(out).__name__
+        return {
+            "outcome": f"{outcome_pre}answered {status}",
+            "harmed_sources": int(bool(stray)),
+            "lost_requests": more + int(not ok),
+            "recovery_s": round(secs, 3),
+            "stray_processes": stray,
+        }
+
     def criu_kill_restore(self, point: str) -> dict[str, Any]:
         """kill -9 of CRIU in a cold start's restore: `early` (caught with its forks, before the
         restored root has its own descriptors) or `in_criu` (held at pre-resume). The request
@@ -505,17 +520,7 @@ class Bench:
             out = req.answer()
             self.restart({})
             outcome_pre = ""
-        ok = faults_t.answered_or_error_line(out)
-        stray = self.strict_stray()
-        more, secs = self.recovered(name, t0)
-        status = out.status if isinstance(out, faults_t.Answer) else type(out).__name__
-        return {
-            "outcome": f"{outcome_pre}answered {status}",
-            "harmed_sources": int(bool(stray)),
-            "lost_requests": more + int(not ok),
-            "recovery_s": round(secs, 3),
-            "stray_processes": stray,
-        }
+        return self.answered_row(name, out, t0, outcome_pre)
 
     def page_server_kill(self) -> dict[str, Any]:
         """kill -9 of Torpor's page server (a lazy restore's helper) while CRIU restores through
@@ -530,23 +535,13 @@ class Bench:
         os.kill(faults_t.helper_of(self.d, "__page-server"), signal.SIGKILL)
         out = req.answer()
         self.restart({})
-        ok = faults_t.answered_or_error_line(out)
-        stray = self.strict_stray()
-        more, secs = self.recovered(name, t0)
-        status = out.status if isinstance(out, faults_t.Answer) else type(out).__name__
-        return {
-            "outcome": f"answered {status}",
-            "harmed_sources": int(bool(stray)),
-            "lost_requests": more + int(not ok),
-            "recovery_s": round(secs, 3),
-            "stray_processes": stray,
-        }
+        return self.answered_row(name, out, t0)
 
     def instance_pids(self) -> set[int]:
         """The processes of the daemon's cgroups and every instance's init (`torpor-init-N`): a
         node whose cgroups lack controllers (the GPU machine's) runs workers unconfined, without
         an instance cgroup to find them in."""
-        inits = set()
+        inits: set[int] = set()
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 try:
@@ -575,17 +570,7 @@ class Bench:
         os.kill(faults_t.worker_of(new[0]), signal.SIGKILL)
         out = req.answer()
         self.restart({})
-        ok = faults_t.answered_or_error_line(out)
-        stray = self.strict_stray()
-        more, secs = self.recovered(name, t0)
-        status = out.status if isinstance(out, faults_t.Answer) else type(out).__name__
-        return {
-            "outcome": f"answered {status}",
-            "harmed_sources": int(bool(stray)),
-            "lost_requests": more + int(not ok),
-            "recovery_s": round(secs, 3),
-            "stray_processes": stray,
-        }
+        return self.answered_row(name, out, t0)
 
     def first_deploy_kill(self, point: str) -> dict[str, Any]:
         """kill -9 of torpord at a first deploy's phase: the restart leaves nothing, the function

@@ -251,26 +251,33 @@ def test_a_daemon_killed_in_a_cold_starts_restore_leaves_nothing(torpord: Torpor
     """kill -9 of torpord inside CRIU's restore of a cold start, and after CRIU restored the tree
     but before its worker was woken and adopted: the restart kills the tree (never adopted, never
     listed), and the function answers."""
-    if point == "restored":
-        restart_with(torpord, TORPORD_DELAY="restored:60000")
-    else:
-        restart_with(torpord, TORPOR_DELAY=IN_CRIU)
-    try:
-        before = delays_seen(torpord, "restored")
-        req = InFlight(torpord, echoer)
-        if point == "in_criu":
-            helper_of(torpord, " swrk ", forks=1)
-        else:
-            wait_until(delayed(torpord, "restored", before), 30, "the restore to be held after CRIU")
-        crash.kill_daemon(torpord)
-        assert isinstance(req.answer(), OSError)
-    finally:
-        torpord.env.pop("TORPORD_DELAY", None)
-        torpord.env.pop("TORPOR_DELAY", None)
+    kill_daemon_in_a_restore(torpord, echoer, "restored", point)
     torpord.restart()
     assert_clean(torpord)
     assert crash.answers(torpord, echoer)["version"] == 1
     assert_clean(torpord)
+
+
+def kill_daemon_in_a_restore(d: Torpord, name: str, mark: str, point: str) -> None:
+    """Restarts `d` holding its restores inside CRIU (`point` "in_criu") or after CRIU restored
+    the tree (`mark`: "restored" for a cold start, "woken" for a wake), sends `name` a request,
+    and kills the daemon -9 there; the request's connection must break."""
+    if point == "in_criu":
+        restart_with(d, TORPOR_DELAY=IN_CRIU)
+    else:
+        restart_with(d, TORPORD_DELAY=f"{mark}:60000")
+    try:
+        before = delays_seen(d, mark)
+        req = InFlight(d, name)
+        if point == "in_criu":
+            helper_of(d, " swrk ", forks=1)
+        else:
+            wait_until(delayed(d, mark, before), 30, f"the {mark} restore to be held after CRIU")
+        crash.kill_daemon(d)
+        assert isinstance(req.answer(), OSError)
+    finally:
+        d.env.pop("TORPORD_DELAY", None)
+        d.env.pop("TORPOR_DELAY", None)
 
 
 def hibernated(d: Torpord, name: str) -> str:
@@ -297,23 +304,8 @@ def test_a_daemon_killed_in_a_wake_keeps_the_hibernated_instance(torpord: Torpor
     # Hibernated first: the switches hold every restore, a cold start's too. A hibernated
     # instance sleeps on across a graceful restart.
     iid = hibernated(torpord, name)
-    if point == "woken":
-        restart_with(torpord, TORPORD_DELAY="woken:60000")
-    else:
-        restart_with(torpord, TORPOR_DELAY=IN_CRIU)
-    try:
-        [(snap,)] = crash.registry(torpord, "SELECT snapshot FROM instances WHERE id = ?", iid)
-        before = delays_seen(torpord, "woken")
-        req = InFlight(torpord, name)
-        if point == "in_criu":
-            helper_of(torpord, " swrk ", forks=1)
-        else:
-            wait_until(delayed(torpord, "woken", before), 30, "the wake to be held after CRIU")
-        crash.kill_daemon(torpord)
-        assert isinstance(req.answer(), OSError)
-    finally:
-        torpord.env.pop("TORPORD_DELAY", None)
-        torpord.env.pop("TORPOR_DELAY", None)
+    [(snap,)] = crash.registry(torpord, "SELECT snapshot FROM instances WHERE id = ?", iid)
+    kill_daemon_in_a_restore(torpord, name, "woken", point)
     torpord.restart()
     assert_clean(torpord)
     assert [(r[0], r[1]) for r in crash.instance_rows(torpord, name)] == [(iid, "hibernated")], torpord.log_text()

@@ -398,23 +398,25 @@ impl Device for HostDevice {
         Ok(vec![0; len])
     }
 
+    const WRITES_UNMAPPED: bool = true;
+
     /// `pwrite` into the memfd: no mapping in this process, so no address-space lock is taken.
     fn write_unmapped(
         &self,
         memory: &HostMemory,
         offset: usize,
         src: &[u8],
-    ) -> Option<Result<(), DeviceError>> {
+    ) -> Result<(), DeviceError> {
         use std::os::unix::fs::FileExt;
         if offset
             .checked_add(src.len())
             .is_none_or(|end| end > memory.size)
         {
-            return Some(Err(DeviceError::OutOfRange {
+            return Err(DeviceError::OutOfRange {
                 offset,
                 len: src.len(),
                 size: memory.size,
-            }));
+            });
         }
         // Borrowed, not owned: the memfd stays with `memory`.
         let file = std::mem::ManuallyDrop::new(
@@ -422,13 +424,11 @@ impl Device for HostDevice {
             // ManuallyDrop keeps this File from closing it.
             unsafe { std::fs::File::from_raw_fd(memory.fd.as_raw_fd()) },
         );
-        Some(
-            file.write_all_at(src, offset as u64)
-                .map_err(|source| DeviceError::Os {
-                    call: "pwrite(memfd)",
-                    hint: "tmpfs may be full or limited; free memory or give a smaller size",
-                    source,
-                }),
-        )
+        file.write_all_at(src, offset as u64)
+            .map_err(|source| DeviceError::Os {
+                call: "pwrite(memfd)",
+                hint: "tmpfs may be full or limited; free memory or give a smaller size",
+                source,
+            })
     }
 }

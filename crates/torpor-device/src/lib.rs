@@ -148,17 +148,25 @@ pub trait Device: Send + Sync {
     /// `len` bytes of zeroed host memory that copies use at full speed.
     fn host_buffer(&self, len: usize) -> Result<Self::HostBuffer, DeviceError>;
 
-    /// Writes `src` into `memory` at `offset` without mapping it, where the backend can (`None`
-    /// where it cannot: the caller maps it and uses `copy_to_device`). A fill that needs no
-    /// mapping takes no part of the address space, so fills side by side never wait on each
-    /// other's `reserve`, `map` or `unmap`.
+    /// Whether [`Device::write_unmapped`] works here (host: `pwrite` into the memfd). A fill
+    /// that needs no mapping takes no part of the address space, so fills side by side never
+    /// wait on each other's `reserve`, `map` or `unmap`; elsewhere the caller maps the memory
+    /// and uses `copy_to_device`.
+    const WRITES_UNMAPPED: bool = false;
+
+    /// Writes `src` into `memory` at `offset` without mapping it; only where
+    /// [`Device::WRITES_UNMAPPED`].
     fn write_unmapped(
         &self,
         memory: &Self::Memory,
         offset: usize,
         src: &[u8],
-    ) -> Option<Result<(), DeviceError>> {
+    ) -> Result<(), DeviceError> {
         let _ = (memory, offset, src);
-        None
+        Err(DeviceError::Os {
+            call: "write_unmapped",
+            hint: "this backend's memory is written through a mapping (copy_to_device)",
+            source: std::io::Error::from(std::io::ErrorKind::Unsupported),
+        })
     }
 }

@@ -47,18 +47,17 @@ pub fn armed(point: Point) -> bool {
 /// daemon or a helper while CRIU is inside a restore, its tasks forked.
 pub const DELAY_ENV: &str = "TORPOR_DELAY";
 
+/// The milliseconds a timing switch `env=<point>:<ms>` asks for at `point`, if it names it
+/// (torpord's `TORPORD_DELAY` is read the same way).
+pub fn delay_ms(env: &str, point: &str) -> Option<u64> {
+    let v = std::env::var(env).ok()?;
+    let (p, ms) = v.trim().split_once(':')?;
+    (p == point).then(|| ms.parse::<u64>().ok()).flatten()
+}
+
 /// Waits as [`DELAY_ENV`] says if it names CRIU's notification `script`.
 pub fn delay_at_notification(script: &str) {
-    let Ok(v) = std::env::var(DELAY_ENV) else {
-        return;
-    };
-    let Some((point, ms)) = v.trim().split_once(':') else {
-        return;
-    };
-    let Ok(ms) = ms.parse::<u64>() else {
-        return;
-    };
-    if point.strip_prefix("criu-") == Some(script) {
+    if let Some(ms) = delay_ms(DELAY_ENV, &format!("criu-{script}")) {
         std::thread::sleep(std::time::Duration::from_millis(ms.min(60_000)));
     }
 }

@@ -34,16 +34,7 @@ pub const DELAY_ENV: &str = "TORPORD_DELAY";
 
 /// Waits as [`DELAY_ENV`] says for `point`, if it names it.
 pub async fn delay(point: &str) {
-    let Ok(v) = std::env::var(DELAY_ENV) else {
-        return;
-    };
-    let Some((p, ms)) = v.trim().split_once(':') else {
-        return;
-    };
-    let Ok(ms) = ms.parse::<u64>() else {
-        return;
-    };
-    if p == point {
+    if let Some(ms) = torpor_snapshot::fault::delay_ms(DELAY_ENV, point) {
         tracing::warn!(point, ms, "{DELAY_ENV} delays this point");
         tokio::time::sleep(Duration::from_millis(ms.min(HOLD.as_millis() as u64))).await;
     }

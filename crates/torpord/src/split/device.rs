@@ -162,24 +162,16 @@ where
         let created = t.elapsed().as_secs_f64();
         // Written without a mapping where the backend can (host): nothing to wait for but the
         // link's turn.
-        if let Some(first) = self.device.write_unmapped(&memory, 0, &[]) {
-            first?;
+        if D::WRITES_UNMAPPED {
             tracing::debug!(
                 bytes = src.len(),
                 create_s = created,
                 "device fill: memory made, written unmapped"
             );
             self.pcie.transfer(src, from, |offset, bytes| {
-                self.device
-                    .write_unmapped(&memory, offset, bytes)
-                    .unwrap_or(Ok(()))
+                self.device.write_unmapped(&memory, offset, bytes)
             })?;
-            if seal {
-                self.device.seal_read_only(&memory)?;
-            }
-            return Ok(Box::new(memory));
-        }
-        {
+        } else {
             let w = Window::map(&self.device, &memory, src.len(), Access::ReadWrite)?;
             // What came before the transfer line (the fair PCIe test's diagnosis: a small fill
             // that reached the scheduler late, docs/sandboxes.md).

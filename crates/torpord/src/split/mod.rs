@@ -541,26 +541,27 @@ pub fn store_root_of(root: &Path, tenant: &str) -> PathBuf {
     if tenant == crate::tenant::DEFAULT_TENANT {
         return root.to_path_buf();
     }
+    tenants_dir(root).join(crate::tenant::path_component(tenant))
+}
+
+/// `<root>-tenants`: the other tenants' stores.
+fn tenants_dir(root: &Path) -> PathBuf {
     let mut dir = root.as_os_str().to_owned();
     dir.push("-tenants");
-    let component = crate::tenant::path_component(tenant);
-    PathBuf::from(dir).join(component)
+    PathBuf::from(dir)
 }
 
 /// Every tenant's store root that exists under the default `root`, the default's first.
 pub fn store_roots(root: &Path) -> Vec<PathBuf> {
     let mut roots = vec![root.to_path_buf()];
-    let others = store_root_of(root, "x");
-    if let Some(parent) = others.parent() {
-        if let Ok(entries) = std::fs::read_dir(parent) {
-            let mut more: Vec<PathBuf> = entries
-                .filter_map(Result::ok)
-                .map(|e| e.path())
-                .filter(|p| p.is_dir())
-                .collect();
-            more.sort();
-            roots.extend(more);
-        }
+    if let Ok(entries) = std::fs::read_dir(tenants_dir(root)) {
+        let mut more: Vec<PathBuf> = entries
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect();
+        more.sort();
+        roots.extend(more);
     }
     roots
 }
