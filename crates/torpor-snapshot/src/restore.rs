@@ -537,9 +537,18 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     };
     let daemon = daemon.map(std::sync::Mutex::new);
     let restored = restore_watching(&criu, &request, daemon.as_ref(), &cuda_inner, &mut phases);
-    let daemon = daemon.map(|d| d.into_inner().unwrap_or_else(|e| e.into_inner()));
+    let mut daemon = daemon.map(|d| d.into_inner().unwrap_or_else(|e| e.into_inner()));
     let pid = match restored {
-        Ok(pid) => pid,
+        // The watcher may have seen the daemon fail, and killed the tree, in the instant
+        // between CRIU's answer and its end: the daemon's failure is then the cause, not a
+        // tree found dead later. (Its failure is sticky: try_wait keeps returning it.)
+        Ok(pid) => match daemon.as_mut().map(|d| d.try_wait()) {
+            Some(Err(source)) => {
+                kill_every_task(pid);
+                return Err(RestoreError::LazyPages { source });
+            }
+            _ => pid,
+        },
         Err(e) => {
             // Nothing to serve: stop the daemon (kill and reap); its log stays next to CRIU's.
             // When the daemon failed first, its failure is the cause.
