@@ -53,16 +53,18 @@ def request(
     path: str,
     body: Any = None,
     timeout: float = 60.0,
+    headers: dict[str, str] | None = None,
 ) -> Response:
     """One request to the daemon at `socket_path`. `body`: bytes are sent as they are, anything
-    else as JSON; `None` sends none. Raises `OSError` (no daemon there, a timeout) and
+    else as JSON; `None` sends none; `headers`: more request headers (e.g. Idempotency-Key). Raises `OSError` (no daemon there, a timeout) and
     `http.client.HTTPException` (a broken answer)."""
     conn = UnixHTTPConnection(socket_path, timeout)
     try:
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        sent = {"Content-Type": "application/json"} if data is not None else {}
+        sent.update(headers or {})
         try:
-            conn.request(method, path, body=data, headers=headers)
+            conn.request(method, path, body=data, headers=sent)
         except (BrokenPipeError, ConnectionResetError):
             # http.client writes the head and the body apart; the daemon may answer (an error:
             # no such route or function) from the head alone and close before the body lands.

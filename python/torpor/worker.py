@@ -36,7 +36,9 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      one per function of its tenant and workflow (another tenant's is a protocol error); the
      first one loaded names the worker in hello. Each later load first drops from sys.modules
      the modules of the directories loaded before, so every function imports its own files.
-   - `invoke` {id, request, timeout_s, function?}: `function` names which of a sandbox's
+   - `invoke` {id, request, timeout_s, function?, key?, fingerprint?}: `key` (with the
+     request's `fingerprint`) is the client's idempotency key: the outcome is kept for 10 min
+     (torpor.kept) for a daemon that re-adopts this worker. `function` names which of a sandbox's
      functions serves it (a function not loaded is answered `ok: false`, type NotLoaded). In a
      sandbox every invoke runs on a thread of its own (under torch on a CUDA stream of its own,
      torpor.gpu.request_stream) and the main loop reads on; a sandbox's request threads may send
@@ -86,8 +88,10 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
    - `shutdown`: closes the connection and exits 0.
    Losing torpord (EOF or a broken connection outside a quiet point) after `load`: the worker
    keeps its state, drops the frames of the lost connection (their requests died with it) and
-   reconnects with backoff, saying `hello` with resumed: true and reattach: true, until a daemon
-   answers `attached`. After `reattach_s` (default 60 s) without one, it exits 0. A base worker,
+   reconnects with backoff, saying `hello` with resumed: true and reattach: true (and `keys`
+   [{function?, key, fingerprint}]: the keyed requests it answered or runs), until a daemon
+   answers `attached`; it then sends `settled` {function?, key, fingerprint, ok, value?, error?,
+   handler_s} for each answered one, and for each still running when it ends. After `reattach_s` (default 60 s) without one, it exits 0. A base worker,
    or one still loading, exits 0 at once (its deploy died with the daemon).
    A failure while loading (or preloading) is reported as `ready` {ok: false, phase, error
    {type, message, traceback}} with phase one of "preload", "gpu_warmup", "data", "import",
@@ -127,6 +131,7 @@ from typing import Any
 from torpor import data as torpor_data
 from torpor import gpu as torpor_gpu
 from torpor import hook as torpor_hook
+from torpor import kept as torpor_kept
 from torpor import mempool as torpor_mempool
 from torpor import pack as torpor_pack
 from torpor import store as torpor_store
@@ -308,6 +313,12 @@ class Worker:
         self.lost_at: float | None = None
         # The main loop and the map reader both send: one whole frame at a time.
         self.send_lock = threading.Lock()
+        # Counts the connections (under send_lock): a sandbox request that began under another
+        # daemon must not send its `result`, whose id is that daemon's.
+        self.generation = 0
+        # The outcomes of requests with an idempotency key, for a daemon that re-adopts this
+        # worker after losing the one that sent them (torpor.kept).
+        self.kept = torpor_kept.KeptAnswers()
         # Set at each split quiesce: the segments a request may run without (torpor.readiness).
         self.deferrable: set[int] = set()
         # While segments are being mapped after a restore (None otherwise).
@@ -351,22 +362,26 @@ class Worker:
         except OSError:
             s.close()
             raise
-        self.sock = s
+        with self.send_lock:
+            self.sock = s
+            self.generation += 1
         if self.reader is None:
             self.reader = FrameReader(s)
         else:
             self.reader.sock = s
-        self.send(
-            {
-                "type": "hello",
-                "pid": os.getpid(),
-                "role": self.role,
-                "function": self.function,
-                "resumed": resumed,
-                "protocol": PROTOCOL,
-                "reattach": reattach,
-            }
-        )
+        hello: dict[str, Any] = {
+            "type": "hello",
+            "pid": os.getpid(),
+            "role": self.role,
+            "function": self.function,
+            "resumed": resumed,
+            "protocol": PROTOCOL,
+            "reattach": reattach,
+        }
+        held = self.kept.held() if reattach else []
+        if held:
+            hello["keys"] = held
+        self.send(hello)
 
     def send(self, obj: dict[str, Any]) -> None:
         self.send_frame(encode(obj))
@@ -487,6 +502,13 @@ class Worker:
             raise ProtocolError(f"invoke frame lacks {'id' if 'id' not in msg else 'request'}")
         rid = msg["id"]
         fname = msg.get("function")
+        key, fingerprint = msg.get("key"), msg.get("fingerprint")
+        slot: torpor_kept.Slot | None = None
+        if key is not None or fingerprint is not None:
+            if not isinstance(key, str) or not isinstance(fingerprint, str):
+                raise ProtocolError("invoke's key and fingerprint must both be strings, or both absent")
+            slot = (fname, key)
+            self.kept.begin(slot, fingerprint)
         if fname is not None:
             if not isinstance(fname, str):
                 raise ProtocolError(f"invoke's function must be a string, got {fname!r}")
@@ -509,7 +531,8 @@ class Worker:
                             "traceback": "",
                         },
                         "handler_s": 0.0,
-                    }
+                    },
+                    slot=slot,
                 )
                 return
             call = named
@@ -528,7 +551,7 @@ class Worker:
             except Exception as e:
                 self.send({"type": "started", "id": rid})
                 self.send_result(
-                    {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0}
+                    {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0}, slot=slot
                 )
                 return
         if self.sandbox:
@@ -537,7 +560,7 @@ class Worker:
             # own under torch.
             threading.Thread(
                 target=self._request_thread,
-                args=(call, rid, msg["request"], fname or self.function),
+                args=(call, rid, msg["request"], fname or self.function, slot),
                 name=f"torpor-request-{rid}",
                 daemon=True,
             ).start()
@@ -550,7 +573,7 @@ class Worker:
         finally:
             torpor_data.set_dump_sink(None)
         self.settle_readiness()
-        self.send_result(out)
+        self.send_result(out, slot=slot)
 
     def call_result(self, rid: Any, call: Callable[[Any], Any], request: Any) -> dict[str, Any]:
         """Calls the function on `request` (its {"$ref"} objects replaced by their bytes,
@@ -571,10 +594,14 @@ class Worker:
 
         self.send({"type": "dump", "name": name, "data": base64.b64encode(data).decode("ascii")})
 
-    def _request_thread(self, call: Callable[[Any], Any], rid: Any, request: Any, fname: str | None) -> None:
+    def _request_thread(
+        self, call: Callable[[Any], Any], rid: Any, request: Any, fname: str | None, slot: torpor_kept.Slot | None
+    ) -> None:
         """A sandbox's request, on its own thread (and CUDA stream, and its function's memory
         pool): `started`, the call, its `result` with the pool's `memory` report. A lost daemon
-        is the main loop's business: the result dies with the connection."""
+        is the main loop's business: the result dies with the connection (a keyed one is kept,
+        and settled with the daemon that re-adopts this worker)."""
+        generation = self.generation
         pool = self._begin(fname)
         try:
             self.send({"type": "started", "id": rid})
@@ -591,7 +618,7 @@ class Worker:
                 with pool.request() as used:
                     out = self.call_result(rid, on_own_stream, request)
                 out["memory"] = pool.report(used["peak"])
-            self.send_result(out)
+            self.send_result(out, generation=generation, slot=slot)
         except (ConnectionError, OSError, AssertionError):
             pass
         finally:
@@ -699,8 +726,12 @@ class Worker:
             raise RuntimeError("torpord's store_value came without its memfd, size or meta")
         return meta, size, fd
 
-    def send_result(self, out: dict[str, Any]) -> None:
-        """Sends a result frame; a value that cannot be sent becomes a ResultError."""
+    def send_result(
+        self, out: dict[str, Any], generation: int | None = None, slot: torpor_kept.Slot | None = None
+    ) -> None:
+        """Sends a result frame; a value that cannot be sent becomes a ResultError. A keyed
+        request's outcome is kept first (torpor.kept). `generation`: the connection the request
+        came on; on a later one its `settled` frame goes instead (or nothing, unkeyed)."""
         rid = out["id"]
         try:
             frame = encode(out)
@@ -717,6 +748,18 @@ class Worker:
                 "handler_s": out["handler_s"],
             }
             frame = encode(out)
+        if slot is not None:
+            self.kept.end(slot, out)
+        if generation is not None:
+            with self.send_lock:
+                if generation != self.generation:
+                    settled = self.kept.settled(slot) if slot is not None else None
+                    if settled is None or self.sock is None:
+                        return
+                    frame = encode(settled)
+                assert self.sock is not None
+                self.sock.sendall(frame)
+            return
         self.send_frame(frame)
 
     def attached(self, msg: dict[str, Any]) -> None:
@@ -769,10 +812,23 @@ class Worker:
                 self.sock.settimeout(None)
                 self.attached(msg)
                 print("torpor worker: a torpord took this instance back", file=sys.stderr)
+                self.settle_kept()
                 return True
             self.close()
             time.sleep(min(delay, max(left, 0.0)))
             delay = min(delay * 2, REATTACH_MAX_DELAY_S)
+
+    def settle_kept(self) -> None:
+        """To a daemon that re-adopted this worker: a `settled` frame for each keyed request
+        answered (the lost daemon may not have passed the answer on). One that fails to send is
+        the main loop's to find: the connection is gone again."""
+        try:
+            for slot in self.kept.answered():
+                frame = self.kept.settled(slot)
+                if frame is not None:
+                    self.send(frame)
+        except OSError:
+            pass
 
     def load(self, msg: dict[str, Any]) -> bool:
         spec, fdir, data_map = msg.get("spec"), msg.get("dir"), msg.get("data")

@@ -161,13 +161,19 @@ class Torpord:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
-    def request(self, method: str, path: str, body: Any = None, timeout: float = 60.0) -> Answer:
+    def request(
+        self, method: str, path: str, body: Any = None, timeout: float = 60.0, headers: dict[str, str] | None = None
+    ) -> Answer:
         """`body` as JSON (`None`: no body)."""
-        r = client.request(self.socket, method, path, None if body is None else json.dumps(body).encode(), timeout)
+        r = client.request(
+            self.socket, method, path, None if body is None else json.dumps(body).encode(), timeout, headers
+        )
         return Answer(r.status, r.headers, r.body)
 
-    def invoke(self, name: str, request: Any, timeout: float = 60.0) -> Answer:
-        return self.request("POST", f"/v1/functions/{name}/invoke", request, timeout)
+    def invoke(self, name: str, request: Any, timeout: float = 60.0, key: str | None = None) -> Answer:
+        """`key`: its Idempotency-Key."""
+        headers = {"Idempotency-Key": key} if key is not None else None
+        return self.request("POST", f"/v1/functions/{name}/invoke", request, timeout, headers)
 
     def cli(self, *args: str | Path, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
         env = dict(os.environ, TORPOR_SOCKET=str(self.socket))

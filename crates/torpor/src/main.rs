@@ -300,6 +300,10 @@ enum Command {
         /// Print how the instance was obtained and the phase timings on stderr.
         #[arg(short, long)]
         verbose: bool,
+        /// Run the request once for KEY (e.g. a UUID): sent again with the same KEY and --data,
+        /// it gets the first run's answer instead of running again (docs/torpord.md, "Retries").
+        #[arg(long, value_name = "KEY")]
+        idempotency_key: Option<String>,
         #[command(flatten)]
         daemon: cmd::DaemonArgs,
     },
@@ -472,8 +476,16 @@ fn main() -> ExitCode {
             workflow,
             data,
             verbose,
+            idempotency_key,
             daemon,
-        } => cmd::invoke::run(&daemon, &name, &data, verbose, workflow),
+        } => cmd::invoke::run(
+            &daemon,
+            &name,
+            &data,
+            verbose,
+            workflow,
+            idempotency_key.as_deref(),
+        ),
         Command::Cluster { args } => cmd::cluster::run(&args),
         Command::Launch { args } => return torpord::launcher::launch_main(&args),
         Command::Init {

@@ -155,12 +155,30 @@ impl Client {
         path: &str,
         body: Option<&[u8]>,
     ) -> Result<StreamingResponse, ClientError> {
-        let mut stream = self.connect()?;
+        self.send_with(method, path, body, &[])
+    }
+
+    /// [`send`](Self::send) with more request headers (name, value); a value with a line
+    /// break is refused.
+    pub fn send_with(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&[u8]>,
+        headers: &[(&str, &str)],
+    ) -> Result<StreamingResponse, ClientError> {
         let mut head =
             format!("{method} {path} HTTP/1.1\r\nHost: torpord\r\nConnection: close\r\n");
         if let Some(token) = &self.token {
             head.push_str(&format!("Authorization: Bearer {token}\r\n"));
         }
+        for (name, value) in headers {
+            if value.contains(['\r', '\n']) || name.contains(['\r', '\n', ':']) {
+                return Err(self.protocol(format!("header {name:?} cannot hold a line break")));
+            }
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        let mut stream = self.connect()?;
         if let Some(body) = body {
             head.push_str(&format!(
                 "Content-Type: application/json\r\nContent-Length: {}\r\n",

@@ -488,6 +488,8 @@ async fn split_snapshot(
             request,
             timeout_s: bound.as_secs_f64(),
             function: None,
+            key: None,
+            fingerprint: None,
         });
         conn.send(&invoke)
             .await

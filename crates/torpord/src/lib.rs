@@ -24,6 +24,7 @@ pub mod frames;
 pub mod function_mounts;
 pub mod gpudata;
 pub mod hugepages;
+pub mod idempotency;
 pub mod instance_logs;
 pub mod journal;
 pub mod launcher;

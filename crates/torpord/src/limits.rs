@@ -13,6 +13,8 @@ use serde_json::Value;
 pub const MAX_TIMEOUT_S: f64 = 86_400.0;
 /// `load_timeout_s` (spec) and `workers.load_timeout_s` (config): an hour.
 pub const MAX_LOAD_TIMEOUT_S: f64 = 3_600.0;
+/// A function's timeout_s when its spec has none (python/torpor/spec.py's default).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default of `workers.load_timeout_s`: import, `setup()` and warm-up of a deploy (and a base's
 /// preload) that take longer are killed. Well under a minute, so that a hung import is found
 /// quickly; a function with a big model sets `load_timeout_s` in its spec.

@@ -106,6 +106,43 @@ pub struct Hello {
     /// It lost its daemon and asks to be re-adopted.
     #[serde(default)]
     pub reattach: bool,
+    /// With `reattach`: the requests with an idempotency key it ran or runs for the lost
+    /// daemon, whose answers it keeps (crate::idempotency). Their `settled` frames follow
+    /// `attached` (or the end of each one still running).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<HeldKey>,
+}
+
+/// A keyed request a reattaching worker holds the outcome of (or is still running).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct HeldKey {
+    /// In a sandbox: the function of the request; absent for a worker of one function.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub function: Option<String>,
+    pub key: String,
+    /// The invoke's `fingerprint` (the request's bytes' hash).
+    pub fingerprint: String,
+}
+
+/// The outcome of a keyed request a lost daemon sent: sent after `attached` to the daemon
+/// that re-adopted the worker, in place of its `result` (whose id was the lost daemon's).
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Settled {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub function: Option<String>,
+    pub key: String,
+    pub fingerprint: String,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Value>")]
+    pub value: Option<Box<RawValue>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<ErrorDoc>")]
+    pub error: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handler_s: Option<f64>,
 }
 
 /// After `preload` (a base) or `load`: whether the worker is ready, or where it failed.
@@ -332,6 +369,7 @@ pub enum FromWorker {
     StoreGet(StoreGet),
     /// A sandbox's function idled and its pool gave its memory back.
     Memory(MemoryReport),
+    Settled(Settled),
 }
 
 /// `load`: the function to import, set up and warm up (role function).
@@ -359,6 +397,13 @@ pub struct Invoke {
     /// request; absent for a worker of one function.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub function: Option<String>,
+    /// The client's idempotency key (crate::idempotency): the worker keeps the outcome, so a
+    /// daemon that re-adopts it after losing this one can answer the client's retry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// With `key`: the hash of the request's bytes (a retry must send the same request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
 }
 
 /// `attached`: the worker is in service; it outlives a lost daemon by `reattach_s`.
@@ -480,7 +525,7 @@ fn fields<'a, T: Deserialize<'a>>(
 impl FromWorker {
     /// The frame types a worker sends.
     pub const TYPES: &'static str =
-        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump, store_put, store_fd, store_get, memory";
+        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump, store_put, store_fd, store_get, memory, settled";
 
     /// A frame's payload, parsed (`type` first, then the variant from the same bytes).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -500,6 +545,7 @@ impl FromWorker {
             "store_fd" => Self::StoreFd(fields("store_fd", payload)?),
             "store_get" => Self::StoreGet(fields("store_get", payload)?),
             "memory" => Self::Memory(fields("memory", payload)?),
+            "settled" => Self::Settled(fields("settled", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
         })
     }
@@ -521,6 +567,7 @@ impl FromWorker {
             Self::StoreFd(_) => "store_fd",
             Self::StoreGet(_) => "store_get",
             Self::Memory(_) => "memory",
+            Self::Settled(_) => "settled",
         }
     }
 }
@@ -607,12 +654,16 @@ mod tests {
                 request: RawValue::from_string("[1e400, 18446744073709551616]".into()).unwrap(),
                 timeout_s: 1.5,
                 function: None,
+                key: None,
+                fingerprint: None,
             }),
             ToWorker::Invoke(Invoke {
                 id: 4,
                 request: RawValue::from_string("{}".into()).unwrap(),
                 timeout_s: 1.5,
                 function: Some("detect".into()),
+                key: Some("order-17".into()),
+                fingerprint: Some("ab".repeat(32)),
             }),
         ];
         for f in frames {

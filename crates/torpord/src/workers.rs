@@ -36,6 +36,8 @@ pub struct Hello {
     pub protocol: u64,
     /// It lost its daemon and asks to be re-adopted.
     pub reattach: bool,
+    /// With `reattach`: the keyed requests whose outcome it keeps (crate::idempotency).
+    pub keys: Vec<crate::protocol::HeldKey>,
 }
 
 impl Hello {
@@ -61,6 +63,7 @@ impl Hello {
             resumed: h.resumed,
             protocol: h.protocol,
             reattach: h.reattach,
+            keys: h.keys,
         })
     }
 }

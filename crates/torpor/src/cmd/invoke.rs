@@ -12,6 +12,7 @@ pub fn run(
     data: &str,
     verbose: bool,
     workflow: bool,
+    idempotency_key: Option<&str>,
 ) -> anyhow::Result<ExitCode> {
     let request: Value = serde_json::from_str(data).map_err(|e| {
         anyhow::anyhow!(
@@ -20,18 +21,26 @@ pub fn run(
     })?;
     let body = serde_json::to_vec(&request)?;
     // The daemon enforces the function's timeout_s; the client waits for its answer.
-    let r = daemon.client_without_timeout().request(
-        "POST",
-        &if workflow {
-            format!("/v1/workflows/{name}/invoke")
-        } else {
-            format!("/v1/functions/{name}/invoke")
-        },
-        Some(&body),
-    )?;
+    let path = if workflow {
+        format!("/v1/workflows/{name}/invoke")
+    } else {
+        format!("/v1/functions/{name}/invoke")
+    };
+    let key: Vec<(&str, &str)> = idempotency_key
+        .map(|k| ("Idempotency-Key", k))
+        .into_iter()
+        .collect();
+    let r = daemon
+        .client_without_timeout()
+        .send_with("POST", &path, Some(&body), &key)?
+        .read_all()?;
     if verbose {
+        let replayed = match r.header("idempotent-replayed") {
+            Some("true") => "  (replayed: the answer of an earlier run of this key)",
+            _ => "",
+        };
         eprintln!(
-            "start: {}  timings: {}",
+            "start: {}  timings: {}{replayed}",
             r.header("x-torpor-start").unwrap_or("-"),
             r.header("x-torpor-timings").unwrap_or("-")
         );

@@ -69,8 +69,19 @@ impl Runtime {
         name: &str,
         request: Box<RawValue>,
     ) -> Result<Invoked, InvokeError> {
+        self.invoke_keyed(name, request, None).await
+    }
+
+    /// [`invoke`](Self::invoke) a request that has an idempotency key: the worker keeps its
+    /// outcome (crate::idempotency; the API claims the key first).
+    pub async fn invoke_keyed(
+        self: &Arc<Self>,
+        name: &str,
+        request: Box<RawValue>,
+        keyed: Option<crate::idempotency::Keyed>,
+    ) -> Result<Invoked, InvokeError> {
         let t0 = Instant::now();
-        let result = self.invoke_inner(name, request, t0).await;
+        let result = self.invoke_inner(name, request, keyed, t0).await;
         let o = match &result {
             Ok(_) => outcome::OK,
             Err(InvokeError::User(..)) => outcome::ERROR,
@@ -84,10 +95,21 @@ impl Runtime {
         result
     }
 
+    /// Function `name`'s timeout_s (its sandbox's pool's, for a member); the default when it
+    /// has no pool.
+    pub async fn function_timeout(self: &Arc<Self>, name: &str) -> Duration {
+        let host = self.sandbox_host(name).await.ok().flatten();
+        match self.pool(host.as_deref().unwrap_or(name)).await {
+            Ok(pool) => lock(&pool.state).info.timeout,
+            Err(_) => crate::limits::DEFAULT_TIMEOUT,
+        }
+    }
+
     pub(crate) async fn invoke_inner(
         self: &Arc<Self>,
         name: &str,
         request: Box<RawValue>,
+        keyed: Option<crate::idempotency::Keyed>,
         t0: Instant,
     ) -> Result<Invoked, InvokeError> {
         // A sandboxed function's requests go to its sandbox's host pool (sandbox).
@@ -110,7 +132,7 @@ impl Runtime {
         let t_call = Instant::now();
         let member = host.is_some().then_some(name);
         let res = self
-            .call(&inst, member, request, timeout, per_instance)
+            .call(&inst, member, request, keyed, timeout, per_instance)
             .await;
         // The function's memory after the request, taken before its reservation is given
         // back, so a waiting request sees the pool it left (memory).
@@ -183,6 +205,7 @@ impl Runtime {
         inst: &Arc<Instance>,
         function: Option<&str>,
         request: Box<RawValue>,
+        keyed: Option<crate::idempotency::Keyed>,
         timeout: Duration,
         per_instance: usize,
     ) -> Result<Answer, InvokeError> {
@@ -201,6 +224,8 @@ impl Runtime {
             request,
             timeout_s: timeout.as_secs_f64(),
             function: function.map(str::to_string),
+            fingerprint: keyed.as_ref().map(|k| k.fingerprint.clone()),
+            key: keyed.map(|k| k.key),
         });
         let frame = match frames::encode(&frame) {
             Ok(frame) => frame,
@@ -411,6 +436,12 @@ impl Runtime {
                             tracing::debug!(instance = %inst.id, id, "result for a request that was given up")
                         }
                     }
+                }
+                FromWorker::Settled(settled) => {
+                    // A keyed request of the daemon this worker lost (crate::idempotency).
+                    let function = settled.function.as_deref().unwrap_or(&inst.function);
+                    let answer = crate::idempotency::Answer::settled(&settled);
+                    self.keys.settle(function, &settled.key, answer);
                 }
                 FromWorker::Dump(d) => {
                     // torpor.dump: written in the background; the handler does not wait.

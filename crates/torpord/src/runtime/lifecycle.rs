@@ -321,6 +321,8 @@ impl Runtime {
         let why = why.as_str();
         // Its memory went with its process (crate::runtime::memory).
         self.memory_forget(&inst.id);
+        // So did the answers of keyed requests it held for a lost daemon: their retries run.
+        self.keys.drop_held_by(&inst.id);
         {
             let mut keep = lock(&inst.keep);
             // Idempotent: removed already, or hibernated (its process went with the snapshot).

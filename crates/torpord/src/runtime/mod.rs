@@ -101,6 +101,8 @@ pub struct Runtime {
     pub(crate) memory: memory::Memory,
     /// Ready sandboxes per tenant and base (start::pooled).
     pub(crate) sandbox_pool: start::pooled::SandboxPool,
+    /// Invocations sent with an Idempotency-Key, and the answers kept for their retries.
+    pub keys: crate::idempotency::Keys,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -182,6 +184,7 @@ impl Runtime {
             store: store::Store::default(),
             memory: memory::Memory::default(),
             sandbox_pool: Default::default(),
+            keys: Default::default(),
         }
     }
 

@@ -130,6 +130,8 @@ pub async fn record(
                 request,
                 timeout_s: bound.as_secs_f64(),
                 function: None,
+                key: None,
+                fingerprint: None,
             }))
             .await
             .map_err(|e| ProfileError::Warmup(e.to_string()))?;

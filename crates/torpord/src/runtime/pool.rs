@@ -692,7 +692,7 @@ pub(crate) fn fn_info(
         snapshot_id: snapshot_id.to_string(),
         timeout: limits::spec_secs(
             spec.get("timeout_s"),
-            Duration::from_secs(30),
+            limits::DEFAULT_TIMEOUT,
             0.001,
             limits::MAX_TIMEOUT_S,
         ),

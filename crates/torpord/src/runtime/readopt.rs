@@ -21,17 +21,24 @@ pub const READOPT_TIMEOUT: Duration = Duration::from_secs(10);
 /// init pid of each; closed at the daemon's stop, which kills them ([`Runtime::shutdown`]).
 #[derive(Debug, Default)]
 pub(crate) struct Readopting {
-    trees: std::collections::HashMap<String, i32>,
+    /// Instance id → (init pid, function).
+    trees: std::collections::HashMap<String, (i32, String)>,
     closed: bool,
 }
 
 impl Readopting {
     /// Records an instance waiting to be re-adopted; `false` once the daemon is stopping.
-    fn wait(&mut self, id: &str, init: i32) -> bool {
+    fn wait(&mut self, id: &str, init: i32, function: &str) -> bool {
         if !self.closed {
-            self.trees.insert(id.to_string(), init);
+            self.trees
+                .insert(id.to_string(), (init, function.to_string()));
         }
         !self.closed
+    }
+
+    /// Whether an instance of `function` (a pool's name) still waits to be re-adopted.
+    pub(crate) fn waits_for(&self, function: &str) -> bool {
+        self.trees.values().any(|(_, f)| f == function)
     }
 
     /// The instance `id` is re-adopted (it joined its pool under this lock) or dropped;
@@ -45,7 +52,10 @@ impl Readopting {
     /// init pid), for the stop to kill.
     pub(crate) fn close(&mut self) -> Vec<(String, i32)> {
         self.closed = true;
-        self.trees.drain().collect()
+        self.trees
+            .drain()
+            .map(|(id, (init, _))| (id, init))
+            .collect()
     }
 }
 
@@ -102,7 +112,7 @@ impl Runtime {
     pub async fn readopt(self: &Arc<Self>, orphans: Vec<InstanceRow>, woken: Vec<String>) {
         for row in orphans {
             if let Some(init) = row.pid {
-                if !lock(&self.readopting).wait(&row.id, init) {
+                if !lock(&self.readopting).wait(&row.id, init, &row.function) {
                     // Stopping already: the stop's own sweep of the rows is past; kill it here.
                     self.drop_orphan(&row, "torpord is stopping").await;
                     continue;
@@ -178,6 +188,7 @@ impl Runtime {
             );
             return self.drop_orphan(&row, &why).await;
         }
+        let held_keys = conn.hello.keys.clone();
         // Its idle time counts from now: the warm path does not write last_used, so the row
         // cannot say when it was last busy.
         let (inst, rd) = new_instance(
@@ -200,6 +211,16 @@ impl Runtime {
             // segments through the worker).
             inst.gpu_release_failed.store(true, Ordering::SeqCst);
         }
+        // The keyed requests it ran for the lost daemon: their retries wait for its `settled`
+        // frames, from before it can take a request (crate::idempotency).
+        for held in &held_keys {
+            let keyed = crate::idempotency::Keyed {
+                key: held.key.clone(),
+                fingerprint: held.fingerprint.clone(),
+            };
+            let function = held.function.as_deref().unwrap_or(&row.function);
+            self.keys.adopt(function, &keyed, &row.id);
+        }
         guard.armed = false;
         {
             let mut readopting = lock(&self.readopting);
@@ -216,6 +237,23 @@ impl Runtime {
         self.attach(&inst, rd).await;
         pool.changed.notify_waiters();
         tracing::info!(function = %row.function, instance = %row.id, pid = init, stage = %row.stage, "re-adopted an instance of an earlier torpord");
+    }
+
+    /// Waits, at most [`READOPT_TIMEOUT`], until no instance of `function` (or of the
+    /// sandbox hosting it) waits to be re-adopted: a keyed request must not run before the
+    /// worker that may hold its answer is back (crate::idempotency).
+    pub async fn readoption_settled(self: &Arc<Self>, function: &str) {
+        let host = self.sandbox_host(function).await.ok().flatten();
+        let deadline = Instant::now() + READOPT_TIMEOUT;
+        while Instant::now() < deadline {
+            {
+                let r = lock(&self.readopting);
+                if !r.waits_for(function) && host.as_deref().is_none_or(|h| !r.waits_for(h)) {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Whether the function snapshot of `pool` is a split snapshot (unknown counts as split).
@@ -257,14 +295,15 @@ mod tests {
     #[test]
     fn a_stop_takes_every_instance_still_waiting_and_none_joins_after_it() {
         let mut r = Readopting::default();
-        assert!(r.wait("a", 10));
-        assert!(r.wait("b", 11));
+        assert!(r.wait("a", 10, "f"));
+        assert!(r.wait("b", 11, "g"));
+        assert!(r.waits_for("f") && r.waits_for("g") && !r.waits_for("h"));
         // "a" came back before the stop: it joins its pool, and the stop does not see it.
         assert!(r.done("a"));
         assert_eq!(r.close(), vec![("b".to_string(), 11)]);
         // After the stop: "b" must not join (the stop killed it), nor may any other wait.
         assert!(!r.done("b"));
-        assert!(!r.wait("c", 12));
+        assert!(!r.wait("c", 12, "f"));
         assert!(r.close().is_empty());
     }
 }

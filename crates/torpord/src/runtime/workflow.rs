@@ -247,7 +247,14 @@ impl Runtime {
                 Some((lease, timeout, per_instance)) => {
                     let inst = Arc::clone(&lease.instance);
                     let answer = self
-                        .call(&inst, Some(&s.function), input, *timeout, *per_instance)
+                        .call(
+                            &inst,
+                            Some(&s.function),
+                            input,
+                            None,
+                            *timeout,
+                            *per_instance,
+                        )
                         .await
                         .map_err(|e| in_stage(&s.function, e))?;
                     if !answer.ok {
