@@ -26,7 +26,14 @@ def test_the_report_has_every_fault_and_the_totals() -> None:
         assert isinstance(s[key], int), key
     assert s["runs"] == sum(f["runs"] for f in doc["faults"].values())
     assert s["fuzz_executions"] == doc["fuzz"]["executions"] > 0
-    assert s["lost_requests"] == s["lost_requests_under_faults"] + sum(v["lost_requests"] for v in doc["load"].values())
+    # The load runs whose clients retry with Idempotency-Keys count; the run without keys is the
+    # baseline, apart.
+    keyed = [v for v in doc["load"].values() if v["idempotency_keys"]]
+    assert keyed, "no load run with Idempotency-Keys: run bench/reliability/load.py"
+    assert s["lost_requests"] == s["lost_requests_under_faults"] + sum(v["lost_requests"] for v in keyed)
+    assert s["lost_requests_without_keys"] == sum(
+        v["lost_requests"] for v in doc["load"].values() if not v["idempotency_keys"]
+    )
 
 
 def test_the_readme_and_the_doc_quote_the_rendered_table() -> None:

@@ -18,9 +18,13 @@ The restart, once `--restart-at` of the invocations have been answered:
 
 What a client does when the daemon is down: a connection that is refused (or finds no socket) sent
 nothing, so it is retried (counted as `retried_unsent`), for at most 60 s. A request whose connection
-breaks after it was sent has an unknown outcome: it is not retried (that could run it twice) and is
-counted under `errors` as `reset`; `resets_sent_after_the_stop` counts those sent after the old
-daemon was gone (reaped), which only the new daemon could have lost (must be 0). A status other than 200 is counted under `errors` by status.
+breaks after it was sent has an unknown outcome. Every request carries an Idempotency-Key (its id;
+`--no-keys` leaves it out), so such a request is sent again with its key (`retried_after_reset`),
+for at most 60 s: torpord runs a keyed request once, and answers its retry from the run that
+already happened, even across a kill -9 (its worker keeps the answer; docs/torpord.md, "Retries").
+Without keys it is not retried (that could run it twice) and is counted under `errors` as `reset`;
+`resets_sent_after_the_stop` counts those sent after the old daemon was gone (reaped), which only
+the new daemon could have lost (must be 0). A status other than 200 is counted under `errors` by status.
 
 The checks, from the answers and from the functions' own logs (each tally request prints its id on
 the instance's stdout, which torpord keeps in <state>/logs/<function>/<instance>.log):
@@ -84,14 +88,20 @@ class Unsent(Exception):
     """The daemon refused the connection (or has no socket): the request was not sent."""
 
 
-def post(sock: Path, path: str, body: bytes, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, bytes]:
+def post(
+    sock: Path, path: str, body: bytes, timeout: float = REQUEST_TIMEOUT_S, key: str | None = None
+) -> tuple[int, bytes]:
+    """`key`: the request's Idempotency-Key."""
     conn = UnixHTTPConnection(sock, timeout)
     try:
         try:
             conn.connect()
         except (ConnectionRefusedError, FileNotFoundError) as e:
             raise Unsent(str(e)) from e
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        conn.request("POST", path, body=body, headers=headers)
         r = conn.getresponse()
         return r.status, r.read()
     finally:
@@ -163,6 +173,8 @@ class Outcome:
     sent_at: float  # monotonic clock
     body: bytes
     retries_unsent: int
+    # Resets retried with the request's Idempotency-Key (--keys).
+    retries_reset: int = 0
 
 
 def function_copies(root: Path) -> list[tuple[str, Path]]:
@@ -238,23 +250,28 @@ def _run(args: argparse.Namespace, daemon: Daemon) -> dict[str, Any]:
         else:
             payload = {"i": i, "f": random.Random(i).random(), "s": "é" * (i % 5)}
             body = json.dumps({"id": rid, "payload": payload, "sleep": 0.005 if fn == "tally-slow" else 0}).encode()
-        retries = 0
+        retries, resets = 0, 0
+        key = rid if args.keys else None
         first_try = time.monotonic()
         while True:
             t = time.monotonic()
             try:
-                status, out = post(daemon.socket, f"/v1/functions/{fn}/invoke", body)
-                o = Outcome(fn, rid, status, time.monotonic() - t, t, out, retries)
+                status, out = post(daemon.socket, f"/v1/functions/{fn}/invoke", body, key=key)
+                o = Outcome(fn, rid, status, time.monotonic() - t, t, out, retries, resets)
                 break
             except Unsent:
                 if time.monotonic() - first_try > RETRY_UNSENT_S:
-                    o = Outcome(fn, rid, None, time.monotonic() - t, t, b"unsent for 60 s", retries)
+                    o = Outcome(fn, rid, None, time.monotonic() - t, t, b"unsent for 60 s", retries, resets)
                     break
                 retries += 1
                 time.sleep(0.02)
             except (OSError, http.client.HTTPException) as e:
-                o = Outcome(fn, rid, None, time.monotonic() - t, t, repr(e).encode(), retries)
-                break
+                # Sent, outcome unknown: only a keyed request may be sent again (it runs once).
+                if key is None or time.monotonic() - first_try > RETRY_UNSENT_S:
+                    o = Outcome(fn, rid, None, time.monotonic() - t, t, repr(e).encode(), retries, resets)
+                    break
+                resets += 1
+                time.sleep(0.02)
         with answered_lock:
             answered += 1
         return o
@@ -342,12 +359,15 @@ def _run(args: argparse.Namespace, daemon: Daemon) -> dict[str, Any]:
             "mix": {f: SLOTS[f] for f in mix},
             "restart": restart_info,
             "seed": args.seed,
+            "idempotency_keys": args.keys,
         },
         "machine": machine(daemon.binary),
         "wall_s": round(wall, 3),
         "throughput_rps": round(args.invocations / wall, 1),
         "retried_unsent": sum(o.retries_unsent for o in outcomes),
         "requests_retried_unsent": sum(1 for o in outcomes if o.retries_unsent),
+        "retried_after_reset": sum(o.retries_reset for o in outcomes),
+        "requests_retried_after_reset": sum(1 for o in outcomes if o.retries_reset),
         "per_function": {f: dict(c) for f, c in per_function.items()},
         "errors": dict(errors),
         "lost": lost[:50],
@@ -400,6 +420,13 @@ def main() -> int:
     p.add_argument("--restart", choices=("graceful", "kill"), default="graceful")
     p.add_argument("--restart-at", type=float, default=0.5, help="fraction of the invocations answered before the restart")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--keys",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each request with an Idempotency-Key and retry a reset one with it (default); "
+        "--no-keys: a reset request is not retried (its outcome unknown)",
+    )
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--keep", action="store_true", help="keep the daemon's state directory and log")
     args = p.parse_args()

@@ -778,6 +778,9 @@ def load_part() -> dict[str, Any]:
             "throughput_rps": doc["throughput_rps"],
             "p50_ms": doc["summary"]["p50_ms"],
             "p99_ms": doc["summary"]["p99_ms"],
+            # Whether its clients sent Idempotency-Keys and retried a reset request with them
+            # (runs before keys existed had none).
+            "idempotency_keys": bool(doc["settings"].get("idempotency_keys", False)),
             "commit": doc["machine"].get("commit"),
         }
     return out
@@ -793,6 +796,11 @@ def main() -> int:
     p.add_argument("--split-gpu", action="store_true", help="with --gpu: the split path (default: transparent)")
     p.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
     p.add_argument(
+        "--refresh",
+        action="store_true",
+        help="force no fault: rewrite the output file with its faults as they are and the fuzz and load results read again",
+    )
+    p.add_argument(
         "--merge",
         action="store_true",
         help="keep the faults of the existing output file that this run did not force (their rows, settings and wall time)",
@@ -804,7 +812,11 @@ def main() -> int:
     binary = Path(args.torpor).resolve()
     t = time.monotonic()
     results: dict[str, Any] = {}
+    if args.refresh:
+        args.merge = True
     with tempfile.TemporaryDirectory(prefix="torpor-reliability-") as tmp:
+        if args.refresh:
+            return write(args, out_path, binary, {}, time.monotonic() - t)
         b = Bench(binary, Path(tmp) / "main", "real" if args.gpu else "", args.split_gpu)
         benches = [b]
 
@@ -847,9 +859,16 @@ def main() -> int:
         finally:
             for bench in benches:
                 bench.d.stop()
+    return write(args, out_path, binary, results, time.monotonic() - t)
+
+
+def write(args: argparse.Namespace, out_path: Path, binary: Path, results: dict[str, Any], took_s: float) -> int:
+    """Writes the output file: these faults' results (after the earlier ones, with --merge),
+    the fuzz and load results, the summary."""
     fuzz, load = fuzz_part(), load_part()
     earlier = read(out_path) if args.merge else None
-    wall_s = round(time.monotonic() - t, 1)
+    forced = bool(results)
+    wall_s = round(took_s, 1)
     if earlier is not None:
         # The new faults after the earlier ones; a fault forced again replaces its rows.
         results = {**{k: v for k, v in earlier["faults"].items() if k not in results}, **results}
@@ -859,10 +878,13 @@ def main() -> int:
         "runs": sum(r["runs"] for r in results.values()),
         "harmed_sources": sum(r["harmed_sources"] for r in results.values()),
         "invalid_snapshots_accepted": sum(r["invalid_snapshots_accepted"] for r in results.values()),
-        # Lost under faults, plus the load test's: requests sent that never ran nor answered
-        # (a kill -9 under load may lose those in flight; a graceful restart must lose none).
+        # Lost under faults, plus the load tests': requests sent that never ran nor answered.
+        # The load tests whose clients retry with Idempotency-Keys, as docs/torpord.md tells
+        # clients to; a client without keys cannot retry a reset request, and the kill -9
+        # loses those the dead daemon held (`lost_requests_without_keys`, the baseline).
         "lost_requests": sum(r["lost_requests"] for r in results.values())
-        + sum(v["lost_requests"] for v in load.values()),
+        + sum(v["lost_requests"] for v in load.values() if v["idempotency_keys"]),
+        "lost_requests_without_keys": sum(v["lost_requests"] for v in load.values() if not v["idempotency_keys"]),
         "lost_requests_under_faults": sum(r["lost_requests"] for r in results.values()),
         "fuzz_executions": fuzz["executions"] if fuzz else None,
         "fuzz_findings": fuzz["findings"] if fuzz else None,
@@ -884,6 +906,9 @@ def main() -> int:
         "load": load,
         "summary": summary,
     }
+    if earlier is not None and not forced:
+        # Nothing forced (--refresh): the faults' settings and machine stay theirs.
+        doc["settings"], doc["machine"] = earlier["settings"], earlier["machine"]
     out_path.write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps(summary))
     return 0 if summary["harmed_sources"] == summary["invalid_snapshots_accepted"] == 0 else 1

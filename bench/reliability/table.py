@@ -46,7 +46,9 @@ def render(doc: dict[str, Any]) -> str:
         )
     for name, ld in doc.get("load", {}).items():
         out.append(
-            f"load ({name}, {ld['restart']} restart): {ld['invocations']} invocations, "
+            f"load ({name}, {ld['restart']} restart, "
+            f"{'Idempotency-Keys, a reset request retried' if ld.get('idempotency_keys') else 'no keys, a reset request not retried'}): "
+            f"{ld['invocations']} invocations, "
             f"{ld['lost_requests']} lost, {ld['duplicated_requests']} duplicated, {ld['wrong_answers']} wrong, "
             f"{ld['throughput_rps']} requests/s, p50 {ld['p50_ms']} ms, p99 {ld['p99_ms']} ms."
         )
@@ -54,8 +56,9 @@ def render(doc: dict[str, Any]) -> str:
     out += [
         "",
         "summary: " + ", ".join(f"{k} {s[k]}" for k in (
-            "runs", "harmed_sources", "invalid_snapshots_accepted", "lost_requests", "lost_requests_under_faults"
-        )),
+            "runs", "harmed_sources", "invalid_snapshots_accepted", "lost_requests", "lost_requests_under_faults",
+            "lost_requests_without_keys",
+        ) if k in s),
     ]
     return "\n".join(out)
 
