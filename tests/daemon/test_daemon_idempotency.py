@@ -49,17 +49,7 @@ def ran(torpord: Torpord, tag: str) -> int:
 
 
 def invoke_in_thread(torpord: Torpord, request: Any, key: str) -> tuple[threading.Thread, list[Answer | BaseException]]:
-    out: list[Answer | BaseException] = []
-
-    def go() -> None:
-        try:
-            out.append(torpord.invoke("once", request, timeout=60, key=key))
-        except BaseException as e:  # noqa: BLE001 (the test reads what happened)
-            out.append(e)
-
-    t = threading.Thread(target=go)
-    t.start()
-    return t, out
+    return invoke_in_thread_of(torpord, "once", request, key)
 
 
 def kill_daemon(torpord: Torpord) -> None:
@@ -226,3 +216,59 @@ def test_the_cli_sends_the_key_and_says_when_an_answer_is_replayed(torpord: Torp
     assert again.stdout == first.stdout
     assert "replayed: the answer of an earlier run of this key" in again.stderr
     assert ran(torpord, key) == 1
+
+
+@pytest.mark.parametrize("restart", ["after-the-handler-ended", "while-the-handler-runs"])
+def test_a_sandbox_keeps_a_keyed_answer_across_a_kill_of_the_daemon(
+    torpor_bin: Path, criu_ready: None, tmp_path: Path, restart: str
+) -> None:
+    """A sandbox runs each request on a thread of its own, which may end after its worker
+    reattached to the new daemon: the thread must then send its `settled` frame, not its
+    `result` (whose id was the dead daemon's). The function counts its calls: the retry's answer
+    is the first run's, and the next request is only the function's third call."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    from .test_daemon_sandbox import make_function
+
+    (tmp_path / "d").mkdir()
+    d = Torpord(torpor_bin, tmp_path / "d", config=f"[workers]\nreattach_s = {REATTACH_S}\n")
+    try:
+        d.deploy(make_function(tmp_path, "sb-keyed", "team-a", "keyed", max_instances=1))
+        first = d.invoke("sb-keyed", {})
+        assert first.status == 200 and first.json()["calls"] == 1, first.body
+        key = str(uuid.uuid4())
+        sleep = 2.0 if restart == "after-the-handler-ended" else 3.0
+        request = {"op": "sleep", "s": sleep, "tag": key}
+        t, out = invoke_in_thread_of(d, "sb-keyed", request, key)
+        time.sleep(0.5)
+        d.proc.kill()
+        d.proc.wait()
+        t.join(30)
+        assert isinstance(out[0], BaseException), f"the killed daemon answered: {out[0]}"
+        if restart == "after-the-handler-ended":
+            time.sleep(sleep)
+        d.restart()
+        retry = d.invoke("sb-keyed", request, timeout=60, key=key)
+        assert retry.status == 200, (retry.body, d.log_text())
+        assert retry.headers.get("idempotent-replayed") == "true", (retry.headers, d.log_text())
+        assert retry.json()["calls"] == 2 and retry.json()["process"] == first.json()["process"], retry.body
+        after = d.invoke("sb-keyed", {})
+        assert after.status == 200 and after.json()["calls"] == 3, after.body
+    finally:
+        d.stop()
+
+
+def invoke_in_thread_of(
+    d: Torpord, name: str, request: Any, key: str
+) -> tuple[threading.Thread, list[Answer | BaseException]]:
+    out: list[Answer | BaseException] = []
+
+    def go() -> None:
+        try:
+            out.append(d.invoke(name, request, timeout=60, key=key))
+        except BaseException as e:  # noqa: BLE001 (the test reads what happened)
+            out.append(e)
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t, out
