@@ -71,7 +71,8 @@ def main() -> int:
                 env,
             ),
             "pytest": run(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/sdk/test_fuzz_spec.py"],
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/sdk/test_fuzz_spec.py",
+                 "tests/sdk/test_fuzz_workflow.py"],
                 env,
             ),
         }
