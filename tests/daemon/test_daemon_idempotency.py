@@ -8,9 +8,11 @@ times a request ran is read from the instance's log, not taken from the answers.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -203,6 +205,23 @@ def test_a_request_the_killed_daemon_never_handed_to_a_worker_runs_once_when_ret
     assert "idempotent-replayed" not in retry.headers
     assert ran(torpord, queued) == 1
     assert ran(torpord, slow) == 1
+
+
+def test_the_cli_with_a_key_retries_across_a_daemon_killed_mid_request(torpord: Torpord) -> None:
+    key = str(uuid.uuid4())
+    env = dict(os.environ, TORPOR_SOCKET=str(torpord.socket))
+    cli = subprocess.Popen(
+        [str(torpord.binary), "invoke", "once", "--data", json.dumps({"tag": key, "sleep": 1.5}), "--idempotency-key", key],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    time.sleep(0.5)
+    kill_daemon(torpord)
+    time.sleep(0.5)
+    torpord.restart()
+    out, err = cli.communicate(timeout=90)
+    assert cli.returncode == 0, (err, torpord.log_text())
+    assert json.loads(out)["tag"] == key
+    assert ran(torpord, key) == 1
 
 
 def test_the_cli_sends_the_key_and_says_when_an_answer_is_replayed(torpord: Torpord) -> None:

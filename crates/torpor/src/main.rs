@@ -301,7 +301,8 @@ enum Command {
         #[arg(short, long)]
         verbose: bool,
         /// Run the request once for KEY (e.g. a UUID): sent again with the same KEY and --data,
-        /// it gets the first run's answer instead of running again (docs/torpord.md, "Retries").
+        /// it gets the first run's answer instead of running again; a lost connection (the
+        /// daemon restarting) is retried for 60 s (docs/torpord.md, "Retries").
         #[arg(long, value_name = "KEY")]
         idempotency_key: Option<String>,
         #[command(flatten)]

@@ -4,6 +4,30 @@ use serde_json::Value;
 
 use super::DaemonArgs;
 
+/// How long `--idempotency-key` keeps retrying a request whose daemon went away (a restart).
+const RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// With an idempotency key a request is safe to send again: one whose connection failed (the
+/// daemon restarting, killed mid-request) is retried for [`RETRY_FOR`]; the daemon runs it once.
+fn retried(
+    send: impl Fn() -> Result<torpord::client::Response, torpord::client::ClientError>,
+) -> Result<torpord::client::Response, torpord::client::ClientError> {
+    use torpord::client::ClientError;
+    let deadline = std::time::Instant::now() + RETRY_FOR;
+    loop {
+        match send() {
+            Err(
+                ClientError::NotRunning { .. }
+                | ClientError::Connect { .. }
+                | ClientError::Io { .. },
+            ) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// `torpor invoke NAME --data JSON`: prints the function's value (JSON) on stdout.
 /// With `workflow`, NAME is a workflow's (docs/sandboxes.md), run as one request.
 pub fn run(
@@ -30,10 +54,16 @@ pub fn run(
         .map(|k| ("Idempotency-Key", k))
         .into_iter()
         .collect();
-    let r = daemon
-        .client_without_timeout()
-        .send_with("POST", &path, Some(&body), &key)?
-        .read_all()?;
+    let client = daemon.client_without_timeout();
+    let send = || {
+        client
+            .send_with("POST", &path, Some(&body), &key)?
+            .read_all()
+    };
+    let r = match idempotency_key {
+        None => send()?,
+        Some(_) => retried(send)?,
+    };
     if verbose {
         let replayed = match r.header("idempotent-replayed") {
             Some("true") => "  (replayed: the answer of an earlier run of this key)",
