@@ -14,9 +14,11 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-# As long as torpord keeps an answer (idempotency::TTL), and as many as a worker may hold.
+# As long as torpord keeps an answer (idempotency::TTL); as many, and as many bytes, as a worker
+# holds (its memory counts against its limit): past either, the oldest go, and their retries run.
 TTL_S = 600.0
 MAX_KEPT = 1024
+MAX_KEPT_BYTES = 64 << 20
 
 Slot = tuple[str | None, str]  # (the sandbox's function, or None; the key)
 
@@ -27,31 +29,35 @@ class KeptAnswers:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: dict[Slot, str] = {}
-        self._done: OrderedDict[Slot, tuple[float, str, dict[str, Any]]] = OrderedDict()
+        self._done: OrderedDict[Slot, tuple[float, str, dict[str, Any], int]] = OrderedDict()
+        self._bytes = 0
 
     def begin(self, slot: Slot, fingerprint: str) -> None:
         with self._lock:
             self._running[slot] = fingerprint
 
-    def end(self, slot: Slot, result: dict[str, Any]) -> None:
-        """The request of `slot` ended with the `result` frame `result`."""
+    def end(self, slot: Slot, result: dict[str, Any], size: int) -> None:
+        """The request of `slot` ended with the `result` frame `result`, `size` bytes encoded."""
         now = time.monotonic()
         with self._lock:
             fingerprint = self._running.pop(slot, None)
-            if fingerprint is None:
+            if fingerprint is None or size > MAX_KEPT_BYTES:
                 return
-            self._done[slot] = (now, fingerprint, result)
-            self._done.move_to_end(slot)
+            old = self._done.pop(slot, None)
+            if old is not None:
+                self._bytes -= old[3]
+            self._done[slot] = (now, fingerprint, result, size)
+            self._bytes += size
             while self._done:
                 first = next(iter(self._done.values()))
-                if len(self._done) <= MAX_KEPT and now - first[0] < TTL_S:
+                if len(self._done) <= MAX_KEPT and self._bytes <= MAX_KEPT_BYTES and now - first[0] < TTL_S:
                     break
-                self._done.popitem(last=False)
+                self._bytes -= self._done.popitem(last=False)[1][3]
 
     def held(self) -> list[dict[str, Any]]:
         """hello's `keys`: every key answered or running."""
         with self._lock:
-            slots = [(s, fp) for s, (_, fp, _) in self._done.items()] + list(self._running.items())
+            slots = [(s, kept[1]) for s, kept in self._done.items()] + list(self._running.items())
         return [_named({"key": key, "fingerprint": fp}, function) for (function, key), fp in slots]
 
     def settled(self, slot: Slot) -> dict[str, Any] | None:
@@ -60,7 +66,7 @@ class KeptAnswers:
             kept = self._done.get(slot)
         if kept is None:
             return None
-        _, fingerprint, result = kept
+        _, fingerprint, result, _ = kept
         frame = {"type": "settled", "key": slot[1], "fingerprint": fingerprint}
         for field in ("ok", "value", "error", "handler_s"):
             if field in result:

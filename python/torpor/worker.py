@@ -749,7 +749,7 @@ class Worker:
             }
             frame = encode(out)
         if slot is not None:
-            self.kept.end(slot, out)
+            self.kept.end(slot, out, len(frame))
         if generation is not None:
             with self.send_lock:
                 if generation != self.generation:
