@@ -338,6 +338,38 @@ def test_a_request_id_runs_once(cluster: Cluster) -> None:
     assert sum(c[rid] for c in cluster.ran().values()) == 1
 
 
+def test_a_daemon_killed_mid_request_on_a_live_node_answers_once(cluster: Cluster) -> None:
+    """kill -9 of every node's torpord (not of Ray: the nodes live) while a request runs, then
+    each torpord started again. The ingress sent the request id as its Idempotency-Key, and the
+    agent sends it again to its own restarted daemon, which answers from the run its re-adopted
+    worker finished: 200, from the node it ran on, and it ran once in the whole cluster."""
+    rid = f"daemon-kill-{uuid.uuid4().hex[:8]}"
+    out: list[Reply | BaseException] = []
+
+    def go() -> None:
+        try:
+            out.append(cluster.invoke("cluster-ledger", {"id": rid, "sleep": 2.0}, rid=rid, timeout=120))
+        except BaseException as e:  # noqa: BLE001 (the test reads what happened)
+            out.append(e)
+
+    t = threading.Thread(target=go)
+    t.start()
+    time.sleep(0.8)
+    for d in cluster.daemons.values():
+        d.proc.kill()
+        d.proc.wait()
+    time.sleep(0.3)
+    for d in cluster.daemons.values():
+        d.restart()
+    t.join(150)
+    r = out[0]
+    assert isinstance(r, Reply) and r.status == 200, (r, cluster.logs())
+    assert r.json()["id"] == rid, r.body
+    ran = cluster.ran()
+    assert sum(c[rid] for c in ran.values()) == 1, ran
+    assert ran[r.headers["x-torpor-node"]][rid] == 1, (r.headers, ran)
+
+
 def test_errors_are_one_line(cluster: Cluster) -> None:
     r = cluster.invoke("no-such-function", {})
     assert r.status == 404 and "no node of the cluster knows a function" in r.json()["error"], r

@@ -24,6 +24,7 @@ import json
 import os
 import socket
 import http.client
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -142,18 +143,36 @@ class NodeAgent:
             return {"node": self.node, "status": r.status, "error": _error_text(r)}
         return {"node": self.node, **r.json()}
 
-    def invoke(self, name: str, body: bytes, timeout_s: float | None = None) -> Answer:
+    def invoke(self, name: str, body: bytes, timeout_s: float | None = None, key: str | None = None) -> Answer:
         """One invocation on this node's daemon. A refused connection (no daemon listening)
-        is `sent=False`: the request did not reach it."""
-        try:
-            r = client.request(
-                self.socket_path, "POST", f"/v1/functions/{name}/invoke", body, timeout=timeout_s or self.timeout_s
-            )
-        except (FileNotFoundError, ConnectionRefusedError) as e:
-            return Answer(self.node, 0, {}, b"", sent=False, error=f"{type(e).__name__}: {e}")
-        except (OSError, http.client.HTTPException, socket.timeout) as e:
-            return Answer(self.node, 0, {}, b"", sent=True, error=f"{type(e).__name__}: {e}")
-        return Answer(self.node, r.status, r.headers, r.body)
+        is `sent=False`: the request did not reach it. `key`: its Idempotency-Key (the ingress's
+        request id). With one, a request whose daemon went away mid-request (killed and
+        restarted, while this node lives) is sent again to the same daemon for
+        `DAEMON_BACK_S`: it runs once there, and its worker's answer comes back (docs/torpord.md,
+        "Retries"). Only after that is it `sent=True` with no answer, for the ingress to send
+        elsewhere."""
+        headers = {"Idempotency-Key": key} if key is not None else None
+        retry_until = time.monotonic() + DAEMON_BACK_S
+        sent = False
+        while True:
+            try:
+                r = client.request(
+                    self.socket_path, "POST", f"/v1/functions/{name}/invoke", body,
+                    timeout=timeout_s or self.timeout_s, headers=headers,
+                )
+                return Answer(self.node, r.status, r.headers, r.body)
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                error = f"{type(e).__name__}: {e}"
+            except (OSError, http.client.HTTPException, socket.timeout) as e:
+                sent, error = True, f"{type(e).__name__}: {e}"
+            if key is None or not sent or time.monotonic() > retry_until:
+                return Answer(self.node, 0, {}, b"", sent=sent, error=error)
+            time.sleep(0.2)
+
+
+# How long a keyed request whose daemon died mid-request waits for it to come back on this node
+# (systemd restarts it within a second; its workers are re-adopted within 10 s).
+DAEMON_BACK_S = 15.0
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,10 @@ recent (`answers_kept`, `answers_ttl_s`) gets that answer again without a second
 (`X-Torpor-Replayed: 1`), so a client may retry an id it got no answer for. What the id cannot
 undo: a handler's effects outside its instance (a write to a database) can happen on the dead
 node and again on the retry; a function with such effects must key them by an id the caller
-puts in the request (docs/cluster.md, Limitations).
+puts in the request (docs/cluster.md, Limitations). A node whose *daemon* dies while the node
+lives is not such a case: the id goes to the node as the request's Idempotency-Key, and the
+agent sends it again to its restarted daemon (`agent.DAEMON_BACK_S`), which answers from the run
+its re-adopted worker finished; only a daemon that does not come back sends it elsewhere.
 
 The ingress holds no durable state: its list of nodes comes from the named agents in Ray, and
 what each node holds from its daemon, so a restarted head (a new Ray cluster) serves the same
@@ -47,7 +50,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from torpor.cluster.agent import ACTOR_PREFIX, NAMESPACE, Answer
+from torpor.cluster.agent import ACTOR_PREFIX, DAEMON_BACK_S, NAMESPACE, Answer
 from torpor.cluster.placement import Costs, FunctionNeeds, NodeView, place
 
 log = logging.getLogger("torpor.cluster.ingress")
@@ -234,7 +237,12 @@ class Router:
             key = (node, name)
             self.inflight[key] = self.inflight.get(key, 0) + 1
             try:
-                ans: Answer = await self._call(node, handle, "invoke", name, body, self.invoke_timeout_s, timeout=self.invoke_timeout_s + 30)
+                # The request id goes to the node as its Idempotency-Key: a daemon killed and
+                # restarted there mid-request answers from the run its worker finished.
+                ans: Answer = await self._call(
+                    node, handle, "invoke", name, body, self.invoke_timeout_s, rid,
+                    timeout=self.invoke_timeout_s + 30 + DAEMON_BACK_S,
+                )
             except (RayError, asyncio.TimeoutError) as e:
                 # The node died holding the request (or its agent did): its outcome is gone with
                 # it, and the id makes sending it again safe.
