@@ -370,6 +370,11 @@ def _run(args: argparse.Namespace, daemon: Daemon) -> dict[str, Any]:
         "requests_retried_after_reset": sum(1 for o in outcomes if o.retries_reset),
         "per_function": {f: dict(c) for f, c in per_function.items()},
         "errors": dict(errors),
+        # What the daemon said, for each status other than 200 (the first 3 of each).
+        "error_samples": {
+            st: [o.body.decode(errors="replace")[:300] for o in outcomes if str(o.status) == st][:3]
+            for st in sorted(errors) if st != "reset"
+        },
         "lost": lost[:50],
         # A reset sent after the killed daemon was reaped would be a request lost by the new one.
         "resets_sent_after_the_stop": sum(

@@ -508,7 +508,6 @@ class Worker:
             if not isinstance(key, str) or not isinstance(fingerprint, str):
                 raise ProtocolError("invoke's key and fingerprint must both be strings, or both absent")
             slot = (fname, key)
-            self.kept.begin(slot, fingerprint)
         if fname is not None:
             if not isinstance(fname, str):
                 raise ProtocolError(f"invoke's function must be a string, got {fname!r}")
@@ -560,7 +559,7 @@ class Worker:
             # own under torch.
             threading.Thread(
                 target=self._request_thread,
-                args=(call, rid, msg["request"], fname or self.function, slot),
+                args=(call, rid, msg["request"], fname or self.function, slot, fingerprint),
                 name=f"torpor-request-{rid}",
                 daemon=True,
             ).start()
@@ -568,6 +567,10 @@ class Worker:
         # The daemon's timeout counts from here, not from the time this request waited behind
         # the ones before it.
         self.send({"type": "started", "id": rid})
+        # Kept from here, where it runs: one whose `started` found no daemon never ran, and
+        # must not be named in the reattach hello (its retry would wait for an answer).
+        if slot is not None:
+            self.kept.begin(slot, msg["fingerprint"])
         try:
             out = self.call_result(rid, call, msg["request"])
         finally:
@@ -595,7 +598,13 @@ class Worker:
         self.send({"type": "dump", "name": name, "data": base64.b64encode(data).decode("ascii")})
 
     def _request_thread(
-        self, call: Callable[[Any], Any], rid: Any, request: Any, fname: str | None, slot: torpor_kept.Slot | None
+        self,
+        call: Callable[[Any], Any],
+        rid: Any,
+        request: Any,
+        fname: str | None,
+        slot: torpor_kept.Slot | None,
+        fingerprint: str | None,
     ) -> None:
         """A sandbox's request, on its own thread (and CUDA stream, and its function's memory
         pool): `started`, the call, its `result` with the pool's `memory` report. A lost daemon
@@ -605,6 +614,8 @@ class Worker:
         pool = self._begin(fname)
         try:
             self.send({"type": "started", "id": rid})
+            if slot is not None and fingerprint is not None:
+                self.kept.begin(slot, fingerprint)
             framework = self.gpu_framework or torpor_gpu.framework()
 
             def on_own_stream(req: Any) -> Any:

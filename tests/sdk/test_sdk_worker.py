@@ -361,6 +361,36 @@ def test_a_loaded_worker_that_loses_its_daemon_reattaches_with_its_state(spawn: 
     assert "took this instance back" in w.stderr()
 
 
+def test_a_reattaching_worker_names_and_settles_the_keyed_requests_it_ran_and_no_other(
+    spawn: Spawner, daemon: Daemon
+) -> None:
+    """Idempotency keys (docs/torpord.md, "Retries"): request `a` ran and was answered; `b` was
+    still in the socket when the daemon went, so its `started` found no daemon and it never ran.
+    The reattach hello names `a` only, and `a` is settled with its answer and without the lost
+    daemon's id. A `b` named there would have its retry wait for an answer that never comes."""
+    w, c = start_loaded(spawn, daemon)
+    c.send({"type": "attached", "reattach_s": 5})
+    x = {"x": [1.0, 2.0, 3.0, 4.0]}
+    c.send({"type": "invoke", "id": 1, "request": x, "timeout_s": 5, "key": "a", "fingerprint": "fa"})
+    c.expect("started")
+    answered = c.expect("result")
+    c.send({"type": "invoke", "id": 2, "request": x, "timeout_s": 5, "key": "b", "fingerprint": "fb"})
+    c.close()
+    again = daemon.accept()
+    hello = again.expect("hello")
+    assert hello["reattach"] is True and hello["keys"] == [{"key": "a", "fingerprint": "fa"}], hello
+    again.send({"type": "attached", "reattach_s": 5})
+    settled = again.expect("settled")
+    assert settled == {
+        "type": "settled", "key": "a", "fingerprint": "fa", "ok": True,
+        "value": answered["value"], "handler_s": answered["handler_s"],
+    }, settled
+    # `b` runs when the new daemon sends it, once.
+    assert again.invoke(3, x)["value"]["calls"] == answered["value"]["calls"] + 1
+    again.send({"type": "shutdown"})
+    assert w.wait() == 0
+
+
 def test_a_worker_that_loses_its_daemon_before_load_exits(spawn: Spawner, daemon: Daemon) -> None:
     w = spawn("--role", "function")
     c = daemon.accept()
