@@ -243,6 +243,39 @@ def test_ctrl_c_during_snapshot(torpor: Torpor, workers: Workers, tmp_path: Path
     assert_no_snapshot(out)
 
 
+@pytest.mark.parametrize("point", ["pre-dump", "post-dump"])
+def test_a_snapshot_killed_inside_criu_leaves_the_source_running(
+    torpor: Torpor, workers: Workers, tmp_path: Path, point: str
+) -> None:
+    """kill -9 of `torpor snapshot` while CRIU waits on it at a notification (TORPOR_DELAY):
+    before CRIU has frozen the tree (`pre-dump`), and with every image written and the tree still
+    frozen (`post-dump`). CRIU, in a process group of its own, finds its client gone, gives the
+    dump up and lets the tree go: the source runs on with its state (the snapshot that would have
+    killed it never finished); no snapshot is committed at `--out`, and the next snapshot of the
+    source succeeds and verifies."""
+    w = workers.server()
+    source = make_source(w)
+    out = tmp_path / "out"
+    p, _stdout, stderr = workers.popen_torpor(
+        "snapshot", "--pid", w.init_pid, "--out", out, env={"TORPOR_DELAY": f"criu-{point}:8000"}, new_session=True
+    )
+    # Until CRIU holds at the notification: its dump log says it reached the point.
+    deadline = time.monotonic() + 30
+    while not any(point in log.read_text(errors="replace") for log in tmp_path.rglob("dump.log")):
+        assert p.poll() is None, f"the snapshot ended before {point}\n{stderr.read_text()}"
+        assert time.monotonic() < deadline, f"CRIU did not reach {point}\n{stderr.read_text()}"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    source.assert_intact(timeout=30)
+    assert not out.exists(), f"{out} was committed by a killed snapshot"
+    again = tmp_path / "again"
+    torpor.ok("snapshot", "--pid", w.init_pid, "--out", again, "--leave-running")
+    source.assert_intact()
+    torpor.ok("verify", again)
+
+
 # --------------------------------------------------------------------------------------------
 # Issue 13.1: every failure after the driver's checkpoint returns the source to running. CRIU's
 # own failure points are forced with CRIU's CRIU_FAULT (which torpor passes on), torpor's with

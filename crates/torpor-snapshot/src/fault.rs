@@ -42,9 +42,11 @@ pub fn armed(point: Point) -> bool {
 }
 
 /// The environment variable of the timing switch: `TORPOR_DELAY=criu-<notification>:<ms>` (e.g.
-/// `criu-pre-resume:3000`) holds every CRIU restore at that notification of CRIU's for `ms`
-/// (at most a minute), CRIU waiting for the answer, so that a fault suite can kill CRIU, the
-/// daemon or a helper while CRIU is inside a restore, its tasks forked.
+/// `criu-pre-resume:3000`) holds every CRIU restore or dump at that notification of CRIU's for
+/// `ms` (at most a minute), CRIU waiting for the answer, so that a fault suite can kill CRIU, the
+/// daemon, `torpor snapshot` or a helper while CRIU is inside a restore (its tasks forked) or a
+/// dump (the tree seized: `criu-post-dump` comes with every image written, the tree still
+/// frozen).
 pub const DELAY_ENV: &str = "TORPOR_DELAY";
 
 /// The milliseconds a timing switch `env=<point>:<ms>` asks for at `point`, if it names it

@@ -617,7 +617,13 @@ fn stop_and_dump(
         parent_img,
     };
     phases
-        .time("criu_dump", || criu.dump(&request))
+        .time("criu_dump", || {
+            // A fault suite's timing switch (fault::DELAY_ENV) holds the dump at a notification.
+            criu.dump_with(&request, &mut |n| {
+                crate::fault::delay_at_notification(&n.script);
+                Ok(())
+            })
+        })
         .map_err(|source| SnapshotError::Dump {
             root: root.pid,
             source,
