@@ -311,6 +311,38 @@ def test_fault_points_after_gpu_checkpoint_roll_back(
     source.assert_intact()
 
 
+def test_a_snapshot_killed_after_the_gpu_checkpoint_is_rolled_back_by_its_guard(
+    torpor: Torpor, workers: Workers, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """kill -9 of `torpor snapshot` with every image written (CRIU held at `post-dump`), the
+    source's CUDA state checkpointed by the driver (the fake one here). Nothing of the snapshot is
+    left to restore it; its guard (torpor_snapshot::guard), in a session of its own, sees its
+    pipe close without `done`, waits for CRIU to let the tree go, and restores and unlocks it."""
+    w = workers.server(load_lib=fake_cuda.lib)
+    source = make_source(w)
+    log, state = tmp_path / "fake-cuda.log", tmp_path / "state"
+    env = fake_cuda.env(fake_cuda.lib, [w.child_pid], log, state, TORPOR_DELAY="criu-post-dump:8000")
+    p, _stdout, stderr = workers.popen_torpor(
+        "snapshot", "--pid", w.init_pid, "--out", tmp_path / "out", env=env, new_session=True
+    )
+    deadline = time.monotonic() + 30
+    while not any("post-dump" in f.read_text(errors="replace") for f in tmp_path.rglob("dump.log")):
+        assert p.poll() is None, f"the snapshot ended before post-dump\n{stderr.read_text()}"
+        assert time.monotonic() < deadline, f"CRIU did not reach post-dump\n{stderr.read_text()}"
+        time.sleep(0.05)
+    assert fake_state(state, w.child_pid) == "checkpointed", fake_log(log)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while fake_state(state, w.child_pid) != "running":
+        assert time.monotonic() < deadline, f"the guard did not roll back\n{fake_log(log)}\n{stderr.read_text()}"
+        time.sleep(0.05)
+    assert fake_calls(log, w.child_pid) == ["lock", "checkpoint", "restore", "unlock"], fake_log(log)
+    source.assert_intact(timeout=30)
+    assert not (tmp_path / "out").exists()
+    assert "the guard returned its 1 CUDA process(es) to running" in stderr.read_text()
+
+
 def fs_entries(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name != "lost+found")
 

@@ -51,6 +51,11 @@ impl<'d> GpuTasks<'d> {
         }
     }
 
+    /// Tracks tasks found in the given states (a killed snapshot's, for its guard).
+    pub fn with_states(driver: &'d CudaDriver, tasks: Vec<(i32, TaskState)>) -> Self {
+        Self { driver, tasks }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.tasks.is_empty()
     }

@@ -8,6 +8,7 @@ pub mod empty_gpu_memory;
 pub mod fault;
 pub mod gpu_map;
 pub mod gpu_tasks;
+pub mod guard;
 pub mod inherited_mappings;
 pub mod interrupt;
 pub mod launch;

@@ -321,6 +321,13 @@ enum Command {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
+    /// The guard `torpor snapshot` starts: the rollback of a snapshot that is killed (internal;
+    /// torpor_snapshot::guard).
+    #[command(name = "__snapshot-guard", hide = true)]
+    SnapshotGuard {
+        #[arg(long)]
+        pid: i32,
+    },
     /// The init that `torpor run` execs inside the new namespaces (internal).
     #[command(name = "__init", hide = true)]
     Init {
@@ -489,6 +496,10 @@ fn main() -> ExitCode {
         ),
         Command::Cluster { args } => cmd::cluster::run(&args),
         Command::Launch { args } => return torpord::launcher::launch_main(&args),
+        Command::SnapshotGuard { pid } => {
+            let code = torpor_snapshot::guard::guard_main(pid, std::io::stdin().lock());
+            return ExitCode::from(code.clamp(0, 255) as u8);
+        }
         Command::Init {
             report_fd,
             log,

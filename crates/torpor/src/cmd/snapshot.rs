@@ -8,6 +8,44 @@ use torpor_snapshot::snapshot::{snapshot, SnapshotOptions};
 
 use super::progress::Progress;
 
+/// The snapshot's guard process; dropped (on every return, error or panic), it is told that the
+/// snapshot ended, and exits.
+struct Guard(Option<std::process::ChildStdin>);
+
+impl Guard {
+    fn start(pid: i32) -> anyhow::Result<Self> {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = std::process::Command::new(std::env::current_exe()?);
+        cmd.args(["__snapshot-guard", "--pid", &pid.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null());
+        // A session of its own: a terminal's Ctrl-C (or a kill of the process group) does not
+        // reach it; this process's Ctrl-C handling tells it the snapshot ended.
+        // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            })
+        };
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("cannot start the snapshot's guard process: {e}"))?;
+        Ok(Self(child.stdin.take()))
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(mut pipe) = self.0.take() {
+            use std::io::Write;
+            let _ = pipe.write_all(torpor_snapshot::guard::DONE);
+        }
+    }
+}
+
 pub fn run(
     pid: i32,
     out: &Path,
@@ -24,6 +62,9 @@ pub fn run(
     torpor_snapshot::preflight::require_root("torpor snapshot")?;
     let key = key.sealing_key()?;
     interrupt::install();
+    // Before anything touches the source: if this process is killed mid-way, the guard returns
+    // the source's CUDA processes to running (torpor_snapshot::guard). Told at every end.
+    let _guard = Guard::start(pid)?;
     let start = std::time::Instant::now();
     let log_dir = super::log_dir();
     let progress = Progress::start(format!("snapshot of pid {pid} into {}", out.display()));
