@@ -6,8 +6,11 @@ Skipped, with the reason shown, on machines without an NVIDIA GPU.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +224,36 @@ def test_fault_points_after_gpu_checkpoint_roll_back(
     assert w.alive(), f"{w} died\n{describe(r)}"
     assert outputs(infer(w)) == ref
     assert any(pid == w.child_pid for pid, _ in compute_apps()), "the source is not back on the GPU"
+
+
+def test_a_snapshot_killed_after_the_gpu_checkpoint_is_rolled_back_by_its_guard(
+    torpor: Torpor, workers: Workers, tmp_path: Path
+) -> None:
+    """kill -9 of `torpor snapshot` with every image written (CRIU held at `post-dump` by
+    TORPOR_DELAY), the source's GPU memory moved into it by the real driver: the snapshot's guard
+    (torpor_snapshot::guard) restores and unlocks it, and it answers as before, on the GPU. The
+    fake-driver twin is tests/test_failures.py's."""
+    w = boot(workers, "gpu")
+    ref = outputs(infer(w))
+    p, _stdout, stderr = workers.popen_torpor(
+        "snapshot", "--pid", w.init_pid, "--out", tmp_path / "snap", env={"TORPOR_DELAY": "criu-post-dump:20000"},
+        new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not any("post-dump" in f.read_text(errors="replace") for f in tmp_path.rglob("dump.log")):
+        assert p.poll() is None, f"the snapshot ended before post-dump\n{stderr.read_text()}"
+        assert time.monotonic() < deadline, f"CRIU did not reach post-dump\n{stderr.read_text()}"
+        time.sleep(0.1)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 120
+    while "CUDA process(es) to running" not in stderr.read_text():
+        assert time.monotonic() < deadline, f"the guard did not roll back\n{stderr.read_text()}"
+        time.sleep(0.2)
+    assert w.alive(), f"{w} died\n{stderr.read_text()}"
+    assert outputs(infer(w)) == ref
+    assert any(pid == w.child_pid for pid, _ in compute_apps()), "the source is not back on the GPU"
+    assert not (tmp_path / "snap").exists()
 
 
 def test_gpu_migrate_moves_a_running_process_to_the_other_gpu(torpor: Torpor, workers: Workers) -> None:
