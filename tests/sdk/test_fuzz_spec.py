@@ -98,12 +98,17 @@ def test_fuzz_spec_parser(text: bytes, tmp_path_factory: object) -> None:
     assert json.loads(json.dumps(doc)) == parse_dir(fdir).to_json()
 
 
+def report(target: str, results: dict[str, int]) -> None:
+    """One summary line of a campaign (`FUZZ {...}`, appended to TORPOR_FUZZ_REPORT when set)."""
+    line = json.dumps({"target": target, "cases": EXAMPLES, "executions": results["executions"], "findings": 0})
+    print(f"FUZZ {line}")
+    path = os.environ.get("TORPOR_FUZZ_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    assert results["executions"] >= min(EXAMPLES, 100), results
+
+
 def test_fuzz_spec_summary() -> None:
     """One summary line of the campaign above (it ran first: pytest keeps file order)."""
-    line = json.dumps({"target": "sdk_spec", "cases": EXAMPLES, "executions": RESULTS["executions"], "findings": 0})
-    print(f"FUZZ {line}")
-    report = os.environ.get("TORPOR_FUZZ_REPORT")
-    if report:
-        with open(report, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-    assert RESULTS["executions"] >= min(EXAMPLES, 100), RESULTS
+    report("sdk_spec", RESULTS)

@@ -15,7 +15,6 @@ TORPOR_FUZZ_REPORT when set.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from hypothesis import HealthCheck, example, given, settings
@@ -24,7 +23,7 @@ from torpor.errors import SpecError
 from torpor.spec import NAME_RE
 from torpor.workflow import MAX_STAGES, parse_dir
 
-from .test_fuzz_spec import EXAMPLES, mutate, mutation
+from .test_fuzz_spec import EXAMPLES, mutate, mutation, report
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = [p.read_bytes() for p in sorted(ROOT.glob("examples/*/workflow.toml"))]
@@ -87,13 +86,7 @@ def test_fuzz_workflow_parser(text: bytes, tmp_path_factory: object) -> None:
 
 def test_fuzz_workflow_summary() -> None:
     """One summary line of the campaign above (it ran first: pytest keeps file order)."""
-    line = json.dumps({"target": "sdk_workflow", "cases": EXAMPLES, "executions": RESULTS["executions"], "findings": 0})
     # The properties of a parsed workflow were checked, not only refusals (the example above
     # parses; how many generated inputs do depends on Hypothesis's version).
     assert RESULTS["parsed"] >= 1, RESULTS
-    print(f"FUZZ {line}")
-    report = os.environ.get("TORPOR_FUZZ_REPORT")
-    if report:
-        with open(report, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-    assert RESULTS["executions"] >= min(EXAMPLES, 100), RESULTS
+    report("sdk_workflow", RESULTS)
