@@ -91,7 +91,8 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
    reconnects with backoff, saying `hello` with resumed: true and reattach: true (and `keys`
    [{function?, key, fingerprint}]: the keyed requests it answered or runs), until a daemon
    answers `attached`; it then sends `settled` {function?, key, fingerprint, ok, value?, error?,
-   handler_s} for each answered one, and for each still running when it ends. After `reattach_s` (default 60 s) without one, it exits 0. A base worker,
+   handler_s} for each answered one, and for each still running when it ends. After
+   `reattach_s` (default 60 s) without one, it exits 0. A base worker,
    or one still loading, exits 0 at once (its deploy died with the daemon).
    A failure while loading (or preloading) is reported as `ready` {ok: false, phase, error
    {type, message, traceback}} with phase one of "preload", "gpu_warmup", "data", "import",
@@ -530,8 +531,7 @@ class Worker:
                             "traceback": "",
                         },
                         "handler_s": 0.0,
-                    },
-                    slot=slot,
+                    }
                 )
                 return
             call = named
@@ -550,7 +550,7 @@ class Worker:
             except Exception as e:
                 self.send({"type": "started", "id": rid})
                 self.send_result(
-                    {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0}, slot=slot
+                    {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0}
                 )
                 return
         if self.sandbox:
@@ -570,7 +570,7 @@ class Worker:
         # Kept from here, where it runs: one whose `started` found no daemon never ran, and
         # must not be named in the reattach hello (its retry would wait for an answer).
         if slot is not None:
-            self.kept.begin(slot, msg["fingerprint"])
+            self.kept.begin(slot, fingerprint)
         try:
             out = self.call_result(rid, call, msg["request"])
         finally:

@@ -76,6 +76,16 @@ pub enum KeyError {
     OtherRequest(String),
 }
 
+impl KeyError {
+    /// The HTTP status of the refusal.
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::Malformed => 400,
+            Self::OtherRequest(_) => 422,
+        }
+    }
+}
+
 /// A finished invocation's response, as it is given to every request of its key.
 #[derive(Debug, Clone)]
 pub struct Answer {
@@ -272,8 +282,9 @@ impl Keys {
         t.count_held();
     }
 
-    /// The keys an instance's worker still has to settle (for tests and /metrics).
-    pub fn held_by(&self, instance: &str) -> usize {
+    /// The keys an instance's worker still has to settle.
+    #[cfg(test)]
+    fn held_by(&self, instance: &str) -> usize {
         lock(&self.table)
             .entries
             .values()
@@ -412,6 +423,8 @@ mod tests {
         for bad in [&b""[..], b"a b", b"caf\xc3\xa9", &[b'k'; 256]] {
             assert_eq!(Keyed::new(bad, b"{}").unwrap_err(), KeyError::Malformed);
         }
+        assert_eq!(KeyError::Malformed.status(), 400);
+        assert_eq!(KeyError::OtherRequest("k".into()).status(), 422);
     }
 
     #[test]

@@ -87,10 +87,7 @@ pub async fn invoke(
     })?;
     // Its fingerprint is the hash of the bytes sent (before any `$ref` is loaded).
     let keyed = match headers.get(crate::idempotency::HEADER) {
-        Some(v) => Some(
-            crate::idempotency::Keyed::new(v.as_bytes(), &body)
-                .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?,
-        ),
+        Some(v) => Some(crate::idempotency::Keyed::new(v.as_bytes(), &body).map_err(key_refused)?),
         None => None,
     };
     // Checked as JSON but kept as the bytes sent: the daemon never re-encodes a request.
@@ -165,7 +162,7 @@ async fn invoke_once(
     request: Box<RawValue>,
     keyed: crate::idempotency::Keyed,
 ) -> Result<Response, ApiError> {
-    use crate::idempotency::{Claim, KeyError};
+    use crate::idempotency::Claim;
     // A worker of an earlier daemon may hold this key's answer: it must be back first.
     state.runtime.readoption_settled(name).await;
     let mut request = Some(request);
@@ -174,12 +171,7 @@ async fn invoke_once(
             .runtime
             .keys
             .claim(name, &keyed)
-            .map_err(|e| match e {
-                KeyError::OtherRequest(_) => {
-                    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
-                }
-                KeyError::Malformed => ApiError::new(StatusCode::BAD_REQUEST, e.to_string()),
-            })?;
+            .map_err(key_refused)?;
         let (mut answers, replayed, bound) = match claim {
             Claim::Replay(answer) => return Ok(answer_response(&answer, true)),
             // A re-adopted worker's run: bounded here by the function's timeout.
@@ -243,6 +235,11 @@ async fn invoke_once(
             return Ok(answer_response(&answer, replayed));
         }
     }
+}
+
+fn key_refused(e: crate::idempotency::KeyError) -> ApiError {
+    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST);
+    ApiError::new(status, e.to_string())
 }
 
 /// A response, as kept for the retries of its key.

@@ -243,6 +243,10 @@ impl Runtime {
     /// sandbox hosting it) waits to be re-adopted: a keyed request must not run before the
     /// worker that may hold its answer is back (crate::idempotency).
     pub async fn readoption_settled(self: &Arc<Self>, function: &str) {
+        // Once the start-up's re-adoptions are over (always, but in its first seconds), at once.
+        if lock(&self.readopting).trees.is_empty() {
+            return;
+        }
         let host = self.sandbox_host(function).await.ok().flatten();
         let deadline = Instant::now() + READOPT_TIMEOUT;
         while Instant::now() < deadline {
