@@ -460,9 +460,43 @@ def address_space(pid: int) -> Json:
     kib = {}
     for line in rollup[1:]:
         key, _, rest = line.partition(":")
-        if key in ("Rss", "Anonymous", "AnonHugePages"):
+        if key in ("Rss", "Anonymous", "AnonHugePages", "Shmem", "Shared_Clean", "Shared_Dirty", "Private_Clean", "Private_Dirty"):
             kib[key] = int(rest.split()[0])
-    return {"pid": pid, "comm": comm, "vmas": len(maps), "one_page_vmas": one_page, "anon_vmas": anon, "kib": kib}
+    return {
+        "pid": pid,
+        "comm": comm,
+        "vmas": len(maps),
+        "one_page_vmas": one_page,
+        "anon_vmas": anon,
+        "kib": kib,
+        "by_mapping": resident_by_mapping(pid),
+    }
+
+
+# smaps fields summed per mapping: what is resident, and which of it is anonymous, shared or
+# private (CRIU restores private anonymous pages lazily, shared and memfd memory by copying).
+SMAPS_KEYS = ("Rss", "Anonymous", "Shared_Clean", "Shared_Dirty", "Private_Clean", "Private_Dirty", "Swap")
+
+
+def resident_by_mapping(pid: int, top: int = 25) -> list[Json]:
+    """The `top` mappings of `pid` by resident memory (KiB), VMAs of one file or kind summed."""
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return []
+    sums: dict[str, dict[str, int]] = {}
+    name = ""
+    for line in text.splitlines():
+        head = line.split(maxsplit=5)
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            # A VMA's header: "lo-hi perms offset dev inode [path]"; an unnamed one is anonymous.
+            name = f"{head[5] if len(head) > 5 else '[anon]'} {head[1]}"
+            sums.setdefault(name, {"vmas": 0})["vmas"] += 1
+        elif head and head[0].endswith(":") and head[0][:-1] in SMAPS_KEYS:
+            key = head[0][:-1]
+            sums[name][key] = sums[name].get(key, 0) + int(head[1])
+    ranked = sorted(sums.items(), key=lambda kv: kv[1].get("Rss", 0), reverse=True)
+    return [{"mapping": k, **v} for k, v in ranked[:top] if v.get("Rss", 0) > 0]
 
 
 def instance_maps(d: Daemon, name: str) -> list[Json]:
