@@ -91,6 +91,52 @@ def sync() -> bool:
     return synced
 
 
+def release_pinned_caches() -> int:
+    """At the quiet point, after the sync: give back the pinned host memory that frameworks keep
+    cached for later copies; returns the bytes of shared anonymous memory that went.
+
+    The CUDA driver makes pinned host memory as shared anonymous mappings, and CRIU restores
+    shared memory by copying all of it before the process runs (only private memory can be
+    served lazily). PyTorch keeps every pinned block it ever used, rounded up to a power of two:
+    a Llama-3.2-3B worker that loaded its weights with safetensors held a 1 GiB block for its
+    embedding's copy, and CRIU spent 0.7 of its 1.07 s restore copying it (H100,
+    bench/results/split-bench-maps-h100.json, docs/split.md). A freed block holds no data, and
+    the next copy that needs one pins it again."""
+    before = shared_anonymous_bytes()
+    torch: Any = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None) if torch is not None else None
+    if cuda is not None and cuda.is_initialized():
+        # Frees only blocks no tensor uses: pinned tensors that are still alive stay.
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
+    cupy: Any = sys.modules.get("cupy")
+    if cupy is not None and _cupy_initialised(cupy):
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    return max(before - shared_anonymous_bytes(), 0)
+
+
+def shared_anonymous_bytes(pid: int | str = "self") -> int:
+    """Resident bytes of `pid`'s shared anonymous mappings (pinned host memory among them), which
+    a CRIU restore copies in full; 0 where /proc cannot be read."""
+    total = 0
+    shared_anon = False
+    try:
+        with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as smaps:
+            for line in smaps:
+                head = line.split(maxsplit=6)
+                if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+                    # "lo-hi perms offset dev inode [path]": shared ("s") with no file, or the
+                    # kernel's name for shared anonymous memory.
+                    name = " ".join(head[5:]) if len(head) > 5 else ""
+                    shared_anon = head[1].endswith("s") and (name == "" or name.startswith("/dev/zero"))
+                elif shared_anon and head and head[0] == "Rss:":
+                    total += int(head[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
 CU_LIMIT_STACK_SIZE = 0
 
 

@@ -569,7 +569,7 @@ class Worker:
         self.send({"type": "started", "id": rid})
         # Kept from here, where it runs: one whose `started` found no daemon never ran, and
         # must not be named in the reattach hello (its retry would wait for an answer).
-        if slot is not None:
+        if slot is not None and fingerprint is not None:
             self.kept.begin(slot, fingerprint)
         try:
             out = self.call_result(rid, call, msg["request"])
@@ -1079,6 +1079,24 @@ class Worker:
         )
         return doc
 
+    # Shared memory left in a snapshot past this is worth a line in the worker's log: CRIU copies
+    # all of it on every restore (about 1.5 GB/s on the H100), before the function runs.
+    SHARED_MEMORY_NOTE_BYTES = 64 << 20
+
+    def release_pinned_memory(self) -> None:
+        """The quiet point's pinned host memory given back (torpor.gpu.release_pinned_caches), and
+        a line naming what stays in the snapshot when that is much."""
+        freed = torpor_gpu.release_pinned_caches()
+        left = torpor_gpu.shared_anonymous_bytes()
+        if left >= self.SHARED_MEMORY_NOTE_BYTES:
+            print(
+                f"torpor worker: {left / 2**20:.0f} MiB of shared memory (pinned host buffers the "
+                f"function still holds?) stay in the snapshot after {freed / 2**20:.0f} MiB of cached "
+                "pinned memory went; every restore copies it before the function runs: free pinned "
+                "buffers once setup() is done",
+                file=sys.stderr,
+            )
+
     def quiesce(self, msg: dict[str, Any]) -> bool:
         """The quiet point; False when torpord sent shutdown instead of release."""
         split = msg.get("split", False)
@@ -1106,6 +1124,8 @@ class Worker:
         synced = torpor_gpu.sync()
         if synced and self.shrink_context:
             torpor_gpu.shrink_context()
+        if synced:
+            self.release_pinned_memory()
         sys.stdout.flush()
         sys.stderr.flush()
         assert self.reader is not None

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import pytest
-from sdkd import FUNCTIONS, Daemon, Spawner, hook_lib, wait_for, worker_env
+from sdkd import FUNCTIONS, ROOT, Daemon, Spawner, hook_lib, wait_for, worker_env
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
 
@@ -126,3 +126,32 @@ def test_first_layers_compute_while_later_segments_are_withheld(
             os.close(fd)
     c2.send({"type": "shutdown"})
     assert w.wait(60) == 0
+
+
+def test_the_quiet_point_gives_back_the_pinned_memory_torch_keeps_cached(cuda: None) -> None:
+    """A host-to-GPU copy through pinned memory leaves PyTorch's block cached as shared anonymous
+    memory, which CRIU would copy at every restore; torpor.gpu.release_pinned_caches() (called by
+    quiesce after the sync) frees it, and a pinned tensor still alive keeps its memory and data."""
+    code = (
+        "import torch\n"
+        "from torpor import gpu\n"
+        "base = gpu.shared_anonymous_bytes()\n"
+        "src = torch.ones(64 << 20, dtype=torch.uint8).pin_memory()\n"
+        "dst = src.to('cuda', non_blocking=True)\n"
+        "kept = torch.full((16 << 20,), 7, dtype=torch.uint8).pin_memory()\n"
+        "del src\n"
+        "torch.cuda.synchronize()\n"
+        "held = gpu.shared_anonymous_bytes() - base\n"
+        "assert held >= (80 << 20), f'the pinned blocks are not shared anonymous memory: {held}'\n"
+        "freed = gpu.release_pinned_caches()\n"
+        "left = gpu.shared_anonymous_bytes() - base\n"
+        "assert freed >= (64 << 20), f'freed {freed} of {held}'\n"
+        "assert (16 << 20) <= left < (32 << 20), f'left {left}: the live pinned tensor must stay'\n"
+        "assert int(kept.sum()) == 7 * (16 << 20) and int(dst.sum()) == 64 << 20\n"
+        "print('ok', held, freed, left)\n"
+    )
+    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
+    print(r.stdout.strip())

@@ -90,3 +90,26 @@ def test_shrink_context_sets_the_current_contexts_stack_limit_to_zero(tmp_path: 
     r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
     assert any(ln.split()[0::2] == ["limit", "0=0"] for ln in log.read_text().splitlines()), log.read_text()
+
+
+def test_shared_anonymous_bytes_counts_what_crius_restore_copies_and_nothing_else() -> None:
+    """torpor.gpu.shared_anonymous_bytes: resident shared anonymous memory (how the driver maps
+    pinned host memory; CRIU restores it by copying), not private memory nor a shared file."""
+    import mmap
+    import tempfile
+
+    base = gpu.shared_anonymous_bytes()
+    shared = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    shared.write(b"s" * (6 << 20))  # 6 of its 8 MiB resident
+    private = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    private.write(b"p" * (4 << 20))
+    with tempfile.TemporaryFile() as f:
+        f.truncate(4 << 20)
+        on_file = mmap.mmap(f.fileno(), 4 << 20, flags=mmap.MAP_SHARED)
+        on_file.write(b"f" * (4 << 20))
+        assert gpu.shared_anonymous_bytes() - base == 6 << 20
+        on_file.close()
+    shared.close()
+    private.close()
+    assert gpu.shared_anonymous_bytes() == base
+    assert gpu.shared_anonymous_bytes(2**22 + 7) == 0  # no such process: nothing to count
