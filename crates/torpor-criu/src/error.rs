@@ -85,8 +85,9 @@ pub enum CriuError {
     Cgroup { path: PathBuf, source: io::Error },
 
     /// CRIU's kernel-feature cache, which a dump of a tree that runs as another user than root
-    /// needs (crate::kerndat), could not be made.
-    #[error("cannot prepare CRIU's kernel-feature cache, needed to dump a process tree that runs as uid {uid} (an unprivileged worker): {detail}; check that `criu check` passes as root")]
+    /// needs (crate::kerndat), could not be made; `uid` 0 when it was made ahead of restores
+    /// ([`crate::Criu::prepare_kernel_cache`]).
+    #[error("cannot prepare CRIU's kernel-feature cache{}: {detail}; check that `criu check` passes as root", needed_for(*uid))]
     KernelCache { uid: u32, detail: String },
 
     /// The socket pair or the stderr capture for `criu swrk` could not be created.
@@ -256,6 +257,16 @@ impl CriuError {
             .take(max)
             .map(|l| l.trim().to_string())
             .collect()
+    }
+}
+
+/// What the kernel-feature cache was made for, in [`CriuError::KernelCache`]'s message.
+fn needed_for(uid: u32) -> String {
+    match uid {
+        0 => " (made ahead, so that restores skip CRIU's probes of the kernel)".to_string(),
+        uid => format!(
+            ", needed to dump a process tree that runs as uid {uid} (an unprivileged worker)"
+        ),
     }
 }
 

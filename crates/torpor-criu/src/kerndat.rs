@@ -12,6 +12,14 @@
 //! `/run` is a fresh tmpfs, makes the cache ([`cache`], once per process); each such dump runs in
 //! a mount namespace of its own whose `/run` is a tmpfs holding that cache
 //! ([`crate::swrk`]). The host's `/run` is never written.
+//!
+//! Restores use the same cache for speed: without it every CRIU run probes the kernel again,
+//! 67 ms of the 0.26 s a lazy restore of a GPT-2-Large worker took on the H100 (most of it
+//! creating and tearing down network namespaces; `/run` is no tmpfs there either, nor in most
+//! containers). A restore runs CRIU with such a `/run` only when its tree reaches nothing in the
+//! host's `/run` ([`crate::RestoreRequest::private_run`]) and this process already made the
+//! cache ([`crate::Criu::prepare_kernel_cache`], which torpord calls once at start): a restore
+//! never waits for a `criu check`.
 
 use std::ffi::CString;
 use std::io;
@@ -26,11 +34,11 @@ use crate::locate::Criu;
 /// Where CRIU reads its cache (root's).
 pub(crate) const CACHE_FILE: &std::ffi::CStr = c"/run/criu.kdat";
 
-/// The ids a dump runs CRIU with, and the cache it gets.
+/// How CRIU's process is set up before it runs: a `/run` of its own holding `cache`, and for a
+/// dump of a tree that is not root's, that tree's real ids.
 #[derive(Clone)]
 pub(crate) struct AsTree {
-    pub uid: u32,
-    pub gid: u32,
+    pub ids: Option<(u32, u32)>,
     pub cache: Arc<Vec<u8>>,
 }
 
@@ -41,9 +49,16 @@ fn check(rc: libc::c_int) -> io::Result<()> {
     Ok(())
 }
 
+/// The cache, once this process made it.
+static CACHE: Mutex<Option<Arc<Vec<u8>>>> = Mutex::new(None);
+
+/// The cache if this process made it already ([`cache`]); a restore never makes one.
+pub(crate) fn cached() -> Option<Arc<Vec<u8>>> {
+    CACHE.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
 /// CRIU's kernel-feature cache as a `criu check` run as root writes it; made once per process.
 pub(crate) fn cache(criu: &Criu, uid: u32) -> Result<Arc<Vec<u8>>, CriuError> {
-    static CACHE: Mutex<Option<Arc<Vec<u8>>>> = Mutex::new(None);
     let mut held = CACHE.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(c) = held.as_ref() {
         return Ok(Arc::clone(c));
@@ -110,7 +125,8 @@ fn run_check(criu: &Criu, run: &CString) -> io::Result<()> {
 }
 
 /// In the forked child, before CRIU is executed (async-signal-safe system calls only): a mount
-/// namespace of its own whose `/run` is a tmpfs holding `cache`, then the tree's real ids.
+/// namespace of its own whose `/run` is a tmpfs holding `cache`, then the tree's real ids if
+/// there are any.
 pub(crate) fn enter(t: &AsTree) -> io::Result<()> {
     // SAFETY: system calls on this (forked, single-threaded) child only; every pointer is to
     // memory allocated before the fork.
@@ -145,9 +161,11 @@ pub(crate) fn enter(t: &AsTree) -> io::Result<()> {
                 "short write of CRIU's kernel-feature cache",
             ));
         }
-        // u32::MAX: "leave unchanged" (the effective and saved ids stay root's).
-        check(libc::setresgid(t.gid, u32::MAX, u32::MAX))?;
-        check(libc::setresuid(t.uid, u32::MAX, u32::MAX))?;
+        if let Some((uid, gid)) = t.ids {
+            // u32::MAX: "leave unchanged" (the effective and saved ids stay root's).
+            check(libc::setresgid(gid, u32::MAX, u32::MAX))?;
+            check(libc::setresuid(uid, u32::MAX, u32::MAX))?;
+        }
     }
     Ok(())
 }

@@ -130,6 +130,11 @@ pub struct RestoreRequest<'a> {
     /// and CRIU is told to leave cgroups alone (`--manage-cgroups=ignore`), so it moves none of
     /// them back into the cgroups recorded at the dump. Empty: CRIU's default (soft mode).
     pub cgroup: Vec<PathBuf>,
+    /// The restored tree reaches nothing in the host's `/run` (its `/run` is a tmpfs of its
+    /// own, and no external mount lies there): CRIU may then run with a `/run` of its own that
+    /// holds its kernel-feature cache, and skip probing the kernel (crate::kerndat), when this
+    /// process made that cache ([`Criu::prepare_kernel_cache`]).
+    pub private_run: bool,
 }
 
 /// One `--inherit-fd` entry of a restore.
@@ -162,6 +167,7 @@ impl<'a> RestoreRequest<'a> {
             inherit_fds: Vec::new(),
             lazy_pages: false,
             cgroup: Vec::new(),
+            private_run: false,
         }
     }
 }
@@ -224,8 +230,7 @@ impl Criu {
         // A tree that dropped root is dumped by a CRIU with its real ids (crate::kerndat).
         let as_tree = match tree_ids(r.pid) {
             Some((uid, gid)) => Some(crate::kerndat::AsTree {
-                uid,
-                gid,
+                ids: Some((uid, gid)),
                 cache: crate::kerndat::cache(self, uid)?,
             }),
             None => None,
@@ -242,6 +247,13 @@ impl Criu {
             on_notify,
         )?;
         Ok(())
+    }
+
+    /// Makes CRIU's kernel-feature cache for this process's later CRIU runs (one `criu check`,
+    /// about 0.1 s; a no-op once made): restores with [`RestoreRequest::private_run`] then skip
+    /// CRIU's probes of the kernel. A long-running caller (torpord) calls it once at start.
+    pub fn prepare_kernel_cache(&self) -> Result<(), CriuError> {
+        crate::kerndat::cache(self, 0).map(|_| ())
     }
 
     /// Restores a process tree and returns the host pid of its root.
@@ -331,7 +343,11 @@ impl Criu {
             swrk::Start {
                 pass: &pass,
                 cgroup: &r.cgroup,
-                as_tree: None,
+                as_tree: r
+                    .private_run
+                    .then(crate::kerndat::cached)
+                    .flatten()
+                    .map(|cache| crate::kerndat::AsTree { ids: None, cache }),
             },
             &mut handler,
         );

@@ -273,6 +273,68 @@ fn dump_then_restore_twice_side_by_side() {
 }
 
 #[test]
+fn a_restore_with_a_private_run_skips_crius_kernel_probes_and_writes_nothing_in_the_hosts() {
+    let test =
+        "a_restore_with_a_private_run_skips_crius_kernel_probes_and_writes_nothing_in_the_hosts";
+    let Some(criu) = criu_or_skip(test) else {
+        return;
+    };
+    let host_cache = Path::new("/run/criu.kdat");
+    let host_had_one = host_cache.exists();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let images = images_dir(dir);
+    let mut worker = Worker::launch(dir, &[]);
+    assert_eq!(ping(dir, worker.pid, 1), (worker.secret.clone(), 1));
+    criu.dump(&dump_request(worker.pid, &images))
+        .unwrap_or_else(|e| panic!("{}", explain(&e)));
+    worker.unshare.wait().expect("unshare exits after the dump");
+
+    criu.prepare_kernel_cache()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let restored = criu
+        .restore(&RestoreRequest {
+            private_run: true,
+            log_level: 4,
+            ..restore_request(&images, "restore-private-run.log")
+        })
+        .unwrap_or_else(|e| panic!("{}", explain(&e)));
+    let restored = Restored {
+        pid: restored,
+        our_child: false,
+    };
+    let log = std::fs::read_to_string(images.join("restore-private-run.log")).expect("log");
+    assert!(
+        log.contains("Loaded kdat cache from /run/criu.kdat"),
+        "CRIU probed the kernel again:\n{}",
+        log_tail(&images.join("restore-private-run.log"))
+    );
+    assert_eq!(ping(dir, restored.pid, 2), (worker.secret.clone(), 2));
+    // The cache lived in CRIU's own /run: the host's got no file.
+    assert_eq!(host_cache.exists(), host_had_one);
+    if !host_had_one {
+        // Without private_run CRIU sees the host's /run, which holds no cache here.
+        drop(restored);
+        let plain = criu
+            .restore(&RestoreRequest {
+                log_level: 4,
+                ..restore_request(&images, "restore-plain.log")
+            })
+            .unwrap_or_else(|e| panic!("{}", explain(&e)));
+        let _plain = Restored {
+            pid: plain,
+            our_child: false,
+        };
+        let log = std::fs::read_to_string(images.join("restore-plain.log")).expect("log");
+        assert!(
+            !log.contains("Loaded kdat cache"),
+            "{}",
+            log_tail(&images.join("restore-plain.log"))
+        );
+    }
+}
+
+#[test]
 fn failed_dump_reports_errno_and_log_and_leaves_the_process_running() {
     let test = "failed_dump_reports_errno_and_log_and_leaves_the_process_running";
     let Some(criu) = criu_or_skip(test) else {

@@ -53,6 +53,13 @@ pub fn require_criu() -> Result<Criu, PreflightError> {
     Ok(Criu::locate()?)
 }
 
+/// Makes CRIU's kernel-feature cache for this process's restores (`torpor_criu::kerndat`): a
+/// long-running caller (torpord) calls it once, off any request's path, and every later restore
+/// of a tree that reaches nothing in the host's `/run` skips CRIU's probes of the kernel.
+pub fn prepare_criu_kernel_cache() -> Result<(), PreflightError> {
+    Ok(require_criu()?.prepare_kernel_cache()?)
+}
+
 /// The root process of a tree to snapshot.
 pub fn require_torpor_root(pid: i32) -> Result<ProcessInfo, PreflightError> {
     let info = proctree::read_process(pid).map_err(|_| PreflightError::NoSuchProcess { pid })?;

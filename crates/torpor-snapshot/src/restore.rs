@@ -462,6 +462,7 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
             },
         )
         .collect();
+    let private_run = reaches_no_host_run(&manifest, &external);
     let request = RestoreRequest {
         images_dir: opts.dir,
         work_dir: Some(opts.log_dir),
@@ -488,6 +489,7 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
             .collect(),
         lazy_pages: false,
         cgroup: opts.cgroup.to_vec(),
+        private_run,
     };
     // Lazy pages: the daemon and the restore meet at a socket in a work directory of their own,
     // so that restores side by side never share one.
@@ -1043,12 +1045,67 @@ fn plan_gpus(gpu: &GpuSection, map: &[GpuMapping]) -> Result<GpuPlan, RestoreErr
     Ok(GpuPlan { driver, pairs })
 }
 
+/// Whether a restored tree reaches nothing in the host's `/run`: its `/run` is a tmpfs of its own
+/// (archived with it, as a torpord worker's is) and no external mount (`mnt[KEY]:HOST_PATH`, as
+/// CRIU gets them) comes from there. CRIU may then run with a `/run` of its own holding its
+/// kernel-feature cache (`torpor_criu::RestoreRequest::private_run`).
+fn reaches_no_host_run(manifest: &Manifest, external: &[String]) -> bool {
+    let run = Path::new("/run");
+    let from_run = |spec: &String| {
+        spec.split_once("]:")
+            .is_none_or(|(_, host)| Path::new(host).starts_with(run))
+    };
+    manifest
+        .archived_mounts
+        .iter()
+        .any(|m| Path::new(&m.path) == run)
+        && !manifest
+            .external_mounts
+            .iter()
+            .any(|m| Path::new(&m.path).starts_with(run))
+        && !external.iter().any(from_run)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::gpu_map::parse_gpu_map;
     use torpor_cuda::GpuDevice;
     use torpor_image::GpuEntry;
+
+    #[test]
+    fn criu_gets_a_run_of_its_own_only_for_a_tree_that_reaches_nothing_in_the_hosts() {
+        let mut m = Manifest::new(
+            "test",
+            torpor_image::Source {
+                command: vec!["w".into()],
+                root_pid: 1,
+                tree: Vec::new(),
+                leave_running: false,
+            },
+            torpor_image::Host {
+                kernel: "6.18".into(),
+                hostname: "h".into(),
+                criu_version: "4.2.1".into(),
+            },
+        );
+        let nv = vec!["mnt[nv]:/usr/local/nvidia".to_string()];
+        // A tree that sees the host's /run (no tmpfs of its own there): never.
+        assert!(!reaches_no_host_run(&m, &nv));
+        m.archived_mounts.push(torpor_image::ArchivedMount {
+            path: "/run".into(),
+            fstype: "tmpfs".into(),
+        });
+        assert!(reaches_no_host_run(&m, &nv));
+        // An external mount bound from the host's /run, by its mount point or by an override.
+        let from_run = vec!["mnt[sock]:/run/nvidia-persistenced".to_string()];
+        assert!(!reaches_no_host_run(&m, &from_run));
+        m.external_mounts.push(torpor_image::ExternalMount {
+            key: "x".into(),
+            path: "/run/user/0".into(),
+        });
+        assert!(!reaches_no_host_run(&m, &nv));
+    }
 
     fn dev(ordinal: i32, byte: u8) -> GpuDevice {
         GpuDevice {

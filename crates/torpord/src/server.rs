@@ -239,6 +239,13 @@ impl Daemon {
         if let Err(e) = &runtime.python_dir {
             tracing::warn!(error = %e, "deploys will fail until this is fixed");
         }
+        // CRIU's kernel-feature cache, made once here so that no restore pays CRIU's probes of
+        // the kernel (67 ms on the H100; torpor_criu::kerndat). Without it restores still work.
+        tokio::task::spawn_blocking(|| {
+            if let Err(e) = torpor_snapshot::preflight::prepare_criu_kernel_cache() {
+                tracing::warn!(error = %e, "restores will probe the kernel each time");
+            }
+        });
         let workers_what = format!("workers socket {}", self.workers.path().display());
         let std_workers = self
             .workers
