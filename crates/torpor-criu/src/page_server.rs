@@ -283,8 +283,9 @@ struct Piece {
 /// Threads that copy the hot set. The kernel's `UFFDIO_COPY` takes the target's memory map
 /// lock for reading (or a per-VMA lock), so copies into one process run side by side; the
 /// driver's residue is ~60 000 one-page runs, one ioctl each: one thread spent 0.23 s on
-/// GPT-2-Large's 500 MiB hot set on the H100, four 0.07 s.
-const HOT_THREADS: usize = 4;
+/// GPT-2-Large's 500 MiB hot set on the H100, four 0.07 s (still 0.07–0.13 s once CRIU's own
+/// part shrank to 0.15 s, session 15), so eight where the machine has the cores.
+const HOT_THREADS: usize = 8;
 
 struct Server {
     maps: Vec<memmap2::Mmap>,
