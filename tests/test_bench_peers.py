@@ -283,7 +283,7 @@ def test_a_missing_loader_makes_a_skipped_row_that_says_how_to_get_it(tmp_path: 
 def test_the_per_size_phase_table_in_docs_is_the_rendering_of_the_h100_jsons() -> None:
     """docs/split.md's per-size breakdown (issue 18) is bench/peers/phases.py's output, never typed."""
     results = ROOT / "bench" / "results"
-    parts = [results / "peers-h100.json", results / "peers-llama3b-h100.json"]
+    parts = [results / "peers-h100.json"]
     missing = [p.name for p in parts if not p.exists()]
     if missing:
         pytest.skip(f"{', '.join(missing)} not measured yet (docs/gpu-machine.md, 'The peer benchmark')")

@@ -348,13 +348,19 @@ def test_split_gpu_instance_releases_its_gpu_and_maps_its_segments_back(cuda: No
     assert woken.json() == {"y": y, "calls": first.json()["calls"] + 2}, woken.json()
 
 
-def _standby_copy(tmp_path: Path, name: str, standby: int, kind: str = "released") -> Path:
-    """gpusleepy as `name`, two instances, `standby` of them standing by (`standby_gpu = kind`)."""
+def _standby_copy(
+    tmp_path: Path, name: str, standby: int, kind: str = "released", evict_s: int | None = None
+) -> Path:
+    """gpusleepy as `name`, two instances, `standby` of them standing by (`standby_gpu = kind`),
+    its hibernated instances evicted after `evict_s` (gpusleepy's 6 s when None)."""
     fdir = tmp_path / name
     shutil.copytree(GPUSLEEPY, fdir)
     toml = fdir / "torpor.toml"
     text = toml.read_text().replace('name = "gpusleepy"', f'name = "{name}"')
     text = text.replace("max_instances = 1", f'max_instances = 2\nstandby = {standby}\nstandby_gpu = "{kind}"')
+    if evict_s is not None:
+        assert "evict_s = 6" in text, text
+        text = text.replace("evict_s = 6", f"evict_s = {evict_s}")
     toml.write_text(text)
     return fdir
 
@@ -386,7 +392,10 @@ def test_a_standby_gpu_instance_serves_like_a_restored_one(
     torpord.deploy(_standby_copy(tmp_path, "gpusleepy-ref", 0))
     ref = torpord.invoke("gpusleepy-ref", {"x": X}, timeout=180)
     assert ref.status == 200 and ref.start == "restored", (ref.status, ref.body, torpord.log_text())
-    lines = torpord.deploy(_standby_copy(tmp_path, "gpusleepy-standby", 1))
+    # Evicted long after it hibernated: the used instance must be seen hibernated below, and on
+    # the H100 the next standby's restore took longer than gpusleepy's 2 s from hibernated to
+    # evicted (session 15).
+    lines = torpord.deploy(_standby_copy(tmp_path, "gpusleepy-standby", 1, evict_s=120))
     (snap,) = [line for line in lines if line.get("phase") == "snapshot_function"]
     if split:
         hook_or_skip(torpord)
