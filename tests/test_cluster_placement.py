@@ -127,7 +127,10 @@ def test_simulator_writes_its_json_and_refuses_bad_arguments(tmp_path: Path) -> 
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert {"machine", "settings", "measured", "runs", "summary"} <= doc.keys()
-    assert doc["measured"]["file"] == "bench/results/split-bench-h100.json"
+    assert doc["measured"]["file"] == "bench/results/split-bench-session15-h100.json"
+    # The contention is the file's own burst measurement, and the settings say which was used.
+    burst = doc["measured"]["contention_s_per_restore"]
+    assert 0.1 < burst < 1.0 and doc["settings"]["contention_s_per_restore"] == burst, doc["measured"]
     assert doc["machine"]["torpor_commit"] and "python" in doc["machine"]["versions"]
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "cluster" / "simulate.py"), "--copies", "0", "--out", str(out)],
@@ -147,3 +150,28 @@ def test_cluster_code_is_typed() -> None:
         capture_output=True, text=True, check=False, timeout=300, cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_contention_is_measured_where_the_file_has_a_burst_and_the_old_constant_where_not() -> None:
+    sim = load_simulator()
+    walls = {("resnet152", "cold"): 0.5, ("resnet152", "burst8"): 2.6, ("gpt2-large", "cold"): 0.6,
+             ("gpt2-large", "burst8"): 2.0}
+    s, how = sim.measured_contention(walls)
+    assert s == round(((2.6 - 0.5) / 7 + (2.0 - 0.6) / 7) / 2, 4) and "burst8" in how
+    s, how = sim.measured_contention({("gpt2-large", "cold"): 0.6})
+    assert s == sim.CONTENTION_S and "DESIGN.md" in how
+
+
+def test_the_simulation_tables_in_readme_and_docs_are_the_rendering_of_the_json() -> None:
+    """README.md and docs/cluster.md quote bench/cluster/sim_table.py's output, never typed."""
+    spec = importlib.util.spec_from_file_location("sim_table", ROOT / "bench" / "cluster" / "sim_table.py")
+    assert spec and spec.loader
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    doc = json.loads((ROOT / "bench" / "results" / "cluster-sim.json").read_text())
+    for path, link in ((ROOT / "README.md", 25.0), (ROOT / "docs" / "cluster.md", None)):
+        block = table.render(doc, link)
+        assert block in path.read_text(), f"re-render {path.name}: python3 bench/cluster/sim_table.py --into {path.name} …"
+    # A file without the block's marker is refused in one line naming it.
+    with pytest.raises(ValueError, match="no block starting with"):
+        table.replace_block("no table here", table.render(doc, 25.0))

@@ -68,7 +68,14 @@ def pull_onto(node: S.Node, f: S.Fn, sizes: dict[str, int], link_bps: float, t: 
     return moved
 
 
-def run_once(args: argparse.Namespace, models: list[S.Model], link_gbps: float, seed: int, slack: float | None) -> dict[str, Any]:
+def run_once(
+    args: argparse.Namespace,
+    models: list[S.Model],
+    link_gbps: float,
+    seed: int,
+    slack: float | None,
+    contention_s: float = S.CONTENTION_S,
+) -> dict[str, Any]:
     """simulate.run_once's burst (same draws), placed by `place`, with prefetch when slack is set."""
     rng = random.Random(seed)
     nodes, fns, sizes = S.make_cluster(args, models, rng)
@@ -85,7 +92,7 @@ def run_once(args: argparse.Namespace, models: list[S.Model], link_gbps: float, 
             restore_staged_s=m.restore_s,
             restore_local_extra_s=m.snapshot_dir_bytes / (args.disk_gbps * 1e9),
             link_bytes_per_s=link_bps,
-            start_contention_s=S.CONTENTION_S,
+            start_contention_s=contention_s,
         )
         need = FunctionNeeds(f.name, gpu_bytes=m.gpu_bytes, snapshot_bytes=m.own_bytes + m.base_bytes)
         views = [S.view(n, f, sizes, link_bps, t) for n in nodes]
@@ -103,7 +110,7 @@ def run_once(args: argparse.Namespace, models: list[S.Model], link_gbps: float, 
         moved += pulled
         pull_end = max(t, *(node.have[piece] for piece in (f.base, f.name)))
         duration = m.restore_s + (0.0 if f.name in node.staged else costs.restore_local_extra_s)
-        duration += S.CONTENTION_S * node.restoring_at(pull_end)
+        duration += contention_s * node.restoring_at(pull_end)
         end = pull_end + duration
         i = bisect.bisect_right(node.restore_ends, end)
         node.restore_ends.insert(i, end)
@@ -130,7 +137,10 @@ def main(argv: list[str]) -> int:
         variants.append(("contention bound (every snapshot on every node)", S.parse(["--copies", str(base.nodes)]), None))
         variants += [(f"place + prefetch, slack {s:+.1f} s", base, s) for s in SLACKS]
         for label, args, slack in variants:
-            runs = [run_once(args, models, link, seed, slack) for seed in base.seeds]
+            runs = [
+                run_once(args, models, link, seed, slack, source["contention_s_per_restore"])
+                for seed in base.seeds
+            ]
             mean = lambda key: sum(float(r[key]) for r in runs) / len(runs)  # noqa: E731
             rows.append({
                 "link_gbps": link, "variant": label, "slack_s": slack,

@@ -1,0 +1,101 @@
+"""Renders the cluster simulator's JSON (bench/cluster/simulate.py) as the Markdown tables the
+README and docs/cluster.md quote: means over the seeds, per link and placement.
+
+    python3 bench/cluster/sim_table.py bench/results/cluster-sim.json              # every link
+    python3 bench/cluster/sim_table.py --link 25 bench/results/cluster-sim.json    # one link
+    python3 bench/cluster/sim_table.py --link 25 --into README.md bench/results/cluster-sim.json
+
+`--into FILE` replaces the block of FILE that starts with this rendering's marker line
+(`<!-- cluster-sim-table: … -->`, naming the options) and ends with `<!-- /cluster-sim-table -->`.
+Never typed by hand: tests/test_cluster_placement.py checks both files against the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+Json = dict[str, Any]
+END = "<!-- /cluster-sim-table -->"
+POLICIES = (("locality", "locality (`place`)"), ("random", "random"))
+
+
+def marker(link: float | None) -> str:
+    """The first line of a rendered block: which options made it."""
+    opts = f" --link {link:g}" if link is not None else ""
+    return f"<!-- cluster-sim-table: rendered by bench/cluster/sim_table.py{opts} bench/results/cluster-sim.json -->"
+
+
+def means(doc: Json, policy: str, link: float) -> Json:
+    """p50, p99 and bytes moved of `policy` at `link`, means over the runs' seeds."""
+    runs = [r for r in doc["runs"] if r["policy"] == policy and r["link_gbps"] == link]
+    if not runs:
+        raise ValueError(f"no {policy} run at {link:g} Gb/s in the JSON")
+    return {k: sum(float(r[k]) for r in runs) / len(runs) for k in ("p50_s", "p99_s", "bytes_moved")}
+
+
+def render(doc: Json, link: float | None = None) -> str:
+    """The table (one link, or every link the JSON has), with its marker and end lines."""
+    cold = float(doc["summary"]["one_cold_start_s"])
+    links = [link] if link is not None else [float(x) for x in doc["settings"]["link_gbps"]]
+    head = ["placement"] if link is not None else ["link", "placement"]
+    lines = [
+        marker(link),
+        "| " + " | ".join([*head, "p50", "p99", f"p99 ÷ one cold start ({cold:.2f} s)", "bytes moved"]) + " |",
+        "|" + "---|" * (len(head) + 4),
+    ]
+    for g in links:
+        for policy, name in POLICIES:
+            m = means(doc, policy, g)
+            ratio = f"{m['p99_s'] / cold:.2f}"
+            if policy == "locality" and g == float(doc["summary"]["link_gbps"]):
+                ratio = f"**{ratio}**"
+            cells = [name] if link is not None else [f"{g:g} Gb/s", name]
+            cells += [f"{m['p50_s']:.2f} s", f"{m['p99_s']:.2f} s", ratio, f"{m['bytes_moved'] / 1e9:.0f} GB"]
+            lines.append("| " + " | ".join(cells) + " |")
+    seeds = ", ".join(str(s) for s in doc["settings"]["seeds"])
+    contention = doc["settings"]["contention_s_per_restore"]
+    lines.append("")
+    lines.append(
+        f"Means over seeds {seeds}; +{contention:.2f} s per restore under way on a node "
+        f"(`measured.contention`); `summary.burst_p99_ratio` = {doc['summary']['burst_p99_ratio']:.2f}."
+    )
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with the block that starts with `block`'s marker line replaced by `block`."""
+    first = block.splitlines()[0]
+    start = text.find(first)
+    if start < 0:
+        raise ValueError(f"no block starting with {first!r}: put that line and {END!r} where the table goes")
+    end = text.find(END, start)
+    if end < 0:
+        raise ValueError(f"the block starting with {first!r} has no {END!r}")
+    return text[:start] + block + text[end + len(END):]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", type=Path)
+    ap.add_argument("--link", type=float, help="one link's rows (Gb/s), without the link column")
+    ap.add_argument("--into", type=Path, help="replace this rendering's block in FILE")
+    a = ap.parse_args(argv)
+    try:
+        block = render(json.loads(a.json.read_text()), a.link)
+        if a.into is not None:
+            a.into.write_text(replace_block(a.into.read_text(), block))
+        else:
+            print(block)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"sim_table: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
