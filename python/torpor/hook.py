@@ -144,7 +144,7 @@ class Hook:
 
     def segments(self) -> list[Segment]:
         """Every segment, in creation order."""
-        capacity = 64
+        capacity = 256  # one call for most workers (an 8B model has 68 segments)
         while True:
             buf = (_Segment * capacity)()
             n = self._lib.torpor_hook_list(buf, capacity)

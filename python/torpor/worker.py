@@ -1300,8 +1300,10 @@ class Worker:
                 )
             try:
                 hook = torpor_hook.get()
-                known = {s.va: s for s in hook.segments()}
-                segment = known.get(va)
+                # Listed once per frame (68 segments at 8B): whether this was the last one to map
+                # is read from the same list, this thread being the only one that maps.
+                listed = hook.segments()
+                segment = next((s for s in listed if s.va == va), None)
                 if segment is not None and segment.size != size:
                     raise HookError(
                         f"map of {va:#x} says {size} bytes but the segment has {segment.size}; "
@@ -1319,7 +1321,7 @@ class Worker:
         finally:
             if fd is not None:
                 os.close(fd)
-        if all(s.mapped for s in hook.segments()):
+        if all(s.mapped or s.va == va for s in listed):
             self.reader.fds = False
         # `mapped` goes out before a request waiting for this segment is let go, so torpord
         # reads it before that request's result.
