@@ -121,12 +121,29 @@ def in_tree(pid: int, roots: set[int]) -> bool:
     return False
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` is still a live process (not gone, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def assert_only_listed_processes(torpord: Torpord) -> None:
     # The running daemon's own children count as listed: the page server still serving a lazily
-    # restored instance's memory, a CRIU at work. What an earlier daemon left has lost its
-    # parent (it is the init's, or a subreaper's), so it is never below this one.
+    # restored instance's memory, a CRIU at work (the `criu check` that makes CRIU's kernel
+    # cache at start among them). What an earlier daemon left has lost its parent (it is the
+    # init's, or a subreaper's), so it is never below this one. A process that ended between
+    # the listing and the look at its parents leaked nothing: in_tree cannot place it, so it is
+    # asked again whether it still runs (on CI, session 15, a `criu check` of the new daemon
+    # ended in that window and was reported "gone").
     listed = listed_pids(torpord) | {torpord.proc.pid}
-    stray = [p for p in daemon_processes(torpord.state) if p != torpord.proc.pid and not in_tree(p, listed)]
+    stray = [
+        p
+        for p in daemon_processes(torpord.state)
+        if p != torpord.proc.pid and not in_tree(p, listed) and running(p)
+    ]
     assert not stray, f"processes of the daemon's it does not list: {describe(stray)}\n{torpord.log_text()}"
 
 
