@@ -37,7 +37,7 @@ pub(crate) const CACHE_FILE: &std::ffi::CStr = c"/run/criu.kdat";
 /// How CRIU's process is set up before it runs: a `/run` of its own holding `cache`, and for a
 /// dump of a tree that is not root's, that tree's real ids.
 #[derive(Clone)]
-pub(crate) struct AsTree {
+pub(crate) struct OwnRun {
     pub ids: Option<(u32, u32)>,
     pub cache: Arc<Vec<u8>>,
 }
@@ -127,7 +127,7 @@ fn run_check(criu: &Criu, run: &CString) -> io::Result<()> {
 /// In the forked child, before CRIU is executed (async-signal-safe system calls only): a mount
 /// namespace of its own whose `/run` is a tmpfs holding `cache`, then the tree's real ids if
 /// there are any.
-pub(crate) fn enter(t: &AsTree) -> io::Result<()> {
+pub(crate) fn enter(t: &OwnRun) -> io::Result<()> {
     // SAFETY: system calls on this (forked, single-threaded) child only; every pointer is to
     // memory allocated before the fork.
     unsafe {

@@ -228,8 +228,8 @@ impl Criu {
         };
         let log = r.images_dir.join(r.log_file);
         // A tree that dropped root is dumped by a CRIU with its real ids (crate::kerndat).
-        let as_tree = match tree_ids(r.pid) {
-            Some((uid, gid)) => Some(crate::kerndat::AsTree {
+        let own_run = match tree_ids(r.pid) {
+            Some((uid, gid)) => Some(crate::kerndat::OwnRun {
                 ids: Some((uid, gid)),
                 cache: crate::kerndat::cache(self, uid)?,
             }),
@@ -241,7 +241,7 @@ impl Criu {
             request(kind, opts),
             log,
             swrk::Start {
-                as_tree,
+                own_run,
                 ..swrk::Start::default()
             },
             on_notify,
@@ -343,11 +343,11 @@ impl Criu {
             swrk::Start {
                 pass: &pass,
                 cgroup: &r.cgroup,
-                as_tree: r
+                own_run: r
                     .private_run
                     .then(crate::kerndat::cached)
                     .flatten()
-                    .map(|cache| crate::kerndat::AsTree { ids: None, cache }),
+                    .map(|cache| crate::kerndat::OwnRun { ids: None, cache }),
             },
             &mut handler,
         );

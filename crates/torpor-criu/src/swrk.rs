@@ -60,13 +60,13 @@ struct Session {
 }
 
 /// How CRIU's process is started: the descriptors it inherits (at the same numbers) besides its
-/// socket, the cgroups it is born in, and for a dump of a tree that runs as another user than
-/// root, that user's real ids (crate::kerndat).
+/// socket, the cgroups it is born in, and whether it runs with a `/run` of its own holding its
+/// kernel-feature cache, with the real ids of a dumped tree that is not root's (crate::kerndat).
 #[derive(Default)]
 pub(crate) struct Start<'a> {
     pub pass: &'a [BorrowedFd<'a>],
     pub cgroup: &'a [PathBuf],
-    pub as_tree: Option<crate::kerndat::AsTree>,
+    pub own_run: Option<crate::kerndat::OwnRun>,
 }
 
 /// Runs one request to completion: sends it, answers notifications through `handler`, and
@@ -129,7 +129,7 @@ impl Session {
         let Start {
             pass,
             cgroup,
-            as_tree,
+            own_run,
         } = start;
         // Opened here (close-on-exec), written by the child before exec: CRIU is born in the
         // cgroup, and so are the processes it restores.
@@ -180,7 +180,7 @@ impl Session {
             cmd.pre_exec(move || {
                 keep_only_fds(&keep)?;
                 join_cgroups(&join_fds)?;
-                match &as_tree {
+                match &own_run {
                     Some(t) => crate::kerndat::enter(t),
                     None => Ok(()),
                 }
