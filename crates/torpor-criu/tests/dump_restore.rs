@@ -292,18 +292,23 @@ fn a_restore_with_a_private_run_skips_crius_kernel_probes_and_writes_nothing_in_
 
     criu.prepare_kernel_cache()
         .unwrap_or_else(|e| panic!("{e}"));
-    let restored = criu
-        .restore(&RestoreRequest {
-            private_run: true,
-            log_level: 4,
-            ..restore_request(&images, "restore-private-run.log")
-        })
-        .unwrap_or_else(|e| panic!("{}", explain(&e)));
-    let restored = Restored {
-        pid: restored,
-        our_child: false,
+    // One restore at log level 4, detached, and its log.
+    let restore = |private_run: bool, log: &str| {
+        let pid = criu
+            .restore(&RestoreRequest {
+                private_run,
+                log_level: 4,
+                ..restore_request(&images, log)
+            })
+            .unwrap_or_else(|e| panic!("{}", explain(&e)));
+        let text = std::fs::read_to_string(images.join(log)).expect("log");
+        let restored = Restored {
+            pid,
+            our_child: false,
+        };
+        (restored, text)
     };
-    let log = std::fs::read_to_string(images.join("restore-private-run.log")).expect("log");
+    let (restored, log) = restore(true, "restore-private-run.log");
     assert!(
         log.contains("Loaded kdat cache from /run/criu.kdat"),
         "CRIU probed the kernel again:\n{}",
@@ -315,17 +320,7 @@ fn a_restore_with_a_private_run_skips_crius_kernel_probes_and_writes_nothing_in_
     if !host_had_one {
         // Without private_run CRIU sees the host's /run, which holds no cache here.
         drop(restored);
-        let plain = criu
-            .restore(&RestoreRequest {
-                log_level: 4,
-                ..restore_request(&images, "restore-plain.log")
-            })
-            .unwrap_or_else(|e| panic!("{}", explain(&e)));
-        let _plain = Restored {
-            pid: plain,
-            our_child: false,
-        };
-        let log = std::fs::read_to_string(images.join("restore-plain.log")).expect("log");
+        let (_plain, log) = restore(false, "restore-plain.log");
         assert!(
             !log.contains("Loaded kdat cache"),
             "{}",
