@@ -1309,7 +1309,9 @@ class Worker:
                         f"map of {va:#x} says {size} bytes but the segment has {segment.size}; "
                         "torpord must send the size the quiet frame listed"
                     )
+                t_map = time.perf_counter()
                 hook.map(va, fd, readonly)
+                map_s = time.perf_counter() - t_map
             except HookError as e:
                 print(f"torpor worker: {e}", file=sys.stderr)
                 try:
@@ -1326,7 +1328,9 @@ class Worker:
         # `mapped` goes out before a request waiting for this segment is let go, so torpord
         # reads it before that request's result.
         try:
-            self.send({"type": "mapped", "va": va, "ok": True})
+            # map_s: the hook's own time (import, map, access), which torpord sums into the
+            # start's `segments.map` phase, to tell the driver's part from the frames' trips.
+            self.send({"type": "mapped", "va": va, "ok": True, "map_s": round(map_s, 6)})
         finally:
             if readiness is not None:
                 readiness.mapped(va)

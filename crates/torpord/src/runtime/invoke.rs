@@ -147,11 +147,14 @@ impl Runtime {
         if kind == start::RESTORED {
             // hello → every segment mapped, when that happened before the answer (a request
             // that needs only some segments may finish first).
-            let mapped_s = lock(&inst.mapping)
+            let (mapped_s, map_calls_s) = lock(&inst.mapping)
                 .as_ref()
-                .and_then(crate::split::server::Mapping::segments_s);
+                .map_or((None, None), |m| (m.segments_s(), m.worker_map_s()));
             if let Some(s) = mapped_s {
                 timings.push(("segments".to_string(), s));
+            }
+            if let Some(s) = map_calls_s {
+                timings.push(("segments.map".to_string(), s));
             }
         }
         let call_s = t_call.elapsed().as_secs_f64();

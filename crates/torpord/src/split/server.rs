@@ -623,6 +623,8 @@ pub struct Mapping {
     /// Sent and not answered yet, in order (the worker maps them in the order they come).
     sent: VecDeque<u64>,
     mapped: usize,
+    /// The worker's own time in the hook's map calls (its `map_s`), summed.
+    worker_map_s: f64,
     done_at: Option<Instant>,
     done: Option<oneshot::Sender<()>>,
 }
@@ -637,6 +639,7 @@ impl Mapping {
             total,
             sent: VecDeque::with_capacity(total),
             mapped: 0,
+            worker_map_s: 0.0,
             done_at: None,
             done: Some(tx),
         };
@@ -674,6 +677,10 @@ impl Mapping {
         }
         self.sent.pop_front();
         self.mapped += 1;
+        // Workers of before sent no `map_s`: then the sum is short, never wrong in kind.
+        if let Some(s) = msg.get("map_s").and_then(Value::as_f64) {
+            self.worker_map_s += s.max(0.0);
+        }
         if self.mapped == self.total {
             self.done_at = Some(Instant::now());
             if let Some(tx) = self.done.take() {
@@ -687,6 +694,13 @@ impl Mapping {
     pub fn segments_s(&self) -> Option<f64> {
         self.done_at
             .map(|t| t.duration_since(self.hello).as_secs_f64())
+    }
+
+    /// Seconds the worker spent in the hook's map calls for every segment (the driver's import,
+    /// map and access; the rest of `segments_s` is fills, frames and the worker's loop); None
+    /// until every segment is mapped.
+    pub fn worker_map_s(&self) -> Option<f64> {
+        self.done_at.map(|_| self.worker_map_s)
     }
 
     /// Segments not mapped yet.
@@ -735,12 +749,19 @@ mod tests {
         m.sent(0x3000);
         m.answer(&frame(json!({"type": "mapped", "va": 0x1000, "ok": true})))
             .unwrap();
-        assert_eq!((m.unmapped(), m.segments_s()), (1, None));
+        assert_eq!(
+            (m.unmapped(), m.segments_s(), m.worker_map_s()),
+            (1, None, None)
+        );
         assert!(done.try_recv().is_err());
-        m.answer(&frame(json!({"type": "mapped", "va": 0x3000, "ok": true})))
-            .unwrap();
+        m.answer(&frame(
+            json!({"type": "mapped", "va": 0x3000, "ok": true, "map_s": 0.25}),
+        ))
+        .unwrap();
         assert_eq!(m.unmapped(), 0);
         assert!(m.segments_s().is_some());
+        // The first answer carried no map_s (a worker of before): only the second counts.
+        assert_eq!(m.worker_map_s(), Some(0.25));
         assert!(done.try_recv().is_ok());
     }
 
