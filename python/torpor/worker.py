@@ -183,6 +183,36 @@ class ConnectError(Exception):
 # What the map reader queues when every segment is mapped: the main loop reads on from here.
 _HAND_BACK = object()
 
+# The GIL's switch interval while the map reader runs. A restored instance's first request
+# runs while its segments are mapped, and its forward waits, module by module, for the map
+# reader, which takes the GIL back about six times a frame (the socket's reads, the hook's
+# calls, the answer). Python hands the GIL from a busy thread to a waiting one only after the
+# switch interval, 5 ms by default: at 68 segments (an 8B model) that wait, not the driver's
+# calls (0.1 ms a segment, bench/hook/map_cost.py), was most of the segments phase. The
+# interval is the process's; it goes back to what it was once every segment is mapped.
+# TORPOR_MAP_SWITCH_INTERVAL_S (seconds, read from the environment the instance was booted
+# with) overrides it; 0 keeps Python's.
+MAP_SWITCH_INTERVAL_S = 0.0002
+
+
+def _map_switch_interval() -> float | None:
+    """The switch interval for the map reader, or None to leave Python's alone."""
+    raw = os.environ.get("TORPOR_MAP_SWITCH_INTERVAL_S")
+    if raw is None:
+        return MAP_SWITCH_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value > 1:
+        print(
+            f"torpor worker: TORPOR_MAP_SWITCH_INTERVAL_S={raw!r} is not a number of seconds in [0, 1]; "
+            f"using {MAP_SWITCH_INTERVAL_S} (set it to 0 to keep Python's switch interval)",
+            file=sys.stderr,
+        )
+        return MAP_SWITCH_INTERVAL_S
+    return value or None
+
 
 class MapReader:
     """While segments are unmapped after a restore: a thread that reads every frame, applies
@@ -198,6 +228,19 @@ class MapReader:
         self.thread.start()
 
     def _run(self) -> None:
+        interval = _map_switch_interval()
+        before = ours = sys.getswitchinterval()
+        if interval is not None:
+            sys.setswitchinterval(interval)
+            ours = sys.getswitchinterval()
+        try:
+            self._read()
+        finally:
+            # Unless someone else set it meanwhile.
+            if interval is not None and sys.getswitchinterval() == ours:
+                sys.setswitchinterval(before)
+
+    def _read(self) -> None:
         worker = self.worker
         reader = worker.reader
         assert reader is not None

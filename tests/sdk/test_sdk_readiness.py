@@ -22,6 +22,7 @@ from test_sdk_hook import (
     segment_memfd,
     sha,
     start_segbuf,
+    without_map_s,
 )
 from torpor.readiness import ModuleWaits, Readiness, SegmentWaitError, deferrable_vas
 
@@ -247,7 +248,7 @@ def test_a_request_sent_before_the_last_map_runs_once_its_segments_are_mapped(
         send_map(c, notes, fds[2])
         result, seen = frames_until_result(c, 2)
         assert result["ok"] is True, result
-        mapped = [d for d in seen if d["type"] == "mapped"]
+        mapped = [without_map_s(d) for d in seen if d["type"] == "mapped"]
         assert mapped == [{"type": "mapped", "va": s["va"], "ok": True} for s in (table, buf, notes)], seen
         assert [d["type"] for d in seen if d["type"] != "mapped"] == ["started"], seen
         value = result["value"]
@@ -319,3 +320,78 @@ def test_the_ordinary_path_has_no_map_reader(spawn: Spawner, daemon: Daemon) -> 
     assert threads(w.pid) == 1, Path(f"/proc/{w.pid}/task").iterdir()
     c.send({"type": "shutdown"})
     assert w.wait() == 0
+
+
+class _MapsOnly:
+    """What MapReader needs of a worker: its frame reader and a map_segment that, like the real
+    one, clears `fds` once the last segment is mapped; it records the switch interval."""
+
+    def __init__(self, reader: Any, segments: int) -> None:
+        self.reader = reader
+        self.left = segments
+        self.intervals: list[float] = []
+
+    def map_segment(self, msg: dict[str, Any]) -> None:
+        self.intervals.append(sys.getswitchinterval())
+        fd = self.reader.take_fd()
+        if fd is not None:
+            os.close(fd)
+        self.left -= 1
+        if self.left == 0:
+            self.reader.fds = False
+
+
+def _map_reader_run(monkeypatch: pytest.MonkeyPatch, env: str | None) -> tuple[list[float], float, bool]:
+    import socket
+
+    from torpor import worker as worker_mod
+    from torpor.frames import FrameReader, write_frame_with_fd
+
+    if env is None:
+        monkeypatch.delenv("TORPOR_MAP_SWITCH_INTERVAL_S", raising=False)
+    else:
+        monkeypatch.setenv("TORPOR_MAP_SWITCH_INTERVAL_S", env)
+    a, b = socket.socketpair()
+    before = sys.getswitchinterval()
+    try:
+        w = _MapsOnly(FrameReader(b, fds=True), 2)
+        for va in (0x1000, 0x2000):
+            r, wfd = os.pipe()
+            write_frame_with_fd(a, {"type": "map", "va": va, "size": 4096, "readonly": True, "fd": True}, r)
+            os.close(r)
+            os.close(wfd)
+        m = worker_mod.MapReader(w)  # type: ignore[arg-type]
+        handed = m.next()
+        m.thread.join(timeout=10)
+        return w.intervals, sys.getswitchinterval(), handed is worker_mod._HAND_BACK
+    finally:
+        sys.setswitchinterval(before)
+        a.close()
+        b.close()
+
+
+def test_the_map_reader_shortens_the_switch_interval_while_it_maps(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torpor import worker as worker_mod
+
+    before = sys.getswitchinterval()
+    intervals, after, handed_back = _map_reader_run(monkeypatch, None)
+    assert handed_back
+    assert len(intervals) == 2 and all(abs(i - worker_mod.MAP_SWITCH_INTERVAL_S) < 1e-6 for i in intervals), intervals
+    # Python's own interval again once every segment is mapped.
+    assert after == before
+
+
+@pytest.mark.parametrize("env", ["0", "nonsense", "-1"])
+def test_the_switch_interval_override(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], env: str) -> None:
+    from torpor import worker as worker_mod
+
+    before = sys.getswitchinterval()
+    intervals, after, _ = _map_reader_run(monkeypatch, env)
+    err = capfd.readouterr().err
+    if env == "0":
+        assert intervals == [before, before] and err == ""
+    else:
+        # A bad value: one line naming it and the fix, and the default is used.
+        assert all(abs(i - worker_mod.MAP_SWITCH_INTERVAL_S) < 1e-6 for i in intervals), intervals
+        assert err.count("\n") == 1 and f"TORPOR_MAP_SWITCH_INTERVAL_S={env!r}" in err and "set it to 0" in err, err
+    assert after == before

@@ -270,6 +270,10 @@ pub struct Released {
 pub struct Mapped {
     pub va: u64,
     pub ok: bool,
+    /// Seconds the worker spent in the hook's map call (import, map, access), when ok; summed
+    /// into the start's `segments.map` timing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub map_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<ErrorDoc>")]
     pub error: Option<Value>,
