@@ -183,36 +183,6 @@ class ConnectError(Exception):
 # What the map reader queues when every segment is mapped: the main loop reads on from here.
 _HAND_BACK = object()
 
-# The GIL's switch interval while the map reader runs. A restored instance's first request
-# runs while its segments are mapped, and its forward waits, module by module, for the map
-# reader, which takes the GIL back about six times a frame (the socket's reads, the hook's
-# calls, the answer). Python hands the GIL from a busy thread to a waiting one only after the
-# switch interval, 5 ms by default: at 68 segments (an 8B model) that wait, not the driver's
-# calls (0.1 ms a segment, bench/hook/map_cost.py), was most of the segments phase. The
-# interval is the process's; it goes back to what it was once every segment is mapped.
-# TORPOR_MAP_SWITCH_INTERVAL_S (seconds, read from the environment the instance was booted
-# with) overrides it; 0 keeps Python's.
-MAP_SWITCH_INTERVAL_S = 0.0002
-
-
-def _map_switch_interval() -> float | None:
-    """The switch interval for the map reader, or None to leave Python's alone."""
-    raw = os.environ.get("TORPOR_MAP_SWITCH_INTERVAL_S")
-    if raw is None:
-        return MAP_SWITCH_INTERVAL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value > 1:
-        print(
-            f"torpor worker: TORPOR_MAP_SWITCH_INTERVAL_S={raw!r} is not a number of seconds in [0, 1]; "
-            f"using {MAP_SWITCH_INTERVAL_S} (set it to 0 to keep Python's switch interval)",
-            file=sys.stderr,
-        )
-        return MAP_SWITCH_INTERVAL_S
-    return value or None
-
 
 class MapReader:
     """While segments are unmapped after a restore: a thread that reads every frame, applies
@@ -228,19 +198,6 @@ class MapReader:
         self.thread.start()
 
     def _run(self) -> None:
-        interval = _map_switch_interval()
-        before = ours = sys.getswitchinterval()
-        if interval is not None:
-            sys.setswitchinterval(interval)
-            ours = sys.getswitchinterval()
-        try:
-            self._read()
-        finally:
-            # Unless someone else set it meanwhile.
-            if interval is not None and sys.getswitchinterval() == ours:
-                sys.setswitchinterval(before)
-
-    def _read(self) -> None:
         worker = self.worker
         reader = worker.reader
         assert reader is not None
@@ -365,6 +322,10 @@ class Worker:
         self.kept = torpor_kept.KeptAnswers()
         # Set at each split quiesce: the segments a request may run without (torpor.readiness).
         self.deferrable: set[int] = set()
+        # The hook's segments as listed at the first `map` frame of a mapping phase, and those
+        # still unmapped: listing all of them per frame cost ~0.2 ms a frame (68 at 8B).
+        self._listing: dict[int, torpor_hook.Segment] | None = None
+        self._unmapped: set[int] = set()
         # While segments are being mapped after a restore (None otherwise).
         self.readiness: Readiness | None = None
         self.module_waits: ModuleWaits | None = None
@@ -1278,10 +1239,12 @@ class Worker:
             left = [s.va for s in hook.segments() if not s.mapped]
             print(f"torpor worker: unmap: {e}", file=sys.stderr)
             self.reader.fds = bool(left)
+            self._listing = None
             self.send({"type": "unmapped", "ok": False, "released": left, "error": error_doc(e)})
             return
         # From now on map frames carry fds, until every segment is mapped again.
         self.reader.fds = bool(vas)
+        self._listing = None
         self.send({"type": "unmapped", "ok": True, "bytes": released})
 
     def hand_over_segments(self, hook: torpor_hook.Hook, synced: bool) -> str:
@@ -1323,6 +1286,7 @@ class Worker:
         released = hook.release_all()
         # From now on map frames carry fds, until every segment is mapped again.
         self.reader.fds = bool(segments)
+        self._listing = None
         self.send({"type": "released", "bytes": released})
         return "released"
 
@@ -1343,10 +1307,14 @@ class Worker:
                 )
             try:
                 hook = torpor_hook.get()
-                # Listed once per frame (68 segments at 8B): whether this was the last one to map
-                # is read from the same list, this thread being the only one that maps.
-                listed = hook.segments()
-                segment = next((s for s in listed if s.va == va), None)
+                if self._listing is None:
+                    # Once per mapping phase: this thread is the only one that maps or
+                    # releases until every segment is mapped (segments a request makes
+                    # meanwhile are mapped already).
+                    listed = hook.segments()
+                    self._listing = {s.va: s for s in listed}
+                    self._unmapped = {s.va for s in listed if not s.mapped}
+                segment = self._listing.get(va)
                 if segment is not None and segment.size != size:
                     raise HookError(
                         f"map of {va:#x} says {size} bytes but the segment has {segment.size}; "
@@ -1366,8 +1334,10 @@ class Worker:
         finally:
             if fd is not None:
                 os.close(fd)
-        if all(s.mapped or s.va == va for s in listed):
+        self._unmapped.discard(va)
+        if not self._unmapped:
             self.reader.fds = False
+            self._listing = None
         # `mapped` goes out before a request waiting for this segment is let go, so torpord
         # reads it before that request's result.
         try:
