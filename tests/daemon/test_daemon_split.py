@@ -331,3 +331,36 @@ def test_a_read_only_segment_in_the_gpu_cache_is_mapped_not_copied(fresh: Torpor
     assert last["scratch"]["inode"] != prev["scratch"]["inode"], (prev["scratch"], last["scratch"])
     answer = fresh.invoke("splitbuf", {"op": "compute", "x": 7})
     assert answer.status == 200 and answer.json()["sha"] == expected_sha(7)
+
+
+def test_a_restore_filled_by_its_hello_sends_the_first_request_after_its_map_frames(
+    torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    """When every segment is filled by the worker's hello (the caches; tiny segments even from
+    the store), the map frames are all that is left: the first request goes after them
+    (`maps_first`, how long it waited), so its forward never runs while the driver maps
+    (docs/split.md). Held here with TORPORD_DELAY=map-frames: the request waits out the hold."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    d = Torpord(torpor_bin, tmp_path / "daemon", env={"TORPORD_DELAY": "map-frames:700"})
+    try:
+        d.deploy(SPLITBUF)
+        for _ in range(2):
+            r = d.cli("stop", "splitbuf", "--json")
+            assert r.returncode == 0, r.stderr
+            deadline = time.monotonic() + 30
+            while any(i.get("pid") for i in d.instances("splitbuf")):
+                assert time.monotonic() < deadline, d.instances("splitbuf")
+                time.sleep(0.05)
+            first = d.invoke("splitbuf", {"op": "compute", "x": 3})
+            assert first.status == 200 and first.start == "restored", (first.status, first.body, d.log_text())
+            assert first.json()["sha"] == expected_sha(3)
+            assert first.timings.get("maps_first", 0) >= 0.6, first.timings
+            # Sent after the last map frame: the worker had every segment when it started it.
+            assert first.timings["segments"] <= first.timings["total"], first.timings
+            warm = d.invoke("splitbuf", {"op": "compute", "x": 4})
+            assert warm.status == 200 and warm.start == "warm" and "maps_first" not in warm.timings, warm.timings
+    finally:
+        d.stop()

@@ -29,7 +29,8 @@ pub const HOLD: Duration = Duration::from_secs(60);
 /// instance still serving), `hibernate-stop` (a hibernation's stop, after the worker's quiet),
 /// `restored` / `woken` (a cold start's / a wake's restore: CRIU restored the tree, its worker
 /// not yet woken, nothing adopted), `pages-served` (a lazily restored instance's pages are in,
-/// its pages-pending marker not yet removed).
+/// its pages-pending marker not yet removed), `map-frames` (a split restore's instance is in
+/// its pool, its `map` frames not sent yet).
 pub const DELAY_ENV: &str = "TORPORD_DELAY";
 
 /// Waits as [`DELAY_ENV`] says for `point`, if it names it.

@@ -79,6 +79,9 @@ pub struct Instance {
     /// waits for it, so that a failed fill always finds the instance in its pool (and fails its
     /// request there) instead of racing the start that is adding it.
     pub(crate) joined: tokio::sync::Notify,
+    /// Armed by a split restore whose segments were all filled by the worker's hello: its first
+    /// request goes out only after every `map` frame (crate::split::server::HandingOver::all_filled).
+    pub(crate) maps_first: Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
     /// Its tree's cgroup (crate::cgroup), removed when the instance goes; `None`: unconfined,
     /// or re-adopted from an earlier daemon (whose cgroup the sweep removes once empty).
     pub(crate) cgroup: Option<crate::cgroup::Cgroup>,
@@ -219,6 +222,7 @@ pub(crate) fn new_instance(
         mapping: Mutex::new(None),
         pages_pending: AtomicBool::new(false),
         joined: tokio::sync::Notify::new(),
+        maps_first: Mutex::new(None),
         cgroup,
     });
     (inst, conn.rd)

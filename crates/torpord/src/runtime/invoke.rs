@@ -129,6 +129,15 @@ impl Runtime {
             (st.info.timeout, st.info.per_instance)
         };
         let inst = Arc::clone(&lease.instance);
+        // A split restore whose segments were all filled by its hello: its first request goes
+        // after every map frame (HandingOver::all_filled); the gate opens when they are sent,
+        // or when their hand-over fails (the request then fails with the instance).
+        let gate = lock(&inst.maps_first).take();
+        if let Some(gate) = gate {
+            let t = Instant::now();
+            let _ = gate.await;
+            timings.push(("maps_first".to_string(), t.elapsed().as_secs_f64()));
+        }
         let t_call = Instant::now();
         let member = host.is_some().then_some(name);
         let res = self

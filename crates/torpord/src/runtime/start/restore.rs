@@ -199,13 +199,20 @@ impl Runtime {
                 inst.swap_gpus(0, d);
             }
             *lock(&inst.segments) = crate::split::release::InstanceSegments::handing(plan);
+            // Filled already (from the GPU cache, a shared copy): the first request waits
+            // for the map frames, which are all that is left (HandingOver::all_filled).
+            let sent_all = handing.all_filled().then(|| {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                *lock(&inst.maps_first) = Some(rx);
+                tx
+            });
             let rt = Arc::clone(self);
             let what = format!("an instance restored from {}", from.display());
             let function_snapshot = sleeper.is_none();
             let inst = Arc::clone(&inst);
             let reading = hibernation.clone();
             tokio::spawn(async move {
-                rt.hand_over(inst, handing, done, &what, function_snapshot)
+                rt.hand_over(inst, handing, done, sent_all, &what, function_snapshot)
                     .await;
                 drop(reading);
             });
@@ -274,11 +281,13 @@ impl Runtime {
         inst: Arc<Instance>,
         handing: crate::split::server::HandingOver,
         done: oneshot::Receiver<()>,
+        sent_all: Option<oneshot::Sender<()>>,
         what: &str,
         function_snapshot: bool,
     ) {
         inst.joined.notified().await;
         let deadline = tokio::time::Instant::now() + crate::split::server::MAP_TIMEOUT;
+        crate::journal::delay("map-frames").await;
         let sent = handing
             .send_maps(&inst.writer, |va, lease| {
                 if inst.is_dead() {
@@ -290,6 +299,8 @@ impl Runtime {
                 lock(&inst.segments).push(lease);
             })
             .await;
+        // The first request goes now (on an error too: it then fails with the instance).
+        drop(sent_all);
         let failed = match sent {
             Err(e) => e,
             Ok(()) => match tokio::time::timeout_at(deadline, done).await {
