@@ -7,7 +7,9 @@ tenant and workflow). In the sandbox it then hands 100 MiB from one function to 
 through the store, three times each way: the same object (`torpor.put`/`get`; a CUDA tensor on
 the GPU) and `shared=True` (a sealed memfd through torpord; host memory), timed inside the
 handlers. Writes bench/results/sandbox-<device>.json with a top-level `summary`:
-`memory_ratio_8fn` (processes ÷ sandbox), `handoff_100mb_ms` (same object, put + get, best of
+`memory_ratio_8fn` (processes ÷ sandbox, 1 s after the requests), `memory_ratio_8fn_idle` (the
+same once every function has been idle past its `keepalive.memory_release_s`, when a sandbox has
+given its functions' request pools back), `handoff_100mb_ms` (same object, put + get, best of
 3) and `handoff_100mb_shared_ms`; `pooled_start_s`: a sandboxed function's first start into a
 ready sandbox of the live-context pool (`[sandbox_pool] size = 1`) → its first answer, median of
 3 functions each new to the node, against `cold_restore_start_s`, the same with the pool off (a
@@ -130,6 +132,12 @@ class Fn:
 '''
 
 
+# The functions' keepalive.memory_release_s: a sandboxed function gives its request pool's
+# memory back after this long idle (torpor.mempool); the memory is read again past it.
+MEMORY_RELEASE_S = 2.0
+IDLE_READ_AFTER_S = MEMORY_RELEASE_S + 2.0
+
+
 def write_functions(root: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> list[Path]:
     dirs = []
     for i in range(n):
@@ -154,6 +162,7 @@ def write_functions(root: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> l
             "gpu_release_s = 3600",
             "hibernate_s = 3600",
             "evict_s = 3600",
+            f"memory_release_s = {MEMORY_RELEASE_S}",
         ]
         (d / "torpor.toml").write_text("\n".join(spec) + "\n")
         dirs.append(d)
@@ -292,6 +301,13 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[s
         delta = None if before is None else gpu_used_mib() - before
         # After the memory is read: the hand-offs' values are gone by then, but an allocator may
         # keep what they freed.
+        # Again once every function has been idle past its memory_release_s (a sandbox gives its
+        # functions' request pools back then; a process per function keeps PyTorch's cache).
+        time.sleep(IDLE_READ_AFTER_S - 1.0)
+        used_idle = pss_mib(pids) if cpu else gpu_mib(pids)
+        delta_idle = None if before is None else gpu_used_mib() - before
+        if not cpu and used_idle == 0 and delta_idle is not None:
+            used_idle = delta_idle
         handoffs = measure_handoffs(sock, n) if sandbox else None
         if not cpu and used == 0 and delta is not None:
             # NVML lists no process of the workers' PID namespaces here: the whole GPU's growth.
@@ -301,6 +317,9 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[s
             "workers": len(pids),
             ("host_pss_mib" if cpu else "gpu_mib"): used,
             "gpu_used_delta_mib": delta,
+            # The same IDLE_READ_AFTER_S after the last request.
+            ("host_pss_mib_idle" if cpu else "gpu_mib_idle"): used_idle,
+            "gpu_used_delta_mib_idle": delta_idle,
             "deploy_s": deploy_s,
             "handoff": handoffs,
             "first_invoke_s": first,
@@ -396,6 +415,7 @@ def main() -> int:
     sandbox = one_mode(args.torpor, args.functions, True, args.weights_mib, args.cpu)
     key = "host_pss_mib" if args.cpu else "gpu_mib"
     ratio = processes[key] / sandbox[key] if sandbox[key] else None
+    ratio_idle = processes[f"{key}_idle"] / sandbox[f"{key}_idle"] if sandbox[f"{key}_idle"] else None
     same = sandbox["handoff"]["same_object"]
     handoff_ms = min(r["put_s"] + r["get_s"] for r in same) * 1e3
     device = "cpu"
@@ -406,6 +426,8 @@ def main() -> int:
     doc = {
         "summary": {
             "memory_ratio_8fn" if args.functions == 8 else f"memory_ratio_{args.functions}fn": ratio,
+            # The same once every function has been idle past its memory_release_s.
+            "memory_ratio_8fn_idle" if args.functions == 8 else f"memory_ratio_{args.functions}fn_idle": ratio_idle,
             "memory": key,
             # A function new to the node: first start into a ready sandbox → first answer
             # (median), against a restore of its function snapshot; its own setup and warm-up.

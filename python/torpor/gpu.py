@@ -178,12 +178,39 @@ def limit_memory(limit: int) -> dict[str, Any]:
 
 
 def _warm_torch(torch: Any) -> None:
-    """Matmul, linear, softmax and conv in fp32 and fp16 so cuBLAS(Lt) and cuDNN initialise."""
+    """Matmul, linear, softmax and conv in fp32 and fp16 so cuBLAS(Lt) and cuDNN initialise:
+    on this thread, then on a thread of its own as a sandbox's request runs. PyTorch gives each
+    thread cuBLAS handles of its own from a pool, and a thread's go back to the pool when it
+    ends: the second run leaves a warm handle there for a sandbox's first request thread. The
+    workspaces the runs made are freed (a function that never runs a request on another thread
+    must not hold one for nothing); a request makes its stream's again."""
     if not torch.cuda.is_available():
         raise RuntimeError(
             "--gpu, but torch sees no CUDA device (torch.cuda.is_available() is False); "
             "run on a GPU node or drop --gpu"
         )
+    _warm_torch_ops(torch)
+    failed: list[BaseException] = []
+
+    def on_a_request_thread() -> None:
+        try:
+            _warm_torch_ops(torch)
+        except BaseException as e:  # raised on the caller's thread below
+            failed.append(e)
+
+    t = threading.Thread(target=on_a_request_thread, name="torpor-warm-request-thread")
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
+def _warm_torch_ops(torch: Any) -> None:
     functional: Any = importlib.import_module("torch.nn.functional")
     dev = torch.device("cuda", torch.cuda.current_device())
     with torch.no_grad():
@@ -197,7 +224,6 @@ def _warm_torch(torch: Any) -> None:
             y = functional.conv2d(x, w, padding=1)
             del a, bias, b, c, x, w, y
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def _warm_jax(jax: Any) -> None:
@@ -308,16 +334,33 @@ def request_stream(framework_name: str | None) -> Iterator[None]:
     if torch is None or not torch.cuda.is_initialized():
         yield
         return
-    stream = getattr(_streams, "stream", None)
-    if stream is None:
-        stream = torch.cuda.Stream()
-        _streams.stream = stream
+    stream = _take_stream(torch)
     try:
         with torch.cuda.stream(stream):
             yield
     finally:
-        stream.synchronize()
+        try:
+            stream.synchronize()
+        finally:
+            _give_stream(stream)
 
 
-# Each request thread's CUDA stream (request_stream).
-_streams = threading.local()
+# The request streams not in use, the last one given back on top. Each request runs on a thread
+# of its own, so a stream per thread was a new stream per request: PyTorch keeps a cuBLAS
+# workspace per (handle, stream) for the life of the process, so a sandbox grew by a workspace
+# (32 MiB on Hopper) with every request thread, up to its pool's 32 streams. Reused, a sandbox
+# holds as many streams, and workspaces, as it ran requests at once.
+_free_streams: list[Any] = []
+_streams_lock = threading.Lock()
+
+
+def _take_stream(torch: Any) -> Any:
+    with _streams_lock:
+        if _free_streams:
+            return _free_streams.pop()
+    return torch.cuda.Stream()
+
+
+def _give_stream(stream: Any) -> None:
+    with _streams_lock:
+        _free_streams.append(stream)

@@ -155,3 +155,44 @@ def test_the_quiet_point_gives_back_the_pinned_memory_torch_keeps_cached(cuda: N
     r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
     print(r.stdout.strip())
+
+
+def test_sandbox_requests_on_new_threads_reuse_streams_and_cublas_workspaces(cuda: None) -> None:
+    """A sandbox runs each request on a thread of its own (torpor.gpu.request_stream): requests
+    one after another reuse one stream, so PyTorch's cuBLAS workspace per (handle, stream) is made
+    once, not once per request; requests at once get streams of their own. After the warm-up,
+    the workspaces it made are freed."""
+    code = (
+        "import threading, torch\n"
+        "from torpor import gpu\n"
+        "assert gpu.warm() == 'torch'\n"
+        "after_warm = torch.cuda.memory_allocated()\n"
+        "w = torch.randn(1024, 1024, device='cuda')\n"
+        "seen = []\n"
+        "def request(hold=None):\n"
+        "    with gpu.request_stream('torch'):\n"
+        "        seen.append(torch.cuda.current_stream())\n"
+        "        (torch.ones(8, 1024, device='cuda') @ w).sum().item()\n"
+        "        if hold is not None:\n"
+        "            hold.wait()\n"
+        "def on_thread(*a):\n"
+        "    t = threading.Thread(target=request, args=a); t.start(); return t\n"
+        "on_thread().join()\n"
+        "one = torch.cuda.memory_allocated()\n"
+        "for _ in range(10):\n"
+        "    on_thread().join()\n"
+        "ten = torch.cuda.memory_allocated()\n"
+        "assert len({s.cuda_stream for s in seen}) == 1, 'requests one after another share a stream'\n"
+        "assert ten == one, f'ten more requests grew the allocations by {ten - one} bytes'\n"
+        "hold = threading.Barrier(3)\n"
+        "ts = [on_thread(hold) for _ in range(2)]\n"
+        "hold.wait()\n"
+        "for t in ts: t.join()\n"
+        "assert len({s.cuda_stream for s in seen[-2:]}) == 2, 'requests at once have streams of their own'\n"
+        "print('ok', after_warm, one, ten)\n"
+    )
+    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
+    print(r.stdout.strip())
