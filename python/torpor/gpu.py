@@ -178,35 +178,13 @@ def limit_memory(limit: int) -> dict[str, Any]:
 
 
 def _warm_torch(torch: Any) -> None:
-    """Matmul, linear, softmax and conv in fp32 and fp16 so cuBLAS(Lt) and cuDNN initialise:
-    on this thread, then on a thread of its own as a sandbox's request runs. PyTorch gives each
-    thread cuBLAS handles of its own from a pool, and a thread's go back to the pool when it
-    ends: the second run leaves a warm handle there for a sandbox's first request thread. The
-    workspaces the runs made are freed (a function that never runs a request on another thread
-    must not hold one for nothing); a request makes its stream's again."""
+    """Matmul, linear, softmax and conv in fp32 and fp16 so cuBLAS(Lt) and cuDNN initialise."""
     if not torch.cuda.is_available():
         raise RuntimeError(
             "--gpu, but torch sees no CUDA device (torch.cuda.is_available() is False); "
             "run on a GPU node or drop --gpu"
         )
     _warm_torch_ops(torch)
-    failed: list[BaseException] = []
-
-    def on_a_request_thread() -> None:
-        try:
-            _warm_torch_ops(torch)
-        except BaseException as e:  # raised on the caller's thread below
-            failed.append(e)
-
-    t = threading.Thread(target=on_a_request_thread, name="torpor-warm-request-thread")
-    t.start()
-    t.join()
-    if failed:
-        raise failed[0]
-    torch.cuda.synchronize()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
     torch.cuda.empty_cache()
 
 

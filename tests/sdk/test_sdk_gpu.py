@@ -160,8 +160,7 @@ def test_the_quiet_point_gives_back_the_pinned_memory_torch_keeps_cached(cuda: N
 def test_sandbox_requests_on_new_threads_reuse_streams_and_cublas_workspaces(cuda: None) -> None:
     """A sandbox runs each request on a thread of its own (torpor.gpu.request_stream): requests
     one after another reuse one stream, so PyTorch's cuBLAS workspace per (handle, stream) is made
-    once, not once per request; requests at once get streams of their own. After the warm-up,
-    the workspaces it made are freed."""
+    once, not once per request; requests at once get streams of their own."""
     code = (
         "import threading, torch\n"
         "from torpor import gpu\n"
