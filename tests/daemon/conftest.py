@@ -192,6 +192,16 @@ class Torpord:
         assert r.status == 200, r.body
         return list(r.json()["instances"])
 
+    def stop_instances(self, name: str) -> None:
+        """`torpor stop NAME`, then until none of its instances has a process: the next request
+        starts (restores) one."""
+        r = self.cli("stop", name, "--json")
+        assert r.returncode == 0, r.stderr
+        deadline = time.monotonic() + 30
+        while any(i.get("pid") for i in self.instances(name)):
+            assert time.monotonic() < deadline, self.instances(name)
+            time.sleep(0.05)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

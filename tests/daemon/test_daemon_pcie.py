@@ -55,15 +55,6 @@ def daemon(torpor_bin: Path, tmp_path: Path, fair: bool) -> Torpord:
     return Torpord(torpor_bin, root, config=config)
 
 
-def stop(d: Torpord, name: str) -> None:
-    r = d.cli("stop", name, "--json")
-    assert r.returncode == 0, r.stderr
-    deadline = time.monotonic() + 30
-    while any(i.get("pid") for i in d.instances(name)):
-        assert time.monotonic() < deadline, d.instances(name)
-        time.sleep(0.05)
-
-
 def cold(d: Torpord, name: str, size: int) -> Any:
     a = d.invoke(name, {})
     assert a.status == 200 and a.start == "restored", (a.status, a.body, d.log_text()[-3000:])
@@ -104,7 +95,7 @@ def small_during_large(d: Torpord, tmp_path: Path) -> tuple[dict[str, Any], dict
     d.deploy(function(tmp_path, "small", SMALL))
     for name, size in [("large", LARGE), ("small", SMALL)]:
         cold(d, name, size)  # from the store: now in the host cache
-        stop(d, name)
+        d.stop_instances(name)
     answers: dict[str, Any] = {}
     t = threading.Thread(target=lambda: answers.update(large=cold(d, "large", LARGE)))
     t.start()

@@ -303,12 +303,7 @@ def test_a_read_only_segment_in_the_gpu_cache_is_mapped_not_copied(fresh: Torpor
     fresh.deploy(SPLITBUF)
 
     def cold_restore() -> dict[str, Any]:
-        r = fresh.cli("stop", "splitbuf", "--json")
-        assert r.returncode == 0, r.stderr
-        deadline = time.monotonic() + 30
-        while any(i.get("pid") for i in fresh.instances("splitbuf")):
-            assert time.monotonic() < deadline, fresh.instances("splitbuf")
-            time.sleep(0.05)
+        fresh.stop_instances("splitbuf")
         a = fresh.invoke("splitbuf", {"op": "info"})
         assert a.status == 200 and a.start == "restored", (a.status, a.body, fresh.log_text())
         maps: dict[str, Any] = a.json()["maps"]
@@ -348,12 +343,7 @@ def test_a_restore_filled_by_its_hello_sends_the_first_request_after_its_map_fra
     try:
         d.deploy(SPLITBUF)
         for _ in range(2):
-            r = d.cli("stop", "splitbuf", "--json")
-            assert r.returncode == 0, r.stderr
-            deadline = time.monotonic() + 30
-            while any(i.get("pid") for i in d.instances("splitbuf")):
-                assert time.monotonic() < deadline, d.instances("splitbuf")
-                time.sleep(0.05)
+            d.stop_instances("splitbuf")
             first = d.invoke("splitbuf", {"op": "compute", "x": 3})
             assert first.status == 200 and first.start == "restored", (first.status, first.body, d.log_text())
             assert first.json()["sha"] == expected_sha(3)

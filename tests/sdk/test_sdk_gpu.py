@@ -128,6 +128,15 @@ def test_first_layers_compute_while_later_segments_are_withheld(
     assert w.wait(60) == 0
 
 
+def run_ok(code: str) -> None:
+    """Runs `code` in a fresh interpreter with the torpor package importable; it must print "ok"."""
+    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
+    print(r.stdout.strip())
+
+
 def test_the_quiet_point_gives_back_the_pinned_memory_torch_keeps_cached(cuda: None) -> None:
     """A host-to-GPU copy through pinned memory leaves PyTorch's block cached as shared anonymous
     memory, which CRIU would copy at every restore; torpor.gpu.release_pinned_caches() (called by
@@ -150,11 +159,7 @@ def test_the_quiet_point_gives_back_the_pinned_memory_torch_keeps_cached(cuda: N
         "assert int(kept.sum()) == 7 * (16 << 20) and int(dst.sum()) == 64 << 20\n"
         "print('ok', held, freed, left)\n"
     )
-    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
-    print(r.stdout.strip())
+    run_ok(code)
 
 
 def test_sandbox_requests_on_new_threads_reuse_streams_and_cublas_workspaces(cuda: None) -> None:
@@ -190,8 +195,4 @@ def test_sandbox_requests_on_new_threads_reuse_streams_and_cublas_workspaces(cud
         "assert len({s.cuda_stream for s in seen[-2:]}) == 2, 'requests at once have streams of their own'\n"
         "print('ok', after_warm, one, ten)\n"
     )
-    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
-    print(r.stdout.strip())
+    run_ok(code)
