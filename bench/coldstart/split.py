@@ -203,6 +203,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="record each restored instance's address space (VMAs, one-page VMAs, huge pages) after its answer",
     )
+    p.add_argument(
+        "--cpu-weights-mib",
+        type=int,
+        default=None,
+        help="--models cpu: the size of its weights in MiB (default 8), e.g. 2048 for a cold-disk read of GPU-like size",
+    )
     p.add_argument("--budget-min", type=float, default=8.0, help="skip the remaining runs past this")
     p.add_argument("--torpor", type=Path, help="torpor binary (default $TORPOR_BIN, target/{release,debug})")
     p.add_argument("--keep", action="store_true", help="keep the work dir (state dirs, daemon logs)")
@@ -213,6 +219,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.modes = [m for m in MODES if m in a.modes]
     if a.runs < 1 or a.warm_max < 0 or a.hold_s <= 0:
         p.error("--runs must be at least 1, --warm-max at least 0 and --hold-s positive")
+    if a.cpu_weights_mib is not None:
+        if a.cpu_weights_mib < 1 or "cpu" not in a.models:
+            p.error("--cpu-weights-mib takes a size >= 1 and --models cpu")
     try:
         a.extra = parse_daemon_config(a.daemon_config)
     except ValueError as e:
@@ -1117,6 +1126,9 @@ def identical(results: list[Json], model: str) -> bool | None:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    global CPU_WEIGHTS_BYTES
+    if a.cpu_weights_mib is not None:
+        CPU_WEIGHTS_BYTES = a.cpu_weights_mib << 20
     if os.geteuid() != 0:
         raise SystemExit("split.py: run as root: torpord starts workers in namespaces and runs CRIU")
     torpor = find_torpor(a.torpor)
@@ -1155,6 +1167,7 @@ def main(argv: list[str]) -> int:
             "runs": a.runs,
             "hold_s": a.hold_s,
             "warm_max": a.warm_max,
+            "cpu_weights_bytes": CPU_WEIGHTS_BYTES if "cpu" in a.models else None,
             "requests": {m: MODELS[m].request for m in a.models},
             "daemon_config": {m: render_toml(mode_config(m, bench.gpu, a.extra)) for m in a.modes},
             "each run": "torpor stop NAME, then one invoke (a fresh restore) timed by the client",
