@@ -287,7 +287,7 @@ impl Runtime {
                 if let Some(m) = lock(&inst.mapping).as_mut() {
                     m.sent(va);
                 }
-                lock(&inst.segments).push(lease);
+                lock(&inst.segments).push(va, lease);
             })
             .await;
         let failed = match sent {
