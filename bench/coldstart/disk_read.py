@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
             for _ in range(a.repeats):
                 dropped = drop_page_cache() if mode == "buffered" else None
                 runs.append(round(one(a.file, size, n, mode == "direct"), 3))
-            row = {"mode": mode, "readers": n, "gbps_median": statistics.median(runs), "gbps": runs}
+            row: dict[str, Any] = {"mode": mode, "readers": n, "gbps_median": statistics.median(runs), "gbps": runs}
             if mode == "buffered":
                 row["page_cache_dropped"] = dropped
             results.append(row)
