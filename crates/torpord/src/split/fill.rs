@@ -138,6 +138,22 @@ impl Gate {
     }
 }
 
+/// A fill's place in the bounds, given back when it is dropped: also when the fill panics (a
+/// bug), which then stops the others rather than leave them waiting for the place.
+struct Place<'g> {
+    gate: &'g Gate,
+    i: usize,
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.gate.stop();
+        }
+        self.gate.done(self.i);
+    }
+}
+
 impl Split {
     /// Sends the plan, then each segment as it is filled (several at once, within
     /// `self.fill_bounds`), until one fails or the receiver goes. Blocking: runs on the blocking
@@ -195,9 +211,9 @@ impl Split {
         plan: &[Planned],
     ) {
         while let Some((i, source)) = gate.take() {
+            let place = Place { gate, i };
             if tx.is_closed() {
                 gate.stop();
-                gate.done(i);
                 return;
             }
             #[cfg(test)]
@@ -216,7 +232,7 @@ impl Split {
             if let Some(hook) = &self.fill_hook {
                 hook(FillStep::End, i);
             }
-            gate.done(i);
+            drop(place);
             match filled {
                 // After an error nothing more goes: this one is dropped, its memory with it.
                 Ok(f) if !gate.stopped() => {
@@ -582,5 +598,30 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert_eq!(split.metrics.shared_bytes.get(), 0);
+    }
+
+    /// A fill that panics (a bug) gives its place back and stops the others: the restore ends
+    /// with the fill task's error at once, not at the map timeout, and no thread is left waiting.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fill_that_panics_ends_the_fills_without_a_hang() {
+        let dir = tempfile::tempdir().unwrap();
+        snapshot(dir.path(), "fn-p-1", &[1, 1, 1, 1, 1]);
+        let hook = Arc::new(|step, i| {
+            assert!(
+                !(step == FillStep::Start && i == 1),
+                "a fill's bug (this test's)"
+            );
+        });
+        // One page at a time: a place not given back would hold up every later fill.
+        let bounds = FillBounds {
+            segments: 2,
+            bytes: PAGE as u64,
+        };
+        let split = split(dir.path(), bounds, hook);
+        let t = Instant::now();
+        let (segments, _maps) = hand_over(split.begin_restore("fn-p-1", "default"), |_| {}).await;
+        let err = segments.unwrap_err();
+        assert!(matches!(err, SegmentsError::FillTaskEnded), "{err}");
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     }
 }
