@@ -380,16 +380,29 @@ impl Split {
             return Ok((m, "host"));
         }
         let store = self.store_for(tenant)?;
+        let t = Instant::now();
         let mut buf = dev.host_buffer(size).map_err(FillError::HostBuffer)?;
+        let buffer_s = t.elapsed().as_secs_f64();
         store
             .read_into(recipe, &mut buf)
             .map_err(|e| FillError::Read(Box::new(e)))?;
+        let read_s = t.elapsed().as_secs_f64() - buffer_s;
         let m = dev
             .fill_from_bytes(&buf, seal)
             .map_err(|source| FillError::Copy {
                 what: "copying from the store",
                 source,
             })?;
+        // Where a fill from disk goes: the host buffer (pinned on cuda), the reads with every
+        // check, the copy to the device.
+        tracing::debug!(
+            va = e.va,
+            bytes = e.size,
+            buffer_s,
+            read_s,
+            copy_s = t.elapsed().as_secs_f64() - buffer_s - read_s,
+            "segment read from the store"
+        );
         lock(&self.host_cache).insert(&hkey, Arc::new(Mutex::new(buf)), e.size);
         self.update_cache_gauges();
         Ok((m, "store"))
