@@ -66,7 +66,9 @@
 # $PEERS_ARGS picks a part
 # (--models, --modes, --runs, --best-loader): docs/gpu-machine.md gives the parts of < 9 minutes
 # and the merge (bench/peers/merge.py). The loaders' wheels come from .whl (make gpu-carry).
-# Not part of `all`.
+# $PEERS_DISK_READ=1 then also measures the disk's raw streaming read of the largest weights file
+# (bench/coldstart/disk_read.py, 1/8/32 readers, O_DIRECT and buffered: the ceiling of cold-disk)
+# into $OUT/disk-read.json. Not part of `all`.
 # pull: bench/cluster/pull.py: SeaweedFS on loopback, a node deploys and pushes $PULL_MODEL
 # (default gpt2-large), an empty node pulls and restores it, $PULL_RUNS times (default 3; $PULL_ARGS
 # adds flags, e.g. "--parallel 32" for torpord's objstore.parallel): pull
@@ -301,6 +303,15 @@ if [ "$MODE" = peers ]; then
   # shellcheck disable=SC2086 # PEERS_ARGS is a list of flags
   python3 bench/peers/run.py --out "$OUT/$part.json" ${PEERS_ARGS:-} 2>&1 | tee "$OUT/$part.log"
   perc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$perc
+  if [ -n "${PEERS_DISK_READ:-}" ]; then
+    # The chunk store and the weights share /var/tmp's disk.
+    weights=$(ls -S /var/tmp/torpor-peers/*.safetensors 2>/dev/null | head -1)
+    if [ -n "$weights" ]; then
+      python3 bench/coldstart/disk_read.py "$weights" --readers 1,8,32 --repeats 1 --out "$OUT/disk-read.json" 2>&1 | tee -a "$OUT/$part.log"
+    else
+      echo "PEERS_DISK_READ: no weights file in /var/tmp/torpor-peers to read"
+    fi
+  fi
   df -h /var/tmp | tail -1
 fi
 # CRIU's logs of anything that failed, for the post-mortem.

@@ -62,6 +62,40 @@ def test_a_bad_daemon_config_item_is_refused(item: str) -> None:
         split.parse_daemon_config([item])
 
 
+@pytest.mark.parametrize("args", [["--cpu-weights-mib", "0"], ["--models", "gpt2-large", "--cpu-weights-mib", "64"]])
+def test_cpu_weights_mib_takes_a_size_and_the_cpu_model(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        split.parse_args(["--models", "cpu", "--out", "x.json", *args])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--cpu-weights-mib takes a size >= 1 and --models cpu" in err, err
+    assert split.parse_args(["--models", "cpu", "--out", "x.json", "--cpu-weights-mib", "64"]).cpu_weights_mib == 64
+
+
+@pytest.mark.parametrize("args", [["--cpu-weights-parts", "3"], ["--cpu-weights-parts", "0"], ["--cpu-weights-mib", "64", "--cpu-weights-parts", "5"]])
+def test_cpu_weights_parts_must_divide_the_weights(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        split.parse_args(["--models", "cpu", "--out", "x.json", *args])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--cpu-weights-parts takes a count >= 1 that divides --cpu-weights-mib" in err, err
+    a = split.parse_args(["--models", "cpu", "--out", "x.json", "--cpu-weights-mib", "64", "--cpu-weights-parts", "8"])
+    assert (a.cpu_weights_mib, a.cpu_weights_parts) == (64, 8)
+
+
+def test_cpu_weight_parts_are_the_same_bytes_cut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(split, "CPU_WEIGHTS_BYTES", 72 << 20)
+    one = split.cpu_weight_parts(tmp_path / "w.bin", 1)
+    four = split.cpu_weight_parts(tmp_path / "w.bin", 4)
+    assert [f.stat().st_size for f in four] == [18 << 20] * 4
+    assert b"".join(f.read_bytes() for f in four) == one[0].read_bytes()
+
+
+def test_disk_read_names_a_missing_file(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, str(COLDSTART / "disk_read.py"), str(tmp_path / "absent")], capture_output=True, text=True, check=False
+    )
+    assert r.returncode == 2 and "no such file" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
 def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
     torpor_bin: Path, criu_ready: None, tmp_path: Path
 ) -> None:

@@ -97,6 +97,8 @@ BURST = 8
 HOST_CACHE_BYTES = 8 * GIB
 GPU_CACHE_BYTES = 8 * GIB
 CPU_WEIGHTS_BYTES = 8 << 20
+# The cpu function's weights in this many segments (--cpu-weights-parts).
+CPU_WEIGHTS_PARTS = 1
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="record each restored instance's address space (VMAs, one-page VMAs, huge pages) after its answer",
     )
+    p.add_argument(
+        "--cpu-weights-mib",
+        type=int,
+        default=None,
+        help="--models cpu: the size of its weights in MiB (default 8), e.g. 2048 for a cold-disk read of GPU-like size",
+    )
+    p.add_argument(
+        "--cpu-weights-parts",
+        type=int,
+        default=1,
+        help="--models cpu: its weights in this many read-only segments of equal size (the same bytes; default 1)",
+    )
     p.add_argument("--budget-min", type=float, default=8.0, help="skip the remaining runs past this")
     p.add_argument("--torpor", type=Path, help="torpor binary (default $TORPOR_BIN, target/{release,debug})")
     p.add_argument("--keep", action="store_true", help="keep the work dir (state dirs, daemon logs)")
@@ -213,6 +227,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.modes = [m for m in MODES if m in a.modes]
     if a.runs < 1 or a.warm_max < 0 or a.hold_s <= 0:
         p.error("--runs must be at least 1, --warm-max at least 0 and --hold-s positive")
+    if a.cpu_weights_mib is not None:
+        if a.cpu_weights_mib < 1 or "cpu" not in a.models:
+            p.error("--cpu-weights-mib takes a size >= 1 and --models cpu")
+    if a.cpu_weights_parts != 1:
+        mib = 8 if a.cpu_weights_mib is None else a.cpu_weights_mib
+        if a.cpu_weights_parts < 1 or "cpu" not in a.models or mib % a.cpu_weights_parts:
+            p.error(f"--cpu-weights-parts takes a count >= 1 that divides --cpu-weights-mib ({mib}) and --models cpu")
     try:
         a.extra = parse_daemon_config(a.daemon_config)
     except ValueError as e:
@@ -577,17 +598,31 @@ def link_or_copy(src: Path, dest: Path) -> None:
         shutil.copy2(src, dest)
 
 
-def cpu_weights(path: Path) -> Path:
-    if not path.is_file() or path.stat().st_size != CPU_WEIGHTS_BYTES:
-        # In pieces: randbytes of more than ~256 MiB overflows a C int; the first 64 MiB are
-        # what one call made before, so small weights files keep their bytes.
-        rng, left = random.Random(0), CPU_WEIGHTS_BYTES
-        with open(path, "wb") as f:
-            while left:
-                piece = min(left, 64 << 20)
-                f.write(rng.randbytes(piece))
-                left -= piece
-    return path
+def cpu_weight_parts(path: Path, parts: int) -> list[Path]:
+    """The cpu function's weights (CPU_WEIGHTS_BYTES) in `parts` files of equal size: `path`
+    itself for one part, else PATH.N-I for I < N; the same bytes however they are cut."""
+    each = CPU_WEIGHTS_BYTES // parts
+    files = [path] if parts == 1 else [path.with_name(f"{path.name}.{parts}-{i}") for i in range(parts)]
+    if all(f.is_file() and f.stat().st_size == each for f in files):
+        return files
+    # In pieces: randbytes of more than ~256 MiB overflows a C int; the first 64 MiB are what
+    # one call made before, so small weights files keep their bytes.
+    rng, left = random.Random(0), CPU_WEIGHTS_BYTES
+    handles = [open(f, "wb") for f in files]
+    try:
+        at = 0
+        while left:
+            piece = rng.randbytes(min(left, 64 << 20))
+            left -= len(piece)
+            while piece:
+                i = at // each
+                n = min(len(piece), (i + 1) * each - at)
+                handles[i].write(piece[:n])
+                piece, at = piece[n:], at + n
+    finally:
+        for h in handles:
+            h.close()
+    return files
 
 
 def example_weights(example: str, say: Any) -> Path:
@@ -622,7 +657,18 @@ def assemble(name: str, model: Model, dest_root: Path, say: Any) -> Path:
             subprocess.run([sys.executable, str(ROOT / "bench" / "peers" / "make_weights.py"), model.name, str(weights)], check=True)
         link_or_copy(weights, dest / "weights.safetensors")
     else:
-        link_or_copy(cpu_weights(dest_root / "cpu-weights.bin"), dest / "weights.bin")
+        parts = cpu_weight_parts(dest_root / "cpu-weights.bin", CPU_WEIGHTS_PARTS)
+        link_or_copy(parts[0], dest / "weights.bin")
+        extra = ""
+        for i, part in enumerate(parts[1:], 1):
+            link_or_copy(part, dest / f"weights-{i}.bin")
+            extra += f'[[data]]\nname = "weights-{i}"\npath = "weights-{i}.bin"\nsize = "auto"\naccess = "read-only"\n\n'
+        if extra:
+            # Beside the first part's [[data]], before the tables that follow it.
+            spec = dest / "torpor.toml"
+            text = spec.read_text()
+            at = text.index("[warmup]")
+            spec.write_text(text[:at] + extra + text[at:])
     return dest
 
 
@@ -1117,6 +1163,10 @@ def identical(results: list[Json], model: str) -> bool | None:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    global CPU_WEIGHTS_BYTES, CPU_WEIGHTS_PARTS
+    if a.cpu_weights_mib is not None:
+        CPU_WEIGHTS_BYTES = a.cpu_weights_mib << 20
+    CPU_WEIGHTS_PARTS = a.cpu_weights_parts
     if os.geteuid() != 0:
         raise SystemExit("split.py: run as root: torpord starts workers in namespaces and runs CRIU")
     torpor = find_torpor(a.torpor)
@@ -1155,6 +1205,8 @@ def main(argv: list[str]) -> int:
             "runs": a.runs,
             "hold_s": a.hold_s,
             "warm_max": a.warm_max,
+            "cpu_weights_bytes": CPU_WEIGHTS_BYTES if "cpu" in a.models else None,
+            "cpu_weights_parts": CPU_WEIGHTS_PARTS if "cpu" in a.models else None,
             "requests": {m: MODELS[m].request for m in a.models},
             "daemon_config": {m: render_toml(mode_config(m, bench.gpu, a.extra)) for m in a.modes},
             "each run": "torpor stop NAME, then one invoke (a fresh restore) timed by the client",

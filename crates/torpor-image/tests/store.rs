@@ -501,3 +501,41 @@ fn a_chunk_truncated_by_a_crash_is_written_again_and_chunks_are_private() {
         .expect("commit");
     assert_eq!(read_back(&store, &again), data);
 }
+
+/// A segment large enough to be hashed whole while its chunks are read (>= 16 MiB, chunks read
+/// on the read pool, in any order): it reads back exact; a damaged chunk is refused naming it;
+/// a recipe whose whole hash is not its contents' is refused though every chunk checks out.
+#[test]
+fn a_large_segment_is_checked_chunk_by_chunk_and_whole() {
+    let (_dir, store) = store();
+    let store = store.with_compression(Compression::None);
+    let segment = random(6 * SEGMENT_CHUNK_BYTES + 4096, "large");
+    let mut writer = store.writer().expect("writer");
+    let recipe = writer.put_bytes("seg-large", &segment).expect("put");
+    writer
+        .commit("fn-large", std::slice::from_ref(&recipe))
+        .expect("commit");
+    assert_eq!(recipe.chunks.len(), 7);
+    assert_eq!(read_back(&store, &recipe), segment);
+
+    // Every chunk is right, the recipe's whole hash is not (a recipe altered on its own).
+    let mut altered = recipe.clone();
+    altered.blake3 = blake3::hash(b"something else").to_hex().to_string();
+    let mut buf = vec![0u8; segment.len()];
+    let err = store.read_into(&altered, &mut buf).expect_err("whole");
+    assert!(matches!(err, StoreError::WholeHashMismatch { .. }), "{err}");
+
+    // A byte flipped in the last chunk but one.
+    let victim = recipe.chunks[5].id;
+    let path = store.chunk_path(&victim);
+    let mut bytes = fs::read(&path).expect("chunk");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    fs::write(&path, &bytes).expect("corrupt it");
+    let err = store.read_into(&recipe, &mut buf).expect_err("corrupt");
+    assert!(matches!(err, StoreError::CorruptChunk { .. }), "{err}");
+    assert!(
+        err.to_string().contains(&victim.to_hex().to_string()),
+        "{err}"
+    );
+}

@@ -4,6 +4,7 @@ use std::fs::{self, File};
 use std::io::{self, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
+use std::sync::{mpsc, Mutex, OnceLock, PoisonError};
 
 use rayon::prelude::*;
 
@@ -12,9 +13,72 @@ use crate::store::chunk::{self, Damage, HEADER_LEN};
 use crate::store::error::{io_error, StoreError};
 use crate::store::{ChunkRef, ChunkStore, Recipe, CORRUPT_DIR};
 
+/// Threads of the pool that reads chunk files (each chunk checked against its id as it comes):
+/// more than cores, since a read mostly waits for the disk and a deep queue is what reaches its
+/// bandwidth; a pool apart from rayon's global one, where whole files are hashed, so that
+/// neither waits behind the other. 32: the fastest of 8, 16 and 32 on the CPU benchmark of a
+/// restore from disk (docs/split.md, "Fill order and bounds").
+pub const READ_THREADS: usize = 32;
+
+/// A recipe of at least this many bytes (and more than one chunk) is hashed whole while its
+/// chunks are read: each chunk joins the hash once it and every chunk before it are in, so the
+/// whole check ends with the last read instead of starting after it.
+const HASH_WHILE_READING: u64 = 16 << 20;
+
+/// The pool of [`READ_THREADS`], made on first use; `None` (then rayon's global pool reads)
+/// where no thread can be started.
+fn read_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(READ_THREADS)
+            .thread_name(|i| format!("torpor-read-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// A chunk of a recipe and where its bytes go: its place in the recipe, its reference, its
+/// slice of the buffer.
+type Piece<'a> = (usize, &'a ChunkRef, &'a mut [u8]);
+
+/// `buf` cut into the recipe's chunks (`validate` checked that their lengths add up to it).
+fn pieces<'a>(recipe: &'a Recipe, buf: &'a mut [u8]) -> Vec<Piece<'a>> {
+    let mut pieces = Vec::with_capacity(recipe.chunks.len());
+    let mut rest: &mut [u8] = buf;
+    for (i, c) in recipe.chunks.iter().enumerate() {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(c.len as usize);
+        pieces.push((i, c, head));
+        rest = tail;
+    }
+    pieces
+}
+
+/// The hash of the pieces `done` brings (each once, in any order) taken in their order; ends
+/// when `done` does.
+fn hash_in_order(done: mpsc::Receiver<(usize, &[u8])>, n: usize) -> blake3::Hash {
+    let mut hasher = blake3::Hasher::new();
+    let mut waiting: Vec<Option<&[u8]>> = vec![None; n];
+    let mut next = 0;
+    for (i, bytes) in done {
+        if let Some(slot) = waiting.get_mut(i) {
+            *slot = Some(bytes);
+        }
+        while let Some(bytes) = waiting.get_mut(next).and_then(Option::take) {
+            hasher.update_rayon(bytes);
+            next += 1;
+        }
+    }
+    // Fewer than all only after a failed read, whose error is returned instead; were it
+    // otherwise, this hash of a part would not match the recipe's.
+    hasher.finalize()
+}
+
 impl ChunkStore {
-    /// Fills `buf` (exactly `recipe.size` bytes) with the recipe's contents, chunks in parallel,
-    /// each checked against its id, then the whole against the recipe's hash.
+    /// Fills `buf` (exactly `recipe.size` bytes) with the recipe's contents, chunks in parallel
+    /// on the read pool ([`READ_THREADS`]), each checked against its id, then the whole against
+    /// the recipe's hash (a large recipe's hashed while its chunks are read).
     pub fn read_into(&self, recipe: &Recipe, buf: &mut [u8]) -> Result<(), StoreError> {
         recipe.validate()?;
         if buf.len() as u64 != recipe.size {
@@ -24,18 +88,12 @@ impl ChunkStore {
                 actual: buf.len() as u64,
             });
         }
-        let mut slices: Vec<(&ChunkRef, &mut [u8])> = Vec::with_capacity(recipe.chunks.len());
-        let mut rest: &mut [u8] = &mut *buf;
-        for c in &recipe.chunks {
-            // validate() checked that the lengths add up to buf's length.
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(c.len as usize);
-            slices.push((c, head));
-            rest = tail;
-        }
-        slices
-            .into_par_iter()
-            .try_for_each(|(c, out)| self.read_chunk_into(c, &recipe.name, out))?;
-        let actual = blake3::Hasher::new().update_rayon(buf).finalize();
+        let actual = if recipe.size >= HASH_WHILE_READING && recipe.chunks.len() > 1 {
+            self.read_hashing(recipe, buf)?
+        } else {
+            self.read_pieces(&recipe.name, pieces(recipe, buf), None)?;
+            blake3::Hasher::new().update_rayon(buf).finalize()
+        };
         if actual.to_hex().as_str() != recipe.blake3 {
             return Err(StoreError::WholeHashMismatch {
                 file: recipe.name.clone(),
@@ -44,6 +102,60 @@ impl ChunkStore {
             });
         }
         Ok(())
+    }
+
+    /// Reads the recipe into `buf` while a thread of its own hashes the whole in order; returns
+    /// that hash.
+    fn read_hashing(&self, recipe: &Recipe, buf: &mut [u8]) -> Result<blake3::Hash, StoreError> {
+        let pieces = pieces(recipe, buf);
+        let n = pieces.len();
+        let (done, rx) = mpsc::channel();
+        let rx = Mutex::new(Some(rx));
+        let take = || rx.lock().unwrap_or_else(PoisonError::into_inner).take();
+        std::thread::scope(|scope| {
+            let hasher = std::thread::Builder::new()
+                .name("torpor-hash".into())
+                .spawn_scoped(scope, || take().map(|rx| hash_in_order(rx, n)));
+            let read = self.read_pieces(&recipe.name, pieces, Some(done));
+            let hash = match hasher {
+                Ok(h) => h
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                // No thread for it: the same hash here, after the reads.
+                Err(_) => None,
+            };
+            read?;
+            Ok(hash.unwrap_or_else(|| {
+                take().map_or_else(|| blake3::hash(&[]), |rx| hash_in_order(rx, n))
+            }))
+        })
+    }
+
+    /// Reads each piece into its slice on the read pool, each chunk checked; `done` is told of
+    /// each as it is in.
+    fn read_pieces<'a>(
+        &self,
+        file: &str,
+        pieces: Vec<Piece<'a>>,
+        done: Option<mpsc::Sender<(usize, &'a [u8])>>,
+    ) -> Result<(), StoreError> {
+        let read = || {
+            pieces
+                .into_par_iter()
+                .try_for_each_with(done, |done, (i, c, out)| {
+                    self.read_chunk_into(c, file, out)?;
+                    if let Some(done) = done {
+                        let out: &[u8] = out;
+                        // The hasher ends only after the reads: it is there to receive.
+                        let _ = done.send((i, out));
+                    }
+                    Ok(())
+                })
+        };
+        match read_pool() {
+            Some(pool) => pool.install(read),
+            None => read(),
+        }
     }
 
     /// Writes the recipe's contents to a new file `dest` (which must not exist) and checks it;

@@ -452,7 +452,7 @@ impl Runtime {
                     if let Some(m) = lock(&inst.mapping).as_mut() {
                         m.sent(va);
                     }
-                    back.push(lease);
+                    back.push(va, lease);
                 })
                 .await
                 .map_err(MapBackError::Segments)?;

@@ -11,6 +11,7 @@
 //! | [`capture`] | quiesce with `split`, hash, store, release |
 //! | [`cache`] | the byte-bounded LRU of the host and GPU caches |
 //! | [`server`] | filling segments for a restore; shared read-only copies |
+//! | [`fill`] | a plan's fills: several segments at once, bounded, each sent as it completes |
 //! | [`migrate`] | an instance's segments copied to another device while it serves, the changed blocks in the stop |
 //! | [`pcie`] | the fair PCIe scheduler every host→device copy of a device goes through |
 //! | [`precopy`] | a concurrent hibernation: segments copied while the instance serves, the changed blocks in the stop |
@@ -24,6 +25,7 @@ pub mod cache;
 pub mod capture;
 pub mod device;
 pub mod fds;
+pub mod fill;
 pub mod index;
 pub mod migrate;
 pub mod pcie;
@@ -190,7 +192,16 @@ pub struct Split {
     pcie: PcieConfig,
     /// Seals the records of the segments it stores; restores refuse a record it did not seal.
     pub(crate) key: Arc<torpor_image::SnapshotKey>,
+    /// How many segments of one plan are filled at once.
+    pub(crate) fill_bounds: fill::FillBounds,
+    /// Tests: called at each step of a fill, with its plan index.
+    #[cfg(test)]
+    pub(crate) fill_hook: Option<FillHook>,
 }
+
+/// [`Split::fill_hook`]'s type.
+#[cfg(test)]
+pub(crate) type FillHook = Arc<dyn Fn(fill::FillStep, usize) + Send + Sync>;
 
 impl std::fmt::Debug for Split {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -371,6 +382,9 @@ impl Split {
             metrics: SplitMetrics::new(metrics),
             pcie: PcieConfig::default(),
             key,
+            fill_bounds: fill::FillBounds::default(),
+            #[cfg(test)]
+            fill_hook: None,
         }
     }
 

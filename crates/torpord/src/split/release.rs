@@ -71,11 +71,25 @@ impl InstanceSegments {
         self.plan.iter().map(|(e, _)| e.size).sum()
     }
 
-    /// The daemon's handle on the next segment handed over (in plan order).
-    pub fn push(&mut self, lease: Lease) {
-        if let Held::Mapped(leases) = &mut self.held {
-            leases.push(lease);
+    /// The daemon's handle on the segment at `va`, as its `map` frame goes out. Fills complete
+    /// in any order ([`super::fill`]): the plan is kept in the order they were handed over, so
+    /// that `leases[i]` is always `plan[i]`'s (those not handed over yet follow, in plan order).
+    pub fn push(&mut self, va: u64, lease: Lease) {
+        let Held::Mapped(leases) = &mut self.held else {
+            return;
+        };
+        let next = leases.len();
+        let at = self.plan[next.min(self.plan.len())..]
+            .iter()
+            .position(|(e, _)| e.va == va)
+            .map(|p| next + p);
+        match at {
+            Some(at) if at > next => Arc::make_mut(&mut self.plan)[next..=at].rotate_right(1),
+            Some(_) => {}
+            // Not in the plan (a bug): kept, so that every handle is dropped with the instance.
+            None => tracing::warn!(va, "a segment handed over is not in the instance's plan"),
         }
+        leases.push(lease);
     }
 
     /// The segments of `plan`, none handed over yet: released, each to be filled from the
@@ -306,8 +320,11 @@ mod tests {
         n: usize,
     ) -> Vec<(Value, OwnedFd)> {
         let mut out = Vec::new();
-        for _ in 0..n {
-            let (frame, fd) = fds::read_with_fd(rd).await.unwrap().unwrap();
+        while out.len() < n {
+            // The daemon's end closes after an error: fewer frames came.
+            let Some((frame, fd)) = fds::read_with_fd(rd).await.unwrap() else {
+                break;
+            };
             assert_eq!(frame["type"], "map");
             let va = frame["va"].as_u64().unwrap();
             crate::workers::send(wr, &json!({"type": "mapped", "va": va, "ok": true}))
@@ -330,15 +347,24 @@ mod tests {
         let (_drd, dwr) = daemon.into_split();
         let writer = tokio::sync::Mutex::new(dwr);
         let (mut wrd, mut wwr) = worker_end.into_split();
-        let send = async {
+        let send = async move {
             let handing = restoring.planned().await?;
             let mut segments = InstanceSegments::handing(handing.plan());
             handing
-                .send_maps(&writer, |_, lease| segments.push(lease))
+                .send_maps(&writer, |va, lease| segments.push(va, lease))
                 .await?;
+            // The worker's end then sees the end of the frames.
+            drop(writer);
             Ok(segments)
         };
         tokio::join!(send, worker(&mut wrd, &mut wwr, n))
+    }
+
+    /// The map frame of the segment at `va` (fills complete in any order).
+    fn at(maps: &[(Value, OwnedFd)], va: u64) -> &(Value, OwnedFd) {
+        maps.iter()
+            .find(|(f, _)| f["va"] == va)
+            .unwrap_or_else(|| panic!("no map frame for {va:#x}"))
     }
 
     fn bytes(maps: &[(Value, OwnedFd)]) -> u64 {
@@ -363,8 +389,8 @@ mod tests {
         let mut segments = handed.unwrap();
         assert!(!segments.is_empty() && !segments.is_released());
         // The worker wrote into its writable segment after the restore.
-        let (w_frame, w_fd) = &maps[0];
-        assert_eq!(w_frame["va"], WRITABLE);
+        let (w_frame, w_fd) = at(&maps, WRITABLE);
+        assert_eq!(w_frame["readonly"], false);
         let changed: Vec<u8> = writable.iter().map(|b| b ^ 0x5a).collect();
         write_at(w_fd, &changed);
         drop(maps);
@@ -378,7 +404,7 @@ mod tests {
         )
         .await;
         assert!(handed.is_ok() && again.len() == 2);
-        assert_eq!(contents(&again[0].1, writable.len()), changed);
+        assert_eq!(contents(&at(&again, WRITABLE).1, writable.len()), changed);
         // The same memory: dropping this second set of handles leaves it held.
         drop((handed, again));
 
@@ -386,13 +412,24 @@ mod tests {
         let (plan, leases) = segments.leases().unwrap();
         let saved = split.save_writable(&plan, &leases).unwrap();
         drop(leases);
-        assert!(saved[0].as_ref().is_some_and(|b| b[..] == changed[..]) && saved[1].is_none());
+        // Beside their entries, in the order they were handed over.
+        for ((e, _), saved) in plan.iter().zip(&saved) {
+            match e.va {
+                WRITABLE => assert!(saved.as_ref().is_some_and(|b| b[..] == changed[..])),
+                _ => assert!(saved.is_none()),
+            }
+        }
         segments.release(saved);
         assert!(segments.is_released() && segments.leases().is_none());
         assert_eq!(split.metrics.shared_bytes.get(), 0);
 
         let (plan, sources) = segments.sources();
-        assert!(matches!(sources[0], Source::Saved(_)) && matches!(sources[1], Source::Fill));
+        for ((e, _), source) in plan.iter().zip(&sources) {
+            match e.va {
+                WRITABLE => assert!(matches!(source, Source::Saved(_))),
+                _ => assert!(matches!(source, Source::Fill)),
+            }
+        }
         let (handed, back) = hand_over(
             split.begin_refill(plan, sources, "t".into(), "default".into()),
             2,
@@ -400,14 +437,15 @@ mod tests {
         .await;
         let segments = handed.unwrap();
         assert_eq!((back.len(), bytes(&back)), (2, (5 * PAGE) as u64));
-        assert_eq!(back[0].0["readonly"], false);
-        assert_eq!(contents(&back[0].1, writable.len()), changed);
+        assert_eq!(at(&back, WRITABLE).0["readonly"], false);
+        assert_eq!(contents(&at(&back, WRITABLE).1, writable.len()), changed);
         // The read-only one came from the store into a new shared copy, sealed.
-        assert_eq!(back[1].0["readonly"], true);
-        assert_eq!(contents(&back[1].1, read_only.len()), read_only);
+        let (ro_frame, ro_fd) = at(&back, READ_ONLY);
+        assert_eq!(ro_frame["readonly"], true);
+        assert_eq!(contents(ro_fd, read_only.len()), read_only);
         assert_eq!(split.metrics.shared_bytes.get(), (3 * PAGE) as i64);
         // SAFETY: F_GET_SEALS only reads the memfd's seals.
-        let seals = unsafe { libc::fcntl(back[1].1.as_raw_fd(), libc::F_GET_SEALS) };
+        let seals = unsafe { libc::fcntl(ro_fd.as_raw_fd(), libc::F_GET_SEALS) };
         assert!(seals & libc::F_SEAL_WRITE != 0, "seals {seals:#x}");
         assert!(!segments.is_released() && segments.leases().is_some());
     }
@@ -418,7 +456,10 @@ mod tests {
         let writable = vec![1u8; PAGE];
         let read_only = vec![2u8; PAGE];
         snapshot(dir.path(), "fn-t-2", &writable, &read_only);
-        let split = split(dir.path());
+        // One fill at a time: the writable segment (first in the plan) is handed over before
+        // the read-only one fails.
+        let mut split = split(dir.path());
+        Arc::get_mut(&mut split).unwrap().fill_bounds.segments = 1;
         let (handed, maps) = hand_over(split.begin_restore("fn-t-2", "default"), 2).await;
         drop(maps);
         let mut segments = handed.unwrap();
@@ -475,16 +516,28 @@ mod tests {
         // Another function of the same tenant: the same copy.
         let (b, b_maps) = hand_over(split.begin_restore("fn-b-1", "team-a"), 2).await;
         assert_eq!(split.metrics.shared_bytes.get(), one);
-        assert_eq!(inode(&a_maps[1].1), inode(&b_maps[1].1));
+        assert_eq!(
+            inode(&at(&a_maps, READ_ONLY).1),
+            inode(&at(&b_maps, READ_ONLY).1)
+        );
         // Another tenant's function with the same weights: a copy of its own.
         let (c, c_maps) = hand_over(split.begin_restore("fn-c-1", "team-b"), 2).await;
         assert_eq!(split.metrics.shared_bytes.get(), 2 * one);
-        assert_ne!(inode(&a_maps[1].1), inode(&c_maps[1].1));
-        assert_eq!(contents(&c_maps[1].1, read_only.len()), read_only);
+        assert_ne!(
+            inode(&at(&a_maps, READ_ONLY).1),
+            inode(&at(&c_maps, READ_ONLY).1)
+        );
+        assert_eq!(
+            contents(&at(&c_maps, READ_ONLY).1, read_only.len()),
+            read_only
+        );
         // The default tenant is a tenant like the others.
         let (d, d_maps) = hand_over(split.begin_restore("fn-c-1", "default"), 2).await;
         assert_eq!(split.metrics.shared_bytes.get(), 3 * one);
-        assert_ne!(inode(&a_maps[1].1), inode(&d_maps[1].1));
+        assert_ne!(
+            inode(&at(&a_maps, READ_ONLY).1),
+            inode(&at(&d_maps, READ_ONLY).1)
+        );
         drop((a, b, c, d, a_maps, b_maps, c_maps, d_maps));
         assert_eq!(split.metrics.shared_bytes.get(), 0);
     }
@@ -525,7 +578,7 @@ mod tests {
         // Another tenant: from the store, as if nothing were cached.
         let (c, maps) = hand_over(split.begin_restore("fn-c-1", "team-b"), 2).await;
         assert_eq!(hits(), 1);
-        assert_eq!(contents(&maps[0].1, PAGE), writable);
+        assert_eq!(contents(&at(&maps, WRITABLE).1, PAGE), writable);
         drop((a, b, c));
     }
 

@@ -1,7 +1,8 @@
 //! The restore server: while CRIU restores an instance of a split snapshot (on the blocking
-//! pool), it produces each segment's memory in fill order ([`super::index::fill_order`]), and
-//! once the worker said `hello {resumed}` hands each to it with a `map` frame carrying the fd,
-//! as soon as it is filled.
+//! pool), it produces each segment's memory, several at once, started in fill order
+//! ([`super::index::fill_order`]; [`super::fill`] bounds them), and once the worker said
+//! `hello {resumed}` hands each to it with a `map` frame carrying the fd, as soon as it is
+//! filled.
 //!
 //! Where a segment's memory comes from, first that applies:
 //! 1. **read-only**: the shared copy of its contents if one is resident (one physical copy
@@ -124,7 +125,7 @@ pub fn gpu_key_of(backend: &str, ordinal: i32, blake3: &str) -> String {
     format!("{backend}{ordinal}:{blake3}")
 }
 
-enum Event {
+pub(super) enum Event {
     /// The segments that will come, in this order (none: a transparent snapshot).
     Plan(Arc<Vec<Planned>>),
     Filled(Filled),
@@ -229,44 +230,8 @@ impl Split {
         Restoring { rx }
     }
 
-    /// Sends the plan, then each segment as it is filled, until one fails or the receiver goes.
-    fn fill_all(
-        &self,
-        tx: &mpsc::UnboundedSender<Event>,
-        of: &str,
-        tenant: &str,
-        plan: Arc<Vec<Planned>>,
-        sources: Vec<Source>,
-    ) {
-        debug_assert_eq!(plan.len(), sources.len());
-        let _ = tx.send(Event::Plan(Arc::clone(&plan)));
-        for (planned, source) in plan.iter().zip(sources) {
-            if tx.is_closed() {
-                return;
-            }
-            let filled = match source {
-                Source::Fill => self.fill(planned, tenant),
-                Source::Saved(buf) => self.fill_saved(&planned.0, &buf),
-                Source::Held(lease) => self.export_held(&planned.0, lease),
-            };
-            match filled {
-                Ok(f) => {
-                    let _ = tx.send(Event::Filled(f));
-                }
-                Err(source) => {
-                    let _ = tx.send(Event::Failed(SegmentsError::Fill {
-                        va: planned.0.va,
-                        of: of.to_string(),
-                        source,
-                    }));
-                    return;
-                }
-            }
-        }
-    }
-
     /// New memory holding a writable segment's saved contents.
-    fn fill_saved(&self, e: &SegmentEntry, saved: &[u8]) -> Result<Filled, FillError> {
+    pub(super) fn fill_saved(&self, e: &SegmentEntry, saved: &[u8]) -> Result<Filled, FillError> {
         let dev = self.device(&e.backend, e.ordinal)?;
         let t = Instant::now();
         let m = dev
@@ -289,7 +254,7 @@ impl Split {
     }
 
     /// A `map` frame's worth of memory the daemon holds: a new fd for it.
-    fn export_held(&self, e: &SegmentEntry, lease: Lease) -> Result<Filled, FillError> {
+    pub(super) fn export_held(&self, e: &SegmentEntry, lease: Lease) -> Result<Filled, FillError> {
         let dev = self.device(&e.backend, e.ordinal)?;
         let fd = match &lease {
             Lease::Own(o) => dev.export(&o.memory),
@@ -306,7 +271,7 @@ impl Split {
     }
 
     /// The memory of one segment of a function of `tenant`, from the first source that has it.
-    fn fill(&self, (e, recipe): &Planned, tenant: &str) -> Result<Filled, FillError> {
+    pub(super) fn fill(&self, (e, recipe): &Planned, tenant: &str) -> Result<Filled, FillError> {
         let dev = self.device(&e.backend, e.ordinal)?;
         let t = Instant::now();
         let (memory, lease, source) = if e.readonly {
@@ -415,16 +380,29 @@ impl Split {
             return Ok((m, "host"));
         }
         let store = self.store_for(tenant)?;
+        let t = Instant::now();
         let mut buf = dev.host_buffer(size).map_err(FillError::HostBuffer)?;
+        let buffer_s = t.elapsed().as_secs_f64();
         store
             .read_into(recipe, &mut buf)
             .map_err(|e| FillError::Read(Box::new(e)))?;
+        let read_s = t.elapsed().as_secs_f64() - buffer_s;
         let m = dev
             .fill_from_bytes(&buf, seal)
             .map_err(|source| FillError::Copy {
                 what: "copying from the store",
                 source,
             })?;
+        // Where a fill from disk goes: the host buffer (pinned on cuda), the reads with every
+        // check, the copy to the device.
+        tracing::debug!(
+            va = e.va,
+            bytes = e.size,
+            buffer_s,
+            read_s,
+            copy_s = t.elapsed().as_secs_f64() - buffer_s - read_s,
+            "segment read from the store"
+        );
         lock(&self.host_cache).insert(&hkey, Arc::new(Mutex::new(buf)), e.size);
         self.update_cache_gauges();
         Ok((m, "store"))

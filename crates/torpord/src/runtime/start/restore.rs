@@ -296,7 +296,7 @@ impl Runtime {
                 if let Some(m) = lock(&inst.mapping).as_mut() {
                     m.sent(va);
                 }
-                lock(&inst.segments).push(lease);
+                lock(&inst.segments).push(va, lease);
             })
             .await;
         // The first request goes now (on an error too: it then fails with the instance).
