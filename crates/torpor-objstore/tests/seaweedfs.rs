@@ -263,8 +263,9 @@ fn push_and_pull_against_seaweedfs() {
     unknown_snapshot_and_missing_bucket(&server, w);
 }
 
-/// The connection dies after two chunks: the pull fails with one line, commits nothing and
-/// writes no directory; the chunks it fetched are verified and reused by the next pull.
+/// The connection dies in the middle of the pull, after the first ranged GET and before the
+/// last ended: the pull fails with one line, commits nothing and writes no directory; the
+/// chunks it fetched before are verified, stored and reused by the next pull.
 fn server_gone_mid_pull(server: &Seaweed, w: &Path, config: &Path, key: &SnapshotKey) {
     let proxy = Proxy::start(server.s3_port);
     let via_proxy = server.config(
@@ -278,13 +279,25 @@ fn server_gone_mid_pull(server: &Seaweed, w: &Path, config: &Path, key: &Snapsho
         .expect("read")
         .replace("bucket = \"snaps-proxied\"", "bucket = \"snaps\"");
     fs::write(&via_proxy, text).expect("write");
+    // What a whole pull of B takes through the proxy, into a store of its own; B's chunks are
+    // two ranged GETs (its base pages, ~3 MiB in A's pack, and its own ~1 MiB), one at a time.
+    let probe = ChunkStore::open(&w.join("node3-probe")).expect("probe store");
+    let whole = pull(
+        &remote(&via_proxy),
+        &probe,
+        "fn-b",
+        &w.join("pulled-probe"),
+        Trust::Key(key),
+        1,
+        &quiet,
+    )
+    .expect("pull through the proxy");
+    assert_eq!((whole.ranges, whole.loose), (2, 0), "{whole:?}");
+    let all = proxy.down_bytes();
+    // Cut 200 KiB before the end: inside the last GET, after the first one.
+    proxy.cut_after(all - (200 << 10));
     let node3 = ChunkStore::open(&w.join("node3")).expect("store 3");
     let out = w.join("pulled-gone");
-    let cut_after_two = |p: Progress| {
-        if p.done >= 2 {
-            proxy.cut();
-        }
-    };
     let err = pull(
         &remote(&via_proxy),
         &node3,
@@ -292,7 +305,7 @@ fn server_gone_mid_pull(server: &Seaweed, w: &Path, config: &Path, key: &Snapsho
         &out,
         Trust::Key(key),
         1,
-        &cut_after_two,
+        &quiet,
     )
     .expect_err("server gone");
     assert!(

@@ -69,7 +69,7 @@ impl StoreWriter<'_> {
         if already_stored(&path, c.len) {
             return Ok(false);
         }
-        place_chunk_file(store, &c.id, &path, bytes)?;
+        place_chunk_file(store, &c.id, &path, bytes, self.writes_back())?;
         Ok(true)
     }
 }
