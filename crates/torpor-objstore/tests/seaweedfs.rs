@@ -818,7 +818,7 @@ fn files_and_segments_in_one_pipeline(
     );
     assert_eq!(
         node2.sealed_recipes("fn-s-1", key).expect("sealed record"),
-        [recipe.clone()]
+        std::slice::from_ref(&recipe)
     );
     let mut ids = node2.snapshots().expect("ids");
     ids.sort();
