@@ -342,8 +342,8 @@ const QUEUED_PER_FETCHER: usize = 1;
 ///
 /// A pipeline: `parallel` fetchers run the GETs (the sets' ranged GETs of packs, then loose
 /// chunks, set by set in the order given) and hand what they fetched through a bounded channel
-/// to `parallel` writers, which decode and hash every chunk (on rayon's pool) and place it in the
-/// store. So the GETs go on while earlier ranges are checked and written, and the fetched bytes
+/// to the writers (as many as the fetchers or the cores, whichever is more), which decode and
+/// hash every chunk and place it in the store. So the GETs go on while earlier ranges are checked and written, and the fetched bytes
 /// waiting for a writer are bounded (`parallel` × [`QUEUED_PER_FETCHER`] ranges of at most
 /// [`MAX_RANGE`]). With a writer made by
 /// [`StoreWriter::write_back_early`](torpor_image::store::StoreWriter::write_back_early) the
@@ -446,7 +446,8 @@ pub(crate) fn download_sets(
         }
         // The channel closes when the last fetcher ends.
         drop(tx);
-        for _ in 0..threads {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for _ in 0..threads.max(cores.min(64)).min(jobs.len()) {
             let (jobs, sets, rx, fail) = (&jobs, sets, &rx, &fail);
             let (remaining, ticker) = (&remaining, &ticker);
             scope.spawn(move || loop {
@@ -531,18 +532,18 @@ fn store_job(
         }
         Job::Range(r) => {
             let full = remote.full_key(&pack_key(&r.pack));
-            // Decoding and hashing on rayon's pool (one thread a core, shared by every writer).
-            use rayon::prelude::*;
-            r.chunks.par_iter().try_for_each(|(c, offset, len)| {
+            // One after the other on this writer's thread, not on rayon's pool: storing a chunk
+            // waits for the disk (a full device queue), and a pool of one thread a core blocked
+            // on the segments' writes would hold up every other writer's chunks (the files'
+            // first). The writers are as many as the cores or the fetchers, whichever is more.
+            for (c, offset, len) in &r.chunks {
                 let at = (offset - r.start) as usize;
                 let origin = format!(
                     "object {full} (bytes {offset}..{}) in bucket {bucket}",
                     offset + len
                 );
-                writer
-                    .put_chunk_file(c, &bytes[at..at + *len as usize], &origin)
-                    .map(|_| ())
-            })?;
+                writer.put_chunk_file(c, &bytes[at..at + *len as usize], &origin)?;
+            }
             Ok(r.chunks.len() as u64)
         }
     }
