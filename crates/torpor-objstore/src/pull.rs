@@ -130,8 +130,10 @@ struct SealedMeta {
 /// 4. one commit for both records (one syncfs: every chunk on disk before either record), then
 ///    the directory renamed to `out`.
 ///
-/// On failure nothing is committed (but for an error writing the second record, after the
-/// first: each record is whole or absent), `out` is not created and nothing is left aside.
+/// On failure nothing is committed, `out` is not created and nothing is left aside; but for an
+/// error writing the sealed record after the files' one (each record is whole or absent, the
+/// files' is committed first): the files' record without the segments' is only a cache of
+/// chunks, which a caller that bounds its store releases as such.
 #[allow(clippy::too_many_arguments)]
 pub fn pull_snapshot(
     remote: &Remote,

@@ -552,16 +552,10 @@ impl Tier {
             &|_| {},
         );
         phases.files_s = t.elapsed().as_secs_f64();
-        let pulled = match pulled {
-            Ok(p) => p,
-            Err(e) => {
-                // Nothing is committed on an error, but for a failed write of the second
-                // record after the first: the segments' record, if it is there, is released
-                // (the files' is only a cache, trimmed as such).
-                crate::split::release_snapshot_of_dir(&out);
-                return Err(e.into());
-            }
-        };
+        // Nothing is committed on an error, but for a failed write of the segments' record
+        // after the files' one (the files' record is committed first): that one is only a
+        // cache of chunks, trimmed as such (Tier::trim).
+        let pulled = pulled?;
         let (report, segments) = (pulled.files, pulled.sealed);
         let t = report.timings;
         phases.files_metadata_s = t.metadata_s;
