@@ -79,8 +79,8 @@ impl ChunkStore {
 }
 
 impl StoreWriter<'_> {
-    /// The same writer, starting the disk write of every chunk file it places (of 256 KiB or
-    /// more: segment chunks, not CRIU's small page chunks) as soon as the file is written (sync_file_range(2), `SYNC_FILE_RANGE_WRITE`: asynchronous, it waits for
+    /// The same writer, starting the disk write of every chunk file it places as soon as the
+    /// file is written (sync_file_range(2), `SYNC_FILE_RANGE_WRITE`: asynchronous, it waits for
     /// nothing but a full device queue). The commit's syncfs still makes them durable; what
     /// changes is when the disk works: while the writer's caller fetches the next chunks rather
     /// than all at once in the commit. For a writer fed faster than the disk writes (a pull
@@ -296,16 +296,8 @@ pub(crate) fn already_stored(path: &Path, raw_len: u64) -> bool {
         .is_ok_and(|()| chunk::raw_len(&header) == Some(raw_len))
 }
 
-/// Chunk files smaller than this are not written back early: a pull's CRIU page chunks are
-/// ~30 KB, tens of thousands of files for a few percent of its bytes, and a write-out each
-/// would queue them behind the segments' large ones (sync_file_range waits when the device's
-/// queue is full), holding up the files the snapshot directory needs first. The commit's
-/// syncfs writes them.
-const EARLY_WRITE_BACK_MIN: usize = 256 << 10;
-
 /// Writes a new file readable by its owner only (chunks hold process memory); with
-/// `write_back`, starts writing it to the disk at once if it is at least
-/// [`EARLY_WRITE_BACK_MIN`] long (see [`StoreWriter::write_back_early`]).
+/// `write_back`, starts writing it to the disk at once (see [`StoreWriter::write_back_early`]).
 pub(crate) fn write_private(path: &Path, bytes: &[u8], write_back: bool) -> std::io::Result<()> {
     let mut file = File::options()
         .write(true)
@@ -313,7 +305,7 @@ pub(crate) fn write_private(path: &Path, bytes: &[u8], write_back: bool) -> std:
         .mode(0o600)
         .open(path)?;
     file.write_all(bytes)?;
-    if write_back && bytes.len() >= EARLY_WRITE_BACK_MIN {
+    if write_back {
         // SAFETY: sync_file_range only reads the descriptor, which `file` keeps open for the
         // call; offset 0 and length 0 mean the whole file. Its result is ignored: it only
         // starts the write-out early, and the commit's syncfs is what makes the file durable
