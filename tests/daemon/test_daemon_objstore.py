@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -316,6 +318,52 @@ def test_a_corrupted_segment_chunk_fails_the_whole_pull_and_commits_neither_reco
     assert (refs / f"{sid}.json").exists() and (refs / f"{sid}.files.json").exists()
     r = b.invoke("os-split-bad-seg", {"op": "compute", "x": 3})
     assert r.status == 200 and r.start == "restored", (r.body, b.log_text())
+
+
+def test_a_pull_killed_while_it_writes_the_snapshot_aside_commits_nothing_and_the_next_pull_cleans_up(
+    nodes: tuple[Torpord, Torpord], tmp_path: Path
+) -> None:
+    """torpord killed (-9) while its pull writes the snapshot directory aside (every chunk in the
+    store, the directory being written and verified beside its place, the commit not yet made):
+    no record is committed and the directory is not in place. Restarted, the next pull removes
+    what the killed one left aside, fetches no chunk (the killed pull stored them all, verified)
+    and the function answers from it."""
+    a, b = nodes
+    d = function_dir(tmp_path, "os-killed", setup="import os; self.blob = os.urandom(96 << 20)")
+    lines = a.deploy(d)
+    (snap,) = [x for x in lines if x.get("phase") == "snapshot_function"]
+    sid = snap["snapshot"]
+    snapshots, refs = b.state / "snapshots", b.state / "chunks" / "refs"
+    failed: list[BaseException] = []
+
+    def pull() -> None:
+        try:
+            client.Client(b.socket).pull("os-killed")
+        except BaseException as e:  # noqa: BLE001 (the daemon dies under it: any error)
+            failed.append(e)
+
+    puller = threading.Thread(target=pull)
+    puller.start()
+    deadline = time.monotonic() + 60
+    aside: list[Path] = []
+    while not aside and time.monotonic() < deadline and puller.is_alive():
+        aside = list(snapshots.glob(f".{sid}.pull-*")) if snapshots.is_dir() else []
+        time.sleep(0.002)
+    b.proc.kill()
+    b.proc.wait()
+    puller.join(timeout=30)
+    assert aside, f"the pull never wrote its directory aside\n{b.log_text()}"
+    assert failed, "the pull answered although its daemon was killed"
+    assert not (snapshots / sid).exists()
+    assert not (refs / f"{sid}.files.json").exists(), "a record committed before the directory was verified"
+    assert [p for p in snapshots.glob(f".{sid}.pull-*")], "the kill came after the rename: the window was missed"
+    b.restart()
+    pulled = client.Client(b.socket).pull("os-killed")
+    assert pulled.pulled_chunks == 0, pulled
+    assert not list(snapshots.glob(f".{sid}.pull-*")), list(snapshots.iterdir())
+    assert (refs / f"{sid}.files.json").exists() and (snapshots / sid).is_dir()
+    r = b.invoke("os-killed", 7)
+    assert r.status == 200 and r.json() == {"name": "os-killed", "x": 7}, (r.status, r.body)
 
 
 def test_a_reopened_file_that_differs_on_the_pulling_node_is_refused_naming_it(

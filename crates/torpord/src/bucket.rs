@@ -532,6 +532,19 @@ impl Tier {
                 source,
             })?;
         }
+        // Left by a pull killed while it wrote the directory beside its place
+        // (torpor_objstore writes it as `.<snapshot>.pull-<pid>`, then renames it): with the
+        // pipeline that is most of a pull of a split snapshot, the files written while the
+        // segments come. No other pull of this function runs (its deploy lock).
+        let aside = format!(".{}.pull-", record.snapshot);
+        for entry in std::fs::read_dir(snapshots).into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&aside) {
+                let path = entry.path();
+                tracing::info!(path = %path.display(), "removing what a pull that did not finish left aside");
+                std::fs::remove_dir_all(&path)
+                    .map_err(|source| PullError::Stale { path, source })?;
+            }
+        }
         // The files and the split snapshot's segment record (sealed by a node with this
         // node's key) in one pipeline and one commit (torpor_objstore::pull_snapshot): the
         // chunks of both fetched by one pool, checked and written as they come, the disk
