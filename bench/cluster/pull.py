@@ -17,7 +17,10 @@ everything on loopback; run as root (torpord, CRIU):
    filesystem, then read back (after dropping the page cache when allowed).
 4. Each run: node B, a torpord on an empty state directory (the cluster's snapshot key copied
    from A, as docs/cluster.md says), `POST /v1/functions/NAME/pull` (timed: pull_s, the bytes and
-   chunks it moved), then the first invoke (timed: restore to first answer, with the daemon's
+   chunks it moved, and the daemon's `phases`: record_s, files_s = files_metadata_s + fetch_s +
+   materialise_wait_s + files_commit_s, and beside the pipeline files_fetch_s, segments_s,
+   files_materialise_s, files_verify_s; then portability_s, register_s; docs/objstore.md),
+   then the first invoke (timed: restore to first answer, with the daemon's
    phases), then B's own cold start (`torpor stop`, invoke again). B is stopped and its state
    removed after each run, so every run pulls everything.
 
@@ -442,6 +445,12 @@ def main(argv: list[str]) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         say(f"wrote {args.out}")
+        # A work directory made here holds the bucket and node A's store (gigabytes for a GPU
+        # model): removed after a complete run, kept with its logs after a failed one.
+        if args.work_dir is None and "summary" in result:
+            shutil.rmtree(work, ignore_errors=True)
+        elif args.work_dir is None:
+            say(f"kept {work} (its logs/ say what failed); remove it when done")
     return 0
 
 

@@ -1,8 +1,8 @@
 """Two torpord daemons on this machine, each with its own state directory, sharing one bucket of
 a real SeaweedFS (docs/objstore.md, "torpord"): a deploy on A pushes the function; B pulls it
 (only the chunks B lacks) on `POST …/pull` or on its first invoke and answers as A does; a
-second function on the same base pulls fewer chunks; a split snapshot's sealed segment record travels with it and a record
-rewritten in the bucket is refused; a push to a server that is down does not fail the deploy; a function not in the bucket is a 404; a corrupted chunk in the bucket and a
+second function on the same base pulls fewer chunks; a split snapshot's sealed segment record travels with it, a record
+rewritten in the bucket is refused and a corrupted segment chunk commits neither record; a push to a server that is down does not fail the deploy; a function not in the bucket is a 404; a corrupted chunk in the bucket and a
 file the snapshot reopens that differs on the pulling node are refused; placement's facts."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -269,6 +271,99 @@ def test_a_segment_record_rewritten_in_the_bucket_is_refused_and_nothing_is_regi
     assert "MAC" in e.value.message or "corrupt" in e.value.message, e.value.message
     assert client.Client(b.socket).placement("os-split-forged").known is False
     assert not (b.state / "snapshots" / sid).exists()
+
+
+def test_a_corrupted_segment_chunk_fails_the_whole_pull_and_commits_neither_record(
+    nodes: tuple[Torpord, Torpord], seaweed: Seaweed, tmp_path: Path
+) -> None:
+    """A split snapshot's files and segments travel in one pipeline and one commit
+    (torpor_objstore::pull_snapshot): a segment chunk whose bytes do not match its id fails the
+    whole pull in one line, and B's store commits neither the files' record nor the segments'
+    (the files' chunks it fetched stay, unreferenced), no snapshot directory, nothing aside. With
+    the pack repaired, the same pull completes and the function answers."""
+    a, b = nodes
+    d = splitbuf_as(tmp_path, "os-split-bad-seg")
+    # Its own declared table: a segment chunk no other function holds.
+    (d / "table.bin").write_bytes(os.urandom(12288))
+    lines = a.deploy(d)
+    (snap,) = [x for x in lines if x.get("phase") == "snapshot_function"]
+    sid = snap["snapshot"]
+    locator = json.loads(s3_get_via_filer(seaweed, f"snapshots/{sid}/sealed-packs.json"))
+    placed = {c[0]: (pack, c[1], c[2]) for pack, p in locator["packs"].items() for c in p["chunks"]}
+    have_b = {p.name for p in (b.state / "chunks" / "chunks").rglob("*") if p.is_file()}
+    fresh = [c for c in placed if c not in have_b]
+    assert fresh, "no segment chunk of the new function is missing on B"
+    victim = fresh[0]
+    pack, offset, length = placed[victim]
+    intact = s3_get_via_filer(seaweed, f"packs/{pack}.pack")
+    raw = bytearray(intact)
+    raw[offset + length - 1] ^= 0xFF
+    s3_put_via_filer(seaweed, f"packs/{pack}.pack", bytes(raw))
+    refs = b.state / "chunks" / "refs"
+    try:
+        with pytest.raises(client.ApiError) as e:
+            client.Client(b.socket).pull("os-split-bad-seg")
+        msg = e.value.message
+        assert e.value.status == 502 and victim in msg and f"packs/{pack}.pack" in msg, msg
+        assert "\n" not in msg, msg
+        assert client.Client(b.socket).placement("os-split-bad-seg").known is False
+        assert not (refs / f"{sid}.json").exists() and not (refs / f"{sid}.files.json").exists()
+        assert not (b.state / "snapshots" / sid).exists()
+        assert not [p for p in (b.state / "snapshots").iterdir() if ".pull-" in p.name]
+        assert not (b.state / "chunks" / "chunks" / victim[:2] / victim).exists()
+    finally:
+        s3_put_via_filer(seaweed, f"packs/{pack}.pack", intact)
+    pulled = client.Client(b.socket).pull("os-split-bad-seg")
+    assert pulled.pulled_chunks > 0, pulled
+    assert (refs / f"{sid}.json").exists() and (refs / f"{sid}.files.json").exists()
+    r = b.invoke("os-split-bad-seg", {"op": "compute", "x": 3})
+    assert r.status == 200 and r.start == "restored", (r.body, b.log_text())
+
+
+def test_a_pull_killed_while_it_writes_the_snapshot_aside_commits_nothing_and_the_next_pull_cleans_up(
+    nodes: tuple[Torpord, Torpord], tmp_path: Path
+) -> None:
+    """torpord killed (-9) while its pull writes the snapshot directory aside (every chunk in the
+    store, the directory being written and verified beside its place, the commit not yet made):
+    no record is committed and the directory is not in place. Restarted, the next pull removes
+    what the killed one left aside, fetches no chunk (the killed pull stored them all, verified)
+    and the function answers from it."""
+    a, b = nodes
+    d = function_dir(tmp_path, "os-killed", setup="import os; self.blob = os.urandom(96 << 20)")
+    lines = a.deploy(d)
+    (snap,) = [x for x in lines if x.get("phase") == "snapshot_function"]
+    sid = snap["snapshot"]
+    snapshots, refs = b.state / "snapshots", b.state / "chunks" / "refs"
+    failed: list[BaseException] = []
+
+    def pull() -> None:
+        try:
+            client.Client(b.socket).pull("os-killed")
+        except BaseException as e:  # noqa: BLE001 (the daemon dies under it: any error)
+            failed.append(e)
+
+    puller = threading.Thread(target=pull)
+    puller.start()
+    deadline = time.monotonic() + 60
+    aside: list[Path] = []
+    while not aside and time.monotonic() < deadline and puller.is_alive():
+        aside = list(snapshots.glob(f".{sid}.pull-*")) if snapshots.is_dir() else []
+        time.sleep(0.002)
+    b.proc.kill()
+    b.proc.wait()
+    puller.join(timeout=30)
+    assert aside, f"the pull never wrote its directory aside\n{b.log_text()}"
+    assert failed, "the pull answered although its daemon was killed"
+    assert not (snapshots / sid).exists()
+    assert not (refs / f"{sid}.files.json").exists(), "a record committed before the directory was verified"
+    assert [p for p in snapshots.glob(f".{sid}.pull-*")], "the kill came after the rename: the window was missed"
+    b.restart()
+    pulled = client.Client(b.socket).pull("os-killed")
+    assert pulled.pulled_chunks == 0, pulled
+    assert not list(snapshots.glob(f".{sid}.pull-*")), list(snapshots.iterdir())
+    assert (refs / f"{sid}.files.json").exists() and (snapshots / sid).is_dir()
+    r = b.invoke("os-killed", 7)
+    assert r.status == 200 and r.json() == {"name": "os-killed", "x": 7}, (r.status, r.body)
 
 
 def test_a_reopened_file_that_differs_on_the_pulling_node_is_refused_naming_it(

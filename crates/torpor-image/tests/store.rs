@@ -539,3 +539,78 @@ fn a_large_segment_is_checked_chunk_by_chunk_and_whole() {
         "{err}"
     );
 }
+
+#[test]
+fn commit_many_commits_every_record_after_one_check_or_none() {
+    let (_dir, store) = store();
+    let key = torpor_image::SnapshotKey::from_bytes([3; 32], Path::new("/nonexistent/key"));
+    // A writer that writes its chunks back early stores the same chunks, readable at once.
+    let mut w = store.writer().expect("writer").write_back_early();
+    let a = w.put_bytes("seg-a", &random(5 << 20, "a")).expect("a");
+    let b = w.put_bytes("seg-b", &random(1 << 20, "b")).expect("b");
+    assert_eq!(read_back(&store, &a), random(5 << 20, "a"));
+    w.commit_many(&[
+        torpor_image::store::Commit {
+            id: "files",
+            recipes: std::slice::from_ref(&a),
+            key: None,
+        },
+        torpor_image::store::Commit {
+            id: "segments",
+            recipes: std::slice::from_ref(&b),
+            key: Some(&key),
+        },
+    ])
+    .expect("commit both");
+    let mut ids = store.snapshots().expect("ids");
+    ids.sort();
+    assert_eq!(ids, ["files", "segments"]);
+    assert_eq!(
+        store.recipes("files").expect("files"),
+        std::slice::from_ref(&a)
+    );
+    assert_eq!(
+        store.sealed_recipes("segments", &key).expect("sealed"),
+        std::slice::from_ref(&b)
+    );
+
+    // One record that cannot be committed (a chunk a GC took, an id taken): neither is.
+    let mut w = store.writer().expect("writer");
+    let c = w.put_bytes("seg-c", &random(1 << 20, "c")).expect("c");
+    let mut gone = c.clone();
+    gone.chunks[0].id = ChunkId::of(b"never stored");
+    let err = w
+        .commit_many(&[
+            torpor_image::store::Commit {
+                id: "c",
+                recipes: std::slice::from_ref(&c),
+                key: None,
+            },
+            torpor_image::store::Commit {
+                id: "gone",
+                recipes: std::slice::from_ref(&gone),
+                key: None,
+            },
+        ])
+        .expect_err("a missing chunk");
+    assert!(matches!(err, StoreError::MissingChunk { .. }), "{err}");
+    let w = store.writer().expect("writer");
+    let err = w
+        .commit_many(&[
+            torpor_image::store::Commit {
+                id: "c",
+                recipes: std::slice::from_ref(&c),
+                key: None,
+            },
+            torpor_image::store::Commit {
+                id: "files",
+                recipes: std::slice::from_ref(&c),
+                key: None,
+            },
+        ])
+        .expect_err("a taken id");
+    assert!(matches!(err, StoreError::SnapshotExists { .. }), "{err}");
+    let mut ids = store.snapshots().expect("ids");
+    ids.sort();
+    assert_eq!(ids, ["files", "segments"]);
+}

@@ -8,7 +8,7 @@
 //! (`chunks/<hex>`, what pushes before packs wrote) and are fetched one by one.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Recipe, StoreWriter};
@@ -302,7 +302,7 @@ pub(crate) struct Source<'a> {
 
 /// Fetches into `store` (through `writer`, whose lock keeps a GC off them until the commit) the
 /// chunks of `recipes` it lacks, each checked against its id: those the locator places in
-/// ranged GETs of their packs, the others as loose objects.
+/// ranged GETs of their packs, the others as loose objects ([`download_sets`] with one set).
 pub(crate) fn download(
     source: &Source<'_>,
     store: &ChunkStore,
@@ -311,93 +311,242 @@ pub(crate) fn download(
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<Downloaded, TransferError> {
-    let Source {
-        remote,
-        locator,
-        missing,
-    } = *source;
-    let chunks = distinct(recipes);
-    let total = chunks.len() as u64;
-    let wanted: Vec<ChunkRef> = chunks
-        .into_iter()
-        .map(|(c, _)| c)
-        .filter(|c| !store.contains(&c.id))
-        .collect();
-    let bucket = remote.bucket().to_owned();
-    let (jobs, loose) =
-        plan_ranges(&wanted, locator).map_err(|(pack, reason)| TransferError::CorruptObject {
-            bucket: bucket.clone(),
-            key: remote.full_key(&pack_key(&pack)),
-            reason,
-        })?;
-    let ticker = Ticker::start(total - wanted.len() as u64, total, progress);
-    let ranges = jobs.len() as u64;
-    // Ranges first (the bulk), then the loose chunks, all from one pool of `parallel`.
-    enum Job<'a> {
-        Range(&'a RangeJob),
-        Loose(&'a ChunkRef),
+    let sets = [Wanted {
+        source: Source { ..*source },
+        recipes,
+    }];
+    let down = download_sets(&sets, store, writer, parallel, progress, &|_| {})?;
+    Ok(down.into_iter().next().unwrap_or_default())
+}
+
+/// One set of recipes to download, from its own source: a snapshot's files, or a split
+/// snapshot's sealed segment record, each with its own locator.
+pub(crate) struct Wanted<'a> {
+    pub source: Source<'a>,
+    pub recipes: &'a [Recipe],
+}
+
+/// A job of the pipeline: one ranged GET, or one loose chunk.
+enum Job {
+    Range(RangeJob),
+    Loose(ChunkRef),
+}
+
+/// Chunk files in flight between the fetchers and the writers, per fetcher: at most this many
+/// fetched ranges (each at most [`MAX_RANGE`]) wait for a writer, per request in flight.
+const QUEUED_PER_FETCHER: usize = 1;
+
+/// Fetches into `store` (through `writer`, whose lock keeps a GC off them until the commit) the
+/// chunks of every set's recipes it lacks, each chunk once whichever sets list it, each checked
+/// against its id before it is stored.
+///
+/// A pipeline: `parallel` fetchers run the GETs (the sets' ranged GETs of packs, then loose
+/// chunks, set by set in the order given) and hand what they fetched through a bounded channel
+/// to the writers (as many as the fetchers or the cores, whichever is more), which decode and
+/// hash every chunk and place it in the store. So the GETs go on while earlier ranges are checked and written, and the fetched bytes
+/// waiting for a writer are bounded (`parallel` × [`QUEUED_PER_FETCHER`] ranges of at most
+/// [`MAX_RANGE`]). With a writer made by
+/// [`StoreWriter::write_back_early`](torpor_image::store::StoreWriter::write_back_early) the
+/// disk writes meanwhile too.
+///
+/// `done(i)` is called (from a writer thread) once every chunk of set `i` that this call
+/// fetches is stored; for the first set that means all of its chunks are in the store (a set's
+/// chunks that an earlier set also lists are that set's jobs). The first error stops the
+/// fetchers, the writers store what was fetched before it, and it is returned: the chunks
+/// stored stay, verified and unreferenced (the caller does not commit), for the next pull.
+pub(crate) fn download_sets(
+    sets: &[Wanted<'_>],
+    store: &ChunkStore,
+    writer: &StoreWriter<'_>,
+    parallel: usize,
+    progress: &(dyn Fn(Progress) + Sync),
+    done: &(dyn Fn(usize) + Sync),
+) -> Result<Vec<Downloaded>, TransferError> {
+    let mut claimed: HashSet<ChunkId> = HashSet::new();
+    let mut every: HashSet<ChunkId> = HashSet::new();
+    let mut jobs: Vec<(usize, Job)> = Vec::new();
+    let mut downs = Vec::with_capacity(sets.len());
+    for (i, set) in sets.iter().enumerate() {
+        let chunks = distinct(set.recipes);
+        let total = chunks.len() as u64;
+        every.extend(chunks.iter().map(|(c, _)| c.id));
+        let wanted: Vec<ChunkRef> = chunks
+            .into_iter()
+            .map(|(c, _)| c)
+            .filter(|c| !store.contains(&c.id) && claimed.insert(c.id))
+            .collect();
+        let remote = set.source.remote;
+        let (ranges, loose) =
+            plan_ranges(&wanted, set.source.locator).map_err(|(pack, reason)| {
+                TransferError::CorruptObject {
+                    bucket: remote.bucket().to_owned(),
+                    key: remote.full_key(&pack_key(&pack)),
+                    reason,
+                }
+            })?;
+        downs.push(Downloaded {
+            total,
+            fetched: wanted.len() as u64,
+            loose: loose.len() as u64,
+            ranges: ranges.len() as u64,
+        });
+        // Ranges first (the bulk), then the loose chunks.
+        jobs.extend(ranges.into_iter().map(|r| (i, Job::Range(r))));
+        jobs.extend(loose.into_iter().map(|c| (i, Job::Loose(c))));
     }
-    let all: Vec<Job<'_>> = jobs
-        .iter()
-        .map(Job::Range)
-        .chain(loose.iter().map(Job::Loose))
+    let wanted: u64 = claimed.len() as u64;
+    let ticker = Ticker::start(every.len() as u64 - wanted, every.len() as u64, progress);
+    let remaining: Vec<AtomicUsize> = (0..sets.len())
+        .map(|i| AtomicUsize::new(jobs.iter().filter(|(s, _)| *s == i).count()))
         .collect();
-    for_each_parallel(&all, parallel, |job| {
-        match job {
-            Job::Loose(c) => {
-                let key = chunk_key(&c.id);
-                let bytes = remote
-                    .get(&key, max_chunk_file(c.len))?
-                    .ok_or_else(|| missing(&key))?;
-                let origin = format!("object {} in bucket {bucket}", remote.full_key(&key));
-                writer.put_chunk_file(c, &bytes, &origin)?;
-                ticker.tick_n(1);
-            }
-            Job::Range(r) => {
-                let key = pack_key(&r.pack);
-                let bytes = if r.start == 0 && r.len == r.pack_size {
-                    remote.get(&key, r.pack_size)?
-                } else {
-                    remote.get_range(&key, r.start, r.len)?
-                }
-                .ok_or_else(|| missing(&key))?;
-                let full = remote.full_key(&key);
-                if bytes.len() as u64 != r.len {
-                    return Err(TransferError::CorruptObject {
-                        bucket: bucket.clone(),
-                        key: full,
-                        reason: format!(
-                            "bytes {}..{} asked, {} came: shorter than its index says",
-                            r.start,
-                            r.start + r.len,
-                            bytes.len()
-                        ),
-                    });
-                }
-                // Decoding and hashing on rayon's pool (one thread a core, shared by every
-                // range in flight) while this thread's peers keep fetching.
-                use rayon::prelude::*;
-                r.chunks.par_iter().try_for_each(|(c, offset, len)| {
-                    let at = (offset - r.start) as usize;
-                    let origin = format!(
-                        "object {full} (bytes {offset}..{}) in bucket {bucket}",
-                        offset + len
-                    );
-                    writer
-                        .put_chunk_file(c, &bytes[at..at + *len as usize], &origin)
-                        .map(|_| ())
-                })?;
-                ticker.tick_n(r.chunks.len() as u64);
-            }
+    for (i, left) in remaining.iter().enumerate() {
+        if left.load(Ordering::Relaxed) == 0 {
+            done(i);
         }
-        Ok::<(), TransferError>(())
-    })?;
-    Ok(Downloaded {
-        total,
-        fetched: wanted.len() as u64,
-        loose: loose.len() as u64,
-        ranges,
-    })
+    }
+    if jobs.is_empty() {
+        return Ok(downs);
+    }
+
+    let threads = parallel.clamp(1, 64).min(jobs.len());
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first: Mutex<Option<TransferError>> = Mutex::new(None);
+    let fail = |e: TransferError| {
+        failed.store(true, Ordering::Relaxed);
+        first
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(e);
+    };
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(threads * QUEUED_PER_FETCHER);
+    let rx = Mutex::new(rx);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let tx = tx.clone();
+            let (jobs, sets, next, failed, fail) = (&jobs, sets, &next, &failed, &fail);
+            scope.spawn(move || {
+                while !failed.load(Ordering::Relaxed) {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    let Some((set, job)) = jobs.get(n) else { break };
+                    match fetch_job(&sets[*set].source, job) {
+                        // The writers are gone only once every one of them ended: on an error.
+                        Ok(bytes) => {
+                            if tx.send((n, bytes)).is_err() {
+                                break;
+                            }
+                        }
+                        Err(e) => {
+                            fail(e);
+                            break;
+                        }
+                    }
+                }
+            });
+        }
+        // The channel closes when the last fetcher ends.
+        drop(tx);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for _ in 0..threads.max(cores.min(64)).min(jobs.len()) {
+            let (jobs, sets, rx, fail) = (&jobs, sets, &rx, &fail);
+            let (remaining, ticker) = (&remaining, &ticker);
+            scope.spawn(move || loop {
+                let got = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                // What was fetched is stored even after an error elsewhere (no more than the
+                // queue holds): verified chunks that the next pull need not fetch again.
+                let Ok((n, bytes)) = got else { break };
+                let (set, job) = &jobs[n];
+                match store_job(&sets[*set].source, writer, job, &bytes) {
+                    Ok(chunks) => {
+                        drop(bytes);
+                        ticker.tick_n(chunks);
+                        if remaining[*set].fetch_sub(1, Ordering::AcqRel) == 1 {
+                            done(*set);
+                        }
+                    }
+                    Err(e) => fail(e),
+                }
+            });
+        }
+    });
+    match first.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(downs),
+    }
+}
+
+/// The bytes of one job, as long as its plan says.
+fn fetch_job(source: &Source<'_>, job: &Job) -> Result<Vec<u8>, TransferError> {
+    let Source {
+        remote, missing, ..
+    } = *source;
+    match job {
+        Job::Loose(c) => {
+            let key = chunk_key(&c.id);
+            remote
+                .get(&key, max_chunk_file(c.len))?
+                .ok_or_else(|| missing(&key))
+        }
+        Job::Range(r) => {
+            let key = pack_key(&r.pack);
+            let bytes = if r.start == 0 && r.len == r.pack_size {
+                remote.get(&key, r.pack_size)?
+            } else {
+                remote.get_range(&key, r.start, r.len)?
+            }
+            .ok_or_else(|| missing(&key))?;
+            if bytes.len() as u64 != r.len {
+                return Err(TransferError::CorruptObject {
+                    bucket: remote.bucket().to_owned(),
+                    key: remote.full_key(&key),
+                    reason: format!(
+                        "bytes {}..{} asked, {} came: shorter than its index says",
+                        r.start,
+                        r.start + r.len,
+                        bytes.len()
+                    ),
+                });
+            }
+            Ok(bytes)
+        }
+    }
+}
+
+/// Checks and stores the chunks of one fetched job; returns how many it held.
+fn store_job(
+    source: &Source<'_>,
+    writer: &StoreWriter<'_>,
+    job: &Job,
+    bytes: &[u8],
+) -> Result<u64, TransferError> {
+    let remote = source.remote;
+    let bucket = remote.bucket();
+    match job {
+        Job::Loose(c) => {
+            let origin = format!(
+                "object {} in bucket {bucket}",
+                remote.full_key(&chunk_key(&c.id))
+            );
+            writer.put_chunk_file(c, bytes, &origin)?;
+            Ok(1)
+        }
+        Job::Range(r) => {
+            let full = remote.full_key(&pack_key(&r.pack));
+            // One after the other on this writer's thread, not on rayon's pool: storing a chunk
+            // waits for the disk (a full device queue), and a pool of one thread a core blocked
+            // on the segments' writes would hold up every other writer's chunks (the files'
+            // first). The writers are as many as the cores or the fetchers, whichever is more.
+            for (c, offset, len) in &r.chunks {
+                let at = (offset - r.start) as usize;
+                let origin = format!(
+                    "object {full} (bytes {offset}..{}) in bucket {bucket}",
+                    offset + len
+                );
+                writer.put_chunk_file(c, &bytes[at..at + *len as usize], &origin)?;
+            }
+            Ok(r.chunks.len() as u64)
+        }
+    }
 }
 
 /// Groups the `wanted` chunks `locator` places by pack into coalesced ranges; returns them and

@@ -5,14 +5,17 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use torpor_image::store::{ChunkStore, Recipe, StoreError};
-use torpor_image::{Manifest, Snapshot, Trust, MAC_FILE, MANIFEST_FILE};
+use std::sync::Mutex;
+
+use torpor_image::store::{open_sealed_record, ChunkStore, Commit, Recipe, StoreError};
+use torpor_image::{Manifest, Snapshot, SnapshotKey, Trust, MAC_FILE, MANIFEST_FILE};
 
 use crate::client::{Remote, Traffic};
 use crate::error::TransferError;
+use crate::sealed::SEALED_LOCATOR_OBJECT;
 use crate::{
-    snapshot_key, Phase, Progress, RemoteRecord, LOCATOR_OBJECT, MAX_RECORD_BYTES, RECORD_FORMAT,
-    RECORD_OBJECT,
+    snapshot_key, Phase, Progress, RemoteRecord, SealedRecordReport, LOCATOR_OBJECT,
+    MAX_RECORD_BYTES, RECORD_FORMAT, RECORD_OBJECT, SEALED_RECORD_OBJECT,
 };
 
 /// What a pull did.
@@ -36,18 +39,47 @@ pub struct PullReport {
 }
 
 /// Where a pull's time went, in seconds: what to look at when a pull is slower than the link.
+/// The chunks of the files and of a sealed segment record travel in one pipeline, and the
+/// files are written and verified while the rest of it runs, so `files_fetch_s`,
+/// `segments_fetch_s`, `materialise_s` and `verify_s` overlap each other and `fetch_s`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct PullTimings {
-    /// The manifest, the record and the MAC: small GETs one after another.
+    /// The manifest, the record, the MAC, the locators (and the sealed record's): small GETs.
     pub metadata_s: f64,
-    /// The chunks: GETs, decoding, checking each against its id, writing them into the store.
+    /// All the chunks: GETs, decoding, checking each against its id, writing them into the
+    /// store (the pipeline, from its start to its last chunk).
     pub fetch_s: f64,
-    /// The store's commit: one syncfs, then the record.
+    /// From the pipeline's start until the files' chunks were all in the store.
+    pub files_fetch_s: f64,
+    /// From the pipeline's start until the sealed record's chunks were all in the store (0:
+    /// no sealed record pulled).
+    pub segments_fetch_s: f64,
+    /// After the pipeline, waiting for the files to be written and verified, if they were not
+    /// yet.
+    pub materialise_wait_s: f64,
+    /// The store's commit: one syncfs, then the records.
     pub commit_s: f64,
-    /// Writing the snapshot directory from the store.
+    /// Writing the snapshot directory from the store (beside the pipeline).
     pub materialise_s: f64,
     /// Authenticating the manifest and hashing every file of the directory against it.
     pub verify_s: f64,
+}
+
+/// A split snapshot's sealed segment record to pull with a snapshot's files
+/// ([`pull_snapshot`]): its id, and the key that must have sealed it.
+#[derive(Debug, Clone, Copy)]
+pub struct SealedPart<'a> {
+    pub id: &'a str,
+    pub key: &'a SnapshotKey,
+}
+
+/// What [`pull_snapshot`] did.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SnapshotPull {
+    /// The files (and the whole pull's traffic and timings).
+    pub files: PullReport,
+    /// The sealed record, when one was asked for and the bucket has it.
+    pub sealed: Option<SealedRecordReport>,
 }
 
 /// Pulls snapshot `id` into `store` and writes it as the snapshot directory `out` (which must
@@ -64,20 +96,263 @@ pub fn pull(
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<PullReport, TransferError> {
+    pull_snapshot(remote, store, id, out, trust, None, parallel, progress).map(|p| p.files)
+}
+
+/// What came from the bucket besides the chunks: the files' side.
+struct FilesMeta {
+    manifest: Manifest,
+    manifest_bytes: Vec<u8>,
+    recipes: Vec<Recipe>,
+    mac: Option<Vec<u8>>,
+    locator: Option<crate::chunks::Locator>,
+}
+
+/// The sealed record's side.
+struct SealedMeta {
+    recipes: Vec<Recipe>,
+    locator: Option<crate::chunks::Locator>,
+}
+
+/// [`pull`], and with `sealed` a split snapshot's sealed segment record too (as
+/// [`pull_sealed_record`](crate::pull_sealed_record) would; none in the bucket is no error),
+/// in one pipeline and one commit:
+///
+/// 1. the small objects: the files' manifest, record, MAC and locator, the sealed record (its
+///    MAC checked with its key) and its locator;
+/// 2. every chunk the store lacks, of both, through one pipeline of `parallel` fetchers and
+///    writers ([`crate::chunks::download_sets`]), the files' first; the store's writer starts
+///    each chunk's disk write as it places it
+///    ([`StoreWriter::write_back_early`](torpor_image::store::StoreWriter::write_back_early)),
+///    so the disk works while the link does;
+/// 3. as soon as the files' chunks are in, beside the rest of the pipeline: the snapshot
+///    directory written aside, authenticated and verified;
+/// 4. one commit for both records (one syncfs: every chunk on disk before either record), then
+///    the directory renamed to `out`.
+///
+/// On failure nothing is committed, `out` is not created and nothing is left aside; but for an
+/// error writing the sealed record after the files' one (each record is whole or absent, the
+/// files' is committed first): the files' record without the segments' is only a cache of
+/// chunks, which a caller that bounds its store releases as such.
+#[allow(clippy::too_many_arguments)]
+pub fn pull_snapshot(
+    remote: &Remote,
+    store: &ChunkStore,
+    id: &str,
+    out: &Path,
+    trust: Trust<'_>,
+    sealed: Option<SealedPart<'_>>,
+    parallel: usize,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<SnapshotPull, TransferError> {
     torpor_image::store::check_snapshot_id(id)?;
+    if let Some(part) = sealed {
+        torpor_image::store::check_snapshot_id(part.id)?;
+    }
     let mut timings = PullTimings::default();
-    let mut clock = Instant::now();
-    let mut lap = move || {
-        let now = Instant::now();
-        let s = now.duration_since(clock).as_secs_f64();
-        clock = now;
-        s
-    };
+    let began = Instant::now();
     if fs::symlink_metadata(out).is_ok() {
         return Err(TransferError::OutExists {
             path: out.to_path_buf(),
         });
     }
+    let bucket = remote.bucket().to_owned();
+    let missing = |of: &str, key: &str| TransferError::MissingObject {
+        id: of.to_owned(),
+        bucket: bucket.clone(),
+        key: remote.full_key(key),
+    };
+    let files = files_meta(remote, id, out)?;
+    let sealed_meta = match sealed {
+        Some(part) => sealed_meta(remote, part)?,
+        None => None,
+    };
+    timings.metadata_s = began.elapsed().as_secs_f64();
+
+    // Chunks: only those the store lacks. The writer's shared lock keeps a GC from deleting
+    // the ones already here (or fetched) before the records that reference them are committed.
+    let writer = store.writer()?.write_back_early();
+    let files_missing = |key: &str| missing(id, key);
+    let sealed_id = sealed.map_or("", |p| p.id);
+    let sealed_missing = |key: &str| missing(sealed_id, key);
+    let mut sets = vec![crate::chunks::Wanted {
+        source: crate::chunks::Source {
+            remote,
+            locator: files.locator.as_ref(),
+            missing: &files_missing,
+        },
+        recipes: &files.recipes,
+    }];
+    if let Some(m) = &sealed_meta {
+        sets.push(crate::chunks::Wanted {
+            source: crate::chunks::Source {
+                remote,
+                locator: m.locator.as_ref(),
+                missing: &sealed_missing,
+            },
+            recipes: &m.recipes,
+        });
+    }
+    let fetched = Fetched {
+        recipes: &files.recipes,
+        manifest: &files.manifest,
+        manifest_bytes: &files.manifest_bytes,
+        mac: files.mac.as_deref(),
+    };
+    let pipeline = Instant::now();
+    let landed: Mutex<[f64; 2]> = Mutex::new([0.0; 2]);
+    let (files_in, files_in_rx) = std::sync::mpsc::channel::<()>();
+    let files_in = Mutex::new(Some(files_in));
+    let (down, aside) = std::thread::scope(|threads| {
+        // The directory, as soon as the files' chunks are in (nothing, if they never are).
+        let fetched = &fetched;
+        let materialiser = threads.spawn(move || {
+            files_in_rx.recv().ok()?;
+            progress(Progress {
+                phase: Phase::Materialising,
+                done: 0,
+                total: 1,
+            });
+            Some(materialise_aside(store, fetched, trust, out))
+        });
+        let done = |set: usize| {
+            if let Some(t) = lock(&landed).get_mut(set) {
+                *t = pipeline.elapsed().as_secs_f64();
+            }
+            if set == 0 {
+                if let Some(tx) = lock(&files_in).take() {
+                    let _ = tx.send(());
+                }
+            }
+        };
+        let down = crate::chunks::download_sets(&sets, store, &writer, parallel, progress, &done);
+        // Never sent on an error: the materialiser then ends without writing anything.
+        drop(lock(&files_in).take());
+        timings.fetch_s = pipeline.elapsed().as_secs_f64();
+        let waited = Instant::now();
+        let aside = materialiser.join().unwrap_or_else(|_| {
+            Some(Err(TransferError::Io {
+                op: "materialise",
+                path: out.to_path_buf(),
+                source: std::io::Error::other("the thread writing the snapshot panicked"),
+            }))
+        });
+        timings.materialise_wait_s = waited.elapsed().as_secs_f64();
+        (down, aside)
+    });
+    let [files_landed, segments_landed] = *lock(&landed);
+    timings.files_fetch_s = files_landed;
+    timings.segments_fetch_s = segments_landed;
+    let (down, aside) = match (down, aside) {
+        (Ok(down), Some(Ok(aside))) => (down, aside),
+        (Err(e), aside) => {
+            if let Some(Ok(a)) = aside {
+                a.remove();
+            }
+            return Err(e);
+        }
+        (Ok(_), Some(Err(e))) => return Err(e),
+        (Ok(_), None) => {
+            return Err(TransferError::Io {
+                op: "materialise",
+                path: out.to_path_buf(),
+                source: std::io::Error::other("the files' chunks were never all stored"),
+            })
+        }
+    };
+    timings.materialise_s = aside.materialise_s;
+    timings.verify_s = aside.verify_s;
+
+    // One commit for both records. Pulled before: the same contents are fine, other contents
+    // are not replaced.
+    let committed = Instant::now();
+    let differs = |file: &str| TransferError::StoreDiffers {
+        id: id.to_owned(),
+        store: store.root().to_path_buf(),
+        dir: out.to_path_buf(),
+        file: file.to_owned(),
+    };
+    let mut commits = Vec::new();
+    let plan = (|| {
+        match store.recipes(id) {
+            Ok(have) if have == files.recipes => {}
+            Ok(_) => return Err(differs("its record")),
+            Err(StoreError::UnknownSnapshot { .. }) => commits.push(Commit {
+                id,
+                recipes: &files.recipes,
+                key: None,
+            }),
+            Err(e) => return Err(e.into()),
+        }
+        if let (Some(part), Some(m)) = (sealed, &sealed_meta) {
+            match store.sealed_recipes(part.id, part.key) {
+                Ok(have) if have == m.recipes => {}
+                Ok(_) => {
+                    return Err(TransferError::StoreDiffers {
+                        id: part.id.to_owned(),
+                        store: store.root().to_path_buf(),
+                        dir: store.root().to_path_buf(),
+                        file: "its sealed record".to_owned(),
+                    })
+                }
+                Err(StoreError::UnknownSnapshot { .. }) => commits.push(Commit {
+                    id: part.id,
+                    recipes: &m.recipes,
+                    key: Some(part.key),
+                }),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    })();
+    let result = plan.and_then(|()| {
+        if commits.is_empty() {
+            drop(writer);
+            Ok(())
+        } else {
+            writer.commit_many(&commits).map_err(TransferError::from)
+        }
+    });
+    if let Err(e) = result {
+        aside.remove();
+        return Err(e);
+    }
+    timings.commit_s = committed.elapsed().as_secs_f64();
+    aside.rename_to(out)?;
+    let total = down.first().map_or(0, |d| d.total);
+    let fetched_chunks = down.first().map_or(0, |d| d.fetched);
+    let files_down = down.first().copied().unwrap_or_default();
+    let sealed_report = sealed_meta
+        .as_ref()
+        .and(down.get(1))
+        .map(|d| SealedRecordReport {
+            chunks: d.total,
+            moved: d.fetched,
+        });
+    Ok(SnapshotPull {
+        files: PullReport {
+            id: id.to_owned(),
+            bucket,
+            out: out.to_path_buf(),
+            chunks: total,
+            fetched: fetched_chunks,
+            local: total - fetched_chunks,
+            ranges: files_down.ranges,
+            loose: files_down.loose,
+            traffic: remote.traffic(),
+            timings,
+        },
+        sealed: sealed_report,
+    })
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The files' small objects: manifest, record (its recipes checked against the manifest), MAC,
+/// locator.
+fn files_meta(remote: &Remote, id: &str, out: &Path) -> Result<FilesMeta, TransferError> {
     let bucket = remote.bucket().to_owned();
     let manifest_key = snapshot_key(id, MANIFEST_FILE);
     let Some(manifest_bytes) = remote.get(&manifest_key, torpor_image::MAX_MANIFEST_BYTES)? else {
@@ -93,14 +368,14 @@ pub fn pull(
         out,
     )?;
     let record_key = snapshot_key(id, RECORD_OBJECT);
-    let missing = |key: &str| TransferError::MissingObject {
-        id: id.to_owned(),
-        bucket: bucket.clone(),
-        key: remote.full_key(key),
-    };
-    let record_bytes = remote
-        .get(&record_key, MAX_RECORD_BYTES)?
-        .ok_or_else(|| missing(&record_key))?;
+    let record_bytes =
+        remote
+            .get(&record_key, MAX_RECORD_BYTES)?
+            .ok_or_else(|| TransferError::MissingObject {
+                id: id.to_owned(),
+                bucket: bucket.clone(),
+                key: remote.full_key(&record_key),
+            })?;
     let recipes = check_record(&record_bytes, id, &manifest).map_err(|reason| {
         TransferError::CorruptObject {
             bucket: bucket.clone(),
@@ -108,64 +383,33 @@ pub fn pull(
             reason,
         }
     })?;
-    let mac_key = snapshot_key(id, MAC_FILE);
-    let mac = remote.get(&mac_key, 64 << 10)?;
-
-    // Chunks: only those the store lacks. The writer's shared lock keeps a GC from deleting
-    // the ones already here (or fetched) before the record that references them is committed.
-    let writer = store.writer()?;
+    let mac = remote.get(&snapshot_key(id, MAC_FILE), 64 << 10)?;
     let locator = crate::chunks::fetch_locator(remote, &snapshot_key(id, LOCATOR_OBJECT))?;
-    let source = crate::chunks::Source {
-        remote,
-        locator: locator.as_ref(),
-        missing: &missing,
-    };
-    timings.metadata_s = lap();
-    let down = crate::chunks::download(&source, store, &writer, &recipes, parallel, progress)?;
-    let (total, fetched_chunks) = (down.total, down.fetched);
-    timings.fetch_s = lap();
-    match store.recipes(id) {
-        // Pulled before: the same contents are fine, other contents are not replaced.
-        Ok(have) if have == recipes => drop(writer),
-        Ok(_) => {
-            return Err(TransferError::StoreDiffers {
-                id: id.to_owned(),
-                store: store.root().to_path_buf(),
-                dir: out.to_path_buf(),
-                file: "its record".to_owned(),
-            })
-        }
-        Err(StoreError::UnknownSnapshot { .. }) => writer.commit(id, &recipes)?,
-        Err(e) => return Err(e.into()),
-    }
-    timings.commit_s = lap();
-
-    progress(Progress {
-        phase: Phase::Materialising,
-        done: 0,
-        total: 1,
-    });
-    let fetched = Fetched {
-        recipes: &recipes,
-        manifest: &manifest,
-        manifest_bytes: &manifest_bytes,
-        mac: mac.as_deref(),
-    };
-    let (materialise_s, verify_s) = materialise(store, &fetched, trust, out)?;
-    timings.materialise_s = materialise_s;
-    timings.verify_s = verify_s;
-    Ok(PullReport {
-        id: id.to_owned(),
-        bucket,
-        out: out.to_path_buf(),
-        chunks: total,
-        fetched: fetched_chunks,
-        local: total - fetched_chunks,
-        ranges: down.ranges,
-        loose: down.loose,
-        traffic: remote.traffic(),
-        timings,
+    Ok(FilesMeta {
+        manifest,
+        manifest_bytes,
+        recipes,
+        mac,
+        locator,
     })
+}
+
+/// The sealed record's recipes (its MAC checked with the part's key) and locator; `None` when
+/// the bucket has no sealed record of that id.
+fn sealed_meta(remote: &Remote, part: SealedPart<'_>) -> Result<Option<SealedMeta>, TransferError> {
+    let object = snapshot_key(part.id, SEALED_RECORD_OBJECT);
+    let Some(bytes) = remote.get(&object, MAX_RECORD_BYTES)? else {
+        return Ok(None);
+    };
+    let origin = format!(
+        "object {} in bucket {}",
+        remote.full_key(&object),
+        remote.bucket()
+    );
+    let recipes = open_sealed_record(&bytes, Path::new(&origin), part.id, part.key)?;
+    let locator =
+        crate::chunks::fetch_locator(remote, &snapshot_key(part.id, SEALED_LOCATOR_OBJECT))?;
+    Ok(Some(SealedMeta { recipes, locator }))
 }
 
 /// The record's recipes, if it is a valid record of `id` that has a recipe for every file of
@@ -204,14 +448,40 @@ struct Fetched<'a> {
     mac: Option<&'a [u8]>,
 }
 
-/// Writes the snapshot directory aside, authenticates and verifies it, then renames it to `out`.
-/// Returns the seconds spent writing and verifying.
-fn materialise(
+/// A snapshot directory written beside its final place, authenticated and verified.
+struct Aside {
+    path: PathBuf,
+    materialise_s: f64,
+    verify_s: f64,
+}
+
+impl Aside {
+    /// Puts it in its place.
+    fn rename_to(self, out: &Path) -> Result<(), TransferError> {
+        fs::rename(&self.path, out).map_err(|source| {
+            let _ = fs::remove_dir_all(&self.path);
+            TransferError::Io {
+                op: "rename",
+                path: out.to_path_buf(),
+                source,
+            }
+        })
+    }
+
+    /// Removes it (the pull failed after it was written).
+    fn remove(self) {
+        let _ = fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Writes the snapshot directory aside (beside `out`), authenticates and verifies it. Nothing
+/// is left on failure.
+fn materialise_aside(
     store: &ChunkStore,
     fetched: &Fetched<'_>,
     trust: Trust<'_>,
     out: &Path,
-) -> Result<(f64, f64), TransferError> {
+) -> Result<Aside, TransferError> {
     let Fetched {
         recipes,
         manifest,
@@ -252,14 +522,20 @@ fn materialise(
         let snapshot = Snapshot::open(&aside)?;
         snapshot.authenticate(trust)?;
         snapshot.verify()?;
-        fs::rename(&aside, out).map_err(io("rename", out))?;
         Ok((
             written.duration_since(start).as_secs_f64(),
             written.elapsed().as_secs_f64(),
         ))
     })();
-    if result.is_err() {
-        let _ = fs::remove_dir_all(&aside);
+    match result {
+        Ok((materialise_s, verify_s)) => Ok(Aside {
+            path: aside,
+            materialise_s,
+            verify_s,
+        }),
+        Err(e) => {
+            let _ = fs::remove_dir_all(&aside);
+            Err(e)
+        }
     }
-    result
 }

@@ -20,7 +20,7 @@ use crate::{snapshot_key, Progress, MAX_RECORD_BYTES};
 /// The object holding a snapshot's sealed record, under `snapshots/<id>/`.
 pub const SEALED_RECORD_OBJECT: &str = "sealed-record.json";
 /// The locator of the sealed record's chunks in packs, under `snapshots/<id>/`.
-const SEALED_LOCATOR_OBJECT: &str = "sealed-packs.json";
+pub(crate) const SEALED_LOCATOR_OBJECT: &str = "sealed-packs.json";
 
 /// What a push or pull of a sealed record moved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

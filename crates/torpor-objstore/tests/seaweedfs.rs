@@ -12,7 +12,8 @@ use torpor_image::{
     Host, Manifest, ProcessEntry, Snapshot, SnapshotKey, SnapshotWriter, Source, Trust,
 };
 use torpor_objstore::{
-    pull, push, ObjError, Progress, Remote, RemoteConfig, TransferError, DEFAULT_PARALLEL,
+    pull, pull_snapshot, push, push_sealed_record, ObjError, Progress, Remote, RemoteConfig,
+    SealedPart, TransferError, DEFAULT_PARALLEL,
 };
 
 /// Pseudo-random pages: incompressible and distinct per seed.
@@ -257,14 +258,16 @@ fn push_and_pull_against_seaweedfs() {
 
     streamed_get(&config);
     server_gone_mid_pull(&server, w, &config, &key);
+    files_and_segments_in_one_pipeline(&server, w, &config, &key);
     corrupted_pack_is_refused(w, &config, &key, &node1);
     loose_chunks_of_an_older_push(w, &config, &key);
     wrong_credentials(&server, w);
     unknown_snapshot_and_missing_bucket(&server, w);
 }
 
-/// The connection dies after two chunks: the pull fails with one line, commits nothing and
-/// writes no directory; the chunks it fetched are verified and reused by the next pull.
+/// The connection dies in the middle of the pull, after the first ranged GET and before the
+/// last ended: the pull fails with one line, commits nothing and writes no directory; the
+/// chunks it fetched before are verified, stored and reused by the next pull.
 fn server_gone_mid_pull(server: &Seaweed, w: &Path, config: &Path, key: &SnapshotKey) {
     let proxy = Proxy::start(server.s3_port);
     let via_proxy = server.config(
@@ -278,13 +281,25 @@ fn server_gone_mid_pull(server: &Seaweed, w: &Path, config: &Path, key: &Snapsho
         .expect("read")
         .replace("bucket = \"snaps-proxied\"", "bucket = \"snaps\"");
     fs::write(&via_proxy, text).expect("write");
+    // What a whole pull of B takes through the proxy, into a store of its own; B's chunks are
+    // two ranged GETs (its base pages, ~3 MiB in A's pack, and its own ~1 MiB), one at a time.
+    let probe = ChunkStore::open(&w.join("node3-probe")).expect("probe store");
+    let whole = pull(
+        &remote(&via_proxy),
+        &probe,
+        "fn-b",
+        &w.join("pulled-probe"),
+        Trust::Key(key),
+        1,
+        &quiet,
+    )
+    .expect("pull through the proxy");
+    assert_eq!((whole.ranges, whole.loose), (2, 0), "{whole:?}");
+    let all = proxy.down_bytes();
+    // Cut 200 KiB before the end: inside the last GET, after the first one.
+    proxy.cut_after(all - (200 << 10));
     let node3 = ChunkStore::open(&w.join("node3")).expect("store 3");
     let out = w.join("pulled-gone");
-    let cut_after_two = |p: Progress| {
-        if p.done >= 2 {
-            proxy.cut();
-        }
-    };
     let err = pull(
         &remote(&via_proxy),
         &node3,
@@ -292,7 +307,7 @@ fn server_gone_mid_pull(server: &Seaweed, w: &Path, config: &Path, key: &Snapsho
         &out,
         Trust::Key(key),
         1,
-        &cut_after_two,
+        &quiet,
     )
     .expect_err("server gone");
     assert!(
@@ -732,4 +747,237 @@ fn put_all_parallel(items: &[String], f: impl Fn(&String) + Sync) {
             });
         }
     });
+}
+
+/// A snapshot's files and its sealed segment record pulled together (`pull_snapshot`, as
+/// torpord pulls a split snapshot): both records committed, every chunk fetched once. Then the
+/// errors of the pipeline: a segment chunk whose bytes do not match its id, and the server
+/// gone in the middle of the segments, each fail the whole pull in one line, with neither
+/// record committed and no directory, while the files' chunks fetched stay in the store for the
+/// next pull.
+fn files_and_segments_in_one_pipeline(
+    server: &Seaweed,
+    w: &Path,
+    config: &Path,
+    key: &SnapshotKey,
+) {
+    // Node 1: the files of fn-s and a sealed record of its segments (4 MiB chunks, as the
+    // split path's), pushed.
+    let node1 = ChunkStore::open(&w.join("seg-node1")).expect("store");
+    let files = snapshot(
+        w,
+        "fn-s",
+        &[
+            ("pages-1.img", pages("s-pages", 2 << 20)),
+            ("core.img", pages("s-core", 5000)),
+        ],
+        Some(key),
+    );
+    let segments = pages("s-segments", 12 << 20);
+    let mut writer = node1.writer().expect("writer");
+    let recipe = writer.put_bytes("segment-0", &segments).expect("put");
+    writer
+        .commit_sealed("fn-s-1", std::slice::from_ref(&recipe), key)
+        .expect("commit sealed");
+    let r = remote(config);
+    push(
+        &r,
+        &node1,
+        &files,
+        "fn-s-1.files",
+        Trust::Key(key),
+        4,
+        &quiet,
+    )
+    .expect("push files");
+    let up = push_sealed_record(&r, &node1, "fn-s-1", key, 4, &quiet).expect("push sealed");
+    assert_eq!(up.moved, 3, "{up:?}");
+    let part = SealedPart { id: "fn-s-1", key };
+
+    // A fresh node pulls both at once.
+    let node2 = ChunkStore::open(&w.join("seg-node2")).expect("store 2");
+    let out = w.join("pulled-s");
+    let got = pull_snapshot(
+        &remote(config),
+        &node2,
+        "fn-s-1.files",
+        &out,
+        Trust::Key(key),
+        Some(part),
+        DEFAULT_PARALLEL,
+        &quiet,
+    )
+    .expect("pull files and segments");
+    let sealed = got.sealed.expect("the sealed record came");
+    assert_eq!((sealed.chunks, sealed.moved), (3, 3), "{got:?}");
+    assert_eq!(got.files.fetched, got.files.chunks, "{got:?}");
+    let t = got.files.timings;
+    assert!(
+        t.files_fetch_s > 0.0 && t.segments_fetch_s > 0.0 && t.fetch_s >= t.files_fetch_s,
+        "{t:?}"
+    );
+    assert_eq!(
+        node2.sealed_recipes("fn-s-1", key).expect("sealed record"),
+        std::slice::from_ref(&recipe)
+    );
+    let mut ids = node2.snapshots().expect("ids");
+    ids.sort();
+    assert_eq!(ids, ["fn-s-1", "fn-s-1.files"]);
+    let mut back = vec![0u8; segments.len()];
+    node2.read_into(&recipe, &mut back).expect("read segment");
+    assert!(back == segments);
+    Snapshot::open(&out)
+        .expect("open")
+        .verify()
+        .expect("verify");
+    // A snapshot without a sealed record pulls as its files alone.
+    let plain = pull_snapshot(
+        &remote(config),
+        &node2,
+        "fn-a",
+        &w.join("pulled-s-plain"),
+        Trust::Key(key),
+        Some(SealedPart { id: "fn-a", key }),
+        4,
+        &quiet,
+    )
+    .expect("pull without a sealed record");
+    assert!(plain.sealed.is_none(), "{plain:?}");
+
+    // A segment chunk whose bytes do not match its id: the last byte of its range in the pack.
+    let victim = recipe.chunks[1];
+    let (pack, offset, len) = place_of_in(&r, "fn-s-1/sealed-packs.json", &victim.id.to_hex());
+    let object = format!("packs/{pack}.pack");
+    let good = r.get(&object, 1 << 30).expect("get pack").expect("pack");
+    let mut bad = good.clone();
+    bad[(offset + len - 1) as usize] ^= 0x55;
+    r.put(&object, &bad).expect("overwrite");
+    let node3 = ChunkStore::open(&w.join("seg-node3")).expect("store 3");
+    let out3 = w.join("pulled-s-bad");
+    let err = pull_snapshot(
+        &remote(config),
+        &node3,
+        "fn-s-1.files",
+        &out3,
+        Trust::Key(key),
+        Some(part),
+        4,
+        &quiet,
+    )
+    .expect_err("a corrupt segment chunk");
+    assert!(
+        matches!(
+            err,
+            TransferError::Store(StoreError::ForeignChunkCorrupt { .. })
+        ),
+        "{err}"
+    );
+    let line = err.to_string();
+    assert!(line.contains(&object) && !line.contains('\n'), "{line}");
+    assert!(!node3.contains(&victim.id));
+    assert!(
+        node3.snapshots().expect("ids").is_empty(),
+        "nothing committed"
+    );
+    assert!(!out3.exists());
+    no_aside_left(w);
+    // The files' chunks came and stay (verified, unreferenced): the next pull reuses them.
+    let pages_chunk = node1.recipes("fn-s-1.files").expect("recipes")[0].chunks[0];
+    assert!(node3.contains(&pages_chunk.id));
+    r.put(&object, &good).expect("restore pack");
+
+    // The server gone in the middle of the segments (they come after the files).
+    let node4 = ChunkStore::open(&w.join("seg-node4")).expect("store 4");
+    let proxy = Proxy::start(server.s3_port);
+    let via_proxy = server.config(
+        w,
+        "snaps-proxied-s2",
+        &format!("http://127.0.0.1:{}", proxy.port),
+        SECRET_KEY,
+    );
+    let text = fs::read_to_string(&via_proxy)
+        .expect("read")
+        .replace("bucket = \"snaps-proxied-s2\"", "bucket = \"snaps\"");
+    fs::write(&via_proxy, text).expect("write");
+    // The files are ~2 MiB, the segments one range of 12 MiB, fetched one after the other
+    // (one fetcher): cut 6 MiB in, inside the segments.
+    proxy.cut_after(6 << 20);
+    let out4 = w.join("pulled-s-gone");
+    let err = pull_snapshot(
+        &remote(&via_proxy),
+        &node4,
+        "fn-s-1.files",
+        &out4,
+        Trust::Key(key),
+        Some(part),
+        1,
+        &quiet,
+    )
+    .expect_err("server gone");
+    assert!(
+        matches!(&err, TransferError::Remote(e) if matches!(**e, ObjError::Unreachable { .. })),
+        "{err}"
+    );
+    assert!(!err.to_string().contains('\n'), "{err}");
+    assert!(
+        node4.snapshots().expect("ids").is_empty(),
+        "nothing committed"
+    );
+    assert!(!out4.exists());
+    no_aside_left(w);
+    assert!(
+        node4.contains(&pages_chunk.id),
+        "the files' chunks came first and stay"
+    );
+    // With the server back, the pull completes, fetching only what it lacked.
+    let again = pull_snapshot(
+        &remote(config),
+        &node4,
+        "fn-s-1.files",
+        &out4,
+        Trust::Key(key),
+        Some(part),
+        4,
+        &quiet,
+    )
+    .expect("pull after");
+    assert_eq!(again.files.fetched, 0, "{again:?}");
+    assert_eq!(again.sealed.expect("sealed").moved, 3, "{again:?}");
+    Snapshot::open(&out4)
+        .expect("open")
+        .verify()
+        .expect("verify");
+    let mut ids = node4.snapshots().expect("ids");
+    ids.sort();
+    assert_eq!(ids, ["fn-s-1", "fn-s-1.files"]);
+}
+
+/// No directory a pull writes aside (`.<name>.pull-<pid>`) is left in `dir`.
+fn no_aside_left(dir: &Path) {
+    assert!(fs::read_dir(dir).expect("ls").all(|e| !e
+        .expect("entry")
+        .file_name()
+        .to_string_lossy()
+        .contains(".pull-")));
+}
+
+/// (pack name, offset, length) of `chunk` in the locator object `snapshots/<locator>`.
+fn place_of_in(r: &Remote, locator: &str, chunk: &str) -> (String, u64, u64) {
+    let bytes = r
+        .get(&format!("snapshots/{locator}"), 64 << 20)
+        .expect("get locator")
+        .expect("a locator");
+    let locator: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+    for (name, p) in locator["packs"].as_object().expect("packs") {
+        for c in p["chunks"].as_array().expect("chunks") {
+            if c[0].as_str() == Some(chunk) {
+                return (
+                    name.clone(),
+                    c[1].as_u64().expect("offset"),
+                    c[2].as_u64().expect("len"),
+                );
+            }
+        }
+    }
+    panic!("{chunk} not in {locator}");
 }

@@ -128,25 +128,36 @@ pub struct Pulled {
     pub phases: Option<PullPhases>,
 }
 
-/// Where a pull's seconds went. The snapshot's files and its segments are pulled at once, so
-/// `files_s` and `segments_s` overlap; the files' own steps add up to `files_s`.
+/// Where a pull's seconds went. The snapshot's files and its segments travel in one pipeline
+/// (`torpor_objstore::pull_snapshot`): `files_s` is all of the transfer, from the first small
+/// GET to the snapshot directory in place; within it `files_metadata_s`, then `fetch_s` (the
+/// pipeline), `materialise_wait_s` and `files_commit_s` follow each other, while
+/// `files_fetch_s`, `segments_s`, `files_materialise_s` and `files_verify_s` overlap the
+/// pipeline.
 #[derive(Debug, Clone, Copy, Default, Serialize, utoipa::ToSchema)]
 pub struct PullPhases {
     /// The function's record from the bucket.
     pub record_s: f64,
-    /// The snapshot's files, all of it: the steps below.
+    /// The snapshot's transfer, all of it: the steps below.
     pub files_s: f64,
-    /// Of the files: the manifest, the record and the MAC (small GETs).
+    /// The small GETs: the files' manifest, record, MAC and locator, the segments' sealed
+    /// record and locator.
     pub files_metadata_s: f64,
-    /// Of the files: the chunks (GETs, decoding, checking, writing them into the store).
+    /// The pipeline: every chunk of the files and the segments fetched, checked and written
+    /// into the store.
+    pub fetch_s: f64,
+    /// Of the pipeline: from its start until the files' chunks were all in the store.
     pub files_fetch_s: f64,
-    /// Of the files: the store's commit (a syncfs, then the record).
+    /// After the pipeline: waiting for the snapshot directory to be written and verified.
+    pub materialise_wait_s: f64,
+    /// The store's commit of both records: one syncfs, then the records.
     pub files_commit_s: f64,
-    /// Of the files: writing the snapshot directory from the store.
+    /// Writing the snapshot directory from the store, beside the pipeline.
     pub files_materialise_s: f64,
-    /// Of the files: authenticating the manifest and hashing the directory's files.
+    /// Authenticating the manifest and hashing the directory's files, beside the pipeline.
     pub files_verify_s: f64,
-    /// The split path's segments (their sealed record and chunks), beside the files.
+    /// From the start of the transfer until the segments' chunks were all in the store (0: a
+    /// snapshot without a segment record).
     pub segments_s: f64,
     /// Checking that the files the snapshot reopens are this node's.
     pub portability_s: f64,
@@ -521,71 +532,58 @@ impl Tier {
                 source,
             })?;
         }
-        // The files and the split snapshot's segment record (sealed by a node with this
-        // node's key) at once: the two are independent until registration, and one pull's
-        // GETs, decoding and writes overlap the other's syncfs, materialising and hashing.
-        let (files, segments) = std::thread::scope(|threads| {
-            let segments = threads.spawn(|| {
-                let t = Instant::now();
-                let r = torpor_objstore::pull_sealed_record(
-                    &remote,
-                    store,
-                    &record.snapshot,
-                    key,
-                    self.config.parallel,
-                    &|_| {},
-                );
-                (r, t.elapsed().as_secs_f64())
-            });
-            let t = Instant::now();
-            let files = torpor_objstore::pull(
-                &remote,
-                store,
-                &files_id(&record.snapshot),
-                &out,
-                torpor_image::Trust::Key(key),
-                self.config.parallel,
-                &|_| {},
-            );
-            let files_s = t.elapsed().as_secs_f64();
-            let segments = segments.join().unwrap_or_else(|_| {
-                (
-                    Err(TransferError::Io {
-                        op: "pull",
-                        path: out.clone(),
-                        source: std::io::Error::other("the segments' pull thread panicked"),
-                    }),
-                    0.0,
-                )
-            });
-            ((files, files_s), segments)
-        });
-        let ((files, files_s), (segments, segments_s)) = (files, segments);
-        phases.files_s = files_s;
-        phases.segments_s = segments_s;
-        let report = match files {
-            Ok(r) => r,
-            Err(e) => {
-                if matches!(segments, Ok(Some(_))) {
-                    crate::split::release_snapshot_of_dir(&out);
-                }
-                return Err(e.into());
+        // Left by a pull killed while it wrote the directory beside its place
+        // (torpor_objstore writes it as `.<snapshot>.pull-<pid>`, then renames it): with the
+        // pipeline that is most of a pull of a split snapshot, the files written while the
+        // segments come. No other pull of this function runs (its deploy lock).
+        let aside = format!(".{}.pull-", record.snapshot);
+        for entry in std::fs::read_dir(snapshots).into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&aside) {
+                let path = entry.path();
+                tracing::info!(path = %path.display(), "removing what a pull that did not finish left aside");
+                std::fs::remove_dir_all(&path)
+                    .map_err(|source| PullError::Stale { path, source })?;
             }
-        };
+        }
+        // The files and the split snapshot's segment record (sealed by a node with this
+        // node's key) in one pipeline and one commit (torpor_objstore::pull_snapshot): the
+        // chunks of both fetched by one pool, checked and written as they come, the disk
+        // writing meanwhile, the directory written and verified as soon as the files' chunks
+        // are in, then one syncfs for both records.
+        let t = Instant::now();
+        let pulled = torpor_objstore::pull_snapshot(
+            &remote,
+            store,
+            &files_id(&record.snapshot),
+            &out,
+            torpor_image::Trust::Key(key),
+            Some(torpor_objstore::SealedPart {
+                id: &record.snapshot,
+                key,
+            }),
+            self.config.parallel,
+            &|_| {},
+        );
+        phases.files_s = t.elapsed().as_secs_f64();
+        // Nothing is committed on an error, but for a failed write of the segments' record
+        // after the files' one (the files' record is committed first): that one is only a
+        // cache of chunks, trimmed as such (Tier::trim).
+        let pulled = pulled?;
+        let (report, segments) = (pulled.files, pulled.sealed);
         let t = report.timings;
         phases.files_metadata_s = t.metadata_s;
-        phases.files_fetch_s = t.fetch_s;
+        phases.files_fetch_s = t.files_fetch_s;
         phases.files_commit_s = t.commit_s;
         phases.files_materialise_s = t.materialise_s;
         phases.files_verify_s = t.verify_s;
-        let segments = match segments {
-            Ok(s) => s,
-            Err(e) => {
-                if let Err(x) = std::fs::remove_dir_all(&out) {
-                    tracing::warn!(path = %out.display(), error = %x, "cannot remove a pulled snapshot whose segments did not come");
-                }
-                return Err(e.into());
-            }
+        phases.fetch_s = t.fetch_s;
+        phases.materialise_wait_s = t.materialise_wait_s;
+        // From the pull's start to the segments' last chunk in the store (their commit is the
+        // files' one).
+        phases.segments_s = if segments.is_some() {
+            t.metadata_s + t.segments_fetch_s
+        } else {
+            0.0
         };
         let portability = Instant::now();
         // Refused here rather than at the first restore: the files this node would map into

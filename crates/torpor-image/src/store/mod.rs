@@ -46,7 +46,10 @@
 //!
 //! Chunks are written to `tmp/` and renamed into place; `commit` flushes the filesystem once
 //! (syncfs(2)) before it writes the record, so a committed record never references data that a
-//! power loss can take back. A chunk file that a crash left empty or truncated under its final
+//! power loss can take back. A writer fed from a fast link ([`StoreWriter::write_back_early`])
+//! starts each chunk's write-out as it places it, so the disk writes while the next chunks
+//! arrive and the commit's syncfs waits only for the tail; [`StoreWriter::commit_many`] commits
+//! several records (a pull's files and segments) after one syncfs. A chunk file that a crash left empty or truncated under its final
 //! name is detected by its header and written again rather than referenced. The store is 0700
 //! and chunks are 0600: they hold process memory.
 //!
@@ -82,7 +85,7 @@ pub use gc::GcReport;
 pub use recipe::{ChunkRef, Recipe};
 pub use records::open_sealed_record;
 pub use usage::Usage;
-pub use write::{PutStats, StoreWriter};
+pub use write::{Commit, PutStats, StoreWriter};
 
 use error::io_error;
 

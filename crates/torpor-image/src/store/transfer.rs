@@ -56,20 +56,17 @@ impl StoreWriter<'_> {
         bytes: &[u8],
         origin: &str,
     ) -> Result<bool, StoreError> {
-        let mut raw = vec![0u8; c.len as usize];
-        chunk::decode_into(bytes, &c.id, &mut raw).map_err(|damage| {
-            StoreError::ForeignChunkCorrupt {
-                chunk: c.id,
-                origin: origin.to_owned(),
-                damage: damage.to_string(),
-            }
+        chunk::check(bytes, &c.id, c.len).map_err(|damage| StoreError::ForeignChunkCorrupt {
+            chunk: c.id,
+            origin: origin.to_owned(),
+            damage: damage.to_string(),
         })?;
         let store = self.store();
         let path = store.chunk_path(&c.id);
         if already_stored(&path, c.len) {
             return Ok(false);
         }
-        place_chunk_file(store, &c.id, &path, bytes)?;
+        place_chunk_file(store, &c.id, &path, bytes, self.writes_back())?;
         Ok(true)
     }
 }

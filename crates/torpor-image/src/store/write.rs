@@ -43,6 +43,18 @@ pub struct StoreWriter<'a> {
     store: &'a ChunkStore,
     _lock: StoreLock,
     stats: PutStats,
+    /// Start each chunk file's write-out to the disk as soon as it is written
+    /// ([`StoreWriter::write_back_early`]).
+    write_back: bool,
+}
+
+/// One record of [`StoreWriter::commit_many`]: snapshot `id` made of `recipes`, sealed with
+/// `key` when given.
+#[derive(Debug, Clone, Copy)]
+pub struct Commit<'a> {
+    pub id: &'a str,
+    pub recipes: &'a [Recipe],
+    pub key: Option<&'a SnapshotKey>,
 }
 
 /// The outcome of storing one chunk.
@@ -61,11 +73,28 @@ impl ChunkStore {
             store: self,
             _lock: lock,
             stats: PutStats::default(),
+            write_back: false,
         })
     }
 }
 
 impl StoreWriter<'_> {
+    /// The same writer, starting the disk write of every chunk file it places as soon as the
+    /// file is written (sync_file_range(2), `SYNC_FILE_RANGE_WRITE`: asynchronous, it waits for
+    /// nothing but a full device queue). The commit's syncfs still makes them durable; what
+    /// changes is when the disk works: while the writer's caller fetches the next chunks rather
+    /// than all at once in the commit. For a writer fed faster than the disk writes (a pull
+    /// from a fast link), it turns "fetch, then flush" into both at once.
+    pub fn write_back_early(mut self) -> Self {
+        self.write_back = true;
+        self
+    }
+
+    /// Whether chunk files are written back early.
+    pub(crate) fn writes_back(&self) -> bool {
+        self.write_back
+    }
+
     /// Stores a device segment, cut into [`Chunking::SEGMENT`] chunks.
     pub fn put_bytes(&mut self, name: &str, data: &[u8]) -> Result<Recipe, StoreError> {
         self.put_bytes_with(name, data, Chunking::SEGMENT)
@@ -168,12 +197,37 @@ impl StoreWriter<'_> {
         self.commit_with(snapshot_id, recipes, Some(key))
     }
 
+    /// Commits several snapshots' records at once: each as [`commit`](Self::commit) (or
+    /// [`commit_sealed`](Self::commit_sealed) with a key) would, after one syncfs for all of
+    /// them instead of one each. Every record is checked before anything is written; the
+    /// records are then written in order, so on an error the ones before it are committed and
+    /// the others are not (each record is whole or absent, as always). Ends the writer.
+    pub fn commit_many(self, records: &[Commit<'_>]) -> Result<(), StoreError> {
+        for c in records {
+            self.check_commit(c.id, c.recipes)?;
+        }
+        syncfs(self.store.root())?;
+        for c in records {
+            records::write_record(self.store, c.id, c.recipes, c.key)?;
+        }
+        Ok(())
+    }
+
     fn commit_with(
         self,
         snapshot_id: &str,
         recipes: &[Recipe],
         key: Option<&SnapshotKey>,
     ) -> Result<(), StoreError> {
+        self.check_commit(snapshot_id, recipes)?;
+        // Every chunk written since the last sync reaches the disk before the record that
+        // references them: one syncfs instead of an fsync per chunk.
+        syncfs(self.store.root())?;
+        records::write_record(self.store, snapshot_id, recipes, key)
+    }
+
+    /// Why `recipes` cannot be committed as snapshot `snapshot_id`, if they cannot.
+    fn check_commit(&self, snapshot_id: &str, recipes: &[Recipe]) -> Result<(), StoreError> {
         check_snapshot_id(snapshot_id)?;
         let mut names = HashSet::new();
         for recipe in recipes {
@@ -204,10 +258,7 @@ impl StoreWriter<'_> {
                 }
             }
         }
-        // Every chunk written since the last sync reaches the disk before the record that
-        // references them: one syncfs instead of an fsync per chunk.
-        syncfs(store.root())?;
-        records::write_record(store, snapshot_id, recipes, key)
+        Ok(())
     }
 
     fn store_chunk(&self, data: &[u8]) -> Result<Stored, StoreError> {
@@ -224,7 +275,7 @@ impl StoreWriter<'_> {
             });
         }
         let bytes = chunk::encode(data, self.store.compression);
-        place_chunk_file(self.store, &id, &path, &bytes)?;
+        place_chunk_file(self.store, &id, &path, &bytes, self.write_back)?;
         Ok(Stored {
             chunk,
             written: Some(bytes.len() as u64),
@@ -245,14 +296,24 @@ pub(crate) fn already_stored(path: &Path, raw_len: u64) -> bool {
         .is_ok_and(|()| chunk::raw_len(&header) == Some(raw_len))
 }
 
-/// Writes a new file readable by its owner only (chunks hold process memory).
-pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Writes a new file readable by its owner only (chunks hold process memory); with
+/// `write_back`, starts writing it to the disk at once (see [`StoreWriter::write_back_early`]).
+pub(crate) fn write_private(path: &Path, bytes: &[u8], write_back: bool) -> std::io::Result<()> {
     let mut file = File::options()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(path)?;
-    file.write_all(bytes)
+    file.write_all(bytes)?;
+    if write_back {
+        // SAFETY: sync_file_range only reads the descriptor, which `file` keeps open for the
+        // call; offset 0 and length 0 mean the whole file. Its result is ignored: it only
+        // starts the write-out early, and the commit's syncfs is what makes the file durable
+        // (and reports a failed write).
+        let _ =
+            unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+    }
+    Ok(())
 }
 
 /// Flushes the filesystem holding `dir` (syncfs(2)).
@@ -274,6 +335,7 @@ pub(super) fn place_chunk_file(
     id: &ChunkId,
     path: &Path,
     bytes: &[u8],
+    write_back: bool,
 ) -> Result<(), StoreError> {
     let tmp = store.tmp_dir().join(format!(
         "{}.{}.{}",
@@ -281,7 +343,7 @@ pub(super) fn place_chunk_file(
         std::process::id(),
         TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
-    write_private(&tmp, bytes).map_err(|e| {
+    write_private(&tmp, bytes, write_back).map_err(|e| {
         let _ = fs::remove_file(&tmp);
         io_error("write", &tmp, e)
     })?;

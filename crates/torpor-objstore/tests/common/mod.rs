@@ -204,26 +204,48 @@ impl Drop for Seaweed {
 }
 
 /// A TCP proxy on loopback in front of `target` that can be cut: every connection is shut
-/// down and no new one is accepted, as if the server went away.
+/// down and no new one is accepted, as if the server went away; at once ([`Proxy::cut`]) or
+/// once it has passed a number of bytes from the server ([`Proxy::cut_after`]).
 pub struct Proxy {
     pub port: u16,
-    cut: Arc<AtomicBool>,
-    pub down_bytes: Arc<AtomicU64>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cut: AtomicBool,
+    /// Bytes passed from the server to the clients.
+    down_bytes: AtomicU64,
+    /// The connections are cut when `down_bytes` would pass this.
+    cut_at: AtomicU64,
+    conns: Mutex<Vec<TcpStream>>,
+}
+
+impl Inner {
+    fn cut(&self, port: u16) {
+        self.cut.store(true, Ordering::SeqCst);
+        for s in self.conns.lock().expect("lock").iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        // Wake the accept loop so that it sees the cut and closes the listener.
+        let _ = TcpStream::connect(("127.0.0.1", port));
+    }
 }
 
 impl Proxy {
     pub fn start(target: u16) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = listener.local_addr().expect("addr").port();
-        let cut = Arc::new(AtomicBool::new(false));
-        let down_bytes = Arc::new(AtomicU64::new(0));
-        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let (c, d, k) = (cut.clone(), down_bytes.clone(), conns.clone());
+        let inner = Arc::new(Inner {
+            cut: AtomicBool::new(false),
+            down_bytes: AtomicU64::new(0),
+            cut_at: AtomicU64::new(u64::MAX),
+            conns: Mutex::new(Vec::new()),
+        });
+        let i = inner.clone();
         std::thread::spawn(move || {
             for client in listener.incoming() {
                 let Ok(client) = client else { break };
-                if c.load(Ordering::SeqCst) {
+                if i.cut.load(Ordering::SeqCst) {
                     let _ = client.shutdown(Shutdown::Both);
                     break;
                 }
@@ -231,7 +253,7 @@ impl Proxy {
                     break;
                 };
                 {
-                    let mut k = k.lock().expect("lock");
+                    let mut k = i.conns.lock().expect("lock");
                     k.push(client.try_clone().expect("clone"));
                     k.push(server.try_clone().expect("clone"));
                 }
@@ -240,37 +262,43 @@ impl Proxy {
                     server.try_clone().expect("clone"),
                 );
                 std::thread::spawn(move || pipe(c1, s1, None));
-                let d = d.clone();
-                std::thread::spawn(move || pipe(server, client, Some(d)));
+                let i = i.clone();
+                std::thread::spawn(move || pipe(server, client, Some((i, port))));
             }
         });
-        Proxy {
-            port,
-            cut,
-            down_bytes,
-            conns,
-        }
+        Proxy { port, inner }
     }
 
     /// Cuts every connection and refuses new ones.
     pub fn cut(&self) {
-        self.cut.store(true, Ordering::SeqCst);
-        for s in self.conns.lock().expect("lock").iter() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-        // Wake the accept loop so that it sees the cut and closes the listener.
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
+        self.inner.cut(self.port);
+    }
+
+    /// Cuts every connection, and refuses new ones, when the bytes from the server would pass
+    /// `bytes` (counted from now).
+    pub fn cut_after(&self, bytes: u64) {
+        let now = self.inner.down_bytes.load(Ordering::SeqCst);
+        self.inner.cut_at.store(now + bytes, Ordering::SeqCst);
+    }
+
+    /// Bytes passed from the server to the clients so far.
+    pub fn down_bytes(&self) -> u64 {
+        self.inner.down_bytes.load(Ordering::SeqCst)
     }
 }
 
-fn pipe(mut from: TcpStream, mut to: TcpStream, count: Option<Arc<AtomicU64>>) {
+fn pipe(mut from: TcpStream, mut to: TcpStream, count: Option<(Arc<Inner>, u16)>) {
     let mut buf = [0u8; 16 << 10];
     loop {
         match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => {
-                if let Some(c) = &count {
-                    c.fetch_add(n as u64, Ordering::Relaxed);
+                if let Some((inner, port)) = &count {
+                    let passed = inner.down_bytes.fetch_add(n as u64, Ordering::SeqCst) + n as u64;
+                    if passed > inner.cut_at.load(Ordering::SeqCst) {
+                        inner.cut(*port);
+                        break;
+                    }
                 }
                 if to.write_all(&buf[..n]).is_err() {
                     break;
