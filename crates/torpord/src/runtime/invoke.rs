@@ -135,7 +135,9 @@ impl Runtime {
         let gate = lock(&inst.maps_first).take();
         if let Some(gate) = gate {
             let t = Instant::now();
-            let _ = gate.await;
+            // Bounded as the hand-over is: past it the request goes, and meets what the
+            // hand-over's own timeout did to the instance.
+            let _ = tokio::time::timeout(crate::split::server::MAP_TIMEOUT, gate).await;
             timings.push(("maps_first".to_string(), t.elapsed().as_secs_f64()));
         }
         let t_call = Instant::now();
