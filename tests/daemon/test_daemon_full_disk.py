@@ -21,17 +21,19 @@ from .test_daemon_crash import (
     function_dir,
 )
 
-# Room for the init binary the daemon copies into its state directory (the debug build is
-# ~130 MB), the base and function snapshots of two echoers (13 MB each), logs and the registry.
-FS_MIB = 320
+# Room, besides the init binary the daemon copies into its state directory (sized from the
+# binary under test: the debug build grew from ~130 to ~230 MB), for the base and function
+# snapshots of two echoers (13 MB each), logs and the registry.
+ROOM_MIB = 190
 RESERVE_BYTES = 8 << 20
 
 
 @pytest.fixture
-def small_state(tmp_path: Path) -> Iterator[Path]:
-    """`tmp_path/root/state` on an ext4 of FS_MIB MiB of its own."""
+def small_state(torpor_bin: Path, tmp_path: Path) -> Iterator[Path]:
+    """`tmp_path/root/state` on an ext4 of its own: the init binary's size and ROOM_MIB."""
     (tmp_path / "root").mkdir()
-    with loop_ext4(tmp_path / "root" / "state", FS_MIB) as state:
+    fs_mib = -(-torpor_bin.stat().st_size // (1 << 20)) + ROOM_MIB
+    with loop_ext4(tmp_path / "root" / "state", fs_mib) as state:
         yield state
 
 
