@@ -4,6 +4,7 @@
 
 pub mod checkpoints;
 pub mod dirty_tracking;
+pub mod driver_slots;
 pub mod empty_gpu_memory;
 pub mod fault;
 pub mod gpu_map;

@@ -58,6 +58,10 @@ pub struct RestoreOptions<'a> {
     /// Host paths to bind at the external mounts of these keys instead of the paths recorded
     /// in the snapshot (torpord: its own state directory at [`crate::mounts::STATE_DIR_KEY`]).
     pub external_sources: &'a [(&'a str, &'a Path)],
+    /// A bound on the restores inside the driver's restore at once, shared with the caller's
+    /// other restores (torpord's `restore_server.driver_restores`); `None`: no bound. The wait
+    /// is the phase `cuda_wait`.
+    pub driver_slots: Option<&'a crate::driver_slots::DriverSlots>,
 }
 
 /// How a restore checks the snapshot's files against its manifest.
@@ -641,9 +645,15 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
                         }
                     });
                 }
+                let slot = opts.driver_slots.map(|slots| {
+                    let (slot, waited) = slots.acquire(DRIVER_SLOT_WAIT);
+                    phases.0.push(("cuda_wait".to_string(), waited));
+                    slot
+                });
                 let resumed = phases
                     .time("cuda_restore", || tasks.restore_all(&plan.pairs))
                     .and_then(|_| phases.time("cuda_unlock", || tasks.unlock_all()));
+                drop(slot);
                 driver_done.store(true, std::sync::atomic::Ordering::Release);
                 resumed
             });
@@ -670,6 +680,11 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
         attempts: 1,
     })
 }
+
+/// How long a restore waits for a driver slot (RestoreOptions::driver_slots) before it goes on
+/// without one: far past what a burst's restores take (8 × 0.3 s on the H100), so it only ends
+/// a wait that something lost.
+const DRIVER_SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How long the driver's restore waits for a slow page server's hot set before it starts anyway
 /// (its faults are then served one run at a time).

@@ -122,6 +122,7 @@ fn detached<'a>(
         resume_gpu: true,
         cgroup: &[],
         external_sources: &[],
+        driver_slots: None,
     }
 }
 

@@ -62,6 +62,9 @@
 //! host_devices = 1                # devices of the host backend, which instances without a GPU
 //!                                 # migrate between (docs/migration.md): 1 to 16
 //! host_device_bytes = 0           # segment bytes each host device may hold; 0: no bound
+//! driver_restores = 0             # restores inside the CUDA driver's restore at once (a burst's
+//!                                 # first instance is ready sooner; docs/split.md "Bursts");
+//!                                 # 0: no bound; at most 64
 //!
 //! [pcie]                          # the fair PCIe scheduler of host→device copies (docs/sandboxes.md)
 //! fair = true                     # false: each copy whole, one after another (the benchmark's
@@ -266,6 +269,9 @@ pub struct RestoreServer {
     /// Bytes of segments each host device may hold (0: no bound); a migration that would pass
     /// it is refused.
     pub host_device_bytes: u64,
+    /// Restores that may be inside the CUDA driver's restore at once (Runtime::driver_slots);
+    /// 0: no bound.
+    pub driver_restores: u32,
 }
 
 /// The fair PCIe scheduler (`crate::split::pcie`, docs/sandboxes.md "Fair PCIe").
@@ -292,6 +298,9 @@ impl Default for PcieConfig {
     }
 }
 
+/// Default of `restore_server.driver_restores` (0: no bound).
+pub const DEFAULT_DRIVER_RESTORES: u32 = 0;
+
 /// Default of `restore_server.stage_bytes`: 8 GiB (tmpfs memory is used only as snapshots are
 /// staged).
 pub const DEFAULT_STAGE_BYTES: u64 = 8 << 30;
@@ -307,6 +316,7 @@ impl Default for RestoreServer {
             concurrent_snapshot: true,
             host_devices: 1,
             host_device_bytes: 0,
+            driver_restores: DEFAULT_DRIVER_RESTORES,
         }
     }
 }
@@ -749,6 +759,9 @@ impl Config {
             }
             if let Some(n) = t.integer("host_device_bytes", 0, max)? {
                 r.host_device_bytes = u64::try_from(n).unwrap_or(0);
+            }
+            if let Some(n) = t.integer("driver_restores", 0, 64)? {
+                r.driver_restores = u32::try_from(n).unwrap_or(0);
             }
             t.finish()?;
         }
@@ -1285,6 +1298,7 @@ mod tests {
         ("restore_server", "host_cache_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807", "-1"], "from 0 to 1125899906842624"),
         ("restore_server", "gpu_cache_bytes", "1125899906842624", &["1125899906842625", "-1"], "from 0 to 1125899906842624"),
         ("restore_server", "stage_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807"], "from 0 to 1125899906842624"),
+        ("restore_server", "driver_restores", "64", &["65", "-1", "1.5", "\"2\""], "from 0 to 64"),
     ];
 
     #[test]

@@ -39,6 +39,8 @@ pub struct HowToRestore {
     /// Torpor's page server: record the faults' order here, serving faults only (a deploy's
     /// profiling restore, whose tree is thrown away after its warm-up).
     pub profile_out: Option<std::path::PathBuf>,
+    /// The daemon's bound on concurrent driver restores (Runtime::driver_slots).
+    pub driver_slots: Option<Arc<torpor_snapshot::driver_slots::DriverSlots>>,
 }
 
 /// A restored tree.
@@ -245,6 +247,7 @@ pub async fn restore_with(
                     resume_gpu: !how.leave_gpu_checkpointed,
                     cgroup: &how.cgroup,
                     external_sources: &sources,
+                    driver_slots: how.driver_slots.as_deref(),
                 },
                 &pages,
             )

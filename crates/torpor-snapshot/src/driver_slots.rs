@@ -1,0 +1,131 @@
+//! How many restores may be inside the CUDA driver's restore at once (torpord's
+//! `restore_server.driver_restores`, docs/split.md "Bursts").
+//!
+//! Eight cold starts of GPT-2-Large at once on the H100 each spent 1.0–1.5 s in
+//! `cuCheckpointProcessRestore` against 0.3 s alone, and all eight finished together after
+//! ~2 s (`bench/results/split-bench-burst-h100.json`): the driver runs them side by side but
+//! no faster in total, so every instance of a burst is ready only when the last is. With a
+//! bound, the restores go through the driver a few at a time: the first instance is ready
+//! after about one restore, and the requests of the burst that the daemon binds to the first
+//! free instance (crate docs of torpord's pool) are answered while the rest restore.
+//!
+//! A counting semaphore over std's `Mutex` and `Condvar`: the restore runs on a blocking
+//! thread (CRIU, ptrace, the driver's calls), so an async semaphore would need a runtime
+//! handle inside it; this crate has none.
+
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// A bound on concurrent driver restores, shared by every restore of one daemon.
+#[derive(Debug)]
+pub struct DriverSlots {
+    max: usize,
+    used: Mutex<usize>,
+    freed: Condvar,
+}
+
+/// One restore's slot: given back when dropped.
+#[derive(Debug)]
+pub struct DriverSlot<'a> {
+    slots: &'a DriverSlots,
+}
+
+impl DriverSlots {
+    /// At most `max` driver restores at once; `max` ≥ 1 (0 means no bound: pass no slots).
+    pub fn new(max: usize) -> Self {
+        Self {
+            max: max.max(1),
+            used: Mutex::new(0),
+            freed: Condvar::new(),
+        }
+    }
+
+    /// The bound.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// Restores inside the driver now.
+    pub fn in_use(&self) -> usize {
+        *self.used.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for a slot, at most `bound` (then goes on without one: a restore held up longer
+    /// than any driver restore takes means a slot was lost, and waiting longer only adds to
+    /// the start). Returns the slot, if one was had, and the seconds waited.
+    pub fn acquire(&self, bound: Duration) -> (Option<DriverSlot<'_>>, f64) {
+        let start = Instant::now();
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        while *used >= self.max {
+            let left = bound.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return (None, start.elapsed().as_secs_f64());
+            }
+            used = self
+                .freed
+                .wait_timeout(used, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *used += 1;
+        (
+            Some(DriverSlot { slots: self }),
+            start.elapsed().as_secs_f64(),
+        )
+    }
+}
+
+impl Drop for DriverSlot<'_> {
+    fn drop(&mut self) {
+        let mut used = self.slots.used.lock().unwrap_or_else(|e| e.into_inner());
+        *used = used.saturating_sub(1);
+        self.slots.freed.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn no_more_than_max_hold_a_slot_at_once_and_every_waiter_gets_one() {
+        let slots = DriverSlots::new(2);
+        let inside = AtomicUsize::new(0);
+        let most = AtomicUsize::new(0);
+        let served = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    let (slot, _) = slots.acquire(Duration::from_secs(30));
+                    assert!(slot.is_some(), "a waiter went without a slot");
+                    let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(20));
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    served.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        });
+        assert_eq!(served.load(Ordering::SeqCst), 8);
+        assert_eq!(
+            most.load(Ordering::SeqCst),
+            2,
+            "the bound was not reached or was passed"
+        );
+        assert_eq!(slots.in_use(), 0, "a slot was not given back");
+    }
+
+    #[test]
+    fn a_waiter_past_its_bound_goes_on_without_a_slot() {
+        let slots = DriverSlots::new(1);
+        let (held, waited) = slots.acquire(Duration::from_secs(1));
+        assert!(held.is_some() && waited < 1.0);
+        let (none, waited) = slots.acquire(Duration::from_millis(50));
+        assert!(none.is_none());
+        assert!(waited >= 0.05, "{waited}");
+        drop(held);
+        let (again, _) = slots.acquire(Duration::from_millis(50));
+        assert!(again.is_some(), "the slot given back was not reusable");
+    }
+}
