@@ -2,14 +2,17 @@
 //! hibernated ones, its starts under way and its bounded queue; [`Runtime::acquire`] routes one
 //! request to an idle instance (warm before gpu_released, standbys last), else a wake of a
 //! hibernated one, else a new start while below `scaling.max_instances`, else the queue (429 when
-//! full, 503 after `queue.timeout_s`).
+//! full, 503 after `queue.timeout_s`). A request that started an instance is bound late: it
+//! takes whichever is ready first, its own start or an instance another request leaves idle
+//! meanwhile (Knative's activator does the same), so a burst's first instance serves the burst
+//! while the others still restore; the start it leaves joins the pool idle.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tokio::sync::Notify;
+use tokio::sync::{oneshot, Notify};
 
 use crate::config::Keepalive;
 use crate::metrics::{start, Metrics};
@@ -409,6 +412,113 @@ impl Runtime {
         Ok(pool)
     }
 
+    /// Takes the best idle instance of `pool` for one request, counting the request on it
+    /// (and reserving its `demand` there): warm before gpu_released, standbys last (using
+    /// another leaves them standing); among equals, the least loaded. Also whether it must be
+    /// resumed from gpu_released, and the start kind the request reports.
+    fn take_idle(
+        self: &Arc<Self>,
+        pool: &Arc<Pool>,
+        st: &mut PoolState,
+        demand: Option<&crate::runtime::memory::Demand>,
+    ) -> Option<(Lease, bool, &'static str)> {
+        let generation = st.generation;
+        let per = st.info.per_instance;
+        let (inst, n) = st
+            .instances
+            .iter_mut()
+            .filter(|(i, _)| !i.is_dead() && i.generation == generation)
+            .filter(|(i, n)| *n < per && i.state().is_routable())
+            .filter(|(i, _)| demand.is_none_or(|d| self.memory_fits(&i.id, d)))
+            // A migration's stop is draining it (crate::runtime::migrate).
+            .filter(|(i, _)| !i.draining.load(std::sync::atomic::Ordering::SeqCst))
+            .min_by_key(|(i, n)| {
+                let state = i.state();
+                let warm = state.stage() == Some(Stage::Warm);
+                (!warm, matches!(state, State::Standby(_)), *n)
+            })?;
+        *n += 1;
+        if let Some(d) = demand {
+            self.memory_reserve(&inst.id, d);
+        }
+        // A standby becomes an ordinary instance; a gpu_released one is resumed (it is not
+        // routable meanwhile).
+        let (kind, released) = {
+            let mut k = lock(&inst.keep);
+            let (kind, t) = match k.state {
+                State::Standby(_) => (start::STANDBY, Some(Transition::TakeStandby)),
+                State::GpuReleased => (start::WARM, Some(Transition::Begin(Doing::ResumeGpu))),
+                _ => (start::WARM, None),
+            };
+            if let Some(t) = t {
+                let _ = self.step(&pool.name, &mut k, t);
+            }
+            (
+                kind,
+                matches!(k.state, State::Changing(_, Doing::ResumeGpu)),
+            )
+        };
+        let lease = Lease {
+            pool: Arc::clone(pool),
+            instance: Arc::clone(inst),
+            runtime: Arc::clone(self),
+            reserved: demand.map(|d| (d.function.clone(), d.peak)),
+        };
+        Some((lease, released, kind))
+    }
+
+    /// Readies an instance [`Self::take_idle`] gave a request (queued since `t0`): a live
+    /// standby's segments mapped, a gpu_released one resumed. A failure removes the instance.
+    async fn ready_taken(
+        self: &Arc<Self>,
+        pool: &Arc<Pool>,
+        lease: Lease,
+        released: bool,
+        kind: &'static str,
+        t0: Instant,
+    ) -> Result<(Lease, &'static str, Timings), InvokeError> {
+        let mut timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
+        // A live standby (`standby_gpu = "live"`): its context is restored, its segments are
+        // still to be mapped; a CPU standby has none released.
+        if !released && kind == start::STANDBY {
+            let inst = Arc::clone(&lease.instance);
+            match self.segments_resume(&inst).await {
+                Ok(Some(s)) => timings.push(("segments".to_string(), s)),
+                Ok(None) => {}
+                Err(e) => {
+                    let why = format!("mapping its segments failed: {e}");
+                    self.remove_instance(&inst, &why, true);
+                    return Err(InvokeError::Internal(format!(
+                        "cannot map the segments of standby instance {} of {:?}: {e}; \
+                         the instance was removed and the next request starts a new one",
+                        inst.id, pool.name
+                    )));
+                }
+            }
+        }
+        if released {
+            let inst = Arc::clone(&lease.instance);
+            match self.gpu_resume(&inst).await {
+                Ok((s, segments)) => {
+                    timings.push(("gpu_resume".to_string(), s));
+                    if let Some(s) = segments {
+                        timings.push(("segments".to_string(), s));
+                    }
+                }
+                Err(e) => {
+                    let why = format!("resuming its GPU failed: {e}");
+                    self.remove_instance(&inst, &why, true);
+                    return Err(InvokeError::Internal(format!(
+                        "cannot resume the GPU of instance {} of {:?}: {e}; the \
+                         instance was removed and the next request starts a new one",
+                        inst.id, pool.name
+                    )));
+                }
+            }
+        }
+        Ok((lease, kind, timings))
+    }
+
     /// An instance for one request: idle warm, else restored, else after a wait in the queue.
     ///
     /// With `demand` (a sandboxed function's request in a sandbox with a memory budget:
@@ -442,53 +552,9 @@ impl Runtime {
                         pool.name
                     )));
                 }
-                let generation = st.generation;
-                let per = st.info.per_instance;
-                // Warm before gpu_released, standbys last (using another leaves them standing);
-                // among equals, the least loaded.
-                let idle = st
-                    .instances
-                    .iter_mut()
-                    .filter(|(i, _)| !i.is_dead() && i.generation == generation)
-                    .filter(|(i, n)| *n < per && i.state().is_routable())
-                    .filter(|(i, _)| demand.as_ref().is_none_or(|d| self.memory_fits(&i.id, d)))
-                    // A migration's stop is draining it (crate::runtime::migrate).
-                    .filter(|(i, _)| !i.draining.load(std::sync::atomic::Ordering::SeqCst))
-                    .min_by_key(|(i, n)| {
-                        let state = i.state();
-                        let warm = state.stage() == Some(Stage::Warm);
-                        (!warm, matches!(state, State::Standby(_)), *n)
-                    });
-                if let Some((inst, n)) = idle {
-                    *n += 1;
-                    if let Some(d) = &demand {
-                        self.memory_reserve(&inst.id, d);
-                    }
-                    // A standby becomes an ordinary instance; a gpu_released one is resumed
-                    // (it is not routable meanwhile).
-                    let (kind, released) = {
-                        let mut k = lock(&inst.keep);
-                        let (kind, t) = match k.state {
-                            State::Standby(_) => (start::STANDBY, Some(Transition::TakeStandby)),
-                            State::GpuReleased => {
-                                (start::WARM, Some(Transition::Begin(Doing::ResumeGpu)))
-                            }
-                            _ => (start::WARM, None),
-                        };
-                        if let Some(t) = t {
-                            let _ = self.step(&pool.name, &mut k, t);
-                        }
-                        (
-                            kind,
-                            matches!(k.state, State::Changing(_, Doing::ResumeGpu)),
-                        )
-                    };
-                    let lease = Lease {
-                        pool: Arc::clone(pool),
-                        instance: Arc::clone(inst),
-                        runtime: Arc::clone(self),
-                        reserved: demand.as_ref().map(|d| (d.function.clone(), d.peak)),
-                    };
+                if let Some((lease, released, kind)) =
+                    self.take_idle(pool, &mut st, demand.as_ref())
+                {
                     Next::Warm(lease, released, kind)
                 } else if let Some(ix) = st
                     .sleepers
@@ -558,56 +624,49 @@ impl Runtime {
             }
             if let Next::Warm(lease, released, kind) = next {
                 drop(slot);
-                let mut timings = vec![("queue".to_string(), t0.elapsed().as_secs_f64())];
-                // A live standby (`standby_gpu = "live"`): its context is restored, its
-                // segments are still to be mapped; a CPU standby has none released.
-                if !released && kind == start::STANDBY {
-                    let inst = Arc::clone(&lease.instance);
-                    match self.segments_resume(&inst).await {
-                        Ok(Some(s)) => timings.push(("segments".to_string(), s)),
-                        Ok(None) => {}
-                        Err(e) => {
-                            let why = format!("mapping its segments failed: {e}");
-                            self.remove_instance(&inst, &why, true);
-                            return Err(InvokeError::Internal(format!(
-                                "cannot map the segments of standby instance {} of {:?}: {e}; \
-                                 the instance was removed and the next request starts a new one",
-                                inst.id, pool.name
-                            )));
-                        }
-                    }
-                }
-                if released {
-                    let inst = Arc::clone(&lease.instance);
-                    match self.gpu_resume(&inst).await {
-                        Ok((s, segments)) => {
-                            timings.push(("gpu_resume".to_string(), s));
-                            if let Some(s) = segments {
-                                timings.push(("segments".to_string(), s));
-                            }
-                        }
-                        Err(e) => {
-                            let why = format!("resuming its GPU failed: {e}");
-                            self.remove_instance(&inst, &why, true);
-                            return Err(InvokeError::Internal(format!(
-                                "cannot resume the GPU of instance {} of {:?}: {e}; the \
-                                 instance was removed and the next request starts a new one",
-                                inst.id, pool.name
-                            )));
-                        }
-                    }
-                }
-                return Ok((lease, kind, timings));
+                return self.ready_taken(pool, lease, released, kind, t0).await;
             }
             if let Next::Start(start) = next {
                 let (info, generation, sleeper) = *start;
                 // Out of the queue while it starts one (back in if it must wait after all).
                 slot = None;
                 let queue_s = t0.elapsed().as_secs_f64();
-                let (inst, mut timings, kind) = match self
-                    .start_in_task(pool, info, generation, sleeper, demand.clone())
-                    .await
-                {
+                let mut rx = self.start_in_task(pool, info, generation, sleeper, demand.clone());
+                // Late binding: the request is served by whichever is ready first, the
+                // instance it started or one another request leaves idle meanwhile (a burst's
+                // first instance serves the burst while the rest still restore); a start it
+                // leaves goes on, and its instance joins the pool idle.
+                let got = loop {
+                    let notified = pool.changed.notified();
+                    tokio::pin!(notified);
+                    notified.as_mut().enable();
+                    match rx.try_recv() {
+                        Ok(got) => break Some(got),
+                        Err(oneshot::error::TryRecvError::Closed) => break None,
+                        Err(oneshot::error::TryRecvError::Empty) => {}
+                    }
+                    let taken = {
+                        let mut st = lock(&pool.state);
+                        (!st.closed)
+                            .then(|| self.take_idle(pool, &mut st, demand.as_ref()))
+                            .flatten()
+                    };
+                    if let Some((lease, released, kind)) = taken {
+                        // Sent before the close: the request's count on it is given back
+                        // here; after, the start task gives it back.
+                        rx.close();
+                        if let Ok(Ok((inst, _, _))) = rx.try_recv() {
+                            self.unclaimed_start(pool, &inst, demand.as_ref());
+                        }
+                        tracing::debug!(function = %pool.name, instance = %lease.instance.id, "a request took an instance that was free before the one it started");
+                        return self.ready_taken(pool, lease, released, kind, t0).await;
+                    }
+                    tokio::select! {
+                        got = &mut rx => break got.ok(),
+                        () = &mut notified => {}
+                    }
+                };
+                let (inst, mut timings, kind) = match Self::start_outcome(pool, got) {
                     Ok(started) => started,
                     Err(e @ InvokeError::NoGpuMemory { .. }) => {
                         // Waits, within its queue timeout: an instance of the function

@@ -167,16 +167,20 @@ pub(crate) struct NewInstance<'a, 'g> {
 }
 
 impl Runtime {
-    /// Restores an instance in a task of its own, so that a request given up mid-way leaves no
-    /// half-counted instance: the instance then joins the pool idle.
-    pub(crate) async fn start_in_task(
+    /// Starts an instance for a request in a task of its own, so that a request given up
+    /// mid-way, or one that took another instance first (late binding, crate::runtime::pool),
+    /// leaves no half-counted instance: the instance then joins the pool idle. The receiver
+    /// gets the instance counted for the request; [`Self::start_outcome`] maps its error.
+    /// A receiver closed before the instance was sent makes the task give the request's count
+    /// back; one closed after must give it back itself ([`Self::unclaimed_start`]).
+    pub(crate) fn start_in_task(
         self: &Arc<Self>,
         pool: &Arc<Pool>,
         info: FnInfo,
         generation: u64,
         sleeper: Option<Sleeper>,
         demand: Option<crate::runtime::memory::Demand>,
-    ) -> Result<Started, InvokeError> {
+    ) -> oneshot::Receiver<Result<Started, StartError>> {
         let (tx, rx) = oneshot::channel();
         let rt = Arc::clone(self);
         let pool2 = Arc::clone(pool);
@@ -238,23 +242,46 @@ impl Runtime {
                 inst.joined.notify_one();
             }
             if let Err(Ok((inst, _, _))) = tx.send(out) {
-                // The request went away: the instance is idle.
-                if let Some(slot) = lock(&pool2.state)
-                    .instances
-                    .iter_mut()
-                    .find(|(i, _)| Arc::ptr_eq(i, &inst))
-                {
-                    slot.1 = 0;
-                    lock(&inst.keep).idle_since = Instant::now();
-                    if let Some(d) = &demand {
-                        rt.memory_unreserve(&inst.id, &d.function, d.peak);
-                    }
-                }
+                // The request went away, or took another instance: this one is idle.
+                rt.unclaimed_start(&pool2, &inst, demand.as_ref());
             }
             pool2.changed.notify_waiters();
         });
-        rx.await
-            .map_err(|_| InvokeError::Internal("the instance start task failed".to_string()))?
+        rx
+    }
+
+    /// Gives back the request's count on an instance started for it that it did not take (it
+    /// went away, or took another instance first): the instance is idle from now on.
+    pub(crate) fn unclaimed_start(
+        &self,
+        pool: &Arc<Pool>,
+        inst: &Arc<Instance>,
+        demand: Option<&crate::runtime::memory::Demand>,
+    ) {
+        if let Some(slot) = lock(&pool.state)
+            .instances
+            .iter_mut()
+            .find(|(i, _)| Arc::ptr_eq(i, inst))
+        {
+            // Another request may have taken it meanwhile (requests_per_instance > 1).
+            slot.1 = slot.1.saturating_sub(1);
+            if slot.1 == 0 {
+                lock(&inst.keep).idle_since = Instant::now();
+            }
+            if let Some(d) = demand {
+                self.memory_unreserve(&inst.id, &d.function, d.peak);
+            }
+        }
+        pool.changed.notify_waiters();
+    }
+
+    /// The outcome of [`Self::start_in_task`] as the request's answer.
+    /// `None`: the task ended without an answer.
+    pub(crate) fn start_outcome(
+        pool: &Pool,
+        got: Option<Result<Started, StartError>>,
+    ) -> Result<Started, InvokeError> {
+        got.ok_or_else(|| InvokeError::Internal("the instance start task failed".to_string()))?
             .map_err(|e| match e.gpu_memory_short() {
                 Some(why) => InvokeError::NoGpuMemory {
                     message: format!(
