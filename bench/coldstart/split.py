@@ -66,8 +66,10 @@ import http.client
 import json
 import os
 import random
+import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -162,6 +164,25 @@ def drop_page_cache(allowed: bool) -> Json:
     return {"page_cache_dropped": True, "drop_s": round(time.perf_counter() - t0, 3)}
 
 
+def base_mode(mode: str) -> str:
+    """The mode of a variant: `burst8@serial` runs burst8 with the daemon config given for
+    `burst8@serial:` (an A/B of a daemon setting in one run, on the same deploys)."""
+    return mode.split("@", 1)[0]
+
+
+def choose_modes(p: argparse.ArgumentParser, text: str) -> list[str]:
+    """--modes: each a mode or MODE@TAG, in the documented order of their modes (variants
+    after their mode, as given)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    for m in names:
+        base, _, tag = m.partition("@")
+        if base not in MODES:
+            p.error(f"unknown mode {m!r}: one of {', '.join(MODES)} (or MODE@TAG for a variant)")
+        if "@" in m and not re.fullmatch(r"[a-z0-9-]+", tag):
+            p.error(f"mode {m!r}: a variant's TAG is lower-case letters, digits and '-'")
+    return sorted(dict.fromkeys(names), key=lambda m: (MODES.index(base_mode(m)), "@" in m, names.index(m)))
+
+
 def choose(p: argparse.ArgumentParser, text: str, allowed: Any, what: str) -> list[str]:
     """The names of a comma list, each one of `allowed` (else argparse's error, naming them)."""
     names = [m.strip() for m in text.split(",") if m.strip()]
@@ -222,9 +243,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the work dir (state dirs, daemon logs)")
     a = p.parse_args(argv)
     a.models = choose(p, a.models, MODELS, "model")
-    a.modes = choose(p, a.modes, MODES, "mode")
     # Modes run in the documented order, whatever order they were given in.
-    a.modes = [m for m in MODES if m in a.modes]
+    a.modes = choose_modes(p, a.modes)
     if a.runs < 1 or a.warm_max < 0 or a.hold_s <= 0:
         p.error("--runs must be at least 1, --warm-max at least 0 and --hold-s positive")
     if a.cpu_weights_mib is not None:
@@ -258,8 +278,8 @@ def parse_daemon_config(items: list[str]) -> dict[str | None, Json]:
             raise ValueError(f"--daemon-config {item!r} is not [MODE:]KEY=VALUE, e.g. restore_server.pages=lazy")
         if ":" in key:
             scope, key = key.split(":", 1)
-            if scope not in MODES:
-                raise ValueError(f"--daemon-config {item!r}: {scope!r} is not a mode ({', '.join(MODES)})")
+            if base_mode(scope) not in MODES:
+                raise ValueError(f"--daemon-config {item!r}: {scope!r} is not a mode ({', '.join(MODES)}, or MODE@TAG)")
         parts = [k.strip() for k in key.strip().split(".")]
         if len(parts) > 2 or not all(parts):
             raise ValueError(f"--daemon-config {item!r}: KEY is a top-level key or TABLE.KEY")
@@ -271,7 +291,9 @@ def parse_daemon_config(items: list[str]) -> dict[str | None, Json]:
 
 
 def mode_config(mode: str, gpu: bool, extra: dict[str | None, Json]) -> Json:
-    """The daemon config of a mode: its own keys, then --daemon-config for every mode, then for it."""
+    """The daemon config of a mode: its own keys, then --daemon-config for every mode, then for
+    it, then for the variant `mode` is (MODE@TAG)."""
+    variant, mode = mode, base_mode(mode)
     if mode == "transparent":
         config: Json = {"split": False}
     else:
@@ -285,7 +307,7 @@ def mode_config(mode: str, gpu: bool, extra: dict[str | None, Json]) -> Json:
         }
         if mode == "cold-disk":
             config["restore_server"] = {"host_cache_bytes": 0, "gpu_cache_bytes": 0, "stage_bytes": 0}
-    for scope in (None, mode):
+    for scope in dict.fromkeys((None, mode, variant)):
         for k, v in extra.get(scope, {}).items():
             if isinstance(v, dict):
                 config.setdefault(k, {}).update(v)
@@ -724,7 +746,7 @@ class Bench:
         return (time.monotonic() - self.t0) / 60 > self.a.budget_min
 
     def use_daemon(self, mode: str) -> Daemon:
-        state = "transparent" if mode == "transparent" else "split"
+        state = "transparent" if base_mode(mode) == "transparent" else "split"
         config = mode_config(mode, self.gpu, self.a.extra)
         d = self.daemon
         if d is not None and d.state.name == state and d.config == config:
@@ -931,13 +953,21 @@ class Bench:
             raise RuntimeError(f"{name} burst {i}: {len(failed)} of {BURST} failed: {failed[0]}")
         got = [a for a in answers if not isinstance(a, BaseException)]
         wall = max(a["t_done"] for a in got) - t0
+        first = min(a["t_done"] for a in got) - t0
+        # The daemon binds a request to the first free instance (late binding): an answer may
+        # come from an instance another request's start made ready first ("warm"), while every
+        # request still started one. All up: the burst's instances all warm.
+        all_up = self.wait_all_up(d, name, t0)
         after = d.restore_metrics()
-        starts = sorted({str(a["start"]) for a in got})
-        if starts != ["restored"]:
-            raise RuntimeError(f"{name} burst {i}: starts {starts}, expected every one restored")
+        starts = {s: sum(1 for a in got if a["start"] == s) for s in sorted({str(a["start"]) for a in got})}
+        if not set(starts) <= {"restored", "warm"} or "restored" not in starts:
+            raise RuntimeError(f"{name} burst {i}: starts {starts}, expected restored (and warm) ones only")
         return {
             "run": i,
             "wall_s": round(wall, 6),
+            "first_answer_s": round(first, 6),
+            "all_up_s": all_up,
+            "starts": starts,
             "start": "restored",
             # The slowest answer's phases: what the burst waited for.
             "timings": max(got, key=lambda a: a["t_done"])["timings"],
@@ -947,6 +977,19 @@ class Bench:
             "value": got[0]["value"],
             "same": all(self.same(model.name, a["value"]) for a in got),
         }
+
+    def wait_all_up(self, d: Daemon, name: str, t0: float) -> float | None:
+        """Seconds from `t0` until `name` lists BURST live instances, polled every 20 ms (None
+        past 120 s: then fewer came up, and the run says so)."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            status, _, body = d.request("GET", f"/v1/functions/{name}", timeout=30)
+            if status == 200:
+                live = [x for x in json.loads(body)["instances"] if x.get("pid") and x.get("stage") == "warm"]
+                if len(live) >= BURST:
+                    return round(time.perf_counter() - t0, 6)
+            time.sleep(0.02)
+        return None
 
     def wait_standby(self, d: Daemon, name: str, gpu: bool, not_ids: set[str], live: bool = False) -> tuple[str, float]:
         """Waits until `name` has an unused standby that is none of `not_ids`: a live instance in
@@ -997,10 +1040,11 @@ class Bench:
         )
         return r
 
-    def mode(self, mode: str, model: Model) -> Json:
-        d = self.use_daemon(mode)
+    def mode(self, variant: str, model: Model) -> Json:
+        d = self.use_daemon(variant)
+        mode = base_mode(variant)
         self.ensure_deployed(d, model)
-        out: Json = {"model": model.name, "mode": mode, "config": d.config}
+        out: Json = {"model": model.name, "mode": variant, "config": d.config}
         standby = (
             self.ensure_standby_deployed(d, model, live=mode == "standby-live")
             if mode in ("standby", "standby-live")
@@ -1025,7 +1069,7 @@ class Bench:
         runs: list[Json] = []
         for i in range(self.a.runs):
             if i > 0 and self.over_budget():
-                self.say(f"{model.name}/{mode}: time budget spent after {i} runs")
+                self.say(f"{model.name}/{variant}: time budget spent after {i} runs")
                 out["skipped_runs"] = self.a.runs - i
                 break
             try:
@@ -1042,12 +1086,12 @@ class Bench:
             except (RuntimeError, OSError, http.client.HTTPException) as e:
                 # The runs so far stand; the error says why the rest are missing.
                 out["error"] = f"run {i}: {type(e).__name__}: {e}"
-                self.errors.append(f"{model.name}/{mode}: {out['error']}")
-                self.say(f"{model.name}/{mode}: FAILED: {out['error']}")
+                self.errors.append(f"{model.name}/{variant}: {out['error']}")
+                self.say(f"{model.name}/{variant}: FAILED: {out['error']}")
                 break
             runs.append(r)
             self.say(
-                f"{model.name}/{mode} #{i}: {r['wall_s']:.3f} s, timings {r['timings']}, fills "
+                f"{model.name}/{variant} #{i}: {r['wall_s']:.3f} s, timings {r['timings']}, fills "
                 f"{ {k: v['segments'] for k, v in r['fills'].items()} }, same {r['same']}"
             )
         if standby is not None or burst is not None:
@@ -1055,11 +1099,18 @@ class Bench:
                 # Idle with its standby ready: what the standby keeps costs while no request comes.
                 _, waited = self.wait_standby(d, standby, model.gpu, self.used_standbys, mode == "standby-live")
                 out["idle"] = {**self.idle_resident(d, standby), "standby_wait_s": waited}
-            # Standbys would come back after a stop, and 8 instances hold memory through later modes.
-            copy = standby or burst
-            gone = d.cli("rm", str(copy), timeout=300)
-            if gone.returncode != 0:
-                self.errors.append(f"torpor rm {copy}: {gone.stderr.strip()}")
+            if standby is not None:
+                # Standbys would come back after a stop: removed (deployed again if needed).
+                gone = d.cli("rm", standby, timeout=300)
+                if gone.returncode != 0:
+                    self.errors.append(f"torpor rm {standby}: {gone.stderr.strip()}")
+                self.deployed[d.state.name].pop(standby, None)
+            elif burst is not None:
+                # 8 instances would hold memory through later modes; a variant reuses the deploy.
+                try:
+                    d.stop_function(burst)
+                except RuntimeError as e:
+                    self.errors.append(f"stopping {burst}: {e}")
         elif "error" not in out:
             d.stop_function(model.name)
             if self.a.idle and runs:
@@ -1146,9 +1197,24 @@ def headline_summary(results: list[Json], models: list[str]) -> Json:
     for model in models:
         med = {r["mode"]: r["wall_s"]["median"] for r in results if r["model"] == model and r.get("runs") and r.get("wall_s")}
         cold, burst = med.get("cold"), med.get("burst8")
+        up = [
+            run["all_up_s"]
+            for r in results
+            if r["model"] == model and r["mode"] == "burst8"
+            for run in r.get("runs", [])
+            if run.get("all_up_s") is not None
+        ]
         out[model] = {
             **{mode: med[mode] for mode in MODES if mode in med},
             "burst8_over_cold": round(burst / cold, 3) if cold and burst else None,
+            # Until all 8 instances were up (the answers came sooner: late binding).
+            "burst8_all_up": round(statistics.median(up), 4) if up else None,
+            # MODE@TAG rows: the same mode with another daemon config (an A/B in this run).
+            "variants": {
+                r["mode"]: r["wall_s"]["median"]
+                for r in results
+                if r["model"] == model and "@" in r["mode"] and r.get("runs") and r.get("wall_s")
+            },
             "targets": {"cold": COLD_TARGET_S.get(model), "standby": STANDBY_TARGET_S, "burst8_over_cold": 2.0},
             "identical": identical(results, model),
         }
