@@ -134,7 +134,9 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
             str(COLDSTART / "split.py"),
             "--models", "cpu",
             "--runs", "2",
-            "--hold-s", "2",
+            # The held request outlasts the second restore on a loaded 2-core machine (else the
+            # second request takes instance 1 once it is free: late binding).
+            "--hold-s", "6",
             "--torpor", str(torpor_bin),
             "--work-dir", str(work),
             "--daemon-config", "queue.timeout_s=120",

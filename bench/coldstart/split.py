@@ -14,7 +14,9 @@ so no instance and no hibernated one is left):
                cache; warm-up restores run until every fill comes from the GPU cache);
   second       split with the GPU cache: instance 1 restored, kept busy by a request holding
                `hold_s`, then a second request, which the daemon serves by restoring a second
-               instance that maps the shared read-only segments of the first;
+               instance that maps the shared read-only segments of the first (`hold_s` must
+               outlast that restore: a request is served by the first instance free, so the
+               second would take instance 1 once its hold ended);
   standby      split with the GPU cache, a copy of the function (`NAME-standby`) with
                `[scaling] standby = 1`, `standby_gpu = "released"`: the daemon keeps one instance restored by CRIU without the
                driver restore (gpu_released; a CPU function's is fully restored, warm). Per run:
@@ -732,6 +734,8 @@ class Bench:
         self.gpu = any(MODELS[m].gpu for m in a.models)
         self.daemon: Daemon | None = None
         self.deployed: dict[str, dict[str, Json]] = {}  # state -> function -> deploy record
+        # Copies removed after their mode (standbys): deployed again if a later mode needs them.
+        self.removed: set[tuple[str, str]] = set()
         self.failed_deploys: set[tuple[str, str]] = set()
         self.references: dict[str, Any] = {}
         # Standby mode: instances already used or stopped, which a run must not take for a standby.
@@ -890,8 +894,9 @@ class Bench:
         `d`'s state."""
         name = f"{model.name}-{suffix}"
         state = d.state.name
-        if name in self.deployed.setdefault(state, {}):
+        if name in self.deployed.setdefault(state, {}) and (state, name) not in self.removed:
             return name
+        self.removed.discard((state, name))
         fdir = assemble(model.name, model, self.work / f"functions-{suffix}", self.say)
         toml = fdir / "torpor.toml"
         text = toml.read_text().replace(f'name = "{model.name}"', f'name = "{name}"', 1)
@@ -1104,7 +1109,7 @@ class Bench:
                 gone = d.cli("rm", standby, timeout=300)
                 if gone.returncode != 0:
                     self.errors.append(f"torpor rm {standby}: {gone.stderr.strip()}")
-                self.deployed[d.state.name].pop(standby, None)
+                self.removed.add((d.state.name, standby))
             elif burst is not None:
                 # 8 instances would hold memory through later modes; a variant reuses the deploy.
                 try:
