@@ -1,7 +1,7 @@
 """The worker harness: one function per process (or a sandbox's several), driven by torpord
 over a Unix socket.
 
-    python3 -m torpor.worker --role base|function [--preload m1,m2] [--gpu]
+    python3 -m torpor.worker --role base|function [--preload m1,m2] [--gpu] [--announce-warm]
 
 torpord starts it under `torpor run` with $TORPOR_WORKER_SOCKET set to its workers.sock. The
 protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does:
@@ -18,7 +18,10 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
    matmul and a kernel, then its pools are emptied), or with none of them through the driver API
    (a primary context on device 0). Role `base` then sends
    `ready` {ok: true, setup_s: import time, warmup_s: GPU warm-up time}; role `function` sends
-   nothing yet and waits for `load`.
+   nothing yet and waits for `load`, unless launched with --announce-warm (a ready sandbox of
+   torpord's live-context pool, which counts it ready only then): it first sends `warmed`
+   {preload_s: import time, warmup_s: GPU warm-up time}. A failure in either step is `ready`
+   {ok: false} as below, with or without the flag.
 3. Serves frames until the connection ends:
    - `load` {spec, dir, data}: checks every declared data file the `data` map names (it must
      exist, and read-only data must have the declared size); an entry {"fd": true} (a `source`
@@ -280,8 +283,11 @@ def _wait_sigusr2() -> None:
 
 
 class Worker:
-    def __init__(self, role: str, preload: list[str], gpu: bool, socket_path: str) -> None:
+    def __init__(
+        self, role: str, preload: list[str], gpu: bool, socket_path: str, announce_warm: bool = False
+    ) -> None:
         self.role = role
+        self.announce_warm = announce_warm
         self.started_as = role
         self.preload = preload
         self.gpu = gpu
@@ -431,6 +437,8 @@ class Worker:
         self.preload_s = t1 - t0
         if self.role == "base":
             self.send({"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t1})
+        elif self.announce_warm:
+            self.send({"type": "warmed", "preload_s": t1 - t0, "warmup_s": t2 - t1})
         return self.serve()
 
     def next_frame(self) -> dict[str, Any] | None:
@@ -1390,7 +1398,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--preload", type=_modules, default=[], help="modules to import first, comma-separated")
     ap.add_argument("--gpu", action="store_true", help="warm CUDA through torch (needs torch in --preload)")
+    ap.add_argument(
+        "--announce-warm",
+        action="store_true",
+        help="role function: send `warmed` once preloaded and warmed, before waiting for load",
+    )
     args = ap.parse_args(argv)
+    if args.announce_warm and args.role != "function":
+        # argparse's usage error: one line, exit 2.
+        ap.error("--announce-warm is for --role function (a base announces itself with ready)")
     path = os.environ.get(ENV_SOCKET)
     if not path:
         print(
@@ -1401,7 +1417,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
-    worker = Worker(args.role, args.preload, args.gpu, path)
+    worker = Worker(args.role, args.preload, args.gpu, path, args.announce_warm)
     try:
         return worker.run()
     except (FrameError, ProtocolError) as e:

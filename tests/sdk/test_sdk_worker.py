@@ -159,6 +159,34 @@ def test_role_function_waits_for_load(spawn: Spawner, daemon: Daemon) -> None:
     assert c.invoke(1, {"x": X})["value"]["y"] == expected_y(X)
 
 
+def test_announce_warm_sends_warmed_after_the_preloads_then_waits_for_load(spawn: Spawner, daemon: Daemon) -> None:
+    # --announce-warm (torpord's live-context pool): `warmed` after hello, once the preloads are
+    # imported, then the function loads and serves as without the flag.
+    w = spawn("--role", "function", "--preload", "json,fractions", "--announce-warm")
+    c = daemon.accept()
+    assert c.expect("hello")["role"] == "function"
+    warmed = c.expect("warmed")
+    assert set(warmed) == {"type", "preload_s", "warmup_s"}, warmed
+    assert warmed["preload_s"] >= 0 and warmed["warmup_s"] >= 0, warmed
+    ready = c.load()
+    assert ready["ok"] is True and ready["preload_s"] >= 0, f"{ready}\n{w.stderr()}"
+    assert c.invoke(1, {"x": X})["value"]["y"] == expected_y(X)
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0
+
+
+def test_announce_warm_reports_a_failed_preload_as_ready_not_ok(spawn: Spawner, daemon: Daemon) -> None:
+    w = spawn("--role", "function", "--preload", "no_such_module_xyz", "--announce-warm")
+    c = daemon.accept()
+    c.expect("hello")
+    ready = c.expect("ready")
+    assert ready["ok"] is False and ready["phase"] == "preload", ready
+    assert w.wait() == EXIT_LOAD
+    # A base announces itself with ready: the flag is a usage error there.
+    w = spawn("--role", "base", "--announce-warm")
+    assert w.wait() == 2 and "--announce-warm is for --role function" in w.stderr(), w.stderr()
+
+
 @pytest.mark.parametrize(
     ("raw", "reason"),
     [

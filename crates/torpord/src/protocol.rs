@@ -170,6 +170,19 @@ pub struct Ready {
     pub error: Option<Value>,
 }
 
+/// `warmed`: only from a `--role function` worker launched with `--announce-warm` (a ready
+/// sandbox of the live-context pool, crate::runtime::start::pooled): it imported its preloads
+/// and, with `--gpu`, warmed CUDA, and waits for `load`. A failure there is `ready` {ok: false,
+/// phase} as without the flag.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Warmed {
+    /// Importing the preloads, in seconds.
+    pub preload_s: f64,
+    /// Warming CUDA (0 without `--gpu`), in seconds.
+    pub warmup_s: f64,
+}
+
 /// A request's handler started (protocol 2): its timeout counts from here.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[schemars(deny_unknown_fields)]
@@ -359,6 +372,7 @@ pub struct StoreValue {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum FromWorker {
     Hello(Hello),
+    Warmed(Warmed),
     Ready(Ready),
     Started(Started),
     Result(ResultFrame),
@@ -529,13 +543,14 @@ fn fields<'a, T: Deserialize<'a>>(
 impl FromWorker {
     /// The frame types a worker sends.
     pub const TYPES: &'static str =
-        "hello, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump, store_put, store_fd, store_get, memory, settled";
+        "hello, warmed, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump, store_put, store_fd, store_get, memory, settled";
 
     /// A frame's payload, parsed (`type` first, then the variant from the same bytes).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
         let kind = type_of(payload)?;
         Ok(match kind.as_str() {
             "hello" => Self::Hello(fields("hello", payload)?),
+            "warmed" => Self::Warmed(fields("warmed", payload)?),
             "ready" => Self::Ready(fields("ready", payload)?),
             "started" => Self::Started(fields("started", payload)?),
             "result" => Self::Result(fields("result", payload)?),
@@ -558,6 +573,7 @@ impl FromWorker {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Hello(_) => "hello",
+            Self::Warmed(_) => "warmed",
             Self::Ready(_) => "ready",
             Self::Started(_) => "started",
             Self::Result(_) => "result",
@@ -688,6 +704,16 @@ mod tests {
             other => panic!("{other:?}"),
         };
         assert_eq!((h.protocol, h.reattach, h.role), (1, false, Role::Base));
+    }
+
+    #[test]
+    fn warmed_names_both_times() {
+        match FromWorker::parse(br#"{"type":"warmed","preload_s":1.5,"warmup_s":0.25}"#).unwrap() {
+            FromWorker::Warmed(w) => assert_eq!((w.preload_s, w.warmup_s), (1.5, 0.25)),
+            other => panic!("{other:?}"),
+        }
+        let e = FromWorker::parse(br#"{"type":"warmed","preload_s":1.5}"#).unwrap_err();
+        assert!(e.to_string().starts_with("a malformed warmed frame"), "{e}");
     }
 
     /// The schema file the Python side checks against is the one these types make.
