@@ -3,8 +3,9 @@ the real daemon, real CRIU and real workers, with CPU functions: `[sandbox_pool]
 keeps one ready sandbox (a launched, preloaded worker waiting for a function) per tenant and
 base; a sandboxed function's first start loads into it (start `pooled`), a later cold start
 restores the snapshot, tenants never share a ready sandbox, one that dies is replaced, the pool
-refills after each take, and a bad config line is one clear error. The tests run in file order
-and share one daemon.
+refills after each take, a sandbox still importing its preloads is not ready (a start meanwhile
+restores), and a bad config line is one clear error. The tests run in file order and share one
+daemon.
 """
 
 from __future__ import annotations
@@ -23,12 +24,23 @@ from conftest import pids_with
 from .conftest import Torpord
 from .test_daemon_sandbox import make_function, ok
 
+# A preload that sleeps SLOW_PRELOAD_S at import in a `--role function` worker (a pool's) only
+# (its docstring).
+PRELOADS = Path(__file__).parent / "preloads"
+SLOW_PRELOAD_S = 10
+
 
 @pytest.fixture(scope="module")
 def torpord(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    d = Torpord(torpor_bin, tmp_path_factory.mktemp("torpord"), config="[sandbox_pool]\nsize = 1\n")
+    pythonpath = os.pathsep.join(p for p in (str(PRELOADS), os.environ.get("PYTHONPATH", "")) if p)
+    d = Torpord(
+        torpor_bin,
+        tmp_path_factory.mktemp("torpord"),
+        config="[sandbox_pool]\nsize = 1\n",
+        env={"PYTHONPATH": pythonpath, "TORPOR_TEST_SLOW_PRELOAD_S": str(SLOW_PRELOAD_S)},
+    )
     try:
         yield d
     finally:
@@ -108,6 +120,67 @@ def test_a_ready_sandbox_that_dies_is_replaced(torpord: Torpord) -> None:
         time.sleep(0.1)
     wait_ready(torpord, "team-b")
     assert victim not in ready_pids(torpord, "team-b")
+    assert torpord.proc.poll() is None
+
+
+def slow_function(root: Path, name: str, tenant: str, extra: str = "") -> Path:
+    """A sandboxed function that preloads the slow module (`extra`: more top-level keys)."""
+    d = make_function(root, name, tenant, "w")
+    toml = d / "torpor.toml"
+    toml.write_text(f'preload = ["torpor_test_slow_preload"]\n{extra}' + toml.read_text())
+    return d
+
+
+def test_a_sandbox_is_ready_only_once_its_preloads_are_imported(
+    torpord: Torpord, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = tmp_path_factory.mktemp("pool-slow")
+    torpord.deploy(slow_function(root, "slow-a", "team-slow"))
+    # The deploy launched the tenant's ready sandbox; it said hello and now imports its slow
+    # preload: launched, but not ready.
+    deadline = time.monotonic() + 10
+    while not ready_pids(torpord, "team-slow"):
+        assert time.monotonic() < deadline, f"no sandbox launched\n{torpord.log_text()}"
+        time.sleep(0.1)
+    launched = time.monotonic()
+    time.sleep(2)
+    assert metric(torpord, "torpor_sandbox_pool_ready", "team-slow") == 0, torpord.log_text()
+    # A first start meanwhile does not wait for it: it restores.
+    a = torpord.invoke("slow-a", {})
+    assert a.start == "restored", (a.start, a.timings, torpord.log_text())
+    assert ok(a)["fn"] == "slow-a"
+    # Once warmed it is counted ready, and the next function new to the node loads into it.
+    wait_ready(torpord, "team-slow", within=SLOW_PRELOAD_S + 30)
+    # Not before its preload's sleep (which began after the launch seen above) was over.
+    assert time.monotonic() - launched >= SLOW_PRELOAD_S - 1
+    torpord.deploy(slow_function(root, "slow-b", "team-slow"))
+    b = torpord.invoke("slow-b", {})
+    assert b.start == "pooled", (b.start, b.timings, torpord.log_text())
+    assert ok(b)["fn"] == "slow-b"
+    # A load into a warm sandbox does not wait for the preload.
+    assert b.timings["pooled_load"] < SLOW_PRELOAD_S / 2, b.timings
+
+
+def test_a_sandbox_that_does_not_warm_within_the_load_bound_is_killed(
+    torpord: Torpord, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = tmp_path_factory.mktemp("pool-late")
+    # Its preload takes SLOW_PRELOAD_S in a pool's worker, past the function's 3 s load bound.
+    torpord.deploy(slow_function(root, "late-a", "team-late", "load_timeout_s = 3\n"))
+    deadline = time.monotonic() + SLOW_PRELOAD_S + 20
+    while "launching a ready sandbox failed" not in (log := torpord.log.read_text(errors="replace")):
+        assert time.monotonic() < deadline, torpord.log_text()
+        time.sleep(0.2)
+    failure = next(line for line in log.splitlines() if "launching a ready sandbox failed" in line)
+    assert "team-late" in failure and "within 3 s (load_timeout_s)" in failure, failure
+    # Killed, never counted ready; the function's first start restores.
+    deadline = time.monotonic() + 10
+    while ready_pids(torpord, "team-late"):
+        assert time.monotonic() < deadline, "the late sandbox was not killed"
+        time.sleep(0.1)
+    assert metric(torpord, "torpor_sandbox_pool_ready", "team-late") == 0
+    a = torpord.invoke("late-a", {})
+    assert a.start == "restored", (a.start, torpord.log_text())
     assert torpord.proc.poll() is None
 
 

@@ -667,6 +667,7 @@ async fn steps(
                     role: "base",
                     preload: &pl,
                     gpu,
+                    announce_warm: false,
                     log: &lg,
                     state_dir: &sd,
                     workers_socket: &ws,

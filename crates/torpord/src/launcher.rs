@@ -267,6 +267,9 @@ pub struct WorkerCommand<'a> {
     pub role: &'a str,
     pub preload: &'a [String],
     pub gpu: bool,
+    /// `--announce-warm` (role function): the worker sends `warmed` once its preloads are
+    /// imported and CUDA warmed, before it waits for `load` (a ready sandbox of the pool).
+    pub announce_warm: bool,
     pub log: &'a Path,
     pub state_dir: &'a Path,
     pub workers_socket: &'a Path,
@@ -346,6 +349,9 @@ pub fn launch_worker(w: &WorkerCommand) -> Result<i32, LaunchError> {
     }
     if w.gpu {
         cmd.arg("--gpu");
+    }
+    if w.announce_warm {
+        cmd.arg("--announce-warm");
     }
     // What the daemon's own environment says about the hook is not the worker's: without a
     // hook here (`split = false`), the worker must not find one through inherited variables.

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use crate::launcher::{self, WorkerCommand};
 use crate::metrics::start;
-use crate::protocol::{Load, ToWorker};
+use crate::protocol::{FromWorker, Load, ToWorker, Warmed};
 use crate::runtime::instance::Instance;
 use crate::runtime::invoke::Timings;
 use crate::runtime::lifecycle::{Adopted, WorkerTree};
@@ -85,9 +85,10 @@ pub(crate) type Booted = (
     Option<crate::cgroup::Cgroup>,
 );
 
-/// A launched `--role function` worker that said hello and waits for `load` (its preloads
-/// imported, CUDA warmed with `--gpu`): the first half of a boot, and what the live-context pool
-/// keeps ready (crate::runtime::start::pooled). Dropping it kills its tree.
+/// A launched `--role function` worker that said hello and waits for `load`: the first half of a
+/// boot, and what the live-context pool keeps ready (crate::runtime::start::pooled), launched
+/// with [`Announce::Warmed`] so that it is kept only once its preloads are imported and CUDA is
+/// warmed (with `--gpu`). Dropping it kills its tree.
 pub(crate) struct Launched {
     pub(crate) init: i32,
     pub(crate) worker: i32,
@@ -98,6 +99,18 @@ pub(crate) struct Launched {
     pub(crate) guard: TreeGuard,
     /// Launch → hello.
     pub(crate) boot_s: f64,
+    /// With [`Announce::Warmed`]: its `warmed` frame (preload and warm-up seconds).
+    pub(crate) warmed: Option<Warmed>,
+}
+
+/// What [`launch_function_worker`] waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Announce {
+    /// Its hello: `load` follows at once and waits behind the preloads and the warm-up (a boot).
+    Hello,
+    /// Its `warmed` after the hello (`--announce-warm`): the preloads imported and CUDA warmed,
+    /// bounded by the spec's load timeout (a ready sandbox of the pool).
+    Warmed,
 }
 
 /// A cold start without snapshots (`cold_start = "boot"`): launches a `--role function` worker
@@ -117,7 +130,7 @@ pub(crate) async fn boot_function(
     let data_loading = crate::s3data::start_loading(rt.objstore.clone(), spec)?;
     // Platform-managed GPU data (crate::gpudata), on GPU 0: filled meanwhile too.
     let gpu_filling = crate::gpudata::start(&rt.split, spec, crate::tenant::of_spec(spec), 0)?;
-    let launched = launch_function_worker(rt, spec, log, id, charge).await?;
+    let launched = launch_function_worker(rt, spec, log, id, charge, Announce::Hello).await?;
     let boot_s = launched.boot_s;
     let (init, worker, conn, load_s, cgroup) =
         load_into(rt, launched, spec, dir, log, data_loading, gpu_filling).await?;
@@ -131,13 +144,15 @@ pub(crate) async fn boot_function(
 }
 
 /// Launches a `--role function` worker for `spec`'s interpreter, preloads, GPU and tenant's
-/// user, writing to `log`, in a new cgroup named after `id`, and waits for its hello.
+/// user, writing to `log`, in a new cgroup named after `id`, and waits for what `announce`
+/// says.
 pub(crate) async fn launch_function_worker(
     rt: &Runtime,
     spec: &Value,
     log: &Path,
     id: &str,
     charge: Option<&crate::accounting::StartGuard<'_>>,
+    announce: Announce,
 ) -> Result<Launched, BootError> {
     let t = Instant::now();
     let cgroup = rt.worker_cgroup(id, spec)?;
@@ -160,6 +175,7 @@ pub(crate) async fn launch_function_worker(
             role: "function",
             preload: &preload,
             gpu,
+            announce_warm: announce == Announce::Warmed,
             log: &lg,
             state_dir: &sd,
             workers_socket: &ws,
@@ -177,7 +193,7 @@ pub(crate) async fn launch_function_worker(
         c.process_started(init);
     }
     let worker = launcher::worker_pid(init)?;
-    let conn = rt
+    let mut conn = rt
         .hub
         .claim(worker)
         .wait(CONNECT_TIMEOUT)
@@ -192,6 +208,18 @@ pub(crate) async fn launch_function_worker(
             resumed: conn.hello.resumed,
         });
     }
+    let boot_s = t.elapsed().as_secs_f64();
+    let warmed = match announce {
+        Announce::Hello => None,
+        Announce::Warmed => Some(
+            read_warmed(
+                &mut conn,
+                crate::limits::load_timeout(spec, rt.config.load_timeout),
+            )
+            .await
+            .map_err(|source| not_ready(cgroup.as_ref(), source, log.clone()))?,
+        ),
+    };
     Ok(Launched {
         init,
         worker,
@@ -199,8 +227,21 @@ pub(crate) async fn launch_function_worker(
         cgroup,
         unprivileged: user.is_some(),
         guard,
-        boot_s: t.elapsed().as_secs_f64(),
+        boot_s,
+        warmed,
     })
+}
+
+/// Why a worker did not become ready: the kernel's OOM kill when its cgroup saw one, else the
+/// worker's own failure or time-out.
+fn not_ready(cgroup: Option<&crate::cgroup::Cgroup>, source: NotReady, log: PathBuf) -> BootError {
+    match cgroup.filter(|c| c.oom_kills() > 0) {
+        Some(c) => BootError::OutOfMemory {
+            reason: crate::cgroup::out_of_memory(c.limits().memory),
+            log,
+        },
+        None => BootError::NotReady { source, log },
+    }
 }
 
 /// The second half of a boot: binds `dir` into the launched worker, sends `load` (with the
@@ -244,15 +285,7 @@ pub(crate) async fn load_into(
         crate::limits::load_timeout(spec, rt.config.load_timeout),
     )
     .await
-    .map_err(
-        |source| match cgroup.as_ref().filter(|c| c.oom_kills() > 0) {
-            Some(c) => BootError::OutOfMemory {
-                reason: crate::cgroup::out_of_memory(c.limits().memory),
-                log,
-            },
-            None => BootError::NotReady { source, log },
-        },
-    )?;
+    .map_err(|source| not_ready(cgroup.as_ref(), source, log))?;
     // A sandbox's host boots with the other functions of its sandbox (crate::runtime::sandbox).
     if let Some(group) = crate::runtime::sandbox::group_of(spec) {
         let name = spec["name"].as_str().unwrap_or_default();
@@ -402,6 +435,28 @@ fn gpu_memory_hint(error: &Value) -> &'static str {
          `nvidia-smi` lists, or make the function use less, then deploy again)"
     } else {
         ""
+    }
+}
+
+/// Reads `warmed` (a worker launched with `--announce-warm`), strictly; a `ready` {ok: false}
+/// there is the failure of its preload or warm-up step.
+pub async fn read_warmed(conn: &mut WorkerConn, bound: Duration) -> Result<Warmed, NotReady> {
+    let msg = match tokio::time::timeout(bound, conn.recv()).await {
+        Err(_) => return Err(NotReady::TimedOut { bound }),
+        Ok(r) => r?,
+    };
+    let payload = serde_json::to_vec(&msg).map_err(|e| ConnError::Protocol(e.to_string()))?;
+    match FromWorker::parse(&payload) {
+        Ok(FromWorker::Warmed(w)) => Ok(w),
+        Ok(FromWorker::Ready(r)) if !r.ok => Err(NotReady::Failed {
+            worker_phase: r.phase.unwrap_or_else(|| "?".to_string()),
+            error: r.error.unwrap_or(Value::Null),
+        }),
+        Ok(other) => Err(NotReady::Conn(ConnError::Protocol(format!(
+            "expected a warmed frame, got {}",
+            other.kind()
+        )))),
+        Err(e) => Err(NotReady::Conn(ConnError::Protocol(e.to_string()))),
     }
 }
 

@@ -4,11 +4,18 @@
 //! a `load` (PhOS's pool of ready contexts, seed 001, built out of the boot path's first half,
 //! [`launch_function_worker`]). `sandbox_pool.size` of them are kept per key.
 //!
+//! - **Ready** means warm: a sandbox is launched with `--announce-warm` and counted (in
+//!   `torpor_sandbox_pool_ready`, and for a take) only once its worker sent `warmed`, after
+//!   its preloads' import and the CUDA warm-up, not at its hello, which comes before them (a
+//!   `load` sent then waited behind torch's import: the ~4 s first pooled start of
+//!   bench/results/sandbox-h100.json). One that fails there or passes the load timeout is
+//!   killed and counts as a failed launch ([`RETRY`]).
 //! - **The key** is the tenant and the base key (interpreter, preloads, GPU, hook, the
 //!   tenant's user): a ready sandbox is only ever given to a function of its tenant, and runs
 //!   as that tenant's user from its launch.
 //! - **Use.** A sandboxed function's first start on this daemon ([`Runtime::pooled_start`])
-//!   takes one instead of restoring its function snapshot: its directory is bound in, `load`
+//!   takes a ready one instead of restoring its function snapshot (never one still warming:
+//!   with none ready it restores): its directory is bound in, `load`
 //!   runs the function's setup and warm-up as at deploy, then the other members of its group
 //!   load ([`load_into`], the boot path's second half), and the worker becomes its instance
 //!   (start label `pooled`, timing `pooled_load`). Later cold starts restore the snapshot, which
@@ -29,7 +36,7 @@ use serde_json::Value;
 use crate::metrics::start;
 use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::pool::FnInfo;
-use crate::runtime::start::boot::{launch_function_worker, load_into, Launched};
+use crate::runtime::start::boot::{launch_function_worker, load_into, Announce, Launched};
 use crate::runtime::start::{NewInstance, StartError, Started};
 use crate::runtime::Runtime;
 use crate::sync::lock;
@@ -190,9 +197,18 @@ impl Runtime {
         let dir = self.logs_dir().join("sandbox-pool");
         let log = dir.join(format!("{tenant}-{n}.log"));
         let launched = match std::fs::create_dir_all(&dir) {
-            Ok(()) => launch_function_worker(self, spec, &log, &format!("pool-{n}"), None)
-                .await
-                .map_err(|e| e.to_string()),
+            // Counted ready only once warm: a `load` sent at its hello would wait behind the
+            // preloads' import and the CUDA warm-up (seconds with torch), slower than a restore.
+            Ok(()) => launch_function_worker(
+                self,
+                spec,
+                &log,
+                &format!("pool-{n}"),
+                None,
+                Announce::Warmed,
+            )
+            .await
+            .map_err(|e| e.to_string()),
             Err(e) => Err(format!("cannot make {}: {e}", dir.display())),
         };
         let mut keys = lock(&self.sandbox_pool.keys);
@@ -203,8 +219,12 @@ impl Runtime {
         match launched {
             Ok(launched) => {
                 k.failed_at = None;
+                let (preload_s, warmup_s) = launched
+                    .warmed
+                    .as_ref()
+                    .map_or((0.0, 0.0), |w| (w.preload_s, w.warmup_s));
+                tracing::info!(tenant = %tenant, ready = k.ready.len() + 1, hello_s = launched.boot_s, preload_s, warmup_s, "sandbox pool: a ready sandbox launched and warmed");
                 k.ready.push(Ready { launched, log });
-                tracing::info!(tenant = %tenant, ready = k.ready.len(), "sandbox pool: a ready sandbox launched");
             }
             Err(e) => {
                 k.failed_at = Some(Instant::now());
