@@ -223,6 +223,44 @@ def test_torpors_page_server_serves_faults_in_runs_records_a_profile_and_serves_
     assert lazy_daemons(source.snap) == []
 
 
+def test_the_parallel_background_copy_serves_every_page_in_batches(
+    torpor: Torpor, workers: Workers, source: Source, tmp_path: Path
+) -> None:
+    """What the worker does not fault is copied in the background: on several threads, batch by
+    batch (the default, 8 threads: at most the machine's cores), or serially with one
+    ($TORPOR_PAGE_SERVER_BACKGROUND_THREADS=1). `restore --detach` returns once every page is
+    in; the idle worker faulted few of its data's pages, so the background copied the rest, and
+    the memory is the source's either way."""
+    data_pages = MIB * 256
+    for threads, parallel in ((None, True), ("1", False)):
+        stats = tmp_path / f"stats-{threads}.jsonl"
+        env = dict(os.environ, TORPOR_PAGE_SERVER_STATS=str(stats))
+        env.pop("TORPOR_PAGE_SERVER_BACKGROUND_THREADS", None)
+        if threads is not None:
+            env["TORPOR_PAGE_SERVER_BACKGROUND_THREADS"] = threads
+        r = torpor("restore", source.snap, "--detach", "--pages", "lazy", env=env)
+        [s] = stats_of(stats)
+        w = workers.adopt(parse_pid(r), Endpoint(unix=str(source.sock)), "restored")
+        assert ask(source.sock, "sum") == source.checksum, threads
+        workers.cleanup()
+        w.wait_gone()
+        assert s["background_pages"] + s["fault_pages"] >= data_pages, s
+        assert s["background_pages"] > 10 * s["fault_pages"], f"the background copied little: {s}"
+        assert (s["background_batches"] > 0) == parallel, s
+    assert lazy_daemons(source.snap) == []
+
+
+@pytest.mark.parametrize("bad", ["0", "65", "eight"])
+def test_a_bad_background_thread_count_is_one_error_naming_it(
+    torpor: Torpor, source: Source, tmp_path: Path, bad: str
+) -> None:
+    env = dict(os.environ, TORPOR_PAGE_SERVER_BACKGROUND_THREADS=bad, TORPOR_LOG_DIR=str(tmp_path / "logs"))
+    line = torpor.fails("restore", source.snap, "--detach", "--pages", "lazy", env=env, timeout=120)
+    assert "TORPOR_PAGE_SERVER_BACKGROUND_THREADS must be a number from 1 to 64" in line and f'got "{bad}"' in line, line
+    wait_until(lambda: pids_with(source.token) == [], 15, "the restored tree to be killed")
+    assert lazy_daemons(source.snap) == []
+
+
 def test_a_page_server_that_stops_half_way_is_one_error_and_kills_the_restore(
     torpor: Torpor, workers: Workers, source: Source, tmp_path: Path
 ) -> None:
@@ -236,18 +274,24 @@ def test_a_page_server_that_stops_half_way_is_one_error_and_kills_the_restore(
 LAZY_MEM = ROOT / "tests" / "programs" / "lazy_mem.py"
 
 
+@pytest.mark.parametrize("background", ["off", "parallel"])
 def test_fork_and_mremap_of_memory_still_on_the_page_server_keep_its_contents(
-    torpor: Torpor, workers: Workers, criu_ready: None, tmp_path: Path
+    torpor: Torpor, workers: Workers, criu_ready: None, tmp_path: Path, background: str
 ) -> None:
     """A restored worker forks a child that reads memory the page server has not served yet
     (the child's faults come on the uffd the kernel made at fork, which the server must serve
     from the parent's remaining ranges), and moves a lazy area with mremap (the server must
-    serve its pages at their new address). The server runs without its background copy
+    serve its pages at their new address). `off`: the server runs without its background copy
     ($TORPOR_PAGE_SERVER_BACKGROUND=off), so the memory is still lazy when the worker does both.
+    `parallel`: the background copy's batches race the fork and the mremap (the kernel refuses
+    copies while their events wait to be read: those pieces stay lazy for the next batch); the
+    test's switch $TORPOR_PAGE_SERVER_FAULT=slow-background spaces the batches 200 ms apart, so
+    the fork comes while memory is still lazy.
     Every checksum matches the source's; the server ends once the tree is gone."""
     sock = tmp_path / "lazy.sock"
+    mib = 16 if background == "off" else 128
     w = workers.start(
-        [PYTHON, LAZY_MEM, sock, 16], endpoint=Endpoint(unix=str(sock)), ready=Path(f"{sock}.ready"), name="lazy-mem"
+        [PYTHON, LAZY_MEM, sock, mib], endpoint=Endpoint(unix=str(sock)), ready=Path(f"{sock}.ready"), name="lazy-mem"
     )
     data_sum, area_sum = ask(sock, "sum").split()
     snap = tmp_path / "snap"
@@ -255,7 +299,12 @@ def test_fork_and_mremap_of_memory_still_on_the_page_server_keep_its_contents(
     w.wait_gone()
 
     stats = tmp_path / "stats.jsonl"
-    env = {"TORPOR_PAGE_SERVER_BACKGROUND": "off", "TORPOR_PAGE_SERVER_STATS": str(stats), "TORPOR_LOG_DIR": str(tmp_path / "logs")}
+    env = {"TORPOR_PAGE_SERVER_STATS": str(stats), "TORPOR_LOG_DIR": str(tmp_path / "logs")}
+    if background == "off":
+        env["TORPOR_PAGE_SERVER_BACKGROUND"] = "off"
+    else:
+        env["TORPOR_PAGE_SERVER_BACKGROUND_THREADS"] = "8"
+        env["TORPOR_PAGE_SERVER_FAULT"] = "slow-background"
     p, out, err = workers.popen_torpor("restore", snap, "--detach", "--pages", "lazy", env=env)
     # The pid comes out as soon as CRIU is done; torpor then waits for its page server.
     wait_until(lambda: out.read_text().strip().isdigit() or p.poll() is not None, 60, "the restored pid")
@@ -264,6 +313,15 @@ def test_fork_and_mremap_of_memory_still_on_the_page_server_keep_its_contents(
     assert ask(sock, "forksum").split() == [data_sum, area_sum]
     assert ask(sock, "remap") == area_sum
     assert ask(sock, "sum").split() == [data_sum, area_sum]
+    if background == "parallel":
+        # Every page in: the server ends while the tree lives.
+        assert p.wait(timeout=60) == 0, err.read_text()
+        assert ask(sock, "forksum").split() == [data_sum, area_sum]
+        os.kill(restored.init_pid, 9)
+        [s] = stats_of(stats)
+        assert s["forks"] >= 1 and s["background_pages"] > 0 and s["background_batches"] >= 2, s
+        assert lazy_daemons(snap) == []
+        return
     assert p.poll() is None, "the page server ended while the tree lives (it has no background copy)"
     # Killing the tree ends the server (it probes its tasks), and with it `torpor restore`.
     os.kill(restored.init_pid, 9)

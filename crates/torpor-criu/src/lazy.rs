@@ -48,6 +48,14 @@ pub enum LazyPagesError {
         stderr: String,
         log: PathBuf,
     },
+    /// `$TORPOR_PAGE_SERVER_BACKGROUND_THREADS` is not a thread count the server takes.
+    #[error(
+        "{} must be a number from 1 to {}, got {value:?}: set it so or unset it (the default: {})",
+        crate::page_server::BACKGROUND_THREADS_ENV,
+        crate::page_server::MAX_BACKGROUND_THREADS,
+        crate::page_server::DEFAULT_BACKGROUND_THREADS
+    )]
+    BackgroundThreads { value: String },
     /// Waiting for the daemon failed.
     #[error("cannot wait for `criu lazy-pages`: {source}; see {log}")]
     Wait {
@@ -160,6 +168,11 @@ pub struct PageServerOptions<'a> {
     pub profile_out: Option<&'a Path>,
     /// Copy what was not faulted in the background (false: faults and the hot set only).
     pub background: bool,
+    /// Threads of that background copy (1: serial; at most
+    /// [`crate::page_server::MAX_BACKGROUND_THREADS`]). `None`: the restoring process's
+    /// `$TORPOR_PAGE_SERVER_BACKGROUND_THREADS`, else
+    /// [`crate::page_server::DEFAULT_BACKGROUND_THREADS`].
+    pub background_threads: Option<usize>,
 }
 
 impl Default for PageServerOptions<'_> {
@@ -168,6 +181,7 @@ impl Default for PageServerOptions<'_> {
             profile_in: None,
             profile_out: None,
             background: true,
+            background_threads: None,
         }
     }
 }
@@ -182,6 +196,18 @@ pub fn start_page_server(
     opts: &PageServerOptions<'_>,
 ) -> Result<LazyPages, LazyPagesError> {
     use std::os::fd::AsRawFd;
+    // The restoring process's setting is checked here, so that a bad one is this one line
+    // rather than the server's exit.
+    let threads = match opts.background_threads {
+        Some(n) => Some(n),
+        None => match std::env::var(crate::page_server::BACKGROUND_THREADS_ENV) {
+            Ok(v) => Some(
+                crate::page_server::parse_background_threads(&v)
+                    .ok_or(LazyPagesError::BackgroundThreads { value: v })?,
+            ),
+            Err(_) => None,
+        },
+    };
     let spawn_err = |source| LazyPagesError::Spawn {
         program: exe.to_path_buf(),
         source,
@@ -206,6 +232,9 @@ pub fn start_page_server(
     }
     if !opts.background {
         cmd.env(crate::page_server::BACKGROUND_ENV, "off");
+    }
+    if let Some(n) = threads {
+        cmd.env(crate::page_server::BACKGROUND_THREADS_ENV, n.to_string());
     }
     let fd = theirs.as_raw_fd();
     // SAFETY: between fork and exec only async-signal-safe calls (dup2, fcntl) on descriptors

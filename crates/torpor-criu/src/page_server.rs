@@ -9,8 +9,14 @@
 //! 2. once CRIU says the restore finished, the *hot set* (ranges a profiled restore saw faulted,
 //!    in that order: `$TORPOR_PAGE_PROFILE_IN`) goes in at once, and `hot-served` is created in
 //!    the work directory, which the restore waits for before the driver's restore starts;
-//! 3. the rest in address order, [`BACKGROUND_RUN`] per copy, a fault always taking its turn
-//!    between two copies.
+//! 3. the rest in address order, in the background: batches of [`BACKGROUND_BATCH`] (pieces of
+//!    at most [`BACKGROUND_RUN`], across the live tasks' remaining runs) copied on
+//!    `$TORPOR_PAGE_SERVER_BACKGROUND_THREADS` threads ([`DEFAULT_BACKGROUND_THREADS`], at most
+//!    the machine's cores) like the hot set, with [`Server::copy_pieces`]. Faults are served between two batches, so a fault
+//!    waits at most one batch, 64 MiB split between the threads (and less when the batch holds
+//!    its page: the copy wakes it). With one thread (or the test's fault switch) the copy is serial,
+//!    [`BACKGROUND_RUN`] at a time, a fault taking its turn between two copies, as before session
+//!    17.
 //!
 //! It runs as a child process of the restoring one (`torpor __page-server IMAGES WORK`, the
 //! same binary), so the restore's handling of CRIU's daemon holds: it listens on
@@ -57,6 +63,15 @@ pub const HOT_SERVED: &str = "hot-served";
 pub const FAULT_RUN: u64 = 1 << 20;
 /// Bytes per background copy.
 pub const BACKGROUND_RUN: u64 = 4 << 20;
+/// Bytes per background batch (the parallel copy): what a fault may wait behind.
+pub const BACKGROUND_BATCH: u64 = 64 << 20;
+/// Threads of the background copy; 1: serial, [`BACKGROUND_RUN`] at a time (as before session
+/// 17). torpord sets it from `restore_server.background_threads`.
+pub const BACKGROUND_THREADS_ENV: &str = "TORPOR_PAGE_SERVER_BACKGROUND_THREADS";
+/// The background copy's threads unless told otherwise (at most the machine's cores).
+pub const DEFAULT_BACKGROUND_THREADS: usize = 8;
+/// The most background threads the server takes.
+pub const MAX_BACKGROUND_THREADS: usize = 64;
 /// `LAZY_PAGES_RESTORE_FINISHED` (criu/uffd.c).
 const RESTORE_FINISHED: u32 = 0x5253_5446;
 /// How long CRIU may take to connect.
@@ -68,6 +83,9 @@ const HOT_SET_FAULT_DELAY: Duration = Duration::from_millis(500);
 const PROBE_ADDR: u64 = 0x10000;
 /// How often an idle server without background copy probes whether its tasks still live.
 const PROBE_EVERY: Duration = Duration::from_millis(100);
+/// `TORPOR_PAGE_SERVER_FAULT=slow-background`: the pause between two background batches, so
+/// that a test's tree forks and mremaps while batches still come (faults are served meanwhile).
+const SLOW_BACKGROUND_PAUSE: Duration = Duration::from_millis(200);
 /// While recording a profile, the background copy waits until no fault came for this long, so
 /// that what the process (and the driver's restore) touches first faults and is recorded.
 const PROFILE_QUIET: Duration = Duration::from_millis(300);
@@ -131,6 +149,8 @@ pub enum PageServerError {
     },
     #[error("stopped by TORPOR_PAGE_SERVER_FAULT after {pages} pages (a test's fault switch)")]
     Fault { pages: u64 },
+    #[error("{BACKGROUND_THREADS_ENV} must be a number from 1 to {MAX_BACKGROUND_THREADS}, got {0:?}: set it so or unset it ({DEFAULT_BACKGROUND_THREADS})")]
+    BackgroundThreads(String),
     #[error("stopped by TORPOR_PAGE_SERVER_FAULT=hot-set before serving the hot set, {} ms after CRIU's restore finished (a test's fault switch)", HOT_SET_FAULT_DELAY.as_millis())]
     FaultHotSet,
 }
@@ -148,6 +168,8 @@ pub struct Stats {
     pub fault_pages: u64,
     pub hot_pages: u64,
     pub background_pages: u64,
+    /// Background batches copied on more than one thread (0 on the serial path).
+    pub background_batches: u64,
     pub zero_pages: u64,
     pub forks: u64,
 }
@@ -195,6 +217,47 @@ fn cut(runs: &mut Vec<LazyRun>, start: u64, end: u64) {
         });
     }
     runs.splice(lo..hi, kept);
+}
+
+/// Removes every range of `done` from `runs` in one pass (`done` is sorted here): a batch of
+/// thousands of one-page pieces cut one by one would move the rest of the list each time.
+fn cut_many(runs: &mut Vec<LazyRun>, done: &mut [(u64, u64)]) {
+    if done.is_empty() {
+        return;
+    }
+    done.sort_unstable();
+    let mut out = Vec::with_capacity(runs.len());
+    let mut k = 0;
+    for r in runs.iter() {
+        while k < done.len() && done[k].1 <= r.start {
+            k += 1;
+        }
+        let (mut at, mut j) = (r.start, k);
+        while at < r.end {
+            match done.get(j) {
+                Some(&(s, e)) if s < r.end => {
+                    if s > at {
+                        out.push(LazyRun {
+                            start: at,
+                            end: s,
+                            offset: r.offset + (at - r.start),
+                        });
+                    }
+                    at = at.max(e);
+                    j += 1;
+                }
+                _ => {
+                    out.push(LazyRun {
+                        start: at,
+                        end: r.end,
+                        offset: r.offset + (at - r.start),
+                    });
+                    at = r.end;
+                }
+            }
+        }
+    }
+    *runs = out;
 }
 
 /// Profile ranges with each range that continues the one before it merged into it, in order:
@@ -271,8 +334,8 @@ fn uffd_copy(fd: RawFd, dst: u64, src: &[u8]) -> std::io::Result<Copied> {
     }
 }
 
-/// One piece of the hot set: `[start, end)` of task `t`, inside one run, at `from` in its
-/// pages file.
+/// One piece of the hot set or of a background batch: `[start, end)` of task `t`, inside one
+/// run, at `from` in its pages file.
 struct Piece {
     t: usize,
     start: u64,
@@ -296,6 +359,8 @@ struct Server {
     recording: bool,
     last_fault: Instant,
     fault_budget: Option<u64>,
+    /// Threads of the background copy (at most the machine's cores); 1: serial.
+    background_threads: usize,
     /// Where each uffd goes to be kept open ([`HOLD_FD`]).
     hold: Option<UnixStream>,
 }
@@ -519,8 +584,52 @@ impl Server {
         self.tasks.iter().any(|t| !t.gone && !t.runs.is_empty())
     }
 
-    /// The next background copy: the first task with pages left, its lowest run.
+    /// The next background step: a batch on [`Server::background_threads`] threads, or one
+    /// serial copy.
     fn background(&mut self) -> Result<(), PageServerError> {
+        if self.fault_budget.is_some() || self.background_threads <= 1 {
+            return self.background_serial();
+        }
+        let pieces = self.next_batch();
+        let outcomes = self.copy_pieces(&pieces, self.background_threads);
+        let copied = self.settle(&pieces, outcomes)?;
+        self.stats.background_pages += copied / PAGE_SIZE;
+        self.stats.background_batches += 1;
+        Ok(())
+    }
+
+    /// The next [`BACKGROUND_BATCH`] still lazy, in address order, task by task, in pieces of
+    /// at most [`BACKGROUND_RUN`]. A piece that answered `Again` last time is in it again: the
+    /// main loop runs a batch only when no event is pending, and `Again` means one is (the
+    /// kernel refuses copies while a fork, mremap or munmap event waits to be read), so it is
+    /// read before the next batch, as on the serial path.
+    fn next_batch(&self) -> Vec<Piece> {
+        let mut pieces = Vec::new();
+        let mut left = BACKGROUND_BATCH;
+        for (t, task) in self.tasks.iter().enumerate().filter(|(_, t)| !t.gone) {
+            for r in &task.runs {
+                let mut start = r.start;
+                while start < r.end {
+                    if left == 0 {
+                        return pieces;
+                    }
+                    let end = r.end.min(start + BACKGROUND_RUN.min(left));
+                    pieces.push(Piece {
+                        t,
+                        start,
+                        end,
+                        from: r.offset + (start - r.start),
+                    });
+                    left -= end - start;
+                    start = end;
+                }
+            }
+        }
+        pieces
+    }
+
+    /// One serial background copy: the first task with pages left, its lowest run.
+    fn background_serial(&mut self) -> Result<(), PageServerError> {
         let Some(t) = self
             .tasks
             .iter()
@@ -562,36 +671,57 @@ impl Server {
                 }
             }
         }
-        let outcomes = self.copy_pieces(&pieces);
+        let outcomes = self.copy_pieces(&pieces, HOT_THREADS);
+        let copied = self.settle(&pieces, outcomes)?;
+        self.stats.hot_pages += copied / PAGE_SIZE;
+        Ok(())
+    }
+
+    /// Takes the outcomes of [`Server::copy_pieces`]: what was copied leaves its task's runs,
+    /// a task gone is marked so, a piece that answered `Again` stays lazy (a fault or the
+    /// background copy takes it); returns the bytes copied. An error is the first piece's that
+    /// failed.
+    fn settle(
+        &mut self,
+        pieces: &[Piece],
+        outcomes: Vec<std::io::Result<Copied>>,
+    ) -> Result<u64, PageServerError> {
+        let mut done: Vec<Vec<(u64, u64)>> = vec![Vec::new(); self.tasks.len()];
+        let mut copied = 0;
+        let mut failed = None;
         for (p, outcome) in pieces.iter().zip(outcomes) {
             match outcome {
                 Ok(Copied::Done) => {
-                    cut(&mut self.tasks[p.t].runs, p.start, p.end);
-                    self.stats.hot_pages += (p.end - p.start) / PAGE_SIZE;
+                    done[p.t].push((p.start, p.end));
+                    copied += p.end - p.start;
                 }
-                // Left lazy: a fault or the background copy takes it.
                 Ok(Copied::Again) => {}
                 Ok(Copied::Gone) => self.tasks[p.t].gone = true,
                 Err(source) => {
-                    return Err(PageServerError::Copy {
+                    failed = Some(PageServerError::Copy {
                         pid: self.tasks[p.t].pid,
                         at: p.start,
                         len: p.end - p.start,
                         source,
-                    })
+                    });
+                    break;
                 }
             }
         }
-        Ok(())
+        for (task, mut done) in self.tasks.iter_mut().zip(done) {
+            cut_many(&mut task.runs, &mut done);
+        }
+        failed.map_or(Ok(copied), Err)
     }
 
-    /// Copies `pieces` on [`HOT_THREADS`] threads, each a contiguous share of about the same
-    /// bytes (so each reads its part of the image in order); one outcome per piece.
-    fn copy_pieces(&self, pieces: &[Piece]) -> Vec<std::io::Result<Copied>> {
+    /// Copies `pieces` on up to `threads` threads (at most the machine's cores), each a
+    /// contiguous share of about the same bytes (so each reads its part of the image in
+    /// order); one outcome per piece.
+    fn copy_pieces(&self, pieces: &[Piece], threads: usize) -> Vec<std::io::Result<Copied>> {
         let total: u64 = pieces.iter().map(|p| p.end - p.start).sum();
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
-            .clamp(1, HOT_THREADS);
+            .clamp(1, threads.max(1));
         let share = total.div_ceil(threads as u64).max(1);
         let mut groups: Vec<&[Piece]> = Vec::new();
         let (mut begin, mut bytes) = (0, 0);
@@ -700,6 +830,15 @@ fn send_fd(sock: &UnixStream, fd: RawFd) -> std::io::Result<()> {
     Ok(())
 }
 
+/// A value of [`BACKGROUND_THREADS_ENV`]: 1 to [`MAX_BACKGROUND_THREADS`].
+pub fn parse_background_threads(value: &str) -> Option<usize> {
+    value
+        .trim()
+        .parse()
+        .ok()
+        .filter(|n| (1..=MAX_BACKGROUND_THREADS).contains(n))
+}
+
 fn read_profile(path: &Path) -> Vec<(u64, u64)> {
     std::fs::read_to_string(path)
         .ok()
@@ -736,7 +875,17 @@ pub fn serve(
     // The test's fault switch: a number of pages after which to stop, or `hot-set`.
     let fault = std::env::var("TORPOR_PAGE_SERVER_FAULT").ok();
     let hot_set_fault = fault.as_deref() == Some("hot-set");
+    let batch_pause =
+        (fault.as_deref() == Some("slow-background")).then_some(SLOW_BACKGROUND_PAUSE);
+    let mut last_batch: Option<Instant> = None;
     let background_on = std::env::var_os(BACKGROUND_ENV).is_none_or(|v| v != "off");
+    let background_threads = match std::env::var(BACKGROUND_THREADS_ENV) {
+        Err(_) => DEFAULT_BACKGROUND_THREADS,
+        Ok(v) => parse_background_threads(&v).ok_or(PageServerError::BackgroundThreads(v))?,
+    };
+    // More threads than cores only take turns; one core: the serial copy, 4 MiB per fault turn.
+    let background_threads =
+        background_threads.min(std::thread::available_parallelism().map_or(1, |n| n.get()));
     // Bound by its name in the work directory, as CRIU connects to it: a full path could pass
     // the 108 bytes a socket address holds.
     std::env::set_current_dir(work_dir).map_err(io(format!("entering {}", work_dir.display())))?;
@@ -772,6 +921,7 @@ pub fn serve(
         recording: false,
         last_fault: Instant::now(),
         fault_budget: fault.as_deref().and_then(|v| v.parse().ok()),
+        background_threads,
         hold,
     };
     let mut files: HashMap<PathBuf, usize> = HashMap::new();
@@ -838,7 +988,8 @@ pub fn serve(
         let background = background_on
             && finished
             && server.live()
-            && !(profiling && server.last_fault.elapsed() < PROFILE_QUIET);
+            && !(profiling && server.last_fault.elapsed() < PROFILE_QUIET)
+            && !batch_pause.is_some_and(|p| last_batch.is_some_and(|t| t.elapsed() < p));
         let timeout = if background { 0 } else { 20 };
         // SAFETY: poll over our own array.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as _, timeout) };
@@ -881,6 +1032,7 @@ pub fn serve(
         }
         if background && n == 0 {
             server.background()?;
+            last_batch = Some(Instant::now());
         }
         if !background_on && finished && n == 0 && last_probe.elapsed() >= PROBE_EVERY {
             server.probe();
@@ -897,8 +1049,8 @@ pub fn serve(
     if let Some(out) = stats_out {
         let s = server.stats;
         let json = format!(
-            "{{\"tasks\":{},\"faults\":{},\"fault_pages\":{},\"hot_pages\":{},\"background_pages\":{},\"zero_pages\":{},\"forks\":{}}}\n",
-            s.tasks, s.faults, s.fault_pages, s.hot_pages, s.background_pages, s.zero_pages, s.forks
+            "{{\"tasks\":{},\"faults\":{},\"fault_pages\":{},\"hot_pages\":{},\"background_pages\":{},\"background_batches\":{},\"zero_pages\":{},\"forks\":{}}}\n",
+            s.tasks, s.faults, s.fault_pages, s.hot_pages, s.background_pages, s.background_batches, s.zero_pages, s.forks
         );
         let _ = std::fs::OpenOptions::new()
             .create(true)
@@ -986,6 +1138,39 @@ mod tests {
         );
         cut(&mut one, 0x9000, 0xa000);
         assert_eq!(one.len(), 2, "a range past every run cuts nothing");
+    }
+
+    #[test]
+    fn cutting_many_ranges_at_once_leaves_what_cutting_them_one_by_one_does() {
+        // A small linear congruential generator: the same cases every run.
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % n
+        };
+        for _ in 0..500 {
+            let mut runs = Vec::new();
+            let mut at = next(4) * 0x1000;
+            for i in 0..next(12) {
+                let len = (1 + next(6)) * 0x1000;
+                runs.push(run(at, at + len, i * 0x10_0000));
+                at += len + next(3) * 0x1000;
+            }
+            let mut done: Vec<(u64, u64)> = (0..next(10))
+                .map(|_| {
+                    let s = next(80) * 0x1000;
+                    (s, s + (1 + next(8)) * 0x1000)
+                })
+                .collect();
+            let mut one_by_one = runs.clone();
+            for &(s, e) in &done {
+                cut(&mut one_by_one, s, e);
+            }
+            cut_many(&mut runs, &mut done);
+            assert_eq!(runs, one_by_one, "cuts {done:x?}");
+        }
     }
 
     #[test]

@@ -108,6 +108,10 @@ impl std::str::FromStr for PageSource {
     }
 }
 
+/// The page server's background threads: its default and the most it takes (torpord's
+/// `restore_server.background_threads` is bounded by them).
+pub use torpor_criu::page_server::{DEFAULT_BACKGROUND_THREADS, MAX_BACKGROUND_THREADS};
+
 /// How a restore brings back the process's memory; `Default` is what [`restore`] does.
 /// (A snapshot staged in memory with [`crate::stage::stage`] is restored by passing the staged
 /// directory as [`RestoreOptions::dir`].)
@@ -125,6 +129,9 @@ pub struct PageOptions {
     /// never touched is never copied, and every page it touched is recorded. The server, and so
     /// [`LazyRestore::finish`], ends only once the tree has exited.
     pub faults_only: bool,
+    /// Torpor's page server: threads of its background copy (1: serial); `None`: its default
+    /// (`torpor_criu::PageServerOptions::background_threads`).
+    pub background_threads: Option<usize>,
 }
 
 /// The `criu lazy-pages` daemon still serving a lazily restored tree.
@@ -526,6 +533,7 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
                             profile_in: pages.profile_in.as_deref(),
                             profile_out: pages.profile_out.as_deref(),
                             background: !pages.faults_only,
+                            background_threads: pages.background_threads,
                         },
                     )
                 })

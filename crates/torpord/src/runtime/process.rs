@@ -41,6 +41,9 @@ pub struct HowToRestore {
     pub profile_out: Option<std::path::PathBuf>,
     /// The daemon's bound on concurrent driver restores (Runtime::driver_slots).
     pub driver_slots: Option<Arc<torpor_snapshot::driver_slots::DriverSlots>>,
+    /// Torpor's page server: threads of its background copy (`restore_server.background_threads`);
+    /// `None`: the server's default.
+    pub background_threads: Option<usize>,
 }
 
 /// A restored tree.
@@ -213,6 +216,7 @@ pub async fn restore_with(
             profile_in: how.profile_in.clone(),
             faults_only: how.profile_out.is_some(),
             profile_out: how.profile_out.clone(),
+            background_threads: how.background_threads,
         };
         // The state directory, and each of its directories an unprivileged worker has bound in.
         let owned: Vec<(String, std::path::PathBuf)> = how
