@@ -43,12 +43,19 @@ def phase(lines: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     return next((line for line in lines if line.get("phase") == name and "error" not in line), None)
 
 
+@pytest.mark.parametrize("threads", [None, 1])
 def test_a_deploy_records_the_page_profile_and_later_restores_serve_it_first(
-    torpor_bin: Path, criu_ready: None, tmp_path: Path
+    torpor_bin: Path, criu_ready: None, tmp_path: Path, threads: int | None
 ) -> None:
+    """A deploy records its snapshot's page profile; a later restore serves it first, and the rest
+    in the background: in batches on several threads by default, serially with
+    `restore_server.background_threads = 1`."""
     needs_root()
     stats = tmp_path / "stats.jsonl"
-    d = Torpord(torpor_bin, tmp_path, config="[restore_server]\nstage_bytes = 1073741824\n", env={STATS: str(stats)})
+    config = "[restore_server]\nstage_bytes = 1073741824\n"
+    if threads is not None:
+        config += f"background_threads = {threads}\n"
+    d = Torpord(torpor_bin, tmp_path, config=config, env={STATS: str(stats)})
     try:
         lines = d.deploy(BALLAST)
         recorded = phase(lines, "profile")
@@ -69,6 +76,8 @@ def test_a_deploy_records_the_page_profile_and_later_restores_serve_it_first(
         wait_until(lambda: len(stats_of(stats)) == 2, 30, "the restore's page server to end")
         served = stats_of(stats)[1]
         assert served["hot_pages"] > 0, served
+        assert served["background_pages"] > 0, served
+        assert (served["background_batches"] > 0) == (threads is None), served
         assert page_servers(d) == []
 
         # The profile goes with its snapshot.

@@ -54,6 +54,8 @@
 //!                                 # lazy-pages daemon (to compare); "copy": all before they run;
 //!                                 # "auto": lazy for CPU functions, copy for GPU ones
 //! stage_bytes = 8589934592        # function snapshots staged in a huge-page tmpfs: 8 GiB; 0: off
+//! background_threads = 8          # threads of the page server's background copy (what lazy
+//!                                 # restores' processes did not fault): 1 (serial) to 64
 //! transparent_hugepage = "leave"  # or "always": set the node's THP mode to always while torpord
 //!                                 # runs (restores fill memory with 2 MiB pages; docs/split.md)
 //! concurrent_snapshot = true      # hibernations pre-copy segments while the instance serves and
@@ -257,6 +259,9 @@ pub struct RestoreServer {
     pub pages: Pages,
     /// Bytes of function snapshots staged in the daemon's tmpfs (`crate::staging`); 0: none.
     pub stage_bytes: u64,
+    /// Threads of Torpor's page server's background copy, batch by batch
+    /// (`torpor_criu::page_server`, docs/lazy-pages.md); 1: serial, 4 MiB at a time. 1 to 64.
+    pub background_threads: u32,
     /// The node's transparent-huge-page mode while the daemon runs (`crate::hugepages`).
     pub transparent_hugepage: crate::hugepages::ThpPolicy,
     /// Hibernations of split instances pre-copy their segments while the instance still serves
@@ -312,6 +317,7 @@ impl Default for RestoreServer {
             gpu_cache_bytes: 2 << 30,
             pages: Pages::default(),
             stage_bytes: DEFAULT_STAGE_BYTES,
+            background_threads: torpor_snapshot::restore::DEFAULT_BACKGROUND_THREADS as u32,
             transparent_hugepage: crate::hugepages::ThpPolicy::default(),
             concurrent_snapshot: true,
             host_devices: 1,
@@ -744,6 +750,10 @@ impl Config {
             if let Some(n) = t.integer("stage_bytes", 0, max)? {
                 r.stage_bytes = u64::try_from(n).unwrap_or(0);
             }
+            let most = torpor_snapshot::restore::MAX_BACKGROUND_THREADS as i64;
+            if let Some(n) = t.integer("background_threads", 1, most)? {
+                r.background_threads = u32::try_from(n).unwrap_or(1);
+            }
             if let Some(p) = t.parsed(
                 "transparent_hugepage",
                 "\"leave\" or \"always\"",
@@ -1056,6 +1066,12 @@ mod tests {
         let c = parse("").unwrap();
         assert_eq!(c.restore_server.pages, Pages::Auto);
         assert_eq!(c.restore_server.stage_bytes, 8 << 30);
+        assert_eq!(c.restore_server.background_threads, 8);
+        let one = parse("[restore_server]\nbackground_threads = 1\n").unwrap();
+        assert_eq!(
+            one.restore_server.background_threads, 1,
+            "1: the serial copy"
+        );
         use torpor_snapshot::restore::PageSource;
         assert_eq!(Pages::Auto.source(true, false), PageSource::Copy);
         assert_eq!(Pages::Auto.source(true, true), PageSource::Lazy);
@@ -1299,6 +1315,7 @@ mod tests {
         ("restore_server", "gpu_cache_bytes", "1125899906842624", &["1125899906842625", "-1"], "from 0 to 1125899906842624"),
         ("restore_server", "stage_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807"], "from 0 to 1125899906842624"),
         ("restore_server", "driver_restores", "64", &["65", "-1", "1.5", "\"2\""], "from 0 to 64"),
+        ("restore_server", "background_threads", "64", &["0", "65", "-1", "1.5", "\"8\""], "from 1 to 64"),
     ];
 
     #[test]

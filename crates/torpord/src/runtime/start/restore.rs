@@ -77,6 +77,7 @@ impl Runtime {
             pages: how_pages,
             staged,
             profile_in,
+            background_threads: Some(self.config.restore_server.background_threads as usize),
             cgroup: cgroup
                 .as_ref()
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
