@@ -16,7 +16,10 @@ first), tmpfs (the staged copy in --stage-base, /dev/shm: 4 KiB pages), lazy-tmp
 daemon), hot-lazy-tmpfs (Torpor's page server given a hot set: the profile a first, untimed
 restore of the staged copy recorded while the worker answered `touch 10`, as torpord records one
 at deploy); with --huge-stage-base (a tmpfs mounted huge=always) also tmpfs-huge,
-lazy-tmpfs-huge, hot-lazy-tmpfs-huge and criu-lazy-tmpfs-huge. Touch patterns: 10 % and 100 %. Rounds are interleaved (run i of every cell,
+lazy-tmpfs-huge, hot-lazy-tmpfs-huge and criu-lazy-tmpfs-huge. A source of Torpor's page server
+may end in @N: its background copy on N threads ($TORPOR_PAGE_SERVER_BACKGROUND_THREADS; 1 is the
+serial copy, the server's default 8), e.g. --sources lazy-tmpfs@1,lazy-tmpfs@8; each of its runs
+records the server's counters ($TORPOR_PAGE_SERVER_STATS) under "page_server". Touch patterns: 10 % and 100 %. Rounds are interleaved (run i of every cell,
 then run i+1), so background load on a shared machine spreads over all cells alike. Every answer
 is checked against the worker's own answer before the snapshot. Every run is recorded with
 torpor's phases; medians, min and max per cell.
@@ -55,6 +58,11 @@ TOUCH = (10, 100)
 Json = dict[str, Any]
 
 
+def base_of(source: str) -> str:
+    """A source without its @N (background threads of Torpor's page server)."""
+    return source.partition("@")[0]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=1536, help="MiB of distinct data the worker holds")
@@ -76,10 +84,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if a.sources is None:
         a.sources = ",".join(SOURCES if a.huge_stage_base else DEFAULT_SOURCES)
     a.sources = [s.strip() for s in a.sources.split(",") if s.strip()]
-    if any(s.endswith("-huge") for s in a.sources) and a.huge_stage_base is None:
+    for s in a.sources:
+        base, _, threads = s.partition("@")
+        if threads and not (base.startswith(("lazy-", "hot-lazy-")) and threads.isdigit() and 1 <= int(threads) <= 64):
+            p.error(f"{s!r}: @N (background threads, 1 to 64) is for Torpor's page server's sources (lazy-*, hot-lazy-*)")
+    if any(base_of(s).endswith("-huge") for s in a.sources) and a.huge_stage_base is None:
         p.error("the -huge sources need --huge-stage-base (mount -t tmpfs -o huge=always tmpfs DIR)")
     for s in a.sources:
-        if s not in SOURCES:
+        if base_of(s) not in SOURCES:
             p.error(f"unknown source {s!r}; one of {', '.join(SOURCES)}")
     if a.runs < 1 or a.mib < 1:
         p.error("--runs and --mib must be at least 1")
@@ -245,6 +257,10 @@ class Bench:
 
     def restore_once(self, snap: Path, pages: str, touch: int, expected: str, env: dict[str, str] | None = None) -> Json:
         args = [str(self.torpor), "restore", str(snap), "--detach", "-v", "--pages", pages]
+        server_stats = self.a.work_dir / "page-server-stats.jsonl"
+        server_stats.unlink(missing_ok=True)
+        if pages == "lazy":
+            env = dict(env or self.env, TORPOR_PAGE_SERVER_STATS=str(server_stats))
         with tempfile.TemporaryFile("w+") as err:
             t0 = time.monotonic()
             p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, env=env or self.env, text=True)
@@ -276,12 +292,15 @@ class Bench:
             raise RuntimeError(f"torpor restore exited {code}: {text.strip()}")
         phases = {m.group(1): float(m.group(2)) for m in map(PHASE_RE.match, text.splitlines()) if m}
         wait_for(lambda: gone(pid), 30, "the restored worker to go")
-        return {
+        out: Json = {
             "first_answer_s": round(t_answer - t0, 4),
             "pid_printed_s": round(t_pid - t0, 4),
             "torpor_exit_s": round(t_done - t0, 4),
             "phases": phases,
         }
+        if server_stats.exists():
+            out["page_server"] = json.loads(server_stats.read_text().splitlines()[-1])
+        return out
 
 
 def stats(xs: list[float]) -> Json | None:
@@ -356,14 +375,15 @@ def main(argv: list[str]) -> int:
     runs: dict[tuple[str, int], list[Json]] = {(s, t): [] for s in a.sources for t in TOUCH}
     try:
         for suffix, target in staged.items():
+            bases = [base_of(s) for s in a.sources]
             if any(s.startswith(("tmpfs", "lazy-tmpfs", "criu-lazy-tmpfs", "hot-lazy-tmpfs")) and s.endswith(suffix) and
-                   (suffix or not s.endswith("-huge")) for s in a.sources):
+                   (suffix or not s.endswith("-huge")) for s in bases):
                 t = time.monotonic()
                 bench.tp("stage", snap, "--to", target)
                 snap_info[f"stage{suffix}_s"] = round(time.monotonic() - t, 3)
         profiles: dict[str, Path] = {}
         for suffix, target in staged.items():
-            if f"hot-lazy-tmpfs{suffix}" in a.sources:
+            if f"hot-lazy-tmpfs{suffix}" in map(base_of, a.sources):
                 profiles[suffix] = a.work_dir / f"profile{suffix or '-small'}"
                 t = time.monotonic()
                 bench.record_profile(target, profiles[suffix], expected[10])
@@ -372,17 +392,20 @@ def main(argv: list[str]) -> int:
                 bench.say(f"profile{suffix}: {len(lines)} ranges")
         for i in range(a.runs):
             for source in a.sources:
-                d = snap if source.startswith("disk") else staged["-huge" if source.endswith("-huge") else ""]
+                base, _, threads = source.partition("@")
+                d = snap if base.startswith("disk") else staged["-huge" if base.endswith("-huge") else ""]
                 for touch in TOUCH:
                     if source == "disk-cold":
                         drop_caches()
                     elif source == "disk-warm":
                         read_all(d)
-                    pages = "criu-lazy" if source.startswith("criu-lazy") else "lazy" if "lazy" in source else "copy"
+                    pages = "criu-lazy" if base.startswith("criu-lazy") else "lazy" if "lazy" in base else "copy"
                     env = None
-                    if source.startswith("hot-lazy"):
-                        profile = profiles["-huge" if source.endswith("-huge") else ""]
+                    if base.startswith("hot-lazy"):
+                        profile = profiles["-huge" if base.endswith("-huge") else ""]
                         env = dict(bench.env, TORPOR_PAGE_PROFILE_IN=str(profile))
+                    if threads:
+                        env = dict(env or bench.env, TORPOR_PAGE_SERVER_BACKGROUND_THREADS=threads)
                     r = bench.restore_once(d, pages, touch, expected[touch], env)
                     bench.say(f"{source} touch {touch}% run {i + 1}: first answer {r['first_answer_s']:.3f} s")
                     runs[(source, touch)].append(r)
