@@ -362,6 +362,7 @@ def main(argv: list[str]) -> int:
     torpor = find_torpor()
     a.work_dir.mkdir(parents=True, exist_ok=True)
     info = machine(torpor)
+    load_start = list(os.getloadavg())
     out = a.out or ROOT / "bench" / "results" / f"criu-restore-{re.sub(r'[^a-z0-9]+', '-', info['host'].lower())}.json"
     bench = Bench(a, torpor)
     bench.say(f"torpor {torpor}; {a.mib} MiB; runs {a.runs}; sources {', '.join(a.sources)}")
@@ -440,6 +441,8 @@ def main(argv: list[str]) -> int:
             "snapshot": snap_info,
         },
         "elapsed_s": round(time.monotonic() - bench.start, 1),
+        # Other work on the machine: the 1-, 5- and 15-minute load averages at the start and the end.
+        "loadavg": {"start": load_start, "end": list(os.getloadavg())},
         "results": results,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
