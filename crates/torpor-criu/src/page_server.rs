@@ -989,7 +989,7 @@ pub fn serve(
             && finished
             && server.live()
             && !(profiling && server.last_fault.elapsed() < PROFILE_QUIET)
-            && !batch_pause.is_some_and(|p| last_batch.is_some_and(|t| t.elapsed() < p));
+            && batch_pause.is_none_or(|p| last_batch.is_none_or(|t| t.elapsed() >= p));
         let timeout = if background { 0 } else { 20 };
         // SAFETY: poll over our own array.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as _, timeout) };
