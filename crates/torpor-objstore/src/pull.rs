@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use std::sync::Mutex;
 
-use torpor_image::store::{open_sealed_record, ChunkStore, Commit, Recipe, StoreError};
+use torpor_image::store::{open_sealed_record, ChunkStore, Commit, Pending, Recipe, StoreError};
 use torpor_image::{Manifest, Snapshot, SnapshotKey, Trust, MAC_FILE, MANIFEST_FILE};
 
 use crate::client::{Remote, Traffic};
@@ -145,6 +145,49 @@ pub fn pull_snapshot(
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<SnapshotPull, TransferError> {
+    pull_snapshot_with(
+        remote, store, id, out, trust, sealed, parallel, progress, false,
+    )
+    .map(|(pull, _)| pull)
+}
+
+/// [`pull_snapshot`] that answers before the disk: once every chunk is fetched, checked
+/// against its id and written (into the page cache), and the directory written and verified,
+/// the records are committed without a syncfs
+/// ([`StoreWriter::commit_many_deferred`](torpor_image::store::StoreWriter::commit_many_deferred))
+/// and `out` renamed into place; the returned [`Pending`] makes them durable
+/// ([`Pending::finish`], one syncfs: run it in the background). Readers find the records at
+/// once. Until it finishes, a dead process leaves the records pending, and
+/// [`ChunkStore::settle`] decides at the next start (docs/objstore.md, "Durability after the
+/// answer"). `commit_s` is then the records' writing alone.
+#[allow(clippy::too_many_arguments)]
+pub fn pull_snapshot_deferred(
+    remote: &Remote,
+    store: &ChunkStore,
+    id: &str,
+    out: &Path,
+    trust: Trust<'_>,
+    sealed: Option<SealedPart<'_>>,
+    parallel: usize,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<(SnapshotPull, Option<Pending>), TransferError> {
+    pull_snapshot_with(
+        remote, store, id, out, trust, sealed, parallel, progress, true,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pull_snapshot_with(
+    remote: &Remote,
+    store: &ChunkStore,
+    id: &str,
+    out: &Path,
+    trust: Trust<'_>,
+    sealed: Option<SealedPart<'_>>,
+    parallel: usize,
+    progress: &(dyn Fn(Progress) + Sync),
+    deferred: bool,
+) -> Result<(SnapshotPull, Option<Pending>), TransferError> {
     torpor_image::store::check_snapshot_id(id)?;
     if let Some(part) = sealed {
         torpor_image::store::check_snapshot_id(part.id)?;
@@ -308,15 +351,26 @@ pub fn pull_snapshot(
     let result = plan.and_then(|()| {
         if commits.is_empty() {
             drop(writer);
-            Ok(())
+            Ok(None)
+        } else if deferred {
+            writer
+                .commit_many_deferred(&commits)
+                .map(Some)
+                .map_err(TransferError::from)
         } else {
-            writer.commit_many(&commits).map_err(TransferError::from)
+            writer
+                .commit_many(&commits)
+                .map(|()| None)
+                .map_err(TransferError::from)
         }
     });
-    if let Err(e) = result {
-        aside.remove();
-        return Err(e);
-    }
+    let pending = match result {
+        Ok(p) => p,
+        Err(e) => {
+            aside.remove();
+            return Err(e);
+        }
+    };
     timings.commit_s = committed.elapsed().as_secs_f64();
     aside.rename_to(out)?;
     let total = down.first().map_or(0, |d| d.total);
@@ -329,7 +383,7 @@ pub fn pull_snapshot(
             chunks: d.total,
             moved: d.fetched,
         });
-    Ok(SnapshotPull {
+    let pull = SnapshotPull {
         files: PullReport {
             id: id.to_owned(),
             bucket,
@@ -343,7 +397,8 @@ pub fn pull_snapshot(
             timings,
         },
         sealed: sealed_report,
-    })
+    };
+    Ok((pull, pending))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
