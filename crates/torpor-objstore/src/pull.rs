@@ -145,8 +145,12 @@ pub fn pull_snapshot(
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<SnapshotPull, TransferError> {
+    let mode = Mode {
+        deferred: false,
+        early_write_back: true,
+    };
     pull_snapshot_with(
-        remote, store, id, out, trust, sealed, parallel, progress, false,
+        remote, store, id, out, trust, sealed, parallel, progress, mode,
     )
     .map(|(pull, _)| pull)
 }
@@ -159,7 +163,9 @@ pub fn pull_snapshot(
 /// ([`Pending::finish`], one syncfs: run it in the background). Readers find the records at
 /// once. Until it finishes, a dead process leaves the records pending, and
 /// [`ChunkStore::settle`] decides at the next start (docs/objstore.md, "Durability after the
-/// answer"). `commit_s` is then the records' writing alone.
+/// answer"). `commit_s` is then the records' writing alone. `early_write_back`: start each
+/// chunk's disk write as it is stored, as [`pull_snapshot`] does; without it the page cache
+/// holds them until [`Pending::finish`].
 #[allow(clippy::too_many_arguments)]
 pub fn pull_snapshot_deferred(
     remote: &Remote,
@@ -169,11 +175,25 @@ pub fn pull_snapshot_deferred(
     trust: Trust<'_>,
     sealed: Option<SealedPart<'_>>,
     parallel: usize,
+    early_write_back: bool,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<(SnapshotPull, Option<Pending>), TransferError> {
+    let mode = Mode {
+        deferred: true,
+        early_write_back,
+    };
     pull_snapshot_with(
-        remote, store, id, out, trust, sealed, parallel, progress, true,
+        remote, store, id, out, trust, sealed, parallel, progress, mode,
     )
+}
+
+/// How [`pull_snapshot_with`] makes its chunks and records durable.
+#[derive(Debug, Clone, Copy)]
+struct Mode {
+    /// The records committed before their syncfs, which the caller runs ([`Pending`]).
+    deferred: bool,
+    /// Each chunk's disk write started as it is stored.
+    early_write_back: bool,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -186,7 +206,7 @@ fn pull_snapshot_with(
     sealed: Option<SealedPart<'_>>,
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
-    deferred: bool,
+    mode: Mode,
 ) -> Result<(SnapshotPull, Option<Pending>), TransferError> {
     torpor_image::store::check_snapshot_id(id)?;
     if let Some(part) = sealed {
@@ -214,7 +234,12 @@ fn pull_snapshot_with(
 
     // Chunks: only those the store lacks. The writer's shared lock keeps a GC from deleting
     // the ones already here (or fetched) before the records that reference them are committed.
-    let writer = store.writer()?.write_back_early();
+    let writer = store.writer()?;
+    let writer = if mode.early_write_back {
+        writer.write_back_early()
+    } else {
+        writer
+    };
     let files_missing = |key: &str| missing(id, key);
     let sealed_id = sealed.map_or("", |p| p.id);
     let sealed_missing = |key: &str| missing(sealed_id, key);
@@ -352,7 +377,7 @@ fn pull_snapshot_with(
         if commits.is_empty() {
             drop(writer);
             Ok(None)
-        } else if deferred {
+        } else if mode.deferred {
             writer
                 .commit_many_deferred(&commits)
                 .map(Some)

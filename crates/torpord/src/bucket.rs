@@ -577,6 +577,7 @@ impl Tier {
                 key,
             }),
             self.config.parallel,
+            self.config.early_write_back,
             &|_| {},
         );
         phases.files_s = t.elapsed().as_secs_f64();
