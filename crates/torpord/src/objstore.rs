@@ -296,19 +296,37 @@ impl crate::runtime::Runtime {
                 }
             };
             for id in ids {
-                let why = match store.settle(&id) {
-                    Ok(torpor_image::store::Settled::Committed) => {
-                        tracing::info!(snapshot = %id, "a pull left pending by a dead daemon: every chunk is whole, its record stands");
-                        continue;
-                    }
-                    Ok(torpor_image::store::Settled::Released(why)) => why,
-                    Err(e) => e.to_string(),
-                };
                 // The function on that snapshot (its files' record or its segments').
                 let snapshot = id.strip_suffix(".files").unwrap_or(&id);
                 let owner = functions
                     .iter()
                     .find(|f| f.snapshot.as_deref() == Some(snapshot));
+                let why = match store.settle(&id) {
+                    Ok(torpor_image::store::Settled::Committed) => {
+                        // The directory was written from these chunks without a syncfs too:
+                        // hashed against its manifest before it is restored from again.
+                        let dir = owner.and_then(|_| {
+                            self.registry.with(|s| s.snapshot(snapshot)).ok().flatten()
+                        });
+                        let checked = match dir {
+                            Some(d) if id.ends_with(".files") => {
+                                torpor_image::Snapshot::open(&d.path)
+                                    .and_then(|s| s.verify())
+                                    .map(|_| ())
+                            }
+                            _ => Ok(()),
+                        };
+                        match checked {
+                            Ok(()) => {
+                                tracing::info!(snapshot = %id, "a pull left pending by a dead daemon: every chunk is whole, its record stands");
+                                continue;
+                            }
+                            Err(e) => format!("its snapshot directory does not verify: {e}"),
+                        }
+                    }
+                    Ok(torpor_image::store::Settled::Released(why)) => why,
+                    Err(e) => e.to_string(),
+                };
                 tracing::warn!(snapshot = %id, function = owner.map(|f| f.name.as_str()), reason = %why, "a pull left pending by a dead daemon did not reach the disk whole: released, its function is pulled again on its next invoke");
                 let Some(f) = owner else { continue };
                 match self.registry.with(|s| s.delete_function(&f.name)) {
