@@ -639,7 +639,7 @@ fn deferred_commits_are_read_at_once_and_settled_from_their_chunks() {
         .expect("commit");
     assert_eq!(pending.ids(), ["a"]);
     assert_eq!(store.pending().expect("pending"), ["a"]);
-    assert_eq!(store.recipes("a").expect("recipes"), [a.clone()]);
+    assert_eq!(store.recipes("a").expect("recipes"), std::slice::from_ref(&a));
     pending.finish().expect("finish");
     assert!(store.pending().expect("pending").is_empty());
 
