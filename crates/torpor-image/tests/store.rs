@@ -622,48 +622,35 @@ fn commit_many_commits_every_record_after_one_check_or_none() {
 fn deferred_commits_are_read_at_once_and_settled_from_their_chunks() {
     use torpor_image::store::{Commit, Settled};
     let (_dir, store) = store();
-    let put = |name: &str, seed: &str| {
+    // A recipe of its own committed deferred as snapshot `name`.
+    let put = |name: &str| {
         let mut writer = store.writer().expect("writer");
-        let recipe = writer
-            .put_bytes(name, &random(3 * SEGMENT_CHUNK_BYTES / 2, seed))
-            .expect("put");
-        (writer, recipe)
+        let data = random(3 * SEGMENT_CHUNK_BYTES / 2, &format!("deferred-{name}"));
+        let recipe = writer.put_bytes(name, &data).expect("put");
+        let pending = writer
+            .commit_many_deferred(&[Commit {
+                id: name,
+                recipes: std::slice::from_ref(&recipe),
+                key: None,
+            }])
+            .expect("commit");
+        (pending, recipe)
     };
-    let (writer, a) = put("a", "deferred-a");
-    let pending = writer
-        .commit_many_deferred(&[Commit {
-            id: "a",
-            recipes: std::slice::from_ref(&a),
-            key: None,
-        }])
-        .expect("commit");
+    let (pending, a) = put("a");
     assert_eq!(pending.ids(), ["a"]);
     assert_eq!(store.pending().expect("pending"), ["a"]);
-    assert_eq!(store.recipes("a").expect("recipes"), std::slice::from_ref(&a));
+    assert_eq!(
+        store.recipes("a").expect("recipes"),
+        std::slice::from_ref(&a)
+    );
     pending.finish().expect("finish");
     assert!(store.pending().expect("pending").is_empty());
 
     // Two left pending, as by a process killed before finish.
-    let (writer, b) = put("b", "deferred-b");
-    drop(
-        writer
-            .commit_many_deferred(&[Commit {
-                id: "b",
-                recipes: std::slice::from_ref(&b),
-                key: None,
-            }])
-            .expect("commit"),
-    );
-    let (writer, c) = put("c", "deferred-c");
-    drop(
-        writer
-            .commit_many_deferred(&[Commit {
-                id: "c",
-                recipes: std::slice::from_ref(&c),
-                key: None,
-            }])
-            .expect("commit"),
-    );
+    let (pending, b) = put("b");
+    drop(pending);
+    let (pending, c) = put("c");
+    drop(pending);
     assert_eq!(store.pending().expect("pending"), ["b", "c"]);
     let victim = store.chunk_path(&c.chunks[1].id);
     let mut raw = fs::read(&victim).expect("chunk");
