@@ -1315,6 +1315,21 @@ mod tests {
     }
 
     #[test]
+    fn objstore_early_write_back_defaults_to_on_and_is_a_boolean() {
+        let base = "[objstore]\nendpoint = \"http://127.0.0.1:8333\"\nbucket = \"b\"\ncredentials_file = \"c\"\n";
+        assert!(parse(base).unwrap().objstore.unwrap().early_write_back);
+        let c = parse(&format!("{base}early_write_back = false\n")).unwrap();
+        assert!(!c.objstore.unwrap().early_write_back);
+        let e = parse(&format!("{base}early_write_back = \"no\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("torpord.toml: objstore.early_write_back "),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn every_number_is_bounded() {
         for (table, key, largest, refused, range) in LIMITS {
             let text = |v: &str| format!("[{table}]\n{key} = {v}\n");
