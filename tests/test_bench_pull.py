@@ -47,3 +47,6 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     assert phases is not None and set(phases) >= {"files_s", "segments_s", "files_fetch_s", "files_commit_s", "register_s"}, phases
     assert all(0 <= v <= run["pull_s"] + 0.05 for v in phases.values()), (phases, run["pull_s"])
     assert s["pull_phases_s"] == phases, s
+    # The records' syncfs after the answer: timed from it, and not part of the first start.
+    assert run["commit_bg_s"] is not None and run["commit_bg_s"] >= 0, run
+    assert s["commit_bg_s"] == run["commit_bg_s"], s

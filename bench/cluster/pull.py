@@ -21,14 +21,16 @@ everything on loopback; run as root (torpord, CRIU):
    materialise_wait_s + files_commit_s, and beside the pipeline files_fetch_s, segments_s,
    files_materialise_s, files_verify_s; then portability_s, register_s; docs/objstore.md),
    then the first invoke (timed: restore to first answer, with the daemon's
-   phases), then B's own cold start (`torpor stop`, invoke again). B is stopped and its state
+   phases) while the pull's records become durable in the background (`commit_bg_s`: from the
+   pull's answer until the store's pending markers are gone), then B's own cold start (`torpor stop`, invoke again). B is stopped and its state
    removed after each run, so every run pulls everything.
 
 Summary: `pull_gbps` (median pulled bytes ÷ pull_s), `transfer_gbps` (the best raw GET, one or
 8 streams), `pull_efficiency` = pull_gbps ÷ transfer_gbps (the issue's target: ≥ 0.8),
 `pull_over_chunk_gets` (pull_gbps ÷ raw GETs, 8 at a time, of as many objects as the pull's
 chunks, of their mean size: the store's per-request cost, without Torpor's),
-`first_start_s` (pull + restore to first answer, median), `cold_start_s` (A's), and whether the
+`first_start_s` (pull + restore to first answer, median; the records' syncfs is not in it:
+`commit_bg_s`), `cold_start_s` (A's), and whether the
 first start is within the target: ≤ cold start + the pulled bytes at 80 % of the transfer speed.
 
 `--model cpu` runs the CPU function of bench/coldstart (8 MiB of weights, host-backend segments)
@@ -251,9 +253,10 @@ def disk_speed(directory: Path, size: int, drop_cache: bool) -> Json:
 # The nodes
 
 
-def objstore_table(seaweed: Seaweed, directory: Path, parallel: int) -> Json:
+def objstore_table(seaweed: Seaweed, directory: Path, parallel: int, early_write_back: bool | None = None) -> Json:
     seaweed.config(directory, BUCKET)
-    return {
+    extra = {} if early_write_back is None else {"early_write_back": early_write_back}
+    return extra | {
         "endpoint": seaweed.endpoint,
         "bucket": BUCKET,
         "credentials_file": str(directory / f"{BUCKET}.credentials"),
@@ -279,6 +282,37 @@ def median_phases(phases: list[Json | None]) -> Json | None:
     return {k: round(statistics.median(float(p[k]) for p in got), 4) for k in got[0]}
 
 
+COMMIT_WAIT_S = 120.0
+
+
+class CommitWatch(threading.Thread):
+    """From now until `pending` (the chunk store's markers of records not yet durable) is
+    empty: the pull's background syncfs."""
+
+    def __init__(self, pending: Path) -> None:
+        super().__init__(daemon=True)
+        self.pending = pending
+        self.seconds: float | None = None
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < COMMIT_WAIT_S:
+            try:
+                left = any(self.pending.iterdir())
+            except FileNotFoundError:  # a torpord from before deferred commits
+                left = False
+            if not left:
+                self.seconds = round(time.perf_counter() - t0, 4)
+                return
+            time.sleep(0.002)
+
+
+def watch_commit(pending: Path) -> CommitWatch:
+    w = CommitWatch(pending)
+    w.start()
+    return w
+
+
 def fresh_state(state: Path, key_from: Path) -> None:
     """An empty state directory holding only the cluster's snapshot key."""
     if state.exists():
@@ -298,6 +332,9 @@ def main(argv: list[str]) -> int:
                    help="--model cpu: the size of its weights (default 8): a CPU pull of GPU-like size")
     p.add_argument("--parallel", type=int, default=STREAMS,
                    help=f"torpord's objstore.parallel for push and pull, and the chunk probe's streams (default {STREAMS})")
+    p.add_argument("--early-write-back", choices=("on", "off"), default=None,
+                   help="torpord's objstore.early_write_back for the pulling node (default: torpord's; "
+                        "a torpord from before session 17 refuses the key)")
     p.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before the disk read")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="start no further run once one more would end past this many seconds (default 480: the GPU "
@@ -335,12 +372,15 @@ def main(argv: list[str]) -> int:
         "torpor_commit": os.environ.get("TORPOR_COMMIT"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "parallel": args.parallel,
+        "early_write_back": args.early_write_back,
         "cpu_weights_bytes": split.CPU_WEIGHTS_BYTES if not model.gpu else None,
         "runs": [],
     }
     try:
         seaweed.create_bucket(BUCKET)
         table = objstore_table(seaweed, work, args.parallel)
+        table_b = objstore_table(seaweed, work, args.parallel,
+                                 None if args.early_write_back is None else args.early_write_back == "on")
         fdir = split.assemble(model.name, model, work / "functions", say)
 
         say("node A: deploy (pushes to the bucket)")
@@ -372,14 +412,17 @@ def main(argv: list[str]) -> int:
                     break
             state_b = work / "state-b"
             fresh_state(state_b, a.state / "snapshot.key")
-            b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table), logs)
+            b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table_b), logs)
             t0 = time.perf_counter()
             status, _, body = b.request("POST", f"/v1/functions/{model.name}/pull")
             pull_s = time.perf_counter() - t0
             if status != 200:
                 raise RuntimeError(f"pull answered {status}: {body[:500]!r}\n{b.log_tail()}")
             pulled = json.loads(body)
+            durable = watch_commit(state_b / "chunks" / "pending")
             first = b.invoke(model.name, model.request)
+            first_done = time.perf_counter() - t0 - pull_s
+            durable.join(timeout=COMMIT_WAIT_S)
             # B's own cold start, now that the snapshot is in its store.
             b.stop_function(model.name)
             again = b.invoke(model.name, model.request)
@@ -395,6 +438,11 @@ def main(argv: list[str]) -> int:
                 "mean_chunk_bytes": pulled["pulled_bytes"] // max(1, pulled["pulled_chunks"]),
                 "restore_to_first_answer_s": first["wall_s"],
                 "first_start_s": round(pull_s + first["wall_s"], 4),
+                # The records' syncfs after the answer (docs/objstore.md, "Durability after the
+                # answer"): from the answer until the store's pending markers were gone (None:
+                # not within COMMIT_WAIT_S), and whether that came after the first answer.
+                "commit_bg_s": durable.seconds,
+                "commit_bg_after_first_answer": durable.seconds is None or durable.seconds > first_done,
                 "cold_start_after_s": again["wall_s"],
                 "start": first["start"],
                 "timings": first["timings"],
@@ -431,6 +479,8 @@ def main(argv: list[str]) -> int:
             "pull_phases_s": median_phases([r.get("phases") for r in runs]),
             "restore_to_first_answer_s": statistics.median(r["restore_to_first_answer_s"] for r in runs),
             "first_start_s": first_s,
+            "commit_bg_s": statistics.median(r["commit_bg_s"] for r in runs if r["commit_bg_s"] is not None)
+            if any(r["commit_bg_s"] is not None for r in runs) else None,
             "cold_start_s": cold_s,
             "target_first_start_s": round(bound, 4),
             "first_start_within_target": first_s <= bound,

@@ -366,6 +366,87 @@ def test_a_pull_killed_while_it_writes_the_snapshot_aside_commits_nothing_and_th
     assert r.status == 200 and r.json() == {"name": "os-killed", "x": 7}, (r.status, r.body)
 
 
+def chunk_files(store: Path) -> set[Path]:
+    return {p for p in (store / "chunks").rglob("*") if p.is_file()}
+
+
+def test_a_pull_answers_before_the_disk_and_a_daemon_killed_before_its_commit_settles_it(
+    nodes: tuple[Torpord, Torpord], tmp_path: Path
+) -> None:
+    """The pull answers once every chunk is fetched, checked and written (the page cache), the
+    directory written and verified; the records' syncfs runs after, in the background
+    (docs/objstore.md, "Durability after the answer"). With that held back
+    (`TORPORD_DELAY=pull-commit:60000`), a split function's pull answers with its records
+    pending and its first invoke restores from them (segments included). torpord killed -9 in
+    that window: restarted, it settles the records from their chunks, all whole, so they stand,
+    and the function answers identically without a pull. A second function whose fresh chunk is
+    damaged in that window (as a power loss could leave it): released at the restart with its
+    function, and its next invoke pulls it again and answers as A does."""
+    a, b = nodes
+    ok = splitbuf_as(tmp_path, "os-deferred")
+    (ok / "table.bin").write_bytes(os.urandom(12288))
+    torn = splitbuf_as(tmp_path, "os-deferred-torn")
+    (torn / "table.bin").write_bytes(os.urandom(12288))
+    sids = {}
+    for d in (ok, torn):
+        (snap,) = [x for x in a.deploy(d) if x.get("phase") == "snapshot_function"]
+        sids[d.name] = snap["snapshot"]
+    store = b.state / "chunks"
+    pending, refs = store / "pending", store / "refs"
+    want = {"op": "compute", "x": 3}
+    ra = {d.name: a.invoke(d.name, want) for d in (ok, torn)}
+    assert all(r.status == 200 for r in ra.values()), {n: r.body for n, r in ra.items()}
+
+    b.stop()
+    b.env["TORPORD_DELAY"] = "pull-commit:60000"
+    b.restart()
+    try:
+        pulled = client.Client(b.socket).pull("os-deferred")
+        assert pulled.pulled_chunks > 0, pulled
+        sid = sids["os-deferred"]
+        # Answered with both records written and both still waiting for their syncfs.
+        assert sorted(p.name for p in pending.iterdir()) == sorted([sid, f"{sid}.files"]), list(pending.iterdir())
+        assert (refs / f"{sid}.json").exists() and (refs / f"{sid}.files.json").exists()
+        rb = b.invoke("os-deferred", want)
+        assert rb.status == 200 and rb.start == "restored" and "segments" in rb.timings, (rb.body, b.log_text())
+        assert rb.json()["sha"] == ra["os-deferred"].json()["sha"], (rb.body, ra["os-deferred"].body)
+        assert (pending / sid).exists(), "the commit ran before the first start answered: the window was missed"
+
+        before = chunk_files(store)
+        client.Client(b.socket).pull("os-deferred-torn")
+        tsid = sids["os-deferred-torn"]
+        fresh = sorted(chunk_files(store) - before, key=lambda p: p.stat().st_size)
+        assert fresh and (pending / tsid).exists(), (fresh, list(pending.iterdir()))
+        victim = fresh[-1]
+        raw = bytearray(victim.read_bytes())
+        raw[-1] ^= 0xFF
+        b.proc.kill()
+        b.proc.wait()
+        victim.write_bytes(bytes(raw))
+    finally:
+        del b.env["TORPORD_DELAY"]
+    b.restart()
+    # The API serves once the pulls left pending are settled.
+    assert client.Client(b.socket).placement("os-deferred").known
+    log = b.log.read_text(errors="replace")
+    assert not list(pending.iterdir()), (list(pending.iterdir()), log)
+    assert "every chunk is whole, its record stands" in log, log
+    assert "did not reach the disk whole" in log and "os-deferred-torn" in log, log
+    # Settled whole: registered still, nothing pulled again, the same answer.
+    assert (refs / f"{sid}.json").exists() and (refs / f"{sid}.files.json").exists()
+    again = client.Client(b.socket).pull("os-deferred")
+    assert again.pulled_chunks == 0, again
+    rb = b.invoke("os-deferred", want)
+    assert rb.status == 200 and rb.json()["sha"] == ra["os-deferred"].json()["sha"], (rb.body, b.log_text())
+    # Released: unknown here, so its invoke pulls it again (the damaged chunk moved aside and
+    # fetched anew) and answers as A does.
+    assert client.Client(b.socket).placement("os-deferred-torn").known is False
+    assert not (b.state / "snapshots" / tsid).exists()
+    rt = b.invoke("os-deferred-torn", want)
+    assert rt.status == 200 and rt.json()["sha"] == ra["os-deferred-torn"].json()["sha"], (rt.body, b.log_text())
+    assert (refs / f"{tsid}.json").exists() and victim.exists()
+
+
 def test_a_reopened_file_that_differs_on_the_pulling_node_is_refused_naming_it(
     nodes: tuple[Torpord, Torpord], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -614,3 +614,78 @@ fn commit_many_commits_every_record_after_one_check_or_none() {
     ids.sort();
     assert_eq!(ids, ["files", "segments"]);
 }
+
+/// A deferred commit: readers find the records at once, each with its pending marker until
+/// `finish`; left unfinished (a process killed), `settle` keeps a record whose chunks are all
+/// whole and releases one with a damaged chunk (moved aside) or an unreadable record.
+#[test]
+fn deferred_commits_are_read_at_once_and_settled_from_their_chunks() {
+    use torpor_image::store::{Commit, Settled};
+    let (_dir, store) = store();
+    // A recipe of its own committed deferred as snapshot `name`.
+    let put = |name: &str| {
+        let mut writer = store.writer().expect("writer");
+        let data = random(3 * SEGMENT_CHUNK_BYTES / 2, &format!("deferred-{name}"));
+        let recipe = writer.put_bytes(name, &data).expect("put");
+        let pending = writer
+            .commit_many_deferred(&[Commit {
+                id: name,
+                recipes: std::slice::from_ref(&recipe),
+                key: None,
+            }])
+            .expect("commit");
+        (pending, recipe)
+    };
+    let (pending, a) = put("a");
+    assert_eq!(pending.ids(), ["a"]);
+    assert_eq!(store.pending().expect("pending"), ["a"]);
+    assert_eq!(
+        store.recipes("a").expect("recipes"),
+        std::slice::from_ref(&a)
+    );
+    pending.finish().expect("finish");
+    assert!(store.pending().expect("pending").is_empty());
+
+    // Two left pending, as by a process killed before finish.
+    let (pending, b) = put("b");
+    drop(pending);
+    let (pending, c) = put("c");
+    drop(pending);
+    assert_eq!(store.pending().expect("pending"), ["b", "c"]);
+    let victim = store.chunk_path(&c.chunks[1].id);
+    let mut raw = fs::read(&victim).expect("chunk");
+    *raw.last_mut().expect("bytes") ^= 0xFF;
+    fs::write(&victim, raw).expect("write");
+
+    assert_eq!(store.settle("b").expect("settle"), Settled::Committed);
+    assert_eq!(
+        read_back(&store, &b),
+        random(3 * SEGMENT_CHUNK_BYTES / 2, "deferred-b")
+    );
+    let Settled::Released(why) = store.settle("c").expect("settle") else {
+        panic!("a record with a damaged chunk stood");
+    };
+    assert!(why.contains(&c.chunks[1].id.to_hex()), "{why}");
+    assert!(store.pending().expect("pending").is_empty());
+    let err = store.recipes("c").expect_err("released");
+    assert!(matches!(err, StoreError::UnknownSnapshot { .. }), "{err}");
+    assert!(
+        !store.contains(&c.chunks[1].id),
+        "the damaged chunk was not moved aside"
+    );
+
+    // A marker whose record was never written, or is torn: nothing stands.
+    fs::write(store.root().join("pending").join("d"), b"").expect("marker");
+    fs::write(store.root().join("pending").join("e"), b"").expect("marker");
+    fs::write(store.root().join("refs").join("e.json"), b"{\"form").expect("torn record");
+    assert!(matches!(
+        store.settle("d").expect("settle"),
+        Settled::Released(_)
+    ));
+    assert!(matches!(
+        store.settle("e").expect("settle"),
+        Settled::Released(_)
+    ));
+    assert!(store.recipes("e").is_err() && store.pending().expect("pending").is_empty());
+    assert_eq!(store.gc().expect("gc").snapshots, 2);
+}

@@ -83,7 +83,9 @@ mod sealed;
 pub use client::{Remote, Traffic};
 pub use config::{Credentials, RemoteConfig};
 pub use error::{ConfigError, ObjError, TransferError};
-pub use pull::{pull, pull_snapshot, PullReport, PullTimings, SealedPart, SnapshotPull};
+pub use pull::{
+    pull, pull_snapshot, pull_snapshot_deferred, PullReport, PullTimings, SealedPart, SnapshotPull,
+};
 pub use push::{push, PushReport};
 pub use sealed::{
     pull_sealed_record, push_sealed_record, SealedRecordReport, SEALED_RECORD_OBJECT,

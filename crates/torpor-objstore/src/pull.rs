@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use std::sync::Mutex;
 
-use torpor_image::store::{open_sealed_record, ChunkStore, Commit, Recipe, StoreError};
+use torpor_image::store::{open_sealed_record, ChunkStore, Commit, Pending, Recipe, StoreError};
 use torpor_image::{Manifest, Snapshot, SnapshotKey, Trust, MAC_FILE, MANIFEST_FILE};
 
 use crate::client::{Remote, Traffic};
@@ -145,6 +145,69 @@ pub fn pull_snapshot(
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<SnapshotPull, TransferError> {
+    let mode = Mode {
+        deferred: false,
+        early_write_back: true,
+    };
+    pull_snapshot_with(
+        remote, store, id, out, trust, sealed, parallel, progress, mode,
+    )
+    .map(|(pull, _)| pull)
+}
+
+/// [`pull_snapshot`] that answers before the disk: once every chunk is fetched, checked
+/// against its id and written (into the page cache), and the directory written and verified,
+/// the records are committed without a syncfs
+/// ([`StoreWriter::commit_many_deferred`](torpor_image::store::StoreWriter::commit_many_deferred))
+/// and `out` renamed into place; the returned [`Pending`] makes them durable
+/// ([`Pending::finish`], one syncfs: run it in the background). Readers find the records at
+/// once. Until it finishes, a dead process leaves the records pending, and
+/// [`ChunkStore::settle`] decides at the next start (docs/objstore.md, "Durability after the
+/// answer"). `commit_s` is then the records' writing alone. `early_write_back`: start each
+/// chunk's disk write as it is stored, as [`pull_snapshot`] does; without it the page cache
+/// holds them until [`Pending::finish`].
+#[allow(clippy::too_many_arguments)]
+pub fn pull_snapshot_deferred(
+    remote: &Remote,
+    store: &ChunkStore,
+    id: &str,
+    out: &Path,
+    trust: Trust<'_>,
+    sealed: Option<SealedPart<'_>>,
+    parallel: usize,
+    early_write_back: bool,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<(SnapshotPull, Option<Pending>), TransferError> {
+    let mode = Mode {
+        deferred: true,
+        early_write_back,
+    };
+    pull_snapshot_with(
+        remote, store, id, out, trust, sealed, parallel, progress, mode,
+    )
+}
+
+/// How [`pull_snapshot_with`] makes its chunks and records durable.
+#[derive(Debug, Clone, Copy)]
+struct Mode {
+    /// The records committed before their syncfs, which the caller runs ([`Pending`]).
+    deferred: bool,
+    /// Each chunk's disk write started as it is stored.
+    early_write_back: bool,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pull_snapshot_with(
+    remote: &Remote,
+    store: &ChunkStore,
+    id: &str,
+    out: &Path,
+    trust: Trust<'_>,
+    sealed: Option<SealedPart<'_>>,
+    parallel: usize,
+    progress: &(dyn Fn(Progress) + Sync),
+    mode: Mode,
+) -> Result<(SnapshotPull, Option<Pending>), TransferError> {
     torpor_image::store::check_snapshot_id(id)?;
     if let Some(part) = sealed {
         torpor_image::store::check_snapshot_id(part.id)?;
@@ -171,7 +234,12 @@ pub fn pull_snapshot(
 
     // Chunks: only those the store lacks. The writer's shared lock keeps a GC from deleting
     // the ones already here (or fetched) before the records that reference them are committed.
-    let writer = store.writer()?.write_back_early();
+    let writer = store.writer()?;
+    let writer = if mode.early_write_back {
+        writer.write_back_early()
+    } else {
+        writer
+    };
     let files_missing = |key: &str| missing(id, key);
     let sealed_id = sealed.map_or("", |p| p.id);
     let sealed_missing = |key: &str| missing(sealed_id, key);
@@ -308,15 +376,26 @@ pub fn pull_snapshot(
     let result = plan.and_then(|()| {
         if commits.is_empty() {
             drop(writer);
-            Ok(())
+            Ok(None)
+        } else if mode.deferred {
+            writer
+                .commit_many_deferred(&commits)
+                .map(Some)
+                .map_err(TransferError::from)
         } else {
-            writer.commit_many(&commits).map_err(TransferError::from)
+            writer
+                .commit_many(&commits)
+                .map(|()| None)
+                .map_err(TransferError::from)
         }
     });
-    if let Err(e) = result {
-        aside.remove();
-        return Err(e);
-    }
+    let pending = match result {
+        Ok(p) => p,
+        Err(e) => {
+            aside.remove();
+            return Err(e);
+        }
+    };
     timings.commit_s = committed.elapsed().as_secs_f64();
     aside.rename_to(out)?;
     let total = down.first().map_or(0, |d| d.total);
@@ -329,7 +408,7 @@ pub fn pull_snapshot(
             chunks: d.total,
             moved: d.fetched,
         });
-    Ok(SnapshotPull {
+    let pull = SnapshotPull {
         files: PullReport {
             id: id.to_owned(),
             bucket,
@@ -343,7 +422,8 @@ pub fn pull_snapshot(
             timings,
         },
         sealed: sealed_report,
-    })
+    };
+    Ok((pull, pending))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

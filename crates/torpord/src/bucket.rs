@@ -165,6 +165,17 @@ pub struct PullPhases {
     pub register_s: f64,
 }
 
+/// Makes a pull's records durable now (blocking), or logs why not: their markers then stay
+/// for the next start's settle.
+pub fn finish_pending(pending: Option<torpor_image::store::Pending>) {
+    if let Some(p) = pending {
+        let ids = p.ids().join(", ");
+        if let Err(e) = p.finish() {
+            tracing::error!(snapshots = %ids, error = %e, "a pull's records are not durable: the next start checks their chunks");
+        }
+    }
+}
+
 /// A pull's transfer, before the function is registered.
 #[derive(Debug)]
 pub struct Fetched {
@@ -173,6 +184,10 @@ pub struct Fetched {
     pub pulled_bytes: u64,
     pub pulled_chunks: u64,
     pub phases: PullPhases,
+    /// The records' durability, still to come ([`torpor_image::store::Pending::finish`], in
+    /// the background): the pull answers before the disk (docs/objstore.md, "Durability after
+    /// the answer").
+    pub pending: Option<torpor_image::store::Pending>,
 }
 
 /// Why a push did not happen. The deploy still succeeded: this is reported beside it.
@@ -551,7 +566,7 @@ impl Tier {
         // writing meanwhile, the directory written and verified as soon as the files' chunks
         // are in, then one syncfs for both records.
         let t = Instant::now();
-        let pulled = torpor_objstore::pull_snapshot(
+        let pulled = torpor_objstore::pull_snapshot_deferred(
             &remote,
             store,
             &files_id(&record.snapshot),
@@ -562,13 +577,14 @@ impl Tier {
                 key,
             }),
             self.config.parallel,
+            self.config.early_write_back,
             &|_| {},
         );
         phases.files_s = t.elapsed().as_secs_f64();
         // Nothing is committed on an error, but for a failed write of the segments' record
         // after the files' one (the files' record is committed first): that one is only a
         // cache of chunks, trimmed as such (Tier::trim).
-        let pulled = pulled?;
+        let (pulled, pending) = pulled?;
         let (report, segments) = (pulled.files, pulled.sealed);
         let t = report.timings;
         phases.files_metadata_s = t.metadata_s;
@@ -603,6 +619,8 @@ impl Tier {
                 tracing::warn!(path = %out.display(), error = %e, "cannot remove a pulled snapshot that is not portable");
             }
             crate::split::release_snapshot_of_dir(&out);
+            // The records stay as a cache of chunks: durable like any other.
+            finish_pending(pending);
             return Err(PullError::NotPortable(e));
         }
         phases.portability_s = portability.elapsed().as_secs_f64();
@@ -612,6 +630,7 @@ impl Tier {
             pulled_bytes: remote.traffic().bytes_down,
             pulled_chunks: report.fetched + segments.map_or(0, |s| s.moved),
             phases,
+            pending,
         })
     }
 

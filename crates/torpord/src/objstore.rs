@@ -172,8 +172,27 @@ impl crate::runtime::Runtime {
         })
         .await
         .map_err(|e| PullError::StoreOpen(format!("the pull task failed: {e}")))??;
+        let mut fetched = fetched;
+        let pending = fetched.pending.take();
         let registering = Instant::now();
-        self.register_pulled(&fetched).await.map_err(|e| {
+        let registered = self.register_pulled(&fetched).await;
+        // The records' syncfs, off the first start's path: the chunks and the directory are
+        // verified and in the page cache, the bucket keeps the durable copy, and a daemon
+        // killed before this ends settles the records at its next start (settle_pulls).
+        if let Some(p) = pending {
+            let ids = p.ids().join(", ");
+            tokio::spawn(async move {
+                crate::journal::delay("pull-commit").await;
+                let t = Instant::now();
+                let done =
+                    tokio::task::spawn_blocking(move || crate::bucket::finish_pending(Some(p)))
+                        .await;
+                if done.is_ok() {
+                    tracing::info!(snapshots = %ids, seconds = t.elapsed().as_secs_f64(), "a pull's records are durable");
+                }
+            });
+        }
+        registered.map_err(|e| {
             crate::runtime::remove_snapshot_dir(&fetched.snapshot_dir);
             PullError::StoreOpen(e)
         })?;
@@ -251,6 +270,78 @@ impl crate::runtime::Runtime {
         self.forget_sandbox_routes();
         self.keep_standbys(&r.name, &r.spec).await;
         Ok(())
+    }
+
+    /// At start, before the API serves: the records of pulls whose syncfs never ran (the
+    /// daemon died after the pull answered) are settled from their chunks
+    /// ([`torpor_image::store::ChunkStore::settle`]). One that is released takes its function
+    /// with it (registry rows, snapshot directory), so that the next invoke pulls it again
+    /// instead of restoring from a snapshot that did not reach the disk whole. Blocking.
+    pub fn settle_pulls(&self) {
+        let functions = self.registry.with(|s| s.functions()).unwrap_or_default();
+        let mut tenants: BTreeSet<String> = functions
+            .iter()
+            .map(|f| crate::tenant::of_spec(&f.spec).to_string())
+            .collect();
+        tenants.insert(crate::tenant::DEFAULT_TENANT.to_string());
+        for tenant in tenants {
+            let Ok(store) = self.split.store_for(&tenant) else {
+                continue;
+            };
+            let ids = match store.pending() {
+                Ok(ids) => ids,
+                Err(e) => {
+                    tracing::warn!(store = %store.root().display(), error = %e, "cannot list the pulls left pending");
+                    continue;
+                }
+            };
+            for id in ids {
+                // The function on that snapshot (its files' record or its segments').
+                let snapshot = id.strip_suffix(".files").unwrap_or(&id);
+                let owner = functions
+                    .iter()
+                    .find(|f| f.snapshot.as_deref() == Some(snapshot));
+                let why = match store.settle(&id) {
+                    Ok(torpor_image::store::Settled::Committed) => {
+                        // The directory was written from these chunks without a syncfs too:
+                        // hashed against its manifest before it is restored from again.
+                        let dir = owner.and_then(|_| {
+                            self.registry.with(|s| s.snapshot(snapshot)).ok().flatten()
+                        });
+                        let checked = match dir {
+                            Some(d) if id.ends_with(".files") => {
+                                torpor_image::Snapshot::open(&d.path)
+                                    .and_then(|s| s.verify())
+                                    .map(|_| ())
+                            }
+                            _ => Ok(()),
+                        };
+                        match checked {
+                            Ok(()) => {
+                                tracing::info!(snapshot = %id, "a pull left pending by a dead daemon: every chunk is whole, its record stands");
+                                continue;
+                            }
+                            Err(e) => format!("its snapshot directory does not verify: {e}"),
+                        }
+                    }
+                    Ok(torpor_image::store::Settled::Released(why)) => why,
+                    Err(e) => e.to_string(),
+                };
+                tracing::warn!(snapshot = %id, function = owner.map(|f| f.name.as_str()), reason = %why, "a pull left pending by a dead daemon did not reach the disk whole: released, its function is pulled again on its next invoke");
+                let Some(f) = owner else { continue };
+                match self.registry.with(|s| s.delete_function(&f.name)) {
+                    Ok(snapshots) => {
+                        for s in snapshots.unwrap_or_default() {
+                            self.staging.remove(&s.path);
+                            crate::runtime::remove_snapshot_dir(&s.path);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!(function = %f.name, error = %e, "cannot remove a function whose pull did not reach the disk: delete it and pull it again")
+                    }
+                }
+            }
+        }
     }
 
     /// At start, and then every few seconds: the pushes that failed are tried again when due.

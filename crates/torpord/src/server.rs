@@ -271,6 +271,14 @@ impl Daemon {
                 .filter_map(|init| crate::launcher::worker_pid(init).ok()),
         );
         let hub_task = tokio::spawn(Arc::clone(&runtime.hub).serve(workers_listener));
+        // Before the API serves and before anything restores: a pull whose records never
+        // reached the disk is settled from its chunks (crate::objstore).
+        {
+            let rt = Arc::clone(&runtime);
+            if let Err(e) = tokio::task::spawn_blocking(move || rt.settle_pulls()).await {
+                tracing::error!(error = %e, "settling the pulls left pending failed");
+            }
+        }
         // Before the API serves, so that a request waits for a re-adopted instance instead of
         // starting another one.
         runtime

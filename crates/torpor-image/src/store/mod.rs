@@ -66,6 +66,7 @@ mod compress;
 mod error;
 mod gc;
 mod lock;
+mod pending;
 mod read;
 mod recipe;
 mod records;
@@ -82,6 +83,7 @@ pub use chunking::{Chunking, PageCdc, PAGE_SIZE, SEGMENT_CHUNK_BYTES};
 pub use compress::{Compression, DEFAULT_ZSTD_LEVEL, MIN_SAVING_DIVISOR};
 pub use error::StoreError;
 pub use gc::GcReport;
+pub use pending::{Pending, Settled};
 pub use recipe::{ChunkRef, Recipe};
 pub use records::open_sealed_record;
 pub use usage::Usage;
@@ -94,6 +96,7 @@ const CHUNKS_DIR: &str = "chunks";
 const REFS_DIR: &str = "refs";
 const TMP_DIR: &str = "tmp";
 const CORRUPT_DIR: &str = "corrupt";
+const PENDING_DIR: &str = "pending";
 
 /// An opened chunk store. Cheap to clone; every operation works on the directory, so several
 /// `ChunkStore`s (threads, processes) may use one store at once.
@@ -118,7 +121,7 @@ impl ChunkStore {
             builder.recursive(true).mode(0o700);
             builder
         };
-        for dir in [CHUNKS_DIR, REFS_DIR, TMP_DIR, CORRUPT_DIR] {
+        for dir in [CHUNKS_DIR, REFS_DIR, TMP_DIR, CORRUPT_DIR, PENDING_DIR] {
             private().create(root.join(dir)).map_err(unusable)?;
         }
         // A store we cannot write to fails here, not halfway through a snapshot.

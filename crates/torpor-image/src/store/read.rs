@@ -217,7 +217,12 @@ impl ChunkStore {
     }
 
     /// Reads one chunk into `out`, checking it; a damaged chunk is moved aside.
-    fn read_chunk_into(&self, c: &ChunkRef, file: &str, out: &mut [u8]) -> Result<(), StoreError> {
+    pub(crate) fn read_chunk_into(
+        &self,
+        c: &ChunkRef,
+        file: &str,
+        out: &mut [u8],
+    ) -> Result<(), StoreError> {
         let path = self.chunk_path(&c.id);
         let mut handle = match File::options()
             .read(true)

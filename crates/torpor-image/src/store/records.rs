@@ -78,12 +78,14 @@ pub(crate) fn record_path(store: &ChunkStore, id: &str) -> PathBuf {
 }
 
 /// Writes the record of `id` whole or not at all, never replacing an existing one; sealed with
-/// `key` when given.
+/// `key` when given. `durable`: fsync'd with its directory before this returns; else the
+/// caller makes it durable later (a deferred commit's syncfs, [`crate::store::Pending`]).
 pub(crate) fn write_record(
     store: &ChunkStore,
     id: &str,
     recipes: &[Recipe],
     key: Option<&SnapshotKey>,
+    durable: bool,
 ) -> Result<(), StoreError> {
     let mut record = Record {
         format: RECORD_FORMAT,
@@ -105,7 +107,10 @@ pub(crate) fn write_record(
     let written = File::create(&tmp)
         .and_then(|mut f| {
             f.write_all(&json)?;
-            f.sync_all()
+            if durable {
+                f.sync_all()?;
+            }
+            Ok(())
         })
         .map_err(|e| io_error("write", &tmp, e));
     if let Err(e) = written {
@@ -123,10 +128,13 @@ pub(crate) fn write_record(
         }
         Err(e) => return Err(io_error("write", &path, e)),
     }
-    sync_dir(&store.refs_dir())
+    if durable {
+        sync_dir(&store.refs_dir())?;
+    }
+    Ok(())
 }
 
-fn read_record(path: &Path, id: &str) -> Result<Record, StoreError> {
+pub(crate) fn read_record(path: &Path, id: &str) -> Result<Record, StoreError> {
     let bytes = fs::read(path).map_err(|e| io_error("read", path, e))?;
     parse_record(&bytes, path, id)
 }

@@ -14,6 +14,7 @@ use crate::auth::SnapshotKey;
 use crate::store::chunk::{self, HEADER_LEN};
 use crate::store::error::{io_error, StoreError};
 use crate::store::lock::{self, Mode, StoreLock};
+use crate::store::pending::Pending;
 use crate::store::records;
 use crate::store::{check_snapshot_id, ChunkId, ChunkRef, ChunkStore, Chunking, Recipe};
 
@@ -208,9 +209,29 @@ impl StoreWriter<'_> {
         }
         syncfs(self.store.root())?;
         for c in records {
-            records::write_record(self.store, c.id, c.recipes, c.key)?;
+            records::write_record(self.store, c.id, c.recipes, c.key, true)?;
         }
         Ok(())
+    }
+
+    /// [`commit_many`](Self::commit_many) without waiting for the disk: each record's pending
+    /// marker is created, then the records are written (not fsync'd), so that readers find
+    /// them at once; the returned [`Pending`] makes chunks and records durable
+    /// ([`Pending::finish`]: one syncfs) and removes the markers. A process that dies before
+    /// that leaves the markers, and [`ChunkStore::settle`] decides then, from the chunks
+    /// themselves, whether each record stands. Ends the writer.
+    pub fn commit_many_deferred(self, records: &[Commit<'_>]) -> Result<Pending, StoreError> {
+        for c in records {
+            self.check_commit(c.id, c.recipes)?;
+        }
+        let mut pending = Pending::new(self.store);
+        for c in records {
+            // The marker's name before the record's: a journalling filesystem commits
+            // namespace changes in order, so a record that survives a crash has its marker.
+            pending.mark(c.id)?;
+            records::write_record(self.store, c.id, c.recipes, c.key, false)?;
+        }
+        Ok(pending)
     }
 
     fn commit_with(
@@ -223,7 +244,7 @@ impl StoreWriter<'_> {
         // Every chunk written since the last sync reaches the disk before the record that
         // references them: one syncfs instead of an fsync per chunk.
         syncfs(self.store.root())?;
-        records::write_record(self.store, snapshot_id, recipes, key)
+        records::write_record(self.store, snapshot_id, recipes, key, true)
     }
 
     /// Why `recipes` cannot be committed as snapshot `snapshot_id`, if they cannot.
@@ -317,7 +338,7 @@ pub(crate) fn write_private(path: &Path, bytes: &[u8], write_back: bool) -> std:
 }
 
 /// Flushes the filesystem holding `dir` (syncfs(2)).
-fn syncfs(dir: &Path) -> Result<(), StoreError> {
+pub(crate) fn syncfs(dir: &Path) -> Result<(), StoreError> {
     let handle = File::open(dir).map_err(|e| io_error("open", dir, e))?;
     // SAFETY: syncfs only reads the descriptor, which `handle` keeps open for the call.
     let rc = unsafe { libc::syncfs(handle.as_raw_fd()) };
