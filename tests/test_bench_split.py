@@ -59,16 +59,16 @@ def test_a_variant_runs_its_mode_with_its_own_config_after_the_mode() -> None:
         [
             "--out", "x.json",
             "--modes", "burst8@serial,cold,burst8",
-            "--daemon-config", "burst8:restore_server.driver_restores=0",
-            "--daemon-config", "burst8@serial:restore_server.driver_restores=1",
+            "--daemon-config", "burst8:restore_server.gpu_restores=0",
+            "--daemon-config", "burst8@serial:restore_server.gpu_restores=1",
         ]
     )
     assert a.modes == ["cold", "burst8", "burst8@serial"]
-    assert split.mode_config("burst8", True, a.extra)["restore_server"]["driver_restores"] == 0
+    assert split.mode_config("burst8", True, a.extra)["restore_server"]["gpu_restores"] == 0
     serial = split.mode_config("burst8@serial", True, a.extra)["restore_server"]
     # The mode's own keys and config, then the variant's on top.
-    assert serial["driver_restores"] == 1 and serial["gpu_cache_bytes"] == split.GPU_CACHE_BYTES
-    assert "driver_restores" not in split.mode_config("cold", True, a.extra)["restore_server"]
+    assert serial["gpu_restores"] == 1 and serial["gpu_cache_bytes"] == split.GPU_CACHE_BYTES
+    assert "gpu_restores" not in split.mode_config("cold", True, a.extra)["restore_server"]
 
 
 @pytest.mark.parametrize("modes", ["nosuch@x", "burst8@Bad", "burst8@"])

@@ -4,10 +4,10 @@
 
 pub mod checkpoints;
 pub mod dirty_tracking;
-pub mod driver_slots;
 pub mod empty_gpu_memory;
 pub mod fault;
 pub mod gpu_map;
+pub mod gpu_restore_slots;
 pub mod gpu_tasks;
 pub mod guard;
 pub mod inherited_mappings;

@@ -58,10 +58,10 @@ pub struct RestoreOptions<'a> {
     /// Host paths to bind at the external mounts of these keys instead of the paths recorded
     /// in the snapshot (torpord: its own state directory at [`crate::mounts::STATE_DIR_KEY`]).
     pub external_sources: &'a [(&'a str, &'a Path)],
-    /// A bound on the restores inside the driver's restore at once, shared with the caller's
-    /// other restores (torpord's `restore_server.driver_restores`); `None`: no bound. The wait
-    /// is the phase `cuda_wait`.
-    pub driver_slots: Option<&'a crate::driver_slots::DriverSlots>,
+    /// A bound on the GPU restores in flight at once (from CRIU's start to the end of the
+    /// driver's restore), shared with the caller's other restores (torpord's
+    /// `restore_server.gpu_restores`); `None`: no bound. The wait is the phase `restore_wait`.
+    pub gpu_restore_slots: Option<&'a crate::gpu_restore_slots::GpuRestoreSlots>,
 }
 
 /// How a restore checks the snapshot's files against its manifest.
@@ -448,6 +448,16 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     if interrupt::interrupted() {
         return Err(RestoreError::Interrupted);
     }
+    // A restore that resumes GPU state holds one of the caller's slots from CRIU's start until
+    // the driver's restore ended (dropped there, or with any error on the way).
+    let slot = match (&plan, opts.gpu_restore_slots) {
+        (Some(_), Some(slots)) if opts.resume_gpu => {
+            let (slot, waited) = slots.acquire(GPU_RESTORE_SLOT_WAIT);
+            phases.0.push(("restore_wait".to_string(), waited));
+            slot
+        }
+        _ => None,
+    };
 
     std::fs::create_dir_all(opts.log_dir).map_err(|source| RestoreError::LogDir {
         path: opts.log_dir.to_path_buf(),
@@ -653,15 +663,9 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
                         }
                     });
                 }
-                let slot = opts.driver_slots.map(|slots| {
-                    let (slot, waited) = slots.acquire(DRIVER_SLOT_WAIT);
-                    phases.0.push(("cuda_wait".to_string(), waited));
-                    slot
-                });
                 let resumed = phases
                     .time("cuda_restore", || tasks.restore_all(&plan.pairs))
                     .and_then(|_| phases.time("cuda_unlock", || tasks.unlock_all()));
-                drop(slot);
                 driver_done.store(true, std::sync::atomic::Ordering::Release);
                 resumed
             });
@@ -669,6 +673,8 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
             restore_thread::resume(&pids);
             resumed
         };
+        // The driver is done with it: the next GPU restore may start.
+        drop(slot);
         if let Err(source) = resumed {
             kill_restored();
             return Err(RestoreError::Gpu { source });
@@ -689,10 +695,10 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     })
 }
 
-/// How long a restore waits for a driver slot (RestoreOptions::driver_slots) before it goes on
-/// without one: far past what a burst's restores take (8 × 0.3 s on the H100), so it only ends
+/// How long a restore waits for a slot (RestoreOptions::gpu_restore_slots) before it goes on
+/// without one: far past what a burst's restores take (8 × 0.5 s on the H100), so it only ends
 /// a wait that something lost.
-const DRIVER_SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+const GPU_RESTORE_SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How long the driver's restore waits for a slow page server's hot set before it starts anyway
 /// (its faults are then served one run at a time).

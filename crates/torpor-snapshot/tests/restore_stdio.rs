@@ -164,7 +164,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         resume_gpu: true,
         cgroup: &[],
         external_sources: &[],
-        driver_slots: None,
+        gpu_restore_slots: None,
     })
     .err()
     .expect("refused");
@@ -191,7 +191,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         resume_gpu: true,
         cgroup: &[],
         external_sources: &[],
-        driver_slots: None,
+        gpu_restore_slots: None,
     })
     .expect("restore");
     // Both processes write on, each through its own descriptor, to the new file only.
@@ -240,7 +240,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         resume_gpu: true,
         cgroup: &[],
         external_sources: &[],
-        driver_slots: None,
+        gpu_restore_slots: None,
     })
     .expect("restore of the second snapshot");
     wait_for("the twice-restored tree to write the newer log", || {
@@ -261,7 +261,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         resume_gpu: true,
         cgroup: &[],
         external_sources: &[],
-        driver_slots: None,
+        gpu_restore_slots: None,
     })
     .expect("restore onto the recorded file");
     wait_for("the copy to append to the recorded log", || {
@@ -325,7 +325,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         resume_gpu: true,
         cgroup: &[],
         external_sources: &[],
-        driver_slots: None,
+        gpu_restore_slots: None,
     };
     let err = restore(&opts(Some(&new))).err().expect("refused");
     assert!(matches!(err, RestoreError::StdioUnknown), "{err}");

@@ -122,7 +122,7 @@ fn detached<'a>(
         resume_gpu: true,
         cgroup: &[],
         external_sources: &[],
-        driver_slots: None,
+        gpu_restore_slots: None,
     }
 }
 

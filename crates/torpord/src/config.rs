@@ -64,8 +64,9 @@
 //! host_devices = 1                # devices of the host backend, which instances without a GPU
 //!                                 # migrate between (docs/migration.md): 1 to 16
 //! host_device_bytes = 0           # segment bytes each host device may hold; 0: no bound
-//! driver_restores = 0             # restores inside the CUDA driver's restore at once (a burst's
-//!                                 # first instance is ready sooner; docs/split.md "Bursts");
+//! gpu_restores = 2                # GPU restores in flight at once, CRIU's start to the driver's
+//!                                 # end (a burst's first instance is up as if alone, the next
+//!                                 # one's CRIU overlaps its driver; docs/split.md "Bursts");
 //!                                 # 0: no bound; at most 64
 //!
 //! [pcie]                          # the fair PCIe scheduler of host→device copies (docs/sandboxes.md)
@@ -277,9 +278,9 @@ pub struct RestoreServer {
     /// Bytes of segments each host device may hold (0: no bound); a migration that would pass
     /// it is refused.
     pub host_device_bytes: u64,
-    /// Restores that may be inside the CUDA driver's restore at once (Runtime::driver_slots);
-    /// 0: no bound.
-    pub driver_restores: u32,
+    /// GPU restores that may be in flight at once, from CRIU's start to the end of the CUDA
+    /// driver's restore (Runtime::gpu_restore_slots); 0: no bound.
+    pub gpu_restores: u32,
 }
 
 /// The fair PCIe scheduler (`crate::split::pcie`, docs/sandboxes.md "Fair PCIe").
@@ -306,8 +307,9 @@ impl Default for PcieConfig {
     }
 }
 
-/// Default of `restore_server.driver_restores` (0: no bound).
-pub const DEFAULT_DRIVER_RESTORES: u32 = 0;
+/// Default of `restore_server.gpu_restores`: two, so that one restore's CRIU part overlaps
+/// the other's driver restore (docs/split.md "Bursts").
+pub const DEFAULT_GPU_RESTORES: u32 = 2;
 
 /// Default of `restore_server.stage_bytes`: 8 GiB (tmpfs memory is used only as snapshots are
 /// staged).
@@ -325,7 +327,7 @@ impl Default for RestoreServer {
             concurrent_snapshot: true,
             host_devices: 1,
             host_device_bytes: 0,
-            driver_restores: DEFAULT_DRIVER_RESTORES,
+            gpu_restores: DEFAULT_GPU_RESTORES,
         }
     }
 }
@@ -776,8 +778,8 @@ impl Config {
             if let Some(n) = t.integer("host_device_bytes", 0, max)? {
                 r.host_device_bytes = u64::try_from(n).unwrap_or(0);
             }
-            if let Some(n) = t.integer("driver_restores", 0, 64)? {
-                r.driver_restores = u32::try_from(n).unwrap_or(0);
+            if let Some(n) = t.integer("gpu_restores", 0, 64)? {
+                r.gpu_restores = u32::try_from(n).unwrap_or(0);
             }
             t.finish()?;
         }
@@ -1322,7 +1324,7 @@ mod tests {
         ("restore_server", "host_cache_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807", "-1"], "from 0 to 1125899906842624"),
         ("restore_server", "gpu_cache_bytes", "1125899906842624", &["1125899906842625", "-1"], "from 0 to 1125899906842624"),
         ("restore_server", "stage_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807"], "from 0 to 1125899906842624"),
-        ("restore_server", "driver_restores", "64", &["65", "-1", "1.5", "\"2\""], "from 0 to 64"),
+        ("restore_server", "gpu_restores", "64", &["65", "-1", "1.5", "\"2\""], "from 0 to 64"),
         ("restore_server", "background_threads", "64", &["0", "65", "-1", "1.5", "\"8\""], "from 1 to 64"),
     ];
 

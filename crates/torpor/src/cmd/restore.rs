@@ -83,7 +83,7 @@ pub fn run(
             resume_gpu: true,
             cgroup: &[],
             external_sources: &[],
-            driver_slots: None,
+            gpu_restore_slots: None,
         },
         &PageOptions {
             source: pages,

@@ -83,9 +83,9 @@ pub struct Runtime {
     pub split: Arc<crate::split::Split>,
     /// Function snapshots staged in memory (crate::staging).
     pub staging: Arc<crate::staging::StageArea>,
-    /// `restore_server.driver_restores`: how many restores may be in the driver's restore at
-    /// once (torpor_snapshot::driver_slots); `None`: no bound.
-    pub driver_slots: Option<Arc<torpor_snapshot::driver_slots::DriverSlots>>,
+    /// `restore_server.gpu_restores`: how many GPU restores may be in flight at once
+    /// (torpor_snapshot::gpu_restore_slots); `None`: no bound.
+    pub gpu_restore_slots: Option<Arc<torpor_snapshot::gpu_restore_slots::GpuRestoreSlots>>,
     /// Seals every snapshot the daemon writes; restores refuse any it did not seal.
     pub snapshot_key: Arc<torpor_image::SnapshotKey>,
     /// Where each worker tree gets its cgroup (crate::cgroup); `None`: unconfined
@@ -168,9 +168,9 @@ impl Runtime {
                 )
                 .with_pcie(config.pcie),
             ),
-            driver_slots: (config.restore_server.driver_restores > 0).then(|| {
-                Arc::new(torpor_snapshot::driver_slots::DriverSlots::new(
-                    config.restore_server.driver_restores as usize,
+            gpu_restore_slots: (config.restore_server.gpu_restores > 0).then(|| {
+                Arc::new(torpor_snapshot::gpu_restore_slots::GpuRestoreSlots::new(
+                    config.restore_server.gpu_restores as usize,
                 ))
             }),
             staging: Arc::new(crate::staging::StageArea::open(

@@ -39,8 +39,8 @@ pub struct HowToRestore {
     /// Torpor's page server: record the faults' order here, serving faults only (a deploy's
     /// profiling restore, whose tree is thrown away after its warm-up).
     pub profile_out: Option<std::path::PathBuf>,
-    /// The daemon's bound on concurrent driver restores (Runtime::driver_slots).
-    pub driver_slots: Option<Arc<torpor_snapshot::driver_slots::DriverSlots>>,
+    /// The daemon's bound on concurrent driver restores (Runtime::gpu_restore_slots).
+    pub gpu_restore_slots: Option<Arc<torpor_snapshot::gpu_restore_slots::GpuRestoreSlots>>,
     /// Torpor's page server: threads of its background copy (`restore_server.background_threads`);
     /// `None`: the server's default.
     pub background_threads: Option<usize>,
@@ -251,7 +251,7 @@ pub async fn restore_with(
                     resume_gpu: !how.leave_gpu_checkpointed,
                     cgroup: &how.cgroup,
                     external_sources: &sources,
-                    driver_slots: how.driver_slots.as_deref(),
+                    gpu_restore_slots: how.gpu_restore_slots.as_deref(),
                 },
                 &pages,
             )

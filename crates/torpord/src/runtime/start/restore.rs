@@ -82,7 +82,7 @@ impl Runtime {
                 .as_ref()
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
             state_dir: Some(self.state_root.clone()),
-            driver_slots: self.driver_slots.clone(),
+            gpu_restore_slots: self.gpu_restore_slots.clone(),
             ..HowToRestore::default()
         };
         let staged = how.staged.is_some();

@@ -1,13 +1,15 @@
-//! How many restores may be inside the CUDA driver's restore at once (torpord's
-//! `restore_server.driver_restores`, docs/split.md "Bursts").
+//! How many GPU restores may be in flight at once, from CRIU's start to the end of the CUDA
+//! driver's restore (torpord's `restore_server.gpu_restores`, docs/split.md "Bursts").
 //!
 //! Eight cold starts of GPT-2-Large at once on the H100 each spent 1.0–1.5 s in
 //! `cuCheckpointProcessRestore` against 0.3 s alone, and all eight finished together after
-//! ~2 s (`bench/results/split-bench-burst-h100.json`): the driver runs them side by side but
-//! no faster in total, so every instance of a burst is ready only when the last is. With a
-//! bound, the restores go through the driver a few at a time: the first instance is ready
-//! after about one restore, and the requests of the burst that the daemon binds to the first
-//! free instance (crate docs of torpord's pool) are answered while the rest restore.
+//! ~2.5 s (`bench/results/split-bench-burst-s17-h100.json`, `burst8`): the driver runs them
+//! side by side but no faster in total, so every instance of a burst was ready only when the
+//! last was. Bounding only the driver's part (the same file, `burst8@dr1`) made the burst's
+//! first instance ready after 0.64–1.08 s, the seven other restores' CRIU runs and page
+//! copies still slowing it; bounding the whole restore lets the first run as if alone and the
+//! next one's CRIU overlap its driver restore. With late binding (torpord's pool) the first
+//! instance up serves the burst while the rest restore.
 //!
 //! A counting semaphore over std's `Mutex` and `Condvar`: the restore runs on a blocking
 //! thread (CRIU, ptrace, the driver's calls), so an async semaphore would need a runtime
@@ -16,9 +18,9 @@
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// A bound on concurrent driver restores, shared by every restore of one daemon.
+/// A bound on GPU restores in flight, shared by every restore of one daemon.
 #[derive(Debug)]
-pub struct DriverSlots {
+pub struct GpuRestoreSlots {
     max: usize,
     used: Mutex<usize>,
     freed: Condvar,
@@ -26,12 +28,12 @@ pub struct DriverSlots {
 
 /// One restore's slot: given back when dropped.
 #[derive(Debug)]
-pub struct DriverSlot<'a> {
-    slots: &'a DriverSlots,
+pub struct GpuRestoreSlot<'a> {
+    slots: &'a GpuRestoreSlots,
 }
 
-impl DriverSlots {
-    /// At most `max` driver restores at once; `max` ≥ 1 (0 means no bound: pass no slots).
+impl GpuRestoreSlots {
+    /// At most `max` GPU restores at once; `max` ≥ 1 (0 means no bound: pass no slots).
     pub fn new(max: usize) -> Self {
         Self {
             max: max.max(1),
@@ -45,15 +47,15 @@ impl DriverSlots {
         self.max
     }
 
-    /// Restores inside the driver now.
+    /// GPU restores in flight now.
     pub fn in_use(&self) -> usize {
         *self.used.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Waits for a slot, at most `bound` (then goes on without one: a restore held up longer
-    /// than any driver restore takes means a slot was lost, and waiting longer only adds to
+    /// than any burst's restores take means a slot was lost, and waiting longer only adds to
     /// the start). Returns the slot, if one was had, and the seconds waited.
-    pub fn acquire(&self, bound: Duration) -> (Option<DriverSlot<'_>>, f64) {
+    pub fn acquire(&self, bound: Duration) -> (Option<GpuRestoreSlot<'_>>, f64) {
         let start = Instant::now();
         let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
         while *used >= self.max {
@@ -69,13 +71,13 @@ impl DriverSlots {
         }
         *used += 1;
         (
-            Some(DriverSlot { slots: self }),
+            Some(GpuRestoreSlot { slots: self }),
             start.elapsed().as_secs_f64(),
         )
     }
 }
 
-impl Drop for DriverSlot<'_> {
+impl Drop for GpuRestoreSlot<'_> {
     fn drop(&mut self) {
         let mut used = self.slots.used.lock().unwrap_or_else(|e| e.into_inner());
         *used = used.saturating_sub(1);
@@ -90,7 +92,7 @@ mod tests {
 
     #[test]
     fn no_more_than_max_hold_a_slot_at_once_and_every_waiter_gets_one() {
-        let slots = DriverSlots::new(2);
+        let slots = GpuRestoreSlots::new(2);
         let inside = AtomicUsize::new(0);
         let most = AtomicUsize::new(0);
         let served = AtomicUsize::new(0);
@@ -118,7 +120,7 @@ mod tests {
 
     #[test]
     fn a_waiter_past_its_bound_goes_on_without_a_slot() {
-        let slots = DriverSlots::new(1);
+        let slots = GpuRestoreSlots::new(1);
         let (held, waited) = slots.acquire(Duration::from_secs(1));
         assert!(held.is_some() && waited < 1.0);
         let (none, waited) = slots.acquire(Duration::from_millis(50));
