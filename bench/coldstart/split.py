@@ -582,6 +582,15 @@ def gpu_memory_by_pid() -> dict[int, int]:
     return out
 
 
+def wait_gpu_idle(base: set[int], bound_s: float = 30.0) -> float:
+    """Seconds until no process but those of `base` (the daemon, holding its GPU cache, and
+    whatever ran before) holds GPU memory (NVML), at most `bound_s`."""
+    t0 = time.perf_counter()
+    while set(gpu_memory_by_pid()) - base and time.perf_counter() - t0 < bound_s:
+        time.sleep(0.05)
+    return round(time.perf_counter() - t0, 3)
+
+
 def fills(before: dict[str, float], after: dict[str, float]) -> Json:
     """Per source, the segments filled between two /metrics reads and their mean GB/s (the mean
     over segments of each segment's size / fill time)."""
@@ -736,6 +745,7 @@ class Bench:
         self.deployed: dict[str, dict[str, Json]] = {}  # state -> function -> deploy record
         # Copies removed after their mode (standbys): deployed again if a later mode needs them.
         self.removed: set[tuple[str, str]] = set()
+        self.gpu_base: set[int] = set()
         self.failed_deploys: set[tuple[str, str]] = set()
         self.references: dict[str, Any] = {}
         # Standby mode: instances already used or stopped, which a run must not take for a standby.
@@ -933,8 +943,12 @@ class Bench:
         return r
 
     def burst_run(self, d: Daemon, model: Model, name: str, i: int) -> Json:
-        """BURST requests at once to `name` with nothing live: the time until all answered."""
+        """BURST requests at once to `name` with nothing live, on an idle GPU: the time until all
+        answered."""
         stopped = d.stop_function(name)
+        # The previous burst's eight processes leave the GPU after the stop (the driver tears
+        # their contexts down); a burst arriving meanwhile would meet that, not an idle node.
+        settle_s = wait_gpu_idle(self.gpu_base) if self.gpu else 0.0
         before = d.restore_metrics()
         answers: list[Json | BaseException] = [RuntimeError("no answer")] * BURST
         go = threading.Barrier(BURST + 1)
@@ -972,6 +986,7 @@ class Bench:
             "wall_s": round(wall, 6),
             "first_answer_s": round(first, 6),
             "all_up_s": all_up,
+            "gpu_settle_s": settle_s,
             "starts": starts,
             "start": "restored",
             # The slowest answer's phases: what the burst waited for.
@@ -1062,6 +1077,9 @@ class Bench:
         )
         if mode in ("gpu-cache", "cold", "burst8"):
             out["warmups"] = self.warm_gpu_cache(d, model)
+        # What holds GPU memory with nothing of the function live: a burst waits for the GPU to
+        # be back to this (burst_run).
+        self.gpu_base = set(gpu_memory_by_pid()) if self.gpu else set()
         if standby is not None:
             warmups: list[Json] = []
             for i in range(self.a.warm_max):

@@ -8,8 +8,12 @@
 //! last was. Bounding only the driver's part (the same file, `burst8@dr1`) made the burst's
 //! first instance ready after 0.64–1.08 s, the seven other restores' CRIU runs and page
 //! copies still slowing it; bounding the whole restore lets the first run as if alone and the
-//! next one's CRIU overlap its driver restore. With late binding (torpord's pool) the first
-//! instance up serves the burst while the rest restore.
+//! next one's CRIU overlap its driver restore. Two restores in flight still met in the driver
+//! (each 0.66–0.68 s there instead of 0.3 s: `split-bench-burst-g-s17-h100.json`), so inside
+//! a slot the driver's restore itself goes one at a time ([`GpuRestoreSlots::driver`]): the
+//! next restore's CRIU and hot set run beside the current one's driver restore, and then it
+//! takes its turn. With late binding (torpord's pool) the first instance up serves the burst
+//! while the rest restore.
 //!
 //! A counting semaphore over std's `Mutex` and `Condvar`: the restore runs on a blocking
 //! thread (CRIU, ptrace, the driver's calls), so an async semaphore would need a runtime
@@ -24,6 +28,15 @@ pub struct GpuRestoreSlots {
     max: usize,
     used: Mutex<usize>,
     freed: Condvar,
+    /// Whether a restore is inside the driver's restore now.
+    in_driver: Mutex<bool>,
+    driver_freed: Condvar,
+}
+
+/// A restore's turn in the driver: given back when dropped.
+#[derive(Debug)]
+pub struct DriverTurn<'a> {
+    slots: &'a GpuRestoreSlots,
 }
 
 /// One restore's slot: given back when dropped.
@@ -39,7 +52,32 @@ impl GpuRestoreSlots {
             max: max.max(1),
             used: Mutex::new(0),
             freed: Condvar::new(),
+            in_driver: Mutex::new(false),
+            driver_freed: Condvar::new(),
         }
+    }
+
+    /// Waits for the driver to be free of the other restores, at most `bound` (as
+    /// [`Self::acquire`]); the turn, if had, and the seconds waited.
+    pub fn driver(&self, bound: Duration) -> (Option<DriverTurn<'_>>, f64) {
+        let start = Instant::now();
+        let mut busy = self.in_driver.lock().unwrap_or_else(|e| e.into_inner());
+        while *busy {
+            let left = bound.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return (None, start.elapsed().as_secs_f64());
+            }
+            busy = self
+                .driver_freed
+                .wait_timeout(busy, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *busy = true;
+        (
+            Some(DriverTurn { slots: self }),
+            start.elapsed().as_secs_f64(),
+        )
     }
 
     /// The bound.
@@ -85,6 +123,17 @@ impl Drop for GpuRestoreSlot<'_> {
     }
 }
 
+impl Drop for DriverTurn<'_> {
+    fn drop(&mut self) {
+        *self
+            .slots
+            .in_driver
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = false;
+        self.slots.driver_freed.notify_one();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,6 +165,33 @@ mod tests {
             "the bound was not reached or was passed"
         );
         assert_eq!(slots.in_use(), 0, "a slot was not given back");
+    }
+
+    #[test]
+    fn inside_the_slots_the_driver_takes_one_restore_at_a_time() {
+        let slots = GpuRestoreSlots::new(3);
+        let inside = AtomicUsize::new(0);
+        let most = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..3 {
+                s.spawn(|| {
+                    let (slot, _) = slots.acquire(Duration::from_secs(30));
+                    let (turn, _) = slots.driver(Duration::from_secs(30));
+                    assert!(slot.is_some() && turn.is_some());
+                    let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(20));
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        assert_eq!(
+            most.load(Ordering::SeqCst),
+            1,
+            "two restores were in the driver at once"
+        );
+        let (turn, _) = slots.driver(Duration::from_millis(10));
+        assert!(turn.is_some(), "a turn was not given back");
     }
 
     #[test]

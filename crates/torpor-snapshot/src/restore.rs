@@ -663,9 +663,19 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
                         }
                     });
                 }
+                // Holding a slot: the driver's restore itself one at a time (gpu_restore_slots).
+                let turn = opts
+                    .gpu_restore_slots
+                    .filter(|_| slot.is_some())
+                    .map(|slots| {
+                        let (turn, waited) = slots.driver(GPU_RESTORE_SLOT_WAIT);
+                        phases.0.push(("cuda_wait".to_string(), waited));
+                        turn
+                    });
                 let resumed = phases
                     .time("cuda_restore", || tasks.restore_all(&plan.pairs))
                     .and_then(|_| phases.time("cuda_unlock", || tasks.unlock_all()));
+                drop(turn);
                 driver_done.store(true, std::sync::atomic::Ordering::Release);
                 resumed
             });
