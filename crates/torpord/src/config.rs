@@ -88,9 +88,9 @@
 //! cache_bytes = 17179869184       # chunks kept in <state>/chunks beyond what registered snapshots
 //!                                 # need, least recently used dropped first: 16 GiB, ≤ 2^50
 //! parallel = 8                    # requests in flight per push or pull, 1 to 256
-//! early_write_back = true         # a pull starts each chunk's disk write as it stores it
-//!                                 # (false: the page cache holds them until the background
-//!                                 # syncfs after the answer; docs/objstore.md)
+//! early_write_back = false        # true: a pull starts each chunk's disk write as it stores
+//!                                 # it; false: the page cache holds them until the background
+//!                                 # syncfs after the answer (faster on the H100; docs/objstore.md)
 //!
 //! [sandbox_pool]                  # the live-context pool (docs/sandboxes.md, "The live-context pool")
 //! size = 0                        # ready sandboxes kept per tenant and base (interpreter, preloads,
@@ -491,7 +491,8 @@ pub struct Objstore {
     /// Requests in flight per push or pull (`parallel`, default [`OBJSTORE_PARALLEL`]).
     pub parallel: usize,
     /// A pull starts each chunk's disk write as it stores it (`early_write_back`, default
-    /// true); false leaves them to the syncfs after the answer.
+    /// false: measured slower on the H100, docs/cluster.md); false leaves them to the syncfs
+    /// after the answer.
     pub early_write_back: bool,
 }
 
@@ -966,7 +967,9 @@ fn objstore_section(t: &mut Table, base: &Path) -> Result<Objstore, KeyError> {
         Some(n) => usize::try_from(n).unwrap_or(OBJSTORE_PARALLEL),
         None => OBJSTORE_PARALLEL,
     };
-    let early_write_back = t.boolean("early_write_back")?.unwrap_or(true);
+    // Off by default: with durability after the answer the early writes only compete with the
+    // fetch (H100: fetch 4.30 s off against 5.98 s on, cluster-pull-s17-writeback-*-h100.json).
+    let early_write_back = t.boolean("early_write_back")?.unwrap_or(false);
     let o = Objstore {
         endpoint,
         bucket,
@@ -1348,11 +1351,11 @@ mod tests {
     }
 
     #[test]
-    fn objstore_early_write_back_defaults_to_on_and_is_a_boolean() {
+    fn objstore_early_write_back_defaults_to_off_and_is_a_boolean() {
         let base = "[objstore]\nendpoint = \"http://127.0.0.1:8333\"\nbucket = \"b\"\ncredentials_file = \"c\"\n";
-        assert!(parse(base).unwrap().objstore.unwrap().early_write_back);
-        let c = parse(&format!("{base}early_write_back = false\n")).unwrap();
-        assert!(!c.objstore.unwrap().early_write_back);
+        assert!(!parse(base).unwrap().objstore.unwrap().early_write_back);
+        let c = parse(&format!("{base}early_write_back = true\n")).unwrap();
+        assert!(c.objstore.unwrap().early_write_back);
         let e = parse(&format!("{base}early_write_back = \"no\"\n"))
             .unwrap_err()
             .to_string();
