@@ -247,7 +247,12 @@ def test_the_readme_quotes_the_rendered_cold_start_table_and_the_chart_renders(t
     table = split_table.headline(d)
     assert table in (ROOT / "README.md").read_text(), "re-render the README's cold-start table (split_table.py --headline)"
     assert "| GPT-2-Large |" in table.splitlines()[0]
-    for later in ("split-bench-burst-session15-h100.json", "split-bench-session15-h100.json"):
+    for later in (
+        "split-bench-burst-session15-h100.json",
+        "split-bench-session15-h100.json",
+        "split-bench-burst-s17-final-h100.json",
+        "split-bench-llama8b-background-h100.json",
+    ):
         doc = json.loads((ROOT / "bench" / "results" / later).read_text())
         assert split_table.headline(doc) in (ROOT / "README.md").read_text(), f"re-render {later}'s table"
     pytest.importorskip("matplotlib")

@@ -144,7 +144,8 @@ def _medians(d: Json) -> tuple[list[str], list[str], dict[tuple[str, str], float
         modes += [r["mode"]] if r["mode"] not in modes else []
         got[(r["model"], r["mode"])] = r["wall_s"]["median"]
     order = list(HEADLINE_NAMES)
-    modes.sort(key=lambda m: order.index(m) if m in order else len(order))
+    # Variants (MODE@TAG) right after their mode.
+    modes.sort(key=lambda m: (order.index(m.split("@")[0]) if m.split("@")[0] in order else len(order), "@" in m))
     return models, modes, got
 
 
@@ -157,8 +158,16 @@ def headline(d: Json) -> str:
     ]
     for mode in modes:
         cells = [f"{got[(m, mode)]:.2f} s" if (m, mode) in got else "–" for m in models]
-        out.append(f"| {HEADLINE_NAMES.get(mode, mode)} | " + " | ".join(cells) + " |")
+        out.append(f"| {headline_name(mode)} | " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def headline_name(mode: str) -> str:
+    """A mode's row name; a variant (MODE@TAG: the mode with another daemon config) is its
+    mode's name with the tag, which the text beside the table explains."""
+    base, _, tag = mode.partition("@")
+    name = HEADLINE_NAMES.get(base, base)
+    return f"{name} [{tag}]" if tag else name
 
 
 def chart(d: Json, png: str) -> None:
