@@ -28,8 +28,8 @@ pub struct GpuRestoreSlots {
     max: usize,
     used: Mutex<usize>,
     freed: Condvar,
-    /// Whether a restore is inside the driver's restore now.
-    in_driver: Mutex<bool>,
+    /// Restores inside the driver's restore now (0 or 1).
+    in_driver: Mutex<usize>,
     driver_freed: Condvar,
 }
 
@@ -52,7 +52,7 @@ impl GpuRestoreSlots {
             max: max.max(1),
             used: Mutex::new(0),
             freed: Condvar::new(),
-            in_driver: Mutex::new(false),
+            in_driver: Mutex::new(0),
             driver_freed: Condvar::new(),
         }
     }
@@ -60,24 +60,8 @@ impl GpuRestoreSlots {
     /// Waits for the driver to be free of the other restores, at most `bound` (as
     /// [`Self::acquire`]); the turn, if had, and the seconds waited.
     pub fn driver(&self, bound: Duration) -> (Option<DriverTurn<'_>>, f64) {
-        let start = Instant::now();
-        let mut busy = self.in_driver.lock().unwrap_or_else(|e| e.into_inner());
-        while *busy {
-            let left = bound.saturating_sub(start.elapsed());
-            if left.is_zero() {
-                return (None, start.elapsed().as_secs_f64());
-            }
-            busy = self
-                .driver_freed
-                .wait_timeout(busy, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        *busy = true;
-        (
-            Some(DriverTurn { slots: self }),
-            start.elapsed().as_secs_f64(),
-        )
+        let (got, waited) = take(&self.in_driver, &self.driver_freed, 1, bound);
+        (got.then_some(DriverTurn { slots: self }), waited)
     }
 
     /// The bound.
@@ -94,43 +78,46 @@ impl GpuRestoreSlots {
     /// than any burst's restores take means a slot was lost, and waiting longer only adds to
     /// the start). Returns the slot, if one was had, and the seconds waited.
     pub fn acquire(&self, bound: Duration) -> (Option<GpuRestoreSlot<'_>>, f64) {
-        let start = Instant::now();
-        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
-        while *used >= self.max {
-            let left = bound.saturating_sub(start.elapsed());
-            if left.is_zero() {
-                return (None, start.elapsed().as_secs_f64());
-            }
-            used = self
-                .freed
-                .wait_timeout(used, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        *used += 1;
-        (
-            Some(GpuRestoreSlot { slots: self }),
-            start.elapsed().as_secs_f64(),
-        )
+        let (got, waited) = take(&self.used, &self.freed, self.max, bound);
+        (got.then_some(GpuRestoreSlot { slots: self }), waited)
     }
+}
+
+/// Waits until `count` is below `max`, at most `bound`, then counts one more: whether it did,
+/// and the seconds waited.
+fn take(count: &Mutex<usize>, freed: &Condvar, max: usize, bound: Duration) -> (bool, f64) {
+    let start = Instant::now();
+    let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
+    while *n >= max {
+        let left = bound.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return (false, start.elapsed().as_secs_f64());
+        }
+        n = freed
+            .wait_timeout(n, left)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+    *n += 1;
+    (true, start.elapsed().as_secs_f64())
+}
+
+/// Counts one less in `count` and wakes a waiter.
+fn give(count: &Mutex<usize>, freed: &Condvar) {
+    let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
+    *n = n.saturating_sub(1);
+    freed.notify_one();
 }
 
 impl Drop for GpuRestoreSlot<'_> {
     fn drop(&mut self) {
-        let mut used = self.slots.used.lock().unwrap_or_else(|e| e.into_inner());
-        *used = used.saturating_sub(1);
-        self.slots.freed.notify_one();
+        give(&self.slots.used, &self.slots.freed);
     }
 }
 
 impl Drop for DriverTurn<'_> {
     fn drop(&mut self) {
-        *self
-            .slots
-            .in_driver
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = false;
-        self.slots.driver_freed.notify_one();
+        give(&self.slots.in_driver, &self.slots.driver_freed);
     }
 }
 
