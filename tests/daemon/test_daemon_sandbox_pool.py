@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import pids_with
+from conftest import ROOT, pids_with
 
 from .conftest import Torpord
 from .test_daemon_sandbox import make_function, ok
@@ -34,12 +35,18 @@ SLOW_PRELOAD_S = 10
 def torpord(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    pythonpath = os.pathsep.join(p for p in (str(PRELOADS), os.environ.get("PYTHONPATH", "")) if p)
+    # Workers have a /tmp and /var/tmp of their own and see the host's tree only where it is
+    # not a scratch directory (a checkout under /tmp is invisible to them): the preload goes
+    # beside a copy of the SDK, the directory torpord binds into every worker
+    # ($TORPOR_PYTHONPATH, crates/torpord/src/sdk_dir.rs).
+    sdk = tmp_path_factory.mktemp("sdk")
+    shutil.copytree(ROOT / "python" / "torpor", sdk / "torpor")
+    shutil.copy(PRELOADS / "torpor_test_slow_preload.py", sdk)
     d = Torpord(
         torpor_bin,
         tmp_path_factory.mktemp("torpord"),
         config="[sandbox_pool]\nsize = 1\n",
-        env={"PYTHONPATH": pythonpath, "TORPOR_TEST_SLOW_PRELOAD_S": str(SLOW_PRELOAD_S)},
+        env={"TORPOR_PYTHONPATH": str(sdk), "TORPOR_TEST_SLOW_PRELOAD_S": str(SLOW_PRELOAD_S)},
     )
     try:
         yield d
