@@ -40,6 +40,7 @@ def torpord(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPat
     # beside a copy of the SDK, the directory torpord binds into every worker
     # ($TORPOR_PYTHONPATH, crates/torpord/src/sdk_dir.rs).
     sdk = tmp_path_factory.mktemp("sdk")
+    sdk.chmod(0o755)  # the workers' users read it (mktemp makes it 0700)
     shutil.copytree(ROOT / "python" / "torpor", sdk / "torpor")
     shutil.copy(PRELOADS / "torpor_test_slow_preload.py", sdk)
     d = Torpord(
