@@ -35,7 +35,11 @@ def assert_every_step(out: str, name: str, stages: tuple[str, ...]) -> None:
     assert re.search(r"^2\. cold start \(snapshot\): +restored .* identical output", out, re.MULTILINE), out
     assert re.search(r"^3\. warm call: +warm .* identical output", out, re.MULTILINE), out
     burst = re.search(r"^4\. 3 requests at once: +(.*) identical output", out, re.MULTILINE)
-    assert burst is not None and "restored" in burst.group(1), out
+    assert burst is not None, out
+    # Bound late, the warm instance may answer all three; the instances they started come up
+    # anyway (the demo checks two or more live ones, else it fails).
+    assert set(re.findall(r"\b(warm|restored)\b", burst.group(1))) <= {"warm", "restored"}, out
+    assert len(re.findall(r"\b(?:warm|restored) [\d.]+ s", burst.group(1))) == 3, out
     for stage in stages:
         assert re.search(rf"^ +idle +[\d.]+ s: .*\b{stage}\b", out, re.MULTILINE), out
     assert re.search(r"^6\. wake from evicted: +restored .* identical output", out, re.MULTILINE), out
