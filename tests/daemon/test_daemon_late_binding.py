@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import FUNCTIONS, Answer, Torpord
+from .conftest import FUNCTIONS, Answer, Torpord, daemon_processes
 
 # Every restore held this long: far longer than the busy request below.
 RESTORE_HOLD_MS = 6000
@@ -90,3 +91,32 @@ def test_a_request_that_started_an_instance_takes_one_that_frees_up_first_and_it
     # Side by side (each instance idle, its count given back), not one after the other.
     assert took < 2 * BUSY_S, f"two requests took {took:.2f} s on two idle instances\n{daemon.log_text()}"
     assert len(live(daemon)) == 2 and len(daemon.instances("echoer")) == 2
+
+
+def test_a_graceful_stop_stops_the_start_a_request_left_behind(daemon: Torpord, tmp_path: Path) -> None:
+    """The start a request left (it was answered by an instance that freed up first) is still
+    restoring when the daemon is told to stop: the stop waits for it, and it stops its instance
+    as it ends, so no process of the daemon's outlives it (before, its tree joined no pool and
+    its worker waited for a daemon for its reattach_s)."""
+    fdir = tmp_path / "echoer"
+    shutil.copytree(FUNCTIONS / "echoer", fdir)
+    daemon.deploy(fdir)
+    assert daemon.invoke("echoer", {"say": "first"}, timeout=120).status == 200
+    out: dict[str, Answer] = {}
+    busy = in_thread(daemon, {"say": "busy", "sleep": BUSY_S}, out, "busy")
+    time.sleep(0.3)
+    late = in_thread(daemon, {"say": "late"}, out, "late")
+    late.join(timeout=120)
+    busy.join(timeout=120)
+    assert out["late"].status == 200 and out["late"].start == "warm", (out["late"].status, out["late"].body)
+    placement = daemon.request("GET", "/v1/functions/echoer/placement").json()
+    assert placement["starting"] == 1 and placement["instances"] == 1, placement
+
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(timeout=RESTORE_HOLD_MS / 1000 + 30) == 0, daemon.log_text()
+    deadline = time.monotonic() + 5
+    while daemon_processes(daemon.state):
+        assert time.monotonic() < deadline, f"processes of the stopped daemon's left: {daemon_processes(daemon.state)}\n{daemon.log_text()}"
+        time.sleep(0.05)
+    log = daemon.log_text()
+    assert "waiting for the starts in flight to end" in log and "stopped: torpord is stopping" in log, log

@@ -413,13 +413,15 @@ impl Daemon {
             );
             servers.abort_all();
         }
-        hub_task.abort();
         keepalive_task.abort();
         if let Some(t) = sweep_task {
             t.abort();
         }
+        // The workers' socket serves on through the runtime's stop: a restore in flight wakes
+        // its worker, which must reach the daemon to end the start (and be stopped with it).
         let runtime = Arc::clone(&state.runtime);
         let _ = tokio::task::spawn_blocking(move || runtime.shutdown()).await;
+        hub_task.abort();
         if let Some(cgroups) = self.cgroups.clone() {
             let _ = tokio::task::spawn_blocking(move || cgroups.shut_down()).await;
         }

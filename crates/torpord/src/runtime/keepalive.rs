@@ -108,7 +108,7 @@ impl Runtime {
         let mut steps = Vec::new();
         for pool in pools {
             let mut st = lock(&pool.state);
-            if st.closed {
+            if st.closed.is_some() {
                 continue;
             }
             let info = st.info.clone();
@@ -623,7 +623,7 @@ impl Runtime {
                 let stale = {
                     let mut st = lock(&pool.state);
                     st.instances.retain(|(i, _)| !Arc::ptr_eq(i, &inst));
-                    let stale = st.closed || st.generation != inst.generation;
+                    let stale = st.closed.is_some() || st.generation != inst.generation;
                     if !stale {
                         // Accounted up to where the instance's state was (under the pool lock, as
                         // the ticker's accounting is).

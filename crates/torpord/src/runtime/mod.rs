@@ -96,6 +96,9 @@ pub struct Runtime {
     /// Live instances of an earlier daemon whose workers have not reconnected yet
     /// (crate::runtime::readopt): a stop kills them too.
     pub(crate) readopting: Mutex<readopt::Readopting>,
+    /// The daemon is stopping ([`Runtime::shutdown`]): a start that fails then is not retried
+    /// another way (a restore does not fall back to a boot).
+    pub(crate) stopping: std::sync::atomic::AtomicBool,
     /// Which pool serves each sandboxed function (sandbox).
     pub(crate) sandbox_routes: sandbox::Routes,
     /// The communication store's values handed between processes (store).
@@ -152,6 +155,7 @@ impl Runtime {
             deploy_locks: Default::default(),
             pools: Mutex::new(HashMap::new()),
             readopting: Mutex::new(Default::default()),
+            stopping: std::sync::atomic::AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             cuda: std::sync::OnceLock::new(),
             nvml: std::sync::OnceLock::new(),
@@ -249,7 +253,8 @@ impl Runtime {
     }
 
     /// At daemon stop: every live instance is stopped (its worker would exit anyway once the
-    /// daemon's end of its connection closes) and its registry row removed, synchronously.
+    /// daemon's end of its connection closes) and its registry row removed, synchronously; the
+    /// starts in flight are waited for, each stopping its instance as it ends.
     pub fn shutdown(&self) {
         self.stop_every_instance();
         self.sandbox_pool.clear();
@@ -257,6 +262,7 @@ impl Runtime {
     }
 
     pub(crate) fn stop_every_instance(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
         // The instances of an earlier daemon still waiting for their workers to reconnect: no
         // pool holds them yet, and a worker that reconnects after this finds no daemon and
         // retries for its reattach_s (60 s by default) before it exits. Closed first, so that
@@ -267,8 +273,15 @@ impl Runtime {
             ids.push(id);
         }
         let pools: Vec<Arc<Pool>> = lock(&self.pools).drain().map(|(_, p)| p).collect();
-        for pool in pools {
-            for (inst, _) in lock(&pool.state).instances.drain(..) {
+        for pool in &pools {
+            let live: Vec<Arc<Instance>> = {
+                let mut st = lock(&pool.state);
+                // A start still in flight (its request answered by another instance, or gone)
+                // sees the close when it ends and stops its instance (crate::runtime::start).
+                st.closed = Some(pool::Closed::DaemonStop);
+                st.instances.drain(..).map(|(i, _)| i).collect()
+            };
+            for inst in live {
                 let _ = self.step(
                     &inst.function,
                     &mut lock(&inst.keep),
@@ -279,6 +292,7 @@ impl Runtime {
                 ids.push(inst.id.clone());
             }
         }
+        wait_for_starts(&pools, STARTS_AT_STOP);
         if ids.is_empty() {
             return;
         }
@@ -349,5 +363,33 @@ impl Runtime {
             }
             Err(e) => tracing::error!(error = %e, "staging task failed"),
         }
+    }
+}
+
+/// How long a graceful stop waits for the starts in flight (restores or boots whose request
+/// was answered by another instance, late binding) to end and stop their instances; a restore
+/// takes well under a second on the CPU and a few on the GPU.
+const STARTS_AT_STOP: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// Waits until no start of `pools` (all closed) is in flight, at most `bound`: each one that
+/// ends stops its instance (crate::runtime::start), so none outlives the daemon. Blocking: the
+/// daemon's stop runs it on the blocking pool while the starts' tasks run on.
+fn wait_for_starts(pools: &[Arc<Pool>], bound: std::time::Duration) {
+    let in_flight = || -> usize { pools.iter().map(|p| lock(&p.state).starting).sum() };
+    let deadline = std::time::Instant::now() + bound;
+    let mut left = in_flight();
+    if left > 0 {
+        tracing::info!(starts = left, "waiting for the starts in flight to end");
+    }
+    while left > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        left = in_flight();
+    }
+    if left > 0 {
+        tracing::warn!(
+            starts = left,
+            bound_s = bound.as_secs(),
+            "starts still in flight at the stop's bound; their instances may outlive this torpord"
+        );
     }
 }

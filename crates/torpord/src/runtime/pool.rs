@@ -98,8 +98,28 @@ pub(crate) struct PoolState {
     /// Standby instances being started (counted in `starting` too), and their failures.
     pub(crate) standby: crate::runtime::start::standby::PoolStandby,
     pub(crate) queued: usize,
-    /// The function was deleted: no new requests, no new instances.
-    pub(crate) closed: bool,
+    /// No new requests, no new instances: the function was deleted, or the daemon stops. A
+    /// start that ends after the close removes its instance, saying why.
+    pub(crate) closed: Option<Closed>,
+}
+
+/// Why a pool was closed ([`PoolState::closed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Closed {
+    /// `DELETE /v1/functions/{name}`.
+    Deleted,
+    /// The daemon's graceful stop ([`Runtime::shutdown`]).
+    DaemonStop,
+}
+
+impl Closed {
+    /// Why an instance of a closed pool was stopped (its removal's reason).
+    pub(crate) fn why(self) -> &'static str {
+        match self {
+            Closed::Deleted => "stopped: its function was deleted",
+            Closed::DaemonStop => "stopped: torpord is stopping",
+        }
+    }
 }
 
 /// The instances and queue of one function.
@@ -203,11 +223,11 @@ impl Runtime {
         };
         let live: Vec<Arc<Instance>> = {
             let mut st = lock(&pool.state);
-            st.closed = true;
+            st.closed = Some(Closed::Deleted);
             st.instances.iter().map(|(i, _)| Arc::clone(i)).collect()
         };
         for inst in &live {
-            self.remove_instance_of(&pool, inst, "stopped: its function was deleted", true);
+            self.remove_instance_of(&pool, inst, Closed::Deleted.why(), true);
         }
         pool.changed.notify_waiters();
         live.iter().map(|i| i.id.clone()).collect()
@@ -393,7 +413,7 @@ impl Runtime {
                             starting: 0,
                             standby: Default::default(),
                             queued: 0,
-                            closed: false,
+                            closed: None,
                         }),
                         changed: Notify::new(),
                     });
@@ -546,7 +566,7 @@ impl Runtime {
             let mut reclaim: Vec<Arc<Instance>> = Vec::new();
             let next = {
                 let mut st = lock(&pool.state);
-                if st.closed {
+                if st.closed.is_some() {
                     return Err(InvokeError::NotFound(format!(
                         "function {:?} was deleted",
                         pool.name
@@ -647,7 +667,8 @@ impl Runtime {
                     }
                     let taken = {
                         let mut st = lock(&pool.state);
-                        (!st.closed)
+                        st.closed
+                            .is_none()
                             .then(|| self.take_idle(pool, &mut st, demand.as_ref()))
                             .flatten()
                     };

@@ -23,7 +23,7 @@ use crate::registry::now_ms;
 use crate::runtime::instance::{Instance, Sleeper};
 use crate::runtime::invoke::{InvokeError, Timings};
 use crate::runtime::lifecycle::AdoptError;
-use crate::runtime::pool::{FnInfo, Pool, Starting};
+use crate::runtime::pool::{Closed, FnInfo, Pool, Starting};
 use crate::runtime::process::{RestoreTreeError, WakeFunctionError};
 use crate::runtime::Runtime;
 use crate::split::server::SegmentsError;
@@ -212,9 +212,10 @@ impl Runtime {
             let mut st = lock(&pool2.state);
             st.starting -= 1;
             let out = match started {
-                Ok((inst, _, _)) if st.closed => {
+                Ok((inst, _, _)) if st.closed.is_some() => {
+                    let why = st.closed.map_or("stopped", Closed::why);
                     drop(st);
-                    rt.remove_instance_of(&pool2, &inst, "stopped: its function was deleted", true);
+                    rt.remove_instance_of(&pool2, &inst, why, true);
                     st = lock(&pool2.state);
                     Err(StartError::Deleted {
                         function: pool2.name.clone(),
@@ -397,6 +398,8 @@ impl Runtime {
                 // Too little free GPU memory says nothing about the snapshot, and a boot
                 // needs the same memory: the request waits for it instead (pool::acquire).
                 Err(e) if e.gpu_memory_short().is_some() => return Err(e),
+                // The daemon stops: no boot now (the pool is closed; it would be stopped).
+                Err(e) if self.stopping.load(std::sync::atomic::Ordering::SeqCst) => return Err(e),
                 Err(e) => {
                     let failures = self.restore_failed(name, false);
                     tracing::warn!(function = name, error = %e, failures, "restoring the function snapshot failed; booting an instance instead");

@@ -23,7 +23,7 @@ use crate::registry::Stage;
 use crate::runtime::instance::Instance;
 use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::lifecycle::{State, Transition};
-use crate::runtime::pool::{FnInfo, Pool, PoolState};
+use crate::runtime::pool::{Closed, FnInfo, Pool, PoolState};
 use crate::runtime::process::{restore_with, HowToRestore};
 use crate::runtime::start::{NewInstance, StartError, StartKind};
 use crate::runtime::Runtime;
@@ -99,7 +99,7 @@ pub(crate) fn ready(st: &PoolState) -> usize {
 pub(crate) fn plan(st: &mut PoolState, cold_start: ColdStart, now: Instant) -> (usize, usize) {
     let ready = ready(st);
     let want = st.info.standby;
-    if st.closed || want == 0 || cold_start != ColdStart::Restore {
+    if st.closed.is_some() || want == 0 || cold_start != ColdStart::Restore {
         return (ready, 0);
     }
     if st.standby.retry_at.is_some_and(|t| now < t) {
@@ -228,13 +228,13 @@ impl Runtime {
         let mut st = lock(&pool.state);
         counted.done(&mut st);
         match started {
-            Ok(inst) if st.closed || st.generation != generation => {
-                drop(st);
-                self.remove_instance(
-                    &inst,
+            Ok(inst) if st.closed.is_some() || st.generation != generation => {
+                let why = st.closed.map_or(
                     "retired: a newer deploy or `torpor stop` replaced it before it served",
-                    true,
+                    Closed::why,
                 );
+                drop(st);
+                self.remove_instance(&inst, why, true);
             }
             Ok(inst) => {
                 {
