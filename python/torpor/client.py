@@ -105,6 +105,8 @@ class Placement:
     known: bool
     instances: int
     warm_idle: int
+    # Restores and boots in flight: their processes exist before they are listed as instances.
+    starting: int
     queue_depth: int
     staged: bool
     local_snapshot: bool
@@ -139,7 +141,7 @@ class Client:
         return Pulled(str(d["function"]), int(d["pulled_bytes"]), int(d["pulled_chunks"]), float(d["seconds"]))
 
     def placement(self, name: str) -> Placement:
-        """This node's facts for function `name`: known, instances, idle ones, queue, staged,
+        """This node's facts for function `name`: known, instances, idle ones, starting ones, queue, staged,
         local snapshot, in the bucket, free GPU memory."""
         d = self._ok("GET", f"/v1/functions/{name}/placement")
         in_bucket = d["in_bucket"]
@@ -149,6 +151,7 @@ class Client:
             known=bool(d["known"]),
             instances=int(d["instances"]),
             warm_idle=int(d["warm_idle"]),
+            starting=int(d["starting"]),
             queue_depth=int(d["queue_depth"]),
             staged=bool(d["staged"]),
             local_snapshot=bool(d["local_snapshot"]),

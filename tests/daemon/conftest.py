@@ -22,6 +22,9 @@ from torpor import client
 HERE = Path(__file__).resolve().parent
 FUNCTIONS = HERE / "functions"
 
+# The marker every process the daemon starts carries (crates/torpord/src/recovery.rs).
+OWNER_ENV = "TORPORD_STATE_DIR"
+
 # Small so the over-capacity paths are quick to reach: 3 waiting requests, 1.5 s in the queue.
 QUEUE_LENGTH = 3
 QUEUE_TIMEOUT_S = 1.5
@@ -225,6 +228,37 @@ class Torpord:
             mounted = any(line.split()[4] == stage for line in Path("/proc/self/mountinfo").read_text().splitlines())
             if not mounted or subprocess.run(["umount", "--lazy", stage], check=False).returncode != 0:
                 break
+
+
+def daemon_processes(state: Path) -> list[int]:
+    """Live processes the daemon of `state` started: its marker in their environment, or the
+    state directory on their command line."""
+    owner = f"{OWNER_ENV}={os.path.realpath(state)}".encode()
+    path = str(state).encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if owner in environ or path in cmdline:
+            found.append(int(name))
+    return sorted(found)
+
+
+def wait_for_starts(d: Torpord, name: str, timeout: float = 60) -> None:
+    """Until the daemon has no start of `name` in flight (its placement answer's `starting`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = d.request("GET", f"/v1/functions/{name}/placement")
+        assert r.status == 200, r.body
+        if r.json()["starting"] == 0:
+            return
+        assert time.monotonic() < deadline, f"{name} still has starts in flight after {timeout:g} s\n{d.log_text()}"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -25,34 +25,13 @@ from typing import Any
 import pytest
 from conftest import wait_until
 
-from .conftest import FUNCTIONS, Torpord
+from .conftest import FUNCTIONS, Torpord, daemon_processes, wait_for_starts
 
 ECHOER = FUNCTIONS / "echoer"
 ROUNDS = range(3)
-# The marker every process the daemon starts carries (crates/torpord/src/recovery.rs).
-OWNER_ENV = "TORPORD_STATE_DIR"
 # Stdlib modules a base may preload: each case that must boot a base of its own gets a preload
 # set no other case has, so that its base key is new.
 STDLIB = ["json", "csv", "decimal", "fractions", "statistics", "colorsys", "textwrap", "difflib", "shlex", "gzip"]
-
-
-def daemon_processes(state: Path) -> list[int]:
-    """Live processes the daemon of `state` started: its marker in their environment, or the
-    state directory on their command line."""
-    owner = f"{OWNER_ENV}={os.path.realpath(state)}".encode()
-    path = str(state).encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            environ = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if owner in environ or path in cmdline:
-            found.append(int(name))
-    return sorted(found)
 
 
 def describe(pids: list[int]) -> str:
@@ -95,11 +74,14 @@ def assert_no_stray_snapshots(torpord: Torpord) -> None:
 
 
 def listed_pids(torpord: Torpord) -> set[int]:
-    """The init pids of the instances the daemon lists."""
+    """The init pids of the instances the daemon lists, once no start is in flight: a request
+    answered by another instance (late binding) may have started one, whose processes exist
+    before it is listed."""
     r = torpord.request("GET", "/v1/functions")
     assert r.status == 200, r.body
     pids: set[int] = set()
     for f in r.json()["functions"]:
+        wait_for_starts(torpord, f["name"])
         for i in torpord.instances(f["name"]):
             if i.get("pid"):
                 pids.add(int(i["pid"]))

@@ -100,6 +100,9 @@ pub struct Placement {
     pub instances: usize,
     /// Live instances with no request in flight.
     pub warm_idle: usize,
+    /// Instances starting now: restores and boots in flight (standbys included), whose
+    /// processes exist before they are listed as instances.
+    pub starting: usize,
     /// Requests waiting in this node's queue of the function.
     pub queue_depth: usize,
     /// The function snapshot is staged in memory (the fastest restore).
@@ -143,12 +146,13 @@ pub async fn placement(
         })?)
     })
     .await?;
-    let (mut instances, mut warm_idle, mut queue_depth) = (0, 0, 0);
+    let (mut instances, mut warm_idle, mut starting, mut queue_depth) = (0, 0, 0, 0);
     if local.is_some() {
         if let Some(pool) = lock(&rt.pools).get(&name).cloned() {
             let st = lock(&pool.state);
             instances = st.instances.len();
             warm_idle = st.instances.iter().filter(|(_, n)| *n == 0).count();
+            starting = st.starting;
             queue_depth = st.queued;
         }
     }
@@ -186,6 +190,7 @@ pub async fn placement(
         known,
         instances,
         warm_idle,
+        starting,
         queue_depth,
         staged,
         local_snapshot,
