@@ -178,7 +178,9 @@ def test_without_the_scheduler_the_small_fill_waits_for_the_large_copy(
     finally:
         d.stop()
     assert not large["fair"] and not small["fair"]
-    # It ended only after the large copy: on the host backend the wait is partly outside the
-    # transfer (the device's bookkeeping of its mappings is locked while a copy runs, as the
-    # cuda backend's one copy engine is), so the order of the ends is what is compared.
-    assert ended(small) > ended(large), json.dumps([large, small])
+    # It ended with the large copy, not before: on the host backend the wait is partly outside
+    # the transfer (the device's bookkeeping of its mappings is locked while a copy runs, as the
+    # cuda backend's one copy engine is), so the ends are compared. Both lines are written as
+    # that lock is let go, in either order (CI once saw the small one's first, 0.4 ms ahead):
+    # 5 % of the large copy's time is the margin, against the 25 % the test above asks.
+    assert ended(small) > ended(large) - 0.05 * large["s"], json.dumps([large, small])
