@@ -7,15 +7,14 @@ use std::time::Instant;
 
 use std::sync::Mutex;
 
-use torpor_image::store::{open_sealed_record, ChunkStore, Commit, Pending, Recipe, StoreError};
+use torpor_image::store::{ChunkStore, Commit, Pending, Recipe, StoreError};
 use torpor_image::{Manifest, Snapshot, SnapshotKey, Trust, MAC_FILE, MANIFEST_FILE};
 
 use crate::client::{Remote, Traffic};
 use crate::error::TransferError;
-use crate::sealed::SEALED_LOCATOR_OBJECT;
 use crate::{
     snapshot_key, Phase, Progress, RemoteRecord, SealedRecordReport, LOCATOR_OBJECT,
-    MAX_RECORD_BYTES, RECORD_FORMAT, RECORD_OBJECT, SEALED_RECORD_OBJECT,
+    MAX_RECORD_BYTES, RECORD_FORMAT, RECORD_OBJECT,
 };
 
 /// What a pull did.
@@ -105,12 +104,6 @@ struct FilesMeta {
     manifest_bytes: Vec<u8>,
     recipes: Vec<Recipe>,
     mac: Option<Vec<u8>>,
-    locator: Option<crate::chunks::Locator>,
-}
-
-/// The sealed record's side.
-struct SealedMeta {
-    recipes: Vec<Recipe>,
     locator: Option<crate::chunks::Locator>,
 }
 
@@ -227,7 +220,7 @@ fn pull_snapshot_with(
     };
     let files = files_meta(remote, id, out)?;
     let sealed_meta = match sealed {
-        Some(part) => sealed_meta(remote, part)?,
+        Some(part) => crate::sealed::fetch_sealed_record(remote, part.id, part.key)?,
         None => None,
     };
     timings.metadata_s = began.elapsed().as_secs_f64();
@@ -472,24 +465,6 @@ fn files_meta(remote: &Remote, id: &str, out: &Path) -> Result<FilesMeta, Transf
         mac,
         locator,
     })
-}
-
-/// The sealed record's recipes (its MAC checked with the part's key) and locator; `None` when
-/// the bucket has no sealed record of that id.
-fn sealed_meta(remote: &Remote, part: SealedPart<'_>) -> Result<Option<SealedMeta>, TransferError> {
-    let object = snapshot_key(part.id, SEALED_RECORD_OBJECT);
-    let Some(bytes) = remote.get(&object, MAX_RECORD_BYTES)? else {
-        return Ok(None);
-    };
-    let origin = format!(
-        "object {} in bucket {}",
-        remote.full_key(&object),
-        remote.bucket()
-    );
-    let recipes = open_sealed_record(&bytes, Path::new(&origin), part.id, part.key)?;
-    let locator =
-        crate::chunks::fetch_locator(remote, &snapshot_key(part.id, SEALED_LOCATOR_OBJECT))?;
-    Ok(Some(SealedMeta { recipes, locator }))
 }
 
 /// The record's recipes, if it is a valid record of `id` that has a recipe for every file of

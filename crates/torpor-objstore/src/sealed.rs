@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use torpor_image::store::{open_sealed_record, ChunkStore, StoreError};
+use torpor_image::store::{open_sealed_record, ChunkStore, Recipe, StoreError};
 use torpor_image::SnapshotKey;
 
 use crate::client::Remote;
@@ -56,6 +56,34 @@ pub fn push_sealed_record(
     })
 }
 
+/// A snapshot's sealed record as the bucket holds it, its MAC checked: its recipes, and the
+/// locator of their chunks in packs (`None`: pushed before packs, its chunks loose).
+pub(crate) struct SealedInBucket {
+    pub(crate) recipes: Vec<Recipe>,
+    pub(crate) locator: Option<crate::chunks::Locator>,
+}
+
+/// The sealed record of snapshot `id` in the bucket (`Ok(None)`: it has none), opened with
+/// `key` before anything else is fetched, and its locator.
+pub(crate) fn fetch_sealed_record(
+    remote: &Remote,
+    id: &str,
+    key: &SnapshotKey,
+) -> Result<Option<SealedInBucket>, TransferError> {
+    let object = snapshot_key(id, SEALED_RECORD_OBJECT);
+    let Some(bytes) = remote.get(&object, MAX_RECORD_BYTES)? else {
+        return Ok(None);
+    };
+    let origin = format!(
+        "object {} in bucket {}",
+        remote.full_key(&object),
+        remote.bucket()
+    );
+    let recipes = open_sealed_record(&bytes, Path::new(&origin), id, key)?;
+    let locator = crate::chunks::fetch_locator(remote, &snapshot_key(id, SEALED_LOCATOR_OBJECT))?;
+    Ok(Some(SealedInBucket { recipes, locator }))
+}
+
 /// Pulls the sealed record `id` into `store` if the bucket has one (`Ok(None)`: it has none):
 /// its MAC checked with `key`, its missing chunks fetched and checked, then committed sealed.
 /// A record `store` holds already must be the same.
@@ -68,16 +96,9 @@ pub fn pull_sealed_record(
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<Option<SealedRecordReport>, TransferError> {
     torpor_image::store::check_snapshot_id(id)?;
-    let object = snapshot_key(id, SEALED_RECORD_OBJECT);
-    let Some(bytes) = remote.get(&object, MAX_RECORD_BYTES)? else {
+    let Some(SealedInBucket { recipes, locator }) = fetch_sealed_record(remote, id, key)? else {
         return Ok(None);
     };
-    let origin = format!(
-        "object {} in bucket {}",
-        remote.full_key(&object),
-        remote.bucket()
-    );
-    let recipes = open_sealed_record(&bytes, Path::new(&origin), id, key)?;
     let writer = store.writer()?;
     let bucket = remote.bucket().to_owned();
     let missing = |k: &str| TransferError::MissingObject {
@@ -85,7 +106,6 @@ pub fn pull_sealed_record(
         bucket: bucket.clone(),
         key: remote.full_key(k),
     };
-    let locator = crate::chunks::fetch_locator(remote, &snapshot_key(id, SEALED_LOCATOR_OBJECT))?;
     let source = crate::chunks::Source {
         remote,
         locator: locator.as_ref(),
