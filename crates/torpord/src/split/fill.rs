@@ -257,20 +257,15 @@ impl Split {
 #[cfg(test)]
 mod tests {
     use std::collections::HashSet;
-    use std::os::fd::{AsRawFd, OwnedFd};
     use std::time::Duration;
 
-    use serde_json::{json, Value};
-    use tokio::net::UnixStream;
     use torpor_image::store::{ChunkStore, Recipe};
 
     use super::*;
-    use crate::split::fds;
     use crate::split::index::{
         recipe_name, SegmentEntry, SegmentIndex, INDEX_FORMAT, INDEX_RECIPE,
     };
-    use crate::split::release::InstanceSegments;
-    use crate::split::server::Restoring;
+    use crate::split::test_worker::{hand_over, read_fd};
 
     const PAGE: usize = 4096;
     const BASE: u64 = 0x7f00_0000_0000;
@@ -349,54 +344,6 @@ mod tests {
         Arc::new(s)
     }
 
-    /// Hands the segments over as torpord does (`planned`, then `send_maps`) to a worker that
-    /// answers every `map`; `sent` is told of each VA as its frame goes out. Returns the
-    /// instance's segments (or the error) and the frames the worker got, in order.
-    async fn hand_over(
-        restoring: Restoring,
-        sent: impl Fn(u64) + Send,
-    ) -> (
-        Result<InstanceSegments, SegmentsError>,
-        Vec<(Value, OwnedFd)>,
-    ) {
-        let (daemon, worker_end) = UnixStream::pair().unwrap();
-        let (_drd, dwr) = daemon.into_split();
-        let writer = tokio::sync::Mutex::new(dwr);
-        let (mut rd, mut wr) = worker_end.into_split();
-        let send = async move {
-            let handing = restoring.planned().await?;
-            let mut segments = InstanceSegments::handing(handing.plan());
-            handing
-                .send_maps(&writer, |va, lease| {
-                    sent(va);
-                    segments.push(va, lease);
-                })
-                .await?;
-            drop(writer);
-            Ok(segments)
-        };
-        let worker = async {
-            let mut out = Vec::new();
-            while let Some((frame, fd)) = fds::read_with_fd(&mut rd).await.unwrap() {
-                let va = frame["va"].as_u64().unwrap();
-                crate::workers::send(&mut wr, &json!({"type": "mapped", "va": va, "ok": true}))
-                    .await
-                    .unwrap();
-                out.push((Value::Object(frame), fd.expect("a map frame carries an fd")));
-            }
-            out
-        };
-        tokio::join!(send, worker)
-    }
-
-    fn read_fd(fd: &OwnedFd, len: usize) -> Vec<u8> {
-        let mut out = vec![0u8; len];
-        // SAFETY: pread into a buffer of `len` bytes from an open fd.
-        let n = unsafe { libc::pread(fd.as_raw_fd(), out.as_mut_ptr().cast(), len, 0) };
-        assert_eq!(n, len as isize);
-        out
-    }
-
     /// A count the hook and the test share, with a wait for it to reach a value.
     #[derive(Default)]
     struct Count(Mutex<usize>, Condvar);
@@ -443,10 +390,14 @@ mod tests {
         let order = Arc::new(Mutex::new(Vec::new()));
         let (segments, maps) = {
             let (order, handed) = (Arc::clone(&order), Arc::clone(&handed));
-            hand_over(split.begin_restore("fn-c-1", "default"), move |va| {
-                lock(&order).push(va);
-                handed.add();
-            })
+            hand_over(
+                split.begin_restore("fn-c-1", "default"),
+                usize::MAX,
+                move |va| {
+                    lock(&order).push(va);
+                    handed.add();
+                },
+            )
             .await
         };
         let segments = segments.unwrap();
@@ -530,7 +481,8 @@ mod tests {
             bytes: 4 * PAGE as u64,
         };
         let split = split(dir.path(), bounds, hook);
-        let (segments, maps) = hand_over(split.begin_restore("fn-b-1", "default"), |_| {}).await;
+        let (segments, maps) =
+            hand_over(split.begin_restore("fn-b-1", "default"), usize::MAX, |_| {}).await;
         segments.unwrap();
         assert_eq!(maps.len(), pages.len());
         let vas: HashSet<u64> = maps
@@ -578,7 +530,8 @@ mod tests {
             bytes: 1 << 30,
         };
         let split = split(dir.path(), bounds, hook);
-        let (segments, maps) = hand_over(split.begin_restore("fn-e-1", "default"), |_| {}).await;
+        let (segments, maps) =
+            hand_over(split.begin_restore("fn-e-1", "default"), usize::MAX, |_| {}).await;
         let err = segments.unwrap_err().to_string();
         assert!(
             err.starts_with(&format!(
@@ -619,7 +572,8 @@ mod tests {
         };
         let split = split(dir.path(), bounds, hook);
         let t = Instant::now();
-        let (segments, _maps) = hand_over(split.begin_restore("fn-p-1", "default"), |_| {}).await;
+        let (segments, _maps) =
+            hand_over(split.begin_restore("fn-p-1", "default"), usize::MAX, |_| {}).await;
         let err = segments.unwrap_err();
         assert!(matches!(err, SegmentsError::FillTaskEnded), "{err}");
         assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());

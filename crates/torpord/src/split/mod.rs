@@ -32,6 +32,8 @@ pub mod pcie;
 pub mod precopy;
 pub mod release;
 pub mod server;
+#[cfg(test)]
+mod test_worker;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -225,15 +225,14 @@ pub enum SaveError {
 mod tests {
     use std::os::fd::{AsRawFd, OwnedFd};
 
-    use serde_json::{json, Value};
-    use tokio::net::UnixStream;
+    use serde_json::Value;
     use torpor_image::store::ChunkStore;
 
     use super::*;
-    use crate::split::fds;
     use crate::split::index::{
         recipe_name, SegmentEntry, SegmentIndex, INDEX_FORMAT, INDEX_RECIPE,
     };
+    use crate::split::test_worker::{hand_over, read_fd};
 
     const PAGE: usize = 4096;
     const WRITABLE: u64 = 0x7f00_0000_0000;
@@ -305,61 +304,6 @@ mod tests {
         Arc::new(Split::new(state, true, true, &limits, &metrics, key))
     }
 
-    fn contents(fd: &OwnedFd, len: usize) -> Vec<u8> {
-        let mut out = vec![0u8; len];
-        // SAFETY: pread into a buffer of `len` bytes from an open fd.
-        let n = unsafe { libc::pread(fd.as_raw_fd(), out.as_mut_ptr().cast(), len, 0) };
-        assert_eq!(n, len as isize);
-        out
-    }
-
-    /// Plays the worker: answers each `map` with `mapped`, keeping the fds by VA.
-    async fn worker(
-        rd: &mut tokio::net::unix::OwnedReadHalf,
-        wr: &mut tokio::net::unix::OwnedWriteHalf,
-        n: usize,
-    ) -> Vec<(Value, OwnedFd)> {
-        let mut out = Vec::new();
-        while out.len() < n {
-            // The daemon's end closes after an error: fewer frames came.
-            let Some((frame, fd)) = fds::read_with_fd(rd).await.unwrap() else {
-                break;
-            };
-            assert_eq!(frame["type"], "map");
-            let va = frame["va"].as_u64().unwrap();
-            crate::workers::send(wr, &json!({"type": "mapped", "va": va, "ok": true}))
-                .await
-                .unwrap();
-            out.push((Value::Object(frame), fd.expect("a map frame carries an fd")));
-        }
-        out
-    }
-
-    /// Hands the segments over as torpord does (`planned`, then `send_maps`) to [`worker`].
-    async fn hand_over(
-        restoring: crate::split::server::Restoring,
-        n: usize,
-    ) -> (
-        Result<InstanceSegments, crate::split::server::SegmentsError>,
-        Vec<(Value, OwnedFd)>,
-    ) {
-        let (daemon, worker_end) = UnixStream::pair().unwrap();
-        let (_drd, dwr) = daemon.into_split();
-        let writer = tokio::sync::Mutex::new(dwr);
-        let (mut wrd, mut wwr) = worker_end.into_split();
-        let send = async move {
-            let handing = restoring.planned().await?;
-            let mut segments = InstanceSegments::handing(handing.plan());
-            handing
-                .send_maps(&writer, |va, lease| segments.push(va, lease))
-                .await?;
-            // The worker's end then sees the end of the frames.
-            drop(writer);
-            Ok(segments)
-        };
-        tokio::join!(send, worker(&mut wrd, &mut wwr, n))
-    }
-
     /// The map frame of the segment at `va` (fills complete in any order).
     fn at(maps: &[(Value, OwnedFd)], va: u64) -> &(Value, OwnedFd) {
         maps.iter()
@@ -385,7 +329,7 @@ mod tests {
         snapshot(dir.path(), "fn-t-1", &writable, &read_only);
         let split = split(dir.path());
 
-        let (handed, maps) = hand_over(split.begin_restore("fn-t-1", "default"), 2).await;
+        let (handed, maps) = hand_over(split.begin_restore("fn-t-1", "default"), 2, |_| {}).await;
         let mut segments = handed.unwrap();
         assert!(!segments.is_empty() && !segments.is_released());
         // The worker wrote into its writable segment after the restore.
@@ -401,10 +345,11 @@ mod tests {
         let (handed, again) = hand_over(
             split.begin_refill(plan, sources, "t".into(), "default".into()),
             2,
+            |_| {},
         )
         .await;
         assert!(handed.is_ok() && again.len() == 2);
-        assert_eq!(contents(&at(&again, WRITABLE).1, writable.len()), changed);
+        assert_eq!(read_fd(&at(&again, WRITABLE).1, writable.len()), changed);
         // The same memory: dropping this second set of handles leaves it held.
         drop((handed, again));
 
@@ -433,16 +378,17 @@ mod tests {
         let (handed, back) = hand_over(
             split.begin_refill(plan, sources, "t".into(), "default".into()),
             2,
+            |_| {},
         )
         .await;
         let segments = handed.unwrap();
         assert_eq!((back.len(), bytes(&back)), (2, (5 * PAGE) as u64));
         assert_eq!(at(&back, WRITABLE).0["readonly"], false);
-        assert_eq!(contents(&at(&back, WRITABLE).1, writable.len()), changed);
+        assert_eq!(read_fd(&at(&back, WRITABLE).1, writable.len()), changed);
         // The read-only one came from the store into a new shared copy, sealed.
         let (ro_frame, ro_fd) = at(&back, READ_ONLY);
         assert_eq!(ro_frame["readonly"], true);
-        assert_eq!(contents(ro_fd, read_only.len()), read_only);
+        assert_eq!(read_fd(ro_fd, read_only.len()), read_only);
         assert_eq!(split.metrics.shared_bytes.get(), (3 * PAGE) as i64);
         // SAFETY: F_GET_SEALS only reads the memfd's seals.
         let seals = unsafe { libc::fcntl(ro_fd.as_raw_fd(), libc::F_GET_SEALS) };
@@ -460,7 +406,7 @@ mod tests {
         // the read-only one fails.
         let mut split = split(dir.path());
         Arc::get_mut(&mut split).unwrap().fill_bounds.segments = 1;
-        let (handed, maps) = hand_over(split.begin_restore("fn-t-2", "default"), 2).await;
+        let (handed, maps) = hand_over(split.begin_restore("fn-t-2", "default"), 2, |_| {}).await;
         drop(maps);
         let mut segments = handed.unwrap();
         let (plan, leases) = segments.leases().unwrap();
@@ -475,6 +421,7 @@ mod tests {
         let (handed, maps) = hand_over(
             split.begin_refill(plan, sources, "instance i-1".into(), "default".into()),
             1,
+            |_| {},
         )
         .await;
         let err = handed.unwrap_err().to_string();
@@ -483,7 +430,7 @@ mod tests {
             "{err}"
         );
         // The writable one was handed over before.
-        assert_eq!(contents(&maps[0].1, PAGE), writable);
+        assert_eq!(read_fd(&maps[0].1, PAGE), writable);
     }
 
     /// The inode of an fd's file (a memfd: one per copy).
@@ -511,28 +458,28 @@ mod tests {
         }
         let split = split(dir.path());
         let one = (3 * PAGE) as i64;
-        let (a, a_maps) = hand_over(split.begin_restore("fn-a-1", "team-a"), 2).await;
+        let (a, a_maps) = hand_over(split.begin_restore("fn-a-1", "team-a"), 2, |_| {}).await;
         assert_eq!(split.metrics.shared_bytes.get(), one);
         // Another function of the same tenant: the same copy.
-        let (b, b_maps) = hand_over(split.begin_restore("fn-b-1", "team-a"), 2).await;
+        let (b, b_maps) = hand_over(split.begin_restore("fn-b-1", "team-a"), 2, |_| {}).await;
         assert_eq!(split.metrics.shared_bytes.get(), one);
         assert_eq!(
             inode(&at(&a_maps, READ_ONLY).1),
             inode(&at(&b_maps, READ_ONLY).1)
         );
         // Another tenant's function with the same weights: a copy of its own.
-        let (c, c_maps) = hand_over(split.begin_restore("fn-c-1", "team-b"), 2).await;
+        let (c, c_maps) = hand_over(split.begin_restore("fn-c-1", "team-b"), 2, |_| {}).await;
         assert_eq!(split.metrics.shared_bytes.get(), 2 * one);
         assert_ne!(
             inode(&at(&a_maps, READ_ONLY).1),
             inode(&at(&c_maps, READ_ONLY).1)
         );
         assert_eq!(
-            contents(&at(&c_maps, READ_ONLY).1, read_only.len()),
+            read_fd(&at(&c_maps, READ_ONLY).1, read_only.len()),
             read_only
         );
         // The default tenant is a tenant like the others.
-        let (d, d_maps) = hand_over(split.begin_restore("fn-c-1", "default"), 2).await;
+        let (d, d_maps) = hand_over(split.begin_restore("fn-c-1", "default"), 2, |_| {}).await;
         assert_eq!(split.metrics.shared_bytes.get(), 3 * one);
         assert_ne!(
             inode(&at(&a_maps, READ_ONLY).1),
@@ -570,15 +517,15 @@ mod tests {
                 .with_label_values(&["host", "hit"])
                 .get()
         };
-        let (a, _) = hand_over(split.begin_restore("fn-a-1", "team-a"), 2).await;
+        let (a, _) = hand_over(split.begin_restore("fn-a-1", "team-a"), 2, |_| {}).await;
         assert_eq!(hits(), 0);
         // The same tenant: its writable segment comes from the host cache.
-        let (b, _) = hand_over(split.begin_restore("fn-b-1", "team-a"), 2).await;
+        let (b, _) = hand_over(split.begin_restore("fn-b-1", "team-a"), 2, |_| {}).await;
         assert_eq!(hits(), 1);
         // Another tenant: from the store, as if nothing were cached.
-        let (c, maps) = hand_over(split.begin_restore("fn-c-1", "team-b"), 2).await;
+        let (c, maps) = hand_over(split.begin_restore("fn-c-1", "team-b"), 2, |_| {}).await;
         assert_eq!(hits(), 1);
-        assert_eq!(contents(&at(&maps, WRITABLE).1, PAGE), writable);
+        assert_eq!(read_fd(&at(&maps, WRITABLE).1, PAGE), writable);
         drop((a, b, c));
     }
 
