@@ -385,12 +385,19 @@ mod tests {
     }
 
     /// A child with three threads, each spinning (so a running thread shows R), and its pid.
+    /// Each spins in a two-byte machine-code loop called through ctypes, without the GIL:
+    /// threads spinning in Python wait for the GIL in turn (S most of the time), a thread
+    /// stopped holding it keeps the others waiting, and the checks below then saw R only by
+    /// chance (0.8-8.7 s of their 10 s here; one CI run timed out).
     fn spinning_child() -> (Spinning, i32) {
         let child = std::process::Command::new("python3")
             .args([
                 "-c",
-                "import threading\n\
-                 def spin():\n    while True: pass\n\
+                "import ctypes, mmap, platform, threading\n\
+                 loop = {'x86_64': b'\\xeb\\xfe', 'aarch64': (0x14000000).to_bytes(4, 'little')}[platform.machine()]\n\
+                 m = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n\
+                 m.write(loop)\n\
+                 spin = ctypes.CFUNCTYPE(None)(ctypes.addressof(ctypes.c_char.from_buffer(m)))\n\
                  for _ in range(2): threading.Thread(target=spin, daemon=True).start()\n\
                  spin()",
             ])
