@@ -144,6 +144,11 @@ def test_simulator_writes_its_json_and_refuses_bad_arguments(tmp_path: Path) -> 
         capture_output=True, text=True, check=False, timeout=60,
     )
     assert r.returncode == 2 and "--copies must be from 1" in r.stderr.strip().splitlines()[-1], r.stderr
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "cluster" / "simulate.py"), "--gpu-restores", "-1", "--out", str(out)],
+        capture_output=True, text=True, check=False, timeout=60,
+    )
+    assert r.returncode == 2 and "--gpu-restores must be 0" in r.stderr.strip().splitlines()[-1], r.stderr
 
 
 def test_cluster_code_is_typed() -> None:
