@@ -32,8 +32,9 @@ comes from:
   instance, as the issue's "1 000 cold starts" asks (torpord would serve one warm, without a
   start, if an instance were idle when it arrived; the extra starts only load the lane).
 - Bytes: a node pulls the base snapshot once (its `base_dir` bytes, 1.04-1.11 GB) for every
-  function on that base, and per function the bytes that are its own: its split snapshot's
-  `stored_bytes` plus its snapshot directory less the base's (the CRIU pages it adds;
+  function on that base, and per function the bytes that are its own: its segments' chunks in
+  the store, deduplicated (`sizes.store.stored`: 0.28 GB, 2.86 GB) plus its snapshot directory
+  less the base's (the CRIU pages it adds;
   content-defined chunks share the rest with the base: an assumption, the H100 runs did not
   measure the overlap). Two bases: even functions on one, odd on the other.
 - Links: each node pulls over its own link at `--link-gbps` (no network was measured on the H100;
@@ -143,7 +144,9 @@ def measured_models(path: Path = SPLIT_BENCH) -> tuple[list[Model], dict[str, An
         d = doc["deploys"]["split"][name]
         snap = int(d["snapshot_function"]["bytes"])
         base = int(d["sizes"]["base_dir"]["bytes"])
-        segments = int(d["snapshot_function"]["stored_bytes"])
+        # The function's chunks in the store, deduplicated: what a node without them pulls
+        # (`stored_bytes` is only what its deploy added, 2 MB when the store held the weights).
+        segments = int(d["sizes"]["store"]["stored"])
         models.append(
             Model(
                 name,
@@ -164,7 +167,7 @@ def measured_models(path: Path = SPLIT_BENCH) -> tuple[list[Model], dict[str, An
         "driver_s": "(median of results[mode=burst8].runs[].all_up_s - cold_s) / 7: one driver restore's turn",
         "handler_s": "median of results[mode=burst8].runs[].answers[].timings.handler",
         "base_bytes": "deploys.split.<model>.sizes.base_dir.bytes",
-        "own_bytes": "deploys.split.<model>.snapshot_function.stored_bytes + (snapshot_function.bytes - base_dir.bytes)",
+        "own_bytes": "deploys.split.<model>.sizes.store.stored (its segments' chunks, deduplicated) + (snapshot_function.bytes - base_dir.bytes)",
         "snapshot_dir_bytes": "deploys.split.<model>.snapshot_function.bytes",
         "gpu_bytes": "not in the file: DESIGN.md §1's NVML figures",
         "models": [m.__dict__ for m in models],
