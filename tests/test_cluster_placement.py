@@ -16,7 +16,17 @@ from types import ModuleType
 import pytest
 
 from conftest import ROOT
-from torpor.cluster.placement import Costs, FunctionNeeds, NodeView, StartKind, place, place_random
+from torpor.cluster.bookkeeping import Bookkeeping, SentStart, handler_of, pending
+from torpor.cluster.placement import (
+    Costs,
+    FunctionNeeds,
+    NodeView,
+    StartKind,
+    estimate_join_s,
+    delayed_s,
+    place,
+    place_random,
+)
 
 FN = FunctionNeeds("f", gpu_bytes=4 * 2**30, snapshot_bytes=2 * 10**9)
 
@@ -83,6 +93,156 @@ def test_a_burst_spreads_as_starts_pile_up() -> None:
     idle = NodeView("p2", in_bucket=True, missing_bytes=10**9)
     p = place(FN, [busy, idle], costs)
     assert p is not None and p.node == "p2"
+
+
+JOIN_COSTS = Costs(restore_staged_s=1.0, restore_local_extra_s=0.3, link_bytes_per_s=1e9, start_contention_s=0.2)
+QUICK = FunctionNeeds("f", gpu_bytes=4 * 2**30, snapshot_bytes=2 * 10**9, handler_s=0.1)
+
+
+def test_a_request_joins_the_node_whose_starting_instance_answers_sooner_than_a_new_start() -> None:
+    """Late binding: a start of f expected up in 0.3 s on `a` answers this request at 0.4 s
+    (its handler after), sooner than a new start on the idle staged `b` (1.0 s): it goes to `a`.
+    Its own start there is still estimated, for the bookkeeping (1.0 + 0.3 disk + 1 x 0.2)."""
+    a = NodeView("a", local_snapshot=True, in_bucket=True, starting=1, starts_up_in_s=(0.3,))
+    b = NodeView("b", staged=True, in_bucket=True)
+    p = place(QUICK, [b, a], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind) == ("a", StartKind.JOIN), p
+    assert p.estimate_s == pytest.approx(0.4) and p.start_s == pytest.approx(1.5) and p.pull_s == 0.0
+    # An instance already up (busy) is free now: the request is answered a handler later.
+    up = NodeView("a", local_snapshot=True, in_bucket=True, instances=1)
+    p = place(QUICK, [b, up], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind) == ("a", StartKind.JOIN) and p.estimate_s == pytest.approx(0.1)
+    # Without the join the starts only count against `a`: the staged node wins (the old rule).
+    p = place(QUICK, [b, NodeView("a", local_snapshot=True, in_bucket=True, starting=1)], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind) == ("b", StartKind.STAGED)
+
+
+def test_the_join_estimate_serves_the_requests_ahead_first_come_first_served() -> None:
+    """Two instances up and one starting (up in 0.25 s), 5 requests of ours ahead, 0.1 s each:
+    the instances up take the first four (free at 0.2 s), the starting one the fifth (0.35 s);
+    this request goes to the first free, at 0.2 s, and is answered at 0.3 s."""
+    v = NodeView("a", local_snapshot=True, instances=2, starts_up_in_s=(0.25,), inflight=5)
+    assert estimate_join_s(QUICK, v) == pytest.approx(0.3)
+    # torpord's queue counts when it is longer than what the caller knows it sent.
+    assert estimate_join_s(QUICK, NodeView("a", instances=1, queue_depth=3)) == pytest.approx(0.4)
+    assert estimate_join_s(QUICK, NodeView("a", local_snapshot=True)) is None  # nothing up or starting
+    # No GPU memory for the start the request would make there: no join either.
+    assert estimate_join_s(QUICK, NodeView("a", instances=1, gpu_free_bytes=2**30)) is None
+
+
+def test_a_request_does_not_join_when_the_wait_there_is_longer_than_a_new_start() -> None:
+    """The start on `a` is up in 0.3 s but 20 requests are ahead of this one (0.1 s each, one
+    instance): 2.4 s; a new start on the staged `b` answers in 1.0 s."""
+    a = NodeView("a", local_snapshot=True, in_bucket=True, starting=1, starts_up_in_s=(0.3,), inflight=20)
+    b = NodeView("b", staged=True, in_bucket=True)
+    p = place(QUICK, [a, b], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind) == ("b", StartKind.STAGED) and p.estimate_s == pytest.approx(1.0)
+    # ... nor when a new start on the same node answers sooner than the one under way (late).
+    late = NodeView("a", staged=True, in_bucket=True, starting=1, starts_up_in_s=(5.0,))
+    p = place(QUICK, [late], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind) == ("a", StartKind.STAGED) and p.estimate_s == pytest.approx(1.2)
+
+
+def test_an_idle_warm_instance_still_wins_over_a_join_and_the_choice_is_deterministic() -> None:
+    join = NodeView("a", local_snapshot=True, in_bucket=True, instances=3, starts_up_in_s=(0.0,))
+    warm = NodeView("w", warm_idle=1, instances=1, local_snapshot=True, in_bucket=True)
+    p = place(QUICK, [join, warm], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind, p.start_s) == ("w", StartKind.WARM, None)
+    # Two equal joins: fewer requests in flight, then the smaller name; the same every time.
+    x = NodeView("x", local_snapshot=True, in_bucket=True, instances=2, inflight=1)
+    y = NodeView("y", local_snapshot=True, in_bucket=True, instances=2, inflight=1)
+    z = NodeView("z", local_snapshot=True, in_bucket=True, instances=4, inflight=2)
+    picks = {place(QUICK, order, JOIN_COSTS) for order in ([x, y, z], [z, y, x], [y, z, x])}
+    assert len(picks) == 1
+    p = picks.pop()
+    assert p is not None and (p.node, p.kind) == ("x", StartKind.JOIN) and p.estimate_s == pytest.approx(0.1)
+
+
+def test_a_start_that_would_go_ahead_of_other_functions_pulls_counts_their_wait() -> None:
+    """torpord restores starts in the order they are ready: a join on `a`, whose bytes are there,
+    would hold the driver a turn (0.2 s) ahead of another function's start still pulling there,
+    expected up in 1.5 s: its requests would wait until 1.7 s. A node is ranked by the latest
+    answer the request makes: 1.7 s on `a` against 1.0 s for a new start on `b`."""
+    a = NodeView("a", local_snapshot=True, in_bucket=True, starts_up_in_s=(0.3,), pulls_up_in_s=(0.2, 1.5))
+    b = NodeView("b", staged=True, in_bucket=True)
+    assert delayed_s(QUICK, a, JOIN_COSTS) == pytest.approx(1.7)
+    p = place(QUICK, [a, b], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind) == ("b", StartKind.STAGED), p
+    # A pull that will be up at 0.5 s anyway, 0.7 s after this one's turn: sooner than b.
+    soon = NodeView("a", local_snapshot=True, in_bucket=True, starts_up_in_s=(0.3,), pulls_up_in_s=(0.5,))
+    p = place(QUICK, [soon, b], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind) == ("a", StartKind.JOIN) and p.estimate_s == pytest.approx(0.4)
+    # A start that pulls its own bytes goes behind the pulls already on the node's link: it
+    # delays none of them.
+    far = NodeView("p", in_bucket=True, missing_bytes=10**7, pulls_up_in_s=(50.0,))
+    assert delayed_s(QUICK, far, JOIN_COSTS) == 0.0
+    p = place(QUICK, [a, far], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind) == ("p", StartKind.PULL) and p.pull_s == pytest.approx(0.01)
+    assert p.estimate_s == pytest.approx(1.31)
+
+
+def test_bookkeeping_keeps_the_starts_torpord_still_counts_and_expects_them_up_in_time() -> None:
+    book = Bookkeeping(fresh_s=1.0)
+    for i, start_s in enumerate((1.0, 1.2, 1.4)):  # three requests sent at 0, 0.1, 0.2 s
+        book.sent("n", "f", 0.1 * i, start_s, pull_s=0.5 if i == 2 else 0.0)
+    assert book.starts_up_in("n", "f", 0.5) == pytest.approx((0.5, 0.8, 1.1))
+    assert book.node_starting("n", 0.5) == 3 and book.node_starting("m", 0.5) == 0
+    # torpord, asked at 0.6 s, counts 2 starting: the one expected up first is taken as up.
+    book.seen("n", "f", 2, 0.6)
+    assert book.starts_up_in("n", "f", 0.6) == pytest.approx((0.7, 1.0))
+    # An answer older than the one taken changes nothing; a request sent after the answer was
+    # asked for is under way whatever it said.
+    book.seen("n", "f", 0, 0.55)
+    book.sent("n", "f", 0.7, 1.0)
+    assert book.starts_up_in("n", "f", 0.7) == pytest.approx((0.6, 0.9, 1.0))
+    # Late starts that a fresh count vouches for are due now (0); without a fresh count, a
+    # start past its expected up time is taken as up.
+    assert book.starts_up_in("n", "f", 1.5) == pytest.approx((0.0, 0.1, 0.2))
+    assert book.starts_up_in("n", "f", 1.65) == pytest.approx((0.05,))
+    # Other functions' starts on a node: all count for its lane, those still pulling for
+    # `pulls_up_in` (not the function's own); a start sent there with its bytes at hand moves
+    # each of those a driver turn later.
+    book.sent("n", "g", 2.0, 3.0, pull_s=1.0)
+    book.sent("n", "g", 2.0, 3.0)
+    assert book.node_starting("n", 2.1) == 2 and book.pulls_up_in("n", "f", 2.1) == pytest.approx((2.9,))
+    assert book.pulls_up_in("n", "g", 2.1) == () and book.pulls_up_in("n", "f", 3.1) == ()
+    book.sent("n", "f", 2.1, 1.0, turn_s=0.25)
+    assert book.pulls_up_in("n", "f", 2.1) == pytest.approx((3.15,))
+    assert book.starts_up_in("n", "g", 2.1) == pytest.approx((2.9, 3.15))
+    book.sent("n", "f", 2.2, 1.0, pull_s=0.5, turn_s=0.25)  # a pull: behind g's on the link
+    assert book.pulls_up_in("n", "f", 2.2) == pytest.approx((3.05,))
+    book.forget_node("n")
+    assert book.node_starting("n", 2.1) == 0 and book.starts_up_in("n", "g", 2.1) == ()
+    book.sent("n", "f", 0.0, None)  # a warm request makes no start
+    assert book.starts_up_in("n", "f", 0.0) == ()
+
+
+def test_bookkeeping_averages_the_answers_handler_and_keeps_the_pulls_size() -> None:
+    book = Bookkeeping(default_handler_s=0.1, alpha=0.5)
+    assert book.handler_s("f") == 0.1
+    book.answered("f", json.dumps({"queue": 0.0, "handler": 0.02, "total": 0.6}))
+    assert book.handler_s("f") == pytest.approx(0.02)
+    book.answered("f", '{"handler": 0.04}')
+    assert book.handler_s("f") == pytest.approx(0.03)
+    for junk in (None, "", "not json", "[1]", '{"handler": "x"}', '{"handler": -1}', '{"handler": true}'):
+        book.answered("f", junk)
+    assert book.handler_s("f") == pytest.approx(0.03) and book.handler_s("g") == 0.1
+    assert handler_of('{"handler": 1}') == 1.0
+    assert book.snapshot_bytes("f") == 0
+    for got in (3 * 10**9, None, "x", 10**9):
+        book.pulled("f", got)
+    assert book.snapshot_bytes("f") == 3 * 10**9
+
+
+def test_pending_takes_the_latest_expected_of_the_starts_sent_before_the_count() -> None:
+    starts = [SentStart(0.0, 2.0, 0.0), SentStart(0.1, 1.0, 0.0), SentStart(0.2, 3.0, 0.0), SentStart(0.9, 0.95, 0.0)]
+    # Asked at 0.5: 1 starting of the three sent before: the one expected last (3.0); the one
+    # sent after the question counts whatever the answer said.
+    got = pending(starts, 0.5, 1, 0.5)
+    assert [s.up_at for s in got] == [0.95, 3.0]
+    assert [s.up_at for s in pending(starts, None, 0, 0.5)] == [0.95, 1.0, 2.0, 3.0]
+    assert [s.up_at for s in pending(starts, None, 0, 1.5)] == [2.0, 3.0]
+    assert pending(starts, 0.5, 0, 5.0, fresh_s=10.0) == [starts[3]]
 
 
 def test_random_placement_is_seeded_and_ignores_locality() -> None:
