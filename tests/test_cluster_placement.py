@@ -273,6 +273,10 @@ def test_simulation_invariants_and_determinism(tmp_path: Path) -> None:
         assert r["starts_before_pull_end"] == 0 and r["answers_before_instance_up"] == 0, r
         assert 0 < r["p50_s"] <= r["p99_s"] <= r["max_s"], r
         assert 0 < r["instance_up_p50_s"] <= r["instance_up_p99_s"] <= r["instance_up_max_s"], r
+        # Every request makes a start (torpord's behaviour); `place` sends some to join, never random.
+        assert r["starts_made"] == 80, r
+        assert ("join" in r["kinds"]) == (r["policy"] == "locality"), r
+    assert doc["settings"]["no_start_on_join"] is False
     s = doc["summary"]
     assert s["bytes_moved"] < s["random_bytes_moved"], s
     assert s["burst_p99_ratio"] == pytest.approx(s["p99_s"] / s["one_cold_start_s"], rel=1e-2)
@@ -281,6 +285,53 @@ def test_simulation_invariants_and_determinism(tmp_path: Path) -> None:
     assert s["one_cold_start_s"] in {m["cold_s"] for m in doc["measured"]["models"]}
     other = sim.simulate(small_args(sim, tmp_path / "c.json", "--seeds", "3"))
     assert other["runs"] != doc["runs"][:2]
+
+
+def test_the_simulators_views_hold_only_what_the_ingress_knows_when_it_places() -> None:
+    """What `view` gives `place` of a node's function at t (instances up, starts under way,
+    requests not answered) is what the run's final outcome says of t: nothing placed later
+    changes it, so it is what torpord's answer and the ingress's own answers had at t."""
+    sim = load_simulator()
+    args = sim.parse(["--nodes", "8", "--starts", "120", "--functions", "3", "--link-gbps", "25", "--out", "/dev/null"])
+    models, _ = sim.measured_models()
+    rng = random.Random(4)
+    nodes, fns, sizes = sim.make_cluster(args, models, rng)
+    link = 25e9 / 8
+    by_name = {n.name: n for n in nodes}
+    book = Bookkeeping()
+    seen, requests = [], []
+    for t, k in sim.draws(args, len(fns), rng):
+        f = fns[k]
+        costs = sim.costs_for(args, f.model, link)
+        views = [sim.view(n, f, sizes, link, t, book) for n in nodes]
+        seen += [(v.node, f.name, t, v.instances, len(v.starts_up_in_s), v.inflight) for v in views if v.node in
+                 {n.name for n in nodes if f.name in n.requests_of}]
+        p = place(sim.needs_of(f), views, costs)
+        assert p is not None
+        requests.append(sim.start_on(by_name[p.node], f, p, costs, sizes, link, t))
+        book.sent(p.node, f.name, t, p.start_s, p.pull_s)
+    sim.summarize("locality", 25.0, 4, requests, 0, nodes)
+    assert any(r.kind == "join" for r in requests) and len(seen) > 100
+    for node, fn, t, up, starting, inflight in seen:
+        before = [r for r in requests if r.node == node and r.fn == fn and r.t < t]
+        assert up == sum(1 for r in before if r.start.up <= t), (node, fn, t)
+        assert starting == sum(1 for r in before if r.start.up > t), (node, fn, t)
+        assert inflight == sum(1 for r in before if r.answer > t), (node, fn, t)
+
+
+def test_no_start_on_join_is_a_separate_option_that_starts_fewer_instances(tmp_path: Path) -> None:
+    """`--no-start-on-join` (not torpord's behaviour): a request `place` sends to join makes no
+    start; off by default, said in the settings, and every answer still comes from an instance
+    of its function up on its node."""
+    sim = load_simulator()
+    doc = sim.simulate(small_args(sim, tmp_path / "a.json", "--no-start-on-join"))
+    assert doc["settings"]["no_start_on_join"] is True
+    for r in doc["runs"]:
+        assert r["answers_before_instance_up"] == 0 and r["starts_before_pull_end"] == 0, r
+        if r["policy"] == "locality":
+            assert r["starts_made"] == 80 - r["kinds"]["join"] < 80, r
+        else:
+            assert r["starts_made"] == 80, r
 
 
 def test_simulator_writes_its_json_and_refuses_bad_arguments(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import simulate as S  # noqa: E402
+from torpor.cluster.bookkeeping import Bookkeeping  # noqa: E402
 from torpor.cluster.placement import Costs, FunctionNeeds, NodeView, Placement, StartKind, place, start_kind  # noqa: E402
 
 SLACKS = (0.0, -0.5, -1.0, -1.5)
@@ -71,23 +72,26 @@ def run_once(
     nodes, fns, sizes = S.make_cluster(args, models, rng)
     link_bps = link_gbps * 1e9 / 8
     by_name = {n.name: n for n in nodes}
+    book = Bookkeeping()  # the ingress's, as in simulate.run_once
     requests: list[S.Request] = []
     moved = prefetches = 0
     for t, k in S.draws(args, len(fns), rng):
         f = fns[k]
         costs = S.costs_for(args, f.model, link_bps)
         need = S.needs_of(f)
-        views = [S.view(n, f, sizes, link_bps, t) for n in nodes]
+        views = [S.view(n, f, sizes, link_bps, t, book) for n in nodes]
         p = place(need, views, costs)
         if slack is not None:
             q = prefetch_node(need, views, costs, p, slack)
             if q is not None:
                 prefetches += 1
                 moved += S.pull_onto(by_name[q], f, sizes, link_bps, t)
-                views = [S.view(n, f, sizes, link_bps, t) for n in nodes]
+                views = [S.view(n, f, sizes, link_bps, t, book) for n in nodes]
                 p = place(need, views, costs)
         assert p is not None
-        r = S.start_on(by_name[p.node], f, p, costs, sizes, link_bps, t)
+        start = not (args.no_start_on_join and p.kind is StartKind.JOIN)
+        r = S.start_on(by_name[p.node], f, p, costs, sizes, link_bps, t, start)
+        book.sent(p.node, f.name, t, p.start_s if start else None, p.pull_s, costs.start_contention_s)
         moved += r.pulled_bytes
         requests.append(r)
     out = S.summarize("prefetch" if slack is not None else "locality", link_gbps, seed, requests, moved, nodes)

@@ -31,6 +31,10 @@ comes from:
   of that function on that node), requests taken first come first. Each request still starts an
   instance, as the issue's "1 000 cold starts" asks (torpord would serve one warm, without a
   start, if an instance were idle when it arrived; the extra starts only load the lane).
+  `--no-start-on-join` (off by default; **not what torpord does**): a request that `place`
+  sends to join an instance of its function up or starting on a node makes no start there,
+  as a daemon would that started an instance only when its function's instances up or
+  starting would not serve the request sooner; its figures go to their own JSON.
 - Bytes: a node pulls the base snapshot once (its `base_dir` bytes, 1.04-1.11 GB) for every
   function on that base, and per function the bytes that are its own: its segments' chunks in
   the store, deduplicated (`sizes.store.stored`: 0.28 GB, 2.86 GB) plus its snapshot directory
@@ -43,6 +47,18 @@ comes from:
   limit. A start never begins before every byte it needs is on the node.
 - Placement's cost model (`Costs`): `restore_staged_s` = the model's `cold`, and each start under
   way on a node adds the model's `d` (`start_contention_s`), so a burst still spreads.
+- What `place` sees (`view`): what torpord's placement answer says of the node at the request's
+  arrival (its function's `instances` up and `starting`; free GPU memory; staged or local),
+  the requests of ours not yet answered there (the ingress sees each answer come back), the
+  node's starts under way of every function (the sum of torpord's per-function `starting`),
+  and, from `torpor.cluster.bookkeeping.Bookkeeping` fed as the ingress feeds it, when each
+  start of the function under way there is expected up (the estimate `place` made when the
+  request that started it was sent, corrected by torpord's count) and when the other
+  functions' starts still pulling there are. The function's handler is the measured one (the
+  ingress's average of its answers' handler after earlier traffic). Left out: that the
+  ingress's views are up to 0.25 s old; the link backlog and the bytes a node lacks are the
+  node model's (torpord does not say them; the ingress assumes the whole snapshot).
+  `tests/test_cluster_placement.py` checks that nothing placed later changes what a view said.
 - GPU: each node has one 80 GB GPU; an instance holds the model's NVML figure (resnet152 ~1.3 GB,
   GPT-2-Large 3.89 GB, DESIGN.md §1) from its placement on.
 - Initial state: every function's snapshot is in the bucket, staged on its home node (where it
@@ -90,11 +106,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python"))
 
+from torpor.cluster.bookkeeping import Bookkeeping  # noqa: E402
 from torpor.cluster.placement import (  # noqa: E402
     Costs,
     FunctionNeeds,
     NodeView,
     Placement,
+    StartKind,
     place,
     place_random,
 )
@@ -212,6 +230,9 @@ class Node:
     starts: list[Start] = field(default_factory=list)
     gpu_used: int = 0
     _ups: list[float] | None = None  # the starts' up times, sorted; None: to recompute
+    starts_of: dict[str, list[Start]] = field(default_factory=dict)  # function -> its starts here
+    requests_of: dict[str, list[float]] = field(default_factory=dict)  # function -> arrivals here
+    _answers: dict[str, list[float]] = field(default_factory=dict)  # function -> answer times, sorted
 
     @property
     def name(self) -> str:
@@ -220,8 +241,33 @@ class Node:
     def add_start(self, fn: str, pull_end: float, nondriver_s: float, driver_s: float) -> Start:
         s = Start(len(self.starts), fn, pull_end, nondriver_s, driver_s)
         self.starts.append(s)
+        self.starts_of.setdefault(fn, []).append(s)
         self._ups = None  # a new start can take the lane before later-ready ones
+        self._answers.clear()  # ... and so move every answer after it
         return s
+
+    def add_request(self, fn: str, t: float) -> None:
+        """A request for `fn` placed here at `t` (after every request placed before)."""
+        self.requests_of.setdefault(fn, []).append(t)
+        self._answers.pop(fn, None)
+
+    def function_at(self, fn: str, handler_s: float, t: float) -> tuple[int, int, int]:
+        """What the node's placement answer and the ingress know of `fn` here at `t`: its
+        instances up, its starts under way (torpord's `instances`, `starting`) and its requests
+        not answered by `t` (the ingress's in-flight count: it sees each answer come back).
+        Exact at `t` whatever is placed after `t`: a later start never takes the lane or a
+        slot before it is placed, so nothing up or answered by `t` moves."""
+        starts = self.starts_of.get(fn, [])
+        if not starts:
+            return 0, 0, len(self.requests_of.get(fn, []))
+        self.up_times()
+        up = sum(1 for s in starts if s.up <= t)
+        answers = self._answers.get(fn)
+        if answers is None:
+            free = [(s.up, s.seq) for s in starts]
+            answers = sorted(a for a, _ in bind(free, self.requests_of.get(fn, []), handler_s))
+            self._answers[fn] = answers
+        return up, len(starts) - up, len(answers) - bisect.bisect_right(answers, t)
 
     def up_times(self) -> list[float]:
         """Every start's up time, sorted (each `Start.up` is set too)."""
@@ -286,21 +332,37 @@ class Request:
     served_by_up: float = float("nan")
 
 
+def bind(free: list[tuple[float, int]], arrivals: list[float], handler_s: float) -> list[tuple[float, int]]:
+    """Late binding of one function's requests on one node: `free` holds (time free, seq) of
+    each of its instances (from when it is up); each request, in arrival order, takes the one
+    that frees first and is answered a handler after max(its arrival, then). Returns each
+    request's (answer, seq of the instance that answered it), in arrival order."""
+    heap = list(free)
+    heapq.heapify(heap)
+    out = []
+    for t in arrivals:
+        at, seq = heapq.heappop(heap)
+        done = max(t, at) + handler_s
+        out.append((done, seq))
+        heapq.heappush(heap, (done, seq))
+    return out
+
+
 def answer(node: Node, requests: list[Request]) -> None:
     """Late binding on one node: each request, in arrival order, takes the instance of its
     function there that frees first (up, or done with the request before) and is answered a
     handler later. Sets `answer`, `served_by` and `served_by_up` of `requests`."""
     node.up_times()
-    free: dict[str, list[tuple[float, int]]] = {}
-    for s in node.starts:
-        free.setdefault(s.fn, []).append((s.up, s.seq))
-    for heap in free.values():
-        heapq.heapify(heap)
+    by_fn: dict[str, list[Request]] = {}
     for r in sorted(requests, key=lambda r: r.t):
-        at, seq = heapq.heappop(free[r.fn])
-        r.answer = max(r.t, at) + r.handler_s
-        r.served_by, r.served_by_up = seq, node.starts[seq].up
-        heapq.heappush(free[r.fn], (r.answer, seq))
+        by_fn.setdefault(r.fn, []).append(r)
+    for fn, reqs in by_fn.items():
+        free = [(s.up, s.seq) for s in node.starts_of.get(fn, [])]
+        for r in reqs:  # one function, one handler
+            assert r.handler_s == reqs[0].handler_s
+        for r, (done, seq) in zip(reqs, bind(free, [r.t for r in reqs], reqs[0].handler_s), strict=True):
+            r.answer = done
+            r.served_by, r.served_by_up = seq, node.starts[seq].up
 
 
 def burst_on_idle_node(model: Model, n: int = BURST, gpu_restores: int = DEFAULT_GPU_RESTORES) -> tuple[list[float], list[float]]:
@@ -372,11 +434,27 @@ def costs_for(args: argparse.Namespace, m: Model, link_bps: float) -> Costs:
 
 
 def needs_of(f: Fn) -> FunctionNeeds:
-    return FunctionNeeds(f.name, gpu_bytes=f.model.gpu_bytes, snapshot_bytes=f.model.own_bytes + f.model.base_bytes)
+    """What `place` knows of `f`: its GPU memory, its snapshot's bytes, and its handler (the
+    measured median: the ingress's average of its answers' handler, after earlier traffic)."""
+    return FunctionNeeds(
+        f.name, gpu_bytes=f.model.gpu_bytes, snapshot_bytes=f.model.own_bytes + f.model.base_bytes,
+        handler_s=f.model.handler_s,
+    )
 
 
-def view(node: Node, f: Fn, sizes: dict[str, int], link_bps: float, t: float) -> NodeView:
-    """The node as torpord's placement answer (plus the link backlog the simulator knows)."""
+def view(
+    node: Node, f: Fn, sizes: dict[str, int], link_bps: float, t: float, book: Bookkeeping | None = None
+) -> NodeView:
+    """The node as torpord's placement answer (plus the link backlog the simulator knows) and
+    the ingress's bookkeeping (`book`; None: no join fields, as `place` had before joins).
+
+    From the node model, exactly at `t` (the ingress's views are up to 0.25 s old: left out):
+    `instances` and the function's `starting` (torpord's answer), the requests not answered
+    (`inflight`: the ingress sees each answer come back), and the starts under way of every
+    function (`starting`: the sum over functions of torpord's `starting`, which is what the
+    ingress's `Bookkeeping.node_starting` adds up from the answers it has seen). From `book`,
+    fed as the ingress feeds it (the start estimate `place` made when each request was sent,
+    corrected by torpord's `starting` for the function): `starts_up_in_s`."""
     parts = (f.base, f.name)
     missing = sum(sizes[p] for p in parts if p not in node.have)
     if missing:
@@ -394,7 +472,20 @@ def view(node: Node, f: Fn, sizes: dict[str, int], link_bps: float, t: float) ->
         missing_bytes=missing,
         pull_backlog_bytes=int(backlog * link_bps),
         starting=node.pending_starts(t),
+        **join_fields(node, f, t, book),
     )
+
+
+def join_fields(node: Node, f: Fn, t: float, book: Bookkeeping | None) -> dict[str, Any]:
+    """`NodeView`'s fields for a join (`view`'s doc)."""
+    if book is None:
+        return {}
+    out: dict[str, Any] = {"pulls_up_in_s": book.pulls_up_in(node.name, f.name, t)}
+    if f.name in node.requests_of:
+        up, starting, inflight = node.function_at(f.name, f.model.handler_s, t)
+        book.seen(node.name, f.name, starting, t)
+        out.update(instances=up, inflight=inflight, starts_up_in_s=book.starts_up_in(node.name, f.name, t))
+    return out
 
 
 def pull_onto(node: Node, f: Fn, sizes: dict[str, int], link_bps: float, t: float) -> int:
@@ -409,14 +500,21 @@ def pull_onto(node: Node, f: Fn, sizes: dict[str, int], link_bps: float, t: floa
     return moved
 
 
-def start_on(node: Node, f: Fn, p: Placement, costs: Costs, sizes: dict[str, int], link_bps: float, t: float) -> Request:
+def start_on(
+    node: Node, f: Fn, p: Placement, costs: Costs, sizes: dict[str, int], link_bps: float, t: float,
+    start: bool = True,
+) -> Request:
     """A request for `f` arriving at `t`, placed on `node`: pulls what it lacks and starts an
-    instance there once every byte is on the node."""
+    instance there once every byte is on the node (`start` False: no start, the request waits
+    for the function's instances there; only `--no-start-on-join`, not torpord's behaviour)."""
     m = f.model
-    pulled = pull_onto(node, f, sizes, link_bps, t)
+    r = Request(t, f.name, m.handler_s, node.name, p.kind.value, p.estimate_s)
+    node.add_request(f.name, t)
+    if not start:
+        return r
+    r.pulled_bytes = pull_onto(node, f, sizes, link_bps, t)
     pull_end = max(t, *(node.have[piece] for piece in (f.base, f.name)))
     disk = 0.0 if f.name in node.staged else costs.restore_local_extra_s
-    r = Request(t, f.name, m.handler_s, node.name, p.kind.value, p.estimate_s, pulled)
     r.start = node.add_start(f.name, pull_end, m.cold_s - m.driver_s + disk, m.driver_s)
     node.gpu_used += m.gpu_bytes
     return r
@@ -434,17 +532,21 @@ def run_once(
     choose = random.Random(seed * 7919 + 1)  # the random policy's own draws
     link_bps = link_gbps * 1e9 / 8
     by_name = {n.name: n for n in nodes}
+    book = Bookkeeping() if policy == "locality" else None  # the ingress's; random places blind
     requests: list[Request] = []
     moved = 0
     for t, k in draws(args, len(fns), rng):
         f = fns[k]
         costs = costs_for(args, f.model, link_bps)
-        views = [view(n, f, sizes, link_bps, t) for n in nodes]
+        views = [view(n, f, sizes, link_bps, t, book) for n in nodes]
         p = place(needs_of(f), views, costs) if policy == "locality" else place_random(needs_of(f), views, choose)
         if p is None:
             requests.append(Request(t, f.name, f.model.handler_s))
             continue
-        r = start_on(by_name[p.node], f, p, costs, sizes, link_bps, t)
+        start = not (args.no_start_on_join and p.kind is StartKind.JOIN)
+        r = start_on(by_name[p.node], f, p, costs, sizes, link_bps, t, start)
+        if book is not None:
+            book.sent(p.node, f.name, t, p.start_s if start else None, p.pull_s, costs.start_contention_s)
         moved += r.pulled_bytes
         requests.append(r)
     return summarize(policy, link_gbps, seed, requests, moved, nodes)
@@ -459,7 +561,7 @@ def summarize(
     policy: str, link_gbps: float, seed: int, requests: list[Request], moved: int, nodes: list[Node]
 ) -> dict[str, Any]:
     """One run's figures: request answers (what a client sees) and instance-up times."""
-    placed = [r for r in requests if r.node is not None and r.start is not None]
+    placed = [r for r in requests if r.node is not None]
     by_node: dict[str, list[Request]] = {}
     for r in placed:
         by_node.setdefault(str(r.node), []).append(r)
@@ -483,10 +585,12 @@ def summarize(
         "instance_up_p50_s": round(pct(ups, 0.50), 4),
         "instance_up_p99_s": round(pct(ups, 0.99), 4),
         "instance_up_max_s": round(max(ups), 4) if ups else None,
-        "served_by_another_start": sum(1 for r in placed if r.start is not None and r.served_by != r.start.seq),
+        "served_by_another_start": sum(1 for r in placed if r.start is None or r.served_by != r.start.seq),
+        "starts_made": sum(1 for r in placed if r.start is not None),
         "bytes_moved": moved,
         "nodes_used": len(by_node),
-        "max_starts_on_one_node": max((len(rs) for rs in by_node.values()), default=0),
+        "max_starts_on_one_node": max((len(n.starts) for n in nodes), default=0),
+        "max_requests_on_one_node": max((len(rs) for rs in by_node.values()), default=0),
         "kinds": dict(sorted(kinds.items())),
         # Invariants, checked by the tests: no instance up before its pull ended and its two
         # parts ran; no answer before its arrival or before the instance that served it was up.
@@ -501,7 +605,7 @@ def summarize(
             {"t": round(r.t, 4), "function": r.fn, "placed": r.node, "kind": r.kind, "estimate_s": round(r.estimate_s, 4),
              "pulled_bytes": r.pulled_bytes, "pull_end": round(r.start.pull_end, 4), "up": round(r.start.up, 4),
              "answer": round(r.answer, 4), "served_by_own_start": r.served_by == r.start.seq}
-            for r in placed[:5] if r.start is not None
+            for r in [r for r in placed if r.start is not None][:5] if r.start is not None
         ],
     }
 
@@ -563,6 +667,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             "driver_s": {m.name: m.driver_s for m in models}, "popularity": "zipf 1.1",
             "placement": "torpor.cluster.placement.place (locality) vs place_random (random)",
             "node": "late binding; one driver lane per node (GPU), gpu_restores slots (docstring)",
+            "no_start_on_join": args.no_start_on_join,
         },
         "measured": source,
         "calibration": calibration(models, source, args.gpu_restores),
@@ -605,6 +710,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--gpu-restores", type=int, default=DEFAULT_GPU_RESTORES,
                     help="starts between their non-driver part and the end of their driver turn at once, per node (0: no bound)")
+    ap.add_argument("--no-start-on-join", action="store_true",
+                    help="not torpord's behaviour: a request that place() sends to join an instance of its function "
+                         "up or starting on a node makes no start of its own there (off: every request starts one)")
     ap.add_argument("--split-bench", default=str(SPLIT_BENCH))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster-sim.json"))
     args = ap.parse_args(argv)
