@@ -245,6 +245,80 @@ def test_pending_takes_the_latest_expected_of_the_starts_sent_before_the_count()
     assert pending(starts, 0.5, 0, 5.0, fresh_s=10.0) == [starts[3]]
 
 
+def test_the_ingress_builds_its_views_from_the_answers_and_its_bookkeeping() -> None:
+    pytest.importorskip("ray")
+    from torpor.cluster.ingress import Router
+
+    r = Router(costs=JOIN_COSTS)
+    r.book.answered("f", '{"handler": 0.05}')
+    r.book.sent("a", "f", 10.0, 0.6)  # the ingress started f on a at 10.0, up at 10.6
+    r.book.sent("a", "g", 10.0, 0.5, pull_s=0.4)  # and g, still pulling at 10.2, up at 10.5
+    r.inflight[("a", "f")] = 1
+    views = {
+        "a": {"known": True, "local_snapshot": True, "in_bucket": True, "instances": 0, "warm_idle": 0, "starting": 1},
+        "b": {"known": True, "staged": True, "in_bucket": True, "instances": 0, "warm_idle": 0, "starting": 0},
+    }
+    # On a: its start answers at 10.6, the request in flight takes it first (10.65), this one
+    # 10.70: 0.5 s from 10.2, against 1.0 s on b. Its start there would go ahead of g's (up at
+    # 10.5, then 10.7): no later than its own answer.
+    p = r.choose("f", views, set(), asked=10.1, now=10.2)
+    assert p is not None and (p.node, p.kind) == ("a", StartKind.JOIN) and p.estimate_s == pytest.approx(0.5)
+    # torpord on a counts no start of f any more (it is up, not yet listed: instances 0): none
+    # to join; the new start on a counts g's start against it, a turn, and its disk read.
+    views["a"] = {**views["a"], "starting": 0}
+    p = r.choose("f", views, set(), asked=10.15, now=10.2)
+    assert p is not None and (p.node, p.kind) == ("b", StartKind.STAGED)
+    assert r.choose("f", views, {"a", "b"}) is None
+
+
+def test_the_ingress_books_the_start_it_sends_and_the_handler_of_the_answer() -> None:
+    """Router.invoke with two fake agents (no Ray cluster): the request goes where `place`
+    says, the start it makes is booked with `place`'s estimate, the answer's handler joins the
+    function's average, and the next request, seeing that start under way, joins it."""
+    pytest.importorskip("ray")
+    import asyncio
+    import time
+
+    from torpor.cluster.agent import Answer
+    from torpor.cluster.ingress import Router
+
+    class Call:
+        def __init__(self, fn: object) -> None:
+            self.fn = fn
+
+        def remote(self, *args: object) -> object:
+            async def run() -> object:
+                return self.fn(*args)
+
+            return run()
+
+    class Agent:
+        def __init__(self, node: str, staged: bool) -> None:
+            self.node, self.staged, self.calls = node, staged, 0
+            self.placement = Call(lambda name: {
+                "known": True, "staged": self.staged, "local_snapshot": True, "in_bucket": True,
+                "instances": 0, "warm_idle": 0, "queue_depth": 0, "starting": self.calls,
+            })
+            self.invoke = Call(self.answer)
+
+        def answer(self, name: str, body: bytes, *rest: object) -> Answer:
+            self.calls += 1
+            return Answer(self.node, 200, {"x-torpor-timings": '{"handler": 0.04}'}, b"{}")
+
+    r = Router(costs=JOIN_COSTS)
+    agents = {"a": Agent("a", staged=True), "b": Agent("b", staged=False)}
+    r.agents, r.agents_at = dict(agents), time.monotonic()
+    out = asyncio.run(r.invoke("f", b"{}", "rid-1"))
+    assert out.status == 200 and out.headers["x-torpor-node"] == "a"
+    assert r.book.handler_s("f") == pytest.approx(0.04)
+    # The start the request made on a (torpord still counts it) is expected up 1.0 s after it
+    # was sent: the next request joins it rather than start on b (1.3 s).
+    ups = r.book.starts_up_in("a", "f", time.monotonic())
+    assert len(ups) == 1 and 0.9 < ups[0] <= 1.0
+    p = r.choose("f", {n: agents[n].placement.fn("f") for n in agents}, set())
+    assert p is not None and (p.node, p.kind) == ("a", StartKind.JOIN), p
+
+
 def test_random_placement_is_seeded_and_ignores_locality() -> None:
     nodes = [NodeView(f"n{i}", staged=i == 0, in_bucket=True) for i in range(20)]
     a = [place_random(FN, nodes, random.Random(5)) for _ in range(3)]

@@ -95,9 +95,10 @@ class NodeAgent:
         return list(r.json()["functions"])
 
     def placement(self, name: str) -> dict[str, Any]:
-        """torpord's placement answer for `name` (`known`, `instances`, `warm_idle`,
-        `queue_depth`, `staged`, `local_snapshot`, `in_bucket`, `gpu_free_bytes`), composed from
-        the function's detail on a daemon without the route."""
+        """torpord's placement answer for `name` (`known`, `instances`, `warm_idle`, `starting`
+        (daemons since f309d2f), `queue_depth`, `staged`, `local_snapshot`, `in_bucket`,
+        `gpu_free_bytes`), composed from the function's detail on a daemon without the route
+        (no `starting`: the ingress then keeps its own starts until they are expected up)."""
         if self.capabilities()["placement"]:
             r = client.request(self.socket_path, "GET", f"/v1/functions/{name}/placement", timeout=10)
             if r.status == 200:
