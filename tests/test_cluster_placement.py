@@ -350,6 +350,11 @@ def test_simulation_invariants_and_determinism(tmp_path: Path) -> None:
         # Every request makes a start (torpord's behaviour); `place` sends some to join, never random.
         assert r["starts_made"] == 80, r
         assert ("join" in r["kinds"]) == (r["policy"] == "locality"), r
+        # The requests over the target (3 cold starts) are those past the p99 when it misses.
+        late = r["over_target"]
+        assert sum(late["by_function"].values()) == late["requests"], r
+        assert (r["p99_s"] > late["s"]) == (late["requests"] > 80 - 1 - int(0.99 * 80)), r
+        assert (r["p50_s"] > late["s"]) == (late["requests"] > 80 - 1 - int(0.50 * 80)), r
     assert doc["settings"]["no_start_on_join"] is False
     s = doc["summary"]
     assert s["bytes_moved"] < s["random_bytes_moved"], s
@@ -357,6 +362,7 @@ def test_simulation_invariants_and_determinism(tmp_path: Path) -> None:
     assert s["instance_up_p99_ratio"] == pytest.approx(s["instance_up_p99_s"] / s["one_cold_start_s"], rel=1e-2)
     # The cold start the ratios divide by is the file's cold median of the mix's median function.
     assert s["one_cold_start_s"] in {m["cold_s"] for m in doc["measured"]["models"]}
+    assert all(r["over_target"]["s"] == pytest.approx(3 * s["one_cold_start_s"]) for r in doc["runs"])
     other = sim.simulate(small_args(sim, tmp_path / "c.json", "--seeds", "3"))
     assert other["runs"] != doc["runs"][:2]
 
