@@ -319,6 +319,29 @@ def test_the_ingress_books_the_start_it_sends_and_the_handler_of_the_answer() ->
     assert p is not None and (p.node, p.kind) == ("a", StartKind.JOIN), p
 
 
+def test_a_fresh_ingress_spreads_a_burst_of_a_function_whose_handler_it_does_not_know() -> None:
+    """tests/test_cluster.py's burst: 6 requests at once (a 1.5 s handler) on 3 nodes, the
+    function staged on one. Before any answer the handler is taken as long as a cold start, so
+    none joins a start under way: they spread as before joins (3, 2, 1); with 0.1 s assumed,
+    4 would join the staged node and queue there behind its max_instances (2)."""
+    pytest.importorskip("ray")
+    from torpor.cluster.ingress import Router
+
+    r = Router()
+    views = {n: {"known": True, "staged": n == "head", "local_snapshot": True, "in_bucket": True,
+                 "instances": 0, "warm_idle": 0, "queue_depth": 0, "starting": 0} for n in ("head", "w1", "w2")}
+    kinds = []
+    for i in range(6):
+        now = 100.0 + 0.01 * i
+        p = r.choose("f", views, set(), asked=100.0, now=now)
+        assert p is not None
+        kinds.append(p.kind)
+        r.book.sent(p.node, "f", now, p.start_s, p.pull_s, r.costs.start_contention_s)
+        r.inflight[(p.node, "f")] = r.inflight.get((p.node, "f"), 0) + 1
+    assert StartKind.JOIN not in kinds, kinds
+    assert r.inflight == {("head", "f"): 3, ("w1", "f"): 2, ("w2", "f"): 1}, r.inflight
+
+
 def test_random_placement_is_seeded_and_ignores_locality() -> None:
     nodes = [NodeView(f"n{i}", staged=i == 0, in_bucket=True) for i in range(20)]
     a = [place_random(FN, nodes, random.Random(5)) for _ in range(3)]

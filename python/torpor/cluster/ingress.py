@@ -95,7 +95,10 @@ class Router:
         self.inflight: dict[tuple[str, str], int] = {}
         # The starts this ingress caused and when each is expected up, its functions' handler
         # times and snapshot sizes: what `place` needs for joins (torpor.cluster.bookkeeping).
-        self.book = Bookkeeping()
+        # Until a function's first answer its handler is taken to be as long as a cold start,
+        # so that a burst of a function it knows nothing of spreads rather than queues behind
+        # one instance (a 1.5 s handler taken for 0.1 s would send 4 of 6 requests to one node).
+        self.book = Bookkeeping(default_handler_s=self.costs.restore_staged_s)
         self.views: dict[str, tuple[float, dict[str, dict[str, Any]]]] = {}
         self.answers: OrderedDict[str, Outcome] = OrderedDict()
         self.running: dict[str, asyncio.Future[Outcome]] = {}

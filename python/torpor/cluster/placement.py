@@ -53,8 +53,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-# What a request's handler is assumed to take before the ingress has seen one answered
-# (`torpor.cluster.bookkeeping` then keeps an average of the answers' `X-Torpor-Timings`).
+# What a request's handler is assumed to take when the caller says nothing (the ingress says:
+# `torpor.cluster.bookkeeping` keeps an average of its answers' `X-Torpor-Timings`).
 DEFAULT_HANDLER_S = 0.1
 
 
@@ -115,7 +115,7 @@ class NodeView:
 class FunctionNeeds:
     """The function's GPU memory (0: CPU only), its snapshot's size (for pull estimates) and the
     seconds its handler takes per request (for join estimates: the ingress keeps an average of
-    the `handler` of its answers' `X-Torpor-Timings`; `DEFAULT_HANDLER_S` before the first)."""
+    the `handler` of its answers' `X-Torpor-Timings`, and a cold start's time before the first)."""
 
     name: str
     gpu_bytes: int = 0
