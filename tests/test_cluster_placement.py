@@ -22,8 +22,11 @@ from torpor.cluster.placement import (
     FunctionNeeds,
     NodeView,
     StartKind,
-    estimate_join_s,
     delayed_s,
+    estimate_join_s,
+    estimate_start_s,
+    function_count,
+    makes_start,
     place,
     place_random,
 )
@@ -156,6 +159,68 @@ def test_an_idle_warm_instance_still_wins_over_a_join_and_the_choice_is_determin
     assert len(picks) == 1
     p = picks.pop()
     assert p is not None and (p.node, p.kind) == ("x", StartKind.JOIN) and p.estimate_s == pytest.approx(0.1)
+
+
+def test_a_node_at_max_instances_makes_no_start_and_its_requests_wait_for_its_instances() -> None:
+    """torpord starts an instance for a request only while the function's instances on the node,
+    up and starting, are below its max_instances; at it the request waits for them. So there a
+    join makes no start (`start_s` None, nothing to pull, no driver turn ahead of anyone's
+    pull) and needs no free GPU memory; below it a join still makes one and needs it."""
+    capped = NodeView("a", local_snapshot=True, in_bucket=True, instances=1, function_starting=1,
+                      starts_up_in_s=(0.3,), max_instances=2, gpu_free_bytes=0, pulls_up_in_s=(5.0,))
+    assert function_count(capped) == 2 and not makes_start(capped)
+    assert estimate_start_s(QUICK, capped, JOIN_COSTS) is None
+    assert delayed_s(QUICK, capped, JOIN_COSTS) == 0.0
+    assert estimate_join_s(QUICK, capped) == pytest.approx(0.1)  # the instance up is free now
+    b = NodeView("b", staged=True, in_bucket=True)
+    p = place(QUICK, [capped, b], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind) == ("a", StartKind.JOIN), p
+    assert p.start_s is None and p.pull_s == 0.0 and p.estimate_s == pytest.approx(0.1)
+    # One below the bound: the request would start an instance, for which there is no memory.
+    below = NodeView("a", local_snapshot=True, in_bucket=True, instances=1, starts_up_in_s=(0.3,),
+                     max_instances=3, gpu_free_bytes=0)
+    assert makes_start(below) and estimate_join_s(QUICK, below) is None
+    p = place(QUICK, [below, b], JOIN_COSTS)
+    assert p is not None and (p.node, p.kind) == ("b", StartKind.STAGED)
+    # ... with the memory it joins and starts one (the behaviour without a bound, None).
+    for limit in (3, None):
+        p = place(QUICK, [NodeView("a", local_snapshot=True, in_bucket=True, instances=1, starts_up_in_s=(0.3,),
+                                   max_instances=limit), b], JOIN_COSTS)
+        assert p is not None and (p.node, p.kind) == ("a", StartKind.JOIN) and p.start_s == pytest.approx(1.3), p
+    # At the bound and nothing up or starting there to wait for (torpord's count only): no join.
+    assert estimate_join_s(QUICK, NodeView("a", local_snapshot=True, function_starting=2, max_instances=2)) is None
+
+
+def test_the_bound_counts_the_starting_instances_torpords_and_the_callers() -> None:
+    """What counts towards max_instances: the instances up and those starting, as torpord
+    counted them (`function_starting`) or as the caller knows it sent them since (its own
+    starts under way there, `starts_up_in_s`), whichever is more."""
+    assert not makes_start(NodeView("a", function_starting=4, max_instances=4))
+    assert not makes_start(NodeView("a", starts_up_in_s=(0.1, 0.2, 0.3, 0.4), max_instances=4))
+    assert not makes_start(NodeView("a", instances=2, function_starting=1, starts_up_in_s=(0.1, 0.2), max_instances=4))
+    assert makes_start(NodeView("a", instances=2, function_starting=1, starts_up_in_s=(0.1,), max_instances=4))
+    assert makes_start(NodeView("a", instances=100, function_starting=100))  # no bound known
+
+
+def test_the_join_estimate_at_a_capped_node_waits_for_its_starting_instances() -> None:
+    """At the bound with two starts under way (up in 0.3 and 0.5 s) and three requests of ours
+    ahead (0.1 s each): the first start takes the first two (0.3, 0.4), the second the third
+    (0.5); this one is answered at 0.6 s, sooner than a new start on the idle staged `b`
+    (1.0 s). With six ahead (0.8 s) it still is; with twelve (1.1 s) `b` answers sooner."""
+    def capped(ahead: int) -> NodeView:
+        return NodeView("a", local_snapshot=True, in_bucket=True, function_starting=2, starts_up_in_s=(0.3, 0.5),
+                        max_instances=2, inflight=ahead)
+
+    b = NodeView("b", staged=True, in_bucket=True)
+    assert estimate_join_s(QUICK, capped(3)) == pytest.approx(0.6)
+    assert estimate_join_s(QUICK, capped(6)) == pytest.approx(0.8)
+    assert estimate_join_s(QUICK, capped(12)) == pytest.approx(1.1)
+    for ahead, node in ((3, "a"), (6, "a"), (12, "b")):
+        p = place(QUICK, [capped(ahead), b], JOIN_COSTS)
+        assert p is not None and p.node == node, (ahead, p)
+        assert (p.kind, p.start_s is None) == ((StartKind.JOIN, True) if node == "a" else (StartKind.STAGED, False))
+    # torpord's queue counts when longer than what the caller knows it sent.
+    assert estimate_join_s(QUICK, NodeView("a", instances=2, max_instances=2, queue_depth=5)) == pytest.approx(0.3)
 
 
 def test_a_start_that_would_go_ahead_of_other_functions_pulls_counts_their_wait() -> None:

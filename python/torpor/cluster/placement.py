@@ -25,16 +25,20 @@ up. The rule, in order:
      missing bytes over the node's link). Each start already under way on the node (of any
      function: they share the GPU's driver) and each request waiting in its queue adds to the
      estimate, so a burst spreads.
-   A join is `StartKind.JOIN`. The request still makes its node start an instance (torpord
-   starts one for every request that finds none idle), so a join needs the GPU memory a start
+   A join is `StartKind.JOIN`. torpord starts an instance for a request that finds none idle
+   while the function's instances on the node, up and starting, are below its
+   `max_instances` (`makes_start`; `NodeView.max_instances`, from its spec); at that bound it
+   makes none, and the request waits for those instances: a join there makes no start, needs
+   no GPU memory and delays nobody, and a new start there is not an option. Below the bound
+   the request still makes its node start an instance, so a join needs the GPU memory a start
    does, and `Placement.start_s` says when that start is expected up (the ingress's bookkeeping
    keeps it, for the requests that come next). That start, if its bytes are on the node, goes
    ahead of the other functions' starts still pulling there (torpord restores starts in the
    order they are ready) and delays each by a driver turn (`delayed_s`): a node is ranked by the
    latest answer the request makes, its own or that of the requests it delays (a request
    already waiting on a pull is not pushed past what this one would wait elsewhere).
-3. A function that needs GPU memory only goes where that much is free (a warm instance holds
-   its memory already). A node that is dead, excluded by the caller (a retry after that node
+3. A function that needs GPU memory only goes where that much is free, unless it makes no
+   start there (a warm instance, or a join at `max_instances`, holds its memory already). A node that is dead, excluded by the caller (a retry after that node
    failed) or that cannot get the snapshot at all is never chosen.
 Ties go to the node with fewer requests in flight, then to the smaller name (deterministic).
 
@@ -91,7 +95,15 @@ class NodeView:
     many are still under way, and the earliest expected are taken as the ones already up);
     `pulls_up_in_s`, for each start of *another* function under way on the node that is still
     waiting for its bytes (sent as a pull whose estimated pull has not ended), the seconds until
-    it is expected up."""
+    it is expected up.
+
+    The function's bound: `max_instances`, its spec's `scaling.max_instances` (torpord's
+    placement answer does not say it; the agent adds it from `GET /v1/functions/{name}`'s
+    spec; None: not known, no bound assumed), and `function_starting`, torpord's `starting` for
+    the function on the node (its placement answer's, daemons since f309d2f). torpord starts an
+    instance for a request that finds none idle only while the function's instances there,
+    up and starting, are below `max_instances` (`makes_start`); otherwise the request waits in
+    the function's queue and is taken by the first of them to free (late binding)."""
 
     node: str
     alive: bool = True
@@ -109,6 +121,8 @@ class NodeView:
     instances: int = 0
     starts_up_in_s: tuple[float, ...] = ()
     pulls_up_in_s: tuple[float, ...] = ()
+    max_instances: int | None = None
+    function_starting: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,7 +159,8 @@ class Costs:
 class Placement:
     """The chosen node, how it will serve, the estimate the choice was made on (seconds until
     the request is answered), `start_s`: seconds until the instance this request makes the node
-    start is expected to answer (`estimate_start_s` there; None: no start, a warm one), and
+    start is expected to answer (`estimate_start_s` there; None: no start, a warm one or a join
+    of a function at its `max_instances` there), and
     `pull_s`: seconds until that start's bytes are all on the node (`estimate_pull_s`)."""
 
     node: str
@@ -153,6 +168,20 @@ class Placement:
     estimate_s: float
     start_s: float | None = None
     pull_s: float = 0.0
+
+
+def function_count(view: NodeView) -> int:
+    """The function's instances on `view`'s node that count towards its `max_instances`: those
+    up (`instances`) and those starting (torpord's `function_starting`, or the starts the caller
+    knows it caused there, `starts_up_in_s`, when they are more: sent since torpord's answer)."""
+    return view.instances + max(view.function_starting, len(view.starts_up_in_s))
+
+
+def makes_start(view: NodeView) -> bool:
+    """Whether a request that finds no idle instance on `view`'s node makes torpord start one:
+    while the function's instances there, up and starting, are below its `max_instances`
+    (unknown: yes). Otherwise it waits in the function's queue for one of them."""
+    return view.max_instances is None or function_count(view) < view.max_instances
 
 
 def start_kind(view: NodeView) -> StartKind | None:
@@ -168,9 +197,10 @@ def start_kind(view: NodeView) -> StartKind | None:
 
 def estimate_start_s(fn: FunctionNeeds, view: NodeView, costs: Costs) -> float | None:
     """Seconds until a new instance of `fn` on `view`'s node could answer; None: it cannot start
-    one (no snapshot to be had, or not enough free GPU memory)."""
+    one (no snapshot to be had, not enough free GPU memory, or the function at its
+    `max_instances` there: torpord makes no start, `makes_start`)."""
     kind = start_kind(view)
-    if kind is None:
+    if kind is None or not makes_start(view):
         return None
     if fn.gpu_bytes > 0 and view.gpu_free_bytes is not None and view.gpu_free_bytes < fn.gpu_bytes:
         return None
@@ -198,8 +228,9 @@ def delayed_s(fn: FunctionNeeds, view: NodeView, costs: Costs) -> float:
     in the order they are ready, so a start whose bytes are on the node goes ahead of the other
     functions' starts still pulling there, and each is up a driver turn (`start_contention_s`)
     later; the requests waiting for them (with late binding, each started one) wait as much
-    more. A start that itself pulls delays none of them (the node's link serves pulls in order)."""
-    if start_kind(view) is StartKind.PULL or not view.pulls_up_in_s:
+    more. A start that itself pulls delays none of them (the node's link serves pulls in order),
+    and a request that makes no start (the function at its `max_instances`) delays none."""
+    if start_kind(view) is StartKind.PULL or not view.pulls_up_in_s or not makes_start(view):
         return 0.0
     return max(0.0, *view.pulls_up_in_s) + costs.start_contention_s
 
@@ -209,10 +240,13 @@ def estimate_join_s(fn: FunctionNeeds, view: NodeView) -> float | None:
     is up there (free now) or starting (free when it is expected up), after the requests already
     sent there (`inflight`, or torpord's `queue_depth` when larger), first come first served, a
     handler each. None: no instance of `fn` up or starting there, or no GPU memory for the start
-    the request would make (torpord starts one for every request that finds none idle)."""
+    the request would make (torpord starts one for a request that finds none idle while the
+    function is below its `max_instances` there; at it, the request makes none and needs no
+    GPU memory)."""
     if not view.instances and not view.starts_up_in_s:
         return None
-    if fn.gpu_bytes > 0 and view.gpu_free_bytes is not None and view.gpu_free_bytes < fn.gpu_bytes:
+    if (makes_start(view) and fn.gpu_bytes > 0 and view.gpu_free_bytes is not None
+            and view.gpu_free_bytes < fn.gpu_bytes):
         return None
     free = [0.0] * view.instances + sorted(max(0.0, s) for s in view.starts_up_in_s)
     heapq.heapify(free)
@@ -233,14 +267,22 @@ def place(
     if warm:
         best = min(warm, key=lambda v: (v.inflight, -(v.warm_idle - v.inflight), v.node))
         return Placement(best.node, StartKind.WARM, 0.0)
-    # (the latest answer it makes, in flight, node, kind, its own estimate, its start's, its pull)
-    scored: list[tuple[float, int, str, StartKind, float, float, float]] = []
+    # (the latest answer it makes, in flight, node, kind, its own estimate, its start's (None:
+    # it makes none), its pull)
+    scored: list[tuple[float, int, str, StartKind, float, float | None, float]] = []
     for v in live:
-        new = estimate_start_s(fn, v, costs)
         kind = start_kind(v)
-        if new is None or kind is None:
-            continue  # no start possible: torpord would start one, so no join either
+        if kind is None:
+            continue
         join = estimate_join_s(fn, v)
+        if not makes_start(v):
+            # At max_instances: torpord makes no start, the request waits for the instances.
+            if join is not None:
+                scored.append((join, v.inflight, v.node, StartKind.JOIN, join, None, 0.0))
+            continue
+        new = estimate_start_s(fn, v, costs)
+        if new is None:
+            continue  # the start the request would make cannot be made: no join either
         est, how = (join, StartKind.JOIN) if join is not None and join < new else (new, kind)
         latest = max(est, delayed_s(fn, v, costs))
         scored.append((latest, v.inflight, v.node, how, est, new, estimate_pull_s(fn, v, costs)))
@@ -253,11 +295,15 @@ def place(
 def place_random(
     fn: FunctionNeeds, views: Sequence[NodeView], rng: random.Random, exclude: Iterable[str] = ()
 ) -> Placement | None:
-    """The baseline the simulator compares with: any live node that can start `fn` (it can get
-    the snapshot and has the GPU memory), chosen uniformly with `rng`; no warm-first, no locality,
-    no joins."""
+    """The baseline the simulator compares with: any live node that can serve `fn` (it can get
+    the snapshot and has the GPU memory for the start it would make, or makes none: the
+    function at its `max_instances` there), chosen uniformly with `rng`; no warm-first, no
+    locality, no joins."""
     skip = frozenset(exclude)
-    able = [v for v in views if v.alive and v.node not in skip and estimate_start_s(fn, v, Costs()) is not None]
+    able = [
+        v for v in views if v.alive and v.node not in skip
+        and (estimate_start_s(fn, v, Costs()) is not None or (start_kind(v) is not None and not makes_start(v)))
+    ]
     if not able:
         return None
     v = rng.choice(sorted(able, key=lambda x: x.node))
