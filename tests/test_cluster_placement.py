@@ -4,6 +4,7 @@ calls; tests/test_cluster.py runs it on a real cluster."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import random
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -200,6 +202,10 @@ def test_the_bound_counts_the_starting_instances_torpords_and_the_callers() -> N
     assert not makes_start(NodeView("a", instances=2, function_starting=1, starts_up_in_s=(0.1, 0.2), max_instances=4))
     assert makes_start(NodeView("a", instances=2, function_starting=1, starts_up_in_s=(0.1,), max_instances=4))
     assert makes_start(NodeView("a", instances=100, function_starting=100))  # no bound known
+    # At the bound a new start is not an option, whatever memory is free; one below, it is.
+    assert estimate_start_s(QUICK, NodeView("a", staged=True, function_starting=4, max_instances=4), JOIN_COSTS) is None
+    assert estimate_start_s(QUICK, NodeView("a", staged=True, function_starting=3, max_instances=4),
+                            JOIN_COSTS) == pytest.approx(1.0)
 
 
 def test_the_join_estimate_at_a_capped_node_waits_for_its_starting_instances() -> None:
@@ -435,15 +441,19 @@ def test_simulation_invariants_and_determinism(tmp_path: Path) -> None:
         assert r["starts_before_pull_end"] == 0 and r["answers_before_instance_up"] == 0, r
         assert 0 < r["p50_s"] <= r["p99_s"] <= r["max_s"], r
         assert 0 < r["instance_up_p50_s"] <= r["instance_up_p99_s"] <= r["instance_up_max_s"], r
-        # Every request makes a start (torpord's behaviour); `place` sends some to join, never random.
-        assert r["starts_made"] == 80, r
+        # A request makes a start while its function is below max_instances (4) on its node,
+        # else waits in its queue (torpord's behaviour); `place` knew which, every time. `place`
+        # sends some to join, never random. Nothing waited past torpord's queue timeout.
+        assert r["starts_made"] + r["waited_in_queue"] == 80 and r["start_mispredicted"] == 0, r
+        assert r["starts_made"] <= 4 * 4 * r["nodes_used"] and r["queue_timeouts_503"] == 0, r
         assert ("join" in r["kinds"]) == (r["policy"] == "locality"), r
         # The requests over the target (3 cold starts) are those past the p99 when it misses.
         late = r["over_target"]
         assert sum(late["by_function"].values()) == late["requests"], r
         assert (r["p99_s"] > late["s"]) == (late["requests"] > 80 - 1 - int(0.99 * 80)), r
         assert (r["p50_s"] > late["s"]) == (late["requests"] > 80 - 1 - int(0.50 * 80)), r
-    assert doc["settings"]["no_start_on_join"] is False
+    assert (doc["settings"]["max_instances"], doc["settings"]["queue_length"]) == (4, 64)
+    assert any(r["waited_in_queue"] for r in doc["runs"] if r["policy"] == "locality")
     s = doc["summary"]
     assert s["bytes_moved"] < s["random_bytes_moved"], s
     assert s["burst_p99_ratio"] == pytest.approx(s["p99_s"] / s["one_cold_start_s"], rel=1e-2)
@@ -457,49 +467,88 @@ def test_simulation_invariants_and_determinism(tmp_path: Path) -> None:
 
 def test_the_simulators_views_hold_only_what_the_ingress_knows_when_it_places() -> None:
     """What `view` gives `place` of a node's function at t (instances up, starts under way,
-    requests not answered) is what the run's final outcome says of t: nothing placed later
-    changes it, so it is what torpord's answer and the ingress's own answers had at t."""
+    requests not answered, requests waiting in its queue) is what the run's final outcome says
+    of t: nothing placed later changes it, so it is what torpord's answer and the ingress's own
+    answers had at t. A short queue (8) makes torpord refuse some (429), sent again elsewhere."""
     sim = load_simulator()
-    args = sim.parse(["--nodes", "8", "--starts", "120", "--functions", "3", "--link-gbps", "25", "--out", "/dev/null"])
+    args = sim.parse(["--nodes", "8", "--starts", "120", "--functions", "3", "--link-gbps", "25",
+                      "--queue-length", "8", "--out", "/dev/null"])
     models, _ = sim.measured_models()
     rng = random.Random(4)
     nodes, fns, sizes = sim.make_cluster(args, models, rng)
     link = 25e9 / 8
-    by_name = {n.name: n for n in nodes}
-    book = Bookkeeping()
-    seen, requests = [], []
-    for t, k in sim.draws(args, len(fns), rng):
-        f = fns[k]
-        costs = sim.costs_for(args, f.model, link)
-        views = [sim.view(n, f, sizes, link, t, book) for n in nodes]
-        seen += [(v.node, f.name, t, v.instances, len(v.starts_up_in_s), v.inflight) for v in views if v.node in
-                 {n.name for n in nodes if f.name in n.requests_of}]
-        p = place(sim.needs_of(f), views, costs)
-        assert p is not None
-        requests.append(sim.start_on(by_name[p.node], f, p, costs, sizes, link, t))
-        book.sent(p.node, f.name, t, p.start_s, p.pull_s)
+    seen = []
+
+    def record(f: Any, t: float, views: list[NodeView], p: object) -> bool:
+        seen.extend((v.node, f.name, t, v.instances, v.function_starting, len(v.starts_up_in_s), v.inflight,
+                     v.queue_depth) for v in views if f.name in sim_nodes[v.node].requests_of)
+        return False
+
+    sim_nodes = {n.name: n for n in nodes}
+    requests, wrong = sim.burst(args, "locality", nodes, fns, sizes, link, sim.draws(args, len(fns), rng), Bookkeeping(),
+                                random.Random(0), record)
     sim.summarize("locality", 25.0, 4, requests, 0, nodes)
-    assert any(r.kind == "join" for r in requests) and len(seen) > 100
-    for node, fn, t, up, starting, inflight in seen:
-        before = [r for r in requests if r.node == node and r.fn == fn and r.t < t]
-        assert up == sum(1 for r in before if r.start.up <= t), (node, fn, t)
-        assert starting == sum(1 for r in before if r.start.up > t), (node, fn, t)
+    assert wrong == 0 and any(r.kind == "join" for r in requests) and len(seen) > 100
+    assert any(r.refusals for r in requests) and any(r.waited for r in requests)
+    for node, fn, t, up, starting, booked, inflight, queued in seen:
+        before = [r for r in requests if r.node == node and r.fn == fn and r.arrived < t]
+        started = [r.start for r in before if r.start is not None]
+        assert up == sum(1 for s in started if s.up <= t), (node, fn, t)
+        assert starting == booked == sum(1 for s in started if s.up > t), (node, fn, t)
         assert inflight == sum(1 for r in before if r.answer > t), (node, fn, t)
+        assert queued == sum(1 for r in before if r.waited and r.answer - r.handler_s > t), (node, fn, t)
+        assert queued <= 8
 
 
-def test_no_start_on_join_is_a_separate_option_that_starts_fewer_instances(tmp_path: Path) -> None:
-    """`--no-start-on-join` (not torpord's behaviour): a request `place` sends to join makes no
-    start; off by default, said in the settings, and every answer still comes from an instance
-    of its function up on its node."""
+def test_a_node_at_max_instances_starts_no_instance_and_charges_gpu_memory_per_start() -> None:
+    """The node model as torpord: of 6 requests at once for one function on a node with
+    max_instances 2, two start instances (each charged its GPU memory once), four make none and
+    wait in the function's queue, each served by whichever of the two frees first (late
+    binding); with queue.length 3, the sixth is refused (429) and changes nothing there."""
     sim = load_simulator()
-    doc = sim.simulate(small_args(sim, tmp_path / "a.json", "--no-start-on-join"))
-    assert doc["settings"]["no_start_on_join"] is True
-    for r in doc["runs"]:
-        assert r["answers_before_instance_up"] == 0 and r["starts_before_pull_end"] == 0, r
-        if r["policy"] == "locality":
-            assert r["starts_made"] == 80 - r["kinds"]["join"] < 80, r
-        else:
-            assert r["starts_made"] == 80, r
+    models, _ = sim.measured_models()
+    m = dataclasses.replace(models[1], handler_s=0.2)  # long enough for both instances to serve
+    f = sim.Fn("f", m, "base-0", 0)
+    sizes = {"f": m.own_bytes, "base-0": m.base_bytes}
+    node = sim.Node(0, max_instances=2, queue_length=3)
+    node.have.update({"f": 0.0, "base-0": 0.0})
+    node.staged.add("f")
+    costs = sim.costs_for(sim.parse(["--out", "/dev/null"]), m, 25e9 / 8)
+    p = sim.Placement(node.name, StartKind.STAGED, m.cold_s)
+    got = [sim.start_on(node, f, p, costs, sizes, 25e9 / 8, 0.001 * i) for i in range(6)]
+    assert got[5] is None, "the queue held 3: torpord answers 429"
+    reqs = [r for r in got if r is not None]
+    assert [r.start is not None for r in reqs] == [True, True, False, False, False]
+    assert [r.queue_found for r in reqs] == [0, 0, 0, 1, 2]
+    assert node.gpu_used == 2 * m.gpu_bytes and len(node.starts) == 2
+    assert len(node.requests_of["f"]) == 5 and node.function_at("f", m.handler_s, 0.01) == (0, 2, 5, 3)
+    sim.answer(node, reqs)
+    ups = sorted(s.up for s in node.starts)
+    assert {r.served_by for r in reqs} == {0, 1}
+    # First come first served on the two instances: the one up first serves three, the other two.
+    h = m.handler_s
+    assert sorted(r.answer for r in reqs) == pytest.approx(
+        sorted([ups[0] + h, ups[0] + 2 * h, ups[0] + 3 * h, ups[1] + h, ups[1] + 2 * h]))
+    # A later request, once the queue has drained (everything answered), is taken at once.
+    late = sim.start_on(node, f, p, costs, sizes, 25e9 / 8, 10.0)
+    assert late is not None and late.start is None and late.queue_found == 0
+    # Without a bound (0) every request starts one, as the model did before it.
+    free = sim.Node(1, max_instances=0)
+    free.have.update({"f": 0.0, "base-0": 0.0})
+    assert all(sim.start_on(free, f, p, costs, sizes, 25e9 / 8, 0.0).start is not None for _ in range(6))
+    assert free.gpu_used == 6 * m.gpu_bytes
+
+
+def test_the_bound_counts_starts_still_under_way_on_the_node() -> None:
+    """max_instances counts instances starting, not only those up: two starts still pulling
+    their bytes (up long after) already hold the node at a bound of 2."""
+    sim = load_simulator()
+    node = sim.Node(0, max_instances=2)
+    for _ in range(2):
+        node.add_start("f", 5.0, nondriver_s=0.25, driver_s=0.3)
+        node.add_request("f", 0.0)
+    assert node.function_at("f", 0.02, 0.1)[:2] == (0, 2)
+    assert not node.makes_start("f") and node.makes_start("g")
 
 
 def test_simulator_writes_its_json_and_refuses_bad_arguments(tmp_path: Path) -> None:
@@ -570,6 +619,13 @@ def test_the_model_reproduces_the_measured_burst_of_8_on_an_idle_node() -> None:
         assert max(ups) == pytest.approx(all_up, rel=0.01), (m.name, ups, all_up)
         # As on the H100 (starts: restored 1, warm 7): the first instance up answers all eight.
         assert min(answers) == pytest.approx(m.cold_s + m.handler_s)
+        # The file's burst copy allowed 8 instances (split.py: max_instances = 8); at the
+        # examples' 4 only 4 would start, the other requests waiting for them.
+        ups4, answers4 = sim.burst_on_idle_node(m, 8, max_instances=4)
+        assert len(ups4) == 4 and len(answers4) == 8 and max(answers4) <= max(answers)
+    doc = sim.calibration(models, sim.measured_models()[1], 2)
+    assert doc["max_instances"] == 8 and "max_instances = 8" in doc["max_instances_source"]
+    assert "max_instances = {BURST}" in (ROOT / "bench" / "coldstart" / "split.py").read_text()
 
 
 def test_the_driver_lane_serialises_turns_and_the_slots_bound_restores_in_flight() -> None:

@@ -3,8 +3,9 @@ cold start? An experiment on bench/cluster/simulate.py's model, not the cluster'
 
     python3 bench/cluster/prefetch_experiment.py [--out bench/results/cluster-sim-prefetch.json]
 
-Three things, each on the simulator's model and figures unchanged (links, the nodes' late binding
-and driver lane, cold starts, the same seeds):
+Three things, each on the simulator's model and figures unchanged (links, the nodes' late binding,
+driver lane and max_instances, torpord's 429s and the ingress's retries, cold starts, the same
+seeds):
 
 - `place` as the ingress runs it (the simulator's `locality` policy), for reference;
 - the lane bound: every snapshot already on every node (`--copies` = nodes), so no start ever
@@ -13,7 +14,8 @@ and driver lane, cold starts, the same seeds):
 - proactive replication ("prefetch"): after each placement, if the chosen start is estimated to
   wait more than `slack` seconds longer than a pull of the snapshot onto the best node without
   it (the link backlog, the bytes it lacks, its starts under way), that node starts pulling the
-  snapshot now, for the requests that follow (no request goes with it). Swept over slack.
+  snapshot now, for the requests that follow (no request goes with it). Swept over slack; the
+  rule is applied at each attempt of a request (again after a 429).
 
 It answers with the request p99 ratio (the simulator's headline), the instance-up p99 and the
 bytes moved at each link. The ingress does not prefetch.
@@ -33,7 +35,7 @@ sys.path.insert(0, str(HERE))
 
 import simulate as S  # noqa: E402
 from torpor.cluster.bookkeeping import Bookkeeping  # noqa: E402
-from torpor.cluster.placement import Costs, FunctionNeeds, NodeView, Placement, StartKind, place, start_kind  # noqa: E402
+from torpor.cluster.placement import Costs, FunctionNeeds, NodeView, Placement, StartKind, place, start_kind  # noqa: E402,F401
 
 SLACKS = (0.0, -0.5, -1.0, -1.5)
 
@@ -73,27 +75,21 @@ def run_once(
     link_bps = link_gbps * 1e9 / 8
     by_name = {n.name: n for n in nodes}
     book = Bookkeeping()  # the ingress's, as in simulate.run_once
-    requests: list[S.Request] = []
-    moved = prefetches = 0
-    for t, k in S.draws(args, len(fns), rng):
-        f = fns[k]
-        costs = S.costs_for(args, f.model, link_bps)
-        need = S.needs_of(f)
-        views = [S.view(n, f, sizes, link_bps, t, book) for n in nodes]
-        p = place(need, views, costs)
-        if slack is not None:
-            q = prefetch_node(need, views, costs, p, slack)
-            if q is not None:
-                prefetches += 1
-                moved += S.pull_onto(by_name[q], f, sizes, link_bps, t)
-                views = [S.view(n, f, sizes, link_bps, t, book) for n in nodes]
-                p = place(need, views, costs)
-        assert p is not None
-        start = not (args.no_start_on_join and p.kind is StartKind.JOIN)
-        r = S.start_on(by_name[p.node], f, p, costs, sizes, link_bps, t, start)
-        book.sent(p.node, f.name, t, p.start_s if start else None, p.pull_s, costs.start_contention_s)
-        moved += r.pulled_bytes
-        requests.append(r)
+    prefetched: list[int] = []  # the bytes of each prefetch
+
+    def prefetch(f: S.Fn, t: float, views: list[NodeView], p: Placement | None) -> bool:
+        if slack is None:
+            return False
+        q = prefetch_node(S.needs_of(f), views, S.costs_for(args, f.model, link_bps), p, slack)
+        if q is None:
+            return False
+        prefetched.append(S.pull_onto(by_name[q], f, sizes, link_bps, t))
+        return True
+
+    requests, _ = S.burst(args, "locality", nodes, fns, sizes, link_bps, S.draws(args, len(fns), rng), book,
+                          random.Random(0), prefetch)
+    moved = sum(r.pulled_bytes for r in requests) + sum(prefetched)
+    prefetches = len(prefetched)
     out = S.summarize("prefetch" if slack is not None else "locality", link_gbps, seed, requests, moved, nodes)
     out["prefetches"] = prefetches
     out.pop("trace_head", None)
@@ -125,12 +121,15 @@ def main(argv: list[str]) -> int:
                 "instance_up_p99_s": round(mean("instance_up_p99_s"), 4),
                 "instance_up_p99_ratio": round(mean("instance_up_p99_s") / cold, 3),
                 "bytes_moved": int(mean("bytes_moved")), "prefetches": mean("prefetches"),
+                "starts_made": mean("starts_made"), "refusals_429": mean("refusals_429"),
+                "queue_timeouts_503": mean("queue_timeouts_503"),
                 "max_starts_on_one_node": max(r["max_starts_on_one_node"] for r in runs),
             })
             r = rows[-1]
             print(f"{link:>5g} Gb/s  {label:<42} p99 {r['p99_s']:.2f} s  ratio {r['burst_p99_ratio']:.2f}  "
                   f"up p99 {r['instance_up_p99_s']:.2f} s  "
-                  f"{r['bytes_moved'] / 1e9:7.0f} GB  prefetches {r['prefetches']:.0f}")
+                  f"{r['bytes_moved'] / 1e9:7.0f} GB  prefetches {r['prefetches']:.0f}  starts {r['starts_made']:.0f}  "
+                  f"429s {r['refusals_429']:.0f}")
     doc = {"what": __doc__.split("\n\n")[0], "machine": S.machine(), "one_cold_start_s": cold,
            "measured": source, "seeds": base.seeds, "rows": rows}
     ns.out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -1,14 +1,16 @@
 """A burst of cold starts on a simulated Torpor cluster, placed by the cluster's own rule.
 
     python3 bench/cluster/simulate.py [--nodes 100] [--starts 1000] [--functions 20] [--window-s 1]
-        [--link-gbps 25 100 10] [--seeds 1 2 3] [--gpu-restores 2] [--out bench/results/cluster-sim.json]
+        [--link-gbps 25 100 10] [--seeds 1 2 3] [--gpu-restores 2] [--max-instances 4] [--queue-length 64]
+        [--refusal-s 0.01] [--out bench/results/cluster-sim.json]
 
 Every simulated request is placed by `torpor.cluster.placement.place`, the function the ingress
 calls for real requests (`place_random` is the baseline), on views of the nodes built the way
-torpord's placement answer describes them, and starts an instance on its node. The nodes follow
-torpord since session 17 (binary 899f8ce; docs/split.md, "Bursts"): requests are bound late and
-the driver's restores take turns on a GPU. What the simulation models, and where each figure
-comes from:
+torpord's placement answer describes them, and is sent there; the node starts an instance for
+it or makes it wait for the instances it has, as torpord decides. The nodes follow torpord since
+session 17 (binary 899f8ce; docs/split.md, "Bursts"): requests are bound late, the driver's
+restores take turns on a GPU, and a function's instances on a node are bounded by its
+`max_instances`. What the simulation models, and where each figure comes from:
 
 - Functions: `--functions` functions, alternately shaped like the two measured models of
   bench/results/split-bench-burst-s17-final-h100.json (split path, H100, one machine, one call,
@@ -26,15 +28,29 @@ comes from:
   the start of their non-driver part and the end of their turn at once; the others wait for a
   slot, in the order their pulls ended (0: no bound but the lane). An instance stays up after
   serving: it is warm for the later requests of the burst.
-- Late binding: a request is answered at `max(its arrival, the time an instance of its function
-  on its node is free) + handler`, by the instance that frees first (its own start or any other
-  of that function on that node), requests taken first come first. Each request still starts an
-  instance, as the issue's "1 000 cold starts" asks (torpord would serve one warm, without a
-  start, if an instance were idle when it arrived; the extra starts only load the lane).
-  `--no-start-on-join` (off by default; **not what torpord does**): a request that `place`
-  sends to join an instance of its function up or starting on a node makes no start there,
-  as a daemon would that started an instance only when its function's instances up or
-  starting would not serve the request sooner; its figures go to their own JSON.
+- Starts, as torpord's routing (docs/torpord.md, "Routing"; `pool.rs` `acquire`): a request
+  starts an instance on its node while its function's instances there, up and starting, are
+  below the function's `scaling.max_instances` (`--max-instances`, default 4: every example
+  function's value, `examples/*/torpor.toml`, and the spec's default; 0: no bound, the model
+  before it); instances never end within the burst, so that is every start made there so far.
+  Otherwise it makes no start and waits in the function's queue on the node. Below the bound
+  a request starts one even when an instance of its function is idle there (torpord would
+  serve it warm, without a start: left out, so the model makes at most the starts torpord
+  does, up to the bound; the issue's "1 000 cold starts" have none idle at their arrival).
+- The queue (torpord's `[queue]`, defaults `length = 64`, `timeout_s = 30`, per function and
+  node): a request that would wait while `--queue-length` others of its function already wait
+  there is refused, 429, and changes nothing on the node; the ingress sends it again at once
+  to the best node it has not tried (`ingress.RETRY_STATUSES`), here `--refusal-s` later
+  (0.01 s assumed: the 429's way back, the placement answers asked again, the send; not
+  measured). Each run counts the 429s (`refusals_429`) and the requests that got one. A wait
+  in the queue past 30 s would be a 503: counted (`queue_timeouts_503`), never re-sent (none
+  in a 1 s burst; if ever non-zero, those requests' times are not torpord's).
+- Late binding: a request is answered at `max(its arrival at its node, the time an instance of
+  its function there is free) + handler`, by the instance that frees first (its own start, or
+  any other of that function on that node), requests taken first come first (torpord wakes
+  every waiting request of the function when an instance frees and the first to look takes
+  it; the model takes them in arrival order). A request that waited in the queue is served
+  the same way.
 - Bytes: a node pulls the base snapshot once (its `base_dir` bytes, 1.04-1.11 GB) for every
   function on that base, and per function the bytes that are its own: its segments' chunks in
   the store, deduplicated (`sizes.store.stored`: 0.28 GB, 2.86 GB) plus its snapshot directory
@@ -48,7 +64,8 @@ comes from:
 - Placement's cost model (`Costs`): `restore_staged_s` = the model's `cold`, and each start under
   way on a node adds the model's `d` (`start_contention_s`), so a burst still spreads.
 - What `place` sees (`view`): what torpord's placement answer says of the node at the request's
-  arrival (its function's `instances` up and `starting`; free GPU memory; staged or local),
+  arrival (its function's `instances` up, `starting` and `queue_depth`; free GPU memory; staged
+  or local), the function's `max_instances` (its spec's, which the agent adds to the answer),
   the requests of ours not yet answered there (the ingress sees each answer come back), the
   node's starts under way of every function (the sum of torpord's per-function `starting`),
   and, from `torpor.cluster.bookkeeping.Bookkeeping` fed as the ingress feeds it, when each
@@ -60,7 +77,8 @@ comes from:
   node model's (torpord does not say them; the ingress assumes the whole snapshot).
   `tests/test_cluster_placement.py` checks that nothing placed later changes what a view said.
 - GPU: each node has one 80 GB GPU; an instance holds the model's NVML figure (resnet152 ~1.3 GB,
-  GPT-2-Large 3.89 GB, DESIGN.md §1) from its placement on.
+  GPT-2-Large 3.89 GB, DESIGN.md §1) from the placement of the request that started it on:
+  GPU memory is charged per start, never for a request that makes none.
 - Initial state: every function's snapshot is in the bucket, staged on its home node (where it
   was deployed) and in the local store of `--copies` nodes in all (earlier traffic).
 - Arrivals: `--starts` requests, none finding an idle instance, at uniform random times within
@@ -76,13 +94,18 @@ requests of a burst are served by the first instances up while the later ones st
 
 The JSON (`--out`) records the machine, the commit, the versions, every figure taken and from
 which field of which file (`measured`), the model's own burst of 8 on an idle node against the
-file's (`calibration`), every run (policy x link x seed) and a top-level `summary` of the
-default link (25 Gb/s), with the same for random placement and the bytes moved.
+file's (`calibration`: with the burst copy's `max_instances` of 8, bench/coldstart/split.py, so
+all 8 start as on the H100), every run (policy x link x seed) and a top-level `summary` of the
+default link (25 Gb/s), with the same for random placement, the bytes moved, the starts made
+and the refusals.
 
 The model before session 17 (each restore under way adding `(burst8 - cold) / 7` of
 split-bench-session15-h100.json to a start, every request waiting for its own instance) was
 dropped, not kept as an option: it models a daemon that no longer exists, and git keeps it
-(c968059).
+(c968059). So was `--no-start-on-join` (a daemon that made no start for a request joining its
+function's instances on a node; never torpord's), once the model bounded the starts by
+`max_instances` as torpord does: it no longer showed what the extra starts cost, and was
+slower than torpord's rule (e2a8fe1 has it).
 """
 
 from __future__ import annotations
@@ -101,6 +124,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,7 +136,6 @@ from torpor.cluster.placement import (  # noqa: E402
     FunctionNeeds,
     NodeView,
     Placement,
-    StartKind,
     place,
     place_random,
 )
@@ -126,6 +149,18 @@ MODEL_NAMES = ("resnet152", "gpt2-large")
 BURST = 8
 DEFAULT_LINK_GBPS = 25.0
 DEFAULT_GPU_RESTORES = 2  # torpord's restore_server.gpu_restores default
+# Every example function's scaling.max_instances (examples/*/torpor.toml; spec.py's default too).
+DEFAULT_MAX_INSTANCES = 4
+# torpord's [queue] defaults (crates/torpord/src/config.rs, QueueLimits): per function and node,
+# the requests that may wait for an instance (one more is answered 429) and how long each may.
+DEFAULT_QUEUE_LENGTH = 64
+QUEUE_TIMEOUT_S = 30.0
+# From torpord's 429 to the ingress's next attempt: the refusal's way back, the placement answers
+# of every node asked again (the ingress drops its views after each answer) and the send.
+# Assumed, not measured (the cluster tests time no retry).
+DEFAULT_REFUSAL_S = 0.01
+# bench/coldstart/split.py's burst8 deploys its burst copy with max_instances = 8 (all 8 start).
+BURST_MAX_INSTANCES = 8
 # How close the model's burst of 8 on an idle node must come to the file's (tests and JSON).
 CALIBRATION_TOLERANCE = 0.10
 # Issue 12's target: request p99 at most this many cold starts (`summary.target_burst_p99_ratio`).
@@ -226,6 +261,8 @@ class Node:
 
     index: int
     gpu_restores: int = DEFAULT_GPU_RESTORES
+    max_instances: int = DEFAULT_MAX_INSTANCES  # per function (0: no bound)
+    queue_length: int = DEFAULT_QUEUE_LENGTH  # per function: requests waiting without a start
     have: dict[str, float] = field(default_factory=dict)  # piece -> time it is all on the node
     staged: set[str] = field(default_factory=set)
     link_free_at: float = 0.0
@@ -234,7 +271,11 @@ class Node:
     _ups: list[float] | None = None  # the starts' up times, sorted; None: to recompute
     starts_of: dict[str, list[Start]] = field(default_factory=dict)  # function -> its starts here
     requests_of: dict[str, list[float]] = field(default_factory=dict)  # function -> arrivals here
-    _answers: dict[str, list[float]] = field(default_factory=dict)  # function -> answer times, sorted
+    waited_of: dict[str, list[bool]] = field(default_factory=dict)  # function -> each made no start
+    # function -> (its answer times, sorted; when each of its requests that made no start was
+    # taken by an instance, in arrival order (so sorted: first come first served); how many of
+    # its first i requests made none, for each i)
+    _bound: dict[str, tuple[list[float], list[float], list[int]]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -245,31 +286,54 @@ class Node:
         self.starts.append(s)
         self.starts_of.setdefault(fn, []).append(s)
         self._ups = None  # a new start can take the lane before later-ready ones
-        self._answers.clear()  # ... and so move every answer after it
+        self._bound.clear()  # ... and so move every answer after it
         return s
 
-    def add_request(self, fn: str, t: float) -> None:
-        """A request for `fn` placed here at `t` (after every request placed before)."""
-        self.requests_of.setdefault(fn, []).append(t)
-        self._answers.pop(fn, None)
+    def makes_start(self, fn: str) -> bool:
+        """torpord's rule for a request of `fn` that finds no idle instance here: it starts one
+        while the function's instances here, up and starting, are below `max_instances`
+        (instances never end within a burst: every start made here counts)."""
+        return self.max_instances == 0 or len(self.starts_of.get(fn, [])) < self.max_instances
 
-    def function_at(self, fn: str, handler_s: float, t: float) -> tuple[int, int, int]:
+    def add_request(self, fn: str, t: float, waited: bool = False) -> None:
+        """A request for `fn` placed here at `t` (after every request placed before); `waited`:
+        it made no start (it waits for the function's instances here)."""
+        self.requests_of.setdefault(fn, []).append(t)
+        self.waited_of.setdefault(fn, []).append(waited)
+        self._bound.pop(fn, None)
+
+    def _bind(self, fn: str, handler_s: float) -> tuple[list[float], list[float], list[int]]:
+        got = self._bound.get(fn)
+        if got is None:
+            self.up_times()
+            free = [(s.up, s.seq) for s in self.starts_of.get(fn, [])]
+            arrivals = self.requests_of.get(fn, [])
+            done = bind(free, arrivals, handler_s) if free else [(float("inf"), -1) for _ in arrivals]
+            waited = self.waited_of.get(fn, [])
+            taken = [a - handler_s for (a, _), w in zip(done, waited, strict=True) if w]
+            cum = [0]
+            for w in waited:
+                cum.append(cum[-1] + w)
+            got = (sorted(a for a, _ in done), taken, cum)
+            self._bound[fn] = got
+        return got
+
+    def function_at(self, fn: str, handler_s: float, t: float) -> tuple[int, int, int, int]:
         """What the node's placement answer and the ingress know of `fn` here at `t`: its
-        instances up, its starts under way (torpord's `instances`, `starting`) and its requests
-        not answered by `t` (the ingress's in-flight count: it sees each answer come back).
-        Exact at `t` whatever is placed after `t`: a later start never takes the lane or a
-        slot before it is placed, so nothing up or answered by `t` moves."""
+        instances up, its starts under way (torpord's `instances`, `starting`), its requests
+        not answered by `t` (the ingress's in-flight count: it sees each answer come back) and
+        those of them that made no start and are not yet taken by an instance (torpord's
+        `queue_depth`). Exact at `t` whatever is placed after `t`: a later start never takes
+        the lane or a slot before it is placed, so nothing up, taken or answered by `t` moves."""
         starts = self.starts_of.get(fn, [])
-        if not starts:
-            return 0, 0, len(self.requests_of.get(fn, []))
+        if fn not in self.requests_of:
+            return 0, 0, 0, 0
         self.up_times()
         up = sum(1 for s in starts if s.up <= t)
-        answers = self._answers.get(fn)
-        if answers is None:
-            free = [(s.up, s.seq) for s in starts]
-            answers = sorted(a for a, _ in bind(free, self.requests_of.get(fn, []), handler_s))
-            self._answers[fn] = answers
-        return up, len(starts) - up, len(answers) - bisect.bisect_right(answers, t)
+        answers, taken, cum = self._bind(fn, handler_s)
+        waiting = cum[bisect.bisect_left(self.requests_of[fn], t)]  # placed before t, no start
+        queued = waiting - min(waiting, bisect.bisect_right(taken, t))
+        return up, len(starts) - up, len(answers) - bisect.bisect_right(answers, t), queued
 
     def up_times(self) -> list[float]:
         """Every start's up time, sorted (each `Start.up` is set too)."""
@@ -332,6 +396,15 @@ class Request:
     answer: float = float("nan")
     served_by: int = -1  # the seq of the start whose instance answered it
     served_by_up: float = float("nan")
+    at: float | None = None  # when it reached its node (None: `t`; later after 429s)
+    waited: bool = False  # it made no start: it waited in its function's queue on the node
+    queue_found: int = 0  # ... which held this many requests when it came
+    refusals: int = 0  # 429s before it was placed (torpord: the function's queue was full there)
+
+    @property
+    def arrived(self) -> float:
+        """When it reached the node that answered it."""
+        return self.t if self.at is None else self.at
 
 
 def bind(free: list[tuple[float, int]], arrivals: list[float], handler_s: float) -> list[tuple[float, int]]:
@@ -356,35 +429,46 @@ def answer(node: Node, requests: list[Request]) -> None:
     handler later. Sets `answer`, `served_by` and `served_by_up` of `requests`."""
     node.up_times()
     by_fn: dict[str, list[Request]] = {}
-    for r in sorted(requests, key=lambda r: r.t):
+    for r in sorted(requests, key=lambda r: r.arrived):
         by_fn.setdefault(r.fn, []).append(r)
     for fn, reqs in by_fn.items():
         free = [(s.up, s.seq) for s in node.starts_of.get(fn, [])]
         for r in reqs:  # one function, one handler
             assert r.handler_s == reqs[0].handler_s
-        for r, (done, seq) in zip(reqs, bind(free, [r.t for r in reqs], reqs[0].handler_s), strict=True):
+        for r, (done, seq) in zip(reqs, bind(free, [r.arrived for r in reqs], reqs[0].handler_s), strict=True):
             r.answer = done
             r.served_by, r.served_by_up = seq, node.starts[seq].up
 
 
-def burst_on_idle_node(model: Model, n: int = BURST, gpu_restores: int = DEFAULT_GPU_RESTORES) -> tuple[list[float], list[float]]:
+def burst_on_idle_node(
+    model: Model, n: int = BURST, gpu_restores: int = DEFAULT_GPU_RESTORES, max_instances: int = BURST_MAX_INSTANCES,
+) -> tuple[list[float], list[float]]:
     """`n` requests for one function at t = 0 on an idle node with its snapshot staged, as the
-    file's burst8: the instances' up times and the requests' answer times."""
-    node = Node(0, gpu_restores=gpu_restores)
+    file's burst8 (whose burst copy allows 8 instances: `max_instances` 8, so all 8 start): the
+    instances' up times and the requests' answer times."""
+    node = Node(0, gpu_restores=gpu_restores, max_instances=max_instances)
     reqs = []
     for _ in range(n):
         r = Request(0.0, model.name, model.handler_s)
-        r.start = node.add_start(model.name, 0.0, model.cold_s - model.driver_s, model.driver_s)
+        start = node.makes_start(model.name)
+        if start:
+            r.start = node.add_start(model.name, 0.0, model.cold_s - model.driver_s, model.driver_s)
+        node.add_request(model.name, 0.0, waited=not start)
         reqs.append(r)
     answer(node, reqs)
     return node.up_times(), [r.answer for r in reqs]
 
 
 def calibration(models: list[Model], source: dict[str, Any], gpu_restores: int) -> dict[str, Any]:
-    """The model's burst of 8 on an idle node against the file's, per model."""
-    out: dict[str, Any] = {"tolerance": CALIBRATION_TOLERANCE, "gpu_restores": gpu_restores}
+    """The model's burst of 8 on an idle node against the file's, per model, with the burst
+    copy's max_instances (8)."""
+    out: dict[str, Any] = {
+        "tolerance": CALIBRATION_TOLERANCE, "gpu_restores": gpu_restores, "max_instances": BURST_MAX_INSTANCES,
+        "max_instances_source": "bench/coldstart/split.py burst8: the burst copy NAME-burst is deployed with "
+                                "max_instances = 8, requests_per_instance = 1 (ensure_copy_deployed)",
+    }
     for m in models:
-        ups, answers = burst_on_idle_node(m, BURST, gpu_restores)
+        ups, answers = burst_on_idle_node(m, BURST, gpu_restores, BURST_MAX_INSTANCES)
         wall, up = float(source["burst8_wall_s"][m.name]), float(source["burst8_all_up_s"][m.name])
         out[m.name] = {
             "all_answered_s": round(max(answers), 4), "file_wall_s": wall,
@@ -398,7 +482,10 @@ def calibration(models: list[Model], source: dict[str, Any], gpu_restores: int) 
 def make_cluster(
     args: argparse.Namespace, models: list[Model], rng: random.Random
 ) -> tuple[list[Node], list[Fn], dict[str, int]]:
-    nodes = [Node(i, gpu_restores=args.gpu_restores) for i in range(args.nodes)]
+    nodes = [
+        Node(i, gpu_restores=args.gpu_restores, max_instances=args.max_instances, queue_length=args.queue_length)
+        for i in range(args.nodes)
+    ]
     fns: list[Fn] = []
     sizes: dict[str, int] = {}
     for i in range(args.functions):
@@ -447,16 +534,18 @@ def needs_of(f: Fn) -> FunctionNeeds:
 def view(
     node: Node, f: Fn, sizes: dict[str, int], link_bps: float, t: float, book: Bookkeeping | None = None
 ) -> NodeView:
-    """The node as torpord's placement answer (plus the link backlog the simulator knows) and
-    the ingress's bookkeeping (`book`; None: no join fields, as `place` had before joins).
+    """The node as torpord's placement answer (plus the link backlog the simulator knows), the
+    function's `max_instances` (its spec's, as the agent adds it; 0: None) and the ingress's
+    bookkeeping (`book`; None: no join fields, as `place` had before joins).
 
     From the node model, exactly at `t` (the ingress's views are up to 0.25 s old: left out):
-    `instances` and the function's `starting` (torpord's answer), the requests not answered
-    (`inflight`: the ingress sees each answer come back), and the starts under way of every
-    function (`starting`: the sum over functions of torpord's `starting`, which is what the
-    ingress's `Bookkeeping.node_starting` adds up from the answers it has seen). From `book`,
-    fed as the ingress feeds it (the start estimate `place` made when each request was sent,
-    corrected by torpord's `starting` for the function): `starts_up_in_s`."""
+    `instances`, the function's `starting` (`function_starting`) and `queue_depth` (torpord's
+    answer), the requests not answered (`inflight`: the ingress sees each answer come back),
+    and the starts under way of every function (`starting`: the sum over functions of
+    torpord's `starting`, which is what the ingress's `Bookkeeping.node_starting` adds up from
+    the answers it has seen). From `book`, fed as the ingress feeds it (the start estimate
+    `place` made when each request was sent, corrected by torpord's `starting` for the
+    function): `starts_up_in_s`, `pulls_up_in_s`."""
     parts = (f.base, f.name)
     missing = sum(sizes[p] for p in parts if p not in node.have)
     if missing:
@@ -474,19 +563,23 @@ def view(
         missing_bytes=missing,
         pull_backlog_bytes=int(backlog * link_bps),
         starting=node.pending_starts(t),
-        **join_fields(node, f, t, book),
+        max_instances=node.max_instances or None,
+        **function_fields(node, f, t, book),
     )
 
 
-def join_fields(node: Node, f: Fn, t: float, book: Bookkeeping | None) -> dict[str, Any]:
-    """`NodeView`'s fields for a join (`view`'s doc)."""
-    if book is None:
-        return {}
-    out: dict[str, Any] = {"pulls_up_in_s": book.pulls_up_in(node.name, f.name, t)}
-    if f.name in node.requests_of:
-        up, starting, inflight = node.function_at(f.name, f.model.handler_s, t)
+def function_fields(node: Node, f: Fn, t: float, book: Bookkeeping | None) -> dict[str, Any]:
+    """`NodeView`'s fields of the function on the node (`view`'s doc)."""
+    if f.name not in node.requests_of:
+        return {} if book is None else {"pulls_up_in_s": book.pulls_up_in(node.name, f.name, t)}
+    up, starting, inflight, queued = node.function_at(f.name, f.model.handler_s, t)
+    out: dict[str, Any] = {"instances": up, "function_starting": starting, "queue_depth": queued}
+    if book is not None:
         book.seen(node.name, f.name, starting, t)
-        out.update(instances=up, inflight=inflight, starts_up_in_s=book.starts_up_in(node.name, f.name, t))
+        out.update(
+            inflight=inflight, starts_up_in_s=book.starts_up_in(node.name, f.name, t),
+            pulls_up_in_s=book.pulls_up_in(node.name, f.name, t),
+        )
     return out
 
 
@@ -504,16 +597,23 @@ def pull_onto(node: Node, f: Fn, sizes: dict[str, int], link_bps: float, t: floa
 
 def start_on(
     node: Node, f: Fn, p: Placement, costs: Costs, sizes: dict[str, int], link_bps: float, t: float,
-    start: bool = True,
-) -> Request:
-    """A request for `f` arriving at `t`, placed on `node`: pulls what it lacks and starts an
-    instance there once every byte is on the node (`start` False: no start, the request waits
-    for the function's instances there; only `--no-start-on-join`, not torpord's behaviour)."""
+) -> Request | None:
+    """A request for `f` arriving at `t`, placed on `node`, as torpord takes it: while the
+    function's instances there (up and starting) are below `max_instances`, it pulls what the
+    node lacks and starts an instance there once every byte is on the node; otherwise it makes
+    no start and waits in the function's queue for those instances (late binding), unless
+    `queue_length` requests wait there already: torpord answers 429, nothing changes on the
+    node, and None is returned."""
     m = f.model
-    r = Request(t, f.name, m.handler_s, node.name, p.kind.value, p.estimate_s)
-    node.add_request(f.name, t)
-    if not start:
+    r = Request(t, f.name, m.handler_s, node.name, p.kind.value, p.estimate_s, at=t)
+    if not node.makes_start(f.name):
+        queued = node.function_at(f.name, m.handler_s, t)[3]
+        if queued >= node.queue_length:  # none idle either: they would have taken the queue
+            return None
+        r.waited, r.queue_found = True, queued
+        node.add_request(f.name, t, waited=True)
         return r
+    node.add_request(f.name, t)
     r.pulled_bytes = pull_onto(node, f, sizes, link_bps, t)
     pull_end = max(t, *(node.have[piece] for piece in (f.base, f.name)))
     disk = 0.0 if f.name in node.staged else costs.restore_local_extra_s
@@ -532,26 +632,68 @@ def run_once(
     rng = random.Random(seed)
     nodes, fns, sizes = make_cluster(args, models, rng)
     choose = random.Random(seed * 7919 + 1)  # the random policy's own draws
-    link_bps = link_gbps * 1e9 / 8
-    by_name = {n.name: n for n in nodes}
     book = Bookkeeping() if policy == "locality" else None  # the ingress's; random places blind
-    requests: list[Request] = []
-    moved = 0
-    for t, k in draws(args, len(fns), rng):
-        f = fns[k]
+    link_bps = link_gbps * 1e9 / 8
+    requests, mispredicted = burst(args, policy, nodes, fns, sizes, link_bps, draws(args, len(fns), rng), book, choose)
+    moved = sum(r.pulled_bytes for r in requests)
+    out = summarize(policy, link_gbps, seed, requests, moved, nodes, TARGET_RATIO * one_cold_start_s(models, args.functions))
+    out["start_mispredicted"] = mispredicted
+    return out
+
+
+# A hook between placing and sending (bench/cluster/prefetch_experiment.py): given the views and
+# the placement, it may act on the nodes and return True to have the request placed again.
+BeforeSend = Callable[[Fn, float, list[NodeView], Placement | None], bool]
+
+
+def burst(
+    args: argparse.Namespace, policy: str, nodes: list[Node], fns: list[Fn], sizes: dict[str, int], link_bps: float,
+    arrivals: list[tuple[float, int]], book: Bookkeeping | None, choose: random.Random,
+    before_send: BeforeSend | None = None,
+) -> tuple[list[Request], int]:
+    """The burst's requests ((arrival, function index), in arrival order) as the ingress routes
+    them: each placed by `policy` on the nodes' views and sent (its start booked first, as the
+    ingress does); when torpord answers 429 (the function's queue full there), sent again
+    `args.refusal_s` later (the refusal's round trip and the ingress's fresh views; assumed)
+    to the best node not tried yet (`ingress.RETRY_STATUSES`). Attempts are taken in time
+    order, so each node sees its requests in the order they reach it. Returns the requests, in
+    arrival order, and how many times `place` said a request would make a start and it made
+    none, or the reverse (the node model decides; never while the views are exact)."""
+    by_name = {n.name: n for n in nodes}
+    done: list[Request | None] = [None] * len(arrivals)
+    mispredicted = 0
+    # (when the attempt reaches the ingress, request index, the nodes that refused it)
+    attempts: list[tuple[float, int, frozenset[str]]] = [(t, i, frozenset()) for i, (t, _) in enumerate(arrivals)]
+    heapq.heapify(attempts)
+    while attempts:
+        at, i, tried = heapq.heappop(attempts)
+        t, f = arrivals[i][0], fns[arrivals[i][1]]
         costs = costs_for(args, f.model, link_bps)
-        views = [view(n, f, sizes, link_bps, t, book) for n in nodes]
-        p = place(needs_of(f), views, costs) if policy == "locality" else place_random(needs_of(f), views, choose)
+        views = [view(n, f, sizes, link_bps, at, book) for n in nodes]
+        if policy == "random":
+            p = place_random(needs_of(f), views, choose, tried)
+        else:
+            p = place(needs_of(f), views, costs, tried)
+            if before_send is not None and before_send(f, at, views, p):
+                views = [view(n, f, sizes, link_bps, at, book) for n in nodes]
+                p = place(needs_of(f), views, costs, tried)
         if p is None:
-            requests.append(Request(t, f.name, f.model.handler_s))
+            # Every node refused (the ingress would try them all again 0.2 s later): none in
+            # the runs; counted as unplaced.
+            done[i] = Request(t, f.name, f.model.handler_s, refusals=len(tried))
             continue
-        start = not (args.no_start_on_join and p.kind is StartKind.JOIN)
-        r = start_on(by_name[p.node], f, p, costs, sizes, link_bps, t, start)
         if book is not None:
-            book.sent(p.node, f.name, t, p.start_s if start else None, p.pull_s, costs.start_contention_s)
-        moved += r.pulled_bytes
-        requests.append(r)
-    return summarize(policy, link_gbps, seed, requests, moved, nodes, TARGET_RATIO * one_cold_start_s(models, args.functions))
+            book.sent(p.node, f.name, at, p.start_s, p.pull_s, costs.start_contention_s)
+        r = start_on(by_name[p.node], f, p, costs, sizes, link_bps, at)
+        if r is None:
+            heapq.heappush(attempts, (at + args.refusal_s, i, tried | {p.node}))
+            continue
+        r.t, r.refusals = t, len(tried)
+        mispredicted += policy != "random" and (p.start_s is not None) != (r.start is not None)
+        done[i] = r
+    requests = [r for r in done if r is not None]
+    assert len(requests) == len(arrivals)
+    return requests, mispredicted
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -591,6 +733,17 @@ def summarize(
         "instance_up_max_s": round(max(ups), 4) if ups else None,
         "served_by_another_start": sum(1 for r in placed if r.start is None or r.served_by != r.start.seq),
         "starts_made": sum(1 for r in placed if r.start is not None),
+        # Requests that made no start (the function at max_instances on the node): they waited
+        # in its queue (torpord's `queue_depth`), the longest queue one of them found, and the
+        # requests torpord would have refused: 429 (that queue full; each was sent again
+        # elsewhere by the ingress: `refusals` counts the 429s, `requests_refused` the requests)
+        # and 503 (a wait in the queue past queue.timeout_s; none expected in a 1 s burst:
+        # counted, not re-sent, so if ever non-zero these requests' times are not torpord's).
+        "waited_in_queue": sum(1 for r in placed if r.waited),
+        "max_queue_found": max((r.queue_found for r in placed), default=0),
+        "refusals_429": sum(r.refusals for r in requests),
+        "requests_refused": sum(1 for r in requests if r.refusals),
+        "queue_timeouts_503": sum(1 for r in placed if r.waited and r.answer - r.handler_s - r.arrived > QUEUE_TIMEOUT_S),
         "bytes_moved": moved,
         "nodes_used": len(by_node),
         "max_starts_on_one_node": max((len(n.starts) for n in nodes), default=0),
@@ -604,7 +757,7 @@ def summarize(
             and r.start.up < r.start.pull_end + r.start.nondriver_s + r.start.driver_s - 1e-9
         ),
         "answers_before_instance_up": sum(
-            1 for r in placed if r.answer - r.handler_s < max(r.t, r.served_by_up) - 1e-9
+            1 for r in placed if r.answer - r.handler_s < max(r.arrived, r.served_by_up) - 1e-9
         ),
         "trace_head": [
             {"t": round(r.t, 4), "function": r.fn, "placed": r.node, "kind": r.kind, "estimate_s": round(r.estimate_s, 4),
@@ -681,7 +834,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             "driver_s": {m.name: m.driver_s for m in models}, "popularity": "zipf 1.1",
             "placement": "torpor.cluster.placement.place (locality) vs place_random (random)",
             "node": "late binding; one driver lane per node (GPU), gpu_restores slots (docstring)",
-            "no_start_on_join": args.no_start_on_join,
+            "max_instances": args.max_instances, "queue_length": args.queue_length,
+            "queue_timeout_s": QUEUE_TIMEOUT_S, "refusal_s": args.refusal_s,
         },
         "measured": source,
         "calibration": calibration(models, source, args.gpu_restores),
@@ -704,6 +858,12 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             "random_instance_up_p99_s": round(rnd_up99, 4),
             "random_instance_up_p99_ratio": round(rnd_up99 / cold, 3),
             "random_bytes_moved": int(rnd_bytes),
+            "starts_made": round(mean("locality", "starts_made"), 1),
+            "random_starts_made": round(mean("random", "starts_made"), 1),
+            "refusals_429": round(mean("locality", "refusals_429"), 2),
+            "random_refusals_429": round(mean("random", "refusals_429"), 2),
+            "queue_timeouts_503": round(mean("locality", "queue_timeouts_503"), 2),
+            "random_queue_timeouts_503": round(mean("random", "queue_timeouts_503"), 2),
             "bytes_moved_locality_over_random": round(loc_bytes / rnd_bytes, 4) if rnd_bytes else None,
             "target_burst_p99_ratio": TARGET_RATIO,
             "meets_target": loc_p99 / cold <= TARGET_RATIO,
@@ -724,9 +884,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--gpu-restores", type=int, default=DEFAULT_GPU_RESTORES,
                     help="starts between their non-driver part and the end of their driver turn at once, per node (0: no bound)")
-    ap.add_argument("--no-start-on-join", action="store_true",
-                    help="not torpord's behaviour: a request that place() sends to join an instance of its function "
-                         "up or starting on a node makes no start of its own there (off: every request starts one)")
+    ap.add_argument("--max-instances", type=int, default=DEFAULT_MAX_INSTANCES,
+                    help="every function's scaling.max_instances, per node (the examples' 4; 0: no bound, "
+                         "every request starts an instance: the model before the bound)")
+    ap.add_argument("--queue-length", type=int, default=DEFAULT_QUEUE_LENGTH,
+                    help="torpord's queue.length: requests of a function that may wait on a node (one more: 429)")
+    ap.add_argument("--refusal-s", type=float, default=DEFAULT_REFUSAL_S,
+                    help="seconds from a 429 to the ingress's next attempt elsewhere (assumed, not measured)")
     ap.add_argument("--split-bench", default=str(SPLIT_BENCH))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster-sim.json"))
     args = ap.parse_args(argv)
@@ -735,6 +899,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{key} must be at least 1, got {getattr(args, key)}")
     if args.copies < 1 or args.copies > args.nodes:
         ap.error(f"--copies must be from 1 to --nodes ({args.nodes}), got {args.copies}")
+    if args.max_instances < 0:
+        ap.error(f"--max-instances must be 0 (no bound) or more, got {args.max_instances}")
+    if args.queue_length < 1:
+        ap.error(f"--queue-length must be at least 1, got {args.queue_length}")
+    if args.refusal_s < 0:
+        ap.error(f"--refusal-s must be 0 or more, got {args.refusal_s}")
     if args.gpu_restores < 0:
         ap.error(f"--gpu-restores must be 0 (no bound) or more, got {args.gpu_restores}")
     if args.summary_link_gbps not in args.link_gbps:
@@ -751,9 +921,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.starts} cold starts on {args.nodes} nodes within {args.window_s:g} s, link {s['link_gbps']:g} Gb/s: "
         f"locality requests p50 {s['p50_s']:.3f} s p99 {s['p99_s']:.3f} s ({s['burst_p99_ratio']:.2f}x one cold start "
         f"{s['one_cold_start_s']:.2f} s), instances up p99 {s['instance_up_p99_s']:.3f} s ({s['instance_up_p99_ratio']:.2f}x), "
-        f"{s['bytes_moved'] / 1e9:.1f} GB moved; random requests p99 {s['random_p99_s']:.3f} s "
+        f"{s['bytes_moved'] / 1e9:.1f} GB moved, {s['starts_made']:g} starts, {s['refusals_429']:g} 429s "
+        f"({s['queue_timeouts_503']:g} 503s); random requests p99 {s['random_p99_s']:.3f} s "
         f"({s['random_burst_p99_ratio']:.2f}x), instances up p99 {s['random_instance_up_p99_s']:.3f} s, "
-        f"{s['random_bytes_moved'] / 1e9:.1f} GB moved -> {args.out}"
+        f"{s['random_bytes_moved'] / 1e9:.1f} GB moved, {s['random_refusals_429']:g} 429s -> {args.out}"
     )
     return 0
 
