@@ -342,6 +342,71 @@ def test_the_ingress_builds_its_views_from_the_answers_and_its_bookkeeping() -> 
     assert r.choose("f", views, {"a", "b"}) is None
 
 
+def test_the_ingress_makes_no_start_where_the_agent_says_the_function_is_at_max_instances() -> None:
+    """The agent's `max_instances` (from the spec) and torpord's `instances` and `starting` go
+    into the views: on `a` f has one instance up and one starting at a bound of 2, so the
+    request joins them without a start (none booked); at a bound of 3 it makes one, as it does
+    where the agent says nothing of the bound (older agents: none assumed)."""
+    pytest.importorskip("ray")
+    from torpor.cluster.ingress import Router
+
+    r = Router(costs=JOIN_COSTS)
+    r.book.answered("f", '{"handler": 0.05}')
+    a = {"known": True, "local_snapshot": True, "in_bucket": True, "instances": 1, "warm_idle": 0, "starting": 1,
+         "max_instances": 2}
+    b = {"known": True, "staged": True, "in_bucket": True, "instances": 0, "warm_idle": 0, "starting": 0,
+         "max_instances": 2}
+    p = r.choose("f", {"a": a, "b": b}, set(), asked=10.0, now=10.0)
+    assert p is not None and (p.node, p.kind, p.start_s) == ("a", StartKind.JOIN, None), p
+    assert p.estimate_s == pytest.approx(0.05)
+    r.book.sent(p.node, "f", 10.0, p.start_s, p.pull_s)
+    assert r.book.starts_up_in("a", "f", 10.0) == ()  # no start of its own
+    for other in ({**a, "max_instances": 3}, {k: v for k, v in a.items() if k != "max_instances"}):
+        p = r.choose("f", {"a": other, "b": b}, set(), asked=10.0, now=10.0)
+        assert p is not None and (p.node, p.kind) == ("a", StartKind.JOIN) and p.start_s is not None, p
+
+
+def test_the_agent_adds_the_functions_max_instances_from_its_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torpord's placement answer has no max_instances: the agent reads it from the spec in
+    `GET /v1/functions/{name}` (as torpord reads it), once per SPEC_TTL_S, and on a daemon
+    without the placement route from the detail it composes the view from."""
+    from torpor import client
+    from torpor.cluster import agent as agent_mod
+
+    calls: list[str] = []
+    routes = {"placement": True}
+    spec = {"scaling": {"max_instances": 4}}
+
+    def fake(sock: str, method: str, path: str, *a: object, **k: object) -> client.Response:
+        calls.append(path)
+        if path == "/v1/openapi.json":
+            paths = {agent_mod.PLACEMENT_ROUTE: {}} if routes["placement"] else {}
+            doc: object = {"paths": paths}
+        elif path == "/v1/functions/f/placement":
+            doc = {"function": "f", "known": True, "instances": 1, "warm_idle": 0, "starting": 3, "queue_depth": 0}
+        elif path == "/v1/functions/f":
+            doc = {"name": "f", "state": "ready", "snapshot": "s1", "spec": spec, "instances": [{"stage": "busy"}]}
+        else:
+            return client.Response(404, {}, b'{"error": "no"}')
+        return client.Response(200, {}, json.dumps(doc).encode())
+
+    monkeypatch.setattr(agent_mod.client, "request", fake)
+    ag = agent_mod.NodeAgent("n", "/nonexistent.sock")
+    got = ag.placement("f")
+    assert got["max_instances"] == 4 and got["starting"] == 3
+    assert ag.placement("f")["max_instances"] == 4
+    assert calls.count("/v1/functions/f") == 1  # kept SPEC_TTL_S
+    assert ag.placement("g") == dataclasses.asdict(agent_mod.Unknown()) and ag.placement("g")["max_instances"] is None
+    routes["placement"] = False
+    old = agent_mod.NodeAgent("n", "/nonexistent.sock")
+    assert old.placement("f")["max_instances"] == 4 and old.placement("f")["instances"] == 1
+    # torpord's reading of the spec: missing or not a number 1, floats floored, within 1..1024.
+    read = agent_mod.max_instances_of
+    assert [read({"scaling": {"max_instances": v}}) for v in (4, 4.9, -3, 0, 10**9, "x", True, None)] == \
+        [4, 4, 1, 1, 1024, 1, 1, 1]
+    assert read({}) == 1 and read(None) is None
+
+
 def test_the_ingress_books_the_start_it_sends_and_the_handler_of_the_answer() -> None:
     """Router.invoke with two fake agents (no Ray cluster): the request goes where `place`
     says, the start it makes is booked with `place`'s estimate, the answer's handler joins the

@@ -7,7 +7,8 @@ Routes (JSON, the same shapes as torpord's where they overlap):
   exist on each). Answer: `{"function", "mode", "deployed_on", "nodes": {node: result}}`.
 - `POST /v1/functions/{name}/invoke`: routed by `placement.place` (warm first, then the node
   that answers it soonest: by an instance of the function up or starting there, late binding,
-  or by a new start). Headers: `X-Torpor-Request-Id` (given, or made here),
+  or by a new start; a node where the function is at its `max_instances` makes no start, so
+  only the first). Headers: `X-Torpor-Request-Id` (given, or made here),
   `X-Torpor-Node`, `X-Torpor-Attempts`, and torpord's `X-Torpor-Start`/`X-Torpor-Timings`.
 - `GET /v1/cluster`: the nodes the ingress sees and what each daemon holds.
 
@@ -169,7 +170,8 @@ class Router:
         self, name: str, views: dict[str, dict[str, Any]], exclude: set[str], asked: float | None = None,
         now: float | None = None,
     ) -> Placement | None:
-        """`place` on the nodes' placement answers for `name` (asked for at `asked`) and this
+        """`place` on the nodes' placement answers for `name` (asked for at `asked`, with the
+        function's `max_instances` the agent adds: at it a node makes no start) and this
         ingress's bookkeeping: its requests in flight per node, the starts it caused and when
         each is expected up (corrected by the answers' `starting`), the function's handler time
         (its answers' `X-Torpor-Timings`) and snapshot size (its pulls' `pulled_bytes`)."""
@@ -181,6 +183,7 @@ class Router:
             said_starting = int(said) if isinstance(said, int) and not isinstance(said, bool) else None
             self.book.seen(n, name, said_starting, asked)
             ups = self.book.starts_up_in(n, name, now)
+            limit = v.get("max_instances")  # the agent's, from the function's spec
             nv.append(
                 NodeView(
                     node=n,
@@ -198,6 +201,8 @@ class Router:
                     starting=self.book.node_starting(n, now) + max(0, (said_starting or 0) - len(ups)),
                     starts_up_in_s=ups,
                     pulls_up_in_s=self.book.pulls_up_in(n, name, now),
+                    function_starting=said_starting or 0,
+                    max_instances=limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None,
                 )
             )
         needs = FunctionNeeds(name, snapshot_bytes=self.book.snapshot_bytes(name), handler_s=self.book.handler_s(name))
