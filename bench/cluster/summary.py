@@ -78,6 +78,12 @@ def assemble(kill: Json, kill_file: str, sim: Json, sim_file: str, pull: Json, p
                 "random_burst_p99_ratio": s_sim.get("random_burst_p99_ratio"),
                 # Beside the requests' p99 (late binding), the instances' (None in files before it).
                 "instance_up_p99_ratio": s_sim.get("instance_up_p99_ratio"),
+                # torpord's refusals in the runs (429: a function's queue full on a node, sent
+                # again elsewhere; 503: a queue timeout) and the starts made, per run (None in
+                # files before max_instances was modelled).
+                "refusals_429": s_sim.get("refusals_429"),
+                "queue_timeouts_503": s_sim.get("queue_timeouts_503"),
+                "starts_made": s_sim.get("starts_made"),
             },
             "pull_efficiency": {
                 "file": pull_file,
@@ -99,6 +105,9 @@ def table(doc: Json) -> str:
         return "met" if meets[key] else "**missed**"
 
     up_ratio = f"; instances up p99 {b['instance_up_p99_ratio']}×" if b.get("instance_up_p99_ratio") is not None else ""
+    if b.get("refusals_429") is not None:
+        up_ratio += (f"; per run {b['starts_made']} starts, {b['refusals_429']} 429s (sent again elsewhere), "
+                     f"{b['queue_timeouts_503']} 503s")
 
     rows = [
         "| figure | value | target | | where from |",
