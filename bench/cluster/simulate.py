@@ -35,8 +35,8 @@ restores take turns on a GPU, and a function's instances on a node are bounded b
   before it); instances never end within the burst, so that is every start made there so far.
   Otherwise it makes no start and waits in the function's queue on the node. Below the bound
   a request starts one even when an instance of its function is idle there (torpord would
-  serve it warm, without a start: left out, so the model makes at most the starts torpord
-  does, up to the bound; the issue's "1 000 cold starts" have none idle at their arrival).
+  serve it warm, without a start: left out, so the model may make more starts than torpord,
+  never more than the bound; the issue's "1 000 cold starts" have none idle at their arrival).
 - The queue (torpord's `[queue]`, defaults `length = 64`, `timeout_s = 30`, per function and
   node): a request that would wait while `--queue-length` others of its function already wait
   there is refused, 429, and changes nothing on the node; the ingress sends it again at once
@@ -89,8 +89,9 @@ from a start's request to its instance being up. The headline, `summary.burst_p9
 first (the locality policy's request p99 over one cold start: the file's `cold` of the mix's
 median function): the issue asks for the p99 start time of 1 000 cold starts as a client sees
 it, and under late binding a request's start is over when it is answered. The instance-up
-figure (`instance_up_p99_ratio`) is kept beside it because it is several times larger: most
-requests of a burst are served by the first instances up while the later ones still restore.
+figure (`instance_up_p99_ratio`) is kept beside it because it is larger (3.89x against 1.73x at
+25 Gb/s in bench/results/cluster-sim.json): most requests of a burst are served by the first
+instances up while the later ones still restore.
 
 The JSON (`--out`) records the machine, the commit, the versions, every figure taken and from
 which field of which file (`measured`), the model's own burst of 8 on an idle node against the

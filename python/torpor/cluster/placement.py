@@ -43,10 +43,12 @@ up. The rule, in order:
 Ties go to the node with fewer requests in flight, then to the smaller name (deterministic).
 
 What the simulator says (bench/results/cluster-sim.json; docs/cluster.md, "Simulation"): 1 000
-requests in 1 s on 100 nodes at 25 Gb/s are answered with a p99 of 3.945x one cold start (7.15x
-before joins; the issue's target is 3x) and pull 71 GB (301 GB before); 2.19x at 100 Gb/s, 7.46x
-at 10. The tail is GPT-2-Large starts that must pull first: torpord starts an instance for every
-request, and those of the requests that join fill their nodes' GPU memory.
+requests in 1 s on 100 nodes at 25 Gb/s, each function bounded by its max_instances (4) per node
+as torpord bounds it, are answered with a p99 of 1.73x one cold start (the issue's target is 3x;
+3.945x in the model that started an instance for every request, 7.15x before joins), with 133
+starts and 4.2 GB pulled; 1.72x at 100 Gb/s, 2.14x at 10. The queues of popular functions fill
+to torpord's queue.length (64), which this rule does not know: torpord refuses about 250
+attempts per run (429, 176-207 of the 1 000 requests), each sent elsewhere by the ingress.
 """
 
 from __future__ import annotations
