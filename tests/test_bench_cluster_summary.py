@@ -33,6 +33,18 @@ def test_assemble_takes_each_figure_from_its_source_and_judges_the_targets() -> 
     text = summary.table(doc)
     assert "| `lost_requests` | 1 of 40 | 0 | **missed** |" in text, text
     assert "| `pull_efficiency` | 0.85 | ≥ 0.8 | met |" in text, text
+    # A simulation with the instances' figure (late binding) has it beside the requests' p99.
+    assert "instances up" not in text
+    sim["summary"]["instance_up_p99_ratio"] = 3.4
+    doc = summary.assemble(kill, "k.json", sim, "s.json", pull, "p.json")
+    assert doc["sources"]["burst_p99_ratio"]["instance_up_p99_ratio"] == 3.4
+    assert "request p99 4.0 s ÷ 1.38 s; instances up p99 3.4× (random placement: 6.0;" in summary.table(doc)
+    # ... and, once the simulator models torpord's refusals, those and the starts made.
+    sim["summary"].update(refusals_429=250.5, queue_timeouts_503=0.0, starts_made=133.0)
+    doc = summary.assemble(kill, "k.json", sim, "s.json", pull, "p.json")
+    assert doc["sources"]["burst_p99_ratio"]["refusals_429"] == 250.5
+    assert "instances up p99 3.4×; per run 133.0 starts, 250.5 429s (sent again elsewhere), 0.0 503s (random" in \
+        summary.table(doc)
 
 
 def test_the_readme_table_is_the_rendering_of_the_kept_json() -> None:

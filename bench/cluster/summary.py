@@ -76,6 +76,14 @@ def assemble(kill: Json, kill_file: str, sim: Json, sim_file: str, pull: Json, p
                 "p99_s": s_sim.get("p99_s"),
                 "one_cold_start_s": s_sim.get("one_cold_start_s"),
                 "random_burst_p99_ratio": s_sim.get("random_burst_p99_ratio"),
+                # Beside the requests' p99 (late binding), the instances' (None in files before it).
+                "instance_up_p99_ratio": s_sim.get("instance_up_p99_ratio"),
+                # torpord's refusals in the runs (429: a function's queue full on a node, sent
+                # again elsewhere; 503: a queue timeout) and the starts made, per run (None in
+                # files before max_instances was modelled).
+                "refusals_429": s_sim.get("refusals_429"),
+                "queue_timeouts_503": s_sim.get("queue_timeouts_503"),
+                "starts_made": s_sim.get("starts_made"),
             },
             "pull_efficiency": {
                 "file": pull_file,
@@ -96,6 +104,11 @@ def table(doc: Json) -> str:
     def ok(key: str) -> str:
         return "met" if meets[key] else "**missed**"
 
+    up_ratio = f"; instances up p99 {b['instance_up_p99_ratio']}×" if b.get("instance_up_p99_ratio") is not None else ""
+    if b.get("refusals_429") is not None:
+        up_ratio += (f"; per run {b['starts_made']} starts, {b['refusals_429']} 429s (sent again elsewhere), "
+                     f"{b['queue_timeouts_503']} 503s")
+
     rows = [
         "| figure | value | target | | where from |",
         "|---|---|---|---|---|",
@@ -103,8 +116,8 @@ def table(doc: Json) -> str:
         f"kill -9 of a worker node under load, 3-node Ray cluster on one machine ({k['rerun_after_node_death']} re-run "
         f"after the death, {k['duplicated_on_survivors']} duplicated on survivors; `{k['file']}`) |",
         f"| `burst_p99_ratio` | {s['burst_p99_ratio']} | ≤ {targets['burst_p99_ratio']} | {ok('burst_p99_ratio')} | "
-        f"simulated: 1 000 cold starts in 1 s on 100 nodes at {b['link_gbps']} Gb/s, p99 {b['p99_s']} s ÷ "
-        f"{b['one_cold_start_s']} s (random placement: {b['random_burst_p99_ratio']}; `{b['file']}`) |",
+        f"simulated: 1 000 cold starts in 1 s on 100 nodes at {b['link_gbps']} Gb/s, request p99 {b['p99_s']} s ÷ "
+        f"{b['one_cold_start_s']} s{up_ratio} (random placement: {b['random_burst_p99_ratio']}; `{b['file']}`) |",
         f"| `pull_efficiency` | {s['pull_efficiency']} | ≥ {targets['pull_efficiency']} | {ok('pull_efficiency')} | "
         f"{p['model']} on {p['machine']}: pull {p['pull_gbps']} GB/s ÷ raw S3 GET {p['transfer_gbps']} GB/s; first start "
         f"{p['first_start_s']} s (pull {p['pull_s']} s + restore {p['restore_to_first_answer_s']} s) against a local cold "

@@ -6,7 +6,9 @@ Routes (JSON, the same shapes as torpord's where they overlap):
   and the others pull it; otherwise it deploys from the same directory on every node (it must
   exist on each). Answer: `{"function", "mode", "deployed_on", "nodes": {node: result}}`.
 - `POST /v1/functions/{name}/invoke`: routed by `placement.place` (warm first, then the node
-  that can start it soonest). Headers: `X-Torpor-Request-Id` (given, or made here),
+  that answers it soonest: by an instance of the function up or starting there, late binding,
+  or by a new start; a node where the function is at its `max_instances` makes no start, so
+  only the first). Headers: `X-Torpor-Request-Id` (given, or made here),
   `X-Torpor-Node`, `X-Torpor-Attempts`, and torpord's `X-Torpor-Start`/`X-Torpor-Timings`.
 - `GET /v1/cluster`: the nodes the ingress sees and what each daemon holds.
 
@@ -51,7 +53,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from torpor.cluster.agent import ACTOR_PREFIX, DAEMON_BACK_S, NAMESPACE, Answer
-from torpor.cluster.placement import Costs, FunctionNeeds, NodeView, place
+from torpor.cluster.bookkeeping import Bookkeeping
+from torpor.cluster.placement import Costs, FunctionNeeds, NodeView, Placement, place
 
 log = logging.getLogger("torpor.cluster.ingress")
 
@@ -91,6 +94,12 @@ class Router:
         self.agents_at = 0.0
         self.dead: dict[str, float] = {}
         self.inflight: dict[tuple[str, str], int] = {}
+        # The starts this ingress caused and when each is expected up, its functions' handler
+        # times and snapshot sizes: what `place` needs for joins (torpor.cluster.bookkeeping).
+        # Until a function's first answer its handler is taken to be as long as a cold start,
+        # so that a burst of a function it knows nothing of spreads rather than queues behind
+        # one instance (a 1.5 s handler taken for 0.1 s would send 4 of 6 requests to one node).
+        self.book = Bookkeeping(default_handler_s=self.costs.restore_staged_s)
         self.views: dict[str, tuple[float, dict[str, dict[str, Any]]]] = {}
         self.answers: OrderedDict[str, Outcome] = OrderedDict()
         self.running: dict[str, asyncio.Future[Outcome]] = {}
@@ -125,6 +134,7 @@ class Router:
         self.dead[node] = time.monotonic() + DEAD_FOR_S
         self.views.clear()
         self.agents_at = 0.0
+        self.book.forget_node(node)
 
     async def _call(self, node: str, handle: Any, method: str, *args: Any, timeout: float) -> Any:
         ref = getattr(handle, method).remote(*args)
@@ -134,11 +144,13 @@ class Router:
             self.mark_dead(node)
             raise
 
-    async def node_views(self, name: str) -> dict[str, dict[str, Any]]:
-        """Each live node's placement answer for `name` (cached `VIEW_TTL_S`)."""
+    async def node_views(self, name: str) -> tuple[float, dict[str, dict[str, Any]]]:
+        """Each live node's placement answer for `name` (cached `VIEW_TTL_S`), and when they
+        were asked for."""
         cached = self.views.get(name)
         if cached and time.monotonic() - cached[0] < VIEW_TTL_S:
-            return cached[1]
+            return cached
+        asked = time.monotonic()
         await self.refresh_agents()
         live = self.live_agents()
 
@@ -151,27 +163,50 @@ class Router:
 
         got = await asyncio.gather(*(one(n, h) for n, h in live.items()))
         views = {n: v for n, v in got if v is not None}
-        self.views[name] = (time.monotonic(), views)
-        return views
+        self.views[name] = (asked, views)
+        return asked, views
 
-    def choose(self, name: str, views: dict[str, dict[str, Any]], exclude: set[str]) -> str | None:
-        nv = [
-            NodeView(
-                node=n,
-                known=bool(v.get("known")),
-                warm_idle=int(v.get("warm_idle") or 0),
-                queue_depth=int(v.get("queue_depth") or 0),
-                staged=bool(v.get("staged")),
-                local_snapshot=bool(v.get("local_snapshot")),
-                in_bucket=bool(v.get("in_bucket")),
-                gpu_free_bytes=v.get("gpu_free_bytes"),
-                inflight=self.inflight.get((n, name), 0),
-                starting=max(0, self.inflight.get((n, name), 0) - int(v.get("warm_idle") or 0)),
+    def choose(
+        self, name: str, views: dict[str, dict[str, Any]], exclude: set[str], asked: float | None = None,
+        now: float | None = None,
+    ) -> Placement | None:
+        """`place` on the nodes' placement answers for `name` (asked for at `asked`, with the
+        function's `max_instances` the agent adds: at it a node makes no start) and this
+        ingress's bookkeeping: its requests in flight per node, the starts it caused and when
+        each is expected up (corrected by the answers' `starting`), the function's handler time
+        (its answers' `X-Torpor-Timings`) and snapshot size (its pulls' `pulled_bytes`)."""
+        now = time.monotonic() if now is None else now
+        asked = now if asked is None else asked
+        nv = []
+        for n, v in sorted(views.items()):
+            said = v.get("starting")  # absent from daemons before f309d2f
+            said_starting = int(said) if isinstance(said, int) and not isinstance(said, bool) else None
+            self.book.seen(n, name, said_starting, asked)
+            ups = self.book.starts_up_in(n, name, now)
+            limit = v.get("max_instances")  # the agent's, from the function's spec
+            nv.append(
+                NodeView(
+                    node=n,
+                    known=bool(v.get("known")),
+                    warm_idle=int(v.get("warm_idle") or 0),
+                    queue_depth=int(v.get("queue_depth") or 0),
+                    staged=bool(v.get("staged")),
+                    local_snapshot=bool(v.get("local_snapshot")),
+                    in_bucket=bool(v.get("in_bucket")),
+                    gpu_free_bytes=v.get("gpu_free_bytes"),
+                    inflight=self.inflight.get((n, name), 0),
+                    instances=int(v.get("instances") or 0),
+                    # Every function's starts this ingress knows of there, and this function's
+                    # that torpord counts beyond them (started by others: standbys, direct calls).
+                    starting=self.book.node_starting(n, now) + max(0, (said_starting or 0) - len(ups)),
+                    starts_up_in_s=ups,
+                    pulls_up_in_s=self.book.pulls_up_in(n, name, now),
+                    function_starting=said_starting or 0,
+                    max_instances=limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None,
+                )
             )
-            for n, v in sorted(views.items())
-        ]
-        p = place(FunctionNeeds(name), nv, self.costs, exclude)
-        return None if p is None else p.node
+        needs = FunctionNeeds(name, snapshot_bytes=self.book.snapshot_bytes(name), handler_s=self.book.handler_s(name))
+        return place(needs, nv, self.costs, exclude)
 
     # ---- invoke
 
@@ -213,14 +248,14 @@ class Router:
         last: Answer | None = None
         deadline = time.monotonic() + self.invoke_timeout_s
         while time.monotonic() < deadline:
-            views = await self.node_views(name)
+            asked, views = await self.node_views(name)
             if not any(v.get("known") or v.get("in_bucket") for v in views.values()):
                 if attempts == 0 and not views:
                     return Outcome(503, {}, json.dumps({"error": "no node of the cluster is up: start `torpor cluster up` on the nodes"}).encode())
                 if attempts == 0:
                     return Outcome(404, {}, json.dumps({"error": f'no node of the cluster knows a function named "{name}": deploy it with POST /v1/functions'}).encode())
-            node = self.choose(name, views, tried)
-            if node is None:
+            chosen = self.choose(name, views, tried, asked)
+            if chosen is None:
                 if tried and len(tried) >= len(views):
                     # Every node was tried once: start over (a refusal may have been a full queue).
                     tried.clear()
@@ -229,11 +264,13 @@ class Router:
                 await asyncio.sleep(0.2)
                 self.views.pop(name, None)
                 continue
+            node = chosen.node
             handle = self.agents.get(node)
             if handle is None:
                 tried.add(node)
                 continue
             attempts += 1
+            self.book.sent(node, name, time.monotonic(), chosen.start_s, chosen.pull_s, self.costs.start_contention_s)
             key = (node, name)
             self.inflight[key] = self.inflight.get(key, 0) + 1
             try:
@@ -253,6 +290,8 @@ class Router:
                 self.inflight[key] -= 1
                 self.views.pop(name, None)
             last = ans
+            if ans.status != 0:
+                self.book.answered(name, ans.headers.get("x-torpor-timings"))
             if ans.status == 0 or ans.status in RETRY_STATUSES:
                 tried.add(node)
                 if ans.status == 0 and ans.sent:
@@ -284,6 +323,8 @@ class Router:
                 return 400 if res.get("status") == 400 else 500, {"error": res.get("error"), "mode": "pull", "nodes": nodes}
             name = res["result"]["function"]
             pulled = await asyncio.gather(*(self._call(n, live[n], "pull", name, timeout=3600) for n in rest))
+            for p in pulled:
+                self.book.pulled(name, p.get("pulled_bytes"))
             nodes.update({n: p for n, p in zip(rest, pulled, strict=True)})
             ok = all("error" not in p for p in pulled)
             self.views.clear()
