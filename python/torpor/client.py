@@ -108,6 +108,8 @@ class Placement:
     # Restores and boots in flight: their processes exist before they are listed as instances.
     starting: int
     queue_depth: int
+    # scaling.max_instances (None: the node does not know the function).
+    max_instances: int | None
     staged: bool
     local_snapshot: bool
     in_bucket: bool | None
@@ -153,6 +155,7 @@ class Client:
             warm_idle=int(d["warm_idle"]),
             starting=int(d["starting"]),
             queue_depth=int(d["queue_depth"]),
+            max_instances=None if d["max_instances"] is None else int(d["max_instances"]),
             staged=bool(d["staged"]),
             local_snapshot=bool(d["local_snapshot"]),
             in_bucket=None if in_bucket is None else bool(in_bucket),

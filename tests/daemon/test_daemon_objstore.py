@@ -95,6 +95,7 @@ def test_deploy_on_a_pushes_and_b_pulls_only_missing_chunks_and_answers_alike(
 
     before = client.Client(b.socket).placement("os-first")
     assert before.known is False and before.in_bucket is True and before.local_snapshot is False, before
+    assert before.max_instances is None, before
 
     pulled = client.Client(b.socket).pull("os-first")
     assert pulled.function == "os-first" and pulled.pulled_chunks > 0 and pulled.pulled_bytes > 0, pulled
@@ -103,7 +104,8 @@ def test_deploy_on_a_pushes_and_b_pulls_only_missing_chunks_and_answers_alike(
 
     after = client.Client(b.socket).placement("os-first")
     assert after.known and after.local_snapshot and after.in_bucket is True, after
-    assert after.instances == 0 and after.queue_depth == 0, after
+    assert after.instances == 0 and after.queue_depth == 0 and after.starting == 0, after
+    assert after.max_instances == 4, after  # the default scaling.max_instances (torpor.spec)
 
     ra, rb = a.invoke("os-first", {"v": [1, 2.5]}), b.invoke("os-first", {"v": [1, 2.5]})
     assert ra.status == rb.status == 200, (ra.body, rb.body)

@@ -16,11 +16,6 @@ pull` and `GET /v1/functions/{name}/placement`; the agent reads its OpenAPI docu
 daemon without them still works: placement is then composed from `GET /v1/functions/{name}`
 (nothing staged or in a bucket is known), and the ingress deploys from the function's directory
 on every node instead of pulling.
-
-The placement answer does not say the function's `scaling.max_instances`, which bounds the
-instances torpord starts on the node (`placement.makes_start`); the agent adds it from the spec
-in `GET /v1/functions/{name}`, kept `SPEC_TTL_S` per function (its one piece of state: a cache;
-a redeploy that changes the bound is seen within that time).
 """
 
 from __future__ import annotations
@@ -36,10 +31,6 @@ from typing import Any
 from torpor import client
 
 PULL_ROUTE = "/v1/functions/{name}/pull"
-# How long the agent keeps a function's max_instances before asking the daemon again.
-SPEC_TTL_S = 10.0
-# torpord's bound on scaling.max_instances (crates/torpord/src/limits.rs MAX_INSTANCES).
-MAX_INSTANCES = 1024
 PLACEMENT_ROUTE = "/v1/functions/{name}/placement"
 NAMESPACE = "torpor"
 ACTOR_PREFIX = "agent:"
@@ -47,22 +38,6 @@ ACTOR_PREFIX = "agent:"
 
 def actor_name(node: str) -> str:
     return f"{ACTOR_PREFIX}{node}"
-
-
-def max_instances_of(spec: object) -> int | None:
-    """The `scaling.max_instances` torpord takes from a function's spec (as the registry keeps
-    it, JSON), read as torpord reads it (runtime/pool.rs `fn_info`, limits.rs `spec_count`:
-    missing or not a number 1, a negative integer 0, a float its floor, then within 1 and
-    1024); None: no spec."""
-    if not isinstance(spec, dict):
-        return None
-    scaling = spec.get("scaling")
-    v = scaling.get("max_instances") if isinstance(scaling, dict) else None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        n = 1
-    else:
-        n = MAX_INSTANCES if v == float("inf") else int(max(v, 0))
-    return min(max(n, 1), MAX_INSTANCES)
 
 
 @dataclass(frozen=True)
@@ -88,7 +63,6 @@ class NodeAgent:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self._caps: dict[str, bool] | None = None
-        self._max_instances: dict[str, tuple[float, int | None]] = {}  # function -> (when read, value)
 
     # ---- daemon facts
 
@@ -121,23 +95,24 @@ class NodeAgent:
         return list(r.json()["functions"])
 
     def placement(self, name: str) -> dict[str, Any]:
-        """torpord's placement answer for `name` (`known`, `instances`, `warm_idle`, `starting`
-        (daemons since f309d2f), `queue_depth`, `staged`, `local_snapshot`, `in_bucket`,
-        `gpu_free_bytes`) with the function's `max_instances` (from its spec, `max_instances`;
-        None: the node does not know the function), composed from the function's detail on a
-        daemon without the route (no `starting`: the ingress then keeps its own starts until
+        """torpord's placement answer for `name` (`known`, `instances`, `warm_idle`, `starting`,
+        `queue_depth`, `max_instances` (the last three: daemons since session 18), `staged`,
+        `local_snapshot`, `in_bucket`, `gpu_free_bytes`), composed from the function's detail on
+        a daemon without the route (no `starting`: the ingress then keeps its own starts until
         they are expected up)."""
         if self.capabilities()["placement"]:
             r = client.request(self.socket_path, "GET", f"/v1/functions/{name}/placement", timeout=10)
             if r.status == 200:
-                return {**r.json(), "max_instances": self.max_instances(name)}
+                return dict(r.json())
             if r.status != 404:
                 raise RuntimeError(f"torpord on {self.node}: placement of {name} answered {r.status}: {r.body[:300]!r}")
-        d = self._detail(name)
-        if d is None:
+        r = client.request(self.socket_path, "GET", f"/v1/functions/{name}", timeout=10)
+        if r.status == 404:
             return asdict(Unknown())
-        limit = max_instances_of(d.get("spec"))
-        self._max_instances[name] = (time.monotonic(), limit)
+        if r.status != 200:
+            raise RuntimeError(f"torpord on {self.node}: GET /v1/functions/{name} answered {r.status}: {r.body[:300]!r}")
+        d = r.json()
+        limit = (d.get("spec") or {}).get("scaling", {}).get("max_instances")
         ready = d.get("state") == "ready" and bool(d.get("snapshot"))
         stages = [i.get("stage") for i in d.get("instances", [])]
         return {
@@ -149,29 +124,8 @@ class NodeAgent:
             "local_snapshot": ready,
             "in_bucket": False,
             "gpu_free_bytes": None,
-            "max_instances": limit,
+            "max_instances": limit if isinstance(limit, int) and not isinstance(limit, bool) else None,
         }
-
-    def max_instances(self, name: str) -> int | None:
-        """The function's `scaling.max_instances` on this daemon (`max_instances_of` its spec in
-        `GET /v1/functions/{name}`), read again after `SPEC_TTL_S`; None: it does not know it."""
-        now = time.monotonic()
-        got = self._max_instances.get(name)
-        if got is not None and now - got[0] < SPEC_TTL_S:
-            return got[1]
-        d = self._detail(name)
-        limit = None if d is None else max_instances_of(d.get("spec"))
-        self._max_instances[name] = (now, limit)
-        return limit
-
-    def _detail(self, name: str) -> dict[str, Any] | None:
-        """`GET /v1/functions/{name}`: the function, its spec, snapshots and instances; None: 404."""
-        r = client.request(self.socket_path, "GET", f"/v1/functions/{name}", timeout=10)
-        if r.status == 404:
-            return None
-        if r.status != 200:
-            raise RuntimeError(f"torpord on {self.node}: GET /v1/functions/{name} answered {r.status}: {r.body[:300]!r}")
-        return dict(r.json())
 
     # ---- actions
 

@@ -171,7 +171,7 @@ class Router:
         now: float | None = None,
     ) -> Placement | None:
         """`place` on the nodes' placement answers for `name` (asked for at `asked`, with the
-        function's `max_instances` the agent adds: at it a node makes no start) and this
+        function's `max_instances`: at it a node makes no start) and this
         ingress's bookkeeping: its requests in flight per node, the starts it caused and when
         each is expected up (corrected by the answers' `starting`), the function's handler time
         (its answers' `X-Torpor-Timings`) and snapshot size (its pulls' `pulled_bytes`)."""
@@ -183,7 +183,7 @@ class Router:
             said_starting = int(said) if isinstance(said, int) and not isinstance(said, bool) else None
             self.book.seen(n, name, said_starting, asked)
             ups = self.book.starts_up_in(n, name, now)
-            limit = v.get("max_instances")  # the agent's, from the function's spec
+            limit = v.get("max_instances")  # torpord's placement answer (its spec's scaling.max_instances)
             nv.append(
                 NodeView(
                     node=n,

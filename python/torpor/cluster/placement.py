@@ -100,8 +100,7 @@ class NodeView:
     it is expected up.
 
     The function's bound: `max_instances`, its spec's `scaling.max_instances` (torpord's
-    placement answer does not say it; the agent adds it from `GET /v1/functions/{name}`'s
-    spec; None: not known, no bound assumed), and `function_starting`, torpord's `starting` for
+    placement answer's; None: not known, no bound assumed), and `function_starting`, torpord's `starting` for
     the function on the node (its placement answer's, daemons since f309d2f). torpord starts an
     instance for a request that finds none idle only while the function's instances there,
     up and starting, are below `max_instances` (`makes_start`); otherwise the request waits in

@@ -105,6 +105,10 @@ pub struct Placement {
     pub starting: usize,
     /// Requests waiting in this node's queue of the function.
     pub queue_depth: usize,
+    /// The function's `scaling.max_instances`: no new instance starts here while its instances
+    /// (every stage, starting ones too) reach it; a request then waits in the queue. `null`
+    /// when this node does not know the function.
+    pub max_instances: Option<usize>,
     /// The function snapshot is staged in memory (the fastest restore).
     pub staged: bool,
     /// The function snapshot is on this node's disk (a restore needs no pull).
@@ -167,6 +171,9 @@ pub async fn placement(
     let known = local
         .as_ref()
         .is_some_and(|(f, _)| f.state == FunctionState::Ready);
+    let max_instances = local
+        .as_ref()
+        .map(|(f, _)| crate::runtime::pool::max_instances_of(&f.spec));
     let tenant = local
         .as_ref()
         .map(|(f, _)| crate::tenant::of_spec(&f.spec).to_string());
@@ -192,6 +199,7 @@ pub async fn placement(
         warm_idle,
         starting,
         queue_depth,
+        max_instances,
         staged,
         local_snapshot,
         in_bucket,

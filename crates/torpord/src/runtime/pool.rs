@@ -752,6 +752,17 @@ pub fn keepalive_of(spec: &Value, default: &Keepalive) -> Keepalive {
     }
 }
 
+/// `scaling.max_instances` as torpord reads it: the bound on a function's instances on this node,
+/// every stage counted (a spec of before without it: 1).
+pub(crate) fn max_instances_of(spec: &Value) -> usize {
+    crate::limits::spec_count(
+        spec.pointer("/scaling/max_instances"),
+        1,
+        1,
+        crate::limits::MAX_INSTANCES,
+    )
+}
+
 pub(crate) fn fn_info(
     spec: &Value,
     snapshot_id: &str,
@@ -776,12 +787,7 @@ pub(crate) fn fn_info(
             0.001,
             limits::MAX_TIMEOUT_S,
         ),
-        max_instances: limits::spec_count(
-            spec.pointer("/scaling/max_instances"),
-            1,
-            1,
-            limits::MAX_INSTANCES,
-        ),
+        max_instances: max_instances_of(spec),
         per_instance: limits::spec_count(
             spec.pointer("/scaling/requests_per_instance"),
             1,
