@@ -65,7 +65,7 @@ restores take turns on a GPU, and a function's instances on a node are bounded b
   way on a node adds the model's `d` (`start_contention_s`), so a burst still spreads.
 - What `place` sees (`view`): what torpord's placement answer says of the node at the request's
   arrival (its function's `instances` up, `starting` and `queue_depth`; free GPU memory; staged
-  or local), the function's `max_instances` (its spec's, which the agent adds to the answer),
+  or local), the function's `max_instances` (its spec's, in the same answer),
   the requests of ours not yet answered there (the ingress sees each answer come back), the
   node's starts under way of every function (the sum of torpord's per-function `starting`),
   and, from `torpor.cluster.bookkeeping.Bookkeeping` fed as the ingress feeds it, when each
@@ -536,7 +536,7 @@ def view(
     node: Node, f: Fn, sizes: dict[str, int], link_bps: float, t: float, book: Bookkeeping | None = None
 ) -> NodeView:
     """The node as torpord's placement answer (plus the link backlog the simulator knows), the
-    function's `max_instances` (its spec's, as the agent adds it; 0: None) and the ingress's
+    function's `max_instances` (its spec's, in the same answer; 0: None) and the ingress's
     bookkeeping (`book`; None: no join fields, as `place` had before joins).
 
     From the node model, exactly at `t` (the ingress's views are up to 0.25 s old: left out):
