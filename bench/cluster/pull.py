@@ -313,6 +313,13 @@ def watch_commit(pending: Path) -> CommitWatch:
     return w
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) process `pid` has used so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # After the command's ")": state is field 3, utime field 14, stime field 15 (proc(5)).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def fresh_state(state: Path, key_from: Path) -> None:
     """An empty state directory holding only the cluster's snapshot key."""
     if state.exists():
@@ -413,9 +420,13 @@ def main(argv: list[str]) -> int:
             state_b = work / "state-b"
             fresh_state(state_b, a.state / "snapshot.key")
             b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table_b), logs)
+            cpu0 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
             t0 = time.perf_counter()
             status, _, body = b.request("POST", f"/v1/functions/{model.name}/pull")
             pull_s = time.perf_counter() - t0
+            # Whether the pull kept the cores busy: the pulling daemon's and the store server's
+            # CPU seconds over the pull (cores busy = seconds / pull_s).
+            cpu = (cpu_seconds(b.proc.pid) - cpu0[0], cpu_seconds(seaweed.proc.pid) - cpu0[1])
             if status != 200:
                 raise RuntimeError(f"pull answered {status}: {body[:500]!r}\n{b.log_tail()}")
             pulled = json.loads(body)
@@ -436,6 +447,8 @@ def main(argv: list[str]) -> int:
                 # Where the daemon's seconds went (files and segments overlap: pulled at once).
                 "phases": {k: round(v, 4) for k, v in pulled["phases"].items()} if pulled.get("phases") else None,
                 "mean_chunk_bytes": pulled["pulled_bytes"] // max(1, pulled["pulled_chunks"]),
+                "daemon_cpu_s": round(cpu[0], 3),
+                "store_server_cpu_s": round(cpu[1], 3),
                 "restore_to_first_answer_s": first["wall_s"],
                 "first_start_s": round(pull_s + first["wall_s"], 4),
                 # The records' syncfs after the answer (docs/objstore.md, "Durability after the
@@ -477,6 +490,9 @@ def main(argv: list[str]) -> int:
             "pulled_bytes": pulled_bytes,
             "pull_s": statistics.median(r["pull_s"] for r in runs),
             "pull_phases_s": median_phases([r.get("phases") for r in runs]),
+            # Cores the pulling daemon kept busy over its pull, and the store server.
+            "daemon_cores_busy": round(statistics.median(r["daemon_cpu_s"] / r["pull_s"] for r in runs), 2),
+            "store_server_cores_busy": round(statistics.median(r["store_server_cpu_s"] / r["pull_s"] for r in runs), 2),
             "restore_to_first_answer_s": statistics.median(r["restore_to_first_answer_s"] for r in runs),
             "first_start_s": first_s,
             "commit_bg_s": statistics.median(r["commit_bg_s"] for r in runs if r["commit_bg_s"] is not None)

@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Recipe, StoreWriter};
 
@@ -292,6 +293,58 @@ pub(crate) struct Downloaded {
     pub ranges: u64,
 }
 
+/// Where the pipeline's threads spent their time, each figure summed over its threads, in
+/// seconds: fetchers waiting on a full queue mean the writers are the bound, writers waiting
+/// on an empty one mean the GETs are; `check_s` against `place_s` then splits the writers'
+/// work between the CPU (decoding, hashing) and the file system.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct PipelineTimes {
+    /// Fetcher threads (GETs in flight at most).
+    pub fetchers: u64,
+    /// Writer threads.
+    pub writers: u64,
+    /// In GETs: the request and its body read into memory.
+    pub get_s: f64,
+    /// Fetchers waiting for room in the queue to the writers.
+    pub queue_full_s: f64,
+    /// Writers waiting for a fetched range.
+    pub queue_empty_s: f64,
+    /// Writers checking chunks against their ids (decoding, hashing).
+    pub check_s: f64,
+    /// Writers placing checked chunks in the store (written, renamed).
+    pub place_s: f64,
+}
+
+/// [`PipelineTimes`] as the threads add to it.
+#[derive(Default)]
+struct PipelineClock {
+    get: AtomicU64,
+    queue_full: AtomicU64,
+    queue_empty: AtomicU64,
+    check: AtomicU64,
+    place: AtomicU64,
+}
+
+impl PipelineClock {
+    fn add(counter: &AtomicU64, d: std::time::Duration) {
+        let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        counter.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    fn times(&self, fetchers: usize, writers: usize) -> PipelineTimes {
+        let s = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64 / 1e9;
+        PipelineTimes {
+            fetchers: fetchers as u64,
+            writers: writers as u64,
+            get_s: s(&self.get),
+            queue_full_s: s(&self.queue_full),
+            queue_empty_s: s(&self.queue_empty),
+            check_s: s(&self.check),
+            place_s: s(&self.place),
+        }
+    }
+}
+
 /// Where a download's chunks come from: the bucket, the snapshot's locator (`None`: a push
 /// before packs, every chunk loose), and the error naming an absent object.
 pub(crate) struct Source<'a> {
@@ -315,7 +368,7 @@ pub(crate) fn download(
         source: Source { ..*source },
         recipes,
     }];
-    let down = download_sets(&sets, store, writer, parallel, progress, &|_| {})?;
+    let (down, _) = download_sets(&sets, store, writer, parallel, progress, &|_| {})?;
     Ok(down.into_iter().next().unwrap_or_default())
 }
 
@@ -361,7 +414,7 @@ pub(crate) fn download_sets(
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
     done: &(dyn Fn(usize) + Sync),
-) -> Result<Vec<Downloaded>, TransferError> {
+) -> Result<(Vec<Downloaded>, PipelineTimes), TransferError> {
     let mut claimed: HashSet<ChunkId> = HashSet::new();
     let mut every: HashSet<ChunkId> = HashSet::new();
     let mut jobs: Vec<(usize, Job)> = Vec::new();
@@ -405,10 +458,13 @@ pub(crate) fn download_sets(
         }
     }
     if jobs.is_empty() {
-        return Ok(downs);
+        return Ok((downs, PipelineTimes::default()));
     }
 
     let threads = parallel.clamp(1, 64).min(jobs.len());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let writers = threads.max(cores.min(64)).min(jobs.len());
+    let clock = PipelineClock::default();
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first: Mutex<Option<TransferError>> = Mutex::new(None);
@@ -425,14 +481,21 @@ pub(crate) fn download_sets(
         for _ in 0..threads {
             let tx = tx.clone();
             let (jobs, sets, next, failed, fail) = (&jobs, sets, &next, &failed, &fail);
+            let clock = &clock;
             scope.spawn(move || {
                 while !failed.load(Ordering::Relaxed) {
                     let n = next.fetch_add(1, Ordering::Relaxed);
                     let Some((set, job)) = jobs.get(n) else { break };
-                    match fetch_job(&sets[*set].source, job) {
+                    let getting = Instant::now();
+                    let got = fetch_job(&sets[*set].source, job);
+                    PipelineClock::add(&clock.get, getting.elapsed());
+                    match got {
                         // The writers are gone only once every one of them ended: on an error.
                         Ok(bytes) => {
-                            if tx.send((n, bytes)).is_err() {
+                            let sending = Instant::now();
+                            let sent = tx.send((n, bytes));
+                            PipelineClock::add(&clock.queue_full, sending.elapsed());
+                            if sent.is_err() {
                                 break;
                             }
                         }
@@ -446,17 +509,18 @@ pub(crate) fn download_sets(
         }
         // The channel closes when the last fetcher ends.
         drop(tx);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        for _ in 0..threads.max(cores.min(64)).min(jobs.len()) {
+        for _ in 0..writers {
             let (jobs, sets, rx, fail) = (&jobs, sets, &rx, &fail);
-            let (remaining, ticker) = (&remaining, &ticker);
+            let (remaining, ticker, clock) = (&remaining, &ticker, &clock);
             scope.spawn(move || loop {
+                let waiting = Instant::now();
                 let got = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                PipelineClock::add(&clock.queue_empty, waiting.elapsed());
                 // What was fetched is stored even after an error elsewhere (no more than the
                 // queue holds): verified chunks that the next pull need not fetch again.
                 let Ok((n, bytes)) = got else { break };
                 let (set, job) = &jobs[n];
-                match store_job(&sets[*set].source, writer, job, &bytes) {
+                match store_job(&sets[*set].source, writer, job, &bytes, clock) {
                     Ok(chunks) => {
                         drop(bytes);
                         ticker.tick_n(chunks);
@@ -471,7 +535,7 @@ pub(crate) fn download_sets(
     });
     match first.into_inner().unwrap_or_else(|p| p.into_inner()) {
         Some(e) => Err(e),
-        None => Ok(downs),
+        None => Ok((downs, clock.times(threads, writers))),
     }
 }
 
@@ -518,6 +582,7 @@ fn store_job(
     writer: &StoreWriter<'_>,
     job: &Job,
     bytes: &[u8],
+    clock: &PipelineClock,
 ) -> Result<u64, TransferError> {
     let remote = source.remote;
     let bucket = remote.bucket();
@@ -527,7 +592,7 @@ fn store_job(
                 "object {} in bucket {bucket}",
                 remote.full_key(&chunk_key(&c.id))
             );
-            writer.put_chunk_file(c, bytes, &origin)?;
+            put_timed(writer, c, bytes, &origin, clock)?;
             Ok(1)
         }
         Job::Range(r) => {
@@ -542,11 +607,26 @@ fn store_job(
                     "object {full} (bytes {offset}..{}) in bucket {bucket}",
                     offset + len
                 );
-                writer.put_chunk_file(c, &bytes[at..at + *len as usize], &origin)?;
+                put_timed(writer, c, &bytes[at..at + *len as usize], &origin, clock)?;
             }
             Ok(r.chunks.len() as u64)
         }
     }
+}
+
+/// Stores one fetched chunk file, its check and its placing timed apart.
+fn put_timed(
+    writer: &StoreWriter<'_>,
+    c: &ChunkRef,
+    bytes: &[u8],
+    origin: &str,
+    clock: &PipelineClock,
+) -> Result<(), TransferError> {
+    let putting = Instant::now();
+    let (_, checked) = writer.put_chunk_file_timed(c, bytes, origin)?;
+    PipelineClock::add(&clock.check, checked);
+    PipelineClock::add(&clock.place, putting.elapsed().saturating_sub(checked));
+    Ok(())
 }
 
 /// Groups the `wanted` chunks `locator` places by pack into coalesced ranges; returns them and

@@ -80,6 +80,7 @@ mod pull;
 mod push;
 mod sealed;
 
+pub use chunks::PipelineTimes;
 pub use client::{Remote, Traffic};
 pub use config::{Credentials, RemoteConfig};
 pub use error::{ConfigError, ObjError, TransferError};

@@ -62,6 +62,8 @@ pub struct PullTimings {
     pub materialise_s: f64,
     /// Authenticating the manifest and hashing every file of the directory against it.
     pub verify_s: f64,
+    /// Where the pipeline's threads spent `fetch_s`.
+    pub pipeline: crate::chunks::PipelineTimes,
 }
 
 /// A split snapshot's sealed segment record to pull with a snapshot's files
@@ -300,6 +302,10 @@ fn pull_snapshot_with(
         });
         timings.materialise_wait_s = waited.elapsed().as_secs_f64();
         (down, aside)
+    });
+    let down = down.map(|(down, pipeline)| {
+        timings.pipeline = pipeline;
+        down
     });
     let [files_landed, segments_landed] = *lock(&landed);
     timings.files_fetch_s = files_landed;

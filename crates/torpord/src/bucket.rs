@@ -163,6 +163,20 @@ pub struct PullPhases {
     pub portability_s: f64,
     /// Registering the function, staging its snapshot, trimming the store.
     pub register_s: f64,
+    /// The pipeline's threads (`torpor_objstore::PipelineTimes`), each time below summed over
+    /// its threads: fetchers and writers.
+    pub fetchers: u64,
+    pub writers: u64,
+    /// Fetchers in GETs.
+    pub fetch_get_busy_s: f64,
+    /// Fetchers waiting for a writer (the writers are behind).
+    pub fetch_queue_full_s: f64,
+    /// Writers waiting for a GET (the GETs are behind).
+    pub fetch_queue_empty_s: f64,
+    /// Writers checking chunks (decoding, hashing).
+    pub fetch_check_busy_s: f64,
+    /// Writers placing chunks in the store (the file system).
+    pub fetch_place_busy_s: f64,
 }
 
 /// Makes a pull's records durable now (blocking), or logs why not: their markers then stay
@@ -594,6 +608,13 @@ impl Tier {
         phases.files_verify_s = t.verify_s;
         phases.fetch_s = t.fetch_s;
         phases.materialise_wait_s = t.materialise_wait_s;
+        phases.fetchers = t.pipeline.fetchers;
+        phases.writers = t.pipeline.writers;
+        phases.fetch_get_busy_s = t.pipeline.get_s;
+        phases.fetch_queue_full_s = t.pipeline.queue_full_s;
+        phases.fetch_queue_empty_s = t.pipeline.queue_empty_s;
+        phases.fetch_check_busy_s = t.pipeline.check_s;
+        phases.fetch_place_busy_s = t.pipeline.place_s;
         // From the pull's start to the segments' last chunk in the store (their commit is the
         // files' one).
         phases.segments_s = if segments.is_some() {
