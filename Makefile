@@ -60,6 +60,7 @@ wheel:
 gpu-carry: release
 	mkdir -p .gpu
 	cp $(RELEASE_BIN) .gpu/torpor
+	xz -T2 -6 -c $(RELEASE_BIN) > .gpu/torpor.xz
 	cp $(RELEASE_HOOK) .gpu/libtorpor_hook.so
 	bash scripts/gpu-carry-native.sh
 	git rev-parse HEAD > .gpu/commit
