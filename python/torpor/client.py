@@ -94,6 +94,8 @@ class Pulled:
     pulled_bytes: int
     pulled_chunks: int
     seconds: float
+    # The snapshot's page profile (its hot set) that came with it; 0: none (or nothing pulled).
+    profile_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,13 @@ class Client:
         """Pulls function `name` from the object store into this node (only the chunks it
         lacks) and registers it; idempotent. `ApiError` 404: not in the bucket."""
         d = self._ok("POST", f"/v1/functions/{name}/pull")
-        return Pulled(str(d["function"]), int(d["pulled_bytes"]), int(d["pulled_chunks"]), float(d["seconds"]))
+        return Pulled(
+            str(d["function"]),
+            int(d["pulled_bytes"]),
+            int(d["pulled_chunks"]),
+            float(d["seconds"]),
+            int(d.get("profile_bytes", 0)),
+        )
 
     def placement(self, name: str) -> Placement:
         """This node's facts for function `name`: known, instances, idle ones, starting ones, queue, staged,

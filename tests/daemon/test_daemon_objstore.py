@@ -2,7 +2,9 @@
 a real SeaweedFS (docs/objstore.md, "torpord"): a deploy on A pushes the function; B pulls it
 (only the chunks B lacks) on `POST …/pull` or on its first invoke and answers as A does; a
 second function on the same base pulls fewer chunks; a split snapshot's sealed segment record travels with it, a record
-rewritten in the bucket is refused and a corrupted segment chunk commits neither record; a push to a server that is down does not fail the deploy; a function not in the bucket is a 404; a corrupted chunk in the bucket and a
+rewritten in the bucket is refused and a corrupted segment chunk commits neither record; the hot set
+(page profile) travels with the snapshot, sealed, and B's first restore serves it, a rewritten one is
+refused and a missing one only costs the hot set; a push to a server that is down does not fail the deploy; a function not in the bucket is a 404; a corrupted chunk in the bucket and a
 file the snapshot reopens that differs on the pulling node are refused; placement's facts."""
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import a_library, pids_with
+from conftest import a_library, pids_with, wait_until
 from objstore_server import Seaweed, free_ports, running_seaweed
 from torpor import client
 
-from .conftest import FUNCTIONS, Torpord
+from .conftest import FUNCTIONS, Answer, Torpord
 
 BUCKET = "cluster"
+# Torpor's page server appends its counters here (B's only): hot_pages > 0 = a hot set served.
+STATS = "TORPOR_PAGE_SERVER_STATS"
 
 
 def function_dir(root: Path, name: str, body: str = "return {'name': NAME, 'x': request}", setup: str = "pass") -> Path:
@@ -75,7 +79,8 @@ def nodes(
         key = roots[1] / "state" / "snapshot.key"
         shutil.copyfile(a.state / "snapshot.key", key)
         os.chmod(key, 0o600)
-        b = Torpord(torpor_bin, roots[1], config=objstore_section(seaweed, roots[1]), env=env)
+        b_env = {**env, STATS: str(roots[1] / "page-server-stats.jsonl")}
+        b = Torpord(torpor_bin, roots[1], config=objstore_section(seaweed, roots[1]), env=b_env)
         yield a, b
     finally:
         if b is not None:
@@ -198,6 +203,98 @@ def test_a_corrupted_chunk_in_the_bucket_is_refused_and_nothing_is_registered(
         # push finds them there and does not upload them again), so it is put back intact. CI
         # saw the split test's pull fail on a chunk of this corrupted pack.
         s3_put_via_filer(seaweed, f"packs/{pack}.pack", intact)
+
+
+def s3_delete_via_filer(seaweed: Seaweed, key: str) -> None:
+    c = http.client.HTTPConnection("127.0.0.1", seaweed.filer_port, timeout=30)
+    c.request("DELETE", f"/buckets/{BUCKET}/{key}")
+    status = c.getresponse().status
+    c.close()
+    assert status in (200, 202, 204), status
+
+
+def page_server_stats(d: Torpord) -> list[dict[str, int]]:
+    path = Path(d.env[STATS])
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def first_restore_stats(d: Torpord, name: str, arg: object) -> tuple[Answer, dict[str, int]]:
+    """Invokes `name` (its first restore on `d`) and returns the answer and the counters of the
+    page server that served it (appended once every page is in)."""
+    before = len(page_server_stats(d))
+    r = d.invoke(name, arg)
+    assert r.status == 200 and r.start == "restored", (r.status, r.body, d.log_text())
+    wait_until(lambda: len(page_server_stats(d)) > before, 30, "the restore's page server to end")
+    [served] = page_server_stats(d)[before:]
+    return r, served
+
+
+def test_the_hot_set_travels_sealed_and_the_first_restore_on_b_serves_it(
+    nodes: tuple[Torpord, Torpord], tmp_path: Path
+) -> None:
+    """A's deploy records the snapshot's page profile and its push puts it beside the snapshot;
+    B's pull keeps it byte for byte, and B's first restore (lazy: a CPU function) copies it first
+    as its hot set. Without the profile B's page server serves no hot page (the next test)."""
+    a, b = nodes
+    lines = a.deploy(function_dir(tmp_path, "os-hot"))
+    profiled = [x for x in lines if x.get("phase") == "profile"]
+    assert profiled and profiled[0]["ranges"] > 0, lines
+    result = lines[-1]["result"]
+    sid, pushed = result["snapshot"], result["pushed"]
+    profile_a = (a.state / "profiles" / f"{sid}.pages").read_bytes()
+    assert isinstance(pushed, dict) and pushed["profile_bytes"] > len(profile_a), pushed
+
+    pulled = client.Client(b.socket).pull("os-hot")
+    profile_b = b.state / "profiles" / f"{sid}.pages"
+    assert profile_b.read_bytes() == profile_a
+    assert profile_b.stat().st_mode & 0o777 == 0o600
+    assert pulled.profile_bytes == len(profile_a), pulled
+    assert not list(profile_b.parent.glob(f"{sid}.*pulled"))
+
+    r, served = first_restore_stats(b, "os-hot", 5)
+    assert r.json() == {"name": "os-hot", "x": 5}
+    assert served["hot_pages"] > 0, served
+
+    # The profile goes with the pulled function.
+    rm = b.cli("rm", "os-hot")
+    assert rm.returncode == 0, rm.stderr
+    wait_until(lambda: not profile_b.exists(), 10, "the pulled profile to be removed with its snapshot")
+
+
+def test_a_profile_rewritten_in_the_bucket_is_refused_and_nothing_is_registered(
+    nodes: tuple[Torpord, Torpord], seaweed: Seaweed, tmp_path: Path
+) -> None:
+    """Someone with write access to the bucket but not the key flips bytes of the profile (same
+    length): B's pull fails in one line naming the object, before it fetched a chunk; nothing is
+    registered or left. Deleted from the bucket (as a push from before profiles travelled), the
+    snapshot pulls and restores, serving no hot set."""
+    a, b = nodes
+    lines = a.deploy(function_dir(tmp_path, "os-hot-forged"))
+    sid = lines[-1]["result"]["snapshot"]
+    key = f"snapshots/{sid}/pages-profile"
+    sealed = s3_get_via_filer(seaweed, key)
+    forged = bytearray(sealed)
+    for i in range(len(forged) - 8, len(forged) - 1):
+        forged[i] ^= 0x01
+    assert len(forged) == len(sealed) and forged != sealed
+    s3_put_via_filer(seaweed, key, bytes(forged))
+    with pytest.raises(client.ApiError) as e:
+        client.Client(b.socket).pull("os-hot-forged")
+    msg = e.value.message
+    assert e.value.status == 502 and key in msg and "MAC does not match" in msg and "\n" not in msg, msg
+    assert client.Client(b.socket).placement("os-hot-forged").known is False
+    assert not (b.state / "snapshots" / sid).exists()
+    assert not [p for p in (b.state / "snapshots").iterdir() if sid in p.name]
+    assert not list((b.state / "profiles").glob(f"{sid}.*"))
+    assert not (b.state / "chunks" / "refs" / f"{sid}.files.json").exists()
+
+    s3_delete_via_filer(seaweed, key)
+    r, served = first_restore_stats(b, "os-hot-forged", 2)
+    assert r.json() == {"name": "os-hot-forged", "x": 2}
+    assert served["hot_pages"] == 0, served
+    assert not (b.state / "profiles" / f"{sid}.pages").exists()
+    pulls = [x for x in b.log_text().splitlines() if "os-hot-forged" in x and "pulled from the object store" in x]
+    assert pulls and "profile_bytes=0" in pulls[-1], pulls
 
 
 def splitbuf_as(tmp_path: Path, name: str) -> Path:

@@ -40,6 +40,8 @@ pub const MAC_SCHEME: &str = "blake3-keyed";
 const MAC_CONTEXT: &[u8] = b"torpor snapshot manifest v1\0";
 /// Prefix of the MAC input of a chunk store record (`refs/<snapshot>.json`).
 const RECORD_CONTEXT: &[u8] = b"torpor chunk store record v1\0";
+/// Prefix of the MAC input of a snapshot's page profile (its hot set), which travels beside it.
+const PROFILE_CONTEXT: &[u8] = b"torpor page profile v1\0";
 /// Keyed-hashed to name a key without revealing it.
 const KEY_ID_CONTEXT: &[u8] = b"torpor snapshot key id v1\0";
 
@@ -204,6 +206,17 @@ impl SnapshotKey {
     /// snapshot and their index are trusted for restores through it.
     pub(crate) fn record_mac(&self, record: &[u8]) -> blake3::Hash {
         self.mac_in(RECORD_CONTEXT, record)
+    }
+
+    /// The MAC of snapshot `id`'s page profile: the id is covered (a snapshot id holds no NUL),
+    /// so a profile cannot be moved to another snapshot.
+    pub fn profile_mac(&self, id: &str, profile: &[u8]) -> blake3::Hash {
+        let mut hasher = blake3::Hasher::new_keyed(&self.key);
+        hasher.update(PROFILE_CONTEXT);
+        hasher.update(id.as_bytes());
+        hasher.update(b"\0");
+        hasher.update(profile);
+        hasher.finalize()
     }
 
     fn mac_in(&self, context: &[u8], bytes: &[u8]) -> blake3::Hash {
@@ -395,5 +408,27 @@ mod tests {
         ] {
             assert_eq!(Seal::from_json(bad), None);
         }
+    }
+
+    #[test]
+    fn a_profile_mac_is_bound_to_its_key_snapshot_and_purpose() {
+        let key = SnapshotKey::from_bytes([7; KEY_LEN], Path::new("k"));
+        let other = SnapshotKey::from_bytes([8; KEY_LEN], Path::new("o"));
+        let profile = b"0x1000 0x3000\n";
+        let mac = key.profile_mac("fn-a-1", profile);
+        assert_eq!(mac, key.profile_mac("fn-a-1", profile));
+        assert_ne!(mac, key.profile_mac("fn-a-1", b"0x1000 0x4000\n"));
+        assert_ne!(mac, key.profile_mac("fn-a-2", profile));
+        assert_ne!(mac, other.profile_mac("fn-a-1", profile));
+        // The id and the profile cannot trade bytes.
+        assert_ne!(
+            key.profile_mac("fn-a-1", b"x"),
+            key.profile_mac("fn-a-1x", b"")
+        );
+        // Domain-separated from the other MACs the key makes over the same bytes.
+        let mut input = b"fn-a-1\0".to_vec();
+        input.extend_from_slice(profile);
+        assert_ne!(mac, key.mac(&input));
+        assert_ne!(mac, key.record_mac(&input));
     }
 }

@@ -76,6 +76,7 @@ mod chunks;
 mod client;
 mod config;
 mod error;
+mod profile;
 mod pull;
 mod push;
 mod sealed;
@@ -84,6 +85,9 @@ pub use chunks::PipelineTimes;
 pub use client::{Remote, Traffic};
 pub use config::{Credentials, RemoteConfig};
 pub use error::{ConfigError, ObjError, TransferError};
+pub use profile::{
+    open_profile, pull_profile, push_profile, seal_profile, MAX_PROFILE_BYTES, PROFILE_OBJECT,
+};
 pub use pull::{
     pull, pull_snapshot, pull_snapshot_deferred, PullReport, PullTimings, SealedPart, SnapshotPull,
 };

@@ -22,6 +22,7 @@
 //! <prefix>function-names/<name>.json       {"tenant": …}: which tenant owns the name (for admin pulls)
 //! <prefix>tenants/<tenant>/packs/…, snapshots/…   a non-default tenant's snapshots (`torpor push`'s
 //!                                          layout under a prefix of its own: dedup within a tenant)
+//! <prefix>snapshots/<id>/pages-profile     the snapshot's hot set, sealed (torpor_objstore::push_profile)
 //! ```
 //!
 //! A tenant's token reads `functions/<its tenant>/…` only, so it can pull nothing of another
@@ -111,6 +112,8 @@ pub struct Pushed {
     /// Chunks uploaded (the bucket lacked them).
     pub uploaded_chunks: u64,
     pub uploaded_bytes: u64,
+    /// Bytes of the sealed page profile put beside the snapshot (0: it has none recorded).
+    pub profile_bytes: u64,
     pub seconds: f64,
 }
 
@@ -122,6 +125,9 @@ pub struct Pulled {
     pub pulled_bytes: u64,
     /// Chunks downloaded: the ones this node's store lacked.
     pub pulled_chunks: u64,
+    /// Bytes of the page profile (the hot set) that came with the snapshot and is kept for its
+    /// restores; 0: the bucket had none (or nothing was pulled).
+    pub profile_bytes: u64,
     pub seconds: f64,
     /// Where the seconds went (absent when nothing was pulled).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -138,6 +144,9 @@ pub struct Pulled {
 pub struct PullPhases {
     /// The function's record from the bucket.
     pub record_s: f64,
+    /// The page profile: its GET and MAC check (before the transfer), and writing it where
+    /// restores find it (after the portability check).
+    pub profile_s: f64,
     /// The snapshot's transfer, all of it: the steps below.
     pub files_s: f64,
     /// The small GETs: the files' manifest, record, MAC and locator, the segments' sealed
@@ -197,6 +206,8 @@ pub struct Fetched {
     pub snapshot_dir: PathBuf,
     pub pulled_bytes: u64,
     pub pulled_chunks: u64,
+    /// Bytes of the page profile kept (0: none came).
+    pub profile_bytes: u64,
     pub phases: PullPhases,
     /// The records' durability, still to come ([`torpor_image::store::Pending::finish`], in
     /// the background): the pull answers before the disk (docs/objstore.md, "Durability after
@@ -225,6 +236,11 @@ pub enum PushError {
     },
     #[error("cannot encode the function record: {0}")]
     Encode(#[from] serde_json::Error),
+    #[error("cannot read the page profile {path}: {source}")]
+    Profile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// Why a pull did not register the function.
@@ -258,6 +274,11 @@ pub enum PullError {
     StoreOpen(String),
     #[error("cannot remove the stale {path}: {source}")]
     Stale {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot keep the pulled page profile at {path}: {source}")]
+    Profile {
         path: PathBuf,
         source: std::io::Error,
     },
@@ -295,9 +316,57 @@ impl PullError {
             Self::NotInBucket { .. } => StatusCode::NOT_FOUND,
             Self::NoDir { .. } | Self::NotPortable(_) => StatusCode::CONFLICT,
             Self::BadRecord { .. } | Self::Transfer(_) | Self::Remote(_) => StatusCode::BAD_GATEWAY,
-            Self::StoreOpen(_) | Self::Stale { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::StoreOpen(_) | Self::Stale { .. } | Self::Profile { .. } => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
+}
+
+/// The page profile recorded for snapshot `id` under `state_root`, to push beside it (`None`:
+/// none recorded, or one too large for a pull to take, which only costs the hot set).
+fn read_profile(state_root: &Path, id: &str) -> Result<Option<Vec<u8>>, PushError> {
+    let Some(path) = crate::runtime::page_profile::recorded(state_root, id) else {
+        return Ok(None);
+    };
+    match std::fs::read(&path) {
+        Ok(p) if p.len() as u64 > torpor_objstore::MAX_PROFILE_BYTES => {
+            tracing::warn!(path = %path.display(), bytes = p.len(), "the page profile is too large to push: nodes that pull the snapshot serve no hot set");
+            Ok(None)
+        }
+        Ok(p) => Ok(Some(p)),
+        // Removed meanwhile with its snapshot.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(PushError::Profile { path, source }),
+    }
+}
+
+/// Writes a pulled snapshot's profile where its restores look for it (crate::runtime::
+/// page_profile::recorded): aside, mode 0600, then renamed, so a restore never reads half of
+/// one. `None`: the bucket had none, and a file left there by a pull that died goes.
+fn keep_profile(path: &Path, profile: Option<&[u8]>) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Some(profile) = profile else {
+        return match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        };
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let aside = path.with_extension("pulled");
+    let _ = std::fs::remove_file(&aside);
+    // No fsync: like the pull's records, its durability follows the answer; a profile lost to
+    // a power cut only costs the hot set.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&aside)?
+        .write_all(profile)?;
+    std::fs::rename(&aside, path)
 }
 
 /// The object tier of one daemon.
@@ -408,6 +477,12 @@ impl Tier {
         } else {
             None
         };
+        // The hot set its deploy recorded, sealed, before the record: a record in the bucket
+        // never precedes its profile, so the first restore on a pulling node serves it.
+        let profile_bytes = match read_profile(state_dir, &id)? {
+            Some(profile) => torpor_objstore::push_profile(&snapshots, &id, key, &profile)?,
+            None => 0,
+        };
         let record = FunctionRecord {
             format: RECORD_FORMAT,
             name: f.name.clone(),
@@ -436,6 +511,7 @@ impl Tier {
             chunks: report.chunks + segments.map_or(0, |s| s.chunks),
             uploaded_chunks: report.uploaded + segments.map_or(0, |s| s.moved),
             uploaded_bytes: traffic.bytes_up,
+            profile_bytes,
             seconds: t.elapsed().as_secs_f64(),
         })
     }
@@ -524,16 +600,17 @@ impl Tier {
         Ok(r)
     }
 
-    /// Fetches function `name`'s record and snapshot into `snapshots` (`<state>/snapshots`)
-    /// and checks that the snapshot can run here (its directory, the files it reopens).
-    /// Blocking; registers nothing.
+    /// Fetches function `name`'s record and snapshot into `snapshots` (`<state>/snapshots`),
+    /// and its page profile if the bucket has one into `<state_root>/profiles`, and checks that
+    /// the snapshot can run here (its directory, the files it reopens). Blocking; registers
+    /// nothing.
     pub fn fetch(
         &self,
         stores: &dyn Fn(&str) -> Result<ChunkStore, PullError>,
         key: &torpor_image::SnapshotKey,
         scope: &Scope,
         name: &str,
-        snapshots: &Path,
+        (snapshots, state_root): (&Path, &Path),
     ) -> Result<Fetched, PullError> {
         let clock = Instant::now();
         let remote = self.remote()?;
@@ -552,6 +629,11 @@ impl Tier {
                 dir: record.dir.clone(),
             });
         }
+        // The hot set, its MAC checked before any chunk is fetched (a rewritten one fails the
+        // pull having fetched nothing); kept only once the snapshot is in place.
+        let t = Instant::now();
+        let profile = torpor_objstore::pull_profile(&remote, &record.snapshot, key)?;
+        phases.profile_s = t.elapsed().as_secs_f64();
         let out = snapshots.join(&record.snapshot);
         // Left by a pull that died before registering it (the registry does not know it: the
         // caller checked that the function is unknown, under its deploy lock).
@@ -645,11 +727,26 @@ impl Tier {
             return Err(PullError::NotPortable(e));
         }
         phases.portability_s = portability.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let profile_path = crate::runtime::page_profile::path(state_root, &record.snapshot);
+        if let Err(source) = keep_profile(&profile_path, profile.as_deref()) {
+            if let Err(e) = std::fs::remove_dir_all(&out) {
+                tracing::warn!(path = %out.display(), error = %e, "cannot remove a pulled snapshot whose profile could not be kept");
+            }
+            crate::split::release_snapshot_of_dir(&out);
+            finish_pending(pending);
+            return Err(PullError::Profile {
+                path: profile_path,
+                source,
+            });
+        }
+        phases.profile_s += t.elapsed().as_secs_f64();
         Ok(Fetched {
             record,
             snapshot_dir: out,
             pulled_bytes: remote.traffic().bytes_down,
             pulled_chunks: report.fetched + segments.map_or(0, |s| s.moved),
+            profile_bytes: profile.map_or(0, |p| p.len() as u64),
             phases,
             pending,
         })

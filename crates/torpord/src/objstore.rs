@@ -100,7 +100,7 @@ impl crate::runtime::Runtime {
         match &done {
             Ok(p) => {
                 tier.done(name);
-                tracing::info!(function = %name, snapshot = %p.snapshot, uploaded_chunks = p.uploaded_chunks, uploaded_bytes = p.uploaded_bytes, seconds = p.seconds, "pushed to the object store");
+                tracing::info!(function = %name, snapshot = %p.snapshot, uploaded_chunks = p.uploaded_chunks, uploaded_bytes = p.uploaded_bytes, profile_bytes = p.profile_bytes, seconds = p.seconds, "pushed to the object store");
             }
             Err(e) => {
                 tier.failed(name, e);
@@ -138,6 +138,7 @@ impl crate::runtime::Runtime {
                     function: name.to_owned(),
                     pulled_bytes: 0,
                     pulled_chunks: 0,
+                    profile_bytes: 0,
                     seconds: t.elapsed().as_secs_f64(),
                     phases: None,
                 });
@@ -158,8 +159,9 @@ impl crate::runtime::Runtime {
                     .store_for(tenant)
                     .map_err(|e| PullError::StoreOpen(e.to_string()))
             };
-            let mut fetched =
-                tier.fetch(&stores, &rt.snapshot_key, &scope2, &n, &rt.snapshots_dir())?;
+            let snapshots = rt.snapshots_dir();
+            let dirs = (snapshots.as_path(), rt.state_root.as_path());
+            let mut fetched = tier.fetch(&stores, &rt.snapshot_key, &scope2, &n, dirs)?;
             let store = stores(&fetched.record.tenant)?;
             let trimmed = Instant::now();
             let mut registered = rt.registered_snapshots();
@@ -202,6 +204,7 @@ impl crate::runtime::Runtime {
             function: name.to_owned(),
             pulled_bytes: fetched.pulled_bytes,
             pulled_chunks: fetched.pulled_chunks,
+            profile_bytes: fetched.profile_bytes,
             seconds: t.elapsed().as_secs_f64(),
             phases: Some(phases),
         };
@@ -212,7 +215,7 @@ impl crate::runtime::Runtime {
             // existed still reconnects by the old path and boots instead.
             tracing::info!(function = %name, theirs = %theirs.display(), ours = %self.state_root.display(), "the function was snapshotted by a torpord with another state_dir: restores bind this one in its place");
         }
-        tracing::info!(function = %name, snapshot = %fetched.record.snapshot, pulled_bytes = pulled.pulled_bytes, pulled_chunks = pulled.pulled_chunks, seconds = pulled.seconds, "pulled from the object store");
+        tracing::info!(function = %name, snapshot = %fetched.record.snapshot, pulled_bytes = pulled.pulled_bytes, pulled_chunks = pulled.pulled_chunks, profile_bytes = pulled.profile_bytes, seconds = pulled.seconds, "pulled from the object store");
         Ok(pulled)
     }
 
