@@ -92,7 +92,8 @@ shift || true
 OUT=${OUT:-/tmp/torpor-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-export TORPOR_BIN=$PWD/.gpu/torpor
+# $TORPOR_BIN set by the caller: another binary (an A/B of two builds in one call).
+export TORPOR_BIN=${TORPOR_BIN:-$PWD/.gpu/torpor}
 # The device-memory hook (tests/test_hook_gpu.py, the SDK's hook tests); copied by `make gpu-carry`.
 [ -f .gpu/libtorpor_hook.so ] && export TORPOR_HOOK_LIB=$PWD/.gpu/libtorpor_hook.so
 export TORPOR_CRIU_DEBS=$PWD/.criu-debs

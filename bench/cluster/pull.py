@@ -47,6 +47,7 @@ import hmac
 import http.client
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -84,8 +85,10 @@ def _sign(key: bytes, msg: str) -> bytes:
     return hmac.new(key, msg.encode(), hashlib.sha256).digest()
 
 
-def signed_headers(method: str, host: str, path: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """AWS Signature Version 4 headers for one request with an unsigned payload."""
+def signed_headers(method: str, host: str, path: str, extra: dict[str, str] | None = None,
+                   query: str = "") -> dict[str, str]:
+    """AWS Signature Version 4 headers for one request with an unsigned payload; `query` is
+    the canonical query string (its pairs sorted and encoded)."""
     now = datetime.datetime.now(datetime.UTC)
     amz_date = now.strftime("%Y%m%dT%H%M%SZ")
     day = now.strftime("%Y%m%d")
@@ -94,7 +97,7 @@ def signed_headers(method: str, host: str, path: str, extra: dict[str, str] | No
     headers.update({k.lower(): v for k, v in (extra or {}).items()})
     names = sorted(headers)
     canonical = "\n".join(
-        [method, urllib.parse.quote(path), "", *(f"{n}:{headers[n].strip()}" for n in names), "", ";".join(names), "UNSIGNED-PAYLOAD"]
+        [method, urllib.parse.quote(path), query, *(f"{n}:{headers[n].strip()}" for n in names), "", ";".join(names), "UNSIGNED-PAYLOAD"]
     )
     scope = f"{day}/{region}/{service}/aws4_request"
     to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
@@ -173,6 +176,66 @@ def transfer_speed(port: int, size: int) -> Json:
     out[f"get_{STREAMS}_streams_gbps"] = round(max(best), 3)
     out["transfer_gbps"] = max(out["get_1_stream_gbps"], out[f"get_{STREAMS}_streams_gbps"])
     return out
+
+
+def list_objects(port: int, prefix: str) -> list[tuple[str, int]]:
+    """(key, size) of the bucket's objects under `prefix` (ListObjectsV2, every page)."""
+    out: list[tuple[str, int]] = []
+    token = ""
+    while True:
+        pairs = {"list-type": "2", "prefix": prefix} | ({"continuation-token": token} if token else {})
+        query = "&".join(f"{urllib.parse.quote(k, safe='')}={urllib.parse.quote(v, safe='')}" for k, v in sorted(pairs.items()))
+        host, path = f"127.0.0.1:{port}", f"/{BUCKET}"
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            c.request("GET", f"{path}?{query}", headers=signed_headers("GET", host, path, query=query))
+            r = c.getresponse()
+            body = r.read().decode()
+            if r.status != 200:
+                raise RuntimeError(f"list {prefix}: {r.status} {body[:300]!r}")
+        finally:
+            c.close()
+        out += [(k, int(n)) for k, n in re.findall(r"<Key>([^<]*)</Key>.*?<Size>(\d+)</Size>", body, re.S)]
+        m = re.search(r"<NextContinuationToken>([^<]*)</NextContinuationToken>", body)
+        if "<IsTruncated>true</IsTruncated>" not in body or not m:
+            return out
+        token = m.group(1)
+
+
+def pack_gets(port: int, streams: int) -> Json:
+    """GB/s of GETs of every pack in the bucket, whole, `streams` at a time, the bytes dropped:
+    what the store serves the pull's own objects at, without Torpor's checking and storing."""
+    packs = [(k, n) for k, n in list_objects(port, "packs/") if k.endswith(".pack")]
+    errors: list[BaseException] = []
+    nxt = iter(packs)
+    lock = threading.Lock()
+    got = [0] * streams
+
+    def worker(w: int) -> None:
+        while True:
+            with lock:
+                item = next(nxt, None)
+            if item is None:
+                return
+            try:
+                got[w] += s3_request(port, "GET", item[0])
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    total = sum(n for _, n in packs)
+    assert sum(got) == total, (sum(got), total)
+    return {"packs": len(packs), "bytes": total, "streams": streams, "seconds": round(wall, 4),
+            "gbps": round(total / wall / 1e9, 3)}
 
 
 def chunk_gets(port: int, count: int, size: int, streams: int = STREAMS) -> Json:
@@ -313,11 +376,56 @@ def watch_commit(pending: Path) -> CommitWatch:
     return w
 
 
-def cpu_seconds(pid: int) -> float:
-    """The CPU time (user + system) process `pid` has used so far, all its threads."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """The CPU time (user, system) process `pid` has used so far, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     # After the command's ")": state is field 3, utime field 14, stime field 15 (proc(5)).
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+class ThreadSampler(threading.Thread):
+    """Where process `pid`'s threads are, every SAMPLE_S: running (R), or the kernel function
+    a sleeping thread waits in (/proc/PID/task/TID/wchan). Counts (state, wchan) pairs: what
+    a pull bound by neither its GETs nor its CPU waits on (a lock, the disk, memory)."""
+
+    SAMPLE_S = 0.01
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.counts: dict[str, int] = {}
+        self.samples = 0
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        tasks = Path(f"/proc/{self.pid}/task")
+        while not self._done.is_set():
+            try:
+                tids = list(tasks.iterdir())
+            except OSError:
+                return
+            for t in tids:
+                try:
+                    state = (t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    wchan = (t / "wchan").read_text().strip() or "-"
+                except OSError:
+                    continue
+                if state == "R":
+                    wchan = "running"
+                elif state == "S" and wchan in ("futex_do_wait", "futex_wait_queue", "futex_wait_queue_me", "do_epoll_wait", "ep_poll"):
+                    # Idle threads, and the pipeline's waiting on its queue (timed apart in its phases).
+                    continue
+                key = f"{state} {wchan}"
+                self.counts[key] = self.counts.get(key, 0) + 1
+            self.samples += 1
+            time.sleep(self.SAMPLE_S)
+
+    def finish(self) -> Json:
+        self._done.set()
+        self.join(timeout=5)
+        top = sorted(self.counts.items(), key=lambda kv: -kv[1])[:12]
+        return {"samples": self.samples, "threads_per_sample": {k: round(v / max(1, self.samples), 2) for k, v in top}}
 
 
 def fresh_state(state: Path, key_from: Path) -> None:
@@ -417,16 +525,27 @@ def main(argv: list[str]) -> int:
                     say(f"stopping after {len(result['runs'])} runs: one more would end past --budget-s {args.budget_s:g}")
                     result["stopped_by_budget"] = True
                     break
+            # Each run a new node: the file system settled first (the previous run's deletes,
+            # a few GB and tens of thousands of files, and what node A and the probes wrote),
+            # which this run's writes would otherwise wait behind.
+            settling = time.perf_counter()
+            os.sync()
+            settle_s = time.perf_counter() - settling
             state_b = work / "state-b"
             fresh_state(state_b, a.state / "snapshot.key")
             b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table_b), logs)
             cpu0 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
+            sampler = ThreadSampler(b.proc.pid)
+            sampler.start()
             t0 = time.perf_counter()
             status, _, body = b.request("POST", f"/v1/functions/{model.name}/pull")
             pull_s = time.perf_counter() - t0
+            threads = sampler.finish()
             # Whether the pull kept the cores busy: the pulling daemon's and the store server's
-            # CPU seconds over the pull (cores busy = seconds / pull_s).
-            cpu = (cpu_seconds(b.proc.pid) - cpu0[0], cpu_seconds(seaweed.proc.pid) - cpu0[1])
+            # CPU seconds over the pull (cores busy = seconds / pull_s), user and system apart.
+            cpu1 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
+            daemon_user, daemon_sys = (cpu1[0][0] - cpu0[0][0], cpu1[0][1] - cpu0[0][1])
+            store_cpu = sum(cpu1[1]) - sum(cpu0[1])
             if status != 200:
                 raise RuntimeError(f"pull answered {status}: {body[:500]!r}\n{b.log_tail()}")
             pulled = json.loads(body)
@@ -447,8 +566,11 @@ def main(argv: list[str]) -> int:
                 # Where the daemon's seconds went (files and segments overlap: pulled at once).
                 "phases": {k: round(v, 4) for k, v in pulled["phases"].items()} if pulled.get("phases") else None,
                 "mean_chunk_bytes": pulled["pulled_bytes"] // max(1, pulled["pulled_chunks"]),
-                "daemon_cpu_s": round(cpu[0], 3),
-                "store_server_cpu_s": round(cpu[1], 3),
+                "daemon_cpu_s": round(daemon_user + daemon_sys, 3),
+                "daemon_sys_s": round(daemon_sys, 3),
+                "store_server_cpu_s": round(store_cpu, 3),
+                "daemon_threads": threads,
+                "settle_s": round(settle_s, 3),
                 "restore_to_first_answer_s": first["wall_s"],
                 "first_start_s": round(pull_s + first["wall_s"], 4),
                 # The records' syncfs after the answer (docs/objstore.md, "Durability after the
@@ -469,6 +591,8 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(state_b, ignore_errors=True)
 
         runs = result["runs"]
+        say(f"the store's speed for the pull's own packs, {args.parallel} GETs at a time")
+        result["transfer"]["pack_gets"] = pack_gets(seaweed.s3_port, args.parallel)
         say("the store's speed for objects as many and as small as the pull's chunks")
         result["transfer"]["chunk_gets"] = chunk_gets(
             seaweed.s3_port, runs[0]["pulled_chunks"], runs[0]["mean_chunk_bytes"], args.parallel
@@ -486,6 +610,9 @@ def main(argv: list[str]) -> int:
             # Against GETs of as many objects of the chunks' mean size: how much of the gap is
             # the store's per-request cost rather than Torpor's.
             "pull_over_chunk_gets": round(pull_gbps / result["transfer"]["chunk_gets"]["gbps"], 3),
+            # Against GETs of the pull's own packs (the same objects and bytes, nothing stored).
+            "pack_gets_gbps": result["transfer"]["pack_gets"]["gbps"],
+            "pull_over_pack_gets": round(pull_gbps / result["transfer"]["pack_gets"]["gbps"], 3),
             "disk_write_fsync_gbps": result["disk"]["write_fsync_gbps"],
             "pulled_bytes": pulled_bytes,
             "pull_s": statistics.median(r["pull_s"] for r in runs),

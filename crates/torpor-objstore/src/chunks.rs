@@ -274,7 +274,6 @@ type InPack = Vec<(ChunkRef, u64, u64)>;
 #[derive(Debug)]
 struct RangeJob {
     pack: String,
-    pack_size: u64,
     start: u64,
     len: u64,
     chunks: InPack,
@@ -476,18 +475,22 @@ pub(crate) fn download_sets(
             .get_or_insert(e);
     };
     let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(threads * QUEUED_PER_FETCHER);
+    // The ranges' buffers go round (fetcher, queue, writer, back): as many as can be in flight
+    // at once, each allocated once.
+    let buffers: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
     let rx = Mutex::new(rx);
     std::thread::scope(|scope| {
         for _ in 0..threads {
             let tx = tx.clone();
             let (jobs, sets, next, failed, fail) = (&jobs, sets, &next, &failed, &fail);
-            let clock = &clock;
+            let (clock, buffers) = (&clock, &buffers);
             scope.spawn(move || {
                 while !failed.load(Ordering::Relaxed) {
                     let n = next.fetch_add(1, Ordering::Relaxed);
                     let Some((set, job)) = jobs.get(n) else { break };
                     let getting = Instant::now();
-                    let got = fetch_job(&sets[*set].source, job);
+                    let buffer = lock(buffers).pop().unwrap_or_default();
+                    let got = fetch_job(&sets[*set].source, job, buffer);
                     PipelineClock::add(&clock.get, getting.elapsed());
                     match got {
                         // The writers are gone only once every one of them ended: on an error.
@@ -511,7 +514,7 @@ pub(crate) fn download_sets(
         drop(tx);
         for _ in 0..writers {
             let (jobs, sets, rx, fail) = (&jobs, sets, &rx, &fail);
-            let (remaining, ticker, clock) = (&remaining, &ticker, &clock);
+            let (remaining, ticker, clock, buffers) = (&remaining, &ticker, &clock, &buffers);
             scope.spawn(move || loop {
                 let waiting = Instant::now();
                 let got = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
@@ -520,9 +523,10 @@ pub(crate) fn download_sets(
                 // queue holds): verified chunks that the next pull need not fetch again.
                 let Ok((n, bytes)) = got else { break };
                 let (set, job) = &jobs[n];
-                match store_job(&sets[*set].source, writer, job, &bytes, clock) {
+                let stored = store_job(&sets[*set].source, writer, job, &bytes, clock);
+                lock(buffers).push(bytes);
+                match stored {
                     Ok(chunks) => {
-                        drop(bytes);
                         ticker.tick_n(chunks);
                         if remaining[*set].fetch_sub(1, Ordering::AcqRel) == 1 {
                             done(*set);
@@ -539,8 +543,13 @@ pub(crate) fn download_sets(
     }
 }
 
-/// The bytes of one job, as long as its plan says.
-fn fetch_job(source: &Source<'_>, job: &Job) -> Result<Vec<u8>, TransferError> {
+/// A poisoned lock's data is still whole here: every holder only pushes, pops or sets.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The bytes of one job, as long as its plan says; a range is read into `buffer`.
+fn fetch_job(source: &Source<'_>, job: &Job, buffer: Vec<u8>) -> Result<Vec<u8>, TransferError> {
     let Source {
         remote, missing, ..
     } = *source;
@@ -553,12 +562,10 @@ fn fetch_job(source: &Source<'_>, job: &Job) -> Result<Vec<u8>, TransferError> {
         }
         Job::Range(r) => {
             let key = pack_key(&r.pack);
-            let bytes = if r.start == 0 && r.len == r.pack_size {
-                remote.get(&key, r.pack_size)?
-            } else {
-                remote.get_range(&key, r.start, r.len)?
+            let mut bytes = buffer;
+            if !remote.get_range_into(&key, r.start, r.len, &mut bytes)? {
+                return Err(missing(&key));
             }
-            .ok_or_else(|| missing(&key))?;
             if bytes.len() as u64 != r.len {
                 return Err(TransferError::CorruptObject {
                     bucket: remote.bucket().to_owned(),
@@ -638,18 +645,18 @@ fn plan_ranges(
     let Some(locator) = locator else {
         return Ok((Vec::new(), wanted.to_vec()));
     };
-    let mut place: HashMap<ChunkId, (&str, u64, u64, u64)> =
+    let mut place: HashMap<ChunkId, (&str, u64, u64)> =
         HashMap::with_capacity(locator.chunks() as usize);
     for (name, p) in &locator.packs {
         for (id, offset, len) in &p.chunks {
-            place.entry(*id).or_insert((name, p.size, *offset, *len));
+            place.entry(*id).or_insert((name, *offset, *len));
         }
     }
-    let mut by_pack: BTreeMap<&str, (u64, InPack)> = BTreeMap::new();
+    let mut by_pack: BTreeMap<&str, InPack> = BTreeMap::new();
     let mut loose = Vec::new();
     for c in wanted {
         match place.get(&c.id) {
-            Some(&(name, size, offset, len)) => {
+            Some(&(name, offset, len)) => {
                 if len > max_chunk_file(c.len) {
                     return Err((
                         name.to_owned(),
@@ -659,17 +666,13 @@ fn plan_ranges(
                         ),
                     ));
                 }
-                by_pack
-                    .entry(name)
-                    .or_insert((size, Vec::new()))
-                    .1
-                    .push((*c, offset, len));
+                by_pack.entry(name).or_default().push((*c, offset, len));
             }
             None => loose.push(*c),
         }
     }
     let mut jobs = Vec::new();
-    for (name, (size, mut chunks)) in by_pack {
+    for (name, mut chunks) in by_pack {
         chunks.sort_by_key(|&(_, offset, _)| offset);
         let mut current: Option<RangeJob> = None;
         for (c, offset, len) in chunks {
@@ -685,7 +688,6 @@ fn plan_ranges(
             }
             current = Some(RangeJob {
                 pack: name.to_owned(),
-                pack_size: size,
                 start: offset,
                 len,
                 chunks: vec![(c, offset, len)],
@@ -799,8 +801,6 @@ mod tests {
             .map(|j| (j.start, j.len, j.chunks.len()))
             .collect();
         assert_eq!(spans, [(0, 2800, 2), (far, 900, 1), (0, 900, 1)]);
-        // The whole of pack b: fetched with a plain GET.
-        assert_eq!(jobs[2].pack_size, jobs[2].len);
         // No locator: everything loose.
         let (jobs, loose) = plan_ranges(&[a, b], None).expect("plan");
         assert!(jobs.is_empty() && loose.len() == 2);

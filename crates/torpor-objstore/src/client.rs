@@ -227,6 +227,23 @@ impl Remote {
     /// Bytes `start..start + len` of object `key` (an HTTP Range GET), or `None` when there is
     /// no such object. The answer may be shorter than `len` (the object is): the caller checks.
     pub fn get_range(&self, key: &str, start: u64, len: u64) -> Result<Option<Vec<u8>>, ObjError> {
+        let mut body = Vec::new();
+        Ok(self
+            .get_range_into(key, start, len, &mut body)?
+            .then_some(body))
+    }
+
+    /// [`get_range`](Self::get_range) into `body` (emptied first), so that a caller fetching
+    /// many ranges reuses its buffers: a new 32 MiB buffer per GET is a new mapping, and
+    /// mapping and unmapping them from many threads at once serialises them in the kernel.
+    /// `false`: there is no such object.
+    pub fn get_range_into(
+        &self,
+        key: &str,
+        start: u64,
+        len: u64,
+        body: &mut Vec<u8>,
+    ) -> Result<bool, ObjError> {
         let full = self.full_key(key);
         let url = self
             .bucket
@@ -247,25 +264,34 @@ impl Remote {
             200 => (start, start.saturating_add(len)),
             _ => (0, len.max(64 << 10)),
         };
-        let mut body = Vec::with_capacity(if status == 206 { len as usize } else { 0 });
+        body.clear();
+        if status == 206 {
+            body.reserve(len as usize);
+        }
         let read = resp
             .body_mut()
             .as_reader()
             .take(limit)
-            .read_to_end(&mut body);
+            .read_to_end(body);
         if let Err(e) = read {
             return Err(self.unreachable("GET", &full, ureq::Error::Io(e)));
         }
         self.bytes_down
             .fetch_add(body.len() as u64, Ordering::Relaxed);
         match status {
-            206 => Ok(Some(body)),
-            200 => Ok(Some(body.split_off((skip as usize).min(body.len())))),
+            206 => Ok(true),
+            200 => {
+                body.drain(..(skip as usize).min(body.len()));
+                Ok(true)
+            }
             // The range starts past the object's end: an object shorter than its index says.
-            416 => Ok(Some(Vec::new())),
-            404 if s3_code(&body) == "NoSuchBucket" => Err(self.no_bucket()),
-            404 => Ok(None),
-            status => Err(self.status_error("GET", &full, status, s3_code(&body))),
+            416 => {
+                body.clear();
+                Ok(true)
+            }
+            404 if s3_code(body) == "NoSuchBucket" => Err(self.no_bucket()),
+            404 => Ok(false),
+            status => Err(self.status_error("GET", &full, status, s3_code(body))),
         }
     }
 

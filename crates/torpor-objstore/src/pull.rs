@@ -11,6 +11,7 @@ use torpor_image::store::{ChunkStore, Commit, Pending, Recipe, StoreError};
 use torpor_image::{Manifest, Snapshot, SnapshotKey, Trust, MAC_FILE, MANIFEST_FILE};
 
 use crate::client::{Remote, Traffic};
+use crate::chunks::lock;
 use crate::error::TransferError;
 use crate::{
     snapshot_key, Phase, Progress, RemoteRecord, SealedRecordReport, LOCATOR_OBJECT,
@@ -423,10 +424,6 @@ fn pull_snapshot_with(
         sealed: sealed_report,
     };
     Ok((pull, pending))
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The files' small objects: manifest, record (its recipes checked against the manifest), MAC,
