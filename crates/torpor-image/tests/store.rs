@@ -689,3 +689,63 @@ fn deferred_commits_are_read_at_once_and_settled_from_their_chunks() {
     assert!(store.recipes("e").is_err() && store.pending().expect("pending").is_empty());
     assert_eq!(store.gc().expect("gc").snapshots, 2);
 }
+
+/// Where the file system has `O_TMPFILE` (ext4, xfs, btrfs, tmpfs), chunks are made without a
+/// name in their own fan-out directory and linked into place, not written into the store's one
+/// tmp dir and renamed (which made a pull's writers queue on that directory's lock): with the
+/// tmp dir unusable, writers on several threads still store every chunk, each whole and
+/// private. Skipped where the file system has no `O_TMPFILE`.
+#[test]
+fn chunks_are_placed_without_the_shared_tmp_dir() {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let (_dir, store) = store();
+    let probe = fs::OpenOptions::new()
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_TMPFILE)
+        .open(store.root());
+    if probe.is_err() {
+        eprintln!("SKIP chunks_are_placed_without_the_shared_tmp_dir: no O_TMPFILE here");
+        return;
+    }
+    // A file where the tmp dir was: nothing can be created in it.
+    let tmp = store.root().join("tmp");
+    fs::remove_dir(&tmp).expect("rmdir tmp");
+    fs::write(&tmp, b"not a directory").expect("tmp file");
+    let data: Vec<Vec<u8>> = (0..4).map(|i| random(3 << 20, &format!("t{i}"))).collect();
+    let recipes: Vec<Recipe> = std::thread::scope(|s| {
+        let handles: Vec<_> = data
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let store = &store;
+                s.spawn(move || {
+                    let mut w = store.writer().expect("writer");
+                    // The same bytes from two threads too: both find the chunk placed.
+                    w.put_bytes_with(&format!("f{i}"), d, Chunking::Fixed { bytes: 256 << 10 })
+                        .expect("put without the tmp dir")
+                })
+            })
+            .chain((0..2).map(|_| {
+                let (store, d) = (&store, &data[0]);
+                s.spawn(move || {
+                    let mut w = store.writer().expect("writer");
+                    w.put_bytes_with("again", d, Chunking::Fixed { bytes: 256 << 10 })
+                        .expect("put the same chunks")
+                })
+            }))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect()
+    });
+    for (recipe, d) in recipes.iter().zip(data.iter().chain([&data[0], &data[0]])) {
+        assert_eq!(&read_back(&store, recipe), d);
+    }
+    for (path, _) in chunk_files(&store) {
+        let mode = fs::metadata(&path).expect("chunk").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{}", path.display());
+    }
+    assert_eq!(chunk_files(&store).len(), 4 * 12);
+}

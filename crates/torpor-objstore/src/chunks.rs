@@ -367,9 +367,21 @@ pub(crate) fn download(
         source: Source { ..*source },
         recipes,
     }];
-    let (down, _) = download_sets(&sets, store, writer, parallel, progress, &|_| {})?;
+    let (down, _) = download_sets(
+        &sets,
+        store,
+        writer,
+        parallel,
+        progress,
+        &|_| {},
+        &|_, _, _| Ok(()),
+    )?;
     Ok(down.into_iter().next().unwrap_or_default())
 }
+
+/// What [`download_sets`] hands each fetched chunk's raw bytes to: (set, chunk, bytes).
+pub(crate) type RawSink<'a> =
+    dyn Fn(usize, &ChunkRef, &[u8]) -> Result<(), TransferError> + Sync + 'a;
 
 /// One set of recipes to download, from its own source: a snapshot's files, or a split
 /// snapshot's sealed segment record, each with its own locator.
@@ -401,6 +413,8 @@ const QUEUED_PER_FETCHER: usize = 1;
 /// [`StoreWriter::write_back_early`](torpor_image::store::StoreWriter::write_back_early) the
 /// disk writes meanwhile too.
 ///
+/// `raw(i, chunk, bytes)` is given each fetched chunk of set `i` once it is checked and stored,
+/// with its raw bytes (a writer thread's; an error fails the download like a store error).
 /// `done(i)` is called (from a writer thread) once every chunk of set `i` that this call
 /// fetches is stored; for the first set that means all of its chunks are in the store (a set's
 /// chunks that an earlier set also lists are that set's jobs). The first error stops the
@@ -413,6 +427,7 @@ pub(crate) fn download_sets(
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
     done: &(dyn Fn(usize) + Sync),
+    raw: &RawSink<'_>,
 ) -> Result<(Vec<Downloaded>, PipelineTimes), TransferError> {
     let mut claimed: HashSet<ChunkId> = HashSet::new();
     let mut every: HashSet<ChunkId> = HashSet::new();
@@ -515,24 +530,36 @@ pub(crate) fn download_sets(
         for _ in 0..writers {
             let (jobs, sets, rx, fail) = (&jobs, sets, &rx, &fail);
             let (remaining, ticker, clock, buffers) = (&remaining, &ticker, &clock, &buffers);
-            scope.spawn(move || loop {
-                let waiting = Instant::now();
-                let got = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                PipelineClock::add(&clock.queue_empty, waiting.elapsed());
-                // What was fetched is stored even after an error elsewhere (no more than the
-                // queue holds): verified chunks that the next pull need not fetch again.
-                let Ok((n, bytes)) = got else { break };
-                let (set, job) = &jobs[n];
-                let stored = store_job(&sets[*set].source, writer, job, &bytes, clock);
-                lock(buffers).push(bytes);
-                match stored {
-                    Ok(chunks) => {
-                        ticker.tick_n(chunks);
-                        if remaining[*set].fetch_sub(1, Ordering::AcqRel) == 1 {
-                            done(*set);
+            scope.spawn(move || {
+                let mut scratch = Vec::new();
+                loop {
+                    let waiting = Instant::now();
+                    let got = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                    PipelineClock::add(&clock.queue_empty, waiting.elapsed());
+                    // What was fetched is stored even after an error elsewhere (no more than the
+                    // queue holds): verified chunks that the next pull need not fetch again.
+                    let Ok((n, bytes)) = got else { break };
+                    let (set, job) = &jobs[n];
+                    let sink = |c: &ChunkRef, bytes: &[u8]| raw(*set, c, bytes);
+                    let stored = store_job(
+                        &sets[*set].source,
+                        writer,
+                        job,
+                        &bytes,
+                        clock,
+                        &mut scratch,
+                        &sink,
+                    );
+                    lock(buffers).push(bytes);
+                    match stored {
+                        Ok(chunks) => {
+                            ticker.tick_n(chunks);
+                            if remaining[*set].fetch_sub(1, Ordering::AcqRel) == 1 {
+                                done(*set);
+                            }
                         }
+                        Err(e) => fail(e),
                     }
-                    Err(e) => fail(e),
                 }
             });
         }
@@ -590,6 +617,8 @@ fn store_job(
     job: &Job,
     bytes: &[u8],
     clock: &PipelineClock,
+    scratch: &mut Vec<u8>,
+    raw: &(dyn Fn(&ChunkRef, &[u8]) -> Result<(), TransferError> + Sync),
 ) -> Result<u64, TransferError> {
     let remote = source.remote;
     let bucket = remote.bucket();
@@ -599,7 +628,7 @@ fn store_job(
                 "object {} in bucket {bucket}",
                 remote.full_key(&chunk_key(&c.id))
             );
-            put_timed(writer, c, bytes, &origin, clock)?;
+            put_timed(writer, c, bytes, &origin, clock, scratch, raw)?;
             Ok(1)
         }
         Job::Range(r) => {
@@ -614,25 +643,37 @@ fn store_job(
                     "object {full} (bytes {offset}..{}) in bucket {bucket}",
                     offset + len
                 );
-                put_timed(writer, c, &bytes[at..at + *len as usize], &origin, clock)?;
+                put_timed(
+                    writer,
+                    c,
+                    &bytes[at..at + *len as usize],
+                    &origin,
+                    clock,
+                    scratch,
+                    raw,
+                )?;
             }
             Ok(r.chunks.len() as u64)
         }
     }
 }
 
-/// Stores one fetched chunk file, its check and its placing timed apart.
+/// Stores one fetched chunk file, its check and its placing timed apart, then hands its raw
+/// bytes to `raw` (timed as placing: it writes them elsewhere).
 fn put_timed(
     writer: &StoreWriter<'_>,
     c: &ChunkRef,
     bytes: &[u8],
     origin: &str,
     clock: &PipelineClock,
+    scratch: &mut Vec<u8>,
+    raw: &(dyn Fn(&ChunkRef, &[u8]) -> Result<(), TransferError> + Sync),
 ) -> Result<(), TransferError> {
     let putting = Instant::now();
-    let (_, checked) = writer.put_chunk_file_timed(c, bytes, origin)?;
-    PipelineClock::add(&clock.check, checked);
-    PipelineClock::add(&clock.place, putting.elapsed().saturating_sub(checked));
+    let put = writer.put_chunk_file_raw(c, bytes, origin, scratch)?;
+    raw(c, put.raw)?;
+    PipelineClock::add(&clock.check, put.checked);
+    PipelineClock::add(&clock.place, putting.elapsed().saturating_sub(put.checked));
     Ok(())
 }
 

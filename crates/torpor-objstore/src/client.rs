@@ -268,11 +268,7 @@ impl Remote {
         if status == 206 {
             body.reserve(len as usize);
         }
-        let read = resp
-            .body_mut()
-            .as_reader()
-            .take(limit)
-            .read_to_end(body);
+        let read = resp.body_mut().as_reader().take(limit).read_to_end(body);
         if let Err(e) = read {
             return Err(self.unreachable("GET", &full, ureq::Error::Io(e)));
         }

@@ -161,7 +161,9 @@ pub struct PullPhases {
     pub materialise_wait_s: f64,
     /// The store's commit of both records: one syncfs, then the records.
     pub files_commit_s: f64,
-    /// Writing the snapshot directory from the store, beside the pipeline.
+    /// Finishing the snapshot directory, beside the pipeline (the pipeline writes each of the
+    /// files' chunks into it as it comes): the chunks the store had already, the MAC, the
+    /// manifest.
     pub files_materialise_s: f64,
     /// Authenticating the manifest and hashing the directory's files, beside the pipeline.
     pub files_verify_s: f64,

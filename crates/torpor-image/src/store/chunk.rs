@@ -176,10 +176,15 @@ pub(crate) fn decode_into(file: &[u8], id: &ChunkId, out: &mut [u8]) -> Result<(
 }
 
 /// Checks that `file` is a chunk file of `len` raw bytes that hash to `id`, as
-/// [`decode_into`] would, without keeping the contents: a raw body is hashed where it lies (no
-/// buffer to allocate, fault in and copy into: a pull's 4 MiB segment chunks are raw), a zstd
-/// body is decoded into a buffer of its own.
-pub(crate) fn check(file: &[u8], id: &ChunkId, len: u64) -> Result<(), Damage> {
+/// [`decode_into`] would, and returns those bytes: a raw body hashed where it lies (no buffer
+/// to allocate, fault in and copy into: a pull's 4 MiB segment chunks are raw), a zstd body
+/// decoded into `scratch` (resized to `len`; reuse it across chunks).
+pub(crate) fn check_raw<'a>(
+    file: &'a [u8],
+    id: &ChunkId,
+    len: u64,
+    scratch: &'a mut Vec<u8>,
+) -> Result<&'a [u8], Damage> {
     if file.len() >= HEADER_LEN && file[5] == 0 {
         if &file[..4] != MAGIC || file[4] != CHUNK_FORMAT || file[6..8] != [0, 0] {
             return Err(Damage::Header);
@@ -204,10 +209,11 @@ pub(crate) fn check(file: &[u8], id: &ChunkId, len: u64) -> Result<(), Damage> {
                 actual: actual.to_hex().to_string(),
             });
         }
-        return Ok(());
+        return Ok(body);
     }
-    let mut raw = vec![0u8; len as usize];
-    decode_into(file, id, &mut raw)
+    scratch.resize(len as usize, 0);
+    decode_into(file, id, scratch)?;
+    Ok(scratch)
 }
 
 /// The raw length a chunk file's header claims, if it has a valid header.
@@ -279,6 +285,10 @@ mod tests {
         let last = zstd.len() - 3;
         zstd[last] ^= 0xff;
         assert!(decode_into(&zstd, &id, &mut out).is_err());
+    }
+
+    fn check(file: &[u8], id: &ChunkId, len: u64) -> Result<(), Damage> {
+        check_raw(file, id, len, &mut Vec::new()).map(|_| ())
     }
 
     #[test]

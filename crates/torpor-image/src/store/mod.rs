@@ -86,6 +86,7 @@ pub use gc::GcReport;
 pub use pending::{Pending, Settled};
 pub use recipe::{ChunkRef, Recipe};
 pub use records::open_sealed_record;
+pub use transfer::PutChunkFile;
 pub use usage::Usage;
 pub use write::{Commit, PutStats, StoreWriter};
 

@@ -57,33 +57,55 @@ impl StoreWriter<'_> {
         bytes: &[u8],
         origin: &str,
     ) -> Result<bool, StoreError> {
-        self.put_chunk_file_timed(c, bytes, origin)
-            .map(|(new, _)| new)
+        self.put_chunk_file_raw(c, bytes, origin, &mut Vec::new())
+            .map(|put| put.new)
     }
 
-    /// [`put_chunk_file`](Self::put_chunk_file), also saying how long the check (decoding and
-    /// hashing) took, apart from the placing: what tells a pull bound by the CPU from one bound
-    /// by the file system.
-    pub fn put_chunk_file_timed(
+    /// [`put_chunk_file`](Self::put_chunk_file), also giving the chunk's raw bytes (where they
+    /// lie in `bytes`, or decoded into `scratch`: reuse it) for a caller that writes them
+    /// elsewhere too, and how long the check (decoding and hashing) took apart from the
+    /// placing: what tells a pull bound by the CPU from one bound by the file system.
+    pub fn put_chunk_file_raw<'a>(
         &self,
         c: &ChunkRef,
-        bytes: &[u8],
+        bytes: &'a [u8],
         origin: &str,
-    ) -> Result<(bool, Duration), StoreError> {
+        scratch: &'a mut Vec<u8>,
+    ) -> Result<PutChunkFile<'a>, StoreError> {
         let checking = Instant::now();
-        chunk::check(bytes, &c.id, c.len).map_err(|damage| StoreError::ForeignChunkCorrupt {
-            chunk: c.id,
-            origin: origin.to_owned(),
-            damage: damage.to_string(),
+        let raw = chunk::check_raw(bytes, &c.id, c.len, scratch).map_err(|damage| {
+            StoreError::ForeignChunkCorrupt {
+                chunk: c.id,
+                origin: origin.to_owned(),
+                damage: damage.to_string(),
+            }
         })?;
         let checked = checking.elapsed();
         let store = self.store();
         let path = store.chunk_path(&c.id);
-        if already_stored(&path, c.len) {
-            return Ok((false, checked));
+        let new = !already_stored(&path, c.len);
+        if new {
+            place_chunk_file(store, &c.id, &path, bytes, self.writes_back())?;
         }
-        place_chunk_file(store, &c.id, &path, bytes, self.writes_back())?;
-        Ok((true, checked))
+        Ok(PutChunkFile { new, checked, raw })
+    }
+}
+
+/// What [`StoreWriter::put_chunk_file_raw`] did.
+pub struct PutChunkFile<'a> {
+    /// The chunk was not in the store before.
+    pub new: bool,
+    /// Time spent checking it against its id.
+    pub checked: Duration,
+    /// Its raw bytes.
+    pub raw: &'a [u8],
+}
+
+impl ChunkStore {
+    /// Reads chunk `c`'s raw bytes into `out` (its length), checked against its id (a damaged
+    /// one is moved aside and refused, as any read); `file` names what it belongs to in errors.
+    pub fn read_chunk(&self, c: &ChunkRef, file: &str, out: &mut [u8]) -> Result<(), StoreError> {
+        self.read_chunk_into(c, file, out)
     }
 }
 

@@ -1,9 +1,11 @@
 //! Storing files and segments as chunks, and committing a snapshot's references.
 
 use std::collections::HashSet;
+use std::ffi::CString;
 use std::fs::{self, File};
-use std::io::{Read, Write};
+use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -348,9 +350,11 @@ pub(crate) fn syncfs(dir: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Puts the encoded chunk file `bytes` of `id` at `path`, its place in `store`: written privately
-/// into the store's tmp dir, then renamed into its fan-out directory, so that no reader ever
-/// sees half a chunk. Nothing is left in the tmp dir on failure.
+/// Puts the encoded chunk file `bytes` of `id` at `path`, its place in `store`, so that no
+/// reader ever sees half a chunk. Where the file system can (`O_TMPFILE`: ext4, xfs, btrfs,
+/// tmpfs), the file is made without a name in its own fan-out directory and linked into place
+/// once written ([`place_nameless`]); elsewhere it is written privately into the store's tmp
+/// dir, then renamed into its fan-out directory. Nothing is left in the tmp dir on failure.
 pub(super) fn place_chunk_file(
     store: &ChunkStore,
     id: &ChunkId,
@@ -358,6 +362,12 @@ pub(super) fn place_chunk_file(
     bytes: &[u8],
     write_back: bool,
 ) -> Result<(), StoreError> {
+    let dir = path.parent().expect("chunk paths have a fan-out directory");
+    match place_nameless(dir, path, bytes, write_back) {
+        Ok(true) => return Ok(()),
+        Ok(false) => {}
+        Err(e) => return Err(e),
+    }
     let tmp = store.tmp_dir().join(format!(
         "{}.{}.{}",
         id.to_hex(),
@@ -368,7 +378,6 @@ pub(super) fn place_chunk_file(
         let _ = fs::remove_file(&tmp);
         io_error("write", &tmp, e)
     })?;
-    let dir = path.parent().expect("chunk paths have a fan-out directory");
     let placed = fs::create_dir_all(dir)
         .map_err(|e| io_error("create", dir, e))
         .and_then(|()| fs::rename(&tmp, path).map_err(|e| io_error("write", path, e)));
@@ -376,4 +385,87 @@ pub(super) fn place_chunk_file(
         let _ = fs::remove_file(&tmp);
     }
     placed
+}
+
+/// Writes `bytes` into a file without a name in `dir` (`O_TMPFILE`, mode 0600) and links it
+/// at `path`. Why not the tmp dir and a rename: a rename locks both directories, so writers
+/// storing many chunks at once (a pull's, one per core) all queue on the one tmp dir; on the
+/// H100 a pull's 16 writers spent most of their time there (`do_renameat2`,
+/// docs/objstore.md). Here each locks only its chunk's fan-out directory, and a crash leaves
+/// no file behind. `Ok(false)`: this file system or process cannot (no `O_TMPFILE`, no
+/// `/proc`, or a damaged chunk file is in the way): the caller takes the rename path, which
+/// also replaces such a file.
+fn place_nameless(
+    dir: &Path,
+    path: &Path,
+    bytes: &[u8],
+    write_back: bool,
+) -> Result<bool, StoreError> {
+    let open = || {
+        File::options()
+            .write(true)
+            .mode(0o600)
+            .custom_flags(libc::O_TMPFILE)
+            .open(dir)
+    };
+    let mut file = match open() {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            fs::create_dir_all(dir).map_err(|e| io_error("create", dir, e))?;
+            match open() {
+                Ok(f) => f,
+                Err(e) if unsupported(&e) => return Ok(false),
+                Err(e) => return Err(io_error("write", dir, e)),
+            }
+        }
+        Err(e) if unsupported(&e) => return Ok(false),
+        Err(e) => return Err(io_error("write", dir, e)),
+    };
+    file.write_all(bytes)
+        .map_err(|e| io_error("write", path, e))?;
+    if write_back {
+        // SAFETY: as in write_private: only reads the descriptor `file` keeps open.
+        let _ =
+            unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+    }
+    // linkat through /proc/self/fd works without CAP_DAC_READ_SEARCH (open(2), O_TMPFILE).
+    let from =
+        CString::new(format!("/proc/self/fd/{}", file.as_raw_fd())).expect("no NUL in a number");
+    let Ok(to) = CString::new(path.as_os_str().as_bytes()) else {
+        return Ok(false);
+    };
+    // SAFETY: both paths are NUL-terminated strings that live for the call; `file` keeps the
+    // descriptor the first names open.
+    let rc = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        // Another writer linked the same chunk first: content-addressed, so the same bytes,
+        // unless what is there is damaged (then the rename path replaces it).
+        Some(libc::EEXIST) => Ok(bytes
+            .get(..HEADER_LEN)
+            .and_then(chunk::raw_len)
+            .is_some_and(|len| already_stored(path, len))),
+        Some(libc::ENOENT | libc::EPERM | libc::EXDEV | libc::EOPNOTSUPP) => Ok(false),
+        _ => Err(io_error("write", path, e)),
+    }
+}
+
+/// Whether an `O_TMPFILE` open failed for want of support (old kernel: `EISDIR`; a file
+/// system without it: `EOPNOTSUPP`), not for a reason the rename path would meet too.
+fn unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL)
+    )
 }
