@@ -124,8 +124,10 @@ if [ ! -x "$TORPOR_BIN" ] && [ -f .gpu/torpor.xz ]; then
     echo "gpu-run: cannot unpack .gpu/torpor.xz" >&2
 fi
 # No .git travels: the commit the binary was built from, recorded by `make gpu-carry`.
-[ -f .gpu/commit ] && TORPOR_COMMIT=$(cat .gpu/commit) && export TORPOR_COMMIT
-[ -f .gpu/dirty ] && TORPOR_DIRTY=$(cat .gpu/dirty) && export TORPOR_DIRTY
+# A binary of its own ($TORPOR_BIN elsewhere) has its commit beside it.
+bin_dir=$(dirname "$TORPOR_BIN")
+[ -f "$bin_dir/commit" ] && TORPOR_COMMIT=$(cat "$bin_dir/commit") && export TORPOR_COMMIT
+[ -f "$bin_dir/dirty" ] && TORPOR_DIRTY=$(cat "$bin_dir/dirty") && export TORPOR_DIRTY
 [ -x "$TORPOR_BIN" ] || { echo "gpu-run: $TORPOR_BIN missing: run 'make gpu-carry' and carry .gpu and .criu-debs" >&2; exit 2; }
 
 {
