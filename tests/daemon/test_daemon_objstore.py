@@ -422,17 +422,20 @@ def test_a_corrupted_segment_chunk_fails_the_whole_pull_and_commits_neither_reco
 def test_a_pull_killed_while_it_writes_the_snapshot_aside_commits_nothing_and_the_next_pull_cleans_up(
     nodes: tuple[Torpord, Torpord], tmp_path: Path
 ) -> None:
-    """torpord killed (-9) while its pull writes the snapshot directory aside (every chunk in the
-    store, the directory being written and verified beside its place, the commit not yet made):
-    no record is committed and the directory is not in place. Restarted, the next pull removes
-    what the killed one left aside, fetches no chunk (the killed pull stored them all, verified)
-    and the function answers from it."""
+    """torpord killed (-9) while its pull writes the snapshot directory aside (the pipeline's
+    writers put the files' chunks into it as they come, into the store too; the commit not yet
+    made): no record is committed and the directory is not in place. Restarted, the next pull
+    removes what the killed one left aside, fetches only the chunks the killed one had not
+    stored (those it stored were verified) and the function answers from it."""
     a, b = nodes
     d = function_dir(tmp_path, "os-killed", setup="import os; self.blob = os.urandom(96 << 20)")
     lines = a.deploy(d)
     (snap,) = [x for x in lines if x.get("phase") == "snapshot_function"]
     sid = snap["snapshot"]
+    (result,) = [x["result"] for x in lines if "result" in x]
+    total = result["pushed"]["chunks"]
     snapshots, refs = b.state / "snapshots", b.state / "chunks" / "refs"
+    stored = b.state / "chunks" / "chunks"
     failed: list[BaseException] = []
 
     def pull() -> None:
@@ -445,8 +448,11 @@ def test_a_pull_killed_while_it_writes_the_snapshot_aside_commits_nothing_and_th
     puller.start()
     deadline = time.monotonic() + 60
     aside: list[Path] = []
-    while not aside and time.monotonic() < deadline and puller.is_alive():
+    # The directory aside, and some chunks stored: the kill falls inside the pipeline.
+    while time.monotonic() < deadline and puller.is_alive():
         aside = list(snapshots.glob(f".{sid}.pull-*")) if snapshots.is_dir() else []
+        if aside and stored.is_dir() and any(f for fan in stored.iterdir() for f in fan.iterdir()):
+            break
         time.sleep(0.002)
     b.proc.kill()
     b.proc.wait()
@@ -458,7 +464,7 @@ def test_a_pull_killed_while_it_writes_the_snapshot_aside_commits_nothing_and_th
     assert [p for p in snapshots.glob(f".{sid}.pull-*")], "the kill came after the rename: the window was missed"
     b.restart()
     pulled = client.Client(b.socket).pull("os-killed")
-    assert pulled.pulled_chunks == 0, pulled
+    assert pulled.pulled_chunks < total, (pulled, total)
     assert not list(snapshots.glob(f".{sid}.pull-*")), list(snapshots.iterdir())
     assert (refs / f"{sid}.files.json").exists() and (snapshots / sid).is_dir()
     r = b.invoke("os-killed", 7)

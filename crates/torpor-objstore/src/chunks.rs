@@ -379,6 +379,9 @@ pub(crate) fn download(
     Ok(down.into_iter().next().unwrap_or_default())
 }
 
+/// What one writer hands a checked chunk's raw bytes to: (chunk, bytes).
+type ChunkSink<'a> = dyn Fn(&ChunkRef, &[u8]) -> Result<(), TransferError> + Sync + 'a;
+
 /// What [`download_sets`] hands each fetched chunk's raw bytes to: (set, chunk, bytes).
 pub(crate) type RawSink<'a> =
     dyn Fn(usize, &ChunkRef, &[u8]) -> Result<(), TransferError> + Sync + 'a;
@@ -618,7 +621,7 @@ fn store_job(
     bytes: &[u8],
     clock: &PipelineClock,
     scratch: &mut Vec<u8>,
-    raw: &(dyn Fn(&ChunkRef, &[u8]) -> Result<(), TransferError> + Sync),
+    raw: &ChunkSink<'_>,
 ) -> Result<u64, TransferError> {
     let remote = source.remote;
     let bucket = remote.bucket();
@@ -667,7 +670,7 @@ fn put_timed(
     origin: &str,
     clock: &PipelineClock,
     scratch: &mut Vec<u8>,
-    raw: &(dyn Fn(&ChunkRef, &[u8]) -> Result<(), TransferError> + Sync),
+    raw: &ChunkSink<'_>,
 ) -> Result<(), TransferError> {
     let putting = Instant::now();
     let put = writer.put_chunk_file_raw(c, bytes, origin, scratch)?;
