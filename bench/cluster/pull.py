@@ -74,7 +74,9 @@ GIB = 1 << 30
 # order of (GPT-2-Large: ~3.3 GB of segments), small for the CPU smoke test.
 TRANSFER_BYTES = {"cpu": 64 << 20}
 DEFAULT_TRANSFER_BYTES = 2 * GIB
-STREAMS = 8  # torpord's pull parallelism (crates/torpord/src/bucket.rs PARALLEL)
+# torpord's default pull parallelism (crates/torpord/src/config.rs objstore_parallel): one
+# request per core, 8 to 32.
+STREAMS = min(32, max(8, os.cpu_count() or 8))
 
 
 # ---------------------------------------------------------------------------------------------
