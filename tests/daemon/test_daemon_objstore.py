@@ -314,6 +314,10 @@ def test_a_split_snapshot_travels_with_its_sealed_segment_record(nodes: tuple[To
     assert isinstance(pushed, dict) and pushed["chunks"] > 0, pushed
     pulled = client.Client(b.socket).pull("os-split")
     assert pulled.pulled_chunks > 0, pulled
+    # The pull put the segments into B's host cache as they came (crate::split::prefill): the
+    # first restore fills them from memory, not from the store the pull has just written.
+    assert metric(b, 'torpor_restore_cache_bytes{cache="host"}') > 0, b.log_text()
+    assert metric(b, 'torpor_restore_cache_requests_total{cache="host",result="hit"}') == 0
     # B's store holds A's record of the segments, sealed alike (the nodes share the key).
     sid = snap["snapshot"]
     record_a = (a.state / "chunks" / "refs" / f"{sid}.json").read_bytes()
@@ -322,8 +326,18 @@ def test_a_split_snapshot_travels_with_its_sealed_segment_record(nodes: tuple[To
     ra = a.invoke("os-split", {"op": "compute", "x": 3})
     rb = b.invoke("os-split", {"op": "compute", "x": 3})
     assert ra.status == rb.status == 200 and ra.json()["sha"] == rb.json()["sha"], (ra.body, rb.body)
-    # Restored on B from the pulled record: its segments from B's store, at their addresses.
+    # Restored on B from the pulled record: its segments, at their addresses, from the host
+    # cache the pull filled (the GPU cache, here memfds, was empty).
     assert rb.start == "restored" and "segments" in rb.timings, (rb.headers, b.log_text())
+    assert metric(b, 'torpor_restore_cache_requests_total{cache="host",result="hit"}') >= 3, b.log_text()
+
+
+def metric(node: Torpord, series: str) -> float:
+    """The value of one series of `node`'s /metrics (0 when it has none)."""
+    for line in node.request("GET", "/metrics").body.decode().splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def test_another_tenants_snapshot_travels_under_its_own_prefix_into_its_own_store(

@@ -79,6 +79,17 @@ pub struct SealedPart<'a> {
     pub key: &'a SnapshotKey,
 }
 
+/// Takes a pulled split snapshot's segments as the pull checks them, to have them in memory
+/// for the first restore instead of read back out of the store (torpord's host cache). Errors
+/// are its own: a sink that cannot keep something only keeps less; the pull goes on.
+pub trait SealedSink: Sync {
+    /// The sealed record's recipes (its MAC checked), before any of its chunks.
+    fn begin(&self, recipes: &[Recipe]);
+    /// One fetched chunk of the sealed record, checked against its id: its raw bytes (called
+    /// from the pipeline's writer threads, each chunk once).
+    fn chunk(&self, c: &ChunkRef, raw: &[u8]);
+}
+
 /// What [`pull_snapshot`] did.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct SnapshotPull {
@@ -151,7 +162,7 @@ pub fn pull_snapshot(
         early_write_back: true,
     };
     pull_snapshot_with(
-        remote, store, id, out, trust, sealed, parallel, progress, mode,
+        remote, store, id, out, trust, sealed, parallel, progress, mode, None,
     )
     .map(|(pull, _)| pull)
 }
@@ -166,7 +177,8 @@ pub fn pull_snapshot(
 /// [`ChunkStore::settle`] decides at the next start (docs/objstore.md, "Durability after the
 /// answer"). `commit_s` is then the records' writing alone. `early_write_back`: start each
 /// chunk's disk write as it is stored, as [`pull_snapshot`] does; without it the page cache
-/// holds them until [`Pending::finish`].
+/// holds them until [`Pending::finish`]. `sink` gets the sealed record's segments as they
+/// come ([`SealedSink`]).
 #[allow(clippy::too_many_arguments)]
 pub fn pull_snapshot_deferred(
     remote: &Remote,
@@ -178,13 +190,14 @@ pub fn pull_snapshot_deferred(
     parallel: usize,
     early_write_back: bool,
     progress: &(dyn Fn(Progress) + Sync),
+    sink: Option<&dyn SealedSink>,
 ) -> Result<(SnapshotPull, Option<Pending>), TransferError> {
     let mode = Mode {
         deferred: true,
         early_write_back,
     };
     pull_snapshot_with(
-        remote, store, id, out, trust, sealed, parallel, progress, mode,
+        remote, store, id, out, trust, sealed, parallel, progress, mode, sink,
     )
 }
 
@@ -208,6 +221,7 @@ fn pull_snapshot_with(
     parallel: usize,
     progress: &(dyn Fn(Progress) + Sync),
     mode: Mode,
+    sink: Option<&dyn SealedSink>,
 ) -> Result<(SnapshotPull, Option<Pending>), TransferError> {
     torpor_image::store::check_snapshot_id(id)?;
     if let Some(part) = sealed {
@@ -268,10 +282,16 @@ fn pull_snapshot_with(
     };
     // The snapshot directory, written aside as the files' chunks arrive.
     let inline = InlineFiles::create(out, &files.recipes, &files.manifest)?;
+    if let (Some(sink), Some(m)) = (sink, &sealed_meta) {
+        sink.begin(&m.recipes);
+    }
     let raw = |set: usize, c: &ChunkRef, bytes: &[u8]| {
         if set == 0 {
             inline.write(c, bytes)
         } else {
+            if let Some(sink) = sink {
+                sink.chunk(c, bytes);
+            }
             Ok(())
         }
     };

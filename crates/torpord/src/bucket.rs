@@ -188,6 +188,12 @@ pub struct PullPhases {
     pub fetch_check_busy_s: f64,
     /// Writers placing chunks in the store (the file system).
     pub fetch_place_busy_s: f64,
+    /// The segments' bytes put into the restore server's host cache as they came
+    /// (crate::split::prefill), for the first restore to fill from memory.
+    pub prefilled_bytes: u64,
+    /// After the pipeline: the prefilled segments' chunks the store had, read, and the
+    /// segments put into the host cache.
+    pub prefill_s: f64,
 }
 
 /// Makes a pull's records durable now (blocking), or logs why not: their markers then stay
@@ -613,6 +619,7 @@ impl Tier {
         scope: &Scope,
         name: &str,
         (snapshots, state_root): (&Path, &Path),
+        split: Option<&crate::split::Split>,
     ) -> Result<Fetched, PullError> {
         let clock = Instant::now();
         let remote = self.remote()?;
@@ -663,6 +670,9 @@ impl Tier {
         // chunks of both fetched by one pool, checked and written as they come, the disk
         // writing meanwhile, the directory written and verified as soon as the files' chunks
         // are in, then one syncfs for both records.
+        // The segments into the restore server's host cache as they come, for the first
+        // restore (crate::split::prefill).
+        let prefill = split.map(|s| crate::split::prefill::HostPrefill::new(s, &record.tenant));
         let t = Instant::now();
         let pulled = torpor_objstore::pull_snapshot_deferred(
             &remote,
@@ -677,6 +687,9 @@ impl Tier {
             self.config.parallel,
             self.config.early_write_back,
             &|_| {},
+            prefill
+                .as_ref()
+                .map(|p| p as &dyn torpor_objstore::SealedSink),
         );
         phases.files_s = t.elapsed().as_secs_f64();
         // Nothing is committed on an error, but for a failed write of the segments' record
@@ -743,6 +756,10 @@ impl Tier {
             });
         }
         phases.profile_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let prefilled = prefill.map(|p| p.finish(store)).unwrap_or_default();
+        phases.prefill_s = t.elapsed().as_secs_f64();
+        phases.prefilled_bytes = prefilled.bytes;
         Ok(Fetched {
             record,
             snapshot_dir: out,

@@ -161,7 +161,14 @@ impl crate::runtime::Runtime {
             };
             let snapshots = rt.snapshots_dir();
             let dirs = (snapshots.as_path(), rt.state_root.as_path());
-            let mut fetched = tier.fetch(&stores, &rt.snapshot_key, &scope2, &n, dirs)?;
+            let mut fetched = tier.fetch(
+                &stores,
+                &rt.snapshot_key,
+                &scope2,
+                &n,
+                dirs,
+                Some(&rt.split),
+            )?;
             let store = stores(&fetched.record.tenant)?;
             let trimmed = Instant::now();
             let mut registered = rt.registered_snapshots();

@@ -30,6 +30,7 @@ pub mod index;
 pub mod migrate;
 pub mod pcie;
 pub mod precopy;
+pub mod prefill;
 pub mod release;
 pub mod server;
 #[cfg(test)]
