@@ -330,11 +330,15 @@ def objstore_table(seaweed: Seaweed, directory: Path, parallel: int, early_write
     }
 
 
-def node_config(model: split.Model, table: Json) -> Json:
+def node_config(model: split.Model, table: Json, restore_server: str = "cold-disk") -> Json:
     # split.py's cold-disk daemon: no host cache, no GPU cache, no stage area, so that every
     # restore (A's reference, B's after the pull) reads the node's chunk store alike; no cache
-    # warmed by an earlier run makes A's look faster than a first start can be.
+    # warmed by an earlier run makes A's look faster than a first start can be. With
+    # `restore_server` "defaults" the node keeps torpord's own (a 4 GiB host cache, which the
+    # pull fills with the segments as they come, and the stage area): a node as installed.
     config = split.mode_config("cold-disk", model.gpu, {})
+    if restore_server == "defaults":
+        config.pop("restore_server", None)
     config["objstore"] = table
     return config
 
@@ -452,6 +456,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--early-write-back", choices=("on", "off"), default=None,
                    help="torpord's objstore.early_write_back for the pulling node (default: torpord's; "
                         "a torpord from before session 17 refuses the key)")
+    p.add_argument("--node-b-restore-server", choices=("cold-disk", "defaults"), default="cold-disk",
+                   help="the pulling node's [restore_server]: like node A's reference (no caches, the "
+                   "default) or torpord's defaults (a host cache the pull fills with the segments)")
     p.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before the disk read")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="start no further run once one more would end past this many seconds (default 480: the GPU "
@@ -489,6 +496,7 @@ def main(argv: list[str]) -> int:
         "torpor_commit": os.environ.get("TORPOR_COMMIT"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "parallel": args.parallel,
+        "node_b_restore_server": args.node_b_restore_server,
         "early_write_back": args.early_write_back,
         "cpu_weights_bytes": split.CPU_WEIGHTS_BYTES if not model.gpu else None,
         "runs": [],
@@ -535,7 +543,7 @@ def main(argv: list[str]) -> int:
             settle_s = time.perf_counter() - settling
             state_b = work / "state-b"
             fresh_state(state_b, a.state / "snapshot.key")
-            b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table_b), logs)
+            b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table_b, args.node_b_restore_server), logs)
             cpu0 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
             sampler = ThreadSampler(b.proc.pid)
             sampler.start()
