@@ -1,12 +1,15 @@
 """bench/cluster/pull.py on the CPU (`--model cpu`): SeaweedFS on loopback, node A deploys and
 pushes, a node on an empty state directory pulls and restores, with the real daemon, workers
 and CRIU; checks that the fresh node pulled exactly what A pushed, restored (not booted), gave
-A's answer, and that the summary's figures are the runs' own."""
+A's answer, and that the summary's figures are the runs' own. Two runs, the A/B of the pulling node's
+restore server: like node A's (no host cache) and torpord's defaults (a host cache the pull
+fills with the segments, crate torpord::split::prefill)."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -20,27 +23,39 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
     out = tmp_path / "pull.json"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", "--runs", "1",
+        [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", "--runs", "2",
+         "--node-b-restore-server", "cold-disk,defaults",
          "--work-dir", str(tmp_path / "work"), "--no-drop-cache", "--out", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
         env={**os.environ, "TORPOR_BIN": str(torpor_bin)},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     d = json.loads(out.read_text())
-    (run,) = d["runs"]
+    run, prefilled = d["runs"]
+    assert (run["node_b_restore_server"], prefilled["node_b_restore_server"]) == ("cold-disk", "defaults"), d["runs"]
+    # Without a host cache nothing is prefilled; with torpord's, every byte of the segments
+    # (the CPU function's 8 MiB of weights) went in as the pull checked them, and the first
+    # restore filled from there.
+    assert run["phases"]["prefilled_bytes"] == 0, run["phases"]
+    assert prefilled["phases"]["prefilled_bytes"] >= 8 << 20, prefilled["phases"]
+    assert prefilled["start"] == "restored" and prefilled["same_answer"], prefilled
+    by = d["summary"]["by_node_b_restore_server"]
+    assert by["defaults"]["first_start_s"] == prefilled["first_start_s"] and by["cold-disk"]["runs"] == 1, by
     pushed = d["deploy"]["pushed"]
     # What A pushed, less the pack indexes (read by pushes, not by pulls): within 2 %.
     assert 0.98 * pushed["uploaded_bytes"] <= run["pulled_bytes"] <= pushed["uploaded_bytes"], (run, pushed)
     assert run["pulled_chunks"] == pushed["uploaded_chunks"], (run, pushed)
     assert run["start"] == "restored" and run["same_answer"] and run["cold_start_after_s"] > 0, run
     s = d["summary"]
-    assert s["pull_gbps"] == run["pull_gbps"] and s["first_start_s"] == run["first_start_s"], s
-    assert s["pull_efficiency"] == round(run["pull_gbps"] / d["transfer"]["transfer_gbps"], 3), s
+    both = d["runs"]
+    assert s["pull_gbps"] == statistics.median(r["pull_gbps"] for r in both), s
+    assert s["first_start_s"] == statistics.median(r["first_start_s"] for r in both), s
+    assert s["pull_efficiency"] == round(s["pull_gbps"] / d["transfer"]["transfer_gbps"], 3), s
     assert d["transfer"]["object_bytes"] == 64 << 20 and d["transfer"]["transfer_gbps"] > 0, d["transfer"]
     assert s["first_start_within_target"] == (s["first_start_s"] <= s["target_first_start_s"]), s
     probe = d["transfer"]["chunk_gets"]
     assert probe["objects"] == min(run["pulled_chunks"], 4000) and probe["object_bytes"] == run["mean_chunk_bytes"], probe
-    assert s["pull_over_chunk_gets"] == round(run["pull_gbps"] / probe["gbps"], 3), s
+    assert s["pull_over_chunk_gets"] == round(s["pull_gbps"] / probe["gbps"], 3), s
     # torpord's default: one request per core, 8 to 32.
     assert d["parallel"] == probe["streams"] == min(32, max(8, os.cpu_count() or 8)), (d["parallel"], probe)
     # The pull reports where its time went; the phases are parts of the pull, so none exceeds it.
@@ -51,7 +66,7 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     threads = {"fetchers", "writers"}
     summed = {k for k in phases if k.startswith("fetch_") and k.endswith(("_busy_s", "_full_s", "_empty_s"))}
     assert summed == {"fetch_get_busy_s", "fetch_queue_full_s", "fetch_queue_empty_s", "fetch_check_busy_s", "fetch_place_busy_s"}, phases
-    assert all(0 <= v <= run["pull_s"] + 0.05 for k, v in phases.items() if k not in threads | summed), (phases, run["pull_s"])
+    assert all(0 <= v <= run["pull_s"] + 0.05 for k, v in phases.items() if k not in threads | summed | {"prefilled_bytes"}), (phases, run["pull_s"])
     assert phases["fetchers"] >= 1 and phases["writers"] >= 1, phases
     assert phases["fetch_get_busy_s"] > 0 and phases["fetch_check_busy_s"] > 0 and phases["fetch_place_busy_s"] > 0, phases
     assert phases["fetch_get_busy_s"] + phases["fetch_queue_full_s"] <= phases["fetchers"] * phases["fetch_s"] + 0.05, phases
@@ -60,7 +75,7 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     assert run["daemon_threads"]["samples"] > 0 and run["daemon_cpu_s"] >= run["daemon_sys_s"] >= 0, run
     packs = d["transfer"]["pack_gets"]
     assert packs["packs"] >= 1 and packs["gbps"] > 0 and s["pack_gets_gbps"] == packs["gbps"], packs
-    assert s["pull_phases_s"] == phases, s
+    assert set(s["pull_phases_s"]) == set(phases), s
     # The records' syncfs after the answer: timed from it, and not part of the first start.
     assert run["commit_bg_s"] is not None and run["commit_bg_s"] >= 0, run
-    assert s["commit_bg_s"] == run["commit_bg_s"], s
+    assert s["commit_bg_s"] == statistics.median(r["commit_bg_s"] for r in both), s

@@ -330,6 +330,15 @@ def objstore_table(seaweed: Seaweed, directory: Path, parallel: int, early_write
     }
 
 
+def node_b_configs(text: str) -> list[str]:
+    """`--node-b-restore-server`: one pulling node's config or a comma list to alternate."""
+    configs = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in configs if c not in ("cold-disk", "defaults")]
+    if not configs or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: takes cold-disk, defaults or both, comma-separated")
+    return configs
+
+
 def node_config(model: split.Model, table: Json, restore_server: str = "cold-disk") -> Json:
     # split.py's cold-disk daemon: no host cache, no GPU cache, no stage area, so that every
     # restore (A's reference, B's after the pull) reads the node's chunk store alike; no cache
@@ -456,9 +465,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--early-write-back", choices=("on", "off"), default=None,
                    help="torpord's objstore.early_write_back for the pulling node (default: torpord's; "
                         "a torpord from before session 17 refuses the key)")
-    p.add_argument("--node-b-restore-server", choices=("cold-disk", "defaults"), default="cold-disk",
-                   help="the pulling node's [restore_server]: like node A's reference (no caches, the "
-                   "default) or torpord's defaults (a host cache the pull fills with the segments)")
+    p.add_argument("--node-b-restore-server", type=node_b_configs, default=["cold-disk"],
+                   help="the pulling node's [restore_server]: cold-disk, like node A's reference (no caches, the "
+                   "default), or defaults, torpord's own (a host cache the pull fills with the segments); "
+                   "a comma list alternates them run by run, an A/B in one call")
     p.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before the disk read")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="start no further run once one more would end past this many seconds (default 480: the GPU "
@@ -496,7 +506,7 @@ def main(argv: list[str]) -> int:
         "torpor_commit": os.environ.get("TORPOR_COMMIT"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "parallel": args.parallel,
-        "node_b_restore_server": args.node_b_restore_server,
+        "node_b_restore_server": ",".join(args.node_b_restore_server),
         "early_write_back": args.early_write_back,
         "cpu_weights_bytes": split.CPU_WEIGHTS_BYTES if not model.gpu else None,
         "runs": [],
@@ -543,7 +553,8 @@ def main(argv: list[str]) -> int:
             settle_s = time.perf_counter() - settling
             state_b = work / "state-b"
             fresh_state(state_b, a.state / "snapshot.key")
-            b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table_b, args.node_b_restore_server), logs)
+            b_config = args.node_b_restore_server[i % len(args.node_b_restore_server)]
+            b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table_b, b_config), logs)
             cpu0 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
             sampler = ThreadSampler(b.proc.pid)
             sampler.start()
@@ -567,6 +578,7 @@ def main(argv: list[str]) -> int:
             b.stop_function(model.name)
             again = b.invoke(model.name, model.request)
             run = {
+                "node_b_restore_server": b_config,
                 "pull_s": round(pull_s, 4),
                 "pulled_bytes": pulled["pulled_bytes"],
                 "pulled_chunks": pulled["pulled_chunks"],
@@ -593,7 +605,7 @@ def main(argv: list[str]) -> int:
                 "timings": first["timings"],
                 "same_answer": first["value"] == reference_value,
             }
-            say(f"run {i + 1}: pull {run['pull_s']} s ({run['pulled_bytes'] >> 20} MiB, {run['pull_gbps']} GB/s), "
+            say(f"run {i + 1} ({b_config}): pull {run['pull_s']} s ({run['pulled_bytes'] >> 20} MiB, {run['pull_gbps']} GB/s), "
                 f"restore to first answer {run['restore_to_first_answer_s']} s ({run['start']})")
             result["runs"].append(run)
             b.stop()
@@ -639,6 +651,19 @@ def main(argv: list[str]) -> int:
             "first_start_within_target": first_s <= bound,
             "all_answers_identical": all(r["same_answer"] for r in runs),
         }
+        if len(args.node_b_restore_server) > 1:
+            # The A/B: the first start and the restore after the pull for each pulling node.
+            result["summary"]["by_node_b_restore_server"] = {
+                c: {
+                    "runs": len(rs),
+                    "pull_s": statistics.median(r["pull_s"] for r in rs),
+                    "restore_to_first_answer_s": statistics.median(r["restore_to_first_answer_s"] for r in rs),
+                    "first_start_s": statistics.median(r["first_start_s"] for r in rs),
+                    "prefilled_bytes": statistics.median((r.get("phases") or {}).get("prefilled_bytes", 0) for r in rs),
+                }
+                for c in args.node_b_restore_server
+                if (rs := [r for r in runs if r["node_b_restore_server"] == c])
+            }
         say(f"summary: {json.dumps(result['summary'])}")
     finally:
         for d in (b, a):
