@@ -267,14 +267,23 @@ impl crate::runtime::Runtime {
         .map_err(|e| format!("the registry task failed: {e}"))?
         .map_err(|e| e.to_string())?;
         if self.staging.dir().is_some() {
+            // In the background, not before the pull answers as a deploy does: the copy took
+            // 0.8-0.9 s of GPT-2-Large's pull on the H100 (session 20, docs/cluster.md), while
+            // a restore that comes first reads the disk copy the pull has just written (in
+            // the page cache); restores take only a ready staged copy.
             let (staging, dir) = (Arc::clone(&self.staging), f.snapshot_dir.clone());
-            match tokio::task::spawn_blocking(move || staging.stage(&dir)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    tracing::warn!(function = %r.name, error = %e, "staging the pulled snapshot failed: its restores read the disk copy")
+            let function = r.name.clone();
+            tokio::spawn(async move {
+                match tokio::task::spawn_blocking(move || staging.stage(&dir)).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!(function = %function, error = %e, "staging the pulled snapshot failed: its restores read the disk copy")
+                    }
+                    Err(e) => {
+                        tracing::error!(function = %function, error = %e, "staging task failed")
+                    }
                 }
-                Err(e) => tracing::error!(function = %r.name, error = %e, "staging task failed"),
-            }
+            });
         }
         self.deployed(&r.name, &r.spec, &r.snapshot, &f.snapshot_dir);
         self.forget_sandbox_routes();

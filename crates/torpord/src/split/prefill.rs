@@ -3,18 +3,28 @@
 //! node that never had the function fills them from memory instead of reading back out of the
 //! chunk store what the pull has just written there. On the H100 that read was most of the
 //! first restore after a pull of GPT-2-Large: `segments` 1.5 s of 2.4–3.0 s
-//! (bench/results/cluster-pull-h100.json, session 19).
+//! (bench/results/cluster-pull-h100.json, session 19); with the prefill the restore took
+//! 0.71 s (cluster-pull-s20-prefill-ab-h100.json).
 //!
 //! Each chunk the pull hands over was checked against its id, and the ids and their order are
 //! the sealed record's (its MAC checked before any chunk is fetched), so a buffer holding every
-//! chunk of its recipe at its offset holds exactly that segment. Chunks the store had already
-//! (not fetched) are read from it, checked, at the end. A buffer that cannot be had (memory)
-//! only means that segment is read from the store as before. What goes in is bounded by the
+//! chunk of its recipe at its offset holds exactly that segment. What goes in is bounded by the
 //! host cache's free room at the pull's start: a prefill never evicts what the cache holds.
+//!
+//! The buffers are allocated by one thread of the prefill's own, in the record's order, never
+//! by the pull's writers: on the H100 the writers allocating pinned memory (`cuMemHostAlloc`,
+//! 3.15 GB for GPT-2-Large) on their first chunk of a segment made the fetch 0.8 s slower, the
+//! driver's mapping calls holding the address-space lock against every other thread's page
+//! faults (session 20, docs/cluster.md). A chunk that arrives before its segment's buffer is
+//! simply not kept; at the end those chunks, and the ones the store had already, are read from
+//! the store (the page cache: the pull has just written them), checked, on a few threads. A
+//! buffer that cannot be had (memory) only means that segment is read from the store at its
+//! restore, as before.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
 
 use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Recipe};
 use torpor_objstore::SealedSink;
@@ -23,11 +33,15 @@ use crate::split::device::{HostBuffer, SegmentDevice};
 use crate::split::index::INDEX_RECIPE;
 use crate::split::{lock, Split};
 
+/// Threads reading the chunks the pipeline did not keep back out of the store at the end.
+const FINISH_THREADS: usize = 8;
+
 /// A pull's segments on their way into the host cache.
 pub struct HostPrefill<'a> {
     split: &'a Split,
     tenant: String,
-    plan: OnceLock<Plan>,
+    plan: OnceLock<Arc<Plan>>,
+    allocator: Mutex<Option<JoinHandle<()>>>,
 }
 
 struct Plan {
@@ -35,15 +49,57 @@ struct Plan {
     segments: Vec<Segment>,
     /// Where each chunk lies: (segment, chunk's place in its recipe, offset).
     at: HashMap<ChunkId, Vec<(usize, usize, u64)>>,
+    /// Set when the prefill is dropped unfinished (a failed pull): the allocator stops.
+    cancelled: AtomicBool,
 }
 
 struct Segment {
     recipe: Recipe,
-    /// Made on its first chunk; `None` also after a failed allocation (`failed`).
-    buf: Mutex<Option<HostBuffer>>,
+    /// Set by the allocator; never set after a failed allocation (`failed`).
+    buf: OnceLock<Filling>,
     /// Which of the recipe's chunks are in `buf`.
     written: Vec<AtomicBool>,
     failed: AtomicBool,
+}
+
+/// A segment's buffer while the pull's writers copy chunks into it: each into its own range.
+struct Filling {
+    buf: HostBuffer,
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: `base` points into `buf`'s allocation, which does not move while the Filling lives
+// (a boxed buffer). The writers (`chunk`) write through `base` only into the disjoint ranges of
+// distinct chunk places, each once (the pipeline hands each chunk over once, and a chunk's
+// places are distinct ranges of its recipes); nothing reads the buffer until `finish`, which
+// runs after the pipeline and the allocator have ended and takes the buffer by value.
+unsafe impl Sync for Filling {}
+// SAFETY: as above; HostBuffer itself is Send.
+unsafe impl Send for Filling {}
+
+impl Filling {
+    fn new(mut buf: HostBuffer) -> Self {
+        let len = buf.len();
+        let base = buf.as_mut_ptr();
+        Filling { buf, base, len }
+    }
+
+    /// Copies `raw` to `offset`; false when it does not fit (a recipe that lies).
+    fn write(&self, offset: u64, raw: &[u8]) -> bool {
+        let Some(end) = (offset as usize).checked_add(raw.len()) else {
+            return false;
+        };
+        if end > self.len {
+            return false;
+        }
+        // SAFETY: within the buffer (checked), and no other thread writes or reads this range
+        // (see the Sync impl).
+        unsafe {
+            std::ptr::copy_nonoverlapping(raw.as_ptr(), self.base.add(offset as usize), raw.len())
+        };
+        true
+    }
 }
 
 /// What a prefill put into the host cache.
@@ -60,47 +116,69 @@ impl<'a> HostPrefill<'a> {
             split,
             tenant: tenant.to_owned(),
             plan: OnceLock::new(),
+            allocator: Mutex::new(None),
         }
     }
 
-    /// After a successful pull: the chunks the pipeline did not bring (the store had them)
-    /// read from `store`, then every whole segment into the host cache. Blocking.
-    pub fn finish(self, store: &ChunkStore) -> Prefilled {
-        let Some(plan) = self.plan.into_inner() else {
+    /// After a successful pull: the chunks the pipeline did not keep (the store had them, or
+    /// they came before their buffer) read from `store`, then every whole segment into the
+    /// host cache. Blocking.
+    pub fn finish(mut self, store: &ChunkStore) -> Prefilled {
+        self.join_allocator();
+        let Some(plan) = self.plan.take() else {
             return Prefilled::default();
         };
+        let Ok(plan) = Arc::try_unwrap(plan) else {
+            // Only the allocator shared it, and it has ended.
+            return Prefilled::default();
+        };
+        // The missing chunks, segment by segment, on a few threads.
+        let next = AtomicUsize::new(0);
+        let whole: Vec<AtomicBool> = plan
+            .segments
+            .iter()
+            .map(|s| AtomicBool::new(!s.failed.load(Ordering::Acquire) && s.buf.get().is_some()))
+            .collect();
+        std::thread::scope(|scope| {
+            for _ in 0..FINISH_THREADS.min(plan.segments.len()) {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(seg) = plan.segments.get(i) else {
+                        break;
+                    };
+                    if whole[i].load(Ordering::Acquire) && !read_missing(seg, store) {
+                        whole[i].store(false, Ordering::Release);
+                    }
+                });
+            }
+        });
         let mut done = Prefilled::default();
-        for seg in plan.segments {
-            if seg.failed.load(Ordering::Acquire) {
+        for (seg, whole) in plan.segments.into_iter().zip(whole) {
+            if !whole.into_inner() {
                 continue;
             }
-            let Some(mut buf) = seg.buf.into_inner().unwrap_or_else(|p| p.into_inner()) else {
+            let Some(filling) = seg.buf.into_inner() else {
                 continue;
             };
-            let mut offset = 0u64;
-            let mut whole = true;
-            for (c, written) in seg.recipe.chunks.iter().zip(&seg.written) {
-                let range = offset as usize..(offset + c.len) as usize;
-                offset += c.len;
-                if written.load(Ordering::Acquire) {
-                    continue;
-                }
-                if let Err(e) = store.read_chunk(c, &seg.recipe.name, &mut buf[range]) {
-                    tracing::debug!(segment = %seg.recipe.name, error = %e, "a pulled segment stays out of the host cache");
-                    whole = false;
-                    break;
-                }
-            }
-            if !whole {
-                continue;
-            }
             let key = crate::tenant::scoped_key(&self.tenant, &seg.recipe.blake3);
-            lock(&self.split.host_cache).insert(&key, Arc::new(Mutex::new(buf)), seg.recipe.size);
+            lock(&self.split.host_cache).insert(
+                &key,
+                Arc::new(Mutex::new(filling.buf)),
+                seg.recipe.size,
+            );
             done.segments += 1;
             done.bytes += seg.recipe.size;
         }
         self.split.update_cache_gauges();
         done
+    }
+
+    fn join_allocator(&self) {
+        if let Some(handle) = lock(&self.allocator).take() {
+            if handle.join().is_err() {
+                tracing::warn!("the prefill's allocator panicked: the pulled segments it had not made are read from the store");
+            }
+        }
     }
 
     fn plan(&self, recipes: &[Recipe]) -> Option<Plan> {
@@ -134,7 +212,7 @@ impl<'a> HostPrefill<'a> {
             }
             segments.push(Segment {
                 recipe: r.clone(),
-                buf: Mutex::new(None),
+                buf: OnceLock::new(),
                 written: r.chunks.iter().map(|_| AtomicBool::new(false)).collect(),
                 failed: AtomicBool::new(false),
             });
@@ -143,14 +221,90 @@ impl<'a> HostPrefill<'a> {
             device,
             segments,
             at,
+            cancelled: AtomicBool::new(false),
         })
+    }
+}
+
+/// The allocator: each segment's buffer in the record's order (the order its chunks come in).
+fn allocate(plan: &Plan) {
+    for seg in &plan.segments {
+        if plan.cancelled.load(Ordering::Acquire) {
+            return;
+        }
+        match plan.device.host_buffer(seg.recipe.size as usize) {
+            Ok(b) if b.len() as u64 >= seg.recipe.size => {
+                let _ = seg.buf.set(Filling::new(b));
+            }
+            Ok(_) => seg.failed.store(true, Ordering::Release),
+            Err(e) => {
+                tracing::debug!(segment = %seg.recipe.name, error = %e, "no host buffer for a pulled segment: its restore reads the store");
+                seg.failed.store(true, Ordering::Release);
+            }
+        }
+    }
+}
+
+/// Reads the chunks of `seg` that are not in its buffer from `store`, checked. Whether the
+/// buffer now holds the whole segment.
+fn read_missing(seg: &Segment, store: &ChunkStore) -> bool {
+    let Some(filling) = seg.buf.get() else {
+        return false;
+    };
+    let mut offset = 0u64;
+    let mut chunk = Vec::new();
+    for (c, written) in seg.recipe.chunks.iter().zip(&seg.written) {
+        let at = offset;
+        offset += c.len;
+        if written.load(Ordering::Acquire) {
+            continue;
+        }
+        chunk.resize(c.len as usize, 0);
+        if let Err(e) = store.read_chunk(c, &seg.recipe.name, &mut chunk) {
+            tracing::debug!(segment = %seg.recipe.name, error = %e, "a pulled segment stays out of the host cache");
+            return false;
+        }
+        if !filling.write(at, &chunk) {
+            return false;
+        }
+        written.store(true, Ordering::Release);
+    }
+    true
+}
+
+impl Drop for HostPrefill<'_> {
+    fn drop(&mut self) {
+        // A prefill dropped unfinished (the pull failed): stop the allocator and wait for it,
+        // so that no buffer is made for nothing after the pull has answered.
+        if let Some(plan) = self.plan.get() {
+            plan.cancelled.store(true, Ordering::Release);
+        }
+        self.join_allocator();
     }
 }
 
 impl SealedSink for HostPrefill<'_> {
     fn begin(&self, recipes: &[Recipe]) {
-        if let Some(plan) = self.plan(recipes) {
-            let _ = self.plan.set(plan);
+        let Some(plan) = self.plan(recipes) else {
+            return;
+        };
+        let plan = Arc::new(plan);
+        if self.plan.set(Arc::clone(&plan)).is_err() {
+            return;
+        }
+        let spawned = std::thread::Builder::new()
+            .name("pull-prefill".into())
+            .spawn(move || allocate(&plan));
+        match spawned {
+            Ok(handle) => *lock(&self.allocator) = Some(handle),
+            Err(e) => {
+                tracing::debug!(error = %e, "no thread for the pull's prefill: its segments are read from the store");
+                if let Some(plan) = self.plan.get() {
+                    for seg in &plan.segments {
+                        seg.failed.store(true, Ordering::Release);
+                    }
+                }
+            }
         }
     }
 
@@ -161,27 +315,182 @@ impl SealedSink for HostPrefill<'_> {
         };
         for &(index, place, offset) in places {
             let seg = &plan.segments[index];
-            if seg.failed.load(Ordering::Acquire) {
+            // No buffer yet: this chunk is read from the store at the end instead of waiting
+            // for the allocator here, on the pull's path.
+            let Some(filling) = seg.buf.get() else {
                 continue;
-            }
-            let mut buf = lock(&seg.buf);
-            if buf.is_none() {
-                match plan.device.host_buffer(seg.recipe.size as usize) {
-                    Ok(b) => *buf = Some(b),
-                    Err(e) => {
-                        tracing::debug!(segment = %seg.recipe.name, error = %e, "no host buffer for a pulled segment: its restore reads the store");
-                        seg.failed.store(true, Ordering::Release);
-                        continue;
-                    }
-                }
-            }
-            if let Some(b) = buf.as_mut() {
-                let start = offset as usize;
-                if let Some(dst) = b.get_mut(start..start + raw.len()) {
-                    dst.copy_from_slice(raw);
-                    seg.written[place].store(true, Ordering::Release);
-                }
+            };
+            if raw.len() as u64 == seg.recipe.chunks[place].len && filling.write(offset, raw) {
+                seg.written[place].store(true, Ordering::Release);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::split::store_root_of;
+    use crate::tenant::DEFAULT_TENANT;
+
+    const MIB: usize = 1 << 20;
+
+    /// A split state with a host cache of `host_cache_bytes` (host backend: no GPU here), and
+    /// segments of `sizes` stored in its store: their recipes and contents.
+    fn setup(
+        dir: &std::path::Path,
+        host_cache_bytes: u64,
+        sizes: &[usize],
+    ) -> (Split, ChunkStore, Vec<Recipe>, Vec<Vec<u8>>) {
+        let limits = crate::config::RestoreServer {
+            host_cache_bytes,
+            gpu_cache_bytes: 0,
+            ..Default::default()
+        };
+        let metrics = crate::metrics::Metrics::new().unwrap();
+        let split = Split::new(
+            dir,
+            true,
+            true,
+            &limits,
+            &metrics,
+            Arc::new(crate::staging::test_key()),
+        );
+        let root = store_root_of(&dir.join(crate::split::STORE_DIR), DEFAULT_TENANT);
+        let store = ChunkStore::open(&root).unwrap();
+        let mut w = store.writer().unwrap();
+        let mut recipes = Vec::new();
+        let mut contents = Vec::new();
+        for (i, &n) in sizes.iter().enumerate() {
+            // Different bytes in every chunk of every segment.
+            let data: Vec<u8> = (0..n)
+                .map(|b| (b / 4096 * 31 + i * 7 + b % 251) as u8)
+                .collect();
+            recipes.push(w.put_bytes(&format!("segment-{i}"), &data).unwrap());
+            contents.push(data);
+        }
+        w.commit("fn-prefill-1", &recipes).unwrap();
+        (split, store, recipes, contents)
+    }
+
+    /// Hands `recipe`'s chunks of `data` to the sink, those `keep` says.
+    fn hand_over(
+        sink: &dyn SealedSink,
+        recipe: &Recipe,
+        data: &[u8],
+        keep: impl Fn(usize) -> bool,
+    ) {
+        let mut offset = 0usize;
+        for (i, c) in recipe.chunks.iter().enumerate() {
+            let end = offset + c.len as usize;
+            if keep(i) {
+                sink.chunk(c, &data[offset..end]);
+            }
+            offset = end;
+        }
+    }
+
+    fn cached(split: &Split, recipe: &Recipe) -> Option<Vec<u8>> {
+        let buf = lock(&split.host_cache).get(&recipe.blake3)?;
+        let b = lock(&buf);
+        Some(b[..recipe.size as usize].to_vec())
+    }
+
+    /// Segments whose chunks all came, some, or none (the store had them) all land in the host
+    /// cache whole, each exactly its contents, whenever the allocator made its buffer.
+    #[test]
+    fn every_segment_lands_whole_whatever_the_pipeline_handed_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let (split, store, recipes, contents) =
+            setup(dir.path(), 64 << 20, &[10 * MIB, 6 * MIB, 9 * MIB + 5]);
+        let prefill = HostPrefill::new(&split, DEFAULT_TENANT);
+        prefill.begin(&recipes);
+        hand_over(&prefill, &recipes[0], &contents[0], |_| true);
+        hand_over(&prefill, &recipes[2], &contents[2], |i| i % 2 == 0);
+        let done = prefill.finish(&store);
+        let total: u64 = recipes.iter().map(|r| r.size).sum();
+        assert_eq!(
+            done,
+            Prefilled {
+                segments: 3,
+                bytes: total
+            }
+        );
+        for (r, data) in recipes.iter().zip(&contents) {
+            assert_eq!(cached(&split, r).as_deref(), Some(&data[..]), "{}", r.name);
+        }
+    }
+
+    /// Only the free room is used, what the cache holds stays, and a chunk that does not match
+    /// its recipe's length is not kept (its segment's bytes then come from the store).
+    #[test]
+    fn a_prefill_takes_only_free_room_and_keeps_what_is_cached() {
+        let dir = tempfile::tempdir().unwrap();
+        let (split, store, recipes, contents) =
+            setup(dir.path(), 16 << 20, &[6 * MIB, 8 * MIB, 4 * MIB]);
+        // The cache already holds segment 2 (4 MiB): 12 MiB of room, for segment 0 (6 MiB)
+        // but then not for segment 1 (8 MiB).
+        let held: HostBuffer = Box::new(contents[2].clone());
+        lock(&split.host_cache).insert(
+            &recipes[2].blake3,
+            Arc::new(Mutex::new(held)),
+            recipes[2].size,
+        );
+        let prefill = HostPrefill::new(&split, DEFAULT_TENANT);
+        prefill.begin(&recipes);
+        let c0 = &recipes[0].chunks[0];
+        prefill.chunk(c0, &contents[0][..c0.len as usize - 1]);
+        hand_over(&prefill, &recipes[1], &contents[1], |_| true);
+        let done = prefill.finish(&store);
+        assert_eq!(
+            done,
+            Prefilled {
+                segments: 1,
+                bytes: recipes[0].size
+            }
+        );
+        assert_eq!(
+            cached(&split, &recipes[0]).as_deref(),
+            Some(&contents[0][..])
+        );
+        assert_eq!(cached(&split, &recipes[1]), None);
+        assert_eq!(
+            cached(&split, &recipes[2]).as_deref(),
+            Some(&contents[2][..])
+        );
+    }
+
+    /// A pull that fails drops its prefill unfinished: nothing enters the cache.
+    #[test]
+    fn a_failed_pull_puts_nothing_in_the_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let (split, _store, recipes, contents) = setup(dir.path(), 64 << 20, &[10 * MIB]);
+        let prefill = HostPrefill::new(&split, DEFAULT_TENANT);
+        prefill.begin(&recipes);
+        hand_over(&prefill, &recipes[0], &contents[0], |_| true);
+        drop(prefill);
+        assert_eq!(lock(&split.host_cache).used(), 0);
+    }
+
+    /// A damaged chunk in the store (one the pipeline did not hand over) keeps its segment out
+    /// of the cache; the others still go in.
+    #[test]
+    fn a_damaged_stored_chunk_keeps_only_its_segment_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let (split, store, recipes, contents) = setup(dir.path(), 64 << 20, &[4 * MIB, 4 * MIB]);
+        let damaged = store.chunk_path(&recipes[1].chunks[0].id);
+        std::fs::write(&damaged, b"not the chunk").unwrap();
+        let prefill = HostPrefill::new(&split, DEFAULT_TENANT);
+        prefill.begin(&recipes);
+        hand_over(&prefill, &recipes[0], &contents[0], |_| true);
+        let done = prefill.finish(&store);
+        assert_eq!(
+            done,
+            Prefilled {
+                segments: 1,
+                bytes: recipes[0].size
+            }
+        );
+        assert_eq!(cached(&split, &recipes[1]), None);
     }
 }
