@@ -334,7 +334,7 @@ impl PullError {
 /// The page profile recorded for snapshot `id` under `state_root`, to push beside it (`None`:
 /// none recorded, or one too large for a pull to take, which only costs the hot set).
 fn read_profile(state_root: &Path, id: &str) -> Result<Option<Vec<u8>>, PushError> {
-    let Some(path) = crate::runtime::page_profile::recorded(state_root, id) else {
+    let Some(path) = crate::profiles::recorded(state_root, id) else {
         return Ok(None);
     };
     match std::fs::read(&path) {
@@ -349,9 +349,9 @@ fn read_profile(state_root: &Path, id: &str) -> Result<Option<Vec<u8>>, PushErro
     }
 }
 
-/// Writes a pulled snapshot's profile where its restores look for it (crate::runtime::
-/// page_profile::recorded): aside, mode 0600, then renamed, so a restore never reads half of
-/// one. `None`: the bucket had none, and a file left there by a pull that died goes.
+/// Writes a pulled snapshot's profile where its restores look for it
+/// (crate::profiles::recorded): aside, mode 0600, then renamed, so a restore never reads half
+/// of one. `None`: the bucket had none, and a file left there by a pull that died goes.
 fn keep_profile(path: &Path, profile: Option<&[u8]>) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
@@ -743,7 +743,7 @@ impl Tier {
         }
         phases.portability_s = portability.elapsed().as_secs_f64();
         let t = Instant::now();
-        let profile_path = crate::runtime::page_profile::path(state_root, &record.snapshot);
+        let profile_path = crate::profiles::path(state_root, &record.snapshot);
         if let Err(source) = keep_profile(&profile_path, profile.as_deref()) {
             if let Err(e) = std::fs::remove_dir_all(&out) {
                 tracing::warn!(path = %out.display(), error = %e, "cannot remove a pulled snapshot whose profile could not be kept");

@@ -32,6 +32,7 @@ pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod objstore;
+pub mod profiles;
 pub mod protocol;
 pub mod recovery;
 pub mod registry;

@@ -263,7 +263,7 @@ fn remove_dirs(dirs: Vec<(PathBuf, bool)>) -> (Vec<PathBuf>, BTreeMap<PathBuf, S
         let removed_now = std::fs::remove_dir_all(&dir);
         // A split snapshot's segments: released in the chunk store, then GC; its page profile.
         crate::split::release_snapshot_of_dir(&dir);
-        crate::runtime::page_profile::remove_of_dir(&dir);
+        crate::profiles::remove_of_dir(&dir);
         match removed_now {
             Ok(()) => removed.push(dir),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

@@ -503,7 +503,7 @@ pub fn remove_snapshot_dir(dir: &Path) {
     }
     // Its segments in the chunk store, if it is a split snapshot, and its page profile.
     crate::split::release_snapshot_of_dir(dir);
-    crate::runtime::page_profile::remove_of_dir(dir);
+    crate::profiles::remove_of_dir(dir);
 }
 
 /// A snapshot directory removed once the last holder drops it (e.g. a woken hibernation, read

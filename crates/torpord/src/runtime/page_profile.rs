@@ -21,32 +21,7 @@ use crate::protocol::{Invoke, ToWorker};
 use crate::runtime::process::{restore_with, wake, HowToRestore, TreeGuard, RECONNECT_TIMEOUT};
 use crate::runtime::Runtime;
 
-/// The directory of the profiles, under the state directory.
-pub const PROFILES_DIR: &str = "profiles";
-
-/// Where the profile of snapshot `id` is kept.
-pub fn path(state_root: &Path, id: &str) -> PathBuf {
-    state_root.join(PROFILES_DIR).join(format!("{id}.pages"))
-}
-
-/// The profile of snapshot `id`, if one was recorded and holds a range.
-pub fn recorded(state_root: &Path, id: &str) -> Option<PathBuf> {
-    let p = path(state_root, id);
-    std::fs::metadata(&p)
-        .is_ok_and(|m| m.len() > 0)
-        .then_some(p)
-}
-
-/// Removes the profile of the snapshot in `snapshot_dir` (`<state>/snapshots/<id>`), if any.
-pub fn remove_of_dir(snapshot_dir: &Path) {
-    let (Some(id), Some(root)) = (
-        snapshot_dir.file_name().and_then(|n| n.to_str()),
-        snapshot_dir.parent().and_then(Path::parent),
-    ) else {
-        return;
-    };
-    let _ = std::fs::remove_file(path(root, id));
-}
+use crate::profiles::{path, PROFILES_DIR};
 
 /// Why a profile was not recorded.
 #[derive(Debug, thiserror::Error)]

@@ -390,6 +390,14 @@ mod tests {
         }
     }
 
+    /// What a prefill of `r` alone did.
+    fn just(r: &Recipe) -> Prefilled {
+        Prefilled {
+            segments: 1,
+            bytes: r.size,
+        }
+    }
+
     fn cached(split: &Split, recipe: &Recipe) -> Option<Vec<u8>> {
         let buf = lock(&split.host_cache).get(&recipe.blake3)?;
         let b = lock(&buf);
@@ -442,13 +450,7 @@ mod tests {
         prefill.chunk(c0, &contents[0][..c0.len as usize - 1]);
         hand_over(&prefill, &recipes[1], &contents[1], |_| true);
         let done = prefill.finish(&store);
-        assert_eq!(
-            done,
-            Prefilled {
-                segments: 1,
-                bytes: recipes[0].size
-            }
-        );
+        assert_eq!(done, just(&recipes[0]));
         assert_eq!(
             cached(&split, &recipes[0]).as_deref(),
             Some(&contents[0][..])
@@ -484,13 +486,7 @@ mod tests {
         prefill.begin(&recipes);
         hand_over(&prefill, &recipes[0], &contents[0], |_| true);
         let done = prefill.finish(&store);
-        assert_eq!(
-            done,
-            Prefilled {
-                segments: 1,
-                bytes: recipes[0].size
-            }
-        );
+        assert_eq!(done, just(&recipes[0]));
         assert_eq!(cached(&split, &recipes[1]), None);
     }
 }

@@ -61,7 +61,7 @@ impl Runtime {
         // snapshot's restores by Torpor's page server; `auto` picks lazy for a GPU function only
         // with one.
         let profile = match sleeper {
-            None => crate::runtime::page_profile::recorded(&self.state_root, &info.snapshot_id),
+            None => crate::profiles::recorded(&self.state_root, &info.snapshot_id),
             Some(_) => None,
         };
         let how_pages = self
