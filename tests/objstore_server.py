@@ -51,12 +51,12 @@ def weed_binary() -> Path:
     return Path(found)
 
 
-def free_ports(n: int) -> list[int]:
+def free_ports(n: int, ip: str = "127.0.0.1") -> list[int]:
     socks = []
     try:
         for _ in range(n):
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            s.bind((ip, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
@@ -65,10 +65,13 @@ def free_ports(n: int) -> list[int]:
 
 
 class Seaweed:
-    def __init__(self, base: Path, volumes: int = 4, volume_mb: int = 64) -> None:
+    def __init__(self, base: Path, volumes: int = 4, volume_mb: int = 64, ip: str = "127.0.0.1") -> None:
         """`volumes` of at most `volume_mb` MB each: what the server can hold (the tests need
-        little; bench/cluster/pull.py asks for gigabytes)."""
+        little; bench/cluster/pull.py asks for gigabytes). `ip`: the address it listens on
+        (loopback; the cluster test's nodes in network namespaces of their own reach it at
+        their bridge's address on this host)."""
         self.base = base
+        self.ip = ip
         data = base / "data"
         data.mkdir()
         identities = {
@@ -82,13 +85,13 @@ class Seaweed:
         }
         config = base / "s3.json"
         config.write_text(json.dumps(identities))
-        p = free_ports(8)
+        p = free_ports(8, ip)
         self.s3_port, self.filer_port = p[6], p[4]
         self.log_path = base / "weed.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [
-                    str(weed_binary()), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
+                    str(weed_binary()), "server", f"-ip={ip}", f"-ip.bind={ip}", f"-dir={data}",
                     f"-master.port={p[0]}", f"-master.port.grpc={p[1]}",
                     f"-volume.port={p[2]}", f"-volume.port.grpc={p[3]}",
                     f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
@@ -108,7 +111,7 @@ class Seaweed:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.s3_port}"
+        return f"http://{self.ip}:{self.s3_port}"
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
@@ -118,7 +121,7 @@ class Seaweed:
         while True:
             assert self.proc.poll() is None, f"weed exited {self.proc.returncode}\n{self.log_tail()}"
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                socket.create_connection((self.ip, port), timeout=1).close()
                 return
             except OSError:
                 assert time.monotonic() < deadline, f"weed did not listen on {port}\n{self.log_tail()}"
@@ -130,7 +133,7 @@ class Seaweed:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                c = http.client.HTTPConnection("127.0.0.1", self.filer_port, timeout=10)
+                c = http.client.HTTPConnection(self.ip, self.filer_port, timeout=10)
                 c.request("POST", f"/buckets/{name}/")
                 status = c.getresponse().status
                 c.close()
@@ -144,7 +147,7 @@ class Seaweed:
     def put_object(self, bucket: str, key: str, data: bytes) -> None:
         """Writes an object through the filer (what `aws s3 cp` would do through the S3 API):
         the tests' way to upload data, not the code under test."""
-        c = http.client.HTTPConnection("127.0.0.1", self.filer_port, timeout=30)
+        c = http.client.HTTPConnection(self.ip, self.filer_port, timeout=30)
         try:
             c.request("PUT", f"/buckets/{bucket}/{key}", body=data, headers={"Content-Type": "application/octet-stream"})
             r = c.getresponse()
@@ -155,7 +158,7 @@ class Seaweed:
 
     def get_object(self, bucket: str, key: str) -> bytes | None:
         """An object's contents through the filer, or None when there is none."""
-        c = http.client.HTTPConnection("127.0.0.1", self.filer_port, timeout=30)
+        c = http.client.HTTPConnection(self.ip, self.filer_port, timeout=30)
         try:
             c.request("GET", f"/buckets/{bucket}/{key}")
             r = c.getresponse()

@@ -1,14 +1,14 @@
-"""Torpor on a real Ray cluster of three nodes on loopback (torpor.cluster, docs/cluster.md).
+"""Torpor on a real Ray cluster of three nodes on this host (torpor.cluster, docs/cluster.md).
 
-The fixture starts three torpords (each its own state directory, socket and config) and three
-`python3 -m torpor.cluster up` supervisors: the head (Ray's GCS, the Serve ingress) and two
-workers joining it with `ray start --address`, each with its own Ray temporary directory, its
-own `torpor-node-<name>` resource and its own ports. It is `ray start`, not
+The fixture gives each node a network of its own (tests/netns.py: a network namespace on a
+bridge of this host, a private address; SeaweedFS listens on the bridge's address) and starts in
+it the node's torpord (its own state directory, socket and config) and its
+`python3 -m torpor.cluster up` supervisor: the head (Ray's GCS, the Serve ingress) and two
+workers joining it with `ray start --address`, each with its own Ray temporary directory and
+`torpor-node-<name>` resource. So Ray's nodes reach each other by their addresses, as machines
+do, and each torpord pulls from the store across the bridge. It is `ray start`, not
 `ray.cluster_utils.Cluster`, because that is what `torpor cluster up` runs on real machines, and
 because every node is then a process tree of its own that a test can kill -9 as a machine dies.
-The nodes share this machine's network namespace: Ray's nodes reach each other at this host's address,
-and torpord's API is a Unix socket that a network namespace would not separate anyway
-(docs/cluster.md, "Tests", says what a namespace per node would take).
 
 Every request carries an id; the function prints each id it runs into its instance's log on
 its node (`<state>/logs/cluster-ledger/*.log`), which outlives a killed node, so the tests count
@@ -47,6 +47,7 @@ if _RAY is None or _RAY.origin is None or not (Path(_RAY.origin).parent / "serve
 
 from conftest import ROOT, alive, kill_tree  # noqa: E402
 from daemon.conftest import Torpord  # noqa: E402
+from netns import NodeNetwork  # noqa: E402
 
 LEDGER = ROOT / "tests" / "cluster_functions" / "ledger"
 NODES = ("head", "w1", "w2")
@@ -95,9 +96,10 @@ class Reply:
 
 
 class Cluster:
-    def __init__(self, binary: Path, base: Path) -> None:
+    def __init__(self, binary: Path, base: Path, net: NodeNetwork) -> None:
         self.base = base
         self.binary = binary
+        self.net = net
         self.gcs_port = free_port()
         self.http_port = free_port()
         # Ray's socket paths must stay short (AF_UNIX): its temporary directories go under /tmp.
@@ -116,10 +118,14 @@ class Cluster:
                 key = root / "state" / "snapshot.key"
                 shutil.copyfile(self.daemons[NODES[0]].state / "snapshot.key", key)
                 os.chmod(key, 0o600)
-            self.daemons[n] = Torpord(binary, root, config=config)
+            self.daemons[n] = Torpord(binary, root, config=config, launcher=net.launcher(n))
             self.ports[n] = [free_port() for _ in range(6)]
-        for n in NODES:
-            self.start_node(n)
+        try:
+            for n in NODES:
+                self.start_node(n)
+        except BaseException:
+            self.stop()
+            raise
 
     def objstore_config(self) -> str:
         """The `[objstore]` table for every torpord when this torpord has the object tier
@@ -136,7 +142,7 @@ class Cluster:
         from objstore_server import Seaweed
 
         (self.base / "seaweed").mkdir(parents=True, exist_ok=True)
-        self.seaweed = Seaweed(self.base / "seaweed")
+        self.seaweed = Seaweed(self.base / "seaweed", ip=self.net.host_ip)
         self.seaweed.create_bucket("cluster")
         remote = self.seaweed.config(self.base, "cluster")
         return "[objstore]\n" + "\n".join(
@@ -145,16 +151,20 @@ class Cluster:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.gcs_port}"
+        return f"{self.net.addresses[NODES[0]]}:{self.gcs_port}"
 
     def start_node(self, n: str) -> None:
         p = self.ports[n]
         argv = [
-            sys.executable, "-m", "torpor.cluster", "up", "--name", n, "--socket", str(self.daemons[n].socket),
+            *self.net.launcher(n), sys.executable, "-m", "torpor.cluster", "up", "--name", n,
+            "--socket", str(self.daemons[n].socket), "--node-ip", self.net.addresses[n],
             "--temp-dir", str(self.ray_tmp / n), "--num-cpus", "1", "--log", str(self.base / f"{n}-ray.log"),
             "--invoke-timeout-s", "90",
         ]
-        argv += ["--head", "--port", str(self.gcs_port), "--http-port", str(self.http_port)] if n == "head" else ["--address", self.address]
+        argv += (
+            ["--head", "--port", str(self.gcs_port), "--http-host", self.net.addresses[n], "--http-port", str(self.http_port)]
+            if n == "head" else ["--address", self.address]
+        )
         argv += [
             "--", f"--node-manager-port={p[0]}", f"--object-manager-port={p[1]}",
             f"--dashboard-agent-listen-port={p[2]}", f"--dashboard-agent-grpc-port={p[3]}",
@@ -188,7 +198,7 @@ class Cluster:
         return "\n".join(out)
 
     def http(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 120) -> Reply:
-        c = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout)
+        c = http.client.HTTPConnection(self.net.addresses[NODES[0]], self.http_port, timeout=timeout)
         try:
             c.request(method, path, body=body, headers=headers or {})
             r = c.getresponse()
@@ -264,12 +274,16 @@ class Cluster:
 def cluster(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    c = Cluster(torpor_bin, tmp_path_factory.mktemp("cluster"))
+    net = NodeNetwork(NODES)
     try:
-        c.wait_nodes(set(NODES))
-        yield c
+        c = Cluster(torpor_bin, tmp_path_factory.mktemp("cluster"), net)
+        try:
+            c.wait_nodes(set(NODES))
+            yield c
+        finally:
+            c.stop()
     finally:
-        c.stop()
+        net.close()
 
 
 def burst(c: Cluster, n: int, sleep: float, threads: int, on_answer: Any = None) -> list[tuple[str, Reply]]:
@@ -312,7 +326,9 @@ def test_deploy_once_and_a_burst_runs_on_every_node(cluster: Cluster) -> None:
 
 def test_status_lists_every_node(cluster: Cluster) -> None:
     r = subprocess.run(
-        [str(cluster.binary), "cluster", "status", "--address", cluster.address, "--json"],
+        # Run on a node of the cluster (its network), as on real machines: a Ray driver joins
+        # the cluster through the raylet of the machine it runs on.
+        [*cluster.net.launcher(NODES[0]), str(cluster.binary), "cluster", "status", "--address", cluster.address, "--json"],
         capture_output=True, text=True, check=False, timeout=120, env={**os.environ, **RAY_ENV},
     )
     assert r.returncode == 0, r.stderr
@@ -320,8 +336,15 @@ def test_status_lists_every_node(cluster: Cluster) -> None:
     assert doc["ray_nodes_alive"] == 3 and set(doc["nodes"]) == set(NODES), doc
     for n, info in doc["nodes"].items():
         assert info["socket"] == str(cluster.daemons[n].socket) and "cluster-ledger" in info["functions"], info
+    # Each node's torpord and Ray run in the node's own network, none in this host's.
+    host = os.stat("/proc/self/ns/net").st_ino
+    for n in NODES:
+        ns = os.stat(cluster.net.path(n)).st_ino
+        assert ns != host and os.stat(f"/proc/{cluster.daemons[n].proc.pid}/ns/net").st_ino == ns, n
+        assert os.stat(f"/proc/{cluster.ups[n].pid}/ns/net").st_ino == ns, n
     r = subprocess.run(
-        [str(cluster.binary), "cluster", "up", "--address", cluster.address, "--name", "x", "--socket", "/nonexistent.sock"],
+        [*cluster.net.launcher(NODES[1]), str(cluster.binary), "cluster", "up", "--address", cluster.address,
+         "--name", "x", "--socket", "/nonexistent.sock"],
         capture_output=True, text=True, check=False, timeout=120,
     )
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [

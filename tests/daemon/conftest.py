@@ -122,10 +122,14 @@ class Torpord:
         config: str = "",
         env: dict[str, str] | None = None,
         queue_timeout_s: float = QUEUE_TIMEOUT_S,
+        launcher: tuple[str, ...] = (),
     ) -> None:
         """`extra`: more `torpor serve` flags; `config`: more TOML for its config file; `env`: more
-        environment for the daemon; `queue_timeout_s`: its queue.timeout_s."""
+        environment for the daemon; `queue_timeout_s`: its queue.timeout_s; `launcher`: a
+        command that execs the daemon (`nsenter --net=…`: a node of the cluster test in a
+        network namespace of its own), so that its process is still the daemon."""
         self.binary = binary
+        self.launcher = list(launcher)
         self.extra = list(extra)
         self.env = dict(env or {})
         self.root = root
@@ -141,7 +145,7 @@ class Torpord:
     def _spawn(self) -> None:
         share_init_copy(self.binary, self.state, before=True)
         self.proc = subprocess.Popen(
-            [self.binary, "serve", "--config", self.config, "--state-dir", self.state, "--socket", self.socket, *self.extra],
+            [*self.launcher, self.binary, "serve", "--config", self.config, "--state-dir", self.state, "--socket", self.socket, *self.extra],
             stdout=subprocess.DEVNULL,
             stderr=open(self.log, "ab"),  # noqa: SIM115 (closed with the process)
             env={**{k: v for k, v in os.environ.items() if k != "TORPOR_SOCKET"}, **self.env},
