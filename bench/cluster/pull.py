@@ -460,6 +460,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--transfer-bytes", type=int, default=None)
     p.add_argument("--cpu-weights-mib", type=int, default=None,
                    help="--model cpu: the size of its weights (default 8): a CPU pull of GPU-like size")
+    p.add_argument("--cpu-anon-mib", type=int, default=None,
+                   help="--model cpu: random anonymous memory the function keeps, a CRIU image of a GPU "
+                   "worker's size (GPT-2-Large's: ~1500)")
     p.add_argument("--parallel", type=int, default=STREAMS,
                    help=f"torpord's objstore.parallel for push and pull, and the chunk probe's streams (default {STREAMS})")
     p.add_argument("--early-write-back", choices=("on", "off"), default=None,
@@ -484,6 +487,11 @@ def main(argv: list[str]) -> int:
             print("bench/cluster/pull.py: --cpu-weights-mib takes a size >= 1 and --model cpu", file=sys.stderr)
             return 2
         split.CPU_WEIGHTS_BYTES = args.cpu_weights_mib << 20
+    if args.cpu_anon_mib is not None:
+        if model.gpu or args.cpu_anon_mib < 1:
+            print("bench/cluster/pull.py: --cpu-anon-mib takes a size >= 1 and --model cpu", file=sys.stderr)
+            return 2
+        split.CPU_ANON_BYTES = args.cpu_anon_mib << 20
     torpor = find_torpor(None)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="torpor-pull-", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
@@ -509,6 +517,7 @@ def main(argv: list[str]) -> int:
         "node_b_restore_server": ",".join(args.node_b_restore_server),
         "early_write_back": args.early_write_back,
         "cpu_weights_bytes": split.CPU_WEIGHTS_BYTES if not model.gpu else None,
+        "cpu_anon_bytes": split.CPU_ANON_BYTES if not model.gpu else None,
         "runs": [],
     }
     try:

@@ -101,6 +101,9 @@ BURST = 8
 HOST_CACHE_BYTES = 8 * GIB
 GPU_CACHE_BYTES = 8 * GIB
 CPU_WEIGHTS_BYTES = 8 << 20
+# Random anonymous memory the cpu function keeps (bench/coldstart/functions/cpu/bench_model.py):
+# a CRIU image of a GPU worker's size in CPU-only runs (bench/cluster/pull.py --cpu-anon-mib).
+CPU_ANON_BYTES = 0
 # The cpu function's weights in this many segments (--cpu-weights-parts).
 CPU_WEIGHTS_PARTS = 1
 
@@ -690,6 +693,8 @@ def assemble(name: str, model: Model, dest_root: Path, say: Any) -> Path:
             subprocess.run([sys.executable, str(ROOT / "bench" / "peers" / "make_weights.py"), model.name, str(weights)], check=True)
         link_or_copy(weights, dest / "weights.safetensors")
     else:
+        if CPU_ANON_BYTES:
+            (dest / "anon.bytes").write_text(str(CPU_ANON_BYTES))
         parts = cpu_weight_parts(dest_root / "cpu-weights.bin", CPU_WEIGHTS_PARTS)
         link_or_copy(parts[0], dest / "weights.bin")
         extra = ""

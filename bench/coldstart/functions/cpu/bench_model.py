@@ -6,6 +6,10 @@
 - `scratch`: a torpor.buffer() every request writes (writable).
 Without the hook (a daemon with `split = false`) the same bytes live in ordinary memory.
 
+A file `anon.bytes` beside this module (split.assemble writes it for `--cpu-anon-mib`) holds a
+count of bytes of random anonymous memory the function keeps from setup on: a CRIU image of a
+GPU worker's size (GPT-2-Large's: ~1.5 GB of pages) for CPU-only runs of the pull benchmark.
+
 Request:  {"seed": n, "hold_s": s?}   hold_s: sleep after computing, to keep the instance busy
 Response: {"digest": sha256 of weights + table + seed, "seed": n}
 """
@@ -13,7 +17,9 @@ Response: {"digest": sha256 of weights + table + seed, "seed": n}
 from __future__ import annotations
 
 import hashlib
+import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torpor
@@ -31,6 +37,15 @@ def seed_of(request: Any) -> tuple[int, float]:
     if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= 600:
         raise ValueError(f"hold_s must be a number of seconds from 0 to 600, got {hold!r}")
     return seed, float(hold)
+
+
+def random_bytes(n: int) -> bytearray:
+    """`n` random bytes, so that their pages neither compress nor deduplicate (made 64 MiB at a
+    time: `randbytes` takes at most 2**31 bits)."""
+    rng, out, step = random.Random(0), bytearray(n), 64 << 20
+    for at in range(0, n, step):
+        out[at:at + step] = rng.randbytes(min(step, n - at))
+    return out
 
 
 def weight_names() -> list[str]:
@@ -59,6 +74,8 @@ class BenchCpu:
         block = self.hash_weights(hashlib.sha256()).digest()
         self.table[:] = block * (TABLE_SIZE // len(block))
         self.calls = 0
+        anon = Path(__file__).with_name("anon.bytes")
+        self.anon = random_bytes(int(anon.read_text())) if anon.is_file() else bytearray()
 
     def hash_weights(self, h: Any) -> Any:
         """`h` updated with the weights, part after part (the same as one part of them all)."""
