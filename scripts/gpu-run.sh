@@ -117,11 +117,12 @@ fi
 # .gpu/torpor.xz: the binary xz-compressed by `make gpu-carry` (6 MB instead of 22), for calls
 # whose carry would pass the tool's 64 MiB with the binary as it is (the pull run, with weed):
 # carry .gpu/torpor.xz instead of .gpu/torpor. Unpacked in place: torpord finds its Python
-# package (python/) from where its binary lies.
-if [ ! -x "$TORPOR_BIN" ] && [ -f .gpu/torpor.xz ]; then
+# package (python/) from where its binary lies. The archive beside the binary that runs: an A/B's
+# other build carried as .gpu/before/torpor.xz unpacks its own, never .gpu/torpor.xz.
+if [ ! -x "$TORPOR_BIN" ] && [ -f "$TORPOR_BIN.xz" ]; then
   python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-    .gpu/torpor.xz "$TORPOR_BIN" && chmod 755 "$TORPOR_BIN" ||
-    echo "gpu-run: cannot unpack .gpu/torpor.xz" >&2
+    "$TORPOR_BIN.xz" "$TORPOR_BIN" && chmod 755 "$TORPOR_BIN" ||
+    echo "gpu-run: cannot unpack $TORPOR_BIN.xz" >&2
 fi
 # No .git travels: the commit the binary was built from, recorded by `make gpu-carry`.
 # A binary of its own ($TORPOR_BIN elsewhere) has its commit beside it.
