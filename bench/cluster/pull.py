@@ -204,23 +204,21 @@ def list_objects(port: int, prefix: str) -> list[tuple[str, int]]:
         token = m.group(1)
 
 
-def pack_gets(port: int, streams: int) -> Json:
-    """GB/s of GETs of every pack in the bucket, whole, `streams` at a time, the bytes dropped:
-    what the store serves the pull's own objects at, without Torpor's checking and storing."""
-    packs = [(k, n) for k, n in list_objects(port, "packs/") if k.endswith(".pack")]
+def parallel_gets(port: int, keys: list[str], streams: int) -> tuple[int, float]:
+    """GETs of `keys`, `streams` at a time, the bytes dropped: (bytes got, seconds)."""
     errors: list[BaseException] = []
-    nxt = iter(packs)
+    nxt = iter(keys)
     lock = threading.Lock()
     got = [0] * streams
 
     def worker(w: int) -> None:
         while True:
             with lock:
-                item = next(nxt, None)
-            if item is None:
+                key = next(nxt, None)
+            if key is None:
                 return
             try:
-                got[w] += s3_request(port, "GET", item[0])
+                got[w] += s3_request(port, "GET", key)
             except BaseException as e:  # noqa: BLE001 (re-raised below)
                 errors.append(e)
                 return
@@ -234,8 +232,16 @@ def pack_gets(port: int, streams: int) -> Json:
     wall = time.perf_counter() - t0
     if errors:
         raise errors[0]
+    return sum(got), wall
+
+
+def pack_gets(port: int, streams: int) -> Json:
+    """GB/s of GETs of every pack in the bucket, whole, `streams` at a time, the bytes dropped:
+    what the store serves the pull's own objects at, without Torpor's checking and storing."""
+    packs = [(k, n) for k, n in list_objects(port, "packs/") if k.endswith(".pack")]
+    got, wall = parallel_gets(port, [k for k, _ in packs], streams)
     total = sum(n for _, n in packs)
-    assert sum(got) == total, (sum(got), total)
+    assert got == total, (got, total)
     return {"packs": len(packs), "bytes": total, "streams": streams, "seconds": round(wall, 4),
             "gbps": round(total / wall / 1e9, 3)}
 
@@ -249,33 +255,8 @@ def chunk_gets(port: int, count: int, size: int, streams: int = STREAMS) -> Json
     body = os.urandom(max(1, size))
     for i in range(count):
         s3_request(port, "PUT", f"chunks-probe/{i:05d}", body=body)
-    errors: list[BaseException] = []
-    nxt = iter(range(count))
-    lock = threading.Lock()
-    got = [0] * streams
-
-    def worker(w: int) -> None:
-        while True:
-            with lock:
-                i = next(nxt, None)
-            if i is None:
-                return
-            try:
-                got[w] += s3_request(port, "GET", f"chunks-probe/{i:05d}")
-            except BaseException as e:  # noqa: BLE001 (re-raised below)
-                errors.append(e)
-                return
-
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    assert sum(got) == count * len(body)
+    got, wall = parallel_gets(port, [f"chunks-probe/{i:05d}" for i in range(count)], streams)
+    assert got == count * len(body)
     return {
         "objects": count,
         "object_bytes": len(body),
