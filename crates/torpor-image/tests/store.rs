@@ -749,3 +749,161 @@ fn chunks_are_placed_without_the_shared_tmp_dir() {
     }
     assert_eq!(chunk_files(&store).len(), 4 * 12);
 }
+
+/// `src`'s chunk files of a fresh recipe of `len` random bytes: what a pull fetches.
+fn foreign_chunks(dir: &Path, len: usize, seed: &str) -> (Recipe, Vec<Vec<u8>>, Vec<u8>) {
+    let src = ChunkStore::open(&dir.join(format!("src-{seed}"))).expect("src");
+    let data = random(len, seed);
+    let mut w = src.writer().expect("writer");
+    let recipe = w
+        .put_bytes_with("seg", &data, Chunking::Fixed { bytes: 64 << 10 })
+        .expect("put");
+    w.commit("s", std::slice::from_ref(&recipe))
+        .expect("commit");
+    let files = recipe
+        .chunks
+        .iter()
+        .map(|c| src.chunk_file(c, "seg").expect("chunk file"))
+        .collect();
+    (recipe, files, data)
+}
+
+/// A pull's writer may hold the chunk files it fetched in memory instead of writing them
+/// (`hold_up_to`): every store of that root in the process reads them at once (a restore
+/// right after the answer), a deferred commit takes them with the store's lock (no GC
+/// meanwhile), and its `finish` writes them, checked, before the syncfs.
+#[test]
+fn held_chunks_are_read_from_memory_until_the_deferred_commit_writes_them() {
+    use torpor_image::store::Commit;
+    let (dir, store) = store();
+    let (recipe, files, data) = foreign_chunks(dir.path(), 5 * (64 << 10) + 1000, "held");
+    let writer = store.writer().expect("writer").hold_up_to(1 << 30);
+    let mut scratch = Vec::new();
+    for (c, file) in recipe.chunks.iter().zip(&files) {
+        let buf = Arc::new(file.clone());
+        let put = writer
+            .hold_chunk_file(c, &buf, 0..buf.len(), "test", &mut scratch)
+            .expect("hold");
+        assert!(put.new);
+        assert_eq!(put.raw.len() as u64, c.len);
+    }
+    assert!(chunk_files(&store).is_empty(), "a held chunk was written");
+    assert_eq!(store.held_chunks(), recipe.chunks.len());
+    // Another store of the same root, as the restore server opens its own.
+    let other = ChunkStore::open(store.root()).expect("again");
+    assert!(recipe.chunks.iter().all(|c| other.contains(&c.id)));
+    assert_eq!(read_back(&other, &recipe), data);
+    assert_eq!(
+        other.chunk_file(&recipe.chunks[0], "seg").expect("file"),
+        files[0]
+    );
+    let pending = writer
+        .commit_many_deferred(&[Commit {
+            id: "held",
+            recipes: std::slice::from_ref(&recipe),
+            key: None,
+        }])
+        .expect("commit");
+    assert_eq!(pending.held_chunks(), recipe.chunks.len());
+    assert_eq!(read_back(&store, &recipe), data);
+    assert!(
+        store.try_gc().expect("gc").is_none(),
+        "a GC ran before the held chunks were written"
+    );
+    pending.finish().expect("finish");
+    assert_eq!(store.held_chunks(), 0);
+    assert_eq!(chunk_files(&store).len(), recipe.chunks.len());
+    assert!(store.pending().expect("pending").is_empty());
+    let report = store.try_gc().expect("gc").expect("no writer left");
+    assert_eq!(report.deleted_chunks, 0);
+    assert_eq!(read_back(&store, &recipe), data);
+}
+
+/// Past its `hold_up_to` a writer writes chunks as before; a writer dropped without a commit
+/// (a failed pull) still writes the ones it held, verified, for the next pull; a damaged
+/// chunk file is refused and nothing of it held.
+#[test]
+fn held_chunks_stop_at_the_bound_and_a_dropped_writer_writes_them() {
+    let (dir, store) = store();
+    let (recipe, files, data) = foreign_chunks(dir.path(), 4 * (64 << 10), "bound");
+    let writer = store
+        .writer()
+        .expect("writer")
+        .hold_up_to(files[0].len() as u64);
+    let mut scratch = Vec::new();
+    let mut bad = files[1].clone();
+    *bad.last_mut().expect("bytes") ^= 1;
+    let bad = Arc::new(bad);
+    let err = writer
+        .hold_chunk_file(
+            &recipe.chunks[1],
+            &bad,
+            0..bad.len(),
+            "s3://b/k",
+            &mut scratch,
+        )
+        .expect_err("damaged");
+    assert!(
+        matches!(err, StoreError::ForeignChunkCorrupt { .. })
+            && err.to_string().contains("s3://b/k"),
+        "{err}"
+    );
+    assert_eq!(store.held_chunks(), 0);
+    for (c, file) in recipe.chunks.iter().zip(&files) {
+        let buf = Arc::new(file.clone());
+        writer
+            .hold_chunk_file(c, &buf, 0..buf.len(), "test", &mut scratch)
+            .expect("hold");
+    }
+    assert_eq!(store.held_chunks(), 1, "held past the bound");
+    assert_eq!(chunk_files(&store).len(), recipe.chunks.len() - 1);
+    drop(writer);
+    assert_eq!(store.held_chunks(), 0);
+    assert_eq!(chunk_files(&store).len(), recipe.chunks.len());
+    let mut w = store.writer().expect("writer");
+    let again = w
+        .put_bytes_with("seg", &data, Chunking::Fixed { bytes: 64 << 10 })
+        .expect("put");
+    assert_eq!(
+        w.stats().new_chunks,
+        0,
+        "the dropped writer's chunks were not kept"
+    );
+    w.commit("s", std::slice::from_ref(&again)).expect("commit");
+}
+
+/// Two writers using one chunk: the second finds it held by the first and holds nothing; its
+/// own commit still writes it (its record must not wait on another writer's finish), and
+/// whichever writes first, the other skips it.
+#[test]
+fn a_chunk_held_by_another_writer_is_written_by_the_commit_that_uses_it() {
+    let (dir, store) = store();
+    let (recipe, files, data) = foreign_chunks(dir.path(), 3 * (64 << 10), "shared");
+    let first = store.writer().expect("first").hold_up_to(1 << 30);
+    let second = store.writer().expect("second").hold_up_to(1 << 30);
+    let mut scratch = Vec::new();
+    for (c, file) in recipe.chunks.iter().zip(&files) {
+        let buf = Arc::new(file.clone());
+        assert!(
+            first
+                .hold_chunk_file(c, &buf, 0..buf.len(), "a", &mut scratch)
+                .expect("hold")
+                .new
+        );
+        assert!(
+            !second
+                .hold_chunk_file(c, &buf, 0..buf.len(), "b", &mut scratch)
+                .expect("hold")
+                .new
+        );
+    }
+    second
+        .commit("second", std::slice::from_ref(&recipe))
+        .expect("commit");
+    assert_eq!(chunk_files(&store).len(), recipe.chunks.len());
+    assert_eq!(store.held_chunks(), 0);
+    first
+        .commit("first", std::slice::from_ref(&recipe))
+        .expect("commit");
+    assert_eq!(read_back(&store, &recipe), data);
+}

@@ -70,6 +70,7 @@ mod pending;
 mod read;
 mod recipe;
 mod records;
+mod shelf;
 mod transfer;
 mod usage;
 mod write;
@@ -105,6 +106,9 @@ const PENDING_DIR: &str = "pending";
 pub struct ChunkStore {
     root: PathBuf,
     compression: Compression,
+    /// Chunks checked and held in memory, not yet written (shelf.rs): this root's, shared by
+    /// every `ChunkStore` of it in this process.
+    shelf: std::sync::Arc<shelf::Shelf>,
 }
 
 impl ChunkStore {
@@ -132,6 +136,7 @@ impl ChunkStore {
         fs::write(&probe, b"").map_err(unusable)?;
         fs::remove_file(&probe).map_err(unusable)?;
         Ok(ChunkStore {
+            shelf: shelf::for_root(&root),
             root,
             compression: Compression::default(),
         })
@@ -152,6 +157,7 @@ impl ChunkStore {
             source,
         })?;
         Ok(ChunkStore {
+            shelf: shelf::for_root(&root),
             root,
             compression: Compression::default(),
         })
@@ -173,9 +179,15 @@ impl ChunkStore {
         id.path_in(&self.root.join(CHUNKS_DIR))
     }
 
-    /// Whether chunk `id` is stored.
+    /// Whether chunk `id` is stored (or held, checked, to be written: shelf.rs).
     pub fn contains(&self, id: &ChunkId) -> bool {
         fs::symlink_metadata(self.chunk_path(id)).is_ok_and(|m| m.is_file())
+            || self.shelf.contains(id)
+    }
+
+    /// Chunks held in memory in this process, checked and not yet written (shelf.rs).
+    pub fn held_chunks(&self) -> usize {
+        self.shelf.len()
     }
 
     fn lock_path(&self) -> PathBuf {

@@ -18,9 +18,10 @@ use std::io;
 use std::path::PathBuf;
 
 use crate::store::error::{io_error, StoreError};
+use crate::store::lock::StoreLock;
 use crate::store::records::{read_record, record_path};
-use crate::store::write::syncfs;
-use crate::store::{check_snapshot_id, sync_dir, ChunkStore, PENDING_DIR};
+use crate::store::write::{place_held, syncfs};
+use crate::store::{check_snapshot_id, sync_dir, ChunkId, ChunkStore, PENDING_DIR};
 
 /// Records committed before their durability: [`finish`](Self::finish) it (in the
 /// background); dropped unfinished, the markers stay for [`ChunkStore::settle`].
@@ -29,6 +30,11 @@ use crate::store::{check_snapshot_id, sync_dir, ChunkStore, PENDING_DIR};
 pub struct Pending {
     store: ChunkStore,
     ids: Vec<String>,
+    /// Chunks the records use that are held in memory, not yet written (shelf.rs): written by
+    /// `finish` (or the drop) under `lock`, the committing writer's, so that no GC runs first.
+    held: Vec<ChunkId>,
+    lock: Option<StoreLock>,
+    write_back: bool,
 }
 
 /// What [`ChunkStore::settle`] did with a record left pending.
@@ -41,10 +47,18 @@ pub enum Settled {
 }
 
 impl Pending {
-    pub(crate) fn new(store: &ChunkStore) -> Pending {
+    pub(crate) fn new(
+        store: &ChunkStore,
+        lock: Option<StoreLock>,
+        held: Vec<ChunkId>,
+        write_back: bool,
+    ) -> Pending {
         Pending {
             store: store.clone(),
             ids: Vec::new(),
+            held,
+            lock,
+            write_back,
         }
     }
 
@@ -61,8 +75,17 @@ impl Pending {
         &self.ids
     }
 
-    /// One syncfs of the store's filesystem, then the markers removed.
-    pub fn finish(self) -> Result<(), StoreError> {
+    /// Chunks held in memory that [`finish`](Self::finish) writes first.
+    pub fn held_chunks(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Writes the chunks held in memory into the store, then one syncfs of the store's
+    /// filesystem, then the markers removed. On an error the markers stay (the next start
+    /// settles the records), and chunks not written stay held (this process still reads them).
+    pub fn finish(mut self) -> Result<(), StoreError> {
+        let held = std::mem::take(&mut self.held);
+        place_held(&self.store, &held, self.write_back)?;
         if self.ids.is_empty() {
             return Ok(());
         }
@@ -73,6 +96,17 @@ impl Pending {
         // Not waiting for the removals to be durable: a marker back after a crash only costs
         // one settle of whole chunks.
         Ok(())
+    }
+}
+
+impl Drop for Pending {
+    /// Dropped unfinished, it still writes the held chunks (without a syncfs: the markers
+    /// stay for the next start's settle), so that readers here keep finding them.
+    fn drop(&mut self) {
+        let held = std::mem::take(&mut self.held);
+        let _ = place_held(&self.store, &held, self.write_back);
+        // The lock goes after: no GC before the chunks are in.
+        self.lock.take();
     }
 }
 

@@ -224,18 +224,37 @@ impl ChunkStore {
         out: &mut [u8],
     ) -> Result<(), StoreError> {
         let path = self.chunk_path(&c.id);
-        let mut handle = match File::options()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-        {
+        let open = || {
+            File::options()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)
+        };
+        let missing = || StoreError::MissingChunk {
+            chunk: c.id,
+            file: file.to_owned(),
+            snapshots: self.holders(&c.id),
+        };
+        let mut handle = match open() {
             Ok(handle) => handle,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(StoreError::MissingChunk {
-                    chunk: c.id,
-                    file: file.to_owned(),
-                    snapshots: self.holders(&c.id),
-                })
+                // Held, not yet written (shelf.rs): from memory.
+                if let Some(held) = self.shelf.get(&c.id) {
+                    return chunk::decode_into(held.bytes(), &c.id, out).map_err(|damage| {
+                        StoreError::CorruptChunk {
+                            chunk: c.id,
+                            file: file.to_owned(),
+                            damage: format!("{damage} (held in memory, not yet written)"),
+                            snapshots: self.holders(&c.id),
+                        }
+                    });
+                }
+                // Its file may have been written between the two looks.
+                match open() {
+                    Ok(handle) => handle,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(missing()),
+                    Err(e) => return Err(io_error("read", &path, e)),
+                }
             }
             Err(e) => return Err(io_error("read", &path, e)),
         };

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::store::chunk::{self, HEADER_LEN};
 use crate::store::error::{io_error, StoreError};
-use crate::store::write::{already_stored, place_chunk_file};
+use crate::store::write::{already_stored, check_foreign, place_chunk_file};
 use crate::store::{ChunkRef, ChunkStore, StoreWriter};
 
 impl ChunkStore {
@@ -32,6 +32,14 @@ impl ChunkStore {
                 Ok(bytes)
             }) {
             Ok(bytes) => bytes,
+            // Held, not yet written (shelf.rs): checked when it was held.
+            Err(e) if e.kind() == io::ErrorKind::NotFound && self.shelf.contains(&c.id) => {
+                match self.shelf.get(&c.id) {
+                    Some(held) => held.bytes().to_vec(),
+                    // Written meanwhile.
+                    None => return self.chunk_file(c, file),
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 return Err(StoreError::MissingChunk {
                     chunk: c.id,
@@ -73,13 +81,7 @@ impl StoreWriter<'_> {
         scratch: &'a mut Vec<u8>,
     ) -> Result<PutChunkFile<'a>, StoreError> {
         let checking = Instant::now();
-        let raw = chunk::check_raw(bytes, &c.id, c.len, scratch).map_err(|damage| {
-            StoreError::ForeignChunkCorrupt {
-                chunk: c.id,
-                origin: origin.to_owned(),
-                damage: damage.to_string(),
-            }
-        })?;
+        let raw = check_foreign(c, bytes, origin, scratch)?;
         let checked = checking.elapsed();
         let store = self.store();
         let path = store.chunk_path(&c.id);
@@ -92,6 +94,7 @@ impl StoreWriter<'_> {
 }
 
 /// What [`StoreWriter::put_chunk_file_raw`] did.
+#[derive(Debug)]
 pub struct PutChunkFile<'a> {
     /// The chunk was not in the store before.
     pub new: bool,

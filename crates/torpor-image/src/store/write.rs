@@ -4,11 +4,14 @@ use std::collections::HashSet;
 use std::ffi::CString;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
+use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use rayon::prelude::*;
 
@@ -18,6 +21,7 @@ use crate::store::error::{io_error, StoreError};
 use crate::store::lock::{self, Mode, StoreLock};
 use crate::store::pending::Pending;
 use crate::store::records;
+use crate::store::shelf;
 use crate::store::{check_snapshot_id, ChunkId, ChunkRef, ChunkStore, Chunking, Recipe};
 
 /// Makes the names of temporary chunk files unique within this process.
@@ -44,11 +48,20 @@ pub struct PutStats {
 #[derive(Debug)]
 pub struct StoreWriter<'a> {
     store: &'a ChunkStore,
-    _lock: StoreLock,
+    /// Taken by a deferred commit, whose [`Pending`] holds it until the chunks this writer
+    /// holds in memory are written.
+    lock: Option<StoreLock>,
     stats: PutStats,
     /// Start each chunk file's write-out to the disk as soon as it is written
     /// ([`StoreWriter::write_back_early`]).
     write_back: bool,
+    /// Chunk files this writer may hold in memory instead of writing them, in bytes
+    /// ([`StoreWriter::hold_up_to`]); 0: none.
+    hold_limit: u64,
+    /// Bytes of chunk files it holds.
+    held_bytes: AtomicU64,
+    /// The chunks it put on the store's shelf, to be written by its commit or its drop.
+    held: Mutex<Vec<ChunkId>>,
 }
 
 /// One record of [`StoreWriter::commit_many`]: snapshot `id` made of `recipes`, sealed with
@@ -74,9 +87,12 @@ impl ChunkStore {
             .expect("a waiting lock is always taken");
         Ok(StoreWriter {
             store: self,
-            _lock: lock,
+            lock: Some(lock),
             stats: PutStats::default(),
             write_back: false,
+            hold_limit: 0,
+            held_bytes: AtomicU64::new(0),
+            held: Mutex::new(Vec::new()),
         })
     }
 }
@@ -96,6 +112,72 @@ impl StoreWriter<'_> {
     /// Whether chunk files are written back early.
     pub(crate) fn writes_back(&self) -> bool {
         self.write_back
+    }
+
+    /// The same writer, letting [`hold_chunk_file`](Self::hold_chunk_file) keep up to `bytes`
+    /// of chunk files in memory instead of writing them (shelf.rs): readers of the store in
+    /// this process find them at once, and a deferred commit's [`Pending::finish`] writes them
+    /// after the caller has answered. For a pull whose first start should not wait for its
+    /// chunk files' writes (docs/objstore.md, "Chunk files placed after the answer").
+    pub fn hold_up_to(mut self, bytes: u64) -> Self {
+        self.hold_limit = bytes;
+        self
+    }
+
+    /// Stores `buf[range]`, a chunk file that came from elsewhere (`origin` names it), after
+    /// checking that it decodes to exactly `c`, as
+    /// [`put_chunk_file_raw`](Self::put_chunk_file_raw) does; but within the writer's
+    /// [`hold_up_to`](Self::hold_up_to) it holds the bytes in memory (sharing `buf`) instead of
+    /// writing them. Safe to call from several threads.
+    pub fn hold_chunk_file<'a>(
+        &self,
+        c: &ChunkRef,
+        buf: &'a Arc<Vec<u8>>,
+        range: Range<usize>,
+        origin: &str,
+        scratch: &'a mut Vec<u8>,
+    ) -> Result<crate::store::PutChunkFile<'a>, StoreError> {
+        let bytes = buf.get(range.clone()).unwrap_or_default();
+        let checking = Instant::now();
+        let raw = check_foreign(c, bytes, origin, scratch)?;
+        let checked = checking.elapsed();
+        let store = self.store;
+        let path = store.chunk_path(&c.id);
+        if already_stored(&path, c.len) || store.shelf.contains(&c.id) {
+            return Ok(crate::store::PutChunkFile {
+                new: false,
+                checked,
+                raw,
+            });
+        }
+        let len = bytes.len() as u64;
+        let room = self
+            .held_bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                (held + len <= self.hold_limit).then_some(held + len)
+            })
+            .is_ok();
+        let held = room
+            && shelf::Held::new(buf, range).is_some_and(|h| {
+                let put = store.shelf.put(c.id, h);
+                if put {
+                    lock_vec(&self.held).push(c.id);
+                }
+                put
+            });
+        if !held {
+            if room {
+                self.held_bytes.fetch_sub(len, Ordering::Relaxed);
+            }
+            if !store.shelf.contains(&c.id) {
+                place_chunk_file(store, &c.id, &path, bytes, self.write_back)?;
+            }
+        }
+        Ok(crate::store::PutChunkFile {
+            new: true,
+            checked,
+            raw,
+        })
     }
 
     /// Stores a device segment, cut into [`Chunking::SEGMENT`] chunks.
@@ -205,10 +287,13 @@ impl StoreWriter<'_> {
     /// them instead of one each. Every record is checked before anything is written; the
     /// records are then written in order, so on an error the ones before it are committed and
     /// the others are not (each record is whole or absent, as always). Ends the writer.
-    pub fn commit_many(self, records: &[Commit<'_>]) -> Result<(), StoreError> {
+    pub fn commit_many(mut self, records: &[Commit<'_>]) -> Result<(), StoreError> {
+        let mut used = Vec::new();
         for c in records {
-            self.check_commit(c.id, c.recipes)?;
+            used.extend(self.check_commit(c.id, c.recipes)?);
         }
+        let held = self.take_held(used);
+        place_held(self.store, &held, self.write_back)?;
         syncfs(self.store.root())?;
         for c in records {
             records::write_record(self.store, c.id, c.recipes, c.key, true)?;
@@ -222,11 +307,17 @@ impl StoreWriter<'_> {
     /// ([`Pending::finish`]: one syncfs) and removes the markers. A process that dies before
     /// that leaves the markers, and [`ChunkStore::settle`] decides then, from the chunks
     /// themselves, whether each record stands. Ends the writer.
-    pub fn commit_many_deferred(self, records: &[Commit<'_>]) -> Result<Pending, StoreError> {
+    ///
+    /// The chunks held in memory (this writer's, [`hold_chunk_file`](Self::hold_chunk_file),
+    /// and any other writer's that the records use) are written by [`Pending::finish`], which
+    /// keeps the store's lock until then (no GC meanwhile).
+    pub fn commit_many_deferred(mut self, records: &[Commit<'_>]) -> Result<Pending, StoreError> {
+        let mut used = Vec::new();
         for c in records {
-            self.check_commit(c.id, c.recipes)?;
+            used.extend(self.check_commit(c.id, c.recipes)?);
         }
-        let mut pending = Pending::new(self.store);
+        let held = self.take_held(used);
+        let mut pending = Pending::new(self.store, self.lock.take(), held, self.write_back);
         for c in records {
             // The marker's name before the record's: a journalling filesystem commits
             // namespace changes in order, so a record that survives a crash has its marker.
@@ -237,20 +328,37 @@ impl StoreWriter<'_> {
     }
 
     fn commit_with(
-        self,
+        mut self,
         snapshot_id: &str,
         recipes: &[Recipe],
         key: Option<&SnapshotKey>,
     ) -> Result<(), StoreError> {
-        self.check_commit(snapshot_id, recipes)?;
+        let used = self.check_commit(snapshot_id, recipes)?;
+        let held = self.take_held(used);
+        place_held(self.store, &held, self.write_back)?;
         // Every chunk written since the last sync reaches the disk before the record that
         // references them: one syncfs instead of an fsync per chunk.
         syncfs(self.store.root())?;
         records::write_record(self.store, snapshot_id, recipes, key, true)
     }
 
-    /// Why `recipes` cannot be committed as snapshot `snapshot_id`, if they cannot.
-    fn check_commit(&self, snapshot_id: &str, recipes: &[Recipe]) -> Result<(), StoreError> {
+    /// The chunks this writer holds in memory, no longer its to write, with `used` (the ones
+    /// a commit's records use, which other writers may hold), each once.
+    fn take_held(&mut self, mut used: Vec<ChunkId>) -> Vec<ChunkId> {
+        self.held_bytes.store(0, Ordering::Relaxed);
+        used.append(&mut lock_vec(&self.held));
+        used.sort_unstable();
+        used.dedup();
+        used
+    }
+
+    /// Why `recipes` cannot be committed as snapshot `snapshot_id`, if they cannot; else the
+    /// chunks they use that are held in memory, not yet written (by any writer).
+    fn check_commit(
+        &self,
+        snapshot_id: &str,
+        recipes: &[Recipe],
+    ) -> Result<Vec<ChunkId>, StoreError> {
         check_snapshot_id(snapshot_id)?;
         let mut names = HashSet::new();
         for recipe in recipes {
@@ -270,18 +378,29 @@ impl StoreWriter<'_> {
         }
         // A recipe made before a GC may name chunks that GC since deleted: never commit those.
         let mut seen = HashSet::new();
+        let mut held = Vec::new();
         for recipe in recipes {
             for c in &recipe.chunks {
-                if seen.insert(c.id) && !store.contains(&c.id) {
-                    return Err(StoreError::MissingChunk {
-                        chunk: c.id,
-                        file: recipe.name.clone(),
-                        snapshots: format!("none yet ({snapshot_id} is being committed)"),
-                    });
+                if !seen.insert(c.id) {
+                    continue;
                 }
+                let on_disk =
+                    fs::symlink_metadata(store.chunk_path(&c.id)).is_ok_and(|m| m.is_file());
+                if on_disk {
+                    continue;
+                }
+                if store.shelf.contains(&c.id) {
+                    held.push(c.id);
+                    continue;
+                }
+                return Err(StoreError::MissingChunk {
+                    chunk: c.id,
+                    file: recipe.name.clone(),
+                    snapshots: format!("none yet ({snapshot_id} is being committed)"),
+                });
             }
         }
-        Ok(())
+        Ok(held)
     }
 
     fn store_chunk(&self, data: &[u8]) -> Result<Stored, StoreError> {
@@ -303,6 +422,97 @@ impl StoreWriter<'_> {
             chunk,
             written: Some(bytes.len() as u64),
         })
+    }
+}
+
+impl Drop for StoreWriter<'_> {
+    /// A writer ended without a commit (an error) still writes the chunks it held: they are
+    /// checked, and the next pull or snapshot needs them, as it needs the ones it wrote.
+    fn drop(&mut self) {
+        let held = self.take_held(Vec::new());
+        if !held.is_empty() {
+            let _ = place_held(self.store, &held, self.write_back);
+        }
+    }
+}
+
+/// A poisoned lock's list is still whole: its holders only push and take.
+fn lock_vec<T>(m: &Mutex<Vec<T>>) -> std::sync::MutexGuard<'_, Vec<T>> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Checks a chunk file from elsewhere against `c`; its raw bytes.
+pub(crate) fn check_foreign<'a>(
+    c: &ChunkRef,
+    bytes: &'a [u8],
+    origin: &str,
+    scratch: &'a mut Vec<u8>,
+) -> Result<&'a [u8], StoreError> {
+    chunk::check_raw(bytes, &c.id, c.len, scratch).map_err(|damage| {
+        StoreError::ForeignChunkCorrupt {
+            chunk: c.id,
+            origin: origin.to_owned(),
+            damage: damage.to_string(),
+        }
+    })
+}
+
+/// Threads that write held chunks into the store: a few, since each write mostly copies into
+/// the page cache (the CPU) and this runs beside the restore that the pull answered for.
+fn placing_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 8))
+}
+
+/// Writes the held chunks `ids` into the store (any that another writer wrote meanwhile, or
+/// that are no longer held, are skipped), each let go of once its file is in place. The first
+/// error is returned; the chunks not written stay held, so this process still reads them.
+pub(crate) fn place_held(
+    store: &ChunkStore,
+    ids: &[ChunkId],
+    write_back: bool,
+) -> Result<(), StoreError> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let first: Mutex<Option<StoreError>> = Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..placing_threads().min(ids.len()) {
+            scope.spawn(|| {
+                while let Some(id) = ids.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let Some(held) = store.shelf.get(id) else {
+                        continue;
+                    };
+                    let bytes = held.bytes();
+                    let path = store.chunk_path(id);
+                    let stored = bytes
+                        .get(..HEADER_LEN)
+                        .and_then(chunk::raw_len)
+                        .is_some_and(|len| already_stored(&path, len));
+                    let placed = if stored {
+                        Ok(())
+                    } else {
+                        place_chunk_file(store, id, &path, bytes, write_back)
+                    };
+                    match placed {
+                        Ok(()) => store.shelf.remove(id),
+                        Err(e) => {
+                            first
+                                .lock()
+                                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                                .get_or_insert(e);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    match first
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
 }
 
