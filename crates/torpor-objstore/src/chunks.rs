@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Recipe, StoreWriter};
@@ -544,6 +544,7 @@ pub(crate) fn download_sets(
                     let Ok((n, bytes)) = got else { break };
                     let (set, job) = &jobs[n];
                     let sink = |c: &ChunkRef, bytes: &[u8]| raw(*set, c, bytes);
+                    let bytes = Arc::new(bytes);
                     let stored = store_job(
                         &sets[*set].source,
                         writer,
@@ -553,7 +554,11 @@ pub(crate) fn download_sets(
                         &mut scratch,
                         &sink,
                     );
-                    lock(buffers).push(bytes);
+                    // Back into the round unless the store holds chunks of it in memory
+                    // (StoreWriter::hold_up_to): those are written after the commit.
+                    if let Ok(bytes) = Arc::try_unwrap(bytes) {
+                        lock(buffers).push(bytes);
+                    }
                     match stored {
                         Ok(chunks) => {
                             ticker.tick_n(chunks);
@@ -618,7 +623,7 @@ fn store_job(
     source: &Source<'_>,
     writer: &StoreWriter<'_>,
     job: &Job,
-    bytes: &[u8],
+    bytes: &Arc<Vec<u8>>,
     clock: &PipelineClock,
     scratch: &mut Vec<u8>,
     raw: &ChunkSink<'_>,
@@ -631,7 +636,16 @@ fn store_job(
                 "object {} in bucket {bucket}",
                 remote.full_key(&chunk_key(&c.id))
             );
-            put_timed(writer, c, bytes, &origin, clock, scratch, raw)?;
+            put_timed(
+                writer,
+                c,
+                bytes,
+                0..bytes.len(),
+                &origin,
+                clock,
+                scratch,
+                raw,
+            )?;
             Ok(1)
         }
         Job::Range(r) => {
@@ -649,7 +663,8 @@ fn store_job(
                 put_timed(
                     writer,
                     c,
-                    &bytes[at..at + *len as usize],
+                    bytes,
+                    at..at + *len as usize,
                     &origin,
                     clock,
                     scratch,
@@ -661,19 +676,22 @@ fn store_job(
     }
 }
 
-/// Stores one fetched chunk file, its check and its placing timed apart, then hands its raw
-/// bytes to `raw` (timed as placing: it writes them elsewhere).
+/// Stores one fetched chunk file, `buf[range]` (written, or held in memory where the writer
+/// holds chunks: StoreWriter::hold_up_to), its check and its placing timed apart, then hands
+/// its raw bytes to `raw` (timed as placing: it writes them elsewhere).
+#[allow(clippy::too_many_arguments)]
 fn put_timed(
     writer: &StoreWriter<'_>,
     c: &ChunkRef,
-    bytes: &[u8],
+    buf: &Arc<Vec<u8>>,
+    range: std::ops::Range<usize>,
     origin: &str,
     clock: &PipelineClock,
     scratch: &mut Vec<u8>,
     raw: &ChunkSink<'_>,
 ) -> Result<(), TransferError> {
     let putting = Instant::now();
-    let put = writer.put_chunk_file_raw(c, bytes, origin, scratch)?;
+    let put = writer.hold_chunk_file(c, buf, range, origin, scratch)?;
     raw(c, put.raw)?;
     PipelineClock::add(&clock.check, put.checked);
     PipelineClock::add(&clock.place, putting.elapsed().saturating_sub(put.checked));

@@ -160,6 +160,7 @@ pub fn pull_snapshot(
     let mode = Mode {
         deferred: false,
         early_write_back: true,
+        hold_bytes: 0,
     };
     pull_snapshot_with(
         remote, store, id, out, trust, sealed, parallel, progress, mode, None,
@@ -175,10 +176,8 @@ pub fn pull_snapshot(
 /// ([`Pending::finish`], one syncfs: run it in the background). Readers find the records at
 /// once. Until it finishes, a dead process leaves the records pending, and
 /// [`ChunkStore::settle`] decides at the next start (docs/objstore.md, "Durability after the
-/// answer"). `commit_s` is then the records' writing alone. `early_write_back`: start each
-/// chunk's disk write as it is stored, as [`pull_snapshot`] does; without it the page cache
-/// holds them until [`Pending::finish`]. `sink` gets the sealed record's segments as they
-/// come ([`SealedSink`]).
+/// answer"). `commit_s` is then the records' writing alone. `sink` gets the sealed record's
+/// segments as they come ([`SealedSink`]).
 #[allow(clippy::too_many_arguments)]
 pub fn pull_snapshot_deferred(
     remote: &Remote,
@@ -188,17 +187,33 @@ pub fn pull_snapshot_deferred(
     trust: Trust<'_>,
     sealed: Option<SealedPart<'_>>,
     parallel: usize,
-    early_write_back: bool,
+    after: AfterAnswer,
     progress: &(dyn Fn(Progress) + Sync),
     sink: Option<&dyn SealedSink>,
 ) -> Result<(SnapshotPull, Option<Pending>), TransferError> {
     let mode = Mode {
         deferred: true,
-        early_write_back,
+        early_write_back: after.early_write_back,
+        hold_bytes: after.hold_bytes,
     };
     pull_snapshot_with(
         remote, store, id, out, trust, sealed, parallel, progress, mode, sink,
     )
+}
+
+/// What [`pull_snapshot_deferred`] leaves until after its answer, besides the syncfs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AfterAnswer {
+    /// false: the page cache holds the chunk files until [`Pending::finish`]'s syncfs; true:
+    /// each one's disk write starts as it is written (as [`pull_snapshot`] does).
+    pub early_write_back: bool,
+    /// Up to this many bytes of fetched chunk files are held in memory, checked, instead of
+    /// written into the store before the answer
+    /// ([`StoreWriter::hold_up_to`](torpor_image::store::StoreWriter::hold_up_to)):
+    /// [`Pending::finish`] writes them. Readers of the store in this process find them at once
+    /// (the directory and the segments need nothing written to be restored). 0: every chunk
+    /// written before the answer.
+    pub hold_bytes: u64,
 }
 
 /// How [`pull_snapshot_with`] makes its chunks and records durable.
@@ -208,6 +223,8 @@ struct Mode {
     deferred: bool,
     /// Each chunk's disk write started as it is stored.
     early_write_back: bool,
+    /// Chunk files held in memory until [`Pending::finish`] (only with `deferred`).
+    hold_bytes: u64,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -252,6 +269,11 @@ fn pull_snapshot_with(
     let writer = store.writer()?;
     let writer = if mode.early_write_back {
         writer.write_back_early()
+    } else {
+        writer
+    };
+    let writer = if mode.deferred {
+        writer.hold_up_to(mode.hold_bytes)
     } else {
         writer
     };

@@ -12,8 +12,8 @@ use torpor_image::{
     Host, Manifest, ProcessEntry, Snapshot, SnapshotKey, SnapshotWriter, Source, Trust,
 };
 use torpor_objstore::{
-    pull, pull_snapshot, push, push_sealed_record, ObjError, Progress, Remote, RemoteConfig,
-    SealedPart, TransferError, DEFAULT_PARALLEL,
+    pull, pull_snapshot, pull_snapshot_deferred, push, push_sealed_record, AfterAnswer, ObjError,
+    Progress, Remote, RemoteConfig, SealedPart, TransferError, DEFAULT_PARALLEL,
 };
 
 /// Pseudo-random pages: incompressible and distinct per seed.
@@ -830,6 +830,7 @@ fn files_and_segments_in_one_pipeline(
         .expect("open")
         .verify()
         .expect("verify");
+    held_until_after_the_answer(config, w, key, part, &recipe, &segments);
     // A snapshot without a sealed record pulls as its files alone.
     let plain = pull_snapshot(
         &remote(config),
@@ -950,6 +951,86 @@ fn files_and_segments_in_one_pipeline(
     let mut ids = node4.snapshots().expect("ids");
     ids.sort();
     assert_eq!(ids, ["fn-s-1", "fn-s-1.files"]);
+}
+
+/// A pull that answers before its chunk files are written (`pull_snapshot_deferred` with
+/// `hold_bytes`): at its answer no chunk file is in the store, yet the directory verifies, the
+/// store (and another `ChunkStore` of its root, as the restore server's) reads every segment
+/// from memory and says it has every chunk; `finish` writes them all, then nothing is held.
+/// With `hold_bytes` 0 every chunk is written before the answer, as before.
+fn held_until_after_the_answer(
+    config: &Path,
+    w: &Path,
+    key: &SnapshotKey,
+    part: SealedPart<'_>,
+    recipe: &torpor_image::store::Recipe,
+    segments: &[u8],
+) {
+    let chunk_files = |store: &ChunkStore| walk_files(&store.root().join("chunks"));
+    for (name, hold_bytes) in [("held", 1u64 << 30), ("unheld", 0)] {
+        let store = ChunkStore::open(&w.join(format!("seg-node-{name}"))).expect("store");
+        let out = w.join(format!("pulled-s-{name}"));
+        let (got, pending) = pull_snapshot_deferred(
+            &remote(config),
+            &store,
+            "fn-s-1.files",
+            &out,
+            Trust::Key(key),
+            Some(part),
+            4,
+            AfterAnswer {
+                early_write_back: false,
+                hold_bytes,
+            },
+            &quiet,
+            None,
+        )
+        .expect("deferred pull");
+        let pending = pending.expect("records committed");
+        let total = (got.files.chunks + got.sealed.expect("sealed").chunks) as usize;
+        Snapshot::open(&out)
+            .expect("open")
+            .verify()
+            .expect("verify");
+        let other = ChunkStore::open(store.root()).expect("another store of the root");
+        let mut back = vec![0u8; segments.len()];
+        other.read_into(recipe, &mut back).expect("read segment");
+        assert!(back == segments);
+        if hold_bytes > 0 {
+            assert_eq!(
+                chunk_files(&store),
+                0,
+                "a chunk file was written before the answer"
+            );
+            assert_eq!(pending.held_chunks(), total);
+            assert!(recipe.chunks.iter().all(|c| other.contains(&c.id)));
+        } else {
+            assert_eq!(chunk_files(&store), total);
+            assert_eq!(pending.held_chunks(), 0);
+        }
+        pending.finish().expect("finish");
+        assert_eq!(store.held_chunks(), 0);
+        assert_eq!(chunk_files(&store), total);
+        let mut back = vec![0u8; segments.len()];
+        store.read_into(recipe, &mut back).expect("read segment");
+        assert!(back == segments);
+    }
+}
+
+/// Regular files under `dir`, at any depth.
+fn walk_files(dir: &Path) -> usize {
+    fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| match e.file_type() {
+                    Ok(t) if t.is_dir() => walk_files(&e.path()),
+                    Ok(t) if t.is_file() => 1,
+                    _ => 0,
+                })
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 /// No directory a pull writes aside (`.<name>.pull-<pid>`) is left in `dir`.
