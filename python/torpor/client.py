@@ -96,6 +96,9 @@ class Pulled:
     seconds: float
     # The snapshot's page profile (its hot set) that came with it; 0: none (or nothing pulled).
     profile_bytes: int = 0
+    # Where the pull's time went, and what it left for after its answer (`held_chunks`):
+    # docs/objstore.md; None when nothing was pulled.
+    phases: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ class Client:
             int(d["pulled_chunks"]),
             float(d["seconds"]),
             int(d.get("profile_bytes", 0)),
+            {str(k): float(v) for k, v in d["phases"].items()} if isinstance(d.get("phases"), dict) else None,
         )
 
     def placement(self, name: str) -> Placement:

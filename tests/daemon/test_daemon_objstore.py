@@ -518,6 +518,9 @@ def test_a_pull_answers_before_the_disk_and_a_daemon_killed_before_its_commit_se
 
     b.stop()
     b.env["TORPORD_DELAY"] = "pull-commit:60000"
+    # Every chunk file written before the answer (the held ones are the next test's).
+    config = b.config.read_text()
+    b.config.write_text(config.replace("[objstore]\n", "[objstore]\nhold_bytes = 0\n", 1))
     b.restart()
     try:
         pulled = client.Client(b.socket).pull("os-deferred")
@@ -544,6 +547,7 @@ def test_a_pull_answers_before_the_disk_and_a_daemon_killed_before_its_commit_se
         victim.write_bytes(bytes(raw))
     finally:
         del b.env["TORPORD_DELAY"]
+        b.config.write_text(config)
     b.restart()
     # The API serves once the pulls left pending are settled.
     assert client.Client(b.socket).placement("os-deferred").known
@@ -564,6 +568,69 @@ def test_a_pull_answers_before_the_disk_and_a_daemon_killed_before_its_commit_se
     rt = b.invoke("os-deferred-torn", want)
     assert rt.status == 200 and rt.json()["sha"] == ra["os-deferred-torn"].json()["sha"], (rt.body, b.log_text())
     assert (refs / f"{tsid}.json").exists() and victim.exists()
+
+
+def test_a_pull_answers_before_writing_its_chunk_files_and_one_killed_before_them_is_pulled_again(
+    nodes: tuple[Torpord, Torpord], tmp_path: Path
+) -> None:
+    """With `objstore.hold_bytes` (4 GiB by default) a pull holds the chunk files it fetched in
+    memory and writes them into the store after its answer (docs/objstore.md, "Chunk files
+    placed after the answer"). Held back (`TORPORD_DELAY=pull-commit:60000`): the pull answers
+    with no new chunk file in the store, and the first invoke restores (segments included)
+    from the directory and from memory, answering as A does. Killed -9 in that window, the
+    daemon loses them: at its restart settle finds the records' chunks missing and releases
+    the function, whose next invoke pulls it again and answers alike. Not held back, the
+    chunk files are written soon after the answer, and nothing is held once the records are
+    durable."""
+    a, b = nodes
+    held = splitbuf_as(tmp_path, "os-held")
+    (held / "table.bin").write_bytes(os.urandom(12288))
+    (snap,) = [x for x in a.deploy(held) if x.get("phase") == "snapshot_function"]
+    sid = snap["snapshot"]
+    later = function_dir(tmp_path, "os-held-later", body="return {'later': request}")
+    a.deploy(later)
+    store = b.state / "chunks"
+    want = {"op": "compute", "x": 5}
+    ra = a.invoke("os-held", want)
+    assert ra.status == 200, ra.body
+
+    b.stop()
+    b.env["TORPORD_DELAY"] = "pull-commit:60000"
+    b.restart()
+    try:
+        before = chunk_files(store)
+        pulled = client.Client(b.socket).pull("os-held")
+        assert pulled.pulled_chunks > 0, pulled
+        assert pulled.phases is not None and pulled.phases["held_chunks"] > 0, pulled
+        assert chunk_files(store) == before, "a chunk file was written before the answer"
+        assert (store / "pending" / sid).exists()
+        rb = b.invoke("os-held", want)
+        assert rb.status == 200 and rb.start == "restored" and "segments" in rb.timings, (rb.body, b.log_text())
+        assert rb.json()["sha"] == ra.json()["sha"], (rb.body, ra.body)
+        assert chunk_files(store) == before, "the held chunks were written before the delay ended"
+        b.proc.kill()
+        b.proc.wait()
+    finally:
+        del b.env["TORPORD_DELAY"]
+    b.restart()
+    assert client.Client(b.socket).placement("os-held").known is False, b.log_text()
+    log = b.log.read_text(errors="replace")
+    assert "did not reach the disk whole" in log and "os-held" in log, log
+    again = b.invoke("os-held", want)
+    assert again.status == 200 and again.json()["sha"] == ra.json()["sha"], (again.body, b.log_text())
+
+    # Not held back: written after the answer, then nothing held.
+    before = chunk_files(store)
+    pulled = client.Client(b.socket).pull("os-held-later")
+    assert pulled.phases is not None and pulled.phases["held_chunks"] > 0, pulled
+    deadline = time.monotonic() + 30
+    while "a pull's records are durable" not in b.log_text().split("os-held-later", 1)[-1]:
+        assert time.monotonic() < deadline, b.log_text()
+        time.sleep(0.1)
+    assert len(chunk_files(store) - before) >= pulled.phases["held_chunks"], (pulled, b.log_text())
+    assert not list((store / "pending").iterdir())
+    r = b.invoke("os-held-later", 9)
+    assert r.status == 200 and r.json() == {"later": 9}, r.body
 
 
 def test_a_reopened_file_that_differs_on_the_pulling_node_is_refused_naming_it(

@@ -172,7 +172,8 @@ pub struct PullPhases {
     pub segments_s: f64,
     /// Checking that the files the snapshot reopens are this node's.
     pub portability_s: f64,
-    /// Registering the function, staging its snapshot, trimming the store.
+    /// Registering the function (its snapshot is staged and the store trimmed after the
+    /// answer).
     pub register_s: f64,
     /// The pipeline's threads (`torpor_objstore::PipelineTimes`), each time below summed over
     /// its threads: fetchers and writers.
@@ -194,6 +195,9 @@ pub struct PullPhases {
     /// After the pipeline: the prefilled segments' chunks the store had, read, and the
     /// segments put into the host cache.
     pub prefill_s: f64,
+    /// Fetched chunk files held in memory at the answer, written into the store after it
+    /// (`objstore.hold_bytes`; docs/objstore.md, "Chunk files placed after the answer").
+    pub held_chunks: u64,
 }
 
 /// Makes a pull's records durable now (blocking), or logs why not: their markers then stay
@@ -685,7 +689,10 @@ impl Tier {
                 key,
             }),
             self.config.parallel,
-            self.config.early_write_back,
+            torpor_objstore::AfterAnswer {
+                early_write_back: self.config.early_write_back,
+                hold_bytes: self.config.hold_bytes,
+            },
             &|_| {},
             prefill
                 .as_ref()
@@ -760,6 +767,7 @@ impl Tier {
         let prefilled = prefill.map(|p| p.finish(store)).unwrap_or_default();
         phases.prefill_s = t.elapsed().as_secs_f64();
         phases.prefilled_bytes = prefilled.bytes;
+        phases.held_chunks = pending.as_ref().map_or(0, |p| p.held_chunks() as u64);
         Ok(Fetched {
             record,
             snapshot_dir: out,

@@ -91,6 +91,9 @@
 //! early_write_back = false        # true: a pull starts each chunk's disk write as it stores
 //!                                 # it; false: the page cache holds them until the background
 //!                                 # syncfs after the answer (faster on the H100; docs/objstore.md)
+//! hold_bytes = 4294967296         # a pull holds up to this many bytes of fetched chunk files in
+//!                                 # memory and writes them into the store after it answers
+//!                                 # (4 GiB; 0: all written before the answer; docs/objstore.md)
 //!
 //! [sandbox_pool]                  # the live-context pool (docs/sandboxes.md, "The live-context pool")
 //! size = 0                        # ready sandboxes kept per tenant and base (interpreter, preloads,
@@ -494,7 +497,14 @@ pub struct Objstore {
     /// false: measured slower on the H100, docs/cluster.md); false leaves them to the syncfs
     /// after the answer.
     pub early_write_back: bool,
+    /// Bytes of fetched chunk files a pull holds in memory and writes into the store after it
+    /// answers (`hold_bytes`, default [`DEFAULT_OBJSTORE_HOLD_BYTES`]; 0: none).
+    pub hold_bytes: u64,
 }
+
+/// Default of `objstore.hold_bytes`: 4 GiB, a GPT-2-Large pull's 3.1 GB whole; a larger
+/// function's first 4 GiB (docs/objstore.md, "Chunk files placed after the answer").
+pub const DEFAULT_OBJSTORE_HOLD_BYTES: u64 = 4 << 30;
 
 /// The most requests in flight `objstore.parallel` allows.
 pub const MAX_OBJSTORE_PARALLEL: usize = 256;
@@ -975,6 +985,10 @@ fn objstore_section(t: &mut Table, base: &Path) -> Result<Objstore, KeyError> {
     // Off by default: with durability after the answer the early writes only compete with the
     // fetch (H100: fetch 4.30 s off against 5.98 s on, cluster-pull-s17-writeback-*-h100.json).
     let early_write_back = t.boolean("early_write_back")?.unwrap_or(false);
+    let hold_bytes = match t.integer("hold_bytes", 0, limits::MAX_BYTES as i64)? {
+        Some(n) => u64::try_from(n).unwrap_or(0),
+        None => DEFAULT_OBJSTORE_HOLD_BYTES,
+    };
     let o = Objstore {
         endpoint,
         bucket,
@@ -985,6 +999,7 @@ fn objstore_section(t: &mut Table, base: &Path) -> Result<Objstore, KeyError> {
         cache_bytes,
         parallel,
         early_write_back,
+        hold_bytes,
     };
     o.remote()
         .check()
@@ -1351,6 +1366,23 @@ mod tests {
             assert!(
                 e.starts_with("torpord.toml: objstore.parallel must be ")
                     && e.contains("from 1 to 256"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn objstore_hold_bytes_defaults_to_4_gib_and_is_bounded() {
+        let base = "[objstore]\nendpoint = \"http://127.0.0.1:8333\"\nbucket = \"b\"\ncredentials_file = \"c\"\n";
+        assert_eq!(parse(base).unwrap().objstore.unwrap().hold_bytes, 4 << 30);
+        let c = parse(&format!("{base}hold_bytes = 0\n")).unwrap();
+        assert_eq!(c.objstore.unwrap().hold_bytes, 0);
+        for bad in ["-1", "\"4G\""] {
+            let e = parse(&format!("{base}hold_bytes = {bad}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("torpord.toml: objstore.hold_bytes "),
                 "{bad}: {e}"
             );
         }

@@ -152,8 +152,9 @@ impl crate::runtime::Runtime {
         }
         let rt = Arc::clone(self);
         let (scope2, n) = (scope.clone(), name.to_owned());
-        let tier = Arc::clone(&tier);
+        let tier2 = Arc::clone(&tier);
         let fetched = tokio::task::spawn_blocking(move || {
+            let tier = tier2;
             let stores = |tenant: &str| {
                 rt.split
                     .store_for(tenant)
@@ -161,7 +162,7 @@ impl crate::runtime::Runtime {
             };
             let snapshots = rt.snapshots_dir();
             let dirs = (snapshots.as_path(), rt.state_root.as_path());
-            let mut fetched = tier.fetch(
+            let fetched = tier.fetch(
                 &stores,
                 &rt.snapshot_key,
                 &scope2,
@@ -170,37 +171,41 @@ impl crate::runtime::Runtime {
                 Some(&rt.split),
             )?;
             let store = stores(&fetched.record.tenant)?;
-            let trimmed = Instant::now();
-            let mut registered = rt.registered_snapshots();
-            registered.insert(fetched.record.snapshot.clone());
-            if let Err(e) = tier.trim(&store, &registered) {
-                tracing::warn!(error = %e, "cannot trim the chunk store to objstore.cache_bytes");
-            }
-            fetched.phases.register_s = trimmed.elapsed().as_secs_f64();
-            Ok::<_, PullError>(fetched)
+            Ok::<_, PullError>((fetched, store))
         })
         .await
         .map_err(|e| PullError::StoreOpen(format!("the pull task failed: {e}")))??;
-        let mut fetched = fetched;
+        let (mut fetched, store) = fetched;
         let pending = fetched.pending.take();
         let registering = Instant::now();
         let registered = self.register_pulled(&fetched).await;
-        // The records' syncfs, off the first start's path: the chunks and the directory are
-        // verified and in the page cache, the bucket keeps the durable copy, and a daemon
+        // Off the first start's path: the chunk files held in memory written into the store,
+        // the records' syncfs, then the store trimmed to objstore.cache_bytes (its GC waits
+        // for the writes: the pull's lock). The directory is verified and the held chunks
+        // are read from memory meanwhile; the bucket keeps the durable copy, and a daemon
         // killed before this ends settles the records at its next start (settle_pulls).
-        if let Some(p) = pending {
-            let ids = p.ids().join(", ");
-            tokio::spawn(async move {
-                crate::journal::delay("pull-commit").await;
-                let t = Instant::now();
-                let done =
-                    tokio::task::spawn_blocking(move || crate::bucket::finish_pending(Some(p)))
-                        .await;
-                if done.is_ok() {
-                    tracing::info!(snapshots = %ids, seconds = t.elapsed().as_secs_f64(), "a pull's records are durable");
+        let rt = Arc::clone(self);
+        let snapshot = fetched.record.snapshot.clone();
+        tokio::spawn(async move {
+            crate::journal::delay("pull-commit").await;
+            let t = Instant::now();
+            let ids = pending.as_ref().map(|p| p.ids().join(", "));
+            let held = pending.as_ref().map_or(0, |p| p.held_chunks());
+            let mut keep = rt.registered_snapshots();
+            keep.insert(snapshot);
+            let done = tokio::task::spawn_blocking(move || {
+                crate::bucket::finish_pending(pending);
+                let durable = t.elapsed().as_secs_f64();
+                if let Err(e) = tier.trim(&store, &keep) {
+                    tracing::warn!(error = %e, "cannot trim the chunk store to objstore.cache_bytes");
                 }
-            });
-        }
+                durable
+            })
+            .await;
+            if let (Ok(seconds), Some(ids)) = (done, ids) {
+                tracing::info!(snapshots = %ids, held_chunks = held, seconds, "a pull's records are durable");
+            }
+        });
         registered.map_err(|e| {
             crate::runtime::remove_snapshot_dir(&fetched.snapshot_dir);
             PullError::StoreOpen(e)
