@@ -2,8 +2,10 @@
 pushes, a node on an empty state directory pulls and restores, with the real daemon, workers
 and CRIU; checks that the fresh node pulled exactly what A pushed, restored (not booted), gave
 A's answer, and that the summary's figures are the runs' own. Two runs, the A/B of the pulling node's
-restore server: like node A's (no host cache) and torpord's defaults (a host cache the pull
-fills with the segments, crate torpord::split::prefill)."""
+config: like node A's (no host cache) with every chunk file written before the answer
+(`objstore.hold_bytes = 0`), and torpord's defaults (a host cache the pull fills with the
+segments, crate torpord::split::prefill; chunk files held in memory and written after the
+answer)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     out = tmp_path / "pull.json"
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", "--runs", "2",
-         "--node-b-restore-server", "cold-disk,defaults",
+         "--node-b-restore-server", "cold-disk-unheld,defaults",
          "--work-dir", str(tmp_path / "work"), "--no-drop-cache", "--out", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
         env={**os.environ, "TORPOR_BIN": str(torpor_bin)},
@@ -32,15 +34,19 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     d = json.loads(out.read_text())
     run, prefilled = d["runs"]
-    assert (run["node_b_restore_server"], prefilled["node_b_restore_server"]) == ("cold-disk", "defaults"), d["runs"]
+    assert (run["node_b_restore_server"], prefilled["node_b_restore_server"]) == ("cold-disk-unheld", "defaults"), d["runs"]
     # Without a host cache nothing is prefilled; with torpord's, every byte of the segments
     # (the CPU function's 8 MiB of weights) went in as the pull checked them, and the first
     # restore filled from there.
     assert run["phases"]["prefilled_bytes"] == 0, run["phases"]
     assert prefilled["phases"]["prefilled_bytes"] >= 8 << 20, prefilled["phases"]
     assert prefilled["start"] == "restored" and prefilled["same_answer"], prefilled
+    # hold_bytes = 0 holds nothing; torpord's default held every chunk it fetched.
+    assert run["phases"]["held_chunks"] == 0, run["phases"]
+    assert prefilled["phases"]["held_chunks"] == prefilled["pulled_chunks"], prefilled
     by = d["summary"]["by_node_b_restore_server"]
-    assert by["defaults"]["first_start_s"] == prefilled["first_start_s"] and by["cold-disk"]["runs"] == 1, by
+    assert by["defaults"]["first_start_s"] == prefilled["first_start_s"] and by["cold-disk-unheld"]["runs"] == 1, by
+    assert by["defaults"]["held_chunks"] == prefilled["pulled_chunks"], by
     pushed = d["deploy"]["pushed"]
     # What A pushed, less the pack indexes (read by pushes, not by pulls): within 2 %.
     assert 0.98 * pushed["uploaded_bytes"] <= run["pulled_bytes"] <= pushed["uploaded_bytes"], (run, pushed)
@@ -66,7 +72,7 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     threads = {"fetchers", "writers"}
     summed = {k for k in phases if k.startswith("fetch_") and k.endswith(("_busy_s", "_full_s", "_empty_s"))}
     assert summed == {"fetch_get_busy_s", "fetch_queue_full_s", "fetch_queue_empty_s", "fetch_check_busy_s", "fetch_place_busy_s"}, phases
-    assert all(0 <= v <= run["pull_s"] + 0.05 for k, v in phases.items() if k not in threads | summed | {"prefilled_bytes"}), (phases, run["pull_s"])
+    assert all(0 <= v <= run["pull_s"] + 0.05 for k, v in phases.items() if k not in threads | summed | {"prefilled_bytes", "held_chunks"}), (phases, run["pull_s"])
     assert phases["fetchers"] >= 1 and phases["writers"] >= 1, phases
     assert phases["fetch_get_busy_s"] > 0 and phases["fetch_check_busy_s"] > 0 and phases["fetch_place_busy_s"] > 0, phases
     assert phases["fetch_get_busy_s"] + phases["fetch_queue_full_s"] <= phases["fetchers"] * phases["fetch_s"] + 0.05, phases

@@ -311,12 +311,19 @@ def objstore_table(seaweed: Seaweed, directory: Path, parallel: int, early_write
     }
 
 
+# The pulling node's configs: its [restore_server] (cold-disk: none of its caches; defaults:
+# torpord's own), and with "-unheld" `objstore.hold_bytes = 0` (every chunk file written before
+# the pull answers, as before session 21) instead of torpord's default (held in memory, written
+# after the answer: docs/objstore.md).
+NODE_B_CONFIGS = ("cold-disk", "defaults", "cold-disk-unheld", "defaults-unheld")
+
+
 def node_b_configs(text: str) -> list[str]:
     """`--node-b-restore-server`: one pulling node's config or a comma list to alternate."""
     configs = [c.strip() for c in text.split(",") if c.strip()]
-    bad = [c for c in configs if c not in ("cold-disk", "defaults")]
+    bad = [c for c in configs if c not in NODE_B_CONFIGS]
     if not configs or bad:
-        raise argparse.ArgumentTypeError(f"{text!r}: takes cold-disk, defaults or both, comma-separated")
+        raise argparse.ArgumentTypeError(f"{text!r}: takes {', '.join(NODE_B_CONFIGS)}, comma-separated")
     return configs
 
 
@@ -327,9 +334,9 @@ def node_config(model: split.Model, table: Json, restore_server: str = "cold-dis
     # `restore_server` "defaults" the node keeps torpord's own (a 4 GiB host cache, which the
     # pull fills with the segments as they come, and the stage area): a node as installed.
     config = split.mode_config("cold-disk", model.gpu, {})
-    if restore_server == "defaults":
+    if restore_server.startswith("defaults"):
         config.pop("restore_server", None)
-    config["objstore"] = table
+    config["objstore"] = table | ({"hold_bytes": 0} if restore_server.endswith("-unheld") else {})
     return config
 
 
@@ -452,6 +459,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--node-b-restore-server", type=node_b_configs, default=["cold-disk"],
                    help="the pulling node's [restore_server]: cold-disk, like node A's reference (no caches, the "
                    "default), or defaults, torpord's own (a host cache the pull fills with the segments); "
+                   "with -unheld, objstore.hold_bytes = 0 (every chunk file written before the answer); "
                    "a comma list alternates them run by run, an A/B in one call")
     p.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before the disk read")
     p.add_argument("--budget-s", type=float, default=480.0,
@@ -650,6 +658,9 @@ def main(argv: list[str]) -> int:
                     "restore_to_first_answer_s": statistics.median(r["restore_to_first_answer_s"] for r in rs),
                     "first_start_s": statistics.median(r["first_start_s"] for r in rs),
                     "prefilled_bytes": statistics.median((r.get("phases") or {}).get("prefilled_bytes", 0) for r in rs),
+                    "held_chunks": statistics.median((r.get("phases") or {}).get("held_chunks", 0) for r in rs),
+                    "commit_bg_s": statistics.median(r["commit_bg_s"] for r in rs if r["commit_bg_s"] is not None)
+                    if any(r["commit_bg_s"] is not None for r in rs) else None,
                 }
                 for c in args.node_b_restore_server
                 if (rs := [r for r in runs if r["node_b_restore_server"] == c])
