@@ -29,15 +29,15 @@ def modules_of(obj: Any) -> list[Any]:
 
 
 def _tensors_of(obj: Any) -> Iterable[Any]:
-    """The parameters and buffers of every torch.nn.Module held by the function object, and the
-    tensors it holds directly."""
-    torch = sys.modules["torch"]
+    """The parameters and buffers of every torch.nn.Module held by the function object. Not the
+    tensors it holds directly: those are as often state the handler writes (a cache, a counter,
+    a running sum) as weights, and a warm-up request that only reads them leaves them unchanged,
+    so vouching for one had it mapped read-only and the first write after a restore killed the
+    instance's CUDA context (tests/daemon/functions/gpustate on the H100, session 21). Weights
+    held as bare tensors stay writable segments: correct, only not shared between instances."""
     for module in modules_of(obj):
         yield from module.parameters()
         yield from module.buffers()
-    for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
-        if isinstance(value, torch.Tensor):
-            yield value
 
 
 def shareable_vas(function: Any) -> set[int]:

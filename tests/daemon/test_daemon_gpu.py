@@ -126,6 +126,32 @@ def test_gpu_function_takes_the_split_path_with_the_hook(cuda: None, split_gpu_d
     assert "torpor_restore_fill_gbps_count" in metrics
 
 
+GPUSTATE = ROOT / "tests" / "daemon" / "functions" / "gpustate"
+
+
+def test_a_tensor_the_function_holds_and_its_warm_up_only_reads_stays_writable(
+    cuda: None, split_gpu_daemon: Torpord
+) -> None:
+    """gpustate keeps its state in a bare 64 MiB CUDA tensor (no module) and its warm-up request
+    only reads it, so the read-only probe finds it unchanged. It must not be shared read-only:
+    until session 21 torpor.shareable vouched for tensors the function holds directly, the
+    segment was mapped read-only, and the first write after the restore died with CUDA "an
+    illegal memory access" (seen first on two H100s, then on one)."""
+    torpord = split_gpu_daemon
+    lines = torpord.deploy(GPUSTATE)
+    hook_or_skip(torpord)
+    (snap,) = [line for line in lines if line.get("phase") == "snapshot_function"]
+    assert snap["split"] is True, snap
+    spec = importlib.util.spec_from_file_location("gpustate_model_single", GPUSTATE / "model.py")
+    assert spec and spec.loader
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    for ks in ([3], [3, 11]):
+        r = torpord.invoke("gpustate", {"op": "step", "k": ks[-1]}, timeout=180)
+        assert r.status == 200, (r.status, r.body, torpord.log_text())
+        assert r.json()["sha"] == model.expected_sha(ks), (r.json(), ks)
+
+
 GPUSLEEPY = ROOT / "tests" / "daemon" / "functions" / "gpusleepy"
 
 
