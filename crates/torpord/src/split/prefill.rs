@@ -16,10 +16,19 @@
 //! 3.15 GB for GPT-2-Large) on their first chunk of a segment made the fetch 0.8 s slower, the
 //! driver's mapping calls holding the address-space lock against every other thread's page
 //! faults (session 20, docs/cluster.md). A chunk that arrives before its segment's buffer is
-//! simply not kept; at the end those chunks, and the ones the store had already, are read from
-//! the store (the page cache: the pull has just written them), checked, on a few threads. A
-//! buffer that cannot be had (memory) only means that segment is read from the store at its
-//! restore, as before.
+//! not kept by the writer that checked it; as each buffer is made, [`CATCH_UP_THREADS`] threads
+//! of the prefill's own copy into it the chunks of its segment that are in the store by then
+//! (those that came early, held in memory or written, and the ones the store had already),
+//! checked, while the pull goes on: on the H100 that read-back, done only at the end, was
+//! 0.27-0.38 s of a 2.6 s pull after its last chunk (session 21,
+//! bench/results/cluster-pull-s21-hold-ab-h100.json). What is still missing at the end is read
+//! then, on [`FINISH_THREADS`]. A buffer that cannot be had (memory) only means that segment is
+//! read from the store at its restore, as before.
+//!
+//! Each chunk place is claimed before it is written (`Segment::written`), by the writer that
+//! checked the chunk or by a catch-up thread, never both: a chunk handed to the sink was put in
+//! the store first (the pipeline stores, then hands over), so one that found no buffer is in
+//! the store when the catch-up of its segment runs, after the buffer was made.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -36,16 +45,22 @@ use crate::split::{lock, Split};
 /// Threads reading the chunks the pipeline did not keep back out of the store at the end.
 const FINISH_THREADS: usize = 8;
 
+/// Threads copying, as each buffer is made, the chunks of its segment that came before it.
+const CATCH_UP_THREADS: usize = 2;
+
 /// A pull's segments on their way into the host cache.
 pub struct HostPrefill<'a> {
     split: &'a Split,
     tenant: String,
     plan: OnceLock<Arc<Plan>>,
-    allocator: Mutex<Option<JoinHandle<()>>>,
+    /// The allocator's thread and the catch-up threads.
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 struct Plan {
     device: Arc<dyn SegmentDevice>,
+    /// The store the pull puts the chunks in (None: no catch-up, all read at the end).
+    store: Option<ChunkStore>,
     segments: Vec<Segment>,
     /// Where each chunk lies: (segment, chunk's place in its recipe, offset).
     at: HashMap<ChunkId, Vec<(usize, usize, u64)>>,
@@ -57,7 +72,8 @@ struct Segment {
     recipe: Recipe,
     /// Set by the allocator; never set after a failed allocation (`failed`).
     buf: OnceLock<Filling>,
-    /// Which of the recipe's chunks are in `buf`.
+    /// Which of the recipe's chunk places are in `buf`, or being written: claimed (false →
+    /// true) before the write, given back if the write fails.
     written: Vec<AtomicBool>,
     failed: AtomicBool,
 }
@@ -70,10 +86,10 @@ struct Filling {
 }
 
 // SAFETY: `base` points into `buf`'s allocation, which does not move while the Filling lives
-// (a boxed buffer). The writers (`chunk`) write through `base` only into the disjoint ranges of
-// distinct chunk places, each once (the pipeline hands each chunk over once, and a chunk's
-// places are distinct ranges of its recipes); nothing reads the buffer until `finish`, which
-// runs after the pipeline and the allocator have ended and takes the buffer by value.
+// (a boxed buffer). The writers (`chunk`) and the catch-up threads write through `base` only
+// into the disjoint ranges of distinct chunk places, each by the one thread that claimed the
+// place (`Segment::written`); nothing reads the buffer until `finish`, which runs after the
+// pipeline, the allocator and the catch-up have ended and takes the buffer by value.
 unsafe impl Sync for Filling {}
 // SAFETY: as above; HostBuffer itself is Send.
 unsafe impl Send for Filling {}
@@ -116,7 +132,7 @@ impl<'a> HostPrefill<'a> {
             split,
             tenant: tenant.to_owned(),
             plan: OnceLock::new(),
-            allocator: Mutex::new(None),
+            threads: Mutex::new(Vec::new()),
         }
     }
 
@@ -124,7 +140,7 @@ impl<'a> HostPrefill<'a> {
     /// they came before their buffer) read from `store`, then every whole segment into the
     /// host cache. Blocking.
     pub fn finish(mut self, store: &ChunkStore) -> Prefilled {
-        self.join_allocator();
+        self.join_threads();
         let Some(plan) = self.plan.take() else {
             return Prefilled::default();
         };
@@ -173,10 +189,11 @@ impl<'a> HostPrefill<'a> {
         done
     }
 
-    fn join_allocator(&self) {
-        if let Some(handle) = lock(&self.allocator).take() {
+    fn join_threads(&self) {
+        let threads = std::mem::take(&mut *lock(&self.threads));
+        for handle in threads {
             if handle.join().is_err() {
-                tracing::warn!("the prefill's allocator panicked: the pulled segments it had not made are read from the store");
+                tracing::warn!("a thread of the pull's prefill panicked: the pulled segments it had not filled are read from the store");
             }
         }
     }
@@ -219,6 +236,7 @@ impl<'a> HostPrefill<'a> {
         }
         (!segments.is_empty()).then_some(Plan {
             device,
+            store: self.split.store_for(&self.tenant).ok(),
             segments,
             at,
             cancelled: AtomicBool::new(false),
@@ -226,20 +244,61 @@ impl<'a> HostPrefill<'a> {
     }
 }
 
-/// The allocator: each segment's buffer in the record's order (the order its chunks come in).
-fn allocate(plan: &Plan) {
-    for seg in &plan.segments {
+/// The allocator: each segment's buffer in the record's order (the order its chunks come in),
+/// each made one sent to the catch-up threads.
+fn allocate(plan: &Plan, made: &std::sync::mpsc::Sender<usize>) {
+    for (i, seg) in plan.segments.iter().enumerate() {
         if plan.cancelled.load(Ordering::Acquire) {
             return;
         }
         match plan.device.host_buffer(seg.recipe.size as usize) {
             Ok(b) if b.len() as u64 >= seg.recipe.size => {
                 let _ = seg.buf.set(Filling::new(b));
+                let _ = made.send(i);
             }
             Ok(_) => seg.failed.store(true, Ordering::Release),
             Err(e) => {
                 tracing::debug!(segment = %seg.recipe.name, error = %e, "no host buffer for a pulled segment: its restore reads the store");
                 seg.failed.store(true, Ordering::Release);
+            }
+        }
+    }
+}
+
+/// A catch-up thread: for each segment whose buffer was just made, the chunks of it that are in
+/// the store already (they came before the buffer, or the store had them), read, checked and
+/// copied in; the others come through [`HostPrefill::chunk`] now that the buffer is there.
+fn catch_up(plan: &Plan, made: &Mutex<std::sync::mpsc::Receiver<usize>>) {
+    let Some(store) = &plan.store else { return };
+    let mut chunk = Vec::new();
+    loop {
+        let next = lock(made).recv();
+        let Ok(i) = next else { return };
+        if plan.cancelled.load(Ordering::Acquire) {
+            return;
+        }
+        let seg = &plan.segments[i];
+        let Some(filling) = seg.buf.get() else {
+            continue;
+        };
+        let mut offset = 0u64;
+        for (c, written) in seg.recipe.chunks.iter().zip(&seg.written) {
+            let at = offset;
+            offset += c.len;
+            if written.load(Ordering::Acquire) || !store.contains(&c.id) {
+                continue;
+            }
+            chunk.resize(c.len as usize, 0);
+            // Damaged or gone: left for the end, which keeps the segment out if it still is.
+            if store.read_chunk(c, &seg.recipe.name, &mut chunk).is_err() {
+                continue;
+            }
+            if written
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+                && !filling.write(at, &chunk)
+            {
+                written.store(false, Ordering::Release);
             }
         }
     }
@@ -274,12 +333,12 @@ fn read_missing(seg: &Segment, store: &ChunkStore) -> bool {
 
 impl Drop for HostPrefill<'_> {
     fn drop(&mut self) {
-        // A prefill dropped unfinished (the pull failed): stop the allocator and wait for it,
-        // so that no buffer is made for nothing after the pull has answered.
+        // A prefill dropped unfinished (the pull failed): stop the allocator and the catch-up
+        // and wait for them, so that no buffer is made for nothing after the pull has answered.
         if let Some(plan) = self.plan.get() {
             plan.cancelled.store(true, Ordering::Release);
         }
-        self.join_allocator();
+        self.join_threads();
     }
 }
 
@@ -292,11 +351,23 @@ impl SealedSink for HostPrefill<'_> {
         if self.plan.set(Arc::clone(&plan)).is_err() {
             return;
         }
+        let (made, to_catch_up) = std::sync::mpsc::channel();
+        let to_catch_up = Arc::new(Mutex::new(to_catch_up));
+        for _ in 0..CATCH_UP_THREADS {
+            let (plan, rx) = (Arc::clone(&plan), Arc::clone(&to_catch_up));
+            // Without one, what came early is read at the end instead.
+            if let Ok(handle) = std::thread::Builder::new()
+                .name("pull-prefill-catch-up".into())
+                .spawn(move || catch_up(&plan, &rx))
+            {
+                lock(&self.threads).push(handle);
+            }
+        }
         let spawned = std::thread::Builder::new()
             .name("pull-prefill".into())
-            .spawn(move || allocate(&plan));
+            .spawn(move || allocate(&plan, &made));
         match spawned {
-            Ok(handle) => *lock(&self.allocator) = Some(handle),
+            Ok(handle) => lock(&self.threads).push(handle),
             Err(e) => {
                 tracing::debug!(error = %e, "no thread for the pull's prefill: its segments are read from the store");
                 if let Some(plan) = self.plan.get() {
@@ -315,13 +386,21 @@ impl SealedSink for HostPrefill<'_> {
         };
         for &(index, place, offset) in places {
             let seg = &plan.segments[index];
-            // No buffer yet: this chunk is read from the store at the end instead of waiting
-            // for the allocator here, on the pull's path.
+            // No buffer yet: this chunk (in the store already) is copied by the catch-up once
+            // the buffer is made, instead of waiting for the allocator here, on the pull's path.
             let Some(filling) = seg.buf.get() else {
                 continue;
             };
-            if raw.len() as u64 == seg.recipe.chunks[place].len && filling.write(offset, raw) {
-                seg.written[place].store(true, Ordering::Release);
+            let written = &seg.written[place];
+            if raw.len() as u64 != seg.recipe.chunks[place].len
+                || written
+                    .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+            {
+                continue;
+            }
+            if !filling.write(offset, raw) {
+                written.store(false, Ordering::Release);
             }
         }
     }
@@ -460,6 +539,34 @@ mod tests {
             cached(&split, &recipes[2]).as_deref(),
             Some(&contents[2][..])
         );
+    }
+
+    /// Chunks that are in the store before their buffer is made (they came early, or the store
+    /// had them) are copied in by the catch-up as each buffer is made, not left for the end;
+    /// chunks handed over meanwhile land once, and every segment is exactly its contents.
+    #[test]
+    fn what_came_before_its_buffer_is_copied_in_as_the_buffer_is_made() {
+        let dir = tempfile::tempdir().unwrap();
+        let (split, store, recipes, contents) =
+            setup(dir.path(), 64 << 20, &[8 * MIB, 5 * MIB, 7 * MIB + 3]);
+        let prefill = HostPrefill::new(&split, DEFAULT_TENANT);
+        prefill.begin(&recipes);
+        // Racing the catch-up: segment 1's chunks handed over as the pipeline would.
+        hand_over(&prefill, &recipes[1], &contents[1], |_| true);
+        prefill.join_threads();
+        let plan = prefill.plan.get().expect("a plan");
+        for seg in &plan.segments {
+            assert!(
+                seg.written.iter().all(|w| w.load(Ordering::Acquire)),
+                "{}: a chunk in the store was left for the end",
+                seg.recipe.name
+            );
+        }
+        let done = prefill.finish(&store);
+        assert_eq!(done.segments, 3);
+        for (r, data) in recipes.iter().zip(&contents) {
+            assert_eq!(cached(&split, r).as_deref(), Some(&data[..]), "{}", r.name);
+        }
     }
 
     /// A pull that fails drops its prefill unfinished: nothing enters the cache.
