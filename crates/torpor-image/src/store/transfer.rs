@@ -7,7 +7,7 @@
 use std::fs;
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::store::chunk::{self, HEADER_LEN};
 use crate::store::error::{io_error, StoreError};
@@ -59,41 +59,26 @@ impl StoreWriter<'_> {
     /// Stores `bytes`, a chunk file that came from elsewhere (`origin` names it, e.g. the
     /// object's key), after checking that it decodes to exactly `c`; a damaged one is refused and
     /// nothing is stored. Returns whether the chunk was new. Safe to call from several threads.
+    /// (A pull's writers use [`hold_chunk_file`](Self::hold_chunk_file), which may also keep it
+    /// in memory.)
     pub fn put_chunk_file(
         &self,
         c: &ChunkRef,
         bytes: &[u8],
         origin: &str,
     ) -> Result<bool, StoreError> {
-        self.put_chunk_file_raw(c, bytes, origin, &mut Vec::new())
-            .map(|put| put.new)
-    }
-
-    /// [`put_chunk_file`](Self::put_chunk_file), also giving the chunk's raw bytes (where they
-    /// lie in `bytes`, or decoded into `scratch`: reuse it) for a caller that writes them
-    /// elsewhere too, and how long the check (decoding and hashing) took apart from the
-    /// placing: what tells a pull bound by the CPU from one bound by the file system.
-    pub fn put_chunk_file_raw<'a>(
-        &self,
-        c: &ChunkRef,
-        bytes: &'a [u8],
-        origin: &str,
-        scratch: &'a mut Vec<u8>,
-    ) -> Result<PutChunkFile<'a>, StoreError> {
-        let checking = Instant::now();
-        let raw = check_foreign(c, bytes, origin, scratch)?;
-        let checked = checking.elapsed();
+        check_foreign(c, bytes, origin, &mut Vec::new())?;
         let store = self.store();
         let path = store.chunk_path(&c.id);
         let new = !already_stored(&path, c.len);
         if new {
             place_chunk_file(store, &c.id, &path, bytes, self.writes_back())?;
         }
-        Ok(PutChunkFile { new, checked, raw })
+        Ok(new)
     }
 }
 
-/// What [`StoreWriter::put_chunk_file_raw`] did.
+/// What [`StoreWriter::hold_chunk_file`] did.
 #[derive(Debug)]
 pub struct PutChunkFile<'a> {
     /// The chunk was not in the store before.

@@ -126,7 +126,7 @@ impl StoreWriter<'_> {
 
     /// Stores `buf[range]`, a chunk file that came from elsewhere (`origin` names it), after
     /// checking that it decodes to exactly `c`, as
-    /// [`put_chunk_file_raw`](Self::put_chunk_file_raw) does; but within the writer's
+    /// [`put_chunk_file`](Self::put_chunk_file) does; but within the writer's
     /// [`hold_up_to`](Self::hold_up_to) it holds the bytes in memory (sharing `buf`) instead of
     /// writing them. Safe to call from several threads.
     pub fn hold_chunk_file<'a>(
