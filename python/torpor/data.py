@@ -38,11 +38,13 @@ entry without waiting for the store (torpord writes it in the background).
 
 from __future__ import annotations
 
-import os
 import base64
+import contextlib
 import json
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -74,45 +76,81 @@ class GpuData:
     readonly: bool
 
 
-_bound: dict[str, Bound] | None = None
-_source = ""
-_buffers: dict[str, memoryview] = {}
-# Platform-managed GPU data mapped into this process, and the tensors made of it.
-_gpu: dict[str, GpuData] = {}
-_tensors: dict[str, object] = {}
-# Source entries whose memfd was closed after setup() (their path no longer opens).
-_gone: set[str] = set()
-# Where torpor.dump sends (set by the worker while a request runs).
-_dump_sink: Callable[[str, bytes], None] | None = None
+@dataclass
+class _Binding:
+    """One function's declared data in this process, and what was made of it."""
+
+    entries: dict[str, Bound]
+    source: str
+    buffers: dict[str, memoryview] = field(default_factory=dict)
+    # Platform-managed GPU data mapped into this process, and the tensors made of it.
+    gpu: dict[str, GpuData] = field(default_factory=dict)
+    tensors: dict[str, object] = field(default_factory=dict)
+    # Source entries whose memfd was closed after setup() (their path no longer opens).
+    gone: set[str] = field(default_factory=set)
+
+
+# Each function's binding, by name: a sandbox hosts several functions, each with data of its
+# own under the same names perhaps. `_current` is the function whose setup() or request runs
+# in this thread (the worker sets it); where none is set, the last one bound (a worker of one
+# function, torpor.use_dir).
+_bindings: dict[str, _Binding] = {}
+_last: str | None = None
+_current: ContextVar[str | None] = ContextVar("torpor_data_function", default=None)
+# Where torpor.dump sends (set by the worker while a request runs): (function, name, data).
+_dump_sink: Callable[[str, str, bytes], None] | None = None
 # The most bytes of one torpor.dump (torpord's s3data::MAX_DUMP_BYTES: it travels in one frame).
 MAX_DUMP_BYTES = 32 << 20
 
 
-def bind(entries: Iterable[Bound], source: str) -> None:
-    """Make `entries` the declared data (replacing any earlier binding). `source` names where
-    they came from, for error messages."""
-    global _bound, _source
-    _bound = {e.name: e for e in entries}
-    _source = source
-    _buffers.clear()
-    _gone.clear()
-    _tensors.clear()
+def bind(entries: Iterable[Bound], source: str, function: str = "") -> None:
+    """Make `entries` the declared data of `function` (replacing its earlier binding), and the
+    binding used where no function is current. `source` names where they came from, for error
+    messages."""
+    global _last
+    _bindings[function] = _Binding({e.name: e for e in entries}, source)
+    _last = function
+
+
+@contextlib.contextmanager
+def serving(function: str) -> Iterator[None]:
+    """While inside: torpor.load, load_bytes and dump in this thread use `function`'s data
+    (the worker: a sandbox's setup() and requests)."""
+    token = _current.set(function)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _binding() -> _Binding | None:
+    name = _current.get()
+    return _bindings.get(name if name is not None else (_last if _last is not None else ""))
+
+
+def current_function() -> str | None:
+    """The function whose data this thread uses (None: none bound)."""
+    name = _current.get()
+    return name if name is not None else _last
 
 
 def loaded_done() -> None:
     """After setup() and the warm-up: the memfds of source entries are closed (worker)."""
-    _gone.update(n for n, e in (_bound or {}).items() if e.source)
+    b = _binding()
+    if b is not None:
+        b.gone.update(n for n, e in b.entries.items() if e.source)
 
 
 def unbind() -> None:
-    global _bound, _source
-    _bound = None
-    _source = ""
+    global _last
+    _bindings.clear()
+    _last = None
 
 
 def declared() -> dict[str, Bound]:
     """The bound data by name (empty when nothing is bound)."""
-    return dict(_bound or {})
+    b = _binding()
+    return dict(b.entries) if b is not None else {}
 
 
 def use_dir(fdir: str | os.PathLike[str]) -> Spec:
@@ -126,25 +164,27 @@ def use_dir(fdir: str | os.PathLike[str]) -> Spec:
         f"{spec.dir}/torpor.toml",
     )
     # Nothing loads a source outside a worker: those entries are not there to read.
-    _gone.update(d.name for d in spec.data if d.source)
+    b = _bindings[""]
+    b.gone.update(d.name for d in spec.data if d.source)
     return spec
 
 
 def _lookup(name: str, caller: str) -> Bound:
-    if _bound is None:
+    b = _binding()
+    if b is None:
         raise DataError(
             f"torpor.{caller}({name!r}): no declared data is bound in this process; call it from setup() "
             "of a function torpor runs, or call torpor.use_dir(DIR) first to try the function locally"
         )
-    entry = _bound.get(name)
+    entry = b.entries.get(name)
     if entry is None:
-        names = ", ".join(sorted(_bound)) or "none"
+        names = ", ".join(sorted(b.entries)) or "none"
         raise DataError(
-            f"torpor.{caller}({name!r}): no data named {name!r} is declared in {_source} "
+            f"torpor.{caller}({name!r}): no data named {name!r} is declared in {b.source} "
             f"(declared: {names}); "
             "add a [[data]] entry with that name or fix the name"
         )
-    if name in _gone:
+    if name in b.gone:
         raise DataError(
             f"torpor.{caller}({name!r}): the data comes from {entry.source}, which torpord loads for "
             "setup() and the warm-up of a worker only; read it in setup() and keep what you need "
@@ -181,29 +221,38 @@ def load(name: str, *, buffer: bool = False, device: str | None = None) -> Path 
     entry = _lookup(name, "load")
     if not buffer:
         return entry.path
-    cached = _buffers.get(name)
+    buffers = _binding_of(name).buffers
+    cached = buffers.get(name)
     if cached is not None:
         return cached
     view = _load_segment(entry)
-    _buffers[name] = view
+    buffers[name] = view
     return view
+
+
+def _binding_of(name: str) -> _Binding:
+    """The current binding, which _lookup(name) found."""
+    b = _binding()
+    assert b is not None, name
+    return b
 
 
 def _load_gpu(name: str) -> Any:
     what = f'torpor.load({name!r}, device="cuda")'
     entry = _lookup(name, "load")
+    b = _binding_of(name)
     if entry.device != "cuda":
         raise DataError(
-            f'{what}: {name!r} is not declared device = "cuda" in {_source}; add device = "cuda" to its '
+            f'{what}: {name!r} is not declared device = "cuda" in {b.source}; add device = "cuda" to its '
             f"[[data]] entry (with gpus = 1) so torpord fills GPU memory with it, or call torpor.load({name!r}) for the file"
         )
-    mapped = _gpu.get(name)
+    mapped = b.gpu.get(name)
     if mapped is None:
         raise DataError(
             f"{what}: no GPU memory was filled for it in this process: torpord fills it in the worker of a "
             f"function with gpus = 1 on a node with a GPU; here use torpor.load({name!r}) for the file"
         )
-    cached = _tensors.get(name)
+    cached = b.tensors.get(name)
     if cached is not None:
         return cached
     import sys
@@ -228,14 +277,25 @@ def _load_gpu(name: str) -> Any:
         }
 
     tensor = torch.as_tensor(_CudaArray(), device="cuda")
-    _tensors[name] = tensor
+    b.tensors[name] = tensor
     return tensor
+
+
+def gpu_data(name: str) -> GpuData | None:
+    """Where the platform-managed GPU data `name` of the current function is mapped in this
+    process (None: not mapped here)."""
+    b = _binding()
+    return b.gpu.get(name) if b is not None else None
 
 
 def map_gpu(name: str, fd: int, size: int, padded: int, readonly: bool) -> None:
     """Maps the GPU memory behind `fd` (torpord's `gpu_data` frame; the fd stays the caller's)
     into a new segment of the device-memory hook, so that torpor.load(name, device="cuda") finds
-    it and a split snapshot stores it like any segment (worker)."""
+    it and a split snapshot stores it like any segment (worker; after bind() of the function
+    that declares it)."""
+    b = _binding()
+    if b is None or name not in b.entries:
+        raise DataError(f"mapping the GPU data {name!r}: it is not declared by the function being loaded")
     import ctypes
 
     from torpor import hook
@@ -273,7 +333,7 @@ def map_gpu(name: str, fd: int, size: int, padded: int, readonly: bool) -> None:
         )
     h.release(va.value)
     h.map(va.value, fd, readonly)
-    _gpu[name] = GpuData(va.value, size, padded, readonly)
+    b.gpu[name] = GpuData(va.value, size, padded, readonly)
 
 
 def _load_segment(entry: Bound) -> memoryview:
@@ -332,7 +392,7 @@ def load_bytes(name: str) -> bytes:
     return data
 
 
-def set_dump_sink(sink: Callable[[str, bytes], None] | None) -> None:
+def set_dump_sink(sink: Callable[[str, str, bytes], None] | None) -> None:
     """Where torpor.dump sends while a request runs (the worker sets it)."""
     global _dump_sink
     _dump_sink = sink
@@ -369,13 +429,14 @@ def dump(name: str, obj: object) -> None:
             f"torpor.dump({name!r}): no request is running; call it from the handler (__call__) "
             "of a function torpor runs"
         )
-    sink(name, data)
+    sink(current_function() or "", name, data)
 
 
 def _lookup_for_dump(name: str) -> Bound:
-    if _bound is None or name not in _bound:
+    b = _binding()
+    if b is None or name not in b.entries:
         return _lookup(name, "dump")
-    entry = _bound[name]
+    entry = b.entries[name]
     if entry.source is None:
         raise DataError(
             f"torpor.dump({name!r}): the data is the file {entry.path}, not an object; "
@@ -383,7 +444,7 @@ def _lookup_for_dump(name: str) -> Bound:
         )
     if entry.access != "writable":
         raise DataError(
-            f"torpor.dump({name!r}): the data is read-only in {_source}; declare it access = \"writable\""
+            f"torpor.dump({name!r}): the data is read-only in {b.source}; declare it access = \"writable\""
         )
     return entry
 

@@ -584,30 +584,37 @@ class Worker:
         if slot is not None and fingerprint is not None:
             self.kept.begin(slot, fingerprint)
         try:
-            out = self.call_result(rid, call, msg["request"])
+            out = self.call_result(rid, call, msg["request"], fname or self.function)
         finally:
             torpor_data.set_dump_sink(None)
         self.settle_readiness()
         self.send_result(out, slot=slot)
 
-    def call_result(self, rid: Any, call: Callable[[Any], Any], request: Any) -> dict[str, Any]:
-        """Calls the function on `request` (its {"$ref"} objects replaced by their bytes,
-        torpor.dump's sink set) and returns the `result` frame: its value or its error, and the
-        handler's time."""
+    def call_result(
+        self, rid: Any, call: Callable[[Any], Any], request: Any, function: str | None
+    ) -> dict[str, Any]:
+        """Calls `function` on `request` (its {"$ref"} objects replaced by their bytes,
+        torpor.dump's sink set, torpor.load and dump on its own declared data) and returns the
+        `result` frame: its value or its error, and the handler's time."""
         t0 = time.perf_counter()
         try:
             torpor_data.set_dump_sink(self.send_dump)
-            value = call(torpor_data.with_refs(request))
+            with torpor_data.serving(function or ""):
+                value = call(torpor_data.with_refs(request))
         except Exception as e:
             return {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": time.perf_counter() - t0}
         return {"type": "result", "id": rid, "ok": True, "value": value, "handler_s": time.perf_counter() - t0}
 
-    def send_dump(self, name: str, data: bytes) -> None:
-        """torpor.dump while a request runs: torpord writes `data` to the object in the
-        background (the handler does not wait for the store)."""
+    def send_dump(self, function: str, name: str, data: bytes) -> None:
+        """torpor.dump while a request runs: torpord writes `data` to the object of `function`'s
+        entry `name` in the background (the handler does not wait for the store). The function
+        is named for a sandbox, whose functions each declare their own data."""
         import base64
 
-        self.send({"type": "dump", "name": name, "data": base64.b64encode(data).decode("ascii")})
+        frame: dict[str, Any] = {"type": "dump", "name": name, "data": base64.b64encode(data).decode("ascii")}
+        if function and function != self.function:
+            frame["function"] = function
+        self.send(frame)
 
     def _request_thread(
         self,
@@ -636,10 +643,10 @@ class Worker:
 
             # torpor.dump's sink is process-wide: a sandbox's threads share it (never unset).
             if pool is None:
-                out = self.call_result(rid, on_own_stream, request)
+                out = self.call_result(rid, on_own_stream, request, fname)
             else:
                 with pool.request() as used:
-                    out = self.call_result(rid, on_own_stream, request)
+                    out = self.call_result(rid, on_own_stream, request, fname)
                 out["memory"] = pool.report(used["peak"])
             self.send_result(out, generation=generation, slot=slot)
         except (ConnectionError, OSError, AssertionError):
@@ -940,7 +947,7 @@ class Worker:
                 bound.append(
                     torpor_data.Bound(d["name"], path, d["size"], access, d.get("source"), str(d.get("device", "host")))
                 )
-            torpor_data.bind(bound, f"the torpor.toml of {name}")
+            torpor_data.bind(bound, f"the torpor.toml of {name}", function=name)
             for frame, fd in gpu_data:
                 torpor_data.map_gpu(frame["name"], fd, frame["size"], frame["padded"], frame["readonly"])
             phase = "import"

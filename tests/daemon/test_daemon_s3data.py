@@ -282,3 +282,78 @@ def test_a_sandbox_member_gets_its_data_again_when_a_newcomer_loads_it(node: Tor
     # One sandbox serves both: the group's host holds the two functions.
     (host,) = node.instances("edas-sb-plain") or node.instances("edas-sb-data")
     assert host["pid"], host
+
+
+DUMPER = '''
+import torpor
+from torpor import data
+
+
+@torpor.function
+class D:
+    def setup(self):
+        pass
+
+    def __call__(self, request):
+        if "forge" in request:
+            # What hostile code can do: call the harness's sink naming another function.
+            data._dump_sink(request["forge"], "out", b"forged")
+            return {"forged": True}
+        torpor.dump("out", {"by": request["by"]})
+        return {"note": torpor.load_bytes("note").decode()}
+'''
+
+
+def dumper_dir(root: Path, name: str, note: str) -> Path:
+    d = root / name
+    d.mkdir()
+    (d / "note.txt").write_text(note)
+    (d / "torpor.toml").write_text(
+        f'name = "{name}"\nentry = "handler:D"\ntimeout_s = 30\n'
+        '[[data]]\nname = "note"\npath = "note.txt"\n'
+        f'[[data]]\nname = "out"\nsource = "s3://{BUCKET}/results/{name}.json"\nsize = 4096\naccess = "writable"\n'
+        + SANDBOXED
+    )
+    (d / "handler.py").write_text(DUMPER)
+    return d
+
+
+def wait_object(seaweed: Seaweed, key: str, node: Torpord, unlike: bytes = b"{}") -> bytes:
+    deadline = time.monotonic() + 20
+    while True:
+        got = seaweed.get_object(BUCKET, key)
+        if got is not None and got != unlike:
+            return got
+        assert time.monotonic() < deadline, node.log_text()
+        time.sleep(0.1)
+
+
+def test_each_function_of_a_sandbox_reads_and_dumps_its_own_data(node: Torpord, seaweed: Seaweed, tmp_path: Path) -> None:
+    """Two sandboxed functions declare data under the same names (`note`, a file; `out`, an
+    object): each request reads its own function's file and torpor.dump writes its own
+    function's object, though one worker hosts both. A dump frame that names a function outside
+    the sandbox (hostile code calling the harness's sink) is refused and counted."""
+    upload(seaweed)
+    for name in ("sb-d1", "sb-d2"):
+        seaweed.put_object(BUCKET, f"data/default/results/{name}.json", b"{}")
+    node.deploy(dumper_dir(tmp_path, "sb-d1", "one"))
+    node.deploy(dumper_dir(tmp_path, "sb-d2", "two"))  # the host: it loads sb-d1 after itself
+    for name, note in (("sb-d1", "one"), ("sb-d2", "two")):
+        r = node.invoke(name, {"by": name})
+        assert r.status == 200 and r.json() == {"note": note}, (name, r.status, r.body, node.log_text())
+        got = wait_object(seaweed, f"data/default/results/{name}.json", node)
+        assert json.loads(got) == {"by": name}, (name, got)
+    (host,) = node.instances("sb-d2") or node.instances("sb-d1")
+    assert host["function"] == "sb-d2", host
+
+    # edas-a's object, outside the sandbox: a forged dump never reaches it.
+    seaweed.put_object(BUCKET, "data/default/results/out.json", b"{}")
+    node.deploy(function_dir(tmp_path, "edas-victim", data_entries()))
+    r = node.invoke("sb-d1", {"forge": "edas-victim"})
+    assert r.status == 200, (r.status, r.body)
+    deadline = time.monotonic() + 20
+    while 'torpor_dumps_total{function="sb-d2",outcome="refused"} 1' not in node.request("GET", "/metrics").body.decode():
+        assert time.monotonic() < deadline, node.log_text()
+        time.sleep(0.1)
+    assert "not in its sandbox" in node.log_text()
+    assert seaweed.get_object(BUCKET, "data/default/results/out.json") == b"{}"

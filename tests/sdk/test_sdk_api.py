@@ -142,3 +142,50 @@ def test_load_bytes_checks_read_only_size(tmp_path: Path) -> None:
     f.unlink()
     with pytest.raises(torpor.DataError, match="cannot open .*No such file"):
         torpor.load_bytes("w")
+
+
+def test_each_function_of_a_sandbox_reads_and_dumps_its_own_data(tmp_path: Path) -> None:
+    """A sandbox hosts several functions, each declaring data of its own, maybe under the same
+    names: the worker binds each function's at its load and marks whose request runs on each
+    thread (torpor.data.serving); torpor.load, load_bytes and dump then use that function's."""
+    import threading
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_bytes(b"A")
+    b.write_bytes(b"BB")
+
+    def entries(note: Path, size: int) -> list[torpor_data.Bound]:
+        return [
+            torpor_data.Bound("note", note, size, "read-only"),
+            torpor_data.Bound("out", note, 64, "writable", source=f"s3://b-b/{note.stem}.json"),
+        ]
+
+    torpor_data.bind(entries(a, 1), "the torpor.toml of fa", function="fa")
+    torpor_data.bind(entries(b, 2), "the torpor.toml of fb", function="fb")
+    # Where no function is marked (the worker's setup() of the one just loaded): the last bound.
+    assert torpor.load_bytes("note") == b"BB" and torpor_data.current_function() == "fb"
+    with torpor_data.serving("fa"):
+        assert torpor.load_bytes("note") == b"A" and torpor.load("note") == a
+    got: dict[str, bytes] = {}
+    sent: list[tuple[str, str, bytes]] = []
+    torpor_data.set_dump_sink(lambda f, n, d: sent.append((f, n, d)))
+
+    def request(function: str) -> None:
+        with torpor_data.serving(function):
+            got[function] = torpor.load_bytes("note")
+            torpor.dump("out", function)
+
+    try:
+        threads = [threading.Thread(target=request, args=(f,)) for f in ("fa", "fb", "fa")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torpor_data.set_dump_sink(None)
+    assert got == {"fa": b"A", "fb": b"BB"}
+    assert sorted(sent) == [("fa", "out", b"fa"), ("fa", "out", b"fa"), ("fb", "out", b"fb")]
+    # A function with no data of its own sees none, not another function's.
+    torpor_data.bind([], "the torpor.toml of fc", function="fc")
+    with torpor_data.serving("fc"), pytest.raises(torpor.DataError, match="no data named 'note'.*fc"):
+        torpor.load("note")

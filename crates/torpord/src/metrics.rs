@@ -60,7 +60,7 @@ pub fn accounted_stages() -> impl Iterator<Item = &'static str> {
 }
 
 /// The outcomes of `torpor_dumps_total`.
-pub const DUMP_OUTCOMES: &[&str] = &["written", "failed"];
+pub const DUMP_OUTCOMES: &[&str] = &["written", "failed", "refused"];
 
 /// The invoke phases whose series exist from the start for every function; other phases
 /// (deploy's, for instance) appear when first observed.
@@ -86,7 +86,8 @@ pub struct Metrics {
     /// snapshot would not fit (torpor_snapshot::space); the instance stayed warm.
     pub hibernations_refused: IntCounterVec,
     /// `torpor_dumps_total{function, outcome}`: `torpor.dump` writes to the object store,
-    /// `written` or `failed` (crate::s3data; the cause is in the log).
+    /// `written`, `failed` (crate::s3data; the cause is in the log) or `refused` (the worker
+    /// named a function outside its sandbox).
     pub dumps: IntCounterVec,
     /// `torpor_phase_duration_seconds{function, phase}`; fed by [`Metrics::observe_phase`].
     phase_seconds: HistogramVec,

@@ -487,6 +487,10 @@ pub struct GpuData {
 pub struct Dump {
     pub name: String,
     pub data: String,
+    /// The sandboxed function whose request dumped, when it is not the instance's own
+    /// function (a sandbox's other members declare data of their own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub function: Option<String>,
 }
 
 /// A frame without fields.

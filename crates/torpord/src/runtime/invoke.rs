@@ -476,12 +476,22 @@ impl Runtime {
     /// the outcome is logged and counted (`torpor_dumps_total{function, outcome}`).
     fn dump_in_background(self: &Arc<Self>, function: &str, d: crate::protocol::Dump) {
         let rt = Arc::clone(self);
-        let function = function.to_string();
+        let host = function.to_string();
+        let function = d.function.clone().unwrap_or_else(|| host.clone());
         tokio::task::spawn_blocking(move || {
-            let spec = match rt.registry.with(|s| s.function(&function)) {
-                Ok(Some(f)) => f.spec,
-                Ok(None) => {
+            let spec = match rt.registry.with(|s| dump_target(s, &host, &function)) {
+                Ok(DumpTarget::Spec(spec)) => spec,
+                Ok(DumpTarget::Gone) => {
                     tracing::warn!(function = %function, name = %d.name, "torpor.dump dropped: the function is gone");
+                    return;
+                }
+                Ok(DumpTarget::Outside) => {
+                    // Counted under the instance's own function: the name is the worker's word.
+                    tracing::warn!(instance_function = %host, function = %function, name = %d.name, "torpor.dump refused: the worker named a function that is not in its sandbox");
+                    rt.metrics
+                        .dumps
+                        .with_label_values(&[host.as_str(), "refused"])
+                        .inc();
                     return;
                 }
                 Err(e) => {
@@ -514,4 +524,38 @@ impl Runtime {
             .as_ref()
             .is_some_and(|m| m.unmapped() > 0)
     }
+}
+
+/// Whose declared data a `dump` frame writes.
+enum DumpTarget {
+    Spec(Value),
+    /// The function was deleted meanwhile.
+    Gone,
+    /// The frame named a function outside the instance's sandbox.
+    Outside,
+}
+
+/// The spec a `dump` from an instance of `host` is written against: `host`'s own, or, when the
+/// frame names another `function`, that function's if it is a member of `host`'s sandbox group
+/// (crate::runtime::sandbox). The name comes from the worker, so it never reaches another
+/// group's (and so another tenant's) objects.
+fn dump_target(
+    s: &crate::registry::Store<'_>,
+    host: &str,
+    function: &str,
+) -> Result<DumpTarget, crate::registry::RegistryError> {
+    let Some(f) = s.function(function)? else {
+        return Ok(DumpTarget::Gone);
+    };
+    if function == host {
+        return Ok(DumpTarget::Spec(f.spec));
+    }
+    let group = crate::runtime::sandbox::group_of(&f.spec);
+    let host_group = s
+        .function(host)?
+        .and_then(|h| crate::runtime::sandbox::group_of(&h.spec));
+    Ok(match (group, host_group) {
+        (Some(a), Some(b)) if a == b => DumpTarget::Spec(f.spec),
+        _ => DumpTarget::Outside,
+    })
 }
