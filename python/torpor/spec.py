@@ -806,14 +806,6 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
                 f"is {scaling.sandbox_memory} bytes, less than 1 MiB",
                 'write a size from 1 MiB to 1 TiB, e.g. sandbox_memory = "8GiB"',
             )
-    if scaling.sandbox:
-        for i, d in enumerate(data):
-            if d.device == "cuda":
-                raise _fail(
-                    f"data[{i}].device",
-                    'is "cuda" in a sandboxed function: a sandbox loads its other members without platform-managed GPU data',
-                    "drop device (read the file in setup()), or set [scaling] sandbox = false",
-                )
 
     kt = _table(doc, "", "keepalive") or {}
     _check_keys(kt, "keepalive", KEEPALIVE_KEYS)

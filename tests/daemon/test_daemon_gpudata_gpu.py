@@ -40,14 +40,15 @@ class F:
 '''
 
 
-def write(tmp_path: Path, n: int) -> Path:
-    d = tmp_path / "gpudata"
+def write(tmp_path: Path, n: int, name: str = "gpudata", mod: int = 7, extra: str = "") -> Path:
+    d = tmp_path / name
     d.mkdir()
     (d / "model.py").write_text(MODEL)
-    (d / "w.bin").write_bytes(struct.pack(f"<{n}f", *[float(i % 7) for i in range(n)]))
+    (d / "w.bin").write_bytes(struct.pack(f"<{n}f", *[float(i % mod) for i in range(n)]))
     (d / "torpor.toml").write_text(
-        'name = "gpudata"\nentry = "model:F"\npreload = ["torch"]\ngpus = 1\ngpu_memory = "1GiB"\n'
-        'load_timeout_s = 300\n[[data]]\nname = "w"\npath = "w.bin"\ndevice = "cuda"\n'
+        f'name = "{name}"\nentry = "model:F"\npreload = ["torch"]\ngpus = 1\ngpu_memory = "1GiB"\n'
+        'load_timeout_s = 300\n' + extra + '[[data]]\nname = "w"\npath = "w.bin"\ndevice = "cuda"\n'
+        + ("[scaling]\nsandbox = true\n" if extra else "")
     )
     return d
 
@@ -67,3 +68,21 @@ def test_declared_weights_arrive_as_platform_filled_gpu_memory(cuda: None, torpo
         assert v["same_memory"] is True, v
     metrics = torpord.request("GET", "/metrics").body.decode()
     assert 'torpor_pcie_bytes_total{device="cuda0"}' in metrics, metrics[-2000:]
+
+
+def test_two_functions_of_a_sandbox_each_get_their_own_gpu_weights(cuda: None, torpord: Torpord, tmp_path: Path) -> None:
+    """Two sandboxed functions of one tenant declare weights under one name with different
+    values: the second's deploy fills the first's for its load beside it, and after a cold
+    start of the sandbox each function computes on its own weights, in one process."""
+    n = 1 << 20
+    tenant = 'tenant = "team-gd"\n'
+    torpord.deploy(write(tmp_path, n, "sbgd-a", 7, tenant))
+    torpord.deploy(write(tmp_path, n, "sbgd-b", 5, tenant))
+    for name, mod in (("sbgd-a", 7), ("sbgd-b", 5)):
+        r = torpord.invoke(name, {"again": True})
+        assert r.status == 200, (name, r.status, r.body, torpord.log_text())
+        v = r.json()
+        assert v["device"].startswith("cuda") and v["same_memory"] is True, v
+        assert v["sum"] == float(sum(i % mod for i in range(n))), (name, v)
+    (inst,) = torpord.instances("sbgd-b") or torpord.instances("sbgd-a")
+    assert inst["function"] == "sbgd-b", inst

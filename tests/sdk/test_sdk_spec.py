@@ -474,14 +474,15 @@ def test_outside_a_worker_source_data_and_dump_say_why_not(tmp_path: Path) -> No
             torpor.dump("out", b"123456789")
         with pytest.raises(DataError, match="read-only"):
             torpor.dump("ro", b"1")
-        sent: list[tuple[str, bytes]] = []
-        data.set_dump_sink(lambda n, b: sent.append((n, b)))
+        sent: list[tuple[str, str, bytes]] = []
+        data.set_dump_sink(lambda f, n, b: sent.append((f, n, b)))
         try:
             torpor.dump("out", {"a": 1})
             torpor.dump("out", "é")
         finally:
             data.set_dump_sink(None)
-        assert sent == [("out", b'{"a":1}'), ("out", "é".encode())]
+        # use_dir binds as no function in particular: the worker names its own.
+        assert sent == [("", "out", b'{"a":1}'), ("", "out", "é".encode())]
     finally:
         data.unbind()
     assert data.with_refs({"x": [{"$ref": "s3://b-b/k", "data": "QUJD"}], "y": {"$ref": "s3://b-b/k"}}) == {
@@ -501,10 +502,10 @@ def test_platform_managed_gpu_data_is_declared_strictly(tmp_path: Path) -> None:
     assert 'must be "host" or "cuda"' in str(e), e
     e = error_of(tmp_path, head + 'gpus = 1\n[[data]]\nname = "w"\nsource = "s3://b-b/o"\nsize = 8\ndevice = "cuda"\n')
     assert "from a file in the function dir only" in str(e), e
-    e = error_of(tmp_path, head + "gpus = 1\n" + entry + 'device = "cuda"\n[scaling]\nsandbox = true\n')
-    assert "in a sandboxed function" in str(e), e
-    for err in (e,):
-        assert "\n" not in str(err)
+    assert "\n" not in str(e)
+    # A sandboxed function's GPU data is filled for it like any other's (docs/sandboxes.md).
+    sandboxed = parse_dir(make_dir(tmp_path, head + "gpus = 1\n" + entry + 'device = "cuda"\n[scaling]\nsandbox = true\n'))
+    assert sandboxed.scaling.sandbox and sandboxed.data[0].device == "cuda"
 
 
 def test_outside_a_worker_gpu_data_says_why_not_and_the_host_path_works(tmp_path: Path) -> None:

@@ -628,7 +628,7 @@ GPU_DATA_READER = (
     "from torpor import data\n"
     "@torpor.function\nclass F:\n"
     "    def setup(self):\n"
-    "        self.g = data._gpu['w']\n"
+    "        self.g = data.gpu_data('w')\n"
     "        try:\n"
     "            torpor.load('w', device='cuda')\n"
     "            self.err = None\n"

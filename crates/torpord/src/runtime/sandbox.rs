@@ -81,6 +81,13 @@ pub enum LoadMembersError {
         #[source]
         source: crate::s3data::DataError,
     },
+    /// A member's platform-managed GPU data could not be filled (crate::gpudata).
+    #[error("cannot fill the GPU data of {function} for the sandbox: {source}")]
+    GpuData {
+        function: String,
+        #[source]
+        source: crate::gpudata::GpuDataError,
+    },
     /// A member did not load.
     #[error(
         "function {function} of the same sandbox did not load next to this one: {source}; \
@@ -133,6 +140,14 @@ pub(crate) async fn load_members(
         // Its platform-loaded data, as its own start would have it (a member whose setup()
         // reads `torpor.load` would otherwise fail here, failing the newcomer's deploy).
         let loading = crate::s3data::start_loading(rt.objstore.clone(), &m.spec).map_err(data)?;
+        // And its platform-managed GPU data (device = "cuda"), filled meanwhile: the same
+        // tenant's keys, so a copy the sandbox's other functions hold is shared.
+        let gpu_data = |source| LoadMembersError::GpuData {
+            function: m.name.clone(),
+            source,
+        };
+        let filling = crate::gpudata::start(&rt.split, &m.spec, crate::tenant::of_spec(&m.spec), 0)
+            .map_err(gpu_data)?;
         crate::function_mounts::bind_function_dir(init, &dir, unprivileged)
             .await
             .map_err(|source| LoadMembersError::Bind {
@@ -140,6 +155,7 @@ pub(crate) async fn load_members(
                 source,
             })?;
         let (fds, _) = crate::s3data::finish_loading(loading).await.map_err(data)?;
+        let filled = crate::gpudata::finish(filling).await.map_err(gpu_data)?;
         let send = |source| LoadMembersError::Send {
             function: m.name.clone(),
             source,
@@ -147,12 +163,15 @@ pub(crate) async fn load_members(
         conn.send(&load_frame(&m.spec, &dir)).await.map_err(send)?;
         crate::s3data::send_fds(conn, &fds).await.map_err(send)?;
         drop(fds);
+        crate::gpudata::send(conn, &filled).await.map_err(send)?;
         ready(conn, bound)
             .await
             .map_err(|source| LoadMembersError::Load {
                 function: m.name.clone(),
                 source,
             })?;
+        // The worker mapped it before the member's setup(): the daemon's handles may go.
+        drop(filled);
         loaded.push(m.name);
     }
     Ok(loaded)

@@ -328,6 +328,15 @@ impl Runtime {
         };
         let data_loading = crate::s3data::start_loading(self.objstore.clone(), &info.spec)
             .map_err(|e| boot(e.into()))?;
+        // Platform-managed GPU data (EDAS): filled while the sandbox binds the function in,
+        // from the tenant's shared copy or the GPU cache when there is one.
+        let gpu_filling = crate::gpudata::start(
+            &self.split,
+            &info.spec,
+            crate::tenant::of_spec(&info.spec),
+            0,
+        )
+        .map_err(|e| boot(e.into()))?;
         let (init, worker, conn, load_s, cgroup) = load_into(
             self,
             ready.launched,
@@ -335,8 +344,7 @@ impl Runtime {
             &fdir,
             log_of(new.log, &ready.log),
             data_loading,
-            // Pooled functions are sandboxed, and the spec refuses GPU data in a sandbox.
-            None,
+            gpu_filling,
         )
         .await
         .map_err(boot)?;
