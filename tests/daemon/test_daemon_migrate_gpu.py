@@ -51,16 +51,33 @@ def gpus() -> list[tuple[str, str]]:
     return [tuple(x.strip() for x in line.split(",", 1)) for line in r.stdout.splitlines() if "," in line]  # type: ignore[misc]
 
 
+def tree_of(pid: int) -> set[int]:
+    """`pid` and its descendants: an instance's pid is its tree's init, and the CUDA process is
+    the worker below it."""
+    seen, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return seen
+
+
 def uuid_of_pid(pid: int) -> str | None:
-    """The GPU whose memory process `pid` holds (NVML's compute processes), or None."""
+    """The GPU whose memory the instance with tree init `pid` holds (NVML's compute processes),
+    or None."""
     r = subprocess.run(
         ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"], capture_output=True, text=True, timeout=60, check=False
     )
-    for line in r.stdout.splitlines():
-        p, _, u = line.partition(",")
-        if p.strip() == str(pid):
-            return u.strip()
-    return None
+    tree = {str(p) for p in tree_of(pid)}
+    on = {u.strip() for p, _, u in (line.partition(",") for line in r.stdout.splitlines()) if p.strip() in tree}
+    assert len(on) <= 1, f"the instance's processes hold memory on several GPUs: {on}"
+    return on.pop() if on else None
 
 
 @pytest.fixture(scope="module")
