@@ -54,3 +54,8 @@ def test_the_cpu_smoke_run_measures_both_parts_with_identical_outputs(
     assert 0 < ms["migration_downtime_s"] < 30 and ms["answers"] > 2, ms
     (one,) = m["runs"]
     assert (one["from"], one["to"]) == (0, 1) and one["daemon"]["segments"] == 3, one
+    # Where the stop went, step by step (no driver on the CPU: no residue).
+    phases = one["daemon"]["stop_phases"]
+    assert phases["unmap_s"] > 0 and phases["map_s"] > 0 and phases["residue_checkpoint_s"] == 0, phases
+    assert sum(phases.values()) <= one["daemon"]["stop_s"] + 0.01, one
+    assert set(ms["stop_phases_median_s"]) == set(phases), ms

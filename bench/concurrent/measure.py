@@ -56,6 +56,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="hibernations per mode; migrations (there and back count two)")
     p.add_argument("--hibernate-s", type=float, default=3.0, help="the function's keepalive.hibernate_s")
     p.add_argument("--settle-s", type=float, default=2.0, help="back-to-back requests before and after each migration")
+    p.add_argument("--shrink-context", choices=("on", "off"), default="on",
+                   help="the function's [gpu] shrink_context (off: the context's stack stays reserved at the "
+                   "quiet points and at a migration's unmap, as before session 22), for an A/B")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp/torpor-concurrent"))
     p.add_argument("--torpor", type=Path, default=None, help="the torpor binary (default: as bench/coldstart/run.py finds it)")
     p.add_argument("--out-hibernate", type=Path, default=None)
@@ -68,7 +71,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def function_dir(model: split.Model, root: Path, say: Any, name: str, hibernate_s: float) -> Path:
+def function_dir(
+    model: split.Model, root: Path, say: Any, name: str, hibernate_s: float, shrink_context: bool = True
+) -> Path:
     """The benchmark's copy of the model's function, renamed, one instance, hibernating after
     `hibernate_s` idle from warm (gpu_release_s is as long: the hibernation comes first)."""
     fdir = split.assemble(model.name, model, root, say)
@@ -84,6 +89,9 @@ def function_dir(model: split.Model, root: Path, say: Any, name: str, hibernate_
     # Equal delays: the ticker hibernates a warm instance before it would release its GPU.
     text = re.sub(r"^gpu_release_s = [0-9.]+$", f"gpu_release_s = {hibernate_s}", text, count=1, flags=re.MULTILINE)
     text = re.sub(r"^evict_s = [0-9.]+$", f"evict_s = {hibernate_s * 100}", text, count=1, flags=re.MULTILINE)
+    if not shrink_context:
+        assert "\n[gpu]" not in text, f"{toml} has a [gpu] table already"
+        text += "\n[gpu]\nshrink_context = false\n"
     toml.write_text(text)
     return target
 
@@ -137,7 +145,7 @@ def hibernate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work
         d = split.Daemon(torpor, state, f"hib-{mode}", config, work / "logs")
         name = f"{model.name}-hib"
         try:
-            dep = d.deploy(function_dir(model, work / "functions", say, name, a.hibernate_s))
+            dep = d.deploy(function_dir(model, work / "functions", say, name, a.hibernate_s, a.shrink_context == "on"))
             snap = dep["snapshot_function"] or {}
             say(f"{mode}: deployed in {dep['wall_s']} s; deploy stop_s {snap.get('stop_s')}")
             runs = []
@@ -238,7 +246,7 @@ def migrate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: 
     name = f"{model.name}-mig"
     runs = []
     try:
-        d.deploy(function_dir(model, work / "functions", say, name, 3600))
+        d.deploy(function_dir(model, work / "functions", say, name, 3600, a.shrink_context == "on"))
         d.invoke(name, model.request)
         status, _, body = d.request("GET", f"/v1/functions/{name}")
         (inst,) = [i for i in json.loads(body)["instances"] if i.get("pid")]
@@ -273,7 +281,7 @@ def migrate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: 
                     "steady_gap_median_s": statistics.median(steady) if steady else None,
                 }
             )
-            say(f"migration {i}: GPU {answer['from']} -> {answer['to']}: downtime {runs[-1]['downtime_s']}, total {t1 - t0:.3f} s, stop {answer['stop_s']:.3f} s, precopy {answer['precopy_s']:.3f} s")
+            say(f"migration {i}: GPU {answer['from']} -> {answer['to']}: downtime {runs[-1]['downtime_s']}, total {t1 - t0:.3f} s, stop {answer['stop_s']:.3f} s, precopy {answer['precopy_s']:.3f} s, stop phases {answer.get('stop_phases')}")
         client.stopping.set()
         client.join(120)
     finally:
@@ -287,6 +295,12 @@ def migrate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: 
             "migration_downtime_s": max(downtimes) if downtimes else None,
             "migration_downtime_s_median": statistics.median(downtimes) if downtimes else None,
             "migration_total_s": max(r["total_s"] for r in runs) if runs else None,
+            "shrink_context": a.shrink_context,
+            # Each stop phase's median over the migrations (a daemon of before session 22: none).
+            "stop_phases_median_s": {
+                k: statistics.median(r["daemon"]["stop_phases"][k] for r in runs)
+                for k in (runs[0]["daemon"].get("stop_phases") or {} if runs else {})
+            },
             "answers": len(client.done),
             "identical": identical,
             "client_error": client.error,

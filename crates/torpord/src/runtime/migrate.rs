@@ -85,6 +85,24 @@ pub struct Migrated {
     pub changed_bytes: u64,
     /// Whether the driver moved a CUDA residue (a GPU function).
     pub residue_moved: bool,
+    /// Where the stop's time went.
+    pub stop_phases: StopPhases,
+}
+
+/// The steps of a migration's stop, in seconds (the rest of `stop_s` is the wait for the
+/// requests in flight and the routing).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct StopPhases {
+    /// The worker's `unmap`: its GPU work synced, its context shrunk, the segments released.
+    pub unmap_s: f64,
+    /// The blocks that changed during the pre-copy, copied.
+    pub copy_s: f64,
+    /// The driver's lock and checkpoint of the CUDA residue (0 for a CPU function).
+    pub residue_checkpoint_s: f64,
+    /// The driver's restore of the residue onto the new GPU, and its unlock.
+    pub residue_restore_s: f64,
+    /// The new segments mapped at their old addresses.
+    pub map_s: f64,
 }
 
 /// Why an instance was not migrated. Every variant but [`MigrateError::Lost`] leaves it serving
@@ -495,7 +513,7 @@ impl Runtime {
         inst.draining.store(false, Ordering::SeqCst);
         pool.changed.notify_waiters();
         let stop_s = stop.elapsed().as_secs_f64();
-        let (delta, residue_moved) = moved.map_err(|(step, message, lost)| {
+        let (delta, residue_moved, stop_phases) = moved.map_err(|(step, message, lost)| {
             if lost {
                 MigrateError::Lost {
                     id: inst.id.clone(),
@@ -533,8 +551,9 @@ impl Runtime {
             changed_blocks: delta.changed_blocks,
             changed_bytes: delta.changed_bytes,
             residue_moved,
+            stop_phases,
         };
-        tracing::info!(instance = %out.instance, function = %out.function, from, to = gpu, stop_s, precopy_s, changed_blocks = out.changed_blocks, residue_moved, "instance migrated");
+        tracing::info!(instance = %out.instance, function = %out.function, from, to = gpu, stop_s, precopy_s, changed_blocks = out.changed_blocks, residue_moved, phases = ?out.stop_phases, "instance migrated");
         Ok(out)
     }
 
@@ -612,8 +631,14 @@ impl Runtime {
         old: crate::split::server::Leases,
         moving: Moving,
         pairs: Option<Vec<(GpuUuid, GpuUuid)>>,
-    ) -> Result<(Delta, bool), (&'static str, String, bool)> {
+    ) -> Result<(Delta, bool, StopPhases), (&'static str, String, bool)> {
         let mut undo = Undo::Nothing;
+        let mut phases = StopPhases::default();
+        let mut t = Instant::now();
+        let mut lap = |into: &mut f64| {
+            *into = t.elapsed().as_secs_f64();
+            t = Instant::now();
+        };
         let forced = |step: &'static str| (step, "forced by TORPORD_FAULT".to_string(), false);
         let result: Result<(Delta, bool, Moving), (&'static str, String, bool)> = async {
             if crate::journal::fault("migrate:unmap") {
@@ -622,6 +647,7 @@ impl Runtime {
             self.unmap_for_migration(inst, plan)
                 .await
                 .map_err(|(m, lost)| ("unmap", m, lost))?;
+            lap(&mut phases.unmap_s);
             undo = Undo::Segments;
             if crate::journal::fault("migrate:copy") {
                 return Err(forced("copy"));
@@ -635,14 +661,19 @@ impl Runtime {
             .await
             .map_err(|e| ("copy", e.to_string(), false))?;
             let delta = delta.map_err(|e| ("copy", e.to_string(), false))?;
+            lap(&mut phases.copy_s);
             if crate::journal::fault("migrate:residue") {
                 return Err(forced("residue"));
             }
             let residue_moved = match &pairs {
                 Some(pairs) => {
-                    self.move_residue(inst.worker_pid, pairs.clone())
+                    let (checkpoint_s, restore_s) = self
+                        .move_residue(inst.worker_pid, pairs.clone())
                         .await
                         .map_err(|e| ("residue", e, false))?;
+                    (phases.residue_checkpoint_s, phases.residue_restore_s) =
+                        (checkpoint_s, restore_s);
+                    lap(&mut 0.0);
                     undo = Undo::Residue;
                     true
                 }
@@ -691,7 +722,8 @@ impl Runtime {
         if let Err(e) = self.map_segments_back(inst, None).await {
             return Err(("map", e.to_string(), true));
         }
-        Ok((delta, residue_moved))
+        phases.map_s = t.elapsed().as_secs_f64();
+        Ok((delta, residue_moved, phases))
     }
 
     /// `unmap` of every segment the daemon handed over; the daemon keeps its handles (the old
@@ -748,15 +780,26 @@ impl Runtime {
 
     /// The driver moves a process's CUDA state by `pairs` (old UUID → new, one per GPU it sees):
     /// lock, checkpoint, restore with the pairs, unlock; a failure puts it back where it was.
-    async fn move_residue(&self, pid: i32, pairs: Vec<(GpuUuid, GpuUuid)>) -> Result<(), String> {
+    /// Returns the seconds of the lock and checkpoint, and of the restore and unlock.
+    async fn move_residue(
+        &self,
+        pid: i32,
+        pairs: Vec<(GpuUuid, GpuUuid)>,
+    ) -> Result<(f64, f64), String> {
         let driver = self.cuda().map_err(|e| e.to_string())?;
         tokio::task::spawn_blocking(move || {
             let mut tasks = torpor_snapshot::gpu_tasks::GpuTasks::new(&driver, vec![pid]);
+            let t = Instant::now();
+            let mut checkpoint_s = 0.0;
             let moved = tasks
                 .lock_all(CUDA_LOCK_TIMEOUT)
                 .and_then(|()| tasks.checkpoint_all())
-                .and_then(|()| tasks.restore_all(&pairs))
-                .and_then(|()| tasks.unlock_all());
+                .and_then(|()| {
+                    checkpoint_s = t.elapsed().as_secs_f64();
+                    tasks.restore_all(&pairs)
+                })
+                .and_then(|()| tasks.unlock_all())
+                .map(|()| (checkpoint_s, t.elapsed().as_secs_f64() - checkpoint_s));
             moved.map_err(|e| match tasks.rollback() {
                 Ok(()) => e.to_string(),
                 Err(r) => format!("{e}, and putting it back failed ({r})"),
