@@ -72,8 +72,12 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     threads = {"fetchers", "writers"}
     summed = {k for k in phases if k.startswith("fetch_") and k.endswith(("_busy_s", "_full_s", "_empty_s"))}
     assert summed == {"fetch_get_busy_s", "fetch_queue_full_s", "fetch_queue_empty_s", "fetch_check_busy_s", "fetch_place_busy_s"}, phases
-    assert all(0 <= v <= run["pull_s"] + 0.05 for k, v in phases.items() if k not in threads | summed | {"prefilled_bytes", "held_chunks"}), (phases, run["pull_s"])
+    assert all(0 <= v <= run["pull_s"] + 0.05 for k, v in phases.items() if k not in threads | summed | {"prefilled_bytes", "held_chunks", "reopened_hashed_bytes"}), (phases, run["pull_s"])
     assert phases["fetchers"] >= 1 and phases["writers"] >= 1, phases
+    # Each node B new to the base (--new-node on, the default): the reopened files evicted
+    # first and hashed during the transfer into its own, empty hash cache.
+    assert all(r["new_node"] == "on" and r["evicted_bytes"] > 0 for r in both), both
+    assert all(r["phases"]["reopened_hashed_bytes"] > 0 for r in both), [r["phases"] for r in both]
     assert phases["fetch_get_busy_s"] > 0 and phases["fetch_check_busy_s"] > 0 and phases["fetch_place_busy_s"] > 0, phases
     assert phases["fetch_get_busy_s"] + phases["fetch_queue_full_s"] <= phases["fetchers"] * phases["fetch_s"] + 0.05, phases
     assert phases["fetch_check_busy_s"] + phases["fetch_place_busy_s"] <= phases["writers"] * phases["fetch_s"] + 0.05, phases

@@ -431,6 +431,33 @@ class ThreadSampler(threading.Thread):
         return {"samples": self.samples, "threads_per_sample": {k: round(v / max(1, self.samples), 2) for k, v in top}}
 
 
+def reopened_files(state: Path, function: str) -> list[Path]:
+    """The files node A's function snapshot reopens, from its manifest (torpor_image's
+    `reopened_files`)."""
+    manifests = sorted((state / "snapshots").glob(f"fn-{function}-*/manifest.json"))
+    if not manifests:
+        raise RuntimeError(f"no snapshot of {function} in {state / 'snapshots'}")
+    return [Path(f["path"]) for f in json.loads(manifests[-1].read_text()).get("reopened_files", [])]
+
+
+def evict(files: list[Path]) -> int:
+    """Drops `files` from the page cache (POSIX_FADV_DONTNEED after writing back: pages other
+    processes map stay), as a node that never read them; the bytes asked."""
+    total = 0
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
 def fresh_state(state: Path, key_from: Path) -> None:
     """An empty state directory holding only the cluster's snapshot key."""
     if state.exists():
@@ -462,6 +489,10 @@ def main(argv: list[str]) -> int:
                    "with -unheld, objstore.hold_bytes = 0 (every chunk file written before the answer); "
                    "a comma list alternates them run by run, an A/B in one call")
     p.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before the disk read")
+    p.add_argument("--new-node", choices=("on", "off"), default="on",
+                   help="on (default): each run's node B is a machine that never ran the function's base: a hash "
+                   "cache of its own, empty, and the files the snapshot reopens (Python, its libraries) evicted "
+                   "from the page cache first; off: B shares node A's hash cache and page cache (before session 22)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="start no further run once one more would end past this many seconds (default 480: the GPU "
                         "machine's calls end at 600)")
@@ -552,7 +583,20 @@ def main(argv: list[str]) -> int:
             state_b = work / "state-b"
             fresh_state(state_b, a.state / "snapshot.key")
             b_config = args.node_b_restore_server[i % len(args.node_b_restore_server)]
-            b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table_b, b_config), logs)
+            evicted = 0
+            shared_cache = os.environ.get("TORPOR_HASH_CACHE")
+            if args.new_node == "on":
+                # A node new to the base: its own hash cache (in its state, so empty), the
+                # reopened files out of the page cache.
+                evicted = evict(reopened_files(a.state, model.name))
+                os.environ["TORPOR_HASH_CACHE"] = str(state_b / "file-hashes.json")
+            try:
+                b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table_b, b_config), logs)
+            finally:
+                if shared_cache is None:
+                    os.environ.pop("TORPOR_HASH_CACHE", None)
+                else:
+                    os.environ["TORPOR_HASH_CACHE"] = shared_cache
             cpu0 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
             sampler = ThreadSampler(b.proc.pid)
             sampler.start()
@@ -577,6 +621,8 @@ def main(argv: list[str]) -> int:
             again = b.invoke(model.name, model.request)
             run = {
                 "node_b_restore_server": b_config,
+                "new_node": args.new_node,
+                "evicted_bytes": evicted,
                 "pull_s": round(pull_s, 4),
                 "pulled_bytes": pulled["pulled_bytes"],
                 "pulled_chunks": pulled["pulled_chunks"],

@@ -79,7 +79,9 @@ def nodes(
         key = roots[1] / "state" / "snapshot.key"
         shutil.copyfile(a.state / "snapshot.key", key)
         os.chmod(key, 0o600)
-        b_env = {**env, STATS: str(roots[1] / "page-server-stats.jsonl")}
+        # B's own hash cache, as on a node of its own: its first pull must hash the files the
+        # snapshot reopens (during the transfer: torpor_image::warm_reopened).
+        b_env = {"TORPOR_HASH_CACHE": str(roots[1] / "file-hashes.json"), STATS: str(roots[1] / "page-server-stats.jsonl")}
         b = Torpord(torpor_bin, roots[1], config=objstore_section(seaweed, roots[1]), env=b_env)
         yield a, b
     finally:
@@ -104,6 +106,10 @@ def test_deploy_on_a_pushes_and_b_pulls_only_missing_chunks_and_answers_alike(
 
     pulled = client.Client(b.socket).pull("os-first")
     assert pulled.function == "os-first" and pulled.pulled_chunks > 0 and pulled.pulled_bytes > 0, pulled
+    # The record named the files the snapshot reopens (the interpreter, its libraries): B,
+    # new to them, hashed them while the transfer ran, so the check after found them cached.
+    assert pulled.phases is not None and pulled.phases["reopened_hashed_bytes"] > 1 << 20, pulled.phases
+    assert pulled.phases["reopened_warm_s"] > 0, pulled.phases
     again = client.Client(b.socket).pull("os-first")
     assert again.pulled_bytes == 0 and again.pulled_chunks == 0, again
 

@@ -33,8 +33,8 @@ pub use manifest::{
     Manifest, ProcessEntry, SnapshotKind, Source, StdioFile, MANIFEST_FILE, MAX_MANIFEST_BYTES,
 };
 pub use reopened::{
-    check_reopened, hash_cache_path, sha256_file, HashCache, ReopenedFile, DEFAULT_HASH_CACHE,
-    SETTLE,
+    check_reopened, hash_cache_path, sha256_file, warm_reopened, HashCache, ReopenedFile, Warmed,
+    DEFAULT_HASH_CACHE, MAX_WARM_BYTES, SETTLE,
 };
 pub use snapshot::{is_restore_artifact, Sealing, Snapshot, VerifyReport};
 pub use summary::{human_seconds, human_size, render_store_usage, render_summary};

@@ -93,7 +93,15 @@ pub struct FunctionRecord {
     /// its restored instances (they fall back to a boot). Empty in records of older torpords.
     #[serde(default)]
     pub state_dir: PathBuf,
+    /// The files the snapshot's processes reopen (its manifest's, which the pull checks after
+    /// the transfer): a pulling node reads them while the transfer runs
+    /// (torpor_image::warm_reopened). Empty in records of older torpords.
+    #[serde(default)]
+    pub reopened: Vec<torpor_image::ReopenedFile>,
 }
+
+/// Threads that hash the reopened files during a pull (the pipeline keeps the others busy).
+const WARM_THREADS: usize = 4;
 
 /// The owner of a name.
 #[derive(Debug, Serialize, Deserialize)]
@@ -170,8 +178,15 @@ pub struct PullPhases {
     /// From the start of the transfer until the segments' chunks were all in the store (0: a
     /// snapshot without a segment record).
     pub segments_s: f64,
-    /// Checking that the files the snapshot reopens are this node's.
+    /// Checking that the files the snapshot reopens are this node's (with the wait for the
+    /// warm-up below, when it had not finished).
     pub portability_s: f64,
+    /// Reading the files the snapshot reopens while the transfer ran: hashing the ones this
+    /// node's hash cache lacks, the kernel's readahead for the others (0: the record lists
+    /// none).
+    pub reopened_warm_s: f64,
+    /// Bytes of them hashed then (the cache did not know them).
+    pub reopened_hashed_bytes: u64,
     /// Registering the function (its snapshot is staged and the store trimmed after the
     /// answer).
     pub register_s: f64,
@@ -198,6 +213,26 @@ pub struct PullPhases {
     /// Fetched chunk files held in memory at the answer, written into the store after it
     /// (`objstore.hold_bytes`; docs/objstore.md, "Chunk files placed after the answer").
     pub held_chunks: u64,
+}
+
+/// Reads `files` ahead of the portability check on a thread of its own
+/// (torpor_image::warm_reopened): what it did, and its seconds. None when there are none.
+fn warm_reopened_in_background(
+    files: Vec<torpor_image::ReopenedFile>,
+) -> Option<std::thread::JoinHandle<(torpor_image::Warmed, f64)>> {
+    if files.is_empty() {
+        return None;
+    }
+    std::thread::Builder::new()
+        .name("torpor-warm-reopened".into())
+        .spawn(move || {
+            let t = Instant::now();
+            let mut cache = torpor_image::HashCache::open(&torpor_image::hash_cache_path());
+            let warmed =
+                torpor_image::warm_reopened(&files, Path::new("/"), &mut cache, WARM_THREADS);
+            (warmed, t.elapsed().as_secs_f64())
+        })
+        .ok()
 }
 
 /// Makes a pull's records durable now (blocking), or logs why not: their markers then stay
@@ -506,6 +541,10 @@ impl Tier {
             snapshots: vec![id.clone()],
             pushed_ms: crate::registry::now_ms(),
             state_dir: state_dir.to_path_buf(),
+            // A hint for the pulling node only: the pull checks the sealed manifest's list.
+            reopened: torpor_image::Snapshot::open(dir)
+                .map(|s| s.manifest().reopened_files.clone())
+                .unwrap_or_default(),
         };
         // The snapshot first, then the record that points at it, then the name.
         remote.put(&record_key(&tenant, &f.name), &serde_json::to_vec(&record)?)?;
@@ -642,6 +681,10 @@ impl Tier {
                 dir: record.dir.clone(),
             });
         }
+        // The files the restore will reopen, read while the transfer runs: on a node that never
+        // ran the snapshot's base their hashing would follow the transfer, and CRIU would read
+        // them from disk (docs/cluster.md, "Reopened files read during the pull").
+        let warming = warm_reopened_in_background(record.reopened.clone());
         // The hot set, its MAC checked before any chunk is fetched (a rewritten one fails the
         // pull having fetched nothing); kept only once the snapshot is in place.
         let t = Instant::now();
@@ -727,6 +770,10 @@ impl Tier {
             0.0
         };
         let portability = Instant::now();
+        if let Some((warmed, seconds)) = warming.and_then(|w| w.join().ok()) {
+            phases.reopened_warm_s = seconds;
+            phases.reopened_hashed_bytes = warmed.hashed_bytes;
+        }
         // Refused here rather than at the first restore: the files this node would map into
         // the restored processes must be the ones the snapshot was taken with.
         let checked = torpor_image::Snapshot::open(&out).and_then(|s| {
