@@ -377,7 +377,10 @@ pub fn warm_reopened(
             unknown.push((here, meta));
         }
     }
-    // Reading is what warms the page cache, hashing is the CPU's share: several files at once.
+    // Reading is what warms the page cache, hashing is the CPU's share: several files at once,
+    // the largest first (one file is one thread's: the largest bounds the time, so it must not
+    // start last).
+    unknown.sort_by_key(|(_, m)| std::cmp::Reverse(m.len()));
     let hashed: Vec<(PathBuf, fs::Metadata, String)> = match rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .build()

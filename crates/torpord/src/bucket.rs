@@ -101,7 +101,7 @@ pub struct FunctionRecord {
 }
 
 /// Threads that hash the reopened files during a pull (the pipeline keeps the others busy).
-const WARM_THREADS: usize = 4;
+const WARM_THREADS: usize = 8;
 
 /// The owner of a name.
 #[derive(Debug, Serialize, Deserialize)]
