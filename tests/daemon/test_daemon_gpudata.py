@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,8 +119,6 @@ def test_a_pooled_sandbox_maps_the_function_s_gpu_data(torpor_bin: Path, criu_re
     (`[sandbox_pool]`): its GPU data is filled and mapped there before its setup()."""
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    import time
-
     root = tmp_path / "daemon"
     root.mkdir()
     env = fake_gpu_env(root, fake_cuda, FAKE_NVML_PROCS_MATCH=f"torpor.worker:{64 << 20}")

@@ -634,24 +634,21 @@ impl Runtime {
     ) -> Result<(Delta, bool, StopPhases), (&'static str, String, bool)> {
         let mut undo = Undo::Nothing;
         let mut phases = StopPhases::default();
-        let mut t = Instant::now();
-        let mut lap = |into: &mut f64| {
-            *into = t.elapsed().as_secs_f64();
-            t = Instant::now();
-        };
         let forced = |step: &'static str| (step, "forced by TORPORD_FAULT".to_string(), false);
         let result: Result<(Delta, bool, Moving), (&'static str, String, bool)> = async {
             if crate::journal::fault("migrate:unmap") {
                 return Err(forced("unmap"));
             }
+            let t = Instant::now();
             self.unmap_for_migration(inst, plan)
                 .await
                 .map_err(|(m, lost)| ("unmap", m, lost))?;
-            lap(&mut phases.unmap_s);
+            phases.unmap_s = t.elapsed().as_secs_f64();
             undo = Undo::Segments;
             if crate::journal::fault("migrate:copy") {
                 return Err(forced("copy"));
             }
+            let t = Instant::now();
             let (split, plan2, old2) = (Arc::clone(&self.split), Arc::clone(plan), old.clone());
             let mut moving = moving;
             let (delta, moving) = tokio::task::spawn_blocking(move || {
@@ -661,19 +658,16 @@ impl Runtime {
             .await
             .map_err(|e| ("copy", e.to_string(), false))?;
             let delta = delta.map_err(|e| ("copy", e.to_string(), false))?;
-            lap(&mut phases.copy_s);
+            phases.copy_s = t.elapsed().as_secs_f64();
             if crate::journal::fault("migrate:residue") {
                 return Err(forced("residue"));
             }
             let residue_moved = match &pairs {
                 Some(pairs) => {
-                    let (checkpoint_s, restore_s) = self
+                    (phases.residue_checkpoint_s, phases.residue_restore_s) = self
                         .move_residue(inst.worker_pid, pairs.clone())
                         .await
                         .map_err(|e| ("residue", e, false))?;
-                    (phases.residue_checkpoint_s, phases.residue_restore_s) =
-                        (checkpoint_s, restore_s);
-                    lap(&mut 0.0);
                     undo = Undo::Residue;
                     true
                 }
@@ -719,6 +713,7 @@ impl Runtime {
         // Hand the new memory over; the old goes with its last handle.
         *lock(&inst.segments) = InstanceSegments::held(Arc::clone(&moving.plan), moving.leases);
         drop(old);
+        let t = Instant::now();
         if let Err(e) = self.map_segments_back(inst, None).await {
             return Err(("map", e.to_string(), true));
         }
