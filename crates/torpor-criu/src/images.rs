@@ -2,7 +2,9 @@
 //! `pagemap-<pid>.img` (which pages are where in `pages-<id>.img`, which of them lazy) and
 //! `mm-<pid>.img` (the VMAs, since one `UFFDIO_COPY` cannot span two). docs/lazy-pages.md has
 //! the format as read in CRIU's source: two `u32` magics, then `u32` length + protobuf entries
-//! (images/pstree.proto, pagemap.proto, mm.proto, vma.proto); `pages-*.img` is raw.
+//! (images/pstree.proto, pagemap.proto, mm.proto, vma.proto); `pages-*.img` is raw. With
+//! `files.img` (images/fdinfo.proto, regfile.proto) they also tell which pages of which mapped
+//! files a restore reads ([`private_file_pages`]).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -11,6 +13,12 @@ const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 const PSTREE_MAGIC: u32 = 0x5027_3030;
 const PAGEMAP_MAGIC: u32 = 0x5608_4025;
 const MM_MAGIC: u32 = 0x5749_2820;
+const FILES_MAGIC: u32 = 0x5630_3138;
+
+/// criu/include/image.h: a private mapping of a file.
+const VMA_FILE_PRIVATE: u32 = 1 << 6;
+/// images/fdinfo.proto, `fd_types`: a regular file.
+const FD_TYPE_REG: i32 = 1;
 
 /// criu/include/pagemap.h.
 const PE_PARENT: u32 = 1 << 0;
@@ -63,6 +71,31 @@ struct VmaEntry {
     start: u64,
     #[prost(uint64, required, tag = "2")]
     end: u64,
+    /// The file offset of `start`, in bytes (as /proc/PID/maps shows it).
+    #[prost(uint64, optional, tag = "3")]
+    pgoff: Option<u64>,
+    /// For a file mapping, the file's id in `files.img`.
+    #[prost(uint64, optional, tag = "4")]
+    shmid: Option<u64>,
+    #[prost(uint32, optional, tag = "7")]
+    status: Option<u32>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct RegFileEntry {
+    /// The path, as the dumped tree saw it.
+    #[prost(string, optional, tag = "6")]
+    name: Option<String>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct FileEntry {
+    #[prost(int32, optional, tag = "1")]
+    kind: Option<i32>,
+    #[prost(uint32, optional, tag = "2")]
+    id: Option<u32>,
+    #[prost(message, optional, tag = "3")]
+    reg: Option<RegFileEntry>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -216,6 +249,106 @@ pub fn lazy_pages(dir: &Path, pid: i32) -> Result<LazyPagesOf, ImageReadError> {
         pages_file: dir.join(format!("pages-{}.img", head.pages_id)),
         runs: merge_runs(runs),
     })
+}
+
+/// The pages of one mapped file that a restore of the images reads from it: `ranges` are
+/// `(offset, len)` in bytes, sorted, more than 128 KiB apart (closer ones are merged).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FilePages {
+    /// The path as the dumped tree saw it (absolute).
+    pub path: String,
+    pub ranges: Vec<(u64, u64)>,
+}
+
+/// Ranges closer than this are read as one: the pages between cost less than another request.
+const MERGE_GAP: u64 = 128 * 1024;
+
+/// Which pages of which files CRIU's restore of the images in `dir` reads: those under every
+/// saved page of a private file mapping (a library's relocated data, a patched page of code).
+/// CRIU maps the file and writes the saved page over it, so the kernel first reads the file's
+/// page, one synchronous fault at a time; after a dropped page cache these reads were most of a
+/// GPU worker's CPU restore (H200: 1.0 of 1.8 s, `bench/coldstart/criu_log_gaps.py`). Lazy pages
+/// are never file pages, so they are not counted. Files are named as in `files.img`.
+pub fn private_file_pages(dir: &Path) -> Result<Vec<FilePages>, ImageReadError> {
+    use std::collections::BTreeMap;
+    let files_path = dir.join("files.img");
+    let mut names: std::collections::HashMap<u64, String> = std::collections::HashMap::new();
+    for e in entries(&files_path, FILES_MAGIC)? {
+        let f: FileEntry = decode(&files_path, &e)?;
+        if let (Some(FD_TYPE_REG), Some(id), Some(name)) =
+            (f.kind, f.id, f.reg.and_then(|r| r.name))
+        {
+            names.insert(u64::from(id), name);
+        }
+    }
+    let mut by_file: BTreeMap<String, Vec<(u64, u64)>> = BTreeMap::new();
+    for pid in task_pids(dir)? {
+        let mm_path = dir.join(format!("mm-{pid}.img"));
+        // (start, end, file offset of start, file id), sorted by start.
+        let mut vmas: Vec<(u64, u64, u64, u64)> = Vec::new();
+        for e in entries(&mm_path, MM_MAGIC)? {
+            let mm: MmEntry = decode(&mm_path, &e)?;
+            vmas.extend(
+                mm.vmas
+                    .iter()
+                    .filter(|v| v.status.unwrap_or(0) & VMA_FILE_PRIVATE != 0)
+                    .filter_map(|v| Some((v.start, v.end, v.pgoff.unwrap_or(0), v.shmid?))),
+            );
+        }
+        if vmas.is_empty() {
+            continue;
+        }
+        vmas.sort_unstable();
+        let path = dir.join(format!("pagemap-{pid}.img"));
+        let all = entries(&path, PAGEMAP_MAGIC)?;
+        for raw in all.iter().skip(1) {
+            let e: PagemapEntry = decode(&path, raw)?;
+            let flags = e.flags.unwrap_or(PE_PRESENT);
+            if flags & PE_PRESENT == 0 || flags & PE_LAZY != 0 || e.in_parent == Some(true) {
+                continue;
+            }
+            let pages = e.nr_pages.unwrap_or(u64::from(e.compat_nr_pages));
+            let (begin, end) = (e.vaddr, e.vaddr.saturating_add(pages * PAGE_SIZE));
+            // The VMAs that may hold [begin, end): from the last one starting at or before it.
+            let first = vmas.partition_point(|v| v.0 <= begin).saturating_sub(1);
+            for &(vs, ve, pgoff, id) in vmas[first..].iter().take_while(|v| v.0 < end) {
+                let (s, t) = (begin.max(vs), end.min(ve));
+                if s >= t {
+                    continue;
+                }
+                if let Some(name) = names.get(&id) {
+                    by_file
+                        .entry(name.clone())
+                        .or_default()
+                        .push((pgoff + (s - vs), t - s));
+                }
+            }
+        }
+    }
+    Ok(by_file
+        .into_iter()
+        .map(|(name, mut ranges)| {
+            ranges.sort_unstable();
+            let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+            for (off, len) in ranges {
+                match merged.last_mut() {
+                    Some((o, l)) if off <= *o + *l + MERGE_GAP => {
+                        *l = (*l).max(off + len - *o);
+                    }
+                    _ => merged.push((off, len)),
+                }
+            }
+            let path = if name.starts_with('/') {
+                name
+            } else {
+                format!("/{name}")
+            };
+            FilePages {
+                path,
+                ranges: merged,
+            }
+        })
+        .collect())
 }
 
 /// What [`flatten`] did.

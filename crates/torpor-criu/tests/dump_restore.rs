@@ -651,3 +651,53 @@ fn restore_with_a_work_dir_leaves_the_images_untouched() {
     eprintln!("work dir after restore: {in_work:?}");
     assert!(in_work.contains(&"restore.log".to_string()));
 }
+
+#[test]
+fn the_images_name_the_file_pages_a_restore_reads() {
+    let Some(criu) = criu_or_skip("the_images_name_the_file_pages_a_restore_reads") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let images = images_dir(dir);
+    let worker = Worker::launch(dir, &[]);
+    criu.dump(&DumpRequest {
+        leave_running: true,
+        ..dump_request(worker.pid, &images)
+    })
+    .unwrap_or_else(|e| panic!("{}", explain(&e)));
+
+    let files = torpor_criu::images::private_file_pages(&images).expect("images read");
+    // Every dynamically linked process has written pages of libc (its relocated data), which
+    // CRIU saves and writes back over the file's.
+    let libc = files
+        .iter()
+        .find(|f| f.path.contains("libc.so"))
+        .unwrap_or_else(|| {
+            panic!(
+                "libc among {:?}",
+                files.iter().map(|f| &f.path).collect::<Vec<_>>()
+            )
+        });
+    assert!(!libc.ranges.is_empty());
+    for f in &files {
+        eprintln!("{}: {:?}", f.path, f.ranges);
+        let size = std::fs::metadata(&f.path)
+            .unwrap_or_else(|e| panic!("{}: {e}", f.path))
+            .len();
+        assert!(f.path.starts_with('/'), "{}", f.path);
+        for pair in f.ranges.windows(2) {
+            assert!(
+                pair[0].0 + pair[0].1 < pair[1].0,
+                "{}: {:?}",
+                f.path,
+                f.ranges
+            );
+        }
+        for &(offset, len) in &f.ranges {
+            assert!(len > 0 && len % 4096 == 0, "{}: {:?}", f.path, f.ranges);
+            // A mapping may reach past the end of its file (its last page); never by a page.
+            assert!(offset < size, "{}: {offset:#x} past {size}", f.path);
+        }
+    }
+}

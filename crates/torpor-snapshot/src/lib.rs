@@ -6,6 +6,7 @@ pub mod checkpoints;
 pub mod dirty_tracking;
 pub mod empty_gpu_memory;
 pub mod fault;
+pub mod file_prefetch;
 pub mod gpu_map;
 pub mod gpu_restore_slots;
 pub mod gpu_tasks;

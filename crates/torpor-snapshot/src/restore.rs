@@ -115,7 +115,7 @@ pub use torpor_criu::page_server::{DEFAULT_BACKGROUND_THREADS, MAX_BACKGROUND_TH
 /// How a restore brings back the process's memory; `Default` is what [`restore`] does.
 /// (A snapshot staged in memory with [`crate::stage::stage`] is restored by passing the staged
 /// directory as [`RestoreOptions::dir`].)
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct PageOptions {
     pub source: PageSource,
     /// Torpor's page server: what to serve as the hot set, a profile an earlier restore
@@ -132,6 +132,22 @@ pub struct PageOptions {
     /// Torpor's page server: threads of its background copy (1: serial); `None`: its default
     /// (`torpor_criu::PageServerOptions::background_threads`).
     pub background_threads: Option<usize>,
+    /// Read ahead the pages of mapped files CRIU's restore reads, beside the image's
+    /// verification ([`crate::file_prefetch`]; on by default).
+    pub prefetch_file_pages: bool,
+}
+
+impl Default for PageOptions {
+    fn default() -> Self {
+        Self {
+            source: PageSource::default(),
+            profile_in: None,
+            profile_out: None,
+            faults_only: false,
+            background_threads: None,
+            prefetch_file_pages: true,
+        }
+    }
 }
 
 /// The `criu lazy-pages` daemon still serving a lazily restored tree.
@@ -399,6 +415,23 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
         return Err(RestoreError::GpuMapWithoutGpu);
     }
     let stdio = stdio_handles(opts.stdio, &manifest)?;
+    // The file pages CRIU will fault in one at a time, read ahead in the background from now on
+    // (crate::file_prefetch): after a dropped page cache the verification below reads the image
+    // from disk meanwhile. Not waited for.
+    let prefetch = if pages.prefetch_file_pages {
+        let dir = opts.dir.to_path_buf();
+        let reopened = manifest.reopened_files.clone();
+        std::thread::Builder::new()
+            .name("file-prefetch".into())
+            .spawn(move || {
+                let t = std::time::Instant::now();
+                crate::file_prefetch::prefetch(&dir, &reopened, Path::new("/"));
+                t.elapsed().as_secs_f64()
+            })
+            .ok()
+    } else {
+        None
+    };
     // Hashing the image and initialising the driver (cuInit, NVML) are independent: run them
     // side by side. A corrupt snapshot is reported before any GPU complaint.
     let (verified, plan) = std::thread::scope(|scope| {
@@ -444,6 +477,12 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     });
     verified?;
     let plan = plan.transpose()?;
+    // How long asking for the reads took, when that is over by now (the reads themselves go on).
+    if let Some(p) = prefetch.filter(|p| p.is_finished()) {
+        if let Ok(s) = p.join() {
+            phases.0.push(("file_prefetch".into(), s));
+        }
+    }
 
     if interrupt::interrupted() {
         return Err(RestoreError::Interrupted);

@@ -284,6 +284,10 @@ pub struct RestoreServer {
     /// GPU restores that may be in flight at once, from CRIU's start to the end of the CUDA
     /// driver's restore (Runtime::gpu_restore_slots); 0: no bound.
     pub gpu_restores: u32,
+    /// Read ahead, beside the image's verification, the pages of mapped files that CRIU's
+    /// restore reads one fault at a time (`torpor_snapshot::file_prefetch`); false: CRIU reads
+    /// them itself, as before.
+    pub prefetch_file_pages: bool,
 }
 
 /// The fair PCIe scheduler (`crate::split::pcie`, docs/sandboxes.md "Fair PCIe").
@@ -331,6 +335,7 @@ impl Default for RestoreServer {
             host_devices: 1,
             host_device_bytes: 0,
             gpu_restores: DEFAULT_GPU_RESTORES,
+            prefetch_file_pages: true,
         }
     }
 }
@@ -787,6 +792,9 @@ impl Config {
             }
             if let Some(b) = t.boolean("concurrent_snapshot")? {
                 r.concurrent_snapshot = b;
+            }
+            if let Some(b) = t.boolean("prefetch_file_pages")? {
+                r.prefetch_file_pages = b;
             }
             if let Some(n) = t.integer("host_devices", 1, 16)? {
                 r.host_devices = u32::try_from(n).unwrap_or(1);

@@ -16,7 +16,6 @@ pub const RECONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// How [`restore_with`] restores: where the pages come from, and the staged copy of the
 /// snapshot to read instead of its disk copy.
-#[derive(Default)]
 pub struct HowToRestore {
     pub pages: torpor_snapshot::restore::PageSource,
     /// Restored from with sizes checked only (hashed when staged, on the daemon's root-only
@@ -44,6 +43,26 @@ pub struct HowToRestore {
     /// Torpor's page server: threads of its background copy (`restore_server.background_threads`);
     /// `None`: the server's default.
     pub background_threads: Option<usize>,
+    /// Read ahead the file pages CRIU's restore reads (`restore_server.prefetch_file_pages`;
+    /// on by default).
+    pub prefetch_file_pages: bool,
+}
+
+impl Default for HowToRestore {
+    fn default() -> Self {
+        Self {
+            pages: torpor_snapshot::restore::PageSource::default(),
+            staged: None,
+            leave_gpu_checkpointed: false,
+            cgroup: Vec::new(),
+            state_dir: None,
+            profile_in: None,
+            profile_out: None,
+            gpu_restore_slots: None,
+            background_threads: None,
+            prefetch_file_pages: true,
+        }
+    }
 }
 
 /// A restored tree.
@@ -217,6 +236,7 @@ pub async fn restore_with(
             faults_only: how.profile_out.is_some(),
             profile_out: how.profile_out.clone(),
             background_threads: how.background_threads,
+            prefetch_file_pages: how.prefetch_file_pages,
         };
         // The state directory, and each of its directories an unprivileged worker has bound in.
         let owned: Vec<(String, std::path::PathBuf)> = how

@@ -78,6 +78,7 @@ impl Runtime {
             staged,
             profile_in,
             background_threads: Some(self.config.restore_server.background_threads as usize),
+            prefetch_file_pages: self.config.restore_server.prefetch_file_pages,
             cgroup: cgroup
                 .as_ref()
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),

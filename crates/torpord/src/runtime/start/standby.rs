@@ -284,6 +284,7 @@ impl Runtime {
             pages: torpor_snapshot::restore::PageSource::Copy,
             staged: self.staging.get(&info.snapshot_dir),
             leave_gpu_checkpointed: true,
+            prefetch_file_pages: self.config.restore_server.prefetch_file_pages,
             cgroup: cgroup
                 .as_ref()
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
