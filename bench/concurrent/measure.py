@@ -59,6 +59,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shrink-context", choices=("on", "off"), default="on",
                    help="the function's [gpu] shrink_context (off: the context's stack stays reserved at the "
                    "quiet points and at a migration's unmap, as before session 22), for an A/B")
+    p.add_argument("--peer-copy", choices=("on", "off"), default="on",
+                   help="restore_server.peer_copy: the migration's pre-copy moves read-only segments GPU to GPU "
+                   "(off: all through host memory, as before session 23), for an A/B")
     p.add_argument("--work-dir", type=Path, default=Path("/var/tmp/torpor-concurrent"))
     p.add_argument("--torpor", type=Path, default=None, help="the torpor binary (default: as bench/coldstart/run.py finds it)")
     p.add_argument("--out-hibernate", type=Path, default=None)
@@ -241,7 +244,13 @@ def migrate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: 
             "summary": {"model": model.name, "migration_downtime_s": None, "skipped": f"{gpus} GPU(s) on this machine: the migration needs two of one model (nvidia-h200-x2)"},
         }
     state = work / "migrate"
-    config = {"restore_server": {"host_devices": 2, "host_cache_bytes": split.HOST_CACHE_BYTES}}
+    config = {
+        "restore_server": {
+            "host_devices": 2,
+            "host_cache_bytes": split.HOST_CACHE_BYTES,
+            "peer_copy": a.peer_copy == "on",
+        }
+    }
     d = split.Daemon(torpor, state, "migrate", config, work / "logs")
     name = f"{model.name}-mig"
     runs = []
@@ -281,12 +290,13 @@ def migrate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: 
                     "steady_gap_median_s": statistics.median(steady) if steady else None,
                 }
             )
-            say(f"migration {i}: GPU {answer['from']} -> {answer['to']}: downtime {runs[-1]['downtime_s']}, total {t1 - t0:.3f} s, stop {answer['stop_s']:.3f} s, precopy {answer['precopy_s']:.3f} s, stop phases {answer.get('stop_phases')}")
+            say(f"migration {i}: GPU {answer['from']} -> {answer['to']}: downtime {runs[-1]['downtime_s']}, total {t1 - t0:.3f} s, stop {answer['stop_s']:.3f} s, precopy {answer['precopy_s']:.3f} s ({answer.get('peer_bytes', 0)} of {answer['bytes']} bytes GPU to GPU), stop phases {answer.get('stop_phases')}")
         client.stopping.set()
         client.join(120)
     finally:
         d.stop()
     downtimes = [r["downtime_s"] for r in runs if r["downtime_s"] is not None]
+    speeds = [r["daemon"]["bytes"] / r["daemon"]["precopy_s"] / 1e9 for r in runs if r["daemon"]["precopy_s"] > 0]
     identical = all(ok for _, ok, _ in client.done) and client.error is None
     return {
         "benchmark": "migration",
@@ -296,6 +306,11 @@ def migrate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: 
             "migration_downtime_s_median": statistics.median(downtimes) if downtimes else None,
             "migration_total_s": max(r["total_s"] for r in runs) if runs else None,
             "shrink_context": a.shrink_context,
+            "peer_copy": a.peer_copy,
+            "precopy_s_median": statistics.median(r["daemon"]["precopy_s"] for r in runs) if runs else None,
+            # Bytes of segments over the pre-copy's seconds: the move's own speed.
+            "precopy_gbps_median": statistics.median(speeds) if speeds else None,
+            "precopy_peer_bytes": runs[-1]["daemon"].get("peer_bytes") if runs else None,
             # Each stop phase's median over the migrations (a daemon of before session 22: none).
             "stop_phases_median_s": {
                 k: statistics.median(r["daemon"]["stop_phases"][k] for r in runs)

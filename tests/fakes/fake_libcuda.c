@@ -596,6 +596,8 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
  *   FAKE_CUDA_MEM_CREATE_RESULT  code cuMemCreate returns instead of creating (2: out of memory).
  *   FAKE_CUDA_MEM_ALLOC_RESULT   code cuMemAlloc_v2 returns instead of allocating (2: out of memory).
  *   FAKE_CUDA_LOG             also gets one line per copy: "<htod|dtoh|dtod> stream=<id> bytes=<n>".
+ *   FAKE_CUDA_PEER            0: no two GPUs reach each other (cuDeviceCanAccessPeer); default:
+ *                             every pair of different GPUs does.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -743,6 +745,17 @@ CUresult cuCtxGetDevice(CUdevice *device) {
     if (!current_context)
         return CUDA_ERROR_INVALID_CONTEXT;
     *device = 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice device, CUdevice peer) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!can)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (device < 0 || device >= device_count() || peer < 0 || peer >= device_count())
+        return CUDA_ERROR_INVALID_DEVICE;
+    *can = device != peer && env_long("FAKE_CUDA_PEER", 1) != 0;
     return CUDA_SUCCESS;
 }
 

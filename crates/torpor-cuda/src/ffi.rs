@@ -210,6 +210,8 @@ pub(crate) type CuDevicePrimaryCtxRelease = unsafe extern "C" fn(device: CuDevic
 pub(crate) type CuCtxSetCurrent = unsafe extern "C" fn(ctx: CuContext) -> CuResult;
 pub(crate) type CuCtxGetCurrent = unsafe extern "C" fn(ctx: *mut CuContext) -> CuResult;
 pub(crate) type CuCtxGetDevice = unsafe extern "C" fn(device: *mut CuDevice) -> CuResult;
+pub(crate) type CuDeviceCanAccessPeer =
+    unsafe extern "C" fn(can_access: *mut c_int, device: CuDevice, peer: CuDevice) -> CuResult;
 pub(crate) type CuMemGetAllocationGranularity = unsafe extern "C" fn(
     granularity: *mut usize,
     prop: *const MemAllocationProp,

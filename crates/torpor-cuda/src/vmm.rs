@@ -46,6 +46,8 @@ pub(crate) struct VmmApi {
     free_host: ffi::CuMemFreeHost,
     host_register: ffi::CuMemHostRegister,
     host_unregister: ffi::CuMemHostUnregister,
+    /// Optional: a driver (or fake) without it has no peer path ([`Vmm::can_access_peer`]).
+    can_access_peer: Option<ffi::CuDeviceCanAccessPeer>,
 }
 
 impl VmmApi {
@@ -90,6 +92,7 @@ impl VmmApi {
                 free_host: sym(library, "cuMemFreeHost")?,
                 host_register: sym(library, "cuMemHostRegister_v2")?,
                 host_unregister: sym(library, "cuMemHostUnregister")?,
+                can_access_peer: library.get("cuDeviceCanAccessPeer"),
             })
         }
     }
@@ -313,6 +316,27 @@ impl<'a> Vmm<'a> {
         // SAFETY: `desc` is one valid CUmemAccessDesc, the count passed.
         let code = unsafe { (self.api.set_access)(ptr, size, &desc, 1) };
         self.check("cuMemSetAccess", code)
+    }
+
+    /// Whether GPU `ordinal` can read and write memory of GPU `peer` directly (NVLink or PCIe
+    /// peer-to-peer), so a mapping of `peer`'s memory may be given access for `ordinal`
+    /// ([`Vmm::set_access`]). `false` for the same GPU and where the driver lacks the call.
+    pub fn can_access_peer(&self, ordinal: i32, peer: i32) -> Result<bool, CudaError> {
+        let Some(call) = self.api.can_access_peer else {
+            return Ok(false);
+        };
+        if ordinal == peer {
+            return Ok(false);
+        }
+        let (device, peer) = (
+            self.driver.device_handle(ordinal)?,
+            self.driver.device_handle(peer)?,
+        );
+        let mut can: c_int = 0;
+        // SAFETY: the out pointer is a valid, writable int; both devices came from cuDeviceGet.
+        let code = unsafe { call(&mut can, device, peer) };
+        self.check("cuDeviceCanAccessPeer", code)?;
+        Ok(can != 0)
     }
 
     /// A new file descriptor for `handle`'s memory, to hand to another process.

@@ -394,6 +394,49 @@ impl Device for HostDevice {
         Ok(())
     }
 
+    fn copy_from_peer(
+        &self,
+        _from: &Self,
+        src: &HostMemory,
+        dst: &HostMemory,
+    ) -> Result<bool, DeviceError> {
+        use std::os::unix::fs::FileExt;
+        if dst.size < src.size {
+            return Err(DeviceError::OutOfRange {
+                offset: 0,
+                len: src.size,
+                size: dst.size,
+            });
+        }
+        // Borrowed, not owned: the memfds stay with their memory.
+        let borrow = |m: &HostMemory| {
+            std::mem::ManuallyDrop::new(
+                // SAFETY: the descriptor is open while `m` is borrowed, and the ManuallyDrop
+                // keeps this File from closing it.
+                unsafe { std::fs::File::from_raw_fd(m.fd.as_raw_fd()) },
+            )
+        };
+        let (from, to) = (borrow(src), borrow(dst));
+        let os = |call| {
+            move |source| DeviceError::Os {
+                call,
+                hint: "the memfd of a segment could not be copied",
+                source,
+            }
+        };
+        let mut buf = vec![0u8; LOCK_SPAN.min(src.size)];
+        let mut at = 0usize;
+        while at < src.size {
+            let n = buf.len().min(src.size - at);
+            from.read_exact_at(&mut buf[..n], at as u64)
+                .map_err(os("pread(memfd)"))?;
+            to.write_all_at(&buf[..n], at as u64)
+                .map_err(os("pwrite(memfd)"))?;
+            at += n;
+        }
+        Ok(true)
+    }
+
     fn host_buffer(&self, len: usize) -> Result<Vec<u8>, DeviceError> {
         Ok(vec![0; len])
     }

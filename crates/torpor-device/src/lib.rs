@@ -46,6 +46,8 @@
 //! - Copies on one device share one set of streams and staging buffers: concurrent copies run
 //!   one after another.
 //! - Copies stay inside one mapping; a range spanning two adjacent mappings is refused.
+//! - [`Device::copy_from_peer`] on cuda needs the two GPUs to reach each other directly
+//!   (`cuDeviceCanAccessPeer`); without that it copies nothing and says so.
 
 pub mod cuda;
 pub mod fd_passing;
@@ -144,6 +146,20 @@ pub trait Device: Send + Sync {
 
     /// Copies `len` bytes between device addresses, each range inside one mapping.
     fn copy_within_device(&self, src: u64, dst: u64, len: usize) -> Result<(), DeviceError>;
+
+    /// Copies `src` (memory of `from`, another device of this backend in this process) into
+    /// `dst` (memory of this device, as large, not sealed), device to device: on cuda over the
+    /// GPUs' peer path (NVLink or PCIe peer-to-peer), never through host memory; on host from
+    /// memfd to memfd. Returns `false`, having copied nothing, where the two devices have no
+    /// such path (the caller copies through host memory).
+    fn copy_from_peer(
+        &self,
+        from: &Self,
+        src: &Self::Memory,
+        dst: &Self::Memory,
+    ) -> Result<bool, DeviceError>
+    where
+        Self: Sized;
 
     /// `len` bytes of zeroed host memory that copies use at full speed.
     fn host_buffer(&self, len: usize) -> Result<Self::HostBuffer, DeviceError>;

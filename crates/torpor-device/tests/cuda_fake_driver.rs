@@ -76,3 +76,21 @@ fn the_device_knows_its_driver_and_gpu() {
 fn an_imported_allocation_exports_again() {
     cuda_cases::an_imported_allocation_exports_again(device(CopyConfig::default()));
 }
+
+#[test]
+fn memory_of_one_gpu_is_copied_to_another_device_to_device_where_they_reach_each_other() {
+    // Two fake GPUs for the whole test binary (the other tests use GPU 0 only); both cases in
+    // one test, as FAKE_CUDA_PEER is read at each call.
+    std::env::set_var("FAKE_CUDA_DEVICES", "2");
+    let gpu = |ordinal| {
+        let driver = CudaDriver::load_from(fake_driver()).unwrap();
+        CudaDevice::open_with(driver, ordinal, CopyConfig::default()).unwrap()
+    };
+    let (a, b) = (gpu(0), gpu(1));
+    cuda_cases::peer_copy(&a, &b, true);
+    std::env::set_var("FAKE_CUDA_PEER", "0");
+    cuda_cases::peer_copy(&a, &b, false);
+    std::env::remove_var("FAKE_CUDA_PEER");
+    // A GPU is no peer of itself: the caller copies within the device instead.
+    cuda_cases::peer_copy(&a, &gpu(0), false);
+}

@@ -288,6 +288,10 @@ pub struct RestoreServer {
     /// restore reads one fault at a time (`torpor_snapshot::file_prefetch`); false: CRIU reads
     /// them itself, as before.
     pub prefetch_file_pages: bool,
+    /// A migration's pre-copy moves read-only segments device to device where the two GPUs
+    /// reach each other (`crate::split::migrate`); false: every segment through host memory,
+    /// as before.
+    pub peer_copy: bool,
 }
 
 /// The fair PCIe scheduler (`crate::split::pcie`, docs/sandboxes.md "Fair PCIe").
@@ -336,6 +340,7 @@ impl Default for RestoreServer {
             host_device_bytes: 0,
             gpu_restores: DEFAULT_GPU_RESTORES,
             prefetch_file_pages: true,
+            peer_copy: true,
         }
     }
 }
@@ -795,6 +800,9 @@ impl Config {
             }
             if let Some(b) = t.boolean("prefetch_file_pages")? {
                 r.prefetch_file_pages = b;
+            }
+            if let Some(b) = t.boolean("peer_copy")? {
+                r.peer_copy = b;
             }
             if let Some(n) = t.integer("host_devices", 1, 16)? {
                 r.host_devices = u32::try_from(n).unwrap_or(1);

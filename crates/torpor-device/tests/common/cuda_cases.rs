@@ -196,3 +196,40 @@ pub fn an_imported_allocation_exports_again(device: CudaDevice) {
     device.release(at, memory).unwrap();
     device.free_reservation(at, len).unwrap();
 }
+
+/// `a` and `b` are two GPUs of one driver. Memory of `a` is copied into new memory of `b` device
+/// to device, exactly, and the source is left as it was; `expect_peer` is whether the pair has
+/// the peer path (without it nothing is copied and `false` says so).
+pub fn peer_copy(a: &CudaDevice, b: &CudaDevice, expect_peer: bool) {
+    let len = (6_usize << 20).next_multiple_of(a.granularity());
+    let (at, src) = owned_segment(a, None, len, 70);
+    let dst = b.create(len).unwrap();
+    let copied = b.copy_from_peer(a, &src, &dst).unwrap();
+    assert_eq!(copied, expect_peer, "copy_from_peer's answer");
+    let got = b.reserve(len, None).unwrap();
+    b.map(&dst, got, Access::ReadOnly).unwrap();
+    let mut back = vec![0; len];
+    b.copy_to_host(got, &mut back).unwrap();
+    if expect_peer {
+        assert!(back == pattern(len, 70), "the peer copy is not exact");
+    } else {
+        assert!(back != pattern(len, 70), "nothing was to be copied");
+    }
+    let mut source = vec![0; len];
+    a.copy_to_host(at, &mut source).unwrap();
+    assert!(source == pattern(len, 70), "the source changed");
+    // The copy's own windows are gone: both devices map only what the test mapped.
+    b.release(got, dst).unwrap();
+    b.free_reservation(got, len).unwrap();
+    a.release(at, src).unwrap();
+    a.free_reservation(at, len).unwrap();
+    // A smaller destination is refused before anything is copied.
+    let (at, src) = owned_segment(a, None, len, 71);
+    let small = b.create(a.granularity()).unwrap();
+    assert!(matches!(
+        b.copy_from_peer(a, &src, &small),
+        Err(DeviceError::OutOfRange { .. })
+    ));
+    a.release(at, src).unwrap();
+    a.free_reservation(at, len).unwrap();
+}

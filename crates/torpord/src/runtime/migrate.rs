@@ -74,6 +74,10 @@ pub struct Migrated {
     pub segments: usize,
     /// Bytes of segments moved.
     pub bytes: u64,
+    /// Of them, bytes the pre-copy moved device to device over the GPUs' peer path (read-only
+    /// segments, where the two GPUs reach each other); the rest went through host memory.
+    #[serde(default)]
+    pub peer_bytes: u64,
     /// Seconds of the pre-copy (the instance served meanwhile).
     pub precopy_s: f64,
     /// Seconds the instance took no request: from its last request's end to routable again.
@@ -474,13 +478,15 @@ impl Runtime {
             let (split, plan, leases) =
                 (Arc::clone(&self.split), Arc::clone(&plan), leases.clone());
             let to = i32::try_from(gpu).unwrap_or(i32::MAX);
-            tokio::task::spawn_blocking(move || split.migrate_precopy(&plan, &leases, to))
+            let peer = self.config.restore_server.peer_copy;
+            tokio::task::spawn_blocking(move || split.migrate_precopy(&plan, &leases, to, peer))
                 .await
                 .map_err(|e| failed("pre-copy", e.to_string()))?
                 .map_err(|e| failed("pre-copy", e.to_string()))?
         };
         let precopy_s = p0.elapsed().as_secs_f64();
-        tracing::info!(instance = %inst.id, function = %inst.function, from, to = gpu, bytes = moving.bytes, precopy_s, "migration: segments pre-copied while the instance serves");
+        let peer_bytes = moving.peer_bytes;
+        tracing::info!(instance = %inst.id, function = %inst.function, from, to = gpu, bytes = moving.bytes, peer_bytes, precopy_s, "migration: segments pre-copied while the instance serves");
         // A test's window for writes after the pre-copy read the segments (the stop must catch them).
         crate::journal::delay("migrate-precopy").await;
 
@@ -545,6 +551,7 @@ impl Runtime {
             model: target.name,
             segments: plan.len(),
             bytes: plan.iter().map(|(e, _)| e.size).sum(),
+            peer_bytes,
             precopy_s,
             stop_s,
             total_s: t0.elapsed().as_secs_f64(),

@@ -57,6 +57,22 @@ pub trait SegmentDevice: Send + Sync {
         seal: bool,
     ) -> Result<Memory, DeviceError>;
 
+    /// New exportable memory on this device holding a copy of `src` (`size` bytes of memory of
+    /// `from`, another device of this node), copied device to device: over the GPUs' peer path
+    /// on cuda, never through host memory and not through the PCIe scheduler (which orders the
+    /// host's transfers); sealed when `seal`. `Ok(None)`: the two devices have no such path
+    /// (another backend, no peer access); the caller copies through host memory.
+    fn fill_from_peer(
+        &self,
+        from: &dyn SegmentDevice,
+        src: &Memory,
+        size: usize,
+        seal: bool,
+    ) -> Result<Option<Memory>, DeviceError>;
+
+    /// This device as `Any`, so that [`SegmentDevice::fill_from_peer`] can find its backend.
+    fn as_any(&self) -> &dyn Any;
+
     /// A new fd for `memory`, for a `map` frame.
     fn export(&self, memory: &Memory) -> Result<OwnedFd, DeviceError>;
 
@@ -192,7 +208,7 @@ where
     }
 }
 
-impl<D: Device> SegmentDevice for Backend<D>
+impl<D: Device + 'static> SegmentDevice for Backend<D>
 where
     D::Memory: 'static,
     D::HostBuffer: 'static,
@@ -245,6 +261,31 @@ where
             self.device.seal_read_only(&memory)?;
         }
         Ok(Box::new(memory))
+    }
+
+    fn fill_from_peer(
+        &self,
+        from: &dyn SegmentDevice,
+        src: &Memory,
+        size: usize,
+        seal: bool,
+    ) -> Result<Option<Memory>, DeviceError> {
+        let Some(from) = from.as_any().downcast_ref::<Backend<D>>() else {
+            return Ok(None);
+        };
+        let src = self.memory(src);
+        let memory = self.device.create(size)?;
+        if !self.device.copy_from_peer(&from.device, src, &memory)? {
+            return Ok(None);
+        }
+        if seal {
+            self.device.seal_read_only(&memory)?;
+        }
+        Ok(Some(Box::new(memory)))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 
     fn export(&self, memory: &Memory) -> Result<OwnedFd, DeviceError> {
