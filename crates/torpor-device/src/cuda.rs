@@ -698,13 +698,7 @@ impl Device for CudaDevice {
         src: &CudaMemory,
         dst: &CudaMemory,
     ) -> Result<bool, DeviceError> {
-        if dst.size < src.size {
-            return Err(DeviceError::OutOfRange {
-                offset: 0,
-                len: src.size,
-                size: dst.size,
-            });
-        }
+        crate::fits(src.size, dst.size)?;
         let (here, there) = (self.shared.ordinal, from.shared.ordinal);
         if src.size == 0 || here == there || !self.shared.vmm()?.can_access_peer(here, there)? {
             return Ok(false);

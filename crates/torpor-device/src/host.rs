@@ -401,13 +401,7 @@ impl Device for HostDevice {
         dst: &HostMemory,
     ) -> Result<bool, DeviceError> {
         use std::os::unix::fs::FileExt;
-        if dst.size < src.size {
-            return Err(DeviceError::OutOfRange {
-                offset: 0,
-                len: src.size,
-                size: dst.size,
-            });
-        }
+        crate::fits(src.size, dst.size)?;
         // Borrowed, not owned: the memfds stay with their memory.
         let borrow = |m: &HostMemory| {
             std::mem::ManuallyDrop::new(

@@ -62,6 +62,18 @@ use std::os::fd::OwnedFd;
 
 pub use error::DeviceError;
 
+/// Whether `len` bytes fit memory of `size` bytes ([`Device::copy_from_peer`]'s destination).
+fn fits(len: usize, size: usize) -> Result<(), DeviceError> {
+    if len > size {
+        return Err(DeviceError::OutOfRange {
+            offset: 0,
+            len,
+            size,
+        });
+    }
+    Ok(())
+}
+
 /// How a mapping may be accessed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Access {

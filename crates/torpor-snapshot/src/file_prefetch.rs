@@ -19,6 +19,7 @@
 
 use std::collections::HashSet;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use torpor_image::ReopenedFile;
@@ -56,9 +57,18 @@ pub fn prefetch(dir: &Path, reopened: &[ReopenedFile], root: &Path) -> Prefetche
     }
     let mut out = Prefetched::default();
     for (path, list) in ranges {
-        let Ok(file) = std::fs::File::open(root.join(path.trim_start_matches('/'))) else {
+        // Non-blocking: a path that is now a FIFO must not hang the thread in open(); only
+        // regular files are read ahead (check_reopened refuses anything else).
+        let Ok(file) = std::fs::File::options()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(root.join(path.trim_start_matches('/')))
+        else {
             continue;
         };
+        if !file.metadata().is_ok_and(|m| m.is_file()) {
+            continue;
+        }
         out.files += 1;
         for (offset, len) in list {
             let (Ok(o), Ok(l)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
@@ -90,10 +100,19 @@ mod tests {
             size,
             sha256: String::new(),
         };
-        // No images in `dir`: headers only; the missing file is not counted.
+        // A FIFO where a library was must not block the open.
+        let fifo = dir.path().join("fifo.so");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        // No images in `dir`: headers only; the missing file and the FIFO are not counted.
         let got = prefetch(
             dir.path(),
-            &[listed("/lib.so", 256 * 1024), listed("/gone.so", 10)],
+            &[
+                listed("/lib.so", 256 * 1024),
+                listed("/gone.so", 10),
+                listed("/fifo.so", 10),
+            ],
             dir.path(),
         );
         assert_eq!(
