@@ -59,3 +59,17 @@ def test_the_cpu_smoke_run_measures_both_parts_with_identical_outputs(
     assert phases["unmap_s"] > 0 and phases["map_s"] > 0 and phases["residue_checkpoint_s"] == 0, phases
     assert sum(phases.values()) <= one["daemon"]["stop_s"] + 0.01, one
     assert set(ms["stop_phases_median_s"]) == set(phases), ms
+
+
+def test_the_readmes_table_is_what_the_json_says(tmp_path: Path) -> None:
+    """The README's concurrent-snapshot and migration table is rendered from bench/results by
+    bench/concurrent/table.py: it may not drift from the files, and a changed figure is caught."""
+    table = ROOT / "bench" / "concurrent" / "table.py"
+    ok = subprocess.run([sys.executable, str(table), "--check", str(ROOT / "README.md")],
+                        capture_output=True, text=True, timeout=60, check=False)
+    assert ok.returncode == 0, ok.stderr
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text().replace("0.053 s (59 GB/s", "0.050 s (59 GB/s", 1))
+    bad = subprocess.run([sys.executable, str(table), "--check", str(readme)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 1 and "--readme" in bad.stderr, (bad.returncode, bad.stderr)

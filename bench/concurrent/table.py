@@ -1,0 +1,169 @@
+"""The README's table of concurrent snapshots and live migrations, rendered from the JSON files
+`bench/concurrent/measure.py` wrote (`bench/results/`), never typed by hand.
+
+    python3 bench/concurrent/table.py                      # print the table
+    python3 bench/concurrent/table.py --readme README.md   # replace the README's block
+    python3 bench/concurrent/table.py --check README.md    # exit 1 when the block differs
+
+Each row names where it was measured and reads its figures from its files' `summary` (and, for
+a migration's stop, the daemon's answers in `runs`); a row whose file is missing is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+RESULTS = ROOT / "bench" / "results"
+BEGIN = "<!-- concurrent-table: rendered by bench/concurrent/table.py --readme README.md -->"
+END = "<!-- /concurrent-table -->"
+
+Json = dict[str, Any]
+
+
+def sec(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f} s"
+
+
+def load(name: str) -> Json:
+    doc: Json = json.loads((RESULTS / name).read_text())
+    return doc
+
+
+@dataclass(frozen=True)
+class Row:
+    where: str
+    what: str
+    files: tuple[str, ...]
+    # (stop-the-world or baseline, concurrent) from the loaded files, in `files` order.
+    cells: Callable[..., tuple[str, str]]
+
+
+def hibernation(d: Json) -> tuple[str, str]:
+    s = d["summary"]
+    return sec(s["stop_s_stop_the_world"]), sec(s["stop_s"])
+
+
+def deploy_stop(d: Json) -> tuple[str, str]:
+    s = d["summary"]
+    return sec(s["deploy_stop_s_stop_the_world"]), sec(s["deploy_stop_s"])
+
+
+def cpu_migration(d: Json) -> tuple[str, str]:
+    s = d["summary"]
+    stops = [r["daemon"]["stop_s"] for r in d["runs"]]
+    return "–", (
+        f"{sec(s['migration_downtime_s'], 3)}, {sec(s['migration_downtime_s_median'], 3)} "
+        f"({min(stops):.2f}–{sec(max(stops))} stopped)"
+    )
+
+
+def residue(s: Json) -> float:
+    p = s["stop_phases_median_s"]
+    return float(p["residue_checkpoint_s"] + p["residue_restore_s"])
+
+
+def shrink_ab(on: Json, off: Json) -> tuple[str, str]:
+    a, b = on["summary"], off["summary"]
+    return "–", (
+        f"{sec(a['migration_downtime_s'])}, {sec(a['migration_downtime_s_median'])}; {sec(residue(a))} "
+        f"({sec(b['migration_downtime_s_median'])} median, {sec(residue(b))} residue without `shrink_context`)"
+    )
+
+
+def precopy(s: Json, how: str) -> str:
+    return f"{sec(s['precopy_s_median'], 3 if s['precopy_s_median'] < 0.1 else 2)} ({s['precopy_gbps_median']:.{0 if s['precopy_gbps_median'] >= 10 else 1}f} GB/s, {how})"
+
+
+def peer_ab(on: Json, off: Json) -> tuple[str, str]:
+    a, b = on["summary"], off["summary"]
+    return (
+        f"{precopy(b, 'through host memory')}; {sec(b['migration_total_s'])}",
+        f"{precopy(a, 'GPU to GPU')}; {sec(a['migration_total_s'])}",
+    )
+
+
+def big_model(d: Json) -> tuple[str, str]:
+    s = d["summary"]
+    return "–", (
+        f"{sec(s['migration_downtime_s'])}, {sec(s['migration_downtime_s_median'])}; "
+        f"{sec(s['precopy_s_median'])} ({s['precopy_gbps_median']:.0f} GB/s); {sec(s['migration_total_s'])}"
+    )
+
+
+ROWS = (
+    Row("dev machine, CPU function, 20 MB of segments", "hibernation stop (median)",
+        ("concurrent-checkpoint-hibernate-cpu.json",), hibernation),
+    Row("same", "deploy snapshot's stop", ("concurrent-checkpoint-hibernate-cpu.json",), deploy_stop),
+    Row("same, two host devices", "live migration: longest gap between answers (worst, median of 3)",
+        ("migration-cpu.json",), cpu_migration),
+    Row("H100, GPT-2-Large (session 12, 3 runs a side)", "hibernation stop (median)",
+        ("concurrent-checkpoint-h100.json",), hibernation),
+    Row("same", "deploy snapshot's stop", ("concurrent-checkpoint-h100.json",), deploy_stop),
+    Row("H200 ×2, GPT-2-Large (session 22, 4 moves a side)",
+        "migration downtime (worst, median); the stop's residue move",
+        ("migration-h200x2.json", "migration-h200x2-noshrink.json"), shrink_ab),
+    Row("H200 ×2, GPT-2-Large (session 23, one call, `peer_copy` off / on)",
+        "migration's pre-copy of 3.15 GB (median); whole migration (worst)",
+        ("migration-s23-peeron-h200x2.json", "migration-s23-peeroff-h200x2.json"), peer_ab),
+    Row("H200 ×2, `llama-13b` bf16, 26.2 GB (session 23, 4 moves)",
+        "migration downtime (worst, median); pre-copy (median); whole migration (worst)",
+        ("migration-s23-llama13b-h200x2.json",), big_model),
+)
+
+
+def render() -> str:
+    lines = [
+        "| where | what | stop-the-world | concurrent | file |",
+        "|---|---|---|---|---|",
+    ]
+    for row in ROWS:
+        docs = [load(f) for f in row.files]
+        before, after = row.cells(*docs)
+        files = f"`bench/results/{row.files[0]}`" + "".join(f", `{f}`" for f in row.files[1:])
+        lines.append(f"| {row.where} | {row.what} | {before} | {after} | {files} |")
+    return "\n".join(lines)
+
+
+def block(table: str, indent: str) -> str:
+    body = "\n".join(indent + line for line in table.splitlines())
+    return f"{indent}{BEGIN}\n{body}\n{indent}{END}"
+
+
+def replaced(text: str, table: str) -> str:
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"table.py: the README has no block between {BEGIN!r} and {END!r}")
+    line_start = text.rfind("\n", 0, start) + 1
+    indent = text[line_start:start]
+    return text[:line_start] + block(table, indent) + text[end + len(END):]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--readme", type=Path, help="replace this file's block with the table")
+    g.add_argument("--check", type=Path, help="exit 1 when this file's block is not the table")
+    a = p.parse_args(argv)
+    table = render()
+    if a.readme:
+        a.readme.write_text(replaced(a.readme.read_text(), table))
+    elif a.check:
+        text = a.check.read_text()
+        if replaced(text, table) != text:
+            print(f"{a.check}: the concurrent table is not what the JSON says; run "
+                  f"python3 bench/concurrent/table.py --readme {a.check}", file=sys.stderr)
+            return 1
+    else:
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
