@@ -62,8 +62,9 @@ def test_the_cpu_smoke_run_measures_both_parts_with_identical_outputs(
 
 
 def test_the_readmes_table_is_what_the_json_says(tmp_path: Path) -> None:
-    """The README's concurrent-snapshot and migration table is rendered from bench/results by
-    bench/concurrent/table.py: it may not drift from the files, and a changed figure is caught."""
+    """The README's tables of issue 10 (concurrent snapshots and migrations; training with
+    checkpoints) are rendered from bench/results by bench/concurrent/table.py: they may not
+    drift from the files, and a changed figure in either is caught."""
     table = ROOT / "bench" / "concurrent" / "table.py"
     ok = subprocess.run([sys.executable, str(table), "--check", str(ROOT / "README.md")],
                         capture_output=True, text=True, timeout=60, check=False)
@@ -73,3 +74,7 @@ def test_the_readmes_table_is_what_the_json_says(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(table), "--check", str(readme)],
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 1 and "--readme" in bad.stderr, (bad.returncode, bad.stderr)
+    readme.write_text((ROOT / "README.md").read_text().replace("| 58.2 it/s |", "| 60.0 it/s |", 1))
+    bad = subprocess.run([sys.executable, str(table), "--check", str(readme)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 1, (bad.returncode, bad.stderr)

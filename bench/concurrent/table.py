@@ -1,5 +1,6 @@
-"""The README's table of concurrent snapshots and live migrations, rendered from the JSON files
-`bench/concurrent/measure.py` wrote (`bench/results/`), never typed by hand.
+"""The README's tables of issue 10, rendered from the JSON files in `bench/results/`, never typed
+by hand: concurrent snapshots and live migrations (`bench/concurrent/measure.py`), and training
+throughput with periodic checkpoints (`bench/checkpoint/train.py`).
 
     python3 bench/concurrent/table.py                      # print the table
     python3 bench/concurrent/table.py --readme README.md   # replace the README's block
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "bench" / "results"
 BEGIN = "<!-- concurrent-table: rendered by bench/concurrent/table.py --readme README.md -->"
 END = "<!-- /concurrent-table -->"
+TRAIN_BEGIN = "<!-- training-table: rendered by bench/concurrent/table.py --readme README.md -->"
+TRAIN_END = "<!-- /training-table -->"
 
 Json = dict[str, Any]
 
@@ -117,6 +121,41 @@ ROWS = (
 )
 
 
+# Training runs (bench/checkpoint/train.py): where, and the file; the iteration time is read.
+TRAIN_ROWS = (
+    ("dev machine, numpy MLP", "concurrent-checkpoint-cpu.json"),
+    ("dev machine, numpy MLP, longer steps", "concurrent-checkpoint-cpu-100ms.json"),
+    ("H100, PyTorch transformer", "checkpoint-train-h100.json"),
+)
+
+
+def training_row(where: str, name: str) -> str:
+    d = load(name)
+    modes = d["modes"]
+    none, stw, conc = modes["none"], modes["stop_the_world"], modes.get("concurrent") or {}
+    iteration = f"{1000 / none['iters_per_s']:.0f} ms"
+    world = (
+        f"{stw['iters_per_s']:.1f} it/s ({stw['overhead_pct']:.1f} % overhead, "
+        f"stop {sec(statistics.median(stw['stop_s']))})"
+    )
+    if conc.get("ok"):
+        concurrent = f"{conc['iters_per_s']:.1f} it/s ({conc['overhead_pct']:.1f} % overhead)"
+    elif "soft-dirty" in (d["summary"].get("concurrent_unavailable") or ""):
+        concurrent = "refused: the kernel has no soft-dirty tracking"
+    else:
+        concurrent = "failed: " + str(d["summary"].get("concurrent_unavailable"))
+    return f"| {where}, {iteration} | {none['iters_per_s']:.1f} it/s | {world} | {concurrent} | `bench/results/{name}` |"
+
+
+def render_training() -> str:
+    lines = [
+        "| where, iteration | none | stop-the-world | concurrent | file |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [training_row(where, name) for where, name in TRAIN_ROWS]
+    return "\n".join(lines)
+
+
 def render() -> str:
     lines = [
         "| where | what | stop-the-world | concurrent | file |",
@@ -130,18 +169,20 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def block(table: str, indent: str) -> str:
-    body = "\n".join(indent + line for line in table.splitlines())
-    return f"{indent}{BEGIN}\n{body}\n{indent}{END}"
-
-
-def replaced(text: str, table: str) -> str:
-    start, end = text.find(BEGIN), text.find(END)
+def replaced(text: str, table: str, begin: str = BEGIN, end_mark: str = END) -> str:
+    start, end = text.find(begin), text.find(end_mark)
     if start < 0 or end < start:
-        raise SystemExit(f"table.py: the README has no block between {BEGIN!r} and {END!r}")
+        raise SystemExit(f"table.py: the README has no block between {begin!r} and {end_mark!r}")
     line_start = text.rfind("\n", 0, start) + 1
     indent = text[line_start:start]
-    return text[:line_start] + block(table, indent) + text[end + len(END):]
+    body = "\n".join(indent + line for line in table.splitlines())
+    return text[:line_start] + f"{indent}{begin}\n{body}\n{indent}{end_mark}" + text[end + len(end_mark):]
+
+
+def rendered(text: str) -> str:
+    """`text` with both tables' blocks rendered anew."""
+    text = replaced(text, render())
+    return replaced(text, render_training(), TRAIN_BEGIN, TRAIN_END)
 
 
 def main(argv: list[str]) -> int:
@@ -150,17 +191,16 @@ def main(argv: list[str]) -> int:
     g.add_argument("--readme", type=Path, help="replace this file's block with the table")
     g.add_argument("--check", type=Path, help="exit 1 when this file's block is not the table")
     a = p.parse_args(argv)
-    table = render()
     if a.readme:
-        a.readme.write_text(replaced(a.readme.read_text(), table))
+        a.readme.write_text(rendered(a.readme.read_text()))
     elif a.check:
         text = a.check.read_text()
-        if replaced(text, table) != text:
-            print(f"{a.check}: the concurrent table is not what the JSON says; run "
+        if rendered(text) != text:
+            print(f"{a.check}: a table of issue 10 is not what the JSON says; run "
                   f"python3 bench/concurrent/table.py --readme {a.check}", file=sys.stderr)
             return 1
     else:
-        print(table)
+        print(render() + "\n\n" + render_training())
     return 0
 
 
