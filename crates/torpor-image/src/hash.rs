@@ -52,6 +52,13 @@ fn hash_file(path: &Path, size_hint: u64, flush: Flush) -> Result<Hashed> {
         .map_err(read_error)?;
     let mut hasher = blake3::Hasher::new();
     if size_hint >= PARALLEL_FILE_BYTES {
+        // The whole file's reads queued at once first: the threads' page faults each read ahead
+        // only a little, one fault after another. From a cold disk (a 1.5 GB file on the 2-core
+        // development VM) that took the hash from 1.5-2.3 s to 1.0-1.1 s; a file already in the
+        // page cache costs a walk of it.
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid fd for the call's duration; the advice changes no memory of ours.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
         // Maps the file (falls back to reads where it cannot) and hashes it with rayon.
         hasher.update_mmap_rayon(path).map_err(read_error)?;
     } else {
