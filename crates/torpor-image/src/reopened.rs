@@ -298,15 +298,19 @@ pub fn check_reopened(
     dir: &Path,
     cache: &mut HashCache,
 ) -> Result<()> {
-    for f in files {
-        let here = root.join(f.path.trim_start_matches('/'));
+    let paths: Vec<PathBuf> = files
+        .iter()
+        .map(|f| root.join(f.path.trim_start_matches('/')))
+        .collect();
+    let metas = metadata_of_all(&paths);
+    for ((f, here), meta) in files.iter().zip(&paths).zip(metas) {
         let differs = |found: String| ImageError::NotPortable {
             dir: dir.to_path_buf(),
             file: f.path.clone(),
             expected: format!("{} bytes, sha256 {}", f.size, short(&f.sha256)),
             found,
         };
-        let meta = match fs::metadata(&here) {
+        let meta = match meta {
             Ok(m) if m.is_file() => m,
             Ok(_) => return Err(differs("not a regular file".into())),
             Err(e) => return Err(differs(format!("cannot be read: {e}"))),
@@ -315,7 +319,7 @@ pub fn check_reopened(
             return Err(differs(format!("{} bytes", meta.len())));
         }
         let hash = cache
-            .hash(&here, &meta)
+            .hash(here, &meta)
             .map_err(|e| differs(format!("cannot be read: {e}")))?;
         if hash != f.sha256 {
             return Err(differs(format!(
@@ -327,6 +331,34 @@ pub fn check_reopened(
     }
     cache.save();
     Ok(())
+}
+
+/// Threads [`metadata_of_all`] asks on.
+const STAT_THREADS: usize = 16;
+
+/// `fs::metadata` of each path, in order, asked on several threads: each is a wait for the disk
+/// when the inodes are not cached (a node whose page cache was dropped), and a few hundred of
+/// them one after another took 1.2-1.4 s beside the image's hash on the H200 machine
+/// (`bench/results/split-bench-s23-colddisk-c-h200.json`, phase `check_reopened`).
+fn metadata_of_all(paths: &[PathBuf]) -> Vec<std::io::Result<fs::Metadata>> {
+    let per = paths.len().div_ceil(STAT_THREADS).max(1);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = paths
+            .chunks(per)
+            .map(|part| scope.spawn(move || part.iter().map(fs::metadata).collect::<Vec<_>>()))
+            .collect();
+        parts
+            .into_iter()
+            .zip(paths.chunks(per))
+            .flat_map(|(h, part)| {
+                h.join().unwrap_or_else(|_| {
+                    part.iter()
+                        .map(|_| Err(std::io::Error::other("a stat thread panicked")))
+                        .collect()
+                })
+            })
+            .collect()
+    })
 }
 
 /// What [`warm_reopened`] did.
@@ -518,6 +550,29 @@ mod tests {
         let err = check_reopened(&files, root, snap, &mut HashCache::none()).expect_err("missing");
         assert!(err.to_string().contains("libb.so"), "{err}");
         assert!(err.to_string().contains("cannot be read"), "{err}");
+    }
+
+    #[test]
+    fn with_more_files_than_stat_threads_the_first_difference_in_order_is_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        let names: Vec<String> = (0..3 * STAT_THREADS + 5)
+            .map(|i| format!("/lib{i:03}.so"))
+            .collect();
+        for n in &names {
+            fs::write(root.join(&n[1..]), n.as_bytes()).expect("write");
+        }
+        let files: Vec<ReopenedFile> = names
+            .iter()
+            .map(|p| ReopenedFile::identify(p, &root.join(&p[1..]), None).expect("identify"))
+            .collect();
+        let snap = Path::new("/snaps/x");
+        check_reopened(&files, root, snap, &mut HashCache::none()).expect("same");
+        // Two missing, in different threads' shares: the earlier one in the list is named.
+        fs::remove_file(root.join("lib040.so")).expect("rm");
+        fs::remove_file(root.join("lib020.so")).expect("rm");
+        let err = check_reopened(&files, root, snap, &mut HashCache::none()).expect_err("missing");
+        assert!(err.to_string().contains("/lib020.so"), "{err}");
     }
 
     #[test]

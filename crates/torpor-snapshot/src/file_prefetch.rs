@@ -55,6 +55,30 @@ pub fn prefetch(dir: &Path, reopened: &[ReopenedFile], root: &Path) -> Prefetche
             }
         }
     }
+    // Several files at once: opening one whose inode is not cached is itself a wait for the
+    // disk, and one after another they delayed the last files' reads by a second.
+    let per = ranges.len().div_ceil(THREADS).max(1);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = ranges
+            .chunks(per)
+            .map(|part| scope.spawn(move || read_ahead(part, root)))
+            .collect();
+        parts
+            .into_iter()
+            .filter_map(|h| h.join().ok())
+            .fold(Prefetched::default(), |a, b| Prefetched {
+                files: a.files + b.files,
+                ranges: a.ranges + b.ranges,
+                bytes: a.bytes + b.bytes,
+            })
+    })
+}
+
+/// Threads [`prefetch`] opens files and queues their reads on.
+const THREADS: usize = 8;
+
+/// Queues the reads of `ranges` ((path, [(offset, len)])) under `root`.
+fn read_ahead(ranges: &[(String, Vec<(u64, u64)>)], root: &Path) -> Prefetched {
     let mut out = Prefetched::default();
     for (path, list) in ranges {
         // Non-blocking: a path that is now a FIFO must not hang the thread in open(); only
@@ -70,7 +94,7 @@ pub fn prefetch(dir: &Path, reopened: &[ReopenedFile], root: &Path) -> Prefetche
             continue;
         }
         out.files += 1;
-        for (offset, len) in list {
+        for &(offset, len) in list {
             let (Ok(o), Ok(l)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
                 continue;
             };
