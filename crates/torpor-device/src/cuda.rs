@@ -25,7 +25,7 @@ use torpor_cuda::{
 
 use crate::address_space::AddressSpace;
 use crate::error::DeviceError;
-use crate::{Access, Device, PhysicalMemory};
+use crate::{Access, Device, PhysicalMemory, Window};
 
 const BACKEND: &str = "cuda";
 /// The most one copy moves while it holds the address space's read lock: another fill's
@@ -378,43 +378,6 @@ impl CudaDevice {
     }
 }
 
-/// Memory mapped at addresses reserved for one copy ([`Device::copy_from_peer`]): unmapped and
-/// the addresses given back on drop.
-struct Window<'a> {
-    device: &'a CudaDevice,
-    at: u64,
-    len: usize,
-    mapped: bool,
-}
-
-impl<'a> Window<'a> {
-    fn map(
-        device: &'a CudaDevice,
-        memory: &CudaMemory,
-        access: Access,
-    ) -> Result<Self, DeviceError> {
-        let at = device.reserve(memory.size, None)?;
-        let mut w = Window {
-            device,
-            at,
-            len: memory.size,
-            mapped: false,
-        };
-        device.map(memory, at, access)?;
-        w.mapped = true;
-        Ok(w)
-    }
-}
-
-impl Drop for Window<'_> {
-    fn drop(&mut self) {
-        if self.mapped {
-            let _ = self.device.unmap(self.at, self.len);
-        }
-        let _ = self.device.free_reservation(self.at, self.len);
-    }
-}
-
 /// Waits for every stream, keeping the first error (of the copy or of a wait).
 fn finish(
     vmm: &Vmm<'_>,
@@ -706,24 +669,24 @@ impl Device for CudaDevice {
         // The source mapped read-only in `from`'s addresses and made readable by this GPU too;
         // the destination in this device's. Both unmapped, and their addresses given back, on
         // the way out.
-        let source = Window::map(from, src, Access::ReadOnly)?;
+        let source = Window::map(from, src, src.size, Access::ReadOnly)?;
         if from
             .shared
             .vmm()?
-            .set_access(source.at, src.size, here, MemAccess::Read)
+            .set_access(source.at(), src.size, here, MemAccess::Read)
             .is_err()
         {
             // The driver said the pair can reach each other, then refused the mapping: copy
             // through the host instead.
             return Ok(false);
         }
-        let target = Window::map(self, dst, Access::ReadWrite)?;
+        let target = Window::map(self, dst, dst.size, Access::ReadWrite)?;
         let vmm = self.shared.vmm()?;
         let engine = self.engine();
         // SAFETY: both ranges are device memory mapped above (not host memory), readable by this
         // GPU, the destination writable; the stream is synchronised before the windows go.
         let result = unsafe {
-            vmm.copy_within_device_async(target.at, source.at, src.size, &engine.streams[0])
+            vmm.copy_within_device_async(target.at(), source.at(), src.size, &engine.streams[0])
         };
         finish(&vmm, &engine.streams[..1], result)?;
         Ok(true)

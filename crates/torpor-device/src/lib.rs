@@ -74,6 +74,50 @@ fn fits(len: usize, size: usize) -> Result<(), DeviceError> {
     Ok(())
 }
 
+/// `memory` mapped at addresses reserved for it alone, for one copy: unmapped, and the addresses
+/// given back, on drop.
+pub struct Window<'a, D: Device> {
+    device: &'a D,
+    at: u64,
+    len: usize,
+    mapped: bool,
+}
+
+impl<'a, D: Device> Window<'a, D> {
+    /// Reserves `len` bytes (the memory's size) and maps all of `memory` there.
+    pub fn map(
+        device: &'a D,
+        memory: &D::Memory,
+        len: usize,
+        access: Access,
+    ) -> Result<Self, DeviceError> {
+        let at = device.reserve(len, None)?;
+        let mut w = Window {
+            device,
+            at,
+            len,
+            mapped: false,
+        };
+        device.map(memory, at, access)?;
+        w.mapped = true;
+        Ok(w)
+    }
+
+    /// Where the memory is mapped.
+    pub fn at(&self) -> u64 {
+        self.at
+    }
+}
+
+impl<D: Device> Drop for Window<'_, D> {
+    fn drop(&mut self) {
+        if self.mapped {
+            let _ = self.device.unmap(self.at, self.len);
+        }
+        let _ = self.device.free_reservation(self.at, self.len);
+    }
+}
+
 /// How a mapping may be accessed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Access {

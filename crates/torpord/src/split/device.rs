@@ -12,7 +12,7 @@ use std::any::Any;
 use std::ops::DerefMut;
 use std::os::fd::OwnedFd;
 
-use torpor_device::{Access, Device, DeviceError};
+use torpor_device::{Access, Device, DeviceError, Window};
 
 use super::pcie::{Pcie, Source};
 
@@ -126,43 +126,6 @@ impl<D: Device> Backend<D> {
     }
 }
 
-/// Addresses reserved for one copy; given back on drop (after the mapping is gone).
-struct Window<'a, D: Device> {
-    device: &'a D,
-    at: u64,
-    len: usize,
-    mapped: bool,
-}
-
-impl<'a, D: Device> Window<'a, D> {
-    fn map(
-        device: &'a D,
-        memory: &D::Memory,
-        len: usize,
-        access: Access,
-    ) -> Result<Self, DeviceError> {
-        let at = device.reserve(len, None)?;
-        let mut w = Window {
-            device,
-            at,
-            len,
-            mapped: false,
-        };
-        device.map(memory, at, access)?;
-        w.mapped = true;
-        Ok(w)
-    }
-}
-
-impl<D: Device> Drop for Window<'_, D> {
-    fn drop(&mut self) {
-        if self.mapped {
-            let _ = self.device.unmap(self.at, self.len);
-        }
-        let _ = self.device.free_reservation(self.at, self.len);
-    }
-}
-
 impl<D: Device> Backend<D>
 where
     D::Memory: 'static,
@@ -198,7 +161,7 @@ where
                 "device fill: memory made and mapped"
             );
             self.pcie.transfer(src, from, |offset, bytes| {
-                self.device.copy_to_device(w.at + offset as u64, bytes)
+                self.device.copy_to_device(w.at() + offset as u64, bytes)
             })?;
         }
         if seal {
@@ -228,7 +191,7 @@ where
     fn read_fd(&self, fd: OwnedFd, out: &mut [u8]) -> Result<(), DeviceError> {
         let memory = self.device.import(fd, out.len())?;
         let w = Window::map(&self.device, &memory, out.len(), Access::ReadOnly)?;
-        self.device.copy_to_host(w.at, out)
+        self.device.copy_to_host(w.at(), out)
     }
 
     fn fill_from_bytes(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError> {
@@ -255,7 +218,7 @@ where
         {
             let from = Window::map(&self.device, src, size, Access::ReadOnly)?;
             let to = Window::map(&self.device, &memory, size, Access::ReadWrite)?;
-            self.device.copy_within_device(from.at, to.at, size)?;
+            self.device.copy_within_device(from.at(), to.at(), size)?;
         }
         if seal {
             self.device.seal_read_only(&memory)?;
@@ -299,7 +262,7 @@ where
             out.len(),
             Access::ReadOnly,
         )?;
-        self.device.copy_to_host(w.at, out)
+        self.device.copy_to_host(w.at(), out)
     }
 
     fn refresh_fd(
@@ -349,7 +312,7 @@ where
             }
             let end = src.len().min(start + block);
             self.device
-                .copy_to_device(w.at + start as u64, &src[start..end])?;
+                .copy_to_device(w.at() + start as u64, &src[start..end])?;
         }
         Ok(())
     }
@@ -381,7 +344,7 @@ where
         while at < len {
             let n = batch.min(len - at);
             self.device
-                .copy_to_host(w.at + at as u64, &mut staging[..n])?;
+                .copy_to_host(w.at() + at as u64, &mut staging[..n])?;
             let first = at / block;
             let found: Vec<usize> = staging[..n]
                 .par_chunks(block)
