@@ -68,6 +68,8 @@
 //!                                 # end (a burst's first instance is up as if alone, the next
 //!                                 # one's CRIU overlaps its driver; docs/split.md "Bursts");
 //!                                 # 0: no bound; at most 64
+//! fill_segments = 4               # segment fills of a restore in flight at once: 1 to 64
+//! fill_bytes = 2147483648         # bytes of segments they hold at once (host buffers): 2 GiB
 //!
 //! [pcie]                          # the fair PCIe scheduler of host→device copies (docs/sandboxes.md)
 //! fair = true                     # false: each copy whole, one after another (the benchmark's
@@ -292,6 +294,12 @@ pub struct RestoreServer {
     /// reach each other (`crate::split::migrate`); false: every segment through host memory,
     /// as before.
     pub peer_copy: bool,
+    /// Segment fills from the chunk store (or any source) in flight at once on a restore, one
+    /// thread each (`crate::split::fill::FillBounds`). 1 to 64.
+    pub fill_segments: u32,
+    /// Bytes of segments those fills hold at once (their host buffers); a larger segment goes
+    /// alone.
+    pub fill_bytes: u64,
 }
 
 /// The fair PCIe scheduler (`crate::split::pcie`, docs/sandboxes.md "Fair PCIe").
@@ -341,6 +349,8 @@ impl Default for RestoreServer {
             gpu_restores: DEFAULT_GPU_RESTORES,
             prefetch_file_pages: true,
             peer_copy: true,
+            fill_segments: crate::split::fill::DEFAULT_FILL_SEGMENTS,
+            fill_bytes: crate::split::fill::DEFAULT_FILL_BYTES,
         }
     }
 }
@@ -812,6 +822,12 @@ impl Config {
             }
             if let Some(n) = t.integer("gpu_restores", 0, 64)? {
                 r.gpu_restores = u32::try_from(n).unwrap_or(0);
+            }
+            if let Some(n) = t.integer("fill_segments", 1, 64)? {
+                r.fill_segments = u32::try_from(n).unwrap_or(1);
+            }
+            if let Some(n) = t.integer("fill_bytes", 64 << 20, max)? {
+                r.fill_bytes = u64::try_from(n).unwrap_or(crate::split::fill::DEFAULT_FILL_BYTES);
             }
             t.finish()?;
         }
@@ -1365,6 +1381,8 @@ mod tests {
         ("restore_server", "stage_bytes", "1125899906842624", &["1125899906842625", "9223372036854775807"], "from 0 to 1125899906842624"),
         ("restore_server", "gpu_restores", "64", &["65", "-1", "1.5", "\"2\""], "from 0 to 64"),
         ("restore_server", "background_threads", "64", &["0", "65", "-1", "1.5", "\"8\""], "from 1 to 64"),
+        ("restore_server", "fill_segments", "64", &["0", "65", "-1", "1.5", "\"4\""], "from 1 to 64"),
+        ("restore_server", "fill_bytes", "1125899906842624", &["67108863", "0", "1125899906842625"], "from 67108864 to 1125899906842624"),
     ];
 
     #[test]

@@ -385,7 +385,10 @@ impl Split {
             metrics: SplitMetrics::new(metrics),
             pcie: PcieConfig::default(),
             key,
-            fill_bounds: fill::FillBounds::default(),
+            fill_bounds: fill::FillBounds {
+                segments: limits.fill_segments.max(1) as usize,
+                bytes: limits.fill_bytes,
+            },
             #[cfg(test)]
             fill_hook: None,
         }
