@@ -9,11 +9,16 @@ fake driver copies from), filled by ctypes (the fake's device memory is host mem
 Every answer names its process (`process`: a token). Ops: put {key, n, seed, device?, ttl_s?, strided?}: n bytes of pattern(seed) on the worker's GPU
 `device` (default 0), put with shared=True; get {key, keep?}: the value from torpord's store,
 its bytes, where it is mapped (the /proc/self/maps line of its address: permissions and inode)
-and what a memset through that mapping returns (the driver's code)."""
+and what a memset through that mapping returns (the driver's code). With torch (the real GPU's
+test): put_torch {key, n, seed, device, dtype}: a torch tensor of n values on cuda:device, put
+with shared=True; get_torch {key, keep?}: the tensor got, described (dtype, shape, device, the
+SHA-256 of its bytes), a memset through it tried, and the context still working after it.
+Both answer `digest`, the SHA-256 of the tensor's bytes."""
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 from typing import Any
 
@@ -90,4 +95,33 @@ class StoreGpu:
             out["memset_rc"] = int(cuda.cuMemsetD8_v2(ctypes.c_uint64(v.va), ctypes.c_ubyte(0), ctypes.c_size_t(v.nbytes)))
             out["after_memset"] = ctypes.string_at(v.va, v.nbytes).hex()
             v.close()
+        elif op == "put_torch":
+            import torch
+
+            g = torch.Generator().manual_seed(int(request.get("seed", 0)))
+            dtype = getattr(torch, str(request.get("dtype", "float32")))
+            device = f"cuda:{int(request.get('device', 0))}"
+            t = torch.randn(int(request["n"]), generator=g).to(dtype).to(device)
+            out["digest"] = digest(t)
+            out["device"] = str(t.device)
+            torpor.put(str(request["key"]), t, shared=True)
+        elif op == "get_torch":
+            import torch
+
+            v = torpor.get(str(request["key"]), keep=bool(request.get("keep", False)))
+            out.update(type=type(v).__name__, dtype=str(v.dtype), shape=list(v.shape), device=str(v.device))
+            out["digest"] = digest(v)
+            nbytes = v.numel() * v.element_size()
+            out["memset_rc"] = int(cuda.cuMemsetD8_v2(ctypes.c_uint64(v.data_ptr()), ctypes.c_ubyte(0), ctypes.c_size_t(nbytes)))
+            torch.cuda.synchronize()
+            out["digest_after"] = digest(v)
+            # The context still works: a kernel reads the mapping.
+            out["sum"] = float(v.float().sum().item())
         return out
+
+
+def digest(t: Any) -> str:
+    """SHA-256 of a torch tensor's bytes (copied to the host)."""
+    import torch
+
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
