@@ -32,10 +32,12 @@ def pattern(n: int, seed: int) -> bytes:
     return bytes((i * 7 + seed) % 251 for i in range(n))
 
 
-def make_function(root: Path, name: str, tenant: str, workflow: str) -> Path:
+def make_function(root: Path, name: str, tenant: str, workflow: str, gpu: bool = True) -> Path:
     d = root / name
     shutil.copytree(FUNCTIONS / "store_gpu", d, ignore=shutil.ignore_patterns("__pycache__"))
     text = (d / "torpor.toml").read_text().replace('name = "store_gpu"', f'name = "{name}"\ntenant = "{tenant}"\nworkflow = "{workflow}"')
+    if not gpu:
+        text = text.replace("gpus = 1", "gpus = 0").replace('gpu_memory = "64MiB"', 'gpu_memory = "0"')
     (d / "torpor.toml").write_text(text)
     return d
 
@@ -55,6 +57,7 @@ def daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path_fac
     try:
         for name, tenant, workflow in (("sg-put", "team-s", "a"), ("sg-get", "team-s", "b"), ("sg-other", "team-o", "a")):
             d.deploy(make_function(fns, name, tenant, workflow))
+        d.deploy(make_function(fns, "sg-cpu", "team-s", "c", gpu=False))
         yield d
     finally:
         d.stop()
@@ -193,6 +196,9 @@ def test_refusals_are_one_line_with_the_fix_and_lose_nothing(daemon: Torpord) ->
     # On a GPU the node does not have.
     e = error_of(put(daemon, "t/keep", 4096, 8, device=5))
     assert "GPU 5" in e and "cuda:0" in e, e
+    # A function without a GPU cannot get it, and it stays for one that can.
+    e = error_of(daemon.invoke("sg-cpu", {"op": "get", "key": "t/keep"}))
+    assert "gpus = 1" in e and "stays stored" in e, e
     g = ok(daemon.invoke("sg-get", {"op": "get", "key": "t/keep"}), daemon)
     assert bytes.fromhex(g["data"]) == pattern(2000, 7)
     assert metric(daemon, "torpor_store_gpu_bytes", '{device="cuda0"}') == 0

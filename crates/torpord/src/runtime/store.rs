@@ -114,6 +114,12 @@ pub enum StoreError {
     /// The worker could not fill the memory (its own line).
     #[error("the worker did not fill the value's GPU memory: {0}")]
     Worker(String),
+    /// A GPU value asked for by a function without a GPU.
+    #[error(
+        "store key {0:?} holds a CUDA tensor, which only a function with gpus = 1 can get; get \
+         it there (it stays stored), or put tensor.cpu() instead"
+    )]
+    NeedsGpu(String),
     /// The daemon's task for it ended early (it panicked).
     #[error("the store's GPU task ended early: {0}")]
     Task(String),
@@ -605,10 +611,20 @@ impl Store {
     }
 
     /// The value under `key` of `tenant`, taken out unless `keep` (then a second handle of it).
-    pub fn get(&self, tenant: &str, key: &str, keep: bool) -> Result<Option<Taken>, StoreError> {
+    /// A GPU value for a getter without a GPU (`!gpu_ok`) is refused and stays.
+    pub fn get(
+        &self,
+        tenant: &str,
+        key: &str,
+        keep: bool,
+        gpu_ok: bool,
+    ) -> Result<Option<Taken>, StoreError> {
         let mut inner = lock(&self.inner);
         inner.sweep(Instant::now());
         let id = (tenant.to_string(), key.to_string());
+        if !gpu_ok && inner.entries.get(&id).is_some_and(|e| e.gpu) {
+            return Err(StoreError::NeedsGpu(key.to_string()));
+        }
         if keep {
             let Some(e) = inner.entries.get(&id) else {
                 return Ok(None);
@@ -690,6 +706,20 @@ fn is_out_of_memory(e: &DeviceError) -> bool {
 }
 
 impl crate::runtime::Runtime {
+    /// Whether function `name`'s spec gives it a GPU (`gpus` ≥ 1).
+    fn pool_gpus(&self, name: &str) -> bool {
+        let Some(pool) = lock(&self.pools).get(name).cloned() else {
+            return false;
+        };
+        let st = lock(&pool.state);
+        st.info
+            .spec
+            .get("gpus")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            > 0
+    }
+
     /// The tenant whose store a worker of `inst` uses: its pool's spec's.
     pub(crate) fn store_tenant(&self, inst: &crate::runtime::Instance) -> Option<String> {
         self.pool_tenant(&inst.function)
@@ -720,7 +750,10 @@ impl crate::runtime::Runtime {
         get: crate::protocol::StoreGet,
     ) {
         let found = match self.store_tenant(inst) {
-            Some(tenant) => self.store.get(&tenant, &get.key, get.keep),
+            Some(tenant) => {
+                let gpu_ok = self.pool_gpus(&inst.function);
+                self.store.get(&tenant, &get.key, get.keep, gpu_ok)
+            }
             None => Ok(None),
         };
         let id = get.id;
@@ -883,12 +916,12 @@ mod tests {
             60.0,
         )
         .unwrap();
-        assert!(s.get("b", "k", false).unwrap().is_none());
-        let kept = s.get("a", "k", true).unwrap().unwrap();
+        assert!(s.get("b", "k", false, true).unwrap().is_none());
+        let kept = s.get("a", "k", true, true).unwrap().unwrap();
         assert_eq!(kept.bytes, 5);
-        let taken = s.get("a", "k", false).unwrap().unwrap();
+        let taken = s.get("a", "k", false, true).unwrap().unwrap();
         assert_eq!(taken.meta["kind"], "bytes");
-        assert!(s.get("a", "k", false).unwrap().is_none());
+        assert!(s.get("a", "k", false, true).unwrap().is_none());
         assert_eq!(s.usage(), (0, 0));
     }
 
@@ -910,7 +943,7 @@ mod tests {
         s.put("a", "k", memfd(b"x", true), Value::Null, 0.05)
             .unwrap();
         std::thread::sleep(Duration::from_millis(80));
-        assert!(s.get("a", "k", false).unwrap().is_none());
+        assert!(s.get("a", "k", false, true).unwrap().is_none());
     }
 }
 
@@ -997,7 +1030,10 @@ mod gpu_tests {
             .unwrap();
         drop(pending);
         assert_eq!(s.gpu_usage().0, vec![(0, 2 * page as u64)]);
-        let kept = s.get("team-a", "k", true).unwrap().unwrap();
+        // A getter without a GPU is refused, and the value stays.
+        let e = s.get("team-a", "k", false, false).unwrap_err();
+        assert!(e.to_string().contains("gpus = 1"), "{e}");
+        let kept = s.get("team-a", "k", true, true).unwrap().unwrap();
         assert!(kept.gpu && matches!(kept.held, TakenHeld::Gpu(_)));
         assert_eq!(&contents(&kept)[..5], b"first");
         // The worker gave up: nothing changes but the reservation's return.
@@ -1006,10 +1042,10 @@ mod gpu_tests {
         let e = s.seal_gpu("t2", true).unwrap_err();
         assert!(matches!(e, StoreError::NotPending(_)), "{e}");
         // Another tenant never sees it; consumed, it is gone and its GPU bytes with it.
-        assert!(s.get("team-b", "k", false).unwrap().is_none());
-        let taken = s.get("team-a", "k", false).unwrap().unwrap();
+        assert!(s.get("team-b", "k", false, true).unwrap().is_none());
+        let taken = s.get("team-a", "k", false, true).unwrap().unwrap();
         assert_eq!(taken.bytes, 5);
-        assert!(s.get("team-a", "k", false).unwrap().is_none());
+        assert!(s.get("team-a", "k", false, true).unwrap().is_none());
         assert_eq!(s.gpu_usage(), (vec![(0, 0)], 0));
     }
 
@@ -1024,7 +1060,7 @@ mod gpu_tests {
         assert_eq!(r.spilled, 1);
         assert_eq!(s.spills(), 1);
         assert_eq!(s.gpu_usage(), (vec![(0, 2 * page)], page));
-        let a = s.get("team-a", "a", false).unwrap().unwrap();
+        let a = s.get("team-a", "a", false, true).unwrap().unwrap();
         let TakenHeld::Host(fd) = &a.held else {
             panic!("a was not spilled: {a:?}");
         };
@@ -1032,7 +1068,7 @@ mod gpu_tests {
         assert_eq!(sealed_size(fd).unwrap(), page);
         assert!(a.gpu);
         assert_eq!(&contents(&a)[..7], b"value a");
-        let b = s.get("team-a", "b", true).unwrap().unwrap();
+        let b = s.get("team-a", "b", true, true).unwrap().unwrap();
         assert!(matches!(b.held, TakenHeld::Gpu(_)), "{b:?}");
         // One value larger than the budget is refused with the fix; nothing else moves.
         let e = s
@@ -1077,6 +1113,6 @@ mod gpu_tests {
         std::thread::sleep(Duration::from_millis(80));
         s.sweep();
         assert_eq!(s.gpu_usage().0, vec![(0, 0)]);
-        assert!(s.get("team-a", "x", false).unwrap().is_none());
+        assert!(s.get("team-a", "x", false, true).unwrap().is_none());
     }
 }

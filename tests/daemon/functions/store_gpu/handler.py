@@ -74,8 +74,8 @@ class StoreGpu:
         if not TOKEN:
             TOKEN.append(os.urandom(8).hex())
         out: dict[str, Any] = {"process": TOKEN[0]}
-        cuda = store_gpu.driver()
         if op == "put":
+            store_gpu.driver()  # a context on this thread for the allocation
             n = int(request["n"])
             ptr = ctypes.c_uint64()
             rc = ctypes.CDLL(None).cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(n))
@@ -85,6 +85,7 @@ class StoreGpu:
             value = Cuda(ptr.value, n, int(request.get("device", 0)), bool(request.get("strided")))
             torpor.put(str(request["key"]), value, shared=True, ttl_s=float(request.get("ttl_s", 600)))
         elif op == "get":
+            cuda = store_gpu.driver()
             v = torpor.get(str(request["key"]), keep=bool(request.get("keep", False)))
             out["type"] = type(v).__name__
             out["source"] = v.source
@@ -108,6 +109,7 @@ class StoreGpu:
         elif op == "get_torch":
             import torch
 
+            cuda = store_gpu.driver()
             v = torpor.get(str(request["key"]), keep=bool(request.get("keep", False)))
             out.update(type=type(v).__name__, dtype=str(v.dtype), shape=list(v.shape), device=str(v.device))
             out["digest"] = digest(v)
