@@ -10,7 +10,9 @@ handlers. Writes bench/results/sandbox-<device>.json with a top-level `summary`:
 `memory_ratio_8fn` (processes ÷ sandbox, 1 s after the requests), `memory_ratio_8fn_idle` (the
 same once every function has been idle past its `keepalive.memory_release_s`, when a sandbox has
 given its functions' request pools back), `handoff_100mb_ms` (same object, put + get, best of
-3) and `handoff_100mb_shared_ms`; `pooled_start_s`: a sandboxed function's first start into a
+3), `handoff_100mb_shared_ms` and, on the GPU, `handoff_100mb_other_sandbox_ms` (a CUDA tensor
+with shared=True to a function in another sandbox of the tenant, put + get; the get alone is
+`handoff_100mb_other_sandbox_get_ms`; both null with --cpu); `pooled_start_s`: a sandboxed function's first start into a
 ready sandbox of the live-context pool (`[sandbox_pool] size = 1`) → its first answer, median of
 3 functions each new to the node, each invoked once the daemon's `torpor_sandbox_pool_ready`
 gauge says a sandbox is ready, i.e. warm (its preloads imported and CUDA warmed: the worker's
@@ -61,12 +63,14 @@ MIB = {mib}
 
 def handoff(request, make, sync):
     """The store's hand-off, timed inside the handlers: "put" makes a value of `mib` MiB and puts
-    it (shared: through torpord's store, as NumPy bytes); "get" takes it."""
+    it (shared: through torpord's store, as NumPy bytes; shared "gpu": the value made here, a
+    CUDA tensor on the GPU variant, through torpord's store); "get" takes it."""
     import time
     import numpy as np
     key, mib, shared = request["key"], request["mib"], request.get("shared", False)
     if request["handoff"] == "put":
-        value = np.ones(mib << 20, dtype=np.uint8) if shared else make(mib << 20)
+        value = make(mib << 20) if shared in (False, "gpu") else np.ones(mib << 20, dtype=np.uint8)
+        shared = bool(shared)
         sync()
         t = time.perf_counter()
         torpor.put(key, value, shared=shared)
@@ -102,12 +106,14 @@ MIB = {mib}
 
 def handoff(request, make, sync):
     """The store's hand-off, timed inside the handlers: "put" makes a value of `mib` MiB and puts
-    it (shared: through torpord's store, as NumPy bytes); "get" takes it."""
+    it (shared: through torpord's store, as NumPy bytes; shared "gpu": the value made here, a
+    CUDA tensor on the GPU variant, through torpord's store); "get" takes it."""
     import time
     import numpy as np
     key, mib, shared = request["key"], request["mib"], request.get("shared", False)
     if request["handoff"] == "put":
-        value = np.ones(mib << 20, dtype=np.uint8) if shared else make(mib << 20)
+        value = make(mib << 20) if shared in (False, "gpu") else np.ones(mib << 20, dtype=np.uint8)
+        shared = bool(shared)
         sync()
         t = time.perf_counter()
         torpor.put(key, value, shared=shared)
@@ -237,18 +243,23 @@ def call(sock: Path, name: str, request: dict[str, Any]) -> dict[str, Any]:
     return dict(json.loads(a.body))
 
 
-def measure_handoffs(sock: Path, n: int) -> dict[str, Any]:
+def measure_handoffs(sock: Path, n: int, cpu: bool) -> dict[str, Any]:
     """100 MiB from bench-fn0 to bench-fn1 in the sandbox through torpor.put/get: the same
     object (GPU memory under torch), and shared=True (a sealed memfd through torpord, host
-    memory). Seconds inside the handlers, put and get apart."""
-    out: dict[str, Any] = {}
+    memory); on the GPU, also a CUDA tensor with shared=True from bench-fn0 to bench-other, a
+    function in another sandbox of the tenant (GPU memory torpord owns, mapped read-only there:
+    `other_sandbox_gpu`; null on the CPU). Seconds inside the handlers, put and get apart."""
+    out: dict[str, Any] = {"other_sandbox_gpu": None}
     other = "bench-fn1" if n > 1 else "bench-fn0"
-    for how, shared in (("same_object", False), ("shared_memfd", True)):
+    modes: list[tuple[str, bool | str, str]] = [("same_object", False, other), ("shared_memfd", True, other)]
+    if not cpu:
+        modes.append(("other_sandbox_gpu", "gpu", "bench-other"))
+    for how, shared, getter in modes:
         runs = []
         for i in range(3):
             key = f"handoff-{how}-{i}"
             put = call(sock, "bench-fn0", {"handoff": "put", "key": key, "mib": 100, "shared": shared})
-            got = call(sock, other, {"handoff": "get", "key": key, "mib": 100})
+            got = call(sock, getter, {"handoff": "get", "key": key, "mib": 100})
             assert got["bytes"] == 100 << 20, got
             runs.append({"put_s": put["s"], "get_s": got["s"]})
         out[how] = runs
@@ -312,7 +323,20 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[s
         delta_idle = None if before is None else gpu_used_mib() - before
         if not cpu and used_idle == 0 and delta_idle is not None:
             used_idle = delta_idle
-        handoffs = measure_handoffs(sock, n) if sandbox else None
+        handoffs = None
+        if sandbox:
+            if not cpu:
+                # Another sandbox of the tenant (another workflow), for the GPU hand-off between
+                # processes; deployed after the memory was read, so it is not counted there.
+                (extra,) = write_functions(root / "other", 1, True, mib, cpu)
+                spec = (extra / "torpor.toml").read_text()
+                (extra / "torpor.toml").write_text(
+                    spec.replace('name = "bench-fn0"', 'name = "bench-other"').replace('workflow = "eight"', 'workflow = "other"')
+                )
+                r = subprocess.run([torpor, "deploy", extra], capture_output=True, text=True, env=env, check=False)
+                if r.returncode != 0:
+                    raise RuntimeError(f"deploy {extra}: {r.stdout}{r.stderr}")
+            handoffs = measure_handoffs(sock, n, cpu)
         if not cpu and used == 0 and delta is not None:
             # NVML lists no process of the workers' PID namespaces here: the whole GPU's growth.
             used = delta
@@ -401,6 +425,11 @@ def measure_starts(torpor: Path, pooled: bool, mib: int, cpu: bool, rounds: int)
         stop_daemon(daemon, log, root)
 
 
+def best_ms(runs: list[dict[str, float]] | None, of: Any) -> float | None:
+    """The least of `of(run)` over `runs`, in ms; None without runs."""
+    return min(of(r) for r in runs) * 1e3 if runs else None
+
+
 def median(xs: list[float]) -> float | None:
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else None
@@ -426,6 +455,7 @@ def main() -> int:
     ratio = processes[key] / sandbox[key] if sandbox[key] else None
     ratio_idle = processes[f"{key}_idle"] / sandbox[f"{key}_idle"] if sandbox[f"{key}_idle"] else None
     same = sandbox["handoff"]["same_object"]
+    other_gpu = sandbox["handoff"]["other_sandbox_gpu"]
     handoff_ms = min(r["put_s"] + r["get_s"] for r in same) * 1e3
     device = "cpu"
     if not args.cpu:
@@ -448,8 +478,13 @@ def main() -> int:
             # object; on the GPU variant a CUDA tensor), best of 3.
             "handoff_100mb_ms": handoff_ms,
             "handoff_100mb_shared_ms": min(r["put_s"] + r["get_s"] for r in sandbox["handoff"]["shared_memfd"]) * 1e3,
+            # A CUDA tensor of 100 MiB put with shared=True in one sandbox and got in another
+            # sandbox of the tenant on the same GPU (put + get, and the get alone: a mapping, no
+            # copy), best of 3; null on the CPU (no GPU hand-off there).
+            "handoff_100mb_other_sandbox_ms": best_ms(other_gpu, lambda r: r["put_s"] + r["get_s"]),
+            "handoff_100mb_other_sandbox_get_ms": best_ms(other_gpu, lambda r: r["get_s"]),
             "small_p99_ratio": None,
-            "not_built": "GPU hand-off between processes (docs/sandboxes.md); small_p99_ratio: bench/pcie/run.py",
+            "not_built": "small_p99_ratio: bench/pcie/run.py",
         },
         "machine": {"device": device, "kernel": platform.release(), "python": platform.python_version()},
         "settings": {"functions": args.functions, "weights_mib": args.weights_mib, "cpu": args.cpu},

@@ -300,28 +300,22 @@ def map_gpu(name: str, fd: int, size: int, padded: int, readonly: bool) -> None:
 
     from torpor import hook
 
+    from torpor import cuda_driver
+
     what = f"mapping the GPU data {name!r} ({size} bytes)"
     try:
-        cuda = ctypes.CDLL(os.environ.get("TORPOR_LIBCUDA") or "libcuda.so.1")
         # The process's own symbols: the preloaded hook's cuMemAlloc_v2, which makes a segment.
         alloc = ctypes.CDLL(None).cuMemAlloc_v2
-    except (OSError, AttributeError) as e:
+    except AttributeError as e:
         raise DataError(f"{what}: no CUDA driver in this worker ({e}); it needs a GPU and the split GPU path") from None
     try:
         h = hook.get()
     except Exception as e:
         raise DataError(f"{what}: {e}") from None
-    ctx = ctypes.c_void_p()
-    if cuda.cuInit(0) != 0:
-        raise DataError(f"{what}: cuInit failed: the worker has no usable GPU")
-    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
-        dev = ctypes.c_int()
-        if (
-            cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0
-            or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0
-            or cuda.cuCtxSetCurrent(ctx) != 0
-        ):
-            raise DataError(f"{what}: no CUDA context on GPU 0")
+    try:
+        cuda_driver.with_context()
+    except cuda_driver.DriverError as e:
+        raise DataError(f"{what}: {e}; it needs a GPU and the split GPU path") from None
     va = ctypes.c_uint64()
     rc = alloc(ctypes.byref(va), ctypes.c_size_t(padded))
     if rc != 0:

@@ -16,13 +16,18 @@ shared /dev/shm; the fd passes through the daemon, which scopes keys by tenant. 
 functions (scaling.sandbox = true) reach torpord's store: their requests run on threads, so the
 harness can read its answer meanwhile.
 
+It also takes a CUDA tensor (torch, or any C-contiguous `__cuda_array_interface__` object):
+copied once, GPU to GPU, into GPU memory torpord owns on the tensor's GPU; a `get` on the same
+GPU maps that memory read-only and returns a tensor over it (no copy), on another GPU torpord
+copies it GPU to GPU first (torpor.store_gpu; crates/torpord/src/runtime/store_gpu.rs). Under
+pressure torpord moves the oldest GPU values to host memory; a get copies such a value back up.
+
 A key holds one value until it is consumed (`get`, unless keep=True) or expires (`ttl_s` after
 the put, default 600 s); then it is dropped, so its memory goes back once nothing maps it.
 Keys are scoped by tenant: a sandbox hosts one tenant's functions, and torpord keeps each
 tenant's keys apart.
 
-What is not built (docs/sandboxes.md, "Limitations"): GPU memory between processes (exported
-VMM memory mapped, peer copies), other nodes, spilling under pressure.
+What is not built (docs/sandboxes.md, "Limitations"): other nodes.
 """
 
 from __future__ import annotations
@@ -64,16 +69,19 @@ def _sweep(now: float) -> None:
 
 
 # Set by the worker harness of a sandbox (torpor.worker): put a sealed memfd in torpord's store
-# ({key, ttl_s, meta}, fd) -> error or None; get one (key, keep) -> (meta, bytes, fd) or None.
+# ({key, ttl_s, meta}, fd) -> error or None; put a GPU value ({key, ttl_s, meta}, bytes, the
+# worker's GPU ordinal, fill(fd, padded)) -> error or None; get one (key, keep) -> (meta, bytes,
+# fd, gpu) or None, gpu being store_value's {padded, ordinal, source} for a GPU value.
 RemotePut = Callable[[str, float, dict[str, Any], int], "str | None"]
-RemoteGet = Callable[[str, bool], "tuple[dict[str, Any], int, int] | None"]
-_remote: tuple[RemotePut, RemoteGet] | None = None
+RemotePutGpu = Callable[[str, float, dict[str, Any], int, int, Callable[[int, int], None]], "str | None"]
+RemoteGet = Callable[[str, bool], "tuple[dict[str, Any], int, int, dict[str, Any] | None] | None"]
+_remote: tuple[RemotePut, RemoteGet, RemotePutGpu] | None = None
 
 
-def connect(put_remote: RemotePut, get_remote: RemoteGet) -> None:
+def connect(put_remote: RemotePut, get_remote: RemoteGet, put_gpu_remote: RemotePutGpu) -> None:
     """The worker harness's hooks to torpord's store (a sandbox only)."""
     global _remote
-    _remote = (put_remote, get_remote)
+    _remote = (put_remote, get_remote, put_gpu_remote)
 
 
 def _encode(value: Any) -> tuple[dict[str, Any], memoryview]:
@@ -87,7 +95,7 @@ def _encode(value: Any) -> tuple[dict[str, Any], memoryview]:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {"kind": "bytes"}, memoryview(value).cast("B")
     raise TypeError(
-        f"put(..., shared=True) takes bytes or a NumPy array, got {type(value).__name__}; "
+        f"put(..., shared=True) takes bytes, a NumPy array or a CUDA tensor, got {type(value).__name__}; "
         "without shared=True any object is handed over within the sandbox"
     )
 
@@ -107,8 +115,12 @@ def _sealed_memfd(data: memoryview) -> int:
     return fd
 
 
-def _decode(meta: dict[str, Any], size: int, fd: int) -> Any:
-    """The value of a memfd from torpord's store, mapped read-only (no copy)."""
+def _decode(meta: dict[str, Any], size: int, fd: int, gpu: dict[str, Any] | None) -> Any:
+    """The value of a memfd (or GPU memory) from torpord's store, mapped read-only (no copy)."""
+    if gpu is not None:
+        from torpor import store_gpu
+
+        return store_gpu.mapped(fd, int(gpu["padded"]), size, meta, str(gpu.get("source", "")))
     view: Any = memoryview(b"") if size == 0 else memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
     if meta.get("kind") == "ndarray":
         import numpy as np
@@ -129,8 +141,13 @@ def put(key: str, value: Any, ttl_s: float = DEFAULT_TTL_S, shared: bool = False
         if _remote is None:
             raise RuntimeError(
                 "put(..., shared=True) needs torpord's store, which sandboxed functions reach "
-                "(set [scaling] sandbox = true in torpor.toml)"
+                "(set [scaling] sandbox = true in torpor.toml; a CUDA tensor also needs gpus = 1)"
             )
+        from torpor import store_gpu
+
+        if store_gpu.is_cuda(value):
+            _put_gpu(key, float(ttl_s), value)
+            return
         meta, data = _encode(value)
         fd = _sealed_memfd(data)
         try:
@@ -148,6 +165,25 @@ def put(key: str, value: Any, ttl_s: float = DEFAULT_TTL_S, shared: bool = False
         _items[key] = _Item(value, now + float(ttl_s))
 
 
+def _put_gpu(key: str, ttl_s: float, value: Any) -> None:
+    """put(..., shared=True) of a CUDA value: into GPU memory torpord allocates (torpor.store_gpu)."""
+    from torpor import store_gpu
+
+    assert _remote is not None
+    src = store_gpu.source(value)
+    if src.nbytes == 0:
+        raise ValueError("put(..., shared=True) of an empty tensor: it has no bytes to share; put it without shared=True")
+
+    def fill(fd: int, padded: int) -> None:
+        store_gpu.fill(fd, padded, src)
+
+    error = _remote[2](key, ttl_s, src.meta, src.nbytes, src.ordinal, fill)
+    if error is not None:
+        raise RuntimeError(f"torpord refused store key {key!r}: {error}")
+    with _lock:
+        _items.pop(key, None)
+
+
 def get(key: str, keep: bool = False) -> Any:
     """The value put under `key`, consumed (the key is freed) unless keep=True: this
     process's, else (in a sandbox) torpord's, put with shared=True by any sandbox of the
@@ -160,9 +196,9 @@ def get(key: str, keep: bool = False) -> Any:
     if item is None and _remote is not None:
         found = _remote[1](key, keep)
         if found is not None:
-            meta, size, fd = found
+            meta, size, fd, gpu = found
             try:
-                return _decode(meta, size, fd)
+                return _decode(meta, size, fd, gpu)
             finally:
                 os.close(fd)
     if item is None:

@@ -47,8 +47,12 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      torpor.gpu.request_stream) and the main loop reads on; a sandbox's request threads may send
      `store_put` {id, key, ttl_s, meta} + `store_fd` {id, fd: true} (the sealed memfd attached)
      and `store_get` {id, key, keep}, whose answers `store_stored` {id, ok, error?} and
-     `store_value` {id, found, meta?, bytes?, fd?} (the memfd attached) the main loop hands to
-     them (torpor.store). Otherwise: sends `started` {id}, calls the function (every
+     `store_value` {id, found, meta?, bytes?, fd?, gpu?} (the memfd, or GPU memory with gpu
+     {padded, ordinal, source}, attached) the main loop hands to them (torpor.store); a CUDA
+     tensor's put is `store_put` {id, key, ttl_s, meta, gpu: {bytes, ordinal}}, answered
+     `store_memory` {id, ok, padded?, ordinal?, fd?, error?} (GPU memory attached), which the
+     thread fills, then `store_written` {id, ok, error?}, answered `store_stored`
+     (torpor.store_gpu). Otherwise: sends `started` {id}, calls the function (every
      {"$ref", "data"} object torpord loaded in the request replaced by its bytes; torpor.dump
      sends `dump` {name, data: base64} meanwhile) and sends `result` {id, ok, value, handler_s}. Invokes run one after another, so with
      requests_per_instance > 1 a request waits here until the ones before it end; torpord counts
@@ -157,10 +161,11 @@ PROTOCOL = 2
 # tests/sdk/test_sdk_protocol.py): those the serve loop takes, and those only a split quiesce
 # takes (after its quiet).
 SERVES = (
-    "load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown", "store_stored", "store_value", "release_memory"
+    "load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown", "store_stored", "store_value", "store_memory",
+    "release_memory",
 )
 # torpord's answers to a sandbox's store requests (torpor.store), handed to the waiting thread.
-STORE_ANSWERS = ("store_stored", "store_value")
+STORE_ANSWERS = ("store_stored", "store_value", "store_memory")
 STORE_TIMEOUT_S = 30.0
 AFTER_SPLIT_QUIET = ("release", "resume", "shutdown")
 # Taken only right after `load`: one per declared data entry with a source (torpord loaded it).
@@ -695,12 +700,16 @@ class Worker:
 
     # -- torpord's communication store (a sandbox's request threads) ----------------------
 
-    def _store_request(self, frame: dict[str, Any], fd: int | None = None) -> tuple[dict[str, Any], int | None]:
+    def _store_request(
+        self, frame: dict[str, Any], fd: int | None = None, rid: int | None = None
+    ) -> tuple[dict[str, Any], int | None]:
         """Sends a store request (with `fd` after it, in a store_fd frame) and waits for
-        torpord's answer, which the main loop (or the map reader) hands over."""
+        torpord's answer, which the main loop (or the map reader) hands over. `rid`: the id of
+        the request this one goes on (a GPU put's store_written), else a new one."""
         with self.store_lock:
-            self.store_ids += 1
-            rid = self.store_ids
+            if rid is None:
+                self.store_ids += 1
+                rid = self.store_ids
             done: tuple[threading.Event, list[Any]] = (threading.Event(), [])
             self.store_waits[rid] = done
         frame["id"] = rid
@@ -741,7 +750,32 @@ class Worker:
             return None
         return str(msg.get("error") or "refused")
 
-    def store_get_remote(self, key: str, keep: bool) -> tuple[dict[str, Any], int, int] | None:
+    def store_put_gpu_remote(
+        self, key: str, ttl_s: float, meta: dict[str, Any], nbytes: int, ordinal: int, fill: Callable[[int, int], None]
+    ) -> str | None:
+        """A GPU put: torpord's memory (store_memory) filled by `fill(fd, padded)`, then
+        store_written; torpord's error line, or None once stored."""
+        put = {"type": "store_put", "key": key, "ttl_s": ttl_s, "meta": meta, "gpu": {"bytes": nbytes, "ordinal": ordinal}}
+        msg, fd = self._store_request(put)
+        if msg.get("ok") is not True or fd is None or not isinstance(msg.get("padded"), int):
+            if fd is not None:
+                os.close(fd)
+            return str(msg.get("error") or "torpord's store_memory came without its memory")
+        rid = int(msg["id"])
+        try:
+            fill(fd, int(msg["padded"]))
+        except BaseException as e:
+            # torpord takes its memory back; the key keeps what it held.
+            self._store_request({"type": "store_written", "ok": False, "error": f"{type(e).__name__}: {e}"}, rid=rid)
+            raise
+        finally:
+            os.close(fd)
+        msg, got = self._store_request({"type": "store_written", "ok": True}, rid=rid)
+        if got is not None:
+            os.close(got)
+        return None if msg.get("ok") is True else str(msg.get("error") or "refused")
+
+    def store_get_remote(self, key: str, keep: bool) -> tuple[dict[str, Any], int, int, dict[str, Any] | None] | None:
         msg, fd = self._store_request({"type": "store_get", "key": key, "keep": keep})
         if msg.get("found") is not True:
             if fd is not None:
@@ -754,7 +788,8 @@ class Worker:
             if fd is not None:
                 os.close(fd)
             raise RuntimeError("torpord's store_value came without its memfd, size or meta")
-        return meta, size, fd
+        gpu = msg.get("gpu")
+        return meta, size, fd, gpu if isinstance(gpu, dict) else None
 
     def send_result(
         self, out: dict[str, Any], generation: int | None = None, slot: torpor_kept.Slot | None = None
@@ -922,7 +957,7 @@ class Worker:
             if sandboxed:
                 assert self.reader is not None
                 self.reader.accept_fds = True
-                torpor_store.connect(self.store_put_remote, self.store_get_remote)
+                torpor_store.connect(self.store_put_remote, self.store_get_remote, self.store_put_gpu_remote)
         else:
             self.entry = entry
             _forget_modules_of(self.loaded_dirs)

@@ -45,8 +45,8 @@
  *   FAKE_CUDA_TOTAL_MEM       bytes of memory of each GPU (default 80 GiB).
  *   FAKE_CUDA_DRIVER_VERSION  what cuDriverGetVersion returns (default 13000).
  *
- * The *_RESULT variables (and FAKE_CUDA_MEM_CREATE_RESULT, FAKE_CUDA_MEM_ALLOC_RESULT below) may
- * also be given as a file named like the variable in the directory this library was loaded
+ * The *_RESULT variables (and FAKE_CUDA_MEM_CREATE_RESULT, FAKE_CUDA_MEM_ALLOC_RESULT,
+ * FAKE_CUDA_DEVICES and FAKE_CUDA_PEER below) may also be given as a file named like the variable in the directory this library was loaded
  * from, holding the value: a switch that a test turns on and off while the processes that loaded
  * the library run, and that reaches processes that do not inherit FAKE_CUDA_* variables
  * (torpord's workers keep only CUDA_*, TORPOR_* and a few others). A set variable wins.
@@ -134,7 +134,7 @@ static void uuid_of(int ordinal, CUuuid *uuid) {
 }
 
 static int device_count(void) {
-    long n = env_long("FAKE_CUDA_DEVICES", 1);
+    long n = switch_long("FAKE_CUDA_DEVICES", 1);
     return n < 0 ? 0 : n > 16 ? 16 : (int)n;
 }
 
@@ -755,11 +755,29 @@ CUresult cuDeviceCanAccessPeer(int *can, CUdevice device, CUdevice peer) {
         return CUDA_ERROR_INVALID_VALUE;
     if (device < 0 || device >= device_count() || peer < 0 || peer >= device_count())
         return CUDA_ERROR_INVALID_DEVICE;
-    *can = device != peer && env_long("FAKE_CUDA_PEER", 1) != 0;
+    *can = device != peer && switch_long("FAKE_CUDA_PEER", 1) != 0;
     return CUDA_SUCCESS;
 }
 
-/* Plain allocations (not VMM): host memory, so a program's writes through the pointer work. */
+/* Registers [start, start+size) as a mapping with `prot` (cuMemMap, and plain allocations). */
+static CUresult add_mapping(uintptr_t start, size_t size, int prot) {
+    CUresult result = CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_MAPPINGS; i++) {
+        if (!mappings[i].size) {
+            mappings[i].start = start;
+            mappings[i].size = size;
+            mappings[i].prot = prot;
+            result = CUDA_SUCCESS;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+
+/* Plain allocations (not VMM): host memory, so a program's writes through the pointer work, and
+ * readable and writable by the copies, as on the real driver. */
 CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
     if (!ptr || size == 0)
         return CUDA_ERROR_INVALID_VALUE;
@@ -768,9 +786,14 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
     long forced = switch_long("FAKE_CUDA_MEM_ALLOC_RESULT", 0);
     if (forced)
         return (CUresult)forced;
-    void *p = aligned_alloc(256, (size + 255) / 256 * 256);
+    size_t rounded = (size + 255) / 256 * 256;
+    void *p = aligned_alloc(256, rounded);
     if (!p)
         return CUDA_ERROR_OUT_OF_MEMORY;
+    if (add_mapping((uintptr_t)p, rounded, PROT_READ | PROT_WRITE) != CUDA_SUCCESS) {
+        free(p);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     *ptr = (uintptr_t)p;
     return CUDA_SUCCESS;
 }
@@ -778,6 +801,11 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
 CUresult cuMemFree_v2(CUdeviceptr ptr) {
     if (!current_context)
         return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_MAPPINGS; i++)
+        if (mappings[i].size && mappings[i].start == ptr)
+            mappings[i].size = 0;
+    pthread_mutex_unlock(&lock);
     free((void *)(uintptr_t)ptr);
     return CUDA_SUCCESS;
 }
@@ -861,19 +889,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
         return CUDA_ERROR_INVALID_VALUE;
     if (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, a->fd, 0) == MAP_FAILED)
         return CUDA_ERROR_INVALID_VALUE;
-    CUresult result = CUDA_ERROR_OUT_OF_MEMORY;
-    pthread_mutex_lock(&lock);
-    for (int i = 0; i < MAX_MAPPINGS; i++) {
-        if (!mappings[i].size) {
-            mappings[i].start = ptr;
-            mappings[i].size = size;
-            mappings[i].prot = PROT_NONE;
-            result = CUDA_SUCCESS;
-            break;
-        }
-    }
-    pthread_mutex_unlock(&lock);
-    return result;
+    return add_mapping(ptr, size, PROT_NONE);
 }
 
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {

@@ -102,9 +102,17 @@
 //!                                 # GPU): launched, preloaded, CUDA warm, waiting for a function;
 //!                                 # a sandboxed function's first start on the node loads into one
 //!                                 # instead of restoring its snapshot. 0 (off) to 64
+//!
+//! [store]                         # the communication store (docs/sandboxes.md)
+//! gpu_bytes = 4294967296          # GPU memory its GPU values may take on each GPU (all tenants):
+//!                                 # 4 GiB; past it (or when the GPU is out of memory) the oldest
+//!                                 # move to host memory. 0 to 2^50
 //! ```
 
 use std::net::SocketAddr;
+
+/// Default of `store.gpu_bytes`: 4 GiB of each GPU.
+pub const DEFAULT_STORE_GPU_BYTES: u64 = 4 << 30;
 
 /// The most ready sandboxes `sandbox_pool.size` may ask for, per tenant and base.
 const MAX_SANDBOX_POOL: i64 = 64;
@@ -497,6 +505,9 @@ pub struct Config {
     pub objstore: Option<Objstore>,
     /// `sandbox_pool.size`: ready sandboxes per tenant and base (crate::runtime::start::pooled).
     pub sandbox_pool: usize,
+    /// `store.gpu_bytes`: GPU memory the communication store's GPU values may take on each GPU
+    /// (crate::runtime::store_gpu).
+    pub store_gpu_bytes: u64,
 }
 
 /// `[objstore]` (docs/objstore.md, "torpord").
@@ -611,6 +622,7 @@ impl Default for Config {
             pcie: PcieConfig::default(),
             objstore: None,
             sandbox_pool: 0,
+            store_gpu_bytes: DEFAULT_STORE_GPU_BYTES,
         }
     }
 }
@@ -898,6 +910,12 @@ impl Config {
         if let Some(mut t) = root.table("sandbox_pool")? {
             if let Some(n) = t.integer("size", 0, MAX_SANDBOX_POOL)? {
                 config.sandbox_pool = usize::try_from(n).unwrap_or(0);
+            }
+            t.finish()?;
+        }
+        if let Some(mut t) = root.table("store")? {
+            if let Some(n) = t.integer("gpu_bytes", 0, limits::MAX_BYTES as i64)? {
+                config.store_gpu_bytes = u64::try_from(n).unwrap_or(0);
             }
             t.finish()?;
         }
@@ -1373,6 +1391,7 @@ mod tests {
         ("workers", "uid_base", "4294967294", &["4294967295", "999", "0", "-1", "\"2000000000\""], "from 1000 to 4294967294"),
         ("workers", "uid_count", "16777216", &["16777217", "0", "-1"], "from 1 to 16777216"),
         ("sandbox_pool", "size", "64", &["65", "-1", "1.5", "\"2\""], "from 0 to 64"),
+        ("store", "gpu_bytes", "1125899906842624", &["1125899906842625", "-1"], "from 0 to 1125899906842624"),
         ("http", "max_connections", "65536", &["65537", "9223372036854775807", "0"], "from 1 to 65536"),
         ("http", "header_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),
         ("http", "body_timeout_s", "3600", &["3601", "1e300", "0"], "> 0 and ≤ 3600"),

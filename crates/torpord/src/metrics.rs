@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::Mutex;
 
 use prometheus::{
-    CounterVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    CounterVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
 
 use crate::registry::{Stage, StageCounts};
@@ -128,6 +128,13 @@ pub struct Metrics {
     /// there; a live migration moves an instance's count and bytes (crate::runtime::migrate).
     pub device_instances: IntGaugeVec,
     pub device_segment_bytes: IntGaugeVec,
+    /// `torpor_store_gpu_bytes{device}`: GPU memory the communication store's GPU values (and
+    /// GPU puts in progress) take on each GPU (crate::runtime::store_gpu).
+    pub store_gpu_bytes: IntGaugeVec,
+    /// `torpor_store_spilled_bytes`: host memory of the store's GPU values moved there.
+    pub store_spilled_bytes: IntGauge,
+    /// `torpor_store_spills_total`: GPU values the store moved to host memory under pressure.
+    pub store_spills: IntCounter,
     /// Devices whose placement series exist (set to 0 when they empty).
     devices: Mutex<BTreeSet<u32>>,
     /// Functions whose series exist, to drop them when the function goes.
@@ -316,6 +323,24 @@ impl Metrics {
         )?;
         registry.register(Box::new(sandbox_pool_ready.clone()))?;
         registry.register(Box::new(sandbox_pool_replaced.clone()))?;
+        let store_gpu_bytes = IntGaugeVec::new(
+            Opts::new(
+                "torpor_store_gpu_bytes",
+                "GPU memory the communication store's GPU values take, by device.",
+            ),
+            &["device"],
+        )?;
+        let store_spilled_bytes = IntGauge::new(
+            "torpor_store_spilled_bytes",
+            "Host memory of the communication store's GPU values moved there under pressure.",
+        )?;
+        let store_spills = IntCounter::new(
+            "torpor_store_spills_total",
+            "GPU values the communication store moved to host memory under pressure.",
+        )?;
+        registry.register(Box::new(store_gpu_bytes.clone()))?;
+        registry.register(Box::new(store_spilled_bytes.clone()))?;
+        registry.register(Box::new(store_spills.clone()))?;
         registry.register(Box::new(gpu_memory_byte_seconds.clone()))?;
         for stage in Stage::ALL {
             instances.with_label_values(&[stage.as_str()]).set(0);
@@ -343,6 +368,9 @@ impl Metrics {
             sandbox_pool_replaced,
             device_instances,
             device_segment_bytes,
+            store_gpu_bytes,
+            store_spilled_bytes,
+            store_spills,
             devices: Mutex::new(BTreeSet::new()),
             functions: Mutex::new(BTreeSet::new()),
             phases: Mutex::new(INVOKE_PHASES.iter().map(|p| p.to_string()).collect()),

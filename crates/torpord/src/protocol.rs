@@ -310,6 +310,10 @@ pub struct Unmapped {
 /// sealed memfd that holds a value to the daemon's communication store under `key` of the
 /// worker's tenant. A `store_fd` frame with the same `id` and the memfd attached follows at
 /// once; the daemon answers `store_stored`.
+///
+/// With `gpu` (a CUDA tensor; crate::runtime::store_gpu) no `store_fd` follows: the daemon
+/// answers `store_memory` with GPU memory of its own attached, the worker copies the tensor into
+/// it and sends `store_written`, and the daemon answers that with `store_stored`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[schemars(deny_unknown_fields)]
 pub struct StorePut {
@@ -318,6 +322,48 @@ pub struct StorePut {
     pub ttl_s: f64,
     /// What the bytes are, for the reader (e.g. {kind: "ndarray", dtype, shape}); kept as sent.
     pub meta: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<StorePutGpu>,
+}
+
+/// A GPU value's size and where it is.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StorePutGpu {
+    /// Bytes of the tensor.
+    pub bytes: u64,
+    /// The worker's CUDA ordinal of the GPU the tensor is on.
+    pub ordinal: i32,
+}
+
+/// The answer to a `store_put` with `gpu`: when `ok`, an fd of `padded` bytes of GPU memory the
+/// daemon allocated on the tensor's GPU is attached (SCM_RIGHTS), for the worker to map
+/// writable, fill and unmap; `ordinal` is the node's (the daemon's) GPU it is on.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreMemory {
+    pub id: u64,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub padded: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ordinal: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fd: Option<bool>,
+    /// Why not (one line: cause and fix).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The worker filled (`ok`) the GPU memory of its `store_put` of the same `id` and unmapped it,
+/// or gave up (`error`); the daemon answers `store_stored`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreWritten {
+    pub id: u64,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// The memfd of the `store_put` of the same `id`, attached to this frame (SCM_RIGHTS).
@@ -363,8 +409,25 @@ pub struct StoreValue {
     pub bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fd: Option<bool>,
+    /// A GPU value: the attached fd is GPU memory on the worker's GPU, to be mapped read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<StoreValueGpu>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// Where a GPU value a `store_value` carries is, and how it got there.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreValueGpu {
+    /// Bytes of the memory (the value's bytes padded to the GPU's granularity).
+    pub padded: u64,
+    /// The node's (the daemon's) GPU the memory is on: the worker's GPU 0.
+    pub ordinal: i32,
+    /// `stored`: the very memory the put filled (no copy); `peer`: copied GPU to GPU from
+    /// another GPU; `host`: copied from another GPU through host memory (no peer access);
+    /// `spilled`: copied up from host memory, where the store had moved it under pressure.
+    pub source: String,
 }
 
 /// A frame a worker sends.
@@ -385,6 +448,7 @@ pub enum FromWorker {
     StorePut(StorePut),
     StoreFd(StoreFd),
     StoreGet(StoreGet),
+    StoreWritten(StoreWritten),
     /// A sandbox's function idled and its pool gave its memory back.
     Memory(MemoryReport),
     Settled(Settled),
@@ -521,6 +585,7 @@ pub enum ToWorker {
     ReleaseMemory(Empty),
     StoreStored(StoreStored),
     StoreValue(StoreValue),
+    StoreMemory(StoreMemory),
 }
 
 /// The `type` of a frame, read before its fields.
@@ -547,7 +612,7 @@ fn fields<'a, T: Deserialize<'a>>(
 impl FromWorker {
     /// The frame types a worker sends.
     pub const TYPES: &'static str =
-        "hello, warmed, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump, store_put, store_fd, store_get, memory, settled";
+        "hello, warmed, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump, store_put, store_fd, store_get, store_written, memory, settled";
 
     /// A frame's payload, parsed (`type` first, then the variant from the same bytes).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -567,6 +632,7 @@ impl FromWorker {
             "store_put" => Self::StorePut(fields("store_put", payload)?),
             "store_fd" => Self::StoreFd(fields("store_fd", payload)?),
             "store_get" => Self::StoreGet(fields("store_get", payload)?),
+            "store_written" => Self::StoreWritten(fields("store_written", payload)?),
             "memory" => Self::Memory(fields("memory", payload)?),
             "settled" => Self::Settled(fields("settled", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
@@ -590,6 +656,7 @@ impl FromWorker {
             Self::StorePut(_) => "store_put",
             Self::StoreFd(_) => "store_fd",
             Self::StoreGet(_) => "store_get",
+            Self::StoreWritten(_) => "store_written",
             Self::Memory(_) => "memory",
             Self::Settled(_) => "settled",
         }
@@ -599,7 +666,7 @@ impl FromWorker {
 impl ToWorker {
     /// The frame types torpord sends.
     pub const TYPES: &'static str =
-        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, gpu_data, shutdown, store_stored, store_value";
+        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, gpu_data, shutdown, store_stored, store_value, store_memory";
 
     /// A frame's payload, parsed as [`FromWorker::parse`] does (for tests and tools).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -618,6 +685,7 @@ impl ToWorker {
             "shutdown" => Self::Shutdown(Empty {}),
             "store_stored" => Self::StoreStored(fields("store_stored", payload)?),
             "store_value" => Self::StoreValue(fields("store_value", payload)?),
+            "store_memory" => Self::StoreMemory(fields("store_memory", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
         })
     }

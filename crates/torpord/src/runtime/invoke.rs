@@ -406,6 +406,11 @@ impl Runtime {
                         }
                     }
                 }
+                FromWorker::StorePut(put) if put.gpu.is_some() => {
+                    // A CUDA tensor: no memfd follows (crate::runtime::store_gpu).
+                    self.store_put_gpu(&inst, put);
+                }
+                FromWorker::StoreWritten(w) => self.store_written(&inst, w),
                 FromWorker::StorePut(put) => {
                     // Its memfd comes with the next frame (crate::runtime::store).
                     let fd = match crate::split::fds::read_with_fd(&mut rd).await {

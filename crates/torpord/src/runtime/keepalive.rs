@@ -88,6 +88,7 @@ impl Runtime {
 
     fn tick(self: &Arc<Self>) {
         self.sandbox_pool_tick();
+        self.store_tick();
         let pools: Vec<Arc<Pool>> = lock(&self.pools).values().cloned().collect();
         // NVML's figures, per instance root (live and starting). Every function's processes are
         // measured, not only `gpus = 1` ones': memory NVML sees is held, whatever the spec says.

@@ -49,6 +49,7 @@ pub mod readopt;
 pub mod sandbox;
 pub mod start;
 pub mod store;
+pub mod store_gpu;
 pub mod workflow;
 
 pub use instance::{kill_tree, Instance, Keep, Sleeper};
@@ -150,6 +151,7 @@ impl Runtime {
         snapshot_key: Arc<torpor_image::SnapshotKey>,
         cgroups: Option<Arc<crate::cgroup::Cgroups>>,
     ) -> Self {
+        let store_gpu_bytes = config.store_gpu_bytes;
         Self {
             python_dir: crate::sdk_dir::python_dir(),
             deploy_locks: Default::default(),
@@ -193,7 +195,7 @@ impl Runtime {
             cgroups,
             objstore: None,
             sandbox_routes: sandbox::Routes::default(),
-            store: store::Store::default(),
+            store: store::Store::new(store_gpu_bytes),
             memory: memory::Memory::default(),
             sandbox_pool: Default::default(),
             keys: Default::default(),

@@ -5,30 +5,40 @@
 //! hold the key itself asks the daemon (`store_get`) and maps the very pages read-only (the
 //! fd comes back attached to `store_value`): no copy. Workers never share a /dev/shm; the fd
 //! is the only way between them, and it passes through the daemon, which scopes keys by tenant.
+//! A CUDA tensor takes the GPU path of crate::runtime::store_gpu instead: its value lives in
+//! GPU memory the daemon owns ([`Held::Gpu`]), and moves to a sealed memfd in host memory
+//! ([`Held::Host`], spilled) when the store's GPU budget or the GPU's memory runs short.
 //!
 //! A value is dropped when it is consumed (a get without keep), when its `ttl_s` passes (looked
-//! at on every put and get), or with the daemon. Each tenant holds at most [`MAX_KEYS`] keys
-//! and [`MAX_BYTES`] bytes.
+//! at on every put and get, and on the daemon's keep-alive tick), or with the daemon. Each
+//! tenant holds at most [`MAX_KEYS`] keys and [`MAX_BYTES`] bytes (host and GPU memory
+//! together, GPU puts in progress included); the store's GPU values take at most `[store]
+//! gpu_bytes` of each GPU (all tenants together), oldest spilled first ([`spill_victims`]).
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use torpor_device::DeviceError;
 
+use crate::split::device::{Memory, SegmentDevice};
 use crate::sync::lock;
 
 /// Keys a tenant may hold at once.
 pub const MAX_KEYS: usize = 4096;
-/// Bytes a tenant may hold at once (the memfds' sizes).
+/// Bytes a tenant may hold at once (the memfds' sizes and the GPU values' padded sizes).
 pub const MAX_BYTES: u64 = 8 << 30;
 /// The longest key.
 pub const MAX_KEY: usize = 256;
 /// The longest time to live.
 pub const MAX_TTL_S: f64 = 86_400.0;
+/// How long a worker has to fill the GPU memory of its put (`store_written`) before the
+/// daemon takes it back.
+pub const GPU_PUT_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// Why a value was not stored.
+/// Why a value was not stored (or not delivered).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The key is empty or too long.
@@ -58,27 +68,183 @@ pub enum StoreError {
         bytes: u64,
         adding: u64,
     },
+    /// A GPU value of no bytes.
+    #[error("an empty tensor (0 bytes) has nothing to share: put it without shared=True")]
+    EmptyGpu,
+    /// One GPU value is larger than the store may keep on a GPU.
+    #[error(
+        "a GPU value of {padded} bytes (padded to the GPU's granularity) is larger than the \
+         store's GPU budget of {budget} bytes per GPU: raise [store] gpu_bytes in torpord.toml, \
+         or put tensor.cpu()"
+    )]
+    GpuBudget { padded: u64, budget: u64 },
+    /// The GPU has no memory for the value, and no value of the store is left on it to move out.
+    #[error(
+        "no GPU memory for a value of {padded} bytes on the node's GPU {ordinal} ({source}), \
+         and the store has nothing left there to move to host memory: free GPU memory, or put \
+         tensor.cpu()"
+    )]
+    GpuMemory {
+        ordinal: i32,
+        padded: u64,
+        #[source]
+        source: DeviceError,
+    },
+    /// A device step failed (the driver's code is inside).
+    #[error("{what}: {source}")]
+    Device {
+        what: &'static str,
+        #[source]
+        source: DeviceError,
+    },
+    /// Moving a GPU value to host memory failed.
+    #[error("moving a GPU value to host memory (a memfd): {0}")]
+    Spill(#[source] std::io::Error),
+    /// The tensor is on a GPU the daemon cannot open.
+    #[error(
+        "the tensor is on the worker's GPU {worker} (the node's GPU {ordinal}), which torpord \
+         cannot use for the store ({reason}): put a tensor on the function's GPU (cuda:0), or \
+         put tensor.cpu()"
+    )]
+    NoGpu {
+        worker: i32,
+        ordinal: i32,
+        reason: String,
+    },
+    /// The worker could not fill the memory (its own line).
+    #[error("the worker did not fill the value's GPU memory: {0}")]
+    Worker(String),
+    /// A GPU value asked for by a function without a GPU.
+    #[error(
+        "store key {0:?} holds a CUDA tensor, which only a function with gpus = 1 can get; get \
+         it there (it stays stored), or put tensor.cpu() instead"
+    )]
+    NeedsGpu(String),
+    /// The daemon's task for it ended early (it panicked).
+    #[error("the store's GPU task ended early: {0}")]
+    Task(String),
+    /// A `store_written` for no GPU put in progress.
+    #[error(
+        "no GPU put {0} of this worker is in progress (it was taken back after \
+         {secs} s without store_written, or never began): put the value again",
+        secs = GPU_PUT_TIMEOUT.as_secs()
+    )]
+    NotPending(String),
+}
+
+/// What the store holds for a value.
+pub enum Held {
+    /// A sealed memfd: bytes or an array, or a GPU value spilled to host memory (its `padded`
+    /// bytes).
+    Host(OwnedFd),
+    /// GPU memory the daemon allocated, filled by the putter and sealed.
+    Gpu(GpuHeld),
+}
+
+/// A GPU value's memory, on the node's GPU `ordinal`.
+#[derive(Clone)]
+pub struct GpuHeld {
+    pub ordinal: i32,
+    pub device: Arc<dyn SegmentDevice>,
+    pub memory: Arc<Memory>,
+    pub padded: u64,
+}
+
+impl std::fmt::Debug for GpuHeld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuHeld")
+            .field("ordinal", &self.ordinal)
+            .field("padded", &self.padded)
+            .finish_non_exhaustive()
+    }
 }
 
 struct Entry {
-    fd: OwnedFd,
+    held: Held,
     meta: Value,
+    /// Bytes of the value.
     bytes: u64,
+    /// A GPU value (on a GPU or spilled): a get hands it out as GPU memory.
+    gpu: bool,
     expires: Instant,
+    /// Put order (the oldest is spilled first).
+    seq: u64,
+    /// The memfd's size, while `held` is one.
+    host_bytes: u64,
 }
 
-/// A value taken from the store: its memfd, what it is, its size.
+impl Entry {
+    /// Bytes of memory it holds: the memfd's or the GPU memory's.
+    fn held_bytes(&self) -> u64 {
+        match &self.held {
+            Held::Host(_) => self.host_bytes,
+            Held::Gpu(g) => g.padded,
+        }
+    }
+}
+
+/// A value taken from the store.
+#[derive(Debug)]
+pub enum TakenHeld {
+    Host(OwnedFd),
+    Gpu(GpuHeld),
+}
+
+/// A value taken from the store: what holds it, what it is, its size.
 #[derive(Debug)]
 pub struct Taken {
-    pub fd: OwnedFd,
+    pub held: TakenHeld,
     pub meta: Value,
     pub bytes: u64,
+    /// A GPU value (on a GPU, or spilled to the memfd of `held`).
+    pub gpu: bool,
+    /// Bytes of the memfd or of the GPU memory.
+    pub held_bytes: u64,
+}
+
+/// A GPU put whose memory the worker is filling.
+struct Pending {
+    tenant: String,
+    key: String,
+    meta: Value,
+    bytes: u64,
+    ttl: Duration,
+    gpu: GpuHeld,
+    since: Instant,
+}
+
+/// GPU memory given to a worker to fill ([`Store::reserve_gpu`]).
+#[derive(Debug)]
+pub struct Reserved {
+    pub fd: OwnedFd,
+    pub padded: u64,
+    /// GPU values moved to host memory to make room.
+    pub spilled: usize,
+}
+
+#[derive(Default)]
+struct Inner {
+    entries: HashMap<(String, String), Entry>,
+    /// GPU puts in progress, by the caller's ticket (instance and put id).
+    pending: HashMap<String, Pending>,
+    seq: u64,
+    /// Every GPU a value was put on (their gauges stay, at 0 when empty).
+    gpus: std::collections::BTreeSet<i32>,
 }
 
 /// The values of every tenant, by (tenant, key).
-#[derive(Default)]
 pub struct Store {
-    entries: Mutex<HashMap<(String, String), Entry>>,
+    inner: Mutex<Inner>,
+    /// Bytes of each GPU the store's GPU values may take (`[store] gpu_bytes`).
+    gpu_budget: u64,
+    /// GPU values moved to host memory, ever.
+    spills: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Self::new(crate::config::DEFAULT_STORE_GPU_BYTES)
+    }
 }
 
 impl std::fmt::Debug for Store {
@@ -108,9 +274,170 @@ fn sealed_size(fd: &OwnedFd) -> Result<u64, StoreError> {
     Ok(file.metadata().map_err(StoreError::Fd)?.len())
 }
 
+/// Which GPU values to move to host memory so that `need` more bytes fit a GPU's `budget`,
+/// given the values on it as (put order, bytes) and `used` bytes of it taken (values and puts in
+/// progress): indices into `held`, oldest first, as few as will do. `None` when `need` alone is
+/// larger than the budget (nothing spilled would make room).
+pub fn spill_victims(held: &[(u64, u64)], used: u64, need: u64, budget: u64) -> Option<Vec<usize>> {
+    if need > budget {
+        return None;
+    }
+    let mut order: Vec<usize> = (0..held.len()).collect();
+    order.sort_by_key(|&i| held[i].0);
+    let mut used = used;
+    let mut out = Vec::new();
+    for i in order {
+        if used.saturating_add(need) <= budget {
+            break;
+        }
+        used = used.saturating_sub(held[i].1);
+        out.push(i);
+    }
+    Some(out)
+}
+
+/// A sealed memfd holding the first `padded` bytes of `gpu`'s memory (a spill).
+fn spill_to_memfd(gpu: &GpuHeld) -> Result<OwnedFd, StoreError> {
+    use std::io::Write;
+    let len = usize::try_from(gpu.padded)
+        .map_err(|_| StoreError::Spill(std::io::Error::other("too large")))?;
+    let mut buf = gpu
+        .device
+        .host_buffer(len)
+        .map_err(|source| StoreError::Device {
+            what: "moving a GPU value to host memory: staging",
+            source,
+        })?;
+    gpu.device
+        .read_memory(&gpu.memory, &mut buf)
+        .map_err(|source| StoreError::Device {
+            what: "moving a GPU value to host memory: copying it out",
+            source,
+        })?;
+    let fd = new_memfd().map_err(StoreError::Spill)?;
+    let mut f = std::fs::File::from(fd.try_clone().map_err(StoreError::Spill)?);
+    f.write_all(&buf).map_err(StoreError::Spill)?;
+    let seals = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: adds seals to the memfd this function made and owns; no mapping of it exists.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(StoreError::Spill(std::io::Error::last_os_error()));
+    }
+    Ok(fd)
+}
+
+/// A new empty memfd that can be sealed.
+fn new_memfd() -> std::io::Result<OwnedFd> {
+    let name = c"torpor-store-spill";
+    // SAFETY: memfd_create with a valid NUL-terminated name; the fd returned is owned here.
+    let raw =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: raw is a fresh fd nothing else owns.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) })
+}
+
+fn check_key_ttl(key: &str, ttl_s: f64) -> Result<(), StoreError> {
+    if key.is_empty() || key.len() > MAX_KEY {
+        return Err(StoreError::Key(key.len()));
+    }
+    if !(ttl_s > 0.0 && ttl_s <= MAX_TTL_S) {
+        return Err(StoreError::Ttl(ttl_s));
+    }
+    Ok(())
+}
+
+impl Inner {
+    fn sweep(&mut self, now: Instant) {
+        self.entries.retain(|_, e| e.expires > now);
+        self.pending
+            .retain(|_, p| now.duration_since(p.since) < GPU_PUT_TIMEOUT);
+    }
+
+    /// The tenant's keys and bytes, `key` left out (a put replaces it), puts in progress in.
+    fn tenant_usage(&self, tenant: &str, key: &str) -> (usize, u64) {
+        let held = self
+            .entries
+            .iter()
+            .filter(|((t, k), _)| t == tenant && k != key)
+            .fold((0usize, 0u64), |(n, b), (_, e)| (n + 1, b + e.held_bytes()));
+        self.pending
+            .values()
+            .filter(|p| p.tenant == tenant)
+            .fold(held, |(n, b), p| (n + 1, b + p.gpu.padded))
+    }
+
+    fn check_tenant(&self, tenant: &str, key: &str, adding: u64) -> Result<(), StoreError> {
+        let (keys, bytes) = self.tenant_usage(tenant, key);
+        if keys + 1 > MAX_KEYS || bytes.saturating_add(adding) > MAX_BYTES {
+            return Err(StoreError::Full {
+                keys,
+                bytes,
+                adding,
+            });
+        }
+        Ok(())
+    }
+
+    /// Bytes of GPU `ordinal` the store takes: values and puts in progress.
+    fn gpu_used(&self, ordinal: i32) -> u64 {
+        let values: u64 = self
+            .entries
+            .values()
+            .filter_map(|e| match &e.held {
+                Held::Gpu(g) if g.ordinal == ordinal => Some(g.padded),
+                _ => None,
+            })
+            .sum();
+        values
+            + self
+                .pending
+                .values()
+                .filter(|p| p.gpu.ordinal == ordinal)
+                .map(|p| p.gpu.padded)
+                .sum::<u64>()
+    }
+
+    /// The values on GPU `ordinal`, oldest first: (their id, put order, bytes).
+    fn on_gpu(&self, ordinal: i32) -> Vec<((String, String), u64, u64)> {
+        let mut v: Vec<_> = self
+            .entries
+            .iter()
+            .filter_map(|(id, e)| match &e.held {
+                Held::Gpu(g) if g.ordinal == ordinal => Some((id.clone(), e.seq, g.padded)),
+                _ => None,
+            })
+            .collect();
+        v.sort_by_key(|(_, seq, _)| *seq);
+        v
+    }
+
+    /// Moves the value `id` (on a GPU) to a sealed memfd in host memory.
+    fn spill(&mut self, id: &(String, String)) -> Result<(), StoreError> {
+        let Some(e) = self.entries.get_mut(id) else {
+            return Ok(());
+        };
+        let Held::Gpu(g) = &e.held else {
+            return Ok(());
+        };
+        let fd = spill_to_memfd(g)?;
+        tracing::info!(tenant = %id.0, key = %id.1, bytes = g.padded, ordinal = g.ordinal,
+            "store: a GPU value moved to host memory (GPU budget or memory short)");
+        e.host_bytes = g.padded;
+        e.held = Held::Host(fd);
+        Ok(())
+    }
+}
+
 impl Store {
-    fn sweep(entries: &mut HashMap<(String, String), Entry>, now: Instant) {
-        entries.retain(|_, e| e.expires > now);
+    /// A store whose GPU values take at most `gpu_budget` bytes of each GPU.
+    pub fn new(gpu_budget: u64) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            gpu_budget,
+            spills: std::sync::atomic::AtomicU64::new(0),
+        }
     }
 
     /// Stores `fd` (a sealed memfd) under `key` of `tenant`, replacing what the key held.
@@ -122,73 +449,279 @@ impl Store {
         meta: Value,
         ttl_s: f64,
     ) -> Result<(), StoreError> {
-        if key.is_empty() || key.len() > MAX_KEY {
-            return Err(StoreError::Key(key.len()));
-        }
-        if !(ttl_s > 0.0 && ttl_s <= MAX_TTL_S) {
-            return Err(StoreError::Ttl(ttl_s));
-        }
+        check_key_ttl(key, ttl_s)?;
         let bytes = sealed_size(&fd)?;
         let now = Instant::now();
-        let mut entries = lock(&self.entries);
-        Self::sweep(&mut entries, now);
-        let id = (tenant.to_string(), key.to_string());
-        let (keys, held) = entries
-            .iter()
-            .filter(|((t, k), _)| t == tenant && *k != id.1)
-            .fold((0usize, 0u64), |(n, b), (_, e)| (n + 1, b + e.bytes));
-        if keys + 1 > MAX_KEYS || held.saturating_add(bytes) > MAX_BYTES {
-            return Err(StoreError::Full {
-                keys,
-                bytes: held,
-                adding: bytes,
-            });
-        }
-        entries.insert(
-            id,
+        let mut inner = lock(&self.inner);
+        inner.sweep(now);
+        inner.check_tenant(tenant, key, bytes)?;
+        inner.seq += 1;
+        let seq = inner.seq;
+        inner.entries.insert(
+            (tenant.to_string(), key.to_string()),
             Entry {
-                fd,
+                held: Held::Host(fd),
                 meta,
                 bytes,
+                gpu: false,
                 expires: now + Duration::from_secs_f64(ttl_s),
+                seq,
+                host_bytes: bytes,
             },
         );
         Ok(())
     }
 
-    /// The value under `key` of `tenant`, taken out unless `keep` (then a second fd of it).
-    pub fn get(&self, tenant: &str, key: &str, keep: bool) -> Result<Option<Taken>, StoreError> {
-        let mut entries = lock(&self.entries);
-        Self::sweep(&mut entries, Instant::now());
+    /// Begins a GPU put (`ticket`: the worker's and its put id): allocates `bytes` (padded to
+    /// the granularity) of `device`, the node's GPU `ordinal`, moving the oldest GPU values there
+    /// to host memory while the store's GPU budget or the GPU's memory is short, and returns an
+    /// fd of it for the worker to fill. Nothing under `key` changes until [`Store::seal_gpu`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn reserve_gpu(
+        &self,
+        ticket: &str,
+        tenant: &str,
+        key: &str,
+        meta: Value,
+        ttl_s: f64,
+        bytes: u64,
+        ordinal: i32,
+        device: Arc<dyn SegmentDevice>,
+    ) -> Result<Reserved, StoreError> {
+        check_key_ttl(key, ttl_s)?;
+        if bytes == 0 {
+            return Err(StoreError::EmptyGpu);
+        }
+        let granule = device.granularity().max(1) as u64;
+        let padded = bytes.div_ceil(granule) * granule;
+        let mut inner = lock(&self.inner);
+        inner.sweep(Instant::now());
+        inner.check_tenant(tenant, key, padded)?;
+        inner.gpus.insert(ordinal);
+        let on_gpu = inner.on_gpu(ordinal);
+        let sizes: Vec<(u64, u64)> = on_gpu.iter().map(|(_, s, b)| (*s, *b)).collect();
+        let victims = spill_victims(&sizes, inner.gpu_used(ordinal), padded, self.gpu_budget)
+            .ok_or(StoreError::GpuBudget {
+                padded,
+                budget: self.gpu_budget,
+            })?;
+        let mut spilled = 0;
+        for &i in &victims {
+            inner.spill(&on_gpu[i].0)?;
+            spilled += 1;
+        }
+        // Out of GPU memory: move out the next oldest and try again, until none is left.
+        let mut left = on_gpu
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !victims.contains(i))
+            .map(|(_, v)| v.0.clone());
+        let len = usize::try_from(padded).unwrap_or(usize::MAX);
+        let memory = loop {
+            match device.create(len) {
+                Ok(m) => break m,
+                Err(e) if is_out_of_memory(&e) => match left.next() {
+                    Some(id) => {
+                        inner.spill(&id)?;
+                        spilled += 1;
+                    }
+                    None => {
+                        return Err(StoreError::GpuMemory {
+                            ordinal,
+                            padded,
+                            source: e,
+                        })
+                    }
+                },
+                Err(source) => {
+                    return Err(StoreError::Device {
+                        what: "allocating GPU memory for the value",
+                        source,
+                    })
+                }
+            }
+        };
+        let fd = device
+            .export(&memory)
+            .map_err(|source| StoreError::Device {
+                what: "exporting the value's GPU memory",
+                source,
+            })?;
+        self.spills
+            .fetch_add(spilled as u64, std::sync::atomic::Ordering::Relaxed);
+        inner.pending.insert(
+            ticket.to_string(),
+            Pending {
+                tenant: tenant.to_string(),
+                key: key.to_string(),
+                meta,
+                bytes,
+                ttl: Duration::from_secs_f64(ttl_s),
+                gpu: GpuHeld {
+                    ordinal,
+                    device,
+                    memory: Arc::new(memory),
+                    padded,
+                },
+                since: Instant::now(),
+            },
+        );
+        Ok(Reserved {
+            fd,
+            padded,
+            spilled,
+        })
+    }
+
+    /// Ends the GPU put `ticket`: when `filled`, its memory is sealed read-only and stored under
+    /// its key (replacing what the key held); otherwise it is dropped and the key keeps its value.
+    pub fn seal_gpu(&self, ticket: &str, filled: bool) -> Result<(), StoreError> {
+        let mut inner = lock(&self.inner);
+        let now = Instant::now();
+        inner.sweep(now);
+        let p = inner
+            .pending
+            .remove(ticket)
+            .ok_or_else(|| StoreError::NotPending(ticket.to_string()))?;
+        if !filled {
+            return Ok(());
+        }
+        p.gpu
+            .device
+            .seal(&p.gpu.memory)
+            .map_err(|source| StoreError::Device {
+                what: "sealing the value's GPU memory read-only (is the worker's mapping gone?)",
+                source,
+            })?;
+        inner.seq += 1;
+        let seq = inner.seq;
+        inner.entries.insert(
+            (p.tenant, p.key),
+            Entry {
+                held: Held::Gpu(p.gpu),
+                meta: p.meta,
+                bytes: p.bytes,
+                gpu: true,
+                expires: now + p.ttl,
+                seq,
+                host_bytes: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// The value under `key` of `tenant`, taken out unless `keep` (then a second handle of it).
+    /// A GPU value for a getter without a GPU (`!gpu_ok`) is refused and stays.
+    pub fn get(
+        &self,
+        tenant: &str,
+        key: &str,
+        keep: bool,
+        gpu_ok: bool,
+    ) -> Result<Option<Taken>, StoreError> {
+        let mut inner = lock(&self.inner);
+        inner.sweep(Instant::now());
         let id = (tenant.to_string(), key.to_string());
+        if !gpu_ok && inner.entries.get(&id).is_some_and(|e| e.gpu) {
+            return Err(StoreError::NeedsGpu(key.to_string()));
+        }
         if keep {
-            let Some(e) = entries.get(&id) else {
+            let Some(e) = inner.entries.get(&id) else {
                 return Ok(None);
             };
+            let held = match &e.held {
+                Held::Host(fd) => TakenHeld::Host(fd.try_clone().map_err(StoreError::Fd)?),
+                Held::Gpu(g) => TakenHeld::Gpu(g.clone()),
+            };
             return Ok(Some(Taken {
-                fd: e.fd.try_clone().map_err(StoreError::Fd)?,
+                held,
                 meta: e.meta.clone(),
                 bytes: e.bytes,
+                gpu: e.gpu,
+                held_bytes: e.held_bytes(),
             }));
         }
-        Ok(entries.remove(&id).map(|e| Taken {
-            fd: e.fd,
-            meta: e.meta,
-            bytes: e.bytes,
+        Ok(inner.entries.remove(&id).map(|e| {
+            let held_bytes = e.held_bytes();
+            Taken {
+                held: match e.held {
+                    Held::Host(fd) => TakenHeld::Host(fd),
+                    Held::Gpu(g) => TakenHeld::Gpu(g),
+                },
+                meta: e.meta,
+                bytes: e.bytes,
+                gpu: e.gpu,
+                held_bytes,
+            }
         }))
+    }
+
+    /// Drops expired values and GPU puts left unfinished (the keep-alive tick).
+    pub fn sweep(&self) {
+        lock(&self.inner).sweep(Instant::now());
     }
 
     /// Keys held and their bytes, all tenants.
     pub fn usage(&self) -> (usize, u64) {
-        let mut entries = lock(&self.entries);
-        Self::sweep(&mut entries, Instant::now());
-        (entries.len(), entries.values().map(|e| e.bytes).sum())
+        let mut inner = lock(&self.inner);
+        inner.sweep(Instant::now());
+        (
+            inner.entries.len(),
+            inner.entries.values().map(Entry::held_bytes).sum(),
+        )
+    }
+
+    /// Bytes the store takes on each GPU a value was ever put on (values and puts in progress),
+    /// and in host memory for GPU values moved there.
+    pub fn gpu_usage(&self) -> (Vec<(i32, u64)>, u64) {
+        let inner = lock(&self.inner);
+        let per = inner.gpus.iter().map(|&o| (o, inner.gpu_used(o))).collect();
+        let spilled = inner
+            .entries
+            .values()
+            .filter(|e| e.gpu && matches!(e.held, Held::Host(_)))
+            .map(Entry::held_bytes)
+            .sum();
+        (per, spilled)
+    }
+
+    /// GPU values moved to host memory since the daemon started.
+    pub fn spills(&self) -> u64 {
+        self.spills.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// Whether the driver (or the host backend) ran out of memory.
+fn is_out_of_memory(e: &DeviceError) -> bool {
+    match e {
+        DeviceError::Cuda(c) => c.is_out_of_memory(),
+        DeviceError::Os { source, .. } => {
+            matches!(
+                source.raw_os_error(),
+                Some(libc::ENOMEM) | Some(libc::ENOSPC)
+            )
+        }
+        _ => false,
     }
 }
 
 impl crate::runtime::Runtime {
+    /// Whether function `name`'s spec gives it a GPU (`gpus` ≥ 1).
+    fn pool_gpus(&self, name: &str) -> bool {
+        let Some(pool) = lock(&self.pools).get(name).cloned() else {
+            return false;
+        };
+        let st = lock(&pool.state);
+        st.info
+            .spec
+            .get("gpus")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            > 0
+    }
+
     /// The tenant whose store a worker of `inst` uses: its pool's spec's.
-    fn store_tenant(&self, inst: &crate::runtime::Instance) -> Option<String> {
+    pub(crate) fn store_tenant(&self, inst: &crate::runtime::Instance) -> Option<String> {
         self.pool_tenant(&inst.function)
     }
 
@@ -205,69 +738,128 @@ impl crate::runtime::Runtime {
                 "the instance has no pool any more",
             ))),
         };
-        if let Err(e) = &stored {
-            tracing::info!(instance = %inst.id, key = %put.key, error = %e, "store: value refused");
-        }
-        let reply = crate::protocol::ToWorker::StoreStored(crate::protocol::StoreStored {
-            id: put.id,
-            ok: stored.is_ok(),
-            error: stored.err().map(|e| e.to_string()),
-        });
-        reply_to(inst, reply, None);
+        self.store_metrics();
+        reply_stored(inst, put.id, &put.key, stored);
     }
 
-    /// A worker's `store_get`: answered `store_value`, with the memfd when found.
+    /// A worker's `store_get`: answered `store_value`, with the memfd (or, for a GPU value,
+    /// GPU memory on the worker's GPU: crate::runtime::store_gpu) when found.
     pub(crate) fn store_get(
         self: &std::sync::Arc<Self>,
         inst: &std::sync::Arc<crate::runtime::Instance>,
         get: crate::protocol::StoreGet,
     ) {
         let found = match self.store_tenant(inst) {
-            Some(tenant) => self.store.get(&tenant, &get.key, get.keep),
+            Some(tenant) => {
+                let gpu_ok = self.pool_gpus(&inst.function);
+                self.store.get(&tenant, &get.key, get.keep, gpu_ok)
+            }
             None => Ok(None),
         };
-        let (value, fd) = match found {
-            Ok(Some(t)) => (
-                crate::protocol::StoreValue {
-                    id: get.id,
-                    found: true,
-                    meta: Some(t.meta),
-                    bytes: Some(t.bytes),
-                    fd: Some(true),
-                    error: None,
-                },
-                Some(t.fd),
-            ),
-            Ok(None) => (
-                crate::protocol::StoreValue {
-                    id: get.id,
-                    found: false,
-                    meta: None,
-                    bytes: None,
-                    fd: None,
-                    error: None,
-                },
-                None,
-            ),
-            Err(e) => (
-                crate::protocol::StoreValue {
-                    id: get.id,
-                    found: false,
-                    meta: None,
-                    bytes: None,
-                    fd: None,
-                    error: Some(e.to_string()),
-                },
-                None,
-            ),
-        };
-        reply_to(inst, crate::protocol::ToWorker::StoreValue(value), fd);
+        let id = get.id;
+        match found {
+            Ok(Some(t)) if t.gpu => {
+                // Exported, or copied onto the worker's GPU first: on the blocking pool.
+                let rt = std::sync::Arc::clone(self);
+                let inst = std::sync::Arc::clone(inst);
+                tokio::spawn(async move {
+                    let (rt2, inst2) = (std::sync::Arc::clone(&rt), std::sync::Arc::clone(&inst));
+                    let delivered =
+                        tokio::task::spawn_blocking(move || rt2.store_deliver(&inst2, t))
+                            .await
+                            .unwrap_or_else(|e| Err(StoreError::Task(e.to_string())));
+                    rt.store_metrics();
+                    let (value, fd) = value_frame(id, delivered.map(Some));
+                    reply_to(&inst, crate::protocol::ToWorker::StoreValue(value), fd);
+                });
+            }
+            found => {
+                let found = found.map(|o| {
+                    o.and_then(|t| match t.held {
+                        TakenHeld::Host(fd) => Some(Delivered {
+                            meta: t.meta,
+                            bytes: t.bytes,
+                            fd,
+                            gpu: None,
+                        }),
+                        TakenHeld::Gpu(_) => None,
+                    })
+                });
+                self.store_metrics();
+                let (value, fd) = value_frame(id, found);
+                reply_to(inst, crate::protocol::ToWorker::StoreValue(value), fd);
+            }
+        }
     }
+}
+
+/// A value on its way to a worker: the fd to attach and what the `store_value` frame says.
+#[derive(Debug)]
+pub struct Delivered {
+    pub meta: Value,
+    pub bytes: u64,
+    pub fd: OwnedFd,
+    pub gpu: Option<crate::protocol::StoreValueGpu>,
+}
+
+/// The `store_value` frame of get `id` and the fd to attach.
+fn value_frame(
+    id: u64,
+    found: Result<Option<Delivered>, StoreError>,
+) -> (crate::protocol::StoreValue, Option<OwnedFd>) {
+    let none = crate::protocol::StoreValue {
+        id,
+        found: false,
+        meta: None,
+        bytes: None,
+        fd: None,
+        gpu: None,
+        error: None,
+    };
+    match found {
+        Ok(Some(d)) => (
+            crate::protocol::StoreValue {
+                found: true,
+                meta: Some(d.meta),
+                bytes: Some(d.bytes),
+                fd: Some(true),
+                gpu: d.gpu,
+                ..none
+            },
+            Some(d.fd),
+        ),
+        Ok(None) => (none, None),
+        Err(e) => (
+            crate::protocol::StoreValue {
+                error: Some(e.to_string()),
+                ..none
+            },
+            None,
+        ),
+    }
+}
+
+/// Answers put `id` of `key` with `store_stored`; a refusal is logged.
+pub(crate) fn reply_stored(
+    inst: &std::sync::Arc<crate::runtime::Instance>,
+    id: u64,
+    key: &str,
+    stored: Result<(), StoreError>,
+) {
+    if let Err(e) = &stored {
+        tracing::info!(instance = %inst.id, key, error = %e, "store: value refused");
+    }
+    let reply = crate::protocol::ToWorker::StoreStored(crate::protocol::StoreStored {
+        id,
+        ok: stored.is_ok(),
+        error: stored.err().map(|e| e.to_string()),
+    });
+    reply_to(inst, reply, None);
 }
 
 /// Sends `frame` (with `fd` attached) to `inst`'s worker, in a task of its own: the reader that
 /// calls this must not wait for the writer, which a request's send may hold.
-fn reply_to(
+pub(crate) fn reply_to(
     inst: &std::sync::Arc<crate::runtime::Instance>,
     frame: crate::protocol::ToWorker,
     fd: Option<OwnedFd>,
@@ -324,12 +916,12 @@ mod tests {
             60.0,
         )
         .unwrap();
-        assert!(s.get("b", "k", false).unwrap().is_none());
-        let kept = s.get("a", "k", true).unwrap().unwrap();
+        assert!(s.get("b", "k", false, true).unwrap().is_none());
+        let kept = s.get("a", "k", true, true).unwrap().unwrap();
         assert_eq!(kept.bytes, 5);
-        let taken = s.get("a", "k", false).unwrap().unwrap();
+        let taken = s.get("a", "k", false, true).unwrap().unwrap();
         assert_eq!(taken.meta["kind"], "bytes");
-        assert!(s.get("a", "k", false).unwrap().is_none());
+        assert!(s.get("a", "k", false, true).unwrap().is_none());
         assert_eq!(s.usage(), (0, 0));
     }
 
@@ -351,6 +943,176 @@ mod tests {
         s.put("a", "k", memfd(b"x", true), Value::Null, 0.05)
             .unwrap();
         std::thread::sleep(Duration::from_millis(80));
-        assert!(s.get("a", "k", false).unwrap().is_none());
+        assert!(s.get("a", "k", false, true).unwrap().is_none());
+    }
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use super::*;
+    use crate::split::device::Backend;
+    use crate::split::pcie::Pcie;
+    use std::os::unix::fs::FileExt;
+    use torpor_device::host::HostDevice;
+
+    fn device() -> Arc<dyn SegmentDevice> {
+        Arc::new(Backend::new(
+            HostDevice::new(),
+            Pcie::new("host", Default::default(), None),
+        ))
+    }
+
+    /// A GPU put of `data` under `key`, filled through the fd as a worker would, then sealed.
+    fn put_gpu(s: &Store, dev: &Arc<dyn SegmentDevice>, key: &str, data: &[u8]) -> Reserved {
+        let r = s
+            .reserve_gpu(
+                key,
+                "team-a",
+                key,
+                serde_json::json!({"kind": "cuda"}),
+                60.0,
+                data.len() as u64,
+                0,
+                Arc::clone(dev),
+            )
+            .unwrap();
+        let f = std::fs::File::from(r.fd.try_clone().unwrap());
+        f.write_all_at(data, 0).unwrap();
+        s.seal_gpu(key, true).unwrap();
+        r
+    }
+
+    fn contents(t: &Taken) -> Vec<u8> {
+        let mut out = vec![0u8; t.held_bytes as usize];
+        match &t.held {
+            TakenHeld::Host(fd) => {
+                let f = std::fs::File::from(fd.try_clone().unwrap());
+                f.read_exact_at(&mut out, 0).unwrap();
+            }
+            TakenHeld::Gpu(g) => g.device.read_memory(&g.memory, &mut out).unwrap(),
+        }
+        out
+    }
+
+    #[test]
+    fn the_oldest_values_are_spilled_and_only_as_many_as_make_room() {
+        // (put order, bytes): the oldest is 1.
+        let held = [(3, 10), (1, 10), (2, 10)];
+        assert_eq!(spill_victims(&held, 30, 10, 40), Some(vec![]));
+        assert_eq!(spill_victims(&held, 30, 10, 30), Some(vec![1]));
+        assert_eq!(spill_victims(&held, 30, 25, 30), Some(vec![1, 2, 0]));
+        // Puts in progress count in `used` but cannot be spilled: all values go, still short;
+        // the allocation then decides.
+        assert_eq!(spill_victims(&held, 40, 20, 30), Some(vec![1, 2, 0]));
+        assert_eq!(spill_victims(&held, 30, 31, 30), None);
+        assert_eq!(spill_victims(&[], 0, 0, 0), Some(vec![]));
+    }
+
+    #[test]
+    fn a_gpu_value_is_stored_only_once_filled_and_a_failed_put_keeps_the_old_one() {
+        let s = Store::new(1 << 30);
+        let dev = device();
+        let page = dev.granularity();
+        let r = put_gpu(&s, &dev, "k", b"first");
+        assert_eq!(r.padded, page as u64);
+        // A second put of the key in progress: the first value is still what a get sees.
+        let pending = s
+            .reserve_gpu(
+                "t2",
+                "team-a",
+                "k",
+                Value::Null,
+                60.0,
+                3,
+                0,
+                Arc::clone(&dev),
+            )
+            .unwrap();
+        drop(pending);
+        assert_eq!(s.gpu_usage().0, vec![(0, 2 * page as u64)]);
+        // A getter without a GPU is refused, and the value stays.
+        let e = s.get("team-a", "k", false, false).unwrap_err();
+        assert!(e.to_string().contains("gpus = 1"), "{e}");
+        let kept = s.get("team-a", "k", true, true).unwrap().unwrap();
+        assert!(kept.gpu && matches!(kept.held, TakenHeld::Gpu(_)));
+        assert_eq!(&contents(&kept)[..5], b"first");
+        // The worker gave up: nothing changes but the reservation's return.
+        s.seal_gpu("t2", false).unwrap();
+        assert_eq!(s.gpu_usage().0, vec![(0, page as u64)]);
+        let e = s.seal_gpu("t2", true).unwrap_err();
+        assert!(matches!(e, StoreError::NotPending(_)), "{e}");
+        // Another tenant never sees it; consumed, it is gone and its GPU bytes with it.
+        assert!(s.get("team-b", "k", false, true).unwrap().is_none());
+        let taken = s.get("team-a", "k", false, true).unwrap().unwrap();
+        assert_eq!(taken.bytes, 5);
+        assert!(s.get("team-a", "k", false, true).unwrap().is_none());
+        assert_eq!(s.gpu_usage(), (vec![(0, 0)], 0));
+    }
+
+    #[test]
+    fn past_the_gpu_budget_the_oldest_value_moves_to_a_sealed_memfd_with_its_bytes() {
+        let dev = device();
+        let page = dev.granularity() as u64;
+        let s = Store::new(2 * page);
+        put_gpu(&s, &dev, "a", b"value a");
+        put_gpu(&s, &dev, "b", b"value b");
+        let r = put_gpu(&s, &dev, "c", b"value c");
+        assert_eq!(r.spilled, 1);
+        assert_eq!(s.spills(), 1);
+        assert_eq!(s.gpu_usage(), (vec![(0, 2 * page)], page));
+        let a = s.get("team-a", "a", false, true).unwrap().unwrap();
+        let TakenHeld::Host(fd) = &a.held else {
+            panic!("a was not spilled: {a:?}");
+        };
+        // Sealed against writes like every memfd of the store.
+        assert_eq!(sealed_size(fd).unwrap(), page);
+        assert!(a.gpu);
+        assert_eq!(&contents(&a)[..7], b"value a");
+        let b = s.get("team-a", "b", true, true).unwrap().unwrap();
+        assert!(matches!(b.held, TakenHeld::Gpu(_)), "{b:?}");
+        // One value larger than the budget is refused with the fix; nothing else moves.
+        let e = s
+            .reserve_gpu(
+                "big",
+                "team-a",
+                "big",
+                Value::Null,
+                60.0,
+                3 * page,
+                0,
+                Arc::clone(&dev),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("[store] gpu_bytes"), "{e}");
+        assert_eq!(s.spills(), 1);
+    }
+
+    #[test]
+    fn gpu_values_count_in_the_tenants_bytes_and_expire() {
+        let dev = device();
+        let s = Store::new(u64::MAX);
+        let reserve = |bytes: u64, ttl_s: f64| {
+            s.reserve_gpu(
+                "x",
+                "team-a",
+                "x",
+                Value::Null,
+                ttl_s,
+                bytes,
+                0,
+                Arc::clone(&dev),
+            )
+        };
+        let e = reserve(MAX_BYTES + 1, 60.0).unwrap_err();
+        assert!(matches!(e, StoreError::Full { .. }), "{e}");
+        let e = reserve(0, 60.0).unwrap_err();
+        assert!(matches!(e, StoreError::EmptyGpu), "{e}");
+        reserve(10, 0.05).unwrap();
+        s.seal_gpu("x", true).unwrap();
+        assert_ne!(s.gpu_usage().0, vec![(0, 0)]);
+        std::thread::sleep(Duration::from_millis(80));
+        s.sweep();
+        assert_eq!(s.gpu_usage().0, vec![(0, 0)]);
+        assert!(s.get("team-a", "x", false, true).unwrap().is_none());
     }
 }

@@ -49,6 +49,14 @@ pub trait SegmentDevice: Send + Sync {
     /// The device's PCIe scheduler.
     fn pcie(&self) -> &Pcie;
 
+    /// New exportable memory of `len` bytes (a multiple of the granularity), unfilled: another
+    /// process fills it through an exported fd (the communication store's GPU values).
+    fn create(&self, len: usize) -> Result<Memory, DeviceError>;
+
+    /// Seals `memory` (made by this device) read-only for good ([`Device::seal_read_only`]);
+    /// no writable mapping of it may exist any more.
+    fn seal(&self, memory: &Memory) -> Result<(), DeviceError>;
+
     /// New exportable memory holding a copy of `src` (device to device); sealed when `seal`.
     fn fill_from_memory(
         &self,
@@ -205,6 +213,14 @@ where
 
     fn pcie(&self) -> &Pcie {
         &self.pcie
+    }
+
+    fn create(&self, len: usize) -> Result<Memory, DeviceError> {
+        Ok(Box::new(self.device.create(len)?))
+    }
+
+    fn seal(&self, memory: &Memory) -> Result<(), DeviceError> {
+        self.device.seal_read_only(self.memory(memory))
     }
 
     fn fill_from_memory(

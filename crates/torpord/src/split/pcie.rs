@@ -30,8 +30,8 @@
 //! it; either way the transfer leaves the round and the next one takes the turn, so the other
 //! transfers go on.
 //!
-//! Store spills to the GPU (issue 11 item 4) would go through [`Pcie::transfer`] too; they are
-//! not built.
+//! The communication store's copies up to a GPU (a spilled value's get, a value from another GPU
+//! without peer access: crate::runtime::store_gpu) go through [`Pcie::transfer`] too.
 
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};

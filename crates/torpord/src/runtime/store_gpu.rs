@@ -1,0 +1,245 @@
+//! The communication store's GPU values (issue 11 item 4; docs/sandboxes.md, "The
+//! communication store"): `torpor.put(key, cuda_tensor, shared=True)` in a sandbox and
+//! `torpor.get(key)` in another sandbox of the tenant on the node.
+//!
+//! **Put.** The worker sends `store_put` with `gpu` {bytes, ordinal}. The daemon allocates that
+//! many bytes (padded to the granularity) of exportable memory on the tensor's GPU with its own
+//! device layer (`torpor-device`, as the restore server makes segments), and answers
+//! `store_memory` with an fd of it. The worker maps it writable, copies the tensor in (one
+//! device-to-device copy, after synchronising the context so the tensor's producers are done),
+//! synchronises, unmaps it and sends `store_written`; the daemon seals the memory read-only and
+//! only then stores it under the key (replacing what the key held), answering `store_stored`.
+//! A put that fails anywhere leaves the key as it was; the daemon takes back memory a worker
+//! never finished within [`super::store::GPU_PUT_TIMEOUT`].
+//!
+//! Why the daemon owns the memory rather than the putter exporting its own: a value must outlive
+//! the sandbox that put it (consumed by another, the putter hibernated or gone), be moved to host
+//! memory when the GPU is short without asking the putter, and be freed when consumed or expired;
+//! memory the putter's allocator owns can do none of that, and the hook's segments are the
+//! putter's snapshot state. One device copy at the put is the price.
+//!
+//! **Get.** A get in a worker whose GPU holds the value is answered with an fd of the very
+//! memory (`source` "stored"): the worker maps it read-only and wraps a tensor around it, no
+//! copy. On another GPU the daemon first copies it GPU to GPU into memory on the getter's GPU
+//! (`Device::copy_from_peer`, where `cuDeviceCanAccessPeer`; "peer"), else through host memory
+//! (device to the getter GPU's pinned staging, then up through that GPU's fair PCIe scheduler;
+//! "host"), and hands that copy over; it is the getter's, freed when its mapping goes.
+//!
+//! **Pressure.** The store's GPU values take at most `[store] gpu_bytes` of each GPU (all
+//! tenants together; puts in progress count). A put that would pass it first moves the oldest
+//! values on that GPU to sealed memfds in host memory; an allocation the driver refuses for lack
+//! of memory does the same, one value at a time, and is tried again. A get of a spilled value
+//! copies it up into memory on the getter's GPU through that GPU's PCIe scheduler (so it takes
+//! fair turns with restores and GPU data fills: docs/sandboxes.md, "Fair PCIe"), "spilled". The
+//! value stays in host memory for later gets.
+//!
+//! A value's GPU memory is the daemon's handle plus every worker mapping of it: consumed or
+//! expired, the daemon drops its handle, and the memory goes back once no worker maps it (an
+//! exported fd, like a mapping, keeps the physical memory: `torpor-device`'s contract).
+
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use super::store::{reply_stored, reply_to, Delivered, StoreError, Taken, TakenHeld};
+use super::Instance;
+use crate::protocol::{StoreMemory, StorePut, StoreValueGpu, StoreWritten, ToWorker};
+use crate::split::device::SegmentDevice;
+
+/// The ticket of put `id` of `inst`'s worker.
+fn ticket(inst: &Instance, id: u64) -> String {
+    format!("{}/{id}", inst.id)
+}
+
+/// The node's GPU `ordinal`, opened; the error names the worker's ordinal too.
+fn gpu(
+    rt: &super::Runtime,
+    worker: i32,
+    ordinal: i32,
+) -> Result<Arc<dyn SegmentDevice>, StoreError> {
+    rt.split
+        .device("cuda", ordinal)
+        .map_err(|e| StoreError::NoGpu {
+            worker,
+            ordinal,
+            reason: e.to_string(),
+        })
+}
+
+impl super::Runtime {
+    /// A worker's `store_put` with `gpu`: memory allocated and sent (`store_memory`), on the
+    /// blocking pool (it may move values to host memory first).
+    pub(crate) fn store_put_gpu(self: &Arc<Self>, inst: &Arc<Instance>, put: StorePut) {
+        let rt = Arc::clone(self);
+        let inst = Arc::clone(inst);
+        tokio::spawn(async move {
+            let (rt2, inst2, put2) = (Arc::clone(&rt), Arc::clone(&inst), put.clone());
+            let reserved = tokio::task::spawn_blocking(move || rt2.store_reserve(&inst2, put2))
+                .await
+                .unwrap_or_else(|e| Err(StoreError::Task(e.to_string())));
+            rt.store_metrics();
+            let (frame, fd) = match reserved {
+                Ok((r, ordinal)) => (
+                    StoreMemory {
+                        id: put.id,
+                        ok: true,
+                        padded: Some(r.padded),
+                        ordinal: Some(ordinal),
+                        fd: Some(true),
+                        error: None,
+                    },
+                    Some(r.fd),
+                ),
+                Err(e) => {
+                    tracing::info!(instance = %inst.id, key = %put.key, error = %e, "store: GPU value refused");
+                    (
+                        StoreMemory {
+                            id: put.id,
+                            ok: false,
+                            padded: None,
+                            ordinal: None,
+                            fd: None,
+                            error: Some(e.to_string()),
+                        },
+                        None,
+                    )
+                }
+            };
+            reply_to(&inst, ToWorker::StoreMemory(frame), fd);
+        });
+    }
+
+    fn store_reserve(
+        &self,
+        inst: &Instance,
+        put: StorePut,
+    ) -> Result<(super::store::Reserved, i32), StoreError> {
+        let Some(g) = put.gpu else {
+            return Err(StoreError::EmptyGpu);
+        };
+        let tenant = self.store_tenant(inst).ok_or_else(|| {
+            StoreError::Fd(std::io::Error::other("the instance has no pool any more"))
+        })?;
+        let ordinal = inst.daemon_ordinal(g.ordinal);
+        let device = gpu(self, g.ordinal, ordinal)?;
+        let r = self.store.reserve_gpu(
+            &ticket(inst, put.id),
+            &tenant,
+            &put.key,
+            put.meta,
+            put.ttl_s,
+            g.bytes,
+            ordinal,
+            device,
+        )?;
+        if r.spilled > 0 {
+            self.metrics.store_spills.inc_by(r.spilled as u64);
+        }
+        Ok((r, ordinal))
+    }
+
+    /// A worker's `store_written`: the value sealed and stored (or dropped), `store_stored`.
+    pub(crate) fn store_written(self: &Arc<Self>, inst: &Arc<Instance>, w: StoreWritten) {
+        let sealed = self.store.seal_gpu(&ticket(inst, w.id), w.ok);
+        let stored = match (sealed, w.ok) {
+            (Err(e), _) => Err(e),
+            (Ok(()), true) => Ok(()),
+            (Ok(()), false) => Err(StoreError::Worker(
+                w.error.unwrap_or_else(|| "no reason given".into()),
+            )),
+        };
+        self.store_metrics();
+        reply_stored(inst, w.id, "(GPU put)", stored);
+    }
+
+    /// A GPU value on the GPU of `inst`'s worker (its GPU 0): an fd of the value's own memory,
+    /// or of a copy made there.
+    pub(crate) fn store_deliver(&self, inst: &Instance, t: Taken) -> Result<Delivered, StoreError> {
+        let target = inst.daemon_ordinal(0);
+        let dev = gpu(self, 0, target)?;
+        let dev_err = |what| move |source| StoreError::Device { what, source };
+        let (memory, padded, source) = match t.held {
+            TakenHeld::Gpu(g) if g.ordinal == target => {
+                let fd = g
+                    .device
+                    .export(&g.memory)
+                    .map_err(dev_err("exporting the value's GPU memory"))?;
+                return Ok(delivered(t.meta, t.bytes, fd, g.padded, target, "stored"));
+            }
+            TakenHeld::Gpu(g) => {
+                let len = usize::try_from(g.padded).unwrap_or(usize::MAX);
+                let peer = dev
+                    .fill_from_peer(&*g.device, &g.memory, len, true)
+                    .map_err(dev_err("copying the value GPU to GPU"))?;
+                match peer {
+                    Some(m) => (m, g.padded, "peer"),
+                    None => {
+                        let mut buf = dev.host_buffer(len).map_err(dev_err("staging"))?;
+                        g.device
+                            .read_memory(&g.memory, &mut buf)
+                            .map_err(dev_err("copying the value to host memory"))?;
+                        let m = dev
+                            .fill_from_bytes(&buf, true)
+                            .map_err(dev_err("copying the value up to the worker's GPU"))?;
+                        (m, g.padded, "host")
+                    }
+                }
+            }
+            TakenHeld::Host(fd) => {
+                let len = usize::try_from(t.held_bytes).unwrap_or(usize::MAX);
+                let mut buf = dev.host_buffer(len).map_err(dev_err("staging"))?;
+                std::fs::File::from(fd)
+                    .read_exact_at(&mut buf, 0)
+                    .map_err(StoreError::Spill)?;
+                let m = dev
+                    .fill_from_bytes(&buf, true)
+                    .map_err(dev_err("copying the spilled value up to the worker's GPU"))?;
+                (m, t.held_bytes, "spilled")
+            }
+        };
+        let fd = dev
+            .export(&memory)
+            .map_err(dev_err("exporting the copy's GPU memory"))?;
+        Ok(delivered(t.meta, t.bytes, fd, padded, target, source))
+    }
+
+    /// The store's gauges, from what it holds now.
+    pub(crate) fn store_metrics(&self) {
+        let (per_gpu, spilled) = self.store.gpu_usage();
+        for (ordinal, bytes) in per_gpu {
+            self.metrics
+                .store_gpu_bytes
+                .with_label_values(&[&format!("cuda{ordinal}")])
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
+        self.metrics
+            .store_spilled_bytes
+            .set(i64::try_from(spilled).unwrap_or(i64::MAX));
+    }
+
+    /// The keep-alive tick's part: expired values and abandoned puts dropped, gauges updated.
+    pub(crate) fn store_tick(&self) {
+        self.store.sweep();
+        self.store_metrics();
+    }
+}
+
+fn delivered(
+    meta: serde_json::Value,
+    bytes: u64,
+    fd: OwnedFd,
+    padded: u64,
+    ordinal: i32,
+    source: &str,
+) -> Delivered {
+    Delivered {
+        meta,
+        bytes,
+        fd,
+        gpu: Some(StoreValueGpu {
+            padded,
+            ordinal,
+            source: source.to_string(),
+        }),
+    }
+}

@@ -1,0 +1,264 @@
+"""The communication store's GPU values, the worker's side (torpor.store; the daemon's side is
+crates/torpord/src/runtime/store_gpu.rs, which says why the daemon owns the memory).
+
+A CUDA value is a torch tensor on a GPU, or any object with `__cuda_array_interface__` (CuPy,
+Numba, ...), C-contiguous. `put(..., shared=True)` of one asks torpord for GPU memory on the
+value's GPU (`store_put` with `gpu`), maps the fd it gets writable, copies the value in with
+one device-to-device copy after synchronising the context (so the kernels that produced it,
+on any stream, are done), synchronises, unmaps it and tells torpord (`store_written`), which
+seals it read-only. `get` of one maps the fd torpord sends read-only on the worker's GPU 0 and
+returns a torch tensor over it (`__cuda_array_interface__`, as torpor.data does), or, without
+torch, a `CudaArray` that exposes the interface itself. No copy is made in the worker; the
+mapping goes when the returned object is collected (the tensor holds the `CudaArray`).
+
+The driver is libcuda through ctypes (torpor.cuda_driver, as torpor.data uses it), with the
+virtual memory management calls: import the fd, reserve addresses, map, set access.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from torpor import cuda_driver
+
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+CU_MEM_LOCATION_TYPE_DEVICE = 1
+CU_MEM_ACCESS_FLAGS_PROT_READ = 1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+
+# torch dtypes by name, as the array interface writes them ("|V2": no interface type).
+_TYPESTRS = {
+    "float64": "<f8", "float32": "<f4", "float16": "<f2", "bfloat16": "|V2",
+    "int64": "<i8", "int32": "<i4", "int16": "<i2", "int8": "|i1", "uint8": "|u1", "bool": "|b1",
+    "complex64": "<c8", "complex128": "<c16",
+}
+
+
+class StoreGpuError(RuntimeError):
+    """A GPU value could not be put or mapped (the message names cause and fix)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A CUDA value to put: where its bytes are and what they are."""
+
+    ptr: int
+    nbytes: int
+    ordinal: int  # the worker's CUDA ordinal of its GPU
+    meta: dict[str, Any]
+
+
+class _CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CUmemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", _CUmemLocation), ("flags", ctypes.c_int)]
+
+
+_typed = False
+_typed_lock = threading.Lock()
+
+
+def driver() -> Any:
+    """libcuda (torpor.cuda_driver) with the VMM calls' argument types set, and a context current
+    on this thread."""
+    global _typed
+    try:
+        cuda = cuda_driver.with_context()
+    except cuda_driver.DriverError as e:
+        raise StoreGpuError(f"{e}: a GPU value needs a function with gpus = 1") from None
+    with _typed_lock:
+        if not _typed:
+            u64, c_int, c_size = ctypes.c_uint64, ctypes.c_int, ctypes.c_size_t
+            cuda.cuMemImportFromShareableHandle.argtypes = [ctypes.POINTER(u64), ctypes.c_void_p, c_int]
+            cuda.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), c_size, c_size, u64, u64]
+            cuda.cuMemAddressFree.argtypes = [u64, c_size]
+            cuda.cuMemMap.argtypes = [u64, c_size, c_size, u64, u64]
+            cuda.cuMemUnmap.argtypes = [u64, c_size]
+            cuda.cuMemSetAccess.argtypes = [u64, c_size, ctypes.POINTER(_CUmemAccessDesc), c_size]
+            cuda.cuMemRelease.argtypes = [u64]
+            cuda.cuMemcpyDtoDAsync_v2.argtypes = [u64, u64, c_size, ctypes.c_void_p]
+            _typed = True
+    return cuda
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise StoreGpuError(f"{what} failed with CUresult {rc}")
+
+
+def is_cuda(value: Any) -> bool:
+    """Whether `value` is a CUDA value (a torch CUDA tensor or an array-interface object)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return bool(value.is_cuda)
+    return hasattr(value, "__cuda_array_interface__")
+
+
+def _contiguous_strides(shape: list[int], itemsize: int) -> list[int]:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return list(reversed(strides))
+
+
+def source(value: Any) -> Source:
+    """Where the bytes of CUDA value `value` are; StoreGpuError for a value that is not
+    C-contiguous."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if not value.is_contiguous():
+            raise StoreGpuError(
+                "put(..., shared=True) of a non-contiguous tensor: its bytes are not one block; "
+                "pass tensor.contiguous() (one copy on the GPU)"
+            )
+        dtype = str(value.dtype).removeprefix("torch.")
+        shape = list(value.shape)
+        meta = {
+            "kind": "cuda", "torch": True, "dtype": dtype, "typestr": _TYPESTRS.get(dtype, "|V1"),
+            "shape": shape, "device": str(value.device),
+        }
+        index = value.device.index if value.device.index is not None else torch.cuda.current_device()
+        return Source(int(value.data_ptr()), int(value.numel() * value.element_size()), int(index), meta)
+    cai = value.__cuda_array_interface__
+    shape = [int(n) for n in cai["shape"]]
+    typestr = str(cai["typestr"])
+    itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 1
+    strides = cai.get("strides")
+    if strides is not None and list(strides) != _contiguous_strides(shape, itemsize):
+        raise StoreGpuError(
+            "put(..., shared=True) of a non-contiguous array (strides "
+            f"{tuple(strides)}): its bytes are not one block; pass a contiguous copy "
+            "(cupy.ascontiguousarray, tensor.contiguous())"
+        )
+    count = 1
+    for n in shape:
+        count *= n
+    device = getattr(value, "device", None)
+    index = getattr(device, "index", getattr(device, "id", device))
+    if not isinstance(index, int):
+        dev = ctypes.c_int()
+        _check(driver().cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
+        index = dev.value
+    meta = {"kind": "cuda", "typestr": typestr, "shape": shape, "device": f"cuda:{index}"}
+    return Source(int(cai["data"][0]), count * itemsize, index, meta)
+
+
+class _Mapping:
+    """GPU memory behind an fd, mapped at addresses reserved for it; unmapped by close()."""
+
+    def __init__(self, fd: int, padded: int, ordinal: int, writable: bool) -> None:
+        cuda = driver()
+        self.cuda, self.padded = cuda, padded
+        handle = ctypes.c_uint64()
+        _check(
+            cuda.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            "importing the store's GPU memory (cuMemImportFromShareableHandle)",
+        )
+        va = ctypes.c_uint64()
+        try:
+            _check(cuda.cuMemAddressReserve(ctypes.byref(va), padded, 0, 0, 0), f"reserving {padded} bytes of addresses")
+            try:
+                _check(cuda.cuMemMap(va.value, padded, 0, handle.value, 0), "cuMemMap")
+                flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable else CU_MEM_ACCESS_FLAGS_PROT_READ
+                desc = _CUmemAccessDesc(_CUmemLocation(1, ordinal), flags)
+                rc = cuda.cuMemSetAccess(va.value, padded, ctypes.byref(desc), 1)
+                if rc != 0:
+                    cuda.cuMemUnmap(va.value, padded)
+                    _check(rc, f"cuMemSetAccess ({'read-write' if writable else 'read-only'}, GPU {ordinal})")
+            except BaseException:
+                cuda.cuMemAddressFree(va.value, padded)
+                raise
+        finally:
+            # The mapping keeps the memory; the handle is not needed any more.
+            cuda.cuMemRelease(handle.value)
+        self.va: int | None = va.value
+
+    def close(self) -> None:
+        if self.va is None:
+            return
+        va, self.va = self.va, None
+        # Work queued on the memory ends before it goes.
+        self.cuda.cuCtxSynchronize()
+        self.cuda.cuMemUnmap(va, self.padded)
+        self.cuda.cuMemAddressFree(va, self.padded)
+
+
+def fill(fd: int, padded: int, src: Source) -> None:
+    """Copies `src` into the GPU memory behind `fd` (torpord's `store_memory`), then unmaps it."""
+    cuda = driver()
+    m = _Mapping(fd, padded, src.ordinal, writable=True)
+    try:
+        assert m.va is not None
+        _check(cuda.cuCtxSynchronize(), "synchronising the GPU before the copy")
+        _check(cuda.cuMemcpyDtoDAsync_v2(m.va, src.ptr, src.nbytes, None), "copying the value (cuMemcpyDtoDAsync)")
+        _check(cuda.cuCtxSynchronize(), "synchronising the GPU after the copy")
+    finally:
+        m.close()
+
+
+class CudaArray:
+    """A GPU value of torpord's store mapped read-only: `__cuda_array_interface__` (read-only
+    flag set) over it. The mapping lives as long as this object."""
+
+    def __init__(self, fd: int, padded: int, nbytes: int, meta: dict[str, Any], source: str) -> None:
+        self._mapping = _Mapping(fd, padded, 0, writable=False)
+        self._finalizer = weakref.finalize(self, self._mapping.close)
+        assert self._mapping.va is not None
+        self.va, self.nbytes, self.padded, self.source = self._mapping.va, nbytes, padded, source
+        self.meta = meta
+        self.__cuda_array_interface__ = {
+            "shape": tuple(meta.get("shape", (nbytes,))),
+            "typestr": str(meta.get("typestr", "|u1")),
+            "data": (self.va, True),
+            "version": 3,
+            "strides": None,
+        }
+
+    def close(self) -> None:
+        """Unmaps it now (an object still using it then faults)."""
+        self._finalizer()
+
+
+def tensor(array: CudaArray) -> Any:
+    """A torch tensor of the value's dtype and shape over `array`'s mapping (no copy)."""
+    torch: Any = importlib.import_module("torch")
+
+    class _Bytes:
+        # torch refuses the read-only flag of the interface; the mapping itself is read-only.
+        # Holding `array` keeps the mapping while the tensor lives.
+        def __init__(self) -> None:
+            self.array = array
+            self.__cuda_array_interface__ = {
+                "shape": (array.nbytes,), "typestr": "|u1", "data": (array.va, False), "version": 3, "strides": None,
+            }
+
+    raw = torch.as_tensor(_Bytes(), device="cuda")
+    dtype = array.meta.get("dtype")
+    if isinstance(dtype, str) and hasattr(torch, dtype):
+        raw = raw.view(getattr(torch, dtype))
+    else:
+        import numpy as np
+
+        raw = raw.view(getattr(torch, str(np.dtype(array.meta.get("typestr", "|u1")))))
+    return raw.reshape(array.meta.get("shape", [array.nbytes]))
+
+
+def mapped(fd: int, padded: int, nbytes: int, meta: dict[str, Any], source: str) -> Any:
+    """A GPU value torpord sent (`store_value` with `gpu`): a torch tensor when torch is there,
+    else the CudaArray."""
+    array = CudaArray(fd, padded, nbytes, meta, source)
+    if meta.get("torch") or "torch" in sys.modules:
+        try:
+            return tensor(array)
+        except ImportError:
+            pass
+    return array

@@ -1,0 +1,204 @@
+"""The communication store's GPU values (docs/sandboxes.md, "The communication store") through
+the real daemon, real workers and real CRIU, with tests/fakes as two GPUs (the fake driver's VMM
+memory is memfd memory, so torpord's cuda backend, the worker's mapping and the copies run their
+real code on it): a CUDA value put with shared=True by one sandbox of a tenant is read by
+another sandbox of the tenant from the daemon's own GPU memory, mapped read-only (the same
+memfd inode the daemon holds: no copy); from another GPU it is copied GPU to GPU, or through
+host memory and the getter GPU's PCIe scheduler without peer access; past the store's GPU
+budget the oldest value moves to host memory and comes back up on a get; a consumed or expired
+value's memory leaves the daemon; other tenants see nothing; refusals are one line.
+The tests run in file order and share one daemon."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FakeCuda
+
+from .conftest import FUNCTIONS, Answer, Torpord, fake_gpu_env
+
+GRANULE = 2 << 20  # the fake GPU's granularity
+BUDGET = 2 * GRANULE  # [store] gpu_bytes: two values of one granule
+
+
+def pattern(n: int, seed: int) -> bytes:
+    return bytes((i * 7 + seed) % 251 for i in range(n))
+
+
+def make_function(root: Path, name: str, tenant: str, workflow: str, gpu: bool = True) -> Path:
+    d = root / name
+    shutil.copytree(FUNCTIONS / "store_gpu", d, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (d / "torpor.toml").read_text().replace('name = "store_gpu"', f'name = "{name}"\ntenant = "{tenant}"\nworkflow = "{workflow}"')
+    if not gpu:
+        text = text.replace("gpus = 1", "gpus = 0").replace('gpu_memory = "64MiB"', 'gpu_memory = "0"')
+    (d / "torpor.toml").write_text(text)
+    return d
+
+
+@pytest.fixture(scope="module")
+def daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    root = tmp_path_factory.mktemp("store-gpu") / "daemon"
+    root.mkdir()
+    env = fake_gpu_env(root, fake_cuda, FAKE_NVML_PROCS_MATCH=f"torpor.worker:{64 << 20}")
+    # Two GPUs for the daemon and its workers alike (a switch file beside the fake library).
+    lib_dir = Path(env["TORPOR_LIBCUDA"]).parent
+    (lib_dir / "FAKE_CUDA_DEVICES").write_text("2\n")
+    d = Torpord(torpor_bin, root, env=env, config=f"[store]\ngpu_bytes = {BUDGET}\n")
+    fns = tmp_path_factory.mktemp("store-gpu-fns")
+    try:
+        for name, tenant, workflow in (("sg-put", "team-s", "a"), ("sg-get", "team-s", "b"), ("sg-other", "team-o", "a")):
+            d.deploy(make_function(fns, name, tenant, workflow))
+        d.deploy(make_function(fns, "sg-cpu", "team-s", "c", gpu=False))
+        yield d
+    finally:
+        d.stop()
+
+
+def ok(a: Answer, d: Torpord) -> dict[str, Any]:
+    assert a.status == 200, (a.status, a.body, d.log_text()[-4000:])
+    out: dict[str, Any] = a.json()
+    return out
+
+
+def error_of(a: Answer) -> str:
+    assert a.status == 500, (a.status, a.body)
+    message: str = a.json()["error"]["message"]
+    return message
+
+
+def metric(d: Torpord, name: str, labels: str = "") -> float:
+    text = d.request("GET", "/metrics").body.decode()
+    m = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def daemon_memory_inodes(d: Torpord) -> set[int]:
+    """Inodes of the fake GPU memory (memfds) the daemon process holds an fd of."""
+    out = set()
+    fds = Path(f"/proc/{d.proc.pid}/fd")
+    for fd in fds.iterdir():
+        try:
+            if "fake-cuda-memory" in os.readlink(fd):
+                out.add(os.stat(fd).st_ino)
+        except OSError:
+            continue
+    return out
+
+
+def put(d: Torpord, key: str, n: int, seed: int, fn: str = "sg-put", **extra: Any) -> Answer:
+    return d.invoke(fn, {"op": "put", "key": key, "n": n, "seed": seed, **extra})
+
+
+def test_another_sandbox_of_the_tenant_maps_the_daemon_s_memory_read_only(daemon: Torpord) -> None:
+    before = daemon_memory_inodes(daemon)
+    p = ok(put(daemon, "t/1", 100_000, 3), daemon)
+    held = daemon_memory_inodes(daemon) - before
+    assert len(held) == 1, "the daemon holds the value's GPU memory"
+    assert metric(daemon, "torpor_store_gpu_bytes", '{device="cuda0"}') == GRANULE
+    g = ok(daemon.invoke("sg-get", {"op": "get", "key": "t/1", "keep": True}), daemon)
+    assert g["process"] != p["process"], "another sandbox: another process"
+    assert g["type"] == "CudaArray" and g["source"] == "stored", g
+    assert bytes.fromhex(g["data"]) == pattern(100_000, 3)
+    assert g["interface"]["shape"] == [100_000] and g["interface"]["typestr"] == "|u1"
+    assert g["interface"]["data"][1] is True, "the interface says read-only"
+    # The very memory the daemon holds (no copy), mapped read-only in the getter.
+    assert g["mapping"]["inode"] in held and "fake-cuda-memory" in g["mapping"]["path"], g["mapping"]
+    assert g["mapping"]["perms"].startswith("r-"), g["mapping"]
+    # A write through it is refused by the driver, and nothing changed.
+    assert g["memset_rc"] != 0 and g["after_memset"] == g["data"]
+    # Consumed: its memory leaves the daemon and the store's GPU bytes go back to 0.
+    again = ok(daemon.invoke("sg-get", {"op": "get", "key": "t/1"}), daemon)
+    assert bytes.fromhex(again["data"]) == pattern(100_000, 3)
+    assert not (daemon_memory_inodes(daemon) & held), "the consumed value's memory is still the daemon's"
+    assert metric(daemon, "torpor_store_gpu_bytes", '{device="cuda0"}') == 0
+    assert "KeyError" in daemon.invoke("sg-get", {"op": "get", "key": "t/1"}).json()["error"]["type"]
+
+
+def test_other_tenants_never_see_a_value(daemon: Torpord) -> None:
+    ok(put(daemon, "t/secret", 4096, 5), daemon)
+    theirs = daemon.invoke("sg-other", {"op": "get", "key": "t/secret"})
+    assert theirs.status == 500 and theirs.json()["error"]["type"] == "KeyError", theirs.body
+    # Their own key of the same name is another value.
+    ok(put(daemon, "t/secret", 4096, 9, fn="sg-other"), daemon)
+    mine = ok(daemon.invoke("sg-get", {"op": "get", "key": "t/secret"}), daemon)
+    assert bytes.fromhex(mine["data"]) == pattern(4096, 5)
+    ok(daemon.invoke("sg-other", {"op": "get", "key": "t/secret"}), daemon)
+
+
+def test_a_value_on_another_gpu_is_copied_peer_to_peer_else_through_host_memory(daemon: Torpord) -> None:
+    lib_dir = Path(daemon.env["TORPOR_LIBCUDA"]).parent
+    # A tensor on the worker's GPU 1: the daemon's memory is on GPU 1; the getter is on GPU 0.
+    ok(put(daemon, "t/peer", 50_000, 11, device=1), daemon)
+    assert metric(daemon, "torpor_store_gpu_bytes", '{device="cuda1"}') == GRANULE
+    pcie0 = metric(daemon, "torpor_pcie_bytes_total", '{device="cuda0"}')
+    g = ok(daemon.invoke("sg-get", {"op": "get", "key": "t/peer", "keep": True}), daemon)
+    assert g["source"] == "peer" and bytes.fromhex(g["data"]) == pattern(50_000, 11), g
+    assert metric(daemon, "torpor_pcie_bytes_total", '{device="cuda0"}') == pcie0, "a peer copy is not a host transfer"
+    (lib_dir / "FAKE_CUDA_PEER").write_text("0\n")
+    try:
+        h = ok(daemon.invoke("sg-get", {"op": "get", "key": "t/peer"}), daemon)
+    finally:
+        (lib_dir / "FAKE_CUDA_PEER").unlink()
+    assert h["source"] == "host" and bytes.fromhex(h["data"]) == pattern(50_000, 11), h
+    assert metric(daemon, "torpor_pcie_bytes_total", '{device="cuda0"}') == pcie0 + GRANULE, "up through cuda0's scheduler"
+    assert metric(daemon, "torpor_store_gpu_bytes", '{device="cuda1"}') == 0
+
+
+def test_past_the_gpu_budget_the_oldest_value_moves_to_host_memory_and_comes_back_on_a_get(daemon: Torpord) -> None:
+    spills = metric(daemon, "torpor_store_spills_total")
+    for i in range(3):
+        ok(put(daemon, f"t/s{i}", 30_000, 20 + i), daemon)
+    assert metric(daemon, "torpor_store_spills_total") == spills + 1
+    assert metric(daemon, "torpor_store_gpu_bytes", '{device="cuda0"}') == BUDGET
+    assert metric(daemon, "torpor_store_spilled_bytes") == GRANULE
+    pcie0 = metric(daemon, "torpor_pcie_bytes_total", '{device="cuda0"}')
+    g = ok(daemon.invoke("sg-get", {"op": "get", "key": "t/s0"}), daemon)
+    assert g["source"] == "spilled" and bytes.fromhex(g["data"]) == pattern(30_000, 20), g
+    assert metric(daemon, "torpor_pcie_bytes_total", '{device="cuda0"}') == pcie0 + GRANULE
+    assert metric(daemon, "torpor_store_spilled_bytes") == 0
+    for i in (1, 2):
+        g = ok(daemon.invoke("sg-get", {"op": "get", "key": f"t/s{i}"}), daemon)
+        assert g["source"] == "stored" and bytes.fromhex(g["data"]) == pattern(30_000, 20 + i)
+
+
+def test_an_expired_value_s_memory_leaves_the_daemon(daemon: Torpord) -> None:
+    before = daemon_memory_inodes(daemon)
+    ok(put(daemon, "t/brief", 1000, 1, ttl_s=0.5), daemon)
+    held = daemon_memory_inodes(daemon) - before
+    assert len(held) == 1
+    # The keep-alive tick sweeps it without another store call.
+    deadline = time.monotonic() + 10
+    while daemon_memory_inodes(daemon) & held:
+        assert time.monotonic() < deadline, "the expired value's memory is still the daemon's"
+        time.sleep(0.2)
+    assert metric(daemon, "torpor_store_gpu_bytes", '{device="cuda0"}') == 0
+    gone = daemon.invoke("sg-get", {"op": "get", "key": "t/brief"})
+    assert gone.status == 500 and gone.json()["error"]["type"] == "KeyError"
+
+
+def test_refusals_are_one_line_with_the_fix_and_lose_nothing(daemon: Torpord) -> None:
+    ok(put(daemon, "t/keep", 2000, 7), daemon)
+    # Larger than the store's GPU budget: the key keeps its value.
+    e = error_of(put(daemon, "t/keep", BUDGET + 1, 8))
+    assert "[store] gpu_bytes" in e and "tensor.cpu()" in e and "\n" not in e, e
+    # Not one block of bytes.
+    e = error_of(put(daemon, "t/keep", 4096, 8, strided=True))
+    assert "non-contiguous" in e and "contiguous" in e, e
+    # On a GPU the node does not have.
+    e = error_of(put(daemon, "t/keep", 4096, 8, device=5))
+    assert "GPU 5" in e and "cuda:0" in e, e
+    # A function without a GPU cannot get it, and it stays for one that can.
+    e = error_of(daemon.invoke("sg-cpu", {"op": "get", "key": "t/keep"}))
+    assert "gpus = 1" in e and "stays stored" in e, e
+    g = ok(daemon.invoke("sg-get", {"op": "get", "key": "t/keep"}), daemon)
+    assert bytes.fromhex(g["data"]) == pattern(2000, 7)
+    assert metric(daemon, "torpor_store_gpu_bytes", '{device="cuda0"}') == 0

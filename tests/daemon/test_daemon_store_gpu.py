@@ -1,0 +1,97 @@
+"""The communication store's GPU values on a real GPU (docs/sandboxes.md, "The communication
+store"): a torch tensor put with shared=True in one sandbox of a tenant arrives bit-identical in
+another sandbox of the tenant as a CUDA tensor of its dtype and shape over the daemon's memory,
+mapped read-only (a memset through it is refused by the driver and changes nothing, and the
+context works on); with two GPUs, a tensor put on GPU 1 reaches a sandbox on GPU 0 by a copy GPU
+to GPU (peer access) or through host memory. Skipped without PyTorch and a CUDA device; the
+two-GPU case without two. The fake-GPU twin of these tests is test_daemon_store_fake_gpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import FUNCTIONS, Answer, Torpord
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
+
+
+def torch_gpus() -> int:
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True, text=True, timeout=120, check=False
+    )
+    return int(r.stdout.strip() or 0)
+
+
+def make_function(root: Path, name: str, workflow: str) -> Path:
+    d = root / name
+    shutil.copytree(FUNCTIONS / "store_gpu", d, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (d / "torpor.toml").read_text()
+    text = text.replace('name = "store_gpu"', f'name = "{name}"\ntenant = "team-g"\nworkflow = "{workflow}"\npreload = ["torch"]')
+    (d / "torpor.toml").write_text(text.replace('gpu_memory = "64MiB"', 'gpu_memory = "4GiB"'))
+    return d
+
+
+@pytest.fixture(scope="module")
+def deployed(cuda: None, torpord: Torpord, tmp_path_factory: pytest.TempPathFactory) -> Torpord:
+    root = tmp_path_factory.mktemp("store-gpu-real")
+    for name, workflow in (("sgr-put", "a"), ("sgr-get", "b")):
+        torpord.deploy(make_function(root, name, workflow))
+    return torpord
+
+
+def ok(a: Answer, d: Torpord) -> dict[str, Any]:
+    assert a.status == 200, (a.status, a.body, d.log_text()[-4000:])
+    out: dict[str, Any] = a.json()
+    return out
+
+
+def pcie_bytes(d: Torpord, device: str) -> float:
+    text = d.request("GET", "/metrics").body.decode()
+    m = re.search(rf'^torpor_pcie_bytes_total{{device="{device}"}} (\S+)$', text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
+def test_a_tensor_arrives_bit_identical_and_read_only_in_another_sandbox(deployed: Torpord, dtype: str) -> None:
+    n = 25_000_000 if dtype == "float32" else 1_000_003  # 100 MB once; an odd size too
+    key = f"real/{dtype}"
+    p = ok(deployed.invoke("sgr-put", {"op": "put_torch", "key": key, "n": n, "seed": 7, "dtype": dtype}), deployed)
+    g = ok(deployed.invoke("sgr-get", {"op": "get_torch", "key": key}), deployed)
+    assert g["process"] != p["process"], "another sandbox: another process"
+    assert g["type"] == "Tensor" and g["dtype"] == f"torch.{dtype}" and g["shape"] == [n], g
+    assert g["device"] == "cuda:0", g
+    assert g["digest"] == p["digest"], "the bytes changed on the way"
+    # A write through the read-only mapping fails cleanly: an error code, nothing written, and
+    # the context goes on working.
+    assert g["memset_rc"] != 0, g
+    assert g["digest_after"] == p["digest"]
+    assert g["sum"] == g["sum"], "a kernel read the mapping"
+    gone = deployed.invoke("sgr-get", {"op": "get_torch", "key": key})
+    assert gone.status == 500 and gone.json()["error"]["type"] == "KeyError", gone.body
+
+
+def test_a_tensor_on_another_gpu_is_copied_gpu_to_gpu(deployed: Torpord) -> None:
+    if torch_gpus() < 2:
+        pytest.skip("needs two GPUs")
+    before = pcie_bytes(deployed, "cuda0")
+    p = ok(deployed.invoke("sgr-put", {"op": "put_torch", "key": "real/peer", "n": 4_000_000, "seed": 9, "device": 1}), deployed)
+    assert p["device"] == "cuda:1"
+    g = ok(deployed.invoke("sgr-get", {"op": "get_torch", "key": "real/peer"}), deployed)
+    assert g["device"] == "cuda:0" and g["digest"] == p["digest"], (p, g)
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.can_device_access_peer(0, 1))"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    if r.stdout.strip() == "True":
+        # Peer to peer: no host→device transfer through cuda0's scheduler.
+        assert pcie_bytes(deployed, "cuda0") == before
+    else:
+        assert pcie_bytes(deployed, "cuda0") > before
