@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -47,3 +49,28 @@ def with_context() -> Any:
         ):
             raise DriverError("no CUDA context on GPU 0")
     return cuda
+
+
+@contextmanager
+def on_device(ordinal: int) -> Iterator[Any]:
+    """The driver with GPU `ordinal`'s primary context current on this thread while the block
+    runs, the thread's previous context current again after. A copy runs on the current
+    context's GPU, which must reach both sides: a value on GPU 1 is copied on GPU 1, whatever
+    context the worker's thread had (on the H100s, GPU 0's could not reach memory mapped for
+    GPU 1: CUDA_ERROR_INVALID_VALUE)."""
+    cuda = load()
+    before = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(before)) != 0:
+        before.value = None
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    if cuda.cuDeviceGet(ctypes.byref(dev), ordinal) != 0 or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+        raise DriverError(f"no CUDA context on GPU {ordinal}")
+    try:
+        if cuda.cuCtxSetCurrent(ctx) != 0:
+            raise DriverError(f"cannot make GPU {ordinal}'s context current")
+        try:
+            yield cuda
+        finally:
+            cuda.cuCtxSetCurrent(before)
+    finally:
+        cuda.cuDevicePrimaryCtxRelease_v2(dev)

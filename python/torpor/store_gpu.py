@@ -193,16 +193,22 @@ class _Mapping:
 
 
 def fill(fd: int, padded: int, src: Source) -> None:
-    """Copies `src` into the GPU memory behind `fd` (torpord's `store_memory`), then unmaps it."""
-    cuda = driver()
-    m = _Mapping(fd, padded, src.ordinal, writable=True)
+    """Copies `src` into the GPU memory behind `fd` (torpord's `store_memory`), then unmaps it.
+    On the value's own GPU's context: torpord allocated the memory there, and only that GPU
+    is given access to the mapping."""
+    driver()  # the argument types
     try:
-        assert m.va is not None
-        _check(cuda.cuCtxSynchronize(), "synchronising the GPU before the copy")
-        _check(cuda.cuMemcpyDtoDAsync_v2(m.va, src.ptr, src.nbytes, None), "copying the value (cuMemcpyDtoDAsync)")
-        _check(cuda.cuCtxSynchronize(), "synchronising the GPU after the copy")
-    finally:
-        m.close()
+        with cuda_driver.on_device(src.ordinal) as cuda:
+            m = _Mapping(fd, padded, src.ordinal, writable=True)
+            try:
+                assert m.va is not None
+                _check(cuda.cuCtxSynchronize(), "synchronising the GPU before the copy")
+                _check(cuda.cuMemcpyDtoDAsync_v2(m.va, src.ptr, src.nbytes, None), "copying the value (cuMemcpyDtoDAsync)")
+                _check(cuda.cuCtxSynchronize(), "synchronising the GPU after the copy")
+            finally:
+                m.close()
+    except cuda_driver.DriverError as e:
+        raise StoreGpuError(f"{e}: the value's GPU must be one this function sees") from None
 
 
 class CudaArray:
