@@ -130,7 +130,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from torpor.errors import SpecError
 
@@ -438,7 +438,7 @@ def _seconds(
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     finite = number and (not isinstance(value, float) or math.isfinite(value))
     if finite and value <= maximum and (value > 0 if positive else value >= 0):
-        return value
+        return cast(float, value)  # an int stays one: the caller's TOML number as written
     raise _fail(
         _path(prefix, key),
         f"must be a number of seconds {rule}, got {_show(value)}",
@@ -866,7 +866,7 @@ def _cpu_limit(doc: Mapping[str, Any]) -> float | None:
     value = doc["cpu_limit"]
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if number and (not isinstance(value, float) or math.isfinite(value)) and MIN_CPU_LIMIT <= value <= MAX_CPU_LIMIT:
-        return value
+        return cast(float, value)
     raise _fail(
         "cpu_limit",
         f"must be a number of CPU cores from {MIN_CPU_LIMIT:g} to {MAX_CPU_LIMIT}, got {_show(value)}",
@@ -935,7 +935,7 @@ def _data(doc: Mapping[str, Any], root: Path, check_files: bool) -> tuple[DataDe
                     'is "cuda" with a source: platform-managed GPU data is filled from a file in the function dir only',
                     "declare the data with path, or drop device",
                 )
-            out.append(_source_data(table, prefix, name, access))  # type: ignore[arg-type]
+            out.append(_source_data(table, prefix, name, access))
             continue
         raw_path = _str(table, prefix, "path", None)
         rel = _data_path(raw_path, f"{prefix}.path")
