@@ -153,6 +153,23 @@ def test_a_value_on_another_gpu_is_copied_peer_to_peer_else_through_host_memory(
     assert metric(daemon, "torpor_store_gpu_bytes", '{device="cuda1"}') == 0
 
 
+def test_a_get_whose_delivery_fails_leaves_the_value_stored(daemon: Torpord) -> None:
+    lib_dir = Path(daemon.env["TORPOR_LIBCUDA"]).parent
+    ok(put(daemon, "t/back", 40_000, 13, device=1), daemon)
+    # The getter is on GPU 0: the daemon's copy there needs new GPU memory, which is gone.
+    (lib_dir / "FAKE_CUDA_MEM_CREATE_RESULT").write_text("2\n")
+    try:
+        failed = daemon.invoke("sg-get", {"op": "get", "key": "t/back"})
+    finally:
+        (lib_dir / "FAKE_CUDA_MEM_CREATE_RESULT").unlink()
+    assert failed.status == 500, failed.body
+    assert "KeyError" not in failed.json()["error"]["type"], failed.body
+    # The consuming get failed, so it consumed nothing: the next one gets the value.
+    g = ok(daemon.invoke("sg-get", {"op": "get", "key": "t/back"}), daemon)
+    assert bytes.fromhex(g["data"]) == pattern(40_000, 13), g
+    assert "KeyError" in daemon.invoke("sg-get", {"op": "get", "key": "t/back"}).json()["error"]["type"]
+
+
 def test_past_the_gpu_budget_the_oldest_value_moves_to_host_memory_and_comes_back_on_a_get(daemon: Torpord) -> None:
     spills = metric(daemon, "torpor_store_spills_total")
     for i in range(3):

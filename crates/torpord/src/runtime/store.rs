@@ -200,6 +200,10 @@ pub struct Taken {
     pub gpu: bool,
     /// Bytes of the memfd or of the GPU memory.
     pub held_bytes: u64,
+    /// When it would have expired, and its put order: a value whose delivery failed goes back
+    /// as it was ([`Store::put_back`]).
+    expires: Instant,
+    seq: u64,
 }
 
 /// A GPU put whose memory the worker is filling.
@@ -639,6 +643,8 @@ impl Store {
                 bytes: e.bytes,
                 gpu: e.gpu,
                 held_bytes: e.held_bytes(),
+                expires: e.expires,
+                seq: e.seq,
             }));
         }
         Ok(inner.entries.remove(&id).map(|e| {
@@ -652,8 +658,43 @@ impl Store {
                 bytes: e.bytes,
                 gpu: e.gpu,
                 held_bytes,
+                expires: e.expires,
+                seq: e.seq,
             }
         }))
+    }
+
+    /// Puts a value taken by a get back under `key`, as it was (its expiry, its place in the
+    /// spill order), when its delivery failed: a get that cannot hand a value over must not
+    /// consume it. A value put under the key meanwhile is newer and stays; `taken` is then
+    /// dropped, as a put would have replaced it. Returns whether it went back.
+    pub fn put_back(&self, tenant: &str, key: &str, taken: Taken) -> bool {
+        let mut inner = lock(&self.inner);
+        let id = (tenant.to_string(), key.to_string());
+        if inner.entries.contains_key(&id) || taken.expires <= Instant::now() {
+            return false;
+        }
+        let host_bytes = match &taken.held {
+            TakenHeld::Host(_) => taken.held_bytes,
+            TakenHeld::Gpu(_) => 0,
+        };
+        let held = match taken.held {
+            TakenHeld::Host(fd) => Held::Host(fd),
+            TakenHeld::Gpu(g) => Held::Gpu(g),
+        };
+        inner.entries.insert(
+            id,
+            Entry {
+                held,
+                meta: taken.meta,
+                bytes: taken.bytes,
+                gpu: taken.gpu,
+                expires: taken.expires,
+                seq: taken.seq,
+                host_bytes,
+            },
+        );
+        true
     }
 
     /// Drops expired values and GPU puts left unfinished (the keep-alive tick).
@@ -759,15 +800,28 @@ impl crate::runtime::Runtime {
         let id = get.id;
         match found {
             Ok(Some(t)) if t.gpu => {
-                // Exported, or copied onto the worker's GPU first: on the blocking pool.
+                // Exported, or copied onto the worker's GPU first: on the blocking pool. A
+                // delivery that fails (a copy, an export) puts a consumed value back: the get
+                // fails, the value stays for the next one.
                 let rt = std::sync::Arc::clone(self);
                 let inst = std::sync::Arc::clone(inst);
+                let back = (!get.keep).then(|| (self.store_tenant(&inst), get.key.clone()));
                 tokio::spawn(async move {
                     let (rt2, inst2) = (std::sync::Arc::clone(&rt), std::sync::Arc::clone(&inst));
-                    let delivered =
-                        tokio::task::spawn_blocking(move || rt2.store_deliver(&inst2, t))
-                            .await
-                            .unwrap_or_else(|e| Err(StoreError::Task(e.to_string())));
+                    let delivered = tokio::task::spawn_blocking(move || {
+                        let delivered = rt2.store_deliver(&inst2, &t);
+                        if let (Err(e), Some((Some(tenant), key))) = (&delivered, back) {
+                            let kept = rt2.store.put_back(&tenant, &key, t);
+                            tracing::warn!(
+                                key = %key,
+                                kept,
+                                "a store value could not be handed to the worker: {e}"
+                            );
+                        }
+                        delivered
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(StoreError::Task(e.to_string())));
                     rt.store_metrics();
                     let (value, fd) = value_frame(id, delivered.map(Some));
                     reply_to(&inst, crate::protocol::ToWorker::StoreValue(value), fd);
@@ -903,6 +957,25 @@ mod tests {
             assert_eq!(r, 0);
         }
         fd
+    }
+
+    #[test]
+    fn a_value_whose_delivery_failed_goes_back_unless_a_newer_one_took_its_key() {
+        let s = Store::default();
+        let meta = serde_json::json!({"kind": "bytes"});
+        s.put("a", "k", memfd(b"first", true), meta.clone(), 60.0)
+            .unwrap();
+        let taken = s.get("a", "k", false, true).unwrap().unwrap();
+        assert!(s.get("a", "k", true, true).unwrap().is_none(), "taken out");
+        assert!(s.put_back("a", "k", taken));
+        let again = s.get("a", "k", false, true).unwrap().unwrap();
+        assert_eq!(again.bytes, 5, "the same value, back under its key");
+        // A value put while the delivery was failing is newer: it stays, the old one goes.
+        s.put("a", "k", memfd(b"second!", true), meta, 60.0)
+            .unwrap();
+        assert!(!s.put_back("a", "k", again));
+        assert_eq!(s.get("a", "k", false, true).unwrap().unwrap().bytes, 7);
+        assert_eq!(s.usage(), (0, 0));
     }
 
     #[test]

@@ -154,17 +154,28 @@ impl super::Runtime {
 
     /// A GPU value on the GPU of `inst`'s worker (its GPU 0): an fd of the value's own memory,
     /// or of a copy made there.
-    pub(crate) fn store_deliver(&self, inst: &Instance, t: Taken) -> Result<Delivered, StoreError> {
+    pub(crate) fn store_deliver(
+        &self,
+        inst: &Instance,
+        t: &Taken,
+    ) -> Result<Delivered, StoreError> {
         let target = inst.daemon_ordinal(0);
         let dev = gpu(self, 0, target)?;
         let dev_err = |what| move |source| StoreError::Device { what, source };
-        let (memory, padded, source) = match t.held {
+        let (memory, padded, source) = match &t.held {
             TakenHeld::Gpu(g) if g.ordinal == target => {
                 let fd = g
                     .device
                     .export(&g.memory)
                     .map_err(dev_err("exporting the value's GPU memory"))?;
-                return Ok(delivered(t.meta, t.bytes, fd, g.padded, target, "stored"));
+                return Ok(delivered(
+                    t.meta.clone(),
+                    t.bytes,
+                    fd,
+                    g.padded,
+                    target,
+                    "stored",
+                ));
             }
             TakenHeld::Gpu(g) => {
                 let len = usize::try_from(g.padded).unwrap_or(usize::MAX);
@@ -188,7 +199,7 @@ impl super::Runtime {
             TakenHeld::Host(fd) => {
                 let len = usize::try_from(t.held_bytes).unwrap_or(usize::MAX);
                 let mut buf = dev.host_buffer(len).map_err(dev_err("staging"))?;
-                std::fs::File::from(fd)
+                std::fs::File::from(fd.try_clone().map_err(StoreError::Fd)?)
                     .read_exact_at(&mut buf, 0)
                     .map_err(StoreError::Spill)?;
                 let m = dev
@@ -200,7 +211,14 @@ impl super::Runtime {
         let fd = dev
             .export(&memory)
             .map_err(dev_err("exporting the copy's GPU memory"))?;
-        Ok(delivered(t.meta, t.bytes, fd, padded, target, source))
+        Ok(delivered(
+            t.meta.clone(),
+            t.bytes,
+            fd,
+            padded,
+            target,
+            source,
+        ))
     }
 
     /// The store's gauges, from what it holds now.
