@@ -43,19 +43,12 @@ pub struct FillBounds {
     pub bytes: u64,
 }
 
-/// Default of `restore_server.fill_segments`: on the H100 the store's reads came near the
-/// disk's bandwidth with 4 segments of ~240 MB in flight (docs/split.md, "Fill order and
-/// bounds").
-pub const DEFAULT_FILL_SEGMENTS: u32 = 4;
-/// Default of `restore_server.fill_bytes`: 2 GiB of pinned buffers at a time is a small part of
-/// a GPU host's memory.
-pub const DEFAULT_FILL_BYTES: u64 = 2 << 30;
-
 impl Default for FillBounds {
+    /// `restore_server.fill_segments` and `fill_bytes` as the config leaves them.
     fn default() -> Self {
         Self {
-            segments: DEFAULT_FILL_SEGMENTS as usize,
-            bytes: DEFAULT_FILL_BYTES,
+            segments: crate::config::DEFAULT_FILL_SEGMENTS as usize,
+            bytes: crate::config::DEFAULT_FILL_BYTES,
         }
     }
 }
