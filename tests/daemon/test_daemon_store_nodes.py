@@ -4,7 +4,8 @@ SeaweedFS, with sandboxed CPU functions of one tenant on each. A value put with 
 nodes="all" on A is uploaded by A's daemon and got on B (the same bytes; a NumPy array with its
 dtype and shape), once: a second get on either node finds nothing, and so do the bucket's
 listing and another tenant on B; keep=True leaves it; a get on A consumes the bucket's copy too;
-an expired value is not returned; a daemon without [objstore] refuses nodes="all" in one line.
+an expired value is not returned;
+a put whose upload fails (the bucket unreachable) stores nothing and says so in one line; a daemon without [objstore] refuses nodes="all" in one line.
 The tests run in file order and share the daemons."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from objstore_server import Seaweed
+from objstore_server import Seaweed, free_ports
 
 from .conftest import Answer, Torpord
 from .test_daemon_objstore import BUCKET, objstore_section, seaweed  # noqa: F401 (fixture)
@@ -143,5 +144,29 @@ def test_without_objstore_nodes_all_is_refused_in_one_line(torpor_bin: Path, cri
         assert key_error(d.invoke("xs-plain", {"op": "get_shared", "key": "frame/6"}))
         bad = d.invoke("xs-plain", {"op": "share", "key": "frame/6", "nodes": "some"})
         assert bad.status == 500 and 'nodes is None (this node) or "all"' in bad.json()["error"]["message"], bad.body
+    finally:
+        d.stop()
+
+
+def test_a_put_whose_upload_fails_stores_nothing_and_the_key_keeps_its_value(
+    torpor_bin: Path, criu_ready: None, seaweed: Seaweed, tmp_path: Path  # noqa: F811
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    dead = f"http://127.0.0.1:{free_ports(1)[0]}"
+    d = Torpord(torpor_bin, tmp_path, config=objstore_section(seaweed, tmp_path, endpoint=dead))
+    try:
+        d.deploy(make_function(tmp_path, "xs-offline", "team-a", "put"))
+        ok(d.invoke("xs-offline", {"op": "share", "key": "frame/7", "n": 5}))
+        bad = d.invoke("xs-offline", {"op": "share", "key": "frame/7", "n": 9, "nodes": "all"})
+        assert bad.status == 500, bad.body
+        message = bad.json()["error"]["message"]
+        assert "cannot reach the object store" in message and "the key is unchanged" in message, message
+        assert "\n" not in message, message
+        # Not stored here either: the key still holds the value put before.
+        assert ok(d.invoke("xs-offline", {"op": "get_shared", "key": "frame/7", "keep": True}))["value"] == list(range(5))
+        # A miss cannot ask the bucket: the get fails with that line rather than a KeyError.
+        miss = d.invoke("xs-offline", {"op": "get_shared", "key": "frame/8"})
+        assert miss.status == 500 and "cannot reach the object store" in miss.json()["error"]["message"], miss.body
     finally:
         d.stop()
