@@ -22,12 +22,17 @@ GPU maps that memory read-only and returns a tensor over it (no copy), on anothe
 copies it GPU to GPU first (torpor.store_gpu; crates/torpord/src/runtime/store_gpu.rs). Under
 pressure torpord moves the oldest GPU values to host memory; a get copies such a value back up.
 
+Between nodes, `put(key, value, shared=True, nodes="all")` also has torpord upload the value
+to the bucket of its [objstore] section, which every node's torpord shares; a `get` on any node
+that does not hold the key finds it there (its torpord downloads it into a sealed memfd) and
+consumes it for every node. Bytes and NumPy arrays only; not without [objstore].
+
 A key holds one value until it is consumed (`get`, unless keep=True) or expires (`ttl_s` after
 the put, default 600 s); then it is dropped, so its memory goes back once nothing maps it.
 Keys are scoped by tenant: a sandbox hosts one tenant's functions, and torpord keeps each
 tenant's keys apart.
 
-What is not built (docs/sandboxes.md, "Limitations"): other nodes.
+What is not built (docs/sandboxes.md, "Limitations"): CUDA tensors to other nodes.
 """
 
 from __future__ import annotations
@@ -69,11 +74,13 @@ def _sweep(now: float) -> None:
 
 
 # Set by the worker harness of a sandbox (torpor.worker): put a sealed memfd in torpord's store
-# ({key, ttl_s, meta}, fd) -> error or None; put a GPU value ({key, ttl_s, meta}, bytes, the
-# worker's GPU ordinal, fill(fd, padded)) -> error or None; get one (key, keep) -> (meta, bytes,
+# ({key, ttl_s, meta}, fd, nodes) -> error or None; put a GPU value ({key, ttl_s, meta}, bytes,
+# the worker's GPU ordinal, fill(fd, padded), nodes) -> error or None; get one (key, keep) -> (meta, bytes,
 # fd, gpu) or None, gpu being store_value's {padded, ordinal, source} for a GPU value.
-RemotePut = Callable[[str, float, dict[str, Any], int], "str | None"]
-RemotePutGpu = Callable[[str, float, dict[str, Any], int, int, Callable[[int, int], None]], "str | None"]
+RemotePut = Callable[[str, float, dict[str, Any], int, "str | None"], "str | None"]
+RemotePutGpu = Callable[[str, float, dict[str, Any], int, int, Callable[[int, int], None], "str | None"], "str | None"]
+# The one spelling of `nodes` besides None (this node): every node of the bucket's cluster.
+NODES_ALL = "all"
 RemoteGet = Callable[[str, bool], "tuple[dict[str, Any], int, int, dict[str, Any] | None] | None"]
 _remote: tuple[RemotePut, RemoteGet, RemotePutGpu] | None = None
 
@@ -129,14 +136,22 @@ def _decode(meta: dict[str, Any], size: int, fd: int, gpu: dict[str, Any] | None
     return view
 
 
-def put(key: str, value: Any, ttl_s: float = DEFAULT_TTL_S, shared: bool = False) -> None:
+def put(key: str, value: Any, ttl_s: float = DEFAULT_TTL_S, shared: bool = False, nodes: str | None = None) -> None:
     """Store `value` under `key` (replacing what the key held) until it is consumed or `ttl_s`
     seconds pass. No copy is made: a get in this process returns this object. With
     shared=True (bytes or a NumPy array, in a sandbox) the value goes to torpord's store
-    instead, copied once, for any sandbox of the tenant on the node."""
+    instead, copied once, for any sandbox of the tenant on the node; with nodes="all" as well,
+    for the tenant's sandboxes on every node (torpord uploads it to the [objstore] bucket
+    before put returns)."""
     _check_key(key)
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_TTL_S:
         raise ValueError(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}], got {ttl_s!r}")
+    if not isinstance(shared, bool):
+        raise TypeError(f"shared is True or False, got {shared!r}")
+    if nodes is not None and nodes != NODES_ALL:
+        raise ValueError(f'nodes is None (this node) or "all" (every node), got {nodes!r}')
+    if nodes is not None and not shared:
+        raise ValueError('nodes="all" goes through torpord\'s store: pass shared=True as well')
     if shared:
         if _remote is None:
             raise RuntimeError(
@@ -146,12 +161,12 @@ def put(key: str, value: Any, ttl_s: float = DEFAULT_TTL_S, shared: bool = False
         from torpor import store_gpu
 
         if store_gpu.is_cuda(value):
-            _put_gpu(key, float(ttl_s), value)
+            _put_gpu(key, float(ttl_s), value, nodes)
             return
         meta, data = _encode(value)
         fd = _sealed_memfd(data)
         try:
-            error = _remote[0](key, float(ttl_s), meta, fd)
+            error = _remote[0](key, float(ttl_s), meta, fd, nodes)
         finally:
             os.close(fd)
         if error is not None:
@@ -165,7 +180,7 @@ def put(key: str, value: Any, ttl_s: float = DEFAULT_TTL_S, shared: bool = False
         _items[key] = _Item(value, now + float(ttl_s))
 
 
-def _put_gpu(key: str, ttl_s: float, value: Any) -> None:
+def _put_gpu(key: str, ttl_s: float, value: Any, nodes: str | None) -> None:
     """put(..., shared=True) of a CUDA value: into GPU memory torpord allocates (torpor.store_gpu)."""
     from torpor import store_gpu
 
@@ -177,7 +192,7 @@ def _put_gpu(key: str, ttl_s: float, value: Any) -> None:
     def fill(fd: int, padded: int) -> None:
         store_gpu.fill(fd, padded, src)
 
-    error = _remote[2](key, ttl_s, src.meta, src.nbytes, src.ordinal, fill)
+    error = _remote[2](key, ttl_s, src.meta, src.nbytes, src.ordinal, fill, nodes)
     if error is not None:
         raise RuntimeError(f"torpord refused store key {key!r}: {error}")
     with _lock:
@@ -187,7 +202,7 @@ def _put_gpu(key: str, ttl_s: float, value: Any) -> None:
 def get(key: str, keep: bool = False) -> Any:
     """The value put under `key`, consumed (the key is freed) unless keep=True: this
     process's, else (in a sandbox) torpord's, put with shared=True by any sandbox of the
-    tenant. KeyError when no value is there: never put, consumed or expired."""
+    tenant (on any node, for a value put with nodes="all"). KeyError when no value is there: never put, consumed or expired."""
     _check_key(key)
     now = time.monotonic()
     with _lock:

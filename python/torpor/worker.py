@@ -45,7 +45,7 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      functions serves it (a function not loaded is answered `ok: false`, type NotLoaded). In a
      sandbox every invoke runs on a thread of its own (under torch on a CUDA stream of its own,
      torpor.gpu.request_stream) and the main loop reads on; a sandbox's request threads may send
-     `store_put` {id, key, ttl_s, meta} + `store_fd` {id, fd: true} (the sealed memfd attached)
+     `store_put` {id, key, ttl_s, meta, nodes?} + `store_fd` {id, fd: true} (the sealed memfd attached)
      and `store_get` {id, key, keep}, whose answers `store_stored` {id, ok, error?} and
      `store_value` {id, found, meta?, bytes?, fd?, gpu?} (the memfd, or GPU memory with gpu
      {padded, ordinal, source}, attached) the main loop hands to them (torpor.store); a CUDA
@@ -167,6 +167,8 @@ SERVES = (
 # torpord's answers to a sandbox's store requests (torpor.store), handed to the waiting thread.
 STORE_ANSWERS = ("store_stored", "store_value", "store_memory")
 STORE_TIMEOUT_S = 30.0
+# A put for every node and a get (which may ask the bucket) wait for an upload or download.
+STORE_BUCKET_TIMEOUT_S = 300.0
 AFTER_SPLIT_QUIET = ("release", "resume", "shutdown")
 # Taken only right after `load`: one per declared data entry with a source (torpord loaded it).
 AFTER_LOAD = ("data_fd", "gpu_data")
@@ -701,7 +703,7 @@ class Worker:
     # -- torpord's communication store (a sandbox's request threads) ----------------------
 
     def _store_request(
-        self, frame: dict[str, Any], fd: int | None = None, rid: int | None = None
+        self, frame: dict[str, Any], fd: int | None = None, rid: int | None = None, timeout_s: float = STORE_TIMEOUT_S
     ) -> tuple[dict[str, Any], int | None]:
         """Sends a store request (with `fd` after it, in a store_fd frame) and waits for
         torpord's answer, which the main loop (or the map reader) hands over. `rid`: the id of
@@ -721,8 +723,8 @@ class Worker:
                 sock.sendall(encode(frame))
                 if fd is not None:
                     write_frame_with_fd(sock, {"type": "store_fd", "id": rid, "fd": True}, fd)
-            if not done[0].wait(STORE_TIMEOUT_S):
-                raise TimeoutError(f"torpord did not answer {frame['type']} within {STORE_TIMEOUT_S:g} s")
+            if not done[0].wait(timeout_s):
+                raise TimeoutError(f"torpord did not answer {frame['type']} within {timeout_s:g} s")
         finally:
             with self.store_lock:
                 self.store_waits.pop(rid, None)
@@ -742,8 +744,11 @@ class Worker:
         waiting[1].extend([msg, fd])
         waiting[0].set()
 
-    def store_put_remote(self, key: str, ttl_s: float, meta: dict[str, Any], fd: int) -> str | None:
-        msg, got = self._store_request({"type": "store_put", "key": key, "ttl_s": ttl_s, "meta": meta}, fd)
+    def store_put_remote(self, key: str, ttl_s: float, meta: dict[str, Any], fd: int, nodes: str | None) -> str | None:
+        put: dict[str, Any] = {"type": "store_put", "key": key, "ttl_s": ttl_s, "meta": meta}
+        if nodes is not None:
+            put["nodes"] = nodes
+        msg, got = self._store_request(put, fd, timeout_s=STORE_TIMEOUT_S if nodes is None else STORE_BUCKET_TIMEOUT_S)
         if got is not None:
             os.close(got)
         if msg.get("ok") is True:
@@ -751,11 +756,20 @@ class Worker:
         return str(msg.get("error") or "refused")
 
     def store_put_gpu_remote(
-        self, key: str, ttl_s: float, meta: dict[str, Any], nbytes: int, ordinal: int, fill: Callable[[int, int], None]
+        self,
+        key: str,
+        ttl_s: float,
+        meta: dict[str, Any],
+        nbytes: int,
+        ordinal: int,
+        fill: Callable[[int, int], None],
+        nodes: str | None,
     ) -> str | None:
         """A GPU put: torpord's memory (store_memory) filled by `fill(fd, padded)`, then
         store_written; torpord's error line, or None once stored."""
-        put = {"type": "store_put", "key": key, "ttl_s": ttl_s, "meta": meta, "gpu": {"bytes": nbytes, "ordinal": ordinal}}
+        put: dict[str, Any] = {"type": "store_put", "key": key, "ttl_s": ttl_s, "meta": meta, "gpu": {"bytes": nbytes, "ordinal": ordinal}}
+        if nodes is not None:
+            put["nodes"] = nodes
         msg, fd = self._store_request(put)
         if msg.get("ok") is not True or fd is None or not isinstance(msg.get("padded"), int):
             if fd is not None:
@@ -776,7 +790,7 @@ class Worker:
         return None if msg.get("ok") is True else str(msg.get("error") or "refused")
 
     def store_get_remote(self, key: str, keep: bool) -> tuple[dict[str, Any], int, int, dict[str, Any] | None] | None:
-        msg, fd = self._store_request({"type": "store_get", "key": key, "keep": keep})
+        msg, fd = self._store_request({"type": "store_get", "key": key, "keep": keep}, timeout_s=STORE_BUCKET_TIMEOUT_S)
         if msg.get("found") is not True:
             if fd is not None:
                 os.close(fd)

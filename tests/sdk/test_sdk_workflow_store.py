@@ -104,3 +104,12 @@ def test_the_store_refuses_bad_keys_and_ttls_and_shared_outside_a_sandbox() -> N
             torpor.put("k", 1, ttl_s=ttl)
     with pytest.raises(RuntimeError, match="sandbox = true"):
         torpor.put("k", b"bytes", shared=True)
+    # nodes: None or "all", and "all" only through torpord's store (shared=True).
+    for nodes in ("ALL", "node-b", ["all"], True):
+        with pytest.raises(ValueError, match='nodes is None'):
+            torpor.put("k", b"bytes", shared=True, nodes=nodes)  # type: ignore[arg-type,unused-ignore]
+    with pytest.raises(ValueError, match="pass shared=True"):
+        torpor.put("k", b"bytes", nodes="all")
+    with pytest.raises(TypeError, match="shared is True or False"):
+        torpor.put("k", b"bytes", shared=1)  # type: ignore[arg-type,unused-ignore]
+    assert store.keys() == []

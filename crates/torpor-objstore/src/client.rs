@@ -1,4 +1,4 @@
-//! Signed GET, PUT and HEAD of objects: rusty-s3 signs (SigV4, as a presigned URL), ureq sends.
+//! Signed GET, PUT, HEAD and DELETE of objects: rusty-s3 signs (SigV4, as a presigned URL), ureq sends.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -367,6 +367,34 @@ impl Remote {
             .map_err(|e| self.unreachable("PUT", &full, e))?;
         self.bytes_up
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.written("PUT", &full, &mut resp, false)
+    }
+
+    /// Deletes object `key`; a key that is not there is no error (S3 answers 204 either way).
+    pub fn delete(&self, key: &str) -> Result<(), ObjError> {
+        let full = self.full_key(key);
+        let url = self
+            .bucket
+            .delete_object(Some(&self.credentials), &full)
+            .sign(SIGNED_FOR);
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let mut resp = self
+            .agent
+            .delete(url.as_str())
+            .call()
+            .map_err(|e| self.unreachable("DELETE", &full, e))?;
+        self.written("DELETE", &full, &mut resp, true)
+    }
+
+    /// The outcome of a PUT or DELETE of `full` answered `resp` (an error's S3 code read from
+    /// its body); `gone_ok`: a 404 of the key, not of the bucket, is done (a DELETE).
+    fn written(
+        &self,
+        op: &'static str,
+        full: &str,
+        resp: &mut ureq::http::Response<ureq::Body>,
+        gone_ok: bool,
+    ) -> Result<(), ObjError> {
         let status = resp.status().as_u16();
         if (200..=299).contains(&status) {
             return Ok(());
@@ -379,7 +407,8 @@ impl Remote {
             .read_to_end(&mut body);
         match (status, s3_code(&body).as_str()) {
             (404, "NoSuchBucket") => Err(self.no_bucket()),
-            (_, code) => Err(self.status_error("PUT", &full, status, code.to_owned())),
+            (404, _) if gone_ok => Ok(()),
+            (_, code) => Err(self.status_error(op, full, status, code.to_owned())),
         }
     }
 

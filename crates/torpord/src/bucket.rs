@@ -448,7 +448,7 @@ impl Tier {
 
     /// A client for one operation: the credentials file is read again, so rotated credentials
     /// take effect without a restart.
-    fn remote(&self) -> Result<Remote, TransferError> {
+    pub(crate) fn remote(&self) -> Result<Remote, TransferError> {
         Remote::open(&self.config.remote())
     }
 

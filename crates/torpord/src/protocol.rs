@@ -314,6 +314,10 @@ pub struct Unmapped {
 /// With `gpu` (a CUDA tensor; crate::runtime::store_gpu) no `store_fd` follows: the daemon
 /// answers `store_memory` with GPU memory of its own attached, the worker copies the tensor into
 /// it and sends `store_written`, and the daemon answers that with `store_stored`.
+///
+/// With `nodes: "all"` (torpor.put(..., nodes="all"); crate::runtime::store_nodes) the daemon
+/// also uploads the value to the bucket of `[objstore]` before it answers, for the tenant's
+/// sandboxes on every node; refused for a GPU value and without `[objstore]`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[schemars(deny_unknown_fields)]
 pub struct StorePut {
@@ -324,6 +328,16 @@ pub struct StorePut {
     pub meta: Value,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<StorePutGpu>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<StoreNodes>,
+}
+
+/// Which nodes a `store_put`'s value is for (absent: this node's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreNodes {
+    /// Every node whose torpord shares this one's `[objstore]` bucket.
+    All,
 }
 
 /// A GPU value's size and where it is.

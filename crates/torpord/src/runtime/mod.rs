@@ -50,6 +50,7 @@ pub mod sandbox;
 pub mod start;
 pub mod store;
 pub mod store_gpu;
+pub mod store_nodes;
 pub mod workflow;
 
 pub use instance::{kill_tree, Instance, Keep, Sleeper};

@@ -123,6 +123,27 @@ pub enum StoreError {
     /// The daemon's task for it ended early (it panicked).
     #[error("the store's GPU task ended early: {0}")]
     Task(String),
+    /// `nodes="all"` on a daemon without an object tier.
+    #[error(
+        "put(..., nodes=\"all\") needs the bucket every node shares: configure [objstore] in \
+         torpord.toml on each node (docs/objstore.md), or put without nodes"
+    )]
+    NoObjstore,
+    /// `nodes="all"` for a GPU value (not built).
+    #[error(
+        "a CUDA tensor does not go to other nodes (only bytes and NumPy arrays do): put \
+         tensor.cpu() with nodes=\"all\", or the tensor without nodes"
+    )]
+    GpuNodes,
+    /// A bucket step of a value for every node failed (the object store's own line inside).
+    #[error("{what}: {line}")]
+    Bucket { what: &'static str, line: String },
+    /// A store object in the bucket is not one this tenant's key may read.
+    #[error(
+        "store object {object} in the bucket is refused ({reason}): it is not one torpord \
+         wrote for this key; delete it"
+    )]
+    BadObject { object: String, reason: String },
     /// A `store_written` for no GPU put in progress.
     #[error(
         "no GPU put {0} of this worker is in progress (it was taken back after \
@@ -171,6 +192,8 @@ struct Entry {
     seq: u64,
     /// The memfd's size, while `held` is one.
     host_bytes: u64,
+    /// A value put for every node: its put id in the bucket (crate::runtime::store_nodes).
+    bucket: Option<String>,
 }
 
 impl Entry {
@@ -200,10 +223,29 @@ pub struct Taken {
     pub gpu: bool,
     /// Bytes of the memfd or of the GPU memory.
     pub held_bytes: u64,
+    /// A value put for every node: its put id in the bucket (crate::runtime::store_nodes).
+    pub bucket: Option<String>,
     /// When it would have expired, and its put order: a value whose delivery failed goes back
     /// as it was ([`Store::put_back`]).
     expires: Instant,
     seq: u64,
+}
+
+impl Taken {
+    /// The same value held by `fd` (another handle of its memfd): what goes back when a get
+    /// that took it cannot finish.
+    pub(crate) fn with_host(&self, fd: OwnedFd) -> Taken {
+        Taken {
+            held: TakenHeld::Host(fd),
+            meta: self.meta.clone(),
+            bytes: self.bytes,
+            gpu: self.gpu,
+            held_bytes: self.held_bytes,
+            bucket: self.bucket.clone(),
+            expires: self.expires,
+            seq: self.seq,
+        }
+    }
 }
 
 /// A GPU put whose memory the worker is filling.
@@ -258,7 +300,7 @@ impl std::fmt::Debug for Store {
 }
 
 /// The size of a memfd whose seals forbid writing and resizing; `NotSealed` otherwise.
-fn sealed_size(fd: &OwnedFd) -> Result<u64, StoreError> {
+pub(crate) fn sealed_size(fd: &OwnedFd) -> Result<u64, StoreError> {
     // SAFETY: fcntl(F_GET_SEALS) on an fd this function borrows for the call; it reads the
     // seals and changes nothing.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
@@ -330,7 +372,7 @@ fn spill_to_memfd(gpu: &GpuHeld) -> Result<OwnedFd, StoreError> {
 }
 
 /// A new empty memfd that can be sealed.
-fn new_memfd() -> std::io::Result<OwnedFd> {
+pub(crate) fn new_memfd() -> std::io::Result<OwnedFd> {
     let name = c"torpor-store-spill";
     // SAFETY: memfd_create with a valid NUL-terminated name; the fd returned is owned here.
     let raw =
@@ -342,7 +384,7 @@ fn new_memfd() -> std::io::Result<OwnedFd> {
     Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) })
 }
 
-fn check_key_ttl(key: &str, ttl_s: f64) -> Result<(), StoreError> {
+pub(crate) fn check_key_ttl(key: &str, ttl_s: f64) -> Result<(), StoreError> {
     if key.is_empty() || key.len() > MAX_KEY {
         return Err(StoreError::Key(key.len()));
     }
@@ -445,6 +487,8 @@ impl Store {
     }
 
     /// Stores `fd` (a sealed memfd) under `key` of `tenant`, replacing what the key held.
+    /// `bucket`: the value is also in the bucket under that put id (a put for every node,
+    /// crate::runtime::store_nodes): a get here then asks the bucket whether it is still there.
     pub fn put(
         &self,
         tenant: &str,
@@ -452,6 +496,7 @@ impl Store {
         fd: OwnedFd,
         meta: Value,
         ttl_s: f64,
+        bucket: Option<String>,
     ) -> Result<(), StoreError> {
         check_key_ttl(key, ttl_s)?;
         let bytes = sealed_size(&fd)?;
@@ -471,6 +516,7 @@ impl Store {
                 expires: now + Duration::from_secs_f64(ttl_s),
                 seq,
                 host_bytes: bytes,
+                bucket,
             },
         );
         Ok(())
@@ -609,6 +655,7 @@ impl Store {
                 expires: now + p.ttl,
                 seq,
                 host_bytes: 0,
+                bucket: None,
             },
         );
         Ok(())
@@ -643,6 +690,7 @@ impl Store {
                 bytes: e.bytes,
                 gpu: e.gpu,
                 held_bytes: e.held_bytes(),
+                bucket: e.bucket.clone(),
                 expires: e.expires,
                 seq: e.seq,
             }));
@@ -658,6 +706,7 @@ impl Store {
                 bytes: e.bytes,
                 gpu: e.gpu,
                 held_bytes,
+                bucket: e.bucket,
                 expires: e.expires,
                 seq: e.seq,
             }
@@ -692,9 +741,20 @@ impl Store {
                 expires: taken.expires,
                 seq: taken.seq,
                 host_bytes,
+                bucket: taken.bucket,
             },
         );
         true
+    }
+
+    /// Drops the value under `key` if it is still the one `taken` (a kept copy of) came from: a
+    /// value for every node that another node consumed.
+    pub fn forget(&self, tenant: &str, key: &str, taken: &Taken) {
+        let mut inner = lock(&self.inner);
+        let id = (tenant.to_string(), key.to_string());
+        if inner.entries.get(&id).is_some_and(|e| e.seq == taken.seq) {
+            inner.entries.remove(&id);
+        }
     }
 
     /// Drops expired values and GPU puts left unfinished (the keep-alive tick).
@@ -773,8 +833,15 @@ impl crate::runtime::Runtime {
         put: crate::protocol::StorePut,
         fd: OwnedFd,
     ) {
+        if put.nodes.is_some() {
+            // For every node: through the bucket (crate::runtime::store_nodes).
+            self.store_put_nodes(inst, put, fd);
+            return;
+        }
         let stored = match self.store_tenant(inst) {
-            Some(tenant) => self.store.put(&tenant, &put.key, fd, put.meta, put.ttl_s),
+            Some(tenant) => self
+                .store
+                .put(&tenant, &put.key, fd, put.meta, put.ttl_s, None),
             None => Err(StoreError::Fd(std::io::Error::other(
                 "the instance has no pool any more",
             ))),
@@ -796,6 +863,17 @@ impl crate::runtime::Runtime {
                 self.store.get(&tenant, &get.key, get.keep, gpu_ok)
             }
             None => Ok(None),
+        };
+        // With [objstore], a miss and a value put for every node are the bucket's to decide
+        // (crate::runtime::store_nodes).
+        let found = match (found, self.objstore.clone(), self.store_tenant(inst)) {
+            (Ok(None), Some(tier), Some(tenant)) => {
+                return self.store_get_nodes(inst, get, tier, tenant, None);
+            }
+            (Ok(Some(t)), Some(tier), Some(tenant)) if t.bucket.is_some() => {
+                return self.store_get_nodes(inst, get, tier, tenant, Some(t));
+            }
+            (found, _, _) => found,
         };
         let id = get.id;
         match found {
@@ -857,7 +935,7 @@ pub struct Delivered {
 }
 
 /// The `store_value` frame of get `id` and the fd to attach.
-fn value_frame(
+pub(crate) fn value_frame(
     id: u64,
     found: Result<Option<Delivered>, StoreError>,
 ) -> (crate::protocol::StoreValue, Option<OwnedFd>) {
@@ -963,7 +1041,7 @@ mod tests {
     fn a_value_whose_delivery_failed_goes_back_unless_a_newer_one_took_its_key() {
         let s = Store::default();
         let meta = serde_json::json!({"kind": "bytes"});
-        s.put("a", "k", memfd(b"first", true), meta.clone(), 60.0)
+        s.put("a", "k", memfd(b"first", true), meta.clone(), 60.0, None)
             .unwrap();
         let taken = s.get("a", "k", false, true).unwrap().unwrap();
         assert!(s.get("a", "k", true, true).unwrap().is_none(), "taken out");
@@ -971,11 +1049,37 @@ mod tests {
         let again = s.get("a", "k", false, true).unwrap().unwrap();
         assert_eq!(again.bytes, 5, "the same value, back under its key");
         // A value put while the delivery was failing is newer: it stays, the old one goes.
-        s.put("a", "k", memfd(b"second!", true), meta, 60.0)
+        s.put("a", "k", memfd(b"second!", true), meta, 60.0, None)
             .unwrap();
         assert!(!s.put_back("a", "k", again));
         assert_eq!(s.get("a", "k", false, true).unwrap().unwrap().bytes, 7);
         assert_eq!(s.usage(), (0, 0));
+    }
+
+    #[test]
+    fn a_value_for_every_node_keeps_its_put_id_and_is_forgotten_only_while_it_is_the_keys() {
+        let s = Store::default();
+        let meta = serde_json::json!({"kind": "bytes"});
+        let id = Some("ab".repeat(16));
+        s.put(
+            "a",
+            "k",
+            memfd(b"one", true),
+            meta.clone(),
+            60.0,
+            id.clone(),
+        )
+        .unwrap();
+        let kept = s.get("a", "k", true, true).unwrap().unwrap();
+        assert_eq!(kept.bucket, id);
+        // A newer put of the key: forgetting the old copy leaves it.
+        s.put("a", "k", memfd(b"two", true), meta, 60.0, None)
+            .unwrap();
+        s.forget("a", "k", &kept);
+        let newer = s.get("a", "k", true, true).unwrap().unwrap();
+        assert_eq!((newer.bytes, newer.bucket.clone()), (3, None));
+        s.forget("a", "k", &newer);
+        assert!(s.get("a", "k", true, true).unwrap().is_none());
     }
 
     #[test]
@@ -987,6 +1091,7 @@ mod tests {
             memfd(b"hello", true),
             serde_json::json!({"kind": "bytes"}),
             60.0,
+            None,
         )
         .unwrap();
         assert!(s.get("b", "k", false, true).unwrap().is_none());
@@ -1002,18 +1107,18 @@ mod tests {
     fn an_unsealed_fd_a_bad_key_or_ttl_are_refused_and_a_value_expires() {
         let s = Store::default();
         let e = s
-            .put("a", "k", memfd(b"x", false), Value::Null, 60.0)
+            .put("a", "k", memfd(b"x", false), Value::Null, 60.0, None)
             .unwrap_err();
         assert!(matches!(e, StoreError::NotSealed), "{e}");
         let e = s
-            .put("a", "", memfd(b"x", true), Value::Null, 60.0)
+            .put("a", "", memfd(b"x", true), Value::Null, 60.0, None)
             .unwrap_err();
         assert!(matches!(e, StoreError::Key(0)));
         let e = s
-            .put("a", "k", memfd(b"x", true), Value::Null, 0.0)
+            .put("a", "k", memfd(b"x", true), Value::Null, 0.0, None)
             .unwrap_err();
         assert!(matches!(e, StoreError::Ttl(_)));
-        s.put("a", "k", memfd(b"x", true), Value::Null, 0.05)
+        s.put("a", "k", memfd(b"x", true), Value::Null, 0.05, None)
             .unwrap();
         std::thread::sleep(Duration::from_millis(80));
         assert!(s.get("a", "k", false, true).unwrap().is_none());

@@ -70,6 +70,19 @@ impl super::Runtime {
     /// A worker's `store_put` with `gpu`: memory allocated and sent (`store_memory`), on the
     /// blocking pool (it may move values to host memory first).
     pub(crate) fn store_put_gpu(self: &Arc<Self>, inst: &Arc<Instance>, put: StorePut) {
+        if put.nodes.is_some() {
+            // Not built: a GPU value stays on its node (docs/sandboxes.md, "Limitations").
+            let frame = StoreMemory {
+                id: put.id,
+                ok: false,
+                padded: None,
+                ordinal: None,
+                fd: None,
+                error: Some(StoreError::GpuNodes.to_string()),
+            };
+            reply_to(inst, ToWorker::StoreMemory(frame), None);
+            return;
+        }
         let rt = Arc::clone(self);
         let inst = Arc::clone(inst);
         tokio::spawn(async move {

@@ -7,7 +7,8 @@ which process (`process`: a token drawn at the first request a process serves an
 every function in it; a restore of the function snapshot draws a new one, a woken hibernated
 process keeps its own), which thread, and how many calls this function had in this process.
 Ops: sleep {s}, crash (os._exit), put {key} and get {key} through the communication store,
-share {key, n | array} (put with shared=True) and get_shared {key, keep}; buffer (with a file
+share {key, n | array, nodes?, ttl_s?} (put with shared=True, and nodes and ttl_s when
+given) and get_shared {key, keep}; buffer (with a file
 `with_buffer` in the directory: whether its torpor.buffer() segment holds its own bytes);
 scratch {mib, s}: `mib` MiB from the function's memory pool (torpor.scratch), written, held for
 `s` seconds (tests/daemon/test_daemon_sandbox_memory.py: a warm-up of it makes the function's
@@ -90,17 +91,20 @@ class Sandboxed:
             self.buf[:8] = self.calls.to_bytes(8, "little")
         elif op == "share":
             # Through torpord's store, for another sandbox of the tenant: bytes or an array.
+            kw: dict[str, Any] = {k: request[k] for k in ("nodes", "ttl_s") if k in request}
             if request.get("array"):
                 import numpy as np
 
-                torpor.put(str(request["key"]), np.arange(12, dtype=np.float32).reshape(3, 4), shared=True)
+                torpor.put(str(request["key"]), np.arange(12, dtype=np.float32).reshape(3, 4), shared=True, **kw)
             else:
-                torpor.put(str(request["key"]), bytes(range(int(request.get("n", 16)))), shared=True)
+                torpor.put(str(request["key"]), bytes(range(int(request.get("n", 16)))), shared=True, **kw)
         elif op == "get_shared":
             value = torpor.get(str(request["key"]), keep=bool(request.get("keep", False)))
             out["type"] = type(value).__name__
             if out["type"] == "ndarray":
                 out["value"] = value.tolist()
+                out["dtype"] = value.dtype.str
+                out["shape"] = list(value.shape)
                 out["writeable"] = bool(value.flags.writeable)
             else:
                 out["value"] = list(bytes(value))

@@ -6,7 +6,7 @@ Without torch, a CUDA value is any object with `__cuda_array_interface__`: here 
 memory from cuMemAlloc_v2 (the hook's, preloaded into GPU workers: a segment, VMM memory the
 fake driver copies from), filled by ctypes (the fake's device memory is host memory).
 
-Every answer names its process (`process`: a token). Ops: put {key, n, seed, device?, ttl_s?, strided?}: n bytes of pattern(seed) on the worker's GPU
+Every answer names its process (`process`: a token). Ops: put {key, n, seed, device?, ttl_s?, strided?, nodes?}: n bytes of pattern(seed) on the worker's GPU
 `device` (default 0), put with shared=True; get {key, keep?}: the value from torpord's store,
 its bytes, where it is mapped (the /proc/self/maps line of its address: permissions and inode)
 and what a memset through that mapping returns (the driver's code). With torch (the real GPU's
@@ -83,7 +83,8 @@ class StoreGpu:
             HELD.append(ptr.value)
             ctypes.memmove(ptr.value, pattern(n, int(request.get("seed", 0))), n)
             value = Cuda(ptr.value, n, int(request.get("device", 0)), bool(request.get("strided")))
-            torpor.put(str(request["key"]), value, shared=True, ttl_s=float(request.get("ttl_s", 600)))
+            nodes = {"nodes": request["nodes"]} if "nodes" in request else {}
+            torpor.put(str(request["key"]), value, shared=True, ttl_s=float(request.get("ttl_s", 600)), **nodes)
         elif op == "get":
             cuda = store_gpu.driver()
             v = torpor.get(str(request["key"]), keep=bool(request.get("keep", False)))
