@@ -62,20 +62,24 @@ class _CUmemAccessDesc(ctypes.Structure):
     _fields_ = [("location", _CUmemLocation), ("flags", ctypes.c_int)]
 
 
-_typed = False
+_typed_done = False
 _typed_lock = threading.Lock()
 
 
 def driver() -> Any:
     """libcuda (torpor.cuda_driver) with the VMM calls' argument types set, and a context current
     on this thread."""
-    global _typed
     try:
-        cuda = cuda_driver.with_context()
+        return _typed(cuda_driver.with_context())
     except cuda_driver.DriverError as e:
         raise StoreGpuError(f"{e}: a GPU value needs a function with gpus = 1") from None
+
+
+def _typed(cuda: Any) -> Any:
+    """`cuda` with the VMM calls' argument types set (once per process)."""
+    global _typed_done
     with _typed_lock:
-        if not _typed:
+        if not _typed_done:
             u64, c_int, c_size = ctypes.c_uint64, ctypes.c_int, ctypes.c_size_t
             cuda.cuMemImportFromShareableHandle.argtypes = [ctypes.POINTER(u64), ctypes.c_void_p, c_int]
             cuda.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), c_size, c_size, u64, u64]
@@ -85,7 +89,7 @@ def driver() -> Any:
             cuda.cuMemSetAccess.argtypes = [u64, c_size, ctypes.POINTER(_CUmemAccessDesc), c_size]
             cuda.cuMemRelease.argtypes = [u64]
             cuda.cuMemcpyDtoDAsync_v2.argtypes = [u64, u64, c_size, ctypes.c_void_p]
-            _typed = True
+            _typed_done = True
     return cuda
 
 
@@ -196,9 +200,10 @@ def fill(fd: int, padded: int, src: Source) -> None:
     """Copies `src` into the GPU memory behind `fd` (torpord's `store_memory`), then unmaps it.
     On the value's own GPU's context: torpord allocated the memory there, and only that GPU
     is given access to the mapping."""
-    driver()  # the argument types
     try:
-        with cuda_driver.on_device(src.ordinal) as cuda:
+        # The value's GPU's context, not whatever the thread had (driver() would make GPU 0's).
+        with cuda_driver.on_device(src.ordinal) as loaded:
+            cuda = _typed(loaded)
             m = _Mapping(fd, padded, src.ordinal, writable=True)
             try:
                 assert m.va is not None
