@@ -333,11 +333,14 @@ def test_a_snapshot_killed_after_the_gpu_checkpoint_is_rolled_back_by_its_guard(
     assert fake_state(state, w.child_pid) == "checkpointed", fake_log(log)
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
+    # Wait on the driver's log, not its state file: the fake writes the state before it logs the
+    # call, so "running" can be read while the unlock's line is still to come.
+    rolled_back = ["lock", "checkpoint", "restore", "unlock"]
     deadline = time.monotonic() + 30
-    while fake_state(state, w.child_pid) != "running":
+    while fake_calls(log, w.child_pid) != rolled_back:
         assert time.monotonic() < deadline, f"the guard did not roll back\n{fake_log(log)}\n{stderr.read_text()}"
         time.sleep(0.05)
-    assert fake_calls(log, w.child_pid) == ["lock", "checkpoint", "restore", "unlock"], fake_log(log)
+    assert fake_state(state, w.child_pid) == "running", fake_log(log)
     source.assert_intact(timeout=30)
     assert not (tmp_path / "out").exists()
     assert "the guard returned its 1 CUDA process(es) to running" in stderr.read_text()
