@@ -609,7 +609,7 @@ impl Runtime {
         let hibernated = self.hibernate_inner(&pool, &inst, &out, &journal).await;
         journal.end().await;
         match hibernated {
-            Ok((mut sleeper, delta)) => {
+            Ok((stale, delta)) => {
                 let stop_s = stop.elapsed().as_secs_f64();
                 self.metrics
                     .observe_phase(&inst.function, "hibernation_stop", stop_s);
@@ -618,28 +618,10 @@ impl Runtime {
                     .and_then(|d| serde_json::to_string(d).ok())
                     .unwrap_or_default();
                 tracing::info!(instance = %inst.id, function = %inst.function, stop_s, concurrent = delta.is_some(), delta = %delta_json, "hibernation stop");
-                // Its process is gone: the shared segment copies it mapped may go too.
-                lock(&inst.segments).clear();
-                *lock(&inst.why_dead) = Some("hibernated".to_string());
-                let stale = {
-                    let mut st = lock(&pool.state);
-                    st.instances.retain(|(i, _)| !Arc::ptr_eq(i, &inst));
-                    let stale = st.closed.is_some() || st.generation != inst.generation;
-                    if !stale {
-                        // Accounted up to where the instance's state was (under the pool lock, as
-                        // the ticker's accounting is).
-                        sleeper.keep.meter = Meter {
-                            accounted: lock(&inst.keep).meter.accounted,
-                            gpu_bytes: 0,
-                        };
-                        st.sleepers.push(sleeper);
-                    }
-                    stale
-                };
                 tracing::info!(instance = %inst.id, function = %inst.function, snapshot = %out.display(), "instance hibernated");
-                if stale {
-                    let s = sleeper_of(&inst, &out);
-                    self.discard_sleeper(s.0, s.1, s.2).await;
+                if let Some(s) = stale {
+                    self.discard_sleeper(s.id, s.snapshot_id, s.snapshot_dir)
+                        .await;
                 }
             }
             Err(e) => {
@@ -758,7 +740,7 @@ impl Runtime {
         inst: &Arc<Instance>,
         out: &Path,
         journal: &Journal,
-    ) -> Result<(Sleeper, Option<crate::split::precopy::Delta>), HibernateError> {
+    ) -> Result<(Option<Sleeper>, Option<crate::split::precopy::Delta>), HibernateError> {
         if inst.state() == State::Changing(Stage::GpuReleased, Doing::Hibernate) {
             // The worker must run CUDA to synchronise before quiet, and the split capture reads
             // every segment: resume first (segments mapped back), then hibernate as a warm one.
@@ -860,16 +842,19 @@ impl Runtime {
             (k.idle_since, Keep::new(State::Hibernated, k.idle_since))
         };
         let idle_ms = now_ms() - i64::try_from(idle_since.elapsed().as_millis()).unwrap_or(0);
-        self.record_hibernation(inst, &hib_id, out, idle_ms).await?;
-        Ok((
-            Sleeper {
-                id: inst.id.clone(),
-                snapshot_id: hib_id,
-                snapshot_dir: out.to_path_buf(),
-                keep,
-            },
-            stored.and_then(|c| c.delta),
-        ))
+        let sleeper = Sleeper {
+            id: inst.id.clone(),
+            snapshot_id: hib_id.clone(),
+            snapshot_dir: out.to_path_buf(),
+            keep,
+        };
+        let (pool2, inst2) = (Arc::clone(pool), Arc::clone(inst));
+        let stale = self
+            .record_hibernation(inst, &hib_id, out, idle_ms, move || {
+                join_sleeper(&pool2, &inst2, sleeper)
+            })
+            .await?;
+        Ok((stale, stored.and_then(|c| c.delta)))
     }
 
     /// hibernated → evicted: the snapshot's files leave the page cache.
@@ -1037,12 +1022,26 @@ pub(crate) fn unmap_refused(
     Some((message, released))
 }
 
-fn sleeper_of(inst: &Instance, out: &Path) -> (String, String, PathBuf) {
-    let hib = out
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    (inst.id.clone(), hib, out.to_path_buf())
+/// A hibernated instance leaves its pool's live instances and joins its sleepers, in one step
+/// under the pool's lock. Returns the sleeper instead when its pool was closed or redeployed
+/// meanwhile: the caller discards it.
+fn join_sleeper(pool: &Pool, inst: &Arc<Instance>, mut sleeper: Sleeper) -> Option<Sleeper> {
+    // Its process is gone: the shared segment copies it mapped may go too.
+    lock(&inst.segments).clear();
+    *lock(&inst.why_dead) = Some("hibernated".to_string());
+    let mut st = lock(&pool.state);
+    st.instances.retain(|(i, _)| !Arc::ptr_eq(i, inst));
+    if st.closed.is_some() || st.generation != inst.generation {
+        return Some(sleeper);
+    }
+    // Accounted up to where the instance's state was (under the pool lock, as the ticker's
+    // accounting is).
+    sleeper.keep.meter = Meter {
+        accounted: lock(&inst.keep).meter.accounted,
+        gpu_bytes: 0,
+    };
+    st.sleepers.push(sleeper);
+    None
 }
 
 /// `posix_fadvise(POSIX_FADV_DONTNEED)` on every file under `dir` (after writing back any dirty

@@ -142,14 +142,18 @@ impl Runtime {
 
     /// The registry rows of [`Transition::Hibernate`], in one transaction: the hibernation
     /// snapshot `hib_id` at `out`, and the instance's row at hibernated, pointing at it, last
-    /// used at `idle_ms`.
-    pub(crate) async fn record_hibernation(
+    /// used at `idle_ms`. `joined` runs on the same thread right after the commit: the
+    /// sleeper joins its pool there, so that no request can see the instance hibernated in the
+    /// registry (`GET /v1/functions/{name}`) while the pool has neither it nor its sleeper,
+    /// and restore a second instance from the function snapshot instead of waking this one.
+    pub(crate) async fn record_hibernation<T: Send + 'static>(
         &self,
         inst: &Instance,
         hib_id: &str,
         out: &Path,
         idle_ms: i64,
-    ) -> Result<(), RecordError> {
+        joined: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, RecordError> {
         let row = Snapshot {
             id: hib_id.to_string(),
             kind: SnapshotKind::Hibernation,
@@ -164,14 +168,16 @@ impl Runtime {
         let function = inst.function.clone();
         let h = hib_id.to_string();
         tokio::task::spawn_blocking(move || {
-            registry.transaction(|s| {
-                let mut row = row;
-                row.base_key = s.function(&function)?.map(|f| f.base_key);
-                s.insert_snapshot(&row)?;
-                s.set_instance_stage(&id, Stage::Hibernated, None, Some(&h))?;
-                s.touch_instance(&id, idle_ms)?;
-                Ok::<_, crate::registry::RegistryError>(())
-            })
+            registry
+                .transaction(|s| {
+                    let mut row = row;
+                    row.base_key = s.function(&function)?.map(|f| f.base_key);
+                    s.insert_snapshot(&row)?;
+                    s.set_instance_stage(&id, Stage::Hibernated, None, Some(&h))?;
+                    s.touch_instance(&id, idle_ms)?;
+                    Ok::<_, crate::registry::RegistryError>(())
+                })
+                .map(|()| joined())
         })
         .await
         .map_err(|source| RecordError::Task {
