@@ -25,14 +25,14 @@ pressure torpord moves the oldest GPU values to host memory; a get copies such a
 Between nodes, `put(key, value, shared=True, nodes="all")` also has torpord upload the value
 to the bucket of its [objstore] section, which every node's torpord shares; a `get` on any node
 that does not hold the key finds it there (its torpord downloads it into a sealed memfd) and
-consumes it for every node. Bytes and NumPy arrays only; not without [objstore].
+consumes it for every node. A CUDA tensor goes too: torpord copies it to host memory for the
+upload, and a get on another node copies it up onto the getter's GPU (a function with gpus = 1).
+Not without [objstore].
 
 A key holds one value until it is consumed (`get`, unless keep=True) or expires (`ttl_s` after
 the put, default 600 s); then it is dropped, so its memory goes back once nothing maps it.
 Keys are scoped by tenant: a sandbox hosts one tenant's functions, and torpord keeps each
 tenant's keys apart.
-
-What is not built (docs/sandboxes.md, "Limitations"): CUDA tensors to other nodes.
 """
 
 from __future__ import annotations

@@ -784,7 +784,9 @@ class Worker:
             raise
         finally:
             os.close(fd)
-        msg, got = self._store_request({"type": "store_written", "ok": True}, rid=rid)
+        # For every node, torpord uploads the value before it answers.
+        timeout_s = STORE_TIMEOUT_S if nodes is None else STORE_BUCKET_TIMEOUT_S
+        msg, got = self._store_request({"type": "store_written", "ok": True}, rid=rid, timeout_s=timeout_s)
         if got is not None:
             os.close(got)
         return None if msg.get("ok") is True else str(msg.get("error") or "refused")

@@ -276,6 +276,23 @@ def torpord(torpor_bin: Path, criu_ready: None, tmp_path_factory: pytest.TempPat
         d.stop()
 
 
+@contextlib.contextmanager
+def two_daemons(
+    torpor_bin: Path, roots: tuple[Path, Path], configs: tuple[str, str], envs: tuple[dict[str, str] | None, dict[str, str] | None] = (None, None)
+) -> Iterator[tuple[Torpord, Torpord]]:
+    """Two daemons on this machine, each with its own state directory (two nodes of one
+    bucket, say), both stopped at the end whatever happened."""
+    a = Torpord(torpor_bin, roots[0], env=envs[0], config=configs[0])
+    try:
+        b = Torpord(torpor_bin, roots[1], env=envs[1], config=configs[1])
+        try:
+            yield a, b
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+
+
 def fake_gpu_env(root: Path, fake_cuda: FakeCuda, **extra: str) -> dict[str, str]:
     """The environment of a daemon whose GPU is tests/fakes (no real driver involved): the fake
     driver built with VMM under the state directory (where the workers reach it: their /tmp is

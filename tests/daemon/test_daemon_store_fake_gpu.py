@@ -6,8 +6,8 @@ another sandbox of the tenant from the daemon's own GPU memory, mapped read-only
 memfd inode the daemon holds: no copy); from another GPU it is copied GPU to GPU, or through
 host memory and the getter GPU's PCIe scheduler without peer access; past the store's GPU
 budget the oldest value moves to host memory and comes back up on a get; a consumed or expired
-value's memory leaves the daemon; other tenants see nothing; refusals are one line (a CUDA
-value for every node, nodes="all", among them: not built).
+value's memory leaves the daemon; other tenants see nothing; refusals are one line (nodes="all"
+without [objstore] among them; between nodes: test_daemon_store_nodes.py).
 The tests run in file order and share one daemon."""
 
 from __future__ import annotations
@@ -214,10 +214,10 @@ def test_refusals_are_one_line_with_the_fix_and_lose_nothing(daemon: Torpord) ->
     # On a GPU the node does not have.
     e = error_of(put(daemon, "t/keep", 4096, 8, device=5))
     assert "GPU 5" in e and "cuda:0" in e, e
-    # To every node: not built for GPU values (this daemon has no [objstore]: the GPU line comes
-    # first, before any bucket is needed).
+    # To every node: through the bucket, which this daemon has none of (test_daemon_store_nodes
+    # has two daemons that share one).
     e = error_of(put(daemon, "t/keep", 4096, 8, nodes="all"))
-    assert "does not go to other nodes" in e and "tensor.cpu()" in e and "\n" not in e, e
+    assert "configure [objstore]" in e and "\n" not in e, e
     # A function without a GPU cannot get it, and it stays for one that can.
     e = error_of(daemon.invoke("sg-cpu", {"op": "get", "key": "t/keep"}))
     assert "gpus = 1" in e and "stays stored" in e, e

@@ -4,7 +4,10 @@ another sandbox of the tenant as a CUDA tensor of its dtype and shape over the d
 mapped read-only (a memset through it is refused by the driver and changes nothing, and the
 context works on); with two GPUs, a tensor put on GPU 1 reaches a sandbox on GPU 0 by a copy GPU
 to GPU (peer access) or through host memory. Skipped without PyTorch and a CUDA device; the
-two-GPU case without two. The fake-GPU twin of these tests is test_daemon_store_fake_gpu.py."""
+two-GPU case without two. Between nodes: two daemons sharing a bucket of SeaweedFS on loopback
+(skipped where `weed` cannot be had), a tensor put with nodes="all" on A arrives bit-identical
+on B's GPU through the bucket, once. The fake-GPU twins of these tests are
+test_daemon_store_fake_gpu.py and test_daemon_store_nodes.py."""
 
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from objstore_server import Seaweed
 
-from .conftest import FUNCTIONS, Answer, Torpord
+from .conftest import FUNCTIONS, Answer, Torpord, two_daemons
+from .test_daemon_objstore import objstore_section, seaweed  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
 
@@ -95,3 +100,27 @@ def test_a_tensor_on_another_gpu_is_copied_gpu_to_gpu(deployed: Torpord) -> None
         assert pcie_bytes(deployed, "cuda0") == before
     else:
         assert pcie_bytes(deployed, "cuda0") > before
+
+
+def test_a_tensor_put_for_every_node_arrives_bit_identical_on_another_nodes_gpu(
+    cuda: None,
+    torpor_bin: Path,
+    criu_ready: None,
+    seaweed: Seaweed,  # noqa: F811 (the fixture imported above)
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    roots = (tmp_path_factory.mktemp("store-gpu-node-a"), tmp_path_factory.mktemp("store-gpu-node-b"))
+    fns = tmp_path_factory.mktemp("store-gpu-nodes-fns")
+    with two_daemons(torpor_bin, roots, (objstore_section(seaweed, roots[0]), objstore_section(seaweed, roots[1]))) as (a, b):
+        a.deploy(make_function(fns, "sgn-put", "a"))
+        b.deploy(make_function(fns, "sgn-get", "b"))
+        n = 25_000_000  # 100 MB of float32
+        p = ok(a.invoke("sgn-put", {"op": "put_torch", "key": "nodes/1", "n": n, "seed": 5, "nodes": "all"}), a)
+        g = ok(b.invoke("sgn-get", {"op": "get_torch", "key": "nodes/1"}), b)
+        assert g["type"] == "Tensor" and g["dtype"] == "torch.float32" and g["shape"] == [n], g
+        assert g["device"] == "cuda:0" and g["digest"] == p["digest"], g
+        assert g["memset_rc"] != 0 and g["digest_after"] == p["digest"], g
+        assert g["sum"] == g["sum"], "a kernel read the mapping"
+        # Consumed for every node.
+        gone = a.invoke("sgn-put", {"op": "get_torch", "key": "nodes/1"})
+        assert gone.status == 500 and gone.json()["error"]["type"] == "KeyError", gone.body

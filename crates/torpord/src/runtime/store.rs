@@ -129,12 +129,6 @@ pub enum StoreError {
          torpord.toml on each node (docs/objstore.md), or put without nodes"
     )]
     NoObjstore,
-    /// `nodes="all"` for a GPU value (not built).
-    #[error(
-        "a CUDA tensor does not go to other nodes (only bytes and NumPy arrays do): put \
-         tensor.cpu() with nodes=\"all\", or the tensor without nodes"
-    )]
-    GpuNodes,
     /// A bucket step of a value for every node failed (the object store's own line inside).
     #[error("{what}: {line}")]
     Bucket { what: &'static str, line: String },
@@ -232,11 +226,15 @@ pub struct Taken {
 }
 
 impl Taken {
-    /// The same value held by `fd` (another handle of its memfd): what goes back when a get
-    /// that took it cannot finish.
-    pub(crate) fn with_host(&self, fd: OwnedFd) -> Taken {
-        Taken {
-            held: TakenHeld::Host(fd),
+    /// Another handle of the same value (of its memfd, or of its GPU memory): what goes back
+    /// when a get that took it cannot finish.
+    pub(crate) fn duplicate(&self) -> Result<Taken, StoreError> {
+        let held = match &self.held {
+            TakenHeld::Host(fd) => TakenHeld::Host(fd.try_clone().map_err(StoreError::Fd)?),
+            TakenHeld::Gpu(g) => TakenHeld::Gpu(g.clone()),
+        };
+        Ok(Taken {
+            held,
             meta: self.meta.clone(),
             bytes: self.bytes,
             gpu: self.gpu,
@@ -244,6 +242,21 @@ impl Taken {
             bucket: self.bucket.clone(),
             expires: self.expires,
             seq: self.seq,
+        })
+    }
+
+    /// A value downloaded from the bucket (crate::runtime::store_nodes), held by the sealed
+    /// memfd `fd` of its `bytes`; `gpu` when it was put from a CUDA tensor. Never put back.
+    pub(crate) fn downloaded(fd: OwnedFd, meta: Value, bytes: u64, gpu: bool) -> Taken {
+        Taken {
+            held: TakenHeld::Host(fd),
+            meta,
+            bytes,
+            gpu,
+            held_bytes: bytes,
+            bucket: None,
+            expires: Instant::now(),
+            seq: 0,
         }
     }
 }
@@ -257,6 +270,32 @@ struct Pending {
     ttl: Duration,
     gpu: GpuHeld,
     since: Instant,
+    /// Put with `nodes="all"`: sealed, it goes to the bucket before it is stored here.
+    for_nodes: bool,
+}
+
+/// A GPU put for every node, filled and sealed read-only, not stored yet: the daemon uploads
+/// it (crate::runtime::store_nodes), then stores it with [`Store::insert_gpu`].
+#[derive(Debug)]
+pub struct SealedGpu {
+    pub tenant: String,
+    pub key: String,
+    pub meta: Value,
+    /// The value's bytes (its memory is `gpu.padded`).
+    pub bytes: u64,
+    pub ttl: Duration,
+    pub gpu: GpuHeld,
+}
+
+/// How [`Store::seal_gpu`] ended a GPU put.
+#[derive(Debug)]
+pub enum SealedPut {
+    /// Stored under its key.
+    Stored,
+    /// Not filled: dropped, the key keeps its value.
+    Dropped,
+    /// Put for every node: sealed, for the caller to upload and then store.
+    ForNodes(SealedGpu),
 }
 
 /// GPU memory given to a worker to fill ([`Store::reserve_gpu`]).
@@ -460,6 +499,25 @@ impl Inner {
     }
 
     /// Moves the value `id` (on a GPU) to a sealed memfd in host memory.
+    /// `sealed` under its key, replacing what the key held.
+    fn insert_gpu(&mut self, sealed: SealedGpu, now: Instant, bucket: Option<String>) {
+        self.seq += 1;
+        let seq = self.seq;
+        self.entries.insert(
+            (sealed.tenant, sealed.key),
+            Entry {
+                held: Held::Gpu(sealed.gpu),
+                meta: sealed.meta,
+                bytes: sealed.bytes,
+                gpu: true,
+                expires: now + sealed.ttl,
+                seq,
+                host_bytes: 0,
+                bucket,
+            },
+        );
+    }
+
     fn spill(&mut self, id: &(String, String)) -> Result<(), StoreError> {
         let Some(e) = self.entries.get_mut(id) else {
             return Ok(());
@@ -537,6 +595,7 @@ impl Store {
         bytes: u64,
         ordinal: i32,
         device: Arc<dyn SegmentDevice>,
+        for_nodes: bool,
     ) -> Result<Reserved, StoreError> {
         check_key_ttl(key, ttl_s)?;
         if bytes == 0 {
@@ -614,6 +673,7 @@ impl Store {
                     padded,
                 },
                 since: Instant::now(),
+                for_nodes,
             },
         );
         Ok(Reserved {
@@ -624,8 +684,9 @@ impl Store {
     }
 
     /// Ends the GPU put `ticket`: when `filled`, its memory is sealed read-only and stored under
-    /// its key (replacing what the key held); otherwise it is dropped and the key keeps its value.
-    pub fn seal_gpu(&self, ticket: &str, filled: bool) -> Result<(), StoreError> {
+    /// its key (replacing what the key held), or, for a put for every node, handed back sealed
+    /// for the upload; otherwise it is dropped and the key keeps its value.
+    pub fn seal_gpu(&self, ticket: &str, filled: bool) -> Result<SealedPut, StoreError> {
         let mut inner = lock(&self.inner);
         let now = Instant::now();
         inner.sweep(now);
@@ -634,7 +695,7 @@ impl Store {
             .remove(ticket)
             .ok_or_else(|| StoreError::NotPending(ticket.to_string()))?;
         if !filled {
-            return Ok(());
+            return Ok(SealedPut::Dropped);
         }
         p.gpu
             .device
@@ -643,21 +704,29 @@ impl Store {
                 what: "sealing the value's GPU memory read-only (is the worker's mapping gone?)",
                 source,
             })?;
-        inner.seq += 1;
-        let seq = inner.seq;
-        inner.entries.insert(
-            (p.tenant, p.key),
-            Entry {
-                held: Held::Gpu(p.gpu),
-                meta: p.meta,
-                bytes: p.bytes,
-                gpu: true,
-                expires: now + p.ttl,
-                seq,
-                host_bytes: 0,
-                bucket: None,
-            },
-        );
+        let sealed = SealedGpu {
+            tenant: p.tenant,
+            key: p.key,
+            meta: p.meta,
+            bytes: p.bytes,
+            ttl: p.ttl,
+            gpu: p.gpu,
+        };
+        if p.for_nodes {
+            return Ok(SealedPut::ForNodes(sealed));
+        }
+        inner.insert_gpu(sealed, now, None);
+        Ok(SealedPut::Stored)
+    }
+
+    /// Stores a GPU put for every node once the bucket has it (`bucket`: its put id there),
+    /// replacing what the key held; refused, as a put is, past the tenant's bounds.
+    pub fn insert_gpu(&self, sealed: SealedGpu, bucket: String) -> Result<(), StoreError> {
+        let mut inner = lock(&self.inner);
+        let now = Instant::now();
+        inner.sweep(now);
+        inner.check_tenant(&sealed.tenant, &sealed.key, sealed.gpu.padded)?;
+        inner.insert_gpu(sealed, now, Some(bucket));
         Ok(())
     }
 
@@ -808,7 +877,7 @@ fn is_out_of_memory(e: &DeviceError) -> bool {
 
 impl crate::runtime::Runtime {
     /// Whether function `name`'s spec gives it a GPU (`gpus` ≥ 1).
-    fn pool_gpus(&self, name: &str) -> bool {
+    pub(crate) fn pool_gpus(&self, name: &str) -> bool {
         let Some(pool) = lock(&self.pools).get(name).cloned() else {
             return false;
         };
@@ -1152,6 +1221,7 @@ mod gpu_tests {
                 data.len() as u64,
                 0,
                 Arc::clone(dev),
+                false,
             )
             .unwrap();
         let f = std::fs::File::from(r.fd.try_clone().unwrap());
@@ -1187,6 +1257,69 @@ mod gpu_tests {
     }
 
     #[test]
+    fn a_gpu_put_for_every_node_is_stored_only_once_inserted_with_its_put_id() {
+        let s = Store::new(1 << 30);
+        let dev = device();
+        put_gpu(&s, &dev, "k", b"old");
+        let r = s
+            .reserve_gpu(
+                "t",
+                "team-a",
+                "k",
+                serde_json::json!({"kind": "cuda"}),
+                60.0,
+                3,
+                0,
+                Arc::clone(&dev),
+                true,
+            )
+            .unwrap();
+        std::fs::File::from(r.fd.try_clone().unwrap())
+            .write_all_at(b"new", 0)
+            .unwrap();
+        drop(r);
+        // Sealed and handed back for the upload: the key still holds the old value.
+        let SealedPut::ForNodes(sealed) = s.seal_gpu("t", true).unwrap() else {
+            panic!("a put for every node is not stored by the seal");
+        };
+        assert_eq!((sealed.key.as_str(), sealed.bytes), ("k", 3));
+        let old = s.get("team-a", "k", true, true).unwrap().unwrap();
+        assert_eq!(&contents(&old)[..3], b"old");
+        assert!(old.bucket.is_none());
+        // Inserted once uploaded: the new bytes, in GPU memory, with the bucket's put id.
+        s.insert_gpu(sealed, "00ff".into()).unwrap();
+        let new = s.get("team-a", "k", false, true).unwrap().unwrap();
+        assert!(new.gpu && matches!(new.held, TakenHeld::Gpu(_)));
+        assert_eq!(new.bucket.as_deref(), Some("00ff"));
+        assert_eq!(&contents(&new)[..3], b"new");
+        // A duplicate is another handle of the same memory: what a failed get puts back.
+        let again = new.duplicate().unwrap();
+        assert!(s.put_back("team-a", "k", again));
+        assert_eq!(
+            &contents(&s.get("team-a", "k", false, true).unwrap().unwrap())[..3],
+            b"new"
+        );
+        // Not filled: dropped, as any GPU put.
+        s.reserve_gpu(
+            "u",
+            "team-a",
+            "k",
+            Value::Null,
+            60.0,
+            3,
+            0,
+            Arc::clone(&dev),
+            true,
+        )
+        .unwrap();
+        assert!(matches!(
+            s.seal_gpu("u", false).unwrap(),
+            SealedPut::Dropped
+        ));
+        assert!(s.get("team-a", "k", false, true).unwrap().is_none());
+    }
+
+    #[test]
     fn a_gpu_value_is_stored_only_once_filled_and_a_failed_put_keeps_the_old_one() {
         let s = Store::new(1 << 30);
         let dev = device();
@@ -1204,6 +1337,7 @@ mod gpu_tests {
                 3,
                 0,
                 Arc::clone(&dev),
+                false,
             )
             .unwrap();
         drop(pending);
@@ -1259,6 +1393,7 @@ mod gpu_tests {
                 3 * page,
                 0,
                 Arc::clone(&dev),
+                false,
             )
             .unwrap_err();
         assert!(e.to_string().contains("[store] gpu_bytes"), "{e}");
@@ -1279,6 +1414,7 @@ mod gpu_tests {
                 bytes,
                 0,
                 Arc::clone(&dev),
+                false,
             )
         };
         let e = reserve(MAX_BYTES + 1, 60.0).unwrap_err();

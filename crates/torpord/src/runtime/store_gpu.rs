@@ -41,7 +41,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-use super::store::{reply_stored, reply_to, Delivered, StoreError, Taken, TakenHeld};
+use super::store::{reply_stored, reply_to, Delivered, SealedPut, StoreError, Taken, TakenHeld};
 use super::Instance;
 use crate::protocol::{StoreMemory, StorePut, StoreValueGpu, StoreWritten, ToWorker};
 use crate::split::device::SegmentDevice;
@@ -70,15 +70,15 @@ impl super::Runtime {
     /// A worker's `store_put` with `gpu`: memory allocated and sent (`store_memory`), on the
     /// blocking pool (it may move values to host memory first).
     pub(crate) fn store_put_gpu(self: &Arc<Self>, inst: &Arc<Instance>, put: StorePut) {
-        if put.nodes.is_some() {
-            // Not built: a GPU value stays on its node (docs/sandboxes.md, "Limitations").
+        if put.nodes.is_some() && self.objstore.is_none() {
+            // For every node it goes through the bucket (crate::runtime::store_nodes).
             let frame = StoreMemory {
                 id: put.id,
                 ok: false,
                 padded: None,
                 ordinal: None,
                 fd: None,
-                error: Some(StoreError::GpuNodes.to_string()),
+                error: Some(StoreError::NoObjstore.to_string()),
             };
             reply_to(inst, ToWorker::StoreMemory(frame), None);
             return;
@@ -144,6 +144,7 @@ impl super::Runtime {
             g.bytes,
             ordinal,
             device,
+            put.nodes.is_some(),
         )?;
         if r.spilled > 0 {
             self.metrics.store_spills.inc_by(r.spilled as u64);
@@ -151,15 +152,19 @@ impl super::Runtime {
         Ok((r, ordinal))
     }
 
-    /// A worker's `store_written`: the value sealed and stored (or dropped), `store_stored`.
+    /// A worker's `store_written`: the value sealed and stored (or dropped), `store_stored`. A
+    /// put for every node is uploaded first (crate::runtime::store_nodes), on the blocking pool.
     pub(crate) fn store_written(self: &Arc<Self>, inst: &Arc<Instance>, w: StoreWritten) {
-        let sealed = self.store.seal_gpu(&ticket(inst, w.id), w.ok);
-        let stored = match (sealed, w.ok) {
-            (Err(e), _) => Err(e),
-            (Ok(()), true) => Ok(()),
-            (Ok(()), false) => Err(StoreError::Worker(
+        let stored = match self.store.seal_gpu(&ticket(inst, w.id), w.ok) {
+            Err(e) => Err(e),
+            Ok(SealedPut::Stored) => Ok(()),
+            Ok(SealedPut::Dropped) => Err(StoreError::Worker(
                 w.error.unwrap_or_else(|| "no reason given".into()),
             )),
+            Ok(SealedPut::ForNodes(sealed)) => {
+                self.store_publish_gpu(inst, w.id, sealed);
+                return;
+            }
         };
         self.store_metrics();
         reply_stored(inst, w.id, "(GPU put)", stored);
@@ -210,15 +215,20 @@ impl super::Runtime {
                 }
             }
             TakenHeld::Host(fd) => {
-                let len = usize::try_from(t.held_bytes).unwrap_or(usize::MAX);
+                // A spill holds whole granules; a value from the bucket holds its bytes only,
+                // and the memory made for it is rounded up (the tail zeroed).
+                let held = usize::try_from(t.held_bytes).unwrap_or(usize::MAX);
+                let granule = dev.granularity().max(1);
+                let len = held.div_ceil(granule).saturating_mul(granule);
                 let mut buf = dev.host_buffer(len).map_err(dev_err("staging"))?;
                 std::fs::File::from(fd.try_clone().map_err(StoreError::Fd)?)
-                    .read_exact_at(&mut buf, 0)
+                    .read_exact_at(&mut buf[..held], 0)
                     .map_err(StoreError::Spill)?;
+                buf[held..].fill(0);
                 let m = dev
                     .fill_from_bytes(&buf, true)
                     .map_err(dev_err("copying the spilled value up to the worker's GPU"))?;
-                (m, t.held_bytes, "spilled")
+                (m, len as u64, "spilled")
             }
         };
         let fd = dev

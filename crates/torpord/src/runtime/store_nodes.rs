@@ -5,14 +5,21 @@
 //! not hold the key asks the bucket and hands the value over in a sealed memfd, as a local one.
 //! No channel between daemons is added and workers never see the bucket's credentials.
 //!
+//! A CUDA tensor goes the same way: the daemon holds it in its GPU memory as for a put on the
+//! node (crate::runtime::store_gpu), copies it to host memory once sealed and uploads those
+//! bytes, marked `gpu` in the record; a get on another node downloads them and copies them up
+//! into new memory on the getter's GPU through that GPU's PCIe scheduler (source "bucket"), as
+//! for a spilled value. Only a function with a GPU gets it; elsewhere the get is refused and
+//! the value stays.
+//!
 //! Two objects per key, under the daemon's tenant (never the worker's word): the value's bytes,
 //! `store/<tenant>/<blake3 of the key>.<put id>.bin`, then its [`Record`],
 //! `store/<tenant>/<blake3 of the key>.json`, which names the put id. The record is written
 //! last and read first: it is the commit point, so a key is never half visible (a reader that
-//! finds a record whose bytes are gone finds nothing). A consuming get deletes the record, then
-//! the bytes. A get on the putting node asks the bucket whether its value is still the key's
-//! (another node may have consumed or replaced it). Host values only: a CUDA tensor with
-//! `nodes="all"` is refused ([`StoreError::GpuNodes`]).
+//! finds a record whose bytes are gone finds nothing). A consuming get deletes the record once
+//! the value is ready to hand over (the worker's fd made, a GPU copy done), then the bytes: a
+//! get that fails before consumes nothing. A get on the putting node asks the bucket whether its
+//! value is still the key's (another node may have consumed or replaced it).
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
@@ -23,7 +30,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use torpor_objstore::Remote;
 
-use super::store::{reply_stored, reply_to, value_frame, Delivered, StoreError, Taken, TakenHeld};
+use super::store::{
+    reply_stored, reply_to, value_frame, Delivered, SealedGpu, StoreError, Taken, TakenHeld,
+};
 use super::Instance;
 use crate::bucket::Tier;
 use crate::protocol::{StoreGet, StorePut, ToWorker};
@@ -47,6 +56,10 @@ pub struct Record {
     /// Wall-clock expiry, milliseconds since the epoch (the nodes' clocks are compared).
     pub expires_unix_ms: u64,
     pub meta: Value,
+    /// Put from a CUDA tensor: a get hands it over on the getter's GPU. Absent for bytes and
+    /// arrays, so their records read as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gpu: bool,
 }
 
 /// The objects' common stem: the tenant's path component and the key's hash, so a key with `/`
@@ -85,6 +98,7 @@ fn now_ms() -> u64 {
 
 impl Record {
     /// The record of a put of `bytes` under `key`, living `ttl_s` from `now_ms`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         tenant: &str,
         key: &str,
@@ -93,6 +107,7 @@ impl Record {
         ttl_s: f64,
         now_ms: u64,
         meta: Value,
+        gpu: bool,
     ) -> Self {
         Record {
             format: RECORD_FORMAT,
@@ -102,6 +117,7 @@ impl Record {
             bytes,
             expires_unix_ms: now_ms.saturating_add((ttl_s * 1000.0) as u64),
             meta,
+            gpu,
         }
     }
 
@@ -174,8 +190,58 @@ fn delete(remote: &Remote, r: &Record) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Uploads the sealed memfd `fd` of `put` for every node, then stores it here: the put is done
-/// only when both are; a failure leaves the key as it was, here and in the bucket. Blocking.
+/// Puts `data` in the bucket as the value of `key` of `tenant` (`gpu`: from a CUDA tensor), then
+/// has `store_here` store it on this node under the new put id: the put is done only when both
+/// are; a failure leaves the key as it was, here and in the bucket. Blocking.
+#[allow(clippy::too_many_arguments)]
+fn publish(
+    tier: &Tier,
+    tenant: &str,
+    key: &str,
+    ttl_s: f64,
+    meta: &Value,
+    gpu: bool,
+    data: &[u8],
+    store_here: impl FnOnce(String) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
+    let id = new_put_id().map_err(StoreError::Fd)?;
+    let r = Record::new(
+        tenant,
+        key,
+        &id,
+        data.len() as u64,
+        ttl_s,
+        now_ms(),
+        meta.clone(),
+        gpu,
+    );
+    let what = "uploading the value for every node (the key is unchanged)";
+    let remote = remote(tier, what)?;
+    let old = read_record(&remote, tenant, key).ok().flatten();
+    remote
+        .put(&data_name(tenant, key, &id), data)
+        .map_err(bucket(what))?;
+    let record = serde_json::to_vec(&r).map_err(|e| StoreError::Fd(std::io::Error::other(e)))?;
+    if let Err(e) = remote.put(&record_name(tenant, key), &record) {
+        let _ = remote.delete(&data_name(tenant, key, &id));
+        return Err(bucket(what)(e));
+    }
+    if let Err(e) = store_here(id) {
+        // Refused here (the tenant's bound): not in the bucket either. The value the key held
+        // in the bucket before is gone with it, as a put replaces it.
+        let _ = delete(&remote, &r);
+        return Err(e);
+    }
+    if let Some(old) = old.filter(|o| o.put != r.put) {
+        if let Err(e) = remote.delete(&data_name(tenant, key, &old.put)) {
+            tracing::warn!(key = %key, "store: the bytes of a replaced value stay in the bucket: {e}");
+        }
+    }
+    Ok(())
+}
+
+/// Uploads the sealed memfd `fd` of `put` for every node, then stores it here ([`publish`]).
+/// Blocking.
 fn upload(
     tier: &Tier,
     store: &super::store::Store,
@@ -194,48 +260,55 @@ fn upload(
     std::fs::File::from(fd.try_clone().map_err(StoreError::Fd)?)
         .read_exact_at(&mut data, 0)
         .map_err(StoreError::Fd)?;
-    let id = new_put_id().map_err(StoreError::Fd)?;
-    let r = Record::new(
+    publish(
+        tier,
         tenant,
         &put.key,
-        &id,
-        bytes,
         put.ttl_s,
-        now_ms(),
-        put.meta.clone(),
-    );
-    let what = "uploading the value for every node (the key is unchanged)";
-    let remote = remote(tier, what)?;
-    let old = read_record(&remote, tenant, &put.key).ok().flatten();
-    remote
-        .put(&data_name(tenant, &put.key, &id), &data)
-        .map_err(bucket(what))?;
-    let record = serde_json::to_vec(&r).map_err(|e| StoreError::Fd(std::io::Error::other(e)))?;
-    if let Err(e) = remote.put(&record_name(tenant, &put.key), &record) {
-        let _ = remote.delete(&data_name(tenant, &put.key, &id));
-        return Err(bucket(what)(e));
-    }
-    if let Err(e) = store.put(tenant, &put.key, fd, put.meta.clone(), put.ttl_s, Some(id)) {
-        // Refused here (the tenant's bound): not in the bucket either. The value the key held
-        // in the bucket before is gone with it, as a put replaces it.
-        let _ = delete(&remote, &r);
-        return Err(e);
-    }
-    if let Some(old) = old.filter(|o| o.put != r.put) {
-        if let Err(e) = remote.delete(&data_name(tenant, &put.key, &old.put)) {
-            tracing::warn!(key = %put.key, "store: the bytes of a replaced value stay in the bucket: {e}");
-        }
-    }
-    Ok(())
+        &put.meta,
+        false,
+        &data,
+        |id| store.put(tenant, &put.key, fd, put.meta.clone(), put.ttl_s, Some(id)),
+    )
 }
 
-/// The value of record `r` in a new sealed memfd; its objects deleted unless `keep`. `None`
-/// when it expired or its bytes are gone (another node consumed it meanwhile). Blocking.
-fn download(remote: &Remote, r: Record, keep: bool) -> Result<Option<Delivered>, StoreError> {
-    if r.expired(now_ms()) {
-        delete(remote, &r)?;
-        return Ok(None);
-    }
+/// Uploads a sealed GPU put for every node (its bytes copied to host memory), then stores it
+/// here in its GPU memory ([`publish`]). A failure drops the memory. Blocking.
+fn upload_gpu(
+    tier: &Tier,
+    store: &super::store::Store,
+    sealed: SealedGpu,
+) -> Result<(), StoreError> {
+    let too_large = |n| StoreError::Full {
+        keys: 0,
+        bytes: 0,
+        adding: n,
+    };
+    let len = usize::try_from(sealed.bytes).map_err(|_| too_large(sealed.bytes))?;
+    let padded = usize::try_from(sealed.gpu.padded).map_err(|_| too_large(sealed.gpu.padded))?;
+    let dev_err = |what| move |source| StoreError::Device { what, source };
+    // The device copies whole granules; the bucket gets the value's bytes.
+    let device = &sealed.gpu.device;
+    let mut buf = device
+        .host_buffer(padded)
+        .map_err(dev_err("staging the value for the bucket"))?;
+    device
+        .read_memory(&sealed.gpu.memory, &mut buf)
+        .map_err(dev_err("copying the value to host memory for the bucket"))?;
+    let (tenant, key, meta) = (
+        sealed.tenant.clone(),
+        sealed.key.clone(),
+        sealed.meta.clone(),
+    );
+    let ttl_s = sealed.ttl.as_secs_f64();
+    publish(tier, &tenant, &key, ttl_s, &meta, true, &buf[..len], |id| {
+        store.insert_gpu(sealed, id)
+    })
+}
+
+/// The bytes of record `r` in a new sealed memfd. `None` when they are gone (another node
+/// consumed the value meanwhile). Blocking.
+fn download(remote: &Remote, r: &Record) -> Result<Option<OwnedFd>, StoreError> {
     let fd = super::store::new_memfd().map_err(StoreError::Fd)?;
     let mut file = std::fs::File::from(fd.try_clone().map_err(StoreError::Fd)?);
     let name = data_name(&r.tenant, &r.key, &r.put);
@@ -256,19 +329,20 @@ fn download(remote: &Remote, r: Record, keep: bool) -> Result<Option<Delivered>,
     if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
         return Err(StoreError::Fd(std::io::Error::last_os_error()));
     }
-    if !keep {
-        delete(remote, &r)?;
-    }
-    Ok(Some(Delivered {
-        meta: r.meta,
-        bytes: r.bytes,
-        fd,
-        gpu: None,
-    }))
+    Ok(Some(fd))
+}
+
+/// What a get the bucket decided found: the value (this node's, or downloaded), and for a
+/// consuming get the record to delete once the value is ready to hand over.
+struct Found {
+    taken: Taken,
+    consume: Option<(Remote, Record)>,
+    downloaded: bool,
 }
 
 /// A get of `key` of `tenant` that this node's store missed (`local` None) or found as a value
-/// for every node (`local`, taken out unless `keep`): the bucket decides. Blocking.
+/// for every node (`local`, taken out unless `keep`): the bucket decides. A value put from a
+/// CUDA tensor is refused to a getter without a GPU (`!gpu_ok`) before any download. Blocking.
 fn get(
     tier: &Tier,
     store: &super::store::Store,
@@ -276,7 +350,8 @@ fn get(
     key: &str,
     keep: bool,
     local: Option<Taken>,
-) -> Result<Option<Delivered>, StoreError> {
+    gpu_ok: bool,
+) -> Result<Option<Found>, StoreError> {
     let remote = remote(tier, "reading the store key from the bucket")?;
     let record = read_record(&remote, tenant, key)?;
     if let Some(t) = local {
@@ -284,17 +359,11 @@ fn get(
             .as_ref()
             .is_some_and(|r| Some(&r.put) == t.bucket.as_ref());
         if ours && !record.as_ref().is_some_and(|r| r.expired(now_ms())) {
-            if let (false, Some(r)) = (keep, &record) {
-                delete(&remote, r)?;
-            }
-            let TakenHeld::Host(fd) = t.held else {
-                return Ok(None);
-            };
-            return Ok(Some(Delivered {
-                meta: t.meta,
-                bytes: t.bytes,
-                fd,
-                gpu: None,
+            let consume = record.filter(|_| !keep).map(|r| (remote, r));
+            return Ok(Some(Found {
+                taken: t,
+                consume,
+                downloaded: false,
             }));
         }
         // Consumed, replaced or expired elsewhere: this node's copy is stale.
@@ -302,10 +371,25 @@ fn get(
             store.forget(tenant, key, &t);
         }
     }
-    match record {
-        Some(r) => download(&remote, r, keep),
-        None => Ok(None),
+    let Some(r) = record else {
+        return Ok(None);
+    };
+    if r.expired(now_ms()) {
+        delete(&remote, &r)?;
+        return Ok(None);
     }
+    if r.gpu && !gpu_ok {
+        return Err(StoreError::NeedsGpu(key.to_string()));
+    }
+    let Some(fd) = download(&remote, &r)? else {
+        return Ok(None);
+    };
+    let taken = Taken::downloaded(fd, r.meta.clone(), r.bytes, r.gpu);
+    Ok(Some(Found {
+        taken,
+        consume: (!keep).then_some((remote, r)),
+        downloaded: true,
+    }))
 }
 
 impl super::Runtime {
@@ -339,8 +423,70 @@ impl super::Runtime {
         });
     }
 
+    /// A GPU put for every node, filled and sealed (`store_written`): uploaded, stored in its
+    /// GPU memory, answered `store_stored` (put `id`).
+    pub(crate) fn store_publish_gpu(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+        id: u64,
+        sealed: SealedGpu,
+    ) {
+        let Some(tier) = self.objstore.clone() else {
+            reply_stored(inst, id, &sealed.key, Err(StoreError::NoObjstore));
+            return;
+        };
+        let rt = Arc::clone(self);
+        let inst = Arc::clone(inst);
+        let key = sealed.key.clone();
+        tokio::spawn(async move {
+            let rt2 = Arc::clone(&rt);
+            let stored = tokio::task::spawn_blocking(move || upload_gpu(&tier, &rt2.store, sealed))
+                .await
+                .unwrap_or_else(|e| Err(StoreError::Task(e.to_string())));
+            rt.store_metrics();
+            reply_stored(&inst, id, &key, stored);
+        });
+    }
+
+    /// What a get found, ready for the worker: a host value's memfd, or a GPU value on the
+    /// worker's GPU (crate::runtime::store_gpu); then, for a consuming get, the bucket's copy
+    /// deleted. A failure anywhere hands nothing over (a GPU copy made is dropped). Blocking.
+    fn store_hand_over(&self, inst: &Instance, found: Found) -> Result<Delivered, StoreError> {
+        let Found {
+            taken,
+            consume,
+            downloaded,
+        } = found;
+        let delivered = match taken {
+            Taken {
+                held: TakenHeld::Host(fd),
+                gpu: false,
+                meta,
+                bytes,
+                ..
+            } => Delivered {
+                meta,
+                bytes,
+                fd,
+                gpu: None,
+            },
+            taken => {
+                let mut d = self.store_deliver(inst, &taken)?;
+                if let (true, Some(g)) = (downloaded, d.gpu.as_mut()) {
+                    g.source = "bucket".to_string();
+                }
+                d
+            }
+        };
+        if let Some((remote, r)) = &consume {
+            delete(remote, r)?;
+        }
+        Ok(delivered)
+    }
+
     /// A worker's `store_get` that the bucket decides ([`get`]): answered `store_value`. A
-    /// value of this node's taken out for it goes back when the bucket cannot be asked.
+    /// value of this node's taken out for it goes back when the get fails (the bucket cannot be
+    /// asked, the copy onto the worker's GPU fails).
     pub(crate) fn store_get_nodes(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
@@ -351,25 +497,23 @@ impl super::Runtime {
     ) {
         let rt = Arc::clone(self);
         let inst = Arc::clone(inst);
+        let gpu_ok = self.pool_gpus(&inst.function);
         tokio::spawn(async move {
-            let rt2 = Arc::clone(&rt);
+            let (rt2, inst2) = (Arc::clone(&rt), Arc::clone(&inst));
             let (key, keep) = (get_frame.key.clone(), get_frame.keep);
             let found = tokio::task::spawn_blocking(move || {
-                // A copy of the local value, to put back if the bucket cannot be asked.
+                // Another handle of the local value, to put back if the get fails.
                 let back = local
                     .as_ref()
                     .filter(|_| !keep)
-                    .and_then(|t| match &t.held {
-                        TakenHeld::Host(fd) => fd.try_clone().ok().map(|fd| (fd, t)),
-                        TakenHeld::Gpu(_) => None,
-                    })
-                    .map(|(fd, t)| t.with_host(fd));
-                let found = get(&tier, &rt2.store, &tenant, &key, keep, local);
-                if let (Err(e), Some(t)) = (&found, back) {
+                    .and_then(|t| t.duplicate().ok());
+                let delivered = get(&tier, &rt2.store, &tenant, &key, keep, local, gpu_ok)
+                    .and_then(|found| found.map(|f| rt2.store_hand_over(&inst2, f)).transpose());
+                if let (Err(e), Some(t)) = (&delivered, back) {
                     let kept = rt2.store.put_back(&tenant, &key, t);
-                    tracing::warn!(key = %key, kept, "store: the bucket could not be asked: {e}");
+                    tracing::warn!(key = %key, kept, "store: a get through the bucket failed: {e}");
                 }
-                found
+                delivered
             })
             .await
             .unwrap_or_else(|e| Err(StoreError::Task(e.to_string())));
@@ -412,7 +556,7 @@ mod tests {
     fn a_record_round_trips_and_one_for_another_key_or_tenant_is_refused() {
         let meta = serde_json::json!({"kind": "ndarray", "dtype": "<f4", "shape": [3, 4]});
         let put = "0123456789abcdef0123456789abcdef";
-        let r = Record::new("team-a", "k/1", put, 48, 2.5, 1_000, meta);
+        let r = Record::new("team-a", "k/1", put, 48, 2.5, 1_000, meta, false);
         assert_eq!(r.expires_unix_ms, 3_500);
         let bytes = serde_json::to_vec(&r).unwrap();
         assert_eq!(Record::parse(&bytes, "team-a", "k/1").unwrap(), r);

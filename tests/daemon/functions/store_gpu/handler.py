@@ -10,7 +10,7 @@ Every answer names its process (`process`: a token). Ops: put {key, n, seed, dev
 `device` (default 0), put with shared=True; get {key, keep?}: the value from torpord's store,
 its bytes, where it is mapped (the /proc/self/maps line of its address: permissions and inode)
 and what a memset through that mapping returns (the driver's code). With torch (the real GPU's
-test): put_torch {key, n, seed, device, dtype}: a torch tensor of n values on cuda:device, put
+test): put_torch {key, n, seed, device, dtype, nodes?}: a torch tensor of n values on cuda:device, put
 with shared=True; get_torch {key, keep?}: the tensor got, described (dtype, shape, device, the
 SHA-256 of its bytes), a memset through it tried, and the context still working after it.
 Both answer `digest`, the SHA-256 of the tensor's bytes."""
@@ -106,7 +106,8 @@ class StoreGpu:
             t = torch.randn(int(request["n"]), generator=g).to(dtype).to(device)
             out["digest"] = digest(t)
             out["device"] = str(t.device)
-            torpor.put(str(request["key"]), t, shared=True)
+            nodes = {"nodes": request["nodes"]} if "nodes" in request else {}
+            torpor.put(str(request["key"]), t, shared=True, **nodes)
         elif op == "get_torch":
             import torch
 
