@@ -25,6 +25,8 @@ import pytest
 from conftest import FakeCuda
 
 from .conftest import FUNCTIONS, Torpord, fake_gpu_env
+from .test_daemon_adopt import kill_daemon, wait_log
+from .test_daemon_crash import registry
 from .test_daemon_split import expected_sha, twin
 from .test_daemon_tenants import TOKENS, splitbuf_twin, tcp, tenants  # noqa: F401 (the fixture)
 
@@ -374,3 +376,71 @@ def test_a_daemon_restarted_after_a_migration_re_adopts_the_instance_where_it_mo
     while placement.exists():
         assert time.monotonic() < deadline, "the placement file outlived its instance"
         time.sleep(0.1)
+
+
+def test_a_daemon_killed_in_a_migration_re_adopts_before_the_stop_and_removes_the_instance_after(
+    torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    """kill -9 of the daemon in a migration. In the pre-copy (held 8 s by TORPORD_DELAY) the
+    worker is as it was: the next daemon re-adopts it, same process, same state. In the stop
+    (held by TORPORD_HOLD right after the journal recorded `copy`: the worker has unmapped its
+    segments, whose memory only the daemon held) the next daemon removes the instance instead of
+    taking back a worker that would fail its first request; the next request restores another."""
+    env = {"TORPORD_DELAY": "migrate-precopy:8000", "TORPORD_HOLD": "migrate:copy"}
+    d = daemon(torpor_bin, tmp_path, env=env)
+    name = "splitbuf-cut"
+    try:
+        inst = deploy_one(d, tmp_path, name)
+
+        def migrate_in_background() -> None:
+            iid = inst["id"]
+
+            def send() -> None:
+                try:
+                    migrate(d, iid, 1)
+                except OSError:
+                    pass  # the daemon is killed under it
+
+            threading.Thread(target=send, daemon=True).start()
+
+        # In the pre-copy: re-adopted, with its state.
+        migrate_in_background()
+        wait_log(d, "segments pre-copied while the instance serves", 30)
+        kill_daemon(d)
+        d.restart()
+        deadline = time.monotonic() + 30
+        while [i["pid"] for i in d.instances(name) if i.get("pid")] != [inst["pid"]]:
+            assert time.monotonic() < deadline, d.log_text()
+            time.sleep(0.1)
+        warm = d.invoke(name, {"op": "compute", "x": 9})
+        assert warm.status == 200 and warm.start == "warm", (warm.status, warm.body)
+        assert warm.json() == {"sha": expected_sha(9), "calls": inst["calls"] + 1}
+        assert not registry(d, "SELECT 1 FROM journal")
+
+        # In the stop, past the unmap: removed. (An instance of a function deployed now: a
+        # re-adopted one holds no segments from this daemon and cannot migrate: docs/migration.md.)
+        name = "splitbuf-cut2"
+        inst = deploy_one(d, tmp_path, name)
+        migrate_in_background()
+        deadline = time.monotonic() + 60
+        while not registry(d, "SELECT 1 FROM journal WHERE op = 'migrate' AND step = 'copy'"):
+            assert time.monotonic() < deadline, d.log_text()
+            time.sleep(0.05)
+        kill_daemon(d)
+        d.env.pop("TORPORD_HOLD")
+        d.env.pop("TORPORD_DELAY")
+        d.restart()
+        wait_log(d, "a migration was interrupted by a torpord stop in its copy step and its instance removed", 30)
+        assert not registry(d, "SELECT 1 FROM journal")
+        assert not registry(d, "SELECT 1 FROM instances WHERE id = ?", inst["id"])
+        deadline = time.monotonic() + 15
+        while os.path.exists(f"/proc/{inst['pid']}"):
+            assert time.monotonic() < deadline, "the removed instance's tree is still alive"
+            time.sleep(0.1)
+        fresh = d.invoke(name, {"op": "compute", "x": 9})
+        assert fresh.status == 200 and fresh.start == "restored", (fresh.status, fresh.body)
+        # A new instance from the function snapshot: the count starts again.
+        assert fresh.json() == {"sha": expected_sha(9), "calls": inst["calls"]}
+        assert [i["id"] for i in d.instances(name)] != [inst["id"]]
+    finally:
+        d.stop()

@@ -1,4 +1,4 @@
-//! The step journal of deploys and hibernations: each step is written to the registry (table
+//! The step journal of deploys, hibernations and migrations' stops: each step is written to the registry (table
 //! `journal`) before it acts, so that a daemon killed in the middle of one leaves a record of
 //! what it was doing, and the next daemon finishes or undoes it (crate::recovery). A journal
 //! ends when its operation finished or failed cleanly.
@@ -133,6 +133,22 @@ impl Journal {
 
 /// The steps of a hibernation's journal (crate::runtime::keepalive; replayed by crate::recovery), in order. Each is
 /// recorded before it acts.
+/// The steps of a migration's stop (crate::runtime::migrate), each recorded before it acts.
+/// From the first the worker may have released its segments, whose memory only the daemon
+/// holds then: a daemon that dies in the stop leaves an instance that cannot serve, which the
+/// next one removes (crate::recovery).
+pub mod migration_step {
+    /// The worker is about to unmap its segments (it serves no request since the drain).
+    pub const UNMAP: &str = "unmap";
+    /// The blocks that changed since the pre-copy go to the new memory.
+    pub const COPY: &str = "copy";
+    /// The driver moves the CUDA residue to the target GPU (a GPU function).
+    pub const RESIDUE: &str = "residue";
+    /// The new memory is mapped at the segments' addresses.
+    pub const MAP: &str = "map";
+    pub const ALL: &[&str] = &[UNMAP, COPY, RESIDUE, MAP];
+}
+
 pub mod hibernation_step {
     /// `quiesce` is about to be sent: the worker serves on until it reads it.
     pub const QUIESCE: &str = "quiesce";

@@ -8,7 +8,8 @@
 //!    hibernation is undone while its tree is alive (thawed, its CUDA state resumed, its worker
 //!    woken from its quiet point, re-adopted warm or gpu_released), finished when the tree is
 //!    gone and the snapshot is complete, sealed and verifies (the instance sleeps), and only
-//!    otherwise is the instance removed, with the reason logged. Before the replay, every
+//!    otherwise is the instance removed, with the reason logged. An instance whose migration
+//!    was in its stop is removed (its segments' memory died with the daemon). Before the replay, every
 //!    process of the earlier daemon outside the trees of live instances is killed (the early
 //!    sweep), so that no CRIU of its holds a tree being undone.
 //! 2. [`sweep_processes`]: every process the daemon starts carries [`OWNER_ENV`] naming its
@@ -234,6 +235,7 @@ pub fn replay_journal(
         match entry.op {
             JournalOp::Deploy => replay_deploy(registry, &entry)?,
             JournalOp::Hibernate => replay_hibernation(registry, key, &entry, &mut replayed)?,
+            JournalOp::Migrate => replay_migration(registry, &entry)?,
         }
         registry.critical(|s| s.journal_end(entry.op, &entry.subject))?;
     }
@@ -316,6 +318,27 @@ fn retire_older_instances(
         }
         tracing::info!(function = %f.name, instance = %i.id, stage = %i.stage, "removed an instance of the deploy before one that finished as torpord stopped");
     }
+    Ok(())
+}
+
+/// An interrupted migration's stop (crate::runtime::migrate): from its first step the worker
+/// may have released its segments, and their memory (the daemon's, old and new) went with the
+/// daemon, so the instance cannot serve again; its tree is killed (a CUDA state the driver held
+/// locked or checkpointed goes with it) and its row removed, and the function's next request
+/// starts another instance. Nothing of a request is lost: the stop begins once the instance has
+/// none in flight.
+fn replay_migration(registry: &Registry, e: &JournalEntry) -> Result<(), RegistryError> {
+    let id = e.subject.as_str();
+    let Some(inst) = registry.with(|s| s.instance(id))? else {
+        return Ok(());
+    };
+    if let Some((pid, start)) = registry.with(|s| s.instance_process(id))? {
+        if crate::workers::process_start(pid) == Some(start) {
+            crate::runtime::kill_tree(pid);
+        }
+    }
+    registry.critical(|s| s.delete_instance(id).map(|_| ()))?;
+    tracing::warn!(instance = id, function = %inst.function, step = %e.step, "a migration was interrupted by a torpord stop in its {} step and its instance removed: its worker had handed its segments over, and their memory went with the earlier torpord (the next request starts another instance)", e.step);
     Ok(())
 }
 

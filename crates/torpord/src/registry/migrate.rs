@@ -104,6 +104,23 @@ const MIGRATIONS: &[&str] = &[
         measured     INTEGER NOT NULL
     ) STRICT;
     "#,
+    // 5 → 6: the journal records migrations between GPUs too (crate::runtime::migrate): the
+    // table is made again with the wider CHECK (SQLite cannot alter one), its rows kept.
+    r#"
+    CREATE TABLE journal_6 (
+        op       TEXT NOT NULL CHECK (op IN ('deploy', 'hibernate', 'migrate')),
+        subject  TEXT NOT NULL,
+        step     TEXT NOT NULL,
+        previous TEXT,
+        target   TEXT,
+        started  INTEGER NOT NULL,
+        updated  INTEGER NOT NULL,
+        PRIMARY KEY (op, subject)
+    ) STRICT;
+    INSERT INTO journal_6 SELECT op, subject, step, previous, target, started, updated FROM journal;
+    DROP TABLE journal;
+    ALTER TABLE journal_6 RENAME TO journal;
+    "#,
 ];
 
 /// The schema version of `conn`'s database (0 when empty).
@@ -172,4 +189,67 @@ pub fn migrate(conn: &mut Connection, path: &std::path::Path) -> Result<u32, Reg
         tx.commit().map_err(fail)?;
     }
     Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    /// The database at `version`, as that torpord left it.
+    fn at(version: u32) -> Connection {
+        let mut conn = Connection::open_in_memory().unwrap();
+        for v in 0..version {
+            let tx = conn.transaction().unwrap();
+            tx.execute_batch(MIGRATIONS[v as usize]).unwrap();
+            tx.commit().unwrap();
+        }
+        conn.execute_batch(&format!(
+            "CREATE TABLE schema_version (id INTEGER PRIMARY KEY CHECK (id = 1), \
+             version INTEGER NOT NULL, migrated INTEGER NOT NULL) STRICT; \
+             INSERT INTO schema_version VALUES (1, {version}, 0);"
+        ))
+        .unwrap();
+        conn
+    }
+
+    /// Inserts a journal row of `op` on `subject`.
+    fn journal_row(conn: &Connection, op: &str, subject: &str) -> rusqlite::Result<usize> {
+        conn.execute(
+            "INSERT INTO journal VALUES (?1, ?2, 'quiet', NULL, '/s/hib-1', 1, 2)",
+            (op, subject),
+        )
+    }
+
+    #[test]
+    fn the_journal_keeps_its_rows_and_takes_migrations_from_version_6() {
+        let mut conn = at(5);
+        journal_row(&conn, "hibernate", "i-1").unwrap();
+        assert!(
+            journal_row(&conn, "migrate", "i-2").is_err(),
+            "version 5 takes no migration row"
+        );
+        assert_eq!(migrate(&mut conn, Path::new("mem")).unwrap(), 5);
+        assert_eq!(current_version(&conn).unwrap(), SCHEMA_VERSION);
+        let kept: (String, String, String, Option<String>) = conn
+            .query_row("SELECT op, subject, step, target FROM journal", [], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+            })
+            .unwrap();
+        let want = ("hibernate", "i-1", "quiet", Some("/s/hib-1"));
+        assert_eq!(
+            (
+                kept.0.as_str(),
+                kept.1.as_str(),
+                kept.2.as_str(),
+                kept.3.as_deref()
+            ),
+            want
+        );
+        journal_row(&conn, "migrate", "i-2").unwrap();
+        assert!(
+            journal_row(&conn, "other", "i-3").is_err(),
+            "the CHECK still refuses an unknown op"
+        );
+    }
 }

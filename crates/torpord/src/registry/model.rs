@@ -80,6 +80,9 @@ text_enum! {
         Deploy = "deploy",
         /// A hibernation of the instance named by the row's subject.
         Hibernate = "hibernate",
+        /// The stop of a migration of the instance named by the row's subject to another GPU
+        /// (its pre-copy is not journaled: it leaves the worker as it was).
+        Migrate = "migrate",
     }
 }
 

@@ -20,6 +20,10 @@
 //!    after, the residue is moved back first. The instance then serves on, on its old GPU, and
 //!    the error names the step. Only a worker that stops answering, or a rollback that fails too,
 //!    removes the instance (the next request starts another), which the error says.
+//! 5. **A daemon that dies in the stop**: the stop's steps are journaled (crate::journal,
+//!    `migration_step`). Its worker may have released its segments, whose memory died with the
+//!    daemon, so the next daemon removes the instance instead of re-adopting it
+//!    (crate::recovery); one that dies in the pre-copy leaves the worker as it was, re-adopted.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -29,7 +33,10 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use torpor_cuda::GpuUuid;
 
+use crate::journal::migration_step as step;
+use crate::journal::Journal;
 use crate::protocol::{ToWorker, Unmap};
+use crate::registry::JournalOp;
 use crate::runtime::keepalive::ForwardedReplies;
 use crate::runtime::lifecycle::{Doing, State, Transition};
 use crate::runtime::process::{CUDA_LOCK_TIMEOUT, QUIET_TIMEOUT};
@@ -282,6 +289,27 @@ impl Runtime {
         }
     }
 
+    /// At startup, before the re-adoption: removes the placement files of instances that are
+    /// not among `live` (the ids of the rows being re-adopted), such as one the journal's replay
+    /// removed in a migration's stop (crate::recovery), so that none outlives its instance.
+    pub(crate) fn sweep_placements(&self, live: &[&str]) {
+        let dir = self.config.state_dir.join(PLACEMENT_DIR);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let id = name.strip_suffix(".json").unwrap_or(&name);
+            if !live.contains(&id) {
+                let _ = std::fs::remove_file(e.path());
+                tracing::info!(
+                    instance = id,
+                    "removed the placement file of an instance that is gone"
+                );
+            }
+        }
+    }
+
     /// Forgets the placement of an instance that is gone.
     pub(crate) fn forget_placement(&self, id: &str) {
         if let Some(path) = self.placement_path(id) {
@@ -513,7 +541,14 @@ impl Runtime {
             ),
             _ => None,
         };
-        let moved = self.migrate_stop(&inst, &plan, leases, moving, pairs).await;
+        // Recorded before the worker unmaps anything: a daemon that dies in the stop leaves a
+        // worker without its segments, which the next daemon must not take back (crate::recovery).
+        let journal =
+            Journal::begin(&self.registry, JournalOp::Migrate, &inst.id, step::UNMAP).await;
+        let moved = self
+            .migrate_stop(&inst, &plan, leases, moving, pairs, &journal)
+            .await;
+        journal.end().await;
         // Routable again, moved or not (a removed instance stays gone).
         let _ = self.step(&inst.function, &mut lock(&inst.keep), Transition::Abort);
         inst.draining.store(false, Ordering::SeqCst);
@@ -638,6 +673,7 @@ impl Runtime {
         old: crate::split::server::Leases,
         moving: Moving,
         pairs: Option<Vec<(GpuUuid, GpuUuid)>>,
+        journal: &Journal,
     ) -> Result<(Delta, bool, StopPhases), (&'static str, String, bool)> {
         let mut undo = Undo::Nothing;
         let mut phases = StopPhases::default();
@@ -652,6 +688,7 @@ impl Runtime {
                 .map_err(|(m, lost)| ("unmap", m, lost))?;
             phases.unmap_s = t.elapsed().as_secs_f64();
             undo = Undo::Segments;
+            journal.step(step::COPY, None).await;
             if crate::journal::fault("migrate:copy") {
                 return Err(forced("copy"));
             }
@@ -671,6 +708,7 @@ impl Runtime {
             }
             let residue_moved = match &pairs {
                 Some(pairs) => {
+                    journal.step(step::RESIDUE, None).await;
                     (phases.residue_checkpoint_s, phases.residue_restore_s) = self
                         .move_residue(inst.worker_pid, pairs.clone())
                         .await
@@ -720,6 +758,7 @@ impl Runtime {
         // Hand the new memory over; the old goes with its last handle.
         *lock(&inst.segments) = InstanceSegments::held(Arc::clone(&moving.plan), moving.leases);
         drop(old);
+        journal.step(step::MAP, None).await;
         let t = Instant::now();
         if let Err(e) = self.map_segments_back(inst, None).await {
             return Err(("map", e.to_string(), true));

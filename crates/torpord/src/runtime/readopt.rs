@@ -110,6 +110,8 @@ impl Runtime {
     /// `woken`: the instances whose interrupted hibernation was undone (crate::recovery): their
     /// workers may wait at their quiet point, and are woken with SIGUSR2 first.
     pub async fn readopt(self: &Arc<Self>, orphans: Vec<InstanceRow>, woken: Vec<String>) {
+        let live: Vec<&str> = orphans.iter().map(|r| r.id.as_str()).collect();
+        self.sweep_placements(&live);
         for row in orphans {
             if let Some(init) = row.pid {
                 if !lock(&self.readopting).wait(&row.id, init, &row.function) {
