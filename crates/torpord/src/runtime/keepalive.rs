@@ -872,8 +872,17 @@ impl Runtime {
             let files = tokio::task::spawn_blocking(move || drop_from_page_cache(&d))
                 .await
                 .map_err(EvictError::Task)??;
-            self.record_stage(&id, Stage::Evicted, None, Some(hib))
-                .await?;
+            // The sleeper becomes evicted (idle, wakeable) right after the registry says so,
+            // on the same thread: a request that saw `evicted` never finds it still changing
+            // and passes it over for a restore of the function snapshot.
+            let (rt, pool2, id2) = (Arc::clone(&self), Arc::clone(&pool), id.clone());
+            self.record_stage_then(&id, Stage::Evicted, None, Some(hib), move || {
+                let mut st = lock(&pool2.state);
+                if let Some(s) = st.sleepers.iter_mut().find(|s| s.id == id2) {
+                    let _ = rt.step(&pool2.name, &mut s.keep, Transition::Evict);
+                }
+            })
+            .await?;
             Ok::<_, EvictError>(files)
         }
         .await;
@@ -881,7 +890,6 @@ impl Runtime {
         if let Some(s) = st.sleepers.iter_mut().find(|s| s.id == id) {
             match &evicted {
                 Ok(files) => {
-                    let _ = self.step(&pool.name, &mut s.keep, Transition::Evict);
                     let (split, hib, keep) = (
                         Arc::clone(&self.split),
                         s.snapshot_id.clone(),

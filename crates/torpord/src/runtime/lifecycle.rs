@@ -121,12 +121,29 @@ impl Runtime {
         pid: Option<i32>,
         snapshot: Option<String>,
     ) -> Result<(), RecordError> {
+        self.record_stage_then(id, stage, pid, snapshot, || ())
+            .await
+    }
+
+    /// [`Runtime::record_stage`], then `then` on the same thread right after the write: the
+    /// pool's side of the change, so that no request sees the registry's new stage while the
+    /// pool still has the old one.
+    pub(crate) async fn record_stage_then<T: Send + 'static>(
+        &self,
+        id: &str,
+        stage: Stage,
+        pid: Option<i32>,
+        snapshot: Option<String>,
+        then: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, RecordError> {
         let registry = Arc::clone(&self.registry);
         let instance = id.to_string();
         let id = instance.clone();
         let what = RecordError::stage_name(stage);
         tokio::task::spawn_blocking(move || {
-            registry.with(|s| s.set_instance_stage(&id, stage, pid, snapshot.as_deref()))
+            registry
+                .with(|s| s.set_instance_stage(&id, stage, pid, snapshot.as_deref()))
+                .map(|()| then())
         })
         .await
         .map_err(|source| RecordError::Task {
