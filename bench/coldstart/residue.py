@@ -24,6 +24,14 @@ Variants (applied at the quiet point, after the request, in the child):
             every resident thread; the driver grows it again when a kernel needs more
   limits    stack0 plus the printf FIFO and the device malloc heap at their smallest
   all       limits plus empty
+
+Page sizes of the residue (`--pages`, the parent's side; issue 9 asks why the driver restores a
+lazily served residue 0.1 s slower than a copied one, docs/lazy-pages.md):
+  as-is         the node's THP mode as it is
+  4k            THP `never` while the driver checkpoints: the residue in 4 KiB pages, as
+                Torpor's page server leaves it (UFFDIO_COPY installs small pages only)
+  4k-collapse   4k, then process_madvise(MADV_COLLAPSE) over the residue's mappings before
+                the restore (timed as `collapse_s`): what collapsing the hot set would buy
 """
 
 from __future__ import annotations
@@ -86,6 +94,56 @@ def _rss_anon(pid: int) -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _anon_huge(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _anon_vmas(pid: int) -> set[tuple[int, int]]:
+    """The private anonymous mappings of `pid` (no path), as (start, end)."""
+    out: set[tuple[int, int]] = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        f = line.split()
+        if len(f) == 5 and f[1][3] == "p":
+            a, b = f[0].split("-")
+            out.add((int(a, 16), int(b, 16)))
+    return out
+
+
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+SYS_PROCESS_MADVISE, MADV_COLLAPSE, HPAGE = 440, 25, 2 << 20
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _thp_mode() -> str:
+    text = THP_ENABLED.read_text()
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _collapse(pid: int, ranges: list[tuple[int, int]]) -> Json:
+    """process_madvise(MADV_COLLAPSE) over each range's whole 2 MiB windows; per-window failures
+    (a window not fully populated, no huge page free) are counted, not raised."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    failed = 0
+    try:
+        for start, end in ranges:
+            a = (start + HPAGE - 1) & ~(HPAGE - 1)
+            b = end & ~(HPAGE - 1)
+            for w in range(a, b, HPAGE):
+                iov = _Iovec(w, HPAGE)
+                if libc.syscall(SYS_PROCESS_MADVISE, pidfd, ctypes.byref(iov), 1, MADV_COLLAPSE, 0) < 0:
+                    failed += 1
+    finally:
+        os.close(pidfd)
+    return {"collapse_failed_windows": failed}
 
 
 def _nvml_used(pid: int) -> int | None:
@@ -202,7 +260,7 @@ def child(model: str, variant: str, fd: int) -> None:
 # -- the parent: torpord's side -----------------------------------------------------------------
 
 
-def one(model: str, variant: str) -> Json:
+def one(model: str, variant: str, pages: str = "as-is") -> Json:
     # SEQPACKET keeps each message whole: two quick sends must not arrive as one read.
     parent, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     # TORPOR_HOOK_CUDA=1, as torpord sets for a split worker: without it the hook interposes
@@ -225,15 +283,33 @@ def one(model: str, variant: str) -> Json:
         time.sleep(0.5)  # NVML's per-process figure lags a release
         doc["nvml_before"] = _nvml_used(p.pid)
         anon0 = _rss_anon(p.pid)
+        huge0 = _anon_huge(p.pid)
+        vmas0 = _anon_vmas(p.pid)
+        thp0 = _thp_mode()
+        doc["pages"] = pages
+        doc["thp_mode"] = thp0
         lock = _LockArgs(timeout_ms=10000)
         args = _Args64()
         t = time.perf_counter()
         _check(lib, lib.cuCheckpointProcessLock(p.pid, ctypes.byref(lock)), "lock")
         doc["lock_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        _check(lib, lib.cuCheckpointProcessCheckpoint(p.pid, ctypes.byref(args)), "checkpoint")
-        doc["checkpoint_s"] = time.perf_counter() - t
+        if pages != "as-is":
+            THP_ENABLED.write_text("never")
+        try:
+            t = time.perf_counter()
+            _check(lib, lib.cuCheckpointProcessCheckpoint(p.pid, ctypes.byref(args)), "checkpoint")
+            doc["checkpoint_s"] = time.perf_counter() - t
+        finally:
+            if pages != "as-is":
+                THP_ENABLED.write_text(thp0)
         doc["residue_bytes"] = _rss_anon(p.pid) - anon0
+        doc["residue_huge_bytes"] = _anon_huge(p.pid) - huge0
+        if pages == "4k-collapse":
+            grown = sorted(_anon_vmas(p.pid) - vmas0)
+            t = time.perf_counter()
+            doc |= _collapse(p.pid, grown)
+            doc["collapse_s"] = time.perf_counter() - t
+            doc["residue_huge_bytes_collapsed"] = _anon_huge(p.pid) - huge0
         doc["nvml_checkpointed"] = _nvml_used(p.pid)
         t = time.perf_counter()
         _check(lib, lib.cuCheckpointProcessRestore(p.pid, None), "restore")
@@ -266,11 +342,13 @@ def table(doc: Json) -> str:
     ]
     for r in doc["results"]:
         run = next((x for x in r["runs"] if "error" not in x), None)
+        pages = r.get("pages", "as-is")
+        label = r["variant"] if pages == "as-is" else f"{r['variant']}, {pages} pages"
         if run is None:
-            lines.append(f"| {r['model']} | {r['variant']} | error: {r['runs'][0]['error'][:80]} |||||")
+            lines.append(f"| {r['model']} | {label} | error: {r['runs'][0]['error'][:80]} |||||")
             continue
         lines.append(
-            f"| {r['model']} | {r['variant']} | {run['segments']} ({run['segment_bytes'] / 2**30:.2f} GiB) "
+            f"| {r['model']} | {label} | {run['segments']} ({run['segment_bytes'] / 2**30:.2f} GiB) "
             f"| {run['residue_bytes'] / 2**20:.0f} | {run['checkpoint_s']:.2f} s | {run['restore_s']:.2f} s "
             f"| {run['first_request_s'] * 1e3:.0f} ms | {'identical' if run['identical'] else 'DIFFER'} |"
         )
@@ -287,6 +365,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--pages", default="as-is", help="comma list of as-is, 4k, 4k-collapse (the module doc)")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -296,16 +375,18 @@ def main(argv: list[str]) -> int:
     results = []
     for model in a.models.split(","):
         for variant in a.variants.split(","):
-            runs = []
-            for _ in range(a.runs):
-                try:
-                    runs.append(one(model, variant))
-                except Exception as e:  # a variant the driver refuses is a result, not a crash
-                    runs.append({"error": f"{type(e).__name__}: {e}"})
-                print(json.dumps({"model": model, "variant": variant, **runs[-1]}), flush=True)
-            ok = [r for r in runs if "error" not in r]
-            med = {k: statistics.median(r[k] for r in ok) for k in ("residue_bytes", "restore_s", "checkpoint_s", "first_request_s") if ok}
-            results.append({"model": model, "variant": variant, "runs": runs, "median": med})
+            for pages in a.pages.split(","):
+                runs = []
+                for _ in range(a.runs):
+                    try:
+                        runs.append(one(model, variant, pages))
+                    except Exception as e:  # a variant the driver refuses is a result, not a crash
+                        runs.append({"error": f"{type(e).__name__}: {e}"})
+                    print(json.dumps({"model": model, "variant": variant, **runs[-1]}), flush=True)
+                ok = [r for r in runs if "error" not in r]
+                keys = ("residue_bytes", "residue_huge_bytes", "restore_s", "checkpoint_s", "first_request_s", "collapse_s")
+                med = {k: statistics.median(r[k] for r in ok) for k in keys if ok and all(k in r for r in ok)}
+                results.append({"model": model, "variant": variant, "pages": pages, "runs": runs, "median": med})
     a.out.write_text(json.dumps({"machine": _machine(), "results": results}, indent=1))
     return 0
 

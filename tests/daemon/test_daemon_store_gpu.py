@@ -16,14 +16,15 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from objstore_server import Seaweed
+from objstore_server import Seaweed, running_seaweed
 
 from .conftest import FUNCTIONS, Answer, Torpord, two_daemons
-from .test_daemon_objstore import objstore_section, seaweed  # noqa: F401 (fixture)
+from .test_daemon_objstore import BUCKET, objstore_section
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
 
@@ -50,6 +51,14 @@ def deployed(cuda: None, torpord: Torpord, tmp_path_factory: pytest.TempPathFact
     for name, workflow in (("sgr-put", "a"), ("sgr-get", "b")):
         torpord.deploy(make_function(root, name, workflow))
     return torpord
+
+
+@pytest.fixture(scope="module")
+def roomy_seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
+    """A bucket with room for real PyTorch functions: each deploy pushes its snapshot (a CUDA
+    process's image, hundreds of MB), and the other fixture's 256 MB filled up on the H100 before
+    the 100 MB value was uploaded (session 26: the store answered the value's PUT with an error)."""
+    yield from running_seaweed(tmp_path_factory.mktemp("seaweedfs-gpu"), BUCKET, volumes=16, volume_mb=1024)
 
 
 def ok(a: Answer, d: Torpord) -> dict[str, Any]:
@@ -106,9 +115,10 @@ def test_a_tensor_put_for_every_node_arrives_bit_identical_on_another_nodes_gpu(
     cuda: None,
     torpor_bin: Path,
     criu_ready: None,
-    seaweed: Seaweed,  # noqa: F811 (the fixture imported above)
+    roomy_seaweed: Seaweed,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    seaweed = roomy_seaweed
     roots = (tmp_path_factory.mktemp("store-gpu-node-a"), tmp_path_factory.mktemp("store-gpu-node-b"))
     fns = tmp_path_factory.mktemp("store-gpu-nodes-fns")
     with two_daemons(torpor_bin, roots, (objstore_section(seaweed, roots[0]), objstore_section(seaweed, roots[1]))) as (a, b):
