@@ -40,4 +40,4 @@ pub use snapshot::{is_restore_artifact, Sealing, Snapshot, VerifyReport};
 pub use summary::{human_seconds, human_size, render_store_usage, render_summary};
 pub use time::{format_rfc3339_utc, now_rfc3339_utc};
 pub use version::FormatVersion;
-pub use writer::{remove_stale_partials, SnapshotWriter, HASH_TIMING};
+pub use writer::{flush_snapshot, remove_stale_partials, Durability, SnapshotWriter, HASH_TIMING};

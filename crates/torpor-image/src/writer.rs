@@ -6,6 +6,12 @@
 //! to the output in one step. The output therefore either does not exist or is complete with its
 //! manifest. If the writer is dropped unfinished the hidden directory is removed; if the process
 //! dies before that, [`remove_stale_partials`] removes it later.
+//!
+//! [`Durability::Deferred`] seals the same way without waiting for the disk: the files are
+//! hashed from the page cache and renamed into place, and [`flush_snapshot`] puts them on disk
+//! later. Only for a snapshot whose loss after a machine crash costs nothing but time (a
+//! hibernated instance, whose wake hashes every file and falls back to the function snapshot):
+//! the stop of its source then no longer waits for a write of its whole image.
 
 use std::collections::BTreeMap;
 use std::ffi::{CString, OsString};
@@ -29,6 +35,18 @@ const MAC_TMP_FILE: &str = "manifest.mac.tmp";
 
 /// The timing [`SnapshotWriter::finish`] records: hashing the files and flushing them to disk.
 pub const HASH_TIMING: &str = "hash_and_write";
+
+/// When a sealed snapshot's bytes must be on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// Before [`SnapshotWriter::finish_with`] returns: every file, the manifest and the
+    /// directories flushed (a deploy's snapshot, `torpor snapshot`).
+    #[default]
+    Synced,
+    /// Later, by [`flush_snapshot`]: after a machine crash in between, files may be short or
+    /// stale, which the manifest's hashes catch on the next restore that verifies them.
+    Deferred,
+}
 
 /// Marker between the output name and the pid in a partial directory's name.
 const PARTIAL_MARKER: &str = ".partial-";
@@ -110,7 +128,19 @@ impl SnapshotWriter {
     /// `manifest.files` is replaced by the hashed contents of [`dir`](Self::dir), and the timing
     /// [`HASH_TIMING`] is set to the seconds spent hashing and flushing them to disk. On error
     /// nothing is left behind: neither the output nor the hidden directory.
-    pub fn finish(mut self, mut manifest: Manifest, key: Option<&SnapshotKey>) -> Result<Manifest> {
+    pub fn finish(self, manifest: Manifest, key: Option<&SnapshotKey>) -> Result<Manifest> {
+        self.finish_with(manifest, key, Durability::Synced)
+    }
+
+    /// [`finish`](Self::finish), flushing to disk as `durability` says (with
+    /// [`Durability::Deferred`], [`HASH_TIMING`] is the hashing alone).
+    pub fn finish_with(
+        mut self,
+        mut manifest: Manifest,
+        key: Option<&SnapshotKey>,
+        durability: Durability,
+    ) -> Result<Manifest> {
+        let synced = durability == Durability::Synced;
         // Fail fast on what the caller supplied, before the expensive part.
         manifest.files.clear();
         manifest.validate(&self.temp)?;
@@ -126,7 +156,8 @@ impl SnapshotWriter {
             })
             .map(|f| (f.rel, f.size))
             .collect();
-        let hashed = hash_files(&self.temp, &listed, Flush::Yes);
+        let flush = if synced { Flush::Yes } else { Flush::No };
+        let hashed = hash_files(&self.temp, &listed, flush);
         let mut files = Vec::with_capacity(listed.len());
         for ((rel, size), result) in listed.into_iter().zip(hashed) {
             let hashed = result?;
@@ -144,20 +175,24 @@ impl SnapshotWriter {
         }
         manifest.files = files;
         // Directory entries of the dumped files, then the manifest, written last.
-        for dir in tree.dirs.iter().rev() {
-            sync_dir(dir)?;
+        if synced {
+            for dir in tree.dirs.iter().rev() {
+                sync_dir(dir)?;
+            }
         }
         manifest
             .timings
             .insert(HASH_TIMING.to_owned(), start.elapsed().as_secs_f64());
         manifest.validate(&self.temp)?;
         let json = manifest.to_json()?;
-        self.write_manifest(MANIFEST_TMP_FILE, MANIFEST_FILE, &json)?;
+        self.write_manifest(MANIFEST_TMP_FILE, MANIFEST_FILE, &json, synced)?;
         if let Some(key) = key {
             let seal = key.seal(json.as_bytes()).to_json();
-            self.write_manifest(MAC_TMP_FILE, MAC_FILE, &seal)?;
+            self.write_manifest(MAC_TMP_FILE, MAC_FILE, &seal, synced)?;
         }
-        sync_dir(&self.temp)?;
+        if synced {
+            sync_dir(&self.temp)?;
+        }
 
         self.recheck(&manifest)?;
 
@@ -175,7 +210,9 @@ impl SnapshotWriter {
             }
         })?;
         self.settled = true;
-        sync_dir(&self.parent)?;
+        if synced {
+            sync_dir(&self.parent)?;
+        }
         Ok(manifest)
     }
 
@@ -185,8 +222,8 @@ impl SnapshotWriter {
         remove_partial(&self.temp)
     }
 
-    /// Writes `text` to `name` through `tmp_name` (flushed, then renamed).
-    fn write_manifest(&self, tmp_name: &str, name: &str, text: &str) -> Result<()> {
+    /// Writes `text` to `name` through `tmp_name` (flushed if `sync`, then renamed).
+    fn write_manifest(&self, tmp_name: &str, name: &str, text: &str, sync: bool) -> Result<()> {
         let tmp = self.temp.join(tmp_name);
         let write_error = |source| ImageError::WriteManifest {
             path: tmp.clone(),
@@ -194,10 +231,12 @@ impl SnapshotWriter {
         };
         let mut file = File::create(&tmp).map_err(write_error)?;
         file.write_all(text.as_bytes()).map_err(write_error)?;
-        file.sync_all().map_err(|source| ImageError::Sync {
-            path: tmp.clone(),
-            source,
-        })?;
+        if sync {
+            file.sync_all().map_err(|source| ImageError::Sync {
+                path: tmp.clone(),
+                source,
+            })?;
+        }
         drop(file);
         let path = self.temp.join(name);
         fs::rename(&tmp, &path).map_err(|source| ImageError::Rename {
@@ -251,6 +290,40 @@ impl Drop for SnapshotWriter {
             let _ = fs::remove_dir_all(&self.temp);
         }
     }
+}
+
+/// Puts a snapshot sealed with [`Durability::Deferred`] on disk: every file (in parallel), then
+/// each directory, then the directory holding it. A file removed meanwhile (the snapshot was
+/// restored and discarded) is skipped; a snapshot already gone is not an error. Returns the
+/// seconds it took.
+pub fn flush_snapshot(dir: &Path) -> Result<f64> {
+    use rayon::prelude::*;
+    let start = Instant::now();
+    let tree = match walk(dir) {
+        Ok(tree) => tree,
+        Err(_) if !exists_no_follow(dir) => return Ok(start.elapsed().as_secs_f64()),
+        Err(e) => return Err(e),
+    };
+    tree.files.par_iter().try_for_each(|f| {
+        let path = dir.join(&f.rel);
+        match File::open(&path) {
+            Ok(file) => file
+                .sync_all()
+                .map_err(|source| ImageError::Sync { path, source }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(ImageError::ReadFile { path, source }),
+        }
+    })?;
+    for d in tree.dirs.iter().rev() {
+        match sync_dir(d) {
+            Err(ImageError::Sync { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
+            other => other?,
+        }
+    }
+    if let Some(parent) = dir.parent() {
+        sync_dir(parent)?;
+    }
+    Ok(start.elapsed().as_secs_f64())
 }
 
 /// Removes the `.<name>.partial-<pid>` directories in `parent` whose process is gone (left by a

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use torpor_image::{
-    remove_stale_partials, render_summary, FormatVersion, Host, ImageError, Manifest, ProcessEntry,
-    Sealing, Snapshot, SnapshotKey, SnapshotWriter, Source, Trust, HASH_TIMING, MAC_FILE,
-    MANIFEST_FILE,
+    flush_snapshot, remove_stale_partials, render_summary, Durability, FormatVersion, Host,
+    ImageError, Manifest, ProcessEntry, Sealing, Snapshot, SnapshotKey, SnapshotWriter, Source,
+    Trust, HASH_TIMING, MAC_FILE, MANIFEST_FILE,
 };
 
 fn manifest() -> Manifest {
@@ -603,4 +603,49 @@ fn a_missing_or_forged_mac_is_refused_when_a_key_is_required() {
         Snapshot::open(&out),
         Err(ImageError::UnsafePath { .. })
     ));
+}
+
+#[test]
+fn a_deferred_snapshot_is_sealed_like_a_synced_one_and_flushed_later() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let out = root.path().join("hib");
+    let writer = SnapshotWriter::create(&out).expect("create");
+    let files = fill_dump(writer.dir());
+    let key = key(9);
+    let written = writer
+        .finish_with(manifest(), Some(&key), Durability::Deferred)
+        .expect("finish");
+    // In place, complete and sealed before any flush: what a restore verifies is the same.
+    assert_eq!(written.files.len(), files.len());
+    let snap = Snapshot::open(&out).expect("open");
+    snap.authenticate(Trust::Key(&key))
+        .expect("sealed by the key");
+    snap.verify().expect("every file's hash");
+    assert!(flush_snapshot(&out).expect("flush") >= 0.0);
+    snap.verify().expect("still verifies after the flush");
+    // A snapshot woken and discarded before its flush ran: nothing to flush, no error.
+    fs::remove_dir_all(&out).expect("rm");
+    flush_snapshot(&out).expect("a snapshot already gone");
+}
+
+#[test]
+fn a_deferred_snapshot_torn_by_a_crash_is_refused_by_its_hashes() {
+    // What a machine crash before the flush can leave: a file short of its bytes.
+    let root = tempfile::tempdir().expect("tempdir");
+    let out = root.path().join("hib");
+    let writer = SnapshotWriter::create(&out).expect("create");
+    fill_dump(writer.dir());
+    writer
+        .finish_with(manifest(), None, Durability::Deferred)
+        .expect("finish");
+    let pages = out.join("pages-1.img");
+    let len = fs::metadata(&pages).expect("stat").len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&pages)
+        .and_then(|f| f.set_len(len / 2))
+        .expect("truncate");
+    let snap = Snapshot::open(&out).expect("open");
+    let err = snap.verify().expect_err("torn");
+    assert!(err.to_string().contains("pages-1.img"), "{err}");
 }

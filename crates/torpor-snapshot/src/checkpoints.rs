@@ -185,6 +185,7 @@ impl Checkpoints {
             key,
             state_dir: None,
             pre_dump_rounds,
+            durability: torpor_image::Durability::Synced,
         })?;
         let stored = self.store_dir(&out, &id);
         let _ = fs::remove_dir_all(&out);

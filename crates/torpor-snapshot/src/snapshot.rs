@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use torpor_criu::{Criu, CriuError, DumpRequest};
 use torpor_cuda::{CudaDriver, CudaError, Nvml, ProcessState};
 use torpor_image::{
-    GpuEntry, GpuSection, Host, ImageError, Manifest, ProcessEntry, SnapshotKey, SnapshotWriter,
-    Source,
+    Durability, GpuEntry, GpuSection, Host, ImageError, Manifest, ProcessEntry, SnapshotKey,
+    SnapshotWriter, Source,
 };
 
 use crate::empty_gpu_memory;
@@ -51,6 +51,9 @@ pub struct SnapshotOptions<'a> {
     /// copies only the pages written since the last round (and the GPU state). 0: the whole
     /// copy happens during the stop. Needs [`crate::dirty_tracking::available`].
     pub pre_dump_rounds: u32,
+    /// When the sealed snapshot reaches the disk ([`Durability::Deferred`]: a hibernation, whose
+    /// source is frozen until the snapshot is sealed; torpord flushes it afterwards).
+    pub durability: Durability,
 }
 
 /// Why a snapshot failed. In every case the source process keeps running and `--out` does not
@@ -467,7 +470,7 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
     manifest.timings = phases.0.iter().cloned().collect();
     // The writer hashes every file, adds its own "hash_and_write" timing, writes the manifest
     // last and renames the directory into place.
-    let finished = writer.finish(manifest, opts.key);
+    let finished = writer.finish_with(manifest, opts.key, opts.durability);
     let manifest = match finished {
         Ok(m) => m,
         Err(source) => {

@@ -133,6 +133,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         key: None,
         state_dir: None,
         pre_dump_rounds: 0,
+        durability: torpor_image::Durability::Synced,
     })
     .expect("snapshot");
     let _ = unshare.wait();
@@ -219,6 +220,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         key: None,
         state_dir: None,
         pre_dump_rounds: 0,
+        durability: torpor_image::Durability::Synced,
     })
     .expect("snapshot of the restored tree");
     let stdio2 = torpor_image::Snapshot::open(&snap2)
@@ -309,6 +311,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         key: None,
         state_dir: None,
         pre_dump_rounds: 0,
+        durability: torpor_image::Durability::Synced,
     })
     .expect("snapshot");
     let _ = unshare.wait();

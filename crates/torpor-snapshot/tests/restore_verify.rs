@@ -98,6 +98,7 @@ fn snapshot_tree(dir: &Path, key: Option<&SnapshotKey>) -> std::path::PathBuf {
         key,
         state_dir: None,
         pre_dump_rounds: 0,
+        durability: torpor_image::Durability::Synced,
     })
     .expect("snapshot");
     let _ = unshare.wait();

@@ -409,9 +409,13 @@ async fn quiesce_and_snapshot(
     conn.expect_eof(QUIET_TIMEOUT)
         .await
         .map_err(|e| conn_fail(phase, "waiting for the worker to close after quiet", e))?;
-    rt.snapshot_and_kill(init.0.unwrap_or_default(), out)
-        .await
-        .map_err(|e| fail(phase, e.to_string()))?;
+    rt.snapshot_and_kill(
+        init.0.unwrap_or_default(),
+        out,
+        torpor_image::Durability::Synced,
+    )
+    .await
+    .map_err(|e| fail(phase, e.to_string()))?;
     // Kill mode: the source is gone.
     init.0 = None;
     Ok(())
@@ -554,9 +558,13 @@ async fn finish_split(
         conn.expect_eof(QUIET_TIMEOUT)
             .await
             .map_err(|e| conn_fail(PHASE, "waiting for the worker to close after released", e))?;
-        rt.snapshot_and_kill(init.0.unwrap_or_default(), out)
-            .await
-            .map_err(|e| fail(PHASE, e.to_string()))?;
+        rt.snapshot_and_kill(
+            init.0.unwrap_or_default(),
+            out,
+            torpor_image::Durability::Synced,
+        )
+        .await
+        .map_err(|e| fail(PHASE, e.to_string()))?;
         init.0 = None;
         Ok(())
     }

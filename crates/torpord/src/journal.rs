@@ -30,7 +30,8 @@ pub const HOLD: Duration = Duration::from_secs(60);
 /// `restored` / `woken` (a cold start's / a wake's restore: CRIU restored the tree, its worker
 /// not yet woken, nothing adopted), `pages-served` (a lazily restored instance's pages are in,
 /// its pages-pending marker not yet removed), `map-frames` (a split restore's instance is in
-/// its pool, its `map` frames not sent yet).
+/// its pool, its `map` frames not sent yet), `hibernate-flush` (a hibernation recorded, its
+/// snapshot not yet flushed to disk).
 pub const DELAY_ENV: &str = "TORPORD_DELAY";
 
 /// Waits as [`DELAY_ENV`] says for `point`, if it names it.

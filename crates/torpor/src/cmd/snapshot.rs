@@ -77,6 +77,7 @@ pub fn run(
         key: key.as_ref(),
         state_dir: None,
         pre_dump_rounds,
+        durability: torpor_image::Durability::Synced,
     });
     progress.finish();
     let report = report?;

@@ -623,6 +623,11 @@ impl Runtime {
                     self.discard_sleeper(s.id, s.snapshot_id, s.snapshot_dir)
                         .await;
                 }
+                tokio::spawn(Arc::clone(&self).flush_hibernation(
+                    inst.id.clone(),
+                    inst.function.clone(),
+                    out,
+                ));
             }
             Err(e) => {
                 self.remove_instance(&inst, &format!("hibernation failed: {e}"), true);
@@ -631,6 +636,30 @@ impl Runtime {
             }
         }
         pool.changed.notify_waiters();
+    }
+
+    /// Puts a hibernation's snapshot, sealed before the instance's stop ended, on disk. Until
+    /// then it lives in the page cache: a daemon killed meanwhile loses nothing (the kernel
+    /// writes it back), and after a machine crash a torn file fails the wake's check of every
+    /// hash (hibernation snapshots are never staged, so always restored with Verify::Hashes),
+    /// which discards the sleeper and cold-starts the request instead (start/wake.rs).
+    async fn flush_hibernation(self: Arc<Self>, id: String, function: String, out: PathBuf) {
+        // Test switch: the window between the registry's record and the disk.
+        crate::journal::delay("hibernate-flush").await;
+        let dir = out.clone();
+        match tokio::task::spawn_blocking(move || torpor_image::flush_snapshot(&dir)).await {
+            Ok(Ok(flush_s)) => {
+                self.metrics
+                    .observe_phase(&function, "hibernation_flush", flush_s);
+                tracing::info!(instance = %id, function = %function, snapshot = %out.display(), flush_s, "hibernation snapshot on disk");
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(instance = %id, function = %function, error = %e, "cannot flush the hibernation snapshot to disk; the kernel writes it back later, and a wake refuses it if a crash tore it");
+            }
+            Err(e) => {
+                tracing::warn!(instance = %id, function = %function, error = %e, "hibernation flush task failed");
+            }
+        }
     }
 
     /// The preflight of a hibernation, before the quiesce: a tree the driver cannot restore
@@ -820,7 +849,9 @@ impl Runtime {
                 if stored.is_none() {
                     journal.step(step::DUMP, None).await;
                 }
-                self.snapshot_and_kill(inst.init_pid, out)
+                // Sealed from the page cache, flushed after the stop (flush_hibernation): the
+                // instance's stop no longer waits for its whole image to reach the disk.
+                self.snapshot_and_kill(inst.init_pid, out, torpor_image::Durability::Deferred)
                     .await
                     .map_err(HibernateError::from)
             }

@@ -405,14 +405,21 @@ impl Runtime {
     /// Snapshots the quiet worker tree rooted at `pid` into `out` in kill mode (the source is
     /// gone afterwards), off the async runtime: `torpor_snapshot::snapshot` blocks for seconds.
     /// CRIU's logs go to the daemon's log directory; the snapshot is sealed with the daemon's
-    /// key, so that restores can tell it from a snapshot the daemon did not write.
-    pub async fn snapshot_and_kill(&self, pid: i32, out: &Path) -> Result<(), SnapshotTreeError> {
+    /// key, so that restores can tell it from a snapshot the daemon did not write. `durability`:
+    /// whether the snapshot is on disk when this returns (torpor_image::Durability).
+    pub async fn snapshot_and_kill(
+        &self,
+        pid: i32,
+        out: &Path,
+        durability: torpor_image::Durability,
+    ) -> Result<(), SnapshotTreeError> {
         snapshot_and_kill(
             pid,
             out,
             &self.logs_dir(),
             &self.snapshot_key,
             &self.state_root,
+            durability,
         )
         .await
     }
@@ -425,6 +432,7 @@ async fn snapshot_and_kill(
     log_dir: &Path,
     key: &Arc<torpor_image::SnapshotKey>,
     state_dir: &Path,
+    durability: torpor_image::Durability,
 ) -> Result<(), SnapshotTreeError> {
     let (out, log_dir, key) = (out.to_path_buf(), log_dir.to_path_buf(), Arc::clone(key));
     let state_dir = state_dir.to_path_buf();
@@ -438,6 +446,7 @@ async fn snapshot_and_kill(
             key: Some(&key),
             state_dir: Some(&state_dir),
             pre_dump_rounds: 0,
+            durability,
         })
         .map(|_| ())
         .map_err(|source| SnapshotTreeError::Snapshot { pid, source })

@@ -1,0 +1,94 @@
+"""A hibernation's snapshot is sealed in the instance's stop from the page cache and flushed to
+disk after it (torpor_image::Durability::Deferred; docs/checkpoints.md, "The hibernation's
+flush"): the daemon says so once it is on disk, after the instance hibernated; a daemon killed
+before the flush loses nothing (the kernel still has the pages); a torn snapshot, what a machine
+crash before the flush can leave, is refused by the wake's hashes and the request is served by a
+cold start instead.
+
+tests/daemon/functions/sleepy counts its calls in the worker's memory, so a woken instance goes
+on counting and a cold-started one starts again at 1. Here it never reaches eviction.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import FUNCTIONS, Torpord
+
+HELD_MS = 60_000
+
+
+def sleepy_without_eviction(root: Path) -> Path:
+    d = root / "sleepy"
+    shutil.copytree(FUNCTIONS / "sleepy", d, ignore=shutil.ignore_patterns("__pycache__"))
+    toml = d / "torpor.toml"
+    toml.write_text(toml.read_text().replace("evict_s = 4", "evict_s = 600"))
+    return d
+
+
+@pytest.fixture
+def daemon(torpor_bin: Path, criu_ready: None, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Torpord]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    d = Torpord(torpor_bin, tmp_path / "torpord", env=getattr(request, "param", {}))
+    try:
+        d.deploy(sleepy_without_eviction(tmp_path))
+        yield d
+    finally:
+        d.stop()
+
+
+def hibernate(d: Torpord) -> None:
+    first = d.invoke("sleepy", {"add": 1})
+    assert first.status == 200 and first.json() == {"calls": 1, "total": 1}, first.body
+    second = d.invoke("sleepy", {"add": 2})
+    assert second.status == 200 and second.json() == {"calls": 2, "total": 3}, second.body
+    deadline = time.monotonic() + 30
+    while [i["stage"] for i in d.instances("sleepy")] != ["hibernated"]:
+        assert time.monotonic() < deadline, f"no hibernation within 30 s\n{d.log_text()}"
+        time.sleep(0.05)
+
+
+def log_has(d: Torpord, text: str) -> bool:
+    return text in d.log.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("daemon", [{"TORPORD_DELAY": f"hibernate-flush:{HELD_MS}"}], indirect=True)
+def test_a_daemon_killed_before_the_hibernation_is_flushed_wakes_the_instance_with_its_memory(daemon: Torpord) -> None:
+    hibernate(daemon)
+    assert log_has(daemon, "instance hibernated"), daemon.log_text()
+    # The flush is held: recorded and sealed, not yet said to be on disk.
+    assert not log_has(daemon, "hibernation snapshot on disk"), daemon.log_text()
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait()
+    daemon.env = {}
+    again = daemon.restart()
+    woken = again.invoke("sleepy", {"add": 3})
+    assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body)
+    assert woken.json() == {"calls": 3, "total": 6}, "the instance was not woken from its hibernation"
+
+
+def test_the_hibernation_is_flushed_after_it_and_a_torn_snapshot_is_refused_by_the_wake(daemon: Torpord) -> None:
+    hibernate(daemon)
+    deadline = time.monotonic() + 30
+    while not log_has(daemon, "hibernation snapshot on disk"):
+        assert time.monotonic() < deadline, f"the hibernation snapshot was never flushed\n{daemon.log_text()}"
+        time.sleep(0.05)
+    text = daemon.log.read_text(errors="replace")
+    assert text.index("instance hibernated") < text.index("hibernation snapshot on disk"), text[-4000:]
+    # What a machine crash before the flush could leave: the image's largest file short.
+    (hib,) = (daemon.state / "snapshots").glob("hib-sleepy-*")
+    largest = max((p for p in hib.iterdir() if p.suffix == ".img"), key=lambda p: p.stat().st_size)
+    with open(largest, "r+b") as f:
+        f.truncate(largest.stat().st_size // 2)
+    served = daemon.invoke("sleepy", {"add": 5})
+    assert served.status == 200 and served.start == "restored", (served.status, served.body)
+    assert served.json() == {"calls": 1, "total": 5}, "a torn hibernation snapshot was woken"
+    assert log_has(daemon, "cannot wake the hibernated instance"), daemon.log_text()
