@@ -46,6 +46,13 @@ def test_the_cpu_smoke_run_measures_both_parts_with_identical_outputs(
     (run,) = h["modes"]["concurrent"]["runs"]
     # The stop kept both read-only segments by recipe and compared the pre-copied one.
     assert run["concurrent"] and run["delta"]["read_only_kept"] == 2 and run["delta"]["pre_copied"] == 1, run
+    # Where the stop went: the daemon's steps add up to no more than the stop; the snapshot's
+    # own steps (`snapshot.*`) fit inside its `snapshot` step.
+    steps = run["phases"]
+    assert {"quiesce", "close", "snapshot", "record", "snapshot.criu_dump", "snapshot.hash_and_write"} <= set(steps), steps
+    assert sum(v for k, v in steps.items() if not k.startswith("snapshot.")) <= run["stop_s"] + 0.01, run
+    assert steps["snapshot.criu_dump"] + steps["snapshot.hash_and_write"] <= steps["snapshot"] + 0.01, steps
+    assert set(s["stop_phases_s"]) == set(steps), s
     (stw,) = h["modes"]["stop-the-world"]["runs"]
     assert not stw["concurrent"] and stw["delta"] is None, stw
     m = json.loads(mig.read_text())

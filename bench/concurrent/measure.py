@@ -6,10 +6,10 @@ is deployed on two daemons, one with `restore_server.concurrent_snapshot = false
 the whole capture in the stop) and one with it on (segments pre-copied while the instance serves,
 the stop copies the blocks that changed). On each, `--runs` times: one request (the reference
 output), idle until the instance hibernates (`hibernate_s`), the daemon's `hibernation stop` line
-(stop_s, what the stop copied), then a request that wakes it, whose output must equal the
+(stop_s, what the stop copied, its `phases`: seconds by step, the snapshot's own as `snapshot.*`), then a request that wakes it, whose output must equal the
 reference bit for bit. The deploy's function snapshot stop (`stop_s` of `snapshot_function`) is
 recorded for both too. Output: `--out-hibernate` (`concurrent-checkpoint-*.json`, top-level
-`summary.stop_s` = the concurrent hibernation's median stop).
+`summary.stop_s` = the concurrent hibernation's median stop, `summary.stop_phases_s` its steps' medians).
 
 Part `migrate` (two GPUs of one model; on the CPU, two host-backend devices): one instance serves
 requests sent back to back by a client thread; after `--settle-s` the instance is moved to the
@@ -108,11 +108,13 @@ def stop_lines(log: Path) -> list[Json]:
         stop = re.search(r"stop_s=([0-9.e-]+)", line)
         conc = re.search(r"concurrent=(true|false)", line)
         delta = re.search(r"delta=(\{.*?\})", line)
+        phases = re.search(r"phases=(\{.*?\})", line)
         out.append(
             {
                 "stop_s": float(stop.group(1)) if stop else None,
                 "concurrent": bool(conc and conc.group(1) == "true"),
                 "delta": json.loads(delta.group(1)) if delta else None,
+                "phases": json.loads(phases.group(1)) if phases else None,
             }
         )
     return out
@@ -140,6 +142,16 @@ def wait_for(what: str, cond: Any, timeout: float) -> None:
         time.sleep(0.1)
 
 
+def phase_medians(runs: list[Json]) -> Json | None:
+    """Each step of the stop (the daemon's `phases`), its median over the runs that logged it."""
+    names: list[str] = []
+    for r in runs:
+        names += [k for k in (r.get("phases") or {}) if k not in names]
+    if not names:
+        return None
+    return {k: round(statistics.median(r["phases"][k] for r in runs if k in (r.get("phases") or {})), 4) for k in names}
+
+
 def hibernate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: Path, say: Any) -> Json:
     modes: Json = {}
     for mode, concurrent in (("stop-the-world", False), ("concurrent", True)):
@@ -162,6 +174,7 @@ def hibernate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work
                     {
                         "stop_s": stop["stop_s"],
                         "delta": stop["delta"],
+                        "phases": stop["phases"],
                         "concurrent": stop["concurrent"],
                         "reference_start": ref["start"],
                         "woken_start": woken["start"],
@@ -179,6 +192,7 @@ def hibernate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work
                 "precopy_s": precopy_lines(d.log),
                 "stop_s_median": statistics.median(stops) if stops else None,
                 "stop_s_max": max(stops) if stops else None,
+                "stop_phases_median_s": phase_medians(runs),
                 "identical": all(r["identical"] for r in runs),
             }
         finally:
@@ -190,6 +204,7 @@ def hibernate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work
             "model": model.name,
             "stop_s": conc["stop_s_median"],
             "stop_s_stop_the_world": stw["stop_s_median"],
+            "stop_phases_s": conc["stop_phases_median_s"],
             "deploy_stop_s": conc["deploy_stop_s"],
             "deploy_stop_s_stop_the_world": stw["deploy_stop_s"],
             "identical": conc["identical"] and stw["identical"],

@@ -609,7 +609,7 @@ impl Runtime {
         let hibernated = self.hibernate_inner(&pool, &inst, &out, &journal).await;
         journal.end().await;
         match hibernated {
-            Ok((stale, delta)) => {
+            Ok((stale, delta, phases)) => {
                 let stop_s = stop.elapsed().as_secs_f64();
                 self.metrics
                     .observe_phase(&inst.function, "hibernation_stop", stop_s);
@@ -617,7 +617,15 @@ impl Runtime {
                     .as_ref()
                     .and_then(|d| serde_json::to_string(d).ok())
                     .unwrap_or_default();
-                tracing::info!(instance = %inst.id, function = %inst.function, stop_s, concurrent = delta.is_some(), delta = %delta_json, "hibernation stop");
+                // Where the stop went: the daemon's steps, then the snapshot's own (`snapshot.*`).
+                let phases_json = serde_json::to_string(
+                    &phases
+                        .into_iter()
+                        .map(|(k, v)| (k, serde_json::json!((v * 1e4).round() / 1e4)))
+                        .collect::<serde_json::Map<String, serde_json::Value>>(),
+                )
+                .unwrap_or_default();
+                tracing::info!(instance = %inst.id, function = %inst.function, stop_s, concurrent = delta.is_some(), delta = %delta_json, phases = %phases_json, "hibernation stop");
                 tracing::info!(instance = %inst.id, function = %inst.function, snapshot = %out.display(), "instance hibernated");
                 if let Some(s) = stale {
                     self.discard_sleeper(s.id, s.snapshot_id, s.snapshot_dir)
@@ -762,18 +770,52 @@ impl Runtime {
         tracing::info!(instance = %inst.id, segments = captured.segments.len(), bytes = captured.bytes, new_bytes = captured.new_bytes, "hibernation: segments stored");
         Ok(captured)
     }
+}
 
+/// What a hibernation's stop hands back: the sleeper it replaced, what its pre-copy saved
+/// (concurrent), and where its time went (seconds by step).
+type HibernatedParts = (
+    Option<Sleeper>,
+    Option<crate::split::precopy::Delta>,
+    Vec<(String, f64)>,
+);
+
+/// The steps of a hibernation's stop, each the seconds since the one before.
+struct StopMarks {
+    last: Instant,
+    phases: Vec<(String, f64)>,
+}
+
+impl StopMarks {
+    fn start() -> Self {
+        StopMarks {
+            last: Instant::now(),
+            phases: Vec::new(),
+        }
+    }
+
+    fn mark(&mut self, step: &str) {
+        let now = Instant::now();
+        self.phases
+            .push((step.to_string(), (now - self.last).as_secs_f64()));
+        self.last = now;
+    }
+}
+
+impl Runtime {
     async fn hibernate_inner(
         self: &Arc<Self>,
         pool: &Arc<Pool>,
         inst: &Arc<Instance>,
         out: &Path,
         journal: &Journal,
-    ) -> Result<(Option<Sleeper>, Option<crate::split::precopy::Delta>), HibernateError> {
+    ) -> Result<HibernatedParts, HibernateError> {
+        let mut marks = StopMarks::start();
         if inst.state() == State::Changing(Stage::GpuReleased, Doing::Hibernate) {
             // The worker must run CUDA to synchronise before quiet, and the split capture reads
             // every segment: resume first (segments mapped back), then hibernate as a warm one.
             self.gpu_resume(inst).await?;
+            marks.mark("gpu_resume");
         }
         // A split function snapshot: its instances hibernate split too.
         let function_snapshot = lock(&pool.state).info.snapshot_id.clone();
@@ -815,6 +857,7 @@ impl Runtime {
                 })
             }
         };
+        marks.mark("quiesce");
         let hib_id = out
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -834,6 +877,9 @@ impl Runtime {
             ),
             None => None,
         };
+        if stored.is_some() {
+            marks.mark("segments");
+        }
         let closed = match tokio::time::timeout(QUIET_TIMEOUT, crate::frames::read(&mut rd)).await {
             Ok(Ok(None)) => Ok(()),
             Ok(Ok(Some(m))) => Err(HibernateError::NotClosed {
@@ -846,6 +892,7 @@ impl Runtime {
         };
         let snapshotted = match closed {
             Ok(()) => {
+                marks.mark("close");
                 if stored.is_none() {
                     journal.step(step::DUMP, None).await;
                 }
@@ -857,13 +904,17 @@ impl Runtime {
             }
             Err(e) => Err(e),
         };
-        if let Err(e) = snapshotted {
-            if stored.is_some() {
-                let o = out.to_path_buf();
-                let _ = tokio::task::spawn_blocking(move || remove_snapshot_dir(&o)).await;
+        let snapshot_phases = match snapshotted {
+            Ok(phases) => phases,
+            Err(e) => {
+                if stored.is_some() {
+                    let o = out.to_path_buf();
+                    let _ = tokio::task::spawn_blocking(move || remove_snapshot_dir(&o)).await;
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
+        marks.mark("snapshot");
         journal.step(step::RECORD, None).await;
         // The instance's own keep-alive state moves on (the ticker goes on accounting it until
         // the sleeper takes its place, which copies it then).
@@ -885,7 +936,14 @@ impl Runtime {
                 join_sleeper(&pool2, &inst2, sleeper)
             })
             .await?;
-        Ok((stale, stored.and_then(|c| c.delta)))
+        marks.mark("record");
+        let mut phases = marks.phases;
+        phases.extend(
+            snapshot_phases
+                .into_iter()
+                .map(|(k, v)| (format!("snapshot.{k}"), v)),
+        );
+        Ok((stale, stored.and_then(|c| c.delta), phases))
     }
 
     /// hibernated → evicted: the snapshot's files leave the page cache.

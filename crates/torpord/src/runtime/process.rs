@@ -407,12 +407,13 @@ impl Runtime {
     /// CRIU's logs go to the daemon's log directory; the snapshot is sealed with the daemon's
     /// key, so that restores can tell it from a snapshot the daemon did not write. `durability`:
     /// whether the snapshot is on disk when this returns (torpor_image::Durability).
+    /// Returns the snapshot's phases (torpor_snapshot::phases), in the order they ran.
     pub async fn snapshot_and_kill(
         &self,
         pid: i32,
         out: &Path,
         durability: torpor_image::Durability,
-    ) -> Result<(), SnapshotTreeError> {
+    ) -> Result<Vec<(String, f64)>, SnapshotTreeError> {
         snapshot_and_kill(
             pid,
             out,
@@ -433,7 +434,7 @@ async fn snapshot_and_kill(
     key: &Arc<torpor_image::SnapshotKey>,
     state_dir: &Path,
     durability: torpor_image::Durability,
-) -> Result<(), SnapshotTreeError> {
+) -> Result<Vec<(String, f64)>, SnapshotTreeError> {
     let (out, log_dir, key) = (out.to_path_buf(), log_dir.to_path_buf(), Arc::clone(key));
     let state_dir = state_dir.to_path_buf();
     tokio::task::spawn_blocking(move || {
@@ -448,11 +449,10 @@ async fn snapshot_and_kill(
             pre_dump_rounds: 0,
             durability,
         })
-        .map(|_| ())
+        .map(|report| report.phases.0)
         .map_err(|source| SnapshotTreeError::Snapshot { pid, source })
     })
-    .await??;
-    Ok(())
+    .await?
 }
 
 /// The bytes of the files under `dir`, recursively.
