@@ -92,3 +92,46 @@ def test_the_hibernation_is_flushed_after_it_and_a_torn_snapshot_is_refused_by_t
     assert served.status == 200 and served.start == "restored", (served.status, served.body)
     assert served.json() == {"calls": 1, "total": 5}, "a torn hibernation snapshot was woken"
     assert log_has(daemon, "cannot wake the hibernated instance"), daemon.log_text()
+
+
+FROZEN = '''
+import gc
+
+import torpor
+
+
+@torpor.function
+class Frozen:
+    def setup(self) -> None:
+        self.calls = 0
+        self.model = [{"weights": list(range(100))} for _ in range(20_000)]
+
+    def __call__(self, request):
+        self.calls += 1
+        return {"calls": self.calls, "frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}
+'''
+
+
+def test_the_quiet_point_freezes_what_lives_so_the_next_one_collects_only_what_came_since(daemon: Torpord, tmp_path: Path) -> None:
+    """torpor.worker's quiet point: gc.collect() then gc.freeze(), so a hibernation's stop does
+    not walk the whole heap again (0.25 s for GPT-2-Large on the H100)."""
+    fn = tmp_path / "frozen"
+    fn.mkdir()
+    (fn / "handler.py").write_text(FROZEN)
+    (fn / "torpor.toml").write_text(
+        'name = "frozen"\nentry = "handler:Frozen"\n[scaling]\nmax_instances = 1\n'
+        "[keepalive]\ngpu_release_s = 1\nhibernate_s = 2\nevict_s = 600\n"
+    )
+    daemon.deploy(fn)
+    first = daemon.invoke("frozen", {})
+    assert first.status == 200 and first.start == "restored", first.body
+    at_deploy = first.json()
+    # Restored from the deploy's snapshot: its quiet point froze setup()'s 20 000 dicts and lists.
+    assert at_deploy["frozen"] > 40_000 and at_deploy["tracked"] < at_deploy["frozen"], at_deploy
+    deadline = time.monotonic() + 30
+    while [i["stage"] for i in daemon.instances("frozen")] != ["hibernated"]:
+        assert time.monotonic() < deadline, f"no hibernation within 30 s\n{daemon.log_text()}"
+        time.sleep(0.05)
+    woken = daemon.invoke("frozen", {})
+    assert woken.status == 200 and woken.json()["calls"] == 2, woken.body
+    assert woken.json()["frozen"] >= at_deploy["frozen"], woken.json()
