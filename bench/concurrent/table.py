@@ -58,6 +58,16 @@ def deploy_stop(d: Json) -> tuple[str, str]:
     return sec(s["deploy_stop_s_stop_the_world"]), sec(s["deploy_stop_s"])
 
 
+def stop_steps(d: Json) -> tuple[str, str]:
+    """The concurrent hibernation's stop by step (medians; `phases` of its log line)."""
+    p = d["summary"]["stop_phases_s"]
+    return "–", (
+        f"quiesce {sec(p['quiesce'])}, segments {sec(p['segments'])}, snapshot {sec(p['snapshot'])} "
+        f"(CRIU's dump {sec(p['snapshot.criu_dump'])}, driver checkpoint {sec(p['snapshot.cuda_checkpoint'])}, "
+        f"hashes {sec(p['snapshot.hash_and_write'])})"
+    )
+
+
 def cpu_migration(d: Json) -> tuple[str, str]:
     s = d["summary"]
     stops = [r["daemon"]["stop_s"] for r in d["runs"]]
@@ -109,6 +119,12 @@ ROWS = (
     Row("H100, GPT-2-Large (session 12, 3 runs a side)", "hibernation stop (median)",
         ("concurrent-checkpoint-h100.json",), hibernation),
     Row("same", "deploy snapshot's stop", ("concurrent-checkpoint-h100.json",), deploy_stop),
+    Row("H100, GPT-2-Large (session 26, one call, 3 runs a side): before, e2babf1", "hibernation stop (median)",
+        ("concurrent-checkpoint-s26-final-before-h100.json",), hibernation),
+    Row("same call: after, 2bc954b (flushed after the stop; `gc.freeze` at quiet points)", "hibernation stop (median)",
+        ("concurrent-checkpoint-s26-final-after-h100.json",), hibernation),
+    Row("same", "the concurrent stop's steps (median)", ("concurrent-checkpoint-s26-final-after-h100.json",), stop_steps),
+    Row("same", "deploy snapshot's stop", ("concurrent-checkpoint-s26-final-after-h100.json",), deploy_stop),
     Row("H200 ×2, GPT-2-Large (session 22, 4 moves a side)",
         "migration downtime (worst, median); the stop's residue move",
         ("migration-h200x2.json", "migration-h200x2-noshrink.json"), shrink_ab),
