@@ -105,9 +105,9 @@ pub struct Scaling {
 }
 
 /// `scaling.standby_gpu` (docs/split.md, "Standby instances"): the cost and the speed of a GPU
-/// function's standby. `Live` is the default: on the H100 it answers in 0.026 s against 0.31 s
-/// for `Released` (bench/results/split-bench-h100.json, GPT-2-Large), and a function that asks
-/// for standbys asks for speed; `Released` is for nodes short of GPU memory.
+/// function's standby. `Live` is the default: on the H100 it answers in 0.031 s against 0.29 s
+/// for `Released` (bench/results/split-bench-h100.json, GPT-2-Large, session 26), and a function
+/// that asks for standbys asks for speed; `Released` is for nodes short of GPU memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum StandbyGpu {

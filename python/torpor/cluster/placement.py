@@ -142,8 +142,10 @@ class FunctionNeeds:
 class Costs:
     """Seconds a start takes by where its snapshot is, and what slows it.
 
-    Defaults: the split path on the H100 (bench/results/split-bench-h100.json: a fresh restore of
-    GPT-2-Large to its first answer, host cache, median 1.39 s; resnet152 1.31 s), a disk copy read
+    Defaults: the split path on the H100 as session 3 measured it (a fresh restore of GPT-2-Large
+    to its first answer, host cache, median 1.39 s; resnet152 1.31 s; session 26's
+    bench/results/split-bench-h100.json has 0.59 / 0.49 s: the simulator's figures are kept so
+    that its results stay comparable across sessions), a disk copy read
     at `disk_bytes_per_s` and a pull at `link_bytes_per_s` (assumed, not measured: the H100 runs
     have no network figure yet). `start_contention_s`: what each other start under way on the node
     adds (8 concurrent restores of a 4.9 GB snapshot took 6.3 s against 4.8 s for one: +0.21 s
