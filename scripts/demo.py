@@ -307,36 +307,51 @@ def run(example: Example, work: Path, d: Daemon) -> None:
 
     # 4. Requests at the same moment: the warm instance takes one, the others start instances.
     burst = 3
-    calls: list[Call | Exception] = []
-    gate = threading.Barrier(burst)
 
-    def one() -> None:
-        gate.wait()
-        try:
-            calls.append(d.invoke_http(example.name, example.request))
-        except (DemoError, OSError, http.client.HTTPException, ValueError) as exc:  # reported below
-            calls.append(exc)
+    def burst_round() -> list[Call]:
+        calls: list[Call | Exception] = []
+        gate = threading.Barrier(burst)
 
-    threads = [threading.Thread(target=one) for _ in range(burst)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        def one() -> None:
+            gate.wait()
+            try:
+                calls.append(d.invoke_http(example.name, example.request))
+            except (DemoError, OSError, http.client.HTTPException, ValueError) as exc:  # reported below
+                calls.append(exc)
+
+        threads = [threading.Thread(target=one) for _ in range(burst)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for c in calls:
+            if isinstance(c, Exception):
+                raise DemoError(f"a concurrent request failed: {c}")
+        return [c for c in calls if isinstance(c, Call)]
+
+    def live_instances() -> tuple[int, dict[str, int]]:
+        counts = d.stage_counts(example.name)
+        return counts["warm"] + counts["gpu_released"], counts
+
+    # A request starts an instance only if it finds none free. The example answers in about a
+    # millisecond, so on a loaded machine one instance may take a whole burst, one request after
+    # the other, before any of them finds it busy: then the burst is sent again (at most 5 times).
+    for rounds in range(1, 6):
+        done = burst_round()
+        time.sleep(0.5)
+        if live_instances()[0] >= 2:
+            break
     idle_since = time.monotonic()
-    for c in calls:
-        if isinstance(c, Exception):
-            raise DemoError(f"a concurrent request failed: {c}")
-    done = [c for c in calls if isinstance(c, Call)]
+    again = f" (burst {rounds}: the ones before found the instance free)" if rounds > 1 else ""
     print(f"4. {burst} requests at once:     ", end="")
-    print(", ".join(f"{c.start} {c.wall_s:.3f} s" for c in done), f"  {same(done[0], booted.value)}")
+    print(", ".join(f"{c.start} {c.wall_s:.3f} s" for c in done), f"  {same(done[0], booted.value)}{again}")
     for c in done[1:]:
         same(c, booted.value)
     # Bound late: a request is served by the first instance free, so the warm one may answer
     # them all while the instances they started still restore; those join the pool idle.
     deadline = time.monotonic() + 60
     while True:
-        counts = d.stage_counts(example.name)
-        live = counts["warm"] + counts["gpu_released"]
+        live, counts = live_instances()
         if live >= 2 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
