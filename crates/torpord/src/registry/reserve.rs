@@ -75,17 +75,31 @@ impl Reserve {
 
     /// Frees the reserve's blocks; whether there was one to free.
     pub fn release(&self) -> bool {
-        match std::fs::remove_file(&self.path) {
-            Ok(()) => {
-                tracing::warn!(path = %self.path.display(), bytes = self.bytes, "the state directory's filesystem is full: released the registry's disk reserve so its writes complete; free space there");
-                *self.failed_at.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                true
-            }
-            Err(_) => false,
+        // Marked before the unlink, under the lock restore_if_missing takes: a registry query
+        // of another task that succeeds meanwhile must not make the reserve again and take the
+        // blocks back before the write they were freed for (seen in CI: "the reserve is back"
+        // 0.3 ms after the release, then that write failed). The earliest remake is
+        // RETRY_EVERY from now.
+        let mut failed_at = self.failed_at.lock().unwrap_or_else(|p| p.into_inner());
+        if std::fs::remove_file(&self.path).is_err() {
+            return false;
         }
+        *failed_at = Some(Instant::now());
+        drop(failed_at);
+        // ext4 hands blocks freed by an unlink out again only once its journal has committed
+        // the unlink (every few seconds on its own), so the write tried next could still find
+        // the disk full; syncing the directory commits it now.
+        if let Some(dir) = self.path.parent() {
+            if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+                tracing::warn!(path = %dir.display(), error = %e, "cannot sync the state directory after releasing the registry's disk reserve");
+            }
+        }
+        tracing::warn!(path = %self.path.display(), bytes = self.bytes, "the state directory's filesystem is full: released the registry's disk reserve so its writes complete; free space there");
+        true
     }
 
-    /// Makes the reserve again if it is missing and was not tried within the last few seconds.
+    /// Makes the reserve again if it is missing and was neither tried nor released within the
+    /// last few seconds.
     pub fn restore_if_missing(&self) {
         if self.held() {
             return;
@@ -125,6 +139,10 @@ mod tests {
         assert!(r.release());
         assert!(!r.held());
         assert!(!r.release());
+        // Not at once: the write the blocks were freed for comes first.
+        r.restore_if_missing();
+        assert!(!r.held());
+        *r.failed_at.lock().unwrap() = Some(Instant::now() - RETRY_EVERY);
         r.restore_if_missing();
         assert!(r.held());
     }
