@@ -292,28 +292,31 @@ impl Drop for SnapshotWriter {
     }
 }
 
-/// Puts a snapshot sealed with [`Durability::Deferred`] on disk: every file (in parallel), then
-/// each directory, then the directory holding it. A file removed meanwhile (the snapshot was
+/// Puts a snapshot sealed with [`Durability::Deferred`] on disk: every file, then each
+/// directory, then the directory holding it. A file removed meanwhile (the snapshot was
 /// restored and discarded) is skipped; a snapshot already gone is not an error. Returns the
 /// seconds it took.
+///
+/// One file after the other, on the caller's thread: a CRIU image is one large pages file and a
+/// few small ones, so fsyncs side by side would gain little, and on rayon's shared pool they
+/// would hold the threads a restore's hash check needs for as long as the disk takes.
 pub fn flush_snapshot(dir: &Path) -> Result<f64> {
-    use rayon::prelude::*;
     let start = Instant::now();
     let tree = match walk(dir) {
         Ok(tree) => tree,
         Err(_) if !exists_no_follow(dir) => return Ok(start.elapsed().as_secs_f64()),
         Err(e) => return Err(e),
     };
-    tree.files.par_iter().try_for_each(|f| {
+    for f in &tree.files {
         let path = dir.join(&f.rel);
         match File::open(&path) {
             Ok(file) => file
                 .sync_all()
-                .map_err(|source| ImageError::Sync { path, source }),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(ImageError::ReadFile { path, source }),
+                .map_err(|source| ImageError::Sync { path, source })?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => return Err(ImageError::ReadFile { path, source }),
         }
-    })?;
+    }
     for d in tree.dirs.iter().rev() {
         match sync_dir(d) {
             Err(ImageError::Sync { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
