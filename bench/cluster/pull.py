@@ -49,7 +49,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -431,6 +433,66 @@ class ThreadSampler(threading.Thread):
         return {"samples": self.samples, "threads_per_sample": {k: round(v / max(1, self.samples), 2) for k, v in top}}
 
 
+class PullProfile:
+    """`perf record` of the pulling daemon for the pull alone (`--perf DIR`): on-CPU samples
+    with kernel call chains (user stacks need frame pointers the release build lacks), then
+    where its CPU went by symbol and by the kernel path a sample came through. What the
+    thread samples cannot say: which code, not only which wait."""
+
+    FREQ = 999
+
+    def __init__(self, pid: int, out: Path, name: str) -> None:
+        self.data = out / f"{name}.data"
+        self.report = out / f"{name}.txt"
+        self.proc = subprocess.Popen(
+            ["perf", "record", "-q", "-F", str(self.FREQ), "-g", "-p", str(pid), "-o", str(self.data)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(0.3)  # perf attaches before the pull starts
+
+    def finish(self) -> Json:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            _, err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return {"error": "perf record did not stop within 60 s"}
+        if not self.data.exists():
+            return {"error": f"perf record wrote nothing: {err.decode(errors='replace')[-300:]}"}
+        symbols = subprocess.run(
+            ["perf", "report", "-i", str(self.data), "--no-children", "--sort", "sym", "--stdio", "-g", "none",
+             "--percent-limit", "0.3"], capture_output=True, text=True, timeout=300).stdout
+        script = subprocess.run(["perf", "script", "-i", str(self.data), "-F", "tid,ip,sym"],
+                                capture_output=True, text=True, timeout=300).stdout
+        paths = kernel_paths(script)
+        self.report.write_text(symbols + "\n# kernel paths (samples, innermost first)\n"
+                               + "\n".join(f"{n} {k}" for k, n in paths["paths"]))
+        self.data.unlink(missing_ok=True)
+        return {"report": self.report.name, "samples": paths["samples"], "entry": paths["entry"]}
+
+
+def kernel_paths(script: str) -> Json:
+    """From `perf script -F tid,ip,sym`: samples per way in (user code, a page fault, a
+    syscall) and the commonest kernel call chains (six frames, innermost first)."""
+    entry: dict[str, int] = {}
+    paths: dict[str, int] = {}
+    samples = 0
+    for block in script.split("\n\n"):
+        frames = [ln.split(None, 1)[1] if len(ln.split(None, 1)) > 1 else "?"
+                  for ln in block.strip().splitlines()[1:] if ln.strip()]
+        if not frames:
+            continue
+        samples += 1
+        way = next((f for f in frames if f.startswith(("__x64_sys_", "ksys_", "__do_sys_", "asm_exc_page_fault"))), None)
+        if way is None:
+            way = "other kernel" if any(f.startswith("entry_SYSCALL") for f in frames) else "user"
+        entry[way] = entry.get(way, 0) + 1
+        if way != "user":
+            key = " <- ".join(frames[:6])
+            paths[key] = paths.get(key, 0) + 1
+    top = sorted(paths.items(), key=lambda kv: -kv[1])[:40]
+    return {"samples": samples, "entry": dict(sorted(entry.items(), key=lambda kv: -kv[1])), "paths": top}
+
+
 def reopened_files(state: Path, function: str) -> list[Path]:
     """The files node A's function snapshot reopens, from its manifest (torpor_image's
     `reopened_files`)."""
@@ -498,8 +560,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="start no further run once one more would end past this many seconds (default 480: the GPU "
                         "machine's calls end at 600)")
+    p.add_argument("--perf", type=Path, default=None,
+                   help="profile the pulling daemon during each pull with `perf record` into this directory "
+                        "(pull-N.txt: symbols and kernel paths; the run's `perf` key sums it up)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    if args.perf:
+        if shutil.which("perf") is None:
+            print("bench/cluster/pull.py: --perf needs `perf` on PATH (linux-perf)", file=sys.stderr)
+            return 2
+        args.perf.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         print("bench/cluster/pull.py: run as root (torpord starts workers in namespaces and runs CRIU)", file=sys.stderr)
         return 2
@@ -600,12 +670,14 @@ def main(argv: list[str]) -> int:
                 else:
                     os.environ["TORPOR_HASH_CACHE"] = shared_cache
             cpu0 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
+            profile = PullProfile(b.proc.pid, args.perf, f"pull-{i + 1}") if args.perf else None
             sampler = ThreadSampler(b.proc.pid)
             sampler.start()
             t0 = time.perf_counter()
             status, _, body = b.request("POST", f"/v1/functions/{model.name}/pull")
             pull_s = time.perf_counter() - t0
             threads = sampler.finish()
+            perf = profile.finish() if profile else None
             # Whether the pull kept the cores busy: the pulling daemon's and the store server's
             # CPU seconds over the pull (cores busy = seconds / pull_s), user and system apart.
             cpu1 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
@@ -638,6 +710,7 @@ def main(argv: list[str]) -> int:
                 "daemon_sys_s": round(daemon_sys, 3),
                 "store_server_cpu_s": round(store_cpu, 3),
                 "daemon_threads": threads,
+                "perf": perf,
                 "settle_s": round(settle_s, 3),
                 "restore_to_first_answer_s": first["wall_s"],
                 "first_start_s": round(pull_s + first["wall_s"], 4),
