@@ -267,6 +267,7 @@ impl Remote {
         body.clear();
         if status == 206 {
             body.reserve(len as usize);
+            crate::huge::advise_spare(body);
         }
         let read = resp.body_mut().as_reader().take(limit).read_to_end(body);
         if let Err(e) = read {

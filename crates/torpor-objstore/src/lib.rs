@@ -76,6 +76,7 @@ mod chunks;
 mod client;
 mod config;
 mod error;
+mod huge;
 mod profile;
 mod pull;
 mod push;
