@@ -16,6 +16,7 @@
 mod auth;
 mod error;
 mod hash;
+mod installer_record;
 mod manifest;
 mod reopened;
 mod snapshot;

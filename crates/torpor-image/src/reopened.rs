@@ -115,7 +115,7 @@ pub fn sha256_file(path: &Path) -> std::io::Result<String> {
     Ok(hex(&hasher.finalize()))
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write as _;
     let mut s = String::with_capacity(bytes.len() * 2);
     for b in bytes {
@@ -224,9 +224,15 @@ impl HashCache {
     /// Records `h`, the hash just read of the file at `path` whose metadata was `meta` before
     /// the read; cached only if the file kept its identity through the read and has settled.
     fn hashed_now(&mut self, path: &Path, meta: &fs::Metadata, h: &str) -> std::io::Result<()> {
-        let after = fs::metadata(path)?;
         self.hashed += 1;
         self.hashed_bytes += meta.len();
+        self.learned(path, meta, h)
+    }
+
+    /// Records `h`, the hash of the file at `path` whose metadata was `meta` when `h` was
+    /// found (read, or taken from its installer's record), under the same rule.
+    fn learned(&mut self, path: &Path, meta: &fs::Metadata, h: &str) -> std::io::Result<()> {
+        let after = fs::metadata(path)?;
         let key = identity(meta);
         if self.path.is_some() && identity(&after) == key && settled(&after) {
             self.file.hashes.insert(key.clone(), h.to_string());
@@ -370,6 +376,10 @@ pub struct Warmed {
     /// Of those, the ones hashed now (the cache did not know them), and their bytes.
     pub hashed: u64,
     pub hashed_bytes: u64,
+    /// Of those the cache did not know, the ones whose hash their installer had recorded
+    /// (crate::installer_record: not read), and their bytes.
+    pub recorded: u64,
+    pub recorded_bytes: u64,
 }
 
 /// At most this many bytes are read ahead by [`warm_reopened`]: a record that lists more is
@@ -393,6 +403,8 @@ pub fn warm_reopened(
     use rayon::prelude::*;
     let mut out = Warmed::default();
     let mut unknown = Vec::new();
+    let mut known = Vec::new();
+    let mut records = crate::installer_record::InstallerRecords::new();
     for f in files {
         let here = root.join(f.path.trim_start_matches('/'));
         let Ok(meta) = fs::metadata(&here) else {
@@ -404,10 +416,24 @@ pub fn warm_reopened(
         out.files += 1;
         out.bytes += meta.len();
         if cache.cached(&meta).is_some() {
-            readahead(&here);
+            known.push(here);
+        } else if let Some(h) = records.sha256(&here, &meta) {
+            if cache.learned(&here, &meta, &h).is_ok() {
+                out.recorded += 1;
+                out.recorded_bytes += meta.len();
+            }
+            known.push(here);
         } else {
             unknown.push((here, meta));
         }
+    }
+    // The files whose hashes are known are still what CRIU and the first request read: asked
+    // for in the background, never waited for (on a compressed file system the kernel's
+    // readahead decompresses in the calling thread).
+    if !known.is_empty() {
+        let _ = std::thread::Builder::new()
+            .name("torpor-readahead".into())
+            .spawn(move || known.iter().for_each(|p| readahead(p)));
     }
     // Reading is what warms the page cache, hashing is the CPU's share: several files at once,
     // the largest first (one file is one thread's: the largest bounds the time, so it must not
@@ -500,7 +526,9 @@ mod tests {
                 files: 2,
                 bytes: 300_009,
                 hashed: 2,
-                hashed_bytes: 300_009
+                hashed_bytes: 300_009,
+                recorded: 0,
+                recorded_bytes: 0,
             }
         );
         // The check that follows, in another process or later: every hash from the cache.
@@ -511,6 +539,53 @@ mod tests {
         let mut third = HashCache::open(&cache_path);
         let warmed = warm_reopened(&files, root, &mut third, 4);
         assert_eq!((warmed.files, warmed.hashed), (2, 0));
+    }
+
+    #[test]
+    fn a_file_its_installer_recorded_is_not_read_and_the_check_finds_its_hash() {
+        use base64::Engine as _;
+        use std::io::Write as _;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        let site = root.join("usr/lib/python3/site-packages");
+        fs::create_dir_all(site.join("torch/lib")).expect("mkdir");
+        fs::create_dir_all(site.join("torch-2.0.dist-info")).expect("mkdir");
+        fs::write(site.join("torch/lib/libtorch.so"), [3u8; 200_000]).expect("write");
+        fs::write(
+            root.join("usr/lib/python3/libpython.so"),
+            b"not from a wheel",
+        )
+        .expect("write");
+        let files: Vec<ReopenedFile> = [
+            "/usr/lib/python3/site-packages/torch/lib/libtorch.so",
+            "/usr/lib/python3/libpython.so",
+        ]
+        .iter()
+        .map(|p| ReopenedFile::identify(p, &root.join(&p[1..]), None).expect("identify"))
+        .collect();
+        let raw: Vec<u8> = (0..64)
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&files[0].sha256[i..i + 2], 16).expect("hex"))
+            .collect();
+        let digest = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(raw);
+        let mut record = fs::File::create(site.join("torch-2.0.dist-info/RECORD")).expect("RECORD");
+        writeln!(record, "torch/lib/libtorch.so,sha256={digest},200000").expect("write");
+        drop(record);
+        std::thread::sleep(SETTLE + Duration::from_millis(1200));
+        let cache_path = root.join("cache/file-hashes.json");
+        let warmed = warm_reopened(&files, root, &mut HashCache::open(&cache_path), 4);
+        assert_eq!(
+            (warmed.files, warmed.recorded, warmed.recorded_bytes),
+            (2, 1, 200_000)
+        );
+        assert_eq!(
+            (warmed.hashed, warmed.hashed_bytes),
+            (1, 16),
+            "only libpython read"
+        );
+        let mut again = HashCache::open(&cache_path);
+        check_reopened(&files, root, Path::new("/snaps/x"), &mut again).expect("same");
+        assert_eq!(again.hashed, 0);
     }
 
     #[test]

@@ -187,6 +187,9 @@ pub struct PullPhases {
     pub reopened_warm_s: f64,
     /// Bytes of them hashed then (the cache did not know them).
     pub reopened_hashed_bytes: u64,
+    /// Bytes of them the cache did not know whose hashes their installer had recorded (a
+    /// wheel's RECORD; torpor_image's installer_record): taken from there, not read.
+    pub reopened_recorded_bytes: u64,
     /// Registering the function (its snapshot is staged and the store trimmed after the
     /// answer).
     pub register_s: f64,
@@ -773,6 +776,7 @@ impl Tier {
         if let Some((warmed, seconds)) = warming.and_then(|w| w.join().ok()) {
             phases.reopened_warm_s = seconds;
             phases.reopened_hashed_bytes = warmed.hashed_bytes;
+            phases.reopened_recorded_bytes = warmed.recorded_bytes;
         }
         // Refused here rather than at the first restore: the files this node would map into
         // the restored processes must be the ones the snapshot was taken with.
