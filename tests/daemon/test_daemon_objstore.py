@@ -94,7 +94,8 @@ def test_deploy_on_a_pushes_and_b_pulls_only_missing_chunks_and_answers_alike(
     nodes: tuple[Torpord, Torpord], tmp_path: Path
 ) -> None:
     a, b = nodes
-    first = function_dir(tmp_path, "os-first")
+    # numpy: native libraries installed from a wheel, whose RECORD holds their SHA-256.
+    first = function_dir(tmp_path, "os-first", setup="import numpy")
     lines = a.deploy(first)
     pushed = lines[-1]["result"]["pushed"]
     assert isinstance(pushed, dict), pushed
@@ -110,6 +111,9 @@ def test_deploy_on_a_pushes_and_b_pulls_only_missing_chunks_and_answers_alike(
     # new to them, hashed them while the transfer ran, so the check after found them cached.
     assert pulled.phases is not None and pulled.phases["reopened_hashed_bytes"] > 1 << 20, pulled.phases
     assert pulled.phases["reopened_warm_s"] > 0, pulled.phases
+    # numpy's libraries were not read: their installer's RECORD gave their hashes
+    # (torpor_image's installer_record), and the check after accepted them.
+    assert pulled.phases["reopened_recorded_bytes"] > 1 << 20, pulled.phases
     again = client.Client(b.socket).pull("os-first")
     assert again.pulled_bytes == 0 and again.pulled_chunks == 0, again
 

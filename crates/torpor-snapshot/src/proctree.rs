@@ -11,8 +11,11 @@ use torpor_image::StdioFile;
 /// The files the tree reopens by path at restore: each process's executable and the files it
 /// maps privately (its libraries), as absolute paths in the processes' mount namespace, sorted,
 /// without duplicates. Paths under `skip` (mounts whose files CRIU archives into the image),
-/// deleted files and shared mappings (data, not code) are left out.
-pub fn reopened_paths(pids: &[i32], skip: &[String]) -> Vec<String> {
+/// deleted files and shared mappings (data, not code) are left out, unless a mount of `keep`
+/// (a bind of the node's own files) lies deeper under the archived one and holds the path:
+/// a worker's /root is an archived tmpfs, but a Python installed in /root/.pyenv is bound into
+/// it from the node, and reopened from there at restore.
+pub fn reopened_paths(pids: &[i32], skip: &[String], keep: &[String]) -> Vec<String> {
     let mut paths = std::collections::BTreeSet::new();
     for &pid in pids {
         let dir = Path::new("/proc").join(pid.to_string());
@@ -39,10 +42,21 @@ pub fn reopened_paths(pids: &[i32], skip: &[String]) -> Vec<String> {
         .into_iter()
         .filter(|p| !p.ends_with(" (deleted)"))
         .filter(|p| {
-            !skip.iter().any(|m| {
-                let m = m.trim_end_matches('/');
-                p == m || p.starts_with(&format!("{m}/"))
-            })
+            // The deepest mount of each list that holds `p`: the innermost one is what the
+            // process sees there.
+            let deepest = |mounts: &[String]| {
+                mounts
+                    .iter()
+                    .map(|m| m.trim_end_matches('/'))
+                    .filter(|m| p == m || p.starts_with(&format!("{m}/")))
+                    .map(str::len)
+                    .max()
+            };
+            match (deepest(skip), deepest(keep)) {
+                (Some(archived), Some(bound)) => bound > archived,
+                (Some(_), None) => false,
+                (None, _) => true,
+            }
         })
         .collect()
 }
@@ -278,14 +292,30 @@ mod tests {
         let me = std::process::id() as i32;
         let exe = fs::read_link("/proc/self/exe").expect("exe");
         let exe = exe.to_str().expect("utf-8").to_owned();
-        let paths = reopened_paths(&[me], &[]);
+        let paths = reopened_paths(&[me], &[], &[]);
         assert!(paths.contains(&exe), "{paths:?}");
         assert!(paths.iter().any(|p| p.contains("libc")), "{paths:?}");
         assert!(paths.windows(2).all(|w| w[0] < w[1]), "sorted, unique");
         // A mount CRIU archives hides what is under it.
         let parent = Path::new(&exe).parent().expect("dir");
-        let skipped = reopened_paths(&[me], &[parent.to_string_lossy().into_owned()]);
+        let skipped = reopened_paths(&[me], &[parent.to_string_lossy().into_owned()], &[]);
         assert!(!skipped.contains(&exe), "{skipped:?}");
+        // ... unless a bind of the node's files lies under it and holds the path (a Python in
+        // /root/.pyenv under an archived /root); a bind above the archived mount does not.
+        let grand = parent.parent().expect("dir").to_string_lossy().into_owned();
+        let parent = parent.to_string_lossy().into_owned();
+        let kept = reopened_paths(
+            &[me],
+            std::slice::from_ref(&grand),
+            std::slice::from_ref(&parent),
+        );
+        assert!(kept.contains(&exe), "{kept:?}");
+        let hidden = reopened_paths(
+            &[me],
+            std::slice::from_ref(&parent),
+            std::slice::from_ref(&grand),
+        );
+        assert!(!hidden.contains(&exe), "{hidden:?}");
     }
 
     #[test]

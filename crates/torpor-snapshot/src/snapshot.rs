@@ -159,12 +159,13 @@ fn identify_reopened(
     root: i32,
     pids: &[i32],
     archived: &[String],
+    bound: &[String],
 ) -> Vec<torpor_image::ReopenedFile> {
     let ns_root = Path::new("/proc").join(root.to_string()).join("root");
     // The node's cache of file hashes (torpor_image::reopened): a deploy's snapshot of a
     // worker whose libraries were hashed before reads none of them again.
     let mut cache = torpor_image::HashCache::open(&torpor_image::hash_cache_path());
-    let files = proctree::reopened_paths(pids, archived)
+    let files = proctree::reopened_paths(pids, archived, bound)
         .iter()
         .filter_map(|p| {
             let path = ns_root.join(p.trim_start_matches('/'));
@@ -265,8 +266,16 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
     // Identified now, while the tree runs (its files seen through /proc/PID/root), before it
     // is stopped: this adds nothing to the stop time.
     let archived: Vec<String> = mount_plan.archived.iter().map(|m| m.path.clone()).collect();
+    // The node's own files bound into the tree (a Python prefix): checked at restore even under
+    // an archived mount. The state directory's pieces are not: a restore binds the restoring
+    // daemon's own there, at another path on another node.
+    let bound: Vec<String> = external
+        .iter()
+        .filter(|m| !m.key.starts_with(mounts::STATE_DIR_KEY))
+        .map(|m| m.path.clone())
+        .collect();
     let identify = Instant::now();
-    let reopened = identify_reopened(root.pid, &pids, &archived);
+    let reopened = identify_reopened(root.pid, &pids, &archived, &bound);
     let identify_s = identify.elapsed().as_secs_f64();
 
     let mut stdio: Vec<torpor_image::StdioFile> = Vec::new();
