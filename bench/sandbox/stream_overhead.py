@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import gpu_used_mib  # noqa: E402  (bench/sandbox/run.py)
+from run import gpu_mib, gpu_used_mib  # noqa: E402  (bench/sandbox/run.py)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -99,22 +99,6 @@ class NoGpu(Exception):
 # -- measuring (both sides) ------------------------------------------------------------------
 
 
-def nvml_mib(pid: int) -> float | None:
-    """NVML's used memory of process `pid` (MiB), None where nvidia-smi does not list it (a PID
-    namespace it cannot see into)."""
-    out = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    for line in out.splitlines():
-        parts = [x.strip() for x in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(pid) and parts[1].replace(".", "", 1).isdigit():
-            return float(parts[1])
-    return None
-
-
 def chosen_workspace_bytes(env: dict[str, str], sm90: bool) -> int:
     """PyTorch's cuBLAS workspace per (handle, stream) for `env` (aten CublasHandlePool.cpp,
     parseChosenWorkspaceSize): CUBLAS_WORKSPACE_CONFIG's ":SIZE_KiB:COUNT" pairs summed, else
@@ -143,7 +127,9 @@ class Probe:
     def record(self, label: str, k: int, **extra: Any) -> dict[str, Any]:
         torch = self.torch
         torch.cuda.synchronize()
-        nvml = nvml_mib(self.pid)
+        # 0: nvidia-smi does not list the process (a PID namespace it cannot see into); a
+        # process with a CUDA context always holds some memory.
+        nvml = gpu_mib([self.pid]) or None
         if nvml is None:
             self.nvml_visible = False
             nvml = gpu_used_mib() - self.used_before
