@@ -41,8 +41,38 @@ mod tests {
         let mut big: Vec<u8> = Vec::with_capacity(8 << 20);
         big.extend_from_slice(b"head");
         advise_spare(&mut big);
+        // The kernel marked the aligned part for huge pages (`hg` in its VMA's flags).
+        let inside = (big.as_ptr() as usize + 4).next_multiple_of(HUGE);
+        assert!(
+            vma_flags(inside).contains(&"hg".to_owned()),
+            "{:?}",
+            vma_flags(inside)
+        );
         big.resize(8 << 20, 7);
         assert_eq!(&big[..4], b"head");
         assert!(big[4..].iter().all(|&b| b == 7));
+    }
+
+    /// The `VmFlags` of the mapping of this process that holds `addr` (proc(5), smaps).
+    fn vma_flags(addr: usize) -> Vec<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let mut inside = false;
+        for line in smaps.lines() {
+            let head = line.split_whitespace().next().unwrap_or("");
+            if let Some((lo, hi)) = head.split_once('-') {
+                if let (Ok(lo), Ok(hi)) =
+                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+                {
+                    inside = (lo..hi).contains(&addr);
+                    continue;
+                }
+            }
+            if inside {
+                if let Some(flags) = line.strip_prefix("VmFlags:") {
+                    return flags.split_whitespace().map(str::to_owned).collect();
+                }
+            }
+        }
+        Vec::new()
     }
 }
