@@ -41,7 +41,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -160,6 +160,12 @@ pub struct PullPhases {
     /// The small GETs: the files' manifest, record, MAC and locator, the segments' sealed
     /// record and locator.
     pub files_metadata_s: f64,
+    /// From the transfer's start until the pipeline's: the small GETs, then the store's writer,
+    /// the directory's files made and the prefill's start.
+    pub files_pipeline_start_s: f64,
+    /// From the transfer's start until it returned (what follows the pipeline: the commit, the
+    /// directory renamed into place, what the pull's end drops).
+    pub files_returned_s: f64,
     /// The pipeline: every chunk of the files and the segments fetched, checked and written
     /// into the store.
     pub fetch_s: f64,
@@ -665,7 +671,7 @@ impl Tier {
         scope: &Scope,
         name: &str,
         (snapshots, state_root): (&Path, &Path),
-        split: Option<&crate::split::Split>,
+        split: Option<&Arc<crate::split::Split>>,
     ) -> Result<Fetched, PullError> {
         let clock = Instant::now();
         let remote = self.remote()?;
@@ -722,7 +728,8 @@ impl Tier {
         // are in, then one syncfs for both records.
         // The segments into the restore server's host cache as they come, for the first
         // restore (crate::split::prefill).
-        let prefill = split.map(|s| crate::split::prefill::HostPrefill::new(s, &record.tenant));
+        let prefill =
+            split.map(|s| crate::split::prefill::HostPrefill::new(Arc::clone(s), &record.tenant));
         let t = Instant::now();
         let pulled = torpor_objstore::pull_snapshot_deferred(
             &remote,
@@ -752,6 +759,8 @@ impl Tier {
         let (report, segments) = (pulled.files, pulled.sealed);
         let t = report.timings;
         phases.files_metadata_s = t.metadata_s;
+        phases.files_pipeline_start_s = t.pipeline_start_s;
+        phases.files_returned_s = t.total_s;
         phases.files_fetch_s = t.files_fetch_s;
         phases.files_commit_s = t.commit_s;
         phases.files_materialise_s = t.materialise_s;

@@ -48,6 +48,9 @@
 //!
 //! [restore_server]                # caches of segments for restores (LRU), in bytes, each ≤ 2^50
 //! host_cache_bytes = 4294967296   # host memory (pinned on cuda): 4 GiB
+//! pin_host_cache_at_start = true  # on a GPU node, pin the host cache's bytes once when torpord
+//!                                 # starts (a pool its buffers come from) and open the GPUs, so
+//!                                 # no pull or fill pins memory on its path; false: pinned as used
 //! gpu_cache_bytes = 2147483648    # device memory: 2 GiB (memfd memory on the host backend)
 //! pages = "auto"                  # "lazy": instances' memory on first touch (Torpor's page
 //!                                 # server, docs/lazy-pages.md); "criu-lazy": the same with CRIU's
@@ -272,6 +275,9 @@ pub struct RestoreServer {
     pub host_cache_bytes: u64,
     /// Bytes of segments kept in device memory.
     pub gpu_cache_bytes: u64,
+    /// On a GPU node with split on: the GPUs opened and `host_cache_bytes` pinned as one pool
+    /// when the daemon starts (crate::split::pool); false: pinned buffer by buffer as used.
+    pub pin_host_cache_at_start: bool,
     /// How an instance's memory comes back when it is restored.
     pub pages: Pages,
     /// Bytes of function snapshots staged in the daemon's tmpfs (`crate::staging`); 0: none.
@@ -355,6 +361,7 @@ impl Default for RestoreServer {
         Self {
             host_cache_bytes: 4 << 30,
             gpu_cache_bytes: 2 << 30,
+            pin_host_cache_at_start: true,
             pages: Pages::default(),
             stage_bytes: DEFAULT_STAGE_BYTES,
             background_threads: torpor_snapshot::restore::DEFAULT_BACKGROUND_THREADS as u32,
@@ -803,6 +810,9 @@ impl Config {
             }
             if let Some(n) = t.integer("gpu_cache_bytes", 0, max)? {
                 r.gpu_cache_bytes = u64::try_from(n).unwrap_or(0);
+            }
+            if let Some(b) = t.boolean("pin_host_cache_at_start")? {
+                r.pin_host_cache_at_start = b;
             }
             if let Some(p) = t.parsed(
                 "pages",

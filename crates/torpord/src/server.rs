@@ -246,6 +246,16 @@ impl Daemon {
                 tracing::warn!(error = %e, "restores will probe the kernel each time");
             }
         });
+        // The GPUs opened and the host cache pinned, so that the first pull or restore does not
+        // pay them (crate::split::Split::open_gpus_at_start). Restores that start meanwhile
+        // wait for the device they need, as they would have opened it.
+        {
+            let (split, pin) = (
+                Arc::clone(&runtime.split),
+                self.config.restore_server.pin_host_cache_at_start,
+            );
+            tokio::task::spawn_blocking(move || split.open_gpus_at_start(pin));
+        }
         let workers_what = format!("workers socket {}", self.workers.path().display());
         let std_workers = self
             .workers

@@ -30,8 +30,17 @@ pub trait SegmentDevice: Send + Sync {
     /// The unit of its memory's sizes, in bytes (2 MiB on an H100, the page size on the host).
     fn granularity(&self) -> usize;
 
-    /// `len` bytes of host memory for copies.
+    /// `len` bytes of host memory for copies: from the device's pool when it has one with
+    /// room ([`SegmentDevice::make_host_pool`]), made for this call otherwise.
     fn host_buffer(&self, len: usize) -> Result<HostBuffer, DeviceError>;
+
+    /// Makes `bytes` of host memory for copies now, kept as a pool that
+    /// [`SegmentDevice::host_buffer`] carves buffers from (crate::split::pool); set once: a
+    /// second call leaves the first pool. Returns the pool's bytes.
+    fn make_host_pool(&self, bytes: usize) -> Result<usize, DeviceError>;
+
+    /// The pool's (bytes, free bytes), if it has one.
+    fn host_pool(&self) -> Option<(usize, usize)>;
 
     /// Copies the memory behind `fd` (a worker's exported segment of `out.len()` bytes) into
     /// `out`.
@@ -126,11 +135,16 @@ pub trait SegmentDevice: Send + Sync {
 pub struct Backend<D> {
     device: D,
     pcie: Pcie,
+    pool: std::sync::OnceLock<super::pool::HostPool>,
 }
 
 impl<D: Device> Backend<D> {
     pub fn new(device: D, pcie: Pcie) -> Self {
-        Self { device, pcie }
+        Self {
+            device,
+            pcie,
+            pool: std::sync::OnceLock::new(),
+        }
     }
 }
 
@@ -193,7 +207,27 @@ where
     }
 
     fn host_buffer(&self, len: usize) -> Result<HostBuffer, DeviceError> {
+        if let Some(b) = self.pool.get().and_then(|p| p.take(len)) {
+            return Ok(b);
+        }
         Ok(Box::new(self.device.host_buffer(len)?))
+    }
+
+    fn make_host_pool(&self, bytes: usize) -> Result<usize, DeviceError> {
+        if let Some(p) = self.pool.get() {
+            return Ok(p.capacity());
+        }
+        let memory: HostBuffer = Box::new(self.device.host_buffer(bytes)?);
+        let made = super::pool::HostPool::new(memory).map_or(0, |p| {
+            let capacity = p.capacity();
+            let _ = self.pool.set(p);
+            capacity
+        });
+        Ok(made)
+    }
+
+    fn host_pool(&self) -> Option<(usize, usize)> {
+        self.pool.get().map(|p| (p.capacity(), p.free_bytes()))
     }
 
     fn read_fd(&self, fd: OwnedFd, out: &mut [u8]) -> Result<(), DeviceError> {

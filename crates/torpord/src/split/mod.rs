@@ -29,6 +29,7 @@ pub mod fill;
 pub mod index;
 pub mod migrate;
 pub mod pcie;
+pub mod pool;
 pub mod precopy;
 pub mod prefill;
 pub mod release;
@@ -74,6 +75,9 @@ pub struct SplitMetrics {
     pub pcie_bytes: IntCounterVec,
     /// `torpor_pcie_transfers{device}`: host→device transfers in progress.
     pub pcie_active: IntGaugeVec,
+    /// `torpor_host_pool_bytes{state}`: the pinned host pool's bytes (`total`) and those not
+    /// handed out (`free`); 0 until it is made (crate::split::pool).
+    pub host_pool_bytes: IntGaugeVec,
 }
 
 impl SplitMetrics {
@@ -89,10 +93,14 @@ impl SplitMetrics {
             Box::new(m.pcie_wait.clone()),
             Box::new(m.pcie_bytes.clone()),
             Box::new(m.pcie_active.clone()),
+            Box::new(m.host_pool_bytes.clone()),
         ] {
             if let Err(e) = metrics.register(c) {
                 tracing::warn!(error = %e, "cannot register a restore server metric");
             }
+        }
+        for state in ["total", "free"] {
+            m.host_pool_bytes.with_label_values(&[state]).set(0);
         }
         for cache in ["host", "gpu"] {
             m.cache_bytes.with_label_values(&[cache]).set(0);
@@ -126,6 +134,13 @@ impl SplitMetrics {
                 )
                 .buckets(vec![0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 200.0]),
                 &["source"],
+            )?,
+            host_pool_bytes: IntGaugeVec::new(
+                Opts::new(
+                    "torpor_host_pool_bytes",
+                    "The pinned host pool the host cache's buffers come from, by state (total, free).",
+                ),
+                &["state"],
             )?,
             shared_bytes: IntGauge::new(
                 "torpor_restore_shared_bytes",
@@ -550,6 +565,76 @@ impl Split {
         };
         set("host", host);
         set("gpu", gpu);
+        // The pool's device if it is open (never opened for a gauge).
+        let opened = lock(&self.cuda)
+            .get(&0)
+            .cloned()
+            .or_else(|| self.host.get().map(Arc::clone));
+        if let Some((total, free)) = opened.and_then(|d| d.host_pool()) {
+            for (state, v) in [("total", total), ("free", free)] {
+                self.metrics
+                    .host_pool_bytes
+                    .with_label_values(&[state])
+                    .set(i64::try_from(v).unwrap_or(i64::MAX));
+            }
+        }
+    }
+
+    /// The device whose host buffers the host cache holds: GPU 0 where the node has one (what
+    /// a pull's prefill fills, crate::split::prefill), the host backend otherwise. Opened here
+    /// if it was not.
+    pub(crate) fn pool_device(&self) -> Option<Arc<dyn SegmentDevice>> {
+        self.device("cuda", 0)
+            .or_else(|_| self.device("host", -1))
+            .ok()
+    }
+
+    /// At the daemon's start, off its path: opens every GPU of the node (driver, primary
+    /// context, copy streams and staging: on the H100 the first pull paid this before its
+    /// transfer began) and, when `pin_host_cache` holds, makes the host cache's memory as one
+    /// pinned pool on GPU 0 (crate::split::pool). Without a GPU or with split off, nothing.
+    /// Blocking.
+    pub fn open_gpus_at_start(&self, pin_host_cache: bool) {
+        if !self.gpu_enabled {
+            return;
+        }
+        let count = match torpor_cuda::CudaDriver::load().and_then(|d| d.devices()) {
+            Ok(devices) => devices.len(),
+            Err(e) => {
+                tracing::debug!(error = %e, "no GPU opened at start");
+                return;
+            }
+        };
+        let t = std::time::Instant::now();
+        for ordinal in 0..count {
+            if let Err(e) = self.device("cuda", ordinal as i32) {
+                tracing::warn!(ordinal, error = %e, "cannot open a GPU at start: its first fill opens it");
+            }
+        }
+        let opened_s = t.elapsed().as_secs_f64();
+        let bytes = lock(&self.host_cache).capacity();
+        if !pin_host_cache || bytes == 0 || count == 0 {
+            tracing::info!(gpus = count, opened_s, "GPUs opened");
+            return;
+        }
+        let Ok(dev) = self.device("cuda", 0) else {
+            return;
+        };
+        match dev.make_host_pool(usize::try_from(bytes).unwrap_or(usize::MAX)) {
+            Ok(pinned) => tracing::info!(
+                gpus = count,
+                opened_s,
+                pinned_bytes = pinned,
+                pinned_s = t.elapsed().as_secs_f64() - opened_s,
+                "GPUs opened, the host cache's memory pinned"
+            ),
+            Err(e) => tracing::warn!(
+                bytes,
+                error = %e,
+                "cannot pin the host cache's memory at start: its buffers are pinned as they are made"
+            ),
+        }
+        self.update_cache_gauges();
     }
 }
 

@@ -38,7 +38,7 @@ use std::thread::JoinHandle;
 use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Recipe};
 use torpor_objstore::SealedSink;
 
-use crate::split::device::{HostBuffer, SegmentDevice};
+use crate::split::device::HostBuffer;
 use crate::split::index::INDEX_RECIPE;
 use crate::split::{lock, Split};
 
@@ -49,8 +49,8 @@ const FINISH_THREADS: usize = 8;
 const CATCH_UP_THREADS: usize = 2;
 
 /// A pull's segments on their way into the host cache.
-pub struct HostPrefill<'a> {
-    split: &'a Split,
+pub struct HostPrefill {
+    split: Arc<Split>,
     tenant: String,
     plan: OnceLock<Arc<Plan>>,
     /// The allocator's thread and the catch-up threads.
@@ -58,7 +58,9 @@ pub struct HostPrefill<'a> {
 }
 
 struct Plan {
-    device: Arc<dyn SegmentDevice>,
+    /// Opened by the allocator, off the pull's path: on a node whose daemon has not opened its
+    /// GPU yet that is the driver's context creation (crate::split::Split::open_gpus_at_start).
+    split: Arc<Split>,
     /// The store the pull puts the chunks in (None: no catch-up, all read at the end).
     store: Option<ChunkStore>,
     segments: Vec<Segment>,
@@ -125,9 +127,9 @@ pub struct Prefilled {
     pub bytes: u64,
 }
 
-impl<'a> HostPrefill<'a> {
+impl HostPrefill {
     /// For a pull of a function of `tenant`.
-    pub fn new(split: &'a Split, tenant: &str) -> Self {
+    pub fn new(split: Arc<Split>, tenant: &str) -> Self {
         HostPrefill {
             split,
             tenant: tenant.to_owned(),
@@ -199,13 +201,6 @@ impl<'a> HostPrefill<'a> {
     }
 
     fn plan(&self, recipes: &[Recipe]) -> Option<Plan> {
-        // Pinned memory where the node has a GPU (what a fill from the host cache copies
-        // fastest from), plain memory otherwise.
-        let device = self
-            .split
-            .device("cuda", 0)
-            .or_else(|_| self.split.device("host", -1))
-            .ok()?;
         let mut room = {
             let cache = lock(&self.split.host_cache);
             cache.capacity().saturating_sub(cache.used())
@@ -235,7 +230,7 @@ impl<'a> HostPrefill<'a> {
             });
         }
         (!segments.is_empty()).then_some(Plan {
-            device,
+            split: Arc::clone(&self.split),
             store: self.split.store_for(&self.tenant).ok(),
             segments,
             at,
@@ -247,11 +242,19 @@ impl<'a> HostPrefill<'a> {
 /// The allocator: each segment's buffer in the record's order (the order its chunks come in),
 /// each made one sent to the catch-up threads.
 fn allocate(plan: &Plan, made: &std::sync::mpsc::Sender<usize>) {
+    // Pinned memory where the node has a GPU (what a fill from the host cache copies fastest
+    // from; the pool made at the daemon's start, crate::split::pool), plain memory otherwise.
+    let Some(device) = plan.split.pool_device() else {
+        for seg in &plan.segments {
+            seg.failed.store(true, Ordering::Release);
+        }
+        return;
+    };
     for (i, seg) in plan.segments.iter().enumerate() {
         if plan.cancelled.load(Ordering::Acquire) {
             return;
         }
-        match plan.device.host_buffer(seg.recipe.size as usize) {
+        match device.host_buffer(seg.recipe.size as usize) {
             Ok(b) if b.len() as u64 >= seg.recipe.size => {
                 let _ = seg.buf.set(Filling::new(b));
                 let _ = made.send(i);
@@ -331,7 +334,7 @@ fn read_missing(seg: &Segment, store: &ChunkStore) -> bool {
     true
 }
 
-impl Drop for HostPrefill<'_> {
+impl Drop for HostPrefill {
     fn drop(&mut self) {
         // A prefill dropped unfinished (the pull failed): stop the allocator and the catch-up
         // and wait for them, so that no buffer is made for nothing after the pull has answered.
@@ -342,7 +345,7 @@ impl Drop for HostPrefill<'_> {
     }
 }
 
-impl SealedSink for HostPrefill<'_> {
+impl SealedSink for HostPrefill {
     fn begin(&self, recipes: &[Recipe]) {
         let Some(plan) = self.plan(recipes) else {
             return;
@@ -420,7 +423,7 @@ mod tests {
         dir: &std::path::Path,
         host_cache_bytes: u64,
         sizes: &[usize],
-    ) -> (Split, ChunkStore, Vec<Recipe>, Vec<Vec<u8>>) {
+    ) -> (Arc<Split>, ChunkStore, Vec<Recipe>, Vec<Vec<u8>>) {
         let limits = crate::config::RestoreServer {
             host_cache_bytes,
             gpu_cache_bytes: 0,
@@ -449,7 +452,7 @@ mod tests {
             contents.push(data);
         }
         w.commit("fn-prefill-1", &recipes).unwrap();
-        (split, store, recipes, contents)
+        (Arc::new(split), store, recipes, contents)
     }
 
     /// Hands `recipe`'s chunks of `data` to the sink, those `keep` says.
@@ -490,7 +493,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (split, store, recipes, contents) =
             setup(dir.path(), 64 << 20, &[10 * MIB, 6 * MIB, 9 * MIB + 5]);
-        let prefill = HostPrefill::new(&split, DEFAULT_TENANT);
+        let prefill = HostPrefill::new(Arc::clone(&split), DEFAULT_TENANT);
         prefill.begin(&recipes);
         hand_over(&prefill, &recipes[0], &contents[0], |_| true);
         hand_over(&prefill, &recipes[2], &contents[2], |i| i % 2 == 0);
@@ -508,6 +511,47 @@ mod tests {
         }
     }
 
+    /// With a pool made at the daemon's start, the prefill's buffers are carved from it (no
+    /// memory made on the pull's path), hold exactly their segments, and go back to the pool
+    /// when the cache lets them go.
+    #[test]
+    fn buffers_come_from_the_pool_made_at_start_and_go_back_to_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (split, store, recipes, contents) =
+            setup(dir.path(), 64 << 20, &[10 * MIB, 6 * MIB + 3]);
+        let dev = split.pool_device().expect("the host backend");
+        assert_eq!(dev.make_host_pool(32 << 20).unwrap(), 32 << 20);
+        let prefill = HostPrefill::new(Arc::clone(&split), DEFAULT_TENANT);
+        prefill.begin(&recipes);
+        hand_over(&prefill, &recipes[0], &contents[0], |i| i % 3 != 0);
+        hand_over(&prefill, &recipes[1], &contents[1], |_| true);
+        let done = prefill.finish(&store);
+        assert_eq!(done.segments, 2);
+        for (r, data) in recipes.iter().zip(&contents) {
+            assert_eq!(cached(&split, r).as_deref(), Some(&data[..]), "{}", r.name);
+        }
+        let (total, free) = dev.host_pool().expect("a pool");
+        assert!(
+            total - free >= 16 * MIB,
+            "taken from the pool: {}",
+            total - free
+        );
+        let before = metric(&split, "free");
+        assert_eq!(before, free as i64, "the gauge follows the pool");
+        for r in &recipes {
+            assert!(lock(&split.host_cache).remove(&r.blake3));
+        }
+        assert_eq!(dev.host_pool(), Some((total, total)), "given back");
+    }
+
+    fn metric(split: &Split, state: &str) -> i64 {
+        split
+            .metrics
+            .host_pool_bytes
+            .with_label_values(&[state])
+            .get()
+    }
+
     /// Only the free room is used, what the cache holds stays, and a chunk that does not match
     /// its recipe's length is not kept (its segment's bytes then come from the store).
     #[test]
@@ -523,7 +567,7 @@ mod tests {
             Arc::new(Mutex::new(held)),
             recipes[2].size,
         );
-        let prefill = HostPrefill::new(&split, DEFAULT_TENANT);
+        let prefill = HostPrefill::new(Arc::clone(&split), DEFAULT_TENANT);
         prefill.begin(&recipes);
         let c0 = &recipes[0].chunks[0];
         prefill.chunk(c0, &contents[0][..c0.len as usize - 1]);
@@ -549,7 +593,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (split, store, recipes, contents) =
             setup(dir.path(), 64 << 20, &[8 * MIB, 5 * MIB, 7 * MIB + 3]);
-        let prefill = HostPrefill::new(&split, DEFAULT_TENANT);
+        let prefill = HostPrefill::new(Arc::clone(&split), DEFAULT_TENANT);
         prefill.begin(&recipes);
         // Racing the catch-up: segment 1's chunks handed over as the pipeline would.
         hand_over(&prefill, &recipes[1], &contents[1], |_| true);
@@ -574,7 +618,7 @@ mod tests {
     fn a_failed_pull_puts_nothing_in_the_cache() {
         let dir = tempfile::tempdir().unwrap();
         let (split, _store, recipes, contents) = setup(dir.path(), 64 << 20, &[10 * MIB]);
-        let prefill = HostPrefill::new(&split, DEFAULT_TENANT);
+        let prefill = HostPrefill::new(Arc::clone(&split), DEFAULT_TENANT);
         prefill.begin(&recipes);
         hand_over(&prefill, &recipes[0], &contents[0], |_| true);
         drop(prefill);
@@ -589,7 +633,7 @@ mod tests {
         let (split, store, recipes, contents) = setup(dir.path(), 64 << 20, &[4 * MIB, 4 * MIB]);
         let damaged = store.chunk_path(&recipes[1].chunks[0].id);
         std::fs::write(&damaged, b"not the chunk").unwrap();
-        let prefill = HostPrefill::new(&split, DEFAULT_TENANT);
+        let prefill = HostPrefill::new(Arc::clone(&split), DEFAULT_TENANT);
         prefill.begin(&recipes);
         hand_over(&prefill, &recipes[0], &contents[0], |_| true);
         let done = prefill.finish(&store);
