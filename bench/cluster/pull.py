@@ -342,6 +342,33 @@ def node_config(model: split.Model, table: Json, restore_server: str = "cold-dis
     return config
 
 
+# How long a pulling node may take to pin its host cache at start (torpord's
+# restore_server.pin_host_cache_at_start: a pool of 4 GiB by default, pinned off the API's path).
+POOL_WAIT_S = 60.0
+
+
+def wait_for_host_pool(daemon: split.Daemon, config: Json, gpu: bool) -> float | None:
+    """Seconds until the node's pinned host pool is made, or None where it makes none.
+
+    A node is up long before the first pull of a function reaches it, so the pull starts once
+    the daemon has done what it does at start; a daemon without the pool (an older one, a node
+    without a GPU or host cache) is not waited for."""
+    rs = config.get("restore_server", {})
+    if not gpu or rs.get("host_cache_bytes", 4 << 30) == 0 or rs.get("pin_host_cache_at_start") is False:
+        return None
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < POOL_WAIT_S:
+        status, _, body = daemon.request("GET", "/metrics")
+        text = body.decode(errors="replace") if status == 200 else ""
+        if "torpor_host_pool_bytes" not in text:
+            return None
+        m = re.search(r'^torpor_host_pool_bytes\{state="total"\} (\d+)', text, re.M)
+        if m and int(m.group(1)) > 0:
+            return round(time.perf_counter() - t0, 3)
+        time.sleep(0.1)
+    raise RuntimeError(f"the node did not pin its host cache within {POOL_WAIT_S} s:\n{daemon.log_tail()}")
+
+
 def median_phases(phases: list[Json | None]) -> Json | None:
     """Each phase's median over the runs that reported phases (None: no run did)."""
     got = [p for p in phases if isinstance(p, dict)]
@@ -669,6 +696,7 @@ def main(argv: list[str]) -> int:
                     os.environ.pop("TORPOR_HASH_CACHE", None)
                 else:
                     os.environ["TORPOR_HASH_CACHE"] = shared_cache
+            pool_wait_s = wait_for_host_pool(b, b.config, model.gpu)
             cpu0 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
             profile = PullProfile(b.proc.pid, args.perf, f"pull-{i + 1}") if args.perf else None
             sampler = ThreadSampler(b.proc.pid)
@@ -697,6 +725,7 @@ def main(argv: list[str]) -> int:
                 "node_b_restore_server": b_config,
                 "new_node": args.new_node,
                 "evicted_bytes": evicted,
+                "host_pool_wait_s": pool_wait_s,
                 "pull_s": round(pull_s, 4),
                 "pulled_bytes": pulled["pulled_bytes"],
                 "pulled_chunks": pulled["pulled_chunks"],

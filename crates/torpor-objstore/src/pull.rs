@@ -67,6 +67,11 @@ pub struct PullTimings {
     pub materialise_s: f64,
     /// Authenticating the manifest and hashing every file of the directory against it.
     pub verify_s: f64,
+    /// From the pull's start until the pipeline's: `metadata_s`, then the store's writer, the
+    /// directory's files made and the sink's start.
+    pub pipeline_start_s: f64,
+    /// From the pull's start until it returns.
+    pub total_s: f64,
     /// Where the pipeline's threads spent `fetch_s`.
     pub pipeline: crate::chunks::PipelineTimes,
 }
@@ -318,6 +323,7 @@ fn pull_snapshot_with(
         }
     };
     let pipeline = Instant::now();
+    timings.pipeline_start_s = began.elapsed().as_secs_f64();
     let landed: Mutex<[f64; 2]> = Mutex::new([0.0; 2]);
     let (files_in, files_in_rx) = std::sync::mpsc::channel::<()>();
     let files_in = Mutex::new(Some(files_in));
@@ -451,6 +457,7 @@ fn pull_snapshot_with(
     };
     timings.commit_s = committed.elapsed().as_secs_f64();
     aside.rename_to(out)?;
+    timings.total_s = began.elapsed().as_secs_f64();
     let total = down.first().map_or(0, |d| d.total);
     let fetched_chunks = down.first().map_or(0, |d| d.fetched);
     let files_down = down.first().copied().unwrap_or_default();
