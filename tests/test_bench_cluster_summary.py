@@ -27,12 +27,21 @@ def test_assemble_takes_each_figure_from_its_source_and_judges_the_targets() -> 
             "summary": {"pull_efficiency": 0.85, "pull_gbps": 1.7, "transfer_gbps": 2.0}}
     doc = summary.assemble(kill, "k.json", sim, "s.json", pull, "p.json")
     assert doc["summary"] == {"lost_requests": 1, "burst_p99_ratio": 2.9, "pull_efficiency": 0.85}
-    assert doc["meets"] == {"lost_requests": False, "burst_p99_ratio": True, "pull_efficiency": True}
+    assert doc["meets"] == {"lost_requests": False, "burst_p99_ratio": True, "pull_efficiency": True,
+                            "first_start": False}
     assert doc["sources"]["pull_efficiency"]["machine"] == "NVIDIA H100"
     assert "lost_ids" not in doc["sources"]["lost_requests"]
     text = summary.table(doc)
     assert "| `lost_requests` | 1 of 40 | 0 | **missed** |" in text, text
     assert "| `pull_efficiency` | 0.85 | ≥ 0.8 | met |" in text, text
+    assert "first start" not in text, "no row without the pull's first-start figures"
+    # The first start of a function new to the node, judged as pull.py judged it.
+    pull["summary"].update(first_start_s=2.68, target_first_start_s=3.1, first_start_within_target=True,
+                           pull_s=1.9, restore_to_first_answer_s=0.78, cold_start_s=2.62, pulled_bytes=3_099_000_000)
+    doc = summary.assemble(kill, "k.json", sim, "s.json", pull, "p.json")
+    assert doc["meets"]["first_start"] is True
+    assert "| first start, function new to the node | 2.68 s | ≤ 3.1 s | met | pull 1.9 s + restore 0.78 s; the " \
+        "target is its local cold start 2.62 s + 3.1 GB at 80 % of the raw GET (`p.json`) |" in summary.table(doc)
     # A simulation with the instances' figure (late binding) has it beside the requests' p99.
     assert "instances up" not in text
     sim["summary"]["instance_up_p99_ratio"] = 3.4

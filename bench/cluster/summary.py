@@ -67,6 +67,9 @@ def assemble(kill: Json, kill_file: str, sim: Json, sim_file: str, pull: Json, p
             "lost_requests": summary["lost_requests"] <= TARGETS["lost_requests"],
             "burst_p99_ratio": summary["burst_p99_ratio"] <= TARGETS["burst_p99_ratio"],
             "pull_efficiency": summary["pull_efficiency"] >= TARGETS["pull_efficiency"],
+            # Issue 12's other pull target: a node's first start of a function it never had
+            # within its cold start + the pull at 80 % of the raw GET (pull.py judges it).
+            "first_start": s_pull.get("first_start_within_target") is True,
         },
         "sources": {
             "lost_requests": {"file": kill_file, **{k: v for k, v in kill.items() if k != "lost_ids"}},
@@ -119,10 +122,14 @@ def table(doc: Json) -> str:
         f"simulated: 1 000 cold starts in 1 s on 100 nodes at {b['link_gbps']} Gb/s, request p99 {b['p99_s']} s ÷ "
         f"{b['one_cold_start_s']} s{up_ratio} (random placement: {b['random_burst_p99_ratio']}; `{b['file']}`) |",
         f"| `pull_efficiency` | {s['pull_efficiency']} | ≥ {targets['pull_efficiency']} | {ok('pull_efficiency')} | "
-        f"{p['model']} on {p['machine']}: pull {p['pull_gbps']} GB/s ÷ raw S3 GET {p['transfer_gbps']} GB/s; first start "
-        f"{p['first_start_s']} s (pull {p['pull_s']} s + restore {p['restore_to_first_answer_s']} s) against a local cold "
-        f"start of {p['cold_start_s']} s (`{p['file']}`) |",
+        f"{p['model']} on {p['machine']}: pull {p['pull_gbps']} GB/s ÷ raw S3 GET {p['transfer_gbps']} GB/s (`{p['file']}`) |",
     ]
+    if p.get("target_first_start_s") is not None:
+        pulled_gb = round(p["pulled_bytes"] / 1e9, 2) if p.get("pulled_bytes") else "?"
+        rows.append(
+            f"| first start, function new to the node | {p['first_start_s']} s | ≤ {p['target_first_start_s']} s | "
+            f"{ok('first_start')} | pull {p['pull_s']} s + restore {p['restore_to_first_answer_s']} s; the target is its "
+            f"local cold start {p['cold_start_s']} s + {pulled_gb} GB at 80 % of the raw GET (`{p['file']}`) |")
     return "\n".join(rows) + "\n"
 
 
