@@ -37,12 +37,7 @@ struct Inner {
     _memory: Mutex<HostBuffer>,
     base: *mut u8,
     pages: u32,
-    free: Mutex<Free>,
-}
-
-struct Free {
-    allocator: Allocator,
-    free_bytes: usize,
+    free: Mutex<Allocator>,
 }
 
 // SAFETY: `base` points into `_memory`'s allocation, which does not move or go away while the
@@ -66,10 +61,7 @@ impl HostPool {
                 _memory: Mutex::new(memory),
                 base,
                 pages,
-                free: Mutex::new(Free {
-                    allocator: Allocator::new(pages),
-                    free_bytes: pages as usize * PAGE,
-                }),
+                free: Mutex::new(Allocator::new(pages)),
             }),
         })
     }
@@ -80,14 +72,7 @@ impl HostPool {
         if pages > self.inner.pages {
             return None;
         }
-        let allocation = {
-            let mut free = lock(&self.inner.free);
-            let a = free.allocator.allocate(pages)?;
-            // What the allocator set aside, which may be more than asked (its size classes).
-            let taken = free.allocator.allocation_size(a) as usize * PAGE;
-            free.free_bytes = free.free_bytes.saturating_sub(taken);
-            a
-        };
+        let allocation = lock(&self.inner.free).allocate(pages)?;
         let offset = allocation.offset as usize * PAGE;
         Some(Box::new(PoolBuffer {
             inner: Arc::clone(&self.inner),
@@ -104,9 +89,10 @@ impl HostPool {
         self.inner.pages as usize * PAGE
     }
 
-    /// Its bytes not handed out.
+    /// Its bytes not handed out (the allocator's count: a buffer takes its size class, which
+    /// may be more than it asked for).
     pub fn free_bytes(&self) -> usize {
-        lock(&self.inner.free).free_bytes
+        lock(&self.inner.free).storage_report().total_free_space as usize * PAGE
     }
 }
 
@@ -139,10 +125,7 @@ impl DerefMut for PoolBuffer {
 
 impl Drop for PoolBuffer {
     fn drop(&mut self) {
-        let mut free = lock(&self.inner.free);
-        let taken = free.allocator.allocation_size(self.allocation) as usize * PAGE;
-        free.allocator.free(self.allocation);
-        free.free_bytes += taken;
+        lock(&self.inner.free).free(self.allocation);
     }
 }
 
