@@ -115,7 +115,9 @@ def test_a_page_server_that_dies_never_leaves_an_instance_on_missing_memory(
             assert answer.start == "booted", (answer.status, answer.start, answer.body, d.log_text())
         if answer.start == "booted":
             # The server died before the worker reconnected (where it dies on this machine: its
-            # background copy reaches 8 MiB within milliseconds): the restore failed as a whole.
+            # background copy reaches 8 MiB within milliseconds; mid-request, where the deploy's
+            # profile took in ballast's pages and the hot set reaches the switch): the restore
+            # failed as a whole.
             assert answer.status == 200, (answer.status, answer.body, d.log_text())
             failed = [line for line in log.splitlines() if "restoring the function snapshot failed" in line]
             assert len(failed) == 1, failed

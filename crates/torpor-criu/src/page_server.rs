@@ -375,12 +375,6 @@ enum Copied {
 impl Server {
     /// Copies `[start, end)` (inside one run of task `t`) into the task.
     fn copy(&mut self, t: usize, start: u64, end: u64) -> Result<Copied, PageServerError> {
-        if let Some(budget) = self.fault_budget {
-            let done = self.stats.fault_pages + self.stats.hot_pages + self.stats.background_pages;
-            if done >= budget {
-                return Err(PageServerError::Fault { pages: done });
-            }
-        }
         let task = &self.tasks[t];
         let Some(run) = run_at(&task.runs, start).map(|i| task.runs[i]) else {
             return Ok(Copied::Done);
@@ -434,7 +428,21 @@ impl Server {
             let Some(r) = runs.get(i).copied().filter(|r| r.start < end) else {
                 break;
             };
-            let (cs, ce) = (r.start.max(at), r.end.min(end));
+            let (cs, mut ce) = (r.start.max(at), r.end.min(end));
+            // The fault switch stops at exactly its page count: a copy is cut to what is left
+            // of it, so that one large copy (a hot-set range can span a whole heap) cannot
+            // carry the server past the switch and serve every page after all.
+            // (The counters take this span's pages only when it returns: count them here.)
+            if let Some(budget) = self.fault_budget {
+                let done = self.stats.fault_pages
+                    + self.stats.hot_pages
+                    + self.stats.background_pages
+                    + copied / PAGE_SIZE;
+                if done >= budget {
+                    return Err(PageServerError::Fault { pages: done });
+                }
+                ce = ce.min(cs + (budget - done) * PAGE_SIZE);
+            }
             match self.copy(t, cs, ce)? {
                 Copied::Done => {
                     copied += ce - cs;
@@ -1102,6 +1110,88 @@ mod tests {
 
     fn run(start: u64, end: u64, offset: u64) -> LazyRun {
         LazyRun { start, end, offset }
+    }
+
+    /// A userfaultfd of this process with `len` bytes of fresh anonymous memory registered
+    /// for missing pages, as CRIU hands the server a restored task's.
+    fn registered(len: usize) -> (OwnedFd, memmap2::MmapMut) {
+        const UFFDIO_API: u64 = 0xC018_AA3F;
+        const UFFDIO_REGISTER: u64 = 0xC020_AA00;
+        const UFFD_USER_MODE_ONLY: i32 = 1;
+        // SAFETY: a plain syscall; the fd is ours.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_userfaultfd,
+                libc::O_CLOEXEC | libc::O_NONBLOCK | UFFD_USER_MODE_ONLY,
+            )
+        };
+        assert!(fd >= 0, "userfaultfd: {}", std::io::Error::last_os_error());
+        // SAFETY: the syscall returned a new fd.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        let mut api = [0xAAu64, 0, 0];
+        ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api).expect("UFFDIO_API");
+        let memory = memmap2::MmapMut::map_anon(len).expect("anonymous memory");
+        let mut register = [memory.as_ptr() as u64, len as u64, 1, 0];
+        ioctl(fd.as_raw_fd(), UFFDIO_REGISTER, &mut register).expect("UFFDIO_REGISTER");
+        (fd, memory)
+    }
+
+    fn resident_pages(memory: &memmap2::MmapMut) -> Vec<bool> {
+        let mut vec = vec![0u8; memory.len() / PAGE_SIZE as usize];
+        // SAFETY: `vec` holds one byte per page of the mapping.
+        let rc =
+            unsafe { libc::mincore(memory.as_ptr() as *mut _, memory.len(), vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        vec.iter().map(|b| b & 1 == 1).collect()
+    }
+
+    #[test]
+    fn the_fault_switch_stops_at_exactly_its_page_count_even_inside_one_large_copy() {
+        const PAGES: u64 = 64;
+        const BUDGET: u64 = 10;
+        let len = (PAGES * PAGE_SIZE) as usize;
+        let (uffd, memory) = registered(len);
+        let mut image = memmap2::MmapMut::map_anon(len).expect("the image");
+        image.fill(0x5A);
+        let start = memory.as_ptr() as u64;
+        let mut server = Server {
+            maps: vec![image.make_read_only().expect("a read-only image")],
+            tasks: vec![Task {
+                pid: std::process::id() as i32,
+                uffd,
+                pages: 0,
+                runs: vec![run(start, start + PAGES * PAGE_SIZE, 0)],
+                gone: false,
+            }],
+            stats: Stats::default(),
+            profile: Vec::new(),
+            recording: false,
+            last_fault: Instant::now(),
+            fault_budget: Some(BUDGET),
+            background_threads: 1,
+            hold: None,
+        };
+        // One span of 64 pages in one run: before, a single copy of all of it went through.
+        match server.copy_span(0, start, start + PAGES * PAGE_SIZE, false) {
+            Err(PageServerError::Fault { pages }) => assert_eq!(pages, BUDGET),
+            other => panic!("the switch did not stop the span: {other:?}"),
+        }
+        let resident = resident_pages(&memory);
+        assert!(
+            resident[..BUDGET as usize].iter().all(|&r| r),
+            "{resident:?}"
+        );
+        assert!(
+            resident[BUDGET as usize..].iter().all(|&r| !r),
+            "{resident:?}"
+        );
+        assert_eq!(
+            memory[..(BUDGET * PAGE_SIZE) as usize]
+                .iter()
+                .filter(|&&b| b != 0x5A)
+                .count(),
+            0
+        );
     }
 
     #[test]
