@@ -1149,20 +1149,33 @@ pub fn drop_from_page_cache(dir: &Path) -> Result<usize, PageCacheError> {
         let path = path.to_path_buf();
         move |source| PageCacheError::Io { step, path, source }
     };
+    // An entry that goes between the listing and its open (a wake or a removal took the file)
+    // has no pages left to drop: skipped, not an error that would keep the sleeper from being
+    // evicted. The directory itself missing stays an error.
+    let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
     let mut n = 0;
     let entries = std::fs::read_dir(dir).map_err(io("read", dir))?;
     for e in entries {
         let e = e.map_err(io("read", dir))?;
         let path = e.path();
-        let meta = e.metadata().map_err(io("stat", &path))?;
+        let meta = match e.metadata() {
+            Err(err) if gone(&err) => continue,
+            m => m.map_err(io("stat", &path))?,
+        };
         if meta.is_dir() {
-            n += drop_from_page_cache(&path)?;
+            n += match drop_from_page_cache(&path) {
+                Err(PageCacheError::Io { source, .. }) if gone(&source) => 0,
+                r => r?,
+            };
             continue;
         }
         if !meta.is_file() {
             continue;
         }
-        let f = std::fs::File::open(&path).map_err(io("open", &path))?;
+        let f = match std::fs::File::open(&path) {
+            Err(err) if gone(&err) => continue,
+            f => f.map_err(io("open", &path))?,
+        };
         f.sync_all().map_err(io("write back", &path))?;
         // SAFETY: posix_fadvise only advises the kernel about the open descriptor `f`.
         let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
@@ -1385,6 +1398,47 @@ mod tests {
         assert!(
             fadvise.to_string().contains("Bad file descriptor"),
             "{fadvise}"
+        );
+    }
+
+    #[test]
+    fn files_that_go_while_the_page_cache_is_dropped_are_skipped_not_errors() {
+        // A wake or a removal can take a snapshot's files while an eviction walks them: a
+        // thread makes and removes files and directories under it the whole time.
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let churn = {
+            let (root, stop) = (root.clone(), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let sub = root.join(format!("d{}", i % 4));
+                    let _ = std::fs::create_dir_all(&sub);
+                    for k in 0..8 {
+                        let _ = std::fs::write(sub.join(format!("pages-{k}.img")), b"x");
+                        let _ = std::fs::write(root.join(format!("f{k}")), b"x");
+                    }
+                    let _ = std::fs::remove_dir_all(&sub);
+                    for k in 0..8 {
+                        let _ = std::fs::remove_file(root.join(format!("f{k}")));
+                    }
+                    i += 1;
+                }
+            })
+        };
+        let results: Vec<_> = (0..2000).map(|_| drop_from_page_cache(&root)).collect();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        churn.join().unwrap();
+        let failed: Vec<String> = results
+            .iter()
+            .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+            .collect();
+        assert!(
+            failed.is_empty(),
+            "{} of 2000 failed, first: {}",
+            failed.len(),
+            failed[0]
         );
     }
 }
