@@ -422,11 +422,14 @@ class ThreadSampler(threading.Thread):
     a pull bound by neither its GETs nor its CPU waits on (a lock, the disk, memory)."""
 
     SAMPLE_S = 0.01
+    # Kernel frames kept of an uninterruptible thread's stack, innermost first.
+    FRAMES = 9
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid = pid
         self.counts: dict[str, int] = {}
+        self.stacks: dict[str, int] = {}
         self.samples = 0
         self._done = threading.Event()
 
@@ -450,6 +453,16 @@ class ThreadSampler(threading.Thread):
                     continue
                 key = f"{state} {wchan}"
                 self.counts[key] = self.counts.get(key, 0) + 1
+                if state == "D":
+                    # The kernel path it waits through (root only): which of the pull's steps
+                    # a folio or lock wait belongs to, which the wait channel alone cannot say.
+                    try:
+                        frames = [line.split()[1].split("+")[0] for line in (t / "stack").read_text().splitlines() if len(line.split()) > 1]
+                    except OSError:
+                        frames = []
+                    if frames:
+                        path = " < ".join(frames[: self.FRAMES])
+                        self.stacks[path] = self.stacks.get(path, 0) + 1
             self.samples += 1
             time.sleep(self.SAMPLE_S)
 
@@ -457,7 +470,12 @@ class ThreadSampler(threading.Thread):
         self._done.set()
         self.join(timeout=5)
         top = sorted(self.counts.items(), key=lambda kv: -kv[1])[:12]
-        return {"samples": self.samples, "threads_per_sample": {k: round(v / max(1, self.samples), 2) for k, v in top}}
+        stacks = sorted(self.stacks.items(), key=lambda kv: -kv[1])[:10]
+        return {
+            "samples": self.samples,
+            "threads_per_sample": {k: round(v / max(1, self.samples), 2) for k, v in top},
+            "uninterruptible_paths_per_sample": {k: round(v / max(1, self.samples), 3) for k, v in stacks},
+        }
 
 
 class PullProfile:
@@ -486,7 +504,7 @@ class PullProfile:
         if not self.data.exists():
             return {"error": f"perf record wrote nothing: {err.decode(errors='replace')[-300:]}"}
         symbols = subprocess.run(
-            ["perf", "report", "-i", str(self.data), "--no-children", "--sort", "sym", "--stdio", "-g", "none",
+            ["perf", "report", "-i", str(self.data), "--no-children", "--sort", "dso,sym", "--stdio", "-g", "none",
              "--percent-limit", "0.3"], capture_output=True, text=True, timeout=300).stdout
         script = subprocess.run(["perf", "script", "-i", str(self.data), "-F", "tid,ip,sym"],
                                 capture_output=True, text=True, timeout=300).stdout

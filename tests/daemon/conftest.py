@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAKES, FakeCuda, kill_tree, pids_with
+from conftest import FAKES, FakeCuda, cmdline, kill_tree, pids_with
 from torpor import client
 
 HERE = Path(__file__).resolve().parent
@@ -152,7 +152,7 @@ class Torpord:
         )
         deadline = time.monotonic() + 20
         while not self.socket.exists():
-            assert self.proc.poll() is None, f"torpor serve exited\n{self.log_text()}"
+            assert self.proc.poll() is None, f"torpor serve exited\n{self.log_text()}{lock_holders(self.state)}"
             assert time.monotonic() < deadline, "torpor serve did not listen"
             time.sleep(0.02)
         share_init_copy(self.binary, self.state, before=False)
@@ -232,6 +232,27 @@ class Torpord:
             mounted = any(line.split()[4] == stage for line in Path("/proc/self/mountinfo").read_text().splitlines())
             if not mounted or subprocess.run(["umount", "--lazy", stage], check=False).returncode != 0:
                 break
+
+
+def lock_holders(state: Path) -> str:
+    """The processes that hold the state directory's lock file open (what a daemon refused with
+    "in use by another torpord" waits for): pid, state, kernel wait channel, command line."""
+    lock = str(state / "torpord.lock")
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+            if not any(os.readlink(f"/proc/{name}/fd/{fd}") == lock for fd in fds):
+                continue
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{name}/status").read_text().splitlines() if ":" in line)
+            wchan = Path(f"/proc/{name}/wchan").read_text()
+            threads = {t: Path(f"/proc/{name}/task/{t}/wchan").read_text() for t in os.listdir(f"/proc/{name}/task")}
+        except OSError:
+            continue
+        out.append(f"pid {name} ({status.get('State', '?').strip()}, ppid {status.get('PPid', '?').strip()}, wchan {wchan}, threads' wchans {sorted(set(threads.values()))}): {cmdline(int(name))[:200]}")
+    return "\nholders of " + lock + ":\n" + ("\n".join(out) or "none") + "\n"
 
 
 def daemon_processes(state: Path) -> list[int]:
