@@ -2,7 +2,7 @@
 //! daemon off it.
 //!
 //! ```text
-//! <state>/torpord.lock   flock held while the daemon runs; holds its pid
+//! <state>/torpord.lock   a record lock the daemon process holds while it runs; holds its pid
 //! <state>/registry.db    SQLite registry (+ -wal, -shm)
 //! <state>/snapshots/     base, function and hibernation snapshots
 //! <state>/functions/     the deployed functions' directories
@@ -57,7 +57,48 @@ pub enum StateDirError {
 #[derive(Debug)]
 pub struct StateDir {
     root: PathBuf,
-    _lock: File,
+    _lock: ProcessLock,
+}
+
+/// The state directory's lock: a POSIX record lock (`fcntl(F_SETLK)`) on its whole lock file,
+/// not `flock(2)`. A record lock belongs to the process, so a child the daemon forks does not
+/// share it: with `flock`, a child between its fork and its exec holds the lock's open file
+/// description (close-on-exec closes it only at the exec), and a child stuck there (a fork in
+/// a multithreaded process with a CUDA context is one way) kept the next daemon out after this
+/// one had died. Record locks do not conflict within one process, so [`HELD`] refuses a second
+/// lock of the same file here; and since closing any descriptor of the file drops a process's
+/// record locks, the file is opened here only once, before the lock is taken.
+#[derive(Debug)]
+struct ProcessLock {
+    path: PathBuf,
+    _file: File,
+}
+
+/// Lock files this process holds (see [`ProcessLock`]).
+static HELD: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+fn held() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    HELD.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Drop for ProcessLock {
+    fn drop(&mut self) {
+        held().retain(|p| p != &self.path);
+    }
+}
+
+/// `fcntl(F_SETLK | F_GETLK)` with a write lock over the whole file.
+fn record_lock(file: &File, cmd: libc::c_int) -> std::io::Result<libc::flock> {
+    // SAFETY: an all-zero `flock` is a valid value of the plain C struct.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_WRLCK as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: fcntl on a descriptor we own, with a pointer to a live struct.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), cmd, &mut l) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(l)
 }
 
 impl StateDir {
@@ -75,11 +116,21 @@ impl StateDir {
         };
         create(root)?;
         check_filesystem(root)?;
-        let lock_path = root.join("torpord.lock");
+        let lock_path = std::path::absolute(root.join("torpord.lock"))
+            .unwrap_or_else(|_| root.join("torpord.lock"));
         let lock_err = |source| StateDirError::Lock {
             path: root.to_path_buf(),
             source,
         };
+        let in_use = |pid: Option<i32>| StateDirError::InUse {
+            path: root.to_path_buf(),
+            pid,
+        };
+        // Checked and recorded under one guard: two threads of this process never both lock it.
+        let mut mine = held();
+        if mine.contains(&lock_path) {
+            return Err(in_use(Some(std::process::id() as i32)));
+        }
         let mut lock = OpenOptions::new()
             .read(true)
             .write(true)
@@ -87,29 +138,33 @@ impl StateDir {
             .truncate(false)
             .open(&lock_path)
             .map_err(lock_err)?;
-        // SAFETY: flock on a file descriptor we own; it touches no memory.
-        let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == std::io::ErrorKind::WouldBlock {
-                let mut text = String::new();
-                let pid = lock
-                    .read_to_string(&mut text)
+        if let Err(err) = record_lock(&lock, libc::F_SETLK) {
+            if matches!(err.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) {
+                // The holder as the kernel knows it, else the pid it wrote.
+                let pid = record_lock(&lock, libc::F_GETLK)
                     .ok()
-                    .and_then(|_| text.trim().parse().ok());
-                return Err(StateDirError::InUse {
-                    path: root.to_path_buf(),
-                    pid,
-                });
+                    .filter(|l| l.l_type != libc::F_UNLCK as libc::c_short && l.l_pid > 0)
+                    .map(|l| l.l_pid)
+                    .or_else(|| {
+                        let mut text = String::new();
+                        lock.read_to_string(&mut text).ok()?;
+                        text.trim().parse().ok()
+                    });
+                return Err(in_use(pid));
             }
             return Err(lock_err(err));
         }
         lock.set_len(0).map_err(lock_err)?;
         lock.rewind().map_err(lock_err)?;
         writeln!(lock, "{}", std::process::id()).map_err(lock_err)?;
+        mine.push(lock_path.clone());
+        drop(mine);
         let dir = Self {
             root: root.to_path_buf(),
-            _lock: lock,
+            _lock: ProcessLock {
+                path: lock_path,
+                _file: lock,
+            },
         };
         for sub in [dir.snapshots(), dir.functions(), dir.logs()] {
             create(&sub)?;
@@ -241,18 +296,58 @@ mod tests {
             "{err}"
         );
         drop(dir);
-        // A child another test thread forks in the meantime holds the lock's file description
-        // until it execs (O_CLOEXEC closes it only then): on a loaded machine, try for a while.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            match StateDir::open(&root) {
-                Ok(_) => break,
-                Err(StateDirError::InUse { .. }) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
-                Err(e) => panic!("{e}"),
+        // At once, whatever children other test threads fork meanwhile (a record lock is the
+        // process's, not shared with them).
+        StateDir::open(&root).unwrap();
+    }
+
+    #[test]
+    fn a_child_forked_by_the_daemon_does_not_keep_the_lock_after_the_daemon_lets_go() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("state");
+        let dir = StateDir::open(&root).unwrap();
+        // Another process is refused while this one holds it (Python's lockf is F_SETLK too).
+        let try_other = || {
+            std::process::Command::new("python3")
+                .args([
+                    "-c",
+                    "import fcntl, sys; fcntl.lockf(open(sys.argv[1], 'r+'), fcntl.LOCK_EX | fcntl.LOCK_NB)",
+                ])
+                .arg(root.join("torpord.lock"))
+                .stderr(std::process::Stdio::null())
+                .status()
+                .unwrap()
+                .success()
+        };
+        assert!(
+            !try_other(),
+            "another process took the lock while it was held"
+        );
+        // A child forked and never exec'd, as a child stuck before its exec is: it has every
+        // descriptor of the daemon, the lock file's included.
+        // SAFETY: the child only calls pause(2), async-signal-safe, until it is killed.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork: {}", std::io::Error::last_os_error());
+        if child == 0 {
+            loop {
+                // SAFETY: pause has no arguments and touches no memory.
+                unsafe { libc::pause() };
             }
         }
+        drop(dir);
+        let other = try_other();
+        let again = StateDir::open(&root);
+        // SAFETY: signalling and reaping our own child.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
+        let again = again.expect("the lock was kept by the forked child");
+        drop(again);
+        assert!(
+            other,
+            "another process could not take the lock the daemon let go of"
+        );
     }
 
     #[test]
