@@ -235,8 +235,9 @@ class Torpord:
 
 
 def lock_holders(state: Path) -> str:
-    """The processes that hold the state directory's lock file open (what a daemon refused with
-    "in use by another torpord" waits for): pid, state, kernel wait channel, command line."""
+    """The processes that have the state directory's lock file open, the lock's owner (named in
+    the "in use by another torpord" refusal) among them: pid, state, wait channels, command
+    line. What a refused restart's message adds: which process it was and where it waits."""
     lock = str(state / "torpord.lock")
     out = []
     for name in os.listdir("/proc"):

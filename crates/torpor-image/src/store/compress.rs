@@ -11,10 +11,11 @@
 //! size (a quarter): below that, decompressing on every restore and pull costs more than the
 //! bytes saved. What that leaves out is weights: float32 weights drawn from N(0, 0.02) compress
 //! to 0.926 of their size at level 1 and decompress at 0.75–0.85 GB/s on one core of the
-//! development VM, so under the 1/16 this threshold was until session 29 every segment chunk of
-//! an fp32 model was stored zstd'd for 7 % of its bytes, and a GPT-2-Large pull on the H100
-//! spent 29 % of its CPU samples in zstd (`bench/results/pull-perf-s29-h100/`), more than the
-//! 7 % fewer bytes saved on any link the pull ran over. CRIU's pages, which compress several
+//! development VM. Under the earlier threshold of 1/16 every segment chunk of an fp32 model was
+//! stored zstd'd for 7 % of its bytes: a GPT-2-Large pull on the H100 spent 29 % of its CPU
+//! samples in zstd (`bench/results/pull-perf-s29-h100/`), and that node's restore from its
+//! store took 3.16/2.94 s against 2.68/2.50 s with the weights raw
+//! (`cluster-pull-s29-zstd-{before,after}-h100.json`). CRIU's pages, which compress several
 //! times, still do.
 
 /// Compressed chunks must be at least `raw / MIN_SAVING_DIVISOR` bytes smaller than raw.
