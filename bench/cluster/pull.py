@@ -480,17 +480,20 @@ class ThreadSampler(threading.Thread):
 
 class PullProfile:
     """`perf record` of the pulling daemon for the pull alone (`--perf DIR`): on-CPU samples
-    with kernel call chains (user stacks need frame pointers the release build lacks), then
+    with kernel call chains (user stacks need frame pointers the release build lacks, or
+    `--perf-call-graph dwarf`, at half the rate), then
     where its CPU went by symbol and by the kernel path a sample came through. What the
     thread samples cannot say: which code, not only which wait."""
 
     FREQ = 999
 
-    def __init__(self, pid: int, out: Path, name: str) -> None:
+    def __init__(self, pid: int, out: Path, name: str, call_graph: str = "fp") -> None:
+        self.call_graph = call_graph
         self.data = out / f"{name}.data"
         self.report = out / f"{name}.txt"
         self.proc = subprocess.Popen(
-            ["perf", "record", "-q", "-F", str(self.FREQ), "-g", "-p", str(pid), "-o", str(self.data)],
+            ["perf", "record", "-q", "-F", str(self.FREQ if call_graph == "fp" else self.FREQ // 2), "--call-graph", call_graph, "-p", str(pid),
+             "-o", str(self.data)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(0.3)  # perf attaches before the pull starts
 
@@ -509,8 +512,15 @@ class PullProfile:
         script = subprocess.run(["perf", "script", "-i", str(self.data), "-F", "tid,ip,sym"],
                                 capture_output=True, text=True, timeout=300).stdout
         paths = kernel_paths(script)
+        inclusive = ""
+        if self.call_graph == "dwarf":
+            # Stacks unwound from the binary's .eh_frame: each function's share with what it
+            # called (which code, not only which leaf).
+            inclusive = "\n# inclusive (--children), unwound with DWARF\n" + subprocess.run(
+                ["perf", "report", "-i", str(self.data), "--children", "--sort", "sym", "--stdio", "-g", "none",
+                 "--percent-limit", "1"], capture_output=True, text=True, timeout=600).stdout
         self.report.write_text(symbols + "\n# kernel paths (samples, innermost first)\n"
-                               + "\n".join(f"{n} {k}" for k, n in paths["paths"]))
+                               + "\n".join(f"{n} {k}" for k, n in paths["paths"]) + inclusive)
         self.data.unlink(missing_ok=True)
         return {"report": self.report.name, "samples": paths["samples"], "entry": paths["entry"]}
 
@@ -608,6 +618,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--perf", type=Path, default=None,
                    help="profile the pulling daemon during each pull with `perf record` into this directory "
                         "(pull-N.txt: symbols and kernel paths; the run's `perf` key sums it up)")
+    p.add_argument("--perf-call-graph", choices=("fp", "dwarf"), default="fp",
+                   help="fp (default): frame pointers, whole kernel stacks, user stacks cut short (the release "
+                        "build has none); dwarf: user stacks unwound too (8 KiB of stack a sample) and an "
+                        "inclusive report per function")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if args.perf:
@@ -664,6 +678,14 @@ def main(argv: list[str]) -> int:
                                  None if args.early_write_back is None else args.early_write_back == "on")
         fdir = split.assemble(model.name, model, work / "functions", say)
 
+        # The disk first: its read drops the page cache, which after node A's push would also
+        # drop the bucket's volumes, and the first pull would then read them from the store
+        # server's disk while the transfer speed it is compared with was measured from memory
+        # (session 30: 36-55 thread-s of GETs in every call's first pull against 8-12 after).
+        size = args.transfer_bytes or TRANSFER_BYTES.get(model.name, DEFAULT_TRANSFER_BYTES)
+        say("the disk: write and fsync, drop the page cache, read back")
+        disk = disk_speed(work, size, not args.no_drop_cache)
+
         say("node A: deploy (pushes to the bucket)")
         a = split.Daemon(torpor, work / "state-a", "node-a", node_config(model, table), logs)
         deployed = a.deploy(fdir)
@@ -678,10 +700,9 @@ def main(argv: list[str]) -> int:
         result["cold_start_local"] = [{k: v for k, v in r.items() if k not in ("t_done", "value")} for r in cold]
         reference_value = cold[0]["value"]
 
-        size = args.transfer_bytes or TRANSFER_BYTES.get(model.name, DEFAULT_TRANSFER_BYTES)
-        say(f"transfer speed: raw S3 GET of {size >> 20} MiB, 1 and {STREAMS} streams; the disk")
+        say(f"transfer speed: raw S3 GET of {size >> 20} MiB, 1 and {STREAMS} streams")
         result["transfer"] = transfer_speed(seaweed.s3_port, size)
-        result["disk"] = disk_speed(work, size, not args.no_drop_cache)
+        result["disk"] = disk
         runs_t0 = time.monotonic()
 
         for i in range(args.runs):
@@ -716,7 +737,7 @@ def main(argv: list[str]) -> int:
                     os.environ["TORPOR_HASH_CACHE"] = shared_cache
             pool_wait_s = wait_for_host_pool(b, b.config, model.gpu)
             cpu0 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
-            profile = PullProfile(b.proc.pid, args.perf, f"pull-{i + 1}") if args.perf else None
+            profile = PullProfile(b.proc.pid, args.perf, f"pull-{i + 1}", args.perf_call_graph) if args.perf else None
             sampler = ThreadSampler(b.proc.pid)
             sampler.start()
             t0 = time.perf_counter()
