@@ -77,6 +77,7 @@ mod client;
 mod config;
 mod error;
 mod huge;
+mod inline_files;
 mod profile;
 mod pull;
 mod push;

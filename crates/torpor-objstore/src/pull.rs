@@ -1,21 +1,19 @@
 //! `pull`: a snapshot from the bucket into the local chunk store and a snapshot directory.
 
-use std::collections::HashMap;
 use std::fs;
-use std::os::unix::fs::DirBuilderExt;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use std::sync::Mutex;
 
-use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Commit, Pending, Recipe, StoreError};
-use torpor_image::{Manifest, Snapshot, SnapshotKey, Trust, MAC_FILE, MANIFEST_FILE};
+use torpor_image::store::{ChunkRef, ChunkStore, Commit, Pending, Recipe, StoreError};
+use torpor_image::{Manifest, SnapshotKey, Trust, MAC_FILE, MANIFEST_FILE};
 
 use crate::chunks::lock;
 use crate::client::{Remote, Traffic};
 use crate::error::TransferError;
+pub use crate::inline_files::InlineStats;
+use crate::inline_files::{Fetched, InlineFiles};
 use crate::{
     snapshot_key, Phase, Progress, RemoteRecord, SealedRecordReport, LOCATOR_OBJECT,
     MAX_RECORD_BYTES, RECORD_FORMAT, RECORD_OBJECT,
@@ -74,6 +72,8 @@ pub struct PullTimings {
     pub total_s: f64,
     /// Where the pipeline's threads spent `fetch_s`.
     pub pipeline: crate::chunks::PipelineTimes,
+    /// How the files' bytes went into the directory.
+    pub files_written: InlineStats,
 }
 
 /// A split snapshot's sealed segment record to pull with a snapshot's files
@@ -389,6 +389,7 @@ fn pull_snapshot_with(
     };
     timings.materialise_s = aside.materialise_s;
     timings.verify_s = aside.verify_s;
+    timings.files_written = inline.stats();
 
     // One commit for both records. Pulled before: the same contents are fine, other contents
     // are not replaced.
@@ -558,206 +559,8 @@ fn check_record(bytes: &[u8], id: &str, manifest: &Manifest) -> Result<Vec<Recip
     Ok(record.recipes)
 }
 
-/// What the directory takes from the bucket besides the chunks.
-struct Fetched<'a> {
-    manifest_bytes: &'a [u8],
-    mac: Option<&'a [u8]>,
-}
-
-/// A snapshot directory written beside its final place, authenticated and verified.
-struct Aside {
-    path: PathBuf,
-    materialise_s: f64,
-    verify_s: f64,
-}
-
-impl Aside {
-    /// Puts it in its place.
-    fn rename_to(self, out: &Path) -> Result<(), TransferError> {
-        fs::rename(&self.path, out).map_err(|source| {
-            let _ = fs::remove_dir_all(&self.path);
-            TransferError::Io {
-                op: "rename",
-                path: out.to_path_buf(),
-                source,
-            }
-        })
-    }
-
-    /// Removes it (the pull failed after it was written).
-    fn remove(self) {
-        let _ = fs::remove_dir_all(&self.path);
-    }
-}
-
-/// The snapshot directory, written beside its final place (`.<name>.pull-<pid>`) as the
-/// files' chunks arrive: each writer of the pipeline puts a chunk's raw bytes at every offset
-/// where the files use it, instead of the directory being read back out of the store once
-/// every chunk is in (1.5 GB of a GPT-2-Large snapshot's CRIU pages read, decoded and written
-/// again: 1.7-3.5 s beside the fetch on the H100, up to 2.9 s of it waited for). What it ends
-/// with is checked as before: every file hashed against the authenticated manifest.
-struct InlineFiles {
-    dir: PathBuf,
-    /// Each file with a lock its writers take in turn: ext4 lets one buffered write into a file
-    /// at a time (the inode's lock), and sixteen writers queued in the kernel spun for it (8 %
-    /// of the pulling daemon's CPU on the H100, `bench/cluster/pull.py --perf`); here they sleep.
-    files: Vec<(Mutex<fs::File>, PathBuf)>,
-    /// Where each chunk of the files lies: (file, offset), and whether it was written.
-    at: HashMap<ChunkId, (Vec<(usize, u64)>, AtomicBool)>,
-    /// Each distinct chunk once, with a file that holds it (for errors): the order to write
-    /// the ones that never came through the pipeline (the store had them).
-    chunks: Vec<(ChunkRef, String)>,
-}
-
-impl InlineFiles {
-    /// Creates the directory aside and the manifest's files in it, each at its size (holes
-    /// until written). Nothing is left on failure.
-    fn create(out: &Path, recipes: &[Recipe], manifest: &Manifest) -> Result<Self, TransferError> {
-        let name = out
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "snapshot".to_owned());
-        let parent = match out.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        let dir = parent.join(format!(".{name}.pull-{}", std::process::id()));
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&dir)
-            .map_err(io("create", &dir))?;
-        let mut inline = InlineFiles {
-            dir,
-            files: Vec::new(),
-            at: HashMap::new(),
-            chunks: Vec::new(),
-        };
-        if let Err(e) = inline.create_files(recipes, manifest) {
-            inline.remove();
-            return Err(e);
-        }
-        Ok(inline)
-    }
-
-    fn create_files(
-        &mut self,
-        recipes: &[Recipe],
-        manifest: &Manifest,
-    ) -> Result<(), TransferError> {
-        let files = recipes
-            .iter()
-            .filter(|r| manifest.files.iter().any(|f| f.path == r.name));
-        for recipe in files {
-            torpor_image::check_relative_path(&recipe.name).map_err(|reason| {
-                TransferError::from(torpor_image::store::StoreError::InvalidRecipe {
-                    file: recipe.name.clone(),
-                    reason: format!("not a safe relative path: {reason}"),
-                })
-            })?;
-            let path = self.dir.join(&recipe.name);
-            if let Some(parent) = path.parent() {
-                fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(parent)
-                    .map_err(io("create", parent))?;
-            }
-            let file = fs::File::options()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&path)
-                .map_err(io("create", &path))?;
-            file.set_len(recipe.size).map_err(io("write", &path))?;
-            let index = self.files.len();
-            let mut offset = 0;
-            for c in &recipe.chunks {
-                let (places, _) = self.at.entry(c.id).or_insert_with(|| {
-                    self.chunks.push((*c, recipe.name.clone()));
-                    (Vec::new(), AtomicBool::new(false))
-                });
-                places.push((index, offset));
-                offset += c.len;
-            }
-            self.files.push((Mutex::new(file), path));
-        }
-        Ok(())
-    }
-
-    /// Writes chunk `c`'s raw bytes wherever the files use it (a chunk they do not use is
-    /// ignored).
-    fn write(&self, c: &ChunkRef, bytes: &[u8]) -> Result<(), TransferError> {
-        let Some((places, written)) = self.at.get(&c.id) else {
-            return Ok(());
-        };
-        for &(file, offset) in places {
-            let (f, path) = &self.files[file];
-            crate::chunks::lock(f)
-                .write_all_at(bytes, offset)
-                .map_err(io("write", path))?;
-        }
-        written.store(true, Ordering::Release);
-        Ok(())
-    }
-
-    /// Once the pipeline has stored every chunk of the files: writes the chunks that did not
-    /// come through it (the store had them) from the store, then the MAC and the manifest;
-    /// authenticates and verifies the directory. Nothing is left on failure.
-    fn finish(
-        &self,
-        store: &ChunkStore,
-        fetched: &Fetched<'_>,
-        trust: Trust<'_>,
-    ) -> Result<Aside, TransferError> {
-        let start = Instant::now();
-        let result = (|| {
-            let mut raw = Vec::new();
-            for (c, file) in &self.chunks {
-                if let Some((_, written)) = self.at.get(&c.id) {
-                    if !written.load(Ordering::Acquire) {
-                        raw.resize(c.len as usize, 0);
-                        store.read_chunk(c, file, &mut raw)?;
-                        self.write(c, &raw)?;
-                    }
-                }
-            }
-            if let Some(mac) = fetched.mac {
-                let path = self.dir.join(MAC_FILE);
-                fs::write(&path, mac).map_err(io("write", &path))?;
-            }
-            let manifest_path = self.dir.join(MANIFEST_FILE);
-            fs::write(&manifest_path, fetched.manifest_bytes)
-                .map_err(io("write", &manifest_path))?;
-            let written = Instant::now();
-            let snapshot = Snapshot::open(&self.dir)?;
-            snapshot.authenticate(trust)?;
-            snapshot.verify()?;
-            Ok::<_, TransferError>((
-                written.duration_since(start).as_secs_f64(),
-                written.elapsed().as_secs_f64(),
-            ))
-        })();
-        match result {
-            Ok((materialise_s, verify_s)) => Ok(Aside {
-                path: self.dir.clone(),
-                materialise_s,
-                verify_s,
-            }),
-            Err(e) => {
-                self.remove();
-                Err(e)
-            }
-        }
-    }
-
-    /// Removes the directory (the pull failed).
-    fn remove(&self) {
-        let _ = fs::remove_dir_all(&self.dir);
-    }
-}
-
 /// An I/O error's mapping, naming the operation and the path.
-fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TransferError {
+pub(crate) fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TransferError {
     let path = path.to_path_buf();
     move |source| TransferError::Io { op, path, source }
 }

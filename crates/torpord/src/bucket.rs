@@ -181,6 +181,14 @@ pub struct PullPhases {
     pub files_materialise_s: f64,
     /// Authenticating the manifest and hashing the directory's files, beside the pipeline.
     pub files_verify_s: f64,
+    /// Bytes written into the directory's files, and bytes of chunks of zeros left as holes
+    /// (torpor_objstore::InlineStats).
+    pub files_written_bytes: u64,
+    pub files_zero_bytes: u64,
+    /// Writes into a file another writer held, handed to it; seconds writers waited for a
+    /// file all the same (its queue full).
+    pub files_handed_over: u64,
+    pub files_wait_s: f64,
     /// From the start of the transfer until the segments' chunks were all in the store (0: a
     /// snapshot without a segment record).
     pub segments_s: f64,
@@ -765,6 +773,10 @@ impl Tier {
         phases.files_commit_s = t.commit_s;
         phases.files_materialise_s = t.materialise_s;
         phases.files_verify_s = t.verify_s;
+        phases.files_written_bytes = t.files_written.written_bytes;
+        phases.files_zero_bytes = t.files_written.zero_bytes;
+        phases.files_handed_over = t.files_written.handed_over;
+        phases.files_wait_s = t.files_written.waited_s;
         phases.fetch_s = t.fetch_s;
         phases.materialise_wait_s = t.materialise_wait_s;
         phases.fetchers = t.pipeline.fetchers;
