@@ -25,7 +25,7 @@ use std::fs;
 use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, TryLockError};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Instant;
 
 use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Recipe};
@@ -231,10 +231,9 @@ impl InlineFiles {
     /// `bytes` at `offset` of `slot`: now if the file is free, else into its queue for the
     /// holder; waits for the file only when its queue is full.
     fn write_at(&self, slot: &FileSlot, offset: u64, bytes: &[u8]) -> Result<(), TransferError> {
-        let held = match slot.file.try_lock() {
-            Ok(held) => held,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => {
+        let held = match try_hold(slot) {
+            Some(held) => held,
+            None => {
                 let mut queue = lock(&slot.queue);
                 if queue.bytes + bytes.len() as u64 <= QUEUE_BYTES {
                     let mut copy = lock(&self.spare).pop().unwrap_or_default();
@@ -246,11 +245,10 @@ impl InlineFiles {
                     self.handed_over.fetch_add(1, Ordering::Relaxed);
                     // The holder may have looked at the queue for the last time before this
                     // write was in it: then the file is free now, and this writer writes it.
-                    return match slot.file.try_lock() {
-                        Ok(held) => self.drain(slot, held),
-                        Err(TryLockError::Poisoned(p)) => self.drain(slot, p.into_inner()),
-                        Err(TryLockError::WouldBlock) => Ok(()),
-                    };
+                    if let Some(held) = try_hold(slot) {
+                        self.drain(slot, held);
+                    }
+                    return Ok(());
                 }
                 drop(queue);
                 let waiting = Instant::now();
@@ -267,17 +265,14 @@ impl InlineFiles {
             self.written_bytes
                 .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         }
-        let drained = self.drain(slot, held);
-        wrote.and(drained)
+        self.drain(slot, held);
+        wrote
     }
 
     /// Writes `slot`'s queue with the file held, lets go of it, and takes it again if writes
-    /// came meanwhile and nobody else took it: no queued write is left behind by all.
-    fn drain<'s>(
-        &self,
-        slot: &'s FileSlot,
-        mut held: std::sync::MutexGuard<'s, fs::File>,
-    ) -> Result<(), TransferError> {
+    /// came meanwhile and nobody else took it: no queued write is left behind by all. A failed
+    /// write is another writer's: it goes to `failed`, which [`finish`](Self::finish) returns.
+    fn drain<'s>(&self, slot: &'s FileSlot, mut held: MutexGuard<'s, fs::File>) {
         loop {
             loop {
                 let writes = {
@@ -306,14 +301,11 @@ impl InlineFiles {
             }
             drop(held);
             if lock(&slot.queue).writes.is_empty() {
-                return Ok(());
+                return;
             }
-            held = match slot.file.try_lock() {
-                Ok(h) => h,
-                Err(TryLockError::Poisoned(p)) => p.into_inner(),
-                // Its holder writes them.
-                Err(TryLockError::WouldBlock) => return Ok(()),
-            };
+            // Else its holder writes them.
+            let Some(again) = try_hold(slot) else { return };
+            held = again;
         }
     }
 
@@ -342,7 +334,7 @@ impl InlineFiles {
             // A writer may still be writing a queue (the last chunk's writer handed it over
             // and went on): each file taken once, its queue written.
             for slot in &self.files {
-                self.drain(slot, lock(&slot.file))?;
+                self.drain(slot, lock(&slot.file));
             }
             if let Some(e) = lock(&self.failed).take() {
                 return Err(e);
@@ -392,6 +384,16 @@ impl InlineFiles {
     /// Removes the directory (the pull failed).
     pub(crate) fn remove(&self) {
         let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `slot`'s file if nobody holds it (a writer that panicked holding it left it whole: each
+/// write is at its own offset).
+fn try_hold(slot: &FileSlot) -> Option<MutexGuard<'_, fs::File>> {
+    match slot.file.try_lock() {
+        Ok(held) => Some(held),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
     }
 }
 
@@ -456,7 +458,7 @@ mod tests {
         assert_eq!(inline.stats().handed_over, 1);
         assert_eq!(lock(&slot.queue).writes.len(), 1);
         // The holder writes the queue before it lets go.
-        inline.drain(slot, held).unwrap();
+        inline.drain(slot, held);
         assert!(lock(&slot.queue).writes.is_empty());
         inline.write(&r.chunks[0], &parts[0]).unwrap();
         inline.write(&r.chunks[2], &parts[2]).unwrap();

@@ -91,8 +91,8 @@ pub use profile::{
     open_profile, pull_profile, push_profile, seal_profile, MAX_PROFILE_BYTES, PROFILE_OBJECT,
 };
 pub use pull::{
-    pull, pull_snapshot, pull_snapshot_deferred, AfterAnswer, PullReport, PullTimings, SealedPart,
-    SealedSink, SnapshotPull,
+    pull, pull_snapshot, pull_snapshot_deferred, AfterAnswer, InlineStats, PullReport, PullTimings,
+    SealedPart, SealedSink, SnapshotPull,
 };
 pub use push::{push, PushReport};
 pub use sealed::{
