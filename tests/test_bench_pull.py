@@ -23,7 +23,7 @@ from conftest import ROOT
 
 # Phases that count (bytes, chunks, writes) rather than time.
 COUNTS = {"prefilled_bytes", "held_chunks", "reopened_hashed_bytes", "reopened_recorded_bytes",
-          "files_written_bytes", "files_zero_bytes", "files_handed_over"}
+          "files_written_bytes", "files_zero_bytes", "files_handed_over", "fetch_buffers_made"}
 
 
 def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
@@ -79,6 +79,8 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     # threads, each thread's at most the fetch.
     threads = {"fetchers", "writers"}
     summed = {k for k in phases if k.startswith("fetch_") and k.endswith(("_busy_s", "_full_s", "_empty_s"))}
+    # Buffers are made ahead only for ranges, at most one a range (a chunk or more each).
+    assert all(0 <= r["phases"]["fetch_buffers_made"] <= r["pulled_chunks"] for r in both), [r["phases"] for r in both]
     assert summed == {"fetch_get_busy_s", "fetch_queue_full_s", "fetch_queue_empty_s", "fetch_check_busy_s", "fetch_place_busy_s"}, phases
     assert all(0 <= v <= run["pull_s"] + 0.05 for k, v in phases.items() if k not in threads | summed | COUNTS), (phases, run["pull_s"])
     assert phases["fetchers"] >= 1 and phases["writers"] >= 1, phases

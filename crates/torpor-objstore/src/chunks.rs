@@ -16,6 +16,7 @@ use torpor_image::store::{ChunkId, ChunkRef, ChunkStore, Recipe, StoreWriter};
 
 use crate::client::Remote;
 use crate::error::TransferError;
+use crate::fetch_buffers::FetchBuffers;
 use crate::{chunk_key, for_each_parallel, Phase, Progress};
 
 /// A pack is closed once its chunks' raw lengths reach this.
@@ -312,6 +313,9 @@ pub struct PipelineTimes {
     pub check_s: f64,
     /// Writers placing checked chunks in the store (written, renamed).
     pub place_s: f64,
+    /// Range buffers made ahead of the fetchers, faulted in (fetch_buffers.rs): as many as
+    /// the ranges when the store holds every buffer, few when they go round.
+    pub buffers_made: u64,
 }
 
 /// [`PipelineTimes`] as the threads add to it.
@@ -340,6 +344,7 @@ impl PipelineClock {
             queue_empty_s: s(&self.queue_empty),
             check_s: s(&self.check),
             place_s: s(&self.place),
+            buffers_made: 0,
         }
     }
 }
@@ -493,11 +498,23 @@ pub(crate) fn download_sets(
             .get_or_insert(e);
     };
     let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(threads * QUEUED_PER_FETCHER);
-    // The ranges' buffers go round (fetcher, queue, writer, back): as many as can be in flight
-    // at once, each allocated once.
-    let buffers: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+    // The ranges' buffers go round (fetcher, queue, writer, back); those the store keeps are
+    // replaced by buffers made ahead (fetch_buffers.rs).
+    let ranges: Vec<(usize, usize)> = jobs
+        .iter()
+        .enumerate()
+        .filter_map(|(n, (_, j))| match j {
+            Job::Range(r) => Some((n, r.len as usize)),
+            Job::Loose(_) => None,
+        })
+        .collect();
+    let buffers = FetchBuffers::new(&ranges, &next, threads);
     let rx = Mutex::new(rx);
-    std::thread::scope(|scope| {
+    let made = std::thread::scope(|scope| {
+        let maker = (!ranges.is_empty()).then(|| {
+            let buffers = &buffers;
+            scope.spawn(move || buffers.make_ahead())
+        });
         for _ in 0..threads {
             let tx = tx.clone();
             let (jobs, sets, next, failed, fail) = (&jobs, sets, &next, &failed, &fail);
@@ -507,7 +524,10 @@ pub(crate) fn download_sets(
                     let n = next.fetch_add(1, Ordering::Relaxed);
                     let Some((set, job)) = jobs.get(n) else { break };
                     let getting = Instant::now();
-                    let buffer = lock(buffers).pop().unwrap_or_default();
+                    let buffer = match job {
+                        Job::Range(r) => buffers.take(n, r.len as usize),
+                        Job::Loose(_) => Vec::new(),
+                    };
                     let got = fetch_job(&sets[*set].source, job, buffer);
                     PipelineClock::add(&clock.get, getting.elapsed());
                     match got {
@@ -526,6 +546,8 @@ pub(crate) fn download_sets(
                         }
                     }
                 }
+                // No range is taken after this one's last (none left, or a failure).
+                buffers.stop();
             });
         }
         // The channel closes when the last fetcher ends.
@@ -557,7 +579,7 @@ pub(crate) fn download_sets(
                     // Back into the round unless the store holds chunks of it in memory
                     // (StoreWriter::hold_up_to): those are written after the commit.
                     if let Ok(bytes) = Arc::try_unwrap(bytes) {
-                        lock(buffers).push(bytes);
+                        buffers.give_back(bytes);
                     }
                     match stored {
                         Ok(chunks) => {
@@ -571,10 +593,17 @@ pub(crate) fn download_sets(
                 }
             });
         }
+        maker.map_or(0, |m| m.join().unwrap_or(0))
     });
     match first.into_inner().unwrap_or_else(|p| p.into_inner()) {
         Some(e) => Err(e),
-        None => Ok((downs, clock.times(threads, writers))),
+        None => Ok((
+            downs,
+            PipelineTimes {
+                buffers_made: made as u64,
+                ..clock.times(threads, writers)
+            },
+        )),
     }
 }
 

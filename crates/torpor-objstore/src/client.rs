@@ -264,12 +264,13 @@ impl Remote {
             200 => (start, start.saturating_add(len)),
             _ => (0, len.max(64 << 10)),
         };
-        body.clear();
-        if status == 206 {
-            body.reserve(len as usize);
-            crate::huge::advise_spare(body);
-        }
-        let read = resp.body_mut().as_reader().take(limit).read_to_end(body);
+        let mut reader = resp.body_mut().as_reader().take(limit);
+        let read = if status == 206 {
+            read_over(&mut reader, body, len as usize)
+        } else {
+            body.clear();
+            reader.read_to_end(body).map(drop)
+        };
         if let Err(e) = read {
             return Err(self.unreachable("GET", &full, ureq::Error::Io(e)));
         }
@@ -454,6 +455,33 @@ impl Remote {
     }
 }
 
+/// Reads at most `len` bytes of `reader` into `body`, over what it held: `body` ends as long as
+/// what came. A buffer that went round before, or was made ahead and faulted in
+/// (fetch_buffers.rs), is written in place; `read_to_end` would zero its spare room before
+/// every read into it, a pass over each byte before the one that fills it.
+fn read_over(reader: &mut impl Read, body: &mut Vec<u8>, len: usize) -> std::io::Result<()> {
+    if body.capacity() < len {
+        *body = Vec::with_capacity(len);
+        crate::huge::advise_spare(body);
+    }
+    // Zeroes only what `body` did not hold yet.
+    body.resize(len, 0);
+    let mut filled = 0;
+    while filled < len {
+        match reader.read(&mut body[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                body.truncate(filled);
+                return Err(e);
+            }
+        }
+    }
+    body.truncate(filled);
+    Ok(())
+}
+
 /// The `<Code>` of an S3 error body, or "" when there is none.
 fn s3_code(body: &[u8]) -> String {
     let text = String::from_utf8_lossy(body);
@@ -466,6 +494,51 @@ fn s3_code(body: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reader that gives at most `step` bytes a read, as a socket does.
+    struct Trickle<'a> {
+        data: &'a [u8],
+        step: usize,
+    }
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = buf.len().min(self.step).min(self.data.len());
+            buf[..n].copy_from_slice(&self.data[..n]);
+            self.data = &self.data[n..];
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_range_is_read_over_what_the_buffer_held_and_the_buffer_ends_as_long_as_what_came() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        // A buffer that went round, longer than the range and full of an older range's bytes.
+        let mut body = vec![0xAAu8; 20_000];
+        let mut reader = Trickle {
+            data: &data,
+            step: 777,
+        };
+        read_over(&mut reader, &mut body, 10_000).unwrap();
+        assert_eq!(body, data);
+        // Shorter than asked (the caller reports it): only what came.
+        let mut body = vec![0xAAu8; 64];
+        let mut reader = Trickle {
+            data: &data[..100],
+            step: 30,
+        };
+        read_over(&mut reader, &mut body, 1_000).unwrap();
+        assert_eq!(body, &data[..100]);
+        // An empty buffer grows; nothing past `len` is read.
+        let mut body = Vec::new();
+        let mut reader = Trickle {
+            data: &data,
+            step: 4096,
+        };
+        read_over(&mut reader, &mut body, 5_000).unwrap();
+        assert_eq!(body, &data[..5_000]);
+        assert_eq!(reader.data.len(), 5_000);
+    }
 
     #[test]
     fn error_codes_are_read_from_s3_bodies() {

@@ -15,14 +15,22 @@ const HUGE: usize = 2 << 20;
 /// least one huge page. Advice only: a kernel without THP or a failing call leaves 4 KiB pages.
 pub(crate) fn advise_spare(buf: &mut Vec<u8>) {
     let spare = buf.spare_capacity_mut();
-    let start = spare.as_mut_ptr() as usize;
-    let end = start + spare.len();
+    advise_range(spare.as_mut_ptr() as usize, spare.len());
+}
+
+/// [`advise_spare`] for memory already in use, before its pages are faulted in.
+pub(crate) fn advise(buf: &mut [u8]) {
+    advise_range(buf.as_mut_ptr() as usize, buf.len());
+}
+
+fn advise_range(start: usize, len: usize) {
+    let end = start + len;
     let (from, to) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
     if to <= from {
         return;
     }
-    // SAFETY: [from, to) lies within `buf`'s own allocation, which it keeps; MADV_HUGEPAGE
-    // changes how the kernel backs those pages, never their contents or mapping.
+    // SAFETY: [from, to) lies within a buffer its caller holds; MADV_HUGEPAGE changes how the
+    // kernel backs those pages, never their contents or mapping.
     unsafe {
         libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE);
     }

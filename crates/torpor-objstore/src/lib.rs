@@ -76,6 +76,7 @@ mod chunks;
 mod client;
 mod config;
 mod error;
+mod fetch_buffers;
 mod huge;
 mod inline_files;
 mod profile;

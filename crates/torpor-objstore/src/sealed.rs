@@ -71,7 +71,13 @@ pub(crate) fn fetch_sealed_record(
     key: &SnapshotKey,
 ) -> Result<Option<SealedInBucket>, TransferError> {
     let object = snapshot_key(id, SEALED_RECORD_OBJECT);
-    let Some(bytes) = remote.get(&object, MAX_RECORD_BYTES)? else {
+    // The locator is fetched beside the record (one round trip, not two) and used only once
+    // the record's MAC has been checked.
+    let (bytes, locator) = crate::pull::at_once(
+        || remote.get(&object, MAX_RECORD_BYTES),
+        || crate::chunks::fetch_locator(remote, &snapshot_key(id, SEALED_LOCATOR_OBJECT)),
+    );
+    let Some(bytes) = bytes? else {
         return Ok(None);
     };
     let origin = format!(
@@ -80,8 +86,10 @@ pub(crate) fn fetch_sealed_record(
         remote.bucket()
     );
     let recipes = open_sealed_record(&bytes, Path::new(&origin), id, key)?;
-    let locator = crate::chunks::fetch_locator(remote, &snapshot_key(id, SEALED_LOCATOR_OBJECT))?;
-    Ok(Some(SealedInBucket { recipes, locator }))
+    Ok(Some(SealedInBucket {
+        recipes,
+        locator: locator?,
+    }))
 }
 
 /// Pulls the sealed record `id` into `store` if the bucket has one (`Ok(None)`: it has none):

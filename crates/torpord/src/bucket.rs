@@ -221,6 +221,9 @@ pub struct PullPhases {
     pub fetch_check_busy_s: f64,
     /// Writers placing chunks in the store (the file system).
     pub fetch_place_busy_s: f64,
+    /// Range buffers made and faulted in ahead of the fetchers (torpor_objstore's
+    /// fetch_buffers.rs): the ranges whose buffers the store holds.
+    pub fetch_buffers_made: u64,
     /// The segments' bytes put into the restore server's host cache as they came
     /// (crate::split::prefill), for the first restore to fill from memory.
     pub prefilled_bytes: u64,
@@ -786,6 +789,7 @@ impl Tier {
         phases.fetch_queue_empty_s = t.pipeline.queue_empty_s;
         phases.fetch_check_busy_s = t.pipeline.check_s;
         phases.fetch_place_busy_s = t.pipeline.place_s;
+        phases.fetch_buffers_made = t.pipeline.buffers_made;
         // From the pull's start to the segments' last chunk in the store (their commit is the
         // files' one).
         phases.segments_s = if segments.is_some() {
