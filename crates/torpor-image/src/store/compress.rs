@@ -74,12 +74,28 @@ pub(crate) fn compress(raw: &[u8], compression: Compression) -> Option<Vec<u8>> 
     worth_it(raw.len(), compressed.len()).then_some(compressed)
 }
 
+thread_local! {
+    /// One decompression context per thread, made on its first chunk: a new context a chunk
+    /// (its allocation and set-up) was 1.2 % of a pulling daemon's CPU on the H100
+    /// (`ZSTD_createDCtx`, bench/results/pull-perf-s31-h100/), with ~27 000 chunks a pull.
+    static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 /// Inflates `body` into `out`, which must end up exactly full.
 pub(crate) fn decompress_into(body: &[u8], out: &mut [u8]) -> Result<(), String> {
-    let mut decompressor = zstd::bulk::Decompressor::new().map_err(|e| e.to_string())?;
-    let written = decompressor
-        .decompress_to_buffer(body, out)
-        .map_err(|e| e.to_string())?;
+    let written = DECOMPRESSOR.with_borrow_mut(|slot| {
+        let decompressor = match slot {
+            Some(d) => d,
+            None => slot.insert(zstd::bulk::Decompressor::new().map_err(|e| e.to_string())?),
+        };
+        let written = decompressor.decompress_to_buffer(body, out);
+        if written.is_err() {
+            // A bad frame: the next chunk gets a context that never saw it.
+            *slot = None;
+        }
+        written.map_err(|e| e.to_string())
+    })?;
     if written != out.len() {
         return Err(format!(
             "inflates to {written} bytes, {} expected",
@@ -181,5 +197,29 @@ mod tests {
         let mut long = vec![0; 10_001];
         let err = decompress_into(&compressed, &mut long).expect_err("long");
         assert!(err.contains("10000 bytes"), "{err}");
+    }
+
+    #[test]
+    fn the_threads_context_decodes_chunk_after_chunk_and_after_a_corrupt_one() {
+        let a: Vec<u8> = (0..100_000u32).map(|i| (i / 300) as u8).collect();
+        let b = vec![3u8; 50_000];
+        let (ca, cb) = (
+            compress(&a, Compression::default()).expect("pays"),
+            compress(&b, Compression::default()).expect("pays"),
+        );
+        let mut out = vec![0; a.len()];
+        decompress_into(&ca, &mut out).unwrap();
+        assert_eq!(out, a);
+        // Cut mid-frame: refused, and the next chunk on this thread still comes out whole.
+        let mut out = vec![0; b.len()];
+        assert!(decompress_into(&cb[..cb.len() / 2], &mut out).is_err());
+        let mut garbage = ca.clone();
+        garbage[ca.len() / 2] ^= 0xff;
+        let _ = decompress_into(&garbage, &mut vec![0; a.len()]);
+        decompress_into(&cb, &mut out).unwrap();
+        assert_eq!(out, b);
+        let mut out = vec![0; a.len()];
+        decompress_into(&ca, &mut out).unwrap();
+        assert_eq!(out, a);
     }
 }
