@@ -408,15 +408,6 @@ enum Job {
 /// fetched ranges (each at most [`MAX_RANGE`]) wait for a writer, per request in flight.
 const QUEUED_PER_FETCHER: usize = 1;
 
-/// The same, for a writer that holds the chunk files it stores (`StoreWriter::holds`): it
-/// keeps every buffer it is handed until after the commit, so a deeper queue allocates them
-/// no sooner than they would be anyway and lets the fetchers run ahead while the writers are
-/// slow. They are, on the files' chunks, which come first (zstd and the directory's writes):
-/// on the H100 the fetchers waited for a writer a third of their time, and the writers for a
-/// range another third (bench/results/cluster-pull-s31-buffers-after-h100.json). Past the
-/// writer's hold the buffers go round again, and this many can be in flight.
-const QUEUED_PER_FETCHER_HELD: usize = 4;
-
 /// Fetches into `store` (through `writer`, whose lock keeps a GC off them until the commit) the
 /// chunks of every set's recipes it lacks, each chunk once whichever sets list it, each checked
 /// against its id before it is stored.
@@ -506,12 +497,7 @@ pub(crate) fn download_sets(
             .unwrap_or_else(|p| p.into_inner())
             .get_or_insert(e);
     };
-    let queued = if writer.holds() {
-        QUEUED_PER_FETCHER_HELD
-    } else {
-        QUEUED_PER_FETCHER
-    };
-    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(threads * queued);
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(threads * QUEUED_PER_FETCHER);
     // The ranges' buffers go round (fetcher, queue, writer, back); those the store keeps are
     // replaced by buffers made ahead (fetch_buffers.rs).
     let ranges: Vec<(usize, usize)> = jobs

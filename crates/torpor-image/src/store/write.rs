@@ -124,11 +124,6 @@ impl StoreWriter<'_> {
         self
     }
 
-    /// Whether [`hold_chunk_file`](Self::hold_chunk_file) may hold chunk files in memory.
-    pub fn holds(&self) -> bool {
-        self.hold_limit > 0
-    }
-
     /// Stores `buf[range]`, a chunk file that came from elsewhere (`origin` names it), after
     /// checking that it decodes to exactly `c`, as
     /// [`put_chunk_file`](Self::put_chunk_file) does; but within the writer's
