@@ -81,7 +81,11 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     summed = {k for k in phases if k.startswith("fetch_") and k.endswith(("_busy_s", "_full_s", "_empty_s"))}
     # Buffers are made ahead only for ranges, at most one a range (a chunk or more each).
     assert all(0 <= r["phases"]["fetch_buffers_made"] <= r["pulled_chunks"] for r in both), [r["phases"] for r in both]
-    assert summed == {"fetch_get_busy_s", "fetch_queue_full_s", "fetch_queue_empty_s", "fetch_check_busy_s", "fetch_place_busy_s"}, phases
+    assert summed == {"fetch_get_busy_s", "fetch_queue_full_s", "fetch_queue_empty_s", "fetch_check_busy_s", "fetch_place_busy_s",
+                      "fetch_place_directory_busy_s", "fetch_place_host_cache_busy_s"}, phases
+    # Handing chunks to the directory and the host cache is part of placing them.
+    assert phases["fetch_place_directory_busy_s"] + phases["fetch_place_host_cache_busy_s"] <= phases["fetch_place_busy_s"] + 0.01, phases
+    assert phases["fetch_place_directory_busy_s"] > 0 and prefilled["phases"]["fetch_place_host_cache_busy_s"] > 0, (phases, prefilled)
     assert all(0 <= v <= run["pull_s"] + 0.05 for k, v in phases.items() if k not in threads | summed | COUNTS), (phases, run["pull_s"])
     assert phases["fetchers"] >= 1 and phases["writers"] >= 1, phases
     # The snapshot directory's files: every byte of them written or, being zeros, left a hole.

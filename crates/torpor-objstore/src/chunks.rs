@@ -313,6 +313,11 @@ pub struct PipelineTimes {
     pub check_s: f64,
     /// Writers placing checked chunks in the store (written, renamed).
     pub place_s: f64,
+    /// Of `place_s`, the chunks' raw bytes handed on past the store: the files' chunks
+    /// written into the snapshot directory (the first set's sink), the others' (a sealed
+    /// record's segments: into the restore server's host cache).
+    pub hand_files_s: f64,
+    pub hand_others_s: f64,
     /// Range buffers made ahead of the fetchers, faulted in (fetch_buffers.rs): as many as
     /// the ranges when the store holds every buffer, few when they go round.
     pub buffers_made: u64,
@@ -326,6 +331,8 @@ struct PipelineClock {
     queue_empty: AtomicU64,
     check: AtomicU64,
     place: AtomicU64,
+    /// The first set's sink, the others'.
+    hand: [AtomicU64; 2],
 }
 
 impl PipelineClock {
@@ -344,6 +351,8 @@ impl PipelineClock {
             queue_empty_s: s(&self.queue_empty),
             check_s: s(&self.check),
             place_s: s(&self.place),
+            hand_files_s: s(&self.hand[0]),
+            hand_others_s: s(&self.hand[1]),
             buffers_made: 0,
         }
     }
@@ -565,7 +574,12 @@ pub(crate) fn download_sets(
                     // queue holds): verified chunks that the next pull need not fetch again.
                     let Ok((n, bytes)) = got else { break };
                     let (set, job) = &jobs[n];
-                    let sink = |c: &ChunkRef, bytes: &[u8]| raw(*set, c, bytes);
+                    let sink = |c: &ChunkRef, bytes: &[u8]| {
+                        let handing = Instant::now();
+                        let handed = raw(*set, c, bytes);
+                        PipelineClock::add(&clock.hand[(*set).min(1)], handing.elapsed());
+                        handed
+                    };
                     let bytes = Arc::new(bytes);
                     let stored = store_job(
                         &sets[*set].source,

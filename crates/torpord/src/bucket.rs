@@ -221,6 +221,10 @@ pub struct PullPhases {
     pub fetch_check_busy_s: f64,
     /// Writers placing chunks in the store (the file system).
     pub fetch_place_busy_s: f64,
+    /// Of `fetch_place_busy_s`: writing the files' chunks into the snapshot directory, and
+    /// copying the segments' into the host cache (`torpor_objstore::PipelineTimes::hand_*`).
+    pub fetch_place_directory_busy_s: f64,
+    pub fetch_place_host_cache_busy_s: f64,
     /// Range buffers made and faulted in ahead of the fetchers (torpor_objstore's
     /// fetch_buffers.rs): the ranges whose buffers the store holds.
     pub fetch_buffers_made: u64,
@@ -790,6 +794,8 @@ impl Tier {
         phases.fetch_check_busy_s = t.pipeline.check_s;
         phases.fetch_place_busy_s = t.pipeline.place_s;
         phases.fetch_buffers_made = t.pipeline.buffers_made;
+        phases.fetch_place_directory_busy_s = t.pipeline.hand_files_s;
+        phases.fetch_place_host_cache_busy_s = t.pipeline.hand_others_s;
         // From the pull's start to the segments' last chunk in the store (their commit is the
         // files' one).
         phases.segments_s = if segments.is_some() {
