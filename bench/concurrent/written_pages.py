@@ -4,6 +4,7 @@ tracked without soft-dirty (issue 10; docs/checkpoints.md, "Written pages withou
     PYTHONPATH=$PWD/python TORPOR_HOOK_LIB=.gpu/libtorpor_hook.so \\
         python3 bench/concurrent/written_pages.py [--model gpt2-large|ctx] [--idle-s 2] \\
         [--requests 3] --out FILE
+    python3 bench/concurrent/written_pages.py --table FILE   # the Markdown docs/checkpoints.md quotes
 
 Neither kernel we have tracks soft-dirty bits, so CRIU refuses pre-dumps and copies a worker's
 whole CPU side inside a hibernation's stop (0.71 s of GPT-2-Large's 1.23 s, session 26).
@@ -196,24 +197,30 @@ def child(model: str, idle_s: float, requests: int, fd: int) -> None:
     h.release_all()
     torch.cuda.synchronize()
     residue._send(sock, {"step": "quiet", "quiet_s": time.perf_counter() - t})
-    residue._recv(sock)  # ended by the parent
+    # After the driver's checkpoint: the tracking ends before its restore in place, or not.
+    msg, _ = residue._recv(sock)
+    if msg.get("disarm"):
+        os.close(armed["uffd"])
+        residue._send(sock, {"disarmed": True})
+        residue._recv(sock)  # the end
 
 
 # -- the parent: torpord's side -----------------------------------------------------------------
 
 
 def _scan(pagemap: int, start: int, end: int, written: bool) -> int:
-    """Bytes of [start, end) that CRIU would dump (present or swapped, anonymous, not the zero
-    page), and with `written` only those written since they were protected."""
+    """Bytes of [start, end) that CRIU would dump (present, anonymous, not the zero page), and
+    with `written` only those written since they were protected. Present only: a protected page
+    never touched carries a PTE marker, which the scan reports as swapped (and neither machine
+    swaps)."""
     cap = 4096
     vec = (_PageRegion * cap)()
     inverted = PAGE_IS_FILE | PAGE_IS_PFNZERO
-    mask = inverted | (PAGE_IS_WRITTEN if written else 0)
+    mask = inverted | PAGE_IS_PRESENT | (PAGE_IS_WRITTEN if written else 0)
     total, seen = 0, start
     while start < end:
         arg = _PmScanArg(ctypes.sizeof(_PmScanArg), 0, start, end, 0, ctypes.addressof(vec), cap, 0,
-                         inverted, mask, PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-                         PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_WRITTEN)
+                         inverted, mask, 0, PAGE_IS_PRESENT | PAGE_IS_WRITTEN)
         n = _ioctl(pagemap, PAGEMAP_SCAN, arg)
         if n < 0:
             raise OSError(ctypes.get_errno(), "PAGEMAP_SCAN")
@@ -243,7 +250,7 @@ def count(pid: int) -> Json:
         os.close(fd)
 
 
-def one(model: str, idle_s: float, requests: int) -> Json:
+def one(model: str, idle_s: float, requests: int, disarm: bool) -> Json:
     parent, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     env = os.environ | {"LD_PRELOAD": os.environ["TORPOR_HOOK_LIB"], "TORPOR_HOOK_CUDA": "1"}
     p = subprocess.Popen(
@@ -254,19 +261,30 @@ def one(model: str, idle_s: float, requests: int) -> Json:
     lib = residue._cuda()
     residue._check(lib, lib.cuInit(0), "cuInit")
     steps: list[Json] = []
-    out: Json = {"model": model, "idle_s": idle_s, "requests": requests, "steps": steps}
+    out: Json = {"model": model, "idle_s": idle_s, "requests": requests, "disarmed_before_restore": disarm,
+                 "steps": steps}
     try:
-        for _ in ("armed", "idle", "served", "quiet"):
+        for step in ("armed", "idle", "served", "quiet"):
             msg, _fds = residue._recv(parent)
             steps.append(msg | count(p.pid))
-            residue._send(parent, {"go": True})
+            if step != "quiet":
+                residue._send(parent, {"go": True})
         lock, args = residue._LockArgs(timeout_ms=10000), residue._Args64()
         residue._check(lib, lib.cuCheckpointProcessLock(p.pid, ctypes.byref(lock)), "lock")
         t = time.perf_counter()
         residue._check(lib, lib.cuCheckpointProcessCheckpoint(p.pid, ctypes.byref(args)), "checkpoint")
         steps.append({"step": "driver_checkpoint", "checkpoint_s": time.perf_counter() - t} | count(p.pid))
-        residue._check(lib, lib.cuCheckpointProcessRestore(p.pid, None), "restore")
-        residue._check(lib, lib.cuCheckpointProcessUnlock(p.pid, None), "unlock")
+        if disarm:
+            residue._send(parent, {"disarm": True})
+            residue._recv(parent)
+        # Whether the driver restores in place a process whose memory is write-protected.
+        try:
+            residue._check(lib, lib.cuCheckpointProcessRestore(p.pid, None), "restore")
+            residue._check(lib, lib.cuCheckpointProcessUnlock(p.pid, None), "unlock")
+            out["restore"] = "ok"
+        except RuntimeError as e:
+            out["restore"] = str(e)
+        residue._send(parent, {"end": True})
     finally:
         p.kill()
         p.wait()
@@ -282,21 +300,44 @@ def one(model: str, idle_s: float, requests: int) -> Json:
     return out
 
 
+STEP_NAMES = {"armed": "protected", "idle": "idle", "served": "requests", "quiet": "hibernation's quiet point",
+              "driver_checkpoint": "driver's checkpoint"}
+
+
+def table(doc: Json) -> str:
+    """The Markdown table docs/checkpoints.md quotes: the first run's steps."""
+    run = doc["runs"][0]
+    rows = ["| step | CRIU would copy | written since the protection |", "|---|---|---|"]
+    for st in run["steps"]:
+        name = STEP_NAMES.get(st["step"], st["step"])
+        if st["step"] == "idle":
+            name = f"idle {run['idle_s']:g} s"
+        elif st["step"] == "served":
+            name = f"{run['requests']} requests"
+        rows.append(f"| {name} | {st['dumpable_bytes'] / 1e9:.2f} GB | {st['written_bytes'] / 1e9:.3f} GB |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--child"]:
         child(argv[1], float(argv[2]), int(argv[3]), int(argv[4]))
+        return 0
+    if argv[:1] == ["--table"]:
+        print(table(json.loads(Path(argv[1]).read_text())))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=residue.MODELS, default="gpt2-large")
     ap.add_argument("--idle-s", type=float, default=2.0)
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--restore-armed", action="store_true",
+                    help="restore the driver state in place with the tracking still on (default: ended first)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     runs = []
     for i in range(a.runs):
-        r = one(a.model, a.idle_s, a.requests)
-        print(f"run {i + 1}: {json.dumps(r['summary'])}", flush=True)
+        r = one(a.model, a.idle_s, a.requests, disarm=not a.restore_armed)
+        print(f"run {i + 1}: restore {r['restore']}; {json.dumps(r['summary'])}", flush=True)
         runs.append(r)
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True, check=False).stdout.strip()
