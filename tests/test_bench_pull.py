@@ -109,3 +109,35 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     # The records' syncfs after the answer: timed from it, and not part of the first start.
     assert run["commit_bg_s"] is not None and run["commit_bg_s"] >= 0, run
     assert s["commit_bg_s"] == statistics.median(r["commit_bg_s"] for r in both), s
+
+
+# `perf sched timehist --state` lines (perf 6.1, call chains on): a writer preempted, woken,
+# then asleep on a futex; a fetcher asleep in recv; a thread of another name.
+TIMEHIST = """\
+           time    cpu  task name                       wait time  sch delay   run time  state
+                        [tid/pid]                          (msec)     (msec)     (msec)
+--------------- ------  ------------------------------  ---------  ---------  ---------  -----
+     100.000100 [0001]  pull-write[11/10]                   0.000      0.000      2.000      R    irqentry_exit_to_user_mode <- asm_sysvec_apic_timer_interrupt <- [unknown]
+     100.003100 [0002]  pull-write[11/10]                   1.000      0.500      1.000      S    futex_do_wait <- __futex_wait <- futex_wait <- do_futex <- __x64_sys_futex
+     100.010100 [0002]  pull-write[11/10]                   6.000      0.300      0.500      S    futex_do_wait <- __futex_wait <- futex_wait <- do_futex <- __x64_sys_futex
+     100.001000 [0003]  pull-fetch[12/10]                   0.000      0.000      0.300      S    sk_wait_data <- tcp_recvmsg_locked <- tcp_recvmsg <- inet_recvmsg <- sock_recvmsg
+     100.009000 [0003]  pull-fetch[12/10]                   7.000      0.100      0.700      S    sk_wait_data <- tcp_recvmsg_locked <- tcp_recvmsg <- inet_recvmsg <- sock_recvmsg
+     100.009500 [0004]  pull-write[13/10]                   0.000      0.000      0.200      D    io_schedule <- folio_wait_bit_common <- filemap_fault <- __do_fault
+"""
+
+
+def test_sched_waits_splits_a_threads_time_into_run_core_waits_and_sleeps_by_where_it_slept() -> None:
+    sys.path[:0] = [str(ROOT / "bench/cluster"), str(ROOT / "bench/coldstart")]
+    import pull
+
+    w = pull.sched_waits(TIMEHIST, frames=2)
+    writer, fetcher = w["pull-write"], w["pull-fetch"]
+    assert (writer["threads"], fetcher["threads"]) == (2, 1), w
+    assert writer["run_s"] == 0.0037 and writer["sch_delay_s"] == 0.0008, writer
+    # The wait after a preemption (state R) was for a core; the one after a futex sleep a sleep,
+    # filed under where the thread blocked.
+    assert writer["preempted_s"] == 0.001 and writer["sleep_s"] == 0.006, writer
+    assert writer["sleeps"] == {"S futex_do_wait <- __futex_wait": 0.006}, writer
+    assert fetcher["sleeps"] == {"S sk_wait_data <- tcp_recvmsg_locked": 0.007} and fetcher["preempted_s"] == 0, fetcher
+    # Busiest first.
+    assert list(w) == ["pull-write", "pull-fetch"], w

@@ -483,18 +483,27 @@ class PullProfile:
     with kernel call chains (user stacks need frame pointers the release build lacks, or
     `--perf-call-graph dwarf`, at half the rate), then
     where its CPU went by symbol and by the kernel path a sample came through. What the
-    thread samples cannot say: which code, not only which wait."""
+    thread samples cannot say: which code, not only which wait.
+
+    With `--perf-sched`, the scheduler's events instead (`perf sched record -g`, every CPU):
+    for each of the daemon's threads by name, the time it ran, waited for a core (runnable:
+    `sch delay`) and slept, the sleeps by where it blocked (`sched_waits`). What on-CPU samples
+    cannot say: where a thread is when it is not on a core."""
 
     FREQ = 999
 
-    def __init__(self, pid: int, out: Path, name: str, call_graph: str = "fp") -> None:
+    def __init__(self, pid: int, out: Path, name: str, call_graph: str = "fp", sched: bool = False) -> None:
         self.call_graph = call_graph
+        self.pid = pid
+        self.sched = sched
         self.data = out / f"{name}.data"
         self.report = out / f"{name}.txt"
-        self.proc = subprocess.Popen(
-            ["perf", "record", "-q", "-F", str(self.FREQ if call_graph == "fp" else self.FREQ // 2), "--call-graph", call_graph, "-p", str(pid),
-             "-o", str(self.data)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if sched:
+            cmd = ["perf", "sched", "record", "-g", "-o", str(self.data)]
+        else:
+            cmd = ["perf", "record", "-q", "-F", str(self.FREQ if call_graph == "fp" else self.FREQ // 2), "--call-graph",
+                   call_graph, "-p", str(pid), "-o", str(self.data)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(0.3)  # perf attaches before the pull starts
 
     def finish(self) -> Json:
@@ -506,6 +515,14 @@ class PullProfile:
             return {"error": "perf record did not stop within 60 s"}
         if not self.data.exists():
             return {"error": f"perf record wrote nothing: {err.decode(errors='replace')[-300:]}"}
+        if self.sched:
+            hist = subprocess.run(["perf", "sched", "timehist", "-i", str(self.data), "-p", str(self.pid), "--state"],
+                                  capture_output=True, text=True, timeout=600).stdout
+            waits = sched_waits(hist)
+            self.report.write_text(json.dumps(waits, indent=1) + "\n")
+            self.data.unlink(missing_ok=True)
+            return {"report": self.report.name, "threads": {k: {n: v[n] for n in ("threads", "run_s", "sch_delay_s", "preempted_s", "sleep_s")}
+                                                            for k, v in waits.items()}}
         symbols = subprocess.run(
             ["perf", "report", "-i", str(self.data), "--no-children", "--sort", "dso,sym", "--stdio", "-g", "none",
              "--percent-limit", "0.3"], capture_output=True, text=True, timeout=300).stdout
@@ -523,6 +540,47 @@ class PullProfile:
                                + "\n".join(f"{n} {k}" for k, n in paths["paths"]) + inclusive)
         self.data.unlink(missing_ok=True)
         return {"report": self.report.name, "samples": paths["samples"], "entry": paths["entry"]}
+
+
+TIMEHIST_LINE = re.compile(
+    r"^\s*[\d.]+\s+\[\d+\]\s+(?P<comm>.*?)\[(?P<tid>\d+)(?:/\d+)?\]\s+(?P<wait>[\d.]+)\s+(?P<delay>[\d.]+)"
+    r"\s+(?P<run>[\d.]+)\s+(?P<state>\S+)\s*(?P<chain>.*)$")
+
+
+def sched_waits(timehist: str, frames: int = 4) -> Json:
+    """From `perf sched timehist --state` (with call chains): per thread name, how many threads,
+    the seconds they ran, waited for a core (woken, not yet on one: `sch_delay_s`; switched out
+    still runnable: `preempted_s`) and slept, and the sleeps by where each blocked (its state
+    and the chain's first `frames` frames at the switch before: a line's wait began at that
+    thread's previous switch-out)."""
+    out: dict[str, Json] = {}
+    last: dict[str, str] = {}
+    tids: dict[str, set[str]] = {}
+    for line in timehist.splitlines():
+        m = TIMEHIST_LINE.match(line)
+        if not m:
+            continue
+        comm, tid = m["comm"].strip(), m["tid"]
+        t = out.setdefault(comm, {"threads": 0, "run_s": 0.0, "sch_delay_s": 0.0, "preempted_s": 0.0, "sleep_s": 0.0,
+                                  "sleeps": {}})
+        tids.setdefault(comm, set()).add(tid)
+        t["run_s"] += float(m["run"]) / 1e3
+        t["sch_delay_s"] += float(m["delay"]) / 1e3
+        wait = float(m["wait"]) / 1e3
+        if wait and tid in last:
+            # Switched out runnable (preempted): that wait was for a core, not a sleep.
+            if last[tid].startswith("R"):
+                t["preempted_s"] += wait
+            else:
+                t["sleep_s"] += wait
+                t["sleeps"][last[tid]] = t["sleeps"].get(last[tid], 0.0) + wait
+        last[tid] = m["state"] + " " + " <- ".join(f.strip() for f in m["chain"].split(" <- ")[:frames])
+    for comm, t in out.items():
+        t["threads"] = len(tids[comm])
+        t["sleeps"] = {k: round(v, 4) for k, v in sorted(t["sleeps"].items(), key=lambda kv: -kv[1])[:12]}
+        for k in ("run_s", "sch_delay_s", "preempted_s", "sleep_s"):
+            t[k] = round(t[k], 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["run_s"]))
 
 
 def kernel_paths(script: str) -> Json:
@@ -622,8 +680,14 @@ def main(argv: list[str]) -> int:
                    help="fp (default): frame pointers, whole kernel stacks, user stacks cut short (the release "
                         "build has none); dwarf: user stacks unwound too (8 KiB of stack a sample) and an "
                         "inclusive report per function")
+    p.add_argument("--perf-sched", action="store_true",
+                   help="with --perf: the scheduler's events instead of CPU samples (`perf sched record -g`): per "
+                        "thread name, the time run, waited for a core and slept, and where it slept")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    if args.perf_sched and not args.perf:
+        print("bench/cluster/pull.py: --perf-sched goes with --perf DIR (where its reports go)", file=sys.stderr)
+        return 2
     if args.perf:
         if shutil.which("perf") is None:
             print("bench/cluster/pull.py: --perf needs `perf` on PATH (linux-perf)", file=sys.stderr)
@@ -737,7 +801,8 @@ def main(argv: list[str]) -> int:
                     os.environ["TORPOR_HASH_CACHE"] = shared_cache
             pool_wait_s = wait_for_host_pool(b, b.config, model.gpu)
             cpu0 = (cpu_seconds(b.proc.pid), cpu_seconds(seaweed.proc.pid))
-            profile = PullProfile(b.proc.pid, args.perf, f"pull-{i + 1}", args.perf_call_graph) if args.perf else None
+            profile = (PullProfile(b.proc.pid, args.perf, f"pull-{i + 1}", args.perf_call_graph, args.perf_sched)
+                       if args.perf else None)
             sampler = ThreadSampler(b.proc.pid)
             sampler.start()
             t0 = time.perf_counter()

@@ -522,13 +522,13 @@ pub(crate) fn download_sets(
     let made = std::thread::scope(|scope| {
         let maker = (!ranges.is_empty()).then(|| {
             let buffers = &buffers;
-            scope.spawn(move || buffers.make_ahead())
+            spawn_named(scope, "pull-buffers", move || buffers.make_ahead())
         });
         for _ in 0..threads {
             let tx = tx.clone();
             let (jobs, sets, next, failed, fail) = (&jobs, sets, &next, &failed, &fail);
             let (clock, buffers) = (&clock, &buffers);
-            scope.spawn(move || {
+            spawn_named(scope, "pull-fetch", move || {
                 while !failed.load(Ordering::Relaxed) {
                     let n = next.fetch_add(1, Ordering::Relaxed);
                     let Some((set, job)) = jobs.get(n) else { break };
@@ -564,7 +564,7 @@ pub(crate) fn download_sets(
         for _ in 0..writers {
             let (jobs, sets, rx, fail) = (&jobs, sets, &rx, &fail);
             let (remaining, ticker, clock, buffers) = (&remaining, &ticker, &clock, &buffers);
-            scope.spawn(move || {
+            spawn_named(scope, "pull-write", move || {
                 let mut scratch = Vec::new();
                 loop {
                     let waiting = Instant::now();
@@ -619,6 +619,19 @@ pub(crate) fn download_sets(
             },
         )),
     }
+}
+
+/// `f` on a thread of `scope` named `name`, so that profiles (`perf sched`, `top -H`) tell
+/// the pipeline's threads apart. Panics where `Scope::spawn` would: no thread to be had.
+fn spawn_named<'scope, T: Send + 'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    name: &str,
+    f: impl FnOnce() -> T + Send + 'scope,
+) -> std::thread::ScopedJoinHandle<'scope, T> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn_scoped(scope, f)
+        .expect("failed to spawn thread")
 }
 
 /// A poisoned lock's data is still whole here: every holder only pushes, pops or sets.
