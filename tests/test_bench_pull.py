@@ -122,7 +122,8 @@ TIMEHIST = """\
      100.010100 [0002]  pull-write[11/10]                   6.000      0.300      0.500      S    futex_do_wait <- __futex_wait <- futex_wait <- do_futex <- __x64_sys_futex
      100.001000 [0003]  pull-fetch[12/10]                   0.000      0.000      0.300      S    sk_wait_data <- tcp_recvmsg_locked <- tcp_recvmsg <- inet_recvmsg <- sock_recvmsg
      100.009000 [0003]  pull-fetch[12/10]                   7.000      0.100      0.700      S    sk_wait_data <- tcp_recvmsg_locked <- tcp_recvmsg <- inet_recvmsg <- sock_recvmsg
-     100.009500 [0004]  pull-write[13/10]                   0.000      0.000      0.200      D    io_schedule <- folio_wait_bit_common <- filemap_fault <- __do_fault
+     100.009500 [0004]  pull-write[13/10]                   0.000      0.000      0.200      S    futex_do_wait <- __futex_wait <- syscall <- std::sys::sync::mutex::futex::Mutex::lock_contended <- torpor_image::store::shelf::Shelf::put <- [unknown]
+     100.012500 [0004]  pull-write[13/10]                   2.000      0.000      0.200      D    io_schedule <- folio_wait_bit_common <- filemap_fault <- __do_fault
 """
 
 
@@ -133,11 +134,13 @@ def test_sched_waits_splits_a_threads_time_into_run_core_waits_and_sleeps_by_whe
     w = pull.sched_waits(TIMEHIST, frames=2)
     writer, fetcher = w["pull-write"], w["pull-fetch"]
     assert (writer["threads"], fetcher["threads"]) == (2, 1), w
-    assert writer["run_s"] == 0.0037 and writer["sch_delay_s"] == 0.0008, writer
+    assert writer["run_s"] == 0.0039 and writer["sch_delay_s"] == 0.0008, writer
     # The wait after a preemption (state R) was for a core; the one after a futex sleep a sleep,
     # filed under where the thread blocked.
-    assert writer["preempted_s"] == 0.001 and writer["sleep_s"] == 0.006, writer
-    assert writer["sleeps"] == {"S futex_do_wait <- __futex_wait": 0.006}, writer
+    assert writer["preempted_s"] == 0.001 and writer["sleep_s"] == 0.008, writer
+    # With Rust frames in the chain (frame pointers), the lock in Torpor's code it waited under.
+    lock = "S futex_do_wait <- __futex_wait | std::sys::sync::mutex::futex::Mutex::lock_contended <- torpor_image::store::shelf::Shelf::put"
+    assert writer["sleeps"] == {"S futex_do_wait <- __futex_wait": 0.006, lock: 0.002}, writer
     assert fetcher["sleeps"] == {"S sk_wait_data <- tcp_recvmsg_locked": 0.007} and fetcher["preempted_s"] == 0, fetcher
     # Busiest first.
     assert list(w) == ["pull-write", "pull-fetch"], w

@@ -516,7 +516,8 @@ class PullProfile:
         if not self.data.exists():
             return {"error": f"perf record wrote nothing: {err.decode(errors='replace')[-300:]}"}
         if self.sched:
-            hist = subprocess.run(["perf", "sched", "timehist", "-i", str(self.data), "-p", str(self.pid), "--state"],
+            hist = subprocess.run(["perf", "sched", "timehist", "-i", str(self.data), "-p", str(self.pid), "--state",
+                                   "--max-stack", "48"],
                                   capture_output=True, text=True, timeout=600).stdout
             waits = sched_waits(hist)
             self.report.write_text(json.dumps(waits, indent=1) + "\n")
@@ -550,9 +551,9 @@ TIMEHIST_LINE = re.compile(
 def sched_waits(timehist: str, frames: int = 4) -> Json:
     """From `perf sched timehist --state` (with call chains): per thread name, how many threads,
     the seconds they ran, waited for a core (woken, not yet on one: `sch_delay_s`; switched out
-    still runnable: `preempted_s`) and slept, and the sleeps by where each blocked (its state
-    and the chain's first `frames` frames at the switch before: a line's wait began at that
-    thread's previous switch-out)."""
+    still runnable: `preempted_s`) and slept, and the sleeps by where each blocked (its state,
+    the chain's first `frames` frames and its first Rust frames, at the switch before: a line's
+    wait began at that thread's previous switch-out)."""
     out: dict[str, Json] = {}
     last: dict[str, str] = {}
     tids: dict[str, set[str]] = {}
@@ -574,7 +575,12 @@ def sched_waits(timehist: str, frames: int = 4) -> Json:
             else:
                 t["sleep_s"] += wait
                 t["sleeps"][last[tid]] = t["sleeps"].get(last[tid], 0.0) + wait
-        last[tid] = m["state"] + " " + " <- ".join(f.strip() for f in m["chain"].split(" <- ")[:frames])
+        chain = [f.strip() for f in m["chain"].split(" <- ")]
+        # The Rust frames, where the stacks have them (a binary built with frame pointers):
+        # which lock or call in Torpor's code the kernel's wait is under.
+        rust = [f for f in chain if "::" in f][:4]
+        last[tid] = (m["state"] + " " + " <- ".join(chain[:frames])
+                     + (" | " + " <- ".join(rust) if rust else ""))
     for comm, t in out.items():
         t["threads"] = len(tids[comm])
         t["sleeps"] = {k: round(v, 4) for k, v in sorted(t["sleeps"].items(), key=lambda kv: -kv[1])[:12]}
