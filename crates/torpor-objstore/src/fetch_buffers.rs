@@ -8,8 +8,8 @@
 //! path, while the store server was slow to be read from (`bench/results/pull-perf-s30-h100/`).
 //! A maker thread pays it beside them: for each range a few jobs ahead of the fetchers, a buffer
 //! of that range's length (a held buffer's spare room would be held too). Buffers that came
-//! back are taken first, and while any wait the maker makes none, so a download whose buffers
-//! go round (no holding) makes only its first few.
+//! back are taken first, and while one that holds the next range waits the maker makes none,
+//! so a download whose buffers go round (no holding) makes only its first few.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -89,7 +89,7 @@ impl<'a> FetchBuffers<'a> {
     }
 
     /// The maker's loop, for a thread of its own: for each range not yet taken and at most
-    /// `ahead` jobs past the next, a buffer of its length, unless buffers that came back wait
+    /// `ahead` jobs past the next, a buffer of its length, unless one that came back holds it
     /// (the download's buffers go round: nothing to make). Returns how many it made.
     pub(crate) fn make_ahead(&self) -> usize {
         for &(n, len) in self.ranges {
@@ -105,7 +105,10 @@ impl<'a> FetchBuffers<'a> {
                     }
                     pool = self.taken.wait(pool).unwrap_or_else(|p| p.into_inner());
                 }
-                if n < self.next.load(Ordering::Acquire) || !pool.free.is_empty() {
+                // A buffer that came back and holds this range will be taken for it: none
+                // to make. (Loose chunks' small buffers come back too, and hold no range.)
+                let fits = pool.free.iter().any(|b| b.capacity() >= len);
+                if n < self.next.load(Ordering::Acquire) || fits {
                     continue;
                 }
             }
@@ -186,14 +189,34 @@ mod tests {
         });
     }
 
-    #[test]
-    fn buffers_that_came_back_are_taken_first_and_spare_the_maker() {
+    /// Three ranges of a page, one job ahead: `check` runs once the maker has made job 0's
+    /// buffer; returns what the maker made in all.
+    fn with_three_pages(check: impl FnOnce(&FetchBuffers<'_>, &AtomicUsize)) -> usize {
         let ranges = [(0, 4096), (1, 4096), (2, 4096)];
         let next = AtomicUsize::new(0);
         let pool = FetchBuffers::new(&ranges, &next, 1);
         std::thread::scope(|s| {
             let maker = s.spawn(|| pool.make_ahead());
-            wait_until("job 0 made", || pool.lock().made.contains_key(&0));
+            // Stopped also when a check fails: the scope waits for the maker before the
+            // failure goes on.
+            let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                wait_until("job 0 made", || pool.lock().made.contains_key(&0));
+                check(&pool, &next);
+            }));
+            pool.stop();
+            let made = maker.join().unwrap();
+            if let Err(failure) = checked {
+                std::panic::resume_unwind(failure);
+            }
+            made
+        })
+    }
+
+    #[test]
+    fn buffers_that_came_back_are_taken_first_and_spare_the_maker() {
+        let made = with_three_pages(|pool, next| {
+            // A loose chunk's small buffer comes back: it holds no range, and spares nothing.
+            pool.give_back(vec![1u8; 10]);
             // A buffer comes back before job 0 is taken: it is the one taken (the smallest that
             // holds the range), and the one made for job 0 joins the free list.
             pool.give_back(vec![9u8; 8192]);
@@ -201,29 +224,30 @@ mod tests {
             next.store(1, Ordering::Release);
             let got = pool.take(0, 4096);
             assert_eq!((got.capacity() >= 4096, got[0]), (true, 7));
-            // Buffers wait: the maker makes none for the later jobs.
+            // Buffers that hold a range wait: the maker makes none for the later jobs.
             next.store(3, Ordering::Release);
             pool.take(1, 4096);
             pool.take(2, 4096);
-            pool.stop();
-            assert_eq!(maker.join().unwrap(), 1);
             // Too small a buffer is never handed out for a range: a new empty one is.
-            pool.give_back(vec![1u8; 10]);
             assert_eq!(pool.take(7, 4096).capacity(), 0);
             assert_eq!(pool.lock().free.len(), 1);
         });
+        assert_eq!(made, 1);
+    }
+
+    #[test]
+    fn a_buffer_too_small_for_the_next_range_does_not_spare_the_maker() {
+        let made = with_three_pages(|pool, next| {
+            pool.give_back(vec![1u8; 10]);
+            next.store(1, Ordering::Release);
+            assert_eq!(pool.take(0, 4096).len(), 4096);
+            wait_until("job 1 made", || pool.lock().made.contains_key(&1));
+        });
+        assert_eq!(made, 2);
     }
 
     #[test]
     fn a_stopped_maker_ends_though_nothing_is_taken() {
-        let ranges = [(0, 4096), (1, 4096), (2, 4096)];
-        let next = AtomicUsize::new(0);
-        let pool = FetchBuffers::new(&ranges, &next, 1);
-        std::thread::scope(|s| {
-            let maker = s.spawn(|| pool.make_ahead());
-            wait_until("job 0 made", || pool.lock().made.contains_key(&0));
-            pool.stop();
-            assert_eq!(maker.join().unwrap(), 1);
-        });
+        assert_eq!(with_three_pages(|_, _| {}), 1);
     }
 }
