@@ -47,7 +47,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 Json = dict[str, Any]
 
@@ -177,6 +177,34 @@ def _recv(sock: socket.socket, maxfds: int = 0) -> tuple[Json, list[int]]:
     return json.loads(data.decode()), list(fds)
 
 
+def build(model: str) -> Callable[[], bytes]:
+    """Builds `model` on the GPU (seeded: the same weights every time) and returns its request,
+    which answers the output's bytes. Shared by the probes that need a worker's model
+    (bench/concurrent/quiet_steps.py, written_pages.py)."""
+    import torch
+
+    torch.manual_seed(0)
+    if model == "ctx":
+        x = torch.ones(4, device="cuda")
+
+        def answer_ctx() -> bytes:
+            return bytes((x * 2).cpu().numpy().tobytes())
+
+        return answer_ctx
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024)
+    with torch.device("cuda"):
+        net = GPT2LMHeadModel(cfg).eval()
+    ids = (torch.arange(64, device="cuda") * 7919 % cfg.vocab_size).view(1, 64)
+
+    def answer_gpt2() -> bytes:
+        with torch.no_grad():
+            return bytes(net(ids).logits.float().cpu().numpy().tobytes())
+
+    return answer_gpt2
+
+
 def child(model: str, variant: str, fd: int) -> None:
     import torch
 
@@ -184,24 +212,8 @@ def child(model: str, variant: str, fd: int) -> None:
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
     h = torpor_hook.get()
-    torch.manual_seed(0)
     t0 = time.perf_counter()
-    if model == "ctx":
-        x = torch.ones(4, device="cuda")
-
-        def answer() -> bytes:
-            return (x * 2).cpu().numpy().tobytes()
-    else:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024)
-        with torch.device("cuda"):
-            net = GPT2LMHeadModel(cfg).eval()
-        ids = (torch.arange(64, device="cuda") * 7919 % cfg.vocab_size).view(1, 64)
-
-        def answer() -> bytes:
-            with torch.no_grad():
-                return net(ids).logits.float().cpu().numpy().tobytes()
+    answer = build(model)
     digest0 = hashlib.sha256(answer()).hexdigest()
     built_s = time.perf_counter() - t0
     lib = _cuda()

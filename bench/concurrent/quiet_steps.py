@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "coldstart"))
+import residue  # noqa: E402 (the model the probes share)
+
 
 def timed(fn: Callable[[], Any]) -> float:
     t = time.perf_counter()
@@ -39,22 +42,7 @@ def main(argv: list[str]) -> int:
     from torpor import gpu as torpor_gpu
 
     t0 = time.perf_counter()
-    if a.model == "ctx":
-        x = torch.ones(4, device="cuda")
-
-        def request() -> Any:
-            return (x * 2).cpu()
-    else:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024)
-        with torch.device("cuda"):
-            net = GPT2LMHeadModel(cfg).eval()
-        ids = (torch.arange(64, device="cuda") * 7919 % cfg.vocab_size).view(1, 64)
-
-        def request() -> Any:
-            with torch.no_grad():
-                return net(ids).logits.float().cpu()
+    request = residue.build(a.model)
     built_s = time.perf_counter() - t0
     steps: dict[str, Callable[[], Any]] = {
         "sync": torpor_gpu.sync,

@@ -152,23 +152,7 @@ def child(model: str, idle_s: float, requests: int, fd: int) -> None:
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
     h = torpor_hook.get()
-    torch.manual_seed(0)
-    if model == "ctx":
-        x = torch.ones(4, device="cuda")
-
-        def answer() -> None:
-            (x * 2).cpu()
-    else:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024)
-        with torch.device("cuda"):
-            net = GPT2LMHeadModel(cfg).eval()
-        ids = (torch.arange(64, device="cuda") * 7919 % cfg.vocab_size).view(1, 64)
-
-        def answer() -> None:
-            with torch.no_grad():
-                net(ids).logits.float().cpu()
+    answer = residue.build(model)
     for _ in range(3):
         answer()
     torch.cuda.synchronize()
