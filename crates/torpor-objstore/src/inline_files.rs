@@ -234,14 +234,23 @@ impl InlineFiles {
         let held = match try_hold(slot) {
             Some(held) => held,
             None => {
-                let mut queue = lock(&slot.queue);
-                if queue.bytes + bytes.len() as u64 <= QUEUE_BYTES {
+                // Room is taken first and the copy made outside the queue's lock: with the
+                // copy under it, every writer handing a chunk over waited for the others'
+                // copies (one file, sixteen writers: the lock was the pull's files' path).
+                let len = bytes.len() as u64;
+                let room = {
+                    let mut queue = lock(&slot.queue);
+                    let room = queue.bytes + len <= QUEUE_BYTES;
+                    if room {
+                        queue.bytes += len;
+                    }
+                    room
+                };
+                if room {
                     let mut copy = lock(&self.spare).pop().unwrap_or_default();
                     copy.clear();
                     copy.extend_from_slice(bytes);
-                    queue.bytes += bytes.len() as u64;
-                    queue.writes.push((offset, copy));
-                    drop(queue);
+                    lock(&slot.queue).writes.push((offset, copy));
                     self.handed_over.fetch_add(1, Ordering::Relaxed);
                     // The holder may have looked at the queue for the last time before this
                     // write was in it: then the file is free now, and this writer writes it.
@@ -250,7 +259,6 @@ impl InlineFiles {
                     }
                     return Ok(());
                 }
-                drop(queue);
                 let waiting = Instant::now();
                 let held = lock(&slot.file);
                 self.waited_ns
@@ -277,8 +285,11 @@ impl InlineFiles {
             loop {
                 let writes = {
                     let mut queue = lock(&slot.queue);
-                    queue.bytes = 0;
-                    std::mem::take(&mut queue.writes)
+                    let writes = std::mem::take(&mut queue.writes);
+                    // Only what it takes: room taken by a copy not yet pushed stays taken.
+                    let taken: u64 = writes.iter().map(|(_, b)| b.len() as u64).sum();
+                    queue.bytes = queue.bytes.saturating_sub(taken);
+                    writes
                 };
                 if writes.is_empty() {
                     break;
