@@ -649,3 +649,55 @@ fn a_deferred_snapshot_torn_by_a_crash_is_refused_by_its_hashes() {
     let err = snap.verify().expect_err("torn");
     assert!(err.to_string().contains("pages-1.img"), "{err}");
 }
+
+#[test]
+fn verify_hashed_compares_given_hashes_and_hashes_the_files_it_is_not_given() {
+    let (_root, out) = snapshot();
+    let snap = Snapshot::open(&out).expect("open");
+    let right = |rel: &str| Some(blake3::hash(&fs::read(out.join(rel)).expect("read")));
+    let report = snap.verify_hashed(&right).expect("the files' own hashes");
+    assert!(report.hashed);
+    assert_eq!(report.files, snap.manifest().files.len());
+
+    // A hash that is not the manifest's is a mismatch naming the file, as verify's is.
+    let wrong = |rel: &str| {
+        if rel == "pages-1.img" {
+            Some(blake3::hash(b"not these pages"))
+        } else {
+            right(rel)
+        }
+    };
+    match snap.verify_hashed(&wrong) {
+        Err(ImageError::HashMismatch { file, actual, .. }) => {
+            assert_eq!(file, "pages-1.img");
+            assert_eq!(
+                actual,
+                blake3::hash(b"not these pages").to_hex().to_string()
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // No hash given: the file is read and hashed, so a flipped byte is still caught.
+    let path = out.join("core-1.img");
+    let mut data = fs::read(&path).expect("read");
+    data[10] ^= 0x01;
+    fs::write(&path, &data).expect("write");
+    let none_for_core = |rel: &str| {
+        if rel == "core-1.img" {
+            None
+        } else {
+            right(rel)
+        }
+    };
+    match snap.verify_hashed(&none_for_core) {
+        Err(ImageError::HashMismatch { file, .. }) => assert_eq!(file, "core-1.img"),
+        other => panic!("{other:?}"),
+    }
+    // The listing is still checked: a missing file is named before any hash.
+    fs::remove_file(out.join("sub/dir/nested.img")).expect("remove");
+    match snap.verify_hashed(&right) {
+        Err(ImageError::MissingFile { file, .. }) => assert_eq!(file, "sub/dir/nested.img"),
+        other => panic!("{other:?}"),
+    }
+}

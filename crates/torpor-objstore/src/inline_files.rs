@@ -19,6 +19,10 @@
 //!   bounded ([`QUEUE_BYTES`]): past it a writer waits as before.
 //! - **Zeros are not written.** The files are made at their size as holes, which read as
 //!   zeros: a chunk that is all zeros (CRIU's pages hold many) is left as the hole it is.
+//!
+//! Every write (and every hole left) is told to [`LandedHash`], which hashes each block of a
+//! file once all of its bytes are in: the directory's verification compares those hashes with
+//! the manifest's instead of reading every file again at the end.
 
 use std::collections::HashMap;
 use std::fs;
@@ -33,6 +37,7 @@ use torpor_image::{Manifest, Snapshot, Trust, MAC_FILE, MANIFEST_FILE};
 
 use crate::chunks::lock;
 use crate::error::TransferError;
+use crate::landed_hash::LandedHash;
 use crate::pull::io;
 
 /// Bytes of chunks a file's queue may hold before a writer waits for the file instead (each
@@ -82,12 +87,18 @@ pub struct InlineStats {
     pub handed_over: u64,
     /// Seconds writers waited for a file (its queue full).
     pub waited_s: f64,
+    /// Blocks of the files hashed as they landed (landed_hash.rs), before the verification.
+    pub hashed_early_blocks: u64,
 }
 
 /// One file of the directory: the file, held by whoever writes into it, and the writes other
 /// writers left for the holder.
 struct FileSlot {
     file: Mutex<fs::File>,
+    /// Its place in `files` (and in `landed`).
+    index: usize,
+    /// Its path in the snapshot (the manifest's name for it).
+    name: String,
     path: PathBuf,
     queue: Mutex<Queue>,
 }
@@ -112,6 +123,8 @@ pub(crate) struct InlineFiles {
     /// Buffers of written queued chunks, used again for the next (fresh memory costs the
     /// kernel's zeroing of it).
     spare: Mutex<Vec<Vec<u8>>>,
+    /// The files' hashes, taken as their bytes land (made once the files are).
+    landed: Option<LandedHash>,
     written_bytes: AtomicU64,
     zero_bytes: AtomicU64,
     handed_over: AtomicU64,
@@ -155,6 +168,7 @@ impl InlineFiles {
             chunks: Vec::new(),
             failed: Mutex::new(None),
             spare: Mutex::new(Vec::new()),
+            landed: None,
             written_bytes: AtomicU64::new(0),
             zero_bytes: AtomicU64::new(0),
             handed_over: AtomicU64::new(0),
@@ -163,6 +177,22 @@ impl InlineFiles {
         if let Err(e) = inline.create_files(files) {
             inline.remove();
             return Err(e);
+        }
+        let sized: Vec<(PathBuf, u64)> = files
+            .iter()
+            .zip(&inline.files)
+            .map(|(r, slot)| (slot.path.clone(), r.size))
+            .collect();
+        match LandedHash::new(&sized) {
+            Ok(landed) => inline.landed = Some(landed),
+            Err(source) => {
+                inline.remove();
+                return Err(TransferError::Io {
+                    op: "open",
+                    path: inline.dir.clone(),
+                    source,
+                });
+            }
         }
         Ok(inline)
     }
@@ -203,6 +233,8 @@ impl InlineFiles {
             }
             self.files.push(FileSlot {
                 file: Mutex::new(file),
+                index,
+                name: recipe.name.clone(),
                 path,
                 queue: Mutex::new(Queue::default()),
             });
@@ -219,6 +251,9 @@ impl InlineFiles {
         if is_zero(bytes) {
             self.zero_bytes
                 .fetch_add((bytes.len() * places.len()) as u64, Ordering::Relaxed);
+            for &(file, offset) in places {
+                self.landed(file, offset, bytes.len());
+            }
         } else {
             for &(file, offset) in places {
                 self.write_at(&self.files[file], offset, bytes)?;
@@ -272,6 +307,7 @@ impl InlineFiles {
         if wrote.is_ok() {
             self.written_bytes
                 .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            self.landed(slot.index, offset, bytes.len());
         }
         self.drain(slot, held);
         wrote
@@ -302,6 +338,7 @@ impl InlineFiles {
                         Ok(()) => {
                             self.written_bytes
                                 .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                            self.landed(slot.index, offset, bytes.len());
                         }
                         Err(e) => {
                             lock(&self.failed).get_or_insert(e);
@@ -320,6 +357,13 @@ impl InlineFiles {
         }
     }
 
+    /// Tells the files' hashes that `len` bytes at `offset` of file `file` are in place.
+    fn landed(&self, file: usize, offset: u64, len: usize) {
+        if let Some(landed) = &self.landed {
+            landed.landed(file, offset, len as u64);
+        }
+    }
+
     /// What went in so far.
     pub(crate) fn stats(&self) -> InlineStats {
         InlineStats {
@@ -327,6 +371,7 @@ impl InlineFiles {
             zero_bytes: self.zero_bytes.load(Ordering::Relaxed),
             handed_over: self.handed_over.load(Ordering::Relaxed),
             waited_s: self.waited_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            hashed_early_blocks: self.landed.as_ref().map_or(0, LandedHash::hashed_early),
         }
     }
 
@@ -373,7 +418,22 @@ impl InlineFiles {
             let written = Instant::now();
             let snapshot = Snapshot::open(&self.dir)?;
             snapshot.authenticate(trust)?;
-            snapshot.verify()?;
+            // Each file's hash, taken as its blocks landed (or at the end, those that did not).
+            let hashes = match &self.landed {
+                Some(landed) => landed
+                    .finish()
+                    .map_err(|(path, source)| TransferError::Io {
+                        op: "read",
+                        path,
+                        source,
+                    })?,
+                None => Vec::new(),
+            };
+            let hashed = |name: &str| {
+                let slot = self.files.iter().find(|s| s.name == name)?;
+                hashes.get(slot.index).copied()
+            };
+            snapshot.verify_hashed(&hashed)?;
             Ok::<_, TransferError>((
                 written.duration_since(start).as_secs_f64(),
                 written.elapsed().as_secs_f64(),
@@ -551,5 +611,28 @@ mod tests {
         let stats = inline.stats();
         let total: u64 = files.iter().map(|(_, w)| w.len() as u64).sum();
         assert_eq!(stats.written_bytes + stats.zero_bytes, total);
+        // The hashes taken as the writes (handed over or not) and the holes landed are the
+        // files' own.
+        let hashes = inline.landed.as_ref().unwrap().finish().unwrap();
+        for (i, (r, whole)) in files.iter().enumerate() {
+            assert_eq!(hashes[i], blake3::hash(whole), "file {i}");
+            assert_eq!(hashes[i].to_hex().as_str(), r.blake3);
+        }
+        assert!(inline.stats().hashed_early_blocks >= 1);
+    }
+
+    #[test]
+    fn bytes_written_wrong_give_a_hash_that_is_not_the_manifests() {
+        let dir = tempfile::tempdir().unwrap();
+        let parts = vec![bytes(1, 3 << 20), bytes(2, 3 << 20)];
+        let (r, _) = recipe("pages-1.img", &parts);
+        let inline = InlineFiles::create_with(&dir.path().join("snap"), &[&r]).unwrap();
+        let mut wrong = parts[1].clone();
+        wrong[12345] ^= 0x40;
+        inline.write(&r.chunks[0], &parts[0]).unwrap();
+        inline.write(&r.chunks[1], &wrong).unwrap();
+        let hashes = inline.landed.as_ref().unwrap().finish().unwrap();
+        assert_ne!(hashes[0].to_hex().as_str(), r.blake3);
+        assert_eq!(hashes[0], blake3::hash(&[parts[0].clone(), wrong].concat()));
     }
 }

@@ -79,6 +79,7 @@ mod error;
 mod fetch_buffers;
 mod huge;
 mod inline_files;
+mod landed_hash;
 mod profile;
 mod pull;
 mod push;

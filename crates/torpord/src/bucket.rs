@@ -189,6 +189,9 @@ pub struct PullPhases {
     /// file all the same (its queue full).
     pub files_handed_over: u64,
     pub files_wait_s: f64,
+    /// Blocks of the directory's files hashed as they landed, before its verification (which
+    /// then compares their hashes instead of reading the files again).
+    pub files_hashed_early_blocks: u64,
     /// From the start of the transfer until the segments' chunks were all in the store (0: a
     /// snapshot without a segment record).
     pub segments_s: f64,
@@ -784,6 +787,7 @@ impl Tier {
         phases.files_zero_bytes = t.files_written.zero_bytes;
         phases.files_handed_over = t.files_written.handed_over;
         phases.files_wait_s = t.files_written.waited_s;
+        phases.files_hashed_early_blocks = t.files_written.hashed_early_blocks;
         phases.fetch_s = t.fetch_s;
         phases.materialise_wait_s = t.materialise_wait_s;
         phases.fetchers = t.pipeline.fetchers;
