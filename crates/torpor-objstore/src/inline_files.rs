@@ -4,7 +4,8 @@
 //! use it, instead of the directory being read back out of the store once every chunk is in
 //! (1.5 GB of a GPT-2-Large snapshot's CRIU pages read, decoded and written again: 1.7-3.5 s
 //! beside the fetch on the H100, up to 2.9 s of it waited for). What it ends with is checked as
-//! before: every file hashed against the authenticated manifest.
+//! before: every file's hash compared with the authenticated manifest's (the hashes taken as
+//! the files' blocks land, landed_hash.rs).
 //!
 //! Two things keep the pipeline's writers off the files' path:
 //!
