@@ -204,6 +204,72 @@ def _warm_torch_ops(torch: Any) -> None:
     torch.cuda.synchronize()
 
 
+def warm_requests(framework_name: str | None) -> int:
+    """A ready sandbox of the live-context pool, before it is counted ready: the kernels common
+    functions' requests use, loaded into its context on a request's thread and stream, so a
+    function loaded into it later does not load them on its first request; returns how many
+    op runs it made (0: not torch, or no CUDA).
+
+    Why: CUDA loads a kernel when it is first launched (`CUDA_MODULE_LOADING=LAZY`, PyTorch's
+    default), 5-30 ms each on the H100. A pooled function's first request (`torch.ones`, a
+    matmul, `tanh`, `sum`) took 50-80 ms against 1.5 ms for the next, nearly all of it in those
+    loads (bench/sandbox/first_request.py, bench/results/sandbox-first-request-s32-h100.json);
+    loading every kernel of every library at the context's start (`EAGER`) took 7-9 s and
+    doubles the context. A snapshotted worker does not need this: its kernels are in the
+    snapshot. Run on a thread of its own inside `request_stream`, it also leaves a request
+    stream (and cuBLAS's workspace for it) in the free list for the first request."""
+    if framework_name != "torch":
+        return 0
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0
+    runs = [0]
+
+    def on_a_request_thread() -> None:
+        with request_stream("torch"):
+            runs[0] = _warm_torch_requests(torch)
+
+    thread = threading.Thread(target=on_a_request_thread, name="torpor-warm-requests")
+    thread.start()
+    thread.join()
+    torch.cuda.empty_cache()
+    return runs[0]
+
+
+def _warm_torch_requests(torch: Any) -> int:
+    """Fills, matmuls (the row counts of small batches), the common activations, arithmetic,
+    reductions, softmax, layer norm, casts, copies and an embedding, in fp32, fp16 and bf16;
+    then one result read back. Returns the op runs made."""
+    functional: Any = importlib.import_module("torch.nn.functional")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = 0
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            w = torch.full((1024, 1024), 0.01, device=dev, dtype=dtype)
+            bias = torch.zeros(1024, device=dev, dtype=dtype)
+            y = w
+            for rows in (1, 8, 32, 128, 512):
+                x = torch.ones(rows, 1024, device=dev, dtype=dtype)
+                y = x @ w
+                y = functional.linear(x, w, bias)
+                n += 3
+            unary = (torch.tanh, torch.relu, functional.gelu, torch.sigmoid, functional.silu, torch.exp)
+            for f in unary:
+                f(y)
+            outs = (
+                y + y, y * y, y - bias, y / 2, y * 2, y + 1,
+                y.sum(), y.sum(dim=-1), y.mean(dim=-1), y.max(dim=-1), y.argmax(dim=-1),
+                torch.softmax(y, dim=-1), functional.layer_norm(y, (1024,)),
+                y.float(), y.half(), y.t().contiguous(), torch.cat([y, y]),
+                functional.embedding(torch.arange(8, device=dev), w),
+            )
+            n += len(unary) + len(outs)
+            del w, bias, y, outs
+        float(torch.ones(4, device=dev).sum())
+    torch.cuda.synchronize()
+    return n + 1
+
+
 def _warm_jax(jax: Any) -> None:
     """A matmul and a softmax on the first GPU, compiled and run."""
     try:

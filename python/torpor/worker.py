@@ -435,9 +435,14 @@ class Worker:
         except Exception as e:
             return self.fail("preload", e)
         t1 = time.perf_counter()
+        warm_requests = 0
         if self.gpu:
             try:
                 self.gpu_framework = torpor_gpu.warm()
+                if self.announce_warm:
+                    # A ready sandbox of the pool: its functions' first requests find the
+                    # common kernels loaded (torpor.gpu.warm_requests).
+                    warm_requests = torpor_gpu.warm_requests(self.gpu_framework)
             except Exception as e:
                 return self.fail("gpu_warmup", e)
         t2 = time.perf_counter()
@@ -445,7 +450,7 @@ class Worker:
         if self.role == "base":
             self.send({"type": "ready", "ok": True, "setup_s": t1 - t0, "warmup_s": t2 - t1})
         elif self.announce_warm:
-            self.send({"type": "warmed", "preload_s": t1 - t0, "warmup_s": t2 - t1})
+            self.send({"type": "warmed", "preload_s": t1 - t0, "warmup_s": t2 - t1, "warm_requests": warm_requests})
         return self.serve()
 
     def next_frame(self) -> dict[str, Any] | None:

@@ -175,6 +175,10 @@ def test_a_gpu_function_s_first_start_loads_into_a_ready_sandbox(
         ):
             assert time.monotonic() < deadline, daemon.log_text()
             time.sleep(0.2)
+        # The ready sandbox loaded the kernels common requests use before it was counted ready.
+        warmed = re.search(r"a ready sandbox launched and warmed.*", daemon.log_text())
+        runs = re.search(r"warm_requests=(\d+)", warmed.group(0) if warmed else "")
+        assert runs and int(runs.group(1)) > 0, daemon.log_text()
         a = daemon.invoke("gpu-pooled", {"mib": 16})
         assert a.status == 200 and a.start == "pooled", (a.status, a.start, a.body, daemon.log_text())
         assert a.json() == {"sum": 16}, a.body

@@ -166,8 +166,10 @@ def test_announce_warm_sends_warmed_after_the_preloads_then_waits_for_load(spawn
     c = daemon.accept()
     assert c.expect("hello")["role"] == "function"
     warmed = c.expect("warmed")
-    assert set(warmed) == {"type", "preload_s", "warmup_s"}, warmed
+    assert set(warmed) == {"type", "preload_s", "warmup_s", "warm_requests"}, warmed
     assert warmed["preload_s"] >= 0 and warmed["warmup_s"] >= 0, warmed
+    # No GPU, no kernels to load: the pool's request warm-up (torpor.gpu.warm_requests) is torch's.
+    assert warmed["warm_requests"] == 0, warmed
     ready = c.load()
     assert ready["ok"] is True and ready["preload_s"] >= 0, f"{ready}\n{w.stderr()}"
     assert c.invoke(1, {"x": X})["value"]["y"] == expected_y(X)

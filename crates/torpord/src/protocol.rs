@@ -179,8 +179,13 @@ pub struct Ready {
 pub struct Warmed {
     /// Importing the preloads, in seconds.
     pub preload_s: f64,
-    /// Warming CUDA (0 without `--gpu`), in seconds.
+    /// Warming CUDA (0 without `--gpu`), in seconds, the kernels of requests included.
     pub warmup_s: f64,
+    /// Op runs made to load the kernels common requests use (torpor.gpu.warm_requests), so
+    /// that a function loaded into this sandbox does not load them on its first request; 0
+    /// without `--gpu` or under another framework than PyTorch.
+    #[serde(default)]
+    pub warm_requests: u64,
 }
 
 /// A request's handler started (protocol 2): its timeout counts from here.

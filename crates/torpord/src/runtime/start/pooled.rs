@@ -219,11 +219,11 @@ impl Runtime {
         match launched {
             Ok(launched) => {
                 k.failed_at = None;
-                let (preload_s, warmup_s) = launched
-                    .warmed
-                    .as_ref()
-                    .map_or((0.0, 0.0), |w| (w.preload_s, w.warmup_s));
-                tracing::info!(tenant = %tenant, ready = k.ready.len() + 1, hello_s = launched.boot_s, preload_s, warmup_s, "sandbox pool: a ready sandbox launched and warmed");
+                let (preload_s, warmup_s, warm_requests) =
+                    launched.warmed.as_ref().map_or((0.0, 0.0, 0), |w| {
+                        (w.preload_s, w.warmup_s, w.warm_requests)
+                    });
+                tracing::info!(tenant = %tenant, ready = k.ready.len() + 1, hello_s = launched.boot_s, preload_s, warmup_s, warm_requests, "sandbox pool: a ready sandbox launched and warmed");
                 k.ready.push(Ready { launched, log });
             }
             Err(e) => {
