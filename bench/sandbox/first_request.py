@@ -20,9 +20,13 @@ Variants:
   eager        CUDA_MODULE_LOADING=EAGER (every kernel loaded at the context's start)
   common       `torpor.gpu.warm_requests`, what a ready sandbox of the pool runs since session
                32: the common kernels loaded on a request thread and stream
+  common-fp32  the same in fp32 only (what the fp16 and bf16 kernels cost)
 
-Each variant also reports the GPU memory the warm-up left in use (`torch.cuda.mem_get_info`
-before the warm-up and after the function's setup, less the setup's own bytes).
+Each variant also reports the GPU memory the warm-up left in use (`warm_used_bytes`:
+`torch.cuda.mem_get_info` before and after it, PyTorch's cache emptied) and, comparable across
+variants, what was in use after the first request (`first_request_used_bytes`, the same way:
+the warm-up, the function's weights and what its first request kept, such as its stream's
+cuBLAS workspace).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ("pool", "thread-warm", "eager", "common")
+VARIANTS = ("pool", "thread-warm", "eager", "common", "common-fp32")
 STEPS = ("pool_enter", "stream", "input", "matmul_1", "tanh_1", "layers_rest", "sum", "result")
 
 
@@ -59,7 +63,11 @@ def child(variant: str, requests: int) -> dict[str, Any]:
     free_before = torch.cuda.mem_get_info()[0]
     torpor_gpu.warm()
     warmed = time.perf_counter()
-    common_runs = torpor_gpu.warm_requests("torch") if variant == "common" else 0
+    common_runs = 0
+    if variant == "common":
+        common_runs = torpor_gpu.warm_requests("torch")
+    elif variant == "common-fp32":
+        common_runs = torpor_gpu.warm_requests("torch", ("float32",))
     if variant == "thread-warm":
         def warm_like_a_request() -> None:
             pool = mempool.FunctionPool("warm", mempool.backend_for("torch"))
@@ -107,6 +115,7 @@ def child(variant: str, requests: int) -> dict[str, Any]:
                 step("result", t)
 
     runs = []
+    first_used = 0
     for _ in range(requests):
         out: dict[str, float] = {}
         t = time.perf_counter()
@@ -115,6 +124,9 @@ def child(variant: str, requests: int) -> dict[str, Any]:
         th.join()
         out["total"] = time.perf_counter() - t
         runs.append(out)
+        if len(runs) == 1:
+            torch.cuda.empty_cache()
+            first_used = free_before - torch.cuda.mem_get_info()[0]
     return {
         "variant": variant,
         "import_s": imported - t0,
@@ -122,6 +134,7 @@ def child(variant: str, requests: int) -> dict[str, Any]:
         "thread_warm_s": thread_warmed - warmed,
         "common_runs": common_runs,
         "warm_used_bytes": warm_used,
+        "first_request_used_bytes": first_used,
         "setup_s": set_up - thread_warmed,
         "requests": runs,
         "identical": len({r["value"] for r in runs}) == 1,
@@ -144,7 +157,7 @@ def run_variant(variant: str, requests: int) -> dict[str, Any]:
 
 def table(path: Path) -> str:
     d = json.loads(path.read_text())
-    head = "| variant | warm-up, GPU memory it left | request | " + " | ".join(STEPS) + " (ms) | total |"
+    head = "| variant | warm-up: time, GPU memory, in use after the first request | request | " + " | ".join(STEPS) + " (ms) | total |"
     lines = [head, "|" + "---|" * (len(STEPS) + 4)]
     for v in d["variants"]:
         if "error" in v:
@@ -153,7 +166,10 @@ def table(path: Path) -> str:
         for k, name in ((0, "first"), (-1, "later")):
             r = v["requests"][k]
             cells = " | ".join(f"{r[s] * 1e3:.1f}" for s in STEPS)
-            warm = f"{(v['warm_s'] + v['thread_warm_s']):.2f} s, {v['warm_used_bytes'] / 2**20:.0f} MiB"
+            # Files written before first_request_used_bytes existed have none.
+            after = v.get("first_request_used_bytes")
+            warm = (f"{(v['warm_s'] + v['thread_warm_s']):.2f} s, {v['warm_used_bytes'] / 2**20:.0f} MiB, "
+                    + (f"{after / 2**20:.0f} MiB" if after is not None else "–"))
             lines.append(f"| {v['variant']} | {warm} | {name} | {cells} | {r['total'] * 1e3:.1f} ms |")
     return "\n".join(lines)
 

@@ -204,7 +204,7 @@ def _warm_torch_ops(torch: Any) -> None:
     torch.cuda.synchronize()
 
 
-def warm_requests(framework_name: str | None) -> int:
+def warm_requests(framework_name: str | None, dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")) -> int:
     """A ready sandbox of the live-context pool, before it is counted ready: the kernels common
     functions' requests use, loaded into its context on a request's thread and stream, so a
     function loaded into it later does not load them on its first request; returns how many
@@ -227,7 +227,7 @@ def warm_requests(framework_name: str | None) -> int:
 
     def on_a_request_thread() -> None:
         with request_stream("torch"):
-            runs[0] = _warm_torch_requests(torch)
+            runs[0] = _warm_torch_requests(torch, tuple(getattr(torch, d) for d in dtypes))
 
     thread = threading.Thread(target=on_a_request_thread, name="torpor-warm-requests")
     thread.start()
@@ -236,15 +236,15 @@ def warm_requests(framework_name: str | None) -> int:
     return runs[0]
 
 
-def _warm_torch_requests(torch: Any) -> int:
+def _warm_torch_requests(torch: Any, dtypes: tuple[Any, ...]) -> int:
     """Fills, matmuls (the row counts of small batches), the common activations, arithmetic,
-    reductions, softmax, layer norm, casts, copies and an embedding, in fp32, fp16 and bf16;
-    then one result read back. Returns the op runs made."""
+    reductions, softmax, layer norm, casts, copies and an embedding, in each of `dtypes`; then
+    one result read back. Returns the op runs made."""
     functional: Any = importlib.import_module("torch.nn.functional")
     dev = torch.device("cuda", torch.cuda.current_device())
     n = 0
     with torch.no_grad():
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for dtype in dtypes:
             w = torch.full((1024, 1024), 0.01, device=dev, dtype=dtype)
             bias = torch.zeros(1024, device=dev, dtype=dtype)
             y = w
