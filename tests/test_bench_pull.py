@@ -147,3 +147,25 @@ def test_sched_waits_splits_a_threads_time_into_run_core_waits_and_sleeps_by_whe
     assert fetcher["sleeps"] == {"S sk_wait_data <- tcp_recvmsg_locked": 0.007} and fetcher["preempted_s"] == 0, fetcher
     # Busiest first.
     assert list(w) == ["pull-write", "pull-fetch"], w
+
+
+def test_the_cpu_lists_parse_as_taskset_writes_them_and_must_be_apart(tmp_path: Path) -> None:
+    sys.path[:0] = [str(ROOT / "bench/cluster"), str(ROOT / "bench/coldstart")]
+    import argparse
+
+    import pull
+
+    assert pull.cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    for bad in ("", "a-b", "3-x", "1,,2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            pull.cpu_list(bad)
+    if os.geteuid() != 0:
+        pytest.skip("the benchmark refuses to start without root before it reads the lists")
+    # One CPU for both: refused before anything starts, with the reason.
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", "--server-cpus", "0",
+         "--node-cpus", "0", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "x.json")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert r.returncode == 2 and "must be apart" in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert not (tmp_path / "x.json").exists()

