@@ -359,7 +359,9 @@ def wait_for_host_pool(daemon: split.Daemon, config: Json, gpu: bool) -> float |
     the daemon has done what it does at start; a daemon without the pool (an older one, a node
     without a GPU or host cache) is not waited for."""
     rs = config.get("restore_server", {})
-    if not gpu or rs.get("host_cache_bytes", 4 << 30) == 0 or rs.get("pin_host_cache_at_start") is False:
+    # Only what the config sets is read: torpord's own defaults (a host cache, pinned at start)
+    # stay torpord's, and a pool that never comes is seen in /metrics instead.
+    if not gpu or rs.get("host_cache_bytes") == 0 or rs.get("pin_host_cache_at_start") is False:
         return None
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < POOL_WAIT_S:
