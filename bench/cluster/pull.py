@@ -716,6 +716,15 @@ def main(argv: list[str]) -> int:
                    help="CPUs for everything else: the daemons, their workers, the raw GETs (e.g. 0-15)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    if (args.server_cpus is None) != (args.node_cpus is None):
+        print("bench/cluster/pull.py: --server-cpus and --node-cpus go together", file=sys.stderr)
+        return 2
+    if args.server_cpus is not None:
+        have = os.sched_getaffinity(0)
+        if (args.server_cpus | args.node_cpus) - have or args.server_cpus & args.node_cpus:
+            print(f"bench/cluster/pull.py: the CPU lists must be apart and within this machine's {sorted(have)}",
+                  file=sys.stderr)
+            return 2
     if args.perf_sched and not args.perf:
         print("bench/cluster/pull.py: --perf-sched goes with --perf DIR (where its reports go)", file=sys.stderr)
         return 2
@@ -747,16 +756,7 @@ def main(argv: list[str]) -> int:
     def say(msg: str) -> None:
         print(f"[pull {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    if (args.server_cpus is None) != (args.node_cpus is None):
-        print("bench/cluster/pull.py: --server-cpus and --node-cpus go together", file=sys.stderr)
-        return 2
     if args.server_cpus is not None:
-        have = os.sched_getaffinity(0)
-        missing = (args.server_cpus | args.node_cpus) - have
-        if missing or args.server_cpus & args.node_cpus:
-            print(f"bench/cluster/pull.py: the CPU lists must be apart and within this machine's {sorted(have)}",
-                  file=sys.stderr)
-            return 2
         # Children inherit the mask: the store server gets its set, then this process (and so
         # both daemons, their workers and the raw GETs' threads) the node's.
         os.sched_setaffinity(0, args.server_cpus)

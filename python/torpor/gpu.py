@@ -212,12 +212,14 @@ def warm_requests(framework_name: str | None, dtypes: tuple[str, ...] = ("float3
 
     Why: CUDA loads a kernel when it is first launched (`CUDA_MODULE_LOADING=LAZY`, PyTorch's
     default), 5-30 ms each on the H100. A pooled function's first request (`torch.ones`, a
-    matmul, `tanh`, `sum`) took 50-80 ms against 1.5 ms for the next, nearly all of it in those
+    matmul, `tanh`, `sum`) took 45-130 ms against 1.5 ms for the next, nearly all of it in those
     loads (bench/sandbox/first_request.py, bench/results/sandbox-first-request-s32-h100.json);
-    loading every kernel of every library at the context's start (`EAGER`) took 7-9 s and
-    doubles the context. A snapshotted worker does not need this: its kernels are in the
-    snapshot. Run on a thread of its own inside `request_stream`, it also leaves a request
-    stream (and cuBLAS's workspace for it) in the free list for the first request."""
+    loading every kernel of every library at the context's start (`EAGER`) took 6-9 s and 764
+    MiB more. A snapshotted worker does not need this: its kernels are in the snapshot. Run on a
+    thread of its own inside `request_stream`, it also leaves a request stream (and cuBLAS's
+    workspace for it) in the free list for the first request. It only saves time: an op that
+    fails here (a dtype the GPU lacks) ends it with one line on stderr, and the sandbox is
+    ready all the same."""
     if framework_name != "torch":
         return 0
     torch: Any = sys.modules.get("torch")
@@ -226,8 +228,15 @@ def warm_requests(framework_name: str | None, dtypes: tuple[str, ...] = ("float3
     runs = [0]
 
     def on_a_request_thread() -> None:
-        with request_stream("torch"):
-            runs[0] = _warm_torch_requests(torch, tuple(getattr(torch, d) for d in dtypes))
+        try:
+            with request_stream("torch"):
+                runs[0] = _warm_torch_requests(torch, tuple(getattr(torch, d) for d in dtypes))
+        except Exception as e:  # an optimisation: its failure is reported, not raised
+            print(
+                f"torpor worker: loading the common kernels ahead stopped ({type(e).__name__}: {e}); "
+                "a function's first request loads what it needs",
+                file=sys.stderr,
+            )
 
     thread = threading.Thread(target=on_a_request_thread, name="torpor-warm-requests")
     thread.start()

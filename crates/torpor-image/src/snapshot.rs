@@ -207,9 +207,8 @@ impl Snapshot {
                 Some(hash) => hash,
                 None => {
                     let files = [(entry.path.clone(), entry.size)];
-                    let [result] = <[_; 1]>::try_from(hash_files(&self.dir, &files, Flush::No))
-                        .expect("one file in, one result out");
-                    result?.hash
+                    let mut results = hash_files(&self.dir, &files, Flush::No);
+                    results.pop().expect("one file in, one result out")?.hash
                 }
             };
             self.check_hash(entry, actual)?;

@@ -124,8 +124,8 @@ pub(crate) struct InlineFiles {
     /// Buffers of written queued chunks, used again for the next (fresh memory costs the
     /// kernel's zeroing of it).
     spare: Mutex<Vec<Vec<u8>>>,
-    /// The files' hashes, taken as their bytes land (made once the files are).
-    landed: Option<LandedHash>,
+    /// The files' hashes, taken as their bytes land.
+    landed: LandedHash,
     written_bytes: AtomicU64,
     zero_bytes: AtomicU64,
     handed_over: AtomicU64,
@@ -162,85 +162,39 @@ impl InlineFiles {
             .mode(0o700)
             .create(&dir)
             .map_err(io("create", &dir))?;
-        let mut inline = InlineFiles {
+        let made = Made::create(&dir, files).and_then(|made| {
+            let sized: Vec<(PathBuf, u64)> = files
+                .iter()
+                .zip(&made.files)
+                .map(|(r, slot)| (slot.path.clone(), r.size))
+                .collect();
+            let landed = LandedHash::new(&sized).map_err(|source| TransferError::Io {
+                op: "open",
+                path: dir.clone(),
+                source,
+            })?;
+            Ok((made, landed))
+        });
+        let (made, landed) = match made {
+            Ok(made) => made,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        Ok(InlineFiles {
             dir,
-            files: Vec::new(),
-            at: HashMap::new(),
-            chunks: Vec::new(),
+            files: made.files,
+            at: made.at,
+            chunks: made.chunks,
             failed: Mutex::new(None),
             spare: Mutex::new(Vec::new()),
-            landed: None,
+            landed,
             written_bytes: AtomicU64::new(0),
             zero_bytes: AtomicU64::new(0),
             handed_over: AtomicU64::new(0),
             waited_ns: AtomicU64::new(0),
-        };
-        if let Err(e) = inline.create_files(files) {
-            inline.remove();
-            return Err(e);
-        }
-        let sized: Vec<(PathBuf, u64)> = files
-            .iter()
-            .zip(&inline.files)
-            .map(|(r, slot)| (slot.path.clone(), r.size))
-            .collect();
-        match LandedHash::new(&sized) {
-            Ok(landed) => inline.landed = Some(landed),
-            Err(source) => {
-                inline.remove();
-                return Err(TransferError::Io {
-                    op: "open",
-                    path: inline.dir.clone(),
-                    source,
-                });
-            }
-        }
-        Ok(inline)
-    }
-
-    fn create_files(&mut self, files: &[&Recipe]) -> Result<(), TransferError> {
-        for recipe in files {
-            torpor_image::check_relative_path(&recipe.name).map_err(|reason| {
-                TransferError::from(torpor_image::store::StoreError::InvalidRecipe {
-                    file: recipe.name.clone(),
-                    reason: format!("not a safe relative path: {reason}"),
-                })
-            })?;
-            let path = self.dir.join(&recipe.name);
-            if let Some(parent) = path.parent() {
-                fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(parent)
-                    .map_err(io("create", parent))?;
-            }
-            // create_new: a new file, so every byte not written is a hole and reads as zero.
-            let file = fs::File::options()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&path)
-                .map_err(io("create", &path))?;
-            file.set_len(recipe.size).map_err(io("write", &path))?;
-            let index = self.files.len();
-            let mut offset = 0;
-            for c in &recipe.chunks {
-                let (places, _) = self.at.entry(c.id).or_insert_with(|| {
-                    self.chunks.push((*c, recipe.name.clone()));
-                    (Vec::new(), AtomicBool::new(false))
-                });
-                places.push((index, offset));
-                offset += c.len;
-            }
-            self.files.push(FileSlot {
-                file: Mutex::new(file),
-                index,
-                name: recipe.name.clone(),
-                path,
-                queue: Mutex::new(Queue::default()),
-            });
-        }
-        Ok(())
+        })
     }
 
     /// Writes chunk `c`'s raw bytes wherever the files use it (a chunk they do not use is
@@ -360,9 +314,7 @@ impl InlineFiles {
 
     /// Tells the files' hashes that `len` bytes at `offset` of file `file` are in place.
     fn landed(&self, file: usize, offset: u64, len: usize) {
-        if let Some(landed) = &self.landed {
-            landed.landed(file, offset, len as u64);
-        }
+        self.landed.landed(file, offset, len as u64);
     }
 
     /// What went in so far.
@@ -372,7 +324,7 @@ impl InlineFiles {
             zero_bytes: self.zero_bytes.load(Ordering::Relaxed),
             handed_over: self.handed_over.load(Ordering::Relaxed),
             waited_s: self.waited_ns.load(Ordering::Relaxed) as f64 / 1e9,
-            hashed_early_blocks: self.landed.as_ref().map_or(0, LandedHash::hashed_early),
+            hashed_early_blocks: self.landed.hashed_early(),
         }
     }
 
@@ -420,16 +372,14 @@ impl InlineFiles {
             let snapshot = Snapshot::open(&self.dir)?;
             snapshot.authenticate(trust)?;
             // Each file's hash, taken as its blocks landed (or at the end, those that did not).
-            let hashes = match &self.landed {
-                Some(landed) => landed
-                    .finish()
-                    .map_err(|(path, source)| TransferError::Io {
-                        op: "read",
-                        path,
-                        source,
-                    })?,
-                None => Vec::new(),
-            };
+            let hashes = self
+                .landed
+                .finish()
+                .map_err(|(path, source)| TransferError::Io {
+                    op: "read",
+                    path,
+                    source,
+                })?;
             let hashed = |name: &str| {
                 let slot = self.files.iter().find(|s| s.name == name)?;
                 hashes.get(slot.index).copied()
@@ -456,6 +406,66 @@ impl InlineFiles {
     /// Removes the directory (the pull failed).
     pub(crate) fn remove(&self) {
         let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The directory's files made, at their sizes, and where each chunk goes in them.
+struct Made {
+    files: Vec<FileSlot>,
+    at: HashMap<ChunkId, (Vec<(usize, u64)>, AtomicBool)>,
+    chunks: Vec<(ChunkRef, String)>,
+}
+
+impl Made {
+    /// The files of `files` in `dir` (which the caller removes on failure).
+    fn create(dir: &Path, files: &[&Recipe]) -> Result<Self, TransferError> {
+        let mut made = Made {
+            files: Vec::new(),
+            at: HashMap::new(),
+            chunks: Vec::new(),
+        };
+        for recipe in files {
+            torpor_image::check_relative_path(&recipe.name).map_err(|reason| {
+                TransferError::from(torpor_image::store::StoreError::InvalidRecipe {
+                    file: recipe.name.clone(),
+                    reason: format!("not a safe relative path: {reason}"),
+                })
+            })?;
+            let path = dir.join(&recipe.name);
+            if let Some(parent) = path.parent() {
+                fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(parent)
+                    .map_err(io("create", parent))?;
+            }
+            // create_new: a new file, so every byte not written is a hole and reads as zero.
+            let file = fs::File::options()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(io("create", &path))?;
+            file.set_len(recipe.size).map_err(io("write", &path))?;
+            let index = made.files.len();
+            let mut offset = 0;
+            for c in &recipe.chunks {
+                let (places, _) = made.at.entry(c.id).or_insert_with(|| {
+                    made.chunks.push((*c, recipe.name.clone()));
+                    (Vec::new(), AtomicBool::new(false))
+                });
+                places.push((index, offset));
+                offset += c.len;
+            }
+            made.files.push(FileSlot {
+                file: Mutex::new(file),
+                index,
+                name: recipe.name.clone(),
+                path,
+                queue: Mutex::new(Queue::default()),
+            });
+        }
+        Ok(made)
     }
 }
 
@@ -614,7 +624,7 @@ mod tests {
         assert_eq!(stats.written_bytes + stats.zero_bytes, total);
         // The hashes taken as the writes (handed over or not) and the holes landed are the
         // files' own.
-        let hashes = inline.landed.as_ref().unwrap().finish().unwrap();
+        let hashes = inline.landed.finish().unwrap();
         for (i, (r, whole)) in files.iter().enumerate() {
             assert_eq!(hashes[i], blake3::hash(whole), "file {i}");
             assert_eq!(hashes[i].to_hex().as_str(), r.blake3);
@@ -632,7 +642,7 @@ mod tests {
         wrong[12345] ^= 0x40;
         inline.write(&r.chunks[0], &parts[0]).unwrap();
         inline.write(&r.chunks[1], &wrong).unwrap();
-        let hashes = inline.landed.as_ref().unwrap().finish().unwrap();
+        let hashes = inline.landed.finish().unwrap();
         assert_ne!(hashes[0].to_hex().as_str(), r.blake3);
         assert_eq!(hashes[0], blake3::hash(&[parts[0].clone(), wrong].concat()));
     }
