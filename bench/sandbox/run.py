@@ -54,6 +54,43 @@ sys.path.insert(0, str(ROOT / "python"))
 
 from torpor import client  # noqa: E402
 
+# The store's hand-off, in both models' source (formatted with them: braces doubled).
+HANDOFF = '''
+def handoff(request, make, sync):
+    """The store's hand-off, timed inside the handlers: "put" makes a value of `mib` MiB and puts
+    it (shared: through torpord's store, as NumPy bytes; shared "gpu": the value made here, a
+    CUDA tensor on the GPU variant, through torpord's store, with the steps it took); "get"
+    takes it (with its steps when asked)."""
+    import time
+    import numpy as np
+    from torpor import store_gpu
+    if request["handoff"] == "round_trip":
+        # A get of a key nobody put: one round trip to torpord's store and back, nothing else.
+        took = []
+        for _ in range(request["n"]):
+            t = time.perf_counter()
+            try:
+                torpor.get("handoff-nobody-put-this")
+            except KeyError:
+                pass
+            took.append(time.perf_counter() - t)
+        return {{"s": took}}
+    key, mib, shared = request["key"], request["mib"], request.get("shared", False)
+    if request["handoff"] == "put":
+        value = make(mib << 20) if shared in (False, "gpu") else np.ones(mib << 20, dtype=np.uint8)
+        gpu, shared = shared == "gpu", bool(shared)
+        sync()
+        t = time.perf_counter()
+        torpor.put(key, value, shared=shared)
+        s = time.perf_counter() - t
+        return {{"s": s, "steps": store_gpu.steps() if gpu else None}}
+    t = time.perf_counter()
+    value = torpor.get(key)
+    n = int(value.nbytes)
+    s = time.perf_counter() - t
+    return {{"s": s, "bytes": n, "steps": store_gpu.steps() if request.get("steps") else None}}
+'''
+
 GPU_MODEL = '''
 import torch
 import torpor
@@ -61,25 +98,7 @@ import torpor
 MIB = {mib}
 
 
-def handoff(request, make, sync):
-    """The store's hand-off, timed inside the handlers: "put" makes a value of `mib` MiB and puts
-    it (shared: through torpord's store, as NumPy bytes; shared "gpu": the value made here, a
-    CUDA tensor on the GPU variant, through torpord's store); "get" takes it."""
-    import time
-    import numpy as np
-    key, mib, shared = request["key"], request["mib"], request.get("shared", False)
-    if request["handoff"] == "put":
-        value = make(mib << 20) if shared in (False, "gpu") else np.ones(mib << 20, dtype=np.uint8)
-        shared = bool(shared)
-        sync()
-        t = time.perf_counter()
-        torpor.put(key, value, shared=shared)
-        return {{"s": time.perf_counter() - t}}
-    t = time.perf_counter()
-    value = torpor.get(key)
-    n = int(value.nbytes)
-    return {{"s": time.perf_counter() - t, "bytes": n}}
-
+''' + HANDOFF + '''
 
 @torpor.function
 class Fn:
@@ -104,25 +123,7 @@ import torpor
 MIB = {mib}
 
 
-def handoff(request, make, sync):
-    """The store's hand-off, timed inside the handlers: "put" makes a value of `mib` MiB and puts
-    it (shared: through torpord's store, as NumPy bytes; shared "gpu": the value made here, a
-    CUDA tensor on the GPU variant, through torpord's store); "get" takes it."""
-    import time
-    import numpy as np
-    key, mib, shared = request["key"], request["mib"], request.get("shared", False)
-    if request["handoff"] == "put":
-        value = make(mib << 20) if shared in (False, "gpu") else np.ones(mib << 20, dtype=np.uint8)
-        shared = bool(shared)
-        sync()
-        t = time.perf_counter()
-        torpor.put(key, value, shared=shared)
-        return {{"s": time.perf_counter() - t}}
-    t = time.perf_counter()
-    value = torpor.get(key)
-    n = int(value.nbytes)
-    return {{"s": time.perf_counter() - t, "bytes": n}}
-
+''' + HANDOFF + '''
 
 @torpor.function
 class Fn:
@@ -243,12 +244,13 @@ def call(sock: Path, name: str, request: dict[str, Any]) -> dict[str, Any]:
     return dict(json.loads(a.body))
 
 
-def measure_handoffs(sock: Path, n: int, cpu: bool) -> dict[str, Any]:
+def measure_handoffs(sock: Path, n: int, cpu: bool, runs_each: int = 3) -> dict[str, Any]:
     """100 MiB from bench-fn0 to bench-fn1 in the sandbox through torpor.put/get: the same
     object (GPU memory under torch), and shared=True (a sealed memfd through torpord, host
     memory); on the GPU, also a CUDA tensor with shared=True from bench-fn0 to bench-other, a
     function in another sandbox of the tenant (GPU memory torpord owns, mapped read-only there:
-    `other_sandbox_gpu`; null on the CPU). Seconds inside the handlers, put and get apart."""
+    `other_sandbox_gpu`, with each put's and get's steps from torpor.store_gpu.steps(); null on
+    the CPU). Seconds inside the handlers, put and get apart, `runs_each` times each way."""
     out: dict[str, Any] = {"other_sandbox_gpu": None}
     other = "bench-fn1" if n > 1 else "bench-fn0"
     modes: list[tuple[str, bool | str, str]] = [("same_object", False, other), ("shared_memfd", True, other)]
@@ -256,13 +258,18 @@ def measure_handoffs(sock: Path, n: int, cpu: bool) -> dict[str, Any]:
         modes.append(("other_sandbox_gpu", "gpu", "bench-other"))
     for how, shared, getter in modes:
         runs = []
-        for i in range(3):
+        for i in range(runs_each):
             key = f"handoff-{how}-{i}"
             put = call(sock, "bench-fn0", {"handoff": "put", "key": key, "mib": 100, "shared": shared})
-            got = call(sock, getter, {"handoff": "get", "key": key, "mib": 100})
+            got = call(sock, getter, {"handoff": "get", "key": key, "mib": 100, "steps": shared == "gpu"})
             assert got["bytes"] == 100 << 20, got
-            runs.append({"put_s": put["s"], "get_s": got["s"]})
+            run: dict[str, Any] = {"put_s": put["s"], "get_s": got["s"]}
+            if shared == "gpu":
+                run["put_steps"], run["get_steps"] = put.get("steps"), got.get("steps")
+            runs.append(run)
         out[how] = runs
+    # What one request to torpord's store costs a handler, alone (a get of a missing key).
+    out["round_trip_s"] = call(sock, "bench-fn0", {"handoff": "round_trip", "n": 50})["s"]
     return out
 
 
@@ -278,7 +285,7 @@ def stop_daemon(daemon: subprocess.Popen[bytes], log: Any, root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[str, Any]:
+def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool, handoff_runs: int = 3) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="torpor-sandbox-bench-"))
     before = None if cpu else gpu_used_mib()
     state, sock = root / "state", root / "torpord.sock"
@@ -336,7 +343,7 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool) -> dict[s
                 r = subprocess.run([torpor, "deploy", extra], capture_output=True, text=True, env=env, check=False)
                 if r.returncode != 0:
                     raise RuntimeError(f"deploy {extra}: {r.stdout}{r.stderr}")
-            handoffs = measure_handoffs(sock, n, cpu)
+            handoffs = measure_handoffs(sock, n, cpu, handoff_runs)
         if not cpu and used == 0 and delta is not None:
             # NVML lists no process of the workers' PID namespaces here: the whole GPU's growth.
             used = delta
@@ -435,6 +442,59 @@ def median(xs: list[float]) -> float | None:
     return xs[len(xs) // 2] if xs else None
 
 
+def machine(cpu: bool) -> dict[str, Any]:
+    """The device and driver, the kernel, Python, and the binary's commit (scripts/gpu-run.sh sets
+    TORPOR_COMMIT from the carried binary's)."""
+    device, driver = "cpu", None
+    if not cpu:
+        device, driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True, check=False
+        ).stdout.strip().splitlines()[0].split(", ")
+    return {
+        "device": device, "driver": driver, "kernel": platform.release(), "python": platform.python_version(),
+        "commit": os.environ.get("TORPOR_COMMIT"), "dirty": bool(os.environ.get("TORPOR_DIRTY")),
+    }
+
+
+def handoff_summary(handoff: dict[str, Any]) -> dict[str, Any]:
+    """The summary's hand-off figures (ms, best of the runs): the same object in the sandbox,
+    a host memfd, and a CUDA tensor to another sandbox of the tenant (null on the CPU)."""
+    other_gpu = handoff["other_sandbox_gpu"]
+    return {
+        # 100 MiB handed from one function to another in the sandbox (put + get, the same
+        # object; on the GPU variant a CUDA tensor).
+        "handoff_100mb_ms": best_ms(handoff["same_object"], lambda r: r["put_s"] + r["get_s"]),
+        "handoff_100mb_shared_ms": best_ms(handoff["shared_memfd"], lambda r: r["put_s"] + r["get_s"]),
+        # A CUDA tensor of 100 MiB put with shared=True in one sandbox and got in another
+        # sandbox of the tenant on the same GPU (put + get, and the get alone: a mapping, no
+        # copy).
+        "handoff_100mb_other_sandbox_ms": best_ms(other_gpu, lambda r: r["put_s"] + r["get_s"]),
+        "handoff_100mb_other_sandbox_get_ms": best_ms(other_gpu, lambda r: r["get_s"]),
+        # One request to torpord's store from a handler and its answer (median of 50).
+        "store_round_trip_ms": (median(handoff["round_trip_s"]) or 0) * 1e3,
+    }
+
+
+def handoff_only(args: argparse.Namespace) -> int:
+    """--handoff-only: one sandbox of two functions and one other sandbox, the hand-offs alone."""
+    sandbox = one_mode(args.torpor, 2, True, args.weights_mib, args.cpu, args.handoff_runs)
+    doc = {
+        "summary": handoff_summary(sandbox["handoff"]),
+        "machine": machine(args.cpu),
+        "settings": {"functions": 2, "weights_mib": args.weights_mib, "cpu": args.cpu, "handoff_runs": args.handoff_runs},
+        "sandbox": sandbox,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    write_doc(doc, args.out or ROOT / "bench" / "results" / f"sandbox-handoff-{'cpu' if args.cpu else 'h100'}.json")
+    return 0
+
+
+def write_doc(doc: dict[str, Any], out: Path) -> None:
+    text = json.dumps(doc, indent=2)
+    print(text)
+    out.write_text(text + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--functions", type=int, default=8)
@@ -443,7 +503,14 @@ def main() -> int:
     ap.add_argument("--torpor", type=Path, default=Path(os.environ.get("TORPOR_BIN", ROOT / "target/release/torpor")))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--start-rounds", type=int, default=3, help="functions new to the node per start mode")
+    ap.add_argument("--handoff-runs", type=int, default=3, help="hand-offs each way, best of them in the summary")
+    ap.add_argument(
+        "--handoff-only", action="store_true",
+        help="only the sandbox's hand-offs (no memory ratio, no starts): summary handoff_* only",
+    )
     args = ap.parse_args()
+    if args.handoff_only:
+        return handoff_only(args)
     starts = {
         "pooled": measure_starts(args.torpor, True, args.weights_mib, args.cpu, args.start_rounds),
         "restored": measure_starts(args.torpor, False, args.weights_mib, args.cpu, args.start_rounds),
@@ -454,14 +521,6 @@ def main() -> int:
     key = "host_pss_mib" if args.cpu else "gpu_mib"
     ratio = processes[key] / sandbox[key] if sandbox[key] else None
     ratio_idle = processes[f"{key}_idle"] / sandbox[f"{key}_idle"] if sandbox[f"{key}_idle"] else None
-    same = sandbox["handoff"]["same_object"]
-    other_gpu = sandbox["handoff"]["other_sandbox_gpu"]
-    handoff_ms = min(r["put_s"] + r["get_s"] for r in same) * 1e3
-    device = "cpu"
-    if not args.cpu:
-        device = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False
-        ).stdout.strip().splitlines()[0]
     doc = {
         "summary": {
             "memory_ratio_8fn" if args.functions == 8 else f"memory_ratio_{args.functions}fn": ratio,
@@ -474,29 +533,18 @@ def main() -> int:
             "cold_restore_start_s": median([r["total_s"] for r in starts["restored"]]),
             "pooled_setup_s": median([(r["deploy_setup_s"] or 0) + (r["deploy_warmup_s"] or 0) for r in pooled_runs]),
             "pooled_starts": f"{len(pooled_runs)} of {len(starts['pooled'])}",
-            # 100 MiB handed from one function to another in the sandbox (put + get, the same
-            # object; on the GPU variant a CUDA tensor), best of 3.
-            "handoff_100mb_ms": handoff_ms,
-            "handoff_100mb_shared_ms": min(r["put_s"] + r["get_s"] for r in sandbox["handoff"]["shared_memfd"]) * 1e3,
-            # A CUDA tensor of 100 MiB put with shared=True in one sandbox and got in another
-            # sandbox of the tenant on the same GPU (put + get, and the get alone: a mapping, no
-            # copy), best of 3; null on the CPU (no GPU hand-off there).
-            "handoff_100mb_other_sandbox_ms": best_ms(other_gpu, lambda r: r["put_s"] + r["get_s"]),
-            "handoff_100mb_other_sandbox_get_ms": best_ms(other_gpu, lambda r: r["get_s"]),
+            **handoff_summary(sandbox["handoff"]),
             "small_p99_ratio": None,
             "not_built": "small_p99_ratio: bench/pcie/run.py",
         },
-        "machine": {"device": device, "kernel": platform.release(), "python": platform.python_version()},
+        "machine": machine(args.cpu),
         "settings": {"functions": args.functions, "weights_mib": args.weights_mib, "cpu": args.cpu},
         "processes": processes,
         "sandbox": sandbox,
         "starts": starts,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    out = args.out or ROOT / "bench" / "results" / f"sandbox-{'cpu' if args.cpu else 'h100'}.json"
-    out.write_text(text + "\n")
+    write_doc(doc, args.out or ROOT / "bench" / "results" / f"sandbox-{'cpu' if args.cpu else 'h100'}.json")
     print(f"{args.functions} functions: {processes[key]:.0f} MiB as processes, {sandbox[key]:.0f} MiB in one sandbox: "
           f"ratio {ratio if ratio is None else round(ratio, 2)}", file=sys.stderr)
     return 0

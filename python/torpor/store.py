@@ -185,6 +185,7 @@ def _put_gpu(key: str, ttl_s: float, value: Any, nodes: str | None) -> None:
     from torpor import store_gpu
 
     assert _remote is not None
+    store_gpu.start_steps()
     src = store_gpu.source(value)
     if src.nbytes == 0:
         raise ValueError("put(..., shared=True) of an empty tensor: it has no bytes to share; put it without shared=True")
@@ -209,6 +210,9 @@ def get(key: str, keep: bool = False) -> Any:
         _sweep(now)
         item = _items.get(key) if keep else _items.pop(key, None)
     if item is None and _remote is not None:
+        from torpor import store_gpu
+
+        store_gpu.start_steps()
         found = _remote[1](key, keep)
         if found is not None:
             meta, size, fd, gpu = found
@@ -216,6 +220,7 @@ def get(key: str, keep: bool = False) -> Any:
                 return _decode(meta, size, fd, gpu)
             finally:
                 os.close(fd)
+                store_gpu.step("close_fd")
     if item is None:
         raise KeyError(
             f"no value under store key {key!r} in this sandbox: it was never put here, was consumed "

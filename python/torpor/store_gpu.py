@@ -21,6 +21,7 @@ import ctypes
 import importlib
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,32 @@ _TYPESTRS = {
     "int64": "<i8", "int32": "<i4", "int16": "<i2", "int8": "|i1", "uint8": "|u1", "bool": "|b1",
     "complex64": "<c8", "complex128": "<c16",
 }
+
+
+_steps = threading.local()
+
+
+def steps() -> dict[str, float]:
+    """Seconds each step of this thread's last GPU put or get took, in order: the round trips
+    to torpord, each driver call, the copy (bench/sandbox/run.py reports them, to say where a
+    hand-off's time goes). Empty before the first."""
+    return dict(getattr(_steps, "last", {}))
+
+
+def start_steps() -> None:
+    """A GPU put or get begins on this thread: its steps are timed from now."""
+    _steps.last = {}
+    _steps.at = time.perf_counter()
+
+
+def step(name: str) -> None:
+    """Step `name` ended now (a step done twice adds up)."""
+    last: dict[str, float] | None = getattr(_steps, "last", None)
+    if last is None:
+        return
+    now = time.perf_counter()
+    last[name] = last.get(name, 0.0) + now - _steps.at
+    _steps.at = now
 
 
 class StoreGpuError(RuntimeError):
@@ -167,14 +194,18 @@ class _Mapping:
             cuda.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
             "importing the store's GPU memory (cuMemImportFromShareableHandle)",
         )
+        step("import")
         va = ctypes.c_uint64()
         try:
             _check(cuda.cuMemAddressReserve(ctypes.byref(va), padded, 0, 0, 0), f"reserving {padded} bytes of addresses")
+            step("reserve")
             try:
                 _check(cuda.cuMemMap(va.value, padded, 0, handle.value, 0), "cuMemMap")
+                step("map")
                 flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable else CU_MEM_ACCESS_FLAGS_PROT_READ
                 desc = _CUmemAccessDesc(_CUmemLocation(1, ordinal), flags)
                 rc = cuda.cuMemSetAccess(va.value, padded, ctypes.byref(desc), 1)
+                step("set_access")
                 if rc != 0:
                     cuda.cuMemUnmap(va.value, padded)
                     _check(rc, f"cuMemSetAccess ({'read-write' if writable else 'read-only'}, GPU {ordinal})")
@@ -204,14 +235,18 @@ def fill(fd: int, padded: int, src: Source) -> None:
         # The value's GPU's context, not whatever the thread had (driver() would make GPU 0's).
         with cuda_driver.on_device(src.ordinal) as loaded:
             cuda = _typed(loaded)
+            step("context")
             m = _Mapping(fd, padded, src.ordinal, writable=True)
             try:
                 assert m.va is not None
                 _check(cuda.cuCtxSynchronize(), "synchronising the GPU before the copy")
+                step("sync_before")
                 _check(cuda.cuMemcpyDtoDAsync_v2(m.va, src.ptr, src.nbytes, None), "copying the value (cuMemcpyDtoDAsync)")
                 _check(cuda.cuCtxSynchronize(), "synchronising the GPU after the copy")
+                step("copy")
             finally:
                 m.close()
+                step("unmap")
     except cuda_driver.DriverError as e:
         raise StoreGpuError(f"{e}: the value's GPU must be one this function sees") from None
 
@@ -269,7 +304,9 @@ def mapped(fd: int, padded: int, nbytes: int, meta: dict[str, Any], source: str)
     array = CudaArray(fd, padded, nbytes, meta, source)
     if meta.get("torch") or "torch" in sys.modules:
         try:
-            return tensor(array)
+            t = tensor(array)
+            step("tensor")
+            return t
         except ImportError:
             pass
     return array

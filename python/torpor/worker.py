@@ -143,6 +143,7 @@ from torpor import kept as torpor_kept
 from torpor import mempool as torpor_mempool
 from torpor import pack as torpor_pack
 from torpor import store as torpor_store
+from torpor import store_gpu as torpor_store_gpu
 from torpor.errors import DataError, FrameError, HookError
 from torpor.frames import FrameReader, encode, write_frame_with_fd
 from torpor.functions import resolve
@@ -776,6 +777,7 @@ class Worker:
         if nodes is not None:
             put["nodes"] = nodes
         msg, fd = self._store_request(put)
+        torpor_store_gpu.step("put_request")
         if msg.get("ok") is not True or fd is None or not isinstance(msg.get("padded"), int):
             if fd is not None:
                 os.close(fd)
@@ -789,15 +791,18 @@ class Worker:
             raise
         finally:
             os.close(fd)
+            torpor_store_gpu.step("close_fd")
         # For every node, torpord uploads the value before it answers.
         timeout_s = STORE_TIMEOUT_S if nodes is None else STORE_BUCKET_TIMEOUT_S
         msg, got = self._store_request({"type": "store_written", "ok": True}, rid=rid, timeout_s=timeout_s)
+        torpor_store_gpu.step("written_request")
         if got is not None:
             os.close(got)
         return None if msg.get("ok") is True else str(msg.get("error") or "refused")
 
     def store_get_remote(self, key: str, keep: bool) -> tuple[dict[str, Any], int, int, dict[str, Any] | None] | None:
         msg, fd = self._store_request({"type": "store_get", "key": key, "keep": keep}, timeout_s=STORE_BUCKET_TIMEOUT_S)
+        torpor_store_gpu.step("get_request")
         if msg.get("found") is not True:
             if fd is not None:
                 os.close(fd)

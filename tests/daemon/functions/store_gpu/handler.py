@@ -7,8 +7,8 @@ memory from cuMemAlloc_v2 (the hook's, preloaded into GPU workers: a segment, VM
 fake driver copies from), filled by ctypes (the fake's device memory is host memory).
 
 Every answer names its process (`process`: a token). Ops: put {key, n, seed, device?, ttl_s?, strided?, nodes?}: n bytes of pattern(seed) on the worker's GPU
-`device` (default 0), put with shared=True; get {key, keep?}: the value from torpord's store,
-its bytes, where it is mapped (the /proc/self/maps line of its address: permissions and inode)
+`device` (default 0), put with shared=True (`steps`: the steps store_gpu timed); get {key, keep?}: the value from torpord's store,
+its steps, its bytes, where it is mapped (the /proc/self/maps line of its address: permissions and inode)
 and what a memset through that mapping returns (the driver's code). With torch (the real GPU's
 test): put_torch {key, n, seed, device, dtype, nodes?}: a torch tensor of n values on cuda:device, put
 with shared=True; get_torch {key, keep?}: the tensor got, described (dtype, shape, device, the
@@ -85,9 +85,11 @@ class StoreGpu:
             value = Cuda(ptr.value, n, int(request.get("device", 0)), bool(request.get("strided")))
             nodes = {"nodes": request["nodes"]} if "nodes" in request else {}
             torpor.put(str(request["key"]), value, shared=True, ttl_s=float(request.get("ttl_s", 600)), **nodes)
+            out["steps"] = list(store_gpu.steps())
         elif op == "get":
             cuda = store_gpu.driver()
             v = torpor.get(str(request["key"]), keep=bool(request.get("keep", False)))
+            out["steps"] = list(store_gpu.steps())
             out["type"] = type(v).__name__
             out["source"] = v.source
             out["interface"] = {k: v.__cuda_array_interface__[k] for k in ("shape", "typestr", "data")}
