@@ -110,6 +110,9 @@
 //! gpu_bytes = 4294967296          # GPU memory its GPU values may take on each GPU (all tenants):
 //!                                 # 4 GiB; past it (or when the GPU is out of memory) the oldest
 //!                                 # move to host memory. 0 to 2^50
+//! gpu_spare = true                # after a GPU put, make memory of its size ready for the next
+//!                                 # one on that GPU (within gpu_bytes; let go after 30 s unused):
+//!                                 # the next put skips the driver's allocation and export
 //! ```
 
 use std::net::SocketAddr;
@@ -523,6 +526,9 @@ pub struct Config {
     /// `store.gpu_bytes`: GPU memory the communication store's GPU values may take on each GPU
     /// (crate::runtime::store_gpu).
     pub store_gpu_bytes: u64,
+    /// `store.gpu_spare`: memory made ahead for the next GPU put of the last one's size
+    /// (crate::runtime::store, `Spare`).
+    pub store_gpu_spare: bool,
 }
 
 /// `[objstore]` (docs/objstore.md, "torpord").
@@ -638,6 +644,7 @@ impl Default for Config {
             objstore: None,
             sandbox_pool: 0,
             store_gpu_bytes: DEFAULT_STORE_GPU_BYTES,
+            store_gpu_spare: true,
         }
     }
 }
@@ -934,6 +941,9 @@ impl Config {
         if let Some(mut t) = root.table("store")? {
             if let Some(n) = t.integer("gpu_bytes", 0, limits::MAX_BYTES as i64)? {
                 config.store_gpu_bytes = u64::try_from(n).unwrap_or(0);
+            }
+            if let Some(b) = t.boolean("gpu_spare")? {
+                config.store_gpu_spare = b;
             }
             t.finish()?;
         }
@@ -1472,6 +1482,18 @@ mod tests {
             e.starts_with("torpord.toml: objstore.early_write_back "),
             "{e}"
         );
+    }
+
+    #[test]
+    fn store_gpu_spare_defaults_to_on_and_is_a_boolean() {
+        assert!(parse("").unwrap().store_gpu_spare);
+        assert!(
+            !parse("[store]\ngpu_spare = false\n")
+                .unwrap()
+                .store_gpu_spare
+        );
+        let e = parse("[store]\ngpu_spare = 1\n").unwrap_err().to_string();
+        assert!(e.starts_with("torpord.toml: store.gpu_spare "), "{e}");
     }
 
     #[test]

@@ -131,6 +131,9 @@ pub struct Metrics {
     /// `torpor_store_gpu_bytes{device}`: GPU memory the communication store's GPU values (and
     /// GPU puts in progress) take on each GPU (crate::runtime::store_gpu).
     pub store_gpu_bytes: IntGaugeVec,
+    /// `torpor_store_gpu_spare_bytes{device}`: GPU memory the store made ahead for the next put
+    /// of the last put's size on each GPU (crate::runtime::store, `Spare`).
+    pub store_gpu_spare_bytes: IntGaugeVec,
     /// `torpor_store_spilled_bytes`: host memory of the store's GPU values moved there.
     pub store_spilled_bytes: IntGauge,
     /// `torpor_store_spills_total`: GPU values the store moved to host memory under pressure.
@@ -330,6 +333,13 @@ impl Metrics {
             ),
             &["device"],
         )?;
+        let store_gpu_spare_bytes = IntGaugeVec::new(
+            Opts::new(
+                "torpor_store_gpu_spare_bytes",
+                "GPU memory the communication store made ahead for the next put, by device.",
+            ),
+            &["device"],
+        )?;
         let store_spilled_bytes = IntGauge::new(
             "torpor_store_spilled_bytes",
             "Host memory of the communication store's GPU values moved there under pressure.",
@@ -339,6 +349,7 @@ impl Metrics {
             "GPU values the communication store moved to host memory under pressure.",
         )?;
         registry.register(Box::new(store_gpu_bytes.clone()))?;
+        registry.register(Box::new(store_gpu_spare_bytes.clone()))?;
         registry.register(Box::new(store_spilled_bytes.clone()))?;
         registry.register(Box::new(store_spills.clone()))?;
         registry.register(Box::new(gpu_memory_byte_seconds.clone()))?;
@@ -369,6 +380,7 @@ impl Metrics {
             device_instances,
             device_segment_bytes,
             store_gpu_bytes,
+            store_gpu_spare_bytes,
             store_spilled_bytes,
             store_spills,
             devices: Mutex::new(BTreeSet::new()),

@@ -152,7 +152,7 @@ impl Runtime {
         snapshot_key: Arc<torpor_image::SnapshotKey>,
         cgroups: Option<Arc<crate::cgroup::Cgroups>>,
     ) -> Self {
-        let store_gpu_bytes = config.store_gpu_bytes;
+        let (store_gpu_bytes, store_gpu_spare) = (config.store_gpu_bytes, config.store_gpu_spare);
         Self {
             python_dir: crate::sdk_dir::python_dir(),
             deploy_locks: Default::default(),
@@ -196,7 +196,7 @@ impl Runtime {
             cgroups,
             objstore: None,
             sandbox_routes: sandbox::Routes::default(),
-            store: store::Store::new(store_gpu_bytes),
+            store: store::Store::new(store_gpu_bytes).with_spares(store_gpu_spare),
             memory: memory::Memory::default(),
             sandbox_pool: Default::default(),
             keys: Default::default(),

@@ -163,6 +163,17 @@ pub struct GpuHeld {
     pub device: Arc<dyn SegmentDevice>,
     pub memory: Arc<Memory>,
     pub padded: u64,
+    /// The memory exported once, when it was made: the putter and every getter on this GPU
+    /// get a `dup` of it. On the H100 an export (`cuMemExportToShareableHandle`) took 0.75 ms
+    /// of a 100 MiB hand-off, a `dup` microseconds (bench/results/sandbox-vmm-steps-h100.json).
+    pub exported: Arc<OwnedFd>,
+}
+
+impl GpuHeld {
+    /// An fd of the value's memory for a worker to import (a `dup` of the one export).
+    pub fn fd(&self) -> Result<OwnedFd, StoreError> {
+        self.exported.try_clone().map_err(StoreError::Fd)
+    }
 }
 
 impl std::fmt::Debug for GpuHeld {
@@ -298,6 +309,16 @@ pub enum SealedPut {
     ForNodes(SealedGpu),
 }
 
+/// What the store takes on one GPU ([`Store::gpu_usage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuUsage {
+    pub ordinal: i32,
+    /// Values and puts in progress.
+    pub held: u64,
+    /// Its spare ([`Store::make_spare`]).
+    pub spare: u64,
+}
+
 /// GPU memory given to a worker to fill ([`Store::reserve_gpu`]).
 #[derive(Debug)]
 pub struct Reserved {
@@ -315,7 +336,24 @@ struct Inner {
     seq: u64,
     /// Every GPU a value was put on (their gauges stay, at 0 when empty).
     gpus: std::collections::BTreeSet<i32>,
+    /// Per GPU, memory made and exported ahead for the next put of the last put's size there
+    /// ([`Store::make_spare`]).
+    spares: HashMap<i32, Spare>,
+    /// How long a spare waits for a put of its size ([`SPARE_IDLE`]; shorter in tests).
+    spare_idle: Duration,
 }
+
+/// GPU memory made and exported before a put asks for it: a put of its size takes it and skips
+/// the driver's allocation and export (0.8 ms of a 100 MiB put on the H100,
+/// bench/results/sandbox-vmm-steps-h100.json). Counted in the store's GPU budget like a value,
+/// the first to go when a put needs room, and dropped after [`SPARE_IDLE`] unused.
+struct Spare {
+    gpu: GpuHeld,
+    made: Instant,
+}
+
+/// How long a spare waits for a put of its size before its memory goes back.
+pub const SPARE_IDLE: Duration = Duration::from_secs(30);
 
 /// The values of every tenant, by (tenant, key).
 pub struct Store {
@@ -324,6 +362,8 @@ pub struct Store {
     gpu_budget: u64,
     /// GPU values moved to host memory, ever.
     spills: std::sync::atomic::AtomicU64,
+    /// Whether a put leaves a spare of its size (`[store] gpu_spare`).
+    spares_on: bool,
 }
 
 impl Default for Store {
@@ -438,6 +478,15 @@ impl Inner {
         self.entries.retain(|_, e| e.expires > now);
         self.pending
             .retain(|_, p| now.duration_since(p.since) < GPU_PUT_TIMEOUT);
+        let idle = self.spare_idle;
+        self.spares.retain(|_, s| now.duration_since(s.made) < idle);
+    }
+
+    /// GPU `ordinal`'s spare when it is `padded` bytes; a spare of another size goes (the
+    /// sizes changed, and its room may be needed now).
+    fn take_spare(&mut self, ordinal: i32, padded: u64) -> Option<GpuHeld> {
+        let spare = self.spares.remove(&ordinal)?;
+        (spare.gpu.padded == padded).then_some(spare.gpu)
     }
 
     /// The tenant's keys and bytes, `key` left out (a put replaces it), puts in progress in.
@@ -465,7 +514,7 @@ impl Inner {
         Ok(())
     }
 
-    /// Bytes of GPU `ordinal` the store takes: values and puts in progress.
+    /// Bytes of GPU `ordinal` the store takes: values, puts in progress and its spare.
     fn gpu_used(&self, ordinal: i32) -> u64 {
         let values: u64 = self
             .entries
@@ -482,6 +531,11 @@ impl Inner {
                 .filter(|p| p.gpu.ordinal == ordinal)
                 .map(|p| p.gpu.padded)
                 .sum::<u64>()
+            + self.spare_bytes(ordinal)
+    }
+
+    fn spare_bytes(&self, ordinal: i32) -> u64 {
+        self.spares.get(&ordinal).map_or(0, |s| s.gpu.padded)
     }
 
     /// The values on GPU `ordinal`, oldest first: (their id, put order, bytes).
@@ -538,10 +592,20 @@ impl Store {
     /// A store whose GPU values take at most `gpu_budget` bytes of each GPU.
     pub fn new(gpu_budget: u64) -> Self {
         Self {
-            inner: Mutex::new(Inner::default()),
+            inner: Mutex::new(Inner {
+                spare_idle: SPARE_IDLE,
+                ..Inner::default()
+            }),
             gpu_budget,
             spills: std::sync::atomic::AtomicU64::new(0),
+            spares_on: true,
         }
+    }
+
+    /// The same store, leaving spares after puts or not (`[store] gpu_spare`).
+    pub fn with_spares(mut self, on: bool) -> Self {
+        self.spares_on = on;
+        self
     }
 
     /// Stores `fd` (a sealed memfd) under `key` of `tenant`, replacing what the key held.
@@ -607,6 +671,7 @@ impl Store {
         inner.sweep(Instant::now());
         inner.check_tenant(tenant, key, padded)?;
         inner.gpus.insert(ordinal);
+        let spare = inner.take_spare(ordinal, padded);
         let on_gpu = inner.on_gpu(ordinal);
         let sizes: Vec<(u64, u64)> = on_gpu.iter().map(|(_, s, b)| (*s, *b)).collect();
         let victims = spill_victims(&sizes, inner.gpu_used(ordinal), padded, self.gpu_budget)
@@ -619,43 +684,56 @@ impl Store {
             inner.spill(&on_gpu[i].0)?;
             spilled += 1;
         }
-        // Out of GPU memory: move out the next oldest and try again, until none is left.
-        let mut left = on_gpu
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !victims.contains(i))
-            .map(|(_, v)| v.0.clone());
-        let len = usize::try_from(padded).unwrap_or(usize::MAX);
-        let memory = loop {
-            match device.create(len) {
-                Ok(m) => break m,
-                Err(e) if is_out_of_memory(&e) => match left.next() {
-                    Some(id) => {
-                        inner.spill(&id)?;
-                        spilled += 1;
+        let gpu = match spare {
+            Some(gpu) => gpu,
+            None => {
+                // Out of GPU memory: move out the next oldest and try again, until none is left.
+                let mut left = on_gpu
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| !victims.contains(i))
+                    .map(|(_, v)| v.0.clone());
+                let len = usize::try_from(padded).unwrap_or(usize::MAX);
+                let memory = loop {
+                    match device.create(len) {
+                        Ok(m) => break m,
+                        Err(e) if is_out_of_memory(&e) => match left.next() {
+                            Some(id) => {
+                                inner.spill(&id)?;
+                                spilled += 1;
+                            }
+                            None => {
+                                return Err(StoreError::GpuMemory {
+                                    ordinal,
+                                    padded,
+                                    source: e,
+                                })
+                            }
+                        },
+                        Err(source) => {
+                            return Err(StoreError::Device {
+                                what: "allocating GPU memory for the value",
+                                source,
+                            })
+                        }
                     }
-                    None => {
-                        return Err(StoreError::GpuMemory {
-                            ordinal,
-                            padded,
-                            source: e,
-                        })
-                    }
-                },
-                Err(source) => {
-                    return Err(StoreError::Device {
-                        what: "allocating GPU memory for the value",
+                };
+                let fd = device
+                    .export(&memory)
+                    .map_err(|source| StoreError::Device {
+                        what: "exporting the value's GPU memory",
                         source,
-                    })
+                    })?;
+                GpuHeld {
+                    ordinal,
+                    device,
+                    memory: Arc::new(memory),
+                    padded,
+                    exported: Arc::new(fd),
                 }
             }
         };
-        let fd = device
-            .export(&memory)
-            .map_err(|source| StoreError::Device {
-                what: "exporting the value's GPU memory",
-                source,
-            })?;
+        let fd = gpu.fd()?;
         self.spills
             .fetch_add(spilled as u64, std::sync::atomic::Ordering::Relaxed);
         inner.pending.insert(
@@ -666,12 +744,7 @@ impl Store {
                 meta,
                 bytes,
                 ttl: Duration::from_secs_f64(ttl_s),
-                gpu: GpuHeld {
-                    ordinal,
-                    device,
-                    memory: Arc::new(memory),
-                    padded,
-                },
+                gpu,
                 since: Instant::now(),
                 for_nodes,
             },
@@ -681,6 +754,54 @@ impl Store {
             padded,
             spilled,
         })
+    }
+
+    /// After a put of `padded` bytes on GPU `ordinal` (`device`): memory of that size made and
+    /// exported for the next one, unless the GPU has a spare already or the store's budget
+    /// there has no room for it (or `[store] gpu_spare` is off). Made outside the store's lock;
+    /// a spare that lost a race (a put took the room meanwhile) is let go.
+    pub fn make_spare(&self, ordinal: i32, padded: u64, device: Arc<dyn SegmentDevice>) {
+        if !self.spares_on {
+            return;
+        }
+        let room = |inner: &Inner| {
+            !inner.spares.contains_key(&ordinal)
+                && inner.gpu_used(ordinal).saturating_add(padded) <= self.gpu_budget
+        };
+        if !room(&lock(&self.inner)) {
+            return;
+        }
+        let Ok(len) = usize::try_from(padded) else {
+            return;
+        };
+        let made = device.create(len).and_then(|m| {
+            let fd = device.export(&m)?;
+            Ok((m, fd))
+        });
+        let (memory, fd) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!(ordinal, padded, error = %e, "store: no spare GPU memory made");
+                return;
+            }
+        };
+        let gpu = GpuHeld {
+            ordinal,
+            device,
+            memory: Arc::new(memory),
+            padded,
+            exported: Arc::new(fd),
+        };
+        let mut inner = lock(&self.inner);
+        if room(&inner) {
+            let made = Instant::now();
+            inner.gpus.insert(ordinal);
+            inner.spares.insert(ordinal, Spare { gpu, made });
+        } else {
+            // Let go outside the lock: a driver release.
+            drop(inner);
+            drop(gpu);
+        }
     }
 
     /// Ends the GPU put `ticket`: when `filled`, its memory is sealed read-only and stored under
@@ -841,11 +962,22 @@ impl Store {
         )
     }
 
-    /// Bytes the store takes on each GPU a value was ever put on (values and puts in progress),
-    /// and in host memory for GPU values moved there.
-    pub fn gpu_usage(&self) -> (Vec<(i32, u64)>, u64) {
+    /// Bytes the store takes on each GPU a value was ever put on (values and puts in progress;
+    /// its spare apart), and in host memory for GPU values moved there.
+    pub fn gpu_usage(&self) -> (Vec<GpuUsage>, u64) {
         let inner = lock(&self.inner);
-        let per = inner.gpus.iter().map(|&o| (o, inner.gpu_used(o))).collect();
+        let per = inner
+            .gpus
+            .iter()
+            .map(|&ordinal| {
+                let spare = inner.spare_bytes(ordinal);
+                GpuUsage {
+                    ordinal,
+                    held: inner.gpu_used(ordinal) - spare,
+                    spare,
+                }
+            })
+            .collect();
         let spilled = inner
             .entries
             .values()
@@ -955,7 +1087,7 @@ impl crate::runtime::Runtime {
                 let back = (!get.keep).then(|| (self.store_tenant(&inst), get.key.clone()));
                 tokio::spawn(async move {
                     let (rt2, inst2) = (std::sync::Arc::clone(&rt), std::sync::Arc::clone(&inst));
-                    let delivered = tokio::task::spawn_blocking(move || {
+                    let (delivered, taken) = tokio::task::spawn_blocking(move || {
                         let delivered = rt2.store_deliver(&inst2, &t);
                         if let (Err(e), Some((Some(tenant), key))) = (&delivered, back) {
                             let kept = rt2.store.put_back(&tenant, &key, t);
@@ -964,14 +1096,20 @@ impl crate::runtime::Runtime {
                                 kept,
                                 "a store value could not be handed to the worker: {e}"
                             );
+                            return (delivered, None);
                         }
-                        delivered
+                        (delivered, Some(t))
                     })
                     .await
-                    .unwrap_or_else(|e| Err(StoreError::Task(e.to_string())));
+                    .unwrap_or_else(|e| (Err(StoreError::Task(e.to_string())), None));
                     rt.store_metrics();
                     let (value, fd) = value_frame(id, delivered.map(Some));
                     reply_to(&inst, crate::protocol::ToWorker::StoreValue(value), fd);
+                    // The daemon's handle of a consumed value goes after the answer: a driver
+                    // release, off the get's path.
+                    if let Some(t) = taken {
+                        let _ = tokio::task::spawn_blocking(move || drop(t)).await;
+                    }
                 });
             }
             found => {
@@ -1341,7 +1479,7 @@ mod gpu_tests {
             )
             .unwrap();
         drop(pending);
-        assert_eq!(s.gpu_usage().0, vec![(0, 2 * page as u64)]);
+        assert_eq!(held(&s), vec![(0, 2 * page as u64)]);
         // A getter without a GPU is refused, and the value stays.
         let e = s.get("team-a", "k", false, false).unwrap_err();
         assert!(e.to_string().contains("gpus = 1"), "{e}");
@@ -1350,7 +1488,7 @@ mod gpu_tests {
         assert_eq!(&contents(&kept)[..5], b"first");
         // The worker gave up: nothing changes but the reservation's return.
         s.seal_gpu("t2", false).unwrap();
-        assert_eq!(s.gpu_usage().0, vec![(0, page as u64)]);
+        assert_eq!(held(&s), vec![(0, page as u64)]);
         let e = s.seal_gpu("t2", true).unwrap_err();
         assert!(matches!(e, StoreError::NotPending(_)), "{e}");
         // Another tenant never sees it; consumed, it is gone and its GPU bytes with it.
@@ -1358,7 +1496,7 @@ mod gpu_tests {
         let taken = s.get("team-a", "k", false, true).unwrap().unwrap();
         assert_eq!(taken.bytes, 5);
         assert!(s.get("team-a", "k", false, true).unwrap().is_none());
-        assert_eq!(s.gpu_usage(), (vec![(0, 0)], 0));
+        assert_eq!((held(&s), s.gpu_usage().1), (vec![(0, 0)], 0));
     }
 
     #[test]
@@ -1371,7 +1509,7 @@ mod gpu_tests {
         let r = put_gpu(&s, &dev, "c", b"value c");
         assert_eq!(r.spilled, 1);
         assert_eq!(s.spills(), 1);
-        assert_eq!(s.gpu_usage(), (vec![(0, 2 * page)], page));
+        assert_eq!((held(&s), s.gpu_usage().1), (vec![(0, 2 * page)], page));
         let a = s.get("team-a", "a", false, true).unwrap().unwrap();
         let TakenHeld::Host(fd) = &a.held else {
             panic!("a was not spilled: {a:?}");
@@ -1423,10 +1561,94 @@ mod gpu_tests {
         assert!(matches!(e, StoreError::EmptyGpu), "{e}");
         reserve(10, 0.05).unwrap();
         s.seal_gpu("x", true).unwrap();
-        assert_ne!(s.gpu_usage().0, vec![(0, 0)]);
+        assert_ne!(held(&s), vec![(0, 0)]);
         std::thread::sleep(Duration::from_millis(80));
         s.sweep();
-        assert_eq!(s.gpu_usage().0, vec![(0, 0)]);
+        assert_eq!(held(&s), vec![(0, 0)]);
         assert!(s.get("team-a", "x", false, true).unwrap().is_none());
+    }
+
+    /// Each GPU's (ordinal, bytes of values and puts in progress).
+    fn held(s: &Store) -> Vec<(i32, u64)> {
+        s.gpu_usage()
+            .0
+            .iter()
+            .map(|u| (u.ordinal, u.held))
+            .collect()
+    }
+
+    fn spare(s: &Store) -> u64 {
+        s.gpu_usage().0.iter().map(|u| u.spare).sum()
+    }
+
+    fn memory_of(t: &Taken) -> Arc<Memory> {
+        match &t.held {
+            TakenHeld::Gpu(g) => Arc::clone(&g.memory),
+            TakenHeld::Host(_) => panic!("not on the GPU: {t:?}"),
+        }
+    }
+
+    #[test]
+    fn the_next_put_of_a_size_takes_the_spare_made_for_it_within_the_budget() {
+        let dev = device();
+        let page = dev.granularity() as u64;
+        let s = Store::new(2 * page);
+        put_gpu(&s, &dev, "a", b"value a");
+        s.make_spare(0, page, Arc::clone(&dev));
+        assert_eq!((held(&s), spare(&s)), (vec![(0, page)], page));
+        let made = Arc::clone(&lock(&s.inner).spares[&0].gpu.memory);
+        // One spare a GPU: another is not made while it waits.
+        s.make_spare(0, page, Arc::clone(&dev));
+        assert!(Arc::ptr_eq(&lock(&s.inner).spares[&0].gpu.memory, &made));
+        // The next put of that size fills the spare's memory; nothing had to move.
+        put_gpu(&s, &dev, "b", b"value b");
+        let b = s.get("team-a", "b", true, true).unwrap().unwrap();
+        assert!(
+            Arc::ptr_eq(&memory_of(&b), &made),
+            "the put made new memory"
+        );
+        assert_eq!(&contents(&b)[..7], b"value b");
+        assert_eq!(
+            (held(&s), spare(&s), s.spills()),
+            (vec![(0, 2 * page)], 0, 0)
+        );
+        // The budget is full: no spare is made past it.
+        s.make_spare(0, page, Arc::clone(&dev));
+        assert_eq!(spare(&s), 0);
+        // Room again: a spare; a put of another size lets it go rather than move a value.
+        s.get("team-a", "a", false, true).unwrap().unwrap();
+        s.make_spare(0, page, Arc::clone(&dev));
+        assert_eq!(spare(&s), page);
+        s.get("team-a", "b", false, true).unwrap().unwrap();
+        let r = s
+            .reserve_gpu(
+                "big",
+                "team-a",
+                "big",
+                Value::Null,
+                60.0,
+                2 * page,
+                0,
+                Arc::clone(&dev),
+                false,
+            )
+            .unwrap();
+        assert_eq!(
+            (r.spilled, spare(&s), held(&s)),
+            (0, 0, vec![(0, 2 * page)])
+        );
+    }
+
+    #[test]
+    fn an_unused_spare_goes_after_its_idle_time() {
+        let dev = device();
+        let page = dev.granularity() as u64;
+        let s = Store::new(4 * page);
+        lock(&s.inner).spare_idle = Duration::from_millis(50);
+        s.make_spare(0, page, Arc::clone(&dev));
+        assert_eq!(spare(&s), page);
+        std::thread::sleep(Duration::from_millis(80));
+        s.sweep();
+        assert_eq!(spare(&s), 0);
     }
 }

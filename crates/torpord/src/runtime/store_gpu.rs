@@ -118,7 +118,20 @@ impl super::Runtime {
                     )
                 }
             };
+            let next = frame.padded.zip(frame.ordinal);
             reply_to(&inst, ToWorker::StoreMemory(frame), fd);
+            // The next put of this size on this GPU finds its memory made and exported.
+            if let Some((padded, ordinal)) = next {
+                let worker = put.gpu.map_or(0, |g| g.ordinal);
+                if let Ok(device) = gpu(&rt, worker, ordinal) {
+                    let rt2 = Arc::clone(&rt);
+                    let _ = tokio::task::spawn_blocking(move || {
+                        rt2.store.make_spare(ordinal, padded, device);
+                    })
+                    .await;
+                    rt.store_metrics();
+                }
+            }
         });
     }
 
@@ -182,10 +195,7 @@ impl super::Runtime {
         let dev_err = |what| move |source| StoreError::Device { what, source };
         let (memory, padded, source) = match &t.held {
             TakenHeld::Gpu(g) if g.ordinal == target => {
-                let fd = g
-                    .device
-                    .export(&g.memory)
-                    .map_err(dev_err("exporting the value's GPU memory"))?;
+                let fd = g.fd()?;
                 return Ok(delivered(
                     t.meta.clone(),
                     t.bytes,
@@ -247,11 +257,16 @@ impl super::Runtime {
     /// The store's gauges, from what it holds now.
     pub(crate) fn store_metrics(&self) {
         let (per_gpu, spilled) = self.store.gpu_usage();
-        for (ordinal, bytes) in per_gpu {
+        for u in per_gpu {
+            let device = format!("cuda{}", u.ordinal);
             self.metrics
                 .store_gpu_bytes
-                .with_label_values(&[&format!("cuda{ordinal}")])
-                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+                .with_label_values(&[&device])
+                .set(i64::try_from(u.held).unwrap_or(i64::MAX));
+            self.metrics
+                .store_gpu_spare_bytes
+                .with_label_values(&[&device])
+                .set(i64::try_from(u.spare).unwrap_or(i64::MAX));
         }
         self.metrics
             .store_spilled_bytes
