@@ -2,7 +2,8 @@
 store"): a torch tensor put with shared=True in one sandbox of a tenant arrives bit-identical in
 another sandbox of the tenant as a CUDA tensor of its dtype and shape over the daemon's memory,
 mapped read-only (a memset through it is refused by the driver and changes nothing, and the
-context works on); with two GPUs, a tensor put on GPU 1 reaches a sandbox on GPU 0 by a copy GPU
+context works on), also once the memory made ahead after a put was filled by the next put of
+its size; with two GPUs, a tensor put on GPU 1 reaches a sandbox on GPU 0 by a copy GPU
 to GPU (peer access) or through host memory. Skipped without PyTorch and a CUDA device; the
 two-GPU case without two. Between nodes: two daemons sharing a bucket of SeaweedFS on loopback
 (skipped where `weed` cannot be had), a tensor put with nodes="all" on A arrives bit-identical
@@ -16,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,6 +92,27 @@ def test_a_tensor_arrives_bit_identical_and_read_only_in_another_sandbox(deploye
     assert g["sum"] == g["sum"], "a kernel read the mapping"
     gone = deployed.invoke("sgr-get", {"op": "get_torch", "key": key})
     assert gone.status == 500 and gone.json()["error"]["type"] == "KeyError", gone.body
+
+
+def spare_bytes(d: Torpord) -> float:
+    text = d.request("GET", "/metrics").body.decode()
+    m = re.search(r'^torpor_store_gpu_spare_bytes{device="cuda0"} (\S+)$', text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_the_next_put_of_a_size_fills_the_memory_made_ahead_for_it(deployed: Torpord) -> None:
+    n = 4_000_000  # 16 MB of float32
+    first = ok(deployed.invoke("sgr-put", {"op": "put_torch", "key": "real/s1", "n": n, "seed": 1}), deployed)
+    # After the put, memory of its size is made ready on the GPU for the next one.
+    deadline = time.monotonic() + 10
+    while spare_bytes(deployed) < n * 4:
+        assert time.monotonic() < deadline, "no spare was made after the put"
+        time.sleep(0.05)
+    second = ok(deployed.invoke("sgr-put", {"op": "put_torch", "key": "real/s2", "n": n, "seed": 2}), deployed)
+    for key, p in (("real/s1", first), ("real/s2", second)):
+        g = ok(deployed.invoke("sgr-get", {"op": "get_torch", "key": key}), deployed)
+        assert g["digest"] == p["digest"] and g["memset_rc"] != 0 and g["digest_after"] == p["digest"], (key, g)
+    assert first["digest"] != second["digest"]
 
 
 def test_a_tensor_on_another_gpu_is_copied_gpu_to_gpu(deployed: Torpord) -> None:

@@ -189,7 +189,9 @@ def gpu_nodes(
     fns = tmp_path_factory.mktemp("gpu-nodes-fns")
     match = f"torpor.worker:{64 << 20}"
     envs = (fake_gpu_env(roots[0], fake_cuda, FAKE_NVML_PROCS_MATCH=match), fake_gpu_env(roots[1], fake_cuda, FAKE_NVML_PROCS_MATCH=match))
-    configs = (objstore_section(seaweed, roots[0]), objstore_section(seaweed, roots[1]))
+    # No spares: the tests count each daemon's GPU memory one value at a time.
+    no_spare = "\n[store]\ngpu_spare = false\n"
+    configs = (objstore_section(seaweed, roots[0]) + no_spare, objstore_section(seaweed, roots[1]) + no_spare)
     with two_daemons(torpor_bin, roots, configs, envs) as (a, b):
         a.deploy(make_gpu_function(fns, "xg-a", "team-g", "a"))
         b.deploy(make_gpu_function(fns, "xg-b", "team-g", "b"))

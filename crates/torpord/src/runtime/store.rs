@@ -1079,6 +1079,15 @@ impl crate::runtime::Runtime {
         let id = get.id;
         match found {
             Ok(Some(t)) if t.gpu => {
+                if let Some(Ok(d)) = Self::store_deliver_in_place(inst, &t) {
+                    // On the worker's GPU already: a dup of its export, answered from here. The
+                    // daemon's handle of a consumed value goes after the answer (a driver release).
+                    self.store_metrics();
+                    let (value, fd) = value_frame(id, Ok(Some(d)));
+                    reply_to(inst, crate::protocol::ToWorker::StoreValue(value), fd);
+                    tokio::task::spawn_blocking(move || drop(t));
+                    return;
+                }
                 // Exported, or copied onto the worker's GPU first: on the blocking pool. A
                 // delivery that fails (a copy, an export) puts a consumed value back: the get
                 // fails, the value stays for the next one.

@@ -183,6 +183,23 @@ impl super::Runtime {
         reply_stored(inst, w.id, "(GPU put)", stored);
     }
 
+    /// A GPU value already on the GPU of `inst`'s worker: a `dup` of its memory's export, no
+    /// driver call (so the caller need not leave the runtime's thread for it). None for a value
+    /// elsewhere, which needs a copy ([`Self::store_deliver`]).
+    pub(crate) fn store_deliver_in_place(
+        inst: &Instance,
+        t: &Taken,
+    ) -> Option<Result<Delivered, StoreError>> {
+        let target = inst.daemon_ordinal(0);
+        match &t.held {
+            TakenHeld::Gpu(g) if g.ordinal == target => Some(
+                g.fd()
+                    .map(|fd| delivered(t.meta.clone(), t.bytes, fd, g.padded, target, "stored")),
+            ),
+            _ => None,
+        }
+    }
+
     /// A GPU value on the GPU of `inst`'s worker (its GPU 0): an fd of the value's own memory,
     /// or of a copy made there.
     pub(crate) fn store_deliver(
@@ -190,20 +207,15 @@ impl super::Runtime {
         inst: &Instance,
         t: &Taken,
     ) -> Result<Delivered, StoreError> {
+        if let Some(d) = Self::store_deliver_in_place(inst, t) {
+            return d;
+        }
         let target = inst.daemon_ordinal(0);
         let dev = gpu(self, 0, target)?;
         let dev_err = |what| move |source| StoreError::Device { what, source };
         let (memory, padded, source) = match &t.held {
             TakenHeld::Gpu(g) if g.ordinal == target => {
-                let fd = g.fd()?;
-                return Ok(delivered(
-                    t.meta.clone(),
-                    t.bytes,
-                    fd,
-                    g.padded,
-                    target,
-                    "stored",
-                ));
+                unreachable!("delivered in place above: GPU {}", g.ordinal)
             }
             TakenHeld::Gpu(g) => {
                 let len = usize::try_from(g.padded).unwrap_or(usize::MAX);
