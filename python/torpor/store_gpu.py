@@ -274,20 +274,21 @@ class CudaArray:
         self._finalizer()
 
 
+class _Bytes:
+    """`array`'s bytes for torch, which refuses the read-only flag of the interface (the mapping
+    itself is read-only). Holding `array` keeps the mapping while the tensor lives."""
+
+    def __init__(self, array: CudaArray) -> None:
+        self.array = array
+        self.__cuda_array_interface__ = {
+            "shape": (array.nbytes,), "typestr": "|u1", "data": (array.va, False), "version": 3, "strides": None,
+        }
+
+
 def tensor(array: CudaArray) -> Any:
     """A torch tensor of the value's dtype and shape over `array`'s mapping (no copy)."""
     torch: Any = importlib.import_module("torch")
-
-    class _Bytes:
-        # torch refuses the read-only flag of the interface; the mapping itself is read-only.
-        # Holding `array` keeps the mapping while the tensor lives.
-        def __init__(self) -> None:
-            self.array = array
-            self.__cuda_array_interface__ = {
-                "shape": (array.nbytes,), "typestr": "|u1", "data": (array.va, False), "version": 3, "strides": None,
-            }
-
-    raw = torch.as_tensor(_Bytes(), device="cuda")
+    raw = torch.as_tensor(_Bytes(array), device="cuda")
     dtype = array.meta.get("dtype")
     if isinstance(dtype, str) and hasattr(torch, dtype):
         raw = raw.view(getattr(torch, dtype))

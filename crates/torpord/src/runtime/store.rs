@@ -661,6 +661,39 @@ impl Store {
         device: Arc<dyn SegmentDevice>,
         for_nodes: bool,
     ) -> Result<Reserved, StoreError> {
+        let args = (ticket, tenant, key, meta, ttl_s, bytes);
+        let r = self.reserve(args, ordinal, device, for_nodes, false)?;
+        Ok(r.expect("a reservation that may block always ends"))
+    }
+
+    /// [`Store::reserve_gpu`] when it takes no driver call and copies nothing, so the caller
+    /// may run it on the runtime's thread: GPU `ordinal` has a spare of the size and no value
+    /// has to move for it. `Ok(None)`, and nothing changed, otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reserve_gpu_from_spare(
+        &self,
+        ticket: &str,
+        tenant: &str,
+        key: &str,
+        meta: Value,
+        ttl_s: f64,
+        bytes: u64,
+        ordinal: i32,
+        device: Arc<dyn SegmentDevice>,
+        for_nodes: bool,
+    ) -> Result<Option<Reserved>, StoreError> {
+        let args = (ticket, tenant, key, meta, ttl_s, bytes);
+        self.reserve(args, ordinal, device, for_nodes, true)
+    }
+
+    fn reserve(
+        &self,
+        (ticket, tenant, key, meta, ttl_s, bytes): (&str, &str, &str, Value, f64, u64),
+        ordinal: i32,
+        device: Arc<dyn SegmentDevice>,
+        for_nodes: bool,
+        spare_only: bool,
+    ) -> Result<Option<Reserved>, StoreError> {
         check_key_ttl(key, ttl_s)?;
         if bytes == 0 {
             return Err(StoreError::EmptyGpu);
@@ -671,14 +704,23 @@ impl Store {
         inner.sweep(Instant::now());
         inner.check_tenant(tenant, key, padded)?;
         inner.gpus.insert(ordinal);
-        let spare = inner.take_spare(ordinal, padded);
+        let fits = inner
+            .spares
+            .get(&ordinal)
+            .is_some_and(|s| s.gpu.padded == padded);
         let on_gpu = inner.on_gpu(ordinal);
         let sizes: Vec<(u64, u64)> = on_gpu.iter().map(|(_, s, b)| (*s, *b)).collect();
-        let victims = spill_victims(&sizes, inner.gpu_used(ordinal), padded, self.gpu_budget)
-            .ok_or(StoreError::GpuBudget {
+        // The spare goes first (taken, or let go for room), so it is not counted here.
+        let used = inner.gpu_used(ordinal) - inner.spare_bytes(ordinal);
+        let victims =
+            spill_victims(&sizes, used, padded, self.gpu_budget).ok_or(StoreError::GpuBudget {
                 padded,
                 budget: self.gpu_budget,
             })?;
+        if spare_only && !(fits && victims.is_empty()) {
+            return Ok(None);
+        }
+        let spare = inner.take_spare(ordinal, padded);
         let mut spilled = 0;
         for &i in &victims {
             inner.spill(&on_gpu[i].0)?;
@@ -749,11 +791,16 @@ impl Store {
                 for_nodes,
             },
         );
-        Ok(Reserved {
+        Ok(Some(Reserved {
             fd,
             padded,
             spilled,
-        })
+        }))
+    }
+
+    /// Whether GPU `ordinal` has a spare now.
+    pub fn has_spare(&self, ordinal: i32) -> bool {
+        lock(&self.inner).spares.contains_key(&ordinal)
     }
 
     /// After a put of `padded` bytes on GPU `ordinal` (`device`): memory of that size made and
@@ -1646,6 +1693,39 @@ mod gpu_tests {
             (r.spilled, spare(&s), held(&s)),
             (0, 0, vec![(0, 2 * page)])
         );
+    }
+
+    #[test]
+    fn a_put_is_reserved_from_the_spare_alone_only_when_it_has_one_of_its_size() {
+        let dev = device();
+        let page = dev.granularity() as u64;
+        let s = Store::new(2 * page);
+        let from_spare = |ticket: &str, key: &str, bytes: u64| {
+            s.reserve_gpu_from_spare(
+                ticket,
+                "team-a",
+                key,
+                Value::Null,
+                60.0,
+                bytes,
+                0,
+                Arc::clone(&dev),
+                false,
+            )
+        };
+        // No spare: nothing is made and nothing changes.
+        assert!(from_spare("t0", "x", 10).unwrap().is_none());
+        assert!(lock(&s.inner).pending.is_empty());
+        put_gpu(&s, &dev, "a", b"value a");
+        s.make_spare(0, page, Arc::clone(&dev));
+        // A spare of another size: left as it is.
+        assert!(from_spare("t1", "x", page + 1).unwrap().is_none());
+        assert_eq!(spare(&s), page);
+        // Of its size: taken, no value moved.
+        let r = from_spare("t2", "x", 10).unwrap().expect("the spare");
+        assert_eq!((r.padded, r.spilled, spare(&s)), (page, 0, 0));
+        s.seal_gpu("t2", true).unwrap();
+        assert_eq!((held(&s), s.spills()), (vec![(0, 2 * page)], 0));
     }
 
     #[test]

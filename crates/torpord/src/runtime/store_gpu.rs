@@ -83,86 +83,124 @@ impl super::Runtime {
             reply_to(inst, ToWorker::StoreMemory(frame), None);
             return;
         }
+        // With a spare of its size and nothing to move, from here: no driver call.
+        match self.store_reserve(inst, put.clone(), true) {
+            Ok(None) => {}
+            done => {
+                let reserved = done.map(|r| r.expect("Some: matched None above"));
+                self.store_answer_put(inst, &put, reserved);
+                return;
+            }
+        }
         let rt = Arc::clone(self);
         let inst = Arc::clone(inst);
         tokio::spawn(async move {
             let (rt2, inst2, put2) = (Arc::clone(&rt), Arc::clone(&inst), put.clone());
-            let reserved = tokio::task::spawn_blocking(move || rt2.store_reserve(&inst2, put2))
-                .await
-                .unwrap_or_else(|e| Err(StoreError::Task(e.to_string())));
-            rt.store_metrics();
-            let (frame, fd) = match reserved {
-                Ok((r, ordinal)) => (
-                    StoreMemory {
-                        id: put.id,
-                        ok: true,
-                        padded: Some(r.padded),
-                        ordinal: Some(ordinal),
-                        fd: Some(true),
-                        error: None,
-                    },
-                    Some(r.fd),
-                ),
-                Err(e) => {
-                    tracing::info!(instance = %inst.id, key = %put.key, error = %e, "store: GPU value refused");
-                    (
-                        StoreMemory {
-                            id: put.id,
-                            ok: false,
-                            padded: None,
-                            ordinal: None,
-                            fd: None,
-                            error: Some(e.to_string()),
-                        },
-                        None,
-                    )
-                }
-            };
-            let next = frame.padded.zip(frame.ordinal);
-            reply_to(&inst, ToWorker::StoreMemory(frame), fd);
-            // The next put of this size on this GPU finds its memory made and exported.
-            if let Some((padded, ordinal)) = next {
-                let worker = put.gpu.map_or(0, |g| g.ordinal);
-                if let Ok(device) = gpu(&rt, worker, ordinal) {
-                    let rt2 = Arc::clone(&rt);
-                    let _ = tokio::task::spawn_blocking(move || {
-                        rt2.store.make_spare(ordinal, padded, device);
-                    })
-                    .await;
-                    rt.store_metrics();
-                }
-            }
+            let reserved = tokio::task::spawn_blocking(move || {
+                rt2.store_reserve(&inst2, put2, false)
+                    .map(|r| r.expect("a reservation that may block always ends"))
+            })
+            .await
+            .unwrap_or_else(|e| Err(StoreError::Task(e.to_string())));
+            rt.store_answer_put(&inst, &put, reserved);
         });
     }
 
+    /// Answers a GPU put's `store_memory`; then, for a put that got its memory, makes the spare
+    /// for the next put of its size on that GPU (on the blocking pool).
+    fn store_answer_put(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+        put: &StorePut,
+        reserved: Result<(super::store::Reserved, i32), StoreError>,
+    ) {
+        self.store_metrics();
+        let (frame, fd) = match reserved {
+            Ok((r, ordinal)) => (
+                StoreMemory {
+                    id: put.id,
+                    ok: true,
+                    padded: Some(r.padded),
+                    ordinal: Some(ordinal),
+                    fd: Some(true),
+                    error: None,
+                },
+                Some(r.fd),
+            ),
+            Err(e) => {
+                tracing::info!(instance = %inst.id, key = %put.key, error = %e, "store: GPU value refused");
+                (
+                    StoreMemory {
+                        id: put.id,
+                        ok: false,
+                        padded: None,
+                        ordinal: None,
+                        fd: None,
+                        error: Some(e.to_string()),
+                    },
+                    None,
+                )
+            }
+        };
+        let next = frame.padded.zip(frame.ordinal);
+        reply_to(inst, ToWorker::StoreMemory(frame), fd);
+        // The next put of this size on this GPU finds its memory made and exported.
+        let Some((padded, ordinal)) = next else {
+            return;
+        };
+        let worker = put.gpu.as_ref().map_or(0, |g| g.ordinal);
+        let Ok(device) = gpu(self, worker, ordinal) else {
+            return;
+        };
+        let rt = Arc::clone(self);
+        tokio::spawn(async move {
+            let rt2 = Arc::clone(&rt);
+            let _ = tokio::task::spawn_blocking(move || {
+                rt2.store.make_spare(ordinal, padded, device);
+            })
+            .await;
+            rt.store_metrics();
+        });
+    }
+
+    /// The put's memory: with `spare_only`, only where that takes no driver call (a spare of
+    /// its size, nothing to move; `Ok(None)` otherwise, nothing changed: the GPU is not even
+    /// opened), else whatever it takes.
     fn store_reserve(
         &self,
         inst: &Instance,
         put: StorePut,
-    ) -> Result<(super::store::Reserved, i32), StoreError> {
+        spare_only: bool,
+    ) -> Result<Option<(super::store::Reserved, i32)>, StoreError> {
         let Some(g) = put.gpu else {
             return Err(StoreError::EmptyGpu);
         };
+        let ordinal = inst.daemon_ordinal(g.ordinal);
+        if spare_only && !self.store.has_spare(ordinal) {
+            return Ok(None);
+        }
         let tenant = self.store_tenant(inst).ok_or_else(|| {
             StoreError::Fd(std::io::Error::other("the instance has no pool any more"))
         })?;
-        let ordinal = inst.daemon_ordinal(g.ordinal);
         let device = gpu(self, g.ordinal, ordinal)?;
-        let r = self.store.reserve_gpu(
-            &ticket(inst, put.id),
-            &tenant,
-            &put.key,
-            put.meta,
-            put.ttl_s,
-            g.bytes,
-            ordinal,
-            device,
-            put.nodes.is_some(),
-        )?;
+        let (t, for_nodes) = (ticket(inst, put.id), put.nodes.is_some());
+        let (key, meta, ttl_s, bytes) = (&put.key, put.meta, put.ttl_s, g.bytes);
+        let r = if spare_only {
+            self.store.reserve_gpu_from_spare(
+                &t, &tenant, key, meta, ttl_s, bytes, ordinal, device, for_nodes,
+            )?
+        } else {
+            Some(self.store.reserve_gpu(
+                &t, &tenant, key, meta, ttl_s, bytes, ordinal, device, for_nodes,
+            )?)
+        };
+        let Some(r) = r else {
+            return Ok(None);
+        };
         if r.spilled > 0 {
             self.metrics.store_spills.inc_by(r.spilled as u64);
         }
-        Ok((r, ordinal))
+        Ok(Some((r, ordinal)))
     }
 
     /// A worker's `store_written`: the value sealed and stored (or dropped), `store_stored`. A
