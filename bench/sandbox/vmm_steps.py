@@ -10,6 +10,7 @@ device copy of the size in the middle, and the calls around them that a hand-off
 (the primary context made current and released, an idle `cuCtxSynchronize`).
 
     python3 bench/sandbox/vmm_steps.py [--sizes-mib 2,100,1024] [--rounds 10] [--out FILE]
+    python3 bench/sandbox/vmm_steps.py --table FILE     # the table of a JSON it wrote
 
 Writes JSON (every round, medians per step and size) to --out, default
 bench/results/sandbox-vmm-steps-h100.json; prints a table of the medians.
@@ -134,7 +135,11 @@ def main() -> int:
     ap.add_argument("--sizes-mib", default="2,100,1024")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sandbox-vmm-steps-h100.json")
+    ap.add_argument("--table", type=Path, help="only print the table of this JSON")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return 0
     sizes = [int(x) << 20 for x in args.sizes_mib.split(",")]
     cuda = Driver()
     cuda("cuInit", 0)
@@ -172,12 +177,20 @@ def main() -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    steps = list(results[0]["median_s"])
-    print("| step | " + " | ".join(f"{r['bytes'] >> 20} MiB (ms)" for r in results) + " |")
-    print("|---|" + "---|" * len(results))
-    for k in steps:
-        print(f"| {k} | " + " | ".join(f"{r['median_s'][k] * 1e3:.3f}" for r in results) + " |")
+    print(table(doc))
     return 0
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The medians of every step, one column per size (docs/sandboxes.md quotes it)."""
+    results = doc["results"]
+    lines = [
+        "| step | " + " | ".join(f"{r['bytes'] >> 20} MiB (ms)" for r in results) + " |",
+        "|---|" + "---|" * len(results),
+    ]
+    for k in results[0]["median_s"]:
+        lines.append(f"| {k} | " + " | ".join(f"{r['median_s'][k] * 1e3:.3f}" for r in results) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""Tables of GPU hand-offs between sandboxes, from `bench/sandbox/run.py --handoff-only` JSONs
+(docs/sandboxes.md quotes them; tests/test_bench_sandbox_handoff.py checks it does, verbatim).
+
+    python3 bench/sandbox/handoff_table.py FILE [FILE ...]
+
+One column per file (the binary's commit names it); rows: the best put + get, then the medians of
+the put and of each of its steps, the same for the get (torpor.store_gpu.steps()), and a bare
+round trip to the store (a get of a missing key), in ms.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+PUT_STEPS = (
+    "put_request", "context", "import", "reserve", "map", "set_access", "sync_before", "copy", "unmap", "close_fd",
+    "written_request",
+)
+GET_STEPS = ("get_request", "import", "reserve", "map", "set_access", "tensor", "close_fd")
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f}"
+
+
+def _median_step(runs: list[dict[str, Any]], side: str, step: str) -> str:
+    values = [r[f"{side}_steps"][step] for r in runs if step in (r.get(f"{side}_steps") or {})]
+    return _ms(statistics.median(values)) if values else "–"
+
+
+def table(paths: list[Path]) -> str:
+    docs = [(p, json.loads(p.read_text())) for p in paths]
+    names = [(d["machine"].get("commit") or p.stem)[:7] for p, d in docs]
+    rows: list[tuple[str, list[str]]] = []
+    runs_of = [d["sandbox"]["handoff"]["other_sandbox_gpu"] for _, d in docs]
+    rows.append(("put + get, best", [_ms(min(r["put_s"] + r["get_s"] for r in runs)) for runs in runs_of]))
+    for side, steps in (("put", PUT_STEPS), ("get", GET_STEPS)):
+        rows.append((f"{side}, median", [_ms(statistics.median(r[f"{side}_s"] for r in runs)) for runs in runs_of]))
+        rows += [(f"{side}: {s}", [_median_step(runs, side, s) for runs in runs_of]) for s in steps]
+    rows.append(("a bare round trip to the store", [_ms(statistics.median(d["sandbox"]["handoff"]["round_trip_s"])) for _, d in docs]))
+    lines = ["| ms | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    print(table([Path(a) for a in sys.argv[1:]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

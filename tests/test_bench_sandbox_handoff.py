@@ -1,0 +1,45 @@
+"""The hand-off tables (bench/sandbox/handoff_table.py, bench/sandbox/vmm_steps.py --table; both
+measured on a GPU only): docs/sandboxes.md quotes what they render from the JSONs in bench/results,
+so a JSON and the page cannot drift apart; a run without steps renders as such, not as zero."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+BENCH = ROOT / "bench" / "sandbox"
+RESULTS = ROOT / "bench" / "results"
+HANDOFFS = ("sandbox-handoff-s33-before-h100.json", "sandbox-handoff-s33-after-h100.json")
+
+
+def run(*args: str) -> str:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_the_docs_quote_the_tables_the_jsons_render() -> None:
+    page = (ROOT / "docs" / "sandboxes.md").read_text()
+    handoffs = run(str(BENCH / "handoff_table.py"), *(str(RESULTS / n) for n in HANDOFFS))
+    assert handoffs in page, f"docs/sandboxes.md does not quote `handoff_table.py {' '.join(HANDOFFS)}`:\n{handoffs}"
+    vmm = run(str(BENCH / "vmm_steps.py"), "--table", str(RESULTS / "sandbox-vmm-steps-h100.json"))
+    assert vmm in page, f"docs/sandboxes.md does not quote `vmm_steps.py --table`:\n{vmm}"
+
+
+def test_every_step_has_a_row_and_a_missing_one_is_not_a_zero(tmp_path: Path) -> None:
+    doc = json.loads((RESULTS / HANDOFFS[1]).read_text())
+    for r in doc["sandbox"]["handoff"]["other_sandbox_gpu"]:
+        r["put_steps"].pop("copy")
+    path = tmp_path / "handoff.json"
+    path.write_text(json.dumps(doc))
+    rows = run(str(BENCH / "handoff_table.py"), str(path)).splitlines()
+    steps = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in rows[2:]}
+    assert steps["put: copy"] == "–", rows
+    assert all(f"put: {s}" in steps for s in ("put_request", "import", "set_access", "unmap", "close_fd", "written_request"))
+    assert all(f"get: {s}" in steps for s in ("get_request", "import", "set_access", "tensor", "close_fd"))
+    # The after side is the faster: what the table is for.
+    both = run(str(BENCH / "handoff_table.py"), *(str(RESULTS / n) for n in HANDOFFS)).splitlines()
+    best = next(r for r in both if r.startswith("| put + get, best |")).split("|")[2:4]
+    assert float(best[1]) < float(best[0]), both
