@@ -595,6 +595,7 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
  *   FAKE_CUDA_GRANULARITY     allocation granularity in bytes (default 2 MiB, as on an H100).
  *   FAKE_CUDA_MEM_CREATE_RESULT  code cuMemCreate returns instead of creating (2: out of memory).
  *   FAKE_CUDA_MEM_ALLOC_RESULT   code cuMemAlloc_v2 returns instead of allocating (2: out of memory).
+ *   FAKE_CUDA_HOST_ALLOC_SLEEP_MS  cuMemHostAlloc sleeps this long first (a slow pin).
  *   FAKE_CUDA_LOG             also gets one line per copy: "<htod|dtoh|dtod> stream=<id> bytes=<n>".
  *   FAKE_CUDA_PEER            0: no two GPUs reach each other (cuDeviceCanAccessPeer); default:
  *                             every pair of different GPUs does.
@@ -1013,6 +1014,10 @@ CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
 CUresult cuMemHostAlloc(void **ptr, size_t bytes, unsigned int flags) {
     if (!ptr || bytes == 0 || flags > 7)
         return CUDA_ERROR_INVALID_VALUE;
+    /* A slow pin (a real driver pins 4 GiB in ~2 s). */
+    const char *sleep_ms = getenv("FAKE_CUDA_HOST_ALLOC_SLEEP_MS");
+    if (sleep_ms)
+        usleep((useconds_t)atol(sleep_ms) * 1000);
     *ptr = malloc(bytes);
     return *ptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
