@@ -252,9 +252,7 @@ impl super::Runtime {
         let dev = gpu(self, 0, target)?;
         let dev_err = |what| move |source| StoreError::Device { what, source };
         let (memory, padded, source) = match &t.held {
-            TakenHeld::Gpu(g) if g.ordinal == target => {
-                unreachable!("delivered in place above: GPU {}", g.ordinal)
-            }
+            // On another GPU (on the getter's, it was delivered in place above).
             TakenHeld::Gpu(g) => {
                 let len = usize::try_from(g.padded).unwrap_or(usize::MAX);
                 let peer = dev
