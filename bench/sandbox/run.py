@@ -309,7 +309,8 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool, handoff_r
             if r.returncode != 0:
                 raise RuntimeError(f"deploy {d.name} failed: {r.stdout}{r.stderr}")
         deploy_s = time.monotonic() - t
-        first, warm = [], []
+        first: list[float] = []
+        warm: list[float] = []
         for i in range(n):
             for kind in (first, warm):
                 t = time.monotonic()
