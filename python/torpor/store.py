@@ -110,8 +110,8 @@ def _encode(value: Any) -> tuple[dict[str, Any], memoryview]:
 def _sealed_memfd(data: memoryview) -> int:
     """A memfd holding `data`, sealed against writes and resizing. Written with write(2), not
     through a mapping: the kernel then fills the memfd's pages as it copies, instead of one page
-    fault per 4 KiB (100 MiB in 59-74 ms against 164-180 ms through a mapping on the development
-    VM)."""
+    fault per 4 KiB (a 100 MiB hand-off 91 → 44 ms on the development VM,
+    bench/results/sandbox-handoff-memfd-s33-{before,after}-cpu.json)."""
     fd = os.memfd_create("torpor-store", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         done = 0

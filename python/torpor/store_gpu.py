@@ -45,9 +45,10 @@ _steps = threading.local()
 
 
 def steps() -> dict[str, float]:
-    """Seconds each step of this thread's last GPU put or get took, in order: the round trips
-    to torpord, each driver call, the copy (bench/sandbox/run.py reports them, to say where a
-    hand-off's time goes). Empty before the first."""
+    """Seconds each step of this thread's last put of a CUDA value or get from torpord's store
+    took, in order: the round trips to torpord, each driver call, the copy, the fd's close
+    (bench/sandbox/run.py reports them, to say where a hand-off's time goes). Empty before the
+    first."""
     return dict(getattr(_steps, "last", {}))
 
 

@@ -43,27 +43,39 @@ def make_function(root: Path, name: str, tenant: str, workflow: str, gpu: bool =
     return d
 
 
-@pytest.fixture(scope="module")
-def daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
+def store_daemon(
+    torpor_bin: Path, fake_cuda: FakeCuda, tmp_path_factory: pytest.TempPathFactory, name: str, config: str,
+    functions: list[tuple[str, str, str, bool]], gpus: int = 1,
+) -> Iterator[Torpord]:
+    """A daemon on the fake GPUs (`gpus` of them) with `config`, and `functions` (name, tenant,
+    workflow, gpu) deployed."""
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    root = tmp_path_factory.mktemp("store-gpu") / "daemon"
+    root = tmp_path_factory.mktemp(name) / "daemon"
     root.mkdir()
     env = fake_gpu_env(root, fake_cuda, FAKE_NVML_PROCS_MATCH=f"torpor.worker:{64 << 20}")
-    # Two GPUs for the daemon and its workers alike (a switch file beside the fake library).
-    lib_dir = Path(env["TORPOR_LIBCUDA"]).parent
-    (lib_dir / "FAKE_CUDA_DEVICES").write_text("2\n")
-    # No spares here: these tests count the daemon's memory one value at a time
-    # (test_a_put_leaves_memory_of_its_size_ready_for_the_next_one has them).
-    d = Torpord(torpor_bin, root, env=env, config=f"[store]\ngpu_bytes = {BUDGET}\ngpu_spare = false\n")
-    fns = tmp_path_factory.mktemp("store-gpu-fns")
+    # For the daemon and its workers alike: a switch file beside the fake library.
+    (Path(env["TORPOR_LIBCUDA"]).parent / "FAKE_CUDA_DEVICES").write_text(f"{gpus}\n")
+    d = Torpord(torpor_bin, root, env=env, config=config)
+    fns = tmp_path_factory.mktemp(f"{name}-fns")
     try:
-        for name, tenant, workflow in (("sg-put", "team-s", "a"), ("sg-get", "team-s", "b"), ("sg-other", "team-o", "a")):
-            d.deploy(make_function(fns, name, tenant, workflow))
-        d.deploy(make_function(fns, "sg-cpu", "team-s", "c", gpu=False))
+        for fn, tenant, workflow, gpu in functions:
+            d.deploy(make_function(fns, fn, tenant, workflow, gpu=gpu))
         yield d
     finally:
         d.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
+    """Two GPUs, and no spares: these tests count the daemon's memory one value at a time
+    (test_a_put_leaves_memory_of_its_size_ready_for_the_next_one has them)."""
+    yield from store_daemon(
+        torpor_bin, fake_cuda, tmp_path_factory, "store-gpu", f"[store]\ngpu_bytes = {BUDGET}\ngpu_spare = false\n",
+        [("sg-put", "team-s", "a", True), ("sg-get", "team-s", "b", True), ("sg-other", "team-o", "a", True),
+         ("sg-cpu", "team-s", "c", False)],
+        gpus=2,
+    )
 
 
 def ok(a: Answer, d: Torpord) -> dict[str, Any]:
@@ -241,19 +253,10 @@ def test_refusals_are_one_line_with_the_fix_and_lose_nothing(daemon: Torpord) ->
 @pytest.fixture(scope="module")
 def spare_daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
     """A daemon with the store's spares on (the default), a budget of three granules."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    root = tmp_path_factory.mktemp("store-gpu-spare") / "daemon"
-    root.mkdir()
-    env = fake_gpu_env(root, fake_cuda, FAKE_NVML_PROCS_MATCH=f"torpor.worker:{64 << 20}")
-    d = Torpord(torpor_bin, root, env=env, config=f"[store]\ngpu_bytes = {3 * GRANULE}\n")
-    fns = tmp_path_factory.mktemp("store-gpu-spare-fns")
-    try:
-        for name, workflow in (("sp-put", "a"), ("sp-get", "b")):
-            d.deploy(make_function(fns, name, "team-s", workflow))
-        yield d
-    finally:
-        d.stop()
+    yield from store_daemon(
+        torpor_bin, fake_cuda, tmp_path_factory, "store-gpu-spare", f"[store]\ngpu_bytes = {3 * GRANULE}\n",
+        [("sp-put", "team-s", "a", True), ("sp-get", "team-s", "b", True)],
+    )
 
 
 def wait_metric(d: Torpord, name: str, labels: str, want: float) -> None:

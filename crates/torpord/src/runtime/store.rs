@@ -661,16 +661,18 @@ impl Store {
         device: Arc<dyn SegmentDevice>,
         for_nodes: bool,
     ) -> Result<Reserved, StoreError> {
-        let args = (ticket, tenant, key, meta, ttl_s, bytes);
-        let r = self.reserve(args, ordinal, device, for_nodes, false)?;
+        let r = self.reserve_gpu_with(
+            ticket, tenant, key, meta, ttl_s, bytes, ordinal, device, for_nodes, false,
+        )?;
         Ok(r.expect("a reservation that may block always ends"))
     }
 
-    /// [`Store::reserve_gpu`] when it takes no driver call and copies nothing, so the caller
-    /// may run it on the runtime's thread: GPU `ordinal` has a spare of the size and no value
-    /// has to move for it. `Ok(None)`, and nothing changed, otherwise.
+    /// [`Store::reserve_gpu`]; with `spare_only`, only when that takes no driver call and
+    /// copies nothing, so the caller may run it on the runtime's thread: GPU `ordinal` has a
+    /// spare of the size and no value has to move for it (`Ok(None)`, nothing changed,
+    /// otherwise).
     #[allow(clippy::too_many_arguments)]
-    pub fn reserve_gpu_from_spare(
+    pub fn reserve_gpu_with(
         &self,
         ticket: &str,
         tenant: &str,
@@ -678,17 +680,6 @@ impl Store {
         meta: Value,
         ttl_s: f64,
         bytes: u64,
-        ordinal: i32,
-        device: Arc<dyn SegmentDevice>,
-        for_nodes: bool,
-    ) -> Result<Option<Reserved>, StoreError> {
-        let args = (ticket, tenant, key, meta, ttl_s, bytes);
-        self.reserve(args, ordinal, device, for_nodes, true)
-    }
-
-    fn reserve(
-        &self,
-        (ticket, tenant, key, meta, ttl_s, bytes): (&str, &str, &str, Value, f64, u64),
         ordinal: i32,
         device: Arc<dyn SegmentDevice>,
         for_nodes: bool,
@@ -1701,7 +1692,7 @@ mod gpu_tests {
         let page = dev.granularity() as u64;
         let s = Store::new(2 * page);
         let from_spare = |ticket: &str, key: &str, bytes: u64| {
-            s.reserve_gpu_from_spare(
+            s.reserve_gpu_with(
                 ticket,
                 "team-a",
                 key,
@@ -1711,6 +1702,7 @@ mod gpu_tests {
                 0,
                 Arc::clone(&dev),
                 false,
+                true,
             )
         };
         // No spare: nothing is made and nothing changes.

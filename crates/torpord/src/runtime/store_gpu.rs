@@ -183,18 +183,19 @@ impl super::Runtime {
             StoreError::Fd(std::io::Error::other("the instance has no pool any more"))
         })?;
         let device = gpu(self, g.ordinal, ordinal)?;
-        let (t, for_nodes) = (ticket(inst, put.id), put.nodes.is_some());
-        let (key, meta, ttl_s, bytes) = (&put.key, put.meta, put.ttl_s, g.bytes);
-        let r = if spare_only {
-            self.store.reserve_gpu_from_spare(
-                &t, &tenant, key, meta, ttl_s, bytes, ordinal, device, for_nodes,
-            )?
-        } else {
-            Some(self.store.reserve_gpu(
-                &t, &tenant, key, meta, ttl_s, bytes, ordinal, device, for_nodes,
-            )?)
-        };
-        let Some(r) = r else {
+        let Some(r) = self.store.reserve_gpu_with(
+            &ticket(inst, put.id),
+            &tenant,
+            &put.key,
+            put.meta,
+            put.ttl_s,
+            g.bytes,
+            ordinal,
+            device,
+            put.nodes.is_some(),
+            spare_only,
+        )?
+        else {
             return Ok(None);
         };
         if r.spilled > 0 {
