@@ -174,6 +174,32 @@ impl GpuHeld {
     pub fn fd(&self) -> Result<OwnedFd, StoreError> {
         self.exported.try_clone().map_err(StoreError::Fd)
     }
+
+    /// The spare a put into this memory calls for: memory like it on its GPU.
+    pub fn spare_for(&self) -> SpareFor {
+        SpareFor {
+            ordinal: self.ordinal,
+            padded: self.padded,
+            device: Arc::clone(&self.device),
+        }
+    }
+}
+
+/// Memory to make for the next put like one just sealed ([`Store::make_spare`]'s arguments).
+#[derive(Clone)]
+pub struct SpareFor {
+    pub ordinal: i32,
+    pub padded: u64,
+    pub device: Arc<dyn SegmentDevice>,
+}
+
+impl std::fmt::Debug for SpareFor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpareFor")
+            .field("ordinal", &self.ordinal)
+            .field("padded", &self.padded)
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for GpuHeld {
@@ -301,8 +327,8 @@ pub struct SealedGpu {
 /// How [`Store::seal_gpu`] ended a GPU put.
 #[derive(Debug)]
 pub enum SealedPut {
-    /// Stored under its key.
-    Stored,
+    /// Stored under its key; the next put like it wants this spare.
+    Stored(SpareFor),
     /// Not filled: dropped, the key keeps its value.
     Dropped,
     /// Put for every node: sealed, for the caller to upload and then store.
@@ -874,8 +900,9 @@ impl Store {
         if p.for_nodes {
             return Ok(SealedPut::ForNodes(sealed));
         }
+        let spare = sealed.gpu.spare_for();
         inner.insert_gpu(sealed, now, None);
-        Ok(SealedPut::Stored)
+        Ok(SealedPut::Stored(spare))
     }
 
     /// Stores a GPU put for every node once the bucket has it (`bucket`: its put id there),
