@@ -75,10 +75,12 @@ def _sweep(now: float) -> None:
 
 # Set by the worker harness of a sandbox (torpor.worker): put a sealed memfd in torpord's store
 # ({key, ttl_s, meta}, fd, nodes) -> error or None; put a GPU value ({key, ttl_s, meta}, bytes,
-# the worker's GPU ordinal, fill(fd, padded), nodes) -> error or None; get one (key, keep) -> (meta, bytes,
+# the worker's GPU ordinal, fill(fd, padded, copied), nodes) -> error or None; get one (key, keep) -> (meta, bytes,
 # fd, gpu) or None, gpu being store_value's {padded, ordinal, source} for a GPU value.
 RemotePut = Callable[[str, float, dict[str, Any], int, "str | None"], "str | None"]
-RemotePutGpu = Callable[[str, float, dict[str, Any], int, int, Callable[[int, int], None], "str | None"], "str | None"]
+RemotePutGpu = Callable[
+    [str, float, dict[str, Any], int, int, Callable[[int, int, Callable[[], None]], None], "str | None"], "str | None"
+]
 # The one spelling of `nodes` besides None (this node): every node of the bucket's cluster.
 NODES_ALL = "all"
 RemoteGet = Callable[[str, bool], "tuple[dict[str, Any], int, int, dict[str, Any] | None] | None"]
@@ -192,8 +194,8 @@ def _put_gpu(key: str, ttl_s: float, value: Any, nodes: str | None) -> None:
     if src.nbytes == 0:
         raise ValueError("put(..., shared=True) of an empty tensor: it has no bytes to share; put it without shared=True")
 
-    def fill(fd: int, padded: int) -> None:
-        store_gpu.fill(fd, padded, src)
+    def fill(fd: int, padded: int, copied: Callable[[], None]) -> None:
+        store_gpu.fill(fd, padded, src, copied)
 
     error = _remote[2](key, ttl_s, src.meta, src.nbytes, src.ordinal, fill, nodes)
     if error is not None:

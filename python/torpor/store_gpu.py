@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,10 +229,11 @@ class _Mapping:
         self.cuda.cuMemAddressFree(va, self.padded)
 
 
-def fill(fd: int, padded: int, src: Source) -> None:
-    """Copies `src` into the GPU memory behind `fd` (torpord's `store_memory`), then unmaps it.
-    On the value's own GPU's context: torpord allocated the memory there, and only that GPU
-    is given access to the mapping."""
+def fill(fd: int, padded: int, src: Source, copied: Callable[[], None] | None = None) -> None:
+    """Copies `src` into the GPU memory behind `fd` (torpord's `store_memory`), calls `copied()`
+    once the copy is done (the worker tells torpord then, so its answer and this unmap overlap),
+    then unmaps it. On the value's own GPU's context: torpord allocated the memory there, and
+    only that GPU is given access to the mapping."""
     try:
         # The value's GPU's context, not whatever the thread had (driver() would make GPU 0's).
         with cuda_driver.on_device(src.ordinal) as loaded:
@@ -245,6 +247,8 @@ def fill(fd: int, padded: int, src: Source) -> None:
                 _check(cuda.cuMemcpyDtoDAsync_v2(m.va, src.ptr, src.nbytes, None), "copying the value (cuMemcpyDtoDAsync)")
                 _check(cuda.cuCtxSynchronize(), "synchronising the GPU after the copy")
                 step("copy")
+                if copied is not None:
+                    copied()
             finally:
                 m.close()
                 step("unmap")

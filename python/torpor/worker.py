@@ -714,6 +714,12 @@ class Worker:
         """Sends a store request (with `fd` after it, in a store_fd frame) and waits for
         torpord's answer, which the main loop (or the map reader) hands over. `rid`: the id of
         the request this one goes on (a GPU put's store_written), else a new one."""
+        return self._store_wait(frame["type"], *self._store_send(frame, fd, rid), timeout_s=timeout_s)
+
+    def _store_send(
+        self, frame: dict[str, Any], fd: int | None = None, rid: int | None = None
+    ) -> tuple[int, tuple[threading.Event, list[Any]]]:
+        """The sending half of `_store_request`: the request's id and where its answer lands."""
         with self.store_lock:
             if rid is None:
                 self.store_ids += 1
@@ -729,8 +735,19 @@ class Worker:
                 sock.sendall(encode(frame))
                 if fd is not None:
                     write_frame_with_fd(sock, {"type": "store_fd", "id": rid, "fd": True}, fd)
+        except BaseException:
+            with self.store_lock:
+                self.store_waits.pop(rid, None)
+            raise
+        return rid, done
+
+    def _store_wait(
+        self, what: str, rid: int, done: tuple[threading.Event, list[Any]], timeout_s: float = STORE_TIMEOUT_S
+    ) -> tuple[dict[str, Any], int | None]:
+        """The waiting half of `_store_request`: torpord's answer to request `rid`."""
+        try:
             if not done[0].wait(timeout_s):
-                raise TimeoutError(f"torpord did not answer {frame['type']} within {timeout_s:g} s")
+                raise TimeoutError(f"torpord did not answer {what} within {timeout_s:g} s")
         finally:
             with self.store_lock:
                 self.store_waits.pop(rid, None)
@@ -768,11 +785,12 @@ class Worker:
         meta: dict[str, Any],
         nbytes: int,
         ordinal: int,
-        fill: Callable[[int, int], None],
+        fill: Callable[[int, int, Callable[[], None]], None],
         nodes: str | None,
     ) -> str | None:
-        """A GPU put: torpord's memory (store_memory) filled by `fill(fd, padded)`, then
-        store_written; torpord's error line, or None once stored."""
+        """A GPU put: torpord's memory (store_memory) filled by `fill(fd, padded, copied)`,
+        which calls `copied()` once the value is in it (store_written is sent then) and unmaps
+        it after; torpord's error line, or None once stored."""
         put: dict[str, Any] = {"type": "store_put", "key": key, "ttl_s": ttl_s, "meta": meta, "gpu": {"bytes": nbytes, "ordinal": ordinal}}
         if nodes is not None:
             put["nodes"] = nodes
@@ -783,18 +801,31 @@ class Worker:
                 os.close(fd)
             return str(msg.get("error") or "torpord's store_memory came without its memory")
         rid = int(msg["id"])
+        # For every node, torpord uploads the value before it answers.
+        timeout_s = STORE_TIMEOUT_S if nodes is None else STORE_BUCKET_TIMEOUT_S
+        written: list[tuple[int, tuple[threading.Event, list[Any]]]] = []
+
+        def copied() -> None:
+            # The value is in torpord's memory: store_written goes now, and the worker unmaps
+            # its mapping while torpord stores the value (the answer is awaited below).
+            written.append(self._store_send({"type": "store_written", "ok": True}, rid=rid))
+
         try:
-            fill(fd, int(msg["padded"]))
+            fill(fd, int(msg["padded"]), copied)
         except BaseException as e:
-            # torpord takes its memory back; the key keeps what it held.
-            self._store_request({"type": "store_written", "ok": False, "error": f"{type(e).__name__}: {e}"}, rid=rid)
+            if not written:
+                # torpord takes its memory back; the key keeps what it held.
+                self._store_request({"type": "store_written", "ok": False, "error": f"{type(e).__name__}: {e}"}, rid=rid)
+            else:
+                with self.store_lock:
+                    self.store_waits.pop(rid, None)
             raise
         finally:
             os.close(fd)
             torpor_store_gpu.step("close_fd")
-        # For every node, torpord uploads the value before it answers.
-        timeout_s = STORE_TIMEOUT_S if nodes is None else STORE_BUCKET_TIMEOUT_S
-        msg, got = self._store_request({"type": "store_written", "ok": True}, rid=rid, timeout_s=timeout_s)
+        if not written:
+            raise RuntimeError("the GPU value was filled without telling torpord (store_written)")
+        msg, got = self._store_wait("store_written", *written[0], timeout_s=timeout_s)
         torpor_store_gpu.step("written_request")
         if got is not None:
             os.close(got)
