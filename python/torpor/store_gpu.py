@@ -280,28 +280,35 @@ class CudaArray:
 
 
 class _Bytes:
-    """`array`'s bytes for torch, which refuses the read-only flag of the interface (the mapping
-    itself is read-only). Holding `array` keeps the mapping while the tensor lives."""
+    """`array`'s memory for torch, which refuses the read-only flag of the interface (the
+    mapping itself is read-only): as the value's own type and shape where the interface can
+    name its type (no view or reshape after), else as bytes. Holding `array` keeps the
+    mapping while the tensor lives."""
 
-    def __init__(self, array: CudaArray) -> None:
+    def __init__(self, array: CudaArray, typestr: str, shape: tuple[int, ...]) -> None:
         self.array = array
         self.__cuda_array_interface__ = {
-            "shape": (array.nbytes,), "typestr": "|u1", "data": (array.va, False), "version": 3, "strides": None,
+            "shape": shape, "typestr": typestr, "data": (array.va, False), "version": 3, "strides": None,
         }
 
 
 def tensor(array: CudaArray) -> Any:
     """A torch tensor of the value's dtype and shape over `array`'s mapping (no copy)."""
     torch: Any = importlib.import_module("torch")
-    raw = torch.as_tensor(_Bytes(array), device="cuda")
+    shape = tuple(int(n) for n in array.meta.get("shape", [array.nbytes]))
+    typestr = str(array.meta.get("typestr", "|u1"))
     dtype = array.meta.get("dtype")
+    if not typestr.startswith("|V") and (dtype is None or _TYPESTRS.get(str(dtype)) == typestr):
+        return torch.as_tensor(_Bytes(array, typestr, shape), device="cuda")
+    # A type the interface cannot name (bfloat16: "|V2"): bytes, viewed as the dtype.
+    raw = torch.as_tensor(_Bytes(array, "|u1", (array.nbytes,)), device="cuda")
     if isinstance(dtype, str) and hasattr(torch, dtype):
         raw = raw.view(getattr(torch, dtype))
     else:
         import numpy as np
 
-        raw = raw.view(getattr(torch, str(np.dtype(array.meta.get("typestr", "|u1")))))
-    return raw.reshape(array.meta.get("shape", [array.nbytes]))
+        raw = raw.view(getattr(torch, str(np.dtype(typestr))))
+    return raw.reshape(shape)
 
 
 def mapped(fd: int, padded: int, nbytes: int, meta: dict[str, Any], source: str) -> Any:
