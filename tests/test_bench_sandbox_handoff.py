@@ -1,6 +1,7 @@
-"""The hand-off tables (bench/sandbox/handoff_table.py, bench/sandbox/vmm_steps.py --table; both
-measured on a GPU only): docs/sandboxes.md quotes what they render from the JSONs in bench/results,
-so a JSON and the page cannot drift apart; a run without steps renders as such, not as zero."""
+"""The hand-off tables (bench/sandbox/handoff_table.py, bench/sandbox/vmm_steps.py --table,
+bench/sandbox/vmm_contention.py --table; all measured on a GPU only): docs/sandboxes.md quotes
+what they render from the JSONs in bench/results, so a JSON and the page cannot drift apart; a
+run without steps renders as such, not as zero."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from conftest import ROOT
 BENCH = ROOT / "bench" / "sandbox"
 RESULTS = ROOT / "bench" / "results"
 HANDOFFS = ("sandbox-handoff-s33-before-h100.json", "sandbox-handoff-s33-after-h100.json")
+# Session 34's A/B, run in this order in one call.
+HANDOFFS_S34 = tuple(f"sandbox-handoff-s34-{n}-h100.json" for n in ("before1", "after1", "before2", "after2"))
 
 
 def run(*args: str) -> str:
@@ -24,8 +27,12 @@ def test_the_docs_quote_the_tables_the_jsons_render() -> None:
     page = (ROOT / "docs" / "sandboxes.md").read_text()
     handoffs = run(str(BENCH / "handoff_table.py"), *(str(RESULTS / n) for n in HANDOFFS))
     assert handoffs in page, f"docs/sandboxes.md does not quote `handoff_table.py {' '.join(HANDOFFS)}`:\n{handoffs}"
+    s34 = run(str(BENCH / "handoff_table.py"), *(str(RESULTS / n) for n in HANDOFFS_S34))
+    assert s34 in page, f"docs/sandboxes.md does not quote `handoff_table.py {' '.join(HANDOFFS_S34)}`:\n{s34}"
     vmm = run(str(BENCH / "vmm_steps.py"), "--table", str(RESULTS / "sandbox-vmm-steps-h100.json"))
     assert vmm in page, f"docs/sandboxes.md does not quote `vmm_steps.py --table`:\n{vmm}"
+    contention = run(str(BENCH / "vmm_contention.py"), "--table", str(RESULTS / "sandbox-vmm-contention-h100.json"))
+    assert contention in page, f"docs/sandboxes.md does not quote `vmm_contention.py --table`:\n{contention}"
 
 
 def test_every_step_has_a_row_and_a_missing_one_is_not_a_zero(tmp_path: Path) -> None:

@@ -162,23 +162,35 @@ def main() -> int:
         runs = [one_round(cuda, padded, src.value, prop) for _ in range(args.rounds)]
         medians = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         results.append({"bytes": padded, "runs": runs, "median_s": medians})
-    try:
-        device = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True, check=False
-        ).stdout.strip().splitlines()[0]
-    except (OSError, IndexError):
-        device = os.environ.get("TORPOR_LIBCUDA", "unknown")  # the tests' fake driver, or no nvidia-smi
+    summary = {f"{r['bytes'] >> 20}MiB_ms": {k: round(v * 1e3, 4) for k, v in r["median_s"].items()} for r in results}
+    doc = write_doc(args.out, summary, {"rounds": args.rounds, "granularity": gran.value}, {"results": results})
+    print(table(doc))
+    return 0
+
+
+def write_doc(out: Path, summary: dict[str, Any], settings: dict[str, Any], runs: dict[str, Any]) -> dict[str, Any]:
+    """Writes a probe's JSON to `out` (the summary, the machine, the settings, every run, the
+    commit, the date) and returns it."""
     doc = {
-        "summary": {f"{r['bytes'] >> 20}MiB_ms": {k: round(v * 1e3, 4) for k, v in r["median_s"].items()} for r in results},
-        "machine": {"device": device, "kernel": platform.release(), "python": platform.python_version()},
-        "settings": {"rounds": args.rounds, "granularity": gran.value},
-        "results": results,
+        "summary": summary,
+        "machine": {"device": device_name(), "kernel": platform.release(), "python": platform.python_version()},
+        "settings": settings,
+        **runs,
         "commit": os.environ.get("TORPOR_COMMIT"),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(table(doc))
-    return 0
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
+def device_name() -> str:
+    """The GPU's name and driver, as nvidia-smi gives them."""
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True, check=False
+        ).stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        return os.environ.get("TORPOR_LIBCUDA", "unknown")  # the tests' fake driver, or no nvidia-smi
 
 
 def table(doc: dict[str, Any]) -> str:
