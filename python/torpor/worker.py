@@ -146,7 +146,6 @@ from torpor import store as torpor_store
 from torpor import store_gpu as torpor_store_gpu
 from torpor.errors import DataError, FrameError, HookError
 from torpor.frames import FrameReader, encode, write_frame_with_fd
-from torpor.request_threads import RequestThreads
 from torpor.functions import resolve
 from torpor.readiness import ModuleWaits, Readiness, deferrable_vas
 from torpor.shareable import shareable_vas
@@ -312,8 +311,6 @@ class Worker:
         self.functions: dict[str, Callable[[Any], Any]] = {}
         self.sandbox = False
         self.tenant: str | None = None
-        # The threads a sandbox's requests run on.
-        self.request_threads = RequestThreads()
         # The directories of the functions loaded so far (a sandbox keeps their modules apart).
         self.loaded_dirs: list[str] = []
         # A sandbox's store requests to torpord waiting for their answers, by id.
@@ -582,11 +579,15 @@ class Worker:
                 )
                 return
         if self.sandbox:
-            # One thread per request (kept for later ones: torpor.request_threads): the
-            # sandbox's functions (and more requests of one of them, up to
-            # requests_per_instance) run side by side, each on a CUDA stream of its own under
-            # torch.
-            self.request_threads.run(self._request_thread, call, rid, msg["request"], fname or self.function, slot, fingerprint)
+            # One thread per request: the sandbox's functions (and more requests of one of
+            # them, up to requests_per_instance) run side by side, each on a CUDA stream of its
+            # own under torch.
+            threading.Thread(
+                target=self._request_thread,
+                args=(call, rid, msg["request"], fname or self.function, slot, fingerprint),
+                name=f"torpor-request-{rid}",
+                daemon=True,
+            ).start()
             return
         # The daemon's timeout counts from here, not from the time this request waited behind
         # the ones before it.
