@@ -45,6 +45,15 @@ def table(paths: list[Path]) -> str:
         rows.append((f"{side}, median", [_ms(statistics.median(r[f"{side}_s"] for r in runs)) for runs in runs_of]))
         rows += [(f"{side}: {s}", [_median_step(runs, side, s) for runs in runs_of]) for s in steps]
     rows.append(("a bare round trip to the store", [_ms(statistics.median(d["sandbox"]["handoff"]["round_trip_s"])) for _, d in docs]))
+    # Since session 34: each request's answer and wake-up apart, and a bare round trip that is the
+    # first of its invoke; rows only where a file has them (older tables render as they did).
+    for side, requests in (("put", ("store_put", "store_written")), ("get", ("store_get",))):
+        for part in (f"{r}.{p}" for r in requests for p in ("answer", "wake")):
+            if any(part in (r.get(f"{side}_steps") or {}) for runs in runs_of for r in runs):
+                rows.append((f"{side}: {part}", [_median_step(runs, side, part) for runs in runs_of]))
+    firsts = [d["sandbox"]["handoff"].get("round_trip_first_s") for _, d in docs]
+    if any(firsts):
+        rows.append(("a bare round trip, the first of its invoke", [_ms(statistics.median(f)) if f else "–" for f in firsts]))
     lines = ["| ms | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
     return "\n".join(lines)

@@ -270,6 +270,10 @@ def measure_handoffs(sock: Path, n: int, cpu: bool, runs_each: int = 3) -> dict[
         out[how] = runs
     # What one request to torpord's store costs a handler, alone (a get of a missing key).
     out["round_trip_s"] = call(sock, "bench-fn0", {"handoff": "round_trip", "n": 50})["s"]
+    # The same, but each the first store request of its own invoke, as a hand-off's requests are.
+    out["round_trip_first_s"] = [
+        call(sock, "bench-fn0", {"handoff": "round_trip", "n": 1})["s"][0] for _ in range(runs_each)
+    ]
     return out
 
 

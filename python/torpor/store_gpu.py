@@ -59,6 +59,14 @@ def start_steps() -> None:
     _steps.at = time.perf_counter()
 
 
+def note(name: str, seconds: float) -> None:
+    """Records `seconds` under `name` among this thread's steps, the clock of the steps left as
+    it is (a part of a step measured apart, e.g. by another thread)."""
+    last: dict[str, float] | None = getattr(_steps, "last", None)
+    if last is not None:
+        last[name] = last.get(name, 0.0) + seconds
+
+
 def step(name: str) -> None:
     """Step `name` ended now (a step done twice adds up)."""
     last: dict[str, float] | None = getattr(_steps, "last", None)

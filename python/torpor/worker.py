@@ -314,7 +314,7 @@ class Worker:
         # The directories of the functions loaded so far (a sandbox keeps their modules apart).
         self.loaded_dirs: list[str] = []
         # A sandbox's store requests to torpord waiting for their answers, by id.
-        self.store_waits: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self.store_waits: dict[int, tuple[threading.Event, dict[str, Any]]] = {}
         self.store_ids = 0
         self.store_lock = threading.Lock()
         self.preload_s = 0.0
@@ -718,13 +718,13 @@ class Worker:
 
     def _store_send(
         self, frame: dict[str, Any], fd: int | None = None, rid: int | None = None
-    ) -> tuple[int, tuple[threading.Event, list[Any]]]:
+    ) -> tuple[int, tuple[threading.Event, dict[str, Any]]]:
         """The sending half of `_store_request`: the request's id and where its answer lands."""
         with self.store_lock:
             if rid is None:
                 self.store_ids += 1
                 rid = self.store_ids
-            done: tuple[threading.Event, list[Any]] = (threading.Event(), [])
+            done: tuple[threading.Event, dict[str, Any]] = (threading.Event(), {})
             self.store_waits[rid] = done
         frame["id"] = rid
         try:
@@ -735,6 +735,7 @@ class Worker:
                 sock.sendall(encode(frame))
                 if fd is not None:
                     write_frame_with_fd(sock, {"type": "store_fd", "id": rid, "fd": True}, fd)
+            done[1]["sent"] = time.perf_counter()
         except BaseException:
             with self.store_lock:
                 self.store_waits.pop(rid, None)
@@ -742,17 +743,24 @@ class Worker:
         return rid, done
 
     def _store_wait(
-        self, what: str, rid: int, done: tuple[threading.Event, list[Any]], timeout_s: float = STORE_TIMEOUT_S
+        self, what: str, rid: int, done: tuple[threading.Event, dict[str, Any]], timeout_s: float = STORE_TIMEOUT_S
     ) -> tuple[dict[str, Any], int | None]:
-        """The waiting half of `_store_request`: torpord's answer to request `rid`."""
+        """The waiting half of `_store_request`: torpord's answer to request `rid`. For a GPU
+        put's or get's steps (torpor.store_gpu.steps()), how long the answer took to reach the
+        main loop after the send (`<what>.answer`) and this thread to wake after that
+        (`<what>.wake`)."""
         try:
             if not done[0].wait(timeout_s):
                 raise TimeoutError(f"torpord did not answer {what} within {timeout_s:g} s")
         finally:
             with self.store_lock:
                 self.store_waits.pop(rid, None)
-        msg, got = done[1]
-        return msg, got
+        woke = time.perf_counter()
+        answer = done[1]
+        if "sent" in answer:
+            torpor_store_gpu.note(f"{what}.answer", answer["arrived"] - answer["sent"])
+            torpor_store_gpu.note(f"{what}.wake", woke - answer["arrived"])
+        return answer["msg"], answer["fd"]
 
     def store_answer(self, msg: dict[str, Any], fd: int | None) -> None:
         """torpord's answer to a store request: to the thread waiting for it (an answer nobody
@@ -764,7 +772,7 @@ class Worker:
             if fd is not None:
                 os.close(fd)
             return
-        waiting[1].extend([msg, fd])
+        waiting[1].update(msg=msg, fd=fd, arrived=time.perf_counter())
         waiting[0].set()
 
     def store_put_remote(self, key: str, ttl_s: float, meta: dict[str, Any], fd: int, nodes: str | None) -> str | None:
@@ -803,7 +811,7 @@ class Worker:
         rid = int(msg["id"])
         # For every node, torpord uploads the value before it answers.
         timeout_s = STORE_TIMEOUT_S if nodes is None else STORE_BUCKET_TIMEOUT_S
-        written: list[tuple[int, tuple[threading.Event, list[Any]]]] = []
+        written: list[tuple[int, tuple[threading.Event, dict[str, Any]]]] = []
 
         def copied() -> None:
             # The value is in torpord's memory: store_written goes now, and the worker unmaps

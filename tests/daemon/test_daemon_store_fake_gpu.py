@@ -119,13 +119,16 @@ def test_another_sandbox_of_the_tenant_maps_the_daemon_s_memory_read_only(daemon
     held = daemon_memory_inodes(daemon) - before
     assert len(held) == 1, "the daemon holds the value's GPU memory"
     assert metric(daemon, "torpor_store_gpu_bytes", '{device="cuda0"}') == GRANULE
-    # Where a hand-off's time goes (bench/sandbox/run.py reports these): every step, in order.
+    # Where a hand-off's time goes (bench/sandbox/run.py reports these): every step, in order,
+    # each request's answer and wake-up noted before the step that waited for them.
     assert p["steps"] == [
-        "put_request", "context", "import", "reserve", "map", "set_access", "sync_before", "copy", "unmap", "close_fd",
-        "written_request",
+        "store_put.answer", "store_put.wake", "put_request", "context", "import", "reserve", "map", "set_access",
+        "sync_before", "copy", "unmap", "close_fd", "store_written.answer", "store_written.wake", "written_request",
     ], p["steps"]
     g = ok(daemon.invoke("sg-get", {"op": "get", "key": "t/1", "keep": True}), daemon)
-    assert g["steps"] == ["get_request", "import", "reserve", "map", "set_access", "close_fd"], g["steps"]
+    assert g["steps"] == [
+        "store_get.answer", "store_get.wake", "get_request", "import", "reserve", "map", "set_access", "close_fd",
+    ], g["steps"]
     assert g["process"] != p["process"], "another sandbox: another process"
     assert g["type"] == "CudaArray" and g["source"] == "stored", g
     assert bytes.fromhex(g["data"]) == pattern(100_000, 3)
