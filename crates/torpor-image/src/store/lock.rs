@@ -16,11 +16,23 @@ pub(crate) enum Mode {
     Exclusive,
 }
 
-/// A held lock; dropping it closes the descriptor, which releases the lock. The kernel releases
-/// it too when the holder dies, so a crashed writer never blocks GC for good.
+/// A held lock; dropping it unlocks and closes the descriptor. The kernel releases it too when
+/// the holder dies, so a crashed writer never blocks GC for good.
+///
+/// The unlock is explicit because a flock belongs to the open file description, which a child
+/// forked meanwhile shares until it execs (the descriptor is close-on-exec) or exits: a close
+/// alone would leave the lock held by that child (a restore's helper stuck between fork and
+/// exec kept GC out). `LOCK_UN` on the description releases it for every copy.
 #[derive(Debug)]
 pub(crate) struct StoreLock {
-    _file: File,
+    file: File,
+}
+
+impl Drop for StoreLock {
+    fn drop(&mut self) {
+        // SAFETY: flock only reads the descriptor, which `self.file` keeps open for the call.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
 }
 
 /// Takes the lock at `path` in `mode`. With `wait` false, returns `None` when it is held in a
@@ -47,7 +59,7 @@ pub(crate) fn lock(path: &Path, mode: Mode, wait: bool) -> Result<Option<StoreLo
         // SAFETY: flock only reads the descriptor, which `file` keeps open for the call.
         let rc = unsafe { libc::flock(file.as_raw_fd(), op) };
         if rc == 0 {
-            return Ok(Some(StoreLock { _file: file }));
+            return Ok(Some(StoreLock { file }));
         }
         let err = io::Error::last_os_error();
         match err.raw_os_error() {
@@ -82,5 +94,36 @@ mod tests {
         assert!(lock(&path, Mode::Shared, false).expect("lock").is_none());
         drop(x);
         assert!(lock(&path, Mode::Shared, true).expect("lock").is_some());
+    }
+
+    #[test]
+    fn a_child_forked_while_the_lock_was_held_does_not_keep_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("lock");
+        let held = lock(&path, Mode::Shared, false)
+            .expect("lock")
+            .expect("free");
+        // SAFETY: the child only sleeps and exits (async-signal-safe calls), as a child between
+        // fork and exec would hold the descriptor.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork: {}", io::Error::last_os_error());
+        if child == 0 {
+            // SAFETY: sleep and _exit are async-signal-safe; the child touches nothing else.
+            unsafe {
+                libc::sleep(30);
+                libc::_exit(0);
+            }
+        }
+        drop(held);
+        let free = lock(&path, Mode::Exclusive, false).expect("lock");
+        // SAFETY: `child` is this test's own child.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
+        assert!(
+            free.is_some(),
+            "the forked child kept the lock after its holder let go"
+        );
     }
 }
