@@ -57,7 +57,8 @@
 # $OUT/criu-restore-gpu.json.
 # serverless: writes the examples' weights if absent, then bench/serverless/run.py --compare for each
 # of $SERVERLESS_MODELS (default "resnet152"; "resnet152 gpt2-large" for both, about twice as long),
-# $SERVERLESS_DURATION seconds per trace (default 30), into $OUT/serverless.json.
+# $SERVERLESS_DURATION seconds per trace (default 30), into $OUT/serverless.json ($SERVERLESS_ARGS
+# adds flags, e.g. "--modes restore,sandbox --patterns bursty,periodic": sandboxes against processes).
 # peers: bench/peers/run.py: the ways users start the same model (scratch, page cache dropped,
 # pre-imported pool, pre-built with safetensors / Run:ai Model Streamer / fastsafetensors) and
 # Torpor's transparent, cold, cold-disk and standby, GPT-2-Large and Llama-3-8B's shape (its
@@ -195,8 +196,9 @@ if [ "$MODE" = serverless ] || [ "$MODE" = all ]; then
   merge=()
   for model in ${SERVERLESS_MODELS:-resnet152}; do
     [ -f "examples/$model/weights.safetensors" ] || python3 "examples/$model/make_weights.py" 2>&1 | tee -a "$OUT/serverless.log"
+    # shellcheck disable=SC2086 # $SERVERLESS_ARGS is a list of flags
     python3 bench/serverless/run.py --compare --function-dir "examples/$model" \
-      --duration "${SERVERLESS_DURATION:-30}" --out "$OUT/serverless.json" "${merge[@]}" 2>&1 | tee -a "$OUT/serverless.log"
+      --duration "${SERVERLESS_DURATION:-30}" --out "$OUT/serverless.json" "${merge[@]}" ${SERVERLESS_ARGS:-} 2>&1 | tee -a "$OUT/serverless.log"
     src=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$src
     merge=(--merge)
   done

@@ -1,10 +1,17 @@
 """bench/serverless reads GPU memory·seconds from /metrics over every stage label, `starting`
-included, and records the per-stage breakdown (pure functions of a metrics delta)."""
+included, and records the per-stage breakdown (pure functions of a metrics delta); its sandbox
+mode deploys the function sandboxed with as many requests at once, and a short replay of both
+modes runs on this machine with a CPU function."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
+import tomllib
+from pathlib import Path
 from types import ModuleType
 
 from conftest import ROOT
@@ -49,3 +56,48 @@ def test_a_daemon_without_the_stage_label_or_the_series_still_reads() -> None:
     assert run.gib_seconds({'torpor_starts_total{function="f",kind="warm"}': 1.0}) is None
     assert run.gib_seconds(None) is None
     assert table.gib_s({"gpu_memory_gib_s": None}) == "n/a"
+
+
+def test_the_sandboxed_copy_runs_as_many_requests_at_once_in_one_sandbox(tmp_path: Path) -> None:
+    assert run.sandboxed_scaling({"scaling": {"max_instances": 4, "requests_per_instance": 1}}) == (
+        "sandbox = true\nmax_instances = 1\nrequests_per_instance = 4\n"
+    )
+    assert run.sandboxed_scaling({}).endswith("requests_per_instance = 4\n")
+    copy = run.function_copy(ROOT / "examples" / "cpu-mlp", tmp_path / "cpu-mlp", (1.0, 3.0, 15.0), sandbox=True)
+    spec = tomllib.loads((copy / "torpor.toml").read_text())
+    assert spec["scaling"] == {"sandbox": True, "max_instances": 1, "requests_per_instance": 4}, spec
+    assert spec["keepalive"] == {"gpu_release_s": 1.0, "hibernate_s": 3.0, "evict_s": 15.0}, spec
+    # The source is hard-linked, not written through.
+    assert "sandbox" not in (ROOT / "examples" / "cpu-mlp" / "torpor.toml").read_text()
+
+
+def test_answered_per_second_spans_the_first_send_to_the_last_answer() -> None:
+    records = [
+        {"status": 200, "latency_s": 0.5, "sent_s": 1.0, "start": "restored"},
+        {"status": 200, "latency_s": 0.1, "sent_s": 2.9, "start": "warm"},
+        {"status": 502, "latency_s": 0.1, "sent_s": 3.5, "start": "warm"},
+    ]
+    assert run.summarise(records)["throughput_rps"] == 1.0
+    assert run.summarise([])["throughput_rps"] is None
+
+
+def test_a_sandboxed_replay_against_processes_on_this_machine(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
+    out = tmp_path / "serverless.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "serverless" / "run.py"), "--compare", "--function-dir",
+         str(ROOT / "examples" / "cpu-mlp"), "--duration", "4", "--patterns", "periodic", "--modes", "restore,sandbox",
+         "--out", str(out)],
+        capture_output=True, text=True, check=False, timeout=300, env=dict(os.environ, TORPOR_BIN=str(torpor_bin)),
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    by_mode = {x["mode"]: x for x in doc["results"]}
+    assert set(by_mode) == {"restore", "sandbox"}
+    for x in by_mode.values():
+        s = x["summary"]
+        assert s["ok"] == s["requests"] > 0 and s["mode_violations"] == 0, s
+        assert s["throughput_rps"] and s["throughput_rps"] > 0, s
+    # Only the sandboxed deploy loads its group into the sandbox.
+    assert "load_sandbox" in by_mode["sandbox"]["deploy"]["phases"]
+    assert "load_sandbox" not in by_mode["restore"]["deploy"]["phases"]
+    assert "| restore, sandboxed |" in table.render(doc)

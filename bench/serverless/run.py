@@ -21,7 +21,11 @@ For each mode, restore (cold starts restore the function snapshot) then boot (sn
 every cold start boots a fresh worker and runs setup()), it starts `torpor serve --cold-start MODE`
 with a fresh state directory and API socket, and, for each pattern, deploys the function (so that
 each replay starts with no instance alive), replays the pattern's trace, and reads /metrics before
-and after. The keep-alive delays of the deployed copy are scaled to the trace (default:
+and after. A third mode, `sandbox` (`--modes restore,sandbox`; issue 11's throughput of sandboxes
+against processes), restores like `restore` but deploys the function sandboxed (docs/sandboxes.md)
+with the same number of requests at once: one sandbox (`max_instances = 1`) running
+max_instances × requests_per_instance of the spec's requests as threads, on CUDA streams of one
+context, where `restore` runs them as that many processes. The keep-alive delays of the deployed copy are scaled to the trace (default:
 gpu_release = duration/30, hibernate = duration/10, evict = duration/2), so the replay exercises the
 stepped-down stages as the hours-long Azure trace does against the default delays; both modes use
 the same delays. If this torpor has no --cold-start flag, only the restore mode runs, and the JSON
@@ -66,7 +70,9 @@ from torpor import client
 from traces import PATTERNS, Trace, generate
 
 Json = dict[str, Any]
-MODES = ("restore", "boot")
+MODES = ("restore", "boot", "sandbox")
+# What --compare runs unless told (the README's table): restore against boot.
+DEFAULT_MODES = ("restore", "boot")
 GIB = 1 << 30
 
 
@@ -208,6 +214,8 @@ def summarise(records: list[Json]) -> Json:
         starts[str(r["start"])] = starts.get(str(r["start"]), 0) + 1
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
     cold = [r["latency_s"] for r in ok if r["start"] not in (None, "warm")]
+    # Requests answered per second, from the first send to the last answer.
+    span = max((r["sent_s"] + r["latency_s"] for r in ok), default=0.0) - min((r["sent_s"] for r in ok), default=0.0)
     warm = [r["latency_s"] for r in ok if r["start"] == "warm"]
 
     def rnd(x: float | None) -> float | None:
@@ -225,6 +233,7 @@ def summarise(records: list[Json]) -> Json:
         "cold_p50_s": rnd(quantile(cold, 0.5)),
         "warm_p50_s": rnd(quantile(warm, 0.5)),
         "statuses": dict(sorted(statuses.items())),
+        "throughput_rps": rnd(len(ok) / span) if span > 0 else None,
     }
 
 
@@ -331,11 +340,28 @@ def scaled_keepalive(duration: float) -> tuple[float, float, float]:
     return (round(duration / 30, 3), round(duration / 10, 3), round(duration / 2, 3))
 
 
+def replace_table(text: str, header: str, body: str) -> str:
+    """`text` (a torpor.toml) with its `[header]` table replaced by `body` (appended if absent)."""
+    new = f"[{header}]\n{body}"
+    # The table up to the next table header or the end of the file.
+    text, n = re.subn(rf"(?ms)^\[{re.escape(header)}\][^\n]*\n.*?(?=^\[|\Z)", lambda _: new + "\n", text)
+    return text if n else text.rstrip("\n") + "\n\n" + new
+
+
+def sandboxed_scaling(spec: Json) -> str:
+    """The [scaling] of a function deployed sandboxed for the comparison: one sandbox running as
+    many requests at once as the spec's instances did."""
+    sc = spec.get("scaling") or {}
+    at_once = int(sc.get("max_instances", 4)) * int(sc.get("requests_per_instance", 1))
+    return f"sandbox = true\nmax_instances = 1\nrequests_per_instance = {at_once}\n"
+
+
 def function_copy(
-    src: Path, dest: Path, keepalive: tuple[float, float, float] | None
+    src: Path, dest: Path, keepalive: tuple[float, float, float] | None, sandbox: bool = False
 ) -> Path:
     """A copy of the function dir (files hard-linked where possible, so large weights cost nothing)
-    with its [keepalive] replaced; the copy is what gets deployed."""
+    with its [keepalive] replaced, and, with `sandbox`, its [scaling] made a sandbox's
+    (sandboxed_scaling); the copy is what gets deployed."""
     if dest.exists():
         shutil.rmtree(dest)
 
@@ -352,15 +378,14 @@ def function_copy(
         copy_function=link_or_copy,
         ignore=shutil.ignore_patterns("__pycache__", ".*"),
     )
-    if keepalive is not None:
+    if keepalive is not None or sandbox:
         spec = dest / "torpor.toml"
         text = spec.read_text()
-        g, h, e = keepalive
-        new = f"[keepalive]\ngpu_release_s = {g}\nhibernate_s = {h}\nevict_s = {e}\n"
-        # The [keepalive] table up to the next table header or the end of the file.
-        text, n = re.subn(r"(?ms)^\[keepalive\][^\n]*\n.*?(?=^\[|\Z)", new + "\n", text)
-        if n == 0:
-            text = text.rstrip("\n") + "\n\n" + new
+        if keepalive is not None:
+            g, h, e = keepalive
+            text = replace_table(text, "keepalive", f"gpu_release_s = {g}\nhibernate_s = {h}\nevict_s = {e}\n")
+        if sandbox:
+            text = replace_table(text, "scaling", sandboxed_scaling(tomllib.loads(text)))
         spec.unlink()  # a hard link: never write through it
         spec.write_text(text)
     r = subprocess.run(
@@ -521,7 +546,10 @@ def compare(a: argparse.Namespace) -> int:
     with open(src / "torpor.toml", "rb") as f:
         name = tomllib.load(f)["name"]
     flag = has_cold_start_flag(torpor_bin)
-    modes = [m for m in a.modes.split(",") if m] if flag else ["restore"]
+    modes = [m for m in a.modes.split(",") if m] if flag else [m for m in a.modes.split(",") if m in ("restore", "sandbox")]
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"run.py: unknown mode {mode!r}; of {', '.join(MODES)}")
     note = (
         None
         if flag
@@ -549,6 +577,9 @@ def compare(a: argparse.Namespace) -> int:
     work = HERE / ".work"
     work.mkdir(exist_ok=True)
     fdir = function_copy(src, work / name, keepalive)
+    fdirs = {m: fdir for m in modes}
+    if "sandbox" in modes:
+        fdirs["sandbox"] = function_copy(src, work / f"{name}-sandbox", keepalive, sandbox=True)
     template = json.loads(a.request) if a.request else warmup_request(fdir)
     m = machine(torpor_bin)
     started = time.time()
@@ -560,10 +591,12 @@ def compare(a: argparse.Namespace) -> int:
             print(
                 f"== {name}, cold start by {mode}: torpor serve in {root}", flush=True
             )
-            d = Daemon(torpor_bin, mode if flag else None, root, a.queue_timeout)
+            # A sandbox's cold starts restore, as in `restore`.
+            cold_start = "restore" if mode == "sandbox" else mode
+            d = Daemon(torpor_bin, cold_start if flag else None, root, a.queue_timeout)
             try:
                 for pattern in patterns:
-                    dep = d.deploy(fdir)
+                    dep = d.deploy(fdirs[mode])
                     print(
                         f"   deployed in {dep['wall_s']:.1f} s; replaying {pattern} for {a.duration:g} s",
                         flush=True,
@@ -577,7 +610,7 @@ def compare(a: argparse.Namespace) -> int:
                     delta = metrics_delta(before, after)
                     s = summarise(records)
                     # A daemon that ignored --cold-start would make the comparison meaningless.
-                    wrong = "restored" if mode == "boot" else "booted"
+                    wrong = "restored" if cold_start == "boot" else "booted"
                     s["mode_violations"] = s["starts"].get(wrong, 0)
                     if s["mode_violations"]:
                         print(
@@ -619,7 +652,8 @@ def compare(a: argparse.Namespace) -> int:
                     shutil.rmtree(root, ignore_errors=True)
             daemons[mode] = {"state_dir": str(root), "log_tail": logs[-1500:]}
     finally:
-        shutil.rmtree(fdir, ignore_errors=True)
+        for d_ in {fdir, *fdirs.values()}:
+            shutil.rmtree(d_, ignore_errors=True)
         try:
             work.rmdir()
         except OSError:
@@ -718,8 +752,8 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help="--compare: comma-separated, of restore,boot",
+        default=",".join(DEFAULT_MODES),
+        help="--compare: comma-separated, of restore,boot,sandbox (default restore,boot)",
     )
     ap.add_argument(
         "--duration", type=float, default=60.0, help="seconds per replay (default 60)"

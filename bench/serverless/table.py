@@ -62,23 +62,30 @@ def render(d: Json) -> str:
     ]
     if st.get("note"):
         out.append(f"Note: {st['note']}.")
+    # Requests answered per second: a column only where the JSON has it (since session 34).
+    rps = any("throughput_rps" in r["summary"] for r in d["results"])
     out += [
         "",
         (
             "| function | pattern | cold start by | requests | p50 | p99 | cold starts | starts | "
-            "cold p50 | GPU memory·s (GiB·s) | errors |"
+            "cold p50 | GPU memory·s (GiB·s) | errors |" + (" answered/s |" if rps else "")
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if rps else ""),
     ]
     for r in d["results"]:
         s = r["summary"]
         errors = s["requests"] - s["ok"]
         bad = ", ".join(f"{n}× {k}" for k, n in s["statuses"].items() if k != "200")
-        out.append(
-            f"| {r['function']} | {r['pattern']} | {r['mode']} | {s['requests']} | {ms(s['p50_s'])} "
+        mode = "restore, sandboxed" if r["mode"] == "sandbox" else r["mode"]
+        row = (
+            f"| {r['function']} | {r['pattern']} | {mode} | {s['requests']} | {ms(s['p50_s'])} "
             f"| {ms(s['p99_s'])} | {s['cold_starts']} | {starts(s)} | {ms(s['cold_p50_s'])} "
             f"| {gib_s(r)} | {errors}{f' ({bad})' if bad else ''} |"
         )
+        if rps:
+            t = s.get("throughput_rps")
+            row += f" {'–' if t is None else f'{t:.2f}'} |"
+        out.append(row)
     return "\n".join(out)
 
 
