@@ -120,6 +120,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import faulthandler
 import gc
 import importlib
 import os
@@ -1508,6 +1509,9 @@ def _modules(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    # torpord sends SIGUSR1 before it kills a worker whose request ran past timeout_s: every
+    # thread's stack goes to the log, to say where it hung (docs/torpord.md, "Logs").
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     ap = argparse.ArgumentParser(
         prog="python3 -m torpor.worker", description="Torpor's worker harness (started by torpord)."
     )

@@ -135,13 +135,22 @@ def test_a_worker_crash_fails_its_request_and_the_next_one_restores(torpord: Tor
 
 def test_a_hung_handler_is_killed_at_timeout_s_with_504(torpord: Torpord) -> None:
     assert torpord.invoke("faulty", {"echo": 0}).status == 200
-    old = [i["pid"] for i in torpord.instances("faulty")]
+    instances = torpord.instances("faulty")
+    old = [i["pid"] for i in instances]
     t = time.monotonic()
     r = torpord.invoke("faulty", {"sleep": 60})
     took = time.monotonic() - t
     assert r.status == 504, r.body
     assert 2.9 < took < 8, took
-    assert "timeout_s" in r.json()["error"]
+    error = r.json()["error"]
+    assert "timeout_s" in error and "stacks" in error, error
+    # Where it hung: every thread's stack, written to the instance's log before the kill.
+    (hung,) = (i["id"] for i in instances if i["id"] in error)
+    log = torpord.state / "logs" / "faulty" / f"{hung}.log"
+    deadline = time.monotonic() + 5
+    while "in __call__" not in (text := log.read_text(errors="replace") if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "thread 0x" in text.lower() and "faulty/handler.py" in text and "in __call__" in text, text[-3000:]
     deadline = time.monotonic() + 5
     while any(alive(p) for p in old) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -228,6 +228,15 @@ pub(crate) fn new_instance(
     (inst, conn.rd)
 }
 
+/// SIGUSR1 to an instance's worker: the harness writes every thread's stack to its log
+/// (python/torpor/worker.py registers faulthandler for it).
+pub fn dump_stacks(worker: i32) {
+    if worker > 1 {
+        // SAFETY: kill(2) only sends a signal; the pid is one this daemon started or restored.
+        unsafe { libc::kill(worker, libc::SIGUSR1) };
+    }
+}
+
 /// SIGKILL to the init of an instance: its whole PID namespace goes.
 pub fn kill_tree(init: i32) {
     if init > 1 {

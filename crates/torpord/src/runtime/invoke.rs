@@ -62,6 +62,10 @@ pub struct Invoked {
     pub timings: Timings,
 }
 
+/// How long a worker past its timeout gets to write its threads' stacks (SIGUSR1) before its
+/// tree is killed: faulthandler writes them from the signal handler at once.
+const STACKS_GRACE: Duration = Duration::from_millis(300);
+
 impl Runtime {
     /// Runs one request of function `name`.
     pub async fn invoke(
@@ -337,14 +341,26 @@ impl Runtime {
             Err(_) => {
                 lock(&inst.pending).remove(&id);
                 let why = format!("the request ran past timeout_s = {}", timeout.as_secs_f64());
-                self.remove_instance(inst, &why, true);
+                // Where it hung: the harness writes every thread's stack to its log on SIGUSR1
+                // (faulthandler), which it gets a moment to do before its tree is killed. The
+                // instance is out of service from now on.
+                crate::runtime::instance::dump_stacks(inst.worker_pid);
+                self.remove_instance(inst, &why, false);
+                let init = inst.init_pid;
+                tokio::spawn(async move {
+                    tokio::time::sleep(STACKS_GRACE).await;
+                    crate::runtime::instance::kill_tree(init);
+                });
                 Err(InvokeError::Timeout(format!(
                     "function {:?} did not answer within its timeout_s of {} s: its worker (pid {}) \
-                     was killed and will be replaced; raise timeout_s in torpor.toml if the \
+                     was killed and will be replaced, its threads' stacks written to its log \
+                     (torpor logs {} --instance {}); raise timeout_s in torpor.toml if the \
                      handler needs longer",
                     inst.function,
                     timeout.as_secs_f64(),
-                    inst.worker_pid
+                    inst.worker_pid,
+                    inst.function,
+                    inst.id
                 )))
             }
         }
