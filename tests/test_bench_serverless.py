@@ -101,3 +101,8 @@ def test_a_sandboxed_replay_against_processes_on_this_machine(torpor_bin: Path, 
     assert "load_sandbox" in by_mode["sandbox"]["deploy"]["phases"]
     assert "load_sandbox" not in by_mode["restore"]["deploy"]["phases"]
     assert "| restore, sandboxed |" in table.render(doc)
+
+
+def test_the_docs_quote_the_sandbox_run_as_the_table_renders_it() -> None:
+    doc = json.loads((ROOT / "bench" / "results" / "serverless-sandbox-h100.json").read_text())
+    assert table.render(doc) in (ROOT / "docs" / "sandboxes.md").read_text()

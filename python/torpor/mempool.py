@@ -15,12 +15,16 @@ and gives the pool's memory back when the function has been idle for the spec's
 
 Two backends, one per kind of device memory:
 
-- **cuda (PyTorch).** One `torch.cuda.MemPool` per function; each of its request threads (and
-  the warm-up) allocates through it (`torch.cuda.use_mem_pool`, which routes the current
-  thread's allocations), so a function's activations are apart from the others' and from the
-  weights setup() made in the default pool. `pool` is the sum of the pool's segments
-  (`MemPool.snapshot()`). At idle the pool object is dropped (its use count reaches zero) and
-  `torch.cuda.empty_cache()` frees its segments; the next request makes a new pool. Why this
+- **cuda (PyTorch).** `torch.cuda.MemPool`s of the function's own, one per request running at
+  once (a request takes an idle one, or makes one; kept for later requests); each request
+  thread (and the warm-up) allocates through its pool (`torch.cuda.use_mem_pool`, which routes
+  the current thread's allocations), so a function's activations are apart from the others' and
+  from the weights setup() made in the default pool. One pool per running request, not one per
+  function: PyTorch lets one thread at a time route a pool's allocations, and a second raises
+  (pytorch/pytorch#152861; found in session 34, where three of four concurrent requests of a
+  sandboxed ResNet-152 were left unanswered). `pool` is the sum of the pools' segments
+  (`MemPool.snapshot()`). At idle the pools are dropped (their use counts reach zero) and
+  `torch.cuda.empty_cache()` frees their segments; the next request makes a new one. Why this
   and not `empty_cache()` alone: the caching allocator keeps every block a request freed, and
   `empty_cache()` frees the cached blocks of every function at once (the busy ones' too, which
   then pay cudaMalloc again); a pool per function frees exactly the idle function's blocks, and
@@ -68,14 +72,21 @@ class FunctionPool:
         self._live = 0
         self._peak_live = 0
         self._cache: dict[int, list[Any]] = {}
-        # cuda: the request pool (None until a request needs one, and after a release).
-        self._torch_pool: Any = None
+        # cuda: the request pools, one per request running at once (none until a request needs
+        # one, and after a release), and those no request uses now. One pool per running request
+        # because PyTorch routes a pool's allocations for one thread at a time: a second thread
+        # entering use_mem_pool on it raises "already recording to mempool_id"
+        # (pytorch/pytorch#152861), which left concurrent requests of a function unanswered.
+        self._torch_pools: list[Any] = []
+        self._torch_idle: list[Any] = []
 
     # -- what the daemon is told ------------------------------------------------------------
 
     def pool_bytes(self) -> int:
         if self.backend == "cuda":
-            return _torch_pool_bytes(self._torch_pool)
+            with self.lock:
+                pools = list(self._torch_pools)
+            return sum(_torch_pool_bytes(p) for p in pools)
         with self.lock:
             return self._held
 
@@ -130,7 +141,7 @@ class FunctionPool:
         finally:
             _current.pool = prev
             if self.backend == "cuda":
-                peak = _torch_pool_bytes(self._torch_pool)
+                peak = self.pool_bytes()
             else:
                 with self.lock:
                     peak = max(0, self._peak_live - self.resident)
@@ -147,7 +158,10 @@ class FunctionPool:
                 return 0
         before = self.pool_bytes()
         if self.backend == "cuda":
-            self._torch_pool = None
+            with self.lock:
+                if self.in_flight:
+                    return 0
+                self._torch_pools, self._torch_idle = [], []
             torch: Any = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
@@ -192,11 +206,18 @@ class FunctionPool:
             yield
             return
         with self.lock:
-            if self._torch_pool is None:
-                self._torch_pool = torch.cuda.MemPool()
-            pool = self._torch_pool
-        with torch.cuda.use_mem_pool(pool):
-            yield
+            if self._torch_idle:
+                pool = self._torch_idle.pop()
+            else:
+                pool = torch.cuda.MemPool()
+                self._torch_pools.append(pool)
+        try:
+            with torch.cuda.use_mem_pool(pool):
+                yield
+        finally:
+            with self.lock:
+                if any(p is pool for p in self._torch_pools):
+                    self._torch_idle.append(pool)
 
 
 def backend_for(gpu_framework: str | None) -> str:

@@ -656,12 +656,18 @@ class Worker:
                     return call(req)
 
             # torpor.dump's sink is process-wide: a sandbox's threads share it (never unset).
-            if pool is None:
-                out = self.call_result(rid, on_own_stream, request, fname)
-            else:
-                with pool.request() as used:
+            try:
+                if pool is None:
                     out = self.call_result(rid, on_own_stream, request, fname)
-                out["memory"] = pool.report(used["peak"])
+                else:
+                    with pool.request() as used:
+                        out = self.call_result(rid, on_own_stream, request, fname)
+                    out["memory"] = pool.report(used["peak"])
+            except Exception as e:
+                # The harness's own part failed (the request's memory pool, its stream): the
+                # request is answered with that error rather than never (the daemon would wait
+                # for it until timeout_s and hold its slot meanwhile).
+                out = {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0}
             self.send_result(out, generation=generation, slot=slot)
         except (ConnectionError, OSError, AssertionError):
             pass

@@ -193,6 +193,18 @@ def test_a_crash_in_one_function_fails_its_sandbox_only_and_the_next_request_get
     assert after["calls"] == 1, after
 
 
+def test_a_request_whose_harness_part_fails_is_answered_not_left_waiting(torpord: Torpord, fns: dict[str, Path]) -> None:
+    """Before session 34 an error in the harness around a sandbox's request (its memory pool,
+    its stream) ended the request's thread without an answer: the daemon waited for it until
+    timeout_s and held its slot meanwhile."""
+    ok(torpord.invoke("sb-detect", {"op": "break_pool"}))
+    t = time.monotonic()
+    r = torpord.invoke("sb-detect", {})
+    assert r.status == 500 and "memory pool broke" in r.body.decode(), (r.status, r.body)
+    assert time.monotonic() - t < 10
+    ok(torpord.invoke("sb-detect", {}))
+
+
 def test_an_unknown_function_and_a_deleted_member(torpord: Torpord, fns: dict[str, Path]) -> None:
     assert torpord.invoke("sb-nothing", {}).status == 404
     r = torpord.cli("rm", "sb-detect")

@@ -6,7 +6,8 @@ Its answer says which function answered (`fn`, from torpor.toml's name as the sp
 which process (`process`: a token drawn at the first request a process serves and shared by
 every function in it; a restore of the function snapshot draws a new one, a woken hibernated
 process keeps its own), which thread, and how many calls this function had in this process.
-Ops: sleep {s}, crash (os._exit), put {key} and get {key} through the communication store,
+Ops: sleep {s}, crash (os._exit), break_pool (the harness's next request fails before the
+handler, once), put {key} and get {key} through the communication store,
 share {key, n | array, nodes?, ttl_s?} (put with shared=True, and nodes and ttl_s when
 given) and get_shared {key, keep}; buffer (with a file
 `with_buffer` in the directory: whether its torpor.buffer() segment holds its own bytes);
@@ -75,6 +76,18 @@ class Sandboxed:
             del held
         elif op == "crash":
             os._exit(7)
+        elif op == "break_pool":
+            # The harness's next request of any function here fails before its handler (once):
+            # its memory pool raises, as PyTorch's did for concurrent requests on one pool.
+            from torpor import mempool
+
+            real = mempool.FunctionPool.request
+
+            def broken(pool: Any) -> Any:
+                mempool.FunctionPool.request = real  # type: ignore[method-assign]
+                raise RuntimeError("the request's memory pool broke (test)")
+
+            mempool.FunctionPool.request = broken  # type: ignore[method-assign]
         elif op == "put":
             value = {"by": NAME, "rows": list(range(int(request.get("n", 3))))}
             torpor.put(str(request["key"]), value)
