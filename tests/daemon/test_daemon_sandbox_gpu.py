@@ -88,6 +88,22 @@ class Hold:
 '''
 
 
+def hold_function(
+    root: Path, name: str, warmup_mib: int, sandbox_memory: str, tenant: str | None = None, extra: str = "",
+    tail: str = "",
+) -> Path:
+    """GPU_MEMORY_FN deployed as `name`: sandboxed, one sandbox of 4 request threads."""
+    d = root / name
+    d.mkdir()
+    (d / "hold.py").write_text(GPU_MEMORY_FN)
+    (d / "torpor.toml").write_text(
+        f'name = "{name}"\ntenant = "{tenant or name}"\nentry = "hold:Hold"\npreload = ["torch"]\ngpus = 1\n'
+        f'gpu_memory = "2GiB"\n{extra}[warmup]\nrequest = {{ mib = {warmup_mib} }}\n[scaling]\nmax_instances = 1\n'
+        f'requests_per_instance = 4\nsandbox = true\nsandbox_memory = "{sandbox_memory}"\n{tail}'
+    )
+    return d
+
+
 def test_requests_of_one_torch_function_run_at_once_in_its_sandbox(
     cuda: None, torpor_bin: Path, criu_ready: None, tmp_path: Path
 ) -> None:
@@ -99,14 +115,7 @@ def test_requests_of_one_torch_function_run_at_once_in_its_sandbox(
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    d = tmp_path / "gpu-many"
-    d.mkdir()
-    (d / "hold.py").write_text(GPU_MEMORY_FN)
-    (d / "torpor.toml").write_text(
-        'name = "gpu-many"\ntenant = "gpu-many"\nentry = "hold:Hold"\npreload = ["torch"]\ngpus = 1\n'
-        'gpu_memory = "2GiB"\ntimeout_s = 20\n[warmup]\nrequest = { mib = 16 }\n[scaling]\nmax_instances = 1\n'
-        'requests_per_instance = 4\nsandbox = true\nsandbox_memory = "4GiB"\n'
-    )
+    d = hold_function(tmp_path, "gpu-many", warmup_mib=16, sandbox_memory="4GiB", extra="timeout_s = 20\n")
     torpord = Torpord(torpor_bin, tmp_path / "daemon", queue_timeout_s=30)
     try:
         torpord.deploy(d)
@@ -131,13 +140,9 @@ def test_the_cuda_memory_pool_measures_admits_and_gives_back(
     the model from the warm-up, the pool after a request, given back at idle, and a second
     request that does not fit beside the first waiting for it (docs/sandboxes.md, "The memory
     pool")."""
-    d = tmp_path / "gpu-hold"
-    d.mkdir()
-    (d / "hold.py").write_text(GPU_MEMORY_FN)
-    (d / "torpor.toml").write_text(
-        'name = "gpu-hold"\ntenant = "gpu-mem"\nentry = "hold:Hold"\npreload = ["torch"]\ngpus = 1\n'
-        'gpu_memory = "2GiB"\n[warmup]\nrequest = { mib = 512 }\n[scaling]\nmax_instances = 1\n'
-        'requests_per_instance = 4\nsandbox = true\nsandbox_memory = "1GiB"\n[keepalive]\nmemory_release_s = 1\n'
+    d = hold_function(
+        tmp_path, "gpu-hold", warmup_mib=512, sandbox_memory="1GiB", tenant="gpu-mem",
+        tail="[keepalive]\nmemory_release_s = 1\n",
     )
     # Its own daemon: the second request waits in the queue for the first one's memory (2 s),
     # longer than the shared daemon's queue timeout.
