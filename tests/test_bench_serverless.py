@@ -86,11 +86,13 @@ def test_a_sandboxed_replay_against_processes_on_this_machine(torpor_bin: Path, 
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "serverless" / "run.py"), "--compare", "--function-dir",
          str(ROOT / "examples" / "cpu-mlp"), "--duration", "4", "--patterns", "periodic", "--modes", "restore,sandbox",
+         "--clients", "2",
          "--out", str(out)],
         capture_output=True, text=True, check=False, timeout=300, env=dict(os.environ, TORPOR_BIN=str(torpor_bin)),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
+    assert doc["settings"]["clients"] == 2
     by_mode = {x["mode"]: x for x in doc["results"]}
     assert set(by_mode) == {"restore", "sandbox"}
     for x in by_mode.values():
@@ -106,3 +108,19 @@ def test_a_sandboxed_replay_against_processes_on_this_machine(torpor_bin: Path, 
 def test_the_docs_quote_the_sandbox_run_as_the_table_renders_it() -> None:
     doc = json.loads((ROOT / "bench" / "results" / "serverless-sandbox-h100.json").read_text())
     assert table.render(doc) in (ROOT / "docs" / "sandboxes.md").read_text()
+
+
+def test_clients_superpose_independent_traces_of_one_shape() -> None:
+    traces = load("traces")
+    one = traces.generate("bursty", 30.0, 5)
+    assert traces.superposed("bursty", 30.0, 5, 1) == one
+    three = traces.superposed("bursty", 30.0, 5, 3)
+    parts = [traces.generate("bursty", 30.0, s).arrivals_s for s in (5, 6, 7)]
+    assert three.arrivals_s == sorted(t for p in parts for t in p)
+    assert three.params["clients"] == 3 and three.duration_s == 30.0
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "serverless" / "run.py"), "--compare", "--function-dir",
+         str(ROOT / "examples" / "cpu-mlp"), "--clients", "0"],
+        capture_output=True, text=True, check=False, timeout=60,
+    )
+    assert r.returncode == 1 and "--clients must be at least 1" in r.stderr.strip().splitlines()[-1], r.stderr

@@ -67,7 +67,7 @@ sys.path.insert(1, str(ROOT / "python"))
 
 import table
 from torpor import client
-from traces import PATTERNS, Trace, generate
+from traces import PATTERNS, Trace, generate, superposed
 
 Json = dict[str, Any]
 MODES = ("restore", "boot", "sandbox")
@@ -601,7 +601,7 @@ def compare(a: argparse.Namespace) -> int:
                         f"   deployed in {dep['wall_s']:.1f} s; replaying {pattern} for {a.duration:g} s",
                         flush=True,
                     )
-                    trace = generate(pattern, a.duration, a.seed)
+                    trace = superposed(pattern, a.duration, a.seed, a.clients)
                     before = metrics(d.sock, name)
                     t = time.perf_counter()
                     records = replay(d.sock, name, trace, template, a.timeout)
@@ -672,6 +672,7 @@ def compare(a: argparse.Namespace) -> int:
             if keepalive is None
             else dict(zip(("gpu_release_s", "hibernate_s", "evict_s"), keepalive)),
             "client_timeout_s": a.timeout,
+            "clients": a.clients,
             "queue_timeout_s": a.queue_timeout,
         },
         "functions": {name: {"dir": str(src), "request_template": template}},
@@ -760,6 +761,13 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        help="--compare: independent traces of each pattern superposed (seeds seed, seed+1, ...): "
+        "the same shape, that many times the load (default 1)",
+    )
+    ap.add_argument(
         "--request", help="request JSON (default: the function's warm-up request)"
     )
     ap.add_argument(
@@ -795,6 +803,8 @@ def main(argv: list[str]) -> int:
         help="--compare: keep the daemons' state dirs",
     )
     a = ap.parse_args(argv)
+    if a.clients < 1:
+        raise SystemExit(f"run.py: --clients must be at least 1, got {a.clients}")
     if a.compare:
         if a.function_dir is None:
             raise SystemExit("run.py: --compare needs --function-dir")

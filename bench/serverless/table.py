@@ -57,7 +57,9 @@ def render(d: Json) -> str:
         + (f", driver {m['driver']}" if m.get("driver") else "")
         + f", kernel {m['kernel']}"
         + (f", {lib}" if lib else "")
-        + f"; {st['duration_s']:g} s per trace (seed {st['seed']}), {keep}; "
+        + f"; {st['duration_s']:g} s per trace (seed {st['seed']})"
+        + (f", {st['clients']} clients superposed" if st.get("clients", 1) > 1 else "")
+        + f", {keep}; "
         f"commit {(m.get('torpor_commit') or 'unknown')[:12]}{' (dirty)' if m.get('torpor_dirty') else ''}, {m['date']}.",
     ]
     if st.get("note"):

@@ -137,6 +137,19 @@ def generate(
     )
 
 
+def superposed(pattern: str, duration_s: float, seed: int = 1, clients: int = 1) -> Trace:
+    """`clients` independent traces of `pattern` (seeds seed, seed + 1, ...) as one: the same
+    shape, `clients` times the load (bench/serverless/run.py --clients: a load that the GPU may
+    not keep up with, for a throughput comparison). One client is generate()'s trace."""
+    if clients < 1:
+        raise ValueError(f"clients must be at least 1, got {clients}")
+    traces = [generate(pattern, duration_s, seed + i) for i in range(clients)]
+    if clients == 1:
+        return traces[0]
+    arrivals = sorted(t for tr in traces for t in tr.arrivals_s)
+    return Trace(pattern, duration_s, seed, {**traces[0].params, "clients": clients}, arrivals)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
