@@ -40,7 +40,7 @@ def table(paths: list[Path]) -> str:
     runs_of = [d["sandbox"]["handoff"]["other_sandbox_gpu"] for _, d in docs]
     rows.append(("put + get, best", [_ms(min(r["put_s"] + r["get_s"] for r in runs)) for runs in runs_of]))
     # The first hand-off of a daemon loads the kernels (135-158 ms): not in the median.
-    rows.append(("put + get, median", [_ms(statistics.median(r["put_s"] + r["get_s"] for r in runs[1:])) for runs in runs_of]))
+    rows.append(("put + get, median", [_ms(statistics.median(r["put_s"] + r["get_s"] for r in runs[1:] or runs)) for runs in runs_of]))
     for side, steps in (("put", PUT_STEPS), ("get", GET_STEPS)):
         rows.append((f"{side}, median", [_ms(statistics.median(r[f"{side}_s"] for r in runs)) for runs in runs_of]))
         rows += [(f"{side}: {s}", [_median_step(runs, side, s) for runs in runs_of]) for s in steps]

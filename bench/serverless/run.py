@@ -588,11 +588,10 @@ def compare(a: argparse.Namespace) -> int:
     try:
         for mode in modes:
             root = Path(tempfile.mkdtemp(prefix=f"torpor-serverless-{mode}-"))
-            print(
-                f"== {name}, cold start by {mode}: torpor serve in {root}", flush=True
-            )
             # A sandbox's cold starts restore, as in `restore`.
             cold_start = "restore" if mode == "sandbox" else mode
+            how = f"{cold_start}, sandboxed" if mode == "sandbox" else mode
+            print(f"== {name}, cold start by {how}: torpor serve in {root}", flush=True)
             d = Daemon(torpor_bin, cold_start if flag else None, root, a.queue_timeout)
             try:
                 for pattern in patterns:

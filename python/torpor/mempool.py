@@ -156,20 +156,18 @@ class FunctionPool:
         with self.lock:
             if self.in_flight:
                 return 0
-        before = self.pool_bytes()
-        if self.backend == "cuda":
-            with self.lock:
-                if self.in_flight:
-                    return 0
-                self._torch_pools, self._torch_idle = [], []
-            torch: Any = sys.modules.get("torch")
-            if torch is not None and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-        else:
-            with self.lock:
+            if self.backend != "cuda":
+                before = self._held
                 self._drop_cache()
                 self._held = self._live
+                return before
+            pools, self._torch_pools, self._torch_idle = self._torch_pools, [], []
+        before = sum(_torch_pool_bytes(p) for p in pools)
+        del pools  # the last references: their use counts reach zero
+        torch: Any = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         return before
 
     # -- host backend ------------------------------------------------------------------------
@@ -215,9 +213,9 @@ class FunctionPool:
             with torch.cuda.use_mem_pool(pool):
                 yield
         finally:
+            # A release waits for in_flight to reach 0, so the pool is still among ours.
             with self.lock:
-                if any(p is pool for p in self._torch_pools):
-                    self._torch_idle.append(pool)
+                self._torch_idle.append(pool)
 
 
 def backend_for(gpu_framework: str | None) -> str:

@@ -764,9 +764,8 @@ class Worker:
                 self.store_waits.pop(rid, None)
         woke = time.perf_counter()
         answer = done[1]
-        if "sent" in answer:
-            torpor_store_gpu.note(f"{what}.answer", answer["arrived"] - answer["sent"])
-            torpor_store_gpu.note(f"{what}.wake", woke - answer["arrived"])
+        torpor_store_gpu.note(f"{what}.answer", answer["arrived"] - answer["sent"])
+        torpor_store_gpu.note(f"{what}.wake", woke - answer["arrived"])
         return answer["msg"], answer["fd"]
 
     def store_answer(self, msg: dict[str, Any], fd: int | None) -> None:
