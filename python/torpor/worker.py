@@ -7,9 +7,10 @@ torpord starts it under `torpor run` with $TORPOR_WORKER_SOCKET set to its worke
 protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does:
 
 1. Blocks SIGUSR2 (so the wake-up after a snapshot is never lost and never kills it), connects,
-   and sends `hello` {pid, role, function: null, resumed: false, protocol: 2, reattach: false}.
+   and sends `hello` {pid, role, function: null, resumed: false, protocol: 3, reattach: false}.
    `pid` is the worker's PID in its own namespace; torpord identifies connections by SO_PEERCRED.
-   `protocol: 2` says this harness sends `started` and reattaches after losing torpord (below).
+   `protocol: 2` says this harness sends `started` and reattaches after losing torpord (below);
+   `protocol: 3` that it takes `release_gpu`.
 2. Sets the memory defaults frameworks read at start (XLA_PYTHON_CLIENT_PREALLOCATE=false: a JAX
    base must not reserve most of the GPU into its snapshot; torpor.gpu), imports the --preload
    modules in order and, with --gpu, warms CUDA through the first of torch, jax, cupy it imported
@@ -79,6 +80,11 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      applies `map` frames even while a request runs; the request first waits for the segments
      it may touch (torpor.readiness; for PyTorch modules, each module waits for its own
      weights' segments as it runs).
+   - `release_gpu` (before torpord checkpoints the GPU in place: a GPU release, a move to another
+     GPU; first of all, before `unmap`): gives every idle pool's memory back (a sandbox sends
+     `memory` for each), synchronises CUDA and answers `gpu_quiet` {bytes}; no pool is released
+     again, by its idle timer or `release_memory`, until `invoke`, `map`, `quiesce` or `load`
+     says torpord resumed the GPU (a CUDA call into a checkpointed context crashes the process).
    - `unmap` {vas} (before torpord releases the GPU of an instance on the split path):
      synchronises CUDA, releases the memory of the segments at `vas` (those torpord handed over;
      segments the worker made since keep their memory), keeping the addresses, answers
@@ -158,14 +164,16 @@ EXIT_PROTOCOL = 3
 EXIT_LOAD = 4
 EXIT_CONNECT = 5
 CONNECT_TIMEOUT_S = 10.0
-PROTOCOL = 2
+PROTOCOL = 3
 # The frame types torpord sends (protocol.schema.json's to_worker, checked by
 # tests/sdk/test_sdk_protocol.py): those the serve loop takes, and those only a split quiesce
 # takes (after its quiet).
 SERVES = (
     "load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown", "store_stored", "store_value", "store_memory",
-    "release_memory",
+    "release_memory", "release_gpu",
 )
+# After `release_gpu`, the frames torpord sends only once the GPU is back.
+GPU_BACK = ("invoke", "load", "quiesce", "map")
 # torpord's answers to a sandbox's store requests (torpor.store), handed to the waiting thread.
 STORE_ANSWERS = ("store_stored", "store_value", "store_memory")
 STORE_TIMEOUT_S = 30.0
@@ -354,6 +362,14 @@ class Worker:
         # `quiescing`: no frame of a release may follow `quiet`.
         self.memory_lock = threading.Lock()
         self.quiescing = False
+        # Set by `release_gpu` (torpord checkpoints the GPU in place next), cleared when torpord
+        # serves this worker again: no pool is released meanwhile. A CUDA call into a context
+        # the driver holds checkpointed crashes the process (SIGSEGV in libcuda, H100 and H200,
+        # docs/sandboxes.md), it does not wait for the restore.
+        self.gpu_released = False
+        # The pools whose idle release fell while the GPU was released: timed again once it is
+        # back.
+        self.held_back: set[str] = set()
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -483,6 +499,9 @@ class Worker:
                     return EXIT_OK
                 continue
             kind = msg.get("type")
+            if kind in GPU_BACK and self.gpu_released:
+                # torpord resumes a released GPU before it sends any of these.
+                self.gpu_back()
             if kind == "invoke":
                 try:
                     self.invoke(msg)
@@ -505,6 +524,8 @@ class Worker:
                 self.map_segment(msg)
             elif kind == "unmap":
                 self.unmap_segments(msg)
+            elif kind == "release_gpu":
+                self.release_gpu()
             elif kind == "shutdown":
                 self.close()
                 return EXIT_OK
@@ -700,6 +721,9 @@ class Worker:
         asked, `release_memory`): its pool's memory goes back, and a sandbox tells torpord
         (`memory` {function, resident, pool}), whose accounting drops."""
         with self.memory_lock:
+            if self.gpu_released and not self.quiescing:
+                self.held_back.add(pool.name)
+                return
             if self.quiescing or pool.in_flight:
                 return
             if token is not None and self.begun.get(pool.name, 0) != token:
@@ -1339,6 +1363,34 @@ class Worker:
             )
         return hook
 
+    def release_gpu(self) -> None:
+        """torpord checkpoints this worker's GPU in place next (a GPU release, a move to another
+        GPU): every idle pool's memory goes back first (what the driver would otherwise copy
+        out and back), and none is released again until torpord serves the worker (`invoke`,
+        `map`, `quiesce`, `load`): the driver does not make a CUDA call wait while it holds the
+        context checkpointed, the process crashes in libcuda. Answers `gpu_quiet` {bytes}."""
+        released = 0
+        with self.memory_lock:
+            self.gpu_released = True
+            for pool in self.pools.values():
+                got = pool.release()
+                released += got
+                if got and self.sandbox:
+                    report = pool.report()
+                    report["type"] = "memory"
+                    self.send(report)
+        torpor_gpu.sync()
+        self.send({"type": "gpu_quiet", "bytes": released})
+
+    def gpu_back(self) -> None:
+        """torpord resumed the GPU (it serves this worker again): the idle releases held back
+        meanwhile are timed afresh."""
+        with self.memory_lock:
+            self.gpu_released = False
+            held, self.held_back = self.held_back, set()
+        for name in held:
+            self._ended(name)
+
     def unmap_segments(self, msg: dict[str, Any]) -> None:
         """Give back the memory of the segments torpord names and serve on (torpord then
         checkpoints the GPU in place, and maps them back with `map` frames before the next
@@ -1515,7 +1567,9 @@ def _modules(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     # torpord sends SIGUSR1 before it kills a worker whose request ran past timeout_s: every
-    # thread's stack goes to the log, to say where it hung (docs/torpord.md, "Logs").
+    # thread's stack goes to the log, to say where it hung (docs/torpord.md, "Logs"). A worker
+    # that crashes (SIGSEGV in a native library, SIGABRT) leaves every thread's stack there too.
+    faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     ap = argparse.ArgumentParser(
         prog="python3 -m torpor.worker", description="Torpor's worker harness (started by torpord)."

@@ -171,3 +171,47 @@ def test_release_memory_gives_idle_pools_back_at_once(spawn: Spawner, daemon: Da
     assert r["id"] == 2 and r["memory"]["pool"] == 1 << 20, r
     c.send({"type": "shutdown"})
     assert w.wait() == 0
+
+
+def test_release_gpu_gives_idle_pools_back_and_holds_every_release_until_served_again(
+    spawn: Spawner, daemon: Daemon, tmp_path: Path
+) -> None:
+    """torpord's `release_gpu` (the driver checkpoints the GPU in place next): idle pools go back
+    and `gpu_quiet` answers. A pool that gains memory meanwhile (a request still running here;
+    torpord itself releases only an idle worker) keeps it past its memory_release_s, since a CUDA
+    call into a checkpointed context crashes the process; once torpord serves the worker again
+    the held release is timed afresh."""
+    w = spawn("--role", "function")
+    c = daemon.accept()
+    c.expect("hello")
+    for name in ("ga", "gb"):
+        d = function(tmp_path, name)
+        with (d / "torpor.toml").open("a") as f:
+            f.write("[keepalive]\nmemory_release_s = 0.3\n")
+        ready = c.load(d)
+        assert ready["ok"] is True, f"{ready}\n{w.stderr()}"
+    # ga's idle release would come after 0.3 s: release_gpu comes first.
+    invoke(c, 1, "ga", {"op": "scratch", "mib": 2})
+    (r,) = results(c, 1)
+    assert r["memory"]["pool"] == 2 << 20, r
+    invoke(c, 2, "gb", {"op": "scratch", "mib": 1, "s": 1.0})
+    assert c.expect("started")["id"] == 2
+    c.send({"type": "release_gpu"})
+    assert c.expect("memory") == {"type": "memory", "function": "ga", "resident": 0, "pool": 0}
+    assert c.expect("gpu_quiet") == {"type": "gpu_quiet", "bytes": 2 << 20}
+    (r,) = results(c, 1)
+    assert r["id"] == 2 and r["memory"]["pool"] == 1 << 20, r
+    # gb is idle past its 0.3 s: held, no frame...
+    try:
+        doc = c.recv(timeout=1.2)
+    except TimeoutError:
+        doc = None
+    assert doc is None, f"a frame while the GPU is released: {doc}"
+    # ...until torpord serves the worker again.
+    invoke(c, 3, "ga", {"op": "scratch", "mib": 1})
+    (r,) = results(c, 1)
+    assert r["ok"] is True, r
+    released = {c.expect("memory", timeout=5)["function"] for _ in range(2)}
+    assert released == {"ga", "gb"}, released
+    c.send({"type": "shutdown"})
+    assert w.wait() == 0

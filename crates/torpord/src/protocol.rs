@@ -25,8 +25,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-/// The newest protocol version this daemon speaks (sent by workers in `hello`).
-pub const PROTOCOL: u64 = 2;
+/// The newest protocol version this daemon speaks (sent by workers in `hello`): 2 sends
+/// `started` and reattaches; 3 takes `release_gpu`. A worker restored from an older snapshot
+/// speaks its own version, which the daemon reads from its hello.
+pub const PROTOCOL: u64 = 3;
 
 /// A frame that is not a frame of the protocol.
 #[derive(Debug, thiserror::Error)]
@@ -311,6 +313,14 @@ pub struct Unmapped {
     pub error: Option<Value>,
 }
 
+/// The answer to `release_gpu`: the bytes of idle pool memory given back; the worker's CUDA
+/// work is done and it starts none of its own until torpord serves it again.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct GpuQuiet {
+    pub bytes: u64,
+}
+
 /// `store_put` (a sandbox's torpor.put(..., shared=True); crate::runtime::store): hand the
 /// sealed memfd that holds a value to the daemon's communication store under `key` of the
 /// worker's tenant. A `store_fd` frame with the same `id` and the memfd attached follows at
@@ -463,6 +473,7 @@ pub enum FromWorker {
     Released(Released),
     Mapped(Mapped),
     Unmapped(Unmapped),
+    GpuQuiet(GpuQuiet),
     Dump(Dump),
     StorePut(StorePut),
     StoreFd(StoreFd),
@@ -602,6 +613,9 @@ pub enum ToWorker {
     /// A sandbox: give back the pools of its idle functions now (a request waits for room;
     /// crate::runtime::memory); each one released is answered by a `memory` frame.
     ReleaseMemory(Empty),
+    /// The driver checkpoints the worker's GPU in place next: give idle pools back, finish
+    /// CUDA work, start none until served again (answered by `gpu_quiet`; protocol 3).
+    ReleaseGpu(Empty),
     StoreStored(StoreStored),
     StoreValue(StoreValue),
     StoreMemory(StoreMemory),
@@ -631,7 +645,7 @@ fn fields<'a, T: Deserialize<'a>>(
 impl FromWorker {
     /// The frame types a worker sends.
     pub const TYPES: &'static str =
-        "hello, warmed, ready, started, result, quiet, segment_fd, released, mapped, unmapped, dump, store_put, store_fd, store_get, store_written, memory, settled";
+        "hello, warmed, ready, started, result, quiet, segment_fd, released, mapped, unmapped, gpu_quiet, dump, store_put, store_fd, store_get, store_written, memory, settled";
 
     /// A frame's payload, parsed (`type` first, then the variant from the same bytes).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -647,6 +661,7 @@ impl FromWorker {
             "released" => Self::Released(fields("released", payload)?),
             "mapped" => Self::Mapped(fields("mapped", payload)?),
             "unmapped" => Self::Unmapped(fields("unmapped", payload)?),
+            "gpu_quiet" => Self::GpuQuiet(fields("gpu_quiet", payload)?),
             "dump" => Self::Dump(fields("dump", payload)?),
             "store_put" => Self::StorePut(fields("store_put", payload)?),
             "store_fd" => Self::StoreFd(fields("store_fd", payload)?),
@@ -671,6 +686,7 @@ impl FromWorker {
             Self::Released(_) => "released",
             Self::Mapped(_) => "mapped",
             Self::Unmapped(_) => "unmapped",
+            Self::GpuQuiet(_) => "gpu_quiet",
             Self::Dump(_) => "dump",
             Self::StorePut(_) => "store_put",
             Self::StoreFd(_) => "store_fd",
@@ -685,7 +701,7 @@ impl FromWorker {
 impl ToWorker {
     /// The frame types torpord sends.
     pub const TYPES: &'static str =
-        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, gpu_data, shutdown, store_stored, store_value, store_memory";
+        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, gpu_data, shutdown, release_memory, release_gpu, store_stored, store_value, store_memory";
 
     /// A frame's payload, parsed as [`FromWorker::parse`] does (for tests and tools).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -702,6 +718,8 @@ impl ToWorker {
             "data_fd" => Self::DataFd(fields("data_fd", payload)?),
             "gpu_data" => Self::GpuData(fields("gpu_data", payload)?),
             "shutdown" => Self::Shutdown(Empty {}),
+            "release_memory" => Self::ReleaseMemory(Empty {}),
+            "release_gpu" => Self::ReleaseGpu(Empty {}),
             "store_stored" => Self::StoreStored(fields("store_stored", payload)?),
             "store_value" => Self::StoreValue(fields("store_value", payload)?),
             "store_memory" => Self::StoreMemory(fields("store_memory", payload)?),

@@ -36,6 +36,9 @@ pub struct Instance {
     pub(crate) writer: tokio::sync::Mutex<OwnedWriteHalf>,
     /// Its harness sends `started` when a handler starts (protocol 2).
     pub(crate) announces_start: bool,
+    /// Its harness takes `release_gpu` (protocol 3): told before the driver checkpoints its
+    /// GPU in place, it starts no CUDA work of its own meanwhile.
+    pub(crate) quiets_gpu: bool,
     pub(crate) pending: Mutex<HashMap<u64, Pending>>,
     /// Why it was removed (its state is `gone`).
     pub(crate) why_dead: Mutex<Option<String>>,
@@ -207,6 +210,7 @@ pub(crate) fn new_instance(
         generation,
         writer: tokio::sync::Mutex::new(conn.wr),
         announces_start: conn.hello.protocol >= 2,
+        quiets_gpu: conn.hello.protocol >= 3,
         pending: Mutex::new(HashMap::new()),
         why_dead: Mutex::new(None),
         keep: Mutex::new(keep),

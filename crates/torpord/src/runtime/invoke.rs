@@ -67,6 +67,19 @@ pub struct Invoked {
 const STACKS_GRACE: Duration = Duration::from_millis(300);
 
 impl Runtime {
+    /// Takes `inst` out of service for `why`, its worker's threads' stacks written to its log
+    /// first (SIGUSR1, faulthandler), its tree killed [`STACKS_GRACE`] later: where a worker
+    /// stuck or its GPU failed, the stacks say what its threads were doing.
+    pub(crate) fn remove_with_stacks(self: &Arc<Self>, inst: &Arc<Instance>, why: &str) {
+        crate::runtime::instance::dump_stacks(inst.worker_pid);
+        self.remove_instance(inst, why, false);
+        let init = inst.init_pid;
+        tokio::spawn(async move {
+            tokio::time::sleep(STACKS_GRACE).await;
+            crate::runtime::instance::kill_tree(init);
+        });
+    }
+
     /// Runs one request of function `name`.
     pub async fn invoke(
         self: &Arc<Self>,
@@ -344,13 +357,7 @@ impl Runtime {
                 // Where it hung: the harness writes every thread's stack to its log on SIGUSR1
                 // (faulthandler), which it gets a moment to do before its tree is killed. The
                 // instance is out of service from now on.
-                crate::runtime::instance::dump_stacks(inst.worker_pid);
-                self.remove_instance(inst, &why, false);
-                let init = inst.init_pid;
-                tokio::spawn(async move {
-                    tokio::time::sleep(STACKS_GRACE).await;
-                    crate::runtime::instance::kill_tree(init);
-                });
+                self.remove_with_stacks(inst, &why);
                 Err(InvokeError::Timeout(format!(
                     "function {:?} did not answer within its timeout_s of {} s: its worker (pid {}) \
                      was killed and will be replaced, its threads' stacks written to its log \
@@ -408,8 +415,8 @@ impl Runtime {
                         Some(Err(why)) => break why.to_string(),
                     }
                 }
-                FromWorker::Unmapped(_) => {
-                    // The answer to the daemon's `unmap` (a GPU release).
+                FromWorker::Unmapped(_) | FromWorker::GpuQuiet(_) => {
+                    // The answer to the daemon's `unmap` or `release_gpu` (a GPU release).
                     let forward = lock(&inst.segment_replies).clone();
                     let msg = match frames::parse(&payload) {
                         Ok(msg) => msg,
@@ -418,7 +425,10 @@ impl Runtime {
                     match forward {
                         Some(tx) if tx.send(msg).is_ok() => continue,
                         _ => {
-                            break "it broke the protocol (sent unmapped while no segment was being unmapped)".to_string()
+                            break format!(
+                            "it broke the protocol (sent {} while its GPU was not being released)",
+                            frame.kind()
+                        )
                         }
                     }
                 }

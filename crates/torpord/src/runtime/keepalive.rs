@@ -19,7 +19,7 @@ use crate::accounting::{self, Meter};
 use crate::config::ColdStart;
 use crate::journal::hibernation_step as step;
 use crate::journal::Journal;
-use crate::protocol::{Quiesce, ToWorker, Unmap};
+use crate::protocol::{Empty, Quiesce, ToWorker, Unmap};
 use crate::registry::{now_ms, JournalOp, RegistryError, Stage};
 use crate::runtime::lifecycle::{Doing, State, Transition};
 use crate::runtime::pool::FnInfo;
@@ -260,19 +260,22 @@ impl Runtime {
     /// warm → gpu_released: CUDA driver lock + checkpoint of the worker, in place; on the split
     /// path its segments are unmapped and given back first.
     async fn release_gpu(self: Arc<Self>, pool: Arc<Pool>, inst: Arc<Instance>) {
-        if let Err(e) = self.release_gpu_inner(&inst).await {
-            if inst.is_dead() {
-                // Its segments could not be mapped back: removed already, with the reason.
+        let pools_released = match self.release_gpu_inner(&inst).await {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                if inst.is_dead() {
+                    // Its segments could not be mapped back: removed already, with the reason.
+                    pool.changed.notify_waiters();
+                    return;
+                }
+                // The instance stays warm; it will hibernate at its time.
+                tracing::warn!(instance = %inst.id, function = %inst.function, error = %e, "cannot release the GPU; the instance stays warm");
+                inst.gpu_release_failed.store(true, Ordering::SeqCst);
+                let _ = self.step(&inst.function, &mut lock(&inst.keep), Transition::Abort);
                 pool.changed.notify_waiters();
                 return;
             }
-            // The instance stays warm; it will hibernate at its time.
-            tracing::warn!(instance = %inst.id, function = %inst.function, error = %e, "cannot release the GPU; the instance stays warm");
-            inst.gpu_release_failed.store(true, Ordering::SeqCst);
-            let _ = self.step(&inst.function, &mut lock(&inst.keep), Transition::Abort);
-            pool.changed.notify_waiters();
-            return;
-        }
+        };
         let released = self.step(
             &inst.function,
             &mut lock(&inst.keep),
@@ -289,22 +292,26 @@ impl Runtime {
         {
             tracing::warn!(instance = %inst.id, error = %e, "cannot record the gpu_released stage");
         }
-        tracing::info!(instance = %inst.id, function = %inst.function, "GPU released in place");
+        // pools_released: what the worker's idle pools gave back first (protocol 3; none for
+        // an older harness).
+        tracing::info!(instance = %inst.id, function = %inst.function, pools_released = ?pools_released, "GPU released in place");
         pool.changed.notify_waiters();
     }
 
-    /// The steps of a GPU release. A failure leaves the instance warm with its segments mapped,
-    /// or removes it when they cannot be mapped back.
+    /// The steps of a GPU release; the bytes the worker's idle pools gave back first (`None`:
+    /// a harness older than protocol 3). A failure leaves the instance warm with its segments
+    /// mapped, or removes it when they cannot be mapped back.
     async fn release_gpu_inner(
         self: &Arc<Self>,
         inst: &Arc<Instance>,
-    ) -> Result<(), ReleaseGpuError> {
+    ) -> Result<Option<u64>, ReleaseGpuError> {
         // The driver will not resume a process that maps memory it imported from the daemon
         // (crate::split::release): such an instance gives its segments back first.
         let cuda = self.cuda()?;
         if let Some(reason) = crate::launcher::unrestorable(inst.init_pid, false).await {
             return Err(ReleaseGpuError::Unrestorable { reason });
         }
+        let pools_released = self.quiet_gpu(inst).await?;
         let split = !lock(&inst.segments).is_empty();
         if split {
             self.unmap_segments(inst).await?;
@@ -315,6 +322,18 @@ impl Runtime {
             if let Err(e) = cuda.checkpoint(pid) {
                 let _ = cuda.unlock(pid);
                 return Err(ReleaseGpuError::Cuda(e));
+            }
+            // What the driver says of it now: a later restore refused (restore_in_place) is
+            // read against this.
+            match cuda.process_state(pid) {
+                Ok(Some(torpor_cuda::ProcessState::Checkpointed)) => {}
+                state => {
+                    tracing::warn!(
+                        pid,
+                        ?state,
+                        "after its checkpoint the driver does not call the process checkpointed"
+                    )
+                }
             }
             Ok(())
         })
@@ -327,7 +346,56 @@ impl Runtime {
             }
             return Err(e);
         }
-        Ok(())
+        Ok(pools_released)
+    }
+
+    /// Before the driver checkpoints a worker's GPU in place (protocol 3): `release_gpu`, and
+    /// its answer `gpu_quiet` once its CUDA work is done and its idle pools are given back. From
+    /// then until the daemon serves it again the worker starts no CUDA work of its own: on the
+    /// H100 and H200 a sandbox's timed pool release ran into the checkpointed context and the
+    /// process died in libcuda (docs/sandboxes.md). Any other outcome removes the instance: what
+    /// it runs meanwhile is unknown.
+    /// Returns the bytes the pools gave back (`None`: an older harness, not asked).
+    pub(crate) async fn quiet_gpu(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+    ) -> Result<Option<u64>, ReleaseGpuError> {
+        if !inst.quiets_gpu {
+            return Ok(None);
+        }
+        let mut replies = ForwardedReplies::new(inst)?;
+        {
+            let mut wr = inst.writer.lock().await;
+            if let Err(e) = workers::send(&mut wr, &ToWorker::ReleaseGpu(Empty {})).await {
+                drop(wr);
+                let e = ReleaseGpuError::SendQuiet(e);
+                self.remove_instance(inst, &e.to_string(), true);
+                return Err(e);
+            }
+        }
+        let e = match tokio::time::timeout(QUIET_TIMEOUT, replies.rx.recv()).await {
+            Ok(Some(m))
+                if m.get("type").and_then(serde_json::Value::as_str) == Some("gpu_quiet") =>
+            {
+                let bytes = m
+                    .get("bytes")
+                    .and_then(serde_json::Value::as_u64)
+                    .unwrap_or(0);
+                return Ok(Some(bytes));
+            }
+            Ok(Some(m)) => ReleaseGpuError::QuietAnswer {
+                answer: serde_json::Value::Object(m),
+            },
+            Ok(None) => ReleaseGpuError::Removed {
+                reason: inst.reason(),
+            },
+            Err(_) => ReleaseGpuError::QuietTimeout {
+                bound: QUIET_TIMEOUT,
+            },
+        };
+        drop(replies);
+        self.remove_instance(inst, &e.to_string(), true);
+        Err(e)
     }
 
     /// Split path: the worker unmaps the segments the daemon handed over (`unmap` →
@@ -517,8 +585,8 @@ impl Runtime {
         let t = Instant::now();
         let cuda = self.cuda()?;
         tokio::task::spawn_blocking(move || {
-            cuda.restore(pid, &[])?;
-            cuda.unlock(pid)
+            restore_in_place(&cuda, pid)?;
+            cuda.unlock(pid).map_err(ResumeGpuError::from)
         })
         .await
         .map_err(ResumeGpuError::Task)??;
@@ -1212,6 +1280,15 @@ pub enum ReleaseGpuError {
     /// It was removed meanwhile, for `reason`.
     #[error("{reason}")]
     Removed { reason: String },
+    /// The `release_gpu` frame could not be sent (the instance was removed).
+    #[error("cannot send release_gpu: {0}")]
+    SendQuiet(#[source] workers::ConnError),
+    /// The worker answered `release_gpu` with another frame (the instance was removed).
+    #[error("it answered release_gpu with {answer}")]
+    QuietAnswer { answer: serde_json::Value },
+    /// No `gpu_quiet` in time (the instance was removed).
+    #[error("no gpu_quiet within {} s of release_gpu", bound.as_secs())]
+    QuietTimeout { bound: Duration },
     /// The `unmap` frame could not be sent (the instance was removed).
     #[error("cannot send unmap: {0}")]
     SendUnmap(#[source] workers::ConnError),
@@ -1254,6 +1331,30 @@ pub enum MapBackError {
     Removed { reason: String },
 }
 
+/// The driver's restore of live process `pid`, its CUDA state checkpointed in place. A worker
+/// that died while released is what the driver calls "not a CUDA process": the error says so,
+/// from the kernel's view of the pid (a zombie, or gone), and points at its log.
+fn restore_in_place(cuda: &torpor_cuda::CudaDriver, pid: i32) -> Result<(), ResumeGpuError> {
+    match cuda.restore(pid, &[]) {
+        Ok(()) => Ok(()),
+        Err(e) if e.is_process_lost() => match kernel_state(pid) {
+            Some('Z') | None => Err(ResumeGpuError::WorkerDied { pid }),
+            state => {
+                tracing::warn!(pid, kernel_state = ?state, driver_state = ?cuda.process_state(pid), error = %e, "the driver refused to restore a live process in place");
+                Err(e.into())
+            }
+        },
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The state letter of `pid` in /proc/PID/stat (R, S, D, T, Z...); `None`: no such process.
+fn kernel_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name, in parentheses, may hold spaces and parentheses: the state follows the last ")".
+    stat.rsplit_once(") ")?.1.chars().next()
+}
+
 /// Why the GPU of an instance in gpu_released could not be resumed (the caller removes it).
 #[derive(Debug, thiserror::Error)]
 pub enum ResumeGpuError {
@@ -1272,6 +1373,9 @@ pub enum ResumeGpuError {
     /// It was removed while its GPU was resumed.
     #[error("it was removed while its GPU was resumed ({0})")]
     Removed(#[source] crate::runtime::lifecycle::Refused),
+    /// The worker died while its GPU was released (the driver calls it "not a CUDA process").
+    #[error("its worker (pid {pid}) died while its GPU was released; its log says how")]
+    WorkerDied { pid: i32 },
 }
 
 /// Why an instance could not be hibernated (the instance was removed with this as its reason,
@@ -1374,6 +1478,25 @@ fn resident_bytes(pid: i32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernel_tells_a_live_process_from_a_dead_one() {
+        // Alive (its main thread waits for the test threads: S, or R).
+        let own = kernel_state(std::process::id() as i32);
+        assert!(matches!(own, Some('R' | 'S')), "{own:?}");
+        // A child that exited and was not reaped yet: what a worker that crashed while its GPU
+        // was released looks like to the resume.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while kernel_state(pid) != Some('Z') && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(kernel_state(pid), Some('Z'));
+        child.wait().unwrap();
+        // Reaped: gone.
+        assert_eq!(kernel_state(pid), None);
+    }
 
     #[test]
     fn a_page_cache_error_names_the_step_and_keeps_the_errno() {

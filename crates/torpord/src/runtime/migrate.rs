@@ -683,6 +683,11 @@ impl Runtime {
                 return Err(forced("unmap"));
             }
             let t = Instant::now();
+            // The driver checkpoints the context below: the worker starts no CUDA work of its
+            // own from here (keepalive.rs, `quiet_gpu`); a failure removed the instance.
+            self.quiet_gpu(inst)
+                .await
+                .map_err(|e| ("unmap", e.to_string(), true))?;
             self.unmap_for_migration(inst, plan)
                 .await
                 .map_err(|(m, lost)| ("unmap", m, lost))?;

@@ -527,11 +527,12 @@ impl Runtime {
                 }
                 Err(e) => {
                     let why = format!("resuming its GPU failed: {e}");
-                    self.remove_instance(&inst, &why, true);
+                    self.remove_with_stacks(&inst, &why);
                     return Err(InvokeError::Internal(format!(
                         "cannot resume the GPU of instance {} of {:?}: {e}; the \
-                         instance was removed and the next request starts a new one",
-                        inst.id, pool.name
+                         instance was removed (its log: torpor logs {} --instance {}) and \
+                         the next request starts a new one",
+                        inst.id, pool.name, pool.name, inst.id
                     )));
                 }
             }
