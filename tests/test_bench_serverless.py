@@ -130,3 +130,16 @@ def test_clients_superpose_independent_traces_of_one_shape() -> None:
         capture_output=True, text=True, check=False, timeout=60,
     )
     assert r.returncode == 1 and "--clients must be at least 1" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+@pytest.mark.parametrize(
+    ("listing", "dirty"),
+    [(" M crates/torpord/src/runtime/keepalive.rs\n", True), ("", False), ("1", True), ("false", False)],
+)
+def test_the_machine_reads_the_carried_git_status_as_dirty_or_clean(
+    monkeypatch: pytest.MonkeyPatch, listing: str, dirty: bool
+) -> None:
+    # What `make gpu-carry` writes to .gpu/dirty (`git status --porcelain`), as gpu-run.sh passes it.
+    monkeypatch.setenv("TORPOR_COMMIT", "0" * 40)
+    monkeypatch.setenv("TORPOR_DIRTY", listing)
+    assert run.machine(Path("/bin/true"))["torpor_dirty"] is dirty

@@ -279,10 +279,13 @@ def machine(torpor_bin: Path) -> Json:
     commit = os.environ.get("TORPOR_COMMIT") or run_text(
         ["git", "-C", str(ROOT), "rev-parse", "HEAD"]
     )
+    # `make gpu-carry` writes `git status --porcelain` beside the binary and gpu-run.sh passes
+    # it on: any line is a change (empty: a clean tree); 0/false/no say clean explicitly.
     dirty_env = os.environ.get("TORPOR_DIRTY")
-    dirty: bool | None = (
-        dirty_env.lower() in ("1", "true", "yes") if dirty_env else None
-    )
+    dirty: bool | None = None
+    if dirty_env is not None:
+        text = dirty_env.strip()
+        dirty = bool(text) and text.lower() not in ("0", "false", "no")
     if dirty is None and commit and not os.environ.get("TORPOR_COMMIT"):
         status = run_text(["git", "-C", str(ROOT), "status", "--porcelain"])
         dirty = None if status is None else bool(status)
