@@ -1370,17 +1370,22 @@ class Worker:
         `map`, `quiesce`, `load`): the driver does not make a CUDA call wait while it holds the
         context checkpointed, the process crashes in libcuda. Answers `gpu_quiet` {bytes}."""
         released = 0
-        with self.memory_lock:
-            self.gpu_released = True
-            for pool in self.pools.values():
-                got = pool.release()
-                released += got
-                if got and self.sandbox:
-                    report = pool.report()
-                    report["type"] = "memory"
-                    self.send(report)
-        torpor_gpu.sync()
-        self.send({"type": "gpu_quiet", "bytes": released})
+        try:
+            with self.memory_lock:
+                self.gpu_released = True
+                for pool in self.pools.values():
+                    got = pool.release()
+                    released += got
+                    if got and self.sandbox:
+                        report = pool.report()
+                        report["type"] = "memory"
+                        self.send(report)
+            torpor_gpu.sync()
+            self.send({"type": "gpu_quiet", "bytes": released})
+        except (ConnectionError, OSError):
+            # torpord went before its checkpoint: the next read finds the connection closed
+            # and the worker reattaches, its GPU never released.
+            pass
 
     def gpu_back(self) -> None:
         """torpord resumed the GPU (it serves this worker again): the idle releases held back
