@@ -84,7 +84,7 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      GPU; first of all, before `unmap`): gives every idle pool's memory back (a sandbox sends
      `memory` for each), synchronises CUDA and answers `gpu_quiet` {bytes}; no pool is released
      again, by its idle timer or `release_memory`, until `invoke`, `map`, `quiesce` or `load`
-     says torpord resumed the GPU (a CUDA call into a checkpointed context crashes the process).
+     says torpord resumed the GPU (a release into the checkpointed context killed workers).
    - `unmap` {vas} (before torpord releases the GPU of an instance on the split path):
      synchronises CUDA, releases the memory of the segments at `vas` (those torpord handed over;
      segments the worker made since keep their memory), keeping the addresses, answers
@@ -363,9 +363,10 @@ class Worker:
         self.memory_lock = threading.Lock()
         self.quiescing = False
         # Set by `release_gpu` (torpord checkpoints the GPU in place next), cleared when torpord
-        # serves this worker again: no pool is released meanwhile. A CUDA call into a context
-        # the driver holds checkpointed crashes the process (SIGSEGV in libcuda, H100 and H200,
-        # docs/sandboxes.md), it does not wait for the restore.
+        # serves this worker again: no pool is released meanwhile. A pool release while the
+        # driver held the process checkpointed killed sandbox workers in libcuda on the H200
+        # (docs/sandboxes.md, "The GPU release of a sandbox"), where a plain process's
+        # empty_cache() waits for the restore.
         self.gpu_released = False
         # The pools whose idle release fell while the GPU was released: timed again once it is
         # back.
@@ -1367,8 +1368,8 @@ class Worker:
         """torpord checkpoints this worker's GPU in place next (a GPU release, a move to another
         GPU): every idle pool's memory goes back first (what the driver would otherwise copy
         out and back), and none is released again until torpord serves the worker (`invoke`,
-        `map`, `quiesce`, `load`): the driver does not make a CUDA call wait while it holds the
-        context checkpointed, the process crashes in libcuda. Answers `gpu_quiet` {bytes}."""
+        `map`, `quiesce`, `load`): a pool released while the driver held the context
+        checkpointed killed the worker in libcuda. Answers `gpu_quiet` {bytes}."""
         released = 0
         try:
             with self.memory_lock:

@@ -352,8 +352,8 @@ impl Runtime {
     /// Before the driver checkpoints a worker's GPU in place (protocol 3): `release_gpu`, and
     /// its answer `gpu_quiet` once its CUDA work is done and its idle pools are given back. From
     /// then until the daemon serves it again the worker starts no CUDA work of its own: on the
-    /// H100 and H200 a sandbox's timed pool release ran into the checkpointed context and the
-    /// process died in libcuda (docs/sandboxes.md). Any other outcome removes the instance: what
+    /// H200 a sandbox's timed pool release ran into the checkpointed context and the process
+    /// died in libcuda (docs/sandboxes.md). Any other outcome removes the instance: what
     /// it runs meanwhile is unknown.
     /// Returns the bytes the pools gave back (`None`: an older harness, not asked).
     pub(crate) async fn quiet_gpu(
