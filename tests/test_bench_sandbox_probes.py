@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 PROBE = ROOT / "bench" / "sandbox" / "release_probe.py"
@@ -51,3 +53,14 @@ def test_an_unknown_gil_probe_mode_is_one_line_naming_the_choices() -> None:
     assert r.returncode == 2, r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert "unknown mode 'threads-3'" in line and "threads-4-graphs" in line, line
+
+
+def test_a_hook_variant_without_the_hook_library_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORPOR_HOOK_LIB", raising=False)
+    r = subprocess.run(
+        [sys.executable, str(PROBE), "--variants", "hook-free-while-checkpointed"],
+        capture_output=True, text=True, check=False, timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "needs TORPOR_HOOK_LIB" in line, line

@@ -48,6 +48,11 @@ VARIANTS: dict[str, Json] = {
     # cudaFree) while the driver held the process checkpointed.
     "free-while-checkpointed": {"threads": 0, "streams": False, "conv": True, "keep_threads": False,
                                 "free_while_checkpointed": True},
+    # The same through the device-memory hook, as in a split worker: LD_PRELOAD=$TORPOR_HOOK_LIB
+    # with TORPOR_HOOK_CUDA=1, so the kept 256 MiB block is a hook segment whose cudaFree the
+    # hook serves with VMM calls (the likelier difference from a plain process; not run yet).
+    "hook-free-while-checkpointed": {"threads": 0, "streams": False, "conv": True, "keep_threads": False,
+                                     "free_while_checkpointed": True, "hook": True},
 }
 
 
@@ -130,12 +135,22 @@ def check(lib: ctypes.CDLL, rc: int, what: str) -> None:
         raise RuntimeError(f"{what}: CUDA error {rc}")
 
 
+def child_env(variant: str) -> dict[str, str]:
+    """The child's environment: the hook preloaded for a variant that asks for it."""
+    env = dict(os.environ)
+    if VARIANTS[variant].get("hook"):
+        env["LD_PRELOAD"] = os.environ["TORPOR_HOOK_LIB"]
+        env["TORPOR_HOOK_CUDA"] = "1"
+    return env
+
+
 def probe(variant: str, cycles: int, idle_s: float, wait_s: float) -> Json:
     p = subprocess.Popen(
         [sys.executable, __file__, "--child", variant],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env=child_env(variant),
     )
     assert p.stdin is not None and p.stdout is not None
     lib = ctypes.CDLL("libcuda.so.1")
@@ -208,6 +223,14 @@ def main() -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         print(f"release_probe.py: unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    hook = os.environ.get("TORPOR_HOOK_LIB")
+    if any(VARIANTS[v].get("hook") for v in variants) and not (hook and os.path.isfile(hook)):
+        print(
+            "release_probe.py: a hook variant needs TORPOR_HOOK_LIB naming libtorpor_hook.so "
+            "(cargo build -p torpor-hook --lib, or the carried .gpu/libtorpor_hook.so)",
+            file=sys.stderr,
+        )
         return 2
     import torch
 
