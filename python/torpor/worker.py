@@ -729,14 +729,18 @@ class Worker:
                 return
             if token is not None and self.begun.get(pool.name, 0) != token:
                 return
-            if pool.release() == 0 or not self.sandbox or self.sock is None:
+            if pool.release() == 0 or self.sock is None:
                 return
-            report = pool.report()
-            report["type"] = "memory"
             try:
-                self.send(report)
+                self._report_memory(pool)
             except (ConnectionError, OSError, AssertionError):
                 pass
+
+    def _report_memory(self, pool: torpor_mempool.FunctionPool) -> None:
+        """A sandbox tells torpord what `pool` holds after a release (`memory` {function,
+        resident, pool}); a single function's worker has no account there to tell."""
+        if self.sandbox:
+            self.send(pool.report() | {"type": "memory"})
 
     # -- torpord's communication store (a sandbox's request threads) ----------------------
 
@@ -1377,10 +1381,8 @@ class Worker:
                 for pool in self.pools.values():
                     got = pool.release()
                     released += got
-                    if got and self.sandbox:
-                        report = pool.report()
-                        report["type"] = "memory"
-                        self.send(report)
+                    if got:
+                        self._report_memory(pool)
             torpor_gpu.sync()
             self.send({"type": "gpu_quiet", "bytes": released})
         except (ConnectionError, OSError):

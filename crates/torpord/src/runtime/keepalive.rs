@@ -323,18 +323,6 @@ impl Runtime {
                 let _ = cuda.unlock(pid);
                 return Err(ReleaseGpuError::Cuda(e));
             }
-            // What the driver says of it now: a later restore refused (restore_in_place) is
-            // read against this.
-            match cuda.process_state(pid) {
-                Ok(Some(torpor_cuda::ProcessState::Checkpointed)) => {}
-                state => {
-                    tracing::warn!(
-                        pid,
-                        ?state,
-                        "after its checkpoint the driver does not call the process checkpointed"
-                    )
-                }
-            }
             Ok(())
         })
         .await
