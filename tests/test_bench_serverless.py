@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -73,6 +74,18 @@ def test_the_sandboxed_copy_runs_as_many_requests_at_once_in_one_sandbox(tmp_pat
     assert "sandbox" not in (ROOT / "examples" / "cpu-mlp" / "torpor.toml").read_text()
 
 
+def test_the_graphed_modes_deploy_the_entry_they_are_given(tmp_path: Path) -> None:
+    src = tmp_path / "resnet152"
+    shutil.copytree(ROOT / "examples" / "resnet152", src, ignore=shutil.ignore_patterns("weights.*"))
+    (src / "weights.safetensors").write_bytes(b"")  # its weights: only their presence is checked here
+    copy = run.function_copy(src, tmp_path / "r", None, sandbox=True, entry="model:ResNet152Graphed")
+    spec = tomllib.loads((copy / "torpor.toml").read_text())
+    assert spec["entry"] == "model:ResNet152Graphed" and spec["scaling"]["sandbox"] is True, spec
+    assert tomllib.loads((src / "torpor.toml").read_text())["entry"] == "model:ResNet152"
+    assert table.mode_label("sandbox-graphs") == "restore, sandboxed, CUDA graphs"
+    assert table.mode_label("restore-graphs") == "restore, CUDA graphs" and table.mode_label("boot") == "boot"
+
+
 def test_answered_per_second_spans_the_first_send_to_the_last_answer() -> None:
     records = [
         {"status": 200, "latency_s": 0.5, "sent_s": 1.0, "start": "restored"},
@@ -83,12 +96,17 @@ def test_answered_per_second_spans_the_first_send_to_the_last_answer() -> None:
     assert run.summarise([])["throughput_rps"] is None
 
 
+# cpu-mlp's own entry: on a CPU machine a graphed mode deploys it as it is (torpor.graphed would
+# capture nothing there); what the run checks is the mode's wiring.
+CPU_MLP_ENTRY = tomllib.loads((ROOT / "examples" / "cpu-mlp" / "torpor.toml").read_text())["entry"]
+
+
 def test_a_sandboxed_replay_against_processes_on_this_machine(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
     out = tmp_path / "serverless.json"
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "serverless" / "run.py"), "--compare", "--function-dir",
-         str(ROOT / "examples" / "cpu-mlp"), "--duration", "4", "--patterns", "periodic", "--modes", "restore,sandbox",
-         "--clients", "2",
+         str(ROOT / "examples" / "cpu-mlp"), "--duration", "4", "--patterns", "periodic", "--modes",
+         "restore,sandbox,sandbox-graphs", "--graphed-entry", CPU_MLP_ENTRY, "--clients", "2",
          "--out", str(out)],
         capture_output=True, text=True, check=False, timeout=300, env=dict(os.environ, TORPOR_BIN=str(torpor_bin)),
     )
@@ -96,15 +114,25 @@ def test_a_sandboxed_replay_against_processes_on_this_machine(torpor_bin: Path, 
     doc = json.loads(out.read_text())
     assert doc["settings"]["clients"] == 2
     by_mode = {x["mode"]: x for x in doc["results"]}
-    assert set(by_mode) == {"restore", "sandbox"}
+    assert set(by_mode) == {"restore", "sandbox", "sandbox-graphs"}
+    assert doc["settings"]["graphed_entry"] == CPU_MLP_ENTRY
     for x in by_mode.values():
         s = x["summary"]
         assert s["ok"] == s["requests"] > 0 and s["mode_violations"] == 0, s
         assert s["throughput_rps"] and s["throughput_rps"] > 0, s
+        assert s["handler_p50_s"] and s["handler_p50_s"] > 0, s
     # Only the sandboxed deploy loads its group into the sandbox.
     assert "load_sandbox" in by_mode["sandbox"]["deploy"]["phases"]
     assert "load_sandbox" not in by_mode["restore"]["deploy"]["phases"]
     assert "| restore, sandboxed |" in table.render(doc)
+    assert "| restore, sandboxed, CUDA graphs |" in table.render(doc)
+    # A graphed mode without the entry it deploys is refused before any daemon starts.
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "serverless" / "run.py"), "--compare", "--function-dir",
+         str(ROOT / "examples" / "cpu-mlp"), "--modes", "sandbox-graphs", "--out", str(tmp_path / "no.json")],
+        capture_output=True, text=True, check=False, timeout=60, env=dict(os.environ, TORPOR_BIN=str(torpor_bin)),
+    )
+    assert r.returncode != 0 and "mode sandbox-graphs needs --graphed-entry" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(

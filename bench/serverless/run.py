@@ -25,7 +25,10 @@ and after. A third mode, `sandbox` (`--modes restore,sandbox`; issue 11's throug
 against processes), restores like `restore` but deploys the function sandboxed (docs/sandboxes.md)
 with the same number of requests at once: one sandbox (`max_instances = 1`) running
 max_instances × requests_per_instance of the spec's requests as threads, on CUDA streams of one
-context, where `restore` runs them as that many processes. The keep-alive delays of the deployed copy are scaled to the trace (default:
+context, where `restore` runs them as that many processes. Two more, `restore-graphs` and
+`sandbox-graphs`, are `restore` and `sandbox` with the spec's entry replaced by
+`--graphed-entry` (for examples/resnet152, `model:ResNet152Graphed`: its forward captured as
+CUDA graphs by torpor.graphed; docs/sandboxes.md, "CUDA graphs"). The keep-alive delays of the deployed copy are scaled to the trace (default:
 gpu_release = duration/30, hibernate = duration/10, evict = duration/2), so the replay exercises the
 stepped-down stages as the hours-long Azure trace does against the default delays; both modes use
 the same delays. If this torpor has no --cold-start flag, only the restore mode runs, and the JSON
@@ -70,7 +73,7 @@ from torpor import client
 from traces import PATTERNS, Trace, generate, superposed
 
 Json = dict[str, Any]
-MODES = ("restore", "boot", "sandbox")
+MODES = ("restore", "boot", "sandbox", "restore-graphs", "sandbox-graphs")
 # What --compare runs unless told (the README's table): restore against boot.
 DEFAULT_MODES = ("restore", "boot")
 GIB = 1 << 30
@@ -217,6 +220,8 @@ def summarise(records: list[Json]) -> Json:
     # Requests answered per second, from the first send to the last answer.
     span = max((r["sent_s"] + r["latency_s"] for r in ok), default=0.0) - min((r["sent_s"] for r in ok), default=0.0)
     warm = [r["latency_s"] for r in ok if r["start"] == "warm"]
+    # The handler's own time (X-Torpor-Timings): what a request computes, apart from its wait.
+    handler = [float(r["timings"]["handler"]) for r in ok if isinstance(r.get("timings"), dict) and "handler" in r["timings"]]
 
     def rnd(x: float | None) -> float | None:
         return None if x is None else round(x, 6)
@@ -234,6 +239,7 @@ def summarise(records: list[Json]) -> Json:
         "warm_p50_s": rnd(quantile(warm, 0.5)),
         "statuses": dict(sorted(statuses.items())),
         "throughput_rps": rnd(len(ok) / span) if span > 0 else None,
+        "handler_p50_s": rnd(quantile(handler, 0.5)),
     }
 
 
@@ -360,11 +366,15 @@ def sandboxed_scaling(spec: Json) -> str:
 
 
 def function_copy(
-    src: Path, dest: Path, keepalive: tuple[float, float, float] | None, sandbox: bool = False
+    src: Path,
+    dest: Path,
+    keepalive: tuple[float, float, float] | None,
+    sandbox: bool = False,
+    entry: str | None = None,
 ) -> Path:
     """A copy of the function dir (files hard-linked where possible, so large weights cost nothing)
-    with its [keepalive] replaced, and, with `sandbox`, its [scaling] made a sandbox's
-    (sandboxed_scaling); the copy is what gets deployed."""
+    with its [keepalive] replaced, with `sandbox` its [scaling] made a sandbox's
+    (sandboxed_scaling), and with `entry` its entry replaced; the copy is what gets deployed."""
     if dest.exists():
         shutil.rmtree(dest)
 
@@ -381,7 +391,7 @@ def function_copy(
         copy_function=link_or_copy,
         ignore=shutil.ignore_patterns("__pycache__", ".*"),
     )
-    if keepalive is not None or sandbox:
+    if keepalive is not None or sandbox or entry:
         spec = dest / "torpor.toml"
         text = spec.read_text()
         if keepalive is not None:
@@ -389,6 +399,10 @@ def function_copy(
             text = replace_table(text, "keepalive", f"gpu_release_s = {g}\nhibernate_s = {h}\nevict_s = {e}\n")
         if sandbox:
             text = replace_table(text, "scaling", sandboxed_scaling(tomllib.loads(text)))
+        if entry:
+            text, n = re.subn(r"(?m)^entry\s*=.*$", lambda _: f"entry = {json.dumps(entry)}", text, count=1)
+            if n != 1:
+                raise SystemExit(f"run.py: {src / 'torpor.toml'} has no top-level entry to replace")
         spec.unlink()  # a hard link: never write through it
         spec.write_text(text)
     r = subprocess.run(
@@ -581,8 +595,17 @@ def compare(a: argparse.Namespace) -> int:
     work.mkdir(exist_ok=True)
     fdir = function_copy(src, work / name, keepalive)
     fdirs = {m: fdir for m in modes}
-    if "sandbox" in modes:
-        fdirs["sandbox"] = function_copy(src, work / f"{name}-sandbox", keepalive, sandbox=True)
+    graphed = [m for m in modes if m.endswith("-graphs")]
+    if graphed and not a.graphed_entry:
+        raise SystemExit(
+            f"run.py: mode {graphed[0]} needs --graphed-entry (e.g. model:ResNet152Graphed for examples/resnet152)"
+        )
+    for m in modes:
+        if m.startswith("sandbox") or m in graphed:
+            fdirs[m] = function_copy(
+                src, work / f"{name}-{m}", keepalive, sandbox=m.startswith("sandbox"),
+                entry=a.graphed_entry if m in graphed else None,
+            )
     template = json.loads(a.request) if a.request else warmup_request(fdir)
     m = machine(torpor_bin)
     started = time.time()
@@ -591,9 +614,9 @@ def compare(a: argparse.Namespace) -> int:
     try:
         for mode in modes:
             root = Path(tempfile.mkdtemp(prefix=f"torpor-serverless-{mode}-"))
-            # A sandbox's cold starts restore, as in `restore`.
-            cold_start = "restore" if mode == "sandbox" else mode
-            how = f"{cold_start}, sandboxed" if mode == "sandbox" else mode
+            # A sandbox's cold starts restore, as in `restore`, and so do the graphed modes'.
+            cold_start = "boot" if mode == "boot" else "restore"
+            how = table.mode_label(mode)
             print(f"== {name}, cold start by {how}: torpor serve in {root}", flush=True)
             d = Daemon(torpor_bin, cold_start if flag else None, root, a.queue_timeout)
             try:
@@ -668,6 +691,7 @@ def compare(a: argparse.Namespace) -> int:
             "seed": a.seed,
             "patterns": patterns,
             "modes": modes,
+            "graphed_entry": a.graphed_entry,
             "cold_start_flag": flag,
             "note": note,
             "keepalive": None
@@ -756,7 +780,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--modes",
         default=",".join(DEFAULT_MODES),
-        help="--compare: comma-separated, of restore,boot,sandbox (default restore,boot)",
+        help="--compare: comma-separated, of restore,boot,sandbox,restore-graphs,sandbox-graphs "
+        "(default restore,boot)",
+    )
+    ap.add_argument(
+        "--graphed-entry",
+        help="--compare: the entry the *-graphs modes deploy (model:ResNet152Graphed for examples/resnet152)",
     )
     ap.add_argument(
         "--duration", type=float, default=60.0, help="seconds per replay (default 60)"

@@ -38,6 +38,15 @@ def gib_s(r: Json) -> str:
     return f"{total:.1f}" + ("" if starting is None else f" ({starting:.1f} starting)")
 
 
+def mode_label(mode: str) -> str:
+    """How a mode of run.py reads in the table's "cold start by" column."""
+    return {
+        "sandbox": "restore, sandboxed",
+        "restore-graphs": "restore, CUDA graphs",
+        "sandbox-graphs": "restore, sandboxed, CUDA graphs",
+    }.get(mode, mode)
+
+
 def render(d: Json) -> str:
     m = d["machine"]
     v = m["versions"]
@@ -66,19 +75,22 @@ def render(d: Json) -> str:
         out.append(f"Note: {st['note']}.")
     # Requests answered per second: a column only where the JSON has it (since session 34).
     rps = any("throughput_rps" in r["summary"] for r in d["results"])
+    # The handler's p50: a column only where the JSON has it (since session 36).
+    handler = any("handler_p50_s" in r["summary"] for r in d["results"])
     out += [
         "",
         (
             "| function | pattern | cold start by | requests | p50 | p99 | cold starts | starts | "
             "cold p50 | GPU memory·s (GiB·s) | errors |" + (" answered/s |" if rps else "")
+            + (" handler p50 |" if handler else "")
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if rps else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if rps else "") + ("---|" if handler else ""),
     ]
     for r in d["results"]:
         s = r["summary"]
         errors = s["requests"] - s["ok"]
         bad = ", ".join(f"{n}× {k}" for k, n in s["statuses"].items() if k != "200")
-        mode = "restore, sandboxed" if r["mode"] == "sandbox" else r["mode"]
+        mode = mode_label(r["mode"])
         row = (
             f"| {r['function']} | {r['pattern']} | {mode} | {s['requests']} | {ms(s['p50_s'])} "
             f"| {ms(s['p99_s'])} | {s['cold_starts']} | {starts(s)} | {ms(s['cold_p50_s'])} "
@@ -87,6 +99,8 @@ def render(d: Json) -> str:
         if rps:
             t = s.get("throughput_rps")
             row += f" {'–' if t is None else f'{t:.2f}'} |"
+        if handler:
+            row += f" {ms(s.get('handler_p50_s'))} |"
         out.append(row)
     return "\n".join(out)
 

@@ -12,6 +12,7 @@ mode. A restored copy starts after all of that, with the weights already in GPU 
 
 Try it without torpord (on a GPU machine, the repository's python/ on PYTHONPATH):
     python3 examples/resnet152/model.py '{"seed": 1}'
+    python3 examples/resnet152/model.py --graphed '{"seed": 1}'    # ResNet152Graphed: the same answer
 """
 
 from __future__ import annotations
@@ -107,11 +108,28 @@ class ResNet152:
         }
 
 
+@torpor.function
+class ResNet152Graphed(ResNet152):
+    """ResNet-152 whose batch-1 forward is a CUDA graph replay (torpor.graphed; docs/sandboxes.md,
+    "CUDA graphs"): `GRAPHS` graphs captured in setup(), as many as the spec's requests at once,
+    so concurrent requests in a sandbox stop waiting for each other's kernel launches; other
+    batch sizes run eager. Deploy it with `entry = "model:ResNet152Graphed"`. Its answers equal
+    ResNet152's, digest included."""
+
+    GRAPHS = 4
+
+    def setup(self) -> None:
+        super().setup()
+        example = torch.zeros(1, 3, 224, 224, device="cuda")
+        self.model = torpor.graphed(self.model, example, instances=self.GRAPHS)
+
+
 if __name__ == "__main__":
     from pathlib import Path
 
     torpor.use_dir(Path(__file__).resolve().parent)
-    fn = ResNet152()
+    fn = ResNet152Graphed() if "--graphed" in sys.argv else ResNet152()
+    sys.argv = [a for a in sys.argv if a != "--graphed"]
     fn.setup()
     print(
         json.dumps(fn(json.loads(sys.argv[1] if len(sys.argv) > 1 else '{"seed": 1}')))

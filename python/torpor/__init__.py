@@ -24,7 +24,8 @@ loaded by torpord while the instance starts), a request may pass inputs by refer
 torpor.put(key, value) / torpor.get(key) hand values between the functions of a sandbox
 without a copy (torpor.store, docs/sandboxes.md); torpor.scratch(nbytes) gives request memory
 from the function's pool, which its sandbox accounts and gives back when it idles
-(torpor.mempool).
+(torpor.mempool). torpor.graphed(model, example) captures a model's GPU work as CUDA graphs in
+setup() and replays them per request (torpor.graphs).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 from torpor.data import declared, dump, load, load_bytes, use_dir
 from torpor.errors import DataError, DefinitionError, FrameError, HookError, SpecError, TorporError
 from torpor.functions import function
+from torpor.graphs import graphed
 from torpor.hook import buffer
 from torpor.mempool import scratch
 from torpor.store import get, put
@@ -48,6 +50,7 @@ __all__ = [
     "dump",
     "function",
     "get",
+    "graphed",
     "load",
     "load_bytes",
     "put",

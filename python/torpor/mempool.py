@@ -53,6 +53,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from torpor.graphs import CAPTURE_LOCK
+
 # The pool of the function whose request (or load) runs on this thread.
 _current = threading.local()
 
@@ -166,8 +168,11 @@ class FunctionPool:
         del pools  # the last references: their use counts reach zero
         torch: Any = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            # Not during another function's graph capture (torpor.graphs), which a device-wide
+            # synchronisation would invalidate.
+            with CAPTURE_LOCK:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
         return before
 
     # -- host backend ------------------------------------------------------------------------

@@ -226,3 +226,89 @@ def test_a_gpu_function_s_first_start_loads_into_a_ready_sandbox(
         print("pooled GPU start:", a.timings)
     finally:
         daemon.stop()
+
+
+GRAPHED_FN = '''
+import hashlib
+import torch
+import torpor
+
+
+@torpor.function
+class Graphed:
+    def setup(self) -> None:
+        torch.manual_seed(0)
+        nn = torch.nn
+        self.eager = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Linear(32, 10),
+        ).cuda().eval()
+        self.model = torpor.graphed(self.eager, torch.zeros(2, 3, 32, 32, device="cuda"), instances=2)
+
+    def __call__(self, request):
+        gen = torch.Generator().manual_seed(int(request["seed"]))
+        x = torch.randn(int(request.get("batch", 2)), 3, 32, 32, generator=gen).cuda()
+        y = self.model(x)
+        with torch.inference_mode():
+            same = torch.equal(y, self.eager(x))
+        return {"digest": hashlib.sha256(y.cpu().numpy().tobytes()).hexdigest(), "same": same,
+                "stats": self.model.stats()}
+'''
+
+
+@pytest.mark.parametrize("path", ["split", "transparent"])
+def test_a_graphed_function_replays_in_its_sandbox_after_a_gpu_release_and_a_hibernation(
+    cuda: None, torpor_bin: Path, criu_ready: None, tmp_path: Path, path: str
+) -> None:
+    """torpor.graphed (docs/sandboxes.md, "CUDA graphs") through torpord: the graphs captured in
+    setup() are in the function snapshot; restored, released in place and resumed, hibernated and
+    woken, the sandbox's replays equal its eager model bit for bit, requests at once included,
+    and a shape not captured runs eager."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = tmp_path / "graphed"
+    d.mkdir()
+    (d / "model.py").write_text(GRAPHED_FN)
+    (d / "torpor.toml").write_text(
+        'name = "graphed"\ntenant = "graphs"\nentry = "model:Graphed"\npreload = ["torch"]\ngpus = 1\n'
+        'gpu_memory = "1GiB"\n[warmup]\nrequest = { seed = 0 }\n[scaling]\nsandbox = true\nmax_instances = 1\n'
+        "requests_per_instance = 4\n[keepalive]\ngpu_release_s = 2\nhibernate_s = 6\nevict_s = 600\n"
+    )
+    config = "split_gpu = false\n" if path == "transparent" else ""
+    torpord = Torpord(torpor_bin, tmp_path / "daemon", config=config, queue_timeout_s=30)
+
+    def stage_is(stage: str) -> None:
+        deadline = time.monotonic() + 60
+        while [i["stage"] for i in torpord.instances("graphed")] != [stage]:
+            assert time.monotonic() < deadline, (torpord.instances("graphed"), torpord.log_text())
+            time.sleep(0.05)
+
+    def replays(seed: int, batch: int = 2) -> tuple[str, int, int]:
+        a = torpord.invoke("graphed", {"seed": seed, "batch": batch}, timeout=180)
+        assert a.status == 200, (a.status, a.body, torpord.log_text())
+        out = a.json()
+        assert out["same"] is True, out
+        return out["digest"], out["stats"]["replays"], out["stats"]["eager"]
+
+    try:
+        lines = torpord.deploy(d)
+        snap = next(line for line in lines if line.get("phase") == "snapshot_function")
+        assert snap["split"] is (path == "split"), snap
+        first, n, eager = replays(1)
+        with ThreadPoolExecutor(4) as pool:
+            at_once = list(pool.map(lambda s: replays(s), [1, 2, 3, 1]))
+        assert at_once[0][0] == at_once[3][0] == first and len({a[0] for a in at_once}) == 3, at_once
+        assert max(a[1] for a in at_once) == n + 4, at_once
+        _, n2, eager2 = replays(4, batch=3)
+        assert eager2 == eager + 1 and n2 == n + 4, (n, n2, eager, eager2)
+        stage_is("gpu_released")
+        assert replays(1)[0] == first
+        stage_is("gpu_released")
+        stage_is("hibernated")
+        woken, n3, _ = replays(1)
+        assert woken == first and n3 > n2, (n2, n3)
+        assert "cannot resume the GPU" not in torpord.log_text()
+    finally:
+        torpord.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,3 +30,16 @@ def spawn(tmp_path: Path, daemon: Daemon) -> Iterator[Spawner]:
         yield s
     finally:
         s.cleanup()
+
+
+@pytest.fixture(scope="module")
+def cuda() -> None:
+    """Skips unless torch sees a CUDA device (the GPU machine's tests)."""
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if r.stdout.strip() != "True":
+        pytest.skip(f"needs a CUDA device visible to torch ({r.stdout.strip() or r.stderr.strip()[-200:]})")

@@ -284,3 +284,15 @@ def wait_for(pred: Any, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.01)
+
+
+def run_ok(code: str) -> None:
+    """Runs `code` in a fresh interpreter (CUDA is not initialised in pytest's) with the torpor
+    package importable; it must print "ok"."""
+    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH", "")) if p)
+    r = subprocess.run(
+        [sys.executable, "-c", code], check=False, env={**os.environ, "PYTHONPATH": path},
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
+    print(r.stdout.strip())

@@ -7,27 +7,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
 import pytest
-from sdkd import FUNCTIONS, ROOT, Daemon, Spawner, hook_lib, wait_for, worker_env
+from sdkd import FUNCTIONS, Daemon, Spawner, hook_lib, run_ok, wait_for, worker_env
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
-
-
-@pytest.fixture(scope="module")
-def cuda() -> None:
-    r = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if r.stdout.strip() != "True":
-        pytest.skip(f"needs a CUDA device visible to torch ({r.stdout.strip() or r.stderr.strip()[-200:]})")
 
 
 def test_gpu_base_warm_load_quiesce(cuda: None, spawn: Spawner, daemon: Daemon) -> None:
@@ -126,15 +112,6 @@ def test_first_layers_compute_while_later_segments_are_withheld(
             os.close(fd)
     c2.send({"type": "shutdown"})
     assert w.wait(60) == 0
-
-
-def run_ok(code: str) -> None:
-    """Runs `code` in a fresh interpreter with the torpor package importable; it must print "ok"."""
-    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
-    print(r.stdout.strip())
 
 
 def test_the_quiet_point_gives_back_the_pinned_memory_torch_keeps_cached(cuda: None) -> None:
