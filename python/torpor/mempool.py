@@ -53,10 +53,78 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from torpor.graphs import CAPTURE_LOCK
-
 # The pool of the function whose request (or load) runs on this thread.
 _current = threading.local()
+
+
+class AllocatorGate:
+    """When PyTorch's caching allocator may empty a pool (a MemPool dropped, empty_cache()).
+
+    Emptying it while any thread routes its allocations to a pool (`use_mem_pool`: every
+    request of a sandboxed function) or captures a CUDA graph aborts the whole process: an
+    internal assert (`captures_underway.empty()` in synchronize_and_free_events) that found
+    in session 36 (tests/sdk/test_sdk_graphs_gpu.py), one function's idle release beside another
+    function's request. So request scopes and captures count as `active`, and an empty runs only
+    when none is: `try_exclusive` never waits (callers hold the worker's memory lock, and a
+    request may be waiting for the worker's main loop), and holds new scopes back only for the
+    empty itself; a caller it refuses asks `when_idle` to be called back once the last scope
+    ends, and tries again then."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+        self._waiting: list[Any] = []
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Around a pool's routing (a request) or a capture: no empty runs meanwhile."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._closed)
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                callbacks = self._waiting if self._active == 0 else []
+                if callbacks:
+                    self._waiting = []
+            for callback in callbacks:
+                callback()
+
+    @contextlib.contextmanager
+    def try_exclusive(self) -> Iterator[bool]:
+        """Yields True, new scopes held back until the block ends, if no scope is active now;
+        else False at once."""
+        with self._cond:
+            ok = self._active == 0 and not self._closed
+            if ok:
+                self._closed = True
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._cond:
+                    self._closed = False
+                    self._cond.notify_all()
+
+    def when_idle(self, callback: Any) -> None:
+        """Calls `callback` (on the thread whose scope ends last; keep it short) once no scope
+        is active, or now if none is."""
+        with self._cond:
+            if self._active:
+                self._waiting.append(callback)
+                return
+        callback()
+
+
+# The worker's one gate: PyTorch's allocator is one per process.
+GATE = AllocatorGate()
+
+# What release() returns when it could not run now (another request or a capture was in a
+# pool): nothing was given back; ask GATE.when_idle to call back and try again.
+DEFERRED = -1
 
 
 class FunctionPool:
@@ -153,8 +221,9 @@ class FunctionPool:
             self.request_peak = max(self.request_peak, peak)
 
     def release(self) -> int:
-        """Gives the pool's idle memory back (nothing while a request runs); returns the bytes
-        it held before."""
+        """Gives the pool's idle memory back (nothing while a request of it runs); returns the
+        bytes it held before, or DEFERRED where another function's request or a graph capture
+        is in a pool now (see AllocatorGate)."""
         with self.lock:
             if self.in_flight:
                 return 0
@@ -163,14 +232,19 @@ class FunctionPool:
                 self._drop_cache()
                 self._held = self._live
                 return before
-            pools, self._torch_pools, self._torch_idle = self._torch_pools, [], []
-        before = sum(_torch_pool_bytes(p) for p in pools)
-        del pools  # the last references: their use counts reach zero
-        torch: Any = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            # Not during another function's graph capture (torpor.graphs), which a device-wide
-            # synchronisation would invalidate.
-            with CAPTURE_LOCK:
+            if not self._torch_pools:
+                return 0
+        with GATE.try_exclusive() as ok:
+            if not ok:
+                return DEFERRED
+            with self.lock:
+                if self.in_flight:
+                    return 0
+                pools, self._torch_pools, self._torch_idle = self._torch_pools, [], []
+            before = sum(_torch_pool_bytes(p) for p in pools)
+            del pools  # the last references: their use counts reach zero, their blocks go
+            torch: Any = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
         return before
@@ -215,12 +289,22 @@ class FunctionPool:
                 pool = torch.cuda.MemPool()
                 self._torch_pools.append(pool)
         try:
-            with torch.cuda.use_mem_pool(pool):
-                yield
+            with GATE.scope(), torch.cuda.use_mem_pool(pool):
+                _current.routing = True
+                try:
+                    yield
+                finally:
+                    _current.routing = False
         finally:
             # A release waits for in_flight to reach 0, so the pool is still among ours.
             with self.lock:
                 self._torch_idle.append(pool)
+
+
+def routing() -> bool:
+    """Whether this thread's CUDA allocations go to a request's pool now (a sandboxed
+    function's request or warm-up)."""
+    return bool(getattr(_current, "routing", False))
 
 
 def backend_for(gpu_framework: str | None) -> str:

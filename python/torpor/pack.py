@@ -48,6 +48,7 @@ from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from torpor.mempool import GATE
 from torpor.shareable import modules_of
 
 ENV_HOOK_CUDA = "TORPOR_HOOK_CUDA"  # "1": the hook backs CUDA allocations with segments
@@ -314,11 +315,15 @@ def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -
     # Old storages that only a reference cycle still holds (model loaders leave some) go now,
     # before the cache is emptied and before left_bytes is counted.
     gc.collect()
-    for device in sorted({s.device for s in segments}):
-        with torch.cuda.device(device):
-            torch.cuda.synchronize()
-            # The old blocks are free now: give their segments back, so the hook releases them.
-            torch.cuda.empty_cache()
+    # The old blocks are free now: give their segments back, so the hook releases them; not
+    # while another function of a sandbox serves from a pool (PyTorch would abort: see
+    # torpor.mempool.AllocatorGate), whose next idle release empties the cache instead.
+    with GATE.try_exclusive() as quiet:
+        for device in sorted({s.device for s in segments}):
+            with torch.cuda.device(device):
+                torch.cuda.synchronize()
+                if quiet:
+                    torch.cuda.empty_cache()
     snapshot = torch.cuda.memory_snapshot()
     whole = all(_own_segment(snapshot, s.va) == s.size for s in segments)
     # An old storage still alive is held by something outside the modules (a tensor the

@@ -729,12 +729,25 @@ class Worker:
                 return
             if token is not None and self.begun.get(pool.name, 0) != token:
                 return
-            if pool.release() == 0 or self.sock is None:
+            got = pool.release()
+            if got == torpor_mempool.DEFERRED:
+                # Another function's request (or a graph capture) is in a pool: PyTorch would
+                # abort the process if this one were emptied now. Again once none is.
+                torpor_mempool.GATE.when_idle(lambda: self._release_later(pool, token))
+                return
+            if got == 0 or self.sock is None:
                 return
             try:
                 self._report_memory(pool)
             except (ConnectionError, OSError, AssertionError):
                 pass
+
+    def _release_later(self, pool: torpor_mempool.FunctionPool, token: int | None) -> None:
+        """A deferred idle release, tried again on a thread of its own (this runs on the thread
+        whose request ended last, or under the memory lock)."""
+        timer = threading.Timer(0, self._idle_release, (pool, token))
+        timer.daemon = True
+        timer.start()
 
     def _report_memory(self, pool: torpor_mempool.FunctionPool) -> None:
         """A sandbox tells torpord what `pool` holds after a release (`memory` {function,
@@ -1128,11 +1141,14 @@ class Worker:
             self.call = instance.__call__
         self.functions[name] = instance.__call__
         self.loaded_dirs.append(fdir)
-        # The warm-up's memory is given back before the snapshot: the model keeps its peak.
-        pool.release()
+        # The warm-up's memory is given back before the snapshot: the model keeps its peak
+        # (in a sandbox whose other functions serve now, once none of their requests runs).
+        deferred = pool.release() == torpor_mempool.DEFERRED
         self.pools[name] = pool
         self.release_after[name] = _memory_release_s(spec)
         self.begun[name] = 0
+        if deferred:
+            torpor_mempool.GATE.when_idle(lambda: self._release_later(pool, None))
         ready: dict[str, Any] = {
             "type": "ready",
             "ok": True,
@@ -1379,9 +1395,11 @@ class Worker:
             with self.memory_lock:
                 self.gpu_released = True
                 for pool in self.pools.values():
+                    # Deferred (a request in a pool, which torpord does not release the GPU
+                    # under): the driver keeps that pool's memory instead.
                     got = pool.release()
-                    released += got
-                    if got:
+                    if got > 0:
+                        released += got
                         self._report_memory(pool)
             torpor_gpu.sync()
             self.send({"type": "gpu_quiet", "bytes": released})

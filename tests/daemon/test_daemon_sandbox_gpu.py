@@ -188,6 +188,52 @@ def memory_pool_case(torpord: Torpord, d: Path) -> None:
         time.sleep(0.2)
 
 
+def test_one_function_s_idle_release_waits_for_another_s_request_to_leave_its_pool(
+    cuda: None, torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    """Two functions in one sandbox: A's pool goes idle (memory_release_s) while B's request
+    allocates through B's pool. Emptying a pool then aborts the worker (PyTorch's
+    `captures_underway.empty()` assert, found in session 36), which failed B's request with 502;
+    now A's release waits until no request is in a pool (torpor.mempool.GATE), then runs."""
+    import re
+    import threading
+    import time
+
+    a = hold_function(tmp_path, "gate-a", warmup_mib=16, sandbox_memory="4GiB", tenant="gate",
+                      tail="[keepalive]\nmemory_release_s = 0.5\n")
+    b = hold_function(tmp_path, "gate-b", warmup_mib=16, sandbox_memory="4GiB", tenant="gate")
+    torpord = Torpord(torpor_bin, tmp_path / "daemon", queue_timeout_s=30)
+
+    def pool_bytes(name: str) -> int:
+        text = torpord.request("GET", "/metrics").body.decode()
+        found = [int(float(m.group(1))) for m in re.finditer(
+            rf'^torpor_sandbox_memory_bytes{{[^}}]*function="{name}"[^}}]*kind="pool"[^}}]*}} (\S+)$', text, re.M)]
+        return max(found, default=0)
+
+    try:
+        torpord.deploy(a)
+        lines = torpord.deploy(b)
+        assert any(line.get("phase") == "load_sandbox" for line in lines), lines
+        first = torpord.invoke("gate-a", {"mib": 64})
+        assert first.status == 200 and first.json() == {"sum": 64}, (first.status, first.body)
+        out: dict[str, object] = {}
+        long = threading.Thread(target=lambda: out.update(b=torpord.invoke("gate-b", {"mib": 16, "s": 4})))
+        long.start()
+        time.sleep(2.0)  # A idle past its 0.5 s, B's request in its pool throughout
+        assert pool_bytes("gate-a") >= 64 << 20, "A's pool was emptied while B's request ran"
+        long.join(60)
+        got = out["b"]
+        assert got.status == 200 and got.json() == {"sum": 16}, (got.status, got.body, torpord.log_text())  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 15
+        while pool_bytes("gate-a") > 0:
+            assert time.monotonic() < deadline, (pool_bytes("gate-a"), torpord.log_text())
+            time.sleep(0.2)
+        again = torpord.invoke("gate-a", {"mib": 8})
+        assert again.status == 200 and again.start == "warm", (again.status, again.start, again.body)
+    finally:
+        torpord.stop()
+
+
 def test_a_gpu_function_s_first_start_loads_into_a_ready_sandbox(
     cuda: None, torpor_bin: Path, criu_ready: None, tmp_path: Path
 ) -> None:

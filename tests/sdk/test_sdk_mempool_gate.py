@@ -1,0 +1,71 @@
+"""torpor.mempool.AllocatorGate: when a function pool may be emptied. PyTorch aborts the process
+if a pool is emptied while any thread routes allocations to a pool or captures a CUDA graph
+(found on the GPU in session 36), so an empty runs only while no such scope is active, never
+waits for one (its callers hold the worker's memory lock), and a refused one is called back once
+the last scope ends. Plain threads: the gate is pure Python; the GPU side is
+tests/sdk/test_sdk_graphs_gpu.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from torpor.mempool import AllocatorGate
+
+
+def test_an_empty_runs_only_while_no_scope_is_active() -> None:
+    gate = AllocatorGate()
+    with gate.try_exclusive() as ok:
+        assert ok
+    entered, leave = threading.Event(), threading.Event()
+
+    def request() -> None:
+        with gate.scope():
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=request)
+    t.start()
+    assert entered.wait(10)
+    t0 = time.monotonic()
+    with gate.try_exclusive() as ok:
+        assert not ok
+    assert time.monotonic() - t0 < 0.5, "a refused empty must not wait"
+    leave.set()
+    t.join(10)
+    with gate.try_exclusive() as ok:
+        assert ok
+
+
+def test_scopes_nest_and_a_refused_empty_is_called_back_when_the_last_one_ends() -> None:
+    gate = AllocatorGate()
+    called: list[str] = []
+    gate.when_idle(lambda: called.append("now"))
+    assert called == ["now"]  # nothing active: at once
+    with gate.scope():
+        with gate.scope():  # a capture inside a request's scope, or two requests
+            gate.when_idle(lambda: called.append("later"))
+        assert called == ["now"], "called back while a scope was still active"
+    assert called == ["now", "later"]
+    gate.when_idle(lambda: called.append("again"))
+    assert called == ["now", "later", "again"]  # consumed once, not kept
+
+
+def test_new_scopes_wait_for_a_running_empty_and_then_go_on() -> None:
+    gate = AllocatorGate()
+    inside = threading.Event()
+    order: list[str] = []
+
+    def request() -> None:
+        with gate.scope():
+            order.append("request")
+            inside.set()
+
+    with gate.try_exclusive() as ok:
+        assert ok
+        t = threading.Thread(target=request)
+        t.start()
+        assert not inside.wait(0.3), "a scope began while the pool was being emptied"
+        order.append("empty done")
+    t.join(10)
+    assert order == ["empty done", "request"]
