@@ -28,14 +28,15 @@ How:
   its next user's stream waits for the event recorded after the copies, so requests on other
   streams never overwrite inputs a replay still reads. With every instance busy a call waits
   for one (a replay takes milliseconds, where eager work under a shared GIL takes tens).
-- **Anything else runs eager**: another shape (a new batch size, a sequence length), a CPU
-  tensor, gradients wanted. `stats()` counts replays and eager calls, so a function can see
-  that its requests miss the graphs.
+- **Anything else runs eager** (under no_grad, as a replay; with autograd where an input
+  requires gradients): another shape (a new batch size, a sequence length), a CPU tensor.
+  `stats()` counts replays and eager calls, so a function can see that its requests miss the
+  graphs.
 - **Without CUDA nothing is captured** (no torch, no GPU, examples on the CPU) and every call is
   eager: the same function runs on a CPU machine.
 - **A capture that the sandbox's other threads cannot break**: capture mode `thread_local`, so
-  their launches and allocations go on; and a function pool's release (which synchronises the
-  device and empties PyTorch's cache) waits for a capture to end (`CAPTURE_LOCK`).
+  their launches and allocations go on; and no function pool is emptied while it runs
+  (torpor.mempool.GATE: PyTorch aborts the process if one is).
 - **Inference only**: captured under torch.inference_mode(); the outputs carry no autograd.
 
 A forward that cannot be captured (a host synchronisation such as `.item()` or a
@@ -52,11 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torpor.errors import DefinitionError
-
-# Held while a graph is captured: what synchronises the device or empties PyTorch's cache in
-# another thread of the worker (torpor.mempool's release) takes it first, since either would
-# invalidate the capture.
-CAPTURE_LOCK = threading.RLock()
+from torpor.mempool import GATE, routing
 
 # Eager runs on the capture's stream before each capture: lazy initialisations (cuBLAS
 # workspaces, cuDNN's algorithm choice) must happen outside the graph, as PyTorch's
@@ -107,6 +104,11 @@ class Graphed:
         leaves, tree = _flatten(_call_tree(args, kwargs))
         if torch is None or not leaves or not all(_on_cuda(t) for t in leaves):
             return False
+        if routing():
+            raise DefinitionError(
+                "torpor.graphed: a capture in a sandboxed function's request would put the graph's "
+                "memory in the request's pool, which is given back at idle; capture in setup()"
+            )
         key = (tree, tuple(_describe(t) for t in leaves))
         captured = [_capture(torch, self.fn, tree, leaves) for _ in range(self.instances)]
         with self._lock:
@@ -121,7 +123,12 @@ class Graphed:
         if found is None:
             with self._lock:
                 self._counts["eager"] += 1
-            return self.fn(*args, **kwargs)
+            torch: Any = sys.modules.get("torch")
+            if torch is None or _wants_grad(torch, args, kwargs):
+                return self.fn(*args, **kwargs)
+            # As a replay would: no autograd graph kept, plain tensors out.
+            with torch.no_grad():
+                return self.fn(*args, **kwargs)
         shape, leaves = found
         torch = sys.modules["torch"]
         with shape.cond:
@@ -158,8 +165,7 @@ class Graphed:
             leaves, tree = _flatten(_call_tree(args, kwargs))
         except TypeError:
             return None  # an argument that cannot be part of a key (unhashable)
-        torch: Any = sys.modules["torch"]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+        if sys.modules["torch"].is_grad_enabled() and any(t.requires_grad for t in leaves):
             return None  # gradients wanted: the graphs were captured without autograd
         key = (tree, tuple(_describe(t) for t in leaves))
         with self._lock:
@@ -193,7 +199,7 @@ def _capture(torch: Any, fn: Callable[..., Any], tree: TreeDef, example: list[An
     caller = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(caller)
-    with CAPTURE_LOCK, torch.cuda.stream(side):
+    with GATE.scope(), torch.cuda.stream(side):
         # Made outside inference mode: a request copies its inputs into them under no_grad.
         inputs = [t.detach().clone() for t in example]
         args, kwargs = _unflatten(tree, iter(inputs))
@@ -309,6 +315,17 @@ def _describe(t: Any) -> tuple[Any, ...]:
 
 def _on_cuda(t: Any) -> bool:
     return bool(getattr(t, "is_cuda", False))
+
+
+def _wants_grad(torch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Gradients enabled and an input that requires them: the call runs eager, with autograd."""
+    if not torch.is_grad_enabled():
+        return False
+    try:
+        leaves, _ = _flatten(_call_tree(args, kwargs))
+    except TypeError:
+        return False
+    return any(t.requires_grad for t in leaves)
 
 
 def _torch_with_cuda() -> Any:
