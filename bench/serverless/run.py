@@ -426,7 +426,7 @@ def function_copy(
 
 class Daemon:
     def __init__(
-        self, torpor_bin: Path, mode: str | None, root: Path, queue_timeout_s: float
+        self, torpor_bin: Path, mode: str | None, root: Path, queue_timeout_s: float, extra_config: str = ""
     ) -> None:
         self.bin = torpor_bin
         self.root = root
@@ -434,7 +434,8 @@ class Daemon:
         self.sock = str(root / "torpord.sock")
         self.log = root / "torpord.log"
         config = root / "torpord.toml"
-        config.write_text(f"[queue]\nlength = 1024\ntimeout_s = {queue_timeout_s}\n")
+        # The extra top-level keys first: they must not land in the [queue] table.
+        config.write_text(f"{extra_config}[queue]\nlength = 1024\ntimeout_s = {queue_timeout_s}\n")
         cmd = [
             str(torpor_bin),
             "serve",
@@ -618,7 +619,7 @@ def compare(a: argparse.Namespace) -> int:
             cold_start = "boot" if mode == "boot" else "restore"
             how = table.mode_label(mode)
             print(f"== {name}, cold start by {how}: torpor serve in {root}", flush=True)
-            d = Daemon(torpor_bin, cold_start if flag else None, root, a.queue_timeout)
+            d = Daemon(torpor_bin, cold_start if flag else None, root, a.queue_timeout, "".join(f"{c}\n" for c in a.daemon_config))
             try:
                 for pattern in patterns:
                     dep = d.deploy(fdirs[mode])
@@ -692,6 +693,7 @@ def compare(a: argparse.Namespace) -> int:
             "patterns": patterns,
             "modes": modes,
             "graphed_entry": a.graphed_entry,
+            "daemon_config": a.daemon_config,
             "cold_start_flag": flag,
             "note": note,
             "keepalive": None
@@ -782,6 +784,12 @@ def main(argv: list[str]) -> int:
         default=",".join(DEFAULT_MODES),
         help="--compare: comma-separated, of restore,boot,sandbox,restore-graphs,sandbox-graphs "
         "(default restore,boot)",
+    )
+    ap.add_argument(
+        "--daemon-config",
+        action="append",
+        default=[],
+        help="--compare: a top-level key = value line for every daemon's config (e.g. 'split_gpu = false'); repeatable",
     )
     ap.add_argument(
         "--graphed-entry",

@@ -156,7 +156,10 @@ class FunctionPool:
         if self.backend == "cuda":
             with self.lock:
                 pools = list(self._torch_pools)
-            return sum(_torch_pool_bytes(p) for p in pools)
+            # PyTorch's memory snapshot beside another thread's pool empty crashed the worker
+            # (SIGSEGV in memory_snapshot, session 36): a scope holds the empties off.
+            with GATE.scope():
+                return sum(_torch_pool_bytes(p) for p in pools)
         with self.lock:
             return self._held
 
@@ -232,8 +235,10 @@ class FunctionPool:
                 self._drop_cache()
                 self._held = self._live
                 return before
-            if not self._torch_pools:
-                return 0
+        # Even with no request pool: the empty below also gives back what the default pool
+        # caches (a graph capture's warm-up runs), which a snapshot would otherwise hand over as
+        # segments that a later empty frees under torpord (a GPU release's unmap then names a
+        # segment the worker no longer has: found in session 36).
         with GATE.try_exclusive() as ok:
             if not ok:
                 return DEFERRED
