@@ -23,10 +23,12 @@ Two backends, one per kind of device memory:
   function: PyTorch lets one thread at a time route a pool's allocations, and a second raises
   (pytorch/pytorch#152861; found in session 34, where three of four concurrent requests of a
   sandboxed ResNet-152 were left unanswered). `pool` is the sum of the pools' segments
-  (`MemPool.snapshot()`). At idle the pools are dropped (their use counts reach zero) and
-  `torch.cuda.empty_cache()` frees their segments; the next request makes a new one. Why this
-  and not `empty_cache()` alone: the caching allocator keeps every block a request freed, and
-  `empty_cache()` frees the cached blocks of every function at once (the busy ones' too, which
+  (`MemPool.snapshot()`). At idle the pools are dropped: a MemPool's destruction empties its
+  own cached blocks (and only those: after a split restore the rest of the cache may hold
+  segments torpord handed over, which only a snapshot's quiet point may give back,
+  `empty_cache()`); the next request makes a new one. No pool is emptied while any thread
+  routes to a pool or captures a graph (`AllocatorGate`). Why this and not `empty_cache()`
+  alone: the caching allocator keeps every block a request freed, and `empty_cache()` frees the cached blocks of every function at once (the busy ones' too, which
   then pay cudaMalloc again); a pool per function frees exactly the idle function's blocks, and
   measures them (the allocator's global counters cannot say whose a block is). Why not a pool
   per request: a request would pay cudaMalloc for its activations every time. Measured on the
@@ -235,10 +237,8 @@ class FunctionPool:
                 self._drop_cache()
                 self._held = self._live
                 return before
-        # Even with no request pool: the empty below also gives back what the default pool
-        # caches (a graph capture's warm-up runs), which a snapshot would otherwise hand over as
-        # segments that a later empty frees under torpord (a GPU release's unmap then names a
-        # segment the worker no longer has: found in session 36).
+        if not self._torch_pools:
+            return 0
         with GATE.try_exclusive() as ok:
             if not ok:
                 return DEFERRED
@@ -247,11 +247,16 @@ class FunctionPool:
                     return 0
                 pools, self._torch_pools, self._torch_idle = self._torch_pools, [], []
             before = sum(_torch_pool_bytes(p) for p in pools)
-            del pools  # the last references: their use counts reach zero, their blocks go
             torch: Any = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
-                torch.cuda.empty_cache()
+            # The last references: each MemPool's destruction empties its own cached blocks
+            # (emptyCache of its id). Not torch.cuda.empty_cache(): that empties every cache,
+            # the default pool's too, and after a split restore a segment torpord handed over
+            # that became free would go behind its back (its GPU release then names a segment
+            # the worker no longer has; session 36). A snapshot's quiet point empties it all
+            # (empty_cache below).
+            del pools
         return before
 
     # -- host backend ------------------------------------------------------------------------
@@ -304,6 +309,20 @@ class FunctionPool:
             # A release waits for in_flight to reach 0, so the pool is still among ours.
             with self.lock:
                 self._torch_idle.append(pool)
+
+
+def empty_cache() -> bool:
+    """PyTorch's whole cache given back, the default pool's included: at a snapshot's quiet
+    point only, which lists the worker's segments afresh (see FunctionPool.release). False,
+    nothing done, where a request or a capture is in a pool now."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return True
+    with GATE.try_exclusive() as ok:
+        if ok:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return ok
 
 
 def routing() -> bool:
