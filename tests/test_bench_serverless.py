@@ -137,7 +137,10 @@ def test_a_sandboxed_replay_against_processes_on_this_machine(torpor_bin: Path, 
 
 @pytest.mark.parametrize(
     "name",
-    ["serverless-sandbox-h100.json", "serverless-sandbox-s35-before-h200.json", "serverless-sandbox-s35-h100.json"],
+    [
+        "serverless-sandbox-h100.json", "serverless-sandbox-s35-before-h200.json", "serverless-sandbox-s35-h100.json",
+        "serverless-graphs-s36-a-h100.json", "serverless-graphs-s36-b-h100.json",
+    ],
 )
 def test_the_docs_quote_the_sandbox_runs_as_the_table_renders_them(name: str) -> None:
     doc = json.loads((ROOT / "bench" / "results" / name).read_text())
