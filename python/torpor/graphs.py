@@ -197,6 +197,10 @@ def graphed(fn: Callable[..., Any], *example_args: Any, instances: int = 2, **ex
 def _capture(torch: Any, fn: Callable[..., Any], tree: TreeDef, example: list[Any]) -> _Instance:
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     caller = torch.cuda.current_stream()
+    # A stream of its own per instance, not one for all: PyTorch gives each (cuBLAS handle,
+    # stream) its own workspace and a captured matmul keeps that workspace's address, so two
+    # instances captured on one stream would share a workspace and race when replayed at once
+    # (32 MiB each on Hopper: the price of an instance, besides its activations).
     side = torch.cuda.Stream()
     side.wait_stream(caller)
     with GATE.scope(), torch.cuda.stream(side):
