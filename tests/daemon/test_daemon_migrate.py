@@ -149,6 +149,31 @@ def test_refusals_are_one_line_and_leave_the_instance_alone(two: Torpord, tmp_pa
     device_gauge(d, "torpor_device_instances", 0, 2)
 
 
+def test_a_segment_the_worker_gave_back_since_its_restore_fails_the_move_not_the_instance(
+    two: Torpord, tmp_path: Path
+) -> None:
+    """The worker's allocator gave back a segment torpord handed over at the restore (on the GPU:
+    PyTorch emptying its cache; session 36 lost a sandbox at every GPU release that way, the
+    worker exiting on torpord's `unmap`). The unmap is refused with nothing released: the move
+    fails in one line and the instance serves on where it was, with its state."""
+    d = two
+    inst = deploy_one(d, tmp_path, "splitbuf-gone")
+    renewed = d.invoke("splitbuf-gone", {"op": "renew_scratch"})
+    assert renewed.status == 200, renewed.body
+    r = migrate(d, inst["id"], 1)
+    assert r.status == 500, (r.status, r.body, d.log_text())
+    error = r.json()["error"]
+    assert "failed at unmap" in error and f"unmap names {renewed.json()['freed']:#x}" in error, error
+    assert "serves on, on GPU 0" in error and "\n" not in error, error
+    (row,) = d.instances("splitbuf-gone")
+    assert (row["id"], row["pid"], row["stage"]) == (inst["id"], inst["pid"], "warm"), row
+    calls = renewed.json()["calls"]
+    peek = d.invoke("splitbuf-gone", {"op": "peek"})
+    assert peek.status == 200 and peek.json() == {"scratch": calls, "calls": calls}, peek.body
+    r2 = d.invoke("splitbuf-gone", {"op": "compute", "x": 9})
+    assert r2.status == 200 and r2.json() == {"sha": expected_sha(9), "calls": calls + 1}, r2.body
+
+
 def test_a_target_without_room_is_refused(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
     d = daemon(torpor_bin, tmp_path, config=TWO_DEVICES + "host_device_bytes = 65536\n")
     try:

@@ -10,6 +10,9 @@ Requests:
     {"op": "info", "sleep": s}  -> addresses, hashes and /proc/self/maps lines of the segments
     {"op": "peek"}              -> the scratch buffer's first 8 bytes as the previous request
                                    left them (this request writes nothing)
+    {"op": "renew_scratch"}     -> the scratch buffer moved to a new segment and its old one
+                                   freed, as an allocator emptying its cache after a restore
+                                   gives back a segment torpord handed over
 """
 
 from __future__ import annotations
@@ -82,6 +85,14 @@ class SplitBuf:
             h.update(self.table)
             h.update(str(request["x"]).encode())
             return {"sha": h.hexdigest(), "calls": self.calls}
+        if op == "renew_scratch":
+            old = self.addrs["scratch"]
+            fresh = torpor.buffer(len(self.scratch))
+            fresh[:] = self.scratch[:]
+            self.scratch = fresh
+            self.addrs["scratch"] = address(fresh)
+            hook.get().host_free(old)
+            return {"freed": old, "calls": self.calls}
         if op == "info":
             time.sleep(float(request.get("sleep", 0)))
             return {
