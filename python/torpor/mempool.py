@@ -28,8 +28,9 @@ Two backends, one per kind of device memory:
   segments torpord handed over, which only a snapshot's quiet point may give back,
   `empty_cache()`); the next request makes a new one. No pool is emptied while any thread
   routes to a pool or captures a graph (`AllocatorGate`). Why this and not `empty_cache()`
-  alone: the caching allocator keeps every block a request freed, and `empty_cache()` frees the cached blocks of every function at once (the busy ones' too, which
-  then pay cudaMalloc again); a pool per function frees exactly the idle function's blocks, and
+  alone: the caching allocator keeps every block a request freed, and `empty_cache()` frees
+  the cached blocks of every function at once (the busy ones' too, which then pay cudaMalloc
+  again); a pool per function frees exactly the idle function's blocks, and
   measures them (the allocator's global counters cannot say whose a block is). Why not a pool
   per request: a request would pay cudaMalloc for its activations every time. Measured on the
   GPU machine by bench/sandbox/run.py (`pool_release` in its JSON).
@@ -237,8 +238,8 @@ class FunctionPool:
                 self._drop_cache()
                 self._held = self._live
                 return before
-        if not self._torch_pools:
-            return 0
+            if not self._torch_pools:
+                return 0
         with GATE.try_exclusive() as ok:
             if not ok:
                 return DEFERRED

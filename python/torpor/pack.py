@@ -317,7 +317,7 @@ def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -
     gc.collect()
     # The old blocks are free now: give their segments back, so the hook releases them; not
     # while another function of a sandbox serves from a pool (PyTorch would abort: see
-    # torpor.mempool.AllocatorGate), whose next idle release empties the cache instead.
+    # torpor.mempool.AllocatorGate); the next snapshot's quiet point empties the cache then.
     with GATE.try_exclusive() as quiet:
         for device in sorted({s.device for s in segments}):
             with torch.cuda.device(device):

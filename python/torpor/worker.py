@@ -1441,7 +1441,8 @@ class Worker:
             why = (
                 f"unmap names {unknown[0]:#x}, which is not the start of a segment of this worker "
                 f"({len(unknown)} of {len(vas)} named are gone): its allocator gave a segment "
-                "torpord handed over back since the restore; the GPU stays held until the next snapshot lists the segments afresh"
+                "torpord handed over back since the restore; the GPU stays held until the next "
+                "snapshot lists the segments afresh"
             )
             print(f"torpor worker: {why}", file=sys.stderr)
             self.send({"type": "unmapped", "ok": False, "released": [], "error": error_doc(HookError(why))})
