@@ -75,11 +75,12 @@ def _sweep(now: float) -> None:
 
 # Set by the worker harness of a sandbox (torpor.worker): put a sealed memfd in torpord's store
 # ({key, ttl_s, meta}, fd, nodes) -> error or None; put a GPU value ({key, ttl_s, meta}, bytes,
-# the worker's GPU ordinal, fill(fd, padded, copied), nodes) -> error or None; get one (key, keep) -> (meta, bytes,
-# fd, gpu) or None, gpu being store_value's {padded, ordinal, source} for a GPU value.
+# the worker's GPU ordinal, fill(fd, padded, copied, block), nodes) -> error or None; get one (key, keep) ->
+# (meta, bytes, fd, gpu) or None, gpu being store_value's {padded, ordinal, source, block?} for a GPU value.
 RemotePut = Callable[[str, float, dict[str, Any], int, "str | None"], "str | None"]
 RemotePutGpu = Callable[
-    [str, float, dict[str, Any], int, int, Callable[[int, int, Callable[[], None]], None], "str | None"], "str | None"
+    [str, float, dict[str, Any], int, int, Callable[[int, int, Callable[[], None], "int | None"], None], "str | None"],
+    "str | None",
 ]
 # The one spelling of `nodes` besides None (this node): every node of the bucket's cluster.
 NODES_ALL = "all"
@@ -131,7 +132,10 @@ def _decode(meta: dict[str, Any], size: int, fd: int, gpu: dict[str, Any] | None
     if gpu is not None:
         from torpor import store_gpu
 
-        return store_gpu.mapped(fd, int(gpu["padded"]), size, meta, str(gpu.get("source", "")))
+        block = gpu.get("block")
+        return store_gpu.mapped(
+            fd, int(gpu["padded"]), size, meta, str(gpu.get("source", "")), block if isinstance(block, int) else None
+        )
     view: Any = memoryview(b"") if size == 0 else memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
     if meta.get("kind") == "ndarray":
         import numpy as np
@@ -194,8 +198,8 @@ def _put_gpu(key: str, ttl_s: float, value: Any, nodes: str | None) -> None:
     if src.nbytes == 0:
         raise ValueError("put(..., shared=True) of an empty tensor: it has no bytes to share; put it without shared=True")
 
-    def fill(fd: int, padded: int, copied: Callable[[], None]) -> None:
-        store_gpu.fill(fd, padded, src, copied)
+    def fill(fd: int, padded: int, copied: Callable[[], None], block: int | None) -> None:
+        store_gpu.fill(fd, padded, src, copied, block)
 
     error = _remote[2](key, ttl_s, src.meta, src.nbytes, src.ordinal, fill, nodes)
     if error is not None:

@@ -13,11 +13,23 @@ mapping goes when the returned object is collected (the tensor holds the `CudaAr
 
 The driver is libcuda through ctypes (torpor.cuda_driver, as torpor.data uses it), with the
 virtual memory management calls: import the fd, reserve addresses, map, set access.
+
+**Kept mappings** (protocol 4; docs/sandboxes.md, "Kept mappings"). Where torpord names the
+memory's `block` (memory that comes back to the tenant's next puts), the worker keeps its
+mapping after the put's copy or after the got object goes, and the next put or get of that
+block maps nothing: a mapping's import, reserve, map, set access and unmap were ~0.6 ms of a
+1.3-1.8 ms hand-off on the H100 (bench/results/sandbox-handoff-s34-*-h100.json). A got
+object's end is told to torpord (`store_release`, sent with the worker's next frame to it)
+only after the context is synchronised, so nothing still reads the memory when the next put
+writes it. torpord's `store_unmap` names blocks it let go of: unmapped at once, or when the
+object using one goes. At every quiet point (a snapshot, a GPU release, a migration) the idle
+kept mappings are unmapped: neither a snapshot nor the driver's checkpoint carries them.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import sys
 import threading
@@ -237,17 +249,19 @@ class _Mapping:
         self.cuda.cuMemAddressFree(va, self.padded)
 
 
-def fill(fd: int, padded: int, src: Source, copied: Callable[[], None] | None = None) -> None:
+def fill(fd: int, padded: int, src: Source, copied: Callable[[], None] | None = None, block: int | None = None) -> None:
     """Copies `src` into the GPU memory behind `fd` (torpord's `store_memory`), calls `copied()`
     once the copy is done (the worker tells torpord then, so its answer and this unmap overlap),
-    then unmaps it. On the value's own GPU's context: torpord allocated the memory there, and
-    only that GPU is given access to the mapping."""
+    then unmaps it, or keeps the mapping where torpord named the memory's `block`. On the
+    value's own GPU's context: torpord allocated the memory there, and only that GPU is given
+    access to the mapping."""
     try:
         # The value's GPU's context, not whatever the thread had (driver() would make GPU 0's).
         with cuda_driver.on_device(src.ordinal) as loaded:
             cuda = _typed(loaded)
             step("context")
-            m = _Mapping(fd, padded, src.ordinal, writable=True)
+            kept = _take(block, fd, padded, src.ordinal, writable=True) if block is not None else None
+            m = kept.mapping if kept is not None else _Mapping(fd, padded, src.ordinal, writable=True)
             try:
                 assert m.va is not None
                 _check(cuda.cuCtxSynchronize(), "synchronising the GPU before the copy")
@@ -258,19 +272,137 @@ def fill(fd: int, padded: int, src: Source, copied: Callable[[], None] | None = 
                 if copied is not None:
                     copied()
             finally:
-                m.close()
-                step("unmap")
+                if kept is not None:
+                    _give(kept, got=False)
+                else:
+                    m.close()
+                    step("unmap")
     except cuda_driver.DriverError as e:
         raise StoreGpuError(f"{e}: the value's GPU must be one this function sees") from None
 
 
+class _Kept:
+    """A mapping of block `block` of torpord's store memory that this worker keeps."""
+
+    def __init__(self, block: int, mapping: _Mapping, writable: bool) -> None:
+        self.block, self.mapping, self.writable = block, mapping, writable
+        self.users = 0
+        # torpord let go of the block (or a quiet point came): unmapped once unused.
+        self.doomed = False
+
+
+# Kept mappings by block; their users; blocks whose gets ended, for torpord (store_release).
+_kept: dict[int, _Kept] = {}
+_kept_lock = threading.Lock()
+_releases: list[int] = []
+# Idle kept mappings beyond this many are unmapped, least recently used first: a steady
+# hand-off between two functions cycles through two or three blocks.
+MAX_KEPT = 8
+
+
+def _take(block: int, fd: int, padded: int, ordinal: int, writable: bool) -> _Kept:
+    """The kept mapping of `block` for one more user, made (and kept) if there is none."""
+    with _kept_lock:
+        k = _kept.get(block)
+        if k is not None and not k.doomed and (k.writable or not writable) and k.mapping.padded == padded:
+            k.users += 1
+            # Most recently used last.
+            _kept[block] = _kept.pop(block)
+            step("kept")
+            return k
+    k = _Kept(block, _Mapping(fd, padded, ordinal, writable), writable)
+    k.users = 1
+    idle: list[_Kept] = []
+    with _kept_lock:
+        old = _kept.get(block)
+        if old is None or old.users == 0:
+            # A read-only mapping of the block gives way to a writable one.
+            if old is not None:
+                idle.append(old)
+            _kept[block] = k
+        else:
+            # In use read-only while this put writes the block (the worker got it and puts into
+            # it again): this mapping is the put's alone.
+            k.doomed = True
+        spare = [b for b, kk in _kept.items() if kk.users == 0]
+        for b in spare[: max(0, len(spare) - MAX_KEPT)]:
+            idle.append(_kept.pop(b))
+    for kk in idle:
+        kk.mapping.close()
+    return k
+
+
+def _give(k: _Kept, got: bool) -> None:
+    """One user of `k` is done (`got`: a get's object, which torpord is told about)."""
+    with _kept_lock:
+        k.users -= 1
+        if got:
+            _releases.append(k.block)
+        close = k.doomed and k.users == 0
+        if close and _kept.get(k.block) is k:
+            del _kept[k.block]
+    if close:
+        k.mapping.close()
+
+
+def take_releases() -> list[int]:
+    """The blocks whose gets ended since the last call, for torpord's `store_release`."""
+    with _kept_lock:
+        out = list(_releases)
+        _releases.clear()
+    return out
+
+
+def unmap_blocks(blocks: list[int]) -> None:
+    """torpord let go of `blocks`: their kept mappings go, now or when their last user does."""
+    idle: list[_Kept] = []
+    with _kept_lock:
+        for b in blocks:
+            k = _kept.get(b)
+            if k is None:
+                continue
+            k.doomed = True
+            if k.users == 0:
+                idle.append(_kept.pop(b))
+    if idle:
+        driver()
+    for k in idle:
+        k.mapping.close()
+
+
+def drop_kept() -> int:
+    """A quiet point: every kept mapping goes (those in use when their user does). Returns how
+    many were unmapped now."""
+    with _kept_lock:
+        blocks = list(_kept)
+    before = len(blocks)
+    unmap_blocks(blocks)
+    with _kept_lock:
+        return before - len(_kept)
+
+
+def kept_blocks() -> list[int]:
+    """The blocks whose mappings this worker keeps (tests)."""
+    with _kept_lock:
+        return sorted(_kept)
+
+
 class CudaArray:
     """A GPU value of torpord's store mapped read-only: `__cuda_array_interface__` (read-only
-    flag set) over it. The mapping lives as long as this object."""
+    flag set) over it. The mapping lives as long as this object, or, for memory torpord named
+    the `block` of, is kept for the block's next put or get (the end of this object is told to
+    torpord then)."""
 
-    def __init__(self, fd: int, padded: int, nbytes: int, meta: dict[str, Any], source: str) -> None:
-        self._mapping = _Mapping(fd, padded, 0, writable=False)
-        self._finalizer = weakref.finalize(self, self._mapping.close)
+    def __init__(
+        self, fd: int, padded: int, nbytes: int, meta: dict[str, Any], source: str, block: int | None = None
+    ) -> None:
+        if block is None:
+            self._mapping = _Mapping(fd, padded, 0, writable=False)
+            self._finalizer = weakref.finalize(self, self._mapping.close)
+        else:
+            kept = _take(block, fd, padded, 0, writable=False)
+            self._mapping = kept.mapping
+            self._finalizer = weakref.finalize(self, functools.partial(_end_get, kept))
         assert self._mapping.va is not None
         self.va, self.nbytes, self.padded, self.source = self._mapping.va, nbytes, padded, source
         self.meta = meta
@@ -283,8 +415,18 @@ class CudaArray:
         }
 
     def close(self) -> None:
-        """Unmaps it now (an object still using it then faults)."""
+        """Unmaps it now, or gives a kept mapping back (an object still using it then faults,
+        or reads what the block's next put writes)."""
         self._finalizer()
+
+
+def _end_get(kept: _Kept) -> None:
+    """A got object's end: the work queued on the memory is finished before torpord hears of
+    it (the next put into the block must not overwrite what a kernel still reads)."""
+    try:
+        kept.mapping.cuda.cuCtxSynchronize()
+    finally:
+        _give(kept, got=True)
 
 
 class _Bytes:
@@ -319,10 +461,10 @@ def tensor(array: CudaArray) -> Any:
     return raw.reshape(shape)
 
 
-def mapped(fd: int, padded: int, nbytes: int, meta: dict[str, Any], source: str) -> Any:
+def mapped(fd: int, padded: int, nbytes: int, meta: dict[str, Any], source: str, block: int | None = None) -> Any:
     """A GPU value torpord sent (`store_value` with `gpu`): a torch tensor when torch is there,
     else the CudaArray."""
-    array = CudaArray(fd, padded, nbytes, meta, source)
+    array = CudaArray(fd, padded, nbytes, meta, source, block)
     if meta.get("torch") or "torch" in sys.modules:
         try:
             t = tensor(array)

@@ -7,10 +7,12 @@ torpord starts it under `torpor run` with $TORPOR_WORKER_SOCKET set to its worke
 protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does:
 
 1. Blocks SIGUSR2 (so the wake-up after a snapshot is never lost and never kills it), connects,
-   and sends `hello` {pid, role, function: null, resumed: false, protocol: 3, reattach: false}.
+   and sends `hello` {pid, role, function: null, resumed: false, protocol: 4, reattach: false}.
    `pid` is the worker's PID in its own namespace; torpord identifies connections by SO_PEERCRED.
    `protocol: 2` says this harness sends `started` and reattaches after losing torpord (below);
-   `protocol: 3` that it takes `release_gpu`.
+   `protocol: 3` that it takes `release_gpu`; `protocol: 4` that it keeps its mappings of the
+   store's GPU memory where torpord names a `block`, sends `store_release` {blocks} once a got
+   object is gone, and takes `store_unmap` {blocks} (torpor.store_gpu, "Kept mappings").
 2. Sets the memory defaults frameworks read at start (XLA_PYTHON_CLIENT_PREALLOCATE=false: a JAX
    base must not reserve most of the GPU into its snapshot; torpor.gpu), imports the --preload
    modules in order and, with --gpu, warms CUDA through the first of torch, jax, cupy it imported
@@ -164,13 +166,13 @@ EXIT_PROTOCOL = 3
 EXIT_LOAD = 4
 EXIT_CONNECT = 5
 CONNECT_TIMEOUT_S = 10.0
-PROTOCOL = 3
+PROTOCOL = 4
 # The frame types torpord sends (protocol.schema.json's to_worker, checked by
 # tests/sdk/test_sdk_protocol.py): those the serve loop takes, and those only a split quiesce
 # takes (after its quiet).
 SERVES = (
     "load", "invoke", "attached", "quiesce", "map", "unmap", "shutdown", "store_stored", "store_value", "store_memory",
-    "release_memory", "release_gpu",
+    "release_memory", "release_gpu", "store_unmap",
 )
 # After `release_gpu`, the frames torpord sends only once the GPU is back.
 GPU_BACK = ("invoke", "load", "quiesce", "map")
@@ -229,6 +231,9 @@ class MapReader:
                     return
                 if msg.get("type") in STORE_ANSWERS:
                     worker.store_answer(msg, reader.take_fd())
+                    continue
+                if msg.get("type") == "store_unmap":
+                    worker.store_unmap(msg)
                     continue
                 if msg.get("type") != "map":
                     self.frames.put(msg)
@@ -536,6 +541,8 @@ class Worker:
                     self._idle_release(pool, None)
             elif kind in STORE_ANSWERS:
                 self.store_answer(msg, self.reader.take_fd() if self.reader is not None else None)
+            elif kind == "store_unmap":
+                self.store_unmap(msg)
             elif kind == "release":
                 raise ProtocolError("release outside a split quiesce; send quiesce {split: true} first")
             else:
@@ -781,6 +788,10 @@ class Worker:
                 sock = self.sock
                 if sock is None:
                     raise ConnectionError("not connected to torpord")
+                released = torpor_store_gpu.take_releases()
+                if released:
+                    # The gets this worker ended go first: this request may want their memory.
+                    sock.sendall(encode({"type": "store_release", "blocks": released}))
                 sock.sendall(encode(frame))
                 if fd is not None:
                     write_frame_with_fd(sock, {"type": "store_fd", "id": rid, "fd": True}, fd)
@@ -841,12 +852,13 @@ class Worker:
         meta: dict[str, Any],
         nbytes: int,
         ordinal: int,
-        fill: Callable[[int, int, Callable[[], None]], None],
+        fill: Callable[[int, int, Callable[[], None], int | None], None],
         nodes: str | None,
     ) -> str | None:
-        """A GPU put: torpord's memory (store_memory) filled by `fill(fd, padded, copied)`,
-        which calls `copied()` once the value is in it (store_written is sent then) and unmaps
-        it after; torpord's error line, or None once stored."""
+        """A GPU put: torpord's memory (store_memory) filled by `fill(fd, padded, copied,
+        block)`, which calls `copied()` once the value is in it (store_written is sent then)
+        and unmaps it after (or keeps the mapping of torpord's `block`); torpord's error line,
+        or None once stored."""
         put: dict[str, Any] = {"type": "store_put", "key": key, "ttl_s": ttl_s, "meta": meta, "gpu": {"bytes": nbytes, "ordinal": ordinal}}
         if nodes is not None:
             put["nodes"] = nodes
@@ -867,7 +879,8 @@ class Worker:
             written.append(self._store_send({"type": "store_written", "ok": True}, rid=rid))
 
         try:
-            fill(fd, int(msg["padded"]), copied)
+            block = msg.get("block")
+            fill(fd, int(msg["padded"]), copied, block if isinstance(block, int) and not isinstance(block, bool) else None)
         except BaseException as e:
             if not written:
                 # torpord takes its memory back; the key keeps what it held.
@@ -910,6 +923,7 @@ class Worker:
         """Sends a result frame; a value that cannot be sent becomes a ResultError. A keyed
         request's outcome is kept first (torpor.kept). `generation`: the connection the request
         came on; on a later one its `settled` frame goes instead (or nothing, unkeyed)."""
+        self.send_store_releases()
         rid = out["id"]
         try:
             frame = encode(out)
@@ -939,6 +953,35 @@ class Worker:
                 self.sock.sendall(frame)
             return
         self.send_frame(frame)
+
+    def send_store_releases(self) -> None:
+        """The store gets whose objects went during a request (torpor.store_gpu, "Kept
+        mappings"), told to torpord before its result: torpord reads them first, so the next
+        put, which the result may set off in another sandbox, finds their memory free."""
+        blocks = torpor_store_gpu.take_releases()
+        if not blocks:
+            return
+        try:
+            self.send({"type": "store_release", "blocks": blocks})
+        except (ConnectionError, OSError, AssertionError):
+            # torpord forgets a lost connection's gets itself.
+            pass
+
+    def store_unmap(self, msg: dict[str, Any]) -> None:
+        """torpord let go of blocks of its store's GPU memory: this worker's kept mappings of
+        them go."""
+        blocks = msg.get("blocks")
+        if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+            raise ProtocolError("store_unmap needs blocks, the list of block ids")
+        torpor_store_gpu.unmap_blocks(blocks)
+
+    def drop_store_mappings(self) -> None:
+        """A quiet point: the store's GPU memory this worker kept mapped goes (neither a
+        snapshot nor the driver's checkpoint carries it; torpor.store_gpu)."""
+        try:
+            torpor_store_gpu.drop_kept()
+        except torpor_store_gpu.StoreGpuError:
+            pass
 
     def attached(self, msg: dict[str, Any]) -> None:
         grace = msg.get("reattach_s")
@@ -1295,6 +1338,8 @@ class Worker:
             # this snapshot lists the segments afresh, so no segment torpord holds goes.
             torpor_mempool.empty_cache()
         synced = torpor_gpu.sync()
+        if synced:
+            self.drop_store_mappings()
         if synced and self.shrink_context:
             torpor_gpu.shrink_context()
         if synced:
@@ -1404,7 +1449,8 @@ class Worker:
                     if got > 0:
                         released += got
                         self._report_memory(pool)
-            torpor_gpu.sync()
+            if torpor_gpu.sync():
+                self.drop_store_mappings()
             self.send({"type": "gpu_quiet", "bytes": released})
         except (ConnectionError, OSError):
             # torpord went before its checkpoint: the next read finds the connection closed
@@ -1450,8 +1496,10 @@ class Worker:
         # The driver checkpoints the context next (a GPU release in place, or a migration's
         # residue moved to another GPU): its stack reservation shrunk first, as at a snapshot's
         # quiet point, is a smaller and faster checkpoint and restore.
-        if torpor_gpu.sync() and self.shrink_context:
-            torpor_gpu.shrink_context()
+        if torpor_gpu.sync():
+            self.drop_store_mappings()
+            if self.shrink_context:
+                torpor_gpu.shrink_context()
         released = 0
         try:
             for va in vas:

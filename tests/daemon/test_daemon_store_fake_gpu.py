@@ -297,3 +297,60 @@ def test_a_put_leaves_memory_of_its_size_ready_for_the_next_one(spare_daemon: To
     for i in (1, 2, 3):
         g = ok(d.invoke("sp-get", {"op": "get", "key": f"s/{i}"}), d)
         assert bytes.fromhex(g["data"]) == pattern(110_000 - 10_000 * i, i)
+
+
+@pytest.fixture(scope="module")
+def kept_daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torpord]:
+    """Spares on, a budget of three granules; a putter and a getter of one tenant, and a
+    function of another."""
+    yield from store_daemon(
+        torpor_bin, fake_cuda, tmp_path_factory, "store-gpu-kept", f"[store]\ngpu_bytes = {3 * GRANULE}\n",
+        [("kp-put", "team-k", "a", True), ("kp-get", "team-k", "b", True), ("kp-other", "team-x", "a", True)],
+    )
+
+
+def kept(d: Torpord, fn: str) -> dict[str, Any]:
+    return ok(d.invoke(fn, {"op": "kept"}), d)
+
+
+def test_a_steady_hand_off_maps_nothing_after_the_first_and_a_block_let_go_is_unmapped(kept_daemon: Torpord) -> None:
+    d = kept_daemon
+    spare = ("torpor_store_gpu_spare_bytes", '{device="cuda0"}')
+    # The first hand-off maps the memory in both workers.
+    p = ok(put(d, "k/1", 100_000, 1, fn="kp-put"), d)
+    assert "import" in p["steps"] and "kept" not in p["steps"], p["steps"]
+    g = ok(d.invoke("kp-get", {"op": "get", "key": "k/1"}), d)
+    assert "import" in g["steps"] and bytes.fromhex(g["data"]) == pattern(100_000, 1)
+    inode = g["mapping"]["inode"]
+    # The getter let go of it (its object closed, the release sent after its answer): the
+    # consumed value's memory is kept for the tenant's next put, beside the spare made after it.
+    wait_metric(d, *spare, 2 * GRANULE)
+    assert inode in daemon_memory_inodes(d)
+    # Every later hand-off of that size: the same memory, mapped by neither side again.
+    for i in range(2, 5):
+        p = ok(put(d, f"k/{i}", 100_000, i, fn="kp-put"), d)
+        assert "kept" in p["steps"] and "import" not in p["steps"] and "unmap" not in p["steps"], p["steps"]
+        g = ok(d.invoke("kp-get", {"op": "get", "key": f"k/{i}"}), d)
+        assert "kept" in g["steps"] and "import" not in g["steps"], g["steps"]
+        assert bytes.fromhex(g["data"]) == pattern(100_000, i), f"hand-off {i} read stale bytes"
+        assert g["mapping"]["inode"] == inode and g["mapping"]["perms"].startswith("r-"), g["mapping"]
+        assert g["memset_rc"] != 0, "the getter's kept mapping is read-only"
+        wait_metric(d, *spare, 2 * GRANULE)
+    blocks = kept(d, "kp-get")["kept"]
+    assert blocks and inode in kept(d, "kp-get")["inodes"] and inode in kept(d, "kp-put")["inodes"]
+    # Another tenant never gets it: its put maps memory of its own.
+    p = ok(put(d, "x/1", 100_000, 9, fn="kp-other"), d)
+    assert "import" in p["steps"], p["steps"]
+    assert inode not in kept(d, "kp-other")["inodes"]
+    # A put that needs the room: the kept block goes, and both workers that kept it mapped are
+    # told to unmap it, so its memory leaves every process.
+    ok(put(d, "x/2", 3 * GRANULE // 2, 10, fn="kp-other"), d)
+    deadline = time.monotonic() + 10
+    while True:
+        where = {fn: kept(d, fn) for fn in ("kp-put", "kp-get")}
+        held = {fn: inode in w["inodes"] for fn, w in where.items()}
+        if not any(held.values()) and inode not in daemon_memory_inodes(d):
+            break
+        assert time.monotonic() < deadline, (held, where, inode in daemon_memory_inodes(d), d.log_text()[-3000:])
+        time.sleep(0.1)
+    assert not set(blocks) & set(where["kp-get"]["kept"])

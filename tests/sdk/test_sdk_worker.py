@@ -50,7 +50,7 @@ def start_loaded(spawn: Spawner, daemon: Daemon, *args: str) -> tuple[Spawned, C
         "role": "base",
         "function": None,
         "resumed": False,
-        "protocol": 3,
+        "protocol": 4,
         "reattach": False,
     }
     assert c.peer_pid == w.pid
@@ -114,7 +114,7 @@ def test_quiesce_close_sigusr2_resume(spawn: Spawner, daemon: Daemon) -> None:
         "role": "function",
         "function": "tinymlp",
         "resumed": True,
-        "protocol": 3,
+        "protocol": 4,
         "reattach": False,
     }
     r = c2.invoke(2, {"x": X})
@@ -151,7 +151,7 @@ def test_role_function_waits_for_load(spawn: Spawner, daemon: Daemon) -> None:
         "role": "function",
         "function": None,
         "resumed": False,
-        "protocol": 3,
+        "protocol": 4,
         "reattach": False,
     }
     ready = c.load()
@@ -380,7 +380,7 @@ def test_a_loaded_worker_that_loses_its_daemon_reattaches_with_its_state(spawn: 
     c.close()
     again = daemon.accept()
     hello = again.expect("hello")
-    assert hello["resumed"] is True and hello["reattach"] is True and hello["protocol"] == 3, hello
+    assert hello["resumed"] is True and hello["reattach"] is True and hello["protocol"] == 4, hello
     assert hello["role"] == "function", hello
     again.send({"type": "attached", "reattach_s": 5})
     # The same process, its memory kept: the call counter goes on.

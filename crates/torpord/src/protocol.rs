@@ -26,9 +26,10 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 /// The newest protocol version this daemon speaks (sent by workers in `hello`): 2 sends
-/// `started` and reattaches; 3 takes `release_gpu`. A worker restored from an older snapshot
-/// speaks its own version, which the daemon reads from its hello.
-pub const PROTOCOL: u64 = 3;
+/// `started` and reattaches; 3 takes `release_gpu`; 4 keeps its mappings of the store's GPU
+/// memory (`block`), sends `store_release` and takes `store_unmap`. A worker restored from an
+/// older snapshot speaks its own version, which the daemon reads from its hello.
+pub const PROTOCOL: u64 = 4;
 
 /// A frame that is not a frame of the protocol.
 #[derive(Debug, thiserror::Error)]
@@ -379,9 +380,29 @@ pub struct StoreMemory {
     pub ordinal: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fd: Option<bool>,
+    /// The memory's block, when it may come back to this tenant's puts and gets: the worker
+    /// may keep its mapping of it (protocol 4) until a `store_unmap` names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block: Option<u64>,
     /// Why not (one line: cause and fix).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// A protocol-4 worker let go of one get of each of `blocks` (the values' objects are gone and
+/// the work that read them done); it may keep the mappings. No answer.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreRelease {
+    pub blocks: Vec<u64>,
+}
+
+/// The daemon let go of `blocks` of the store's GPU memory: a worker that kept a mapping of
+/// one unmaps it (at once, or when the object using it goes). No answer.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreUnmap {
+    pub blocks: Vec<u64>,
 }
 
 /// The worker filled (`ok`) the GPU memory of its `store_put` of the same `id` and unmapped it,
@@ -457,6 +478,11 @@ pub struct StoreValueGpu {
     /// another GPU; `host`: copied from another GPU through host memory (no peer access);
     /// `spilled`: copied up from host memory, where the store had moved it under pressure.
     pub source: String,
+    /// `stored` memory that may come back to the tenant's puts: its block, which the worker
+    /// releases (`store_release`) once the value's object is gone, and whose mapping it may
+    /// keep (protocol 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block: Option<u64>,
 }
 
 /// A frame a worker sends.
@@ -479,6 +505,7 @@ pub enum FromWorker {
     StoreFd(StoreFd),
     StoreGet(StoreGet),
     StoreWritten(StoreWritten),
+    StoreRelease(StoreRelease),
     /// A sandbox's function idled and its pool gave its memory back.
     Memory(MemoryReport),
     Settled(Settled),
@@ -619,6 +646,7 @@ pub enum ToWorker {
     StoreStored(StoreStored),
     StoreValue(StoreValue),
     StoreMemory(StoreMemory),
+    StoreUnmap(StoreUnmap),
 }
 
 /// The `type` of a frame, read before its fields.
@@ -645,7 +673,7 @@ fn fields<'a, T: Deserialize<'a>>(
 impl FromWorker {
     /// The frame types a worker sends.
     pub const TYPES: &'static str =
-        "hello, warmed, ready, started, result, quiet, segment_fd, released, mapped, unmapped, gpu_quiet, dump, store_put, store_fd, store_get, store_written, memory, settled";
+        "hello, warmed, ready, started, result, quiet, segment_fd, released, mapped, unmapped, gpu_quiet, dump, store_put, store_fd, store_get, store_written, store_release, memory, settled";
 
     /// A frame's payload, parsed (`type` first, then the variant from the same bytes).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -667,6 +695,7 @@ impl FromWorker {
             "store_fd" => Self::StoreFd(fields("store_fd", payload)?),
             "store_get" => Self::StoreGet(fields("store_get", payload)?),
             "store_written" => Self::StoreWritten(fields("store_written", payload)?),
+            "store_release" => Self::StoreRelease(fields("store_release", payload)?),
             "memory" => Self::Memory(fields("memory", payload)?),
             "settled" => Self::Settled(fields("settled", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
@@ -692,6 +721,7 @@ impl FromWorker {
             Self::StoreFd(_) => "store_fd",
             Self::StoreGet(_) => "store_get",
             Self::StoreWritten(_) => "store_written",
+            Self::StoreRelease(_) => "store_release",
             Self::Memory(_) => "memory",
             Self::Settled(_) => "settled",
         }
@@ -701,7 +731,7 @@ impl FromWorker {
 impl ToWorker {
     /// The frame types torpord sends.
     pub const TYPES: &'static str =
-        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, gpu_data, shutdown, release_memory, release_gpu, store_stored, store_value, store_memory";
+        "load, invoke, attached, quiesce, resume, release, map, unmap, data_fd, gpu_data, shutdown, release_memory, release_gpu, store_stored, store_value, store_memory, store_unmap";
 
     /// A frame's payload, parsed as [`FromWorker::parse`] does (for tests and tools).
     pub fn parse(payload: &[u8]) -> Result<Self, ProtocolError> {
@@ -723,6 +753,7 @@ impl ToWorker {
             "store_stored" => Self::StoreStored(fields("store_stored", payload)?),
             "store_value" => Self::StoreValue(fields("store_value", payload)?),
             "store_memory" => Self::StoreMemory(fields("store_memory", payload)?),
+            "store_unmap" => Self::StoreUnmap(fields("store_unmap", payload)?),
             _ => return Err(ProtocolError::UnknownType(kind, Self::TYPES)),
         })
     }

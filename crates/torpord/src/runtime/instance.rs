@@ -23,6 +23,9 @@ pub(crate) struct Pending {
     pub(crate) result: oneshot::Sender<Answer>,
 }
 
+/// The next [`Instance::store_holder`]; 0 is the store's `NO_RELEASE`.
+static NEXT_STORE_HOLDER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// A live worker of a function.
 pub struct Instance {
     pub id: String,
@@ -39,6 +42,12 @@ pub struct Instance {
     /// Its harness takes `release_gpu` (protocol 3): told before the driver checkpoints its
     /// GPU in place, it starts no CUDA work of its own meanwhile.
     pub(crate) quiets_gpu: bool,
+    /// Its harness keeps its mappings of the store's GPU memory between puts and gets and
+    /// releases its gets (protocol 4; crate::runtime::store_gpu, "Kept mappings").
+    pub(crate) keeps_store_mappings: bool,
+    /// Its worker process as a holder of the store's GPU memory (crate::runtime::store):
+    /// unique to this connection, so a restored process does not inherit the holds.
+    pub(crate) store_holder: u64,
     pub(crate) pending: Mutex<HashMap<u64, Pending>>,
     /// Why it was removed (its state is `gone`).
     pub(crate) why_dead: Mutex<Option<String>>,
@@ -211,6 +220,8 @@ pub(crate) fn new_instance(
         writer: tokio::sync::Mutex::new(conn.wr),
         announces_start: conn.hello.protocol >= 2,
         quiets_gpu: conn.hello.protocol >= 3,
+        keeps_store_mappings: conn.hello.protocol >= 4,
+        store_holder: NEXT_STORE_HOLDER.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         pending: Mutex::new(HashMap::new()),
         why_dead: Mutex::new(None),
         keep: Mutex::new(keep),

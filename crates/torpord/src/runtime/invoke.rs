@@ -397,7 +397,11 @@ impl Runtime {
                     let tx = lock(&inst.quiet_tx).take();
                     match tx {
                         Some(tx) => match tx.send((msg, rd)) {
-                            Ok(()) => return,
+                            Ok(()) => {
+                                // The snapshot does not carry its mappings of the store's memory.
+                                self.store.forget_holder(inst.store_holder);
+                                return;
+                            }
                             Err(_) => break "its hibernation was given up".to_string(),
                         },
                         None => break "it sent quiet twice".to_string(),
@@ -437,6 +441,7 @@ impl Runtime {
                     self.store_put_gpu(&inst, put);
                 }
                 FromWorker::StoreWritten(w) => self.store_written(&inst, w),
+                FromWorker::StoreRelease(r) => self.store_release(&inst, &r.blocks),
                 FromWorker::StorePut(put) => {
                     // Its memfd comes with the next frame (crate::runtime::store).
                     let fd = match crate::split::fds::read_with_fd(&mut rd).await {
@@ -500,6 +505,7 @@ impl Runtime {
                 }
             }
         };
+        self.store.forget_holder(inst.store_holder);
         self.remove_instance(&inst, &why, true);
     }
 

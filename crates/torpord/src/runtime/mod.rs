@@ -105,6 +105,9 @@ pub struct Runtime {
     pub(crate) sandbox_routes: sandbox::Routes,
     /// The communication store's values handed between processes (store).
     pub store: store::Store,
+    /// The workers that mapped each block of the store's GPU memory and may have kept the
+    /// mapping (store_gpu, "Kept mappings"): told to unmap it when the store lets go of it.
+    pub(crate) store_mappers: Mutex<HashMap<u64, Vec<std::sync::Weak<Instance>>>>,
     /// The sandboxes' memory: models, accounts, admission (memory).
     pub(crate) memory: memory::Memory,
     /// Ready sandboxes per tenant and base (start::pooled).
@@ -197,6 +200,7 @@ impl Runtime {
             objstore: None,
             sandbox_routes: sandbox::Routes::default(),
             store: store::Store::new(store_gpu_bytes).with_spares(store_gpu_spare),
+            store_mappers: Mutex::default(),
             memory: memory::Memory::default(),
             sandbox_pool: Default::default(),
             keys: Default::default(),

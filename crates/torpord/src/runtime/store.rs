@@ -167,6 +167,30 @@ pub struct GpuHeld {
     /// get a `dup` of it. On the H100 an export (`cuMemExportToShareableHandle`) took 0.75 ms
     /// of a 100 MiB hand-off, a `dup` microseconds (bench/results/sandbox-vmm-steps-h100.json).
     pub exported: Arc<OwnedFd>,
+    /// Its identity for the workers that keep their mappings of it ([`Block`]).
+    pub block: Arc<Block>,
+}
+
+/// A block of the store's GPU memory, named for the workers that keep their mapping of it
+/// after a put or a get (protocol 4) so that the block's next use by their tenant maps nothing
+/// (docs/sandboxes.md, "Kept mappings"). When the daemon lets go of it, its id goes on the
+/// store's `gone` list, and the runtime tells those workers to unmap it: their mappings would
+/// otherwise keep the memory after the daemon counted it free.
+pub struct Block {
+    pub id: u64,
+    gone: Arc<Mutex<Vec<u64>>>,
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        lock(&self.gone).push(self.id);
+    }
+}
+
+impl std::fmt::Debug for Block {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Block({})", self.id)
+    }
 }
 
 impl GpuHeld {
@@ -175,9 +199,10 @@ impl GpuHeld {
         self.exported.try_clone().map_err(StoreError::Fd)
     }
 
-    /// The spare a put into this memory calls for: memory like it on its GPU.
-    pub fn spare_for(&self) -> SpareFor {
+    /// The spare a put of `tenant` into this memory calls for: memory like it on its GPU.
+    pub fn spare_for(&self, tenant: &str) -> SpareFor {
         SpareFor {
+            tenant: tenant.to_string(),
             ordinal: self.ordinal,
             padded: self.padded,
             device: Arc::clone(&self.device),
@@ -188,6 +213,8 @@ impl GpuHeld {
 /// Memory to make for the next put like one just sealed ([`Store::make_spare`]'s arguments).
 #[derive(Clone)]
 pub struct SpareFor {
+    /// Whose put it was: a block of the tenant's kept for that size makes a spare needless.
+    pub tenant: String,
     pub ordinal: i32,
     pub padded: u64,
     pub device: Arc<dyn SegmentDevice>,
@@ -196,6 +223,7 @@ pub struct SpareFor {
 impl std::fmt::Debug for SpareFor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SpareFor")
+            .field("tenant", &self.tenant)
             .field("ordinal", &self.ordinal)
             .field("padded", &self.padded)
             .finish_non_exhaustive()
@@ -205,6 +233,7 @@ impl std::fmt::Debug for SpareFor {
 impl std::fmt::Debug for GpuHeld {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuHeld")
+            .field("block", &self.block.id)
             .field("ordinal", &self.ordinal)
             .field("padded", &self.padded)
             .finish_non_exhaustive()
@@ -350,6 +379,10 @@ pub struct GpuUsage {
 pub struct Reserved {
     pub fd: OwnedFd,
     pub padded: u64,
+    /// The memory's block, and whether it may come back to the tenant's puts (then a worker
+    /// may keep its mapping of it: [`Block`]).
+    pub block: u64,
+    pub recycled: bool,
     /// GPU values moved to host memory to make room.
     pub spilled: usize,
 }
@@ -369,7 +402,33 @@ struct Inner {
     spare_idle: Duration,
     /// What the store let go of under its lock, dropped after it ([`InnerGuard`]).
     dead: Vec<Box<dyn Send>>,
+    /// Gets handed out in place and not released yet: block → holder → gets. Holder
+    /// [`NO_RELEASE`] is a worker that never releases (protocol 3): its blocks never recycle.
+    holds: HashMap<u64, HashMap<u64, u32>>,
+    /// Blocks whose value a get consumed while a holder still maps them: each goes to its
+    /// tenant's `free` once its last holder released it.
+    parked: HashMap<u64, (String, GpuHeld)>,
+    /// Blocks no value and no holder uses, kept for their tenant's next put of their size.
+    free: Vec<Free>,
 }
+
+/// A block kept for its tenant's next put of its size ([`Store::release`]): that put neither
+/// allocates nor exports, and the tenant's workers that mapped the block map nothing (they kept
+/// their mappings). Never another tenant's: those workers could still read it. Counted in the
+/// store's GPU budget like a spare, let go first when a put needs room, and dropped after
+/// [`SPARE_IDLE`] unused.
+struct Free {
+    tenant: String,
+    gpu: GpuHeld,
+    since: Instant,
+}
+
+/// The holder of gets by a worker that does not release its mappings (protocol < 4).
+pub const NO_RELEASE: u64 = 0;
+
+/// Blocks a tenant may keep per GPU for its next puts: a steady hand-off between two
+/// functions cycles through two or three.
+pub const MAX_FREE: usize = 4;
 
 /// The store's lock: on release, what was let go under it (GPU memory, memfds) is dropped
 /// after the lock, on the blocking pool within the runtime. Letting GPU memory go is a driver
@@ -427,8 +486,16 @@ pub struct Store {
     gpu_budget: u64,
     /// GPU values moved to host memory, ever.
     spills: std::sync::atomic::AtomicU64,
-    /// Whether a put leaves a spare of its size (`[store] gpu_spare`).
+    /// Whether a put leaves a spare of its size and a consumed value's memory goes back to its
+    /// tenant's puts (`[store] gpu_spare`).
     spares_on: bool,
+    /// Blocks the daemon let go of, for the runtime to tell their mappers ([`Block`]).
+    gone: Arc<Mutex<Vec<u64>>>,
+    /// The last block id given.
+    blocks: std::sync::atomic::AtomicU64,
+    /// Tests: host memory recycles too (its memfd seal is for good, so only on cuda otherwise).
+    #[cfg(test)]
+    recycle_host: bool,
 }
 
 impl Default for Store {
@@ -557,6 +624,67 @@ impl Inner {
                 .extract_if(|_, s| now.duration_since(s.made) >= idle)
                 .map(|(_, s)| Box::new(s) as Box<dyn Send>),
         );
+        dead.extend(
+            self.free
+                .extract_if(.., |f| now.duration_since(f.since) >= idle)
+                .map(|f| Box::new(f.gpu) as Box<dyn Send>),
+        );
+    }
+
+    /// A block of `tenant`'s kept for a put of `padded` bytes on GPU `ordinal`.
+    fn take_free(&mut self, tenant: &str, ordinal: i32, padded: u64) -> Option<GpuHeld> {
+        let i = self.free.iter().position(|f| {
+            f.tenant == tenant && f.gpu.ordinal == ordinal && f.gpu.padded == padded
+        })?;
+        Some(self.free.remove(i).gpu)
+    }
+
+    /// Bytes of GPU `ordinal` kept in blocks for the tenants' next puts.
+    fn free_bytes(&self, ordinal: i32) -> u64 {
+        self.free
+            .iter()
+            .filter(|f| f.gpu.ordinal == ordinal)
+            .map(|f| f.gpu.padded)
+            .sum()
+    }
+
+    /// Lets go of kept blocks on GPU `ordinal`, oldest first, until `room` more bytes fit in
+    /// `budget` (or none is left).
+    fn free_for_room(&mut self, ordinal: i32, room: u64, budget: u64) {
+        while self.gpu_used(ordinal).saturating_add(room) > budget {
+            let Some(i) = self.free.iter().position(|f| f.gpu.ordinal == ordinal) else {
+                return;
+            };
+            let f = self.free.remove(i);
+            self.bury(f.gpu);
+        }
+    }
+
+    /// `gpu`, which no value and no holder uses any more: kept for `tenant`'s next put of its
+    /// size when `recycles` and the tenant keeps fewer than [`MAX_FREE`] there, let go
+    /// otherwise.
+    fn recycle(&mut self, tenant: String, gpu: GpuHeld, recycles: bool) {
+        let kept = self
+            .free
+            .iter()
+            .filter(|f| f.tenant == tenant && f.gpu.ordinal == gpu.ordinal)
+            .count();
+        if recycles && kept < MAX_FREE {
+            self.free.push(Free {
+                tenant,
+                gpu,
+                since: Instant::now(),
+            });
+        } else {
+            self.bury(gpu);
+        }
+    }
+
+    /// Whether a holder that never releases got `block` in place.
+    fn never_released(&self, block: u64) -> bool {
+        self.holds
+            .get(&block)
+            .is_some_and(|h| h.contains_key(&NO_RELEASE))
     }
 
     /// Lets `thing` go once the lock is released ([`InnerGuard`]).
@@ -627,8 +755,9 @@ impl Inner {
             + self.spare_bytes(ordinal)
     }
 
+    /// Bytes of GPU `ordinal` made ahead or kept for the next puts: its spare and kept blocks.
     fn spare_bytes(&self, ordinal: i32) -> u64 {
-        self.spares.get(&ordinal).map_or(0, |s| s.gpu.padded)
+        self.spares.get(&ordinal).map_or(0, |s| s.gpu.padded) + self.free_bytes(ordinal)
     }
 
     /// The values on GPU `ordinal`, oldest first: (their id, put order, bytes).
@@ -698,7 +827,60 @@ impl Store {
             gpu_budget,
             spills: std::sync::atomic::AtomicU64::new(0),
             spares_on: true,
+            gone: Arc::default(),
+            blocks: std::sync::atomic::AtomicU64::new(0),
+            #[cfg(test)]
+            recycle_host: false,
         }
+    }
+
+    /// `memory` of `device`, exported as `fd`, as the store holds it: under a new block id.
+    fn held(
+        &self,
+        ordinal: i32,
+        device: Arc<dyn SegmentDevice>,
+        memory: Memory,
+        padded: u64,
+        fd: OwnedFd,
+    ) -> GpuHeld {
+        let id = self
+            .blocks
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        GpuHeld {
+            ordinal,
+            device,
+            memory: Arc::new(memory),
+            padded,
+            exported: Arc::new(fd),
+            block: Arc::new(Block {
+                id,
+                gone: Arc::clone(&self.gone),
+            }),
+        }
+    }
+
+    /// Whether `gpu` may go back to its tenant's puts once nothing uses it: on cuda, whose seal
+    /// is the daemon's own refusal of writable mappings (torpor_device's `seal_read_only`), not
+    /// a property of the memory; a host memfd's seal is for good.
+    pub fn recycles(&self, gpu: &GpuHeld) -> bool {
+        #[cfg(test)]
+        if self.recycle_host {
+            return self.spares_on;
+        }
+        self.spares_on && gpu.device.backend() == "cuda"
+    }
+
+    /// The blocks let go of since the last call ([`Block`]); their holds are forgotten.
+    pub fn take_gone(&self) -> Vec<u64> {
+        let gone = std::mem::take(&mut *lock(&self.gone));
+        if !gone.is_empty() {
+            let mut inner = self.inner();
+            for id in &gone {
+                inner.holds.remove(id);
+            }
+        }
+        gone
     }
 
     /// The same store, leaving spares after puts or not (`[store] gpu_spare`).
@@ -794,13 +976,19 @@ impl Store {
         inner.sweep(Instant::now());
         inner.check_tenant(tenant, key, padded)?;
         inner.gpus.insert(ordinal);
+        // A block of the tenant's kept for this size, else the GPU's spare of it.
         let fits = inner
-            .spares
-            .get(&ordinal)
-            .is_some_and(|s| s.gpu.padded == padded);
+            .free
+            .iter()
+            .any(|f| f.tenant == tenant && f.gpu.ordinal == ordinal && f.gpu.padded == padded)
+            || inner
+                .spares
+                .get(&ordinal)
+                .is_some_and(|s| s.gpu.padded == padded);
         let on_gpu = inner.on_gpu(ordinal);
         let sizes: Vec<(u64, u64)> = on_gpu.iter().map(|(_, s, b)| (*s, *b)).collect();
-        // The spare goes first (taken, or let go for room), so it is not counted here.
+        // The spare and the kept blocks go first (taken, or let go for room), so they are not
+        // counted here.
         let used = inner.gpu_used(ordinal) - inner.spare_bytes(ordinal);
         let victims =
             spill_victims(&sizes, used, padded, self.gpu_budget).ok_or(StoreError::GpuBudget {
@@ -810,16 +998,22 @@ impl Store {
         if spare_only && !(fits && victims.is_empty()) {
             return Ok(None);
         }
-        let spare = inner.take_spare(ordinal, padded);
+        let ready = match inner.take_free(tenant, ordinal, padded) {
+            Some(gpu) => Some(gpu),
+            None => inner.take_spare(ordinal, padded),
+        };
         let mut spilled = 0;
         for &i in &victims {
             inner.spill(&on_gpu[i].0)?;
             spilled += 1;
         }
-        let gpu = match spare {
+        let gpu = match ready {
             Some(gpu) => gpu,
             None => {
-                // Out of GPU memory: move out the next oldest and try again, until none is left.
+                inner.free_for_room(ordinal, padded, self.gpu_budget);
+                // Out of GPU memory: let go of a kept block, else move out the next oldest
+                // value, and try again, until none is left. The block is dropped here, under
+                // the lock: the next try needs its memory back.
                 let mut left = on_gpu
                     .iter()
                     .enumerate()
@@ -829,19 +1023,27 @@ impl Store {
                 let memory = loop {
                     match device.create(len) {
                         Ok(m) => break m,
-                        Err(e) if is_out_of_memory(&e) => match left.next() {
-                            Some(id) => {
-                                inner.spill(&id)?;
-                                spilled += 1;
+                        Err(e) if is_out_of_memory(&e) => {
+                            if let Some(i) =
+                                inner.free.iter().position(|f| f.gpu.ordinal == ordinal)
+                            {
+                                drop(inner.free.remove(i));
+                                continue;
                             }
-                            None => {
-                                return Err(StoreError::GpuMemory {
-                                    ordinal,
-                                    padded,
-                                    source: e,
-                                })
+                            match left.next() {
+                                Some(id) => {
+                                    inner.spill(&id)?;
+                                    spilled += 1;
+                                }
+                                None => {
+                                    return Err(StoreError::GpuMemory {
+                                        ordinal,
+                                        padded,
+                                        source: e,
+                                    })
+                                }
                             }
-                        },
+                        }
                         Err(source) => {
                             return Err(StoreError::Device {
                                 what: "allocating GPU memory for the value",
@@ -856,16 +1058,11 @@ impl Store {
                         what: "exporting the value's GPU memory",
                         source,
                     })?;
-                GpuHeld {
-                    ordinal,
-                    device,
-                    memory: Arc::new(memory),
-                    padded,
-                    exported: Arc::new(fd),
-                }
+                self.held(ordinal, device, memory, padded, fd)
             }
         };
         let fd = gpu.fd()?;
+        let (gpu_block, gpu_recycles) = (gpu.block.id, self.recycles(&gpu));
         self.spills
             .fetch_add(spilled as u64, std::sync::atomic::Ordering::Relaxed);
         inner.pending.insert(
@@ -884,6 +1081,8 @@ impl Store {
         Ok(Some(Reserved {
             fd,
             padded,
+            block: gpu_block,
+            recycled: gpu_recycles,
             spilled,
         }))
     }
@@ -897,12 +1096,22 @@ impl Store {
     /// exported for the next one, unless the GPU has a spare already or the store's budget
     /// there has no room for it (or `[store] gpu_spare` is off). Made outside the store's lock;
     /// a spare that lost a race (a put took the room meanwhile) is let go.
-    pub fn make_spare(&self, ordinal: i32, padded: u64, device: Arc<dyn SegmentDevice>) {
+    pub fn make_spare(&self, spare: SpareFor) {
+        let SpareFor {
+            tenant,
+            ordinal,
+            padded,
+            device,
+        } = spare;
         if !self.spares_on {
             return;
         }
+        // Not when the tenant keeps a block of that size there: its next put takes that.
         let room = |inner: &Inner| {
             !inner.spares.contains_key(&ordinal)
+                && !inner.free.iter().any(|f| {
+                    f.tenant == tenant && f.gpu.ordinal == ordinal && f.gpu.padded == padded
+                })
                 && inner.gpu_used(ordinal).saturating_add(padded) <= self.gpu_budget
         };
         if !room(&self.inner()) {
@@ -922,13 +1131,7 @@ impl Store {
                 return;
             }
         };
-        let gpu = GpuHeld {
-            ordinal,
-            device,
-            memory: Arc::new(memory),
-            padded,
-            exported: Arc::new(fd),
-        };
+        let gpu = self.held(ordinal, device, memory, padded, fd);
         let mut inner = self.inner();
         if room(&inner) {
             let made = Instant::now();
@@ -974,7 +1177,7 @@ impl Store {
         if p.for_nodes {
             return Ok(SealedPut::ForNodes(sealed));
         }
-        let spare = sealed.gpu.spare_for();
+        let spare = sealed.gpu.spare_for(&sealed.tenant);
         inner.insert_gpu(sealed, now, None);
         Ok(SealedPut::Stored(spare))
     }
@@ -1040,6 +1243,82 @@ impl Store {
                 seq: e.seq,
             }
         }))
+    }
+
+    /// Records that `holder` was handed `block` in place (its worker maps the very memory)
+    /// and will release it ([`Store::release`]); [`NO_RELEASE`] for a worker that never does.
+    pub fn hold(&self, block: u64, holder: u64) {
+        *self
+            .inner()
+            .holds
+            .entry(block)
+            .or_default()
+            .entry(holder)
+            .or_default() += 1;
+    }
+
+    /// A value of `tenant` that a get consumed, after its answer: while a holder still maps
+    /// its block, parked until the last releases it; then kept for the tenant's next put of its
+    /// size ([`Store::recycles`]), or let go.
+    pub fn consumed(&self, tenant: &str, taken: Taken) {
+        let mut inner = self.inner();
+        let TakenHeld::Gpu(gpu) = taken.held else {
+            inner.bury(taken);
+            return;
+        };
+        let block = gpu.block.id;
+        if inner.never_released(block) {
+            inner.bury(gpu);
+        } else if inner.holds.get(&block).is_some_and(|h| !h.is_empty()) {
+            inner.parked.insert(block, (tenant.to_string(), gpu));
+        } else {
+            let recycles = self.recycles(&gpu);
+            inner.recycle(tenant.to_string(), gpu, recycles);
+        }
+    }
+
+    /// `holder`'s worker let go of one get of each of `blocks` (its tensors are gone and their
+    /// work done; it keeps the mappings): a parked block nobody holds any more goes to its
+    /// tenant's next puts. A block the holder was not handed is ignored (a worker cannot
+    /// release another's).
+    pub fn release(&self, holder: u64, blocks: &[u64]) {
+        if holder == NO_RELEASE {
+            return;
+        }
+        let mut inner = self.inner();
+        for &block in blocks {
+            let Some(h) = inner.holds.get_mut(&block) else {
+                continue;
+            };
+            if let Some(n) = h.get_mut(&holder) {
+                *n -= 1;
+                if *n == 0 {
+                    h.remove(&holder);
+                }
+            }
+            if h.is_empty() {
+                inner.holds.remove(&block);
+                if let Some((tenant, gpu)) = inner.parked.remove(&block) {
+                    let recycles = self.recycles(&gpu);
+                    inner.recycle(tenant, gpu, recycles);
+                }
+            }
+        }
+    }
+
+    /// `holder`'s worker is gone (exited, or hibernated: a snapshot does not carry its
+    /// mappings of the store's memory): its gets are released.
+    pub fn forget_holder(&self, holder: u64) {
+        let blocks: Vec<u64> = {
+            let inner = self.inner();
+            inner
+                .holds
+                .iter()
+                .filter_map(|(b, h)| h.get(&holder).map(|n| vec![*b; *n as usize]))
+                .flatten()
+                .collect()
+        };
+        self.release(holder, &blocks);
     }
 
     /// Puts a value taken by a get back under `key`, as it was (its expiry, its place in the
@@ -1221,13 +1500,19 @@ impl crate::runtime::Runtime {
         let id = get.id;
         match found {
             Ok(Some(t)) if t.gpu => {
-                if let Some(Ok(d)) = Self::store_deliver_in_place(inst, &t) {
-                    // On the worker's GPU already: a dup of its export, answered from here. The
-                    // daemon's handle of a consumed value goes after the answer (a driver release).
-                    self.store_metrics();
+                if let Some(Ok(mut d)) = Self::store_deliver_in_place(inst, &t) {
+                    // On the worker's GPU already: a dup of its export, answered from here,
+                    // held for the worker until it releases it. A consumed value's memory then
+                    // waits for its tenant's next put, or goes after the answer (a driver
+                    // release, on the blocking pool: crate::runtime::store's InnerGuard).
+                    self.store_lend(inst, &t, &mut d);
                     let (value, fd) = value_frame(id, Ok(Some(d)));
                     reply_to(inst, crate::protocol::ToWorker::StoreValue(value), fd);
-                    tokio::task::spawn_blocking(move || drop(t));
+                    match self.store_tenant(inst) {
+                        Some(tenant) if !get.keep => self.store.consumed(&tenant, t),
+                        _ => drop(tokio::task::spawn_blocking(move || drop(t))),
+                    }
+                    self.store_metrics();
                     return;
                 }
                 // Exported, or copied onto the worker's GPU first: on the blocking pool. A
@@ -1728,6 +2013,15 @@ mod gpu_tests {
             .collect()
     }
 
+    fn spare_of(page: u64, dev: &Arc<dyn SegmentDevice>) -> SpareFor {
+        SpareFor {
+            tenant: "team-a".into(),
+            ordinal: 0,
+            padded: page,
+            device: Arc::clone(dev),
+        }
+    }
+
     fn spare(s: &Store) -> u64 {
         s.gpu_usage().0.iter().map(|u| u.spare).sum()
     }
@@ -1739,17 +2033,131 @@ mod gpu_tests {
         }
     }
 
+    /// A GPU put of `len` bytes by `tenant` under `key`, not written (recycled host memory is
+    /// sealed for good): the block it got.
+    fn reserve(s: &Store, dev: &Arc<dyn SegmentDevice>, tenant: &str, key: &str, len: u64) -> u64 {
+        let r = s
+            .reserve_gpu(
+                key,
+                tenant,
+                key,
+                Value::Null,
+                60.0,
+                len,
+                0,
+                Arc::clone(dev),
+                false,
+            )
+            .unwrap();
+        s.seal_gpu(key, true).unwrap();
+        r.block
+    }
+
+    fn block_of(t: &Taken) -> u64 {
+        match &t.held {
+            TakenHeld::Gpu(g) => g.block.id,
+            TakenHeld::Host(_) => panic!("not on the GPU: {t:?}"),
+        }
+    }
+
+    #[test]
+    fn a_consumed_value_s_block_comes_back_to_its_tenant_only_once_every_holder_released_it() {
+        let dev = device();
+        let page = dev.granularity() as u64;
+        let mut s = Store::new(4 * page);
+        s.recycle_host = true;
+        let first = put_gpu(&s, &dev, "a", b"value a").block;
+        // Two gets of it in place: one kept (holder 7), one consuming (holder 9).
+        let kept = s.get("team-a", "a", true, true).unwrap().unwrap();
+        s.hold(block_of(&kept), 7);
+        drop(kept);
+        let taken = s.get("team-a", "a", false, true).unwrap().unwrap();
+        s.hold(block_of(&taken), 9);
+        s.consumed("team-a", taken);
+        // Parked while mapped: not the store's to count, not yet anyone's to reuse.
+        assert_eq!((held(&s), spare(&s)), (vec![(0, 0)], 0));
+        // A holder cannot release what it was not handed; each releases its own get.
+        s.release(8, &[first]);
+        s.release(9, &[first]);
+        assert_eq!(spare(&s), 0, "holder 7 still maps it");
+        s.release(7, &[first]);
+        assert_eq!(spare(&s), page, "kept for team-a's next put");
+        // Another tenant's put of the size gets other memory; the tenant's own gets the block.
+        assert_ne!(reserve(&s, &dev, "team-b", "b", 100), first);
+        assert_eq!(reserve(&s, &dev, "team-a", "c", 100), first);
+        assert_eq!(spare(&s), 0);
+        assert!(s.take_gone().is_empty(), "nothing was let go");
+    }
+
+    #[test]
+    fn a_block_a_worker_never_releases_goes_and_its_mappers_are_named() {
+        let dev = device();
+        let page = dev.granularity() as u64;
+        let mut s = Store::new(4 * page);
+        s.recycle_host = true;
+        // An older worker's get: held for good, so the consumed block is let go, not kept.
+        let old = put_gpu(&s, &dev, "a", b"a").block;
+        let t = s.get("team-a", "a", false, true).unwrap().unwrap();
+        s.hold(old, NO_RELEASE);
+        s.consumed("team-a", t);
+        assert_eq!(spare(&s), 0);
+        assert_eq!(s.take_gone(), vec![old]);
+        // A worker that is gone releases what it held: the parked block comes back.
+        let b = put_gpu(&s, &dev, "b", b"b").block;
+        let t = s.get("team-a", "b", false, true).unwrap().unwrap();
+        s.hold(b, 5);
+        s.hold(b, 5);
+        s.consumed("team-a", t);
+        s.forget_holder(5);
+        assert_eq!(spare(&s), page);
+        // Unused past the idle time, a kept block goes, and its id is named for its mappers.
+        lock(&s.inner).spare_idle = Duration::ZERO;
+        s.sweep();
+        assert_eq!((spare(&s), s.take_gone()), (0, vec![b]));
+    }
+
+    #[test]
+    fn kept_blocks_make_room_before_any_value_moves_and_only_cuda_memory_is_kept() {
+        let dev = device();
+        let page = dev.granularity() as u64;
+        let mut s = Store::new(2 * page);
+        s.recycle_host = true;
+        // Two values got at once, then both released: two blocks kept.
+        let blocks = [
+            reserve(&s, &dev, "team-a", "a", 1),
+            reserve(&s, &dev, "team-a", "b", 1),
+        ];
+        for (key, blk) in ["a", "b"].into_iter().zip(blocks) {
+            let t = s.get("team-a", key, false, true).unwrap().unwrap();
+            s.hold(blk, 3);
+            s.consumed("team-a", t);
+        }
+        s.release(3, &blocks);
+        assert_eq!((held(&s), spare(&s)), (vec![(0, 0)], 2 * page));
+        // Another tenant's put of two pages: both kept blocks go for it, no value moves.
+        reserve(&s, &dev, "team-b", "big", 2 * page);
+        assert_eq!((spare(&s), s.spills()), (0, 0));
+        // Without the test switch, host memory (sealed for good) is never kept.
+        s.recycle_host = false;
+        let t = s.get("team-b", "big", false, true).unwrap().unwrap();
+        let big = block_of(&t);
+        s.hold(big, 3);
+        s.consumed("team-b", t);
+        s.release(3, &[big]);
+        assert_eq!(spare(&s), 0);
+    }
+
     #[test]
     fn the_next_put_of_a_size_takes_the_spare_made_for_it_within_the_budget() {
         let dev = device();
         let page = dev.granularity() as u64;
         let s = Store::new(2 * page);
         put_gpu(&s, &dev, "a", b"value a");
-        s.make_spare(0, page, Arc::clone(&dev));
+        s.make_spare(spare_of(page, &dev));
         assert_eq!((held(&s), spare(&s)), (vec![(0, page)], page));
         let made = Arc::clone(&lock(&s.inner).spares[&0].gpu.memory);
         // One spare a GPU: another is not made while it waits.
-        s.make_spare(0, page, Arc::clone(&dev));
+        s.make_spare(spare_of(page, &dev));
         assert!(Arc::ptr_eq(&lock(&s.inner).spares[&0].gpu.memory, &made));
         // The next put of that size fills the spare's memory; nothing had to move.
         put_gpu(&s, &dev, "b", b"value b");
@@ -1764,11 +2172,11 @@ mod gpu_tests {
             (vec![(0, 2 * page)], 0, 0)
         );
         // The budget is full: no spare is made past it.
-        s.make_spare(0, page, Arc::clone(&dev));
+        s.make_spare(spare_of(page, &dev));
         assert_eq!(spare(&s), 0);
         // Room again: a spare; a put of another size lets it go rather than move a value.
         s.get("team-a", "a", false, true).unwrap().unwrap();
-        s.make_spare(0, page, Arc::clone(&dev));
+        s.make_spare(spare_of(page, &dev));
         assert_eq!(spare(&s), page);
         s.get("team-a", "b", false, true).unwrap().unwrap();
         let r = s
@@ -1813,7 +2221,7 @@ mod gpu_tests {
         assert!(from_spare("t0", "x", 10).unwrap().is_none());
         assert!(lock(&s.inner).pending.is_empty());
         put_gpu(&s, &dev, "a", b"value a");
-        s.make_spare(0, page, Arc::clone(&dev));
+        s.make_spare(spare_of(page, &dev));
         // A spare of another size: left as it is.
         assert!(from_spare("t1", "x", page + 1).unwrap().is_none());
         assert_eq!(spare(&s), page);
@@ -1830,7 +2238,7 @@ mod gpu_tests {
         let page = dev.granularity() as u64;
         let s = Store::new(4 * page);
         lock(&s.inner).spare_idle = Duration::from_millis(50);
-        s.make_spare(0, page, Arc::clone(&dev));
+        s.make_spare(spare_of(page, &dev));
         assert_eq!(spare(&s), page);
         std::thread::sleep(Duration::from_millis(80));
         s.sweep();

@@ -47,6 +47,7 @@ use super::store::{
 use super::Instance;
 use crate::protocol::{StoreMemory, StorePut, StoreValueGpu, StoreWritten, ToWorker};
 use crate::split::device::SegmentDevice;
+use crate::sync::lock;
 
 /// The ticket of put `id` of `inst`'s worker.
 fn ticket(inst: &Instance, id: u64) -> String {
@@ -80,6 +81,7 @@ impl super::Runtime {
                 padded: None,
                 ordinal: None,
                 fd: None,
+                block: None,
                 error: Some(StoreError::NoObjstore.to_string()),
             };
             reply_to(inst, ToWorker::StoreMemory(frame), None);
@@ -124,6 +126,7 @@ impl super::Runtime {
                     padded: Some(r.padded),
                     ordinal: Some(ordinal),
                     fd: Some(true),
+                    block: self.store_mapped_by(inst, r.block, r.recycled),
                     error: None,
                 },
                 Some(r.fd),
@@ -137,6 +140,7 @@ impl super::Runtime {
                         padded: None,
                         ordinal: None,
                         fd: None,
+                        block: None,
                         error: Some(e.to_string()),
                     },
                     None,
@@ -154,8 +158,7 @@ impl super::Runtime {
         tokio::spawn(async move {
             let rt2 = Arc::clone(&rt);
             let _ = tokio::task::spawn_blocking(move || {
-                rt2.store
-                    .make_spare(spare.ordinal, spare.padded, spare.device);
+                rt2.store.make_spare(spare);
             })
             .await;
             rt.store_metrics();
@@ -218,7 +221,7 @@ impl super::Runtime {
                 w.error.unwrap_or_else(|| "no reason given".into()),
             )),
             Ok(SealedPut::ForNodes(sealed)) => {
-                let spare = sealed.gpu.spare_for();
+                let spare = sealed.gpu.spare_for(&sealed.tenant);
                 self.store_publish_gpu(inst, w.id, sealed);
                 self.store_make_spare(spare);
                 return;
@@ -309,8 +312,85 @@ impl super::Runtime {
         ))
     }
 
+    /// `block`, sent to `inst`'s worker: the block to name in the frame when the worker may
+    /// keep its mapping (protocol 4, and memory that comes back to the tenant: `recycled`),
+    /// with the worker recorded as one to tell when the store lets go of it.
+    pub(crate) fn store_mapped_by(
+        &self,
+        inst: &Arc<Instance>,
+        block: u64,
+        recycled: bool,
+    ) -> Option<u64> {
+        if !(recycled && inst.keeps_store_mappings) {
+            return None;
+        }
+        let mut mappers = lock(&self.store_mappers);
+        let list = mappers.entry(block).or_default();
+        list.retain(|w| w.strong_count() > 0);
+        if !list
+            .iter()
+            .any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(inst)))
+        {
+            list.push(Arc::downgrade(inst));
+        }
+        Some(block)
+    }
+
+    /// A GPU value delivered in place to `inst`'s worker (the very memory): its block named
+    /// and held for the worker where it keeps mappings, else held for good (a worker of an
+    /// older protocol never releases: that block never comes back).
+    pub(crate) fn store_lend(&self, inst: &Arc<Instance>, t: &Taken, d: &mut Delivered) {
+        let TakenHeld::Gpu(g) = &t.held else {
+            return;
+        };
+        let block = self.store_mapped_by(inst, g.block.id, self.store.recycles(g));
+        let holder = match block {
+            Some(_) => inst.store_holder,
+            None => super::store::NO_RELEASE,
+        };
+        self.store.hold(g.block.id, holder);
+        if let Some(gpu) = d.gpu.as_mut() {
+            gpu.block = block;
+        }
+    }
+
+    /// Tells the workers that kept mappings of the blocks the store let go of to unmap them
+    /// (`store_unmap`), so that their memory goes back to the GPU.
+    pub(crate) fn store_unmap_gone(&self) {
+        let gone = self.store.take_gone();
+        if gone.is_empty() {
+            return;
+        }
+        let mut by_worker: Vec<(Arc<Instance>, Vec<u64>)> = Vec::new();
+        {
+            let mut mappers = lock(&self.store_mappers);
+            for block in gone {
+                for inst in mappers.remove(&block).into_iter().flatten() {
+                    let Some(inst) = inst.upgrade() else {
+                        continue;
+                    };
+                    match by_worker.iter_mut().find(|(i, _)| Arc::ptr_eq(i, &inst)) {
+                        Some((_, blocks)) => blocks.push(block),
+                        None => by_worker.push((inst, vec![block])),
+                    }
+                }
+            }
+        }
+        for (inst, blocks) in by_worker {
+            let frame = ToWorker::StoreUnmap(crate::protocol::StoreUnmap { blocks });
+            reply_to(&inst, frame, None);
+        }
+    }
+
+    /// A worker's `store_release`: its gets of those blocks are done.
+    pub(crate) fn store_release(&self, inst: &Instance, blocks: &[u64]) {
+        self.store.release(inst.store_holder, blocks);
+        self.store_metrics();
+    }
+
     /// The store's gauges, from what it holds now.
     pub(crate) fn store_metrics(&self) {
+        self.store_unmap_gone();
         let (per_gpu, spilled) = self.store.gpu_usage();
         for u in per_gpu {
             let device = format!("cuda{}", u.ordinal);
@@ -351,6 +431,7 @@ fn delivered(
             padded,
             ordinal,
             source: source.to_string(),
+            block: None,
         }),
     }
 }

@@ -13,7 +13,8 @@ and what a memset through that mapping returns (the driver's code). With torch (
 test): put_torch {key, n, seed, device, dtype, nodes?}: a torch tensor of n values on cuda:device, put
 with shared=True; get_torch {key, keep?}: the tensor got, described (dtype, shape, device, the
 SHA-256 of its bytes), a memset through it tried, and the context still working after it.
-Both answer `digest`, the SHA-256 of the tensor's bytes."""
+Both answer `digest`, the SHA-256 of the tensor's bytes. kept: the blocks of torpord's store
+memory this worker keeps mapped (`kept`) and the inodes of the fake GPU memory it maps."""
 
 from __future__ import annotations
 
@@ -64,6 +65,17 @@ def mapping_of(va: int) -> dict[str, Any]:
     return {}
 
 
+def mapped_inodes() -> set[int]:
+    """Inodes of the fake GPU memory (memfds) this process maps."""
+    out = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 5 and "fake-cuda-memory" in parts[5]:
+                out.add(int(parts[4]))
+    return out
+
+
 @torpor.function
 class StoreGpu:
     def setup(self) -> None:
@@ -99,6 +111,10 @@ class StoreGpu:
             out["memset_rc"] = int(cuda.cuMemsetD8_v2(ctypes.c_uint64(v.va), ctypes.c_ubyte(0), ctypes.c_size_t(v.nbytes)))
             out["after_memset"] = ctypes.string_at(v.va, v.nbytes).hex()
             v.close()
+        elif op == "kept":
+            # The store memory this worker keeps mapped (torpor.store_gpu, "Kept mappings").
+            out["kept"] = store_gpu.kept_blocks()
+            out["inodes"] = sorted(mapped_inodes())
         elif op == "put_torch":
             import torch
 
