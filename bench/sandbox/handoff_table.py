@@ -22,6 +22,11 @@ PUT_STEPS = (
     "written_request",
 )
 GET_STEPS = ("get_request", "import", "reserve", "map", "set_access", "tensor", "close_fd")
+# Since session 37 (docs/sandboxes.md, "Kept mappings and leases"): a kept mapping is "kept"
+# instead of import … set_access, and a put into its lease "leased_request" instead of
+# put_request … written_request; rows only where a file has them (older tables render as they
+# did).
+KEPT_STEPS = {"put": ("kept", "leased_request"), "get": ("kept",)}
 
 
 def _ms(x: float) -> str:
@@ -29,8 +34,12 @@ def _ms(x: float) -> str:
 
 
 def _median_step(runs: list[dict[str, Any]], side: str, step: str) -> str:
+    """The step's median over the runs that took it, and how many those were when not all."""
     values = [r[f"{side}_steps"][step] for r in runs if step in (r.get(f"{side}_steps") or {})]
-    return _ms(statistics.median(values)) if values else "–"
+    if not values:
+        return "–"
+    some = "" if len(values) == len(runs) else f" ({len(values)} of {len(runs)})"
+    return _ms(statistics.median(values)) + some
 
 
 def table(paths: list[Path]) -> str:
@@ -43,7 +52,8 @@ def table(paths: list[Path]) -> str:
     rows.append(("put + get, median", [_ms(statistics.median(r["put_s"] + r["get_s"] for r in runs[1:] or runs)) for runs in runs_of]))
     for side, steps in (("put", PUT_STEPS), ("get", GET_STEPS)):
         rows.append((f"{side}, median", [_ms(statistics.median(r[f"{side}_s"] for r in runs)) for runs in runs_of]))
-        rows += [(f"{side}: {s}", [_median_step(runs, side, s) for runs in runs_of]) for s in steps]
+        kept = [s for s in KEPT_STEPS[side] if any(s in (r.get(f"{side}_steps") or {}) for runs in runs_of for r in runs)]
+        rows += [(f"{side}: {s}", [_median_step(runs, side, s) for runs in runs_of]) for s in (*steps, *kept)]
     rows.append(("a bare round trip to the store", [_ms(statistics.median(d["sandbox"]["handoff"]["round_trip_s"])) for _, d in docs]))
     # Since session 34: each request's answer and wake-up apart, and a bare round trip that is the
     # first of its invoke; rows only where a file has them (older tables render as they did).

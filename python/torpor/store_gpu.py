@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib
+import os
 import sys
 import threading
 import time
@@ -345,6 +346,51 @@ def _give(k: _Kept, got: bool) -> None:
         k.mapping.close()
 
 
+@dataclass
+class Lease:
+    """Memory torpord set aside for this worker's next put of about its size (`store_stored`'s
+    `lease`, protocol 4): the worker copies the value in before it asks, so the put is one
+    request. The fd is kept until then (the mapping may have gone at a quiet point)."""
+
+    block: int
+    padded: int
+    min_bytes: int  # the smallest put of its size class
+    ordinal: int
+    fd: int
+
+
+_lease: list[Lease] = []  # at most one
+
+
+def set_lease(lease: Lease) -> None:
+    """torpord's lease for the next put (any older one's fd closed)."""
+    drop_lease()
+    with _kept_lock:
+        _lease.append(lease)
+
+
+def take_lease(nbytes: int, ordinal: int) -> Lease | None:
+    """The lease, for a put of `nbytes` on the worker's GPU `ordinal` of its size class (what
+    torpord would allocate for it); None otherwise (the lease is dropped: a put without it
+    gives it back to torpord)."""
+    with _kept_lock:
+        lease = _lease.pop() if _lease else None
+    if lease is None:
+        return None
+    if lease.ordinal == ordinal and lease.min_bytes <= nbytes <= lease.padded:
+        return lease
+    os.close(lease.fd)
+    return None
+
+
+def drop_lease() -> None:
+    """Forgets the lease (torpord takes it back at this worker's next put, or end)."""
+    with _kept_lock:
+        lease = _lease.pop() if _lease else None
+    if lease is not None:
+        os.close(lease.fd)
+
+
 def take_releases() -> list[int]:
     """The blocks whose gets ended since the last call, for torpord's `store_release`."""
     with _kept_lock:
@@ -371,8 +417,10 @@ def unmap_blocks(blocks: list[int]) -> None:
 
 
 def drop_kept() -> int:
-    """A quiet point: every kept mapping goes (those in use when their user does). Returns how
-    many were unmapped now."""
+    """A quiet point: every kept mapping goes (those in use when their user does), and the
+    lease with its fd (a snapshot cannot hold an fd of the driver's exported memory). Returns
+    how many were unmapped now."""
+    drop_lease()
     with _kept_lock:
         blocks = list(_kept)
     before = len(blocks)
@@ -424,7 +472,11 @@ def _end_get(kept: _Kept) -> None:
     """A got object's end: the work queued on the memory is finished before torpord hears of
     it (the next put into the block must not overwrite what a kernel still reads)."""
     try:
-        kept.mapping.cuda.cuCtxSynchronize()
+        # On whichever thread let go of the object: GPU 0's context made current if it has none
+        # (a synchronise without one returns at once).
+        driver().cuCtxSynchronize()
+    except StoreGpuError:
+        pass
     finally:
         _give(kept, got=True)
 

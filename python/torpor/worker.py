@@ -862,6 +862,21 @@ class Worker:
         put: dict[str, Any] = {"type": "store_put", "key": key, "ttl_s": ttl_s, "meta": meta, "gpu": {"bytes": nbytes, "ordinal": ordinal}}
         if nodes is not None:
             put["nodes"] = nodes
+        lease = torpor_store_gpu.take_lease(nbytes, ordinal) if nodes is None else None
+        if lease is None:
+            # A put without the lease gives it back (torpord takes it back on this put).
+            torpor_store_gpu.drop_lease()
+        else:
+            # Into the memory torpord set aside for it: filled first, then one request.
+            try:
+                fill(lease.fd, lease.padded, lambda: None, lease.block)
+            finally:
+                os.close(lease.fd)
+            put["gpu"]["lease"] = lease.block
+            msg, got = self._store_request(put)
+            torpor_store_gpu.step("leased_request")
+            self._store_lease(msg, got)
+            return None if msg.get("ok") is True else str(msg.get("error") or "refused")
         msg, fd = self._store_request(put)
         torpor_store_gpu.step("put_request")
         if msg.get("ok") is not True or fd is None or not isinstance(msg.get("padded"), int):
@@ -896,9 +911,20 @@ class Worker:
             raise RuntimeError("the GPU value was filled without telling torpord (store_written)")
         msg, got = self._store_wait("store_written", *written[0], timeout_s=timeout_s)
         torpor_store_gpu.step("written_request")
-        if got is not None:
-            os.close(got)
+        self._store_lease(msg, got)
         return None if msg.get("ok") is True else str(msg.get("error") or "refused")
+
+    def _store_lease(self, msg: dict[str, Any], fd: int | None) -> None:
+        """A `store_stored`'s lease (protocol 4) and its fd, kept for the next put."""
+        lease = msg.get("lease")
+        if fd is None:
+            return
+        fields = ("block", "padded", "min_bytes", "ordinal")
+        if not isinstance(lease, dict) or not all(isinstance(lease.get(k), int) for k in fields):
+            os.close(fd)
+            return
+        block, padded, min_bytes, ordinal = (int(lease[k]) for k in fields)
+        torpor_store_gpu.set_lease(torpor_store_gpu.Lease(block, padded, min_bytes, ordinal, fd))
 
     def store_get_remote(self, key: str, keep: bool) -> tuple[dict[str, Any], int, int, dict[str, Any] | None] | None:
         msg, fd = self._store_request({"type": "store_get", "key": key, "keep": keep}, timeout_s=STORE_BUCKET_TIMEOUT_S)

@@ -313,7 +313,7 @@ def kept(d: Torpord, fn: str) -> dict[str, Any]:
     return ok(d.invoke(fn, {"op": "kept"}), d)
 
 
-def test_a_steady_hand_off_maps_nothing_after_the_first_and_a_block_let_go_is_unmapped(kept_daemon: Torpord) -> None:
+def test_a_steady_hand_off_maps_nothing_and_puts_in_one_request_and_a_block_let_go_is_unmapped(kept_daemon: Torpord) -> None:
     d = kept_daemon
     spare = ("torpor_store_gpu_spare_bytes", '{device="cuda0"}')
     # The first hand-off maps the memory in both workers.
@@ -321,36 +321,49 @@ def test_a_steady_hand_off_maps_nothing_after_the_first_and_a_block_let_go_is_un
     assert "import" in p["steps"] and "kept" not in p["steps"], p["steps"]
     g = ok(d.invoke("kp-get", {"op": "get", "key": "k/1"}), d)
     assert "import" in g["steps"] and bytes.fromhex(g["data"]) == pattern(100_000, 1)
-    inode = g["mapping"]["inode"]
-    # The getter let go of it (its object closed, the release sent after its answer): the
+    first = g["mapping"]["inode"]
+    # The getter let go of it (its object closed, the release sent before its answer): the
     # consumed value's memory is kept for the tenant's next put, beside the spare made after it.
     wait_metric(d, *spare, 2 * GRANULE)
-    assert inode in daemon_memory_inodes(d)
-    # Every later hand-off of that size: the same memory, mapped by neither side again.
-    for i in range(2, 5):
+    assert first in daemon_memory_inodes(d)
+    # The next put fills that memory through the putter's kept mapping, and its answer sets
+    # memory aside for the put after (a lease); from then on two blocks take turns, each put is
+    # one request into its lease, and neither side maps anything.
+    steady: list[tuple[list[str], list[str], int]] = []
+    for i in range(2, 9):
         p = ok(put(d, f"k/{i}", 100_000, i, fn="kp-put"), d)
-        assert "kept" in p["steps"] and "import" not in p["steps"] and "unmap" not in p["steps"], p["steps"]
         g = ok(d.invoke("kp-get", {"op": "get", "key": f"k/{i}"}), d)
-        assert "kept" in g["steps"] and "import" not in g["steps"], g["steps"]
         assert bytes.fromhex(g["data"]) == pattern(100_000, i), f"hand-off {i} read stale bytes"
-        assert g["mapping"]["inode"] == inode and g["mapping"]["perms"].startswith("r-"), g["mapping"]
-        assert g["memset_rc"] != 0, "the getter's kept mapping is read-only"
+        assert g["mapping"]["perms"].startswith("r-") and g["memset_rc"] != 0, "the get's mapping is read-only"
+        steady.append((p["steps"], g["steps"], g["mapping"]["inode"]))
         wait_metric(d, *spare, 2 * GRANULE)
-    blocks = kept(d, "kp-get")["kept"]
-    assert blocks and inode in kept(d, "kp-get")["inodes"] and inode in kept(d, "kp-put")["inodes"]
-    # Another tenant never gets it: its put maps memory of its own.
+    assert "kept" in steady[0][0] and "put_request" in steady[0][0], "the second put: the kept block, asked for"
+    for put_steps, get_steps, _ in steady[3:]:
+        assert "leased_request" in put_steps and "put_request" not in put_steps and "written_request" not in put_steps, put_steps
+        assert "kept" in put_steps and "import" not in put_steps and "unmap" not in put_steps, put_steps
+        assert "kept" in get_steps and "import" not in get_steps, get_steps
+    blocks = {inode for _, _, inode in steady[3:]}
+    assert len(blocks) == 2 and first in blocks, blocks
+    assert blocks <= daemon_memory_inodes(d) and blocks <= set(kept(d, "kp-get")["inodes"])
+    assert blocks <= set(kept(d, "kp-put")["inodes"])
+    # Another tenant never gets them: its put maps memory of its own.
     p = ok(put(d, "x/1", 100_000, 9, fn="kp-other"), d)
     assert "import" in p["steps"], p["steps"]
-    assert inode not in kept(d, "kp-other")["inodes"]
-    # A put that needs the room: the kept block goes, and both workers that kept it mapped are
-    # told to unmap it, so its memory leaves every process.
+    assert not blocks & set(kept(d, "kp-other")["inodes"])
+    # A put that needs the room: the tenant's kept block goes (its lease stays: the putter may
+    # be writing it), and both workers that kept it mapped are told to unmap it, so its memory
+    # leaves every process.
     ok(put(d, "x/2", 3 * GRANULE // 2, 10, fn="kp-other"), d)
     deadline = time.monotonic() + 10
     while True:
-        where = {fn: kept(d, fn) for fn in ("kp-put", "kp-get")}
-        held = {fn: inode in w["inodes"] for fn, w in where.items()}
-        if not any(held.values()) and inode not in daemon_memory_inodes(d):
+        held = daemon_memory_inodes(d) & blocks
+        where = {fn: set(kept(d, fn)["inodes"]) & blocks for fn in ("kp-put", "kp-get")}
+        if len(held) == 1 and where["kp-get"] <= held and where["kp-put"] == held:
             break
-        assert time.monotonic() < deadline, (held, where, inode in daemon_memory_inodes(d), d.log_text()[-3000:])
+        assert time.monotonic() < deadline, (held, where, d.log_text()[-3000:])
         time.sleep(0.1)
-    assert not set(blocks) & set(where["kp-get"]["kept"])
+    # The lease still takes the next put of its size.
+    p = ok(put(d, "k/9", 100_000, 99, fn="kp-put"), d)
+    assert "leased_request" in p["steps"], p["steps"]
+    g = ok(d.invoke("kp-get", {"op": "get", "key": "k/9"}), d)
+    assert bytes.fromhex(g["data"]) == pattern(100_000, 99) and g["mapping"]["inode"] in held

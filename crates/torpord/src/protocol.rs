@@ -364,6 +364,25 @@ pub struct StorePutGpu {
     pub bytes: u64,
     /// The worker's CUDA ordinal of the GPU the tensor is on.
     pub ordinal: i32,
+    /// Protocol 4: the block of the worker's lease (a `store_stored`'s `lease`), which it has
+    /// filled already: the put is this one frame, answered `store_stored`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<u64>,
+}
+
+/// Memory the daemon set aside for the worker's next put of `padded` bytes on its GPU
+/// `ordinal` (protocol 4): the fd is attached to the `store_stored` that carries it. The worker
+/// fills it before it asks (`store_put` with `gpu.lease`); a put of another size gives it back.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StoreLease {
+    pub block: u64,
+    pub padded: u64,
+    /// The fewest bytes a put must have to take it (those of its size class: one byte more
+    /// than the next smaller padded size).
+    pub min_bytes: u64,
+    /// The worker's CUDA ordinal (as its puts name it).
+    pub ordinal: i32,
 }
 
 /// The answer to a `store_put` with `gpu`: when `ok`, an fd of `padded` bytes of GPU memory the
@@ -444,6 +463,10 @@ pub struct StoreStored {
     /// Why not (one line: cause and fix).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// After a GPU put of a protocol-4 worker: memory for its next put of that size, its fd
+    /// attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<StoreLease>,
 }
 
 /// The answer to `store_get`: when `found`, the value's sealed memfd is attached (SCM_RIGHTS)

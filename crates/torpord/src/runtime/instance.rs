@@ -166,6 +166,20 @@ impl Instance {
         lock(&self.gpu_map).get(&worker).copied().unwrap_or(worker)
     }
 
+    /// The worker's ordinal of the daemon's GPU `daemon` (the inverse of
+    /// [`Instance::daemon_ordinal`]).
+    pub(crate) fn worker_ordinal(&self, daemon: i32) -> i32 {
+        let map = lock(&self.gpu_map);
+        if let Some((&w, _)) = map.iter().find(|(_, &d)| d == daemon) {
+            return w;
+        }
+        // Unmapped ordinals are the identity, unless that worker ordinal maps elsewhere.
+        if map.contains_key(&daemon) {
+            return -1;
+        }
+        daemon
+    }
+
     /// Records that the driver moved its CUDA state from the daemon's GPU `a` to `b` (and `b`'s
     /// to `a`: the pairs swap the two).
     pub(crate) fn swap_gpus(&self, a: i32, b: i32) {

@@ -42,7 +42,8 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use super::store::{
-    reply_stored, reply_to, Delivered, SealedPut, SpareFor, StoreError, Taken, TakenHeld,
+    reply_stored, reply_stored_leasing, reply_to, Delivered, SealedPut, SpareFor, StoreError,
+    Taken, TakenHeld,
 };
 use super::Instance;
 use crate::protocol::{StoreMemory, StorePut, StoreValueGpu, StoreWritten, ToWorker};
@@ -73,6 +74,16 @@ impl super::Runtime {
     /// A worker's `store_put` with `gpu`: memory allocated and sent (`store_memory`), on the
     /// blocking pool (it may move values to host memory first).
     pub(crate) fn store_put_gpu(self: &Arc<Self>, inst: &Arc<Instance>, put: StorePut) {
+        if let Some(block) = put.gpu.as_ref().and_then(|g| g.lease) {
+            if put.nodes.is_none() {
+                self.store_put_leased(inst, put, block);
+                return;
+            }
+        }
+        // A put without its lease gives the lease back (the worker let go of it first).
+        if inst.keeps_store_mappings {
+            self.store.return_lease(inst.store_holder);
+        }
         if put.nodes.is_some() && self.objstore.is_none() {
             // For every node it goes through the bucket (crate::runtime::store_nodes).
             let frame = StoreMemory {
@@ -108,6 +119,69 @@ impl super::Runtime {
             .unwrap_or_else(|e| Err(StoreError::Task(e.to_string())));
             rt.store_answer_put(&inst, &put, reserved);
         });
+    }
+
+    /// A leased put (protocol 4): the worker filled its lease already, so it is sealed and
+    /// stored from here (no driver call on cuda: the seal is the daemon's own mark) and answered
+    /// `store_stored`, with the next lease.
+    fn store_put_leased(self: &Arc<Self>, inst: &Arc<Instance>, put: StorePut, block: u64) {
+        let (bytes, ordinal) = put
+            .gpu
+            .as_ref()
+            .map_or((0, 0), |g| (g.bytes, inst.daemon_ordinal(g.ordinal)));
+        let stored = match self.store_tenant(inst) {
+            Some(tenant) => self.store.put_leased(
+                inst.store_holder,
+                &tenant,
+                &put.key,
+                put.meta,
+                put.ttl_s,
+                bytes,
+                block,
+                ordinal,
+            ),
+            None => Err(StoreError::Fd(std::io::Error::other(
+                "the instance has no pool any more",
+            ))),
+        };
+        match stored {
+            Ok(spare) => {
+                let lease = self.store_lease(inst, &spare);
+                self.store_metrics();
+                reply_stored_leasing(inst, put.id, &put.key, Ok(()), lease);
+                self.store_make_spare(spare);
+            }
+            Err(e) => {
+                self.store_metrics();
+                reply_stored(inst, put.id, &put.key, Err(e));
+            }
+        }
+    }
+
+    /// Memory set aside for `inst`'s next put like the one just stored (`spare` says its size
+    /// and GPU), for a protocol-4 worker: the frame's part and the fd.
+    fn store_lease(
+        &self,
+        inst: &Instance,
+        spare: &SpareFor,
+    ) -> Option<(crate::protocol::StoreLease, OwnedFd)> {
+        if !inst.keeps_store_mappings {
+            return None;
+        }
+        let (block, fd) = self.store.lease(
+            inst.store_holder,
+            &spare.tenant,
+            spare.ordinal,
+            spare.padded,
+        )?;
+        let granule = spare.device.granularity().max(1) as u64;
+        let lease = crate::protocol::StoreLease {
+            block,
+            padded: spare.padded,
+            min_bytes: spare.padded.saturating_sub(granule) + 1,
+            ordinal: inst.worker_ordinal(spare.ordinal),
+        };
+        Some((lease, fd))
     }
 
     /// Answers a GPU put's `store_memory`.
@@ -212,8 +286,9 @@ impl super::Runtime {
         let stored = match self.store.seal_gpu(&ticket(inst, w.id), w.ok) {
             Err(e) => Err(e),
             Ok(SealedPut::Stored(spare)) => {
+                let lease = self.store_lease(inst, &spare);
                 self.store_metrics();
-                reply_stored(inst, w.id, "(GPU put)", Ok(()));
+                reply_stored_leasing(inst, w.id, "(GPU put)", Ok(()), lease);
                 self.store_make_spare(spare);
                 return;
             }
