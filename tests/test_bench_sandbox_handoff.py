@@ -17,6 +17,11 @@ RESULTS = ROOT / "bench" / "results"
 HANDOFFS = ("sandbox-handoff-s33-before-h100.json", "sandbox-handoff-s33-after-h100.json")
 # Session 34's A/B, run in this order in one call.
 HANDOFFS_S34 = tuple(f"sandbox-handoff-s34-{n}-h100.json" for n in ("before1", "after1", "before2", "after2"))
+# Session 37's two A/Bs (kept mappings, then leases as well), each run in this order in one call.
+HANDOFFS_S37 = tuple(
+    tuple(f"sandbox-handoff-s37-{what}-{n}-h100.json" for n in ("before1", "after1", "before2", "after2"))
+    for what in ("kept", "lease")
+)
 # Its requests timed apart (with the trial of a spinning wait between the two runs).
 HANDOFFS_S34_REQUESTS = tuple(f"sandbox-handoff-s34-{n}-h100.json" for n in ("requests", "trial-spin", "requests2"))
 
@@ -33,6 +38,9 @@ def test_the_docs_quote_the_tables_the_jsons_render() -> None:
     assert s34 in page, f"docs/sandboxes.md does not quote `handoff_table.py {' '.join(HANDOFFS_S34)}`:\n{s34}"
     parts = run(str(BENCH / "handoff_table.py"), *(str(RESULTS / n) for n in HANDOFFS_S34_REQUESTS))
     assert parts in page, f"docs/sandboxes.md does not quote `handoff_table.py {' '.join(HANDOFFS_S34_REQUESTS)}`:\n{parts}"
+    for names in HANDOFFS_S37:
+        s37 = run(str(BENCH / "handoff_table.py"), *(str(RESULTS / n) for n in names))
+        assert s37 in page, f"docs/sandboxes.md does not quote `handoff_table.py {' '.join(names)}`:\n{s37}"
     vmm = run(str(BENCH / "vmm_steps.py"), "--table", str(RESULTS / "sandbox-vmm-steps-h100.json"))
     assert vmm in page, f"docs/sandboxes.md does not quote `vmm_steps.py --table`:\n{vmm}"
     contention = run(str(BENCH / "vmm_contention.py"), "--table", str(RESULTS / "sandbox-vmm-contention-h100.json"))

@@ -139,7 +139,7 @@ def test_a_sandboxed_replay_against_processes_on_this_machine(torpor_bin: Path, 
     "name",
     [
         "serverless-sandbox-h100.json", "serverless-sandbox-s35-before-h200.json", "serverless-sandbox-s35-h100.json",
-        "serverless-graphs-s36-a-h100.json", "serverless-graphs-s36-b-h100.json",
+        "serverless-graphs-s36-a-h100.json", "serverless-graphs-s36-b-h100.json", "serverless-graphs-s37-h100.json",
     ],
 )
 def test_the_docs_quote_the_sandbox_runs_as_the_table_renders_them(name: str) -> None:
