@@ -1,5 +1,6 @@
 """The hand-off tables (bench/sandbox/handoff_table.py, bench/sandbox/vmm_steps.py --table,
-bench/sandbox/vmm_contention.py --table; all measured on a GPU only): docs/sandboxes.md quotes
+bench/sandbox/vmm_contention.py --table) and the memory ratio against the functions' size
+(bench/sandbox/memory_table.py; all measured on a GPU only): docs/sandboxes.md quotes
 what they render from the JSONs in bench/results, so a JSON and the page cannot drift apart; a
 run without steps renders as such, not as zero."""
 
@@ -45,6 +46,15 @@ def test_the_docs_quote_the_tables_the_jsons_render() -> None:
     assert vmm in page, f"docs/sandboxes.md does not quote `vmm_steps.py --table`:\n{vmm}"
     contention = run(str(BENCH / "vmm_contention.py"), "--table", str(RESULTS / "sandbox-vmm-contention-h100.json"))
     assert contention in page, f"docs/sandboxes.md does not quote `vmm_contention.py --table`:\n{contention}"
+
+
+def test_the_docs_quote_the_memory_ratio_against_the_functions_size_as_rendered() -> None:
+    names = ("sandbox-s37-w16-h100.json", "sandbox-s37-w32-h100.json", "sandbox-h100.json")
+    rendered = run(str(BENCH / "memory_table.py"), *(str(RESULTS / n) for n in names))
+    assert rendered in (ROOT / "docs" / "sandboxes.md").read_text(), rendered
+    # Each row is its file's: the 16 MiB run's ratio as its summary says.
+    doc = json.loads((RESULTS / names[0]).read_text())
+    assert f"| 16 MiB | 3 808 MiB | 778 MiB | {doc['summary']['memory_ratio_8fn']:.2f} |" in rendered
 
 
 def test_every_step_has_a_row_and_a_missing_one_is_not_a_zero(tmp_path: Path) -> None:
