@@ -360,6 +360,9 @@ class Lease:
 
 
 _lease: list[Lease] = []  # at most one
+# Leases let go of unused, for torpord (store_release's leases): only the worker's word gives a
+# lease back, since another of its threads may be filling the one torpord holds for it.
+_unleased: list[int] = []
 
 
 def set_lease(lease: Lease) -> None:
@@ -379,16 +382,30 @@ def take_lease(nbytes: int, ordinal: int) -> Lease | None:
         return None
     if lease.ordinal == ordinal and lease.min_bytes <= nbytes <= lease.padded:
         return lease
-    os.close(lease.fd)
+    _unlease(lease)
     return None
 
 
 def drop_lease() -> None:
-    """Forgets the lease (torpord takes it back at this worker's next put, or end)."""
+    """Lets go of the lease unused (torpord hears of it with the worker's next frame to it)."""
     with _kept_lock:
         lease = _lease.pop() if _lease else None
     if lease is not None:
-        os.close(lease.fd)
+        _unlease(lease)
+
+
+def _unlease(lease: Lease) -> None:
+    os.close(lease.fd)
+    with _kept_lock:
+        _unleased.append(lease.block)
+
+
+def take_unleased() -> list[int]:
+    """The leases let go of unused since the last call, for torpord's `store_release`."""
+    with _kept_lock:
+        out = list(_unleased)
+        _unleased.clear()
+    return out
 
 
 def take_releases() -> list[int]:
@@ -448,7 +465,13 @@ class CudaArray:
             self._mapping = _Mapping(fd, padded, 0, writable=False)
             self._finalizer = weakref.finalize(self, self._mapping.close)
         else:
-            kept = _take(block, fd, padded, 0, writable=False)
+            try:
+                kept = _take(block, fd, padded, 0, writable=False)
+            except BaseException:
+                # torpord holds the block for this get: the get is over.
+                with _kept_lock:
+                    _releases.append(block)
+                raise
             self._mapping = kept.mapping
             self._finalizer = weakref.finalize(self, functools.partial(_end_get, kept))
         assert self._mapping.va is not None

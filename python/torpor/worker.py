@@ -788,10 +788,11 @@ class Worker:
                 sock = self.sock
                 if sock is None:
                     raise ConnectionError("not connected to torpord")
-                released = torpor_store_gpu.take_releases()
-                if released:
-                    # The gets this worker ended go first: this request may want their memory.
-                    sock.sendall(encode({"type": "store_release", "blocks": released}))
+                release = self.store_release_frame()
+                if release is not None:
+                    # The gets this worker ended and the leases it let go of go first: this
+                    # request may want their memory.
+                    sock.sendall(encode(release))
                 sock.sendall(encode(frame))
                 if fd is not None:
                     write_frame_with_fd(sock, {"type": "store_fd", "id": rid, "fd": True}, fd)
@@ -863,10 +864,7 @@ class Worker:
         if nodes is not None:
             put["nodes"] = nodes
         lease = torpor_store_gpu.take_lease(nbytes, ordinal) if nodes is None else None
-        if lease is None:
-            # A put without the lease gives it back (torpord takes it back on this put).
-            torpor_store_gpu.drop_lease()
-        else:
+        if lease is not None:
             # Into the memory torpord set aside for it: filled first, then one request.
             try:
                 fill(lease.fd, lease.padded, lambda: None, lease.block)
@@ -984,14 +982,25 @@ class Worker:
         """The store gets whose objects went during a request (torpor.store_gpu, "Kept
         mappings"), told to torpord before its result: torpord reads them first, so the next
         put, which the result may set off in another sandbox, finds their memory free."""
-        blocks = torpor_store_gpu.take_releases()
-        if not blocks:
+        release = self.store_release_frame()
+        if release is None:
             return
         try:
-            self.send({"type": "store_release", "blocks": blocks})
+            self.send(release)
         except (ConnectionError, OSError, AssertionError):
             # torpord forgets a lost connection's gets itself.
             pass
+
+    @staticmethod
+    def store_release_frame() -> dict[str, Any] | None:
+        """`store_release` for the gets ended and the leases let go of since the last one."""
+        blocks, leases = torpor_store_gpu.take_releases(), torpor_store_gpu.take_unleased()
+        if not blocks and not leases:
+            return None
+        frame: dict[str, Any] = {"type": "store_release", "blocks": blocks}
+        if leases:
+            frame["leases"] = leases
+        return frame
 
     def store_unmap(self, msg: dict[str, Any]) -> None:
         """torpord let go of blocks of its store's GPU memory: this worker's kept mappings of

@@ -367,3 +367,10 @@ def test_a_steady_hand_off_maps_nothing_and_puts_in_one_request_and_a_block_let_
     assert "leased_request" in p["steps"], p["steps"]
     g = ok(d.invoke("kp-get", {"op": "get", "key": "k/9"}), d)
     assert bytes.fromhex(g["data"]) == pattern(100_000, 99) and g["mapping"]["inode"] in held
+    # A put of another size class lets the lease go (the worker says so before it asks), and is
+    # asked for; so is the next one of the first size, whose lease was given back.
+    for key, n in (("k/10", 3 * GRANULE // 2), ("k/11", 100_000)):
+        p = ok(put(d, key, n, 5, fn="kp-put"), d)
+        assert "put_request" in p["steps"] and "leased_request" not in p["steps"], (key, p["steps"])
+    g = ok(d.invoke("kp-get", {"op": "get", "key": "k/11"}), d)
+    assert bytes.fromhex(g["data"]) == pattern(100_000, 5)

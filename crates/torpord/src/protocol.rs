@@ -409,11 +409,15 @@ pub struct StoreMemory {
 }
 
 /// A protocol-4 worker let go of one get of each of `blocks` (the values' objects are gone and
-/// the work that read them done); it may keep the mappings. No answer.
+/// the work that read them done; it may keep the mappings), and of the `leases` it will not
+/// fill. No answer.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[schemars(deny_unknown_fields)]
 pub struct StoreRelease {
     pub blocks: Vec<u64>,
+    /// Leases the worker let go of unused (a put of another size came, or a quiet point).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub leases: Vec<u64>,
 }
 
 /// The daemon let go of `blocks` of the store's GPU memory: a worker that kept a mapping of

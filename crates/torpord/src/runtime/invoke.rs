@@ -441,7 +441,7 @@ impl Runtime {
                     self.store_put_gpu(&inst, put);
                 }
                 FromWorker::StoreWritten(w) => self.store_written(&inst, w),
-                FromWorker::StoreRelease(r) => self.store_release(&inst, &r.blocks),
+                FromWorker::StoreRelease(r) => self.store_release(&inst, &r.blocks, &r.leases),
                 FromWorker::StorePut(put) => {
                     // Its memfd comes with the next frame (crate::runtime::store).
                     let fd = match crate::split::fds::read_with_fd(&mut rd).await {

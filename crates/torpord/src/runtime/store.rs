@@ -1403,9 +1403,10 @@ impl Store {
                 l
             }
             other => {
+                // Not this one: the holder's lease, if any, stays its own (another of its
+                // threads may be filling it).
                 if let Some(l) = other {
-                    let recycles = self.recycles(&l.gpu);
-                    inner.recycle(l.tenant, l.gpu, recycles);
+                    inner.leases.insert(holder, l);
                 }
                 return Err(StoreError::NoLease(block));
             }
@@ -1442,11 +1443,20 @@ impl Store {
         Ok(spare)
     }
 
-    /// `holder` gave its lease back (it puts something of another size): kept for the tenant's
-    /// next puts, or let go.
-    pub fn return_lease(&self, holder: u64) {
+    /// `holder` gave its lease `block` back unused (`store_release`'s `leases`): kept for the
+    /// tenant's next puts, or let go. Only on the worker's word: a lease the daemon took back
+    /// by itself could be one a thread of the worker is filling.
+    pub fn return_lease(&self, holder: u64, block: u64) {
         let mut inner = self.inner();
-        if let Some(l) = inner.leases.remove(&holder) {
+        if inner
+            .leases
+            .get(&holder)
+            .is_some_and(|l| l.gpu.block.id == block)
+        {
+            let l = inner
+                .leases
+                .remove(&holder)
+                .expect("present: checked above");
             let recycles = self.recycles(&l.gpu);
             inner.recycle(l.tenant, l.gpu, recycles);
         }
@@ -1465,7 +1475,11 @@ impl Store {
                 .collect()
         };
         self.release(holder, &blocks);
-        self.return_lease(holder);
+        let mut inner = self.inner();
+        if let Some(l) = inner.leases.remove(&holder) {
+            let recycles = self.recycles(&l.gpu);
+            inner.recycle(l.tenant, l.gpu, recycles);
+        }
     }
 
     /// Puts a value taken by a get back under `key`, as it was (its expiry, its place in the
@@ -2319,9 +2333,9 @@ mod gpu_tests {
             put(7, "team-a", 10, block + 1, 0),
             Err(StoreError::NoLease(_))
         ));
-        // A refused put gave the lease back to the tenant's kept blocks.
-        assert_eq!(spare(&s), page);
-        let (block, _fd) = s.lease(7, "team-a", 0, page).unwrap();
+        // A put naming another block leaves the holder's lease as it is.
+        assert_eq!(spare(&s), 0);
+        assert!(s.lease(7, "team-a", 0, page).is_none(), "it still holds it");
         assert!(matches!(
             put(7, "team-a", page + 1, block, 0),
             Err(StoreError::LeaseTooSmall { .. })
@@ -2347,7 +2361,9 @@ mod gpu_tests {
             "not another tenant's"
         );
         assert_eq!(s.lease(3, "team-a", 0, page).map(|l| l.0), Some(other));
-        s.return_lease(3);
+        s.return_lease(3, other + 1);
+        assert_eq!(spare(&s), 0, "not its lease: nothing given back");
+        s.return_lease(3, other);
         assert_eq!(spare(&s), page);
     }
 

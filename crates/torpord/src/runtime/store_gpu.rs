@@ -80,10 +80,7 @@ impl super::Runtime {
                 return;
             }
         }
-        // A put without its lease gives the lease back (the worker let go of it first).
-        if inst.keeps_store_mappings {
-            self.store.return_lease(inst.store_holder);
-        }
+
         if put.nodes.is_some() && self.objstore.is_none() {
             // For every node it goes through the bucket (crate::runtime::store_nodes).
             let frame = StoreMemory {
@@ -457,9 +454,12 @@ impl super::Runtime {
         }
     }
 
-    /// A worker's `store_release`: its gets of those blocks are done.
-    pub(crate) fn store_release(&self, inst: &Instance, blocks: &[u64]) {
+    /// A worker's `store_release`: its gets of those blocks are done, and those leases unused.
+    pub(crate) fn store_release(&self, inst: &Instance, blocks: &[u64], leases: &[u64]) {
         self.store.release(inst.store_holder, blocks);
+        for &block in leases {
+            self.store.return_lease(inst.store_holder, block);
+        }
         self.store_metrics();
     }
 
