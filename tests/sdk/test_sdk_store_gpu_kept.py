@@ -90,6 +90,18 @@ out["lru_released"] = store_gpu.take_releases()
 out["dropped"] = store_gpu.drop_kept()
 out["after_quiet"] = [store_gpu.kept_blocks(), len(maps())]
 own.close()
+# Leases: one thread takes it (the slot is empty for another, which gives nothing back); one of
+# another size class is let go of and said so; so is one dropped at a quiet point.
+lfd = make()
+store_gpu.set_lease(store_gpu.Lease(50, GRANULE, 1, 0, os.dup(lfd)))
+taken = store_gpu.take_lease(3000, 0)
+out["lease_taken"] = [taken is not None and taken.block, store_gpu.take_lease(3000, 0), store_gpu.take_unleased()]
+os.close(taken.fd)
+store_gpu.set_lease(store_gpu.Lease(51, GRANULE, GRANULE // 2, 0, os.dup(lfd)))
+out["lease_other_size"] = [store_gpu.take_lease(3000, 0), store_gpu.take_unleased()]
+store_gpu.set_lease(store_gpu.Lease(52, GRANULE, 1, 0, os.dup(lfd)))
+store_gpu.drop_kept()
+out["lease_quiet"] = [store_gpu.take_lease(3000, 0), store_gpu.take_unleased()]
 # Memory without a block is mapped for its get alone.
 c = store_gpu.CudaArray(os.dup(fd), GRANULE, 3000, {}, "peer")
 c.close()
@@ -129,3 +141,5 @@ def test_a_block_is_mapped_once_released_per_get_and_unmapped_when_let_go(fake_c
     assert out["lru_released"] == blocks
     assert out["dropped"] == 9 and out["after_quiet"] == [[], 1], "the value's own memory alone is mapped"
     assert out["no_block"] == [[], [], False]
+    assert out["lease_taken"] == [50, None, []], "a put without the lease gives back nothing"
+    assert out["lease_other_size"] == [None, [51]] and out["lease_quiet"] == [None, [52]]
