@@ -14,16 +14,19 @@ mapping goes when the returned object is collected (the tensor holds the `CudaAr
 The driver is libcuda through ctypes (torpor.cuda_driver, as torpor.data uses it), with the
 virtual memory management calls: import the fd, reserve addresses, map, set access.
 
-**Kept mappings** (protocol 4; docs/sandboxes.md, "Kept mappings"). Where torpord names the
-memory's `block` (memory that comes back to the tenant's next puts), the worker keeps its
-mapping after the put's copy or after the got object goes, and the next put or get of that
-block maps nothing: a mapping's import, reserve, map, set access and unmap were ~0.6 ms of a
-1.3-1.8 ms hand-off on the H100 (bench/results/sandbox-handoff-s34-*-h100.json). A got
-object's end is told to torpord (`store_release`, sent with the worker's next frame to it)
-only after the context is synchronised, so nothing still reads the memory when the next put
-writes it. torpord's `store_unmap` names blocks it let go of: unmapped at once, or when the
-object using one goes. At every quiet point (a snapshot, a GPU release, a migration) the idle
-kept mappings are unmapped: neither a snapshot nor the driver's checkpoint carries them.
+**Kept mappings and leases** (protocol 4; docs/sandboxes.md, "Kept mappings and leases").
+Where torpord names the memory's `block` (memory that comes back to the tenant's next puts),
+the worker keeps its mapping after the put's copy or after the got object goes, and the next
+put or get of that block maps nothing: a mapping's import, reserve, map, set access and unmap
+were ~0.6 ms of a 1.3-1.8 ms hand-off on the H100 (bench/results/sandbox-handoff-s34-*-h100.json).
+A got object's end is told to torpord (`store_release`, sent before the request's result or
+with the worker's next store request) only after the context is synchronised, so nothing
+still reads the memory when the next put writes it. A put's answer may carry a lease: memory
+for the worker's next put of that size class, which the worker fills before it asks (one
+request instead of two); only the worker's word gives a lease back. torpord's `store_unmap`
+names blocks it let go of: unmapped at once, or when the object using one goes. At every quiet
+point (a snapshot, a GPU release, a migration) the idle kept mappings and the lease go: neither
+a snapshot nor the driver's checkpoint carries them.
 """
 
 from __future__ import annotations
@@ -374,8 +377,8 @@ def set_lease(lease: Lease) -> None:
 
 def take_lease(nbytes: int, ordinal: int) -> Lease | None:
     """The lease, for a put of `nbytes` on the worker's GPU `ordinal` of its size class (what
-    torpord would allocate for it); None otherwise (the lease is dropped: a put without it
-    gives it back to torpord)."""
+    torpord would allocate for it); None otherwise, or when another thread took it (a lease of
+    another size class is let go of: torpord hears of it with the worker's next frame)."""
     with _kept_lock:
         lease = _lease.pop() if _lease else None
     if lease is None:

@@ -1008,7 +1008,12 @@ class Worker:
         blocks = msg.get("blocks")
         if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
             raise ProtocolError("store_unmap needs blocks, the list of block ids")
-        torpor_store_gpu.unmap_blocks(blocks)
+        try:
+            torpor_store_gpu.unmap_blocks(blocks)
+        except torpor_store_gpu.StoreGpuError as e:
+            # No context to unmap with: the mappings stay until the worker ends (its memory is
+            # the driver's to take back then), and the worker serves on.
+            print(f"torpor worker: store_unmap: {e}", file=sys.stderr)
 
     def drop_store_mappings(self) -> None:
         """A quiet point: the store's GPU memory this worker kept mapped goes (neither a

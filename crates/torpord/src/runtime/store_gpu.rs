@@ -159,7 +159,7 @@ impl super::Runtime {
     /// and GPU), for a protocol-4 worker: the frame's part and the fd.
     fn store_lease(
         &self,
-        inst: &Instance,
+        inst: &Arc<Instance>,
         spare: &SpareFor,
     ) -> Option<(crate::protocol::StoreLease, OwnedFd)> {
         if !inst.keeps_store_mappings {
@@ -171,6 +171,8 @@ impl super::Runtime {
             spare.ordinal,
             spare.padded,
         )?;
+        // The worker maps it to fill it and keeps that mapping: told when the block goes.
+        self.store_mapped_by(inst, block, true);
         let granule = spare.device.granularity().max(1) as u64;
         let lease = crate::protocol::StoreLease {
             block,
