@@ -385,7 +385,7 @@ def take_lease(nbytes: int, ordinal: int) -> Lease | None:
         return None
     if lease.ordinal == ordinal and lease.min_bytes <= nbytes <= lease.padded:
         return lease
-    _unlease(lease)
+    let_go(lease)
     return None
 
 
@@ -394,10 +394,11 @@ def drop_lease() -> None:
     with _kept_lock:
         lease = _lease.pop() if _lease else None
     if lease is not None:
-        _unlease(lease)
+        let_go(lease)
 
 
-def _unlease(lease: Lease) -> None:
+def let_go(lease: Lease) -> None:
+    """`lease`, unused, let go of: its fd closed, torpord told with the worker's next frame."""
     os.close(lease.fd)
     with _kept_lock:
         _unleased.append(lease.block)

@@ -868,8 +868,11 @@ class Worker:
             # Into the memory torpord set aside for it: filled first, then one request.
             try:
                 fill(lease.fd, lease.padded, lambda: None, lease.block)
-            finally:
-                os.close(lease.fd)
+            except BaseException:
+                # Not filled: the lease goes back to torpord (only the worker's word does that).
+                torpor_store_gpu.let_go(lease)
+                raise
+            os.close(lease.fd)
             put["gpu"]["lease"] = lease.block
             msg, got = self._store_request(put)
             torpor_store_gpu.step("leased_request")

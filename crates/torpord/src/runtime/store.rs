@@ -445,6 +445,13 @@ struct Free {
     since: Instant,
 }
 
+impl Free {
+    /// Whether a put of `tenant` of `padded` bytes on GPU `ordinal` can take it.
+    fn fits(&self, tenant: &str, ordinal: i32, padded: u64) -> bool {
+        self.tenant == tenant && self.gpu.ordinal == ordinal && self.gpu.padded == padded
+    }
+}
+
 /// The holder of gets by a worker that does not release its mappings (protocol < 4).
 pub const NO_RELEASE: u64 = 0;
 
@@ -655,9 +662,10 @@ impl Inner {
 
     /// A block of `tenant`'s kept for a put of `padded` bytes on GPU `ordinal`.
     fn take_free(&mut self, tenant: &str, ordinal: i32, padded: u64) -> Option<GpuHeld> {
-        let i = self.free.iter().position(|f| {
-            f.tenant == tenant && f.gpu.ordinal == ordinal && f.gpu.padded == padded
-        })?;
+        let i = self
+            .free
+            .iter()
+            .position(|f| f.fits(tenant, ordinal, padded))?;
         Some(self.free.remove(i).gpu)
     }
 
@@ -899,6 +907,13 @@ impl Store {
         self.spares_on && gpu.device.backend() == "cuda"
     }
 
+    /// `gpu`, which nothing uses any more, kept for `tenant`'s next puts where it recycles
+    /// ([`Inner::recycle`]), let go otherwise.
+    fn recycle(&self, inner: &mut Inner, tenant: String, gpu: GpuHeld) {
+        let recycles = self.recycles(&gpu);
+        inner.recycle(tenant, gpu, recycles);
+    }
+
     /// The blocks let go of since the last call ([`Block`]); their holds are forgotten.
     pub fn take_gone(&self) -> Vec<u64> {
         let gone = std::mem::take(&mut *lock(&self.gone));
@@ -1005,10 +1020,7 @@ impl Store {
         inner.check_tenant(tenant, key, padded)?;
         inner.gpus.insert(ordinal);
         // A block of the tenant's kept for this size, else the GPU's spare of it.
-        let fits = inner
-            .free
-            .iter()
-            .any(|f| f.tenant == tenant && f.gpu.ordinal == ordinal && f.gpu.padded == padded)
+        let fits = inner.free.iter().any(|f| f.fits(tenant, ordinal, padded))
             || inner
                 .spares
                 .get(&ordinal)
@@ -1137,9 +1149,7 @@ impl Store {
         // Not when the tenant keeps a block of that size there: its next put takes that.
         let room = |inner: &Inner| {
             !inner.spares.contains_key(&ordinal)
-                && !inner.free.iter().any(|f| {
-                    f.tenant == tenant && f.gpu.ordinal == ordinal && f.gpu.padded == padded
-                })
+                && !inner.free.iter().any(|f| f.fits(&tenant, ordinal, padded))
                 && inner.gpu_used(ordinal).saturating_add(padded) <= self.gpu_budget
         };
         if !room(&self.inner()) {
@@ -1300,8 +1310,7 @@ impl Store {
         } else if inner.holds.get(&block).is_some_and(|h| !h.is_empty()) {
             inner.parked.insert(block, (tenant.to_string(), gpu));
         } else {
-            let recycles = self.recycles(&gpu);
-            inner.recycle(tenant.to_string(), gpu, recycles);
+            self.recycle(&mut inner, tenant.to_string(), gpu);
         }
     }
 
@@ -1327,8 +1336,7 @@ impl Store {
             if h.is_empty() {
                 inner.holds.remove(&block);
                 if let Some((tenant, gpu)) = inner.parked.remove(&block) {
-                    let recycles = self.recycles(&gpu);
-                    inner.recycle(tenant, gpu, recycles);
+                    self.recycle(&mut inner, tenant, gpu);
                 }
             }
         }
@@ -1418,8 +1426,7 @@ impl Store {
             inner.check_tenant(tenant, key, padded).err()
         };
         if let Some(e) = refused {
-            let recycles = self.recycles(&lease.gpu);
-            inner.recycle(lease.tenant, lease.gpu, recycles);
+            self.recycle(&mut inner, lease.tenant, lease.gpu);
             return Err(e);
         }
         lease
@@ -1457,8 +1464,7 @@ impl Store {
                 .leases
                 .remove(&holder)
                 .expect("present: checked above");
-            let recycles = self.recycles(&l.gpu);
-            inner.recycle(l.tenant, l.gpu, recycles);
+            self.recycle(&mut inner, l.tenant, l.gpu);
         }
     }
 
@@ -1477,8 +1483,7 @@ impl Store {
         self.release(holder, &blocks);
         let mut inner = self.inner();
         if let Some(l) = inner.leases.remove(&holder) {
-            let recycles = self.recycles(&l.gpu);
-            inner.recycle(l.tenant, l.gpu, recycles);
+            self.recycle(&mut inner, l.tenant, l.gpu);
         }
     }
 
