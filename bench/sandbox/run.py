@@ -91,6 +91,47 @@ def handoff(request, make, sync):
     return {{"s": s, "bytes": n, "steps": store_gpu.steps() if request.get("steps") else None}}
 '''
 
+# What the worker's PyTorch allocator holds, by pool, stream and kind of segment, and the sizes
+# of its live blocks of 1 MiB or more (a cuBLAS workspace is one of 32 MiB on Hopper): the part of
+# NVML's per-process figure that is PyTorch's; the rest is the context, loaded kernels and the
+# libraries' own allocations. Formatted with the models' source (braces doubled).
+ALLOCATOR = '''
+def allocator():
+    import collections
+    import threading
+    pools = collections.defaultdict(lambda: [0, 0, 0])
+    live = collections.Counter()
+    for seg in torch.cuda.memory_snapshot():
+        key = f"{{seg.get('segment_pool_id')}} stream={{seg['stream']}} {{seg['segment_type']}}"
+        pools[key][0] += 1
+        pools[key][1] += seg["total_size"]
+        pools[key][2] += seg["allocated_size"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated" and b["size"] >= 1 << 20:
+                live[b["size"]] += 1
+    return {{
+        "reserved": torch.cuda.memory_reserved(),
+        "allocated": torch.cuda.memory_allocated(),
+        "pools": {{k: {{"segments": v[0], "bytes": v[1], "allocated": v[2]}} for k, v in pools.items()}},
+        "live_blocks_1mib_up": {{str(k): v for k, v in sorted(live.items())}},
+        "threads": threading.active_count(),
+        "limits": context_limits(),
+    }}
+
+
+def context_limits():
+    # The context's per-thread stack, printf FIFO and device heap (cuCtxGetLimit 0, 1, 2): the
+    # driver reserves the stack for every resident GPU thread (264 MiB at 1 KiB on the H100).
+    import ctypes
+    torch.zeros(1, device="cuda")  # the primary context current on this thread
+    lib = ctypes.CDLL("libcuda.so.1")
+    out = {{}}
+    for name, which in (("stack", 0), ("printf_fifo", 1), ("malloc_heap", 2)):
+        v = ctypes.c_size_t(0)
+        out[name] = v.value if lib.cuCtxGetLimit(ctypes.byref(v), which) == 0 else None
+    return out
+'''
+
 GPU_MODEL = '''
 import torch
 import torpor
@@ -98,7 +139,7 @@ import torpor
 MIB = {mib}
 
 
-''' + HANDOFF + '''
+''' + HANDOFF + ALLOCATOR + '''
 
 @torpor.function
 class Fn:
@@ -110,6 +151,8 @@ class Fn:
     def __call__(self, request):
         if "handoff" in request:
             return handoff(request, lambda n: torch.empty(n, dtype=torch.uint8, device="cuda"), torch.cuda.synchronize)
+        if "allocator" in request:
+            return allocator()
         x = torch.ones(8, 1024, device="cuda")
         for w in self.layers:
             x = torch.tanh(x @ w)
@@ -313,15 +356,22 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool, handoff_r
             if r.returncode != 0:
                 raise RuntimeError(f"deploy {d.name} failed: {r.stdout}{r.stderr}")
         deploy_s = time.monotonic() - t
+        # The GPU's memory in use (all processes, MiB above `before`) after the deploys and after
+        # each invoke: where a sandbox grows, function by function.
+        growth: list[tuple[str, float]] = []
+        if before is not None:
+            growth.append(("deployed", gpu_used_mib() - before))
         first: list[float] = []
         warm: list[float] = []
         for i in range(n):
-            for kind in (first, warm):
+            for kind, what in ((first, "first"), (warm, "warm")):
                 t = time.monotonic()
                 a = client.request(sock, "POST", f"/v1/functions/bench-fn{i}/invoke", b"{}", 300)
                 if a.status != 200:
                     raise RuntimeError(f"invoke bench-fn{i}: {a.status} {a.body[:300]!r}")
                 kind.append(time.monotonic() - t)
+                if before is not None:
+                    growth.append((f"bench-fn{i} {what}", gpu_used_mib() - before))
         time.sleep(1.0)
         pids = worker_pids(state)
         used = pss_mib(pids) if cpu else gpu_mib(pids)
@@ -335,8 +385,11 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool, handoff_r
         delta_idle = None if before is None else gpu_used_mib() - before
         if not cpu and used_idle == 0 and delta_idle is not None:
             used_idle = delta_idle
+        # What PyTorch's allocator holds in each worker (one function's request asks its worker),
+        # after the idle read, so the requests that ask do not count there.
+        allocators = None if cpu else [call(sock, f"bench-fn{i}", {"allocator": True}) for i in range(1 if sandbox else n)]
         handoffs = None
-        if sandbox:
+        if sandbox and handoff_runs > 0:
             if not cpu:
                 # Another sandbox of the tenant (another workflow), for the GPU hand-off between
                 # processes; deployed after the memory was read, so it is not counted there.
@@ -362,6 +415,8 @@ def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool, handoff_r
             "gpu_used_delta_mib_idle": delta_idle,
             "deploy_s": deploy_s,
             "handoff": handoffs,
+            "gpu_growth_mib": growth,
+            "allocators": allocators,
             "first_invoke_s": first,
             "warm_invoke_s": warm,
         }
@@ -518,16 +573,22 @@ def main() -> int:
         "--handoff-only", action="store_true",
         help="only the sandbox's hand-offs (no memory ratio, no starts): summary handoff_* only",
     )
+    ap.add_argument(
+        "--memory-only", action="store_true",
+        help="only the memory of processes against one sandbox (no starts, no hand-offs)",
+    )
     args = ap.parse_args()
     if args.handoff_only:
         return handoff_only(args)
-    starts = {
-        "pooled": measure_starts(args.torpor, True, args.weights_mib, args.cpu, args.start_rounds),
-        "restored": measure_starts(args.torpor, False, args.weights_mib, args.cpu, args.start_rounds),
-    }
+    starts: dict[str, list[dict[str, Any]]] = {"pooled": [], "restored": []}
+    if not args.memory_only:
+        starts = {
+            "pooled": measure_starts(args.torpor, True, args.weights_mib, args.cpu, args.start_rounds),
+            "restored": measure_starts(args.torpor, False, args.weights_mib, args.cpu, args.start_rounds),
+        }
     pooled_runs = [r for r in starts["pooled"] if r["start"] == "pooled"]
     processes = one_mode(args.torpor, args.functions, False, args.weights_mib, args.cpu)
-    sandbox = one_mode(args.torpor, args.functions, True, args.weights_mib, args.cpu)
+    sandbox = one_mode(args.torpor, args.functions, True, args.weights_mib, args.cpu, 0 if args.memory_only else args.handoff_runs)
     key = "host_pss_mib" if args.cpu else "gpu_mib"
     ratio = processes[key] / sandbox[key] if sandbox[key] else None
     ratio_idle = processes[f"{key}_idle"] / sandbox[f"{key}_idle"] if sandbox[f"{key}_idle"] else None
@@ -543,7 +604,7 @@ def main() -> int:
             "cold_restore_start_s": median([r["total_s"] for r in starts["restored"]]),
             "pooled_setup_s": median([(r["deploy_setup_s"] or 0) + (r["deploy_warmup_s"] or 0) for r in pooled_runs]),
             "pooled_starts": f"{len(pooled_runs)} of {len(starts['pooled'])}",
-            **handoff_summary(sandbox["handoff"]),
+            **(handoff_summary(sandbox["handoff"]) if sandbox["handoff"] else {}),
             "small_p99_ratio": None,
             "not_built": "small_p99_ratio: bench/pcie/run.py",
         },
