@@ -25,8 +25,10 @@ import importlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from torpor import lanes as torpor_lanes
 
 FRAMEWORKS = ("torch", "jax", "cupy")
 
@@ -56,7 +58,11 @@ def warm() -> str:
     """Warm CUDA through the imported framework (or the driver); returns which one was used."""
     name = framework()
     if name == "torch":
-        _warm_torch(sys.modules["torch"])
+        # On a thread of its own, joined: the thread's cuBLAS handle goes back to PyTorch's pool
+        # when it exits, and the first thread to call cuBLAS next takes it: the main thread of
+        # a worker of one function, or a sandbox's first lane (torpor.lanes). Warmed on the main
+        # thread, the handle stayed there for ever and a sandbox's lanes made another.
+        _on_a_thread_of_its_own(lambda: _warm_torch(sys.modules["torch"]))
     elif name == "jax":
         _warm_jax(sys.modules["jax"])
     elif name == "cupy":
@@ -66,6 +72,23 @@ def warm() -> str:
         Driver.load().warm()
         name = "driver"
     return name
+
+
+def _on_a_thread_of_its_own(fn: Callable[[], None]) -> None:
+    """Runs `fn` on a new thread, waits for it, and raises what it raised."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # raised again on the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="torpor-warm")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def sync() -> bool:
@@ -204,7 +227,11 @@ def _warm_torch_ops(torch: Any) -> None:
     torch.cuda.synchronize()
 
 
-def warm_requests(framework_name: str | None, dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")) -> int:
+def warm_requests(
+    framework_name: str | None,
+    on_lane: Callable[[Callable[[], None]], None],
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16"),
+) -> int:
     """A ready sandbox of the live-context pool, before it is counted ready: the kernels common
     functions' requests use, loaded into its context on a request's thread and stream, so a
     function loaded into it later does not load them on its first request; returns how many
@@ -215,10 +242,10 @@ def warm_requests(framework_name: str | None, dtypes: tuple[str, ...] = ("float3
     matmul, `tanh`, `sum`) took 45-130 ms against 1.5 ms for the next, nearly all of it in those
     loads (bench/sandbox/first_request.py, bench/results/sandbox-first-request-s32-h100.json);
     loading every kernel of every library at the context's start (`EAGER`) took 6-9 s and 764
-    MiB more. A snapshotted worker does not need this: its kernels are in the snapshot. Run on a
-    thread of its own inside `request_stream`, it also leaves a request stream (and cuBLAS's
-    workspace for it) in the free list for the first request. It only saves time: an op that
-    fails here (a dtype the GPU lacks) ends it with one line on stderr, and the sandbox is
+    MiB more. A snapshotted worker does not need this: its kernels are in the snapshot. Run by
+    `on_lane` on a lane of the sandbox (torpor.lanes) inside `request_stream`, it also leaves that
+    lane's stream, handle and workspace made for the first request. It only saves time: an op
+    that fails here (a dtype the GPU lacks) ends it with one line on stderr, and the sandbox is
     ready all the same."""
     if framework_name != "torch":
         return 0
@@ -229,6 +256,7 @@ def warm_requests(framework_name: str | None, dtypes: tuple[str, ...] = ("float3
 
     def on_a_request_thread() -> None:
         try:
+            prepare_lane("torch")
             with request_stream("torch"):
                 runs[0] = _warm_torch_requests(torch, tuple(getattr(torch, d) for d in dtypes))
         except Exception as e:  # an optimisation: its failure is reported, not raised
@@ -238,9 +266,7 @@ def warm_requests(framework_name: str | None, dtypes: tuple[str, ...] = ("float3
                 file=sys.stderr,
             )
 
-    thread = threading.Thread(target=on_a_request_thread, name="torpor-warm-requests")
-    thread.start()
-    thread.join()
+    on_lane(on_a_request_thread)
     torch.cuda.empty_cache()
     return runs[0]
 
@@ -387,7 +413,14 @@ def request_stream(framework_name: str | None) -> Iterator[None]:
     if torch is None or not torch.cuda.is_initialized():
         yield
         return
-    stream = _take_stream(torch)
+    lane = torpor_lanes.current()
+    if lane is not None:
+        # A lane keeps its stream (and so its cuBLAS handle's one workspace) for every job.
+        if lane.stream is None:
+            lane.stream = torch.cuda.Stream()
+        stream = lane.stream
+    else:
+        stream = _take_stream(torch)
     try:
         with torch.cuda.stream(stream):
             yield
@@ -395,14 +428,48 @@ def request_stream(framework_name: str | None) -> Iterator[None]:
         try:
             stream.synchronize()
         finally:
-            _give_stream(stream)
+            if lane is None:
+                _give_stream(stream)
 
 
-# The request streams not in use, the last one given back on top. Each request runs on a thread
-# of its own, so a stream per thread was a new stream per request: PyTorch keeps a cuBLAS
-# workspace per (handle, stream) for the life of the process, so a sandbox grew by a workspace
-# (32 MiB on Hopper) with every request thread, up to its pool's 32 streams. Reused, a sandbox
-# holds as many streams, and workspaces, as it ran requests at once.
+def prepare_lane(framework_name: str | None) -> None:
+    """On a lane (torpor.lanes), before a function's memory pool routes the thread's
+    allocations: under torch with CUDA initialised, the lane's stream, and cuBLAS's handle for
+    the thread and its workspace for that stream, made now where they are not (the lane's first
+    job, or after clear_blas_workspaces). Made inside a request's pool, the workspace (32 MiB on
+    Hopper) would land in that pool, whose idle release could then not give its segment back.
+    Elsewhere it does nothing."""
+    lane = torpor_lanes.current()
+    torch: Any = sys.modules.get("torch")
+    if framework_name != "torch" or lane is None or torch is None or not torch.cuda.is_initialized():
+        return
+    if lane.stream is None:
+        lane.stream = torch.cuda.Stream()
+    with torch.cuda.stream(lane.stream):
+        torch.cuda.current_blas_handle()
+
+
+def clear_blas_workspaces() -> bool:
+    """Frees PyTorch's cuBLAS(Lt) workspaces (one per handle and stream it was used on; their
+    memory stays in PyTorch's cache), where torch has CUDA initialised; whether it ran. Called
+    once, when a worker becomes a sandbox: the boot's warm-up left a workspace for the default
+    stream, which a sandbox's lanes never use (they run on streams of their own). Only when no
+    request runs: a workspace freed under a running cuBLAS call would be reused under it."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    torch.cuda.synchronize()
+    clear()
+    return True
+
+
+# The request streams not in use, the last one given back on top, for request_stream on a thread
+# that is not a lane (a sandbox's requests run on lanes, which keep a stream each): PyTorch keeps
+# a cuBLAS workspace per (handle, stream) for the life of the process, so a new stream per thread
+# would grow the process by a workspace (32 MiB on Hopper) every time.
 _free_streams: list[Any] = []
 _streams_lock = threading.Lock()
 

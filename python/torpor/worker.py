@@ -46,8 +46,8 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      request's `fingerprint`) is the client's idempotency key: the outcome is kept for 10 min
      (torpor.kept) for a daemon that re-adopts this worker. `function` names which of a sandbox's
      functions serves it (a function not loaded is answered `ok: false`, type NotLoaded). In a
-     sandbox every invoke runs on a thread of its own (under torch on a CUDA stream of its own,
-     torpor.gpu.request_stream) and the main loop reads on; a sandbox's request threads may send
+     sandbox every invoke runs on a lane (torpor.lanes: a long-lived thread; under torch on a
+     CUDA stream of its own, torpor.gpu.request_stream) and the main loop reads on; a sandbox's request threads may send
      `store_put` {id, key, ttl_s, meta, nodes?} + `store_fd` {id, fd: true} (the sealed memfd attached)
      and `store_get` {id, key, keep}, whose answers `store_stored` {id, ok, error?} and
      `store_value` {id, found, meta?, bytes?, fd?, gpu?} (the memfd, or GPU memory with gpu
@@ -143,12 +143,13 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from torpor import data as torpor_data
 from torpor import gpu as torpor_gpu
 from torpor import hook as torpor_hook
 from torpor import kept as torpor_kept
+from torpor import lanes as torpor_lanes
 from torpor import mempool as torpor_mempool
 from torpor import pack as torpor_pack
 from torpor import store as torpor_store
@@ -158,6 +159,8 @@ from torpor.frames import FrameReader, encode, write_frame_with_fd
 from torpor.functions import resolve
 from torpor.readiness import ModuleWaits, Readiness, deferrable_vas
 from torpor.shareable import shareable_vas
+
+T = TypeVar("T")
 
 ENV_SOCKET = "TORPOR_WORKER_SOCKET"
 EXIT_OK = 0
@@ -320,7 +323,7 @@ class Worker:
         self.call: Callable[[Any], Any] | None = None
         # Every function this worker serves by name: one, or in a sandbox (spec
         # scaling.sandbox, docs/sandboxes.md) every function loaded into it. A sandbox runs
-        # each request on a thread of its own; `function` above stays the first one loaded
+        # each request on a lane (torpor.lanes); `function` above stays the first one loaded
         # (its host: the name torpord knows the instance by).
         self.functions: dict[str, Callable[[Any], Any]] = {}
         self.sandbox = False
@@ -366,6 +369,10 @@ class Worker:
         # Held while an idle release sends its `memory` frame, and by quiesce while it sets
         # `quiescing`: no frame of a release may follow `quiet`.
         self.memory_lock = threading.Lock()
+        # A sandbox's requests and its functions' setup and warm-up run on lanes: long-lived
+        # threads with a CUDA stream each, so one request at a time uses one cuBLAS handle and
+        # one workspace (torpor.lanes).
+        self.lanes = torpor_lanes.Lanes()
         self.quiescing = False
         # Set by `release_gpu` (torpord checkpoints the GPU in place next), cleared when torpord
         # serves this worker again: no pool is released meanwhile. A pool release while the
@@ -466,7 +473,7 @@ class Worker:
                 if self.announce_warm:
                     # A ready sandbox of the pool: its functions' first requests find the
                     # common kernels loaded (torpor.gpu.warm_requests).
-                    warm_requests = torpor_gpu.warm_requests(self.gpu_framework)
+                    warm_requests = torpor_gpu.warm_requests(self.gpu_framework, self.lanes.run)
             except Exception as e:
                 return self.fail("gpu_warmup", e)
         t2 = time.perf_counter()
@@ -609,15 +616,13 @@ class Worker:
                 )
                 return
         if self.sandbox:
-            # One thread per request: the sandbox's functions (and more requests of one of
-            # them, up to requests_per_instance) run side by side, each on a CUDA stream of its
-            # own under torch.
-            threading.Thread(
-                target=self._request_thread,
-                args=(call, rid, msg["request"], fname or self.function, slot, fingerprint),
-                name=f"torpor-request-{rid}",
-                daemon=True,
-            ).start()
+            # Each request on a lane (a thread with a CUDA stream of its own under torch): the
+            # sandbox's functions (and more requests of one of them, up to
+            # requests_per_instance) run side by side.
+            request = msg["request"]
+            self.lanes.submit(
+                lambda: self._request_thread(call, rid, request, fname or self.function, slot, fingerprint)
+            )
             return
         # The daemon's timeout counts from here, not from the time this request waited behind
         # the ones before it.
@@ -668,10 +673,10 @@ class Worker:
         slot: torpor_kept.Slot | None,
         fingerprint: str | None,
     ) -> None:
-        """A sandbox's request, on its own thread (and CUDA stream, and its function's memory
-        pool): `started`, the call, its `result` with the pool's `memory` report. A lost daemon
-        is the main loop's business: the result dies with the connection (a keyed one is kept,
-        and settled with the daemon that re-adopts this worker)."""
+        """A sandbox's request, on a lane (torpor.lanes: its thread and CUDA stream) and in its
+        function's memory pool: `started`, the call, its `result` with the pool's `memory`
+        report. A lost daemon is the main loop's business: the result dies with the connection
+        (a keyed one is kept, and settled with the daemon that re-adopts this worker)."""
         generation = self.generation
         pool = self._begin(fname)
         try:
@@ -679,6 +684,8 @@ class Worker:
             if slot is not None and fingerprint is not None:
                 self.kept.begin(slot, fingerprint)
             framework = self.gpu_framework or torpor_gpu.framework()
+            # Before the pool routes this thread's allocations (the workspace stays out of it).
+            torpor_gpu.prepare_lane(framework)
 
             def on_own_stream(req: Any) -> Any:
                 with torpor_gpu.request_stream(framework):
@@ -697,6 +704,9 @@ class Worker:
                 # request is answered with that error rather than never (the daemon would wait
                 # for it until timeout_s and hold its slot meanwhile).
                 out = {"type": "result", "id": rid, "ok": False, "error": error_doc(e), "handler_s": 0.0}
+            # The next request, which torpord may send as soon as it has this result, finds
+            # this lane free instead of starting another.
+            torpor_lanes.release()
             self.send_result(out, generation=generation, slot=slot)
         except (ConnectionError, OSError, AssertionError):
             pass
@@ -1194,8 +1204,22 @@ class Worker:
                 name, torpor_mempool.backend_for(self.gpu_framework or torpor_gpu.framework())
             )
             instance = cls()
-            with pool.setup():
-                instance.setup()
+            framework = self.gpu_framework or torpor_gpu.framework()
+            if sandboxed and self.call is None:
+                # This worker becomes a sandbox: the boot's warm-up left cuBLAS a workspace for
+                # the default stream, which its lanes never use.
+                torpor_gpu.clear_blas_workspaces()
+            # A sandbox's function sets up and warms up on a lane, in its stream, as its
+            # requests will run: the main thread never holds a cuBLAS handle of its own there
+            # (torpor.lanes). A function in a worker of its own runs both here, as its requests.
+            on_lane = self.lanes.run if sandboxed else _here
+
+            def set_up() -> None:
+                torpor_gpu.prepare_lane(framework)
+                with torpor_gpu.request_stream(framework) if sandboxed else contextlib.nullcontext(), pool.setup():
+                    instance.setup()
+
+            on_lane(set_up)
             t1 = time.perf_counter()
             packed = self.pack(instance) if pack_weights else None
             t_packed = time.perf_counter()
@@ -1204,9 +1228,14 @@ class Worker:
                 # The warm-up request sets the segments' first-use order (docs/split.md).
                 # A sandbox's function warms up in its pool (its memory model's peak); a
                 # function in a worker of its own allocates as before.
-                scope = pool.request() if sandboxed else contextlib.nullcontext()
-                with torpor_hook.recording_first_use(), scope:
-                    value = instance(warmup["request"])
+                def warm_up() -> Any:
+                    torpor_gpu.prepare_lane(framework)
+                    scope = pool.request() if sandboxed else contextlib.nullcontext()
+                    stream = torpor_gpu.request_stream(framework) if sandboxed else contextlib.nullcontext()
+                    with torpor_hook.recording_first_use(), scope, stream:
+                        return instance(warmup["request"])
+
+                value = on_lane(warm_up)
                 try:
                     encode({"value": value})
                 except FrameError as e:
@@ -1669,6 +1698,12 @@ def _memory_release_s(spec: dict[str, Any]) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return float(value)
     return DEFAULT_MEMORY_RELEASE_S
+
+
+def _here(fn: Callable[[], T]) -> T:
+    """Runs `fn` on the calling thread (a function in a worker of its own; a sandbox's
+    counterpart is Lanes.run)."""
+    return fn()
 
 
 def _forget_modules_of(dirs: list[str]) -> None:
