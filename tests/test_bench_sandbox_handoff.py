@@ -49,12 +49,21 @@ def test_the_docs_quote_the_tables_the_jsons_render() -> None:
 
 
 def test_the_docs_quote_the_memory_ratio_against_the_functions_size_as_rendered() -> None:
-    names = ("sandbox-s37-w16-h100.json", "sandbox-s37-w32-h100.json", "sandbox-h100.json")
-    rendered = run(str(BENCH / "memory_table.py"), *(str(RESULTS / n) for n in names))
-    assert rendered in (ROOT / "docs" / "sandboxes.md").read_text(), rendered
-    # Each row is its file's: the 16 MiB run's ratio as its summary says.
-    doc = json.loads((RESULTS / names[0]).read_text())
-    assert f"| 16 MiB | 3 808 MiB | 778 MiB | {doc['summary']['memory_ratio_8fn']:.2f} |" in rendered
+    page = (ROOT / "docs" / "sandboxes.md").read_text()
+    s37 = ("sandbox-s37-w16-h100.json", "sandbox-s37-w32-h100.json", "sandbox-h100.json")
+    # Session 38: before the lanes, with them (16 MiB functions); then 64 MiB, before and with.
+    s38 = (
+        "sandbox-s38-before-w16-h100.json", "sandbox-s38-lanes-w16-h100.json",
+        "sandbox-h100.json", "sandbox-s38-lanes-w64-h100.json",
+    )
+    for names in (s37, s38):
+        rendered = run(str(BENCH / "memory_table.py"), *(str(RESULTS / n) for n in names))
+        assert rendered in page, rendered
+        # Each row is its file's: the 16 MiB run's ratio as its summary says.
+        doc = json.loads((RESULTS / names[0]).read_text())
+        assert f"| 16 MiB | 3 808 MiB | 778 MiB | {doc['summary']['memory_ratio_8fn']:.2f} |" in rendered
+    probe = run(str(BENCH / "handle_cost.py"), "--table", str(RESULTS / "sandbox-handle-cost-s38-torchstream-h100.json"))
+    assert probe in page, probe
 
 
 def test_every_step_has_a_row_and_a_missing_one_is_not_a_zero(tmp_path: Path) -> None:

@@ -444,9 +444,38 @@ def prepare_lane(framework_name: str | None) -> None:
     if framework_name != "torch" or lane is None or torch is None or not torch.cuda.is_initialized():
         return
     if lane.stream is None:
-        lane.stream = torch.cuda.Stream()
+        lane.stream = lane_stream(torch)
     with torch.cuda.stream(lane.stream):
         torch.cuda.current_blas_handle()
+
+
+CU_STREAM_NON_BLOCKING = 1
+
+
+def lane_stream(torch: Any) -> Any:
+    """A CUDA stream for a lane: made by the driver (`cuStreamCreate`, non-blocking, as PyTorch's
+    own streams are) and wrapped as a `torch.cuda.ExternalStream`. Why not `torch.cuda.Stream()`:
+    the first one a process asks for makes PyTorch's whole stream pool (32 streams a priority
+    level), which held 70 MiB of GPU memory on the H100 for a sandbox that uses one stream a
+    lane (bench/sandbox/handle_cost.py, bench/results/sandbox-handle-cost-s38-torchstream-h100.json). Where
+    the driver cannot make one, PyTorch's is used, with one line on stderr."""
+    from torpor import cuda_driver
+
+    device = torch.cuda.current_device()
+    try:
+        with cuda_driver.on_device(device) as cuda:
+            handle = ctypes.c_void_p()
+            code = cuda.cuStreamCreate(ctypes.byref(handle), CU_STREAM_NON_BLOCKING)
+            if code != 0 or not handle.value:
+                raise cuda_driver.DriverError(f"cuStreamCreate failed with code {code}")
+        return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", device))
+    except (cuda_driver.DriverError, OSError, AttributeError) as e:
+        print(
+            f"torpor worker: a lane's stream from PyTorch's pool instead of the driver ({e}); "
+            "the pool holds about 70 MiB more GPU memory",
+            file=sys.stderr,
+        )
+        return torch.cuda.Stream()
 
 
 def clear_blas_workspaces() -> bool:
