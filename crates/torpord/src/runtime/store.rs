@@ -1051,9 +1051,8 @@ impl Store {
             Some(gpu) => gpu,
             None => {
                 inner.free_for_room(ordinal, padded, self.gpu_budget);
-                // Out of GPU memory: let go of a kept block, else move out the next oldest
-                // value, and try again, until none is left. The block is dropped here, under
-                // the lock: the next try needs its memory back.
+                // Out of GPU memory: free what was let go, else let go of a kept block, else
+                // move out the next oldest value, and try again, until none is left.
                 let mut left = on_gpu
                     .iter()
                     .enumerate()
@@ -1064,6 +1063,13 @@ impl Store {
                     match device.create(len) {
                         Ok(m) => break m,
                         Err(e) if is_out_of_memory(&e) => {
+                            // What was let go for room (spilled values, kept blocks, the
+                            // spare) is dropped after the lock, as always; this try needs
+                            // its memory back now, so it is dropped here, under the lock.
+                            if !inner.dead.is_empty() {
+                                drop(std::mem::take(&mut inner.dead));
+                                continue;
+                            }
                             if let Some(i) =
                                 inner.free.iter().position(|f| f.gpu.ordinal == ordinal)
                             {
@@ -1954,8 +1960,10 @@ mod tests {
 mod gpu_tests {
     use super::*;
     use crate::split::device::Backend;
+    use crate::split::device::HostBuffer;
     use crate::split::pcie::Pcie;
     use std::os::unix::fs::FileExt;
+    use std::sync::atomic::Ordering;
     use torpor_device::host::HostDevice;
 
     fn device() -> Arc<dyn SegmentDevice> {
@@ -2486,6 +2494,136 @@ mod gpu_tests {
         assert_eq!((r.padded, r.spilled, spare(&s)), (page, 0, 0));
         s.seal_gpu("t2", true).unwrap();
         assert_eq!((held(&s), s.spills()), (vec![(0, 2 * page)], 0));
+    }
+
+    /// A device whose memory runs out (ENOMEM at `create`) while `short`, until one of the
+    /// store's blocks has been let go: as the driver is, until memory is really freed.
+    struct ShortOfMemory {
+        inner: Arc<dyn SegmentDevice>,
+        gone: Arc<Mutex<Vec<u64>>>,
+        short: std::sync::atomic::AtomicBool,
+    }
+
+    impl SegmentDevice for ShortOfMemory {
+        fn backend(&self) -> &'static str {
+            self.inner.backend()
+        }
+        fn granularity(&self) -> usize {
+            self.inner.granularity()
+        }
+        fn host_buffer(&self, len: usize) -> Result<HostBuffer, DeviceError> {
+            self.inner.host_buffer(len)
+        }
+        fn make_host_pool(&self, bytes: usize) -> Result<usize, DeviceError> {
+            self.inner.make_host_pool(bytes)
+        }
+        fn host_pool(&self) -> Option<(usize, usize)> {
+            self.inner.host_pool()
+        }
+        fn read_fd(&self, fd: OwnedFd, out: &mut [u8]) -> Result<(), DeviceError> {
+            self.inner.read_fd(fd, out)
+        }
+        fn fill_from_bytes(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError> {
+            self.inner.fill_from_bytes(src, seal)
+        }
+        fn fill_from_pageable(&self, src: &[u8], seal: bool) -> Result<Memory, DeviceError> {
+            self.inner.fill_from_pageable(src, seal)
+        }
+        fn pcie(&self) -> &Pcie {
+            self.inner.pcie()
+        }
+        fn create(&self, len: usize) -> Result<Memory, DeviceError> {
+            if self.short.load(Ordering::SeqCst) && lock(&self.gone).is_empty() {
+                return Err(DeviceError::Os {
+                    call: "create",
+                    hint: "the test's device is full until a block goes",
+                    source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+                });
+            }
+            self.inner.create(len)
+        }
+        fn seal(&self, memory: &Memory) -> Result<(), DeviceError> {
+            self.inner.seal(memory)
+        }
+        fn fill_from_memory(
+            &self,
+            src: &Memory,
+            size: usize,
+            seal: bool,
+        ) -> Result<Memory, DeviceError> {
+            self.inner.fill_from_memory(src, size, seal)
+        }
+        fn fill_from_peer(
+            &self,
+            from: &dyn SegmentDevice,
+            src: &Memory,
+            size: usize,
+            seal: bool,
+        ) -> Result<Option<Memory>, DeviceError> {
+            self.inner.fill_from_peer(from, src, size, seal)
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+        fn export(&self, memory: &Memory) -> Result<OwnedFd, DeviceError> {
+            self.inner.export(memory)
+        }
+        fn read_memory(&self, memory: &Memory, out: &mut [u8]) -> Result<(), DeviceError> {
+            self.inner.read_memory(memory, out)
+        }
+        fn refresh_fd(
+            &self,
+            fd: OwnedFd,
+            block: usize,
+            hashes: &[[u8; 32]],
+            out: &mut [u8],
+        ) -> Result<Vec<usize>, DeviceError> {
+            self.inner.refresh_fd(fd, block, hashes, out)
+        }
+        fn refresh_memory(
+            &self,
+            memory: &Memory,
+            block: usize,
+            hashes: &[[u8; 32]],
+            out: &mut [u8],
+        ) -> Result<Vec<usize>, DeviceError> {
+            self.inner.refresh_memory(memory, block, hashes, out)
+        }
+        fn write_blocks(
+            &self,
+            memory: &Memory,
+            src: &[u8],
+            block: usize,
+            blocks: &[usize],
+        ) -> Result<(), DeviceError> {
+            self.inner.write_blocks(memory, src, block, blocks)
+        }
+    }
+
+    #[test]
+    fn out_of_gpu_memory_a_value_moved_out_frees_its_memory_for_the_put_that_needed_it() {
+        // Far within the budget: only the driver's memory is short.
+        let s = Store::new(1 << 30);
+        let short = Arc::new(ShortOfMemory {
+            inner: device(),
+            gone: Arc::clone(&s.gone),
+            short: std::sync::atomic::AtomicBool::new(false),
+        });
+        let dev: Arc<dyn SegmentDevice> = short.clone();
+        drop(put_gpu(&s, &dev, "a", b"value a"));
+        short.short.store(true, Ordering::SeqCst);
+        // The put moves "a" to host memory and takes the room it frees. Before, "a"'s memory
+        // was freed only after the store's lock, so every try within it ran out again and
+        // the put failed with nothing left to move.
+        let r = put_gpu(&s, &dev, "b", b"value b");
+        assert_eq!((r.spilled, s.spills()), (1, 1));
+        drop(r);
+        let a = s.get("team-a", "a", false, true).unwrap().unwrap();
+        assert!(matches!(a.held, TakenHeld::Host(_)), "{a:?}");
+        assert_eq!(&contents(&a)[..7], b"value a");
+        let b = s.get("team-a", "b", false, true).unwrap().unwrap();
+        assert!(matches!(b.held, TakenHeld::Gpu(_)), "{b:?}");
+        assert_eq!(&contents(&b)[..7], b"value b");
     }
 
     #[test]
