@@ -18,7 +18,6 @@ Needs a CUDA GPU (libcuda.so.1); prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import array
 import ctypes
 import json
 import os
