@@ -684,8 +684,6 @@ class Worker:
             if slot is not None and fingerprint is not None:
                 self.kept.begin(slot, fingerprint)
             framework = self.gpu_framework or torpor_gpu.framework()
-            # Before the pool routes this thread's allocations (the workspace stays out of it).
-            torpor_gpu.prepare_lane(framework)
 
             def on_own_stream(req: Any) -> Any:
                 with torpor_gpu.request_stream(framework):
@@ -693,6 +691,9 @@ class Worker:
 
             # torpor.dump's sink is process-wide: a sandbox's threads share it (never unset).
             try:
+                # Before the pool routes this thread's allocations (the workspace stays out
+                # of it).
+                torpor_gpu.prepare_lane(framework)
                 if pool is None:
                     out = self.call_result(rid, on_own_stream, request, fname)
                 else:
