@@ -19,6 +19,7 @@ when a worker is started with them. A variable the user set is never overridden.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import importlib
@@ -62,7 +63,8 @@ def warm() -> str:
         # when it exits, and the first thread to call cuBLAS next takes it: the main thread of
         # a worker of one function, or a sandbox's first lane (torpor.lanes). Warmed on the main
         # thread, the handle stayed there for ever and a sandbox's lanes made another.
-        _on_a_thread_of_its_own(lambda: _warm_torch(sys.modules["torch"]))
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torpor-warm") as once:
+            once.submit(_warm_torch, sys.modules["torch"]).result()
     elif name == "jax":
         _warm_jax(sys.modules["jax"])
     elif name == "cupy":
@@ -72,23 +74,6 @@ def warm() -> str:
         Driver.load().warm()
         name = "driver"
     return name
-
-
-def _on_a_thread_of_its_own(fn: Callable[[], None]) -> None:
-    """Runs `fn` on a new thread, waits for it, and raises what it raised."""
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as e:  # raised again on the caller's thread
-            failed.append(e)
-
-    thread = threading.Thread(target=run, name="torpor-warm")
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
 
 
 def sync() -> bool:
@@ -417,7 +402,7 @@ def request_stream(framework_name: str | None) -> Iterator[None]:
     if lane is not None:
         # A lane keeps its stream (and so its cuBLAS handle's one workspace) for every job.
         if lane.stream is None:
-            lane.stream = torch.cuda.Stream()
+            lane.stream = lane_stream(torch)
         stream = lane.stream
     else:
         stream = _take_stream(torch)

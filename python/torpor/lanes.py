@@ -21,6 +21,7 @@ A lane's stream (and its cuBLAS handle and workspace) is made on the lane by
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import sys
 import threading
@@ -84,24 +85,20 @@ class Lanes:
 
     def run(self, fn: Callable[[], T]) -> T:
         """Runs `fn` on a lane and waits for it: its value, or its exception raised here."""
-        done = threading.Event()
-        out: list[Any] = []
-        failed: list[BaseException] = []
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def job() -> None:
             try:
-                out.append(fn())
+                value = fn()
             except BaseException as e:  # handed to the caller, who raises it
-                failed.append(e)
-            finally:
                 release()
-                done.set()
+                done.set_exception(e)
+            else:
+                release()
+                done.set_result(value)
 
         self.submit(job)
-        done.wait()
-        if failed:
-            raise failed[0]
-        return out[0]  # type: ignore[no-any-return]
+        return done.result()
 
     def count(self) -> int:
         """How many lanes have been started (each holds its thread, stream and handle)."""
