@@ -52,12 +52,13 @@ def with_context() -> Any:
 
 
 @contextmanager
-def on_device(ordinal: int) -> Iterator[Any]:
+def on_device(ordinal: int, keep: bool = False) -> Iterator[Any]:
     """The driver with GPU `ordinal`'s primary context current on this thread while the block
-    runs, the thread's previous context current again after. A copy runs on the current
-    context's GPU, which must reach both sides: a value on GPU 1 is copied on GPU 1, whatever
-    context the worker's thread had (on the H100s, GPU 0's could not reach memory mapped for
-    GPU 1: CUDA_ERROR_INVALID_VALUE)."""
+    runs, the thread's previous context current again after (with `keep`, a thread that had none
+    keeps this one: PyTorch's cuBLAS warns on a thread with no context current). A copy runs on
+    the current context's GPU, which must reach both sides: a value on GPU 1 is copied on GPU 1,
+    whatever context the worker's thread had (on the H100s, GPU 0's could not reach memory
+    mapped for GPU 1: CUDA_ERROR_INVALID_VALUE)."""
     cuda = load()
     before = ctypes.c_void_p()
     if cuda.cuCtxGetCurrent(ctypes.byref(before)) != 0:
@@ -71,6 +72,7 @@ def on_device(ordinal: int) -> Iterator[Any]:
         try:
             yield cuda
         finally:
-            cuda.cuCtxSetCurrent(before)
+            if before.value or not keep:
+                cuda.cuCtxSetCurrent(before)
     finally:
         cuda.cuDevicePrimaryCtxRelease_v2(dev)

@@ -448,7 +448,7 @@ def lane_stream(torch: Any) -> Any:
 
     device = torch.cuda.current_device()
     try:
-        with cuda_driver.on_device(device) as cuda:
+        with cuda_driver.on_device(device, keep=True) as cuda:
             handle = ctypes.c_void_p()
             code = cuda.cuStreamCreate(ctypes.byref(handle), CU_STREAM_NON_BLOCKING)
             if code != 0 or not handle.value:
@@ -492,7 +492,7 @@ def _take_stream(torch: Any) -> Any:
     with _streams_lock:
         if _free_streams:
             return _free_streams.pop()
-    return torch.cuda.Stream()
+    return lane_stream(torch)
 
 
 def _give_stream(stream: Any) -> None:
