@@ -186,6 +186,50 @@ def test_a_retry_after_the_daemon_was_killed_mid_request_runs_nothing_again(torp
     assert ran(torpord, key) == 1
 
 
+def test_a_keyed_request_runs_once_across_a_kill_even_on_an_instance_whose_lazy_pages_still_came(
+    torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    """A restart kills, never re-adopts, an instance whose lazy pages were still coming when the
+    daemon died (recovery::drop_pages_pending), and the answers its worker kept go with it. So a
+    keyed request waits for the pages before it goes to such an instance: the worker that runs
+    it is one a restart re-adopts, and the retry after a kill -9 gets its answer. Before, the
+    request ran at once, the restart killed its instance, and the retry ran it a second time
+    (bench/reliability/load.py --restart kill: duplicated 1, where a tally instance restored
+    just before the kill). `TORPORD_DELAY=pages-served` holds the window open: the pages are
+    in, the instance's pages-pending marker is not removed yet."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    held_ms = 3000
+    d = Torpord(
+        torpor_bin, tmp_path / "d", config=f"[workers]\nreattach_s = {REATTACH_S}\n", queue_timeout_s=30,
+        env={"TORPORD_DELAY": f"pages-served:{held_ms}"},
+    )
+    try:
+        d.deploy(ONCE)
+        key = str(uuid.uuid4())
+        request = {"tag": key}
+        first = d.invoke("once", request, key=key)
+        assert first.status == 200 and first.start == "restored", (first.status, first.body, d.log_text())
+        d.proc.kill()
+        d.proc.wait()
+        d.restart()
+        retry = d.invoke("once", request, timeout=60, key=key)
+        assert retry.status == 200, (retry.body, d.log_text())
+        assert ran(d, key) == 1, d.log_text()
+        assert retry.headers.get("idempotent-replayed") == "true", (retry.headers, d.log_text())
+        assert retry.json() == first.json(), (retry.body, first.body)
+        assert "page server was still serving" not in d.log.read_text(errors="replace")
+        # The first went once the pages were in (and the marker gone, which the delay held).
+        assert first.timings.get("pages", 0) >= held_ms / 1000 * 0.8, first.timings
+        # An unkeyed request does not wait for the pages.
+        d.stop_instances("once")
+        plain = d.invoke("once", {"tag": "plain"})
+        assert plain.status == 200 and plain.start == "restored", (plain.status, plain.body)
+        assert "pages" not in plain.timings, plain.timings
+    finally:
+        d.stop()
+
+
 def test_a_request_the_killed_daemon_never_handed_to_a_worker_runs_once_when_retried(torpord: Torpord) -> None:
     """One instance, one request at a time: the second keyed request waits in the daemon's
     queue behind a slow one when the daemon is killed. It never reached the worker, so its

@@ -8,7 +8,9 @@
 //! (before its instance joins a pool). They become entries under way here, and its `settled`
 //! frames then complete them. A keyed request that comes while an instance of its function
 //! waits to be re-adopted waits for that first, so the retry of a request the old daemon handed
-//! to a worker cannot run it a second time.
+//! to a worker cannot run it a second time. A keyed request goes to a lazily restored instance
+//! only once its pages are in: a restart kills, not re-adopts, one whose pages still came
+//! (crate::recovery::drop_pages_pending), and its answers with it.
 //!
 //! What is kept as an answer is what the function said: its value (200) or its exception
 //! (500). Anything else — a full queue, a crash, a timeout — is handed to the retries that

@@ -3,6 +3,7 @@
 //! which hands every `result` to the request waiting for its id. The warm path touches no
 //! database.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -157,6 +158,15 @@ impl Runtime {
             let _ = tokio::time::timeout(crate::split::server::MAP_TIMEOUT, gate).await;
             timings.push(("maps_first".to_string(), t.elapsed().as_secs_f64()));
         }
+        // A keyed request's answer outlives a kill -9 of this daemon in its worker, which the
+        // next daemon re-adopts (crate::idempotency); but that daemon kills an instance whose
+        // lazy pages still come (crate::recovery::drop_pages_pending), and the retry would run
+        // the request a second time. So a keyed request goes once the pages are in.
+        if keyed.is_some() && inst.pages_pending.load(Ordering::SeqCst) {
+            let t = Instant::now();
+            self.pages_in(&inst).await;
+            timings.push(("pages".to_string(), t.elapsed().as_secs_f64()));
+        }
         let t_call = Instant::now();
         let member = host.is_some().then_some(name);
         let res = self
@@ -226,6 +236,21 @@ impl Runtime {
                 finish(&mut timings, None);
                 Err(e)
             }
+        }
+    }
+
+    /// Waits until every lazy page of `inst` is in or it is gone, for at most the queue's
+    /// timeout: past it (a page server that never finishes) the request goes anyway, and only
+    /// a kill of this daemon before the pages are in would run it again.
+    async fn pages_in(&self, inst: &Instance) {
+        let deadline = Instant::now() + self.config.queue.timeout;
+        while inst.pages_pending.load(Ordering::SeqCst) && !inst.is_dead() {
+            if Instant::now() >= deadline {
+                tracing::warn!(instance = %inst.id, function = %inst.function, "a keyed request goes to an instance whose lazy pages are still not in after the queue's timeout: a kill of torpord before they are would run it again on retry");
+                return;
+            }
+            // Short: every keyed request to a fresh lazily restored instance pays it.
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
 
