@@ -23,13 +23,14 @@ Two backends, one per kind of device memory:
   function: PyTorch lets one thread at a time route a pool's allocations, and a second raises
   (pytorch/pytorch#152861; found in session 34, where three of four concurrent requests of a
   sandboxed ResNet-152 were left unanswered). `pool` is the sum of the pools' segments
-  (`MemPool.snapshot()`). At idle the pools are dropped: a MemPool's destruction empties its
-  own cached blocks (and only those: after a split restore the rest of the cache may hold
-  segments torpord handed over, which only a snapshot's quiet point may give back,
-  `empty_cache()`); the next request makes a new one. No pool is emptied while any thread
-  routes to a pool or captures a graph (`AllocatorGate`). Why this and not `empty_cache()`
-  alone: the caching allocator keeps every block a request freed, and `empty_cache()` frees
-  the cached blocks of every function at once (the busy ones' too, which then pay cudaMalloc
+  (the allocator's snapshot, counted only while no other scope is active: PyTorch's snapshot
+  beside another thread's pool work killed workers). At idle the pools are dropped: a
+  MemPool's destruction empties its own cached blocks (and only those: after a split restore
+  the rest of the cache may hold segments torpord handed over, which only a snapshot's quiet
+  point may give back, `empty_cache()`); the next request makes a new one. No pool is emptied
+  while any thread routes to a pool or captures a graph (`AllocatorGate`). Why this and not
+  `empty_cache()` alone: the caching allocator keeps every block a request freed, and
+  `empty_cache()` frees the cached blocks of every function at once (the busy ones' too, which then pay cudaMalloc
   again); a pool per function frees exactly the idle function's blocks, and
   measures them (the allocator's global counters cannot say whose a block is). Why not a pool
   per request: a request would pay cudaMalloc for its activations every time. Measured on the
@@ -152,6 +153,8 @@ class FunctionPool:
         # (pytorch/pytorch#152861), which left concurrent requests of a function unanswered.
         self._torch_pools: list[Any] = []
         self._torch_idle: list[Any] = []
+        # The pools' bytes when last counted (pool_bytes: only while no other scope is active).
+        self._torch_bytes = 0
 
     # -- what the daemon is told ------------------------------------------------------------
 
@@ -159,10 +162,14 @@ class FunctionPool:
         if self.backend == "cuda":
             with self.lock:
                 pools = list(self._torch_pools)
-            # PyTorch's memory snapshot beside another thread's pool empty crashed the worker
-            # (SIGSEGV in memory_snapshot, session 36): a scope holds the empties off.
-            with GATE.scope():
-                return sum(_torch_pool_bytes(p) for p in pools)
+            # A snapshot beside another thread's pool empty killed the worker (SIGSEGV in
+            # memory_snapshot, session 36), and one pool's snapshot beside another thread's
+            # pool work did too (session 39; _torch_pool_bytes). So the count runs only while no
+            # thread routes to a pool, captures or empties; otherwise the last figure stands.
+            with GATE.try_exclusive() as ok:
+                if ok:
+                    self._torch_bytes = sum(_torch_pool_bytes(p) for p in pools)
+            return self._torch_bytes
         with self.lock:
             return self._held
 
@@ -247,6 +254,7 @@ class FunctionPool:
                 if self.in_flight:
                     return 0
                 pools, self._torch_pools, self._torch_idle = self._torch_pools, [], []
+                self._torch_bytes = 0
             before = sum(_torch_pool_bytes(p) for p in pools)
             torch: Any = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
@@ -293,23 +301,25 @@ class FunctionPool:
         if torch is None or not torch.cuda.is_initialized() or not hasattr(torch.cuda, "MemPool"):
             yield
             return
-        with self.lock:
-            if self._torch_idle:
-                pool = self._torch_idle.pop()
-            else:
-                pool = torch.cuda.MemPool()
-                self._torch_pools.append(pool)
-        try:
-            with GATE.scope(), torch.cuda.use_mem_pool(pool):
-                _current.routing = True
-                try:
-                    yield
-                finally:
-                    _current.routing = False
-        finally:
-            # A release waits for in_flight to reach 0, so the pool is still among ours.
+        # The scope covers the pool's making too: PyTorch's allocator state changes there.
+        with GATE.scope():
             with self.lock:
-                self._torch_idle.append(pool)
+                if self._torch_idle:
+                    pool = self._torch_idle.pop()
+                else:
+                    pool = torch.cuda.MemPool()
+                    self._torch_pools.append(pool)
+            try:
+                with torch.cuda.use_mem_pool(pool):
+                    _current.routing = True
+                    try:
+                        yield
+                    finally:
+                        _current.routing = False
+            finally:
+                # A release waits for in_flight to reach 0, so the pool is still among ours.
+                with self.lock:
+                    self._torch_idle.append(pool)
 
 
 def empty_cache() -> bool:
@@ -375,15 +385,17 @@ def _torch_reserved() -> int:
 
 
 def _torch_pool_bytes(pool: Any) -> int:
-    """The bytes of the segments `pool` holds: its snapshot, or (a PyTorch without
-    `MemPool.snapshot`) the allocator's segments tagged with the pool's id."""
-    if pool is None:
+    """The bytes of the segments `pool` holds: the allocator's segments tagged with the pool's
+    id. Not `MemPool.snapshot()` (PyTorch's snapshot of one pool): beside another thread's pool
+    made, routed to and released, it killed the process by SIGSEGV in 9 of 18 runs on the H100
+    (torch 2.11, session 39), the whole allocator's snapshot in none of 10 (docs/sandboxes.md,
+    "A pool's bytes")."""
+    torch: Any = sys.modules.get("torch")
+    if pool is None or torch is None:
         return 0
-    try:
-        segments = pool.snapshot()
-    except AttributeError:
-        torch: Any = sys.modules.get("torch")
-        if torch is None:
-            return 0
-        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool.id)]
-    return sum(int(seg.get("total_size", 0)) for seg in segments)
+    want = tuple(pool.id)
+    return sum(
+        int(seg.get("total_size", 0))
+        for seg in torch.cuda.memory_snapshot()
+        if tuple(seg.get("segment_pool_id", ())) == want
+    )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from torpor.mempool import AllocatorGate
 
 
@@ -69,3 +71,39 @@ def test_new_scopes_wait_for_a_running_empty_and_then_go_on() -> None:
         order.append("empty done")
     t.join(10)
     assert order == ["empty done", "request"]
+
+
+def test_a_pools_bytes_are_counted_only_while_no_other_scope_is_active(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch's snapshot killed a sandbox worker (SIGSEGV) beside another thread's pool work
+    (sessions 36 and 39 on the H100): pool_bytes counts only while no scope is active and
+    otherwise answers the last figure it took. The count itself (PyTorch's allocator) is
+    replaced by a counter here: no GPU."""
+    from torpor import mempool
+
+    held = {"bytes": 3 << 20, "counts": 0}
+
+    def count(pool: object) -> int:
+        held["counts"] += 1
+        return held["bytes"]
+
+    monkeypatch.setattr(mempool, "_torch_pool_bytes", count)
+    fn = mempool.FunctionPool("f", "cuda")
+    fn._torch_pools.append(object())
+    assert fn.pool_bytes() == 3 << 20 and held["counts"] == 1
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_request() -> None:
+        with mempool.GATE.scope():
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other_request)
+    t.start()
+    assert entered.wait(10)
+    held["bytes"] = 5 << 20
+    t0 = time.monotonic()
+    assert fn.pool_bytes() == 3 << 20, "the last figure, not a count beside another scope"
+    assert held["counts"] == 1 and time.monotonic() - t0 < 0.5
+    leave.set()
+    t.join(10)
+    assert fn.pool_bytes() == 5 << 20 and held["counts"] == 2
