@@ -102,7 +102,8 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      wait for a daemon after losing this one.
    - `shutdown`: closes the connection and exits 0.
    Losing torpord (EOF or a broken connection outside a quiet point) after `load`: the worker
-   keeps its state, drops the frames of the lost connection (their requests died with it) and
+   keeps its state, drops the frames of the lost connection (their requests died with it; so
+   does a sandbox's invoke read from it whose lane had not started it yet) and
    reconnects with backoff, saying `hello` with resumed: true and reattach: true (and `keys`
    [{function?, key, fingerprint}]: the keyed requests it answered or runs), until a daemon
    answers `attached`; it then sends `settled` {function?, key, fingerprint, ok, value?, error?,
@@ -346,7 +347,8 @@ class Worker:
         # The main loop and the map reader both send: one whole frame at a time.
         self.send_lock = threading.Lock()
         # Counts the connections (under send_lock): a sandbox request that began under another
-        # daemon must not send its `result`, whose id is that daemon's.
+        # daemon must not send its `result`, whose id is that daemon's, and one whose invoke
+        # came on a lost connection must not start at all.
         self.generation = 0
         # The outcomes of requests with an idempotency key, for a daemon that re-adopts this
         # worker after losing the one that sent them (torpor.kept).
@@ -427,6 +429,8 @@ class Worker:
             "protocol": PROTOCOL,
             "reattach": reattach,
         }
+        # Taken after the generation changed: a sandbox's keyed request has either begun
+        # before that, and is named here, or will not start (_request_thread).
         held = self.kept.held() if reattach else []
         if held:
             hello["keys"] = held
@@ -620,8 +624,13 @@ class Worker:
             # sandbox's functions (and more requests of one of them, up to
             # requests_per_instance) run side by side.
             request = msg["request"]
+            # The connection this frame came on, taken here: the lane may start it only after
+            # this loop has reattached to another daemon (_request_thread).
+            generation = self.generation
             self.lanes.submit(
-                lambda: self._request_thread(call, rid, request, fname or self.function, slot, fingerprint)
+                lambda: self._request_thread(
+                    call, rid, request, fname or self.function, slot, fingerprint, generation
+                )
             )
             return
         # The daemon's timeout counts from here, not from the time this request waited behind
@@ -672,17 +681,27 @@ class Worker:
         fname: str | None,
         slot: torpor_kept.Slot | None,
         fingerprint: str | None,
+        generation: int,
     ) -> None:
         """A sandbox's request, on a lane (torpor.lanes: its thread and CUDA stream) and in its
         function's memory pool: `started`, the call, its `result` with the pool's `memory`
         report. A lost daemon is the main loop's business: the result dies with the connection
-        (a keyed one is kept, and settled with the daemon that re-adopts this worker)."""
-        generation = self.generation
+        (a keyed one is kept, and settled with the daemon that re-adopts this worker).
+        `generation`: the connection its invoke frame came on."""
         pool = self._begin(fname)
         try:
-            self.send({"type": "started", "id": rid})
-            if slot is not None and fingerprint is not None:
-                self.kept.begin(slot, fingerprint)
+            with self.send_lock:
+                # A frame of a lost connection never runs, as a plain worker's `started` finds
+                # no daemon: the lane may start it after the main loop reattached, and then
+                # its key is not in that hello (the client's retry would run it again) and its
+                # `result` would carry the lost daemon's id to the new one. `started` and
+                # kept.begin in one section: dial bumps the generation under this lock before
+                # it takes hello's keys, so a request that ran is named there.
+                if generation != self.generation or self.sock is None:
+                    return
+                self.sock.sendall(encode({"type": "started", "id": rid}))
+                if slot is not None and fingerprint is not None:
+                    self.kept.begin(slot, fingerprint)
             framework = self.gpu_framework or torpor_gpu.framework()
 
             def on_own_stream(req: Any) -> Any:

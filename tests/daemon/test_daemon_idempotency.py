@@ -321,8 +321,65 @@ def test_a_sandbox_keeps_a_keyed_answer_across_a_kill_of_the_daemon(
         d.stop()
 
 
+def test_a_sandbox_request_the_killed_daemon_handed_over_but_that_had_not_started_runs_once(
+    torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    """A sandbox's request starts on a lane: keyed request B reached the worker before the kill
+    but waits for its lane (behind A, whose handler gave the lane back and holds: the `hold`
+    op) until the worker has reattached to the new daemon. B's key is not in that hello, so B
+    must not start then: its retry runs it (once), and its `started` and `result` would carry
+    the killed daemon's id to the new one. A and B each count as a call when they run."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    from .test_daemon_sandbox import make_function
+
+    (tmp_path / "d").mkdir()
+    d = Torpord(torpor_bin, tmp_path / "d", config=f"[workers]\nreattach_s = {REATTACH_S}\n")
+    try:
+        fdir = make_function(tmp_path, "sb-lane", "team-a", "lane", max_instances=1)
+        d.deploy(fdir)
+        first = d.invoke("sb-lane", {})
+        assert first.status == 200 and first.json()["calls"] == 1, first.body
+        # In the function's directory, which the worker sees at its own path (docs/mounts.md).
+        release = fdir / "release"
+        ta, _ = invoke_in_thread_of(d, "sb-lane", {"op": "hold", "until": str(release)}, None)
+        wait_for_log(d, "sb-lane", "hold-began")
+        key = str(uuid.uuid4())
+        tb, out = invoke_in_thread_of(d, "sb-lane", {"tag": key}, key)
+        # torpord hands B to the worker (requests_per_instance = 2), which queues it on A's lane.
+        time.sleep(1.0)
+        kill_daemon(d)
+        ta.join(30)
+        tb.join(30)
+        assert isinstance(out[0], BaseException), f"the killed daemon answered: {out[0]}"
+        d.restart()
+        wait_for_log(d, "sb-lane", "torpor worker: a torpord took this instance back")
+        release.touch()
+        wait_for_log(d, "sb-lane", "hold-ended")
+        # B, if it started, starts on A's lane right after A's handler returned.
+        time.sleep(0.5)
+        retry = d.invoke("sb-lane", {"tag": key}, timeout=60, key=key)
+        assert retry.status == 200, (retry.body, d.log_text())
+        assert retry.json()["process"] == first.json()["process"], retry.body
+        after = d.invoke("sb-lane", {})
+        assert after.status == 200, after.body
+        # first, A, the retry and this one: B's frame from the killed daemon never ran.
+        assert (retry.json()["calls"], after.json()["calls"]) == (3, 4), (retry.body, after.body)
+    finally:
+        d.stop()
+
+
+def wait_for_log(d: Torpord, function: str, line: str, timeout: float = 30.0) -> None:
+    """Until an instance of `function` printed `line` (its log has its stdout and stderr)."""
+    deadline = time.monotonic() + timeout
+    logs = d.state / "logs" / function
+    while not any(line in log.read_text(errors="replace").splitlines() for log in logs.glob("*.log")):
+        assert time.monotonic() < deadline, f"no {line!r} from {function} within {timeout} s\n{d.log_text()}"
+        time.sleep(0.05)
+
+
 def invoke_in_thread_of(
-    d: Torpord, name: str, request: Any, key: str
+    d: Torpord, name: str, request: Any, key: str | None
 ) -> tuple[threading.Thread, list[Answer | BaseException]]:
     out: list[Answer | BaseException] = []
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,59 @@ def test_another_tenants_load_is_refused(spawn: Spawner, daemon: Daemon, tmp_pat
     c.send({"type": "load", "spec": spec.to_json(), "dir": str(spec.dir), "data": {}})
     assert w.wait() == EXIT_PROTOCOL
     assert "functions of different tenants never share a sandbox" in w.stderr()
+
+
+def wait_for(w: Spawned, line: str, timeout: float = 10.0) -> None:
+    """Until the worker printed `line` (its stdout and stderr go to one file)."""
+    deadline = time.monotonic() + timeout
+    while line not in w.stderr().splitlines():
+        assert time.monotonic() < deadline, f"no {line!r} within {timeout} s\n{w.stderr()}"
+        time.sleep(0.02)
+
+
+def test_an_invoke_of_a_lost_connection_never_starts_after_the_reattach(
+    spawn: Spawner, daemon: Daemon, tmp_path: Path
+) -> None:
+    """docs/torpord.md, "Retries": keyed request 3 came on the connection that is then lost, and
+    waits for its lane (behind 2, which gave the lane back and still runs: the handler's `hold`
+    op) until the worker has reattached. Its key is not in the reattach hello, so it must not
+    start: a client's retry would run it again, and its `started` and `result` would carry the
+    lost daemon's id 3 to the new daemon, where that id may be another request's."""
+    w, c = sandbox(spawn, daemon, tmp_path, "fa")
+    c.send({"type": "attached", "reattach_s": 10})
+    invoke(c, 1, "fa", {})
+    (first,) = results(c, 1)
+    release = tmp_path / "release"
+    invoke(c, 2, "fa", {"op": "hold", "until": str(release)})
+    assert c.expect("started")["id"] == 2
+    wait_for(w, "hold-began")
+    c.send(
+        {"type": "invoke", "id": 3, "request": {}, "timeout_s": 10, "function": "fa", "key": "b", "fingerprint": "fb"}
+    )
+    c.close()
+    again = daemon.accept()
+    hello = again.expect("hello")
+    assert hello["reattach"] is True and "keys" not in hello, hello
+    again.send({"type": "attached", "reattach_s": 10})
+    release.touch()
+    wait_for(w, "hold-ended")
+    # 3 would start on 2's lane right after 2's handler returned (a new request now takes
+    # another lane, so it cannot serve as a mark behind 3).
+    time.sleep(0.5)
+    # 2's result dies with its connection; 3 never runs. Only 4 is answered here.
+    invoke(again, 4, "fa", {})
+    seen: list[tuple[str, Any]] = []
+    last: dict[str, Any] = {}
+    while not seen or seen[-1] != ("result", 4):
+        doc = again.recv()
+        if doc["type"] in ("started", "result", "settled"):
+            seen.append((doc["type"], doc.get("id")))
+            if doc["type"] == "result" and doc["id"] == 4:
+                last = doc
+    assert seen == [("started", 4), ("result", 4)], seen
+    assert last["value"]["calls"] == first["value"]["calls"] + 2, (first, last)
+    again.send({"type": "shutdown"})
+    assert w.wait() == 0
 
 
 def test_the_store_frames_of_a_request_thread(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:

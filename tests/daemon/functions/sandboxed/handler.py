@@ -13,7 +13,11 @@ given) and get_shared {key, keep}; buffer (with a file
 `with_buffer` in the directory: whether its torpor.buffer() segment holds its own bytes);
 scratch {mib, s}: `mib` MiB from the function's memory pool (torpor.scratch), written, held for
 `s` seconds (tests/daemon/test_daemon_sandbox_memory.py: a warm-up of it makes the function's
-memory model)."""
+memory model); hold {until, s?}: gives its lane back at once (torpor.lanes.release, as the
+harness does just before a result), prints `hold-began`, and returns once the file `until`
+exists (at most `s` seconds, default 60), printing `hold-ended`: a request submitted meanwhile
+waits on this lane to start (tests/daemon/test_daemon_idempotency.py,
+tests/sdk/test_sdk_sandbox.py)."""
 
 from __future__ import annotations
 
@@ -74,6 +78,15 @@ class Sandboxed:
             time.sleep(float(request.get("s", 0)))
             out["held"] = int(held.nbytes)
             del held
+        elif op == "hold":
+            from torpor import lanes
+
+            lanes.release()
+            print("hold-began", flush=True)
+            until, deadline = Path(str(request["until"])), time.monotonic() + float(request.get("s", 60))
+            while not until.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            print("hold-ended", flush=True)
         elif op == "crash":
             os._exit(7)
         elif op == "break_pool":
