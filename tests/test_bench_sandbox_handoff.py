@@ -50,11 +50,11 @@ def test_the_docs_quote_the_tables_the_jsons_render() -> None:
 
 def test_the_docs_quote_the_memory_ratio_against_the_functions_size_as_rendered() -> None:
     page = (ROOT / "docs" / "sandboxes.md").read_text()
-    s37 = ("sandbox-s37-w16-h100.json", "sandbox-s37-w32-h100.json", "sandbox-h100.json")
+    s37 = ("sandbox-s37-w16-h100.json", "sandbox-s37-w32-h100.json", "sandbox-s33-h100.json")
     # Session 38: before the lanes, with them (16 MiB functions); then 64 MiB, before and with.
     s38 = (
         "sandbox-s38-before-w16-h100.json", "sandbox-s38-lanes-w16-h100.json",
-        "sandbox-h100.json", "sandbox-s38-lanes-w64-h100.json",
+        "sandbox-s33-h100.json", "sandbox-s38-lanes-w64-h100.json",
     )
     for names in (s37, s38):
         rendered = run(str(BENCH / "memory_table.py"), *(str(RESULTS / n) for n in names))
@@ -81,3 +81,21 @@ def test_every_step_has_a_row_and_a_missing_one_is_not_a_zero(tmp_path: Path) ->
     both = run(str(BENCH / "handoff_table.py"), *(str(RESULTS / n) for n in HANDOFFS)).splitlines()
     best = next(r for r in both if r.startswith("| put + get, best |")).split("|")[2:4]
     assert float(best[1]) < float(best[0]), both
+
+
+def test_the_readmes_table_of_issue_11_is_what_the_json_says(tmp_path: Path) -> None:
+    """The README's table of issue 11 is rendered from bench/results by bench/sandbox/table.py:
+    it may not drift from the files, and a figure changed in the README or in a JSON is caught."""
+    table = BENCH / "table.py"
+    ok = subprocess.run([sys.executable, str(table), "--check", str(ROOT / "README.md")],
+                        capture_output=True, text=True, timeout=60, check=False)
+    assert ok.returncode == 0, ok.stderr
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text().replace("| 6.24 (6.41 idle", "| 6.42 (6.41 idle", 1))
+    bad = subprocess.run([sys.executable, str(table), "--check", str(readme)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 1 and "--readme" in bad.stderr, (bad.returncode, bad.stderr)
+    # The memory row's verdict follows the JSON's figure, not the text around it.
+    doc = json.loads((RESULTS / "sandbox-s39-w64-h100.json").read_text())
+    assert "4.33 (4.40 idle; ceiling 4.36): **missed**" in (ROOT / "README.md").read_text()
+    assert doc["summary"]["memory_ratio_8fn"] < 5
