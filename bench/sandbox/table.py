@@ -9,7 +9,8 @@ Its figures: `memory_ratio_8fn` of bench/sandbox/run.py's memory runs at three f
 (MEMORY_FILES), beside the ceiling a sandbox of one process's context would reach (a sandbox
 saves the other contexts, not the functions' weights: 8 (C + W) / (C + 8 W), with C a process's
 memory less its weights); the pooled start, the hand-offs and the store from the full run
-(SANDBOX_FILE); the small function's p99 under a large load from the PCIe run (PCIE_FILE).
+(SANDBOX_FILE); the small function's p99 under a large load from the PCIe run (PCIE_FILE);
+throughput on the bench/serverless traces, a sandbox against processes (SERVERLESS_FILE).
 A missing file or figure is an error, never a blank.
 """
 
@@ -28,6 +29,8 @@ END = "<!-- /sandbox-table -->"
 MEMORY_FILES = ("sandbox-s39-w16-h100.json", "sandbox-s39-w32-h100.json", "sandbox-s39-w64-h100.json")
 SANDBOX_FILE = "sandbox-h100.json"
 PCIE_FILE = "sandbox-pcie-h100.json"
+# The bench/serverless traces, one sandbox against one process per concurrent request.
+SERVERLESS_FILE = "serverless-sandbox-s35-h100.json"
 # The hand-off to another sandbox alone (`--handoff-only --handoff-runs 15`), twice in one call.
 HANDOFF_FILES = ("sandbox-handoff-s39-1-h100.json", "sandbox-handoff-s39-2-h100.json")
 
@@ -89,6 +92,16 @@ def table() -> str:
             f"| the same alone ({runs} runs) | ≤ 1 ms | best {hs['handoff_100mb_other_sandbox_ms']:.2f} ms, median "
             f"{hs['handoff_100mb_other_sandbox_median_ms']:.2f} ms: {met(hs['handoff_100mb_other_sandbox_median_ms'] <= 1)} "
             f"| the get alone {hs['handoff_100mb_other_sandbox_get_ms']:.2f} ms | `{name}` |"
+        )
+    traces = load(SERVERLESS_FILE)
+    by = {(r["mode"], r["pattern"]): r for r in traces["results"]}
+    for pattern in traces["settings"]["patterns"]:
+        sb, pr = by[("sandbox", pattern)], by[("restore", pattern)]
+        rows.append(
+            f"| throughput on the `{pattern}` trace ({traces['settings']['clients']} clients, "
+            f"{sb['function']}) | measured | {sb['summary']['throughput_rps']:.2f} req/s, "
+            f"{sb['gpu_memory_gib_s']:.1f} GiB·s of GPU memory | processes: {pr['summary']['throughput_rps']:.2f} "
+            f"req/s, {pr['gpu_memory_gib_s']:.1f} GiB·s | `{SERVERLESS_FILE}` |"
         )
     p = load(PCIE_FILE)["summary"]
     rows.append(
