@@ -5,7 +5,7 @@ other allocates in a pool of its own and gives it back after each request (relea
 dropped). Each variant runs N times in a fresh interpreter; a death by a signal is a crash.
 
     as_is        torpor.mempool as it is
-    no_count     the count left out (_torch_pool_bytes answers 0)
+    no_count     the count left out (_torch_pools_bytes answers 0)
     pool_snap    the count by MemPool.snapshot(), PyTorch's snapshot of one pool (before 1de50b8)
     gc_off       as_is with Python's cyclic GC off (is a MemPool dropped by the GC at a random time?)
 
@@ -31,8 +31,8 @@ PROGRAM = """
 import threading, time, torch, gc, sys
 from torpor import gpu, mempool
 if 'gc_off' in sys.argv: gc.disable()
-if 'no_count' in sys.argv: mempool._torch_pool_bytes = lambda p: 0
-if 'pool_snap' in sys.argv: mempool._torch_pool_bytes = lambda p: sum(int(s['total_size']) for s in p.snapshot())
+if 'no_count' in sys.argv: mempool._torch_pools_bytes = lambda ps: 0
+if 'pool_snap' in sys.argv: mempool._torch_pools_bytes = lambda ps: sum(int(s['total_size']) for p in ps for s in p.snapshot())
 busy, idle = mempool.FunctionPool('busy', 'cuda'), mempool.FunctionPool('idle', 'cuda')
 stop = threading.Event(); done = {'busy': 0, 'released': 0, 'deferred': 0}
 w = torch.randn(512, 512, device='cuda')

@@ -30,11 +30,11 @@ Two backends, one per kind of device memory:
   point may give back, `empty_cache()`); the next request makes a new one. No pool is emptied
   while any thread routes to a pool or captures a graph (`AllocatorGate`). Why this and not
   `empty_cache()` alone: the caching allocator keeps every block a request freed, and
-  `empty_cache()` frees the cached blocks of every function at once (the busy ones' too, which then pay cudaMalloc
-  again); a pool per function frees exactly the idle function's blocks, and
-  measures them (the allocator's global counters cannot say whose a block is). Why not a pool
-  per request: a request would pay cudaMalloc for its activations every time. Measured on the
-  GPU machine by bench/sandbox/run.py (`pool_release` in its JSON).
+  `empty_cache()` frees the cached blocks of every function at once (the busy ones' too,
+  which then pay cudaMalloc again); a pool per function frees exactly the idle function's
+  blocks, and measures them (the allocator's global counters cannot say whose a block is).
+  Why not a pool per request: a request would pay cudaMalloc for its activations every time.
+  Measured on the GPU machine by bench/sandbox/run.py (`pool_release` in its JSON).
 - **host (CPU functions; the host backend of docs/split.md).** Host memory has no caching
   allocator to attribute, so the pool is the function's own: `torpor.scratch(nbytes)` returns a
   writable NumPy array (a ctypes array without NumPy) from the calling function's pool, which
@@ -164,11 +164,11 @@ class FunctionPool:
                 pools = list(self._torch_pools)
             # A snapshot beside another thread's pool empty killed the worker (SIGSEGV in
             # memory_snapshot, session 36), and one pool's snapshot beside another thread's
-            # pool work did too (session 39; _torch_pool_bytes). So the count runs only while no
+            # pool work did too (session 39; _torch_pools_bytes). So the count runs only while no
             # thread routes to a pool, captures or empties; otherwise the last figure stands.
             with GATE.try_exclusive() as ok:
                 if ok:
-                    self._torch_bytes = sum(_torch_pool_bytes(p) for p in pools)
+                    self._torch_bytes = _torch_pools_bytes(pools)
             return self._torch_bytes
         with self.lock:
             return self._held
@@ -255,7 +255,7 @@ class FunctionPool:
                     return 0
                 pools, self._torch_pools, self._torch_idle = self._torch_pools, [], []
                 self._torch_bytes = 0
-            before = sum(_torch_pool_bytes(p) for p in pools)
+            before = _torch_pools_bytes(pools)
             torch: Any = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
@@ -384,18 +384,18 @@ def _torch_reserved() -> int:
     return int(torch.cuda.memory_reserved())
 
 
-def _torch_pool_bytes(pool: Any) -> int:
-    """The bytes of the segments `pool` holds: the allocator's segments tagged with the pool's
-    id. Not `MemPool.snapshot()` (PyTorch's snapshot of one pool): beside another thread's pool
-    made, routed to and released, it killed the process by SIGSEGV in 9 of 18 runs on the H100
-    (torch 2.11, session 39), the whole allocator's snapshot in none of 10 (docs/sandboxes.md,
-    "A pool's bytes")."""
+def _torch_pools_bytes(pools: list[Any]) -> int:
+    """The bytes of the segments `pools` hold: the allocator's segments tagged with their ids,
+    from one snapshot. Not `MemPool.snapshot()` (PyTorch's snapshot of one pool): beside another
+    thread's pool made, routed to and released, it killed the process by SIGSEGV in 9 of 18 runs
+    on the H100 (torch 2.11, session 39), the whole allocator's snapshot in none of 10
+    (docs/sandboxes.md, "A pool's bytes")."""
     torch: Any = sys.modules.get("torch")
-    if pool is None or torch is None:
+    if not pools or torch is None:
         return 0
-    want = tuple(pool.id)
+    ids = {tuple(pool.id) for pool in pools}
     return sum(
         int(seg.get("total_size", 0))
         for seg in torch.cuda.memory_snapshot()
-        if tuple(seg.get("segment_pool_id", ())) == want
+        if tuple(seg.get("segment_pool_id", ())) in ids
     )

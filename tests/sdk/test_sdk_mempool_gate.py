@@ -82,11 +82,11 @@ def test_a_pools_bytes_are_counted_only_while_no_other_scope_is_active(monkeypat
 
     held = {"bytes": 3 << 20, "counts": 0}
 
-    def count(pool: object) -> int:
+    def count(pools: list[object]) -> int:
         held["counts"] += 1
         return held["bytes"]
 
-    monkeypatch.setattr(mempool, "_torch_pool_bytes", count)
+    monkeypatch.setattr(mempool, "_torch_pools_bytes", count)
     fn = mempool.FunctionPool("f", "cuda")
     fn._torch_pools.append(object())
     assert fn.pool_bytes() == 3 << 20 and held["counts"] == 1
