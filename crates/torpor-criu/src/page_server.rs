@@ -1008,13 +1008,9 @@ pub fn serve(
             }
             return Err(io("poll")(e));
         }
-        for (i, p) in fds.iter().enumerate().take(server.tasks.len()) {
-            if p.revents & libc::POLLIN != 0 {
-                server.events(i)?;
-            } else if p.revents & (libc::POLLHUP | libc::POLLERR) != 0 {
-                server.tasks[i].gone = true;
-            }
-        }
+        // CRIU's "finished" first: it is sent before the tasks run, but their first faults can
+        // be ready in the same poll, and served before it they would go unrecorded (an idle
+        // process faults only then, and its profile came out empty).
         if !finished {
             let p = fds[fds.len() - 1];
             if p.revents != 0 {
@@ -1036,6 +1032,13 @@ pub fn serve(
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                     Err(_) => return Err(PageServerError::RestoreAborted),
                 }
+            }
+        }
+        for (i, p) in fds.iter().enumerate().take(server.tasks.len()) {
+            if p.revents & libc::POLLIN != 0 {
+                server.events(i)?;
+            } else if p.revents & (libc::POLLHUP | libc::POLLERR) != 0 {
+                server.tasks[i].gone = true;
             }
         }
         if background && n == 0 {
