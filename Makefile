@@ -28,6 +28,9 @@ criu:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	@# Python: pyflakes' checks (unused and undefined names, syntax), as ruff runs them.
+	@$(PYTHON) -m ruff --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q ruff
+	$(PYTHON) -m ruff check --select F,E9 --output-format concise .
 
 unit: criu
 	$(CARGO) test --workspace

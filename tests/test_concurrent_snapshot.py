@@ -18,7 +18,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import PROGRAMS, PYTHON, Torpor, Workers, alive, parse_pid, wait_until
+from conftest import PYTHON, Torpor, Workers, alive, parse_pid, wait_until
 from test_checkpoints import STEPS, TRAIN, reference, steps
 
 

@@ -41,7 +41,7 @@ def save_model(model: torch.nn.Module, out: Path, metadata: dict[str, str]) -> t
     a rename), each storage once: a tensor under a second name (tied weights) is listed in the
     metadata's "aliases". Returns (tensors stored, aliases, bytes). bench/peers/make_weights.py
     writes its models with it too."""
-    import torch
+    import torch  # noqa: F401 (named by the annotation below, which is not evaluated)
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}

@@ -363,7 +363,7 @@ def test_a_request_in_flight_finishes_and_one_sent_meanwhile_waits_for_the_moved
     assert out["moved"].json()["stop_s"] >= 0.5, out["moved"].body
 
 
-def test_another_tenants_instance_answers_as_if_it_did_not_exist(tenants: Torpord, tmp_path: Path) -> None:
+def test_another_tenants_instance_answers_as_if_it_did_not_exist(tenants: Torpord, tmp_path: Path) -> None:  # noqa: F811 (the fixture)
     tenants.deploy(splitbuf_twin(tmp_path, "sb-mig-a", "team-a"))
     status, _ = tcp(tenants, TOKENS["team-a"], "POST", "/v1/functions/sb-mig-a/invoke", {"op": "compute", "x": 1})
     assert status == 200
