@@ -87,6 +87,8 @@ pub struct Instance {
     /// Restored with lazy pages that CRIU's lazy-pages daemon is still serving: no keep-alive
     /// step (a snapshot or GPU checkpoint) until every page is in.
     pub(crate) pages_pending: AtomicBool,
+    /// Told when `pages_pending` turns false: keyed requests wait for it (runtime::invoke).
+    pub(crate) pages_served: tokio::sync::Notify,
     /// Told once it joined its pool, or was removed: a restore's background segment hand-over
     /// waits for it, so that a failed fill always finds the instance in its pool (and fails its
     /// request there) instead of racing the start that is adding it.
@@ -250,6 +252,7 @@ pub(crate) fn new_instance(
         segment_replies: Mutex::new(None),
         mapping: Mutex::new(None),
         pages_pending: AtomicBool::new(false),
+        pages_served: tokio::sync::Notify::new(),
         joined: tokio::sync::Notify::new(),
         maps_first: Mutex::new(None),
         cgroup,

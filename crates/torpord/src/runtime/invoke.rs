@@ -21,6 +21,10 @@ use crate::runtime::Runtime;
 use crate::sync::lock;
 use crate::workers::{self, ConnError};
 
+/// How often a keyed request waiting for an instance's lazy pages looks whether the instance
+/// is gone (the pages coming in wake it at once).
+const PAGES_DEAD_CHECK: Duration = Duration::from_millis(50);
+
 /// A worker's `result` frame, its `value` as the bytes the worker sent (so the daemon never
 /// re-encodes a function's result: no float or big integer changes on the way).
 pub(crate) type Answer = ResultFrame;
@@ -244,13 +248,21 @@ impl Runtime {
     /// a kill of this daemon before the pages are in would run it again.
     async fn pages_in(&self, inst: &Instance) {
         let deadline = Instant::now() + self.config.queue.timeout;
-        while inst.pages_pending.load(Ordering::SeqCst) && !inst.is_dead() {
-            if Instant::now() >= deadline {
+        loop {
+            // Armed before the check, so that the pages coming in between are not missed.
+            let served = inst.pages_served.notified();
+            tokio::pin!(served);
+            served.as_mut().enable();
+            if !inst.pages_pending.load(Ordering::SeqCst) || inst.is_dead() {
+                return;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
                 tracing::warn!(instance = %inst.id, function = %inst.function, "a keyed request goes to an instance whose lazy pages are still not in after the queue's timeout: a kill of torpord before they are would run it again on retry");
                 return;
             }
-            // Short: every keyed request to a fresh lazily restored instance pays it.
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            // A removal is not told here: looked at again every PAGES_DEAD_CHECK.
+            let _ = tokio::time::timeout(left.min(PAGES_DEAD_CHECK), served).await;
         }
     }
 

@@ -253,7 +253,10 @@ impl Runtime {
                 }
                 drop(reading);
                 match served {
-                    Ok(Ok(())) => inst.pages_pending.store(false, Ordering::SeqCst),
+                    Ok(Ok(())) => {
+                        inst.pages_pending.store(false, Ordering::SeqCst);
+                        inst.pages_served.notify_waiters();
+                    }
                     // Removed already, before its tree was killed.
                     Ok(Err(_)) => {}
                     Err(_) => rt.remove_instance(
