@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from readme_block import replaced  # noqa: E402 (bench/ is put on the path above)
+
 Json = dict[str, Any]
 END = "<!-- /cluster-sim-table -->"
 POLICIES = (("locality", "locality (`place`)"), ("random", "random"))
@@ -77,14 +80,8 @@ def render(doc: Json, link: float | None = None) -> str:
 
 def replace_block(text: str, block: str) -> str:
     """`text` with the block that starts with `block`'s marker line replaced by `block`."""
-    first = block.splitlines()[0]
-    start = text.find(first)
-    if start < 0:
-        raise ValueError(f"no block starting with {first!r}: put that line and {END!r} where the table goes")
-    end = text.find(END, start)
-    if end < 0:
-        raise ValueError(f"the block starting with {first!r} has no {END!r}")
-    return text[:start] + block + text[end + len(END):]
+    begin, *body, end = block.splitlines()
+    return replaced(text, begin, end, "\n".join(body))
 
 
 def main(argv: list[str]) -> int:

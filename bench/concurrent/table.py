@@ -12,7 +12,6 @@ a migration's stop, the daemon's answers in `runs`); a row whose file is missing
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -21,6 +20,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from readme_block import readme_cli, replaced  # noqa: E402 (bench/ is put on the path above)
+
 RESULTS = ROOT / "bench" / "results"
 BEGIN = "<!-- concurrent-table: rendered by bench/concurrent/table.py --readme README.md -->"
 END = "<!-- /concurrent-table -->"
@@ -185,39 +187,15 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def replaced(text: str, table: str, begin: str = BEGIN, end_mark: str = END) -> str:
-    start, end = text.find(begin), text.find(end_mark)
-    if start < 0 or end < start:
-        raise SystemExit(f"table.py: the README has no block between {begin!r} and {end_mark!r}")
-    line_start = text.rfind("\n", 0, start) + 1
-    indent = text[line_start:start]
-    body = "\n".join(indent + line for line in table.splitlines())
-    return text[:line_start] + f"{indent}{begin}\n{body}\n{indent}{end_mark}" + text[end + len(end_mark):]
-
-
 def rendered(text: str) -> str:
     """`text` with both tables' blocks rendered anew."""
-    text = replaced(text, render())
-    return replaced(text, render_training(), TRAIN_BEGIN, TRAIN_END)
+    text = replaced(text, BEGIN, END, render())
+    return replaced(text, TRAIN_BEGIN, TRAIN_END, render_training())
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--readme", type=Path, help="replace this file's block with the table")
-    g.add_argument("--check", type=Path, help="exit 1 when this file's block is not the table")
-    a = p.parse_args(argv)
-    if a.readme:
-        a.readme.write_text(rendered(a.readme.read_text()))
-    elif a.check:
-        text = a.check.read_text()
-        if rendered(text) != text:
-            print(f"{a.check}: a table of issue 10 is not what the JSON says; run "
-                  f"python3 bench/concurrent/table.py --readme {a.check}", file=sys.stderr)
-            return 1
-    else:
-        print(render() + "\n\n" + render_training())
-    return 0
+    return readme_cli(argv, doc=__doc__, script="bench/concurrent/table.py", what="a table of issue 10",
+                      rendered=rendered, shown=lambda: render() + "\n\n" + render_training())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from readme_block import NoBlock, replaced  # noqa: E402 (bench/ is put on the path above)
+
 Json = dict[str, Any]
 
 MODE_NAMES = {
@@ -169,12 +172,12 @@ def readme_block(d: Json) -> str:
 
 
 def update_readme(readme: Path, d: Json) -> None:
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme} has no peers block ({BEGIN} … {END}): add the two lines where the table goes")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(head + readme_block(d) + tail)
+    try:
+        readme.write_text(replaced(readme.read_text(), BEGIN, END, headline(d)))
+    except NoBlock as e:
+        raise SystemExit(f"{readme}: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"table.py: {e}") from None
 
 
 def chart(d: Json, png: str) -> None:

@@ -16,13 +16,15 @@ A missing file or figure is an error, never a blank.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from readme_block import readme_cli, replaced  # noqa: E402 (bench/ is put on the path above)
+
 RESULTS = ROOT / "bench" / "results"
 BEGIN = "<!-- sandbox-table: rendered by bench/sandbox/table.py --readme README.md -->"
 END = "<!-- /sandbox-table -->"
@@ -114,10 +116,7 @@ def table() -> str:
 
 def rendered(text: str) -> str:
     """`text` with its block between BEGIN and END replaced by the table."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise SystemExit(f"bench/sandbox/table.py: no block {BEGIN!r} … {END!r} in the README: add both lines")
-    return text[: start + len(BEGIN)] + "\n" + table() + "\n" + text[end:]
+    return replaced(text, BEGIN, END, table())
 
 
 def chart(png: Path) -> None:
@@ -146,25 +145,8 @@ def chart(png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--readme", type=Path, help="replace this file's block with the table")
-    g.add_argument("--check", type=Path, help="exit 1 when this file's block is not the table")
-    g.add_argument("--chart", type=Path, help="write the memory chart (PNG) here")
-    a = p.parse_args(argv)
-    if a.readme:
-        a.readme.write_text(rendered(a.readme.read_text()))
-    elif a.check:
-        text = a.check.read_text()
-        if rendered(text) != text:
-            print(f"{a.check}: issue 11's table is not what the JSON says; run "
-                  f"python3 bench/sandbox/table.py --readme {a.check}", file=sys.stderr)
-            return 1
-    elif a.chart:
-        chart(a.chart)
-    else:
-        print(table())
-    return 0
+    return readme_cli(argv, doc=__doc__, script="bench/sandbox/table.py", what="issue 11's table",
+                      rendered=rendered, shown=table, chart=chart)
 
 
 if __name__ == "__main__":
