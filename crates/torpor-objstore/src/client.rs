@@ -10,6 +10,9 @@ use rusty_s3::{Bucket, S3Action, UrlStyle};
 use crate::config::{Credentials, RemoteConfig};
 use crate::error::{ObjError, TransferError};
 
+/// How much of an error answer's body is read (its S3 error code is near its start).
+const ERROR_BODY_BYTES: u64 = 64 << 10;
+
 /// How long a signed request stays valid: longer than any one request takes.
 const SIGNED_FOR: Duration = Duration::from_secs(15 * 60);
 /// A connection that cannot be made in this time is a server that is not there.
@@ -131,23 +134,17 @@ impl Remote {
     /// than `limit` bytes.
     pub fn get(&self, key: &str, limit: u64) -> Result<Option<Vec<u8>>, ObjError> {
         let full = self.full_key(key);
-        let url = self
-            .bucket
-            .get_object(Some(&self.credentials), &full)
-            .sign(SIGNED_FOR);
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        let mut resp = self
-            .agent
-            .get(url.as_str())
-            .call()
-            .map_err(|e| self.unreachable("GET", &full, e))?;
+        let mut resp = self.send_get(&full, None)?;
         let status = resp.status().as_u16();
+        // An error's body is read whole whatever the limit: its S3 code tells a missing bucket
+        // from a missing object (cut at a small limit, a missing bucket read as no object).
+        let cap = if (200..=299).contains(&status) {
+            limit.saturating_add(1)
+        } else {
+            ERROR_BODY_BYTES
+        };
         let mut body = Vec::new();
-        let read = resp
-            .body_mut()
-            .as_reader()
-            .take(limit.saturating_add(1))
-            .read_to_end(&mut body);
+        let read = resp.body_mut().as_reader().take(cap).read_to_end(&mut body);
         if let Err(e) = read {
             return Err(self.unreachable("GET", &full, ureq::Error::Io(e)));
         }
@@ -160,9 +157,9 @@ impl Remote {
                 limit,
             }),
             200..=299 => Ok(Some(body)),
-            404 if s3_code(&body) == "NoSuchBucket" => Err(self.no_bucket()),
-            404 => Ok(None),
-            status => Err(self.status_error("GET", &full, status, s3_code(&body))),
+            status => self
+                .refused("GET", &full, status, &body, true)
+                .map(|()| None),
         }
     }
 
@@ -176,26 +173,15 @@ impl Remote {
         limit: u64,
     ) -> Result<Option<u64>, ObjError> {
         let full = self.full_key(key);
-        let url = self
-            .bucket
-            .get_object(Some(&self.credentials), &full)
-            .sign(SIGNED_FOR);
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        let mut resp = self
-            .agent
-            .get(url.as_str())
-            .call()
-            .map_err(|e| self.unreachable("GET", &full, e))?;
+        let mut resp = self.send_get(&full, None)?;
         let status = resp.status().as_u16();
         let reader = resp.body_mut().as_reader();
         if !(200..=299).contains(&status) {
             let mut body = Vec::new();
-            let _ = reader.take(64 << 10).read_to_end(&mut body);
-            return match status {
-                404 if s3_code(&body) == "NoSuchBucket" => Err(self.no_bucket()),
-                404 => Ok(None),
-                status => Err(self.status_error("GET", &full, status, s3_code(&body))),
-            };
+            let _ = reader.take(ERROR_BODY_BYTES).read_to_end(&mut body);
+            return self
+                .refused("GET", &full, status, &body, true)
+                .map(|()| None);
         }
         let mut body = reader.take(limit.saturating_add(1));
         let mut buf = vec![0u8; 1 << 20];
@@ -245,24 +231,14 @@ impl Remote {
         body: &mut Vec<u8>,
     ) -> Result<bool, ObjError> {
         let full = self.full_key(key);
-        let url = self
-            .bucket
-            .get_object(Some(&self.credentials), &full)
-            .sign(SIGNED_FOR);
-        self.requests.fetch_add(1, Ordering::Relaxed);
         let last = start.saturating_add(len.max(1)) - 1;
-        let mut resp = self
-            .agent
-            .get(url.as_str())
-            .header("Range", &format!("bytes={start}-{last}"))
-            .call()
-            .map_err(|e| self.unreachable("GET", &full, e))?;
+        let mut resp = self.send_get(&full, Some((start, last)))?;
         let status = resp.status().as_u16();
         // A server that ignores Range answers 200 with the whole object: read up to the range's
         // end and cut it out.
         let (skip, limit) = match status {
             200 => (start, start.saturating_add(len)),
-            _ => (0, len.max(64 << 10)),
+            _ => (0, len.max(ERROR_BODY_BYTES)),
         };
         let mut reader = resp.body_mut().as_reader().take(limit);
         let read = if status == 206 {
@@ -287,9 +263,9 @@ impl Remote {
                 body.clear();
                 Ok(true)
             }
-            404 if s3_code(body) == "NoSuchBucket" => Err(self.no_bucket()),
-            404 => Ok(false),
-            status => Err(self.status_error("GET", &full, status, s3_code(body))),
+            status => self
+                .refused("GET", &full, status, body, true)
+                .map(|()| false),
         }
     }
 
@@ -405,11 +381,44 @@ impl Remote {
         let _ = resp
             .body_mut()
             .as_reader()
-            .take(64 << 10)
+            .take(ERROR_BODY_BYTES)
             .read_to_end(&mut body);
-        match (status, s3_code(&body).as_str()) {
+        self.refused(op, full, status, &body, gone_ok)
+    }
+
+    /// Sends a signed GET of object `full` (key with the prefix), of bytes `first..=last`
+    /// when `range` says so, and counts it.
+    fn send_get(
+        &self,
+        full: &str,
+        range: Option<(u64, u64)>,
+    ) -> Result<ureq::http::Response<ureq::Body>, ObjError> {
+        let url = self
+            .bucket
+            .get_object(Some(&self.credentials), full)
+            .sign(SIGNED_FOR);
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let mut request = self.agent.get(url.as_str());
+        if let Some((first, last)) = range {
+            request = request.header("Range", &format!("bytes={first}-{last}"));
+        }
+        request.call().map_err(|e| self.unreachable("GET", full, e))
+    }
+
+    /// What an answer of `status` other than success to `op` on `full` means (its S3 error
+    /// code read from `body`): the bucket's absence, or the status; `missing_ok`: a 404 of the
+    /// key, not of the bucket, is `Ok` (a GET's missing object, a DELETE's done).
+    fn refused(
+        &self,
+        op: &'static str,
+        full: &str,
+        status: u16,
+        body: &[u8],
+        missing_ok: bool,
+    ) -> Result<(), ObjError> {
+        match (status, s3_code(body).as_str()) {
             (404, "NoSuchBucket") => Err(self.no_bucket()),
-            (404, _) if gone_ok => Ok(()),
+            (404, _) if missing_ok => Ok(()),
             (_, code) => Err(self.status_error(op, full, status, code.to_owned())),
         }
     }

@@ -666,6 +666,23 @@ fn unknown_snapshot_and_missing_bucket(server: &Seaweed, w: &Path) {
         matches!(&err, TransferError::Remote(e) if matches!(**e, ObjError::NoBucket { .. })),
         "{err}"
     );
+    // Every kind of GET tells a missing bucket from a missing object.
+    let (gone, there) = (remote(&none), remote(&config));
+    let no_bucket = |r: Result<(), ObjError>, what: &str| {
+        let e = r.expect_err(what);
+        assert!(matches!(e, ObjError::NoBucket { .. }), "{what}: {e}");
+        assert!(
+            e.to_string().contains("no-such-bucket does not exist"),
+            "{e}"
+        );
+    };
+    no_bucket(gone.get("k", 10).map(drop), "get");
+    no_bucket(
+        gone.get_into("k", &mut Vec::new(), 10).map(drop),
+        "get_into",
+    );
+    no_bucket(gone.get_range("k", 0, 10).map(drop), "get_range");
+    assert_eq!(there.get("nowhere", 10).expect("missing"), None);
 }
 
 /// `get_into` (torpord's platform-loaded data): an object streams into the writer with its
