@@ -63,7 +63,11 @@ def log_has(d: Torpord, text: str) -> bool:
 @pytest.mark.parametrize("daemon", [{"TORPORD_DELAY": f"hibernate-flush:{HELD_MS}"}], indirect=True)
 def test_a_daemon_killed_before_the_hibernation_is_flushed_wakes_the_instance_with_its_memory(daemon: Torpord) -> None:
     hibernate(daemon)
-    assert log_has(daemon, "instance hibernated"), daemon.log_text()
+    # The stage turns before the line is written (the journal's end comes between).
+    deadline = time.monotonic() + 10
+    while not log_has(daemon, "instance hibernated"):
+        assert time.monotonic() < deadline, daemon.log_text()
+        time.sleep(0.05)
     # The flush is held: recorded and sealed, not yet said to be on disk.
     assert not log_has(daemon, "hibernation snapshot on disk"), daemon.log_text()
     daemon.proc.send_signal(signal.SIGKILL)
