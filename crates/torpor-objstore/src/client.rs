@@ -19,11 +19,19 @@ const SIGNED_FOR: Duration = Duration::from_secs(15 * 60);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// A request that moves no byte for this long is a server that went away.
 const STALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// How many times a request is sent when the server answers it with a transient error
+/// ([`retryable`]), and the pause before the first retry (doubled before each next one). S3
+/// asks clients to retry these (AWS's SDKs: 3 attempts, exponential backoff); SeaweedFS on a
+/// loaded machine answered a PUT of a pack `500 InternalError` and failed a whole deploy's push.
+const ATTEMPTS: u32 = 4;
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Requests and bytes moved, for reports and tests.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Traffic {
     pub requests: u64,
+    /// Of `requests`, those sent again after a transient error.
+    pub retries: u64,
     pub bytes_up: u64,
     pub bytes_down: u64,
 }
@@ -38,6 +46,7 @@ pub struct Remote {
     prefix: String,
     agent: ureq::Agent,
     requests: AtomicU64,
+    retries: AtomicU64,
     bytes_up: AtomicU64,
     bytes_down: AtomicU64,
 }
@@ -85,6 +94,7 @@ impl Remote {
             prefix: config.prefix.clone(),
             agent,
             requests: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
             bytes_up: AtomicU64::new(0),
             bytes_down: AtomicU64::new(0),
         })
@@ -99,6 +109,7 @@ impl Remote {
     pub fn traffic(&self) -> Traffic {
         Traffic {
             requests: self.requests.load(Ordering::Relaxed),
+            retries: self.retries.load(Ordering::Relaxed),
             bytes_up: self.bytes_up.load(Ordering::Relaxed),
             bytes_down: self.bytes_down.load(Ordering::Relaxed),
         }
@@ -116,12 +127,7 @@ impl Remote {
             .bucket
             .head_object(Some(&self.credentials), &full)
             .sign(SIGNED_FOR);
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        let resp = self
-            .agent
-            .head(url.as_str())
-            .call()
-            .map_err(|e| self.unreachable("HEAD", &full, e))?;
+        let resp = self.send("HEAD", &full, || self.agent.head(url.as_str()).call())?;
         match resp.status().as_u16() {
             200..=299 => Ok(true),
             // HEAD has no body, so no S3 error code to tell a missing bucket from a missing key.
@@ -282,12 +288,7 @@ impl Remote {
                 action.with_continuation_token(t.as_str());
             }
             let url = action.sign(SIGNED_FOR);
-            self.requests.fetch_add(1, Ordering::Relaxed);
-            let mut resp = self
-                .agent
-                .get(url.as_str())
-                .call()
-                .map_err(|e| self.unreachable("LIST", &full, e))?;
+            let mut resp = self.send("LIST", &full, || self.agent.get(url.as_str()).call())?;
             let status = resp.status().as_u16();
             let mut body = Vec::new();
             let read = resp
@@ -337,14 +338,11 @@ impl Remote {
             .bucket
             .put_object(Some(&self.credentials), &full)
             .sign(SIGNED_FOR);
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        let mut resp = self
-            .agent
-            .put(url.as_str())
-            .send(bytes)
-            .map_err(|e| self.unreachable("PUT", &full, e))?;
-        self.bytes_up
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let mut resp = self.send("PUT", &full, || {
+            self.bytes_up
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            self.agent.put(url.as_str()).send(bytes)
+        })?;
         self.written("PUT", &full, &mut resp, false)
     }
 
@@ -355,12 +353,7 @@ impl Remote {
             .bucket
             .delete_object(Some(&self.credentials), &full)
             .sign(SIGNED_FOR);
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        let mut resp = self
-            .agent
-            .delete(url.as_str())
-            .call()
-            .map_err(|e| self.unreachable("DELETE", &full, e))?;
+        let mut resp = self.send("DELETE", &full, || self.agent.delete(url.as_str()).call())?;
         self.written("DELETE", &full, &mut resp, true)
     }
 
@@ -397,12 +390,43 @@ impl Remote {
             .bucket
             .get_object(Some(&self.credentials), full)
             .sign(SIGNED_FOR);
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        let mut request = self.agent.get(url.as_str());
-        if let Some((first, last)) = range {
-            request = request.header("Range", &format!("bytes={first}-{last}"));
+        let range = range.map(|(first, last)| format!("bytes={first}-{last}"));
+        self.send("GET", full, || {
+            let request = self.agent.get(url.as_str());
+            match &range {
+                Some(r) => request.header("Range", r).call(),
+                None => request.call(),
+            }
+        })
+    }
+
+    /// Sends `request` (`op` on object `full`) and counts it; a transient error of the server
+    /// ([`retryable`]) has it sent again, up to [`ATTEMPTS`] times in all, after a pause that
+    /// doubles from [`FIRST_BACKOFF`]. Every request Torpor makes may be sent twice: its PUTs
+    /// write content-addressed objects or the same manifest again, the rest only read or delete.
+    fn send(
+        &self,
+        op: &'static str,
+        full: &str,
+        request: impl Fn() -> Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> Result<ureq::http::Response<ureq::Body>, ObjError> {
+        let (mut pause, mut attempt) = (FIRST_BACKOFF, 1);
+        loop {
+            self.requests.fetch_add(1, Ordering::Relaxed);
+            let mut resp = request().map_err(|e| self.unreachable(op, full, e))?;
+            if attempt >= ATTEMPTS || !retryable(resp.status().as_u16()) {
+                return Ok(resp);
+            }
+            // Read the error's body, so that the connection can be used again.
+            let _ = std::io::copy(
+                &mut resp.body_mut().as_reader().take(ERROR_BODY_BYTES),
+                &mut std::io::sink(),
+            );
+            std::thread::sleep(pause);
+            pause *= 2;
+            attempt += 1;
+            self.retries.fetch_add(1, Ordering::Relaxed);
         }
-        request.call().map_err(|e| self.unreachable("GET", full, e))
     }
 
     /// What an answer of `status` other than success to `op` on `full` means (its S3 error
@@ -492,6 +516,12 @@ fn read_over(reader: &mut impl Read, body: &mut Vec<u8>, len: usize) -> std::io:
 }
 
 /// The `<Code>` of an S3 error body, or "" when there is none.
+/// Statuses an S3 server answers for a transient failure: too many requests (429, and S3's
+/// `503 SlowDown`), an internal error (500) and a gateway's or busy server's (502, 503, 504).
+fn retryable(status: u16) -> bool {
+    matches!(status, 429 | 500 | 502 | 503 | 504)
+}
+
 fn s3_code(body: &[u8]) -> String {
     let text = String::from_utf8_lossy(body);
     text.split_once("<Code>")
@@ -555,5 +585,126 @@ mod tests {
             b"<?xml version=\"1.0\"?><Error><Code>NoSuchBucket</Code><Message>x</Message></Error>";
         assert_eq!(s3_code(body), "NoSuchBucket");
         assert_eq!(s3_code(b"not xml"), "");
+    }
+
+    /// A server on loopback that answers each request, one a connection, with the next of
+    /// `answers` (status, body), and records each request's first line.
+    fn scripted(
+        answers: Vec<(u16, &'static str)>,
+    ) -> (String, std::thread::JoinHandle<Vec<String>>) {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let server = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for (status, body) in answers {
+                let (stream, _) = listener.accept().unwrap();
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap();
+                seen.push(line.trim_end().to_owned());
+                let mut length = 0usize;
+                loop {
+                    let mut header = String::new();
+                    reader.read_line(&mut header).unwrap();
+                    if header.trim_end().is_empty() {
+                        break;
+                    }
+                    if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap();
+                    }
+                }
+                let mut sent = vec![0u8; length];
+                reader.read_exact(&mut sent).unwrap();
+                let mut stream = stream;
+                write!(
+                    stream,
+                    "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                )
+                .unwrap();
+            }
+            seen
+        });
+        (endpoint, server)
+    }
+
+    fn remote_at(endpoint: &str, dir: &std::path::Path) -> Remote {
+        use std::os::unix::fs::PermissionsExt;
+        let credentials_file = dir.join("credentials");
+        std::fs::write(
+            &credentials_file,
+            "access_key_id = \"a\"\nsecret_access_key = \"b\"\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&credentials_file, std::fs::Permissions::from_mode(0o600))
+            .unwrap();
+        Remote::open(&RemoteConfig {
+            endpoint: endpoint.to_owned(),
+            bucket: "b".to_owned(),
+            region: "us-east-1".to_owned(),
+            credentials_file,
+            path_style: true,
+            prefix: String::new(),
+        })
+        .unwrap()
+    }
+
+    const INTERNAL: &str = "<Error><Code>InternalError</Code></Error>";
+
+    #[test]
+    fn transient_errors_are_retried_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let (endpoint, server) = scripted(vec![
+            (503, "<Error><Code>SlowDown</Code></Error>"),
+            (500, INTERNAL),
+            (200, "hello"),
+            (500, INTERNAL),
+            (200, ""),
+        ]);
+        let r = remote_at(&endpoint, dir.path());
+        assert_eq!(r.get("k", 100).unwrap(), Some(b"hello".to_vec()));
+        r.put("p", b"data").unwrap();
+        let seen = server.join().unwrap();
+        assert!(
+            seen[..3].iter().all(|l| l.starts_with("GET /b/k")),
+            "{seen:?}"
+        );
+        assert!(
+            seen[3..].iter().all(|l| l.starts_with("PUT /b/p")),
+            "{seen:?}"
+        );
+        let t = r.traffic();
+        assert_eq!((t.requests, t.retries, t.bytes_up), (5, 3, 8), "{t:?}");
+    }
+
+    #[test]
+    fn a_transient_error_that_lasts_is_the_status_after_the_last_attempt() {
+        let dir = tempfile::tempdir().unwrap();
+        let (endpoint, server) = scripted(vec![(500, INTERNAL); ATTEMPTS as usize]);
+        let r = remote_at(&endpoint, dir.path());
+        let err = r.put("p", b"data").unwrap_err();
+        assert!(matches!(err, ObjError::Status { status: 500, .. }), "{err}");
+        assert!(
+            err.to_string().contains("500 InternalError to PUT p"),
+            "{err}"
+        );
+        assert_eq!(server.join().unwrap().len(), ATTEMPTS as usize);
+        assert_eq!(r.traffic().retries, u64::from(ATTEMPTS) - 1);
+    }
+
+    #[test]
+    fn other_errors_are_not_retried() {
+        let dir = tempfile::tempdir().unwrap();
+        let (endpoint, server) = scripted(vec![
+            (404, "<Error><Code>NoSuchKey</Code></Error>"),
+            (403, "<Error><Code>AccessDenied</Code></Error>"),
+        ]);
+        let r = remote_at(&endpoint, dir.path());
+        assert_eq!(r.get("k", 100).unwrap(), None);
+        let err = r.get("k", 100).unwrap_err();
+        assert!(matches!(err, ObjError::Denied { .. }), "{err}");
+        assert_eq!(server.join().unwrap().len(), 2);
+        assert_eq!((r.traffic().requests, r.traffic().retries), (2, 0));
     }
 }

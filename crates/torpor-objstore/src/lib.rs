@@ -67,7 +67,9 @@
 //! store this talks to is synchronous (file I/O, rayon), the CLI has no async runtime, and the
 //! transfers are bounded by a fixed pool of threads; torpord, when it is wired in, calls this
 //! from `spawn_blocking` like its other store work. An async SDK would bring a second HTTP stack
-//! into the build for no gain here. The cost: no built-in retries or multipart upload. Packs
+//! into the build for no gain here. The cost: no built-in retries or multipart upload. So the
+//! client retries a server's transient errors itself (429, 500, 502, 503, 504: up to 4 attempts,
+//! backing off from 100 ms; `Traffic::retries` counts them), as S3 asks its clients to. Packs
 //! are ~32 MiB (a pack closes once it holds that much; its last chunk may add up to one 4 MiB
 //! segment chunk), far under the 5 GiB single-PUT limit, and a failed push or pull is simply run
 //! again (both are idempotent and only move what is missing).
