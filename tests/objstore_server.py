@@ -64,10 +64,18 @@ def free_ports(n: int, ip: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+# Volume slots of a test's server. SeaweedFS grows a collection by up to 7 volumes at its first
+# write, and the filer writes its own log into the default collection about a minute after the
+# start: with 4 slots a server that lived that long before the bucket's first write gave all 4
+# to the filer's log, and every PUT into the bucket failed "500 InternalError" (no writable
+# volumes; the cluster tests under load, session 40). Two collections' growth fits in 16.
+VOLUMES = 16
+
+
 class Seaweed:
-    def __init__(self, base: Path, volumes: int = 4, volume_mb: int = 64, ip: str = "127.0.0.1") -> None:
+    def __init__(self, base: Path, volumes: int = VOLUMES, volume_mb: int = 64, ip: str = "127.0.0.1") -> None:
         """`volumes` of at most `volume_mb` MB each: what the server can hold (the tests need
-        little; bench/cluster/pull.py asks for gigabytes). `ip`: the address it listens on
+        little; bench/cluster/pull.py asks for gigabytes). See VOLUMES for the count. `ip`: the address it listens on
         (loopback; the cluster test's nodes in network namespaces of their own reach it at
         their bridge's address on this host)."""
         self.base = base
@@ -189,7 +197,7 @@ class Seaweed:
         self.proc.wait()
 
 
-def running_seaweed(directory: Path, bucket: str, volumes: int = 4, volume_mb: int = 64) -> Iterator[Seaweed]:
+def running_seaweed(directory: Path, bucket: str, volumes: int = VOLUMES, volume_mb: int = 64) -> Iterator[Seaweed]:
     """A fixture's body: a server in `directory` holding `bucket`, stopped afterwards. Skips off
     CI where pip can reach no index to install `weed` (the GPU machine); under CI it fails.
     `volumes` × `volume_mb` is what it can hold (Seaweed)."""

@@ -104,7 +104,9 @@ impl Seaweed {
             .arg("-s3.port.iceberg=0")
             .arg("-s3.port.lance=0")
             .arg(format!("-s3.config={}", config.display()))
-            .arg("-volume.max=4")
+            // 16 slots: the filer's own log takes up to 7 of the default collection's about
+            // a minute after the start, and the bucket's collection needs its own (tests/objstore_server.py).
+            .arg("-volume.max=16")
             .arg("-master.volumeSizeLimitMB=64")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
