@@ -21,8 +21,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const STALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// How many times a request is sent when the server answers it with a transient error
 /// ([`retryable`]), and the pause before the first retry (doubled before each next one). S3
-/// asks clients to retry these (AWS's SDKs: 3 attempts, exponential backoff); SeaweedFS on a
-/// loaded machine answered a PUT of a pack `500 InternalError` and failed a whole deploy's push.
+/// asks clients to retry these (AWS's SDKs: 3 attempts, exponential backoff). A 500 that lasts
+/// (a SeaweedFS without a free volume, docs/objstore.md) is the error after the last attempt.
 const ATTEMPTS: u32 = 4;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -515,13 +515,13 @@ fn read_over(reader: &mut impl Read, body: &mut Vec<u8>, len: usize) -> std::io:
     Ok(())
 }
 
-/// The `<Code>` of an S3 error body, or "" when there is none.
 /// Statuses an S3 server answers for a transient failure: too many requests (429, and S3's
 /// `503 SlowDown`), an internal error (500) and a gateway's or busy server's (502, 503, 504).
 fn retryable(status: u16) -> bool {
     matches!(status, 429 | 500 | 502 | 503 | 504)
 }
 
+/// The `<Code>` of an S3 error body, or "" when there is none.
 fn s3_code(body: &[u8]) -> String {
     let text = String::from_utf8_lossy(body);
     text.split_once("<Code>")
