@@ -713,9 +713,10 @@ def _mounted(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def loop_ext4(where: Path, mib: int) -> Iterator[Path]:
-    """`where` (created) on an ext4 of `mib` MiB of its own, no blocks reserved for root; skips
-    without root, losetup or mkfs.ext4. Unmounted, and its loop device freed, whatever happens."""
+def loop_ext4(where: Path, mib: int, reserved_pct: int = 0) -> Iterator[Path]:
+    """`where` (created) on an ext4 of `mib` MiB of its own, `reserved_pct` % of its blocks
+    reserved for root (none by default); skips without root, losetup or mkfs.ext4. Unmounted,
+    and its loop device freed, whatever happens."""
     if os.geteuid() != 0:
         pytest.skip("needs root: loop mounts")
     for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
@@ -724,7 +725,7 @@ def loop_ext4(where: Path, mib: int) -> Iterator[Path]:
     image = where.parent / f"{where.name}.img"
     with open(image, "wb") as f:
         f.truncate(mib << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", str(reserved_pct), str(image)], check=True, capture_output=True)
     where.mkdir(parents=True, exist_ok=True)
     # `-o loop`: the loop device is freed (autoclear) when the filesystem is unmounted.
     r = subprocess.run(["mount", "-o", "loop", str(image), str(where)], check=False, capture_output=True, text=True)

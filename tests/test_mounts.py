@@ -66,7 +66,7 @@ def test_a_commands_snapshot_archives_its_own_shm_and_nothing_of_the_hosts(
         (host_files.other_tmpfs / "new-file").unlink()
 
 
-def test_a_full_filesystem_is_named_with_the_bytes_needed_and_free(
+def test_a_full_filesystem_is_named_with_the_bytes_needed_and_available(
     torpor: Torpor, workers: Workers, tmp_path: Path
 ) -> None:
     w = workers.server(hold_mb=32)
@@ -78,7 +78,7 @@ def test_a_full_filesystem_is_named_with_the_bytes_needed_and_free(
     finally:
         subprocess.run(["umount", "--lazy", str(small)], check=False)
     assert f"no space for the snapshot in {small}" in line, line
-    assert "needs at least" in line and "MB free" in line, line
+    assert "needs at least" in line and "MB available" in line, line
     assert f"pid {w.init_pid} keeps running" in line, line
     assert w.ask("ping") == "pong"
 

@@ -327,19 +327,25 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         .flat_map(|g| &g.gpus)
         .filter_map(|g| g.used_by_snapshot)
         .sum();
-    let mut space = space::check(&pids, &archived, gpu_bytes, writer.dir()).map_err(|space| {
-        SnapshotError::DiskFull {
-            root: root.pid,
-            space: Box::new(space),
-        }
-    })?;
     // Named by the directory the user gave (the partial one is hidden and goes away).
-    if let Some(parent) = std::path::absolute(opts.out)
+    let named = std::path::absolute(opts.out)
         .ok()
-        .and_then(|out| out.parent().map(Path::to_path_buf))
-    {
-        space.dir = parent;
-    }
+        .and_then(|out| out.parent().map(Path::to_path_buf));
+    let space = match space::check(&pids, &archived, gpu_bytes, writer.dir()) {
+        Ok(space) => space::Estimate {
+            dir: named.unwrap_or(space.dir),
+            ..space
+        },
+        Err(mut refusal) => {
+            if let (space::NoSpace::Disk { dir, .. }, Some(named)) = (&mut refusal, named) {
+                *dir = named;
+            }
+            return Err(SnapshotError::DiskFull {
+                root: root.pid,
+                space: Box::new(refusal),
+            });
+        }
+    };
 
     // Concurrent: copy the memory while the tree runs; the stop then copies what changed.
     let pre_dumps = if opts.pre_dump_rounds > 0 {

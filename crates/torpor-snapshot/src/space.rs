@@ -6,6 +6,11 @@
 //! [`check_tree`] the same check for a caller that has not read the tree yet (torpord, before it
 //! quiesces an instance for hibernation): a dump that fills its filesystem after the driver's
 //! checkpoint has moved the GPU memory into the process is the riskiest failure there is.
+//!
+//! A snapshot counts only the space the filesystem makes available to everyone (`f_bavail`),
+//! never the blocks it reserves: on the GPU machine's ext4 (mounted `resuid=65534,resv_strict`)
+//! 172 GB were reserved and root's dump got ENOSPC with 129 MB available, while a count of the
+//! reserve had let it start; where root may use the reserve, it is the system's last room.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -17,13 +22,15 @@ use torpor_image::human_size;
 pub enum NoSpace {
     /// The snapshot's filesystem cannot hold it (found before the dump), or CRIU filled it
     /// (`log` is CRIU's log then).
-    #[error("no space for the snapshot in {}: {}; free space there or put the snapshots (the state dir) on a larger filesystem", dir.display(), disk_full_detail(*needed, *free, log.as_deref()))]
+    #[error("no space for the snapshot in {}: {}; free space there or put the snapshots (the state dir) on a larger filesystem", dir.display(), disk_full_detail(*needed, *available, *reserved, log.as_deref()))]
     Disk {
         dir: PathBuf,
         /// The least the dump writes ([`least_needed`]).
         needed: u64,
-        /// Free when the snapshot began.
-        free: u64,
+        /// Available when the snapshot began ([`Room`]).
+        available: u64,
+        /// Free but reserved by the filesystem then, named so a `df` that shows it is understood.
+        reserved: u64,
         log: Option<PathBuf>,
     },
     /// The driver's checkpoint moves the tree's GPU memory into its host memory, and the host
@@ -32,16 +39,24 @@ pub enum NoSpace {
     HostMemory { gpu: u64, available: u64 },
 }
 
-fn disk_full_detail(needed: u64, free: u64, log: Option<&Path>) -> String {
+fn disk_full_detail(needed: u64, available: u64, reserved: u64, log: Option<&Path>) -> String {
+    let reserve = if reserved > OWN_RESERVE {
+        format!(
+            " (and {} reserved by the filesystem, which a snapshot does not use)",
+            human_size(reserved)
+        )
+    } else {
+        String::new()
+    };
     match log {
         None => format!(
-            "it needs at least {}, the filesystem has {} free",
+            "it needs at least {}, the filesystem has {} available{reserve}",
             human_size(needed),
-            human_size(free)
+            human_size(available)
         ),
         Some(log) => format!(
-            "CRIU filled the filesystem during the dump: it needs more than the {} that were free (at least {} for the process's memory alone; CRIU's log: {})",
-            human_size(free),
+            "CRIU filled the filesystem during the dump: it needs more than the {} that were available{reserve} (at least {} for the process's memory alone; CRIU's log: {})",
+            human_size(available),
             human_size(needed),
             log.display()
         ),
@@ -54,7 +69,7 @@ pub struct Estimate {
     /// The directory the snapshot goes in (named in messages).
     pub dir: PathBuf,
     pub needed: u64,
-    pub free: u64,
+    pub room: Room,
 }
 
 impl Estimate {
@@ -63,7 +78,8 @@ impl Estimate {
         NoSpace::Disk {
             dir: self.dir.clone(),
             needed: self.needed,
-            free: self.free,
+            available: self.room.available,
+            reserved: self.room.reserved,
             log,
         }
     }
@@ -82,7 +98,10 @@ pub fn check(
         dir: std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf()),
         needed: least_needed(pids, own_tmpfs, gpu_bytes),
         // Unreadable: no refusal on a guess (the dump's own failure is still named).
-        free: free_bytes(dir).unwrap_or(u64::MAX),
+        room: room(dir).unwrap_or(Room {
+            available: u64::MAX,
+            reserved: 0,
+        }),
     };
     verdict(estimate, gpu_bytes, host_memory_available())
 }
@@ -99,7 +118,7 @@ fn verdict(
             available,
         });
     }
-    if estimate.free < estimate.needed {
+    if estimate.room.available < estimate.needed {
         return Err(estimate.full(None));
     }
     Ok(estimate)
@@ -186,11 +205,25 @@ pub fn statvfs(dir: &Path) -> io::Result<libc::statvfs> {
     Ok(st)
 }
 
-/// Free bytes on the filesystem holding `dir`, the blocks reserved for root included: CRIU runs
-/// as root, and a check that refuses a snapshot must not refuse one that fits.
-pub fn free_bytes(dir: &Path) -> io::Result<u64> {
+/// The room on a filesystem, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Room {
+    /// What any user may write (`f_bavail`): what a snapshot counts on.
+    pub available: u64,
+    /// Free blocks the filesystem keeps back (`f_bfree - f_bavail`): a reserve for root, or
+    /// for another uid only (then root's writes fail with ENOSPC while `df` shows it free).
+    pub reserved: u64,
+}
+
+/// The [`Room`] on the filesystem holding `dir`.
+pub fn room(dir: &Path) -> io::Result<Room> {
     let st = statvfs(dir)?;
-    Ok(st.f_bfree as u64 * st.f_frsize as u64)
+    let unit = st.f_frsize as u64;
+    let (free, available) = (st.f_bfree as u64 * unit, st.f_bavail as u64 * unit);
+    Ok(Room {
+        available,
+        reserved: free.saturating_sub(available),
+    })
 }
 
 /// Bytes in use on the filesystem holding `dir`.
@@ -199,21 +232,16 @@ fn used_bytes(dir: &Path) -> io::Result<u64> {
     Ok((st.f_blocks as u64).saturating_sub(st.f_bfree as u64) * st.f_frsize as u64)
 }
 
-/// Free space below which a filesystem that a failed dump wrote to counts as filled by it.
+/// Available space below which a filesystem that a failed dump wrote to counts as filled by it.
 const FULL_BELOW: u64 = 4 << 20;
 /// The most space a filesystem holds back from every user of its own accord (ext4 keeps up to
-/// 4096 clusters, 16 MiB at 4 KiB, even from root); a larger gap is a reserve for root, which
-/// CRIU may still have had.
+/// 4096 clusters, 16 MiB at 4 KiB, even from root): a smaller reserve is not worth naming.
 const OWN_RESERVE: u64 = 64 << 20;
 
 /// Whether the filesystem holding `dir` is all but full (after a failed dump: CRIU's log is on it,
-/// so the log may lack the ENOSPC line that says so).
+/// so the log may lack the ENOSPC line that says so). Its reserve does not count ([`Room`]).
 pub fn left_full(dir: &Path) -> bool {
-    statvfs(dir).is_ok_and(|st| {
-        let unit = st.f_frsize;
-        let (free, avail) = (st.f_bfree * unit, st.f_bavail * unit);
-        free < FULL_BELOW || (avail < FULL_BELOW && free - avail.min(free) < OWN_RESERVE)
-    })
+    room(dir).is_ok_and(|r| r.available < FULL_BELOW)
 }
 
 /// Whether CRIU's log says a write failed for want of space (ENOSPC).
@@ -234,7 +262,7 @@ mod tests {
         let needed = least_needed(&[std::process::id() as i32], &[], 5);
         assert!(needed >= (8 << 20) + 5, "{needed}");
         drop(big);
-        assert!(free_bytes(Path::new("/")).unwrap() > 0);
+        assert!(room(Path::new("/")).unwrap().available > 0);
     }
 
     #[test]
@@ -257,19 +285,39 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let me = [std::process::id() as i32];
         let fits = check(&me, &[], 0, dir.path()).unwrap();
-        assert!(fits.needed > 0 && fits.free >= fits.needed);
-        let at = |needed, free| Estimate {
+        assert!(fits.needed > 0 && fits.room.available >= fits.needed);
+        let at = |needed, available, reserved| Estimate {
             dir: PathBuf::from("/snapshots"),
             needed,
-            free,
+            room: Room {
+                available,
+                reserved,
+            },
         };
-        verdict(at(10 << 30, 10 << 30), 0, None).unwrap();
-        let err = verdict(at(3 << 30, 1 << 30), 2 << 30, Some(64 << 30)).unwrap_err();
+        verdict(at(10 << 30, 10 << 30, 0), 0, None).unwrap();
+        let err = verdict(at(3 << 30, 1 << 30, 0), 2 << 30, Some(64 << 30)).unwrap_err();
         assert_eq!(
             err.to_string(),
             "no space for the snapshot in /snapshots: it needs at least 3.22 GB, the filesystem \
-             has 1.07 GB free; free space there or put the snapshots (the state dir) on a larger \
-             filesystem"
+             has 1.07 GB available; free space there or put the snapshots (the state dir) on a \
+             larger filesystem"
+        );
+        // The reserve is not counted, and is named: `df` shows it as free.
+        let err = verdict(at(3 << 30, 1 << 30, 100 << 30), 0, None).unwrap_err();
+        assert!(
+            err.to_string().contains(
+                "the filesystem has 1.07 GB available (and 107 GB reserved by the filesystem, \
+                 which a snapshot does not use)"
+            ),
+            "{err}"
+        );
+        let filled = at(3 << 30, 1 << 30, 100 << 30).full(Some(PathBuf::from("/logs/dump.log")));
+        assert!(
+            filled.to_string().contains(
+                "CRIU filled the filesystem during the dump: it needs more than the 1.07 GB that \
+                 were available (and 107 GB reserved"
+            ),
+            "{filled}"
         );
     }
 
