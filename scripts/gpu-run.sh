@@ -138,6 +138,13 @@ bin_dir=$(dirname "$TORPOR_BIN")
   uname -r; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
 } 2>&1 | tee "$OUT/machine.txt"
 
+# A warm machine keeps the earlier calls' files, pytest's last three temporary roots among them
+# (GPU tests' snapshots of real models: 18, 9 and 37 GB in session 41), and its root filesystem
+# has ~64 GB available (`df` shows more free: the rest is reserved, docs/mounts.md): the third
+# call's deploys failed with ENOSPC. Each call starts without them.
+rm -rf "/tmp/pytest-of-$(id -un)"
+df -h / | tail -1 | tee -a "$OUT/machine.txt"
+
 bash scripts/provision-criu.sh || { echo "gpu-run: CRIU provisioning failed" >&2; exit 1; }
 
 rc=0
