@@ -301,10 +301,9 @@ impl Remote {
             }
             self.bytes_down
                 .fetch_add(body.len() as u64, Ordering::Relaxed);
-            match status {
-                200..=299 => {}
-                404 if s3_code(&body) == "NoSuchBucket" => return Err(self.no_bucket()),
-                status => return Err(self.status_error("LIST", &full, status, s3_code(&body))),
+            if !(200..=299).contains(&status) {
+                // A listing of nothing is an empty page, never a 404 of the key.
+                self.refused("LIST", &full, status, &body, false)?;
             }
             let text = String::from_utf8_lossy(&body);
             let page = rusty_s3::actions::ListObjectsV2::parse_response(&text).map_err(|e| {

@@ -666,7 +666,7 @@ fn unknown_snapshot_and_missing_bucket(server: &Seaweed, w: &Path) {
         matches!(&err, TransferError::Remote(e) if matches!(**e, ObjError::NoBucket { .. })),
         "{err}"
     );
-    // Every kind of GET tells a missing bucket from a missing object.
+    // Every kind of GET, a listing and a delete tell a missing bucket from a missing object.
     let (gone, there) = (remote(&none), remote(&config));
     let no_bucket = |r: Result<(), ObjError>, what: &str| {
         let e = r.expect_err(what);
@@ -682,6 +682,8 @@ fn unknown_snapshot_and_missing_bucket(server: &Seaweed, w: &Path) {
         "get_into",
     );
     no_bucket(gone.get_range("k", 0, 10).map(drop), "get_range");
+    no_bucket(gone.list("").map(drop), "list");
+    no_bucket(gone.delete("k"), "delete");
     assert_eq!(there.get("nowhere", 10).expect("missing"), None);
 }
 
