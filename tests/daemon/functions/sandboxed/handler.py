@@ -44,9 +44,11 @@ def pattern() -> bytes:
 def process_token() -> str:
     shared = sys.modules.get("_sandbox_test_process")
     if shared is None:
-        shared = types.ModuleType("_sandbox_test_process")
-        shared.token = os.urandom(8).hex()  # type: ignore[attr-defined]
-        sys.modules["_sandbox_test_process"] = shared
+        candidate = types.ModuleType("_sandbox_test_process")
+        candidate.token = os.urandom(8).hex()  # type: ignore[attr-defined]
+        # Two functions' first requests run at once on their threads: setdefault (one step
+        # under the GIL) keeps the first token drawn, where a get-then-set kept two (CI, once).
+        shared = sys.modules.setdefault("_sandbox_test_process", candidate)
     return str(shared.token)  # type: ignore[attr-defined]
 
 
