@@ -210,8 +210,9 @@ pub fn statvfs(dir: &Path) -> io::Result<libc::statvfs> {
 pub struct Room {
     /// What any user may write (`f_bavail`): what a snapshot counts on.
     pub available: u64,
-    /// Free blocks the filesystem keeps back (`f_bfree - f_bavail`): a reserve for root, or
-    /// for another uid only (then root's writes fail with ENOSPC while `df` shows it free).
+    /// Free blocks the filesystem keeps back (`f_bfree - f_bavail`): a reserve root may use
+    /// (ext4's default, with CAP_SYS_RESOURCE) or one it may not (ext4 mounted `resv_strict`
+    /// for another uid: root's writes fail with ENOSPC while `df` shows the blocks unused).
     pub reserved: u64,
 }
 
