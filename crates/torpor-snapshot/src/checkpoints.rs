@@ -186,6 +186,7 @@ impl Checkpoints {
             state_dir: None,
             pre_dump_rounds,
             durability: torpor_image::Durability::Synced,
+            gpu_released: None,
         })?;
         let stored = self.store_dir(&out, &id);
         let _ = fs::remove_dir_all(&out);

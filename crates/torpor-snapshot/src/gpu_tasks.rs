@@ -29,6 +29,11 @@ pub struct StepError {
 pub struct GpuTasks<'d> {
     driver: &'d CudaDriver,
     tasks: Vec<(i32, TaskState)>,
+    /// Tasks found checkpointed by someone else before the snapshot (a torpord instance whose
+    /// GPU was released in place): the snapshot takes them as they are and leaves them so, never
+    /// restoring them, on success (`leave_running`) as on a rollback: their GPU memory was given
+    /// back and may be someone else's now.
+    stay_checkpointed: Vec<i32>,
 }
 
 impl<'d> GpuTasks<'d> {
@@ -37,6 +42,23 @@ impl<'d> GpuTasks<'d> {
         Self {
             driver,
             tasks: pids.into_iter().map(|p| (p, TaskState::Running)).collect(),
+            stay_checkpointed: Vec::new(),
+        }
+    }
+
+    /// Tracks `tasks` as found: running ones go through the protocol as with [`GpuTasks::new`],
+    /// checkpointed ones (a GPU released in place) are dumped as they are and stay checkpointed
+    /// whatever happens.
+    pub fn found(driver: &'d CudaDriver, tasks: Vec<(i32, TaskState)>) -> Self {
+        let stay_checkpointed = tasks
+            .iter()
+            .filter(|(_, s)| *s == TaskState::Checkpointed)
+            .map(|(p, _)| *p)
+            .collect();
+        Self {
+            driver,
+            tasks,
+            stay_checkpointed,
         }
     }
 
@@ -48,12 +70,17 @@ impl<'d> GpuTasks<'d> {
                 .into_iter()
                 .map(|p| (p, TaskState::Checkpointed))
                 .collect(),
+            stay_checkpointed: Vec::new(),
         }
     }
 
     /// Tracks tasks found in the given states (a killed snapshot's, for its guard).
     pub fn with_states(driver: &'d CudaDriver, tasks: Vec<(i32, TaskState)>) -> Self {
-        Self { driver, tasks }
+        Self {
+            driver,
+            tasks,
+            stay_checkpointed: Vec::new(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -99,7 +126,7 @@ impl<'d> GpuTasks<'d> {
     /// Puts the GPU state back (onto the GPUs `pairs` name, or the original ones).
     pub fn restore_all(&mut self, pairs: &[(GpuUuid, GpuUuid)]) -> Result<(), StepError> {
         for (pid, state) in self.tasks.iter_mut() {
-            if *state == TaskState::Checkpointed {
+            if *state == TaskState::Checkpointed && !self.stay_checkpointed.contains(pid) {
                 self.driver
                     .restore(*pid, pairs)
                     .map_err(|source| StepError {
@@ -128,11 +155,15 @@ impl<'d> GpuTasks<'d> {
         Ok(())
     }
 
-    /// Returns every task to running, on its original GPUs. Safe to call in any state and twice;
-    /// tries every task even if one fails, and reports the first failure.
+    /// Returns every task to running, on its original GPUs (those found checkpointed to where
+    /// they were found: [`GpuTasks::found`]). Safe to call in any state and twice; tries every
+    /// task even if one fails, and reports the first failure.
     pub fn rollback(&mut self) -> Result<(), StepError> {
         let mut first = None;
         for (pid, state) in self.tasks.iter_mut() {
+            if self.stay_checkpointed.contains(pid) {
+                continue;
+            }
             if *state == TaskState::Checkpointed {
                 match self.driver.restore(*pid, &[]) {
                     Ok(()) => *state = TaskState::Locked,
@@ -160,5 +191,58 @@ impl<'d> GpuTasks<'d> {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use torpor_cuda::fakes::{self, Fake};
+
+    /// The fake driver (tests/fakes/fake_libcuda.c) with its per-pid state in files.
+    #[test]
+    fn tasks_found_checkpointed_are_neither_restored_nor_rolled_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = fakes::build(Fake::Cuda, dir.path()).unwrap();
+        let states = dir.path().join("state");
+        std::fs::create_dir(&states).unwrap();
+        // Only this test sets these; the fake reads them at each call.
+        std::env::set_var("FAKE_CUDA_PIDS", "*");
+        std::env::set_var("FAKE_CUDA_STATE_DIR", &states);
+        let (released, running) = (4_000_001, 4_000_002);
+        std::fs::write(states.join(released.to_string()), "checkpointed").unwrap();
+        let state =
+            |pid: i32| std::fs::read_to_string(states.join(pid.to_string())).unwrap_or_default();
+        let driver = CudaDriver::load_from(lib).unwrap();
+        // Both checkpointed, one by this snapshot.
+        let checkpointed = || {
+            let mut tasks = GpuTasks::found(
+                &driver,
+                vec![
+                    (released, TaskState::Checkpointed),
+                    (running, TaskState::Running),
+                ],
+            );
+            tasks.lock_all(Duration::from_secs(1)).unwrap();
+            tasks.checkpoint_all().unwrap();
+            tasks
+        };
+
+        let mut tasks = checkpointed();
+        assert_eq!(state(running).trim(), "checkpointed");
+        // leave_running: only the one this snapshot checkpointed comes back.
+        tasks.restore_all(&[]).unwrap();
+        tasks.unlock_all().unwrap();
+        assert_eq!(state(running).trim(), "running");
+        assert_eq!(state(released).trim(), "checkpointed");
+
+        // A failed dump's rollback: the same.
+        let mut tasks = checkpointed();
+        tasks.rollback().unwrap();
+        tasks.rollback().unwrap();
+        assert_eq!(state(running).trim(), "running");
+        assert_eq!(state(released).trim(), "checkpointed");
+        std::env::remove_var("FAKE_CUDA_PIDS");
+        std::env::remove_var("FAKE_CUDA_STATE_DIR");
     }
 }

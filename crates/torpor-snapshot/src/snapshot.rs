@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use torpor_criu::{Criu, CriuError, DumpRequest};
-use torpor_cuda::{CudaDriver, CudaError, Nvml, ProcessState};
+use torpor_cuda::{CudaDriver, CudaError, GpuUuid, Nvml, ProcessState};
 use torpor_image::{
     Durability, GpuEntry, GpuSection, Host, ImageError, Manifest, ProcessEntry, SnapshotKey,
     SnapshotWriter, Source,
@@ -18,7 +18,7 @@ use torpor_image::{
 
 use crate::empty_gpu_memory;
 use crate::fault;
-use crate::gpu_tasks::{GpuTasks, StepError};
+use crate::gpu_tasks::{GpuTasks, StepError, TaskState};
 use crate::inherited_mappings::{self, DropError};
 use crate::interrupt;
 use crate::mounts;
@@ -54,6 +54,12 @@ pub struct SnapshotOptions<'a> {
     /// When the sealed snapshot reaches the disk ([`Durability::Deferred`]: a hibernation, whose
     /// source is frozen until the snapshot is sealed; torpord flushes it afterwards).
     pub durability: Durability,
+    /// The tree's CUDA processes may be checkpointed in place already (torpord's gpu_released
+    /// instance): they are dumped as they are, their GPU state being in their memory, and are
+    /// never restored by this snapshot, on failure either. NVML no longer shows what they held
+    /// on the GPU, so the caller says it: bytes per GPU, taken before their checkpoint, which
+    /// the manifest records as what a restore needs. `None`: every CUDA process must be running.
+    pub gpu_released: Option<&'a [(GpuUuid, u64)]>,
 }
 
 /// Why a snapshot failed. In every case the source process keeps running and `--out` does not
@@ -302,11 +308,16 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
     let host = Host::current(criu.version_string())?;
     let mut phases = Phases::default();
     phases.0.push(("identify_reopened".into(), identify_s));
-    let cuda = find_cuda(&tree)?;
+    let cuda = find_cuda_in(&tree, opts.gpu_released.is_some())?;
     let (cuda_pids, gpu_section) = match &cuda {
         Some((driver, nvml, pids)) => (
-            pids.clone(),
-            Some(gpu_section(driver, nvml.as_ref(), pids)?),
+            pids.iter().map(|p| p.0).collect::<Vec<_>>(),
+            Some(gpu_section_of(
+                driver,
+                nvml.as_ref(),
+                pids,
+                opts.gpu_released,
+            )?),
         ),
         None => (Vec::new(), None),
     };
@@ -317,16 +328,35 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         });
     }
     drop_inherited_mappings(root.pid, &pids, &cuda_pids)?;
-    let mut tasks = cuda.as_ref().map(|(d, _, p)| GpuTasks::new(d, p.clone()));
+    let mut tasks = cuda.as_ref().map(|(d, _, p)| {
+        GpuTasks::found(
+            d,
+            p.iter()
+                .map(|&(pid, state)| match state {
+                    ProcessState::Checkpointed => (pid, TaskState::Checkpointed),
+                    _ => (pid, TaskState::Running),
+                })
+                .collect(),
+        )
+    });
 
     // A dump into a filesystem that cannot hold it fails half-way: say so before the source
     // is stopped, and name a full disk as such should it fill up during the dump.
     let archived: Vec<String> = mount_plan.archived.iter().map(|a| a.path.clone()).collect();
+    // What the driver's checkpoint will move into the processes' memory; a released one's is
+    // there already, and counted with it.
+    let released_bytes: u64 = opts
+        .gpu_released
+        .iter()
+        .flat_map(|u| u.iter())
+        .map(|u| u.1)
+        .sum();
     let gpu_bytes: u64 = gpu_section
         .iter()
         .flat_map(|g| &g.gpus)
         .filter_map(|g| g.used_by_snapshot)
-        .sum();
+        .sum::<u64>()
+        .saturating_sub(released_bytes);
     // Named by the directory the user gave (the partial one is hidden and goes away).
     let named = std::path::absolute(opts.out)
         .ok()
@@ -865,9 +895,20 @@ fn root_command(tree: &[ProcessInfo]) -> Vec<String> {
 
 pub(crate) type CudaContext = (CudaDriver, Option<Nvml>, Vec<i32>);
 
-/// Finds the CUDA processes of the tree. The driver is loaded only if some process maps
-/// libcuda, so CPU-only trees never need (or touch) it.
+/// Finds the CUDA processes of the tree, all of them running. The driver is loaded only if some
+/// process maps libcuda, so CPU-only trees never need (or touch) it.
 pub(crate) fn find_cuda(tree: &[ProcessInfo]) -> Result<Option<CudaContext>, SnapshotError> {
+    Ok(find_cuda_in(tree, false)?
+        .map(|(d, n, pids)| (d, n, pids.into_iter().map(|p| p.0).collect())))
+}
+
+/// [`find_cuda`], with each process's state; `checkpointed_too`: a process the driver holds
+/// checkpointed (a GPU released in place, [`SnapshotOptions::gpu_released`]) is taken as well.
+#[allow(clippy::type_complexity)]
+fn find_cuda_in(
+    tree: &[ProcessInfo],
+    checkpointed_too: bool,
+) -> Result<Option<(CudaDriver, Option<Nvml>, Vec<(i32, ProcessState)>)>, SnapshotError> {
     let mapped: Vec<i32> = tree
         .iter()
         .filter(|p| proctree::maps_libcuda(p.pid).unwrap_or(false))
@@ -882,7 +923,10 @@ pub(crate) fn find_cuda(tree: &[ProcessInfo]) -> Result<Option<CudaContext>, Sna
     for pid in mapped {
         match driver.process_state(pid) {
             Ok(None) => {} // libcuda loaded but never initialised: no GPU state
-            Ok(Some(ProcessState::Running)) => pids.push(pid),
+            Ok(Some(ProcessState::Running)) => pids.push((pid, ProcessState::Running)),
+            Ok(Some(ProcessState::Checkpointed)) if checkpointed_too => {
+                pids.push((pid, ProcessState::Checkpointed))
+            }
             Ok(Some(state)) => return Err(SnapshotError::NotRunning { pid, state }),
             Err(source) => return Err(SnapshotError::Driver { pid, source }),
         }
@@ -900,6 +944,27 @@ pub(crate) fn gpu_section(
     nvml: Option<&Nvml>,
     pids: &[i32],
 ) -> Result<GpuSection, SnapshotError> {
+    let running: Vec<(i32, ProcessState)> =
+        pids.iter().map(|&p| (p, ProcessState::Running)).collect();
+    gpu_section_of(driver, nvml, &running, None)
+}
+
+/// [`gpu_section`] of processes in the states found: a checkpointed one's use is `released`'s
+/// (NVML no longer shows it), a running one's NVML's.
+fn gpu_section_of(
+    driver: &CudaDriver,
+    nvml: Option<&Nvml>,
+    found: &[(i32, ProcessState)],
+    released: Option<&[(GpuUuid, u64)]>,
+) -> Result<GpuSection, SnapshotError> {
+    let pids: Vec<i32> = found.iter().map(|p| p.0).collect();
+    let running: Vec<i32> = found
+        .iter()
+        .filter(|p| p.1 != ProcessState::Checkpointed)
+        .map(|p| p.0)
+        .collect();
+    let any_checkpointed = running.len() < pids.len();
+    let pids = pids.as_slice();
     let driver_err = |source| SnapshotError::Driver {
         pid: pids[0],
         source,
@@ -922,12 +987,24 @@ pub(crate) fn gpu_section(
         .into_iter()
         .map(|dev| GpuEntry {
             ordinal: dev.ordinal as u32,
-            used_by_snapshot: usage.as_ref().map(|u| {
-                u.iter()
-                    .filter(|p| p.gpu == dev.uuid && pids.contains(&(p.pid as i32)))
-                    .map(|p| p.used_memory.unwrap_or(0))
-                    .sum::<u64>()
-            }),
+            used_by_snapshot: {
+                let seen = usage.as_ref().map(|u| {
+                    u.iter()
+                        .filter(|p| p.gpu == dev.uuid && running.contains(&(p.pid as i32)))
+                        .map(|p| p.used_memory.unwrap_or(0))
+                        .sum::<u64>()
+                });
+                let given = released.filter(|_| any_checkpointed).map(|r| {
+                    r.iter()
+                        .filter(|r| r.0 == dev.uuid)
+                        .map(|r| r.1)
+                        .sum::<u64>()
+                });
+                match (seen, given) {
+                    (None, None) => None,
+                    (seen, given) => Some(seen.unwrap_or(0) + given.unwrap_or(0)),
+                }
+            },
             name: dev.name,
             uuid: dev.uuid.to_string(),
             total_memory: dev.total_memory,

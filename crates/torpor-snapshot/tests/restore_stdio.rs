@@ -134,6 +134,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         state_dir: None,
         pre_dump_rounds: 0,
         durability: torpor_image::Durability::Synced,
+        gpu_released: None,
     })
     .expect("snapshot");
     let _ = unshare.wait();
@@ -221,6 +222,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         state_dir: None,
         pre_dump_rounds: 0,
         durability: torpor_image::Durability::Synced,
+        gpu_released: None,
     })
     .expect("snapshot of the restored tree");
     let stdio2 = torpor_image::Snapshot::open(&snap2)
@@ -312,6 +314,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         state_dir: None,
         pre_dump_rounds: 0,
         durability: torpor_image::Durability::Synced,
+        gpu_released: None,
     })
     .expect("snapshot");
     let _ = unshare.wait();

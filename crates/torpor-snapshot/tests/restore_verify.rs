@@ -99,6 +99,7 @@ fn snapshot_tree(dir: &Path, key: Option<&SnapshotKey>) -> std::path::PathBuf {
         state_dir: None,
         pre_dump_rounds: 0,
         durability: torpor_image::Durability::Synced,
+        gpu_released: None,
     })
     .expect("snapshot");
     let _ = unshare.wait();

@@ -78,6 +78,7 @@ pub fn run(
         state_dir: None,
         pre_dump_rounds,
         durability: torpor_image::Durability::Synced,
+        gpu_released: None,
     });
     progress.finish();
     let report = report?;

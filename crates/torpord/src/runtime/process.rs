@@ -414,6 +414,20 @@ impl Runtime {
         out: &Path,
         durability: torpor_image::Durability,
     ) -> Result<Vec<(String, f64)>, SnapshotTreeError> {
+        self.snapshot_released_and_kill(pid, out, durability, None)
+            .await
+    }
+
+    /// [`Runtime::snapshot_and_kill`] of a tree whose CUDA process may be checkpointed in place
+    /// already (a gpu_released instance; `gpu_released`: what it held on each GPU before,
+    /// torpor_snapshot's `SnapshotOptions::gpu_released`).
+    pub async fn snapshot_released_and_kill(
+        &self,
+        pid: i32,
+        out: &Path,
+        durability: torpor_image::Durability,
+        gpu_released: Option<Vec<(torpor_cuda::GpuUuid, u64)>>,
+    ) -> Result<Vec<(String, f64)>, SnapshotTreeError> {
         snapshot_and_kill(
             pid,
             out,
@@ -421,6 +435,7 @@ impl Runtime {
             &self.snapshot_key,
             &self.state_root,
             durability,
+            gpu_released,
         )
         .await
     }
@@ -434,6 +449,7 @@ async fn snapshot_and_kill(
     key: &Arc<torpor_image::SnapshotKey>,
     state_dir: &Path,
     durability: torpor_image::Durability,
+    gpu_released: Option<Vec<(torpor_cuda::GpuUuid, u64)>>,
 ) -> Result<Vec<(String, f64)>, SnapshotTreeError> {
     let (out, log_dir, key) = (out.to_path_buf(), log_dir.to_path_buf(), Arc::clone(key));
     let state_dir = state_dir.to_path_buf();
@@ -448,6 +464,7 @@ async fn snapshot_and_kill(
             state_dir: Some(&state_dir),
             pre_dump_rounds: 0,
             durability,
+            gpu_released: gpu_released.as_deref(),
         })
         .map(|report| report.phases.0)
         .map_err(|source| SnapshotTreeError::Snapshot { pid, source })
