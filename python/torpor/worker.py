@@ -7,12 +7,13 @@ torpord starts it under `torpor run` with $TORPOR_WORKER_SOCKET set to its worke
 protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does:
 
 1. Blocks SIGUSR2 (so the wake-up after a snapshot is never lost and never kills it), connects,
-   and sends `hello` {pid, role, function: null, resumed: false, protocol: 4, reattach: false}.
+   and sends `hello` {pid, role, function: null, resumed: false, protocol: 5, reattach: false}.
    `pid` is the worker's PID in its own namespace; torpord identifies connections by SO_PEERCRED.
    `protocol: 2` says this harness sends `started` and reattaches after losing torpord (below);
    `protocol: 3` that it takes `release_gpu`; `protocol: 4` that it keeps its mappings of the
    store's GPU memory where torpord names a `block`, sends `store_release` {blocks} once a got
-   object is gone, and takes `store_unmap` {blocks} (torpor.store_gpu, "Kept mappings").
+   object is gone, and takes `store_unmap` {blocks} (torpor.store_gpu, "Kept mappings");
+   `protocol: 5` that it takes `quiesce` {released: true} while its GPU is released.
 2. Sets the memory defaults frameworks read at start (XLA_PYTHON_CLIENT_PREALLOCATE=false: a JAX
    base must not reserve most of the GPU into its snapshot; torpor.gpu), imports the --preload
    modules in order and, with --gpu, warms CUDA through the first of torch, jax, cupy it imported
@@ -67,6 +68,12 @@ protocol is docs/torpord.md's; frames are torpor.frames'. What this harness does
      `quiet` {cuda_synced: whether a synchronize ran}, closes the connection and blocks in
      sigwait(SIGUSR2). torpord should snapshot once it has read EOF after `quiet`. On SIGUSR2 it
      reconnects and sends `hello` with resumed: true (the original and every restored copy alike).
+     With released: true (protocol 5; only after `release_gpu`, while the driver holds the
+     context checkpointed, so that torpord hibernates the instance without resuming its GPU):
+     no CUDA call at all (no synchronize, no pool or cache emptied, no segment listed: torpord
+     has the segments it handed over since `unmap`, and the worker's own are in the driver's
+     checkpoint); `quiet` {cuda_synced: false, released: true}, then closes and waits as above.
+     The next GPU frame after the wake (`map`, `invoke`) ends the release as usual.
      With split: true (docs/split.md; needs the device-memory hook, $TORPOR_HOOK_LIB), `quiet`
      also lists the segments {va, size, backend, order, first_use, readonly}, one `segment_fd`
      {va, fd: true} frame per segment follows with the segment's fd attached, and the worker
@@ -170,7 +177,7 @@ EXIT_PROTOCOL = 3
 EXIT_LOAD = 4
 EXIT_CONNECT = 5
 CONNECT_TIMEOUT_S = 10.0
-PROTOCOL = 4
+PROTOCOL = 5
 # The frame types torpord sends (protocol.schema.json's to_worker, checked by
 # tests/sdk/test_sdk_protocol.py): those the serve loop takes, and those only a split quiesce
 # takes (after its quiet).
@@ -516,8 +523,9 @@ class Worker:
                     return EXIT_OK
                 continue
             kind = msg.get("type")
-            if kind in GPU_BACK and self.gpu_released:
-                # torpord resumes a released GPU before it sends any of these.
+            if kind in GPU_BACK and self.gpu_released and not (kind == "quiesce" and msg.get("released") is True):
+                # torpord resumes a released GPU before it sends any of these (but a quiesce
+                # that says released: the GPU stays checkpointed through the snapshot).
                 self.gpu_back()
             if kind == "invoke":
                 try:
@@ -1407,6 +1415,11 @@ class Worker:
         split = msg.get("split", False)
         if not isinstance(split, bool):
             raise ProtocolError(f"quiesce's split must be true or false, got {split!r}")
+        released = msg.get("released", False)
+        if not isinstance(released, bool):
+            raise ProtocolError(f"quiesce's released must be true or false, got {released!r}")
+        if released:
+            return self.quiesce_released()
         if self.map_reader is not None or self.readiness is not None:
             # The map reader too: a request may have settled the waits before the reader handed
             # the connection back, and its queue still holds frames.
@@ -1436,19 +1449,7 @@ class Worker:
             torpor_gpu.shrink_context()
         if synced:
             self.release_pinned_memory()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        assert self.reader is not None
-        self.reader.shrink()
-        gc.collect()
-        # What lived through this collection (the model, the libraries: 445 000 objects in a
-        # GPT-2-Large worker) is frozen out of the cyclic collector: the next quiet point's
-        # collect (a hibernation's stop) then scans only what came since, 0.0001 s instead of
-        # 0.25 s on the H100 (bench/results/quiet-steps-s26-h100.json), and no later collection
-        # walks, and so faults in or dirties, the restored heap's pages. Reference counting still
-        # frees frozen objects; only a cycle among them that becomes garbage stays (gc.unfreeze()).
-        gc.freeze()
-        _drain_sigusr2()
+        self.settle_for_snapshot()
         if hook is None:
             try:
                 self.send({"type": "quiet", "cuda_synced": synced})
@@ -1464,11 +1465,60 @@ class Worker:
             if outcome == "resume":
                 # torpord only read the segments (their hashes): serve on, connected.
                 return True
+        self.sleep_until_woken()
+        return True
+
+    def settle_for_snapshot(self) -> None:
+        """The host side of every quiet point: output flushed, buffers shrunk, garbage collected
+        and what survives frozen, a stale SIGUSR2 drained."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        assert self.reader is not None
+        self.reader.shrink()
+        # With a released GPU, what PyTorch's allocator gets back here stays in its cache (no
+        # driver call).
+        gc.collect()
+        # What lived through this collection (the model, the libraries: 445 000 objects in a
+        # GPT-2-Large worker) is frozen out of the cyclic collector: the next quiet point's
+        # collect (a hibernation's stop) then scans only what came since, 0.0001 s instead of
+        # 0.25 s on the H100 (bench/results/quiet-steps-s26-h100.json), and no later collection
+        # walks, and so faults in or dirties, the restored heap's pages. Reference counting still
+        # frees frozen objects; only a cycle among them that becomes garbage stays (gc.unfreeze()).
+        gc.freeze()
+        _drain_sigusr2()
+
+    def sleep_until_woken(self) -> None:
+        """After `quiet`: closes, waits for SIGUSR2 (the original after a failed snapshot, or
+        any restored copy) and reconnects; segments released at the quiet point are mapped
+        as `map` frames come."""
+        assert self.reader is not None
         self.close()
         _wait_sigusr2()
         self.connect(resumed=True)
         if self.reader.fds:
             self.start_mapping()
+
+    def quiesce_released(self) -> bool:
+        """The quiet point of a worker whose GPU torpord released (`release_gpu`, then the
+        driver's checkpoint in place): torpord snapshots it as it is, without resuming the GPU,
+        so nothing here may call CUDA (a call would wait on the driver's lock): no synchronize
+        (its work was done before `gpu_quiet`), no pool or allocator cache emptied (given back at
+        `release_gpu`), no segment listed (torpord has those it handed over, saved at `unmap`;
+        those this worker made since are in the driver's checkpoint, restored with the process)."""
+        if not self.gpu_released:
+            raise ProtocolError(
+                "quiesce {released: true}, but torpord did not release this worker's GPU "
+                "(release_gpu); send quiesce without released"
+            )
+        with self.memory_lock:
+            self.quiescing = True
+        self.settle_for_snapshot()
+        try:
+            self.send({"type": "quiet", "cuda_synced": False, "released": True})
+        except ConnectionError:
+            self.close()
+            return self.reattach()
+        self.sleep_until_woken()
         return True
 
     # -- segments mapped after a restore ------------------------------------------------------

@@ -189,6 +189,9 @@ def test_gpu_instance_releases_its_gpu_in_place_then_hibernates(cuda: None, tran
     assert resumed.json()["calls"] == 2 and close(resumed.json()["y"], want)
 
     _wait_stage(torpord, "hibernated")
+    # From gpu_released, without its GPU resumed (protocol 5; docs/checkpoints.md).
+    stop = [x for x in torpord.log.read_text().splitlines() if "hibernation stop" in x][-1]
+    assert "gpu_resume" not in stop, stop
     woken = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
     assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body, torpord.log_text())
     print("woken from hibernation:", woken.timings)
@@ -342,8 +345,8 @@ def test_pack_weights_false_leaves_the_weights_where_setup_put_them(
 def test_split_gpu_instance_releases_its_gpu_and_maps_its_segments_back(cuda: None, torpord: Torpord) -> None:
     """The split path (the default): before the in-place checkpoint the worker unmaps its
     segments and the daemon saves the writable ones; the resume maps them back (timing
-    `segments`) and the answers are bit-identical. A gpu_released instance then hibernates (resumed
-    first) and wakes with its state."""
+    `segments`) and the answers are bit-identical. A gpu_released instance then hibernates (its
+    GPU not resumed: the segments from the release's copies) and wakes with its state."""
     lines = torpord.deploy(GPUSLEEPY)
     (snap,) = [line for line in lines if line.get("phase") == "snapshot_function"]
     hook_or_skip(torpord)
@@ -366,9 +369,14 @@ def test_split_gpu_instance_releases_its_gpu_and_maps_its_segments_back(cuda: No
     assert resumed.json() == {"y": y, "calls": first.json()["calls"] + 1}, (resumed.json(), y)
     assert "cannot release the GPU" not in torpord.log_text()
 
-    # Released again, then hibernated from gpu_released: resumed first, then the split capture.
+    # Released again, then hibernated from gpu_released without a resume: its segments stored
+    # from the copies the release kept.
     _wait_stage(torpord, "gpu_released")
     _wait_stage(torpord, "hibernated")
+    log = torpord.log.read_text()
+    assert "segments stored from the GPU release" in log, torpord.log_text()
+    stop = [x for x in log.splitlines() if "hibernation stop" in x][-1]
+    assert "gpu_resume" not in stop, stop
     woken = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
     assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body, torpord.log_text())
     assert woken.json() == {"y": y, "calls": first.json()["calls"] + 2}, woken.json()

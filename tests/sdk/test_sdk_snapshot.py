@@ -49,7 +49,7 @@ def test_snapshot_then_two_restores_all_reconnect_and_agree(
         "role": "base",
         "function": None,
         "resumed": False,
-        "protocol": 4,
+        "protocol": 5,
         "reattach": False,
     }
     assert c.expect("ready")["ok"] is True
@@ -88,7 +88,7 @@ def test_snapshot_then_two_restores_all_reconnect_and_agree(
             "role": "function",
             "function": "tinymlp",
             "resumed": True,
-            "protocol": 4,
+            "protocol": 5,
             "reattach": False,
         }
         conns[conn.peer_pid] = conn

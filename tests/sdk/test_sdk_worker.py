@@ -50,7 +50,7 @@ def start_loaded(spawn: Spawner, daemon: Daemon, *args: str) -> tuple[Spawned, C
         "role": "base",
         "function": None,
         "resumed": False,
-        "protocol": 4,
+        "protocol": 5,
         "reattach": False,
     }
     assert c.peer_pid == w.pid
@@ -114,7 +114,7 @@ def test_quiesce_close_sigusr2_resume(spawn: Spawner, daemon: Daemon) -> None:
         "role": "function",
         "function": "tinymlp",
         "resumed": True,
-        "protocol": 4,
+        "protocol": 5,
         "reattach": False,
     }
     r = c2.invoke(2, {"x": X})
@@ -127,6 +127,32 @@ def test_quiesce_close_sigusr2_resume(spawn: Spawner, daemon: Daemon) -> None:
     c3 = daemon.accept()
     assert c3.expect("hello")["resumed"] is True
     assert c3.invoke(3, {"echo": 1})["value"] == {"echo": 1, "calls": 4}
+
+
+def test_a_released_quiesce_makes_no_gpu_call_and_the_next_request_ends_the_release(
+    spawn: Spawner, daemon: Daemon
+) -> None:
+    """`quiesce` {released: true} (protocol 5): after `release_gpu`, a quiet point that leaves the
+    release standing (no `gpu_back` on the quiesce), then the wake and the first request end it."""
+    w, c = start_loaded(spawn, daemon)
+    c.send({"type": "release_gpu"})
+    assert c.expect("gpu_quiet") == {"type": "gpu_quiet", "bytes": 0}
+    c.send({"type": "quiesce", "released": True})
+    assert c.expect("quiet") == {"type": "quiet", "cuda_synced": False, "released": True}
+    assert c.at_eof(), "the worker must close its connection after quiet"
+    wait_for(lambda: proc_state(w.pid) == "S", 5, "the worker to block in sigwait")
+    os.kill(w.pid, signal.SIGUSR2)
+    c2 = daemon.accept()
+    assert c2.expect("hello")["resumed"] is True
+    r = c2.invoke(2, {"x": X})
+    assert r["ok"] is True and r["value"] == {"y": expected_y(X), "calls": 2}, r
+
+
+def test_a_released_quiesce_of_a_worker_never_released_is_a_protocol_error(spawn: Spawner, daemon: Daemon) -> None:
+    w, c = start_loaded(spawn, daemon)
+    c.send({"type": "quiesce", "released": True})
+    assert w.wait() == 3
+    assert "quiesce {released: true}, but torpord did not release this worker's GPU" in w.stderr(), w.stderr()
 
 
 def test_sigusr2_before_quiesce_is_not_lost_or_fatal(spawn: Spawner, daemon: Daemon) -> None:
@@ -151,7 +177,7 @@ def test_role_function_waits_for_load(spawn: Spawner, daemon: Daemon) -> None:
         "role": "function",
         "function": None,
         "resumed": False,
-        "protocol": 4,
+        "protocol": 5,
         "reattach": False,
     }
     ready = c.load()
@@ -380,7 +406,7 @@ def test_a_loaded_worker_that_loses_its_daemon_reattaches_with_its_state(spawn: 
     c.close()
     again = daemon.accept()
     hello = again.expect("hello")
-    assert hello["resumed"] is True and hello["reattach"] is True and hello["protocol"] == 4, hello
+    assert hello["resumed"] is True and hello["reattach"] is True and hello["protocol"] == 5, hello
     assert hello["role"] == "function", hello
     again.send({"type": "attached", "reattach_s": 5})
     # The same process, its memory kept: the call counter goes on.

@@ -27,9 +27,10 @@ use serde_json::Value;
 
 /// The newest protocol version this daemon speaks (sent by workers in `hello`): 2 sends
 /// `started` and reattaches; 3 takes `release_gpu`; 4 keeps its mappings of the store's GPU
-/// memory (`block`), sends `store_release` and takes `store_unmap`. A worker restored from an
-/// older snapshot speaks its own version, which the daemon reads from its hello.
-pub const PROTOCOL: u64 = 4;
+/// memory (`block`), sends `store_release` and takes `store_unmap`; 5 takes `quiesce`
+/// {released: true}. A worker restored from an older snapshot speaks its own version, which the
+/// daemon reads from its hello.
+pub const PROTOCOL: u64 = 5;
 
 /// A frame that is not a frame of the protocol.
 #[derive(Debug, thiserror::Error)]
@@ -265,6 +266,9 @@ pub struct MemoryReport {
 #[schemars(deny_unknown_fields)]
 pub struct Quiet {
     pub cuda_synced: bool,
+    /// After `quiesce` {released: true}.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<Vec<SegmentInfo>>")]
     pub segments: Option<Vec<Value>>,
@@ -579,12 +583,16 @@ pub struct Attached {
     pub reattach_s: f64,
 }
 
-/// `quiesce`: go to a quiet point for a snapshot (`split`: list and hand over the segments).
+/// `quiesce`: go to a quiet point for a snapshot (`split`: list and hand over the segments;
+/// `released`: the worker's GPU is released and stays so, the quiet point makes no CUDA call
+/// and lists no segment; protocol 5).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 #[schemars(deny_unknown_fields)]
 pub struct Quiesce {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub split: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released: Option<bool>,
 }
 
 /// `map`: map one segment back from the memfd attached to the frame.
@@ -833,7 +841,10 @@ mod tests {
     fn sent_frames_parse_back_as_themselves() {
         let frames = [
             ToWorker::Attached(Attached { reattach_s: 30.0 }),
-            ToWorker::Quiesce(Quiesce { split: Some(true) }),
+            ToWorker::Quiesce(Quiesce {
+                split: Some(true),
+                released: None,
+            }),
             ToWorker::Unmap(Unmap { vas: vec![4096] }),
             ToWorker::Release(Empty {}),
             ToWorker::Invoke(Invoke {

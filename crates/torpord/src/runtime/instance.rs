@@ -45,6 +45,9 @@ pub struct Instance {
     /// Its harness keeps its mappings of the store's GPU memory between puts and gets and
     /// releases its gets (protocol 4; crate::runtime::store_gpu, "Kept mappings").
     pub(crate) keeps_store_mappings: bool,
+    /// Its harness takes `quiesce` {released: true} (protocol 5): a hibernation from
+    /// gpu_released need not resume its GPU first.
+    pub(crate) quiets_released: bool,
     /// Its worker process as a holder of the store's GPU memory (crate::runtime::store):
     /// unique to this connection, so a restored process does not inherit the holds.
     pub(crate) store_holder: u64,
@@ -59,6 +62,10 @@ pub struct Instance {
     pub(crate) quiet_tx: Mutex<Option<oneshot::Sender<QuietHandOver>>>,
     /// A GPU release failed: it stays warm until it hibernates.
     pub(crate) gpu_release_failed: AtomicBool,
+    /// What its worker held on each GPU (NVML) just before its GPU was released in place, which
+    /// NVML no longer shows: what a restore of a snapshot taken while released needs. `None`:
+    /// not released by this daemon, or NVML unavailable.
+    pub(crate) released_gpu: Mutex<Option<Vec<(torpor_cuda::GpuUuid, u64)>>>,
     /// The segments it has from the restore server (split path), mapped or, while its GPU is
     /// released, saved (crate::split::release).
     pub(crate) segments: Mutex<crate::split::release::InstanceSegments>,
@@ -237,12 +244,14 @@ pub(crate) fn new_instance(
         announces_start: conn.hello.protocol >= 2,
         quiets_gpu: conn.hello.protocol >= 3,
         keeps_store_mappings: conn.hello.protocol >= 4,
+        quiets_released: conn.hello.protocol >= 5,
         store_holder: NEXT_STORE_HOLDER.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         pending: Mutex::new(HashMap::new()),
         why_dead: Mutex::new(None),
         keep: Mutex::new(keep),
         quiet_tx: Mutex::new(None),
         gpu_release_failed: AtomicBool::new(false),
+        released_gpu: Mutex::new(None),
         segments: Mutex::new(Default::default()),
         precopy: Mutex::new(Default::default()),
         gpu: std::sync::atomic::AtomicU32::new(0),

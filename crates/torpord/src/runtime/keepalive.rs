@@ -86,6 +86,26 @@ impl Runtime {
         Some(out)
     }
 
+    /// What process `pid` holds on each GPU, from NVML, if NVML loads and lists it.
+    fn gpu_memory_of(&self, pid: i32) -> Option<Vec<(torpor_cuda::GpuUuid, u64)>> {
+        let nvml = self
+            .nvml
+            .get_or_init(|| torpor_cuda::Nvml::load().ok())
+            .as_ref()?;
+        let mut out: Vec<(torpor_cuda::GpuUuid, u64)> = Vec::new();
+        for p in nvml.process_memory().ok()? {
+            if i32::try_from(p.pid) != Ok(pid) {
+                continue;
+            }
+            let bytes = p.used_memory.unwrap_or(0);
+            match out.iter_mut().find(|(g, _)| *g == p.gpu) {
+                Some((_, b)) => *b += bytes,
+                None => out.push((p.gpu, bytes)),
+            }
+        }
+        Some(out)
+    }
+
     fn tick(self: &Arc<Self>) {
         self.sandbox_pool_tick();
         self.store_tick();
@@ -317,6 +337,9 @@ impl Runtime {
             self.unmap_segments(inst).await?;
         }
         let pid = inst.worker_pid;
+        // What a snapshot taken while released must record as the GPU memory its restore needs
+        // (hibernate_inner): NVML stops showing it once the driver has checkpointed it.
+        *lock(&inst.released_gpu) = self.gpu_memory_of(pid);
         let checkpointed = tokio::task::spawn_blocking(move || {
             cuda.lock(pid, CUDA_LOCK_TIMEOUT)?;
             if let Err(e) = cuda.checkpoint(pid) {
@@ -826,6 +849,43 @@ impl Runtime {
         tracing::info!(instance = %inst.id, segments = captured.segments.len(), bytes = captured.bytes, new_bytes = captured.new_bytes, "hibernation: segments stored");
         Ok(captured)
     }
+
+    /// [`Runtime::hibernate_segments`] of an instance whose GPU stays released: its segments
+    /// were given back at `unmap`; what the release saved of them (and the recipes of the rest)
+    /// is the record of `hib_id` (crate::split::capture::store_released). Nothing is read from
+    /// the worker. On a failure the saved contents stay with the instance.
+    async fn hibernate_released_segments(
+        self: &Arc<Self>,
+        inst: &Arc<Instance>,
+        hib_id: &str,
+    ) -> Result<crate::split::capture::Captured, HibernateError> {
+        let Some((plan, saved)) = lock(&inst.segments).take_saved() else {
+            return Err(HibernateError::NotReleased);
+        };
+        let (split, id) = (Arc::clone(&self.split), hib_id.to_string());
+        let tenant = self.function_tenant(&inst.function);
+        let (stored, saved) = tokio::task::spawn_blocking(move || {
+            let stored = split
+                .store_for(&tenant)
+                .map_err(Into::into)
+                .and_then(|store| {
+                    crate::split::capture::store_released(&split, &store, &id, &plan, &saved)
+                });
+            (stored, saved)
+        })
+        .await
+        .map_err(HibernateError::CaptureTask)?;
+        match stored {
+            Ok(captured) => {
+                tracing::info!(instance = %inst.id, segments = captured.segments.len(), bytes = captured.bytes, new_bytes = captured.new_bytes, "hibernation: segments stored from the GPU release, the GPU not resumed");
+                Ok(captured)
+            }
+            Err(e) => {
+                lock(&inst.segments).release(saved);
+                Err(e.into())
+            }
+        }
+    }
 }
 
 /// What a hibernation's stop hands back: the sleeper it replaced, what its pre-copy saved
@@ -867,11 +927,21 @@ impl Runtime {
         journal: &Journal,
     ) -> Result<HibernatedParts, HibernateError> {
         let mut marks = StopMarks::start();
+        let mut released_gpu = None;
         if inst.state() == State::Changing(Stage::GpuReleased, Doing::Hibernate) {
-            // The worker must run CUDA to synchronise before quiet, and the split capture reads
-            // every segment: resume first (segments mapped back), then hibernate as a warm one.
-            self.gpu_resume(inst).await?;
-            marks.mark("gpu_resume");
+            // Its GPU state is in its memory already (the driver's checkpoint in place) and the
+            // daemon has its segments (saved at `unmap`): a harness that can reach a quiet point
+            // without CUDA is snapshotted as it is, which saves the resume (GPU memory it would
+            // need back, the driver's restore), the segments' reads and a second checkpoint.
+            // Otherwise (an older harness; a release this daemon did not see, so with no record
+            // of the GPU memory a restore needs): resume first, then hibernate as a warm one.
+            released_gpu = lock(&inst.released_gpu)
+                .clone()
+                .filter(|_| inst.quiets_released);
+            if released_gpu.is_none() {
+                self.gpu_resume(inst).await?;
+                marks.mark("gpu_resume");
+            }
         }
         // A split function snapshot: its instances hibernate split too.
         let function_snapshot = lock(&pool.state).info.snapshot_id.clone();
@@ -895,6 +965,7 @@ impl Runtime {
                 &mut wr,
                 &ToWorker::Quiesce(Quiesce {
                     split: Some(split.is_some()),
+                    released: released_gpu.is_some().then_some(true),
                 }),
             )
             .await
@@ -927,6 +998,9 @@ impl Runtime {
         };
         journal.step(quiet_step, None).await;
         let stored = match split {
+            Some(_) if released_gpu.is_some() => {
+                Some(self.hibernate_released_segments(inst, &hib_id).await?)
+            }
             Some(plan) => Some(
                 self.hibernate_segments(inst, &quiet, &mut rd, &hib_id, plan.as_slice())
                     .await?,
@@ -954,9 +1028,14 @@ impl Runtime {
                 }
                 // Sealed from the page cache, flushed after the stop (flush_hibernation): the
                 // instance's stop no longer waits for its whole image to reach the disk.
-                self.snapshot_and_kill(inst.init_pid, out, torpor_image::Durability::Deferred)
-                    .await
-                    .map_err(HibernateError::from)
+                self.snapshot_released_and_kill(
+                    inst.init_pid,
+                    out,
+                    torpor_image::Durability::Deferred,
+                    released_gpu.clone(),
+                )
+                .await
+                .map_err(HibernateError::from)
             }
             Err(e) => Err(e),
         };
@@ -1400,6 +1479,9 @@ pub enum HibernateError {
     /// Storing the segments failed.
     #[error(transparent)]
     Capture(#[from] crate::split::capture::CaptureError),
+    /// A hibernation without a GPU resume found no segments saved by a release (a bug).
+    #[error("its GPU is released but the daemon holds none of its segments' saved contents")]
+    NotReleased,
     /// The worker did not release its segments (their record was released).
     #[error("releasing the segments: {0}")]
     ReleaseSegments(#[source] workers::ConnError),

@@ -13,7 +13,8 @@
 //!     │  │            ▼                                                             ▼
 //!     │  │        standby ── TakeStandby ──▶ warm (CPU) │ resuming (GPU) ─────────▶ warm
 //!     │  │
-//!     │  │   warm │ gpu_released ── Begin(Hibernate) ─▶ (resume first if gpu_released)
+//!     │  │   warm │ gpu_released ── Begin(Hibernate) ─▶ (gpu_released: resumed first unless
+//!     │  │        its harness quiesces without CUDA, protocol 5)
 //!     │  │        ── Quiesce ─▶ hibernating ── Hibernate ─▶ hibernated ── Begin(Evict) ─▶
 //!     │  │        evicting ── Evict ─▶ evicted        (Abort: back to hibernated)
 //!     │  ╰── Wake (a hibernated or evicted instance taken to be restored) ──╯
@@ -30,7 +31,7 @@
 //! | `Abort` | changing → where it began | nothing | kept | `runtime/keepalive.rs` |
 //! | `ReleaseGpu` | releasing → gpu_released | warm | gpu_released | `runtime/keepalive.rs` `release_gpu` |
 //! | `ResumeGpu` | resuming → warm (or on to its hibernation) | gpu_released | warm | `runtime/keepalive.rs` `gpu_resume` |
-//! | `Quiesce` | changing to hibernated (from warm) → hibernating | nothing (the time goes to hibernating) | kept | `runtime/keepalive.rs` `hibernate_inner` |
+//! | `Quiesce` | changing to hibernated (from warm, or gpu_released kept released) → hibernating | nothing (the time goes to hibernating) | kept | `runtime/keepalive.rs` `hibernate_inner` |
 //! | `Hibernate` | hibernating → hibernated | hibernating | hibernated, with its snapshot ([`Runtime::record_hibernation`]) | `runtime/keepalive.rs` `hibernate_inner` |
 //! | `Evict` | evicting → evicted | hibernated | evicted | `runtime/keepalive.rs` `evict` |
 //! | `Wake` | hibernated / evicted → starting | the stage left | kept, updated by `Adopt` | `runtime/start/mod.rs` (via [`Runtime::close_sleeper`]) |
@@ -743,7 +744,10 @@ impl Transition {
             (Transition::ResumeGpu, St::Changing(S::GpuReleased, D::Hibernate)) => {
                 St::Changing(S::Warm, D::Hibernate)
             }
-            (Transition::Quiesce, St::Changing(S::Warm, D::Hibernate)) => St::Hibernating,
+            // From gpu_released: a hibernation that does not resume the GPU (keepalive.rs).
+            (Transition::Quiesce, St::Changing(S::Warm | S::GpuReleased, D::Hibernate)) => {
+                St::Hibernating
+            }
             (Transition::Hibernate, St::Hibernating) => St::Hibernated,
             (Transition::Evict, St::Changing(S::Hibernated, D::Evict)) => St::Evicted,
             (Transition::Wake, St::Hibernated | St::Evicted) => St::Starting,
@@ -913,9 +917,17 @@ mod tests {
             ),
             State::Warm
         );
-        // A quiesce of an instance whose GPU is still released is refused: it resumes first.
+        // A hibernation from gpu_released either resumes first or quiesces it as it is.
         assert_eq!(
-            T::Quiesce.apply(State::Changing(Stage::GpuReleased, Doing::Hibernate)),
+            walk(
+                State::GpuReleased,
+                &[T::Begin(Doing::Hibernate), T::Quiesce, T::Hibernate]
+            ),
+            State::Hibernated
+        );
+        // But not one resuming for a request.
+        assert_eq!(
+            T::Quiesce.apply(State::Changing(Stage::GpuReleased, Doing::ResumeGpu)),
             None
         );
         // An earlier daemon's row never re-adopts a process that has none.

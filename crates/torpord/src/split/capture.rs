@@ -73,8 +73,11 @@ fn protocol(what: impl Into<String>) -> ConnError {
 pub async fn quiesce(
     conn: &mut WorkerConn,
 ) -> Result<(Map<String, Value>, Vec<Listed>), ConnError> {
-    conn.send(&ToWorker::Quiesce(Quiesce { split: Some(true) }))
-        .await?;
+    conn.send(&ToWorker::Quiesce(Quiesce {
+        split: Some(true),
+        released: None,
+    }))
+    .await?;
     let quiet = match fds::read_with_fd(&mut conn.rd).await? {
         None => return Err(ConnError::Closed),
         Some((m, None)) if m.get("type").and_then(Value::as_str) == Some("quiet") => m,
@@ -370,6 +373,20 @@ pub fn store_all_with(
         recipes.push(recipe);
     }
     split.update_cache_gauges();
+    commit_record(split, writer, snapshot_id, entries, recipes, bytes, delta)
+}
+
+/// Commits `entries` (their recipes in `recipes`, in the same order) with their index as the
+/// record of `snapshot_id`.
+fn commit_record(
+    split: &Split,
+    mut writer: torpor_image::store::StoreWriter<'_>,
+    snapshot_id: &str,
+    entries: Vec<SegmentEntry>,
+    mut recipes: Vec<Recipe>,
+    bytes: u64,
+    delta: Option<super::precopy::Delta>,
+) -> Result<Captured, CaptureError> {
     let idx = SegmentIndex {
         format: INDEX_FORMAT,
         segments: entries.clone(),
@@ -392,6 +409,75 @@ pub fn store_all_with(
         new_bytes,
         delta,
     })
+}
+
+/// The record of `snapshot_id` for an instance whose GPU is released (crate::split::release):
+/// the daemon gave its segments back at `unmap`, so they are not read from the worker but
+/// taken from what the release kept: `saved[i]`, the contents of `plan[i]` copied then, or,
+/// for `None`, `plan[i]`'s recipe (a read-only segment, or one never handed over: a standby's).
+/// A segment stays read-only when it was and its contents are the same. Blocking.
+pub fn store_released(
+    split: &Split,
+    store: &ChunkStore,
+    snapshot_id: &str,
+    plan: &[index::Planned],
+    saved: &[Option<super::device::HostBuffer>],
+) -> Result<Captured, CaptureError> {
+    if plan.len() != saved.len() {
+        return Err(CaptureError::Released {
+            saved: saved.len(),
+            planned: plan.len(),
+        });
+    }
+    let mut writer = store
+        .writer()
+        .map_err(|e| CaptureError::Writer(Box::new(e)))?;
+    let mut recipes: Vec<Recipe> = Vec::with_capacity(plan.len() + 1);
+    let mut entries = Vec::with_capacity(plan.len());
+    let mut bytes = 0;
+    let mut delta = super::precopy::Delta::default();
+    for ((e, recipe), buf) in plan.iter().zip(saved) {
+        let recipe = match buf {
+            Some(buf) => {
+                delta.changed_bytes += e.size;
+                writer
+                    .put_bytes(&index::recipe_name(e.va), buf)
+                    .map_err(|source| CaptureError::Put {
+                        va: e.va,
+                        source: Box::new(source),
+                    })?
+            }
+            None if all_stored(store, recipe) => {
+                delta.read_only_kept += 1;
+                delta.read_only_bytes += e.size;
+                recipe.clone()
+            }
+            None => return Err(CaptureError::NotStored { va: e.va }),
+        };
+        let readonly = e.readonly && recipe.blake3 == e.blake3;
+        entries.push(SegmentEntry {
+            recipe: recipe.name.clone(),
+            blake3: recipe.blake3.clone(),
+            readonly,
+            readonly_why: if readonly {
+                e.readonly_why.clone()
+            } else {
+                String::new()
+            },
+            ..e.clone()
+        });
+        bytes += e.size;
+        recipes.push(recipe);
+    }
+    commit_record(
+        split,
+        writer,
+        snapshot_id,
+        entries,
+        recipes,
+        bytes,
+        Some(delta),
+    )
 }
 
 /// Every chunk of `recipe` is in `store` (checked under a writer, which holds GC off until its
@@ -451,6 +537,12 @@ pub enum CaptureError {
         #[source]
         source: Box<StoreError>,
     },
+    /// A released instance's saved segments and its plan disagree (a bug).
+    #[error("the instance saved {saved} segments at its GPU release but its plan lists {planned}")]
+    Released { saved: usize, planned: usize },
+    /// A released segment's recipe has chunks the store no longer holds.
+    #[error("the segment at {va:#x} was released with its contents in the chunk store, which no longer holds them all")]
+    NotStored { va: u64 },
 }
 
 /// Sends `release` and reads `released`; returns the bytes the worker released.

@@ -16,6 +16,9 @@ use super::index::Planned;
 use super::server::{Lease, Leases, Source};
 use super::Split;
 
+/// What a GPU release kept of each segment ([`Split::save_writable`]).
+pub type SavedContents = Vec<Option<HostBuffer>>;
+
 /// What an instance holds from the restore server.
 #[derive(Debug, Default)]
 pub struct InstanceSegments {
@@ -128,6 +131,17 @@ impl InstanceSegments {
             Held::Mapped(l) => Some((Arc::clone(&self.plan), l.clone())),
             Held::Saved(_) => None,
         }
+    }
+
+    /// Takes the saved contents of a released instance for its hibernation
+    /// ([`super::capture::store_released`]); `None` if its segments are not released. The
+    /// instance keeps its plan, its segments then filled from the restore server's sources.
+    pub fn take_saved(&mut self) -> Option<(Arc<Vec<Planned>>, SavedContents)> {
+        let Held::Saved(saved) = &mut self.held else {
+            return None;
+        };
+        let taken = std::mem::replace(saved, self.plan.iter().map(|_| None).collect());
+        Some((Arc::clone(&self.plan), taken))
     }
 
     /// Drops the daemon's handles on the memory, keeping `saved` (from

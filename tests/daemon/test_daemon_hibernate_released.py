@@ -1,0 +1,164 @@
+"""A gpu_released instance hibernates without its GPU being resumed (docs/checkpoints.md,
+"Hibernating a released instance"), without a GPU: torpord's driver calls go to
+tests/fakes/fake_libcuda.c (which logs each), NVML is tests/fakes/fake_nvml.c, the worker is the
+real harness and CRIU is real.
+
+While released, the worker's GPU state is in its own memory (the driver's checkpoint in place)
+and, on the split path, the daemon holds a copy of each writable segment it handed over. So the
+hibernation must not restore, unlock or lock the worker again: the quiet point makes no CUDA
+call, the segments are stored from the release's copies, and the snapshot takes the process as
+the driver left it. The snapshot must still record the GPU memory a restore needs, which NVML
+stopped showing at the release (the test empties the fake NVML's list then, as the real driver
+does), and the wake must bring back the same process state and the same segment contents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import FakeCuda, wait_until
+
+from .conftest import FUNCTIONS, Torpord, fake_gpu_env
+from .test_daemon_split import expected_sha, record
+
+MIB = 1 << 20
+WORKER_GPU_BYTES = 64 * MIB
+KEEPALIVE = "\n[keepalive]\ngpu_release_s = 1\nhibernate_s = 3\nevict_s = 600\n"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("torpord-hibernate-released")
+
+
+@pytest.fixture(scope="module")
+def daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, root: Path) -> Iterator[Torpord]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    if not os.environ.get("TORPOR_HOOK_LIB") and not (torpor_bin.parent / "libtorpor_hook.so").is_file():
+        pytest.fail("libtorpor_hook.so not found: build it (cargo build -p torpor-hook --lib)", pytrace=False)
+    (root / "nvml-procs").write_text("")
+    env = fake_gpu_env(
+        root,
+        fake_cuda,
+        FAKE_CUDA_LOG=str(root / "driver-calls.log"),
+        FAKE_NVML_PROCS_FILE=str(root / "nvml-procs"),
+    )
+    d = Torpord(torpor_bin, root, env=env)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def gpu_function(root: Path, source: Path, name: str) -> Path:
+    """`source` deployed as `name`, a GPU function released after 1 s idle, hibernated after 3."""
+    fdir = root / "functions" / name
+    shutil.copytree(source, fdir, ignore=shutil.ignore_patterns("__pycache__"))
+    toml = fdir / "torpor.toml"
+    spec = toml.read_text().split("\n[keepalive]")[0]
+    spec = spec.replace(f'name = "{source.name}"', f'name = "{name}"')
+    if "gpus = 1" not in spec:
+        spec = spec.replace('timeout_s = 30', 'timeout_s = 30\ngpus = 1\ngpu_memory = "64MiB"')
+    toml.write_text(spec + KEEPALIVE)
+    return fdir
+
+
+def worker_of(init: int) -> int:
+    """The host pid of the worker under an instance's init."""
+    children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+    assert children, f"no worker under init {init}"
+    return int(children[0])
+
+
+def driver_calls(root: Path) -> list[str]:
+    return (root / "driver-calls.log").read_text().splitlines()
+
+
+def calls_for(root: Path, pid: int) -> list[str]:
+    """The driver calls on `pid`, each as "<call> <result>"."""
+    out = []
+    for line in driver_calls(root):
+        fields = line.split()
+        if fields[1] == str(pid):
+            out.append(f"{fields[0]} {fields[-1]}")
+    return out
+
+
+def hibernate_released(d: Torpord, root: Path, name: str, request: dict) -> tuple[dict, int, Path]:
+    """One request, then waits for the GPU release (the fake NVML listing the worker's memory
+    until then, as the real one does) and the hibernation. Returns the answer, the worker's
+    pid and the hibernation snapshot."""
+    first = d.invoke(name, request)
+    assert first.status == 200, (first.status, first.body, d.log_text())
+    (inst,) = d.instances(name)
+    worker = worker_of(inst["pid"])
+    (root / "nvml-procs").write_text(f"{worker}:{WORKER_GPU_BYTES}\n")
+    wait_until(lambda: [i["stage"] for i in d.instances(name)] == ["gpu_released"], 30, "the GPU release")
+    # The driver's checkpoint gave the GPU memory back: NVML no longer lists the worker.
+    (root / "nvml-procs").write_text("")
+    wait_until(lambda: [i["stage"] for i in d.instances(name)] == ["hibernated"], 30, "the hibernation")
+    (snap,) = (d.state / "snapshots").glob(f"hib-{name}-*")
+    return first.json(), worker, snap
+
+
+def check_not_resumed(d: Torpord, root: Path, worker: int, snap: Path) -> None:
+    # Restored and unlocked at its start, locked and checkpointed at the release; never
+    # restored, unlocked or locked again.
+    calls = calls_for(root, worker)
+    assert calls == ["restore result=0", "unlock result=0", "lock result=0", "checkpoint result=0"], driver_calls(root)
+    stop = next(x for x in d.log.read_text().splitlines() if "hibernation stop" in x)
+    assert "gpu_resume" not in stop, stop
+    # What a restore needs on the GPU: the worker's use before its release, not NVML's now.
+    manifest = json.loads((snap / "manifest.json").read_text())
+    (gpu,) = manifest["gpu"]["gpus"]
+    assert gpu["used_by_snapshot"] == WORKER_GPU_BYTES, manifest["gpu"]
+
+
+def check_woken(d: Torpord, root: Path, name: str, worker: int) -> int:
+    """The wake restored a new process and the driver resumed it; returns its worker pid."""
+    (inst,) = d.instances(name)
+    assert inst["stage"] == "warm", inst
+    woken = worker_of(inst["pid"])
+    assert woken != worker
+    assert calls_for(root, woken)[:2] == ["restore result=0", "unlock result=0"], driver_calls(root)
+    return woken
+
+
+def test_a_released_instance_hibernates_without_a_gpu_resume_and_wakes_with_its_state(
+    daemon: Torpord, root: Path
+) -> None:
+    # gpuipc has no segments: the transparent path.
+    daemon.deploy(gpu_function(root, FUNCTIONS / "gpuipc", "gpuhib"))
+    first, worker, snap = hibernate_released(daemon, root, "gpuhib", {"op": "count"})
+    check_not_resumed(daemon, root, worker, snap)
+    woken = daemon.invoke("gpuhib", {"op": "count"})
+    assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body, daemon.log_text())
+    assert woken.json()["calls"] == first["calls"] + 1, (first, woken.json())
+    check_woken(daemon, root, "gpuhib", worker)
+
+
+def test_a_released_split_instance_hibernates_from_the_copies_its_release_kept(daemon: Torpord, root: Path) -> None:
+    daemon.deploy(gpu_function(root, FUNCTIONS / "splitbuf", "splitgpu"))
+    first, worker, snap = hibernate_released(daemon, root, "splitgpu", {"op": "compute", "x": 7})
+    assert first["sha"] == expected_sha(7), first
+    check_not_resumed(daemon, root, worker, snap)
+    line = next(x for x in daemon.log.read_text().splitlines() if "segments stored from the GPU release" in x)
+    assert "segments=3" in line, line
+    # The record: the weights and the table by the function snapshot's recipes, the scratch the
+    # request wrote from the release's copy.
+    names = {r["name"] for r in record(daemon, snap.name)["recipes"]}
+    assert len(names) == 4 and "segments.json" in names, names
+    # The scratch as the request before the hibernation left it (each request writes its count
+    # there: one restored from the function snapshot would hold the warm-up's), and the count.
+    peek = daemon.invoke("splitgpu", {"op": "peek"})
+    assert peek.status == 200 and peek.start == "restored", (peek.status, peek.body, daemon.log_text())
+    assert peek.json() == {"scratch": first["calls"], "calls": first["calls"]}, (first, peek.json())
+    check_woken(daemon, root, "splitgpu", worker)
+    again = daemon.invoke("splitgpu", {"op": "compute", "x": 7})
+    assert again.json() == {"sha": expected_sha(7), "calls": first["calls"] + 1}, again.body
