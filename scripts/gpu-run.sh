@@ -12,7 +12,9 @@
 # (tests/daemon/test_daemon_concurrent.py, test_daemon_migrate.py: the host backend) into
 # $OUT/concurrent-pytest.log (CONCURRENT_TESTS=0 skips them). $CONCURRENT_ARGS adds flags (e.g.
 # "--runs 5 --parts migrate"); $CONCURRENT_MODEL picks the model (llama-13b: issue 10's 26 GB
-# migration, its weights made on the GPU first).
+# migration, its weights made on the GPU first). "--parts released": the hibernation of a
+# gpu_released instance, its GPU not resumed against resumed first, into
+# $OUT/hibernation-released-$CONCURRENT_TAG.json.
 # Not part of `all`.
 # checkpoint: periodic checkpoints of a PyTorch training job (docs/checkpoints.md): the kill -9 /
 # restore tests (tests/test_checkpoints.py, tests/test_concurrent_snapshot.py) into
@@ -256,6 +258,7 @@ if [ "$MODE" = concurrent ]; then
   # shellcheck disable=SC2086 # $CONCURRENT_ARGS is a list of flags
   python3 bench/concurrent/measure.py --model "${CONCURRENT_MODEL:-gpt2-large}" --work-dir /var/tmp/torpor-concurrent \
     --out-hibernate "$OUT/concurrent-checkpoint-$tag.json" --out-migrate "$OUT/migration-$tag.json" \
+    --out-released "$OUT/hibernation-released-$tag.json" \
     ${CONCURRENT_ARGS:-} 2>&1 | tee "$OUT/concurrent-bench.log"
   krc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$krc
 fi

@@ -18,8 +18,16 @@ longest gap between two answers around each migration; every answer must equal t
 `--out-migrate` (`migration-*.json`, `summary.migration_downtime_s`, the worst of the runs, and
 `summary.migration_total_s`).
 
+Part `released` (a GPU function): the hibernation of an instance that released its GPU first (the
+default delays, `gpu_release_s` < `hibernate_s`; here 1 s and `--hibernate-s`), on two daemons:
+`restore_server.hibernate_released = true` (the default since session 42: snapshotted as it is,
+its GPU not resumed) and `false` (resumed first, as before). Same runs as `hibernate`. Output:
+`--out-released` (`hibernation-released-*.json`, `summary.stop_s` = the median stop without the
+resume, `summary.stop_s_resumed_first` with it).
+
     python3 bench/concurrent/measure.py --model gpt2-large --parts hibernate,migrate \\
         --out-hibernate bench/results/concurrent-checkpoint-h100.json --out-migrate bench/results/migration-h200x2.json
+    python3 bench/concurrent/measure.py --parts released --out-released bench/results/hibernation-released-h200.json
     python3 bench/concurrent/measure.py --model cpu --runs 1        # the CPU smoke test (tests/test_bench_concurrent.py)
 """
 
@@ -46,7 +54,7 @@ import split  # noqa: E402
 from run import find_torpor, machine  # noqa: E402
 
 Json = dict[str, Any]
-PARTS = ("hibernate", "migrate")
+PARTS = ("hibernate", "migrate", "released")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -66,6 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--torpor", type=Path, default=None, help="the torpor binary (default: as bench/coldstart/run.py finds it)")
     p.add_argument("--out-hibernate", type=Path, default=None)
     p.add_argument("--out-migrate", type=Path, default=None)
+    p.add_argument("--out-released", type=Path, default=None)
     a = p.parse_args(argv)
     a.parts = [x for x in a.parts.split(",") if x]
     bad = [x for x in a.parts if x not in PARTS]
@@ -75,10 +84,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def function_dir(
-    model: split.Model, root: Path, say: Any, name: str, hibernate_s: float, shrink_context: bool = True
+    model: split.Model,
+    root: Path,
+    say: Any,
+    name: str,
+    hibernate_s: float,
+    shrink_context: bool = True,
+    gpu_release_s: float | None = None,
 ) -> Path:
     """The benchmark's copy of the model's function, renamed, one instance, hibernating after
-    `hibernate_s` idle from warm (gpu_release_s is as long: the hibernation comes first)."""
+    `hibernate_s` idle from warm (gpu_release_s is as long unless given: the hibernation comes
+    first)."""
     fdir = split.assemble(model.name, model, root, say)
     target = root / name
     if target.exists():
@@ -90,7 +106,8 @@ def function_dir(
     text = re.sub(r"^max_instances = \d+$", "max_instances = 1", text, count=1, flags=re.MULTILINE)
     text = re.sub(r"^hibernate_s = [0-9.]+$", f"hibernate_s = {hibernate_s}", text, count=1, flags=re.MULTILINE)
     # Equal delays: the ticker hibernates a warm instance before it would release its GPU.
-    text = re.sub(r"^gpu_release_s = [0-9.]+$", f"gpu_release_s = {hibernate_s}", text, count=1, flags=re.MULTILINE)
+    release = hibernate_s if gpu_release_s is None else gpu_release_s
+    text = re.sub(r"^gpu_release_s = [0-9.]+$", f"gpu_release_s = {release}", text, count=1, flags=re.MULTILINE)
     text = re.sub(r"^evict_s = [0-9.]+$", f"evict_s = {hibernate_s * 100}", text, count=1, flags=re.MULTILINE)
     if not shrink_context:
         assert "\n[gpu]" not in text, f"{toml} has a [gpu] table already"
@@ -155,48 +172,8 @@ def phase_medians(runs: list[Json]) -> Json | None:
 def hibernate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: Path, say: Any) -> Json:
     modes: Json = {}
     for mode, concurrent in (("stop-the-world", False), ("concurrent", True)):
-        state = work / f"hib-{mode}"
         config = {"restore_server": {"concurrent_snapshot": concurrent, "host_cache_bytes": split.HOST_CACHE_BYTES}}
-        d = split.Daemon(torpor, state, f"hib-{mode}", config, work / "logs")
-        name = f"{model.name}-hib"
-        try:
-            dep = d.deploy(function_dir(model, work / "functions", say, name, a.hibernate_s, a.shrink_context == "on"))
-            snap = dep["snapshot_function"] or {}
-            say(f"{mode}: deployed in {dep['wall_s']} s; deploy stop_s {snap.get('stop_s')}")
-            runs = []
-            for i in range(a.runs):
-                ref = d.invoke(name, model.request)
-                wait_for("the hibernation", lambda: stages(d, name) == ["hibernated"], 120 + a.hibernate_s)
-                wait_for("the hibernation's stop line", lambda: len(stop_lines(d.log)) > i, 30)
-                stop = stop_lines(d.log)[i]
-                woken = d.invoke(name, model.request)
-                runs.append(
-                    {
-                        "stop_s": stop["stop_s"],
-                        "delta": stop["delta"],
-                        "phases": stop["phases"],
-                        "concurrent": stop["concurrent"],
-                        "reference_start": ref["start"],
-                        "woken_start": woken["start"],
-                        "wake_wall_s": woken["wall_s"],
-                        "identical": woken["value"] == ref["value"],
-                    }
-                )
-                say(f"{mode} run {i}: stop {stop['stop_s']:.3f} s, delta {stop['delta']}, woken {woken['start']} identical {runs[-1]['identical']}")
-            stops = [r["stop_s"] for r in runs if r["stop_s"] is not None]
-            modes[mode] = {
-                "deploy_stop_s": snap.get("stop_s"),
-                "deploy_changed_blocks": snap.get("changed_blocks"),
-                "segment_bytes": snap.get("segment_bytes"),
-                "runs": runs,
-                "precopy_s": precopy_lines(d.log),
-                "stop_s_median": statistics.median(stops) if stops else None,
-                "stop_s_max": max(stops) if stops else None,
-                "stop_phases_median_s": phase_medians(runs),
-                "identical": all(r["identical"] for r in runs),
-            }
-        finally:
-            d.stop()
+        modes[mode] = hibernations(a, torpor, model, work, say, mode, config, None)
     conc, stw = modes["concurrent"], modes["stop-the-world"]
     return {
         "benchmark": "concurrent-hibernation",
@@ -213,6 +190,89 @@ def hibernate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work
         },
         "modes": modes,
     }
+
+
+def released_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: Path, say: Any) -> Json:
+    if not model.gpu:
+        raise ValueError(f"--parts released needs a GPU function (only those release their GPU); {model.name} is not")
+    modes: Json = {}
+    for mode, keep_released in (("resumed-first", False), ("released", True)):
+        config = {"restore_server": {"hibernate_released": keep_released, "host_cache_bytes": split.HOST_CACHE_BYTES}}
+        modes[mode] = hibernations(a, torpor, model, work, say, mode, config, 1.0)
+        if any(r["resumed_first"] == keep_released for r in modes[mode]["runs"]):
+            raise RuntimeError(f"{mode}: a hibernation {'was' if keep_released else 'was not'} resumed first: {modes[mode]['runs']}")
+    rel, res = modes["released"], modes["resumed-first"]
+    return {
+        "benchmark": "hibernation-from-gpu-released",
+        "summary": {
+            "model": model.name,
+            "stop_s": rel["stop_s_median"],
+            "stop_s_resumed_first": res["stop_s_median"],
+            "stop_phases_s": rel["stop_phases_median_s"],
+            "stop_phases_s_resumed_first": res["stop_phases_median_s"],
+            "identical": rel["identical"] and res["identical"],
+        },
+        "modes": modes,
+    }
+
+
+def hibernations(
+    a: argparse.Namespace,
+    torpor: Path,
+    model: split.Model,
+    work: Path,
+    say: Any,
+    mode: str,
+    config: Json,
+    gpu_release_s: float | None,
+) -> Json:
+    """`--runs` hibernations of one instance on a daemon of its own (`config`): each a reference
+    request, the hibernation's stop line and a wake whose output must equal the reference."""
+    state = work / f"hib-{mode}"
+    d = split.Daemon(torpor, state, f"hib-{mode}", config, work / "logs")
+    name = f"{model.name}-hib"
+    try:
+        fdir = function_dir(model, work / "functions", say, name, a.hibernate_s, a.shrink_context == "on", gpu_release_s)
+        dep = d.deploy(fdir)
+        snap = dep["snapshot_function"] or {}
+        say(f"{mode}: deployed in {dep['wall_s']} s; deploy stop_s {snap.get('stop_s')}")
+        runs = []
+        for i in range(a.runs):
+            ref = d.invoke(name, model.request)
+            if gpu_release_s is not None:
+                wait_for("the GPU release", lambda: stages(d, name) == ["gpu_released"], 60 + gpu_release_s)
+            wait_for("the hibernation", lambda: stages(d, name) == ["hibernated"], 120 + a.hibernate_s)
+            wait_for("the hibernation's stop line", lambda: len(stop_lines(d.log)) > i, 30)
+            stop = stop_lines(d.log)[i]
+            woken = d.invoke(name, model.request)
+            runs.append(
+                {
+                    "stop_s": stop["stop_s"],
+                    "delta": stop["delta"],
+                    "phases": stop["phases"],
+                    "concurrent": stop["concurrent"],
+                    "resumed_first": "gpu_resume" in (stop["phases"] or {}),
+                    "reference_start": ref["start"],
+                    "woken_start": woken["start"],
+                    "wake_wall_s": woken["wall_s"],
+                    "identical": woken["value"] == ref["value"],
+                }
+            )
+            say(f"{mode} run {i}: stop {stop['stop_s']:.3f} s, delta {stop['delta']}, woken {woken['start']} identical {runs[-1]['identical']}")
+        stops = [r["stop_s"] for r in runs if r["stop_s"] is not None]
+        return {
+            "deploy_stop_s": snap.get("stop_s"),
+            "deploy_changed_blocks": snap.get("changed_blocks"),
+            "segment_bytes": snap.get("segment_bytes"),
+            "runs": runs,
+            "precopy_s": precopy_lines(d.log),
+            "stop_s_median": statistics.median(stops) if stops else None,
+            "stop_s_max": max(stops) if stops else None,
+            "stop_phases_median_s": phase_medians(runs),
+            "identical": all(r["identical"] for r in runs),
+        }
+    finally:
+        d.stop()
 
 
 def gpu_count() -> int:
@@ -356,11 +416,12 @@ def main(argv: list[str]) -> int:
 
     info = machine()
     rc = 0
-    for part, out in (("hibernate", a.out_hibernate), ("migrate", a.out_migrate)):
+    parts = {"hibernate": (hibernate_part, a.out_hibernate), "migrate": (migrate_part, a.out_migrate), "released": (released_part, a.out_released)}
+    for part, (run_part, out) in parts.items():
         if part not in a.parts:
             continue
         try:
-            doc = (hibernate_part if part == "hibernate" else migrate_part)(a, torpor, model, work, say)
+            doc = run_part(a, torpor, model, work, say)
         except Exception as e:  # the JSON says what failed
             say(f"{part}: FAILED: {e}")
             doc = {"benchmark": part, "summary": {"model": model.name, "error": f"{type(e).__name__}: {e}"}}

@@ -36,8 +36,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("torpord-hibernate-released")
 
 
-@pytest.fixture(scope="module")
-def daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, root: Path) -> Iterator[Torpord]:
+def fake_gpu_daemon(torpor_bin: Path, fake_cuda: FakeCuda, root: Path, config: str = "") -> Torpord:
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
     if not os.environ.get("TORPOR_HOOK_LIB") and not (torpor_bin.parent / "libtorpor_hook.so").is_file():
@@ -49,7 +48,12 @@ def daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, root: Path) 
         FAKE_CUDA_LOG=str(root / "driver-calls.log"),
         FAKE_NVML_PROCS_FILE=str(root / "nvml-procs"),
     )
-    d = Torpord(torpor_bin, root, env=env)
+    return Torpord(torpor_bin, root, env=env, config=config)
+
+
+@pytest.fixture(scope="module")
+def daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, root: Path) -> Iterator[Torpord]:
+    d = fake_gpu_daemon(torpor_bin, fake_cuda, root)
     try:
         yield d
     finally:
@@ -162,3 +166,29 @@ def test_a_released_split_instance_hibernates_from_the_copies_its_release_kept(d
     check_woken(daemon, root, "splitgpu", worker)
     again = daemon.invoke("splitgpu", {"op": "compute", "x": 7})
     assert again.json() == {"sha": expected_sha(7), "calls": first["calls"] + 1}, again.body
+
+
+def test_hibernate_released_false_resumes_the_gpu_first(
+    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """The switch of the benchmark's A/B (`restore_server.hibernate_released = false`): the
+    hibernation resumes the GPU first, as before, and the snapshot then checkpoints it itself."""
+    d = fake_gpu_daemon(torpor_bin, fake_cuda, tmp_path, config="[restore_server]\nhibernate_released = false\n")
+    try:
+        d.deploy(gpu_function(tmp_path, FUNCTIONS / "gpuipc", "gpuhib"))
+        first, worker, _ = hibernate_released(d, tmp_path, "gpuhib", {"op": "count"})
+        calls = calls_for(tmp_path, worker)
+        assert calls[2:] == [
+            "lock result=0",  # the release
+            "checkpoint result=0",
+            "restore result=0",  # the resume
+            "unlock result=0",
+            "lock result=0",  # the snapshot
+            "checkpoint result=0",
+        ], driver_calls(tmp_path)
+        stop = next(x for x in d.log.read_text().splitlines() if "hibernation stop" in x)
+        assert "gpu_resume" in stop, stop
+        woken = d.invoke("gpuhib", {"op": "count"})
+        assert woken.status == 200 and woken.json()["calls"] == first["calls"] + 1, woken.body
+    finally:
+        d.stop()

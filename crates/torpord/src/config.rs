@@ -64,6 +64,8 @@
 //! concurrent_snapshot = true      # hibernations pre-copy segments while the instance serves and
 //!                                 # stop only for what changed (docs/checkpoints.md); false: all
 //!                                 # in the stop
+//! hibernate_released = true       # a gpu_released instance hibernates without its GPU resumed
+//!                                 # (docs/checkpoints.md); false: resumed first, as before
 //! host_devices = 1                # devices of the host backend, which instances without a GPU
 //!                                 # migrate between (docs/migration.md): 1 to 16
 //! host_device_bytes = 0           # segment bytes each host device may hold; 0: no bound
@@ -294,6 +296,10 @@ pub struct RestoreServer {
     /// and stop only for what changed (`crate::split::precopy`, docs/checkpoints.md); false: the
     /// whole capture happens in the stop, as before.
     pub concurrent_snapshot: bool,
+    /// A gpu_released instance hibernates as it is, its GPU not resumed (a worker of protocol
+    /// 5; crate::runtime::keepalive, docs/checkpoints.md, "Hibernating a released instance");
+    /// false: it is resumed first, as before session 42 (the benchmark's A/B).
+    pub hibernate_released: bool,
     /// Devices of the host backend (crate::runtime::migrate): where CPU functions' segments
     /// live, and what an instance without a GPU migrates between. 1 to 16.
     pub host_devices: u32,
@@ -370,6 +376,7 @@ impl Default for RestoreServer {
             background_threads: torpor_snapshot::restore::DEFAULT_BACKGROUND_THREADS as u32,
             transparent_hugepage: crate::hugepages::ThpPolicy::default(),
             concurrent_snapshot: true,
+            hibernate_released: true,
             host_devices: 1,
             host_device_bytes: 0,
             gpu_restores: DEFAULT_GPU_RESTORES,
@@ -844,6 +851,9 @@ impl Config {
             }
             if let Some(b) = t.boolean("concurrent_snapshot")? {
                 r.concurrent_snapshot = b;
+            }
+            if let Some(b) = t.boolean("hibernate_released")? {
+                r.hibernate_released = b;
             }
             if let Some(b) = t.boolean("prefetch_file_pages")? {
                 r.prefetch_file_pages = b;

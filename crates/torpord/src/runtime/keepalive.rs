@@ -937,7 +937,7 @@ impl Runtime {
             // of the GPU memory a restore needs): resume first, then hibernate as a warm one.
             released_gpu = lock(&inst.released_gpu)
                 .clone()
-                .filter(|_| inst.quiets_released);
+                .filter(|_| inst.quiets_released && self.config.restore_server.hibernate_released);
             if released_gpu.is_none() {
                 self.gpu_resume(inst).await?;
                 marks.mark("gpu_resume");
