@@ -112,6 +112,17 @@ def big_model(d: Json) -> tuple[str, str]:
     )
 
 
+def released(d: Json) -> tuple[str, str]:
+    """The hibernation of a gpu_released instance: resumed first against kept released."""
+    s = d["summary"]
+    a, b = s["stop_phases_s_resumed_first"], s["stop_phases_s"]
+    return (
+        f"{sec(s['stop_s_resumed_first'])} (resume {sec(a['gpu_resume'])}, CRIU's dump {sec(a['snapshot.criu_dump'])}, "
+        f"driver checkpoint {sec(a['snapshot.cuda_checkpoint'])})",
+        f"{sec(s['stop_s'])} (CRIU's dump {sec(b['snapshot.criu_dump'])}, no driver call)",
+    )
+
+
 ROWS = (
     Row("dev machine, CPU function, 20 MB of segments", "hibernation stop (median)",
         ("concurrent-checkpoint-hibernate-cpu.json",), hibernation),
@@ -136,6 +147,12 @@ ROWS = (
     Row("H200 ×2, `llama-13b` bf16, 26.2 GB (session 23, 4 moves)",
         "migration downtime (worst, median); pre-copy (median); whole migration (worst)",
         ("migration-s23-llama13b-h200x2.json",), big_model),
+    Row("H200 ×2, `llama-13b` bf16 (session 42, 4 moves, 164f628)",
+        "migration downtime (worst, median); pre-copy (median); whole migration (worst)",
+        ("migration-s42-llama13b-h200x2.json",), big_model),
+    Row("H200, GPT-2-Large from gpu_released (session 42, one call, 3 runs a side): "
+        "left resumed first (`hibernate_released = false`), right kept released",
+        "hibernation stop (median)", ("hibernation-released-s42-h200.json",), released),
 )
 
 
