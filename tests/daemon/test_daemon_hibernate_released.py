@@ -10,6 +10,9 @@ call, the segments are stored from the release's copies, and the snapshot takes 
 the driver left it. The snapshot must still record the GPU memory a restore needs, which NVML
 stopped showing at the release (the test empties the fake NVML's list then, as the real driver
 does), and the wake must bring back the same process state and the same segment contents.
+Each hibernation here happens while the GPU is full (the driver refuses restores for lack of
+memory): kept released it succeeds; resumed first (`hibernate_released = false`) it fails and
+the instance is lost.
 """
 
 from __future__ import annotations
@@ -94,10 +97,16 @@ def calls_for(root: Path, pid: int) -> list[str]:
     return out
 
 
+OUT_OF_MEMORY = "2"  # CUDA_ERROR_OUT_OF_MEMORY
+
+
 def hibernate_released(d: Torpord, root: Path, name: str, request: dict) -> tuple[dict, int, Path]:
     """One request, then waits for the GPU release (the fake NVML listing the worker's memory
-    until then, as the real one does) and the hibernation. Returns the answer, the worker's
-    pid and the hibernation snapshot."""
+    until then, as the real one does) and the hibernation. Meanwhile the GPU is full: another
+    process took the memory the release gave back, and the driver answers a restore with
+    CUDA_ERROR_OUT_OF_MEMORY (a switch file of the fake), which a hibernation that resumed the
+    GPU first would run into. Returns the answer, the worker's pid and the hibernation
+    snapshot."""
     first = d.invoke(name, request)
     assert first.status == 200, (first.status, first.body, d.log_text())
     (inst,) = d.instances(name)
@@ -106,7 +115,13 @@ def hibernate_released(d: Torpord, root: Path, name: str, request: dict) -> tupl
     wait_until(lambda: [i["stage"] for i in d.instances(name)] == ["gpu_released"], 30, "the GPU release")
     # The driver's checkpoint gave the GPU memory back: NVML no longer lists the worker.
     (root / "nvml-procs").write_text("")
-    wait_until(lambda: [i["stage"] for i in d.instances(name)] == ["hibernated"], 30, "the hibernation")
+    full = root / "state" / "fake-cuda" / "FAKE_CUDA_RESTORE_RESULT"
+    full.write_text(OUT_OF_MEMORY)
+    try:
+        wait_until(lambda: [i["stage"] for i in d.instances(name)] != ["gpu_released"], 30, "the hibernation")
+    finally:
+        full.unlink()
+    assert [i["stage"] for i in d.instances(name)] == ["hibernated"], (d.instances(name), d.log_text())
     (snap,) = (d.state / "snapshots").glob(f"hib-{name}-*")
     return first.json(), worker, snap
 
@@ -172,13 +187,36 @@ def test_hibernate_released_false_resumes_the_gpu_first(
     torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
 ) -> None:
     """The switch of the benchmark's A/B (`restore_server.hibernate_released = false`): the
-    hibernation resumes the GPU first, as before, and the snapshot then checkpoints it itself."""
+    hibernation resumes the GPU first, as before, and the snapshot then checkpoints it itself;
+    with the GPU full meanwhile that resume fails and the instance is lost (the next request
+    starts another), which keeping it released avoids (the tests above)."""
     d = fake_gpu_daemon(torpor_bin, fake_cuda, tmp_path, config="[restore_server]\nhibernate_released = false\n")
     try:
         d.deploy(gpu_function(tmp_path, FUNCTIONS / "gpuipc", "gpuhib"))
-        first, worker, _ = hibernate_released(d, tmp_path, "gpuhib", {"op": "count"})
-        calls = calls_for(tmp_path, worker)
-        assert calls[2:] == [
+        assert d.invoke("gpuhib", {"op": "count"}).status == 200
+        (inst,) = d.instances("gpuhib")
+        worker = worker_of(inst["pid"])
+        wait_until(lambda: [i["stage"] for i in d.instances("gpuhib")] == ["gpu_released"], 30, "the GPU release")
+        full = tmp_path / "state" / "fake-cuda" / "FAKE_CUDA_RESTORE_RESULT"
+        full.write_text(OUT_OF_MEMORY)
+        try:
+            wait_until(lambda: d.instances("gpuhib") == [], 30, "the instance to be removed")
+        finally:
+            full.unlink()
+        assert "hibernation failed" in d.log.read_text(), d.log_text()
+        assert calls_for(tmp_path, worker)[2:] == [
+            "lock result=0",  # the release
+            "checkpoint result=0",
+            "restore result=2",  # the resume, refused
+        ], driver_calls(tmp_path)
+
+        # With room again: resumed first, then the snapshot's own lock and checkpoint.
+        first = d.invoke("gpuhib", {"op": "count"})
+        assert first.status == 200 and first.start == "restored", (first.status, first.body)
+        (inst,) = d.instances("gpuhib")
+        worker = worker_of(inst["pid"])
+        wait_until(lambda: [i["stage"] for i in d.instances("gpuhib")] == ["hibernated"], 30, "the hibernation")
+        assert calls_for(tmp_path, worker)[2:] == [
             "lock result=0",  # the release
             "checkpoint result=0",
             "restore result=0",  # the resume
@@ -186,9 +224,9 @@ def test_hibernate_released_false_resumes_the_gpu_first(
             "lock result=0",  # the snapshot
             "checkpoint result=0",
         ], driver_calls(tmp_path)
-        stop = next(x for x in d.log.read_text().splitlines() if "hibernation stop" in x)
+        stop = [x for x in d.log.read_text().splitlines() if "hibernation stop" in x][-1]
         assert "gpu_resume" in stop, stop
         woken = d.invoke("gpuhib", {"op": "count"})
-        assert woken.status == 200 and woken.json()["calls"] == first["calls"] + 1, woken.body
+        assert woken.status == 200 and woken.json()["calls"] == first.json()["calls"] + 1, woken.body
     finally:
         d.stop()
