@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import pytest
 from conftest import FakeCuda, wait_until
 
 from .conftest import FUNCTIONS, Torpord, fake_gpu_env
+from .test_daemon_concurrent import wait_log
 from .test_daemon_split import expected_sha, record
 
 MIB = 1 << 20
@@ -39,7 +41,10 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("torpord-hibernate-released")
 
 
-def fake_gpu_daemon(torpor_bin: Path, fake_cuda: FakeCuda, root: Path, config: str = "") -> Torpord:
+def fake_gpu_daemon(
+    torpor_bin: Path, fake_cuda: FakeCuda, root: Path, config: str = "", **extra: str
+) -> Torpord:
+    """A daemon on the fake GPU whose requests wait through a hibernation's stop (30 s queue)."""
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
     if not os.environ.get("TORPOR_HOOK_LIB") and not (torpor_bin.parent / "libtorpor_hook.so").is_file():
@@ -50,8 +55,9 @@ def fake_gpu_daemon(torpor_bin: Path, fake_cuda: FakeCuda, root: Path, config: s
         fake_cuda,
         FAKE_CUDA_LOG=str(root / "driver-calls.log"),
         FAKE_NVML_PROCS_FILE=str(root / "nvml-procs"),
+        **extra,
     )
-    return Torpord(torpor_bin, root, env=env, config=config)
+    return Torpord(torpor_bin, root, env=env, config=config, queue_timeout_s=30)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +70,15 @@ def daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, root: Path) 
 
 
 def gpu_function(root: Path, source: Path, name: str) -> Path:
-    """`source` deployed as `name`, a GPU function released after 1 s idle, hibernated after 3."""
+    """`source` deployed as `name`, a GPU function of one instance, released after 1 s idle,
+    hibernated after 3."""
     fdir = root / "functions" / name
     shutil.copytree(source, fdir, ignore=shutil.ignore_patterns("__pycache__"))
     toml = fdir / "torpor.toml"
     spec = toml.read_text().split("\n[keepalive]")[0]
     spec = spec.replace(f'name = "{source.name}"', f'name = "{name}"')
+    # One instance: a request during a hibernation waits for it instead of starting another.
+    spec = spec.replace("max_instances = 2", "max_instances = 1")
     if "gpus = 1" not in spec:
         spec = spec.replace('timeout_s = 30', 'timeout_s = 30\ngpus = 1\ngpu_memory = "64MiB"')
     toml.write_text(spec + KEEPALIVE)
@@ -228,5 +237,27 @@ def test_hibernate_released_false_resumes_the_gpu_first(
         assert "gpu_resume" in stop, stop
         woken = d.invoke("gpuhib", {"op": "count"})
         assert woken.status == 200 and woken.json()["calls"] == first.json()["calls"] + 1, woken.body
+    finally:
+        d.stop()
+
+
+def test_a_request_during_a_released_stop_waits_and_is_answered_by_the_woken_instance(
+    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """The stop held open for 2 s (`TORPORD_DELAY=hibernate-stop`): a request that comes then
+    neither resumes the released GPU under the snapshot nor fails; it waits and wakes the
+    hibernated instance, with its state."""
+    d = fake_gpu_daemon(torpor_bin, fake_cuda, tmp_path, TORPORD_DELAY="hibernate-stop:2000")
+    try:
+        d.deploy(gpu_function(tmp_path, FUNCTIONS / "splitbuf", "splitgpu"))
+        first = d.invoke("splitgpu", {"op": "compute", "x": 5}).json()
+        wait_log(d, r"TORPORD_DELAY delays this point.*hibernate-stop|point=\"?hibernate-stop")
+        t0 = time.monotonic()
+        during = d.invoke("splitgpu", {"op": "peek"})
+        waited = time.monotonic() - t0
+        assert during.status == 200 and during.start == "restored", (during.status, during.body, d.log_text())
+        assert during.json() == {"scratch": first["calls"], "calls": first["calls"]}, (first, during.json())
+        assert waited > 0.5, waited
+        assert "segments stored from the GPU release" in d.log.read_text(), d.log_text()
     finally:
         d.stop()

@@ -859,6 +859,8 @@ impl Runtime {
         inst: &Arc<Instance>,
         hib_id: &str,
     ) -> Result<crate::split::capture::Captured, HibernateError> {
+        // Test switch: inside the stop, as for a warm instance.
+        crate::journal::delay("hibernate-stop").await;
         let Some((plan, saved)) = lock(&inst.segments).take_saved() else {
             return Err(HibernateError::NotReleased);
         };
