@@ -33,7 +33,8 @@ from .test_daemon_split import expected_sha, record
 
 MIB = 1 << 20
 WORKER_GPU_BYTES = 64 * MIB
-KEEPALIVE = "\n[keepalive]\ngpu_release_s = 1\nhibernate_s = 3\nevict_s = 600\n"
+# Released 2 s after a request: time for the test to list the worker in the fake NVML first.
+KEEPALIVE = "\n[keepalive]\ngpu_release_s = 2\nhibernate_s = 4\nevict_s = 600\n"
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,8 @@ def daemon(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, root: Path) 
 
 
 def gpu_function(root: Path, source: Path, name: str) -> Path:
-    """`source` deployed as `name`, a GPU function of one instance, released after 1 s idle,
-    hibernated after 3."""
+    """`source` deployed as `name`, a GPU function of one instance, released after 2 s idle,
+    hibernated after 4."""
     fdir = root / "functions" / name
     shutil.copytree(source, fdir, ignore=shutil.ignore_patterns("__pycache__"))
     toml = fdir / "torpor.toml"
