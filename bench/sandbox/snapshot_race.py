@@ -27,6 +27,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
+
+def commit() -> str | None:
+    """The tree's commit: gpu-run.sh's $TORPOR_COMMIT, else what `make gpu-carry` recorded (the GPU
+    machine's copy of the tree has no .git), else git's."""
+    if os.environ.get("TORPOR_COMMIT"):
+        return os.environ["TORPOR_COMMIT"]
+    carried = ROOT / ".gpu" / "commit"
+    if carried.is_file():
+        return carried.read_text().strip() or None
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    return r.stdout.strip() or None
+
 PROGRAM = """
 import threading, time, torch, gc, sys
 from torpor import gpu, mempool
@@ -85,7 +97,7 @@ def main() -> int:
 
     doc = {
         "machine": {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                    "commit": os.environ.get("TORPOR_COMMIT")},
+                    "commit": commit()},
         "runs": runs,
         "first_crash_stderr": first_crash,
         "summary": {v: f"{sum(c != 0 for c in codes)} of {len(codes)} crashed" for v, codes in runs.items()},
