@@ -159,6 +159,12 @@ def wait_for(what: str, cond: Any, timeout: float) -> None:
         time.sleep(0.1)
 
 
+def median_or_none(values: list[Any]) -> float | None:
+    """The median of the values that are numbers; None when none is."""
+    numbers = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(numbers) if numbers else None
+
+
 def phase_medians(runs: list[Json]) -> Json | None:
     """Each step of the stop (the daemon's `phases`), its median over the runs that logged it."""
     names: list[str] = []
@@ -391,6 +397,8 @@ def migrate_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: 
                 k: statistics.median(r["daemon"]["stop_phases"][k] for r in runs)
                 for k in (runs[0]["daemon"].get("stop_phases") or {} if runs else {})
             },
+            # What the driver's checkpoint moved (NVML, session 42 on): what the residue's time grows with.
+            "residue_bytes_median": median_or_none([r["daemon"].get("residue_bytes") for r in runs]),
             "answers": len(client.done),
             "identical": identical,
             "client_error": client.error,

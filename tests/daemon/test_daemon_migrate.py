@@ -31,6 +31,7 @@ from .test_daemon_split import expected_sha, twin
 from .test_daemon_tenants import TOKENS, splitbuf_twin, tcp, tenants  # noqa: F401 (the fixture)
 
 TWO_DEVICES = "[restore_server]\nhost_devices = 2\n"
+RESIDUE_BYTES = 64 << 20
 
 
 def daemon(torpor_bin: Path, tmp_path: Path, config: str = TWO_DEVICES, env: dict[str, str] | None = None) -> Torpord:
@@ -98,7 +99,7 @@ def test_an_instance_moves_to_the_other_device_and_serves_on_with_its_state(two:
     m = r.json()
     assert (m["instance"], m["from"], m["to"], m["model"]) == (inst["id"], 0, 1, "host"), m
     assert m["segments"] == 3 and m["bytes"] == 16 * 4096 + 12288 + 2 * 4096, m
-    assert not m["residue_moved"] and 0 < m["stop_s"] < m["total_s"], m
+    assert not m["residue_moved"] and m["residue_bytes"] is None and 0 < m["stop_s"] < m["total_s"], m
     # No request ran since the pre-copy: nothing changed, nothing copied in the stop.
     assert m["changed_blocks"] == 0, m
     # The same instance, the same process, its state; its segments are new memory.
@@ -262,6 +263,8 @@ def fake_gpus(torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path:
     log = root / "cuda-calls.log"
     env = fake_gpu_env(
         root, fake_cuda, FAKE_CUDA_DEVICES="3", FAKE_CUDA_SAME_MODEL="1", FAKE_CUDA_LOG=str(log),
+        # NVML lists every worker with 64 MiB: the residue a migration reports.
+        FAKE_NVML_PROCS_MATCH=f"torpor.worker:{RESIDUE_BYTES}",
         # Armed by creating its directory: the first driver restore after that fails.
         FAKE_CUDA_RESTORE_FLAKY=str(root / "flaky" / "used"),
     )
@@ -304,6 +307,7 @@ def test_a_gpu_instance_moves_its_cuda_state_with_the_gpu_pairs_and_a_driver_fai
     ok = migrate(d, inst["id"], 1)
     assert ok.status == 200, (ok.status, ok.body, d.log_text())
     assert ok.json()["residue_moved"] is True and ok.json()["to"] == 1, ok.body
+    assert ok.json()["residue_bytes"] == RESIDUE_BYTES, ok.body
     moved = log.read_text()[len(before):].splitlines()
     ops = [line.split()[0] for line in moved]
     assert ops == ["lock", "checkpoint", "restore", "unlock"], moved

@@ -66,7 +66,11 @@ pub fn run_instance(
         m.precopy_s,
         m.stop_s,
         m.changed_blocks,
-        if m.residue_moved { ", CUDA state moved by the driver" } else { "" },
+        match (m.residue_moved, m.residue_bytes) {
+            (true, Some(b)) => format!(", CUDA state of {} moved by the driver", super::human(b)),
+            (true, None) => ", CUDA state moved by the driver".to_string(),
+            (false, _) => String::new(),
+        },
         m.total_s
     );
     Ok(ExitCode::SUCCESS)

@@ -86,8 +86,8 @@ impl Runtime {
         Some(out)
     }
 
-    /// What process `pid` holds on each GPU, from NVML, if NVML loads and lists it.
-    fn gpu_memory_of(&self, pid: i32) -> Option<Vec<(torpor_cuda::GpuUuid, u64)>> {
+    /// What process `pid` holds on each GPU, from NVML, if NVML loads.
+    pub(crate) fn gpu_memory_of(&self, pid: i32) -> Option<Vec<(torpor_cuda::GpuUuid, u64)>> {
         let nvml = self
             .nvml
             .get_or_init(|| torpor_cuda::Nvml::load().ok())

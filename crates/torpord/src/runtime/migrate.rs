@@ -96,6 +96,11 @@ pub struct Migrated {
     pub changed_bytes: u64,
     /// Whether the driver moved a CUDA residue (a GPU function).
     pub residue_moved: bool,
+    /// What NVML showed the worker holding on its GPU once its segments were unmapped: the
+    /// residue the driver's checkpoint moved, what its two steps' time grows with (`None`: no
+    /// residue, or NVML does not list the worker).
+    #[serde(default)]
+    pub residue_bytes: Option<u64>,
     /// Where the stop's time went.
     pub stop_phases: StopPhases,
 }
@@ -114,6 +119,9 @@ pub struct StopPhases {
     pub residue_restore_s: f64,
     /// The new segments mapped at their old addresses.
     pub map_s: f64,
+    /// Not seconds, and not in this object's JSON: carried to [`Migrated::residue_bytes`].
+    #[serde(skip)]
+    pub residue_bytes: Option<u64>,
 }
 
 /// Why an instance was not migrated. Every variant but [`MigrateError::Lost`] leaves it serving
@@ -593,9 +601,10 @@ impl Runtime {
             changed_blocks: delta.changed_blocks,
             changed_bytes: delta.changed_bytes,
             residue_moved,
+            residue_bytes: stop_phases.residue_bytes,
             stop_phases,
         };
-        tracing::info!(instance = %out.instance, function = %out.function, from, to = gpu, stop_s, precopy_s, changed_blocks = out.changed_blocks, residue_moved, phases = ?out.stop_phases, "instance migrated");
+        tracing::info!(instance = %out.instance, function = %out.function, from, to = gpu, stop_s, precopy_s, changed_blocks = out.changed_blocks, residue_moved, residue_bytes = ?out.residue_bytes, phases = ?out.stop_phases, "instance migrated");
         Ok(out)
     }
 
@@ -713,6 +722,10 @@ impl Runtime {
             }
             let residue_moved = match &pairs {
                 Some(pairs) => {
+                    phases.residue_bytes = self
+                        .gpu_memory_of(inst.worker_pid)
+                        .filter(|by_gpu| !by_gpu.is_empty())
+                        .map(|by_gpu| by_gpu.iter().map(|(_, b)| b).sum());
                     journal.step(step::RESIDUE, None).await;
                     (phases.residue_checkpoint_s, phases.residue_restore_s) = self
                         .move_residue(inst.worker_pid, pairs.clone())
