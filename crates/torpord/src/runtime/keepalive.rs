@@ -72,11 +72,7 @@ impl Runtime {
 
     /// GPU memory per host pid, from NVML, if NVML loads.
     pub(crate) fn gpu_memory_by_pid(&self) -> Option<std::collections::HashMap<i32, u64>> {
-        let nvml = self
-            .nvml
-            .get_or_init(|| torpor_cuda::Nvml::load().ok())
-            .as_ref()?;
-        let procs = nvml.process_memory().ok()?;
+        let procs = self.nvml()?.process_memory().ok()?;
         let mut out = std::collections::HashMap::new();
         for p in procs {
             if let (Ok(pid), Some(bytes)) = (i32::try_from(p.pid), p.used_memory) {
@@ -86,14 +82,17 @@ impl Runtime {
         Some(out)
     }
 
-    /// What process `pid` holds on each GPU, from NVML, if NVML loads.
-    pub(crate) fn gpu_memory_of(&self, pid: i32) -> Option<Vec<(torpor_cuda::GpuUuid, u64)>> {
-        let nvml = self
-            .nvml
+    /// NVML (loaded once), if it loads.
+    fn nvml(&self) -> Option<&torpor_cuda::Nvml> {
+        self.nvml
             .get_or_init(|| torpor_cuda::Nvml::load().ok())
-            .as_ref()?;
+            .as_ref()
+    }
+
+    /// What process `pid` holds on each GPU, from NVML, if NVML loads.
+    fn gpu_memory_of(&self, pid: i32) -> Option<Vec<(torpor_cuda::GpuUuid, u64)>> {
         let mut out: Vec<(torpor_cuda::GpuUuid, u64)> = Vec::new();
-        for p in nvml.process_memory().ok()? {
+        for p in self.nvml()?.process_memory().ok()? {
             if i32::try_from(p.pid) != Ok(pid) {
                 continue;
             }

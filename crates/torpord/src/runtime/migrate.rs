@@ -723,9 +723,8 @@ impl Runtime {
             let residue_moved = match &pairs {
                 Some(pairs) => {
                     phases.residue_bytes = self
-                        .gpu_memory_of(inst.worker_pid)
-                        .filter(|by_gpu| !by_gpu.is_empty())
-                        .map(|by_gpu| by_gpu.iter().map(|(_, b)| b).sum());
+                        .gpu_memory_by_pid()
+                        .and_then(|by_pid| by_pid.get(&inst.worker_pid).copied());
                     journal.step(step::RESIDUE, None).await;
                     (phases.residue_checkpoint_s, phases.residue_restore_s) = self
                         .move_residue(inst.worker_pid, pairs.clone())
