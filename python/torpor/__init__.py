@@ -24,7 +24,9 @@ loaded by torpord while the instance starts), a request may pass inputs by refer
 torpor.put(key, value) / torpor.get(key) hand values between the functions of a sandbox
 without a copy (torpor.store, docs/sandboxes.md); torpor.scratch(nbytes) gives request memory
 from the function's pool, which its sandbox accounts and gives back when it idles
-(torpor.mempool). torpor.graphed(model, example) captures a model's GPU work as CUDA graphs in
+(torpor.mempool). torpor.load_tensors(name) gives a safetensors file declared `device = "cuda"`
+as views of the GPU memory the platform filled, and torpor.assign(model, tensors) makes them a
+meta-built model's weights (torpor.tensors). torpor.graphed(model, example) captures a model's GPU work as CUDA graphs in
 setup() and replays them per request (torpor.graphs).
 """
 
@@ -37,6 +39,7 @@ from torpor.graphs import graphed
 from torpor.hook import buffer
 from torpor.mempool import scratch
 from torpor.store import get, put
+from torpor.tensors import assign, load_tensors
 
 __all__ = [
     "DataError",
@@ -45,6 +48,7 @@ __all__ = [
     "HookError",
     "SpecError",
     "TorporError",
+    "assign",
     "buffer",
     "declared",
     "dump",
@@ -53,6 +57,7 @@ __all__ = [
     "graphed",
     "load",
     "load_bytes",
+    "load_tensors",
     "put",
     "scratch",
     "use_dir",
