@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent.parent / "python"))
 
 from models import MODELS, build, check, named_tensors  # noqa: E402
 
@@ -42,7 +43,7 @@ def save_model(model: torch.nn.Module, out: Path, metadata: dict[str, str]) -> t
     metadata's "aliases". Returns (tensors stored, aliases, bytes). bench/peers/make_weights.py
     writes its models with it too."""
     import torch  # noqa: F401 (named by the annotation below, which is not evaluated)
-    from safetensors.torch import save_file
+    from torpor.tensors import save
 
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -58,7 +59,9 @@ def save_model(model: torch.nn.Module, out: Path, metadata: dict[str, str]) -> t
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={**metadata, "aliases": json.dumps(aliases, sort_keys=True)})
+    # Laid out for views (torpor.tensors.save): a function that maps the file as platform-managed
+    # GPU memory (torpor.load_tensors) gets weights as aligned as its own allocations would be.
+    save(tensors, str(tmp), metadata={**metadata, "aliases": json.dumps(aliases, sort_keys=True)})
     # Readable by others whatever the umask: torpord's workers run as an unprivileged user and
     # must read the weights (workers.unprivileged, docs/security.md).
     os.chmod(tmp, 0o644)
