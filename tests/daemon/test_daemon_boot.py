@@ -46,7 +46,9 @@ def test_cold_starts_boot_a_fresh_worker_and_warm_ones_reuse_it(booting: Torpord
     first = booting.invoke("cpu-mlp", request)
     assert first.status == 200 and first.start == "booted", (first.status, first.headers, first.body)
     assert first.json() == json.loads(local.stdout)
-    assert {"boot", "load", "start", "handler"} <= set(first.timings), first.timings
+    assert {"boot", "load", "start", "handler", "load.data", "load.setup", "load.warmup"} <= set(first.timings), first.timings
+    # The load's parts, as the daemon and the worker timed them, lie within it.
+    assert first.timings["load.data"] + first.timings["load.setup"] + first.timings["load.warmup"] <= first.timings["load"]
     assert "restore" not in first.timings
     second = booting.invoke("cpu-mlp", request)
     assert second.status == 200 and second.start == "warm"

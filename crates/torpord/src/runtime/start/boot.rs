@@ -132,14 +132,18 @@ pub(crate) async fn boot_function(
     let gpu_filling = crate::gpudata::start(&rt.split, spec, crate::tenant::of_spec(spec), 0)?;
     let launched = launch_function_worker(rt, spec, log, id, charge, Announce::Hello).await?;
     let boot_s = launched.boot_s;
-    let (init, worker, conn, load_s, cgroup) =
-        load_into(rt, launched, spec, dir, log, data_loading, gpu_filling).await?;
+    let loaded = load_into(rt, launched, spec, dir, log, data_loading, gpu_filling).await?;
+    let mut phases = vec![
+        ("boot".to_string(), boot_s),
+        ("load".to_string(), loaded.load_s),
+    ];
+    phases.extend(loaded.phases("load"));
     Ok((
-        init,
-        worker,
-        conn,
-        vec![("boot".to_string(), boot_s), ("load".to_string(), load_s)],
-        cgroup,
+        loaded.init,
+        loaded.worker,
+        loaded.conn,
+        phases,
+        loaded.cgroup,
     ))
 }
 
@@ -247,6 +251,36 @@ fn not_ready(cgroup: Option<&crate::cgroup::Cgroup>, source: NotReady, log: Path
 /// The second half of a boot: binds `dir` into the launched worker, sends `load` (with the
 /// data `data_loading` fetched and the GPU data `gpu_filling` filled), waits for `ready` and, for a sandbox's host, loads the other
 /// members of its group. Returns (init, worker, connection, load seconds, cgroup).
+/// A function loaded into a launched worker ([`load_into`]).
+pub(crate) struct Loaded {
+    pub init: i32,
+    pub worker: i32,
+    pub conn: WorkerConn,
+    pub cgroup: Option<crate::cgroup::Cgroup>,
+    /// From the directory's bind to the last `ready`.
+    pub load_s: f64,
+    /// Of it: binding the directory and waiting for the platform's data (`data`), the
+    /// function's import and setup() (`setup`) and its warm-up request (`warmup`), as the
+    /// worker timed them.
+    pub data_s: f64,
+    pub setup_s: Option<f64>,
+    pub warmup_s: Option<f64>,
+}
+
+impl Loaded {
+    /// The load's own phases as timings, each named `PREFIX.PHASE` (X-Torpor-Timings).
+    pub fn phases(&self, prefix: &str) -> Vec<(String, f64)> {
+        [
+            ("data", Some(self.data_s)),
+            ("setup", self.setup_s),
+            ("warmup", self.warmup_s),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| Some((format!("{prefix}.{k}"), v?)))
+        .collect()
+    }
+}
+
 pub(crate) async fn load_into(
     rt: &Runtime,
     launched: Launched,
@@ -255,7 +289,7 @@ pub(crate) async fn load_into(
     log: &Path,
     data_loading: Option<crate::s3data::Loading>,
     gpu_filling: Option<crate::gpudata::Filling>,
-) -> Result<(i32, i32, WorkerConn, f64, Option<crate::cgroup::Cgroup>), BootError> {
+) -> Result<Loaded, BootError> {
     let Launched {
         init,
         worker,
@@ -270,6 +304,10 @@ pub(crate) async fn load_into(
     crate::function_mounts::bind_function_dir(init, dir, unprivileged).await?;
     let (data, _) = crate::s3data::finish_loading(data_loading).await?;
     let gpu_data = crate::gpudata::finish(gpu_filling).await?;
+    let data_s = t.elapsed().as_secs_f64();
+    for f in &gpu_data {
+        tracing::debug!(data = %f.name, source = f.source, bytes = f.size, "platform-managed GPU data ready for the load");
+    }
     conn.send(&load_frame(spec, dir))
         .await
         .map_err(BootError::SendLoad)?;
@@ -280,7 +318,7 @@ pub(crate) async fn load_into(
     crate::gpudata::send(&mut conn, &gpu_data)
         .await
         .map_err(BootError::SendLoad)?;
-    ready(
+    let answer = ready(
         &mut conn,
         crate::limits::load_timeout(spec, rt.config.load_timeout),
     )
@@ -302,7 +340,16 @@ pub(crate) async fn load_into(
     }
     let load_s = t.elapsed().as_secs_f64();
     guard.0 = None;
-    Ok((init, worker, conn, load_s, cgroup))
+    Ok(Loaded {
+        init,
+        worker,
+        conn,
+        cgroup,
+        load_s,
+        data_s,
+        setup_s: answer.get("setup_s").and_then(Value::as_f64),
+        warmup_s: answer.get("warmup_s").and_then(Value::as_f64),
+    })
 }
 
 /// (key, interpreter, preload in spec order, gpu). The key ends with how the base's workers got

@@ -337,7 +337,7 @@ impl Runtime {
             0,
         )
         .map_err(|e| boot(e.into()))?;
-        let (init, worker, conn, load_s, cgroup) = load_into(
+        let loaded = load_into(
             self,
             ready.launched,
             &info.spec,
@@ -348,6 +348,14 @@ impl Runtime {
         )
         .await
         .map_err(boot)?;
+        let load_phases = loaded.phases("pooled_load");
+        let (init, worker, conn, load_s, cgroup) = (
+            loaded.init,
+            loaded.worker,
+            loaded.conn,
+            loaded.load_s,
+            loaded.cgroup,
+        );
         let tree = WorkerTree::new(init, worker, conn, cgroup);
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
@@ -356,10 +364,13 @@ impl Runtime {
         tracing::info!(function = name, instance = %inst.id, pid = init, ms = start_s * 1e3, "instance started in a ready sandbox");
         Ok(Some((
             inst,
-            vec![
+            [
                 ("pooled_load".to_string(), load_s),
                 ("start".to_string(), start_s),
-            ],
+            ]
+            .into_iter()
+            .chain(load_phases)
+            .collect(),
             start::POOLED,
         )))
     }
