@@ -162,7 +162,14 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
     assert "timeout_s = 120" in d["settings"]["daemon_config"]["transparent"]
 
     rows = {r["mode"]: r for r in d["results"]}
-    assert list(rows) == ["transparent", "host-cache", "gpu-cache", "second", "standby", "standby-live", "cold", "cold-disk", "burst8"]
+    assert list(rows) == ["transparent", "host-cache", "gpu-cache", "second", "standby", "standby-live", "cold", "cold-disk", "burst8", "pooled"]
+    # The `-pooled` copy, deployed again before each run, started in a ready sandbox of the
+    # live-context pool: the same answers.
+    pooled = rows.pop("pooled")
+    assert len(pooled["runs"]) == 2 and pooled["all_same"] and pooled["warmups"], pooled
+    for run in pooled["runs"]:
+        assert run["start"] == "pooled" and run["same"] and run["pool_ready_wait_s"] >= 0, run
+        assert run["timings"]["pooled_load"] > 0, run["timings"]
     standby = rows.pop("standby")
     # A CPU function has no GPU to keep live: the same fully restored idle instance.
     standby_live = rows.pop("standby-live")

@@ -94,7 +94,11 @@ from torpor import client  # noqa: E402
 
 Json = dict[str, Any]
 GIB = 1 << 30
-MODES = ("transparent", "host-cache", "gpu-cache", "second", "standby", "standby-live", "cold", "cold-disk", "burst8")
+MODES = ("transparent", "host-cache", "gpu-cache", "second", "standby", "standby-live", "cold", "cold-disk", "burst8", "pooled")
+# Mode pooled: the model's `-pooled` function (bench/coldstart/functions/NAME-pooled: sandboxed,
+# weights as platform-managed GPU memory mapped as views) started new to the node in a ready
+# sandbox of the live-context pool. Each has a tenant of its own: the pool's gauge counts ready
+# sandboxes per tenant, and another model's ready sandbox must not count as this one's.
 # Instances a burst starts at once (mode burst8).
 BURST = 8
 # Host cache for every split mode: every model's segments fit (GPT-2-Large holds ~3.3 GB).
@@ -312,6 +316,8 @@ def mode_config(mode: str, gpu: bool, extra: dict[str | None, Json]) -> Json:
         }
         if mode == "cold-disk":
             config["restore_server"] = {"host_cache_bytes": 0, "gpu_cache_bytes": 0, "stage_bytes": 0}
+        if mode == "pooled":
+            config["sandbox_pool"] = {"size": 1}
     for scope in dict.fromkeys((None, mode, variant)):
         for k, v in extra.get(scope, {}).items():
             if isinstance(v, dict):
@@ -670,7 +676,7 @@ def example_weights(example: str, say: Any) -> Path:
 
 
 def assemble(name: str, model: Model, dest_root: Path, say: Any) -> Path:
-    """A deployable copy of function `name` (`model.name` or its -embed variant) in dest_root."""
+    """A deployable copy of function `name` (`model.name`, or its -embed or -pooled variant) in dest_root."""
     dest = dest_root / name
     if dest.exists():
         shutil.rmtree(dest)
@@ -1065,6 +1071,49 @@ class Bench:
         )
         return r
 
+    def pool_ready(self, d: Daemon, tenant: str) -> float:
+        status, _, body = d.request("GET", "/metrics", timeout=30)
+        prefix = f'torpor_sandbox_pool_ready{{tenant="{tenant}"}} '
+        for line in body.decode(errors="replace").splitlines() if status == 200 else []:
+            if line.startswith(prefix):
+                return float(line[len(prefix) :])
+        return 0.0
+
+    def pooled_run(self, d: Daemon, model: Model, i: int) -> Json:
+        """The `-pooled` copy deployed again (so the node takes its next start for its first:
+        a start in a ready sandbox), its instances stopped, a ready sandbox awaited (the gauge
+        counts one once its CUDA is warm), then one invoke, which must say `pooled`."""
+        name = f"{model.name}-pooled"
+        if not (FUNCTIONS / name).is_dir():
+            raise RuntimeError(f"{model.name} has no pooled variant (bench/coldstart/functions/{name})")
+        fdir = assemble(name, model, self.work / "functions-pooled", self.say)
+        tenant = tomllib.loads((fdir / "torpor.toml").read_text())["tenant"]
+        dep = d.deploy(fdir)
+        stopped = d.stop_function(name)
+        t = time.perf_counter()
+        while self.pool_ready(d, tenant) < 1:
+            if time.perf_counter() - t > 600:
+                raise RuntimeError(f"no ready sandbox of tenant {tenant} within 600 s\n{d.log_tail()}")
+            time.sleep(0.1)
+        waited = round(time.perf_counter() - t, 3)
+        before = d.restore_metrics()
+        r = d.invoke(name, model.request)
+        after = d.restore_metrics()
+        r.pop("t_done")
+        if r["start"] != "pooled":
+            raise RuntimeError(f"{name} run {i}: the invoke was {r['start']}, not pooled")
+        d.stop_function(name)
+        r.update(
+            run=i,
+            deploy_s=dep["wall_s"],
+            deploy_setup_s=(dep["phases"] or {}).get("load"),
+            pool_ready_wait_s=waited,
+            stop=stopped,
+            fills=fills(before, after),
+            same=self.same(model.name, r["value"]),
+        )
+        return r
+
     def mode(self, variant: str, model: Model) -> Json:
         d = self.use_daemon(variant)
         mode = base_mode(variant)
@@ -1082,6 +1131,9 @@ class Bench:
         )
         if mode in ("gpu-cache", "cold", "burst8"):
             out["warmups"] = self.warm_gpu_cache(d, model)
+        if mode == "pooled":
+            # The first deploy fills the weights from the file; later ones from the GPU cache.
+            out["warmups"] = [self.pooled_run(d, model, -1)]
         # What holds GPU memory with nothing of the function live: a burst waits for the GPU to
         # be back to this (burst_run).
         self.gpu_base = set(gpu_memory_by_pid()) if self.gpu else set()
@@ -1109,6 +1161,8 @@ class Bench:
                     r = self.cold_disk_run(d, model, i)
                 elif mode == "second":
                     r = self.second_run(d, model, i)
+                elif mode == "pooled":
+                    r = self.pooled_run(d, model, i)
                 else:
                     r = self.restore_run(d, model, i)
             except (RuntimeError, OSError, http.client.HTTPException) as e:

@@ -27,6 +27,7 @@ MODE_NAMES = {
     "cold": "cold (split, GPU cache, best config)",
     "cold-disk": "cold from disk (no cache, page cache dropped)",
     "burst8": "burst of 8 (all answered)",
+    "pooled": "new to the node, in a ready sandbox (setup run)",
 }
 # The README's table: one row per mode, one column per model, the median of the client's wall time.
 HEADLINE_NAMES = {
@@ -39,11 +40,21 @@ HEADLINE_NAMES = {
     "standby": "standby instance (split, GPU cache)",
     "standby-live": "live standby (`standby_gpu = \"live\"`)",
     "burst8": "burst: 8 cold starts at once, until all answered",
+    "pooled": "new to the node, into a ready sandbox of the live-context pool (weights mapped, setup run)",
 }
 MODEL_NAMES = {"resnet152": "ResNet-152", "gpt2-large": "GPT-2-Large", "cpu": "CPU function"}
-PHASES = ("restore", "restore.criu_restore", "restore.cuda_restore", "reconnect", "gpu_resume", "segments", "handler", "overhead")
+PHASES = (
+    "restore", "restore.criu_restore", "restore.cuda_restore", "reconnect", "gpu_resume", "segments",
+    "pooled_load.setup", "pooled_load.warmup", "handler", "overhead",
+)
 # The restore's own phases (X-Torpor-Timings `restore.<phase>`), shorter in the header.
-PHASE_NAMES = {"restore.criu_restore": "of which CRIU", "restore.cuda_restore": "of which driver"}
+PHASE_NAMES = {
+    "restore.criu_restore": "of which CRIU",
+    "restore.cuda_restore": "of which driver",
+    # A start in a ready sandbox (mode pooled): the function's import and setup(), its warm-up.
+    "pooled_load.setup": "setup (pooled)",
+    "pooled_load.warmup": "warm-up (pooled)",
+}
 
 
 def span(s: Json | None, digits: int = 3) -> str:

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import torch
+import torchvision
 import torpor
 from model import ResNet152
 
@@ -56,3 +57,19 @@ class EmbedResNet152(ResNet152):
             "features": features.shape[1],
             "digest": hashlib.sha256(features.numpy().tobytes()).hexdigest(),
         }
+
+
+@torpor.function
+class MappedResNet152(HeldResNet152):
+    """The same model with its weights as views of the platform-managed GPU memory of its
+    `device = "cuda"` data `weights` (torpor.load_tensors): setup() reads and copies nothing
+    (the `-pooled` copy of the split benchmark: a start in a ready sandbox)."""
+
+    def setup(self) -> None:
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        resnet152 = torchvision.models.resnet152  # imported outside the meta device's mode
+        with torch.device("meta"):
+            model = resnet152(weights=None)
+        torpor.assign(model, torpor.load_tensors("weights"))
+        self.model = model.eval()
