@@ -1199,6 +1199,7 @@ class Worker:
             self.entry = entry
             _forget_modules_of(self.loaded_dirs)
         phase = "data"
+        t_data = time.perf_counter()
         try:
             bound = []
             for d in decls:
@@ -1223,7 +1224,9 @@ class Worker:
             for frame, fd in gpu_data:
                 torpor_data.map_gpu(frame["name"], fd, frame["size"], frame["padded"], frame["readonly"])
             phase = "import"
+            t_import = time.perf_counter()
             cls = resolve(fdir, entry)
+            t_imported = time.perf_counter()
             phase = "setup"
             gpu_memory = spec.get("gpu_memory", 0)
             torpor_gpu.limit_memory(gpu_memory if isinstance(gpu_memory, int) else 0)
@@ -1295,6 +1298,8 @@ class Worker:
         ready: dict[str, Any] = {
             "type": "ready",
             "ok": True,
+            "data_s": t_import - t_data,
+            "import_s": t_imported - t_import,
             "setup_s": t1 - t0,
             "warmup_s": t2 - t_packed,
             "memory": pool.model(),

@@ -95,8 +95,9 @@ def test_a_function_s_first_start_loads_into_a_ready_sandbox_of_its_tenant(
     # each in its own tenant's process.
     assert a.start == "pooled" and b.start == "pooled", (a.start, b.start, torpord.log_text())
     assert "pooled_load" in a.timings and a.timings["total"] < 30, a.timings
-    # Where the load went: the data, the function's setup() in the ready sandbox, its warm-up.
-    parts = [a.timings[f"pooled_load.{k}"] for k in ("data", "setup", "warmup")]
+    # Where the load went: the data, its mapping, the module's import, setup() in the ready
+    # sandbox, the warm-up.
+    parts = [a.timings[f"pooled_load.{k}"] for k in ("data", "map", "import", "setup", "warmup")]
     assert min(parts) >= 0 and sum(parts) <= a.timings["pooled_load"], a.timings
     got_a, got_b = ok(a), ok(b)
     assert got_a["fn"] == "pool-a" and got_a["calls"] == 1, got_a

@@ -154,6 +154,13 @@ pub struct Settled {
 #[schemars(deny_unknown_fields)]
 pub struct Ready {
     pub ok: bool,
+    /// After a `load`: binding the declared data and mapping the platform's GPU data, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_s: Option<f64>,
+    /// After a `load`: importing the function's module, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub import_s: Option<f64>,
+    /// After a `load`: the function's setup(); after a base's `preload`, the preloads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub setup_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

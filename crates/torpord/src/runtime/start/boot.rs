@@ -259,10 +259,12 @@ pub(crate) struct Loaded {
     pub cgroup: Option<crate::cgroup::Cgroup>,
     /// From the directory's bind to the last `ready`.
     pub load_s: f64,
-    /// Of it: binding the directory and waiting for the platform's data (`data`), the
-    /// function's import and setup() (`setup`) and its warm-up request (`warmup`), as the
-    /// worker timed them.
+    /// Of it: binding the directory and waiting for the platform's data (`data`), then as the
+    /// worker timed them: binding and mapping that data (`map`), importing the function's
+    /// module (`import`), its setup() (`setup`) and its warm-up request (`warmup`).
     pub data_s: f64,
+    pub map_s: Option<f64>,
+    pub import_s: Option<f64>,
     pub setup_s: Option<f64>,
     pub warmup_s: Option<f64>,
 }
@@ -272,6 +274,8 @@ impl Loaded {
     pub fn phases(&self, prefix: &str) -> Vec<(String, f64)> {
         [
             ("data", Some(self.data_s)),
+            ("map", self.map_s),
+            ("import", self.import_s),
             ("setup", self.setup_s),
             ("warmup", self.warmup_s),
         ]
@@ -347,6 +351,8 @@ pub(crate) async fn load_into(
         cgroup,
         load_s,
         data_s,
+        map_s: answer.get("data_s").and_then(Value::as_f64),
+        import_s: answer.get("import_s").and_then(Value::as_f64),
         setup_s: answer.get("setup_s").and_then(Value::as_f64),
         warmup_s: answer.get("warmup_s").and_then(Value::as_f64),
     })
