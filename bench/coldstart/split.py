@@ -1086,7 +1086,11 @@ class Bench:
         name = f"{model.name}-pooled"
         if not (FUNCTIONS / name).is_dir():
             raise RuntimeError(f"{model.name} has no pooled variant (bench/coldstart/functions/{name})")
-        fdir = assemble(name, model, self.work / "functions-pooled", self.say)
+        # Assembled once: making it again would link the weights anew, and a new link changes the
+        # file's ctime, which torpord takes for a changed file (it hashes it again; gpudata.rs).
+        fdir = self.work / "functions-pooled" / name
+        if not fdir.is_dir():
+            fdir = assemble(name, model, self.work / "functions-pooled", self.say)
         tenant = tomllib.loads((fdir / "torpor.toml").read_text())["tenant"]
         dep = d.deploy(fdir)
         stopped = d.stop_function(name)

@@ -231,7 +231,29 @@ def render(d: Json) -> str:
     return "\n".join(out)
 
 
+def runs_table(d: Json, mode: str) -> str:
+    """Every run of `mode`, one row each, with its phases: for a mode whose runs differ for a
+    reason the medians hide."""
+    rows = [r for r in d["results"] if r["mode"] == mode]
+    keys: list[str] = []
+    for row in rows:
+        for run in row.get("runs", []):
+            keys += [k for k in run["timings"] if k not in keys and k not in ("queue", "total", "overhead")]
+    out = ["| model | run | request → first answer | " + " | ".join(f"`{k}`" for k in keys) + " | outputs |"]
+    out.append("|---" * (len(keys) + 4) + "|")
+    for row in rows:
+        for run in row.get("runs", []):
+            cells = [f"{run['timings'][k]:.3f}" if k in run["timings"] else "–" for k in keys]
+            same = "identical" if run.get("same") else "DIFFER"
+            out.append(f"| {row['model']} | {run['run']} | {run['wall_s']:.3f} | " + " | ".join(cells) + f" | {same} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--runs"] and len(argv) == 3:
+        with open(argv[2]) as f:
+            print(runs_table(json.load(f), argv[1]))
+        return 0
     if argv[:1] == ["--chart"] and len(argv) == 3:
         with open(argv[2]) as f:
             chart(json.load(f), argv[1])
@@ -244,7 +266,7 @@ def main(argv: list[str]) -> int:
         with open(argv[0]) as f:
             print(render(json.load(f)))
         return 0
-    print("usage: split_table.py [--headline | --chart OUT.png] RESULT.json", file=sys.stderr)
+    print("usage: split_table.py [--headline | --chart OUT.png | --runs MODE] RESULT.json", file=sys.stderr)
     return 2
 
 
