@@ -292,3 +292,22 @@ def test_the_residue_table_in_docs_is_the_rendering_of_the_h100_json() -> None:
     )
     assert "| gpt2-large | stack0 |" in r.stdout, r.stdout
     assert r.stdout.strip() in (ROOT / "docs" / "split.md").read_text(), "re-render docs/split.md's residue table"
+
+
+def test_the_runs_table_lists_every_run_of_a_mode_with_its_phases() -> None:
+    d = {
+        "results": [
+            {"model": "m", "mode": "cold", "runs": [{"run": 0, "wall_s": 9.0, "timings": {"restore": 1.0}, "same": True}]},
+            {
+                "model": "m",
+                "mode": "pooled",
+                "runs": [
+                    {"run": 0, "wall_s": 2.5, "timings": {"pooled_load": 2.4, "pooled_load.data": 2.0, "total": 2.5}, "same": True},
+                    {"run": 1, "wall_s": 0.4, "timings": {"pooled_load": 0.3}, "same": False},
+                ],
+            },
+        ]
+    }
+    lines = split_table.runs_table(d, "pooled").splitlines()
+    assert lines[0] == "| model | run | request → first answer | `pooled_load` | `pooled_load.data` | outputs |"
+    assert lines[2:] == ["| m | 0 | 2.500 | 2.400 | 2.000 | identical |", "| m | 1 | 0.400 | 0.300 | – | DIFFER |"]
