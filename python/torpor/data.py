@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from torpor.errors import DataError
+from torpor.errors import DataError, HookError
 
 if TYPE_CHECKING:
     from torpor.spec import Spec
@@ -316,6 +316,16 @@ def map_gpu(name: str, fd: int, size: int, padded: int, readonly: bool) -> None:
         cuda_driver.with_context()
     except cuda_driver.DriverError as e:
         raise DataError(f"{what}: {e}; it needs a GPU and the split GPU path") from None
+    if h.can_reserve:
+        # Addresses only: the daemon's memory is mapped there, none of the worker's is made
+        # (allocating the segment's size first held the GPU memory twice for a moment).
+        try:
+            va_reserved = h.reserve_cuda(padded)
+            h.map(va_reserved, fd, readonly)
+        except HookError as e:
+            raise DataError(f"{what}: {e}") from None
+        b.gpu[name] = GpuData(va_reserved, size, padded, readonly)
+        return
     va = ctypes.c_uint64()
     rc = alloc(ctypes.byref(va), ctypes.c_size_t(padded))
     if rc != 0:

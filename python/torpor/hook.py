@@ -116,6 +116,11 @@ class Hook:
         for name, (restype, argtypes) in sigs.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
+        # Added to ABI 1 later (compatibly): a hook built before it lacks it.
+        self.can_reserve = hasattr(lib, "torpor_hook_cuda_reserve")
+        if self.can_reserve:
+            fn = lib.torpor_hook_cuda_reserve
+            fn.restype, fn.argtypes = c_int, [ctypes.c_size_t, ctypes.POINTER(u64)]
         self.path = path
         self._lib = lib
 
@@ -129,6 +134,15 @@ class Hook:
         """A new read-write host segment of at least `size` bytes; its address."""
         va = ctypes.c_uint64()
         self._check(self._lib.torpor_hook_host_alloc(size, ctypes.byref(va)), f"allocating {size} bytes")
+        return va.value
+
+    def reserve_cuda(self, size: int) -> int:
+        """A new released cuda segment of at least `size` bytes of addresses on the current
+        context's GPU, holding no memory (map memory there next); its address."""
+        if not self.can_reserve:
+            raise HookError(f"{self.path} has no torpor_hook_cuda_reserve: install the hook of this release")
+        va = ctypes.c_uint64()
+        self._check(self._lib.torpor_hook_cuda_reserve(size, ctypes.byref(va)), f"reserving {size} bytes on the GPU")
         return va.value
 
     def host_free(self, va: int) -> None:

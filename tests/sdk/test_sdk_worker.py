@@ -673,8 +673,8 @@ GPU_DATA_READER = (
 
 def test_gpu_data_is_mapped_into_a_segment_of_the_hook(spawn: Spawner, daemon: Daemon, tmp_path: Path) -> None:
     """The worker's side of platform-managed GPU data on the fake driver (its VMM memory is
-    memfd memory; tests/fakes/fake_libcuda.c): the harness allocates a segment through the
-    preloaded hook, releases its memory and maps the daemon's there, read-only; the function
+    memfd memory; tests/fakes/fake_libcuda.c): the harness reserves a segment's addresses through
+    the preloaded hook (no memory of its own) and maps the daemon's there, read-only; the function
     reads the bytes at the segment's address, and the segment is one the split capture sees."""
     from sdkd import hook_lib
 
@@ -684,7 +684,12 @@ def test_gpu_data_is_mapped_into_a_segment_of_the_hook(spawn: Spawner, daemon: D
     fake = tmp_path / "libcuda.so.1"
     subprocess.run([cc, "-shared", "-fPIC", "-DFAKE_CUDA_VMM", "-o", str(fake), str(ROOT / "tests" / "fakes" / "fake_libcuda.c")], check=True)
     lib = str(hook_lib())
-    env = worker_env(daemon.path, LD_PRELOAD=lib, TORPOR_HOOK_LIB=lib, TORPOR_HOOK_CUDA="1", TORPOR_LIBCUDA=str(fake))
+    # The driver refuses to make memory: mapping the daemon's needs addresses only (the hook's
+    # torpor_hook_cuda_reserve), never an allocation of the data's size on top of it.
+    env = worker_env(
+        daemon.path, LD_PRELOAD=lib, TORPOR_HOOK_LIB=lib, TORPOR_HOOK_CUDA="1", TORPOR_LIBCUDA=str(fake),
+        FAKE_CUDA_MEM_CREATE_RESULT="2",
+    )
     fdir = write_function(tmp_path / "fn", GPU_DATA_READER, 'gpus = 1\n[[data]]\nname = "w"\npath = "w.bin"\ndevice = "cuda"\n')
     payload = b"platform-filled weights"
     (fdir / "w.bin").write_bytes(payload)

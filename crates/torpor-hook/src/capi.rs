@@ -23,6 +23,7 @@
 //! int         torpor_hook_release_all(uint64_t *bytes); /* synchronise, unmap, keep the VAs */
 //! int         torpor_hook_release(uint64_t va);          /* one segment, as release_all */
 //! int         torpor_hook_map(uint64_t va, int fd, int read_only);   /* fd stays the caller's */
+//! int         torpor_hook_cuda_reserve(size_t size, uint64_t *va);  /* released, no memory */
 //! const char *torpor_hook_last_error(void);
 //! ```
 //!
@@ -98,6 +99,27 @@ pub extern "C" fn torpor_hook_abi_version() -> u32 {
 pub unsafe extern "C" fn torpor_hook_host_alloc(size: usize, va: *mut u64) -> c_int {
     call("torpor_hook_host_alloc", || {
         let segment = hook().alloc_host(size)?;
+        // SAFETY: per the contract.
+        unsafe { *va = segment.va };
+        Ok(0)
+    })
+}
+
+/// A new released cuda segment of at least `size` bytes of addresses on the current context's
+/// GPU, holding no memory, its start written to `*va`: where `torpor_hook_map` puts memory the
+/// daemon hands over (platform-managed GPU data) without allocating any first.
+///
+/// # Safety
+/// `va` is valid for writing one `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn torpor_hook_cuda_reserve(size: usize, va: *mut u64) -> c_int {
+    call("torpor_hook_cuda_reserve", || {
+        let hook = hook();
+        let ordinal = hook.driver()?.vmm()?.current_device()?;
+        let segment = hook.keeping_context(|| {
+            let device = hook.cuda_device(ordinal)?;
+            hook.reserve_cuda(&device, ordinal, size)
+        })?;
         // SAFETY: per the contract.
         unsafe { *va = segment.va };
         Ok(0)

@@ -156,6 +156,23 @@ impl Hook {
             .insert(va, Backend::Cuda { ordinal }, Memory::Cuda(memory)))
     }
 
+    /// A new released segment of at least `size` bytes of addresses on `device` (GPU
+    /// `ordinal`), without memory: for memory the daemon hands over, mapped next with
+    /// [`Hook::map`]. Allocating the segment's memory only to release it, as a `cuMemAlloc`
+    /// would, held the GPU memory twice for a moment and cost a create and a release.
+    pub fn reserve_cuda(
+        &self,
+        device: &CudaDevice,
+        ordinal: i32,
+        size: usize,
+    ) -> Result<SegmentInfo, HookError> {
+        let len = round_up(size, device.granularity()).unwrap_or(usize::MAX);
+        let va = device.reserve(len, None)?;
+        Ok(self
+            .table()
+            .insert_released(va, Backend::Cuda { ordinal }, len))
+    }
+
     /// Whether a segment starts at `va`.
     pub fn is_segment(&self, va: u64) -> bool {
         self.table().contains(va)

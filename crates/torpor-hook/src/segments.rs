@@ -102,6 +102,23 @@ impl SegmentTable {
         info
     }
 
+    /// Records a new released segment: `size` bytes of addresses at `va`, no memory yet (memory
+    /// is mapped there next, as into a segment released for a snapshot).
+    pub fn insert_released(&mut self, va: u64, backend: Backend, size: usize) -> SegmentInfo {
+        let info = SegmentInfo {
+            va,
+            size,
+            backend,
+            order: self.next_order,
+            first_use: None,
+            mapped: false,
+            read_only: false,
+        };
+        self.next_order += 1;
+        self.segments.insert(va, Segment { info, memory: None });
+        info
+    }
+
     /// The segment starting at `va`.
     pub fn get(&self, va: u64) -> Result<SegmentInfo, HookError> {
         self.segments
@@ -252,6 +269,26 @@ mod tests {
                 "{outside:#x}"
             );
         }
+    }
+
+    #[test]
+    fn a_segment_made_released_holds_no_memory_until_memory_is_put_there() {
+        let device = HostDevice::new();
+        let mut table = SegmentTable::default();
+        table.insert(0x1000_0000, Backend::Host, memory(&device, 1));
+        let page = device.granularity();
+        let info = table.insert_released(0x3000_0000, Backend::Cuda { ordinal: 0 }, 2 * page);
+        assert_eq!((info.size, info.order, info.mapped), (2 * page, 1, false));
+        assert!(matches!(
+            table.take_memory(0x3000_0000),
+            Err(HookError::Released { .. })
+        ));
+        assert_eq!(table.mapped().len(), 1);
+        table
+            .put_memory(0x3000_0000, memory(&device, 2), true)
+            .unwrap();
+        let info = table.get(0x3000_0000).unwrap();
+        assert!(info.mapped && info.read_only);
     }
 
     #[test]
