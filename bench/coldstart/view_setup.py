@@ -39,26 +39,10 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
 
-def coldstart_models() -> Any:
-    """bench/coldstart/models.py, loaded by path: with bench/coldstart on sys.path, building
-    GPT-2 Large took 6.5 s instead of 0.5 s on the H200 (session 43: 128 custom ops registered
-    and 2 536 sources compiled on the way, some import finding a module of that directory)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("coldstart_models", HERE / "models.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def child(model_name: str, side: str, weights: Path) -> dict[str, Any]:
     """One side, in this (fresh) process."""
     import torch
-
-    models = coldstart_models()
-    build, example_input, forward = models.build, models.example_input, models.forward
-    import_libraries, named_tensors = models.import_libraries, models.named_tensors
+    from models import build, example_input, forward, import_libraries, named_tensors  # bench/coldstart, the script's dir
 
     import_libraries(model_name)
     from torpor import gpu as torpor_gpu

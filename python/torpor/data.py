@@ -296,18 +296,9 @@ def map_gpu(name: str, fd: int, size: int, padded: int, readonly: bool) -> None:
     b = _binding()
     if b is None or name not in b.entries:
         raise DataError(f"mapping the GPU data {name!r}: it is not declared by the function being loaded")
-    import ctypes
-
-    from torpor import hook
-
-    from torpor import cuda_driver
+    from torpor import cuda_driver, hook
 
     what = f"mapping the GPU data {name!r} ({size} bytes)"
-    try:
-        # The process's own symbols: the preloaded hook's cuMemAlloc_v2, which makes a segment.
-        alloc = ctypes.CDLL(None).cuMemAlloc_v2
-    except AttributeError as e:
-        raise DataError(f"{what}: no CUDA driver in this worker ({e}); it needs a GPU and the split GPU path") from None
     try:
         h = hook.get()
     except Exception as e:
@@ -316,28 +307,14 @@ def map_gpu(name: str, fd: int, size: int, padded: int, readonly: bool) -> None:
         cuda_driver.with_context()
     except cuda_driver.DriverError as e:
         raise DataError(f"{what}: {e}; it needs a GPU and the split GPU path") from None
-    if h.can_reserve:
-        # Addresses only: the daemon's memory is mapped there, none of the worker's is made
-        # (allocating the segment's size first held the GPU memory twice for a moment).
-        try:
-            va_reserved = h.reserve_cuda(padded)
-            h.map(va_reserved, fd, readonly)
-        except HookError as e:
-            raise DataError(f"{what}: {e}") from None
-        b.gpu[name] = GpuData(va_reserved, size, padded, readonly)
-        return
-    va = ctypes.c_uint64()
-    rc = alloc(ctypes.byref(va), ctypes.c_size_t(padded))
-    if rc != 0:
-        raise DataError(f"{what}: cuMemAlloc_v2 of {padded} bytes failed with CUresult {rc}")
-    if not any(seg.va == va.value for seg in h.segments()):
-        raise DataError(
-            f"{what}: the allocation at {va.value:#x} is not a segment of the hook: the worker runs off "
-            "the split GPU path (TORPOR_HOOK_CUDA)"
-        )
-    h.release(va.value)
-    h.map(va.value, fd, readonly)
-    b.gpu[name] = GpuData(va.value, size, padded, readonly)
+    # Addresses only, then the daemon's memory mapped there: the worker makes none of its own
+    # (allocating the segment's size first, as until session 43, held the GPU memory twice).
+    try:
+        va = h.reserve_cuda(padded)
+        h.map(va, fd, readonly)
+    except HookError as e:
+        raise DataError(f"{what}: {e}") from None
+    b.gpu[name] = GpuData(va, size, padded, readonly)
 
 
 def _load_segment(entry: Bound) -> memoryview:

@@ -31,7 +31,7 @@ from typing import Any
 from torpor.errors import HookError
 
 ENV_LIB = "TORPOR_HOOK_LIB"
-ABI_VERSION = 1
+ABI_VERSION = 2
 _BACKENDS = ("host", "cuda")
 
 
@@ -111,16 +111,12 @@ class Hook:
             "torpor_hook_release_all": (c_int, [ctypes.POINTER(u64)]),
             "torpor_hook_release": (c_int, [u64]),
             "torpor_hook_map": (c_int, [u64, c_int, c_int]),
+            "torpor_hook_cuda_reserve": (c_int, [ctypes.c_size_t, ctypes.POINTER(u64)]),
             "torpor_hook_last_error": (ctypes.c_char_p, []),
         }
         for name, (restype, argtypes) in sigs.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
-        # Added to ABI 1 later (compatibly): a hook built before it lacks it.
-        self.can_reserve = hasattr(lib, "torpor_hook_cuda_reserve")
-        if self.can_reserve:
-            fn = lib.torpor_hook_cuda_reserve
-            fn.restype, fn.argtypes = c_int, [ctypes.c_size_t, ctypes.POINTER(u64)]
         self.path = path
         self._lib = lib
 
@@ -139,8 +135,6 @@ class Hook:
     def reserve_cuda(self, size: int) -> int:
         """A new released cuda segment of at least `size` bytes of addresses on the current
         context's GPU, holding no memory (map memory there next); its address."""
-        if not self.can_reserve:
-            raise HookError(f"{self.path} has no torpor_hook_cuda_reserve: install the hook of this release")
         va = ctypes.c_uint64()
         self._check(self._lib.torpor_hook_cuda_reserve(size, ctypes.byref(va)), f"reserving {size} bytes on the GPU")
         return va.value

@@ -1298,7 +1298,7 @@ class Worker:
         ready: dict[str, Any] = {
             "type": "ready",
             "ok": True,
-            "data_s": t_import - t_data,
+            "map_s": t_import - t_data,
             "import_s": t_imported - t_import,
             "setup_s": t1 - t0,
             "warmup_s": t2 - t_packed,

@@ -40,7 +40,7 @@ use crate::hook::hook;
 use crate::segments::{Backend, SegmentInfo};
 
 /// The version of this API; `torpor_hook_abi_version` returns it.
-pub const TORPOR_HOOK_ABI_VERSION: u32 = 1;
+pub const TORPOR_HOOK_ABI_VERSION: u32 = 2;
 
 /// One segment as `torpor_hook_list` reports it.
 #[repr(C)]
@@ -106,7 +106,7 @@ pub unsafe extern "C" fn torpor_hook_host_alloc(size: usize, va: *mut u64) -> c_
 }
 
 /// A new released cuda segment of at least `size` bytes of addresses on the current context's
-/// GPU, holding no memory, its start written to `*va`: where `torpor_hook_map` puts memory the
+/// GPU, holding no memory, its start written to `*va` (ABI 2): where `torpor_hook_map` puts memory the
 /// daemon hands over (platform-managed GPU data) without allocating any first.
 ///
 /// # Safety
@@ -114,6 +114,13 @@ pub unsafe extern "C" fn torpor_hook_host_alloc(size: usize, va: *mut u64) -> c_
 #[no_mangle]
 pub unsafe extern "C" fn torpor_hook_cuda_reserve(size: usize, va: *mut u64) -> c_int {
     call("torpor_hook_cuda_reserve", || {
+        // As a cuMemAlloc would be: cuda segments are the split GPU path's only.
+        if !crate::hook::cuda_interposition_enabled() {
+            return Err(HookError::CudaUnavailable {
+                reason: "TORPOR_HOOK_CUDA=1 is not set: the worker runs off the split GPU path"
+                    .into(),
+            });
+        }
         let hook = hook();
         let ordinal = hook.driver()?.vmm()?.current_device()?;
         let segment = hook.keeping_context(|| {

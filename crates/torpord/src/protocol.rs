@@ -156,7 +156,7 @@ pub struct Ready {
     pub ok: bool,
     /// After a `load`: binding the declared data and mapping the platform's GPU data, in seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data_s: Option<f64>,
+    pub map_s: Option<f64>,
     /// After a `load`: importing the function's module, in seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub import_s: Option<f64>,

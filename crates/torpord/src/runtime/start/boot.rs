@@ -248,9 +248,6 @@ fn not_ready(cgroup: Option<&crate::cgroup::Cgroup>, source: NotReady, log: Path
     }
 }
 
-/// The second half of a boot: binds `dir` into the launched worker, sends `load` (with the
-/// data `data_loading` fetched and the GPU data `gpu_filling` filled), waits for `ready` and, for a sandbox's host, loads the other
-/// members of its group. Returns (init, worker, connection, load seconds, cgroup).
 /// A function loaded into a launched worker ([`load_into`]).
 pub(crate) struct Loaded {
     pub init: i32,
@@ -285,6 +282,9 @@ impl Loaded {
     }
 }
 
+/// The second half of a boot: binds `dir` into the launched worker, sends `load` (with the
+/// data `data_loading` fetched and the GPU data `gpu_filling` filled), waits for `ready` and, for
+/// a sandbox's host, loads the other members of its group.
 pub(crate) async fn load_into(
     rt: &Runtime,
     launched: Launched,
@@ -351,7 +351,7 @@ pub(crate) async fn load_into(
         cgroup,
         load_s,
         data_s,
-        map_s: answer.get("data_s").and_then(Value::as_f64),
+        map_s: answer.get("map_s").and_then(Value::as_f64),
         import_s: answer.get("import_s").and_then(Value::as_f64),
         setup_s: answer.get("setup_s").and_then(Value::as_f64),
         warmup_s: answer.get("warmup_s").and_then(Value::as_f64),

@@ -36,7 +36,7 @@ use serde_json::Value;
 use crate::metrics::start;
 use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::pool::FnInfo;
-use crate::runtime::start::boot::{launch_function_worker, load_into, Announce, Launched};
+use crate::runtime::start::boot::{launch_function_worker, load_into, Announce, Launched, Loaded};
 use crate::runtime::start::{NewInstance, StartError, Started};
 use crate::runtime::Runtime;
 use crate::sync::lock;
@@ -349,13 +349,14 @@ impl Runtime {
         .await
         .map_err(boot)?;
         let load_phases = loaded.phases("pooled_load");
-        let (init, worker, conn, load_s, cgroup) = (
-            loaded.init,
-            loaded.worker,
-            loaded.conn,
-            loaded.load_s,
-            loaded.cgroup,
-        );
+        let Loaded {
+            init,
+            worker,
+            conn,
+            cgroup,
+            load_s,
+            ..
+        } = loaded;
         let tree = WorkerTree::new(init, worker, conn, cgroup);
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
