@@ -1,6 +1,7 @@
 """Weight packing (torpor.pack) on the GPU: a model's outputs are bit-identical after packing,
 every pack is one whole allocator segment (torpor.shareable vouches for it), tied weights,
-aliases and strides survive, and the old segments are given back; with the device-memory hook
+aliases and strides survive, weights over memory the allocator did not give stay where they
+are, and the old segments are given back; with the device-memory hook
 preloaded each pack is a cuda segment of its exact size. Skipped, with the reason shown, without
 an NVIDIA GPU or without PyTorch.
 """
@@ -50,6 +51,7 @@ CHECKS = (
     "alias",
     "strides",
     "untouched",
+    "external",
     "released",
 )
 

@@ -45,14 +45,17 @@ HEADLINE_NAMES = {
 MODEL_NAMES = {"resnet152": "ResNet-152", "gpt2-large": "GPT-2-Large", "cpu": "CPU function"}
 PHASES = (
     "restore", "restore.criu_restore", "restore.cuda_restore", "reconnect", "gpu_resume", "segments",
-    "pooled_load.setup", "pooled_load.warmup", "handler", "overhead",
+    "pooled_load.import", "pooled_load.setup", "pooled_load.pack", "pooled_load.warmup", "handler", "overhead",
 )
 # The restore's own phases (X-Torpor-Timings `restore.<phase>`), shorter in the header.
 PHASE_NAMES = {
     "restore.criu_restore": "of which CRIU",
     "restore.cuda_restore": "of which driver",
-    # A start in a ready sandbox (mode pooled): the function's import and setup(), its warm-up.
+    # A start in a ready sandbox (mode pooled): the function's import and setup(), weight
+    # packing, its warm-up.
+    "pooled_load.import": "import (pooled)",
     "pooled_load.setup": "setup (pooled)",
+    "pooled_load.pack": "packing (pooled)",
     "pooled_load.warmup": "warm-up (pooled)",
 }
 

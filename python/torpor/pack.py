@@ -33,7 +33,10 @@ stride (`tensor.data = view`, as Module.to() does), so non-contiguous views stay
 storage starts 512-byte aligned (the allocator's own block alignment), so kernels see the same
 alignment and compute bit-identical results. A tensor that is not a dense CUDA tensor (CPU,
 sparse, quantized, a subclass, an inference tensor) is left where it is; so is a tensor the
-function holds directly, outside its modules. A setup() that captured CUDA graphs is not packed
+function holds directly, outside its modules, and one over memory PyTorch's allocator did not
+give (platform-managed GPU data viewed by torpor.load_tensors, DLPack or CUDA-array imports):
+that memory is not the allocator's to free, so a copy would only hold the weights twice (and,
+for platform data, undo a start that copies nothing). A setup() that captured CUDA graphs is not packed
 (the graphs would read the old addresses).
 
 The planner (`plan`) is pure Python; the rest needs torch, imported by the function.
@@ -276,7 +279,7 @@ def _weak_ref(storage: Any) -> Any:
 def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -> Packed | None:
     """Pack the CUDA parameters and buffers of the modules `function` holds (torpor.shareable's
     modules_of). None when there is nothing to pack: torch not imported, CUDA not initialised,
-    no module, or no weight on CUDA. Raises PackError (the weights stay correct where each one is)
+    no module, or no weight on CUDA in memory the allocator gave. Raises PackError (the weights stay correct where each one is)
     when the allocator cannot give whole segments."""
     torch: Any = sys.modules.get("torch")
     if torch is None or function is None or not torch.cuda.is_initialized():
@@ -290,7 +293,8 @@ def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -
     groups = _group(torch, modules_of(function))
     if not groups:
         return None
-    graphs = {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory_snapshot()} - {(0, 0)}
+    allocator = torch.cuda.memory_snapshot()
+    graphs = {tuple(s.get("segment_pool_id", (0, 0))) for s in allocator} - {(0, 0)}
     if graphs:
         # A CUDA graph captured in setup() replays with the addresses the weights had then.
         raise PackError(
@@ -298,6 +302,12 @@ def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -
             "and a captured graph would go on reading the weights' old addresses; capture graphs in the "
             "warm-up request instead, or set [gpu] pack_weights = false"
         )
+    # Storages outside every allocator segment are not the allocator's: left where they are.
+    for outside in [k for k in groups if _segment_of(allocator, k[1]) is None]:
+        del groups[outside]
+    del allocator
+    if not groups:
+        return None
     tensors = sum(len(g.tensors) for g in groups.values())
     packs = plan((Item(k, k[0], g.storage.nbytes()) for k, g in groups.items()), max_pack_bytes)
     old = [(_weak_ref(g.storage), g.storage.nbytes()) for g in groups.values()]

@@ -1301,6 +1301,7 @@ class Worker:
             "map_s": t_import - t_data,
             "import_s": t_imported - t_import,
             "setup_s": t1 - t0,
+            "pack_s": t_packed - t1,
             "warmup_s": t2 - t_packed,
             "memory": pool.model(),
         }

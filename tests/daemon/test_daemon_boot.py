@@ -46,7 +46,7 @@ def test_cold_starts_boot_a_fresh_worker_and_warm_ones_reuse_it(booting: Torpord
     first = booting.invoke("cpu-mlp", request)
     assert first.status == 200 and first.start == "booted", (first.status, first.headers, first.body)
     assert first.json() == json.loads(local.stdout)
-    parts = [f"load.{k}" for k in ("data", "map", "import", "setup", "warmup")]
+    parts = [f"load.{k}" for k in ("data", "map", "import", "setup", "pack", "warmup")]
     assert {"boot", "load", "start", "handler", *parts} <= set(first.timings), sorted(first.timings)
     # The load's parts, as the daemon and the worker timed them, lie within it.
     assert sum(first.timings[k] for k in parts) <= first.timings["load"], first.timings

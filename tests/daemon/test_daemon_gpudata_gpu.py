@@ -1,7 +1,8 @@
 """Platform-managed GPU data on the GPU (docs/sandboxes.md, "Platform-managed GPU data"): a
 function declares its weights `device = "cuda"`; torpord fills GPU memory with the file through
 the fair PCIe scheduler while the worker starts, the worker maps it, and
-torpor.load(name, device="cuda") is a tensor on that memory (no copy of the function's own).
+torpor.load(name, device="cuda") is a tensor on that memory (no copy of the function's own),
+which a module's weights may view without weight packing copying them.
 Skipped without PyTorch and a CUDA device."""
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class F:
         self.raw = torpor.load("w", device="cuda")
         self.w = self.raw.view(torch.float32)
         self.ptr = self.raw.data_ptr()
+        # A module's weight over the data, as torpor.assign makes them: weight packing
+        # (torpor.pack) must leave it there, not copy it into an allocator segment.
+        self.net = torch.nn.Module()
+        self.net.weight = torch.nn.Parameter(self.w, requires_grad=False)
 
     def __call__(self, request):
         again = torpor.load("w", device="cuda") if request.get("again") else self.raw
@@ -35,6 +40,7 @@ class F:
             "n": int(self.w.numel()),
             "device": str(self.raw.device),
             "same_memory": again.data_ptr() == self.ptr,
+            "weight_in_data": self.net.weight.data_ptr() == self.ptr,
             "first": [float(x) for x in self.w[:4].tolist()],
         }
 '''
@@ -65,7 +71,7 @@ def test_declared_weights_arrive_as_platform_filled_gpu_memory(cuda: None, torpo
         v = a.json()
         assert v["device"].startswith("cuda") and v["n"] == n, v
         assert v["sum"] == want and v["first"] == [0.0, 1.0, 2.0, 3.0], v
-        assert v["same_memory"] is True, v
+        assert v["same_memory"] is True and v["weight_in_data"] is True, v
     metrics = torpord.request("GET", "/metrics").body.decode()
     assert 'torpor_pcie_bytes_total{device="cuda0"}' in metrics, metrics[-2000:]
 

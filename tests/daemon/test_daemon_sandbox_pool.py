@@ -96,8 +96,8 @@ def test_a_function_s_first_start_loads_into_a_ready_sandbox_of_its_tenant(
     assert a.start == "pooled" and b.start == "pooled", (a.start, b.start, torpord.log_text())
     assert "pooled_load" in a.timings and a.timings["total"] < 30, a.timings
     # Where the load went: the data, its mapping, the module's import, setup() in the ready
-    # sandbox, the warm-up.
-    parts = [a.timings[f"pooled_load.{k}"] for k in ("data", "map", "import", "setup", "warmup")]
+    # sandbox, weight packing, the warm-up.
+    parts = [a.timings[f"pooled_load.{k}"] for k in ("data", "map", "import", "setup", "pack", "warmup")]
     assert min(parts) >= 0 and sum(parts) <= a.timings["pooled_load"], a.timings
     got_a, got_b = ok(a), ok(b)
     assert got_a["fn"] == "pool-a" and got_a["calls"] == 1, got_a

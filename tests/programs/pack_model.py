@@ -4,8 +4,9 @@ The model has what packing must keep right: an embedding tied to the output head
 Parameter), a non-contiguous parameter, a second Parameter viewing part of another's storage,
 BatchNorm buffers (one of them int64), and it is loaded the way a checkpoint reader that stages
 each tensor leaves it: weights beside freed staging blocks, so no segment holds weights only.
-The function object also holds a CPU module and a CUDA tensor outside any module, which stay
-where they are.
+The function object also holds a CPU module and a CUDA tensor outside any module, and the
+model a layer whose weight views memory of the driver's own (cuMemAlloc, as platform-managed GPU
+data is), which stay where they are.
 
     {"before", "after": sha256 of the output before and after packing,
      "packs", "pack_bytes", "segment_bytes", "tensors", "storages", "whole", "left_bytes",
@@ -13,7 +14,7 @@ where they are.
      "own_segments": every pack is one allocator segment of exactly its size, one active block,
      "shareable": torpor.shareable vouches for every pack segment,
      "shareable_before": how many segments it vouched for before packing,
-     "tied", "alias", "strides", "untouched": the checks named above,
+     "tied", "alias", "strides", "untouched", "external": the checks named above,
      "released": the old segments were given back (the reservation did not grow by the weights),
      "hook_segments": with the hook, every pack is a cuda segment of its exact size (null without)}
 
@@ -22,6 +23,7 @@ Run plainly and with LD_PRELOAD=libtorpor_hook.so TORPOR_HOOK_CUDA=1 TORPOR_HOOK
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -34,6 +36,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
+from torpor import cuda_driver  # noqa: E402
 from torpor.pack import pack_function  # noqa: E402
 from torpor.shareable import shareable_vas  # noqa: E402
 
@@ -54,14 +57,33 @@ class Net(nn.Module):
         self.mix = nn.Parameter(torch.randn(HIDDEN, 64).t())  # (64, HIDDEN), strides (1, 64)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.head.weight = self.emb.weight
+        self.side = nn.Linear(HIDDEN, HIDDEN, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids)
         for layer in self.layers:
             h = torch.tanh(layer(h))
         h = self.bn(self.norm(h))
-        h = h + h[:, :64] @ self.mix
+        h = h + h[:, :64] @ self.mix + self.side(h)
         return self.head(h)
+
+
+def external(like: torch.Tensor) -> torch.Tensor:
+    """A copy of CUDA tensor `like` in memory of the driver's own (cuMemAlloc), outside
+    PyTorch's allocator, viewed through __cuda_array_interface__ as torpor.load views
+    platform-managed GPU data. Never freed: the process ends with the test."""
+    nbytes = like.numel() * like.element_size()
+    ptr = ctypes.c_uint64()
+    rc = cuda_driver.load().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+    assert rc == 0, f"cuMemAlloc_v2: {rc}"
+
+    class Array:
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr.value, False), "version": 3}
+
+    blob = torch.as_tensor(Array(), device="cuda")
+    out = blob.view(like.dtype).view(like.shape)
+    out.copy_(like)
+    return out
 
 
 def load_staged(net: Net) -> None:
@@ -82,6 +104,7 @@ class Function:
         # A second Parameter on part of the first layer's storage (after the move, which would
         # have given it a storage of its own).
         net.alias = nn.Parameter(net.layers[0].weight.data[:8])
+        net.side.weight.data = external(net.side.weight.data)
         self.net = net
         self.cpu = nn.Linear(4, 4)
         self.extra = torch.arange(16, dtype=torch.float32, device="cuda")
@@ -117,6 +140,7 @@ def main() -> None:
         "shareable_before": len(shareable_vas(fn)),
     }
     extra_before = fn.extra.cpu().tolist()
+    side_before = fn.net.side.weight.data_ptr()
     reserved = torch.cuda.memory_reserved()
     packed = pack_function(fn, max_pack_bytes=20 * MiB)
     assert packed is not None, "nothing was packed"
@@ -133,7 +157,8 @@ def main() -> None:
         "storages": packed.storages,
         "whole": packed.whole,
         "left_bytes": packed.left_bytes,
-        "all_in_packs": all(t.untyped_storage().data_ptr() in vas for t in weights),
+        "all_in_packs": all(t.untyped_storage().data_ptr() in vas for t in weights if t is not net.side.weight),
+        "external": net.side.weight.data_ptr() == side_before and side_before not in vas,
         "own_segments": all(own_segment(va, size) for va, size in vas.items()),
         "shareable": set(vas) <= shareable_vas(fn),
         "tied": net.head.weight is net.emb.weight and net.head.weight.untyped_storage().data_ptr() in vas,

@@ -59,7 +59,7 @@ def start_loaded(spawn: Spawner, daemon: Daemon, *args: str) -> tuple[Spawned, C
     ready = c.load()
     assert ready["ok"] is True, f"{ready}\n{w.stderr()}"
     assert ready["setup_s"] > 0 and ready["warmup_s"] > 0 and "preload_s" not in ready, ready
-    assert ready["map_s"] >= 0 and ready["import_s"] > 0, ready
+    assert ready["map_s"] >= 0 and ready["import_s"] > 0 and ready["pack_s"] >= 0, ready
     return w, c
 
 

@@ -163,6 +163,9 @@ pub struct Ready {
     /// After a `load`: the function's setup(); after a base's `preload`, the preloads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub setup_s: Option<f64>,
+    /// After a `load`: weight packing (torpor.pack), in seconds; 0 when nothing was packed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pack_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -258,11 +258,13 @@ pub(crate) struct Loaded {
     pub load_s: f64,
     /// Of it: binding the directory and waiting for the platform's data (`data`), then as the
     /// worker timed them: binding and mapping that data (`map`), importing the function's
-    /// module (`import`), its setup() (`setup`) and its warm-up request (`warmup`).
+    /// module (`import`), its setup() (`setup`), weight packing (`pack`) and its warm-up
+    /// request (`warmup`).
     pub data_s: f64,
     pub map_s: Option<f64>,
     pub import_s: Option<f64>,
     pub setup_s: Option<f64>,
+    pub pack_s: Option<f64>,
     pub warmup_s: Option<f64>,
 }
 
@@ -274,6 +276,7 @@ impl Loaded {
             ("map", self.map_s),
             ("import", self.import_s),
             ("setup", self.setup_s),
+            ("pack", self.pack_s),
             ("warmup", self.warmup_s),
         ]
         .into_iter()
@@ -354,6 +357,7 @@ pub(crate) async fn load_into(
         map_s: answer.get("map_s").and_then(Value::as_f64),
         import_s: answer.get("import_s").and_then(Value::as_f64),
         setup_s: answer.get("setup_s").and_then(Value::as_f64),
+        pack_s: answer.get("pack_s").and_then(Value::as_f64),
         warmup_s: answer.get("warmup_s").and_then(Value::as_f64),
     })
 }
