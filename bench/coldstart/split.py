@@ -94,11 +94,17 @@ from torpor import client  # noqa: E402
 
 Json = dict[str, Any]
 GIB = 1 << 30
-MODES = ("transparent", "host-cache", "gpu-cache", "second", "standby", "standby-live", "cold", "cold-disk", "burst8", "pooled")
+MODES = (
+    "transparent", "host-cache", "gpu-cache", "second", "standby", "standby-live", "cold", "cold-disk", "burst8",
+    "pooled", "pooled-later",
+)
 # Mode pooled: the model's `-pooled` function (bench/coldstart/functions/NAME-pooled: sandboxed,
 # weights as platform-managed GPU memory mapped as views) started new to the node in a ready
 # sandbox of the live-context pool. Each has a tenant of its own: the pool's gauge counts ready
 # sandboxes per tenant, and another model's ready sandbox must not count as this one's.
+# Mode pooled-later: the same copy deployed once; after its first start (pooled) and one
+# restore, each later cold start with a ready sandbox there, which the daemon makes the faster
+# of the two ways (torpord's `sandbox_pool.starts = "faster"`; the run's `start` says which).
 # Instances a burst starts at once (mode burst8).
 BURST = 8
 # Host cache for every split mode: every model's segments fit (GPT-2-Large holds ~3.3 GB).
@@ -316,7 +322,7 @@ def mode_config(mode: str, gpu: bool, extra: dict[str | None, Json]) -> Json:
         }
         if mode == "cold-disk":
             config["restore_server"] = {"host_cache_bytes": 0, "gpu_cache_bytes": 0, "stage_bytes": 0}
-        if mode == "pooled":
+        if mode in ("pooled", "pooled-later"):
             config["sandbox_pool"] = {"size": 1}
     for scope in dict.fromkeys((None, mode, variant)):
         for k, v in extra.get(scope, {}).items():
@@ -1079,20 +1085,24 @@ class Bench:
                 return float(line[len(prefix) :])
         return 0.0
 
-    def pooled_run(self, d: Daemon, model: Model, i: int) -> Json:
-        """The `-pooled` copy deployed again (so the node takes its next start for its first:
-        a start in a ready sandbox), its instances stopped, a ready sandbox awaited (the gauge
-        counts one once its CUDA is warm), then one invoke, which must say `pooled`."""
+    def pooled_dir(self, model: Model) -> Path:
+        """The model's `-pooled` copy, assembled once: making it again would link the weights
+        anew, and a new link changes the file's ctime, which torpord takes for a changed file
+        (it hashes it again; gpudata.rs)."""
         name = f"{model.name}-pooled"
         if not (FUNCTIONS / name).is_dir():
             raise RuntimeError(f"{model.name} has no pooled variant (bench/coldstart/functions/{name})")
-        # Assembled once: making it again would link the weights anew, and a new link changes the
-        # file's ctime, which torpord takes for a changed file (it hashes it again; gpudata.rs).
         fdir = self.work / "functions-pooled" / name
         if not fdir.is_dir():
             fdir = assemble(name, model, self.work / "functions-pooled", self.say)
+        return fdir
+
+    def pooled_invoke(self, d: Daemon, model: Model, fdir: Path, i: int, want: str | None) -> Json:
+        """The `-pooled` copy's instances stopped, a ready sandbox of its tenant awaited (the
+        gauge counts one once its CUDA is warm), then one invoke, whose start must be `want`
+        (None: the daemon's choice)."""
+        name = fdir.name
         tenant = tomllib.loads((fdir / "torpor.toml").read_text())["tenant"]
-        dep = d.deploy(fdir)
         stopped = d.stop_function(name)
         t = time.perf_counter()
         while self.pool_ready(d, tenant) < 1:
@@ -1104,19 +1114,39 @@ class Bench:
         r = d.invoke(name, model.request)
         after = d.restore_metrics()
         r.pop("t_done")
-        if r["start"] != "pooled":
-            raise RuntimeError(f"{name} run {i}: the invoke was {r['start']}, not pooled")
+        if want is not None and r["start"] != want:
+            raise RuntimeError(f"{name} run {i}: the invoke was {r['start']}, not {want}")
         d.stop_function(name)
         r.update(
             run=i,
-            deploy_s=dep["wall_s"],
-            deploy_setup_s=(dep["phases"] or {}).get("load"),
             pool_ready_wait_s=waited,
             stop=stopped,
             fills=fills(before, after),
             same=self.same(model.name, r["value"]),
         )
         return r
+
+    def pooled_run(self, d: Daemon, model: Model, i: int) -> Json:
+        """Mode pooled: the `-pooled` copy deployed again (so the node takes its next start for
+        its first: a start in a ready sandbox), then pooled_invoke."""
+        fdir = self.pooled_dir(model)
+        dep = d.deploy(fdir)
+        r = self.pooled_invoke(d, model, fdir, i, "pooled")
+        r.update(deploy_s=dep["wall_s"], deploy_setup_s=(dep["phases"] or {}).get("load"))
+        return r
+
+    def pooled_later_warmups(self, d: Daemon, model: Model) -> list[Json]:
+        """Mode pooled-later's warm-ups: the `-pooled` copy deployed once, its first start (in
+        a ready sandbox) and its second (a restore), both measured by the daemon, which from
+        then on takes the faster way (`sandbox_pool.starts = "faster"`)."""
+        fdir = self.pooled_dir(model)
+        d.deploy(fdir)
+        return [self.pooled_invoke(d, model, fdir, -2, "pooled"), self.pooled_invoke(d, model, fdir, -1, "restored")]
+
+    def pooled_later_run(self, d: Daemon, model: Model, i: int) -> Json:
+        """Mode pooled-later: a later cold start of the deployed `-pooled` copy, with a ready
+        sandbox there: the daemon takes the way that was faster (its `start` says which)."""
+        return self.pooled_invoke(d, model, self.pooled_dir(model), i, None)
 
     def mode(self, variant: str, model: Model) -> Json:
         d = self.use_daemon(variant)
@@ -1138,6 +1168,8 @@ class Bench:
         if mode == "pooled":
             # The first deploy fills the weights from the file; later ones from the GPU cache.
             out["warmups"] = [self.pooled_run(d, model, -1)]
+        elif mode == "pooled-later":
+            out["warmups"] = self.pooled_later_warmups(d, model)
         # What holds GPU memory with nothing of the function live: a burst waits for the GPU to
         # be back to this (burst_run).
         self.gpu_base = set(gpu_memory_by_pid()) if self.gpu else set()
@@ -1167,6 +1199,8 @@ class Bench:
                     r = self.second_run(d, model, i)
                 elif mode == "pooled":
                     r = self.pooled_run(d, model, i)
+                elif mode == "pooled-later":
+                    r = self.pooled_later_run(d, model, i)
                 else:
                     r = self.restore_run(d, model, i)
             except (RuntimeError, OSError, http.client.HTTPException) as e:

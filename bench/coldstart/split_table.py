@@ -28,6 +28,7 @@ MODE_NAMES = {
     "cold-disk": "cold from disk (no cache, page cache dropped)",
     "burst8": "burst of 8 (all answered)",
     "pooled": "new to the node, in a ready sandbox (setup run)",
+    "pooled-later": "a later cold start, the faster way (pooled or restored)",
 }
 # The README's table: one row per mode, one column per model, the median of the client's wall time.
 HEADLINE_NAMES = {
@@ -41,6 +42,7 @@ HEADLINE_NAMES = {
     "standby-live": "live standby (`standby_gpu = \"live\"`)",
     "burst8": "burst: 8 cold starts at once, until all answered",
     "pooled": "new to the node, into a ready sandbox of the live-context pool (weights mapped, setup run)",
+    "pooled-later": "a later cold start, the faster of the two (`sandbox_pool.starts = \"faster\"`)",
 }
 MODEL_NAMES = {"resnet152": "ResNet-152", "gpt2-large": "GPT-2-Large", "cpu": "CPU function"}
 PHASES = (

@@ -1,8 +1,9 @@
 """The live-context pool (issue 11, item 3; docs/sandboxes.md, "The live-context pool") through
 the real daemon, real CRIU and real workers, with CPU functions: `[sandbox_pool] size = 1`
 keeps one ready sandbox (a launched, preloaded worker waiting for a function) per tenant and
-base; a sandboxed function's first start loads into it (start `pooled`), a later cold start
-restores the snapshot, tenants never share a ready sandbox, one that dies is replaced, the pool
+base; a sandboxed function's first start loads into it (start `pooled`), the next cold start
+restores the snapshot and the one after takes the faster of the two (`sandbox_pool.starts =
+"faster"`, the default), tenants never share a ready sandbox, one that dies is replaced, the pool
 refills after each take, a sandbox still importing its preloads is not ready (a start meanwhile
 restores), and a bad config line is one clear error. The tests run in file order and share one
 daemon.
@@ -71,6 +72,8 @@ def wait_ready(torpord: Torpord, tenant: str, n: int = 1, within: float = 30) ->
 # The launch processes of ready sandboxes that became instances (their command line still
 # names the pool's log).
 TAKEN: set[int] = set()
+# The X-Torpor-Timings of pool-a's first (pooled) start.
+FIRST_START: dict[str, float] = {}
 
 
 def ready_pids(torpord: Torpord, tenant: str) -> list[int]:
@@ -99,6 +102,7 @@ def test_a_function_s_first_start_loads_into_a_ready_sandbox_of_its_tenant(
     # sandbox, weight packing, the warm-up.
     parts = [a.timings[f"pooled_load.{k}"] for k in ("data", "map", "import", "setup", "pack", "warmup")]
     assert min(parts) >= 0 and sum(parts) <= a.timings["pooled_load"], a.timings
+    FIRST_START.update(a.timings)
     got_a, got_b = ok(a), ok(b)
     assert got_a["fn"] == "pool-a" and got_a["calls"] == 1, got_a
     assert got_a["process"] != got_b["process"]
@@ -112,14 +116,54 @@ def test_a_function_s_first_start_loads_into_a_ready_sandbox_of_its_tenant(
     assert again.start == "warm" and ok(again)["process"] == got_a["process"]
 
 
-def test_a_later_cold_start_restores_the_snapshot(torpord: Torpord) -> None:
+def test_later_cold_starts_restore_once_then_take_the_faster_way(torpord: Torpord) -> None:
     r = torpord.cli("stop", "pool-a")
     assert r.returncode == 0, r.stderr
     a = torpord.invoke("pool-a", {})
+    # Restored once, so that the two ways can be compared.
     assert a.start == "restored", (a.start, a.timings)
-    ok(a)
-    # The ready sandbox is still there for the next function new to the node.
+    assert ok(a)["calls"] == 1
+    # The ready sandbox stayed there.
     assert metric(torpord, "torpor_sandbox_pool_ready", "team-a") == 1
+    # The next takes the faster way, as the daemon measured both: the same spans as these
+    # timings' `start` (the restore's a little longer). A tiny CPU function often loads faster
+    # than it restores, not always: checked where the two differ clearly (the slow function
+    # below checks the other way for certain).
+    pooled_s, restored_s = FIRST_START["start"], a.timings["start"]
+    ready = ready_pids(torpord, "team-a")
+    r = torpord.cli("stop", "pool-a")
+    assert r.returncode == 0, r.stderr
+    b = torpord.invoke("pool-a", {})
+    assert b.start in ("pooled", "restored") and ok(b)["calls"] == 1, (b.start, b.timings)
+    if pooled_s < restored_s / 2 or pooled_s > restored_s * 2:
+        assert b.start == ("pooled" if pooled_s < restored_s else "restored"), (pooled_s, restored_s, b.start)
+    if b.start == "pooled":
+        TAKEN.update(ready)
+    wait_ready(torpord, "team-a")
+
+
+def test_a_function_that_restores_faster_than_it_loads_restores(
+    torpord: Torpord, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    d = make_function(tmp_path_factory.mktemp("pool-slow-setup"), "pool-slow-setup", "team-a", "w")
+    (d / "slow_setup").write_text("3")
+    torpord.deploy(d)
+    wait_ready(torpord, "team-a")
+    starts = []
+    for _ in range(3):
+        ready = ready_pids(torpord, "team-a")
+        a = torpord.invoke("pool-slow-setup", {})
+        assert ok(a)["calls"] == 1, a.timings
+        starts.append(a.start)
+        if a.start == "pooled":
+            TAKEN.update(ready)
+            # Its setup() ran in the ready sandbox: 3 s.
+            assert a.timings["pooled_load.setup"] >= 3, a.timings
+        r = torpord.cli("stop", "pool-slow-setup")
+        assert r.returncode == 0, r.stderr
+        wait_ready(torpord, "team-a")
+    # First start pooled, then restored once to compare, then restored: faster by 3 s.
+    assert starts == ["pooled", "restored", "restored"], (starts, torpord.log_text())
 
 
 def test_a_ready_sandbox_that_dies_is_replaced(torpord: Torpord) -> None:

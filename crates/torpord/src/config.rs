@@ -107,6 +107,9 @@
 //!                                 # GPU): launched, preloaded, CUDA warm, waiting for a function;
 //!                                 # a sandboxed function's first start on the node loads into one
 //!                                 # instead of restoring its snapshot. 0 (off) to 64
+//! starts = "faster"               # which later cold starts load into one too: "faster" (when the
+//!                                 # function's last start there took less time than its last
+//!                                 # restore) or "first" (none: they restore)
 //!
 //! [store]                         # the communication store (docs/sandboxes.md)
 //! gpu_bytes = 4294967296          # GPU memory its GPU values may take on each GPU (all tenants):
@@ -191,6 +194,28 @@ pub enum ColdStart {
 impl ColdStart {
     fn parse(s: &str) -> Option<Self> {
         <Self as clap::ValueEnum>::from_str(s, false).ok()
+    }
+}
+
+/// `sandbox_pool.starts`: which cold starts of a sandboxed function load into a ready sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PoolStarts {
+    /// Its first start on the node, and every later one whose function started faster there
+    /// last time than its snapshot restored last time (each path measured once at least).
+    #[default]
+    Faster,
+    /// Only its first start on the node; later ones restore the function snapshot.
+    First,
+}
+
+impl PoolStarts {
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "faster" => Some(Self::Faster),
+            "first" => Some(Self::First),
+            _ => None,
+        }
     }
 }
 
@@ -530,6 +555,8 @@ pub struct Config {
     pub objstore: Option<Objstore>,
     /// `sandbox_pool.size`: ready sandboxes per tenant and base (crate::runtime::start::pooled).
     pub sandbox_pool: usize,
+    /// `sandbox_pool.starts`: which later cold starts use the pool too.
+    pub sandbox_pool_starts: PoolStarts,
     /// `store.gpu_bytes`: GPU memory the communication store's GPU values may take on each GPU
     /// (crate::runtime::store_gpu).
     pub store_gpu_bytes: u64,
@@ -650,6 +677,7 @@ impl Default for Config {
             pcie: PcieConfig::default(),
             objstore: None,
             sandbox_pool: 0,
+            sandbox_pool_starts: PoolStarts::default(),
             store_gpu_bytes: DEFAULT_STORE_GPU_BYTES,
             store_gpu_spare: true,
         }
@@ -945,6 +973,9 @@ impl Config {
         if let Some(mut t) = root.table("sandbox_pool")? {
             if let Some(n) = t.integer("size", 0, MAX_SANDBOX_POOL)? {
                 config.sandbox_pool = usize::try_from(n).unwrap_or(0);
+            }
+            if let Some(w) = t.parsed("starts", "\"faster\" or \"first\"", PoolStarts::parse)? {
+                config.sandbox_pool_starts = w;
             }
             t.finish()?;
         }
@@ -1305,6 +1336,25 @@ mod tests {
             }
         );
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn the_pools_later_starts_are_faster_first_or_refused_by_name() {
+        assert_eq!(parse("").unwrap().sandbox_pool_starts, PoolStarts::Faster);
+        let c = parse("[sandbox_pool]\nsize = 1\nstarts = \"first\"\n").unwrap();
+        assert_eq!(
+            (c.sandbox_pool, c.sandbox_pool_starts),
+            (1, PoolStarts::First)
+        );
+        let c = parse("[sandbox_pool]\nstarts = \"faster\"\n").unwrap();
+        assert_eq!(c.sandbox_pool_starts, PoolStarts::Faster);
+        let e = parse("[sandbox_pool]\nstarts = \"always\"\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "torpord.toml: sandbox_pool.starts must be \"faster\" or \"first\", got \"always\""
+        );
     }
 
     #[test]

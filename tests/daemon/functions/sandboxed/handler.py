@@ -10,7 +10,8 @@ Ops: sleep {s}, crash (os._exit), break_pool (the harness's next request fails b
 handler, once), put {key} and get {key} through the communication store,
 share {key, n | array, nodes?, ttl_s?} (put with shared=True, and nodes and ttl_s when
 given) and get_shared {key, keep}; buffer (with a file
-`with_buffer` in the directory: whether its torpor.buffer() segment holds its own bytes);
+`with_buffer` in the directory: whether its torpor.buffer() segment holds its own bytes; a
+file `slow_setup` holding seconds makes setup() that much slower);
 scratch {mib, s}: `mib` MiB from the function's memory pool (torpor.scratch), written, held for
 `s` seconds (tests/daemon/test_daemon_sandbox_memory.py: a warm-up of it makes the function's
 memory model); hold {until, s?}: gives its lane back at once (torpor.lanes.release, as the
@@ -56,6 +57,11 @@ def process_token() -> str:
 class Sandboxed:
     def setup(self) -> None:
         self.calls = 0
+        # With a file `slow_setup` beside it: setup() takes that many seconds more (a function
+        # that starts faster restored than loaded, tests/daemon/test_daemon_sandbox_pool.py).
+        slow = Path(__file__).resolve().parent / "slow_setup"
+        if slow.exists():
+            time.sleep(float(slow.read_text()))
         # With a file `with_buffer` beside it: its state also in a torpor.buffer() segment
         # (the split path keeps it outside the CRIU image; a restore maps it back).
         self.buf = None

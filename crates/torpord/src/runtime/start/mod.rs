@@ -383,11 +383,13 @@ impl Runtime {
         }
         let mut restore_error = None;
         if !paused {
+            let t = Instant::now();
             match self
                 .start(StartKind::Restore, name, info, generation, &new)
                 .await
             {
                 Ok(started) => {
+                    self.sandbox_pool_restored(name, &info.spec, t.elapsed().as_secs_f64());
                     // The failure count only: a pause the instance's background segment
                     // hand-over set meanwhile (a corrupt chunk) must stand.
                     if let Some(h) = lock(&self.restore_health).get_mut(name) {

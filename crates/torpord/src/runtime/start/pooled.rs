@@ -18,21 +18,31 @@
 //!   with none ready it restores): its directory is bound in, `load`
 //!   runs the function's setup and warm-up as at deploy, then the other members of its group
 //!   load ([`load_into`], the boot path's second half), and the worker becomes its instance
-//!   (start label `pooled`, timing `pooled_load`). Later cold starts restore the snapshot, which
-//!   brings the state setup() made without running it again. A function whose spec sets its own
-//!   cgroup limits is not given one (a ready sandbox's cgroup has the daemon's defaults).
+//!   (start label `pooled`, timing `pooled_load`). A function whose spec sets its own cgroup
+//!   limits is not given one (a ready sandbox's cgroup has the daemon's defaults).
+//! - **Later cold starts** (`sandbox_pool.starts`, [`wants_pooled`]): with `"faster"` (the
+//!   default) a later one loads into a ready sandbox again when the function's last start there
+//!   took less time than its snapshot's last restore, measured the same way (from the decision
+//!   to an instance ready), and restores otherwise; each path runs once before they are compared.
+//!   Why not always restore: a function whose weights are platform-managed GPU data has little
+//!   left for setup() to do, and its load into a warm context (GPT-2-Large 0.18-0.21 s on the
+//!   H200) beats the driver's context restore alone (0.28-0.31 s;
+//!   bench/results/split-bench-s44-pooled-nopack-h200.json). Why not always load: a function
+//!   whose setup() is slow (compiles, reads its weights itself) restores faster. With
+//!   `"first"` later cold starts always restore.
 //! - **Refill.** Every take starts a replacement in the background; the keep-alive ticker drops
 //!   ready sandboxes whose process died (counted in `torpor_sandbox_pool_replaced_total`) and
 //!   refills every key to its size (after a failed launch, not sooner than [`RETRY`]). Keys come
 //!   from the sandboxed functions deployed (at a deploy, and at the daemon's start).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::config::PoolStarts;
 use crate::metrics::start;
 use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::pool::FnInfo;
@@ -64,8 +74,29 @@ struct Key {
 #[derive(Default)]
 pub struct SandboxPool {
     keys: Mutex<HashMap<String, Key>>,
-    /// Functions that had an instance on this daemon: their starts restore.
-    served: Mutex<HashSet<String>>,
+    /// How long each function's last start took each way on this daemon.
+    served: Mutex<HashMap<String, StartTimes>>,
+}
+
+/// How long a function's last start in a ready sandbox and last restore took, from the decision
+/// to an instance ready (`None`: not yet on this daemon since its deploy).
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct StartTimes {
+    pub pooled_s: Option<f64>,
+    pub restored_s: Option<f64>,
+}
+
+/// Whether a cold start of a function whose starts so far took `times` loads into a ready
+/// sandbox (when one is ready) rather than restoring its snapshot, under `starts`.
+pub fn wants_pooled(times: StartTimes, starts: PoolStarts) -> bool {
+    match (starts, times.pooled_s, times.restored_s) {
+        // Its first start on the node, or the first since it was deployed again.
+        (_, None, _) => true,
+        (PoolStarts::First, Some(_), _) => false,
+        (PoolStarts::Faster, Some(pooled), Some(restored)) => pooled < restored,
+        // Restored never yet: once, to be able to compare.
+        (PoolStarts::Faster, Some(_), None) => false,
+    }
 }
 
 impl std::fmt::Debug for SandboxPool {
@@ -300,9 +331,13 @@ impl Runtime {
         generation: u64,
         new: &NewInstance<'_, '_>,
     ) -> Result<Option<Started>, StartError> {
+        let times = lock(&self.sandbox_pool.served)
+            .get(name)
+            .copied()
+            .unwrap_or_default();
         if self.config.sandbox_pool == 0
             || !eligible(&info.spec)
-            || lock(&self.sandbox_pool.served).contains(name)
+            || !wants_pooled(times, self.config.sandbox_pool_starts)
         {
             return Ok(None);
         }
@@ -360,8 +395,11 @@ impl Runtime {
         let tree = WorkerTree::new(init, worker, conn, cgroup);
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
-        lock(&self.sandbox_pool.served).insert(name.to_string());
         let start_s = t.elapsed().as_secs_f64();
+        lock(&self.sandbox_pool.served)
+            .entry(name.to_string())
+            .or_default()
+            .pooled_s = Some(start_s);
         tracing::info!(function = name, instance = %inst.id, pid = init, ms = start_s * 1e3, "instance started in a ready sandbox");
         Ok(Some((
             inst,
@@ -380,6 +418,18 @@ impl Runtime {
     pub(crate) fn sandbox_pool_forget(&self, name: &str) {
         lock(&self.sandbox_pool.served).remove(name);
     }
+
+    /// A cold start of `name` restored its snapshot in `seconds` (from the decision to an
+    /// instance ready): what its next cold start compares a start in a ready sandbox with.
+    pub(crate) fn sandbox_pool_restored(&self, name: &str, spec: &Value, seconds: f64) {
+        if self.config.sandbox_pool == 0 || !eligible(spec) {
+            return;
+        }
+        lock(&self.sandbox_pool.served)
+            .entry(name.to_string())
+            .or_default()
+            .restored_s = Some(seconds);
+    }
 }
 
 /// The log a load error names: the instance's when the rename worked.
@@ -395,6 +445,25 @@ fn log_of<'a>(instance: &'a Path, pooled: &'a Path) -> &'a Path {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_later_cold_start_loads_into_a_ready_sandbox_only_when_that_was_faster() {
+        let t = |pooled_s, restored_s| StartTimes {
+            pooled_s,
+            restored_s,
+        };
+        for starts in [PoolStarts::Faster, PoolStarts::First] {
+            // The first start on the node (or since a deploy), whatever came before it.
+            assert!(wants_pooled(t(None, None), starts));
+            assert!(wants_pooled(t(None, Some(0.5)), starts));
+        }
+        // Restored never yet: once, so that the two can be compared.
+        assert!(!wants_pooled(t(Some(0.2), None), PoolStarts::Faster));
+        assert!(wants_pooled(t(Some(0.2), Some(0.5)), PoolStarts::Faster));
+        assert!(!wants_pooled(t(Some(0.6), Some(0.5)), PoolStarts::Faster));
+        assert!(!wants_pooled(t(Some(0.5), Some(0.5)), PoolStarts::Faster));
+        assert!(!wants_pooled(t(Some(0.2), Some(0.5)), PoolStarts::First));
+    }
 
     #[test]
     fn only_sandboxed_functions_without_limits_of_their_own_take_a_ready_sandbox() {
