@@ -166,6 +166,33 @@ def test_a_function_that_restores_faster_than_it_loads_restores(
     assert starts == ["pooled", "restored", "restored"], (starts, torpord.log_text())
 
 
+def test_a_function_that_fails_to_load_into_a_ready_sandbox_restores_from_then_on(
+    torpord: Torpord, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    d = make_function(tmp_path_factory.mktemp("pool-fails"), "pool-fails", "team-a", "w")
+    torpord.deploy(d)
+    wait_ready(torpord, "team-a")
+    # From now on its setup() fails; the snapshot, taken after a setup() that worked, restores.
+    (d / "fail_setup").write_text("")
+    starts = []
+    for _ in range(2):
+        ready = ready_pids(torpord, "team-a")
+        a = torpord.invoke("pool-fails", {})
+        assert ok(a)["fn"] == "pool-fails", (a.start, a.timings)
+        starts.append(a.start)
+        TAKEN.update(p for p in ready if p not in ready_pids(torpord, "team-a"))
+        r = torpord.cli("stop", "pool-fails")
+        assert r.returncode == 0, r.stderr
+        wait_ready(torpord, "team-a")
+    assert starts == ["restored", "restored"], starts
+    # One failed load, logged once: the second start did not try again.
+    failed = [
+        line for line in torpord.log_text().splitlines()
+        if "starting in a ready sandbox failed" in line and "pool-fails" in line
+    ]
+    assert len(failed) == 1 and "until it is deployed again" in failed[0], failed
+
+
 def test_a_ready_sandbox_that_dies_is_replaced(torpord: Torpord) -> None:
     before = metric(torpord, "torpor_sandbox_pool_replaced_total", "team-b")
     (victim,) = ready_pids(torpord, "team-b")

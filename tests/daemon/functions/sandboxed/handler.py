@@ -11,7 +11,8 @@ handler, once), put {key} and get {key} through the communication store,
 share {key, n | array, nodes?, ttl_s?} (put with shared=True, and nodes and ttl_s when
 given) and get_shared {key, keep}; buffer (with a file
 `with_buffer` in the directory: whether its torpor.buffer() segment holds its own bytes; a
-file `slow_setup` holding seconds makes setup() that much slower);
+file `slow_setup` holding seconds makes setup() that much slower, a file `fail_setup` makes it
+fail);
 scratch {mib, s}: `mib` MiB from the function's memory pool (torpor.scratch), written, held for
 `s` seconds (tests/daemon/test_daemon_sandbox_memory.py: a warm-up of it makes the function's
 memory model); hold {until, s?}: gives its lane back at once (torpor.lanes.release, as the
@@ -59,9 +60,13 @@ class Sandboxed:
         self.calls = 0
         # With a file `slow_setup` beside it: setup() takes that many seconds more (a function
         # that starts faster restored than loaded, tests/daemon/test_daemon_sandbox_pool.py).
-        slow = Path(__file__).resolve().parent / "slow_setup"
-        if slow.exists():
-            time.sleep(float(slow.read_text()))
+        here = Path(__file__).resolve().parent
+        if (here / "slow_setup").exists():
+            time.sleep(float((here / "slow_setup").read_text()))
+        # With a file `fail_setup` beside it: setup() fails (made after a deploy: a start in a
+        # ready sandbox fails, a restore does not run setup()).
+        if (here / "fail_setup").exists():
+            raise RuntimeError("fail_setup exists: this function's setup() fails (a test)")
         # With a file `with_buffer` beside it: its state also in a torpor.buffer() segment
         # (the split path keeps it outside the CRIU image; a restore maps it back).
         self.buf = None

@@ -364,7 +364,8 @@ impl Runtime {
             Ok(Some(started)) => return Ok(started),
             Ok(None) => {}
             Err(e) => {
-                tracing::warn!(function = name, error = %e, "starting in a ready sandbox failed; restoring the function snapshot instead")
+                self.sandbox_pool_failed(name);
+                tracing::warn!(function = name, error = %e, "starting in a ready sandbox failed; restoring the function snapshot instead, and its later starts too until it is deployed again")
             }
         }
         let paused = lock(&self.restore_health)

@@ -29,7 +29,8 @@
 //!   H200) beats the driver's context restore alone (0.28-0.31 s;
 //!   bench/results/split-bench-s44-pooled-nopack-h200.json). Why not always load: a function
 //!   whose setup() is slow (compiles, reads its weights itself) restores faster. With
-//!   `"first"` later cold starts always restore.
+//!   `"first"` later cold starts always restore. A start in a ready sandbox that fails is logged
+//!   and restores; so do the function's later cold starts, until it is deployed again.
 //! - **Refill.** Every take starts a replacement in the background; the keep-alive ticker drops
 //!   ready sandboxes whose process died (counted in `torpor_sandbox_pool_replaced_total`) and
 //!   refills every key to its size (after a failed launch, not sooner than [`RETRY`]). Keys come
@@ -419,6 +420,16 @@ impl Runtime {
         lock(&self.sandbox_pool.served).remove(name);
     }
 
+    /// A start of `name` in a ready sandbox failed: its later cold starts restore (as if that
+    /// way took for ever) until it is deployed again, rather than each paying a failed load
+    /// before the restore.
+    pub(crate) fn sandbox_pool_failed(&self, name: &str) {
+        lock(&self.sandbox_pool.served)
+            .entry(name.to_string())
+            .or_default()
+            .pooled_s = Some(f64::INFINITY);
+    }
+
     /// A cold start of `name` restored its snapshot in `seconds` (from the decision to an
     /// instance ready): what its next cold start compares a start in a ready sandbox with.
     pub(crate) fn sandbox_pool_restored(&self, name: &str, spec: &Value, seconds: f64) {
@@ -463,6 +474,13 @@ mod tests {
         assert!(!wants_pooled(t(Some(0.6), Some(0.5)), PoolStarts::Faster));
         assert!(!wants_pooled(t(Some(0.5), Some(0.5)), PoolStarts::Faster));
         assert!(!wants_pooled(t(Some(0.2), Some(0.5)), PoolStarts::First));
+        // A start there that failed counts as one that never ends (sandbox_pool_failed).
+        for restored in [None, Some(30.0)] {
+            assert!(!wants_pooled(
+                t(Some(f64::INFINITY), restored),
+                PoolStarts::Faster
+            ));
+        }
     }
 
     #[test]
