@@ -56,6 +56,9 @@ The file format is the one docs/torpord.md fixes; every key but `name` and `entr
                                   # only where its function's peak fits (docs/sandboxes.md,
                                   # "The memory pool"). Unset: a GPU's memory (gpus = 1), else
                                   # no bound
+    pooled = true                 # only with sandbox = true: false keeps its cold starts out of
+                                  # torpord's ready sandboxes (which run setup() again), for a
+                                  # setup() that does not always make the same state
     [keepalive]                   # seconds, each from 0 to 31536000 (a year)
     gpu_release_s = 30
     hibernate_s = 120
@@ -108,7 +111,8 @@ this order (sizes in bytes, durations in seconds as JSON numbers):
                path and abs_path are "")}, ...],
      "warmup": {"request": JSON} | null,
      "scaling": {"max_instances": int, "requests_per_instance": int, "standby": int,
-                 "standby_gpu": "released"|"live", "sandbox": bool, "sandbox_memory": int|null},
+                 "standby_gpu": "released"|"live", "sandbox": bool, "sandbox_memory": int|null,
+                 "pooled": bool},
      "keepalive": {"gpu_release_s": number, "hibernate_s": number, "evict_s": number,
                    "memory_release_s": number},
      "gpu": {"pack_weights": bool, "shrink_context": bool}}
@@ -201,7 +205,9 @@ MAX_CPU_LIMIT = 1024
 MIN_PIDS_LIMIT = 16
 MAX_PIDS_LIMIT = 65_536
 
-SCALING_KEYS = ("max_instances", "requests_per_instance", "standby", "standby_gpu", "sandbox", "sandbox_memory")
+SCALING_KEYS = (
+    "max_instances", "requests_per_instance", "standby", "standby_gpu", "sandbox", "sandbox_memory", "pooled",
+)
 STANDBY_GPU = ("released", "live")
 KEEPALIVE_KEYS = ("gpu_release_s", "hibernate_s", "evict_s", "memory_release_s")
 MIN_SANDBOX_MEMORY = 1 << 20  # 1 MiB
@@ -254,6 +260,8 @@ class Scaling:
     sandbox: bool = False
     # The memory a sandbox may give its functions (bytes); None: a GPU's, or no bound.
     sandbox_memory: int | None = None
+    # Cold starts may load it into a ready sandbox of torpord's pool (setup() run again).
+    pooled: bool = True
 
 
 @dataclass(frozen=True)
@@ -340,6 +348,7 @@ class Spec:
                 "standby_gpu": self.scaling.standby_gpu,
                 "sandbox": self.scaling.sandbox,
                 "sandbox_memory": self.scaling.sandbox_memory,
+                "pooled": self.scaling.pooled,
             },
             "keepalive": {
                 "gpu_release_s": self.keepalive.gpu_release_s,
@@ -792,7 +801,14 @@ def parse_doc(doc: Mapping[str, Any], fdir: Path, check_files: bool = True) -> S
         sandbox_memory=_size(
             st, "scaling", "sandbox_memory", None, allow_auto=False, maximum=MAX_GPU_MEMORY
         ),
+        pooled=_bool(st, "scaling", "pooled", Scaling.pooled),
     )
+    if "pooled" in st and not scaling.sandbox:
+        raise _fail(
+            "scaling.pooled",
+            "is set but sandbox = false (only a sandboxed function starts in a ready sandbox)",
+            "set sandbox = true, or remove pooled",
+        )
     if scaling.sandbox_memory is not None:
         if not scaling.sandbox:
             raise _fail(

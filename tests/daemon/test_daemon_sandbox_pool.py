@@ -3,7 +3,8 @@ the real daemon, real CRIU and real workers, with CPU functions: `[sandbox_pool]
 keeps one ready sandbox (a launched, preloaded worker waiting for a function) per tenant and
 base; a sandboxed function's first start loads into it (start `pooled`), the next cold start
 restores the snapshot and the one after takes the faster of the two (`sandbox_pool.starts =
-"faster"`, the default), tenants never share a ready sandbox, one that dies is replaced, the pool
+"faster"`, the default), a function with `scaling.pooled = false` restores, tenants never share
+a ready sandbox, one that dies is replaced, the pool
 refills after each take, a sandbox still importing its preloads is not ready (a start meanwhile
 restores), and a bad config line is one clear error. The tests run in file order and share one
 daemon.
@@ -145,7 +146,8 @@ def test_later_cold_starts_restore_once_then_take_the_faster_way(torpord: Torpor
 def test_a_function_that_restores_faster_than_it_loads_restores(
     torpord: Torpord, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    d = make_function(tmp_path_factory.mktemp("pool-slow-setup"), "pool-slow-setup", "team-a", "w")
+    # A workflow of its own: a deploy into a sandbox group loads every member of it.
+    d = make_function(tmp_path_factory.mktemp("pool-slow-setup"), "pool-slow-setup", "team-a", "pool-slow-setup")
     (d / "slow_setup").write_text("3")
     torpord.deploy(d)
     wait_ready(torpord, "team-a")
@@ -169,7 +171,7 @@ def test_a_function_that_restores_faster_than_it_loads_restores(
 def test_a_function_that_fails_to_load_into_a_ready_sandbox_restores_from_then_on(
     torpord: Torpord, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    d = make_function(tmp_path_factory.mktemp("pool-fails"), "pool-fails", "team-a", "w")
+    d = make_function(tmp_path_factory.mktemp("pool-fails"), "pool-fails", "team-a", "pool-fails")
     torpord.deploy(d)
     wait_ready(torpord, "team-a")
     # From now on its setup() fails; the snapshot, taken after a setup() that worked, restores.
@@ -191,6 +193,22 @@ def test_a_function_that_fails_to_load_into_a_ready_sandbox_restores_from_then_o
         if "starting in a ready sandbox failed" in line and "pool-fails" in line
     ]
     assert len(failed) == 1 and "until it is deployed again" in failed[0], failed
+
+
+def test_a_function_that_opts_out_restores_with_a_ready_sandbox_there(
+    torpord: Torpord, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    d = make_function(tmp_path_factory.mktemp("pool-optout"), "pool-optout", "team-a", "pool-optout")
+    toml = d / "torpor.toml"
+    toml.write_text(toml.read_text() + "pooled = false\n")  # [scaling] is its last table
+    torpord.deploy(d)
+    wait_ready(torpord, "team-a")
+    ready = ready_pids(torpord, "team-a")
+    a = torpord.invoke("pool-optout", {})
+    assert a.start == "restored" and ok(a)["fn"] == "pool-optout", (a.start, a.timings)
+    assert ready_pids(torpord, "team-a") == ready
+    r = torpord.cli("stop", "pool-optout")
+    assert r.returncode == 0, r.stderr
 
 
 def test_a_ready_sandbox_that_dies_is_replaced(torpord: Torpord) -> None:

@@ -96,6 +96,7 @@ def test_defaults(tmp_path: Path) -> None:
             "standby_gpu": "live",
             "sandbox": False,
             "sandbox_memory": None,
+            "pooled": True,
         },
         "keepalive": {"gpu_release_s": 30, "hibernate_s": 120, "evict_s": 600, "memory_release_s": 2},
         "gpu": {"pack_weights": True, "shrink_context": True},
@@ -107,7 +108,7 @@ def test_standby_up_to_max_instances(tmp_path: Path) -> None:
     spec = parse_dir(make_dir(tmp_path, toml, {}))
     assert spec.scaling == Scaling(2, 1, 2)
     (tmp_path / "released").mkdir()
-    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2, "standby_gpu": "live", "sandbox": False, "sandbox_memory": None}
+    assert spec.to_json()["scaling"] == {"max_instances": 2, "requests_per_instance": 1, "standby": 2, "standby_gpu": "live", "sandbox": False, "sandbox_memory": None, "pooled": True}
     released = parse_dir(make_dir(tmp_path / "released", toml + 'standby_gpu = "released"\n', {}))
     assert released.to_json()["scaling"]["standby_gpu"] == "released"
 
@@ -553,6 +554,18 @@ def test_workflow_and_sandbox(tmp_path: Path) -> None:
     assert str(e).startswith("torpor.toml: workflow must be 1-63 lower-case letters"), str(e)
     e = error_of(tmp_path / "c", 'name = "f"\nentry = "model:F"\nworkflow = 3\n', {})
     assert "workflow must be a string" in str(e)
+
+
+def test_a_sandboxed_function_may_keep_out_of_the_ready_sandboxes(tmp_path: Path) -> None:
+    toml = 'name = "f"\nentry = "model:F"\n[scaling]\nsandbox = true\npooled = false\n'
+    spec = parse_dir(make_dir(tmp_path, toml, {}))
+    assert spec.scaling.pooled is False and spec.to_json()["scaling"]["pooled"] is False
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    e = error_of(tmp_path / "a", 'name = "f"\nentry = "model:F"\n[scaling]\npooled = false\n', {})
+    assert "scaling.pooled is set but sandbox = false" in str(e) and "\n" not in str(e), str(e)
+    e = error_of(tmp_path / "b", 'name = "f"\nentry = "model:F"\n[scaling]\nsandbox = true\npooled = "no"\n', {})
+    assert "scaling.pooled must be true or false" in str(e), str(e)
 
 
 def test_sandbox_memory_and_memory_release(tmp_path: Path) -> None:

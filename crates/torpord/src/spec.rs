@@ -102,6 +102,16 @@ pub struct Scaling {
     /// in specs of before.
     #[serde(default)]
     pub sandbox_memory: Option<u64>,
+    /// With `sandbox`: whether its cold starts may load it into a ready sandbox of the
+    /// live-context pool, running setup() again (crate::runtime::start::pooled); `false` for a
+    /// function whose setup() does not always make the same state. Absent in specs of before
+    /// (true).
+    #[serde(default = "yes")]
+    pub pooled: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// `scaling.standby_gpu` (docs/split.md, "Standby instances"): the cost and the speed of a GPU

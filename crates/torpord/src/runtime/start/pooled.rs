@@ -113,10 +113,11 @@ impl SandboxPool {
     }
 }
 
-/// Whether the function of `spec` may start in a ready sandbox: sandboxed, and without cgroup
-/// limits of its own.
+/// Whether the function of `spec` may start in a ready sandbox: sandboxed, not opted out
+/// (`scaling.pooled = false`), and without cgroup limits of its own.
 pub fn eligible(spec: &Value) -> bool {
     crate::runtime::sandbox::group_of(spec).is_some()
+        && spec["scaling"]["pooled"].as_bool() != Some(false)
         && ["memory_limit", "cpu_limit", "pids_limit"]
             .iter()
             .all(|k| spec.get(*k).is_none_or(Value::is_null))
@@ -484,11 +485,16 @@ mod tests {
     }
 
     #[test]
-    fn only_sandboxed_functions_without_limits_of_their_own_take_a_ready_sandbox() {
+    fn only_sandboxed_functions_not_opted_out_without_limits_of_their_own_take_a_ready_sandbox() {
         let spec = |sandbox: bool, limit: Value| json!({"tenant": "t", "scaling": {"sandbox": sandbox}, "memory_limit": limit, "cpu_limit": null});
         assert!(eligible(&spec(true, Value::Null)));
         assert!(!eligible(&spec(false, Value::Null)));
         assert!(!eligible(&spec(true, json!(1 << 30))));
+        // Opted out (scaling.pooled = false); a spec of before has no key: in.
+        let opted_out = json!({"tenant": "t", "scaling": {"sandbox": true, "pooled": false}});
+        assert!(!eligible(&opted_out));
+        let opted_in = json!({"tenant": "t", "scaling": {"sandbox": true, "pooled": true}});
+        assert!(eligible(&opted_in));
     }
 
     #[test]
