@@ -217,7 +217,13 @@ def test_without_a_cgroup_file_system_the_daemon_warns_or_refuses_when_told_to(
     # The built-in default: it starts, says so once, and runs its workers without limits.
     d = Torpord(torpor_bin, tmp_path / "allowed", env=env)
     try:
-        assert "(workers.allow_unconfined = true: workers run without limits; set it to false to refuse to start instead)" in d.log_text()
+        # Logged just after the sockets are bound (the cgroup probe comes last; server.rs), so
+        # it may follow the socket the fixture waited for by a moment.
+        said = "(workers.allow_unconfined = true: workers run without limits; set it to false to refuse to start instead)"
+        deadline = time.monotonic() + 10
+        while said not in d.log_text():
+            assert time.monotonic() < deadline, d.log_text()
+            time.sleep(0.05)
         d.deploy(HOG)
         r2 = d.invoke("hog", {"mib": 1})
         assert r2.status == 200, r2.body
