@@ -9,7 +9,8 @@ Its figures: `memory_ratio_8fn` of bench/sandbox/run.py's memory runs at three f
 (MEMORY_FILES), beside the ceiling a sandbox of one process's context would reach (a sandbox
 saves the other contexts, not the functions' weights: 8 (C + W) / (C + 8 W), with C a process's
 memory less its weights); the pooled start, the hand-offs and the store from the full run
-(SANDBOX_FILE); big models' later cold starts in a ready sandbox (POOLED_BIG_FILE); the small function's p99 under a large load from the PCIe run (PCIE_FILE);
+(SANDBOX_FILE); big models' later cold starts in a ready sandbox (POOLED_BIG_FILE); the small
+function's p99 under a large load from the PCIe run (PCIE_FILE);
 throughput on the bench/serverless traces, a sandbox against processes (SERVERLESS_FILE).
 A missing file or figure is an error, never a blank.
 """
@@ -132,8 +133,8 @@ def pooled_big() -> list[str]:
         runs = [r for r in row["runs"] if r["start"] == "pooled"]
         if not runs:
             raise ValueError(f"{POOLED_BIG_FILE}: no pooled run of {model}")
-        total = median([r["wall_s"] for r in runs])
-        beyond = median([r["wall_s"] - sum(r["timings"][k] for k in OWN_PHASES) for r in runs])
+        total = statistics.median(r["wall_s"] for r in runs)
+        beyond = statistics.median(r["wall_s"] - sum(r["timings"][k] for k in OWN_PHASES) for r in runs)
         rows.append(
             f"| `pooled_start_s`, {shown} (weights as views, a later cold start) | ≤ 0.05 s + setup | "
             f"{total:.3f} s, of which {beyond:.3f} s beyond its import, setup, warm-up and request "
@@ -141,10 +142,6 @@ def pooled_big() -> list[str]:
             f"{d['summary'][model]['cold']:.3f} s | `{POOLED_BIG_FILE}` |"
         )
     return rows
-
-
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
 
 
 def rendered(text: str) -> str:

@@ -297,26 +297,30 @@ def _warm_vision_and_attention(torch: Any, functional: Any, dev: Any, dtype: Any
     handle are loaded by the first convolution) and a causal multi-head attention with its
     GPT-style pieces (addmm, pow, topk), in `dtype`; returns the op runs made. Shapes are
     ImageNet's and GPT-2's, whose kernels functions most often ask for first."""
-    x = torch.ones(1, 3, 224, 224, device=dev, dtype=dtype)
-    stem = torch.full((64, 3, 7, 7), 0.01, device=dev, dtype=dtype)
-    mean, var = torch.zeros(64, device=dev, dtype=dtype), torch.ones(64, device=dev, dtype=dtype)
-    y = functional.relu(functional.batch_norm(functional.conv2d(x, stem, stride=2, padding=3), mean, var))
-    y = functional.max_pool2d(y, 3, stride=2, padding=1)
-    y = functional.conv2d(y, torch.full((64, 64, 1, 1), 0.01, device=dev, dtype=dtype))
-    y = functional.conv2d(y, torch.full((64, 64, 3, 3), 0.01, device=dev, dtype=dtype), padding=1)
-    y = functional.conv2d(y, torch.full((256, 64, 1, 1), 0.01, device=dev, dtype=dtype))
-    pooled = functional.adaptive_avg_pool2d(y, 1).flatten(1)
+    def full(*shape: int, value: float = 0.01) -> Any:
+        return torch.full(shape, value, device=dev, dtype=dtype)
+
+    ran = []  # each op's result, counted at the end
+    x = full(1, 3, 224, 224, value=1.0)
+    ran.append(y := functional.conv2d(x, full(64, 3, 7, 7), stride=2, padding=3))
+    ran.append(y := functional.batch_norm(y, full(64, value=0.0), full(64, value=1.0)))
+    ran.append(y := functional.relu(y))
+    ran.append(y := functional.max_pool2d(y, 3, stride=2, padding=1))
+    ran.append(y := functional.conv2d(y, full(64, 64, 1, 1)))
+    ran.append(y := functional.conv2d(y, full(64, 64, 3, 3), padding=1))
+    ran.append(y := functional.conv2d(y, full(256, 64, 1, 1)))
+    ran.append(functional.adaptive_avg_pool2d(y, 1).flatten(1))
     heads, seq, dim = 20, 16, 64
-    h = torch.ones(seq, heads * dim, device=dev, dtype=dtype)
-    proj = torch.full((heads * dim, 3 * heads * dim), 0.01, device=dev, dtype=dtype)
-    qkv = torch.addmm(torch.zeros(3 * heads * dim, device=dev, dtype=dtype), h, proj)
+    h, proj = full(seq, heads * dim, value=1.0), full(heads * dim, 3 * heads * dim)
+    ran.append(qkv := torch.addmm(full(3 * heads * dim, value=0.0), h, proj))
     q, k, v = (t.view(1, seq, heads, dim).transpose(1, 2) for t in qkv.split(heads * dim, dim=-1))
-    att = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ran.append(att := functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     g = att.transpose(1, 2).reshape(seq, heads * dim)
-    g = 0.5 * g * (1.0 + torch.tanh(0.79788456 * (g + 0.044715 * torch.pow(g, 3.0))))
-    torch.topk(g[-1].float(), 5)
-    del x, stem, mean, var, y, pooled, h, proj, qkv, q, k, v, att, g
-    return 16
+    ran.append(g := 0.5 * g * (1.0 + torch.tanh(0.79788456 * (g + 0.044715 * torch.pow(g, 3.0)))))
+    ran.append(torch.topk(g[-1].float(), 5))
+    n = len(ran)
+    del x, y, h, proj, qkv, q, k, v, att, g, ran
+    return n
 
 
 def _warm_jax(jax: Any) -> None:

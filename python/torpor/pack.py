@@ -36,7 +36,8 @@ sparse, quantized, a subclass, an inference tensor) is left where it is; so is a
 function holds directly, outside its modules, and one over memory PyTorch's allocator did not
 give (platform-managed GPU data viewed by torpor.load_tensors, DLPack or CUDA-array imports):
 that memory is not the allocator's to free, so a copy would only hold the weights twice (and,
-for platform data, undo a start that copies nothing). A setup() that captured CUDA graphs is not packed
+for platform data, undo a start that copies nothing). A setup() that captured CUDA graphs is
+not packed
 (the graphs would read the old addresses).
 
 The planner (`plan`) is pure Python; the rest needs torch, imported by the function.
@@ -279,8 +280,8 @@ def _weak_ref(storage: Any) -> Any:
 def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -> Packed | None:
     """Pack the CUDA parameters and buffers of the modules `function` holds (torpor.shareable's
     modules_of). None when there is nothing to pack: torch not imported, CUDA not initialised,
-    no module, or no weight on CUDA in memory the allocator gave. Raises PackError (the weights stay correct where each one is)
-    when the allocator cannot give whole segments."""
+    no module, or no weight on CUDA in memory the allocator gave. Raises PackError (the weights
+    stay correct where each one is) when the allocator cannot give whole segments."""
     torch: Any = sys.modules.get("torch")
     if torch is None or function is None or not torch.cuda.is_initialized():
         return None
