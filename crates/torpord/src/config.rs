@@ -110,6 +110,8 @@
 //! starts = "faster"               # which later cold starts load into one too: "faster" (when the
 //!                                 # function's last start there took less time than its last
 //!                                 # restore) or "first" (none: they restore)
+//! remeasure_every = 16            # "faster": after this many cold starts of a function one way,
+//!                                 # the next takes the other once, to measure it again; 0: never
 //!
 //! [store]                         # the communication store (docs/sandboxes.md)
 //! gpu_bytes = 4294967296          # GPU memory its GPU values may take on each GPU (all tenants):
@@ -127,6 +129,12 @@ pub const DEFAULT_STORE_GPU_BYTES: u64 = 4 << 30;
 
 /// The most ready sandboxes `sandbox_pool.size` may ask for, per tenant and base.
 const MAX_SANDBOX_POOL: i64 = 64;
+
+/// Default of `sandbox_pool.remeasure_every`: one cold start in 16 takes the way the function's
+/// figures do not favour, so a stale figure costs at most that one start in 16.
+pub const DEFAULT_REMEASURE_EVERY: u32 = 16;
+/// The most `sandbox_pool.remeasure_every` may be.
+const MAX_REMEASURE_EVERY: i64 = 1 << 20;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -557,6 +565,10 @@ pub struct Config {
     pub sandbox_pool: usize,
     /// `sandbox_pool.starts`: which later cold starts use the pool too.
     pub sandbox_pool_starts: PoolStarts,
+    /// `sandbox_pool.remeasure_every`: under `starts = "faster"`, after this many cold starts
+    /// of a function the same way the next takes the other once, so that neither way's figure
+    /// is kept for ever (one taken from cold caches, say); 0: never.
+    pub sandbox_pool_remeasure_every: u32,
     /// `store.gpu_bytes`: GPU memory the communication store's GPU values may take on each GPU
     /// (crate::runtime::store_gpu).
     pub store_gpu_bytes: u64,
@@ -678,6 +690,7 @@ impl Default for Config {
             objstore: None,
             sandbox_pool: 0,
             sandbox_pool_starts: PoolStarts::default(),
+            sandbox_pool_remeasure_every: DEFAULT_REMEASURE_EVERY,
             store_gpu_bytes: DEFAULT_STORE_GPU_BYTES,
             store_gpu_spare: true,
         }
@@ -976,6 +989,9 @@ impl Config {
             }
             if let Some(w) = t.parsed("starts", "\"faster\" or \"first\"", PoolStarts::parse)? {
                 config.sandbox_pool_starts = w;
+            }
+            if let Some(n) = t.integer("remeasure_every", 0, MAX_REMEASURE_EVERY)? {
+                config.sandbox_pool_remeasure_every = u32::try_from(n).unwrap_or(0);
             }
             t.finish()?;
         }
@@ -1348,6 +1364,13 @@ mod tests {
         );
         let c = parse("[sandbox_pool]\nstarts = \"faster\"\n").unwrap();
         assert_eq!(c.sandbox_pool_starts, PoolStarts::Faster);
+        assert_eq!(c.sandbox_pool_remeasure_every, DEFAULT_REMEASURE_EVERY);
+        let c = parse("[sandbox_pool]\nremeasure_every = 0\n").unwrap();
+        assert_eq!(c.sandbox_pool_remeasure_every, 0);
+        let e = parse("[sandbox_pool]\nremeasure_every = -1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sandbox_pool.remeasure_every"), "{e}");
         let e = parse("[sandbox_pool]\nstarts = \"always\"\n")
             .unwrap_err()
             .to_string();

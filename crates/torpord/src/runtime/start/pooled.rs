@@ -24,6 +24,9 @@
 //!   default) a later one loads into a ready sandbox again when the function's last start there
 //!   took less time than its snapshot's last restore, measured the same way (from the decision
 //!   to an instance ready), and restores otherwise; each path runs once before they are compared.
+//!   After `sandbox_pool.remeasure_every` cold starts the same way (16), the next takes the
+//!   other way once and its figure is replaced: a restore first timed from cold caches, or a
+//!   load first timed while the node was busy, does not decide for ever.
 //!   Why not always restore: a function whose weights are platform-managed GPU data has little
 //!   left for setup() to do, and its load into a warm context (GPT-2-Large 0.18-0.21 s on the
 //!   H200) beats the driver's context restore alone (0.28-0.31 s;
@@ -80,21 +83,46 @@ pub struct SandboxPool {
 }
 
 /// How long a function's last start in a ready sandbox and last restore took, from the decision
-/// to an instance ready (`None`: not yet on this daemon since its deploy).
+/// to an instance ready (`None`: not yet on this daemon since its deploy), and how its cold
+/// starts went lately.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
 pub struct StartTimes {
     pub pooled_s: Option<f64>,
     pub restored_s: Option<f64>,
+    /// The way its last cold start took (`true`: a ready sandbox) and how many cold starts in a
+    /// row took it.
+    pub last_pooled: bool,
+    pub streak: u32,
+}
+
+impl StartTimes {
+    /// Counts a cold start that took the way `pooled` says.
+    fn count(&mut self, pooled: bool) {
+        if self.streak > 0 && self.last_pooled == pooled {
+            self.streak = self.streak.saturating_add(1);
+        } else {
+            (self.last_pooled, self.streak) = (pooled, 1);
+        }
+    }
 }
 
 /// Whether a cold start of a function whose starts so far took `times` loads into a ready
-/// sandbox (when one is ready) rather than restoring its snapshot, under `starts`.
-pub fn wants_pooled(times: StartTimes, starts: PoolStarts) -> bool {
+/// sandbox (when one is ready) rather than restoring its snapshot, under `starts`; under
+/// `"faster"`, after `remeasure_every` (> 0) cold starts in a row the faster way, the other.
+pub fn wants_pooled(times: StartTimes, starts: PoolStarts, remeasure_every: u32) -> bool {
     match (starts, times.pooled_s, times.restored_s) {
         // Its first start on the node, or the first since it was deployed again.
         (_, None, _) => true,
         (PoolStarts::First, Some(_), _) => false,
-        (PoolStarts::Faster, Some(pooled), Some(restored)) => pooled < restored,
+        (PoolStarts::Faster, Some(pooled), Some(restored)) => {
+            let faster = pooled < restored;
+            // A failed load (infinite) is not tried again before a deploy.
+            let due = remeasure_every > 0
+                && times.streak >= remeasure_every
+                && times.last_pooled == faster
+                && pooled.is_finite();
+            faster != due
+        }
         // Restored never yet: once, to be able to compare.
         (PoolStarts::Faster, Some(_), None) => false,
     }
@@ -337,10 +365,21 @@ impl Runtime {
             .get(name)
             .copied()
             .unwrap_or_default();
-        if self.config.sandbox_pool == 0
-            || !eligible(&info.spec)
-            || !wants_pooled(times, self.config.sandbox_pool_starts)
-        {
+        if self.config.sandbox_pool == 0 || !eligible(&info.spec) {
+            return Ok(None);
+        }
+        let starts = self.config.sandbox_pool_starts;
+        if !wants_pooled(times, starts, self.config.sandbox_pool_remeasure_every) {
+            if let (Some(p), Some(r)) = (times.pooled_s, times.restored_s) {
+                if p < r && starts == PoolStarts::Faster {
+                    tracing::info!(
+                        function = name,
+                        pooled_ms = p * 1e3,
+                        restored_ms = r * 1e3,
+                        "sandbox pool: this cold start restores, to measure the restore again"
+                    );
+                }
+            }
             return Ok(None);
         }
         let Some(key) = self.pool_key(&info.spec) else {
@@ -398,11 +437,16 @@ impl Runtime {
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
         let start_s = t.elapsed().as_secs_f64();
-        lock(&self.sandbox_pool.served)
-            .entry(name.to_string())
-            .or_default()
-            .pooled_s = Some(start_s);
-        tracing::info!(function = name, instance = %inst.id, pid = init, ms = start_s * 1e3, "instance started in a ready sandbox");
+        let remeasured = {
+            let mut served = lock(&self.sandbox_pool.served);
+            let t = served.entry(name.to_string()).or_default();
+            // Taken although the restore was measured faster: this start measured again.
+            let remeasured = t.restored_s.zip(t.pooled_s).is_some_and(|(r, p)| p >= r);
+            t.pooled_s = Some(start_s);
+            t.count(true);
+            remeasured
+        };
+        tracing::info!(function = name, instance = %inst.id, pid = init, ms = start_s * 1e3, remeasured, "instance started in a ready sandbox");
         Ok(Some((
             inst,
             [
@@ -437,10 +481,10 @@ impl Runtime {
         if self.config.sandbox_pool == 0 || !eligible(spec) {
             return;
         }
-        lock(&self.sandbox_pool.served)
-            .entry(name.to_string())
-            .or_default()
-            .restored_s = Some(seconds);
+        let mut served = lock(&self.sandbox_pool.served);
+        let t = served.entry(name.to_string()).or_default();
+        t.restored_s = Some(seconds);
+        t.count(false);
     }
 }
 
@@ -463,25 +507,72 @@ mod tests {
         let t = |pooled_s, restored_s| StartTimes {
             pooled_s,
             restored_s,
+            ..StartTimes::default()
         };
-        for starts in [PoolStarts::Faster, PoolStarts::First] {
+        let (faster, first) = (PoolStarts::Faster, PoolStarts::First);
+        for starts in [faster, first] {
             // The first start on the node (or since a deploy), whatever came before it.
-            assert!(wants_pooled(t(None, None), starts));
-            assert!(wants_pooled(t(None, Some(0.5)), starts));
+            assert!(wants_pooled(t(None, None), starts, 16));
+            assert!(wants_pooled(t(None, Some(0.5)), starts, 16));
         }
         // Restored never yet: once, so that the two can be compared.
-        assert!(!wants_pooled(t(Some(0.2), None), PoolStarts::Faster));
-        assert!(wants_pooled(t(Some(0.2), Some(0.5)), PoolStarts::Faster));
-        assert!(!wants_pooled(t(Some(0.6), Some(0.5)), PoolStarts::Faster));
-        assert!(!wants_pooled(t(Some(0.5), Some(0.5)), PoolStarts::Faster));
-        assert!(!wants_pooled(t(Some(0.2), Some(0.5)), PoolStarts::First));
+        assert!(!wants_pooled(t(Some(0.2), None), faster, 16));
+        assert!(wants_pooled(t(Some(0.2), Some(0.5)), faster, 16));
+        assert!(!wants_pooled(t(Some(0.6), Some(0.5)), faster, 16));
+        assert!(!wants_pooled(t(Some(0.5), Some(0.5)), faster, 16));
+        assert!(!wants_pooled(t(Some(0.2), Some(0.5)), first, 16));
         // A start there that failed counts as one that never ends (sandbox_pool_failed).
         for restored in [None, Some(30.0)] {
-            assert!(!wants_pooled(
-                t(Some(f64::INFINITY), restored),
-                PoolStarts::Faster
-            ));
+            let mut times = t(Some(f64::INFINITY), restored);
+            assert!(!wants_pooled(times, faster, 16));
+            // ... and is not measured again before a deploy.
+            for _ in 0..40 {
+                times.count(false);
+            }
+            assert!(!wants_pooled(times, faster, 16));
         }
+    }
+
+    #[test]
+    fn after_so_many_cold_starts_one_way_the_next_takes_the_other_once() {
+        // Simulates the daemon: each start counted the way it went; the figures kept.
+        fn run(mut times: StartTimes, every: u32, n: usize) -> String {
+            (0..n)
+                .map(|_| {
+                    let pooled = wants_pooled(times, PoolStarts::Faster, every);
+                    times.count(pooled);
+                    if pooled {
+                        'P'
+                    } else {
+                        'R'
+                    }
+                })
+                .collect()
+        }
+        let t = |pooled_s, restored_s| StartTimes {
+            pooled_s: Some(pooled_s),
+            restored_s: Some(restored_s),
+            ..StartTimes::default()
+        };
+        // Loading is faster: every third start restores once.
+        assert_eq!(run(t(0.2, 0.5), 2, 9), "PPRPPRPPR");
+        // Restoring is faster: likewise the other way.
+        assert_eq!(run(t(3.0, 0.5), 2, 9), "RRPRRPRRP");
+        assert_eq!(run(t(3.0, 0.5), 16, 17), "RRRRRRRRRRRRRRRRP");
+        // 0: never again (as before).
+        assert_eq!(run(t(3.0, 0.5), 0, 40), "R".repeat(40));
+        // Under "first" nothing changes.
+        let mut times = t(0.2, 0.5);
+        for _ in 0..40 {
+            assert!(!wants_pooled(times, PoolStarts::First, 2));
+            times.count(false);
+        }
+        // A start the other way resets the count.
+        let mut times = t(3.0, 0.5);
+        times.count(false);
+        times.count(true);
+        assert_eq!((times.last_pooled, times.streak), (true, 1));
+        assert!(!wants_pooled(times, PoolStarts::Faster, 2));
     }
 
     #[test]
