@@ -220,6 +220,26 @@ def test_a_function_that_opts_out_restores_with_a_ready_sandbox_there(
     assert r.returncode == 0, r.stderr
 
 
+def test_the_ready_gauge_counts_every_base_of_a_tenant(
+    torpord: Torpord, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Two functions of one tenant on two bases (another preload list): a key each, one ready
+    # sandbox each, and the tenant's gauge counts both.
+    root = tmp_path_factory.mktemp("pool-two-bases")
+    torpord.deploy(make_function(root, "two-plain", "team-two", "two-plain"))
+    d = make_function(root, "two-json", "team-two", "two-json")
+    toml = d / "torpor.toml"
+    toml.write_text('preload = ["json"]\n' + toml.read_text())
+    torpord.deploy(d)
+    wait_ready(torpord, "team-two", n=2)
+    assert len(ready_pids(torpord, "team-two")) == 2
+    # A take from one key leaves the other's counted; the refill brings it back to 2.
+    a = torpord.invoke("two-json", {})
+    assert a.start == "pooled" and ok(a)["fn"] == "two-json", (a.start, torpord.log_text())
+    assert metric(torpord, "torpor_sandbox_pool_ready", "team-two") in (1, 2)
+    wait_ready(torpord, "team-two", n=2)
+
+
 def test_a_ready_sandbox_that_dies_is_replaced(torpord: Torpord) -> None:
     before = metric(torpord, "torpor_sandbox_pool_replaced_total", "team-b")
     (victim,) = ready_pids(torpord, "team-b")

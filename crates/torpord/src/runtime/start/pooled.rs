@@ -292,10 +292,21 @@ impl Runtime {
                 tracing::warn!(tenant = %tenant, error = %e, "sandbox pool: launching a ready sandbox failed; retrying in {} s", RETRY.as_secs());
             }
         }
+        self.show_ready(&keys, &tenant);
+    }
+
+    /// Sets `torpor_sandbox_pool_ready{tenant}` to the ready sandboxes of all the tenant's keys
+    /// (a tenant has one key per base: its CPU and its GPU functions, say).
+    fn show_ready(&self, keys: &HashMap<String, Key>, tenant: &str) {
+        let ready: usize = keys
+            .values()
+            .filter(|k| k.tenant == tenant)
+            .map(|k| k.ready.len())
+            .sum();
         self.metrics
             .sandbox_pool_ready
-            .with_label_values(&[&tenant])
-            .set(k.ready.len() as i64);
+            .with_label_values(&[tenant])
+            .set(ready as i64);
     }
 
     /// At each keep-alive tick: ready sandboxes whose process died are dropped and replaced,
@@ -306,6 +317,7 @@ impl Runtime {
         }
         let keys: Vec<String> = {
             let mut keys = lock(&self.sandbox_pool.keys);
+            let mut changed = Vec::new();
             for k in keys.values_mut() {
                 let before = k.ready.len();
                 k.ready
@@ -317,11 +329,11 @@ impl Runtime {
                         .sandbox_pool_replaced
                         .with_label_values(&[&k.tenant])
                         .inc_by(died as u64);
-                    self.metrics
-                        .sandbox_pool_ready
-                        .with_label_values(&[&k.tenant])
-                        .set(k.ready.len() as i64);
+                    changed.push(k.tenant.clone());
                 }
+            }
+            for tenant in changed {
+                self.show_ready(&keys, &tenant);
             }
             keys.keys().cloned().collect()
         };
@@ -345,10 +357,8 @@ impl Runtime {
                 .with_label_values(&[&k.tenant])
                 .inc();
         }
-        self.metrics
-            .sandbox_pool_ready
-            .with_label_values(&[&k.tenant])
-            .set(k.ready.len() as i64);
+        let tenant = k.tenant.clone();
+        self.show_ready(&keys, &tenant);
         taken
     }
 
