@@ -10,7 +10,7 @@ handlers. Writes bench/results/sandbox-<device>.json with a top-level `summary`:
 `memory_ratio_8fn` (processes ÷ sandbox, 1 s after the requests), `memory_ratio_8fn_idle` (the
 same once every function has been idle past its `keepalive.memory_release_s`, when a sandbox has
 given its functions' request pools back), `handoff_100mb_ms` (same object, put + get, best of
-3), `handoff_100mb_shared_ms` and, on the GPU, `handoff_100mb_other_sandbox_ms` (a CUDA tensor
+--handoff-runs, 15), `handoff_100mb_shared_ms` and, on the GPU, `handoff_100mb_other_sandbox_ms` (a CUDA tensor
 with shared=True to a function in another sandbox of the tenant, put + get; the get alone is
 `handoff_100mb_other_sandbox_get_ms`; both null with --cpu); `pooled_start_s`: a sandboxed function's first start into a
 ready sandbox of the live-context pool (`[sandbox_pool] size = 1`) → its first answer, median of
@@ -568,7 +568,11 @@ def main() -> int:
     ap.add_argument("--torpor", type=Path, default=Path(os.environ.get("TORPOR_BIN", ROOT / "target/release/torpor")))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--start-rounds", type=int, default=3, help="functions new to the node per start mode")
-    ap.add_argument("--handoff-runs", type=int, default=3, help="hand-offs each way, best of them in the summary")
+    # 15: a run's first hand-offs map the memory, later ones reuse kept mappings (docs/sandboxes.md,
+    # "Kept mappings"); with 3 the median was a mapping one.
+    ap.add_argument(
+        "--handoff-runs", type=int, default=15, help="hand-offs each way, best and median of them in the summary"
+    )
     ap.add_argument(
         "--handoff-only", action="store_true",
         help="only the sandbox's hand-offs (no memory ratio, no starts): summary handoff_* only",
