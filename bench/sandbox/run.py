@@ -613,7 +613,10 @@ def main() -> int:
             "not_built": "small_p99_ratio: bench/pcie/run.py",
         },
         "machine": machine(args.cpu),
-        "settings": {"functions": args.functions, "weights_mib": args.weights_mib, "cpu": args.cpu},
+        "settings": {
+            "functions": args.functions, "weights_mib": args.weights_mib, "cpu": args.cpu,
+            "handoff_runs": 0 if args.memory_only else args.handoff_runs,
+        },
         "processes": processes,
         "sandbox": sandbox,
         "starts": starts,
