@@ -3,7 +3,7 @@
 # .debs, then runs the test suite (GPU tests included) and/or the cold-start benchmark with the
 # carried release binary. Prepare the carry here with `make gpu-carry`; see docs/gpu-machine.md.
 #
-#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|checkpoint|concurrent|sandbox-bench|pcie-bench|all] [extra pytest args...]
+#   scripts/gpu-run.sh [tests|bench|serverless|examples|native|split-bench|criu-gpu|compat|demo|portability|peers|pull|reliability|checkpoint|concurrent|sandbox-bench|workflow-bench|pcie-bench|all] [extra pytest args...]
 # concurrent: bench/concurrent/measure.py (docs/checkpoints.md, docs/migration.md): the hibernation
 # stop of $CONCURRENT_MODEL (default gpt2-large) through torpord, stop-the-world against concurrent,
 # into $OUT/concurrent-checkpoint-$CONCURRENT_TAG.json (default tag h100), and, where two GPUs are
@@ -25,6 +25,10 @@
 # process each against one sandbox (docs/sandboxes.md), then a function new to the node started
 # into a ready sandbox of the live-context pool against a cold restore (pooled_start_s), into
 # $OUT/sandbox-h100.json and $OUT/sandbox.log ($SANDBOX_ARGS adds flags, e.g. "--weights-mib 256"). Not part of `all`.
+# workflow-bench: bench/sandbox/workflow.py: a three-stage workflow end to end, its arrays through
+# the communication store (one sandbox) against through JSON (a process a stage), CUDA tensors,
+# into $OUT/sandbox-workflow-h100.json and $OUT/workflow.log ($WORKFLOW_ARGS adds flags, e.g.
+# "--sizes-kib 64,1024 --runs 9 --out FILE"). Not part of `all`.
 # pcie-bench: bench/pcie/run.py: a small function's cold start while a 3 GiB model loads, with
 # the fair PCIe scheduler and without it (docs/sandboxes.md "Fair PCIe"), into
 # $OUT/sandbox-pcie-h100.json and $OUT/pcie.log ($PCIE_ARGS adds flags, e.g. "--runs 10"; the
@@ -223,6 +227,12 @@ if [ "$MODE" = sandbox-bench ]; then
   # shellcheck disable=SC2086 # $SANDBOX_ARGS is a list of flags
   python3 bench/sandbox/run.py --torpor "$TORPOR_BIN" --out "$OUT/sandbox-h100.json" ${SANDBOX_ARGS:-} 2>&1 | tee "$OUT/sandbox.log"
   sbrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$sbrc
+fi
+if [ "$MODE" = workflow-bench ]; then
+  echo "== bench/sandbox/workflow.py (a workflow end to end: the communication store against JSON)"
+  # shellcheck disable=SC2086 # $WORKFLOW_ARGS is a list of flags
+  python3 bench/sandbox/workflow.py --torpor "$TORPOR_BIN" --out "$OUT/sandbox-workflow-h100.json" ${WORKFLOW_ARGS:-} 2>&1 | tee "$OUT/workflow.log"
+  wfrc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$wfrc
 fi
 if [ "$MODE" = pcie-bench ]; then
   echo "== bench/pcie (a small cold start during a 3 GiB load: with the scheduler and without)"
