@@ -43,3 +43,13 @@ def test_the_cpu_run_times_both_ways_with_the_same_answers(torpor_bin: Path, cri
         assert s["workflow_store_ms"][k] == round(median(x["wall_s"] for x in row["store"]) * 1e3, 3)
         assert s["workflow_json_ms"][k] == round(median(x["wall_s"] for x in row["json"]) * 1e3, 3)
         assert s["json_over_store"][k] == round(s["workflow_json_ms"][k] / s["workflow_store_ms"][k], 2)
+
+
+def test_the_docs_quote_the_table_the_jsons_render() -> None:
+    results = ROOT / "bench" / "results"
+    names = ("sandbox-workflow-s45-h200.json", "sandbox-workflow-cpu.json")
+    rendered = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sandbox" / "workflow.py"), "--table", *(str(results / n) for n in names)],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert rendered in (ROOT / "docs" / "sandboxes.md").read_text(), f"docs/sandboxes.md does not quote:\n{rendered}"

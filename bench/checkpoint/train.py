@@ -226,7 +226,8 @@ def machine(torpor: Path, tracking: bool) -> Json:
         "cpus": os.cpu_count(),
         "gpu": out(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]),
         "torpor": out([str(torpor), "--version"]),
-        "commit": out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
+        # The binary's commit where gpu-run.sh says it (the GPU machine's copy of .git can be older).
+        "commit": os.environ.get("TORPOR_COMMIT") or out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
         "tmp": tempfile.gettempdir(),
     }
 

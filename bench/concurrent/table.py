@@ -161,6 +161,7 @@ TRAIN_ROWS = (
     ("dev machine, numpy MLP", "concurrent-checkpoint-cpu.json"),
     ("dev machine, numpy MLP, longer steps", "concurrent-checkpoint-cpu-100ms.json"),
     ("H100, PyTorch transformer", "checkpoint-train-h100.json"),
+    ("H200, PyTorch transformer (session 45)", "checkpoint-train-s45-h200.json"),
 )
 
 

@@ -9,7 +9,8 @@ Its figures: `memory_ratio_8fn` of bench/sandbox/run.py's memory runs at three f
 (MEMORY_FILES), beside the ceiling a sandbox of one process's context would reach (a sandbox
 saves the other contexts, not the functions' weights: 8 (C + W) / (C + 8 W), with C a process's
 memory less its weights); the pooled start, the hand-offs and the store from the full run
-(SANDBOX_FILE); big models' later cold starts in a ready sandbox (POOLED_BIG_FILE); the small
+(SANDBOX_FILE); big models' later cold starts in a ready sandbox (POOLED_BIG_FILE); a workflow
+end to end through the store and through JSON (WORKFLOW_FILE); the small
 function's p99 under a large load from the PCIe run (PCIE_FILE);
 throughput on the bench/serverless traces, a sandbox against processes (SERVERLESS_FILE).
 A missing file or figure is an error, never a blank.
@@ -39,6 +40,8 @@ SERVERLESS_FILE = "serverless-sandbox-s35-h100.json"
 HANDOFF_FILES = ("sandbox-handoff-s39-1-h100.json", "sandbox-handoff-s39-2-h100.json")
 # Big models started in a ready sandbox (bench/coldstart/split.py --modes cold,pooled-later).
 POOLED_BIG_FILE = "split-bench-s44-pooled-later-h200.json"
+# A workflow end to end, the communication store against JSON (bench/sandbox/workflow.py).
+WORKFLOW_FILE = "sandbox-workflow-s45-h200.json"
 POOLED_BIG_MODELS = {"gpt2-large": "GPT-2-Large", "resnet152": "ResNet-152"}
 # The function's own parts of a pooled start; the rest of the answer's time is Torpor's.
 OWN_PHASES = ("pooled_load.import", "pooled_load.setup", "pooled_load.warmup", "handler")
@@ -105,6 +108,14 @@ def table() -> str:
             f"| the get alone {hs['handoff_100mb_other_sandbox_get_ms']:.2f} ms | `{name}` |"
         )
     rows += pooled_big()
+    w = load(WORKFLOW_FILE)
+    for kib in w["settings"]["sizes_kib"]:
+        k, size = str(kib), (f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB")
+        rows.append(
+            f"| workflow end to end, {size} between its 3 stages | measured | "
+            f"{w['summary']['workflow_store_ms'][k]:.1f} ms through the store | through JSON "
+            f"{w['summary']['workflow_json_ms'][k]:.1f} ms | `{WORKFLOW_FILE}` |"
+        )
     traces = load(SERVERLESS_FILE)
     by = {(r["mode"], r["pattern"]): r for r in traces["results"]}
     for pattern in traces["settings"]["patterns"]:

@@ -21,6 +21,7 @@ per size in KiB, `workflow_store_ms` and `workflow_json_ms` (medians) and `json_
 
     python3 bench/sandbox/workflow.py [--sizes-kib 64,1024,8192] [--runs 5] [--out FILE]
     python3 bench/sandbox/workflow.py --cpu      # NumPy stages (no GPU)
+    python3 bench/sandbox/workflow.py --table FILE...   # the Markdown table docs/sandboxes.md quotes
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ def invoke(sock: Path, mode: str, floats: int, seed: int, rid: str) -> dict[str,
 
 def machine(gpu: bool) -> dict[str, Any]:
     m: dict[str, Any] = {"host": platform.node(), "kernel": platform.release(), "python": platform.python_version()}
+    # The binary's commit where gpu-run.sh says it (the GPU machine's copy of .git can be older).
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    m["commit"] = commit.stdout.strip() or os.environ.get("TORPOR_COMMIT", "")
+    m["commit"] = os.environ.get("TORPOR_COMMIT") or commit.stdout.strip()
     if gpu:
         q = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
@@ -167,14 +169,38 @@ def machine(gpu: bool) -> dict[str, Any]:
     return m
 
 
+def table(paths: list[Path]) -> str:
+    """Markdown: a row per file and size, the medians and their ratio, read from the JSONs."""
+    rows = [
+        "| file | where | array between stages | store (one sandbox) | JSON (a process a stage) | JSON ÷ store |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in paths:
+        d = json.loads(path.read_text())
+        where = "CPU (NumPy)" if d["settings"]["cpu"] else f"GPU ({d['machine'].get('gpu', '').split(',')[0]})"
+        s = d["summary"]
+        for kib in d["settings"]["sizes_kib"]:
+            k = str(kib)
+            size = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
+            rows.append(
+                f"| `{path.name}` | {where} | {size} | {s['workflow_store_ms'][k]:.1f} ms "
+                f"| {s['workflow_json_ms'][k]:.1f} ms | {s['json_over_store'][k]:.0f}× |"
+            )
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--table", type=Path, nargs="+", metavar="FILE", help="print the Markdown table of these JSONs and stop")
     ap.add_argument("--cpu", action="store_true", help="NumPy stages on the CPU")
     ap.add_argument("--sizes-kib", default="64,1024,8192", help="array sizes, KiB, comma-separated")
     ap.add_argument("--runs", type=int, default=5, help="timed invokes of each workflow per size")
     ap.add_argument("--torpor", type=Path, default=Path(os.environ.get("TORPOR_BIN", ROOT / "target/release/torpor")))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return 0
     gpu = not args.cpu
     sizes = [int(s) for s in args.sizes_kib.split(",") if s]
     out = args.out or ROOT / "bench" / "results" / f"sandbox-workflow-{'cpu' if args.cpu else 'gpu'}.json"
