@@ -818,6 +818,12 @@ async fn steps(
         .map_err(|e| out_of_memory_or(cgroup.as_ref(), "load", e))?;
     // The worker mapped it before its setup(): the daemon's handles may go.
     drop(gpu_data);
+    // What a start in a ready sandbox would spend loading it (runtime::start::pooled): the
+    // load's phases in the worker, not the data, which such a start finds in the caches.
+    let mut load_s: Option<f64> = ["map_s", "import_s", "setup_s", "pack_s", "warmup_s"]
+        .iter()
+        .map(|k| r[*k].as_f64())
+        .sum();
     let mut loaded = json!({"setup_s": r["setup_s"], "warmup_s": r["warmup_s"]});
     if data_s > 0.0 {
         // The object store's part: how long the loads took, and how much of that the load
@@ -857,9 +863,12 @@ async fn steps(
             f.error = e.worker_error();
             f
         })?;
+        let members_s = t.elapsed().as_secs_f64();
+        // A start in a ready sandbox loads them too.
+        load_s = load_s.map(|s| s + members_s);
         send(phase(
             "load_sandbox",
-            t.elapsed().as_secs_f64(),
+            members_s,
             json!({"sandbox": group, "functions": members}),
         ));
     }
@@ -996,7 +1005,7 @@ async fn steps(
         tracing::error!(function = %name, error = %e, "discarding the older deploy's hibernated instances failed");
     }
     rt.deployed(name, &spec.json, &id, &out);
-    rt.sandbox_deployed(name, &spec.json).await;
+    rt.sandbox_deployed(name, &spec.json, load_s).await;
     rt.keep_standbys(name, &spec.json).await;
     if let Some(old) = old {
         // Live instances were restored from it and no longer need it.

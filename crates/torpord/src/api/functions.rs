@@ -96,7 +96,7 @@ pub async fn delete(
     visible(&state, &scope, &name).await?;
     let stopped = state.runtime.stop_function(&name);
     state.runtime.forget_sandbox_routes();
-    state.runtime.sandbox_pool_forget(&name);
+    state.runtime.sandbox_pool_forget(&name, None);
     let n = name.clone();
     let (function, snapshots) = with_registry(&state, move |r| {
         r.transaction(|s| {

@@ -239,13 +239,14 @@ impl Runtime {
         self.forget_memory_models();
     }
 
-    /// After the deploy of `name`: routes are computed again and, when it is sandboxed, the
-    /// instances of the other members of its group are retired (they lack `name`'s new code),
-    /// their hibernated ones discarded.
-    pub async fn sandbox_deployed(self: &Arc<Self>, name: &str, spec: &Value) {
+    /// After the deploy of `name`, whose load took `load_s` in the worker: routes are computed
+    /// again and, when it is sandboxed, the instances of the other members of its group are
+    /// retired (they lack `name`'s new code), their hibernated ones discarded.
+    pub async fn sandbox_deployed(self: &Arc<Self>, name: &str, spec: &Value, load_s: Option<f64>) {
         self.forget_sandbox_routes();
-        // Its first start after this deploy may take a ready sandbox (start::pooled).
-        self.sandbox_pool_forget(name);
+        // Its first start after this deploy may take a ready sandbox, when its load looks
+        // faster than a restore (start::pooled).
+        self.sandbox_pool_forget(name, load_s);
         self.sandbox_pool_wanted(spec);
         let Some(group) = group_of(spec) else {
             return;

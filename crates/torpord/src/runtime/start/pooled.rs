@@ -26,7 +26,12 @@
 //!   to an instance ready), and restores otherwise; each path runs once before they are compared.
 //!   After `sandbox_pool.remeasure_every` cold starts the same way (16), the next takes the
 //!   other way once and its figure is replaced: a restore first timed from cold caches, or a
-//!   load first timed while the node was busy, does not decide for ever.
+//!   load first timed while the node was busy, does not decide for ever. Before a way was
+//!   measured, its estimate stands in: for the load, the deploy's (its worker phases); for the
+//!   restore, the node's last restore of a sandboxed function of the same kind (CPU, GPU). A
+//!   first start goes to the pool unless that load took over [`ESTIMATE_MARGIN`] times that
+//!   restore (a setup() of seconds would otherwise be paid at the first start after each
+//!   deploy).
 //!   Why not always restore: a function whose weights are platform-managed GPU data has little
 //!   left for setup() to do, and its load into a warm context (GPT-2-Large 0.18-0.21 s on the
 //!   H200) beats the driver's context restore alone (0.28-0.31 s;
@@ -80,15 +85,27 @@ pub struct SandboxPool {
     keys: Mutex<HashMap<String, Key>>,
     /// How long each function's last start took each way on this daemon.
     served: Mutex<HashMap<String, StartTimes>>,
+    /// The node's last restore of a sandboxed function, CPU (`[0]`) and GPU (`[1]`): what a
+    /// function not yet restored here is compared with.
+    last_restore_s: Mutex<[Option<f64>; 2]>,
 }
 
+/// The deploy's load overstates a start in a ready sandbox (its caches were cold, its warm-up
+/// loaded kernels a ready sandbox has warm): only a load this many times a restore keeps a
+/// function's first start off the pool. Measured figures are compared as they are.
+pub const ESTIMATE_MARGIN: f64 = 2.0;
+
 /// How long a function's last start in a ready sandbox and last restore took, from the decision
-/// to an instance ready (`None`: not yet on this daemon since its deploy), and how its cold
-/// starts went lately.
+/// to an instance ready (`None`: not yet on this daemon since its deploy), what its deploy's
+/// load took, and how its cold starts went lately.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
 pub struct StartTimes {
     pub pooled_s: Option<f64>,
     pub restored_s: Option<f64>,
+    /// The deploy's load in the worker (import, setup, packing, warm-up, and the group's other
+    /// members): what a start in a ready sandbox is expected to take before one was measured.
+    /// An overestimate if anything (the deploy's warm-up loads kernels a ready sandbox has).
+    pub deploy_load_s: Option<f64>,
     /// The way its last cold start took (`true`: a ready sandbox) and how many cold starts in a
     /// row took it.
     pub last_pooled: bool,
@@ -104,27 +121,48 @@ impl StartTimes {
             (self.last_pooled, self.streak) = (pooled, 1);
         }
     }
+
+    /// Whether a start in a ready sandbox is faster, by the figures: this function's own where
+    /// measured, else its deploy's load against [`ESTIMATE_MARGIN`] times the node's last
+    /// restore of a sandboxed function of its kind (`node_restore_s`); `None` when one side is
+    /// unknown.
+    pub fn pooled_faster(&self, node_restore_s: Option<f64>) -> Option<bool> {
+        let restored = self.restored_s.or(node_restore_s)?;
+        match (self.pooled_s, self.deploy_load_s) {
+            (Some(pooled), _) => Some(pooled < restored),
+            (None, Some(load)) => Some(load < ESTIMATE_MARGIN * restored),
+            (None, None) => None,
+        }
+    }
 }
 
 /// Whether a cold start of a function whose starts so far took `times` loads into a ready
 /// sandbox (when one is ready) rather than restoring its snapshot, under `starts`; under
-/// `"faster"`, after `remeasure_every` (> 0) cold starts in a row the faster way, the other.
-pub fn wants_pooled(times: StartTimes, starts: PoolStarts, remeasure_every: u32) -> bool {
-    match (starts, times.pooled_s, times.restored_s) {
-        // Its first start on the node, or the first since it was deployed again.
-        (_, None, _) => true,
-        (PoolStarts::First, Some(_), _) => false,
-        (PoolStarts::Faster, Some(pooled), Some(restored)) => {
-            let faster = pooled < restored;
+/// `"faster"`, the faster way by [`StartTimes::pooled_faster`], and after `remeasure_every`
+/// (> 0) cold starts in a row that way, the other once.
+pub fn wants_pooled(
+    times: StartTimes,
+    starts: PoolStarts,
+    remeasure_every: u32,
+    node_restore_s: Option<f64>,
+) -> bool {
+    if starts == PoolStarts::First {
+        // Only its first start on the node, or the first since it was deployed again.
+        return times.pooled_s.is_none();
+    }
+    match times.pooled_faster(node_restore_s) {
+        Some(faster) => {
             // A failed load (infinite) is not tried again before a deploy.
+            let failed = times.pooled_s.is_some_and(f64::is_infinite);
             let due = remeasure_every > 0
                 && times.streak >= remeasure_every
                 && times.last_pooled == faster
-                && pooled.is_finite();
+                && !failed;
             faster != due
         }
-        // Restored never yet: once, to be able to compare.
-        (PoolStarts::Faster, Some(_), None) => false,
+        // Nothing known of a start here (a function deployed before this daemon started): try
+        // one. Measured here, but nothing restored on the node yet: restore once, to compare.
+        None => times.pooled_s.is_none(),
     }
 }
 
@@ -149,6 +187,11 @@ pub fn eligible(spec: &Value) -> bool {
         && ["memory_limit", "cpu_limit", "pids_limit"]
             .iter()
             .all(|k| spec.get(*k).is_none_or(Value::is_null))
+}
+
+/// Whether the function of `spec` runs on a GPU (`gpus` ≥ 1).
+fn gpu_of(spec: &Value) -> bool {
+    spec["gpus"].as_u64().unwrap_or(0) > 0
 }
 
 /// Whether a process is alive (not gone, not a zombie).
@@ -379,19 +422,24 @@ impl Runtime {
             return Ok(None);
         }
         let starts = self.config.sandbox_pool_starts;
-        if !wants_pooled(times, starts, self.config.sandbox_pool_remeasure_every) {
-            if let (Some(p), Some(r)) = (times.pooled_s, times.restored_s) {
-                if p < r && starts == PoolStarts::Faster {
-                    tracing::info!(
-                        function = name,
-                        pooled_ms = p * 1e3,
-                        restored_ms = r * 1e3,
-                        "sandbox pool: this cold start restores, to measure the restore again"
-                    );
-                }
+        let node_restore_s = self.node_restore_s(&info.spec);
+        let faster = times.pooled_faster(node_restore_s);
+        if !wants_pooled(
+            times,
+            starts,
+            self.config.sandbox_pool_remeasure_every,
+            node_restore_s,
+        ) {
+            if faster == Some(true) && starts == PoolStarts::Faster {
+                tracing::info!(
+                    function = name,
+                    "sandbox pool: this cold start restores, to measure the restore again"
+                );
             }
             return Ok(None);
         }
+        // Taken although the figures favour the restore: measured again.
+        let remeasured = faster == Some(false);
         let Some(key) = self.pool_key(&info.spec) else {
             return Ok(None);
         };
@@ -447,15 +495,12 @@ impl Runtime {
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
         let start_s = t.elapsed().as_secs_f64();
-        let remeasured = {
+        {
             let mut served = lock(&self.sandbox_pool.served);
             let t = served.entry(name.to_string()).or_default();
-            // Taken although the restore was measured faster: this start measured again.
-            let remeasured = t.restored_s.zip(t.pooled_s).is_some_and(|(r, p)| p >= r);
             t.pooled_s = Some(start_s);
             t.count(true);
-            remeasured
-        };
+        }
         tracing::info!(function = name, instance = %inst.id, pid = init, ms = start_s * 1e3, remeasured, "instance started in a ready sandbox");
         Ok(Some((
             inst,
@@ -470,9 +515,25 @@ impl Runtime {
         )))
     }
 
-    /// A function was deleted or deployed again: its next first start may use the pool.
-    pub(crate) fn sandbox_pool_forget(&self, name: &str) {
-        lock(&self.sandbox_pool.served).remove(name);
+    /// A function was deleted or deployed again: its next first start may use the pool; when
+    /// deployed, `deploy_load_s` is what its load took (the first start's estimate).
+    pub(crate) fn sandbox_pool_forget(&self, name: &str, deploy_load_s: Option<f64>) {
+        let mut served = lock(&self.sandbox_pool.served);
+        served.remove(name);
+        if let Some(s) = deploy_load_s {
+            served.insert(
+                name.to_string(),
+                StartTimes {
+                    deploy_load_s: Some(s),
+                    ..StartTimes::default()
+                },
+            );
+        }
+    }
+
+    /// The node's last restore of a sandboxed function of `spec`'s kind (CPU or GPU).
+    fn node_restore_s(&self, spec: &Value) -> Option<f64> {
+        lock(&self.sandbox_pool.last_restore_s)[usize::from(gpu_of(spec))]
     }
 
     /// A start of `name` in a ready sandbox failed: its later cold starts restore (as if that
@@ -491,6 +552,7 @@ impl Runtime {
         if self.config.sandbox_pool == 0 || !eligible(spec) {
             return;
         }
+        lock(&self.sandbox_pool.last_restore_s)[usize::from(gpu_of(spec))] = Some(seconds);
         let mut served = lock(&self.sandbox_pool.served);
         let t = served.entry(name.to_string()).or_default();
         t.restored_s = Some(seconds);
@@ -522,24 +584,24 @@ mod tests {
         let (faster, first) = (PoolStarts::Faster, PoolStarts::First);
         for starts in [faster, first] {
             // The first start on the node (or since a deploy), whatever came before it.
-            assert!(wants_pooled(t(None, None), starts, 16));
-            assert!(wants_pooled(t(None, Some(0.5)), starts, 16));
+            assert!(wants_pooled(t(None, None), starts, 16, None));
+            assert!(wants_pooled(t(None, Some(0.5)), starts, 16, None));
         }
         // Restored never yet: once, so that the two can be compared.
-        assert!(!wants_pooled(t(Some(0.2), None), faster, 16));
-        assert!(wants_pooled(t(Some(0.2), Some(0.5)), faster, 16));
-        assert!(!wants_pooled(t(Some(0.6), Some(0.5)), faster, 16));
-        assert!(!wants_pooled(t(Some(0.5), Some(0.5)), faster, 16));
-        assert!(!wants_pooled(t(Some(0.2), Some(0.5)), first, 16));
+        assert!(!wants_pooled(t(Some(0.2), None), faster, 16, None));
+        assert!(wants_pooled(t(Some(0.2), Some(0.5)), faster, 16, None));
+        assert!(!wants_pooled(t(Some(0.6), Some(0.5)), faster, 16, None));
+        assert!(!wants_pooled(t(Some(0.5), Some(0.5)), faster, 16, None));
+        assert!(!wants_pooled(t(Some(0.2), Some(0.5)), first, 16, None));
         // A start there that failed counts as one that never ends (sandbox_pool_failed).
         for restored in [None, Some(30.0)] {
             let mut times = t(Some(f64::INFINITY), restored);
-            assert!(!wants_pooled(times, faster, 16));
+            assert!(!wants_pooled(times, faster, 16, None));
             // ... and is not measured again before a deploy.
             for _ in 0..40 {
                 times.count(false);
             }
-            assert!(!wants_pooled(times, faster, 16));
+            assert!(!wants_pooled(times, faster, 16, None));
         }
     }
 
@@ -549,7 +611,7 @@ mod tests {
         fn run(mut times: StartTimes, every: u32, n: usize) -> String {
             (0..n)
                 .map(|_| {
-                    let pooled = wants_pooled(times, PoolStarts::Faster, every);
+                    let pooled = wants_pooled(times, PoolStarts::Faster, every, None);
                     times.count(pooled);
                     if pooled {
                         'P'
@@ -574,7 +636,7 @@ mod tests {
         // Under "first" nothing changes.
         let mut times = t(0.2, 0.5);
         for _ in 0..40 {
-            assert!(!wants_pooled(times, PoolStarts::First, 2));
+            assert!(!wants_pooled(times, PoolStarts::First, 2, None));
             times.count(false);
         }
         // A start the other way resets the count.
@@ -582,7 +644,57 @@ mod tests {
         times.count(false);
         times.count(true);
         assert_eq!((times.last_pooled, times.streak), (true, 1));
-        assert!(!wants_pooled(times, PoolStarts::Faster, 2));
+        assert!(!wants_pooled(times, PoolStarts::Faster, 2, None));
+    }
+
+    #[test]
+    fn a_first_start_goes_by_its_deploy_s_load_against_the_node_s_last_restore() {
+        let est = |deploy_load_s| StartTimes {
+            deploy_load_s,
+            ..StartTimes::default()
+        };
+        let f = PoolStarts::Faster;
+        // Nothing restored on the node yet: a ready sandbox, as before.
+        assert!(wants_pooled(est(Some(3.0)), f, 16, None));
+        // A load (setup) of 3 s at deploy against restores of 0.5 s: it restores.
+        assert!(!wants_pooled(est(Some(3.0)), f, 16, Some(0.5)));
+        // A load of 0.1 s: a ready sandbox; of 0.8 s too (the estimate's margin: a deploy's
+        // load overstates a start in a ready sandbox).
+        assert!(wants_pooled(est(Some(0.1)), f, 16, Some(0.5)));
+        assert!(wants_pooled(est(Some(0.8)), f, 16, Some(0.5)));
+        // No estimate (deployed before this daemon started): a ready sandbox.
+        assert!(wants_pooled(est(None), f, 16, Some(0.5)));
+        // "first" keeps its meaning: the first start takes one.
+        assert!(wants_pooled(
+            est(Some(3.0)),
+            PoolStarts::First,
+            16,
+            Some(0.5)
+        ));
+        // Its own figures, once measured, go before the estimates.
+        let mut t = StartTimes {
+            deploy_load_s: Some(3.0),
+            pooled_s: Some(0.1),
+            ..StartTimes::default()
+        };
+        assert!(wants_pooled(t, f, 16, Some(0.5)));
+        t.restored_s = Some(0.05);
+        assert!(!wants_pooled(t, f, 16, Some(0.5)));
+        // A slow function restored 16 times in a row is measured in a ready sandbox once.
+        let mut slow = est(Some(3.0));
+        let ways: String = (0..17)
+            .map(|_| {
+                let pooled = wants_pooled(slow, f, 16, Some(0.5));
+                slow.count(pooled);
+                if pooled {
+                    'P'
+                } else {
+                    slow.restored_s = Some(0.5);
+                    'R'
+                }
+            })
+            .collect();
+        assert_eq!(ways, format!("{}P", "R".repeat(16)));
     }
 
     #[test]
