@@ -320,6 +320,28 @@ def measure_handoffs(sock: Path, n: int, cpu: bool, runs_each: int = 3) -> dict[
     return out
 
 
+def start_daemon(torpor: Path, root: Path, config: str) -> tuple[subprocess.Popen[bytes], Any, Path]:
+    """Starts `torpor serve` with `config` as its torpord.toml, its state, socket and log
+    (stderr) in `root`, and waits for its socket (20 s at most, else RuntimeError naming the
+    log). Returns the daemon, its open log and its socket; stop_daemon ends all three."""
+    state, sock = root / "state", root / "torpord.sock"
+    (root / "torpord.toml").write_text(config)
+    log = open(root / "torpord.log", "wb")  # noqa: SIM115 (closed by stop_daemon)
+    daemon = subprocess.Popen(
+        [torpor, "serve", "--config", root / "torpord.toml", "--state-dir", state, "--socket", sock],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    deadline = time.monotonic() + 20
+    while not sock.exists():
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            daemon.kill()
+            log.close()
+            raise RuntimeError(f"torpord did not open {sock}; see {root / 'torpord.log'}")
+        time.sleep(0.05)
+    return daemon, log, sock
+
+
 def stop_daemon(daemon: subprocess.Popen[bytes], log: Any, root: Path) -> None:
     """Stops a daemon this script started (SIGTERM, then kill after 60 s), closes its log and
     removes its state."""
@@ -335,19 +357,9 @@ def stop_daemon(daemon: subprocess.Popen[bytes], log: Any, root: Path) -> None:
 def one_mode(torpor: Path, n: int, sandbox: bool, mib: int, cpu: bool, handoff_runs: int = 3) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="torpor-sandbox-bench-"))
     before = None if cpu else gpu_used_mib()
-    state, sock = root / "state", root / "torpord.sock"
-    (root / "torpord.toml").write_text("split = false\n")
-    log = open(root / "torpord.log", "wb")  # noqa: SIM115 (closed below)
-    daemon = subprocess.Popen(
-        [torpor, "serve", "--config", root / "torpord.toml", "--state-dir", state, "--socket", sock],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
+    daemon, log, sock = start_daemon(torpor, root, "split = false\n")
+    state = root / "state"
     try:
-        for _ in range(200):
-            if sock.exists():
-                break
-            time.sleep(0.05)
         env = dict(os.environ, TORPOR_SOCKET=str(sock))
         dirs = write_functions(root / "fns", n, sandbox, mib, cpu)
         t = time.monotonic()
@@ -439,20 +451,9 @@ def measure_starts(torpor: Path, pooled: bool, mib: int, cpu: bool, rounds: int)
     `torpor_sandbox_pool_ready` gauge, which counts a sandbox once warm; the wait is the entry's
     `pool_ready_wait_s`) or without (a restore of its function snapshot)."""
     root = Path(tempfile.mkdtemp(prefix="torpor-sandbox-start-"))
-    state, sock = root / "state", root / "torpord.sock"
-    (root / "torpord.toml").write_text("split = false\n" + ("[sandbox_pool]\nsize = 1\n" if pooled else ""))
-    log = open(root / "torpord.log", "wb")  # noqa: SIM115 (closed below)
-    daemon = subprocess.Popen(
-        [torpor, "serve", "--config", root / "torpord.toml", "--state-dir", state, "--socket", sock],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
+    daemon, log, sock = start_daemon(torpor, root, "split = false\n" + ("[sandbox_pool]\nsize = 1\n" if pooled else ""))
     out = []
     try:
-        for _ in range(200):
-            if sock.exists():
-                break
-            time.sleep(0.05)
         env = dict(os.environ, TORPOR_SOCKET=str(sock))
         for k in range(rounds):
             (d,) = write_functions(root / f"start{k}", 1, True, mib, cpu)

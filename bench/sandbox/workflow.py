@@ -44,7 +44,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(HERE))
 
-from run import stop_daemon  # noqa: E402
+from run import start_daemon, stop_daemon  # noqa: E402
 
 from torpor import client  # noqa: E402
 
@@ -206,20 +206,9 @@ def main() -> int:
     out = args.out or ROOT / "bench" / "results" / f"sandbox-workflow-{'cpu' if args.cpu else 'gpu'}.json"
 
     root = Path(tempfile.mkdtemp(prefix="torpor-workflow-bench-"))
-    state, sock = root / "state", root / "torpord.sock"
-    (root / "torpord.toml").write_text("")
-    log = open(root / "torpord.log", "wb")  # noqa: SIM115 (closed by stop_daemon)
-    daemon = subprocess.Popen(
-        [args.torpor, "serve", "--config", root / "torpord.toml", "--state-dir", state, "--socket", sock],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
+    daemon, log, sock = start_daemon(args.torpor, root, "")
     results: list[dict[str, Any]] = []
     try:
-        for _ in range(400):
-            if sock.exists():
-                break
-            time.sleep(0.05)
         env = dict(os.environ, TORPOR_SOCKET=str(sock))
         for mode in ("store", "json"):
             for d in write_workflow(root / "fns", mode, gpu):

@@ -37,8 +37,7 @@ function holds directly, outside its modules, and one over memory PyTorch's allo
 give (platform-managed GPU data viewed by torpor.load_tensors, DLPack or CUDA-array imports):
 that memory is not the allocator's to free, so a copy would only hold the weights twice (and,
 for platform data, undo a start that copies nothing). A setup() that captured CUDA graphs is
-not packed
-(the graphs would read the old addresses).
+not packed (the graphs would read the old addresses).
 
 The planner (`plan`) is pure Python; the rest needs torch, imported by the function.
 """

@@ -439,7 +439,7 @@ impl Runtime {
             return Ok(None);
         }
         // Taken although the figures favour the restore: measured again.
-        let remeasured = faster == Some(false);
+        let remeasured = starts == PoolStarts::Faster && faster == Some(false);
         let Some(key) = self.pool_key(&info.spec) else {
             return Ok(None);
         };
