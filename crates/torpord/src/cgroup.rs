@@ -272,7 +272,9 @@ impl Cgroups {
     /// Removes every cgroup of the daemon that is neither reserved nor in use (its tree
     /// exited); the rest stay (rmdir(2) refuses a cgroup that has processes).
     pub fn sweep(&self) {
-        let reserved = crate::sync::lock(&self.reserved).clone();
+        // Held throughout: a cgroup reserved after a copy of the names was taken would be
+        // listed below, still empty, and removed under its maker.
+        let reserved = crate::sync::lock(&self.reserved);
         for base in &self.bases {
             let Ok(entries) = std::fs::read_dir(base) else {
                 continue;
@@ -619,5 +621,42 @@ mod tests {
             !e.contains('\n') && e.contains("workers.allow_unconfined = true"),
             "{e}"
         );
+    }
+
+    /// A sweep running while cgroups are made never removes one that was just made and not yet
+    /// given its tree (it did: the sweep read the reserved names before it listed the
+    /// directories, so one made in between was empty and unknown to it; CI's boot then found
+    /// no `cgroup.procs`). On the machine's real cgroup file system; skipped where there is none.
+    #[test]
+    fn a_sweep_never_removes_a_cgroup_being_made() {
+        let state = tempfile::tempdir().unwrap();
+        let Ok(cgroups) = Cgroups::detect(state.path()) else {
+            eprintln!("skipped: no usable cgroup file system here");
+            return;
+        };
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sweeper = {
+            let (c, stop) = (Arc::clone(&cgroups), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    c.sweep();
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            })
+        };
+        let mut lost = 0;
+        for i in 0..500 {
+            match cgroups.create(&format!("race.{i}"), Limits::default()) {
+                Ok(c) => lost += c.procs_files().iter().filter(|p| !p.exists()).count(),
+                Err(e) => {
+                    eprintln!("{e}");
+                    lost += 1;
+                }
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        sweeper.join().unwrap();
+        cgroups.shut_down();
+        assert_eq!(lost, 0, "cgroups removed by a sweep while being made");
     }
 }
