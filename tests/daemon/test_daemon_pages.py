@@ -124,9 +124,10 @@ def test_a_page_server_that_dies_never_leaves_an_instance_on_missing_memory(
             assert re.search(r"torpor's page server failed .*TORPOR_PAGE_SERVER_FAULT", failed[0]), failed[0]
         else:
             # After: the instance is removed with one line, its request failed with the cause.
-            assert answer.status != 200, (answer.status, answer.body)
+            # (The whole log on failure: CI once saw a 200 here, not reproduced since.)
+            assert answer.status != 200, (answer.status, answer.start, answer.body, d.log_text())
             # The cause, not a crash: the instance is removed before its tree is killed.
-            assert b"its lazy pages failed" in answer.body, (answer.status, answer.body)
+            assert b"its lazy pages failed" in answer.body, (answer.status, answer.start, answer.body, d.log_text())
             try:
                 wait_until(lambda: d.log.read_text(errors="replace").count("its lazy pages failed") == 1, 15, "the removal")
             except AssertionError as e:
