@@ -36,7 +36,7 @@ unit: criu
 	$(CARGO) test --workspace
 
 pytest: build criu
-	@$(PYTHON) -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("pytest", "hypothesis", "jsonschema", "ray", "matplotlib", "safetensors")))' || $(PYTHON) -m pip install -q -r tests/requirements.txt
+	@$(PYTHON) -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("pytest", "hypothesis", "jsonschema", "ray", "matplotlib", "safetensors", "pyroute2")))' || $(PYTHON) -m pip install -q -r tests/requirements.txt
 	@$(PYTHON) -m mypy --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q mypy
 	@$(PYTHON) -m maturin --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q 'maturin>=1.5,<2'
 	TORPOR_BIN=$(CURDIR)/$(TEST_BIN) TORPOR_HOOK_LIB=$(CURDIR)/$(TEST_HOOK) $(PYTHON) -m pytest -q -ra tests

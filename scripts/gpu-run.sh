@@ -111,7 +111,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/torpor-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # .whl-pull: SeaweedFS's `weed`, xz-compressed (bench/cluster/carry.sh), carried for the pull run
-# only: unpacked into /tmp/torpor-site/bin, its hash checked, put on PATH.
+# only: unpacked into /tmp/torpor-site/bin, its hash checked, put on PATH; and pyroute2's wheel
+# (pull.py --links), installed as the others.
+if compgen -G ".whl-pull/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/torpor-site .whl-pull/*.whl &&
+    export PYTHONPATH=/tmp/torpor-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if [ -f .whl-pull/weed.xz ]; then
   mkdir -p /tmp/torpor-site/bin &&
     python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \

