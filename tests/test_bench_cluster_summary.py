@@ -82,3 +82,26 @@ def test_readme_writing_replaces_only_the_table(tmp_path: Path) -> None:
     readme.write_text("intro\n\n| figure | value | target | | where from |\n|---|---|---|---|---|\n| old | 1 |\n\nafter\n")
     summary.write_readme("| figure | value | target | | where from |\n|---|---|---|---|---|\n| new | 2 |\n", readme)
     assert readme.read_text() == "intro\n\n| figure | value | target | | where from |\n|---|---|---|---|---|\n| new | 2 |\n\nafter\n"
+
+
+def test_the_links_table_is_the_rendering_of_each_links_figures() -> None:
+    pull = {"model": "gpt2-large", "machine": {"gpus": [{"name": "NVIDIA H200"}]}, "summary": {"by_link": {
+        "veth": {"runs": 3, "transfer_gbps": 7.0, "pull_gbps": 2.1, "pull_efficiency": 0.3, "daemon_cores_busy": 7.0,
+                 "first_start_s": 2.2, "target_first_start_s": 2.6},
+        "10 Gbit/s": {"runs": 2, "transfer_gbps": 1.2, "pull_gbps": 1.08, "pull_efficiency": 0.9, "daemon_cores_busy": 3.0,
+                      "first_start_s": 4.0, "target_first_start_s": 5.6}}}}
+    rows = summary.links_table(pull, "f.json").splitlines()
+    assert rows[2] == ("| veth, unshaped | 7.0 GB/s | 2.1 GB/s | 0.3: **missed** | 7.0 | 2.2 s | 2.6 s | "
+                       "`f.json` (gpt2-large, NVIDIA H200, 3 runs) |"), rows
+    assert rows[3].startswith("| 10 Gbit/s | 1.2 GB/s | 1.08 GB/s | 0.9: met | 3.0 | 4.0 s | 5.6 s |"), rows
+
+
+def test_the_readme_links_table_is_the_rendering_of_the_kept_json() -> None:
+    kept = ROOT / "bench" / "results" / "cluster-pull-s46-links-h200.json"
+    doc = json.loads(kept.read_text())
+    # Per link, the pull against the raw GET over that same link.
+    for name, b in doc["summary"]["by_link"].items():
+        assert b["pull_efficiency"] == round(b["pull_gbps"] / doc["by_link"][name]["transfer"]["transfer_gbps"], 3), name
+    r = subprocess.run([sys.executable, str(ROOT / "bench/cluster/summary.py"), "--links-table", str(kept)],
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.strip() in (ROOT / "README.md").read_text(), "re-render the README's links table"

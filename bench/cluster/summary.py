@@ -9,6 +9,8 @@ with the file and machine it comes from, and the README's table rendered from it
     python3 bench/cluster/summary.py --kill FILE --sim … --pull … --out …
     # the Markdown table of a summary JSON (the README's; --readme writes it there too):
     python3 bench/cluster/summary.py --table bench/results/cluster-summary.json [--readme]
+    # the pull over links of NICs' speeds (pull.py --links), per link:
+    python3 bench/cluster/summary.py --links-table bench/results/cluster-pull-s46-links-h200.json [--readme]
 
 --run-kill needs what tests/test_cluster.py needs: root, Ray, `weed` (SeaweedFS), $TORPOR_BIN and
 $TORPOR_HOOK_LIB (as `make pytest` sets them).
@@ -133,6 +135,26 @@ def table(doc: Json) -> str:
     return "\n".join(rows) + "\n"
 
 
+def links_table(pull: Json, file: str) -> str:
+    """The Markdown table of a bench/cluster/pull.py --links JSON: per link, the raw GET and the
+    pull over it, `pull_efficiency` against the issue's 0.8, and the first start against its
+    bound (the node's cold start + the bytes at 80 % of that link's raw GET)."""
+    by = pull["summary"]["by_link"]
+    machine = machine_of(pull)
+    rows = [
+        "| link to the store | raw GET | pull | `pull_efficiency` | daemon's cores busy | first start | its bound | file |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, b in by.items():
+        link = "veth, unshaped" if name == "veth" else name
+        ok = "met" if b["pull_efficiency"] >= TARGETS["pull_efficiency"] else "**missed**"
+        rows.append(
+            f"| {link} | {b['transfer_gbps']} GB/s | {b['pull_gbps']} GB/s | {b['pull_efficiency']}: {ok} | "
+            f"{b['daemon_cores_busy']} | {b['first_start_s']} s | {b['target_first_start_s']} s | "
+            f"`{file}` ({pull['model']}, {machine}, {b['runs']} runs) |")
+    return "\n".join(rows) + "\n"
+
+
 def write_readme(text: str, readme: Path = ROOT / "README.md") -> None:
     """Replaces the README's table (from its header row to the blank line after it) with `text`."""
     doc = readme.read_text()
@@ -159,8 +181,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sim", type=Path, default=ROOT / "bench/results/cluster-sim.json")
     ap.add_argument("--pull", type=Path, help="a bench/cluster/pull.py JSON")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--links-table", type=Path, help="print the per-link table of a pull.py --links JSON and exit")
     ap.add_argument("--readme", action="store_true", help="also replace the table in README.md with the new one")
     args = ap.parse_args(argv)
+    if args.links_table:
+        text = links_table(json.loads(args.links_table.read_text()), rel(args.links_table))
+        sys.stdout.write(text)
+        if args.readme:
+            write_readme(text)
+        return 0
     if args.table:
         sys.stdout.write(table(json.loads(args.table.read_text())))
         if args.readme:
