@@ -23,7 +23,7 @@ def test_assemble_takes_each_figure_from_its_source_and_judges_the_targets() -> 
             "rerun_after_node_death": 2, "served_by": {}, "attempts_over_1": 3, "wall_s": 5.0}
     sim = {"summary": {"burst_p99_ratio": 2.9, "link_gbps": 25.0, "p99_s": 4.0, "one_cold_start_s": 1.38,
                        "random_burst_p99_ratio": 6.0}}
-    pull = {"model": "gpt2-large", "machine": {"gpus": [{"name": "NVIDIA H100"}]},
+    pull = {"model": "gpt2-large", "parallel": 16, "machine": {"gpus": [{"name": "NVIDIA H100"}]},
             "summary": {"pull_efficiency": 0.85, "pull_gbps": 1.7, "transfer_gbps": 2.0}}
     doc = summary.assemble(kill, "k.json", sim, "s.json", pull, "p.json")
     assert doc["summary"] == {"lost_requests": 1, "burst_p99_ratio": 2.9, "pull_efficiency": 0.85}
@@ -85,23 +85,25 @@ def test_readme_writing_replaces_only_the_table(tmp_path: Path) -> None:
 
 
 def test_the_links_table_is_the_rendering_of_each_links_figures() -> None:
-    pull = {"model": "gpt2-large", "machine": {"gpus": [{"name": "NVIDIA H200"}]}, "summary": {"by_link": {
+    pull = {"model": "gpt2-large", "parallel": 16, "machine": {"gpus": [{"name": "NVIDIA H200"}]}, "summary": {"by_link": {
         "veth": {"runs": 3, "transfer_gbps": 7.0, "pull_gbps": 2.1, "pull_efficiency": 0.3, "daemon_cores_busy": 7.0,
                  "first_start_s": 2.2, "target_first_start_s": 2.6},
         "10 Gbit/s": {"runs": 2, "transfer_gbps": 1.2, "pull_gbps": 1.08, "pull_efficiency": 0.9, "daemon_cores_busy": 3.0,
                       "first_start_s": 4.0, "target_first_start_s": 5.6}}}}
-    rows = summary.links_table(pull, "f.json").splitlines()
-    assert rows[2] == ("| veth, unshaped | 7.0 GB/s | 2.1 GB/s | 0.3: **missed** | 7.0 | 2.2 s | 2.6 s | "
+    rows = summary.links_table([(pull, "f.json"), (pull | {"parallel": 32}, "g.json")]).splitlines()
+    assert rows[2] == ("| veth, unshaped | 16 | 7.0 GB/s | 2.1 GB/s | 0.3: **missed** | 7.0 | 2.2 s | 2.6 s | "
                        "`f.json` (gpt2-large, NVIDIA H200, 3 runs) |"), rows
-    assert rows[3].startswith("| 10 Gbit/s | 1.2 GB/s | 1.08 GB/s | 0.9: met | 3.0 | 4.0 s | 5.6 s |"), rows
+    assert rows[3].startswith("| 10 Gbit/s | 16 | 1.2 GB/s | 1.08 GB/s | 0.9: met | 3.0 | 4.0 s | 5.6 s |"), rows
+    assert len(rows) == 6 and rows[5].startswith("| 10 Gbit/s | 32 |") and rows[5].endswith("`g.json` (gpt2-large, NVIDIA H200, 2 runs) |"), rows
 
 
 def test_the_readme_links_table_is_the_rendering_of_the_kept_json() -> None:
-    kept = ROOT / "bench" / "results" / "cluster-pull-s46-links-h200.json"
-    doc = json.loads(kept.read_text())
-    # Per link, the pull against the raw GET over that same link.
-    for name, b in doc["summary"]["by_link"].items():
-        assert b["pull_efficiency"] == round(b["pull_gbps"] / doc["by_link"][name]["transfer"]["transfer_gbps"], 3), name
-    r = subprocess.run([sys.executable, str(ROOT / "bench/cluster/summary.py"), "--links-table", str(kept)],
+    kept = [ROOT / "bench" / "results" / f"cluster-pull-s46-{n}-h200.json" for n in ("links", "links-p32", "links25-p32")]
+    for f in kept:
+        doc = json.loads(f.read_text())
+        # Per link, the pull against the raw GET over that same link.
+        for name, b in doc["summary"]["by_link"].items():
+            assert b["pull_efficiency"] == round(b["pull_gbps"] / doc["by_link"][name]["transfer"]["transfer_gbps"], 3), name
+    r = subprocess.run([sys.executable, str(ROOT / "bench/cluster/summary.py"), "--links-table", *map(str, kept)],
                        capture_output=True, text=True, check=True)
     assert r.stdout.strip() in (ROOT / "README.md").read_text(), "re-render the README's links table"

@@ -90,9 +90,9 @@ GIB = 1 << 30
 # order of (GPT-2-Large: ~3.3 GB of segments), small for the CPU smoke test.
 TRANSFER_BYTES = {"cpu": 64 << 20}
 DEFAULT_TRANSFER_BYTES = 2 * GIB
-# torpord's default pull parallelism (crates/torpord/src/config.rs objstore_parallel): one
-# request per core, 8 to 32.
-STREAMS = min(32, max(8, os.cpu_count() or 8))
+# torpord's default pull parallelism (crates/torpord/src/config.rs objstore_parallel): two
+# requests per core, 8 to 32.
+STREAMS = min(32, max(8, 2 * (os.cpu_count() or 4)))
 # Where the raw requests go: the store server's address (loopback, or its network namespace's
 # with --links).
 S3_HOST = "127.0.0.1"

@@ -10,7 +10,7 @@ with the file and machine it comes from, and the README's table rendered from it
     # the Markdown table of a summary JSON (the README's; --readme writes it there too):
     python3 bench/cluster/summary.py --table bench/results/cluster-summary.json [--readme]
     # the pull over links of NICs' speeds (pull.py --links), per link:
-    python3 bench/cluster/summary.py --links-table bench/results/cluster-pull-s46-links-h200.json [--readme]
+    python3 bench/cluster/summary.py --links-table bench/results/cluster-pull-s46-links-h200.json … [--readme]
 
 --run-kill needs what tests/test_cluster.py needs: root, Ray, `weed` (SeaweedFS), $TORPOR_BIN and
 $TORPOR_HOOK_LIB (as `make pytest` sets them).
@@ -135,23 +135,25 @@ def table(doc: Json) -> str:
     return "\n".join(rows) + "\n"
 
 
-def links_table(pull: Json, file: str) -> str:
-    """The Markdown table of a bench/cluster/pull.py --links JSON: per link, the raw GET and the
-    pull over it, `pull_efficiency` against the issue's 0.8, and the first start against its
-    bound (the node's cold start + the bytes at 80 % of that link's raw GET)."""
-    by = pull["summary"]["by_link"]
-    machine = machine_of(pull)
+def links_table(pulls: list[tuple[Json, str]]) -> str:
+    """The Markdown table of bench/cluster/pull.py --links JSONs (`pulls`: each with its file),
+    per file and link: the requests in flight, the raw GET and the pull over that link,
+    `pull_efficiency` against the issue's 0.8, and the first start against its bound (the
+    node's cold start + the bytes at 80 % of that link's raw GET)."""
     rows = [
-        "| link to the store | raw GET | pull | `pull_efficiency` | daemon's cores busy | first start | its bound | file |",
-        "|---|---|---|---|---|---|---|---|",
+        "| link to the store | requests in flight | raw GET | pull | `pull_efficiency` | daemon's cores busy "
+        "| first start | its bound | file |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, b in by.items():
-        link = "veth, unshaped" if name == "veth" else name
-        ok = "met" if b["pull_efficiency"] >= TARGETS["pull_efficiency"] else "**missed**"
-        rows.append(
-            f"| {link} | {b['transfer_gbps']} GB/s | {b['pull_gbps']} GB/s | {b['pull_efficiency']}: {ok} | "
-            f"{b['daemon_cores_busy']} | {b['first_start_s']} s | {b['target_first_start_s']} s | "
-            f"`{file}` ({pull['model']}, {machine}, {b['runs']} runs) |")
+    for pull, file in pulls:
+        machine = machine_of(pull)
+        for name, b in pull["summary"]["by_link"].items():
+            link = "veth, unshaped" if name == "veth" else name
+            ok = "met" if b["pull_efficiency"] >= TARGETS["pull_efficiency"] else "**missed**"
+            rows.append(
+                f"| {link} | {pull['parallel']} | {b['transfer_gbps']} GB/s | {b['pull_gbps']} GB/s | "
+                f"{b['pull_efficiency']}: {ok} | {b['daemon_cores_busy']} | {b['first_start_s']} s | "
+                f"{b['target_first_start_s']} s | `{file}` ({pull['model']}, {machine}, {b['runs']} runs) |")
     return "\n".join(rows) + "\n"
 
 
@@ -181,11 +183,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sim", type=Path, default=ROOT / "bench/results/cluster-sim.json")
     ap.add_argument("--pull", type=Path, help="a bench/cluster/pull.py JSON")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--links-table", type=Path, help="print the per-link table of a pull.py --links JSON and exit")
+    ap.add_argument("--links-table", type=Path, nargs="+",
+                    help="print the per-link table of pull.py --links JSONs and exit")
     ap.add_argument("--readme", action="store_true", help="also replace the table in README.md with the new one")
     args = ap.parse_args(argv)
     if args.links_table:
-        text = links_table(json.loads(args.links_table.read_text()), rel(args.links_table))
+        text = links_table([(json.loads(f.read_text()), rel(f)) for f in args.links_table])
         sys.stdout.write(text)
         if args.readme:
             write_readme(text)

@@ -589,7 +589,7 @@ pub struct Objstore {
     pub path_style: bool,
     /// Bytes of chunks the local store keeps beyond those of registered snapshots.
     pub cache_bytes: u64,
-    /// Requests in flight per push or pull (`parallel`, default [`objstore_parallel`]: the cores, 8 to 32).
+    /// Requests in flight per push or pull (`parallel`, default [`objstore_parallel`]: two per core, 8 to 32).
     pub parallel: usize,
     /// A pull starts each chunk's disk write as it stores it (`early_write_back`, default
     /// false: measured slower on the H100, docs/cluster.md); false leaves them to the syncfs
@@ -606,12 +606,15 @@ pub const DEFAULT_OBJSTORE_HOLD_BYTES: u64 = 4 << 30;
 
 /// The most requests in flight `objstore.parallel` allows.
 pub const MAX_OBJSTORE_PARALLEL: usize = 256;
-/// Requests in flight per push or pull, unless `objstore.parallel` says otherwise: one per
-/// core, 8 to 32. A pull's writers decode, hash and write what the requests fetch, one per
-/// core; on the H100 (16 cores) 16 requests pulled GPT-2-Large in 5.2 s against 6.8 s for 8
-/// (bench/results/cluster-pull-s19-p{8,16}-h100.json).
+/// Requests in flight per push or pull, unless `objstore.parallel` says otherwise: two per
+/// core, 8 to 32. A pull's writers decode, hash and write what the requests fetch, as many as
+/// the requests or the cores. On the H100 (16 cores) 16 requests pulled GPT-2-Large in 5.2 s
+/// against 6.8 s for 8 (bench/results/cluster-pull-s19-p{8,16}-h100.json); on the H200 (16
+/// cores) over a store link held to 25 Gbit/s, 32 pulled at 0.847 of the link's raw GET against
+/// 0.736 for 16, and at least as fast at 10 Gbit/s and unshaped
+/// (cluster-pull-s46-links{25,}-p32-h200.json against cluster-pull-s46-links-h200.json).
 pub fn objstore_parallel() -> usize {
-    std::thread::available_parallelism().map_or(8, |n| n.get().clamp(8, 32))
+    std::thread::available_parallelism().map_or(8, |n| (2 * n.get()).clamp(8, 32))
 }
 
 /// Default of `objstore.cache_bytes`: 16 GiB.
@@ -1516,11 +1519,11 @@ mod tests {
     ];
 
     #[test]
-    fn objstore_parallel_defaults_to_the_cores_from_8_to_32_and_is_bounded() {
+    fn objstore_parallel_defaults_to_twice_the_cores_from_8_to_32_and_is_bounded() {
         let base = "[objstore]\nendpoint = \"http://127.0.0.1:8333\"\nbucket = \"b\"\ncredentials_file = \"c\"\n";
         let c = parse(base).unwrap();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        assert_eq!(c.objstore.unwrap().parallel, cores.clamp(8, 32));
+        assert_eq!(c.objstore.unwrap().parallel, (2 * cores).clamp(8, 32));
         let c = parse(&format!("{base}parallel = 256\n")).unwrap();
         assert_eq!(c.objstore.unwrap().parallel, 256);
         for bad in ["0", "257", "-1", "\"8\""] {
