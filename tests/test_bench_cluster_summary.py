@@ -98,7 +98,7 @@ def test_the_links_table_is_the_rendering_of_each_links_figures() -> None:
 
 
 def test_the_readme_links_table_is_the_rendering_of_the_kept_json() -> None:
-    kept = [ROOT / "bench" / "results" / f"cluster-pull-s46-{n}-h200.json" for n in ("links", "links-p32", "links25-p32")]
+    kept = [ROOT / "bench" / "results" / f"cluster-pull-s46-{n}-h200.json" for n in ("links", "links-p32", "links25-p32", "ab-p16", "ab-p32")]
     for f in kept:
         doc = json.loads(f.read_text())
         # Per link, the pull against the raw GET over that same link.

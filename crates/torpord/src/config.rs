@@ -610,9 +610,10 @@ pub const MAX_OBJSTORE_PARALLEL: usize = 256;
 /// core, 8 to 32. A pull's writers decode, hash and write what the requests fetch, as many as
 /// the requests or the cores. On the H100 (16 cores) 16 requests pulled GPT-2-Large in 5.2 s
 /// against 6.8 s for 8 (bench/results/cluster-pull-s19-p{8,16}-h100.json); on the H200 (16
-/// cores) over a store link held to 25 Gbit/s, 32 pulled at 0.847 of the link's raw GET against
-/// 0.736 for 16, and at least as fast at 10 Gbit/s and unshaped
-/// (cluster-pull-s46-links{25,}-p32-h200.json against cluster-pull-s46-links-h200.json).
+/// cores) over a store link held to 25 Gbit/s, 32 pulled at 0.871 of the link's raw GET against
+/// 0.738 for 16 in one call (cluster-pull-s46-ab-p{16,32}-h200.json), and at least as fast at
+/// 10 Gbit/s and unshaped (cluster-pull-s46-links-p32-h200.json against
+/// cluster-pull-s46-links-h200.json).
 pub fn objstore_parallel() -> usize {
     std::thread::available_parallelism().map_or(8, |n| (2 * n.get()).clamp(8, 32))
 }
