@@ -81,8 +81,8 @@ class Seaweed:
         little; bench/cluster/pull.py asks for gigabytes). See VOLUMES for the count. `ip`: the address it listens on
         (loopback; the cluster test's nodes in network namespaces of their own reach it at
         their bridge's address on this host). `launcher` prefixes the server's command (e.g.
-        tests/netns.py's `nsenter` into a network namespace that holds `ip`: the server behind a
-        link of its own, bench/cluster/pull.py --links)."""
+        `nsenter` into a network namespace that holds `ip`: bench/cluster/store_link.py's, the
+        server behind a link of its own for bench/cluster/pull.py --links)."""
         self.base = base
         self.ip = ip
         data = base / "data"

@@ -23,7 +23,7 @@ def test_assemble_takes_each_figure_from_its_source_and_judges_the_targets() -> 
             "rerun_after_node_death": 2, "served_by": {}, "attempts_over_1": 3, "wall_s": 5.0}
     sim = {"summary": {"burst_p99_ratio": 2.9, "link_gbps": 25.0, "p99_s": 4.0, "one_cold_start_s": 1.38,
                        "random_burst_p99_ratio": 6.0}}
-    pull = {"model": "gpt2-large", "parallel": 16, "machine": {"gpus": [{"name": "NVIDIA H100"}]},
+    pull = {"model": "gpt2-large", "machine": {"gpus": [{"name": "NVIDIA H100"}]},
             "summary": {"pull_efficiency": 0.85, "pull_gbps": 1.7, "transfer_gbps": 2.0}}
     doc = summary.assemble(kill, "k.json", sim, "s.json", pull, "p.json")
     assert doc["summary"] == {"lost_requests": 1, "burst_p99_ratio": 2.9, "pull_efficiency": 0.85}

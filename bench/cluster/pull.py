@@ -79,7 +79,6 @@ sys.path.insert(0, str(ROOT / "bench" / "coldstart"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import split  # noqa: E402  (bench/coldstart/split.py: Daemon, assemble, mode_config)
-from store_link import MAX_GBIT, StoreLink  # noqa: E402  (bench/cluster/store_link.py)
 from objstore_server import ACCESS_KEY, SECRET_KEY, Seaweed  # noqa: E402
 from run import find_torpor, machine  # noqa: E402  (bench/coldstart/run.py)
 
@@ -321,6 +320,8 @@ def disk_speed(directory: Path, size: int, drop_cache: bool) -> Json:
 def link_gbit_list(text: str) -> list[float]:
     """`--links`: the store server's link speeds to measure, Gbit/s, comma-separated; 0 is the
     veth unshaped."""
+    from store_link import MAX_GBIT  # only with --links: it needs pyroute2
+
     try:
         links = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -750,7 +751,7 @@ def main(argv: list[str]) -> int:
                    help="CPUs for everything else: the daemons, their workers, the raw GETs (e.g. 0-15)")
     p.add_argument("--links", type=link_gbit_list, default=None,
                    help="the store server in a network namespace of its own behind a veth, its sending side "
-                        "held to each of these Gbit/s in turn (0: unshaped), e.g. 10,25,50,0: the pull and the "
+                        "held to each of these Gbit/s in turn (0: unshaped), e.g. 0,10,25: the pull and the "
                         "raw GET over each link, as a node pulling from a store across a NIC of that speed; "
                         "the summary's headline is the first link's, `by_link` has each")
     p.add_argument("--out", type=Path, required=True)
@@ -805,7 +806,11 @@ def main(argv: list[str]) -> int:
     # Room for the snapshot twice over, the transfer object and the chunk probe: 64 volumes of
     # up to 1 GB (the tests' server holds 256 MB).
     global S3_HOST
-    net = StoreLink() if args.links else None
+    net = None
+    if args.links:
+        from store_link import StoreLink  # bench/cluster/store_link.py (pyroute2)
+
+        net = StoreLink()
     try:
         if net is None:
             seaweed = Seaweed(work / "seaweed", volumes=64, volume_mb=1024)
@@ -987,10 +992,10 @@ def main(argv: list[str]) -> int:
                 break
         result["disk"] = disk
 
-        if net is not None:
+        if net is not None and args.links:
             # The rest (the store's own speeds, the headline) on the first link.
-            net.shape(links[0] or 0.0)
-            result["transfer"] = result["by_link"][link_name(links[0] or 0.0)]["transfer"]
+            net.shape(args.links[0])
+            result["transfer"] = result["by_link"][link_name(args.links[0])]["transfer"]
         runs = [r for r in result["runs"] if r["link_gbit"] == links[0]]
         say(f"the store's speed for the pull's own packs, {args.parallel} GETs at a time")
         result["transfer"]["pack_gets"] = pack_gets(seaweed.s3_port, args.parallel)
