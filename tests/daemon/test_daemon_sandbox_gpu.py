@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,52 @@ def test_the_gpu_vision_workflow_runs_in_one_sandbox_and_matches_the_cpu(cuda: N
     # Warm: the same sandbox answers again.
     again = torpord.request("POST", "/v1/workflows/vision-text/invoke", {"seed": 3})
     assert again.status == 200 and again.json()["caption"] == expected["caption"]
+
+
+VISION_BERT = ROOT / "examples" / "vision-bert"
+
+
+def test_the_vision_bert_workflow_answers_in_one_sandbox_as_its_stages_do_alone(
+    cuda: None, torpord: Torpord, tmp_path: Path
+) -> None:
+    """examples/vision-bert, real models on the GPU: Faster R-CNN (MobileNetV3 320 FPN) →
+    ResNet-50 on its crops → a BERT-base text classifier on the labels' caption, weights made by
+    its make_weights.py. Deployed stage by stage, then as a workflow: one sandbox, the crops (a
+    CUDA tensor) handed through the store, and the answer the stages give run one after the
+    other in one process without torpord (run_local.py)."""
+    pytest.importorskip("torchvision")
+    pytest.importorskip("transformers")
+    d = tmp_path / "vision-bert"
+    shutil.copytree(VISION_BERT, d, ignore=shutil.ignore_patterns("__pycache__", "weights.safetensors", "vocab.txt"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    subprocess.run([sys.executable, d / "make_weights.py"], check=True, timeout=600, env=env)
+    r = subprocess.run(
+        [sys.executable, d / "run_local.py", '{"seed": 3, "request": "local"}'],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    expected = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(expected["labels"]) == 4 and expected["topic"] in expected["scores"], expected
+    for stage in ("detect", "classify", "describe"):
+        lines = torpord.deploy(d / stage)
+        assert any(line.get("phase") == "load" for line in lines), lines
+    r = torpord.cli("deploy", "--json", d)
+    assert r.returncode == 0 and json.loads(r.stdout)["one_sandbox"] is True, (r.stdout, r.stderr)
+    for rid in ("first", "again"):
+        a = torpord.request("POST", "/v1/workflows/vision-bert/invoke", {"seed": 3, "request": rid})
+        assert a.status == 200, (a.status, a.body, torpord.log_text())
+        got = a.json()
+        assert a.timings["sandbox"] == 1.0, a.timings
+        assert got["request"] == rid
+        for key in ("caption", "topic", "labels", "objects", "tokens"):
+            assert got[key] == expected[key], (key, got, expected)
+        for box, want in zip(got["boxes"], expected["boxes"], strict=True):
+            assert all(math.isclose(a_, b_, abs_tol=0.011) for a_, b_ in zip(box, want, strict=True)), (got["boxes"], expected["boxes"])
+        for t, p in expected["scores"].items():
+            assert math.isclose(got["scores"][t], p, abs_tol=1e-4), (got["scores"], expected["scores"])
+    # Another image, another answer: the stages compute on what they are given.
+    other = torpord.request("POST", "/v1/workflows/vision-bert/invoke", {"seed": 4})
+    assert other.status == 200 and other.json()["boxes"] != expected["boxes"], other.body
 
 
 GPU_MEMORY_FN = '''

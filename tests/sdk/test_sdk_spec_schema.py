@@ -17,8 +17,14 @@ SCHEMA = json.loads((PYTHON_DIR / "torpor" / "spec.schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 DIRS = sorted(
     p.parent
-    for base in ("examples", "tests/sdk/functions", "tests/daemon/functions")
-    for p in (ROOT / base).glob("*/torpor.toml")
+    for base, pattern in (
+        ("examples", "*/torpor.toml"),
+        # A workflow's stages: examples/vision-workflow/detect, examples/vision-bert/detect, ...
+        ("examples", "*/*/torpor.toml"),
+        ("tests/sdk/functions", "*/torpor.toml"),
+        ("tests/daemon/functions", "*/torpor.toml"),
+    )
+    for p in (ROOT / base).glob(pattern)
 )
 
 
