@@ -11,6 +11,11 @@ one request per connection, one answer line:
             uffd the kernel made for it at fork)
   remap     moves the area elsewhere with mremap(MREMAP_MAYMOVE | MREMAP_FIXED), then answers
             the SHA-256 of the area at its new address
+  protect   makes a few pages inside the area read-only (mprotect: its VMA splits in three, and
+            the kernel tells no page server), then answers the SHA-256 of the area
+  churn     while a thread gives a scratch area's pages back again and again (madvise
+            MADV_DONTNEED: each an event the page server must read before the kernel takes its
+            copies again), answers the SHA-256 of the heap data and of the area
 Creates SOCKET.ready once the data is in memory.
 """
 
@@ -28,6 +33,10 @@ LIBC.mmap.restype = ctypes.c_void_p
 LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 LIBC.mremap.restype = ctypes.c_void_p
 LIBC.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+LIBC.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_DONTNEED = 4
+SCRATCH = 1 << 20
 MAP_FAILED = ctypes.c_void_p(-1).value
 MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
 
@@ -44,6 +53,8 @@ def main(argv: list[str]) -> int:
     data = bytearray(os.urandom(size))
     area = anonymous(size, mmap.PROT_READ | mmap.PROT_WRITE)
     ctypes.memmove(area, os.urandom(size), size)
+    scratch = anonymous(SCRATCH, mmap.PROT_READ | mmap.PROT_WRITE)
+    ctypes.memset(scratch, 1, SCRATCH)
 
     def sums() -> str:
         return f"{hashlib.sha256(data).hexdigest()} {hashlib.sha256(ctypes.string_at(area, size)).hexdigest()}"
@@ -81,6 +92,31 @@ def main(argv: list[str]) -> int:
                     answer = f"error: mremap: {os.strerror(ctypes.get_errno())}"
                 else:
                     area = int(moved)
+                    answer = hashlib.sha256(ctypes.string_at(area, size)).hexdigest()
+            elif words == ["churn"]:
+                import threading
+
+                stop = threading.Event()
+
+                def churn() -> None:
+                    while not stop.is_set():
+                        LIBC.madvise(scratch, SCRATCH, MADV_DONTNEED)
+                        ctypes.memset(scratch, 1, mmap.PAGESIZE)
+
+                t = threading.Thread(target=churn)
+                t.start()
+                try:
+                    answer = sums()
+                finally:
+                    stop.set()
+                    t.join()
+            elif words == ["protect"]:
+                # Off the 1 MiB runs the server copies around a fault, so one of them crosses
+                # the new VMA boundaries.
+                at = area + size // 2 + 3 * mmap.PAGESIZE
+                if LIBC.mprotect(at, 4 * mmap.PAGESIZE, mmap.PROT_READ) != 0:
+                    answer = f"error: mprotect: {os.strerror(ctypes.get_errno())}"
+                else:
                     answer = hashlib.sha256(ctypes.string_at(area, size)).hexdigest()
             else:
                 answer = "error: unknown request"

@@ -303,8 +303,13 @@ fn ioctl<T>(fd: RawFd, request: u64, arg: &mut T) -> std::io::Result<()> {
     }
 }
 
-/// One `UFFDIO_COPY` of `src` to `dst` (inside one VMA). A page that is there already (a fault
-/// raced us) makes the kernel refuse the whole range, so it is then copied page by page.
+/// One `UFFDIO_COPY` of `src` to `dst`. The kernel refuses the whole range when one page of it is
+/// there already (EEXIST: a fault raced us) or when it is no longer inside one registered VMA
+/// (ENOENT: an mprotect split its VMA, which sends no event, or the task unmapped part of it
+/// before the server read that event); the range is then copied page by page, and a page
+/// outside every registered VMA is skipped (the task can never fault on it through this uffd).
+/// Only ESRCH, the task's memory gone, makes the task gone: taking ENOENT for it left the
+/// task's later faults unserved, a worker hung in its profiling restore on the H200 (session 47).
 fn uffd_copy(fd: RawFd, dst: u64, src: &[u8]) -> std::io::Result<Copied> {
     let len = src.len() as u64;
     let mut arg = UffdioCopy {
@@ -317,7 +322,7 @@ fn uffd_copy(fd: RawFd, dst: u64, src: &[u8]) -> std::io::Result<Copied> {
     match ioctl(fd, UFFDIO_COPY, &mut arg) {
         Ok(()) => Ok(Copied::Done),
         Err(e) => match e.raw_os_error() {
-            Some(libc::EEXIST) if len > PAGE_SIZE => {
+            Some(libc::EEXIST | libc::ENOENT) if len > PAGE_SIZE => {
                 for (i, page) in src.chunks(PAGE_SIZE as usize).enumerate() {
                     match uffd_copy(fd, dst + i as u64 * PAGE_SIZE, page)? {
                         Copied::Done => {}
@@ -326,9 +331,9 @@ fn uffd_copy(fd: RawFd, dst: u64, src: &[u8]) -> std::io::Result<Copied> {
                 }
                 Ok(Copied::Done)
             }
-            Some(libc::EEXIST) => Ok(Copied::Done),
+            Some(libc::EEXIST | libc::ENOENT) => Ok(Copied::Done),
             Some(libc::EAGAIN) => Ok(Copied::Again),
-            Some(libc::ESRCH | libc::ENOENT) => Ok(Copied::Gone),
+            Some(libc::ESRCH) => Ok(Copied::Gone),
             _ => Err(e),
         },
     }
@@ -363,6 +368,8 @@ struct Server {
     background_threads: usize,
     /// Where each uffd goes to be kept open ([`HOLD_FD`]).
     hold: Option<UnixStream>,
+    /// Faults not served yet: (task, page), see [`Server::retry_unserved`].
+    unserved: Vec<(usize, u64)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -457,16 +464,42 @@ impl Server {
         Ok(copied)
     }
 
-    /// Serves one fault at `addr` of task `t`.
+    /// Serves one fault at `addr` of task `t`; one the kernel would not take yet waits in
+    /// [`Server::unserved`] for [`Server::retry_unserved`].
     fn fault(&mut self, t: usize, addr: u64) -> Result<(), PageServerError> {
         let page = addr & !(PAGE_SIZE - 1);
         self.stats.faults += 1;
+        if !self.serve_fault(t, page)? {
+            self.unserved.push((t, page));
+        }
+        Ok(())
+    }
+
+    /// Faults whose copy the kernel refused (EAGAIN: an event of the task's memory map waits to
+    /// be read, the very next message on its uffd maybe), served again once the events read so
+    /// far are handled. Before session 47 such a fault was dropped: its thread waited for the
+    /// background copy, or for ever where there is none (a deploy's profiling restore: GPU
+    /// workers whose Python threads gave memory back meanwhile hung there on the H200).
+    fn retry_unserved(&mut self) -> Result<(), PageServerError> {
+        for (t, page) in std::mem::take(&mut self.unserved) {
+            if !self.tasks[t].gone && !self.serve_fault(t, page)? {
+                self.unserved.push((t, page));
+            }
+        }
+        Ok(())
+    }
+
+    /// Serves the fault at `page` of task `t`: its run around it copied, or a zero page, or a
+    /// wake. Whether it was (false: the kernel refused for now, try again).
+    fn serve_fault(&mut self, t: usize, page: u64) -> Result<bool, PageServerError> {
         if run_at(&self.tasks[t].runs, page).is_some() {
             let recording = self.recording;
             let copied = self.copy_span(t, page, page + FAULT_RUN, recording)?;
             self.stats.fault_pages += copied / PAGE_SIZE;
             self.last_fault = Instant::now();
-            return Ok(());
+            // The faulting page is still lazy only when its copy was refused (the task gone
+            // needs nothing more).
+            return Ok(self.tasks[t].gone || run_at(&self.tasks[t].runs, page).is_none());
         }
         // Not in the image (a hole, or memory the task unmapped and mapped again): zeros, or
         // a wake when the page arrived meanwhile.
@@ -486,12 +519,14 @@ impl Server {
                 };
                 let _ = ioctl(fd, UFFDIO_WAKE, &mut r);
             }
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ESRCH | libc::ENOENT)) => {
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Ok(false),
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
                 self.tasks[t].gone = true;
             }
+            // ENOENT: no registered VMA there any more (uffd_copy says why): nothing to serve.
             Err(_) => {}
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Reads and handles every pending event of task `t`.
@@ -931,6 +966,7 @@ pub fn serve(
         fault_budget: fault.as_deref().and_then(|v| v.parse().ok()),
         background_threads,
         hold,
+        unserved: Vec::new(),
     };
     let mut files: HashMap<PathBuf, usize> = HashMap::new();
     for _ in 0..pids.len() {
@@ -998,7 +1034,14 @@ pub fn serve(
             && server.live()
             && !(profiling && server.last_fault.elapsed() < PROFILE_QUIET)
             && batch_pause.is_none_or(|p| last_batch.is_none_or(|t| t.elapsed() >= p));
-        let timeout = if background { 0 } else { 20 };
+        // Unserved faults are tried again at once after the events this turn reads.
+        let timeout = if background {
+            0
+        } else if !server.unserved.is_empty() {
+            1
+        } else {
+            20
+        };
         // SAFETY: poll over our own array.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as _, timeout) };
         if n < 0 {
@@ -1041,6 +1084,7 @@ pub fn serve(
                 server.tasks[i].gone = true;
             }
         }
+        server.retry_unserved()?;
         if background && n == 0 {
             server.background()?;
             last_batch = Some(Instant::now());
@@ -1173,6 +1217,7 @@ mod tests {
             fault_budget: Some(BUDGET),
             background_threads: 1,
             hold: None,
+            unserved: Vec::new(),
         };
         // One span of 64 pages in one run: before, a single copy of all of it went through.
         match server.copy_span(0, start, start + PAGES * PAGE_SIZE, false) {
@@ -1195,6 +1240,61 @@ mod tests {
                 .count(),
             0
         );
+    }
+
+    #[test]
+    fn a_run_across_an_mprotect_split_is_copied_page_by_page_and_the_task_stays() {
+        const PAGES: u64 = 16;
+        let len = (PAGES * PAGE_SIZE) as usize;
+        let (uffd, memory) = registered(len);
+        let mut image = memmap2::MmapMut::map_anon(len).expect("the image");
+        for (i, page) in image.chunks_mut(PAGE_SIZE as usize).enumerate() {
+            page.fill(i as u8 + 1);
+        }
+        let start = memory.as_ptr() as u64;
+        // Pages 5 and 6 read-only: the registered VMA splits in three, and one UFFDIO_COPY of
+        // the whole run is refused with ENOENT.
+        // SAFETY: inside our own mapping.
+        let rc = unsafe {
+            libc::mprotect(
+                (start + 5 * PAGE_SIZE) as *mut _,
+                2 * PAGE_SIZE as usize,
+                libc::PROT_READ,
+            )
+        };
+        assert_eq!(rc, 0, "mprotect: {}", std::io::Error::last_os_error());
+        let mut server = Server {
+            maps: vec![image.make_read_only().expect("a read-only image")],
+            tasks: vec![Task {
+                pid: std::process::id() as i32,
+                uffd,
+                pages: 0,
+                runs: vec![run(start, start + PAGES * PAGE_SIZE, 0)],
+                gone: false,
+            }],
+            stats: Stats::default(),
+            profile: Vec::new(),
+            recording: false,
+            last_fault: Instant::now(),
+            fault_budget: None,
+            background_threads: 1,
+            hold: None,
+            unserved: Vec::new(),
+        };
+        let copied = server
+            .copy_span(0, start, start + PAGES * PAGE_SIZE, false)
+            .expect("the span");
+        assert_eq!(copied, PAGES * PAGE_SIZE);
+        assert!(!server.tasks[0].gone, "ENOENT taken for the task's end");
+        assert!(
+            server.tasks[0].runs.is_empty(),
+            "{:?}",
+            server.tasks[0].runs
+        );
+        assert!(resident_pages(&memory).iter().all(|&r| r));
+        for (i, page) in memory.chunks(PAGE_SIZE as usize).enumerate() {
+            assert!(page.iter().all(|&b| b == i as u8 + 1), "page {i}");
+        }
     }
 
     #[test]
