@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -331,19 +331,16 @@ def test_fork_and_mremap_of_memory_still_on_the_page_server_keep_its_contents(
     assert lazy_daemons(snap) == []
 
 
-def test_memory_an_mprotect_split_while_on_the_page_server_is_still_served(
-    torpor: Torpor, workers: Workers, criu_ready: None, tmp_path: Path
+def served_without_background(
+    torpor: Torpor, workers: Workers, tmp_path: Path, mib: int, check: Callable[[Path, str, str], None]
 ) -> None:
-    """A restored worker makes a few pages in the middle of a lazy area read-only before reading
-    it (mprotect splits the area's VMA in three; the kernel sends the page server no event), so
-    the 1 MiB run the server copies around one of its faults crosses the new VMA boundaries and
-    the kernel refuses it whole (ENOENT). The server copies that run page by page and serves
-    every later fault. Before session 47 it took ENOENT for the task's end and stopped serving
-    it: the worker hung on its next fault (a GPU worker's profiling restore did on the H200).
-    No background copy ($TORPOR_PAGE_SERVER_BACKGROUND=off), so the area is still lazy."""
+    """lazy_mem.py holding `mib` MiB, snapshotted, then restored lazily with no background copy
+    ($TORPOR_PAGE_SERVER_BACKGROUND=off), so its memory stays on the page server until touched;
+    `check(socket, data_sum, area_sum)` runs against the restored worker. Then the tree is
+    killed, the server ends without error, and its counters show faults and no background copy."""
     sock = tmp_path / "lazy.sock"
     w = workers.start(
-        [PYTHON, LAZY_MEM, sock, 16], endpoint=Endpoint(unix=str(sock)), ready=Path(f"{sock}.ready"), name="lazy-mem"
+        [PYTHON, LAZY_MEM, sock, mib], endpoint=Endpoint(unix=str(sock)), ready=Path(f"{sock}.ready"), name="lazy-mem"
     )
     data_sum, area_sum = ask(sock, "sum").split()
     snap = tmp_path / "snap"
@@ -357,14 +354,30 @@ def test_memory_an_mprotect_split_while_on_the_page_server_is_still_served(
     wait_until(lambda: out.read_text().strip().isdigit() or p.poll() is not None, 60, "the restored pid")
     assert out.read_text().strip().isdigit(), err.read_text()
     restored = workers.adopt(int(out.read_text().strip()), Endpoint(unix=str(sock)), "restored")
-    assert ask(sock, "protect", timeout=20) == area_sum
-    assert ask(sock, "sum", timeout=20).split() == [data_sum, area_sum]
+    check(sock, data_sum, area_sum)
     assert p.poll() is None, "the page server ended while the tree lives (it has no background copy)"
     os.kill(restored.init_pid, 9)
     assert p.wait(timeout=30) == 0, err.read_text()
     [s] = stats_of(stats)
     assert s["faults"] > 0 and s["background_pages"] == 0, s
     assert lazy_daemons(snap) == []
+
+
+def test_memory_an_mprotect_split_while_on_the_page_server_is_still_served(
+    torpor: Torpor, workers: Workers, criu_ready: None, tmp_path: Path
+) -> None:
+    """A restored worker makes a few pages in the middle of a lazy area read-only before reading
+    it (mprotect splits the area's VMA in three; the kernel sends the page server no event), so
+    the 1 MiB run the server copies around one of its faults crosses the new VMA boundaries and
+    the kernel refuses it whole (ENOENT). The server copies that run page by page and serves
+    every later fault. Before session 47 it took ENOENT for the task's end and stopped serving
+    it: the worker hung on its next fault."""
+
+    def check(sock: Path, data_sum: str, area_sum: str) -> None:
+        assert ask(sock, "protect", timeout=20) == area_sum
+        assert ask(sock, "sum", timeout=20).split() == [data_sum, area_sum]
+
+    served_without_background(torpor, workers, tmp_path, 16, check)
 
 
 def test_a_fault_that_meets_a_pending_event_is_served_once_the_event_is_read(
@@ -374,27 +387,10 @@ def test_a_fault_that_meets_a_pending_event_is_served_once_the_event_is_read(
     and again (madvise MADV_DONTNEED: a REMOVE event each, and until the server has read it the
     kernel refuses its copies with EAGAIN). A fault whose copy met such an event is served again
     once the event is read. Before session 47 it was dropped: served later by the background
-    copy, or, with none (a deploy's profiling restore; here $TORPOR_PAGE_SERVER_BACKGROUND=off),
-    never, and the worker hung (GPU workers' profiling restores on the H200 did)."""
-    sock = tmp_path / "lazy.sock"
-    w = workers.start(
-        [PYTHON, LAZY_MEM, sock, 32], endpoint=Endpoint(unix=str(sock)), ready=Path(f"{sock}.ready"), name="lazy-mem"
-    )
-    data_sum, area_sum = ask(sock, "sum").split()
-    snap = tmp_path / "snap"
-    torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap)
-    w.wait_gone()
+    copy, or, with none (a deploy's profiling restore; here none either), never, and the worker
+    hung (GPU workers' profiling restores on the H200 did)."""
 
-    stats = tmp_path / "stats.jsonl"
-    env = {"TORPOR_PAGE_SERVER_STATS": str(stats), "TORPOR_LOG_DIR": str(tmp_path / "logs"),
-           "TORPOR_PAGE_SERVER_BACKGROUND": "off"}
-    p, out, err = workers.popen_torpor("restore", snap, "--detach", "--pages", "lazy", env=env)
-    wait_until(lambda: out.read_text().strip().isdigit() or p.poll() is not None, 60, "the restored pid")
-    assert out.read_text().strip().isdigit(), err.read_text()
-    restored = workers.adopt(int(out.read_text().strip()), Endpoint(unix=str(sock)), "restored")
-    assert ask(sock, "churn", timeout=30).split() == [data_sum, area_sum]
-    os.kill(restored.init_pid, 9)
-    assert p.wait(timeout=30) == 0, err.read_text()
-    [s] = stats_of(stats)
-    assert s["faults"] > 0 and s["background_pages"] == 0, s
-    assert lazy_daemons(snap) == []
+    def check(sock: Path, data_sum: str, area_sum: str) -> None:
+        assert ask(sock, "churn", timeout=30).split() == [data_sum, area_sum]
+
+    served_without_background(torpor, workers, tmp_path, 32, check)

@@ -1183,6 +1183,35 @@ mod tests {
         (fd, memory)
     }
 
+    /// A serial server of this process alone: `pages` pages at `start` registered on `uffd`, all
+    /// lazy, served from `image`.
+    fn one_task_server(
+        uffd: OwnedFd,
+        image: memmap2::MmapMut,
+        start: u64,
+        pages: u64,
+        fault_budget: Option<u64>,
+    ) -> Server {
+        Server {
+            maps: vec![image.make_read_only().expect("a read-only image")],
+            tasks: vec![Task {
+                pid: std::process::id() as i32,
+                uffd,
+                pages: 0,
+                runs: vec![run(start, start + pages * PAGE_SIZE, 0)],
+                gone: false,
+            }],
+            stats: Stats::default(),
+            profile: Vec::new(),
+            recording: false,
+            last_fault: Instant::now(),
+            fault_budget,
+            background_threads: 1,
+            hold: None,
+            unserved: Vec::new(),
+        }
+    }
+
     fn resident_pages(memory: &memmap2::MmapMut) -> Vec<bool> {
         let mut vec = vec![0u8; memory.len() / PAGE_SIZE as usize];
         // SAFETY: `vec` holds one byte per page of the mapping.
@@ -1201,24 +1230,7 @@ mod tests {
         let mut image = memmap2::MmapMut::map_anon(len).expect("the image");
         image.fill(0x5A);
         let start = memory.as_ptr() as u64;
-        let mut server = Server {
-            maps: vec![image.make_read_only().expect("a read-only image")],
-            tasks: vec![Task {
-                pid: std::process::id() as i32,
-                uffd,
-                pages: 0,
-                runs: vec![run(start, start + PAGES * PAGE_SIZE, 0)],
-                gone: false,
-            }],
-            stats: Stats::default(),
-            profile: Vec::new(),
-            recording: false,
-            last_fault: Instant::now(),
-            fault_budget: Some(BUDGET),
-            background_threads: 1,
-            hold: None,
-            unserved: Vec::new(),
-        };
+        let mut server = one_task_server(uffd, image, start, PAGES, Some(BUDGET));
         // One span of 64 pages in one run: before, a single copy of all of it went through.
         match server.copy_span(0, start, start + PAGES * PAGE_SIZE, false) {
             Err(PageServerError::Fault { pages }) => assert_eq!(pages, BUDGET),
@@ -1263,24 +1275,7 @@ mod tests {
             )
         };
         assert_eq!(rc, 0, "mprotect: {}", std::io::Error::last_os_error());
-        let mut server = Server {
-            maps: vec![image.make_read_only().expect("a read-only image")],
-            tasks: vec![Task {
-                pid: std::process::id() as i32,
-                uffd,
-                pages: 0,
-                runs: vec![run(start, start + PAGES * PAGE_SIZE, 0)],
-                gone: false,
-            }],
-            stats: Stats::default(),
-            profile: Vec::new(),
-            recording: false,
-            last_fault: Instant::now(),
-            fault_budget: None,
-            background_threads: 1,
-            hold: None,
-            unserved: Vec::new(),
-        };
+        let mut server = one_task_server(uffd, image, start, PAGES, None);
         let copied = server
             .copy_span(0, start, start + PAGES * PAGE_SIZE, false)
             .expect("the span");
