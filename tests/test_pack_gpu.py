@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import PROGRAMS, PYTHON, describe
 from test_hook_gpu import has_gpu, has_torch, hook_library
 
 PACK_MODEL = PROGRAMS / "pack_model.py"
+PACK_SANDBOX = PROGRAMS / "pack_sandbox.py"
 
 pytestmark = [
     pytest.mark.skipif(not has_gpu(), reason="no NVIDIA GPU (`nvidia-smi -L` fails)"),
@@ -24,12 +26,12 @@ pytestmark = [
 ]
 
 
-def run(extra_env: dict[str, str]) -> dict[str, object]:
+def run(extra_env: dict[str, str], program: Path = PACK_MODEL) -> dict[str, object]:
     env = {
         k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TORPOR_HOOK_LIB", "TORPOR_HOOK_CUDA")
     }
     r = subprocess.run(
-        [PYTHON, str(PACK_MODEL)],
+        [PYTHON, str(program)],
         check=False,
         capture_output=True,
         text=True,
@@ -83,3 +85,17 @@ def test_outputs_are_the_same_with_and_without_the_hook() -> None:
     plain = run({})
     hooked = run({"LD_PRELOAD": lib, "TORPOR_HOOK_LIB": lib, "TORPOR_HOOK_CUDA": "1"})
     assert hooked["after"] == plain["before"], (plain, hooked)
+
+
+def test_a_sandboxs_later_function_is_packed_beside_the_pools_of_those_before_it() -> None:
+    """A sandbox's second function is packed although the first's request pool and graph
+    capture are private pools of the allocator (refused until session 48, so a sandbox's later
+    functions never shared their weights); a function's own capture still stops its packing."""
+    lib = str(hook_library())
+    doc = run({"LD_PRELOAD": lib, "TORPOR_HOOK_LIB": lib, "TORPOR_HOOK_CUDA": "1"}, PACK_SANDBOX)
+    print(doc)
+    # The first function's capture and its request pool (the block its request left).
+    assert isinstance(doc["private_pools"], int) and doc["private_pools"] >= 2, doc
+    for check in ("second_packed", "second_same", "whole", "shareable", "first_same", "unnamed_refused"):
+        assert doc[check] is True, (check, doc)
+    assert "private memory pool" in str(doc["third_refused"]), doc

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torpor.errors import DefinitionError
-from torpor.mempool import GATE, routing
+from torpor.mempool import GATE, current_function, note_pool, routing
 
 # Eager runs on the capture's stream before each capture: lazy initialisations (cuBLAS
 # workspaces, cuDNN's algorithm choice) must happen outside the graph, as PyTorch's
@@ -230,6 +230,9 @@ def _capture_on(torch: Any, fn: Callable[..., Any], name: str, args: Any, kwargs
     torch.cuda.current_stream().synchronize()
     graph = torch.cuda.CUDAGraph()
     graph.capture_begin(capture_error_mode="thread_local")
+    # Whose capture this is: packing another function of the sandbox may move weights this
+    # graph does not read (torpor.pack), never this function's.
+    note_pool(graph.pool(), current_function())
     try:
         out = fn(*args, **kwargs)
     except Exception as e:

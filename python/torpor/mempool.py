@@ -126,6 +126,53 @@ class AllocatorGate:
 # The worker's one gate: PyTorch's allocator is one per process.
 GATE = AllocatorGate()
 
+# The private pools the harness made, by id (`MemPool.id`, `CUDAGraph.pool()`), and the function
+# each belongs to (None: made outside any function's setup or request). Kept after the pool
+# object goes: a segment outlives its MemPool while a block in it lives (a cuBLAS workspace a
+# lane's first matmul took in a request pool), and the allocator's snapshot still names the id.
+# torpor.pack reads it: in a sandbox, the pools of the functions loaded earlier are not the
+# newcomer's, so they do not stop its weights being packed.
+_POOL_OWNERS: dict[tuple[int, int], str | None] = {}
+_POOL_OWNERS_LOCK = threading.Lock()
+
+
+def note_pool(pool_id: Any, owner: str | None) -> None:
+    """Records a private pool the harness made (a request pool, a torpor.graphed capture's) as
+    `owner`'s."""
+    key = tuple(int(x) for x in pool_id)
+    if len(key) == 2:
+        with _POOL_OWNERS_LOCK:
+            _POOL_OWNERS[(key[0], key[1])] = owner
+
+
+def current_function() -> str | None:
+    """The function whose setup() or request runs on this thread (None outside one)."""
+    pool = getattr(_current, "pool", None)
+    return pool.name if pool is not None else None
+
+
+def foreign_pools(pool_ids: set[tuple[int, int]], function: str | None) -> set[tuple[int, int]]:
+    """Those of `pool_ids` that may hold a capture of `function`'s: all but the request pools
+    (a request's activations and workspaces, never a capture) and the captures the harness
+    made for another function. A pool the harness did not make (a MemPool or a graph of the
+    function's own) counts, and so does a capture of no known function, since nothing says
+    it is not `function`'s; with `function` None every capture counts."""
+    with _POOL_OWNERS_LOCK:
+        owners = dict(_POOL_OWNERS)
+    out: set[tuple[int, int]] = set()
+    for pool_id in pool_ids:
+        owner = owners.get(pool_id, _UNKNOWN)
+        if owner == REQUEST_POOL:
+            continue
+        if owner is _UNKNOWN or owner is None or function is None or owner == function:
+            out.add(pool_id)
+    return out
+
+
+# What a request pool is noted as (no function name holds a NUL), and what an unknown pool is.
+REQUEST_POOL = "\0request"
+_UNKNOWN: Any = object()
+
 # What release() returns when it could not run now (another request or a capture was in a
 # pool): nothing was given back; ask GATE.when_idle to call back and try again.
 DEFERRED = -1
@@ -308,6 +355,7 @@ class FunctionPool:
                     pool = self._torch_idle.pop()
                 else:
                     pool = torch.cuda.MemPool()
+                    note_pool(pool.id, REQUEST_POOL)
                     self._torch_pools.append(pool)
             try:
                 with torch.cuda.use_mem_pool(pool):

@@ -51,7 +51,7 @@ from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from torpor.mempool import GATE
+from torpor.mempool import GATE, foreign_pools
 from torpor.shareable import modules_of
 
 ENV_HOOK_CUDA = "TORPOR_HOOK_CUDA"  # "1": the hook backs CUDA allocations with segments
@@ -209,6 +209,13 @@ def _group(torch: Any, modules: list[Any]) -> dict[tuple[int, int], _Storage]:
     return groups
 
 
+def _pool_id(segment: dict[str, Any]) -> tuple[int, int]:
+    """The private pool a segment of `torch.cuda.memory_snapshot()` belongs to; (0, 0) for the
+    default pool."""
+    first, second = segment.get("segment_pool_id", (0, 0))
+    return (int(first), int(second))
+
+
 def _segment_of(snapshot: list[dict[str, Any]], ptr: int) -> dict[str, Any] | None:
     """The segment of `torch.cuda.memory_snapshot()` holding address `ptr`."""
     for segment in snapshot:
@@ -276,11 +283,15 @@ def _weak_ref(storage: Any) -> Any:
         return None
 
 
-def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -> Packed | None:
+def pack_function(
+    function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES, name: str | None = None
+) -> Packed | None:
     """Pack the CUDA parameters and buffers of the modules `function` holds (torpor.shareable's
     modules_of). None when there is nothing to pack: torch not imported, CUDA not initialised,
     no module, or no weight on CUDA in memory the allocator gave. Raises PackError (the weights
-    stay correct where each one is) when the allocator cannot give whole segments."""
+    stay correct where each one is) when the allocator cannot give whole segments. `name` is
+    the function's in a sandbox: the private pools the harness made for its other functions
+    (torpor.mempool.foreign_pools) do not stop the packing."""
     torch: Any = sys.modules.get("torch")
     if torch is None or function is None or not torch.cuda.is_initialized():
         return None
@@ -289,12 +300,26 @@ def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -
             f"PyTorch's CUDA allocator is {torch.cuda.get_allocator_backend()}, whose memory the hook "
             "cannot see; use the native caching allocator (PYTORCH_CUDA_ALLOC_CONF without backend:)"
         )
+    # Packing empties the cache and reads the allocator's snapshot, neither of which may run
+    # beside another thread's pool work (torpor.mempool.AllocatorGate): in a sandbox it runs
+    # while no other function's request does, and holds new ones back until it is done.
+    with GATE.try_exclusive() as quiet:
+        if not quiet:
+            raise PackError(
+                "another function's request of this sandbox was running, and packing cannot run "
+                "beside it; the weights stay where setup() put them"
+            )
+        return _pack(torch, function, max_pack_bytes, name)
+
+
+def _pack(torch: Any, function: Any, max_pack_bytes: int, name: str | None) -> Packed | None:
     t0 = time.perf_counter()
     groups = _group(torch, modules_of(function))
     if not groups:
         return None
     allocator = torch.cuda.memory_snapshot()
-    graphs = {tuple(s.get("segment_pool_id", (0, 0))) for s in allocator} - {(0, 0)}
+    pools = {_pool_id(s) for s in allocator} - {(0, 0)}
+    graphs = foreign_pools(pools, name)
     if graphs:
         # A CUDA graph captured in setup() replays with the addresses the weights had then.
         raise PackError(
@@ -325,15 +350,12 @@ def pack_function(function: Any, max_pack_bytes: int = DEFAULT_MAX_PACK_BYTES) -
     # Old storages that only a reference cycle still holds (model loaders leave some) go now,
     # before the cache is emptied and before left_bytes is counted.
     gc.collect()
-    # The old blocks are free now: give their segments back, so the hook releases them; not
-    # while another function of a sandbox serves from a pool (PyTorch would abort: see
-    # torpor.mempool.AllocatorGate); the next snapshot's quiet point empties the cache then.
-    with GATE.try_exclusive() as quiet:
-        for device in sorted({s.device for s in segments}):
-            with torch.cuda.device(device):
-                torch.cuda.synchronize()
-                if quiet:
-                    torch.cuda.empty_cache()
+    # The old blocks are free now: give their segments back, so the hook releases them (the
+    # gate is held: see pack_function).
+    for device in sorted({s.device for s in segments}):
+        with torch.cuda.device(device):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
     snapshot = torch.cuda.memory_snapshot()
     whole = all(_own_segment(snapshot, s.va) == s.size for s in segments)
     # An old storage still alive is held by something outside the modules (a tensor the

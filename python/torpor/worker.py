@@ -1252,7 +1252,7 @@ class Worker:
 
             on_lane(set_up)
             t1 = time.perf_counter()
-            packed = self.pack(instance) if pack_weights else None
+            packed = self.pack(instance, name) if pack_weights else None
             t_packed = time.perf_counter()
             phase = "warmup"
             if warmup is not None:
@@ -1370,7 +1370,7 @@ class Worker:
             self.reader.fds = False
         return out
 
-    def pack(self, instance: Any) -> dict[str, Any] | None:
+    def pack(self, instance: Any, name: str) -> dict[str, Any] | None:
         """Move the function's CUDA weights into segments of their own (torpor.pack), when its
         CUDA allocations are segments of the hook; what was packed, for the ready frame. Packing
         is an optimisation: when it fails the weights stay correct where they are, and the
@@ -1378,10 +1378,10 @@ class Worker:
         if os.environ.get(torpor_pack.ENV_HOOK_CUDA) != "1":
             return None
         try:
-            packed = torpor_pack.pack_function(instance)
+            packed = torpor_pack.pack_function(instance, name=name)
         except Exception as e:
             print(
-                f"torpor worker: {self.function}: weights not packed, so instances will not share them: "
+                f"torpor worker: {name}: weights not packed, so instances will not share them: "
                 f"{_type_name(e)}: {_str(e)}",
                 file=sys.stderr,
             )
@@ -1390,7 +1390,7 @@ class Worker:
             return None
         doc = packed.frame()
         print(
-            f"torpor worker: {self.function}: packed {doc['bytes']} bytes of weights ({doc['tensors']} tensors) "
+            f"torpor worker: {name}: packed {doc['bytes']} bytes of weights ({doc['tensors']} tensors) "
             f"into {doc['segments']} segments of {doc['segment_bytes']} bytes in {doc['s']:.3f} s"
             + ("" if packed.whole else "; some pack is not a whole segment, so it will not be shared")
             + (f"; {doc['left_bytes']} bytes of old weights are still held outside the modules" if packed.left_bytes else ""),

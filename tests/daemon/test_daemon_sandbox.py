@@ -78,6 +78,9 @@ def test_the_sandboxed_functions_of_a_tenant_and_workflow_share_one_process(torp
             # The second function of the sandbox is deployed with the first loaded beside it.
             assert phases["load_sandbox"]["functions"] == ["sb-detect"], lines
             assert phases["load_sandbox"]["sandbox"] == "team-a/vision"
+            # CPU functions have no CUDA weights to pack (the GPU's case:
+            # test_daemon_sandbox_gpu.py's vision-bert test).
+            assert phases["load_sandbox"]["packed"] == {}, lines
         if name == "sb-other":
             # Another tenant's function of the same workflow: nothing of team-a joins it.
             assert phases["load_sandbox"]["functions"] == [], lines

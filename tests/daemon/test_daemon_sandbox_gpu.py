@@ -99,6 +99,14 @@ def test_the_vision_bert_workflow_answers_in_one_sandbox_as_its_stages_do_alone(
     for stage in ("detect", "classify", "describe"):
         lines = torpord.deploy(d / stage)
         assert any(line.get("phase") == "load" for line in lines), lines
+    # The last deploy's sandbox holds all three: its own weights packed at its load, and the
+    # two stages loaded beside it after its warm-up packed too, beside its request pool (until
+    # session 48 they were refused for it, so their weights were never shared read-only).
+    phases = {line["phase"]: line for line in lines if "phase" in line}
+    assert phases["load"].get("packed", {}).get("whole") is True, phases["load"]
+    members = phases["load_sandbox"]
+    assert sorted(members["packed"]) == ["vision-bert-classify", "vision-bert-detect"], members
+    assert all(p["whole"] and p["bytes"] > 0 for p in members["packed"].values()), members
     r = torpord.cli("deploy", "--json", d)
     assert r.returncode == 0 and json.loads(r.stdout)["one_sandbox"] is True, (r.stdout, r.stderr)
     for rid in ("first", "again"):

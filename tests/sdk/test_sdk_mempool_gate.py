@@ -107,3 +107,22 @@ def test_a_pools_bytes_are_counted_only_while_no_other_scope_is_active(monkeypat
     leave.set()
     t.join(10)
     assert fn.pool_bytes() == 5 << 20 and held["counts"] == 2
+
+
+def test_packing_counts_only_the_private_pools_that_may_hold_the_functions_captures() -> None:
+    """torpor.pack refuses a function whose setup() captured CUDA graphs (they would read the
+    weights' old addresses); in a sandbox the pools of the functions loaded before it (their
+    request pools, their torpor.graphed captures) are not its own, and must not stop it."""
+    from torpor.mempool import REQUEST_POOL, foreign_pools, note_pool
+
+    note_pool((1, 901), REQUEST_POOL)  # a request pool (a lane's cuBLAS workspace lives on in it)
+    note_pool((1, 902), "detect")  # detect's torpor.graphed capture
+    note_pool((1, 903), "classify")  # classify's own capture
+    note_pool((1, 904), None)  # a capture outside any function
+    unknown = (1, 905)  # a MemPool or graph the function made itself
+    pools = {(1, 901), (1, 902), (1, 903), (1, 904), unknown}
+    assert foreign_pools(pools, "classify") == {(1, 903), (1, 904), unknown}
+    assert foreign_pools(pools, "describe") == {(1, 904), unknown}
+    # Without a name (a function in a worker of its own), every capture counts.
+    assert foreign_pools(pools, None) == {(1, 902), (1, 903), (1, 904), unknown}
+    assert foreign_pools({(1, 901)}, "classify") == set()

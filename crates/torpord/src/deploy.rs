@@ -866,10 +866,17 @@ async fn steps(
         let members_s = t.elapsed().as_secs_f64();
         // A start in a ready sandbox loads them too.
         load_s = load_s.map(|s| s + members_s);
+        // What each member packed: a member loaded after another has run is packed too
+        // (torpor.pack), and a deploy shows it.
+        let packed: serde_json::Map<String, Value> = members
+            .iter()
+            .filter_map(|m| Some((m.name.clone(), m.packed.clone()?)))
+            .collect();
+        let names: Vec<&str> = members.iter().map(|m| m.name.as_str()).collect();
         send(phase(
             "load_sandbox",
             members_s,
-            json!({"sandbox": group, "functions": members}),
+            json!({"sandbox": group, "functions": names, "packed": packed}),
         ));
     }
 

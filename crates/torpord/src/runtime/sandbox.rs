@@ -113,8 +113,16 @@ impl LoadMembersError {
     }
 }
 
+/// A member loaded beside the deployed function.
+pub(crate) struct LoadedMember {
+    pub name: String,
+    /// What the harness packed of its weights (the `ready` frame's `packed`; docs/split.md,
+    /// "Weight packing"), when it did.
+    pub packed: Option<Value>,
+}
+
 /// At the deploy of `name` (group `group`), after its own load: loads every other ready member
-/// of the group into the worker of `init` behind `conn`. Returns their names.
+/// of the group into the worker of `init` behind `conn`.
 pub(crate) async fn load_members(
     rt: &Runtime,
     conn: &mut WorkerConn,
@@ -123,7 +131,7 @@ pub(crate) async fn load_members(
     group: &str,
     unprivileged: bool,
     bound: std::time::Duration,
-) -> Result<Vec<String>, LoadMembersError> {
+) -> Result<Vec<LoadedMember>, LoadMembersError> {
     let registry = Arc::clone(&rt.registry);
     let (g, n) = (group.to_string(), name.to_string());
     let others = tokio::task::spawn_blocking(move || registry.with(|s| members(s, &g, &n)))
@@ -164,7 +172,7 @@ pub(crate) async fn load_members(
         crate::s3data::send_fds(conn, &fds).await.map_err(send)?;
         drop(fds);
         crate::gpudata::send(conn, &filled).await.map_err(send)?;
-        ready(conn, bound)
+        let answer = ready(conn, bound)
             .await
             .map_err(|source| LoadMembersError::Load {
                 function: m.name.clone(),
@@ -172,7 +180,10 @@ pub(crate) async fn load_members(
             })?;
         // The worker mapped it before the member's setup(): the daemon's handles may go.
         drop(filled);
-        loaded.push(m.name);
+        loaded.push(LoadedMember {
+            name: m.name,
+            packed: answer.get("packed").filter(|p| !p.is_null()).cloned(),
+        });
     }
     Ok(loaded)
 }
