@@ -230,9 +230,6 @@ def _capture_on(torch: Any, fn: Callable[..., Any], name: str, args: Any, kwargs
     torch.cuda.current_stream().synchronize()
     graph = torch.cuda.CUDAGraph()
     graph.capture_begin(capture_error_mode="thread_local")
-    # Whose capture this is: packing another function of the sandbox may move weights this
-    # graph does not read (torpor.pack), never this function's.
-    note_pool(graph.pool(), current_function())
     try:
         out = fn(*args, **kwargs)
     except Exception as e:
@@ -252,6 +249,10 @@ def _capture_on(torch: Any, fn: Callable[..., Any], name: str, args: Any, kwargs
             "synchronised the device, or the call used the legacy default stream: keep "
             "device-wide synchronisation out of setup() while it captures"
         ) from e
+    # Whose capture this is (PyTorch names its pool once the capture has ended): packing
+    # another function of the sandbox may move weights this graph does not read (torpor.pack),
+    # never this function's.
+    note_pool(graph.pool(), current_function())
     return graph, out
 
 
