@@ -92,8 +92,10 @@ def main() -> None:
     second = Function()
     set_up(second, "second")
     second_before = digest(second)
+    unnamed = Function()
+    unnamed.setup()
     try:
-        pack_function(Function(), max_pack_bytes=20 * MiB)
+        pack_function(unnamed, max_pack_bytes=20 * MiB)
         unnamed_refused = False
     except PackError:
         unnamed_refused = True
