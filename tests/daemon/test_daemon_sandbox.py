@@ -100,6 +100,13 @@ def test_the_sandboxed_functions_of_a_tenant_and_workflow_share_one_process(torp
     # The sandbox is the host's instance (the most recently deployed member).
     assert len(torpord.instances("sb-classify")) == 1
     assert torpord.instances("sb-detect") == []
+    # The listing says who serves the member, and `torpor ls` shows its sandbox's instances.
+    listed = {f["name"]: f for f in torpord.request("GET", "/v1/functions").json()["functions"]}
+    assert listed["sb-detect"]["sandbox_host"] == "sb-classify", listed["sb-detect"]
+    for name in ("sb-classify", "sb-other", "sb-solo"):
+        assert "sandbox_host" not in listed[name], listed[name]
+    rows = {line.split()[0]: line for line in torpord.cli("ls").stdout.splitlines()[1:]}
+    assert "in sb-classify's sandbox: 1 warm" in rows["sb-detect"], rows
 
 
 def test_requests_take_threads_of_the_sandbox_first_then_another_sandbox(torpord: Torpord) -> None:

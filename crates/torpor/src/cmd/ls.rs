@@ -1,6 +1,6 @@
 use std::process::ExitCode;
 
-use torpord::api::types::FunctionList;
+use torpord::api::types::{FunctionList, FunctionSummary};
 
 use super::DaemonArgs;
 
@@ -25,7 +25,7 @@ pub fn run(daemon: &DaemonArgs, json: bool) -> anyhow::Result<ExitCode> {
             [
                 f.name.clone(),
                 f.state.to_string(),
-                super::stages(&f.instances),
+                instances(f, &list),
                 format!("{} ago", super::ago(f.updated)),
             ]
         })
@@ -46,4 +46,19 @@ pub fn run(daemon: &DaemonArgs, json: bool) -> anyhow::Result<ExitCode> {
         println!("{}", line.join("  ").trim_end());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The INSTANCES cell: a sandbox's member is served by its host's instances, so it names them.
+fn instances(f: &FunctionSummary, list: &FunctionList) -> String {
+    match &f.sandbox_host {
+        Some(host) => {
+            let counts = list
+                .functions
+                .iter()
+                .find(|h| &h.name == host)
+                .map_or_else(|| "?".to_string(), |h| super::stages(&h.instances));
+            format!("in {host}'s sandbox: {counts}")
+        }
+        None => super::stages(&f.instances),
+    }
 }

@@ -30,10 +30,15 @@ pub async fn list(
         r.with(|s| Ok::<_, ApiError>((s.functions()?, s.stage_counts_by_function()?)))
     })
     .await?;
-    let functions = functions
-        .into_iter()
-        .filter(|f| scope.sees_spec(&f.spec))
-        .map(|f| FunctionSummary {
+    let mut out = Vec::new();
+    for f in functions.into_iter().filter(|f| scope.sees_spec(&f.spec)) {
+        // Requests of a sandbox's member go to its group's host (cached by the runtime): the
+        // member's row says so, or `torpor ls` shows it without instances while it is warm.
+        let sandbox_host = match state.runtime.sandbox_host(&f.name).await {
+            Ok(Some(host)) if host != f.name => Some(host),
+            _ => None,
+        };
+        out.push(FunctionSummary {
             instances: stages.get(&f.name).copied().unwrap_or_default(),
             name: f.name,
             state: f.state,
@@ -42,9 +47,10 @@ pub async fn list(
             snapshot: f.snapshot,
             created: f.created,
             updated: f.updated,
-        })
-        .collect();
-    Ok(Json(FunctionList { functions }))
+            sandbox_host,
+        });
+    }
+    Ok(Json(FunctionList { functions: out }))
 }
 
 /// One function with its snapshots and instances.

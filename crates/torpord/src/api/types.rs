@@ -135,6 +135,11 @@ pub struct FunctionSummary {
     pub updated: i64,
     /// Its instances, per stage.
     pub instances: StageCounts,
+    /// A sandbox's member served by another function's instances (the group's host, whose
+    /// snapshot holds the whole group: docs/sandboxes.md): that function's name. Its own
+    /// `instances` are then none; the host's row counts the sandboxes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_host: Option<String>,
 }
 
 /// `GET /v1/functions`.
