@@ -163,11 +163,12 @@ def test_a_restored_cuda_process_runs_nothing_but_the_driver_restore_thread_unti
 def test_a_page_server_dead_before_the_hot_set_fails_the_restore_at_once(
     torpor: Torpor, gpu_snapshot: GpuSnapshot, tmp_path: Path
 ) -> None:
-    """With Torpor's page server, a restore that resumes GPU state waits for the hot set before
-    the driver's restore (the driver reads what it saved into the process), up to 30 s for a
-    slow server. A server that has exited is told from a slow one: here it stops right after
-    CRIU's restore, the hot set never served (TORPOR_PAGE_SERVER_FAULT=hot-set), and the restore
-    fails at once with its one line, the tree killed and the driver's restore never run on it."""
+    """With Torpor's page server, a restore that resumes GPU state starts the driver's restore
+    once the hot set's copy has begun (the driver reads what it saved into the process, beside
+    the copy), waiting up to 30 s for a slow server. A server that has exited is told from a
+    slow one: here it stops right after CRIU's restore, the hot set never begun
+    (TORPOR_PAGE_SERVER_FAULT=hot-set), and the restore fails at once with its one line, the tree
+    killed and the driver's restore never run on it."""
     log = tmp_path / "fake.log"
     env = gpu_snapshot.env(TORPOR_PAGE_SERVER_FAULT="hot-set", TORPOR_LOG_DIR=str(tmp_path / "logs"), FAKE_CUDA_LOG=str(log))
     start = time.monotonic()

@@ -6,9 +6,11 @@
 //! 1. a fault is served first, always, with a run of [`FAULT_RUN`] around it: CRIU's daemon
 //!    copies one page per fault and resets its background transfer on each, which made the CUDA
 //!    driver's sequential read of its ~0.7 GB of checkpointed state take 8.5 s;
-//! 2. once CRIU says the restore finished, the *hot set* (ranges a profiled restore saw faulted,
-//!    in that order: `$TORPOR_PAGE_PROFILE_IN`) goes in at once, and `hot-served` is created in
-//!    the work directory, which the restore waits for before the driver's restore starts;
+//! 2. once CRIU says the restore finished, `hot-begun` is created in the work directory (the
+//!    restore waits for it, then starts the driver's restore beside the copy) and the *hot set*
+//!    (ranges a profiled restore saw faulted, in that order: `$TORPOR_PAGE_PROFILE_IN`) goes in
+//!    at once, on several threads: the driver reads in about the order they are copied, and a
+//!    copy wakes a fault on its pages;
 //! 3. the rest in address order, in the background: batches of [`BACKGROUND_BATCH`] (pieces of
 //!    at most [`BACKGROUND_RUN`], across the live tasks' remaining runs) copied on
 //!    `$TORPOR_PAGE_SERVER_BACKGROUND_THREADS` threads ([`DEFAULT_BACKGROUND_THREADS`], at most
@@ -57,8 +59,9 @@ pub const STATS_ENV: &str = "TORPOR_PAGE_SERVER_STATS";
 /// has exited (a profiling restore, whose tree is thrown away; a test that needs memory still
 /// lazy while it forks and mremaps).
 pub const BACKGROUND_ENV: &str = "TORPOR_PAGE_SERVER_BACKGROUND";
-/// Created in the work directory once the hot set is in (or there is none).
-pub const HOT_SERVED: &str = "hot-served";
+/// Created in the work directory when the hot set's copy begins (CRIU's restore is done): the
+/// restore starts the driver's then.
+pub const HOT_BEGUN: &str = "hot-begun";
 /// Bytes copied around a fault.
 pub const FAULT_RUN: u64 = 1 << 20;
 /// Bytes per background copy.
@@ -1067,9 +1070,9 @@ pub fn serve(
                         finished = true;
                         server.recording = profiling;
                         server.last_fault = Instant::now();
+                        std::fs::write(work_dir.join(HOT_BEGUN), b"")
+                            .map_err(io("marking the hot set begun"))?;
                         server.hot(&hot)?;
-                        std::fs::write(work_dir.join(HOT_SERVED), b"")
-                            .map_err(io("marking the hot set served"))?;
                     }
                     Ok(_) => return Err(PageServerError::RestoreAborted),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
