@@ -128,7 +128,10 @@ fn spawn_daemon(
     who: &'static str,
     work_dir: &Path,
     log: PathBuf,
-    hold: Option<std::os::unix::net::UnixStream>,
+    hold: Option<(
+        std::os::unix::net::UnixStream,
+        std::os::unix::net::UnixStream,
+    )>,
 ) -> Result<LazyPages, LazyPagesError> {
     let program = PathBuf::from(cmd.get_program());
     let spawn_err = |source| LazyPagesError::Spawn {
@@ -140,13 +143,20 @@ fn spawn_daemon(
     let socket = work_dir.join(LAZY_PAGES_SOCKET);
     // A socket left by an earlier daemon would make the wait below return at once.
     let _ = std::fs::remove_file(&socket);
-    cmd.stdin(Stdio::null())
+    // (ours, theirs): the child's end of the hold socket is its standard input.
+    let (hold, stdin) = match hold {
+        Some((ours, theirs)) => (Some(ours), Stdio::from(std::os::fd::OwnedFd::from(theirs))),
+        None => (None, Stdio::null()),
+    };
+    cmd.stdin(stdin)
         .stdout(Stdio::null())
         .stderr(Stdio::from(child_stderr));
     // Its own process group, like `criu swrk`: a terminal's Ctrl-C must not cut off the
     // pages of a restored process; torpor decides what to do.
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let child = cmd.spawn().map_err(spawn_err)?;
+    // The child's copy of its end is in the child now (the Command held ours).
+    drop(cmd);
     let mut daemon = LazyPages {
         who,
         hold,
@@ -195,7 +205,6 @@ pub fn start_page_server(
     work_dir: &Path,
     opts: &PageServerOptions<'_>,
 ) -> Result<LazyPages, LazyPagesError> {
-    use std::os::fd::AsRawFd;
     // The restoring process's setting is checked here, so that a bad one is this one line
     // rather than the server's exit.
     let threads = match opts.background_threads {
@@ -236,32 +245,14 @@ pub fn start_page_server(
     if let Some(n) = threads {
         cmd.env(crate::page_server::BACKGROUND_THREADS_ENV, n.to_string());
     }
-    let fd = theirs.as_raw_fd();
-    // SAFETY: between fork and exec only async-signal-safe calls (dup2, fcntl) on descriptors
-    // this process owns: the server's end of the pair becomes its HOLD_FD, without close-on-exec.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-            let target = crate::page_server::HOLD_FD;
-            let rc = if fd == target {
-                libc::fcntl(fd, libc::F_SETFD, 0)
-            } else {
-                libc::dup2(fd, target)
-            };
-            if rc < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let server = spawn_daemon(
+    // The server's end of the pair is its standard input (page_server::HOLD_FD says why).
+    spawn_daemon(
         cmd,
         "torpor's page server",
         work_dir,
         work_dir.join("page-server.log"),
-        Some(ours),
-    );
-    drop(theirs);
-    server
+        Some((ours, theirs)),
+    )
 }
 
 impl LazyPages {
@@ -285,7 +276,9 @@ impl LazyPages {
 
     fn wait_listening(&mut self, socket: &Path) -> Result<(), LazyPagesError> {
         let start = Instant::now();
-        let mut delay = Duration::from_micros(200);
+        // Short steps: the server listens a few milliseconds after its start, and each step
+        // overshot is the restore's (doubling to 10 ms cost up to 6 ms a cold start).
+        let mut delay = Duration::from_micros(100);
         loop {
             if socket.exists() {
                 return Ok(());
@@ -318,7 +311,7 @@ impl LazyPages {
                 });
             }
             std::thread::sleep(delay);
-            delay = (delay * 2).min(Duration::from_millis(10));
+            delay = (delay * 2).min(Duration::from_micros(500));
         }
     }
 
