@@ -43,8 +43,14 @@ pub fn run(daemon: &DaemonArgs, dir: &Path, json: bool) -> anyhow::Result<ExitCo
             if v.get("error").is_none() {
                 if !json {
                     let s = v.get("s").and_then(Value::as_f64).unwrap_or(0.0);
-                    progress
-                        .suspend(|| println!("{phase:<18} {:>9.3} s{}", s, snapshot_details(&v)));
+                    progress.suspend(|| {
+                        println!(
+                            "{phase:<18} {:>9.3} s{}{}",
+                            s,
+                            snapshot_details(&v),
+                            packing_details(&v)
+                        )
+                    });
                 }
                 progress.next(format!("deploy {what}: {phase} done, next phase"));
                 continue;
@@ -116,6 +122,44 @@ fn snapshot_details(v: &Value) -> String {
     out
 }
 
+/// What the `load` and `load_sandbox` lines add: the weights the harness packed into segments
+/// of their own, which instances share read-only (docs/split.md, "Weight packing"); empty when
+/// nothing was packed (CPU functions, packing off or refused: the worker's log says why).
+fn packing_details(v: &Value) -> String {
+    let one = |p: &Value| {
+        let n = |k: &str| p.get(k).and_then(Value::as_u64).unwrap_or(0);
+        let whole = p.get("whole").and_then(Value::as_bool) != Some(false);
+        format!(
+            "{} in {} segment{}{}",
+            super::human(n("bytes")),
+            n("segments"),
+            if n("segments") == 1 { "" } else { "s" },
+            if whole { "" } else { ", not all whole" }
+        )
+    };
+    match v.get("phase").and_then(Value::as_str) {
+        Some("load") => v
+            .get("packed")
+            .filter(|p| p.is_object())
+            .map_or_else(String::new, |p| format!("  (weights packed: {})", one(p))),
+        Some("load_sandbox") => {
+            let Some(members) = v.get("packed").and_then(Value::as_object) else {
+                return String::new();
+            };
+            let parts: Vec<String> = members
+                .iter()
+                .map(|(name, p)| format!("{name} {}", one(p)))
+                .collect();
+            if parts.is_empty() {
+                String::new()
+            } else {
+                format!("  (weights packed: {})", parts.join("; "))
+            }
+        }
+        _ => String::new(),
+    }
+}
+
 /// `torpor deploy DIR` of a directory holding workflow.toml (and no torpor.toml): records the
 /// workflow (docs/sandboxes.md); its functions are deployed on their own beforehand.
 fn workflow(daemon: &DaemonArgs, dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
@@ -147,4 +191,44 @@ fn workflow(daemon: &DaemonArgs, dir: &Path, json: bool) -> anyhow::Result<ExitC
         }
     );
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::packing_details;
+
+    #[test]
+    fn the_load_lines_say_what_was_packed() {
+        let load = json!({"phase": "load", "s": 0.5, "packed": {"bytes": 347_859_984u64, "segments": 2, "whole": true}});
+        let text = packing_details(&load);
+        assert!(
+            text.starts_with("  (weights packed: ") && text.contains("in 2 segments)"),
+            "{text}"
+        );
+        let members = json!({"phase": "load_sandbox", "s": 1.2, "packed": {
+            "vision-bert-classify": {"bytes": 102_475_168u64, "segments": 1, "whole": true},
+            "vision-bert-detect": {"bytes": 77_822_384u64, "segments": 1, "whole": false},
+        }});
+        let text = packing_details(&members);
+        assert!(
+            text.contains("vision-bert-classify ") && text.contains("in 1 segment;"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vision-bert-detect ") && text.ends_with("in 1 segment, not all whole)"),
+            "{text}"
+        );
+        // Nothing packed (a CPU function, an older daemon): nothing added.
+        assert_eq!(
+            packing_details(&json!({"phase": "load_sandbox", "packed": {}})),
+            ""
+        );
+        assert_eq!(packing_details(&json!({"phase": "load", "s": 0.1})), "");
+        assert_eq!(
+            packing_details(&json!({"phase": "stage", "packed": {"bytes": 1}})),
+            ""
+        );
+    }
 }
