@@ -53,6 +53,7 @@ import contextlib
 import ctypes
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -112,6 +113,19 @@ class AllocatorGate:
                 with self._cond:
                     self._closed = False
                     self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive_within(self, timeout_s: float, step_s: float = 0.01) -> Iterator[bool]:
+        """`try_exclusive`, tried again every `step_s` until it holds or `timeout_s` passed: for
+        a caller that holds no lock a request waits for (weight packing at a load, which may
+        meet another function's idle release or a request ending)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.try_exclusive() as ok:
+                if ok or time.monotonic() >= deadline:
+                    yield ok
+                    return
+            time.sleep(step_s)
 
     def when_idle(self, callback: Any) -> None:
         """Calls `callback` (on the thread whose scope ends last; keep it short) once no scope

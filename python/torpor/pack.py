@@ -59,6 +59,8 @@ GRANULE = 2 << 20  # kRoundLarge: cudaMalloc sizes of large blocks are multiples
 MIN_PACK_BYTES = 20 << 20  # kLargeBuffer; anything >= kMinLargeAlloc (10 MiB) gets its own segment
 ALIGN = 512  # kMinBlockSize: the alignment the allocator gives every block
 DEFAULT_MAX_PACK_BYTES = 256 << 20
+# How long packing waits for the sandbox's other pool work to pause (AllocatorGate).
+GATE_WAIT_S = 2.0
 # How many allocations that landed in an existing segment's free block are held before giving up.
 _MAX_PLACEHOLDERS = 16
 
@@ -302,12 +304,14 @@ def pack_function(
         )
     # Packing empties the cache and reads the allocator's snapshot, neither of which may run
     # beside another thread's pool work (torpor.mempool.AllocatorGate): in a sandbox it runs
-    # while no other function's request does, and holds new ones back until it is done.
-    with GATE.try_exclusive() as quiet:
+    # while no other function's request, capture or release does (waiting a little for one to
+    # end), and holds new ones back until it is done.
+    with GATE.exclusive_within(GATE_WAIT_S) as quiet:
         if not quiet:
             raise PackError(
-                "another function's request of this sandbox was running, and packing cannot run "
-                "beside it; the weights stay where setup() put them"
+                f"another thread of this sandbox kept using PyTorch's memory pools (a request, a graph "
+                f"capture or an idle release) for {GATE_WAIT_S:g} s, and packing cannot run beside it; "
+                "the weights stay where setup() put them"
             )
         return _pack(torch, function, max_pack_bytes, name)
 

@@ -126,3 +126,42 @@ def test_packing_counts_only_the_private_pools_that_may_hold_the_functions_captu
     # Without a name (a function in a worker of its own), every capture counts.
     assert foreign_pools(pools, None) == {(1, 902), (1, 903), (1, 904), unknown}
     assert foreign_pools({(1, 901)}, "classify") == set()
+
+
+def test_an_exclusive_wait_holds_once_the_last_scope_ends_and_gives_up_after_its_bound() -> None:
+    """Weight packing at a load waits a little for another function's request or release to
+    end (AllocatorGate.exclusive_within), then holds the gate; it gives up after its bound."""
+    gate = AllocatorGate()
+    entered, leave = threading.Event(), threading.Event()
+
+    def request() -> None:
+        with gate.scope():
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=request)
+    t.start()
+    assert entered.wait(10)
+    t0 = time.monotonic()
+    with gate.exclusive_within(0.2) as ok:
+        assert not ok
+    assert 0.2 <= time.monotonic() - t0 < 2, "gave up before or long after its bound"
+    threading.Timer(0.2, leave.set).start()
+    t0 = time.monotonic()
+    with gate.exclusive_within(10) as ok:
+        assert ok, "the scope ended, the gate should hold"
+        held = time.monotonic() - t0
+        # New scopes wait while it holds.
+        started = threading.Event()
+
+        def late() -> None:
+            with gate.scope():
+                started.set()
+
+        late_t = threading.Thread(target=late)
+        late_t.start()
+        assert not started.wait(0.2)
+    assert 0.15 <= held < 5, held
+    assert started.wait(10)
+    late_t.join(10)
+    t.join(10)
