@@ -326,3 +326,25 @@ def test_the_runs_table_lists_every_run_of_a_mode_with_its_phases() -> None:
     lines = split_table.runs_table(d, "pooled").splitlines()
     assert lines[0] == "| model | run | request → first answer | `pooled_load` | `pooled_load.data` | outputs |"
     assert lines[2:] == ["| m | 0 | 2.500 | 2.400 | 2.000 | identical |", "| m | 1 | 0.400 | 0.300 | – | DIFFER |"]
+
+
+def test_an_ab_pools_each_arms_runs_over_its_calls(tmp_path: Path) -> None:
+    """bench/coldstart/split_ab.py: each arm's runs come from several split-bench JSON files
+    (one device call alternates the arms); the medians are of every run of the arm, and a run
+    whose answer differed from the reference is shown."""
+    ab = load("split_ab")
+
+    def call(name: str, walls: list[float], same: bool = True) -> str:
+        runs = [{"wall_s": w, "same": same, "timings": {"restore.cuda_restore": w / 2}} for w in walls]
+        doc = {"results": [{"model": "m", "mode": "cold", "runs": runs}, {"model": "m", "mode": "standby", "runs": []}]}
+        path = tmp_path / name
+        path.write_text(json.dumps(doc))
+        return str(path)
+
+    a = [call("a1.json", [0.5, 0.7]), call("a2.json", [0.6])]
+    b = [call("b1.json", [0.4]), call("b2.json", [0.2, 0.3], same=False)]
+    text = ab.table({"a": a, "b": b}, "cold")
+    rows = {line.split(" | ")[1]: line for line in text.splitlines()[2:]}
+    assert "0.600 (0.500-0.700, 3 runs) | - | 0.300 | - | bit-identical" in rows["a"], text
+    assert "0.300 (0.200-0.400, 3 runs) | - | 0.150 | - | **differ**" in rows["b"], text
+    assert ab.main(["a"]) == 2

@@ -8,13 +8,14 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, ROOT, Torpor, Workers, cmdline, parse_pid, pids_with, wait_until
+from conftest import PYTHON, ROOT, Torpor, Worker, Workers, cmdline, parse_pid, pids_with, wait_until
 from linesrv import Endpoint
 
 WORKER = ROOT / "bench" / "criu_restore" / "worker.py"
@@ -288,15 +289,8 @@ def test_fork_and_mremap_of_memory_still_on_the_page_server_keep_its_contents(
     test's switch $TORPOR_PAGE_SERVER_FAULT=slow-background spaces the batches 200 ms apart, so
     the fork comes while memory is still lazy.
     Every checksum matches the source's; the server ends once the tree is gone."""
-    sock = tmp_path / "lazy.sock"
     mib = 16 if background == "off" else 128
-    w = workers.start(
-        [PYTHON, LAZY_MEM, sock, mib], endpoint=Endpoint(unix=str(sock)), ready=Path(f"{sock}.ready"), name="lazy-mem"
-    )
-    data_sum, area_sum = ask(sock, "sum").split()
-    snap = tmp_path / "snap"
-    torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap)
-    w.wait_gone()
+    sock, data_sum, area_sum, snap = lazy_mem_snapshot(torpor, workers, tmp_path, mib)
 
     stats = tmp_path / "stats.jsonl"
     env = {"TORPOR_PAGE_SERVER_STATS": str(stats), "TORPOR_LOG_DIR": str(tmp_path / "logs")}
@@ -305,11 +299,7 @@ def test_fork_and_mremap_of_memory_still_on_the_page_server_keep_its_contents(
     else:
         env["TORPOR_PAGE_SERVER_BACKGROUND_THREADS"] = "8"
         env["TORPOR_PAGE_SERVER_FAULT"] = "slow-background"
-    p, out, err = workers.popen_torpor("restore", snap, "--detach", "--pages", "lazy", env=env)
-    # The pid comes out as soon as CRIU is done; torpor then waits for its page server.
-    wait_until(lambda: out.read_text().strip().isdigit() or p.poll() is not None, 60, "the restored pid")
-    assert out.read_text().strip().isdigit(), err.read_text()
-    restored = workers.adopt(int(out.read_text().strip()), Endpoint(unix=str(sock)), "restored")
+    p, err, restored = restored_lazily(workers, snap, sock, env)
     assert ask(sock, "forksum").split() == [data_sum, area_sum]
     assert ask(sock, "remap") == area_sum
     assert ask(sock, "sum").split() == [data_sum, area_sum]
@@ -331,13 +321,9 @@ def test_fork_and_mremap_of_memory_still_on_the_page_server_keep_its_contents(
     assert lazy_daemons(snap) == []
 
 
-def served_without_background(
-    torpor: Torpor, workers: Workers, tmp_path: Path, mib: int, check: Callable[[Path, str, str], None]
-) -> None:
-    """lazy_mem.py holding `mib` MiB, snapshotted, then restored lazily with no background copy
-    ($TORPOR_PAGE_SERVER_BACKGROUND=off), so its memory stays on the page server until touched;
-    `check(socket, data_sum, area_sum)` runs against the restored worker. Then the tree is
-    killed, the server ends without error, and its counters show faults and no background copy."""
+def lazy_mem_snapshot(torpor: Torpor, workers: Workers, tmp_path: Path, mib: int) -> tuple[Path, str, str, Path]:
+    """lazy_mem.py holding `mib` MiB, snapshotted (the source gone): its socket, its data and
+    area checksums, and the snapshot."""
     sock = tmp_path / "lazy.sock"
     w = workers.start(
         [PYTHON, LAZY_MEM, sock, mib], endpoint=Endpoint(unix=str(sock)), ready=Path(f"{sock}.ready"), name="lazy-mem"
@@ -346,14 +332,31 @@ def served_without_background(
     snap = tmp_path / "snap"
     torpor.ok("snapshot", "--pid", w.init_pid, "--out", snap)
     w.wait_gone()
+    return sock, data_sum, area_sum, snap
 
+
+def restored_lazily(workers: Workers, snap: Path, sock: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path, Worker]:
+    """`torpor restore --detach --pages lazy` of `snap` with `env`: the restore (it waits for
+    its page server after printing the pid), its stderr file, and the adopted worker."""
+    p, out, err = workers.popen_torpor("restore", snap, "--detach", "--pages", "lazy", env=env)
+    # The pid comes out as soon as CRIU is done; torpor then waits for its page server.
+    wait_until(lambda: out.read_text().strip().isdigit() or p.poll() is not None, 60, "the restored pid")
+    assert out.read_text().strip().isdigit(), err.read_text()
+    return p, err, workers.adopt(int(out.read_text().strip()), Endpoint(unix=str(sock)), "restored")
+
+
+def served_without_background(
+    torpor: Torpor, workers: Workers, tmp_path: Path, mib: int, check: Callable[[Path, str, str], None]
+) -> None:
+    """lazy_mem.py holding `mib` MiB, snapshotted, then restored lazily with no background copy
+    ($TORPOR_PAGE_SERVER_BACKGROUND=off), so its memory stays on the page server until touched;
+    `check(socket, data_sum, area_sum)` runs against the restored worker. Then the tree is
+    killed, the server ends without error, and its counters show faults and no background copy."""
+    sock, data_sum, area_sum, snap = lazy_mem_snapshot(torpor, workers, tmp_path, mib)
     stats = tmp_path / "stats.jsonl"
     env = {"TORPOR_PAGE_SERVER_STATS": str(stats), "TORPOR_LOG_DIR": str(tmp_path / "logs"),
            "TORPOR_PAGE_SERVER_BACKGROUND": "off"}
-    p, out, err = workers.popen_torpor("restore", snap, "--detach", "--pages", "lazy", env=env)
-    wait_until(lambda: out.read_text().strip().isdigit() or p.poll() is not None, 60, "the restored pid")
-    assert out.read_text().strip().isdigit(), err.read_text()
-    restored = workers.adopt(int(out.read_text().strip()), Endpoint(unix=str(sock)), "restored")
+    p, err, restored = restored_lazily(workers, snap, sock, env)
     check(sock, data_sum, area_sum)
     assert p.poll() is None, "the page server ended while the tree lives (it has no background copy)"
     os.kill(restored.init_pid, 9)

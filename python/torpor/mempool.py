@@ -148,15 +148,23 @@ GATE = AllocatorGate()
 # newcomer's, so they do not stop its weights being packed.
 _POOL_OWNERS: dict[tuple[int, int], str | None] = {}
 _POOL_OWNERS_LOCK = threading.Lock()
+# What a request pool is noted as (no function name holds a NUL), and what an unknown pool is.
+REQUEST_POOL = "\0request"
+_UNKNOWN: Any = object()
+
+
+def pool_key(pool_id: Any) -> tuple[int, int]:
+    """A private pool's id as PyTorch gives it (`MemPool.id`, `CUDAGraph.pool()`, a snapshot
+    segment's `segment_pool_id`) as a key; (0, 0) is the default pool."""
+    first, second = pool_id
+    return (int(first), int(second))
 
 
 def note_pool(pool_id: Any, owner: str | None) -> None:
     """Records a private pool the harness made (a request pool, a torpor.graphed capture's) as
     `owner`'s."""
-    key = tuple(int(x) for x in pool_id)
-    if len(key) == 2:
-        with _POOL_OWNERS_LOCK:
-            _POOL_OWNERS[(key[0], key[1])] = owner
+    with _POOL_OWNERS_LOCK:
+        _POOL_OWNERS[pool_key(pool_id)] = owner
 
 
 def current_function() -> str | None:
@@ -165,12 +173,12 @@ def current_function() -> str | None:
     return pool.name if pool is not None else None
 
 
-def foreign_pools(pool_ids: set[tuple[int, int]], function: str | None) -> set[tuple[int, int]]:
-    """Those of `pool_ids` that may hold a capture of `function`'s: all but the request pools
-    (a request's activations and workspaces, never a capture) and the captures the harness
-    made for another function. A pool the harness did not make (a MemPool or a graph of the
-    function's own) counts, and so does a capture of no known function, since nothing says
-    it is not `function`'s; with `function` None every capture counts."""
+def possible_captures(pool_ids: set[tuple[int, int]], function: str | None) -> set[tuple[int, int]]:
+    """Those of `pool_ids` that may hold a CUDA graph capture of `function`'s: all but the
+    request pools (a request's activations and workspaces, never a capture) and the captures
+    the harness made for another function. A pool the harness did not make (a MemPool or a
+    graph of the function's own) counts, and so does a capture of no known function, since
+    nothing says it is not `function`'s; with `function` None every capture counts."""
     with _POOL_OWNERS_LOCK:
         owners = dict(_POOL_OWNERS)
     out: set[tuple[int, int]] = set()
@@ -182,10 +190,6 @@ def foreign_pools(pool_ids: set[tuple[int, int]], function: str | None) -> set[t
             out.add(pool_id)
     return out
 
-
-# What a request pool is noted as (no function name holds a NUL), and what an unknown pool is.
-REQUEST_POOL = "\0request"
-_UNKNOWN: Any = object()
 
 # What release() returns when it could not run now (another request or a capture was in a
 # pool): nothing was given back; ask GATE.when_idle to call back and try again.

@@ -51,7 +51,7 @@ from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from torpor.mempool import GATE, foreign_pools
+from torpor.mempool import GATE, pool_key, possible_captures
 from torpor.shareable import modules_of
 
 ENV_HOOK_CUDA = "TORPOR_HOOK_CUDA"  # "1": the hook backs CUDA allocations with segments
@@ -211,13 +211,6 @@ def _group(torch: Any, modules: list[Any]) -> dict[tuple[int, int], _Storage]:
     return groups
 
 
-def _pool_id(segment: dict[str, Any]) -> tuple[int, int]:
-    """The private pool a segment of `torch.cuda.memory_snapshot()` belongs to; (0, 0) for the
-    default pool."""
-    first, second = segment.get("segment_pool_id", (0, 0))
-    return (int(first), int(second))
-
-
 def _segment_of(snapshot: list[dict[str, Any]], ptr: int) -> dict[str, Any] | None:
     """The segment of `torch.cuda.memory_snapshot()` holding address `ptr`."""
     for segment in snapshot:
@@ -293,7 +286,7 @@ def pack_function(
     no module, or no weight on CUDA in memory the allocator gave. Raises PackError (the weights
     stay correct where each one is) when the allocator cannot give whole segments. `name` is
     the function's in a sandbox: the private pools the harness made for its other functions
-    (torpor.mempool.foreign_pools) do not stop the packing."""
+    (torpor.mempool.possible_captures) do not stop the packing."""
     torch: Any = sys.modules.get("torch")
     if torch is None or function is None or not torch.cuda.is_initialized():
         return None
@@ -322,8 +315,8 @@ def _pack(torch: Any, function: Any, max_pack_bytes: int, name: str | None) -> P
     if not groups:
         return None
     allocator = torch.cuda.memory_snapshot()
-    pools = {_pool_id(s) for s in allocator} - {(0, 0)}
-    graphs = foreign_pools(pools, name)
+    pools = {pool_key(s.get("segment_pool_id", (0, 0))) for s in allocator} - {(0, 0)}
+    graphs = possible_captures(pools, name)
     if graphs:
         # A CUDA graph captured in setup() replays with the addresses the weights had then.
         raise PackError(

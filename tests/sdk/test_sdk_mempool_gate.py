@@ -7,18 +7,20 @@ tests/sdk/test_sdk_graphs_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from torpor.mempool import AllocatorGate
 
 
-def test_an_empty_runs_only_while_no_scope_is_active() -> None:
-    gate = AllocatorGate()
-    with gate.try_exclusive() as ok:
-        assert ok
+@contextlib.contextmanager
+def a_scope_held(gate: AllocatorGate) -> Iterator[threading.Event]:
+    """Another thread inside a scope of `gate` (a request in its pool) until the yielded event
+    is set (at the latest when the block ends)."""
     entered, leave = threading.Event(), threading.Event()
 
     def request() -> None:
@@ -29,12 +31,22 @@ def test_an_empty_runs_only_while_no_scope_is_active() -> None:
     t = threading.Thread(target=request)
     t.start()
     assert entered.wait(10)
-    t0 = time.monotonic()
+    try:
+        yield leave
+    finally:
+        leave.set()
+        t.join(10)
+
+
+def test_an_empty_runs_only_while_no_scope_is_active() -> None:
+    gate = AllocatorGate()
     with gate.try_exclusive() as ok:
-        assert not ok
-    assert time.monotonic() - t0 < 0.5, "a refused empty must not wait"
-    leave.set()
-    t.join(10)
+        assert ok
+    with a_scope_held(gate):
+        t0 = time.monotonic()
+        with gate.try_exclusive() as ok:
+            assert not ok
+        assert time.monotonic() - t0 < 0.5, "a refused empty must not wait"
     with gate.try_exclusive() as ok:
         assert ok
 
@@ -90,22 +102,11 @@ def test_a_pools_bytes_are_counted_only_while_no_other_scope_is_active(monkeypat
     fn = mempool.FunctionPool("f", "cuda")
     fn._torch_pools.append(object())
     assert fn.pool_bytes() == 3 << 20 and held["counts"] == 1
-    entered, leave = threading.Event(), threading.Event()
-
-    def other_request() -> None:
-        with mempool.GATE.scope():
-            entered.set()
-            leave.wait(10)
-
-    t = threading.Thread(target=other_request)
-    t.start()
-    assert entered.wait(10)
-    held["bytes"] = 5 << 20
-    t0 = time.monotonic()
-    assert fn.pool_bytes() == 3 << 20, "the last figure, not a count beside another scope"
-    assert held["counts"] == 1 and time.monotonic() - t0 < 0.5
-    leave.set()
-    t.join(10)
+    with a_scope_held(mempool.GATE):
+        held["bytes"] = 5 << 20
+        t0 = time.monotonic()
+        assert fn.pool_bytes() == 3 << 20, "the last figure, not a count beside another scope"
+        assert held["counts"] == 1 and time.monotonic() - t0 < 0.5
     assert fn.pool_bytes() == 5 << 20 and held["counts"] == 2
 
 
@@ -113,7 +114,7 @@ def test_packing_counts_only_the_private_pools_that_may_hold_the_functions_captu
     """torpor.pack refuses a function whose setup() captured CUDA graphs (they would read the
     weights' old addresses); in a sandbox the pools of the functions loaded before it (their
     request pools, their torpor.graphed captures) are not its own, and must not stop it."""
-    from torpor.mempool import REQUEST_POOL, foreign_pools, note_pool
+    from torpor.mempool import REQUEST_POOL, possible_captures, note_pool
 
     note_pool((1, 901), REQUEST_POOL)  # a request pool (a lane's cuBLAS workspace lives on in it)
     note_pool((1, 902), "detect")  # detect's torpor.graphed capture
@@ -121,47 +122,37 @@ def test_packing_counts_only_the_private_pools_that_may_hold_the_functions_captu
     note_pool((1, 904), None)  # a capture outside any function
     unknown = (1, 905)  # a MemPool or graph the function made itself
     pools = {(1, 901), (1, 902), (1, 903), (1, 904), unknown}
-    assert foreign_pools(pools, "classify") == {(1, 903), (1, 904), unknown}
-    assert foreign_pools(pools, "describe") == {(1, 904), unknown}
+    assert possible_captures(pools, "classify") == {(1, 903), (1, 904), unknown}
+    assert possible_captures(pools, "describe") == {(1, 904), unknown}
     # Without a name (a function in a worker of its own), every capture counts.
-    assert foreign_pools(pools, None) == {(1, 902), (1, 903), (1, 904), unknown}
-    assert foreign_pools({(1, 901)}, "classify") == set()
+    assert possible_captures(pools, None) == {(1, 902), (1, 903), (1, 904), unknown}
+    assert possible_captures({(1, 901)}, "classify") == set()
 
 
 def test_an_exclusive_wait_holds_once_the_last_scope_ends_and_gives_up_after_its_bound() -> None:
     """Weight packing at a load waits a little for another function's request or release to
     end (AllocatorGate.exclusive_within), then holds the gate; it gives up after its bound."""
     gate = AllocatorGate()
-    entered, leave = threading.Event(), threading.Event()
+    started = threading.Event()
 
-    def request() -> None:
+    def late() -> None:
         with gate.scope():
-            entered.set()
-            leave.wait(10)
+            started.set()
 
-    t = threading.Thread(target=request)
-    t.start()
-    assert entered.wait(10)
-    t0 = time.monotonic()
-    with gate.exclusive_within(0.2) as ok:
-        assert not ok
-    assert 0.2 <= time.monotonic() - t0 < 2, "gave up before or long after its bound"
-    threading.Timer(0.2, leave.set).start()
-    t0 = time.monotonic()
-    with gate.exclusive_within(10) as ok:
-        assert ok, "the scope ended, the gate should hold"
-        held = time.monotonic() - t0
-        # New scopes wait while it holds.
-        started = threading.Event()
-
-        def late() -> None:
-            with gate.scope():
-                started.set()
-
-        late_t = threading.Thread(target=late)
-        late_t.start()
-        assert not started.wait(0.2)
+    with a_scope_held(gate) as leave:
+        t0 = time.monotonic()
+        with gate.exclusive_within(0.2) as ok:
+            assert not ok
+        assert 0.2 <= time.monotonic() - t0 < 2, "gave up before or long after its bound"
+        threading.Timer(0.2, leave.set).start()
+        t0 = time.monotonic()
+        with gate.exclusive_within(10) as ok:
+            assert ok, "the scope ended, the gate should hold"
+            held = time.monotonic() - t0
+            # New scopes wait while it holds.
+            late_t = threading.Thread(target=late)
+            late_t.start()
+            assert not started.wait(0.2)
     assert 0.15 <= held < 5, held
     assert started.wait(10)
     late_t.join(10)
-    t.join(10)

@@ -137,26 +137,19 @@ fn packing_details(v: &Value) -> String {
             if whole { "" } else { ", not all whole" }
         )
     };
-    match v.get("phase").and_then(Value::as_str) {
-        Some("load") => v
-            .get("packed")
-            .filter(|p| p.is_object())
-            .map_or_else(String::new, |p| format!("  (weights packed: {})", one(p))),
-        Some("load_sandbox") => {
-            let Some(members) = v.get("packed").and_then(Value::as_object) else {
-                return String::new();
-            };
-            let parts: Vec<String> = members
-                .iter()
-                .map(|(name, p)| format!("{name} {}", one(p)))
-                .collect();
-            if parts.is_empty() {
-                String::new()
-            } else {
-                format!("  (weights packed: {})", parts.join("; "))
-            }
-        }
-        _ => String::new(),
+    // `load`: the function's own; `load_sandbox`: each other member's, by name.
+    let parts: Vec<String> = match (v.get("phase").and_then(Value::as_str), v.get("packed")) {
+        (Some("load"), Some(p)) if p.is_object() => vec![one(p)],
+        (Some("load_sandbox"), Some(Value::Object(members))) => members
+            .iter()
+            .map(|(name, p)| format!("{name} {}", one(p)))
+            .collect(),
+        _ => Vec::new(),
+    };
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!("  (weights packed: {})", parts.join("; "))
     }
 }
 
