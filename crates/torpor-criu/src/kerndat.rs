@@ -124,7 +124,8 @@ fn run_check(criu: &Criu, run: &CString) -> io::Result<()> {
     Ok(())
 }
 
-/// In the forked child, before CRIU is executed (async-signal-safe system calls only): a mount
+/// In CRIU's child before `execve` (crate::spawn: it shares the caller's memory, so raw system
+/// calls only, nothing allocated, failures as an errno): a mount
 /// namespace of its own whose `/run` is a tmpfs holding `cache`, then the tree's real ids if
 /// there are any.
 pub(crate) fn enter(t: &OwnRun) -> io::Result<()> {
@@ -157,14 +158,15 @@ pub(crate) fn enter(t: &OwnRun) -> io::Result<()> {
         let wrote = libc::write(fd, t.cache.as_ptr().cast(), t.cache.len());
         libc::close(fd);
         if wrote != t.cache.len() as isize {
-            return Err(io::Error::other(
-                "short write of CRIU's kernel-feature cache",
-            ));
+            // An errno, not a message: this runs where nothing may allocate (crate::spawn).
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
         if let Some((uid, gid)) = t.ids {
-            // u32::MAX: "leave unchanged" (the effective and saved ids stay root's).
-            check(libc::setresgid(gid, u32::MAX, u32::MAX))?;
-            check(libc::setresuid(uid, u32::MAX, u32::MAX))?;
+            // u32::MAX: "leave unchanged" (the effective and saved ids stay root's). Raw
+            // system calls: glibc's wrappers would change the ids of every thread of the
+            // process, and this child shares the caller's memory and so its thread list.
+            check(libc::syscall(libc::SYS_setresgid, gid, u32::MAX, u32::MAX) as libc::c_int)?;
+            check(libc::syscall(libc::SYS_setresuid, uid, u32::MAX, u32::MAX) as libc::c_int)?;
         }
     }
     Ok(())

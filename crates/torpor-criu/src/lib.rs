@@ -50,6 +50,7 @@ mod netns;
 pub mod page_server;
 mod proto;
 mod request;
+mod spawn;
 mod swrk;
 
 pub use error::{Action, CriuError};

@@ -10,9 +10,7 @@
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
 
 use prost::Message;
 
@@ -52,7 +50,7 @@ struct Packet {
 }
 
 struct Session {
-    child: Child,
+    child: crate::spawn::Spawned,
     sock: OwnedFd,
     stderr: File,
     action: Action,
@@ -164,32 +162,41 @@ impl Session {
             *slot = p.as_raw_fd();
         }
         let mut cmd = criu.command();
-        cmd.arg("swrk")
-            .arg(fd.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(child_stderr));
-        // Its own process group: a terminal's Ctrl-C goes to torpor, which finishes or rolls
-        // back cleanly, never to CRIU halfway through a dump (its parasite inside the target).
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        // SAFETY: the closure runs in the forked child before exec and only makes raw
-        // fcntl/close_range/write system calls, which are async-signal-safe; it allocates
-        // nothing and touches no locks. `keep` is an array of plain integers copied into the
-        // closure, `join_fds` a vector allocated before the fork and only read in the child.
-        unsafe {
-            cmd.pre_exec(move || {
-                keep_only_fds(&keep)?;
-                join_cgroups(&join_fds)?;
-                match &own_run {
-                    Some(t) => crate::kerndat::enter(t),
-                    None => Ok(()),
+        cmd.arg("swrk").arg(fd.to_string());
+        let dev_null = File::options()
+            .read(true)
+            .write(true)
+            .open("/dev/null")
+            .map_err(|source| CriuError::Channel { source })?;
+        let stdio = crate::spawn::Stdio {
+            stdin: dev_null.as_raw_fd(),
+            stdout: dev_null.as_raw_fd(),
+            stderr: child_stderr.as_raw_fd(),
+        };
+        let mut hook = move || {
+            keep_only_fds(&keep)?;
+            join_cgroups(&join_fds)?;
+            match &own_run {
+                Some(t) => crate::kerndat::enter(t),
+                None => Ok(()),
+            }
+        };
+        // Its own process group (`true`): a terminal's Ctrl-C goes to torpor, which finishes or
+        // rolls back cleanly, never to CRIU halfway through a dump (its parasite inside the
+        // target). Started without copying this process's address space (crate::spawn says
+        // why and how).
+        // SAFETY: the hook makes raw fcntl/close_range/write/unshare/mount/open/set*id system
+        // calls only; it allocates nothing, takes no lock, and reports failures as errnos.
+        // `keep` is an array of plain integers moved into it, `join_fds` a vector allocated
+        // before and only read, `own_run` prepared before.
+        let child =
+            unsafe { crate::spawn::spawn(&cmd, stdio, true, &mut hook) }.map_err(|source| {
+                CriuError::Spawn {
+                    program: criu.program().to_path_buf(),
+                    source,
                 }
-            });
-        }
-        let child = cmd.spawn().map_err(|source| CriuError::Spawn {
-            program: criu.program().to_path_buf(),
-            source,
-        })?;
+            })?;
+        drop(child_stderr);
         drop(theirs);
         drop(join);
         Ok(Session {
