@@ -75,8 +75,13 @@ def test_first_invoke_restores_then_warm_and_matches_a_local_run(torpord: Torpor
     assert {"queue", "restore", "handler", "total"} <= set(first.timings), first.timings
     # The restore's own phases say where its time went; none takes longer than the whole.
     phases = {k: v for k, v in first.timings.items() if k.startswith("restore.")}
-    assert {"restore.open", "restore.criu_restore"} <= set(phases), first.timings
+    assert {"restore.open", "restore.criu_restore", "restore.criu_start", "restore.criu_finish"} <= set(
+        phases
+    ), first.timings
     assert all(0 <= v <= first.timings["restore"] for v in phases.values()), first.timings
+    # CRIU's start (until its first notification) and finish (after its last) are parts of it.
+    criu = phases["restore.criu_restore"]
+    assert phases["restore.criu_start"] + phases["restore.criu_finish"] <= criu, first.timings
 
     second = torpord.invoke("cpu-mlp", request)
     assert second.status == 200 and second.start == "warm", (second.status, second.headers)

@@ -536,6 +536,8 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
         ext_unix_sk: false,
         file_locks: true,
         rst_sibling: !opts.detach,
+        // CRIU's debug steps (~18 000 lines for a GPU worker): the post-mortem of a failed
+        // restore. At -v2 the restore was no faster on the H200 (session 49, docs/lazy-pages.md).
         log_level: 4,
         orphan_pts_master: false,
         loopback_up: true,
@@ -810,8 +812,17 @@ fn restore_watching(
                 }
             });
         }
+        // When CRIU's first and last notifications came ("pre-restore", "post-resume"): the
+        // time before the first is CRIU's start (spawn, its own set-up, reading the request),
+        // the time after the last its answer and exit.
+        let mut first_notice: Option<std::time::Instant> = None;
+        let mut last_notice: Option<std::time::Instant> = None;
+        let called = std::time::Instant::now();
         let result = phases.time("criu_restore", || {
             criu.restore_with(request, &mut |n| {
+                let now = std::time::Instant::now();
+                first_notice.get_or_insert(now);
+                last_notice = Some(now);
                 criu_pid.store(n.criu_pid as i32, Ordering::Release);
                 crate::fault::delay_at_notification(&n.script);
                 if n.script == torpor_criu::SETUP_NAMESPACES {
@@ -829,6 +840,14 @@ fn restore_watching(
             })
         });
         done.store(true, Ordering::Release);
+        if let (Some(first), Some(last)) = (first_notice, last_notice) {
+            phases
+                .0
+                .push(("criu_start".into(), (first - called).as_secs_f64()));
+            phases
+                .0
+                .push(("criu_finish".into(), last.elapsed().as_secs_f64()));
+        }
         // CRIU gone without answering (killed, or crashed) rolled nothing back: the tasks it
         // had restored so far wait in its restorer for ever. Its own forks went with its
         // process group (torpor_criu); the restored root leads a group of its own.
