@@ -273,7 +273,7 @@ if [ "$MODE" = concurrent ]; then
   # shellcheck disable=SC2086 # $CONCURRENT_ARGS is a list of flags
   python3 bench/concurrent/measure.py --model "${CONCURRENT_MODEL:-gpt2-large}" --work-dir /var/tmp/torpor-concurrent \
     --out-hibernate "$OUT/concurrent-checkpoint-$tag.json" --out-migrate "$OUT/migration-$tag.json" \
-    --out-released "$OUT/hibernation-released-$tag.json" --out-collapse "$OUT/hibernation-huge-pages-$tag.json" \
+    --out-released "$OUT/hibernation-released-$tag.json" \
     ${CONCURRENT_ARGS:-} 2>&1 | tee "$OUT/concurrent-bench.log"
   krc=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$krc
 fi

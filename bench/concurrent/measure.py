@@ -18,12 +18,6 @@ longest gap between two answers around each migration; every answer must equal t
 `--out-migrate` (`migration-*.json`, `summary.migration_downtime_s`, the worst of the runs, and
 `summary.migration_total_s`).
 
-Part `collapse`: the hibernation (of a released instance for a GPU function, of a warm one for a
-CPU function) with `restore_server.hibernate_collapse` off and on: the idle worker's fully
-written 2 MiB ranges gathered into huge pages before the stop, or not. Output: `--out-collapse`
-(`hibernation-huge-pages-*.json`, `summary.stop_s` with the collapse, `summary.stop_s_small_pages`
-without, `criu_dump_s` of each, and the collapse's own time and bytes from the daemon's log).
-
 Part `released` (a GPU function): the hibernation of an instance that released its GPU first (the
 default delays, `gpu_release_s` < `hibernate_s`; here 1 s and `--hibernate-s`), on two daemons:
 `restore_server.hibernate_released = true` (the default since session 42: snapshotted as it is,
@@ -60,7 +54,7 @@ import split  # noqa: E402
 from run import find_torpor, machine  # noqa: E402
 
 Json = dict[str, Any]
-PARTS = ("hibernate", "migrate", "released", "collapse")
+PARTS = ("hibernate", "migrate", "released")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -81,7 +75,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out-hibernate", type=Path, default=None)
     p.add_argument("--out-migrate", type=Path, default=None)
     p.add_argument("--out-released", type=Path, default=None)
-    p.add_argument("--out-collapse", type=Path, default=None)
     a = p.parse_args(argv)
     a.parts = [x for x in a.parts.split(",") if x]
     bad = [x for x in a.parts if x not in PARTS]
@@ -229,46 +222,6 @@ def released_part(a: argparse.Namespace, torpor: Path, model: split.Model, work:
     }
 
 
-def collapse_lines(log: Path) -> list[Json]:
-    """The daemon's `memory gathered into huge pages` lines: ranges, bytes, refused, seconds."""
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if "memory gathered into huge pages" in line:
-            out.append({k: float(v) for k, v in re.findall(r"\b(ranges|bytes|refused|seconds)=([0-9.e-]+)", line)})
-    return out
-
-
-def collapse_part(a: argparse.Namespace, torpor: Path, model: split.Model, work: Path, say: Any) -> Json:
-    modes: Json = {}
-    # A GPU function releases its GPU first (the default delays' path); a CPU one hibernates warm.
-    release = 1.0 if model.gpu else None
-    for mode, collapse in (("small-pages", False), ("huge-pages", True)):
-        config = {"restore_server": {"hibernate_collapse": collapse, "host_cache_bytes": split.HOST_CACHE_BYTES}}
-        modes[mode] = hibernations(a, torpor, model, work, say, mode, config, release)
-        gathered = modes[mode]["collapsed"]
-        if collapse != bool(gathered):
-            raise RuntimeError(f"{mode}: {len(gathered)} collapse line(s) in the daemon's log")
-    huge, small = modes["huge-pages"], modes["small-pages"]
-
-    def dump(m: Json) -> Any:
-        return (m["stop_phases_median_s"] or {}).get("snapshot.criu_dump")
-
-    return {
-        "benchmark": "hibernation-huge-pages",
-        "summary": {
-            "model": model.name,
-            "stop_s": huge["stop_s_median"],
-            "stop_s_small_pages": small["stop_s_median"],
-            "criu_dump_s": dump(huge),
-            "criu_dump_s_small_pages": dump(small),
-            "collapse_s": statistics.median(c["seconds"] for c in huge["collapsed"]) if huge["collapsed"] else None,
-            "collapsed_bytes": statistics.median(c["bytes"] for c in huge["collapsed"]) if huge["collapsed"] else None,
-            "identical": huge["identical"] and small["identical"],
-        },
-        "modes": modes,
-    }
-
-
 def hibernations(
     a: argparse.Namespace,
     torpor: Path,
@@ -319,7 +272,6 @@ def hibernations(
             "segment_bytes": snap.get("segment_bytes"),
             "runs": runs,
             "precopy_s": precopy_lines(d.log),
-            "collapsed": collapse_lines(d.log),
             "stop_s_median": statistics.median(stops) if stops else None,
             "stop_s_max": max(stops) if stops else None,
             "stop_phases_median_s": phase_medians(runs),
@@ -472,12 +424,7 @@ def main(argv: list[str]) -> int:
 
     info = machine()
     rc = 0
-    parts = {
-        "hibernate": (hibernate_part, a.out_hibernate),
-        "migrate": (migrate_part, a.out_migrate),
-        "released": (released_part, a.out_released),
-        "collapse": (collapse_part, a.out_collapse),
-    }
+    parts = {"hibernate": (hibernate_part, a.out_hibernate), "migrate": (migrate_part, a.out_migrate), "released": (released_part, a.out_released)}
     for part, (run_part, out) in parts.items():
         if part not in a.parts:
             continue

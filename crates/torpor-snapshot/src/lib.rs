@@ -11,7 +11,6 @@ pub mod gpu_map;
 pub mod gpu_restore_slots;
 pub mod gpu_tasks;
 pub mod guard;
-pub mod huge_collapse;
 pub mod inherited_mappings;
 pub mod interrupt;
 pub mod launch;

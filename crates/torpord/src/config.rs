@@ -66,9 +66,6 @@
 //!                                 # in the stop
 //! hibernate_released = true       # a gpu_released instance hibernates without its GPU resumed
 //!                                 # (docs/checkpoints.md); false: resumed first, as before
-//! hibernate_collapse = true       # before a hibernation, the idle worker's fully written 2 MiB
-//!                                 # ranges become huge pages, so the stop's dump is shorter
-//!                                 # (docs/checkpoints.md); false: left as they are
 //! host_devices = 1                # devices of the host backend, which instances without a GPU
 //!                                 # migrate between (docs/migration.md): 1 to 16
 //! host_device_bytes = 0           # segment bytes each host device may hold; 0: no bound
@@ -336,10 +333,6 @@ pub struct RestoreServer {
     /// 5; crate::runtime::keepalive, docs/checkpoints.md, "Hibernating a released instance");
     /// false: it is resumed first, as before session 42 (the benchmark's A/B).
     pub hibernate_released: bool,
-    /// Before a hibernation, the idle worker's fully written 2 MiB ranges of private memory are
-    /// collapsed into huge pages (`torpor_snapshot::huge_collapse`), which CRIU's dump in the
-    /// stop drains faster; false: the memory is dumped as it is.
-    pub hibernate_collapse: bool,
     /// Devices of the host backend (crate::runtime::migrate): where CPU functions' segments
     /// live, and what an instance without a GPU migrates between. 1 to 16.
     pub host_devices: u32,
@@ -417,7 +410,6 @@ impl Default for RestoreServer {
             transparent_hugepage: crate::hugepages::ThpPolicy::default(),
             concurrent_snapshot: true,
             hibernate_released: true,
-            hibernate_collapse: true,
             host_devices: 1,
             host_device_bytes: 0,
             gpu_restores: DEFAULT_GPU_RESTORES,
@@ -907,9 +899,6 @@ impl Config {
             }
             if let Some(b) = t.boolean("hibernate_released")? {
                 r.hibernate_released = b;
-            }
-            if let Some(b) = t.boolean("hibernate_collapse")? {
-                r.hibernate_collapse = b;
             }
             if let Some(b) = t.boolean("prefetch_file_pages")? {
                 r.prefetch_file_pages = b;

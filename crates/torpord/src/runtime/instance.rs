@@ -72,9 +72,6 @@ pub struct Instance {
     /// Its segments copied while it serves, for the stop of its next hibernation
     /// (crate::split::precopy).
     pub(crate) precopy: Mutex<crate::split::precopy::PreCopyState>,
-    /// Its memory gathered into huge pages before a hibernation (crate::runtime::keepalive,
-    /// `collapse_memory`).
-    pub(crate) collapse: Mutex<Collapse>,
     /// The GPU (the daemon's CUDA ordinal; a host-backend device for a CPU function) its
     /// segments and CUDA state are on: 0 until a live migration moves it
     /// (crate::runtime::migrate).
@@ -257,7 +254,6 @@ pub(crate) fn new_instance(
         released_gpu: Mutex::new(None),
         segments: Mutex::new(Default::default()),
         precopy: Mutex::new(Default::default()),
-        collapse: Mutex::new(Collapse::default()),
         gpu: std::sync::atomic::AtomicU32::new(0),
         migrating: AtomicBool::new(false),
         draining: AtomicBool::new(false),
@@ -288,14 +284,6 @@ pub fn kill_tree(init: i32) {
         // SAFETY: kill(2) only sends a signal; the pid is one this daemon started or restored.
         unsafe { libc::kill(init, libc::SIGKILL) };
     }
-}
-
-/// The gathering of an instance's memory into huge pages before it hibernates: under way, and
-/// for which idle period (its `idle_since`) it was done, so that each idle period does it once.
-#[derive(Debug, Default)]
-pub(crate) struct Collapse {
-    pub running: bool,
-    pub for_idle: Option<Instant>,
 }
 
 #[cfg(test)]

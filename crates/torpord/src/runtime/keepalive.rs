@@ -38,9 +38,6 @@ enum Step {
     /// A split instance due to hibernate: copy its segments first, while it serves
     /// (crate::split::precopy); the hibernation follows on a later tick.
     PreCopy(Arc<Instance>),
-    /// An instance due to hibernate: gather its memory into huge pages first, while it serves
-    /// (`collapse_memory`); the hibernation follows on a later tick.
-    Collapse(Arc<Instance>),
     /// `cold_start = "boot"`: no snapshot to hibernate to; the process is stopped.
     Stop(Arc<Instance>),
     Evict(String),
@@ -174,21 +171,6 @@ impl Runtime {
                 let idle = keep.idle_since.elapsed();
                 if idle >= k.hibernate
                     && self.config.cold_start != ColdStart::Boot
-                    && self.config.restore_server.hibernate_collapse
-                {
-                    let mut c = lock(&inst.collapse);
-                    if c.running {
-                        continue;
-                    }
-                    if c.for_idle != Some(keep.idle_since) {
-                        c.running = true;
-                        c.for_idle = Some(keep.idle_since);
-                        steps.push((Arc::clone(&pool), Step::Collapse(Arc::clone(inst))));
-                        continue;
-                    }
-                }
-                if idle >= k.hibernate
-                    && self.config.cold_start != ColdStart::Boot
                     && self.config.restore_server.concurrent_snapshot
                     && keep.state == State::Warm
                     && lock(&inst.segments).is_held()
@@ -275,9 +257,6 @@ impl Runtime {
                 }
                 Step::PreCopy(inst) => {
                     tokio::spawn(async move { rt.precopy(pool, inst).await });
-                }
-                Step::Collapse(inst) => {
-                    tokio::spawn(async move { rt.collapse_memory(pool, inst).await });
                 }
                 Step::Stop(inst) => {
                     // Its stage time was accounted up to now just above.
@@ -678,33 +657,6 @@ impl Runtime {
             }
         };
         *lock(&inst.precopy) = state;
-        pool.changed.notify_waiters();
-    }
-
-    /// Before a hibernation, while the instance is idle and still serves: its worker's fully
-    /// written 2 MiB ranges of private memory become huge pages (`torpor_snapshot::huge_collapse`:
-    /// a lazily restored worker and a released one's driver checkpoint are all 4 KiB pages, which
-    /// CRIU's dump in the stop drains page by page). A failure is logged; the hibernation then
-    /// dumps the memory as it is.
-    async fn collapse_memory(self: Arc<Self>, pool: Arc<Pool>, inst: Arc<Instance>) {
-        let pid = inst.worker_pid;
-        let done =
-            tokio::task::spawn_blocking(move || torpor_snapshot::huge_collapse::collapse(pid))
-                .await;
-        match done {
-            Ok(Ok(c)) => {
-                tracing::info!(instance = %inst.id, function = %inst.function, ranges = c.ranges, bytes = c.bytes, refused = c.refused, seconds = c.seconds, "hibernation: memory gathered into huge pages while the instance serves");
-                self.metrics
-                    .observe_phase(&inst.function, "hibernation_collapse", c.seconds);
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(instance = %inst.id, function = %inst.function, "{e}; the hibernation dumps the memory in small pages (set restore_server.hibernate_collapse = false to stop trying)");
-            }
-            Err(e) => {
-                tracing::warn!(instance = %inst.id, function = %inst.function, "collapse task: {e}");
-            }
-        }
-        lock(&inst.collapse).running = false;
         pool.changed.notify_waiters();
     }
 
