@@ -263,13 +263,16 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
 
 
 def test_the_readme_quotes_the_rendered_cold_start_table_and_the_chart_renders(tmp_path: Path) -> None:
-    """The README's cold-start table is split_table.py's headline of the H100 JSON, never typed
-    by hand; the chart beside it renders from the same JSON."""
-    d = json.loads((ROOT / "bench" / "results" / "split-bench-h100.json").read_text())
+    """The README's cold-start table is split_table.py's headline of the newest full run's JSON,
+    never typed by hand; the chart beside it renders from the same JSON."""
+    d = json.loads((ROOT / "bench" / "results" / "split-bench-s49-h200.json").read_text())
     table = split_table.headline(d)
-    assert table in (ROOT / "README.md").read_text(), "re-render the README's cold-start table (split_table.py --headline)"
+    readme = (ROOT / "README.md").read_text()
+    assert table in readme, "re-render the README's cold-start table (split_table.py --headline)"
+    assert "bench/results/split-bench-s49-h200.png" in readme
     assert "| GPT-2-Large |" in table.splitlines()[0]
     for later in (
+        "split-bench-h100.json",
         "split-bench-burst-session15-h100.json",
         "split-bench-session15-h100.json",
         "split-bench-burst-s17-final-h100.json",
