@@ -430,6 +430,28 @@ mod tests {
     }
 
     #[test]
+    fn spawns_from_many_threads_at_once_each_run_their_own_child() {
+        // The children share the caller's memory until they exec: each must still run its own
+        // arguments and hand back its own status, whatever the other threads do meanwhile.
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                std::thread::spawn(move || {
+                    for i in 0..20 {
+                        let code = (t * 20 + i) % 200;
+                        let (status, text) =
+                            run_sh(&format!("echo {t}-{i}; exit {code}"), &mut || Ok(()));
+                        assert_eq!(status.code(), Some(code), "{text}");
+                        assert_eq!(text.trim(), format!("{t}-{i}"));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("a spawning thread failed");
+        }
+    }
+
+    #[test]
     fn a_failing_hook_or_a_missing_program_is_the_spawns_error() {
         let dev_null = null();
         let stdio = || Stdio {
