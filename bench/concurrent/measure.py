@@ -18,6 +18,10 @@ longest gap between two answers around each migration; every answer must equal t
 `--out-migrate` (`migration-*.json`, `summary.migration_downtime_s`, the worst of the runs, and
 `summary.migration_total_s`).
 
+`--dump-logs DIR` copies each hibernation's CRIU dump log (-v4, timestamped) into DIR before the
+wake removes the snapshot: `python3 bench/coldstart/criu_log_gaps.py DIR/*.log` says where the
+stop's dump spent its time.
+
 Part `released` (a GPU function): the hibernation of an instance that released its GPU first (the
 default delays, `gpu_release_s` < `hibernate_s`; here 1 s and `--hibernate-s`), on two daemons:
 `restore_server.hibernate_released = true` (the default since session 42: snapshotted as it is,
@@ -75,6 +79,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out-hibernate", type=Path, default=None)
     p.add_argument("--out-migrate", type=Path, default=None)
     p.add_argument("--out-released", type=Path, default=None)
+    p.add_argument("--dump-logs", type=Path, default=None,
+                   help="copy each hibernation's CRIU dump log (timestamped, -v4) into this directory")
     a = p.parse_args(argv)
     a.parts = [x for x in a.parts.split(",") if x]
     bad = [x for x in a.parts if x not in PARTS]
@@ -250,6 +256,11 @@ def hibernations(
             wait_for("the hibernation", lambda: stages(d, name) == ["hibernated"], 120 + a.hibernate_s)
             wait_for("the hibernation's stop line", lambda: len(stop_lines(d.log)) > i, 30)
             stop = stop_lines(d.log)[i]
+            if a.dump_logs:
+                # CRIU's timestamped dump log, before the wake removes the hibernation snapshot.
+                a.dump_logs.mkdir(parents=True, exist_ok=True)
+                for log in sorted(state.glob("snapshots/hib-*/dump.log")):
+                    shutil.copy(log, a.dump_logs / f"{mode}-{i}-dump.log")
             woken = d.invoke(name, model.request)
             runs.append(
                 {
