@@ -19,11 +19,12 @@
 //! containers). A restore runs CRIU with such a `/run` only when its tree reaches nothing in the
 //! host's `/run` ([`crate::RestoreRequest::private_run`]) and this process already made the
 //! cache ([`crate::Criu::prepare_kernel_cache`], which torpord calls once at start): a restore
-//! never waits for a `criu check`.
+//! never waits for a `criu check`. A dump of a root tree does the same under the same condition
+//! ([`crate::DumpRequest::private_run`]): CRIU's probes otherwise run inside the stop of every
+//! leave-running snapshot.
 
-use std::ffi::CString;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -70,34 +71,110 @@ pub(crate) fn cache(criu: &Criu, uid: u32) -> Result<Arc<Vec<u8>>, CriuError> {
     Ok(made)
 }
 
+// The new mount API (include/uapi/linux/mount.h; not in the libc crate's Linux module).
+const FSOPEN_CLOEXEC: libc::c_uint = 1;
+const FSCONFIG_SET_STRING: libc::c_uint = 1;
+const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
+const FSMOUNT_CLOEXEC: libc::c_uint = 1;
+const MOUNT_ATTR_NOSUID: libc::c_uint = 0x2;
+const MOUNT_ATTR_NODEV: libc::c_uint = 0x4;
+const MOUNT_ATTR_NOEXEC: libc::c_uint = 0x8;
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+
+/// The cache as `criu check` writes it, into a tmpfs that no mount namespace but `criu
+/// check`'s own ever holds: made detached (`fsmount`), attached at `/run` only in the child's
+/// private namespace, read back through its descriptor. Until session 49 it was mounted on a
+/// temporary directory of the host and unmounted after; a daemon killed during the check
+/// (crash tests do that) left the mount behind for good: 37 of them on the development VM.
 fn make(criu: &Criu) -> io::Result<Vec<u8>> {
-    let dir = tempfile::tempdir()?;
-    let path = CString::new(dir.path().as_os_str().as_bytes()).map_err(io::Error::other)?;
-    // SAFETY: mounts a tmpfs on our own fresh temporary directory; all strings are valid.
-    check(unsafe {
-        libc::mount(
-            c"torpor-criu-kdat".as_ptr(),
-            path.as_ptr(),
-            c"tmpfs".as_ptr(),
-            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-            c"size=1m,mode=0700".as_ptr().cast(),
+    let mount = detached_tmpfs()?;
+    run_check(criu, mount.as_raw_fd())?;
+    // SAFETY: openat(2) of a name inside the tmpfs's root, which `mount` holds open.
+    let fd = unsafe {
+        libc::openat(
+            mount.as_raw_fd(),
+            c"criu.kdat".as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
         )
-    })?;
-    let made = run_check(criu, &path).and_then(|()| std::fs::read(dir.path().join("criu.kdat")));
-    // SAFETY: detaches the tmpfs mounted above.
-    unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
-    made
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is the fresh descriptor above, owned from here.
+    let mut file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let mut bytes = Vec::new();
+    io::Read::read_to_end(&mut file, &mut bytes)?;
+    Ok(bytes)
 }
 
-fn run_check(criu: &Criu, run: &CString) -> io::Result<()> {
-    let run = run.clone();
+/// A 1 MiB tmpfs (nosuid, nodev, noexec, mode 0700) mounted nowhere: its root's descriptor.
+/// Its source names this process (`torpor-criu-kdat-PID`), should a mount table ever show it.
+fn detached_tmpfs() -> io::Result<OwnedFd> {
+    let source = std::ffi::CString::new(source_name()).map_err(io::Error::other)?;
+    let fd = |r: libc::c_long| -> io::Result<OwnedFd> {
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor the system call just returned, owned from here.
+        Ok(unsafe { OwnedFd::from_raw_fd(r as RawFd) })
+    };
+    // SAFETY: fsopen/fsconfig/fsmount with valid C strings; each descriptor is owned at once.
+    unsafe {
+        let fs = fd(libc::syscall(
+            libc::SYS_fsopen,
+            c"tmpfs".as_ptr(),
+            FSOPEN_CLOEXEC,
+        ))?;
+        for (key, value) in [
+            (c"source", source.as_c_str()),
+            (c"size", c"1m"),
+            (c"mode", c"0700"),
+        ] {
+            let r = libc::syscall(
+                libc::SYS_fsconfig,
+                fs.as_raw_fd(),
+                FSCONFIG_SET_STRING,
+                key.as_ptr(),
+                value.as_ptr(),
+                0,
+            );
+            if r < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        let r = libc::syscall(
+            libc::SYS_fsconfig,
+            fs.as_raw_fd(),
+            FSCONFIG_CMD_CREATE,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_void>(),
+            0,
+        );
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        fd(libc::syscall(
+            libc::SYS_fsmount,
+            fs.as_raw_fd(),
+            FSMOUNT_CLOEXEC,
+            MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+        ))
+    }
+}
+
+fn source_name() -> String {
+    format!("torpor-criu-kdat-{}", std::process::id())
+}
+
+fn run_check(criu: &Criu, run: RawFd) -> io::Result<()> {
     let mut cmd = criu.command();
     cmd.arg("check")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    // SAFETY: the closure runs in the forked child before exec and makes only unshare and mount
-    // system calls (async-signal-safe) on strings allocated before the fork.
+    // SAFETY: the closure runs in the forked child before exec and makes only unshare, mount
+    // and move_mount system calls (async-signal-safe) with static strings and a descriptor
+    // number; the mount it attaches exists in the child's namespace only.
     unsafe {
         cmd.pre_exec(move || {
             check(libc::unshare(libc::CLONE_NEWNS))?;
@@ -108,13 +185,14 @@ fn run_check(criu: &Criu, run: &CString) -> io::Result<()> {
                 libc::MS_REC | libc::MS_PRIVATE,
                 std::ptr::null(),
             ))?;
-            check(libc::mount(
-                run.as_ptr(),
+            check(libc::syscall(
+                libc::SYS_move_mount,
+                run,
+                c"".as_ptr(),
+                libc::AT_FDCWD,
                 c"/run".as_ptr(),
-                std::ptr::null(),
-                libc::MS_BIND,
-                std::ptr::null(),
-            ))
+                MOVE_MOUNT_F_EMPTY_PATH,
+            ) as libc::c_int)
         });
     }
     let status = cmd.status()?;
@@ -170,4 +248,69 @@ pub(crate) fn enter(t: &OwnRun) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Mounts in our namespace made by this process's cache (other processes may be making
+    /// theirs meanwhile).
+    fn our_kdat_mounts() -> usize {
+        let ours = format!(" - tmpfs {} ", source_name());
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .expect("mountinfo")
+            .lines()
+            .filter(|l| l.contains(&ours))
+            .count()
+    }
+
+    #[test]
+    fn the_cache_is_made_without_a_mount_in_our_namespace_even_while_the_check_runs() {
+        // SAFETY: geteuid(2) reads this process's id.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIP: needs root (mount namespaces)");
+            return;
+        }
+        // A stand-in for `criu check` that writes its cache where CRIU does and takes its time.
+        let criu = Criu::unchecked(
+            "/bin/sh",
+            vec![
+                "-c".into(),
+                "printf cache > /run/criu.kdat && sleep 1".into(),
+                "sh".into(),
+            ],
+        );
+        let host_had_one = std::path::Path::new("/run/criu.kdat").exists();
+        let making = std::thread::spawn(move || make(&criu));
+        std::thread::sleep(std::time::Duration::from_millis(400));
+        // While it runs, nothing is mounted here: a caller killed now leaves nothing behind.
+        assert_eq!(our_kdat_mounts(), 0);
+        let cache = making
+            .join()
+            .expect("thread")
+            .expect("the stand-in wrote a cache");
+        assert_eq!(cache, b"cache");
+        assert_eq!(our_kdat_mounts(), 0);
+        assert_eq!(
+            std::path::Path::new("/run/criu.kdat").exists(),
+            host_had_one
+        );
+    }
+
+    #[test]
+    fn the_real_criu_check_writes_a_cache() {
+        // SAFETY: geteuid(2) reads this process's id.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIP: needs root (criu check, mount namespaces)");
+            return;
+        }
+        let Ok(criu) = crate::locate() else {
+            eprintln!("SKIP: no CRIU (make criu)");
+            return;
+        };
+        let cache = make(&criu).expect("criu check writes its cache");
+        assert!(cache.len() > 64, "a cache of {} bytes", cache.len());
+        // That it is the cache CRIU loads: tests/dump_restore.rs, `..._skips_crius_kernel_probes_...`.
+    }
 }
