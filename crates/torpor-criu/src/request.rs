@@ -54,6 +54,12 @@ pub struct DumpRequest<'a> {
     /// Track memory changes with the kernel's soft-dirty bits (`--track-mem`): needed by
     /// [`Criu::pre_dump`] and by a dump with `parent_img`.
     pub track_mem: bool,
+    /// The tree reaches nothing in the host's `/run` (its `/run` is a mount of its own, and no
+    /// external mount lies there): a dump of a root tree may then run CRIU with a `/run` of its
+    /// own holding its kernel-feature cache, as [`RestoreRequest::private_run`] does, when this
+    /// process made that cache ([`Criu::prepare_kernel_cache`]). A tree that is not root's
+    /// always gets one (crate::kerndat).
+    pub private_run: bool,
 }
 
 impl<'a> DumpRequest<'a> {
@@ -74,6 +80,7 @@ impl<'a> DumpRequest<'a> {
             link_remap: false,
             parent_img: None,
             track_mem: false,
+            private_run: false,
         }
     }
 }
@@ -227,13 +234,19 @@ impl Criu {
             ..Default::default()
         };
         let log = r.images_dir.join(r.log_file);
-        // A tree that dropped root is dumped by a CRIU with its real ids (crate::kerndat).
+        // A tree that dropped root is dumped by a CRIU with its real ids (crate::kerndat); a
+        // root one with a `/run` of its own when it may, so that CRIU skips its kernel probes
+        // (inside the stop of every leave-running snapshot and periodic checkpoint).
         let own_run = match tree_ids(r.pid) {
             Some((uid, gid)) => Some(crate::kerndat::OwnRun {
                 ids: Some((uid, gid)),
                 cache: crate::kerndat::cache(self, uid)?,
             }),
-            None => None,
+            None => r
+                .private_run
+                .then(crate::kerndat::cached)
+                .flatten()
+                .map(|cache| crate::kerndat::OwnRun { ids: None, cache }),
         };
         swrk::call(
             self,

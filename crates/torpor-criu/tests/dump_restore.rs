@@ -330,6 +330,50 @@ fn a_restore_with_a_private_run_skips_crius_kernel_probes_and_writes_nothing_in_
 }
 
 #[test]
+fn a_root_dump_with_a_private_run_skips_crius_kernel_probes_and_restores() {
+    let test = "a_root_dump_with_a_private_run_skips_crius_kernel_probes_and_restores";
+    let Some(criu) = criu_or_skip(test) else {
+        return;
+    };
+    let host_cache = Path::new("/run/criu.kdat");
+    let host_had_one = host_cache.exists();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let images = images_dir(dir);
+    let mut worker = Worker::launch(dir, &[]);
+    assert_eq!(ping(dir, worker.pid, 1), (worker.secret.clone(), 1));
+    criu.prepare_kernel_cache()
+        .unwrap_or_else(|e| panic!("{e}"));
+    criu.dump(&DumpRequest {
+        private_run: true,
+        log_level: 4,
+        log_file: "dump-private-run.log",
+        ..dump_request(worker.pid, &images)
+    })
+    .unwrap_or_else(|e| panic!("{}", explain(&e)));
+    worker.unshare.wait().expect("unshare exits after the dump");
+    let log = std::fs::read_to_string(images.join("dump-private-run.log")).expect("log");
+    assert!(
+        log.contains("Loaded kdat cache from /run/criu.kdat"),
+        "CRIU probed the kernel in the dump:\n{}",
+        log_tail(&images.join("dump-private-run.log"))
+    );
+    assert_eq!(
+        host_cache.exists(),
+        host_had_one,
+        "the host's /run got a cache"
+    );
+    let pid = criu
+        .restore(&restore_request(&images, "restore.log"))
+        .unwrap_or_else(|e| panic!("{}", explain(&e)));
+    let restored = Restored {
+        pid,
+        our_child: false,
+    };
+    assert_eq!(ping(dir, restored.pid, 2), (worker.secret.clone(), 2));
+}
+
+#[test]
 fn failed_dump_reports_errno_and_log_and_leaves_the_process_running() {
     let test = "failed_dump_reports_errno_and_log_and_leaves_the_process_running";
     let Some(criu) = criu_or_skip(test) else {

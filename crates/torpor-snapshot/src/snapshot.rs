@@ -238,6 +238,13 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         pid: root.pid,
         source,
     })?;
+    // Its `/run` its own, nothing external there: CRIU may run with a `/run` of its own too
+    // (torpor_criu::DumpRequest::private_run).
+    let private_run = mount_plan.archived.iter().any(|m| m.path == "/run")
+        && !mount_plan
+            .external
+            .iter()
+            .any(|m| Path::new(&m.path).starts_with("/run"));
     let mut external = mount_plan.external;
     if let Some(state_dir) = opts.state_dir {
         // By identity, not by path: a worker restored from another node's snapshot has this
@@ -398,6 +405,7 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         opts,
         &root,
         &dump_external,
+        private_run,
         tasks.as_mut(),
         &mut phases,
         &writer,
@@ -592,6 +600,7 @@ fn stop_and_dump(
     opts: &SnapshotOptions,
     root: &ProcessInfo,
     external: &[String],
+    private_run: bool,
     tasks: Option<&mut GpuTasks>,
     phases: &mut Phases,
     writer: &SnapshotWriter,
@@ -663,6 +672,7 @@ fn stop_and_dump(
         log_level: 4,
         track_mem: parent_img.is_some(),
         parent_img,
+        private_run,
     };
     phases
         .time("criu_dump", || {
