@@ -162,6 +162,52 @@ fn detached_tmpfs() -> io::Result<OwnedFd> {
     }
 }
 
+/// The source name the cache's tmpfs had before session 49, mounted on a host directory.
+const LEAKED_SOURCE: &str = "torpor-criu-kdat";
+
+/// Unmounts what a Torpor older than session 49 left in this mount namespace when it was killed
+/// while making the cache: tmpfs mounts named [`LEAKED_SOURCE`] on `.tmp*` directories of the
+/// temporary directory (the directory is removed too). This version never mounts one there, so
+/// any such mount is a leftover. Returns how many went.
+pub fn remove_leaked_cache_mounts() -> usize {
+    let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return 0;
+    };
+    let tmp = std::env::temp_dir();
+    let mut removed = 0;
+    for line in table.lines() {
+        // `... MOUNT_POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS`
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let mut after = right.split_whitespace();
+        if after.next() != Some("tmpfs") || after.next() != Some(LEAKED_SOURCE) {
+            continue;
+        }
+        let Some(point) = left.split_whitespace().nth(4) else {
+            continue;
+        };
+        let point = std::path::Path::new(point);
+        let leftover = point.parent() == Some(tmp.as_path())
+            && point
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(".tmp"));
+        let Ok(c_point) = std::ffi::CString::new(point.as_os_str().as_encoded_bytes()) else {
+            continue;
+        };
+        if !leftover {
+            continue;
+        }
+        // SAFETY: umount2(2) of a path, lazily; nothing of ours is under it.
+        if unsafe { libc::umount2(c_point.as_ptr(), libc::MNT_DETACH) } == 0 {
+            let _ = std::fs::remove_dir(point);
+            removed += 1;
+        }
+    }
+    removed
+}
+
 fn source_name() -> String {
     format!("torpor-criu-kdat-{}", std::process::id())
 }
@@ -296,6 +342,63 @@ mod tests {
             std::path::Path::new("/run/criu.kdat").exists(),
             host_had_one
         );
+    }
+
+    #[test]
+    fn mounts_an_older_torpor_left_behind_are_removed_and_others_kept() {
+        // SAFETY: geteuid(2) reads this process's id.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIP: needs root (mount)");
+            return;
+        }
+        let mount = |dir: &std::path::Path, source: &std::ffi::CStr| {
+            let path = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).expect("path");
+            // SAFETY: mounts a tmpfs on a fresh directory of this test.
+            let r = unsafe {
+                libc::mount(
+                    source.as_ptr(),
+                    path.as_ptr(),
+                    c"tmpfs".as_ptr(),
+                    0,
+                    c"size=64k".as_ptr().cast(),
+                )
+            };
+            assert_eq!(r, 0, "{}", io::Error::last_os_error());
+        };
+        // What the old code left: its name, on a `.tmp*` directory of the temporary directory.
+        let leaked = tempfile::Builder::new()
+            .prefix(".tmp")
+            .tempdir()
+            .expect("tempdir");
+        let leaked = leaked.keep();
+        mount(&leaked, c"torpor-criu-kdat");
+        // The same name elsewhere, and another tmpfs there: not ours to touch.
+        let elsewhere = tempfile::tempdir_in("/var/tmp").expect("tempdir");
+        mount(elsewhere.path(), c"torpor-criu-kdat");
+        let other = tempfile::Builder::new()
+            .prefix(".tmp")
+            .tempdir()
+            .expect("tempdir");
+        mount(other.path(), c"someone-else");
+
+        assert!(remove_leaked_cache_mounts() >= 1);
+        let table = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+        let mounted = |p: &std::path::Path| {
+            table
+                .lines()
+                .any(|l| l.split_whitespace().nth(4) == p.to_str())
+        };
+        assert!(!mounted(&leaked) && !leaked.exists(), "the leftover stayed");
+        assert!(
+            mounted(elsewhere.path()),
+            "a mount outside the temporary directory went"
+        );
+        assert!(mounted(other.path()), "another tmpfs went");
+        for p in [elsewhere.path(), other.path()] {
+            let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).expect("path");
+            // SAFETY: unmounts what this test mounted.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
     }
 
     #[test]

@@ -54,6 +54,7 @@ mod spawn;
 mod swrk;
 
 pub use error::{Action, CriuError};
+pub use kerndat::remove_leaked_cache_mounts;
 pub use lazy::{
     start_page_server, LazyPages, LazyPagesError, PageServerOptions, LAZY_PAGES_SOCKET,
 };

@@ -53,6 +53,12 @@ pub fn require_criu() -> Result<Criu, PreflightError> {
     Ok(Criu::locate()?)
 }
 
+/// Unmounts the kernel-feature cache mounts an older Torpor killed while making its cache left
+/// in this mount namespace (`torpor_criu::remove_leaked_cache_mounts`); how many went.
+pub fn remove_leaked_criu_cache_mounts() -> usize {
+    torpor_criu::remove_leaked_cache_mounts()
+}
+
 /// Makes CRIU's kernel-feature cache for this process's restores and dumps
 /// (`torpor_criu::kerndat`): a long-running caller (torpord) calls it once, off any request's path, and every later restore or dump of a tree that
 /// reaches nothing in the host's `/run` skips CRIU's probes of the kernel.

@@ -242,6 +242,14 @@ impl Daemon {
         // CRIU's kernel-feature cache, made once here so that no restore pays CRIU's probes of
         // the kernel (67 ms on the H100; torpor_criu::kerndat). Without it restores still work.
         tokio::task::spawn_blocking(|| {
+            // An older torpord killed while making it left its mount behind (torpor_criu::kerndat).
+            let leaked = torpor_snapshot::preflight::remove_leaked_criu_cache_mounts();
+            if leaked > 0 {
+                tracing::info!(
+                    mounts = leaked,
+                    "removed the kernel-feature cache mounts an older torpord left behind"
+                );
+            }
             if let Err(e) = torpor_snapshot::preflight::prepare_criu_kernel_cache() {
                 tracing::warn!(error = %e, "restores will probe the kernel each time");
             }
