@@ -193,12 +193,12 @@ pub fn remove_leaked_cache_mounts() -> usize {
                 .file_name()
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with(".tmp"));
-        let Ok(c_point) = std::ffi::CString::new(point.as_os_str().as_encoded_bytes()) else {
-            continue;
-        };
         if !leftover {
             continue;
         }
+        let Ok(c_point) = std::ffi::CString::new(point.as_os_str().as_encoded_bytes()) else {
+            continue;
+        };
         // SAFETY: umount2(2) of a path, lazily; nothing of ours is under it.
         if unsafe { libc::umount2(c_point.as_ptr(), libc::MNT_DETACH) } == 0 {
             let _ = std::fs::remove_dir(point);

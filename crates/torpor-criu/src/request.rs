@@ -235,8 +235,8 @@ impl Criu {
         };
         let log = r.images_dir.join(r.log_file);
         // A tree that dropped root is dumped by a CRIU with its real ids (crate::kerndat); a
-        // root one with a `/run` of its own when it may, so that CRIU skips its kernel probes
-        // (inside the stop of every leave-running snapshot and periodic checkpoint).
+        // root one with a `/run` of its own when it may, so that CRIU's kernel probes leave
+        // the stop.
         let own_run = match tree_ids(r.pid) {
             Some((uid, gid)) => Some(crate::kerndat::OwnRun {
                 ids: Some((uid, gid)),

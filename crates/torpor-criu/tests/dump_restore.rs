@@ -273,9 +273,10 @@ fn dump_then_restore_twice_side_by_side() {
 }
 
 #[test]
-fn a_restore_with_a_private_run_skips_crius_kernel_probes_and_writes_nothing_in_the_hosts() {
+fn a_dump_and_a_restore_with_a_private_run_skip_crius_kernel_probes_and_write_nothing_in_the_hosts()
+{
     let test =
-        "a_restore_with_a_private_run_skips_crius_kernel_probes_and_writes_nothing_in_the_hosts";
+        "a_dump_and_a_restore_with_a_private_run_skip_crius_kernel_probes_and_write_nothing_in_the_hosts";
     let Some(criu) = criu_or_skip(test) else {
         return;
     };
@@ -286,12 +287,23 @@ fn a_restore_with_a_private_run_skips_crius_kernel_probes_and_writes_nothing_in_
     let images = images_dir(dir);
     let mut worker = Worker::launch(dir, &[]);
     assert_eq!(ping(dir, worker.pid, 1), (worker.secret.clone(), 1));
-    criu.dump(&dump_request(worker.pid, &images))
-        .unwrap_or_else(|e| panic!("{}", explain(&e)));
-    worker.unshare.wait().expect("unshare exits after the dump");
-
     criu.prepare_kernel_cache()
         .unwrap_or_else(|e| panic!("{e}"));
+    // A root tree: its dump gets the private /run only when asked (DumpRequest::private_run).
+    criu.dump(&DumpRequest {
+        private_run: true,
+        log_level: 4,
+        log_file: "dump-private-run.log",
+        ..dump_request(worker.pid, &images)
+    })
+    .unwrap_or_else(|e| panic!("{}", explain(&e)));
+    worker.unshare.wait().expect("unshare exits after the dump");
+    let dump_log = std::fs::read_to_string(images.join("dump-private-run.log")).expect("log");
+    assert!(
+        dump_log.contains("Loaded kdat cache from /run/criu.kdat"),
+        "CRIU probed the kernel in the dump:\n{}",
+        log_tail(&images.join("dump-private-run.log"))
+    );
     // One restore at log level 4, detached, and its log.
     let restore = |private_run: bool, log: &str| {
         let pid = criu
@@ -327,50 +339,6 @@ fn a_restore_with_a_private_run_skips_crius_kernel_probes_and_writes_nothing_in_
             log_tail(&images.join("restore-plain.log"))
         );
     }
-}
-
-#[test]
-fn a_root_dump_with_a_private_run_skips_crius_kernel_probes_and_restores() {
-    let test = "a_root_dump_with_a_private_run_skips_crius_kernel_probes_and_restores";
-    let Some(criu) = criu_or_skip(test) else {
-        return;
-    };
-    let host_cache = Path::new("/run/criu.kdat");
-    let host_had_one = host_cache.exists();
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
-    let images = images_dir(dir);
-    let mut worker = Worker::launch(dir, &[]);
-    assert_eq!(ping(dir, worker.pid, 1), (worker.secret.clone(), 1));
-    criu.prepare_kernel_cache()
-        .unwrap_or_else(|e| panic!("{e}"));
-    criu.dump(&DumpRequest {
-        private_run: true,
-        log_level: 4,
-        log_file: "dump-private-run.log",
-        ..dump_request(worker.pid, &images)
-    })
-    .unwrap_or_else(|e| panic!("{}", explain(&e)));
-    worker.unshare.wait().expect("unshare exits after the dump");
-    let log = std::fs::read_to_string(images.join("dump-private-run.log")).expect("log");
-    assert!(
-        log.contains("Loaded kdat cache from /run/criu.kdat"),
-        "CRIU probed the kernel in the dump:\n{}",
-        log_tail(&images.join("dump-private-run.log"))
-    );
-    assert_eq!(
-        host_cache.exists(),
-        host_had_one,
-        "the host's /run got a cache"
-    );
-    let pid = criu
-        .restore(&restore_request(&images, "restore.log"))
-        .unwrap_or_else(|e| panic!("{}", explain(&e)));
-    let restored = Restored {
-        pid,
-        our_child: false,
-    };
-    assert_eq!(ping(dir, restored.pid, 2), (worker.secret.clone(), 2));
 }
 
 #[test]

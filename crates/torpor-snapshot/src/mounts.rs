@@ -271,6 +271,15 @@ pub fn restore_spec(m: &ExternalMount) -> String {
     format!("mnt[{}]:{}", m.key, m.path)
 }
 
+/// Whether a tree's `/run` is its own: a mount archived with it (a tmpfs, as a torpord
+/// worker's), and no external mount lies under it. CRIU may then run with a `/run` of its own
+/// holding its kernel-feature cache (`torpor_criu::{DumpRequest, RestoreRequest}::private_run`).
+pub fn run_is_its_own(archived: &[ArchivedMount], external: &[ExternalMount]) -> bool {
+    let run = Path::new("/run");
+    archived.iter().any(|m| Path::new(&m.path) == run)
+        && !external.iter().any(|m| Path::new(&m.path).starts_with(run))
+}
+
 /// What a snapshot of a tree does with its mounts: dumps these as external, archives those.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MountPlan {

@@ -60,8 +60,9 @@ pub fn remove_leaked_criu_cache_mounts() -> usize {
 }
 
 /// Makes CRIU's kernel-feature cache for this process's restores and dumps
-/// (`torpor_criu::kerndat`): a long-running caller (torpord) calls it once, off any request's path, and every later restore or dump of a tree that
-/// reaches nothing in the host's `/run` skips CRIU's probes of the kernel.
+/// (`torpor_criu::kerndat`): a long-running caller (torpord) calls it once, off any request's
+/// path, and every later restore or dump of a tree that reaches nothing in the host's `/run`
+/// skips CRIU's probes of the kernel.
 pub fn prepare_criu_kernel_cache() -> Result<(), PreflightError> {
     Ok(require_criu()?.prepare_kernel_cache()?)
 }

@@ -1146,24 +1146,15 @@ fn plan_gpus(gpu: &GpuSection, map: &[GpuMapping]) -> Result<GpuPlan, RestoreErr
     Ok(GpuPlan { driver, pairs })
 }
 
-/// Whether a restored tree reaches nothing in the host's `/run`: its `/run` is a tmpfs of its own
-/// (archived with it, as a torpord worker's is) and no external mount (`mnt[KEY]:HOST_PATH`, as
-/// CRIU gets them) comes from there. CRIU may then run with a `/run` of its own holding its
-/// kernel-feature cache (`torpor_criu::RestoreRequest::private_run`).
+/// Whether a restored tree reaches nothing in the host's `/run`: its `/run` is its own
+/// (`mounts::run_is_its_own`) and no external mount (`mnt[KEY]:HOST_PATH`, as CRIU gets them)
+/// comes from the host's `/run` either.
 fn reaches_no_host_run(manifest: &Manifest, external: &[String]) -> bool {
-    let run = Path::new("/run");
     let from_run = |spec: &String| {
         spec.split_once("]:")
-            .is_none_or(|(_, host)| Path::new(host).starts_with(run))
+            .is_none_or(|(_, host)| Path::new(host).starts_with("/run"))
     };
-    manifest
-        .archived_mounts
-        .iter()
-        .any(|m| Path::new(&m.path) == run)
-        && !manifest
-            .external_mounts
-            .iter()
-            .any(|m| Path::new(&m.path).starts_with(run))
+    crate::mounts::run_is_its_own(&manifest.archived_mounts, &manifest.external_mounts)
         && !external.iter().any(from_run)
 }
 

@@ -238,13 +238,7 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         pid: root.pid,
         source,
     })?;
-    // Its `/run` its own, nothing external there: CRIU may run with a `/run` of its own too
-    // (torpor_criu::DumpRequest::private_run).
-    let private_run = mount_plan.archived.iter().any(|m| m.path == "/run")
-        && !mount_plan
-            .external
-            .iter()
-            .any(|m| Path::new(&m.path).starts_with("/run"));
+    let private_run = mounts::run_is_its_own(&mount_plan.archived, &mount_plan.external);
     let mut external = mount_plan.external;
     if let Some(state_dir) = opts.state_dir {
         // By identity, not by path: a worker restored from another node's snapshot has this
