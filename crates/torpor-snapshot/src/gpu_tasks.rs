@@ -91,6 +91,16 @@ impl<'d> GpuTasks<'d> {
         self.tasks.iter().map(|t| t.0).collect()
     }
 
+    /// The tasks `checkpoint_all` will checkpoint: those locked and not yet checkpointed (a
+    /// released task's GPU state is in its memory already).
+    pub fn to_checkpoint(&self) -> Vec<i32> {
+        self.tasks
+            .iter()
+            .filter(|t| t.1 == TaskState::Locked)
+            .map(|t| t.0)
+            .collect()
+    }
+
     /// Locks every task's CUDA API; in-flight work completes first.
     pub fn lock_all(&mut self, timeout: Duration) -> Result<(), StepError> {
         for (pid, state) in self.tasks.iter_mut() {

@@ -221,6 +221,9 @@ fn forked_during_dump(e: &SnapshotError) -> bool {
 }
 
 fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError> {
+    // Everything before the stop is timed as `prepare`: a caller that stopped routing to the
+    // tree first (a hibernation) waits for it as much as for the dump.
+    let prepare = Instant::now();
     preflight::require_root("torpor snapshot")?;
     preflight::require_checkpoint_restore_kernel(Path::new("/proc"))?;
     let criu = preflight::require_criu()?;
@@ -309,19 +312,22 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
     let host = Host::current(criu.version_string())?;
     let mut phases = Phases::default();
     phases.0.push(("identify_reopened".into(), identify_s));
-    let cuda = find_cuda_in(&tree, opts.gpu_released.is_some())?;
-    let (cuda_pids, gpu_section) = match &cuda {
-        Some((driver, nvml, pids)) => (
-            pids.iter().map(|p| p.0).collect::<Vec<_>>(),
-            Some(gpu_section_of(
-                driver,
-                nvml.as_ref(),
-                pids,
-                opts.gpu_released,
-            )?),
-        ),
-        None => (Vec::new(), None),
-    };
+    let (cuda, cuda_pids, gpu_section) = phases.time("gpu_survey", || {
+        let cuda = find_cuda_in(&tree, opts.gpu_released.is_some())?;
+        let (pids, section) = match &cuda {
+            Some((driver, nvml, pids)) => (
+                pids.iter().map(|p| p.0).collect::<Vec<_>>(),
+                Some(gpu_section_of(
+                    driver,
+                    nvml.as_ref(),
+                    pids,
+                    opts.gpu_released,
+                )?),
+            ),
+            None => (Vec::new(), None),
+        };
+        Ok::<_, SnapshotError>((cuda, pids, section))
+    })?;
     if let Some(refusal) = unsupported::find(&pids) {
         return Err(SnapshotError::Unsupported {
             root: root.pid,
@@ -362,7 +368,10 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
     let named = std::path::absolute(opts.out)
         .ok()
         .and_then(|out| out.parent().map(Path::to_path_buf));
-    let space = match space::check(&pids, &archived, gpu_bytes, writer.dir()) {
+    let checked = phases.time("space_check", || {
+        space::check(&pids, &archived, gpu_bytes, writer.dir())
+    });
+    let space = match checked {
         Ok(space) => space::Estimate {
             dir: named.unwrap_or(space.dir),
             ..space
@@ -377,6 +386,10 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
             });
         }
     };
+
+    phases
+        .0
+        .push(("prepare".into(), prepare.elapsed().as_secs_f64()));
 
     // Concurrent: copy the memory while the tree runs; the stop then copies what changed.
     let pre_dumps = if opts.pre_dump_rounds > 0 {
@@ -618,31 +631,41 @@ fn stop_and_dump(
                 source,
             })?;
         check_interrupt()?;
-        let before: Vec<_> = t
-            .pids()
-            .into_iter()
-            .map(|p| (p, empty_gpu_memory::Resident::of(p).unwrap_or_default()))
-            .collect();
+        // Only the tasks this checkpoint moves: a released one's memory does not change here,
+        // and reading a big process's smaps walks its page tables (~13 ms a GiB of 4 KiB pages).
+        let before: Vec<_> = phases.time("empty_gpu_memory_check", || {
+            t.to_checkpoint()
+                .into_iter()
+                .map(|p| (p, empty_gpu_memory::Resident::of(p).unwrap_or_default()))
+                .collect()
+        });
         phases
             .time("cuda_checkpoint", || t.checkpoint_all())
             .map_err(|source| SnapshotError::Gpu {
                 root: root.pid,
                 source,
             })?;
-        for (pid, before) in &before {
-            let after = empty_gpu_memory::Resident::of(*pid).unwrap_or_default();
-            let added = empty_gpu_memory::added(*pid, before, &after, empty_gpu_memory::SAMPLES);
-            if let Some(w) = added.ok().and_then(|a| empty_gpu_memory::warning(*pid, &a)) {
-                warnings.push(w);
-            }
-        }
+        let found = phases.time("empty_gpu_memory_check", || {
+            before
+                .iter()
+                .filter_map(|(pid, before)| {
+                    let after = empty_gpu_memory::Resident::of(*pid).unwrap_or_default();
+                    let added =
+                        empty_gpu_memory::added(*pid, before, &after, empty_gpu_memory::SAMPLES);
+                    added.ok().and_then(|a| empty_gpu_memory::warning(*pid, &a))
+                })
+                .collect::<Vec<_>>()
+        });
+        warnings.extend(found);
         check_interrupt()?;
     }
     // Once more, on the tree as it is now: a process started, or one that mapped the driver,
     // since the tree was first listed (inductor's compile workers start in the background and
     // may still be importing torch then; the lock and checkpoint above take seconds) would
     // otherwise reach CRIU with its device mappings ("handle_device_vma plugin failed").
-    drop_inherited_mappings(root.pid, &proctree::tree(root.pid), &cuda_pids)?;
+    phases.time("inherited_mappings", || {
+        drop_inherited_mappings(root.pid, &proctree::tree(root.pid), &cuda_pids)
+    })?;
     if fault::armed(fault::Point::BeforeDump) {
         return Err(SnapshotError::Fault {
             root: root.pid,

@@ -185,11 +185,13 @@ pub fn least_needed(pids: &[i32], own_tmpfs: &[String], extra: u64) -> u64 {
     anonymous + tmpfs + extra
 }
 
-/// `Anonymous:` of /proc/PID/smaps_rollup, in bytes.
+/// `RssAnon:` of /proc/PID/status, in bytes: the kernel's counter of the process's resident
+/// anonymous pages. `Anonymous:` of smaps_rollup says the same but walks every page table to
+/// say it (~13 ms a GiB of 4 KiB pages), and a hibernation's stop waits for this check.
 fn anonymous_bytes(pid: i32) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     text.lines()
-        .find_map(|l| l.strip_prefix("Anonymous:"))
+        .find_map(|l| l.strip_prefix("RssAnon:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map(|kb| kb * 1024)
 }
