@@ -132,6 +132,11 @@ impl Criu {
             prefix_args,
             version: Version::new(0, 0, 0),
         };
+        let files = criu.files();
+        if let Some(version) = answered::lookup(&files) {
+            criu.version = version;
+            return criu.at_least_needed();
+        }
         let output = criu
             .command()
             .arg("--version")
@@ -149,15 +154,35 @@ impl Criu {
                 3,
             ),
         })?;
+        answered::remember(files, criu.version);
+        criu.at_least_needed()
+    }
+
+    fn at_least_needed(self) -> Result<Criu, CriuError> {
         let need = min_version();
-        if criu.version < need {
+        if self.version < need {
             return Err(CriuError::TooOld {
-                program: criu.program,
-                found: criu.version,
+                program: self.program,
+                found: self.version,
                 need,
             });
         }
-        Ok(criu)
+        Ok(self)
+    }
+
+    /// The files that make up this CRIU and so its answer to `--version`: the program, and the
+    /// criu binary a packaged loader runs. `None` when one cannot be looked at (a bare name
+    /// found in `PATH`): such a CRIU is asked every time.
+    fn files(&self) -> Option<Vec<answered::Stamp>> {
+        std::iter::once(self.program.as_path())
+            .chain(
+                self.prefix_args
+                    .last()
+                    .map(Path::new)
+                    .filter(|p| p.is_absolute() && p.is_file()),
+            )
+            .map(answered::Stamp::of)
+            .collect()
     }
 
     /// A `Criu` for tests of the plumbing around it: no version check.
@@ -329,6 +354,54 @@ fn is_executable(path: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// What `criu --version` answered, by the files that answered it. A long-running caller (torpord)
+/// locates CRIU for every restore and dump, and each `--version` is an exec of CRIU and its
+/// libraries (~3 ms, on a cold start's path); a file changed since (CRIU provisioned again) is
+/// asked again.
+mod answered {
+    use std::os::unix::fs::MetadataExt;
+    use std::path::{Path, PathBuf};
+    use std::sync::Mutex;
+
+    use super::Version;
+
+    /// A file as it was when it answered: path, inode, size and modification time.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    pub(super) struct Stamp(PathBuf, u64, u64, i64, i64);
+
+    impl Stamp {
+        pub(super) fn of(path: &Path) -> Option<Stamp> {
+            let m = std::fs::metadata(path).ok()?;
+            Some(Stamp(
+                path.to_path_buf(),
+                m.ino(),
+                m.len(),
+                m.mtime(),
+                m.mtime_nsec(),
+            ))
+        }
+    }
+
+    static ANSWERS: Mutex<Vec<(Vec<Stamp>, Version)>> = Mutex::new(Vec::new());
+
+    pub(super) fn lookup(files: &Option<Vec<Stamp>>) -> Option<Version> {
+        let files = files.as_ref()?;
+        let answers = ANSWERS.lock().unwrap_or_else(|e| e.into_inner());
+        answers
+            .iter()
+            .find(|(f, _)| f == files)
+            .map(|(_, version)| *version)
+    }
+
+    pub(super) fn remember(files: Option<Vec<Stamp>>, version: Version) {
+        let Some(files) = files else { return };
+        let mut answers = ANSWERS.lock().unwrap_or_else(|e| e.into_inner());
+        // The same program again, changed: its old answer goes.
+        answers.retain(|(f, _)| f.first().map(|s| &s.0) != files.first().map(|s| &s.0));
+        answers.push((files, version));
+    }
+}
+
 /// Reads a small text file (the marker); `None` if absent, unreadable or implausibly large.
 fn read_small(path: &Path) -> Option<String> {
     let file = std::fs::File::open(path).ok()?;
@@ -392,6 +465,56 @@ mod tests {
             }
             other => panic!("expected Spawn, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_criu_is_asked_its_version_once_until_its_file_changes() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let asked = dir.path().join("asked");
+        let program = dir.path().join("criu");
+        let write = |version: &str| {
+            let script = format!(
+                "#!/bin/sh\necho x >> {}\necho 'Version: {version}'\n",
+                asked.display()
+            );
+            std::fs::write(&program, script).unwrap();
+            std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        };
+        let times_asked = || {
+            std::fs::read_to_string(&asked)
+                .unwrap_or_default()
+                .lines()
+                .count()
+        };
+        write("9.0.0");
+        assert_eq!(
+            Criu::from_program(&program).unwrap().version(),
+            Version::new(9, 0, 0)
+        );
+        assert_eq!(
+            Criu::from_program(&program).unwrap().version(),
+            Version::new(9, 0, 0)
+        );
+        assert_eq!(times_asked(), 1, "the second locate must not run --version");
+        // Provisioned again: another size, so another answer is asked for.
+        write("9.1.10");
+        assert_eq!(
+            Criu::from_program(&program).unwrap().version(),
+            Version::new(9, 1, 10)
+        );
+        assert_eq!(times_asked(), 2);
+        // One too old is refused from the remembered answer as from a fresh one.
+        write("4.0.0");
+        assert!(matches!(
+            Criu::from_program(&program),
+            Err(CriuError::TooOld { .. })
+        ));
+        assert!(matches!(
+            Criu::from_program(&program),
+            Err(CriuError::TooOld { .. })
+        ));
+        assert_eq!(times_asked(), 3);
     }
 
     #[test]
