@@ -368,6 +368,9 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
     let named = std::path::absolute(opts.out)
         .ok()
         .and_then(|out| out.parent().map(Path::to_path_buf));
+    let check_empty_gpu_memory = gpu_section
+        .as_ref()
+        .is_some_and(|g| empty_gpu_memory::worth_checking(&g.gpus, gpu_bytes));
     let checked = phases.time("space_check", || {
         space::check(&pids, &archived, gpu_bytes, writer.dir())
     });
@@ -418,6 +421,7 @@ fn snapshot_once(opts: &SnapshotOptions) -> Result<SnapshotReport, SnapshotError
         &writer,
         &mut warnings,
         pre_dumps.as_ref().map(|p| p.parent_of_final()),
+        check_empty_gpu_memory,
     );
     if let Err(original) = result {
         return Err(roll_back(
@@ -613,6 +617,7 @@ fn stop_and_dump(
     writer: &SnapshotWriter,
     warnings: &mut Vec<String>,
     parent_img: Option<String>,
+    check_empty_gpu_memory: bool,
 ) -> Result<(), SnapshotError> {
     let check_interrupt = || {
         if interrupt::interrupted() {
@@ -633,8 +638,13 @@ fn stop_and_dump(
         check_interrupt()?;
         // Only the tasks this checkpoint moves: a released one's memory does not change here,
         // and reading a big process's smaps walks its page tables (~13 ms a GiB of 4 KiB pages).
-        let before: Vec<_> = phases.time("empty_gpu_memory_check", || {
+        let checked = if check_empty_gpu_memory {
             t.to_checkpoint()
+        } else {
+            Vec::new()
+        };
+        let before: Vec<_> = phases.time("empty_gpu_memory_check", || {
+            checked
                 .into_iter()
                 .map(|p| (p, empty_gpu_memory::Resident::of(p).unwrap_or_default()))
                 .collect()
