@@ -123,6 +123,23 @@ def released(d: Json) -> tuple[str, str]:
     )
 
 
+def released_arms(*docs: Json) -> tuple[str, str]:
+    """The same as `released`, the runs of one arm's calls pooled (an A/B alternating in one
+    call): each stop's median, and the median of what was outside CRIU's dump and the driver."""
+
+    def cell(mode: str) -> str:
+        runs = [r for d in docs for r in d["modes"][mode]["runs"]]
+        driver = ("snapshot.criu_dump", "snapshot.cuda_checkpoint", "gpu_resume")
+        outside = [r["stop_s"] - sum(r["phases"].get(k, 0.0) for k in driver) for r in runs]
+        dumps = [r["phases"]["snapshot.criu_dump"] for r in runs]
+        return (
+            f"{sec(statistics.median(r['stop_s'] for r in runs))} (CRIU's dump {sec(statistics.median(dumps))}, "
+            f"{min(dumps):.2f}–{max(dumps):.2f} s; outside it and the driver {sec(statistics.median(outside), 3)})"
+        )
+
+    return cell("resumed-first"), cell("released")
+
+
 ROWS = (
     Row("dev machine, CPU function, 20 MB of segments", "hibernation stop (median)",
         ("concurrent-checkpoint-hibernate-cpu.json",), hibernation),
@@ -153,6 +170,15 @@ ROWS = (
     Row("H200, GPT-2-Large from gpu_released (session 42, one call, 3 runs a side): "
         "left resumed first (`hibernate_released = false`), right kept released",
         "hibernation stop (median)", ("hibernation-released-s42-h200.json",), released),
+    Row("H200, GPT-2-Large from gpu_released (session 50, one call, arms alternating, 4 runs an arm): "
+        "before, 9e30d24; left resumed first, right kept released",
+        "hibernation stop (median)",
+        ("hibernation-released-s50-prep2-1-before-h200.json", "hibernation-released-s50-prep2-3-before-h200.json"),
+        released_arms),
+    Row("same call: after, d4ca79f (no page-table walks before the dump where they cannot matter)",
+        "hibernation stop (median)",
+        ("hibernation-released-s50-prep2-2-after-h200.json", "hibernation-released-s50-prep2-4-after-h200.json"),
+        released_arms),
 )
 
 
