@@ -41,7 +41,7 @@ DUMP_STEPS = (
     ("choose pages", ("page-pipe: Add iov", "Pagemap generated", "pagemap-cache", "page-pipe: Will grow",
                       "page-pipe: Grow pipe", "Pagemap full")),
     ("drain into pipes (parasite)", ("PPB:", "Sent msg to daemon", "Wait for ack", "Fetched ack",
-                                     "page-pipe: Page pipe", "page-pipe: * ", "page-pipe: \t", "pie: ")),
+                                     "page-pipe: Page pipe", "page-pipe: * ", "page-pipe: \t")),
     ("write the image", ("page-xfer", "page-pipe: Clean up")),
 )
 ROUND_TRIP = "Wait for ack"

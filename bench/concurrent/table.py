@@ -129,8 +129,8 @@ def released_arms(*docs: Json) -> tuple[str, str]:
 
     def cell(mode: str) -> str:
         runs = [r for d in docs for r in d["modes"][mode]["runs"]]
-        driver = ("snapshot.criu_dump", "snapshot.cuda_checkpoint", "gpu_resume")
-        outside = [r["stop_s"] - sum(r["phases"].get(k, 0.0) for k in driver) for r in runs]
+        criu_or_driver = ("snapshot.criu_dump", "snapshot.cuda_checkpoint", "gpu_resume")
+        outside = [r["stop_s"] - sum(r["phases"].get(k, 0.0) for k in criu_or_driver) for r in runs]
         dumps = [r["phases"]["snapshot.criu_dump"] for r in runs]
         return (
             f"{sec(statistics.median(r['stop_s'] for r in runs))} (CRIU's dump {sec(statistics.median(dumps))}, "
