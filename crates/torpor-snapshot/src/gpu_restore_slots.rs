@@ -15,21 +15,27 @@
 //! takes its turn. With late binding (torpord's pool) the first instance up serves the burst
 //! while the rest restore.
 //!
+//! Each bound holds per *lane*: the caller names the lane of each restore (torpord: the GPU it
+//! restores onto, or 0 for every restore with `restore_server.driver_lanes = "node"`), so the
+//! restores of a node's different GPUs neither wait for nor count against each other.
+//!
 //! A counting semaphore over std's `Mutex` and `Condvar`: the restore runs on a blocking
 //! thread (CRIU, ptrace, the driver's calls), so an async semaphore would need a runtime
 //! handle inside it; this crate has none.
 
+use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// A bound on GPU restores in flight, shared by every restore of one daemon.
+/// A bound on GPU restores in flight per lane, shared by every restore of one daemon.
 #[derive(Debug)]
 pub struct GpuRestoreSlots {
     max: usize,
-    used: Mutex<usize>,
+    /// Restores holding a slot, per lane.
+    used: Mutex<HashMap<u32, usize>>,
     freed: Condvar,
-    /// Restores inside the driver's restore now (0 or 1).
-    in_driver: Mutex<usize>,
+    /// Restores inside the driver's restore now, per lane (0 or 1).
+    in_driver: Mutex<HashMap<u32, usize>>,
     driver_freed: Condvar,
 }
 
@@ -37,58 +43,71 @@ pub struct GpuRestoreSlots {
 #[derive(Debug)]
 pub struct DriverTurn<'a> {
     slots: &'a GpuRestoreSlots,
+    lane: u32,
 }
 
 /// One restore's slot: given back when dropped.
 #[derive(Debug)]
 pub struct GpuRestoreSlot<'a> {
     slots: &'a GpuRestoreSlots,
+    lane: u32,
 }
 
 impl GpuRestoreSlots {
-    /// At most `max` GPU restores at once; `max` ≥ 1 (0 means no bound: pass no slots).
+    /// At most `max` GPU restores at once in each lane; `max` ≥ 1 (0 means no bound: pass no
+    /// slots).
     pub fn new(max: usize) -> Self {
         Self {
             max: max.max(1),
-            used: Mutex::new(0),
+            used: Mutex::new(HashMap::new()),
             freed: Condvar::new(),
-            in_driver: Mutex::new(0),
+            in_driver: Mutex::new(HashMap::new()),
             driver_freed: Condvar::new(),
         }
     }
 
-    /// Waits for the driver to be free of the other restores, at most `bound` (as
+    /// Waits for the driver to be free of the other restores of `lane`, at most `bound` (as
     /// [`Self::acquire`]); the turn, if had, and the seconds waited.
-    pub fn driver(&self, bound: Duration) -> (Option<DriverTurn<'_>>, f64) {
-        let (got, waited) = take(&self.in_driver, &self.driver_freed, 1, bound);
-        (got.then_some(DriverTurn { slots: self }), waited)
+    pub fn driver(&self, lane: u32, bound: Duration) -> (Option<DriverTurn<'_>>, f64) {
+        let (got, waited) = take(&self.in_driver, &self.driver_freed, lane, 1, bound);
+        (got.then(|| DriverTurn { slots: self, lane }), waited)
     }
 
-    /// The bound.
+    /// The bound of each lane.
     pub fn max(&self) -> usize {
         self.max
     }
 
-    /// GPU restores in flight now.
+    /// GPU restores in flight now, all lanes together.
     pub fn in_use(&self) -> usize {
-        *self.used.lock().unwrap_or_else(|e| e.into_inner())
+        self.used
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .sum()
     }
 
-    /// Waits for a slot, at most `bound` (then goes on without one: a restore held up longer
-    /// than any burst's restores take means a slot was lost, and waiting longer only adds to
-    /// the start). Returns the slot, if one was had, and the seconds waited.
-    pub fn acquire(&self, bound: Duration) -> (Option<GpuRestoreSlot<'_>>, f64) {
-        let (got, waited) = take(&self.used, &self.freed, self.max, bound);
-        (got.then_some(GpuRestoreSlot { slots: self }), waited)
+    /// Waits for a slot of `lane`, at most `bound` (then goes on without one: a restore held
+    /// up longer than any burst's restores take means a slot was lost, and waiting longer only
+    /// adds to the start). Returns the slot, if one was had, and the seconds waited.
+    pub fn acquire(&self, lane: u32, bound: Duration) -> (Option<GpuRestoreSlot<'_>>, f64) {
+        let (got, waited) = take(&self.used, &self.freed, lane, self.max, bound);
+        (got.then(|| GpuRestoreSlot { slots: self, lane }), waited)
     }
 }
 
-/// Waits until `count` is below `max`, at most `bound`, then counts one more: whether it did,
-/// and the seconds waited.
-fn take(count: &Mutex<usize>, freed: &Condvar, max: usize, bound: Duration) -> (bool, f64) {
+/// Waits until `lane`'s count is below `max`, at most `bound`, then counts one more: whether
+/// it did, and the seconds waited.
+fn take(
+    counts: &Mutex<HashMap<u32, usize>>,
+    freed: &Condvar,
+    lane: u32,
+    max: usize,
+    bound: Duration,
+) -> (bool, f64) {
     let start = Instant::now();
-    let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
-    while *n >= max {
+    let mut n = counts.lock().unwrap_or_else(|e| e.into_inner());
+    while n.get(&lane).copied().unwrap_or(0) >= max {
         let left = bound.saturating_sub(start.elapsed());
         if left.is_zero() {
             return (false, start.elapsed().as_secs_f64());
@@ -98,26 +117,32 @@ fn take(count: &Mutex<usize>, freed: &Condvar, max: usize, bound: Duration) -> (
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }
-    *n += 1;
+    *n.entry(lane).or_default() += 1;
     (true, start.elapsed().as_secs_f64())
 }
 
-/// Counts one less in `count` and wakes a waiter.
-fn give(count: &Mutex<usize>, freed: &Condvar) {
-    let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
-    *n = n.saturating_sub(1);
-    freed.notify_one();
+/// Counts one less in `lane` and wakes the waiters (of every lane: one condition variable
+/// serves them all, so each checks its own lane again).
+fn give(counts: &Mutex<HashMap<u32, usize>>, freed: &Condvar, lane: u32) {
+    let mut n = counts.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = n.get_mut(&lane) {
+        *c = c.saturating_sub(1);
+        if *c == 0 {
+            n.remove(&lane);
+        }
+    }
+    freed.notify_all();
 }
 
 impl Drop for GpuRestoreSlot<'_> {
     fn drop(&mut self) {
-        give(&self.slots.used, &self.slots.freed);
+        give(&self.slots.used, &self.slots.freed, self.lane);
     }
 }
 
 impl Drop for DriverTurn<'_> {
     fn drop(&mut self) {
-        give(&self.slots.in_driver, &self.slots.driver_freed);
+        give(&self.slots.in_driver, &self.slots.driver_freed, self.lane);
     }
 }
 
@@ -135,7 +160,7 @@ mod tests {
         std::thread::scope(|s| {
             for _ in 0..8 {
                 s.spawn(|| {
-                    let (slot, _) = slots.acquire(Duration::from_secs(30));
+                    let (slot, _) = slots.acquire(0, Duration::from_secs(30));
                     assert!(slot.is_some(), "a waiter went without a slot");
                     let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
                     most.fetch_max(now, Ordering::SeqCst);
@@ -162,8 +187,8 @@ mod tests {
         std::thread::scope(|s| {
             for _ in 0..3 {
                 s.spawn(|| {
-                    let (slot, _) = slots.acquire(Duration::from_secs(30));
-                    let (turn, _) = slots.driver(Duration::from_secs(30));
+                    let (slot, _) = slots.acquire(0, Duration::from_secs(30));
+                    let (turn, _) = slots.driver(0, Duration::from_secs(30));
                     assert!(slot.is_some() && turn.is_some());
                     let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
                     most.fetch_max(now, Ordering::SeqCst);
@@ -177,20 +202,60 @@ mod tests {
             1,
             "two restores were in the driver at once"
         );
-        let (turn, _) = slots.driver(Duration::from_millis(10));
+        let (turn, _) = slots.driver(0, Duration::from_millis(10));
         assert!(turn.is_some(), "a turn was not given back");
     }
 
     #[test]
     fn a_waiter_past_its_bound_goes_on_without_a_slot() {
         let slots = GpuRestoreSlots::new(1);
-        let (held, waited) = slots.acquire(Duration::from_secs(1));
+        let (held, waited) = slots.acquire(0, Duration::from_secs(1));
         assert!(held.is_some() && waited < 1.0);
-        let (none, waited) = slots.acquire(Duration::from_millis(50));
+        let (none, waited) = slots.acquire(0, Duration::from_millis(50));
         assert!(none.is_none());
         assert!(waited >= 0.05, "{waited}");
+        // Going without a slot gives none back: the held one still counts.
+        assert_eq!(
+            slots.in_use(),
+            1,
+            "a waiter past its bound gave back a slot it never had"
+        );
         drop(held);
-        let (again, _) = slots.acquire(Duration::from_millis(50));
+        let (again, _) = slots.acquire(0, Duration::from_millis(50));
         assert!(again.is_some(), "the slot given back was not reusable");
+    }
+
+    #[test]
+    fn the_lanes_of_two_gpus_neither_wait_for_nor_count_against_each_other() {
+        let slots = GpuRestoreSlots::new(1);
+        let (a, _) = slots.acquire(0, Duration::from_secs(1));
+        let (ta, _) = slots.driver(0, Duration::from_secs(1));
+        assert!(a.is_some() && ta.is_some());
+        // Lane 0 is full, in both bounds; lane 1 is free in both.
+        let (b, waited) = slots.acquire(1, Duration::from_millis(50));
+        let (tb, waited_turn) = slots.driver(1, Duration::from_millis(50));
+        assert!(b.is_some() && tb.is_some());
+        assert!(
+            waited < 0.05 && waited_turn < 0.05,
+            "{waited} {waited_turn}"
+        );
+        assert_eq!(slots.in_use(), 2);
+        let (none, _) = slots.acquire(0, Duration::from_millis(20));
+        assert!(
+            none.is_none(),
+            "lane 0 took a second restore past its bound of 1"
+        );
+        // A waiter on lane 0 gets its slot when lane 0's is given back, not lane 1's.
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| slots.acquire(0, Duration::from_secs(10)).0.is_some());
+            std::thread::sleep(Duration::from_millis(30));
+            drop(b);
+            std::thread::sleep(Duration::from_millis(30));
+            assert!(!waiter.is_finished(), "lane 1's slot freed lane 0's waiter");
+            drop(a);
+            assert!(waiter.join().unwrap());
+        });
+        drop((ta, tb));
+        assert_eq!(slots.in_use(), 0);
     }
 }

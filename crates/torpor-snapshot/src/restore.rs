@@ -62,6 +62,9 @@ pub struct RestoreOptions<'a> {
     /// driver's restore), shared with the caller's other restores (torpord's
     /// `restore_server.gpu_restores`); `None`: no bound. The wait is the phase `restore_wait`.
     pub gpu_restore_slots: Option<&'a crate::gpu_restore_slots::GpuRestoreSlots>,
+    /// The lane of `gpu_restore_slots` this restore waits in (torpord: the GPU it restores
+    /// onto); 0 everywhere else.
+    pub gpu_lane: u32,
 }
 
 /// How a restore checks the snapshot's files against its manifest.
@@ -490,7 +493,7 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     // the driver's restore ended (dropped there, or with any error on the way).
     let slot = match (&plan, opts.gpu_restore_slots) {
         (Some(_), Some(slots)) if opts.resume_gpu => {
-            let (slot, waited) = slots.acquire(GPU_RESTORE_SLOT_WAIT);
+            let (slot, waited) = slots.acquire(opts.gpu_lane, GPU_RESTORE_SLOT_WAIT);
             phases.0.push(("restore_wait".to_string(), waited));
             slot
         }
@@ -712,7 +715,7 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
                     .gpu_restore_slots
                     .filter(|_| slot.is_some())
                     .map(|slots| {
-                        let (turn, waited) = slots.driver(GPU_RESTORE_SLOT_WAIT);
+                        let (turn, waited) = slots.driver(opts.gpu_lane, GPU_RESTORE_SLOT_WAIT);
                         phases.0.push(("cuda_wait".to_string(), waited));
                         turn
                     });

@@ -167,6 +167,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         cgroup: &[],
         external_sources: &[],
         gpu_restore_slots: None,
+        gpu_lane: 0,
     })
     .err()
     .expect("refused");
@@ -194,6 +195,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         cgroup: &[],
         external_sources: &[],
         gpu_restore_slots: None,
+        gpu_lane: 0,
     })
     .expect("restore");
     // Both processes write on, each through its own descriptor, to the new file only.
@@ -245,6 +247,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         cgroup: &[],
         external_sources: &[],
         gpu_restore_slots: None,
+        gpu_lane: 0,
     })
     .expect("restore of the second snapshot");
     wait_for("the twice-restored tree to write the newer log", || {
@@ -266,6 +269,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         cgroup: &[],
         external_sources: &[],
         gpu_restore_slots: None,
+        gpu_lane: 0,
     })
     .expect("restore onto the recorded file");
     wait_for("the copy to append to the recorded log", || {
@@ -332,6 +336,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         cgroup: &[],
         external_sources: &[],
         gpu_restore_slots: None,
+        gpu_lane: 0,
     };
     let err = restore(&opts(Some(&new))).err().expect("refused");
     assert!(matches!(err, RestoreError::StdioUnknown), "{err}");

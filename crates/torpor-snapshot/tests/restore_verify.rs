@@ -125,6 +125,7 @@ fn detached<'a>(
         cgroup: &[],
         external_sources: &[],
         gpu_restore_slots: None,
+        gpu_lane: 0,
     }
 }
 

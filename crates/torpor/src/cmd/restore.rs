@@ -84,6 +84,7 @@ pub fn run(
             cgroup: &[],
             external_sources: &[],
             gpu_restore_slots: None,
+            gpu_lane: 0,
         },
         &PageOptions {
             source: pages,
