@@ -474,6 +474,17 @@ class Daemon:
                     pass
         return out
 
+    def device_instances(self) -> dict[str, int]:
+        """Live instances per device (`torpor_device_instances`): where a burst's starts landed
+        (`restore_server.placement`)."""
+        status, _, body = self.request("GET", "/metrics", timeout=30)
+        out: dict[str, int] = {}
+        for line in body.decode(errors="replace").splitlines() if status == 200 else []:
+            m = re.match(r'^torpor_device_instances\{device="(\d+)"\} (\S+)$', line)
+            if m and float(m.group(2)) > 0:
+                out[m.group(1)] = int(float(m.group(2)))
+        return out
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -994,6 +1005,9 @@ class Bench:
         # come from an instance another request's start made ready first ("warm"), while every
         # request still started one. All up: the burst's instances all warm.
         all_up = self.wait_all_up(d, name, t0)
+        # The gauges are set at each 200 ms keep-alive tick.
+        time.sleep(0.3)
+        devices = d.device_instances()
         after = d.restore_metrics()
         starts = {s: sum(1 for a in got if a["start"] == s) for s in sorted({str(a["start"]) for a in got})}
         if not set(starts) <= {"restored", "warm"} or "restored" not in starts:
@@ -1003,6 +1017,7 @@ class Bench:
             "wall_s": round(wall, 6),
             "first_answer_s": round(first, 6),
             "all_up_s": all_up,
+            "devices": devices,
             "gpu_settle_s": settle_s,
             "starts": starts,
             "start": "restored",

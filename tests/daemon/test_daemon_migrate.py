@@ -30,7 +30,9 @@ from .test_daemon_crash import registry
 from .test_daemon_split import expected_sha, twin
 from .test_daemon_tenants import TOKENS, splitbuf_twin, tcp, tenants  # noqa: F401 (the fixture)
 
-TWO_DEVICES = "[restore_server]\nhost_devices = 2\n"
+# Every cold start on device 0 (the deploy's), where these tests expect it: placement over the
+# devices has tests of its own (test_daemon_placement.py).
+TWO_DEVICES = "[restore_server]\nhost_devices = 2\nplacement = \"first\"\n"
 RESIDUE_BYTES = 64 << 20
 
 

@@ -72,7 +72,12 @@
 //! gpu_restores = 2                # GPU restores in flight at once, CRIU's start to the driver's
 //!                                 # end (a burst's first instance is up as if alone, the next
 //!                                 # one's CRIU overlaps its driver; docs/split.md "Bursts");
-//!                                 # 0: no bound; at most 64
+//!                                 # 0: no bound; at most 64; per GPU (driver_lanes)
+//! driver_lanes = "gpu"            # what gpu_restores and the driver's one-at-a-time turn count:
+//!                                 # "gpu", each GPU's restores; "node", all of the node's together
+//! placement = "spread"            # cold starts onto the node's GPU of the deploy's model with the
+//!                                 # fewest instances and starts (docs/torpord.md, "Several GPUs");
+//!                                 # "first": every one onto the deploy's GPU, as before
 //! fill_segments = 4               # segment fills of a restore in flight at once: 1 to 64
 //! fill_bytes = 2147483648         # bytes of segments they hold at once (host buffers): 2 GiB
 //!
@@ -342,6 +347,10 @@ pub struct RestoreServer {
     /// GPU restores that may be in flight at once, from CRIU's start to the end of the CUDA
     /// driver's restore (Runtime::gpu_restore_slots); 0: no bound.
     pub gpu_restores: u32,
+    /// What `gpu_restores` and the driver's turn count (crate::runtime::device_choice).
+    pub driver_lanes: crate::runtime::device_choice::DriverLanes,
+    /// Which device a cold start restores onto (crate::runtime::device_choice).
+    pub placement: crate::runtime::device_choice::Placement,
     /// Read ahead, beside the image's verification, the pages of mapped files that CRIU's
     /// restore reads one fault at a time (`torpor_snapshot::file_prefetch`); false: CRIU reads
     /// them itself, as before.
@@ -413,6 +422,8 @@ impl Default for RestoreServer {
             host_devices: 1,
             host_device_bytes: 0,
             gpu_restores: DEFAULT_GPU_RESTORES,
+            driver_lanes: crate::runtime::device_choice::DriverLanes::default(),
+            placement: crate::runtime::device_choice::Placement::default(),
             prefetch_file_pages: true,
             peer_copy: true,
             fill_segments: DEFAULT_FILL_SEGMENTS,
@@ -914,6 +925,20 @@ impl Config {
             }
             if let Some(n) = t.integer("gpu_restores", 0, 64)? {
                 r.gpu_restores = u32::try_from(n).unwrap_or(0);
+            }
+            if let Some(l) = t.parsed(
+                "driver_lanes",
+                "\"gpu\" or \"node\"",
+                crate::runtime::device_choice::DriverLanes::parse,
+            )? {
+                r.driver_lanes = l;
+            }
+            if let Some(p) = t.parsed(
+                "placement",
+                "\"spread\" or \"first\"",
+                crate::runtime::device_choice::Placement::parse,
+            )? {
+                r.placement = p;
             }
             if let Some(n) = t.integer("fill_segments", 1, 64)? {
                 r.fill_segments = u32::try_from(n).unwrap_or(1);

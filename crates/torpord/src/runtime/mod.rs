@@ -35,6 +35,7 @@ use crate::runtime::start::RestoreHealth;
 use crate::sync::lock;
 use crate::workers::Hub;
 
+pub mod device_choice;
 pub mod instance;
 pub mod invoke;
 pub mod keepalive;
@@ -88,6 +89,10 @@ pub struct Runtime {
     /// `restore_server.gpu_restores`: how many GPU restores may be in flight at once
     /// (torpor_snapshot::gpu_restore_slots); `None`: no bound.
     pub gpu_restore_slots: Option<Arc<torpor_snapshot::gpu_restore_slots::GpuRestoreSlots>>,
+    /// Cold starts in flight per device, for their placement (device_choice).
+    pub(crate) placing: device_choice::Placing,
+    /// The node's GPUs of GPU 0's model, read once (device_choice).
+    pub(crate) gpus_of_first_model: std::sync::OnceLock<Vec<u32>>,
     /// Seals every snapshot the daemon writes; restores refuse any it did not seal.
     pub snapshot_key: Arc<torpor_image::SnapshotKey>,
     /// Where each worker tree gets its cgroup (crate::cgroup); `None`: unconfined
@@ -183,6 +188,8 @@ impl Runtime {
                     config.restore_server.gpu_restores as usize,
                 ))
             }),
+            placing: device_choice::Placing::default(),
+            gpus_of_first_model: std::sync::OnceLock::new(),
             staging: Arc::new(crate::staging::StageArea::open(
                 &state_root,
                 config.restore_server.stage_bytes,

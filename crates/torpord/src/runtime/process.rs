@@ -40,6 +40,12 @@ pub struct HowToRestore {
     pub profile_out: Option<std::path::PathBuf>,
     /// The daemon's bound on concurrent driver restores (Runtime::gpu_restore_slots).
     pub gpu_restore_slots: Option<Arc<torpor_snapshot::gpu_restore_slots::GpuRestoreSlots>>,
+    /// The lane of `gpu_restore_slots` the restore waits in (the GPU it restores onto with
+    /// per-GPU lanes; crate::runtime::device_choice).
+    pub gpu_lane: u32,
+    /// Which of the node's GPUs take over the snapshot's (a cold start placed on another GPU
+    /// than the deploy's, crate::runtime::device_choice); empty: the snapshot's own.
+    pub gpu_map: Vec<torpor_snapshot::gpu_map::GpuMapping>,
     /// Torpor's page server: threads of its background copy (`restore_server.background_threads`);
     /// `None`: the server's default.
     pub background_threads: Option<usize>,
@@ -59,6 +65,8 @@ impl Default for HowToRestore {
             profile_in: None,
             profile_out: None,
             gpu_restore_slots: None,
+            gpu_lane: 0,
+            gpu_map: Vec::new(),
             background_threads: None,
             prefetch_file_pages: true,
         }
@@ -263,7 +271,7 @@ pub async fn restore_with(
                 &RestoreOptions {
                     dir: &dir,
                     detach: true,
-                    gpu_map: &[],
+                    gpu_map: &how.gpu_map,
                     log_dir: &log_dir,
                     stdio,
                     verify,
@@ -272,6 +280,7 @@ pub async fn restore_with(
                     cgroup: &how.cgroup,
                     external_sources: &sources,
                     gpu_restore_slots: how.gpu_restore_slots.as_deref(),
+                    gpu_lane: how.gpu_lane,
                 },
                 &pages,
             )

@@ -115,6 +115,20 @@ pub struct Filled {
     pub lease: Lease,
 }
 
+/// `plan` with its GPU segments on GPU `ordinal` (the cache keys and the devices of the fills
+/// follow the entries' ordinals); host segments as they are.
+pub fn on_gpu(plan: &[Planned], ordinal: i32) -> Vec<Planned> {
+    plan.iter()
+        .map(|(e, recipe)| {
+            let mut e = e.clone();
+            if e.backend == "cuda" {
+                e.ordinal = ordinal;
+            }
+            (e, recipe.clone())
+        })
+        .collect()
+}
+
 /// The GPU cache's key of a segment: its device and its contents.
 pub fn gpu_key(e: &SegmentEntry) -> String {
     gpu_key_of(&e.backend, e.ordinal, &e.blake3)
@@ -193,6 +207,18 @@ impl Split {
     /// Starts filling the segments of snapshot `id`, a function of `tenant`, on the blocking
     /// pool, in parallel with the caller's CRIU restore.
     pub fn begin_restore(self: &Arc<Self>, id: &str, tenant: &str) -> Restoring {
+        self.begin_restore_onto(id, tenant, None)
+    }
+
+    /// [`Self::begin_restore`] onto GPU `onto` of this node instead of the snapshot's (a cold
+    /// start placed there, crate::runtime::device_choice): its GPU segments are filled there,
+    /// from that GPU's cache entries or the host cache and the store; host segments stay.
+    pub fn begin_restore_onto(
+        self: &Arc<Self>,
+        id: &str,
+        tenant: &str,
+        onto: Option<i32>,
+    ) -> Restoring {
         let (tx, rx) = mpsc::unbounded_channel();
         let split = Arc::clone(self);
         let id = id.to_string();
@@ -207,6 +233,10 @@ impl Split {
                     let _ = tx.send(Event::Failed(SegmentsError::Plan(e)));
                     return;
                 }
+            };
+            let plan = match onto {
+                Some(d) => Arc::new(on_gpu(&plan, d)),
+                None => plan,
             };
             let sources = plan.iter().map(|_| Source::Fill).collect();
             split.fill_all(&tx, &format!("snapshot {id}"), &tenant, plan, sources);

@@ -8,8 +8,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::oneshot;
+use torpor_snapshot::gpu_map::{GpuMapping, GpuRef};
 
 use crate::metrics::start;
+use crate::runtime::device_choice::DriverLanes;
 use crate::runtime::instance::{kill_tree, Instance, Sleeper};
 use crate::runtime::invoke::Timings;
 use crate::runtime::lifecycle::RemoveWhenDone;
@@ -52,10 +54,18 @@ impl Runtime {
             None => self.staging.get(from),
             Some(_) => None,
         };
+        // A cold start goes onto the node's least loaded device (crate::runtime::device_choice);
+        // a wake restores where its hibernation was taken.
+        let placed = match sleeper {
+            None => self.place_cold_start(info),
+            Some(_) => None,
+        };
+        let onto = placed.as_ref().map(|p| p.ordinal).filter(|&d| d != 0);
         // The restore server fills the segments of a split snapshot meanwhile.
-        let restoring = self.split.begin_restore(
+        let restoring = self.split.begin_restore_onto(
             sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id),
             crate::tenant::of_spec(&info.spec),
+            onto.map(|d| i32::try_from(d).unwrap_or(0)),
         );
         // The hot set recorded at deploy (crate::runtime::page_profile), for the function
         // snapshot's restores by Torpor's page server; `auto` picks lazy for a GPU function only
@@ -84,6 +94,18 @@ impl Runtime {
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
             state_dir: Some(self.state_root.clone()),
             gpu_restore_slots: self.gpu_restore_slots.clone(),
+            gpu_lane: match self.config.restore_server.driver_lanes {
+                DriverLanes::Gpu => placed.as_ref().map_or(0, |p| p.ordinal),
+                DriverLanes::Node => 0,
+            },
+            // The driver moves the CUDA state of the deploy's GPU onto the chosen one.
+            gpu_map: match onto {
+                Some(d) if info.gpu => vec![GpuMapping {
+                    old: GpuRef::Ordinal(0),
+                    new: GpuRef::Ordinal(d),
+                }],
+                _ => Vec::new(),
+            },
             ..HowToRestore::default()
         };
         let staged = how.staged.is_some();
@@ -112,10 +134,14 @@ impl Runtime {
                         );
                     }
                 }
-                return Err(StartError::Restore {
+                let e = StartError::Restore {
                     function: name.to_string(),
                     source,
-                });
+                };
+                if let (Some(p), Some(_)) = (&placed, e.gpu_memory_short()) {
+                    p.short_of_memory();
+                }
+                return Err(e);
             }
         };
         new.charge.process_started(init);
@@ -181,6 +207,13 @@ impl Runtime {
             .filter(|_| pages.is_some())
             .map(|s| s.snapshot_id.clone());
         let inst = self.adopt(new.id, adopted).await?;
+        if let Some(d) = onto {
+            inst.gpu.store(d, Ordering::SeqCst);
+            // The driver swapped the two GPUs under the process: its ordinal 0 is GPU `d`.
+            if info.gpu {
+                inst.swap_gpus(0, i32::try_from(d).unwrap_or(0));
+            }
+        }
         // A woken instance's hibernation snapshot goes once nothing reads it any more: its
         // segments are mapped (they are read from its record meanwhile) and every lazy page is in.
         let hibernation = sleeper.map(|s| Arc::new(RemoveWhenDone(s.snapshot_dir.clone())));
@@ -194,6 +227,7 @@ impl Runtime {
                 .iter()
                 .find(|(e, _)| e.backend == "cuda" && e.ordinal > 0)
                 .map(|(e, _)| e.ordinal)
+                .filter(|_| onto.is_none())
             {
                 inst.gpu.store(
                     u32::try_from(d).unwrap_or(0),
@@ -268,7 +302,13 @@ impl Runtime {
             });
         }
         drop(hibernation);
-        tracing::info!(function = name, instance = %inst.id, pid = init, restore_ms = restore_s * 1e3, pages = ?how_pages, staged, "instance restored");
+        if onto.is_some() {
+            // Where it is, for a daemon that re-adopts it after a crash (as a migration's).
+            let (rt, placed_inst) = (Arc::clone(self), Arc::clone(&inst));
+            let _ = tokio::task::spawn_blocking(move || rt.save_placement(&placed_inst)).await;
+        }
+        drop(placed);
+        tracing::info!(function = name, instance = %inst.id, pid = init, device = inst.gpu.load(Ordering::SeqCst), restore_ms = restore_s * 1e3, pages = ?how_pages, staged, "instance restored");
         let mut timings = vec![
             ("restore".to_string(), restore_s),
             ("reconnect".to_string(), reconnect_s),

@@ -1,0 +1,295 @@
+//! Which of the node's devices a cold start lands on (`restore_server.placement`).
+//!
+//! A function snapshot records the GPU of its deploy: the daemon's GPU 0, since workers see
+//! every GPU of the node and load on their ordinal 0. Until this module every cold start
+//! restored there, so a node of eight GPUs ran every instance on one of them and let seven
+//! idle. With `placement = "spread"` (the default) a cold start restores onto the device of
+//! the deploy's model that has the fewest instances and starts in flight, the lowest ordinal
+//! among equals (the deploy's GPU, whose GPU cache is warm, first):
+//!
+//! - the driver's restore moves the process's CUDA state onto it (`cuCheckpointProcessRestore`
+//!   with GPU pairs, as `torpor restore --gpu 0=N` and a live migration do: the two GPUs'
+//!   UUIDs swap under the process, so its ordinal 0 is then that GPU);
+//! - the restore server fills its segments there (its GPU cache holds a copy per GPU);
+//! - the worker maps them with its own ordinal 0 (`Instance::gpu_map` records the swap).
+//!
+//! A device whose restore found too little free memory is passed over for
+//! [`SHORT_MEMORY_PAUSE`], so a GPU that other processes fill does not take every start.
+//! Wakes (a hibernation restores where it was taken), standbys and the deploy's own restores
+//! stay where their snapshot was taken. `placement = "first"` keeps every cold start on the
+//! deploy's device, as before.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::runtime::pool::FnInfo;
+use crate::runtime::Runtime;
+use crate::sync::lock;
+
+/// How long a device whose restore found too little free GPU memory is passed over.
+pub const SHORT_MEMORY_PAUSE: Duration = Duration::from_secs(2);
+
+/// `restore_server.placement`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// Each cold start onto the least loaded device of the deploy's model.
+    #[default]
+    Spread,
+    /// Every cold start onto the deploy's device.
+    First,
+}
+
+impl Placement {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "spread" => Some(Placement::Spread),
+            "first" => Some(Placement::First),
+            _ => None,
+        }
+    }
+}
+
+/// `restore_server.driver_lanes`: what the bound on GPU restores in flight
+/// (`restore_server.gpu_restores`) and the driver's one-at-a-time turn apply to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DriverLanes {
+    /// Each GPU's restores on their own: two GPUs restore side by side.
+    #[default]
+    Gpu,
+    /// The node's restores together, whatever their GPU.
+    Node,
+}
+
+impl DriverLanes {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "gpu" => Some(DriverLanes::Gpu),
+            "node" => Some(DriverLanes::Node),
+            _ => None,
+        }
+    }
+}
+
+/// One device a cold start may land on, as [`choose`] weighs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    pub ordinal: u32,
+    /// Its live instances and the starts in flight onto it.
+    pub load: usize,
+    /// A restore onto it found too little free memory within [`SHORT_MEMORY_PAUSE`].
+    pub short: bool,
+}
+
+/// The device to restore onto: the least loaded of those not short of memory, else of all;
+/// the lowest ordinal among equals. `None` for no candidates.
+pub fn choose(candidates: &[Candidate]) -> Option<u32> {
+    candidates
+        .iter()
+        .min_by_key(|c| (c.short, c.load, c.ordinal))
+        .map(|c| c.ordinal)
+}
+
+/// The starts in flight per device, and the devices found short of memory lately.
+#[derive(Debug, Default)]
+pub struct Placing {
+    state: Mutex<PlacingState>,
+}
+
+#[derive(Debug, Default)]
+struct PlacingState {
+    starting: HashMap<u32, usize>,
+    short_until: HashMap<u32, Instant>,
+}
+
+/// A cold start's device, counted as a start in flight onto it until dropped.
+#[derive(Debug)]
+pub struct Placed<'a> {
+    placing: &'a Placing,
+    pub ordinal: u32,
+}
+
+impl Placed<'_> {
+    /// Its restore found too little free memory there: pass the device over for a while.
+    pub fn short_of_memory(&self) {
+        lock(&self.placing.state)
+            .short_until
+            .insert(self.ordinal, Instant::now() + SHORT_MEMORY_PAUSE);
+    }
+}
+
+impl Drop for Placed<'_> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.placing.state);
+        if let Some(n) = st.starting.get_mut(&self.ordinal) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+impl Placing {
+    /// Chooses among `devices` (ordinals) given their live instances (`live`), and counts the
+    /// start onto the one chosen, in one step: starts of a burst placed at once see each other.
+    pub fn place(&self, devices: &[u32], live: &HashMap<u32, usize>) -> Option<Placed<'_>> {
+        let mut st = lock(&self.state);
+        let now = Instant::now();
+        st.short_until.retain(|_, until| *until > now);
+        let candidates: Vec<Candidate> = devices
+            .iter()
+            .map(|&ordinal| Candidate {
+                ordinal,
+                load: live.get(&ordinal).copied().unwrap_or(0)
+                    + st.starting.get(&ordinal).copied().unwrap_or(0),
+                short: st.short_until.contains_key(&ordinal),
+            })
+            .collect();
+        let ordinal = choose(&candidates)?;
+        *st.starting.entry(ordinal).or_default() += 1;
+        Some(Placed {
+            placing: self,
+            ordinal,
+        })
+    }
+}
+
+impl Runtime {
+    /// The device a cold start of `info` restores onto, counted as starting there until the
+    /// guard is dropped; `None` where placement does not apply (`placement = "first"`, a node
+    /// of one device, a CPU function without the host backend's devices).
+    pub(crate) fn place_cold_start(&self, info: &FnInfo) -> Option<Placed<'_>> {
+        if self.config.restore_server.placement == Placement::First {
+            return None;
+        }
+        let devices = if info.gpu {
+            self.gpus_like_the_first().to_vec()
+        } else if self.config.split
+            && self.config.restore_server.host_devices > 1
+            && self.has_segments(info)
+        {
+            // A CPU instance is on a host device only through its segments.
+            (0..self.config.restore_server.host_devices).collect()
+        } else {
+            return None;
+        };
+        if devices.len() < 2 {
+            return None;
+        }
+        self.placing
+            .place(&devices, &self.live_instances_per_device())
+    }
+
+    /// The ordinals of the node's GPUs of the model of GPU 0 (the deploy's GPU: the driver
+    /// restores a process only onto a GPU of its model), read from the driver once.
+    fn gpus_like_the_first(&self) -> &[u32] {
+        self.gpus_of_first_model.get_or_init(|| {
+            let Ok(Ok(devices)) = self.cuda().map(|d| d.devices()) else {
+                return Vec::new();
+            };
+            let Some(first) = devices.iter().find(|d| d.ordinal == 0) else {
+                return Vec::new();
+            };
+            devices
+                .iter()
+                .filter(|d| d.name == first.name)
+                .filter_map(|d| u32::try_from(d.ordinal).ok())
+                .collect()
+        })
+    }
+
+    /// Whether `info`'s function snapshot has segments (its plan, read once and kept).
+    fn has_segments(&self, info: &FnInfo) -> bool {
+        let tenant = crate::tenant::of_spec(&info.spec);
+        matches!(self.split.plan(&info.snapshot_id, tenant), Ok(Some(p)) if !p.is_empty())
+    }
+
+    /// The live instances on each device.
+    fn live_instances_per_device(&self) -> HashMap<u32, usize> {
+        let pools: Vec<_> = lock(&self.pools).values().cloned().collect();
+        let mut per = HashMap::new();
+        for p in &pools {
+            for (i, _) in lock(&p.state)
+                .instances
+                .iter()
+                .filter(|(i, _)| !i.is_dead())
+            {
+                *per.entry(i.gpu.load(Ordering::SeqCst)).or_default() += 1;
+            }
+        }
+        per
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(ordinal: u32, load: usize, short: bool) -> Candidate {
+        Candidate {
+            ordinal,
+            load,
+            short,
+        }
+    }
+
+    #[test]
+    fn the_least_loaded_device_is_chosen_and_the_lowest_ordinal_among_equals() {
+        assert_eq!(
+            choose(&[c(0, 2, false), c(1, 1, false), c(2, 1, false)]),
+            Some(1)
+        );
+        assert_eq!(choose(&[c(0, 0, false), c(1, 0, false)]), Some(0));
+        assert_eq!(choose(&[]), None);
+    }
+
+    #[test]
+    fn a_device_short_of_memory_is_passed_over_unless_all_are() {
+        assert_eq!(choose(&[c(0, 0, true), c(1, 5, false)]), Some(1));
+        assert_eq!(choose(&[c(0, 3, true), c(1, 1, true)]), Some(1));
+    }
+
+    #[test]
+    fn a_burst_placed_at_once_spreads_and_gives_its_counts_back() {
+        let placing = Placing::default();
+        let live = HashMap::from([(0, 1)]);
+        let held: Vec<Placed<'_>> = (0..7)
+            .map(|_| placing.place(&[0, 1], &live).expect("a device"))
+            .collect();
+        let on = |d| held.iter().filter(|p| p.ordinal == d).count();
+        // With the one live instance on device 0: four starts each, loads equal at the end.
+        assert_eq!((on(0), on(1)), (3, 4));
+        drop(held);
+        let next = placing.place(&[0, 1], &HashMap::new()).expect("a device");
+        assert_eq!(next.ordinal, 0, "the starts' counts were not given back");
+    }
+
+    #[test]
+    fn a_device_found_short_is_passed_over_for_the_pause_only() {
+        let placing = Placing::default();
+        let first = placing.place(&[0, 1], &HashMap::new()).expect("a device");
+        assert_eq!(first.ordinal, 0);
+        first.short_of_memory();
+        drop(first);
+        let next = placing.place(&[0, 1], &HashMap::new()).expect("a device");
+        assert_eq!(next.ordinal, 1);
+        drop(next);
+        // Past the pause, device 0 is a candidate like any other again.
+        lock(&placing.state)
+            .short_until
+            .insert(0, Instant::now() - Duration::from_millis(1));
+        let later = placing.place(&[0, 1], &HashMap::new()).expect("a device");
+        assert_eq!(later.ordinal, 0);
+    }
+
+    #[test]
+    fn the_settings_parse_and_refuse_what_they_do_not_know() {
+        assert_eq!(Placement::parse("spread"), Some(Placement::Spread));
+        assert_eq!(Placement::parse("first"), Some(Placement::First));
+        assert_eq!(Placement::parse("random"), None);
+        assert_eq!(DriverLanes::parse("gpu"), Some(DriverLanes::Gpu));
+        assert_eq!(DriverLanes::parse("node"), Some(DriverLanes::Node));
+        assert_eq!(DriverLanes::parse("GPU"), None);
+    }
+}

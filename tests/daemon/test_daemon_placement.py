@@ -1,0 +1,174 @@
+"""Cold starts spread over the node's devices (`restore_server.placement`,
+crates/torpord/src/runtime/device_choice.rs; docs/torpord.md, "Several GPUs"), through the real
+daemon, real workers with the hook, real fds and CRIU: on the host backend with two devices
+(`restore_server.host_devices = 2`), and on three fake GPUs of one model (tests/fakes), where the
+driver's restore must carry the GPU pairs that move the CUDA state onto the chosen GPU.
+
+`TORPORD_DELAY=restored:<ms>` holds every restore after CRIU, so that two requests sent together
+have two starts in flight at once: the second must see the first's and go to the other device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FakeCuda
+
+from .conftest import Answer, Torpord, fake_gpu_env
+from .test_daemon_migrate import device_gauge, gpu_splitbuf
+from .test_daemon_split import expected_sha, twin
+
+HOLD_MS = 1500
+
+
+def two_at_once(d: Torpord, name: str) -> list[Answer]:
+    """Two requests sent together to `name` (nothing live): each starts an instance (one may be
+    answered by the other's, which frees up first: late binding; both instances join)."""
+    out: dict[int, Answer] = {}
+
+    def run(i: int) -> None:
+        out[i] = d.invoke(name, {"op": "compute", "x": 9}, timeout=120)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(120)
+    return [out[0], out[1]]
+
+
+def host_daemon(torpor_bin: Path, tmp_path: Path, placement: str | None = None) -> Torpord:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    root = tmp_path / "daemon"
+    root.mkdir()
+    config = "[restore_server]\nhost_devices = 2\n"
+    if placement:
+        config += f'placement = "{placement}"\n'
+    return Torpord(torpor_bin, root, config=config, env={"TORPORD_DELAY": f"restored:{HOLD_MS}"}, queue_timeout_s=60)
+
+
+def test_two_cold_starts_at_once_land_on_both_devices_and_a_restarted_daemon_keeps_them_there(
+    torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    d = host_daemon(torpor_bin, tmp_path)
+    try:
+        d.deploy(twin(tmp_path, "spread"))
+        answers = two_at_once(d, "spread")
+        for a in answers:
+            assert a.status == 200 and a.start in ("restored", "warm"), (a.status, a.body, d.log_text())
+            assert a.json()["sha"] == expected_sha(9), a.body
+        device_gauge(d, "torpor_device_instances", 0, 1)
+        device_gauge(d, "torpor_device_instances", 1, 1)
+        placed = [line for line in d.log_text().splitlines() if "instance restored" in line]
+        assert any("device=1" in line for line in placed) and any("device=0" in line for line in placed), placed
+        # The one on device 1 is recorded there, for a daemon that re-adopts it after a crash.
+        files = list((d.state / "placement").glob("*.json"))
+        assert len(files) == 1, files
+        assert json.loads(files[0].read_text()) == {"gpu": 1, "gpu_map": []}
+        pids = sorted(i["pid"] for i in d.instances("spread") if i.get("pid"))
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        d.restart()
+        deadline = time.monotonic() + 30
+        while sorted(i["pid"] for i in d.instances("spread") if i.get("pid")) != pids:
+            assert time.monotonic() < deadline, d.log_text()
+            time.sleep(0.1)
+        device_gauge(d, "torpor_device_instances", 1, 1)
+        device_gauge(d, "torpor_device_instances", 0, 1)
+    finally:
+        d.stop()
+
+
+def test_placement_first_keeps_every_cold_start_on_the_deploys_device(
+    torpor_bin: Path, criu_ready: None, tmp_path: Path
+) -> None:
+    d = host_daemon(torpor_bin, tmp_path, placement="first")
+    try:
+        d.deploy(twin(tmp_path, "first"))
+        for a in two_at_once(d, "first"):
+            assert a.status == 200 and a.start in ("restored", "warm"), (a.status, a.body, d.log_text())
+        device_gauge(d, "torpor_device_instances", 0, 2)
+        assert not list((d.state / "placement").glob("*.json"))
+    finally:
+        d.stop()
+
+
+def test_a_bad_placement_setting_is_one_line_naming_the_key(torpor_bin: Path, tmp_path: Path) -> None:
+    config = tmp_path / "torpord.toml"
+    for toml, expected in (('placement = "random"', '"spread" or "first"'), ('driver_lanes = 2', '"gpu" or "node"')):
+        config.write_text(f"[restore_server]\n{toml}\n")
+        r = subprocess.run(
+            [torpor_bin, "serve", "--check", "--config", config], capture_output=True, text=True, timeout=30, check=False
+        )
+        key = toml.split(" ")[0]
+        assert r.returncode != 0 and f"restore_server.{key}" in r.stderr and expected in r.stderr, r.stderr
+        assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def fake_gpu_daemon(torpor_bin: Path, fake_cuda: FakeCuda, tmp_path: Path, **fake: str) -> tuple[Torpord, Path]:
+    """A daemon on fake GPUs (`fake`: FAKE_CUDA_* settings; every driver call logged)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    root = tmp_path / "daemon"
+    root.mkdir()
+    log = root / "cuda-calls.log"
+    env = fake_gpu_env(root, fake_cuda, FAKE_CUDA_LOG=str(log), TORPORD_DELAY=f"restored:{HOLD_MS}", **fake)
+    return Torpord(torpor_bin, root, env=env, queue_timeout_s=60), log
+
+
+def two_gpu_starts(d: Torpord, log: Path, tmp_path: Path, name: str) -> list[str]:
+    """Deploys splitbuf as a `gpus = 1` function of two instances, starts both at once (each
+    answer checked) and returns the driver's restore calls they made."""
+    fdir = gpu_splitbuf(tmp_path, name)
+    toml = fdir / "torpor.toml"
+    toml.write_text(toml.read_text().replace("max_instances = 1", "max_instances = 2"))
+    d.deploy(fdir)
+    before = log.read_text() if log.exists() else ""
+    for a in two_at_once(d, name):
+        assert a.status == 200 and a.start in ("restored", "warm"), (a.status, a.body, d.log_text())
+        assert a.json()["sha"] == expected_sha(9), a.body
+    return [line for line in log.read_text()[len(before):].splitlines() if line.startswith("restore ")]
+
+
+def test_a_gpu_function_placed_on_another_gpu_is_restored_with_the_pairs_that_move_it_there(
+    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    d, log = fake_gpu_daemon(torpor_bin, fake_cuda, tmp_path, FAKE_CUDA_DEVICES="3", FAKE_CUDA_SAME_MODEL="1")
+    try:
+        restores = two_gpu_starts(d, log, tmp_path, "gpuspread")
+        assert len(restores) == 2, restores
+        g0, g1, g2 = (f"GPU-fa4e0000-0000-0000-0000-00000000000{i}" for i in range(3))
+        # One stays on the deploy's GPU (no pairs); the other's pairs swap GPUs 0 and 1.
+        assert sum("pairs=0" in r for r in restores) == 1, restores
+        assert sum(f"pairs=3 {g0}>{g1} {g1}>{g0} {g2}>{g2}" in r for r in restores) == 1, restores
+        assert all(r.endswith("result=0") for r in restores), restores
+        device_gauge(d, "torpor_device_instances", 0, 1)
+        device_gauge(d, "torpor_device_instances", 1, 1)
+        # Both serve on (warm), each with its own state.
+        for _ in range(2):
+            r = d.invoke("gpuspread", {"op": "compute", "x": 9})
+            assert r.status == 200 and r.json()["sha"] == expected_sha(9), r.body
+    finally:
+        d.stop()
+
+
+def test_a_gpu_of_another_model_takes_no_cold_start(
+    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    d, log = fake_gpu_daemon(torpor_bin, fake_cuda, tmp_path, FAKE_CUDA_DEVICES="2")
+    try:
+        restores = two_gpu_starts(d, log, tmp_path, "gpumodel")
+        assert len(restores) == 2 and all("pairs=0" in r for r in restores), restores
+        device_gauge(d, "torpor_device_instances", 0, 2)
+    finally:
+        d.stop()
