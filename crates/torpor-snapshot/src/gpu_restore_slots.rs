@@ -19,6 +19,13 @@
 //! restores onto, or 0 for every restore with `restore_server.driver_lanes = "node"`), so the
 //! restores of a node's different GPUs neither wait for nor count against each other.
 //!
+//! Two GPUs' driver restores at once each take longer than one alone (on two H200s: 0.41-0.50 s
+//! against 0.31-0.35 s, `bench/results/split-bench-s51-lanes-h200x2.json`), so a burst's first
+//! instance, which serves the burst by late binding, would be up later. A restore may therefore
+//! ask for its driver turn *alone* ([`GpuRestoreSlots::driver`]): it waits until no lane is in the
+//! driver and keeps every lane out meanwhile (torpord asks so for the first start of a function
+//! that has nothing live); the others of the burst then restore side by side.
+//!
 //! A counting semaphore over std's `Mutex` and `Condvar`: the restore runs on a blocking
 //! thread (CRIU, ptrace, the driver's calls), so an async semaphore would need a runtime
 //! handle inside it; this crate has none.
@@ -34,9 +41,18 @@ pub struct GpuRestoreSlots {
     /// Restores holding a slot, per lane.
     used: Mutex<HashMap<u32, usize>>,
     freed: Condvar,
-    /// Restores inside the driver's restore now, per lane (0 or 1).
-    in_driver: Mutex<HashMap<u32, usize>>,
+    /// Who is inside the driver's restore now.
+    in_driver: Mutex<Driver>,
     driver_freed: Condvar,
+}
+
+/// The driver's restores now: one per lane at most, or one alone on the node.
+#[derive(Debug, Default)]
+struct Driver {
+    lanes: HashMap<u32, usize>,
+    alone: bool,
+    /// Restores waiting to go alone: no lane enters meanwhile.
+    alone_waiting: usize,
 }
 
 /// A restore's turn in the driver: given back when dropped.
@@ -44,6 +60,7 @@ pub struct GpuRestoreSlots {
 pub struct DriverTurn<'a> {
     slots: &'a GpuRestoreSlots,
     lane: u32,
+    alone: bool,
 }
 
 /// One restore's slot: given back when dropped.
@@ -61,16 +78,55 @@ impl GpuRestoreSlots {
             max: max.max(1),
             used: Mutex::new(HashMap::new()),
             freed: Condvar::new(),
-            in_driver: Mutex::new(HashMap::new()),
+            in_driver: Mutex::new(Driver::default()),
             driver_freed: Condvar::new(),
         }
     }
 
-    /// Waits for the driver to be free of the other restores of `lane`, at most `bound` (as
-    /// [`Self::acquire`]); the turn, if had, and the seconds waited.
-    pub fn driver(&self, lane: u32, bound: Duration) -> (Option<DriverTurn<'_>>, f64) {
-        let (got, waited) = take(&self.in_driver, &self.driver_freed, lane, 1, bound);
-        (got.then(|| DriverTurn { slots: self, lane }), waited)
+    /// Waits for the driver to be free of the other restores of `lane` (with `alone`: of every
+    /// lane, none entering meanwhile), at most `bound` (as [`Self::acquire`]); the turn, if had,
+    /// and the seconds waited.
+    pub fn driver(&self, lane: u32, alone: bool, bound: Duration) -> (Option<DriverTurn<'_>>, f64) {
+        let start = Instant::now();
+        let mut d = self.in_driver.lock().unwrap_or_else(|e| e.into_inner());
+        if alone {
+            d.alone_waiting += 1;
+        }
+        let free = |d: &Driver| {
+            !d.alone
+                && if alone {
+                    d.lanes.values().all(|&n| n == 0)
+                } else {
+                    d.alone_waiting == 0 && d.lanes.get(&lane).copied().unwrap_or(0) == 0
+                }
+        };
+        while !free(&d) {
+            let left = bound.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                if alone {
+                    d.alone_waiting -= 1;
+                    self.driver_freed.notify_all();
+                }
+                return (None, start.elapsed().as_secs_f64());
+            }
+            d = self
+                .driver_freed
+                .wait_timeout(d, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        if alone {
+            d.alone_waiting -= 1;
+            d.alone = true;
+        } else {
+            *d.lanes.entry(lane).or_default() += 1;
+        }
+        let turn = DriverTurn {
+            slots: self,
+            lane,
+            alone,
+        };
+        (Some(turn), start.elapsed().as_secs_f64())
     }
 
     /// The bound of each lane.
@@ -142,7 +198,17 @@ impl Drop for GpuRestoreSlot<'_> {
 
 impl Drop for DriverTurn<'_> {
     fn drop(&mut self) {
-        give(&self.slots.in_driver, &self.slots.driver_freed, self.lane);
+        let mut d = self
+            .slots
+            .in_driver
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if self.alone {
+            d.alone = false;
+        } else if let Some(n) = d.lanes.get_mut(&self.lane) {
+            *n = n.saturating_sub(1);
+        }
+        self.slots.driver_freed.notify_all();
     }
 }
 
@@ -188,7 +254,7 @@ mod tests {
             for _ in 0..3 {
                 s.spawn(|| {
                     let (slot, _) = slots.acquire(0, Duration::from_secs(30));
-                    let (turn, _) = slots.driver(0, Duration::from_secs(30));
+                    let (turn, _) = slots.driver(0, false, Duration::from_secs(30));
                     assert!(slot.is_some() && turn.is_some());
                     let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
                     most.fetch_max(now, Ordering::SeqCst);
@@ -202,7 +268,7 @@ mod tests {
             1,
             "two restores were in the driver at once"
         );
-        let (turn, _) = slots.driver(0, Duration::from_millis(10));
+        let (turn, _) = slots.driver(0, false, Duration::from_millis(10));
         assert!(turn.is_some(), "a turn was not given back");
     }
 
@@ -229,11 +295,11 @@ mod tests {
     fn the_lanes_of_two_gpus_neither_wait_for_nor_count_against_each_other() {
         let slots = GpuRestoreSlots::new(1);
         let (a, _) = slots.acquire(0, Duration::from_secs(1));
-        let (ta, _) = slots.driver(0, Duration::from_secs(1));
+        let (ta, _) = slots.driver(0, false, Duration::from_secs(1));
         assert!(a.is_some() && ta.is_some());
         // Lane 0 is full, in both bounds; lane 1 is free in both.
         let (b, waited) = slots.acquire(1, Duration::from_millis(50));
-        let (tb, waited_turn) = slots.driver(1, Duration::from_millis(50));
+        let (tb, waited_turn) = slots.driver(1, false, Duration::from_millis(50));
         assert!(b.is_some() && tb.is_some());
         assert!(
             waited < 0.05 && waited_turn < 0.05,
@@ -257,5 +323,48 @@ mod tests {
         });
         drop((ta, tb));
         assert_eq!(slots.in_use(), 0);
+    }
+
+    #[test]
+    fn a_restore_alone_waits_for_every_lane_and_keeps_them_out_until_it_is_done() {
+        let slots = GpuRestoreSlots::new(2);
+        let (on1, _) = slots.driver(1, false, Duration::from_secs(1));
+        assert!(on1.is_some());
+        std::thread::scope(|s| {
+            let alone = s.spawn(|| {
+                let (turn, waited) = slots.driver(0, true, Duration::from_secs(10));
+                assert!(turn.is_some());
+                std::thread::sleep(Duration::from_millis(60));
+                waited
+            });
+            std::thread::sleep(Duration::from_millis(30));
+            // Waiting to go alone: lane 0, free, takes nobody meanwhile.
+            let (none, _) = slots.driver(0, false, Duration::from_millis(20));
+            assert!(
+                none.is_none(),
+                "a lane entered while a restore waited to go alone"
+            );
+            drop(on1);
+            std::thread::sleep(Duration::from_millis(20));
+            // Alone now: lane 1, free again, waits until it is done.
+            let t = Instant::now();
+            let (after, _) = slots.driver(1, false, Duration::from_secs(10));
+            assert!(after.is_some());
+            assert!(
+                t.elapsed() >= Duration::from_millis(20),
+                "lane 1 entered beside the one alone"
+            );
+            let waited = alone.join().unwrap();
+            assert!(
+                waited >= 0.04,
+                "the one alone did not wait for lane 1: {waited}"
+            );
+        });
+        // A restore alone that gives up past its bound lets the lanes in again.
+        let (held, _) = slots.driver(0, false, Duration::from_secs(1));
+        let (gave_up, _) = slots.driver(1, true, Duration::from_millis(20));
+        assert!(held.is_some() && gave_up.is_none());
+        let (lane1, waited) = slots.driver(1, false, Duration::from_millis(50));
+        assert!(lane1.is_some() && waited < 0.05, "{waited}");
     }
 }

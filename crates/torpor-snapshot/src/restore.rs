@@ -65,6 +65,9 @@ pub struct RestoreOptions<'a> {
     /// The lane of `gpu_restore_slots` this restore waits in (torpord: the GPU it restores
     /// onto); 0 everywhere else.
     pub gpu_lane: u32,
+    /// Its driver restore goes alone on the node, no other lane's beside it (torpord: the first
+    /// start of a function with nothing live, whose instance serves the burst).
+    pub gpu_alone: bool,
 }
 
 /// How a restore checks the snapshot's files against its manifest.
@@ -715,7 +718,8 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
                     .gpu_restore_slots
                     .filter(|_| slot.is_some())
                     .map(|slots| {
-                        let (turn, waited) = slots.driver(opts.gpu_lane, GPU_RESTORE_SLOT_WAIT);
+                        let (turn, waited) =
+                            slots.driver(opts.gpu_lane, opts.gpu_alone, GPU_RESTORE_SLOT_WAIT);
                         phases.0.push(("cuda_wait".to_string(), waited));
                         turn
                     });

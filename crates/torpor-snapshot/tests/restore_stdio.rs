@@ -168,6 +168,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         external_sources: &[],
         gpu_restore_slots: None,
         gpu_lane: 0,
+        gpu_alone: false,
     })
     .err()
     .expect("refused");
@@ -196,6 +197,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         external_sources: &[],
         gpu_restore_slots: None,
         gpu_lane: 0,
+        gpu_alone: false,
     })
     .expect("restore");
     // Both processes write on, each through its own descriptor, to the new file only.
@@ -248,6 +250,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         external_sources: &[],
         gpu_restore_slots: None,
         gpu_lane: 0,
+        gpu_alone: false,
     })
     .expect("restore of the second snapshot");
     wait_for("the twice-restored tree to write the newer log", || {
@@ -270,6 +273,7 @@ fn a_restored_tree_writes_to_the_new_file_and_not_the_old_one() {
         external_sources: &[],
         gpu_restore_slots: None,
         gpu_lane: 0,
+        gpu_alone: false,
     })
     .expect("restore onto the recorded file");
     wait_for("the copy to append to the recorded log", || {
@@ -337,6 +341,7 @@ fn log_is_refused_for_a_snapshot_without_stdio_files() {
         external_sources: &[],
         gpu_restore_slots: None,
         gpu_lane: 0,
+        gpu_alone: false,
     };
     let err = restore(&opts(Some(&new))).err().expect("refused");
     assert!(matches!(err, RestoreError::StdioUnknown), "{err}");

@@ -126,6 +126,7 @@ fn detached<'a>(
         external_sources: &[],
         gpu_restore_slots: None,
         gpu_lane: 0,
+        gpu_alone: false,
     }
 }
 

@@ -85,6 +85,7 @@ pub fn run(
             external_sources: &[],
             gpu_restore_slots: None,
             gpu_lane: 0,
+            gpu_alone: false,
         },
         &PageOptions {
             source: pages,

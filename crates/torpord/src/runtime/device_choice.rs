@@ -102,6 +102,8 @@ pub struct Placing {
 #[derive(Debug, Default)]
 struct PlacingState {
     starting: HashMap<u32, usize>,
+    /// Per function, its starts in flight.
+    starting_of: HashMap<String, usize>,
     short_until: HashMap<u32, Instant>,
 }
 
@@ -109,7 +111,12 @@ struct PlacingState {
 #[derive(Debug)]
 pub struct Placed<'a> {
     placing: &'a Placing,
+    function: String,
     pub ordinal: u32,
+    /// The first start of its function with nothing live: the instance that will serve the
+    /// burst (late binding), whose driver restore goes alone on the node
+    /// (torpor_snapshot::gpu_restore_slots).
+    pub leads: bool,
 }
 
 impl Placed<'_> {
@@ -127,13 +134,26 @@ impl Drop for Placed<'_> {
         if let Some(n) = st.starting.get_mut(&self.ordinal) {
             *n = n.saturating_sub(1);
         }
+        if let Some(n) = st.starting_of.get_mut(&self.function) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                st.starting_of.remove(&self.function);
+            }
+        }
     }
 }
 
 impl Placing {
     /// Chooses among `devices` (ordinals) given their live instances (`live`), and counts the
-    /// start onto the one chosen, in one step: starts of a burst placed at once see each other.
-    pub fn place(&self, devices: &[u32], live: &HashMap<u32, usize>) -> Option<Placed<'_>> {
+    /// start of `function` (with `function_live` live instances) onto the one chosen, in one
+    /// step: starts of a burst placed at once see each other.
+    pub fn place(
+        &self,
+        function: &str,
+        function_live: usize,
+        devices: &[u32],
+        live: &HashMap<u32, usize>,
+    ) -> Option<Placed<'_>> {
         let mut st = lock(&self.state);
         let now = Instant::now();
         st.short_until.retain(|_, until| *until > now);
@@ -148,9 +168,14 @@ impl Placing {
             .collect();
         let ordinal = choose(&candidates)?;
         *st.starting.entry(ordinal).or_default() += 1;
+        let of = st.starting_of.entry(function.to_string()).or_default();
+        let leads = function_live == 0 && *of == 0;
+        *of += 1;
         Some(Placed {
             placing: self,
+            function: function.to_string(),
             ordinal,
+            leads,
         })
     }
 }
@@ -159,7 +184,7 @@ impl Runtime {
     /// The device a cold start of `info` restores onto, counted as starting there until the
     /// guard is dropped; `None` where placement does not apply (`placement = "first"`, a node
     /// of one device, a CPU function without the host backend's devices).
-    pub(crate) fn place_cold_start(&self, info: &FnInfo) -> Option<Placed<'_>> {
+    pub(crate) fn place_cold_start(&self, name: &str, info: &FnInfo) -> Option<Placed<'_>> {
         if self.config.restore_server.placement == Placement::First {
             return None;
         }
@@ -177,8 +202,19 @@ impl Runtime {
         if devices.len() < 2 {
             return None;
         }
-        self.placing
-            .place(&devices, &self.live_instances_per_device())
+        let function_live = lock(&self.pools).get(name).map_or(0, |p| {
+            lock(&p.state)
+                .instances
+                .iter()
+                .filter(|(i, _)| !i.is_dead())
+                .count()
+        });
+        self.placing.place(
+            name,
+            function_live,
+            &devices,
+            &self.live_instances_per_device(),
+        )
     }
 
     /// The ordinals of the node's GPUs of the model of GPU 0 (the deploy's GPU: the driver
@@ -255,31 +291,42 @@ mod tests {
         let placing = Placing::default();
         let live = HashMap::from([(0, 1)]);
         let held: Vec<Placed<'_>> = (0..7)
-            .map(|_| placing.place(&[0, 1], &live).expect("a device"))
+            .map(|_| placing.place("f", 0, &[0, 1], &live).expect("a device"))
             .collect();
         let on = |d| held.iter().filter(|p| p.ordinal == d).count();
+        // The burst's first start leads (its function has nothing live), no other.
+        assert_eq!(held.iter().filter(|p| p.leads).count(), 1);
+        assert!(held[0].leads);
         // With the one live instance on device 0: four starts each, loads equal at the end.
         assert_eq!((on(0), on(1)), (3, 4));
         drop(held);
-        let next = placing.place(&[0, 1], &HashMap::new()).expect("a device");
+        let next = placing
+            .place("f", 0, &[0, 1], &HashMap::new())
+            .expect("a device");
         assert_eq!(next.ordinal, 0, "the starts' counts were not given back");
     }
 
     #[test]
     fn a_device_found_short_is_passed_over_for_the_pause_only() {
         let placing = Placing::default();
-        let first = placing.place(&[0, 1], &HashMap::new()).expect("a device");
+        let first = placing
+            .place("f", 0, &[0, 1], &HashMap::new())
+            .expect("a device");
         assert_eq!(first.ordinal, 0);
         first.short_of_memory();
         drop(first);
-        let next = placing.place(&[0, 1], &HashMap::new()).expect("a device");
+        let next = placing
+            .place("f", 0, &[0, 1], &HashMap::new())
+            .expect("a device");
         assert_eq!(next.ordinal, 1);
         drop(next);
         // Past the pause, device 0 is a candidate like any other again.
         lock(&placing.state)
             .short_until
             .insert(0, Instant::now() - Duration::from_millis(1));
-        let later = placing.place(&[0, 1], &HashMap::new()).expect("a device");
+        let later = placing
+            .place("f", 0, &[0, 1], &HashMap::new())
+            .expect("a device");
         assert_eq!(later.ordinal, 0);
     }
 
@@ -291,5 +338,26 @@ mod tests {
         assert_eq!(DriverLanes::parse("gpu"), Some(DriverLanes::Gpu));
         assert_eq!(DriverLanes::parse("node"), Some(DriverLanes::Node));
         assert_eq!(DriverLanes::parse("GPU"), None);
+    }
+
+    #[test]
+    fn a_start_of_a_function_with_an_instance_live_does_not_lead() {
+        let placing = Placing::default();
+        let live = placing
+            .place("f", 1, &[0, 1], &HashMap::new())
+            .expect("a device");
+        assert!(!live.leads);
+        let other = placing
+            .place("g", 0, &[0, 1], &HashMap::new())
+            .expect("a device");
+        assert!(other.leads, "another function's start leads its own burst");
+        drop((live, other));
+        let again = placing
+            .place("g", 0, &[0, 1], &HashMap::new())
+            .expect("a device");
+        assert!(
+            again.leads,
+            "the function's count of starts was not given back"
+        );
     }
 }

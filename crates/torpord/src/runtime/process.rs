@@ -43,6 +43,8 @@ pub struct HowToRestore {
     /// The lane of `gpu_restore_slots` the restore waits in (the GPU it restores onto with
     /// per-GPU lanes; crate::runtime::device_choice).
     pub gpu_lane: u32,
+    /// Its driver restore alone on the node (the first start of a function with nothing live).
+    pub gpu_alone: bool,
     /// Which of the node's GPUs take over the snapshot's (a cold start placed on another GPU
     /// than the deploy's, crate::runtime::device_choice); empty: the snapshot's own.
     pub gpu_map: Vec<torpor_snapshot::gpu_map::GpuMapping>,
@@ -66,6 +68,7 @@ impl Default for HowToRestore {
             profile_out: None,
             gpu_restore_slots: None,
             gpu_lane: 0,
+            gpu_alone: false,
             gpu_map: Vec::new(),
             background_threads: None,
             prefetch_file_pages: true,
@@ -281,6 +284,7 @@ pub async fn restore_with(
                     external_sources: &sources,
                     gpu_restore_slots: how.gpu_restore_slots.as_deref(),
                     gpu_lane: how.gpu_lane,
+                    gpu_alone: how.gpu_alone,
                 },
                 &pages,
             )

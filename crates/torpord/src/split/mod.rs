@@ -212,6 +212,9 @@ pub struct Split {
     pub(crate) key: Arc<torpor_image::SnapshotKey>,
     /// How many segments of one plan are filled at once.
     pub(crate) fill_bounds: fill::FillBounds,
+    /// `restore_server.peer_copy`: a GPU segment may be filled from another GPU's cache entry
+    /// over the GPUs' peer path (a cold start placed on another GPU than the deploy's).
+    pub(crate) peer_copy: bool,
     /// Tests: called at each step of a fill, with its plan index.
     #[cfg(test)]
     pub(crate) fill_hook: Option<FillHook>,
@@ -404,6 +407,7 @@ impl Split {
                 segments: limits.fill_segments.max(1) as usize,
                 bytes: limits.fill_bytes,
             },
+            peer_copy: limits.peer_copy,
             #[cfg(test)]
             fill_hook: None,
         }
@@ -472,6 +476,13 @@ impl Split {
             .map_err(|e| StoreOpenError(Arc::new(e)))?;
         stores.insert(tenant.to_string(), store.clone());
         Ok(store)
+    }
+
+    /// The GPUs opened so far (their ordinals, ascending).
+    pub(crate) fn open_gpus(&self) -> Vec<i32> {
+        let mut gpus: Vec<i32> = lock(&self.cuda).keys().copied().collect();
+        gpus.sort_unstable();
+        gpus
     }
 
     /// The device of `backend` (and GPU `ordinal` for cuda), opened on first use.

@@ -385,6 +385,12 @@ impl Split {
                 })?;
             return Ok((m, "gpu"));
         }
+        // Another GPU's cache entry, over the GPUs' peer path (NVLink on the H200s: a cold
+        // start placed on another GPU than the deploy's, whose cache is still empty).
+        if let Some(m) = self.copy_of_peer_cache_entry(dev, e, seal, tenant)? {
+            count("peer", true);
+            return Ok((m, "peer"));
+        }
         let cached = lock(&self.host_cache).get(&hkey);
         count("host", cached.is_some());
         if let Some(src) = cached {
@@ -436,6 +442,53 @@ impl Split {
         lock(&self.host_cache).insert(&hkey, Arc::new(Mutex::new(buf)), e.size);
         self.update_cache_gauges();
         Ok((m, "store"))
+    }
+}
+
+impl Split {
+    /// A copy of GPU segment `e` on `dev` made from another GPU's cache entry of the same
+    /// contents, device to device; the copy also becomes `dev`'s cache entry (sealed), as a
+    /// fill from the host cache does. `None`: no other GPU holds it, or none reaches `dev`.
+    fn copy_of_peer_cache_entry(
+        &self,
+        dev: &dyn SegmentDevice,
+        e: &SegmentEntry,
+        seal: bool,
+        tenant: &str,
+    ) -> Result<Option<Memory>, FillError> {
+        if !self.peer_copy || e.backend != "cuda" {
+            return Ok(None);
+        }
+        for other in self.open_gpus().into_iter().filter(|&o| o != e.ordinal) {
+            let key = crate::tenant::scoped_key(tenant, &gpu_key_of("cuda", other, &e.blake3));
+            let Some(src) = lock(&self.gpu_cache).get(&key) else {
+                continue;
+            };
+            let from = self.device("cuda", other)?;
+            let copy = |seal| {
+                dev.fill_from_peer(&*from, &src, e.size as usize, seal)
+                    .map_err(|source| FillError::Copy {
+                        what: "copying from another GPU's cache",
+                        source,
+                    })
+            };
+            let Some(m) = copy(seal)? else {
+                return Ok(None);
+            };
+            if lock(&self.gpu_cache).capacity() >= e.size {
+                match copy(true) {
+                    Ok(Some(entry)) => {
+                        let gkey = crate::tenant::scoped_key(tenant, &gpu_key(e));
+                        lock(&self.gpu_cache).insert(&gkey, Arc::new(entry), e.size);
+                        self.update_cache_gauges();
+                    }
+                    Ok(None) => {}
+                    Err(x) => tracing::debug!(error = %x, "cannot fill the GPU cache"),
+                }
+            }
+            return Ok(Some(m));
+        }
+        Ok(None)
     }
 }
 

@@ -57,7 +57,7 @@ impl Runtime {
         // A cold start goes onto the node's least loaded device (crate::runtime::device_choice);
         // a wake restores where its hibernation was taken.
         let placed = match sleeper {
-            None => self.place_cold_start(info),
+            None => self.place_cold_start(name, info),
             Some(_) => None,
         };
         let onto = placed.as_ref().map(|p| p.ordinal).filter(|&d| d != 0);
@@ -98,6 +98,9 @@ impl Runtime {
                 DriverLanes::Gpu => placed.as_ref().map_or(0, |p| p.ordinal),
                 DriverLanes::Node => 0,
             },
+            // A burst's first instance (it serves the burst) restores in the driver alone; the
+            // rest side by side, a lane per GPU.
+            gpu_alone: placed.as_ref().is_some_and(|p| p.leads),
             // The driver moves the CUDA state of the deploy's GPU onto the chosen one.
             gpu_map: match onto {
                 Some(d) if info.gpu => vec![GpuMapping {
