@@ -154,6 +154,9 @@ def test_a_gpu_function_placed_on_another_gpu_is_restored_with_the_pairs_that_mo
         assert all(r.endswith("result=0") for r in restores), restores
         device_gauge(d, "torpor_device_instances", 0, 1)
         device_gauge(d, "torpor_device_instances", 1, 1)
+        # The first start of the function (nothing live) leads: its driver restore goes alone.
+        restored = [line for line in d.log_text().splitlines() if "instance restored" in line]
+        assert sorted("leads=true" in line for line in restored) == [False, True], restored
         # Both serve on (warm), each with its own state.
         for _ in range(2):
             r = d.invoke("gpuspread", {"op": "compute", "x": 9})

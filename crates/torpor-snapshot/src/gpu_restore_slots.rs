@@ -22,9 +22,12 @@
 //! Two GPUs' driver restores at once each take longer than one alone (on two H200s: 0.41-0.50 s
 //! against 0.31-0.35 s, `bench/results/split-bench-s51-lanes-h200x2.json`), so a burst's first
 //! instance, which serves the burst by late binding, would be up later. A restore may therefore
-//! ask for its driver turn *alone* ([`GpuRestoreSlots::driver`]): it waits until no lane is in the
-//! driver and keeps every lane out meanwhile (torpord asks so for the first start of a function
-//! that has nothing live); the others of the burst then restore side by side.
+//! go *alone* in the driver: from the moment it has its slot ([`GpuRestoreSlots::acquire`] with
+//! `alone`) no other restore enters the driver until its own turn there has ended, and that turn
+//! waits until no lane is in the driver (torpord asks so for the first start of a function that
+//! has nothing live). Held from the slot, not from the driver turn: the burst's other restores
+//! finish CRIU first as often as not, and would otherwise be in the driver before it. The rest
+//! of the burst then restores side by side.
 //!
 //! A counting semaphore over std's `Mutex` and `Condvar`: the restore runs on a blocking
 //! thread (CRIU, ptrace, the driver's calls), so an async semaphore would need a runtime
@@ -51,7 +54,8 @@ pub struct GpuRestoreSlots {
 struct Driver {
     lanes: HashMap<u32, usize>,
     alone: bool,
-    /// Restores waiting to go alone: no lane enters meanwhile.
+    /// Restores that hold a slot to go alone and have not had their turn: no lane enters
+    /// meanwhile.
     alone_waiting: usize,
 }
 
@@ -68,6 +72,8 @@ pub struct DriverTurn<'a> {
 pub struct GpuRestoreSlot<'a> {
     slots: &'a GpuRestoreSlots,
     lane: u32,
+    /// Taken to go alone in the driver: the other restores keep out of it until dropped.
+    alone: bool,
 }
 
 impl GpuRestoreSlots {
@@ -83,15 +89,12 @@ impl GpuRestoreSlots {
         }
     }
 
-    /// Waits for the driver to be free of the other restores of `lane` (with `alone`: of every
-    /// lane, none entering meanwhile), at most `bound` (as [`Self::acquire`]); the turn, if had,
-    /// and the seconds waited.
+    /// Waits for the driver to be free of the other restores of `lane` (with `alone`, taken by
+    /// a restore whose slot was taken alone: of every lane), at most `bound` (as
+    /// [`Self::acquire`]); the turn, if had, and the seconds waited.
     pub fn driver(&self, lane: u32, alone: bool, bound: Duration) -> (Option<DriverTurn<'_>>, f64) {
         let start = Instant::now();
         let mut d = self.in_driver.lock().unwrap_or_else(|e| e.into_inner());
-        if alone {
-            d.alone_waiting += 1;
-        }
         let free = |d: &Driver| {
             !d.alone
                 && if alone {
@@ -103,10 +106,6 @@ impl GpuRestoreSlots {
         while !free(&d) {
             let left = bound.saturating_sub(start.elapsed());
             if left.is_zero() {
-                if alone {
-                    d.alone_waiting -= 1;
-                    self.driver_freed.notify_all();
-                }
                 return (None, start.elapsed().as_secs_f64());
             }
             d = self
@@ -116,7 +115,6 @@ impl GpuRestoreSlots {
                 .0;
         }
         if alone {
-            d.alone_waiting -= 1;
             d.alone = true;
         } else {
             *d.lanes.entry(lane).or_default() += 1;
@@ -145,10 +143,32 @@ impl GpuRestoreSlots {
 
     /// Waits for a slot of `lane`, at most `bound` (then goes on without one: a restore held
     /// up longer than any burst's restores take means a slot was lost, and waiting longer only
-    /// adds to the start). Returns the slot, if one was had, and the seconds waited.
-    pub fn acquire(&self, lane: u32, bound: Duration) -> (Option<GpuRestoreSlot<'_>>, f64) {
+    /// adds to the start). With `alone`, no other restore enters the driver from now until this
+    /// one's turn there ([`Self::driver`] with `alone`) has ended. Returns the slot, if one was
+    /// had, and the seconds waited.
+    pub fn acquire(
+        &self,
+        lane: u32,
+        alone: bool,
+        bound: Duration,
+    ) -> (Option<GpuRestoreSlot<'_>>, f64) {
         let (got, waited) = take(&self.used, &self.freed, lane, self.max, bound);
-        (got.then(|| GpuRestoreSlot { slots: self, lane }), waited)
+        // Made only when taken: a slot dropped gives its count back.
+        if !got {
+            return (None, waited);
+        }
+        if alone {
+            self.in_driver
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .alone_waiting += 1;
+        }
+        let slot = GpuRestoreSlot {
+            slots: self,
+            lane,
+            alone,
+        };
+        (Some(slot), waited)
     }
 }
 
@@ -192,6 +212,15 @@ fn give(counts: &Mutex<HashMap<u32, usize>>, freed: &Condvar, lane: u32) {
 
 impl Drop for GpuRestoreSlot<'_> {
     fn drop(&mut self) {
+        if self.alone {
+            let mut d = self
+                .slots
+                .in_driver
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            d.alone_waiting = d.alone_waiting.saturating_sub(1);
+            self.slots.driver_freed.notify_all();
+        }
         give(&self.slots.used, &self.slots.freed, self.lane);
     }
 }
@@ -226,7 +255,7 @@ mod tests {
         std::thread::scope(|s| {
             for _ in 0..8 {
                 s.spawn(|| {
-                    let (slot, _) = slots.acquire(0, Duration::from_secs(30));
+                    let (slot, _) = slots.acquire(0, false, Duration::from_secs(30));
                     assert!(slot.is_some(), "a waiter went without a slot");
                     let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
                     most.fetch_max(now, Ordering::SeqCst);
@@ -253,7 +282,7 @@ mod tests {
         std::thread::scope(|s| {
             for _ in 0..3 {
                 s.spawn(|| {
-                    let (slot, _) = slots.acquire(0, Duration::from_secs(30));
+                    let (slot, _) = slots.acquire(0, false, Duration::from_secs(30));
                     let (turn, _) = slots.driver(0, false, Duration::from_secs(30));
                     assert!(slot.is_some() && turn.is_some());
                     let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
@@ -275,9 +304,9 @@ mod tests {
     #[test]
     fn a_waiter_past_its_bound_goes_on_without_a_slot() {
         let slots = GpuRestoreSlots::new(1);
-        let (held, waited) = slots.acquire(0, Duration::from_secs(1));
+        let (held, waited) = slots.acquire(0, false, Duration::from_secs(1));
         assert!(held.is_some() && waited < 1.0);
-        let (none, waited) = slots.acquire(0, Duration::from_millis(50));
+        let (none, waited) = slots.acquire(0, false, Duration::from_millis(50));
         assert!(none.is_none());
         assert!(waited >= 0.05, "{waited}");
         // Going without a slot gives none back: the held one still counts.
@@ -287,18 +316,18 @@ mod tests {
             "a waiter past its bound gave back a slot it never had"
         );
         drop(held);
-        let (again, _) = slots.acquire(0, Duration::from_millis(50));
+        let (again, _) = slots.acquire(0, false, Duration::from_millis(50));
         assert!(again.is_some(), "the slot given back was not reusable");
     }
 
     #[test]
     fn the_lanes_of_two_gpus_neither_wait_for_nor_count_against_each_other() {
         let slots = GpuRestoreSlots::new(1);
-        let (a, _) = slots.acquire(0, Duration::from_secs(1));
+        let (a, _) = slots.acquire(0, false, Duration::from_secs(1));
         let (ta, _) = slots.driver(0, false, Duration::from_secs(1));
         assert!(a.is_some() && ta.is_some());
         // Lane 0 is full, in both bounds; lane 1 is free in both.
-        let (b, waited) = slots.acquire(1, Duration::from_millis(50));
+        let (b, waited) = slots.acquire(1, false, Duration::from_millis(50));
         let (tb, waited_turn) = slots.driver(1, false, Duration::from_millis(50));
         assert!(b.is_some() && tb.is_some());
         assert!(
@@ -306,14 +335,14 @@ mod tests {
             "{waited} {waited_turn}"
         );
         assert_eq!(slots.in_use(), 2);
-        let (none, _) = slots.acquire(0, Duration::from_millis(20));
+        let (none, _) = slots.acquire(0, false, Duration::from_millis(20));
         assert!(
             none.is_none(),
             "lane 0 took a second restore past its bound of 1"
         );
         // A waiter on lane 0 gets its slot when lane 0's is given back, not lane 1's.
         std::thread::scope(|s| {
-            let waiter = s.spawn(|| slots.acquire(0, Duration::from_secs(10)).0.is_some());
+            let waiter = s.spawn(|| slots.acquire(0, false, Duration::from_secs(10)).0.is_some());
             std::thread::sleep(Duration::from_millis(30));
             drop(b);
             std::thread::sleep(Duration::from_millis(30));
@@ -326,24 +355,29 @@ mod tests {
     }
 
     #[test]
-    fn a_restore_alone_waits_for_every_lane_and_keeps_them_out_until_it_is_done() {
+    fn a_restore_alone_keeps_the_driver_from_its_slot_on_and_waits_for_every_lane() {
         let slots = GpuRestoreSlots::new(2);
         let (on1, _) = slots.driver(1, false, Duration::from_secs(1));
         assert!(on1.is_some());
         std::thread::scope(|s| {
+            // The one alone has its slot (its CRIU runs): from now on no lane enters the driver.
+            let (slot, _) = slots.acquire(0, true, Duration::from_secs(1));
+            assert!(slot.is_some());
+            let (none, _) = slots.driver(0, false, Duration::from_millis(20));
+            assert!(
+                none.is_none(),
+                "a lane entered the driver before the one alone had its turn"
+            );
             let alone = s.spawn(|| {
                 let (turn, waited) = slots.driver(0, true, Duration::from_secs(10));
                 assert!(turn.is_some());
                 std::thread::sleep(Duration::from_millis(60));
+                drop(turn);
+                drop(slot);
                 waited
             });
             std::thread::sleep(Duration::from_millis(30));
-            // Waiting to go alone: lane 0, free, takes nobody meanwhile.
-            let (none, _) = slots.driver(0, false, Duration::from_millis(20));
-            assert!(
-                none.is_none(),
-                "a lane entered while a restore waited to go alone"
-            );
+            // Its turn waits for lane 1's restore, in the driver before it had its slot.
             drop(on1);
             std::thread::sleep(Duration::from_millis(20));
             // Alone now: lane 1, free again, waits until it is done.
@@ -356,15 +390,16 @@ mod tests {
             );
             let waited = alone.join().unwrap();
             assert!(
-                waited >= 0.04,
+                waited >= 0.02,
                 "the one alone did not wait for lane 1: {waited}"
             );
         });
-        // A restore alone that gives up past its bound lets the lanes in again.
-        let (held, _) = slots.driver(0, false, Duration::from_secs(1));
-        let (gave_up, _) = slots.driver(1, true, Duration::from_millis(20));
-        assert!(held.is_some() && gave_up.is_none());
+        // Its slot given back without a turn (its restore failed before the driver): the lanes
+        // enter again.
+        let (slot, _) = slots.acquire(1, true, Duration::from_secs(1));
+        drop(slot);
         let (lane1, waited) = slots.driver(1, false, Duration::from_millis(50));
         assert!(lane1.is_some() && waited < 0.05, "{waited}");
+        assert_eq!(slots.in_use(), 0);
     }
 }

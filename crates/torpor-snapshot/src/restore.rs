@@ -496,7 +496,8 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
     // the driver's restore ended (dropped there, or with any error on the way).
     let slot = match (&plan, opts.gpu_restore_slots) {
         (Some(_), Some(slots)) if opts.resume_gpu => {
-            let (slot, waited) = slots.acquire(opts.gpu_lane, GPU_RESTORE_SLOT_WAIT);
+            let (slot, waited) =
+                slots.acquire(opts.gpu_lane, opts.gpu_alone, GPU_RESTORE_SLOT_WAIT);
             phases.0.push(("restore_wait".to_string(), waited));
             slot
         }

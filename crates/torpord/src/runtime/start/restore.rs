@@ -310,8 +310,9 @@ impl Runtime {
             let (rt, placed_inst) = (Arc::clone(self), Arc::clone(&inst));
             let _ = tokio::task::spawn_blocking(move || rt.save_placement(&placed_inst)).await;
         }
+        let leads = placed.as_ref().is_some_and(|p| p.leads);
         drop(placed);
-        tracing::info!(function = name, instance = %inst.id, pid = init, device = inst.gpu.load(Ordering::SeqCst), restore_ms = restore_s * 1e3, pages = ?how_pages, staged, "instance restored");
+        tracing::info!(function = name, instance = %inst.id, pid = init, device = inst.gpu.load(Ordering::SeqCst), leads, restore_ms = restore_s * 1e3, pages = ?how_pages, staged, "instance restored");
         let mut timings = vec![
             ("restore".to_string(), restore_s),
             ("reconnect".to_string(), reconnect_s),
