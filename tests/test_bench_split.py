@@ -351,3 +351,28 @@ def test_an_ab_pools_each_arms_runs_over_its_calls(tmp_path: Path) -> None:
     assert "0.600 (0.500-0.700, 3 runs) | - | 0.300 | - | bit-identical" in rows["a"], text
     assert "0.300 (0.200-0.400, 3 runs) | - | 0.150 | - | **differ**" in rows["b"], text
     assert ab.main(["a"]) == 2
+
+
+def test_the_burst_table_names_each_settings_lines_and_takes_medians_of_its_runs(tmp_path: Path) -> None:
+    burst_table = load("burst_table")
+    base = "split = true\n[restore_server]\n"
+    result = {
+        "machine": {"gpus": [{}, {}], "device": "NVIDIA H200", "driver": "580", "torpor_commit": "abc"},
+        "settings": {"daemon_config": {"burst8": base, "burst8@node": base + 'driver_lanes = "node"\n'}},
+        "results": [
+            {"model": "m", "mode": "cold", "runs": [{"wall_s": 0.5}]},
+            {"model": "m", "mode": "burst8", "runs": [
+                {"wall_s": w, "first_answer_s": w / 2, "all_up_s": 2 * w, "devices": {"0": 4, "1": 4}}
+                for w in (1.0, 3.0, 2.0)
+            ]},
+            {"model": "m", "mode": "burst8@node", "runs": [
+                {"wall_s": 0.8, "first_answer_s": 0.5, "all_up_s": None, "devices": {"0": 8}}
+            ]},
+        ],
+    }
+    path = tmp_path / "split-bench.json"
+    path.write_text(json.dumps(result))
+    lines = burst_table.table(path).splitlines()
+    assert lines[2] == '| m | `burst8`: the run\'s defaults | 1.000 | 2.000 | 4.000 | {"0": 4, "1": 4} | 3 |', lines
+    assert lines[3] == '| m | `burst8@node`: `driver_lanes = "node"` | 0.500 | 0.800 | – | {"0": 8} | 1 |', lines
+    assert len(lines) == 6 and "2× NVIDIA H200" in lines[-1], lines

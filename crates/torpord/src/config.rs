@@ -72,9 +72,11 @@
 //! gpu_restores = 2                # GPU restores in flight at once, CRIU's start to the driver's
 //!                                 # end (a burst's first instance is up as if alone, the next
 //!                                 # one's CRIU overlaps its driver; docs/split.md "Bursts");
-//!                                 # 0: no bound; at most 64; per GPU (driver_lanes)
-//! driver_lanes = "gpu"            # what gpu_restores and the driver's one-at-a-time turn count:
-//!                                 # "gpu", each GPU's restores; "node", all of the node's together
+//!                                 # 0: no bound; at most 64; per lane (driver_lanes)
+//! driver_lanes = "node"           # what gpu_restores and the driver's one-at-a-time turn count:
+//!                                 # "node", all of the node's restores together (a burst's first
+//!                                 # answer sooner); "gpu", each GPU's apart (all its instances up
+//!                                 # sooner; docs/split.md "Bursts")
 //! placement = "spread"            # cold starts onto the node's GPU of the deploy's model with the
 //!                                 # fewest instances and starts (docs/torpord.md, "Several GPUs");
 //!                                 # "first": every one onto the deploy's GPU, as before
