@@ -376,3 +376,8 @@ def test_the_burst_table_names_each_settings_lines_and_takes_medians_of_its_runs
     assert lines[2] == '| m | `burst8`: the run\'s defaults | 1.000 | 2.000 | 4.000 | {"0": 4, "1": 4} | 3 |', lines
     assert lines[3] == '| m | `burst8@node`: `driver_lanes = "node"` | 0.500 | 0.800 | – | {"0": 8} | 1 |', lines
     assert len(lines) == 6 and "2× NVIDIA H200" in lines[-1], lines
+
+
+def test_the_burst_table_in_docs_split_md_is_what_its_json_says() -> None:
+    burst_table = load("burst_table")
+    assert burst_table.main(["--check", str(ROOT / "docs" / "split.md")]) == 0

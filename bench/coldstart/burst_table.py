@@ -4,16 +4,27 @@ per model and setting, the medians of the first answer, all eight answered and a
 instances up, and where the instances landed (`restore_server.placement`; docs/split.md,
 "Bursts", "Several GPUs").
 
-    python3 bench/coldstart/burst_table.py bench/results/split-bench-s51-alone2-h200x2.json
+    python3 bench/coldstart/burst_table.py                       # the table of RESULT
+    python3 bench/coldstart/burst_table.py --readme docs/split.md  # its block there, replaced
+    python3 bench/coldstart/burst_table.py --check docs/split.md   # exit 1 when it differs
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from readme_block import readme_cli, replaced  # noqa: E402 (bench/ is put on the path above)
+
+# The two-GPU run the docs quote (docs/split.md, "Bursts").
+RESULT = ROOT / "bench" / "results" / "split-bench-s51-alone2-h200x2.json"
+BEGIN = "<!-- burst-table: rendered by bench/coldstart/burst_table.py -->"
+END = "<!-- /burst-table -->"
 
 def setting(result: dict[str, Any], mode: str) -> str:
     """What the mode's daemon set beyond the plain `burst8`'s config: `placement` and
@@ -62,11 +73,10 @@ def table(path: Path) -> str:
     return "\n".join(head + rows(result)) + "\n" + foot
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("result", type=Path)
-    print(table(p.parse_args().result))
+def main(argv: list[str] | None = None) -> int:
+    return readme_cli(argv, doc=__doc__, script="bench/coldstart/burst_table.py", what="the table of bursts",
+                      rendered=lambda text: replaced(text, BEGIN, END, table(RESULT)), shown=lambda: table(RESULT))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
