@@ -9,7 +9,16 @@
 //!
 //! Two things keep the pipeline's writers off the files' path:
 //!
-//! - **A busy file is handed over, not waited for.** ext4 lets one buffered write into a file
+//! - **Each writer copies into the file's pages itself, beside the others.** A file is mapped
+//!   shared and writable, and a chunk is copied into the mapping at its offsets: the page cache
+//!   is filled as by `write`, but without the inode's lock that lets one buffered write into an
+//!   ext4 file at a time, so the pull's writers fill CRIU's pages side by side. Before its copy
+//!   a writer gives its range blocks (`fallocate`, size kept): a page dirtied through a mapping
+//!   with no block behind it would need one at writeback, and a full disk would then kill the
+//!   daemon with SIGBUS; `fallocate` answers ENOSPC to the writer instead, which fails the pull
+//!   with the file named. Where the file system cannot allocate so (`EOPNOTSUPP`) or the file
+//!   cannot be mapped, its writes go the way below.
+//! - **Otherwise a busy file is handed over, not waited for.** ext4 lets one buffered write into a file
 //!   at a time (the inode's lock), and a snapshot's files are mostly one: CRIU's pages. With a
 //!   lock a writer waited for, the sixteen writers of a pull queued on it while the segments'
 //!   chunks waited behind them (session 30 on the H100, `bench/cluster/pull.py --perf
@@ -27,6 +36,7 @@
 
 use std::collections::HashMap;
 use std::fs;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -90,12 +100,20 @@ pub struct InlineStats {
     pub waited_s: f64,
     /// Blocks of the files hashed as they landed (landed_hash.rs), before the verification.
     pub hashed_early_blocks: u64,
+    /// Files written through a shared mapping, each writer beside the others (the others one
+    /// writer at a time).
+    pub mapped_files: u64,
 }
 
 /// One file of the directory: the file, held by whoever writes into it, and the writes other
 /// writers left for the holder.
 struct FileSlot {
     file: Mutex<fs::File>,
+    /// The file mapped shared and writable, where its file system allocates blocks ahead
+    /// (`fallocate`): writers copy into it side by side. `None`: written through `file`.
+    map: Option<memmap2::MmapRaw>,
+    /// `file`'s descriptor, for `fallocate` without its lock.
+    fd: std::os::fd::RawFd,
     /// Its place in `files` (and in `landed`).
     index: usize,
     /// Its path in the snapshot (the manifest's name for it).
@@ -144,11 +162,12 @@ impl InlineFiles {
             .iter()
             .filter(|r| manifest.files.iter().any(|f| f.path == r.name))
             .collect();
-        Self::create_with(out, &files)
+        Self::create_with(out, &files, true)
     }
 
-    /// [`create`](Self::create) with the files' recipes.
-    fn create_with(out: &Path, files: &[&Recipe]) -> Result<Self, TransferError> {
+    /// [`create`](Self::create) with the files' recipes; `map`: write through shared mappings
+    /// where the file system allows (tests take the other way with `false`).
+    fn create_with(out: &Path, files: &[&Recipe], map: bool) -> Result<Self, TransferError> {
         let name = out
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -162,7 +181,7 @@ impl InlineFiles {
             .mode(0o700)
             .create(&dir)
             .map_err(io("create", &dir))?;
-        let made = Made::create(&dir, files).and_then(|made| {
+        let made = Made::create(&dir, files, map).and_then(|made| {
             let sized: Vec<(PathBuf, u64)> = files
                 .iter()
                 .zip(&made.files)
@@ -218,9 +237,17 @@ impl InlineFiles {
         Ok(())
     }
 
-    /// `bytes` at `offset` of `slot`: now if the file is free, else into its queue for the
-    /// holder; waits for the file only when its queue is full.
+    /// `bytes` at `offset` of `slot`: copied into its mapping, or written now if the file is
+    /// free, else into its queue for the holder (waiting for the file only when its queue is
+    /// full).
     fn write_at(&self, slot: &FileSlot, offset: u64, bytes: &[u8]) -> Result<(), TransferError> {
+        if let Some(map) = &slot.map {
+            copy_into(map, slot, offset, bytes)?;
+            self.written_bytes
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            self.landed(slot.index, offset, bytes.len());
+            return Ok(());
+        }
         let held = match try_hold(slot) {
             Some(held) => held,
             None => {
@@ -325,6 +352,7 @@ impl InlineFiles {
             handed_over: self.handed_over.load(Ordering::Relaxed),
             waited_s: self.waited_ns.load(Ordering::Relaxed) as f64 / 1e9,
             hashed_early_blocks: self.landed.hashed_early(),
+            mapped_files: self.files.iter().filter(|f| f.map.is_some()).count() as u64,
         }
     }
 
@@ -417,8 +445,9 @@ struct Made {
 }
 
 impl Made {
-    /// The files of `files` in `dir` (which the caller removes on failure).
-    fn create(dir: &Path, files: &[&Recipe]) -> Result<Self, TransferError> {
+    /// The files of `files` in `dir` (which the caller removes on failure), mapped where
+    /// `map` and their file system allow.
+    fn create(dir: &Path, files: &[&Recipe], map: bool) -> Result<Self, TransferError> {
         let mut made = Made {
             files: Vec::new(),
             at: HashMap::new(),
@@ -440,13 +469,20 @@ impl Made {
                     .map_err(io("create", parent))?;
             }
             // create_new: a new file, so every byte not written is a hole and reads as zero.
+            // Read too: a shared writable mapping needs the file open for both.
             let file = fs::File::options()
+                .read(true)
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
                 .open(&path)
                 .map_err(io("create", &path))?;
             file.set_len(recipe.size).map_err(io("write", &path))?;
+            let mapped = if map {
+                mapped(&file, recipe.size)
+            } else {
+                None
+            };
             let index = made.files.len();
             let mut offset = 0;
             for c in &recipe.chunks {
@@ -458,6 +494,8 @@ impl Made {
                 offset += c.len;
             }
             made.files.push(FileSlot {
+                fd: file.as_raw_fd(),
+                map: mapped,
                 file: Mutex::new(file),
                 index,
                 name: recipe.name.clone(),
@@ -467,6 +505,71 @@ impl Made {
         }
         Ok(made)
     }
+}
+
+/// `file` (of `size` bytes) mapped shared and writable, if its file system allocates blocks
+/// ahead (`fallocate` of its first byte succeeds) and the mapping is made; else `None`.
+fn mapped(file: &fs::File, size: u64) -> Option<memmap2::MmapRaw> {
+    if size == 0 || usize::try_from(size).is_err() {
+        return None;
+    }
+    // SAFETY: fallocate on a descriptor this function borrows; no memory is passed.
+    let probe = unsafe { libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, 1) };
+    if probe != 0 {
+        return None;
+    }
+    memmap2::MmapOptions::new().map_raw(file).ok()
+}
+
+/// Gives `offset..offset + bytes.len()` of `slot`'s file blocks, then copies `bytes` there
+/// through `map`.
+fn copy_into(
+    map: &memmap2::MmapRaw,
+    slot: &FileSlot,
+    offset: u64,
+    bytes: &[u8],
+) -> Result<(), TransferError> {
+    let in_file = offset
+        .checked_add(bytes.len() as u64)
+        .is_some_and(|end| end <= map.len() as u64);
+    if !in_file {
+        return Err(TransferError::Io {
+            op: "write",
+            path: slot.path.clone(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "{} bytes at {offset} pass the end of the file ({} bytes)",
+                    bytes.len(),
+                    map.len()
+                ),
+            ),
+        });
+    }
+    let (start, len) = (
+        libc::off_t::try_from(offset).unwrap_or(libc::off_t::MAX),
+        libc::off_t::try_from(bytes.len()).unwrap_or(libc::off_t::MAX),
+    );
+    // SAFETY: fallocate on the file's own descriptor, which lives as long as `slot`.
+    if unsafe { libc::fallocate(slot.fd, libc::FALLOC_FL_KEEP_SIZE, start, len) } != 0 {
+        return Err(TransferError::Io {
+            op: "write",
+            path: slot.path.clone(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: the range lies inside the mapping (checked above), which lives as long as `slot`;
+    // nobody else writes it (each chunk's places are written once, and chunks do not overlap),
+    // and the file is this pull's own (created new in a 0700 directory), so it is not shortened
+    // under the mapping; its blocks were allocated just above, so no page of it faults for one.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            map.as_mut_ptr().add(offset as usize),
+            bytes.len(),
+        );
+    }
+    Ok(())
 }
 
 /// `slot`'s file if nobody holds it (a writer that panicked holding it left it whole: each
@@ -528,7 +631,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let parts = vec![bytes(1, 8192), bytes(2, 8192), bytes(3, 8192)];
         let (r, whole) = recipe("pages-1.img", &parts);
-        let inline = InlineFiles::create_with(&dir.path().join("snap"), &[&r]).unwrap();
+        let inline = InlineFiles::create_with(&dir.path().join("snap"), &[&r], false).unwrap();
         let slot = &inline.files[0];
         let held = lock(&slot.file);
         std::thread::scope(|s| {
@@ -553,7 +656,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let parts = vec![vec![0u8; 1 << 20], bytes(7, 4096), vec![0u8; 1 << 20]];
         let (r, whole) = recipe("pages-1.img", &parts);
-        let inline = InlineFiles::create_with(&dir.path().join("snap"), &[&r]).unwrap();
+        let inline = InlineFiles::create_with(&dir.path().join("snap"), &[&r], true).unwrap();
         // Each distinct chunk once, as the pipeline gives them: the two runs of zeros are one.
         inline.write(&r.chunks[0], &parts[0]).unwrap();
         inline.write(&r.chunks[1], &parts[1]).unwrap();
@@ -562,6 +665,10 @@ mod tests {
         let stats = inline.stats();
         assert_eq!(stats.zero_bytes, 2 << 20);
         assert_eq!(stats.written_bytes, 4096);
+        assert_eq!(
+            stats.mapped_files, 1,
+            "this file system allocates ahead: mapped"
+        );
         // The zeros take no blocks (the file system has holes: ext4, tmpfs, xfs...).
         assert!(fs::metadata(path).unwrap().blocks() * 512 < 1 << 20);
         assert!(
@@ -572,7 +679,16 @@ mod tests {
     }
 
     #[test]
-    fn writers_racing_on_two_files_leave_every_chunk_in_place() {
+    fn writers_racing_on_two_mapped_files_leave_every_chunk_in_place() {
+        writers_racing_on_two_files(true);
+    }
+
+    #[test]
+    fn writers_racing_on_two_locked_files_leave_every_chunk_in_place() {
+        writers_racing_on_two_files(false);
+    }
+
+    fn writers_racing_on_two_files(map: bool) {
         let dir = tempfile::tempdir().unwrap();
         // Two files of many small chunks, some of them zeros, some used twice.
         let files: Vec<(Recipe, Vec<u8>)> = (0..2u8)
@@ -588,7 +704,8 @@ mod tests {
             })
             .collect();
         let recipes: Vec<&Recipe> = files.iter().map(|(r, _)| r).collect();
-        let inline = InlineFiles::create_with(&dir.path().join("snap"), &recipes).unwrap();
+        let inline = InlineFiles::create_with(&dir.path().join("snap"), &recipes, map).unwrap();
+        assert_eq!(inline.stats().mapped_files, if map { 2 } else { 0 });
         // Each distinct chunk with its bytes, cut again from the files' contents.
         let mut distinct: Vec<(ChunkRef, Vec<u8>)> = Vec::new();
         let mut seen = std::collections::HashSet::new();
@@ -637,7 +754,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let parts = vec![bytes(1, 3 << 20), bytes(2, 3 << 20)];
         let (r, _) = recipe("pages-1.img", &parts);
-        let inline = InlineFiles::create_with(&dir.path().join("snap"), &[&r]).unwrap();
+        let inline = InlineFiles::create_with(&dir.path().join("snap"), &[&r], true).unwrap();
         let mut wrong = parts[1].clone();
         wrong[12345] ^= 0x40;
         inline.write(&r.chunks[0], &parts[0]).unwrap();
@@ -645,5 +762,52 @@ mod tests {
         let hashes = inline.landed.finish().unwrap();
         assert_ne!(hashes[0].to_hex().as_str(), r.blake3);
         assert_eq!(hashes[0], blake3::hash(&[parts[0].clone(), wrong].concat()));
+    }
+
+    #[test]
+    fn a_full_disk_fails_the_write_naming_the_file_instead_of_killing_the_process() {
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: mounting a small tmpfs needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mnt = dir.path().join("small");
+        fs::create_dir(&mnt).unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                "size=1m",
+                "torpor-test",
+                mnt.to_str().unwrap(),
+            ])
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            eprintln!("skipped: cannot mount a tmpfs here");
+            return;
+        }
+        let result = std::panic::catch_unwind(|| {
+            let parts = vec![bytes(1, 3 << 20), bytes(2, 4096)];
+            let (r, _) = recipe("pages-1.img", &parts);
+            let inline = InlineFiles::create_with(&mnt.join("snap"), &[&r], true).unwrap();
+            assert_eq!(inline.stats().mapped_files, 1);
+            let e = inline
+                .write(&r.chunks[0], &parts[0])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("pages-1.img") && e.contains("No space left"),
+                "{e}"
+            );
+            // The small chunk still goes in: the file is whole where it was written.
+            inline.write(&r.chunks[1], &parts[1]).unwrap();
+            inline.remove();
+        });
+        let _ = std::process::Command::new("umount").arg(&mnt).status();
+        if let Err(p) = result {
+            std::panic::resume_unwind(p);
+        }
     }
 }

@@ -189,6 +189,8 @@ pub struct PullPhases {
     /// file all the same (its queue full).
     pub files_handed_over: u64,
     pub files_wait_s: f64,
+    /// Of the directory's files, those its writers filled side by side through a mapping.
+    pub files_mapped: u64,
     /// Blocks of the directory's files hashed as they landed, before its verification (which
     /// then compares their hashes instead of reading the files again).
     pub files_hashed_early_blocks: u64,
@@ -786,6 +788,7 @@ impl Tier {
         phases.files_written_bytes = t.files_written.written_bytes;
         phases.files_zero_bytes = t.files_written.zero_bytes;
         phases.files_handed_over = t.files_written.handed_over;
+        phases.files_mapped = t.files_written.mapped_files;
         phases.files_wait_s = t.files_written.waited_s;
         phases.files_hashed_early_blocks = t.files_written.hashed_early_blocks;
         phases.fetch_s = t.fetch_s;
