@@ -766,6 +766,7 @@ mod tests {
 
     #[test]
     fn a_full_disk_fails_the_write_naming_the_file_instead_of_killing_the_process() {
+        // SAFETY: geteuid takes nothing and cannot fail.
         if unsafe { libc::geteuid() } != 0 {
             eprintln!("skipped: mounting a small tmpfs needs root");
             return;
