@@ -350,9 +350,9 @@ pub struct RestoreServer {
     /// driver's restore (Runtime::gpu_restore_slots); 0: no bound.
     pub gpu_restores: u32,
     /// What `gpu_restores` and the driver's turn count (crate::runtime::device_choice).
-    pub driver_lanes: crate::runtime::device_choice::DriverLanes,
+    pub driver_lanes: DriverLanes,
     /// Which device a cold start restores onto (crate::runtime::device_choice).
-    pub placement: crate::runtime::device_choice::Placement,
+    pub placement: Placement,
     /// Read ahead, beside the image's verification, the pages of mapped files that CRIU's
     /// restore reads one fault at a time (`torpor_snapshot::file_prefetch`); false: CRIU reads
     /// them itself, as before.
@@ -393,6 +393,55 @@ impl Default for PcieConfig {
     }
 }
 
+/// `restore_server.placement`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// Each cold start onto the least loaded device of the deploy's model.
+    #[default]
+    Spread,
+    /// Every cold start onto the deploy's device.
+    First,
+}
+
+impl Placement {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "spread" => Some(Placement::Spread),
+            "first" => Some(Placement::First),
+            _ => None,
+        }
+    }
+}
+
+/// `restore_server.driver_lanes`: what the bound on GPU restores in flight
+/// (`restore_server.gpu_restores`) and the driver's one-at-a-time turn apply to.
+///
+/// `Node` is the default: on two H200s a burst of eight was answered sooner with one lane
+/// (GPT-2-Large 0.74-0.75 s against 0.88-0.96 s, ResNet-152 0.58-0.62 against 0.65-0.70 s),
+/// while a lane per GPU had all eight up sooner (2.5-3.1 against 2.9-3.0 s; 2.2-2.3 against
+/// 2.6-2.7 s): two GPUs' driver restores at once each take longer than one alone
+/// (`bench/results/split-bench-s51-alone2-h200x2.json`; docs/split.md, "Bursts").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DriverLanes {
+    /// Each GPU's restores on their own: two GPUs restore side by side.
+    Gpu,
+    /// The node's restores together, whatever their GPU.
+    #[default]
+    Node,
+}
+
+impl DriverLanes {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "gpu" => Some(DriverLanes::Gpu),
+            "node" => Some(DriverLanes::Node),
+            _ => None,
+        }
+    }
+}
+
 /// Default of `restore_server.gpu_restores`: two, so that one restore's CRIU part overlaps
 /// the other's driver restore (docs/split.md "Bursts").
 pub const DEFAULT_GPU_RESTORES: u32 = 2;
@@ -424,8 +473,8 @@ impl Default for RestoreServer {
             host_devices: 1,
             host_device_bytes: 0,
             gpu_restores: DEFAULT_GPU_RESTORES,
-            driver_lanes: crate::runtime::device_choice::DriverLanes::default(),
-            placement: crate::runtime::device_choice::Placement::default(),
+            driver_lanes: DriverLanes::default(),
+            placement: Placement::default(),
             prefetch_file_pages: true,
             peer_copy: true,
             fill_segments: DEFAULT_FILL_SEGMENTS,
@@ -928,18 +977,10 @@ impl Config {
             if let Some(n) = t.integer("gpu_restores", 0, 64)? {
                 r.gpu_restores = u32::try_from(n).unwrap_or(0);
             }
-            if let Some(l) = t.parsed(
-                "driver_lanes",
-                "\"gpu\" or \"node\"",
-                crate::runtime::device_choice::DriverLanes::parse,
-            )? {
+            if let Some(l) = t.parsed("driver_lanes", "\"gpu\" or \"node\"", DriverLanes::parse)? {
                 r.driver_lanes = l;
             }
-            if let Some(p) = t.parsed(
-                "placement",
-                "\"spread\" or \"first\"",
-                crate::runtime::device_choice::Placement::parse,
-            )? {
+            if let Some(p) = t.parsed("placement", "\"spread\" or \"first\"", Placement::parse)? {
                 r.placement = p;
             }
             if let Some(n) = t.integer("fill_segments", 1, 64)? {

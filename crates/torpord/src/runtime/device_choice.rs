@@ -24,61 +24,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::config::Placement;
 use crate::runtime::pool::FnInfo;
 use crate::runtime::Runtime;
 use crate::sync::lock;
 
 /// How long a device whose restore found too little free GPU memory is passed over.
 pub const SHORT_MEMORY_PAUSE: Duration = Duration::from_secs(2);
-
-/// `restore_server.placement`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Placement {
-    /// Each cold start onto the least loaded device of the deploy's model.
-    #[default]
-    Spread,
-    /// Every cold start onto the deploy's device.
-    First,
-}
-
-impl Placement {
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "spread" => Some(Placement::Spread),
-            "first" => Some(Placement::First),
-            _ => None,
-        }
-    }
-}
-
-/// `restore_server.driver_lanes`: what the bound on GPU restores in flight
-/// (`restore_server.gpu_restores`) and the driver's one-at-a-time turn apply to.
-///
-/// `Node` is the default: on two H200s a burst of eight was answered sooner with one lane
-/// (GPT-2-Large 0.74-0.75 s against 0.88-0.96 s, ResNet-152 0.58-0.62 against 0.65-0.70 s),
-/// while a lane per GPU had all eight up sooner (2.5-3.1 against 2.9-3.0 s; 2.2-2.3 against
-/// 2.6-2.7 s): two GPUs' driver restores at once each take longer than one alone
-/// (`bench/results/split-bench-s51-alone2-h200x2.json`; docs/split.md, "Bursts").
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DriverLanes {
-    /// Each GPU's restores on their own: two GPUs restore side by side.
-    Gpu,
-    /// The node's restores together, whatever their GPU.
-    #[default]
-    Node,
-}
-
-impl DriverLanes {
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "gpu" => Some(DriverLanes::Gpu),
-            "node" => Some(DriverLanes::Node),
-            _ => None,
-        }
-    }
-}
 
 /// One device a cold start may land on, as [`choose`] weighs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -267,6 +219,7 @@ impl Runtime {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::DriverLanes;
 
     fn c(ordinal: u32, load: usize, short: bool) -> Candidate {
         Candidate {

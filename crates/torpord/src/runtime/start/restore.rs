@@ -10,8 +10,8 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 use torpor_snapshot::gpu_map::{GpuMapping, GpuRef};
 
+use crate::config::DriverLanes;
 use crate::metrics::start;
-use crate::runtime::device_choice::DriverLanes;
 use crate::runtime::instance::{kill_tree, Instance, Sleeper};
 use crate::runtime::invoke::Timings;
 use crate::runtime::lifecycle::RemoveWhenDone;
