@@ -24,7 +24,7 @@ from conftest import ROOT
 # Phases that count (bytes, chunks, writes) rather than time.
 COUNTS = {"prefilled_bytes", "held_chunks", "reopened_hashed_bytes", "reopened_recorded_bytes",
           "files_written_bytes", "files_zero_bytes", "files_handed_over", "fetch_buffers_made",
-          "files_hashed_early_blocks"}
+          "files_hashed_early_blocks", "files_mapped"}
 
 
 def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
@@ -91,6 +91,9 @@ def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path:
     assert phases["fetchers"] >= 1 and phases["writers"] >= 1, phases
     # The snapshot directory's files: every byte of them written or, being zeros, left a hole.
     assert phases["files_written_bytes"] > 0 and phases["files_zero_bytes"] >= 0 and phases["files_handed_over"] >= 0, phases
+    # ... each file through a shared mapping, every writer beside the others (this machine's file
+    # systems allocate ahead), so none handed over to another writer.
+    assert phases["files_mapped"] >= 1 and phases["files_handed_over"] == 0, phases
     # ... and hashed block by block as it landed: the verification compares those hashes.
     assert phases["files_hashed_early_blocks"] >= 1, phases
     # Each node B new to the base (--new-node on, the default): the reopened files evicted
