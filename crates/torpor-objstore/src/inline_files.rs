@@ -7,7 +7,7 @@
 //! before: every file's hash compared with the authenticated manifest's (the hashes taken as
 //! the files' blocks land, landed_hash.rs).
 //!
-//! Two things keep the pipeline's writers off the files' path:
+//! What keeps the pipeline's writers off the files' path:
 //!
 //! - **Each writer copies into the file's pages itself, beside the others.** A file is mapped
 //!   shared and writable, and a chunk is copied into the mapping at its offsets: the page cache

@@ -448,7 +448,7 @@ impl Split {
 impl Split {
     /// A copy of GPU segment `e` on `dev` made from another GPU's cache entry of the same
     /// contents, device to device; the copy also becomes `dev`'s cache entry (sealed), as a
-    /// fill from the host cache does. `None`: no other GPU holds it, or none reaches `dev`.
+    /// fill from the host cache does. `None`: no other GPU that reaches `dev` holds it.
     fn copy_of_peer_cache_entry(
         &self,
         dev: &dyn SegmentDevice,
@@ -472,8 +472,9 @@ impl Split {
                         source,
                     })
             };
+            // No peer path between the two: another GPU may have one.
             let Some(m) = copy(seal)? else {
-                return Ok(None);
+                continue;
             };
             if lock(&self.gpu_cache).capacity() >= e.size {
                 match copy(true) {
