@@ -168,6 +168,17 @@ class Torpord:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
+    def hibernation_stop_of(self, instance: str, timeout: float = 30.0) -> str:
+        """The `hibernation stop` line of `instance`. It is logged just after the instance shows
+        as hibernated, so a test that saw the stage waits for it rather than reading at once."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.log.read_text(errors="replace").splitlines():
+                if "hibernation stop" in line and instance in line:
+                    return line
+            assert time.monotonic() < deadline, f"no hibernation stop of {instance} in the log\n{self.log_text()}"
+            time.sleep(0.05)
+
     def request(
         self, method: str, path: str, body: Any = None, timeout: float = 60.0, headers: dict[str, str] | None = None
     ) -> Answer:

@@ -190,7 +190,7 @@ def test_gpu_instance_releases_its_gpu_in_place_then_hibernates(cuda: None, tran
 
     _wait_stage(torpord, "hibernated")
     # From gpu_released, without its GPU resumed (protocol 5; docs/checkpoints.md).
-    stop = [x for x in torpord.log.read_text().splitlines() if "hibernation stop" in x][-1]
+    stop = torpord.hibernation_stop_of(inst["id"])
     assert "gpu_resume" not in stop, stop
     woken = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
     assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body, torpord.log_text())
@@ -371,11 +371,10 @@ def test_split_gpu_instance_releases_its_gpu_and_maps_its_segments_back(cuda: No
 
     # Released again, then hibernated from gpu_released without a resume: its segments stored
     # from the copies the release kept.
-    _wait_stage(torpord, "gpu_released")
+    inst = _wait_stage(torpord, "gpu_released")
     _wait_stage(torpord, "hibernated")
-    log = torpord.log.read_text()
-    assert "segments stored from the GPU release" in log, torpord.log_text()
-    stop = [x for x in log.splitlines() if "hibernation stop" in x][-1]
+    stop = torpord.hibernation_stop_of(inst["id"])
+    assert "segments stored from the GPU release" in torpord.log.read_text(), torpord.log_text()
     assert "gpu_resume" not in stop, stop
     woken = torpord.invoke("gpusleepy", {"x": X}, timeout=180)
     assert woken.status == 200 and woken.start == "restored", (woken.status, woken.body, torpord.log_text())

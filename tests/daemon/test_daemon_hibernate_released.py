@@ -132,6 +132,7 @@ def hibernate_released(d: Torpord, root: Path, name: str, request: dict) -> tupl
     finally:
         full.unlink()
     assert [i["stage"] for i in d.instances(name)] == ["hibernated"], (d.instances(name), d.log_text())
+    d.hibernation_stop_of(inst["id"])  # check_not_resumed reads it
     (snap,) = (d.state / "snapshots").glob(f"hib-{name}-*")
     return first.json(), worker, snap
 
@@ -234,7 +235,7 @@ def test_hibernate_released_false_resumes_the_gpu_first(
             "lock result=0",  # the snapshot
             "checkpoint result=0",
         ], driver_calls(tmp_path)
-        stop = [x for x in d.log.read_text().splitlines() if "hibernation stop" in x][-1]
+        stop = d.hibernation_stop_of(inst["id"])
         assert "gpu_resume" in stop, stop
         woken = d.invoke("gpuhib", {"op": "count"})
         assert woken.status == 200 and woken.json()["calls"] == first.json()["calls"] + 1, woken.body
