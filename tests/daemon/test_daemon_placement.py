@@ -126,12 +126,13 @@ def fake_gpu_daemon(torpor_bin: Path, fake_cuda: FakeCuda, tmp_path: Path, **fak
     return Torpord(torpor_bin, root, env=env, queue_timeout_s=60), log
 
 
-def two_gpu_starts(d: Torpord, log: Path, tmp_path: Path, name: str) -> list[str]:
-    """Deploys splitbuf as a `gpus = 1` function of two instances, starts both at once (each
-    answer checked) and returns the driver's restore calls they made."""
+def two_gpu_starts(d: Torpord, log: Path, tmp_path: Path, name: str, keepalive: str = "") -> list[str]:
+    """Deploys splitbuf as a `gpus = 1` function of two instances (`keepalive`: a
+    `[keepalive]` table to append), starts both at once (each answer checked) and returns the
+    driver's restore calls they made."""
     fdir = gpu_splitbuf(tmp_path, name)
     toml = fdir / "torpor.toml"
-    toml.write_text(toml.read_text().replace("max_instances = 1", "max_instances = 2"))
+    toml.write_text(toml.read_text().replace("max_instances = 1", "max_instances = 2") + keepalive)
     d.deploy(fdir)
     before = log.read_text() if log.exists() else ""
     for a in two_at_once(d, name):
@@ -173,5 +174,50 @@ def test_a_gpu_of_another_model_takes_no_cold_start(
         restores = two_gpu_starts(d, log, tmp_path, "gpumodel")
         assert len(restores) == 2 and all("pairs=0" in r for r in restores), restores
         device_gauge(d, "torpor_device_instances", 0, 2)
+    finally:
+        d.stop()
+
+
+def test_a_hibernated_instance_wakes_on_its_gpu_and_counts_there_after_a_restart_too(
+    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """A wake restores where the hibernation was taken (the driver keeps the GPUs a process was
+    checkpointed on: no pairs) and keeps the instance's id, so the placement file its placed
+    start wrote says where it is, through the hibernation and a daemon's restart. Before, an
+    instance whose segments are not CUDA ones (these are host ones, as a transparent GPU
+    function has none) woke counted on GPU 0."""
+    d, log = fake_gpu_daemon(torpor_bin, fake_cuda, tmp_path, FAKE_CUDA_DEVICES="3", FAKE_CUDA_SAME_MODEL="1")
+    try:
+        keepalive = "\n[keepalive]\ngpu_release_s = 1\nhibernate_s = 2\nevict_s = 600\n"
+        restores = two_gpu_starts(d, log, tmp_path, "gpuwake", keepalive)
+        assert sum("pairs=3" in r for r in restores) == 1, restores
+        device_gauge(d, "torpor_device_instances", 1, 1)
+        on_gpu1 = [p.stem for p in (d.state / "placement").glob("*.json")]
+        assert len(on_gpu1) == 1, on_gpu1
+
+        deadline = time.monotonic() + 60
+        while sorted(i["stage"] for i in d.instances("gpuwake")) != ["hibernated", "hibernated"]:
+            assert time.monotonic() < deadline, (d.instances("gpuwake"), d.log_text())
+            time.sleep(0.1)
+        ids = sorted(i["id"] for i in d.instances("gpuwake"))
+        assert on_gpu1[0] in ids, (on_gpu1, ids)
+        device_gauge(d, "torpor_device_instances", 1, 0)
+
+        # A crash while both sleep: the restarted daemon's sweep keeps the sleeper's file. Its
+        # wakes are held after CRIU, so that two requests wake both.
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        d.env["TORPORD_DELAY"] = f"woken:{HOLD_MS}"
+        d.restart()
+        assert (d.state / "placement" / f"{on_gpu1[0]}.json").is_file(), d.log_text()
+        before = log.read_text()
+        for a in two_at_once(d, "gpuwake"):
+            assert a.status == 200 and a.start == "restored", (a.status, a.body, d.log_text())
+            assert a.json()["sha"] == expected_sha(9), a.body
+        wakes = [line for line in log.read_text()[len(before):].splitlines() if line.startswith("restore ")]
+        assert len(wakes) == 2 and all("pairs=0" in w for w in wakes), wakes
+        assert sorted(i["id"] for i in d.instances("gpuwake") if i.get("pid")) == ids, d.instances("gpuwake")
+        device_gauge(d, "torpor_device_instances", 0, 1)
+        device_gauge(d, "torpor_device_instances", 1, 1)
     finally:
         d.stop()

@@ -1141,6 +1141,7 @@ impl Runtime {
 
     /// Deletes a hibernated instance for good: its row, its snapshot row and directory.
     pub(crate) async fn discard_sleeper(&self, id: String, snapshot_id: String, dir: PathBuf) {
+        self.forget_placement(&id);
         let registry = Arc::clone(&self.registry);
         let done = tokio::task::spawn_blocking(move || {
             let r = registry.transaction(|s| {
@@ -1199,6 +1200,7 @@ impl Runtime {
             if let Some(snap) = snap {
                 remove_snapshot_dir(&snap.path);
             }
+            self.forget_placement(&id);
             tracing::info!(instance = %id, function = %name, "hibernated instance discarded");
             discarded.push(id);
         }

@@ -46,8 +46,8 @@ use crate::split::precopy::Delta;
 use crate::split::release::InstanceSegments;
 use crate::workers;
 
-/// The state directory's folder of migrated instances' placements (`<id>.json`), so that a
-/// restarted daemon re-adopts them where they are.
+/// The state directory's folder of placed and migrated instances' placements (`<id>.json`),
+/// so that a restarted daemon re-adopts them, and a wake restores them, where they are.
 pub const PLACEMENT_DIR: &str = "placement";
 
 /// A migrated instance's placement as kept on disk.
@@ -278,37 +278,58 @@ impl Runtime {
         }
     }
 
-    /// Applies the placement a migration recorded for a re-adopted instance.
-    pub(crate) fn load_placement(&self, inst: &Instance) {
-        let Some(path) = self.placement_path(&inst.id) else {
-            return;
-        };
-        let Ok(bytes) = std::fs::read(&path) else {
-            return;
-        };
+    /// The placement recorded for instance `id` (a placed cold start's, a migration's), if any.
+    /// A hibernated instance keeps its id and its file, so its wake finds it here too.
+    pub(crate) fn placement_of(&self, id: &str) -> Option<Placement> {
+        let path = self.placement_path(id)?;
+        let bytes = std::fs::read(&path).ok()?;
         match serde_json::from_slice::<Placement>(&bytes) {
-            Ok(p) => {
-                inst.gpu.store(p.gpu, Ordering::SeqCst);
-                *lock(&inst.gpu_map) = p.gpu_map.into_iter().collect();
-            }
+            Ok(p) => Some(p),
             Err(e) => {
-                tracing::warn!(instance = %inst.id, path = %path.display(), error = %e, "an unreadable placement file; the instance is taken for GPU 0's");
+                tracing::warn!(instance = id, path = %path.display(), error = %e, "an unreadable placement file; the instance is taken for GPU 0's");
+                None
             }
         }
     }
 
+    /// Applies a recorded placement to an instance re-adopted or woken under its id.
+    pub(crate) fn apply_placement(inst: &Instance, p: &Placement) {
+        inst.gpu.store(p.gpu, Ordering::SeqCst);
+        *lock(&inst.gpu_map) = p.gpu_map.iter().copied().collect();
+    }
+
+    /// Applies the placement recorded for a re-adopted instance.
+    pub(crate) fn load_placement(&self, inst: &Instance) {
+        if let Some(p) = self.placement_of(&inst.id) {
+            Self::apply_placement(inst, &p);
+        }
+    }
+
     /// At startup, before the re-adoption: removes the placement files of instances that are
-    /// not among `live` (the ids of the rows being re-adopted), such as one the journal's replay
+    /// neither among `live` (the ids of the rows being re-adopted) nor hibernated (a wake keeps
+    /// the id and restores where the hibernation was taken), such as one the journal's replay
     /// removed in a migration's stop (crate::recovery), so that none outlives its instance.
     pub(crate) fn sweep_placements(&self, live: &[&str]) {
         let dir = self.config.state_dir.join(PLACEMENT_DIR);
         let Ok(entries) = std::fs::read_dir(&dir) else {
             return;
         };
+        let sleeping: Vec<String> = match self.registry.with(|s| s.instances()) {
+            Ok(rows) => rows
+                .into_iter()
+                .filter(|r| !r.stage.has_process())
+                .map(|r| r.id)
+                .collect(),
+            Err(e) => {
+                // Kept rather than lose a sleeper's: a file too many costs nothing.
+                tracing::warn!(error = %e, "cannot list the hibernated instances; the placement files are kept");
+                return;
+            }
+        };
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             let id = name.strip_suffix(".json").unwrap_or(&name);
-            if !live.contains(&id) {
+            if !live.contains(&id) && !sleeping.iter().any(|s| s == id) {
                 let _ = std::fs::remove_file(e.path());
                 tracing::info!(
                     instance = id,

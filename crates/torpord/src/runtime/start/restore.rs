@@ -61,6 +61,9 @@ impl Runtime {
             Some(_) => None,
         };
         let onto = placed.as_ref().map(|p| p.ordinal).filter(|&d| d != 0);
+        // Where the hibernated instance was: it keeps its id, and the file its placed start or
+        // migration wrote. The driver restores its CUDA state onto the GPUs it was taken on.
+        let woken_on = sleeper.and_then(|s| self.placement_of(&s.id));
         // The restore server fills the segments of a split snapshot meanwhile.
         let restoring = self.split.begin_restore_onto(
             sleeper.map_or(&info.snapshot_id, |s| &s.snapshot_id),
@@ -95,7 +98,11 @@ impl Runtime {
             state_dir: Some(self.state_root.clone()),
             gpu_restore_slots: self.gpu_restore_slots.clone(),
             gpu_lane: match self.config.restore_server.driver_lanes {
-                DriverLanes::Gpu => placed.as_ref().map_or(0, |p| p.ordinal),
+                DriverLanes::Gpu => placed
+                    .as_ref()
+                    .map(|p| p.ordinal)
+                    .or(woken_on.as_ref().map(|p| p.gpu))
+                    .unwrap_or(0),
                 DriverLanes::Node => 0,
             },
             // A burst's first instance (it serves the burst) restores in the driver alone; the
@@ -216,6 +223,8 @@ impl Runtime {
             if info.gpu {
                 inst.swap_gpus(0, i32::try_from(d).unwrap_or(0));
             }
+        } else if let Some(p) = &woken_on {
+            Self::apply_placement(&inst, p);
         }
         // A woken instance's hibernation snapshot goes once nothing reads it any more: its
         // segments are mapped (they are read from its record meanwhile) and every lazy page is in.
@@ -224,13 +233,14 @@ impl Runtime {
             let (mapping, done) = crate::split::server::Mapping::new(hello, handing.count());
             *lock(&inst.mapping) = Some(mapping);
             let plan = handing.plan();
-            // A hibernation of a migrated instance: its CUDA state and segments are on the GPU
-            // the migration moved it to (workers start on their ordinal 0; crate::runtime::migrate).
+            // A hibernation of a migrated instance without its placement file (one an older
+            // daemon took): its CUDA state and segments are on the GPU the migration moved it to
+            // (workers start on their ordinal 0; crate::runtime::migrate).
             if let Some(d) = plan
                 .iter()
                 .find(|(e, _)| e.backend == "cuda" && e.ordinal > 0)
                 .map(|(e, _)| e.ordinal)
-                .filter(|_| onto.is_none())
+                .filter(|_| onto.is_none() && woken_on.is_none())
             {
                 inst.gpu.store(
                     u32::try_from(d).unwrap_or(0),
