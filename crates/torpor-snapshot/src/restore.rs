@@ -353,6 +353,10 @@ pub struct Restored {
     pub lazy_pages: Option<LazyRestore>,
     /// How many restores it took (more than 1 after a transient driver failure).
     pub attempts: u32,
+    /// The GPU pairs of [`RestoreOptions::gpu_map`] as the driver takes them (old UUID → new),
+    /// empty without a map: with [`RestoreOptions::resume_gpu`] false, what the caller's own
+    /// driver restore must pass to put the state where the map says.
+    pub gpu_pairs: Vec<(GpuUuid, GpuUuid)>,
 }
 
 /// The GPUs a restore puts the snapshot's state on.
@@ -754,6 +758,7 @@ fn restore_once(opts: &RestoreOptions, pages: &PageOptions) -> Result<Restored, 
         manifest,
         lazy_pages,
         attempts: 1,
+        gpu_pairs: plan.map(|p| p.pairs).unwrap_or_default(),
     })
 }
 

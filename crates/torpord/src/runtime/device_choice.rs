@@ -15,8 +15,10 @@
 //!
 //! A device whose restore found too little free memory is passed over for
 //! [`SHORT_MEMORY_PAUSE`], so a GPU that other processes fill does not take every start.
-//! Wakes (a hibernation restores where it was taken), standbys and the deploy's own restores
-//! stay where their snapshot was taken. `placement = "first"` keeps every cold start on the
+//! Live standbys are placed the same way (their driver restore carries the pairs when they are
+//! made). Wakes restore where their hibernation was taken (its instance's placement file);
+//! released standbys (their driver restore comes with the request) and the deploy's own
+//! restores stay where their snapshot was taken. `placement = "first"` keeps every cold start on the
 //! deploy's device, as before.
 
 use std::collections::HashMap;
@@ -69,7 +71,9 @@ struct PlacingState {
 #[derive(Debug)]
 pub struct Placed<'a> {
     placing: &'a Placing,
-    function: String,
+    /// The function whose starts in flight it counts in (`None`: a standby, which never leads
+    /// and keeps no cold start from leading).
+    function: Option<String>,
     pub ordinal: u32,
     /// The first start of its function with nothing live: the instance that will serve the
     /// burst (late binding), whose driver restore goes alone on the node
@@ -92,10 +96,13 @@ impl Drop for Placed<'_> {
         if let Some(n) = st.starting.get_mut(&self.ordinal) {
             *n = n.saturating_sub(1);
         }
-        if let Some(n) = st.starting_of.get_mut(&self.function) {
+        let Some(function) = &self.function else {
+            return;
+        };
+        if let Some(n) = st.starting_of.get_mut(function) {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                st.starting_of.remove(&self.function);
+                st.starting_of.remove(function);
             }
         }
     }
@@ -108,6 +115,17 @@ impl Placing {
     pub fn place(
         &self,
         function: &str,
+        function_live: usize,
+        devices: &[u32],
+        live: &HashMap<u32, usize>,
+    ) -> Option<Placed<'_>> {
+        self.place_counted(Some(function), function_live, devices, live)
+    }
+
+    /// As [`Placing::place`]; `function` `None` counts the start on its device only.
+    fn place_counted(
+        &self,
+        function: Option<&str>,
         function_live: usize,
         devices: &[u32],
         live: &HashMap<u32, usize>,
@@ -126,12 +144,18 @@ impl Placing {
             .collect();
         let ordinal = choose(&candidates)?;
         *st.starting.entry(ordinal).or_default() += 1;
-        let of = st.starting_of.entry(function.to_string()).or_default();
-        let leads = function_live == 0 && *of == 0;
-        *of += 1;
+        let leads = match function {
+            Some(f) => {
+                let of = st.starting_of.entry(f.to_string()).or_default();
+                let leads = function_live == 0 && *of == 0;
+                *of += 1;
+                leads
+            }
+            None => false,
+        };
         Some(Placed {
             placing: self,
-            function: function.to_string(),
+            function: function.map(str::to_string),
             ordinal,
             leads,
         })
@@ -143,6 +167,16 @@ impl Runtime {
     /// guard is dropped; `None` where placement does not apply (`placement = "first"`, a node
     /// of one device, a CPU function without the host backend's devices).
     pub(crate) fn place_cold_start(&self, name: &str, info: &FnInfo) -> Option<Placed<'_>> {
+        self.place_start(name, info, true)
+    }
+
+    /// A live standby's device, as a cold start's: it serves there once a request takes it.
+    /// It never leads (nothing waits for it).
+    pub(crate) fn place_standby(&self, name: &str, info: &FnInfo) -> Option<Placed<'_>> {
+        self.place_start(name, info, false)
+    }
+
+    fn place_start(&self, name: &str, info: &FnInfo, may_lead: bool) -> Option<Placed<'_>> {
         if self.config.restore_server.placement == Placement::First {
             return None;
         }
@@ -167,8 +201,8 @@ impl Runtime {
                 .filter(|(i, _)| !i.is_dead())
                 .count()
         });
-        self.placing.place(
-            name,
+        self.placing.place_counted(
+            may_lead.then_some(name),
             function_live,
             &devices,
             &self.live_instances_per_device(),
@@ -318,5 +352,24 @@ mod tests {
             again.leads,
             "the function's count of starts was not given back"
         );
+    }
+
+    #[test]
+    fn a_standby_counts_on_its_device_but_never_leads_nor_keeps_a_cold_start_from_leading() {
+        let placing = Placing::default();
+        let standby = placing
+            .place_counted(None, 0, &[0, 1], &HashMap::new())
+            .expect("a device");
+        assert_eq!(standby.ordinal, 0);
+        assert!(!standby.leads);
+        let cold = placing
+            .place("f", 0, &[0, 1], &HashMap::new())
+            .expect("a device");
+        assert_eq!(cold.ordinal, 1, "the standby in flight counts on device 0");
+        assert!(cold.leads, "a standby is no start of the burst");
+        drop(standby);
+        drop(cold);
+        assert!(lock(&placing.state).starting.values().all(|&n| n == 0));
+        assert!(lock(&placing.state).starting_of.is_empty());
     }
 }

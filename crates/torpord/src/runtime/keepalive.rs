@@ -574,7 +574,7 @@ impl Runtime {
         self: &Arc<Self>,
         inst: &Arc<Instance>,
     ) -> Result<(f64, Option<f64>), ResumeGpuError> {
-        let s = self.driver_resume(inst.worker_pid).await?;
+        let s = self.driver_resume(inst.worker_pid, Vec::new()).await?;
         let segments_s = self.segments_resume(inst).await?;
         let resumed = self.step(&inst.function, &mut lock(&inst.keep), Transition::ResumeGpu);
         if let Err(e) = resumed {
@@ -590,12 +590,17 @@ impl Runtime {
     }
 
     /// The driver's restore and unlock of a live process whose CUDA state is checkpointed in
-    /// place (a `standby_gpu = "live"` standby, ahead of its first request).
-    pub(crate) async fn driver_resume(&self, pid: i32) -> Result<f64, ResumeGpuError> {
+    /// place (a `standby_gpu = "live"` standby, ahead of its first request); `gpu_pairs` move
+    /// it onto other GPUs (a placed standby's, from its CRIU restore), empty: where it was.
+    pub(crate) async fn driver_resume(
+        &self,
+        pid: i32,
+        gpu_pairs: Vec<(torpor_cuda::GpuUuid, torpor_cuda::GpuUuid)>,
+    ) -> Result<f64, ResumeGpuError> {
         let t = Instant::now();
         let cuda = self.cuda()?;
         tokio::task::spawn_blocking(move || {
-            restore_in_place(&cuda, pid)?;
+            restore_in_place(&cuda, pid, &gpu_pairs)?;
             cuda.unlock(pid).map_err(ResumeGpuError::from)
         })
         .await
@@ -1404,8 +1409,12 @@ pub enum MapBackError {
 /// The driver's restore of live process `pid`, its CUDA state checkpointed in place. A worker
 /// that died while released is what the driver calls "not a CUDA process": the error says so,
 /// from the kernel's view of the pid (a zombie, or gone), and points at its log.
-fn restore_in_place(cuda: &torpor_cuda::CudaDriver, pid: i32) -> Result<(), ResumeGpuError> {
-    match cuda.restore(pid, &[]) {
+fn restore_in_place(
+    cuda: &torpor_cuda::CudaDriver,
+    pid: i32,
+    gpu_pairs: &[(torpor_cuda::GpuUuid, torpor_cuda::GpuUuid)],
+) -> Result<(), ResumeGpuError> {
+    match cuda.restore(pid, gpu_pairs) {
         Ok(()) => Ok(()),
         Err(e) if e.is_process_lost() => match kernel_state(pid) {
             Some('Z') | None => Err(ResumeGpuError::WorkerDied { pid }),

@@ -85,6 +85,8 @@ pub struct RestoredTree {
     /// The restore's own phases (open, criu_restore, cuda_restore, ...), for the request's
     /// timings: "restore" alone cannot say where a cold start's time went.
     pub phases: torpor_snapshot::phases::Phases,
+    /// With `leave_gpu_checkpointed`: the GPU pairs its driver restore must pass (empty: none).
+    pub gpu_pairs: Vec<(torpor_cuda::GpuUuid, torpor_cuda::GpuUuid)>,
 }
 
 /// CRIU's lazy-pages daemon serving a restored tree, and the staged copy it reads from. Dropped
@@ -298,6 +300,7 @@ pub async fn restore_with(
         }?;
         let init = restored.pid;
         let phases = restored.phases;
+        let gpu_pairs = restored.gpu_pairs;
         let cuda = restored.manifest.source.tree.iter().filter(|p| p.cuda).count();
         if how.leave_gpu_checkpointed && cuda > 1 {
             kill_tree(init);
@@ -313,6 +316,7 @@ pub async fn restore_with(
                 worker,
                 pages,
                 phases,
+                gpu_pairs,
             }),
             Err(e) => {
                 kill_tree(init);

@@ -121,11 +121,13 @@ impl Runtime {
         let staged = how.staged.is_some();
         // Until the instance is adopted, `pages` stops the lazy-pages daemon if dropped (each
         // failure below kills the tree first).
+        // Its driver restore is done (the pairs went into it).
         let RestoredTree {
             init,
             worker,
             pages,
             phases,
+            gpu_pairs: _,
         } = match restore_with(from, &self.logs_dir(), new.log, how, &self.snapshot_key).await {
             Ok(tree) => tree,
             Err(source) => {

@@ -29,6 +29,7 @@ use crate::runtime::start::{NewInstance, StartError, StartKind};
 use crate::runtime::Runtime;
 use crate::spec::StandbyGpu;
 use crate::sync::lock;
+use torpor_snapshot::gpu_map::{GpuMapping, GpuRef};
 
 /// The longest wait between failed standby starts of one function.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(60);
@@ -277,6 +278,13 @@ impl Runtime {
         let plan = tokio::task::spawn_blocking(move || split.plan(&snapshot, &tenant))
             .await
             .map_err(StartError::PlanTask)??;
+        // A live standby goes onto the node's least loaded GPU, as a cold start does
+        // (crate::runtime::device_choice): it serves there once a request takes it. A released
+        // one stays on the deploy's GPU: its driver restore comes with its first request, and a
+        // daemon restarted before that would not know the pairs it owes.
+        let live = info.standby_gpu == StandbyGpu::Live;
+        let placed = live.then(|| self.place_standby(name, info)).flatten();
+        let onto = placed.as_ref().map(|p| p.ordinal).filter(|&d| d != 0);
         // Copy pages, from the staged copy when there is one: off the request's path, and a
         // GPU worker's driver restore would fault in lazy pages one by one later.
         let cgroup = self.worker_cgroup(new.id, &info.spec)?;
@@ -289,6 +297,15 @@ impl Runtime {
                 .as_ref()
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
             state_dir: Some(self.state_root.clone()),
+            // The pairs come back in the tree, for the driver restore below.
+            gpu_map: onto
+                .map(|d| {
+                    vec![GpuMapping {
+                        old: GpuRef::Ordinal(0),
+                        new: GpuRef::Ordinal(d),
+                    }]
+                })
+                .unwrap_or_default(),
             ..HowToRestore::default()
         };
         let tree = restore_with(
@@ -303,21 +320,33 @@ impl Runtime {
             function: name.to_string(),
             source,
         })?;
-        let (init, worker) = (tree.init, tree.worker);
+        let (init, worker, gpu_pairs) = (tree.init, tree.worker, tree.gpu_pairs);
         new.charge.process_started(init);
         let what = format!("a standby instance of {name:?}");
         let conn = self.wake_function(name, init, worker, &what).await?;
         let tree = WorkerTree::new(init, worker, conn, cgroup);
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
+        if let Some(d) = onto {
+            // As a placed cold start (start/restore.rs): its ordinal 0 is GPU `d`.
+            inst.gpu.store(d, std::sync::atomic::Ordering::SeqCst);
+            inst.swap_gpus(0, i32::try_from(d).unwrap_or(0));
+        }
         if let Some(plan) = plan {
+            // Filled on the GPU it is on when a request takes it.
+            let plan = match onto {
+                Some(d) => Arc::new(crate::split::server::on_gpu(
+                    &plan,
+                    i32::try_from(d).unwrap_or(0),
+                )),
+                None => plan,
+            };
             *lock(&inst.segments) = crate::split::release::InstanceSegments::unfilled(plan);
         }
         // `standby_gpu = "live"`: the driver's restore now, off the request's path; the
         // standby then holds its context's GPU memory, and a request pays only the segments.
-        let live = info.standby_gpu == StandbyGpu::Live;
         if live {
-            match self.driver_resume(inst.worker_pid).await {
+            match self.driver_resume(inst.worker_pid, gpu_pairs).await {
                 Ok(s) => {
                     tracing::debug!(instance = %inst.id, driver_restore_s = s, "live standby: GPU context restored")
                 }
@@ -347,6 +376,13 @@ impl Runtime {
         if let Err(e) = self.record_stage(&inst.id, stage, Some(init), None).await {
             tracing::warn!(instance = %inst.id, error = %e, "cannot record the standby's stage");
         }
+        if onto.is_some() {
+            // Where it is, for a daemon that re-adopts it after a crash (as a placed start's).
+            let (rt, placed_inst) = (Arc::clone(self), Arc::clone(&inst));
+            let _ = tokio::task::spawn_blocking(move || rt.save_placement(&placed_inst)).await;
+        }
+        tracing::debug!(instance = %inst.id, device = inst.gpu.load(std::sync::atomic::Ordering::SeqCst), "standby placed");
+        drop(placed);
         Ok(inst)
     }
 }
