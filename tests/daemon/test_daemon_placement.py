@@ -227,20 +227,26 @@ def test_a_hibernated_instance_wakes_on_its_gpu_and_counts_there_after_a_restart
         d.stop()
 
 
-def test_live_standbys_spread_over_the_gpus_and_serve_where_they_were_placed(
-    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+@pytest.mark.parametrize("kind", ["live", "released"])
+def test_standbys_spread_over_the_gpus_and_serve_where_they_were_placed(
+    kind: str, torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
 ) -> None:
-    """A live standby's driver restore is done ahead: a standby placed on GPU 1 passes the
-    pairs of its CRIU restore to it, counts on GPU 1 and keeps a placement file. Before, every
-    standby (and so every instance a burst took from them) sat on GPU 0."""
+    """Standbys are placed as cold starts are: one on GPU 1 counts there and keeps a placement
+    file, and the driver's restore that puts its CUDA state back passes the pairs of its CRIU
+    restore: at once for a live standby, at the first request's resume for a released one,
+    which owes them meanwhile, in its placement file too (the daemon is killed and restarted
+    while it waits). Before, every standby (and so every instance a burst took from them) sat
+    on GPU 0."""
     d, log = fake_gpu_daemon(torpor_bin, fake_cuda, tmp_path, FAKE_CUDA_DEVICES="3", FAKE_CUDA_SAME_MODEL="1")
+    g0, g1, g2 = (f"GPU-fa4e0000-0000-0000-0000-00000000000{i}" for i in range(3))
+    swap = f"pairs=3 {g0}>{g1} {g1}>{g0} {g2}>{g2}"
     try:
         fdir = tmp_path / "sbspread"
         fdir.mkdir()
         (fdir / "handler.py").write_text(SLOW_COUNTER)
         (fdir / "torpor.toml").write_text(
             'name = "sbspread"\nentry = "handler:SlowCounter"\ngpus = 1\ngpu_memory = "64MiB"\ntimeout_s = 30\n'
-            '\n[scaling]\nmax_instances = 2\nstandby = 2\nstandby_gpu = "live"\n'
+            f'\n[scaling]\nmax_instances = 2\nstandby = 2\nstandby_gpu = "{kind}"\n'
             "\n[keepalive]\ngpu_release_s = 600\nhibernate_s = 600\nevict_s = 600\n"
         )
         before = log.read_text() if log.exists() else ""
@@ -252,11 +258,24 @@ def test_live_standbys_spread_over_the_gpus_and_serve_where_they_were_placed(
         device_gauge(d, "torpor_device_instances", 0, 1)
         device_gauge(d, "torpor_device_instances", 1, 1)
         restores = [line for line in log.read_text()[len(before):].splitlines() if line.startswith("restore ")]
-        g0, g1, g2 = (f"GPU-fa4e0000-0000-0000-0000-00000000000{i}" for i in range(3))
-        moved = [r for r in restores if f"pairs=3 {g0}>{g1} {g1}>{g0} {g2}>{g2}" in r]
-        assert len(moved) == 1 and all(r.endswith("result=0") for r in restores), restores
-        placed = list((d.state / "placement").glob("*.json"))
-        assert len(placed) == 1 and json.loads(placed[0].read_text())["gpu"] == 1, placed
+        (placed,) = list((d.state / "placement").glob("*.json"))
+        placement = json.loads(placed.read_text())
+        assert placement["gpu"] == 1, placement
+        if kind == "live":
+            assert sum(swap in r for r in restores) == 1 and all(r.endswith("result=0") for r in restores), restores
+            assert "owed_gpu_pairs" not in placement, placement
+        else:
+            # No driver restore of a standby before a request (the deploy's own ones are in).
+            assert not any(swap in r for r in restores), restores
+            assert placement["owed_gpu_pairs"] == [[g0, g1], [g1, g0], [g2, g2]], placement
+            d.proc.send_signal(signal.SIGKILL)
+            d.proc.wait()
+            d.restart()
+            deadline = time.monotonic() + 30
+            while len([i for i in d.instances("sbspread") if i.get("pid")]) != 2:
+                assert time.monotonic() < deadline, (d.instances("sbspread"), d.log_text())
+                time.sleep(0.1)
+            device_gauge(d, "torpor_device_instances", 1, 1)
 
         out: dict[int, Answer] = {}
 
@@ -264,15 +283,24 @@ def test_live_standbys_spread_over_the_gpus_and_serve_where_they_were_placed(
             # Each held a while, so that the second cannot be answered by the first's instance.
             out[i] = d.invoke("sbspread", {"sleep_s": 1}, timeout=60)
 
+        before = log.read_text()
         threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
-        assert sorted(a.start for a in out.values()) == ["standby", "standby"], [(a.start, a.body) for a in out.values()]
+        # Re-adopted after the restart, a released standby is resumed as any released instance.
+        starts = ["standby"] if kind == "live" else ["standby", "warm"]
+        assert all(a.status == 200 and a.start in starts for a in out.values()), [(a.start, a.body) for a in out.values()]
         assert all(a.json()["calls"] == 1 for a in out.values()), [a.body for a in out.values()]
         device_gauge(d, "torpor_device_instances", 0, 1)
         device_gauge(d, "torpor_device_instances", 1, 1)
+        if kind == "released":
+            resumes = [line for line in log.read_text()[len(before):].splitlines() if line.startswith("restore ")]
+            assert sorted(swap in r for r in resumes) == [False, True], resumes
+            assert all(r.endswith("result=0") for r in resumes), resumes
+            # Paid: a daemon restarted now must not pass them again.
+            assert "owed_gpu_pairs" not in json.loads(placed.read_text()), placed.read_text()
     finally:
         d.stop()
 

@@ -15,10 +15,10 @@
 //!
 //! A device whose restore found too little free memory is passed over for
 //! [`SHORT_MEMORY_PAUSE`], so a GPU that other processes fill does not take every start.
-//! Live standbys are placed the same way (their driver restore carries the pairs when they are
-//! made). Wakes restore where their hibernation was taken (its instance's placement file);
-//! released standbys (their driver restore comes with the request) and the deploy's own
-//! restores stay where their snapshot was taken. `placement = "first"` keeps every cold start on the
+//! Standbys are placed the same way (their driver restore passes the pairs: a live one's when
+//! it is made, a released one's at its first request). Wakes restore where their hibernation was
+//! taken (its instance's placement file); the deploy's own restores stay where their snapshot
+//! was taken. `placement = "first"` keeps every cold start on the
 //! deploy's device, as before.
 
 use std::collections::HashMap;
@@ -170,7 +170,7 @@ impl Runtime {
         self.place_start(name, info, true)
     }
 
-    /// A live standby's device, as a cold start's: it serves there once a request takes it.
+    /// A standby's device, as a cold start's: it serves there once a request takes it.
     /// It never leads (nothing waits for it).
     pub(crate) fn place_standby(&self, name: &str, info: &FnInfo) -> Option<Placed<'_>> {
         self.place_start(name, info, false)

@@ -85,6 +85,10 @@ pub struct Instance {
     /// driver's restore swapped the two GPUs' UUIDs under the process, so its ordinal 0 is then
     /// the daemon's target); absent ones are the same.
     pub(crate) gpu_map: Mutex<HashMap<i32, i32>>,
+    /// The GPU pairs its next driver restore must pass: a released standby placed on another
+    /// GPU, restored by CRIU with its CUDA state left checkpointed as the deploy's GPU held it
+    /// (crate::runtime::start::standby). Taken by its first resume.
+    pub(crate) owed_gpu_pairs: Mutex<Vec<(torpor_cuda::GpuUuid, torpor_cuda::GpuUuid)>>,
     /// Set while the daemon unmaps its segments (GPU release): its reader forwards the
     /// `unmapped` answer here.
     pub(crate) segment_replies: Mutex<Option<SegmentReplies>>,
@@ -258,6 +262,7 @@ pub(crate) fn new_instance(
         migrating: AtomicBool::new(false),
         draining: AtomicBool::new(false),
         gpu_map: Mutex::new(HashMap::new()),
+        owed_gpu_pairs: Mutex::new(Vec::new()),
         segment_replies: Mutex::new(None),
         mapping: Mutex::new(None),
         pages_pending: AtomicBool::new(false),

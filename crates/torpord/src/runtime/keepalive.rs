@@ -574,7 +574,15 @@ impl Runtime {
         self: &Arc<Self>,
         inst: &Arc<Instance>,
     ) -> Result<(f64, Option<f64>), ResumeGpuError> {
-        let s = self.driver_resume(inst.worker_pid, Vec::new()).await?;
+        // A released standby placed on another GPU owes its driver restore the pairs.
+        let owed = lock(&inst.owed_gpu_pairs).clone();
+        let s = self.driver_resume(inst.worker_pid, owed.clone()).await?;
+        if !owed.is_empty() {
+            lock(&inst.owed_gpu_pairs).clear();
+            // Paid: a restarted daemon must not pass them again.
+            let (rt, paid) = (Arc::clone(self), Arc::clone(inst));
+            let _ = tokio::task::spawn_blocking(move || rt.save_placement(&paid)).await;
+        }
         let segments_s = self.segments_resume(inst).await?;
         let resumed = self.step(&inst.function, &mut lock(&inst.keep), Transition::ResumeGpu);
         if let Err(e) = resumed {

@@ -56,6 +56,9 @@ pub struct Placement {
     pub gpu: u32,
     /// The worker's CUDA ordinal → the daemon's, where they differ (`Instance::gpu_map`).
     pub gpu_map: Vec<(i32, i32)>,
+    /// A released standby's pairs not yet passed to the driver (`Instance::owed_gpu_pairs`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub owed_gpu_pairs: Vec<(torpor_cuda::GpuUuid, torpor_cuda::GpuUuid)>,
 }
 
 /// How long a migration waits for the instance's in-flight requests before it gives up.
@@ -265,6 +268,7 @@ impl Runtime {
         let placement = Placement {
             gpu: inst.gpu.load(Ordering::SeqCst),
             gpu_map,
+            owed_gpu_pairs: lock(&inst.owed_gpu_pairs).clone(),
         };
         let written = (|| -> std::io::Result<()> {
             let dir = path.parent().ok_or(std::io::ErrorKind::NotFound)?;
@@ -296,6 +300,7 @@ impl Runtime {
     pub(crate) fn apply_placement(inst: &Instance, p: &Placement) {
         inst.gpu.store(p.gpu, Ordering::SeqCst);
         *lock(&inst.gpu_map) = p.gpu_map.iter().copied().collect();
+        lock(&inst.owed_gpu_pairs).clone_from(&p.owed_gpu_pairs);
     }
 
     /// Applies the placement recorded for a re-adopted instance.

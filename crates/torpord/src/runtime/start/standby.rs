@@ -278,12 +278,12 @@ impl Runtime {
         let plan = tokio::task::spawn_blocking(move || split.plan(&snapshot, &tenant))
             .await
             .map_err(StartError::PlanTask)??;
-        // A live standby goes onto the node's least loaded GPU, as a cold start does
-        // (crate::runtime::device_choice): it serves there once a request takes it. A released
-        // one stays on the deploy's GPU: its driver restore comes with its first request, and a
-        // daemon restarted before that would not know the pairs it owes.
+        // A standby goes onto the node's least loaded GPU, as a cold start does
+        // (crate::runtime::device_choice): it serves there once a request takes it. A live
+        // one's driver restore below passes the pairs; a released one owes them to the resume
+        // of its first request (kept in its placement file across a daemon's restart).
         let live = info.standby_gpu == StandbyGpu::Live;
-        let placed = live.then(|| self.place_standby(name, info)).flatten();
+        let placed = self.place_standby(name, info);
         let onto = placed.as_ref().map(|p| p.ordinal).filter(|&d| d != 0);
         // Copy pages, from the staged copy when there is one: off the request's path, and a
         // GPU worker's driver restore would fault in lazy pages one by one later.
@@ -332,6 +332,12 @@ impl Runtime {
             inst.gpu.store(d, std::sync::atomic::Ordering::SeqCst);
             inst.swap_gpus(0, i32::try_from(d).unwrap_or(0));
         }
+        let gpu_pairs = if live {
+            gpu_pairs
+        } else {
+            *lock(&inst.owed_gpu_pairs) = gpu_pairs;
+            Vec::new()
+        };
         if let Some(plan) = plan {
             // Filled on the GPU it is on when a request takes it.
             let plan = match onto {
