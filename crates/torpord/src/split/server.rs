@@ -320,10 +320,7 @@ impl Split {
                                 .inc();
                             (m, "gpu")
                         }
-                        None => {
-                            let (m, source) = self.fresh(&*dev, e, recipe, true, tenant)?;
-                            (Arc::new(m), source)
-                        }
+                        None => self.fresh(&*dev, e, recipe, true, tenant)?,
                     };
                     // Another restore may have made one meanwhile: `share` keeps the first.
                     (None, Some(self.share(key, m, e.size)), source)
@@ -334,9 +331,7 @@ impl Split {
             (Some(m), None, source)
         };
         let lease = match (memory, lease) {
-            (Some(m), _) => Lease::Own(OwnMemory {
-                memory: Arc::new(m),
-            }),
+            (Some(m), _) => Lease::Own(OwnMemory { memory: m }),
             (None, Some(s)) => Lease::Shared(s),
             (None, None) => unreachable!("a segment has memory or a shared copy"),
         };
@@ -356,7 +351,10 @@ impl Split {
     }
 
     /// New memory holding the segment: from the GPU cache, the host cache or the store; the
-    /// caches' entries are `tenant`'s.
+    /// caches' entries are `tenant`'s. A sealed copy (`seal`: a read-only segment's, shared by
+    /// every instance) made from the host cache or a peer is also the GPU cache's entry itself,
+    /// as a GPU cache entry is handed out as the shared copy: one copy of the bytes on the GPU,
+    /// not two, and one transfer.
     fn fresh(
         &self,
         dev: &dyn SegmentDevice,
@@ -364,7 +362,7 @@ impl Split {
         recipe: &torpor_image::store::Recipe,
         seal: bool,
         tenant: &str,
-    ) -> Result<(Memory, &'static str), FillError> {
+    ) -> Result<(Arc<Memory>, &'static str), FillError> {
         let count = |cache: &str, hit: bool| {
             self.metrics
                 .cache_requests
@@ -383,7 +381,7 @@ impl Split {
                     what: "copying from the GPU cache",
                     source,
                 })?;
-            return Ok((m, "gpu"));
+            return Ok((Arc::new(m), "gpu"));
         }
         // Another GPU's cache entry, over the GPUs' peer path (NVLink on the H200s: a cold
         // start placed on another GPU than the deploy's, whose cache is still empty).
@@ -395,18 +393,25 @@ impl Split {
         count("host", cached.is_some());
         if let Some(src) = cached {
             let buf = lock(&src);
-            let m = dev
-                .fill_from_bytes(&buf, seal)
-                .map_err(|source| FillError::Copy {
-                    what: "copying from the host cache",
-                    source,
-                })?;
+            let m =
+                Arc::new(
+                    dev.fill_from_bytes(&buf, seal)
+                        .map_err(|source| FillError::Copy {
+                            what: "copying from the host cache",
+                            source,
+                        })?,
+                );
             // A second use: hot, so it also goes to the GPU cache (when it has room for it),
             // sealed: a read-only segment's entry is handed out as its shared copy.
             if lock(&self.gpu_cache).capacity() >= e.size {
-                match dev.fill_from_bytes(&buf, true) {
-                    Ok(copy) => {
-                        lock(&self.gpu_cache).insert(&gkey, Arc::new(copy), e.size);
+                let entry = if seal {
+                    Ok(Arc::clone(&m))
+                } else {
+                    dev.fill_from_bytes(&buf, true).map(Arc::new)
+                };
+                match entry {
+                    Ok(entry) => {
+                        lock(&self.gpu_cache).insert(&gkey, entry, e.size);
                     }
                     Err(x) => tracing::debug!(error = %x, "cannot fill the GPU cache"),
                 }
@@ -441,21 +446,22 @@ impl Split {
         );
         lock(&self.host_cache).insert(&hkey, Arc::new(Mutex::new(buf)), e.size);
         self.update_cache_gauges();
-        Ok((m, "store"))
+        Ok((Arc::new(m), "store"))
     }
 }
 
 impl Split {
     /// A copy of GPU segment `e` on `dev` made from another GPU's cache entry of the same
     /// contents, device to device; the copy also becomes `dev`'s cache entry (sealed), as a
-    /// fill from the host cache does. `None`: no other GPU that reaches `dev` holds it.
+    /// fill from the host cache does (a sealed one is that entry itself). `None`: no other GPU
+    /// that reaches `dev` holds it.
     fn copy_of_peer_cache_entry(
         &self,
         dev: &dyn SegmentDevice,
         e: &SegmentEntry,
         seal: bool,
         tenant: &str,
-    ) -> Result<Option<Memory>, FillError> {
+    ) -> Result<Option<Arc<Memory>>, FillError> {
         if !self.peer_copy || e.backend != "cuda" {
             return Ok(None);
         }
@@ -473,14 +479,19 @@ impl Split {
                     })
             };
             // No peer path between the two: another GPU may have one.
-            let Some(m) = copy(seal)? else {
+            let Some(m) = copy(seal)?.map(Arc::new) else {
                 continue;
             };
             if lock(&self.gpu_cache).capacity() >= e.size {
-                match copy(true) {
+                let entry = if seal {
+                    Ok(Some(Arc::clone(&m)))
+                } else {
+                    copy(true).map(|c| c.map(Arc::new))
+                };
+                match entry {
                     Ok(Some(entry)) => {
                         let gkey = crate::tenant::scoped_key(tenant, &gpu_key(e));
-                        lock(&self.gpu_cache).insert(&gkey, Arc::new(entry), e.size);
+                        lock(&self.gpu_cache).insert(&gkey, entry, e.size);
                         self.update_cache_gauges();
                     }
                     Ok(None) => {}
@@ -860,5 +871,80 @@ mod tests {
             "the worker could not map the segment at 0x1000: not a memfd"
         );
         assert_eq!(m.unmapped(), 2);
+    }
+
+    /// A split whose caches are empty, on the host backend; its state directory with it.
+    fn host_split() -> (crate::split::Split, tempfile::TempDir) {
+        let state = tempfile::tempdir().unwrap();
+        let metrics = crate::metrics::Metrics::new().unwrap();
+        let split = crate::split::Split::new(
+            state.path(),
+            true,
+            false,
+            &crate::config::RestoreServer::default(),
+            &metrics,
+            Arc::new(crate::staging::test_key()),
+        );
+        (split, state)
+    }
+
+    /// Segment `bytes` at `va` of the host device, in the host cache of tenant "default".
+    fn in_host_cache(
+        split: &crate::split::Split,
+        va: u64,
+        bytes: &[u8],
+        readonly: bool,
+    ) -> Planned {
+        let dev = split.device("host", -1).unwrap();
+        let mut buf = dev.host_buffer(bytes.len()).unwrap();
+        buf.copy_from_slice(bytes);
+        let blake3 = blake3::hash(bytes).to_hex().to_string();
+        let hkey = crate::tenant::scoped_key("default", &blake3);
+        lock(&split.host_cache).insert(&hkey, Arc::new(Mutex::new(buf)), bytes.len() as u64);
+        let entry = SegmentEntry {
+            va,
+            size: bytes.len() as u64,
+            backend: "host".into(),
+            ordinal: -1,
+            order: 0,
+            first_use: None,
+            deferrable: false,
+            readonly,
+            readonly_why: String::new(),
+            recipe: String::new(),
+            blake3: blake3.clone(),
+        };
+        let recipe = torpor_image::store::Recipe {
+            name: format!("segment-{va:x}"),
+            size: bytes.len() as u64,
+            blake3,
+            chunks: Vec::new(),
+        };
+        (entry, recipe)
+    }
+
+    #[test]
+    fn a_read_only_segment_filled_from_the_host_cache_is_its_gpu_cache_entry_itself() {
+        let (split, _state) = host_split();
+        let dev = split.device("host", -1).unwrap();
+        let page = dev.granularity();
+        let cached = |e: &SegmentEntry| {
+            lock(&split.gpu_cache)
+                .get(&crate::tenant::scoped_key("default", &gpu_key(e)))
+                .expect("a GPU cache entry")
+        };
+        // Sealed: one copy, both the instances' shared copy and the cache's entry.
+        let (ro, recipe) = in_host_cache(&split, 0x10_0000, &vec![7u8; 4 * page], true);
+        let (m, source) = split.fresh(&*dev, &ro, &recipe, true, "default").unwrap();
+        assert_eq!(source, "host");
+        assert!(Arc::ptr_eq(&m, &cached(&ro)), "a second copy was made");
+        // Writable: the instance's own copy, and a sealed one for the cache.
+        let (rw, recipe) = in_host_cache(&split, 0x20_0000, &vec![9u8; 4 * page], false);
+        let (w, source) = split.fresh(&*dev, &rw, &recipe, false, "default").unwrap();
+        assert_eq!(source, "host");
+        assert!(
+            !Arc::ptr_eq(&w, &cached(&rw)),
+            "a writable copy is the cache's entry"
+        );
     }
 }
