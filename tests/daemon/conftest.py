@@ -168,6 +168,17 @@ class Torpord:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
+    def wait_pages_in(self, timeout: float = 30.0) -> None:
+        """Until no restored instance still has lazy pages to come (torpord's
+        `<state>/pages-pending` markers): a daemon killed before that does not re-adopt such an
+        instance (its pages would read as zeros), so a test that kills it to see a re-adoption
+        waits here first."""
+        pending = self.state / "pages-pending"
+        deadline = time.monotonic() + timeout
+        while pending.is_dir() and any(pending.iterdir()):
+            assert time.monotonic() < deadline, f"lazy pages still pending: {sorted(p.name for p in pending.iterdir())}"
+            time.sleep(0.05)
+
     def hibernation_stop_of(self, instance: str, timeout: float = 30.0) -> str:
         """The `hibernation stop` line of `instance`. It is logged just after the instance shows
         as hibernated, so a test that saw the stage waits for it rather than reading at once."""

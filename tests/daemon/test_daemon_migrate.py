@@ -53,6 +53,8 @@ def deploy_one(d: Torpord, tmp_path: Path, name: str) -> dict[str, Any]:
     d.deploy(fdir)
     r = d.invoke(name, {"op": "compute", "x": 9})
     assert r.status == 200 and r.start == "restored", (r.status, r.body, d.log_text())
+    # Its lazy pages all in: the crash tests kill the daemon and expect it re-adopted.
+    d.wait_pages_in()
     (inst,) = d.instances(name)
     return {**inst, "calls": r.json()["calls"]}
 

@@ -76,6 +76,7 @@ def test_two_cold_starts_at_once_land_on_both_devices_and_a_restarted_daemon_kee
         assert len(files) == 1, files
         assert json.loads(files[0].read_text()) == {"gpu": 1, "gpu_map": []}
         pids = sorted(i["pid"] for i in d.instances("spread") if i.get("pid"))
+        d.wait_pages_in()  # else the restarted daemon rightly does not re-adopt them
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait()
         d.restart()
