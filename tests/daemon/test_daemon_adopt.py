@@ -56,6 +56,7 @@ def worker_of(init: int) -> int:
 
 
 def kill_daemon(torpord: Torpord) -> None:
+    torpord.wait_pages_in()  # a restored instance with lazy pages to come is not re-adopted
     torpord.proc.send_signal(signal.SIGKILL)
     torpord.proc.wait()
 

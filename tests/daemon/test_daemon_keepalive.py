@@ -110,6 +110,7 @@ def test_a_daemon_killed_and_started_again_keeps_functions_and_hibernated_instan
     # A warm instance outlives its daemon: its worker reconnects, the new daemon re-adopts it
     # (same process, same memory), and a graceful stop then stops it.
     init = again.instances("sleepy")[0]["pid"]
+    again.wait_pages_in()  # woken with lazy pages: re-adopted only once they are all in
     again.proc.send_signal(signal.SIGKILL)
     again.proc.wait()
     third = Torpord.restart(again)

@@ -249,6 +249,7 @@ def test_a_split_instance_left_in_gpu_released_by_a_lost_daemon_is_not_readopted
     r = fresh.invoke("splitbuf", {"op": "compute", "x": 1})
     assert r.status == 200 and r.start == "restored", (r.status, r.body, fresh.log_text())
     (inst,) = fresh.instances("splitbuf")
+    fresh.wait_pages_in()  # else it is dropped for its lazy pages, not for the stage
     fresh.proc.send_signal(signal.SIGKILL)
     fresh.proc.wait()
     assert alive(inst["pid"]), "the worker must outlive its lost daemon"
