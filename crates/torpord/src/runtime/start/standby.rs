@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use crate::config::ColdStart;
 use crate::registry::Stage;
 use crate::runtime::instance::Instance;
+use crate::runtime::keepalive::ResumeGpuError;
 use crate::runtime::lifecycle::{Adopted, WorkerTree};
 use crate::runtime::lifecycle::{State, Transition};
 use crate::runtime::pool::{Closed, FnInfo, Pool, PoolState};
@@ -308,7 +309,7 @@ impl Runtime {
                 .unwrap_or_default(),
             ..HowToRestore::default()
         };
-        let tree = restore_with(
+        let tree = match restore_with(
             &info.snapshot_dir,
             &self.logs_dir(),
             new.log,
@@ -316,10 +317,20 @@ impl Runtime {
             &self.snapshot_key,
         )
         .await
-        .map_err(|source| StartError::Standby {
-            function: name.to_string(),
-            source,
-        })?;
+        {
+            Ok(tree) => tree,
+            Err(source) => {
+                let e = StartError::Standby {
+                    function: name.to_string(),
+                    source,
+                };
+                // As for a cold start: a GPU without room is passed over for a while.
+                if let (Some(p), Some(_)) = (&placed, e.gpu_memory_short()) {
+                    p.short_of_memory();
+                }
+                return Err(e);
+            }
+        };
         let (init, worker, gpu_pairs) = (tree.init, tree.worker, tree.gpu_pairs);
         new.charge.process_started(init);
         let what = format!("a standby instance of {name:?}");
@@ -357,6 +368,11 @@ impl Runtime {
                     tracing::debug!(instance = %inst.id, driver_restore_s = s, "live standby: GPU context restored")
                 }
                 Err(e) => {
+                    if let (Some(p), ResumeGpuError::Cuda(c)) = (&placed, &e) {
+                        if c.is_out_of_memory() {
+                            p.short_of_memory();
+                        }
+                    }
                     let why = format!("the driver's restore of a live standby failed: {e}");
                     self.remove_instance(&inst, &why, true);
                     return Err(StartError::LiveStandby {
