@@ -179,16 +179,21 @@ class Torpord:
             assert time.monotonic() < deadline, f"lazy pages still pending: {sorted(p.name for p in pending.iterdir())}"
             time.sleep(0.05)
 
-    def hibernation_stop_of(self, instance: str, timeout: float = 30.0) -> str:
-        """The `hibernation stop` line of `instance`. It is logged just after the instance shows
-        as hibernated, so a test that saw the stage waits for it rather than reading at once."""
+    def log_line(self, *parts: str, timeout: float = 30.0) -> str:
+        """The first line of the log holding every one of `parts`, waited for: the daemon logs
+        some steps (a hibernation's stop, a GPU release) just after the instance shows their
+        stage, so a test that saw the stage must not read the log at once."""
         deadline = time.monotonic() + timeout
         while True:
             for line in self.log.read_text(errors="replace").splitlines():
-                if "hibernation stop" in line and instance in line:
+                if all(p in line for p in parts):
                     return line
-            assert time.monotonic() < deadline, f"no hibernation stop of {instance} in the log\n{self.log_text()}"
+            assert time.monotonic() < deadline, f"no line with {parts} in the log\n{self.log_text()}"
             time.sleep(0.05)
+
+    def hibernation_stop_of(self, instance: str, timeout: float = 30.0) -> str:
+        """The `hibernation stop` line of `instance` (see `log_line`)."""
+        return self.log_line("hibernation stop", instance, timeout=timeout)
 
     def request(
         self, method: str, path: str, body: Any = None, timeout: float = 60.0, headers: dict[str, str] | None = None

@@ -82,7 +82,7 @@ def test_a_worker_that_dies_while_released_costs_its_next_request_a_restore_not_
 ) -> None:
     inst = released(resuming)
     # The worker (protocol 3) was told first, and gave its idle pools back (`release_gpu`).
-    line = next(x for x in resuming.log_text().splitlines() if "GPU released in place" in x)
+    line = resuming.log_line("GPU released in place", inst["id"])
     assert "pools_released=Some(" in line, line
     os.kill(inst["pid"], signal.SIGKILL)  # its tree's init: the whole tree goes
     wait_until(lambda: resuming.instances("gpuresume") == [], 15, "the dead instance to be removed")

@@ -77,9 +77,9 @@
 //!                                 # "node", all of the node's restores together (a burst's first
 //!                                 # answer sooner); "gpu", each GPU's apart (all its instances up
 //!                                 # sooner; docs/split.md "Bursts")
-//! placement = "spread"            # cold starts onto the node's GPU of the deploy's model with the
-//!                                 # fewest instances and starts (docs/torpord.md, "Several GPUs");
-//!                                 # "first": every one onto the deploy's GPU, as before
+//! placement = "spread"            # cold starts and standbys onto the node's GPU of the deploy's
+//!                                 # model with the fewest instances and starts (docs/torpord.md,
+//!                                 # "Several GPUs"); "first": every one onto the deploy's GPU
 //! fill_segments = 4               # segment fills of a restore in flight at once: 1 to 64
 //! fill_bytes = 2147483648         # bytes of segments they hold at once (host buffers): 2 GiB
 //!
@@ -351,7 +351,7 @@ pub struct RestoreServer {
     pub gpu_restores: u32,
     /// What `gpu_restores` and the driver's turn count (crate::runtime::device_choice).
     pub driver_lanes: DriverLanes,
-    /// Which device a cold start restores onto (crate::runtime::device_choice).
+    /// Which device a cold start or a standby restores onto (crate::runtime::device_choice).
     pub placement: Placement,
     /// Read ahead, beside the image's verification, the pages of mapped files that CRIU's
     /// restore reads one fault at a time (`torpor_snapshot::file_prefetch`); false: CRIU reads
@@ -397,10 +397,10 @@ impl Default for PcieConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Placement {
-    /// Each cold start onto the least loaded device of the deploy's model.
+    /// Each cold start and standby onto the least loaded device of the deploy's model.
     #[default]
     Spread,
-    /// Every cold start onto the deploy's device.
+    /// Every cold start and standby onto the deploy's device.
     First,
 }
 
