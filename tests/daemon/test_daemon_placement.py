@@ -69,6 +69,8 @@ def test_two_cold_starts_at_once_land_on_both_devices_and_a_restarted_daemon_kee
             assert a.json()["sha"] == expected_sha(9), a.body
         device_gauge(d, "torpor_device_instances", 0, 1)
         device_gauge(d, "torpor_device_instances", 1, 1)
+        # Where each is, in the function's listing too.
+        assert sorted(i["device"] for i in d.instances("spread")) == [0, 1], d.instances("spread")
         placed = [line for line in d.log_text().splitlines() if "instance restored" in line]
         assert any("device=1" in line for line in placed) and any("device=0" in line for line in placed), placed
         # The one on device 1 is recorded there, for a daemon that re-adopts it after a crash.
@@ -202,6 +204,9 @@ def test_a_hibernated_instance_wakes_on_its_gpu_and_counts_there_after_a_restart
             time.sleep(0.1)
         ids = sorted(i["id"] for i in d.instances("gpuwake"))
         assert on_gpu1[0] in ids, (on_gpu1, ids)
+        # Listed where their wakes will restore them.
+        assert {i["id"]: i["device"] for i in d.instances("gpuwake")}[on_gpu1[0]] == 1, d.instances("gpuwake")
+        assert sorted(i["device"] for i in d.instances("gpuwake")) == [0, 1], d.instances("gpuwake")
         device_gauge(d, "torpor_device_instances", 1, 0)
 
         # A crash while both sleep: the restarted daemon's sweep keeps the sleeper's file. Its
@@ -262,6 +267,7 @@ def test_standbys_spread_over_the_gpus_and_serve_where_they_were_placed(
         (placed,) = list((d.state / "placement").glob("*.json"))
         placement = json.loads(placed.read_text())
         assert placement["gpu"] == 1, placement
+        assert {i["id"]: i["device"] for i in d.instances("sbspread")}[placed.stem] == 1, d.instances("sbspread")
         if kind == "live":
             assert sum(swap in r for r in restores) == 1 and all(r.endswith("result=0") for r in restores), restores
             assert "owed_gpu_pairs" not in placement, placement

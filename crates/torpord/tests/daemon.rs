@@ -282,7 +282,8 @@ fn status_functions_and_delete() {
     let detail: FunctionDetail = c.get_json("/v1/functions/mlp").unwrap();
     assert_eq!(detail.function.spec["entry"], "model:MLP");
     assert_eq!(detail.snapshots.len(), 2);
-    assert_eq!(detail.instances[0].id, "mlp-1");
+    assert_eq!(detail.instances[0].instance.id, "mlp-1");
+    assert_eq!(detail.instances[0].device, 0);
 
     let status: Status = c.get_json("/v1/status").unwrap();
     assert_eq!(status.functions, 2);

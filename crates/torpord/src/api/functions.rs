@@ -10,7 +10,9 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 
-use super::types::{Deleted, FunctionDetail, FunctionList, FunctionSummary, StopRequest, Stopped};
+use super::types::{
+    Deleted, FunctionDetail, FunctionList, FunctionSummary, InstanceView, StopRequest, Stopped,
+};
 use super::{unknown_function as unknown, visible, with_registry, ApiError, AppState};
 use crate::registry::FunctionState;
 use crate::tenant::Scope;
@@ -65,14 +67,23 @@ pub async fn get(
     scope: Scope,
     super::FunctionName(name): super::FunctionName,
 ) -> Result<Json<FunctionDetail>, ApiError> {
+    let runtime = Arc::clone(&state.runtime);
     let detail = with_registry(&state, move |r| {
         r.with(|s| {
             let Some(function) = s.function(&name)?.filter(|f| scope.sees_spec(&f.spec)) else {
                 return Err(unknown(&name));
             };
+            let instances = s
+                .instances_of(&name)?
+                .into_iter()
+                .map(|instance| InstanceView {
+                    device: runtime.device_of(&instance.id),
+                    instance,
+                })
+                .collect();
             Ok(FunctionDetail {
                 snapshots: s.snapshots_of(&name)?,
-                instances: s.instances_of(&name)?,
+                instances,
                 function,
             })
         })

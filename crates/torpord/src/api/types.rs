@@ -154,7 +154,18 @@ pub struct FunctionDetail {
     #[serde(flatten)]
     pub function: Function,
     pub snapshots: Vec<Snapshot>,
-    pub instances: Vec<Instance>,
+    pub instances: Vec<InstanceView>,
+}
+
+/// An instance as `GET /v1/functions/{name}` lists it: its registry row, and where it is.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct InstanceView {
+    #[serde(flatten)]
+    pub instance: Instance,
+    /// The node's device it is on (a GPU function's: the daemon's CUDA ordinal, as
+    /// `torpor_device_instances{device}` and `torpor migrate --gpu` name it); hibernated, the
+    /// one its wake restores onto. docs/torpord.md, "Several GPUs".
+    pub device: u32,
 }
 
 /// `DELETE /v1/functions/{name}`.

@@ -296,6 +296,15 @@ impl Runtime {
         }
     }
 
+    /// The device instance `id` is on: a live one's, else (hibernated) the one its placement
+    /// file names, else the deploy's (0).
+    pub fn device_of(&self, id: &str) -> u32 {
+        match self.find_instance(id) {
+            Some((_, inst)) => inst.gpu.load(Ordering::SeqCst),
+            None => self.placement_of(id).map_or(0, |p| p.gpu),
+        }
+    }
+
     /// Applies a recorded placement to an instance re-adopted or woken under its id.
     pub(crate) fn apply_placement(inst: &Instance, p: &Placement) {
         inst.gpu.store(p.gpu, Ordering::SeqCst);
