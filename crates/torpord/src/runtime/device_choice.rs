@@ -34,6 +34,16 @@ use crate::sync::lock;
 /// How long a device whose restore found too little free GPU memory is passed over.
 pub const SHORT_MEMORY_PAUSE: Duration = Duration::from_secs(2);
 
+/// The driver's GPU map of a start placed on GPU `d`: the deploy's GPU 0 onto `d` (the pairs
+/// then swap the two under the process).
+pub fn from_deploy_gpu_onto(d: u32) -> Vec<torpor_snapshot::gpu_map::GpuMapping> {
+    use torpor_snapshot::gpu_map::{GpuMapping, GpuRef};
+    vec![GpuMapping {
+        old: GpuRef::Ordinal(0),
+        new: GpuRef::Ordinal(d),
+    }]
+}
+
 /// One device a cold start may land on, as [`choose`] weighs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate {

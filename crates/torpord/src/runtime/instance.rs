@@ -193,6 +193,16 @@ impl Instance {
         daemon
     }
 
+    /// On device `d` since its start (a placed cold start or standby, a wake): it counts there,
+    /// and for a CUDA process (`cuda`) the driver's pairs swapped the deploy's GPU 0 and `d`
+    /// under it, so its ordinal 0 is GPU `d`.
+    pub(crate) fn placed_on(&self, d: u32, cuda: bool) {
+        self.gpu.store(d, std::sync::atomic::Ordering::SeqCst);
+        if cuda {
+            self.swap_gpus(0, i32::try_from(d).unwrap_or(0));
+        }
+    }
+
     /// Records that the driver moved its CUDA state from the daemon's GPU `a` to `b` (and `b`'s
     /// to `a`: the pairs swap the two).
     pub(crate) fn swap_gpus(&self, a: i32, b: i32) {

@@ -576,12 +576,12 @@ impl Runtime {
     ) -> Result<(f64, Option<f64>), ResumeGpuError> {
         // A released standby placed on another GPU owes its driver restore the pairs.
         let owed = lock(&inst.owed_gpu_pairs).clone();
-        let s = self.driver_resume(inst.worker_pid, owed.clone()).await?;
-        if !owed.is_empty() {
+        let paying = !owed.is_empty();
+        let s = self.driver_resume(inst.worker_pid, owed).await?;
+        if paying {
             lock(&inst.owed_gpu_pairs).clear();
             // Paid: a restarted daemon must not pass them again.
-            let (rt, paid) = (Arc::clone(self), Arc::clone(inst));
-            let _ = tokio::task::spawn_blocking(move || rt.save_placement(&paid)).await;
+            self.record_placement(inst).await;
         }
         let segments_s = self.segments_resume(inst).await?;
         let resumed = self.step(&inst.function, &mut lock(&inst.keep), Transition::ResumeGpu);

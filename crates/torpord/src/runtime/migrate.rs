@@ -256,8 +256,14 @@ impl Runtime {
         })
     }
 
-    /// Writes a migrated instance's placement (best effort: logged; a restart would then
-    /// re-adopt it as on GPU 0).
+    /// [`Runtime::save_placement`] on a blocking thread, waited for.
+    pub(crate) async fn record_placement(self: &Arc<Self>, inst: &Arc<Instance>) {
+        let (rt, inst) = (Arc::clone(self), Arc::clone(inst));
+        let _ = tokio::task::spawn_blocking(move || rt.save_placement(&inst)).await;
+    }
+
+    /// Writes a placed or migrated instance's placement (best effort: logged; a restart would
+    /// then re-adopt it as on GPU 0).
     pub(crate) fn save_placement(&self, inst: &Instance) {
         let Some(path) = self.placement_path(&inst.id) else {
             return;
@@ -615,9 +621,7 @@ impl Runtime {
                 i32::try_from(gpu).unwrap_or(0),
             );
         }
-        let rt = Arc::clone(self);
-        let moved_inst = Arc::clone(&inst);
-        let _ = tokio::task::spawn_blocking(move || rt.save_placement(&moved_inst)).await;
+        self.record_placement(&inst).await;
         self.update_placement_gauges();
         self.metrics
             .observe_phase(&inst.function, "migration_stop", stop_s);

@@ -393,31 +393,17 @@ impl Split {
         count("host", cached.is_some());
         if let Some(src) = cached {
             let buf = lock(&src);
-            let m =
-                Arc::new(
-                    dev.fill_from_bytes(&buf, seal)
-                        .map_err(|source| FillError::Copy {
-                            what: "copying from the host cache",
-                            source,
-                        })?,
-                );
-            // A second use: hot, so it also goes to the GPU cache (when it has room for it),
-            // sealed: a read-only segment's entry is handed out as its shared copy.
-            if lock(&self.gpu_cache).capacity() >= e.size {
-                let entry = if seal {
-                    Ok(Arc::clone(&m))
-                } else {
-                    dev.fill_from_bytes(&buf, true).map(Arc::new)
-                };
-                match entry {
-                    Ok(entry) => {
-                        lock(&self.gpu_cache).insert(&gkey, entry, e.size);
-                    }
-                    Err(x) => tracing::debug!(error = %x, "cannot fill the GPU cache"),
-                }
-            }
-            drop(buf);
-            self.update_cache_gauges();
+            let m = dev
+                .fill_from_bytes(&buf, seal)
+                .map(Arc::new)
+                .map_err(|source| FillError::Copy {
+                    what: "copying from the host cache",
+                    source,
+                })?;
+            // A second use: hot, so it also goes to the GPU cache.
+            self.cache_on_gpu(&gkey, e.size, &m, seal, || {
+                dev.fill_from_bytes(&buf, true).map(Some)
+            });
             return Ok((m, "host"));
         }
         let store = self.store_for(tenant)?;
@@ -482,25 +468,41 @@ impl Split {
             let Some(m) = copy(seal)?.map(Arc::new) else {
                 continue;
             };
-            if lock(&self.gpu_cache).capacity() >= e.size {
-                let entry = if seal {
-                    Ok(Some(Arc::clone(&m)))
-                } else {
-                    copy(true).map(|c| c.map(Arc::new))
-                };
-                match entry {
-                    Ok(Some(entry)) => {
-                        let gkey = crate::tenant::scoped_key(tenant, &gpu_key(e));
-                        lock(&self.gpu_cache).insert(&gkey, entry, e.size);
-                        self.update_cache_gauges();
-                    }
-                    Ok(None) => {}
-                    Err(x) => tracing::debug!(error = %x, "cannot fill the GPU cache"),
-                }
-            }
+            let gkey = crate::tenant::scoped_key(tenant, &gpu_key(e));
+            self.cache_on_gpu(&gkey, e.size, &m, seal, || copy(true));
             return Ok(Some(m));
         }
         Ok(None)
+    }
+
+    /// Makes `m`, the copy a fill just made of a segment of `size` bytes, also its GPU cache
+    /// entry `gkey` when the cache has room. A sealed copy (a read-only segment's) is the entry
+    /// itself, since an entry is handed out as the shared copy anyway; a writable one's entry is
+    /// a second, sealed copy that `sealed_copy` makes (`None`: it could not).
+    fn cache_on_gpu<E: std::fmt::Display>(
+        &self,
+        gkey: &str,
+        size: u64,
+        m: &Arc<Memory>,
+        seal: bool,
+        sealed_copy: impl FnOnce() -> Result<Option<Memory>, E>,
+    ) {
+        if lock(&self.gpu_cache).capacity() < size {
+            return;
+        }
+        let entry = if seal {
+            Ok(Some(Arc::clone(m)))
+        } else {
+            sealed_copy().map(|c| c.map(Arc::new))
+        };
+        match entry {
+            Ok(Some(entry)) => {
+                lock(&self.gpu_cache).insert(gkey, entry, size);
+                self.update_cache_gauges();
+            }
+            Ok(None) => {}
+            Err(x) => tracing::debug!(error = %x, "cannot fill the GPU cache"),
+        }
     }
 }
 

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::oneshot;
-use torpor_snapshot::gpu_map::{GpuMapping, GpuRef};
 
 use crate::config::DriverLanes;
 use crate::metrics::start;
@@ -109,24 +108,21 @@ impl Runtime {
             // rest side by side, a lane per GPU.
             gpu_alone: placed.as_ref().is_some_and(|p| p.leads),
             // The driver moves the CUDA state of the deploy's GPU onto the chosen one.
-            gpu_map: match onto {
-                Some(d) if info.gpu => vec![GpuMapping {
-                    old: GpuRef::Ordinal(0),
-                    new: GpuRef::Ordinal(d),
-                }],
-                _ => Vec::new(),
-            },
+            gpu_map: onto.filter(|_| info.gpu).map_or_else(
+                Vec::new,
+                crate::runtime::device_choice::from_deploy_gpu_onto,
+            ),
             ..HowToRestore::default()
         };
         let staged = how.staged.is_some();
         // Until the instance is adopted, `pages` stops the lazy-pages daemon if dropped (each
         // failure below kills the tree first).
-        // Its driver restore is done (the pairs went into it).
         let RestoredTree {
             init,
             worker,
             pages,
             phases,
+            // Passed to its driver restore already.
             gpu_pairs: _,
         } = match restore_with(from, &self.logs_dir(), new.log, how, &self.snapshot_key).await {
             Ok(tree) => tree,
@@ -220,11 +216,7 @@ impl Runtime {
             .map(|s| s.snapshot_id.clone());
         let inst = self.adopt(new.id, adopted).await?;
         if let Some(d) = onto {
-            inst.gpu.store(d, Ordering::SeqCst);
-            // The driver swapped the two GPUs under the process: its ordinal 0 is GPU `d`.
-            if info.gpu {
-                inst.swap_gpus(0, i32::try_from(d).unwrap_or(0));
-            }
+            inst.placed_on(d, info.gpu);
         } else if let Some(p) = &woken_on {
             Self::apply_placement(&inst, p);
         }
@@ -244,11 +236,7 @@ impl Runtime {
                 .map(|(e, _)| e.ordinal)
                 .filter(|_| onto.is_none() && woken_on.is_none())
             {
-                inst.gpu.store(
-                    u32::try_from(d).unwrap_or(0),
-                    std::sync::atomic::Ordering::SeqCst,
-                );
-                inst.swap_gpus(0, d);
+                inst.placed_on(u32::try_from(d).unwrap_or(0), true);
             }
             *lock(&inst.segments) = crate::split::release::InstanceSegments::handing(plan);
             // Filled already (from the GPU cache, a shared copy): the first request waits
@@ -319,8 +307,7 @@ impl Runtime {
         drop(hibernation);
         if onto.is_some() {
             // Where it is, for a daemon that re-adopts it after a crash (as a migration's).
-            let (rt, placed_inst) = (Arc::clone(self), Arc::clone(&inst));
-            let _ = tokio::task::spawn_blocking(move || rt.save_placement(&placed_inst)).await;
+            self.record_placement(&inst).await;
         }
         let leads = placed.as_ref().is_some_and(|p| p.leads);
         drop(placed);

@@ -30,7 +30,6 @@ use crate::runtime::start::{NewInstance, StartError, StartKind};
 use crate::runtime::Runtime;
 use crate::spec::StandbyGpu;
 use crate::sync::lock;
-use torpor_snapshot::gpu_map::{GpuMapping, GpuRef};
 
 /// The longest wait between failed standby starts of one function.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(60);
@@ -299,14 +298,10 @@ impl Runtime {
                 .map_or_else(Vec::new, crate::cgroup::Cgroup::procs_files),
             state_dir: Some(self.state_root.clone()),
             // The pairs come back in the tree, for the driver restore below.
-            gpu_map: onto
-                .map(|d| {
-                    vec![GpuMapping {
-                        old: GpuRef::Ordinal(0),
-                        new: GpuRef::Ordinal(d),
-                    }]
-                })
-                .unwrap_or_default(),
+            gpu_map: onto.map_or_else(
+                Vec::new,
+                crate::runtime::device_choice::from_deploy_gpu_onto,
+            ),
             ..HowToRestore::default()
         };
         let tree = match restore_with(
@@ -331,7 +326,7 @@ impl Runtime {
                 return Err(e);
             }
         };
-        let (init, worker, gpu_pairs) = (tree.init, tree.worker, tree.gpu_pairs);
+        let (init, worker, mut gpu_pairs) = (tree.init, tree.worker, tree.gpu_pairs);
         new.charge.process_started(init);
         let what = format!("a standby instance of {name:?}");
         let conn = self.wake_function(name, init, worker, &what).await?;
@@ -339,16 +334,11 @@ impl Runtime {
         let adopted = Adopted::new(name, info, generation, None, tree);
         let inst = self.adopt(new.id, adopted).await?;
         if let Some(d) = onto {
-            // As a placed cold start (start/restore.rs): its ordinal 0 is GPU `d`.
-            inst.gpu.store(d, std::sync::atomic::Ordering::SeqCst);
-            inst.swap_gpus(0, i32::try_from(d).unwrap_or(0));
+            inst.placed_on(d, true);
         }
-        let gpu_pairs = if live {
-            gpu_pairs
-        } else {
-            *lock(&inst.owed_gpu_pairs) = gpu_pairs;
-            Vec::new()
-        };
+        if !live {
+            *lock(&inst.owed_gpu_pairs) = std::mem::take(&mut gpu_pairs);
+        }
         if let Some(plan) = plan {
             // Filled on the GPU it is on when a request takes it.
             let plan = match onto {
@@ -400,8 +390,7 @@ impl Runtime {
         }
         if onto.is_some() {
             // Where it is, for a daemon that re-adopts it after a crash (as a placed start's).
-            let (rt, placed_inst) = (Arc::clone(self), Arc::clone(&inst));
-            let _ = tokio::task::spawn_blocking(move || rt.save_placement(&placed_inst)).await;
+            self.record_placement(&inst).await;
         }
         tracing::debug!(instance = %inst.id, device = inst.gpu.load(std::sync::atomic::Ordering::SeqCst), "standby placed");
         drop(placed);
