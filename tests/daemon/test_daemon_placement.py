@@ -328,3 +328,74 @@ class SlowCounter:
         time.sleep(request.get("sleep_s", 0))
         return {"calls": self.calls}
 """
+
+
+def test_a_live_standby_is_listed_gpu_released_on_its_gpu_until_its_driver_restore_and_a_crash_then_leaves_it_owing(
+    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """A live standby between its CRIU restore and its driver restore (held there with
+    `TORPORD_DELAY=standby-driver`) is listed as what it is: gpu_released, on the GPU it was
+    placed on, and its placement file says it owes the GPU pairs. Before, its row read warm and,
+    in no pool yet, GPU 0; a daemon killed then re-adopted it as a live instance on GPU 0 whose
+    CUDA state was in fact still checkpointed. Now the restarted daemon takes it as released,
+    and the first request's resume pays the pairs, once."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    root = tmp_path / "daemon"
+    root.mkdir()
+    log = root / "cuda-calls.log"
+    env = fake_gpu_env(
+        root, fake_cuda, FAKE_CUDA_LOG=str(log), TORPORD_DELAY="standby-driver:60000", FAKE_CUDA_DEVICES="3", FAKE_CUDA_SAME_MODEL="1"
+    )
+    d = Torpord(torpor_bin, root, env=env, queue_timeout_s=60)
+    g0, g1, g2 = (f"GPU-fa4e0000-0000-0000-0000-00000000000{i}" for i in range(3))
+    swap = f"pairs=3 {g0}>{g1} {g1}>{g0} {g2}>{g2}"
+    try:
+        fdir = tmp_path / "sbheld"
+        fdir.mkdir()
+        (fdir / "handler.py").write_text(SLOW_COUNTER)
+        (fdir / "torpor.toml").write_text(
+            'name = "sbheld"\nentry = "handler:SlowCounter"\ngpus = 1\ngpu_memory = "64MiB"\ntimeout_s = 30\n'
+            '\n[scaling]\nmax_instances = 2\nstandby = 2\nstandby_gpu = "live"\n'
+            "\n[keepalive]\ngpu_release_s = 600\nhibernate_s = 600\nevict_s = 600\n"
+        )
+        d.deploy(fdir)
+        deadline = time.monotonic() + 60
+        while d.log.read_text(errors="replace").count("TORPORD_DELAY delays this point") < 2:
+            assert time.monotonic() < deadline, d.log_text()
+            time.sleep(0.05)
+        rows = d.instances("sbheld")
+        assert sorted((r["stage"], r["device"]) for r in rows) == [("gpu_released", 0), ("gpu_released", 1)], rows
+        (placed,) = list((d.state / "placement").glob("*.json"))
+        assert json.loads(placed.read_text())["owed_gpu_pairs"] == [[g0, g1], [g1, g0], [g2, g2]], placed.read_text()
+        before = log.read_text()
+        assert not any(swap in line for line in before.splitlines() if line.startswith("restore ")), before
+
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        d.restart()
+        deadline = time.monotonic() + 30
+        while sorted((r["stage"], r["device"]) for r in d.instances("sbheld") if r.get("pid")) != [("gpu_released", 0), ("gpu_released", 1)]:
+            assert time.monotonic() < deadline, (d.instances("sbheld"), d.log_text())
+            time.sleep(0.1)
+        device_gauge(d, "torpor_device_instances", 1, 1)
+
+        out: dict[int, Answer] = {}
+
+        def run(i: int) -> None:
+            out[i] = d.invoke("sbheld", {"sleep_s": 1}, timeout=60)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(a.status == 200 and a.json()["calls"] == 1 for a in out.values()), [(a.status, a.body) for a in out.values()]
+        resumes = [line for line in log.read_text()[len(before):].splitlines() if line.startswith("restore ")]
+        assert sorted(swap in r for r in resumes) == [False, True], resumes
+        assert all(r.endswith("result=0") for r in resumes), resumes
+        assert "owed_gpu_pairs" not in json.loads(placed.read_text()), placed.read_text()
+        device_gauge(d, "torpor_device_instances", 0, 1)
+        device_gauge(d, "torpor_device_instances", 1, 1)
+    finally:
+        d.stop()

@@ -115,8 +115,15 @@ def test_two_standbys_stand_by_on_both_gpus_and_serve_there(
     try:
         d.deploy(function(tmp_path, "sb2", f'standby = 2\nstandby_gpu = "{kind}"\n', "gpu_release_s = 600\nhibernate_s = 600\nevict_s = 600\n"))
         stage = "warm" if kind == "live" else "gpu_released"
-        rows = wait_for(d, "sb2", "two standbys", lambda rs: sum(bool(r.get("pid")) and r["stage"] == stage for r in rs) == 2)
-        assert sorted(r["device"] for r in rows) == [0, 1], rows
+        gauge = re.compile(r'^torpor_standby_instances\{function="sb2"\} 2$', re.M)
+
+        def ready(rows: list[dict[str, Any]]) -> bool:
+            if sum(bool(r.get("pid")) and r["stage"] == stage for r in rows) != 2:
+                return False
+            return bool(gauge.search(d.request("GET", "/metrics").body.decode()))
+
+        rows = wait_for(d, "sb2", "two standbys", ready)
+        assert sorted(r["device"] for r in rows) == [0, 1], (rows, d.log_text())
         if kind == "live":
             before = on_their_gpus(d, "sb2", two_gpus)
         else:

@@ -74,6 +74,10 @@ struct PlacingState {
     starting: HashMap<u32, usize>,
     /// Per function, its starts in flight.
     starting_of: HashMap<String, usize>,
+    /// The device of each instance in flight, by id: from its adoption (when the API lists
+    /// it) until its start ends it is in no pool yet, and its placement file may not be
+    /// written.
+    device_of: HashMap<String, u32>,
     short_until: HashMap<u32, Instant>,
 }
 
@@ -84,6 +88,8 @@ pub struct Placed<'a> {
     /// The function whose starts in flight it counts in (`None`: a standby, which never leads
     /// and keeps no cold start from leading).
     function: Option<String>,
+    /// The instance it starts.
+    instance: String,
     pub ordinal: u32,
     /// The first start of its function with nothing live: the instance that will serve the
     /// burst (late binding), whose driver restore goes alone on the node
@@ -106,6 +112,7 @@ impl Drop for Placed<'_> {
         if let Some(n) = st.starting.get_mut(&self.ordinal) {
             *n = n.saturating_sub(1);
         }
+        st.device_of.remove(&self.instance);
         let Some(function) = &self.function else {
             return;
         };
@@ -120,22 +127,29 @@ impl Drop for Placed<'_> {
 
 impl Placing {
     /// Chooses among `devices` (ordinals) given their live instances (`live`), and counts the
-    /// start of `function` (with `function_live` live instances) onto the one chosen, in one
-    /// step: starts of a burst placed at once see each other.
+    /// start of `instance` of `function` (with `function_live` live instances) onto the one
+    /// chosen, in one step: starts of a burst placed at once see each other.
     pub fn place(
         &self,
         function: &str,
+        instance: &str,
         function_live: usize,
         devices: &[u32],
         live: &HashMap<u32, usize>,
     ) -> Option<Placed<'_>> {
-        self.place_counted(Some(function), function_live, devices, live)
+        self.place_counted(Some(function), instance, function_live, devices, live)
+    }
+
+    /// The device of `instance` while its placed start is in flight.
+    pub fn device_of(&self, instance: &str) -> Option<u32> {
+        lock(&self.state).device_of.get(instance).copied()
     }
 
     /// As [`Placing::place`]; `function` `None` counts the start on its device only.
     fn place_counted(
         &self,
         function: Option<&str>,
+        instance: &str,
         function_live: usize,
         devices: &[u32],
         live: &HashMap<u32, usize>,
@@ -154,6 +168,7 @@ impl Placing {
             .collect();
         let ordinal = choose(&candidates)?;
         *st.starting.entry(ordinal).or_default() += 1;
+        st.device_of.insert(instance.to_string(), ordinal);
         let leads = match function {
             Some(f) => {
                 let of = st.starting_of.entry(f.to_string()).or_default();
@@ -166,6 +181,7 @@ impl Placing {
         Some(Placed {
             placing: self,
             function: function.map(str::to_string),
+            instance: instance.to_string(),
             ordinal,
             leads,
         })
@@ -173,20 +189,32 @@ impl Placing {
 }
 
 impl Runtime {
-    /// The device a cold start of `info` restores onto, counted as starting there until the
-    /// guard is dropped; `None` where placement does not apply (`placement = "first"`, a node
-    /// of one device, a CPU function without the host backend's devices).
-    pub(crate) fn place_cold_start(&self, name: &str, info: &FnInfo) -> Option<Placed<'_>> {
-        self.place_start(name, info, true)
+    /// The device a cold start (instance `id`) of `info` restores onto, counted as starting
+    /// there until the guard is dropped; `None` where placement does not apply
+    /// (`placement = "first"`, a node of one device, a CPU function without the host backend's
+    /// devices).
+    pub(crate) fn place_cold_start(
+        &self,
+        name: &str,
+        id: &str,
+        info: &FnInfo,
+    ) -> Option<Placed<'_>> {
+        self.place_start(name, id, info, true)
     }
 
     /// A standby's device, as a cold start's: it serves there once a request takes it.
     /// It never leads (nothing waits for it).
-    pub(crate) fn place_standby(&self, name: &str, info: &FnInfo) -> Option<Placed<'_>> {
-        self.place_start(name, info, false)
+    pub(crate) fn place_standby(&self, name: &str, id: &str, info: &FnInfo) -> Option<Placed<'_>> {
+        self.place_start(name, id, info, false)
     }
 
-    fn place_start(&self, name: &str, info: &FnInfo, may_lead: bool) -> Option<Placed<'_>> {
+    fn place_start(
+        &self,
+        name: &str,
+        id: &str,
+        info: &FnInfo,
+        may_lead: bool,
+    ) -> Option<Placed<'_>> {
         if self.config.restore_server.placement == Placement::First {
             return None;
         }
@@ -213,6 +241,7 @@ impl Runtime {
         });
         self.placing.place_counted(
             may_lead.then_some(name),
+            id,
             function_live,
             &devices,
             &self.live_instances_per_device(),
@@ -294,7 +323,11 @@ mod tests {
         let placing = Placing::default();
         let live = HashMap::from([(0, 1)]);
         let held: Vec<Placed<'_>> = (0..7)
-            .map(|_| placing.place("f", 0, &[0, 1], &live).expect("a device"))
+            .map(|i| {
+                placing
+                    .place("f", &format!("b{i}"), 0, &[0, 1], &live)
+                    .expect("a device")
+            })
             .collect();
         let on = |d| held.iter().filter(|p| p.ordinal == d).count();
         // The burst's first start leads (its function has nothing live), no other.
@@ -304,7 +337,7 @@ mod tests {
         assert_eq!((on(0), on(1)), (3, 4));
         drop(held);
         let next = placing
-            .place("f", 0, &[0, 1], &HashMap::new())
+            .place("f", "i2", 0, &[0, 1], &HashMap::new())
             .expect("a device");
         assert_eq!(next.ordinal, 0, "the starts' counts were not given back");
     }
@@ -313,13 +346,13 @@ mod tests {
     fn a_device_found_short_is_passed_over_for_the_pause_only() {
         let placing = Placing::default();
         let first = placing
-            .place("f", 0, &[0, 1], &HashMap::new())
+            .place("f", "i3", 0, &[0, 1], &HashMap::new())
             .expect("a device");
         assert_eq!(first.ordinal, 0);
         first.short_of_memory();
         drop(first);
         let next = placing
-            .place("f", 0, &[0, 1], &HashMap::new())
+            .place("f", "i4", 0, &[0, 1], &HashMap::new())
             .expect("a device");
         assert_eq!(next.ordinal, 1);
         drop(next);
@@ -328,7 +361,7 @@ mod tests {
             .short_until
             .insert(0, Instant::now() - Duration::from_millis(1));
         let later = placing
-            .place("f", 0, &[0, 1], &HashMap::new())
+            .place("f", "i5", 0, &[0, 1], &HashMap::new())
             .expect("a device");
         assert_eq!(later.ordinal, 0);
     }
@@ -347,16 +380,16 @@ mod tests {
     fn a_start_of_a_function_with_an_instance_live_does_not_lead() {
         let placing = Placing::default();
         let live = placing
-            .place("f", 1, &[0, 1], &HashMap::new())
+            .place("f", "i6", 1, &[0, 1], &HashMap::new())
             .expect("a device");
         assert!(!live.leads);
         let other = placing
-            .place("g", 0, &[0, 1], &HashMap::new())
+            .place("g", "i7", 0, &[0, 1], &HashMap::new())
             .expect("a device");
         assert!(other.leads, "another function's start leads its own burst");
         drop((live, other));
         let again = placing
-            .place("g", 0, &[0, 1], &HashMap::new())
+            .place("g", "i8", 0, &[0, 1], &HashMap::new())
             .expect("a device");
         assert!(
             again.leads,
@@ -368,12 +401,12 @@ mod tests {
     fn a_standby_counts_on_its_device_but_never_leads_nor_keeps_a_cold_start_from_leading() {
         let placing = Placing::default();
         let standby = placing
-            .place_counted(None, 0, &[0, 1], &HashMap::new())
+            .place_counted(None, "s", 0, &[0, 1], &HashMap::new())
             .expect("a device");
         assert_eq!(standby.ordinal, 0);
         assert!(!standby.leads);
         let cold = placing
-            .place("f", 0, &[0, 1], &HashMap::new())
+            .place("f", "i9", 0, &[0, 1], &HashMap::new())
             .expect("a device");
         assert_eq!(cold.ordinal, 1, "the standby in flight counts on device 0");
         assert!(cold.leads, "a standby is no start of the burst");
@@ -381,5 +414,29 @@ mod tests {
         drop(cold);
         assert!(lock(&placing.state).starting.values().all(|&n| n == 0));
         assert!(lock(&placing.state).starting_of.is_empty());
+    }
+
+    #[test]
+    fn an_instance_in_flight_is_on_its_device_until_its_start_ends() {
+        let placing = Placing::default();
+        let first = placing
+            .place("f", "a", 0, &[0, 1], &HashMap::new())
+            .expect("a device");
+        let second = placing
+            .place("f", "b", 0, &[0, 1], &HashMap::new())
+            .expect("a device");
+        assert_eq!(
+            (placing.device_of("a"), placing.device_of("b")),
+            (Some(0), Some(1))
+        );
+        drop(second);
+        assert_eq!(
+            placing.device_of("b"),
+            None,
+            "its pool or placement file says from here"
+        );
+        assert_eq!(placing.device_of("a"), Some(0));
+        drop(first);
+        assert!(lock(&placing.state).device_of.is_empty());
     }
 }

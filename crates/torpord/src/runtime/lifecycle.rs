@@ -223,6 +223,7 @@ impl Runtime {
             woken: sleeper,
             tree,
             keep_hibernation,
+            stage,
         } = adopted;
         let init = tree.init;
         let now = now_ms();
@@ -249,7 +250,7 @@ impl Runtime {
             id: inst.id.clone(),
             function: name.to_string(),
             pid: Some(init),
-            stage: Stage::Warm,
+            stage,
             snapshot: Some(info.snapshot_id.clone()),
             started: now,
             last_used: now,
@@ -259,7 +260,7 @@ impl Runtime {
         let recorded = tokio::task::spawn_blocking(move || match woken {
             // A woken instance keeps its row; its hibernation snapshot has served.
             Some(hib) => registry.transaction(|s| {
-                s.set_instance_stage(&row.id, Stage::Warm, Some(init), row.snapshot.as_deref())?;
+                s.set_instance_stage(&row.id, row.stage, Some(init), row.snapshot.as_deref())?;
                 s.touch_instance(&row.id, now)?;
                 if !keep_hibernation {
                     s.delete_snapshot(&hib)?;
@@ -491,6 +492,10 @@ pub(crate) struct Adopted<'a> {
     /// A woken instance whose lazy pages are still being served: its hibernation snapshot's
     /// row stays until they are in (crate::runtime::pages_pending::mark).
     pub(crate) keep_hibernation: bool,
+    /// The stage its row is recorded in: warm, or gpu_released for a standby whose driver
+    /// restore is still to come (so the API never lists one being made as warm, and a daemon
+    /// restarted meanwhile does not take its checkpointed CUDA state for a live one).
+    pub(crate) stage: Stage,
 }
 
 impl<'a> Adopted<'a> {
@@ -508,12 +513,19 @@ impl<'a> Adopted<'a> {
             woken,
             tree,
             keep_hibernation: false,
+            stage: Stage::Warm,
         }
     }
 
     /// See [`Adopted::keep_hibernation`].
     pub(crate) fn keeping_hibernation(mut self, keep: bool) -> Self {
         self.keep_hibernation = keep;
+        self
+    }
+
+    /// See [`Adopted::stage`].
+    pub(crate) fn in_stage(mut self, stage: Stage) -> Self {
+        self.stage = stage;
         self
     }
 }

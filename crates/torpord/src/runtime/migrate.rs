@@ -302,12 +302,17 @@ impl Runtime {
         }
     }
 
-    /// The device instance `id` is on: a live one's, else (hibernated) the one its placement
+    /// The device instance `id` is on: a live one's, else one in flight's (listed from its
+    /// adoption, in no pool until its start ends), else (hibernated) the one its placement
     /// file names, else the deploy's (0).
     pub fn device_of(&self, id: &str) -> u32 {
         match self.find_instance(id) {
             Some((_, inst)) => inst.gpu.load(Ordering::SeqCst),
-            None => self.placement_of(id).map_or(0, |p| p.gpu),
+            None => self
+                .placing
+                .device_of(id)
+                .or_else(|| self.placement_of(id).map(|p| p.gpu))
+                .unwrap_or(0),
         }
     }
 

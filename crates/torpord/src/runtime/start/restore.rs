@@ -56,7 +56,7 @@ impl Runtime {
         // A cold start goes onto the node's least loaded device (crate::runtime::device_choice);
         // a wake restores where its hibernation was taken.
         let placed = match sleeper {
-            None => self.place_cold_start(name, info),
+            None => self.place_cold_start(name, new.id, info),
             Some(_) => None,
         };
         let onto = placed.as_ref().map(|p| p.ordinal).filter(|&d| d != 0);

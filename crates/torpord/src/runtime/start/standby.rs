@@ -283,7 +283,7 @@ impl Runtime {
         // one's driver restore below passes the pairs; a released one owes them to the resume
         // of its first request (kept in its placement file across a daemon's restart).
         let live = info.standby_gpu == StandbyGpu::Live;
-        let placed = self.place_standby(name, info);
+        let placed = self.place_standby(name, new.id, info);
         let onto = placed.as_ref().map(|p| p.ordinal).filter(|&d| d != 0);
         // Copy pages, from the staged copy when there is one: off the request's path, and a
         // GPU worker's driver restore would fault in lazy pages one by one later.
@@ -331,13 +331,19 @@ impl Runtime {
         let what = format!("a standby instance of {name:?}");
         let conn = self.wake_function(name, init, worker, &what).await?;
         let tree = WorkerTree::new(init, worker, conn, cgroup);
-        let adopted = Adopted::new(name, info, generation, None, tree);
+        // gpu_released until its driver restore: a live one's comes below.
+        let adopted = Adopted::new(name, info, generation, None, tree).in_stage(Stage::GpuReleased);
         let inst = self.adopt(new.id, adopted).await?;
         if let Some(d) = onto {
             inst.placed_on(d, true);
         }
-        if !live {
-            *lock(&inst.owed_gpu_pairs) = std::mem::take(&mut gpu_pairs);
+        // Owed until a driver restore pays them: a live one's just below, a released one's at
+        // its first request's resume.
+        *lock(&inst.owed_gpu_pairs) = std::mem::take(&mut gpu_pairs);
+        if onto.is_some() {
+            // Where it is and what it owes, for a daemon that re-adopts it after a crash (as a
+            // placed start's).
+            self.record_placement(&inst).await;
         }
         if let Some(plan) = plan {
             // Filled on the GPU it is on when a request takes it.
@@ -353,8 +359,15 @@ impl Runtime {
         // `standby_gpu = "live"`: the driver's restore now, off the request's path; the
         // standby then holds its context's GPU memory, and a request pays only the segments.
         if live {
-            match self.driver_resume(inst.worker_pid, gpu_pairs).await {
+            crate::journal::delay("standby-driver").await;
+            let pairs = lock(&inst.owed_gpu_pairs).clone();
+            match self.driver_resume(inst.worker_pid, pairs).await {
                 Ok(s) => {
+                    lock(&inst.owed_gpu_pairs).clear();
+                    if onto.is_some() {
+                        // Paid: a restarted daemon must not pass them again.
+                        self.record_placement(&inst).await;
+                    }
                     tracing::debug!(instance = %inst.id, driver_restore_s = s, "live standby: GPU context restored")
                 }
                 Err(e) => {
@@ -387,10 +400,6 @@ impl Runtime {
         };
         if let Err(e) = self.record_stage(&inst.id, stage, Some(init), None).await {
             tracing::warn!(instance = %inst.id, error = %e, "cannot record the standby's stage");
-        }
-        if onto.is_some() {
-            // Where it is, for a daemon that re-adopts it after a crash (as a placed start's).
-            self.record_placement(&inst).await;
         }
         tracing::debug!(instance = %inst.id, device = inst.gpu.load(std::sync::atomic::Ordering::SeqCst), "standby placed");
         drop(placed);
