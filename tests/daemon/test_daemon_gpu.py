@@ -257,7 +257,10 @@ def packed(
     """A split_gpu daemon with gpupacked deployed once; the deploy's lines by phase."""
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    d = Torpord(torpor_bin, tmp_path_factory.mktemp("packed"), config="split_gpu = true\n")
+    # Every instance on GPU 0: the read-only copies are shared per GPU, and on a node of two
+    # placement would start the second instance on GPU 1, with a copy of its own.
+    config = 'split_gpu = true\n[restore_server]\nplacement = "first"\n'
+    d = Torpord(torpor_bin, tmp_path_factory.mktemp("packed"), config=config)
     try:
         hook = os.environ.get("TORPOR_HOOK_LIB") or str(torpor_bin.resolve().parent / "libtorpor_hook.so")
         if not os.path.isfile(hook):

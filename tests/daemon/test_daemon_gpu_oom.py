@@ -20,6 +20,7 @@ import pytest
 from conftest import ROOT, pids_with
 
 from .conftest import Torpord
+from .test_daemon_migrate_gpu import gpus, uuid_of_pid
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
 
@@ -30,24 +31,29 @@ LEAVE = 128 * MIB
 
 HOG = f"""
 import sys, torch
-free, total = torch.cuda.mem_get_info()
-held = torch.empty(max(free - {LEAVE}, 0), dtype=torch.uint8, device="cuda")
-free, total = torch.cuda.mem_get_info()
-print(f"holding {{held.numel() >> 20}} MiB, {{free >> 20}} MiB free of {{total >> 20}}", flush=True)
+held = []
+for d in range(torch.cuda.device_count() if sys.argv[1] == "all" else 1):
+    free, total = torch.cuda.mem_get_info(d)
+    held.append(torch.empty(max(free - {LEAVE}, 0), dtype=torch.uint8, device=f"cuda:{{d}}"))
+    free, total = torch.cuda.mem_get_info(d)
+    print(f"GPU {{d}}: holding {{held[-1].numel() >> 20}} MiB, {{free >> 20}} MiB free of {{total >> 20}}; ", end="")
+print(flush=True)
 sys.stdin.read()
 """
 
 
 class Hog:
-    """Another process holding all but LEAVE of the GPU's memory, until `release`."""
+    """Another process holding all but LEAVE of the memory of every GPU (`gpus = "all"`: a
+    node of several GPUs would place the restore on another one) or of GPU 0 alone, until
+    `release`."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpus: str = "all") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", HOG], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", HOG, gpus], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         assert self.proc.stdout is not None
         self.line = self.proc.stdout.readline().strip()
-        assert self.line.startswith("holding"), f"the hog did not start: {self.line!r}"
+        assert self.line.startswith("GPU 0: holding"), f"the hog did not start: {self.line!r}"
         print("hog:", self.line)
 
     def release(self) -> None:
@@ -123,3 +129,24 @@ def test_a_restore_on_a_full_gpu_waits_then_answers_503_and_leaves_nothing(daemo
         hog.release()
     r = daemon.invoke("torchmm", {"x": [0.5, -1.0, 2.0, 0.0]}, timeout=180)
     assert r.status == 200 and r.start == "restored", (r.status, r.body, daemon.log_text())
+
+
+@pytest.mark.parametrize("daemon", MODES[:1], indirect=True, ids=["split"])
+def test_a_restore_that_finds_gpu_0_full_is_placed_on_another_gpu_and_answers(daemon: Torpord) -> None:
+    """On a node of two GPUs of one model (nvidia-h200-x2), another process filling GPU 0 does not
+    cost a request: the restore placed there finds no room, GPU 0 is passed over for a while
+    (device_choice::SHORT_MEMORY_PAUSE), and the retry within the queue timeout restores onto
+    GPU 1, where NVML shows the instance."""
+    g = gpus()
+    if len(g) < 2 or g[0][0] != g[1][0]:
+        pytest.skip(f"needs two GPUs of one model (nvidia-h200-x2); nvidia-smi lists {g}")
+    daemon.deploy(TORCHMM)
+    hog = Hog("first")
+    try:
+        r = daemon.invoke("torchmm", {"x": [0.5, -1.0, 2.0, 0.0]}, timeout=180)
+        assert r.status == 200 and r.start == "restored", (r.status, r.body, daemon.log_text())
+        (inst,) = daemon.instances("torchmm")
+        assert inst["device"] == 1, (inst, daemon.log_text())
+        assert uuid_of_pid(inst["pid"]) == g[1][1], (inst, g)
+    finally:
+        hog.release()
