@@ -147,6 +147,7 @@ def test_a_request_that_never_gets_gpu_memory_is_answered_503_in_one_line(daemon
         msg = b.body.decode()  # type: ignore[attr-defined]
         assert "GPU 0 has 0 MiB free but the snapshot needs 64 MiB" in msg, msg
         assert "free GPU memory on this node" in msg and "\n" not in msg.strip(), msg
+        assert "--gpu" not in msg, "the CLI's advice, which a request cannot follow"
         assert b.headers.get("retry-after") == "1", b.headers  # type: ignore[attr-defined]
         # Nothing was started or left behind.
         assert sorted(i["pid"] for i in daemon.instances("gpumem")) == before

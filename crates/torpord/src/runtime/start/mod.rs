@@ -131,7 +131,14 @@ impl StartError {
         match self {
             StartError::Restore { source, .. } | StartError::Standby { source, .. } => match source
             {
-                RestoreTreeError::Restore(e @ RestoreError::NoRoom { .. }) => Some(format!("{e}")),
+                // Without the CLI's advice (`--gpu`): the daemon places its restores itself.
+                RestoreTreeError::Restore(RestoreError::NoRoom {
+                    ordinal,
+                    free,
+                    need,
+                }) => Some(format!(
+                    "GPU {ordinal} has {free} MiB free but the snapshot needs {need} MiB"
+                )),
                 RestoreTreeError::Restore(e @ RestoreError::Gpu { source })
                     if source.source.is_out_of_memory() =>
                 {
