@@ -224,6 +224,7 @@ def test_the_cpu_smoke_run_measures_every_path_with_identical_outputs(
         # The read-only weights and table are the first instance's shared copies.
         assert run["fills"]["shared"]["segments"] == 2, run["fills"]
         assert run["live_instances"] == 2 and run["overlapped"], run
+        assert run["devices"] == [0, 0], "one device here: both on it"
         assert run["held"]["start"] == "warm" and run["held"]["same"], run["held"]
 
     # A CPU function's standby is a fully restored idle instance: the request finds it ready
@@ -381,3 +382,17 @@ def test_the_burst_table_names_each_settings_lines_and_takes_medians_of_its_runs
 def test_the_burst_table_in_docs_split_md_is_what_its_json_says() -> None:
     burst_table = load("burst_table")
     assert burst_table.main(["--check", str(ROOT / "docs" / "split.md")]) == 0
+
+
+def test_a_second_instance_placed_on_another_gpu_is_named_so_in_the_table() -> None:
+    """On two H200s (session 53) the `second` mode's instance went to GPU 1, where nothing is
+    shared: the row must not say "shared read-only" then. That run's JSON predates `devices`,
+    so it is added here as the bench now records it."""
+    table = load("split_table")
+    d = json.loads((ROOT / "bench" / "results" / "split-bench-s53-peer-h200x2.json").read_text())
+    (second,) = [r for r in d["results"] if r["mode"] == "second"]
+    row = lambda: next(line for line in table.results_table(d) if "2nd instance" in line)  # noqa: E731
+    assert "(shared read-only)" in row()
+    for run in second["runs"]:
+        run["devices"] = [0, 1]
+    assert "(placed on another GPU)" in row(), row()

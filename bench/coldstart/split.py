@@ -440,10 +440,15 @@ class Daemon:
         return out
 
     def live(self, name: str) -> int:
+        return len(self.devices(name))
+
+    def devices(self, name: str) -> list[int]:
+        """The device of each live instance of `name` (torpord's placement: on a node of
+        several GPUs a second instance may be on another GPU than the first)."""
         status, _, body = self.request("GET", f"/v1/functions/{name}", timeout=30)
         if status != 200:
             raise RuntimeError(f"GET /v1/functions/{name} answered {status}: {body[:300]!r}")
-        return sum(1 for i in json.loads(body)["instances"] if i.get("pid"))
+        return [int(i.get("device", 0)) for i in json.loads(body)["instances"] if i.get("pid")]
 
     def deploy(self, fdir: Path) -> Json:
         t0 = time.perf_counter()
@@ -902,7 +907,7 @@ class Bench:
         before = d.restore_metrics()
         second = d.invoke(model.name, model.request)
         after = d.restore_metrics()
-        live = d.live(model.name)
+        devices = d.devices(model.name)
         th.join(timeout=self.a.hold_s + 600)
         if failed or not held:
             raise RuntimeError(f"{model.name}: the holding request failed: {failed[:1]}")
@@ -911,7 +916,9 @@ class Bench:
             run=i,
             stop=stopped,
             fills=fills(before, after),
-            live_instances=live,
+            live_instances=len(devices),
+            # Two devices: placement put the second on another GPU, which has no copy to share.
+            devices=sorted(devices),
             # Instance 1 was still holding its request when instance 2 answered.
             overlapped=second["t_done"] < h["t_done"],
             first={"wall_s": first["wall_s"], "start": first["start"], "timings": first["timings"]},

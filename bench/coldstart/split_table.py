@@ -116,6 +116,8 @@ def results_table(d: Json) -> list[str]:
     link = (d.get("link") or {}).get("h2d_pinned_gbps")
     for r in d["results"]:
         mode = MODE_NAMES.get(r["mode"], r["mode"])
+        if any(len(set(run.get("devices") or [])) > 1 for run in r.get("runs") or []):
+            mode = "split, 2nd instance (placed on another GPU)"
         if "error" in r and not r.get("runs"):
             out.append(f"| {r['model']} | {mode} | error: {r['error'].splitlines()[0][:120]} |" + " |" * (len(PHASES) + 2))
             continue
