@@ -393,13 +393,14 @@ impl Runtime {
                 gpu_released: !live,
             },
         );
-        let stage = if live {
-            Stage::Warm
-        } else {
-            Stage::GpuReleased
-        };
-        if let Err(e) = self.record_stage(&inst.id, stage, Some(init), None).await {
-            tracing::warn!(instance = %inst.id, error = %e, "cannot record the standby's stage");
+        // Its row says gpu_released from its adoption: a live one's driver restore is done now.
+        if live {
+            if let Err(e) = self
+                .record_stage(&inst.id, Stage::Warm, Some(init), None)
+                .await
+            {
+                tracing::warn!(instance = %inst.id, error = %e, "cannot record the standby's stage");
+            }
         }
         tracing::debug!(instance = %inst.id, device = inst.gpu.load(std::sync::atomic::Ordering::SeqCst), "standby placed");
         drop(placed);
