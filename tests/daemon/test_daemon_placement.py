@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,22 +28,30 @@ from .test_daemon_migrate import device_gauge, gpu_splitbuf
 from .test_daemon_split import expected_sha, twin
 
 HOLD_MS = 1500
+# The fake GPUs' UUIDs (tests/fakes), and the GPU pairs of a restore onto GPU 1 as the
+# fake driver logs them.
+G0, G1, G2 = (f"GPU-fa4e0000-0000-0000-0000-00000000000{i}" for i in range(3))
+SWAP = f"pairs=3 {G0}>{G1} {G1}>{G0} {G2}>{G2}"
 
 
-def two_at_once(d: Torpord, name: str) -> list[Answer]:
-    """Two requests sent together to `name` (nothing live): each starts an instance (one may be
-    answered by the other's, which frees up first: late binding; both instances join)."""
+def two_at_once(
+    d: Torpord, name: str, request: Any = None, stagger_s: float = 0.05, timeout: float = 120
+) -> list[Answer]:
+    """Two requests sent `stagger_s` apart to `name` (`request`: a compute by default); with
+    nothing live each starts an instance (one may be answered by the other's, which frees up
+    first: late binding; both instances join), unless the request holds its instance busy."""
     out: dict[int, Answer] = {}
+    body = {"op": "compute", "x": 9} if request is None else request
 
     def run(i: int) -> None:
-        out[i] = d.invoke(name, {"op": "compute", "x": 9}, timeout=120)
+        out[i] = d.invoke(name, body, timeout=timeout)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-        time.sleep(0.05)
+        time.sleep(stagger_s)
     for t in threads:
-        t.join(120)
+        t.join(timeout)
     return [out[0], out[1]]
 
 
@@ -118,14 +127,17 @@ def test_a_bad_placement_setting_is_one_line_naming_the_key(torpor_bin: Path, tm
         assert r.stderr.strip().count("\n") == 0, r.stderr
 
 
-def fake_gpu_daemon(torpor_bin: Path, fake_cuda: FakeCuda, tmp_path: Path, **fake: str) -> tuple[Torpord, Path]:
-    """A daemon on fake GPUs (`fake`: FAKE_CUDA_* settings; every driver call logged)."""
+def fake_gpu_daemon(
+    torpor_bin: Path, fake_cuda: FakeCuda, tmp_path: Path, delay: str = f"restored:{HOLD_MS}", **fake: str
+) -> tuple[Torpord, Path]:
+    """A daemon on fake GPUs (`fake`: FAKE_CUDA_* settings; every driver call logged), held at
+    `delay` (TORPORD_DELAY)."""
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
     root = tmp_path / "daemon"
     root.mkdir()
     log = root / "cuda-calls.log"
-    env = fake_gpu_env(root, fake_cuda, FAKE_CUDA_LOG=str(log), TORPORD_DELAY=f"restored:{HOLD_MS}", **fake)
+    env = fake_gpu_env(root, fake_cuda, FAKE_CUDA_LOG=str(log), TORPORD_DELAY=delay, **fake)
     return Torpord(torpor_bin, root, env=env, queue_timeout_s=60), log
 
 
@@ -151,10 +163,9 @@ def test_a_gpu_function_placed_on_another_gpu_is_restored_with_the_pairs_that_mo
     try:
         restores = two_gpu_starts(d, log, tmp_path, "gpuspread")
         assert len(restores) == 2, restores
-        g0, g1, g2 = (f"GPU-fa4e0000-0000-0000-0000-00000000000{i}" for i in range(3))
         # One stays on the deploy's GPU (no pairs); the other's pairs swap GPUs 0 and 1.
         assert sum("pairs=0" in r for r in restores) == 1, restores
-        assert sum(f"pairs=3 {g0}>{g1} {g1}>{g0} {g2}>{g2}" in r for r in restores) == 1, restores
+        assert sum(SWAP in r for r in restores) == 1, restores
         assert all(r.endswith("result=0") for r in restores), restores
         device_gauge(d, "torpor_device_instances", 0, 1)
         device_gauge(d, "torpor_device_instances", 1, 1)
@@ -233,6 +244,19 @@ def test_a_hibernated_instance_wakes_on_its_gpu_and_counts_there_after_a_restart
         d.stop()
 
 
+def standby_function(tmp_path: Path, name: str, kind: str) -> Path:
+    """A `gpus = 1` SlowCounter with two instances, both standbys of `kind`."""
+    fdir = tmp_path / name
+    fdir.mkdir()
+    (fdir / "handler.py").write_text(SLOW_COUNTER)
+    (fdir / "torpor.toml").write_text(
+        f'name = "{name}"\nentry = "handler:SlowCounter"\ngpus = 1\ngpu_memory = "64MiB"\ntimeout_s = 30\n'
+        f'\n[scaling]\nmax_instances = 2\nstandby = 2\nstandby_gpu = "{kind}"\n'
+        "\n[keepalive]\ngpu_release_s = 600\nhibernate_s = 600\nevict_s = 600\n"
+    )
+    return fdir
+
+
 @pytest.mark.parametrize("kind", ["live", "released"])
 def test_standbys_spread_over_the_gpus_and_serve_where_they_were_placed(
     kind: str, torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
@@ -244,19 +268,9 @@ def test_standbys_spread_over_the_gpus_and_serve_where_they_were_placed(
     while it waits). Before, every standby (and so every instance a burst took from them) sat
     on GPU 0."""
     d, log = fake_gpu_daemon(torpor_bin, fake_cuda, tmp_path, FAKE_CUDA_DEVICES="3", FAKE_CUDA_SAME_MODEL="1")
-    g0, g1, g2 = (f"GPU-fa4e0000-0000-0000-0000-00000000000{i}" for i in range(3))
-    swap = f"pairs=3 {g0}>{g1} {g1}>{g0} {g2}>{g2}"
     try:
-        fdir = tmp_path / "sbspread"
-        fdir.mkdir()
-        (fdir / "handler.py").write_text(SLOW_COUNTER)
-        (fdir / "torpor.toml").write_text(
-            'name = "sbspread"\nentry = "handler:SlowCounter"\ngpus = 1\ngpu_memory = "64MiB"\ntimeout_s = 30\n'
-            f'\n[scaling]\nmax_instances = 2\nstandby = 2\nstandby_gpu = "{kind}"\n'
-            "\n[keepalive]\ngpu_release_s = 600\nhibernate_s = 600\nevict_s = 600\n"
-        )
         before = log.read_text() if log.exists() else ""
-        d.deploy(fdir)
+        d.deploy(standby_function(tmp_path, "sbspread", kind))
         deadline = time.monotonic() + 60
         while len([i for i in d.instances("sbspread") if i.get("pid")]) != 2:
             assert time.monotonic() < deadline, (d.instances("sbspread"), d.log_text())
@@ -269,12 +283,12 @@ def test_standbys_spread_over_the_gpus_and_serve_where_they_were_placed(
         assert placement["gpu"] == 1, placement
         assert {i["id"]: i["device"] for i in d.instances("sbspread")}[placed.stem] == 1, d.instances("sbspread")
         if kind == "live":
-            assert sum(swap in r for r in restores) == 1 and all(r.endswith("result=0") for r in restores), restores
+            assert sum(SWAP in r for r in restores) == 1 and all(r.endswith("result=0") for r in restores), restores
             assert "owed_gpu_pairs" not in placement, placement
         else:
             # No driver restore of a standby before a request (the deploy's own ones are in).
-            assert not any(swap in r for r in restores), restores
-            assert placement["owed_gpu_pairs"] == [[g0, g1], [g1, g0], [g2, g2]], placement
+            assert not any(SWAP in r for r in restores), restores
+            assert placement["owed_gpu_pairs"] == [[G0, G1], [G1, G0], [G2, G2]], placement
             d.proc.send_signal(signal.SIGKILL)
             d.proc.wait()
             d.restart()
@@ -284,27 +298,18 @@ def test_standbys_spread_over_the_gpus_and_serve_where_they_were_placed(
                 time.sleep(0.1)
             device_gauge(d, "torpor_device_instances", 1, 1)
 
-        out: dict[int, Answer] = {}
-
-        def run(i: int) -> None:
-            # Each held a while, so that the second cannot be answered by the first's instance.
-            out[i] = d.invoke("sbspread", {"sleep_s": 1}, timeout=60)
-
         before = log.read_text()
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        # Each held a while, so that the second cannot be answered by the first's instance.
+        out = two_at_once(d, "sbspread", {"sleep_s": 1}, stagger_s=0, timeout=60)
         # Re-adopted after the restart, a released standby is resumed as any released instance.
         starts = ["standby"] if kind == "live" else ["standby", "warm"]
-        assert all(a.status == 200 and a.start in starts for a in out.values()), [(a.start, a.body) for a in out.values()]
-        assert all(a.json()["calls"] == 1 for a in out.values()), [a.body for a in out.values()]
+        assert all(a.status == 200 and a.start in starts for a in out), [(a.start, a.body) for a in out]
+        assert all(a.json()["calls"] == 1 for a in out), [a.body for a in out]
         device_gauge(d, "torpor_device_instances", 0, 1)
         device_gauge(d, "torpor_device_instances", 1, 1)
         if kind == "released":
             resumes = [line for line in log.read_text()[len(before):].splitlines() if line.startswith("restore ")]
-            assert sorted(swap in r for r in resumes) == [False, True], resumes
+            assert sorted(SWAP in r for r in resumes) == [False, True], resumes
             assert all(r.endswith("result=0") for r in resumes), resumes
             # Paid: a daemon restarted now must not pass them again.
             assert "owed_gpu_pairs" not in json.loads(placed.read_text()), placed.read_text()
@@ -339,27 +344,11 @@ def test_a_live_standby_is_listed_gpu_released_on_its_gpu_until_its_driver_resto
     in no pool yet, GPU 0; a daemon killed then re-adopted it as a live instance on GPU 0 whose
     CUDA state was in fact still checkpointed. Now the restarted daemon takes it as released,
     and the first request's resume pays the pairs, once."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    root = tmp_path / "daemon"
-    root.mkdir()
-    log = root / "cuda-calls.log"
-    env = fake_gpu_env(
-        root, fake_cuda, FAKE_CUDA_LOG=str(log), TORPORD_DELAY="standby-driver:60000", FAKE_CUDA_DEVICES="3", FAKE_CUDA_SAME_MODEL="1"
+    d, log = fake_gpu_daemon(
+        torpor_bin, fake_cuda, tmp_path, delay="standby-driver:60000", FAKE_CUDA_DEVICES="3", FAKE_CUDA_SAME_MODEL="1"
     )
-    d = Torpord(torpor_bin, root, env=env, queue_timeout_s=60)
-    g0, g1, g2 = (f"GPU-fa4e0000-0000-0000-0000-00000000000{i}" for i in range(3))
-    swap = f"pairs=3 {g0}>{g1} {g1}>{g0} {g2}>{g2}"
     try:
-        fdir = tmp_path / "sbheld"
-        fdir.mkdir()
-        (fdir / "handler.py").write_text(SLOW_COUNTER)
-        (fdir / "torpor.toml").write_text(
-            'name = "sbheld"\nentry = "handler:SlowCounter"\ngpus = 1\ngpu_memory = "64MiB"\ntimeout_s = 30\n'
-            '\n[scaling]\nmax_instances = 2\nstandby = 2\nstandby_gpu = "live"\n'
-            "\n[keepalive]\ngpu_release_s = 600\nhibernate_s = 600\nevict_s = 600\n"
-        )
-        d.deploy(fdir)
+        d.deploy(standby_function(tmp_path, "sbheld", "live"))
         deadline = time.monotonic() + 60
         while d.log.read_text(errors="replace").count("TORPORD_DELAY delays this point") < 2:
             assert time.monotonic() < deadline, d.log_text()
@@ -367,9 +356,9 @@ def test_a_live_standby_is_listed_gpu_released_on_its_gpu_until_its_driver_resto
         rows = d.instances("sbheld")
         assert sorted((r["stage"], r["device"]) for r in rows) == [("gpu_released", 0), ("gpu_released", 1)], rows
         (placed,) = list((d.state / "placement").glob("*.json"))
-        assert json.loads(placed.read_text())["owed_gpu_pairs"] == [[g0, g1], [g1, g0], [g2, g2]], placed.read_text()
+        assert json.loads(placed.read_text())["owed_gpu_pairs"] == [[G0, G1], [G1, G0], [G2, G2]], placed.read_text()
         before = log.read_text()
-        assert not any(swap in line for line in before.splitlines() if line.startswith("restore ")), before
+        assert not any(SWAP in line for line in before.splitlines() if line.startswith("restore ")), before
 
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait()
@@ -380,19 +369,10 @@ def test_a_live_standby_is_listed_gpu_released_on_its_gpu_until_its_driver_resto
             time.sleep(0.1)
         device_gauge(d, "torpor_device_instances", 1, 1)
 
-        out: dict[int, Answer] = {}
-
-        def run(i: int) -> None:
-            out[i] = d.invoke("sbheld", {"sleep_s": 1}, timeout=60)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert all(a.status == 200 and a.json()["calls"] == 1 for a in out.values()), [(a.status, a.body) for a in out.values()]
+        out = two_at_once(d, "sbheld", {"sleep_s": 1}, stagger_s=0, timeout=60)
+        assert all(a.status == 200 and a.json()["calls"] == 1 for a in out), [(a.status, a.body) for a in out]
         resumes = [line for line in log.read_text()[len(before):].splitlines() if line.startswith("restore ")]
-        assert sorted(swap in r for r in resumes) == [False, True], resumes
+        assert sorted(SWAP in r for r in resumes) == [False, True], resumes
         assert all(r.endswith("result=0") for r in resumes), resumes
         assert "owed_gpu_pairs" not in json.loads(placed.read_text()), placed.read_text()
         device_gauge(d, "torpor_device_instances", 0, 1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 
 from .conftest import Answer, Torpord
 from .test_daemon_migrate_gpu import daemon, two_gpus, uuid_of_pid
+from .test_daemon_placement import two_at_once
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
 
@@ -66,21 +66,10 @@ def function(tmp_path: Path, name: str, scaling: str, keepalive: str) -> Path:
     return fdir
 
 
-def two_at_once(d: Torpord, name: str, sleep_s: float) -> list[Answer]:
-    """Two requests, 0.3 s apart, each held `sleep_s` in the handler, so that the second finds
-    the first's instance busy."""
-    out: dict[int, Answer] = {}
-
-    def run(i: int) -> None:
-        out[i] = d.invoke(name, {"sleep_s": sleep_s}, timeout=240)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-        time.sleep(0.3)
-    for t in threads:
-        t.join(240)
-    return [out[0], out[1]]
+def held_pair(d: Torpord, name: str) -> list[Answer]:
+    """Two requests 0.3 s apart, each held 3 s in the handler, so that the second finds the
+    first's instance busy."""
+    return two_at_once(d, name, {"sleep_s": 3.0}, stagger_s=0.3, timeout=240)
 
 
 def on_their_gpus(d: Torpord, name: str, gpus: list[tuple[str, str]]) -> dict[str, int]:
@@ -129,7 +118,7 @@ def test_two_standbys_stand_by_on_both_gpus_and_serve_there(
         else:
             assert [uuid_of_pid(r["pid"]) for r in rows] == [None, None], "a released standby holds GPU memory"
             before = {r["id"]: r["device"] for r in rows}
-        answers = two_at_once(d, "sb2", 3.0)
+        answers = held_pair(d, "sb2")
         for a in answers:
             assert a.status == 200 and a.start == "standby", (a.status, a.body, a.headers, d.log_text())
             print(kind, "standby answered:", a.timings)
@@ -151,14 +140,14 @@ def test_a_transparent_instance_on_gpu_1_hibernates_and_wakes_there(
     d = Torpord(torpor_bin, tmp_path / "daemon", config="split_gpu = false\n", queue_timeout_s=60)
     try:
         d.deploy(function(tmp_path, "tr2", "", "gpu_release_s = 1\nhibernate_s = 4\nevict_s = 600\n"))
-        first = two_at_once(d, "tr2", 3.0)
+        first = held_pair(d, "tr2")
         for a in first:
             assert a.status == 200 and a.start == "restored" and a.json()["calls"] == 1, (a.status, a.body, d.log_text())
         assert first[0].json()["digest"] == first[1].json()["digest"]
         placed = on_their_gpus(d, "tr2", two_gpus)
 
         wait_for(d, "tr2", "two hibernated instances", lambda rs: [r["stage"] for r in rs] == ["hibernated"] * 2)
-        woken = two_at_once(d, "tr2", 3.0)
+        woken = held_pair(d, "tr2")
         for a in woken:
             assert a.status == 200 and a.start == "restored", (a.status, a.body, d.log_text())
             # Its own state: the hibernated instance woke, no new one started.
