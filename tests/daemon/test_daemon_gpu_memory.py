@@ -156,6 +156,51 @@ def test_a_request_that_never_gets_gpu_memory_is_answered_503_in_one_line(daemon
     assert daemon.invoke("gpumem", {}).status == 200
 
 
+def test_a_request_that_finds_every_gpu_full_is_answered_503_naming_each_gpu(
+    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """On a node of two GPUs of one model, each full: the request's restore placed on one finds
+    no room, that GPU is passed over and the retry goes to the other; the 503 names both, with
+    the latest figures of each (runtime::start::GpuShortfalls)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    others = tmp_path / "procs"
+    others.write_text("")
+    env = fake_gpu_env(
+        tmp_path,
+        fake_cuda,
+        FAKE_CUDA_DEVICES="2",
+        FAKE_CUDA_SAME_MODEL="1",
+        # Room for the deploy beside the workers of this module's other daemons (each counts
+        # 64 MiB on GPU 0).
+        FAKE_CUDA_TOTAL_MEM=str(1024 * MIB),
+        FAKE_NVML_PROCS_MATCH=f"torpor.worker:{64 * MIB}",
+        FAKE_NVML_PROCS_FILE=str(others),
+    )
+    d = Torpord(torpor_bin, tmp_path, config="split = false\n", env=env, queue_timeout_s=4)
+    try:
+        fdir = tmp_path / "gpumem"
+        fdir.mkdir()
+        (fdir / "handler.py").write_text(HANDLER)
+        (fdir / "torpor.toml").write_text(SPEC)
+        d.deploy(fdir)
+        others.write_text(f"1:{1000 * MIB}@0,1:{990 * MIB}@1")
+        r = d.invoke("gpumem", {})
+        assert r.status == 503, (r.status, r.body, d.log_text())
+        msg = r.body.decode()
+        assert re.search(r"GPU 0 has \d+ MiB free but the snapshot needs 64 MiB", msg), msg
+        assert "GPU 1 has 34 MiB free but the snapshot needs 64 MiB" in msg, msg
+        assert msg.count("GPU 0 has") == 1, msg
+        assert "free GPU memory on this node" in msg and "\n" not in msg.strip(), msg
+        assert d.instances("gpumem") == []
+        # The memory back: served on either.
+        others.write_text("")
+        r = d.invoke("gpumem", {})
+        assert r.status == 200 and r.start == "restored", (r.status, r.body, d.log_text())
+    finally:
+        d.stop()
+
+
 ALLOC_HANDLER = '''
 import ctypes
 

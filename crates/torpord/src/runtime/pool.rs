@@ -559,6 +559,8 @@ impl Runtime {
         // After a start found too little free GPU memory: no new start before this instant;
         // the request waits for an instance to free up, or for the memory, meanwhile.
         let mut gpu_retry_at: Option<(tokio::time::Instant, InvokeError)> = None;
+        // What its starts found short of GPU memory, for that answer.
+        let mut gpu_short = crate::runtime::start::GpuShortfalls::default();
         loop {
             let notified = pool.changed.notified();
             tokio::pin!(notified);
@@ -688,7 +690,8 @@ impl Runtime {
                         () = &mut notified => {}
                     }
                 };
-                let (inst, mut timings, kind) = match Self::start_outcome(pool, got) {
+                let (inst, mut timings, kind) = match Self::start_outcome(pool, got, &mut gpu_short)
+                {
                     Ok(started) => started,
                     Err(e @ InvokeError::NoGpuMemory { .. }) => {
                         // Waits, within its queue timeout: an instance of the function

@@ -122,6 +122,19 @@ pub enum StartError {
 }
 
 impl StartError {
+    /// The GPU [`Self::gpu_memory_short`] found too full, when the error names it.
+    pub(crate) fn gpu_memory_short_on(&self) -> Option<u32> {
+        use torpor_snapshot::restore::RestoreError;
+        match self {
+            StartError::Restore { source, .. } | StartError::Standby { source, .. } => match source
+            {
+                RestoreTreeError::Restore(RestoreError::NoRoom { ordinal, .. }) => Some(*ordinal),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
     /// Why a restore found too little free GPU memory for the snapshot, when that is why this
     /// start failed: the restore's own check, before any process was restored, or the driver's
     /// restore answering `CUDA_ERROR_OUT_OF_MEMORY` (another process took the memory after the
@@ -147,6 +160,51 @@ impl StartError {
                 _ => None,
             },
             _ => None,
+        }
+    }
+}
+
+/// What one request's starts found short of GPU memory, the latest figures per GPU: its 503
+/// names every GPU it tried, as on a node of several each retry may be placed on another.
+#[derive(Debug, Default)]
+pub(crate) struct GpuShortfalls {
+    /// (the GPU, when the error names it; why), in the order first found.
+    found: Vec<(Option<u32>, String)>,
+}
+
+impl GpuShortfalls {
+    /// Adds `e` when a start failed for too little GPU memory (whether it did).
+    pub(crate) fn add(&mut self, e: &StartError) -> bool {
+        let Some(why) = e.gpu_memory_short() else {
+            return false;
+        };
+        let gpu = e.gpu_memory_short_on();
+        match self
+            .found
+            .iter_mut()
+            .find(|(g, w)| if gpu.is_some() { *g == gpu } else { *w == why })
+        {
+            Some(seen) => seen.1 = why,
+            None => self.found.push((gpu, why)),
+        }
+        true
+    }
+
+    /// The request's answer: 503, every shortfall found in one line.
+    pub(crate) fn error(&self, function: &str) -> InvokeError {
+        let why = self
+            .found
+            .iter()
+            .map(|(_, w)| w.as_str())
+            .collect::<Vec<_>>()
+            .join("; ");
+        InvokeError::NoGpuMemory {
+            message: format!(
+                "cannot start an instance of {function:?}: {why}; the request was not run: \
+                 retry later, or free GPU memory on this node (its other processes, \
+                 or other functions' idle instances: a shorter keepalive.gpu_release_s)"
+            ),
+            retry_after_s: 1,
         }
     }
 }
@@ -283,24 +341,21 @@ impl Runtime {
         pool.changed.notify_waiters();
     }
 
-    /// The outcome of [`Self::start_in_task`] as the request's answer.
+    /// The outcome of [`Self::start_in_task`] as the request's answer (`short`: what the
+    /// request's starts found short of GPU memory so far, this one's added).
     /// `None`: the task ended without an answer.
     pub(crate) fn start_outcome(
         pool: &Pool,
         got: Option<Result<Started, StartError>>,
+        short: &mut GpuShortfalls,
     ) -> Result<Started, InvokeError> {
         got.ok_or_else(|| InvokeError::Internal("the instance start task failed".to_string()))?
-            .map_err(|e| match e.gpu_memory_short() {
-                Some(why) => InvokeError::NoGpuMemory {
-                    message: format!(
-                        "cannot start an instance of {:?}: {why}; the request was not run: \
-                         retry later, or free GPU memory on this node (its other processes, \
-                         or other functions' idle instances: a shorter keepalive.gpu_release_s)",
-                        pool.name
-                    ),
-                    retry_after_s: 1,
-                },
-                None => InvokeError::Internal(e.to_string()),
+            .map_err(|e| {
+                if short.add(&e) {
+                    short.error(&pool.name)
+                } else {
+                    InvokeError::Internal(e.to_string())
+                }
             })
     }
 
@@ -485,6 +540,47 @@ mod tests {
             }),
         };
         assert!(check.gpu_memory_short().is_some());
+    }
+
+    #[test]
+    fn a_request_short_of_gpu_memory_names_every_gpu_it_tried_with_the_latest_figures() {
+        use torpor_snapshot::restore::RestoreError;
+        let full = |ordinal, free| StartError::Restore {
+            function: "f".into(),
+            source: RestoreTreeError::Restore(RestoreError::NoRoom {
+                ordinal,
+                free,
+                need: 64,
+            }),
+        };
+        let mut short = GpuShortfalls::default();
+        assert!(short.add(&full(0, 20)));
+        assert!(short.add(&full(1, 10)));
+        assert!(short.add(&full(0, 30)));
+        let other = StartError::Deleted {
+            function: "f".into(),
+        };
+        assert!(!short.add(&other), "not a lack of memory");
+        let InvokeError::NoGpuMemory {
+            message,
+            retry_after_s,
+        } = short.error("f")
+        else {
+            panic!("a 503 for GPU memory");
+        };
+        assert_eq!(retry_after_s, 1);
+        assert!(
+            message.contains(
+                "GPU 0 has 30 MiB free but the snapshot needs 64 MiB; \
+                 GPU 1 has 10 MiB free but the snapshot needs 64 MiB; the request was not run"
+            ),
+            "{message}"
+        );
+        assert!(
+            !message.contains("20 MiB"),
+            "GPU 0's earlier figures: {message}"
+        );
+        assert!(!message.contains('\n'), "{message}");
     }
 
     #[test]
