@@ -264,19 +264,11 @@ def _load_gpu(name: str) -> Any:
             f"the memory is at {mapped.va:#x} ({mapped.size} bytes)"
         )
 
-    va, size = mapped.va, mapped.size
+    # On the worker's GPU 0, where torpord mapped it, through DLPack (torpor.dlpack: in a
+    # process restored onto another GPU the driver places the pointer on the wrong one).
+    from torpor import dlpack
 
-    class _CudaArray:
-        # torch refuses the read-only flag of the interface; the mapping itself is read-only.
-        __cuda_array_interface__ = {
-            "shape": (size,),
-            "typestr": "|u1",
-            "data": (va, False),
-            "version": 3,
-            "strides": None,
-        }
-
-    tensor = torch.as_tensor(_CudaArray(), device="cuda")
+    tensor = dlpack.torch_tensor(mapped.va, (mapped.size,), "uint8", 0, mapped)
     b.tensors[name] = tensor
     return tensor
 

@@ -7,7 +7,7 @@ value's GPU (`store_put` with `gpu`), maps the fd it gets writable, copies the v
 one device-to-device copy after synchronising the context (so the kernels that produced it,
 on any stream, are done), synchronises, unmaps it and tells torpord (`store_written`), which
 seals it read-only. `get` of one maps the fd torpord sends read-only on the worker's GPU 0 and
-returns a torch tensor over it (`__cuda_array_interface__`, as torpor.data does), or, without
+returns a torch tensor over it (through DLPack: torpor.dlpack, as torpor.data does), or, without
 torch, a `CudaArray` that exposes the interface itself. No copy is made in the worker; the
 mapping goes when the returned object is collected (the tensor holds the `CudaArray`).
 
@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torpor import cuda_driver
+from torpor import cuda_driver, dlpack
 
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
@@ -489,6 +489,15 @@ class CudaArray:
             "strides": None,
         }
 
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (dlpack.KDL_CUDA, 0)
+
+    def __dlpack__(self, **consumer: Any) -> Any:
+        """The value for a DLPack consumer (`cupy.from_dlpack`), on the worker's GPU 0: prefer it
+        to `__cuda_array_interface__` in a process restored onto another GPU (torpor.dlpack)."""
+        shape = tuple(int(n) for n in self.meta.get("shape", [self.nbytes]))
+        return dlpack.Tensor(self.va, shape, dtype_name(self.meta), 0, self).__dlpack__(**consumer)
+
     def close(self) -> None:
         """Unmaps it now, or gives a kept mapping back (an object still using it then faults,
         or reads what the block's next put writes)."""
@@ -508,36 +517,29 @@ def _end_get(kept: _Kept) -> None:
         _give(kept, got=True)
 
 
-class _Bytes:
-    """`array`'s memory for torch, which refuses the read-only flag of the interface (the
-    mapping itself is read-only): as the value's own type and shape where the interface can
-    name its type (no view or reshape after), else as bytes. Holding `array` keeps the
-    mapping while the tensor lives."""
+def dtype_name(meta: dict[str, Any]) -> str:
+    """The value's dtype name: torch's, as put, else NumPy's name of its typestr."""
+    dtype = meta.get("dtype")
+    if isinstance(dtype, str):
+        return dtype
+    import numpy as np
 
-    def __init__(self, array: CudaArray, typestr: str, shape: tuple[int, ...]) -> None:
-        self.array = array
-        self.__cuda_array_interface__ = {
-            "shape": shape, "typestr": typestr, "data": (array.va, False), "version": 3, "strides": None,
-        }
+    return str(np.dtype(str(meta.get("typestr", "|u1"))))
 
 
 def tensor(array: CudaArray) -> Any:
-    """A torch tensor of the value's dtype and shape over `array`'s mapping (no copy)."""
+    """A torch tensor of the value's dtype and shape over `array`'s mapping (no copy), on the
+    worker's GPU 0, where the mapping was made: through DLPack, which names the device, not
+    `__cuda_array_interface__`, whose pointer the driver places wrongly in a process restored
+    onto another GPU (torpor.dlpack). The tensor and its views hold `array`, so the mapping."""
     torch: Any = importlib.import_module("torch")
     shape = tuple(int(n) for n in array.meta.get("shape", [array.nbytes]))
-    typestr = str(array.meta.get("typestr", "|u1"))
-    dtype = array.meta.get("dtype")
-    if not typestr.startswith("|V") and (dtype is None or _TYPESTRS.get(str(dtype)) == typestr):
-        return torch.as_tensor(_Bytes(array, typestr, shape), device="cuda")
-    # A type the interface cannot name (bfloat16: "|V2"): bytes, viewed as the dtype.
-    raw = torch.as_tensor(_Bytes(array, "|u1", (array.nbytes,)), device="cuda")
-    if isinstance(dtype, str) and hasattr(torch, dtype):
-        raw = raw.view(getattr(torch, dtype))
-    else:
-        import numpy as np
-
-        raw = raw.view(getattr(torch, str(np.dtype(typestr))))
-    return raw.reshape(shape)
+    name = dtype_name(array.meta)
+    if name in dlpack.DTYPES:
+        return dlpack.torch_tensor(array.va, shape, name, 0, array)
+    # A type DLPack cannot name (torch's float8s): bytes, viewed as the dtype.
+    raw = dlpack.torch_tensor(array.va, (array.nbytes,), "uint8", 0, array)
+    return raw.view(getattr(torch, name)).reshape(shape)
 
 
 def mapped(fd: int, padded: int, nbytes: int, meta: dict[str, Any], source: str, block: int | None = None) -> Any:

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from .conftest import Torpord
+from .test_daemon_placement import two_at_once
+from .test_daemon_store_gpu import torch_gpus
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
 
@@ -92,3 +94,48 @@ def test_two_functions_of_a_sandbox_each_get_their_own_gpu_weights(cuda: None, t
         assert v["sum"] == float(sum(i % mod for i in range(n))), (name, v)
     (inst,) = torpord.instances("sbgd-b") or torpord.instances("sbgd-a")
     assert inst["function"] == "sbgd-b", inst
+
+
+LATE = '''
+import time
+
+import torch
+import torpor
+
+
+@torpor.function
+class F:
+    def __call__(self, request):
+        time.sleep(float(request.get("sleep", 0)))
+        # The view made now, in the instance as restored (on whichever GPU it was placed).
+        w = torpor.load("w", device="cuda").view(torch.float32)
+        return {"sum": float(w.sum()), "n": int(w.numel()), "device": str(w.device)}
+'''
+
+
+def test_weights_first_loaded_in_a_request_work_on_every_gpu_of_the_node(
+    cuda: None, torpord: Torpord, tmp_path: Path
+) -> None:
+    """Two instances at once on a node of two GPUs, one restored onto GPU 1 (the driver's pairs
+    swap it under the process's cuda:0): each makes its tensor over the data in a request, and
+    it is on its cuda:0 where the memory is mapped, not on cuda:1 where the driver places the
+    pointer in such a process (torpor.dlpack)."""
+    if torch_gpus() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    n = 1 << 20
+    d = tmp_path / "gdlate"
+    d.mkdir()
+    (d / "model.py").write_text(LATE)
+    (d / "w.bin").write_bytes(struct.pack(f"<{n}f", *[float(i % 3) for i in range(n)]))
+    (d / "torpor.toml").write_text(
+        'name = "gdlate"\nentry = "model:F"\npreload = ["torch"]\ngpus = 1\ngpu_memory = "1GiB"\n'
+        'load_timeout_s = 300\n[scaling]\nmax_instances = 2\n'
+        '[[data]]\nname = "w"\npath = "w.bin"\ndevice = "cuda"\n'
+    )
+    torpord.deploy(d)
+    answers = two_at_once(torpord, "gdlate", {"sleep": 2}, stagger_s=0.3, timeout=300)
+    want = float(sum(i % 3 for i in range(n)))
+    for a in answers:
+        assert a.status == 200, (a.status, a.body, torpord.log_text()[-4000:])
+        assert a.json() == {"sum": want, "n": n, "device": "cuda:0"}, a.body
+    assert sorted(int(i["device"]) for i in torpord.instances("gdlate")) == [0, 1], torpord.instances("gdlate")

@@ -84,6 +84,11 @@ def test_a_tensor_arrives_bit_identical_and_read_only_in_another_sandbox(deploye
     assert g["process"] != p["process"], "another sandbox: another process"
     assert g["type"] == "Tensor" and g["dtype"] == f"torch.{dtype}" and g["shape"] == [n], g
     assert g["device"] == "cuda:0", g
+    if torch_gpus() >= 2:
+        # Placement spreads the two sandboxes over GPUs 0 and 1: the getter runs restored onto
+        # GPU 1 (its cuda:0), where the value came GPU to GPU, and its tensor is on its cuda:0,
+        # where the mapping is (torpor.dlpack: __cuda_array_interface__ put it on cuda:1 there).
+        assert sorted(devices(deployed, "sgr-put") + devices(deployed, "sgr-get")) == [0, 1]
     assert g["digest"] == p["digest"], "the bytes changed on the way"
     # A write through the read-only mapping fails cleanly: an error code, nothing written, and
     # the context goes on working.
@@ -92,6 +97,11 @@ def test_a_tensor_arrives_bit_identical_and_read_only_in_another_sandbox(deploye
     assert g["sum"] == g["sum"], "a kernel read the mapping"
     gone = deployed.invoke("sgr-get", {"op": "get_torch", "key": key})
     assert gone.status == 500 and gone.json()["error"]["type"] == "KeyError", gone.body
+
+
+def devices(d: Torpord, name: str) -> list[int]:
+    """The GPUs (the node's ordinals) of `name`'s instances, as the daemon lists them."""
+    return [int(i["device"]) for i in d.instances(name)]
 
 
 def spare_bytes(d: Torpord) -> float:
@@ -118,11 +128,16 @@ def test_the_next_put_of_a_size_fills_the_memory_made_ahead_for_it(deployed: Tor
 def test_a_tensor_on_another_gpu_is_copied_gpu_to_gpu(deployed: Torpord) -> None:
     if torch_gpus() < 2:
         pytest.skip("needs two GPUs")
+    # The putter's cuda:1 is the node's other GPU than its own; the value goes GPU to GPU when
+    # the getter is on another GPU than that one, and is handed over as it is when on the same.
+    (put_on,) = devices(deployed, "sgr-put")
+    (get_on,) = devices(deployed, "sgr-get")
     before = pcie_bytes(deployed, "cuda0")
     p = ok(deployed.invoke("sgr-put", {"op": "put_torch", "key": "real/peer", "n": 4_000_000, "seed": 9, "device": 1}), deployed)
     assert p["device"] == "cuda:1"
     g = ok(deployed.invoke("sgr-get", {"op": "get_torch", "key": "real/peer"}), deployed)
     assert g["device"] == "cuda:0" and g["digest"] == p["digest"], (p, g)
+    print(f"put from GPU {put_on} onto its cuda:1, got on GPU {get_on}")
     r = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.cuda.can_device_access_peer(0, 1))"],
         capture_output=True, text=True, timeout=120, check=False,
