@@ -105,6 +105,9 @@ import torpor
 
 @torpor.function
 class F:
+    def setup(self) -> None:
+        pass
+
     def __call__(self, request):
         time.sleep(float(request.get("sleep", 0)))
         # The view made now, in the instance as restored (on whichever GPU it was placed).
