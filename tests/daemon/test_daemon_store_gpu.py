@@ -104,6 +104,23 @@ def devices(d: Torpord, name: str) -> list[int]:
     return [int(i["device"]) for i in d.instances(name)]
 
 
+def test_a_tensor_put_in_a_sandbox_placed_on_gpu_1_arrives_in_one_on_gpu_0(deployed: Torpord) -> None:
+    """The other way round: the putter runs restored onto GPU 1 (its cuda:0), so its copy into
+    torpord's memory runs there, and the getter on GPU 0 gets it GPU to GPU."""
+    if torch_gpus() < 2:
+        pytest.skip("needs two GPUs")
+    # Both sandboxes up, sgr-put's first (GPU 0), then sgr-get's (GPU 1).
+    ok(deployed.invoke("sgr-put", {"op": "put_torch", "key": "real/warm", "n": 1000, "seed": 1}), deployed)
+    ok(deployed.invoke("sgr-get", {"op": "get_torch", "key": "real/warm"}), deployed)
+    assert devices(deployed, "sgr-put") == [0] and devices(deployed, "sgr-get") == [1]
+    n = 3_000_001
+    p = ok(deployed.invoke("sgr-get", {"op": "put_torch", "key": "real/from1", "n": n, "seed": 11}), deployed)
+    assert p["device"] == "cuda:0", p
+    g = ok(deployed.invoke("sgr-put", {"op": "get_torch", "key": "real/from1"}), deployed)
+    assert g["device"] == "cuda:0" and g["shape"] == [n] and g["digest"] == p["digest"], (p, g)
+    assert g["memset_rc"] != 0 and g["digest_after"] == p["digest"], g
+
+
 def spare_bytes(d: Torpord) -> float:
     text = d.request("GET", "/metrics").body.decode()
     m = re.search(r'^torpor_store_gpu_spare_bytes{device="cuda0"} (\S+)$', text, re.MULTILINE)
