@@ -156,6 +156,30 @@ def test_a_request_that_never_gets_gpu_memory_is_answered_503_in_one_line(daemon
     assert daemon.invoke("gpumem", {}).status == 200
 
 
+def test_a_deploy_whose_base_finds_gpu_0_full_fails_in_one_line_naming_it(daemon: Torpord, others: Path) -> None:
+    """A second function on gpumem's base restores that base on GPU 0: with GPU 0 full the
+    deploy fails there in one line that names the GPU and the numbers and what to do, without
+    the CLI's `--gpu` (a deploy cannot choose its GPU), and leaves no process behind."""
+    fdir = daemon.root / "gpumem2"
+    fdir.mkdir(exist_ok=True)
+    (fdir / "handler.py").write_text(HANDLER)
+    (fdir / "torpor.toml").write_text(SPEC.replace('name = "gpumem"', 'name = "gpumem2"'))
+    before = workers_of(daemon)
+    others.write_text(f"1:{150 * MIB}")
+    try:
+        r = daemon.cli("deploy", fdir, timeout=120)
+    finally:
+        others.write_text("")
+    assert r.returncode != 0, (r.stdout, r.stderr)
+    line = r.stderr.strip().splitlines()[-1]
+    assert "restore_base" in line and re.search(r"GPU 0 has \d+ MiB free but the base snapshot needs 64 MiB", line), line
+    assert "deploy again" in line and "--gpu" not in line, line
+    deadline = time.monotonic() + 15
+    while workers_of(daemon) != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert workers_of(daemon) == before
+
+
 def test_a_request_that_finds_every_gpu_full_is_answered_503_naming_each_gpu(
     torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
 ) -> None:

@@ -774,7 +774,7 @@ async fn steps(
         &rt.state_root,
     )
     .await
-    .map_err(|e| fail("restore_base", e.to_string()))?;
+    .map_err(|e| fail("restore_base", restore_base_error(&e)))?;
     let mut guard = TreeGuard(Some(init));
     let mut conn = wake(&rt.hub, worker, RECONNECT_TIMEOUT)
         .await
@@ -1025,6 +1025,27 @@ async fn steps(
     Ok((id, base.id, reused))
 }
 
+/// A deploy's failed restore of its base, in one line. Too little memory on GPU 0 names that
+/// GPU and what to do, not the CLI's `--gpu` advice: a deploy always runs on the node's GPU 0
+/// (its snapshot records that GPU; cold starts are placed on every GPU from it).
+fn restore_base_error(e: &crate::runtime::process::RestoreTreeError) -> String {
+    use crate::runtime::process::RestoreTreeError;
+    use torpor_snapshot::restore::RestoreError;
+    match e {
+        RestoreTreeError::Restore(RestoreError::NoRoom {
+            ordinal,
+            free,
+            need,
+        }) => format!(
+            "GPU {ordinal} has {free} MiB free but the base snapshot needs {need} MiB: a deploy \
+             runs on the node's GPU 0 (its instances are placed on every GPU later); free \
+             memory on GPU {ordinal} (its other processes, or idle instances: a shorter \
+             keepalive.gpu_release_s) and deploy again"
+        ),
+        other => other.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1048,5 +1069,26 @@ mod tests {
         assert!(relative.to_string().contains("send an absolute path"));
         let missing = std::io::Error::from_raw_os_error(libc::ENOENT);
         assert!(!ValidateError::RunChecker(missing).is_users_mistake());
+    }
+
+    #[test]
+    fn a_base_that_finds_gpu_0_full_says_so_without_the_clis_advice() {
+        use crate::runtime::process::RestoreTreeError;
+        use torpor_snapshot::restore::RestoreError;
+        let why = restore_base_error(&RestoreTreeError::Restore(RestoreError::NoRoom {
+            ordinal: 0,
+            free: 10,
+            need: 64,
+        }));
+        assert!(
+            why.starts_with("GPU 0 has 10 MiB free but the base snapshot needs 64 MiB"),
+            "{why}"
+        );
+        assert!(
+            why.contains("deploy again") && !why.contains("--gpu"),
+            "{why}"
+        );
+        let other = RestoreTreeError::CudaProcesses { cuda: 2 };
+        assert_eq!(restore_base_error(&other), other.to_string());
     }
 }

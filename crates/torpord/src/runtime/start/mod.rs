@@ -168,7 +168,7 @@ impl StartError {
 /// names every GPU it tried, as on a node of several each retry may be placed on another.
 #[derive(Debug, Default)]
 pub(crate) struct GpuShortfalls {
-    /// (the GPU, when the error names it; why), in the order first found.
+    /// (the GPU, when the error names it; why), in the order first found; one entry per GPU.
     found: Vec<(Option<u32>, String)>,
 }
 
@@ -179,11 +179,9 @@ impl GpuShortfalls {
             return false;
         };
         let gpu = e.gpu_memory_short_on();
-        match self
-            .found
-            .iter_mut()
-            .find(|(g, w)| if gpu.is_some() { *g == gpu } else { *w == why })
-        {
+        // A driver's out-of-memory names no GPU: its latest one stands for all of them (each
+        // names another pid).
+        match self.found.iter_mut().find(|(g, _)| *g == gpu) {
             Some(seen) => seen.1 = why,
             None => self.found.push((gpu, why)),
         }
@@ -561,6 +559,23 @@ mod tests {
             function: "f".into(),
         };
         assert!(!short.add(&other), "not a lack of memory");
+        // The driver's out-of-memory names a pid, not a GPU: the latest one stands.
+        let driver = |pid| StartError::Restore {
+            function: "f".into(),
+            source: RestoreTreeError::Restore(RestoreError::Gpu {
+                source: torpor_snapshot::gpu_tasks::StepError {
+                    step: "restore",
+                    pid,
+                    source: torpor_cuda::CudaError::Call {
+                        function: "cuCheckpointProcessRestore",
+                        pid: Some(pid),
+                        code: 2,
+                        name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+                    },
+                },
+            }),
+        };
+        assert!(short.add(&driver(7)) && short.add(&driver(8)));
         let InvokeError::NoGpuMemory {
             message,
             retry_after_s,
@@ -572,13 +587,17 @@ mod tests {
         assert!(
             message.contains(
                 "GPU 0 has 30 MiB free but the snapshot needs 64 MiB; \
-                 GPU 1 has 10 MiB free but the snapshot needs 64 MiB; the request was not run"
+                 GPU 1 has 10 MiB free but the snapshot needs 64 MiB; restore of CUDA process 8"
             ),
             "{message}"
         );
         assert!(
             !message.contains("20 MiB"),
             "GPU 0's earlier figures: {message}"
+        );
+        assert!(
+            message.contains("pid 8") && !message.contains("pid 7"),
+            "{message}"
         );
         assert!(!message.contains('\n'), "{message}");
     }
