@@ -180,34 +180,64 @@ def test_a_deploy_whose_base_finds_gpu_0_full_fails_in_one_line_naming_it(daemon
     assert workers_of(daemon) == before
 
 
-def test_a_request_that_finds_every_gpu_full_is_answered_503_naming_each_gpu(
-    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
-) -> None:
-    """On a node of two GPUs of one model, each full: the request's restore placed on one finds
-    no room, that GPU is passed over and the retry goes to the other; the 503 names both, with
-    the latest figures of each (runtime::start::GpuShortfalls)."""
+def two_gpu_daemon(torpor_bin: Path, fake_cuda: FakeCuda, tmp_path: Path, others: Path) -> Torpord:
+    """A daemon on two fake GPUs of one model, 1 GiB each (room beside the workers of this
+    module's other daemons, which count 64 MiB each on GPU 0), `others` naming other processes'
+    use; gpumem deployed."""
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    others = tmp_path / "procs"
     others.write_text("")
     env = fake_gpu_env(
         tmp_path,
         fake_cuda,
         FAKE_CUDA_DEVICES="2",
         FAKE_CUDA_SAME_MODEL="1",
-        # Room for the deploy beside the workers of this module's other daemons (each counts
-        # 64 MiB on GPU 0).
         FAKE_CUDA_TOTAL_MEM=str(1024 * MIB),
         FAKE_NVML_PROCS_MATCH=f"torpor.worker:{64 * MIB}",
         FAKE_NVML_PROCS_FILE=str(others),
     )
     d = Torpord(torpor_bin, tmp_path, config="split = false\n", env=env, queue_timeout_s=4)
+    fdir = tmp_path / "gpumem"
+    fdir.mkdir()
+    (fdir / "handler.py").write_text(HANDLER)
+    (fdir / "torpor.toml").write_text(SPEC)
     try:
-        fdir = tmp_path / "gpumem"
-        fdir.mkdir()
-        (fdir / "handler.py").write_text(HANDLER)
-        (fdir / "torpor.toml").write_text(SPEC)
         d.deploy(fdir)
+    except BaseException:
+        d.stop()
+        raise
+    return d
+
+
+def test_a_restore_that_finds_its_gpu_full_starts_again_at_once_on_another(
+    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """GPU 0 full, GPU 1 free: the first restore is placed on GPU 0 (the lowest ordinal), finds
+    no room, and the request starts again at once on GPU 1 instead of waiting a second for a
+    GPU it has not tried."""
+    others = tmp_path / "procs"
+    d = two_gpu_daemon(torpor_bin, fake_cuda, tmp_path, others)
+    try:
+        others.write_text(f"1:{1000 * MIB}@0")
+        r = d.invoke("gpumem", {})
+        assert r.status == 200 and r.start == "restored", (r.status, r.body, d.log_text())
+        assert [int(i["device"]) for i in d.instances("gpumem")] == [1], d.instances("gpumem")
+        log = d.log_text()
+        assert "starting again at once on another GPU" in log, log
+        assert "the request waits for one to free up" not in log, log
+    finally:
+        d.stop()
+
+
+def test_a_request_that_finds_every_gpu_full_is_answered_503_naming_each_gpu(
+    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """On a node of two GPUs of one model, each full: the request's restore placed on one finds
+    no room, that GPU is passed over and the retry goes to the other; the 503 names both, with
+    the latest figures of each (runtime::start::GpuShortfalls)."""
+    others = tmp_path / "procs"
+    d = two_gpu_daemon(torpor_bin, fake_cuda, tmp_path, others)
+    try:
         others.write_text(f"1:{1000 * MIB}@0,1:{990 * MIB}@1")
         r = d.invoke("gpumem", {})
         assert r.status == 503, (r.status, r.body, d.log_text())

@@ -140,6 +140,15 @@ impl Placing {
         self.place_counted(Some(function), instance, function_live, devices, live)
     }
 
+    /// Whether one of `devices` was not found short of memory lately: a start placed now goes
+    /// there (short devices are passed over while another is not).
+    pub fn any_not_short(&self, devices: &[u32]) -> bool {
+        let mut st = lock(&self.state);
+        let now = Instant::now();
+        st.short_until.retain(|_, until| *until > now);
+        devices.iter().any(|d| !st.short_until.contains_key(d))
+    }
+
     /// The device of `instance` while its placed start is in flight.
     pub fn device_of(&self, instance: &str) -> Option<u32> {
         lock(&self.state).device_of.get(instance).copied()
@@ -248,6 +257,18 @@ impl Runtime {
         )
     }
 
+    /// Whether a GPU cold start that found too little free memory may be tried again at once:
+    /// placement spreads and another GPU of the deploy's model was not found short lately, so
+    /// the next start goes there (a request would otherwise wait [`super::pool::GPU_RETRY`]
+    /// for a GPU it never tried). Each try marks its GPU short: at most one try per GPU.
+    pub(crate) fn another_gpu_to_try(&self) -> bool {
+        if self.config.restore_server.placement == Placement::First {
+            return false;
+        }
+        let devices = self.gpus_like_the_first();
+        devices.len() >= 2 && self.placing.any_not_short(devices)
+    }
+
     /// The ordinals of the node's GPUs of the model of GPU 0 (the deploy's GPU: the driver
     /// restores a process only onto a GPU of its model), read from the driver once.
     fn gpus_like_the_first(&self) -> &[u32] {
@@ -340,6 +361,22 @@ mod tests {
             .place("f", "i2", 0, &[0, 1], &HashMap::new())
             .expect("a device");
         assert_eq!(next.ordinal, 0, "the starts' counts were not given back");
+    }
+
+    #[test]
+    fn a_start_may_try_again_at_once_while_a_device_is_not_short() {
+        let placing = Placing::default();
+        assert!(placing.any_not_short(&[0, 1]));
+        for ordinal in [0, 1] {
+            let p = placing
+                .place("f", &format!("s{ordinal}"), 0, &[0, 1], &HashMap::new())
+                .expect("a device");
+            assert_eq!(p.ordinal, ordinal, "the short one is passed over");
+            p.short_of_memory();
+        }
+        // Both tried: a request waits now, and is not placed in a loop.
+        assert!(!placing.any_not_short(&[0, 1]));
+        assert!(placing.any_not_short(&[0, 1, 2]));
     }
 
     #[test]

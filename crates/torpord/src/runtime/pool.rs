@@ -651,6 +651,8 @@ impl Runtime {
             }
             if let Next::Start(start) = next {
                 let (info, generation, sleeper) = *start;
+                // A placed GPU cold start (a wake goes back to its own GPU).
+                let placed_gpu = info.gpu && sleeper.is_none();
                 // Out of the queue while it starts one (back in if it must wait after all).
                 slot = None;
                 let queue_s = t0.elapsed().as_secs_f64();
@@ -694,10 +696,17 @@ impl Runtime {
                 {
                     Ok(started) => started,
                     Err(e @ InvokeError::NoGpuMemory { .. }) => {
+                        let now = tokio::time::Instant::now();
+                        if placed_gpu && self.another_gpu_to_try() {
+                            // Placed again at once, on a GPU not found short.
+                            tracing::info!(function = %pool.name, "too little free GPU memory on the GPU the start was placed on: starting again at once on another GPU");
+                            gpu_retry_at = Some((now, e));
+                            continue;
+                        }
                         // Waits, within its queue timeout: an instance of the function
                         // may free up, or the memory; the last such error is its answer.
                         tracing::info!(function = %pool.name, "too little free GPU memory to start an instance: the request waits for one to free up or for the memory");
-                        gpu_retry_at = Some((tokio::time::Instant::now() + GPU_RETRY, e));
+                        gpu_retry_at = Some((now + GPU_RETRY, e));
                         continue;
                     }
                     Err(e) => return Err(e),
@@ -741,7 +750,7 @@ impl Runtime {
 
 /// How long a request that found too little free GPU memory waits before trying to start an
 /// instance again (unless an instance of its function frees up first).
-const GPU_RETRY: Duration = Duration::from_secs(1);
+pub(crate) const GPU_RETRY: Duration = Duration::from_secs(1);
 
 /// The keep-alive delays of a spec: its `[keepalive]`, each key defaulting to the daemon's.
 pub fn keepalive_of(spec: &Value, default: &Keepalive) -> Keepalive {
