@@ -3,13 +3,16 @@
 bench/sandbox/release_probe.py (docs/sandboxes.md, "The GPU release of a sandbox": a plain
 process's `empty_cache()` waits for the driver's restore instead of crashing) and
 bench/sandbox/gil_probe.py ("Why overlapping requests are slower in a sandbox": its table as the
-docs quote it)."""
+docs quote it), bench/sandbox/placed_pointer_probe.py ("On a node of several GPUs": the driver's
+ordinal for VMM memory in a process restored onto GPU 1)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +67,35 @@ def test_a_hook_variant_without_the_hook_library_is_one_line_naming_it(monkeypat
     assert r.returncode == 2, r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert "needs TORPOR_HOOK_LIB" in line, line
+
+
+PLACED = ROOT / "bench" / "sandbox" / "placed_pointer_probe.py"
+
+
+def test_the_placed_pointer_probe_without_a_binary_is_one_line_naming_it(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, str(PLACED), "--out", str(tmp_path / "out.json")],
+        capture_output=True, text=True, check=False, timeout=60,
+        env={**os.environ, "TORPOR_BIN": str(tmp_path / "none")},
+    )
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "no torpor binary at" in line and "TORPOR_BIN" in line, line
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_the_kept_placed_pointer_run_is_what_the_docs_say() -> None:
+    """docs/sandboxes.md, "On a node of several GPUs": restored onto GPU 1, the process's GPUs
+    0 and 1 swapped, the driver gave the node's ordinal (1) for VMM memory on the process's 0;
+    torch through DLPack used it on cuda:0, through the array interface it failed."""
+    doc = json.loads((ROOT / "bench" / "results" / "placed-pointer-s54-h200x2.json").read_text())
+    assert "H200" in doc["machine"]["gpus"] and "580.159.04" in doc["machine"]["gpus"]
+    before, after = doc["before"], doc["after"]
+    assert after["uuids"] == before["uuids"][::-1], (before["uuids"], after["uuids"])
+    assert after["torch_allocation_pointer_ordinal"] == [0, 0]
+    assert after["vmm_pointer_ordinal"] == [0, 1]
+    assert after["dlpack_cuda0"].startswith("cuda:0 sum="), after
+    assert after["array_interface_to_cuda"].startswith("error:"), after
+    page = (ROOT / "docs" / "sandboxes.md").read_text()
+    assert "placed-pointer" in (ROOT / "docs" / "gpu-machine.md").read_text()
+    assert "`cuPointerGetAttribute(DEVICE_ORDINAL)` gave 1" in page

@@ -156,6 +156,8 @@ def main() -> None:
         child(Path(args.child[0]), Path(args.child[1]))
         return
     torpor = os.environ.get("TORPOR_BIN", str(ROOT / "target" / "release" / "torpor"))
+    if not os.access(torpor, os.X_OK):
+        p.error(f"no torpor binary at {torpor}: build it (cargo build --release) or set TORPOR_BIN")
     work = Path(tempfile.mkdtemp(prefix="placed-pointer-"))
     out, go, snap = work / "look.json", work / "go", work / "snap"
     started = subprocess.run(
