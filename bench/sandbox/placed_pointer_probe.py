@@ -38,33 +38,13 @@ ROOT = Path(__file__).resolve().parents[2]
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _AllocFlags(ctypes.Structure):
-    _fields_ = [
-        ("compressionType", ctypes.c_ubyte),
-        ("gpuDirectRDMACapable", ctypes.c_ubyte),
-        ("usage", ctypes.c_ushort),
-        ("reserved", ctypes.c_ubyte * 4),
-    ]
-
-
-class _AllocationProp(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("requestedHandleTypes", ctypes.c_int),
-        ("location", _Location),
-        ("win32HandleMetaData", ctypes.c_void_p),
-        ("allocFlags", _AllocFlags),
-    ]
-
-
 def child(out: Path, go: Path) -> None:
     """The probed process: torch on cuda:0, a first look, then waits for `go`."""
     sys.path.insert(0, str(ROOT / "python"))
+    # The driver's VMM structs, as bench/hook/map_cost.py declares them.
+    sys.path.insert(0, str(ROOT / "bench" / "hook"))
     import torch
+    from map_cost import AllocationProp, AllocFlags, MemLocation
     from torpor import dlpack, store_gpu
 
     cuda = ctypes.CDLL("libcuda.so.1")
@@ -96,7 +76,7 @@ def child(out: Path, go: Path) -> None:
         if not vmm:
             # An exported fd and a VMM mapping cannot be checkpointed: the first look has none.
             return r
-        prop = _AllocationProp(1, 1, _Location(1, 0), None, _AllocFlags())
+        prop = AllocationProp(1, 1, MemLocation(1, 0), None, AllocFlags())
         size = ctypes.c_size_t()
         cuda.cuMemGetAllocationGranularity(ctypes.byref(size), ctypes.byref(prop), 0)
         handle = ctypes.c_uint64()

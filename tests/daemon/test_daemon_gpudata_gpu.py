@@ -15,7 +15,7 @@ import pytest
 
 from .conftest import Torpord
 from .test_daemon_placement import two_at_once
-from .test_daemon_store_gpu import torch_gpus
+from .test_daemon_migrate_gpu import gpus
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
 
@@ -123,8 +123,9 @@ def test_weights_first_loaded_in_a_request_work_on_every_gpu_of_the_node(
     swap it under the process's cuda:0): each makes its tensor over the data in a request, and
     it is on its cuda:0 where the memory is mapped, not on cuda:1 where the driver places the
     pointer in such a process (torpor.dlpack)."""
-    if torch_gpus() < 2:
-        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    g = gpus()
+    if len(g) < 2 or g[0][0] != g[1][0]:
+        pytest.skip(f"needs two GPUs of one model (nvidia-h200-x2); nvidia-smi lists {g}")
     n = 1 << 20
     d = tmp_path / "gdlate"
     d.mkdir()
