@@ -24,7 +24,7 @@ from conftest import ROOT
 # Phases that count (bytes, chunks, writes) rather than time.
 COUNTS = {"prefilled_bytes", "held_chunks", "reopened_hashed_bytes", "reopened_recorded_bytes",
           "files_written_bytes", "files_zero_bytes", "files_handed_over", "fetch_buffers_made",
-          "files_hashed_early_blocks", "files_mapped"}
+          "files_hashed_early_blocks", "files_mapped", "requests"}
 
 
 def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
@@ -152,6 +152,48 @@ def test_pull_benchmark_over_held_links_on_the_cpu(torpor_bin: Path, criu_ready:
     assert s["pull_efficiency"] == s["by_link"]["2 Gbit/s"]["pull_efficiency"], s
     after = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
     assert after <= before, f"network namespaces left: {after - before}"
+
+
+def test_pull_benchmark_alternates_range_sizes_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
+    """--range-mib 32,1: node B's objstore.range_bytes one value per run in turn; the headline is
+    the first value's run, summary.by_range_mib each one's, and the store's speed for the packs
+    in ranges of each size beside it. Ranges of 1 MiB take more requests than whole packs."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    out = tmp_path / "pull.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", "--runs", "2", "--range-mib", "32,1",
+         "--work-dir", str(tmp_path / "work"), "--no-drop-cache", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "TORPOR_BIN": str(torpor_bin)},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    whole, short = d["runs"]
+    assert (whole["range_mib"], short["range_mib"]) == (32, 1) and d["range_mib"] == [32, 1], d["runs"]
+    assert all(run["start"] == "restored" and run["same_answer"] for run in d["runs"]), d["runs"]
+    # The same chunks either way, in more requests with 1 MiB ranges (8 MiB of weights alone
+    # are at least 8 of them).
+    assert whole["pulled_chunks"] == short["pulled_chunks"], (whole, short)
+    assert short["phases"]["requests"] >= whole["phases"]["requests"] + 7, (whole["phases"], short["phases"])
+    s = d["summary"]
+    assert s["pull_gbps"] == whole["pull_gbps"] and s["pull_s"] == whole["pull_s"], s
+    store = d["transfer"]["pack_range_gets"]
+    assert store["1"]["bytes"] == store["32"]["bytes"] > 0 and store["1"]["requests"] > store["32"]["requests"], store
+    for mib, run in (("32", whole), ("1", short)):
+        arm = s["by_range_mib"][mib]
+        assert arm["runs"] == 1 and arm["pull_gbps"] == run["pull_gbps"] and arm["requests"] == run["phases"]["requests"], arm
+        assert arm["pull_efficiency"] == round(run["pull_gbps"] / d["transfer"]["transfer_gbps"], 3), arm
+        assert arm["pack_range_gets_gbps"] == store[mib]["gbps"], (arm, store)
+    import argparse
+
+    sys.path[:0] = [str(ROOT / "bench/cluster"), str(ROOT / "bench/coldstart")]
+    import pull
+
+    assert pull.range_mib_list("32, 8") == [32, 8]
+    for bad in ("", "0", "257", "8,8", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            pull.range_mib_list(bad)
 
 
 # `perf sched timehist --state` lines (perf 6.1, call chains on): a writer preempted, woken,

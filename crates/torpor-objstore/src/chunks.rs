@@ -24,8 +24,6 @@ pub(crate) const PACK_TARGET: u64 = 32 << 20;
 /// Ranges of one pack closer than this are fetched as one (the gap is read and dropped): a
 /// request costs more than this many bytes on any link worth the name.
 const COALESCE_GAP: u64 = 1 << 20;
-/// One ranged GET asks for at most this much (more requests in flight, bounded memory).
-const MAX_RANGE: u64 = 32 << 20;
 /// Format of pack indexes and locators.
 const PACK_FORMAT: u32 = 1;
 /// Pack indexes and locators larger than this are refused.
@@ -414,7 +412,7 @@ enum Job {
 }
 
 /// Chunk files in flight between the fetchers and the writers, per fetcher: at most this many
-/// fetched ranges (each at most [`MAX_RANGE`]) wait for a writer, per request in flight.
+/// fetched ranges (each at most the remote's `range_bytes`) wait for a writer, per request in flight.
 const QUEUED_PER_FETCHER: usize = 1;
 
 /// Fetches into `store` (through `writer`, whose lock keeps a GC off them until the commit) the
@@ -426,7 +424,7 @@ const QUEUED_PER_FETCHER: usize = 1;
 /// to the writers (as many as the fetchers or the cores, whichever is more), which decode and
 /// hash every chunk and place it in the store. So the GETs go on while earlier ranges are checked and written, and the fetched bytes
 /// waiting for a writer are bounded (`parallel` × [`QUEUED_PER_FETCHER`] ranges of at most
-/// [`MAX_RANGE`]). With a writer made by
+/// the remote's [`range_bytes`](crate::Remote::range_bytes)). With a writer made by
 /// [`StoreWriter::write_back_early`](torpor_image::store::StoreWriter::write_back_early) the
 /// disk writes meanwhile too.
 ///
@@ -460,13 +458,11 @@ pub(crate) fn download_sets(
             .filter(|c| !store.contains(&c.id) && claimed.insert(c.id))
             .collect();
         let remote = set.source.remote;
-        let (ranges, loose) =
-            plan_ranges(&wanted, set.source.locator).map_err(|(pack, reason)| {
-                TransferError::CorruptObject {
-                    bucket: remote.bucket().to_owned(),
-                    key: remote.full_key(&pack_key(&pack)),
-                    reason,
-                }
+        let (ranges, loose) = plan_ranges(&wanted, set.source.locator, remote.range_bytes())
+            .map_err(|(pack, reason)| TransferError::CorruptObject {
+                bucket: remote.bucket().to_owned(),
+                key: remote.full_key(&pack_key(&pack)),
+                reason,
             })?;
         downs.push(Downloaded {
             total,
@@ -754,11 +750,13 @@ fn put_timed(
     Ok(())
 }
 
-/// Groups the `wanted` chunks `locator` places by pack into coalesced ranges; returns them and
-/// the chunks it does not place (loose). `Err`: (pack, what is wrong with its placement).
+/// Groups the `wanted` chunks `locator` places by pack into coalesced ranges of at most
+/// `max_range` bytes (a chunk longer than that is a range of its own); returns them and the
+/// chunks it does not place (loose). `Err`: (pack, what is wrong with its placement).
 fn plan_ranges(
     wanted: &[ChunkRef],
     locator: Option<&Locator>,
+    max_range: u64,
 ) -> Result<(Vec<RangeJob>, Vec<ChunkRef>), (String, String)> {
     let Some(locator) = locator else {
         return Ok((Vec::new(), wanted.to_vec()));
@@ -797,7 +795,7 @@ fn plan_ranges(
             if let Some(r) = current.as_mut() {
                 let end = r.start + r.len;
                 let new_end = (offset + len).max(end);
-                if offset <= end + COALESCE_GAP && new_end - r.start <= MAX_RANGE {
+                if offset <= end + COALESCE_GAP && new_end - r.start <= max_range {
                     r.len = new_end - r.start;
                     r.chunks.push((c, offset, len));
                     continue;
@@ -864,6 +862,7 @@ pub(crate) fn fetch_locator(remote: &Remote, key: &str) -> Result<Option<Locator
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::DEFAULT_RANGE_BYTES;
 
     fn chunk(n: u8, len: u64) -> ChunkRef {
         ChunkRef {
@@ -911,7 +910,8 @@ mod tests {
             ),
             ("b", 900, &[(d, 0, 900)]),
         ]);
-        let (jobs, loose) = plan_ranges(&[c, a, b, d, e], Some(&loc)).expect("plan");
+        let (jobs, loose) =
+            plan_ranges(&[c, a, b, d, e], Some(&loc), DEFAULT_RANGE_BYTES).expect("plan");
         assert_eq!(loose.len(), 1);
         assert_eq!(loose[0].id, e.id);
         let spans: Vec<(u64, u64, usize)> = jobs
@@ -920,7 +920,7 @@ mod tests {
             .collect();
         assert_eq!(spans, [(0, 2800, 2), (far, 900, 1), (0, 900, 1)]);
         // No locator: everything loose.
-        let (jobs, loose) = plan_ranges(&[a, b], None).expect("plan");
+        let (jobs, loose) = plan_ranges(&[a, b], None, DEFAULT_RANGE_BYTES).expect("plan");
         assert!(jobs.is_empty() && loose.len() == 2);
     }
 
@@ -933,13 +933,22 @@ mod tests {
             .map(|(i, c)| (*c, i as u64 * (1 << 20), 1 << 20))
             .collect();
         let loc = locator(&[("c", 40 << 20, &placed)]);
-        let (jobs, _) = plan_ranges(&chunks, Some(&loc)).expect("plan");
+        let (jobs, _) = plan_ranges(&chunks, Some(&loc), DEFAULT_RANGE_BYTES).expect("plan");
         assert_eq!(jobs.len(), 2);
-        assert!(jobs.iter().all(|j| j.len <= MAX_RANGE));
+        assert!(jobs.iter().all(|j| j.len <= DEFAULT_RANGE_BYTES));
         assert_eq!(jobs.iter().map(|j| j.chunks.len()).sum::<usize>(), 40);
+        // A shorter cap (`range_bytes`): more ranges, each within it, every chunk once.
+        let (jobs, _) = plan_ranges(&chunks, Some(&loc), 8 << 20).expect("plan");
+        assert_eq!(jobs.len(), 5);
+        assert!(jobs.iter().all(|j| j.len <= 8 << 20));
+        assert_eq!(jobs.iter().map(|j| j.chunks.len()).sum::<usize>(), 40);
+        // A cap below one chunk: each chunk is a range of its own.
+        let (jobs, _) = plan_ranges(&chunks[..3], Some(&loc), 1 << 19).expect("plan");
+        assert_eq!(jobs.iter().map(|j| j.len).collect::<Vec<_>>(), [1 << 20; 3]);
         let small = chunk(99, 10);
         let loc = locator(&[("d", 1 << 20, &[(small, 0, 1 << 20)])]);
-        let (pack, reason) = plan_ranges(&[small], Some(&loc)).expect_err("oversized");
+        let (pack, reason) =
+            plan_ranges(&[small], Some(&loc), DEFAULT_RANGE_BYTES).expect_err("oversized");
         assert_eq!(pack, "d".repeat(64));
         assert!(reason.contains("more than a chunk"), "{reason}");
     }

@@ -44,6 +44,7 @@ pub struct Remote {
     credentials_file: PathBuf,
     endpoint: String,
     prefix: String,
+    range_bytes: u64,
     agent: ureq::Agent,
     requests: AtomicU64,
     retries: AtomicU64,
@@ -92,12 +93,18 @@ impl Remote {
             credentials_file: config.credentials_file.clone(),
             endpoint: config.endpoint.clone(),
             prefix: config.prefix.clone(),
+            range_bytes: config.range_bytes,
             agent,
             requests: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             bytes_up: AtomicU64::new(0),
             bytes_down: AtomicU64::new(0),
         })
+    }
+
+    /// The longest ranged GET a pull sends (`RemoteConfig::range_bytes`).
+    pub fn range_bytes(&self) -> u64 {
+        self.range_bytes
     }
 
     /// The bucket's name.
@@ -645,6 +652,7 @@ mod tests {
             credentials_file,
             path_style: true,
             prefix: String::new(),
+            range_bytes: crate::config::DEFAULT_RANGE_BYTES,
         })
         .unwrap()
     }

@@ -18,6 +18,7 @@ use crate::error::ConfigError;
 /// credentials_file = "/etc/torpor/objstore.credentials"  # relative: to this file's directory
 /// path_style = true                                 # default true (SeaweedFS, MinIO); false: virtual-host
 /// prefix = "team-a/"                                # optional: every key starts with it
+/// range_bytes = 33554432                            # optional: a pull's ranged GETs, at most this long
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -31,6 +32,21 @@ pub struct RemoteConfig {
     pub path_style: bool,
     #[serde(default)]
     pub prefix: String,
+    /// A pull coalesces the chunks it lacks in a pack into ranged GETs of at most this many
+    /// bytes ([`DEFAULT_RANGE_BYTES`]; [`RANGE_BYTES`] bounds it). Shorter ranges spread a
+    /// pull's last requests over more connections; longer ones send fewer requests.
+    #[serde(default = "default_range_bytes")]
+    pub range_bytes: u64,
+}
+
+/// Default of `range_bytes`: 32 MiB, a whole pack (push cuts packs at ~32 MiB).
+pub const DEFAULT_RANGE_BYTES: u64 = 32 << 20;
+/// The values `range_bytes` takes: 1 MiB to 256 MiB (a range's buffer is held until its chunks
+/// are written, `parallel` of them and as many queued).
+pub const RANGE_BYTES: std::ops::RangeInclusive<u64> = (1 << 20)..=(256 << 20);
+
+fn default_range_bytes() -> u64 {
+    DEFAULT_RANGE_BYTES
 }
 
 fn default_region() -> String {
@@ -111,6 +127,17 @@ impl RemoteConfig {
                 format!(
                     "prefix {:?} must end with '/' and not start with one",
                     self.prefix
+                ),
+            ));
+        }
+        if !RANGE_BYTES.contains(&self.range_bytes) {
+            return Err((
+                "range_bytes",
+                format!(
+                    "range_bytes {} is not within {} to {} (1 to 256 MiB)",
+                    self.range_bytes,
+                    RANGE_BYTES.start(),
+                    RANGE_BYTES.end()
                 ),
             ));
         }
@@ -198,6 +225,7 @@ mod tests {
         assert_eq!(c.region, "us-east-1");
         assert!(c.path_style);
         assert_eq!(c.prefix, "");
+        assert_eq!(c.range_bytes, DEFAULT_RANGE_BYTES);
         let err = RemoteConfig::parse(
             "endpoint = \"http://h\"\nbucket = \"b\"\ncredentials_file = \"c\"\nsecret_access_key = \"x\"\n",
             p,
@@ -211,10 +239,23 @@ mod tests {
             "endpoint = \"http://h\"\nbucket = \"b\"\n",
             "endpoint = \"http://h\"\nbucket = \"b\"\ncredentials_file = \"c\"\nprefix = \"a\"\n",
             "endpoint = \"http://h\"\nbucket = \"b\"\ncredentials_file = \"c\"\nbogus = 1\n",
+            "endpoint = \"http://h\"\nbucket = \"b\"\ncredentials_file = \"c\"\nrange_bytes = 4096\n",
+            "endpoint = \"http://h\"\nbucket = \"b\"\ncredentials_file = \"c\"\nrange_bytes = 1073741824\n",
         ] {
             let err = RemoteConfig::parse(bad, p).expect_err(bad);
             assert!(err.to_string().contains("objstore.toml"), "{err}");
         }
+        let short = "endpoint = \"http://h\"\nbucket = \"b\"\ncredentials_file = \"c\"\nrange_bytes = 4096\n";
+        let err = RemoteConfig::parse(short, p)
+            .expect_err("short range")
+            .to_string();
+        assert!(err.contains("range_bytes 4096 is not within"), "{err}");
+        let c = RemoteConfig::parse(
+            "endpoint = \"http://h\"\nbucket = \"b\"\ncredentials_file = \"c\"\nrange_bytes = 8388608\n",
+            p,
+        )
+        .expect("8 MiB ranges");
+        assert_eq!(c.range_bytes, 8 << 20);
     }
 
     #[test]

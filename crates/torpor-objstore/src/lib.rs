@@ -89,7 +89,7 @@ mod sealed;
 
 pub use chunks::PipelineTimes;
 pub use client::{Remote, Traffic};
-pub use config::{Credentials, RemoteConfig};
+pub use config::{Credentials, RemoteConfig, DEFAULT_RANGE_BYTES, RANGE_BYTES};
 pub use error::{ConfigError, ObjError, TransferError};
 pub use profile::{
     open_profile, pull_profile, push_profile, seal_profile, MAX_PROFILE_BYTES, PROFILE_OBJECT,

@@ -242,6 +242,9 @@ pub struct PullPhases {
     /// Fetched chunk files held in memory at the answer, written into the store after it
     /// (`objstore.hold_bytes`; docs/objstore.md, "Chunk files placed after the answer").
     pub held_chunks: u64,
+    /// Requests sent to the bucket for the snapshot's files and segments (their small objects,
+    /// the ranged GETs of packs, loose chunks): with `objstore.range_bytes` shorter, more.
+    pub requests: u64,
 }
 
 /// Reads `files` ahead of the portability check on a thread of its own
@@ -857,6 +860,7 @@ impl Tier {
         phases.prefill_s = t.elapsed().as_secs_f64();
         phases.prefilled_bytes = prefilled.bytes;
         phases.held_chunks = pending.as_ref().map_or(0, |p| p.held_chunks() as u64);
+        phases.requests = remote.traffic().requests;
         Ok(Fetched {
             record,
             snapshot_dir: out,

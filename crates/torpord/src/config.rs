@@ -108,6 +108,7 @@
 //! hold_bytes = 4294967296         # a pull holds up to this many bytes of fetched chunk files in
 //!                                 # memory and writes them into the store after it answers
 //!                                 # (4 GiB; 0: all written before the answer; docs/objstore.md)
+//! range_bytes = 33554432          # a pull's ranged GETs of packs, at most this long: 1 to 256 MiB
 //!
 //! [sandbox_pool]                  # the live-context pool (docs/sandboxes.md, "The live-context pool")
 //! size = 0                        # ready sandboxes kept per tenant and base (interpreter, preloads,
@@ -660,6 +661,9 @@ pub struct Objstore {
     /// Bytes of fetched chunk files a pull holds in memory and writes into the store after it
     /// answers (`hold_bytes`, default [`DEFAULT_OBJSTORE_HOLD_BYTES`]; 0: none).
     pub hold_bytes: u64,
+    /// The longest ranged GET of a pull (`range_bytes`, default
+    /// [`torpor_objstore::DEFAULT_RANGE_BYTES`]).
+    pub range_bytes: u64,
 }
 
 /// Default of `objstore.hold_bytes`: 4 GiB, a GPT-2-Large pull's 3.1 GB whole; a larger
@@ -693,6 +697,7 @@ impl Objstore {
             credentials_file: self.credentials_file.clone(),
             path_style: self.path_style,
             prefix: self.prefix.clone(),
+            range_bytes: self.range_bytes,
         }
     }
 }
@@ -1196,6 +1201,14 @@ fn objstore_section(t: &mut Table, base: &Path) -> Result<Objstore, KeyError> {
         Some(n) => u64::try_from(n).unwrap_or(0),
         None => DEFAULT_OBJSTORE_HOLD_BYTES,
     };
+    let range_bytes = match t.integer(
+        "range_bytes",
+        *torpor_objstore::RANGE_BYTES.start() as i64,
+        *torpor_objstore::RANGE_BYTES.end() as i64,
+    )? {
+        Some(n) => u64::try_from(n).unwrap_or(torpor_objstore::DEFAULT_RANGE_BYTES),
+        None => torpor_objstore::DEFAULT_RANGE_BYTES,
+    };
     let o = Objstore {
         endpoint,
         bucket,
@@ -1207,6 +1220,7 @@ fn objstore_section(t: &mut Table, base: &Path) -> Result<Objstore, KeyError> {
         parallel,
         early_write_back,
         hold_bytes,
+        range_bytes,
     };
     o.remote()
         .check()
@@ -1619,6 +1633,27 @@ mod tests {
                 .to_string();
             assert!(
                 e.starts_with("torpord.toml: objstore.hold_bytes "),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn objstore_range_bytes_defaults_to_32_mib_and_is_bounded() {
+        let base = "[objstore]\nendpoint = \"http://127.0.0.1:8333\"\nbucket = \"b\"\ncredentials_file = \"c\"\n";
+        let c = parse(base).unwrap().objstore.unwrap();
+        assert_eq!(
+            (c.range_bytes, c.remote().range_bytes),
+            (32 << 20, 32 << 20)
+        );
+        let c = parse(&format!("{base}range_bytes = 8388608\n")).unwrap();
+        assert_eq!(c.objstore.unwrap().remote().range_bytes, 8 << 20);
+        for bad in ["4096", "1073741824", "\"8M\""] {
+            let e = parse(&format!("{base}range_bytes = {bad}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("torpord.toml: objstore.range_bytes "),
                 "{bad}: {e}"
             );
         }
