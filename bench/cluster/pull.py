@@ -371,6 +371,19 @@ def disk_speed(directory: Path, size: int, drop_cache: bool) -> Json:
 # The store server's link (--links)
 
 
+def range_table(result: Json) -> str:
+    """The markdown table of a `--range-mib` run (docs/cluster.md, "Range sizes"), from its JSON."""
+    by = result["summary"]["by_range_mib"]
+    rows = ["| `range_bytes` | pull (median) | `pull_efficiency` | requests | fetch | files in | segments in "
+            "| the store alone, same ranges | first start |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for mib, a in by.items():
+        rows.append(f"| {mib} MiB | {a['pull_s']:.2f} s, {a['pull_gbps']:.2f} GB/s | {a['pull_efficiency']:.3f} "
+                    f"| {a['requests']:.0f} | {a['fetch_s']:.2f} s | {a['files_fetch_s']:.2f} s | {a['segments_s']:.2f} s "
+                    f"| {a['pack_range_gets_gbps']:.2f} GB/s ({a['pack_range_gets_requests']} GETs) | {a['first_start_s']:.2f} s |")
+    return "\n".join(rows) + "\n"
+
+
 def range_mib_list(text: str) -> list[int]:
     """`--range-mib`: node B's objstore.range_bytes in MiB, one value or a comma list to alternate."""
     try:
