@@ -161,8 +161,12 @@ bash scripts/provision-criu.sh || { echo "gpu-run: CRIU provisioning failed" >&2
 rc=0
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
   echo "== tests"
+  # One directory's files together (scripts/tests-by-directory.py: pytest 9.1 loses a
+  # directory's conftest.py fixtures when its files are given apart).
   # shellcheck disable=SC2086 # $TESTS is a list of paths
-  python3 -m pytest -q -ra ${TESTS:-tests} "$@" 2>&1 | tee "$OUT/pytest.log"
+  TESTS=$(python3 scripts/tests-by-directory.py ${TESTS:-tests})
+  # shellcheck disable=SC2086 # $TESTS is a list of paths
+  python3 -m pytest -q -ra $TESTS "$@" 2>&1 | tee "$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
 fi
 if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
