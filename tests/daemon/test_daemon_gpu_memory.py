@@ -403,3 +403,44 @@ def test_a_deploy_out_of_gpu_memory_fails_in_one_line_and_leaves_no_worker(roomy
     roomy.deploy(fdir)
     r2 = roomy.invoke("gpualloc", {})
     assert r2.status == 200 and r2.json() == {"ptr": True}, (r2.status, r2.body)
+
+
+def test_a_wake_that_finds_its_gpu_full_is_served_at_once_on_another(
+    torpor_bin: Path, criu_ready: None, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    """An instance hibernated on GPU 0, then GPU 0 filled by another process: the request that
+    would wake it there is served from GPU 1 at once. A wake restores where its hibernation was
+    taken; it fails the memory check there, the hibernated instance is discarded (as for any
+    failed wake) and the function snapshot restored, placed past the GPU the wake found full."""
+    others = tmp_path / "procs"
+    d = two_gpu_daemon(torpor_bin, fake_cuda, tmp_path, others)
+    try:
+        fdir = tmp_path / "gpuhib"
+        fdir.mkdir()
+        (fdir / "handler.py").write_text(HANDLER)
+        (fdir / "torpor.toml").write_text(
+            SPEC.replace('name = "gpumem"', 'name = "gpuhib"')
+            .replace("gpu_release_s = 600", "gpu_release_s = 1")
+            .replace("hibernate_s = 600", "hibernate_s = 2")
+        )
+        d.deploy(fdir)
+        r = d.invoke("gpuhib", {})
+        assert r.status == 200 and r.start == "restored", (r.status, r.body, d.log_text())
+        assert [int(i["device"]) for i in d.instances("gpuhib")] == [0], d.instances("gpuhib")
+        deadline = time.monotonic() + 60
+        while [i["stage"] for i in d.instances("gpuhib")] != ["hibernated"]:
+            assert time.monotonic() < deadline, (d.instances("gpuhib"), d.log_text())
+            time.sleep(0.1)
+        others.write_text(f"1:{1000 * MIB}@0")
+        r = d.invoke("gpuhib", {})
+        assert r.status == 200 and r.start == "restored", (r.status, r.body, d.log_text())
+        assert [int(i["device"]) for i in d.instances("gpuhib") if i.get("pid")] == [1], d.instances("gpuhib")
+        log = d.log_text()
+        assert "cannot wake the hibernated instance; discarding it" in log, log
+        # The wake's GPU passed over by the cold start that replaced it: no second try on GPU
+        # 0, no wait (before: placed on GPU 0 again, then a wait of a second).
+        assert "the request waits for one to free up" not in log, log
+        assert "starting again at once on another GPU" not in log, log
+    finally:
+        others.write_text("")
+        d.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -156,6 +157,46 @@ def test_a_restore_that_finds_gpu_0_full_is_placed_on_another_gpu_and_answers(da
         log = daemon.log_text()
         assert "starting again at once on another GPU" in log, log
         assert "the request waits for one to free up" not in log, log
+        print("timings:", {k: round(v, 3) for k, v in r.timings.items() if k in ("queue", "restore", "total")})
+    finally:
+        hog.release()
+
+
+@pytest.mark.parametrize("daemon", MODES, indirect=True, ids=["split", "transparent"])
+def test_a_wake_that_finds_gpu_0_full_is_served_at_once_from_another_gpu(daemon: Torpord, tmp_path: Path) -> None:
+    """On a node of two GPUs of one model (nvidia-h200-x2): an instance hibernated on GPU 0, then
+    another process filling GPU 0. The wake restores where the hibernation was taken and finds
+    no room; the hibernated instance is discarded (as any failed wake) and the function snapshot
+    restored onto GPU 1 at once, its GPU 0 passed over (no wait of a second, no second try there)."""
+    g = gpus()
+    if len(g) < 2 or g[0][0] != g[1][0]:
+        pytest.skip(f"needs two GPUs of one model (nvidia-h200-x2); nvidia-smi lists {g}")
+    fdir = tmp_path / "torchhib"
+    shutil.copytree(TORCHMM, fdir)
+    spec = fdir / "torpor.toml"
+    spec.write_text(spec.read_text().replace('name = "torchmm"', 'name = "torchhib"')
+                    + "\n[keepalive]\ngpu_release_s = 1\nhibernate_s = 2\nevict_s = 600\n")
+    daemon.deploy(fdir)
+    x = {"x": [0.5, -1.0, 2.0, 0.0]}
+    first = daemon.invoke("torchhib", x, timeout=180)
+    assert first.status == 200 and first.start == "restored", (first.status, first.body, daemon.log_text())
+    assert [i["device"] for i in daemon.instances("torchhib")] == [0], daemon.instances("torchhib")
+    deadline = time.monotonic() + 120
+    while [i["stage"] for i in daemon.instances("torchhib")] != ["hibernated"]:
+        assert time.monotonic() < deadline, (daemon.instances("torchhib"), daemon.log_text())
+        time.sleep(0.2)
+    hog = Hog("first")
+    try:
+        r = daemon.invoke("torchhib", x, timeout=180)
+        assert r.status == 200 and r.start == "restored", (r.status, r.body, daemon.log_text())
+        assert r.json() == first.json(), (r.body, first.body)
+        live = [i for i in daemon.instances("torchhib") if i.get("pid")]
+        assert [i["device"] for i in live] == [1], (live, daemon.log_text())
+        assert uuid_of_pid(live[0]["pid"]) == g[1][1], (live, g)
+        log = daemon.log_text()
+        assert "cannot wake the hibernated instance; discarding it" in log, log
+        assert "the request waits for one to free up" not in log, log
+        assert "starting again at once on another GPU" not in log, log
         print("timings:", {k: round(v, 3) for k, v in r.timings.items() if k in ("queue", "restore", "total")})
     finally:
         hog.release()

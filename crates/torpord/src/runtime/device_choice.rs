@@ -17,7 +17,8 @@
 //! [`SHORT_MEMORY_PAUSE`], so a GPU that other processes fill does not take every start.
 //! Standbys are placed the same way (their driver restore passes the pairs: a live one's when
 //! it is made, a released one's at its first request). Wakes restore where their hibernation was
-//! taken (its instance's placement file); the deploy's own restores stay where their snapshot
+//! taken (its instance's placement file), and one that finds that GPU full has it passed over
+//! by the cold start that replaces it; the deploy's own restores stay where their snapshot
 //! was taken. `placement = "first"` keeps every cold start on the
 //! deploy's device, as before.
 
@@ -100,9 +101,7 @@ pub struct Placed<'a> {
 impl Placed<'_> {
     /// Its restore found too little free memory there: pass the device over for a while.
     pub fn short_of_memory(&self) {
-        lock(&self.placing.state)
-            .short_until
-            .insert(self.ordinal, Instant::now() + SHORT_MEMORY_PAUSE);
+        self.placing.short_of_memory_on(self.ordinal);
     }
 }
 
@@ -138,6 +137,14 @@ impl Placing {
         live: &HashMap<u32, usize>,
     ) -> Option<Placed<'_>> {
         self.place_counted(Some(function), instance, function_live, devices, live)
+    }
+
+    /// A restore onto device `ordinal` found too little free memory there (a placed start's,
+    /// or a wake's, which goes where its hibernation was taken): pass it over for a while.
+    pub fn short_of_memory_on(&self, ordinal: u32) {
+        lock(&self.state)
+            .short_until
+            .insert(ordinal, Instant::now() + SHORT_MEMORY_PAUSE);
     }
 
     /// Whether one of `devices` was not found short of memory lately: a start placed now goes
@@ -401,6 +408,19 @@ mod tests {
             .place("f", "i5", 0, &[0, 1], &HashMap::new())
             .expect("a device");
         assert_eq!(later.ordinal, 0);
+    }
+
+    #[test]
+    fn a_gpu_a_wake_found_short_is_passed_over_by_the_next_start() {
+        // A wake is not placed (it restores where its hibernation was taken): its GPU is
+        // marked by ordinal, and the cold start that replaces it goes elsewhere.
+        let placing = Placing::default();
+        placing.short_of_memory_on(0);
+        assert!(placing.any_not_short(&[0, 1]) && !placing.any_not_short(&[0]));
+        let next = placing
+            .place("f", "i6", 0, &[0, 1], &HashMap::new())
+            .expect("a device");
+        assert_eq!(next.ordinal, 1);
     }
 
     #[test]

@@ -651,8 +651,9 @@ impl Runtime {
             }
             if let Next::Start(start) = next {
                 let (info, generation, sleeper) = *start;
-                // A placed GPU cold start (a wake goes back to its own GPU).
-                let placed_gpu = info.gpu && sleeper.is_none();
+                // A GPU start is placed: a cold start, or the cold start that replaces a wake
+                // whose GPU had no room (start/wake.rs; that GPU is then passed over).
+                let placed_gpu = info.gpu;
                 // Out of the queue while it starts one (back in if it must wait after all).
                 slot = None;
                 let queue_s = t0.elapsed().as_secs_f64();

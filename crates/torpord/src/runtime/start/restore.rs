@@ -146,8 +146,16 @@ impl Runtime {
                     function: name.to_string(),
                     source,
                 };
-                if let (Some(p), Some(_)) = (&placed, e.gpu_memory_short()) {
-                    p.short_of_memory();
+                if e.gpu_memory_short().is_some() {
+                    match (&placed, sleeper) {
+                        (Some(p), _) => p.short_of_memory(),
+                        // A wake restores where its hibernation was taken: that GPU is
+                        // passed over by the cold start that replaces it (wake.rs).
+                        (None, Some(_)) if info.gpu => self
+                            .placing
+                            .short_of_memory_on(woken_on.as_ref().map_or(0, |p| p.gpu)),
+                        _ => {}
+                    }
                 }
                 return Err(e);
             }
