@@ -780,3 +780,62 @@ def test_the_simulation_tables_in_readme_and_docs_are_the_rendering_of_the_json(
     # A file without the block's marker is refused in one line naming it.
     with pytest.raises(ValueError, match="no block"):
         table.replace_block("no table here", table.render(doc, 25.0))
+
+
+def deploying_router(deploys: dict[str, dict[str, Any]]) -> tuple[Any, list[tuple[str, str]]]:
+    """The ingress's Router over three nodes a, b, c whose agents answer `deploy` with
+    `deploys[node]` (what torpord's last deploy line becomes), `pull` with a pull, and report
+    the object tier on every node; with the calls it made, in order."""
+    from torpor.cluster.ingress import Router
+
+    calls: list[tuple[str, str]] = []
+
+    class ThreeNodes(Router):
+        async def refresh_agents(self, force: bool = False) -> dict[str, Any]:
+            return self.live_agents()
+
+        def live_agents(self) -> dict[str, Any]:
+            return {"a": "agent-a", "b": "agent-b", "c": "agent-c"}
+
+        async def _call(self, node: str, handle: Any, method: str, *args: Any, timeout: float) -> Any:
+            calls.append((node, method))
+            if method == "capabilities":
+                return {"pull": True}
+            if method == "deploy":
+                return {"node": node, **deploys[node]}
+            assert method == "pull", method
+            return {"node": node, "function": "f", "pulled_bytes": 10}
+
+    return ThreeNodes(), calls
+
+
+def test_a_deploy_that_finds_a_nodes_gpu_full_goes_to_the_next_node_which_the_others_pull_from() -> None:
+    """torpord's deploy line says `"cause": "gpu_memory"` when the node's GPU had no room (not
+    the function's fault): the cluster deploys on the next node, and every other node, the full
+    one too, pulls the function from the bucket."""
+    pytest.importorskip("ray")
+    import asyncio
+
+    full = {"error": "restore_base: GPU 0 has 10 MiB free but the base snapshot needs 64 MiB", "phase": "restore_base",
+            "cause": "gpu_memory"}
+    ok = {"result": {"function": "f", "snapshot": "fn-f-1"}}
+    r, calls = deploying_router({"a": full, "b": ok, "c": ok})
+    status, out = asyncio.run(r.deploy("/srv/f"))
+    assert status == 200 and out["deployed_on"] == "b" and out["mode"] == "pull", out
+    assert out["passed_over"] == {"a": full["error"]}, out
+    assert [c for c in calls if c[1] == "deploy"] == [("a", "deploy"), ("b", "deploy")], calls
+    assert sorted(n for n, m in calls if m == "pull") == ["a", "c"], calls
+
+    # The function's own failure is every node's: not tried elsewhere.
+    broken = {"error": "the worker failed in its setup step: ValueError: bad weights", "phase": "load"}
+    r, calls = deploying_router({"a": broken, "b": ok, "c": ok})
+    status, out = asyncio.run(r.deploy("/srv/f"))
+    assert status == 500 and out["error"] == broken["error"], out
+    assert [c for c in calls if c[1] in ("deploy", "pull")] == [("a", "deploy")], calls
+
+    # Every node full: one 503 naming the cause and the fix, each node tried once.
+    r, calls = deploying_router({"a": full, "b": full, "c": full})
+    status, out = asyncio.run(r.deploy("/srv/f"))
+    assert status == 503 and out["error"].startswith("no node had the GPU memory to deploy /srv/f"), out
+    assert "3 tried" in out["error"] and "free GPU memory" in out["error"], out
+    assert [c for c in calls if c[1] == "deploy"] == [("a", "deploy"), ("b", "deploy"), ("c", "deploy")], calls

@@ -19,6 +19,7 @@ the daemon and its workers read at each call.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import time
@@ -168,12 +169,17 @@ def test_a_deploy_whose_base_finds_gpu_0_full_fails_in_one_line_naming_it(daemon
     others.write_text(f"1:{150 * MIB}")
     try:
         r = daemon.cli("deploy", fdir, timeout=120)
+        # Through the API: the last line says the node's GPU was the cause (a cluster then
+        # deploys on another node: torpor.cluster.ingress).
+        api = daemon.request("POST", "/v1/functions", {"dir": str(fdir)}, timeout=120)
     finally:
         others.write_text("")
     assert r.returncode != 0, (r.stdout, r.stderr)
     line = r.stderr.strip().splitlines()[-1]
     assert "restore_base" in line and re.search(r"GPU 0 has \d+ MiB free but the base snapshot needs 64 MiB", line), line
     assert "deploy again" in line and "--gpu" not in line, line
+    last = json.loads(api.body.decode().strip().splitlines()[-1])
+    assert last["phase"] == "restore_base" and last["cause"] == "gpu_memory", last
     deadline = time.monotonic() + 15
     while workers_of(daemon) != before and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -394,6 +400,21 @@ def test_a_deploy_out_of_gpu_memory_fails_in_one_line_and_leaves_no_worker(roomy
     err = r.stderr.strip()
     assert "CUDA_ERROR_OUT_OF_MEMORY" in err and "the GPU ran out of memory: free GPU memory" in err, err
     assert "setup" in err, err
+    # The API's last line names the node's GPU as the cause; a failure of the function's own
+    # (its setup raising) does not.
+    switch(roomy, "FAKE_CUDA_MEM_ALLOC_RESULT", "2")
+    switch(roomy, "FAKE_CUDA_MEM_CREATE_RESULT", "2")
+    try:
+        api = roomy.request("POST", "/v1/functions", {"dir": str(fdir)}, timeout=120)
+    finally:
+        switch(roomy, "FAKE_CUDA_MEM_ALLOC_RESULT", None)
+        switch(roomy, "FAKE_CUDA_MEM_CREATE_RESULT", None)
+    last = json.loads(api.body.decode().strip().splitlines()[-1])
+    assert last.get("cause") == "gpu_memory" and last["phase"] == "load", last
+    broken = function_dir(roomy.root, "gpubroken", ALLOC_HANDLER.replace("def setup(self) -> None:", "def setup(self) -> None:\n        raise ValueError('bad weights')"), "handler:Alloc")
+    api = roomy.request("POST", "/v1/functions", {"dir": str(broken)}, timeout=120)
+    last = json.loads(api.body.decode().strip().splitlines()[-1])
+    assert "bad weights" in last["error"] and "cause" not in last, last
     # No worker of the failed deploy is left, and none holds GPU memory.
     deadline = time.monotonic() + 10
     while workers_of(roomy) != before and time.monotonic() < deadline:

@@ -9,6 +9,7 @@ fake-GPU versions of the same promises run everywhere (tests/daemon/test_daemon_
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -96,12 +97,16 @@ def test_a_deploy_on_a_full_gpu_fails_in_one_line_and_leaves_nothing(daemon: Tor
     hog = Hog()
     try:
         r = daemon.cli("deploy", TORCHMM, timeout=300)
+        # The API's last line names the node's GPU as the cause (a cluster deploys elsewhere).
+        api = daemon.request("POST", "/v1/functions", {"dir": str(TORCHMM)}, timeout=300)
     finally:
         hog.release()
     assert r.returncode != 0, (r.stdout, r.stderr)
     line = r.stderr.strip().splitlines()[-1]
     print("deploy:", line)
     assert "free GPU memory" in line and "memory" in line.lower(), (line, daemon.log_text())
+    last = json.loads(api.body.decode().strip().splitlines()[-1])
+    assert last.get("cause") == "gpu_memory", last
     assert settle(daemon, before) == before
     daemon.deploy(TORCHMM)
     r2 = daemon.invoke("torchmm", {"x": [0.5, -1.0, 2.0, 0.0]}, timeout=180)

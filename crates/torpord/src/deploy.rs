@@ -164,6 +164,9 @@ struct Failure {
     phase: &'static str,
     message: String,
     error: Option<Value>,
+    /// The node's GPU had too little free memory (not the function's fault): the error line
+    /// says `"cause": "gpu_memory"`, and a cluster deploys on another node (torpor.cluster).
+    gpu_memory: bool,
 }
 
 fn fail(phase: &'static str, message: impl std::fmt::Display) -> Failure {
@@ -171,8 +174,12 @@ fn fail(phase: &'static str, message: impl std::fmt::Display) -> Failure {
         phase,
         message: message.to_string(),
         error: None,
+        gpu_memory: false,
     }
 }
+
+/// The `cause` of a deploy's error line that says the node, not the function, was at fault.
+pub const CAUSE_GPU_MEMORY: &str = "gpu_memory";
 
 pub(crate) fn fnv(text: &str) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -249,6 +256,9 @@ pub async fn run(rt: Arc<Runtime>, spec: ValidSpec, tx: mpsc::UnboundedSender<Va
             let mut line = json!({"error": f.message, "phase": f.phase});
             if let Some(e) = f.error {
                 line["worker_error"] = e;
+            }
+            if f.gpu_memory {
+                line["cause"] = json!(CAUSE_GPU_MEMORY);
             }
             if restored {
                 line["previous_kept"] = json!(true);
@@ -385,6 +395,7 @@ fn not_ready(phase: &'static str, e: NotReady) -> Failure {
         phase,
         message: e.to_string(),
         error,
+        gpu_memory: e.gpu_memory_short(),
     }
 }
 
@@ -774,7 +785,10 @@ async fn steps(
         &rt.state_root,
     )
     .await
-    .map_err(|e| fail("restore_base", restore_base_error(&e)))?;
+    .map_err(|e| Failure {
+        gpu_memory: restore_base_short_of_gpu_memory(&e),
+        ..fail("restore_base", restore_base_error(&e))
+    })?;
     let mut guard = TreeGuard(Some(init));
     let mut conn = wake(&rt.hub, worker, RECONNECT_TIMEOUT)
         .await
@@ -1025,6 +1039,18 @@ async fn steps(
     Ok((id, base.id, reused))
 }
 
+/// Whether a deploy's restore of its base failed for lack of free GPU memory: its own check,
+/// or the driver's restore answering out of memory.
+fn restore_base_short_of_gpu_memory(e: &crate::runtime::process::RestoreTreeError) -> bool {
+    use crate::runtime::process::RestoreTreeError;
+    use torpor_snapshot::restore::RestoreError;
+    match e {
+        RestoreTreeError::Restore(RestoreError::NoRoom { .. }) => true,
+        RestoreTreeError::Restore(RestoreError::Gpu { source }) => source.source.is_out_of_memory(),
+        _ => false,
+    }
+}
+
 /// A deploy's failed restore of its base, in one line. Too little memory on GPU 0 names that
 /// GPU and what to do, not the CLI's `--gpu` advice: a deploy always runs on the node's GPU 0
 /// (its snapshot records that GPU; cold starts are placed on every GPU from it).
@@ -1090,5 +1116,14 @@ mod tests {
         );
         let other = RestoreTreeError::CudaProcesses { cuda: 2 };
         assert_eq!(restore_base_error(&other), other.to_string());
+        // The node's GPU, not the function: a cluster deploys on another node.
+        assert!(restore_base_short_of_gpu_memory(
+            &RestoreTreeError::Restore(RestoreError::NoRoom {
+                ordinal: 0,
+                free: 10,
+                need: 64,
+            })
+        ));
+        assert!(!restore_base_short_of_gpu_memory(&other));
     }
 }

@@ -59,6 +59,9 @@ from torpor.cluster.placement import Costs, FunctionNeeds, NodeView, Placement, 
 log = logging.getLogger("torpor.cluster.ingress")
 
 RETRY_STATUSES = (429, 503)  # torpord refused before any instance took the request
+# A deploy's error line with this cause failed for the node's GPU memory, not the function:
+# the deploy goes to the next node (torpord's deploy::CAUSE_GPU_MEMORY).
+CAUSE_GPU_MEMORY = "gpu_memory"
 VIEW_TTL_S = 0.25
 AGENTS_TTL_S = 2.0
 DEAD_FOR_S = 5.0
@@ -316,19 +319,35 @@ class Router:
         pulling = all(c["pull"] for c in caps)
         nodes: dict[str, Any] = {}
         if pulling:
-            first, rest = next(iter(live)), list(live)[1:]
-            res = await self._call(first, live[first], "deploy", fdir, timeout=3600)
-            nodes[first] = res
-            if "result" not in res:
-                return 400 if res.get("status") == 400 else 500, {"error": res.get("error"), "mode": "pull", "nodes": nodes}
-            name = res["result"]["function"]
+            # One node deploys and pushes; a node whose GPU had no room for the deploy (its
+            # error's cause) passes it to the next, and pulls it like the others once deployed.
+            first = None
+            for node in live:
+                res = await self._call(node, live[node], "deploy", fdir, timeout=3600)
+                nodes[node] = res
+                if "result" in res:
+                    first = node
+                    break
+                if res.get("cause") != CAUSE_GPU_MEMORY:
+                    return 400 if res.get("status") == 400 else 500, {"error": res.get("error"), "mode": "pull", "nodes": nodes}
+                log.info("deploy of %s on %s found its GPU full; trying the next node", fdir, node)
+            if first is None:
+                return 503, {"error": f"no node had the GPU memory to deploy {fdir}: free GPU memory on one "
+                             f"(its other processes, or idle instances) and deploy again; {len(nodes)} tried, "
+                             f"the last: {res.get('error')}", "mode": "pull", "nodes": nodes}
+            name = nodes[first]["result"]["function"]
+            rest = [n for n in live if n != first]
             pulled = await asyncio.gather(*(self._call(n, live[n], "pull", name, timeout=3600) for n in rest))
             for p in pulled:
                 self.book.pulled(name, p.get("pulled_bytes"))
+            passed_over = {n: r.get("error") for n, r in nodes.items() if n != first}
             nodes.update({n: p for n, p in zip(rest, pulled, strict=True)})
             ok = all("error" not in p for p in pulled)
             self.views.clear()
-            return (200 if ok else 502), {"function": name, "mode": "pull", "deployed_on": first, "nodes": nodes}
+            out = {"function": name, "mode": "pull", "deployed_on": first, "nodes": nodes}
+            if passed_over:
+                out["passed_over"] = passed_over
+            return (200 if ok else 502), out
         results = await asyncio.gather(*(self._call(n, h, "deploy", fdir, timeout=3600) for n, h in live.items()))
         nodes = {r["node"]: r for r in results}
         self.views.clear()

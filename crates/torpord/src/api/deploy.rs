@@ -1,5 +1,6 @@
 //! `POST /v1/functions`: deploy. The answer is NDJSON: one line per phase as it ends, then
-//! `{"result": …}` or `{"error": …, "phase": …}`. A spec that does not validate is a 400 with
+//! `{"result": …}` or `{"error": …, "phase": …}` (with `"cause": "gpu_memory"` when the node's
+//! GPU had no room for it, not the function at fault). A spec that does not validate is a 400 with
 //! the spec checker's line, before anything is streamed.
 
 use std::convert::Infallible;

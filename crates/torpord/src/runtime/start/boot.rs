@@ -476,18 +476,30 @@ pub enum NotReady {
     Failed { worker_phase: String, error: Value },
 }
 
-/// What to do when a worker's step failed for lack of GPU memory (a framework's or the
-/// driver's out-of-memory error); empty for any other failure.
-fn gpu_memory_hint(error: &Value) -> &'static str {
+impl NotReady {
+    /// Whether the worker's step failed for lack of GPU memory: the node's GPU was too full,
+    /// not the function at fault (a cluster deploys it on another node then).
+    pub fn gpu_memory_short(&self) -> bool {
+        matches!(self, NotReady::Failed { error, .. } if is_gpu_out_of_memory(error))
+    }
+}
+
+/// Whether a worker's error document is a framework's or the driver's out-of-memory error.
+fn is_gpu_out_of_memory(error: &Value) -> bool {
     let kind = error["type"].as_str().unwrap_or("");
     let message = error["message"].as_str().unwrap_or("").to_ascii_lowercase();
-    let gpu = kind.ends_with("OutOfMemoryError")
+    kind.ends_with("OutOfMemoryError")
         || message.contains("cuda_error_out_of_memory")
         || message.contains("cuda out of memory")
         || message.contains("cudaerrormemoryallocation")
         || (message.contains("out of memory")
-            && (message.contains("cuda") || message.contains("gpu")));
-    if gpu {
+            && (message.contains("cuda") || message.contains("gpu")))
+}
+
+/// What to do when a worker's step failed for lack of GPU memory (a framework's or the
+/// driver's out-of-memory error); empty for any other failure.
+fn gpu_memory_hint(error: &Value) -> &'static str {
+    if is_gpu_out_of_memory(error) {
         " (the GPU ran out of memory: free GPU memory on this node, whose other processes \
          `nvidia-smi` lists, or make the function use less, then deploy again)"
     } else {
@@ -541,12 +553,15 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn failed(kind: &str, message: &str) -> String {
+    fn not_ready(kind: &str, message: &str) -> NotReady {
         NotReady::Failed {
             worker_phase: "setup".into(),
             error: json!({"type": kind, "message": message, "traceback": ""}),
         }
-        .to_string()
+    }
+
+    fn failed(kind: &str, message: &str) -> String {
+        not_ready(kind, message).to_string()
     }
 
     #[test]
@@ -567,6 +582,7 @@ mod tests {
         ] {
             let line = failed(kind, message);
             assert!(line.contains(message), "{line}");
+            assert!(not_ready(kind, message).gpu_memory_short(), "{kind}");
             assert!(
                 line.contains("the GPU ran out of memory: free GPU memory"),
                 "{line}"
@@ -576,6 +592,11 @@ mod tests {
         // Host memory, or anything else: no GPU hint.
         for (kind, message) in [("MemoryError", ""), ("ValueError", "bad weights")] {
             assert!(!failed(kind, message).contains("GPU"), "{kind}");
+            assert!(!not_ready(kind, message).gpu_memory_short(), "{kind}");
         }
+        assert!(!NotReady::TimedOut {
+            bound: std::time::Duration::from_secs(1)
+        }
+        .gpu_memory_short());
     }
 }
