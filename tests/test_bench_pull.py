@@ -172,10 +172,10 @@ def test_pull_benchmark_alternates_range_sizes_on_the_cpu(torpor_bin: Path, criu
     whole, short = d["runs"]
     assert (whole["range_mib"], short["range_mib"]) == (32, 1) and d["range_mib"] == [32, 1], d["runs"]
     assert all(run["start"] == "restored" and run["same_answer"] for run in d["runs"]), d["runs"]
-    # The same chunks either way, in more requests with 1 MiB ranges (8 MiB of weights alone
-    # are at least 8 of them).
+    # The same chunks either way, in more requests with 1 MiB ranges (how many more depends on
+    # the chunks' layout in the packs: a chunk longer than the cap is a range of its own).
     assert whole["pulled_chunks"] == short["pulled_chunks"], (whole, short)
-    assert short["phases"]["requests"] >= whole["phases"]["requests"] + 7, (whole["phases"], short["phases"])
+    assert short["phases"]["requests"] > whole["phases"]["requests"], (whole["phases"], short["phases"])
     s = d["summary"]
     assert s["pull_gbps"] == whole["pull_gbps"] and s["pull_s"] == whole["pull_s"], s
     store = d["transfer"]["pack_range_gets"]
