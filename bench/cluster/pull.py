@@ -230,37 +230,12 @@ def list_objects(port: int, prefix: str) -> list[tuple[str, int]]:
 
 def parallel_gets(port: int, keys: list[str], streams: int) -> tuple[int, float]:
     """GETs of `keys`, `streams` at a time, the bytes dropped: (bytes got, seconds)."""
-    errors: list[BaseException] = []
-    nxt = iter(keys)
-    lock = threading.Lock()
-    got = [0] * streams
-
-    def worker(w: int) -> None:
-        while True:
-            with lock:
-                key = next(nxt, None)
-            if key is None:
-                return
-            try:
-                got[w] += s3_request(port, "GET", key)
-            except BaseException as e:  # noqa: BLE001 (re-raised below)
-                errors.append(e)
-                return
-
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return sum(got), wall
+    return parallel_range_gets(port, [(k, 0, None) for k in keys], streams)
 
 
-def parallel_range_gets(port: int, ranges: list[tuple[str, int, int]], streams: int) -> tuple[int, float]:
-    """Ranged GETs (key, first byte, length), `streams` at a time, the bytes dropped: (bytes got, seconds)."""
+def parallel_range_gets(port: int, ranges: list[tuple[str, int, int | None]], streams: int) -> tuple[int, float]:
+    """GETs of (key, first byte, length: None for the whole object), `streams` at a time, the
+    bytes dropped: (bytes got, seconds)."""
     errors: list[BaseException] = []
     nxt = iter(ranges)
     lock = threading.Lock()
@@ -273,8 +248,9 @@ def parallel_range_gets(port: int, ranges: list[tuple[str, int, int]], streams: 
             if job is None:
                 return
             key, lo, n = job
+            extra = None if n is None else {"Range": f"bytes={lo}-{lo + n - 1}"}
             try:
-                got[w] += s3_request(port, "GET", key, extra={"Range": f"bytes={lo}-{lo + n - 1}"})
+                got[w] += s3_request(port, "GET", key, extra=extra)
             except BaseException as e:  # noqa: BLE001 (re-raised below)
                 errors.append(e)
                 return
