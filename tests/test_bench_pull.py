@@ -27,21 +27,25 @@ COUNTS = {"prefilled_bytes", "held_chunks", "reopened_hashed_bytes", "reopened_r
           "files_hashed_early_blocks", "files_mapped", "requests"}
 
 
-def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+def run_pull(torpor_bin: Path, tmp_path: Path, *args: str) -> dict:
+    """bench/cluster/pull.py with the CPU function and `args`, in `tmp_path`; its JSON, asserting it ran."""
     out = tmp_path / "pull.json"
-    # The pulling daemon profiled (--perf) where this machine has perf.
-    perf = ["--perf", str(tmp_path / "perf")] if shutil.which("perf") else []
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", "--runs", "2",
-         "--node-b-restore-server", "cold-disk-unheld,defaults",
-         "--work-dir", str(tmp_path / "work"), "--no-drop-cache", "--out", str(out), *perf],
+        [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", *args,
+         "--work-dir", str(tmp_path / "work"), "--no-drop-cache", "--out", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
         env={**os.environ, "TORPOR_BIN": str(torpor_bin)},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    d = json.loads(out.read_text())
+    return dict(json.loads(out.read_text()))
+
+
+def test_pull_benchmark_on_the_cpu(torpor_bin: Path, criu_ready: None, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
+    # The pulling daemon profiled (--perf) where this machine has perf.
+    perf = ["--perf", str(tmp_path / "perf")] if shutil.which("perf") else []
+    d = run_pull(torpor_bin, tmp_path, "--runs", "2", "--node-b-restore-server", "cold-disk-unheld,defaults", *perf)
     run, prefilled = d["runs"]
     assert (run["node_b_restore_server"], prefilled["node_b_restore_server"]) == ("cold-disk-unheld", "defaults"), d["runs"]
     # Without a host cache nothing is prefilled; with torpord's, every byte of the segments
@@ -126,15 +130,7 @@ def test_pull_benchmark_over_held_links_on_the_cpu(torpor_bin: Path, criu_ready:
     if shutil.which("nsenter") is None:
         pytest.skip("needs util-linux's nsenter")
     before = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
-    out = tmp_path / "pull.json"
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", "--runs", "1", "--links", "2,0",
-         "--work-dir", str(tmp_path / "work"), "--no-drop-cache", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, check=False,
-        env={**os.environ, "TORPOR_BIN": str(torpor_bin)},
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    d = json.loads(out.read_text())
+    d = run_pull(torpor_bin, tmp_path, "--runs", "1", "--links", "2,0")
     held, veth = d["by_link"]["2 Gbit/s"], d["by_link"]["veth"]
     assert held["shaping"]["qdisc"].startswith("tbf rate 2gbit burst "), held
     assert veth["shaping"] == {"gbit": 0, "qdisc": None}, veth
@@ -160,15 +156,7 @@ def test_pull_benchmark_alternates_range_sizes_on_the_cpu(torpor_bin: Path, criu
     in ranges of each size beside it. Ranges of 1 MiB take more requests than whole packs."""
     if os.geteuid() != 0:
         pytest.skip("needs root: torpord starts workers in namespaces and runs CRIU")
-    out = tmp_path / "pull.json"
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "bench/cluster/pull.py"), "--model", "cpu", "--runs", "2", "--range-mib", "32,1",
-         "--work-dir", str(tmp_path / "work"), "--no-drop-cache", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, check=False,
-        env={**os.environ, "TORPOR_BIN": str(torpor_bin)},
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    d = json.loads(out.read_text())
+    d = run_pull(torpor_bin, tmp_path, "--runs", "2", "--range-mib", "32,1")
     whole, short = d["runs"]
     assert (whole["range_mib"], short["range_mib"]) == (32, 1) and d["range_mib"] == [32, 1], d["runs"]
     assert all(run["start"] == "restored" and run["same_answer"] for run in d["runs"]), d["runs"]

@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -119,8 +120,6 @@ def main(argv: list[str]) -> int:
         seaweed.stop()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

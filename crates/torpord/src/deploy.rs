@@ -786,7 +786,7 @@ async fn steps(
     )
     .await
     .map_err(|e| Failure {
-        gpu_memory: restore_base_short_of_gpu_memory(&e),
+        gpu_memory: e.short_of_gpu_memory(),
         ..fail("restore_base", restore_base_error(&e))
     })?;
     let mut guard = TreeGuard(Some(init));
@@ -1039,18 +1039,6 @@ async fn steps(
     Ok((id, base.id, reused))
 }
 
-/// Whether a deploy's restore of its base failed for lack of free GPU memory: its own check,
-/// or the driver's restore answering out of memory.
-fn restore_base_short_of_gpu_memory(e: &crate::runtime::process::RestoreTreeError) -> bool {
-    use crate::runtime::process::RestoreTreeError;
-    use torpor_snapshot::restore::RestoreError;
-    match e {
-        RestoreTreeError::Restore(RestoreError::NoRoom { .. }) => true,
-        RestoreTreeError::Restore(RestoreError::Gpu { source }) => source.source.is_out_of_memory(),
-        _ => false,
-    }
-}
-
 /// A deploy's failed restore of its base, in one line. Too little memory on GPU 0 names that
 /// GPU and what to do, not the CLI's `--gpu` advice: a deploy always runs on the node's GPU 0
 /// (its snapshot records that GPU; cold starts are placed on every GPU from it).
@@ -1117,13 +1105,12 @@ mod tests {
         let other = RestoreTreeError::CudaProcesses { cuda: 2 };
         assert_eq!(restore_base_error(&other), other.to_string());
         // The node's GPU, not the function: a cluster deploys on another node.
-        assert!(restore_base_short_of_gpu_memory(
-            &RestoreTreeError::Restore(RestoreError::NoRoom {
-                ordinal: 0,
-                free: 10,
-                need: 64,
-            })
-        ));
-        assert!(!restore_base_short_of_gpu_memory(&other));
+        assert!(RestoreTreeError::Restore(RestoreError::NoRoom {
+            ordinal: 0,
+            free: 10,
+            need: 64,
+        })
+        .short_of_gpu_memory());
+        assert!(!other.short_of_gpu_memory());
     }
 }

@@ -173,6 +173,22 @@ pub enum RestoreTreeError {
     PagesPending(std::io::Error),
 }
 
+impl RestoreTreeError {
+    /// Whether the restore found too little free GPU memory: its own check before any process
+    /// was restored, or the driver's restore answering out of memory (the node's GPU, not the
+    /// snapshot, at fault).
+    pub fn short_of_gpu_memory(&self) -> bool {
+        use torpor_snapshot::restore::RestoreError;
+        match self {
+            RestoreTreeError::Restore(RestoreError::NoRoom { .. }) => true,
+            RestoreTreeError::Restore(RestoreError::Gpu { source }) => {
+                source.source.is_out_of_memory()
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Why a restored worker did not come back.
 #[derive(Debug, thiserror::Error)]
 pub enum WakeError {
